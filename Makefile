@@ -1,0 +1,95 @@
+# Aerie: one entry point. See README.md and ../shared/DESIGN.md.
+#
+# Sources are found by folder, so a new module needs no edit here:
+#   services/*/*.c kernels/cpu/*.c  -> build/libaerie.a
+#   cli/*.c                         -> build/aerie
+#   tests/unit/test_NAME.c          -> build/asan/tests/test_NAME (cmocka, ASan+UBSan)
+#   tests/fuzz/fuzz_NAME.c          -> build/fuzz/fuzz_NAME (libFuzzer, ASan+UBSan)
+
+CC      ?= gcc
+FUZZCC  ?= clang
+PYTHON  ?= python3
+
+WARN := -Wall -Wextra -Werror -Wshadow -Wpointer-arith -Wstrict-prototypes \
+        -Wmissing-prototypes -Wvla -Wformat=2 -Wundef -Wcast-align \
+        -Wno-unused-parameter
+BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -pthread -MMD -MP $(WARN)
+OPT     ?= -O2 -g
+LIBS    := -lcjson -lm -lpthread
+
+LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c))
+CLI_SRC  := $(sort $(wildcard cli/*.c))
+UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
+FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))
+
+LIB_OBJ  := $(LIB_SRC:%.c=build/obj/%.o)
+CLI_OBJ  := $(CLI_SRC:%.c=build/obj/%.o)
+ALIB_OBJ := $(LIB_SRC:%.c=build/asan/obj/%.o)
+ACLI_OBJ := $(CLI_SRC:%.c=build/asan/obj/%.o)
+UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=build/asan/tests/%)
+FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
+
+SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+
+.PHONY: all deps model test unit fuzz asan run clean
+.DEFAULT_GOAL := all
+
+all: build/aerie
+
+build/obj/%.o: %.c
+	@mkdir -p $(@D)
+	$(CC) $(BASE_CFLAGS) $(OPT) -c $< -o $@
+
+build/asan/obj/%.o: %.c
+	@mkdir -p $(@D)
+	$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) -c $< -o $@
+
+build/libaerie.a: $(LIB_OBJ)
+	@mkdir -p $(@D)
+	rm -f $@ && ar rcs $@ $^
+
+build/asan/libaerie.a: $(ALIB_OBJ)
+	@mkdir -p $(@D)
+	rm -f $@ && ar rcs $@ $^
+
+build/aerie: $(CLI_OBJ) build/libaerie.a
+	$(CC) $(OPT) -pthread $(CLI_OBJ) build/libaerie.a $(LIBS) -o $@
+
+build/asan/aerie: $(ACLI_OBJ) build/asan/libaerie.a
+	$(CC) -g $(SAN) -pthread $(ACLI_OBJ) build/asan/libaerie.a $(LIBS) -o $@
+
+build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
+	@mkdir -p $(@D)
+	$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a -lcmocka $(LIBS) -o $@
+
+# The fuzzers build the library sources directly with clang's libFuzzer.
+build/fuzz/%: tests/fuzz/%.c $(LIB_SRC)
+	@mkdir -p $(@D)
+	$(FUZZCC) -std=c11 -D_GNU_SOURCE -pthread -O1 -g $(WARN) \
+	  -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	  $< $(LIB_SRC) $(LIBS) -o $@
+
+asan: build/asan/aerie $(UNIT_BIN)
+unit: $(UNIT_BIN)
+fuzz: $(FUZZ_BIN)
+
+deps:
+	@tools/deps.sh
+
+model:
+	@tools/fetch_model.sh
+
+test: deps
+	$(MAKE) all asan fuzz
+	@tools/fetch_model.sh
+	@tools/run_tests.sh
+
+run: deps
+	$(MAKE) all
+	@tools/fetch_model.sh
+	@tools/run.sh
+
+clean:
+	rm -rf build
+
+-include $(shell find build -name '*.d' 2>/dev/null)

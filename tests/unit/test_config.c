@@ -1,0 +1,180 @@
+/* Configuration precedence and provenance: default < file < env < flag,
+ * plus auto values; bad values are rejected with the setting's name. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "../../services/core/config.h"
+
+static const cfg_option opts[] = {
+    {"threads", CFG_INT, "auto", 1, 256, "worker threads"},
+    {"log-level", CFG_STRING, "info", 0, 0, "log level"},
+    {"mem-fraction", CFG_DOUBLE, "0.9", 0.05, 1.0, "memory fraction"},
+    {"json", CFG_BOOL, "false", 0, 0, "print JSON"},
+    {"model", CFG_STRING, NULL, 0, 0, "model file"},
+};
+#define N_OPTS (sizeof opts / sizeof opts[0])
+
+static char tmp_path[64];
+
+static void write_file(const char *text) {
+    strcpy(tmp_path, "/tmp/aerie-cfg-XXXXXX");
+    int fd = mkstemp(tmp_path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+    close(fd);
+}
+
+static cfg *load(int argc, char **argv, char **envp, ae_error *err, int expect_rc) {
+    cfg *c;
+    assert_int_equal(cfg_init(&c, opts, N_OPTS, err), AE_OK);
+    char *pos[16];
+    int npos;
+    bool print;
+    assert_int_equal(cfg_load(c, argc, argv, envp, pos, &npos, &print, err), expect_rc);
+    return c;
+}
+
+static void test_defaults_have_source_default(void **state) {
+    (void)state;
+    ae_error err = {0};
+    cfg *c = load(0, NULL, NULL, &err, AE_OK);
+    assert_string_equal(cfg_str(c, "log-level"), "info");
+    assert_int_equal(cfg_get_source(c, "log-level"), CFG_SRC_DEFAULT);
+    assert_true(cfg_is_auto(c, "threads"));
+    assert_int_equal(cfg_get_source(c, "model"), CFG_SRC_UNSET);
+    assert_null(cfg_str(c, "model"));
+    cfg_free(c);
+}
+
+static void test_precedence_file_env_flag(void **state) {
+    (void)state;
+    write_file("{\"log-level\": \"debug\", \"mem-fraction\": 0.5, \"threads\": 3}");
+    char cfgarg[80];
+    snprintf(cfgarg, sizeof cfgarg, "--config=%s", tmp_path);
+    char *argv[] = {cfgarg, "--threads", "7"};
+    char *envp[] = {"AERIE_MEM_FRACTION=0.75", "AERIE_THREADS=5", "PATH=/bin", NULL};
+    ae_error err = {0};
+    cfg *c = load(3, argv, envp, &err, AE_OK);
+    assert_string_equal(cfg_str(c, "log-level"), "debug");
+    assert_int_equal(cfg_get_source(c, "log-level"), CFG_SRC_FILE);
+    assert_true(cfg_double(c, "mem-fraction") == 0.75);
+    assert_int_equal(cfg_get_source(c, "mem-fraction"), CFG_SRC_ENV);
+    assert_int_equal(cfg_int(c, "threads"), 7);
+    assert_int_equal(cfg_get_source(c, "threads"), CFG_SRC_FLAG);
+    cfg_free(c);
+    unlink(tmp_path);
+}
+
+static void test_auto_value_records_auto_source(void **state) {
+    (void)state;
+    ae_error err = {0};
+    cfg *c = load(0, NULL, NULL, &err, AE_OK);
+    cfg_set_auto_int(c, "threads", 2);
+    assert_int_equal(cfg_int(c, "threads"), 2);
+    assert_int_equal(cfg_get_source(c, "threads"), CFG_SRC_AUTO);
+    assert_false(cfg_is_auto(c, "threads"));
+    cfg_free(c);
+}
+
+static void test_print_config_json_names_sources(void **state) {
+    (void)state;
+    char *argv[] = {"--json", "--model=m.gguf"};
+    ae_error err = {0};
+    cfg *c = load(2, argv, NULL, &err, AE_OK);
+    cfg_set_auto_int(c, "threads", 4);
+    char *s = cfg_to_json(c);
+    assert_string_equal(s,
+        "{\"threads\":{\"value\":4,\"source\":\"auto\"},"
+        "\"log-level\":{\"value\":\"info\",\"source\":\"default\"},"
+        "\"mem-fraction\":{\"value\":0.9,\"source\":\"default\"},"
+        "\"json\":{\"value\":true,\"source\":\"flag\"},"
+        "\"model\":{\"value\":\"m.gguf\",\"source\":\"flag\"}}");
+    free(s);
+    cfg_free(c);
+}
+
+static void test_out_of_range_flag_is_rejected(void **state) {
+    (void)state;
+    char *argv[] = {"--mem-fraction", "1.5"};
+    ae_error err = {0};
+    cfg *c = load(2, argv, NULL, &err, AE_ERR);
+    assert_string_equal(err.msg, "--mem-fraction: 1.5 is outside 0.05..1");
+    cfg_free(c);
+}
+
+static void test_bad_env_names_the_variable(void **state) {
+    (void)state;
+    char *envp[] = {"AERIE_THREADS=many", NULL};
+    ae_error err = {0};
+    cfg *c = load(0, NULL, envp, &err, AE_ERR);
+    assert_string_equal(err.msg, "environment AERIE_THREADS: threads: expected an integer, got \"many\"");
+    cfg_free(c);
+}
+
+static void test_unknown_flag_is_rejected(void **state) {
+    (void)state;
+    char *argv[] = {"--treads", "2"};
+    ae_error err = {0};
+    cfg *c = load(2, argv, NULL, &err, AE_ERR);
+    assert_string_equal(err.msg, "unknown option --treads");
+    cfg_free(c);
+}
+
+static void test_unknown_file_key_is_rejected(void **state) {
+    (void)state;
+    write_file("{\"colour\": \"blue\"}");
+    char *envp[] = {NULL, NULL};
+    char envbuf[96];
+    snprintf(envbuf, sizeof envbuf, "AERIE_CONFIG=%s", tmp_path);
+    envp[0] = envbuf;
+    ae_error err = {0};
+    cfg *c = load(0, NULL, envp, &err, AE_ERR);
+    char want[160];
+    snprintf(want, sizeof want, "config file %s: unknown setting \"colour\"", tmp_path);
+    assert_string_equal(err.msg, want);
+    cfg_free(c);
+    unlink(tmp_path);
+}
+
+static void test_positionals_and_bool_negation(void **state) {
+    (void)state;
+    char *argv[] = {"tokenize", "--json", "hello", "--no-json", "--", "--literal"};
+    ae_error err = {0};
+    cfg *c;
+    assert_int_equal(cfg_init(&c, opts, N_OPTS, &err), AE_OK);
+    char *pos[6];
+    int npos;
+    bool print;
+    assert_int_equal(cfg_load(c, 6, argv, NULL, pos, &npos, &print, &err), AE_OK);
+    assert_int_equal(npos, 3);
+    assert_string_equal(pos[0], "tokenize");
+    assert_string_equal(pos[1], "hello");
+    assert_string_equal(pos[2], "--literal");
+    assert_false(cfg_bool(c, "json"));
+    assert_int_equal(cfg_get_source(c, "json"), CFG_SRC_FLAG);
+    assert_false(print);
+    cfg_free(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults_have_source_default),
+        cmocka_unit_test(test_precedence_file_env_flag),
+        cmocka_unit_test(test_auto_value_records_auto_source),
+        cmocka_unit_test(test_print_config_json_names_sources),
+        cmocka_unit_test(test_out_of_range_flag_is_rejected),
+        cmocka_unit_test(test_bad_env_names_the_variable),
+        cmocka_unit_test(test_unknown_flag_is_rejected),
+        cmocka_unit_test(test_unknown_file_key_is_rejected),
+        cmocka_unit_test(test_positionals_and_bool_negation),
+    };
+    return cmocka_run_group_tests_name("config", tests, NULL, NULL);
+}

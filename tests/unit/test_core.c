@@ -1,0 +1,138 @@
+/* The small runtime pieces: errors, arena, thread pool, log lines. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "../../services/core/arena.h"
+#include "../../services/core/err.h"
+#include "../../services/core/log.h"
+#include "../../services/core/pool.h"
+
+static void test_err_keeps_first_error(void **state) {
+    (void)state;
+    ae_error err = {0};
+    assert_int_equal(err_set(&err, "first %d", 1), AE_ERR);
+    err_set(&err, "second");
+    assert_string_equal(err.msg, "first 1");
+    err_prefix(&err, "%s: ", "model.gguf");
+    assert_string_equal(err.msg, "model.gguf: first 1");
+    assert_int_equal(err_set(NULL, "discarded"), AE_ERR);
+}
+
+static void test_err_prefix_truncates_instead_of_overflowing(void **state) {
+    (void)state;
+    ae_error err = {0};
+    char longtext[AE_ERR_MAX * 2];
+    memset(longtext, 'x', sizeof longtext - 1);
+    longtext[sizeof longtext - 1] = '\0';
+    err_set(&err, "%s", longtext);
+    assert_int_equal(strlen(err.msg), AE_ERR_MAX - 1);
+    err_prefix(&err, "prefix: ");
+    assert_int_equal(strlen(err.msg), AE_ERR_MAX - 1);
+    assert_memory_equal(err.msg, "prefix: xxx", 11);
+}
+
+static void test_arena_aligns_and_refuses_overflow(void **state) {
+    (void)state;
+    arena a;
+    ae_error err = {0};
+    assert_int_equal(arena_init(&a, 100, &err), AE_OK);
+    assert_int_equal(a.cap, 128); /* rounded to 64 */
+    uint8_t *p = arena_alloc(&a, 3, 1);
+    uint8_t *q = arena_alloc(&a, 8, 8);
+    assert_ptr_equal(q, p + 8);
+    size_t mark = arena_mark(&a);
+    assert_non_null(arena_alloc(&a, 100, 4));
+    assert_null(arena_alloc(&a, 100, 4)); /* 16 + 100 + 100 > 128 */
+    arena_rewind(&a, mark);
+    assert_int_equal(a.used, 16);
+    assert_int_equal(a.high_water, 116);
+    assert_null(arena_alloc(&a, SIZE_MAX, 1));
+    arena_reset(&a);
+    assert_int_equal(a.used, 0);
+    arena_free(&a);
+    arena_free(&a); /* freed arena: no-op */
+}
+
+typedef struct sum_ctx {
+    int64_t partial[64];
+    int n;
+} sum_ctx;
+
+static void sum_task(void *ctx, int task, int n_tasks) {
+    sum_ctx *s = ctx;
+    int64_t acc = 0;
+    for (int i = task; i < s->n; i += n_tasks) acc += i;
+    s->partial[task] = acc;
+}
+
+static void test_pool_runs_every_task_once(void **state) {
+    (void)state;
+    pool *p;
+    ae_error err = {0};
+    assert_int_equal(pool_init(&p, 4, &err), AE_OK);
+    assert_int_equal(pool_threads(p), 4);
+    for (int round = 0; round < 200; round++) {
+        sum_ctx s = {.n = 10000 + round};
+        pool_run(p, sum_task, &s, 64);
+        int64_t total = 0;
+        for (int t = 0; t < 64; t++) total += s.partial[t];
+        assert_int_equal(total, (int64_t)s.n * (s.n - 1) / 2);
+    }
+    pool_free(p);
+    pool_free(NULL);
+}
+
+static void test_pool_rejects_bad_thread_count(void **state) {
+    (void)state;
+    pool *p;
+    ae_error err = {0};
+    assert_int_equal(pool_init(&p, 0, &err), AE_ERR);
+    assert_null(p);
+    assert_string_equal(err.msg, "pool: threads must be in 1..256, got 0");
+}
+
+static void test_log_line_format_and_level_filter(void **state) {
+    (void)state;
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    log_set_fd(fds[1]);
+    log_set_level(LOG_WARN);
+    LOG_INFOF("hidden key=1");
+    LOG_WARNF("shown key=%d", 2);
+    log_set_fd(2);
+    log_set_level(LOG_INFO);
+    close(fds[1]);
+    char buf[256] = {0};
+    ssize_t n = read(fds[0], buf, sizeof buf - 1);
+    close(fds[0]);
+    assert_true(n > 0);
+    /* 2026-11-29T10:31:02.123Z warn shown key=2\n */
+    assert_int_equal(n, 24 + 18);
+    assert_int_equal(buf[10], 'T');
+    assert_int_equal(buf[23], 'Z');
+    assert_string_equal(buf + 24, " warn shown key=2\n");
+    log_level lv;
+    assert_true(log_level_parse("error", &lv));
+    assert_int_equal(lv, LOG_ERROR);
+    assert_false(log_level_parse("loud", &lv));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_err_keeps_first_error),
+        cmocka_unit_test(test_err_prefix_truncates_instead_of_overflowing),
+        cmocka_unit_test(test_arena_aligns_and_refuses_overflow),
+        cmocka_unit_test(test_pool_runs_every_task_once),
+        cmocka_unit_test(test_pool_rejects_bad_thread_count),
+        cmocka_unit_test(test_log_line_format_and_level_filter),
+    };
+    return cmocka_run_group_tests_name("core", tests, NULL, NULL);
+}
