@@ -1,0 +1,52 @@
+/* The `aerie` command: shared pieces of the subcommands.
+ *
+ * Every subcommand declares its settings as a cfg_option table, so each value
+ * it runs with has a source and `--print-config` shows them. Failures print
+ * one line "aerie <cmd>: <problem>" on stderr and exit 2. */
+#ifndef AERIE_CLI_H
+#define AERIE_CLI_H
+
+#include <stddef.h>
+
+#include "../services/core/config.h"
+#include "../services/core/err.h"
+#include "../services/model/gguf.h"
+#include "../services/tokenizer/tok.h"
+
+#define CLI_EXIT_USAGE 2
+
+typedef struct cli_cmd {
+    const char *name;
+    const char *args; /* usage after the options */
+    const char *summary;
+    const cfg_option *opts;
+    size_t n_opts;
+    /* Runs with resolved settings and the positional arguments (after the
+     * subcommand name). Returns the process exit status. */
+    int (*run)(const cfg *c, int argc, char **argv, ae_error *err);
+} cli_cmd;
+
+/* A tokenizer and, when the model is a GGUF file, the file it came from. */
+typedef struct cli_model {
+    gguf_file *gguf; /* NULL for a Hugging Face directory or tokenizer.json */
+    tok *tok;
+} cli_model;
+
+/* Opens `path`: a .gguf file, a directory holding tokenizer.json, or a
+ * tokenizer.json itself. */
+int cli_model_open(cli_model *m, const char *path, ae_error *err);
+void cli_model_close(cli_model *m);
+
+/* Reads a whole file (at most max bytes) into a malloc'd, NUL-terminated
+ * buffer. */
+int cli_read_file(const char *path, size_t max, char **out, size_t *len, ae_error *err);
+
+/* Writes a JSON array of ids on one line to stdout. */
+void cli_print_ids(const int32_t *ids, size_t n);
+
+extern const cli_cmd cli_cmd_info;
+extern const cli_cmd cli_cmd_tokenize;
+extern const cli_cmd cli_cmd_detokenize;
+extern const cli_cmd cli_cmd_bench_tokenizer;
+
+#endif

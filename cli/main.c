@@ -1,0 +1,171 @@
+/* aerie: the command-line tool. See `aerie help`. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "../services/core/log.h"
+#include "cli.h"
+
+extern char **environ;
+
+static const cli_cmd *const commands[] = {
+    &cli_cmd_info,
+    &cli_cmd_tokenize,
+    &cli_cmd_detokenize,
+    &cli_cmd_bench_tokenizer,
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+static void usage(FILE *out) {
+    fprintf(out, "usage: aerie <command> [options]\n\ncommands:\n");
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        fprintf(out, "  %-16s %s\n", commands[i]->name, commands[i]->summary);
+    fprintf(out, "\n`aerie <command> --help` lists a command's options. Every option can\n"
+                 "also come from AERIE_<NAME> in the environment or a JSON file given\n"
+                 "with --config; `--print-config` shows each value and its source.\n");
+}
+
+static void command_usage(const cli_cmd *cmd, const cfg *c) {
+    printf("usage: aerie %s [options] %s\n%s\n\noptions:\n", cmd->name, cmd->args, cmd->summary);
+    char *u = cfg_usage(c);
+    if (u) fputs(u, stdout);
+    free(u);
+    printf("  --%-16s %s\n  --%-16s %s\n", "config FILE", "JSON file of settings",
+           "print-config", "print the resolved settings with their sources, then exit");
+}
+
+int cli_model_open(cli_model *m, const char *path, ae_error *err) {
+    memset(m, 0, sizeof *m);
+    if (!path || !*path) return err_set(err, "no model given (use --model FILE)");
+    struct stat st;
+    if (stat(path, &st) != 0) return err_set(err, "%s: %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode)) {
+        char json[4096];
+        if ((size_t)snprintf(json, sizeof json, "%s/tokenizer.json", path) >= sizeof json)
+            return err_set(err, "%s: path too long", path);
+        return tok_load_json(&m->tok, json, err);
+    }
+    size_t n = strlen(path);
+    if (n >= 5 && !strcmp(path + n - 5, ".json")) return tok_load_json(&m->tok, path, err);
+    if (gguf_open(&m->gguf, path, err) != AE_OK) return AE_ERR;
+    if (tok_load_gguf(&m->tok, m->gguf, err) != AE_OK) {
+        err_prefix(err, "%s: ", path);
+        gguf_close(m->gguf);
+        m->gguf = NULL;
+        return AE_ERR;
+    }
+    return AE_OK;
+}
+
+void cli_model_close(cli_model *m) {
+    tok_free(m->tok);
+    gguf_close(m->gguf);
+    memset(m, 0, sizeof *m);
+}
+
+int cli_read_file(const char *path, size_t max, char **out, size_t *len, ae_error *err) {
+    *out = NULL;
+    *len = 0;
+    FILE *fp = fopen(path, "rb");
+    if (!fp) return err_set(err, "%s: %s", path, strerror(errno));
+    char *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            size_t ncap = cap ? cap * 2 : 1 << 16;
+            if (ncap > max + 1) ncap = max + 1;
+            if (ncap <= n) {
+                free(buf);
+                fclose(fp);
+                return err_set(err, "%s: larger than %zu bytes", path, max);
+            }
+            char *nb = realloc(buf, ncap + 1);
+            if (!nb) {
+                free(buf);
+                fclose(fp);
+                return err_set(err, "%s: out of memory", path);
+            }
+            buf = nb;
+            cap = ncap;
+        }
+        size_t got = fread(buf + n, 1, cap - n, fp);
+        n += got;
+        if (got == 0) break;
+    }
+    int bad = ferror(fp);
+    fclose(fp);
+    if (bad) {
+        free(buf);
+        return err_set(err, "%s: read error", path);
+    }
+    if (n > max) {
+        free(buf);
+        return err_set(err, "%s: larger than %zu bytes", path, max);
+    }
+    if (!buf) buf = malloc(1);
+    if (!buf) return err_set(err, "%s: out of memory", path);
+    buf[n] = '\0';
+    *out = buf;
+    *len = n;
+    return AE_OK;
+}
+
+void cli_print_ids(const int32_t *ids, size_t n) {
+    putchar('[');
+    for (size_t i = 0; i < n; i++) printf(i ? ",%d" : "%d", ids[i]);
+    puts("]");
+}
+
+int main(int argc, char **argv) {
+    log_set_level(LOG_WARN);
+    if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? CLI_EXIT_USAGE : 0;
+    }
+    const cli_cmd *cmd = NULL;
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        if (!strcmp(argv[1], commands[i]->name)) cmd = commands[i];
+    if (!cmd) {
+        fprintf(stderr, "aerie: unknown command \"%s\" (try `aerie help`)\n", argv[1]);
+        return CLI_EXIT_USAGE;
+    }
+
+    ae_error err = {0};
+    cfg *c = NULL;
+    char **pos = calloc((size_t)argc, sizeof *pos);
+    int npos = 0, rc = CLI_EXIT_USAGE;
+    bool print_config = false;
+    if (!pos || cfg_init(&c, cmd->opts, cmd->n_opts, &err) != AE_OK) goto out;
+    for (int i = 2; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            command_usage(cmd, c);
+            rc = 0;
+            goto out;
+        }
+    }
+    if (cfg_load(c, argc - 2, argv + 2, environ, pos, &npos, &print_config, &err) != AE_OK) goto out;
+    const char *level = cfg_str(c, "log-level");
+    log_level lv;
+    if (!log_level_parse(level, &lv)) {
+        err_set(&err, "log-level: expected debug, info, warn, error or off, got \"%s\"", level);
+        goto out;
+    }
+    log_set_level(lv);
+    if (print_config) {
+        char *json = cfg_to_json(c);
+        if (json) puts(json);
+        free(json);
+        rc = 0;
+        goto out;
+    }
+    cfg_log(c, cmd->name);
+    rc = cmd->run(c, npos, pos, &err);
+out:
+    if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie %s: %s\n", cmd->name, err.msg);
+    cfg_free(c);
+    free(pos);
+    return rc;
+}

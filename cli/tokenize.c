@@ -1,0 +1,206 @@
+/* aerie tokenize / detokenize / bench-tokenizer. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli.h"
+
+#define MAX_TEXT_BYTES (64u << 20)
+
+static const cfg_option tokenize_opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
+    {"file", CFG_STRING, NULL, 0, 0, "read the text from this file instead of the argument"},
+    {"special", CFG_BOOL, "true", 0, 0, "recognise special tokens written in the text"},
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+};
+
+/* The text to encode: the one positional argument, or --file. */
+static int input_text(const cfg *c, int argc, char **argv, char **text, size_t *len, ae_error *err) {
+    const char *file = cfg_str(c, "file");
+    if (file) {
+        if (argc > 0) return err_set(err, "give either TEXT or --file, not both");
+        return cli_read_file(file, MAX_TEXT_BYTES, text, len, err);
+    }
+    if (argc != 1) return err_set(err, argc ? "expected one TEXT argument, got %d" : "no TEXT given (or use --file F)", argc);
+    *len = strlen(argv[0]);
+    *text = strdup(argv[0]);
+    return *text ? AE_OK : err_set(err, "out of memory");
+}
+
+static int encode_all(const tok *t, const char *text, size_t len, int flags, int32_t **ids,
+                      size_t *n, ae_error *err) {
+    *ids = malloc((len + 2) * sizeof **ids);
+    if (!*ids) return err_set(err, "out of memory for %zu tokens", len + 2);
+    if (tok_encode(t, text, len, flags, *ids, len + 2, n, err) != AE_OK) {
+        free(*ids);
+        *ids = NULL;
+        return AE_ERR;
+    }
+    return AE_OK;
+}
+
+static int run_tokenize(const cfg *c, int argc, char **argv, ae_error *err) {
+    char *text = NULL;
+    size_t len = 0, n = 0;
+    int32_t *ids = NULL;
+    cli_model m = {0};
+    int rc = CLI_EXIT_USAGE;
+    if (input_text(c, argc, argv, &text, &len, err) != AE_OK) goto out;
+    if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
+    int flags = TOK_ADD_BOS | (cfg_bool(c, "special") ? TOK_PARSE_SPECIAL : 0);
+    if (encode_all(m.tok, text, len, flags, &ids, &n, err) != AE_OK) goto out;
+    cli_print_ids(ids, n);
+    rc = 0;
+out:
+    free(ids);
+    free(text);
+    cli_model_close(&m);
+    return rc;
+}
+
+const cli_cmd cli_cmd_tokenize = {
+    .name = "tokenize",
+    .args = "TEXT | --file F",
+    .summary = "token ids of a text, as a JSON array on one line",
+    .opts = tokenize_opts,
+    .n_opts = sizeof tokenize_opts / sizeof tokenize_opts[0],
+    .run = run_tokenize,
+};
+
+static const cfg_option detokenize_opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
+    {"skip-special", CFG_BOOL, "false", 0, 0, "leave special tokens out of the text"},
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+};
+
+static int run_detokenize(const cfg *c, int argc, char **argv, ae_error *err) {
+    cli_model m = {0};
+    int32_t *ids = NULL;
+    char *text = NULL;
+    int rc = CLI_EXIT_USAGE;
+    if (argc == 0) {
+        err_set(err, "no token ids given");
+        goto out;
+    }
+    ids = malloc((size_t)argc * sizeof *ids);
+    if (!ids) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    for (int i = 0; i < argc; i++) {
+        char *end;
+        errno = 0;
+        long v = strtol(argv[i], &end, 10);
+        if (errno || end == argv[i] || *end || v < 0 || v > INT32_MAX) {
+            err_set(err, "\"%s\" is not a token id", argv[i]);
+            goto out;
+        }
+        ids[i] = (int32_t)v;
+    }
+    if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
+    for (int i = 0; i < argc; i++) {
+        if (ids[i] >= tok_vocab_size(m.tok)) {
+            err_set(err, "token id %d is out of range (vocabulary has %d)", ids[i], tok_vocab_size(m.tok));
+            goto out;
+        }
+    }
+    bool skip = cfg_bool(c, "skip-special");
+    size_t need = 0;
+    if (tok_decode(m.tok, ids, (size_t)argc, skip, NULL, 0, &need, err) != AE_OK) goto out;
+    text = malloc(need + 1);
+    if (!text) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    if (tok_decode(m.tok, ids, (size_t)argc, skip, text, need + 1, &need, err) != AE_OK) goto out;
+    fwrite(text, 1, need, stdout);
+    putchar('\n');
+    rc = 0;
+out:
+    free(text);
+    free(ids);
+    cli_model_close(&m);
+    return rc;
+}
+
+const cli_cmd cli_cmd_detokenize = {
+    .name = "detokenize",
+    .args = "ID...",
+    .summary = "the text of token ids",
+    .opts = detokenize_opts,
+    .n_opts = sizeof detokenize_opts / sizeof detokenize_opts[0],
+    .run = run_detokenize,
+};
+
+static const cfg_option bench_opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
+    {"file", CFG_STRING, NULL, 0, 0, "text to encode (the whole file as one string)"},
+    {"repeat", CFG_INT, "5", 1, 1000, "encode the file this many times; the best time counts"},
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+};
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
+    char *text = NULL;
+    size_t len = 0, n = 0;
+    int32_t *ids = NULL;
+    double *times = NULL;
+    cli_model m = {0};
+    int rc = CLI_EXIT_USAGE;
+    if (argc > 0) {
+        err_set(err, "unexpected argument \"%s\"", argv[0]);
+        goto out;
+    }
+    if (!cfg_str(c, "file")) {
+        err_set(err, "no text given (use --file F)");
+        goto out;
+    }
+    if (cli_read_file(cfg_str(c, "file"), MAX_TEXT_BYTES, &text, &len, err) != AE_OK) goto out;
+    if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
+    int reps = (int)cfg_int(c, "repeat");
+    times = malloc((size_t)reps * sizeof *times);
+    ids = malloc((len + 2) * sizeof *ids);
+    if (!times || !ids) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    int flags = TOK_ADD_BOS | TOK_PARSE_SPECIAL;
+    for (int r = 0; r < reps; r++) {
+        double t0 = now_seconds();
+        if (tok_encode(m.tok, text, len, flags, ids, len + 2, &n, err) != AE_OK) goto out;
+        times[r] = now_seconds() - t0;
+    }
+    qsort(times, (size_t)reps, sizeof *times, cmp_double);
+    double best = times[0], median = times[reps / 2];
+    printf("{\"bytes\":%zu,\"tokens\":%zu,\"repeat\":%d,\"threads\":1,\"best_seconds\":%.6f,"
+           "\"median_seconds\":%.6f,\"mb_per_s\":%.3f,\"tokens_per_s\":%.0f}\n",
+           len, n, reps, best, median, (double)len / best / 1e6, (double)n / best);
+    rc = 0;
+out:
+    free(times);
+    free(ids);
+    free(text);
+    cli_model_close(&m);
+    return rc;
+}
+
+const cli_cmd cli_cmd_bench_tokenizer = {
+    .name = "bench-tokenizer",
+    .args = "--file F",
+    .summary = "encode throughput on one thread, as one JSON line",
+    .opts = bench_opts,
+    .n_opts = sizeof bench_opts / sizeof bench_opts[0],
+    .run = run_bench,
+};

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs every system and Python package the build and the tests need.
+# Idempotent: when everything is present it installs nothing and says so.
+set -euo pipefail
+
+apt_pkgs=(gcc make clang libclang-rt-dev libcmocka-dev libcjson-dev ca-certificates)
+command -v python3 >/dev/null 2>&1 || apt_pkgs+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || apt_pkgs+=(python3-pip)
+
+missing=()
+for p in "${apt_pkgs[@]}"; do
+    status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+    [ "$status" = "install ok installed" ] || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "deps: installing ${missing[*]}"
+    sudo_cmd=()
+    [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+    "${sudo_cmd[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+py_missing=()
+python3 -c 'import pytest' >/dev/null 2>&1 || py_missing+=(pytest)
+if [ ${#py_missing[@]} -gt 0 ]; then
+    echo "deps: pip installing ${py_missing[*]}"
+    # Debian's own python3 refuses plain pip installs (PEP 668); these are
+    # test tools only, so allow it there.
+    python3 -m pip install -q --root-user-action=ignore "${py_missing[@]}" 2>/dev/null ||
+        python3 -m pip install -q --root-user-action=ignore --break-system-packages "${py_missing[@]}"
+fi
+[ ${#missing[@]} -eq 0 ] && [ ${#py_missing[@]} -eq 0 ] && echo "deps: all present"
+exit 0

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# `make run`. The serving stack (gateway, target, draft) is not built yet;
+# until it is, this shows what Aerie can already do with the default model:
+# what the file holds, and how a chat is tokenized.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+chat='[{"role":"user","content":"What is speculative decoding?"}]'
+
+echo "== aerie info --model $model"
+build/aerie info --model "$model"
+echo
+echo "== aerie tokenize --model $model --chat '$chat'"
+ids=$(build/aerie tokenize --model "$model" --chat "$chat")
+echo "$ids"
+echo
+echo "== aerie detokenize (the ids above)"
+# shellcheck disable=SC2046
+build/aerie detokenize --model "$model" $(tr -d '[]' <<<"$ids" | tr ',' ' ')

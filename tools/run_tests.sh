@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Runs every CPU test: the cmocka unit suites (built with ASan+UBSan), each
+# libFuzzer target for a short while, then the pytest integration suite
+# against the real binaries. Ends with one summary line over all of them.
+# Expects `make all asan fuzz` and `make model` to have run (make test does).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+FUZZ_SECONDS=${FUZZ_SECONDS:-20}
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+logdir=build/test-logs
+rm -rf "$logdir" && mkdir -p "$logdir"
+
+passed=0 failed=0
+failures=()
+
+echo "== unit tests (cmocka, ASan+UBSan)"
+for t in build/asan/tests/test_*; do
+    [ -x "$t" ] || continue
+    name=$(basename "$t")
+    log=$logdir/$name.log
+    "$t" >"$log" 2>&1
+    rc=$?
+    p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log" | grep -oE '[0-9]+$' | tail -n1)
+    f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$log" | grep -oE '[0-9]+' | tail -n1)
+    p=${p:-0} f=${f:-0}
+    if [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi   # crashed or sanitizer report
+    passed=$((passed + p)) failed=$((failed + f))
+    if [ $rc -eq 0 ]; then
+        printf '  %-28s %3d passed\n' "$name" "$p"
+    else
+        printf '  %-28s %3d passed, %d FAILED (exit %d) — %s\n' "$name" "$p" "$f" $rc "$log"
+        grep -E 'FAILED|ERROR|error|Sanitizer' "$log" | head -n 20 | sed 's/^/      /'
+        failures+=("$name")
+    fi
+done
+
+echo "== fuzz targets (libFuzzer, ASan+UBSan, ${FUZZ_SECONDS}s each)"
+for f in build/fuzz/fuzz_*; do
+    [ -x "$f" ] || continue
+    name=$(basename "$f")
+    seeds=tests/fuzz/corpus/${name#fuzz_}
+    work=build/fuzz/work-${name#fuzz_}
+    rm -rf "$work" && mkdir -p "$work"
+    log=$logdir/$name.log
+    dirs=("$work")
+    [ -d "$seeds" ] && dirs+=("$seeds")
+    "$f" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+        -artifact_prefix="$logdir/$name-" "${dirs[@]}" >"$log" 2>&1
+    rc=$?
+    runs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$')
+    if [ $rc -eq 0 ]; then
+        printf '  %-28s %s runs, no finding\n' "$name" "${runs:-?}"
+        passed=$((passed + 1))
+    else
+        printf '  %-28s FAILED (exit %d) — %s\n' "$name" $rc "$log"
+        grep -E 'ERROR|SUMMARY|artifact' "$log" | head -n 10 | sed 's/^/      /'
+        failed=$((failed + 1))
+        failures+=("$name")
+    fi
+done
+
+echo "== integration tests (pytest)"
+python3 -m pytest -q tests/integration 2>&1 | tee "$logdir/pytest.log"
+prc=${PIPESTATUS[0]}
+summary=$(tail -n1 "$logdir/pytest.log")
+p=$(grep -oE '[0-9]+ passed' <<<"$summary" | grep -oE '[0-9]+')
+f=0
+for k in $(grep -oE '[0-9]+ (failed|errors?)' <<<"$summary" | grep -oE '[0-9]+'); do f=$((f + k)); done
+p=${p:-0}
+if [ "$prc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi  # collection errors, no tests run
+passed=$((passed + p)) failed=$((failed + f))
+[ "$prc" -eq 0 ] || failures+=(pytest)
+
+echo
+[ ${#failures[@]} -eq 0 ] || echo "failed suites: ${failures[*]}"
+echo "tests: $passed passed, $failed failed"
+[ "$failed" -eq 0 ] && [ ${#failures[@]} -eq 0 ]
