@@ -29,6 +29,16 @@ ACLI_OBJ := $(CLI_SRC:%.c=build/asan/obj/%.o)
 UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=build/asan/tests/%)
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 
+# `make V=1` shows the full command lines.
+V ?= 0
+ifeq ($(V),0)
+Q = @
+MSG = @printf '  %-6s %s\n'
+else
+Q =
+MSG = @true
+endif
+
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
 .PHONY: all deps model test unit fuzz asan run clean
@@ -38,36 +48,54 @@ all: build/aerie
 
 build/obj/%.o: %.c
 	@mkdir -p $(@D)
-	$(CC) $(BASE_CFLAGS) $(OPT) -c $< -o $@
+	$(MSG) CC $@
+	$(Q)$(CC) $(BASE_CFLAGS) $(OPT) -c $< -o $@
 
 build/asan/obj/%.o: %.c
 	@mkdir -p $(@D)
-	$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) -c $< -o $@
+	$(MSG) ASAN $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) -c $< -o $@
 
 build/libaerie.a: $(LIB_OBJ)
 	@mkdir -p $(@D)
-	rm -f $@ && ar rcs $@ $^
+	$(MSG) AR $@
+	$(Q)rm -f $@ && ar rcs $@ $^
 
 build/asan/libaerie.a: $(ALIB_OBJ)
 	@mkdir -p $(@D)
-	rm -f $@ && ar rcs $@ $^
+	$(MSG) AR $@
+	$(Q)rm -f $@ && ar rcs $@ $^
 
 build/aerie: $(CLI_OBJ) build/libaerie.a
-	$(CC) $(OPT) -pthread $(CLI_OBJ) build/libaerie.a $(LIBS) -o $@
+	$(MSG) LD $@
+	$(Q)$(CC) $(OPT) -pthread $(CLI_OBJ) build/libaerie.a $(LIBS) -o $@
 
 build/asan/aerie: $(ACLI_OBJ) build/asan/libaerie.a
-	$(CC) -g $(SAN) -pthread $(ACLI_OBJ) build/asan/libaerie.a $(LIBS) -o $@
+	$(MSG) ASANLD $@
+	$(Q)$(CC) -g $(SAN) -pthread $(ACLI_OBJ) build/asan/libaerie.a $(LIBS) -o $@
 
 build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
 	@mkdir -p $(@D)
-	$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a -lcmocka $(LIBS) -o $@
+	$(MSG) ASANLD $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a -lcmocka $(LIBS) -o $@
 
-# The fuzzers build the library sources directly with clang's libFuzzer.
-build/fuzz/%: tests/fuzz/%.c $(LIB_SRC)
+# The fuzzers link the library built once by clang with fuzzer coverage.
+FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -pthread -O1 -g $(WARN) -fno-sanitize-recover=all
+FLIB_OBJ := $(LIB_SRC:%.c=build/fuzz/obj/%.o)
+
+build/fuzz/obj/%.o: %.c
 	@mkdir -p $(@D)
-	$(FUZZCC) -std=c11 -D_GNU_SOURCE -pthread -O1 -g $(WARN) \
-	  -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-	  $< $(LIB_SRC) $(LIBS) -o $@
+	$(MSG) FUZZ $@
+	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -MMD -MP -fsanitize=fuzzer-no-link,address,undefined -c $< -o $@
+
+build/fuzz/libaerie.a: $(FLIB_OBJ)
+	$(MSG) AR $@
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+build/fuzz/%: tests/fuzz/%.c build/fuzz/libaerie.a
+	@mkdir -p $(@D)
+	$(MSG) FUZZLD $@
+	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -fsanitize=fuzzer,address,undefined $< build/fuzz/libaerie.a $(LIBS) -o $@
 
 asan: build/asan/aerie $(UNIT_BIN)
 unit: $(UNIT_BIN)

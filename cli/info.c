@@ -6,6 +6,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "../services/tokenizer/chat.h"
 #include "cli.h"
 
 static const cfg_option opts[] = {
@@ -122,6 +123,17 @@ static cJSON *describe(const gguf_file *f, const tok *t, ae_error *err) {
         cJSON_AddNumberToObject(tk, "bos", tok_bos(t));
         cJSON_AddNumberToObject(tk, "eos", tok_eos(t));
         cJSON_AddBoolToObject(tk, "add_bos", tok_add_bos(t));
+        /* A template we cannot render is reported, not fatal: the model
+         * still tokenizes and serves plain completions. */
+        chat_template *ct = NULL;
+        ae_error cerr = {0};
+        if (!tok_chat_template(t))
+            cJSON_AddNullToObject(tk, "chat_template");
+        else if (chat_template_init(&ct, tok_chat_template(t), &cerr) == AE_OK)
+            cJSON_AddStringToObject(tk, "chat_template", chat_variant_name(ct));
+        else
+            cJSON_AddStringToObject(tk, "chat_template", "unsupported");
+        chat_template_free(ct);
     }
     free(arch);
     return o;

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../services/tokenizer/chat.h"
 #include "cli.h"
 
 #define MAX_TEXT_BYTES (64u << 20)
@@ -13,8 +14,31 @@ static const cfg_option tokenize_opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
     {"file", CFG_STRING, NULL, 0, 0, "read the text from this file instead of the argument"},
     {"special", CFG_BOOL, "true", 0, 0, "recognise special tokens written in the text"},
+    {"chat", CFG_BOOL, "false", 0, 0, "TEXT is a JSON list of {role, content}: tokenize the templated prompt"},
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
+
+/* Renders a JSON message list with the model's chat template, followed by
+ * the generation prompt, as the server will. */
+static int render_chat(const tok *t, const char *json, size_t len, char **prompt,
+                       size_t *prompt_len, ae_error *err) {
+    chat_template *ct = NULL;
+    chat_msg *msgs = NULL;
+    size_t n = 0;
+    int rc = AE_ERR;
+    if (chat_parse_messages_json(json, len, &msgs, &n, err) != AE_OK) goto out;
+    const char *src = tok_chat_template(t);
+    if (!src) {
+        err_set(err, "the model has no chat template");
+        goto out;
+    }
+    if (chat_template_init(&ct, src, err) != AE_OK) goto out;
+    rc = chat_render_alloc(ct, msgs, n, true, prompt, prompt_len, err);
+out:
+    chat_template_free(ct);
+    chat_msgs_free(msgs);
+    return rc;
+}
 
 /* The text to encode: the one positional argument, or --file. */
 static int input_text(const cfg *c, int argc, char **argv, char **text, size_t *len, ae_error *err) {
@@ -50,6 +74,16 @@ static int run_tokenize(const cfg *c, int argc, char **argv, ae_error *err) {
     if (input_text(c, argc, argv, &text, &len, err) != AE_OK) goto out;
     if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
     int flags = TOK_ADD_BOS | (cfg_bool(c, "special") ? TOK_PARSE_SPECIAL : 0);
+    if (cfg_bool(c, "chat")) {
+        char *prompt;
+        size_t plen;
+        if (render_chat(m.tok, text, len, &prompt, &plen, err) != AE_OK) goto out;
+        free(text);
+        text = prompt;
+        len = plen;
+        /* The template writes its own BOS and special tokens (chat.h). */
+        flags = TOK_PARSE_SPECIAL;
+    }
     if (encode_all(m.tok, text, len, flags, &ids, &n, err) != AE_OK) goto out;
     cli_print_ids(ids, n);
     rc = 0;
@@ -62,7 +96,7 @@ out:
 
 const cli_cmd cli_cmd_tokenize = {
     .name = "tokenize",
-    .args = "TEXT | --file F",
+    .args = "TEXT | --file F   (with --chat, TEXT is JSON)",
     .summary = "token ids of a text, as a JSON array on one line",
     .opts = tokenize_opts,
     .n_opts = sizeof tokenize_opts / sizeof tokenize_opts[0],
