@@ -3,14 +3,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <cjson/cJSON.h>
 
+#include "../services/model/hfconfig.h"
+#include "../services/model/safetensors.h"
 #include "../services/tokenizer/chat.h"
 #include "cli.h"
 
 static const cfg_option opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model file (.gguf)"},
+    {"model", CFG_STRING, NULL, 0, 0, "model: a .gguf file or a Hugging Face directory"},
     {"json", CFG_BOOL, "false", 0, 0, "print one JSON object instead of text"},
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
@@ -30,6 +33,15 @@ static double arch_float(const gguf_file *f, const char *arch, const char *suffi
     return gguf_get_f64(f, key, &v, NULL) == AE_OK ? v : NAN;
 }
 
+static double shortest_f32(double v) {
+    char buf[32];
+    for (int prec = 1; prec <= 9; prec++) {
+        snprintf(buf, sizeof buf, "%.*g", prec, v);
+        if ((float)strtod(buf, NULL) == (float)v) break;
+    }
+    return strtod(buf, NULL);
+}
+
 static char *str_dup(gguf_str s) {
     char *p = malloc(s.len + 1);
     if (!p) return NULL;
@@ -43,6 +55,28 @@ static void add_int(cJSON *o, const char *k, int64_t v) {
         cJSON_AddNumberToObject(o, k, (double)v);
     else
         cJSON_AddNullToObject(o, k);
+}
+
+/* The tokenizer's fields, shared by GGUF and Hugging Face models. */
+static void add_tokenizer(cJSON *tk, const tok *t) {
+    if (!t) return;
+    cJSON_AddStringToObject(tk, "kind", "byte-level BPE");
+    cJSON_AddStringToObject(tk, "pre", tok_pre_name(tok_pre_kind(t)));
+    cJSON_AddNumberToObject(tk, "tokens", tok_vocab_size(t));
+    cJSON_AddNumberToObject(tk, "bos", tok_bos(t));
+    cJSON_AddNumberToObject(tk, "eos", tok_eos(t));
+    cJSON_AddBoolToObject(tk, "add_bos", tok_add_bos(t));
+    /* A template we cannot render is reported, not fatal: the model still
+     * tokenizes and serves plain completions. */
+    chat_template *ct = NULL;
+    ae_error cerr = {0};
+    if (!tok_chat_template(t))
+        cJSON_AddNullToObject(tk, "chat_template");
+    else if (chat_template_init(&ct, tok_chat_template(t), &cerr) == AE_OK)
+        cJSON_AddStringToObject(tk, "chat_template", chat_variant_name(ct));
+    else
+        cJSON_AddStringToObject(tk, "chat_template", "unsupported");
+    chat_template_free(ct);
 }
 
 static cJSON *describe(const gguf_file *f, const tok *t, ae_error *err) {
@@ -84,7 +118,9 @@ static cJSON *describe(const gguf_file *f, const tok *t, ae_error *err) {
     double theta = arch_float(f, arch, "rope.freq_base");
     double eps = arch_float(f, arch, "attention.layer_norm_rms_epsilon");
     if (!isnan(theta)) cJSON_AddNumberToObject(o, "rope_theta", theta);
-    if (!isnan(eps)) cJSON_AddNumberToObject(o, "rms_norm_eps", eps);
+    /* GGUF stores it as f32: print the shortest text that reads back to
+     * that f32 (1e-05, not 9.99999974737875e-06). */
+    if (!isnan(eps)) cJSON_AddNumberToObject(o, "rms_norm_eps", shortest_f32(eps));
 
     /* Tensor types: count, elements and bytes of each. */
     uint64_t count[GGML_TYPE_COUNT_MAX] = {0}, bytes[GGML_TYPE_COUNT_MAX] = {0};
@@ -114,28 +150,68 @@ static cJSON *describe(const gguf_file *f, const tok *t, ae_error *err) {
         cJSON_AddStringToObject(tk, "model", m ? m : "");
         free(m);
     }
-    if (t) {
-        cJSON_AddStringToObject(tk, "kind", "byte-level BPE");
-        cJSON_AddStringToObject(tk, "pre", tok_pre_name(tok_pre_kind(t)));
-        cJSON_AddNumberToObject(tk, "tokens", tok_vocab_size(t));
-        int64_t mi = gguf_find_key(f, "tokenizer.ggml.merges");
-        if (mi >= 0) cJSON_AddNumberToObject(tk, "merges", (double)gguf_arr_len(f, (uint64_t)mi));
-        cJSON_AddNumberToObject(tk, "bos", tok_bos(t));
-        cJSON_AddNumberToObject(tk, "eos", tok_eos(t));
-        cJSON_AddBoolToObject(tk, "add_bos", tok_add_bos(t));
-        /* A template we cannot render is reported, not fatal: the model
-         * still tokenizes and serves plain completions. */
-        chat_template *ct = NULL;
-        ae_error cerr = {0};
-        if (!tok_chat_template(t))
-            cJSON_AddNullToObject(tk, "chat_template");
-        else if (chat_template_init(&ct, tok_chat_template(t), &cerr) == AE_OK)
-            cJSON_AddStringToObject(tk, "chat_template", chat_variant_name(ct));
-        else
-            cJSON_AddStringToObject(tk, "chat_template", "unsupported");
-        chat_template_free(ct);
-    }
+    add_tokenizer(tk, t);
+    int64_t mi = gguf_find_key(f, "tokenizer.ggml.merges");
+    if (t && mi >= 0) cJSON_AddNumberToObject(tk, "merges", (double)gguf_arr_len(f, (uint64_t)mi));
     free(arch);
+    return o;
+}
+
+/* A Hugging Face directory: config.json, safetensors (sharded or not), and
+ * tokenizer.json when present. */
+static cJSON *describe_hf(const char *dir, ae_error *err) {
+    char path[4096];
+    hfcfg hc;
+    st_model *sm = NULL;
+    tok *t = NULL;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (hfcfg_load(&hc, path, err) != AE_OK) return NULL;
+    if (st_model_open(&sm, dir, err) != AE_OK) return NULL;
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    struct stat st;
+    if (stat(path, &st) == 0 && tok_load_json(&t, path, err) != AE_OK) {
+        st_model_close(sm);
+        return NULL;
+    }
+
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "path", dir);
+    cJSON_AddStringToObject(o, "format", "safetensors");
+    cJSON_AddNumberToObject(o, "files", (double)st_model_n_files(sm));
+    cJSON_AddStringToObject(o, "architecture", hc.model_type);
+    add_int(o, "layers", hc.num_hidden_layers);
+    add_int(o, "hidden_size", hc.hidden_size);
+    add_int(o, "ffn_size", hc.intermediate_size);
+    add_int(o, "heads", hc.num_attention_heads);
+    add_int(o, "kv_heads", hc.num_key_value_heads);
+    add_int(o, "head_dim", hc.head_dim);
+    add_int(o, "vocab_size", hc.vocab_size);
+    add_int(o, "context_length", hc.max_position_embeddings);
+    cJSON_AddNumberToObject(o, "rope_theta", hc.rope_theta);
+    cJSON_AddNumberToObject(o, "rms_norm_eps", hc.rms_norm_eps);
+    if (hc.draft_vocab_size > 0) add_int(o, "draft_vocab_size", hc.draft_vocab_size);
+
+    uint64_t count[ST_DTYPE_COUNT] = {0}, bytes[ST_DTYPE_COUNT] = {0}, params = 0, total = 0;
+    for (size_t i = 0; i < st_model_count(sm); i++) {
+        const st_tensor *tt = st_model_tensor_at(sm, i);
+        count[tt->dtype]++;
+        bytes[tt->dtype] += tt->n_bytes;
+        params += tt->n_elements;
+        total += tt->n_bytes;
+    }
+    cJSON_AddNumberToObject(o, "tensors", (double)st_model_count(sm));
+    cJSON_AddNumberToObject(o, "parameters", (double)params);
+    cJSON_AddNumberToObject(o, "tensor_bytes", (double)total);
+    cJSON *types = cJSON_AddObjectToObject(o, "tensor_types");
+    for (int d = 0; d < ST_DTYPE_COUNT; d++) {
+        if (!count[d]) continue;
+        cJSON *e = cJSON_AddObjectToObject(types, st_dtype_name((st_dtype)d));
+        cJSON_AddNumberToObject(e, "count", (double)count[d]);
+        cJSON_AddNumberToObject(e, "bytes", (double)bytes[d]);
+    }
+    add_tokenizer(cJSON_AddObjectToObject(o, "tokenizer"), t);
+    tok_free(t);
+    st_model_close(sm);
     return o;
 }
 
@@ -167,17 +243,24 @@ static void print_text(const cJSON *o) {
 static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     const char *path = cfg_str(c, "model");
-    cli_model m;
-    if (cli_model_open(&m, path, err) != AE_OK) return CLI_EXIT_USAGE;
-    if (!m.gguf) {
-        cli_model_close(&m);
-        return err_set(err, "%s: info reads GGUF files", path), CLI_EXIT_USAGE;
-    }
-    cJSON *o = describe(m.gguf, m.tok, err);
-    if (!o) {
-        err_prefix(err, "%s: ", path);
-        cli_model_close(&m);
-        return CLI_EXIT_USAGE;
+    cli_model m = {0};
+    cJSON *o = NULL;
+    struct stat st;
+    if (path && stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        o = describe_hf(path, err);
+        if (!o) return CLI_EXIT_USAGE;
+    } else {
+        if (cli_model_open(&m, path, err) != AE_OK) return CLI_EXIT_USAGE;
+        if (!m.gguf) {
+            cli_model_close(&m);
+            return err_set(err, "%s: info reads a .gguf file or a model directory", path), CLI_EXIT_USAGE;
+        }
+        o = describe(m.gguf, m.tok, err);
+        if (!o) {
+            err_prefix(err, "%s: ", path);
+            cli_model_close(&m);
+            return CLI_EXIT_USAGE;
+        }
     }
     if (cfg_bool(c, "json")) {
         char *s = cJSON_PrintUnformatted(o);

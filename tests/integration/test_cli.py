@@ -23,6 +23,7 @@ def test_info_json_reports_smollm2_dimensions(aerie, model):
     assert info["vocab_size"] == 49152
     assert info["context_length"] == 8192
     assert info["rope_theta"] == 100000
+    assert info["rms_norm_eps"] == 1e-05
     assert info["tensors"] == 272
     assert {k: v["count"] for k, v in info["tensor_types"].items()} == {
         "F32": 61, "Q4_1": 210, "Q8_0": 1}
@@ -31,7 +32,7 @@ def test_info_json_reports_smollm2_dimensions(aerie, model):
     tk = info["tokenizer"]
     assert tk == {"model": "gpt2", "kind": "byte-level BPE", "pre": "smollm",
                   "tokens": 49152, "merges": 48900, "bos": 1, "eos": 2,
-                  "add_bos": False, "chat_template": "chatml"}
+                  "add_bos": False, "chat_template": "chatml-default-system"}
 
 
 def test_info_text_lists_dimensions_and_types(aerie, model):

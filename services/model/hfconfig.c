@@ -1,0 +1,380 @@
+#include "hfconfig.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* Upper bounds: far above any real model, low enough that products of two
+ * of them (hidden * vocab, heads * head_dim) cannot overflow int64. */
+#define DIM_MAX (1 << 20)
+#define FFN_MAX (1 << 22)
+#define LAYERS_MAX 4096
+#define HEADS_MAX 4096
+#define VOCAB_MAX (1 << 24)
+#define POS_MAX (1 << 30)
+#define LAYER_ID_MAX 65535
+
+/* Absent and JSON null read the same: many configs write "head_dim": null
+ * or "rope_scaling": null to mean "use the default". */
+static const cJSON *get(const cJSON *obj, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    return v && !cJSON_IsNull(v) ? v : NULL;
+}
+
+static const char *kind(const cJSON *v) {
+    if (cJSON_IsString(v)) return "a string";
+    if (cJSON_IsNumber(v)) return "a number";
+    if (cJSON_IsBool(v)) return "a bool";
+    if (cJSON_IsArray(v)) return "an array";
+    if (cJSON_IsObject(v)) return "an object";
+    return "null";
+}
+
+/* An integral number in [lo, hi]; `label` names the key in errors. */
+static int as_int(const cJSON *v, const char *label, int64_t lo, int64_t hi,
+                  int32_t *out, ae_error *err) {
+    if (!cJSON_IsNumber(v))
+        return err_set(err, "%s: expected an integer, got %s", label,
+                       kind(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || d != trunc(d))
+        return err_set(err, "%s: expected an integer, got %.17g", label, d);
+    if (d < (double)lo || d > (double)hi)
+        return err_set(err,
+                       fabs(d) < 1e15 ? "%s: %.0f is out of range [%lld, %lld]"
+                                      : "%s: %g is out of range [%lld, %lld]",
+                       label, d, (long long)lo, (long long)hi);
+    *out = (int32_t)d;
+    return AE_OK;
+}
+
+/* Optional integer key: leaves *out (the default) when absent. */
+static int opt_int(const cJSON *obj, const char *key, const char *label,
+                   int64_t lo, int64_t hi, int32_t *out, ae_error *err) {
+    const cJSON *v = get(obj, key);
+    return v ? as_int(v, label, lo, hi, out, err) : AE_OK;
+}
+
+static int req_int(const cJSON *obj, const char *key, const char *label,
+                   int64_t lo, int64_t hi, int32_t *out, ae_error *err) {
+    const cJSON *v = get(obj, key);
+    if (!v) return err_set(err, "%s: required key is missing", label);
+    return as_int(v, label, lo, hi, out, err);
+}
+
+/* A finite number with lo < x <= hi. */
+static int as_double(const cJSON *v, const char *label, double lo, double hi,
+                     double *out, ae_error *err) {
+    if (!cJSON_IsNumber(v))
+        return err_set(err, "%s: expected a number, got %s", label, kind(v));
+    double d = v->valuedouble;
+    if (!isfinite(d) || !(d > lo && d <= hi))
+        return err_set(err, "%s: %g is out of range (%g, %g]", label, d, lo,
+                       hi);
+    *out = d;
+    return AE_OK;
+}
+
+static int opt_bool(const cJSON *obj, const char *key, bool *out,
+                    ae_error *err) {
+    const cJSON *v = get(obj, key);
+    if (!v) return AE_OK;
+    if (!cJSON_IsBool(v))
+        return err_set(err, "%s: expected true or false, got %s", key,
+                       kind(v));
+    *out = cJSON_IsTrue(v);
+    return AE_OK;
+}
+
+static int as_text(const cJSON *v, const char *label, char *dst,
+                   ae_error *err) {
+    if (!cJSON_IsString(v))
+        return err_set(err, "%s: expected a string, got %s", label, kind(v));
+    size_t len = strlen(v->valuestring);
+    if (len >= HFCFG_MAX_TEXT)
+        return err_set(err, "%s: %zu bytes exceeds %d", label, len,
+                       HFCFG_MAX_TEXT - 1);
+    memcpy(dst, v->valuestring, len + 1);
+    return AE_OK;
+}
+
+static int opt_text(const cJSON *obj, const char *key, char *dst,
+                    ae_error *err) {
+    const cJSON *v = get(obj, key);
+    return v ? as_text(v, key, dst, err) : AE_OK;
+}
+
+/* An int or a list of ints, each in [lo, hi], at most `max` of them. */
+static int int_list(const cJSON *v, const char *label, int64_t lo,
+                    int64_t hi, int32_t *dst, uint32_t max, uint32_t *n,
+                    ae_error *err) {
+    if (cJSON_IsNumber(v)) {
+        *n = 1;
+        return as_int(v, label, lo, hi, &dst[0], err);
+    }
+    if (!cJSON_IsArray(v))
+        return err_set(err, "%s: expected an integer or a list, got %s",
+                       label, kind(v));
+    int count = cJSON_GetArraySize(v);
+    if (count < 1 || (uint32_t)count > max)
+        return err_set(err, "%s: %d entries, expected 1 to %u", label, count,
+                       max);
+    const cJSON *c;
+    uint32_t i = 0;
+    cJSON_ArrayForEach(c, v) {
+        char item[96];
+        snprintf(item, sizeof item, "%s[%u]", label, i);
+        if (as_int(c, item, lo, hi, &dst[i], err) != AE_OK) return AE_ERR;
+        i++;
+    }
+    *n = i;
+    return AE_OK;
+}
+
+static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, ae_error *err) {
+    if (!cJSON_IsObject(rs))
+        return err_set(err, "rope_scaling: expected an object, got %s",
+                       kind(rs));
+    /* transformers renamed "type" to "rope_type"; older files have only the
+     * former. */
+    const char *label = "rope_scaling.rope_type";
+    const cJSON *t = get(rs, "rope_type");
+    if (!t) {
+        label = "rope_scaling.type";
+        t = get(rs, "type");
+    }
+    if (!t) return err_set(err, "rope_scaling.rope_type: required key is missing");
+    char type[HFCFG_MAX_TEXT];
+    if (as_text(t, label, type, err) != AE_OK) return AE_ERR;
+    if (strcmp(type, "default") == 0) {
+        cfg->rope_scaling.kind = HFCFG_ROPE_DEFAULT;
+        return AE_OK;
+    }
+    /* Other schemes (linear, dynamic, yarn, ...) change the numbers; serving
+     * them as plain RoPE would be silently wrong, so refuse. */
+    if (strcmp(type, "llama3") != 0)
+        return err_set(err,
+                       "%s: \"%s\" is not supported (supported: default, "
+                       "llama3)",
+                       label, type);
+    cfg->rope_scaling.kind = HFCFG_ROPE_LLAMA3;
+    const cJSON *v;
+    if (!(v = get(rs, "factor")))
+        return err_set(err, "rope_scaling.factor: required key is missing");
+    if (as_double(v, "rope_scaling.factor", 0.0, 1e6,
+                  &cfg->rope_scaling.factor, err) != AE_OK)
+        return AE_ERR;
+    if (!(v = get(rs, "low_freq_factor")))
+        return err_set(err,
+                       "rope_scaling.low_freq_factor: required key is "
+                       "missing");
+    if (as_double(v, "rope_scaling.low_freq_factor", 0.0, 1e6,
+                  &cfg->rope_scaling.low_freq_factor, err) != AE_OK)
+        return AE_ERR;
+    if (!(v = get(rs, "high_freq_factor")))
+        return err_set(err,
+                       "rope_scaling.high_freq_factor: required key is "
+                       "missing");
+    if (as_double(v, "rope_scaling.high_freq_factor", 0.0, 1e6,
+                  &cfg->rope_scaling.high_freq_factor, err) != AE_OK)
+        return AE_ERR;
+    /* The llama3 rule interpolates between the two wavelength bounds,
+     * dividing by (high - low). */
+    if (!(cfg->rope_scaling.high_freq_factor >
+          cfg->rope_scaling.low_freq_factor))
+        return err_set(err,
+                       "rope_scaling.high_freq_factor: %g is not above "
+                       "low_freq_factor %g",
+                       cfg->rope_scaling.high_freq_factor,
+                       cfg->rope_scaling.low_freq_factor);
+    return req_int(rs, "original_max_position_embeddings",
+                   "rope_scaling.original_max_position_embeddings", 1,
+                   POS_MAX,
+                   &cfg->rope_scaling.original_max_position_embeddings, err);
+}
+
+static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
+    if (!cJSON_IsObject(root))
+        return err_set(err, "expected a JSON object, got %s", kind(root));
+
+    const cJSON *v = get(root, "architectures");
+    if (v) {
+        if (!cJSON_IsArray(v) || cJSON_GetArraySize(v) < 1)
+            return err_set(err, "architectures: expected a non-empty list");
+        if (as_text(v->child, "architectures[0]", c->architecture, err) !=
+            AE_OK)
+            return AE_ERR;
+    }
+    if (opt_text(root, "model_type", c->model_type, err) != AE_OK)
+        return AE_ERR;
+    /* Newer transformers write "dtype" instead of "torch_dtype". */
+    if (opt_text(root, "torch_dtype", c->torch_dtype, err) != AE_OK)
+        return AE_ERR;
+    if (!c->torch_dtype[0] && opt_text(root, "dtype", c->torch_dtype, err))
+        return AE_ERR;
+
+    if (req_int(root, "hidden_size", "hidden_size", 1, DIM_MAX,
+                &c->hidden_size, err) ||
+        req_int(root, "intermediate_size", "intermediate_size", 1, FFN_MAX,
+                &c->intermediate_size, err) ||
+        req_int(root, "num_hidden_layers", "num_hidden_layers", 1,
+                LAYERS_MAX, &c->num_hidden_layers, err) ||
+        req_int(root, "num_attention_heads", "num_attention_heads", 1,
+                HEADS_MAX, &c->num_attention_heads, err) ||
+        req_int(root, "vocab_size", "vocab_size", 1, VOCAB_MAX,
+                &c->vocab_size, err))
+        return AE_ERR;
+    if (!(v = get(root, "rms_norm_eps")))
+        return err_set(err, "rms_norm_eps: required key is missing");
+    if (as_double(v, "rms_norm_eps", 0.0, 1.0, &c->rms_norm_eps, err))
+        return AE_ERR;
+
+    c->num_key_value_heads = c->num_attention_heads;
+    if (opt_int(root, "num_key_value_heads", "num_key_value_heads", 1,
+                HEADS_MAX, &c->num_key_value_heads, err))
+        return AE_ERR;
+    if (c->num_attention_heads % c->num_key_value_heads != 0)
+        return err_set(err,
+                       "num_key_value_heads: %d does not divide "
+                       "num_attention_heads %d",
+                       c->num_key_value_heads, c->num_attention_heads);
+
+    /* An explicit head_dim may differ from hidden / heads (the output
+     * projection maps heads * head_dim back to hidden); without one the
+     * split must be exact. */
+    if (get(root, "head_dim")) {
+        if (opt_int(root, "head_dim", "head_dim", 1, DIM_MAX, &c->head_dim,
+                    err))
+            return AE_ERR;
+    } else {
+        if (c->hidden_size % c->num_attention_heads != 0)
+            return err_set(err,
+                           "num_attention_heads: %d does not divide "
+                           "hidden_size %d",
+                           c->num_attention_heads, c->hidden_size);
+        c->head_dim = c->hidden_size / c->num_attention_heads;
+    }
+    if (c->head_dim % 2 != 0)
+        return err_set(err, "head_dim: %d is odd; RoPE rotates pairs",
+                       c->head_dim);
+
+    c->rope_theta = 10000.0;
+    if ((v = get(root, "rope_theta")) &&
+        as_double(v, "rope_theta", 0.0, 1e12, &c->rope_theta, err))
+        return AE_ERR;
+    c->max_position_embeddings = 2048;
+    if (opt_int(root, "max_position_embeddings", "max_position_embeddings",
+                1, POS_MAX, &c->max_position_embeddings, err))
+        return AE_ERR;
+    if (opt_bool(root, "tie_word_embeddings", &c->tie_word_embeddings, err))
+        return AE_ERR;
+
+    /* Qwen2 always has q/k/v biases; its config has no key saying so. */
+    bool qwen2 = strcmp(c->model_type, "qwen2") == 0;
+    c->attention_bias = qwen2;
+    if (opt_bool(root, "attention_bias", &c->attention_bias, err))
+        return AE_ERR;
+    if (qwen2 && !c->attention_bias)
+        return err_set(err,
+                       "attention_bias: false contradicts model_type qwen2 "
+                       "(always biased)");
+
+    c->bos_token_id = -1;
+    if (opt_int(root, "bos_token_id", "bos_token_id", 0, c->vocab_size - 1,
+                &c->bos_token_id, err))
+        return AE_ERR;
+    if ((v = get(root, "eos_token_id")) &&
+        int_list(v, "eos_token_id", 0, c->vocab_size - 1, c->eos_token_ids,
+                 HFCFG_MAX_EOS, &c->n_eos, err))
+        return AE_ERR;
+
+    if ((v = get(root, "rope_scaling")) && parse_rope_scaling(c, v, err))
+        return AE_ERR;
+
+    if (opt_int(root, "draft_vocab_size", "draft_vocab_size", 1,
+                c->vocab_size, &c->draft_vocab_size, err))
+        return AE_ERR;
+    const cJSON *eagle = get(root, "eagle_config");
+    if (eagle) {
+        if (!cJSON_IsObject(eagle))
+            return err_set(err, "eagle_config: expected an object, got %s",
+                           kind(eagle));
+        const char *label = "eagle_config.eagle_aux_hidden_state_layer_ids";
+        v = get(eagle, "eagle_aux_hidden_state_layer_ids");
+        if (v && !cJSON_IsArray(v))
+            return err_set(err, "%s: expected a list, got %s", label,
+                           kind(v));
+        if (v && int_list(v, label, 0, LAYER_ID_MAX, c->aux_layer_ids,
+                          HFCFG_MAX_AUX_LAYERS, &c->n_aux_layers, err))
+            return AE_ERR;
+    }
+    return AE_OK;
+}
+
+int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
+                ae_error *err) {
+    memset(cfg, 0, sizeof *cfg);
+    ae_error local = {{0}};
+    cJSON *root = NULL;
+    /* cJSON reads a NUL-terminated copy, so no input can lead it past the
+     * caller's bytes. */
+    char *buf = malloc(len + 1);
+    if (!buf) {
+        err_set(&local, "out of memory");
+        goto fail;
+    }
+    if (len > 0) memcpy(buf, json, len);
+    buf[len] = '\0';
+    root = cJSON_ParseWithLength(buf, len);
+    free(buf);
+    if (!root) {
+        err_set(&local, "not valid JSON");
+        goto fail;
+    }
+    if (parse_root(cfg, root, &local) != AE_OK) goto fail;
+    cJSON_Delete(root);
+    return AE_OK;
+fail:
+    cJSON_Delete(root);
+    memset(cfg, 0, sizeof *cfg);
+    return err_set(err, "%s: %s", name, local.msg);
+}
+
+int hfcfg_load(hfcfg *cfg, const char *path, ae_error *err) {
+    memset(cfg, 0, sizeof *cfg);
+    char *buf = NULL;
+    FILE *fp = fopen(path, "rb");
+    if (!fp) return err_set(err, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fileno(fp), &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        err_set(err, "%s: not a regular file", path);
+        goto fail;
+    }
+    if ((uint64_t)sb.st_size > HFCFG_MAX_FILE) {
+        err_set(err, "%s: %lld bytes exceeds the limit of %u", path,
+                (long long)sb.st_size, HFCFG_MAX_FILE);
+        goto fail;
+    }
+    size_t size = (size_t)sb.st_size;
+    buf = malloc(size + 1);
+    if (!buf) {
+        err_set(err, "%s: out of memory", path);
+        goto fail;
+    }
+    if (fread(buf, 1, size, fp) != size) {
+        err_set(err, "%s: short read", path);
+        goto fail;
+    }
+    fclose(fp);
+    int rc = hfcfg_parse(cfg, buf, size, path, err);
+    free(buf);
+    return rc;
+fail:
+    free(buf);
+    fclose(fp);
+    return AE_ERR;
+}
