@@ -76,15 +76,22 @@ uint32_t gguf_version(const gguf_file *f);
 uint32_t gguf_alignment(const gguf_file *f);
 const char *gguf_path(const gguf_file *f);
 uint64_t gguf_file_size(const gguf_file *f);
+/* File offset of the data section (tensor offsets are relative to it). */
+uint64_t gguf_data_offset(const gguf_file *f);
 
-/* Key/value pairs, by index 0..gguf_n_kv()-1. */
+/* True when s holds exactly the NUL-terminated c. */
+bool gguf_str_eq(gguf_str s, const char *c);
+
+/* Key/value pairs, by index 0..gguf_n_kv()-1 (an index out of range is a
+ * caller bug and hits AE_ASSERT). */
 uint64_t gguf_n_kv(const gguf_file *f);
 gguf_str gguf_kv_key(const gguf_file *f, uint64_t i);
 gguf_vtype gguf_kv_type(const gguf_file *f, uint64_t i);
 int64_t gguf_find_key(const gguf_file *f, const char *key); /* -1: absent */
 
 /* Arrays: element type and count (ARRAY keys only; nested arrays allowed,
- * their elements are not readable through the typed getters). */
+ * their elements are not readable through the typed getters). For a
+ * non-array key these return GGUF_VT_COUNT and 0. */
 gguf_vtype gguf_arr_type(const gguf_file *f, uint64_t i);
 uint64_t gguf_arr_len(const gguf_file *f, uint64_t i);
 
@@ -112,7 +119,7 @@ void gguf_kv_format(const gguf_file *f, uint64_t i, char *buf, size_t n);
 
 /* Tensors. */
 uint64_t gguf_n_tensors(const gguf_file *f);
-const gguf_tensor *gguf_tensor_at(const gguf_file *f, uint64_t i);
+const gguf_tensor *gguf_tensor_at(const gguf_file *f, uint64_t i); /* NULL: out of range */
 const gguf_tensor *gguf_find_tensor(const gguf_file *f, const char *name);
 
 const char *gguf_vtype_name(gguf_vtype t);
