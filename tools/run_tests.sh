@@ -22,9 +22,10 @@ for t in build/asan/tests/test_*; do
     log=$logdir/$name.log
     "$t" >"$log" 2>&1
     rc=$?
-    p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$log" | grep -oE '[0-9]+$' | tail -n1)
-    f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$log" | grep -oE '[0-9]+' | tail -n1)
-    p=${p:-0} f=${f:-0}
+    # A file may hold several cmocka groups: add up their summaries.
+    p=0 f=0
+    for k in $(grep -oE '^\[  PASSED  \] [0-9]+' "$log" | grep -oE '[0-9]+$'); do p=$((p + k)); done
+    for k in $(grep -oE '^\[  FAILED  \] [0-9]+ test' "$log" | grep -oE '[0-9]+'); do f=$((f + k)); done
     if [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi   # crashed or sanitizer report
     passed=$((passed + p)) failed=$((failed + f))
     if [ $rc -eq 0 ]; then

@@ -60,15 +60,21 @@ bool tok_is_special(const tok *t, int32_t id);
 int32_t tok_find(const tok *t, const char *s, size_t len);
 
 /* Encodes text[0..len). Writes at most cap ids; len + 1 is always enough.
- * Returns AE_ERR (and *n_out = 0) if cap is too small. */
+ * Returns AE_ERR (and *n_out = 0) if cap is too small.
+ * Any bytes are accepted: ill-formed UTF-8 is split byte by byte as
+ * punctuation (see pretok.h), and a byte the vocabulary has no token for is
+ * dropped, as Hugging Face's BPE without unk_token does (SmolLM2 lacks 21,
+ * e.g. 0x04, 0x1D, 0xC0, 0xFF). */
 int tok_encode(const tok *t, const char *text, size_t len, int flags,
                int32_t *ids, size_t cap, size_t *n_out, ae_error *err);
 
 /* Decodes ids to bytes, invalid UTF-8 replaced by U+FFFD the way Rust's
  * from_utf8_lossy does (which is what the reference implementation does).
- * Writes at most cap bytes plus a NUL; *len_out is the full length needed,
- * so a too-small buffer can be detected and retried. Ids out of range give
- * AE_ERR. skip_special drops special tokens. */
+ * cap is the size of out, NUL included (as snprintf): at most cap - 1 bytes
+ * and a NUL are written (nothing when cap is 0, out may then be NULL).
+ * *len_out is the full length without the NUL, so *len_out >= cap means the
+ * text was cut; retry with *len_out + 1. Ids out of range give AE_ERR.
+ * skip_special drops special tokens. */
 int tok_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special,
                char *out, size_t cap, size_t *len_out, ae_error *err);
 
