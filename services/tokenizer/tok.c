@@ -1166,8 +1166,10 @@ static long bpe_piece(const tok *t, const uint8_t *w, size_t n, int32_t *out,
 }
 
 /* The next added token in s[from..len): its start and id, or false. Leftmost
- * first, then longest (added[] is sorted longest first per first byte). */
-static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from,
+ * first, then longest (added[] is sorted longest first per first byte).
+ * Special tokens count only when `special` is set; other added tokens are
+ * always split out, as the reference library does. */
+static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from, bool special,
                        size_t *at, int32_t *id) {
     if (t->n_added == 0) return false;
     for (size_t i = from; i < len; i++) {
@@ -1179,6 +1181,7 @@ static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from,
         uint8_t b = s[i];
         for (uint32_t k = t->added_at[b]; k < t->added_at[b + 1]; k++) {
             const tok_entry *e = &t->ent[t->added[k]];
+            if (!special && (e->flags & ENT_SPECIAL)) continue;
             if (e->raw_len <= len - i && memcmp(s + i, t->raw.p + e->raw_off, e->raw_len) == 0) {
                 *at = i;
                 *id = t->added[k];
@@ -1209,7 +1212,7 @@ int tok_encode(const tok *t, const char *text, size_t len, int flags, int32_t *i
     while (pos < len) {
         size_t seg_end = len, sp_at = len;
         int32_t sp_id = -1;
-        if ((flags & TOK_PARSE_SPECIAL) && find_added(t, s, len, pos, &sp_at, &sp_id))
+        if (find_added(t, s, len, pos, (flags & TOK_PARSE_SPECIAL) != 0, &sp_at, &sp_id))
             seg_end = sp_at;
         while (pos < seg_end) {
             size_t end = pretok_next(t->pre, s + pos, seg_end - pos, 0) + pos;

@@ -1,8 +1,9 @@
 /* Byte-level BPE tokenizer (GPT-2 family), loaded from GGUF metadata or
  * from a Hugging Face tokenizer.json.
  *
- * Encoding: special and added tokens are split out first (when
- * TOK_PARSE_SPECIAL is given), the rest is pre-tokenized with the model's
+ * Encoding: added tokens are split out first (special ones only when
+ * TOK_PARSE_SPECIAL is given, as the reference library's
+ * split_special_tokens does), the rest is pre-tokenized with the model's
  * pre-tokenizer (gpt2, smollm, llama3), each piece's bytes are mapped through
  * the GPT-2 byte<->unicode table, and BPE merges are applied by rank.
  *
@@ -27,7 +28,7 @@ typedef enum tok_pre {
 typedef struct tok tok;
 
 enum tok_encode_flags {
-    TOK_PARSE_SPECIAL = 1 << 0, /* recognise special/added tokens in text */
+    TOK_PARSE_SPECIAL = 1 << 0, /* recognise special tokens written in the text */
     TOK_ADD_BOS = 1 << 1,       /* prepend BOS if the model asks for it (tok_add_bos) */
 };
 

@@ -702,6 +702,40 @@ static void test_tiny_json_merges_both_forms(void **state) {
     tok_free(NULL);
 }
 
+static void test_plain_added_tokens_split_even_without_specials(void **state) {
+    (void)state;
+    /* As the reference's encode_special_tokens: special tokens become plain
+     * text, other added tokens are still split out. "<", "x", ">" have no
+     * token here, so as text they are dropped. */
+    char dir[] = "/tmp/aerie-tok-XXXXXX", path[256];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    FILE *f = fopen(path, "w");
+    fputs("{\"model\":{\"type\":\"BPE\"," VOCAB ",\"merges\":[\"a b\"]},\"pre_tokenizer\":" BL
+          ",\"added_tokens\":[{\"id\":3,\"content\":\"<x>\",\"special\":true},"
+          "{\"id\":4,\"content\":\"<y>\",\"special\":false}]}", f);
+    fclose(f);
+    tok *t = NULL;
+    ae_error err = {{0}};
+    if (tok_load_json(&t, path, &err)) fail_msg("%s", err.msg);
+    size_t n;
+    int32_t *ids = encode(t, "ab<y>b<x>a", 10, 0, &n);
+    assert_int_equal(n, 4);
+    assert_int_equal(ids[0], 2);
+    assert_int_equal(ids[1], 4);
+    assert_int_equal(ids[2], 1);
+    assert_int_equal(ids[3], 0);
+    free(ids);
+    ids = encode(t, "ab<y>b<x>a", 10, TOK_PARSE_SPECIAL, &n);
+    assert_int_equal(n, 5);
+    assert_int_equal(ids[1], 4);
+    assert_int_equal(ids[3], 3);
+    free(ids);
+    tok_free(t);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_corpus_smollm_gguf),
@@ -726,6 +760,7 @@ int main(void) {
         cmocka_unit_test(test_one_handle_serves_many_threads),
         cmocka_unit_test(test_json_errors_name_the_problem),
         cmocka_unit_test(test_tiny_json_merges_both_forms),
+        cmocka_unit_test(test_plain_added_tokens_split_even_without_specials),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
