@@ -806,7 +806,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
     root = cJSON_ParseWithLength(text, len);
     free(text);
     if (!cJSON_IsObject(root)) {
-        err_set(err, "not valid JSON");
+        err_set(err, root ? "not a JSON object" : "not valid JSON");
         goto fail;
     }
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");

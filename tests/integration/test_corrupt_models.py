@@ -72,3 +72,40 @@ def test_messages_name_the_problem(aerie, corrupt_files):
     for name, words in expect.items():
         r = aerie("info", "--model", by_name[name])
         assert words in r.err, r.err
+
+
+def _json_variants(good: str):
+    import json as _json
+    doc = _json.loads(good)
+
+    def edited(fn):
+        d = _json.loads(good)
+        fn(d)
+        return _json.dumps(d)
+
+    return [
+        ("json-empty", ""),
+        ("json-truncated", good[: len(good) // 2]),
+        ("json-array", "[1, 2, 3]"),
+        ("json-wordpiece", edited(lambda d: d["model"].update(type="WordPiece"))),
+        ("json-no-merges", edited(lambda d: d["model"].pop("merges"))),
+        ("json-merge-of-unknown-token", edited(lambda d: d["model"]["merges"].insert(0, "qqqq zzzz"))),
+        ("json-unknown-pre-tokenizer", edited(lambda d: d.update(pre_tokenizer={"type": "Whitespace"}))),
+        ("json-negative-id", edited(lambda d: d["model"]["vocab"].update({"Ġthe": -5}))),
+    ] if doc else []
+
+
+@pytest.mark.parametrize("cmd", COMMANDS[1:], ids=lambda c: c[0])
+def test_every_command_rejects_every_corrupt_tokenizer_json(aerie, tmp_path, cmd):
+    from conftest import GOLDEN
+    good = (GOLDEN / "tokenizer" / "smollm" / "tokenizer.json").read_text(encoding="utf-8")
+    for name, text in _json_variants(good):
+        path = tmp_path / name / "tokenizer.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        r = aerie(cmd[0], "--model", path, *cmd[1:])
+        assert r.rc == 2, f"{name}: rc={r.rc} err={r.err!r}"
+        lines = r.err.splitlines()
+        assert len(lines) == 1, f"{name}: {r.err!r}"
+        assert lines[0].startswith(f"aerie {cmd[0]}: {path}: "), lines[0]
+        assert "Sanitizer" not in r.err and "runtime error" not in r.err
