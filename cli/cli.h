@@ -37,10 +37,6 @@ typedef struct cli_model {
 int cli_model_open(cli_model *m, const char *path, ae_error *err);
 void cli_model_close(cli_model *m);
 
-/* Reads a whole file (at most max bytes) into a malloc'd, NUL-terminated
- * buffer. */
-int cli_read_file(const char *path, size_t max, char **out, size_t *len, ae_error *err);
-
 /* Writes a JSON array of ids on one line to stdout. */
 void cli_print_ids(const int32_t *ids, size_t n);
 

@@ -65,53 +65,6 @@ void cli_model_close(cli_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-int cli_read_file(const char *path, size_t max, char **out, size_t *len, ae_error *err) {
-    *out = NULL;
-    *len = 0;
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return err_set(err, "%s: %s", path, strerror(errno));
-    char *buf = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n == cap) {
-            size_t ncap = cap ? cap * 2 : 1 << 16;
-            if (ncap > max + 1) ncap = max + 1;
-            if (ncap <= n) {
-                free(buf);
-                fclose(fp);
-                return err_set(err, "%s: larger than %zu bytes", path, max);
-            }
-            char *nb = realloc(buf, ncap + 1);
-            if (!nb) {
-                free(buf);
-                fclose(fp);
-                return err_set(err, "%s: out of memory", path);
-            }
-            buf = nb;
-            cap = ncap;
-        }
-        size_t got = fread(buf + n, 1, cap - n, fp);
-        n += got;
-        if (got == 0) break;
-    }
-    int bad = ferror(fp);
-    fclose(fp);
-    if (bad) {
-        free(buf);
-        return err_set(err, "%s: read error", path);
-    }
-    if (n > max) {
-        free(buf);
-        return err_set(err, "%s: larger than %zu bytes", path, max);
-    }
-    if (!buf) buf = malloc(1);
-    if (!buf) return err_set(err, "%s: out of memory", path);
-    buf[n] = '\0';
-    *out = buf;
-    *len = n;
-    return AE_OK;
-}
-
 void cli_print_ids(const int32_t *ids, size_t n) {
     putchar('[');
     for (size_t i = 0; i < n; i++) printf(i ? ",%d" : "%d", ids[i]);

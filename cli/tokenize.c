@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../services/core/file.h"
 #include "../services/tokenizer/chat.h"
 #include "cli.h"
 
@@ -45,7 +46,7 @@ static int input_text(const cfg *c, int argc, char **argv, char **text, size_t *
     const char *file = cfg_str(c, "file");
     if (file) {
         if (argc > 0) return err_set(err, "give either TEXT or --file, not both");
-        return cli_read_file(file, MAX_TEXT_BYTES, text, len, err);
+        return file_read_all(file, MAX_TEXT_BYTES, text, len, NULL, err);
     }
     if (argc != 1) return err_set(err, argc ? "expected one TEXT argument, got %d" : "no TEXT given (or use --file F)", argc);
     *len = strlen(argv[0]);
@@ -201,7 +202,7 @@ static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
         err_set(err, "no text given (use --file F)");
         goto out;
     }
-    if (cli_read_file(cfg_str(c, "file"), MAX_TEXT_BYTES, &text, &len, err) != AE_OK) goto out;
+    if (file_read_all(cfg_str(c, "file"), MAX_TEXT_BYTES, &text, &len, NULL, err) != AE_OK) goto out;
     if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
     int reps = (int)cfg_int(c, "repeat");
     times = malloc((size_t)reps * sizeof *times);

@@ -9,6 +9,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "file.h"
 #include "log.h"
 
 typedef struct cfg_value {
@@ -183,27 +184,14 @@ static int set_from_json(cfg *c, const cJSON *item, ae_error *err) {
 }
 
 int cfg_load_file(cfg *c, const char *path, ae_error *err) {
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return err_set(err, "config file %s: %s", path, strerror(errno));
-    char *buf = malloc(CFG_MAX_FILE + 1);
-    if (!buf) {
-        fclose(fp);
-        return err_set(err, "config file %s: out of memory", path);
+    char *buf;
+    size_t n;
+    if (file_read_all(path, CFG_MAX_FILE, &buf, &n, NULL, err) != AE_OK) {
+        err_prefix(err, "config file ");
+        return AE_ERR;
     }
-    size_t n = fread(buf, 1, CFG_MAX_FILE + 1, fp);
-    int read_error = ferror(fp);
-    fclose(fp);
     int rc = AE_ERR;
-    cJSON *root = NULL;
-    if (read_error) {
-        err_set(err, "config file %s: read error", path);
-        goto out;
-    }
-    if (n > CFG_MAX_FILE) {
-        err_set(err, "config file %s: larger than %d bytes", path, CFG_MAX_FILE);
-        goto out;
-    }
-    root = cJSON_ParseWithLength(buf, n);
+    cJSON *root = cJSON_ParseWithLength(buf, n);
     if (!cJSON_IsObject(root)) {
         err_set(err, "config file %s: not a JSON object", path);
         goto out;

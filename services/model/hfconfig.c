@@ -8,6 +8,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "../core/file.h"
+
 /* Upper bounds: far above any real model, low enough that products of two
  * of them (hidden * vocab, heads * head_dim) cannot overflow int64. */
 #define DIM_MAX (1 << 20)
@@ -346,35 +348,10 @@ fail:
 
 int hfcfg_load(hfcfg *cfg, const char *path, ae_error *err) {
     memset(cfg, 0, sizeof *cfg);
-    char *buf = NULL;
-    FILE *fp = fopen(path, "rb");
-    if (!fp) return err_set(err, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fileno(fp), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        err_set(err, "%s: not a regular file", path);
-        goto fail;
-    }
-    if ((uint64_t)sb.st_size > HFCFG_MAX_FILE) {
-        err_set(err, "%s: %lld bytes exceeds the limit of %u", path,
-                (long long)sb.st_size, HFCFG_MAX_FILE);
-        goto fail;
-    }
-    size_t size = (size_t)sb.st_size;
-    buf = malloc(size + 1);
-    if (!buf) {
-        err_set(err, "%s: out of memory", path);
-        goto fail;
-    }
-    if (fread(buf, 1, size, fp) != size) {
-        err_set(err, "%s: short read", path);
-        goto fail;
-    }
-    fclose(fp);
+    char *buf;
+    size_t size;
+    if (file_read_all(path, HFCFG_MAX_FILE, &buf, &size, NULL, err) != AE_OK) return AE_ERR;
     int rc = hfcfg_parse(cfg, buf, size, path, err);
     free(buf);
     return rc;
-fail:
-    free(buf);
-    fclose(fp);
-    return AE_ERR;
 }

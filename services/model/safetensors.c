@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../core/file.h"
 #include "quant.h"
 
 /* The file is little-endian; tensor data is handed out as-is. */
@@ -639,43 +640,6 @@ static char *path_join(const char *dir, const char *name) {
     return p;
 }
 
-/* Reads a whole small file, NUL-terminated. */
-static char *read_small(const char *path, size_t limit, size_t *len,
-                        ae_error *err) {
-    char *buf = NULL;
-    FILE *fp = fopen(path, "rb");
-    if (!fp) {
-        err_set(err, "%s: cannot open: %s", path, strerror(errno));
-        return NULL;
-    }
-    struct stat sb;
-    if (fstat(fileno(fp), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        err_set(err, "%s: not a regular file", path);
-        goto out;
-    }
-    if ((uint64_t)sb.st_size > limit) {
-        err_set(err, "%s: %lld bytes exceeds the limit of %zu", path,
-                (long long)sb.st_size, limit);
-        goto out;
-    }
-    size_t size = (size_t)sb.st_size;
-    buf = malloc(size + 1);
-    if (!buf) {
-        err_set(err, "%s: out of memory", path);
-        goto out;
-    }
-    if (fread(buf, 1, size, fp) != size) {
-        err_set(err, "%s: short read", path);
-        free(buf);
-        buf = NULL;
-        goto out;
-    }
-    buf[size] = '\0';
-    *len = size;
-out:
-    fclose(fp);
-    return buf;
-}
 
 /* The shard file name of a file st_model opened (its path is dir/name). */
 static const char *file_base(const st_file *f) {
@@ -726,7 +690,8 @@ static int load_index(st_model *m, const char *dir, const char *ipath,
     size_t len = 0;
     const cJSON **keys = NULL;
     cJSON *root = NULL;
-    char *text = read_small(ipath, ST_MAX_INDEX, &len, err);
+    char *text = NULL;
+    file_read_all(ipath, ST_MAX_INDEX, &text, &len, NULL, err);
     if (!text) return AE_ERR;
     root = cJSON_ParseWithLength(text, len);
     free(text);

@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/file.h"
 #include "pretok.h"
 
 #define TOK_MAX_VOCAB (1 << 24)        /* ids; real vocabularies are < 300k */
@@ -608,41 +609,6 @@ fail:
 /* ------------------------------------------------------------------------ */
 /* tokenizer.json */
 
-static char *read_file(const char *path, size_t *len, bool *missing, ae_error *err) {
-    *missing = false;
-    FILE *fp = fopen(path, "rb");
-    if (!fp) {
-        *missing = errno == ENOENT;
-        err_set(err, "%s: %s", path, strerror(errno));
-        return NULL;
-    }
-    char *buf = NULL;
-    long size;
-    if (fseek(fp, 0, SEEK_END) != 0 || (size = ftell(fp)) < 0 || fseek(fp, 0, SEEK_SET) != 0) {
-        err_set(err, "%s: cannot seek", path);
-        goto fail;
-    }
-    if ((unsigned long)size > TOK_MAX_JSON) {
-        err_set(err, "%s: %ld bytes is too large", path, size);
-        goto fail;
-    }
-    if (!(buf = malloc((size_t)size + 1))) {
-        err_set(err, "%s: out of memory", path);
-        goto fail;
-    }
-    if (fread(buf, 1, (size_t)size, fp) != (size_t)size) {
-        err_set(err, "%s: read error", path);
-        goto fail;
-    }
-    buf[size] = '\0';
-    fclose(fp);
-    *len = (size_t)size;
-    return buf;
-fail:
-    free(buf);
-    fclose(fp);
-    return NULL;
-}
 
 static const char *json_type_of(const cJSON *j) {
     const cJSON *ty = cJSON_GetObjectItemCaseSensitive(j, "type");
@@ -755,7 +721,8 @@ static int json_config(tok *t, const char *path, ae_error *err) {
     bool missing;
     ae_error local = {{0}};
     cJSON *cfg = NULL;
-    char *text = read_file(cpath, &len, &missing, &local);
+    char *text = NULL;
+    file_read_all(cpath, TOK_MAX_JSON, &text, &len, &missing, &local);
     if (!text) {
         free(cpath);
         if (missing) return AE_OK;
@@ -797,11 +764,11 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
     cJSON *root = NULL;
     char *scratch = NULL;
     size_t len;
-    bool missing;
     *out = NULL;
     if (!path) return err_set(err, "tok_load_json: no path");
 
-    char *text = read_file(path, &len, &missing, err);
+    char *text = NULL;
+    file_read_all(path, TOK_MAX_JSON, &text, &len, NULL, err);
     if (!text) return AE_ERR;
     root = cJSON_ParseWithLength(text, len);
     free(text);

@@ -12,6 +12,7 @@
 
 #include "../../services/core/arena.h"
 #include "../../services/core/err.h"
+#include "../../services/core/file.h"
 #include "../../services/core/log.h"
 #include "../../services/core/pool.h"
 
@@ -125,6 +126,73 @@ static void test_log_line_format_and_level_filter(void **state) {
     assert_false(log_level_parse("loud", &lv));
 }
 
+static void test_file_read_all_reads_limits_and_reports_missing(void **state) {
+    (void)state;
+    char path[] = "/tmp/aerie-file-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, "hello\0world", 11), 11);
+    close(fd);
+    char *buf;
+    size_t len;
+    bool missing = true;
+    ae_error err = {0};
+    assert_int_equal(file_read_all(path, 11, &buf, &len, &missing, &err), AE_OK);
+    assert_int_equal(len, 11);
+    assert_memory_equal(buf, "hello\0world", 12); /* NUL after the last byte */
+    assert_false(missing);
+    free(buf);
+
+    char want[128];
+    assert_int_equal(file_read_all(path, 10, &buf, &len, NULL, &err), AE_ERR);
+    snprintf(want, sizeof want, "%s: 11 bytes exceeds the limit of 10", path);
+    assert_string_equal(err.msg, want);
+    assert_null(buf);
+    unlink(path);
+
+    err_clear(&err);
+    assert_int_equal(file_read_all(path, 10, &buf, &len, &missing, &err), AE_ERR);
+    assert_true(missing);
+    snprintf(want, sizeof want, "%s: cannot open: No such file or directory", path);
+    assert_string_equal(err.msg, want);
+
+    err_clear(&err);
+    assert_int_equal(file_read_all("/tmp", 10, &buf, &len, &missing, &err), AE_ERR);
+    assert_false(missing);
+    assert_string_equal(err.msg, "/tmp: not a regular file");
+}
+
+static void test_file_read_all_reads_a_pipe_up_to_the_limit(void **state) {
+    (void)state;
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    static char big[20000];
+    memset(big, 'z', sizeof big);
+    assert_int_equal(write(fds[1], big, sizeof big), (ssize_t)sizeof big);
+    close(fds[1]);
+    char path[64];
+    snprintf(path, sizeof path, "/dev/fd/%d", fds[0]);
+    char *buf;
+    size_t len;
+    ae_error err = {0};
+    assert_int_equal(file_read_all(path, 19999, &buf, &len, NULL, &err), AE_ERR);
+    char want[96];
+    snprintf(want, sizeof want, "%s: more than 19999 bytes", path);
+    assert_string_equal(err.msg, want);
+    close(fds[0]);
+
+    assert_int_equal(pipe(fds), 0);
+    assert_int_equal(write(fds[1], big, sizeof big), (ssize_t)sizeof big);
+    close(fds[1]);
+    snprintf(path, sizeof path, "/dev/fd/%d", fds[0]);
+    assert_int_equal(file_read_all(path, 20000, &buf, &len, NULL, &err), AE_OK);
+    assert_int_equal(len, 20000);
+    assert_int_equal(buf[19999], 'z');
+    assert_int_equal(buf[20000], '\0');
+    free(buf);
+    close(fds[0]);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_err_keeps_first_error),
@@ -133,6 +201,8 @@ int main(void) {
         cmocka_unit_test(test_pool_runs_every_task_once),
         cmocka_unit_test(test_pool_rejects_bad_thread_count),
         cmocka_unit_test(test_log_line_format_and_level_filter),
+        cmocka_unit_test(test_file_read_all_reads_limits_and_reports_missing),
+        cmocka_unit_test(test_file_read_all_reads_a_pipe_up_to_the_limit),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
