@@ -1,4 +1,5 @@
 /* aerie info: what a model file holds. */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -79,7 +80,9 @@ static void add_tokenizer(cJSON *tk, const tok *t) {
     chat_template_free(ct);
 }
 
-static cJSON *describe(const gguf_file *f, const tok *t, ae_error *err) {
+/* t is NULL when the tokenizer could not be loaded; tok_err then says why.
+ * That is reported, not fatal: the rest of the file is still worth seeing. */
+static cJSON *describe(const gguf_file *f, const tok *t, const char *tok_err, ae_error *err) {
     gguf_str s;
     char *arch = NULL;
     if (gguf_get_str(f, "general.architecture", &s, err) != AE_OK) return NULL;
@@ -112,7 +115,10 @@ static cJSON *describe(const gguf_file *f, const tok *t, ae_error *err) {
     add_int(o, "ffn_size", arch_int(f, arch, "feed_forward_length"));
     add_int(o, "heads", heads);
     add_int(o, "kv_heads", kv_heads);
-    add_int(o, "head_dim", hidden > 0 && heads > 0 ? hidden / heads : -1);
+    /* Models whose head size is not hidden / heads say so in key_length. */
+    int64_t head_dim = arch_int(f, arch, "attention.key_length");
+    if (head_dim < 0 && hidden > 0 && heads > 0) head_dim = hidden / heads;
+    add_int(o, "head_dim", head_dim);
     add_int(o, "vocab_size", vocab);
     add_int(o, "context_length", arch_int(f, arch, "context_length"));
     double theta = arch_float(f, arch, "rope.freq_base");
@@ -150,6 +156,7 @@ static cJSON *describe(const gguf_file *f, const tok *t, ae_error *err) {
         cJSON_AddStringToObject(tk, "model", m ? m : "");
         free(m);
     }
+    if (tok_err && tok_err[0]) cJSON_AddStringToObject(tk, "error", tok_err);
     add_tokenizer(tk, t);
     int64_t mi = gguf_find_key(f, "tokenizer.ggml.merges");
     if (t && mi >= 0) cJSON_AddNumberToObject(tk, "merges", (double)gguf_arr_len(f, (uint64_t)mi));
@@ -246,16 +253,16 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     cli_model m = {0};
     cJSON *o = NULL;
     struct stat st;
-    if (path && stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+    if (!path) return err_set(err, "no model given (use --model FILE)"), CLI_EXIT_USAGE;
+    if (stat(path, &st) != 0) return err_set(err, "%s: %s", path, strerror(errno)), CLI_EXIT_USAGE;
+    if (S_ISDIR(st.st_mode)) {
         o = describe_hf(path, err);
         if (!o) return CLI_EXIT_USAGE;
     } else {
-        if (cli_model_open(&m, path, err) != AE_OK) return CLI_EXIT_USAGE;
-        if (!m.gguf) {
-            cli_model_close(&m);
-            return err_set(err, "%s: info reads a .gguf file or a model directory", path), CLI_EXIT_USAGE;
-        }
-        o = describe(m.gguf, m.tok, err);
+        if (gguf_open(&m.gguf, path, err) != AE_OK) return CLI_EXIT_USAGE;
+        ae_error tok_err = {0};
+        if (tok_load_gguf(&m.tok, m.gguf, &tok_err) != AE_OK) m.tok = NULL;
+        o = describe(m.gguf, m.tok, tok_err.msg, err);
         if (!o) {
             err_prefix(err, "%s: ", path);
             cli_model_close(&m);

@@ -50,8 +50,7 @@ int cli_model_open(cli_model *m, const char *path, ae_error *err) {
     size_t n = strlen(path);
     if (n >= 5 && !strcmp(path + n - 5, ".json")) return tok_load_json(&m->tok, path, err);
     if (gguf_open(&m->gguf, path, err) != AE_OK) return AE_ERR;
-    if (tok_load_gguf(&m->tok, m->gguf, err) != AE_OK) {
-        err_prefix(err, "%s: ", path);
+    if (tok_load_gguf(&m->tok, m->gguf, err) != AE_OK) { /* err names the file */
         gguf_close(m->gguf);
         m->gguf = NULL;
         return AE_ERR;

@@ -10,6 +10,7 @@
 #include <cjson/cJSON.h>
 
 #include "file.h"
+#include "json.h"
 #include "log.h"
 
 typedef struct cfg_value {
@@ -191,9 +192,10 @@ int cfg_load_file(cfg *c, const char *path, ae_error *err) {
         return AE_ERR;
     }
     int rc = AE_ERR;
-    cJSON *root = cJSON_ParseWithLength(buf, n);
+    cJSON *root = json_parse(buf, n, err);
     if (!cJSON_IsObject(root)) {
-        err_set(err, "config file %s: not a JSON object", path);
+        if (root) err_set(err, "not a JSON object");
+        err_prefix(err, "config file %s: ", path);
         goto out;
     }
     for (const cJSON *item = root->child; item; item = item->next) {

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "../core/file.h"
+#include "../core/json.h"
 
 /* Upper bounds: far above any real model, low enough that products of two
  * of them (hidden * vocab, heads * head_dim) cannot overflow int64. */
@@ -39,19 +40,21 @@ static const char *kind(const cJSON *v) {
 /* An integral number in [lo, hi]; `label` names the key in errors. */
 static int as_int(const cJSON *v, const char *label, int64_t lo, int64_t hi,
                   int32_t *out, ae_error *err) {
+    int64_t i;
+    if (json_int(v, lo, hi, &i)) {
+        *out = (int32_t)i;
+        return AE_OK;
+    }
     if (!cJSON_IsNumber(v))
         return err_set(err, "%s: expected an integer, got %s", label,
                        kind(v));
     double d = v->valuedouble;
     if (!isfinite(d) || d != trunc(d))
         return err_set(err, "%s: expected an integer, got %.17g", label, d);
-    if (d < (double)lo || d > (double)hi)
-        return err_set(err,
-                       fabs(d) < 1e15 ? "%s: %.0f is out of range [%lld, %lld]"
-                                      : "%s: %g is out of range [%lld, %lld]",
-                       label, d, (long long)lo, (long long)hi);
-    *out = (int32_t)d;
-    return AE_OK;
+    return err_set(err,
+                   fabs(d) < 1e15 ? "%s: %.0f is out of range [%lld, %lld]"
+                                  : "%s: %g is out of range [%lld, %lld]",
+                   label, d, (long long)lo, (long long)hi);
 }
 
 /* Optional integer key: leaves *out (the default) when absent. */
@@ -331,12 +334,9 @@ int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
     }
     if (len > 0) memcpy(buf, json, len);
     buf[len] = '\0';
-    root = cJSON_ParseWithLength(buf, len);
+    root = json_parse(buf, len, &local);
     free(buf);
-    if (!root) {
-        err_set(&local, "not valid JSON");
-        goto fail;
-    }
+    if (!root) goto fail;
     if (parse_root(cfg, root, &local) != AE_OK) goto fail;
     cJSON_Delete(root);
     return AE_OK;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "../core/file.h"
+#include "../core/json.h"
 #include "quant.h"
 
 /* The file is little-endian; tensor data is handed out as-is. */
@@ -20,7 +21,7 @@
 
 /* Largest integer a JSON number (a double in cJSON) holds exactly. Offsets
  * and dims beyond it cannot describe a real file anyway. */
-#define ST_JSON_INT_MAX 9007199254740992.0 /* 2^53 */
+#define ST_JSON_INT_MAX (INT64_C(1) << 53)
 
 /* An index.json is a few hundred KB even for the largest checkpoints. */
 #define ST_MAX_INDEX (64u * 1024u * 1024u)
@@ -115,12 +116,9 @@ static int header_scan(const uint8_t *h, size_t n, ae_error *err) {
 
 /* A non-negative integral JSON number that a double holds exactly. */
 static bool json_u64(const cJSON *v, uint64_t *out) {
-    if (!cJSON_IsNumber(v)) return false;
-    double d = v->valuedouble;
-    if (!(d >= 0.0 && d <= ST_JSON_INT_MAX)) return false; /* also NaN */
-    uint64_t u = (uint64_t)d;
-    if ((double)u != d) return false;
-    *out = u;
+    int64_t i;
+    if (!json_int(v, 0, ST_JSON_INT_MAX, &i)) return false;
+    *out = (uint64_t)i;
     return true;
 }
 
@@ -286,17 +284,12 @@ static int parse(st_file *f, ae_error *err) {
                              (unsigned long long)n);
     memcpy(buf, h, (size_t)n);
     buf[n] = '\0';
-    const char *end = NULL;
-    f->json = cJSON_ParseWithLengthOpts(buf, (size_t)n, &end, false);
-    size_t stop = end ? (size_t)(end - buf) : 0;
-    bool trailing = false;
-    for (size_t i = stop; f->json && i < n; i++)
-        if (!strchr(" \t\r\n", buf[i])) trailing = true;
+    f->json = json_parse(buf, (size_t)n, err);
     free(buf);
-    if (!f->json)
-        return err_set(err, "header is not valid JSON (near byte %zu)", stop);
-    if (trailing)
-        return err_set(err, "header has bytes after the JSON (at %zu)", stop);
+    if (!f->json) {
+        err_prefix(err, "header: ");
+        return AE_ERR;
+    }
     if (!cJSON_IsObject(f->json))
         return err_set(err, "header is not a JSON object");
 
@@ -693,10 +686,10 @@ static int load_index(st_model *m, const char *dir, const char *ipath,
     char *text = NULL;
     file_read_all(ipath, ST_MAX_INDEX, &text, &len, NULL, err);
     if (!text) return AE_ERR;
-    root = cJSON_ParseWithLength(text, len);
+    root = json_parse(text, len, &local);
     free(text);
-    if (!root || !cJSON_IsObject(root)) {
-        err_set(&local, "not a JSON object");
+    if (!cJSON_IsObject(root)) {
+        if (root) err_set(&local, "not a JSON object");
         goto fail;
     }
     const cJSON *meta = cJSON_GetObjectItemCaseSensitive(root, "metadata");

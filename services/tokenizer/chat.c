@@ -8,6 +8,8 @@
 
 #include <cjson/cJSON.h>
 
+#include "../core/json.h"
+
 /* ---- a Jinja lexer, just enough to compare templates -------------------
  *
  * It turns a template into the token stream Jinja's own lexer would make,
@@ -701,18 +703,6 @@ int chat_render_alloc(const chat_template *t, const chat_msg *msgs, size_t n,
 
 /* ---- JSON message lists ------------------------------------------------ */
 
-/* cJSON decodes \u0000 into a NUL inside the string, which C strings would
- * silently cut; refuse it up front instead. */
-static bool has_escaped_nul(const char *json, size_t len) {
-    for (size_t i = 0; i + 1 < len; i++) {
-        if (json[i] != '\\') continue;
-        if (json[i + 1] == 'u' && i + 5 < len && memcmp(json + i + 2, "0000", 4) == 0)
-            return true;
-        i++; /* skip the escaped character, so "\\u0000" is not a match */
-    }
-    return false;
-}
-
 int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs,
                              size_t *n, ae_error *err) {
     AE_ASSERT(msgs != NULL && n != NULL);
@@ -722,24 +712,10 @@ int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs,
     if (len > CHAT_MAX_JSON)
         return err_set(err, "messages: %zu bytes of JSON exceeds the limit of %u", len,
                        CHAT_MAX_JSON);
-    if (has_escaped_nul(json, len))
-        return err_set(err, "messages: \\u0000 in a string is not supported");
-
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(json, len, &end, false);
-    if (root == NULL) {
-        size_t at = end && end >= json && end <= json + len ? (size_t)(end - json) : 0;
-        return err_set(err, "messages: invalid JSON near byte %zu", at);
-    }
-    /* Trailing bytes other than whitespace mean the input was not one
-     * value (e.g. two arrays back to back). */
-    for (const char *p = end; p < json + len; p++) {
-        if (*p == '\0' && p + 1 == json + len) break;
-        if (!is_space(*p)) {
-            cJSON_Delete(root);
-            return err_set(err, "messages: trailing data after the JSON array at byte %zu",
-                           (size_t)(p - json));
-        }
+    cJSON *root = json_parse(json, len, err);
+    if (!root) {
+        err_prefix(err, "messages: ");
+        return AE_ERR;
     }
 
     int rc = AE_ERR;

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "../core/file.h"
+#include "../core/json.h"
 #include "pretok.h"
 
 #define TOK_MAX_VOCAB (1 << 24)        /* ids; real vocabularies are < 300k */
@@ -692,13 +693,6 @@ static int json_pre(const cJSON *pt, tok_pre *out, ae_error *err) {
                    found);
 }
 
-static int json_int(const cJSON *v, int64_t lo, int64_t hi, int64_t *out) {
-    if (!cJSON_IsNumber(v)) return AE_ERR;
-    double d = v->valuedouble;
-    if (!(d >= (double)lo && d <= (double)hi) || d != (double)(int64_t)d) return AE_ERR;
-    *out = (int64_t)d;
-    return AE_OK;
-}
 
 /* bos_token / eos_token in tokenizer_config.json: a string or {"content"}. */
 static int32_t json_token_ref(const tok *t, const cJSON *cfg, const char *key) {
@@ -729,8 +723,9 @@ static int json_config(tok *t, const char *path, ae_error *err) {
         return err_set(err, "%s", local.msg);
     }
     int rc = AE_ERR;
-    if (!(cfg = cJSON_ParseWithLength(text, len)) || !cJSON_IsObject(cfg)) {
-        err_set(err, "%s: not a JSON object", cpath);
+    cfg = json_parse(text, len, &local);
+    if (!cJSON_IsObject(cfg)) {
+        err_set(err, "%s: %s", cpath, cfg ? "not a JSON object" : local.msg);
         goto done;
     }
     t->bos = json_token_ref(t, cfg, "bos_token");
@@ -770,10 +765,11 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
     char *text = NULL;
     file_read_all(path, TOK_MAX_JSON, &text, &len, NULL, err);
     if (!text) return AE_ERR;
-    root = cJSON_ParseWithLength(text, len);
+    root = json_parse(text, len, err);
     free(text);
+    if (!root) goto fail;
     if (!cJSON_IsObject(root)) {
-        err_set(err, root ? "not a JSON object" : "not valid JSON");
+        err_set(err, "not a JSON object");
         goto fail;
     }
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
@@ -821,7 +817,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
     int64_t max_id = -1, id = 0;
     const cJSON *it;
     cJSON_ArrayForEach(it, vocab) {
-        if (json_int(it, 0, TOK_MAX_VOCAB - 1, &id)) {
+        if (!json_int(it, 0, TOK_MAX_VOCAB - 1, &id)) {
             err_set(err, "model.vocab[\"%.64s\"]: id not an integer in 0..%d", it->string,
                     TOK_MAX_VOCAB - 1);
             goto fail;
@@ -830,7 +826,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
     }
     cJSON_ArrayForEach(it, added) {
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(it, "content");
-        if (json_int(cJSON_GetObjectItemCaseSensitive(it, "id"), 0, TOK_MAX_VOCAB - 1, &id) ||
+        if (!json_int(cJSON_GetObjectItemCaseSensitive(it, "id"), 0, TOK_MAX_VOCAB - 1, &id) ||
             !cJSON_IsString(content) || content->valuestring[0] == '\0') {
             err_set(err, "added_tokens: an entry without an id in range or content");
             goto fail;
@@ -848,7 +844,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
 
     size_t max_len = 0;
     cJSON_ArrayForEach(it, vocab) {
-        json_int(it, 0, TOK_MAX_VOCAB - 1, &id);
+        AE_ASSERT(json_int(it, 0, TOK_MAX_VOCAB - 1, &id)); /* checked above */
         if (t->ent[id].text_len) {
             err_set(err, "model.vocab: id %lld used twice", (long long)id);
             goto fail;
@@ -862,7 +858,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
         if (n > max_len) max_len = n;
     }
     cJSON_ArrayForEach(it, added) {
-        json_int(cJSON_GetObjectItemCaseSensitive(it, "id"), 0, TOK_MAX_VOCAB - 1, &id);
+        AE_ASSERT(json_int(cJSON_GetObjectItemCaseSensitive(it, "id"), 0, TOK_MAX_VOCAB - 1, &id));
         const char *content = cJSON_GetObjectItemCaseSensitive(it, "content")->valuestring;
         uint8_t flags = ENT_ADDED | (json_true(it, "special") ? ENT_SPECIAL : 0);
         /* The added token's content is what its id means, as in HF. */

@@ -109,3 +109,23 @@ def test_every_command_rejects_every_corrupt_tokenizer_json(aerie, tmp_path, cmd
         assert len(lines) == 1, f"{name}: {r.err!r}"
         assert lines[0].startswith(f"aerie {cmd[0]}: {path}: "), lines[0]
         assert "Sanitizer" not in r.err and "runtime error" not in r.err
+
+
+def test_unsupported_tokenizer_named_once_and_info_still_reports(aerie, model, tmp_path):
+    data = model.read_bytes()
+    key = b"tokenizer.ggml.pre"
+    at = data.index(key) + len(key) + 4 + 8  # value type (u32), string length (u64)
+    assert data[at:at + 6] == b"smollm"
+    path = tmp_path / "bad-pre.gguf"
+    path.write_bytes(data[:at] + b"smollx" + data[at + 6:])
+    r = aerie("tokenize", "--model", path, "hi")
+    assert r.rc == 2
+    assert r.err.startswith(f"aerie tokenize: {path}: ")
+    assert r.err.count(str(path)) == 1 and r.err.count("\n") == 1, r.err
+    assert '"smollx"' in r.err
+    info = aerie("info", "--model", path, "--json")
+    assert info.rc == 0, info.err
+    tk = info.json()["tokenizer"]
+    assert tk["model"] == "gpt2"
+    assert "smollx" in tk["error"] and "pre" not in tk
+    assert info.json()["layers"] == 30

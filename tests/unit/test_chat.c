@@ -281,10 +281,10 @@ static void test_parse_messages_accepts_a_valid_list(void **state) {
 
 static void test_parse_messages_names_the_bad_element(void **state) {
     (void)state;
-    expect_parse_error("", "messages: invalid JSON near byte 0");
+    expect_parse_error("", "messages: not valid JSON (near byte 0)");
     /* cJSON reports the last byte when the input ends early. */
     expect_parse_error("[{\"role\": \"user\", \"content\": \"x\"}",
-                       "messages: invalid JSON near byte 32");
+                       "messages: not valid JSON (near byte 32)");
     expect_parse_error("{\"role\": \"user\"}",
                        "messages: expected a JSON array of {\"role\", \"content\"} objects");
     expect_parse_error("[]", "messages: empty; a conversation needs at least one");
@@ -306,9 +306,22 @@ static void test_parse_messages_names_the_bad_element(void **state) {
     expect_parse_error("[{\"role\": \"user\", \"content\": \"x\", \"role\": \"system\"}]",
                        "messages[0]: duplicate key \"role\"");
     expect_parse_error("[{\"role\": \"user\", \"content\": \"a\\u0000b\"}]",
-                       "messages: \\u0000 in a string is not supported");
+                       "messages: a \\u0000 escape at byte 31 is not supported");
     expect_parse_error("[{\"role\": \"user\", \"content\": \"x\"}] []",
-                       "messages: trailing data after the JSON array at byte 35");
+                       "messages: trailing data after the JSON value at byte 35");
+}
+
+static void test_parse_messages_refuses_a_raw_nul_byte(void **state) {
+    (void)state;
+    /* cJSON would keep the NUL inside the string and the content would end
+     * at "hello" without a word said. */
+    static const char json[] = "[{\"role\": \"user\", \"content\": \"hello\0IGNORED\"}]";
+    ae_error err = {0};
+    chat_msg *msgs = NULL;
+    size_t n = 0;
+    assert_int_equal(chat_parse_messages_json(json, sizeof json - 1, &msgs, &n, &err), AE_ERR);
+    assert_string_equal(err.msg, "messages: a NUL byte at byte 35");
+    assert_null(msgs);
 }
 
 static void test_parse_messages_escaped_backslash_before_u0000_is_fine(void **state) {
@@ -405,6 +418,7 @@ int main(void) {
         cmocka_unit_test(test_parse_messages_accepts_a_valid_list),
         cmocka_unit_test(test_parse_messages_names_the_bad_element),
         cmocka_unit_test(test_parse_messages_escaped_backslash_before_u0000_is_fine),
+        cmocka_unit_test(test_parse_messages_refuses_a_raw_nul_byte),
         cmocka_unit_test(test_parse_messages_enforces_the_count_limit),
         cmocka_unit_test(test_parsed_golden_conversations_render_like_golden),
         cmocka_unit_test(test_default_model_template_is_recognised),

@@ -144,6 +144,21 @@ static void test_unknown_file_key_is_rejected(void **state) {
     unlink(tmp_path);
 }
 
+static void test_config_file_with_trailing_data_is_rejected(void **state) {
+    (void)state;
+    write_file("{\"threads\": 3} {\"threads\": 4}");
+    ae_error err = {0};
+    cfg *c;
+    assert_int_equal(cfg_init(&c, opts, N_OPTS, &err), AE_OK);
+    assert_int_equal(cfg_load_file(c, tmp_path, &err), AE_ERR);
+    char want[160];
+    snprintf(want, sizeof want, "config file %s: trailing data after the JSON value at byte 15",
+             tmp_path);
+    assert_string_equal(err.msg, want);
+    cfg_free(c);
+    unlink(tmp_path);
+}
+
 static void test_positionals_and_bool_negation(void **state) {
     (void)state;
     char *argv[] = {"tokenize", "--json", "hello", "--no-json", "--", "--literal"};
@@ -174,6 +189,7 @@ int main(void) {
         cmocka_unit_test(test_bad_env_names_the_variable),
         cmocka_unit_test(test_unknown_flag_is_rejected),
         cmocka_unit_test(test_unknown_file_key_is_rejected),
+        cmocka_unit_test(test_config_file_with_trailing_data_is_rejected),
         cmocka_unit_test(test_positionals_and_bool_negation),
     };
     return cmocka_run_group_tests_name("config", tests, NULL, NULL);

@@ -432,14 +432,19 @@ static void test_not_json(void **state) {
     hfcfg c;
     ae_error err = {0};
     assert_int_equal(parse(&c, "{\"hidden_size\": ", &err), AE_ERR);
-    assert_string_equal(err.msg, "config.json: not valid JSON");
+    assert_string_equal(err.msg, "config.json: not valid JSON (near byte 15)");
+    err_clear(&err);
+    /* A second value after the first is not silently ignored. */
+    assert_int_equal(parse(&c, "{\"hidden_size\": 8} {\"hidden_size\": 9}", &err), AE_ERR);
+    assert_string_equal(err.msg,
+                        "config.json: trailing data after the JSON value at byte 19");
     err_clear(&err);
     assert_int_equal(parse(&c, "[]", &err), AE_ERR);
     assert_string_equal(err.msg,
                         "config.json: expected a JSON object, got an array");
     err_clear(&err);
     assert_int_equal(hfcfg_parse(&c, "", 0, "x/config.json", &err), AE_ERR);
-    assert_string_equal(err.msg, "x/config.json: not valid JSON");
+    assert_string_equal(err.msg, "x/config.json: not valid JSON (near byte 0)");
 }
 
 static void test_load_reads_a_file(void **state) {

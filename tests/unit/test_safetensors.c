@@ -422,9 +422,9 @@ static void test_header_must_be_a_json_object(void **state) {
     assert_string_equal(reject("\"x\"", NULL, 0),
                         "t.st: header does not start with a JSON object");
     assert_string_equal(reject("{\"a\":", NULL, 0),
-                        "t.st: header is not valid JSON (near byte 4)");
+                        "t.st: header: not valid JSON (near byte 4)");
     assert_string_equal(reject("{} x", NULL, 0),
-                        "t.st: header has bytes after the JSON (at 2)");
+                        "t.st: header: trailing data after the JSON value at byte 3");
     assert_string_equal(reject("{\"a\":1}", NULL, 0),
                         "t.st: tensor \"a\": entry is not an object");
 }
