@@ -27,6 +27,10 @@ CLI_OBJ  := $(CLI_SRC:%.c=build/obj/%.o)
 ALIB_OBJ := $(LIB_SRC:%.c=build/asan/obj/%.o)
 ACLI_OBJ := $(CLI_SRC:%.c=build/asan/obj/%.o)
 UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=build/asan/tests/%)
+TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o)
+# The suites that share state between threads also run under TSan, which
+# sees data races that ASan cannot.
+TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 
 # `make V=1` shows the full command lines.
@@ -41,7 +45,7 @@ endif
 
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: all deps model test unit fuzz asan run clean
+.PHONY: all deps model test unit fuzz asan tsan run clean
 .DEFAULT_GOAL := all
 
 all: build/aerie
@@ -55,6 +59,21 @@ build/asan/obj/%.o: %.c
 	@mkdir -p $(@D)
 	$(MSG) ASAN $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) -c $< -o $@
+
+build/tsan/obj/%.o: %.c
+	@mkdir -p $(@D)
+	$(MSG) TSAN $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g -fsanitize=thread -c $< -o $@
+
+build/tsan/libaerie.a: $(TLIB_OBJ)
+	@mkdir -p $(@D)
+	$(MSG) AR $@
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+build/tsan/tests/%: tests/unit/%.c build/tsan/libaerie.a
+	@mkdir -p $(@D)
+	$(MSG) TSANLD $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g -fsanitize=thread $< build/tsan/libaerie.a -lcmocka $(LIBS) -o $@
 
 build/libaerie.a: $(LIB_OBJ)
 	@mkdir -p $(@D)
@@ -99,6 +118,7 @@ build/fuzz/%: tests/fuzz/%.c build/fuzz/libaerie.a
 
 asan: build/asan/aerie $(UNIT_BIN)
 unit: $(UNIT_BIN)
+tsan: $(TSAN_BIN)
 fuzz: $(FUZZ_BIN)
 
 deps:
@@ -108,7 +128,7 @@ model:
 	@tools/fetch_model.sh
 
 test: deps
-	$(MAKE) all asan fuzz
+	$(MAKE) all asan tsan fuzz
 	@tools/fetch_model.sh
 	@tools/run_tests.sh
 

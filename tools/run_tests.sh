@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs every CPU test: the cmocka unit suites (built with ASan+UBSan), each
+# Runs every CPU test: the cmocka unit suites (built with ASan+UBSan; the
+# threaded ones also with TSan), each
 # libFuzzer target for a short while, then the pytest integration suite
 # against the real binaries. Ends with one summary line over all of them.
-# Expects `make all asan fuzz` and `make model` to have run (make test does).
+# Expects `make all asan tsan fuzz` and `make model` to have run (make test does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,11 +16,11 @@ rm -rf "$logdir" && mkdir -p "$logdir"
 passed=0 failed=0
 failures=()
 
-echo "== unit tests (cmocka, ASan+UBSan)"
-for t in build/asan/tests/test_*; do
+echo "== unit tests (cmocka: ASan+UBSan, and TSan for the suites that share state across threads)"
+for t in build/asan/tests/test_* build/tsan/tests/test_*; do
     [ -x "$t" ] || continue
-    name=$(basename "$t")
-    log=$logdir/$name.log
+    name=$(basename "$(dirname "$(dirname "$t")")")/$(basename "$t")
+    log=$logdir/${name//\//-}.log
     "$t" >"$log" 2>&1
     rc=$?
     # A file may hold several cmocka groups: add up their summaries.

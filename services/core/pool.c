@@ -9,6 +9,7 @@
 struct pool {
     int n_threads; /* including the caller */
     pthread_t *threads; /* (n_threads - 1) */
+    pthread_mutex_t run_mu; /* one pool_run at a time */
     pthread_mutex_t mu;
     pthread_cond_t wake; /* a new job, or shutdown */
     pthread_cond_t done; /* the last worker left the job */
@@ -67,6 +68,7 @@ int pool_init(pool **out, int n_threads, ae_error *err) {
         return err_set(err, "pool: threads must be in 1..%d, got %d", POOL_MAX_THREADS, n_threads);
     pool *p = calloc(1, sizeof *p);
     if (!p) return err_set(err, "pool: out of memory");
+    pthread_mutex_init(&p->run_mu, NULL);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done, NULL);
@@ -103,6 +105,7 @@ void pool_free(pool *p) {
     pthread_cond_destroy(&p->done);
     pthread_cond_destroy(&p->wake);
     pthread_mutex_destroy(&p->mu);
+    pthread_mutex_destroy(&p->run_mu);
     free(p->threads);
     free(p);
 }
@@ -115,6 +118,7 @@ void pool_run(pool *p, pool_fn fn, void *ctx, int n_tasks) {
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, n_tasks);
         return;
     }
+    pthread_mutex_lock(&p->run_mu);
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
@@ -130,4 +134,5 @@ void pool_run(pool *p, pool_fn fn, void *ctx, int n_tasks) {
     pthread_mutex_lock(&p->mu);
     while (p->busy_workers > 0) pthread_cond_wait(&p->done, &p->mu);
     pthread_mutex_unlock(&p->mu);
+    pthread_mutex_unlock(&p->run_mu);
 }

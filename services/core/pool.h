@@ -3,7 +3,8 @@
  * Threads are created once at start (pool_init) and sleep between jobs.
  * pool_run splits a job into n_tasks tasks handed out through an atomic
  * counter; the calling thread works too, and pool_run returns when every
- * task has finished. Jobs must not call pool_run on the same pool. */
+ * task has finished. Callers on several threads take turns (one job runs
+ * at a time). Jobs must not call pool_run on the same pool. */
 #ifndef AERIE_CORE_POOL_H
 #define AERIE_CORE_POOL_H
 

@@ -15,7 +15,8 @@
  *     as that entry without running merges (Llama 3; llama.cpp does the same
  *     for pre "llama-bpe");
  *   - a byte with no single-byte token is emitted as unk when the model has
- *     one and dropped otherwise (never the case for real byte-level vocabs);
+ *     one and dropped otherwise, as the reference does (SmolLM2 has no token
+ *     for 21 of the 256 bytes, e.g. 0x04, 0xC0, 0xF5..0xFF);
  *   - added/special tokens are found leftmost-longest before pre-tokenizing. */
 #include "tok.h"
 
@@ -29,6 +30,7 @@
 
 #include "../core/file.h"
 #include "../core/json.h"
+#include "detok.h"
 #include "pretok.h"
 
 #define TOK_MAX_VOCAB (1 << 24)        /* ids; real vocabularies are < 300k */
@@ -467,15 +469,10 @@ void tok_free(tok *t) {
 /* ------------------------------------------------------------------------ */
 /* GGUF */
 
-static bool str_eq(gguf_str s, const char *lit) {
-    size_t n = strlen(lit);
-    return s.len == n && memcmp(s.ptr, lit, n) == 0;
-}
-
 static int pre_from_name(gguf_str s, tok_pre *out, ae_error *err) {
-    if (str_eq(s, "gpt2")) *out = TOK_PRE_GPT2;
-    else if (str_eq(s, "smollm")) *out = TOK_PRE_SMOLLM;
-    else if (str_eq(s, "llama-bpe") || str_eq(s, "llama3")) *out = TOK_PRE_LLAMA3;
+    if (gguf_str_eq(s, "gpt2")) *out = TOK_PRE_GPT2;
+    else if (gguf_str_eq(s, "smollm")) *out = TOK_PRE_SMOLLM;
+    else if (gguf_str_eq(s, "llama-bpe") || gguf_str_eq(s, "llama3")) *out = TOK_PRE_LLAMA3;
     else
         return err_set(err, "tokenizer.ggml.pre \"%.*s\" is not supported "
                             "(gpt2, smollm, llama-bpe)", (int)(s.len > 64 ? 64 : s.len), s.ptr);
@@ -502,7 +499,7 @@ int tok_load_gguf(tok **out, const gguf_file *f, ae_error *err) {
     if (!f) return err_set(err, "tok_load_gguf: no file");
 
     if (gguf_get_str(f, "tokenizer.ggml.model", &s, err)) goto fail;
-    if (!str_eq(s, "gpt2")) {
+    if (!gguf_str_eq(s, "gpt2")) {
         err_set(err, "tokenizer.ggml.model \"%.*s\" is not supported (gpt2 only)",
                 (int)(s.len > 64 ? 64 : s.len), s.ptr);
         goto fail;
@@ -1238,56 +1235,6 @@ static inline void sink_put(sink *k, const uint8_t *p, size_t n) {
     k->len += n;
 }
 
-static const uint8_t REPLACEMENT[3] = {0xEF, 0xBF, 0xBD};
-
-/* Incremental UTF-8 repair: well-formed sequences pass through, every
- * maximal ill-formed subpart becomes one U+FFFD (what Rust's
- * String::from_utf8_lossy does). */
-typedef struct utf8_fix {
-    uint8_t pend[4];
-    int n_pend, need; /* bytes held; continuation bytes still expected */
-    uint8_t lo, hi;   /* range of the next byte */
-} utf8_fix;
-
-static void fix_byte(utf8_fix *u, sink *k, uint8_t b) {
-    if (u->need) {
-        if (b >= u->lo && b <= u->hi) {
-            u->pend[u->n_pend++] = b;
-            u->lo = 0x80;
-            u->hi = 0xBF;
-            if (--u->need == 0) {
-                sink_put(k, u->pend, (size_t)u->n_pend);
-                u->n_pend = 0;
-            }
-            return;
-        }
-        sink_put(k, REPLACEMENT, 3);
-        u->n_pend = u->need = 0; /* b starts afresh below */
-    }
-    if (b < 0x80) {
-        sink_put(k, &b, 1);
-        return;
-    }
-    u->lo = 0x80;
-    u->hi = 0xBF;
-    if (b >= 0xC2 && b <= 0xDF) {
-        u->need = 1;
-    } else if (b >= 0xE0 && b <= 0xEF) {
-        u->need = 2;
-        if (b == 0xE0) u->lo = 0xA0;
-        if (b == 0xED) u->hi = 0x9F;
-    } else if (b >= 0xF0 && b <= 0xF4) {
-        u->need = 3;
-        if (b == 0xF0) u->lo = 0x90;
-        if (b == 0xF4) u->hi = 0x8F;
-    } else {
-        sink_put(k, REPLACEMENT, 3);
-        return;
-    }
-    u->pend[0] = b;
-    u->n_pend = 1;
-}
-
 int tok_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special, char *out,
                size_t cap, size_t *len_out, ae_error *err) {
     *len_out = 0;
@@ -1299,25 +1246,22 @@ int tok_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special, ch
             return err_set(err, "tok_decode: id %ld at %zu out of range (vocabulary %ld)",
                            (long)ids[i], i, (long)t->n_vocab);
     sink k = {out, cap, 0};
-    utf8_fix u = {{0}, 0, 0, 0x80, 0xBF};
+    /* Lossy UTF-8 repair is detok's byte layer, so a streamed decode and
+     * this one cannot disagree. Long tokens go through in slices. */
+    enum { SLICE = 256 };
+    char buf[DETOK_UTF8_MAX_OUT(SLICE)];
+    detok_utf8 u;
+    detok_utf8_init(&u);
     for (size_t i = 0; i < n; i++) {
         const tok_entry *e = &t->ent[ids[i]];
         if (skip_special && (e->flags & ENT_SPECIAL)) continue;
         const uint8_t *p = t->raw.p + e->raw_off;
-        size_t j = 0;
-        /* ASCII needs no repair once nothing is pending. */
-        while (j < e->raw_len) {
-            if (!u.need) {
-                size_t a = j;
-                while (a < e->raw_len && p[a] < 0x80) a++;
-                sink_put(&k, p + j, a - j);
-                j = a;
-                if (j == e->raw_len) break;
-            }
-            fix_byte(&u, &k, p[j++]);
+        for (size_t j = 0; j < e->raw_len; j += SLICE) {
+            size_t c = e->raw_len - j < SLICE ? e->raw_len - j : SLICE;
+            sink_put(&k, (const uint8_t *)buf, detok_utf8_push(&u, p + j, c, buf, sizeof buf));
         }
     }
-    if (u.need) sink_put(&k, REPLACEMENT, 3);
+    sink_put(&k, (const uint8_t *)buf, detok_utf8_flush(&u, buf, sizeof buf));
     if (cap) out[k.len < cap ? k.len : cap - 1] = '\0';
     *len_out = k.len;
     return AE_OK;

@@ -1,5 +1,7 @@
 /* The small runtime pieces: errors, arena, thread pool, log lines. */
+#include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -62,33 +64,64 @@ static void test_arena_aligns_and_refuses_overflow(void **state) {
     arena_free(&a); /* freed arena: no-op */
 }
 
-typedef struct sum_ctx {
-    int64_t partial[64];
-    int n;
-} sum_ctx;
+typedef struct count_ctx {
+    atomic_int runs[97]; /* times each task ran */
+    atomic_int seen_n_tasks_wrong;
+} count_ctx;
 
-static void sum_task(void *ctx, int task, int n_tasks) {
-    sum_ctx *s = ctx;
-    int64_t acc = 0;
-    for (int i = task; i < s->n; i += n_tasks) acc += i;
-    s->partial[task] = acc;
+static void count_task(void *ctx, int task, int n_tasks) {
+    count_ctx *c = ctx;
+    if (n_tasks != 97) atomic_fetch_add(&c->seen_n_tasks_wrong, 1);
+    atomic_fetch_add(&c->runs[task], 1);
 }
 
-static void test_pool_runs_every_task_once(void **state) {
-    (void)state;
-    pool *p;
-    ae_error err = {0};
-    assert_int_equal(pool_init(&p, 4, &err), AE_OK);
-    assert_int_equal(pool_threads(p), 4);
-    for (int round = 0; round < 200; round++) {
-        sum_ctx s = {.n = 10000 + round};
-        pool_run(p, sum_task, &s, 64);
-        int64_t total = 0;
-        for (int t = 0; t < 64; t++) total += s.partial[t];
-        assert_int_equal(total, (int64_t)s.n * (s.n - 1) / 2);
+/* Rounds in which some task did not run exactly once. Counts instead of
+ * asserting, so it can run on a thread other than the test's. */
+static int bad_rounds(pool *p, int rounds) {
+    int bad = 0;
+    for (int round = 0; round < rounds; round++) {
+        count_ctx c;
+        memset(&c, 0, sizeof c);
+        pool_run(p, count_task, &c, 97);
+        bool ok = atomic_load(&c.seen_n_tasks_wrong) == 0;
+        for (int t = 0; t < 97; t++) ok = ok && atomic_load(&c.runs[t]) == 1;
+        bad += !ok;
     }
-    pool_free(p);
+    return bad;
+}
+
+static void test_pool_runs_every_task_exactly_once(void **state) {
+    (void)state;
+    ae_error err = {0};
+    for (int threads = 1; threads <= 4; threads++) {
+        pool *p;
+        assert_int_equal(pool_init(&p, threads, &err), AE_OK);
+        assert_int_equal(pool_threads(p), threads);
+        assert_int_equal(bad_rounds(p, 100), 0);
+        pool_free(p);
+    }
     pool_free(NULL);
+}
+
+static void *caller_thread(void *arg) {
+    static int bad;
+    bad = bad_rounds(arg, 50);
+    return &bad;
+}
+
+static void test_pool_callers_on_two_threads_take_turns(void **state) {
+    (void)state;
+    ae_error err = {0};
+    pool *p;
+    assert_int_equal(pool_init(&p, 3, &err), AE_OK);
+    pthread_t other;
+    assert_int_equal(pthread_create(&other, NULL, caller_thread, p), 0);
+    int mine = bad_rounds(p, 50);
+    void *theirs;
+    pthread_join(other, &theirs);
+    pool_free(p);
+    assert_int_equal(mine, 0);
+    assert_int_equal(*(int *)theirs, 0);
 }
 
 static void test_pool_rejects_bad_thread_count(void **state) {
@@ -198,7 +231,8 @@ int main(void) {
         cmocka_unit_test(test_err_keeps_first_error),
         cmocka_unit_test(test_err_prefix_truncates_instead_of_overflowing),
         cmocka_unit_test(test_arena_aligns_and_refuses_overflow),
-        cmocka_unit_test(test_pool_runs_every_task_once),
+        cmocka_unit_test(test_pool_runs_every_task_exactly_once),
+        cmocka_unit_test(test_pool_callers_on_two_threads_take_turns),
         cmocka_unit_test(test_pool_rejects_bad_thread_count),
         cmocka_unit_test(test_log_line_format_and_level_filter),
         cmocka_unit_test(test_file_read_all_reads_limits_and_reports_missing),

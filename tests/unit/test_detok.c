@@ -407,8 +407,9 @@ static void test_tok_bad_id_and_small_buffer_are_errors(void **state) {
     assert_int_equal(detok_push(d, -1, buf, sizeof buf, &k, &err), AE_ERR);
     err_clear(&err);
 
-    /* A 3-byte token needs 12 bytes of room in the worst case; the stream
-     * is left untouched by the refusal. */
+    /* This token is one raw byte, 0xE2 (a lead byte): the worst case is
+     * 3 bytes for it plus 3 for what was held, 6 in all, more than 2. The
+     * stream is left untouched by the refusal. */
     int32_t lead = tok_find(fx->t, "\xC3\xA2", 2);
     assert_int_equal(detok_push(d, lead, buf, 2, &k, &err), AE_ERR);
     assert_non_null(strstr(err.msg, "buffer"));
