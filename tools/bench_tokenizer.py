@@ -85,7 +85,8 @@ def bench_hf(text, reps):
 
 
 def ours_command(model, path, reps):
-    subprocess.run(["make", "--no-print-directory", "-s", "build/aerie"], check=True)
+    subprocess.run(["make", "--no-print-directory", "-s", "build/aerie"], check=True,
+                   stdout=subprocess.DEVNULL)
     return ["build/aerie", "bench-tokenizer", "--model", model, "--file", path,
             "--repeat", str(reps)]
 
