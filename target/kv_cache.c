@@ -1,0 +1,305 @@
+#include "kv_cache.h"
+
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct kv_seq {
+    bool live;
+    int32_t len;      /* committed slots */
+    int32_t n_blocks; /* blocks held: entries of this sequence's table row */
+} kv_seq;
+
+struct kv_cache {
+    kv_params p;
+    size_t row;       /* floats per slot: n_kv_heads * head_dim */
+    size_t pool;      /* floats per pool: n_blocks * block_size * row */
+    float *data;      /* f32 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim], K then V */
+    int32_t *tables;  /* int32 [max_seqs][max_blocks_per_seq]; -1 where unused */
+    kv_seq *seqs;     /* (max_seqs) */
+    int32_t *free_blocks; /* stack of free block ids, (n_blocks); top at n_free-1 */
+    int32_t n_free;
+    int32_t *free_seqs;   /* stack of free sequence ids, (max_seqs) */
+    int32_t n_free_seqs;
+    int32_t peak;
+};
+
+uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim) {
+    if (n_layers <= 0 || n_kv_heads <= 0 || head_dim <= 0) return 0;
+    return 2ull * (uint64_t)n_layers * (uint64_t)n_kv_heads * (uint64_t)head_dim * sizeof(float);
+}
+
+/* a * b into *out; false on overflow. */
+static bool mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
+    if (a != 0 && b > UINT64_MAX / a) return false;
+    *out = a * b;
+    return true;
+}
+
+static bool params_ok(const kv_params *p) {
+    return p->n_layers > 0 && p->n_kv_heads > 0 && p->head_dim > 0 && p->block_size > 0 &&
+           p->n_blocks > 0 && p->max_seqs > 0 && p->max_blocks_per_seq > 0;
+}
+
+/* Floats in all pools; 0 on overflow (or slot counts past INT32_MAX). */
+static uint64_t pool_floats(const kv_params *p) {
+    uint64_t row = (uint64_t)p->n_kv_heads * (uint64_t)p->head_dim, n;
+    if ((uint64_t)p->max_blocks_per_seq * (uint64_t)p->block_size > INT32_MAX) return 0;
+    if (!mul_ok((uint64_t)p->n_blocks, (uint64_t)p->block_size, &n)) return 0;
+    if (!mul_ok(n, row, &n)) return 0;
+    if (!mul_ok(n, 2ull * (uint64_t)p->n_layers, &n)) return 0;
+    if (!mul_ok(n, sizeof(float), &(uint64_t){0})) return 0;
+    return n;
+}
+
+uint64_t kv_bytes(const kv_params *p) {
+    if (!params_ok(p)) return 0;
+    uint64_t floats = pool_floats(p), tables;
+    if (floats == 0) return 0;
+    if (!mul_ok((uint64_t)p->max_seqs, (uint64_t)p->max_blocks_per_seq * sizeof(int32_t), &tables))
+        return 0;
+    return floats * sizeof(float) + tables + (uint64_t)p->n_blocks * sizeof(int32_t) +
+           (uint64_t)p->max_seqs * (sizeof(kv_seq) + sizeof(int32_t));
+}
+
+int kv_init(kv_cache **out, const kv_params *p, ae_error *err) {
+    *out = NULL;
+    if (!params_ok(p))
+        return err_set(err,
+                       "kv cache: sizes must be positive (layers=%d kv_heads=%d head_dim=%d "
+                       "block_size=%d blocks=%d max_seqs=%d max_blocks_per_seq=%d)",
+                       p->n_layers, p->n_kv_heads, p->head_dim, p->block_size, p->n_blocks,
+                       p->max_seqs, p->max_blocks_per_seq);
+    uint64_t floats = pool_floats(p);
+    if (floats == 0 || floats * sizeof(float) > SIZE_MAX)
+        return err_set(err, "kv cache: %d blocks x %d tokens x %d layers is too large", p->n_blocks,
+                       p->block_size, p->n_layers);
+    kv_cache *kv = calloc(1, sizeof *kv);
+    if (!kv) return err_set(err, "kv cache: out of memory");
+    kv->p = *p;
+    kv->row = (size_t)p->n_kv_heads * (size_t)p->head_dim;
+    kv->pool = (size_t)p->n_blocks * (size_t)p->block_size * kv->row;
+    size_t bytes = (size_t)floats * sizeof(float);
+    /* 64-byte aligned for SIMD loads; aligned_alloc wants a multiple of 64. */
+    kv->data = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    kv->tables = malloc((size_t)p->max_seqs * (size_t)p->max_blocks_per_seq * sizeof(int32_t));
+    kv->seqs = calloc((size_t)p->max_seqs, sizeof *kv->seqs);
+    kv->free_blocks = malloc((size_t)p->n_blocks * sizeof(int32_t));
+    kv->free_seqs = malloc((size_t)p->max_seqs * sizeof(int32_t));
+    if (!kv->data || !kv->tables || !kv->seqs || !kv->free_blocks || !kv->free_seqs) {
+        err_set(err, "kv cache: out of memory for %zu bytes of K/V (%d blocks x %d tokens x %d layers)",
+                bytes, p->n_blocks, p->block_size, p->n_layers);
+        goto fail;
+    }
+    /* Zeroed so that the pages are committed now, as the plan counted them,
+     * and so a stray read sees 0 rather than garbage. */
+    memset(kv->data, 0, bytes);
+    for (size_t i = 0; i < (size_t)p->max_seqs * (size_t)p->max_blocks_per_seq; i++) kv->tables[i] = -1;
+    /* Stacks pop from the top: block 0 and sequence 0 come out first. */
+    for (int32_t i = 0; i < p->n_blocks; i++) kv->free_blocks[i] = p->n_blocks - 1 - i;
+    kv->n_free = p->n_blocks;
+    for (int32_t i = 0; i < p->max_seqs; i++) kv->free_seqs[i] = p->max_seqs - 1 - i;
+    kv->n_free_seqs = p->max_seqs;
+    *out = kv;
+    return AE_OK;
+fail:
+    kv_free(kv);
+    return AE_ERR;
+}
+
+void kv_free(kv_cache *kv) {
+    if (!kv) return;
+    free(kv->data);
+    free(kv->tables);
+    free(kv->seqs);
+    free(kv->free_blocks);
+    free(kv->free_seqs);
+    free(kv);
+}
+
+const kv_params *kv_get_params(const kv_cache *kv) { return &kv->p; }
+
+kv_stats kv_get_stats(const kv_cache *kv) {
+    return (kv_stats){
+        .n_blocks = kv->p.n_blocks,
+        .blocks_used = kv->p.n_blocks - kv->n_free,
+        .blocks_free = kv->n_free,
+        .blocks_peak = kv->peak,
+        .seqs_live = kv->p.max_seqs - kv->n_free_seqs,
+    };
+}
+
+static kv_seq *live_seq(const kv_cache *kv, int32_t seq) {
+    AE_ASSERT(seq >= 0 && seq < kv->p.max_seqs && "kv: sequence id out of range");
+    kv_seq *s = &kv->seqs[seq];
+    AE_ASSERT(s->live && "kv: sequence is not live");
+    return s;
+}
+
+static int32_t *table_row(const kv_cache *kv, int32_t seq) {
+    return kv->tables + (size_t)seq * (size_t)kv->p.max_blocks_per_seq;
+}
+
+int kv_seq_alloc(kv_cache *kv, int32_t *seq_out, ae_error *err) {
+    *seq_out = -1;
+    if (kv->n_free_seqs == 0)
+        return err_set(err, "kv cache: all %d sequence slots are in use (max_seqs=%d)", kv->p.max_seqs,
+                       kv->p.max_seqs);
+    int32_t id = kv->free_seqs[--kv->n_free_seqs];
+    kv->seqs[id] = (kv_seq){.live = true, .len = 0, .n_blocks = 0};
+    *seq_out = id;
+    return AE_OK;
+}
+
+/* Returns the sequence's blocks from index keep on to the free list. */
+static void release_blocks(kv_cache *kv, int32_t seq, int32_t keep) {
+    kv_seq *s = &kv->seqs[seq];
+    int32_t *row = table_row(kv, seq);
+    /* Last block first, so a sequence that grows again gets its blocks back in order. */
+    for (int32_t i = s->n_blocks - 1; i >= keep; i--) {
+        AE_ASSERT(kv->n_free < kv->p.n_blocks);
+        kv->free_blocks[kv->n_free++] = row[i];
+        row[i] = -1;
+    }
+    if (keep < s->n_blocks) s->n_blocks = keep;
+}
+
+void kv_seq_free(kv_cache *kv, int32_t seq) {
+    kv_seq *s = live_seq(kv, seq);
+    release_blocks(kv, seq, 0);
+    s->live = false;
+    s->len = 0;
+    kv->free_seqs[kv->n_free_seqs++] = seq;
+}
+
+int kv_seq_reserve(kv_cache *kv, int32_t seq, int32_t n_slots, ae_error *err) {
+    kv_seq *s = live_seq(kv, seq);
+    const int32_t bs = kv->p.block_size;
+    if (n_slots < 0) return err_set(err, "kv cache: sequence %d: negative slot count %d", seq, n_slots);
+    int64_t max_slots = (int64_t)kv->p.max_blocks_per_seq * bs;
+    if (n_slots > max_slots)
+        return err_set(err,
+                       "kv cache: sequence %d needs %d slots, more than its block table holds "
+                       "(max_blocks_per_seq %d x block_size %d = %lld)",
+                       seq, n_slots, kv->p.max_blocks_per_seq, bs, (long long)max_slots);
+    int32_t want = (int32_t)(((int64_t)n_slots + bs - 1) / bs);
+    if (want <= s->n_blocks) return AE_OK;
+    int32_t more = want - s->n_blocks;
+    if (more > kv->n_free)
+        return err_set(err,
+                       "kv cache exhausted: sequence %d needs %d more blocks (%d slots at %d tokens "
+                       "per block, holds %d), %d of %d free (%d used by %d sequences)",
+                       seq, more, n_slots, bs, s->n_blocks, kv->n_free, kv->p.n_blocks,
+                       kv->p.n_blocks - kv->n_free, kv->p.max_seqs - kv->n_free_seqs);
+    int32_t *row = table_row(kv, seq);
+    for (int32_t i = 0; i < more; i++) row[s->n_blocks++] = kv->free_blocks[--kv->n_free];
+    int32_t used = kv->p.n_blocks - kv->n_free;
+    if (used > kv->peak) kv->peak = used;
+    return AE_OK;
+}
+
+void kv_seq_trim(kv_cache *kv, int32_t seq, int32_t n_slots) {
+    kv_seq *s = live_seq(kv, seq);
+    if (n_slots < s->len) n_slots = s->len;
+    int32_t keep = (int32_t)(((int64_t)n_slots + kv->p.block_size - 1) / kv->p.block_size);
+    release_blocks(kv, seq, keep);
+}
+
+int32_t kv_seq_len(const kv_cache *kv, int32_t seq) { return live_seq(kv, seq)->len; }
+
+int32_t kv_seq_capacity(const kv_cache *kv, int32_t seq) {
+    return live_seq(kv, seq)->n_blocks * kv->p.block_size;
+}
+
+int kv_seq_advance(kv_cache *kv, int32_t seq, int32_t n, ae_error *err) {
+    kv_seq *s = live_seq(kv, seq);
+    int32_t cap = s->n_blocks * kv->p.block_size;
+    if (n < 0 || n > cap - s->len)
+        return err_set(err, "kv cache: sequence %d: cannot advance %d slots (length %d, capacity %d)",
+                       seq, n, s->len, cap);
+    s->len += n;
+    return AE_OK;
+}
+
+static size_t slot_offset(const kv_cache *kv, int32_t seq, int32_t slot) {
+    const int32_t bs = kv->p.block_size;
+    int32_t block = table_row(kv, seq)[slot / bs];
+    return ((size_t)block * (size_t)bs + (size_t)(slot % bs)) * kv->row;
+}
+
+int kv_commit_path(kv_cache *kv, int32_t seq, const int32_t *node_slots, int32_t n,
+                   ae_error *err) {
+    kv_seq *s = live_seq(kv, seq);
+    int32_t cap = s->n_blocks * kv->p.block_size;
+    if (n < 0 || n > cap - s->len)
+        return err_set(err, "kv cache: sequence %d: path of %d nodes does not fit (length %d, capacity %d)",
+                       seq, n, s->len, cap);
+    /* Validate everything before moving anything. */
+    for (int32_t i = 0; i < n; i++) {
+        int32_t lo = i == 0 ? s->len : node_slots[i - 1] + 1;
+        if (node_slots[i] < lo || node_slots[i] >= cap)
+            return err_set(err,
+                           "kv cache: sequence %d: path node %d is in slot %d; slots must be strictly "
+                           "increasing within [%d, %d)",
+                           seq, i, node_slots[i], s->len, cap);
+    }
+    /* Destination len+i <= source node_slots[i] < every later source, so
+     * moving front to back never overwrites a row still to be read. */
+    const size_t row_bytes = kv->row * sizeof(float);
+    for (int32_t i = 0; i < n; i++) {
+        int32_t src = node_slots[i], dst = s->len + i;
+        if (src == dst) continue;
+        size_t so = slot_offset(kv, seq, src), d = slot_offset(kv, seq, dst);
+        for (int32_t l = 0; l < kv->p.n_layers; l++) {
+            float *k = kv_k_pool(kv, l), *v = kv_v_pool(kv, l);
+            memcpy(k + d, k + so, row_bytes);
+            memcpy(v + d, v + so, row_bytes);
+        }
+    }
+    s->len += n;
+    return AE_OK;
+}
+
+const int32_t *kv_seq_block_table(const kv_cache *kv, int32_t seq) {
+    (void)live_seq(kv, seq);
+    return table_row(kv, seq);
+}
+
+int32_t kv_seq_n_blocks(const kv_cache *kv, int32_t seq) { return live_seq(kv, seq)->n_blocks; }
+
+const int32_t *kv_block_tables(const kv_cache *kv) { return kv->tables; }
+
+float *kv_k_pool(kv_cache *kv, int32_t layer) {
+    AE_ASSERT(layer >= 0 && layer < kv->p.n_layers);
+    return kv->data + (size_t)layer * 2 * kv->pool;
+}
+
+float *kv_v_pool(kv_cache *kv, int32_t layer) {
+    AE_ASSERT(layer >= 0 && layer < kv->p.n_layers);
+    return kv->data + ((size_t)layer * 2 + 1) * kv->pool;
+}
+
+kn_kv_pool kv_layer(kv_cache *kv, int32_t layer) {
+    return (kn_kv_pool){
+        .k = kv_k_pool(kv, layer),
+        .v = kv_v_pool(kv, layer),
+        .n_blocks = kv->p.n_blocks,
+        .block_size = kv->p.block_size,
+        .n_kv_heads = kv->p.n_kv_heads,
+        .head_dim = kv->p.head_dim,
+    };
+}
+
+static float *slot_row(kv_cache *kv, float *pool, int32_t seq, int32_t slot) {
+    kv_seq *s = live_seq(kv, seq);
+    AE_ASSERT(slot >= 0 && slot < s->n_blocks * kv->p.block_size && "kv: slot not reserved");
+    return pool + slot_offset(kv, seq, slot);
+}
+
+float *kv_slot_k(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot) {
+    return slot_row(kv, kv_k_pool(kv, layer), seq, slot);
+}
+
+float *kv_slot_v(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot) {
+    return slot_row(kv, kv_v_pool(kv, layer), seq, slot);
+}

@@ -1,0 +1,120 @@
+/* Paged KV cache: one pool of fixed-size blocks shared by every sequence.
+ *
+ * All memory is taken at kv_init from the sizes the memory plan chose; no
+ * call after that allocates (DESIGN.md invariant 5).
+ *
+ * Layout (the attention kernel reads it directly; see kernels/kernels.h):
+ *   per layer l, a K pool and a V pool, each
+ *     f32 [n_blocks][block_size][n_kv_heads][head_dim]
+ *   per sequence a block table, int32 [max_blocks_per_seq] of block ids,
+ *   stored as rows of one int32 [max_seqs][max_blocks_per_seq] array.
+ * Slot s of a sequence lives in block block_table[s / block_size], row
+ * s % block_size; one row is n_kv_heads * head_dim contiguous floats.
+ *
+ * A sequence has a committed length (slots 0 .. len-1 hold the KV of tokens
+ * that are final) and a capacity (blocks held x block_size). Slots between
+ * the two are scratch: a verification tree writes node i into slot
+ * len + i, and kv_commit_path keeps the accepted path and drops the rest.
+ *
+ * Sequence ids come from the engine, not from the network: passing an id
+ * that is not live is a broken invariant (always-on assert). Running out of
+ * blocks or sequence slots is a runtime failure with an error text. */
+#ifndef AERIE_TARGET_KV_CACHE_H
+#define AERIE_TARGET_KV_CACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../kernels/kernels.h"
+#include "../services/core/err.h"
+
+typedef struct kv_cache kv_cache;
+
+typedef struct kv_params {
+    int32_t n_layers;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t block_size;         /* tokens per block, e.g. 16 */
+    int32_t n_blocks;           /* blocks in the shared pool */
+    int32_t max_seqs;           /* sequences live at once */
+    int32_t max_blocks_per_seq; /* block table length: max slots = this x block_size */
+} kv_params;
+
+typedef struct kv_stats {
+    int32_t n_blocks;    /* pool size */
+    int32_t blocks_used; /* held by live sequences */
+    int32_t blocks_free;
+    int32_t blocks_peak; /* largest blocks_used since kv_init */
+    int32_t seqs_live;
+} kv_stats;
+
+/* Bytes of K and V for one token over all layers:
+ * 2 * n_layers * n_kv_heads * head_dim * sizeof(float). */
+uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim);
+
+/* Bytes kv_init takes for these sizes (pools + block tables + bookkeeping);
+ * 0 when the sizes overflow. */
+uint64_t kv_bytes(const kv_params *p);
+
+int kv_init(kv_cache **out, const kv_params *p, ae_error *err);
+void kv_free(kv_cache *kv); /* NULL is a no-op */
+
+const kv_params *kv_get_params(const kv_cache *kv);
+kv_stats kv_get_stats(const kv_cache *kv);
+
+/* A new empty sequence (length 0, no blocks). Fails when max_seqs are live. */
+int kv_seq_alloc(kv_cache *kv, int32_t *seq_out, ae_error *err);
+
+/* Ends a sequence; its blocks go back to the free list. */
+void kv_seq_free(kv_cache *kv, int32_t seq);
+
+/* Grows the sequence's block table so that slots 0 .. n_slots-1 exist.
+ * Either every block needed is taken or none is: on failure (pool or
+ * block table exhausted) nothing changes and err says the numbers.
+ * Never shrinks; n_slots <= capacity is a no-op. */
+int kv_seq_reserve(kv_cache *kv, int32_t seq, int32_t n_slots, ae_error *err);
+
+/* Returns blocks beyond those needed for max(n_slots, committed length)
+ * to the pool, e.g. the scratch of a tree after its path is committed. */
+void kv_seq_trim(kv_cache *kv, int32_t seq, int32_t n_slots);
+
+/* Committed length, and slots held (blocks x block_size). */
+int32_t kv_seq_len(const kv_cache *kv, int32_t seq);
+int32_t kv_seq_capacity(const kv_cache *kv, int32_t seq);
+
+/* Makes the n slots written after the committed length final (prefill,
+ * plain decode): len += n. Needs len + n <= capacity. */
+int kv_seq_advance(kv_cache *kv, int32_t seq, int32_t n, ae_error *err);
+
+/* After tree verification: node_slots[0..n-1] are the slots of the accepted
+ * nodes, root first, each in [len, capacity) and strictly increasing (a
+ * tree is stored parents before children, so a root-to-leaf path is). Their
+ * K/V rows, in every layer, move to slots len .. len+n-1 in order and the
+ * committed length becomes len + n. Slots after that are free to overwrite.
+ * Invalid slots fail with nothing moved. */
+int kv_commit_path(kv_cache *kv, int32_t seq, const int32_t *node_slots, int32_t n,
+                   ae_error *err);
+
+/* The sequence's block table: int32 [kv_seq_n_blocks(seq)] block ids
+ * (the row is max_blocks_per_seq long; entries past n_blocks are -1). */
+const int32_t *kv_seq_block_table(const kv_cache *kv, int32_t seq);
+int32_t kv_seq_n_blocks(const kv_cache *kv, int32_t seq);
+
+/* All block tables: int32 [max_seqs][max_blocks_per_seq], row = seq id. */
+const int32_t *kv_block_tables(const kv_cache *kv);
+
+/* Per-layer pools: f32 [n_blocks][block_size][n_kv_heads][head_dim].
+ * Addresses are fixed for the life of the cache. */
+float *kv_k_pool(kv_cache *kv, int32_t layer);
+float *kv_v_pool(kv_cache *kv, int32_t layer);
+
+/* Layer `layer` as the attention kernel takes it (kn_kv_write, kn_attention);
+ * the map's block_tables are kv_block_tables with n_seqs = max_seqs and
+ * table_len = max_blocks_per_seq. */
+kn_kv_pool kv_layer(kv_cache *kv, int32_t layer);
+
+/* One slot's row: f32 [n_kv_heads][head_dim]; slot < capacity. */
+float *kv_slot_k(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot);
+float *kv_slot_v(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot);
+
+#endif

@@ -1,0 +1,269 @@
+#include "memplan.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../services/core/file.h"
+#include "../services/core/log.h"
+
+void memplan_fmt_bytes(uint64_t bytes, char *buf, size_t cap) {
+    static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+    double v = (double)bytes;
+    int u = 0;
+    while (v >= 1024.0 && u < 5) {
+        v /= 1024.0;
+        u++;
+    }
+    if (u == 0 || v == floor(v)) snprintf(buf, cap, "%.0f %s", v, unit[u]);
+    else if (v < 10.0) snprintf(buf, cap, "%.2f %s", v, unit[u]);
+    else if (v < 100.0) snprintf(buf, cap, "%.1f %s", v, unit[u]);
+    else snprintf(buf, cap, "%.0f %s", v, unit[u]);
+}
+
+/* Shorthand for formatted sizes inside one message: B(i, bytes) formats
+ * into the i-th of a few local buffers. */
+typedef struct sizes {
+    char s[12][24];
+} sizes;
+
+static const char *B(sizes *z, int i, uint64_t bytes) {
+    memplan_fmt_bytes(bytes, z->s[i], sizeof z->s[i]);
+    return z->s[i];
+}
+
+/* floor(available x ppm / 1e6) without overflow or rounding surprises. */
+static uint64_t scale_ppm(uint64_t available, uint64_t ppm) {
+    return available / 1000000u * ppm + available % 1000000u * ppm / 1000000u;
+}
+
+static uint64_t to_ppm(double fraction) { return (uint64_t)llround(fraction * 1e6); }
+
+double memplan_auto_fraction(uint64_t available) {
+    if (available == 0) return 0.0;
+    uint64_t reserve = available / 100u * MEMPLAN_RESERVE_PCT;
+    if (reserve < MEMPLAN_RESERVE_MIN) reserve = MEMPLAN_RESERVE_MIN;
+    if (available <= reserve) return 0.0;
+    /* An estimate in double, then settled exactly on the integer budget. */
+    uint64_t left = available - reserve;
+    uint64_t milli = (uint64_t)floor(1000.0 * (double)left / (double)available);
+    if (milli > 1000u) milli = 1000u;
+    while (milli < 1000u && scale_ppm(available, (milli + 1u) * 1000u) <= left) milli++;
+    while (milli > 0 && scale_ppm(available, milli * 1000u) > left) milli--;
+    return (double)milli / 1000.0;
+}
+
+/* The smallest multiple of 0.001 whose budget holds need; > 1000 if none. */
+static uint64_t milli_needed(uint64_t available, uint64_t need) {
+    if (available == 0) return 1001;
+    uint64_t milli = (uint64_t)ceil((double)need * 1000.0 / (double)available);
+    if (milli > 0) milli--;
+    while (milli <= 1000u && scale_ppm(available, milli * 1000u) < need) milli++;
+    return milli;
+}
+
+/* Appends ", --name value" (or "--name value" first) to a would-work list. */
+static void would(char *buf, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void would(char *buf, size_t cap, const char *fmt, ...) {
+    size_t n = strlen(buf);
+    if (n >= cap - 1) return;
+    if (n > 0) {
+        snprintf(buf + n, cap - n, ", ");
+        n = strlen(buf);
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + n, cap - n, fmt, ap);
+    va_end(ap);
+}
+
+static void fmt_fraction(double f, char *buf, size_t cap) { snprintf(buf, cap, "%g", f); }
+
+static int model_ok(const memplan_model *m, const memplan_env *env, ae_error *err) {
+    if (m->n_layers <= 0 || m->hidden <= 0 || m->ffn <= 0 || m->n_heads <= 0 || m->n_kv_heads <= 0 ||
+        m->head_dim <= 0 || m->vocab <= 0)
+        return err_set(err,
+                       "memory plan: model sizes must be positive (layers=%d hidden=%d ffn=%d heads=%d "
+                       "kv_heads=%d head_dim=%d vocab=%d)",
+                       m->n_layers, m->hidden, m->ffn, m->n_heads, m->n_kv_heads, m->head_dim, m->vocab);
+    if (env->block_size <= 0 || env->step_tokens < 0)
+        return err_set(err, "memory plan: block_size %d must be positive and step_tokens %d >= 0",
+                       env->block_size, env->step_tokens);
+    return AE_OK;
+}
+
+int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memplan *out,
+                    ae_error *err) {
+    memset(out, 0, sizeof *out);
+    if (model_ok(m, env, err) != AE_OK) return AE_ERR;
+    sizes z;
+    const int64_t max_batch = cfg_int(c, "max-batch");
+    const int64_t max_seq_len = cfg_int(c, "max-seq-len");
+    const uint64_t bs = (uint64_t)env->block_size;
+    const uint64_t avail = env->mem_available;
+
+    /* budget */
+    const bool frac_auto = cfg_is_auto(c, "mem-fraction");
+    double frac;
+    if (frac_auto) {
+        frac = memplan_auto_fraction(avail);
+        cfg_set_auto_double(c, "mem-fraction", frac);
+    } else {
+        frac = cfg_double(c, "mem-fraction");
+    }
+    const uint64_t budget = scale_ppm(avail, to_ppm(frac));
+    char fs[32];
+    fmt_fraction(frac, fs, sizeof fs);
+    const char *fsrc = cfg_source_name(cfg_get_source(c, "mem-fraction"));
+
+    /* workspace and per-token KV */
+    const uint64_t step = env->step_tokens > 0 ? (uint64_t)env->step_tokens : (uint64_t)max_batch;
+    const uint64_t ws_tok =
+        4ull * (5ull * (uint64_t)m->hidden +
+                2ull * ((uint64_t)m->n_heads + (uint64_t)m->n_kv_heads) * (uint64_t)m->head_dim +
+                2ull * (uint64_t)m->ffn + (uint64_t)m->vocab);
+    const uint64_t ws = step * ws_tok + env->extra_workspace;
+    const uint64_t kv_tok = 2ull * (uint64_t)m->n_layers * (uint64_t)m->n_kv_heads * (uint64_t)m->head_dim * 4ull;
+    const uint64_t kv_block = bs * kv_tok;
+    const uint64_t w = m->weight_bytes;
+
+    const uint64_t per_seq_blocks = ((uint64_t)max_seq_len + bs - 1) / bs;
+    const uint64_t one_seq_kv = per_seq_blocks * kv_block;
+    const uint64_t fixed = w + ws;
+    const uint64_t kv_room = budget > fixed ? budget - fixed : 0;
+    const uint64_t fit_blocks = kv_room / kv_block;
+
+    char ok[200] = "";
+    const bool kv_auto = cfg_is_auto(c, "max-kv-tokens");
+    uint64_t n_blocks;
+
+    if (fit_blocks < per_seq_blocks) {
+        /* Not even one sequence of max-seq-len: say what would fit. */
+        uint64_t need = fixed + one_seq_kv, milli = milli_needed(avail, need);
+        if (milli <= 1000u) would(ok, sizeof ok, "--mem-fraction %g", (double)milli / 1000.0);
+        if (fit_blocks > 0) would(ok, sizeof ok, "--max-seq-len %" PRIu64, fit_blocks * bs);
+        if (env->step_tokens == 0 && budget > w + env->extra_workspace + one_seq_kv) {
+            uint64_t b = (budget - w - env->extra_workspace - one_seq_kv) / ws_tok;
+            if (b >= 1 && b < (uint64_t)max_batch) would(ok, sizeof ok, "--max-batch %" PRIu64, b);
+        }
+        if (!ok[0]) snprintf(ok, sizeof ok, "no setting; more memory");
+        return err_set(err,
+                       "memory plan: one sequence of max-seq-len %" PRId64 " does not fit: weights %s + "
+                       "workspace %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s available = %s; "
+                       "would work: %s",
+                       max_seq_len, B(&z, 1, w), B(&z, 2, ws), per_seq_blocks * bs, B(&z, 3, kv_tok),
+                       B(&z, 4, need), fs, B(&z, 5, avail), B(&z, 6, budget), ok);
+    }
+    if (kv_auto) {
+        uint64_t cap = (uint64_t)max_batch * per_seq_blocks;
+        n_blocks = fit_blocks < cap ? fit_blocks : cap;
+        if (n_blocks > INT32_MAX) n_blocks = INT32_MAX;
+    } else {
+        uint64_t want = (uint64_t)cfg_int(c, "max-kv-tokens");
+        n_blocks = (want + bs - 1) / bs;
+        if (n_blocks < per_seq_blocks)
+            return err_set(err,
+                           "memory plan: max-kv-tokens %" PRIu64 " (%" PRIu64 " blocks of %" PRIu64
+                           ") cannot hold one sequence of max-seq-len %" PRId64 " (%" PRIu64
+                           " blocks); would work: --max-kv-tokens %" PRIu64 ", --max-seq-len %" PRIu64,
+                           want, n_blocks, bs, max_seq_len, per_seq_blocks, per_seq_blocks * bs,
+                           n_blocks * bs);
+        if (n_blocks > fit_blocks || n_blocks > INT32_MAX) {
+            uint64_t need = fixed + n_blocks * kv_block, milli = milli_needed(avail, need);
+            uint64_t fit = fit_blocks < INT32_MAX ? fit_blocks : INT32_MAX;
+            would(ok, sizeof ok, "--max-kv-tokens %" PRIu64, fit * bs);
+            if (milli <= 1000u && n_blocks <= INT32_MAX)
+                would(ok, sizeof ok, "--mem-fraction %g", (double)milli / 1000.0);
+            return err_set(err,
+                           "memory plan: max-kv-tokens %" PRIu64 " does not fit: weights %s + workspace "
+                           "%s + kv %" PRIu64 " tok x %s = %s > budget %s x %s available = %s; "
+                           "would work: %s",
+                           want, B(&z, 0, w), B(&z, 1, ws), n_blocks * bs, B(&z, 2, kv_tok),
+                           B(&z, 3, need), fs, B(&z, 4, avail), B(&z, 5, budget), ok);
+        }
+    }
+
+    out->mem_fraction = frac;
+    out->available = avail;
+    out->budget = budget;
+    out->weight_bytes = w;
+    out->workspace_per_token = ws_tok;
+    out->workspace_bytes = ws;
+    out->kv_bytes_per_token = kv_tok;
+    out->n_blocks = (int32_t)n_blocks;
+    out->block_size = (int32_t)bs;
+    out->kv_tokens = (int64_t)(n_blocks * bs);
+    out->kv_bytes = n_blocks * kv_block;
+    out->total = w + ws + out->kv_bytes;
+    out->max_blocks_per_seq = (int32_t)per_seq_blocks;
+    out->max_batch = (int32_t)max_batch;
+    out->max_seq_len = (int32_t)max_seq_len;
+    out->step_tokens = (int32_t)step;
+    if (kv_auto) cfg_set_auto_int(c, "max-kv-tokens", out->kv_tokens);
+
+    char extra[64] = "";
+    if (env->extra_workspace)
+        snprintf(extra, sizeof extra, " + %s kernel scratch", B(&z, 7, env->extra_workspace));
+    snprintf(out->text, sizeof out->text,
+             "budget = %s (mem-fraction, %s) x %s available = %s\n"
+             "workspace = %" PRIu64 " tok x %s%s = %s\n"
+             "kv = %" PRIu64 " blocks x %" PRIu64 " tok = %" PRId64 " tok x %s = %s "
+             "(%" PRIu64 " seq of max-seq-len %" PRId64 ")\n"
+             "total = weights %s + workspace %s + kv %s = %s (%.1f%% of budget)",
+             fs, fsrc, B(&z, 0, avail), B(&z, 1, budget),
+             step, B(&z, 2, ws_tok), extra, B(&z, 3, ws),
+             n_blocks, bs, out->kv_tokens, B(&z, 4, kv_tok), B(&z, 5, out->kv_bytes),
+             n_blocks / per_seq_blocks, max_seq_len,
+             B(&z, 6, w), B(&z, 8, ws), B(&z, 9, out->kv_bytes), B(&z, 10, out->total),
+             budget ? 100.0 * (double)out->total / (double)budget : 0.0);
+    return AE_OK;
+}
+
+void memplan_log(const memplan *p) {
+    const char *line = p->text;
+    while (*line) {
+        const char *end = strchr(line, '\n');
+        int len = end ? (int)(end - line) : (int)strlen(line);
+        LOG_INFOF("memplan %.*s", len, line);
+        line += len + (end ? 1 : 0);
+    }
+    LOG_INFOF("memplan_bytes available=%" PRIu64 " budget=%" PRIu64 " weights=%" PRIu64
+              " workspace=%" PRIu64 " kv=%" PRIu64 " total=%" PRIu64 " kv_blocks=%d block_size=%d",
+              p->available, p->budget, p->weight_bytes, p->workspace_bytes, p->kv_bytes, p->total,
+              p->n_blocks, p->block_size);
+}
+
+int memplan_parse_meminfo(const char *text, uint64_t *bytes, ae_error *err) {
+    *bytes = 0;
+    const char *p = text;
+    while (p && *p) {
+        if (!strncmp(p, "MemAvailable:", 13)) {
+            char *end;
+            errno = 0;
+            unsigned long long kb = strtoull(p + 13, &end, 10);
+            while (*end == ' ') end++;
+            if (errno || end == p + 13 || strncmp(end, "kB", 2) != 0 || kb > UINT64_MAX / 1024u)
+                return err_set(err, "meminfo: cannot read the MemAvailable line");
+            *bytes = (uint64_t)kb * 1024u;
+            return AE_OK;
+        }
+        p = strchr(p, '\n');
+        if (p) p++;
+    }
+    return err_set(err, "meminfo: no MemAvailable line");
+}
+
+int memplan_mem_available(uint64_t *bytes, ae_error *err) {
+    char *text;
+    size_t len;
+    *bytes = 0;
+    if (file_read_all("/proc/meminfo", 1 << 16, &text, &len, NULL, err) != AE_OK) return AE_ERR;
+    int rc = memplan_parse_meminfo(text, bytes, err);
+    free(text);
+    if (rc != AE_OK) err_prefix(err, "/proc/");
+    return rc;
+}

@@ -1,0 +1,96 @@
+/* Memory plan: how the target spends the memory it may use, decided once at
+ * start (DESIGN.md invariants 3 and 5).
+ *
+ *   budget    = mem-fraction x available
+ *   weights   = the model's bytes in memory (given)
+ *   workspace = step tokens x 4 B x (5 hidden + 2 (n_heads + n_kv_heads) head_dim
+ *                                   + 2 ffn + vocab)  + extra workspace
+ *               per token, in f32: residual and normed input (2 hidden),
+ *               q and attention output (2 n_heads head_dim), k and v
+ *               (2 n_kv_heads head_dim), gate and up (2 ffn), logits (vocab),
+ *               EAGLE-3 captured features (3 hidden). Kernel scratch that
+ *               does not scale this way comes in as extra workspace bytes.
+ *   kv        = kv blocks x block_size x (2 n_layers n_kv_heads head_dim x 4 B)
+ *   total     = weights + workspace + kv  <=  budget
+ *
+ * Settings (rows for the service's cfg table, MEMPLAN_OPTIONS):
+ *   mem-fraction   auto = the largest fraction (in steps of 0.001) that leaves
+ *                  the system max(1 GiB, 10% of available)
+ *   max-kv-tokens  auto = what fits in the budget, at most
+ *                  max-batch x max-seq-len (more could never be used);
+ *                  a given value is rounded up to whole blocks
+ *   max-batch      sequences in flight at once
+ *   max-seq-len    longest sequence (prompt + generated + tree scratch)
+ * Auto values are recorded in the cfg with source "auto".
+ *
+ * A plan that cannot hold one sequence of max-seq-len fails with the
+ * arithmetic and the value of each setting that would work. */
+#ifndef AERIE_TARGET_MEMPLAN_H
+#define AERIE_TARGET_MEMPLAN_H
+
+#include <stdint.h>
+
+#include "../services/core/config.h"
+#include "../services/core/err.h"
+
+#define MEMPLAN_OPTIONS                                                                          \
+    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,                                              \
+     "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},            \
+    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12,                                                  \
+     "KV cache size in tokens (auto: what fits, at most max-batch x max-seq-len)"},              \
+    {"max-batch", CFG_INT, "8", 1, 4096, "sequences in flight at once"},                         \
+    {"max-seq-len", CFG_INT, "4096", 1, 16777216, "longest sequence in tokens"}
+
+#define MEMPLAN_RESERVE_MIN (1ull << 30) /* bytes left to the system at least */
+#define MEMPLAN_RESERVE_PCT 10           /* ... or this share of available, if larger */
+#define MEMPLAN_TEXT_MAX 1024
+
+typedef struct memplan_model {
+    uint64_t weight_bytes;
+    int32_t n_layers, hidden, ffn, n_heads, n_kv_heads, head_dim, vocab;
+} memplan_model;
+
+typedef struct memplan_env {
+    uint64_t mem_available;   /* bytes: MemAvailable on CPU (memplan_mem_available) */
+    int32_t block_size;       /* KV tokens per block */
+    int32_t step_tokens;      /* tokens in one forward pass; 0: max-batch */
+    uint64_t extra_workspace; /* kernel scratch bytes beyond the per-token formula */
+} memplan_env;
+
+typedef struct memplan {
+    double mem_fraction;
+    uint64_t available, budget;
+    uint64_t weight_bytes;
+    uint64_t workspace_per_token, workspace_bytes;
+    uint64_t kv_bytes_per_token, kv_bytes;
+    uint64_t total;
+    int64_t kv_tokens;          /* n_blocks x block_size */
+    int32_t n_blocks, block_size;
+    int32_t max_blocks_per_seq; /* ceil(max-seq-len / block_size) */
+    int32_t max_batch, max_seq_len, step_tokens;
+    char text[MEMPLAN_TEXT_MAX]; /* the arithmetic, one line per '\n' */
+} memplan;
+
+/* Resolves the plan from c (which must hold MEMPLAN_OPTIONS), records auto
+ * values in c, and fills out. Infeasible: AE_ERR with the arithmetic and
+ * what would work in err. */
+int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memplan *out,
+                    ae_error *err);
+
+/* Logs the plan's lines at info level ("memplan budget = ..."), then one
+ * line of exact byte counts. */
+void memplan_log(const memplan *p);
+
+/* The auto mem-fraction for this much available memory: the largest
+ * multiple of 0.001 leaving max(1 GiB, 10%); 0 when nothing is left. */
+double memplan_auto_fraction(uint64_t available);
+
+/* MemAvailable from /proc/meminfo, in bytes. */
+int memplan_mem_available(uint64_t *bytes, ae_error *err);
+/* The same from a meminfo text (for tests). */
+int memplan_parse_meminfo(const char *text, uint64_t *bytes, ae_error *err);
+
+/* "23.4 GiB", "45 KiB", "512 B": 3 significant digits, binary units. */
+void memplan_fmt_bytes(uint64_t bytes, char *buf, size_t cap);
+
+#endif

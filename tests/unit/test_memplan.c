@@ -1,0 +1,299 @@
+/* Memory plan: exact arithmetic, the auto fraction, infeasible plans that
+ * name what would work, and provenance of every setting. The model is
+ * SmolLM2-135M's shape with 100 MiB of weights: workspace 221.25 KiB and
+ * KV 45 KiB per token. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "../../services/core/log.h"
+#include "../../target/memplan.h"
+
+#define GiB (1024ull * 1024 * 1024)
+
+static const cfg_option opts[] = {MEMPLAN_OPTIONS};
+#define N_OPTS (sizeof opts / sizeof opts[0])
+
+static const memplan_model smol = {
+    .weight_bytes = 100ull << 20, .n_layers = 30, .hidden = 576, .ffn = 1536,
+    .n_heads = 9, .n_kv_heads = 3, .head_dim = 64, .vocab = 49152,
+};
+
+/* A cfg with MEMPLAN_OPTIONS and the given flags applied. */
+static cfg *with_flags(int argc, char **argv) {
+    cfg *c;
+    ae_error err = {0};
+    assert_int_equal(cfg_init(&c, opts, N_OPTS, &err), AE_OK);
+    char *pos[8];
+    int npos;
+    bool print;
+    assert_int_equal(cfg_load(c, argc, argv, NULL, pos, &npos, &print, &err), AE_OK);
+    return c;
+}
+
+static int plan(cfg *c, uint64_t available, memplan *p, ae_error *err) {
+    memplan_env env = {.mem_available = available, .block_size = 16};
+    return memplan_compute(c, &smol, &env, p, err);
+}
+
+static void test_auto_fraction_leaves_the_reserve(void **state) {
+    (void)state;
+    assert_true(memplan_auto_fraction(16 * GiB) == 0.9);   /* 10% = 1.6 GiB > 1 GiB */
+    assert_true(memplan_auto_fraction(100 * GiB) == 0.9);
+    assert_true(memplan_auto_fraction(8 * GiB) == 0.875);  /* 1 GiB > 10% */
+    assert_true(memplan_auto_fraction(3 * GiB) == 0.666);  /* 2/3 rounded down */
+    assert_true(memplan_auto_fraction(GiB) == 0.0);        /* nothing left */
+    assert_true(memplan_auto_fraction(0) == 0.0);
+}
+
+static void test_feasible_plan_numbers_exact(void **state) {
+    (void)state;
+    cfg *c = with_flags(0, NULL);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_OK);
+    assert_true(p.mem_fraction == 0.9);
+    assert_int_equal(p.budget, 15461882265ull); /* floor(0.9 x 17179869184) */
+    assert_int_equal(p.workspace_per_token, 226560);
+    assert_int_equal(p.workspace_bytes, 8 * 226560);
+    assert_int_equal(p.kv_bytes_per_token, 46080);
+    /* 20826 blocks would fit; max-batch 8 x 256 blocks per sequence is all that can be used */
+    assert_int_equal(p.n_blocks, 2048);
+    assert_int_equal(p.kv_tokens, 32768);
+    assert_int_equal(p.max_blocks_per_seq, 256);
+    assert_int_equal(p.kv_bytes, 2048ull * 16 * 46080);
+    assert_int_equal(p.total, (100ull << 20) + 8 * 226560 + 2048ull * 16 * 46080);
+    assert_string_equal(p.text,
+                        "budget = 0.9 (mem-fraction, auto) x 16 GiB available = 14.4 GiB\n"
+                        "workspace = 8 tok x 221 KiB = 1.73 MiB\n"
+                        "kv = 2048 blocks x 16 tok = 32768 tok x 45 KiB = 1.41 GiB (8 seq of max-seq-len 4096)\n"
+                        "total = weights 100 MiB + workspace 1.73 MiB + kv 1.41 GiB = 1.51 GiB (10.5% of budget)");
+    cfg_free(c);
+}
+
+static void test_given_kv_tokens_round_up_to_blocks(void **state) {
+    (void)state;
+    char *argv[] = {"--mem-fraction", "0.5", "--max-kv-tokens", "5000"};
+    cfg *c = with_flags(4, argv);
+    memplan p;
+    assert_int_equal(plan(c, 16 * GiB, &p, NULL), AE_OK);
+    assert_int_equal(p.n_blocks, 313);
+    assert_int_equal(p.budget, 8 * GiB);
+    assert_string_equal(p.text,
+                        "budget = 0.5 (mem-fraction, flag) x 16 GiB available = 8 GiB\n"
+                        "workspace = 8 tok x 221 KiB = 1.73 MiB\n"
+                        "kv = 313 blocks x 16 tok = 5008 tok x 45 KiB = 220 MiB (1 seq of max-seq-len 4096)\n"
+                        "total = weights 100 MiB + workspace 1.73 MiB + kv 220 MiB = 322 MiB (3.9% of budget)");
+    cfg_free(c);
+}
+
+static void test_infeasible_plan_shows_arithmetic_and_what_works(void **state) {
+    (void)state;
+    char *argv[] = {"--mem-fraction", "0.1"};
+    cfg *c = with_flags(2, argv);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(plan(c, 2 * GiB, &p, &err), AE_ERR);
+    assert_string_equal(err.msg,
+                        "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
+                        "workspace 1.73 MiB + kv 4096 tok x 45 KiB = 282 MiB > budget 0.1 x 2 GiB "
+                        "available = 205 MiB; would work: --mem-fraction 0.138, --max-seq-len 2336");
+    cfg_free(c);
+}
+
+/* The values the error names do work, and one step past them does not. */
+static void test_values_named_by_the_error_work(void **state) {
+    (void)state;
+    memplan p;
+    char *f_ok[] = {"--mem-fraction", "0.138"}, *f_bad[] = {"--mem-fraction", "0.137"};
+    char *l_ok[] = {"--mem-fraction", "0.1", "--max-seq-len", "2336"};
+    char *l_bad[] = {"--mem-fraction", "0.1", "--max-seq-len", "2337"};
+    cfg *c = with_flags(2, f_ok);
+    assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_OK);
+    assert_int_equal(p.n_blocks, 257); /* one 4096-token sequence and a block to spare */
+    cfg_free(c);
+    c = with_flags(2, f_bad);
+    assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_ERR);
+    cfg_free(c);
+    c = with_flags(4, l_ok);
+    assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_OK);
+    assert_int_equal(p.n_blocks, 146);
+    cfg_free(c);
+    c = with_flags(4, l_bad);
+    assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_ERR);
+    cfg_free(c);
+}
+
+static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
+    (void)state;
+    /* budget 0.1 x 4 GiB = 410 MiB; 4096 tokens of KV take 180 MiB and the
+     * weights 100 MiB, leaving room for the workspace of 599 tokens. */
+    char *argv[] = {"--mem-fraction", "0.1", "--max-batch", "1000"};
+    cfg *c = with_flags(4, argv);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(plan(c, 4 * GiB, &p, &err), AE_ERR);
+    assert_string_equal(err.msg,
+                        "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
+                        "workspace 216 MiB + kv 4096 tok x 45 KiB = 496 MiB > budget 0.1 x 4 GiB "
+                        "available = 410 MiB; would work: --mem-fraction 0.122, --max-seq-len 2128, "
+                        "--max-batch 599");
+    cfg_free(c);
+    char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "599"};
+    char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "600"};
+    c = with_flags(4, b_ok);
+    assert_int_equal(plan(c, 4 * GiB, &p, NULL), AE_OK);
+    assert_int_equal(p.n_blocks, 256);
+    cfg_free(c);
+    c = with_flags(4, b_bad);
+    assert_int_equal(plan(c, 4 * GiB, &p, NULL), AE_ERR);
+    cfg_free(c);
+}
+
+static void test_infeasible_when_kv_tokens_hold_less_than_one_sequence(void **state) {
+    (void)state;
+    char *argv[] = {"--max-kv-tokens", "1000"};
+    cfg *c = with_flags(2, argv);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
+    assert_string_equal(err.msg,
+                        "memory plan: max-kv-tokens 1000 (63 blocks of 16) cannot hold one sequence of "
+                        "max-seq-len 4096 (256 blocks); would work: --max-kv-tokens 4096, --max-seq-len 1008");
+    cfg_free(c);
+}
+
+static void test_infeasible_when_kv_tokens_exceed_budget(void **state) {
+    (void)state;
+    char *argv[] = {"--max-kv-tokens", "10000000"};
+    cfg *c = with_flags(2, argv);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
+    assert_string_equal(err.msg,
+                        "memory plan: max-kv-tokens 10000000 does not fit: weights 100 MiB + workspace "
+                        "1.73 MiB + kv 10000000 tok x 45 KiB = 429 GiB > budget 0.9 x 16 GiB available = "
+                        "14.4 GiB; would work: --max-kv-tokens 333216");
+    cfg_free(c);
+}
+
+static void test_provenance_default_flag_auto_in_json(void **state) {
+    (void)state;
+    char *argv[] = {"--max-seq-len", "2048"};
+    cfg *c = with_flags(2, argv);
+    memplan p;
+    assert_int_equal(plan(c, 8 * GiB, &p, NULL), AE_OK);
+    char *json = cfg_to_json(c);
+    /* budget 7 GiB holds far more than 8 x 2048 tokens: auto = 16384 */
+    assert_string_equal(json,
+                        "{\"mem-fraction\":{\"value\":0.875,\"source\":\"auto\"},"
+                        "\"max-kv-tokens\":{\"value\":16384,\"source\":\"auto\"},"
+                        "\"max-batch\":{\"value\":8,\"source\":\"default\"},"
+                        "\"max-seq-len\":{\"value\":2048,\"source\":\"flag\"}}");
+    free(json);
+    cfg_free(c);
+}
+
+static void test_log_writes_each_line(void **state) {
+    (void)state;
+    cfg *c = with_flags(0, NULL);
+    memplan p;
+    assert_int_equal(plan(c, 16 * GiB, &p, NULL), AE_OK);
+    char path[] = "/tmp/aerie-memplan-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    log_set_fd(fd);
+    memplan_log(&p);
+    log_set_fd(2);
+    char buf[2048] = {0};
+    assert_true(pread(fd, buf, sizeof buf - 1, 0) > 0);
+    close(fd);
+    unlink(path);
+    /* Each line: timestamp, level, event "memplan", the arithmetic. */
+    const char *want[] = {
+        " info memplan budget = 0.9 (mem-fraction, auto) x 16 GiB available = 14.4 GiB\n",
+        " info memplan workspace = 8 tok x 221 KiB = 1.73 MiB\n",
+        " info memplan kv = 2048 blocks x 16 tok = 32768 tok",
+        " info memplan total = weights 100 MiB",
+        (" info memplan_bytes available=17179869184 budget=15461882265 weights=104857600 "
+         "workspace=1812480 kv=1509949440 total=1616619520 kv_blocks=2048 block_size=16\n"),
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) assert_non_null(strstr(buf, want[i]));
+    int lines = 0;
+    for (char *q = buf; *q; q++) lines += *q == '\n';
+    assert_int_equal(lines, 5);
+    cfg_free(c);
+}
+
+static void test_parse_meminfo(void **state) {
+    (void)state;
+    uint64_t b;
+    ae_error err = {0};
+    assert_int_equal(memplan_parse_meminfo("MemTotal:       32768000 kB\nMemFree:  1 kB\n"
+                                           "MemAvailable:   24536192 kB\nBuffers: 2 kB\n",
+                                           &b, &err),
+                     AE_OK);
+    assert_int_equal(b, 24536192ull * 1024);
+    assert_int_equal(memplan_parse_meminfo("MemTotal: 5 kB\n", &b, &err), AE_ERR);
+    assert_string_equal(err.msg, "meminfo: no MemAvailable line");
+    err_clear(&err);
+    assert_int_equal(memplan_parse_meminfo("MemAvailable: lots\n", &b, &err), AE_ERR);
+    assert_string_equal(err.msg, "meminfo: cannot read the MemAvailable line");
+    /* This machine's own file reads. */
+    assert_int_equal(memplan_mem_available(&b, NULL), AE_OK);
+    assert_true(b > 0);
+}
+
+static void test_fmt_bytes_three_digits(void **state) {
+    (void)state;
+    char s[24];
+    const struct { uint64_t b; const char *want; } cases[] = {
+        {0, "0 B"}, {1023, "1023 B"}, {1024, "1 KiB"}, {46080, "45 KiB"},
+        {226560, "221 KiB"}, {1812480, "1.73 MiB"}, {96600000, "92.1 MiB"},
+        {25125558681ull, "23.4 GiB"}, {3ull << 40, "3 TiB"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        memplan_fmt_bytes(cases[i].b, s, sizeof s);
+        assert_string_equal(s, cases[i].want);
+    }
+}
+
+static void test_bad_model_sizes_rejected(void **state) {
+    (void)state;
+    cfg *c = with_flags(0, NULL);
+    memplan_model m = smol;
+    m.vocab = 0;
+    memplan_env env = {.mem_available = 16 * GiB, .block_size = 16};
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(memplan_compute(c, &m, &env, &p, &err), AE_ERR);
+    assert_string_equal(err.msg, "memory plan: model sizes must be positive (layers=30 hidden=576 "
+                                 "ffn=1536 heads=9 kv_heads=3 head_dim=64 vocab=0)");
+    cfg_free(c);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_auto_fraction_leaves_the_reserve),
+        cmocka_unit_test(test_feasible_plan_numbers_exact),
+        cmocka_unit_test(test_given_kv_tokens_round_up_to_blocks),
+        cmocka_unit_test(test_infeasible_plan_shows_arithmetic_and_what_works),
+        cmocka_unit_test(test_values_named_by_the_error_work),
+        cmocka_unit_test(test_infeasible_when_max_batch_is_what_breaks_it),
+        cmocka_unit_test(test_infeasible_when_kv_tokens_hold_less_than_one_sequence),
+        cmocka_unit_test(test_infeasible_when_kv_tokens_exceed_budget),
+        cmocka_unit_test(test_provenance_default_flag_auto_in_json),
+        cmocka_unit_test(test_log_writes_each_line),
+        cmocka_unit_test(test_parse_meminfo),
+        cmocka_unit_test(test_fmt_bytes_three_digits),
+        cmocka_unit_test(test_bad_model_sizes_rejected),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
