@@ -1,7 +1,7 @@
 # Aerie: one entry point. See README.md and ../shared/DESIGN.md.
 #
 # Sources are found by folder, so a new module needs no edit here:
-#   services/*/*.c kernels/cpu/*.c  -> build/libaerie.a
+#   services/*/*.c kernels/cpu/*.c target/*.c draft/*.c -> build/libaerie.a
 #   cli/*.c                         -> build/aerie
 #   tests/unit/test_NAME.c          -> build/asan/tests/test_NAME (cmocka, ASan+UBSan)
 #   tests/fuzz/fuzz_NAME.c          -> build/fuzz/fuzz_NAME (libFuzzer, ASan+UBSan)
@@ -17,7 +17,10 @@ BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -pthread -MMD -MP $(WARN)
 OPT     ?= -O2 -g
 LIBS    := -lcjson -lm -lpthread
 
-LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c))
+# target/ and draft/ are libraries first: their main.c files become the
+# service binaries, everything else goes into the library.
+LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c) \
+              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c)))
 CLI_SRC  := $(sort $(wildcard cli/*.c))
 UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))

@@ -1,0 +1,273 @@
+/* CPU backend: streams, SIMD dispatch, and the element-wise and per-row
+ * ops. Per-row reductions (rmsnorm, softmax) sum in double in element
+ * order: cheap next to the matmuls, and the order never depends on the
+ * batch (kernels.h). */
+#include "kn_cpu_impl.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- streams and dispatch ----------------------------------------------- */
+
+int kn_stream_init_cpu(kn_stream **out, pool *p, size_t workspace_bytes, ae_error *err) {
+    *out = NULL;
+    if (!p) return err_set(err, "kernels: a CPU stream needs a thread pool");
+    kn_stream *s = calloc(1, sizeof *s);
+    if (!s) return err_set(err, "kernels: out of memory for a stream");
+    s->pool = p;
+    if (workspace_bytes > 0) {
+        size_t bytes = (workspace_bytes + 63) & ~(size_t)63;
+        s->work = aligned_alloc(64, bytes);
+        if (!s->work) {
+            free(s);
+            return err_set(err, "kernels: cannot allocate %zu bytes of stream workspace",
+                           workspace_bytes);
+        }
+        s->work_bytes = bytes;
+    }
+    *out = s;
+    return AE_OK;
+}
+
+void kn_stream_free(kn_stream *s) {
+    if (!s) return;
+    free(s->work);
+    free(s);
+}
+
+void kn_stream_sync(kn_stream *s) { (void)s; }
+
+int kn_stream_threads(const kn_stream *s) { return pool_threads(s->pool); }
+
+static atomic_bool g_force_scalar;
+
+void kn_cpu_force_scalar(bool on) { atomic_store(&g_force_scalar, on); }
+
+bool kn_cpu_use_avx2(void) {
+    if (atomic_load(&g_force_scalar)) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+const char *kn_cpu_simd(void) { return kn_cpu_use_avx2() ? "avx2" : "scalar"; }
+
+/* ---- per-row ops -------------------------------------------------------- */
+
+/* Element-wise work below this many elements runs on the caller: waking the
+ * pool costs more than the work at decode sizes. */
+#define KN_PAR_MIN 65536
+
+typedef struct rows_job {
+    int64_t m;
+    void (*row)(const struct rows_job *job, int64_t r);
+    const float *a, *b;
+    float *y;
+    int64_t n;
+    float eps;
+} rows_job;
+
+static void rows_task(void *ctx, int task, int n_tasks) {
+    const rows_job *job = ctx;
+    int64_t lo = job->m * task / n_tasks, hi = job->m * (task + 1) / n_tasks;
+    for (int64_t r = lo; r < hi; r++) job->row(job, r);
+}
+
+/* Runs job->row for every row, on the pool when the work is large. */
+static void run_rows(kn_stream *s, rows_job *job) {
+    int threads = pool_threads(s->pool);
+    if (threads == 1 || job->m < 2 || job->m * job->n < KN_PAR_MIN) {
+        for (int64_t r = 0; r < job->m; r++) job->row(job, r);
+        return;
+    }
+    int n_tasks = job->m < threads ? (int)job->m : threads;
+    pool_run(s->pool, rows_task, job, n_tasks);
+}
+
+static void rmsnorm_row(const rows_job *job, int64_t r) {
+    const float *x = job->a + r * job->n;
+    float *y = job->y + r * job->n;
+    double ss = 0.0;
+    for (int64_t i = 0; i < job->n; i++) ss += (double)x[i] * x[i];
+    float inv = (float)(1.0 / sqrt(ss / (double)job->n + (double)job->eps));
+    for (int64_t i = 0; i < job->n; i++) {
+        float t = x[i] * inv;
+        y[i] = t * job->b[i];
+    }
+}
+
+void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
+                float eps) {
+    AE_ASSERT(m >= 0 && n > 0 && eps >= 0.0f);
+    rows_job job = {.m = m, .row = rmsnorm_row, .a = x, .b = g, .y = y, .n = n, .eps = eps};
+    run_rows(s, &job);
+}
+
+static void add_row(const rows_job *job, int64_t r) {
+    int64_t lo = r * job->n, hi = lo + job->n;
+    for (int64_t i = lo; i < hi; i++) job->y[i] = job->a[i] + job->b[i];
+}
+
+/* Element-wise ops split a flat range into rows of KN_PAR_MIN / 4 so the
+ * same row machinery spreads them over threads. */
+#define KN_FLAT_ROW 16384
+
+static void flat_job(kn_stream *s, rows_job *job, int64_t count) {
+    AE_ASSERT(count >= 0);
+    int64_t rows = count / KN_FLAT_ROW, tail = count - rows * KN_FLAT_ROW;
+    job->n = KN_FLAT_ROW;
+    job->m = rows;
+    run_rows(s, job);
+    if (tail > 0) {
+        /* The tail as one short row; its offset is rows * KN_FLAT_ROW. */
+        rows_job t = *job;
+        t.a = job->a ? job->a + rows * KN_FLAT_ROW : NULL;
+        t.b = job->b ? job->b + rows * KN_FLAT_ROW : NULL;
+        t.y = job->y + rows * KN_FLAT_ROW;
+        t.n = tail;
+        t.m = 1;
+        t.row(&t, 0);
+    }
+}
+
+void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count) {
+    rows_job job = {.row = add_row, .a = a, .b = b, .y = y};
+    flat_job(s, &job, count);
+}
+
+static float silu(float g) { return g / (1.0f + expf(-g)); }
+
+static void swiglu_row(const rows_job *job, int64_t r) {
+    int64_t lo = r * job->n, hi = lo + job->n;
+    for (int64_t i = lo; i < hi; i++) job->y[i] = silu(job->a[i]) * job->b[i];
+}
+
+void kn_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {
+    rows_job job = {.row = swiglu_row, .a = gate, .b = up, .y = y};
+    flat_job(s, &job, count);
+}
+
+void kn_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {
+    (void)s;
+    AE_ASSERT(m >= 0 && n > 0);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < n; i++) x[r * n + i] += bias[i];
+}
+
+static void softmax_row(const rows_job *job, int64_t r) {
+    float *x = job->y + r * job->n;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < job->n; i++)
+        if (x[i] > mx) mx = x[i];
+    double sum = 0.0;
+    for (int64_t i = 0; i < job->n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    float inv = (float)(1.0 / sum);
+    for (int64_t i = 0; i < job->n; i++) x[i] *= inv;
+}
+
+void kn_softmax(kn_stream *s, float *x, int64_t m, int64_t n) {
+    AE_ASSERT(m >= 0 && n > 0);
+    rows_job job = {.m = m, .row = softmax_row, .y = x, .n = n};
+    run_rows(s, &job);
+}
+
+void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
+    (void)s;
+    AE_ASSERT(m >= 0 && n > 0 && n <= INT32_MAX);
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = x + r * n;
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++)
+            if (row[i] == row[i] && (best < 0 || row[i] > row[best])) best = i;
+        out[r] = best < 0 ? 0 : (int32_t)best;
+    }
+}
+
+void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
+    (void)s;
+    AE_ASSERT(m >= 0 && table->cols > 0 && quant_can_dequantize(table->type));
+    for (int64_t t = 0; t < m; t++) {
+        AE_ASSERT(ids[t] >= 0 && ids[t] < table->rows);
+        const uint8_t *row = (const uint8_t *)table->data + (size_t)ids[t] * table->row_bytes;
+        bool ok = quant_dequantize(table->type, row, out + t * table->cols, (uint64_t)table->cols);
+        AE_ASSERT(ok);
+    }
+}
+
+/* ---- RoPE --------------------------------------------------------------- */
+
+int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err) {
+    memset(r, 0, sizeof *r);
+    int d = cfg->head_dim;
+    if (d <= 0 || d % 2 != 0 || d > KN_MAX_HEAD_DIM)
+        return err_set(err, "rope: head_dim must be even and in 2..%d, got %d", KN_MAX_HEAD_DIM, d);
+    if (!(cfg->theta > 0.0)) return err_set(err, "rope: rope_theta must be > 0, got %g", cfg->theta);
+    if (cfg->layout != KN_ROPE_ADJACENT && cfg->layout != KN_ROPE_NEOX)
+        return err_set(err, "rope: unknown layout %d", (int)cfg->layout);
+    bool scaled = cfg->factor > 0.0 && cfg->factor != 1.0;
+    if (scaled && !(cfg->original_max_pos > 0.0 && cfg->high_freq_factor > cfg->low_freq_factor &&
+                    cfg->low_freq_factor > 0.0))
+        return err_set(err,
+                       "rope: llama3 scaling needs original_max_position_embeddings > 0 and "
+                       "high_freq_factor > low_freq_factor > 0 (got %g, %g, %g)",
+                       cfg->original_max_pos, cfg->high_freq_factor, cfg->low_freq_factor);
+    r->layout = cfg->layout;
+    r->head_dim = d;
+    for (int i = 0; i < d / 2; i++) {
+        double f = 1.0 / pow(cfg->theta, (double)(2 * i) / (double)d);
+        if (scaled) {
+            /* Llama 3: long wavelengths are slowed by `factor`, short ones
+             * kept, and the band between blended linearly in 1/wavelength. */
+            double wavelen = 2.0 * M_PI / f;
+            double low_wavelen = cfg->original_max_pos / cfg->low_freq_factor;
+            double high_wavelen = cfg->original_max_pos / cfg->high_freq_factor;
+            if (wavelen > low_wavelen) {
+                f = f / cfg->factor;
+            } else if (wavelen >= high_wavelen) {
+                double smooth = (cfg->original_max_pos / wavelen - cfg->low_freq_factor) /
+                                (cfg->high_freq_factor - cfg->low_freq_factor);
+                f = (1.0 - smooth) * f / cfg->factor + smooth * f;
+            }
+        }
+        r->inv_freq[i] = f;
+    }
+    return AE_OK;
+}
+
+void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads,
+                   const int32_t *pos) {
+    (void)s;
+    int half = r->head_dim / 2;
+    AE_ASSERT(half > 0 && m >= 0 && n_heads > 0);
+    float c[KN_MAX_HEAD_DIM / 2], sn[KN_MAX_HEAD_DIM / 2];
+    /* Pair i of the adjacent layout is (2i, 2i+1); of NeoX (i, i+half). */
+    int stride = r->layout == KN_ROPE_ADJACENT ? 2 : 1;
+    int other = r->layout == KN_ROPE_ADJACENT ? 1 : half;
+    for (int64_t t = 0; t < m; t++) {
+        AE_ASSERT(pos[t] >= 0);
+        for (int i = 0; i < half; i++) {
+            double a = (double)pos[t] * r->inv_freq[i];
+            c[i] = (float)cos(a);
+            sn[i] = (float)sin(a);
+        }
+        for (int32_t h = 0; h < n_heads; h++) {
+            float *v = x + (t * n_heads + h) * r->head_dim;
+            for (int i = 0; i < half; i++) {
+                float *p0 = v + i * stride, *p1 = p0 + other;
+                float x0 = *p0, x1 = *p1;
+                float a0 = x0 * c[i], b0 = x1 * sn[i];
+                float a1 = x0 * sn[i], b1 = x1 * c[i];
+                *p0 = a0 - b0;
+                *p1 = a1 + b1;
+            }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+/* Internals shared by the CPU kernel files (not part of the op interface). */
+#ifndef AERIE_KERNELS_CPU_IMPL_H
+#define AERIE_KERNELS_CPU_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../../services/core/pool.h"
+#include "../kernels.h"
+
+struct kn_stream {
+    pool *pool;     /* not owned */
+    void *work;     /* (work_bytes) scratch, 64-byte aligned */
+    size_t work_bytes;
+};
+
+/* true when the AVX2 kernels run (CPU support and not forced off). */
+bool kn_cpu_use_avx2(void);
+
+/* Activation rows quantized to blocks of 32 (our own layout, not a file
+ * format): x[i] ~= d[b] * q[i], b = i / 32; s[b] = d[b] * sum of the
+ * block's q, for Q4_1's offset term. Scales stay f32 (ggml rounds them to
+ * f16) for accuracy, in their own arrays padded to a multiple of 8 with
+ * zeros so kernels load 8 blocks' scales at once. */
+#define KN_QK 32
+static inline int64_t kn_pad8(int64_t n) { return (n + 7) / 8 * 8; }
+
+/* Block layouts of the weight formats (ggml's, packed, little-endian). */
+typedef struct kn_blk_q8_0 {
+    uint16_t d; /* f16 scale */
+    int8_t q[KN_QK];
+} kn_blk_q8_0;
+typedef struct kn_blk_q4_0 {
+    uint16_t d;             /* f16 scale; x = (nibble - 8) * d */
+    uint8_t q[KN_QK / 2];   /* element i: low nibble of q[i], i+16: high */
+} kn_blk_q4_0;
+typedef struct kn_blk_q4_1 {
+    uint16_t d;           /* f16 scale; x = nibble * d + m */
+    uint16_t m;           /* f16 offset */
+    uint8_t q[KN_QK / 2]; /* element i: low nibble of q[i], i+16: high */
+} kn_blk_q4_1;
+
+_Static_assert(sizeof(kn_blk_q8_0) == 34, "Q8_0 block layout");
+_Static_assert(sizeof(kn_blk_q4_0) == 18, "Q4_0 block layout");
+_Static_assert(sizeof(kn_blk_q4_1) == 20, "Q4_1 block layout");
+
+/* A tile of the product: rows [0, tm) of the activations against weight
+ * rows [j0, j1), written to y[r * ldy + j]. Quantized kernels read row r
+ * as xq + r * nb * 32 (int8), xd + r * nbp and xs + r * nbp (scales,
+ * nbp = kn_pad8(nb)); float kernels read xf + r * xf_stride. tm <=
+ * KN_TILE_M. Every output element follows the order fixed in kernels.h,
+ * so any tiling gives the same bits. */
+#define KN_TILE_M 4
+typedef struct kn_tile {
+    const kn_weight *w;
+    const int8_t *xq;
+    const float *xd, *xs;
+    int64_t nb, nbp;
+    const float *xf;
+    size_t xf_stride;
+    int tm;
+    int64_t j0, j1;
+    float *y;
+    size_t ldy;
+} kn_tile;
+
+void kn_tile_scalar(const kn_tile *t);
+void kn_tile_avx2(const kn_tile *t);
+
+#endif

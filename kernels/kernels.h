@@ -1,0 +1,256 @@
+/* The op interface: every computation of a forward pass goes through here.
+ *
+ * Buffers and streams
+ *   Every tensor argument is a device buffer (on the CPU backend: host
+ *   memory) owned by the caller, sized and placed at start. Ops write into
+ *   the buffers they are given and never allocate, so buffer addresses stay
+ *   fixed from step to step (a CUDA graph can capture a whole step). Ops run
+ *   on a kn_stream: on the CPU backend a stream wraps the thread pool and an
+ *   op has finished when it returns; on CUDA an op is queued on the stream's
+ *   cudaStream_t and kn_stream_sync waits for it. Activations are f32 and
+ *   row-major; "[m][n]" below means m rows of n contiguous floats.
+ *
+ * Errors
+ *   Ops check their arguments with AE_ASSERT: a bad shape, an id out of
+ *   range or a workspace too small is a broken invariant of the engine (it
+ *   validates everything from the network and sizes every buffer at start),
+ *   never a runtime condition. Constructors return AE_OK / AE_ERR.
+ *
+ * Batch invariance (DESIGN.md invariant 2)
+ *   Each output element of every op is a function of its own inputs only,
+ *   computed by a reduction whose order is fixed by the shapes of the
+ *   weights and the op's own row: never by m, by the tile or thread a row
+ *   lands in, by the number of threads, by the row's place in the batch, or
+ *   by the CPU's SIMD level. So a token's results are bit-identical whether
+ *   it runs alone, in a prefill chunk, in a batch with other sequences, or
+ *   as a node of a verification tree. The orders:
+ *   - kn_matmul, quantized W (Q8_0, Q4_0, Q4_1): x's row is quantized to
+ *     blocks of 32 int8 (d = max|x| / 127, q = round-half-away(x / d));
+ *     per 32-block b, the integer products are summed exactly into 8 lanes
+ *     (lane l = elements 4l..4l+3 of the block); each lane accumulates
+ *     acc[l] = fma((float)isum[l], d_w * d_x, acc[l]) over b = 0, 1, ...
+ *     (d_w * d_x rounded to f32 first; fma rounds once). The result is
+ *     tree(acc) + tree(macc), tree(a) = ((a0+a4) + (a2+a6)) + ((a1+a5) +
+ *     (a3+a7)), where for Q4_1 lane b % 8 of macc accumulates
+ *     fma(m_w, s_x, macc[b % 8]) over b in order (s_x = d_x * sum of the
+ *     block's q); macc is 0 for the other types.
+ *   - kn_matmul, float W (F32, F16, BF16): 8 lanes, lane l takes elements
+ *     i = 8j + l in increasing j, acc = fma(x, w, acc); tree(acc); then the
+ *     k % 8 tail elements, s = fma(x, w, s) one by one.
+ *   - kn_attention: for each (token, head) the visible keys are visited in
+ *     position order (prefix slots 0..n_prefix-1, then the extra slots) and
+ *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list;
+ *     online softmax per chunk. A tree node whose ancestors sit in scratch
+ *     slots and the same token decoded after the ancestors were committed
+ *     see the same keys in the same order and get identical bits.
+ *   - kn_rmsnorm, kn_softmax: sums in double, in element order.
+ *   The SIMD path (AVX2) and the portable path give the same bits; the test
+ *   suite pins it (kn_cpu_force_scalar).
+ *
+ * Tensor parallelism
+ *   With R ranks, each rank holds a shard of each projection and runs the
+ *   same ops on its own stream:
+ *   - column-parallel (q, k, v, gate, up): W's output rows are split; rank r
+ *     owns rows [r*n/R, (r+1)*n/R) (whole heads for q/k/v) and produces that
+ *     slice of y. No communication: attention and SwiGLU work per head /
+ *     per element on the local slice.
+ *   - row-parallel (o_proj, down): W's input columns are split to match the
+ *     local slice of x; rank r computes a partial y[m][n] over its columns,
+ *     then kn_allreduce_sum adds the partials of all ranks. A column shard
+ *     of a quantized row is a run of whole blocks, so a shard is a
+ *     kn_weight with data offset to its first block and row_bytes kept as
+ *     the full row's stride: no copy.
+ *   kn_allreduce_sum is a no-op with one rank (or a NULL comm). */
+#ifndef AERIE_KERNELS_H
+#define AERIE_KERNELS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../services/core/err.h"
+#include "../services/model/quant.h"
+
+/* ---- streams ------------------------------------------------------------ */
+
+typedef struct kn_stream kn_stream;
+struct pool; /* services/core/pool.h */
+
+/* A CPU stream running ops on pool p (not owned; may be shared by several
+ * streams, which then take turns). workspace_bytes is the scratch the
+ * stream keeps for ops that need it (kn_matmul's quantized activations);
+ * size it with kn_matmul_workspace for the largest m and k the engine will
+ * pass. */
+int kn_stream_init_cpu(kn_stream **out, struct pool *p, size_t workspace_bytes, ae_error *err);
+void kn_stream_free(kn_stream *s); /* NULL is a no-op */
+void kn_stream_sync(kn_stream *s);  /* CPU: nothing to wait for */
+int kn_stream_threads(const kn_stream *s);
+
+/* ---- weights ------------------------------------------------------------ */
+
+/* A weight matrix W[rows][cols] as stored in the model file (plain data).
+ * Row i starts at data + i * row_bytes; row_bytes is at least
+ * quant_row_bytes(type, cols) and larger for a column shard (see above).
+ * For quantized types cols is a multiple of 32. Matmul supports F32, F16,
+ * BF16, Q8_0, Q4_0 and Q4_1; kn_embed any type quant_dequantize knows. */
+typedef struct kn_weight {
+    ggml_type type;
+    int64_t rows; /* n: output features */
+    int64_t cols; /* k: input features */
+    const void *data;
+    size_t row_bytes;
+} kn_weight;
+
+/* True when kn_matmul has a native kernel for t. */
+bool kn_matmul_supports(ggml_type t);
+
+/* Workspace bytes kn_matmul needs for m rows of k inputs (0 for float W,
+ * but callers size for the quantized case). */
+size_t kn_matmul_workspace(int64_t m, int64_t k);
+
+/* ---- ops ---------------------------------------------------------------- */
+
+/* y[m][n] = x[m][k] . W[n][k]^T, n = w->rows, k = w->cols. x and y must not
+ * overlap. Multi-threaded over n; m is processed as one matrix product
+ * (each block of W is loaded once per tile of up to 4 rows of x). */
+void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m);
+
+/* y[m][n] = x[m][n] / sqrt(mean(x^2) + eps) * g[n]. y may equal x. */
+void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
+                float eps);
+
+/* y[count] = a[count] + b[count] (the residual add). y may equal a or b. */
+void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count);
+
+/* x[m][n] += bias[n] (q/k/v bias of Qwen2). */
+void kn_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n);
+
+/* y[count] = silu(gate) * up, silu(g) = g / (1 + exp(-g)). y may equal
+ * gate or up. */
+void kn_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count);
+
+/* x[m][n] = softmax of each row, in place. */
+void kn_softmax(kn_stream *s, float *x, int64_t m, int64_t n);
+
+/* out[m] = index of the largest value of each row of x[m][n]; the lowest
+ * index wins ties; NaN is never chosen unless the row is all NaN (then 0). */
+void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
+
+/* out[m][table->cols] = row ids[t] of the table (any dequantizable type),
+ * as f32. Every id must be in [0, table->rows). */
+void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
+
+/* ---- RoPE --------------------------------------------------------------- */
+
+#define KN_MAX_HEAD_DIM 256
+
+typedef enum kn_rope_layout {
+    /* Pairs (x[2i], x[2i+1]): GGUF llama (its q/k rows were permuted for
+     * this by the converter). */
+    KN_ROPE_ADJACENT = 0,
+    /* Pairs (x[i], x[i + d/2]): NeoX / Hugging Face rotate_half. */
+    KN_ROPE_NEOX = 1,
+} kn_rope_layout;
+
+typedef struct kn_rope_config {
+    kn_rope_layout layout;
+    int32_t head_dim; /* even, <= KN_MAX_HEAD_DIM */
+    double theta;     /* rope_theta */
+    /* Llama-3 rope_scaling; factor <= 0 (or 1 with no band) means none. */
+    double factor;
+    double low_freq_factor;
+    double high_freq_factor;
+    double original_max_pos; /* original_max_position_embeddings */
+} kn_rope_config;
+
+/* The frequency table, computed once at load (plain data). */
+typedef struct kn_rope {
+    kn_rope_layout layout;
+    int32_t head_dim;
+    double inv_freq[KN_MAX_HEAD_DIM / 2]; /* (head_dim / 2) radians per position */
+} kn_rope;
+
+int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err);
+
+/* Rotates x[m][n_heads][head_dim] in place; token t is at position pos[t]
+ * (>= 0). The angle is computed in double and rounded once to f32. */
+void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads,
+                   const int32_t *pos);
+
+/* ---- paged KV cache and attention --------------------------------------- */
+
+/* One layer's KV storage (plain data; the KV cache owns the memory). Slot s
+ * of a sequence lives in block block_table[s / block_size], row
+ * s % block_size. */
+typedef struct kn_kv_pool {
+    float *k; /* [n_blocks][block_size][n_kv_heads][head_dim] */
+    float *v; /* [n_blocks][block_size][n_kv_heads][head_dim] */
+    int32_t n_blocks;
+    int32_t block_size;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+} kn_kv_pool;
+
+/* Where each token of a batch reads and writes the KV cache (plain data,
+ * flat int32 arrays so a GPU backend can copy them to fixed device
+ * buffers). All layers share one map per step. */
+typedef struct kn_kv_map {
+    int32_t m;                   /* tokens in the batch */
+    const int32_t *block_tables; /* [n_seqs][table_len] block ids (unused: -1) */
+    int32_t n_seqs;
+    int32_t table_len;
+    const int32_t *seq;         /* [m] the token's row of block_tables */
+    const int32_t *slot;        /* [m] where kn_kv_write stores its k/v */
+    const int32_t *n_prefix;    /* [m] slots [0, n_prefix) are visible */
+    const int32_t *extra_start; /* [m] index into extra[] of its extra slots */
+    const int32_t *n_extra;     /* [m] count of extra slots (0 for prefill/decode) */
+    const int32_t *extra;       /* [n_extra_total] slots, increasing position order */
+    int32_t n_extra_total;
+} kn_kv_map;
+
+/* Visible keys are cut into chunks of this many for the online softmax. */
+#define KN_ATTN_CHUNK 64
+
+/* Stores k[m][n_kv_heads][head_dim] and v[...] of each token t at slot
+ * map->slot[t] of its sequence. */
+void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k,
+                 const float *v);
+
+/* out[m][n_heads][head_dim] = softmax(q k^T / sqrt(head_dim)) v, where
+ * token t attends to the slots of its sequence [0, n_prefix[t]) followed by
+ * its extra slots (a tree node: its ancestors in scratch slots, then
+ * itself; a prefill or decode token: n_prefix = position + 1, no extras).
+ * Grouped-query: head h reads kv head h / (n_heads / n_kv_heads). Each
+ * token must see at least one slot; q is already rotated. */
+void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
+                  float *out, int32_t n_heads);
+
+/* ---- tensor-parallel communication -------------------------------------- */
+
+typedef struct kn_comm kn_comm;
+
+/* A communicator for n_ranks ranks that are threads of this process:
+ * comms[r] (r < n_ranks) is rank r's handle, used by that thread only.
+ * max_count bounds the floats of one allreduce (buffers are allocated
+ * here, never in the op). Free with kn_comm_free_cpu on the same array. */
+int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
+void kn_comm_free_cpu(kn_comm **comms, int n_ranks); /* NULL entries ignored */
+
+int kn_comm_rank(const kn_comm *c); /* 0 for NULL */
+int kn_comm_size(const kn_comm *c); /* 1 for NULL */
+
+/* buf[count] = sum over ranks of every rank's buf, added in rank order
+ * (((r0 + r1) + r2) + ...) so every rank gets the same bits, run to run.
+ * All ranks must call it with the same count. No-op for a NULL comm or one
+ * rank. */
+void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count);
+
+/* ---- CPU backend controls ----------------------------------------------- */
+
+/* Test hook: true forces the portable kernels even where AVX2 is present.
+ * Process-wide; set it while no op runs. */
+void kn_cpu_force_scalar(bool on);
+/* "avx2" or "scalar": the path ops take now (for the startup log). */
+const char *kn_cpu_simd(void);
+
+#endif

@@ -1,0 +1,662 @@
+/* kernels/cpu: every op against a naive double-precision reference within
+ * a stated error bound, the AVX2 and portable paths bit for bit, and the
+ * batch-invariance contract of kernels.h bit for bit: a row's result does
+ * not depend on m, its place in the batch or the thread count, and a tree
+ * node's attention equals the same token's decode-time attention. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <math.h>
+#include <pthread.h>
+
+#include "../../kernels/kernels.h"
+#include "../../services/core/pool.h"
+
+/* ---- fixtures ----------------------------------------------------------- */
+
+#define MAX_THREADS 3
+#define WORK_BYTES (1u << 20)
+
+typedef struct fixture {
+    pool *pools[MAX_THREADS + 1];        /* [t]: t threads */
+    kn_stream *streams[MAX_THREADS + 1]; /* on pools[t] */
+} fixture;
+
+static fixture F;
+
+static int setup(void **state) {
+    (void)state;
+    for (int t = 1; t <= MAX_THREADS; t++) {
+        if (pool_init(&F.pools[t], t, NULL) != AE_OK) return -1;
+        if (kn_stream_init_cpu(&F.streams[t], F.pools[t], WORK_BYTES, NULL) != AE_OK) return -1;
+    }
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    for (int t = 1; t <= MAX_THREADS; t++) {
+        kn_stream_free(F.streams[t]);
+        pool_free(F.pools[t]);
+    }
+    kn_cpu_force_scalar(false);
+    return 0;
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rnd(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 32);
+}
+
+/* Uniform in [-1, 1). */
+static float rndf(void) { return (float)((double)rnd() / 2147483648.0 - 1.0); }
+
+static void fill(float *x, size_t n, float scale) {
+    for (size_t i = 0; i < n; i++) x[i] = rndf() * scale;
+}
+
+static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, sizeof v); }
+
+/* A weight [n][k] of `type` filled with random values (random blocks for
+ * the quantized types: scales in a realistic range, all quant values
+ * reachable, Q8_0's -128 included). */
+typedef struct test_weight {
+    kn_weight w;
+    uint8_t *bytes;
+    float *deq; /* [n][k] dequantized, the reference's view */
+} test_weight;
+
+static test_weight make_weight(ggml_type type, int64_t n, int64_t k) {
+    test_weight t = {0};
+    size_t rb = (size_t)quant_row_bytes(type, (uint64_t)k);
+    assert_true(rb > 0);
+    t.bytes = malloc(rb * (size_t)n);
+    t.deq = malloc(sizeof(float) * (size_t)(n * k));
+    assert_non_null(t.bytes);
+    assert_non_null(t.deq);
+    for (int64_t j = 0; j < n; j++) {
+        uint8_t *row = t.bytes + (size_t)j * rb;
+        if (type == GGML_TYPE_F32) {
+            for (int64_t i = 0; i < k; i++) {
+                float f = rndf() * 0.5f;
+                memcpy(row + 4 * i, &f, 4);
+            }
+        } else if (type == GGML_TYPE_F16 || type == GGML_TYPE_BF16) {
+            for (int64_t i = 0; i < k; i++) {
+                float f = rndf() * 0.5f;
+                put16(row + 2 * i, type == GGML_TYPE_F16 ? quant_f32_to_f16(f) : quant_f32_to_bf16(f));
+            }
+        } else {
+            uint32_t bb = quant_block_bytes(type);
+            for (int64_t b = 0; b < k / 32; b++) {
+                uint8_t *blk = row + (size_t)b * bb;
+                for (uint32_t i = 0; i < bb; i++) blk[i] = (uint8_t)rnd();
+                put16(blk, quant_f32_to_f16(0.002f + 0.02f * (float)(rnd() % 1000) / 1000.0f));
+                if (type == GGML_TYPE_Q4_1) put16(blk + 2, quant_f32_to_f16(-0.15f * (float)(rnd() % 1000) / 1000.0f));
+            }
+        }
+        assert_true(quant_dequantize(type, row, t.deq + j * k, (uint64_t)k));
+    }
+    t.w = (kn_weight){.type = type, .rows = n, .cols = k, .data = t.bytes, .row_bytes = rb};
+    return t;
+}
+
+static void free_weight(test_weight *t) {
+    free(t->bytes);
+    free(t->deq);
+}
+
+static uint32_t fbits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Bitwise equality of two float arrays, naming the first difference. */
+static void assert_same_bits(const float *got, const float *want, size_t n, const char *what) {
+    for (size_t i = 0; i < n; i++)
+        if (fbits(got[i]) != fbits(want[i]))
+            fail_msg("%s: element %zu is %.9g (0x%08x), expected %.9g (0x%08x)", what, i,
+                     (double)got[i], fbits(got[i]), (double)want[i], fbits(want[i]));
+}
+
+static bool is_quant(ggml_type t) {
+    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
+}
+
+/* ---- matmul against the reference -------------------------------------- */
+
+/* y[r][j] vs sum_i x[r][i] * deq[j][i] in double. The bound: f32
+ * accumulation (k * 2^-23 relative to sum |x w|), plus for quantized W the
+ * activation rounding, at most half a step (amax / 254) per element. */
+static void check_matmul_reference(ggml_type type, int64_t m, int64_t n, int64_t k) {
+    test_weight tw = make_weight(type, n, k);
+    float *x = malloc(sizeof(float) * (size_t)(m * k));
+    float *y = malloc(sizeof(float) * (size_t)(m * n));
+    fill(x, (size_t)(m * k), 2.0f);
+    kn_matmul(F.streams[2], &tw.w, x, y, m);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < n; j++) {
+            double ref = 0, mag = 0, qerr = 0;
+            for (int64_t i = 0; i < k; i++) {
+                double w = tw.deq[j * k + i], xv = x[r * k + i];
+                ref += w * xv;
+                mag += fabs(w * xv);
+                if (is_quant(type)) {
+                    double amax = 0;
+                    for (int64_t u = i / 32 * 32; u < i / 32 * 32 + 32; u++)
+                        amax = fmax(amax, fabs(x[r * k + u]));
+                    qerr += fabs(w) * amax / 254.0;
+                }
+            }
+            double bound = (double)k * 1.2e-7 * mag + qerr * 1.001 + 1e-30;
+            double err = fabs((double)y[r * n + j] - ref);
+            if (err > bound)
+                fail_msg("%s m=%lld: y[%lld][%lld] = %.9g, reference %.9g, error %.3g > bound %.3g",
+                         quant_type_name(type), (long long)m, (long long)r, (long long)j,
+                         (double)y[r * n + j], ref, err, bound);
+        }
+    free(x);
+    free(y);
+    free_weight(&tw);
+}
+
+static const ggml_type ALL_TYPES[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,
+                                      GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
+#define N_TYPES (sizeof ALL_TYPES / sizeof ALL_TYPES[0])
+
+static void matmul_matches_double_reference_for_every_type(void **state) {
+    (void)state;
+    for (size_t t = 0; t < N_TYPES; t++) {
+        int64_t k = is_quant(ALL_TYPES[t]) ? 160 : 75; /* 75: a tail after the 8-lane body */
+        check_matmul_reference(ALL_TYPES[t], 6, 37, k);
+    }
+}
+
+static void matmul_portable_path_matches_double_reference(void **state) {
+    (void)state;
+    kn_cpu_force_scalar(true);
+    for (size_t t = 0; t < N_TYPES; t++)
+        check_matmul_reference(ALL_TYPES[t], 5, 19, is_quant(ALL_TYPES[t]) ? 96 : 43);
+    kn_cpu_force_scalar(false);
+}
+
+static void matmul_avx2_and_portable_paths_agree_bitwise(void **state) {
+    (void)state;
+    kn_cpu_force_scalar(false);
+    if (strcmp(kn_cpu_simd(), "avx2") != 0) {
+        print_message("no AVX2 on this CPU: nothing to compare\n");
+        skip();
+    }
+    for (size_t t = 0; t < N_TYPES; t++) {
+        int64_t n = 41, k = is_quant(ALL_TYPES[t]) ? 224 : 83, m = 9;
+        test_weight tw = make_weight(ALL_TYPES[t], n, k);
+        float *x = malloc(sizeof(float) * (size_t)(m * k));
+        float *fast = malloc(sizeof(float) * (size_t)(m * n));
+        float *slow = malloc(sizeof(float) * (size_t)(m * n));
+        fill(x, (size_t)(m * k), 3.0f);
+        x[5] = 0.0f; /* zero block edge cases ride along */
+        for (int64_t mm = 1; mm <= m; mm++) {
+            kn_matmul(F.streams[1], &tw.w, x, fast, mm);
+            kn_cpu_force_scalar(true);
+            kn_matmul(F.streams[1], &tw.w, x, slow, mm);
+            kn_cpu_force_scalar(false);
+            assert_same_bits(fast, slow, (size_t)(mm * n), quant_type_name(ALL_TYPES[t]));
+        }
+        free(x);
+        free(fast);
+        free(slow);
+        free_weight(&tw);
+    }
+}
+
+/* Row r of an m-row batch equals row r computed alone, for m = 1..33 and
+ * 1, 2, 3 threads: tiles of 4 rows, partial tiles and thread splits all
+ * give the same bits. */
+static void matmul_row_is_batch_invariant(void **state) {
+    (void)state;
+    const ggml_type types[] = {GGML_TYPE_Q4_1, GGML_TYPE_Q8_0, GGML_TYPE_F32};
+    const int64_t M = 33;
+    for (size_t t = 0; t < 3; t++) {
+        int64_t n = 37, k = types[t] == GGML_TYPE_F32 ? 69 : 96;
+        test_weight tw = make_weight(types[t], n, k);
+        float *x = malloc(sizeof(float) * (size_t)(M * k));
+        float *alone = malloc(sizeof(float) * (size_t)(M * n));
+        float *batch = malloc(sizeof(float) * (size_t)(M * n));
+        fill(x, (size_t)(M * k), 1.0f);
+        for (int64_t r = 0; r < M; r++) kn_matmul(F.streams[1], &tw.w, x + r * k, alone + r * n, 1);
+        for (int threads = 1; threads <= MAX_THREADS; threads++)
+            for (int64_t m = 1; m <= M; m++) {
+                /* The batch starts at row M - m so each row sits at a
+                 * different place (and tile) than when computed alone. */
+                const float *xb = x + (M - m) * k;
+                kn_matmul(F.streams[threads], &tw.w, xb, batch, m);
+                char what[64];
+                snprintf(what, sizeof what, "%s m=%lld threads=%d", quant_type_name(types[t]),
+                         (long long)m, threads);
+                assert_same_bits(batch, alone + (M - m) * n, (size_t)(m * n), what);
+            }
+        free(x);
+        free(alone);
+        free(batch);
+        free_weight(&tw);
+    }
+}
+
+/* A column shard (row_bytes = full stride, data at the shard's first
+ * block) computes exactly the product over those columns. */
+static void matmul_column_shard_reads_only_its_blocks(void **state) {
+    (void)state;
+    int64_t n = 8, k = 128, m = 3;
+    test_weight full = make_weight(GGML_TYPE_Q4_1, n, k);
+    kn_weight shard = full.w;
+    shard.cols = 64;
+    shard.data = full.bytes + quant_row_bytes(GGML_TYPE_Q4_1, 64);
+    float x[3 * 64], y[3 * 8];
+    fill(x, sizeof x / sizeof x[0], 1.0f);
+    kn_matmul(F.streams[1], &shard, x, y, m);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < n; j++) {
+            double ref = 0;
+            for (int64_t i = 0; i < 64; i++) ref += (double)full.deq[j * k + 64 + i] * x[r * 64 + i];
+            assert_true(fabs(y[r * n + j] - ref) < 0.05);
+        }
+    free_weight(&full);
+}
+
+/* ---- per-row ops -------------------------------------------------------- */
+
+static void rmsnorm_matches_reference(void **state) {
+    (void)state;
+    enum { M = 3, N = 50 };
+    float x[M * N], g[N], y[M * N];
+    fill(x, M * N, 4.0f);
+    fill(g, N, 1.0f);
+    kn_rmsnorm(F.streams[1], x, g, y, M, N, 1e-5f);
+    for (int r = 0; r < M; r++) {
+        double ss = 0;
+        for (int i = 0; i < N; i++) ss += (double)x[r * N + i] * x[r * N + i];
+        double inv = 1.0 / sqrt(ss / N + 1e-5);
+        for (int i = 0; i < N; i++) {
+            double ref = x[r * N + i] * inv * g[i];
+            assert_true(fabs(y[r * N + i] - ref) <= 1e-6 * (1 + fabs(ref)));
+        }
+    }
+    kn_rmsnorm(F.streams[1], x, g, x, M, N, 1e-5f); /* in place gives the same */
+    assert_same_bits(x, y, M * N, "in-place rmsnorm");
+}
+
+static void add_swiglu_and_bias_match_reference(void **state) {
+    (void)state;
+    enum { N = 70000 }; /* above the parallel threshold: pool path too */
+    float *a = malloc(N * sizeof(float)), *b = malloc(N * sizeof(float));
+    float *y = malloc(N * sizeof(float));
+    fill(a, N, 8.0f);
+    fill(b, N, 2.0f);
+    kn_add(F.streams[3], a, b, y, N);
+    for (int i = 0; i < N; i++) assert_true(y[i] == a[i] + b[i]);
+    kn_swiglu(F.streams[3], a, b, y, N);
+    for (int i = 0; i < N; i++) {
+        double ref = a[i] / (1.0 + exp(-(double)a[i])) * b[i];
+        assert_true(fabs(y[i] - ref) <= 1e-6 * (1 + fabs(ref)));
+    }
+    float x[2 * 3] = {1, 2, 3, 4, 5, 6}, bias[3] = {0.5f, -1, 2};
+    kn_bias_add(F.streams[1], x, bias, 2, 3);
+    const float want[6] = {1.5f, 1, 5, 4.5f, 4, 8};
+    assert_same_bits(x, want, 6, "bias_add");
+    free(a);
+    free(b);
+    free(y);
+}
+
+static void softmax_rows_sum_to_one_and_match_reference(void **state) {
+    (void)state;
+    enum { M = 2, N = 300 };
+    float x[M * N], orig[M * N];
+    fill(x, M * N, 20.0f);
+    memcpy(orig, x, sizeof x);
+    kn_softmax(F.streams[1], x, M, N);
+    for (int r = 0; r < M; r++) {
+        double mx = -INFINITY, sum = 0;
+        for (int i = 0; i < N; i++) mx = fmax(mx, orig[r * N + i]);
+        for (int i = 0; i < N; i++) sum += exp(orig[r * N + i] - mx);
+        for (int i = 0; i < N; i++) {
+            double ref = exp(orig[r * N + i] - mx) / sum;
+            assert_true(fabs(x[r * N + i] - ref) <= 1e-6 * ref + 1e-12);
+        }
+    }
+}
+
+static void argmax_takes_lowest_index_of_ties_and_skips_nan(void **state) {
+    (void)state;
+    float x[3 * 4] = {1, 5, 5, 2, /**/ NAN, -3, -1, -2, /**/ NAN, NAN, NAN, NAN};
+    int32_t out[3];
+    kn_argmax(F.streams[1], x, out, 3, 4);
+    assert_int_equal(out[0], 1);
+    assert_int_equal(out[1], 2);
+    assert_int_equal(out[2], 0);
+}
+
+static void embed_dequantizes_the_rows_of_the_ids(void **state) {
+    (void)state;
+    test_weight tw = make_weight(GGML_TYPE_Q8_0, 10, 64);
+    int32_t ids[3] = {7, 0, 7};
+    float out[3 * 64];
+    kn_embed(F.streams[1], &tw.w, ids, out, 3);
+    for (int t = 0; t < 3; t++) assert_same_bits(out + t * 64, tw.deq + ids[t] * 64, 64, "embed row");
+    free_weight(&tw);
+}
+
+/* ---- RoPE --------------------------------------------------------------- */
+
+static void rope_rotates_pairs_by_position_times_frequency(void **state) {
+    (void)state;
+    enum { M = 2, H = 3, D = 16 };
+    for (int layout = 0; layout < 2; layout++) {
+        kn_rope_config cfg = {.layout = (kn_rope_layout)layout, .head_dim = D, .theta = 10000.0};
+        kn_rope r;
+        assert_int_equal(kn_rope_init(&r, &cfg, NULL), AE_OK);
+        float x[M * H * D], orig[M * H * D];
+        fill(x, M * H * D, 1.0f);
+        memcpy(orig, x, sizeof x);
+        int32_t pos[M] = {0, 1234};
+        kn_rope_apply(F.streams[1], &r, x, M, H, pos);
+        for (int t = 0; t < M; t++)
+            for (int h = 0; h < H; h++)
+                for (int i = 0; i < D / 2; i++) {
+                    int i0 = layout == KN_ROPE_ADJACENT ? 2 * i : i;
+                    int i1 = layout == KN_ROPE_ADJACENT ? 2 * i + 1 : i + D / 2;
+                    double a = pos[t] * pow(10000.0, -2.0 * i / D);
+                    const float *o = orig + (t * H + h) * D;
+                    const float *y = x + (t * H + h) * D;
+                    double y0 = o[i0] * cos(a) - o[i1] * sin(a);
+                    double y1 = o[i0] * sin(a) + o[i1] * cos(a);
+                    assert_true(fabs(y[i0] - y0) < 1e-6 && fabs(y[i1] - y1) < 1e-6);
+                }
+    }
+}
+
+/* Llama 3 scaling keeps short wavelengths, divides long ones by factor,
+ * and blends the band between. */
+static void rope_llama3_scaling_bands(void **state) {
+    (void)state;
+    kn_rope_config cfg = {.layout = KN_ROPE_NEOX, .head_dim = 128, .theta = 500000.0, .factor = 8.0,
+                          .low_freq_factor = 1.0, .high_freq_factor = 4.0,
+                          .original_max_pos = 8192.0};
+    kn_rope r;
+    assert_int_equal(kn_rope_init(&r, &cfg, NULL), AE_OK);
+    int blended = 0;
+    for (int i = 0; i < 64; i++) {
+        double f = 1.0 / pow(500000.0, 2.0 * i / 128), wl = 2 * M_PI / f;
+        if (wl < 8192.0 / 4.0)
+            assert_true(r.inv_freq[i] == f);
+        else if (wl > 8192.0)
+            assert_true(fabs(r.inv_freq[i] - f / 8.0) <= 1e-15 * f);
+        else {
+            assert_true(r.inv_freq[i] < f && r.inv_freq[i] > f / 8.0);
+            blended++;
+        }
+    }
+    assert_true(blended > 0);
+    cfg.low_freq_factor = 4.0; /* no band: rejected */
+    ae_error err = {{0}};
+    assert_int_equal(kn_rope_init(&r, &cfg, &err), AE_ERR);
+    assert_non_null(strstr(err.msg, "high_freq_factor"));
+}
+
+/* ---- attention ---------------------------------------------------------- */
+
+enum { BS = 16, NB = 40, KVH = 2, HD = 24, NH = 6, TBL = 8 };
+
+typedef struct kv_fixture {
+    float k[NB * BS * KVH * HD], v[NB * BS * KVH * HD];
+    kn_kv_pool pool;
+    int32_t tables[4 * TBL]; /* 4 sequences */
+} kv_fixture;
+
+static void kv_setup(kv_fixture *f) {
+    fill(f->k, sizeof f->k / sizeof f->k[0], 1.0f);
+    fill(f->v, sizeof f->v / sizeof f->v[0], 1.0f);
+    f->pool = (kn_kv_pool){.k = f->k, .v = f->v, .n_blocks = NB, .block_size = BS,
+                           .n_kv_heads = KVH, .head_dim = HD};
+    /* Scrambled block ids: sequence s, entry e -> a distinct block. */
+    for (int s = 0; s < 4; s++)
+        for (int e = 0; e < TBL; e++) f->tables[s * TBL + e] = (e * 4 + s) * 7 % 32 + (s == 3 ? 8 : 0);
+}
+
+static const float *kv_row(const kv_fixture *f, const float *base, int seq, int slot, int g) {
+    int blk = f->tables[seq * TBL + slot / BS];
+    return base + (((size_t)blk * BS + (size_t)(slot % BS)) * KVH + (size_t)g) * HD;
+}
+
+/* out vs softmax(q k / sqrt(hd)) v in double over the token's visible slots. */
+static void attention_reference(const kv_fixture *f, const kn_kv_map *map, const float *q,
+                                const float *out) {
+    for (int t = 0; t < map->m; t++) {
+        int nvis = map->n_prefix[t] + map->n_extra[t];
+        for (int h = 0; h < NH; h++) {
+            int g = h / (NH / KVH);
+            const float *qh = q + ((size_t)t * NH + (size_t)h) * HD;
+            double s[256], mx = -INFINITY, sum = 0, o[HD] = {0};
+            for (int i = 0; i < nvis; i++) {
+                int slot = i < map->n_prefix[t] ? i : map->extra[map->extra_start[t] + i - map->n_prefix[t]];
+                const float *kr = kv_row(f, f->k, map->seq[t], slot, g);
+                s[i] = 0;
+                for (int d = 0; d < HD; d++) s[i] += (double)qh[d] * kr[d];
+                s[i] /= sqrt((double)HD);
+                mx = fmax(mx, s[i]);
+            }
+            for (int i = 0; i < nvis; i++) {
+                int slot = i < map->n_prefix[t] ? i : map->extra[map->extra_start[t] + i - map->n_prefix[t]];
+                const float *vr = kv_row(f, f->v, map->seq[t], slot, g);
+                double p = exp(s[i] - mx);
+                sum += p;
+                for (int d = 0; d < HD; d++) o[d] += p * vr[d];
+            }
+            for (int d = 0; d < HD; d++) {
+                double ref = o[d] / sum;
+                float got = out[((size_t)t * NH + (size_t)h) * HD + (size_t)d];
+                if (fabs(got - ref) > 2e-6)
+                    fail_msg("token %d head %d dim %d: %.9g, reference %.9g", t, h, d, (double)got, ref);
+            }
+        }
+    }
+}
+
+static void attention_matches_reference_with_gqa_and_paged_blocks(void **state) {
+    (void)state;
+    static kv_fixture f;
+    kv_setup(&f);
+    /* Four tokens: a long prefix crossing chunk and block edges, a short
+     * one, a tree node with extras, another sequence. */
+    int32_t seq[4] = {0, 1, 2, 3}, slot[4] = {0}, n_prefix[4] = {100, 3, 70, 128};
+    int32_t extra_start[4] = {0, 0, 0, 3}, n_extra[4] = {0, 0, 3, 0}, extra[3] = {90, 95, 101};
+    kn_kv_map map = {.m = 4, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
+                     .slot = slot, .n_prefix = n_prefix, .extra_start = extra_start,
+                     .n_extra = n_extra, .extra = extra, .n_extra_total = 3};
+    float q[4 * NH * HD], out[4 * NH * HD];
+    fill(q, sizeof q / sizeof q[0], 2.0f);
+    kn_attention(F.streams[2], &f.pool, &map, q, out, NH);
+    attention_reference(&f, &map, q, out);
+}
+
+static void kv_write_stores_rows_at_their_slots(void **state) {
+    (void)state;
+    static kv_fixture f;
+    kv_setup(&f);
+    int32_t seq[2] = {1, 3}, slot[2] = {17, 127}, zero[2] = {0};
+    kn_kv_map map = {.m = 2, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
+                     .slot = slot, .n_prefix = zero, .extra_start = zero, .n_extra = zero};
+    float k[2 * KVH * HD], v[2 * KVH * HD];
+    fill(k, sizeof k / sizeof k[0], 1.0f);
+    fill(v, sizeof v / sizeof v[0], 1.0f);
+    kn_kv_write(F.streams[1], &f.pool, &map, k, v);
+    for (int t = 0; t < 2; t++)
+        for (int g = 0; g < KVH; g++) {
+            assert_same_bits(kv_row(&f, f.k, seq[t], slot[t], g), k + (t * KVH + g) * HD, HD, "k");
+            assert_same_bits(kv_row(&f, f.v, seq[t], slot[t], g), v + (t * KVH + g) * HD, HD, "v");
+        }
+}
+
+/* The tree-vs-decode case. Sequence 0 has 70 committed slots (past the
+ * first chunk of 64). A tree node at depth 3 has its ancestors and itself
+ * in scratch slots 100, 104, 110; after acceptance the same rows sit at
+ * slots 70, 71, 72 and the token decodes with n_prefix = 73. Both see the
+ * same keys in the same order: bitwise equal, whatever else is in the
+ * batch and wherever the token sits in it, with 1, 2 or 3 threads. */
+static void attention_tree_node_equals_decode_after_commit_bitwise(void **state) {
+    (void)state;
+    static kv_fixture f;
+    kv_setup(&f);
+    const int scratch[3] = {100, 104, 110};
+    for (int i = 0; i < 3; i++)
+        for (int g = 0; g < KVH; g++) {
+            memcpy((float *)kv_row(&f, f.k, 0, 70 + i, g), kv_row(&f, f.k, 0, scratch[i], g), HD * sizeof(float));
+            memcpy((float *)kv_row(&f, f.v, 0, 70 + i, g), kv_row(&f, f.v, 0, scratch[i], g), HD * sizeof(float));
+        }
+    float qtok[NH * HD];
+    fill(qtok, NH * HD, 2.0f);
+
+    /* Decode: the token alone. */
+    int32_t d_seq[1] = {0}, d_pre[1] = {73}, zero[1] = {0};
+    kn_kv_map dec = {.m = 1, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = d_seq,
+                     .slot = zero, .n_prefix = d_pre, .extra_start = zero, .n_extra = zero};
+    float want[NH * HD];
+    kn_attention(F.streams[1], &f.pool, &dec, qtok, want, NH);
+
+    /* Tree: the token at batch position p among 5 others (siblings of other
+     * depths, another sequence's prefill rows). */
+    enum { M = 6 };
+    int32_t extra[] = {100, 104, 110, /* the node */ 100, 104, /* a sibling */ 100};
+    for (int threads = 1; threads <= MAX_THREADS; threads++)
+        for (int p = 0; p < M; p++) {
+            int32_t seq[M], n_prefix[M], extra_start[M], n_extra[M];
+            float q[M * NH * HD], out[M * NH * HD];
+            fill(q, sizeof q / sizeof q[0], 2.0f);
+            for (int t = 0, other = 0; t < M; t++) {
+                if (t == p) {
+                    seq[t] = 0, n_prefix[t] = 70, extra_start[t] = 0, n_extra[t] = 3;
+                    memcpy(q + t * NH * HD, qtok, sizeof qtok);
+                    continue;
+                }
+                switch (other++) {
+                case 0: seq[t] = 0, n_prefix[t] = 70, extra_start[t] = 3, n_extra[t] = 2; break;
+                case 1: seq[t] = 0, n_prefix[t] = 70, extra_start[t] = 5, n_extra[t] = 1; break;
+                default: seq[t] = 2, n_prefix[t] = 5 + 20 * other, extra_start[t] = 0, n_extra[t] = 0; break;
+                }
+            }
+            kn_kv_map tree = {.m = M, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL,
+                              .seq = seq, .slot = seq, .n_prefix = n_prefix,
+                              .extra_start = extra_start, .n_extra = n_extra, .extra = extra,
+                              .n_extra_total = 6};
+            kn_attention(F.streams[threads], &f.pool, &tree, q, out, NH);
+            char what[64];
+            snprintf(what, sizeof what, "tree node at batch position %d, %d threads", p, threads);
+            assert_same_bits(out + p * NH * HD, want, NH * HD, what);
+        }
+}
+
+/* ---- tensor parallelism ------------------------------------------------- */
+
+enum { TP_M = 3, TP_N = 24, TP_K = 256 };
+
+typedef struct tp_rank {
+    kn_comm *comm;
+    kn_stream *stream;
+    const test_weight *w;
+    const float *x; /* [TP_M][TP_K], the full activations */
+    float y[TP_M * TP_N];
+    float xs[TP_M * TP_K];
+} tp_rank;
+
+/* Row-parallel: rank r takes input columns [r*K/R, (r+1)*K/R) of W and
+ * of x, multiplies, and allreduces the partial outputs. */
+static void *tp_rank_main(void *arg) {
+    tp_rank *rk = arg;
+    int r = kn_comm_rank(rk->comm), R = kn_comm_size(rk->comm);
+    int64_t kc = TP_K / R;
+    kn_weight shard = rk->w->w;
+    shard.cols = kc;
+    shard.data = rk->w->bytes + quant_row_bytes(shard.type, (uint64_t)(kc * r));
+    for (int t = 0; t < TP_M; t++) memcpy(rk->xs + t * kc, rk->x + t * TP_K + kc * r, (size_t)kc * sizeof(float));
+    kn_matmul(rk->stream, &shard, rk->xs, rk->y, TP_M);
+    kn_allreduce_sum(rk->comm, rk->stream, rk->y, TP_M * TP_N);
+    return NULL;
+}
+
+static void run_tp(int R, const test_weight *w, const float *x, tp_rank *ranks) {
+    kn_comm *comms[2];
+    assert_int_equal(kn_comm_init_cpu(comms, R, TP_M * TP_N, NULL), AE_OK);
+    pthread_t th[2];
+    for (int r = 0; r < R; r++) {
+        ranks[r].comm = comms[r];
+        ranks[r].stream = F.streams[1 + r]; /* a stream per rank */
+        ranks[r].w = w;
+        ranks[r].x = x;
+        assert_int_equal(pthread_create(&th[r], NULL, tp_rank_main, &ranks[r]), 0);
+    }
+    for (int r = 0; r < R; r++) pthread_join(th[r], NULL);
+    kn_comm_free_cpu(comms, R);
+}
+
+static void allreduce_two_ranks_matches_one_rank_and_repeats_bitwise(void **state) {
+    (void)state;
+    test_weight w = make_weight(GGML_TYPE_Q4_1, TP_N, TP_K);
+    float x[TP_M * TP_K];
+    fill(x, TP_M * TP_K, 1.0f);
+    static tp_rank one[1], two[2], again[2];
+    run_tp(1, &w, x, one);
+    run_tp(2, &w, x, two);
+    run_tp(2, &w, x, again);
+    assert_same_bits(two[0].y, two[1].y, TP_M * TP_N, "rank 0 vs rank 1");
+    assert_same_bits(two[0].y, again[0].y, TP_M * TP_N, "run 1 vs run 2");
+    for (int i = 0; i < TP_M * TP_N; i++) assert_true(fabsf(two[0].y[i] - one[0].y[i]) <= 1e-5f * (1 + fabsf(one[0].y[i])));
+    free_weight(&w);
+}
+
+static void allreduce_sums_in_rank_order_and_one_rank_is_a_noop(void **state) {
+    (void)state;
+    float buf[2] = {1.5f, -2.0f};
+    kn_allreduce_sum(NULL, F.streams[1], buf, 2);
+    assert_true(buf[0] == 1.5f && buf[1] == -2.0f);
+    kn_comm *c[1];
+    assert_int_equal(kn_comm_init_cpu(c, 1, 2, NULL), AE_OK);
+    assert_int_equal(kn_comm_size(c[0]), 1);
+    kn_allreduce_sum(c[0], F.streams[1], buf, 2);
+    assert_true(buf[0] == 1.5f && buf[1] == -2.0f);
+    kn_comm_free_cpu(c, 1);
+    kn_comm_free_cpu(NULL, 0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(matmul_matches_double_reference_for_every_type),
+        cmocka_unit_test(matmul_portable_path_matches_double_reference),
+        cmocka_unit_test(matmul_avx2_and_portable_paths_agree_bitwise),
+        cmocka_unit_test(matmul_row_is_batch_invariant),
+        cmocka_unit_test(matmul_column_shard_reads_only_its_blocks),
+        cmocka_unit_test(rmsnorm_matches_reference),
+        cmocka_unit_test(add_swiglu_and_bias_match_reference),
+        cmocka_unit_test(softmax_rows_sum_to_one_and_match_reference),
+        cmocka_unit_test(argmax_takes_lowest_index_of_ties_and_skips_nan),
+        cmocka_unit_test(embed_dequantizes_the_rows_of_the_ids),
+        cmocka_unit_test(rope_rotates_pairs_by_position_times_frequency),
+        cmocka_unit_test(rope_llama3_scaling_bands),
+        cmocka_unit_test(attention_matches_reference_with_gqa_and_paged_blocks),
+        cmocka_unit_test(kv_write_stores_rows_at_their_slots),
+        cmocka_unit_test(attention_tree_node_equals_decode_after_commit_bitwise),
+        cmocka_unit_test(allreduce_two_ranks_matches_one_rank_and_repeats_bitwise),
+        cmocka_unit_test(allreduce_sums_in_rank_order_and_one_rank_is_a_noop),
+    };
+    return cmocka_run_group_tests_name("kernels", tests, setup, teardown);
+}
