@@ -1,0 +1,176 @@
+#include "engine.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv_cache.h"
+
+struct eng {
+    const model *m;
+    eng_config cfg;
+    pool *pool;
+    kn_stream *stream;
+    llama_ws *ws;
+    kv_cache *kv;
+    kn_kv_pool *layers; /* [n_layers] */
+    /* per-step maps, [max_batch_tokens] unless noted */
+    int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows;
+    int32_t *extra; /* [max_batch_tokens * ENG_MAX_TREE] */
+    int32_t *depth; /* [ENG_MAX_TREE] */
+};
+
+const model *eng_model(const eng *e) { return e->m; }
+
+void eng_free(eng *e) {
+    if (!e) return;
+    llama_ws_free(e->ws);
+    kn_stream_free(e->stream);
+    pool_free(e->pool);
+    kv_free(e->kv);
+    free(e->layers);
+    free(e->pos);
+    free(e->seq);
+    free(e->slot);
+    free(e->n_prefix);
+    free(e->extra_start);
+    free(e->n_extra);
+    free(e->tokens);
+    free(e->logit_rows);
+    free(e->extra);
+    free(e->depth);
+    free(e);
+}
+
+int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
+    *out = NULL;
+    const model_config *c = &m->cfg;
+    if (cfg->max_batch_tokens < 1 || cfg->max_seqs < 1 || cfg->max_seq_len < 1 || cfg->block_size < 1 ||
+        cfg->kv_tokens < cfg->max_seq_len)
+        return err_set(err, "engine: bad sizes (batch %d, seqs %d, seq len %d, kv tokens %d, block %d)",
+                       cfg->max_batch_tokens, cfg->max_seqs, cfg->max_seq_len, cfg->kv_tokens, cfg->block_size);
+    eng *e = calloc(1, sizeof *e);
+    if (!e) return err_set(err, "out of memory");
+    e->m = m;
+    e->cfg = *cfg;
+    size_t T = (size_t)cfg->max_batch_tokens;
+    kv_params kp = {c->n_layers, c->n_kv_heads, c->head_dim, cfg->block_size,
+                    (cfg->kv_tokens + cfg->block_size - 1) / cfg->block_size, cfg->max_seqs,
+                    (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size};
+    if (pool_init(&e->pool, cfg->threads, err) != AE_OK ||
+        kn_stream_init_cpu(&e->stream, e->pool, llama_stream_workspace(m, cfg->max_batch_tokens), err) != AE_OK ||
+        llama_ws_init(&e->ws, m, cfg->max_batch_tokens, cfg->max_batch_tokens, err) != AE_OK ||
+        kv_init(&e->kv, &kp, err) != AE_OK)
+        goto fail;
+    e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
+    int32_t **arrays[] = {&e->pos, &e->seq, &e->slot, &e->n_prefix, &e->extra_start, &e->n_extra,
+                          &e->tokens, &e->logit_rows};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
+        if (!(*arrays[i] = calloc(T, sizeof(int32_t)))) goto oom;
+    e->extra = calloc(T * ENG_MAX_TREE, sizeof(int32_t));
+    e->depth = calloc(ENG_MAX_TREE, sizeof(int32_t));
+    if (!e->layers || !e->extra || !e->depth) goto oom;
+    for (int32_t l = 0; l < c->n_layers; l++) e->layers[l] = kv_layer(e->kv, l);
+    *out = e;
+    return AE_OK;
+oom:
+    err_set(err, "engine: out of memory");
+fail:
+    eng_free(e);
+    return AE_ERR;
+}
+
+int eng_seq_new(eng *e, int32_t *seq, ae_error *err) { return kv_seq_alloc(e->kv, seq, err); }
+void eng_seq_free(eng *e, int32_t seq) { kv_seq_free(e->kv, seq); }
+int32_t eng_seq_len(const eng *e, int32_t seq) { return kv_seq_len(e->kv, seq); }
+
+int32_t eng_logit_rows(const eng_item *items, int32_t n_items) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < n_items; i++)
+        n += items[i].kind == ENG_TREE || items[i].all_logits ? items[i].n_tokens : 1;
+    return n;
+}
+
+/* Checks every item before anything is written, so a bad one changes
+ * nothing. */
+static int validate(eng *e, const eng_item *items, int32_t n_items, ae_error *err) {
+    int32_t total = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        const eng_item *it = &items[i];
+        if (it->n_tokens < 1) return err_set(err, "item %d: no tokens", i);
+        total += it->n_tokens;
+        if (total > e->cfg.max_batch_tokens)
+            return err_set(err, "step has more than %d tokens", e->cfg.max_batch_tokens);
+        for (int32_t j = 0; j < i; j++)
+            if (items[j].seq == it->seq) return err_set(err, "item %d: sequence %d appears twice", i, it->seq);
+        int32_t len = kv_seq_len(e->kv, it->seq);
+        if (len + it->n_tokens > e->cfg.max_seq_len)
+            return err_set(err, "item %d: sequence %d would reach %d tokens, max-seq-len is %d", i, it->seq,
+                           len + it->n_tokens, e->cfg.max_seq_len);
+        for (int32_t t = 0; t < it->n_tokens; t++)
+            if (it->tokens[t] < 0 || it->tokens[t] >= e->m->cfg.vocab)
+                return err_set(err, "item %d: token %d is not in the vocabulary", i, it->tokens[t]);
+        if (it->kind == ENG_TREE) {
+            if (it->n_tokens > ENG_MAX_TREE) return err_set(err, "item %d: tree of %d nodes, max %d", i, it->n_tokens, ENG_MAX_TREE);
+            for (int32_t t = 0; t < it->n_tokens; t++)
+                if (it->parents[t] < -1 || it->parents[t] >= t)
+                    return err_set(err, "item %d: node %d has parent %d (must be -1 or an earlier node)", i, t, it->parents[t]);
+        }
+    }
+    /* Reserve KV room for every item, all or nothing per item. */
+    for (int32_t i = 0; i < n_items; i++)
+        if (kv_seq_reserve(e->kv, items[i].seq, kv_seq_len(e->kv, items[i].seq) + items[i].n_tokens, err) != AE_OK)
+            return AE_ERR;
+    return AE_OK;
+}
+
+int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
+             const llama_capture *capture, ae_error *err) {
+    if (n_items < 1) return err_set(err, "empty step");
+    if (validate(e, items, n_items, err) != AE_OK) return AE_ERR;
+    int32_t T = 0, n_logits = 0, n_extra_total = 0;
+    for (int32_t i = 0; i < n_items; i++) {
+        const eng_item *it = &items[i];
+        int32_t len = kv_seq_len(e->kv, it->seq);
+        for (int32_t t = 0; t < it->n_tokens; t++, T++) {
+            e->tokens[T] = it->tokens[t];
+            e->seq[T] = it->seq;
+            e->slot[T] = len + t;
+            e->extra_start[T] = n_extra_total;
+            if (it->kind == ENG_APPEND) {
+                e->pos[T] = len + t;
+                e->n_prefix[T] = len + t + 1;
+                e->n_extra[T] = 0;
+                if (it->all_logits || t == it->n_tokens - 1) e->logit_rows[n_logits++] = T;
+                continue;
+            }
+            /* Tree node: the committed prefix, then its ancestors root
+             * first, then itself, in position order. */
+            int32_t p = it->parents[t];
+            e->depth[t] = p < 0 ? 0 : e->depth[p] + 1;
+            e->pos[T] = len + e->depth[t];
+            e->n_prefix[T] = len;
+            int32_t d = e->depth[t];
+            e->n_extra[T] = d + 1;
+            for (int32_t a = t, k = d; a >= 0; a = it->parents[a], k--) e->extra[n_extra_total + k] = len + a;
+            n_extra_total += d + 1;
+            e->logit_rows[n_logits++] = T;
+        }
+    }
+    kn_kv_map map = {T, kv_block_tables(e->kv), e->cfg.max_seqs, kv_get_params(e->kv)->max_blocks_per_seq,
+                     e->seq, e->slot, e->n_prefix, e->extra_start, e->n_extra, e->extra, n_extra_total};
+    llama_batch b = {T, e->tokens, e->pos, &map, n_logits, e->logit_rows, logits, capture};
+    llama_forward(e->m, e->stream, NULL, e->layers, e->ws, &b);
+    for (int32_t i = 0; i < n_items; i++)
+        if (items[i].kind == ENG_APPEND) AE_ASSERT(kv_seq_advance(e->kv, items[i].seq, items[i].n_tokens, NULL) == AE_OK);
+    return AE_OK;
+}
+
+int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err) {
+    if (n < 0 || n > ENG_MAX_TREE) return err_set(err, "path of %d nodes", n);
+    int32_t len = kv_seq_len(e->kv, seq);
+    int32_t slots[ENG_MAX_TREE];
+    for (int32_t i = 0; i < n; i++) slots[i] = len + path[i];
+    if (kv_commit_path(e->kv, seq, slots, n, err) != AE_OK) return AE_ERR;
+    kv_seq_trim(e->kv, seq, kv_seq_len(e->kv, seq));
+    return AE_OK;
+}

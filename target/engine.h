@@ -1,0 +1,76 @@
+/* The batched engine: advances many sequences in one forward pass.
+ *
+ * Each item of a step is one sequence's contribution:
+ *   - ENG_APPEND: tokens appended after the sequence's committed length,
+ *     causally (a prefill chunk, or one decode token). They are committed
+ *     by the step.
+ *   - ENG_TREE: a verification tree. Node i has parent parents[i] < i
+ *     (-1: a child of the last committed token), sits at position
+ *     len + depth(i), and sees the committed prefix, its ancestors and
+ *     itself. Nothing is committed: eng_commit_path keeps the accepted
+ *     path afterwards.
+ * Logits come back for the last token of an APPEND item (or for every
+ * token with all_logits) and for every node of a tree, in item order.
+ *
+ * This is the call the scheduler and speculative decoding build on. All
+ * buffers are sized at eng_init; a step allocates nothing. */
+#ifndef AERIE_TARGET_ENGINE_H
+#define AERIE_TARGET_ENGINE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../services/core/err.h"
+#include "../services/core/pool.h"
+#include "llama.h"
+#include "model.h"
+
+#define ENG_MAX_TREE 64 /* nodes in one tree (also its deepest path) */
+
+typedef struct eng_config {
+    int32_t max_batch_tokens; /* tokens in one forward pass */
+    int32_t max_seqs;         /* sequences live at once */
+    int32_t max_seq_len;      /* slots one sequence may use, tree scratch included */
+    int32_t kv_tokens;        /* KV cache size in tokens, shared by all sequences */
+    int32_t block_size;       /* KV block size in tokens */
+    int32_t threads;
+} eng_config;
+
+typedef enum eng_kind { ENG_APPEND = 0, ENG_TREE = 1 } eng_kind;
+
+typedef struct eng_item {
+    int32_t seq;
+    eng_kind kind;
+    int32_t n_tokens;
+    const int32_t *tokens;  /* [n_tokens] */
+    const int32_t *parents; /* [n_tokens], ENG_TREE only */
+    bool all_logits;        /* ENG_APPEND: logits for every token, not just the last */
+} eng_item;
+
+typedef struct eng eng;
+
+/* m must outlive the engine. */
+int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err);
+void eng_free(eng *e); /* NULL is a no-op */
+
+int eng_seq_new(eng *e, int32_t *seq, ae_error *err);
+void eng_seq_free(eng *e, int32_t seq);
+int32_t eng_seq_len(const eng *e, int32_t seq);
+
+/* Logit rows a step will return for these items. */
+int32_t eng_logit_rows(const eng_item *items, int32_t n_items);
+
+/* One forward pass. logits: [eng_logit_rows][vocab]. capture: optional
+ * EAGLE-3 feature capture, rows indexing the step's tokens in item order.
+ * Bad items (unknown sequence, too many tokens, a parent out of order, no
+ * KV room) fail with err and change nothing. */
+int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
+             const llama_capture *capture, ae_error *err);
+
+/* After a tree step: keeps nodes path[0..n) (node indices of that tree,
+ * root-level first, each the parent of the next) as committed tokens. */
+int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err);
+
+const model *eng_model(const eng *e);
+
+#endif

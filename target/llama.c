@@ -1,0 +1,146 @@
+#include "llama.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct llama_ws {
+    int32_t max_tokens, max_logits;
+    float *x;     /* [max_tokens][H] residual stream */
+    float *xn;    /* [max_tokens][H] normed input of a block */
+    float *q;     /* [max_tokens][n_heads * D] */
+    float *k;     /* [max_tokens][n_kv_heads * D] */
+    float *v;     /* [max_tokens][n_kv_heads * D] */
+    float *attn;  /* [max_tokens][n_heads * D] */
+    float *proj;  /* [max_tokens][H] output of o_proj / down_proj */
+    float *gate;  /* [max_tokens][F] */
+    float *up;    /* [max_tokens][F] */
+    float *out_x; /* [max_logits][H] rows whose logits are wanted */
+    void *block;  /* one allocation holding all of the above */
+};
+
+static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Sizes of the workspace buffers, in floats, in declaration order. */
+static void ws_sizes(const model *m, int32_t T, int32_t L, size_t sz[10]) {
+    const model_config *c = &m->cfg;
+    size_t H = (size_t)c->hidden, F = (size_t)c->ffn, QD = (size_t)c->n_heads * (size_t)c->head_dim,
+           KD = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    size_t t = (size_t)T;
+    size_t v[10] = {t * H, t * H, t * QD, t * KD, t * KD, t * QD, t * H, t * F, t * F, (size_t)L * H};
+    memcpy(sz, v, sizeof v);
+}
+
+size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
+    size_t sz[10], total = 0;
+    ws_sizes(m, max_tokens, max_logits, sz);
+    for (int i = 0; i < 10; i++) total += round64(sz[i] * sizeof(float));
+    return total;
+}
+
+size_t llama_stream_workspace(const model *m, int32_t max_tokens) {
+    int64_t k = m->cfg.ffn;
+    if (m->cfg.hidden > k) k = m->cfg.hidden;
+    if ((int64_t)m->cfg.n_heads * m->cfg.head_dim > k) k = (int64_t)m->cfg.n_heads * m->cfg.head_dim;
+    return kn_matmul_workspace(max_tokens, k);
+}
+
+int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
+                  ae_error *err) {
+    *out = NULL;
+    if (max_tokens < 1 || max_logits < 1 || max_logits > max_tokens)
+        return err_set(err, "workspace: need 1 <= max_logits (%d) <= max_tokens (%d)", max_logits, max_tokens);
+    llama_ws *ws = calloc(1, sizeof *ws);
+    if (!ws) return err_set(err, "out of memory");
+    size_t bytes = llama_ws_bytes(m, max_tokens, max_logits);
+    ws->block = aligned_alloc(64, bytes);
+    if (!ws->block) {
+        free(ws);
+        return err_set(err, "out of memory for a %zu byte workspace", bytes);
+    }
+    memset(ws->block, 0, bytes);
+    size_t sz[10];
+    ws_sizes(m, max_tokens, max_logits, sz);
+    float **slots[10] = {&ws->x, &ws->xn, &ws->q, &ws->k, &ws->v, &ws->attn, &ws->proj, &ws->gate, &ws->up, &ws->out_x};
+    char *p = ws->block;
+    for (int i = 0; i < 10; i++) {
+        *slots[i] = (float *)(void *)p;
+        p += round64(sz[i] * sizeof(float));
+    }
+    ws->max_tokens = max_tokens;
+    ws->max_logits = max_logits;
+    *out = ws;
+    return AE_OK;
+}
+
+void llama_ws_free(llama_ws *ws) {
+    if (!ws) return;
+    free(ws->block);
+    free(ws);
+}
+
+static void capture_layer(const llama_capture *cap, int32_t layer, const float *x, int32_t H) {
+    if (!cap) return;
+    for (int32_t j = 0; j < cap->n_layers; j++) {
+        if (cap->layers[j] != layer) continue;
+        for (int32_t r = 0; r < cap->n_rows; r++)
+            memcpy(cap->out + ((size_t)r * (size_t)cap->n_layers + (size_t)j) * (size_t)H,
+                   x + (size_t)cap->rows[r] * (size_t)H, (size_t)H * sizeof(float));
+    }
+}
+
+void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
+                   llama_ws *ws, const llama_batch *b) {
+    const model_config *c = &m->cfg;
+    const int32_t T = b->m, H = c->hidden, F = c->ffn;
+    const int64_t QD = (int64_t)c->n_heads * c->head_dim, KD = (int64_t)c->n_kv_heads * c->head_dim;
+    AE_ASSERT(T >= 1 && T <= ws->max_tokens);
+    AE_ASSERT(b->n_logits >= 0 && b->n_logits <= ws->max_logits);
+    AE_ASSERT(b->map && b->map->m == T);
+    const llama_capture *cap = b->capture;
+    if (cap) {
+        AE_ASSERT(cap->n_layers >= 0 && cap->n_layers <= LLAMA_MAX_CAPTURE);
+        for (int32_t r = 0; r < cap->n_rows; r++) AE_ASSERT(cap->rows[r] >= 0 && cap->rows[r] < T);
+        for (int32_t j = 0; j < cap->n_layers; j++)
+            AE_ASSERT(cap->layers[j] >= 0 && cap->layers[j] <= c->n_layers);
+    }
+
+    kn_embed(s, &m->tok_embd, b->tokens, ws->x, T);
+    for (int32_t li = 0; li < c->n_layers; li++) {
+        const model_layer *l = &m->layers[li];
+        capture_layer(cap, li, ws->x, H);
+
+        /* attention block */
+        kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, H, c->rms_eps);
+        kn_matmul(s, &l->wq, ws->xn, ws->q, T);
+        kn_matmul(s, &l->wk, ws->xn, ws->k, T);
+        kn_matmul(s, &l->wv, ws->xn, ws->v, T);
+        if (l->bq) kn_bias_add(s, ws->q, l->bq, T, QD);
+        if (l->bk) kn_bias_add(s, ws->k, l->bk, T, KD);
+        if (l->bv) kn_bias_add(s, ws->v, l->bv, T, KD);
+        kn_rope_apply(s, &m->rope, ws->q, T, c->n_heads, b->pos);
+        kn_rope_apply(s, &m->rope, ws->k, T, c->n_kv_heads, b->pos);
+        kn_kv_write(s, &kv[li], b->map, ws->k, ws->v);
+        kn_attention(s, &kv[li], b->map, ws->q, ws->attn, c->n_heads);
+        kn_matmul(s, &l->wo, ws->attn, ws->proj, T);
+        kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
+        kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);
+
+        /* MLP block */
+        kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, H, c->rms_eps);
+        kn_matmul(s, &l->w_gate, ws->xn, ws->gate, T);
+        kn_matmul(s, &l->w_up, ws->xn, ws->up, T);
+        kn_swiglu(s, ws->gate, ws->up, ws->gate, (int64_t)T * F);
+        kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
+        kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
+        kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);
+    }
+    capture_layer(cap, c->n_layers, ws->x, H);
+    if (b->n_logits == 0) return;
+    for (int32_t r = 0; r < b->n_logits; r++) {
+        AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
+        memcpy(ws->out_x + (size_t)r * (size_t)H, ws->x + (size_t)b->logit_rows[r] * (size_t)H,
+               (size_t)H * sizeof(float));
+    }
+    kn_rmsnorm(s, ws->out_x, m->output_norm, ws->out_x, b->n_logits, H, c->rms_eps);
+    kn_matmul(s, &m->output, ws->out_x, b->logits, b->n_logits);
+}

@@ -1,0 +1,61 @@
+/* The Llama-family forward pass over a batch of tokens from any number of
+ * sequences, written against the op interface (kernels/kernels.h).
+ *
+ * One call advances every token of the batch through all layers: a token
+ * may be part of a prefill chunk, a single decode token, or a node of a
+ * verification tree; where it reads and writes the KV cache is given by the
+ * kn_kv_map. Every buffer is in the workspace, sized at init for the
+ * largest batch, so the forward pass allocates nothing and its buffers keep
+ * their addresses from step to step.
+ *
+ * Tensor parallelism: the allreduce hooks sit after the attention output
+ * projection and after the MLP down projection (kn_allreduce_sum, a no-op
+ * with one rank). */
+#ifndef AERIE_TARGET_LLAMA_H
+#define AERIE_TARGET_LLAMA_H
+
+#include <stdint.h>
+
+#include "../kernels/kernels.h"
+#include "model.h"
+
+#define LLAMA_MAX_CAPTURE 3
+
+/* EAGLE-3 feature capture: the residual stream entering chosen layers, for
+ * chosen tokens of the batch, concatenated per token. */
+typedef struct llama_capture {
+    int32_t n_layers;                  /* 0..LLAMA_MAX_CAPTURE */
+    int32_t layers[LLAMA_MAX_CAPTURE]; /* input of layer i (0 = the embeddings) */
+    int32_t n_rows;
+    const int32_t *rows;               /* [n_rows] batch rows to capture */
+    float *out;                        /* [n_rows][n_layers * H] */
+} llama_capture;
+
+typedef struct llama_batch {
+    int32_t m;                    /* tokens in the batch */
+    const int32_t *tokens;        /* [m] */
+    const int32_t *pos;           /* [m] positions, for RoPE */
+    const kn_kv_map *map;         /* where each token reads and writes KV */
+    int32_t n_logits;
+    const int32_t *logit_rows;    /* [n_logits] rows whose logits are wanted */
+    float *logits;                /* [n_logits][V] */
+    const llama_capture *capture; /* NULL: capture nothing */
+} llama_batch;
+
+typedef struct llama_ws llama_ws;
+
+/* Workspace for batches of up to max_tokens tokens and max_logits logit
+ * rows. */
+int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
+                  ae_error *err);
+void llama_ws_free(llama_ws *ws); /* NULL is a no-op */
+size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits);
+/* Bytes the stream needs for kn_matmul at this batch size. */
+size_t llama_stream_workspace(const model *m, int32_t max_tokens);
+
+/* Runs the batch. kv[l] is layer l's KV pool. Shapes and ids are the
+ * engine's to check (asserted here). */
+void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
+                   llama_ws *ws, const llama_batch *b);
+
+#endif

@@ -1,0 +1,83 @@
+/* The served model's weights and shape, loaded from a GGUF file or a
+ * Hugging Face directory (config.json + safetensors).
+ *
+ * Weights stay in their file format where kn_matmul has a native kernel
+ * (F32, F16, BF16, Q8_0, Q4_0, Q4_1 from GGUF), pointing into the mapped
+ * file; anything else is converted to f32 at load. Norm vectors and biases
+ * are f32.
+ *
+ * RoPE layout follows the source: GGUF llama files store q/k rows permuted
+ * for adjacent-pair rotation (KN_ROPE_ADJACENT); Hugging Face weights, and
+ * GGUF qwen2, use the half-split NeoX rotation. Using the layout the weights
+ * were written for avoids un-permuting at load. */
+#ifndef AERIE_TARGET_MODEL_H
+#define AERIE_TARGET_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../kernels/kernels.h"
+#include "../services/core/err.h"
+
+#define MODEL_MAX_LAYERS 256
+
+typedef struct model_config {
+    char arch[128];       /* "llama", "qwen2" */
+    int32_t n_layers;
+    int32_t hidden;       /* H */
+    int32_t ffn;          /* F */
+    int32_t n_heads;
+    int32_t n_kv_heads;
+    int32_t head_dim;     /* D */
+    int32_t vocab;        /* V */
+    int32_t context_length;
+    float rms_eps;
+    bool tied_embeddings; /* output projection is the embedding table */
+    bool qkv_bias;        /* Qwen2 */
+    kn_rope_config rope;
+} model_config;
+
+typedef struct model_layer {
+    const float *attn_norm; /* [H] */
+    const float *ffn_norm;  /* [H] */
+    kn_weight wq;           /* [n_heads * D][H] */
+    kn_weight wk;           /* [n_kv_heads * D][H] */
+    kn_weight wv;           /* [n_kv_heads * D][H] */
+    kn_weight wo;           /* [H][n_heads * D] */
+    const float *bq;        /* [n_heads * D] or NULL */
+    const float *bk;        /* [n_kv_heads * D] or NULL */
+    const float *bv;        /* [n_kv_heads * D] or NULL */
+    kn_weight w_gate;       /* [F][H] */
+    kn_weight w_up;         /* [F][H] */
+    kn_weight w_down;       /* [H][F] */
+} model_layer;
+
+typedef struct model {
+    model_config cfg;
+    kn_weight tok_embd;       /* [V][H] */
+    kn_weight output;         /* [V][H]; the same as tok_embd when tied */
+    const float *output_norm; /* [H] */
+    kn_rope rope;             /* frequencies for cfg.rope, computed at load */
+    model_layer *layers;      /* [n_layers] */
+    size_t weight_bytes;      /* bytes of weights as used (mapped + converted) */
+    size_t converted_bytes;   /* of which converted to f32 at load */
+    char path[1024];
+    /* owners */
+    struct gguf_file *gguf;
+    struct st_model *st;
+    void **owned; /* converted buffers */
+    size_t n_owned, cap_owned;
+} model;
+
+/* path: a .gguf file or a Hugging Face model directory. Errors name the
+ * file and the missing or malformed tensor or key. */
+int model_load(model **out, const char *path, ae_error *err);
+void model_free(model *m); /* NULL is a no-op */
+
+/* Bytes read from weights by one decode step of one token: every layer's
+ * matrices, the norms and the output projection (the embedding row is
+ * negligible). The numerator of the bandwidth roofline. */
+size_t model_decode_bytes(const model *m);
+
+#endif

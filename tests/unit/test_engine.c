@@ -1,0 +1,190 @@
+/* The batched engine on the default model: batch invariance, bit for bit
+ * (DESIGN.md invariant 2). A token's logits must not depend on whether it
+ * was prefilled or decoded, on what else shares the forward pass, or on
+ * whether it is a node of a verification tree. Run from the repo root. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "../../target/engine.h"
+
+#define MODEL_PATH "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+static model *mdl;
+static int32_t V;
+
+/* "The quick brown fox jumps over the lazy dog. 012" in SmolLM2 ids. */
+static const int32_t PROMPT[] = {504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30, 216, 32, 33, 34};
+#define N_PROMPT ((int32_t)(sizeof PROMPT / sizeof PROMPT[0]))
+
+static int setup(void **state) {
+    (void)state;
+    if (access(MODEL_PATH, R_OK) != 0) {
+        fprintf(stderr, "%s is missing: run `make model`\n", MODEL_PATH);
+        return -1;
+    }
+    ae_error err = {0};
+    if (model_load(&mdl, MODEL_PATH, &err) != AE_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    V = mdl->cfg.vocab;
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    model_free(mdl);
+    return 0;
+}
+
+static eng *new_engine(int threads) {
+    eng_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
+                      .block_size = 16, .threads = threads};
+    eng *e = NULL;
+    ae_error err = {0};
+    if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    return e;
+}
+
+static int32_t new_seq(eng *e) {
+    int32_t s;
+    ae_error err = {0};
+    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    return s;
+}
+
+static void step(eng *e, const eng_item *items, int32_t n, float *logits) {
+    ae_error err = {0};
+    if (eng_step(e, items, n, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+}
+
+static int32_t argmax(const float *x) {
+    int32_t b = 0;
+    for (int32_t i = 1; i < V; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+static void test_prefill_equals_token_by_token_decode(void **state) {
+    (void)state;
+    eng *e = new_engine(2);
+    float *pre = malloc(sizeof(float) * (size_t)V * N_PROMPT), *dec = malloc(sizeof(float) * (size_t)V);
+    int32_t a = new_seq(e), b = new_seq(e);
+    eng_item it = {a, ENG_APPEND, N_PROMPT, PROMPT, NULL, true};
+    step(e, &it, 1, pre);
+    for (int32_t t = 0; t < N_PROMPT; t++) {
+        eng_item d = {b, ENG_APPEND, 1, &PROMPT[t], NULL, false};
+        step(e, &d, 1, dec);
+        assert_memory_equal(dec, pre + (size_t)t * (size_t)V, sizeof(float) * (size_t)V);
+    }
+    assert_int_equal(eng_seq_len(e, a), N_PROMPT);
+    /* The model continues the count: " 012" -> "3". */
+    assert_int_equal(argmax(pre + (size_t)(N_PROMPT - 1) * (size_t)V), 35);
+    free(pre);
+    free(dec);
+    eng_free(e);
+}
+
+static void test_logits_do_not_depend_on_batch_mates_or_threads(void **state) {
+    (void)state;
+    float *alone = malloc(sizeof(float) * (size_t)V), *mixed = malloc(sizeof(float) * (size_t)V * 3);
+    /* Alone, one thread. */
+    eng *e1 = new_engine(1);
+    int32_t s1 = new_seq(e1);
+    eng_item p1 = {s1, ENG_APPEND, 9, PROMPT, NULL, false};
+    step(e1, &p1, 1, alone);
+    eng_item d1 = {s1, ENG_APPEND, 1, &PROMPT[9], NULL, false};
+    step(e1, &d1, 1, alone);
+    /* In a batch with two other sequences of other lengths, three threads,
+     * and in the middle of the batch. */
+    eng *e3 = new_engine(3);
+    int32_t x = new_seq(e3), s3 = new_seq(e3), y = new_seq(e3);
+    eng_item p3[2] = {{s3, ENG_APPEND, 9, PROMPT, NULL, false}, {x, ENG_APPEND, 3, PROMPT + 5, NULL, false}};
+    step(e3, p3, 2, mixed);
+    eng_item d3[3] = {{x, ENG_APPEND, 1, PROMPT, NULL, false},
+                      {s3, ENG_APPEND, 1, &PROMPT[9], NULL, false},
+                      {y, ENG_APPEND, 11, PROMPT + 2, NULL, false}};
+    step(e3, d3, 3, mixed);
+    assert_memory_equal(alone, mixed + (size_t)V, sizeof(float) * (size_t)V);
+    free(alone);
+    free(mixed);
+    eng_free(e1);
+    eng_free(e3);
+}
+
+static void test_tree_node_equals_decoding_its_path(void **state) {
+    (void)state;
+    eng *e = new_engine(2);
+    float *tree = malloc(sizeof(float) * (size_t)V * 6), *seqd = malloc(sizeof(float) * (size_t)V * 3);
+    float *scratch = malloc(sizeof(float) * (size_t)V);
+    int32_t t = new_seq(e), s = new_seq(e);
+    eng_item pre[2] = {{t, ENG_APPEND, 8, PROMPT, NULL, false}, {s, ENG_APPEND, 8, PROMPT, NULL, false}};
+    step(e, pre, 2, tree);
+    /* Tree after the prefix: nodes 0,1 at depth 0; node 2 child of 0; node 3
+     * child of 1; node 4 child of 2; node 5 child of 2. Path 0 -> 2 -> 4 is
+     * PROMPT[8], PROMPT[9], PROMPT[10]. */
+    const int32_t toks[6] = {PROMPT[8], 17, PROMPT[9], 905, PROMPT[10], 28};
+    const int32_t parents[6] = {-1, -1, 0, 1, 2, 2};
+    eng_item tr = {t, ENG_TREE, 6, toks, parents, false};
+    step(e, &tr, 1, tree);
+    assert_int_equal(eng_seq_len(e, t), 8); /* nothing committed yet */
+    for (int32_t k = 0; k < 3; k++) {
+        eng_item d = {s, ENG_APPEND, 1, &PROMPT[8 + k], NULL, false};
+        step(e, &d, 1, seqd + (size_t)k * (size_t)V);
+    }
+    assert_memory_equal(tree + 0 * (size_t)V, seqd + 0 * (size_t)V, sizeof(float) * (size_t)V);
+    assert_memory_equal(tree + 2 * (size_t)V, seqd + 1 * (size_t)V, sizeof(float) * (size_t)V);
+    assert_memory_equal(tree + 4 * (size_t)V, seqd + 2 * (size_t)V, sizeof(float) * (size_t)V);
+    /* Commit the path; the next decode matches the plain sequence's. */
+    const int32_t path[3] = {0, 2, 4};
+    ae_error err = {0};
+    if (eng_commit_path(e, t, path, 3, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(eng_seq_len(e, t), 11);
+    eng_item nt = {t, ENG_APPEND, 1, &PROMPT[11], NULL, false};
+    eng_item ns = {s, ENG_APPEND, 1, &PROMPT[11], NULL, false};
+    step(e, &nt, 1, scratch);
+    step(e, &ns, 1, seqd);
+    assert_memory_equal(scratch, seqd, sizeof(float) * (size_t)V);
+    free(tree);
+    free(seqd);
+    free(scratch);
+    eng_free(e);
+}
+
+static void test_bad_items_fail_and_change_nothing(void **state) {
+    (void)state;
+    eng *e = new_engine(1);
+    float *logits = malloc(sizeof(float) * (size_t)V * 4);
+    int32_t s = new_seq(e);
+    ae_error err = {0};
+    const int32_t bad_tok[1] = {49152};
+    eng_item it = {s, ENG_APPEND, 1, bad_tok, NULL, false};
+    assert_int_equal(eng_step(e, &it, 1, logits, NULL, &err), AE_ERR);
+    assert_string_equal(err.msg, "item 0: token 49152 is not in the vocabulary");
+    err_clear(&err);
+    const int32_t toks[2] = {1, 2}, parents[2] = {-1, 1};
+    eng_item tr = {s, ENG_TREE, 2, toks, parents, false};
+    assert_int_equal(eng_step(e, &tr, 1, logits, NULL, &err), AE_ERR);
+    assert_string_equal(err.msg, "item 0: node 1 has parent 1 (must be -1 or an earlier node)");
+    assert_int_equal(eng_seq_len(e, s), 0);
+    free(logits);
+    eng_free(e);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_prefill_equals_token_by_token_decode),
+        cmocka_unit_test(test_logits_do_not_depend_on_batch_mates_or_threads),
+        cmocka_unit_test(test_tree_node_equals_decoding_its_path),
+        cmocka_unit_test(test_bad_items_fail_and_change_nothing),
+    };
+    return cmocka_run_group_tests_name("engine", tests, setup, teardown);
+}
