@@ -15,6 +15,7 @@ static const cli_cmd *const commands[] = {
     &cli_cmd_tokenize,
     &cli_cmd_detokenize,
     &cli_cmd_bench_tokenizer,
+    &cli_cmd_generate,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
