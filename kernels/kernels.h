@@ -33,7 +33,8 @@
  *     tree(acc) + tree(macc), tree(a) = ((a0+a4) + (a2+a6)) + ((a1+a5) +
  *     (a3+a7)), where for Q4_1 lane b % 8 of macc accumulates
  *     fma(m_w, s_x, macc[b % 8]) over b in order (s_x = d_x * sum of the
- *     block's q); macc is 0 for the other types.
+ *     block's q), b running on to a multiple of 8 with m_w = s_x = 0;
+ *     macc is 0 for the other types.
  *   - kn_matmul, float W (F32, F16, BF16): 8 lanes, lane l takes elements
  *     i = 8j + l in increasing j, acc = fma(x, w, acc); tree(acc); then the
  *     k % 8 tail elements, s = fma(x, w, s) one by one.

@@ -134,6 +134,10 @@ static float dot_quant(ggml_type type, const uint8_t *wrow, const int8_t *xq, co
         for (int l = 0; l < 8; l++) acc[l] = fmaf((float)lane[l], dd, acc[l]);
         if (type == GGML_TYPE_Q4_1) macc[b % 8] = fmaf(mw, xs[b], macc[b % 8]);
     }
+    /* The padding blocks up to a multiple of 8 count as m_w = s_x = 0 (it
+     * can turn a -0 lane into +0), so SIMD code may run whole groups. */
+    if (type == GGML_TYPE_Q4_1)
+        for (int64_t b = nb; b < kn_pad8(nb); b++) macc[b % 8] = fmaf(0.0f, xs[b], macc[b % 8]);
     return lane_sum(acc) + lane_sum(macc);
 }
 

@@ -139,22 +139,14 @@ INL void qtile(ggml_type type, int TM, int TN, const kn_tile *t, int64_t j) {
                 }
             }
             if (type != GGML_TYPE_Q4_1) continue;
-            /* Offset term: lane i of macc takes block b0 + i. */
+            /* Offset term: lane i of macc takes block b0 + i; a short last
+             * group runs over the zero padding (kernels.h counts it). */
 #pragma GCC unroll 4
             for (int r = 0; r < TM; r++) {
-                const float *xs = t->xs + (size_t)r * (size_t)t->nbp + (size_t)b0;
+                __m256 xs = _mm256_loadu_ps(t->xs + (size_t)r * (size_t)t->nbp + (size_t)b0);
 #pragma GCC unroll 4
-                for (int c = 0; c < TN; c++) {
-                    if (gn == 8) {
-                        macc[r][c] = _mm256_fmadd_ps(_mm256_load_ps(&mw[c][g]), _mm256_loadu_ps(xs),
-                                                     macc[r][c]);
-                    } else {
-                        float lane[8] __attribute__((aligned(32)));
-                        _mm256_store_ps(lane, macc[r][c]);
-                        for (int i = 0; i < gn; i++) lane[i] = fmaf(mw[c][g + i], xs[i], lane[i]);
-                        macc[r][c] = _mm256_load_ps(lane);
-                    }
-                }
+                for (int c = 0; c < TN; c++)
+                    macc[r][c] = _mm256_fmadd_ps(_mm256_load_ps(&mw[c][g]), xs, macc[r][c]);
             }
         }
     }
