@@ -33,7 +33,7 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=build/asan/tests/%)
 TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o)
 # The suites that share state between threads also run under TSan, which
 # sees data races that ASan cannot.
-TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer
+TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsan/tests/test_kernels
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 
 # `make V=1` shows the full command lines.
