@@ -4,6 +4,10 @@
  * batch (kernels.h). */
 #include "kn_cpu_impl.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -48,8 +52,11 @@ void kn_cpu_force_scalar(bool on) { atomic_store(&g_force_scalar, on); }
 bool kn_cpu_use_avx2(void) {
     if (atomic_load(&g_force_scalar)) return false;
 #if defined(__x86_64__) || defined(__i386__)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    /* F16C is CPUID leaf 1, ECX bit 29; asked directly because older
+     * compilers (clang 14) do not know "f16c" in __builtin_cpu_supports. */
+    unsigned a, b, c, d;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
     return false;
 #endif
