@@ -117,15 +117,15 @@ static float dot_quant(ggml_type type, const uint8_t *wrow, const int8_t *xq, co
         const int8_t *a = xq + b * KN_QK;
         float dw, mw = 0.0f;
         if (type == GGML_TYPE_Q8_0) {
-            const kn_blk_q8_0 *blk = (const kn_blk_q8_0 *)wrow + b;
+            const kn_blk_q8_0 *blk = (const kn_blk_q8_0 *)(const void *)wrow + b;
             lanes_q8_0(blk, a, lane);
             dw = quant_f16_to_f32(blk->d);
         } else if (type == GGML_TYPE_Q4_0) {
-            const kn_blk_q4_0 *blk = (const kn_blk_q4_0 *)wrow + b;
+            const kn_blk_q4_0 *blk = (const kn_blk_q4_0 *)(const void *)wrow + b;
             lanes_q4(blk->q, 8, a, lane);
             dw = quant_f16_to_f32(blk->d);
         } else {
-            const kn_blk_q4_1 *blk = (const kn_blk_q4_1 *)wrow + b;
+            const kn_blk_q4_1 *blk = (const kn_blk_q4_1 *)(const void *)wrow + b;
             lanes_q4(blk->q, 0, a, lane);
             dw = quant_f16_to_f32(blk->d);
             mw = quant_f16_to_f32(blk->m);
