@@ -24,6 +24,10 @@ typedef struct cli_cmd {
     /* Runs with resolved settings and the positional arguments (after the
      * subcommand name). Returns the process exit status. */
     int (*run)(const cfg *c, int argc, char **argv, ae_error *err);
+    /* Optional: replaces "auto" settings with the values computed for this
+     * machine and model, before --print-config and the startup log show
+     * them. A failure (an impossible memory plan) exits 2. */
+    int (*resolve)(cfg *c, ae_error *err);
 } cli_cmd;
 
 /* A tokenizer and, when the model is a GGUF file, the file it came from. */

@@ -9,6 +9,7 @@
 #include "../services/tokenizer/chat.h"
 #include "../services/tokenizer/detok.h"
 #include "../target/engine.h"
+#include "../target/memplan.h"
 #include "cli.h"
 
 static const cfg_option opts[] = {
@@ -25,8 +26,43 @@ static const cfg_option opts[] = {
     {"stats", CFG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
     {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    /* The memory plan's settings (target/memplan.h), with defaults for one
+     * sequence. */
+    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
+     "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
+    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
+    {"max-batch", CFG_INT, "1", 1, 4096, "sequences in flight at once"},
+    {"max-seq-len", CFG_INT, "auto", 1, 16777216,
+     "longest sequence in tokens (auto: the model's context length)"},
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
+
+#define PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
+#define KV_BLOCK 16
+
+/* The memory plan for this model on this machine; records auto values. */
+static int plan_for(cfg *c, const model *m, memplan *plan, ae_error *err) {
+    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
+    uint64_t avail;
+    if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
+    const model_config *mc = &m->cfg;
+    memplan_model mm = {m->weight_bytes, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
+                        mc->n_kv_heads, mc->head_dim, mc->vocab};
+    memplan_env env = {avail, KV_BLOCK, PREFILL_CHUNK, llama_stream_workspace(m, PREFILL_CHUNK)};
+    return memplan_compute(c, &mm, &env, plan, err);
+}
+
+static int resolve(cfg *c, ae_error *err) {
+    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+    const char *path = cfg_str(c, "model");
+    if (!path) return err_set(err, "no model given (use --model FILE)");
+    model *m;
+    if (model_load(&m, path, err) != AE_OK) return AE_ERR;
+    memplan plan;
+    int rc = plan_for(c, m, &plan, err);
+    model_free(m);
+    return rc;
+}
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -63,9 +99,8 @@ static int prompt_ids(const cfg *c, const tok *t, int32_t **ids, size_t *n, ae_e
 }
 
 static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
-    cfg *c = (cfg *)cc; /* auto values are resolved here */
+    cfg *c = (cfg *)cc; /* resolve() has replaced every auto value */
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
     cli_model cm = {0};
     model *m = NULL;
     eng *e = NULL;
@@ -88,9 +123,17 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 max_new, m->cfg.context_length);
         goto out;
     }
-    int32_t seq_len = (int32_t)n_prompt + max_new;
-    int32_t chunk_tokens = 256; /* prefill chunk */
-    eng_config ec = {chunk_tokens, 1, seq_len, seq_len, 16, (int32_t)cfg_int(c, "threads")};
+    memplan plan;
+    if (plan_for(c, m, &plan, err) != AE_OK) goto out;
+    memplan_log(&plan);
+    if ((int64_t)n_prompt + max_new > plan.max_seq_len) {
+        err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds max-seq-len %d", n_prompt, max_new,
+                plan.max_seq_len);
+        goto out;
+    }
+    int32_t chunk_tokens = PREFILL_CHUNK;
+    eng_config ec = {chunk_tokens, plan.max_batch, plan.max_seq_len, (int32_t)plan.kv_tokens, plan.block_size,
+                     (int32_t)cfg_int(c, "threads")};
     if (eng_init(&e, m, &ec, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
         detok_init(&dt, cm.tok, false, err) != AE_OK)
         goto out;
@@ -170,4 +213,5 @@ const cli_cmd cli_cmd_generate = {
     .opts = opts,
     .n_opts = sizeof opts / sizeof opts[0],
     .run = run,
+    .resolve = resolve,
 };

@@ -107,6 +107,7 @@ int main(int argc, char **argv) {
         goto out;
     }
     log_set_level(lv);
+    if (cmd->resolve && cmd->resolve(c, &err) != AE_OK) goto out;
     if (print_config) {
         char *json = cfg_to_json(c);
         if (json) puts(json);

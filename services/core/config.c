@@ -308,8 +308,12 @@ void cfg_set_auto_int(cfg *c, const char *name, int64_t x) {
 void cfg_set_auto_double(cfg *c, const char *name, double x) {
     cfg_value *v = must_find(c, name);
     AE_ASSERT(v->opt->type == CFG_DOUBLE);
+    /* The shortest text that reads back as x: 0.9, not 0.90000000000000002. */
     char buf[40];
-    snprintf(buf, sizeof buf, "%.17g", x);
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(buf, sizeof buf, "%.*g", prec, x);
+        if (strtod(buf, NULL) == x) break;
+    }
     v->d = x;
     set_auto_text(v, buf);
 }

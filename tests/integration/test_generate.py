@@ -60,3 +60,34 @@ def test_bad_generate_arguments_exit_2(aerie, model):
     assert r.rc == 2
     assert r.err == ("aerie generate: prompt (1 tokens) + max-tokens (9000) exceeds the model's "
                      "context of 8192\n")
+
+
+def test_impossible_memory_plan_exits_2_with_the_arithmetic_and_a_fix(aerie, model):
+    import re
+    r = aerie("generate", "--model", model, "--prompt", "x", "--mem-fraction", "0.01")
+    assert r.rc == 2
+    assert r.err.count("\n") == 1
+    assert r.err.startswith("aerie generate: memory plan: one sequence of max-seq-len 8192 does not "
+                            "fit: weights 92.1 MiB + workspace ")
+    fix = re.search(r"would work: --mem-fraction ([0-9.]+), --max-seq-len ([0-9]+)$", r.err.strip())
+    assert fix, r.err
+    # The suggested settings work (with room for available memory moving
+    # between the two runs).
+    seq_len = int(fix.group(2)) // 2
+    ok = aerie("generate", "--model", model, "--prompt", "x", "--mem-fraction", "0.01",
+               "--max-seq-len", seq_len, "--max-tokens", "2", "--ids")
+    assert ok.rc == 0, ok.err
+    assert len(ok.json()) == 2
+
+
+def test_print_config_resolves_auto_settings_with_their_source(aerie, model):
+    r = aerie("generate", "--model", model, "--prompt", "x", "--print-config",
+              env={"AERIE_MAX_BATCH": "2"})
+    assert r.rc == 0, r.err
+    c = r.json()
+    assert c["mem-fraction"]["source"] == "auto" and 0.01 <= c["mem-fraction"]["value"] <= 0.9
+    assert c["max-seq-len"] == {"value": 8192, "source": "auto"}  # the model's context
+    assert c["max-batch"] == {"value": 2, "source": "env"}
+    assert c["max-kv-tokens"]["source"] == "auto"
+    assert c["max-kv-tokens"]["value"] == 2 * 8192  # what 2 sequences can use, all of it fits
+    assert c["threads"]["source"] == "auto"
