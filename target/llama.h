@@ -31,6 +31,18 @@ typedef struct llama_capture {
     float *out;                        /* [n_rows][n_layers * H] */
 } llama_capture;
 
+/* EAGLE-3's default capture layers for an n_layers model: the inputs of
+ * layers 2, n/2 and n-3 (for 32 layers: 2, 16, 29). "Input of layer i" is
+ * the residual stream before layer i runs, i.e. transformers'
+ * output_hidden_states[i]. */
+void llama_capture_default_layers(int32_t n_layers, int32_t out[LLAMA_MAX_CAPTURE]);
+
+/* A head's own choice (eagle_config.eagle_aux_hidden_state_layer_ids, in
+ * the same input-of-layer convention), checked against the model: exactly
+ * LLAMA_MAX_CAPTURE ids in 0..n_layers. */
+int llama_capture_layers_from(const int32_t *ids, int32_t n, int32_t n_layers,
+                              int32_t out[LLAMA_MAX_CAPTURE], ae_error *err);
+
 typedef struct llama_batch {
     int32_t m;                    /* tokens in the batch */
     const int32_t *tokens;        /* [m] */

@@ -179,12 +179,52 @@ static void test_bad_items_fail_and_change_nothing(void **state) {
     eng_free(e);
 }
 
+static void test_capture_is_three_layer_inputs_and_batch_invariant(void **state) {
+    (void)state;
+    const int32_t H = mdl->cfg.hidden;
+    int32_t layers[LLAMA_MAX_CAPTURE];
+    llama_capture_default_layers(mdl->cfg.n_layers, layers);
+    assert_int_equal(layers[0], 2);
+    assert_int_equal(layers[1], 15);
+    assert_int_equal(layers[2], 27);
+    eng *e = new_engine(2);
+    float *logits = malloc(sizeof(float) * (size_t)V * 16);
+    float *pre = calloc((size_t)N_PROMPT * 3 * (size_t)H, sizeof(float));
+    float *one = calloc(3 * (size_t)H, sizeof(float));
+    int32_t a = new_seq(e), b = new_seq(e);
+    int32_t rows[N_PROMPT];
+    for (int32_t i = 0; i < N_PROMPT; i++) rows[i] = i;
+    llama_capture cap = {3, {layers[0], layers[1], layers[2]}, N_PROMPT, rows, pre};
+    eng_item it = {a, ENG_APPEND, N_PROMPT, PROMPT, NULL, false};
+    ae_error err = {0};
+    if (eng_step(e, &it, 1, logits, &cap, &err) != AE_OK) fail_msg("%s", err.msg);
+    /* Token by token on another sequence, capturing the last token only:
+     * the same [3 * H] features, bit for bit. */
+    for (int32_t t = 0; t < N_PROMPT; t++) {
+        int32_t row0 = 0;
+        llama_capture c1 = {3, {layers[0], layers[1], layers[2]}, 1, &row0, one};
+        eng_item d = {b, ENG_APPEND, 1, &PROMPT[t], NULL, false};
+        if (eng_step(e, &d, 1, logits, &c1, &err) != AE_OK) fail_msg("%s", err.msg);
+        assert_memory_equal(one, pre + (size_t)t * 3 * (size_t)H, 3 * (size_t)H * sizeof(float));
+    }
+    /* Layer inputs differ from one another (the capture is not one copy). */
+    assert_memory_not_equal(pre, pre + H, (size_t)H * sizeof(float));
+    int32_t bad[3] = {2, 15, 31}, out[3];
+    assert_int_equal(llama_capture_layers_from(bad, 3, 30, out, &err), AE_ERR);
+    assert_string_equal(err.msg, "eagle_aux_hidden_state_layer_ids[2] = 31 is outside 0..30");
+    free(logits);
+    free(pre);
+    free(one);
+    eng_free(e);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_equals_token_by_token_decode),
         cmocka_unit_test(test_logits_do_not_depend_on_batch_mates_or_threads),
         cmocka_unit_test(test_tree_node_equals_decoding_its_path),
         cmocka_unit_test(test_bad_items_fail_and_change_nothing),
+        cmocka_unit_test(test_capture_is_three_layer_inputs_and_batch_invariant),
     };
     return cmocka_run_group_tests_name("engine", tests, setup, teardown);
 }
