@@ -49,5 +49,6 @@ extern const cli_cmd cli_cmd_tokenize;
 extern const cli_cmd cli_cmd_detokenize;
 extern const cli_cmd cli_cmd_bench_tokenizer;
 extern const cli_cmd cli_cmd_generate;
+extern const cli_cmd cli_cmd_bench;
 
 #endif

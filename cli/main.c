@@ -16,6 +16,7 @@ static const cli_cmd *const commands[] = {
     &cli_cmd_detokenize,
     &cli_cmd_bench_tokenizer,
     &cli_cmd_generate,
+    &cli_cmd_bench,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -1,0 +1,369 @@
+/* aerie bench: engine throughput against the memory-bandwidth roofline,
+ * all measured in one run (DESIGN.md, "Performance method").
+ *
+ * One JSON line on stdout:
+ *   - prefill and decode tok/s of `batch` independent sequences. Prompts
+ *     are synthetic: token ids drawn by splitmix64 (seed 1 + sequence
+ *     index) uniformly over the vocabulary, so every run feeds the same
+ *     tokens. Prefill packs the prompts into passes of at most
+ *     max-batch-tokens tokens; each decode step is one pass with one token
+ *     of every sequence, the greedy choice of the step before.
+ *   - the read bandwidth of a buffer far larger than the last-level cache,
+ *     summed by the same number of threads, best of `repeat` runs; with the
+ *     weight bytes one decode step reads (model_decode_bytes), the roofline
+ *     step rate, and the measured step rate as a fraction of it
+ *     (roofline_fraction = decode_step_per_s / roofline_tok_per_s; a step
+ *     reads the weights once whatever the batch, so at batch 1 this is
+ *     decode tok/s against the most batch-1 decoding can reach).
+ *   - the verify cost curve: one pass of a chain of n tokens (an ENG_TREE
+ *     whose node i is the parent of node i+1) after a fixed prefix of
+ *     prompt-tokens tokens, for n = 1..32, median of `repeat` passes each,
+ *     relative to n = 1. Nothing is committed, so every pass sees the same
+ *     context. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "../services/core/log.h"
+#include "../target/engine.h"
+#include "../target/sample.h"
+#include "cli.h"
+
+static const cfg_option opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"prompt-tokens", CFG_INT, "128", 1, 1 << 20, "synthetic prompt tokens of each sequence"},
+    {"gen-tokens", CFG_INT, "128", 1, 1 << 20, "decode steps after the prompt"},
+    {"batch", CFG_INT, "1", 1, 256, "sequences prefilled and decoded together"},
+    {"max-batch-tokens", CFG_INT, "256", 32, 1 << 16, "tokens in one forward pass (prefill chunk)"},
+    {"repeat", CFG_INT, "5", 1, 1000, "bandwidth runs (best counts) and verify passes (median counts)"},
+    {"bandwidth-mib", CFG_INT, "auto", 16, 1 << 16,
+     "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+};
+
+#define VERIFY_SIZES 6
+static const int32_t verify_sizes[VERIFY_SIZES] = {1, 2, 4, 8, 16, 32};
+#define VERIFY_MAX 32
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* ---- memory bandwidth ------------------------------------------------ */
+
+typedef struct bw_job {
+    uint64_t *buf; /* [n] */
+    size_t n;
+    uint64_t sums[POOL_MAX_THREADS]; /* one per task, so the reads cannot be elided */
+} bw_job;
+
+static void bw_slice(const bw_job *j, int task, int n_tasks, size_t *lo, size_t *hi) {
+    size_t per = (j->n / (size_t)n_tasks + 7) & ~(size_t)7;
+    *lo = per * (size_t)task;
+    *hi = *lo + per;
+    if (*lo > j->n) *lo = j->n;
+    if (*hi > j->n) *hi = j->n;
+}
+
+/* Each thread first touches its own slice, so its pages are local. */
+static void bw_fill(void *ctx, int task, int n_tasks) {
+    bw_job *j = ctx;
+    size_t lo, hi;
+    bw_slice(j, task, n_tasks, &lo, &hi);
+    for (size_t i = lo; i < hi; i++) j->buf[i] = i;
+}
+
+/* Eight independent sums keep the loop bound by loads, not by the latency
+ * of one chain of additions. */
+static void bw_sum(void *ctx, int task, int n_tasks) {
+    bw_job *j = ctx;
+    size_t lo, hi;
+    bw_slice(j, task, n_tasks, &lo, &hi);
+    const uint64_t *p = j->buf;
+    /* Named variables, not an array: gcc keeps an array of sums on the
+     * stack, and the store-to-load chain then caps the rate below DRAM's. */
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+    size_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        s0 += p[i];
+        s1 += p[i + 1];
+        s2 += p[i + 2];
+        s3 += p[i + 3];
+        s4 += p[i + 4];
+        s5 += p[i + 5];
+        s6 += p[i + 6];
+        s7 += p[i + 7];
+    }
+    for (; i < hi; i++) s0 += p[i];
+    j->sums[task] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7;
+}
+
+/* Best read bandwidth in bytes per second over `runs` passes. */
+static int measure_bandwidth(size_t bytes, int threads, int runs, double *out, ae_error *err) {
+    pool *p = NULL;
+    bw_job *j = calloc(1, sizeof *j);
+    int rc = AE_ERR;
+    if (!j) return err_set(err, "out of memory");
+    j->n = bytes / sizeof(uint64_t);
+    j->buf = malloc(j->n * sizeof(uint64_t));
+    if (!j->buf) {
+        err_set(err, "out of memory for a %zu MiB bandwidth buffer", bytes >> 20);
+        goto out;
+    }
+    if (pool_init(&p, threads, err) != AE_OK) goto out;
+    pool_run(p, bw_fill, j, threads);
+    double best = 0;
+    for (int r = 0; r < runs; r++) {
+        double t0 = now_seconds();
+        pool_run(p, bw_sum, j, threads);
+        double t = now_seconds() - t0;
+        if (t > 0 && (double)(j->n * sizeof(uint64_t)) / t > best) best = (double)(j->n * sizeof(uint64_t)) / t;
+    }
+    uint64_t check = 0;
+    for (int t = 0; t < threads; t++) check += j->sums[t];
+    LOG_DEBUGF("bench bandwidth_checksum=%llu", (unsigned long long)check);
+    *out = best;
+    rc = AE_OK;
+out:
+    pool_free(p);
+    if (j) free(j->buf);
+    free(j);
+    return rc;
+}
+
+static int64_t auto_bandwidth_mib(void) {
+    long llc = 0;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    int64_t mib = llc > 0 ? 8 * (((int64_t)llc + (1 << 20) - 1) >> 20) : 256;
+    return mib < 256 ? 256 : mib > 1024 ? 1024 : mib;
+}
+
+/* ---- the engine passes ------------------------------------------------ */
+
+typedef struct bench {
+    eng *e;
+    int32_t vocab;
+    int32_t batch;
+    int32_t max_batch_tokens;
+    int32_t *seqs;    /* [batch] */
+    int32_t *prompts; /* [batch][prompt_tokens] */
+    int32_t *next;    /* [batch] the token each sequence decodes next */
+    eng_item *items;  /* [batch] */
+    float *logits;    /* [max(batch, VERIFY_MAX)][vocab] */
+} bench;
+
+/* Prefills seqs[0..n) with prompts of `len` tokens, packing chunks of
+ * several sequences into one pass; next[i] gets each one's greedy token. */
+static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prompts, int32_t len,
+                   int32_t *next, ae_error *err) {
+    int32_t first = 0, done = 0; /* first sequence not yet filled, and its tokens already in */
+    while (first < n) {
+        int32_t n_items = 0, budget = b->max_batch_tokens, end = 0;
+        for (int32_t s = first; s < n && budget > 0; s++) {
+            int32_t from = s == first ? done : 0, k = len - from < budget ? len - from : budget;
+            b->items[n_items++] =
+                (eng_item){seqs[s], ENG_APPEND, k, prompts + (size_t)s * (size_t)len + (size_t)from, NULL, false};
+            budget -= k;
+            end = from + k;
+        }
+        if (eng_step(b->e, b->items, n_items, b->logits, NULL, err) != AE_OK) return AE_ERR;
+        /* Every item but the last completes its sequence; the last may stop
+         * short when the pass is full. */
+        int32_t n_complete = end == len ? n_items : n_items - 1;
+        for (int32_t i = 0; i < n_complete; i++)
+            next[first + i] = sample_greedy(b->logits + (size_t)i * (size_t)b->vocab, b->vocab);
+        done = end == len ? 0 : end;
+        first += n_complete;
+    }
+    return AE_OK;
+}
+
+/* One decode step: every sequence appends its next token. */
+static int decode_step(bench *b, ae_error *err) {
+    for (int32_t i = 0; i < b->batch; i++) b->items[i] = (eng_item){b->seqs[i], ENG_APPEND, 1, &b->next[i], NULL, false};
+    if (eng_step(b->e, b->items, b->batch, b->logits, NULL, err) != AE_OK) return AE_ERR;
+    for (int32_t i = 0; i < b->batch; i++) b->next[i] = sample_greedy(b->logits + (size_t)i * (size_t)b->vocab, b->vocab);
+    return AE_OK;
+}
+
+/* Seconds of one verify pass of a chain of n tokens; commits nothing. */
+static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_error *err) {
+    static const int32_t none[1] = {0};
+    int32_t tokens[VERIFY_MAX], parents[VERIFY_MAX];
+    for (int32_t i = 0; i < n; i++) {
+        tokens[i] = (int32_t)((uint32_t)(i * 7919 + 13) % (uint32_t)b->vocab);
+        parents[i] = i - 1;
+    }
+    eng_item it = {seq, ENG_TREE, n, tokens, parents, false};
+    double t0 = now_seconds();
+    if (eng_step(b->e, &it, 1, b->logits, NULL, err) != AE_OK) return AE_ERR;
+    *seconds = now_seconds() - t0;
+    return eng_commit_path(b->e, seq, none, 0, err);
+}
+
+static double round_to(double x, double scale) { return (double)llround(x * scale) / scale; }
+
+static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
+    cfg *c = (cfg *)cc; /* auto values are resolved here */
+    if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
+    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+    if (cfg_is_auto(c, "bandwidth-mib")) cfg_set_auto_int(c, "bandwidth-mib", auto_bandwidth_mib());
+    double t_start = now_seconds();
+    const char *path = cfg_str(c, "model");
+    int32_t n_prompt = (int32_t)cfg_int(c, "prompt-tokens"), n_gen = (int32_t)cfg_int(c, "gen-tokens");
+    int32_t batch = (int32_t)cfg_int(c, "batch"), max_batch_tokens = (int32_t)cfg_int(c, "max-batch-tokens");
+    int threads = (int)cfg_int(c, "threads"), reps = (int)cfg_int(c, "repeat");
+    model *m = NULL;
+    bench b = {0};
+    double *times = NULL;
+    int rc = CLI_EXIT_USAGE;
+    if (!path) return err_set(err, "no model given (use --model FILE)"), CLI_EXIT_USAGE;
+    if (batch > max_batch_tokens)
+        return err_set(err, "--batch %d exceeds --max-batch-tokens %d", batch, max_batch_tokens), CLI_EXIT_USAGE;
+
+    if (model_load(&m, path, err) != AE_OK) goto out;
+    int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX);
+    if (seq_len > m->cfg.context_length) {
+        err_set(err, "prompt-tokens (%d) + max(gen-tokens, %d) exceeds the model's context of %d", n_prompt,
+                VERIFY_MAX, m->cfg.context_length);
+        goto out;
+    }
+    /* Before the engine exists, so its KV cache does not share the memory. */
+    double bandwidth = 0;
+    if (measure_bandwidth((size_t)cfg_int(c, "bandwidth-mib") << 20, threads, reps, &bandwidth, err) != AE_OK)
+        goto out;
+    int32_t block = 16, blocks_per_seq = (seq_len + block - 1) / block;
+    /* The batch's sequences, and one more for warm-up and verification. */
+    eng_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block, threads};
+    b.vocab = m->cfg.vocab;
+    b.batch = batch;
+    b.max_batch_tokens = max_batch_tokens;
+    int32_t rows = batch > VERIFY_MAX ? batch : VERIFY_MAX;
+    b.seqs = malloc(sizeof(int32_t) * (size_t)(batch + 1));
+    b.prompts = malloc(sizeof(int32_t) * (size_t)(batch + 1) * (size_t)n_prompt);
+    b.next = malloc(sizeof(int32_t) * (size_t)(batch + 1));
+    b.items = malloc(sizeof(eng_item) * (size_t)(batch + 1));
+    b.logits = malloc(sizeof(float) * (size_t)rows * (size_t)b.vocab);
+    times = malloc(sizeof(double) * (size_t)reps * VERIFY_SIZES);
+    if (!b.seqs || !b.prompts || !b.next || !b.items || !b.logits || !times) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    for (int32_t s = 0; s <= batch; s++) {
+        uint64_t st = 1 + (uint64_t)s;
+        for (int32_t t = 0; t < n_prompt; t++)
+            b.prompts[(size_t)s * (size_t)n_prompt + (size_t)t] = (int32_t)(splitmix64(&st) % (uint64_t)b.vocab);
+    }
+    if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
+    for (int32_t s = 0; s <= batch; s++)
+        if (eng_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
+    LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt,
+              n_gen, threads, kn_cpu_simd());
+
+    /* Warm-up: the verify sequence's prefix pages the weights in. */
+    int32_t vseq = b.seqs[batch], vnext;
+    if (prefill(&b, &vseq, 1, b.prompts + (size_t)batch * (size_t)n_prompt, n_prompt, &vnext, err) != AE_OK)
+        goto out;
+
+    double t0 = now_seconds();
+    if (prefill(&b, b.seqs, batch, b.prompts, n_prompt, b.next, err) != AE_OK) goto out;
+    double t_prefill = now_seconds() - t0;
+    t0 = now_seconds();
+    for (int32_t i = 0; i < n_gen; i++)
+        if (decode_step(&b, err) != AE_OK) goto out;
+    double t_decode = now_seconds() - t0;
+
+    /* Sizes interleaved, so drift in the machine's speed hits them alike. */
+    for (int r = 0; r < reps; r++)
+        for (int k = 0; k < VERIFY_SIZES; k++)
+            if (verify_pass(&b, vseq, verify_sizes[k], &times[k * reps + r], err) != AE_OK) goto out;
+    double median[VERIFY_SIZES];
+    for (int k = 0; k < VERIFY_SIZES; k++) {
+        qsort(times + k * reps, (size_t)reps, sizeof(double), cmp_double);
+        median[k] = reps % 2 ? times[k * reps + reps / 2]
+                             : 0.5 * (times[k * reps + reps / 2 - 1] + times[k * reps + reps / 2]);
+    }
+
+    size_t weight_bytes = model_decode_bytes(m);
+    double step_rate = round_to((double)n_gen / t_decode, 1e3);
+    double roofline = round_to(bandwidth / (double)weight_bytes, 1e3);
+    cJSON *o = cJSON_CreateObject(), *vc = NULL;
+    if (!o) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    cJSON_AddStringToObject(o, "model", path);
+    cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
+    cJSON_AddNumberToObject(o, "threads", threads);
+    cJSON_AddNumberToObject(o, "batch", batch);
+    cJSON_AddNumberToObject(o, "prompt_tokens", n_prompt);
+    cJSON_AddNumberToObject(o, "gen_tokens", n_gen);
+    cJSON_AddNumberToObject(o, "prefill_tok_per_s", round_to((double)batch * n_prompt / t_prefill, 1e2));
+    cJSON_AddNumberToObject(o, "decode_tok_per_s", round_to((double)batch * n_gen / t_decode, 1e2));
+    cJSON_AddNumberToObject(o, "decode_step_per_s", step_rate);
+    cJSON_AddNumberToObject(o, "weight_bytes_per_step", (double)weight_bytes);
+    cJSON_AddNumberToObject(o, "bandwidth_gb_per_s", round_to(bandwidth / 1e9, 1e3));
+    cJSON_AddNumberToObject(o, "bandwidth_mib", (double)cfg_int(c, "bandwidth-mib"));
+    cJSON_AddNumberToObject(o, "roofline_tok_per_s", roofline);
+    cJSON_AddNumberToObject(o, "roofline_fraction", round_to(step_rate / roofline, 1e4));
+    cJSON_AddNumberToObject(o, "verify_context", n_prompt);
+    cJSON_AddNumberToObject(o, "verify_1_ms", round_to(median[0] * 1e3, 1e3));
+    cJSON_AddItemToObject(o, "verify_cost", vc = cJSON_CreateObject());
+    for (int k = 0; vc && k < VERIFY_SIZES; k++) {
+        char key[8];
+        snprintf(key, sizeof key, "%d", verify_sizes[k]);
+        cJSON_AddNumberToObject(vc, key, k == 0 ? 1.0 : round_to(median[k] / median[0], 1e3));
+    }
+    cJSON_AddNumberToObject(o, "wall_seconds", round_to(now_seconds() - t_start, 1e2));
+    char *line = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (!line) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    puts(line);
+    cJSON_free(line);
+    rc = 0;
+out:
+    free(times);
+    free(b.logits);
+    free(b.items);
+    free(b.next);
+    free(b.prompts);
+    free(b.seqs);
+    eng_free(b.e);
+    model_free(m);
+    return rc;
+}
+
+const cli_cmd cli_cmd_bench = {
+    .name = "bench",
+    .args = "--model M",
+    .summary = "prefill, decode and verify speed against the bandwidth roofline, as one JSON line",
+    .opts = opts,
+    .n_opts = sizeof opts / sizeof opts[0],
+    .run = run,
+};
