@@ -24,20 +24,16 @@
  *   by the CPU's SIMD level. So a token's results are bit-identical whether
  *   it runs alone, in a prefill chunk, in a batch with other sequences, or
  *   as a node of a verification tree. The orders:
- *   - kn_matmul, quantized W (Q8_0, Q4_0, Q4_1): x's row is quantized to
- *     blocks of 32 int8 (d = max|x| / 127, q = round-half-away(x / d));
- *     per 32-block b, the integer products are summed exactly into 8 lanes
- *     (lane l = elements 4l..4l+3 of the block); each lane accumulates
- *     acc[l] = fma((float)isum[l], d_w * d_x, acc[l]) over b = 0, 1, ...
- *     (d_w * d_x rounded to f32 first; fma rounds once). The result is
- *     tree(acc) + tree(macc), tree(a) = ((a0+a4) + (a2+a6)) + ((a1+a5) +
- *     (a3+a7)), where for Q4_1 lane b % 8 of macc accumulates
- *     fma(m_w, s_x, macc[b % 8]) over b in order (s_x = d_x * sum of the
- *     block's q), b running on to a multiple of 8 with m_w = s_x = 0;
- *     macc is 0 for the other types.
- *   - kn_matmul, float W (F32, F16, BF16): 8 lanes, lane l takes elements
- *     i = 8j + l in increasing j, acc = fma(x, w, acc); tree(acc); then the
- *     k % 8 tail elements, s = fma(x, w, s) one by one.
+ *   - kn_matmul, every W type: y = x . dequant(W)^T in f32. Each weight
+ *     is first the exact float quant_dequantize gives (F32 as stored; F16,
+ *     BF16 widened; Q8_0 q * d; Q4_0 (q - 8) * d; Q4_1 (q * d) + m, each
+ *     step rounded to f32; d and m widened from f16). Then 8 lanes: lane
+ *     l takes elements i = 8j + l in increasing j, acc = fma(x, w, acc);
+ *     the lane tree tree(acc) =
+ *     ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)); then the k % 8 tail
+ *     elements (float types only), s = fma(x, w, s) one by one. So a
+ *     quantized W and the F32 matrix of its dequantized values give the
+ *     same bits.
  *   - kn_attention: for each (token, head) the visible keys are visited in
  *     position order (prefix slots 0..n_prefix-1, then the extra slots) and
  *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list;
@@ -79,9 +75,8 @@ struct pool; /* services/core/pool.h */
 
 /* A CPU stream running ops on pool p (not owned; may be shared by several
  * streams, which then take turns). workspace_bytes is the scratch the
- * stream keeps for ops that need it (kn_matmul's quantized activations);
- * size it with kn_matmul_workspace for the largest m and k the engine will
- * pass. */
+ * stream keeps for ops that need it; size it with kn_matmul_workspace for
+ * the largest m and k the engine will pass (0 is valid: no scratch). */
 int kn_stream_init_cpu(kn_stream **out, struct pool *p, size_t workspace_bytes, ae_error *err);
 void kn_stream_free(kn_stream *s); /* NULL is a no-op */
 void kn_stream_sync(kn_stream *s);  /* CPU: nothing to wait for */
@@ -105,15 +100,18 @@ typedef struct kn_weight {
 /* True when kn_matmul has a native kernel for t. */
 bool kn_matmul_supports(ggml_type t);
 
-/* Workspace bytes kn_matmul needs for m rows of k inputs (0 for float W,
- * but callers size for the quantized case). */
+/* Workspace bytes kn_matmul needs for m rows of k inputs. Now 0 for every
+ * type (quantized blocks are dequantized in registers, x is read as f32);
+ * kept so callers size streams through one place should a kernel need
+ * scratch again. */
 size_t kn_matmul_workspace(int64_t m, int64_t k);
 
 /* ---- ops ---------------------------------------------------------------- */
 
 /* y[m][n] = x[m][k] . W[n][k]^T, n = w->rows, k = w->cols. x and y must not
  * overlap. Multi-threaded over n; m is processed as one matrix product
- * (each block of W is loaded once per tile of up to 4 rows of x). */
+ * (each block of W is loaded and dequantized once per tile of up to 8
+ * rows of x). */
 void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m);
 
 /* y[m][n] = x[m][n] / sqrt(mean(x^2) + eps) * g[n]. y may equal x. */

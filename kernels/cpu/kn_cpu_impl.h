@@ -18,13 +18,8 @@ struct kn_stream {
 /* true when the AVX2 kernels run (CPU support and not forced off). */
 bool kn_cpu_use_avx2(void);
 
-/* Activation rows quantized to blocks of 32 (our own layout, not a file
- * format): x[i] ~= d[b] * q[i], b = i / 32; s[b] = d[b] * sum of the
- * block's q, for Q4_1's offset term. Scales stay f32 (ggml rounds them to
- * f16) for accuracy, in their own arrays padded to a multiple of 8 with
- * zeros so kernels load 8 blocks' scales at once. */
+/* Elements per block of the quantized weight formats matmul reads. */
 #define KN_QK 32
-static inline int64_t kn_pad8(int64_t n) { return (n + 7) / 8 * 8; }
 
 /* Block layouts of the weight formats (ggml's, packed, little-endian). */
 typedef struct kn_blk_q8_0 {
@@ -45,20 +40,20 @@ _Static_assert(sizeof(kn_blk_q8_0) == 34, "Q8_0 block layout");
 _Static_assert(sizeof(kn_blk_q4_0) == 18, "Q4_0 block layout");
 _Static_assert(sizeof(kn_blk_q4_1) == 20, "Q4_1 block layout");
 
-/* A tile of the product: rows [0, tm) of the activations against weight
- * rows [j0, j1), written to y[r * ldy + j]. Quantized kernels read row r
- * as xq + r * nb * 32 (int8), xd + r * nbp and xs + r * nbp (scales,
- * nbp = kn_pad8(nb)); float kernels read xf + r * xf_stride. tm <=
- * KN_TILE_M. Every output element follows the order fixed in kernels.h,
- * so any tiling gives the same bits. */
-#define KN_TILE_M 4
+/* A tile of the product: rows [0, tm) of the activations, row r at
+ * x + r * x_stride, against weight rows [j0, j1), written to
+ * y[r * ldy + j]. tm <= KN_TILE_M. Every output element follows the order
+ * fixed in kernels.h, so any tiling gives the same bits. */
+#define KN_TILE_M 8
+
+/* Rows of W per pool task (a tile's j1 - j0 is at most this): small
+ * enough to stay in L1 (16 rows of a 1536-wide Q4_1 matrix are 15 KiB)
+ * while m-tiles revisit them, large enough that task hand-out is cheap. */
+#define KN_CHUNK_N 16
 typedef struct kn_tile {
     const kn_weight *w;
-    const int8_t *xq;
-    const float *xd, *xs;
-    int64_t nb, nbp;
-    const float *xf;
-    size_t xf_stride;
+    const float *x;
+    size_t x_stride;
     int tm;
     int64_t j0, j1;
     float *y;

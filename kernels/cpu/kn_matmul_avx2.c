@@ -1,7 +1,8 @@
-/* AVX2 matmul kernels. They reproduce the portable kernels' arithmetic
- * exactly (kernels.h fixes the order): the integer lane sums of
- * maddubs + madd are exact, and each float step is the same single IEEE
- * operation (f16 -> f32 conversion, d_w * d_x, fma, the lane tree).
+/* AVX2 matmul kernel. It reproduces the portable kernel's arithmetic
+ * exactly (kernels.h fixes the order): each quantized weight becomes the
+ * float quant_dequantize gives (see deq8 for why Q4_1 may use one fma),
+ * and each output is the same chain of fmas per lane followed by the same
+ * lane tree.
  *
  * Each function carries its own target attribute so the rest of the build
  * stays portable; kn_cpu_use_avx2 checks the CPU before these run. */
@@ -24,137 +25,110 @@ INL float hsum8(__m256 v) {
     return _mm_cvtss_f32(s1);
 }
 
-INL float f16(uint16_t h) { return _cvtsh_ss(h); }
+INL __m128i load8(const uint8_t *p) { return _mm_loadl_epi64((const __m128i *)(const void *)p); }
 
-/* 32 nibbles as bytes in element order: low nibbles are elements 0..15,
- * high nibbles 16..31. */
-INL __m256i nibbles(const uint8_t *q) {
-    __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)q);
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
+/* Block b of a quantized row with its scale (and Q4_1 offset) in every
+ * lane, ready for deq8. */
+typedef struct qblk {
+    const uint8_t *q;
+    __m256 d, m;
+} qblk;
 
-/* A weight block's quants prepared once and applied to several
- * activation rows. */
-typedef struct wblk {
-    __m256i q;  /* Q4_1: unsigned nibbles; Q8_0/Q4_0: |w| */
-    __m256i sg; /* Q8_0/Q4_0: w itself, whose sign moves onto the activation */
-} wblk;
-
-INL wblk load_wblk(ggml_type type, const uint8_t *row, int64_t b) {
-    wblk o;
+INL qblk load_qblk(ggml_type type, const uint8_t *row, int64_t b) {
+    qblk o;
     if (type == GGML_TYPE_Q4_1) {
-        o.q = nibbles(((const kn_blk_q4_1 *)(const void *)row + b)->q);
-        o.sg = o.q;
-    } else if (type == GGML_TYPE_Q4_0) {
-        __m256i w = _mm256_sub_epi8(nibbles(((const kn_blk_q4_0 *)(const void *)row + b)->q),
-                                    _mm256_set1_epi8(8));
-        o.q = _mm256_sign_epi8(w, w); /* |w| */
-        o.sg = w;
-    } else {
-        const kn_blk_q8_0 *blk = (const kn_blk_q8_0 *)(const void *)row + b;
-        __m256i w = _mm256_loadu_si256((const __m256i *)(const void *)blk->q);
-        o.q = _mm256_sign_epi8(w, w); /* |w|; |-128| reads as 128 unsigned */
-        o.sg = w;
+        const kn_blk_q4_1 *blk = (const kn_blk_q4_1 *)(const void *)row + b;
+        uint32_t dm;
+        memcpy(&dm, blk, sizeof dm); /* d, m: two f16 */
+        __m256 v = _mm256_cvtph_ps(_mm_set1_epi32((int32_t)dm));
+        o.q = blk->q;
+        o.d = _mm256_permute_ps(v, 0x00);
+        o.m = _mm256_permute_ps(v, 0x55);
+        return o;
     }
+    uint16_t d;
+    memcpy(&d, row + (size_t)b * (type == GGML_TYPE_Q4_0 ? sizeof(kn_blk_q4_0) : sizeof(kn_blk_q8_0)),
+           sizeof d);
+    o.d = _mm256_cvtph_ps(_mm_set1_epi16((short)d));
+    o.m = _mm256_setzero_ps();
+    o.q = type == GGML_TYPE_Q4_0 ? ((const kn_blk_q4_0 *)(const void *)row + b)->q
+                                 : (const uint8_t *)((const kn_blk_q8_0 *)(const void *)row + b)->q;
     return o;
 }
 
-/* The f16 scale (and Q4_1 offset) of block b. */
-INL void load_scales(ggml_type type, const uint8_t *row, int64_t b, float *d, float *m) {
-    if (type == GGML_TYPE_Q4_1) {
-        const kn_blk_q4_1 *blk = (const kn_blk_q4_1 *)(const void *)row + b;
-        *d = f16(blk->d);
-        *m = f16(blk->m);
-    } else if (type == GGML_TYPE_Q4_0) {
-        *d = f16(((const kn_blk_q4_0 *)(const void *)row + b)->d);
-        *m = 0.0f;
-    } else {
-        *d = f16(((const kn_blk_q8_0 *)(const void *)row + b)->d);
-        *m = 0.0f;
+/* Elements 8g..8g+7 of a block with the values quant_dequantize gives:
+ * (float)q * d for Q8_0, (float)(q - 8) * d for Q4_0, (float)q * d + m
+ * for Q4_1. For Q4_1 one fma(q, d, m) gives the same float as the
+ * product and the sum rounded separately: q <= 15 has 4 significant
+ * bits and d (an f16) 11, so q * d is exact in f32 and the only rounding
+ * left is the sum's. Nibble elements 0..15 are the low nibbles of bytes
+ * 0..15, elements 16..31 the high ones. */
+INL __m256 deq8(ggml_type type, const qblk *k, int g) {
+    if (type == GGML_TYPE_Q8_0) {
+        __m256i v = _mm256_cvtepi8_epi32(load8(k->q + 8 * g));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(v), k->d);
     }
+    __m256i v = _mm256_cvtepu8_epi32(load8(k->q + 8 * (g & 1)));
+    v = g < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(v, 4);
+    if (type == GGML_TYPE_Q4_0)
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(8))), k->d);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), k->d, k->m);
 }
 
-/* Lane l = sum of the products of elements 4l..4l+3, exact: maddubs pairs
- * stay below 2 * 128 * 127 < 32767 so never saturate. */
-INL __m256i lanes(ggml_type type, const wblk *w, __m256i a) {
-    __m256i p16 = type == GGML_TYPE_Q4_1 ? _mm256_maddubs_epi16(w->q, a)
-                                         : _mm256_maddubs_epi16(w->q, _mm256_sign_epi8(a, w->sg));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-/* Blocks whose weight scales are converted to f32 at once. */
-#define SEG 64
-
-/* Rows [0, TM) of x against weight rows [j, j + TN). The per-block scale
- * products d_w * d_x are formed 8 blocks at a time into a small buffer
- * and broadcast from there, and the Q4_1 offset term runs 8 blocks per
- * fma: per row and block the hot loop is maddubs, madd, cvt, fma. */
-INL void qtile(ggml_type type, int TM, int TN, const kn_tile *t, int64_t j) {
+/* Rows [0, TM) of x against weight rows [j, j + TN) of a quantized W,
+ * over blocks [b0, b1) of k. Each block of each weight row is decoded
+ * once, 8 elements at a time, and applied to all TM rows of x. The
+ * accumulators of a k segment that does not end the row are parked in
+ * acc_io (weight row c, x row r at acc_io + (c * TM + r) * 8) and picked
+ * up by the next segment: storing a float changes no bit, so the order of
+ * kernels.h holds whatever the segmentation. */
+INL void qtile(ggml_type type, int TM, int TN, const kn_tile *t, int64_t j, int64_t b0, int64_t b1,
+               float *acc_io) {
     const kn_weight *w = t->w;
-    int64_t nb = t->nb;
-    const uint8_t *rows[4];
-    __m256 acc[4][4], macc[4][4];
-    float dw[4][SEG] __attribute__((aligned(32)));
-    float mw[4][SEG] __attribute__((aligned(32)));
-    float dd[4][4][8] __attribute__((aligned(32)));
-#pragma GCC unroll 4
+    int64_t nb = w->cols / KN_QK;
+    const uint8_t *rows[8];
+    const float *xr[KN_TILE_M];
+    __m256 acc[KN_TILE_M][8];
+#pragma GCC unroll 8
     for (int c = 0; c < TN; c++) rows[c] = (const uint8_t *)w->data + (size_t)(j + c) * w->row_bytes;
-#pragma GCC unroll 4
-    for (int r = 0; r < TM; r++)
-#pragma GCC unroll 4
-        for (int c = 0; c < TN; c++) acc[r][c] = macc[r][c] = _mm256_setzero_ps();
-    for (int64_t s0 = 0; s0 < nb; s0 += SEG) {
-        int sn = nb - s0 < SEG ? (int)(nb - s0) : SEG;
-        for (int c = 0; c < TN; c++) {
-            for (int i = 0; i < sn; i++) load_scales(type, rows[c], s0 + i, &dw[c][i], &mw[c][i]);
-            for (int i = sn; i < (sn + 7) / 8 * 8; i++) dw[c][i] = mw[c][i] = 0.0f;
-        }
-        for (int g = 0; g < sn; g += 8) {
-            int gn = sn - g < 8 ? sn - g : 8;
-            int64_t b0 = s0 + g;
-#pragma GCC unroll 4
-            for (int r = 0; r < TM; r++) {
-                /* The scale arrays are padded to 8, so this load is in
-                 * bounds even for a short last group. */
-                __m256 dx = _mm256_loadu_ps(t->xd + (size_t)r * (size_t)t->nbp + (size_t)b0);
-#pragma GCC unroll 4
-                for (int c = 0; c < TN; c++)
-                    _mm256_store_ps(dd[r][c], _mm256_mul_ps(_mm256_load_ps(&dw[c][g]), dx));
-            }
-            for (int i = 0; i < gn; i++) {
-                int64_t b = b0 + i;
-                wblk wb[4];
-#pragma GCC unroll 4
-                for (int c = 0; c < TN; c++) wb[c] = load_wblk(type, rows[c], b);
-#pragma GCC unroll 4
-                for (int r = 0; r < TM; r++) {
-                    const int8_t *xq = t->xq + ((size_t)r * (size_t)nb + (size_t)b) * KN_QK;
-                    __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)xq);
-#pragma GCC unroll 4
-                    for (int c = 0; c < TN; c++) {
-                        __m256 p = _mm256_cvtepi32_ps(lanes(type, &wb[c], a));
-                        acc[r][c] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&dd[r][c][i]), acc[r][c]);
-                    }
-                }
-            }
-            if (type != GGML_TYPE_Q4_1) continue;
-            /* Offset term: lane i of macc takes block b0 + i; a short last
-             * group runs over the zero padding (kernels.h counts it). */
-#pragma GCC unroll 4
-            for (int r = 0; r < TM; r++) {
-                __m256 xs = _mm256_loadu_ps(t->xs + (size_t)r * (size_t)t->nbp + (size_t)b0);
-#pragma GCC unroll 4
-                for (int c = 0; c < TN; c++)
-                    macc[r][c] = _mm256_fmadd_ps(_mm256_load_ps(&mw[c][g]), xs, macc[r][c]);
-            }
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < TM; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
+    for (int r = 0; r < TM; r++) {
+        xr[r] = t->x + (size_t)r * t->x_stride + (size_t)b0 * KN_QK;
+#pragma GCC unroll 8
         for (int c = 0; c < TN; c++)
-            t->y[(size_t)r * t->ldy + (size_t)(j + c)] = hsum8(acc[r][c]) + hsum8(macc[r][c]);
+            acc[r][c] = b0 == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc_io + (c * TM + r) * 8);
+    }
+    /* The next TN rows are fetched while these are decoded: the hardware
+     * prefetcher is slow to pick up many short row streams. */
+    size_t bs = quant_block_bytes(type);
+    size_t pf = j + 2 * TN <= w->rows ? (size_t)TN * w->row_bytes : 0;
+    for (int64_t b = b0; b < b1; b++) {
+        /* One weight row's block at a time keeps few registers live (its
+         * scales and bytes); x comes again from L1 for each row. */
+#pragma GCC unroll 8
+        for (int c = 0; c < TN; c++) {
+            _mm_prefetch((const char *)rows[c] + pf + (size_t)b * bs, _MM_HINT_T0);
+            qblk kb = load_qblk(type, rows[c], b);
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                __m256 wv = deq8(type, &kb, g);
+#pragma GCC unroll 8
+                for (int r = 0; r < TM; r++)
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xr[r] + 8 * g), wv, acc[r][c]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < TM; r++) xr[r] += KN_QK;
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < TM; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < TN; c++) {
+            if (b1 == nb)
+                t->y[(size_t)r * t->ldy + (size_t)(j + c)] = hsum8(acc[r][c]);
+            else
+                _mm256_store_ps(acc_io + (c * TM + r) * 8, acc[r][c]);
+        }
 }
 
 /* 8 weights of a float row as f32. */
@@ -174,36 +148,37 @@ INL float w_at(ggml_type type, const uint8_t *row, int64_t i) {
     }
     uint16_t h;
     memcpy(&h, row + 2 * i, sizeof h);
-    return type == GGML_TYPE_F16 ? f16(h) : quant_bf16_to_f32(h);
+    return type == GGML_TYPE_F16 ? _cvtsh_ss(h) : quant_bf16_to_f32(h);
 }
 
+/* Float W: the whole row in one pass (no k segments). */
 INL void ftile(ggml_type type, int TM, int TN, const kn_tile *t, int64_t j) {
     const kn_weight *w = t->w;
     int64_t k = w->cols, k8 = k / 8 * 8;
-    const uint8_t *rows[4];
-    __m256 acc[4][4];
-#pragma GCC unroll 4
+    const uint8_t *rows[8];
+    __m256 acc[KN_TILE_M][8];
+#pragma GCC unroll 8
     for (int c = 0; c < TN; c++) rows[c] = (const uint8_t *)w->data + (size_t)(j + c) * w->row_bytes;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < TM; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int c = 0; c < TN; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k8; i += 8) {
-        __m256 wv[4];
-#pragma GCC unroll 4
+        __m256 wv[8];
+#pragma GCC unroll 8
         for (int c = 0; c < TN; c++) wv[c] = load_w8(type, rows[c], i);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < TM; r++) {
-            __m256 xv = _mm256_loadu_ps(t->xf + (size_t)r * t->xf_stride + i);
-#pragma GCC unroll 4
+            __m256 xv = _mm256_loadu_ps(t->x + (size_t)r * t->x_stride + i);
+#pragma GCC unroll 8
             for (int c = 0; c < TN; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < TM; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int c = 0; c < TN; c++) {
-            const float *x = t->xf + (size_t)r * t->xf_stride;
+            const float *x = t->x + (size_t)r * t->x_stride;
             float s = hsum8(acc[r][c]);
             for (int64_t i = k8; i < k; i++) s = fmaf(x[i], w_at(type, rows[c], i), s);
             t->y[(size_t)r * t->ldy + (size_t)(j + c)] = s;
@@ -211,53 +186,93 @@ INL void ftile(ggml_type type, int TM, int TN, const kn_tile *t, int64_t j) {
 }
 
 /* One instance per (type, TM, TN) so the tiles' accumulators live in
- * registers. TN is 4 for a single row of x (independent chains hide the
- * fma latency) and 2 otherwise (TM * TN accumulators fit 16 registers). */
-#define TILE_FN(name, body, type, TM, TN)                                   \
-    static TGT void name(const kn_tile *t, int64_t j) { body(type, TM, TN, t, j); }
+ * registers: TM * TN accumulators plus TN weight vectors fit the 16 ymm
+ * registers. Small TM takes several weight rows at once (independent
+ * chains hide the fma latency); TM >= 5 takes one, each decoded block
+ * then feeding TM fmas. */
+#define QTILE_FN(name, type, TM, TN)                                                            \
+    static TGT void name(const kn_tile *t, int64_t j, int64_t b0, int64_t b1, float *acc_io) {   \
+        qtile(type, TM, TN, t, j, b0, b1, acc_io);                                               \
+    }
+#define FTILE_FN(name, type, TM, TN)                                                            \
+    static TGT void name(const kn_tile *t, int64_t j, int64_t b0, int64_t b1, float *acc_io) {   \
+        (void)b0;                                                                                \
+        (void)b1;                                                                                \
+        (void)acc_io;                                                                            \
+        ftile(type, TM, TN, t, j);                                                               \
+    }
 
-#define TILE_SET(pfx, body, type)          \
-    TILE_FN(pfx##_1x4, body, type, 1, 4)   \
-    TILE_FN(pfx##_1x1, body, type, 1, 1)   \
-    TILE_FN(pfx##_2x2, body, type, 2, 2)   \
-    TILE_FN(pfx##_2x1, body, type, 2, 1)   \
-    TILE_FN(pfx##_3x2, body, type, 3, 2)   \
-    TILE_FN(pfx##_3x1, body, type, 3, 1)   \
-    TILE_FN(pfx##_4x2, body, type, 4, 2)   \
-    TILE_FN(pfx##_4x1, body, type, 4, 1)   \
-    static const tile_fn pfx[4][2] = {     \
-        {pfx##_1x4, pfx##_1x1},            \
-        {pfx##_2x2, pfx##_2x1},            \
-        {pfx##_3x2, pfx##_3x1},            \
-        {pfx##_4x2, pfx##_4x1},            \
+#define TILE_SET(pfx, body, type)                                            \
+    body##_FN(pfx##_1x4, type, 1, 4)                                     \
+    body##_FN(pfx##_1x1, type, 1, 1)                                     \
+    body##_FN(pfx##_2x4, type, 2, 4)                                     \
+    body##_FN(pfx##_2x1, type, 2, 1)                                     \
+    body##_FN(pfx##_3x2, type, 3, 2)                                     \
+    body##_FN(pfx##_3x1, type, 3, 1)                                     \
+    body##_FN(pfx##_4x2, type, 4, 2)                                     \
+    body##_FN(pfx##_4x1, type, 4, 1)                                     \
+    body##_FN(pfx##_5x1, type, 5, 1)                                     \
+    body##_FN(pfx##_6x1, type, 6, 1)                                     \
+    body##_FN(pfx##_7x1, type, 7, 1)                                     \
+    body##_FN(pfx##_8x1, type, 8, 1)                                     \
+    static const tile_shape pfx[KN_TILE_M] = {                               \
+        {pfx##_1x4, pfx##_1x1, 4}, {pfx##_2x4, pfx##_2x1, 4},                \
+        {pfx##_3x2, pfx##_3x1, 2}, {pfx##_4x2, pfx##_4x1, 2},                \
+        {pfx##_5x1, pfx##_5x1, 1}, {pfx##_6x1, pfx##_6x1, 1},                \
+        {pfx##_7x1, pfx##_7x1, 1}, {pfx##_8x1, pfx##_8x1, 1},                \
     };
 
-typedef void (*tile_fn)(const kn_tile *t, int64_t j);
+typedef void (*tile_fn)(const kn_tile *t, int64_t j, int64_t b0, int64_t b1, float *acc_io);
 
-TILE_SET(q8_0, qtile, GGML_TYPE_Q8_0)
-TILE_SET(q4_0, qtile, GGML_TYPE_Q4_0)
-TILE_SET(q4_1, qtile, GGML_TYPE_Q4_1)
-TILE_SET(f32, ftile, GGML_TYPE_F32)
-TILE_SET(f16t, ftile, GGML_TYPE_F16)
-TILE_SET(bf16, ftile, GGML_TYPE_BF16)
+/* The kernels for one tile height: `wide` covers tn weight rows per call,
+ * `narrow` one (the leftovers). */
+typedef struct tile_shape {
+    tile_fn wide, narrow;
+    int tn;
+} tile_shape;
+
+TILE_SET(q8_0, QTILE, GGML_TYPE_Q8_0)
+TILE_SET(q4_0, QTILE, GGML_TYPE_Q4_0)
+TILE_SET(q4_1, QTILE, GGML_TYPE_Q4_1)
+TILE_SET(f32, FTILE, GGML_TYPE_F32)
+TILE_SET(f16t, FTILE, GGML_TYPE_F16)
+TILE_SET(bf16, FTILE, GGML_TYPE_BF16)
+
+/* Quantized W: k is cut into segments whose slice of the x tile stays in
+ * L1 next to the chunk's slice of W (8 rows of a 1536-wide x are 48 KiB,
+ * more than a 32 KiB L1). */
+#define KN_X_L1_BYTES (24 * 1024)
 
 void kn_tile_avx2(const kn_tile *t) {
-    const tile_fn(*set)[2];
+    const tile_shape *set;
+    bool quant = true;
     switch (t->w->type) {
     case GGML_TYPE_Q8_0: set = q8_0; break;
     case GGML_TYPE_Q4_0: set = q4_0; break;
     case GGML_TYPE_Q4_1: set = q4_1; break;
-    case GGML_TYPE_F32: set = f32; break;
-    case GGML_TYPE_F16: set = f16t; break;
-    case GGML_TYPE_BF16: set = bf16; break;
+    case GGML_TYPE_F32: set = f32; quant = false; break;
+    case GGML_TYPE_F16: set = f16t; quant = false; break;
+    case GGML_TYPE_BF16: set = bf16; quant = false; break;
     default: AE_ASSERT(!"unsupported weight type"); return;
     }
     AE_ASSERT(t->tm >= 1 && t->tm <= KN_TILE_M);
-    tile_fn wide = set[t->tm - 1][0], narrow = set[t->tm - 1][1];
-    int tn = t->tm == 1 ? 4 : 2;
-    int64_t j = t->j0;
-    for (; j + tn <= t->j1; j += tn) wide(t, j);
-    for (; j < t->j1; j++) narrow(t, j);
+    AE_ASSERT(t->j1 - t->j0 <= KN_CHUNK_N);
+    const tile_shape *sh = &set[t->tm - 1];
+    int64_t nb = t->w->cols / KN_QK, seg = nb;
+    if (quant) { /* equal segments, each within the budget */
+        int64_t most = KN_X_L1_BYTES / (t->tm * KN_QK * (int64_t)sizeof(float));
+        int64_t n_seg = (nb + most - 1) / most;
+        seg = (nb + n_seg - 1) / n_seg;
+    }
+    float acc_io[KN_CHUNK_N * KN_TILE_M * 8] __attribute__((aligned(32)));
+    int64_t b0 = 0;
+    do { /* one pass for float W */
+        int64_t b1 = b0 + seg < nb ? b0 + seg : nb;
+        int64_t j = t->j0;
+        for (; j + sh->tn <= t->j1; j += sh->tn) sh->wide(t, j, b0, b1, acc_io + (j - t->j0) * t->tm * 8);
+        for (; j < t->j1; j++) sh->narrow(t, j, b0, b1, acc_io + (j - t->j0) * t->tm * 8);
+        b0 = b1;
+    } while (quant && b0 < nb);
 }
 
 #else /* not x86: kn_cpu_use_avx2 is always false */
