@@ -5,6 +5,8 @@
 #   cli/*.c                         -> build/aerie
 #   tests/unit/test_NAME.c          -> build/asan/tests/test_NAME (cmocka, ASan+UBSan)
 #   tests/fuzz/fuzz_NAME.c          -> build/fuzz/fuzz_NAME (libFuzzer, ASan+UBSan)
+#   tests/model/test_NAME.c         -> build/tests/test_NAME (cmocka, release build:
+#                                      whole-model runs that are too slow under ASan)
 
 CC      ?= gcc
 FUZZCC  ?= clang
@@ -24,6 +26,7 @@ LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c) \
 CLI_SRC  := $(sort $(wildcard cli/*.c))
 UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))
+MODEL_SRC := $(sort $(wildcard tests/model/test_*.c))
 
 LIB_OBJ  := $(LIB_SRC:%.c=build/obj/%.o)
 CLI_OBJ  := $(CLI_SRC:%.c=build/obj/%.o)
@@ -35,6 +38,7 @@ TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o)
 # sees data races that ASan cannot.
 TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsan/tests/test_kernels
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
+MODEL_BIN := $(MODEL_SRC:tests/model/%.c=build/tests/%)
 
 # `make V=1` shows the full command lines.
 V ?= 0
@@ -51,7 +55,7 @@ SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-po
 .PHONY: all deps model test unit fuzz asan tsan run clean
 .DEFAULT_GOAL := all
 
-all: build/aerie
+all: build/aerie $(MODEL_BIN)
 
 build/obj/%.o: %.c
 	@mkdir -p $(@D)
@@ -72,6 +76,11 @@ build/tsan/libaerie.a: $(TLIB_OBJ)
 	@mkdir -p $(@D)
 	$(MSG) AR $@
 	$(Q)rm -f $@ && ar rcs $@ $^
+
+build/tests/%: tests/model/%.c build/libaerie.a
+	@mkdir -p $(@D)
+	$(MSG) LD $@
+	$(Q)$(CC) $(BASE_CFLAGS) $(OPT) $< build/libaerie.a -lcmocka $(LIBS) -o $@
 
 build/tsan/tests/%: tests/unit/%.c build/tsan/libaerie.a
 	@mkdir -p $(@D)

@@ -16,10 +16,12 @@ rm -rf "$logdir" && mkdir -p "$logdir"
 passed=0 failed=0
 failures=()
 
-echo "== unit tests (cmocka: ASan+UBSan, and TSan for the suites that share state across threads)"
-for t in build/asan/tests/test_* build/tsan/tests/test_*; do
+echo "== unit tests (cmocka: ASan+UBSan; TSan for the suites that share state across threads;"
+echo "   release build for the whole-model comparisons in tests/model)"
+for t in build/asan/tests/test_* build/tsan/tests/test_* build/tests/test_*; do
     [ -x "$t" ] || continue
     name=$(basename "$(dirname "$(dirname "$t")")")/$(basename "$t")
+    name=${name/#build\//release/}   # build/tests/test_x: the release-build model tests
     log=$logdir/${name//\//-}.log
     "$t" >"$log" 2>&1
     rc=$?
