@@ -1,0 +1,366 @@
+#include "tp.h"
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../services/core/pool.h"
+#include "../services/model/quant.h"
+
+/* ---- split ---------------------------------------------------------------- */
+
+/* Cuts n units into R ranges as evenly as possible, the first n % R ranges
+ * one longer. */
+static void split_even(tp_range *out, int32_t n, int32_t R) {
+    int32_t base = n / R, extra = n % R, at = 0;
+    for (int32_t r = 0; r < R; r++) {
+        int32_t len = base + (r < extra ? 1 : 0);
+        out[r] = (tp_range){at, at + len};
+        at += len;
+    }
+}
+
+int tp_split_plan(tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err) {
+    memset(out, 0, sizeof *out);
+    if (n_ranks < 1 || n_ranks > TP_MAX_RANKS)
+        return err_set(err, "tensor parallel: ranks must be in 1..%d, got %d", TP_MAX_RANKS, n_ranks);
+    if (c->n_kv_heads < 1 || c->n_heads % c->n_kv_heads || c->ffn < 1)
+        return err_set(err, "tensor parallel: bad shape (heads %d, kv heads %d, ffn %d)", c->n_heads,
+                       c->n_kv_heads, c->ffn);
+    if (n_ranks > c->n_kv_heads)
+        return err_set(err, "tensor parallel: %d ranks but only %d kv heads; at most %d ranks", n_ranks,
+                       c->n_kv_heads, c->n_kv_heads);
+    /* ffn in granules of TP_FFN_ALIGN; a tail below one granule (only for
+     * float weights: quantized ones have ffn % 32 == 0) goes to the last
+     * rank. */
+    int32_t granules = c->ffn / TP_FFN_ALIGN;
+    if (n_ranks > 1 && granules < n_ranks)
+        return err_set(err, "tensor parallel: ffn %d has %d granules of %d, fewer than %d ranks; at most %d ranks",
+                       c->ffn, granules, TP_FFN_ALIGN, n_ranks, granules > 0 ? granules : 1);
+    out->n_ranks = n_ranks;
+    split_even(out->kv_heads, c->n_kv_heads, n_ranks);
+    int32_t group = c->n_heads / c->n_kv_heads;
+    for (int32_t r = 0; r < n_ranks; r++)
+        out->heads[r] = (tp_range){out->kv_heads[r].begin * group, out->kv_heads[r].end * group};
+    if (n_ranks == 1) {
+        out->ffn[0] = (tp_range){0, c->ffn};
+    } else {
+        split_even(out->ffn, granules, n_ranks);
+        for (int32_t r = 0; r < n_ranks; r++) {
+            out->ffn[r].begin *= TP_FFN_ALIGN;
+            out->ffn[r].end *= TP_FFN_ALIGN;
+        }
+        out->ffn[n_ranks - 1].end = c->ffn;
+    }
+    return AE_OK;
+}
+
+/* ---- shards --------------------------------------------------------------- */
+
+/* Output rows [r0, r0 + n) of w: every row is whole, so any range works. */
+static kn_weight rows_view(const kn_weight *w, int64_t r0, int64_t n) {
+    AE_ASSERT(r0 >= 0 && n > 0 && r0 + n <= w->rows);
+    kn_weight v = *w;
+    v.data = (const uint8_t *)w->data + (size_t)r0 * w->row_bytes;
+    v.rows = n;
+    return v;
+}
+
+/* Input columns [c0, c0 + n) of w: data moves to the range's first block,
+ * row_bytes stays the full row's stride. The range must be whole blocks of
+ * w's type, or a row of the view would start mid-block. */
+static int cols_view(kn_weight *out, const kn_weight *w, int64_t c0, int64_t n, const char *name,
+                     int32_t layer, ae_error *err) {
+    AE_ASSERT(c0 >= 0 && n > 0 && c0 + n <= w->cols);
+    int64_t be = quant_block_elems(w->type);
+    if (be < 1 || c0 % be || n % be)
+        return err_set(err, "tensor parallel: layer %d %s: columns [%lld, %lld) are not whole %s blocks of %lld",
+                       layer, name, (long long)c0, (long long)(c0 + n), quant_type_name(w->type), (long long)be);
+    *out = *w;
+    out->data = (const uint8_t *)w->data + quant_row_bytes(w->type, (uint64_t)c0);
+    out->cols = n;
+    return AE_OK;
+}
+
+static bool range_ok(tp_range r, int32_t n) { return r.begin >= 0 && r.begin < r.end && r.end <= n; }
+
+/* Bytes of weights a shard reads (the full model owns them all; a column
+ * view reads cols of each row, not row_bytes). */
+static size_t shard_bytes(const model *s) {
+    const model_config *c = &s->cfg;
+    size_t b = (size_t)s->output.rows * quant_row_bytes(s->output.type, (uint64_t)s->output.cols) +
+               (size_t)c->hidden * sizeof(float);
+    if (!c->tied_embeddings)
+        b += (size_t)s->tok_embd.rows * quant_row_bytes(s->tok_embd.type, (uint64_t)s->tok_embd.cols);
+    for (int32_t i = 0; i < c->n_layers; i++) {
+        const model_layer *l = &s->layers[i];
+        const kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
+        for (int j = 0; j < 7; j++) b += (size_t)w[j]->rows * quant_row_bytes(w[j]->type, (uint64_t)w[j]->cols);
+        b += 2 * (size_t)c->hidden * sizeof(float);
+    }
+    return b;
+}
+
+void tp_shard_free(model *shard) {
+    if (!shard) return;
+    free(shard->layers);
+    free(shard);
+}
+
+int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t rank, ae_error *err) {
+    *out = NULL;
+    const model_config *c = &full->cfg;
+    if (sp->n_ranks < 1 || sp->n_ranks > TP_MAX_RANKS || rank < 0 || rank >= sp->n_ranks)
+        return err_set(err, "tensor parallel: rank %d of %d", rank, sp->n_ranks);
+    tp_range kv = sp->kv_heads[rank], hd = sp->heads[rank], ff = sp->ffn[rank];
+    int32_t group = c->n_heads / c->n_kv_heads;
+    if (!range_ok(kv, c->n_kv_heads) || !range_ok(ff, c->ffn) || hd.begin != kv.begin * group ||
+        hd.end != kv.end * group)
+        return err_set(err, "tensor parallel: rank %d's split (kv heads [%d, %d), heads [%d, %d), ffn [%d, %d)) "
+                       "does not fit the model (kv heads %d, heads %d, ffn %d)",
+                       rank, kv.begin, kv.end, hd.begin, hd.end, ff.begin, ff.end, c->n_kv_heads, c->n_heads, c->ffn);
+    model *s = calloc(1, sizeof *s);
+    if (!s) return err_set(err, "out of memory");
+    s->layers = calloc((size_t)c->n_layers, sizeof *s->layers);
+    if (!s->layers) {
+        free(s);
+        return err_set(err, "out of memory");
+    }
+    /* Shared, unsplit: embeddings, norms, output, RoPE table. */
+    s->cfg = *c;
+    s->cfg.n_heads = hd.end - hd.begin;
+    s->cfg.n_kv_heads = kv.end - kv.begin;
+    s->cfg.ffn = ff.end - ff.begin;
+    s->tok_embd = full->tok_embd;
+    s->output = full->output;
+    s->output_norm = full->output_norm;
+    s->rope = full->rope;
+    memcpy(s->path, full->path, sizeof s->path);
+    const int64_t D = c->head_dim;
+    const int64_t q0 = hd.begin * D, nq = (int64_t)(hd.end - hd.begin) * D;
+    const int64_t k0 = kv.begin * D, nk = (int64_t)(kv.end - kv.begin) * D;
+    for (int32_t li = 0; li < c->n_layers; li++) {
+        const model_layer *f = &full->layers[li];
+        model_layer *l = &s->layers[li];
+        AE_ASSERT(f->wq.rows == (int64_t)c->n_heads * D && f->wk.rows == (int64_t)c->n_kv_heads * D &&
+                  f->wv.rows == f->wk.rows && f->wo.cols == f->wq.rows && f->w_gate.rows == c->ffn &&
+                  f->w_up.rows == c->ffn && f->w_down.cols == c->ffn);
+        l->attn_norm = f->attn_norm;
+        l->ffn_norm = f->ffn_norm;
+        /* column-parallel: whole kv-head groups, then ffn rows */
+        l->wq = rows_view(&f->wq, q0, nq);
+        l->wk = rows_view(&f->wk, k0, nk);
+        l->wv = rows_view(&f->wv, k0, nk);
+        l->bq = f->bq ? f->bq + q0 : NULL;
+        l->bk = f->bk ? f->bk + k0 : NULL;
+        l->bv = f->bv ? f->bv + k0 : NULL;
+        l->w_gate = rows_view(&f->w_gate, ff.begin, ff.end - ff.begin);
+        l->w_up = rows_view(&f->w_up, ff.begin, ff.end - ff.begin);
+        /* row-parallel: the matching input columns */
+        if (cols_view(&l->wo, &f->wo, q0, nq, "attn_output", li, err) != AE_OK ||
+            cols_view(&l->w_down, &f->w_down, ff.begin, ff.end - ff.begin, "ffn_down", li, err) != AE_OK) {
+            tp_shard_free(s);
+            return AE_ERR;
+        }
+    }
+    s->weight_bytes = shard_bytes(s);
+    *out = s;
+    return AE_OK;
+}
+
+/* ---- group ---------------------------------------------------------------- */
+
+typedef struct tp_rank {
+    struct tp_group *g;
+    int32_t rank;
+    model *shard;
+    pool *pool;
+    kn_stream *stream;
+    llama_ws *ws;
+    kn_kv_pool *kv; /* [n_layers] views into kv_mem */
+    float *kv_mem;  /* per layer: K then V, each f32 [kv_blocks][block_size][local kv heads][D] */
+    pthread_t thread;
+    bool started;
+} tp_rank;
+
+struct tp_group {
+    const model *m;
+    tp_config cfg;
+    tp_split split;
+    kn_comm *comms[TP_MAX_RANKS];
+    tp_rank ranks[TP_MAX_RANKS];
+    /* wakeup: tp_forward publishes batch and bumps gen; each worker runs
+     * the step it has not seen yet and counts itself into n_done. */
+    pthread_mutex_t mu;
+    pthread_cond_t wake, done;
+    bool sync_ready;
+    uint64_t gen;
+    int32_t n_done;
+    bool quit;
+    const llama_batch *batch;
+};
+
+int32_t tp_group_ranks(const tp_group *g) { return g->cfg.n_ranks; }
+const tp_split *tp_group_split(const tp_group *g) { return &g->split; }
+
+const model *tp_group_shard(const tp_group *g, int32_t rank) {
+    AE_ASSERT(rank >= 0 && rank < g->cfg.n_ranks);
+    return g->ranks[rank].shard;
+}
+
+const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank) {
+    AE_ASSERT(rank >= 0 && rank < g->cfg.n_ranks);
+    return g->ranks[rank].kv;
+}
+
+/* One rank's share of the step. Ranks other than 0 skip the logits and the
+ * capture: their residual stream is rank 0's, bit for bit. */
+static void run_rank(tp_group *g, tp_rank *r) {
+    llama_batch b = *g->batch;
+    if (r->rank != 0) {
+        b.n_logits = 0;
+        b.logit_rows = NULL;
+        b.logits = NULL;
+        b.capture = NULL;
+    }
+    llama_forward(r->shard, r->stream, g->comms[r->rank], r->kv, r->ws, &b);
+}
+
+static void *rank_main(void *arg) {
+    tp_rank *r = arg;
+    tp_group *g = r->g;
+    uint64_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&g->mu);
+        while (g->gen == seen && !g->quit) pthread_cond_wait(&g->wake, &g->mu);
+        bool quit = g->quit;
+        seen = g->gen;
+        pthread_mutex_unlock(&g->mu);
+        if (quit) break;
+        run_rank(g, r);
+        pthread_mutex_lock(&g->mu);
+        if (++g->n_done == g->cfg.n_ranks - 1) pthread_cond_signal(&g->done);
+        pthread_mutex_unlock(&g->mu);
+    }
+    return NULL;
+}
+
+void tp_forward(tp_group *g, const llama_batch *b) {
+    AE_ASSERT(b && b->map);
+    pthread_mutex_lock(&g->mu);
+    g->batch = b;
+    g->n_done = 0;
+    g->gen++;
+    pthread_cond_broadcast(&g->wake);
+    pthread_mutex_unlock(&g->mu);
+    run_rank(g, &g->ranks[0]);
+    pthread_mutex_lock(&g->mu);
+    while (g->n_done < g->cfg.n_ranks - 1) pthread_cond_wait(&g->done, &g->mu);
+    g->batch = NULL;
+    pthread_mutex_unlock(&g->mu);
+}
+
+void tp_group_free(tp_group *g) {
+    if (!g) return;
+    if (g->sync_ready) {
+        pthread_mutex_lock(&g->mu);
+        g->quit = true;
+        pthread_cond_broadcast(&g->wake);
+        pthread_mutex_unlock(&g->mu);
+        for (int32_t i = 0; i < g->cfg.n_ranks; i++)
+            if (g->ranks[i].started) pthread_join(g->ranks[i].thread, NULL);
+        pthread_cond_destroy(&g->done);
+        pthread_cond_destroy(&g->wake);
+        pthread_mutex_destroy(&g->mu);
+    }
+    for (int32_t i = 0; i < g->cfg.n_ranks; i++) {
+        tp_rank *r = &g->ranks[i];
+        llama_ws_free(r->ws);
+        kn_stream_free(r->stream);
+        pool_free(r->pool);
+        free(r->kv);
+        free(r->kv_mem);
+        tp_shard_free(r->shard);
+    }
+    kn_comm_free_cpu(g->comms, g->cfg.n_ranks);
+    free(g);
+}
+
+/* Rank r's KV pools: K and V of every layer in one allocation. */
+static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
+    const model_config *c = &r->shard->cfg;
+    size_t per = (size_t)cfg->kv_blocks * (size_t)cfg->block_size;
+    size_t row = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    size_t layers2 = 2 * (size_t)c->n_layers;
+    if (per / (size_t)cfg->block_size != (size_t)cfg->kv_blocks || (row && per > SIZE_MAX / row) ||
+        per * row > SIZE_MAX / sizeof(float) / layers2)
+        return err_set(err, "tensor parallel: KV of %d blocks x %d tokens overflows", cfg->kv_blocks, cfg->block_size);
+    size_t n = per * row; /* floats of one layer's K (or V) */
+    r->kv_mem = calloc(n * layers2, sizeof(float));
+    r->kv = calloc((size_t)c->n_layers, sizeof *r->kv);
+    if (!r->kv_mem || !r->kv)
+        return err_set(err, "tensor parallel: rank %d: out of memory for %zu bytes of KV", r->rank,
+                       n * layers2 * sizeof(float));
+    for (int32_t l = 0; l < c->n_layers; l++)
+        r->kv[l] = (kn_kv_pool){r->kv_mem + (size_t)(2 * l) * n, r->kv_mem + (size_t)(2 * l + 1) * n,
+                                cfg->kv_blocks, cfg->block_size, c->n_kv_heads, c->head_dim};
+    return AE_OK;
+}
+
+int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error *err) {
+    *out = NULL;
+    if (cfg->n_ranks < 1 || cfg->n_ranks > TP_MAX_RANKS || cfg->threads_per_rank < 1 || cfg->max_tokens < 1 ||
+        cfg->max_logits < 1 || cfg->max_logits > cfg->max_tokens || cfg->kv_blocks < 1 || cfg->block_size < 1)
+        return err_set(err, "tensor parallel: bad sizes (ranks %d, threads per rank %d, tokens %d, logits %d, "
+                       "kv blocks %d, block size %d)",
+                       cfg->n_ranks, cfg->threads_per_rank, cfg->max_tokens, cfg->max_logits, cfg->kv_blocks,
+                       cfg->block_size);
+    tp_group *g = calloc(1, sizeof *g);
+    if (!g) return err_set(err, "out of memory");
+    g->m = m;
+    g->cfg = *cfg;
+    const int32_t R = cfg->n_ranks;
+    if (tp_split_plan(&g->split, &m->cfg, R, err) != AE_OK ||
+        kn_comm_init_cpu(g->comms, R, (size_t)cfg->max_tokens * (size_t)m->cfg.hidden, err) != AE_OK)
+        goto fail;
+    for (int32_t i = 0; i < R; i++) {
+        tp_rank *r = &g->ranks[i];
+        r->g = g;
+        r->rank = i;
+        if (tp_shard_init(&r->shard, m, &g->split, i, err) != AE_OK ||
+            pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
+            kn_stream_init_cpu(&r->stream, r->pool, llama_stream_workspace(r->shard, cfg->max_tokens), err) != AE_OK ||
+            llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
+            rank_kv_init(r, cfg, err) != AE_OK)
+            goto fail;
+    }
+    if (pthread_mutex_init(&g->mu, NULL) != 0) {
+        err_set(err, "tensor parallel: cannot create a mutex");
+        goto fail;
+    }
+    if (pthread_cond_init(&g->wake, NULL) != 0) {
+        pthread_mutex_destroy(&g->mu);
+        err_set(err, "tensor parallel: cannot create a condition variable");
+        goto fail;
+    }
+    if (pthread_cond_init(&g->done, NULL) != 0) {
+        pthread_cond_destroy(&g->wake);
+        pthread_mutex_destroy(&g->mu);
+        err_set(err, "tensor parallel: cannot create a condition variable");
+        goto fail;
+    }
+    g->sync_ready = true;
+    for (int32_t i = 1; i < R; i++) {
+        if (pthread_create(&g->ranks[i].thread, NULL, rank_main, &g->ranks[i]) != 0) {
+            err_set(err, "tensor parallel: cannot start the thread of rank %d", i);
+            goto fail;
+        }
+        g->ranks[i].started = true;
+    }
+    *out = g;
+    return AE_OK;
+fail:
+    tp_group_free(g);
+    return AE_ERR;
+}

@@ -1,0 +1,94 @@
+/* Tensor parallelism on the CPU backend: R ranks, each a thread of this
+ * process, each running the whole llama_forward over its shard of the
+ * weights (kernels/kernels.h, "Tensor parallelism").
+ *
+ * A shard is a `model` whose cfg holds the rank's local n_heads, n_kv_heads
+ * and ffn, and whose kn_weight views point into the full model's data; no
+ * weight is copied:
+ *   - column-parallel wq/wk/wv (+ biases), w_gate/w_up: a contiguous range
+ *     of output rows. Attention is split by whole kv-head groups: a rank
+ *     owns kv heads [a, b) and the q heads that read them, so grouped-query
+ *     attention stays local.
+ *   - row-parallel wo, w_down: a range of input columns, as a view whose
+ *     data starts at the range's first block and whose row_bytes stays the
+ *     full row's stride. The range must be whole quant blocks.
+ *   - tok_embd, norms, output: shared. Every rank holds the full residual
+ *     stream; the two allreduce hooks in llama_forward add the partial
+ *     o_proj and down outputs, and every rank gets the same bits.
+ *
+ * Head counts need not divide evenly: 3 kv heads over 2 ranks give rank 0
+ * two kv heads and rank 1 one. */
+#ifndef AERIE_TARGET_TP_H
+#define AERIE_TARGET_TP_H
+
+#include <stdint.h>
+
+#include "../kernels/kernels.h"
+#include "../services/core/err.h"
+#include "llama.h"
+#include "model.h"
+
+#define TP_MAX_RANKS 64
+
+/* Granule of an ffn split: boundaries fall on multiples of this, so a
+ * quantized w_down's column shard is whole blocks. */
+#define TP_FFN_ALIGN 32
+
+typedef struct tp_range {
+    int32_t begin, end; /* [begin, end) */
+} tp_range;
+
+/* Which part of each split dimension every rank owns (plain data). */
+typedef struct tp_split {
+    int32_t n_ranks;
+    tp_range kv_heads[TP_MAX_RANKS]; /* kv heads */
+    tp_range heads[TP_MAX_RANKS];    /* q heads: kv_heads x (n_heads / n_kv_heads) */
+    tp_range ffn[TP_MAX_RANKS];      /* ffn features */
+} tp_split;
+
+/* The split for n_ranks ranks: kv heads as even as possible (the first
+ * n_kv_heads % R ranks take one more), ffn cut at multiples of
+ * TP_FFN_ALIGN as evenly as possible (the remainder below the granule goes
+ * to the last rank). Fails when a rank would get no kv head or no ffn
+ * feature. */
+int tp_split_plan(tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
+
+/* Rank `rank`'s shard of `full` under split sp, as views into full's
+ * weights (full must outlive it). Fails when a row-parallel column range
+ * is not whole quant blocks of its weight type. Free with tp_shard_free,
+ * never model_free. */
+int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t rank, ae_error *err);
+void tp_shard_free(model *shard); /* NULL is a no-op */
+
+typedef struct tp_config {
+    int32_t n_ranks;          /* 1..TP_MAX_RANKS */
+    int32_t threads_per_rank; /* each rank's own pool, the rank's thread included */
+    int32_t max_tokens;       /* tokens in one forward pass */
+    int32_t max_logits;       /* logit rows in one forward pass (rank 0) */
+    int32_t kv_blocks;        /* KV blocks per layer; block ids of the maps index these */
+    int32_t block_size;       /* tokens per KV block */
+} tp_config;
+
+typedef struct tp_group tp_group;
+
+/* R ranks over model m (m must outlive the group): shards, one stream and
+ * llama workspace per rank, KV pools per rank sized for its local kv heads
+ * (f32 [kv_blocks][block_size][local kv heads][head_dim] per layer, K and
+ * V), one kn_comm per rank, and R - 1 persistent threads (rank 0 runs on
+ * the caller of tp_forward). */
+int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error *err);
+void tp_group_free(tp_group *g); /* NULL is a no-op */
+
+/* Runs b on every rank at once and returns when all have finished. The
+ * map's block ids address every rank's pools alike. b's logits and capture
+ * are filled by rank 0 only (every rank holds the same residual stream).
+ * Shapes are asserted, as in llama_forward. Allocates nothing. */
+void tp_forward(tp_group *g, const llama_batch *b);
+
+int32_t tp_group_ranks(const tp_group *g);
+const tp_split *tp_group_split(const tp_group *g);
+const model *tp_group_shard(const tp_group *g, int32_t rank);
+/* Rank r's KV pools: [n_layers]. */
+const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank);
+
+#endif
