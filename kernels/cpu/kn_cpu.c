@@ -49,8 +49,9 @@ static atomic_bool g_force_scalar;
 
 void kn_cpu_force_scalar(bool on) { atomic_store(&g_force_scalar, on); }
 
-bool kn_cpu_use_avx2(void) {
-    if (atomic_load(&g_force_scalar)) return false;
+/* What the CPU offers never changes, and CPUID is slow (in a VM it traps
+ * to the hypervisor), so it is asked once. */
+static bool cpu_has_avx2(void) {
 #if defined(__x86_64__) || defined(__i386__)
     /* F16C is CPUID leaf 1, ECX bit 29; asked directly because older
      * compilers (clang 14) do not know "f16c" in __builtin_cpu_supports. */
@@ -60,6 +61,17 @@ bool kn_cpu_use_avx2(void) {
 #else
     return false;
 #endif
+}
+
+bool kn_cpu_use_avx2(void) {
+    static atomic_int has = -1; /* -1: not asked yet */
+    if (atomic_load(&g_force_scalar)) return false;
+    int h = atomic_load_explicit(&has, memory_order_relaxed);
+    if (h < 0) {
+        h = cpu_has_avx2();
+        atomic_store_explicit(&has, h, memory_order_relaxed);
+    }
+    return h != 0;
 }
 
 const char *kn_cpu_simd(void) { return kn_cpu_use_avx2() ? "avx2" : "scalar"; }

@@ -6,22 +6,36 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* A forward pass hands the pool a few hundred short jobs per token; waking
+ * a sleeping thread through a condition variable costs more than many of
+ * them. So both sides spin for a while on atomics before sleeping: about
+ * this many pause instructions (tens of microseconds). */
+#define POOL_SPIN 20000
+
 struct pool {
-    int n_threads; /* including the caller */
+    int n_threads;      /* including the caller */
     pthread_t *threads; /* (n_threads - 1) */
     pthread_mutex_t run_mu; /* one pool_run at a time */
-    pthread_mutex_t mu;
-    pthread_cond_t wake; /* a new job, or shutdown */
-    pthread_cond_t done; /* the last worker left the job */
+    pthread_mutex_t mu;     /* guards sleeping, nothing else */
+    pthread_cond_t wake;    /* a new job, or shutdown */
+    pthread_cond_t done;    /* the last worker left the job */
 
-    /* The current job; written under mu before generation is bumped. */
+    /* The current job; written before generation is bumped (release). */
     pool_fn fn;
     void *ctx;
     int n_tasks;
     atomic_int next_task;
-    unsigned long generation;
-    int busy_workers; /* workers still inside the current job */
-    int shutdown;
+    atomic_ulong generation;
+    atomic_int pending;  /* workers still inside the current job */
+    atomic_int sleepers; /* workers asleep on wake (changed under mu) */
+    atomic_int shutdown;
 };
 
 static void run_tasks(pool *p, pool_fn fn, void *ctx, int n_tasks) {
@@ -32,24 +46,40 @@ static void run_tasks(pool *p, pool_fn fn, void *ctx, int n_tasks) {
     }
 }
 
+/* Waits until generation moves past seen (or shutdown); returns the new
+ * generation. Spins first, then sleeps. */
+static unsigned long wait_for_job(pool *p, unsigned long seen) {
+    for (int i = 0; i < POOL_SPIN; i++) {
+        unsigned long g = atomic_load(&p->generation);
+        if (g != seen || atomic_load(&p->shutdown)) return g;
+        CPU_RELAX();
+    }
+    pthread_mutex_lock(&p->mu);
+    atomic_fetch_add(&p->sleepers, 1);
+    /* Checked under mu: pool_run bumps generation before it takes mu to
+     * wake sleepers, so either we see the new job here or we are counted
+     * as a sleeper when it looks. */
+    while (atomic_load(&p->generation) == seen && !atomic_load(&p->shutdown))
+        pthread_cond_wait(&p->wake, &p->mu);
+    atomic_fetch_sub(&p->sleepers, 1);
+    pthread_mutex_unlock(&p->mu);
+    return atomic_load(&p->generation);
+}
+
 static void *worker_main(void *arg) {
     pool *p = arg;
     unsigned long seen = 0;
-    pthread_mutex_lock(&p->mu);
     for (;;) {
-        while (!p->shutdown && p->generation == seen)
-            pthread_cond_wait(&p->wake, &p->mu);
-        if (p->shutdown) break;
-        seen = p->generation;
-        pool_fn fn = p->fn;
-        void *ctx = p->ctx;
-        int n = p->n_tasks;
-        pthread_mutex_unlock(&p->mu);
-        run_tasks(p, fn, ctx, n);
-        pthread_mutex_lock(&p->mu);
-        if (--p->busy_workers == 0) pthread_cond_signal(&p->done);
+        seen = wait_for_job(p, seen);
+        if (atomic_load(&p->shutdown)) break;
+        run_tasks(p, p->fn, p->ctx, p->n_tasks);
+        if (atomic_fetch_sub(&p->pending, 1) == 1) {
+            /* The last one out tells a caller that may be asleep. */
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
@@ -98,7 +128,7 @@ fail:
 void pool_free(pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
-    p->shutdown = 1;
+    atomic_store(&p->shutdown, 1);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     for (int i = 0; i < p->n_threads - 1; i++) pthread_join(p->threads[i], NULL);
@@ -119,20 +149,25 @@ void pool_run(pool *p, pool_fn fn, void *ctx, int n_tasks) {
         return;
     }
     pthread_mutex_lock(&p->run_mu);
-    pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->ctx = ctx;
     p->n_tasks = n_tasks;
     atomic_store(&p->next_task, 0);
-    p->busy_workers = p->n_threads - 1;
-    p->generation++;
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->mu);
+    atomic_store(&p->pending, p->n_threads - 1);
+    atomic_fetch_add(&p->generation, 1);
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+    }
 
     run_tasks(p, fn, ctx, n_tasks);
 
-    pthread_mutex_lock(&p->mu);
-    while (p->busy_workers > 0) pthread_cond_wait(&p->done, &p->mu);
-    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < POOL_SPIN && atomic_load(&p->pending) > 0; i++) CPU_RELAX();
+    if (atomic_load(&p->pending) > 0) {
+        pthread_mutex_lock(&p->mu);
+        while (atomic_load(&p->pending) > 0) pthread_cond_wait(&p->done, &p->mu);
+        pthread_mutex_unlock(&p->mu);
+    }
     pthread_mutex_unlock(&p->run_mu);
 }
