@@ -185,6 +185,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         fwrite(chunk, 1, detok_flush(dt, chunk, detok_max_out(dt)), stdout);
         putchar('\n');
     }
+    fflush(stdout); /* the text before the stats line on a shared terminal */
     if (cfg_bool(c, "stats"))
         fprintf(stderr,
                 "{\"prompt_tokens\":%zu,\"generated_tokens\":%d,\"load_seconds\":%.3f,"

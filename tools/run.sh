@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make run`. The serving stack (gateway, target, draft) is not built yet;
 # until it is, this shows what Aerie can already do with the default model:
-# what the file holds, and how a chat is tokenized.
+# what the file holds, how a chat is tokenized, and an answer from the CPU
+# engine (plain decoding).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -17,3 +18,6 @@ echo
 echo "== aerie detokenize (the ids above)"
 # shellcheck disable=SC2046
 build/aerie detokenize --model "$model" $(tr -d '[]' <<<"$ids" | tr ',' ' ')
+echo
+echo "== aerie generate --model $model --chat --prompt '$chat' --max-tokens 64 --stats"
+build/aerie generate --model "$model" --chat --prompt "$chat" --max-tokens 64 --stats
