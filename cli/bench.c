@@ -52,17 +52,6 @@ static const cfg_option opts[] = {
 static const int32_t verify_sizes[VERIFY_SIZES] = {1, 2, 4, 8, 16, 32};
 #define VERIFY_MAX 32
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static uint64_t splitmix64(uint64_t *state) {
     uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -135,9 +124,9 @@ static int measure_bandwidth(size_t bytes, int threads, int runs, double *out, a
     pool_run(p, bw_fill, j, threads);
     double best = 0;
     for (int r = 0; r < runs; r++) {
-        double t0 = now_seconds();
+        double t0 = cli_now_seconds();
         pool_run(p, bw_sum, j, threads);
-        double t = now_seconds() - t0;
+        double t = cli_now_seconds() - t0;
         if (t > 0 && (double)(j->n * sizeof(uint64_t)) / t > best) best = (double)(j->n * sizeof(uint64_t)) / t;
     }
     uint64_t check = 0;
@@ -218,9 +207,9 @@ static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_err
         parents[i] = i - 1;
     }
     eng_item it = {seq, ENG_TREE, n, tokens, parents, false};
-    double t0 = now_seconds();
+    double t0 = cli_now_seconds();
     if (eng_step(b->e, &it, 1, b->logits, NULL, err) != AE_OK) return AE_ERR;
-    *seconds = now_seconds() - t0;
+    *seconds = cli_now_seconds() - t0;
     return eng_commit_path(b->e, seq, none, 0, err);
 }
 
@@ -231,7 +220,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
     if (cfg_is_auto(c, "bandwidth-mib")) cfg_set_auto_int(c, "bandwidth-mib", auto_bandwidth_mib());
-    double t_start = now_seconds();
+    double t_start = cli_now_seconds();
     const char *path = cfg_str(c, "model");
     int32_t n_prompt = (int32_t)cfg_int(c, "prompt-tokens"), n_gen = (int32_t)cfg_int(c, "gen-tokens");
     int32_t batch = (int32_t)cfg_int(c, "batch"), max_batch_tokens = (int32_t)cfg_int(c, "max-batch-tokens");
@@ -288,13 +277,13 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (prefill(&b, &vseq, 1, b.prompts + (size_t)batch * (size_t)n_prompt, n_prompt, &vnext, err) != AE_OK)
         goto out;
 
-    double t0 = now_seconds();
+    double t0 = cli_now_seconds();
     if (prefill(&b, b.seqs, batch, b.prompts, n_prompt, b.next, err) != AE_OK) goto out;
-    double t_prefill = now_seconds() - t0;
-    t0 = now_seconds();
+    double t_prefill = cli_now_seconds() - t0;
+    t0 = cli_now_seconds();
     for (int32_t i = 0; i < n_gen; i++)
         if (decode_step(&b, err) != AE_OK) goto out;
-    double t_decode = now_seconds() - t0;
+    double t_decode = cli_now_seconds() - t0;
 
     /* Sizes interleaved, so drift in the machine's speed hits them alike. */
     for (int r = 0; r < reps; r++)
@@ -302,7 +291,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
             if (verify_pass(&b, vseq, verify_sizes[k], &times[k * reps + r], err) != AE_OK) goto out;
     double median[VERIFY_SIZES];
     for (int k = 0; k < VERIFY_SIZES; k++) {
-        qsort(times + k * reps, (size_t)reps, sizeof(double), cmp_double);
+        qsort(times + k * reps, (size_t)reps, sizeof(double), cli_cmp_double);
         median[k] = reps % 2 ? times[k * reps + reps / 2]
                              : 0.5 * (times[k * reps + reps / 2 - 1] + times[k * reps + reps / 2]);
     }
@@ -337,7 +326,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         snprintf(key, sizeof key, "%d", verify_sizes[k]);
         cJSON_AddNumberToObject(vc, key, k == 0 ? 1.0 : round_to(median[k] / median[0], 1e3));
     }
-    cJSON_AddNumberToObject(o, "wall_seconds", round_to(now_seconds() - t_start, 1e2));
+    cJSON_AddNumberToObject(o, "wall_seconds", round_to(cli_now_seconds() - t_start, 1e2));
     char *line = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (!line) {

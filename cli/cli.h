@@ -41,6 +41,11 @@ typedef struct cli_model {
 int cli_model_open(cli_model *m, const char *path, ae_error *err);
 void cli_model_close(cli_model *m);
 
+/* Monotonic clock in seconds, for the timing subcommands. */
+double cli_now_seconds(void);
+/* qsort comparator for doubles, ascending. */
+int cli_cmp_double(const void *a, const void *b);
+
 /* Writes a JSON array of ids on one line to stdout. */
 void cli_print_ids(const int32_t *ids, size_t n);
 

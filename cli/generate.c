@@ -64,12 +64,6 @@ static int resolve(cfg *c, ae_error *err) {
     return rc;
 }
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* The prompt's ids, rendered with the chat template when asked. */
 static int prompt_ids(const cfg *c, const tok *t, int32_t **ids, size_t *n, ae_error *err) {
     const char *text = cfg_str(c, "prompt");
@@ -114,9 +108,9 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     const char *path = cfg_str(c, "model");
     if (cli_model_open(&cm, path, err) != AE_OK) goto out;
     if (prompt_ids(c, cm.tok, &ids, &n_prompt, err) != AE_OK) goto out;
-    double t_load = now_seconds();
+    double t_load = cli_now_seconds();
     if (model_load(&m, path, err) != AE_OK) goto out;
-    t_load = now_seconds() - t_load;
+    t_load = cli_now_seconds() - t_load;
     int32_t max_new = (int32_t)cfg_int(c, "max-tokens");
     if ((int64_t)n_prompt + max_new > m->cfg.context_length) {
         err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds the model's context of %d", n_prompt,
@@ -153,17 +147,17 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int32_t seq;
     if (eng_seq_new(e, &seq, err) != AE_OK) goto out;
 
-    double t0 = now_seconds();
+    double t0 = cli_now_seconds();
     for (size_t done = 0; done < n_prompt;) {
         int32_t k = (int32_t)(n_prompt - done < (size_t)chunk_tokens ? n_prompt - done : (size_t)chunk_tokens);
         eng_item it = {seq, ENG_APPEND, k, ids + done, NULL, false};
         if (eng_step(e, &it, 1, logits, NULL, err) != AE_OK) goto out;
         done += (size_t)k;
     }
-    double t_prefill = now_seconds() - t0;
+    double t_prefill = cli_now_seconds() - t0;
     bool as_ids = cfg_bool(c, "ids"), ignore_eos = cfg_bool(c, "ignore-eos");
     int32_t eos = tok_eos(cm.tok), n_out = 0;
-    double t1 = now_seconds();
+    double t1 = cli_now_seconds();
     for (;;) {
         int32_t next = sample_token(smp, logits, &sp, &rng);
         if (next == eos && !ignore_eos) break;
@@ -178,7 +172,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
         if (eng_step(e, &it, 1, logits, NULL, err) != AE_OK) goto out;
     }
-    double t_decode = now_seconds() - t1;
+    double t_decode = cli_now_seconds() - t1;
     if (as_ids) {
         cli_print_ids(out_ids, (size_t)n_out);
     } else {

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "../services/core/log.h"
 #include "cli.h"
@@ -64,6 +65,17 @@ void cli_model_close(cli_model *m) {
     tok_free(m->tok);
     gguf_close(m->gguf);
     memset(m, 0, sizeof *m);
+}
+
+double cli_now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int cli_cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
 }
 
 void cli_print_ids(const int32_t *ids, size_t n) {

@@ -176,17 +176,6 @@ static const cfg_option bench_opts[] = {
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
     char *text = NULL;
     size_t len = 0, n = 0;
@@ -213,11 +202,11 @@ static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
     }
     int flags = TOK_ADD_BOS | TOK_PARSE_SPECIAL;
     for (int r = 0; r < reps; r++) {
-        double t0 = now_seconds();
+        double t0 = cli_now_seconds();
         if (tok_encode(m.tok, text, len, flags, ids, len + 2, &n, err) != AE_OK) goto out;
-        times[r] = now_seconds() - t0;
+        times[r] = cli_now_seconds() - t0;
     }
-    qsort(times, (size_t)reps, sizeof *times, cmp_double);
+    qsort(times, (size_t)reps, sizeof *times, cli_cmp_double);
     double best = times[0], median = times[reps / 2];
     printf("{\"bytes\":%zu,\"tokens\":%zu,\"repeat\":%d,\"threads\":1,\"best_seconds\":%.6f,"
            "\"median_seconds\":%.6f,\"mb_per_s\":%.3f,\"tokens_per_s\":%.0f}\n",

@@ -67,14 +67,24 @@ static int gguf_required(const gguf_file *f, const char *arch, const char *suffi
 }
 
 /* A matrix [rows][cols] (GGUF dims: ne[0] = cols, ne[1] = rows). */
-static int gguf_matrix(model *m, const char *name, int64_t rows, int64_t cols, kn_weight *w,
-                       ae_error *err) {
+/* The 2-D tensor `name` of [rows][cols] (GGUF dims: ne[0] = cols, ne[1] =
+ * rows), or NULL with err set. */
+static const gguf_tensor *gguf_2d(model *m, const char *name, int64_t rows, int64_t cols,
+                                  ae_error *err) {
     const gguf_tensor *t = gguf_find_tensor(m->gguf, name);
-    if (!t) return err_set(err, "tensor %s is missing", name);
+    if (!t) return err_set(err, "tensor %s is missing", name), NULL;
     if (t->n_dims != 2 || (int64_t)t->ne[0] != cols || (int64_t)t->ne[1] != rows)
         return err_set(err, "tensor %s has shape [%llu, %llu], expected [%lld, %lld]", name,
                        (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
-                       (long long)cols, (long long)rows);
+                       (long long)cols, (long long)rows),
+               NULL;
+    return t;
+}
+
+static int gguf_matrix(model *m, const char *name, int64_t rows, int64_t cols, kn_weight *w,
+                       ae_error *err) {
+    const gguf_tensor *t = gguf_2d(m, name, rows, cols, err);
+    if (!t) return AE_ERR;
     w->rows = rows;
     w->cols = cols;
     if (kn_matmul_supports(t->type)) {
@@ -96,12 +106,8 @@ static int gguf_matrix(model *m, const char *name, int64_t rows, int64_t cols, k
 /* The embedding table stays in its file type: kn_embed reads any type. */
 static int gguf_table(model *m, const char *name, int64_t rows, int64_t cols, kn_weight *w,
                       ae_error *err) {
-    const gguf_tensor *t = gguf_find_tensor(m->gguf, name);
-    if (!t) return err_set(err, "tensor %s is missing", name);
-    if (t->n_dims != 2 || (int64_t)t->ne[0] != cols || (int64_t)t->ne[1] != rows)
-        return err_set(err, "tensor %s has shape [%llu, %llu], expected [%lld, %lld]", name,
-                       (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
-                       (long long)cols, (long long)rows);
+    const gguf_tensor *t = gguf_2d(m, name, rows, cols, err);
+    if (!t) return AE_ERR;
     if (!quant_can_dequantize(t->type))
         return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
     *w = (kn_weight){t->type, rows, cols, t->data, (size_t)quant_row_bytes(t->type, (uint64_t)cols)};
