@@ -66,7 +66,6 @@ static int gguf_required(const gguf_file *f, const char *arch, const char *suffi
     return AE_OK;
 }
 
-/* A matrix [rows][cols] (GGUF dims: ne[0] = cols, ne[1] = rows). */
 /* The 2-D tensor `name` of [rows][cols] (GGUF dims: ne[0] = cols, ne[1] =
  * rows), or NULL with err set. */
 static const gguf_tensor *gguf_2d(model *m, const char *name, int64_t rows, int64_t cols,
