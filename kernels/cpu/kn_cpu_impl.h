@@ -49,7 +49,7 @@ _Static_assert(sizeof(kn_blk_q4_1) == 20, "Q4_1 block layout");
 /* Rows of W per pool task (a tile's j1 - j0 is at most this): small
  * enough to stay in L1 (16 rows of a 1536-wide Q4_1 matrix are 15 KiB)
  * while m-tiles revisit them, large enough that task hand-out is cheap. */
-#define KN_CHUNK_N 16
+#define KN_CHUNK_N 64
 typedef struct kn_tile {
     const kn_weight *w;
     const float *x;

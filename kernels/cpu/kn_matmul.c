@@ -94,27 +94,34 @@ typedef struct mm_job {
     bool avx2;
 } mm_job;
 
+/* Task t of n_tasks owns one contiguous range of whole chunks of W's rows.
+ * Contiguous ranges let each core's prefetchers stream its own part of W;
+ * handing out small chunks round-robin made two threads barely faster than
+ * one. Which task computes a row never changes its bits. */
 static void mm_task(void *ctx, int task, int n_tasks) {
     const mm_job *job = ctx;
     const kn_weight *w = job->w;
-    (void)n_tasks;
-    int64_t j0 = (int64_t)task * KN_CHUNK_N;
-    int64_t j1 = j0 + KN_CHUNK_N < w->rows ? j0 + KN_CHUNK_N : w->rows;
-    for (int64_t r = 0; r < job->m; r += KN_TILE_M) {
-        kn_tile t = {
-            .w = w,
-            .x = job->x + r * w->cols,
-            .x_stride = (size_t)w->cols,
-            .tm = job->m - r < KN_TILE_M ? (int)(job->m - r) : KN_TILE_M,
-            .j0 = j0,
-            .j1 = j1,
-            .y = job->y + r * w->rows,
-            .ldy = (size_t)w->rows,
-        };
-        if (job->avx2)
-            kn_tile_avx2(&t);
-        else
-            kn_tile_scalar(&t);
+    int64_t n_chunks = (w->rows + KN_CHUNK_N - 1) / KN_CHUNK_N;
+    int64_t c0 = n_chunks * task / n_tasks, c1 = n_chunks * (task + 1) / n_tasks;
+    for (int64_t c = c0; c < c1; c++) {
+        int64_t j0 = c * KN_CHUNK_N;
+        int64_t j1 = j0 + KN_CHUNK_N < w->rows ? j0 + KN_CHUNK_N : w->rows;
+        for (int64_t r = 0; r < job->m; r += KN_TILE_M) {
+            kn_tile t = {
+                .w = w,
+                .x = job->x + r * w->cols,
+                .x_stride = (size_t)w->cols,
+                .tm = job->m - r < KN_TILE_M ? (int)(job->m - r) : KN_TILE_M,
+                .j0 = j0,
+                .j1 = j1,
+                .y = job->y + r * w->rows,
+                .ldy = (size_t)w->rows,
+            };
+            if (job->avx2)
+                kn_tile_avx2(&t);
+            else
+                kn_tile_scalar(&t);
+        }
     }
 }
 
@@ -126,6 +133,6 @@ void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64
     if (m == 0) return;
     mm_job job = {.w = w, .x = x, .y = y, .m = m, .avx2 = kn_cpu_use_avx2()};
     int64_t n_chunks = (w->rows + KN_CHUNK_N - 1) / KN_CHUNK_N;
-    AE_ASSERT(n_chunks <= INT32_MAX);
-    pool_run(s->pool, mm_task, &job, (int)n_chunks);
+    int threads = kn_stream_threads(s);
+    pool_run(s->pool, mm_task, &job, n_chunks < threads ? (int)n_chunks : threads);
 }
