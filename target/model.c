@@ -254,6 +254,10 @@ static int load_hf(model *m, const char *dir, ae_error *err) {
     c->context_length = hc.max_position_embeddings;
     c->rms_eps = (float)hc.rms_norm_eps;
     c->qkv_bias = hc.attention_bias;
+    /* Llama's attention_bias also biases o_proj, which the forward pass
+     * does not have; Qwen2 biases q/k/v only. Refuse rather than run wrong. */
+    if (hc.attention_bias && strcmp(c->arch, "qwen2"))
+        return err_set(err, "%s: attention_bias on a %s model (an o_proj bias) is not supported", path, c->arch);
     c->rope = (kn_rope_config){KN_ROPE_NEOX, c->head_dim, hc.rope_theta, 0, 0, 0, 0};
     if (hc.rope_scaling.kind == HFCFG_ROPE_LLAMA3) {
         c->rope.factor = hc.rope_scaling.factor;

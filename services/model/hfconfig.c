@@ -140,19 +140,21 @@ static int int_list(const cJSON *v, const char *label, int64_t lo,
     return AE_OK;
 }
 
-static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, ae_error *err) {
+/* `key` is "rope_scaling" (transformers 4) or "rope_parameters"
+ * (transformers 5, which writes the same fields there, rope_theta and
+ * rope_type "default" included, and no longer writes the other two keys). */
+static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, const char *key,
+                              ae_error *err) {
+    char label[80];
     if (!cJSON_IsObject(rs))
-        return err_set(err, "rope_scaling: expected an object, got %s",
-                       kind(rs));
+        return err_set(err, "%s: expected an object, got %s", key, kind(rs));
     /* transformers renamed "type" to "rope_type"; older files have only the
      * former. */
-    const char *label = "rope_scaling.rope_type";
+    snprintf(label, sizeof label, "%s.rope_type", key);
     const cJSON *t = get(rs, "rope_type");
-    if (!t) {
-        label = "rope_scaling.type";
-        t = get(rs, "type");
-    }
-    if (!t) return err_set(err, "rope_scaling.rope_type: required key is missing");
+    if (!t && (t = get(rs, "type")))
+        snprintf(label, sizeof label, "%s.type", key);
+    if (!t) return err_set(err, "%s.rope_type: required key is missing", key);
     char type[HFCFG_MAX_TEXT];
     if (as_text(t, label, type, err) != AE_OK) return AE_ERR;
     if (strcmp(type, "default") == 0) {
@@ -167,38 +169,29 @@ static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, ae_error *err) {
                        "llama3)",
                        label, type);
     cfg->rope_scaling.kind = HFCFG_ROPE_LLAMA3;
-    const cJSON *v;
-    if (!(v = get(rs, "factor")))
-        return err_set(err, "rope_scaling.factor: required key is missing");
-    if (as_double(v, "rope_scaling.factor", 0.0, 1e6,
-                  &cfg->rope_scaling.factor, err) != AE_OK)
-        return AE_ERR;
-    if (!(v = get(rs, "low_freq_factor")))
-        return err_set(err,
-                       "rope_scaling.low_freq_factor: required key is "
-                       "missing");
-    if (as_double(v, "rope_scaling.low_freq_factor", 0.0, 1e6,
-                  &cfg->rope_scaling.low_freq_factor, err) != AE_OK)
-        return AE_ERR;
-    if (!(v = get(rs, "high_freq_factor")))
-        return err_set(err,
-                       "rope_scaling.high_freq_factor: required key is "
-                       "missing");
-    if (as_double(v, "rope_scaling.high_freq_factor", 0.0, 1e6,
-                  &cfg->rope_scaling.high_freq_factor, err) != AE_OK)
-        return AE_ERR;
+    static const char *const names[3] = {"factor", "low_freq_factor",
+                                         "high_freq_factor"};
+    double *dst[3] = {&cfg->rope_scaling.factor,
+                      &cfg->rope_scaling.low_freq_factor,
+                      &cfg->rope_scaling.high_freq_factor};
+    for (int i = 0; i < 3; i++) {
+        const cJSON *v = get(rs, names[i]);
+        snprintf(label, sizeof label, "%s.%s", key, names[i]);
+        if (!v) return err_set(err, "%s: required key is missing", label);
+        if (as_double(v, label, 0.0, 1e6, dst[i], err) != AE_OK)
+            return AE_ERR;
+    }
     /* The llama3 rule interpolates between the two wavelength bounds,
      * dividing by (high - low). */
     if (!(cfg->rope_scaling.high_freq_factor >
           cfg->rope_scaling.low_freq_factor))
         return err_set(err,
-                       "rope_scaling.high_freq_factor: %g is not above "
+                       "%s.high_freq_factor: %g is not above "
                        "low_freq_factor %g",
-                       cfg->rope_scaling.high_freq_factor,
+                       key, cfg->rope_scaling.high_freq_factor,
                        cfg->rope_scaling.low_freq_factor);
-    return req_int(rs, "original_max_position_embeddings",
-                   "rope_scaling.original_max_position_embeddings", 1,
-                   POS_MAX,
+    snprintf(label, sizeof label, "%s.original_max_position_embeddings", key);
+    return req_int(rs, "original_max_position_embeddings", label, 1, POS_MAX,
                    &cfg->rope_scaling.original_max_position_embeddings, err);
 }
 
@@ -297,8 +290,20 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
                  HFCFG_MAX_EOS, &c->n_eos, err))
         return AE_ERR;
 
-    if ((v = get(root, "rope_scaling")) && parse_rope_scaling(c, v, err))
+    /* transformers 5 writes rope_parameters instead of rope_theta and
+     * rope_scaling; where both forms are present, rope_parameters wins, as
+     * in transformers 5. */
+    const cJSON *rp = get(root, "rope_parameters");
+    if (rp) {
+        if (parse_rope_scaling(c, rp, "rope_parameters", err)) return AE_ERR;
+        if ((v = get(rp, "rope_theta")) &&
+            as_double(v, "rope_parameters.rope_theta", 0.0, 1e12,
+                      &c->rope_theta, err))
+            return AE_ERR;
+    } else if ((v = get(root, "rope_scaling")) &&
+               parse_rope_scaling(c, v, "rope_scaling", err)) {
         return AE_ERR;
+    }
 
     if (opt_int(root, "draft_vocab_size", "draft_vocab_size", 1,
                 c->vocab_size, &c->draft_vocab_size, err))

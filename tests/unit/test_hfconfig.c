@@ -124,6 +124,25 @@ static void test_smollm2_config(void **state) {
     assert_int_equal(c.n_aux_layers, 0);
 }
 
+/* transformers 5 writes rope_theta and the scaling together under
+ * rope_parameters, and neither old key. */
+static void test_transformers5_rope_parameters(void **state) {
+    (void)state;
+    hfcfg c;
+    ae_error err = {0};
+    const char *json =
+        "{\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 128,"
+        " \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"vocab_size\": 256,"
+        " \"rms_norm_eps\": 1e-05, \"rope_parameters\": {\"rope_theta\": 500000.0,"
+        " \"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 1.0,"
+        " \"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 64}}";
+    if (parse(&c, json, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_true(c.rope_theta == 500000.0);
+    assert_int_equal(c.rope_scaling.kind, HFCFG_ROPE_LLAMA3);
+    assert_true(c.rope_scaling.factor == 8.0);
+    assert_int_equal(c.rope_scaling.original_max_position_embeddings, 64);
+}
+
 static void test_llama31_config_with_llama3_rope_scaling(void **state) {
     (void)state;
     hfcfg c;
@@ -471,6 +490,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_smollm2_config),
         cmocka_unit_test(test_llama31_config_with_llama3_rope_scaling),
+        cmocka_unit_test(test_transformers5_rope_parameters),
         cmocka_unit_test(test_qwen2_config_implies_attention_bias),
         cmocka_unit_test(test_eagle3_head_config),
         cmocka_unit_test(test_defaults_for_optional_keys),

@@ -1,0 +1,273 @@
+/* Tiny Hugging Face checkpoints written by transformers itself, against
+ * transformers' own greedy tokens and logits (tests/golden/tiny/, made by
+ * tools/gen_tiny_golden.py).
+ *
+ * They cover what the default model cannot: Qwen2's q/k/v biases (qwen2),
+ * Llama-3 rope scaling with frequencies in all three bands, an explicit
+ * head_dim that differs from hidden / heads, and GQA 4:1 (llama3), an untied
+ * lm_head and random RMSNorm weights (both). Each prompt is prefilled in
+ * chunks of at most 32 tokens (the longest is 80, beyond the llama3 model's
+ * original_max_position_embeddings of 64), then decoded greedily one token
+ * at a time: the 16 tokens must equal the reference and the last prompt
+ * logits must be within 1e-4 relative L2 of it. Run from the repo root. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "../../target/engine.h"
+
+#define GOLDEN "tests/golden/tiny"
+#define N_GEN 16
+#define MAX_PROMPT 96
+#define CHUNK 32
+#define REL_TOL 1e-4
+
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) fail_msg("cannot open %s (run from the repo root)", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    assert_non_null(buf);
+    assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
+    buf[n] = '\0';
+    fclose(f);
+    if (len) *len = (size_t)n;
+    return buf;
+}
+
+static cJSON *load_expected(const char *name) {
+    char path[256];
+    snprintf(path, sizeof path, GOLDEN "/%s/expected.json", name);
+    char *text = read_file(path, NULL);
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    if (!root) fail_msg("%s: not JSON", path);
+    return root;
+}
+
+static int32_t json_ints(const cJSON *arr, int32_t *out, int32_t cap) {
+    int32_t n = 0;
+    const cJSON *v;
+    cJSON_ArrayForEach(v, arr) {
+        assert_true(n < cap && cJSON_IsNumber(v));
+        out[n++] = (int32_t)v->valueint;
+    }
+    return n;
+}
+
+static int32_t argmax(const float *x, int32_t n) {
+    int32_t b = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+typedef struct result {
+    int32_t tokens_equal;  /* leading generated tokens equal to the reference */
+    double rel_l2;         /* last prompt logits vs the reference */
+} result;
+
+/* One prompt through a fresh engine: chunked prefill, then greedy decode. */
+static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const int32_t *want,
+                         const float *ref_logits) {
+    eng_config cfg = {.max_batch_tokens = CHUNK, .max_seqs = 1, .max_seq_len = 128, .kv_tokens = 128,
+                      .block_size = 16, .threads = 2};
+    int32_t V = m->cfg.vocab;
+    eng *e;
+    ae_error err = {0};
+    if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    int32_t s;
+    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    assert_non_null(lg);
+    for (int32_t at = 0; at < n; at += CHUNK) {
+        int32_t k = n - at < CHUNK ? n - at : CHUNK;
+        eng_item it = {s, ENG_APPEND, k, prompt + at, NULL, false};
+        if (eng_step(e, &it, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    }
+    assert_int_equal(eng_seq_len(e, s), n);
+    result r = {0, 0.0};
+    double num = 0, den = 0;
+    for (int32_t v = 0; v < V; v++) {
+        double d = (double)lg[v] - ref_logits[v];
+        num += d * d;
+        den += (double)ref_logits[v] * ref_logits[v];
+    }
+    r.rel_l2 = sqrt(num / den);
+    int32_t got[N_GEN];
+    bool diverged = false;
+    for (int32_t g = 0; g < N_GEN; g++) {
+        got[g] = argmax(lg, V);
+        if (!diverged && got[g] == want[g]) r.tokens_equal++;
+        else diverged = true;
+        /* Feed the reference token so one near tie does not derail the
+         * rest; tokens_equal counts only up to the first miss. */
+        eng_item d = {s, ENG_APPEND, 1, &want[g], NULL, false};
+        if (eng_step(e, &d, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    }
+    if (diverged) {
+        fprintf(stderr, "  got     ");
+        for (int32_t g = 0; g < N_GEN; g++) fprintf(stderr, " %d", got[g]);
+        fprintf(stderr, "\n  expected");
+        for (int32_t g = 0; g < N_GEN; g++) fprintf(stderr, " %d", want[g]);
+        fprintf(stderr, "\n");
+    }
+    free(lg);
+    eng_free(e);
+    return r;
+}
+
+/* Runs every prompt of one model; fails if any disagreed, after printing all. */
+static void check_model(const char *name, const model *m) {
+    cJSON *root = load_expected(name);
+    const cJSON *prompts = cJSON_GetObjectItemCaseSensitive(root, "prompts");
+    assert_true(cJSON_IsArray(prompts));
+    int32_t V = m->cfg.vocab, n_prompts = 0, tokens = 0, total = 0;
+    double worst = 0;
+    bool ok = true;
+    float *ref = malloc(sizeof(float) * (size_t)V);
+    assert_non_null(ref);
+    const cJSON *p;
+    cJSON_ArrayForEach(p, prompts) {
+        int32_t ids[MAX_PROMPT], want[N_GEN];
+        int32_t n = json_ints(cJSON_GetObjectItemCaseSensitive(p, "ids"), ids, MAX_PROMPT);
+        assert_int_equal(json_ints(cJSON_GetObjectItemCaseSensitive(p, "generated"), want, N_GEN), N_GEN);
+        const cJSON *ll = cJSON_GetObjectItemCaseSensitive(p, "last_logits"), *v;
+        assert_int_equal(cJSON_GetArraySize(ll), V);
+        int32_t i = 0;
+        cJSON_ArrayForEach(v, ll) ref[i++] = (float)v->valuedouble;
+        result r = run_prompt(m, ids, n, want, ref);
+        if (r.tokens_equal != N_GEN || !(r.rel_l2 < REL_TOL)) {
+            ok = false;
+            fprintf(stderr, "%s prompt %d (%d tokens): %d/%d greedy tokens equal, last logits rel L2 %.3g\n",
+                    name, n_prompts, n, r.tokens_equal, N_GEN, r.rel_l2);
+        }
+        if (r.rel_l2 > worst || isnan(r.rel_l2)) worst = r.rel_l2;
+        tokens += r.tokens_equal;
+        total += N_GEN;
+        n_prompts++;
+    }
+    assert_int_equal(n_prompts, 3);
+    printf("%s: %d prompts, %d/%d greedy tokens equal, worst last-logits rel L2 %.3g\n", name, n_prompts,
+           tokens, total, worst);
+    free(ref);
+    cJSON_Delete(root);
+    assert_true(ok);
+}
+
+static model *load(const char *name) {
+    char dir[256];
+    snprintf(dir, sizeof dir, GOLDEN "/%s", name);
+    model *m;
+    ae_error err = {0};
+    if (model_load(&m, dir, &err) != AE_OK) fail_msg("%s", err.msg);
+    return m;
+}
+
+static void test_qwen2(void **state) {
+    (void)state;
+    model *m = load("qwen2");
+    const model_config *c = &m->cfg;
+    assert_string_equal(c->arch, "qwen2");
+    assert_true(c->qkv_bias);
+    assert_false(c->tied_embeddings);
+    assert_true(m->output.data != m->tok_embd.data);
+    assert_int_equal(c->n_layers, 2);
+    assert_int_equal(c->hidden, 32);
+    assert_int_equal(c->n_heads, 4);
+    assert_int_equal(c->n_kv_heads, 2);
+    assert_int_equal(c->head_dim, 8);
+    assert_int_equal(c->vocab, 256);
+    assert_int_equal(c->rope.layout, KN_ROPE_NEOX);
+    assert_true(c->rope.theta == 10000.0);
+    assert_true(c->rope.factor == 0.0 || c->rope.factor == 1.0);
+    for (int i = 0; i < c->n_layers; i++)
+        assert_true(m->layers[i].bq && m->layers[i].bk && m->layers[i].bv);
+    check_model("qwen2", m);
+    model_free(m);
+}
+
+static void test_llama3(void **state) {
+    (void)state;
+    model *m = load("llama3");
+    const model_config *c = &m->cfg;
+    assert_string_equal(c->arch, "llama");
+    assert_false(c->qkv_bias);
+    assert_false(c->tied_embeddings);
+    assert_true(m->output.data != m->tok_embd.data);
+    assert_int_equal(c->hidden, 32);
+    assert_int_equal(c->n_heads, 4);
+    assert_int_equal(c->n_kv_heads, 1);
+    assert_int_equal(c->head_dim, 16); /* explicit: hidden / heads would be 8 */
+    assert_int_equal(c->rope.layout, KN_ROPE_NEOX);
+    assert_true(c->rope.theta == 500000.0);
+    assert_true(c->rope.factor == 8.0);
+    assert_true(c->rope.low_freq_factor == 1.0);
+    assert_true(c->rope.high_freq_factor == 4.0);
+    assert_true(c->rope.original_max_pos == 64.0);
+    assert_null(m->layers[0].bq);
+    check_model("llama3", m);
+    model_free(m);
+}
+
+/* Qwen2 always has q/k/v biases: a config that says otherwise is refused
+ * by the config parser before any tensor is read. */
+static void test_qwen2_without_bias_is_refused(void **state) {
+    (void)state;
+    char dir[] = "/tmp/aerie-tiny-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char *text = read_file(GOLDEN "/qwen2/config.json", NULL);
+    cJSON *cfg = cJSON_Parse(text);
+    free(text);
+    assert_non_null(cfg);
+    cJSON_AddBoolToObject(cfg, "attention_bias", false);
+    char *out = cJSON_Print(cfg);
+    char cfg_path[128], st_path[128], cwd[512], target[700];
+    snprintf(cfg_path, sizeof cfg_path, "%s/config.json", dir);
+    snprintf(st_path, sizeof st_path, "%s/model.safetensors", dir);
+    FILE *f = fopen(cfg_path, "w");
+    assert_non_null(f);
+    fputs(out, f);
+    fclose(f);
+    assert_non_null(getcwd(cwd, sizeof cwd));
+    snprintf(target, sizeof target, "%s/" GOLDEN "/qwen2/model.safetensors", cwd);
+    assert_int_equal(symlink(target, st_path), 0);
+    free(out);
+    cJSON_Delete(cfg);
+
+    model *m = (model *)1;
+    ae_error err = {0};
+    int rc = model_load(&m, dir, &err);
+    unlink(st_path);
+    unlink(cfg_path);
+    rmdir(dir);
+    assert_int_equal(rc, AE_ERR);
+    assert_null(m);
+    char want[300];
+    snprintf(want, sizeof want, "%s: attention_bias: false contradicts model_type qwen2 (always biased)", cfg_path);
+    assert_string_equal(err.msg, want);
+}
+
+int main(void) {
+    if (access(GOLDEN "/qwen2/expected.json", R_OK) != 0) {
+        fprintf(stderr, GOLDEN " is missing: run from the repo root\n");
+        return 1;
+    }
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_qwen2),
+        cmocka_unit_test(test_llama3),
+        cmocka_unit_test(test_qwen2_without_bias_is_refused),
+    };
+    return cmocka_run_group_tests_name("tiny_models", tests, NULL, NULL);
+}
