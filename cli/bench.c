@@ -17,7 +17,7 @@
  *     decode tok/s against the most batch-1 decoding can reach).
  *   - the verify cost curve: one pass of a chain of n tokens (an ENG_TREE
  *     whose node i is the parent of node i+1) after a fixed prefix of
- *     prompt-tokens tokens, for n = 1..32, median of `repeat` passes each,
+ *     prompt-tokens tokens, for n = 1, 2, 4, 8, 16, 32, median of `repeat` passes each,
  *     relative to n = 1. Nothing is committed, so every pass sees the same
  *     context. */
 #include <math.h>

@@ -125,6 +125,11 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 plan.max_seq_len);
         goto out;
     }
+    if (plan.kv_tokens > INT32_MAX) {
+        err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
+                (long long)plan.kv_tokens, INT32_MAX);
+        goto out;
+    }
     int32_t chunk_tokens = PREFILL_CHUNK;
     eng_config ec = {chunk_tokens, plan.max_batch, plan.max_seq_len, (int32_t)plan.kv_tokens, plan.block_size,
                      (int32_t)cfg_int(c, "threads")};

@@ -15,8 +15,13 @@ struct eng {
     kn_kv_pool *layers; /* [n_layers] */
     /* per-step maps, [max_batch_tokens] unless noted */
     int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows;
+    int32_t *old_cap; /* per item: KV capacity before this step reserved */
     int32_t *extra; /* [max_batch_tokens * ENG_MAX_TREE] */
     int32_t *depth; /* [ENG_MAX_TREE] */
+    /* The last tree of each sequence, to check a committed path against:
+     * parents [max_seqs][ENG_MAX_TREE], node count [max_seqs] (0: none). */
+    int32_t *tree_parents;
+    int32_t *tree_n;
 };
 
 const model *eng_model(const eng *e) { return e->m; }
@@ -36,8 +41,11 @@ void eng_free(eng *e) {
     free(e->n_extra);
     free(e->tokens);
     free(e->logit_rows);
+    free(e->old_cap);
     free(e->extra);
     free(e->depth);
+    free(e->tree_parents);
+    free(e->tree_n);
     free(e);
 }
 
@@ -63,12 +71,14 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
         goto fail;
     e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
     int32_t **arrays[] = {&e->pos, &e->seq, &e->slot, &e->n_prefix, &e->extra_start, &e->n_extra,
-                          &e->tokens, &e->logit_rows};
+                          &e->tokens, &e->logit_rows, &e->old_cap};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
         if (!(*arrays[i] = calloc(T, sizeof(int32_t)))) goto oom;
     e->extra = calloc(T * ENG_MAX_TREE, sizeof(int32_t));
     e->depth = calloc(ENG_MAX_TREE, sizeof(int32_t));
-    if (!e->layers || !e->extra || !e->depth) goto oom;
+    e->tree_parents = calloc((size_t)cfg->max_seqs * ENG_MAX_TREE, sizeof(int32_t));
+    e->tree_n = calloc((size_t)cfg->max_seqs, sizeof(int32_t));
+    if (!e->layers || !e->extra || !e->depth || !e->tree_parents || !e->tree_n) goto oom;
     for (int32_t l = 0; l < c->n_layers; l++) e->layers[l] = kv_layer(e->kv, l);
     *out = e;
     return AE_OK;
@@ -79,7 +89,11 @@ fail:
     return AE_ERR;
 }
 
-int eng_seq_new(eng *e, int32_t *seq, ae_error *err) { return kv_seq_alloc(e->kv, seq, err); }
+int eng_seq_new(eng *e, int32_t *seq, ae_error *err) {
+    if (kv_seq_alloc(e->kv, seq, err) != AE_OK) return AE_ERR;
+    e->tree_n[*seq] = 0;
+    return AE_OK;
+}
 void eng_seq_free(eng *e, int32_t seq) { kv_seq_free(e->kv, seq); }
 int32_t eng_seq_len(const eng *e, int32_t seq) { return kv_seq_len(e->kv, seq); }
 
@@ -96,16 +110,17 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, ae_error *er
     int32_t total = 0;
     for (int32_t i = 0; i < n_items; i++) {
         const eng_item *it = &items[i];
+        if (!kv_seq_is_live(e->kv, it->seq)) return err_set(err, "item %d: sequence %d is not live", i, it->seq);
         if (it->n_tokens < 1) return err_set(err, "item %d: no tokens", i);
-        total += it->n_tokens;
-        if (total > e->cfg.max_batch_tokens)
+        if (it->n_tokens > e->cfg.max_batch_tokens - total)
             return err_set(err, "step has more than %d tokens", e->cfg.max_batch_tokens);
+        total += it->n_tokens;
         for (int32_t j = 0; j < i; j++)
             if (items[j].seq == it->seq) return err_set(err, "item %d: sequence %d appears twice", i, it->seq);
         int32_t len = kv_seq_len(e->kv, it->seq);
-        if (len + it->n_tokens > e->cfg.max_seq_len)
-            return err_set(err, "item %d: sequence %d would reach %d tokens, max-seq-len is %d", i, it->seq,
-                           len + it->n_tokens, e->cfg.max_seq_len);
+        if (it->n_tokens > e->cfg.max_seq_len - len)
+            return err_set(err, "item %d: sequence %d would reach %lld tokens, max-seq-len is %d", i, it->seq,
+                           (long long)len + it->n_tokens, e->cfg.max_seq_len);
         for (int32_t t = 0; t < it->n_tokens; t++)
             if (it->tokens[t] < 0 || it->tokens[t] >= e->m->cfg.vocab)
                 return err_set(err, "item %d: token %d is not in the vocabulary", i, it->tokens[t]);
@@ -116,10 +131,16 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, ae_error *er
                     return err_set(err, "item %d: node %d has parent %d (must be -1 or an earlier node)", i, t, it->parents[t]);
         }
     }
-    /* Reserve KV room for every item, all or nothing per item. */
-    for (int32_t i = 0; i < n_items; i++)
-        if (kv_seq_reserve(e->kv, items[i].seq, kv_seq_len(e->kv, items[i].seq) + items[i].n_tokens, err) != AE_OK)
+    /* Reserve KV room for every item; if one cannot have it, give back
+     * what the earlier ones took, so a refused step leaves the pool as it
+     * was (len <= capacity, so trimming to the old capacity restores it). */
+    for (int32_t i = 0; i < n_items; i++) {
+        e->old_cap[i] = kv_seq_capacity(e->kv, items[i].seq);
+        if (kv_seq_reserve(e->kv, items[i].seq, kv_seq_len(e->kv, items[i].seq) + items[i].n_tokens, err) != AE_OK) {
+            for (int32_t j = 0; j < i; j++) kv_seq_trim(e->kv, items[j].seq, e->old_cap[j]);
             return AE_ERR;
+        }
+    }
     return AE_OK;
 }
 
@@ -160,17 +181,38 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
                      e->seq, e->slot, e->n_prefix, e->extra_start, e->n_extra, e->extra, n_extra_total};
     llama_batch b = {T, e->tokens, e->pos, &map, n_logits, e->logit_rows, logits, capture};
     llama_forward(e->m, e->stream, NULL, e->layers, e->ws, &b);
-    for (int32_t i = 0; i < n_items; i++)
-        if (items[i].kind == ENG_APPEND) AE_ASSERT(kv_seq_advance(e->kv, items[i].seq, items[i].n_tokens, NULL) == AE_OK);
+    for (int32_t i = 0; i < n_items; i++) {
+        const eng_item *it = &items[i];
+        if (it->kind == ENG_APPEND) {
+            AE_ASSERT(kv_seq_advance(e->kv, it->seq, it->n_tokens, NULL) == AE_OK);
+            e->tree_n[it->seq] = 0;
+        } else {
+            memcpy(e->tree_parents + (size_t)it->seq * ENG_MAX_TREE, it->parents,
+                   (size_t)it->n_tokens * sizeof(int32_t));
+            e->tree_n[it->seq] = it->n_tokens;
+        }
+    }
     return AE_OK;
 }
 
 int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err) {
-    if (n < 0 || n > ENG_MAX_TREE) return err_set(err, "path of %d nodes", n);
+    if (!kv_seq_is_live(e->kv, seq)) return err_set(err, "sequence %d is not live", seq);
+    int32_t tn = e->tree_n[seq];
+    if (tn == 0) return err_set(err, "sequence %d has no tree to commit from", seq);
+    if (n < 0 || n > tn) return err_set(err, "path of %d nodes, the tree has %d", n, tn);
+    /* A root-to-node chain of the last tree, nothing else: a skipped level
+     * would put K rotated for one position into another's slot. */
+    const int32_t *parents = e->tree_parents + (size_t)seq * ENG_MAX_TREE;
+    for (int32_t i = 0; i < n; i++) {
+        if (path[i] < 0 || path[i] >= tn) return err_set(err, "path[%d] = %d is not a node of the tree", i, path[i]);
+        if (parents[path[i]] != (i ? path[i - 1] : -1))
+            return err_set(err, "path[%d] = %d is not a child of %s", i, path[i], i ? "the previous node" : "the root");
+    }
     int32_t len = kv_seq_len(e->kv, seq);
     int32_t slots[ENG_MAX_TREE];
     for (int32_t i = 0; i < n; i++) slots[i] = len + path[i];
     if (kv_commit_path(e->kv, seq, slots, n, err) != AE_OK) return AE_ERR;
     kv_seq_trim(e->kv, seq, kv_seq_len(e->kv, seq));
+    e->tree_n[seq] = 0;
     return AE_OK;
 }

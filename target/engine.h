@@ -68,7 +68,10 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
              const llama_capture *capture, ae_error *err);
 
 /* After a tree step: keeps nodes path[0..n) (node indices of that tree,
- * root-level first, each the parent of the next) as committed tokens. */
+ * root-level first, each the parent of the next) as committed tokens. The
+ * path is checked against the sequence's last tree; anything else (no
+ * tree since the last APPEND, a skipped level, an unknown node) fails with
+ * err and changes nothing. */
 int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err);
 
 const model *eng_model(const eng *e);

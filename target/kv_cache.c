@@ -205,6 +205,10 @@ void kv_seq_trim(kv_cache *kv, int32_t seq, int32_t n_slots) {
     release_blocks(kv, seq, keep);
 }
 
+bool kv_seq_is_live(const kv_cache *kv, int32_t seq) {
+    return seq >= 0 && seq < kv->p.max_seqs && kv->seqs[seq].live;
+}
+
 int32_t kv_seq_len(const kv_cache *kv, int32_t seq) { return live_seq(kv, seq)->len; }
 
 int32_t kv_seq_capacity(const kv_cache *kv, int32_t seq) {

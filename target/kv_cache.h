@@ -22,6 +22,7 @@
 #ifndef AERIE_TARGET_KV_CACHE_H
 #define AERIE_TARGET_KV_CACHE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -77,6 +78,10 @@ int kv_seq_reserve(kv_cache *kv, int32_t seq, int32_t n_slots, ae_error *err);
 /* Returns blocks beyond those needed for max(n_slots, committed length)
  * to the pool, e.g. the scratch of a tree after its path is committed. */
 void kv_seq_trim(kv_cache *kv, int32_t seq, int32_t n_slots);
+
+/* True when seq is a live sequence id (for callers that take ids from
+ * outside and must answer with an error, not an assert). */
+bool kv_seq_is_live(const kv_cache *kv, int32_t seq);
 
 /* Committed length, and slots held (blocks x block_size). */
 int32_t kv_seq_len(const kv_cache *kv, int32_t seq);

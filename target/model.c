@@ -150,11 +150,15 @@ static int load_gguf(model *m, ae_error *err) {
         return AE_ERR;
     c->n_kv_heads = (int32_t)gguf_int_or(m->gguf, a, "attention.head_count_kv", c->n_heads);
     c->head_dim = (int32_t)gguf_int_or(m->gguf, a, "attention.key_length", c->n_heads ? c->hidden / c->n_heads : 0);
-    c->context_length = (int32_t)gguf_int_or(m->gguf, a, "context_length", 2048);
+    int64_t ctx = gguf_int_or(m->gguf, a, "context_length", 2048);
+    if (ctx < 1 || ctx > INT32_MAX) return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
+    c->context_length = (int32_t)ctx;
     char key[160];
     float f;
     snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", a);
     c->rms_eps = gguf_get_f32(m->gguf, key, &f, NULL) == AE_OK ? f : 1e-5f;
+    if (!(c->rms_eps >= 0.0f && c->rms_eps <= 1.0f)) /* also NaN */
+        return err_set(err, "key %s: %g is outside 0..1", key, (double)c->rms_eps);
     snprintf(key, sizeof key, "%s.rope.freq_base", a);
     c->rope = (kn_rope_config){llama ? KN_ROPE_ADJACENT : KN_ROPE_NEOX, c->head_dim,
                                gguf_get_f32(m->gguf, key, &f, NULL) == AE_OK ? f : 10000.0, 0, 0, 0, 0};

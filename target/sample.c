@@ -209,14 +209,22 @@ int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
     const float t = p->temperature;
     if (sample_is_greedy(p)) goto one_hot;
 
-    /* 1. temperature; non-finite scores (masked tokens) have probability 0 */
+    /* 1. temperature; non-finite logits (masked tokens) have probability 0.
+     * Scores are (logit - max) / t, never logit / t: with a tiny t the
+     * latter overflows to +inf for the best tokens, which would then look
+     * masked. The softmax is the same. */
+    float lmax = -INFINITY;
+    for (int32_t i = 0; i < s->vocab; i++)
+        if (isfinite(logits[i]) && logits[i] > lmax) lmax = logits[i];
+    if (lmax == -INFINITY) goto one_hot;
     cand *c = s->c;
     const bool use_p = p->top_p < 1.0f, keep_c = use_p || p->top_k > 0;
     int32_t n = 0;
     float smax = -INFINITY;
     for (int32_t i = 0; i < s->vocab; i++) {
-        float x = logits[i] / t;
-        if (!isfinite(x)) continue;
+        if (!isfinite(logits[i])) continue;
+        float x = (logits[i] - lmax) / t;
+        if (!isfinite(x)) continue; /* underflowed to -inf: probability 0 */
         if (keep_c) c[n] = (cand){.s = x, .id = i};
         n++;
         if (x > smax) smax = x;
@@ -247,11 +255,13 @@ int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
 
     /* 4. min-p, and the kept set written out in id order: the same tokens
      * and weights whatever order the selection above left c[] in. */
-    const float min_p = p->min_p > 0.0f ? p->min_p : 0.0f;
+    /* min_p above 1 would drop even the top token (w = 1). */
+    const float min_p = p->min_p > 1.0f ? 1.0f : p->min_p > 0.0f ? p->min_p : 0.0f;
     double total = 0;
     int32_t k = 0;
     for (int32_t i = 0; i < s->vocab; i++) {
-        float x = logits[i] / t;
+        if (!isfinite(logits[i])) continue;
+        float x = (logits[i] - lmax) / t;
         if (!isfinite(x) || x < kth) continue;
         if (use_p && !(x > cut.s || (x == cut.s && i <= cut.id))) continue;
         float w = expf(x - smax);

@@ -46,9 +46,10 @@ _Static_assert(sizeof(kn_blk_q4_1) == 20, "Q4_1 block layout");
  * fixed in kernels.h, so any tiling gives the same bits. */
 #define KN_TILE_M 8
 
-/* Rows of W per pool task (a tile's j1 - j0 is at most this): small
- * enough to stay in L1 (16 rows of a 1536-wide Q4_1 matrix are 15 KiB)
- * while m-tiles revisit them, large enough that task hand-out is cheap. */
+/* Rows of W per chunk (a tile's j1 - j0 is at most this). Each thread
+ * takes a contiguous run of chunks (kn_matmul.c); 64 rows of a 1536-wide
+ * Q4_1 matrix are 60 KiB, which the m-tiles revisit from L2. Measured: 16
+ * and 32 were slower at decode, 64 and up about the same. */
 #define KN_CHUNK_N 64
 typedef struct kn_tile {
     const kn_weight *w;

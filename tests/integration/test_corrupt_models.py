@@ -129,3 +129,22 @@ def test_unsupported_tokenizer_named_once_and_info_still_reports(aerie, model, t
     assert tk["model"] == "gpt2"
     assert "smollx" in tk["error"] and "pre" not in tk
     assert info.json()["layers"] == 30
+
+
+def _patched_u32(data: bytes, key: bytes, value: int) -> bytes:
+    at = data.index(key) + len(key)
+    assert struct.unpack("<I", data[at:at + 4])[0] in (4, 6)  # u32 or f32
+    return data[:at + 4] + struct.pack("<I", value) + data[at + 8:]
+
+
+@pytest.mark.parametrize("key,value,message", [
+    (b"llama.context_length", 0, "key llama.context_length: 0 is outside 1..2147483647"),
+    (b"llama.attention.layer_norm_rms_epsilon", 0xBF800000,  # -1.0f
+     "key llama.attention.layer_norm_rms_epsilon: -1 is outside 0..1"),
+])
+def test_generate_refuses_impossible_model_values(aerie, model, tmp_path, key, value, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(_patched_u32(model.read_bytes(), key, value))
+    r = aerie("generate", "--model", path, "--prompt", "hi", "--max-tokens", "2")
+    assert r.rc == 2, r.err
+    assert r.err == f"aerie generate: {path}: {message}\n"

@@ -218,6 +218,67 @@ static void test_capture_is_three_layer_inputs_and_batch_invariant(void **state)
     eng_free(e);
 }
 
+static void test_refused_step_gives_back_the_blocks_it_reserved(void **state) {
+    (void)state;
+    /* 4 blocks of 16: A wants 3, B wants 2. The step fails on B, and A's
+     * 3 blocks must go back, so B alone then fits. */
+    eng_config cfg = {.max_batch_tokens = 96, .max_seqs = 2, .max_seq_len = 64, .kv_tokens = 64,
+                      .block_size = 16, .threads = 1};
+    eng *e;
+    ae_error err = {0};
+    if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    int32_t a = new_seq(e), b = new_seq(e);
+    int32_t toks[48];
+    for (int i = 0; i < 48; i++) toks[i] = PROMPT[i % N_PROMPT];
+    float *logits = malloc(sizeof(float) * (size_t)V * 2);
+    eng_item both[2] = {{a, ENG_APPEND, 48, toks, NULL, false}, {b, ENG_APPEND, 32, toks, NULL, false}};
+    assert_int_equal(eng_step(e, both, 2, logits, NULL, &err), AE_ERR);
+    assert_non_null(strstr(err.msg, "kv cache exhausted"));
+    err_clear(&err);
+    eng_item only_b = {b, ENG_APPEND, 32, toks, NULL, false};
+    if (eng_step(e, &only_b, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(eng_seq_len(e, a), 0);
+    assert_int_equal(eng_seq_len(e, b), 32);
+    /* An id that is not a live sequence is an error, not an abort. */
+    eng_item ghost = {7, ENG_APPEND, 1, toks, NULL, false};
+    assert_int_equal(eng_step(e, &ghost, 1, logits, NULL, &err), AE_ERR);
+    assert_string_equal(err.msg, "item 0: sequence 7 is not live");
+    free(logits);
+    eng_free(e);
+}
+
+static void test_commit_path_must_be_a_chain_of_the_last_tree(void **state) {
+    (void)state;
+    eng *e = new_engine(1);
+    float *logits = malloc(sizeof(float) * (size_t)V * 4);
+    int32_t s = new_seq(e);
+    ae_error err = {0};
+    const int32_t one[1] = {PROMPT[0]};
+    eng_item pre = {s, ENG_APPEND, 1, one, NULL, false};
+    step(e, &pre, 1, logits);
+    const int32_t path0[1] = {0};
+    assert_int_equal(eng_commit_path(e, s, path0, 1, &err), AE_ERR);
+    assert_string_equal(err.msg, "sequence 0 has no tree to commit from");
+    err_clear(&err);
+    /* nodes: 0 and 1 at depth 0, 2 child of 1, 3 child of 2 */
+    const int32_t toks[4] = {PROMPT[1], PROMPT[2], PROMPT[3], PROMPT[4]}, parents[4] = {-1, -1, 1, 2};
+    eng_item tr = {s, ENG_TREE, 4, toks, parents, false};
+    step(e, &tr, 1, logits);
+    const int32_t skip[2] = {1, 3}; /* 3's parent is 2, not 1 */
+    assert_int_equal(eng_commit_path(e, s, skip, 2, &err), AE_ERR);
+    assert_string_equal(err.msg, "path[1] = 3 is not a child of the previous node");
+    err_clear(&err);
+    const int32_t not_root[1] = {2};
+    assert_int_equal(eng_commit_path(e, s, not_root, 1, &err), AE_ERR);
+    assert_string_equal(err.msg, "path[0] = 2 is not a child of the root");
+    assert_int_equal(eng_seq_len(e, s), 1);
+    const int32_t good[3] = {1, 2, 3};
+    if (eng_commit_path(e, s, good, 3, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(eng_seq_len(e, s), 4);
+    free(logits);
+    eng_free(e);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_equals_token_by_token_decode),
@@ -225,6 +286,8 @@ int main(void) {
         cmocka_unit_test(test_tree_node_equals_decoding_its_path),
         cmocka_unit_test(test_bad_items_fail_and_change_nothing),
         cmocka_unit_test(test_capture_is_three_layer_inputs_and_batch_invariant),
+        cmocka_unit_test(test_refused_step_gives_back_the_blocks_it_reserved),
+        cmocka_unit_test(test_commit_path_must_be_a_chain_of_the_last_tree),
     };
     return cmocka_run_group_tests_name("engine", tests, setup, teardown);
 }

@@ -294,6 +294,27 @@ static void test_init_rejects_empty_vocab(void **state) {
     sample_free(NULL);
 }
 
+static void test_tiny_temperature_is_near_greedy_not_overflow(void **state) {
+    (void)state;
+    /* logit / 1e-38 overflows to +inf for the best token; the scores are
+     * taken relative to the maximum so it stays the most likely. */
+    sampler *sm;
+    ae_error err = {0};
+    assert_int_equal(sample_init(&sm, 3, &err), AE_OK);
+    const float logits[3] = {10.0f, 0.5f, -3.0f};
+    sample_params p = {.temperature = 1e-38f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
+    const int32_t *ids;
+    const float *probs;
+    assert_int_equal(sample_dist(sm, logits, &p, &ids, &probs), 1);
+    assert_int_equal(ids[0], 0);
+    assert_true(probs[0] == 1.0f);
+    /* min_p above 1 still keeps the top token. */
+    sample_params q = {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .min_p = 2.0f};
+    assert_int_equal(sample_dist(sm, logits, &q, &ids, &probs), 1);
+    assert_int_equal(ids[0], 0);
+    sample_free(sm);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_takes_argmax_lowest_id_on_ties),
@@ -310,6 +331,7 @@ int main(void) {
         cmocka_unit_test(test_from_weights_skips_zero_weights),
         cmocka_unit_test(test_masked_logits_are_never_drawn),
         cmocka_unit_test(test_init_rejects_empty_vocab),
+        cmocka_unit_test(test_tiny_temperature_is_near_greedy_not_overflow),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
