@@ -58,6 +58,25 @@ static void add_int(cJSON *o, const char *k, int64_t v) {
         cJSON_AddNullToObject(o, k);
 }
 
+/* Tensor totals and per-type {count, bytes}, shared by GGUF and Hugging
+ * Face models; type t's name is name(t). */
+static void add_tensor_stats(cJSON *o, uint64_t n_tensors, uint64_t params, uint64_t total,
+                             const uint64_t *count, const uint64_t *bytes, uint32_t n_types,
+                             const char *(*name)(uint32_t)) {
+    cJSON_AddNumberToObject(o, "tensors", (double)n_tensors);
+    cJSON_AddNumberToObject(o, "parameters", (double)params);
+    cJSON_AddNumberToObject(o, "tensor_bytes", (double)total);
+    cJSON *types = cJSON_AddObjectToObject(o, "tensor_types");
+    for (uint32_t t = 0; t < n_types; t++) {
+        if (!count[t]) continue;
+        cJSON *e = cJSON_AddObjectToObject(types, name(t));
+        cJSON_AddNumberToObject(e, "count", (double)count[t]);
+        cJSON_AddNumberToObject(e, "bytes", (double)bytes[t]);
+    }
+}
+
+static const char *st_name(uint32_t d) { return st_dtype_name((st_dtype)d); }
+
 /* The tokenizer's fields, shared by GGUF and Hugging Face models. */
 static void add_tokenizer(cJSON *tk, const tok *t) {
     if (!t) return;
@@ -139,16 +158,7 @@ static cJSON *describe(const gguf_file *f, const tok *t, const char *tok_err, ae
         params += tt->n_elements;
         total += tt->n_bytes;
     }
-    cJSON_AddNumberToObject(o, "tensors", (double)gguf_n_tensors(f));
-    cJSON_AddNumberToObject(o, "parameters", (double)params);
-    cJSON_AddNumberToObject(o, "tensor_bytes", (double)total);
-    cJSON *types = cJSON_AddObjectToObject(o, "tensor_types");
-    for (uint32_t ty = 0; ty < GGML_TYPE_COUNT_MAX; ty++) {
-        if (!count[ty]) continue;
-        cJSON *e = cJSON_AddObjectToObject(types, quant_type_name(ty));
-        cJSON_AddNumberToObject(e, "count", (double)count[ty]);
-        cJSON_AddNumberToObject(e, "bytes", (double)bytes[ty]);
-    }
+    add_tensor_stats(o, gguf_n_tensors(f), params, total, count, bytes, GGML_TYPE_COUNT_MAX, quant_type_name);
 
     cJSON *tk = cJSON_AddObjectToObject(o, "tokenizer");
     if (gguf_get_str(f, "tokenizer.ggml.model", &s, NULL) == AE_OK) {
@@ -206,16 +216,7 @@ static cJSON *describe_hf(const char *dir, ae_error *err) {
         params += tt->n_elements;
         total += tt->n_bytes;
     }
-    cJSON_AddNumberToObject(o, "tensors", (double)st_model_count(sm));
-    cJSON_AddNumberToObject(o, "parameters", (double)params);
-    cJSON_AddNumberToObject(o, "tensor_bytes", (double)total);
-    cJSON *types = cJSON_AddObjectToObject(o, "tensor_types");
-    for (int d = 0; d < ST_DTYPE_COUNT; d++) {
-        if (!count[d]) continue;
-        cJSON *e = cJSON_AddObjectToObject(types, st_dtype_name((st_dtype)d));
-        cJSON_AddNumberToObject(e, "count", (double)count[d]);
-        cJSON_AddNumberToObject(e, "bytes", (double)bytes[d]);
-    }
+    add_tensor_stats(o, st_model_count(sm), params, total, count, bytes, ST_DTYPE_COUNT, st_name);
     add_tokenizer(cJSON_AddObjectToObject(o, "tokenizer"), t);
     tok_free(t);
     st_model_close(sm);
