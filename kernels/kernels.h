@@ -24,16 +24,24 @@
  *   by the CPU's SIMD level. So a token's results are bit-identical whether
  *   it runs alone, in a prefill chunk, in a batch with other sequences, or
  *   as a node of a verification tree. The orders:
- *   - kn_matmul, every W type: y = x . dequant(W)^T in f32. Each weight
- *     is first the exact float quant_dequantize gives (F32 as stored; F16,
- *     BF16 widened; Q8_0 q * d; Q4_0 (q - 8) * d; Q4_1 (q * d) + m, each
- *     step rounded to f32; d and m widened from f16). Then 8 lanes: lane
- *     l takes elements i = 8j + l in increasing j, acc = fma(x, w, acc);
- *     the lane tree tree(acc) =
+ *   - kn_matmul, float W (F32, F16, BF16): y = x . W^T in f32, each
+ *     weight widened exactly. 8 lanes: lane l takes elements i = 8j + l
+ *     in increasing j, acc = fma(x, w, acc); the lane tree tree(acc) =
  *     ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)); then the k % 8 tail
- *     elements (float types only), s = fma(x, w, s) one by one. So a
- *     quantized W and the F32 matrix of its dequantized values give the
- *     same bits.
+ *     elements, s = fma(x, w, s) one by one.
+ *   - kn_matmul, quantized W (Q8_0, Q4_0, Q4_1) in integers: each block
+ *     of 32 elements of a row of x is rounded to integers
+ *     xi = round_even(x * (16256 / amax)) with amax its largest |x|
+ *     (|xi| <= 16256 = 127 * 128; all xi = 0 when amax = 0; a block with
+ *     an inf or NaN gets scale NaN), scale sx = amax / 16256. Per block b
+ *     of a weight row, isum = sum q * xi exactly in int32 (q: Q8_0's
+ *     int8, Q4_0's nibble - 8, Q4_1's nibble), then in block order
+ *     acc = fma((float)isum, d * sx, acc) and, for Q4_1,
+ *     acc = fma(m, sx * (float)sum xi, acc) (d, m widened from f16).
+ *     Integer sums have no order, so the packed AVX-512 VNNI kernel and
+ *     the portable one give the same bits. xi keeps about 15 bits of x:
+ *     the logits stay within 5e-4 of an f32 product on the dequantized
+ *     weights (the golden test); 8-bit xi gave 5%.
  *   - kn_attention: for each (token, head) the visible keys are visited in
  *     position order (prefix slots 0..n_prefix-1, then the extra slots) and
  *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list;
@@ -41,8 +49,8 @@
  *     slots and the same token decoded after the ancestors were committed
  *     see the same keys in the same order and get identical bits.
  *   - kn_rmsnorm, kn_softmax: sums in double, in element order.
- *   The SIMD path (AVX2) and the portable path give the same bits; the test
- *   suite pins it (kn_cpu_force_scalar).
+ *   The SIMD paths (AVX2, AVX-512 VNNI) and the portable path give the
+ *   same bits; the test suite pins it (kn_cpu_force_scalar).
  *
  * Tensor parallelism
  *   With R ranks, each rank holds a shard of each projection and runs the
@@ -95,24 +103,49 @@ typedef struct kn_weight {
     int64_t cols; /* k: input features */
     const void *data;
     size_t row_bytes;
+    /* Optional: the same quantized values repacked by kn_weight_pack for
+     * the SIMD kernels (NULL: the kernels read data). Packed group g (rows
+     * 16g..16g+15), block b sits at packed + g * pack_stride +
+     * b * kn_pack_block_bytes(type); a column shard moves packed to its
+     * first block and keeps pack_stride, like data and row_bytes. */
+    const void *packed;
+    size_t pack_stride;
 } kn_weight;
+
+/* Rows per packed group, and the bytes of one (group, block) of type t. */
+#define KN_PACK_ROWS 16
+size_t kn_pack_block_bytes(ggml_type t);
+
+/* Bytes kn_weight_pack needs for w, or 0 when w is not packed (a float
+ * type; rows not a multiple of 16 are packed up to the last whole 16 and
+ * the rest read from data). The packed copy holds exactly the bytes of
+ * the rows it covers: packing moves bytes, it adds none. */
+size_t kn_weight_packed_bytes(const kn_weight *w);
+
+/* Write w's packed copy to dst (kn_weight_packed_bytes(w) bytes, 64-byte
+ * aligned) and point w->packed at it. */
+void kn_weight_pack(kn_weight *w, void *dst);
 
 /* True when kn_matmul has a native kernel for t. */
 bool kn_matmul_supports(ggml_type t);
 
-/* Workspace bytes kn_matmul needs for m rows of k inputs. Now 0 for every
- * type (quantized blocks are dequantized in registers, x is read as f32);
- * kept so callers size streams through one place should a kernel need
- * scratch again. */
+/* Workspace bytes kn_matmul needs for m rows of k inputs: quantized W
+ * reads x rounded to integers (planes and scales, about 2.4 bytes per
+ * element); float W needs none. */
 size_t kn_matmul_workspace(int64_t m, int64_t k);
 
 /* ---- ops ---------------------------------------------------------------- */
 
 /* y[m][n] = x[m][k] . W[n][k]^T, n = w->rows, k = w->cols. x and y must not
  * overlap. Multi-threaded over n; m is processed as one matrix product
- * (each block of W is loaded and dequantized once per tile of up to 8
- * rows of x). */
+ * (each block of W is loaded and decoded once per tile of up to 8 rows
+ * of x). The stream's workspace must hold kn_matmul_workspace(m, k). */
 void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m);
+
+/* y[i] = x . W[i]^T for i < n, where every W[i] has the same cols: the
+ * same bits as n kn_matmul calls, in one pass over the thread pool (q, k
+ * and v, or gate and up, share one wake-up and one quantization of x). */
+void kn_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
 
 /* y[m][n] = x[m][n] / sqrt(mean(x^2) + eps) * g[n]. y may equal x. */
 void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
@@ -249,7 +282,8 @@ void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count);
 /* Test hook: true forces the portable kernels even where AVX2 is present.
  * Process-wide; set it while no op runs. */
 void kn_cpu_force_scalar(bool on);
-/* "avx2" or "scalar": the path ops take now (for the startup log). */
+/* "avx512vnni+avx2", "avx2" or "scalar": the paths ops take now (for the
+ * startup log). */
 const char *kn_cpu_simd(void);
 
 #endif

@@ -129,9 +129,7 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
 
         /* attention block */
         kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, H, c->rms_eps);
-        kn_matmul(s, &l->wq, ws->xn, ws->q, T);
-        kn_matmul(s, &l->wk, ws->xn, ws->k, T);
-        kn_matmul(s, &l->wv, ws->xn, ws->v, T);
+        kn_matmul_n(s, 3, (const kn_weight *[]){&l->wq, &l->wk, &l->wv}, ws->xn, (float *[]){ws->q, ws->k, ws->v}, T);
         if (l->bq) kn_bias_add(s, ws->q, l->bq, T, QD);
         if (l->bk) kn_bias_add(s, ws->k, l->bk, T, KD);
         if (l->bv) kn_bias_add(s, ws->v, l->bv, T, KD);
@@ -145,8 +143,7 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
 
         /* MLP block */
         kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, H, c->rms_eps);
-        kn_matmul(s, &l->w_gate, ws->xn, ws->gate, T);
-        kn_matmul(s, &l->w_up, ws->xn, ws->up, T);
+        kn_matmul_n(s, 2, (const kn_weight *[]){&l->w_gate, &l->w_up}, ws->xn, (float *[]){ws->gate, ws->up}, T);
         kn_swiglu(s, ws->gate, ws->up, ws->gate, (int64_t)T * F);
         kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
         kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);

@@ -5,13 +5,15 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "../services/core/mem.h"
 #include "../services/model/gguf.h"
 #include "../services/model/hfconfig.h"
 #include "../services/model/safetensors.h"
 
 /* ---- owned (converted) buffers ------------------------------------------ */
 
-static float *own_floats(model *m, uint64_t n, ae_error *err) {
+/* A 64-byte aligned buffer of `bytes` that the model owns. */
+static void *own_bytes(model *m, size_t bytes, ae_error *err) {
     if (m->n_owned == m->cap_owned) {
         size_t cap = m->cap_owned ? m->cap_owned * 2 : 64;
         void **p = realloc(m->owned, cap * sizeof *p);
@@ -19,11 +21,40 @@ static float *own_floats(model *m, uint64_t n, ae_error *err) {
         m->owned = p;
         m->cap_owned = cap;
     }
-    float *buf = aligned_alloc(64, ((n * sizeof(float)) + 63) & ~(size_t)63);
-    if (!buf) return err_set(err, "out of memory for %llu floats", (unsigned long long)n), NULL;
+    void *buf = mem_alloc_large(bytes);
+    if (!buf) return err_set(err, "out of memory for %zu bytes of weights", bytes), NULL;
     m->owned[m->n_owned++] = buf;
-    m->converted_bytes += n * sizeof(float);
     return buf;
+}
+
+static float *own_floats(model *m, uint64_t n, ae_error *err) {
+    float *buf = own_bytes(m, n * sizeof(float), err);
+    if (buf) m->converted_bytes += n * sizeof(float);
+    return buf;
+}
+
+/* Every quantized matrix the forward pass multiplies gets the SIMD
+ * layout (kn_weight_pack). The copy replaces the file's bytes as what a
+ * step reads, and it is the same size, so weight_bytes does not change. */
+static int pack_weights(model *m, ae_error *err) {
+    for (int32_t i = 0; i < m->cfg.n_layers; i++) {
+        model_layer *l = &m->layers[i];
+        kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
+        for (int j = 0; j < 7; j++) {
+            size_t bytes = kn_weight_packed_bytes(w[j]);
+            if (bytes == 0) continue;
+            void *buf = own_bytes(m, bytes, err);
+            if (!buf) return AE_ERR;
+            kn_weight_pack(w[j], buf);
+        }
+    }
+    size_t bytes = kn_weight_packed_bytes(&m->output);
+    if (bytes) {
+        void *buf = own_bytes(m, bytes, err);
+        if (!buf) return AE_ERR;
+        kn_weight_pack(&m->output, buf);
+    }
+    return AE_OK;
 }
 
 void model_free(model *m) {
@@ -97,7 +128,7 @@ static int gguf_matrix(model *m, const char *name, int64_t rows, int64_t cols, k
         return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
     float *buf = own_floats(m, t->n_elements, err);
     if (!buf || !quant_dequantize(t->type, t->data, buf, t->n_elements)) return err_set(err, "tensor %s: cannot convert", name);
-    *w = (kn_weight){GGML_TYPE_F32, rows, cols, buf, (size_t)cols * sizeof(float)};
+    *w = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = buf, .row_bytes = (size_t)cols * sizeof(float)};
     m->weight_bytes += t->n_elements * sizeof(float);
     return AE_OK;
 }
@@ -109,7 +140,8 @@ static int gguf_table(model *m, const char *name, int64_t rows, int64_t cols, kn
     if (!t) return AE_ERR;
     if (!quant_can_dequantize(t->type))
         return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
-    *w = (kn_weight){t->type, rows, cols, t->data, (size_t)quant_row_bytes(t->type, (uint64_t)cols)};
+    *w = (kn_weight){.type = t->type, .rows = rows, .cols = cols, .data = t->data,
+                      .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols)};
     return AE_OK;
 }
 
@@ -234,7 +266,7 @@ static int st_floats(model *m, const char *name, int64_t rows, int64_t cols, boo
 static int st_matrix(model *m, const char *name, int64_t rows, int64_t cols, kn_weight *w, ae_error *err) {
     const float *p;
     if (st_floats(m, name, rows, cols, false, &p, err) != AE_OK) return AE_ERR;
-    *w = (kn_weight){GGML_TYPE_F32, rows, cols, p, (size_t)cols * sizeof(float)};
+    *w = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = p, .row_bytes = (size_t)cols * sizeof(float)};
     return AE_OK;
 }
 
@@ -322,6 +354,7 @@ int model_load(model **out, const char *path, ae_error *err) {
             if (rc != AE_OK && !strstr(err ? err->msg : "", path)) err_prefix(err, "%s: ", path);
         }
     }
+    if (rc == AE_OK) rc = pack_weights(m, err);
     if (rc == AE_OK) {
         rc = kn_rope_init(&m->rope, &m->cfg.rope, err);
         if (rc != AE_OK) err_prefix(err, "%s: ", path);

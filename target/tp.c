@@ -64,6 +64,12 @@ static kn_weight rows_view(const kn_weight *w, int64_t r0, int64_t n) {
     kn_weight v = *w;
     v.data = (const uint8_t *)w->data + (size_t)r0 * w->row_bytes;
     v.rows = n;
+    /* The packed copy goes by groups of KN_PACK_ROWS rows: a view that starts
+     * mid-group reads the file's layout (same bits, slower). */
+    if (w->packed && r0 % KN_PACK_ROWS == 0)
+        v.packed = (const uint8_t *)w->packed + (size_t)(r0 / KN_PACK_ROWS) * w->pack_stride;
+    else
+        v.packed = NULL;
     return v;
 }
 
@@ -79,6 +85,7 @@ static int cols_view(kn_weight *out, const kn_weight *w, int64_t c0, int64_t n, 
                        layer, name, (long long)c0, (long long)(c0 + n), quant_type_name(w->type), (long long)be);
     *out = *w;
     out->data = (const uint8_t *)w->data + quant_row_bytes(w->type, (uint64_t)c0);
+    if (w->packed) out->packed = (const uint8_t *)w->packed + (size_t)(c0 / be) * kn_pack_block_bytes(w->type);
     out->cols = n;
     return AE_OK;
 }

@@ -74,7 +74,29 @@ bool kn_cpu_use_avx2(void) {
     return h != 0;
 }
 
-const char *kn_cpu_simd(void) { return kn_cpu_use_avx2() ? "avx2" : "scalar"; }
+static bool cpu_has_avx512vnni(void) {
+#if defined(__x86_64__)
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
+bool kn_cpu_use_avx512vnni(void) {
+    static atomic_int has = -1;
+    if (atomic_load(&g_force_scalar)) return false;
+    int h = atomic_load_explicit(&has, memory_order_relaxed);
+    if (h < 0) {
+        h = cpu_has_avx512vnni();
+        atomic_store_explicit(&has, h, memory_order_relaxed);
+    }
+    return h != 0;
+}
+
+const char *kn_cpu_simd(void) {
+    return kn_cpu_use_avx512vnni() ? "avx512vnni+avx2" : kn_cpu_use_avx2() ? "avx2" : "scalar";
+}
 
 /* ---- per-row ops -------------------------------------------------------- */
 

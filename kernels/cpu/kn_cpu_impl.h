@@ -17,6 +17,8 @@ struct kn_stream {
 
 /* true when the AVX2 kernels run (CPU support and not forced off). */
 bool kn_cpu_use_avx2(void);
+/* true when the AVX-512 VNNI kernels run (CPU support and not forced off). */
+bool kn_cpu_use_avx512vnni(void);
 
 /* Elements per block of the quantized weight formats matmul reads. */
 #define KN_QK 32
@@ -63,5 +65,32 @@ typedef struct kn_tile {
 
 void kn_tile_scalar(const kn_tile *t);
 void kn_tile_avx2(const kn_tile *t);
+
+/* ---- integer matmul of the quantized types (kn_qmatmul.c) ---------------
+ *
+ * A quantized row of x (kernels.h, "quantized W") as the kernels read it:
+ * for each block b of 32 elements, 64 bytes of planes (hi[32] then
+ * lo[32], xi = 128 * hi + lo), then after all planes the per-block arrays
+ * sx[nb] (f32 scale), xs[nb] (f32, sx * sum xi) and isx[nb] (int32,
+ * sum xi). */
+bool kn_qmatmul_type(ggml_type t);
+void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
+
+#define KN_QX_MAX 16256 /* |xi| <= 127 * 128 */
+#define KN_QX_PLANES 64 /* bytes of planes per block */
+size_t kn_qx_row_bytes(int64_t k);
+void kn_qx_quantize(const float *x, int64_t k, uint8_t *row);
+
+typedef struct kn_qx {
+    const int8_t *planes; /* [nb][64] */
+    const float *sx, *xs;
+    const int32_t *isx;
+} kn_qx;
+kn_qx kn_qx_view(const uint8_t *row, int64_t k);
+
+
+/* Tokens [0, tm) (tm <= KN_TILE_M) of quantized x, row r at qx[r], times
+ * packed group g of w (rows 16g .. 16g+15), written to y[r * ldy + 16g + i]. */
+void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy);
 
 #endif

@@ -1,17 +1,14 @@
 /* Matrix product y[m][n] = x[m][k] . W[n][k]^T on the CPU.
  *
- * Every weight type is multiplied in f32: a quantized block is first
- * dequantized to exactly the floats quant_dequantize gives, then each
- * output is the 8-lane fma reduction kernels.h fixes, the same one F32
- * weights get. So a quantized matrix and its dequantized F32 copy give
- * the same bits, and the result is as exact as the dequantized model.
- * The work is split over the pool by chunks of W's rows; inside a chunk,
- * tiles of up to KN_TILE_M rows of x share each dequantized block of W,
- * so a pass of m tokens streams and decodes W once per tile, not once
- * per token.
+ * Float W (F32, F16, BF16) is multiplied in f32: each output is the
+ * 8-lane fma reduction kernels.h fixes. Quantized W goes to the integer
+ * kernels of kn_qmatmul.c. The work is split over the pool by chunks of
+ * W's rows; inside a chunk, tiles of up to KN_TILE_M rows of x share each
+ * loaded piece of W, so a pass of m tokens streams W once per tile, not
+ * once per token.
  *
- * This file holds the driver and the portable kernel; kn_matmul_avx2.c
- * the AVX2 one, which gives the same bits. */
+ * This file holds the driver and the portable float kernel;
+ * kn_matmul_avx2.c the AVX2 one, which gives the same bits. */
 #include "kn_cpu_impl.h"
 
 #include <math.h>
@@ -34,12 +31,10 @@ bool kn_matmul_supports(ggml_type t) {
     }
 }
 
-/* The float kernels need no scratch: quantized blocks are dequantized in
- * registers (AVX2) or in a small buffer on the stack (portable). */
+/* Quantized W needs x quantized (kn_qmatmul.c): one row of planes and
+ * scales per row of x. Float W needs nothing. */
 size_t kn_matmul_workspace(int64_t m, int64_t k) {
-    (void)m;
-    (void)k;
-    return 0;
+    return (size_t)m * kn_qx_row_bytes(k);
 }
 
 /* ---- portable kernel ---------------------------------------------------- */
@@ -131,8 +126,26 @@ void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64
     AE_ASSERT(w->row_bytes >= quant_row_bytes(w->type, (uint64_t)w->cols) &&
               quant_row_bytes(w->type, (uint64_t)w->cols) > 0);
     if (m == 0) return;
+    if (kn_qmatmul_type(w->type)) {
+        kn_qmatmul_n(s, 1, &w, x, &y, m);
+        return;
+    }
     mm_job job = {.w = w, .x = x, .y = y, .m = m, .avx2 = kn_cpu_use_avx2()};
     int64_t n_chunks = (w->rows + KN_CHUNK_N - 1) / KN_CHUNK_N;
     int threads = kn_stream_threads(s);
     pool_run(s->pool, mm_task, &job, n_chunks < threads ? (int)n_chunks : threads);
+}
+
+void kn_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
+    AE_ASSERT(n >= 1);
+    bool quant = true;
+    for (int i = 0; i < n; i++) {
+        AE_ASSERT(w[i]->cols == w[0]->cols);
+        quant = quant && kn_qmatmul_type(w[i]->type);
+    }
+    if (!quant || n > 4 || m == 0) {
+        for (int i = 0; i < n; i++) kn_matmul(s, w[i], x, y[i], m);
+        return;
+    }
+    kn_qmatmul_n(s, n, w, x, y, m);
 }

@@ -73,7 +73,8 @@ static void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, sizeof v); }
 typedef struct test_weight {
     kn_weight w;
     uint8_t *bytes;
-    float *deq; /* [n][k] dequantized, the reference's view */
+    float *deq;   /* [n][k] dequantized, the reference's view */
+    void *packed; /* kn_weight_pack's copy, once pack_weight ran */
 } test_weight;
 
 static test_weight make_weight(ggml_type type, int64_t n, int64_t k) {
@@ -114,6 +115,17 @@ static test_weight make_weight(ggml_type type, int64_t n, int64_t k) {
 static void free_weight(test_weight *t) {
     free(t->bytes);
     free(t->deq);
+    free(t->packed);
+}
+
+/* Gives a quantized weight its packed copy (the layout the engine uses). */
+static void pack_weight(test_weight *t) {
+    size_t bytes = kn_weight_packed_bytes(&t->w);
+    assert_true(bytes > 0);
+    t->packed = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    assert_non_null(t->packed);
+    kn_weight_pack(&t->w, t->packed);
+    assert_ptr_equal(t->w.packed, t->packed);
 }
 
 static uint32_t fbits(float f) {
@@ -136,25 +148,32 @@ static bool is_quant(ggml_type t) {
 
 /* ---- matmul against the reference -------------------------------------- */
 
-/* y[r][j] vs sum_i x[r][i] * deq[j][i] in double, within the f32
- * accumulation bound (k * 2^-23 relative to sum |x w|): every type,
- * quantized ones included, multiplies x in f32 by the dequantized
- * weights. */
+/* y[r][j] vs sum_i x[r][i] * deq[j][i] in double. Float types: within
+ * the f32 accumulation bound (k * 2^-23 relative to sum |x w|). Quantized
+ * types multiply x rounded to 1/16256 of its block's largest magnitude
+ * (kernels.h), so the bound adds sum |w| * half a step per block. */
 static void check_matmul_reference(ggml_type type, int64_t m, int64_t n, int64_t k) {
     test_weight tw = make_weight(type, n, k);
+    if (is_quant(type) && n >= KN_PACK_ROWS) pack_weight(&tw);
     float *x = malloc(sizeof(float) * (size_t)(m * k));
     float *y = malloc(sizeof(float) * (size_t)(m * n));
     fill(x, (size_t)(m * k), 2.0f);
     kn_matmul(F.streams[2], &tw.w, x, y, m);
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < n; j++) {
-            double ref = 0, mag = 0;
-            for (int64_t i = 0; i < k; i++) {
-                double w = tw.deq[j * k + i], xv = x[r * k + i];
-                ref += w * xv;
-                mag += fabs(w * xv);
+            double ref = 0, mag = 0, qerr = 0;
+            for (int64_t b = 0; b < k; b += 32) {
+                double amax = 0, wabs = 0;
+                for (int64_t i = b; i < b + 32 && i < k; i++) {
+                    double w = tw.deq[j * k + i], xv = x[r * k + i];
+                    ref += w * xv;
+                    mag += fabs(w * xv);
+                    wabs += fabs(w);
+                    if (fabs(xv) > amax) amax = fabs(xv);
+                }
+                if (is_quant(type)) qerr += wabs * amax * (0.5 / 16256.0 + 1e-7);
             }
-            double bound = (double)k * 1.2e-7 * mag + 1e-30;
+            double bound = (double)k * 1.2e-7 * mag + qerr + 1e-30;
             double err = fabs((double)y[r * n + j] - ref);
             if (err > bound)
                 fail_msg("%s m=%lld: y[%lld][%lld] = %.9g, reference %.9g, error %.3g > bound %.3g",
@@ -186,16 +205,17 @@ static void matmul_portable_path_matches_double_reference(void **state) {
     kn_cpu_force_scalar(false);
 }
 
-static void matmul_avx2_and_portable_paths_agree_bitwise(void **state) {
+static void matmul_simd_and_portable_paths_agree_bitwise(void **state) {
     (void)state;
     kn_cpu_force_scalar(false);
-    if (strcmp(kn_cpu_simd(), "avx2") != 0) {
-        print_message("no AVX2 on this CPU: nothing to compare\n");
+    if (strcmp(kn_cpu_simd(), "scalar") == 0) {
+        print_message("no SIMD on this CPU: nothing to compare\n");
         skip();
     }
     for (size_t t = 0; t < N_TYPES; t++) {
         int64_t n = 41, k = is_quant(ALL_TYPES[t]) ? 224 : 83, m = 9;
         test_weight tw = make_weight(ALL_TYPES[t], n, k);
+        if (is_quant(ALL_TYPES[t])) pack_weight(&tw);
         float *x = malloc(sizeof(float) * (size_t)(m * k));
         float *fast = malloc(sizeof(float) * (size_t)(m * n));
         float *slow = malloc(sizeof(float) * (size_t)(m * n));
@@ -215,50 +235,121 @@ static void matmul_avx2_and_portable_paths_agree_bitwise(void **state) {
     }
 }
 
-/* The strongest statement of the quantized contract: a quantized W gives
- * exactly the bits of an F32 W holding quant_dequantize's values, on both
- * paths, for every tile height and k segmentation. Besides random blocks, row 0 carries
- * extreme scales: a subnormal f16 d, the largest d with the most negative
- * offset, and d = 1 with an offset that makes every q * d + m round. */
-static void quantized_matmul_equals_f32_matmul_on_dequantized_weights(void **state) {
+/* The quantized contract of kernels.h, written out again here from its
+ * text: x rounded per block to xi = round(x * 16256 / amax), exact integer
+ * dot products per block, then acc = fma(isum, d * sx, acc) and for Q4_1
+ * acc = fma(m, sx * sum xi, acc), block by block. */
+static float contract_row(ggml_type type, const uint8_t *row, const float *x, int64_t k) {
+    size_t bb = quant_block_bytes(type);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + b * 32;
+        const uint8_t *blk = row + (size_t)b * bb;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++)
+            if (fabsf(xb[i]) > amax) amax = fabsf(xb[i]);
+        float sx = amax / 16256.0f, inv = amax > 0 ? 16256.0f / amax : 0.0f;
+        int32_t xi[32], sum = 0;
+        for (int i = 0; i < 32; i++) {
+            xi[i] = (int32_t)nearbyintf(xb[i] * inv);
+            sum += xi[i];
+        }
+        uint16_t dh, mh = 0;
+        memcpy(&dh, blk, 2);
+        int32_t isum = 0;
+        for (int i = 0; i < 32; i++) {
+            int32_t q;
+            if (type == GGML_TYPE_Q8_0)
+                q = (int8_t)blk[2 + i];
+            else {
+                const uint8_t *qs = blk + (type == GGML_TYPE_Q4_1 ? 4 : 2);
+                q = i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
+                if (type == GGML_TYPE_Q4_0) q -= 8;
+            }
+            isum += q * xi[i];
+        }
+        acc = fmaf((float)isum, quant_f16_to_f32(dh) * sx, acc);
+        if (type == GGML_TYPE_Q4_1) {
+            memcpy(&mh, blk + 2, 2);
+            acc = fmaf(quant_f16_to_f32(mh), sx * (float)sum, acc);
+        }
+    }
+    return acc;
+}
+
+/* Every path gives the contract's bits: packed (the VNNI kernel where the
+ * CPU has it) and the file's layout, SIMD and portable, every tile
+ * height. n = 37 is two packed groups and 5 rows read from the file's
+ * layout. Row 0 carries extreme scales: a subnormal f16 d, the largest d
+ * with the most negative offset, d = 1 with an offset that rounds. x
+ * holds a zero block, a block with one huge outlier and tiny values. */
+static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) {
     (void)state;
     const ggml_type types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
     const uint16_t d_edge[3] = {0x0001, 0x7bff, 0x3c00};
     const uint16_t m_edge[3] = {0x8001, 0xfbff, 0x3555};
-    /* k = 1056: a tile of 8 rows cuts k into segments, one of 3 does not. */
-    int64_t n = 19, k = 1056, M = 11;
+    int64_t n = 37, k = 1056, M = 11;
+    float *x = malloc(sizeof(float) * (size_t)(M * k));
+    float *got = malloc(sizeof(float) * (size_t)(M * n));
+    float *want = malloc(sizeof(float) * (size_t)(M * n));
+    fill(x, (size_t)(M * k), 2.0f);
+    memset(x + 64, 0, 32 * sizeof(float));
+    x[k + 100] = 3.0e4f;
+    for (int i = 0; i < 32; i++) x[2 * k + 160 + i] = 1e-30f * (float)(i - 16);
     for (size_t t = 0; t < 3; t++) {
         test_weight tw = make_weight(types[t], n, k);
-        uint8_t *row0 = tw.bytes;
         for (int e = 0; e < 3; e++) {
-            uint8_t *blk = row0 + (size_t)e * quant_block_bytes(types[t]);
+            uint8_t *blk = tw.bytes + (size_t)e * quant_block_bytes(types[t]);
             put16(blk, d_edge[e]);
             if (types[t] == GGML_TYPE_Q4_1) put16(blk + 2, m_edge[e]);
         }
-        assert_true(quant_dequantize(types[t], row0, tw.deq, (uint64_t)k));
-        kn_weight f32 = {.type = GGML_TYPE_F32, .rows = n, .cols = k, .data = tw.deq,
-                         .row_bytes = (size_t)k * sizeof(float)};
-        float *x = malloc(sizeof(float) * (size_t)(M * k));
-        float *got = malloc(sizeof(float) * (size_t)(M * n));
-        float *want = malloc(sizeof(float) * (size_t)(M * n));
-        fill(x, (size_t)(M * k), 2.0f);
-        for (int scalar = 0; scalar <= 1; scalar++) {
-            kn_cpu_force_scalar(scalar);
-            for (int64_t m = 1; m <= M; m++) {
-                kn_matmul(F.streams[2], &tw.w, x, got, m);
-                kn_matmul(F.streams[2], &f32, x, want, m);
-                char what[64];
-                snprintf(what, sizeof what, "%s %s m=%lld", quant_type_name(types[t]),
-                         scalar ? "scalar" : kn_cpu_simd(), (long long)m);
-                assert_same_bits(got, want, (size_t)(m * n), what);
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < n; j++)
+                want[r * n + j] = contract_row(types[t], tw.bytes + (size_t)j * tw.w.row_bytes, x + r * k, k);
+        for (int packed = 0; packed <= 1; packed++) {
+            if (packed) pack_weight(&tw);
+            for (int scalar = 0; scalar <= 1; scalar++) {
+                kn_cpu_force_scalar(scalar);
+                for (int64_t m = 1; m <= M; m++) {
+                    kn_matmul(F.streams[2], &tw.w, x, got, m);
+                    char what[80];
+                    snprintf(what, sizeof what, "%s %s %s m=%lld", quant_type_name(types[t]),
+                             packed ? "packed" : "file layout", scalar ? "scalar" : kn_cpu_simd(), (long long)m);
+                    assert_same_bits(got, want, (size_t)(m * n), what);
+                }
             }
         }
         kn_cpu_force_scalar(false);
-        free(x);
-        free(got);
-        free(want);
         free_weight(&tw);
     }
+    free(x);
+    free(got);
+    free(want);
+}
+
+/* A non-finite x makes every output it touches NaN (as f32 would); a zero
+ * row of x gives exact zeros. */
+static void quantized_matmul_propagates_nan_and_keeps_zeros(void **state) {
+    (void)state;
+    int64_t n = 32, k = 64;
+    test_weight tw = make_weight(GGML_TYPE_Q4_1, n, k);
+    pack_weight(&tw);
+    float x[3 * 64] = {0}, y[3 * 32];
+    fill(x + 64, 64, 1.0f);
+    x[64 + 3] = NAN;
+    fill(x + 128, 64, 1.0f);
+    x[128 + 40] = INFINITY;
+    for (int scalar = 0; scalar <= 1; scalar++) {
+        kn_cpu_force_scalar(scalar);
+        kn_matmul(F.streams[2], &tw.w, x, y, 3);
+        for (int64_t j = 0; j < n; j++) {
+            assert_true(y[j] == 0.0f && !signbit(y[j]));
+            assert_true(isnan(y[32 + j]));
+            assert_true(isnan(y[64 + j]));
+        }
+    }
+    kn_cpu_force_scalar(false);
+    free_weight(&tw);
 }
 
 /* Row r of an m-row batch equals row r computed alone, for m = 1..33 and
@@ -271,6 +362,7 @@ static void matmul_row_is_batch_invariant(void **state) {
     for (size_t t = 0; t < 3; t++) {
         int64_t n = 37, k = types[t] == GGML_TYPE_F32 ? 69 : 96;
         test_weight tw = make_weight(types[t], n, k);
+        if (is_quant(types[t])) pack_weight(&tw);
         float *x = malloc(sizeof(float) * (size_t)(M * k));
         float *alone = malloc(sizeof(float) * (size_t)(M * n));
         float *batch = malloc(sizeof(float) * (size_t)(M * n));
@@ -294,18 +386,30 @@ static void matmul_row_is_batch_invariant(void **state) {
     }
 }
 
-/* A column shard (row_bytes = full stride, data at the shard's first
- * block) computes exactly the product over those columns. */
+/* A column shard (row_bytes = full stride, data and packed at the
+ * shard's first block) computes exactly what a matrix holding only those
+ * columns computes, packed or not. */
 static void matmul_column_shard_reads_only_its_blocks(void **state) {
     (void)state;
-    int64_t n = 8, k = 128, m = 3;
+    int64_t n = 40, k = 128, m = 3;
+    size_t rb = quant_row_bytes(GGML_TYPE_Q4_1, (uint64_t)k), half = quant_row_bytes(GGML_TYPE_Q4_1, 64);
     test_weight full = make_weight(GGML_TYPE_Q4_1, n, k);
+    test_weight own = make_weight(GGML_TYPE_Q4_1, n, 64);
+    for (int64_t j = 0; j < n; j++) memcpy(own.bytes + (size_t)j * half, full.bytes + (size_t)j * rb + half, half);
+    pack_weight(&full);
+    pack_weight(&own);
     kn_weight shard = full.w;
     shard.cols = 64;
-    shard.data = full.bytes + quant_row_bytes(GGML_TYPE_Q4_1, 64);
-    float x[3 * 64], y[3 * 8];
+    shard.data = full.bytes + half;
+    shard.packed = (const uint8_t *)full.packed + 2 * kn_pack_block_bytes(GGML_TYPE_Q4_1);
+    float x[3 * 64], y[3 * 40], want[3 * 40];
     fill(x, sizeof x / sizeof x[0], 1.0f);
+    kn_matmul(F.streams[1], &own.w, x, want, m);
     kn_matmul(F.streams[1], &shard, x, y, m);
+    assert_same_bits(y, want, (size_t)(m * n), "packed column shard");
+    shard.packed = NULL;
+    kn_matmul(F.streams[1], &shard, x, y, m);
+    assert_same_bits(y, want, (size_t)(m * n), "file-layout column shard");
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < n; j++) {
             double ref = 0;
@@ -313,6 +417,29 @@ static void matmul_column_shard_reads_only_its_blocks(void **state) {
             assert_true(fabs(y[r * n + j] - ref) < 0.05);
         }
     free_weight(&full);
+    free_weight(&own);
+}
+
+/* kn_matmul_n gives the bits of one kn_matmul per weight. */
+static void fused_matmul_equals_separate_calls(void **state) {
+    (void)state;
+    int64_t k = 96, m = 5;
+    test_weight a = make_weight(GGML_TYPE_Q4_1, 48, k), b = make_weight(GGML_TYPE_Q8_0, 21, k),
+                c = make_weight(GGML_TYPE_Q4_0, 16, k);
+    pack_weight(&a);
+    pack_weight(&c);
+    float x[5 * 96], ya[5 * 48], yb[5 * 21], yc[5 * 16], wa[5 * 48], wb[5 * 21], wc[5 * 16];
+    fill(x, sizeof x / sizeof x[0], 1.5f);
+    kn_matmul(F.streams[2], &a.w, x, wa, m);
+    kn_matmul(F.streams[2], &b.w, x, wb, m);
+    kn_matmul(F.streams[2], &c.w, x, wc, m);
+    kn_matmul_n(F.streams[2], 3, (const kn_weight *[]){&a.w, &b.w, &c.w}, x, (float *[]){ya, yb, yc}, m);
+    assert_same_bits(ya, wa, sizeof ya / sizeof ya[0], "fused q4_1");
+    assert_same_bits(yb, wb, sizeof yb / sizeof yb[0], "fused q8_0");
+    assert_same_bits(yc, wc, sizeof yc / sizeof yc[0], "fused q4_0");
+    free_weight(&a);
+    free_weight(&b);
+    free_weight(&c);
 }
 
 /* ---- per-row ops -------------------------------------------------------- */
@@ -683,8 +810,10 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(matmul_matches_double_reference_for_every_type),
         cmocka_unit_test(matmul_portable_path_matches_double_reference),
-        cmocka_unit_test(matmul_avx2_and_portable_paths_agree_bitwise),
-        cmocka_unit_test(quantized_matmul_equals_f32_matmul_on_dequantized_weights),
+        cmocka_unit_test(matmul_simd_and_portable_paths_agree_bitwise),
+        cmocka_unit_test(quantized_matmul_follows_the_integer_contract_bitwise),
+        cmocka_unit_test(quantized_matmul_propagates_nan_and_keeps_zeros),
+        cmocka_unit_test(fused_matmul_equals_separate_calls),
         cmocka_unit_test(matmul_row_is_batch_invariant),
         cmocka_unit_test(matmul_column_shard_reads_only_its_blocks),
         cmocka_unit_test(rmsnorm_matches_reference),

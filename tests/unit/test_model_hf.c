@@ -192,7 +192,11 @@ static void test_hf_directory_matches_the_gguf(void **state) {
     }
     double rel = sqrt(num / den);
     printf("hf vs gguf: 12/12 greedy tokens equal, last logits rel L2 %.3g\n", rel);
-    assert_true(rel < 1e-4);
+    /* The HF directory holds f32 weights, multiplied in f32; the GGUF's
+     * quantized ones multiply x rounded to 15 bits per block (kernels.h),
+     * which moves logits by a few 1e-4 (the golden test bounds the same
+     * error against transformers at 1e-3). */
+    assert_true(rel < 1e-3);
     free(la);
     free(lb);
     model_free(hf);

@@ -322,7 +322,12 @@ static void assert_matches_reference(const run_result *got, int32_t R) {
     print_message("%d ranks vs 1: %d greedy tokens %s, final logits rel L2 %.3g, worst step %.3g\n", R, N_GEN,
                   memcmp(got->tokens, ref->tokens, sizeof ref->tokens) ? "DIFFER" : "identical", final, worst);
     assert_memory_equal(got->tokens, ref->tokens, sizeof ref->tokens);
-    assert_true(final < 1e-4);
+    /* Ranks add their partial sums in another order than one rank's
+     * chain. With f32 activations that moved logits by ~1e-6; rounding x
+     * to 15 bits per block for the quantized matmul (kernels.h) turns such
+     * last-bit differences into whole rounding steps now and then, which
+     * moves logits by a few 1e-4. The tokens must still agree. */
+    assert_true(final < 1e-3);
 }
 
 /* One rank's shard is the whole model: the prefill pass is bit for bit

@@ -1,0 +1,117 @@
+/* AVX-512 VNNI kernel of the integer matmul (kn_qmatmul.c) on packed
+ * weights. Lane r of every vector is weight row 16g + r: vpdpbusd
+ * multiplies 4 unsigned weight bytes of that row by 4 signed bytes of x
+ * broadcast to all lanes, so no horizontal sums are needed. Per block and
+ * token the exact integer sum is
+ *   isum = 128 * sum(w * hi) + sum(w * lo)  (minus 8 * sum xi for Q4_0,
+ *   128 * sum xi for Q8_0, whose bytes are stored + 128),
+ * then acc = fma((float)isum, d * sx, acc) and, for Q4_1,
+ * acc = fma(m, xs, acc): the portable kernel's steps, so the bits match.
+ *
+ * Each function carries its own target attribute; kn_cpu_use_avx512vnni
+ * checks the CPU before any of it runs. */
+#include "kn_cpu_impl.h"
+
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+#include <string.h>
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+#define INL static inline __attribute__((always_inline)) TGT
+
+INL __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The 8 weight vectors of one packed block: q[v] pairs with x bytes
+ * 4v..4v+3. */
+INL void load_q(ggml_type t, const uint8_t *p, __m512i q[8]) {
+    if (t == GGML_TYPE_Q8_0) {
+#pragma GCC unroll 8
+        for (int v = 0; v < 8; v++) q[v] = _mm512_loadu_si512((const void *)(p + 64 * v));
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+        __m512i b = _mm512_loadu_si512((const void *)(p + 64 * v));
+        q[v] = _mm512_and_si512(b, low);
+        q[v + 4] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+    }
+}
+
+/* One packed group against TM tokens; TM is a constant in each instance
+ * so the accumulators stay in registers. */
+INL void qgroup(ggml_type t, int TM, const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) {
+    int64_t nb = w->cols / KN_QK;
+    size_t pb = kn_pack_block_bytes(t);
+    size_t doff = t == GGML_TYPE_Q8_0 ? 512 : 256;
+    const uint8_t *p = (const uint8_t *)w->packed + (size_t)g * w->pack_stride;
+    __m512 acc[KN_TILE_M];
+#pragma GCC unroll 8
+    for (int r = 0; r < TM; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, p += pb) {
+        __m512i q[8];
+        load_q(t, p, q);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + doff)));
+        __m512 mm = t == GGML_TYPE_Q4_1
+                        ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 288)))
+                        : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < TM; r++) {
+            const int8_t *hi = qx[r].planes + b * KN_QX_PLANES, *lo = hi + KN_QK;
+            /* Four independent chains hide vpdpbusd's latency. */
+            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+#pragma GCC unroll 4
+            for (int v = 0; v < 8; v += 2) {
+                h0 = _mm512_dpbusd_epi32(h0, q[v], bcast4(hi + 4 * v));
+                h1 = _mm512_dpbusd_epi32(h1, q[v + 1], bcast4(hi + 4 * v + 4));
+                l0 = _mm512_dpbusd_epi32(l0, q[v], bcast4(lo + 4 * v));
+                l1 = _mm512_dpbusd_epi32(l1, q[v + 1], bcast4(lo + 4 * v + 4));
+            }
+            __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 7), _mm512_add_epi32(l0, l1));
+            if (t == GGML_TYPE_Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * qx[r].isx[b]));
+            if (t == GGML_TYPE_Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * qx[r].isx[b]));
+            __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(qx[r].sx[b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+            if (t == GGML_TYPE_Q4_1) acc[r] = _mm512_fmadd_ps(mm, _mm512_set1_ps(qx[r].xs[b]), acc[r]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < TM; r++) _mm512_storeu_ps(y + (size_t)r * ldy + (size_t)g * KN_PACK_ROWS, acc[r]);
+}
+
+#define QG_FN(name, type, TM)                                                                       \
+    static TGT void name(const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) {     \
+        qgroup(type, TM, w, g, qx, y, ldy);                                                          \
+    }
+#define QG_SET(pfx, type)                                                                            \
+    QG_FN(pfx##_1, type, 1) QG_FN(pfx##_2, type, 2) QG_FN(pfx##_3, type, 3) QG_FN(pfx##_4, type, 4)  \
+    QG_FN(pfx##_5, type, 5) QG_FN(pfx##_6, type, 6) QG_FN(pfx##_7, type, 7) QG_FN(pfx##_8, type, 8)  \
+    static const qg_fn pfx[KN_TILE_M] = {pfx##_1, pfx##_2, pfx##_3, pfx##_4,                         \
+                                         pfx##_5, pfx##_6, pfx##_7, pfx##_8};
+
+typedef void (*qg_fn)(const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy);
+
+_Static_assert(KN_TILE_M == 8, "one instance per tile height");
+QG_SET(q8_0, GGML_TYPE_Q8_0)
+QG_SET(q4_0, GGML_TYPE_Q4_0)
+QG_SET(q4_1, GGML_TYPE_Q4_1)
+
+void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {
+    AE_ASSERT(tm >= 1 && tm <= KN_TILE_M);
+    const qg_fn *set = w->type == GGML_TYPE_Q8_0 ? q8_0 : w->type == GGML_TYPE_Q4_0 ? q4_0 : q4_1;
+    set[tm - 1](w, g, qx, y, ldy);
+}
+
+#else /* not x86-64: kn_cpu_use_avx512vnni is always false */
+
+void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {
+    (void)w, (void)g, (void)qx, (void)tm, (void)y, (void)ldy;
+    AE_ASSERT(!"no AVX-512 kernel on this architecture");
+}
+
+#endif
