@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../services/core/mem.h"
+
 typedef struct kv_seq {
     bool live;
     int32_t len;      /* committed slots */
@@ -80,8 +82,8 @@ int kv_init(kv_cache **out, const kv_params *p, ae_error *err) {
     kv->row = (size_t)p->n_kv_heads * (size_t)p->head_dim;
     kv->pool = (size_t)p->n_blocks * (size_t)p->block_size * kv->row;
     size_t bytes = (size_t)floats * sizeof(float);
-    /* 64-byte aligned for SIMD loads; aligned_alloc wants a multiple of 64. */
-    kv->data = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+    /* 64-byte aligned for SIMD loads, on huge pages where it can. */
+    kv->data = mem_alloc_large(bytes);
     kv->tables = malloc((size_t)p->max_seqs * (size_t)p->max_blocks_per_seq * sizeof(int32_t));
     kv->seqs = calloc((size_t)p->max_seqs, sizeof *kv->seqs);
     kv->free_blocks = malloc((size_t)p->n_blocks * sizeof(int32_t));
