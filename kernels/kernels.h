@@ -147,6 +147,13 @@ void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64
  * and v, or gate and up, share one wake-up and one quantization of x). */
 void kn_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
 
+/* The MLP's first half: y_gate = x . gate^T, y_up = x . up^T, then
+ * y_gate = kn_swiglu(y_gate, y_up), with the bits of those three calls.
+ * Quantized weights do it in one pass, each thread combining its own rows
+ * while they are in cache. */
+void kn_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                      float *y_up, int64_t m);
+
 /* y[m][n] = x[m][n] / sqrt(mean(x^2) + eps) * g[n]. y may equal x. */
 void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
                 float eps);

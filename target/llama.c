@@ -109,7 +109,7 @@ static void capture_layer(const llama_capture *cap, int32_t layer, const float *
 void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
                    llama_ws *ws, const llama_batch *b) {
     const model_config *c = &m->cfg;
-    const int32_t T = b->m, H = c->hidden, F = c->ffn;
+    const int32_t T = b->m, H = c->hidden;
     const int64_t QD = (int64_t)c->n_heads * c->head_dim, KD = (int64_t)c->n_kv_heads * c->head_dim;
     AE_ASSERT(T >= 1 && T <= ws->max_tokens);
     AE_ASSERT(b->n_logits >= 0 && b->n_logits <= ws->max_logits);
@@ -143,8 +143,7 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
 
         /* MLP block */
         kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, H, c->rms_eps);
-        kn_matmul_n(s, 2, (const kn_weight *[]){&l->w_gate, &l->w_up}, ws->xn, (float *[]){ws->gate, ws->up}, T);
-        kn_swiglu(s, ws->gate, ws->up, ws->gate, (int64_t)T * F);
+        kn_matmul_swiglu(s, &l->w_gate, &l->w_up, ws->xn, ws->gate, ws->up, T);
         kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
         kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
         kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);

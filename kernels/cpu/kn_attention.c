@@ -121,8 +121,8 @@ static inline __attribute__((always_inline)) void attend(const attn_job *job, in
          * decode step). */
         for (int j = 0; j < n; j++)
             for (int d = 0; d < hd; d += 16) {
-                __builtin_prefetch(krow[j] + d);
-                __builtin_prefetch(vrow[j] + d);
+                __builtin_prefetch(krow[j] + d, 0, 2);
+                __builtin_prefetch(vrow[j] + d, 0, 2);
             }
         for (int i = 0; i < nh; i++) {
             float cmax = -INFINITY;

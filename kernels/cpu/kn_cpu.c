@@ -181,11 +181,9 @@ void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t coun
     flat_job(s, &job, count);
 }
 
-static float silu(float g) { return g / (1.0f + expf(-g)); }
-
 static void swiglu_row(const rows_job *job, int64_t r) {
     int64_t lo = r * job->n, hi = lo + job->n;
-    for (int64_t i = lo; i < hi; i++) job->y[i] = silu(job->a[i]) * job->b[i];
+    for (int64_t i = lo; i < hi; i++) job->y[i] = kn_swiglu1(job->a[i], job->b[i]);
 }
 
 void kn_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {

@@ -4,6 +4,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <math.h>
 #include <stdint.h>
 
 #include "../../services/core/pool.h"
@@ -14,6 +15,12 @@ struct kn_stream {
     void *work;     /* (work_bytes) scratch, 64-byte aligned */
     size_t work_bytes;
 };
+
+/* One element of kn_swiglu: silu(g) * u, silu(g) = g / (1 + exp(-g)).
+ * kn_swiglu and the fused gate/up matmul both use it, so they agree. */
+static inline float kn_swiglu1(float g, float u) {
+    return g / (1.0f + expf(-g)) * u;
+}
 
 /* true when the AVX2 kernels run (CPU support and not forced off). */
 bool kn_cpu_use_avx2(void);
@@ -75,6 +82,8 @@ void kn_tile_avx2(const kn_tile *t);
  * sum xi). */
 bool kn_qmatmul_type(ggml_type t);
 void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
+void kn_qmatmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                       float *y_up, int64_t m);
 
 #define KN_QX_MAX 16256 /* |xi| <= 127 * 128 */
 #define KN_QX_PLANES 64 /* bytes of planes per block */

@@ -149,3 +149,15 @@ void kn_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x,
     }
     kn_qmatmul_n(s, n, w, x, y, m);
 }
+
+void kn_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                      float *y_up, int64_t m) {
+    AE_ASSERT(gate->rows == up->rows && gate->cols == up->cols);
+    if (m > 0 && kn_qmatmul_type(gate->type) && kn_qmatmul_type(up->type)) {
+        kn_qmatmul_swiglu(s, gate, up, x, y_gate, y_up, m);
+        return;
+    }
+    kn_matmul(s, gate, x, y_gate, m);
+    kn_matmul(s, up, x, y_up, m);
+    kn_swiglu(s, y_gate, y_up, y_gate, m * gate->rows);
+}

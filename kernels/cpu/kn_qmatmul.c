@@ -203,6 +203,7 @@ typedef struct qmm_job {
     size_t qx_stride;
     int64_t m;
     bool vnni;
+    bool swiglu; /* w[0] gate, w[1] up: y[0] = swiglu(y[0], y[1]) */
 } qmm_job;
 
 static void quantize_task(void *ctx, int task, int n_tasks) {
@@ -238,8 +239,24 @@ static void qmm_rows(const qmm_job *job, const kn_weight *w, float *y_all, int64
  * prefetchers stream their own part of the weights. */
 static void qmm_task(void *ctx, int task, int n_tasks) {
     const qmm_job *job = ctx;
-    int64_t total = job->chunks[job->n_w];
+    int64_t total = job->swiglu ? job->chunks[1] : job->chunks[job->n_w];
     int64_t c0 = total * task / n_tasks, c1 = total * (task + 1) / n_tasks;
+    if (job->swiglu) {
+        /* Chunk c is rows [16c, 16c + 16) of gate and of up; their
+         * products are combined while still in cache. */
+        const kn_weight *g = job->w[0];
+        for (int64_t c = c0; c < c1; c++) {
+            int64_t j0 = c * KN_QCHUNK, j1 = j0 + KN_QCHUNK < g->rows ? j0 + KN_QCHUNK : g->rows;
+            qmm_rows(job, g, job->y[0], j0, j1);
+            qmm_rows(job, job->w[1], job->y[1], j0, j1);
+            for (int64_t r = 0; r < job->m; r++) {
+                float *yg = job->y[0] + r * g->rows;
+                const float *yu = job->y[1] + r * g->rows;
+                for (int64_t j = j0; j < j1; j++) yg[j] = kn_swiglu1(yg[j], yu[j]);
+            }
+        }
+        return;
+    }
     int i = 0;
     for (int64_t c = c0; c < c1; c++) {
         while (c >= job->chunks[i + 1]) i++;
@@ -249,14 +266,15 @@ static void qmm_task(void *ctx, int task, int n_tasks) {
     }
 }
 
-void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
+static void qmm_run(kn_stream *s, int n_w, const kn_weight *const *w, const float *x, float *const *y, int64_t m,
+                    bool swiglu) {
     AE_ASSERT(n_w >= 1 && n_w <= KN_MM_MAX_W);
     int64_t k = w[0]->cols;
     AE_ASSERT(k % KN_QK == 0);
     size_t stride = kn_qx_row_bytes(k);
     AE_ASSERT(s->work_bytes >= (size_t)m * stride);
     qmm_job job = {.n_w = n_w, .x = x, .k = k, .qx = s->work, .qx_stride = stride, .m = m,
-                   .vnni = kn_cpu_use_avx512vnni()};
+                   .vnni = kn_cpu_use_avx512vnni(), .swiglu = swiglu};
     for (int i = 0; i < n_w; i++) {
         AE_ASSERT(w[i]->cols == k && kn_qmatmul_type(w[i]->type));
         job.w[i] = w[i];
@@ -269,6 +287,16 @@ void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float 
         quantize_task(&job, 0, 1);
     else
         pool_run(s->pool, quantize_task, &job, m < threads ? (int)m : threads);
-    int64_t total = job.chunks[n_w];
+    int64_t total = swiglu ? job.chunks[1] : job.chunks[n_w];
     pool_run(s->pool, qmm_task, &job, total < threads ? (int)total : threads);
+}
+
+void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
+    qmm_run(s, n_w, w, x, y, m, false);
+}
+
+void kn_qmatmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                       float *y_up, int64_t m) {
+    AE_ASSERT(gate->rows == up->rows);
+    qmm_run(s, 2, (const kn_weight *[]){gate, up}, x, (float *[]){y_gate, y_up}, m, true);
 }
