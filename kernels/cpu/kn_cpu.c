@@ -63,17 +63,6 @@ static bool cpu_has_avx2(void) {
 #endif
 }
 
-bool kn_cpu_use_avx2(void) {
-    static atomic_int has = -1; /* -1: not asked yet */
-    if (atomic_load(&g_force_scalar)) return false;
-    int h = atomic_load_explicit(&has, memory_order_relaxed);
-    if (h < 0) {
-        h = cpu_has_avx2();
-        atomic_store_explicit(&has, h, memory_order_relaxed);
-    }
-    return h != 0;
-}
-
 static bool cpu_has_avx512vnni(void) {
 #if defined(__x86_64__)
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -83,16 +72,23 @@ static bool cpu_has_avx512vnni(void) {
 #endif
 }
 
-bool kn_cpu_use_avx512vnni(void) {
-    static atomic_int has = -1;
+/* probe() the first time, its cached answer after; false while forced
+ * scalar. */
+static bool use_simd(atomic_int *has, bool (*probe)(void)) {
     if (atomic_load(&g_force_scalar)) return false;
-    int h = atomic_load_explicit(&has, memory_order_relaxed);
+    int h = atomic_load_explicit(has, memory_order_relaxed);
     if (h < 0) {
-        h = cpu_has_avx512vnni();
-        atomic_store_explicit(&has, h, memory_order_relaxed);
+        h = probe();
+        atomic_store_explicit(has, h, memory_order_relaxed);
     }
     return h != 0;
 }
+
+static atomic_int g_has_avx2 = -1, g_has_vnni = -1; /* -1: not asked yet */
+
+bool kn_cpu_use_avx2(void) { return use_simd(&g_has_avx2, cpu_has_avx2); }
+
+bool kn_cpu_use_avx512vnni(void) { return use_simd(&g_has_vnni, cpu_has_avx512vnni); }
 
 const char *kn_cpu_simd(void) {
     return kn_cpu_use_avx512vnni() ? "avx512vnni+avx2" : kn_cpu_use_avx2() ? "avx2" : "scalar";
