@@ -48,7 +48,7 @@ static int plan_for(cfg *c, const model *m, memplan *plan, ae_error *err) {
     const model_config *mc = &m->cfg;
     memplan_model mm = {m->weight_bytes, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
                         mc->n_kv_heads, mc->head_dim, mc->vocab};
-    memplan_env env = {avail, KV_BLOCK, PREFILL_CHUNK, llama_stream_workspace(m, PREFILL_CHUNK)};
+    memplan_env env = {avail, KV_BLOCK, PREFILL_CHUNK, llama_stream_workspace(m, PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len"))};
     return memplan_compute(c, &mm, &env, plan, err);
 }
 

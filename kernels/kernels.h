@@ -44,10 +44,16 @@
  *     weights (the golden test); 8-bit xi gave 5%.
  *   - kn_attention: for each (token, head) the visible keys are visited in
  *     position order (prefix slots 0..n_prefix-1, then the extra slots) and
- *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list;
- *     online softmax per chunk. A tree node whose ancestors sit in scratch
- *     slots and the same token decoded after the ancestors were committed
- *     see the same keys in the same order and get identical bits.
+ *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list.
+ *     Scores are 8-lane dot products (lane l sums elements 8j + l, mul
+ *     then add, then the lane tree) times 1/sqrt(head_dim). A chunk gives
+ *     (mc = its largest score, l = sum e^(s - mc), o = sum e^(s - mc) v) in
+ *     key order; chunks merge in order: M' = max(M, mc), a = e^(M - M'),
+ *     b = e^(mc - M'), L = L a + l b, O = O a + o b; out = O / L. e^x is a
+ *     fixed polynomial (kn_attention.c), not libm's. head_dim is a
+ *     multiple of 8. A tree node whose ancestors sit in scratch slots and
+ *     the same token decoded after the ancestors were committed see the
+ *     same keys in the same order and get identical bits.
  *   - kn_rmsnorm, kn_softmax: sums in double, in element order.
  *   The SIMD paths (AVX2, AVX-512 VNNI) and the portable path give the
  *   same bits; the test suite pins it (kn_cpu_force_scalar).
@@ -193,7 +199,7 @@ typedef enum kn_rope_layout {
 
 typedef struct kn_rope_config {
     kn_rope_layout layout;
-    int32_t head_dim; /* even, <= KN_MAX_HEAD_DIM */
+    int32_t head_dim; /* even, <= KN_MAX_HEAD_DIM (attention: a multiple of 8) */
     double theta;     /* rope_theta */
     /* Llama-3 rope_scaling; factor <= 0 (or 1 with no band) means none. */
     double factor;
@@ -248,7 +254,7 @@ typedef struct kn_kv_map {
 } kn_kv_map;
 
 /* Visible keys are cut into chunks of this many for the online softmax. */
-#define KN_ATTN_CHUNK 64
+#define KN_ATTN_CHUNK 32
 
 /* Stores k[m][n_kv_heads][head_dim] and v[...] of each token t at slot
  * map->slot[t] of its sequence. */
@@ -263,6 +269,13 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
  * token must see at least one slot; q is already rotated. */
 void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
                   float *out, int32_t n_heads);
+
+/* Up to this many tokens, attention splits each token's keys over the
+ * threads and keeps the chunks' partials in the stream's workspace; size
+ * it with kn_attention_workspace (a smaller workspace only takes the other
+ * way, with the same bits). */
+#define KN_ATTN_SPLIT_M 8
+size_t kn_attention_workspace(int32_t n_heads, int32_t head_dim, int32_t max_keys);
 
 /* ---- tensor-parallel communication -------------------------------------- */
 

@@ -37,11 +37,13 @@ size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
     return total;
 }
 
-size_t llama_stream_workspace(const model *m, int32_t max_tokens) {
+size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys) {
     int64_t k = m->cfg.ffn;
     if (m->cfg.hidden > k) k = m->cfg.hidden;
     if ((int64_t)m->cfg.n_heads * m->cfg.head_dim > k) k = (int64_t)m->cfg.n_heads * m->cfg.head_dim;
-    return kn_matmul_workspace(max_tokens, k);
+    size_t mm = kn_matmul_workspace(max_tokens, k);
+    size_t at = max_keys > 0 ? kn_attention_workspace(m->cfg.n_heads, m->cfg.head_dim, max_keys) : 0;
+    return mm > at ? mm : at;
 }
 
 int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,

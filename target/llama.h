@@ -62,8 +62,9 @@ int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t ma
                   ae_error *err);
 void llama_ws_free(llama_ws *ws); /* NULL is a no-op */
 size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits);
-/* Bytes the stream needs for kn_matmul at this batch size. */
-size_t llama_stream_workspace(const model *m, int32_t max_tokens);
+/* Bytes the stream needs for kn_matmul at this batch size and for
+ * attention over up to max_keys keys (0: attention goes without). */
+size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys);
 
 /* Runs the batch. kv[l] is layer l's KV pool. Shapes and ids are the
  * engine's to check (asserted here). */

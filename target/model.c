@@ -75,8 +75,8 @@ static int check_config(const model_config *c, ae_error *err) {
                        c->hidden, c->ffn, c->n_heads, c->n_kv_heads, c->vocab);
     if (c->n_heads % c->n_kv_heads)
         return err_set(err, "kv heads %d do not divide heads %d", c->n_kv_heads, c->n_heads);
-    if (c->head_dim <= 0 || c->head_dim % 2 || c->head_dim > KN_MAX_HEAD_DIM)
-        return err_set(err, "head_dim %d must be even and at most %d", c->head_dim, KN_MAX_HEAD_DIM);
+    if (c->head_dim <= 0 || c->head_dim % 8 || c->head_dim > KN_MAX_HEAD_DIM)
+        return err_set(err, "head_dim %d must be a multiple of 8 and at most %d", c->head_dim, KN_MAX_HEAD_DIM);
     return AE_OK;
 }
 

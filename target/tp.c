@@ -337,7 +337,7 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
         r->rank = i;
         if (tp_shard_init(&r->shard, m, &g->split, i, err) != AE_OK ||
             pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
-            kn_stream_init_cpu(&r->stream, r->pool, llama_stream_workspace(r->shard, cfg->max_tokens), err) != AE_OK ||
+            kn_stream_init_cpu(&r->stream, r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, 0), err) != AE_OK ||
             llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;

@@ -658,6 +658,36 @@ static void attention_matches_reference_with_gqa_and_paged_blocks(void **state) 
     attention_reference(&f, &map, q, out);
 }
 
+/* Few tokens split their chunks over the threads and keep the partials in
+ * the workspace; without room for them the same tokens take the other
+ * way. Both give the same bits (kernels.h fixes the chunk merge), with 1
+ * to 3 threads. */
+static void attention_split_and_walk_agree_bitwise(void **state) {
+    (void)state;
+    static kv_fixture f;
+    kv_setup(&f);
+    int32_t seq[2] = {0, 2}, slot[2] = {0}, n_prefix[2] = {100, 70};
+    int32_t extra_start[2] = {0, 0}, n_extra[2] = {0, 3}, extra[3] = {90, 95, 101};
+    kn_kv_map map = {.m = 2, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
+                     .slot = slot, .n_prefix = n_prefix, .extra_start = extra_start,
+                     .n_extra = n_extra, .extra = extra, .n_extra_total = 3};
+    float q[2 * NH * HD], split[2 * NH * HD], walk[2 * NH * HD];
+    fill(q, sizeof q / sizeof q[0], 2.0f);
+    kn_stream *bare;
+    assert_int_equal(kn_stream_init_cpu(&bare, F.pools[2], 0, NULL), AE_OK);
+    kn_attention(bare, &f.pool, &map, q, walk, NH);
+    for (int m = 1; m <= 2; m++) {
+        map.m = m;
+        for (int threads = 1; threads <= MAX_THREADS; threads++) {
+            kn_attention(F.streams[threads], &f.pool, &map, q, split, NH);
+            char what[64];
+            snprintf(what, sizeof what, "m=%d, %d threads", m, threads);
+            assert_same_bits(split, walk, (size_t)m * NH * HD, what);
+        }
+    }
+    kn_stream_free(bare);
+}
+
 static void kv_write_stores_rows_at_their_slots(void **state) {
     (void)state;
     static kv_fixture f;
@@ -824,6 +854,7 @@ int main(void) {
         cmocka_unit_test(rope_rotates_pairs_by_position_times_frequency),
         cmocka_unit_test(rope_llama3_scaling_bands),
         cmocka_unit_test(attention_matches_reference_with_gqa_and_paged_blocks),
+        cmocka_unit_test(attention_split_and_walk_agree_bitwise),
         cmocka_unit_test(kv_write_stores_rows_at_their_slots),
         cmocka_unit_test(attention_tree_node_equals_decode_after_commit_bitwise),
         cmocka_unit_test(allreduce_two_ranks_matches_one_rank_and_repeats_bitwise),

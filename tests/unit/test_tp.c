@@ -223,7 +223,7 @@ static void plain_init(plain *p) {
     ae_error err = {0};
     memset(p, 0, sizeof *p);
     if (pool_init(&p->pool, 2, &err) != AE_OK ||
-        kn_stream_init_cpu(&p->stream, p->pool, llama_stream_workspace(mdl, N_PROMPT), &err) != AE_OK ||
+        kn_stream_init_cpu(&p->stream, p->pool, llama_stream_workspace(mdl, N_PROMPT, N_PROMPT + N_GEN), &err) != AE_OK ||
         llama_ws_init(&p->ws, mdl, N_PROMPT, 1, &err) != AE_OK)
         fail_msg("%s", err.msg);
     size_t n = (size_t)N_BLOCKS * BLOCK * (size_t)c->n_kv_heads * (size_t)c->head_dim;
