@@ -20,6 +20,10 @@
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 #define INL static inline __attribute__((always_inline)) TGT
 
+#ifndef KN_PF_DIST
+#define KN_PF_DIST 2048
+#endif
+
 INL __m512i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -54,6 +58,7 @@ INL void qgroup(ggml_type t, int TM, const kn_weight *w, int64_t g, const kn_qx 
 #pragma GCC unroll 8
     for (int r = 0; r < TM; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, p += pb) {
+        for (size_t i = 0; i < pb; i += 64) _mm_prefetch((const char *)p + KN_PF_DIST + i, _MM_HINT_T0);
         __m512i q[8];
         load_q(t, p, q);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + doff)));
