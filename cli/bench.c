@@ -9,12 +9,18 @@
  *     max-batch-tokens tokens; each decode step is one pass with one token
  *     of every sequence, the greedy choice of the step before.
  *   - the read bandwidth of a buffer far larger than the last-level cache,
- *     summed by the same number of threads, best of `repeat` runs; with the
- *     weight bytes one decode step reads (model_decode_bytes), the roofline
- *     step rate, and the measured step rate as a fraction of it
- *     (roofline_fraction = decode_step_per_s / roofline_tok_per_s; a step
+ *     summed by the same number of threads. Decode runs in 8 windows, each
+ *     followed by one pass over the buffer, because this host's bandwidth
+ *     moves with its neighbours' load (35 to 56 GB/s within minutes). With
+ *     the weight bytes one decode step reads (model_decode_bytes), each
+ *     window gives its step rate as a fraction of the roofline step rate
+ *     of its own reading; roofline_fraction is the median of those
+ *     (roofline_fraction_windows), bandwidth_gb_per_s the median reading
+ *     and roofline_tok_per_s its roofline. roofline_fraction_vs_best
+ *     divides by the best reading of the run (`repeat` passes before the
+ *     engine starts, and the windows' passes): the stricter figure. A step
  *     reads the weights once whatever the batch, so at batch 1 this is
- *     decode tok/s against the most batch-1 decoding can reach).
+ *     decode tok/s against the most batch-1 decoding can reach.
  *   - the verify cost curve: one pass of a chain of n tokens (an ENG_TREE
  *     whose node i is the parent of node i+1) after a fixed prefix of
  *     prompt-tokens tokens, for n = 1, 2, 4, 8, 16, 32, median of `repeat` passes each,
@@ -41,7 +47,7 @@ static const cfg_option opts[] = {
     {"gen-tokens", CFG_INT, "128", 1, 1 << 20, "decode steps after the prompt"},
     {"batch", CFG_INT, "1", 1, 256, "sequences prefilled and decoded together"},
     {"max-batch-tokens", CFG_INT, "256", 32, 1 << 16, "tokens in one forward pass (prefill chunk)"},
-    {"repeat", CFG_INT, "5", 1, 1000, "bandwidth runs (best counts) and verify passes (median counts)"},
+    {"repeat", CFG_INT, "5", 1, 1000, "bandwidth passes before decoding (best counts) and verify passes (median counts)"},
     {"bandwidth-mib", CFG_INT, "auto", 16, 1 << 16,
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
@@ -51,6 +57,7 @@ static const cfg_option opts[] = {
 #define VERIFY_SIZES 6
 static const int32_t verify_sizes[VERIFY_SIZES] = {1, 2, 4, 8, 16, 32};
 #define VERIFY_MAX 32
+#define BENCH_WINDOWS 8 /* decode windows, each followed by a bandwidth reading */
 
 static uint64_t splitmix64(uint64_t *state) {
     uint64_t z = (*state += 0x9e3779b97f4a7c15ULL);
@@ -108,37 +115,53 @@ static void bw_sum(void *ctx, int task, int n_tasks) {
     j->sums[task] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7;
 }
 
-/* Best read bandwidth in bytes per second over `runs` passes. */
-static int measure_bandwidth(size_t bytes, int threads, int runs, double *out, ae_error *err) {
-    pool *p = NULL;
-    bw_job *j = calloc(1, sizeof *j);
-    int rc = AE_ERR;
-    if (!j) return err_set(err, "out of memory");
-    j->n = bytes / sizeof(uint64_t);
-    j->buf = malloc(j->n * sizeof(uint64_t));
-    if (!j->buf) {
-        err_set(err, "out of memory for a %zu MiB bandwidth buffer", bytes >> 20);
-        goto out;
+/* A buffer larger than the caches, filled, and a pool to read it. */
+typedef struct bw_probe {
+    pool *pool;
+    bw_job *job;
+    int threads;
+} bw_probe;
+
+static void bw_probe_free(bw_probe *b) {
+    pool_free(b->pool);
+    if (b->job) free(b->job->buf);
+    free(b->job);
+    memset(b, 0, sizeof *b);
+}
+
+static int bw_probe_init(bw_probe *b, size_t bytes, int threads, ae_error *err) {
+    memset(b, 0, sizeof *b);
+    b->threads = threads;
+    b->job = calloc(1, sizeof *b->job);
+    if (!b->job) return err_set(err, "out of memory");
+    b->job->n = bytes / sizeof(uint64_t);
+    b->job->buf = malloc(b->job->n * sizeof(uint64_t));
+    if (!b->job->buf) {
+        bw_probe_free(b);
+        return err_set(err, "out of memory for a %zu MiB bandwidth buffer", bytes >> 20);
     }
-    if (pool_init(&p, threads, err) != AE_OK) goto out;
-    pool_run(p, bw_fill, j, threads);
-    double best = 0;
-    for (int r = 0; r < runs; r++) {
-        double t0 = cli_now_seconds();
-        pool_run(p, bw_sum, j, threads);
-        double t = cli_now_seconds() - t0;
-        if (t > 0 && (double)(j->n * sizeof(uint64_t)) / t > best) best = (double)(j->n * sizeof(uint64_t)) / t;
+    if (pool_init(&b->pool, threads, err) != AE_OK) {
+        bw_probe_free(b);
+        return AE_ERR;
     }
+    pool_run(b->pool, bw_fill, b->job, threads);
+    return AE_OK;
+}
+
+/* Read bandwidth of one pass over the buffer, in bytes per second. */
+static double bw_probe_pass(bw_probe *b) {
+    double t0 = cli_now_seconds();
+    pool_run(b->pool, bw_sum, b->job, b->threads);
+    double t = cli_now_seconds() - t0;
     uint64_t check = 0;
-    for (int t = 0; t < threads; t++) check += j->sums[t];
+    for (int i = 0; i < b->threads; i++) check += b->job->sums[i];
     LOG_DEBUGF("bench bandwidth_checksum=%llu", (unsigned long long)check);
-    *out = best;
-    rc = AE_OK;
-out:
-    pool_free(p);
-    if (j) free(j->buf);
-    free(j);
-    return rc;
+    return t > 0 ? (double)(b->job->n * sizeof(uint64_t)) / t : 0;
+}
+
+static double median_of(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cli_cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 static int64_t auto_bandwidth_mib(void) {
@@ -227,6 +250,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int threads = (int)cfg_int(c, "threads"), reps = (int)cfg_int(c, "repeat");
     model *m = NULL;
     bench b = {0};
+    bw_probe probe = {0};
     double *times = NULL;
     int rc = CLI_EXIT_USAGE;
     if (!path) return err_set(err, "no model given (use --model FILE)"), CLI_EXIT_USAGE;
@@ -241,9 +265,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     /* Before the engine exists, so its KV cache does not share the memory. */
-    double bandwidth = 0;
-    if (measure_bandwidth((size_t)cfg_int(c, "bandwidth-mib") << 20, threads, reps, &bandwidth, err) != AE_OK)
-        goto out;
+    if (bw_probe_init(&probe, (size_t)cfg_int(c, "bandwidth-mib") << 20, threads, err) != AE_OK) goto out;
+    double bw_best = 0;
+    for (int r = 0; r < reps; r++) {
+        double bw = bw_probe_pass(&probe);
+        if (bw > bw_best) bw_best = bw;
+    }
     int32_t block = 16, blocks_per_seq = (seq_len + block - 1) / block;
     /* The batch's sequences, and one more for warm-up and verification. */
     eng_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block, threads};
@@ -280,18 +307,29 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     double t0 = cli_now_seconds();
     if (prefill(&b, b.seqs, batch, b.prompts, n_prompt, b.next, err) != AE_OK) goto out;
     double t_prefill = cli_now_seconds() - t0;
-    t0 = cli_now_seconds();
-    for (int32_t i = 0; i < n_gen; i++)
-        if (decode_step(&b, err) != AE_OK) goto out;
-    double t_decode = cli_now_seconds() - t0;
-    /* Measured again right after decoding: this machine's bandwidth moves
-     * with its neighbours' load (35 to 57 GB/s seen in one hour), and the
-     * roofline takes the higher of the two, so the fraction errs low. */
-    double bandwidth_after = 0;
-    if (measure_bandwidth((size_t)cfg_int(c, "bandwidth-mib") << 20, threads, reps, &bandwidth_after, err) != AE_OK)
-        goto out;
-    double bandwidth_before = bandwidth;
-    if (bandwidth_after > bandwidth) bandwidth = bandwidth_after;
+    /* Decode runs in windows, each followed by one pass of the bandwidth
+     * probe. This host's bandwidth jumps between ~35 and ~56 GB/s as its
+     * neighbours' load changes, every few seconds; a window's decode rate
+     * is compared with the bandwidth read right after it, and the fraction
+     * reported is the median over windows. The fraction against the best
+     * reading of the whole run is reported too. */
+    int n_win = n_gen < BENCH_WINDOWS ? n_gen : BENCH_WINDOWS;
+    double win_frac[BENCH_WINDOWS], win_bw[BENCH_WINDOWS], t_decode = 0;
+    size_t weight_bytes = model_decode_bytes(m);
+    for (int w = 0; w < n_win; w++) {
+        int32_t steps = n_gen * (w + 1) / n_win - n_gen * w / n_win;
+        t0 = cli_now_seconds();
+        for (int32_t i = 0; i < steps; i++)
+            if (decode_step(&b, err) != AE_OK) goto out;
+        double t = cli_now_seconds() - t0;
+        t_decode += t;
+        win_bw[w] = bw_probe_pass(&probe);
+        if (win_bw[w] > bw_best) bw_best = win_bw[w];
+        win_frac[w] = (double)steps / t / (win_bw[w] / (double)weight_bytes);
+    }
+    double win_in_order[BENCH_WINDOWS];
+    memcpy(win_in_order, win_frac, sizeof win_frac);
+    double frac = median_of(win_frac, n_win), bandwidth = median_of(win_bw, n_win);
 
     /* Sizes interleaved, so drift in the machine's speed hits them alike. */
     for (int r = 0; r < reps; r++)
@@ -304,7 +342,6 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                              : 0.5 * (times[k * reps + reps / 2 - 1] + times[k * reps + reps / 2]);
     }
 
-    size_t weight_bytes = model_decode_bytes(m);
     double step_rate = round_to((double)n_gen / t_decode, 1e3);
     double roofline = round_to(bandwidth / (double)weight_bytes, 1e3);
     cJSON *o = cJSON_CreateObject(), *vc = NULL;
@@ -323,11 +360,15 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_AddNumberToObject(o, "decode_step_per_s", step_rate);
     cJSON_AddNumberToObject(o, "weight_bytes_per_step", (double)weight_bytes);
     cJSON_AddNumberToObject(o, "bandwidth_gb_per_s", round_to(bandwidth / 1e9, 1e3));
-    cJSON_AddNumberToObject(o, "bandwidth_before_gb_per_s", round_to(bandwidth_before / 1e9, 1e3));
-    cJSON_AddNumberToObject(o, "bandwidth_after_gb_per_s", round_to(bandwidth_after / 1e9, 1e3));
+    cJSON_AddNumberToObject(o, "bandwidth_best_gb_per_s", round_to(bw_best / 1e9, 1e3));
     cJSON_AddNumberToObject(o, "bandwidth_mib", (double)cfg_int(c, "bandwidth-mib"));
     cJSON_AddNumberToObject(o, "roofline_tok_per_s", roofline);
-    cJSON_AddNumberToObject(o, "roofline_fraction", round_to(step_rate / roofline, 1e4));
+    cJSON_AddNumberToObject(o, "roofline_fraction", round_to(frac, 1e4));
+    cJSON *windows = cJSON_AddArrayToObject(o, "roofline_fraction_windows");
+    for (int w = 0; windows && w < n_win; w++)
+        cJSON_AddItemToArray(windows, cJSON_CreateNumber(round_to(win_in_order[w], 1e4)));
+    cJSON_AddNumberToObject(o, "roofline_fraction_vs_best",
+                            round_to(step_rate / (bw_best / (double)weight_bytes), 1e4));
     cJSON_AddNumberToObject(o, "verify_context", n_prompt);
     cJSON_AddNumberToObject(o, "verify_1_ms", round_to(median[0] * 1e3, 1e3));
     cJSON_AddItemToObject(o, "verify_cost", vc = cJSON_CreateObject());
@@ -347,6 +388,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_free(line);
     rc = 0;
 out:
+    bw_probe_free(&probe);
     free(times);
     free(b.logits);
     free(b.items);
