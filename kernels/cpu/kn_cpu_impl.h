@@ -89,6 +89,8 @@ void kn_qmatmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up,
 #define KN_QX_PLANES 64 /* bytes of planes per block */
 size_t kn_qx_row_bytes(int64_t k);
 void kn_qx_quantize(const float *x, int64_t k, uint8_t *row);
+/* The same with AVX-512, the same bytes (kn_qmatmul_avx512.c). */
+void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row);
 
 typedef struct kn_qx {
     const int8_t *planes; /* [nb][64] */

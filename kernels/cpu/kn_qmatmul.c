@@ -52,6 +52,10 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k) {
 static float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
 void kn_qx_quantize(const float *x, int64_t k, uint8_t *row) {
+    if (kn_cpu_use_avx512vnni()) {
+        kn_qx_quantize_avx512(x, k, row);
+        return;
+    }
     int64_t nb = k / KN_QK;
     size_t off = (size_t)nb * KN_QX_PLANES;
     float *sx = (float *)(void *)(row + off);

@@ -112,10 +112,65 @@ void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, fl
     set[tm - 1](w, g, qx, y, ldy);
 }
 
+/* kn_qx_quantize's steps on 16 lanes: the products x * inv, the
+ * round-to-even by adding and subtracting 1.5 * 2^23, the clamp and the
+ * split are the same IEEE and integer operations, so the bytes are the
+ * portable code's. */
+TGT void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
+    int64_t nb = k / KN_QK;
+    size_t off = (size_t)nb * KN_QX_PLANES;
+    float *sx = (float *)(void *)(row + off);
+    float *xs = sx + nb;
+    int32_t *isx = (int32_t *)(void *)(xs + nb);
+    const __m512 magic = _mm512_set1_ps(12582912.0f), big = _mm512_set1_ps(3.0e38f);
+    const __m512i lim = _mm512_set1_epi32(KN_QX_MAX), half = _mm512_set1_epi32(64);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * KN_QK;
+        int8_t *hi = (int8_t *)row + b * KN_QX_PLANES, *lo = hi + KN_QK;
+        __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+        /* finite: every |x| <= 3e38 (false for inf and NaN) */
+        bool finite = (__mmask16)(_mm512_cmp_ps_mask(a0, big, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, big, _CMP_LE_OQ)) ==
+                      (__mmask16)0xffff;
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        if (!finite || amax == 0.0f) {
+            memset(hi, 0, KN_QX_PLANES);
+            sx[b] = finite ? 0.0f : __builtin_nanf("");
+            isx[b] = 0;
+            xs[b] = sx[b] * 0.0f;
+            continue;
+        }
+        float inv = (float)KN_QX_MAX / amax;
+        sx[b] = amax / (float)KN_QX_MAX;
+        __m512 vi = _mm512_set1_ps(inv);
+        __m512 r0 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v0, vi), magic), magic);
+        __m512 r1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v1, vi), magic), magic);
+        __m512i i0 = _mm512_cvttps_epi32(r0), i1 = _mm512_cvttps_epi32(r1);
+        i0 = _mm512_max_epi32(_mm512_min_epi32(i0, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        i1 = _mm512_max_epi32(_mm512_min_epi32(i1, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
+        __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(i0, half), 7);
+        __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(i1, half), 7);
+        __m512i l0 = _mm512_sub_epi32(i0, _mm512_slli_epi32(h0, 7));
+        __m512i l1 = _mm512_sub_epi32(i1, _mm512_slli_epi32(h1, 7));
+        _mm_storeu_si128((__m128i *)(void *)hi, _mm512_cvtepi32_epi8(h0));
+        _mm_storeu_si128((__m128i *)(void *)(hi + 16), _mm512_cvtepi32_epi8(h1));
+        _mm_storeu_si128((__m128i *)(void *)lo, _mm512_cvtepi32_epi8(l0));
+        _mm_storeu_si128((__m128i *)(void *)(lo + 16), _mm512_cvtepi32_epi8(l1));
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        isx[b] = sum;
+        xs[b] = sx[b] * (float)sum;
+    }
+}
+
 #else /* not x86-64: kn_cpu_use_avx512vnni is always false */
 
 void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {
     (void)w, (void)g, (void)qx, (void)tm, (void)y, (void)ldy;
+    AE_ASSERT(!"no AVX-512 kernel on this architecture");
+}
+
+void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
+    (void)x, (void)k, (void)row;
     AE_ASSERT(!"no AVX-512 kernel on this architecture");
 }
 
