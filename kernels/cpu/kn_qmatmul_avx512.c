@@ -58,7 +58,11 @@ INL void qgroup(ggml_type t, int TM, const kn_weight *w, int64_t g, const kn_qx 
 #pragma GCC unroll 8
     for (int r = 0; r < TM; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, p += pb) {
-        for (size_t i = 0; i < pb; i += 64) _mm_prefetch((const char *)p + KN_PF_DIST + i, _MM_HINT_T0);
+        /* Several tokens make a block slow enough to be worth fetching
+         * ahead (prefill 1044 vs 872 tok/s); one token streams faster on
+         * the hardware prefetcher alone (576x1536: 19.3 vs 21.5 us). */
+        if (TM > 1)
+            for (size_t i = 0; i < pb; i += 64) _mm_prefetch((const char *)p + KN_PF_DIST + i, _MM_HINT_T0);
         __m512i q[8];
         load_q(t, p, q);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + doff)));
