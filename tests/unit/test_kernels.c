@@ -661,7 +661,7 @@ static void attention_matches_reference_with_gqa_and_paged_blocks(void **state) 
 /* Few tokens split their chunks over the threads and keep the partials in
  * the workspace; without room for them the same tokens take the other
  * way. Both give the same bits (kernels.h fixes the chunk merge), with 1
- * to 3 threads. */
+ * to 3 threads, and so does the portable build. */
 static void attention_split_and_walk_agree_bitwise(void **state) {
     (void)state;
     static kv_fixture f;
@@ -685,6 +685,12 @@ static void attention_split_and_walk_agree_bitwise(void **state) {
             assert_same_bits(split, walk, (size_t)m * NH * HD, what);
         }
     }
+    /* The portable build of the same code gives the same bits. */
+    map.m = 2;
+    kn_cpu_force_scalar(true);
+    kn_attention(F.streams[2], &f.pool, &map, q, split, NH);
+    kn_cpu_force_scalar(false);
+    assert_same_bits(split, walk, (size_t)2 * NH * HD, "portable");
     kn_stream_free(bare);
 }
 
@@ -707,7 +713,7 @@ static void kv_write_stores_rows_at_their_slots(void **state) {
 }
 
 /* The tree-vs-decode case. Sequence 0 has 70 committed slots (past the
- * first chunk of 64). A tree node at depth 3 has its ancestors and itself
+ * first two chunks of 32). A tree node at depth 3 has its ancestors and itself
  * in scratch slots 100, 104, 110; after acceptance the same rows sit at
  * slots 70, 71, 72 and the token decodes with n_prefix = 73. Both see the
  * same keys in the same order: bitwise equal, whatever else is in the
