@@ -179,7 +179,16 @@ void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t coun
 
 static void swiglu_row(const rows_job *job, int64_t r) {
     int64_t lo = r * job->n, hi = lo + job->n;
-    for (int64_t i = lo; i < hi; i++) job->y[i] = kn_swiglu1(job->a[i], job->b[i]);
+    kn_swiglu_span(job->a + lo, job->b + lo, job->y + lo, hi - lo);
+}
+
+void kn_swiglu_span(const float *g, const float *u, float *y, int64_t n) {
+    int64_t i = 0;
+    if (kn_cpu_use_avx512vnni()) {
+        i = n / 16 * 16;
+        kn_swiglu_avx512(g, u, y, i);
+    }
+    for (; i < n; i++) y[i] = kn_swiglu1(g[i], u[i]);
 }
 
 void kn_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {

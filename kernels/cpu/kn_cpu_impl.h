@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "../../services/core/pool.h"
 #include "../kernels.h"
@@ -16,11 +17,53 @@ struct kn_stream {
     size_t work_bytes;
 };
 
-/* One element of kn_swiglu: silu(g) * u, silu(g) = g / (1 + exp(-g)).
- * kn_swiglu and the fused gate/up matmul both use it, so they agree. */
-static inline float kn_swiglu1(float g, float u) {
-    return g / (1.0f + expf(-g)) * u;
+/* e^x for x in [-87, 88] (clamped there; NaN stays NaN), within 2 ulp
+ * of expf, in plain IEEE operations that the AVX-512 kernels repeat lane
+ * by lane (libm's expf is a call per element): x = n ln2 + r with
+ * |r| <= ln2 / 2, e^r by its Taylor series to r^7 (error < 6e-9), times
+ * 2^n built in the exponent field. */
+static inline float kn_exp(float x) {
+    if (x != x) return x;
+    float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float t = xc * 1.44269504f;
+    float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float nh = n * 0.693145752f;               /* ln2's high part: exact for |n| <= 127 */
+    float r = xc - nh;
+    float nl = n * 1.42860677e-06f; /* ln2's low part */
+    r = r - nl;
+    float pq = r * (1.0f / 5040.0f);
+    pq = pq + 1.0f / 720.0f;
+    pq = pq * r;
+    pq = pq + 1.0f / 120.0f;
+    pq = pq * r;
+    pq = pq + 1.0f / 24.0f;
+    pq = pq * r;
+    pq = pq + 1.0f / 6.0f;
+    pq = pq * r;
+    pq = pq + 0.5f;
+    pq = pq * r;
+    pq = pq + 1.0f;
+    pq = pq * r;
+    pq = pq + 1.0f;
+    int32_t e = ((int32_t)n + 127) * (1 << 23);
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return pq * scale;
 }
+
+/* One element of kn_swiglu: silu(g) * u, silu(g) = g / (1 + e^-g). The
+ * portable code and kn_swiglu_avx512 take the same steps. */
+static inline float kn_swiglu1(float g, float u) {
+    float e = kn_exp(-g);
+    float den = 1.0f + e;
+    float s = g / den;
+    return s * u;
+}
+
+/* y[i] = kn_swiglu1(g[i], u[i]) for i < n, with AVX-512 where the CPU has
+ * it (kn_cpu.c). */
+void kn_swiglu_span(const float *g, const float *u, float *y, int64_t n);
+void kn_swiglu_avx512(const float *g, const float *u, float *y, int64_t n);
 
 /* true when the AVX2 kernels run (CPU support and not forced off). */
 bool kn_cpu_use_avx2(void);

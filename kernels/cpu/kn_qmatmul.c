@@ -256,7 +256,7 @@ static void qmm_task(void *ctx, int task, int n_tasks) {
             for (int64_t r = 0; r < job->m; r++) {
                 float *yg = job->y[0] + r * g->rows;
                 const float *yu = job->y[1] + r * g->rows;
-                for (int64_t j = j0; j < j1; j++) yg[j] = kn_swiglu1(yg[j], yu[j]);
+                kn_swiglu_span(yg + j0, yu + j0, yg + j0, j1 - j0);
             }
         }
         return;

@@ -166,6 +166,34 @@ TGT void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
     }
 }
 
+/* kn_exp and kn_swiglu1 (kn_cpu_impl.h) on 16 lanes, step for step. */
+INL __m512 exp16(__m512 x) {
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    xc = _mm512_mask_mov_ps(xc, nan, _mm512_setzero_ps());
+    __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f));
+    __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
+    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-06f)));
+    __m512 pq = _mm512_mul_ps(r, _mm512_set1_ps(1.0f / 5040.0f));
+    pq = _mm512_add_ps(pq, _mm512_set1_ps(1.0f / 720.0f));
+    static const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 6; i++) pq = _mm512_add_ps(_mm512_mul_ps(pq, r), _mm512_set1_ps(c[i]));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(pq, _mm512_castsi512_ps(e));
+    return _mm512_mask_mov_ps(y, nan, x);
+}
+
+TGT void kn_swiglu_avx512(const float *g, const float *u, float *y, int64_t n) {
+    for (int64_t i = 0; i + 16 <= n; i += 16) {
+        __m512 gv = _mm512_loadu_ps(g + i);
+        __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(INT32_MIN)));
+        __m512 e = exp16(neg);
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+}
+
 #else /* not x86-64: kn_cpu_use_avx512vnni is always false */
 
 void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {
@@ -175,6 +203,11 @@ void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, fl
 
 void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
     (void)x, (void)k, (void)row;
+    AE_ASSERT(!"no AVX-512 kernel on this architecture");
+}
+
+void kn_swiglu_avx512(const float *g, const float *u, float *y, int64_t n) {
+    (void)g, (void)u, (void)y, (void)n;
     AE_ASSERT(!"no AVX-512 kernel on this architecture");
 }
 

@@ -487,6 +487,50 @@ static void add_swiglu_and_bias_match_reference(void **state) {
     free(y);
 }
 
+/* SwiGLU's exponential is the same polynomial on every path: the SIMD and
+ * portable builds agree bit for bit, over a sweep of values and the edges
+ * (zeros, tiny and huge magnitudes, infinities, NaN). kn_matmul_swiglu
+ * gives the bits of its three separate calls. */
+static void swiglu_paths_agree_bitwise(void **state) {
+    (void)state;
+    enum { N = 4099 };
+    static float g[N], u[N], fast[N], slow[N];
+    for (int i = 0; i < N; i++) {
+        g[i] = (float)(i - N / 2) * 0.047f;
+        u[i] = rndf() * 3.0f;
+    }
+    const float edge[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 87.5f, -87.5f, 88.7f, -88.7f, 200.0f, -200.0f,
+                          INFINITY, -INFINITY, NAN};
+    for (size_t i = 0; i < sizeof edge / sizeof edge[0]; i++) g[100 + i] = edge[i];
+    kn_swiglu(F.streams[2], g, u, fast, N);
+    kn_cpu_force_scalar(true);
+    kn_swiglu(F.streams[2], g, u, slow, N);
+    kn_cpu_force_scalar(false);
+    assert_same_bits(fast, slow, N, "swiglu simd vs portable");
+    for (int i = 0; i < N; i++) {
+        if (isnan(g[i])) continue;
+        double want = (double)g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+        /* e^-g is clamped at e^88, so silu(g < -88) is ~1e-36, not ~0. */
+        if (fabs(fast[i] - want) > 4e-7 * fabs(want) + 1e-34)
+            fail_msg("swiglu(%.9g, %.9g) = %.9g, reference %.9g", (double)g[i], (double)u[i], (double)fast[i], want);
+    }
+    assert_true(isnan(fast[112]));
+
+    int64_t k = 96, m = 5;
+    test_weight wg = make_weight(GGML_TYPE_Q4_1, 48, k), wu = make_weight(GGML_TYPE_Q4_1, 48, k);
+    pack_weight(&wg);
+    pack_weight(&wu);
+    float x[5 * 96], yg[5 * 48], yu[5 * 48], sg[5 * 48], su[5 * 48];
+    fill(x, sizeof x / sizeof x[0], 1.5f);
+    kn_matmul_swiglu(F.streams[2], &wg.w, &wu.w, x, yg, yu, m);
+    kn_matmul(F.streams[2], &wg.w, x, sg, m);
+    kn_matmul(F.streams[2], &wu.w, x, su, m);
+    kn_swiglu(F.streams[2], sg, su, sg, m * 48);
+    assert_same_bits(yg, sg, sizeof yg / sizeof yg[0], "fused swiglu");
+    free_weight(&wg);
+    free_weight(&wu);
+}
+
 static void softmax_rows_sum_to_one_and_match_reference(void **state) {
     (void)state;
     enum { M = 2, N = 300 };
@@ -854,6 +898,7 @@ int main(void) {
         cmocka_unit_test(matmul_column_shard_reads_only_its_blocks),
         cmocka_unit_test(rmsnorm_matches_reference),
         cmocka_unit_test(add_swiglu_and_bias_match_reference),
+        cmocka_unit_test(swiglu_paths_agree_bitwise),
         cmocka_unit_test(softmax_rows_sum_to_one_and_match_reference),
         cmocka_unit_test(argmax_takes_lowest_index_of_ties_and_skips_nan),
         cmocka_unit_test(embed_dequantizes_the_rows_of_the_ids),
