@@ -66,9 +66,11 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
  * IEEE operation, so the portable build (two SSE halves) and the AVX2
  * build (one register) give the same bits. */
 typedef float v8f __attribute__((vector_size(32)));
-#if defined(__GNUC__) && !defined(__clang__)
 /* The helpers taking and returning v8f are always inlined, so no call
- * passes one: the ABI note GCC gives for the portable build is moot. */
+ * passes one: the ABI note compilers give for the portable build is moot. */
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 typedef int32_t v8i __attribute__((vector_size(32)));
