@@ -91,31 +91,14 @@ AI float tree8(v8f a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) 
 AI v8f select8(v8i mask, v8f yes, v8f no) { return (v8f)(((v8i)yes & mask) | ((v8i)no & ~mask)); }
 
 /* e^x for x <= 0 (attention only takes exp of a score minus the running
- * maximum), within 2 ulp of expf, in plain operations so that it
- * vectorizes and every build gives the same bits (libm's expf is a call
- * per element). x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
- * series to r^7 (error < 6e-9), times 2^n built in the exponent field.
- * Below -87 (2^n would be subnormal) the result is 0, so -inf gives 0;
- * NaN gives NaN. */
+ * maximum) with KN_EXP_CORE, 8 lanes at a time. Below -87 (2^n would be
+ * subnormal) the result is 0, so -inf gives 0; NaN gives NaN. */
+#define CVT8(n) __builtin_convertvector((n), v8i)
 AI v8f exp_neg8(v8f x) {
     const v8f lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
     v8i under = x < lo, nan = x != x;
-    v8f xc = select8(under, lo, x);
-    v8f t = xc * 1.44269504f;
-    v8f n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
-    v8f nh = n * 0.693145752f;               /* ln2's high part: exact for |n| <= 126 */
-    v8f r = xc - nh;
-    v8f nl = n * 1.42860677e-06f; /* ln2's low part */
-    r = r - nl;
-    v8f pq = r * (1.0f / 5040.0f);
-    pq = pq + 1.0f / 720.0f;
-    static const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 6; i++) {
-        pq = pq * r;
-        pq = pq + c[i];
-    }
-    v8i e = (__builtin_convertvector(select8(nan, lo, n), v8i) + 127) << 23;
-    v8f y = pq * (v8f)e;
+    v8f xc = select8(under | nan, lo, x), y;
+    KN_EXP_CORE(v8f, v8i, CVT8, xc, y);
     y = (v8f)((v8i)y & ~under);
     return select8(nan, x, y);
 }

@@ -17,38 +17,49 @@ struct kn_stream {
     size_t work_bytes;
 };
 
-/* e^x for x in [-87, 88] (clamped there; NaN stays NaN), within 2 ulp
- * of expf, in plain IEEE operations that the AVX-512 kernels repeat lane
- * by lane (libm's expf is a call per element): x = n ln2 + r with
- * |r| <= ln2 / 2, e^r by its Taylor series to r^7 (error < 6e-9), times
- * 2^n built in the exponent field. */
+/* The core of every exponential in the kernels, for xc in [-87, 88]:
+ * xc = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
+ * (error < 6e-9), times 2^n built in the exponent field; within 2 ulp of
+ * expf. F is float or a GCC vector of floats, I the int type of the same
+ * shape, CVT converts an integral F to I. Written once so that the scalar
+ * and vector callers take the same IEEE steps lane by lane (libm's expf
+ * is a call per element and cannot vectorize). */
+#define KN_EXP_CORE(F, I, CVT, xc, out)                                                  \
+    do {                                                                                 \
+        F t_ = (xc) * 1.44269504f;                                                       \
+        F n_ = (t_ + 12582912.0f) - 12582912.0f; /* round to nearest */                  \
+        F nh_ = n_ * 0.693145752f;                /* ln2's high part: exact, |n| <= 127 */ \
+        F r_ = (xc) - nh_;                                                               \
+        F nl_ = n_ * 1.42860677e-06f; /* ln2's low part */                               \
+        r_ = r_ - nl_;                                                                   \
+        F p_ = r_ * (1.0f / 5040.0f);                                                    \
+        p_ = p_ + 1.0f / 720.0f;                                                         \
+        p_ = p_ * r_;                                                                    \
+        p_ = p_ + 1.0f / 120.0f;                                                         \
+        p_ = p_ * r_;                                                                    \
+        p_ = p_ + 1.0f / 24.0f;                                                          \
+        p_ = p_ * r_;                                                                    \
+        p_ = p_ + 1.0f / 6.0f;                                                           \
+        p_ = p_ * r_;                                                                    \
+        p_ = p_ + 0.5f;                                                                  \
+        p_ = p_ * r_;                                                                    \
+        p_ = p_ + 1.0f;                                                                  \
+        p_ = p_ * r_;                                                                    \
+        p_ = p_ + 1.0f;                                                                  \
+        I e_ = (CVT(n_) + 127) << 23; /* n + 127 in [1, 254] */                          \
+        F s_;                                                                            \
+        memcpy(&s_, &e_, sizeof s_);                                                     \
+        (out) = p_ * s_;                                                                 \
+    } while (0)
+
+#define KN_CVT_SCALAR(n) ((int32_t)(n))
+
+/* e^x, x clamped to [-87, 88]; NaN stays NaN. */
 static inline float kn_exp(float x) {
     if (x != x) return x;
-    float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float t = xc * 1.44269504f;
-    float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
-    float nh = n * 0.693145752f;               /* ln2's high part: exact for |n| <= 127 */
-    float r = xc - nh;
-    float nl = n * 1.42860677e-06f; /* ln2's low part */
-    r = r - nl;
-    float pq = r * (1.0f / 5040.0f);
-    pq = pq + 1.0f / 720.0f;
-    pq = pq * r;
-    pq = pq + 1.0f / 120.0f;
-    pq = pq * r;
-    pq = pq + 1.0f / 24.0f;
-    pq = pq * r;
-    pq = pq + 1.0f / 6.0f;
-    pq = pq * r;
-    pq = pq + 0.5f;
-    pq = pq * r;
-    pq = pq + 1.0f;
-    pq = pq * r;
-    pq = pq + 1.0f;
-    int32_t e = ((int32_t)n + 127) * (1 << 23);
-    float scale;
-    memcpy(&scale, &e, sizeof scale);
-    return pq * scale;
+    float xc = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x, y;
+    KN_EXP_CORE(float, int32_t, KN_CVT_SCALAR, xc, y);
+    return y;
 }
 
 /* One element of kn_swiglu: silu(g) * u, silu(g) = g / (1 + e^-g). The

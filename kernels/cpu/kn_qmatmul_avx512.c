@@ -167,30 +167,31 @@ TGT void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
 }
 
 /* kn_exp and kn_swiglu1 (kn_cpu_impl.h) on 16 lanes, step for step. */
-INL __m512 exp16(__m512 x) {
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    xc = _mm512_mask_mov_ps(xc, nan, _mm512_setzero_ps());
-    __m512 t = _mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f));
-    __m512 n = _mm512_sub_ps(_mm512_add_ps(t, _mm512_set1_ps(12582912.0f)), _mm512_set1_ps(12582912.0f));
-    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f)));
-    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-06f)));
-    __m512 pq = _mm512_mul_ps(r, _mm512_set1_ps(1.0f / 5040.0f));
-    pq = _mm512_add_ps(pq, _mm512_set1_ps(1.0f / 720.0f));
-    static const float c[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    for (int i = 0; i < 6; i++) pq = _mm512_add_ps(_mm512_mul_ps(pq, r), _mm512_set1_ps(c[i]));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 y = _mm512_mul_ps(pq, _mm512_castsi512_ps(e));
-    return _mm512_mask_mov_ps(y, nan, x);
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define CVT16(n) __builtin_convertvector((n), v16i)
+
+INL v16f select16(v16i mask, v16f yes, v16f no) { return (v16f)(((v16i)yes & mask) | ((v16i)no & ~mask)); }
+
+INL v16f exp16(v16f x) {
+    const v16f lo = (v16f){0} - 87.0f, hi = (v16f){0} + 88.0f;
+    v16i nan = x != x;
+    v16f xc = select16(x < lo, lo, select16(x > hi, hi, x)), y;
+    xc = select16(nan, lo, xc);
+    KN_EXP_CORE(v16f, v16i, CVT16, xc, y);
+    return select16(nan, x, y);
 }
 
 TGT void kn_swiglu_avx512(const float *g, const float *u, float *y, int64_t n) {
     for (int64_t i = 0; i + 16 <= n; i += 16) {
-        __m512 gv = _mm512_loadu_ps(g + i);
-        __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(INT32_MIN)));
-        __m512 e = exp16(neg);
-        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        _mm512_storeu_ps(y + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+        v16f gv, uv;
+        memcpy(&gv, g + i, sizeof gv);
+        memcpy(&uv, u + i, sizeof uv);
+        v16f e = exp16(-gv);
+        v16f den = 1.0f + e;
+        v16f sv = gv / den;
+        v16f out = sv * uv;
+        memcpy(y + i, &out, sizeof out);
     }
 }
 
