@@ -3,7 +3,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "../services/core/mem.h"
 #include "../services/model/gguf.h"
@@ -33,28 +35,42 @@ static float *own_floats(model *m, uint64_t n, ae_error *err) {
     return buf;
 }
 
+/* Once a matrix is packed, the forward pass reads its file bytes only for
+ * rows past the last whole group of 16 (none in the default model). The
+ * pages packing touched are dropped from this process (they stay in the
+ * page cache, clean and reclaimable, and fault back in if read), so the
+ * resident weights are the packed copy the memory plan counts, not twice
+ * that. Only whole pages inside the matrix's bytes are dropped. */
+static void drop_file_pages(const model *m, const kn_weight *w) {
+    if (!m->gguf) return; /* safetensors weights were converted, not mapped here */
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) return;
+    uintptr_t a = (uintptr_t)w->data, b = a + (size_t)w->rows * w->row_bytes;
+    uintptr_t lo = (a + (uintptr_t)page - 1) & ~((uintptr_t)page - 1), hi = b & ~((uintptr_t)page - 1);
+    if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_DONTNEED); /* a hint; failure is harmless */
+}
+
 /* Every quantized matrix the forward pass multiplies gets the SIMD
  * layout (kn_weight_pack). The copy replaces the file's bytes as what a
  * step reads, and it is the same size, so weight_bytes does not change. */
+static int pack_one(model *m, kn_weight *w, ae_error *err) {
+    size_t bytes = kn_weight_packed_bytes(w);
+    if (bytes == 0) return AE_OK;
+    void *buf = own_bytes(m, bytes, err);
+    if (!buf) return AE_ERR;
+    kn_weight_pack(w, buf);
+    drop_file_pages(m, w);
+    return AE_OK;
+}
+
 static int pack_weights(model *m, ae_error *err) {
     for (int32_t i = 0; i < m->cfg.n_layers; i++) {
         model_layer *l = &m->layers[i];
         kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
-        for (int j = 0; j < 7; j++) {
-            size_t bytes = kn_weight_packed_bytes(w[j]);
-            if (bytes == 0) continue;
-            void *buf = own_bytes(m, bytes, err);
-            if (!buf) return AE_ERR;
-            kn_weight_pack(w[j], buf);
-        }
+        for (int j = 0; j < 7; j++)
+            if (pack_one(m, w[j], err) != AE_OK) return AE_ERR;
     }
-    size_t bytes = kn_weight_packed_bytes(&m->output);
-    if (bytes) {
-        void *buf = own_bytes(m, bytes, err);
-        if (!buf) return AE_ERR;
-        kn_weight_pack(&m->output, buf);
-    }
-    return AE_OK;
+    return pack_one(m, &m->output, err);
 }
 
 void model_free(model *m) {

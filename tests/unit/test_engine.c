@@ -279,6 +279,36 @@ static void test_commit_path_must_be_a_chain_of_the_last_tree(void **state) {
     eng_free(e);
 }
 
+/* kB of this process's file-backed resident pages (/proc/self/status). */
+static long rss_file_kb(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return -1;
+    char line[256];
+    long kb = -1;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "RssFile: %ld kB", &kb) == 1) break;
+    fclose(f);
+    return kb;
+}
+
+/* Loading packs every quantized matrix and drops the file pages packing
+ * read, so the process holds the weights once (the packed copy the memory
+ * plan counts), not twice. Loading the model again here would add ~94 MiB
+ * of file pages without that. */
+static void test_load_keeps_the_weights_resident_once(void **state) {
+    (void)state;
+    long before = rss_file_kb();
+    if (before < 0) skip();
+    model *m2;
+    ae_error err = {0};
+    if (model_load(&m2, MODEL_PATH, &err) != AE_OK) fail_msg("%s", err.msg);
+    long after = rss_file_kb();
+    size_t weights_kb = mdl->weight_bytes / 1024;
+    print_message("file pages: %ld kB before load, %ld kB after; weights %zu kB\n", before, after, weights_kb);
+    assert_true(after - before < (long)(weights_kb / 10));
+    model_free(m2);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_prefill_equals_token_by_token_decode),
@@ -288,6 +318,7 @@ int main(void) {
         cmocka_unit_test(test_capture_is_three_layer_inputs_and_batch_invariant),
         cmocka_unit_test(test_refused_step_gives_back_the_blocks_it_reserved),
         cmocka_unit_test(test_commit_path_must_be_a_chain_of_the_last_tree),
+        cmocka_unit_test(test_load_keeps_the_weights_resident_once),
     };
     return cmocka_run_group_tests_name("engine", tests, setup, teardown);
 }
