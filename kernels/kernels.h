@@ -56,7 +56,7 @@
  *     same keys in the same order and get identical bits.
  *   - kn_rmsnorm, kn_softmax: sums in double, in element order.
  *   The SIMD paths (AVX2, AVX-512 VNNI) and the portable path give the
- *   same bits; the test suite pins it (kn_cpu_force_scalar).
+ *   same bits; the test suite pins it (kn_cpu_limit_simd).
  *
  * Tensor parallelism
  *   With R ranks, each rank holds a shard of each projection and runs the
@@ -299,8 +299,11 @@ void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count);
 
 /* ---- CPU backend controls ----------------------------------------------- */
 
-/* Test hook: true forces the portable kernels even where AVX2 is present.
- * Process-wide; set it while no op runs. */
+/* Test hooks, process-wide; set them while no op runs.
+ * kn_cpu_limit_simd caps the SIMD level the kernels use: 0 portable,
+ * 1 AVX2, 2 AVX-512 (the default: the best the CPU has).
+ * kn_cpu_force_scalar(true) is a limit of 0, (false) of 2. */
+void kn_cpu_limit_simd(int level);
 void kn_cpu_force_scalar(bool on);
 /* "avx512vnni+avx2", "avx2" or "scalar": the paths ops take now (for the
  * startup log). */

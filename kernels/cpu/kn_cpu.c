@@ -45,9 +45,11 @@ void kn_stream_sync(kn_stream *s) { (void)s; }
 
 int kn_stream_threads(const kn_stream *s) { return pool_threads(s->pool); }
 
-static atomic_bool g_force_scalar;
+static atomic_int g_simd_limit = 2; /* 0 portable, 1 AVX2, 2 AVX-512 */
 
-void kn_cpu_force_scalar(bool on) { atomic_store(&g_force_scalar, on); }
+void kn_cpu_limit_simd(int level) { atomic_store(&g_simd_limit, level < 0 ? 0 : level > 2 ? 2 : level); }
+
+void kn_cpu_force_scalar(bool on) { kn_cpu_limit_simd(on ? 0 : 2); }
 
 /* What the CPU offers never changes, and CPUID is slow (in a VM it traps
  * to the hypervisor), so it is asked once. */
@@ -72,10 +74,10 @@ static bool cpu_has_avx512vnni(void) {
 #endif
 }
 
-/* probe() the first time, its cached answer after; false while forced
- * scalar. */
-static bool use_simd(atomic_int *has, bool (*probe)(void)) {
-    if (atomic_load(&g_force_scalar)) return false;
+/* probe() the first time, its cached answer after; false while the
+ * limit is below `level`. */
+static bool use_simd(atomic_int *has, bool (*probe)(void), int level) {
+    if (atomic_load(&g_simd_limit) < level) return false;
     int h = atomic_load_explicit(has, memory_order_relaxed);
     if (h < 0) {
         h = probe();
@@ -86,9 +88,9 @@ static bool use_simd(atomic_int *has, bool (*probe)(void)) {
 
 static atomic_int g_has_avx2 = -1, g_has_vnni = -1; /* -1: not asked yet */
 
-bool kn_cpu_use_avx2(void) { return use_simd(&g_has_avx2, cpu_has_avx2); }
+bool kn_cpu_use_avx2(void) { return use_simd(&g_has_avx2, cpu_has_avx2, 1); }
 
-bool kn_cpu_use_avx512vnni(void) { return use_simd(&g_has_vnni, cpu_has_avx512vnni); }
+bool kn_cpu_use_avx512vnni(void) { return use_simd(&g_has_vnni, cpu_has_avx512vnni, 2); }
 
 const char *kn_cpu_simd(void) {
     return kn_cpu_use_avx512vnni() ? "avx512vnni+avx2" : kn_cpu_use_avx2() ? "avx2" : "scalar";

@@ -157,5 +157,7 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k);
 /* Tokens [0, tm) (tm <= KN_TILE_M) of quantized x, row r at qx[r], times
  * packed group g of w (rows 16g .. 16g+15), written to y[r * ldy + 16g + i]. */
 void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy);
+/* The same with AVX2 (kn_qmatmul_avx2.c), for CPUs without VNNI. */
+void kn_qgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy);
 
 #endif

@@ -16,7 +16,8 @@
  * split into two signed bytes, hi and lo, and each block costs two
  * dot products per weight byte.
  *
- * This file: x quantization, packing, the portable kernel and the driver. */
+ * This file: x quantization, packing, the portable kernel and the driver;
+ * kn_qmatmul_avx512.c and kn_qmatmul_avx2.c hold the SIMD kernels. */
 #include "kn_cpu_impl.h"
 
 #include <math.h>
@@ -206,7 +207,7 @@ typedef struct qmm_job {
     uint8_t *qx;             /* [m][kn_qx_row_bytes(k)] */
     size_t qx_stride;
     int64_t m;
-    bool vnni;
+    bool vnni, avx2; /* packed groups: AVX-512 VNNI, else AVX2, else portable */
     bool swiglu; /* w[0] gate, w[1] up: y[0] = swiglu(y[0], y[1]) */
 } qmm_job;
 
@@ -228,9 +229,13 @@ static void qmm_rows(const qmm_job *job, const kn_weight *w, float *y_all, int64
         for (int r = 0; r < tm; r++) qx[r] = kn_qx_view(job->qx + (size_t)(r0 + r) * job->qx_stride, k);
         float *y = y_all + r0 * n;
         int64_t j = j0;
-        if (job->vnni && w->packed)
-            for (; j + KN_PACK_ROWS <= j1 && j + KN_PACK_ROWS <= n / KN_PACK_ROWS * KN_PACK_ROWS; j += KN_PACK_ROWS)
-                kn_qgroup_avx512(w, j / KN_PACK_ROWS, qx, tm, y, (size_t)n);
+        if ((job->vnni || job->avx2) && w->packed)
+            for (; j + KN_PACK_ROWS <= j1 && j + KN_PACK_ROWS <= n / KN_PACK_ROWS * KN_PACK_ROWS; j += KN_PACK_ROWS) {
+                if (job->vnni)
+                    kn_qgroup_avx512(w, j / KN_PACK_ROWS, qx, tm, y, (size_t)n);
+                else
+                    kn_qgroup_avx2(w, j / KN_PACK_ROWS, qx, tm, y, (size_t)n);
+            }
         for (; j < j1; j++) {
             const uint8_t *row = (const uint8_t *)w->data + (size_t)j * w->row_bytes;
             for (int r = 0; r < tm; r++) y[(size_t)r * (size_t)n + (size_t)j] = qdot(w->type, row, &qx[r], nb);
@@ -278,7 +283,7 @@ static void qmm_run(kn_stream *s, int n_w, const kn_weight *const *w, const floa
     size_t stride = kn_qx_row_bytes(k);
     AE_ASSERT(s->work_bytes >= (size_t)m * stride);
     qmm_job job = {.n_w = n_w, .x = x, .k = k, .qx = s->work, .qx_stride = stride, .m = m,
-                   .vnni = kn_cpu_use_avx512vnni(), .swiglu = swiglu};
+                   .vnni = kn_cpu_use_avx512vnni(), .avx2 = kn_cpu_use_avx2(), .swiglu = swiglu};
     for (int i = 0; i < n_w; i++) {
         AE_ASSERT(w[i]->cols == k && kn_qmatmul_type(w[i]->type));
         job.w[i] = w[i];

@@ -277,10 +277,10 @@ static float contract_row(ggml_type type, const uint8_t *row, const float *x, in
     return acc;
 }
 
-/* Every path gives the contract's bits: packed (the VNNI kernel where the
- * CPU has it) and the file's layout, SIMD and portable, every tile
- * height. n = 37 is two packed groups and 5 rows read from the file's
- * layout. Row 0 carries extreme scales: a subnormal f16 d, the largest d
+/* Every path gives the contract's bits: packed (the VNNI or the AVX2
+ * kernel, each where the CPU has it) and the file's layout, SIMD and
+ * portable, every tile height. n = 37 is two packed groups and 5 rows
+ * read from the file's layout. Row 0 carries extreme scales: a subnormal f16 d, the largest d
  * with the most negative offset, d = 1 with an offset that rounds. x
  * holds a zero block, a block with one huge outlier and tiny values. */
 static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) {
@@ -308,18 +308,18 @@ static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) 
                 want[r * n + j] = contract_row(types[t], tw.bytes + (size_t)j * tw.w.row_bytes, x + r * k, k);
         for (int packed = 0; packed <= 1; packed++) {
             if (packed) pack_weight(&tw);
-            for (int scalar = 0; scalar <= 1; scalar++) {
-                kn_cpu_force_scalar(scalar);
+            for (int level = 0; level <= 2; level++) { /* portable, AVX2, AVX-512: what the CPU has */
+                kn_cpu_limit_simd(level);
                 for (int64_t m = 1; m <= M; m++) {
                     kn_matmul(F.streams[2], &tw.w, x, got, m);
                     char what[80];
                     snprintf(what, sizeof what, "%s %s %s m=%lld", quant_type_name(types[t]),
-                             packed ? "packed" : "file layout", scalar ? "scalar" : kn_cpu_simd(), (long long)m);
+                             packed ? "packed" : "file layout", kn_cpu_simd(), (long long)m);
                     assert_same_bits(got, want, (size_t)(m * n), what);
                 }
             }
         }
-        kn_cpu_force_scalar(false);
+        kn_cpu_limit_simd(2);
         free_weight(&tw);
     }
     free(x);
@@ -339,8 +339,8 @@ static void quantized_matmul_propagates_nan_and_keeps_zeros(void **state) {
     x[64 + 3] = NAN;
     fill(x + 128, 64, 1.0f);
     x[128 + 40] = INFINITY;
-    for (int scalar = 0; scalar <= 1; scalar++) {
-        kn_cpu_force_scalar(scalar);
+    for (int level = 0; level <= 2; level++) {
+        kn_cpu_limit_simd(level);
         kn_matmul(F.streams[2], &tw.w, x, y, 3);
         for (int64_t j = 0; j < n; j++) {
             assert_true(y[j] == 0.0f && !signbit(y[j]));
@@ -348,7 +348,7 @@ static void quantized_matmul_propagates_nan_and_keeps_zeros(void **state) {
             assert_true(isnan(y[64 + j]));
         }
     }
-    kn_cpu_force_scalar(false);
+    kn_cpu_limit_simd(2);
     free_weight(&tw);
 }
 
