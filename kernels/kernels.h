@@ -54,7 +54,9 @@
  *     multiple of 8. A tree node whose ancestors sit in scratch slots and
  *     the same token decoded after the ancestors were committed see the
  *     same keys in the same order and get identical bits.
- *   - kn_rmsnorm, kn_softmax: sums in double, in element order.
+ *   - kn_rmsnorm: the sum of squares in double over 8 lanes (lane l takes
+ *     elements 8j + l in order), the lane tree, then the tail in order.
+ *   - kn_softmax: sums in double, in element order.
  *   The SIMD paths (AVX2, AVX-512 VNNI) and the portable path give the
  *   same bits; the test suite pins it (kn_cpu_limit_simd).
  *
@@ -221,6 +223,13 @@ int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err);
  * (>= 0). The angle is computed in double and rounded once to f32. */
 void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads,
                    const int32_t *pos);
+
+/* The same in two steps, so that a forward pass computes each token's
+ * cos and sin once for all its layers: kn_rope_table writes
+ * cs[m][head_dim] (cos, sin of pair i at 2i, 2i+1), kn_rope_rotate applies
+ * them. The bits are kn_rope_apply's. */
+void kn_rope_table(const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
+void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
 
 /* ---- paged KV cache and attention --------------------------------------- */
 

@@ -15,25 +15,29 @@ struct llama_ws {
     float *gate;  /* [max_tokens][F] */
     float *up;    /* [max_tokens][F] */
     float *out_x; /* [max_logits][H] rows whose logits are wanted */
+    float *rope;  /* [max_tokens][D] each token's cos and sin, for all layers */
     void *block;  /* one allocation holding all of the above */
 };
 
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Sizes of the workspace buffers, in floats, in declaration order. */
-static void ws_sizes(const model *m, int32_t T, int32_t L, size_t sz[10]) {
+#define WS_BUFS 11
+
+static void ws_sizes(const model *m, int32_t T, int32_t L, size_t sz[WS_BUFS]) {
     const model_config *c = &m->cfg;
     size_t H = (size_t)c->hidden, F = (size_t)c->ffn, QD = (size_t)c->n_heads * (size_t)c->head_dim,
            KD = (size_t)c->n_kv_heads * (size_t)c->head_dim;
     size_t t = (size_t)T;
-    size_t v[10] = {t * H, t * H, t * QD, t * KD, t * KD, t * QD, t * H, t * F, t * F, (size_t)L * H};
+    size_t v[WS_BUFS] = {t * H, t * H, t * QD, t * KD, t * KD, t * QD, t * H, t * F, t * F, (size_t)L * H,
+                         t * (size_t)c->head_dim};
     memcpy(sz, v, sizeof v);
 }
 
 size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
-    size_t sz[10], total = 0;
+    size_t sz[WS_BUFS], total = 0;
     ws_sizes(m, max_tokens, max_logits, sz);
-    for (int i = 0; i < 10; i++) total += round64(sz[i] * sizeof(float));
+    for (int i = 0; i < WS_BUFS; i++) total += round64(sz[i] * sizeof(float));
     return total;
 }
 
@@ -60,11 +64,12 @@ int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t ma
         return err_set(err, "out of memory for a %zu byte workspace", bytes);
     }
     memset(ws->block, 0, bytes);
-    size_t sz[10];
+    size_t sz[WS_BUFS];
     ws_sizes(m, max_tokens, max_logits, sz);
-    float **slots[10] = {&ws->x, &ws->xn, &ws->q, &ws->k, &ws->v, &ws->attn, &ws->proj, &ws->gate, &ws->up, &ws->out_x};
+    float **slots[WS_BUFS] = {&ws->x,    &ws->xn,   &ws->q,  &ws->k,     &ws->v,   &ws->attn,
+                              &ws->proj, &ws->gate, &ws->up, &ws->out_x, &ws->rope};
     char *p = ws->block;
-    for (int i = 0; i < 10; i++) {
+    for (int i = 0; i < WS_BUFS; i++) {
         *slots[i] = (float *)(void *)p;
         p += round64(sz[i] * sizeof(float));
     }
@@ -125,6 +130,7 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
     }
 
     kn_embed(s, &m->tok_embd, b->tokens, ws->x, T);
+    kn_rope_table(&m->rope, b->pos, T, ws->rope);
     for (int32_t li = 0; li < c->n_layers; li++) {
         const model_layer *l = &m->layers[li];
         capture_layer(cap, li, ws->x, H);
@@ -135,8 +141,8 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
         if (l->bq) kn_bias_add(s, ws->q, l->bq, T, QD);
         if (l->bk) kn_bias_add(s, ws->k, l->bk, T, KD);
         if (l->bv) kn_bias_add(s, ws->v, l->bv, T, KD);
-        kn_rope_apply(s, &m->rope, ws->q, T, c->n_heads, b->pos);
-        kn_rope_apply(s, &m->rope, ws->k, T, c->n_kv_heads, b->pos);
+        kn_rope_rotate(s, &m->rope, ws->q, T, c->n_heads, ws->rope);
+        kn_rope_rotate(s, &m->rope, ws->k, T, c->n_kv_heads, ws->rope);
         kn_kv_write(s, &kv[li], b->map, ws->k, ws->v);
         kn_attention(s, &kv[li], b->map, ws->q, ws->attn, c->n_heads);
         kn_matmul(s, &l->wo, ws->attn, ws->proj, T);

@@ -123,9 +123,9 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     /* workspace and per-token KV */
     const uint64_t step = env->step_tokens > 0 ? (uint64_t)env->step_tokens : (uint64_t)max_batch;
     const uint64_t ws_tok =
-        4ull * (5ull * (uint64_t)m->hidden +
+        4ull * (7ull * (uint64_t)m->hidden +
                 2ull * ((uint64_t)m->n_heads + (uint64_t)m->n_kv_heads) * (uint64_t)m->head_dim +
-                2ull * (uint64_t)m->ffn + (uint64_t)m->vocab);
+                2ull * (uint64_t)m->ffn + (uint64_t)m->vocab + (uint64_t)m->head_dim);
     const uint64_t ws = step * ws_tok + env->extra_workspace;
     const uint64_t kv_tok = 2ull * (uint64_t)m->n_layers * (uint64_t)m->n_kv_heads * (uint64_t)m->head_dim * 4ull;
     const uint64_t kv_block = bs * kv_tok;

@@ -3,13 +3,15 @@
  *
  *   budget    = mem-fraction x available
  *   weights   = the model's bytes in memory (given)
- *   workspace = step tokens x 4 B x (5 hidden + 2 (n_heads + n_kv_heads) head_dim
- *                                   + 2 ffn + vocab)  + extra workspace
- *               per token, in f32: residual and normed input (2 hidden),
- *               q and attention output (2 n_heads head_dim), k and v
- *               (2 n_kv_heads head_dim), gate and up (2 ffn), logits (vocab),
- *               EAGLE-3 captured features (3 hidden). Kernel scratch that
- *               does not scale this way comes in as extra workspace bytes.
+ *   workspace = step tokens x 4 B x (7 hidden + 2 (n_heads + n_kv_heads) head_dim
+ *                                   + 2 ffn + vocab + head_dim)  + extra workspace
+ *               per token, in f32: residual, normed input, projection
+ *               output and the row kept for logits (4 hidden), q and
+ *               attention output (2 n_heads head_dim), k and v
+ *               (2 n_kv_heads head_dim), gate and up (2 ffn), logits
+ *               (vocab), RoPE cos and sin (head_dim), EAGLE-3 captured
+ *               features (3 hidden). Kernel scratch that does not scale
+ *               this way comes in as extra workspace bytes.
  *   kv        = kv blocks x block_size x (2 n_layers n_kv_heads head_dim x 4 B)
  *   total     = weights + workspace + kv  <=  budget
  *

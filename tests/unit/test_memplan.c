@@ -61,20 +61,21 @@ static void test_feasible_plan_numbers_exact(void **state) {
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_OK);
     assert_true(p.mem_fraction == 0.9);
     assert_int_equal(p.budget, 15461882265ull); /* floor(0.9 x 17179869184) */
-    assert_int_equal(p.workspace_per_token, 226560);
-    assert_int_equal(p.workspace_bytes, 8 * 226560);
+    /* 4 B x (7 x 576 + 2 x (9 + 3) x 64 + 2 x 1536 + 49152 + 64) */
+    assert_int_equal(p.workspace_per_token, 231424);
+    assert_int_equal(p.workspace_bytes, 8 * 231424);
     assert_int_equal(p.kv_bytes_per_token, 46080);
     /* 20826 blocks would fit; max-batch 8 x 256 blocks per sequence is all that can be used */
     assert_int_equal(p.n_blocks, 2048);
     assert_int_equal(p.kv_tokens, 32768);
     assert_int_equal(p.max_blocks_per_seq, 256);
     assert_int_equal(p.kv_bytes, 2048ull * 16 * 46080);
-    assert_int_equal(p.total, (100ull << 20) + 8 * 226560 + 2048ull * 16 * 46080);
+    assert_int_equal(p.total, (100ull << 20) + 8 * 231424 + 2048ull * 16 * 46080);
     assert_string_equal(p.text,
                         "budget = 0.9 (mem-fraction, auto) x 16 GiB available = 14.4 GiB\n"
-                        "workspace = 8 tok x 221 KiB = 1.73 MiB\n"
+                        "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
                         "kv = 2048 blocks x 16 tok = 32768 tok x 45 KiB = 1.41 GiB (8 seq of max-seq-len 4096)\n"
-                        "total = weights 100 MiB + workspace 1.73 MiB + kv 1.41 GiB = 1.51 GiB (10.5% of budget)");
+                        "total = weights 100 MiB + workspace 1.77 MiB + kv 1.41 GiB = 1.51 GiB (10.5% of budget)");
     cfg_free(c);
 }
 
@@ -88,9 +89,9 @@ static void test_given_kv_tokens_round_up_to_blocks(void **state) {
     assert_int_equal(p.budget, 8 * GiB);
     assert_string_equal(p.text,
                         "budget = 0.5 (mem-fraction, flag) x 16 GiB available = 8 GiB\n"
-                        "workspace = 8 tok x 221 KiB = 1.73 MiB\n"
+                        "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
                         "kv = 313 blocks x 16 tok = 5008 tok x 45 KiB = 220 MiB (1 seq of max-seq-len 4096)\n"
-                        "total = weights 100 MiB + workspace 1.73 MiB + kv 220 MiB = 322 MiB (3.9% of budget)");
+                        "total = weights 100 MiB + workspace 1.77 MiB + kv 220 MiB = 322 MiB (3.9% of budget)");
     cfg_free(c);
 }
 
@@ -103,7 +104,7 @@ static void test_infeasible_plan_shows_arithmetic_and_what_works(void **state) {
     assert_int_equal(plan(c, 2 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
-                        "workspace 1.73 MiB + kv 4096 tok x 45 KiB = 282 MiB > budget 0.1 x 2 GiB "
+                        "workspace 1.77 MiB + kv 4096 tok x 45 KiB = 282 MiB > budget 0.1 x 2 GiB "
                         "available = 205 MiB; would work: --mem-fraction 0.138, --max-seq-len 2336");
     cfg_free(c);
 }
@@ -134,7 +135,7 @@ static void test_values_named_by_the_error_work(void **state) {
 static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
     (void)state;
     /* budget 0.1 x 4 GiB = 410 MiB; 4096 tokens of KV take 180 MiB and the
-     * weights 100 MiB, leaving room for the workspace of 599 tokens. */
+     * weights 100 MiB, leaving room for the workspace of 587 tokens. */
     char *argv[] = {"--mem-fraction", "0.1", "--max-batch", "1000"};
     cfg *c = with_flags(4, argv);
     memplan p;
@@ -142,12 +143,12 @@ static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
     assert_int_equal(plan(c, 4 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
-                        "workspace 216 MiB + kv 4096 tok x 45 KiB = 496 MiB > budget 0.1 x 4 GiB "
-                        "available = 410 MiB; would work: --mem-fraction 0.122, --max-seq-len 2128, "
-                        "--max-batch 599");
+                        "workspace 221 MiB + kv 4096 tok x 45 KiB = 501 MiB > budget 0.1 x 4 GiB "
+                        "available = 410 MiB; would work: --mem-fraction 0.123, --max-seq-len 2016, "
+                        "--max-batch 587");
     cfg_free(c);
-    char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "599"};
-    char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "600"};
+    char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "587"};
+    char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "588"};
     c = with_flags(4, b_ok);
     assert_int_equal(plan(c, 4 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 256);
@@ -179,7 +180,7 @@ static void test_infeasible_when_kv_tokens_exceed_budget(void **state) {
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: max-kv-tokens 10000000 does not fit: weights 100 MiB + workspace "
-                        "1.73 MiB + kv 10000000 tok x 45 KiB = 429 GiB > budget 0.9 x 16 GiB available = "
+                        "1.77 MiB + kv 10000000 tok x 45 KiB = 429 GiB > budget 0.9 x 16 GiB available = "
                         "14.4 GiB; would work: --max-kv-tokens 333216");
     cfg_free(c);
 }
@@ -219,11 +220,11 @@ static void test_log_writes_each_line(void **state) {
     /* Each line: timestamp, level, event "memplan", the arithmetic. */
     const char *want[] = {
         " info memplan budget = 0.9 (mem-fraction, auto) x 16 GiB available = 14.4 GiB\n",
-        " info memplan workspace = 8 tok x 221 KiB = 1.73 MiB\n",
+        " info memplan workspace = 8 tok x 226 KiB = 1.77 MiB\n",
         " info memplan kv = 2048 blocks x 16 tok = 32768 tok",
         " info memplan total = weights 100 MiB",
         (" info memplan_bytes available=17179869184 budget=15461882265 weights=104857600 "
-         "workspace=1812480 kv=1509949440 total=1616619520 kv_blocks=2048 block_size=16\n"),
+         "workspace=1851392 kv=1509949440 total=1616658432 kv_blocks=2048 block_size=16\n"),
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) assert_non_null(strstr(buf, want[i]));
     int lines = 0;
