@@ -15,7 +15,10 @@ PYTHON  ?= python3
 WARN := -Wall -Wextra -Werror -Wshadow -Wpointer-arith -Wstrict-prototypes \
         -Wmissing-prototypes -Wvla -Wformat=2 -Wundef -Wcast-align \
         -Wno-unused-parameter
-BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -pthread -MMD -MP $(WARN)
+# -ffp-contract=off: the kernels promise the same bits on every SIMD path
+# (kernels/kernels.h), which holds only if no compiler fuses a multiply and
+# an add that the code wrote apart.
+BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -pthread -ffp-contract=off -MMD -MP $(WARN)
 OPT     ?= -O2 -g
 LIBS    := -lcjson -lm -lpthread
 
@@ -111,7 +114,7 @@ build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a -lcmocka $(LIBS) -o $@
 
 # The fuzzers link the library built once by clang with fuzzer coverage.
-FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -pthread -O1 -g $(WARN) -fno-sanitize-recover=all
+FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -pthread -ffp-contract=off -O1 -g $(WARN) -fno-sanitize-recover=all
 FLIB_OBJ := $(LIB_SRC:%.c=build/fuzz/obj/%.o)
 
 build/fuzz/obj/%.o: %.c

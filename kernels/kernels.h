@@ -32,8 +32,9 @@
  *   - kn_matmul, quantized W (Q8_0, Q4_0, Q4_1) in integers: each block
  *     of 32 elements of a row of x is rounded to integers
  *     xi = round_even(x * (16256 / amax)) with amax its largest |x|
- *     (|xi| <= 16256 = 127 * 128; all xi = 0 when amax = 0; a block with
- *     an inf or NaN gets scale NaN), scale sx = amax / 16256. Per block b
+ *     (|xi| <= 16256 = 127 * 128; all xi = 0 and sx = 0 when amax <
+ *     2^-100, where 16256 / amax could overflow; a block with an inf or
+ *     NaN gets scale NaN), scale sx = amax / 16256. Per block b
  *     of a weight row, isum = sum q * xi exactly in int32 (q: Q8_0's
  *     int8, Q4_0's nibble - 8, Q4_1's nibble), then in block order
  *     acc = fma((float)isum, d * sx, acc) and, for Q4_1,

@@ -140,6 +140,7 @@ void kn_qmatmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up,
                        float *y_up, int64_t m);
 
 #define KN_QX_MAX 16256 /* |xi| <= 127 * 128 */
+#define KN_QX_TINY 0x1p-100f /* a block whose largest |x| is below this counts as zero */
 #define KN_QX_PLANES 64 /* bytes of planes per block */
 size_t kn_qx_row_bytes(int64_t k);
 void kn_qx_quantize(const float *x, int64_t k, uint8_t *row);
@@ -159,5 +160,32 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k);
 void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy);
 /* The same with AVX2 (kn_qmatmul_avx2.c), for CPUs without VNNI. */
 void kn_qgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy);
+
+/* Defines `name` (one of the two above) in a kernel file that has
+ * qgroup(type, TM, w, g, qx, y, ldy) for a target attribute `attr`: one
+ * instance per (type, tile height), so that a tile's accumulators live in
+ * registers, and a table to pick the instance at run time. */
+#define KN_QG_INSTANCE(fn, attr, type, TM)                                                      \
+    static attr void fn(const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) { \
+        qgroup(type, TM, w, g, qx, y, ldy);                                                     \
+    }
+#define KN_QG_TYPE(pfx, attr, type)                                                                             \
+    KN_QG_INSTANCE(pfx##_1, attr, type, 1) KN_QG_INSTANCE(pfx##_2, attr, type, 2)                              \
+    KN_QG_INSTANCE(pfx##_3, attr, type, 3) KN_QG_INSTANCE(pfx##_4, attr, type, 4)                              \
+    KN_QG_INSTANCE(pfx##_5, attr, type, 5) KN_QG_INSTANCE(pfx##_6, attr, type, 6)                              \
+    KN_QG_INSTANCE(pfx##_7, attr, type, 7) KN_QG_INSTANCE(pfx##_8, attr, type, 8)                              \
+    static void (*const pfx[KN_TILE_M])(const kn_weight *, int64_t, const kn_qx *, float *, size_t) = {       \
+        pfx##_1, pfx##_2, pfx##_3, pfx##_4, pfx##_5, pfx##_6, pfx##_7, pfx##_8};
+#define KN_QG_KERNELS(name, attr)                                                                         \
+    _Static_assert(KN_TILE_M == 8, "one instance per tile height");                                      \
+    KN_QG_TYPE(name##_q8_0, attr, GGML_TYPE_Q8_0)                                                        \
+    KN_QG_TYPE(name##_q4_0, attr, GGML_TYPE_Q4_0)                                                        \
+    KN_QG_TYPE(name##_q4_1, attr, GGML_TYPE_Q4_1)                                                        \
+    void name(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {             \
+        AE_ASSERT(tm >= 1 && tm <= KN_TILE_M);                                                           \
+        void (*const *set)(const kn_weight *, int64_t, const kn_qx *, float *, size_t) =                 \
+            w->type == GGML_TYPE_Q8_0 ? name##_q8_0 : w->type == GGML_TYPE_Q4_0 ? name##_q4_0 : name##_q4_1; \
+        set[tm - 1](w, g, qx, y, ldy);                                                                   \
+    }
 
 #endif

@@ -20,6 +20,7 @@
  * kn_qmatmul_avx512.c and kn_qmatmul_avx2.c hold the SIMD kernels. */
 #include "kn_cpu_impl.h"
 
+#include <float.h>
 #include <math.h>
 #include <string.h>
 
@@ -69,12 +70,13 @@ void kn_qx_quantize(const float *x, int64_t k, uint8_t *row) {
         bool finite = true;
         for (int i = 0; i < KN_QK; i++) {
             float a = fabsf(xb[i]);
-            finite &= a <= 3.0e38f; /* false for inf and NaN */
+            finite &= a <= FLT_MAX; /* false for inf and NaN */
             amax = a > amax ? a : amax;
         }
         int32_t sum = 0;
-        if (!finite || amax == 0.0f) {
-            /* All zero: every product is 0. Not finite: the scale is NaN,
+        if (!finite || amax < KN_QX_TINY) {
+            /* Zero (or below KN_QX_TINY, where 16256 / amax would
+             * overflow): every product is 0. Not finite: the scale is NaN,
              * so every output this block touches becomes NaN, as in f32. */
             memset(hi, 0, KN_QX_PLANES);
             sx[b] = finite ? 0.0f : NAN;

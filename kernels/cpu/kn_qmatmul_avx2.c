@@ -93,28 +93,7 @@ INL void qgroup(ggml_type t, int TM, const kn_weight *w, int64_t g, const kn_qx 
     qhalf(t, TM, w, g, 1, qx, y, ldy);
 }
 
-#define QG_FN(name, type, TM)                                                                       \
-    static TGT void name(const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) {     \
-        qgroup(type, TM, w, g, qx, y, ldy);                                                          \
-    }
-#define QG_SET(pfx, type)                                                                            \
-    QG_FN(pfx##_1, type, 1) QG_FN(pfx##_2, type, 2) QG_FN(pfx##_3, type, 3) QG_FN(pfx##_4, type, 4)  \
-    QG_FN(pfx##_5, type, 5) QG_FN(pfx##_6, type, 6) QG_FN(pfx##_7, type, 7) QG_FN(pfx##_8, type, 8)  \
-    static const qg_fn pfx[KN_TILE_M] = {pfx##_1, pfx##_2, pfx##_3, pfx##_4,                         \
-                                         pfx##_5, pfx##_6, pfx##_7, pfx##_8};
-
-typedef void (*qg_fn)(const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy);
-
-_Static_assert(KN_TILE_M == 8, "one instance per tile height");
-QG_SET(a2_q8_0, GGML_TYPE_Q8_0)
-QG_SET(a2_q4_0, GGML_TYPE_Q4_0)
-QG_SET(a2_q4_1, GGML_TYPE_Q4_1)
-
-void kn_qgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {
-    AE_ASSERT(tm >= 1 && tm <= KN_TILE_M);
-    const qg_fn *set = w->type == GGML_TYPE_Q8_0 ? a2_q8_0 : w->type == GGML_TYPE_Q4_0 ? a2_q4_0 : a2_q4_1;
-    set[tm - 1](w, g, qx, y, ldy);
-}
+KN_QG_KERNELS(kn_qgroup_avx2, TGT)
 
 #else /* not x86: kn_cpu_use_avx2 is always false */
 

@@ -248,7 +248,8 @@ static float contract_row(ggml_type type, const uint8_t *row, const float *x, in
         float amax = 0.0f;
         for (int i = 0; i < 32; i++)
             if (fabsf(xb[i]) > amax) amax = fabsf(xb[i]);
-        float sx = amax / 16256.0f, inv = amax > 0 ? 16256.0f / amax : 0.0f;
+        bool zero = amax < 0x1p-100f; /* counts as a zero block */
+        float sx = zero ? 0.0f : amax / 16256.0f, inv = zero ? 0.0f : 16256.0f / amax;
         int32_t xi[32], sum = 0;
         for (int i = 0; i < 32; i++) {
             xi[i] = (int32_t)nearbyintf(xb[i] * inv);
@@ -296,6 +297,7 @@ static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) 
     memset(x + 64, 0, 32 * sizeof(float));
     x[k + 100] = 3.0e4f;
     for (int i = 0; i < 32; i++) x[2 * k + 160 + i] = 1e-30f * (float)(i - 16);
+    for (int i = 0; i < 32; i++) x[3 * k + 192 + i] = i % 3 ? 1e-36f * (float)(i - 16) : 0.0f; /* below 2^-100 */
     for (size_t t = 0; t < 3; t++) {
         test_weight tw = make_weight(types[t], n, k);
         for (int e = 0; e < 3; e++) {
