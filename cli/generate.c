@@ -1,4 +1,6 @@
-/* aerie generate: plain (non-speculative) decoding on the CPU engine. */
+/* aerie generate: decoding on the CPU engine, plain or speculative
+ * (--draft: an EAGLE-3 head proposes trees, the target verifies them; the
+ * output is the target's own either way). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +13,7 @@
 #include "../target/engine.h"
 #include "../target/memplan.h"
 #include "cli.h"
+#include "draft_link.h"
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
@@ -26,6 +29,10 @@ static const cfg_option opts[] = {
     {"stats", CFG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
     {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"},
+    {"spec-steps", CFG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},
+    {"spec-topk", CFG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},
+    {"spec-tokens", CFG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"},
     /* The memory plan's settings (target/memplan.h), with defaults for one
      * sequence. */
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
@@ -40,15 +47,35 @@ static const cfg_option opts[] = {
 #define PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
 #define KV_BLOCK 16
 
+/* Bytes the head and its drafter add to the plan (0 without --draft):
+ * its weights, and its KV, workspace and trees. */
+static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64_t *weights, uint64_t *work,
+                       ae_error *err) {
+    *weights = *work = 0;
+    const char *dir = cfg_str(c, "draft");
+    if (!dir) return AE_OK;
+    eagle_head *h;
+    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    if (eagle_load(&h, dir, &t, err) != AE_OK) return AE_ERR;
+    drafter_config dc = {(int32_t)cfg_int(c, "max-batch"), max_seq_len, PREFILL_CHUNK, 1};
+    *weights = h->weight_bytes;
+    *work = drafter_bytes(h, &dc);
+    eagle_free(h);
+    return AE_OK;
+}
+
 /* The memory plan for this model on this machine; records auto values. */
 static int plan_for(cfg *c, const model *m, memplan *plan, ae_error *err) {
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
     uint64_t avail;
     if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
     const model_config *mc = &m->cfg;
-    memplan_model mm = {m->weight_bytes, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
+    uint64_t dw, dx;
+    if (draft_bytes(c, m, (int32_t)cfg_int(c, "max-seq-len"), &dw, &dx, err) != AE_OK) return AE_ERR;
+    memplan_model mm = {m->weight_bytes + dw, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
                         mc->n_kv_heads, mc->head_dim, mc->vocab};
-    memplan_env env = {avail, KV_BLOCK, PREFILL_CHUNK, llama_stream_workspace(m, PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len"))};
+    memplan_env env = {avail, KV_BLOCK, PREFILL_CHUNK,
+                       llama_stream_workspace(m, PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) + dx};
     return memplan_compute(c, &mm, &env, plan, err);
 }
 
@@ -92,6 +119,91 @@ static int prompt_ids(const cfg *c, const tok *t, int32_t **ids, size_t *n, ae_e
     return rc;
 }
 
+/* Where generated tokens go: text (or ids at the end) on stdout. */
+typedef struct emitter {
+    detok *dt;
+    char *chunk;     /* detok_max_out + 1 */
+    int32_t *ids;    /* [max] */
+    int32_t n, max;
+    int32_t eos;
+    bool as_ids, ignore_eos;
+} emitter;
+
+/* Takes one token; false once generation is over (end of sequence or
+ * max-tokens reached), *rc AE_ERR on a detokenizer failure. */
+static bool emit(emitter *em, int32_t token, int *rc, ae_error *err) {
+    if (token == em->eos && !em->ignore_eos) return false;
+    em->ids[em->n++] = token;
+    if (!em->as_ids) {
+        size_t len;
+        if (detok_push(em->dt, token, em->chunk, detok_max_out(em->dt), &len, err) != AE_OK) {
+            *rc = AE_ERR;
+            return false;
+        }
+        fwrite(em->chunk, 1, len, stdout);
+        fflush(stdout);
+    }
+    return em->n < em->max;
+}
+
+/* Plain decoding: prefill the whole prompt, then one token per pass. */
+static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_prompt, sampler *smp,
+                        const sample_params *sp, sample_rng *rng, emitter *em, double *t_prefill, double *t_decode,
+                        ae_error *err) {
+    float *logits = malloc(sizeof(float) * (size_t)eng_model(e)->cfg.vocab);
+    if (!logits) return err_set(err, "out of memory");
+    int rc = AE_OK;
+    double t0 = cli_now_seconds();
+    for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
+        int32_t k = n_prompt - done < PREFILL_CHUNK ? n_prompt - done : PREFILL_CHUNK;
+        eng_item it = {seq, ENG_APPEND, k, ids + done, NULL, false};
+        rc = eng_step(e, &it, 1, logits, NULL, err);
+        done += k;
+    }
+    *t_prefill = cli_now_seconds() - t0;
+    t0 = cli_now_seconds();
+    while (rc == AE_OK) {
+        int32_t next = sample_token(smp, logits, sp, rng);
+        if (!emit(em, next, &rc, err)) break;
+        eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
+        rc = eng_step(e, &it, 1, logits, NULL, err);
+    }
+    *t_decode = cli_now_seconds() - t0;
+    free(logits);
+    return rc;
+}
+
+/* Speculative decoding: the prompt but its last token is prefilled; every
+ * step verifies a draft tree under the last decided token. */
+static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prompt, const sample_params *sp,
+                       sample_rng *rng, emitter *em, double *t_prefill, double *t_decode, ae_error *err) {
+    double t0 = cli_now_seconds();
+    int rc = spec_seq_start(sx, seq, ids, n_prompt, PREFILL_CHUNK, err);
+    *t_prefill = cli_now_seconds() - t0;
+    t0 = cli_now_seconds();
+    for (bool more = rc == AE_OK; more;) {
+        spec_in in = {seq, sp, rng};
+        spec_out o;
+        if ((rc = spec_step(sx, &in, 1, &o, err)) != AE_OK) break;
+        for (int32_t j = 0; j < o.n && more; j++) more = emit(em, o.tokens[j], &rc, err);
+    }
+    *t_decode = cli_now_seconds() - t0;
+    spec_seq_end(sx, seq);
+    return rc;
+}
+
+/* The acceptance figures of --stats, as JSON members (leading comma). */
+static void print_spec_stats(const spec_stats *st, const spec_shape *shape) {
+    fprintf(stderr,
+            ",\"spec_steps\":%d,\"spec_topk\":%d,\"spec_tokens\":%d,\"verify_steps\":%lld,\"plain_steps\":%lld,"
+            "\"drafted_tokens\":%lld,\"accepted_tokens\":%lld,\"mean_accept_len\":%.4f,\"accept_per_depth\":[",
+            shape->steps, shape->topk, shape->tokens, (long long)st->steps, (long long)st->plain_steps,
+            (long long)st->drafted, (long long)st->accepted, spec_stats_accept_len(st));
+    for (int32_t d = 0; d < shape->steps && d < SPEC_MAX_DEPTH; d++)
+        fprintf(stderr, "%s%.4f", d ? "," : "", st->steps ? (double)st->accepted_at[d] / (double)st->steps : 0.0);
+    fprintf(stderr, "]");
+}
+
 static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cfg *c = (cfg *)cc; /* resolve() has replaced every auto value */
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
@@ -99,13 +211,13 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     model *m = NULL;
     eng *e = NULL;
     sampler *smp = NULL;
-    detok *dt = NULL;
-    int32_t *ids = NULL, *out_ids = NULL;
-    float *logits = NULL;
-    char *chunk = NULL;
+    spec *sx = NULL;
+    draft_link link = {0};
+    emitter em = {0};
+    int32_t *ids = NULL;
     size_t n_prompt = 0;
     int rc = CLI_EXIT_USAGE;
-    const char *path = cfg_str(c, "model");
+    const char *path = cfg_str(c, "model"), *draft = cfg_str(c, "draft");
     if (cli_model_open(&cm, path, err) != AE_OK) goto out;
     if (prompt_ids(c, cm.tok, &ids, &n_prompt, err) != AE_OK) goto out;
     double t_load = cli_now_seconds();
@@ -130,75 +242,74 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 (long long)plan.kv_tokens, INT32_MAX);
         goto out;
     }
-    int32_t chunk_tokens = PREFILL_CHUNK;
-    eng_config ec = {chunk_tokens, plan.max_batch, plan.max_seq_len, (int32_t)plan.kv_tokens, plan.block_size,
-                     (int32_t)cfg_int(c, "threads")};
+    int32_t threads = (int32_t)cfg_int(c, "threads");
+    eng_config ec = {PREFILL_CHUNK, plan.max_batch, plan.max_seq_len, (int32_t)plan.kv_tokens, plan.block_size,
+                     threads};
     if (eng_init(&e, m, &ec, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
-        detok_init(&dt, cm.tok, false, err) != AE_OK)
+        detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
-    logits = malloc(sizeof(float) * (size_t)m->cfg.vocab);
-    out_ids = malloc(sizeof(int32_t) * (size_t)max_new);
-    chunk = malloc(detok_max_out(dt) + 1);
-    if (!logits || !out_ids || !chunk) {
+    spec_shape shape = {(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"),
+                        (int32_t)cfg_int(c, "spec-tokens")};
+    if (draft) {
+        drafter_config dc = {plan.max_batch, plan.max_seq_len, PREFILL_CHUNK, threads};
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, PREFILL_CHUNK};
+        tree_params tp = {shape.steps, shape.topk, shape.tokens};
+        if (tree_params_check(&tp, err) != AE_OK || draft_link_open(&link, draft, m, &dc, err) != AE_OK ||
+            draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
+            goto out;
+    }
+    em.ids = malloc(sizeof(int32_t) * (size_t)max_new);
+    em.chunk = malloc(detok_max_out(em.dt) + 1);
+    if (!em.ids || !em.chunk) {
         err_set(err, "out of memory");
         goto out;
     }
-    LOG_INFOF("generate model=%s prompt_tokens=%zu max_tokens=%d threads=%d simd=%s", path, n_prompt,
-              max_new, (int)cfg_int(c, "threads"), kn_cpu_simd());
+    em.max = max_new;
+    em.eos = tok_eos(cm.tok);
+    em.as_ids = cfg_bool(c, "ids");
+    em.ignore_eos = cfg_bool(c, "ignore-eos");
+    LOG_INFOF("generate model=%s draft=%s prompt_tokens=%zu max_tokens=%d threads=%d simd=%s", path,
+              draft ? draft : "none", n_prompt, max_new, threads, kn_cpu_simd());
     sample_params sp = {(float)cfg_double(c, "temperature"), (int32_t)cfg_int(c, "top-k"),
                         (float)cfg_double(c, "top-p"), (float)cfg_double(c, "min-p")};
     sample_rng rng;
     sample_rng_seed(&rng, (uint64_t)cfg_int(c, "seed"));
     int32_t seq;
     if (eng_seq_new(e, &seq, err) != AE_OK) goto out;
-
-    double t0 = cli_now_seconds();
-    for (size_t done = 0; done < n_prompt;) {
-        int32_t k = (int32_t)(n_prompt - done < (size_t)chunk_tokens ? n_prompt - done : (size_t)chunk_tokens);
-        eng_item it = {seq, ENG_APPEND, k, ids + done, NULL, false};
-        if (eng_step(e, &it, 1, logits, NULL, err) != AE_OK) goto out;
-        done += (size_t)k;
-    }
-    double t_prefill = cli_now_seconds() - t0;
-    bool as_ids = cfg_bool(c, "ids"), ignore_eos = cfg_bool(c, "ignore-eos");
-    int32_t eos = tok_eos(cm.tok), n_out = 0;
-    double t1 = cli_now_seconds();
-    for (;;) {
-        int32_t next = sample_token(smp, logits, &sp, &rng);
-        if (next == eos && !ignore_eos) break;
-        out_ids[n_out++] = next;
-        if (!as_ids) {
-            size_t len;
-            if (detok_push(dt, next, chunk, detok_max_out(dt), &len, err) != AE_OK) goto out;
-            fwrite(chunk, 1, len, stdout);
-            fflush(stdout);
-        }
-        if (n_out == max_new) break;
-        eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
-        if (eng_step(e, &it, 1, logits, NULL, err) != AE_OK) goto out;
-    }
-    double t_decode = cli_now_seconds() - t1;
-    if (as_ids) {
-        cli_print_ids(out_ids, (size_t)n_out);
+    double t_prefill = 0, t_decode = 0;
+    int drc = sx ? decode_spec(sx, seq, ids, (int32_t)n_prompt, &sp, &rng, &em, &t_prefill, &t_decode, err)
+                 : decode_plain(e, seq, ids, (int32_t)n_prompt, smp, &sp, &rng, &em, &t_prefill, &t_decode, err);
+    if (drc != AE_OK) goto out;
+    if (em.as_ids) {
+        cli_print_ids(em.ids, (size_t)em.n);
     } else {
-        fwrite(chunk, 1, detok_flush(dt, chunk, detok_max_out(dt)), stdout);
+        fwrite(em.chunk, 1, detok_flush(em.dt, em.chunk, detok_max_out(em.dt)), stdout);
         putchar('\n');
     }
     fflush(stdout); /* the text before the stats line on a shared terminal */
-    if (cfg_bool(c, "stats"))
+    if (cfg_bool(c, "stats")) {
+        /* Decode tok/s counts the tokens the decode loop produced: plain
+         * decoding's first token comes from the prefill pass, speculative
+         * decoding's from its first verify step. */
+        int32_t decoded = sx ? em.n : em.n - 1;
         fprintf(stderr,
                 "{\"prompt_tokens\":%zu,\"generated_tokens\":%d,\"load_seconds\":%.3f,"
                 "\"prefill_tok_per_s\":%.1f,\"decode_tok_per_s\":%.1f,\"threads\":%d,\"simd\":\"%s\","
-                "\"speculation\":false}\n",
-                n_prompt, n_out, t_load, (double)n_prompt / t_prefill,
-                n_out > 1 ? (double)(n_out - 1) / t_decode : 0.0, (int)cfg_int(c, "threads"), kn_cpu_simd());
+                "\"speculation\":%s",
+                n_prompt, em.n, t_load, t_prefill > 0 ? (double)n_prompt / t_prefill : 0.0,
+                decoded > 0 && t_decode > 0 ? (double)decoded / t_decode : 0.0, threads, kn_cpu_simd(),
+                sx ? "true" : "false");
+        if (sx) print_spec_stats(spec_total_stats(sx), &shape);
+        fprintf(stderr, "}\n");
+    }
     rc = 0;
 out:
-    free(chunk);
-    free(out_ids);
-    free(logits);
+    free(em.chunk);
+    free(em.ids);
     free(ids);
-    detok_free(dt);
+    detok_free(em.dt);
+    spec_free(sx);
+    draft_link_close(&link);
     sample_free(smp);
     eng_free(e);
     model_free(m);
@@ -209,7 +320,7 @@ out:
 const cli_cmd cli_cmd_generate = {
     .name = "generate",
     .args = "--prompt TEXT",
-    .summary = "generate text with the CPU engine (plain decoding)",
+    .summary = "generate text with the CPU engine (speculative with --draft)",
     .opts = opts,
     .n_opts = sizeof opts / sizeof opts[0],
     .run = run,

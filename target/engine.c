@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kv_cache.h"
+#include "../services/kv/kv_cache.h"
 
 struct eng {
     const model *m;
@@ -25,6 +25,7 @@ struct eng {
 };
 
 const model *eng_model(const eng *e) { return e->m; }
+const eng_config *eng_get_config(const eng *e) { return &e->cfg; }
 
 void eng_free(eng *e) {
     if (!e) return;

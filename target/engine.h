@@ -75,5 +75,6 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
 int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err);
 
 const model *eng_model(const eng *e);
+const eng_config *eng_get_config(const eng *e);
 
 #endif

@@ -9,7 +9,7 @@
 
 #include <cmocka.h>
 
-#include "../../target/kv_cache.h"
+#include "../../services/kv/kv_cache.h"
 
 /* 2 layers, 2 kv heads x 3 dims = 6 floats per row, 4 tokens per block. */
 static const kv_params small = {

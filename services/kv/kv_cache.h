@@ -19,15 +19,15 @@
  * Sequence ids come from the engine, not from the network: passing an id
  * that is not live is a broken invariant (always-on assert). Running out of
  * blocks or sequence slots is a runtime failure with an error text. */
-#ifndef AERIE_TARGET_KV_CACHE_H
-#define AERIE_TARGET_KV_CACHE_H
+#ifndef AERIE_KV_CACHE_H
+#define AERIE_KV_CACHE_H
 
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../kernels/kernels.h"
-#include "../services/core/err.h"
+#include "../../kernels/kernels.h"
+#include "../core/err.h"
 
 typedef struct kv_cache kv_cache;
 

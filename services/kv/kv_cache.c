@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../services/core/mem.h"
+#include "../core/mem.h"
 
 typedef struct kv_seq {
     bool live;

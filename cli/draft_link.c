@@ -1,0 +1,64 @@
+#include "draft_link.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int link_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                        ae_error *err) {
+    draft_link *l = ctx;
+    if (n > l->max_seqs) return err_set(err, "drafter: %d sequences, at most %d", n, l->max_seqs);
+    for (int32_t i = 0; i < n; i++)
+        l->feeds[i] = (drafter_feed){feeds[i].seq, feeds[i].reset, feeds[i].n, feeds[i].tokens, feeds[i].features,
+                                     feeds[i].want_tree};
+    tree_params p = {shape->steps, shape->topk, shape->tokens};
+    if (drafter_propose(l->drafter, l->feeds, n, &p, l->trees, err) != AE_OK) return AE_ERR;
+    for (int32_t i = 0; i < n; i++) {
+        const tree_out *t = &l->trees[i];
+        trees[i].n = t->n;
+        memcpy(trees[i].tokens, t->tokens, (size_t)t->n * sizeof(int32_t));
+        memcpy(trees[i].parents, t->parents, (size_t)t->n * sizeof(int32_t));
+        memcpy(trees[i].probs, t->probs, (size_t)t->n * sizeof(float));
+    }
+    return AE_OK;
+}
+
+static void link_release(void *ctx, int32_t seq) { drafter_release(((draft_link *)ctx)->drafter, seq); }
+
+int draft_link_open(draft_link *l, const char *dir, const model *m, const drafter_config *dc, ae_error *err) {
+    memset(l, 0, sizeof *l);
+    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    if (eagle_load(&l->head, dir, &t, err) != AE_OK) return AE_ERR;
+    l->max_seqs = dc->max_seqs;
+    l->feeds = calloc((size_t)dc->max_seqs, sizeof *l->feeds);
+    l->trees = calloc((size_t)dc->max_seqs, sizeof *l->trees);
+    if (!l->feeds || !l->trees) {
+        draft_link_close(l);
+        return err_set(err, "out of memory");
+    }
+    if (drafter_init(&l->drafter, l->head, dc, err) != AE_OK) {
+        draft_link_close(l);
+        return AE_ERR;
+    }
+    l->iface = (spec_drafter){l, link_propose, link_release};
+    return AE_OK;
+}
+
+void draft_link_close(draft_link *l) {
+    drafter_free(l->drafter);
+    eagle_free(l->head);
+    free(l->feeds);
+    free(l->trees);
+    memset(l, 0, sizeof *l);
+}
+
+int draft_link_capture(const draft_link *l, const model *m, int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
+    if (l->head->cfg.n_aux_layers == 0) {
+        llama_capture_default_layers(m->cfg.n_layers, out);
+        return AE_OK;
+    }
+    return llama_capture_layers_from(l->head->cfg.aux_layers, l->head->cfg.n_aux_layers, m->cfg.n_layers, out, err);
+}
+
+size_t draft_link_bytes(const draft_link *l, const drafter_config *dc) {
+    return l->head->weight_bytes + drafter_bytes(l->head, dc);
+}

@@ -1,0 +1,334 @@
+#include "eagle.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../services/model/hfconfig.h"
+#include "../services/model/safetensors.h"
+
+/* ---- loading -------------------------------------------------------------- */
+
+void eagle_free(eagle_head *h) {
+    if (!h) return;
+    for (int32_t i = 0; i < h->n_owned; i++) free(h->owned[i]);
+    free(h->owned);
+    free(h->draft_to_target);
+    free(h);
+}
+
+static float *own_floats(eagle_head *h, uint64_t n, ae_error *err) {
+    float **p = realloc(h->owned, (size_t)(h->n_owned + 1) * sizeof *p);
+    if (!p) return err_set(err, "out of memory"), NULL;
+    h->owned = p;
+    float *buf = aligned_alloc(64, ((size_t)n * sizeof(float) + 63) & ~(size_t)63);
+    if (!buf) return err_set(err, "out of memory for %llu floats of the head", (unsigned long long)n), NULL;
+    h->owned[h->n_owned++] = buf;
+    h->weight_bytes += (size_t)n * sizeof(float);
+    return buf;
+}
+
+static void shape_text(char *buf, size_t size, const st_tensor *t) {
+    int k = snprintf(buf, size, "[");
+    for (uint32_t d = 0; d < t->n_dims && k < (int)size; d++)
+        k += snprintf(buf + k, size - (size_t)k, "%s%llu", d ? ", " : "", (unsigned long long)t->shape[d]);
+    if (k < (int)size) snprintf(buf + k, size - (size_t)k, "]");
+}
+
+/* The tensor `name`, which must have shape [rows, cols] (rows = 0: a
+ * vector of cols). `why` says where the expected shape comes from. */
+static const st_tensor *find_shaped(const st_model *st, const char *name, int64_t rows, int64_t cols,
+                                    const char *why, ae_error *err) {
+    const st_tensor *t = st_model_find(st, name);
+    if (!t) return err_set(err, "tensor %s is missing", name), NULL;
+    bool ok = rows == 0 ? (t->n_dims == 1 && (int64_t)t->shape[0] == cols)
+                        : (t->n_dims == 2 && (int64_t)t->shape[0] == rows && (int64_t)t->shape[1] == cols);
+    if (!ok) {
+        char have[96];
+        shape_text(have, sizeof have, t);
+        if (rows == 0)
+            err_set(err, "%s is %s, %s needs [%lld]", name, have, why, (long long)cols);
+        else
+            err_set(err, "%s is %s, %s needs [%lld, %lld]", name, have, why, (long long)rows, (long long)cols);
+        return NULL;
+    }
+    return t;
+}
+
+static int load_floats(eagle_head *h, const st_model *st, const char *name, int64_t rows, int64_t cols,
+                       const char *why, const float **out, ae_error *err) {
+    const st_tensor *t = find_shaped(st, name, rows, cols, why, err);
+    if (!t) return AE_ERR;
+    float *buf = own_floats(h, t->n_elements, err);
+    if (!buf || st_tensor_to_f32(t, buf, t->n_elements, err) != AE_OK) return AE_ERR;
+    *out = buf;
+    return AE_OK;
+}
+
+static int load_matrix(eagle_head *h, const st_model *st, const char *name, int64_t rows, int64_t cols,
+                       const char *why, kn_weight *w, ae_error *err) {
+    const float *p;
+    if (load_floats(h, st, name, rows, cols, why, &p, err) != AE_OK) return AE_ERR;
+    *w = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = p,
+                     .row_bytes = (size_t)cols * sizeof(float)};
+    return AE_OK;
+}
+
+/* d2t (draft id -> offset to its target id), or the identity when the
+ * head drafts over the whole target vocabulary and has no d2t. */
+static int load_vocab_map(eagle_head *h, const st_model *st, ae_error *err) {
+    int32_t Vd = h->cfg.draft_vocab, V = h->target.vocab;
+    h->draft_to_target = malloc((size_t)Vd * sizeof(int32_t));
+    if (!h->draft_to_target) return err_set(err, "out of memory");
+    const st_tensor *t = st_model_find(st, "d2t");
+    if (!t) {
+        if (Vd != V)
+            return err_set(err, "tensor d2t is missing (needed: the draft vocabulary has %d ids, the target %d)", Vd, V);
+        for (int32_t i = 0; i < Vd; i++) h->draft_to_target[i] = i;
+        return AE_OK;
+    }
+    if (!(t = find_shaped(st, "d2t", 0, Vd, "draft_vocab_size", err))) return AE_ERR;
+    int64_t *off = malloc((size_t)Vd * sizeof *off);
+    if (!off) return err_set(err, "out of memory");
+    int rc = st_tensor_to_i64(t, off, (uint64_t)Vd, err);
+    for (int32_t i = 0; rc == AE_OK && i < Vd; i++) {
+        int64_t id = i + off[i];
+        if (id < 0 || id >= V)
+            rc = err_set(err, "d2t[%d] maps draft id %d to %lld, outside the target's vocabulary of %d", i, i,
+                         (long long)id, V);
+        else
+            h->draft_to_target[i] = (int32_t)id;
+    }
+    free(off);
+    if (rc != AE_OK) return AE_ERR;
+    /* t2d is for training only, but a present one must describe this map. */
+    const st_tensor *t2d = st_model_find(st, "t2d");
+    if (!t2d) return AE_OK;
+    if (!find_shaped(st, "t2d", 0, V, "the target's vocabulary", err)) return AE_ERR;
+    bool *in = malloc((size_t)V);
+    if (!in) return err_set(err, "out of memory");
+    rc = st_tensor_to_bool(t2d, in, (uint64_t)V, err);
+    int64_t marked = 0;
+    for (int32_t v = 0; rc == AE_OK && v < V; v++) marked += in[v];
+    for (int32_t i = 0; rc == AE_OK && i < Vd; i++)
+        if (!in[h->draft_to_target[i]])
+            rc = err_set(err, "t2d[%d] is false but d2t maps draft id %d to it", h->draft_to_target[i], i);
+    if (rc == AE_OK && marked != Vd)
+        rc = err_set(err, "t2d marks %lld target ids, the draft vocabulary has %d", (long long)marked, Vd);
+    free(in);
+    return rc;
+}
+
+static int load_config(eagle_head *h, const char *dir, ae_error *err) {
+    char path[1200];
+    hfcfg hc;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (hfcfg_load(&hc, path, err) != AE_OK) return AE_ERR;
+    eagle_config *c = &h->cfg;
+    const eagle_target *t = &h->target;
+    if (hc.num_hidden_layers != 1)
+        return err_set(err, "%s: num_hidden_layers %d; an EAGLE-3 head has 1", path, hc.num_hidden_layers);
+    /* hidden_size is checked against the target after the tensors, whose
+     * error names the tensor and both shapes. */
+    c->hidden = hc.hidden_size;
+    c->n_heads = hc.num_attention_heads;
+    c->n_kv_heads = hc.num_key_value_heads;
+    c->head_dim = hc.head_dim;
+    c->ffn = hc.intermediate_size;
+    c->draft_vocab = hc.draft_vocab_size > 0 ? hc.draft_vocab_size : t->vocab;
+    if (c->draft_vocab > t->vocab)
+        return err_set(err, "%s: draft_vocab_size %d is larger than the target's vocabulary %d", path,
+                       c->draft_vocab, t->vocab);
+    c->rms_eps = (float)hc.rms_norm_eps;
+    if (c->head_dim % 8 != 0 || c->head_dim > KN_MAX_HEAD_DIM)
+        return err_set(err, "%s: head_dim %d must be a multiple of 8 up to %d", path, c->head_dim, KN_MAX_HEAD_DIM);
+    c->rope = (kn_rope_config){KN_ROPE_NEOX, c->head_dim, hc.rope_theta, 0, 0, 0, 0};
+    if (hc.rope_scaling.kind == HFCFG_ROPE_LLAMA3) {
+        c->rope.factor = hc.rope_scaling.factor;
+        c->rope.low_freq_factor = hc.rope_scaling.low_freq_factor;
+        c->rope.high_freq_factor = hc.rope_scaling.high_freq_factor;
+        c->rope.original_max_pos = hc.rope_scaling.original_max_position_embeddings;
+    }
+    c->n_aux_layers = 0;
+    if (hc.n_aux_layers > 0) {
+        if (hc.n_aux_layers != EAGLE_N_AUX)
+            return err_set(err, "%s: eagle_aux_hidden_state_layer_ids has %u ids, expected %d", path,
+                           hc.n_aux_layers, EAGLE_N_AUX);
+        for (int i = 0; i < EAGLE_N_AUX; i++) {
+            if (hc.aux_layer_ids[i] < 0 || hc.aux_layer_ids[i] > t->n_layers)
+                return err_set(err, "%s: eagle_aux_hidden_state_layer_ids[%d] = %d is outside the target's 0..%d",
+                               path, i, hc.aux_layer_ids[i], t->n_layers);
+            c->aux_layers[i] = hc.aux_layer_ids[i];
+        }
+        c->n_aux_layers = EAGLE_N_AUX;
+    }
+    if (kn_rope_init(&h->rope, &c->rope, err) != AE_OK) return err_prefix(err, "%s: ", path), AE_ERR;
+    return AE_OK;
+}
+
+int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, ae_error *err) {
+    *out = NULL;
+    eagle_head *h = calloc(1, sizeof *h);
+    if (!h) return err_set(err, "out of memory");
+    h->target = *t;
+    snprintf(h->dir, sizeof h->dir, "%s", dir);
+    st_model *st = NULL;
+    int rc = load_config(h, dir, err);
+    if (rc == AE_OK) rc = st_model_open(&st, dir, err);
+    if (rc == AE_OK) {
+        const eagle_config *c = &h->cfg;
+        int64_t H = t->hidden, F = c->ffn, QD = (int64_t)c->n_heads * c->head_dim,
+                KD = (int64_t)c->n_kv_heads * c->head_dim;
+        char fc_why[64];
+        snprintf(fc_why, sizeof fc_why, "the target (hidden %lld)", (long long)H);
+        const char *hw = fc_why, *cw = "config.json";
+        if (load_matrix(h, st, "fc.weight", H, 3 * H, hw, &h->fc, err) ||
+            load_floats(h, st, "midlayer.input_layernorm.weight", 0, H, hw, &h->input_norm, err) ||
+            load_floats(h, st, "midlayer.hidden_norm.weight", 0, H, hw, &h->hidden_norm, err) ||
+            load_floats(h, st, "midlayer.post_attention_layernorm.weight", 0, H, hw, &h->post_norm, err) ||
+            load_floats(h, st, "norm.weight", 0, H, hw, &h->out_norm, err) ||
+            load_matrix(h, st, "midlayer.self_attn.q_proj.weight", QD, 2 * H, cw, &h->wq, err) ||
+            load_matrix(h, st, "midlayer.self_attn.k_proj.weight", KD, 2 * H, cw, &h->wk, err) ||
+            load_matrix(h, st, "midlayer.self_attn.v_proj.weight", KD, 2 * H, cw, &h->wv, err) ||
+            load_matrix(h, st, "midlayer.self_attn.o_proj.weight", H, QD, cw, &h->wo, err) ||
+            load_matrix(h, st, "midlayer.mlp.gate_proj.weight", F, H, cw, &h->gate, err) ||
+            load_matrix(h, st, "midlayer.mlp.up_proj.weight", F, H, cw, &h->up, err) ||
+            load_matrix(h, st, "midlayer.mlp.down_proj.weight", H, F, cw, &h->down, err) ||
+            load_matrix(h, st, "lm_head.weight", c->draft_vocab, H, "draft_vocab_size and the target", &h->lm_head,
+                        err) ||
+            load_vocab_map(h, st, err))
+            rc = AE_ERR;
+        else if (c->hidden != H)
+            rc = err_set(err, "config.json hidden_size is %d, the target's is %lld", c->hidden, (long long)H);
+        if (rc != AE_OK && !strstr(err ? err->msg : "", dir)) err_prefix(err, "head %s: ", dir);
+    }
+    st_model_close(st); /* every tensor was converted */
+    if (rc != AE_OK) {
+        eagle_free(h);
+        return AE_ERR;
+    }
+    *out = h;
+    return AE_OK;
+}
+
+/* ---- forward -------------------------------------------------------------- */
+
+struct eagle_ws {
+    int32_t max_tokens;
+    float *h;     /* [max_tokens][H] input state (fc output or fed back) */
+    float *e;     /* [max_tokens][H] embeddings, then normed */
+    float *x;     /* [max_tokens][2H] [input_layernorm(e), hidden_norm(h)] */
+    float *q;     /* [max_tokens][heads*D] */
+    float *k;     /* [max_tokens][kv_heads*D] */
+    float *v;     /* [max_tokens][kv_heads*D] */
+    float *attn;  /* [max_tokens][heads*D] */
+    float *proj;  /* [max_tokens][H] */
+    float *gate;  /* [max_tokens][F] */
+    float *up;    /* [max_tokens][F] */
+    float *out_x; /* [max_tokens][H] rows whose logits are wanted */
+    float *rope;  /* [max_tokens][D] */
+    void *block;
+};
+
+#define EWS_BUFS 12
+
+static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static void ews_sizes(const eagle_head *hd, int32_t T, size_t sz[EWS_BUFS]) {
+    const eagle_config *c = &hd->cfg;
+    size_t t = (size_t)T, H = (size_t)c->hidden, F = (size_t)c->ffn, QD = (size_t)c->n_heads * (size_t)c->head_dim,
+           KD = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    size_t v[EWS_BUFS] = {t * H, t * H, 2 * t * H, t * QD, t * KD, t * KD, t * QD, t * H, t * F, t * F, t * H,
+                          t * (size_t)c->head_dim};
+    memcpy(sz, v, sizeof v);
+}
+
+size_t eagle_ws_bytes(const eagle_head *h, int32_t max_tokens) {
+    size_t sz[EWS_BUFS], total = 0;
+    ews_sizes(h, max_tokens, sz);
+    for (int i = 0; i < EWS_BUFS; i++) total += round64(sz[i] * sizeof(float));
+    return total;
+}
+
+size_t eagle_stream_workspace(const eagle_head *h, int32_t max_tokens, int32_t max_keys) {
+    int64_t k = 3 * (int64_t)h->cfg.hidden;
+    if (h->cfg.ffn > k) k = h->cfg.ffn;
+    if ((int64_t)h->cfg.n_heads * h->cfg.head_dim > k) k = (int64_t)h->cfg.n_heads * h->cfg.head_dim;
+    size_t mm = kn_matmul_workspace(max_tokens, k);
+    size_t at = max_keys > 0 ? kn_attention_workspace(h->cfg.n_heads, h->cfg.head_dim, max_keys) : 0;
+    return mm > at ? mm : at;
+}
+
+int eagle_ws_init(eagle_ws **out, const eagle_head *hd, int32_t max_tokens, ae_error *err) {
+    *out = NULL;
+    if (max_tokens < 1) return err_set(err, "head workspace: max_tokens %d", max_tokens);
+    eagle_ws *ws = calloc(1, sizeof *ws);
+    if (!ws) return err_set(err, "out of memory");
+    size_t bytes = eagle_ws_bytes(hd, max_tokens);
+    ws->block = aligned_alloc(64, bytes);
+    if (!ws->block) {
+        free(ws);
+        return err_set(err, "out of memory for a %zu byte head workspace", bytes);
+    }
+    memset(ws->block, 0, bytes);
+    size_t sz[EWS_BUFS];
+    ews_sizes(hd, max_tokens, sz);
+    float **slots[EWS_BUFS] = {&ws->h,    &ws->e,    &ws->x,  &ws->q,     &ws->k,   &ws->v,
+                               &ws->attn, &ws->proj, &ws->gate, &ws->up, &ws->out_x, &ws->rope};
+    char *p = ws->block;
+    for (int i = 0; i < EWS_BUFS; i++) {
+        *slots[i] = (float *)(void *)p;
+        p += round64(sz[i] * sizeof(float));
+    }
+    ws->max_tokens = max_tokens;
+    *out = ws;
+    return AE_OK;
+}
+
+void eagle_ws_free(eagle_ws *ws) {
+    if (!ws) return;
+    free(ws->block);
+    free(ws);
+}
+
+void eagle_forward(const eagle_head *hd, kn_stream *s, const kn_kv_pool *kv, eagle_ws *ws, const eagle_batch *b) {
+    const eagle_config *c = &hd->cfg;
+    const int32_t T = b->m, H = c->hidden;
+    const size_t Hs = (size_t)H;
+    AE_ASSERT(T >= 1 && T <= ws->max_tokens && b->map && b->map->m == T);
+    AE_ASSERT(b->in_width == H || b->in_width == 3 * H);
+    AE_ASSERT(b->n_logits >= 0 && b->n_logits <= T);
+
+    if (b->in_width == 3 * H)
+        kn_matmul(s, &hd->fc, b->in, ws->h, T);
+    else
+        memcpy(ws->h, b->in, (size_t)T * Hs * sizeof(float));
+    kn_embed(s, hd->target.embed, b->tokens, ws->e, T);
+    kn_rmsnorm(s, ws->e, hd->input_norm, ws->e, T, H, c->rms_eps);
+    kn_rmsnorm(s, ws->h, hd->hidden_norm, ws->proj, T, H, c->rms_eps);
+    for (int32_t t = 0; t < T; t++) {
+        memcpy(ws->x + 2 * (size_t)t * Hs, ws->e + (size_t)t * Hs, Hs * sizeof(float));
+        memcpy(ws->x + (2 * (size_t)t + 1) * Hs, ws->proj + (size_t)t * Hs, Hs * sizeof(float));
+    }
+    kn_matmul_n(s, 3, (const kn_weight *[]){&hd->wq, &hd->wk, &hd->wv}, ws->x, (float *[]){ws->q, ws->k, ws->v}, T);
+    kn_rope_table(&hd->rope, b->pos, T, ws->rope);
+    kn_rope_rotate(s, &hd->rope, ws->q, T, c->n_heads, ws->rope);
+    kn_rope_rotate(s, &hd->rope, ws->k, T, c->n_kv_heads, ws->rope);
+    kn_kv_write(s, kv, b->map, ws->k, ws->v);
+    kn_attention(s, kv, b->map, ws->q, ws->attn, c->n_heads);
+    kn_matmul(s, &hd->wo, ws->attn, ws->proj, T);
+    kn_add(s, ws->h, ws->proj, b->hidden, (int64_t)T * H);
+
+    kn_rmsnorm(s, b->hidden, hd->post_norm, ws->e, T, H, c->rms_eps);
+    kn_matmul_swiglu(s, &hd->gate, &hd->up, ws->e, ws->gate, ws->up, T);
+    kn_matmul(s, &hd->down, ws->gate, ws->proj, T);
+    kn_add(s, b->hidden, ws->proj, b->hidden, (int64_t)T * H);
+
+    if (b->n_logits == 0) return;
+    for (int32_t r = 0; r < b->n_logits; r++) {
+        AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
+        memcpy(ws->out_x + (size_t)r * Hs, b->hidden + (size_t)b->logit_rows[r] * Hs, Hs * sizeof(float));
+    }
+    kn_rmsnorm(s, ws->out_x, hd->out_norm, ws->out_x, b->n_logits, H, c->rms_eps);
+    kn_matmul(s, &hd->lm_head, ws->out_x, b->logits, b->n_logits);
+}

@@ -1,0 +1,283 @@
+#include "spec.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "verify.h"
+
+typedef struct seq_state {
+    bool started;
+    bool draft_ok; /* the drafter holds every pair of this sequence */
+    bool fed;      /* the drafter has heard of this sequence since it started */
+    int32_t root;
+    int32_t n_pending; /* pairs committed since the drafter last heard */
+    int32_t pending_tokens[ENG_MAX_TREE];
+    spec_stats stats;
+} seq_state;
+
+struct spec {
+    eng *e;
+    const spec_drafter *d; /* NULL: plain */
+    spec_config cfg;
+    int32_t H, V, fw;      /* hidden, vocabulary, feature width (n_capture * H) */
+    seq_state *seqs;       /* [max_seqs] */
+    float *pending_feat;   /* [max_seqs][ENG_MAX_TREE][fw] */
+    spec_stats total;
+    /* one step */
+    spec_feed *feeds;      /* [max_seqs] */
+    int32_t *feed_of;      /* [max_seqs] index into feeds, -1: none */
+    spec_tree *trees;      /* [max_seqs] */
+    eng_item *items;       /* [max_seqs] */
+    int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
+    float *features;       /* [max_batch_tokens][fw] */
+    float *logits;         /* [max_batch_tokens][V] */
+    float *probs;          /* [V] */
+    sampler *sampler;
+};
+
+double spec_stats_accept_len(const spec_stats *st) {
+    return st->steps > 0 ? (double)(st->accepted + st->steps) / (double)st->steps : 0.0;
+}
+
+size_t spec_bytes(const model *m, const spec_config *c) {
+    size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, V = (size_t)m->cfg.vocab, S = (size_t)c->max_seqs,
+           T = (size_t)c->max_batch_tokens;
+    return S * (sizeof(seq_state) + sizeof(spec_feed) + sizeof(int32_t) + sizeof(spec_tree) + sizeof(eng_item)) +
+           S * ENG_MAX_TREE * fw * sizeof(float) + T * (sizeof(int32_t) + (fw + V) * sizeof(float)) +
+           V * sizeof(float);
+}
+
+void spec_free(spec *s) {
+    if (!s) return;
+    free(s->seqs);
+    free(s->pending_feat);
+    free(s->feeds);
+    free(s->feed_of);
+    free(s->trees);
+    free(s->items);
+    free(s->rows);
+    free(s->features);
+    free(s->logits);
+    free(s->probs);
+    sample_free(s->sampler);
+    free(s);
+}
+
+int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg, ae_error *err) {
+    *out = NULL;
+    const model *m = eng_model(e);
+    const eng_config *ec = eng_get_config(e);
+    if (cfg->n_capture != LLAMA_MAX_CAPTURE)
+        return err_set(err, "speculation: %d capture layers, EAGLE-3 takes %d", cfg->n_capture, LLAMA_MAX_CAPTURE);
+    if (cfg->max_seqs != ec->max_seqs || cfg->max_batch_tokens != ec->max_batch_tokens)
+        return err_set(err, "speculation: sizes differ from the engine's");
+    if (cfg->shape.tokens < 1 || cfg->shape.tokens > ENG_MAX_TREE)
+        return err_set(err, "speculation: %d tree nodes, at most %d", cfg->shape.tokens, ENG_MAX_TREE);
+    spec *s = calloc(1, sizeof *s);
+    if (!s) return err_set(err, "out of memory");
+    s->e = e;
+    s->d = d;
+    s->cfg = *cfg;
+    s->H = m->cfg.hidden;
+    s->V = m->cfg.vocab;
+    s->fw = cfg->n_capture * s->H;
+    size_t S = (size_t)cfg->max_seqs, T = (size_t)cfg->max_batch_tokens, fw = (size_t)s->fw, V = (size_t)s->V;
+    s->seqs = calloc(S, sizeof *s->seqs);
+    s->pending_feat = malloc(S * ENG_MAX_TREE * fw * sizeof(float));
+    s->feeds = calloc(S, sizeof *s->feeds);
+    s->feed_of = calloc(S, sizeof *s->feed_of);
+    s->trees = calloc(S, sizeof *s->trees);
+    s->items = calloc(S, sizeof *s->items);
+    s->rows = malloc(T * sizeof *s->rows);
+    s->features = malloc(T * fw * sizeof(float));
+    s->logits = malloc(T * V * sizeof(float));
+    s->probs = malloc(V * sizeof(float));
+    if (!s->seqs || !s->pending_feat || !s->feeds || !s->feed_of || !s->trees || !s->items || !s->rows ||
+        !s->features || !s->logits || !s->probs) {
+        spec_free(s);
+        return err_set(err, "speculation: out of memory");
+    }
+    if (sample_init(&s->sampler, s->V, err) != AE_OK) {
+        spec_free(s);
+        return AE_ERR;
+    }
+    for (size_t t = 0; t < T; t++) s->rows[t] = (int32_t)t;
+    *out = s;
+    return AE_OK;
+}
+
+void spec_set_shape(spec *s, const spec_shape *shape) {
+    AE_ASSERT(shape->tokens >= 1 && shape->tokens <= ENG_MAX_TREE);
+    s->cfg.shape = *shape;
+}
+
+const spec_stats *spec_seq_stats(const spec *s, int32_t seq) {
+    AE_ASSERT(seq >= 0 && seq < s->cfg.max_seqs);
+    return &s->seqs[seq].stats;
+}
+const spec_stats *spec_total_stats(const spec *s) { return &s->total; }
+
+static float *pending_features(spec *s, int32_t seq) {
+    return s->pending_feat + (size_t)seq * ENG_MAX_TREE * (size_t)s->fw;
+}
+
+static llama_capture capture_all(spec *s, int32_t n_rows) {
+    llama_capture c = {s->cfg.n_capture, {0}, n_rows, s->rows, s->features};
+    memcpy(c.layers, s->cfg.capture, sizeof c.layers);
+    return c;
+}
+
+int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, ae_error *err) {
+    if (seq < 0 || seq >= s->cfg.max_seqs || eng_seq_len(s->e, seq) != 0)
+        return err_set(err, "sequence %d is not a fresh engine sequence", seq);
+    if (n < 1) return err_set(err, "the prompt has no tokens");
+    if (chunk < 1 || chunk > s->cfg.max_batch_tokens) chunk = s->cfg.max_batch_tokens;
+    for (int32_t i = 0; i < n; i++)
+        if (prompt[i] < 0 || prompt[i] >= s->V) return err_set(err, "token %d is not in the vocabulary", prompt[i]);
+    seq_state *st = &s->seqs[seq];
+    *st = (seq_state){.started = true, .draft_ok = s->d != NULL, .root = prompt[n - 1]};
+    for (int32_t done = 0; done < n - 1;) {
+        int32_t k = n - 1 - done < chunk ? n - 1 - done : chunk;
+        eng_item it = {seq, ENG_APPEND, k, prompt + done, NULL, false};
+        llama_capture cap = capture_all(s, k);
+        if (eng_step(s->e, &it, 1, s->logits, st->draft_ok ? &cap : NULL, err) != AE_OK) {
+            st->started = false;
+            return AE_ERR;
+        }
+        if (st->draft_ok) {
+            /* Pair j: the feature at j with the token at j + 1. */
+            spec_feed f = {seq, done == 0, k, prompt + done + 1, s->features, false};
+            ae_error derr = {{0}};
+            spec_tree none;
+            if (s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr) != AE_OK) st->draft_ok = false;
+            st->fed = true;
+        }
+        done += k;
+    }
+    /* A one-token prompt gives the drafter nothing to start from: the
+     * first step is plain and feeds it (reset) then. */
+    st->n_pending = 0;
+    return AE_OK;
+}
+
+void spec_seq_end(spec *s, int32_t seq) {
+    if (seq < 0 || seq >= s->cfg.max_seqs || !s->seqs[seq].started) return;
+    if (s->d && s->d->release) s->d->release(s->d->ctx, seq);
+    s->seqs[seq].started = false;
+}
+
+/* A tree from the drafter is input from outside: checked like it. */
+static bool tree_ok(const spec *s, const spec_tree *t, int32_t root) {
+    if (t->n < 1 || t->n > s->cfg.shape.tokens || t->tokens[0] != root || t->parents[0] != -1) return false;
+    for (int32_t i = 1; i < t->n; i++)
+        if (t->parents[i] < 0 || t->parents[i] >= i || t->tokens[i] < 0 || t->tokens[i] >= s->V) return false;
+    return true;
+}
+
+/* Asks the drafter for trees; on any failure every tree is empty. */
+static void propose(spec *s, const spec_in *in, int32_t n) {
+    int32_t nf = 0;
+    for (int32_t i = 0; i < n; i++) {
+        seq_state *st = &s->seqs[in[i].seq];
+        s->trees[i].n = 0;
+        s->feed_of[i] = -1;
+        if (!s->d || !st->draft_ok) continue;
+        s->feed_of[i] = nf;
+        s->feeds[nf++] = (spec_feed){in[i].seq, !st->fed, st->n_pending, st->pending_tokens,
+                                     pending_features(s, in[i].seq), true};
+    }
+    if (nf == 0) return;
+    ae_error derr = {{0}};
+    /* trees is indexed by feed here, then spread to the sequences. */
+    if (s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr) != AE_OK) {
+        for (int32_t i = 0; i < n; i++) {
+            s->trees[i].n = 0;
+            if (s->feed_of[i] >= 0) s->seqs[in[i].seq].draft_ok = false; /* its pairs may be lost */
+        }
+        return;
+    }
+    for (int32_t i = n - 1; i >= 0; i--) {
+        int32_t f = s->feed_of[i];
+        if (f >= 0) {
+            s->seqs[in[i].seq].n_pending = 0;
+            s->seqs[in[i].seq].fed = true;
+            if (f != i) s->trees[i] = s->trees[f];
+        } else {
+            s->trees[i].n = 0;
+        }
+    }
+}
+
+int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err) {
+    if (n < 1 || n > s->cfg.max_seqs) return err_set(err, "step of %d sequences (1..%d)", n, s->cfg.max_seqs);
+    const eng_config *ec = eng_get_config(s->e);
+    for (int32_t i = 0; i < n; i++) {
+        int32_t seq = in[i].seq;
+        if (seq < 0 || seq >= s->cfg.max_seqs || !s->seqs[seq].started)
+            return err_set(err, "item %d: sequence %d was not started", i, seq);
+        for (int32_t j = 0; j < i; j++)
+            if (in[j].seq == seq) return err_set(err, "item %d: sequence %d appears twice", i, seq);
+        if (eng_seq_len(s->e, seq) >= ec->max_seq_len)
+            return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
+    }
+    propose(s, in, n);
+    int32_t T = 0;
+    for (int32_t i = 0; i < n; i++) {
+        seq_state *st = &s->seqs[in[i].seq];
+        spec_tree *t = &s->trees[i];
+        if (t->n > 0 && !tree_ok(s, t, st->root)) {
+            st->stats.bad_trees++;
+            s->total.bad_trees++;
+            t->n = 0;
+        }
+        if (t->n == 0) *t = (spec_tree){.n = 1, .tokens = {st->root}, .parents = {-1}, .probs = {1.0f}};
+        /* Room in the sequence and in the pass; a prefix of a tree is a
+         * tree (parents come first). Every sequence keeps its root. */
+        int32_t room = ec->max_seq_len - eng_seq_len(s->e, in[i].seq), left = s->cfg.max_batch_tokens - T - (n - 1 - i);
+        if (t->n > room) t->n = room;
+        if (t->n > left) t->n = left;
+        s->items[i] = (eng_item){in[i].seq, ENG_TREE, t->n, t->tokens, t->parents, false};
+        T += t->n;
+    }
+    llama_capture cap = capture_all(s, T);
+    if (eng_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err) != AE_OK) return AE_ERR;
+
+    for (int32_t i = 0, row = 0; i < n; row += s->trees[i].n, i++) {
+        int32_t seq = in[i].seq;
+        seq_state *st = &s->seqs[seq];
+        const spec_tree *t = &s->trees[i];
+        verify_tree vt = {t->n, t->tokens, t->parents, s->logits + (size_t)row * (size_t)s->V, s->V};
+        int32_t path[ENG_MAX_TREE], bonus;
+        int32_t n_path = verify_sample(&vt, s->sampler, in[i].params, in[i].rng, s->probs, path, &bonus);
+        AE_ASSERT(eng_commit_path(s->e, seq, path, n_path, NULL) == AE_OK);
+        spec_out *o = &out[i];
+        o->n = 0;
+        o->drafted = t->n - 1;
+        float *pf = pending_features(s, seq);
+        for (int32_t j = 0; j < n_path; j++) {
+            int32_t next = j + 1 < n_path ? t->tokens[path[j + 1]] : bonus;
+            o->tokens[o->n++] = next;
+            if (st->draft_ok && st->n_pending < ENG_MAX_TREE) {
+                memcpy(pf + (size_t)st->n_pending * (size_t)s->fw, s->features + (size_t)(row + path[j]) * (size_t)s->fw,
+                       (size_t)s->fw * sizeof(float));
+                st->pending_tokens[st->n_pending++] = next;
+            } else {
+                st->draft_ok = false; /* a pair the drafter would miss */
+            }
+        }
+        st->root = bonus;
+        spec_stats *ss[2] = {&st->stats, &s->total};
+        for (int k = 0; k < 2; k++) {
+            if (t->n > 1) {
+                ss[k]->steps++;
+                ss[k]->drafted += t->n - 1;
+                ss[k]->accepted += n_path - 1;
+                for (int32_t dpt = 1; dpt < n_path; dpt++) ss[k]->accepted_at[dpt - 1]++;
+            } else {
+                ss[k]->plain_steps++;
+            }
+            ss[k]->emitted += n_path;
+        }
+    }
+    return AE_OK;
+}

@@ -1,0 +1,123 @@
+/* Speculative decoding on the target: draft trees in, verified tokens out.
+ *
+ * Per sequence the target keeps a root: the last token decided (sampled,
+ * or the last prompt token) whose KV is not written yet. A step:
+ *
+ *   1. asks the drafter, for every sequence at once, for a tree under its
+ *      root, telling it the pairs committed since the last call
+ *      (feature captured at position j, token at j + 1);
+ *   2. runs one engine step over all the trees (ENG_TREE), capturing the
+ *      EAGLE-3 features of every node;
+ *   3. accepts per sequence (verify.h): greedy or tree rejection sampling,
+ *      so the tokens are the target's own whatever the draft proposed;
+ *   4. commits the accepted path's KV, keeps its features for the next
+ *      call, and makes the bonus token the new root.
+ *
+ * A sequence without a tree (no drafter, a drafter that failed or sent a
+ * bad tree, nothing fed yet) verifies its root alone: a one-node tree is
+ * a plain decode step, with the same bits (batch invariance), so greedy
+ * output never depends on the draft. Chains are trees like any other.
+ *
+ * The drafter is an interface: in one process it calls draft/drafter.h; the
+ * services put the RPC link behind it. Trees from it are checked like
+ * input from the network. */
+#ifndef AERIE_TARGET_SPEC_H
+#define AERIE_TARGET_SPEC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine.h"
+#include "sample.h"
+
+/* The tree a step asks for (EAGLE-2 parameters, see draft/tree.h). */
+typedef struct spec_shape {
+    int32_t steps;
+    int32_t topk;
+    int32_t tokens; /* nodes, root included */
+} spec_shape;
+
+typedef struct spec_tree {
+    int32_t n;                     /* nodes, root included; 0 = none */
+    int32_t tokens[ENG_MAX_TREE];  /* node 0 must be the root */
+    int32_t parents[ENG_MAX_TREE]; /* -1 for the root, else 0 <= parent < i */
+    float probs[ENG_MAX_TREE];     /* the draft's p of each node given its parent */
+} spec_tree;
+
+/* What the drafter is told about one sequence. */
+typedef struct spec_feed {
+    int32_t seq;           /* the engine's sequence id */
+    bool reset;            /* a new sequence: drop any state held for seq */
+    int32_t n;             /* pairs */
+    const int32_t *tokens; /* [n] */
+    const float *features; /* [n][feature_width] */
+    bool want_tree;
+} spec_feed;
+
+typedef struct spec_drafter {
+    void *ctx;
+    /* trees[i] for feeds[i] (n = 0: none). A failure drafts nothing this
+     * step; decoding goes on without. */
+    int (*propose)(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                   ae_error *err);
+    void (*release)(void *ctx, int32_t seq);
+} spec_drafter;
+
+typedef struct spec_config {
+    int32_t n_capture;                  /* LLAMA_MAX_CAPTURE */
+    int32_t capture[LLAMA_MAX_CAPTURE]; /* target layers whose input is captured */
+    spec_shape shape;
+    int32_t max_seqs;         /* the engine's */
+    int32_t max_batch_tokens; /* the engine's */
+} spec_config;
+
+#define SPEC_MAX_DEPTH ENG_MAX_TREE
+
+typedef struct spec_stats {
+    int64_t steps;       /* steps that verified a drafted tree */
+    int64_t plain_steps; /* steps that verified the root alone */
+    int64_t drafted;     /* drafted nodes verified (roots not counted) */
+    int64_t accepted;    /* drafted tokens accepted */
+    int64_t emitted;     /* tokens out: accepted + one bonus per step */
+    int64_t bad_trees;   /* trees refused (malformed, wrong root) */
+    int64_t accepted_at[SPEC_MAX_DEPTH]; /* [d]: steps that accepted a token at depth d + 1 */
+} spec_stats;
+
+/* Mean acceptance length: (accepted + steps) / steps over speculative
+ * steps (0 when there were none). */
+double spec_stats_accept_len(const spec_stats *st);
+
+typedef struct spec spec;
+
+/* e and d (NULL: no drafter) must outlive the spec. */
+int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg, ae_error *err);
+void spec_free(spec *s); /* NULL is a no-op */
+size_t spec_bytes(const model *m, const spec_config *cfg);
+
+/* Starts a fresh engine sequence (length 0) on prompt[n]: prefills all
+ * but the last token in chunks of at most `chunk`, feeding the drafter as
+ * it goes; the last token becomes the root. */
+int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, ae_error *err);
+void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state */
+
+typedef struct spec_in {
+    int32_t seq;
+    const sample_params *params;
+    sample_rng *rng;
+} spec_in;
+
+typedef struct spec_out {
+    int32_t n;                        /* tokens decided this step, >= 1 */
+    int32_t tokens[ENG_MAX_TREE + 1]; /* accepted drafted tokens, then the bonus */
+    int32_t drafted;                  /* nodes proposed besides the root */
+} spec_out;
+
+/* One step for n sequences. Fails (nothing changed) only on a bad input
+ * or when the KV cache is full. */
+int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err);
+
+void spec_set_shape(spec *s, const spec_shape *shape);
+const spec_stats *spec_seq_stats(const spec *s, int32_t seq);
+const spec_stats *spec_total_stats(const spec *s);
+
+#endif
