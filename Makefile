@@ -23,10 +23,12 @@ OPT     ?= -O2 -g
 LIBS    := -lcjson -lm -lpthread
 
 # target/ and draft/ are libraries first: their main.c files become the
-# service binaries, everything else goes into the library.
+# service binaries, everything else goes into the library. The in-process
+# pairing of drafter and target (cli/draft_link.c) is in the library too,
+# so that the tests speculate exactly as `aerie generate --draft` does.
 LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c) \
-              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c)))
-CLI_SRC  := $(sort $(wildcard cli/*.c))
+              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c)) cli/draft_link.c)
+CLI_SRC  := $(sort $(filter-out cli/draft_link.c,$(wildcard cli/*.c)))
 UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))
 MODEL_SRC := $(sort $(wildcard tests/model/test_*.c))

@@ -194,7 +194,7 @@ int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, ae_erro
             load_matrix(h, st, "midlayer.mlp.gate_proj.weight", F, H, cw, &h->gate, err) ||
             load_matrix(h, st, "midlayer.mlp.up_proj.weight", F, H, cw, &h->up, err) ||
             load_matrix(h, st, "midlayer.mlp.down_proj.weight", H, F, cw, &h->down, err) ||
-            load_matrix(h, st, "lm_head.weight", c->draft_vocab, H, "draft_vocab_size and the target", &h->lm_head,
+            load_matrix(h, st, "lm_head.weight", c->draft_vocab, H, "config.json's draft_vocab_size", &h->lm_head,
                         err) ||
             load_vocab_map(h, st, err))
             rc = AE_ERR;

@@ -1,0 +1,365 @@
+/* Speculative decoding end to end on the tiny fixture
+ * (tests/golden/eagle/tiny/, tools/gen_eagle_fixture.py): the target
+ * verifies trees drafted by a real EAGLE-3 head, or by test drafters that
+ * know the answer, fail, or send garbage. Greedy output must equal plain
+ * greedy output token for token in every case. Run from the repo root. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "../../cli/draft_link.h"
+#include "../../target/spec.h"
+
+#define FIX "tests/golden/eagle/tiny"
+#define N_PROMPTS 50
+#define MAX_PROMPT 40
+#define N_GEN 24
+#define SEQ_LEN 160
+#define CHUNK 16
+
+typedef struct fixture {
+    model *m;
+    eng *e;
+    draft_link link;
+} fixture;
+
+static void fixture_open(fixture *f) {
+    ae_error err = {0};
+    memset(f, 0, sizeof *f);
+    if (model_load(&f->m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
+    eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 2};
+    if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    drafter_config dc = {1, SEQ_LEN, CHUNK, 2};
+    if (draft_link_open(&f->link, FIX "/head", f->m, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+}
+
+static void fixture_close(fixture *f) {
+    draft_link_close(&f->link);
+    eng_free(f->e);
+    model_free(f->m);
+}
+
+static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, 1, 64};
+    ae_error err = {0};
+    if (draft_link_capture(&f->link, f->m, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
+    spec *s;
+    if (spec_init(&s, f->e, d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+    return s;
+}
+
+/* Prompt i: a seeded random walk over the vocabulary, 1..MAX_PROMPT long. */
+static int32_t prompt(int i, int32_t *ids) {
+    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1);
+    int32_t n = 1 + (i * 7) % MAX_PROMPT;
+    for (int32_t t = 0; t < n; t++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        ids[t] = (int32_t)(x % 32);
+    }
+    return n;
+}
+
+/* Plain greedy decoding: the whole prompt, then one token per pass. */
+static void plain_greedy(eng *e, const int32_t *ids, int32_t n, int32_t n_gen, int32_t *out) {
+    ae_error err = {0};
+    int32_t seq, V = eng_model(e)->cfg.vocab;
+    float lg[32];
+    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    for (int32_t at = 0; at < n; at += CHUNK) {
+        eng_item it = {seq, ENG_APPEND, n - at < CHUNK ? n - at : CHUNK, ids + at, NULL, false};
+        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+    }
+    for (int32_t g = 0; g < n_gen; g++) {
+        out[g] = sample_greedy(lg, V);
+        eng_item it = {seq, ENG_APPEND, 1, &out[g], NULL, false};
+        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+    }
+    eng_seq_free(e, seq);
+}
+
+/* Speculative decoding of n_gen tokens (a step may overshoot; the extra
+ * tokens are dropped as a caller stopping at max-tokens would). */
+static void spec_generate(spec *s, eng *e, const int32_t *ids, int32_t n, const sample_params *sp, uint64_t seed,
+                          int32_t n_gen, int32_t *out) {
+    ae_error err = {0};
+    int32_t seq, got = 0;
+    sample_rng rng;
+    sample_rng_seed(&rng, seed);
+    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    if (spec_seq_start(s, seq, ids, n, CHUNK, &err) != AE_OK) fail_msg("%s", err.msg);
+    while (got < n_gen) {
+        spec_in in = {seq, sp, &rng};
+        spec_out o;
+        if (spec_step(s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
+        assert_true(o.n >= 1 && o.n <= o.drafted + 1);
+        for (int32_t j = 0; j < o.n && got < n_gen; j++) out[got++] = o.tokens[j];
+    }
+    spec_seq_end(s, seq);
+    eng_seq_free(e, seq);
+}
+
+static const sample_params greedy = {0, 0, 1, 0};
+
+/* Every prompt and tree shape through the real head: token-identical to
+ * plain greedy decoding. */
+static void test_greedy_speculation_is_lossless_with_the_fixture_head(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    const spec_shape shapes[3] = {{4, 1, 5}, {4, 3, 8}, {8, 4, 32}};
+    const char *names[3] = {"chain 4x1/5", "wide 4x3/8", "deep 8x4/32"};
+    int32_t ids[MAX_PROMPT], want[N_PROMPTS][N_GEN], got[N_GEN];
+    for (int i = 0; i < N_PROMPTS; i++) {
+        int32_t n = prompt(i, ids);
+        plain_greedy(f.e, ids, n, N_GEN, want[i]);
+    }
+    for (int k = 0; k < 3; k++) {
+        spec *s = spec_open(&f, &f.link.iface, shapes[k]);
+        int identical = 0;
+        for (int i = 0; i < N_PROMPTS; i++) {
+            int32_t n = prompt(i, ids);
+            spec_generate(s, f.e, ids, n, &greedy, 0, N_GEN, got);
+            if (memcmp(got, want[i], sizeof got) == 0) identical++;
+            else fprintf(stderr, "%s: prompt %d differs\n", names[k], i);
+        }
+        const spec_stats *st = spec_total_stats(s);
+        printf("%s: %d/%d prompts identical; %lld verify steps, %lld plain, %lld drafted, %lld accepted, "
+               "mean acceptance length %.3f\n",
+               names[k], identical, N_PROMPTS, (long long)st->steps, (long long)st->plain_steps,
+               (long long)st->drafted, (long long)st->accepted, spec_stats_accept_len(st));
+        assert_int_equal(identical, N_PROMPTS);
+        assert_true(st->steps > 0);
+        assert_int_equal(st->bad_trees, 0);
+        spec_free(s);
+    }
+    fixture_close(&f);
+}
+
+/* ---- a drafter that knows the answer ----------------------------------- */
+
+/* Proposes, under each root, the true continuation to a depth that cycles
+ * 0..5, with a wrong sibling before or after each true node and a wrong
+ * child under the last one: every step must accept exactly that depth.
+ * It keeps every pair it is fed, to check them against a plain prefill. */
+typedef struct oracle {
+    const int32_t *truth; /* prompt then plain greedy continuation */
+    int32_t n_truth;
+    int32_t V, fw;
+    int32_t fed;          /* pairs fed so far */
+    int32_t calls;
+    int64_t promised;     /* sum of the depths proposed */
+    int32_t promised_at[8];
+    float *features;      /* [n_truth][fw] */
+    bool pairs_ok;
+} oracle;
+
+static int oracle_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                          ae_error *err) {
+    oracle *o = ctx;
+    (void)err;
+    assert_int_equal(n, 1);
+    const spec_feed *f = &feeds[0];
+    if (f->reset) o->fed = 0;
+    for (int32_t j = 0; j < f->n; j++) {
+        if (f->tokens[j] != o->truth[o->fed + 1]) o->pairs_ok = false;
+        memcpy(o->features + (size_t)o->fed * (size_t)o->fw, f->features + (size_t)j * (size_t)o->fw,
+               (size_t)o->fw * sizeof(float));
+        o->fed++;
+    }
+    trees[0].n = 0;
+    if (!f->want_tree) return AE_OK;
+    int32_t r = o->fed, depth = o->calls++ % 6;
+    if (r + depth + 1 >= o->n_truth) depth = 0;
+    spec_tree *t = &trees[0];
+    t->n = 1;
+    t->tokens[0] = o->truth[r];
+    t->parents[0] = -1;
+    int32_t prev = 0;
+    for (int32_t d = 1; d <= depth + 1; d++) {
+        bool wrong_first = (o->calls + d) % 2 == 0, last = d == depth + 1;
+        int32_t right = o->truth[r + d], wrong = (right + 1 + d) % o->V;
+        for (int pass = 0; pass < 2; pass++) {
+            bool put_wrong = (pass == 0) == wrong_first;
+            if (!put_wrong && last) continue; /* below the promised depth: only a wrong child */
+            t->tokens[t->n] = put_wrong ? wrong : right;
+            t->parents[t->n] = prev;
+            t->probs[t->n] = 0.5f;
+            t->n++;
+        }
+        if (!last) prev = t->n - (wrong_first ? 1 : 2);
+    }
+    AE_ASSERT(t->n <= shape->tokens);
+    o->promised += depth;
+    if (depth > 0) o->promised_at[depth - 1]++;
+    return AE_OK;
+}
+
+static void test_accepted_paths_are_committed_exactly(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    int32_t ids[MAX_PROMPT], truth[MAX_PROMPT + N_GEN + 8], got[N_GEN];
+    int64_t total_promised = 0, total_accepted = 0;
+    for (int i = 0; i < N_PROMPTS; i += 7) {
+        int32_t n = prompt(i, ids);
+        memcpy(truth, ids, (size_t)n * sizeof(int32_t));
+        plain_greedy(f.e, ids, n, N_GEN + 8, truth + n);
+        oracle o = {truth, n + N_GEN + 8, 32, 3 * 32, 0, 0, 0, {0}, NULL, true};
+        o.features = calloc((size_t)o.n_truth * (size_t)o.fw, sizeof(float));
+        spec_drafter d = {&o, oracle_propose, NULL};
+        spec *s = spec_open(&f, &d, (spec_shape){8, 8, 32});
+        spec_generate(s, f.e, ids, n, &greedy, 0, N_GEN, got);
+        assert_memory_equal(got, truth + n, sizeof got);
+        assert_true(o.pairs_ok);
+        const spec_stats *st = spec_total_stats(s);
+        /* Every promised depth is accepted, nothing more. */
+        assert_int_equal(st->accepted, o.promised);
+        for (int dp = 0; dp < 5; dp++) {
+            int64_t reached = 0;
+            for (int e = dp; e < 8; e++) reached += o.promised_at[e];
+            assert_int_equal(st->accepted_at[dp], reached);
+        }
+        assert_int_equal(st->emitted, st->accepted + st->steps + st->plain_steps);
+        total_promised += o.promised;
+        total_accepted += st->accepted;
+        /* The features the drafter was fed equal a plain prefill's of the
+         * committed tokens, bit for bit (batch invariance). */
+        int32_t committed = o.fed, seq;
+        float *ref = calloc((size_t)committed * (size_t)o.fw, sizeof(float)), lg[32];
+        int32_t rows[MAX_PROMPT + N_GEN + 8];
+        for (int32_t r = 0; r < committed; r++) rows[r] = r;
+        llama_capture cap = {LLAMA_MAX_CAPTURE, {1, 3, 4}, committed, rows, ref};
+        ae_error err = {0};
+        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
+        eng_item it = {seq, ENG_APPEND, committed, truth, NULL, false};
+        assert_int_equal(eng_step(f.e, &it, 1, lg, &cap, &err), AE_OK);
+        assert_memory_equal(ref, o.features, (size_t)committed * (size_t)o.fw * sizeof(float));
+        eng_seq_free(f.e, seq);
+        free(ref);
+        free(o.features);
+        spec_free(s);
+    }
+    printf("oracle drafter: %lld tokens promised, %lld accepted\n", (long long)total_promised,
+           (long long)total_accepted);
+    fixture_close(&f);
+}
+
+/* ---- drafters that fail -------------------------------------------------- */
+
+static int failing_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                           ae_error *err) {
+    (void)ctx, (void)feeds, (void)n, (void)shape, (void)trees;
+    return err_set(err, "drafter unavailable");
+}
+
+/* Each call sends a different malformed tree. */
+static int garbage_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                           ae_error *err) {
+    (void)err;
+    int *calls = ctx;
+    for (int32_t i = 0; i < n; i++) {
+        spec_tree *t = &trees[i];
+        if (!feeds[i].want_tree) {
+            t->n = 0;
+            continue;
+        }
+        t->n = 3;
+        t->tokens[0] = 5, t->tokens[1] = 6, t->tokens[2] = 7;
+        t->parents[0] = -1, t->parents[1] = 0, t->parents[2] = 1;
+        switch ((*calls)++ % 4) {
+        case 0: t->tokens[0] = -1; break;         /* not the root */
+        case 1: t->parents[2] = 2; break;         /* its own parent */
+        case 2: t->tokens[1] = 32; break;         /* outside the vocabulary */
+        default: t->n = shape->tokens + 1; break; /* bigger than asked */
+        }
+    }
+    return AE_OK;
+}
+
+static void test_a_failing_or_lying_drafter_changes_nothing(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    int calls = 0;
+    spec_drafter drafters[2] = {{NULL, failing_propose, NULL}, {&calls, garbage_propose, NULL}};
+    int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
+    for (int k = 0; k < 2; k++) {
+        spec *s = spec_open(&f, &drafters[k], (spec_shape){4, 3, 8});
+        for (int i = 0; i < N_PROMPTS; i += 5) {
+            int32_t n = prompt(i, ids);
+            plain_greedy(f.e, ids, n, N_GEN, want);
+            spec_generate(s, f.e, ids, n, &greedy, 0, N_GEN, got);
+            assert_memory_equal(got, want, sizeof got);
+        }
+        const spec_stats *st = spec_total_stats(s);
+        assert_int_equal(st->steps, 0);
+        assert_int_equal(st->emitted, st->plain_steps);
+        /* The failing drafter is dropped for the sequence at once; the
+         * lying one is asked every step and refused every time. */
+        if (k == 1) assert_int_equal(st->bad_trees, calls);
+        else assert_int_equal(st->bad_trees, 0);
+        spec_free(s);
+    }
+    assert_true(calls > 40);
+    fixture_close(&f);
+}
+
+/* Sampling with a seed: the same tokens run to run, other seeds other
+ * tokens. */
+static void test_sampled_speculation_is_reproducible_by_seed(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    spec *s = spec_open(&f, &f.link.iface, (spec_shape){4, 3, 8});
+    sample_params sp = {0.9f, 20, 0.95f, 0};
+    int32_t ids[MAX_PROMPT], a[N_GEN], b[N_GEN], c[N_GEN];
+    int32_t n = prompt(3, ids);
+    spec_generate(s, f.e, ids, n, &sp, 7, N_GEN, a);
+    spec_generate(s, f.e, ids, n, &sp, 7, N_GEN, b);
+    assert_memory_equal(a, b, sizeof a);
+    int differ = 0;
+    for (uint64_t seed = 8; seed < 12; seed++) {
+        spec_generate(s, f.e, ids, n, &sp, seed, N_GEN, c);
+        differ += memcmp(a, c, sizeof a) != 0;
+    }
+    assert_int_equal(differ, 4);
+    assert_true(spec_total_stats(s)->accepted > 0);
+    spec_free(s);
+    fixture_close(&f);
+}
+
+static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    spec *s = spec_open(&f, &f.link.iface, (spec_shape){4, 3, 8});
+    sample_rng rng;
+    sample_rng_seed(&rng, 1);
+    spec_in in = {0, &greedy, &rng};
+    spec_out o;
+    ae_error err = {0};
+    assert_int_equal(spec_step(s, &in, 1, &o, &err), AE_ERR);
+    assert_string_equal(err.msg, "item 0: sequence 0 was not started");
+    spec_free(s);
+    fixture_close(&f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_greedy_speculation_is_lossless_with_the_fixture_head),
+        cmocka_unit_test(test_accepted_paths_are_committed_exactly),
+        cmocka_unit_test(test_a_failing_or_lying_drafter_changes_nothing),
+        cmocka_unit_test(test_sampled_speculation_is_reproducible_by_seed),
+        cmocka_unit_test(test_a_step_on_an_unstarted_sequence_fails),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
