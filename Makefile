@@ -144,8 +144,16 @@ deps:
 model:
 	@tools/fetch_model.sh
 
+# A random EAGLE-3 head shaped for the default model, for the lossless
+# tests (tests/model/test_spec_default.c, pytest): 15 MB, so it is written
+# at test time rather than committed.
+RANDOM_HEAD := build/heads/smollm2-random
+$(RANDOM_HEAD)/model.safetensors: tools/gen_eagle_fixture.py
+	$(MSG) GEN $(RANDOM_HEAD)
+	$(Q)$(PYTHON) tools/gen_eagle_fixture.py --default-head $(RANDOM_HEAD)
+
 test: deps
-	$(MAKE) all asan tsan fuzz
+	$(MAKE) all asan tsan fuzz $(RANDOM_HEAD)/model.safetensors
 	@tools/fetch_model.sh
 	@tools/run_tests.sh
 

@@ -57,7 +57,7 @@ void tree_expand(tree_build *b, int32_t k, const int32_t *tokens, const float *p
         int32_t pd = parent < 0 ? 0 : b->pool[parent].depth;
         for (int32_t j = 0; j < k; j++) {
             float p = probs[i * k + j];
-            if (!(p >= 0.0f)) p = 0.0f;
+            if (!(p > 0.0f)) p = 0.0f; /* NaN, negative and -0 */
             if (p > 1.0f) p = 1.0f;
             b->pool[b->n_pool++] = (tree_cand){tokens[i * k + j], parent, pd + 1, p, ps * p};
         }

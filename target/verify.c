@@ -21,6 +21,7 @@ int32_t verify_greedy(const verify_tree *t, int32_t *path, int32_t *bonus) {
 int32_t verify_sample(const verify_tree *t, sampler *s, const sample_params *p, sample_rng *rng, float *probs,
                       int32_t *path, int32_t *bonus) {
     if (sample_is_greedy(p)) return verify_greedy(t, path, bonus);
+    AE_ASSERT(sample_vocab(s) == t->vocab); /* probs holds one row of the sampler's vocabulary */
     int32_t n_path = 0, cur = 0;
     path[n_path++] = 0;
     for (;;) {

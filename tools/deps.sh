@@ -22,6 +22,9 @@ fi
 
 py_missing=()
 python3 -c 'import pytest' >/dev/null 2>&1 || py_missing+=(pytest)
+# numpy writes the random EAGLE-3 head the speculative tests run with
+# (tools/gen_eagle_fixture.py --default-head).
+python3 -c 'import numpy' >/dev/null 2>&1 || py_missing+=(numpy)
 if [ ${#py_missing[@]} -gt 0 ]; then
     echo "deps: pip installing ${py_missing[*]}"
     # Debian's own python3 refuses plain pip installs (PEP 668); these are

@@ -16,6 +16,7 @@
 
 #include "../../cli/draft_link.h"
 #include "../../target/spec.h"
+#include "../spec_run.h"
 
 #define FIX "tests/golden/eagle/tiny"
 #define N_PROMPTS 50
@@ -68,43 +69,13 @@ static int32_t prompt(int i, int32_t *ids) {
     return n;
 }
 
-/* Plain greedy decoding: the whole prompt, then one token per pass. */
 static void plain_greedy(eng *e, const int32_t *ids, int32_t n, int32_t n_gen, int32_t *out) {
-    ae_error err = {0};
-    int32_t seq, V = eng_model(e)->cfg.vocab;
-    float lg[32];
-    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
-    for (int32_t at = 0; at < n; at += CHUNK) {
-        eng_item it = {seq, ENG_APPEND, n - at < CHUNK ? n - at : CHUNK, ids + at, NULL, false};
-        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
-    }
-    for (int32_t g = 0; g < n_gen; g++) {
-        out[g] = sample_greedy(lg, V);
-        eng_item it = {seq, ENG_APPEND, 1, &out[g], NULL, false};
-        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
-    }
-    eng_seq_free(e, seq);
+    run_plain_greedy(e, ids, n, CHUNK, n_gen, out);
 }
 
-/* Speculative decoding of n_gen tokens (a step may overshoot; the extra
- * tokens are dropped as a caller stopping at max-tokens would). */
 static void spec_generate(spec *s, eng *e, const int32_t *ids, int32_t n, const sample_params *sp, uint64_t seed,
                           int32_t n_gen, int32_t *out) {
-    ae_error err = {0};
-    int32_t seq, got = 0;
-    sample_rng rng;
-    sample_rng_seed(&rng, seed);
-    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
-    if (spec_seq_start(s, seq, ids, n, CHUNK, &err) != AE_OK) fail_msg("%s", err.msg);
-    while (got < n_gen) {
-        spec_in in = {seq, sp, &rng};
-        spec_out o;
-        if (spec_step(s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
-        assert_true(o.n >= 1 && o.n <= o.drafted + 1);
-        for (int32_t j = 0; j < o.n && got < n_gen; j++) out[got++] = o.tokens[j];
-    }
-    spec_seq_end(s, seq);
-    eng_seq_free(e, seq);
+    run_spec(s, e, ids, n, CHUNK, sp, seed, n_gen, out);
 }
 
 static const sample_params greedy = {0, 0, 1, 0};
