@@ -40,6 +40,7 @@
 #include "../target/engine.h"
 #include "../target/sample.h"
 #include "cli.h"
+#include "draft_link.h"
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
@@ -52,6 +53,7 @@ static const cfg_option opts[] = {
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    DRAFT_LINK_OPTIONS,
 };
 
 #define VERIFY_SIZES 6
@@ -236,7 +238,121 @@ static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_err
     return eng_commit_path(b->e, seq, none, 0, err);
 }
 
-static double round_to(double x, double scale) { return (double)llround(x * scale) / scale; }
+/* ---- speculative against plain decoding ---------------------------------- */
+
+#define SPEC_ROUNDS 3 /* alternating rounds of each; the medians count */
+
+/* New, empty sequences for the batch (the previous ones are freed). */
+static int fresh_seqs(bench *b, ae_error *err) {
+    for (int32_t i = 0; i < b->batch; i++) {
+        eng_seq_free(b->e, b->seqs[i]);
+        if (eng_seq_new(b->e, &b->seqs[i], err) != AE_OK) return AE_ERR;
+    }
+    return AE_OK;
+}
+
+/* Plain greedy decoding of n_gen tokens per sequence into out[batch][n_gen];
+ * *secs: the decode steps only. */
+static int plain_round(bench *b, int32_t n_prompt, int32_t n_gen, int32_t *out, double *secs, ae_error *err) {
+    if (fresh_seqs(b, err) != AE_OK || prefill(b, b->seqs, b->batch, b->prompts, n_prompt, b->next, err) != AE_OK)
+        return AE_ERR;
+    double t0 = cli_now_seconds();
+    for (int32_t g = 0; g < n_gen; g++) {
+        for (int32_t i = 0; i < b->batch; i++) out[(size_t)i * (size_t)n_gen + (size_t)g] = b->next[i];
+        if (decode_step(b, err) != AE_OK) return AE_ERR;
+    }
+    *secs = cli_now_seconds() - t0;
+    return AE_OK;
+}
+
+/* The same with speculation: all sequences step together until each has
+ * n_gen tokens. */
+static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32_t *out, double *secs,
+                      ae_error *err) {
+    static const sample_params greedy = {0, 0, 1, 0};
+    int rc = fresh_seqs(b, err);
+    spec_in *in = malloc(sizeof *in * (size_t)b->batch);
+    spec_out *o = malloc(sizeof *o * (size_t)b->batch);
+    int32_t *got = calloc((size_t)b->batch, sizeof *got);
+    sample_rng rng; /* greedy draws nothing */
+    sample_rng_seed(&rng, 0);
+    if (!in || !o || !got) rc = err_set(err, "out of memory");
+    for (int32_t i = 0; rc == AE_OK && i < b->batch; i++)
+        rc = spec_seq_start(sx, b->seqs[i], b->prompts + (size_t)i * (size_t)n_prompt, n_prompt, b->max_batch_tokens,
+                            err);
+    double t0 = cli_now_seconds();
+    while (rc == AE_OK) {
+        int32_t n = 0;
+        for (int32_t i = 0; i < b->batch; i++)
+            if (got[i] < n_gen) in[n++] = (spec_in){b->seqs[i], &greedy, &rng};
+        if (n == 0) break;
+        if ((rc = spec_step(sx, in, n, o, err)) != AE_OK) break;
+        for (int32_t j = 0, i = 0; j < n; j++, i++) {
+            while (b->seqs[i] != in[j].seq) i++;
+            for (int32_t k = 0; k < o[j].n && got[i] < n_gen; k++)
+                out[(size_t)i * (size_t)n_gen + (size_t)got[i]++] = o[j].tokens[k];
+        }
+    }
+    *secs = cli_now_seconds() - t0;
+    for (int32_t i = 0; i < b->batch; i++) spec_seq_end(sx, b->seqs[i]);
+    free(in);
+    free(o);
+    free(got);
+    return rc;
+}
+
+/* Plain and speculative decoding of the same prompts, in alternating
+ * rounds; adds both rates, their ratio, whether the tokens were the same,
+ * and the acceptance figures to o. */
+static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt, int32_t n_gen, int threads,
+                        cJSON *o, ae_error *err) {
+    spec_shape shape;
+    if (draft_link_shape(c, &shape, err) != AE_OK) return AE_ERR;
+    if (b->batch * shape.tokens > b->max_batch_tokens)
+        return err_set(err, "--batch %d x --spec-tokens %d exceeds --max-batch-tokens %d", b->batch, shape.tokens,
+                       b->max_batch_tokens);
+    const eng_config *ec = eng_get_config(b->e);
+    drafter_config dc = {ec->max_seqs, ec->max_seq_len, b->max_batch_tokens, threads, eng_pool(b->e)};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, ec->max_seqs, ec->max_batch_tokens};
+    draft_link link;
+    spec *sx = NULL;
+    size_t n_out = (size_t)b->batch * (size_t)n_gen;
+    int32_t *plain_out = malloc(sizeof(int32_t) * n_out), *spec_out_ids = malloc(sizeof(int32_t) * n_out);
+    double plain_rate[SPEC_ROUNDS], spec_rate[SPEC_ROUNDS];
+    bool identical = true;
+    int rc = plain_out && spec_out_ids ? AE_OK : err_set(err, "out of memory");
+    if (rc == AE_OK) rc = draft_link_open(&link, cfg_str(c, "draft"), m, &dc, err);
+    if (rc != AE_OK) {
+        free(plain_out);
+        free(spec_out_ids);
+        return AE_ERR;
+    }
+    if (draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, b->e, &link.iface, &sc, err) != AE_OK)
+        rc = AE_ERR;
+    for (int r = 0; rc == AE_OK && r < SPEC_ROUNDS; r++) {
+        double tp, ts;
+        if ((rc = plain_round(b, n_prompt, n_gen, plain_out, &tp, err)) != AE_OK ||
+            (rc = spec_round(b, sx, n_prompt, n_gen, spec_out_ids, &ts, err)) != AE_OK)
+            break;
+        plain_rate[r] = (double)n_out / tp;
+        spec_rate[r] = (double)n_out / ts;
+        identical &= memcmp(plain_out, spec_out_ids, n_out * sizeof(int32_t)) == 0;
+    }
+    if (rc == AE_OK) {
+        double pr = median_of(plain_rate, SPEC_ROUNDS), sr = median_of(spec_rate, SPEC_ROUNDS);
+        cJSON_AddStringToObject(o, "draft", cfg_str(c, "draft"));
+        cJSON_AddNumberToObject(o, "plain_decode_tok_per_s", cli_round(pr, 1e2));
+        cJSON_AddNumberToObject(o, "spec_decode_tok_per_s", cli_round(sr, 1e2));
+        cJSON_AddNumberToObject(o, "spec_speedup", cli_round(sr / pr, 1e3));
+        cJSON_AddBoolToObject(o, "spec_output_identical", identical);
+        draft_link_stats_json(o, spec_total_stats(sx), &shape);
+    }
+    spec_free(sx);
+    draft_link_close(&link);
+    free(plain_out);
+    free(spec_out_ids);
+    return rc;
+}
 
 static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cfg *c = (cfg *)cc; /* auto values are resolved here */
@@ -258,7 +374,9 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         return err_set(err, "--batch %d exceeds --max-batch-tokens %d", batch, max_batch_tokens), CLI_EXIT_USAGE;
 
     if (model_load(&m, path, err) != AE_OK) goto out;
-    int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX);
+    /* Speculation verifies trees of up to ENG_MAX_TREE nodes past the
+     * generated tokens. */
+    int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX) + (cfg_str(c, "draft") ? ENG_MAX_TREE : 0);
     if (seq_len > m->cfg.context_length) {
         err_set(err, "prompt-tokens (%d) + max(gen-tokens, %d) exceeds the model's context of %d", n_prompt,
                 VERIFY_MAX, m->cfg.context_length);
@@ -342,8 +460,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                              : 0.5 * (times[k * reps + reps / 2 - 1] + times[k * reps + reps / 2]);
     }
 
-    double step_rate = round_to((double)n_gen / t_decode, 1e3);
-    double roofline = round_to(bandwidth / (double)weight_bytes, 1e3);
+    double step_rate = cli_round((double)n_gen / t_decode, 1e3);
+    double roofline = cli_round(bandwidth / (double)weight_bytes, 1e3);
     cJSON *o = cJSON_CreateObject(), *vc = NULL;
     if (!o) {
         err_set(err, "out of memory");
@@ -355,29 +473,33 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_AddNumberToObject(o, "batch", batch);
     cJSON_AddNumberToObject(o, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(o, "gen_tokens", n_gen);
-    cJSON_AddNumberToObject(o, "prefill_tok_per_s", round_to((double)batch * n_prompt / t_prefill, 1e2));
-    cJSON_AddNumberToObject(o, "decode_tok_per_s", round_to((double)batch * n_gen / t_decode, 1e2));
+    cJSON_AddNumberToObject(o, "prefill_tok_per_s", cli_round((double)batch * n_prompt / t_prefill, 1e2));
+    cJSON_AddNumberToObject(o, "decode_tok_per_s", cli_round((double)batch * n_gen / t_decode, 1e2));
     cJSON_AddNumberToObject(o, "decode_step_per_s", step_rate);
     cJSON_AddNumberToObject(o, "weight_bytes_per_step", (double)weight_bytes);
-    cJSON_AddNumberToObject(o, "bandwidth_gb_per_s", round_to(bandwidth / 1e9, 1e3));
-    cJSON_AddNumberToObject(o, "bandwidth_best_gb_per_s", round_to(bw_best / 1e9, 1e3));
+    cJSON_AddNumberToObject(o, "bandwidth_gb_per_s", cli_round(bandwidth / 1e9, 1e3));
+    cJSON_AddNumberToObject(o, "bandwidth_best_gb_per_s", cli_round(bw_best / 1e9, 1e3));
     cJSON_AddNumberToObject(o, "bandwidth_mib", (double)cfg_int(c, "bandwidth-mib"));
     cJSON_AddNumberToObject(o, "roofline_tok_per_s", roofline);
-    cJSON_AddNumberToObject(o, "roofline_fraction", round_to(frac, 1e4));
+    cJSON_AddNumberToObject(o, "roofline_fraction", cli_round(frac, 1e4));
     cJSON *windows = cJSON_AddArrayToObject(o, "roofline_fraction_windows");
     for (int w = 0; windows && w < n_win; w++)
-        cJSON_AddItemToArray(windows, cJSON_CreateNumber(round_to(win_in_order[w], 1e4)));
+        cJSON_AddItemToArray(windows, cJSON_CreateNumber(cli_round(win_in_order[w], 1e4)));
     cJSON_AddNumberToObject(o, "roofline_fraction_vs_best",
-                            round_to(step_rate / (bw_best / (double)weight_bytes), 1e4));
+                            cli_round(step_rate / (bw_best / (double)weight_bytes), 1e4));
     cJSON_AddNumberToObject(o, "verify_context", n_prompt);
-    cJSON_AddNumberToObject(o, "verify_1_ms", round_to(median[0] * 1e3, 1e3));
+    cJSON_AddNumberToObject(o, "verify_1_ms", cli_round(median[0] * 1e3, 1e3));
     cJSON_AddItemToObject(o, "verify_cost", vc = cJSON_CreateObject());
     for (int k = 0; vc && k < VERIFY_SIZES; k++) {
         char key[8];
         snprintf(key, sizeof key, "%d", verify_sizes[k]);
-        cJSON_AddNumberToObject(vc, key, k == 0 ? 1.0 : round_to(median[k] / median[0], 1e3));
+        cJSON_AddNumberToObject(vc, key, k == 0 ? 1.0 : cli_round(median[k] / median[0], 1e3));
     }
-    cJSON_AddNumberToObject(o, "wall_seconds", round_to(cli_now_seconds() - t_start, 1e2));
+    if (cfg_str(c, "draft") && compare_spec(&b, c, m, n_prompt, n_gen, threads, o, err) != AE_OK) {
+        cJSON_Delete(o);
+        goto out;
+    }
+    cJSON_AddNumberToObject(o, "wall_seconds", cli_round(cli_now_seconds() - t_start, 1e2));
     char *line = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (!line) {
@@ -403,7 +525,8 @@ out:
 const cli_cmd cli_cmd_bench = {
     .name = "bench",
     .args = "--model M",
-    .summary = "prefill, decode and verify speed against the bandwidth roofline, as one JSON line",
+    .summary = "prefill, decode and verify speed against the bandwidth roofline (--draft: speculative "
+               "against plain decoding), as one JSON line",
     .opts = opts,
     .n_opts = sizeof opts / sizeof opts[0],
     .run = run,

@@ -43,6 +43,8 @@ void cli_model_close(cli_model *m);
 
 /* Monotonic clock in seconds, for the timing subcommands. */
 double cli_now_seconds(void);
+/* x rounded to the nearest multiple of 1 / scale (for JSON output). */
+double cli_round(double x, double scale);
 /* qsort comparator for doubles, ascending. */
 int cli_cmp_double(const void *a, const void *b);
 

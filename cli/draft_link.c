@@ -62,3 +62,28 @@ int draft_link_capture(const draft_link *l, const model *m, int32_t out[LLAMA_MA
 size_t draft_link_bytes(const draft_link *l, const drafter_config *dc) {
     return l->head->weight_bytes + drafter_bytes(l->head, dc);
 }
+
+int draft_link_shape(const cfg *c, spec_shape *shape, ae_error *err) {
+    *shape = (spec_shape){(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"),
+                          (int32_t)cfg_int(c, "spec-tokens")};
+    tree_params p = {shape->steps, shape->topk, shape->tokens};
+    return tree_params_check(&p, err);
+}
+
+static double round4(double x) { return (double)(int64_t)(x * 1e4 + (x < 0 ? -0.5 : 0.5)) / 1e4; }
+
+void draft_link_stats_json(cJSON *o, const spec_stats *st, const spec_shape *shape) {
+    cJSON_AddNumberToObject(o, "spec_steps", shape->steps);
+    cJSON_AddNumberToObject(o, "spec_topk", shape->topk);
+    cJSON_AddNumberToObject(o, "spec_tokens", shape->tokens);
+    cJSON_AddNumberToObject(o, "verify_steps", (double)st->steps);
+    cJSON_AddNumberToObject(o, "plain_steps", (double)st->plain_steps);
+    cJSON_AddNumberToObject(o, "drafted_tokens", (double)st->drafted);
+    cJSON_AddNumberToObject(o, "accepted_tokens", (double)st->accepted);
+    cJSON_AddNumberToObject(o, "mean_accept_len", round4(spec_stats_accept_len(st)));
+    cJSON *depth = cJSON_AddArrayToObject(o, "accept_per_depth");
+    for (int32_t d = 0; depth && d < shape->steps && d < SPEC_MAX_DEPTH; d++)
+        cJSON_AddItemToArray(depth, cJSON_CreateNumber(st->steps ? round4((double)st->accepted_at[d] / (double)st->steps) : 0));
+    double total = (double)(st->draft_ns + st->verify_ns);
+    cJSON_AddNumberToObject(o, "draft_time_share", total > 0 ? round4((double)st->draft_ns / total) : 0);
+}

@@ -4,8 +4,28 @@
 #ifndef AERIE_CLI_DRAFT_LINK_H
 #define AERIE_CLI_DRAFT_LINK_H
 
+#include <cjson/cJSON.h>
+
 #include "../draft/drafter.h"
+#include "../services/core/config.h"
 #include "../target/spec.h"
+
+/* The settings of speculation, rows for a command's cfg table. The
+ * defaults are SGLang's for EAGLE-3 (REFERENCES.md). */
+#define DRAFT_LINK_OPTIONS                                                                                   \
+    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"}, \
+    {"spec-steps", CFG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},                                     \
+    {"spec-topk", CFG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},  \
+    {"spec-tokens", CFG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"}
+
+/* The tree shape DRAFT_LINK_OPTIONS set; checked (tree_params_check). */
+int draft_link_shape(const cfg *c, spec_shape *shape, ae_error *err);
+
+/* Adds the speculation figures to a JSON object: the shape, steps,
+ * drafted and accepted tokens, mean acceptance length, acceptance per
+ * depth (share of verify steps that accepted a token at depth d + 1), and
+ * the time shares of drafting and verifying. */
+void draft_link_stats_json(cJSON *o, const spec_stats *st, const spec_shape *shape);
 
 typedef struct draft_link {
     eagle_head *head;

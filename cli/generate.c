@@ -29,10 +29,7 @@ static const cfg_option opts[] = {
     {"stats", CFG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
     {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
-    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"},
-    {"spec-steps", CFG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},
-    {"spec-topk", CFG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},
-    {"spec-tokens", CFG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"},
+    DRAFT_LINK_OPTIONS,
     /* The memory plan's settings (target/memplan.h), with defaults for one
      * sequence. */
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
@@ -57,7 +54,7 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
     eagle_head *h;
     eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     if (eagle_load(&h, dir, &t, err) != AE_OK) return AE_ERR;
-    drafter_config dc = {(int32_t)cfg_int(c, "max-batch"), max_seq_len, PREFILL_CHUNK, 1};
+    drafter_config dc = {(int32_t)cfg_int(c, "max-batch"), max_seq_len, PREFILL_CHUNK, 1, NULL};
     *weights = h->weight_bytes;
     *work = drafter_bytes(h, &dc);
     eagle_free(h);
@@ -192,18 +189,6 @@ static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prom
     return rc;
 }
 
-/* The acceptance figures of --stats, as JSON members (leading comma). */
-static void print_spec_stats(const spec_stats *st, const spec_shape *shape) {
-    fprintf(stderr,
-            ",\"spec_steps\":%d,\"spec_topk\":%d,\"spec_tokens\":%d,\"verify_steps\":%lld,\"plain_steps\":%lld,"
-            "\"drafted_tokens\":%lld,\"accepted_tokens\":%lld,\"mean_accept_len\":%.4f,\"accept_per_depth\":[",
-            shape->steps, shape->topk, shape->tokens, (long long)st->steps, (long long)st->plain_steps,
-            (long long)st->drafted, (long long)st->accepted, spec_stats_accept_len(st));
-    for (int32_t d = 0; d < shape->steps && d < SPEC_MAX_DEPTH; d++)
-        fprintf(stderr, "%s%.4f", d ? "," : "", st->steps ? (double)st->accepted_at[d] / (double)st->steps : 0.0);
-    fprintf(stderr, "]");
-}
-
 static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cfg *c = (cfg *)cc; /* resolve() has replaced every auto value */
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
@@ -248,13 +233,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (eng_init(&e, m, &ec, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
         detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
-    spec_shape shape = {(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"),
-                        (int32_t)cfg_int(c, "spec-tokens")};
+    spec_shape shape;
+    if (draft_link_shape(c, &shape, err) != AE_OK) goto out;
     if (draft) {
-        drafter_config dc = {plan.max_batch, plan.max_seq_len, PREFILL_CHUNK, threads};
+        drafter_config dc = {plan.max_batch, plan.max_seq_len, PREFILL_CHUNK, threads, eng_pool(e)};
         spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, PREFILL_CHUNK};
-        tree_params tp = {shape.steps, shape.topk, shape.tokens};
-        if (tree_params_check(&tp, err) != AE_OK || draft_link_open(&link, draft, m, &dc, err) != AE_OK ||
+        if (draft_link_open(&link, draft, m, &dc, err) != AE_OK ||
             draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
             goto out;
     }
@@ -292,15 +276,25 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
          * decoding's first token comes from the prefill pass, speculative
          * decoding's from its first verify step. */
         int32_t decoded = sx ? em.n : em.n - 1;
-        fprintf(stderr,
-                "{\"prompt_tokens\":%zu,\"generated_tokens\":%d,\"load_seconds\":%.3f,"
-                "\"prefill_tok_per_s\":%.1f,\"decode_tok_per_s\":%.1f,\"threads\":%d,\"simd\":\"%s\","
-                "\"speculation\":%s",
-                n_prompt, em.n, t_load, t_prefill > 0 ? (double)n_prompt / t_prefill : 0.0,
-                decoded > 0 && t_decode > 0 ? (double)decoded / t_decode : 0.0, threads, kn_cpu_simd(),
-                sx ? "true" : "false");
-        if (sx) print_spec_stats(spec_total_stats(sx), &shape);
-        fprintf(stderr, "}\n");
+        cJSON *o = cJSON_CreateObject();
+        if (!o) {
+            err_set(err, "out of memory");
+            goto out;
+        }
+        cJSON_AddNumberToObject(o, "prompt_tokens", (double)n_prompt);
+        cJSON_AddNumberToObject(o, "generated_tokens", em.n);
+        cJSON_AddNumberToObject(o, "load_seconds", cli_round(t_load, 1e3));
+        cJSON_AddNumberToObject(o, "prefill_tok_per_s", t_prefill > 0 ? cli_round((double)n_prompt / t_prefill, 10) : 0);
+        cJSON_AddNumberToObject(o, "decode_tok_per_s",
+                                decoded > 0 && t_decode > 0 ? cli_round((double)decoded / t_decode, 10) : 0);
+        cJSON_AddNumberToObject(o, "threads", threads);
+        cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
+        cJSON_AddBoolToObject(o, "speculation", sx != NULL);
+        if (sx) draft_link_stats_json(o, spec_total_stats(sx), &shape);
+        char *line = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+        if (line) fprintf(stderr, "%s\n", line);
+        cJSON_free(line);
     }
     rc = 0;
 out:

@@ -1,5 +1,6 @@
 /* aerie: the command-line tool. See `aerie help`. */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,6 +73,8 @@ double cli_now_seconds(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
+
+double cli_round(double x, double scale) { return (double)llround(x * scale) / scale; }
 
 int cli_cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

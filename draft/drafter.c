@@ -35,7 +35,8 @@ struct drafter {
     const eagle_head *head;
     drafter_config cfg;
     int32_t max_rows; /* rows of one head pass */
-    pool *pool;
+    pool *pool;     /* the shared pool, or own_pool */
+    pool *own_pool;
     kn_stream *stream;
     eagle_ws *ws;
     kv_cache *kv;
@@ -75,7 +76,7 @@ void drafter_free(drafter *d) {
     if (!d) return;
     eagle_ws_free(d->ws);
     kn_stream_free(d->stream);
-    pool_free(d->pool);
+    pool_free(d->own_pool);
     kv_free(d->kv);
     free(d->keys);
     free(d->last_hidden);
@@ -91,7 +92,7 @@ void drafter_free(drafter *d) {
 
 int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, ae_error *err) {
     *out = NULL;
-    if (cfg->max_seqs < 1 || cfg->max_seq_len < 1 || cfg->max_tokens < 1 || cfg->threads < 1)
+    if (cfg->max_seqs < 1 || cfg->max_seq_len < 1 || cfg->max_tokens < 1 || (!cfg->pool && cfg->threads < 1))
         return err_set(err, "drafter: bad sizes (seqs %d, seq len %d, tokens %d, threads %d)", cfg->max_seqs,
                        cfg->max_seq_len, cfg->max_tokens, cfg->threads);
     drafter *d = calloc(1, sizeof *d);
@@ -101,8 +102,9 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
     d->max_rows = rows_for(cfg);
     size_t R = (size_t)d->max_rows, H = (size_t)h->cfg.hidden;
     kv_params kp = kv_params_for(h, cfg);
-    if (pool_init(&d->pool, cfg->threads, err) != AE_OK ||
-        kn_stream_init_cpu(&d->stream, d->pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH),
+    d->pool = cfg->pool;
+    if ((!d->pool && pool_init(&d->own_pool, cfg->threads, err) != AE_OK) ||
+        kn_stream_init_cpu(&d->stream, d->pool ? d->pool : d->own_pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH),
                            err) != AE_OK ||
         eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, &kp, err) != AE_OK)
         goto fail;

@@ -31,7 +31,11 @@ typedef struct drafter_config {
     int32_t max_seqs;    /* keys 0 .. max_seqs-1 */
     int32_t max_seq_len; /* pairs one sequence may hold */
     int32_t max_tokens;  /* pairs in one head pass (longer feeds are split) */
-    int32_t threads;
+    int32_t threads;     /* of its own pool, when pool is NULL */
+    /* A pool to share (not owned), e.g. the target engine's in one
+     * process: two pools would spin against each other on the same cores
+     * while one of them waits for the other's step. */
+    struct pool *pool;
 } drafter_config;
 
 typedef struct drafter_feed {

@@ -65,12 +65,24 @@ static int load_floats(eagle_head *h, const st_model *st, const char *name, int6
     return AE_OK;
 }
 
+/* Matrices keep the file's element type when kn_matmul reads it natively
+ * (F32, F16, BF16): the same values, and a step reads half the bytes of an
+ * f32 copy for a 16-bit head. The copy is aligned; the mapping may not be. */
 static int load_matrix(eagle_head *h, const st_model *st, const char *name, int64_t rows, int64_t cols,
                        const char *why, kn_weight *w, ae_error *err) {
-    const float *p;
-    if (load_floats(h, st, name, rows, cols, why, &p, err) != AE_OK) return AE_ERR;
-    *w = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = p,
-                     .row_bytes = (size_t)cols * sizeof(float)};
+    const st_tensor *t = find_shaped(st, name, rows, cols, why, err);
+    if (!t) return AE_ERR;
+    ggml_type type = t->dtype == ST_F16 ? GGML_TYPE_F16 : t->dtype == ST_BF16 ? GGML_TYPE_BF16 : GGML_TYPE_F32;
+    size_t elem = type == GGML_TYPE_F32 ? sizeof(float) : 2;
+    /* own_floats counts floats: a 16-bit matrix takes half as many. */
+    float *buf = own_floats(h, (t->n_elements * elem + sizeof(float) - 1) / sizeof(float), err);
+    if (!buf) return AE_ERR;
+    if (type == GGML_TYPE_F32) {
+        if (st_tensor_to_f32(t, buf, t->n_elements, err) != AE_OK) return AE_ERR;
+    } else {
+        memcpy(buf, t->data, (size_t)t->n_bytes);
+    }
+    *w = (kn_weight){.type = type, .rows = rows, .cols = cols, .data = buf, .row_bytes = (size_t)cols * elem};
     return AE_OK;
 }
 

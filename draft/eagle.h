@@ -14,7 +14,8 @@
  *   d2t (int)                                   [draft_vocab]
  *   t2d (bool, optional)                        [target vocab]
  * H is the target's hidden size: the head reads the target's features and
- * its embedding table. Weights are converted to f32 at load.
+ * its embedding table. Matrices keep their file type (F16 and BF16 are
+ * kn_matmul types); norm vectors are converted to f32.
  *
  * One forward step over m tokens (kernels/kernels.h ops; KV in a one-layer
  * paged pool):

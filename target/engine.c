@@ -26,6 +26,7 @@ struct eng {
 
 const model *eng_model(const eng *e) { return e->m; }
 const eng_config *eng_get_config(const eng *e) { return &e->cfg; }
+pool *eng_pool(eng *e) { return e->pool; }
 
 void eng_free(eng *e) {
     if (!e) return;

@@ -76,5 +76,7 @@ int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_erro
 
 const model *eng_model(const eng *e);
 const eng_config *eng_get_config(const eng *e);
+/* The engine's thread pool, for a drafter in the same process to share. */
+pool *eng_pool(eng *e);
 
 #endif

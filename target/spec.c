@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "verify.h"
 
@@ -34,6 +35,12 @@ struct spec {
     float *probs;          /* [V] */
     sampler *sampler;
 };
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 double spec_stats_accept_len(const spec_stats *st) {
     return st->steps > 0 ? (double)(st->accepted + st->steps) / (double)st->steps : 0.0;
@@ -220,7 +227,9 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         if (eng_seq_len(s->e, seq) >= ec->max_seq_len)
             return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
     }
+    int64_t t0 = now_ns();
     propose(s, in, n);
+    int64_t t1 = now_ns();
     int32_t T = 0;
     for (int32_t i = 0; i < n; i++) {
         seq_state *st = &s->seqs[in[i].seq];
@@ -279,5 +288,8 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
             ss[k]->emitted += n_path;
         }
     }
+    int64_t t2 = now_ns();
+    s->total.draft_ns += t1 - t0;
+    s->total.verify_ns += t2 - t1;
     return AE_OK;
 }

@@ -80,6 +80,8 @@ typedef struct spec_stats {
     int64_t accepted;    /* drafted tokens accepted */
     int64_t emitted;     /* tokens out: accepted + one bonus per step */
     int64_t bad_trees;   /* trees refused (malformed, wrong root) */
+    int64_t draft_ns;    /* time in the drafter (propose calls of steps) */
+    int64_t verify_ns;   /* time in the verify pass, acceptance and commit */
     int64_t accepted_at[SPEC_MAX_DEPTH]; /* [d]: steps that accepted a token at depth d + 1 */
 } spec_stats;
 

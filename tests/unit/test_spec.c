@@ -37,7 +37,7 @@ static void fixture_open(fixture *f) {
     if (model_load(&f->m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
     eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 2};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    drafter_config dc = {1, SEQ_LEN, CHUNK, 2};
+    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(f->e)};
     if (draft_link_open(&f->link, FIX "/head", f->m, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
