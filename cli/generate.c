@@ -54,9 +54,13 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
     eagle_head *h;
     eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     if (eagle_load(&h, dir, &t, err) != AE_OK) return AE_ERR;
-    drafter_config dc = {(int32_t)cfg_int(c, "max-batch"), max_seq_len, PREFILL_CHUNK, 1, NULL};
+    int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
+    drafter_config dc = {max_batch, max_seq_len, PREFILL_CHUNK, 1, NULL};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, PREFILL_CHUNK};
     *weights = h->weight_bytes;
-    *work = drafter_bytes(h, &dc);
+    *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
+    LOG_INFOF("draft head=%s weights=%zu drafter_and_trees=%llu (counted in the memory plan as weights and "
+              "kernel scratch)", dir, h->weight_bytes, (unsigned long long)*work);
     eagle_free(h);
     return AE_OK;
 }

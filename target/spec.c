@@ -50,8 +50,7 @@ size_t spec_bytes(const model *m, const spec_config *c) {
     size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, V = (size_t)m->cfg.vocab, S = (size_t)c->max_seqs,
            T = (size_t)c->max_batch_tokens;
     return S * (sizeof(seq_state) + sizeof(spec_feed) + sizeof(int32_t) + sizeof(spec_tree) + sizeof(eng_item)) +
-           S * ENG_MAX_TREE * fw * sizeof(float) + T * (sizeof(int32_t) + (fw + V) * sizeof(float)) +
-           V * sizeof(float);
+           S * ENG_MAX_TREE * fw * sizeof(float) + T * sizeof(int32_t) + V * sizeof(float);
 }
 
 void spec_free(spec *s) {

@@ -94,6 +94,10 @@ typedef struct spec spec;
 /* e and d (NULL: no drafter) must outlive the spec. */
 int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg, ae_error *err);
 void spec_free(spec *s); /* NULL is a no-op */
+/* Bytes spec_init takes beyond what the memory plan's per-token workspace
+ * already counts (a step's logits and captured features): per sequence
+ * its state and the features of up to ENG_MAX_TREE pairs waiting for the
+ * drafter. */
 size_t spec_bytes(const model *m, const spec_config *cfg);
 
 /* Starts a fresh engine sequence (length 0) on prompt[n]: prefills all

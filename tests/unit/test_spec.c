@@ -31,13 +31,15 @@ typedef struct fixture {
     draft_link link;
 } fixture;
 
+#define MAX_SEQS 4
+
 static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
     if (model_load(&f->m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 2};
+    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(f->e)};
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f->e)};
     if (draft_link_open(&f->link, FIX "/head", f->m, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
@@ -48,7 +50,7 @@ static void fixture_close(fixture *f) {
 }
 
 static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, 1, 64};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, MAX_SEQS, 128};
     ae_error err = {0};
     if (draft_link_capture(&f->link, f->m, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
@@ -308,6 +310,65 @@ static void test_sampled_speculation_is_reproducible_by_seed(void **state) {
     fixture_close(&f);
 }
 
+/* Several sequences in one step, each with its own tree: every one gets
+ * its plain output; sequences leave the batch as they finish, at
+ * different lengths. Per-sequence statistics add up to the total. */
+static void test_sequences_batched_together_each_get_their_plain_output(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    spec *s = spec_open(&f, &f.link.iface, (spec_shape){4, 3, 8});
+    ae_error err = {0};
+    int32_t ids[MAX_SEQS][MAX_PROMPT], n[MAX_SEQS], want[MAX_SEQS][N_GEN], got[MAX_SEQS][N_GEN], seq[MAX_SEQS];
+    int32_t n_got[MAX_SEQS] = {0}, limit[MAX_SEQS];
+    sample_rng rng[MAX_SEQS];
+    for (int i = 0; i < MAX_SEQS; i++) {
+        n[i] = prompt(11 * i + 1, ids[i]);
+        limit[i] = N_GEN - 5 * i;
+        plain_greedy(f.e, ids[i], n[i], N_GEN, want[i]);
+    }
+    for (int i = 0; i < MAX_SEQS; i++) {
+        sample_rng_seed(&rng[i], (uint64_t)i);
+        assert_int_equal(eng_seq_new(f.e, &seq[i], &err), AE_OK);
+        assert_int_equal(spec_seq_start(s, seq[i], ids[i], n[i], CHUNK, &err), AE_OK);
+    }
+    int steps = 0;
+    for (;;) {
+        spec_in in[MAX_SEQS];
+        spec_out o[MAX_SEQS];
+        int32_t who[MAX_SEQS], m = 0;
+        for (int i = 0; i < MAX_SEQS; i++)
+            if (n_got[i] < limit[i]) {
+                who[m] = i;
+                in[m++] = (spec_in){seq[i], &greedy, &rng[i]};
+            }
+        if (m == 0) break;
+        if (spec_step(s, in, m, o, &err) != AE_OK) fail_msg("%s", err.msg);
+        steps++;
+        for (int32_t j = 0; j < m; j++)
+            for (int32_t k = 0; k < o[j].n && n_got[who[j]] < limit[who[j]]; k++)
+                got[who[j]][n_got[who[j]]++] = o[j].tokens[k];
+    }
+    spec_stats sum = {0};
+    for (int i = 0; i < MAX_SEQS; i++) {
+        assert_memory_equal(got[i], want[i], (size_t)limit[i] * sizeof(int32_t));
+        const spec_stats *st = spec_seq_stats(s, seq[i]);
+        sum.steps += st->steps;
+        sum.accepted += st->accepted;
+        sum.emitted += st->emitted;
+        spec_seq_end(s, seq[i]);
+        eng_seq_free(f.e, seq[i]);
+    }
+    const spec_stats *total = spec_total_stats(s);
+    assert_int_equal(sum.steps, total->steps);
+    assert_int_equal(sum.accepted, total->accepted);
+    assert_int_equal(sum.emitted, total->emitted);
+    assert_true(steps < N_GEN); /* one step served all sequences at once */
+    printf("%d sequences, %d steps, %lld accepted\n", MAX_SEQS, steps, (long long)total->accepted);
+    spec_free(s);
+    fixture_close(&f);
+}
+
 static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
     (void)state;
     fixture f;
@@ -330,6 +391,7 @@ int main(void) {
         cmocka_unit_test(test_accepted_paths_are_committed_exactly),
         cmocka_unit_test(test_a_failing_or_lying_drafter_changes_nothing),
         cmocka_unit_test(test_sampled_speculation_is_reproducible_by_seed),
+        cmocka_unit_test(test_sequences_batched_together_each_get_their_plain_output),
         cmocka_unit_test(test_a_step_on_an_unstarted_sequence_fails),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
