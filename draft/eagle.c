@@ -154,13 +154,7 @@ static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     c->rms_eps = (float)hc.rms_norm_eps;
     if (c->head_dim % 8 != 0 || c->head_dim > KN_MAX_HEAD_DIM)
         return err_set(err, "%s: head_dim %d must be a multiple of 8 up to %d", path, c->head_dim, KN_MAX_HEAD_DIM);
-    c->rope = (kn_rope_config){KN_ROPE_NEOX, c->head_dim, hc.rope_theta, 0, 0, 0, 0};
-    if (hc.rope_scaling.kind == HFCFG_ROPE_LLAMA3) {
-        c->rope.factor = hc.rope_scaling.factor;
-        c->rope.low_freq_factor = hc.rope_scaling.low_freq_factor;
-        c->rope.high_freq_factor = hc.rope_scaling.high_freq_factor;
-        c->rope.original_max_pos = hc.rope_scaling.original_max_position_embeddings;
-    }
+    c->rope = hfcfg_rope(&hc);
     c->n_aux_layers = 0;
     if (hc.n_aux_layers > 0) {
         if (hc.n_aux_layers != EAGLE_N_AUX)

@@ -310,13 +310,7 @@ static int load_hf(model *m, const char *dir, ae_error *err) {
      * does not have; Qwen2 biases q/k/v only. Refuse rather than run wrong. */
     if (hc.attention_bias && strcmp(c->arch, "qwen2"))
         return err_set(err, "%s: attention_bias on a %s model (an o_proj bias) is not supported", path, c->arch);
-    c->rope = (kn_rope_config){KN_ROPE_NEOX, c->head_dim, hc.rope_theta, 0, 0, 0, 0};
-    if (hc.rope_scaling.kind == HFCFG_ROPE_LLAMA3) {
-        c->rope.factor = hc.rope_scaling.factor;
-        c->rope.low_freq_factor = hc.rope_scaling.low_freq_factor;
-        c->rope.high_freq_factor = hc.rope_scaling.high_freq_factor;
-        c->rope.original_max_pos = hc.rope_scaling.original_max_position_embeddings;
-    }
+    c->rope = hfcfg_rope(&hc);
     if (check_config(c, err) != AE_OK) return AE_ERR;
     m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
     if (!m->layers) return err_set(err, "out of memory");

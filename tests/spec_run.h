@@ -9,6 +9,20 @@
 
 #include "../target/spec.h"
 
+/* Prompt i of a test set: 1 + (i * stride) % max_len ids drawn by
+ * xorshift64 over [0, vocab). */
+static inline int32_t spec_test_prompt(int i, int32_t vocab, int32_t max_len, int32_t stride, int32_t *ids) {
+    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1);
+    int32_t n = 1 + (i * stride) % max_len;
+    for (int32_t t = 0; t < n; t++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        ids[t] = (int32_t)(x % (uint64_t)vocab);
+    }
+    return n;
+}
+
 /* Plain greedy decoding: the prompt in chunks, then one token per pass. */
 static inline void run_plain_greedy(eng *e, const int32_t *ids, int32_t n, int32_t chunk, int32_t n_gen,
                                     int32_t *out) {

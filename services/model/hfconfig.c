@@ -360,3 +360,14 @@ int hfcfg_load(hfcfg *cfg, const char *path, ae_error *err) {
     free(buf);
     return rc;
 }
+
+kn_rope_config hfcfg_rope(const hfcfg *c) {
+    kn_rope_config r = {KN_ROPE_NEOX, c->head_dim, c->rope_theta, 0, 0, 0, 0};
+    if (c->rope_scaling.kind == HFCFG_ROPE_LLAMA3) {
+        r.factor = c->rope_scaling.factor;
+        r.low_freq_factor = c->rope_scaling.low_freq_factor;
+        r.high_freq_factor = c->rope_scaling.high_freq_factor;
+        r.original_max_pos = c->rope_scaling.original_max_position_embeddings;
+    }
+    return r;
+}

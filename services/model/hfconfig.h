@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../../kernels/kernels.h"
 #include "../core/err.h"
 
 #define HFCFG_MAX_EOS 8        /* eos_token_id entries kept */
@@ -69,6 +70,11 @@ typedef struct hfcfg {
  * On failure *cfg is zeroed. */
 int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
                 ae_error *err);
+
+/* The RoPE of a Hugging Face checkpoint: half-split (NeoX) pairs, head_dim
+ * and rope_theta, and the Llama-3 frequency scaling when rope_scaling asks
+ * for it. */
+kn_rope_config hfcfg_rope(const hfcfg *cfg);
 
 /* Reads and parses a config.json file; errors are prefixed with `path`. */
 int hfcfg_load(hfcfg *cfg, const char *path, ae_error *err);

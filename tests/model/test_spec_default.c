@@ -27,18 +27,8 @@
 #define SEQ_LEN 256
 #define CHUNK 64
 
-/* Prompt i: 1..MAX_PROMPT ids drawn by xorshift over the vocabulary. */
-static int32_t prompt(int i, int32_t vocab, int32_t *ids) {
-    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1);
-    int32_t n = 1 + (i * 13) % MAX_PROMPT;
-    for (int32_t t = 0; t < n; t++) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        ids[t] = (int32_t)(x % (uint64_t)vocab);
-    }
-    return n;
-}
+/* Prompt i: 1..MAX_PROMPT random ids. */
+static int32_t prompt(int i, int32_t vocab, int32_t *ids) { return spec_test_prompt(i, vocab, MAX_PROMPT, 13, ids); }
 
 static void test_greedy_speculation_is_lossless_on_the_default_model(void **state) {
     (void)state;

@@ -58,18 +58,8 @@ static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
     return s;
 }
 
-/* Prompt i: a seeded random walk over the vocabulary, 1..MAX_PROMPT long. */
-static int32_t prompt(int i, int32_t *ids) {
-    uint64_t x = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1);
-    int32_t n = 1 + (i * 7) % MAX_PROMPT;
-    for (int32_t t = 0; t < n; t++) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        ids[t] = (int32_t)(x % 32);
-    }
-    return n;
-}
+/* Prompt i: 1..MAX_PROMPT random ids. */
+static int32_t prompt(int i, int32_t *ids) { return spec_test_prompt(i, 32, MAX_PROMPT, 7, ids); }
 
 static void plain_greedy(eng *e, const int32_t *ids, int32_t n, int32_t n_gen, int32_t *out) {
     run_plain_greedy(e, ids, n, CHUNK, n_gen, out);
