@@ -8,8 +8,8 @@ static int link_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
     draft_link *l = ctx;
     if (n > l->max_seqs) return err_set(err, "drafter: %d sequences, at most %d", n, l->max_seqs);
     for (int32_t i = 0; i < n; i++)
-        l->feeds[i] = (drafter_feed){feeds[i].seq, feeds[i].reset, feeds[i].n, feeds[i].tokens, feeds[i].features,
-                                     feeds[i].want_tree};
+        l->feeds[i] = (drafter_feed){feeds[i].seq, feeds[i].reset, feeds[i].start, feeds[i].n, feeds[i].tokens,
+                                     feeds[i].features, feeds[i].want_tree};
     tree_params p = {shape->steps, shape->topk, shape->tokens};
     if (drafter_propose(l->drafter, l->feeds, n, &p, l->trees, err) != AE_OK) return AE_ERR;
     for (int32_t i = 0; i < n; i++) {
@@ -80,6 +80,9 @@ void draft_link_stats_json(cJSON *o, const spec_stats *st, const spec_shape *sha
     cJSON_AddNumberToObject(o, "plain_steps", (double)st->plain_steps);
     cJSON_AddNumberToObject(o, "drafted_tokens", (double)st->drafted);
     cJSON_AddNumberToObject(o, "accepted_tokens", (double)st->accepted);
+    cJSON_AddNumberToObject(o, "emitted_tokens", (double)st->emitted);
+    cJSON_AddNumberToObject(o, "draft_failures", (double)st->draft_failures);
+    cJSON_AddNumberToObject(o, "bad_trees", (double)st->bad_trees);
     cJSON_AddNumberToObject(o, "mean_accept_len", round4(spec_stats_accept_len(st)));
     cJSON *depth = cJSON_AddArrayToObject(o, "accept_per_depth");
     for (int32_t d = 0; depth && d < shape->steps && d < SPEC_MAX_DEPTH; d++)

@@ -92,7 +92,8 @@ void drafter_free(drafter *d) {
 
 int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, ae_error *err) {
     *out = NULL;
-    if (cfg->max_seqs < 1 || cfg->max_seq_len < 1 || cfg->max_tokens < 1 || (!cfg->pool && cfg->threads < 1))
+    if (cfg->max_seqs < 1 || cfg->max_seq_len < 1 || cfg->max_seq_len > INT32_MAX / 2 || cfg->max_tokens < 1 ||
+        (!cfg->pool && cfg->threads < 1))
         return err_set(err, "drafter: bad sizes (seqs %d, seq len %d, tokens %d, threads %d)", cfg->max_seqs,
                        cfg->max_seq_len, cfg->max_tokens, cfg->threads);
     drafter *d = calloc(1, sizeof *d);
@@ -153,6 +154,8 @@ static int validate(const drafter *d, const drafter_feed *feeds, int32_t n, ae_e
         if (f->n < 0 || (f->n > 0 && (!f->tokens || !f->features)))
             return err_set(err, "feed %d: %d pairs without their tokens or features", i, f->n);
         int32_t have = f->reset ? 0 : drafter_len(d, f->key);
+        if (!f->reset && f->start != have)
+            return err_set(err, "feed %d: key %d holds %d pairs, the caller assumes %d", i, f->key, have, f->start);
         if (f->n > d->cfg.max_seq_len - have)
             return err_set(err, "feed %d: key %d would hold %lld pairs, the drafter's limit is %d", i, f->key,
                            (long long)have + f->n, d->cfg.max_seq_len);

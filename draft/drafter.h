@@ -40,7 +40,8 @@ typedef struct drafter_config {
 
 typedef struct drafter_feed {
     int32_t key;
-    bool reset;            /* forget the key's state first (a new sequence) */
+    bool reset;            /* forget the key's state first (a new sequence, or a resync) */
+    int32_t start;         /* pairs the caller believes the key holds (checked unless reset) */
     int32_t n;             /* pairs */
     const int32_t *tokens; /* [n] target ids: the token after each feature */
     const float *features; /* [n][3H] */
@@ -54,8 +55,9 @@ void drafter_free(drafter *d); /* NULL is a no-op */
 
 /* Feeds every feed, then drafts trees[i] for each feed with want_tree
  * (trees[i].n = 0 otherwise, and for a sequence that has never been fed a
- * pair). Bad feeds (unknown key, token out of range, too long) fail the
- * whole call with err before any state changes. */
+ * pair). Bad feeds (key out of range, a start that is not what the key
+ * holds, token out of range, too long) fail the whole call with err
+ * before any state changes. */
 int drafter_propose(drafter *d, const drafter_feed *feeds, int32_t n, const tree_params *p, tree_out *trees,
                     ae_error *err);
 

@@ -104,10 +104,10 @@ static int load_vocab_map(eagle_head *h, const st_model *st, ae_error *err) {
     if (!off) return err_set(err, "out of memory");
     int rc = st_tensor_to_i64(t, off, (uint64_t)Vd, err);
     for (int32_t i = 0; rc == AE_OK && i < Vd; i++) {
-        int64_t id = i + off[i];
+        int64_t id = off[i] >= -(int64_t)V && off[i] <= (int64_t)V ? i + off[i] : -1; /* no overflow */
         if (id < 0 || id >= V)
-            rc = err_set(err, "d2t[%d] maps draft id %d to %lld, outside the target's vocabulary of %d", i, i,
-                         (long long)id, V);
+            rc = err_set(err, "d2t[%d] = %lld maps draft id %d outside the target's vocabulary of %d", i,
+                         (long long)off[i], i, V);
         else
             h->draft_to_target[i] = (int32_t)id;
     }
@@ -140,6 +140,13 @@ static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     const eagle_target *t = &h->target;
     if (hc.num_hidden_layers != 1)
         return err_set(err, "%s: num_hidden_layers %d; an EAGLE-3 head has 1", path, hc.num_hidden_layers);
+    /* Variants of the midlayer that this forward pass does not compute are
+     * refused, not run wrong. */
+    if (hc.attention_bias)
+        return err_set(err, "%s: attention_bias is true; heads with q/k/v/o biases are not supported", path);
+    if (hc.norm_before_residual)
+        return err_set(err, "%s: norm_before_residual is true; only the residual before hidden_norm is supported",
+                       path);
     /* hidden_size is checked against the target after the tensors, whose
      * error names the tensor and both shapes. */
     c->hidden = hc.hidden_size;

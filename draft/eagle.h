@@ -28,7 +28,17 @@
  *   logits = lm_head(norm(h2)) over the draft vocabulary; draft id i is
  *            target id i + d2t[i].
  * Positions: the pair (feature of position j, token j + 1) sits at
- * position j, as the head was trained. */
+ * position j, as the head was trained.
+ *
+ * Captured layers: eagle_aux_hidden_state_layer_ids (at the top level of
+ * config.json or in eagle_config) names target layers by their input:
+ * id i is the residual stream entering layer i (0: the embeddings, N: the
+ * last layer's output before the final norm), as vLLM reads it. SGLang
+ * reads an id as the output of layer i (one more). Without ids the
+ * target's default is used: 2, N/2 and N-3, which all engines share.
+ *
+ * Refused rather than run wrong: attention_bias and norm_before_residual
+ * heads, which this forward pass does not compute. */
 #ifndef AERIE_DRAFT_EAGLE_H
 #define AERIE_DRAFT_EAGLE_H
 

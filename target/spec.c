@@ -6,12 +6,18 @@
 
 #include "verify.h"
 
+/* Calls to the drafter pause this many steps at most after failures. */
+#define SPEC_MAX_PAUSE 64
+
 typedef struct seq_state {
     bool started;
-    bool draft_ok; /* the drafter holds every pair of this sequence */
-    bool fed;      /* the drafter has heard of this sequence since it started */
+    bool fed;    /* the drafter has been told of this sequence since it started */
+    bool resync; /* the drafter lost pairs of it: reset it with the pending ones */
+    int32_t held; /* pairs the drafter holds for it (when fed and not resync) */
     int32_t root;
-    int32_t n_pending; /* pairs committed since the drafter last heard */
+    /* Pairs committed since the drafter last took some: the latest
+     * ENG_MAX_TREE (older ones dropped, which sets resync). */
+    int32_t n_pending;
     int32_t pending_tokens[ENG_MAX_TREE];
     spec_stats stats;
 } seq_state;
@@ -24,6 +30,9 @@ struct spec {
     seq_state *seqs;       /* [max_seqs] */
     float *pending_feat;   /* [max_seqs][ENG_MAX_TREE][fw] */
     spec_stats total;
+    int64_t step_no;   /* spec_step calls so far */
+    int64_t retry_at;  /* no drafter calls before this step */
+    int32_t failures;  /* consecutive failed calls */
     /* one step */
     spec_feed *feeds;      /* [max_seqs] */
     int32_t *feed_of;      /* [max_seqs] index into feeds, -1: none */
@@ -40,6 +49,10 @@ static int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static bool shape_ok(const spec_shape *sh) {
+    return sh->steps >= 1 && sh->topk >= 1 && sh->tokens >= 2 && sh->tokens <= ENG_MAX_TREE;
 }
 
 double spec_stats_accept_len(const spec_stats *st) {
@@ -77,8 +90,12 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
         return err_set(err, "speculation: %d capture layers, EAGLE-3 takes %d", cfg->n_capture, LLAMA_MAX_CAPTURE);
     if (cfg->max_seqs != ec->max_seqs || cfg->max_batch_tokens != ec->max_batch_tokens)
         return err_set(err, "speculation: sizes differ from the engine's");
-    if (cfg->shape.tokens < 1 || cfg->shape.tokens > ENG_MAX_TREE)
-        return err_set(err, "speculation: %d tree nodes, at most %d", cfg->shape.tokens, ENG_MAX_TREE);
+    if (cfg->max_batch_tokens < cfg->max_seqs)
+        return err_set(err, "speculation: %d batch tokens cannot hold a root for each of %d sequences",
+                       cfg->max_batch_tokens, cfg->max_seqs);
+    if (!shape_ok(&cfg->shape))
+        return err_set(err, "speculation: tree of %d steps, top-%d, %d nodes (need >= 1, >= 1, 2..%d)",
+                       cfg->shape.steps, cfg->shape.topk, cfg->shape.tokens, ENG_MAX_TREE);
     spec *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "out of memory");
     s->e = e;
@@ -113,7 +130,7 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
 }
 
 void spec_set_shape(spec *s, const spec_shape *shape) {
-    AE_ASSERT(shape->tokens >= 1 && shape->tokens <= ENG_MAX_TREE);
+    AE_ASSERT(shape_ok(shape));
     s->cfg.shape = *shape;
 }
 
@@ -141,28 +158,34 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
     for (int32_t i = 0; i < n; i++)
         if (prompt[i] < 0 || prompt[i] >= s->V) return err_set(err, "token %d is not in the vocabulary", prompt[i]);
     seq_state *st = &s->seqs[seq];
-    *st = (seq_state){.started = true, .draft_ok = s->d != NULL, .root = prompt[n - 1]};
+    *st = (seq_state){.started = true, .root = prompt[n - 1]};
     for (int32_t done = 0; done < n - 1;) {
         int32_t k = n - 1 - done < chunk ? n - 1 - done : chunk;
         eng_item it = {seq, ENG_APPEND, k, prompt + done, NULL, false};
         llama_capture cap = capture_all(s, k);
-        if (eng_step(s->e, &it, 1, s->logits, st->draft_ok ? &cap : NULL, err) != AE_OK) {
+        bool feed = s->d && !st->resync && s->step_no >= s->retry_at;
+        if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
             st->started = false;
             return AE_ERR;
         }
-        if (st->draft_ok) {
+        if (feed) {
             /* Pair j: the feature at j with the token at j + 1. */
-            spec_feed f = {seq, done == 0, k, prompt + done + 1, s->features, false};
+            spec_feed f = {seq, done == 0, st->held, k, prompt + done + 1, s->features, false};
             ae_error derr = {{0}};
             spec_tree none;
-            if (s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr) != AE_OK) st->draft_ok = false;
-            st->fed = true;
+            if (s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr) == AE_OK) {
+                st->held += k;
+                st->fed = true;
+            } else {
+                /* The first step resets it with what it has by then. */
+                st->resync = true;
+                s->total.draft_failures++;
+            }
         }
         done += k;
     }
     /* A one-token prompt gives the drafter nothing to start from: the
-     * first step is plain and feeds it (reset) then. */
-    st->n_pending = 0;
+     * first step is plain and feeds it then. */
     return AE_OK;
 }
 
@@ -180,38 +203,61 @@ static bool tree_ok(const spec *s, const spec_tree *t, int32_t root) {
     return true;
 }
 
-/* Asks the drafter for trees; on any failure every tree is empty. */
+/* Asks the drafter for trees; on a failure every tree is empty, the
+ * sequences are marked for a reset, and calls pause (spec.h). */
 static void propose(spec *s, const spec_in *in, int32_t n) {
     int32_t nf = 0;
     for (int32_t i = 0; i < n; i++) {
-        seq_state *st = &s->seqs[in[i].seq];
         s->trees[i].n = 0;
         s->feed_of[i] = -1;
-        if (!s->d || !st->draft_ok) continue;
+    }
+    if (!s->d || s->step_no < s->retry_at) return;
+    for (int32_t i = 0; i < n; i++) {
+        seq_state *st = &s->seqs[in[i].seq];
+        bool reset = !st->fed || st->resync;
         s->feed_of[i] = nf;
-        s->feeds[nf++] = (spec_feed){in[i].seq, !st->fed, st->n_pending, st->pending_tokens,
+        s->feeds[nf++] = (spec_feed){in[i].seq, reset, reset ? 0 : st->held, st->n_pending, st->pending_tokens,
                                      pending_features(s, in[i].seq), true};
     }
-    if (nf == 0) return;
     ae_error derr = {{0}};
     /* trees is indexed by feed here, then spread to the sequences. */
     if (s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr) != AE_OK) {
         for (int32_t i = 0; i < n; i++) {
             s->trees[i].n = 0;
-            if (s->feed_of[i] >= 0) s->seqs[in[i].seq].draft_ok = false; /* its pairs may be lost */
+            s->seqs[in[i].seq].resync = true;
         }
+        s->total.draft_failures++;
+        s->failures++;
+        int32_t pause = s->failures < 7 ? 1 << (s->failures - 1) : SPEC_MAX_PAUSE;
+        s->retry_at = s->step_no + 1 + pause;
         return;
     }
+    s->failures = 0;
     for (int32_t i = n - 1; i >= 0; i--) {
         int32_t f = s->feed_of[i];
-        if (f >= 0) {
-            s->seqs[in[i].seq].n_pending = 0;
-            s->seqs[in[i].seq].fed = true;
-            if (f != i) s->trees[i] = s->trees[f];
-        } else {
-            s->trees[i].n = 0;
-        }
+        seq_state *st = &s->seqs[in[i].seq];
+        st->held = s->feeds[f].start + st->n_pending;
+        st->n_pending = 0;
+        st->fed = true;
+        st->resync = false;
+        if (f != i) s->trees[i] = s->trees[f];
     }
+}
+
+/* Keeps pair (features of batch row `row`, token next) for the drafter's
+ * next call; when the window is full the oldest pair goes, and the
+ * drafter will be reset with the window. */
+static void push_pending(spec *s, seq_state *st, int32_t seq, int32_t row, int32_t next) {
+    float *pf = pending_features(s, seq);
+    size_t fw = (size_t)s->fw;
+    if (st->n_pending == ENG_MAX_TREE) {
+        memmove(pf, pf + fw, (ENG_MAX_TREE - 1) * fw * sizeof(float));
+        memmove(st->pending_tokens, st->pending_tokens + 1, (ENG_MAX_TREE - 1) * sizeof(int32_t));
+        st->n_pending--;
+        st->resync = true;
+    }
+    memcpy(pf + (size_t)st->n_pending * fw, s->features + (size_t)row * fw, fw * sizeof(float));
+    st->pending_tokens[st->n_pending++] = next;
 }
 
 int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err) {
@@ -229,11 +275,12 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
     int64_t t0 = now_ns();
     propose(s, in, n);
     int64_t t1 = now_ns();
+    s->step_no++;
     int32_t T = 0;
     for (int32_t i = 0; i < n; i++) {
         seq_state *st = &s->seqs[in[i].seq];
         spec_tree *t = &s->trees[i];
-        if (t->n > 0 && !tree_ok(s, t, st->root)) {
+        if (t->n != 0 && !tree_ok(s, t, st->root)) {
             st->stats.bad_trees++;
             s->total.bad_trees++;
             t->n = 0;
@@ -261,17 +308,10 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         spec_out *o = &out[i];
         o->n = 0;
         o->drafted = t->n - 1;
-        float *pf = pending_features(s, seq);
         for (int32_t j = 0; j < n_path; j++) {
             int32_t next = j + 1 < n_path ? t->tokens[path[j + 1]] : bonus;
             o->tokens[o->n++] = next;
-            if (st->draft_ok && st->n_pending < ENG_MAX_TREE) {
-                memcpy(pf + (size_t)st->n_pending * (size_t)s->fw, s->features + (size_t)(row + path[j]) * (size_t)s->fw,
-                       (size_t)s->fw * sizeof(float));
-                st->pending_tokens[st->n_pending++] = next;
-            } else {
-                st->draft_ok = false; /* a pair the drafter would miss */
-            }
+            if (s->d) push_pending(s, st, seq, row + path[j], next);
         }
         st->root = bonus;
         spec_stats *ss[2] = {&st->stats, &s->total};

@@ -14,7 +14,7 @@
  *      call, and makes the bonus token the new root.
  *
  * A sequence without a tree (no drafter, a drafter that failed or sent a
- * bad tree, nothing fed yet) verifies its root alone: a one-node tree is
+ * bad tree, nothing fed yet, a pause after failures) verifies its root alone: a one-node tree is
  * a plain decode step, with the same bits (batch invariance), so greedy
  * output never depends on the draft. Chains are trees like any other.
  *
@@ -44,10 +44,14 @@ typedef struct spec_tree {
     float probs[ENG_MAX_TREE];     /* the draft's p of each node given its parent */
 } spec_tree;
 
-/* What the drafter is told about one sequence. */
+/* What the drafter is told about one sequence. A drafter that does not
+ * hold exactly `start` pairs for seq (it restarted, evicted the state, or
+ * missed a call) must fail the call; the target then resets the sequence
+ * there with the pairs it still has. */
 typedef struct spec_feed {
     int32_t seq;           /* the engine's sequence id */
-    bool reset;            /* a new sequence: drop any state held for seq */
+    bool reset;            /* drop any state held for seq, then take these pairs */
+    int32_t start;         /* pairs the drafter holds for seq before this feed (0 with reset) */
     int32_t n;             /* pairs */
     const int32_t *tokens; /* [n] */
     const float *features; /* [n][feature_width] */
@@ -57,7 +61,11 @@ typedef struct spec_feed {
 typedef struct spec_drafter {
     void *ctx;
     /* trees[i] for feeds[i] (n = 0: none). A failure drafts nothing this
-     * step; decoding goes on without. */
+     * step; decoding goes on without, the calls pause (1, 2, 4 .. 64
+     * steps after consecutive failures), and then every sequence of the
+     * failed call is reset at the drafter with the pairs of its last
+     * ENG_MAX_TREE committed tokens (a shorter history costs acceptance,
+     * never correctness; RoPE sees only relative positions). */
     int (*propose)(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
                    ae_error *err);
     void (*release)(void *ctx, int32_t seq);
@@ -80,6 +88,7 @@ typedef struct spec_stats {
     int64_t accepted;    /* drafted tokens accepted */
     int64_t emitted;     /* tokens out: accepted + one bonus per step */
     int64_t bad_trees;   /* trees refused (malformed, wrong root) */
+    int64_t draft_failures; /* propose calls that failed (total only) */
     int64_t draft_ns;    /* time in the drafter (propose calls of steps) */
     int64_t verify_ns;   /* time in the verify pass, acceptance and commit */
     int64_t accepted_at[SPEC_MAX_DEPTH]; /* [d]: steps that accepted a token at depth d + 1 */

@@ -308,19 +308,41 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
     if (opt_int(root, "draft_vocab_size", "draft_vocab_size", 1,
                 c->vocab_size, &c->draft_vocab_size, err))
         return AE_ERR;
+    if (opt_bool(root, "norm_before_residual", &c->norm_before_residual, err))
+        return AE_ERR;
+    /* The capture layers: at the top level (as vLLM reads them first) or
+     * in eagle_config; both present must agree. */
+    const char *label = "eagle_aux_hidden_state_layer_ids";
+    if ((v = get(root, "eagle_aux_hidden_state_layer_ids"))) {
+        if (!cJSON_IsArray(v))
+            return err_set(err, "%s: expected a list, got %s", label, kind(v));
+        if (int_list(v, label, 0, LAYER_ID_MAX, c->aux_layer_ids,
+                     HFCFG_MAX_AUX_LAYERS, &c->n_aux_layers, err))
+            return AE_ERR;
+    }
     const cJSON *eagle = get(root, "eagle_config");
     if (eagle) {
         if (!cJSON_IsObject(eagle))
             return err_set(err, "eagle_config: expected an object, got %s",
                            kind(eagle));
-        const char *label = "eagle_config.eagle_aux_hidden_state_layer_ids";
+        const char *nested = "eagle_config.eagle_aux_hidden_state_layer_ids";
         v = get(eagle, "eagle_aux_hidden_state_layer_ids");
         if (v && !cJSON_IsArray(v))
-            return err_set(err, "%s: expected a list, got %s", label,
+            return err_set(err, "%s: expected a list, got %s", nested,
                            kind(v));
-        if (v && int_list(v, label, 0, LAYER_ID_MAX, c->aux_layer_ids,
-                          HFCFG_MAX_AUX_LAYERS, &c->n_aux_layers, err))
+        int32_t ids[HFCFG_MAX_AUX_LAYERS];
+        uint32_t n = 0;
+        if (v && int_list(v, nested, 0, LAYER_ID_MAX, ids,
+                          HFCFG_MAX_AUX_LAYERS, &n, err))
             return AE_ERR;
+        if (v && c->n_aux_layers > 0 &&
+            (n != c->n_aux_layers ||
+             memcmp(ids, c->aux_layer_ids, n * sizeof ids[0]) != 0))
+            return err_set(err, "%s and %s differ", label, nested);
+        if (v) {
+            memcpy(c->aux_layer_ids, ids, n * sizeof ids[0]);
+            c->n_aux_layers = n;
+        }
     }
     return AE_OK;
 }

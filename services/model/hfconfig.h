@@ -63,7 +63,9 @@ typedef struct hfcfg {
     int32_t draft_vocab_size;        /* (0 = not a head / same as vocab) */
     int32_t aux_layer_ids[HFCFG_MAX_AUX_LAYERS]; /* eagle_config.
                                         eagle_aux_hidden_state_layer_ids */
-    uint32_t n_aux_layers;           /* (0 = the engine's default choice) */
+    uint32_t n_aux_layers;           /* (0 = the engine's default choice);
+                                        also read at the top level */
+    bool norm_before_residual;       /* (false) a variant of the midlayer */
 } hfcfg;
 
 /* Parses len bytes of JSON (no NUL needed). `name` prefixes error text.

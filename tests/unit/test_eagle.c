@@ -259,22 +259,21 @@ static void test_head_for_a_smaller_vocabulary_is_refused(void **state) {
     model_free(m);
 }
 
-/* A config.json that disagrees with the tensors: lm_head named with both
- * shapes. The head directory is copied with an edited config. */
-static void test_head_whose_config_disagrees_with_its_tensors_is_refused(void **state) {
-    (void)state;
+/* The fixture head copied to a temporary directory with the first `from`
+ * in its config.json replaced by `to`, then loaded: refused with `want`
+ * in the message. */
+static void expect_edited_head_refused(const char *from, const char *to, const char *want) {
     char dir[] = "/tmp/aerie-eagle-XXXXXX";
     assert_non_null(mkdtemp(dir));
     size_t len;
     char *cfg = read_text(FIX "/head/config.json", NULL), *st = read_text(FIX "/head/model.safetensors", &len);
-    char *at = strstr(cfg, "\"draft_vocab_size\": 24");
+    char *at = strstr(cfg, from);
     assert_non_null(at);
-    memcpy(at, "\"draft_vocab_size\": 20", 22);
     char path[256];
     snprintf(path, sizeof path, "%s/config.json", dir);
     FILE *f = fopen(path, "wb");
     assert_non_null(f);
-    fputs(cfg, f);
+    fprintf(f, "%.*s%s%s", (int)(at - cfg), cfg, to, at + strlen(from));
     fclose(f);
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     f = fopen(path, "wb");
@@ -283,7 +282,7 @@ static void test_head_whose_config_disagrees_with_its_tensors_is_refused(void **
     fclose(f);
     model *m = load_target(FIX "/target");
     eagle_target t = target_of(m);
-    expect_refused(dir, &t, "lm_head.weight is [24, 32], config.json's draft_vocab_size needs [20, 32]");
+    expect_refused(dir, &t, want);
     model_free(m);
     unlink(path);
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -291,6 +290,24 @@ static void test_head_whose_config_disagrees_with_its_tensors_is_refused(void **
     rmdir(dir);
     free(cfg);
     free(st);
+}
+
+/* A config.json that disagrees with the tensors: lm_head named with both
+ * shapes. */
+static void test_head_whose_config_disagrees_with_its_tensors_is_refused(void **state) {
+    (void)state;
+    expect_edited_head_refused("\"draft_vocab_size\": 24", "\"draft_vocab_size\": 20",
+                               "lm_head.weight is [24, 32], config.json's draft_vocab_size needs [20, 32]");
+}
+
+/* Variants of the midlayer the forward pass does not compute are refused,
+ * not run wrong. */
+static void test_head_variants_we_do_not_compute_are_refused(void **state) {
+    (void)state;
+    expect_edited_head_refused("\"draft_vocab_size\"", "\"attention_bias\": true, \"draft_vocab_size\"",
+                               "attention_bias is true; heads with q/k/v/o biases are not supported");
+    expect_edited_head_refused("\"draft_vocab_size\"", "\"norm_before_residual\": true, \"draft_vocab_size\"",
+                               "norm_before_residual is true; only the residual before hidden_norm is supported");
 }
 
 static void test_missing_head_directory_is_refused(void **state) {
@@ -309,6 +326,7 @@ int main(void) {
         cmocka_unit_test(test_head_for_another_target_width_is_refused),
         cmocka_unit_test(test_head_for_a_smaller_vocabulary_is_refused),
         cmocka_unit_test(test_head_whose_config_disagrees_with_its_tensors_is_refused),
+        cmocka_unit_test(test_head_variants_we_do_not_compute_are_refused),
         cmocka_unit_test(test_missing_head_directory_is_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -444,6 +444,39 @@ static void test_eagle_config_rules(void **state) {
         bad("eagle_config", "{\"eagle_aux_hidden_state_layer_ids\": []}"),
         "config.json: eagle_config.eagle_aux_hidden_state_layer_ids: 0 "
         "entries, expected 1 to 8");
+    assert_string_equal(bad("norm_before_residual", "1"),
+                        "config.json: norm_before_residual: expected true or false, got a number");
+}
+
+/* vLLM reads the capture layers at the top level first; both places are
+ * read here, and two different lists are refused. */
+static void test_capture_layers_at_the_top_level(void **state) {
+    (void)state;
+    hfcfg c;
+    ae_error err = {0};
+    cJSON *root = cJSON_Parse(SMOLLM2);
+    cJSON_AddItemToObject(root, "eagle_aux_hidden_state_layer_ids", cJSON_Parse("[1, 15, 26]"));
+    cJSON_AddItemToObject(root, "norm_before_residual", cJSON_CreateFalse());
+    char *text = cJSON_PrintUnformatted(root);
+    assert_int_equal(parse(&c, text, &err), AE_OK);
+    assert_int_equal(c.n_aux_layers, 3);
+    assert_int_equal(c.aux_layer_ids[0], 1);
+    assert_int_equal(c.aux_layer_ids[2], 26);
+    assert_false(c.norm_before_residual);
+    free(text);
+    cJSON_AddItemToObject(root, "eagle_config", cJSON_Parse("{\"eagle_aux_hidden_state_layer_ids\": [1, 15, 26]}"));
+    text = cJSON_PrintUnformatted(root);
+    assert_int_equal(parse(&c, text, &err), AE_OK);
+    assert_int_equal(c.n_aux_layers, 3);
+    free(text);
+    cJSON_DeleteItemFromObjectCaseSensitive(root, "eagle_config");
+    cJSON_AddItemToObject(root, "eagle_config", cJSON_Parse("{\"eagle_aux_hidden_state_layer_ids\": [2, 15, 26]}"));
+    text = cJSON_PrintUnformatted(root);
+    assert_int_equal(parse(&c, text, &err), AE_ERR);
+    assert_string_equal(err.msg, "config.json: eagle_aux_hidden_state_layer_ids and "
+                                 "eagle_config.eagle_aux_hidden_state_layer_ids differ");
+    free(text);
+    cJSON_Delete(root);
 }
 
 static void test_not_json(void **state) {
@@ -502,6 +535,7 @@ int main(void) {
         cmocka_unit_test(test_attention_bias_rules),
         cmocka_unit_test(test_rope_scaling_rules),
         cmocka_unit_test(test_eagle_config_rules),
+        cmocka_unit_test(test_capture_layers_at_the_top_level),
         cmocka_unit_test(test_not_json),
         cmocka_unit_test(test_load_reads_a_file),
     };

@@ -238,10 +238,12 @@ static int garbage_propose(void *ctx, const spec_feed *feeds, int32_t n, const s
         t->n = 3;
         t->tokens[0] = 5, t->tokens[1] = 6, t->tokens[2] = 7;
         t->parents[0] = -1, t->parents[1] = 0, t->parents[2] = 1;
-        switch ((*calls)++ % 4) {
+        switch ((*calls)++ % 6) {
         case 0: t->tokens[0] = -1; break;         /* not the root */
         case 1: t->parents[2] = 2; break;         /* its own parent */
         case 2: t->tokens[1] = 32; break;         /* outside the vocabulary */
+        case 3: t->parents[0] = 1; break;         /* a root with a parent */
+        case 4: t->n = -1; break;                 /* a negative size */
         default: t->n = shape->tokens + 1; break; /* bigger than asked */
         }
     }
@@ -273,6 +275,71 @@ static void test_a_failing_or_lying_drafter_changes_nothing(void **state) {
         spec_free(s);
     }
     assert_true(calls > 40);
+    fixture_close(&f);
+}
+
+/* The real drafter behind a wrapper that fails one chosen call, or
+ * forgets one sequence's state before it (a restarted draft service). */
+typedef struct flaky {
+    const spec_drafter *real;
+    int32_t calls, fail_at, forget_at;
+    draft_link *link;
+} flaky;
+
+static int flaky_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                         ae_error *err) {
+    flaky *fl = ctx;
+    int32_t call = fl->calls++;
+    if (call == fl->fail_at) return err_set(err, "deadline exceeded");
+    if (call == fl->forget_at) drafter_release(fl->link->drafter, feeds[0].seq);
+    return fl->real->propose(fl->real->ctx, feeds, n, shape, trees, err);
+}
+
+/* One failed call, or a drafter that lost a sequence's state: decoding
+ * goes on plainly for a moment, the sequence is reset at the drafter with
+ * its recent pairs, and speculation resumes. Output never changes. */
+static void test_speculation_resumes_after_a_drafter_failure(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
+    int32_t n = prompt(20, ids);
+    plain_greedy(f.e, ids, n, N_GEN, want);
+    for (int k = 0; k < 2; k++) {
+        flaky fl = {&f.link.iface, 0, k == 0 ? 4 : -1, k == 1 ? 4 : -1, &f.link};
+        spec_drafter d = {&fl, flaky_propose, NULL};
+        spec *s = spec_open(&f, &d, (spec_shape){4, 3, 8});
+        spec_generate(s, f.e, ids, n, &greedy, 0, N_GEN, got);
+        assert_memory_equal(got, want, sizeof got);
+        const spec_stats *st = spec_total_stats(s);
+        assert_int_equal(st->draft_failures, 1);
+        /* Calls 0 and 1 feed the prompt's 20 pairs (chunks of 16), calls
+         * 2 and 3 are steps; call 4 fails (or finds the state gone), so
+         * that step and the next (the pause) are plain, and then every
+         * step speculates again from a reset. */
+        assert_int_equal(st->plain_steps, 2);
+        assert_int_equal(st->steps + st->plain_steps + st->accepted, st->emitted);
+        assert_true(st->steps >= 10);
+        spec_free(s);
+    }
+    fixture_close(&f);
+}
+
+static void test_speculation_needs_a_batch_token_for_every_root(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, MAX_SEQS, 128};
+    eng_config ec = {MAX_SEQS - 1, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 1};
+    eng *small;
+    spec *s = (spec *)1;
+    ae_error err = {0};
+    assert_int_equal(eng_init(&small, f.m, &ec, &err), AE_OK);
+    sc.max_batch_tokens = MAX_SEQS - 1;
+    assert_int_equal(spec_init(&s, small, &f.link.iface, &sc, &err), AE_ERR);
+    assert_null(s);
+    assert_string_equal(err.msg, "speculation: 3 batch tokens cannot hold a root for each of 4 sequences");
+    eng_free(small);
     fixture_close(&f);
 }
 
@@ -382,6 +449,8 @@ int main(void) {
         cmocka_unit_test(test_a_failing_or_lying_drafter_changes_nothing),
         cmocka_unit_test(test_sampled_speculation_is_reproducible_by_seed),
         cmocka_unit_test(test_sequences_batched_together_each_get_their_plain_output),
+        cmocka_unit_test(test_speculation_resumes_after_a_drafter_failure),
+        cmocka_unit_test(test_speculation_needs_a_batch_token_for_every_root),
         cmocka_unit_test(test_a_step_on_an_unstarted_sequence_fails),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
