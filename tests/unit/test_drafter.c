@@ -105,14 +105,20 @@ static void check_tree(ref *r, const tree_out *t, int32_t L, const int32_t *toks
     }
 }
 
+/* The fixture's target and its head. */
+static void load_fixture(model **m, eagle_head **h) {
+    ae_error err = {0};
+    if (model_load(m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
+    eagle_target tg = {(*m)->cfg.hidden, (*m)->cfg.vocab, (*m)->cfg.n_layers, &(*m)->tok_embd};
+    if (eagle_load(h, FIX "/head", &tg, &err) != AE_OK) fail_msg("%s", err.msg);
+}
+
 static void test_trees_match_sequential_reference(void **state) {
     (void)state;
     ae_error err = {0};
     model *m;
-    assert_int_equal(model_load(&m, FIX "/target", &err), AE_OK);
-    eagle_target tg = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     eagle_head *h;
-    if (eagle_load(&h, FIX "/head", &tg, &err) != AE_OK) fail_msg("%s", err.msg);
+    load_fixture(&m, &h);
     drafter *d;
     drafter_config dc = {NK, MAXL, 5, 2, NULL};
     assert_int_equal(drafter_init(&d, h, &dc, &err), AE_OK);
@@ -175,10 +181,8 @@ static void test_bad_feeds_are_refused_and_change_nothing(void **state) {
     (void)state;
     ae_error err = {0};
     model *m;
-    assert_int_equal(model_load(&m, FIX "/target", &err), AE_OK);
-    eagle_target tg = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     eagle_head *h;
-    assert_int_equal(eagle_load(&h, FIX "/head", &tg, &err), AE_OK);
+    load_fixture(&m, &h);
     drafter *d;
     drafter_config dc = {2, MAXL, 8, 1, NULL};
     assert_int_equal(drafter_init(&d, h, &dc, &err), AE_OK);
