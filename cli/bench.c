@@ -307,7 +307,8 @@ static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32
 static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt, int32_t n_gen, int threads,
                         cJSON *o, ae_error *err) {
     spec_shape shape;
-    if (draft_link_shape(c, &shape, err) != AE_OK) return AE_ERR;
+    eagle_weights weights;
+    if (draft_link_settings(c, &shape, &weights, err) != AE_OK) return AE_ERR;
     if (b->batch * shape.tokens > b->max_batch_tokens)
         return err_set(err, "--batch %d x --spec-tokens %d exceeds --max-batch-tokens %d", b->batch, shape.tokens,
                        b->max_batch_tokens);
@@ -321,7 +322,7 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
     double plain_rate[SPEC_ROUNDS], spec_rate[SPEC_ROUNDS];
     bool identical = true;
     int rc = plain_out && spec_out_ids ? AE_OK : err_set(err, "out of memory");
-    if (rc == AE_OK) rc = draft_link_open(&link, cfg_str(c, "draft"), m, &dc, err);
+    if (rc == AE_OK) rc = draft_link_open(&link, cfg_str(c, "draft"), m, weights, &dc, err);
     if (rc != AE_OK) {
         free(plain_out);
         free(spec_out_ids);
@@ -341,6 +342,7 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
     if (rc == AE_OK) {
         double pr = median_of(plain_rate, SPEC_ROUNDS), sr = median_of(spec_rate, SPEC_ROUNDS);
         cJSON_AddStringToObject(o, "draft", cfg_str(c, "draft"));
+        cJSON_AddStringToObject(o, "draft_weights", cfg_str(c, "draft-weights"));
         cJSON_AddNumberToObject(o, "plain_decode_tok_per_s", cli_round(pr, 1e2));
         cJSON_AddNumberToObject(o, "spec_decode_tok_per_s", cli_round(sr, 1e2));
         cJSON_AddNumberToObject(o, "spec_speedup", cli_round(sr / pr, 1e3));

@@ -24,10 +24,11 @@ static int link_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
 
 static void link_release(void *ctx, int32_t seq) { drafter_release(((draft_link *)ctx)->drafter, seq); }
 
-int draft_link_open(draft_link *l, const char *dir, const model *m, const drafter_config *dc, ae_error *err) {
+int draft_link_open(draft_link *l, const char *dir, const model *m, eagle_weights weights, const drafter_config *dc,
+                    ae_error *err) {
     memset(l, 0, sizeof *l);
     eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
-    if (eagle_load(&l->head, dir, &t, err) != AE_OK) return AE_ERR;
+    if (eagle_load(&l->head, dir, &t, weights, err) != AE_OK) return AE_ERR;
     l->max_seqs = dc->max_seqs;
     l->feeds = calloc((size_t)dc->max_seqs, sizeof *l->feeds);
     l->trees = calloc((size_t)dc->max_seqs, sizeof *l->trees);
@@ -63,11 +64,12 @@ size_t draft_link_bytes(const draft_link *l, const drafter_config *dc) {
     return l->head->weight_bytes + drafter_bytes(l->head, dc);
 }
 
-int draft_link_shape(const cfg *c, spec_shape *shape, ae_error *err) {
+int draft_link_settings(const cfg *c, spec_shape *shape, eagle_weights *weights, ae_error *err) {
     *shape = (spec_shape){(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"),
                           (int32_t)cfg_int(c, "spec-tokens")};
     tree_params p = {shape->steps, shape->topk, shape->tokens};
-    return tree_params_check(&p, err);
+    if (tree_params_check(&p, err) != AE_OK) return AE_ERR;
+    return eagle_weights_parse(cfg_str(c, "draft-weights"), weights, err);
 }
 
 static double round4(double x) { return (double)(int64_t)(x * 1e4 + (x < 0 ? -0.5 : 0.5)) / 1e4; }

@@ -16,10 +16,12 @@
     {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"}, \
     {"spec-steps", CFG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},                                     \
     {"spec-topk", CFG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},  \
-    {"spec-tokens", CFG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"}
+    {"spec-tokens", CFG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"},        \
+    {"draft-weights", CFG_STRING, "file", 0, 0,                                                              \
+     "the head's matrices as the file has them (file), or rounded to Q8_0 (q8_0: fewer bytes per draft pass)"}
 
-/* The tree shape DRAFT_LINK_OPTIONS set; checked (tree_params_check). */
-int draft_link_shape(const cfg *c, spec_shape *shape, ae_error *err);
+/* The tree shape and head weights DRAFT_LINK_OPTIONS set, checked. */
+int draft_link_settings(const cfg *c, spec_shape *shape, eagle_weights *weights, ae_error *err);
 
 /* Adds the speculation figures to a JSON object: the shape, steps,
  * drafted and accepted tokens, mean acceptance length, acceptance per
@@ -37,7 +39,8 @@ typedef struct draft_link {
 } draft_link;
 
 /* Loads the head in dir for target m and sizes its drafter. */
-int draft_link_open(draft_link *l, const char *dir, const model *m, const drafter_config *dc, ae_error *err);
+int draft_link_open(draft_link *l, const char *dir, const model *m, eagle_weights weights, const drafter_config *dc,
+                    ae_error *err);
 void draft_link_close(draft_link *l);
 
 /* The target layers the head reads: its own choice, or EAGLE-3's default. */

@@ -53,7 +53,10 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
     if (!dir) return AE_OK;
     eagle_head *h;
     eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
-    if (eagle_load(&h, dir, &t, err) != AE_OK) return AE_ERR;
+    spec_shape shape;
+    eagle_weights held_as;
+    if (draft_link_settings(c, &shape, &held_as, err) != AE_OK || eagle_load(&h, dir, &t, held_as, err) != AE_OK)
+        return AE_ERR;
     int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
     drafter_config dc = {max_batch, max_seq_len, PREFILL_CHUNK, 1, NULL};
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, PREFILL_CHUNK};
@@ -238,11 +241,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
     spec_shape shape;
-    if (draft_link_shape(c, &shape, err) != AE_OK) goto out;
+    eagle_weights weights;
+    if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
         drafter_config dc = {plan.max_batch, plan.max_seq_len, PREFILL_CHUNK, threads, eng_pool(e)};
         spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, PREFILL_CHUNK};
-        if (draft_link_open(&link, draft, m, &dc, err) != AE_OK ||
+        if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
             draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
             goto out;
     }

@@ -1,5 +1,6 @@
 #include "eagle.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,11 +68,34 @@ static int load_floats(eagle_head *h, const st_model *st, const char *name, int6
 
 /* Matrices keep the file's element type when kn_matmul reads it natively
  * (F32, F16, BF16): the same values, and a step reads half the bytes of an
- * f32 copy for a 16-bit head. The copy is aligned; the mapping may not be. */
+ * f32 copy for a 16-bit head. The copy is aligned; the mapping may not be.
+ * With EAGLE_WEIGHTS_Q8_0 they are rounded to Q8_0 and packed for the
+ * integer kernel instead. */
 static int load_matrix(eagle_head *h, const st_model *st, const char *name, int64_t rows, int64_t cols,
                        const char *why, kn_weight *w, ae_error *err) {
     const st_tensor *t = find_shaped(st, name, rows, cols, why, err);
     if (!t) return AE_ERR;
+    if (h->weights == EAGLE_WEIGHTS_Q8_0 && cols % 32 == 0) {
+        float *tmp = malloc((size_t)t->n_elements * sizeof(float));
+        if (!tmp) return err_set(err, "out of memory");
+        int rc = st_tensor_to_f32(t, tmp, t->n_elements, err);
+        for (uint64_t i = 0; rc == AE_OK && i < t->n_elements; i++)
+            if (!isfinite(tmp[i])) rc = err_set(err, "%s[%llu] is not finite", name, (unsigned long long)i);
+        size_t row_bytes = quant_row_bytes(GGML_TYPE_Q8_0, (uint64_t)cols);
+        float *q = rc == AE_OK ? own_floats(h, ((size_t)rows * row_bytes + 3) / 4, err) : NULL;
+        if (q) {
+            quant_quantize_q8_0(tmp, q, t->n_elements);
+            *w = (kn_weight){.type = GGML_TYPE_Q8_0, .rows = rows, .cols = cols, .data = q, .row_bytes = row_bytes};
+            size_t packed = kn_weight_packed_bytes(w);
+            float *p = packed ? own_floats(h, (packed + 3) / 4, err) : NULL;
+            if (packed && !p) rc = AE_ERR;
+            else if (packed) kn_weight_pack(w, p);
+        } else {
+            rc = AE_ERR;
+        }
+        free(tmp);
+        return rc;
+    }
     ggml_type type = t->dtype == ST_F16 ? GGML_TYPE_F16 : t->dtype == ST_BF16 ? GGML_TYPE_BF16 : GGML_TYPE_F32;
     size_t elem = type == GGML_TYPE_F32 ? sizeof(float) : 2;
     /* own_floats counts floats: a 16-bit matrix takes half as many. */
@@ -83,6 +107,13 @@ static int load_matrix(eagle_head *h, const st_model *st, const char *name, int6
         memcpy(buf, t->data, (size_t)t->n_bytes);
     }
     *w = (kn_weight){.type = type, .rows = rows, .cols = cols, .data = buf, .row_bytes = (size_t)cols * elem};
+    return AE_OK;
+}
+
+int eagle_weights_parse(const char *text, eagle_weights *out, ae_error *err) {
+    if (!strcmp(text, "file")) *out = EAGLE_WEIGHTS_FILE;
+    else if (!strcmp(text, "q8_0")) *out = EAGLE_WEIGHTS_Q8_0;
+    else return err_set(err, "draft weights \"%s\": expected file or q8_0", text);
     return AE_OK;
 }
 
@@ -179,11 +210,12 @@ static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     return AE_OK;
 }
 
-int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, ae_error *err) {
+int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_weights weights, ae_error *err) {
     *out = NULL;
     eagle_head *h = calloc(1, sizeof *h);
     if (!h) return err_set(err, "out of memory");
     h->target = *t;
+    h->weights = weights;
     snprintf(h->dir, sizeof h->dir, "%s", dir);
     st_model *st = NULL;
     int rc = load_config(h, dir, err);

@@ -57,6 +57,15 @@ typedef struct eagle_target {
     const kn_weight *embed; /* [vocab][H]; must outlive the head */
 } eagle_target;
 
+/* How the head's matrices are held. The draft only changes speed, never
+ * output, so it may trade exactness for bytes: a draft pass reads every
+ * matrix of the head, and Q8_0 reads about half the bytes of F16 through
+ * the integer kernel. */
+typedef enum eagle_weights {
+    EAGLE_WEIGHTS_FILE = 0, /* as the file has them (F16, BF16, F32): exact */
+    EAGLE_WEIGHTS_Q8_0 = 1, /* rounded to Q8_0 at load (matrices whose width is a multiple of 32) */
+} eagle_weights;
+
 typedef struct eagle_config {
     int32_t hidden; /* H */
     int32_t n_heads;
@@ -86,15 +95,19 @@ typedef struct eagle_head {
     kn_weight lm_head;       /* [draft_vocab][H] */
     int32_t *draft_to_target; /* [draft_vocab] target id of each draft id */
     kn_rope rope;
-    size_t weight_bytes;
+    eagle_weights weights;
+    size_t weight_bytes;     /* bytes of the matrices and vectors as held */
     char dir[1024];
     float **owned;           /* converted buffers */
     int32_t n_owned;
 } eagle_head;
 
+/* Parses "file" or "q8_0". */
+int eagle_weights_parse(const char *text, eagle_weights *out, ae_error *err);
+
 /* dir: a head directory. A tensor whose shape does not fit the target is
  * refused with one line naming it and both shapes. */
-int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, ae_error *err);
+int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_weights weights, ae_error *err);
 void eagle_free(eagle_head *h); /* NULL is a no-op */
 
 typedef struct eagle_batch {

@@ -8,6 +8,7 @@
  * multiply-add would round once instead of twice. */
 #include "quant.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -430,4 +431,20 @@ bool quant_dequantize(ggml_type t, const void *src, float *dst, uint64_t n) {
         }
     }
     return true;
+}
+
+void quant_quantize_q8_0(const float *src, void *dst, uint64_t n) {
+    uint8_t *out = dst;
+    for (uint64_t b = 0; b < n / QK; b++, src += QK, out += 2 + QK) {
+        float amax = 0;
+        for (int i = 0; i < QK; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+        uint16_t dh = quant_f32_to_f16(amax / 127.0f);
+        float d = quant_f16_to_f32(dh), inv = d > 0 ? 1.0f / d : 0.0f;
+        memcpy(out, &dh, 2);
+        for (int i = 0; i < QK; i++) {
+            float q = roundf(src[i] * inv);
+            q = q > 127 ? 127 : q < -127 ? -127 : q;
+            out[2 + i] = (uint8_t)(int8_t)q;
+        }
+    }
 }

@@ -52,6 +52,12 @@ bool quant_dequantize(ggml_type t, const void *src, float *dst, uint64_t n);
 
 /* Half and bfloat16 conversions, exact (round-to-nearest-even on the way
  * down). */
+/* Quantizes n floats (a multiple of 32) to Q8_0 blocks at dst
+ * (n / 32 * 34 bytes): per block d = f16(amax / 127) and q = x / d rounded
+ * to nearest, ties away from zero, clamped to [-127, 127]; an all-zero
+ * block gets d = 0. Non-finite input is the caller's to refuse. */
+void quant_quantize_q8_0(const float *src, void *dst, uint64_t n);
+
 float quant_f16_to_f32(uint16_t h);
 uint16_t quant_f32_to_f16(float f);
 float quant_bf16_to_f32(uint16_t h);

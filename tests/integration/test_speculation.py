@@ -80,9 +80,20 @@ def test_a_head_for_another_model_is_refused_naming_the_tensor(aerie, model):
                      "needs [576, 1728]\n")
 
 
+def test_a_head_rounded_to_q8_0_gives_the_same_output(aerie, model, head):
+    args = ["generate", "--model", model, "--prompt", "The capital of France is", "--ids", *MAX]
+    plain = aerie(*args)
+    q8 = aerie(*args, "--draft", head, "--draft-weights", "q8_0", "--stats")
+    assert q8.rc == 0, q8.err
+    assert q8.json() == plain.json()
+    assert stats_of(q8)["verify_steps"] > 0
+
+
 def test_bad_speculation_settings_exit_2(aerie, model, head):
     r = aerie("generate", "--model", model, "--prompt", "x", "--draft", head, "--spec-topk", "9")
     assert (r.rc, r.err) == (2, "aerie generate: --spec-topk: 9 is outside 1..8\n")
+    r = aerie("generate", "--model", model, "--prompt", "x", "--draft", head, "--draft-weights", "q4")
+    assert (r.rc, r.err) == (2, 'aerie generate: draft weights "q4": expected file or q8_0\n')
     r = aerie("generate", "--model", model, "--prompt", "x", "--draft", ROOT / "no-such-head")
     assert r.rc == 2
     assert "no-such-head/config.json: cannot open" in r.err

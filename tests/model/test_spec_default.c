@@ -40,7 +40,7 @@ static void test_greedy_speculation_is_lossless_on_the_default_model(void **stat
     eng_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2};
     assert_int_equal(eng_init(&e, m, &ec, &err), AE_OK);
     drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(e)};
-    if (draft_link_open(&link, HEAD_DIR, m, &dc, &err) != AE_OK) fail_msg("%s (run `make test`)", err.msg);
+    if (draft_link_open(&link, HEAD_DIR, m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s (run `make test`)", err.msg);
     int32_t V = m->cfg.vocab, ids[MAX_PROMPT], got[N_GEN];
     static int32_t want[N_PROMPTS][N_GEN];
     for (int i = 0; i < N_PROMPTS; i++) run_plain_greedy(e, ids, prompt(i, V, ids), CHUNK, N_GEN, want[i]);

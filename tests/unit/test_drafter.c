@@ -110,7 +110,7 @@ static void load_fixture(model **m, eagle_head **h) {
     ae_error err = {0};
     if (model_load(m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
     eagle_target tg = {(*m)->cfg.hidden, (*m)->cfg.vocab, (*m)->cfg.n_layers, &(*m)->tok_embd};
-    if (eagle_load(h, FIX "/head", &tg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (eagle_load(h, FIX "/head", &tg, EAGLE_WEIGHTS_FILE, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
 static void test_trees_match_sequential_reference(void **state) {

@@ -104,7 +104,7 @@ static void check_head_reference(const char *target_path) {
     eagle_target t = target_of(m);
     eagle_head *h;
     ae_error err = {0};
-    if (eagle_load(&h, FIX "/head", &t, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (eagle_load(&h, FIX "/head", &t, EAGLE_WEIGHTS_FILE, &err) != AE_OK) fail_msg("%s", err.msg);
     const int32_t H = 32, Vd = 24;
     assert_int_equal(h->cfg.draft_vocab, Vd);
     assert_int_equal(h->cfg.n_aux_layers, 3);
@@ -232,7 +232,7 @@ static void test_fixture_target_forms_match_transformers(void **state) {
 static void expect_refused(const char *dir, const eagle_target *t, const char *want) {
     eagle_head *h = (eagle_head *)1;
     ae_error err = {0};
-    assert_int_equal(eagle_load(&h, dir, t, &err), AE_ERR);
+    assert_int_equal(eagle_load(&h, dir, t, EAGLE_WEIGHTS_FILE, &err), AE_ERR);
     assert_null(h);
     if (!strstr(err.msg, want)) fail_msg("error \"%s\" does not say \"%s\"", err.msg, want);
     printf("refused: %s\n", err.msg);
@@ -310,6 +310,60 @@ static void test_head_variants_we_do_not_compute_are_refused(void **state) {
                                "norm_before_residual is true; only the residual before hidden_norm is supported");
 }
 
+/* Rounded to Q8_0 for speed, the head stays close to the reference: its
+ * matrices read 1.06 bytes per weight instead of 2, and the logits move
+ * by the rounding of 8-bit weights. */
+static void test_head_rounded_to_q8_0_stays_close_to_the_reference(void **state) {
+    (void)state;
+    model *m = load_target(FIX "/target");
+    eagle_target t = target_of(m);
+    eagle_head *h, *exact;
+    ae_error err = {0};
+    assert_int_equal(eagle_load(&h, FIX "/head", &t, EAGLE_WEIGHTS_Q8_0, &err), AE_OK);
+    assert_int_equal(eagle_load(&exact, FIX "/head", &t, EAGLE_WEIGHTS_FILE, &err), AE_OK);
+    assert_int_equal(h->fc.type, GGML_TYPE_Q8_0);
+    assert_int_equal(h->lm_head.type, GGML_TYPE_Q8_0);
+    assert_int_equal(exact->fc.type, GGML_TYPE_F16);
+    assert_true(h->weight_bytes < exact->weight_bytes * 6 / 5); /* Q8_0 and its packed copy vs F16 */
+    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 1, 1, 1};
+    kv_cache *kv;
+    pool *p;
+    kn_stream *s;
+    eagle_ws *ws;
+    assert_int_equal(kv_init(&kv, &kp, &err), AE_OK);
+    kn_kv_pool layer = kv_layer(kv, 0);
+    assert_int_equal(pool_init(&p, 2, &err), AE_OK);
+    assert_int_equal(kn_stream_init_cpu(&s, p, eagle_stream_workspace(h, 8, 16), &err), AE_OK);
+    assert_int_equal(eagle_ws_init(&ws, h, 8, &err), AE_OK);
+    int32_t seq;
+    assert_int_equal(kv_seq_alloc(kv, &seq, &err), AE_OK);
+    assert_int_equal(kv_seq_reserve(kv, seq, 6, &err), AE_OK);
+    cJSON *root = expected();
+    const cJSON *r = item(item(root, "head_reference"), "step_a");
+    float feat[5 * 96], hidden[5 * 32], logits[5 * 24], want[5 * 24];
+    int32_t tokens[5], pos[5], seqs[5], n_prefix[5], zero[5] = {0}, rows[5];
+    assert_int_equal(json_ints(item(r, "tokens"), tokens, 5), 5);
+    assert_int_equal(json_ints(item(r, "positions"), pos, 5), 5);
+    assert_int_equal(json_floats(item(r, "features"), feat, 5 * 96), 5 * 96);
+    assert_int_equal(json_floats(item(r, "logits"), want, 5 * 24), 5 * 24);
+    for (int32_t i = 0; i < 5; i++) seqs[i] = seq, n_prefix[i] = pos[i] + 1, rows[i] = i;
+    kn_kv_map map = {5, kv_block_tables(kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
+    eagle_batch b = {5, tokens, feat, 96, pos, &map, hidden, 5, rows, logits};
+    eagle_forward(h, s, &layer, ws, &b);
+    double e = rel_l2(logits, want, 5 * 24);
+    printf("q8_0 head, step A: logits rel L2 %.3g (weights %zu bytes, file %zu)\n", e, h->weight_bytes,
+           exact->weight_bytes);
+    assert_true(e > 1e-6 && e < 2e-2);
+    cJSON_Delete(root);
+    eagle_ws_free(ws);
+    kn_stream_free(s);
+    pool_free(p);
+    kv_free(kv);
+    eagle_free(exact);
+    eagle_free(h);
+    model_free(m);
+}
+
 static void test_missing_head_directory_is_refused(void **state) {
     (void)state;
     model *m = load_target(FIX "/target");
@@ -327,6 +381,7 @@ int main(void) {
         cmocka_unit_test(test_head_for_a_smaller_vocabulary_is_refused),
         cmocka_unit_test(test_head_whose_config_disagrees_with_its_tensors_is_refused),
         cmocka_unit_test(test_head_variants_we_do_not_compute_are_refused),
+        cmocka_unit_test(test_head_rounded_to_q8_0_stays_close_to_the_reference),
         cmocka_unit_test(test_missing_head_directory_is_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

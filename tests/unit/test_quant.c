@@ -692,6 +692,48 @@ static void chdir_to_repo_root(void) {
     if (chdir(exe) != 0) return;
 }
 
+/* The Q8_0 quantizer (for draft heads): d = f16(amax / 127), q rounded to
+ * nearest with ties away from zero. Block 1: amax 127 gives d = 1 exactly,
+ * so q = round(x). Block 2 is all zero: d = 0, q = 0. Then a round trip
+ * on random values stays within d / 2 of each element. */
+static void q8_0_quantizer_rounds_each_block_to_its_amax(void **state) {
+    (void)state;
+    float x[64] = {0};
+    for (int i = 0; i < 32; i++) x[i] = (float)(i - 16) * 0.75f;
+    x[31] = 127.0f;
+    x[5] = 2.5f;  /* a tie: away from zero, 3 */
+    x[6] = -2.5f; /* -3 */
+    uint8_t blocks[2 * 34];
+    quant_quantize_q8_0(x, blocks, 64);
+    uint16_t d;
+    memcpy(&d, blocks, 2);
+    assert_int_equal(d, quant_f32_to_f16(1.0f));
+    assert_int_equal((int8_t)blocks[2 + 5], 3);
+    assert_int_equal((int8_t)blocks[2 + 6], -3);
+    assert_int_equal((int8_t)blocks[2 + 0], -12);  /* -16 * 0.75 */
+    assert_int_equal((int8_t)blocks[2 + 1], -11);  /* -11.25 */
+    assert_int_equal((int8_t)blocks[2 + 31], 127);
+    memcpy(&d, blocks + 34, 2);
+    assert_int_equal(d, 0);
+    for (int i = 0; i < 32; i++) assert_int_equal(blocks[34 + 2 + i], 0);
+
+    float r[256], back[256];
+    uint8_t q[8 * 34];
+    uint64_t st = 42;
+    for (int i = 0; i < 256; i++) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        r[i] = (float)((double)(st >> 11) / 9007199254740992.0 * 2 - 1) * (float)(1 + i / 32);
+    }
+    quant_quantize_q8_0(r, q, 256);
+    assert_true(quant_dequantize(GGML_TYPE_Q8_0, q, back, 256));
+    for (int b = 0; b < 8; b++) {
+        uint16_t dh;
+        memcpy(&dh, q + b * 34, 2);
+        float db = quant_f16_to_f32(dh);
+        for (int i = 0; i < 32; i++) assert_true(fabsf(back[b * 32 + i] - r[b * 32 + i]) <= db * 0.5f * 1.0001f);
+    }
+}
+
 int main(void) {
     chdir_to_repo_root();
     const struct CMUnitTest tests[] = {
@@ -714,6 +756,7 @@ int main(void) {
         cmocka_unit_test(q5_1_scales_and_adds_minimum),
         cmocka_unit_test(q8_0_is_signed_bytes_times_d),
         cmocka_unit_test(q8_1_skips_the_sum_field),
+        cmocka_unit_test(q8_0_quantizer_rounds_each_block_to_its_amax),
         cmocka_unit_test(q2_k_two_bit_groups_of_sixteen),
         cmocka_unit_test(q3_k_unpacks_six_bit_scales_and_hmask),
         cmocka_unit_test(q4_k_unpacks_scale_min_pairs),

@@ -40,7 +40,7 @@ static void fixture_open(fixture *f) {
     eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f->e)};
-    if (draft_link_open(&f->link, FIX "/head", f->m, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_open(&f->link, FIX "/head", f->m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
 static void fixture_close(fixture *f) {
@@ -78,14 +78,21 @@ static void test_greedy_speculation_is_lossless_with_the_fixture_head(void **sta
     (void)state;
     fixture f;
     fixture_open(&f);
-    const spec_shape shapes[3] = {{4, 1, 5}, {4, 3, 8}, {8, 4, 32}};
-    const char *names[3] = {"chain 4x1/5", "wide 4x3/8", "deep 8x4/32"};
+    const spec_shape shapes[4] = {{4, 1, 5}, {4, 3, 8}, {8, 4, 32}, {4, 3, 8}};
+    const char *names[4] = {"chain 4x1/5", "wide 4x3/8", "deep 8x4/32", "wide 4x3/8, q8_0 head"};
     int32_t ids[MAX_PROMPT], want[N_PROMPTS][N_GEN], got[N_GEN];
     for (int i = 0; i < N_PROMPTS; i++) {
         int32_t n = prompt(i, ids);
         plain_greedy(f.e, ids, n, N_GEN, want[i]);
     }
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 4; k++) {
+        if (k == 3) { /* the same head rounded to Q8_0: other trees, the same output */
+            ae_error err = {0};
+            drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f.e)};
+            draft_link_close(&f.link);
+            if (draft_link_open(&f.link, FIX "/head", f.m, EAGLE_WEIGHTS_Q8_0, &dc, &err) != AE_OK)
+                fail_msg("%s", err.msg);
+        }
         spec *s = spec_open(&f, &f.link.iface, shapes[k]);
         int identical = 0;
         for (int i = 0; i < N_PROMPTS; i++) {
