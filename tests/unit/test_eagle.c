@@ -96,6 +96,53 @@ static eagle_target target_of(const model *m) {
     return (eagle_target){m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
 }
 
+/* A head's forward pass over one sequence's KV, for the reference steps. */
+typedef struct runner {
+    kv_cache *kv;
+    kn_kv_pool layer;
+    pool *p;
+    kn_stream *s;
+    eagle_ws *ws;
+    int32_t seq;
+} runner;
+
+static void runner_open(runner *r, const eagle_head *h) {
+    ae_error err = {0};
+    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 1, 1, 1};
+    if (kv_init(&r->kv, &kp, &err) != AE_OK) fail_msg("%s", err.msg);
+    r->layer = kv_layer(r->kv, 0);
+    assert_int_equal(pool_init(&r->p, 2, &err), AE_OK);
+    assert_int_equal(kn_stream_init_cpu(&r->s, r->p, eagle_stream_workspace(h, 8, 16), &err), AE_OK);
+    assert_int_equal(eagle_ws_init(&r->ws, h, 8, &err), AE_OK);
+    assert_int_equal(kv_seq_alloc(r->kv, &r->seq, &err), AE_OK);
+    assert_int_equal(kv_seq_reserve(r->kv, r->seq, 6, &err), AE_OK);
+}
+
+static void runner_close(runner *r) {
+    eagle_ws_free(r->ws);
+    kn_stream_free(r->s);
+    pool_free(r->p);
+    kv_free(r->kv);
+}
+
+/* n tokens at positions pos[n], each seeing the slots up to its own; in
+ * is [n][width]. Writes hidden [n][H] and logits [n][draft_vocab]. */
+static void runner_step(runner *r, const eagle_head *h, int32_t n, const int32_t *tokens, const int32_t *pos,
+                        const float *in, int32_t width, float *hidden, float *logits) {
+    int32_t seqs[5], n_prefix[5], zero[5] = {0}, rows[5];
+    float in_copy[5 * 96];
+    assert_true(n <= 5 && width <= 96);
+    memcpy(in_copy, in, (size_t)n * (size_t)width * sizeof(float));
+    for (int32_t i = 0; i < n; i++) {
+        seqs[i] = r->seq;
+        n_prefix[i] = pos[i] + 1;
+        rows[i] = i;
+    }
+    kn_kv_map map = {n, kv_block_tables(r->kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
+    eagle_batch b = {n, tokens, in_copy, width, pos, &map, hidden, n, rows, logits};
+    eagle_forward(h, r->s, &r->layer, r->ws, &b);
+}
+
 /* Steps A and B of the reference (gen_eagle_fixture.py) through
  * eagle_forward: five (token, feature) pairs at positions 0..4, then one
  * token at position 5 fed the last pair's pre-norm output. */
@@ -112,19 +159,8 @@ static void check_head_reference(const char *target_path) {
     assert_int_equal(h->cfg.aux_layers[1], 3);
     assert_int_equal(h->cfg.aux_layers[2], 4);
 
-    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 1, 1, 1};
-    kv_cache *kv;
-    if (kv_init(&kv, &kp, &err) != AE_OK) fail_msg("%s", err.msg);
-    kn_kv_pool layer = kv_layer(kv, 0);
-    pool *p;
-    kn_stream *s;
-    eagle_ws *ws;
-    assert_int_equal(pool_init(&p, 2, &err), AE_OK);
-    assert_int_equal(kn_stream_init_cpu(&s, p, eagle_stream_workspace(h, 8, 16), &err), AE_OK);
-    assert_int_equal(eagle_ws_init(&ws, h, 8, &err), AE_OK);
-    int32_t seq;
-    assert_int_equal(kv_seq_alloc(kv, &seq, &err), AE_OK);
-    assert_int_equal(kv_seq_reserve(kv, seq, 6, &err), AE_OK);
+    runner run;
+    runner_open(&run, h);
 
     cJSON *root = expected();
     const cJSON *ref = item(root, "head_reference");
@@ -145,18 +181,7 @@ static void check_head_reference(const char *target_path) {
             in = feat;
             width = 3 * H;
         }
-        float in_copy[5 * 96];
-        memcpy(in_copy, in, (size_t)n * (size_t)width * sizeof(float));
-        int32_t seqs[5], slots[5], n_prefix[5], zero[5] = {0}, rows[5];
-        for (int32_t i = 0; i < n; i++) {
-            seqs[i] = seq;
-            slots[i] = pos[i];
-            n_prefix[i] = pos[i] + 1;
-            rows[i] = i;
-        }
-        kn_kv_map map = {n, kv_block_tables(kv), 1, 1, seqs, slots, n_prefix, zero, zero, zero, 0};
-        eagle_batch b = {n, tokens, in_copy, width, pos, &map, hidden, n, rows, logits};
-        eagle_forward(h, s, &layer, ws, &b);
+        runner_step(&run, h, n, tokens, pos, in, width, hidden, logits);
         double el = rel_l2(logits, want_logits, n * Vd), eh = rel_l2(hidden, want_hidden, n * H);
         printf("%s (%s): logits rel L2 %.3g, hidden rel L2 %.3g\n", steps[st], target_path, el, eh);
         assert_true(el < REL_TOL);
@@ -169,10 +194,7 @@ static void check_head_reference(const char *target_path) {
         }
     }
     cJSON_Delete(root);
-    eagle_ws_free(ws);
-    kn_stream_free(s);
-    pool_free(p);
-    kv_free(kv);
+    runner_close(&run);
     eagle_free(h);
     model_free(m);
 }
@@ -325,40 +347,23 @@ static void test_head_rounded_to_q8_0_stays_close_to_the_reference(void **state)
     assert_int_equal(h->lm_head.type, GGML_TYPE_Q8_0);
     assert_int_equal(exact->fc.type, GGML_TYPE_F16);
     assert_true(h->weight_bytes < exact->weight_bytes * 6 / 5); /* Q8_0 and its packed copy vs F16 */
-    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 1, 1, 1};
-    kv_cache *kv;
-    pool *p;
-    kn_stream *s;
-    eagle_ws *ws;
-    assert_int_equal(kv_init(&kv, &kp, &err), AE_OK);
-    kn_kv_pool layer = kv_layer(kv, 0);
-    assert_int_equal(pool_init(&p, 2, &err), AE_OK);
-    assert_int_equal(kn_stream_init_cpu(&s, p, eagle_stream_workspace(h, 8, 16), &err), AE_OK);
-    assert_int_equal(eagle_ws_init(&ws, h, 8, &err), AE_OK);
-    int32_t seq;
-    assert_int_equal(kv_seq_alloc(kv, &seq, &err), AE_OK);
-    assert_int_equal(kv_seq_reserve(kv, seq, 6, &err), AE_OK);
+    runner run;
+    runner_open(&run, h);
     cJSON *root = expected();
     const cJSON *r = item(item(root, "head_reference"), "step_a");
     float feat[5 * 96], hidden[5 * 32], logits[5 * 24], want[5 * 24];
-    int32_t tokens[5], pos[5], seqs[5], n_prefix[5], zero[5] = {0}, rows[5];
+    int32_t tokens[5], pos[5];
     assert_int_equal(json_ints(item(r, "tokens"), tokens, 5), 5);
     assert_int_equal(json_ints(item(r, "positions"), pos, 5), 5);
     assert_int_equal(json_floats(item(r, "features"), feat, 5 * 96), 5 * 96);
     assert_int_equal(json_floats(item(r, "logits"), want, 5 * 24), 5 * 24);
-    for (int32_t i = 0; i < 5; i++) seqs[i] = seq, n_prefix[i] = pos[i] + 1, rows[i] = i;
-    kn_kv_map map = {5, kv_block_tables(kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
-    eagle_batch b = {5, tokens, feat, 96, pos, &map, hidden, 5, rows, logits};
-    eagle_forward(h, s, &layer, ws, &b);
+    runner_step(&run, h, 5, tokens, pos, feat, 96, hidden, logits);
     double e = rel_l2(logits, want, 5 * 24);
     printf("q8_0 head, step A: logits rel L2 %.3g (weights %zu bytes, file %zu)\n", e, h->weight_bytes,
            exact->weight_bytes);
     assert_true(e > 1e-6 && e < 2e-2);
     cJSON_Delete(root);
-    eagle_ws_free(ws);
-    kn_stream_free(s);
-    pool_free(p);
-    kv_free(kv);
+    runner_close(&run);
     eagle_free(exact);
     eagle_free(h);
     model_free(m);
