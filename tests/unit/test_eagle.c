@@ -17,6 +17,8 @@
 #include <cjson/cJSON.h>
 #include <cmocka.h>
 
+#include "../test_io.h"
+
 #include "../../draft/eagle.h"
 #include "../../services/kv/kv_cache.h"
 #include "../../target/engine.h"
@@ -24,23 +26,8 @@
 #define FIX "tests/golden/eagle/tiny"
 #define REL_TOL 1e-4
 
-static char *read_text(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) fail_msg("cannot open %s (run from the repo root)", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    assert_non_null(buf);
-    assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
-    buf[n] = '\0';
-    fclose(f);
-    if (len) *len = (size_t)n;
-    return buf;
-}
-
 static cJSON *expected(void) {
-    char *text = read_text(FIX "/expected.json", NULL);
+    char *text = test_read_file(FIX "/expected.json", NULL);
     cJSON *root = cJSON_Parse(text);
     free(text);
     assert_non_null(root);
@@ -288,7 +275,7 @@ static void expect_edited_head_refused(const char *from, const char *to, const c
     char dir[] = "/tmp/aerie-eagle-XXXXXX";
     assert_non_null(mkdtemp(dir));
     size_t len;
-    char *cfg = read_text(FIX "/head/config.json", NULL), *st = read_text(FIX "/head/model.safetensors", &len);
+    char *cfg = test_read_file(FIX "/head/config.json", NULL), *st = test_read_file(FIX "/head/model.safetensors", &len);
     char *at = strstr(cfg, from);
     assert_non_null(at);
     char path[256];

@@ -23,6 +23,8 @@
 #include <cjson/cJSON.h>
 #include <cmocka.h>
 
+#include "../test_io.h"
+
 #include "../../target/engine.h"
 
 #define GOLDEN "tests/golden/tiny"
@@ -31,25 +33,10 @@
 #define CHUNK 32
 #define REL_TOL 1e-4
 
-static char *read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) fail_msg("cannot open %s (run from the repo root)", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = malloc((size_t)n + 1);
-    assert_non_null(buf);
-    assert_int_equal(fread(buf, 1, (size_t)n, f), (size_t)n);
-    buf[n] = '\0';
-    fclose(f);
-    if (len) *len = (size_t)n;
-    return buf;
-}
-
 static cJSON *load_expected(const char *name) {
     char path[256];
     snprintf(path, sizeof path, GOLDEN "/%s/expected.json", name);
-    char *text = read_file(path, NULL);
+    char *text = test_read_file(path, NULL);
     cJSON *root = cJSON_Parse(text);
     free(text);
     if (!root) fail_msg("%s: not JSON", path);
@@ -227,7 +214,7 @@ static void test_qwen2_without_bias_is_refused(void **state) {
     (void)state;
     char dir[] = "/tmp/aerie-tiny-XXXXXX";
     assert_non_null(mkdtemp(dir));
-    char *text = read_file(GOLDEN "/qwen2/config.json", NULL);
+    char *text = test_read_file(GOLDEN "/qwen2/config.json", NULL);
     cJSON *cfg = cJSON_Parse(text);
     free(text);
     assert_non_null(cfg);
