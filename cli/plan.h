@@ -1,0 +1,41 @@
+/* The engine's memory plan for the commands that run the CPU engine
+ * (generate, gen-prompts, dump-features, eval-draft): the model's weights,
+ * the draft head's when there is one, the workspace of a prefill chunk and
+ * the KV cache, checked against the memory this machine has
+ * (target/memplan.h). The command's cfg table holds MEMPLAN-style rows
+ * (mem-fraction, max-kv-tokens, max-batch, max-seq-len) and "threads". */
+#ifndef AERIE_CLI_PLAN_H
+#define AERIE_CLI_PLAN_H
+
+#include <stdbool.h>
+
+#include "../services/core/config.h"
+#include "../target/engine.h"
+#include "../target/memplan.h"
+
+#define CLI_PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
+#define CLI_KV_BLOCK 16
+
+/* The plan for model m; records auto values in c. With draft, c also holds
+ * "draft" and "draft-weights" (DRAFT_LINK_OPTIONS), and a set "draft" adds
+ * the head and its drafter. */
+int cli_plan(cfg *c, const model *m, bool draft, memplan *plan, ae_error *err);
+
+/* The head directory c's "draft" names, or NULL for plain decoding (unset
+ * or "none"). */
+const char *cli_draft_dir(const cfg *c);
+
+/* Replaces draft "auto" with the head trained for c's "model": a directory
+ * beside the model file whose training.json (written by
+ * tools/train_eagle3.py) has "target_model" equal to the model's file name.
+ * None found: "none", plain decoding. */
+void cli_resolve_draft(cfg *c);
+
+/* A command's resolve step: threads, the draft head when there is a
+ * "draft" setting, then the plan for c's "model". */
+int cli_resolve_engine(cfg *c, bool draft, ae_error *err);
+
+/* An engine sized by the plan, prefill chunks of CLI_PREFILL_CHUNK. */
+int cli_engine_open(eng **e, const model *m, const memplan *plan, int32_t threads, ae_error *err);
+
+#endif
