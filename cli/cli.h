@@ -48,6 +48,17 @@ double cli_round(double x, double scale);
 /* qsort comparator for doubles, ascending. */
 int cli_cmp_double(const void *a, const void *b);
 
+/* The ids of the chat template rendered around one user turn: the whole
+ * turn and the assistant's opening (content != NULL), or only what comes
+ * before the user's content (content == NULL). */
+struct chat_template;
+int cli_user_turn_ids(const tok *t, const struct chat_template *ct, const char *content, int32_t **ids, int32_t *n,
+                      ae_error *err);
+
+/* Prompts from a file of JSON lines {"prompt": TEXT} (gen-prompts' output),
+ * the first `limit` of them (0: all). Errors name the line. */
+int cli_read_prompts(const char *path, char ***out, int64_t *n_out, int64_t limit, ae_error *err);
+
 /* Writes a JSON array of ids on one line to stdout. */
 void cli_print_ids(const int32_t *ids, size_t n);
 
@@ -57,5 +68,9 @@ extern const cli_cmd cli_cmd_detokenize;
 extern const cli_cmd cli_cmd_bench_tokenizer;
 extern const cli_cmd cli_cmd_generate;
 extern const cli_cmd cli_cmd_bench;
+extern const cli_cmd cli_cmd_gen_prompts;
+extern const cli_cmd cli_cmd_dump_features;
+extern const cli_cmd cli_cmd_eval_draft;
+extern const cli_cmd cli_cmd_draft_logits;
 
 #endif

@@ -14,6 +14,15 @@
  * defaults are SGLang's for EAGLE-3 (REFERENCES.md). */
 #define DRAFT_LINK_OPTIONS                                                                                   \
     {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"}, \
+    DRAFT_LINK_TUNING_OPTIONS
+
+/* The same with the head found for the model (cli_resolve_draft). */
+#define DRAFT_LINK_AUTO_OPTIONS                                                                              \
+    {"draft", CFG_STRING, "auto", 0, 0,                                                                      \
+     "EAGLE-3 head directory, or none (auto: the head trained for this model file, found beside it)"},       \
+    DRAFT_LINK_TUNING_OPTIONS
+
+#define DRAFT_LINK_TUNING_OPTIONS                                                                            \
     {"spec-steps", CFG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},                                     \
     {"spec-topk", CFG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},  \
     {"spec-tokens", CFG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"},        \

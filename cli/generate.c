@@ -14,6 +14,7 @@
 #include "../target/memplan.h"
 #include "cli.h"
 #include "draft_link.h"
+#include "plan.h"
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
@@ -29,7 +30,7 @@ static const cfg_option opts[] = {
     {"stats", CFG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
     {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
-    DRAFT_LINK_OPTIONS,
+    DRAFT_LINK_AUTO_OPTIONS,
     /* The memory plan's settings (target/memplan.h), with defaults for one
      * sequence. */
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
@@ -41,59 +42,7 @@ static const cfg_option opts[] = {
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-#define PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
-#define KV_BLOCK 16
-
-/* Bytes the head and its drafter add to the plan (0 without --draft):
- * its weights, and its KV, workspace and trees. */
-static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64_t *weights, uint64_t *work,
-                       ae_error *err) {
-    *weights = *work = 0;
-    const char *dir = cfg_str(c, "draft");
-    if (!dir) return AE_OK;
-    eagle_head *h;
-    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
-    spec_shape shape;
-    eagle_weights held_as;
-    if (draft_link_settings(c, &shape, &held_as, err) != AE_OK || eagle_load(&h, dir, &t, held_as, err) != AE_OK)
-        return AE_ERR;
-    int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
-    drafter_config dc = {max_batch, max_seq_len, PREFILL_CHUNK, 1, NULL};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, PREFILL_CHUNK};
-    *weights = h->weight_bytes;
-    *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
-    LOG_INFOF("draft head=%s weights=%zu drafter_and_trees=%llu (counted in the memory plan as weights and "
-              "kernel scratch)", dir, h->weight_bytes, (unsigned long long)*work);
-    eagle_free(h);
-    return AE_OK;
-}
-
-/* The memory plan for this model on this machine; records auto values. */
-static int plan_for(cfg *c, const model *m, memplan *plan, ae_error *err) {
-    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
-    uint64_t avail;
-    if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
-    const model_config *mc = &m->cfg;
-    uint64_t dw, dx;
-    if (draft_bytes(c, m, (int32_t)cfg_int(c, "max-seq-len"), &dw, &dx, err) != AE_OK) return AE_ERR;
-    memplan_model mm = {m->weight_bytes + dw, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
-                        mc->n_kv_heads, mc->head_dim, mc->vocab};
-    memplan_env env = {avail, KV_BLOCK, PREFILL_CHUNK,
-                       llama_stream_workspace(m, PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) + dx};
-    return memplan_compute(c, &mm, &env, plan, err);
-}
-
-static int resolve(cfg *c, ae_error *err) {
-    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
-    const char *path = cfg_str(c, "model");
-    if (!path) return err_set(err, "no model given (use --model FILE)");
-    model *m;
-    if (model_load(&m, path, err) != AE_OK) return AE_ERR;
-    memplan plan;
-    int rc = plan_for(c, m, &plan, err);
-    model_free(m);
-    return rc;
-}
+static int resolve(cfg *c, ae_error *err) { return cli_resolve_engine(c, true, err); }
 
 /* The prompt's ids, rendered with the chat template when asked. */
 static int prompt_ids(const cfg *c, const tok *t, int32_t **ids, size_t *n, ae_error *err) {
@@ -159,7 +108,7 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
     int rc = AE_OK;
     double t0 = cli_now_seconds();
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
-        int32_t k = n_prompt - done < PREFILL_CHUNK ? n_prompt - done : PREFILL_CHUNK;
+        int32_t k = n_prompt - done < CLI_PREFILL_CHUNK ? n_prompt - done : CLI_PREFILL_CHUNK;
         eng_item it = {seq, ENG_APPEND, k, ids + done, NULL, false};
         rc = eng_step(e, &it, 1, logits, NULL, err);
         done += k;
@@ -182,7 +131,7 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
 static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prompt, const sample_params *sp,
                        sample_rng *rng, emitter *em, double *t_prefill, double *t_decode, ae_error *err) {
     double t0 = cli_now_seconds();
-    int rc = spec_seq_start(sx, seq, ids, n_prompt, PREFILL_CHUNK, err);
+    int rc = spec_seq_start(sx, seq, ids, n_prompt, CLI_PREFILL_CHUNK, err);
     *t_prefill = cli_now_seconds() - t0;
     t0 = cli_now_seconds();
     for (bool more = rc == AE_OK; more;) {
@@ -209,7 +158,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int32_t *ids = NULL;
     size_t n_prompt = 0;
     int rc = CLI_EXIT_USAGE;
-    const char *path = cfg_str(c, "model"), *draft = cfg_str(c, "draft");
+    const char *path = cfg_str(c, "model"), *draft = cli_draft_dir(c);
     if (cli_model_open(&cm, path, err) != AE_OK) goto out;
     if (prompt_ids(c, cm.tok, &ids, &n_prompt, err) != AE_OK) goto out;
     double t_load = cli_now_seconds();
@@ -222,30 +171,23 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     memplan plan;
-    if (plan_for(c, m, &plan, err) != AE_OK) goto out;
+    if (cli_plan(c, m, true, &plan, err) != AE_OK) goto out;
     memplan_log(&plan);
     if ((int64_t)n_prompt + max_new > plan.max_seq_len) {
         err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds max-seq-len %d", n_prompt, max_new,
                 plan.max_seq_len);
         goto out;
     }
-    if (plan.kv_tokens > INT32_MAX) {
-        err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
-                (long long)plan.kv_tokens, INT32_MAX);
-        goto out;
-    }
     int32_t threads = (int32_t)cfg_int(c, "threads");
-    eng_config ec = {PREFILL_CHUNK, plan.max_batch, plan.max_seq_len, (int32_t)plan.kv_tokens, plan.block_size,
-                     threads};
-    if (eng_init(&e, m, &ec, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
+    if (cli_engine_open(&e, m, &plan, threads, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
         detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
     spec_shape shape;
     eagle_weights weights;
     if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
-        drafter_config dc = {plan.max_batch, plan.max_seq_len, PREFILL_CHUNK, threads, eng_pool(e)};
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, PREFILL_CHUNK};
+        drafter_config dc = {plan.max_batch, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, CLI_PREFILL_CHUNK};
         if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
             draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
             goto out;

@@ -19,6 +19,10 @@ static const cli_cmd *const commands[] = {
     &cli_cmd_bench_tokenizer,
     &cli_cmd_generate,
     &cli_cmd_bench,
+    &cli_cmd_gen_prompts,
+    &cli_cmd_dump_features,
+    &cli_cmd_eval_draft,
+    &cli_cmd_draft_logits,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

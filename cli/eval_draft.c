@@ -1,0 +1,402 @@
+/* How good a draft head is, on prompts it was not trained on:
+ *
+ *   aerie eval-draft    greedy decoding of each prompt, plain and then
+ *                       speculative with each tree shape, side by side in
+ *                       one process (prompt by prompt, so load on the host
+ *                       touches every configuration alike). Reports per
+ *                       shape the mean acceptance length, the acceptance
+ *                       per depth and decode tok/s against plain, and
+ *                       checks that every output is the plain one.
+ *   aerie draft-logits  one draft step of the head over given pairs
+ *                       (features, tokens at positions 0..n-1), its logits
+ *                       written to safetensors: for comparing the forward
+ *                       pass with the trainer's. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "../services/core/log.h"
+#include "../services/kv/kv_cache.h"
+#include "../services/model/safetensors.h"
+#include "../services/model/st_write.h"
+#include "../services/tokenizer/chat.h"
+#include "cli.h"
+#include "draft_link.h"
+#include "plan.h"
+
+#define MAX_SHAPES 8
+
+static const cfg_option ev_opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
+    {"draft-weights", CFG_STRING, "file", 0, 0, "the head's matrices as the file has them (file), or Q8_0 (q8_0)"},
+    {"prompts", CFG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' heldout.jsonl)"},
+    {"limit", CFG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
+    {"max-new-tokens", CFG_INT, "128", 1, 1 << 20, "tokens generated per prompt at most"},
+    {"shapes", CFG_STRING, "5/4/8,4/1/5,6/4/16", 0, 0,
+     "tree shapes steps/topk/tokens, comma separated (the first is the default of generate)"},
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
+     "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
+    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
+    {"max-batch", CFG_INT, "1", 1, 1, "sequences at once (1: this measures batch 1)"},
+    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: 1024 + max-new-tokens)"},
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+};
+
+typedef struct shape_run {
+    spec_shape shape;
+    int64_t steps, plain_steps, accepted, generated, identical;
+    int64_t accepted_at[SPEC_MAX_DEPTH];
+    int64_t draft_ns, verify_ns;
+    double seconds;
+} shape_run;
+
+static int parse_shapes(const char *s, shape_run *out, int *n, ae_error *err) {
+    *n = 0;
+    for (const char *p = s; *p;) {
+        int steps, topk, tokens, used = 0;
+        if (*n == MAX_SHAPES) return err_set(err, "shapes: at most %d", MAX_SHAPES);
+        if (sscanf(p, "%d/%d/%d%n", &steps, &topk, &tokens, &used) != 3)
+            return err_set(err, "shapes: expected steps/topk/tokens[,...], got \"%s\"", s);
+        tree_params tp = {steps, topk, tokens};
+        if (tree_params_check(&tp, err) != AE_OK) return AE_ERR;
+        memset(&out[*n], 0, sizeof out[*n]);
+        out[(*n)++].shape = (spec_shape){steps, topk, tokens};
+        p += used;
+        if (*p == ',') p++;
+        else if (*p) return err_set(err, "shapes: expected steps/topk/tokens[,...], got \"%s\"", s);
+    }
+    if (*n == 0) return err_set(err, "shapes: none given");
+    return AE_OK;
+}
+
+/* Greedy plain decoding of prompt: out[0..*n), stopping at eos. Times the
+ * decode steps (after the prefill's first token). */
+static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t max_new, int32_t eos, float *logits,
+                     int32_t *out, int32_t *n, double *seconds, ae_error *err) {
+    int32_t seq, vocab = eng_model(e)->cfg.vocab;
+    if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
+    int rc = AE_OK;
+    for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
+        int32_t k = n_prompt - done < CLI_PREFILL_CHUNK ? n_prompt - done : CLI_PREFILL_CHUNK;
+        eng_item it = {seq, ENG_APPEND, k, prompt + done, NULL, false};
+        rc = eng_step(e, &it, 1, logits, NULL, err);
+        done += k;
+    }
+    double t0 = cli_now_seconds();
+    *n = 0;
+    while (rc == AE_OK) {
+        int32_t next = sample_greedy(logits, vocab);
+        if (next == eos) break;
+        out[(*n)++] = next;
+        if (*n == max_new) break;
+        eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
+        rc = eng_step(e, &it, 1, logits, NULL, err);
+    }
+    *seconds = cli_now_seconds() - t0;
+    eng_seq_free(e, seq);
+    return rc;
+}
+
+static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, int32_t max_new, int32_t eos,
+                    int32_t *out, int32_t *n, shape_run *r, ae_error *err) {
+    int32_t seq;
+    if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
+    spec_set_shape(sx, &r->shape);
+    int rc = spec_seq_start(sx, seq, prompt, n_prompt, CLI_PREFILL_CHUNK, err);
+    double t0 = cli_now_seconds();
+    sample_params sp = {0, 0, 1, 0};
+    sample_rng rng;
+    sample_rng_seed(&rng, 0);
+    *n = 0;
+    for (bool more = rc == AE_OK; more;) {
+        spec_in in = {seq, &sp, &rng};
+        spec_out o;
+        if ((rc = spec_step(sx, &in, 1, &o, err)) != AE_OK) break;
+        for (int32_t j = 0; j < o.n && more; j++) {
+            if (o.tokens[j] == eos) more = false;
+            else out[(*n)++] = o.tokens[j];
+            if (*n == max_new) more = false;
+        }
+    }
+    r->seconds += cli_now_seconds() - t0;
+    if (rc == AE_OK) {
+        const spec_stats *st = spec_seq_stats(sx, seq);
+        r->steps += st->steps;
+        r->plain_steps += st->plain_steps;
+        r->accepted += st->accepted;
+        r->draft_ns += st->draft_ns;
+        r->verify_ns += st->verify_ns;
+        for (int32_t d = 0; d < r->shape.steps && d < SPEC_MAX_DEPTH; d++) r->accepted_at[d] += st->accepted_at[d];
+    }
+    spec_seq_end(sx, seq);
+    eng_seq_free(e, seq);
+    return rc;
+}
+
+static double r4(double x) { return cli_round(x, 1e4); }
+
+static cJSON *shape_json(const shape_run *r, double plain_tps) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    char name[48];
+    snprintf(name, sizeof name, "%d/%d/%d", r->shape.steps, r->shape.topk, r->shape.tokens);
+    cJSON_AddStringToObject(o, "shape", name);
+    cJSON_AddNumberToObject(o, "verify_steps", (double)r->steps);
+    cJSON_AddNumberToObject(o, "accepted_tokens", (double)r->accepted);
+    cJSON_AddNumberToObject(o, "mean_accept_len", r->steps ? r4((double)(r->accepted + r->steps) / (double)r->steps) : 0);
+    cJSON *d = cJSON_AddArrayToObject(o, "accept_per_depth");
+    for (int32_t i = 0; d && i < r->shape.steps; i++)
+        cJSON_AddItemToArray(d, cJSON_CreateNumber(r->steps ? r4((double)r->accepted_at[i] / (double)r->steps) : 0));
+    double tps = r->seconds > 0 ? (double)r->generated / r->seconds : 0;
+    cJSON_AddNumberToObject(o, "decode_tok_per_s", cli_round(tps, 10));
+    cJSON_AddNumberToObject(o, "speedup", plain_tps > 0 ? r4(tps / plain_tps) : 0);
+    double total = (double)(r->draft_ns + r->verify_ns);
+    cJSON_AddNumberToObject(o, "draft_time_share", total > 0 ? r4((double)r->draft_ns / total) : 0);
+    cJSON_AddNumberToObject(o, "outputs_identical", (double)r->identical);
+    return o;
+}
+
+static int ev_resolve(cfg *c, ae_error *err) {
+    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", 1024 + cfg_int(c, "max-new-tokens"));
+    return cli_resolve_engine(c, true, err);
+}
+
+static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
+    cfg *c = (cfg *)cc;
+    if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
+    const char *path = cfg_str(c, "model"), *draft = cfg_str(c, "draft"), *pfile = cfg_str(c, "prompts");
+    if (!draft) return err_set(err, "no head given (use --draft DIR)"), CLI_EXIT_USAGE;
+    if (!pfile) return err_set(err, "no prompts given (use --prompts FILE)"), CLI_EXIT_USAGE;
+    shape_run runs[MAX_SHAPES];
+    int n_shapes;
+    if (parse_shapes(cfg_str(c, "shapes"), runs, &n_shapes, err) != AE_OK) return CLI_EXIT_USAGE;
+    cli_model cm = {0};
+    model *m = NULL;
+    eng *e = NULL;
+    spec *sx = NULL;
+    chat_template *ct = NULL;
+    draft_link link = {0};
+    char **prompts = NULL;
+    int64_t n_prompts = 0;
+    float *logits = NULL;
+    int32_t *plain = NULL, *got = NULL, *ids = NULL;
+    int rc = CLI_EXIT_USAGE;
+    if (cli_read_prompts(pfile, &prompts, &n_prompts, cfg_int(c, "limit"), err) != AE_OK) goto out;
+    if (cli_model_open(&cm, path, err) != AE_OK) goto out;
+    if (!tok_chat_template(cm.tok)) {
+        err_set(err, "%s: the model has no chat template", path);
+        goto out;
+    }
+    if (chat_template_init(&ct, tok_chat_template(cm.tok), err) != AE_OK || model_load(&m, path, err) != AE_OK)
+        goto out;
+    memplan plan;
+    if (cli_plan(c, m, true, &plan, err) != AE_OK) goto out;
+    memplan_log(&plan);
+    int32_t threads = (int32_t)cfg_int(c, "threads"), max_new = (int32_t)cfg_int(c, "max-new-tokens");
+    eagle_weights weights;
+    if (eagle_weights_parse(cfg_str(c, "draft-weights"), &weights, err) != AE_OK) goto out;
+    if (cli_engine_open(&e, m, &plan, threads, err) != AE_OK) goto out;
+    drafter_config dc = {1, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, CLI_PREFILL_CHUNK};
+    if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
+        draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
+        goto out;
+    logits = malloc(sizeof(float) * (size_t)m->cfg.vocab);
+    plain = malloc(sizeof(int32_t) * (size_t)max_new);
+    got = malloc(sizeof(int32_t) * (size_t)max_new);
+    if (!logits || !plain || !got) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    int32_t eos = tok_eos(cm.tok);
+    int64_t plain_tokens = 0;
+    double plain_seconds = 0, t_start = cli_now_seconds();
+    fprintf(stderr, "eval-draft: %lld prompts, up to %d new tokens each, plain and %d tree shapes\n",
+            (long long)n_prompts, max_new, n_shapes);
+    for (int64_t p = 0; p < n_prompts; p++) {
+        int32_t n_ids, n_plain, n_got;
+        free(ids);
+        ids = NULL;
+        if (cli_user_turn_ids(cm.tok, ct, prompts[p], &ids, &n_ids, err) != AE_OK) goto out;
+        if (n_ids + max_new + ENG_MAX_TREE > plan.max_seq_len) {
+            err_set(err, "prompt %lld is %d tokens with its template; raise --max-seq-len (%d)", (long long)p + 1,
+                    n_ids, plan.max_seq_len);
+            goto out;
+        }
+        double secs;
+        if (run_plain(e, ids, n_ids, max_new, eos, logits, plain, &n_plain, &secs, err) != AE_OK) goto out;
+        /* Plain decoding's first token comes from the prefill pass. */
+        plain_tokens += n_plain > 0 ? n_plain - 1 : 0;
+        plain_seconds += secs;
+        for (int s = 0; s < n_shapes; s++) {
+            if (run_spec(sx, e, ids, n_ids, max_new, eos, got, &n_got, &runs[s], err) != AE_OK) goto out;
+            runs[s].generated += n_got;
+            runs[s].identical += n_got == n_plain && !memcmp(got, plain, sizeof(int32_t) * (size_t)n_got);
+        }
+        fprintf(stderr, "eval-draft: %lld/%lld prompts, plain %.0f tok/s", (long long)p + 1, (long long)n_prompts,
+                plain_seconds > 0 ? (double)plain_tokens / plain_seconds : 0.0);
+        for (int s = 0; s < n_shapes; s++)
+            fprintf(stderr, "; %d/%d/%d accept %.2f, %.0f tok/s", runs[s].shape.steps, runs[s].shape.topk,
+                    runs[s].shape.tokens,
+                    runs[s].steps ? (double)(runs[s].accepted + runs[s].steps) / (double)runs[s].steps : 0.0,
+                    runs[s].seconds > 0 ? (double)runs[s].generated / runs[s].seconds : 0.0);
+        fprintf(stderr, "\n");
+    }
+    double plain_tps = plain_seconds > 0 ? (double)plain_tokens / plain_seconds : 0;
+    cJSON *o = cJSON_CreateObject();
+    cJSON *arr = o ? cJSON_AddArrayToObject(o, "shapes") : NULL;
+    if (!arr) {
+        cJSON_Delete(o);
+        err_set(err, "out of memory");
+        goto out;
+    }
+    cJSON_AddStringToObject(o, "draft", draft);
+    cJSON_AddStringToObject(o, "draft_weights", cfg_str(c, "draft-weights"));
+    cJSON_AddNumberToObject(o, "prompts", (double)n_prompts);
+    cJSON_AddNumberToObject(o, "max_new_tokens", max_new);
+    cJSON_AddNumberToObject(o, "threads", threads);
+    cJSON_AddNumberToObject(o, "plain_decode_tok_per_s", cli_round(plain_tps, 10));
+    for (int s = 0; s < n_shapes; s++) cJSON_AddItemToArray(arr, shape_json(&runs[s], plain_tps));
+    cJSON_AddNumberToObject(o, "seconds", cli_round(cli_now_seconds() - t_start, 10));
+    char *line = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (line) puts(line);
+    cJSON_free(line);
+    rc = 0;
+out:
+    for (int64_t i = 0; i < n_prompts; i++) free(prompts[i]);
+    free(prompts);
+    free(ids);
+    free(got);
+    free(plain);
+    free(logits);
+    spec_free(sx);
+    draft_link_close(&link);
+    eng_free(e);
+    model_free(m);
+    chat_template_free(ct);
+    cli_model_close(&cm);
+    return rc;
+}
+
+const cli_cmd cli_cmd_eval_draft = {
+    .name = "eval-draft",
+    .args = "--model FILE --draft DIR --prompts FILE",
+    .summary = "acceptance and speed of a draft head on held-out prompts, against plain decoding",
+    .opts = ev_opts,
+    .n_opts = sizeof ev_opts / sizeof ev_opts[0],
+    .run = ev_run,
+    .resolve = ev_resolve,
+};
+
+/* ---- draft-logits ---------------------------------------------------- */
+
+static const cfg_option dl_opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "the head's target: .gguf file or Hugging Face directory"},
+    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
+    {"input", CFG_STRING, NULL, 0, 0, "safetensors with features F32 [n, 3H] and tokens I32 [n]"},
+    {"out", CFG_STRING, NULL, 0, 0, "safetensors to write: logits F32 [n, draft_vocab]"},
+    {"threads", CFG_INT, "1", 1, POOL_MAX_THREADS, "compute threads"},
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+};
+
+static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
+    if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
+    const char *path = cfg_str(c, "model"), *dir = cfg_str(c, "draft"), *in = cfg_str(c, "input"),
+               *outp = cfg_str(c, "out");
+    if (!path || !dir || !in || !outp)
+        return err_set(err, "--model, --draft, --input and --out are all needed"), CLI_EXIT_USAGE;
+    model *m = NULL;
+    eagle_head *h = NULL;
+    st_file *f = NULL;
+    kv_cache *kv = NULL;
+    pool *p = NULL;
+    kn_stream *s = NULL;
+    eagle_ws *ws = NULL;
+    float *feat = NULL, *hidden = NULL, *logits = NULL;
+    int32_t *tokens = NULL, *pos = NULL, *seqs = NULL, *n_prefix = NULL, *zero = NULL, *rows = NULL;
+    int rc = CLI_EXIT_USAGE;
+    if (model_load(&m, path, err) != AE_OK) goto out;
+    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_FILE, err) != AE_OK || st_open(&f, in, err) != AE_OK) goto out;
+    const st_tensor *tf = st_find(f, "features"), *tt = st_find(f, "tokens");
+    int32_t H = m->cfg.hidden, Vd = h->cfg.draft_vocab;
+    if (!tf || !tt || tt->n_dims != 1 || tf->n_dims != 2 || tf->shape[1] != (uint64_t)(3 * H) ||
+        tf->shape[0] != tt->shape[0] || tt->shape[0] < 1 || tt->shape[0] > 4096) {
+        err_set(err, "%s: expected features [n, %d] and tokens [n], 1 <= n <= 4096", in, 3 * H);
+        goto out;
+    }
+    int32_t n = (int32_t)tt->shape[0];
+    feat = malloc(sizeof(float) * (size_t)n * (size_t)(3 * H));
+    hidden = malloc(sizeof(float) * (size_t)n * (size_t)H);
+    logits = malloc(sizeof(float) * (size_t)n * (size_t)Vd);
+    tokens = malloc(sizeof(int32_t) * (size_t)n);
+    pos = malloc(sizeof(int32_t) * (size_t)n);
+    seqs = malloc(sizeof(int32_t) * (size_t)n);
+    n_prefix = malloc(sizeof(int32_t) * (size_t)n);
+    zero = calloc((size_t)n, sizeof(int32_t));
+    rows = malloc(sizeof(int32_t) * (size_t)n);
+    if (!feat || !hidden || !logits || !tokens || !pos || !seqs || !n_prefix || !zero || !rows) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    if (st_tensor_to_f32(tf, feat, (uint64_t)n * (uint64_t)(3 * H), err) != AE_OK ||
+        st_tensor_to_i32(tt, tokens, (uint64_t)n, err) != AE_OK)
+        goto out;
+    for (int32_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab) {
+            err_set(err, "%s: tokens[%d] = %d is outside the vocabulary of %d", in, i, tokens[i], m->cfg.vocab);
+            goto out;
+        }
+    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, (n + 15) / 16, 1, (n + 15) / 16};
+    int32_t seq;
+    if (kv_init(&kv, &kp, err) != AE_OK || pool_init(&p, (int)cfg_int(c, "threads"), err) != AE_OK ||
+        kn_stream_init_cpu(&s, p, eagle_stream_workspace(h, n, n), err) != AE_OK ||
+        eagle_ws_init(&ws, h, n, err) != AE_OK || kv_seq_alloc(kv, &seq, err) != AE_OK ||
+        kv_seq_reserve(kv, seq, n, err) != AE_OK)
+        goto out;
+    for (int32_t i = 0; i < n; i++) {
+        pos[i] = i;
+        seqs[i] = seq;
+        n_prefix[i] = i + 1;
+        rows[i] = i;
+    }
+    kn_kv_map map = {n, kv_block_tables(kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
+    eagle_batch b = {n, tokens, feat, 3 * H, pos, &map, hidden, n, rows, logits};
+    kn_kv_pool layer = kv_layer(kv, 0);
+    eagle_forward(h, s, &layer, ws, &b);
+    st_out o = {"logits", ST_F32, 2, {(uint64_t)n, (uint64_t)Vd}, logits};
+    if (st_write(outp, &o, 1, NULL, 0, err) != AE_OK) goto out;
+    rc = 0;
+out:
+    free(feat);
+    free(hidden);
+    free(logits);
+    free(tokens);
+    free(pos);
+    free(seqs);
+    free(n_prefix);
+    free(zero);
+    free(rows);
+    eagle_ws_free(ws);
+    kn_stream_free(s);
+    pool_free(p);
+    kv_free(kv);
+    st_close(f);
+    eagle_free(h);
+    model_free(m);
+    return rc;
+}
+
+const cli_cmd cli_cmd_draft_logits = {
+    .name = "draft-logits",
+    .args = "--model FILE --draft DIR --input FILE --out FILE",
+    .summary = "a draft head's first-step logits over given features and tokens (to check a trainer's export)",
+    .opts = dl_opts,
+    .n_opts = sizeof dl_opts / sizeof dl_opts[0],
+    .run = dl_run,
+};

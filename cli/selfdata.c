@@ -1,0 +1,842 @@
+/* Training data for an EAGLE-3 head, made by the target itself:
+ *
+ *   aerie gen-prompts    samples user turns from the model's chat template
+ *                        (the template up to the user's content, then the
+ *                        model writes the content) at a temperature,
+ *                        deduplicated; writes train.jsonl and heldout.jsonl.
+ *   aerie dump-features  answers each prompt with the target (greedy by
+ *                        default: self-distillation) and writes, for every
+ *                        token, the captured features and the target's
+ *                        top-K next-token probabilities to safetensors
+ *                        shards. It shows progress and resumes where it
+ *                        stopped.
+ *
+ * Both run many sequences through one engine (batchgen.h). Sequence i is
+ * sampled from its own random stream (seed, i), so the output does not
+ * depend on the batch size or on how often a run was resumed.
+ *
+ * Shard layout (format "aerie-features-1"), S sequences, N tokens in all:
+ *   input_ids      I32 [N]          prompt and response tokens, sequence after sequence
+ *   hidden         F16 [N, 3 H]     features of token t (input of the capture layers);
+ *                                   the last token of each sequence has none (zeros)
+ *   topk_ids       I32 [N, K]       the target's K most likely tokens after token t,
+ *   topk_p         F16 [N, K]       and their probabilities; zeros before the last
+ *                                   prompt token and at the last token
+ *   lengths        I32 [S]          tokens of each sequence
+ *   prompt_lengths I32 [S]          of which prompt (chat template included)
+ *   prompt_index   I32 [S]          line of the prompts file, from 0
+ * Metadata: format, capture_layers ("2,15,27"), hidden, topk. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "../services/core/file.h"
+#include "../services/core/log.h"
+#include "../services/model/quant.h"
+#include "../services/model/st_write.h"
+#include "../services/tokenizer/chat.h"
+#include "batchgen.h"
+#include "cli.h"
+#include "plan.h"
+
+#define PROGRESS_SECONDS 2.0
+#define PROMPTS_FILE_MAX (256u << 20)
+
+/* ---- shared ---------------------------------------------------------- */
+
+typedef struct selfdata {
+    cli_model cm;
+    model *m;
+    eng *e;
+    chat_template *ct;
+    int32_t threads;
+} selfdata;
+
+static void selfdata_close(selfdata *s) {
+    eng_free(s->e);
+    model_free(s->m);
+    chat_template_free(s->ct);
+    cli_model_close(&s->cm);
+}
+
+static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
+    memset(s, 0, sizeof *s);
+    const char *path = cfg_str(c, "model");
+    if (cli_model_open(&s->cm, path, err) != AE_OK) return AE_ERR;
+    if (!tok_chat_template(s->cm.tok)) return err_set(err, "%s: the model has no chat template", path);
+    if (chat_template_init(&s->ct, tok_chat_template(s->cm.tok), err) != AE_OK) return AE_ERR;
+    if (model_load(&s->m, path, err) != AE_OK) return AE_ERR;
+    memplan plan;
+    if (cli_plan(c, s->m, false, &plan, err) != AE_OK) return AE_ERR;
+    memplan_log(&plan);
+    s->threads = (int32_t)cfg_int(c, "threads");
+    return cli_engine_open(&s->e, s->m, &plan, s->threads, err);
+}
+
+int cli_user_turn_ids(const tok *t, const chat_template *ct, const char *content, int32_t **ids, int32_t *n,
+                      ae_error *err) {
+    static const char marker[] = "\x01\x02\x03";
+    chat_msg msg = {"user", content ? content : marker};
+    char *text = NULL;
+    size_t len;
+    if (chat_render_alloc(ct, &msg, 1, content != NULL, &text, &len, err) != AE_OK) return AE_ERR;
+    if (!content) {
+        char *at = strstr(text, marker);
+        if (!at) {
+            free(text);
+            return err_set(err, "the chat template does not write the user's content as given");
+        }
+        len = (size_t)(at - text);
+    }
+    size_t got = 0;
+    *ids = malloc((len + 1) * sizeof **ids);
+    int rc = *ids ? tok_encode(t, text, len, TOK_PARSE_SPECIAL, *ids, len + 1, &got, err)
+                  : err_set(err, "out of memory");
+    free(text);
+    *n = (int32_t)got;
+    return rc;
+}
+
+static uint64_t seq_seed(uint64_t seed, int64_t i) { return seed * 0x9e3779b97f4a7c15ULL + (uint64_t)i; }
+
+static void fmt_duration(char *buf, size_t cap, double s) {
+    if (!(s >= 0) || s > 1e7) snprintf(buf, cap, "?");
+    else if (s < 90) snprintf(buf, cap, "%.0f s", s);
+    else if (s < 5400) snprintf(buf, cap, "%.0f min", s / 60);
+    else snprintf(buf, cap, "%.1f h", s / 3600);
+}
+
+static int make_dir(const char *dir, ae_error *err) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return err_set(err, "%s: %s", dir, strerror(errno));
+    return AE_OK;
+}
+
+/* Writes text to path whole or not at all. */
+static int write_text_file(const char *path, const char *text, size_t len, ae_error *err) {
+    char tmp[4200];
+    if ((size_t)snprintf(tmp, sizeof tmp, "%s.tmp", path) >= sizeof tmp) return err_set(err, "%s: path too long", path);
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return err_set(err, "%s: %s", tmp, strerror(errno));
+    bool ok = fwrite(text, 1, len, f) == len;
+    ok = fflush(f) == 0 && ok && fsync(fileno(f)) == 0;
+    if (fclose(f) != 0) ok = false;
+    if (!ok || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return err_set(err, "%s: %s", path, strerror(errno ? errno : EIO));
+    }
+    return AE_OK;
+}
+
+#define COMMON_OPTIONS                                                                                      \
+    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},                       \
+    {"out", CFG_STRING, NULL, 0, 0, "output directory (created if missing)"},                               \
+    {"seed", CFG_INT, "1", 0, 9007199254740991.0, "random seed; sequence i draws from stream (seed, i)"},    \
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"}, \
+    {"max-batch", CFG_INT, "16", 1, 4096, "sequences generated together"},                                 \
+    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,                                                        \
+     "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},                      \
+    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},              \
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"}
+
+/* ---- gen-prompts ----------------------------------------------------- */
+
+static const cfg_option gp_opts[] = {
+    COMMON_OPTIONS,
+    {"count", CFG_INT, "2000", 1, 1 << 24, "distinct prompts to make, held-out ones included"},
+    {"heldout", CFG_INT, "100", 0, 1 << 24, "of which the first ones go to heldout.jsonl, never trained on"},
+    {"temperature", CFG_DOUBLE, "0.9", 0.8, 100, "sampling temperature of the user turn (at least 0.8)"},
+    {"top-p", CFG_DOUBLE, "1", 0, 1, "nucleus sampling of the user turn (1 = off)"},
+    {"max-tokens", CFG_INT, "64", 2, 1 << 16, "longest user turn; longer samples are dropped"},
+    {"min-tokens", CFG_INT, "4", 1, 1 << 16, "shortest user turn kept"},
+    {"keep-cut", CFG_BOOL, "false", 0, 0, "keep user turns that reach max-tokens (cut short) instead of dropping them"},
+    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: the template's opening + max-tokens)"},
+};
+
+typedef struct gp_state {
+    selfdata *sd;
+    int32_t *opener;
+    int32_t n_opener, cap;
+    sample_params sp;
+    uint64_t seed;
+    int64_t count, attempts, max_attempts;
+    int32_t min_tokens;
+    bool keep_cut;
+    bg_seq **slots;   /* by attempt index, until its turn to be judged */
+    int64_t judged;   /* attempts judged, in index order */
+    char **kept;      /* [count] */
+    int64_t n_kept;
+    uint64_t *seen;   /* open-addressing set of normalised-text hashes, 0 = empty */
+    size_t seen_cap;
+    int64_t sampled, duplicates, cut, short_, special;
+    int64_t tokens;
+    double t0, last_progress;
+} gp_state;
+
+static bool gp_next(void *ctx, bg_seq **out) {
+    gp_state *g = ctx;
+    if (g->n_kept >= g->count || g->attempts >= g->max_attempts) return false;
+    bg_seq *s = calloc(1, sizeof *s);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)g->cap);
+    if (!s || !ids) {
+        free(s);
+        free(ids);
+        return false; /* the run ends short, and says so */
+    }
+    memcpy(ids, g->opener, sizeof(int32_t) * (size_t)g->n_opener);
+    s->index = g->attempts++;
+    s->ids = ids;
+    s->n_prompt = g->n_opener;
+    s->cap = g->cap;
+    s->sp = g->sp;
+    sample_rng_seed(&s->rng, seq_seed(g->seed, s->index));
+    g->slots[s->index] = s;
+    *out = s;
+    return true;
+}
+
+/* FNV-1a over the text lowercased (ASCII) with runs of whitespace as one
+ * space, so "Hello  world" and "hello world" are one prompt. */
+static uint64_t norm_hash(const char *t) {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    bool space = false;
+    for (; *t; t++) {
+        unsigned char ch = (unsigned char)*t;
+        if (ch == ' ' || ch == '\n' || ch == '\t' || ch == '\r') {
+            space = true;
+            continue;
+        }
+        if (space) h = (h ^ ' ') * 0x100000001b3ULL;
+        space = false;
+        if (ch >= 'A' && ch <= 'Z') ch = (unsigned char)(ch - 'A' + 'a');
+        h = (h ^ ch) * 0x100000001b3ULL;
+    }
+    return h ? h : 1;
+}
+
+static bool seen_insert(gp_state *g, uint64_t h) {
+    size_t i = (size_t)h & (g->seen_cap - 1);
+    while (g->seen[i]) {
+        if (g->seen[i] == h) return false;
+        i = (i + 1) & (g->seen_cap - 1);
+    }
+    g->seen[i] = h;
+    return true;
+}
+
+/* Text of a user turn with surrounding whitespace removed, or NULL. */
+static char *turn_text(const tok *t, const int32_t *ids, int32_t n, ae_error *err) {
+    size_t len;
+    if (tok_decode(t, ids, (size_t)n, false, NULL, 0, &len, err) != AE_OK) return NULL;
+    char *text = malloc(len + 1);
+    if (!text) return err_set(err, "out of memory"), NULL;
+    if (tok_decode(t, ids, (size_t)n, false, text, len + 1, &len, err) != AE_OK) {
+        free(text);
+        return NULL;
+    }
+    size_t a = 0;
+    while (a < len && strchr(" \t\r\n", text[a])) a++;
+    while (len > a && strchr(" \t\r\n", text[len - 1])) len--;
+    memmove(text, text + a, len - a);
+    text[len - a] = 0;
+    return text;
+}
+
+static int gp_judge(gp_state *g, bg_seq *s, ae_error *err) {
+    const tok *t = g->sd->cm.tok;
+    int32_t n = s->n - s->n_prompt - (s->stopped ? 1 : 0);
+    const int32_t *body = s->ids + s->n_prompt;
+    g->tokens += s->n - s->n_prompt;
+    g->sampled++;
+    if (!s->stopped) {
+        g->cut++;
+        if (!g->keep_cut) return AE_OK;
+    }
+    for (int32_t i = 0; i < n; i++)
+        if (tok_is_special(t, body[i])) {
+            g->special++;
+            return AE_OK;
+        }
+    char *text = turn_text(t, body, n, err);
+    if (!text) return AE_ERR;
+    if (n < g->min_tokens || !*text) {
+        g->short_++;
+        free(text);
+        return AE_OK;
+    }
+    if (!seen_insert(g, norm_hash(text))) {
+        g->duplicates++;
+        free(text);
+        return AE_OK;
+    }
+    if (g->n_kept < g->count) g->kept[g->n_kept++] = text;
+    else free(text);
+    return AE_OK;
+}
+
+static void gp_progress(gp_state *g, bool force) {
+    double now = cli_now_seconds();
+    if (!force && now - g->last_progress < PROGRESS_SECONDS) return;
+    g->last_progress = now;
+    double el = now - g->t0, rate = g->n_kept > 0 ? el / (double)g->n_kept : -1;
+    char eta[32];
+    fmt_duration(eta, sizeof eta, rate * (double)(g->count - g->n_kept));
+    fprintf(stderr,
+            "gen-prompts: %lld/%lld prompts from %lld samples (%lld duplicates, %lld cut at max-tokens%s, %lld too short, "
+            "%lld with special tokens), %.0f tok/s, %s left\n",
+            (long long)g->n_kept, (long long)g->count, (long long)g->sampled, (long long)g->duplicates,
+            (long long)g->cut, g->keep_cut ? " and kept" : "", (long long)g->short_, (long long)g->special, el > 0 ? (double)g->tokens / el : 0.0,
+            g->n_kept >= g->count ? "nothing" : eta);
+}
+
+static int gp_done(void *ctx, bg_seq *s, ae_error *err) {
+    gp_state *g = ctx;
+    (void)s; /* judged in index order below, so the result does not depend on timing */
+    while (g->judged < g->attempts && g->slots[g->judged]->done) {
+        bg_seq *j = g->slots[g->judged];
+        int rc = g->n_kept < g->count ? gp_judge(g, j, err) : AE_OK;
+        free(j->ids);
+        free(j);
+        g->slots[g->judged++] = NULL;
+        if (rc != AE_OK) return rc;
+    }
+    gp_progress(g, false);
+    return AE_OK;
+}
+
+static int write_jsonl(const char *dir, const char *name, char **texts, int64_t n, ae_error *err) {
+    char path[4096];
+    if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path) return err_set(err, "path too long");
+    size_t cap = 1, len = 0;
+    char *buf = NULL;
+    int rc = AE_OK;
+    for (int64_t i = 0; i < n && rc == AE_OK; i++) {
+        cJSON *o = cJSON_CreateObject();
+        char *line = NULL;
+        if (o && cJSON_AddStringToObject(o, "prompt", texts[i])) line = cJSON_PrintUnformatted(o);
+        cJSON_Delete(o);
+        size_t ll = line ? strlen(line) : 0;
+        if (line && len + ll + 2 > cap) {
+            while (len + ll + 2 > cap) cap *= 2;
+            char *nb = realloc(buf, cap);
+            if (!nb) {
+                cJSON_free(line);
+                line = NULL;
+            } else {
+                buf = nb;
+            }
+        }
+        if (!line) {
+            rc = err_set(err, "out of memory");
+            break;
+        }
+        memcpy(buf + len, line, ll);
+        len += ll;
+        buf[len++] = '\n';
+        cJSON_free(line);
+    }
+    if (rc == AE_OK) rc = write_text_file(path, buf ? buf : "", len, err);
+    free(buf);
+    return rc;
+}
+
+static int gp_resolve(cfg *c, ae_error *err) {
+    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", 256 + cfg_int(c, "max-tokens"));
+    return cli_resolve_engine(c, false, err);
+}
+
+static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
+    cfg *c = (cfg *)cc;
+    if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
+    const char *out = cfg_str(c, "out");
+    if (!out) return err_set(err, "no output directory given (use --out DIR)"), CLI_EXIT_USAGE;
+    int64_t count = cfg_int(c, "count"), heldout = cfg_int(c, "heldout");
+    if (heldout >= count)
+        return err_set(err, "--heldout %lld leaves nothing to train on out of --count %lld", (long long)heldout,
+                       (long long)count),
+               CLI_EXIT_USAGE;
+    selfdata sd;
+    gp_state g = {.sd = &sd};
+    int rc = CLI_EXIT_USAGE;
+    if (selfdata_open(&sd, c, err) != AE_OK || make_dir(out, err) != AE_OK) goto out;
+    if (cli_user_turn_ids(sd.cm.tok, sd.ct, NULL, &g.opener, &g.n_opener, err) != AE_OK) goto out;
+    g.cap = g.n_opener + (int32_t)cfg_int(c, "max-tokens");
+    if (g.cap > cfg_int(c, "max-seq-len")) {
+        err_set(err, "the template's opening (%d tokens) + max-tokens (%lld) exceeds max-seq-len %lld", g.n_opener,
+                (long long)cfg_int(c, "max-tokens"), (long long)cfg_int(c, "max-seq-len"));
+        goto out;
+    }
+    g.sp = (sample_params){(float)cfg_double(c, "temperature"), 0, (float)cfg_double(c, "top-p"), 0};
+    g.seed = (uint64_t)cfg_int(c, "seed");
+    g.count = count;
+    g.max_attempts = 8 * count + 64;
+    g.min_tokens = (int32_t)cfg_int(c, "min-tokens");
+    g.keep_cut = cfg_bool(c, "keep-cut");
+    g.seen_cap = 1;
+    while (g.seen_cap < (size_t)g.max_attempts * 2) g.seen_cap <<= 1;
+    g.slots = calloc((size_t)g.max_attempts, sizeof *g.slots);
+    g.kept = calloc((size_t)count, sizeof *g.kept);
+    g.seen = calloc(g.seen_cap, sizeof *g.seen);
+    if (!g.slots || !g.kept || !g.seen) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    fprintf(stderr, "gen-prompts: sampling %lld user turns (temperature %g) after the template's opening of %d tokens\n",
+            (long long)count, cfg_double(c, "temperature"), g.n_opener);
+    g.t0 = g.last_progress = cli_now_seconds();
+    int32_t stop = tok_eos(sd.cm.tok);
+    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, stop, 0, {0}, 0};
+    if (bg_run(sd.e, &bc, gp_next, gp_done, &g, err) != AE_OK) goto out;
+    gp_progress(&g, true);
+    if (g.n_kept < count) {
+        err_set(err, "only %lld distinct prompts from %lld samples; raise --temperature or --max-tokens, or lower --count",
+                (long long)g.n_kept, (long long)g.sampled);
+        goto out;
+    }
+    if (write_jsonl(out, "heldout.jsonl", g.kept, heldout, err) != AE_OK ||
+        write_jsonl(out, "train.jsonl", g.kept + heldout, count - heldout, err) != AE_OK)
+        goto out;
+    printf("{\"train\":%lld,\"heldout\":%lld,\"samples\":%lld,\"duplicates\":%lld,\"cut\":%lld,\"too_short\":%lld,"
+           "\"special\":%lld,\"generated_tokens\":%lld,\"seconds\":%.1f}\n",
+           (long long)(count - heldout), (long long)heldout, (long long)g.sampled, (long long)g.duplicates,
+           (long long)g.cut, (long long)g.short_, (long long)g.special, (long long)g.tokens,
+           cli_now_seconds() - g.t0);
+    rc = 0;
+out:
+    for (int64_t i = 0; g.slots && i < g.attempts; i++)
+        if (g.slots[i]) {
+            free(g.slots[i]->ids);
+            free(g.slots[i]);
+        }
+    for (int64_t i = 0; g.kept && i < g.n_kept; i++) free(g.kept[i]);
+    free(g.slots);
+    free(g.kept);
+    free(g.seen);
+    free(g.opener);
+    selfdata_close(&sd);
+    return rc;
+}
+
+const cli_cmd cli_cmd_gen_prompts = {
+    .name = "gen-prompts",
+    .args = "--model FILE --out DIR",
+    .summary = "sample distinct user prompts from the model itself (EAGLE-3 training data)",
+    .opts = gp_opts,
+    .n_opts = sizeof gp_opts / sizeof gp_opts[0],
+    .run = gp_run,
+    .resolve = gp_resolve,
+};
+
+/* ---- dump-features --------------------------------------------------- */
+
+static const cfg_option df_opts[] = {
+    COMMON_OPTIONS,
+    {"prompts", CFG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' train.jsonl)"},
+    {"limit", CFG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
+    {"max-new-tokens", CFG_INT, "256", 1, 1 << 20, "longest response"},
+    {"temperature", CFG_DOUBLE, "0", 0, 100, "of the responses (0 = greedy: what greedy decoding will verify)"},
+    {"topk", CFG_INT, "8", 1, 64, "target probabilities kept per token"},
+    {"capture", CFG_STRING, "auto", 0, 0, "target layers whose input is captured, \"a,b,c\" (auto: EAGLE-3's 2, n/2, n-3)"},
+    {"shard-size", CFG_INT, "64", 1, 1 << 20, "sequences per shard"},
+    {"max-prompt-tokens", CFG_INT, "512", 1, 1 << 20, "longest prompt with its template; longer ones are an error"},
+    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: max-prompt-tokens + max-new-tokens)"},
+};
+
+typedef struct df_state {
+    selfdata *sd;
+    char **prompts;
+    int64_t n_prompts, next, first;
+    int32_t max_prompt, max_new, topk, width;
+    sample_params sp;
+    uint64_t seed;
+    int64_t shard_size, n_shards, shard; /* shard: the next to write */
+    bg_seq **slots;                      /* [n_prompts], filled by next, emptied by writing */
+    int32_t capture[LLAMA_MAX_CAPTURE];
+    const char *out;
+    int64_t seqs_done, tokens, generated, stopped;
+    double t0, last_progress;
+    ae_error prompt_err;
+} df_state;
+
+static void free_seq(bg_seq *s) {
+    if (!s) return;
+    free(s->ids);
+    free(s->hidden);
+    free(s->topk_ids);
+    free(s->topk_p);
+    free(s);
+}
+
+static bool df_next(void *ctx, bg_seq **out) {
+    df_state *d = ctx;
+    if (d->next >= d->n_prompts || err_is_set(&d->prompt_err)) return false;
+    int64_t i = d->next;
+    int32_t *ids = NULL, n = 0;
+    if (cli_user_turn_ids(d->sd->cm.tok, d->sd->ct, d->prompts[i], &ids, &n, &d->prompt_err) != AE_OK) return false;
+    if (n > d->max_prompt) {
+        err_set(&d->prompt_err, "prompt %lld is %d tokens with its template, more than --max-prompt-tokens %d",
+                (long long)i + 1, n, d->max_prompt);
+        free(ids);
+        return false;
+    }
+    bg_seq *s = calloc(1, sizeof *s);
+    int32_t cap = n + d->max_new;
+    int32_t *grown = realloc(ids, sizeof(int32_t) * (size_t)cap);
+    if (s && grown) {
+        ids = grown;
+        s->hidden = calloc((size_t)cap * (size_t)d->width, sizeof(uint16_t));
+        s->topk_ids = calloc((size_t)cap * (size_t)d->topk, sizeof(int32_t));
+        s->topk_p = calloc((size_t)cap * (size_t)d->topk, sizeof(uint16_t));
+    }
+    if (!s || !grown || !s->hidden || !s->topk_ids || !s->topk_p) {
+        if (s) s->ids = NULL;
+        free_seq(s);
+        free(ids);
+        err_set(&d->prompt_err, "out of memory");
+        return false;
+    }
+    s->index = i;
+    s->ids = ids;
+    s->n_prompt = n;
+    s->cap = cap;
+    s->sp = d->sp;
+    sample_rng_seed(&s->rng, seq_seed(d->seed, i));
+    d->slots[i] = s;
+    d->next++;
+    *out = s;
+    return true;
+}
+
+static void shard_path(const df_state *d, int64_t shard, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s/shard-%05lld.safetensors", d->out, (long long)shard);
+}
+
+static int df_write_shard(df_state *d, int64_t shard, ae_error *err) {
+    int64_t lo = shard * d->shard_size, hi = lo + d->shard_size < d->n_prompts ? lo + d->shard_size : d->n_prompts;
+    int32_t S = (int32_t)(hi - lo);
+    int64_t N = 0;
+    for (int64_t i = lo; i < hi; i++) N += d->slots[i]->n;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)N), *lens = malloc(sizeof(int32_t) * (size_t)S);
+    int32_t *plens = malloc(sizeof(int32_t) * (size_t)S), *pidx = malloc(sizeof(int32_t) * (size_t)S);
+    uint16_t *hid = malloc(sizeof(uint16_t) * (size_t)N * (size_t)d->width);
+    int32_t *tki = malloc(sizeof(int32_t) * (size_t)N * (size_t)d->topk);
+    uint16_t *tkp = malloc(sizeof(uint16_t) * (size_t)N * (size_t)d->topk);
+    int rc = AE_OK;
+    if (!ids || !lens || !plens || !pidx || !hid || !tki || !tkp) {
+        rc = err_set(err, "out of memory");
+        goto out;
+    }
+    int64_t at = 0;
+    for (int64_t i = lo; i < hi; i++) {
+        const bg_seq *s = d->slots[i];
+        size_t n = (size_t)s->n;
+        memcpy(ids + at, s->ids, n * sizeof *ids);
+        memcpy(hid + at * d->width, s->hidden, n * (size_t)d->width * sizeof *hid);
+        memcpy(tki + at * d->topk, s->topk_ids, n * (size_t)d->topk * sizeof *tki);
+        memcpy(tkp + at * d->topk, s->topk_p, n * (size_t)d->topk * sizeof *tkp);
+        lens[i - lo] = s->n;
+        plens[i - lo] = s->n_prompt;
+        pidx[i - lo] = (int32_t)i;
+        at += (int64_t)n;
+    }
+    char layers[64], hidden[16], topk[16], path[4200];
+    snprintf(layers, sizeof layers, "%d,%d,%d", d->capture[0], d->capture[1], d->capture[2]);
+    snprintf(hidden, sizeof hidden, "%d", d->width / LLAMA_MAX_CAPTURE);
+    snprintf(topk, sizeof topk, "%d", d->topk);
+    const char *meta[] = {"format", "aerie-features-1", "capture_layers", layers, "hidden", hidden, "topk", topk};
+    uint64_t n64 = (uint64_t)N;
+    st_out t[] = {
+        {"input_ids", ST_I32, 1, {n64}, ids},
+        {"hidden", ST_F16, 2, {n64, (uint64_t)d->width}, hid},
+        {"topk_ids", ST_I32, 2, {n64, (uint64_t)d->topk}, tki},
+        {"topk_p", ST_F16, 2, {n64, (uint64_t)d->topk}, tkp},
+        {"lengths", ST_I32, 1, {(uint64_t)S}, lens},
+        {"prompt_lengths", ST_I32, 1, {(uint64_t)S}, plens},
+        {"prompt_index", ST_I32, 1, {(uint64_t)S}, pidx},
+    };
+    shard_path(d, shard, path, sizeof path);
+    rc = st_write(path, t, sizeof t / sizeof t[0], meta, 4, err);
+out:
+    free(ids);
+    free(lens);
+    free(plens);
+    free(pidx);
+    free(hid);
+    free(tki);
+    free(tkp);
+    return rc;
+}
+
+static void df_progress(df_state *d, bool force) {
+    double now = cli_now_seconds();
+    if (!force && now - d->last_progress < PROGRESS_SECONDS) return;
+    d->last_progress = now;
+    double el = now - d->t0;
+    int64_t done = d->first + d->seqs_done;
+    char eta[32];
+    fmt_duration(eta, sizeof eta, d->seqs_done ? el / (double)d->seqs_done * (double)(d->n_prompts - done) : -1);
+    fprintf(stderr,
+            "dump-features: %lld/%lld prompts, %lld/%lld shards written, %lld tokens this run (%lld generated, "
+            "%lld responses ended by the model), %.0f generated tok/s, %s left\n",
+            (long long)done, (long long)d->n_prompts, (long long)d->shard, (long long)d->n_shards,
+            (long long)d->tokens, (long long)d->generated, (long long)d->stopped,
+            el > 0 ? (double)d->generated / el : 0.0, done >= d->n_prompts ? "nothing" : eta);
+}
+
+static int df_done(void *ctx, bg_seq *s, ae_error *err) {
+    df_state *d = ctx;
+    d->seqs_done++;
+    d->tokens += s->n;
+    d->generated += s->n - s->n_prompt;
+    d->stopped += s->stopped;
+    /* Shards are written in order, so the files on disk are always a
+     * prefix of the whole and a resumed run starts after the last one. */
+    for (;;) {
+        int64_t lo = d->shard * d->shard_size;
+        if (lo >= d->n_prompts) break;
+        int64_t hi = lo + d->shard_size < d->n_prompts ? lo + d->shard_size : d->n_prompts;
+        bool ready = true;
+        for (int64_t i = lo; i < hi && ready; i++)
+            ready = d->slots[i] && d->slots[i]->done;
+        if (!ready) break;
+        if (df_write_shard(d, d->shard, err) != AE_OK) return AE_ERR;
+        for (int64_t i = lo; i < hi; i++) {
+            free_seq(d->slots[i]);
+            d->slots[i] = NULL;
+        }
+        d->shard++;
+        df_progress(d, true);
+    }
+    df_progress(d, false);
+    return AE_OK;
+}
+
+int cli_read_prompts(const char *path, char ***out, int64_t *n_out, int64_t limit, ae_error *err) {
+    char *buf;
+    size_t len;
+    if (file_read_all(path, PROMPTS_FILE_MAX, &buf, &len, NULL, err) != AE_OK) return AE_ERR;
+    int64_t cap = 0, n = 0, line = 0;
+    char **v = NULL;
+    int rc = AE_OK;
+    for (char *p = buf, *end; p < buf + len && (limit == 0 || n < limit); p = end + 1) {
+        end = memchr(p, '\n', (size_t)(buf + len - p));
+        if (!end) end = buf + len;
+        *end = 0;
+        line++;
+        if (p == end) continue;
+        cJSON *o = cJSON_Parse(p);
+        const cJSON *t = o ? cJSON_GetObjectItemCaseSensitive(o, "prompt") : NULL;
+        if (!cJSON_IsString(t) || !*t->valuestring) {
+            cJSON_Delete(o);
+            rc = err_set(err, "%s:%lld: expected {\"prompt\": TEXT}", path, (long long)line);
+            break;
+        }
+        if (n == cap) {
+            cap = cap ? 2 * cap : 256;
+            char **nv = realloc(v, sizeof *v * (size_t)cap);
+            if (!nv) {
+                cJSON_Delete(o);
+                rc = err_set(err, "out of memory");
+                break;
+            }
+            v = nv;
+        }
+        v[n] = strdup(t->valuestring);
+        cJSON_Delete(o);
+        if (!v[n++]) {
+            rc = err_set(err, "out of memory");
+            break;
+        }
+    }
+    free(buf);
+    if (rc == AE_OK && n == 0) rc = err_set(err, "%s: no prompts", path);
+    if (rc != AE_OK) {
+        for (int64_t i = 0; i < n; i++) free(v[i]);
+        free(v);
+        return AE_ERR;
+    }
+    *out = v;
+    *n_out = n;
+    return AE_OK;
+}
+
+/* The settings a dump depends on. A resumed run must match them. */
+static char *df_settings_json(const cfg *c, const df_state *d, const model *m) {
+    cJSON *o = cJSON_CreateObject();
+    if (!o) return NULL;
+    cJSON_AddStringToObject(o, "format", "aerie-features-1");
+    const char *path = cfg_str(c, "model"), *slash = strrchr(path, '/');
+    cJSON_AddStringToObject(o, "model", slash && slash[1] ? slash + 1 : path);
+    cJSON_AddStringToObject(o, "prompts", cfg_str(c, "prompts"));
+    cJSON_AddNumberToObject(o, "prompt_count", (double)d->n_prompts);
+    cJSON_AddNumberToObject(o, "target_vocab", m->cfg.vocab);
+    cJSON_AddNumberToObject(o, "target_hidden", m->cfg.hidden);
+    cJSON_AddNumberToObject(o, "target_layers", m->cfg.n_layers);
+    cJSON_AddNumberToObject(o, "target_heads", m->cfg.n_heads);
+    cJSON_AddNumberToObject(o, "target_kv_heads", m->cfg.n_kv_heads);
+    cJSON_AddNumberToObject(o, "target_head_dim", m->cfg.head_dim);
+    cJSON_AddNumberToObject(o, "target_ffn", m->cfg.ffn);
+    cJSON_AddNumberToObject(o, "target_rms_eps", m->cfg.rms_eps);
+    cJSON_AddNumberToObject(o, "target_rope_theta", m->cfg.rope.theta);
+    cJSON_AddNumberToObject(o, "target_context_length", m->cfg.context_length);
+    double layers[LLAMA_MAX_CAPTURE] = {d->capture[0], d->capture[1], d->capture[2]};
+    cJSON_AddItemToObject(o, "capture_layers", cJSON_CreateDoubleArray(layers, LLAMA_MAX_CAPTURE));
+    cJSON_AddNumberToObject(o, "max_new_tokens", d->max_new);
+    cJSON_AddNumberToObject(o, "temperature", cfg_double(c, "temperature"));
+    cJSON_AddNumberToObject(o, "seed", (double)d->seed);
+    cJSON_AddNumberToObject(o, "topk", d->topk);
+    cJSON_AddNumberToObject(o, "shard_size", (double)d->shard_size);
+    cJSON_AddNumberToObject(o, "shards", (double)d->n_shards);
+    char *s = cJSON_Print(o);
+    cJSON_Delete(o);
+    return s;
+}
+
+static int parse_capture(const char *s, const model *m, int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
+    if (!strcmp(s, "auto")) {
+        llama_capture_default_layers(m->cfg.n_layers, out);
+        return AE_OK;
+    }
+    int32_t ids[LLAMA_MAX_CAPTURE + 1];
+    int n = 0;
+    for (const char *p = s; *p && n <= LLAMA_MAX_CAPTURE;) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || (*end && *end != ',')) return err_set(err, "capture: expected \"a,b,c\", got \"%s\"", s);
+        ids[n++] = (int32_t)v;
+        p = *end ? end + 1 : end;
+    }
+    return llama_capture_layers_from(ids, n, m->cfg.n_layers, out, err);
+}
+
+/* The target's embedding table as the engine holds it (dequantized, f32):
+ * the head embeds tokens with it, so the trainer must see the same one. */
+static int write_embed(const char *out, const model *m, ae_error *err) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/target_embed.safetensors", out);
+    struct stat st;
+    if (stat(path, &st) == 0) return AE_OK;
+    const kn_weight *w = &m->tok_embd;
+    size_t V = (size_t)w->rows, H = (size_t)w->cols;
+    float *row = malloc(sizeof(float) * H);
+    float *t = malloc(sizeof(float) * V * H);
+    int rc = AE_OK;
+    if (!row || !t) rc = err_set(err, "out of memory");
+    for (size_t r = 0; rc == AE_OK && r < V; r++) {
+        if (!quant_dequantize(w->type, (const char *)w->data + r * w->row_bytes, row, H)) {
+            rc = err_set(err, "the embedding table's type cannot be dequantized");
+            break;
+        }
+        memcpy(t + r * H, row, H * sizeof(float));
+    }
+    st_out o = {"embed", ST_F32, 2, {V, H}, t};
+    if (rc == AE_OK) rc = st_write(path, &o, 1, NULL, 0, err);
+    free(row);
+    free(t);
+    return rc;
+}
+
+static int df_resolve(cfg *c, ae_error *err) {
+    if (cfg_is_auto(c, "max-seq-len"))
+        cfg_set_auto_int(c, "max-seq-len", cfg_int(c, "max-prompt-tokens") + cfg_int(c, "max-new-tokens"));
+    return cli_resolve_engine(c, false, err);
+}
+
+static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
+    cfg *c = (cfg *)cc;
+    if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
+    const char *out = cfg_str(c, "out"), *prompts = cfg_str(c, "prompts");
+    if (!out) return err_set(err, "no output directory given (use --out DIR)"), CLI_EXIT_USAGE;
+    if (!prompts) return err_set(err, "no prompts given (use --prompts FILE)"), CLI_EXIT_USAGE;
+    selfdata sd;
+    df_state d = {.sd = &sd, .out = out};
+    char *settings = NULL, *old = NULL;
+    int rc = CLI_EXIT_USAGE;
+    memset(&sd, 0, sizeof sd);
+    if (cli_read_prompts(prompts, &d.prompts, &d.n_prompts, cfg_int(c, "limit"), err) != AE_OK) goto out;
+    if (selfdata_open(&sd, c, err) != AE_OK || make_dir(out, err) != AE_OK) goto out;
+    if (parse_capture(cfg_str(c, "capture"), sd.m, d.capture, err) != AE_OK) goto out;
+    d.max_prompt = (int32_t)cfg_int(c, "max-prompt-tokens");
+    d.max_new = (int32_t)cfg_int(c, "max-new-tokens");
+    if ((int64_t)d.max_prompt + d.max_new > cfg_int(c, "max-seq-len")) {
+        err_set(err, "max-prompt-tokens (%d) + max-new-tokens (%d) exceeds max-seq-len %lld", d.max_prompt, d.max_new,
+                (long long)cfg_int(c, "max-seq-len"));
+        goto out;
+    }
+    d.topk = (int32_t)cfg_int(c, "topk");
+    d.width = LLAMA_MAX_CAPTURE * sd.m->cfg.hidden;
+    d.sp = (sample_params){(float)cfg_double(c, "temperature"), 0, 1, 0};
+    d.seed = (uint64_t)cfg_int(c, "seed");
+    d.shard_size = cfg_int(c, "shard-size");
+    d.n_shards = (d.n_prompts + d.shard_size - 1) / d.shard_size;
+    d.slots = calloc((size_t)d.n_prompts, sizeof *d.slots);
+    settings = df_settings_json(c, &d, sd.m);
+    if (!d.slots || !settings) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    if (write_embed(out, sd.m, err) != AE_OK) goto out;
+    /* Resume: the settings must be the ones the shards were made with. */
+    char path[4200];
+    snprintf(path, sizeof path, "%s/features.json", out);
+    bool missing = false;
+    size_t old_len;
+    if (file_read_all(path, 1 << 20, &old, &old_len, &missing, err) != AE_OK) {
+        if (!missing) goto out;
+        err_clear(err);
+        if (write_text_file(path, settings, strlen(settings), err) != AE_OK) goto out;
+    } else if (strcmp(old, settings) != 0) {
+        err_set(err, "%s was written with other settings than this run's; use the same settings to resume, or "
+                "another --out. It has:\n%s\nthis run has:\n%s", path, old, settings);
+        goto out;
+    }
+    for (struct stat st; d.shard < d.n_shards; d.shard++) {
+        shard_path(&d, d.shard, path, sizeof path);
+        if (stat(path, &st) != 0) break;
+    }
+    d.first = d.next = d.shard * d.shard_size < d.n_prompts ? d.shard * d.shard_size : d.n_prompts;
+    fprintf(stderr,
+            "dump-features: %lld prompts in %lld shards of %lld; %s; capture layers %d,%d,%d, top-%d, responses up "
+            "to %d tokens at temperature %g\n",
+            (long long)d.n_prompts, (long long)d.n_shards, (long long)d.shard_size,
+            d.shard ? "resuming after the shards already written" : "starting", d.capture[0], d.capture[1],
+            d.capture[2], d.topk, d.max_new, cfg_double(c, "temperature"));
+    d.t0 = d.last_progress = cli_now_seconds();
+    df_progress(&d, true);
+    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,
+                    {d.capture[0], d.capture[1], d.capture[2]}, d.topk};
+    if (bg_run(sd.e, &bc, df_next, df_done, &d, err) != AE_OK) goto out;
+    if (err_is_set(&d.prompt_err)) {
+        *err = d.prompt_err;
+        goto out;
+    }
+    df_progress(&d, true);
+    printf("{\"prompts\":%lld,\"shards\":%lld,\"tokens_this_run\":%lld,\"generated_this_run\":%lld,\"seconds\":%.1f}\n",
+           (long long)d.n_prompts, (long long)d.n_shards, (long long)d.tokens, (long long)d.generated,
+           cli_now_seconds() - d.t0);
+    rc = 0;
+out:
+    for (int64_t i = 0; d.slots && i < d.n_prompts; i++) free_seq(d.slots[i]);
+    for (int64_t i = 0; d.prompts && i < d.n_prompts; i++) free(d.prompts[i]);
+    free(d.prompts);
+    free(d.slots);
+    free(settings);
+    free(old);
+    selfdata_close(&sd);
+    return rc;
+}
+
+const cli_cmd cli_cmd_dump_features = {
+    .name = "dump-features",
+    .args = "--model FILE --prompts FILE --out DIR",
+    .summary = "answer prompts with the target and write EAGLE-3 training features (resumable)",
+    .opts = df_opts,
+    .n_opts = sizeof df_opts / sizeof df_opts[0],
+    .run = df_run,
+    .resolve = df_resolve,
+};
