@@ -57,7 +57,7 @@ endif
 
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: all deps model test unit fuzz asan tsan run clean
+.PHONY: all deps model test unit fuzz asan tsan run train-draft clean
 .DEFAULT_GOAL := all
 
 all: build/aerie $(MODEL_BIN)
@@ -161,6 +161,15 @@ run: deps
 	$(MAKE) all
 	@tools/fetch_model.sh
 	@tools/run.sh
+
+# The whole EAGLE-3 pipeline for the default model (tools/train_draft.sh):
+# data from the model itself, features, training, export to
+# models/smollm2-135m-eagle3/, evaluation. About 75 minutes on 2 cores;
+# rerunning resumes where it stopped.
+train-draft: deps
+	$(MAKE) all
+	@tools/fetch_model.sh
+	@tools/train_draft.sh
 
 clean:
 	rm -rf build

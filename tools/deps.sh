@@ -12,6 +12,13 @@ for p in "${apt_pkgs[@]}"; do
     status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
     [ "$status" = "install ok installed" ] || missing+=("$p")
 done
+# PyTorch trains EAGLE-3 heads (tools/train_eagle3.py; the pipeline's smoke
+# test runs it). Debian's python3-torch is enough on the CPU; it serves
+# Debian's own python3.
+if ! python3 -c 'import torch' >/dev/null 2>&1 && [ "$(command -v python3)" = /usr/bin/python3 ]; then
+    status=$(dpkg-query -W -f='${Status}' python3-torch 2>/dev/null || true)
+    [ "$status" = "install ok installed" ] || missing+=(python3-torch)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
     echo "deps: installing ${missing[*]}"
     sudo_cmd=()
@@ -25,6 +32,8 @@ python3 -c 'import pytest' >/dev/null 2>&1 || py_missing+=(pytest)
 # numpy writes the random EAGLE-3 head the speculative tests run with
 # (tools/gen_eagle_fixture.py --default-head).
 python3 -c 'import numpy' >/dev/null 2>&1 || py_missing+=(numpy)
+# Another python3 (a virtualenv, pyenv) takes torch from PyPI.
+python3 -c 'import torch' >/dev/null 2>&1 || [ "$(command -v python3)" = /usr/bin/python3 ] || py_missing+=(torch)
 if [ ${#py_missing[@]} -gt 0 ]; then
     echo "deps: pip installing ${py_missing[*]}"
     # Debian's own python3 refuses plain pip installs (PEP 668); these are

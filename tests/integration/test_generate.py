@@ -32,7 +32,7 @@ def test_seed_reproduces_a_sampled_run(aerie, model):
 
 
 def test_stats_line_reports_throughput(aerie, model):
-    r = aerie("generate", "--model", model, "--prompt", "Hello", "--stats", "--ids", *MAX)
+    r = aerie("generate", "--model", model, "--prompt", "Hello", "--stats", "--ids", "--draft", "none", *MAX)
     assert r.rc == 0, r.err
     stats = json.loads(r.err.strip().splitlines()[-1])
     assert stats["prompt_tokens"] == 1
