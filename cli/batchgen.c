@@ -92,6 +92,9 @@ static void take_step(bg_state *st, int32_t n_items) {
 
 static bool finished(const bg_seq *s) { return s->stopped || s->n == s->cap; }
 
+/* KV blocks a sequence may take: every token but the last is run. */
+static int64_t seq_blocks(const bg_seq *s, int32_t block) { return (s->cap - 1 + block - 1) / block; }
+
 int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void *ctx, ae_error *err) {
     const model *m = eng_model(e);
     int32_t width = cfg->n_capture * m->cfg.hidden;
@@ -111,23 +114,44 @@ int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void 
     }
     if ((rc = sample_init(&st.smp, m->cfg.vocab, err)) != AE_OK) goto out;
     for (int32_t r = 0; r < cfg->step_tokens; r++) st.rows[r] = r;
+    /* Admission keeps the KV cache from running out: a sequence comes in
+     * only when the blocks it may grow to are free. */
+    const eng_config *ec = eng_get_config(e);
+    int64_t kv_blocks = ec->kv_tokens / ec->block_size, reserved = 0;
     bool more = true;
+    bg_seq *pending = NULL;
     for (;;) {
-        while (more && st.n_active < cfg->max_seqs) {
-            bg_seq *s;
-            if (!(more = next(ctx, &s))) break;
+        while (st.n_active < cfg->max_seqs) {
+            bg_seq *s = pending;
+            if (!s && (!more || !(more = next(ctx, &s)) || !s)) break;
+            pending = NULL;
             if (s->n_prompt < 1 || s->n_prompt >= s->cap) {
                 rc = err_set(err, "sequence %lld: prompt of %d tokens with room for %d", (long long)s->index,
                              s->n_prompt, s->cap);
                 goto out;
             }
+            int64_t need = seq_blocks(s, ec->block_size);
+            if (need > kv_blocks) {
+                rc = err_set(err, "sequence %lld needs %lld KV tokens, the cache holds %lld; raise --max-kv-tokens",
+                             (long long)s->index, (long long)(need * ec->block_size), (long long)ec->kv_tokens);
+                goto out;
+            }
+            if (reserved + need > kv_blocks) {
+                pending = s; /* waits for a sequence to finish */
+                break;
+            }
+            reserved += need;
             s->n = s->n_prompt;
             s->fed = 0;
             s->stopped = s->done = false;
             if ((rc = eng_seq_new(e, &s->eng_seq, err)) != AE_OK) goto out;
             st.active[st.n_active++] = s;
         }
-        if (st.n_active == 0) break;
+        if (st.n_active == 0) {
+            /* next() may hold a sequence back only while others run. */
+            if (more) rc = err_set(err, "the data source held a sequence back with none running");
+            break;
+        }
         int32_t n_tokens, n_items = plan_step(&st, &n_tokens);
         llama_capture cap = {cfg->n_capture, {0}, n_tokens, st.rows, st.features};
         memcpy(cap.layers, cfg->capture, sizeof cap.layers);
@@ -141,6 +165,7 @@ int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void 
                 continue;
             }
             eng_seq_free(e, s->eng_seq);
+            reserved -= seq_blocks(s, ec->block_size);
             s->done = true;
             if ((rc = done(ctx, s, err)) != AE_OK) {
                 st.active[i] = NULL;

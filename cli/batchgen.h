@@ -50,8 +50,9 @@ typedef struct bg_config {
     int32_t topk;        /* 0: no top-K */
 } bg_config;
 
-/* Hands out the next sequence (*s, its ids holding the prompt), or returns
- * false when there are no more. */
+/* Hands out the next sequence (*s, its ids holding the prompt), or sets *s
+ * to NULL when there is none to start now (asked again once a sequence
+ * finishes), or returns false when there are no more. */
 typedef bool (*bg_next_fn)(void *ctx, bg_seq **s);
 /* Takes a finished sequence back; AE_ERR stops the run with err. */
 typedef int (*bg_done_fn)(void *ctx, bg_seq *s, ae_error *err);

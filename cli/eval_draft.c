@@ -48,7 +48,7 @@ static const cfg_option ev_opts[] = {
 
 typedef struct shape_run {
     spec_shape shape;
-    int64_t steps, plain_steps, accepted, generated, identical;
+    int64_t steps, plain_steps, accepted, decided, identical;
     int64_t accepted_at[SPEC_MAX_DEPTH];
     int64_t draft_ns, verify_ns;
     double seconds;
@@ -74,9 +74,10 @@ static int parse_shapes(const char *s, shape_run *out, int *n, ae_error *err) {
 }
 
 /* Greedy plain decoding of prompt: out[0..*n), stopping at eos. Times the
- * decode steps (after the prefill's first token). */
+ * decode steps (*steps of them: the first token comes from the prefill,
+ * each step decides one more, the end of sequence included). */
 static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t max_new, int32_t eos, float *logits,
-                     int32_t *out, int32_t *n, double *seconds, ae_error *err) {
+                     int32_t *out, int32_t *n, int32_t *steps, double *seconds, ae_error *err) {
     int32_t seq, vocab = eng_model(e)->cfg.vocab;
     if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
     int rc = AE_OK;
@@ -88,6 +89,7 @@ static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t ma
     }
     double t0 = cli_now_seconds();
     *n = 0;
+    *steps = 0;
     while (rc == AE_OK) {
         int32_t next = sample_greedy(logits, vocab);
         if (next == eos) break;
@@ -95,6 +97,7 @@ static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t ma
         if (*n == max_new) break;
         eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
         rc = eng_step(e, &it, 1, logits, NULL, err);
+        ++*steps;
     }
     *seconds = cli_now_seconds() - t0;
     eng_seq_free(e, seq);
@@ -117,6 +120,7 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
         spec_out o;
         if ((rc = spec_step(sx, &in, 1, &o, err)) != AE_OK) break;
         for (int32_t j = 0; j < o.n && more; j++) {
+            r->decided++; /* the end of sequence too, as plain decoding counts it */
             if (o.tokens[j] == eos) more = false;
             else out[(*n)++] = o.tokens[j];
             if (*n == max_new) more = false;
@@ -151,7 +155,7 @@ static cJSON *shape_json(const shape_run *r, double plain_tps) {
     cJSON *d = cJSON_AddArrayToObject(o, "accept_per_depth");
     for (int32_t i = 0; d && i < r->shape.steps; i++)
         cJSON_AddItemToArray(d, cJSON_CreateNumber(r->steps ? r4((double)r->accepted_at[i] / (double)r->steps) : 0));
-    double tps = r->seconds > 0 ? (double)r->generated / r->seconds : 0;
+    double tps = r->seconds > 0 ? (double)r->decided / r->seconds : 0;
     cJSON_AddNumberToObject(o, "decode_tok_per_s", cli_round(tps, 10));
     cJSON_AddNumberToObject(o, "speedup", plain_tps > 0 ? r4(tps / plain_tps) : 0);
     double total = (double)(r->draft_ns + r->verify_ns);
@@ -228,13 +232,12 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             goto out;
         }
         double secs;
-        if (run_plain(e, ids, n_ids, max_new, eos, logits, plain, &n_plain, &secs, err) != AE_OK) goto out;
-        /* Plain decoding's first token comes from the prefill pass. */
-        plain_tokens += n_plain > 0 ? n_plain - 1 : 0;
+        int32_t steps;
+        if (run_plain(e, ids, n_ids, max_new, eos, logits, plain, &n_plain, &steps, &secs, err) != AE_OK) goto out;
+        plain_tokens += steps;
         plain_seconds += secs;
         for (int s = 0; s < n_shapes; s++) {
             if (run_spec(sx, e, ids, n_ids, max_new, eos, got, &n_got, &runs[s], err) != AE_OK) goto out;
-            runs[s].generated += n_got;
             runs[s].identical += n_got == n_plain && !memcmp(got, plain, sizeof(int32_t) * (size_t)n_got);
         }
         fprintf(stderr, "eval-draft: %lld/%lld prompts, plain %.0f tok/s", (long long)p + 1, (long long)n_prompts,
@@ -243,7 +246,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             fprintf(stderr, "; %d/%d/%d accept %.2f, %.0f tok/s", runs[s].shape.steps, runs[s].shape.topk,
                     runs[s].shape.tokens,
                     runs[s].steps ? (double)(runs[s].accepted + runs[s].steps) / (double)runs[s].steps : 0.0,
-                    runs[s].seconds > 0 ? (double)runs[s].generated / runs[s].seconds : 0.0);
+                    runs[s].seconds > 0 ? (double)runs[s].decided / runs[s].seconds : 0.0);
         fprintf(stderr, "\n");
     }
     double plain_tps = plain_seconds > 0 ? (double)plain_tokens / plain_seconds : 0;
@@ -365,7 +368,8 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
         n_prefix[i] = i + 1;
         rows[i] = i;
     }
-    kn_kv_map map = {n, kv_block_tables(kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
+    kn_kv_map map = {n, kv_block_tables(kv), kp.max_seqs, kp.max_blocks_per_seq, seqs, pos, n_prefix, zero, zero,
+                     zero, 0};
     eagle_batch b = {n, tokens, feat, 3 * H, pos, &map, hidden, n, rows, logits};
     kn_kv_pool layer = kv_layer(kv, 0);
     eagle_forward(h, s, &layer, ws, &b);

@@ -476,8 +476,15 @@ static bool df_next(void *ctx, bg_seq **out) {
     df_state *d = ctx;
     if (d->next >= d->n_prompts || err_is_set(&d->prompt_err)) return false;
     int64_t i = d->next;
+    *out = NULL;
+    /* At most the shard being finished and the next one are held, which
+     * bounds the memory beside the engine's plan. */
+    if (i >= (d->shard + 2) * d->shard_size) return true;
     int32_t *ids = NULL, n = 0;
-    if (cli_user_turn_ids(d->sd->cm.tok, d->sd->ct, d->prompts[i], &ids, &n, &d->prompt_err) != AE_OK) return false;
+    if (cli_user_turn_ids(d->sd->cm.tok, d->sd->ct, d->prompts[i], &ids, &n, &d->prompt_err) != AE_OK) {
+        free(ids);
+        return false;
+    }
     if (n > d->max_prompt) {
         err_set(&d->prompt_err, "prompt %lld is %d tokens with its template, more than --max-prompt-tokens %d",
                 (long long)i + 1, n, d->max_prompt);
@@ -672,7 +679,17 @@ static char *df_settings_json(const cfg *c, const df_state *d, const model *m) {
     cJSON_AddStringToObject(o, "format", "aerie-features-1");
     const char *path = cfg_str(c, "model"), *slash = strrchr(path, '/');
     cJSON_AddStringToObject(o, "model", slash && slash[1] ? slash + 1 : path);
-    cJSON_AddStringToObject(o, "prompts", cfg_str(c, "prompts"));
+    /* The prompts by content, not by path: the same file reached another
+     * way resumes, a regenerated one with the same name does not. */
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (int64_t i = 0; i < d->n_prompts; i++)
+        for (const char *p = d->prompts[i];; p++) {
+            h = (h ^ (unsigned char)*p) * 0x100000001b3ULL;
+            if (!*p) break;
+        }
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)h);
+    cJSON_AddStringToObject(o, "prompts_fnv1a64", hex);
     cJSON_AddNumberToObject(o, "prompt_count", (double)d->n_prompts);
     cJSON_AddNumberToObject(o, "target_vocab", m->cfg.vocab);
     cJSON_AddNumberToObject(o, "target_hidden", m->cfg.hidden);
@@ -806,6 +823,15 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             (long long)d.n_prompts, (long long)d.n_shards, (long long)d.shard_size,
             d.shard ? "resuming after the shards already written" : "starting", d.capture[0], d.capture[1],
             d.capture[2], d.topk, d.max_new, cfg_double(c, "temperature"));
+    /* Beside the engine's plan: the sequences of the shard being finished
+     * and of the next (nothing further is started), and a copy of one
+     * shard while it is written. */
+    double row = (double)d.width * 2 + (double)d.topk * 6 + 4, cap = (double)(d.max_prompt + d.max_new);
+    double held = 3.0 * (double)d.shard_size * cap * row;
+    fprintf(stderr,
+            "dump-features: memory beside the engine's plan: at most 3 x shard-size %lld sequences x %.0f tokens "
+            "x %.0f bytes = %.0f MiB\n",
+            (long long)d.shard_size, cap, row, held / 1048576.0);
     d.t0 = d.last_progress = cli_now_seconds();
     df_progress(&d, true);
     bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,

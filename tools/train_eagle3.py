@@ -287,14 +287,16 @@ class Eagle3Head(nn.Module):
         return q, k, v
 
     def finish(self, h, att):
-        """att [B][T][heads*D] -> (next hidden, logits)."""
+        """att [B][T][heads*D] -> (next hidden, its final norm)."""
         m = self.midlayer
         h1 = h + m.self_attn.o_proj(att)
         h2 = h1 + m.mlp(m.post_attention_layernorm(h1))
-        return h2, self.lm_head(self.norm(h2))
+        return h2, self.norm(h2)
 
     def unroll(self, feat, toks, embed, steps):
-        """Training-time test over a batch: [(logits [B][T][Vd])] per step."""
+        """Training-time test over a batch: per step the normed output
+        [B][T][H]; lm_head of it gives the logits (the trainer applies it
+        only where the loss counts)."""
         c = self.c
         B, T, _ = feat.shape
         nh, nkv, D = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
@@ -330,7 +332,7 @@ class Eagle3Head(nn.Module):
 
     def first_step(self, feat, toks, embed):
         """Step 0 over one sequence of pairs at positions 0..n-1: logits [n][Vd]."""
-        return self.unroll(feat[None], toks[None, None], embed, 1)[0][0]
+        return self.lm_head(self.unroll(feat[None], toks[None, None], embed, 1)[0][0])
 
 
 def head_config(info, draft_vocab_size):
@@ -347,15 +349,19 @@ def head_config(info, draft_vocab_size):
 
 # ---- training -----------------------------------------------------------
 
-def step_loss(logits, tgt_ids, tgt_p, mask):
+def step_loss(model, normed, tgt_ids, tgt_p, mask):
     """Cross entropy against the target's renormalised top-K, and top-1
-    agreement, over the masked positions."""
+    agreement, over the masked positions (lm_head runs on those alone)."""
+    sel = mask > 0
+    n = int(sel.sum())
+    if n == 0:
+        return normed.sum() * 0.0, 0.0, 0
+    logits = model.lm_head(normed[sel])
+    tid = tgt_ids[sel]
     logp = torch.log_softmax(logits.float(), dim=-1)
-    ce = -(logp.gather(-1, tgt_ids) * tgt_p).sum(-1)
-    n = mask.sum().clamp(min=1)
-    loss = (ce * mask).sum() / n
-    hit = (logits.argmax(-1) == tgt_ids[..., 0]).float()
-    return loss, (hit * mask).sum(), mask.sum()
+    loss = -(logp.gather(-1, tid) * tgt_p[sel]).sum() / n
+    hits = float((logits.argmax(-1) == tid[:, 0]).sum())
+    return loss, hits, n
 
 
 def fmt_time(s):
@@ -368,8 +374,8 @@ def evaluate(model, data, seqs, batches, ttt, t2d_index, embed):
     with torch.no_grad():
         for idx in batches:
             feat, toks, tid, tp, mask = collate(data, seqs, idx, ttt, t2d_index)
-            for s, lg in enumerate(model.unroll(feat, toks, embed, ttt)):
-                _, h, n = step_loss(lg, tid[s], tp[s], mask[s])
+            for s, hn in enumerate(model.unroll(feat, toks, embed, ttt)):
+                _, h, n = step_loss(model, hn, tid[s], tp[s], mask[s])
                 hits[s] += float(h)
                 counts[s] += float(n)
     model.train()
@@ -419,10 +425,20 @@ def train(args):
     val = [data.seqs[i] for i in order[:n_val]]
     trn = [data.seqs[i] for i in order[n_val:]]
     counts = data.response_counts(trn)
+    if not trn:
+        raise SystemExit(f"train: no training sequences in {args.features} (after holding out {n_val})")
     resume = ckpt_path.exists() and not args.fresh
     state = torch.load(ckpt_path, map_location="cpu") if resume else None
-    if state and state["args"]["features_dir"] != str(Path(args.features).resolve()):
-        raise SystemExit(f"{ckpt_path} was trained on {state['args']['features_dir']}; use --fresh or another --out")
+    # What decides the batches, the split and the vocabulary must not change
+    # under a resumed run, or it would train on what it validates with.
+    run_args = {"features_dir": str(Path(args.features).resolve()), "sequences": len(data.seqs),
+                "batch_tokens": args.batch_tokens, "seed": args.seed, "ttt": args.ttt,
+                "val_fraction": args.val_fraction, "draft_vocab": args.draft_vocab}
+    if state:
+        diff = [f"{k} {state['args'].get(k)} (now {v})" for k, v in run_args.items() if state["args"].get(k) != v]
+        if diff:
+            raise SystemExit(f"train: {ckpt_path} was made with " + ", ".join(diff) +
+                             "; rerun with those settings to resume, or use --fresh or another --out")
     ids = np.asarray(state["draft_ids"]) if state else draft_vocabulary(counts, args.draft_vocab)
     coverage = counts[ids].sum() / max(counts.sum(), 1)
     t2d_index = np.full(int(info["target_vocab"]), -1, dtype=np.int64)
@@ -440,10 +456,16 @@ def train(args):
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step, t_prev = state["step"], state["seconds"]
+        if total != state["total_steps"]:
+            print(f"train: the checkpoint's schedule runs to step {state['total_steps']}, not {total}; resuming "
+                  "it as it was (--fresh starts over)", file=sys.stderr, flush=True)
         total = state["total_steps"]
+    if total < 1:
+        raise SystemExit("train: no steps to run (--steps or --epochs)")
     print(f"train: {len(trn)} sequences, {tokens} tokens ({resp} response tokens) for training, {len(val)} held out "
           f"for validation; draft vocabulary {len(ids)} covers {coverage:.1%} of response tokens; "
-          f"{sum(p.numel() for p in model.parameters())} parameters; {total} steps of <= {args.batch_tokens} tokens, "
+          f"{sum(p.numel() for p in model.parameters())} parameters; {total} steps of <= {args.batch_tokens} tokens "
+          f"({epoch_batches} per epoch), "
           f"ttt {args.ttt}; {'resuming at step %d' % step if state else 'starting'}", file=sys.stderr, flush=True)
     val_batches = make_batches(val, args.batch_tokens, random.Random(1))
     warm = max(1, min(args.warmup, total // 10))
@@ -470,8 +492,8 @@ def train(args):
             feat, toks, tid, tp, mask = collate(data, trn, idx, args.ttt, t2d_index)
             outs = model.unroll(feat, toks, embed, args.ttt)
             loss = 0.0
-            for s, lg in enumerate(outs):
-                l, h, n = step_loss(lg, tid[s], tp[s], mask[s])
+            for s, hn in enumerate(outs):
+                l, h, n = step_loss(model, hn, tid[s], tp[s], mask[s])
                 loss = loss + weights[s] * l
                 hits[s] += float(h)
                 counts_s[s] += float(n)
@@ -513,7 +535,7 @@ def train(args):
                                                                  "capture_layers", "topk")}})
                 state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "total_steps": total,
                          "seconds": t_prev + time.time() - t0, "draft_ids": ids.tolist(), "record": record,
-                         "args": {"features_dir": str(Path(args.features).resolve())}}
+                         "args": run_args}
                 save_checkpoint(ckpt_path, state)
             if stop:
                 print(f"train: stopping after {run_steps} steps as asked (--stop-after); checkpoint at step {step}, "

@@ -122,3 +122,34 @@ def test_bench_reports_speculative_and_plain_decoding_side_by_side(aerie, model,
     assert b["drafted_tokens"] == 7 * b["verify_steps"]
     assert b["emitted_tokens"] == b["verify_steps"] + b["plain_steps"] + b["accepted_tokens"]
     assert 3 * 8 <= b["emitted_tokens"] < 3 * (8 + 5)
+
+
+SHIPPED = ROOT / "models" / "smollm2-135m-eagle3"
+
+
+def test_the_default_model_drafts_with_its_shipped_head(aerie, model):
+    r = aerie("generate", "--model", model, "--prompt", "x", "--print-config")
+    assert r.rc == 0, r.err
+    assert r.json()["draft"] == {"value": str(SHIPPED), "source": "auto"}
+    args = ["generate", "--model", model, "--chat", "--prompt", '[{"role":"user","content":"Name three colors."}]',
+            "--ids", "--max-tokens", "24", "--stats"]
+    spec = aerie(*args)
+    plain = aerie(*args, "--draft", "none")
+    assert spec.rc == 0 and plain.rc == 0, spec.err + plain.err
+    assert spec.json() == plain.json()
+    assert stats_of(spec)["speculation"] is True and stats_of(plain)["speculation"] is False
+    # A trained head accepts drafted tokens (the random one never does).
+    assert stats_of(spec)["accepted_tokens"] > 0
+
+
+def test_a_model_without_a_head_beside_it_decodes_plainly(aerie, model, tmp_path):
+    lone = tmp_path / model.name
+    lone.symlink_to(model)
+    r = aerie("generate", "--model", lone, "--prompt", "x", "--print-config")
+    assert r.json()["draft"] == {"value": "none", "source": "auto"}
+    # A directory beside it whose training.json names another model is not taken.
+    other = tmp_path / "other-eagle3"
+    other.mkdir()
+    (other / "training.json").write_text('{"target_model": "another.gguf"}')
+    r = aerie("generate", "--model", lone, "--prompt", "x", "--print-config")
+    assert r.json()["draft"] == {"value": "none", "source": "auto"}
