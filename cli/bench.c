@@ -314,7 +314,7 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
                        b->max_batch_tokens);
     const eng_config *ec = eng_get_config(b->e);
     drafter_config dc = {ec->max_seqs, ec->max_seq_len, b->max_batch_tokens, threads, eng_pool(b->e)};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, ec->max_seqs, ec->max_batch_tokens};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, ec->max_seqs, ec->max_batch_tokens, false, NULL, NULL};
     draft_link link;
     spec *sx = NULL;
     size_t n_out = (size_t)b->batch * (size_t)n_gen;

@@ -109,6 +109,9 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
     int32_t seq;
     if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
     spec_set_shape(sx, &r->shape);
+    /* Time is kept for whole steps, not per sequence: the totals' growth
+     * over this run is this sequence's (it runs alone). */
+    int64_t draft0 = spec_total_stats(sx)->draft_ns, verify0 = spec_total_stats(sx)->verify_ns;
     int rc = spec_seq_start(sx, seq, prompt, n_prompt, CLI_PREFILL_CHUNK, err);
     double t0 = cli_now_seconds();
     sample_params sp = {0, 0, 1, 0};
@@ -132,8 +135,8 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
         r->steps += st->steps;
         r->plain_steps += st->plain_steps;
         r->accepted += st->accepted;
-        r->draft_ns += st->draft_ns;
-        r->verify_ns += st->verify_ns;
+        r->draft_ns += spec_total_stats(sx)->draft_ns - draft0;
+        r->verify_ns += spec_total_stats(sx)->verify_ns - verify0;
         for (int32_t d = 0; d < r->shape.steps && d < SPEC_MAX_DEPTH; d++) r->accepted_at[d] += st->accepted_at[d];
     }
     spec_seq_end(sx, seq);
@@ -205,7 +208,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (eagle_weights_parse(cfg_str(c, "draft-weights"), &weights, err) != AE_OK) goto out;
     if (cli_engine_open(&e, m, &plan, threads, err) != AE_OK) goto out;
     drafter_config dc = {1, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, CLI_PREFILL_CHUNK};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, CLI_PREFILL_CHUNK, false, NULL, NULL};
     if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
         draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
         goto out;

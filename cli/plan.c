@@ -27,7 +27,7 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
         return AE_ERR;
     int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
     drafter_config dc = {max_batch, max_seq_len, CLI_PREFILL_CHUNK, 1, NULL};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, CLI_PREFILL_CHUNK};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, CLI_PREFILL_CHUNK, false, NULL, NULL};
     *weights = h->weight_bytes;
     *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
     LOG_INFOF("draft head=%s weights=%zu drafter_and_trees=%llu (counted in the memory plan as weights and "

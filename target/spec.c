@@ -9,6 +9,18 @@
 /* Calls to the drafter pause this many steps at most after failures. */
 #define SPEC_MAX_PAUSE 64
 
+/* Adaptive speculation (spec.h): the phase running and the rates of the
+ * last phase of each kind. */
+typedef enum adapt_phase { SPEC_PROBE, PLAIN_PROBE, SPEC_RUN, PLAIN_RUN } adapt_phase;
+
+typedef struct adapt_state {
+    adapt_phase phase;
+    int32_t left;           /* steps of the phase still to run */
+    int32_t backoff;        /* length of the next plain run */
+    int64_t tokens, ns;     /* of the phase so far */
+    double spec_rate, plain_rate; /* tokens per ns; 0: not measured yet */
+} adapt_state;
+
 typedef struct seq_state {
     bool started;
     bool fed;    /* the drafter has been told of this sequence since it started */
@@ -33,6 +45,7 @@ struct spec {
     int64_t step_no;   /* spec_step calls so far */
     int64_t retry_at;  /* no drafter calls before this step */
     int32_t failures;  /* consecutive failed calls */
+    adapt_state adapt;
     /* one step */
     spec_feed *feeds;      /* [max_seqs] */
     int32_t *feed_of;      /* [max_seqs] index into feeds, -1: none */
@@ -45,10 +58,49 @@ struct spec {
     sampler *sampler;
 };
 
-static int64_t now_ns(void) {
+static int64_t mono_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int64_t now_ns(const spec *s) { return s->cfg.clock_ns ? s->cfg.clock_ns(s->cfg.clock_ctx) : mono_ns(); }
+
+static bool adapt_drafting(const spec *s) {
+    return !s->cfg.adaptive || s->adapt.phase == SPEC_PROBE || s->adapt.phase == SPEC_RUN;
+}
+
+static void adapt_enter(adapt_state *a, adapt_phase p, int32_t steps) {
+    a->phase = p;
+    a->left = steps;
+    a->tokens = a->ns = 0;
+}
+
+/* One step done: emitted tokens in ns. At a phase's end, the next phase. */
+static void adapt_step(spec *s, int64_t emitted, int64_t ns) {
+    adapt_state *a = &s->adapt;
+    a->tokens += emitted;
+    a->ns += ns;
+    if (a->phase == PLAIN_PROBE || a->phase == PLAIN_RUN) s->total.adapt_plain_steps++;
+    if (--a->left > 0) return;
+    double rate = a->ns > 0 ? (double)a->tokens / (double)a->ns : 0;
+    bool spec_phase = a->phase == SPEC_PROBE || a->phase == SPEC_RUN;
+    if (spec_phase) a->spec_rate = rate;
+    else a->plain_rate = rate;
+    if (a->phase == SPEC_RUN) {
+        adapt_enter(a, PLAIN_PROBE, PLAIN_PROBE_STEPS); /* keep the comparison fresh */
+    } else if (a->phase == PLAIN_RUN || a->spec_rate == 0) {
+        adapt_enter(a, SPEC_PROBE, SPEC_PROBE_STEPS);
+    } else if (a->plain_rate == 0) {
+        adapt_enter(a, PLAIN_PROBE, PLAIN_PROBE_STEPS);
+    } else if (a->spec_rate >= a->plain_rate) {
+        a->backoff = SPEC_BACKOFF_MIN;
+        adapt_enter(a, SPEC_RUN, SPEC_RUN_STEPS);
+    } else {
+        s->total.adapt_off++;
+        adapt_enter(a, PLAIN_RUN, a->backoff);
+        a->backoff = a->backoff * 2 <= SPEC_BACKOFF_MAX ? a->backoff * 2 : SPEC_BACKOFF_MAX;
+    }
 }
 
 static bool shape_ok(const spec_shape *sh) {
@@ -125,6 +177,8 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
         return AE_ERR;
     }
     for (size_t t = 0; t < T; t++) s->rows[t] = (int32_t)t;
+    s->adapt.backoff = SPEC_BACKOFF_MIN;
+    adapt_enter(&s->adapt, PLAIN_PROBE, PLAIN_PROBE_STEPS);
     *out = s;
     return AE_OK;
 }
@@ -211,7 +265,7 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
         s->trees[i].n = 0;
         s->feed_of[i] = -1;
     }
-    if (!s->d || s->step_no < s->retry_at) return;
+    if (!s->d || s->step_no < s->retry_at || !adapt_drafting(s)) return;
     for (int32_t i = 0; i < n; i++) {
         seq_state *st = &s->seqs[in[i].seq];
         bool reset = !st->fed || st->resync;
@@ -272,9 +326,9 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         if (eng_seq_len(s->e, seq) >= ec->max_seq_len)
             return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
     }
-    int64_t t0 = now_ns();
+    int64_t t0 = now_ns(s);
     propose(s, in, n);
-    int64_t t1 = now_ns();
+    int64_t t1 = now_ns(s);
     s->step_no++;
     int32_t T = 0;
     for (int32_t i = 0; i < n; i++) {
@@ -327,8 +381,13 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
             ss[k]->emitted += n_path;
         }
     }
-    int64_t t2 = now_ns();
+    int64_t t2 = now_ns(s);
     s->total.draft_ns += t1 - t0;
     s->total.verify_ns += t2 - t1;
+    if (s->d && s->cfg.adaptive) {
+        int64_t emitted = 0;
+        for (int32_t i = 0; i < n; i++) emitted += out[i].n;
+        adapt_step(s, emitted, t2 - t0);
+    }
     return AE_OK;
 }

@@ -71,12 +71,38 @@ typedef struct spec_drafter {
     void (*release)(void *ctx, int32_t seq);
 } spec_drafter;
 
+/* Adaptive speculation: speculation runs only while it gives more tokens
+ * per second than plain steps do. Steps are grouped in phases, each timed
+ * as a whole (tokens out / wall time of its steps, all sequences of the
+ * batch together):
+ *   - first a plain probe of PLAIN_PROBE_STEPS, then a speculative probe
+ *     of SPEC_PROBE_STEPS, then a decision;
+ *   - speculation wins: a run of SPEC_RUN_STEPS speculative steps, then a
+ *     plain probe again to keep the comparison fresh, and a decision;
+ *   - plain wins: a plain run of SPEC_BACKOFF_MIN steps, doubling up to
+ *     SPEC_BACKOFF_MAX while plain keeps winning, each followed by a
+ *     speculative probe and a decision.
+ * Plain steps still capture features; when speculation comes back, the
+ * drafter is reset with the last ENG_MAX_TREE pairs (as after a failure).
+ * A losing draft thus costs a probe of SPEC_PROBE_STEPS every
+ * SPEC_BACKOFF_MAX steps once settled. */
+#define PLAIN_PROBE_STEPS 8
+#define SPEC_PROBE_STEPS 8
+#define SPEC_RUN_STEPS 256
+#define SPEC_BACKOFF_MIN 128
+#define SPEC_BACKOFF_MAX 2048
+
 typedef struct spec_config {
     int32_t n_capture;                  /* LLAMA_MAX_CAPTURE */
     int32_t capture[LLAMA_MAX_CAPTURE]; /* target layers whose input is captured */
     spec_shape shape;
     int32_t max_seqs;         /* the engine's */
     int32_t max_batch_tokens; /* the engine's */
+    bool adaptive;            /* speculation turns itself off while it loses (above) */
+    /* The clock the adaptive phases are timed with (tests give their
+     * own); NULL: the monotonic clock. */
+    int64_t (*clock_ns)(void *ctx);
+    void *clock_ctx;
 } spec_config;
 
 #define SPEC_MAX_DEPTH ENG_MAX_TREE
@@ -89,6 +115,8 @@ typedef struct spec_stats {
     int64_t emitted;     /* tokens out: accepted + one bonus per step */
     int64_t bad_trees;   /* trees refused (malformed, wrong root) */
     int64_t draft_failures; /* propose calls that failed (total only) */
+    int64_t adapt_plain_steps; /* plain steps run because speculation was losing, probes included (total only) */
+    int64_t adapt_off;   /* times adaptive speculation switched itself off (total only) */
     int64_t draft_ns;    /* time in the drafter (propose calls of steps) */
     int64_t verify_ns;   /* time in the verify pass, acceptance and commit */
     int64_t accepted_at[SPEC_MAX_DEPTH]; /* [d]: steps that accepted a token at depth d + 1 */

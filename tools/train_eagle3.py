@@ -340,7 +340,8 @@ def head_config(info, draft_vocab_size):
             "hidden_size": info["target_hidden"], "intermediate_size": info["target_ffn"],
             "num_attention_heads": info["target_heads"], "num_key_value_heads": info["target_kv_heads"],
             "head_dim": info["target_head_dim"], "num_hidden_layers": 1, "vocab_size": info["target_vocab"],
-            "draft_vocab_size": draft_vocab_size, "rms_norm_eps": info["target_rms_eps"],
+            # features.json has the engine's float32 eps (9.99999974737875e-06); 7 digits give it back as written.
+            "draft_vocab_size": draft_vocab_size, "rms_norm_eps": float(f"{info['target_rms_eps']:.7g}"),
             "rope_theta": info["target_rope_theta"], "max_position_embeddings": info["target_context_length"],
             "tie_word_embeddings": False, "torch_dtype": "float16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(info["capture_layers"]),
@@ -439,7 +440,11 @@ def train(args):
         if diff:
             raise SystemExit(f"train: {ckpt_path} was made with " + ", ".join(diff) +
                              "; rerun with those settings to resume, or use --fresh or another --out")
-    ids = np.asarray(state["draft_ids"]) if state else draft_vocabulary(counts, args.draft_vocab)
+    init = load_init(args.init, info) if args.init and not state else None
+    if init and len(init[1]) != args.draft_vocab:
+        raise SystemExit(f"train: --init {args.init} has a draft vocabulary of {len(init[1])}, not --draft-vocab "
+                         f"{args.draft_vocab}")
+    ids = np.asarray(state["draft_ids"]) if state else init[1] if init else draft_vocabulary(counts, args.draft_vocab)
     coverage = counts[ids].sum() / max(counts.sum(), 1)
     t2d_index = np.full(int(info["target_vocab"]), -1, dtype=np.int64)
     t2d_index[ids] = np.arange(len(ids))
@@ -452,6 +457,8 @@ def train(args):
     epoch_batches = len(make_batches(trn, args.batch_tokens, random.Random(0)))
     total = args.steps if args.steps else args.epochs * epoch_batches
     step, t_prev = 0, 0.0
+    if init:
+        model.load_state_dict(init[0])
     if state:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -478,6 +485,8 @@ def train(args):
     t0 = time.time()
     seen_tokens, hits, counts_s, loss_sum, n_loss = 0, np.zeros(args.ttt), np.zeros(args.ttt), 0.0, 0
     record = state["record"] if state else {}
+    if init:
+        record["init"] = {"from": str(args.init), "record": init[2]}
     weights = [0.8 ** s for s in range(args.ttt)]
     val_acc = None
     run_steps = 0
@@ -513,7 +522,7 @@ def train(args):
                 print(f"train: step {step}/{total} epoch {epoch + 1} loss {loss_sum / n_loss:.3f} top-1 by step "
                       + " ".join(f"{a:.3f}" for a in acc)
                       + f"  lr {lr_at(step - 1):.2e}  {seen_tokens / el:.0f} tok/s, "
-                      f"{fmt_time(el / max(1, n_done(step, state)) * (total - step))} left", file=sys.stderr, flush=True)
+                      f"{fmt_time(el / run_steps * (total - step))} left", file=sys.stderr, flush=True)
                 record["train_top1_by_step"] = [round(float(a), 4) for a in acc]
                 record["train_loss"] = round(loss_sum / n_loss, 4)
                 hits[:], counts_s[:], loss_sum, n_loss = 0, 0, 0.0, 0
@@ -547,14 +556,16 @@ def train(args):
           file=sys.stderr, flush=True)
 
 
-_started = {}
-
-
-def n_done(step, state):
-    """Steps run in this process (for the time estimate)."""
-    if "first" not in _started:
-        _started["first"] = step - 1
-    return step - _started["first"]
+def load_init(path, info):
+    """Weights, draft vocabulary and record of an earlier head directory or
+    checkpoint, to train further under a new schedule."""
+    p = Path(path)
+    if p.is_dir():
+        model, d2t = load_head(p)
+        rec = json.loads((p / "training.json").read_text()) if (p / "training.json").exists() else {}
+        return model.state_dict(), (d2t + np.arange(len(d2t))).astype(np.int64), rec
+    st = torch.load(p, map_location="cpu")
+    return st["model"], np.asarray(st["draft_ids"], dtype=np.int64), st.get("record", {})
 
 
 def load_head(head_dir, info=None):
@@ -601,6 +612,8 @@ def main():
     t.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     t.add_argument("--seed", type=int, default=1)
     t.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    t.add_argument("--init", help="start from this head directory or checkpoint (its draft vocabulary kept) "
+                                  "instead of random weights")
     t.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps of this run, as an interruption would (rerun to resume)")
     e = sub.add_parser("export")

@@ -48,7 +48,7 @@ static void test_greedy_speculation_is_lossless_on_the_default_model(void **stat
     const char *names[3] = {"chain 4x1/5", "wide 4x3/8", "deep 8x4/32"};
     const sample_params greedy = {0, 0, 1, 0};
     for (int k = 0; k < 3; k++) {
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shapes[k], 1, CHUNK};
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shapes[k], 1, CHUNK, false, NULL, NULL};
         spec *s;
         assert_int_equal(draft_link_capture(&link, m, sc.capture, &err), AE_OK);
         assert_int_equal(spec_init(&s, e, &link.iface, &sc, &err), AE_OK);

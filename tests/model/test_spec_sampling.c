@@ -49,7 +49,7 @@ static void fixture_open(fixture *f) {
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {1, SEQ_LEN, 16, 1, eng_pool(f->e)};
     if (draft_link_open(&f->link, FIX "/head", f->m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, 1, 64};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, 1, 64, false, NULL, NULL};
     if (draft_link_capture(&f->link, f->m, sc.capture, &err) != AE_OK ||
         spec_init(&f->s, f->e, &f->link.iface, &sc, &err) != AE_OK)
         fail_msg("%s", err.msg);
@@ -206,7 +206,7 @@ static void test_speculative_sampling_keeps_the_target_distribution(void **state
     static int64_t informed_c[V * V];
     informed inf = {0};
     spec_drafter d = {&inf, informed_propose, NULL};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, 1, 64};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, 1, 64, false, NULL, NULL};
     spec *head_spec = f.s;
     ae_error err = {0};
     assert_int_equal(spec_init(&f.s, f.e, &d, &sc, &err), AE_OK);

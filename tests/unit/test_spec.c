@@ -50,7 +50,7 @@ static void fixture_close(fixture *f) {
 }
 
 static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, MAX_SEQS, 128};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, MAX_SEQS, 128, false, NULL, NULL};
     ae_error err = {0};
     if (draft_link_capture(&f->link, f->m, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
@@ -336,7 +336,7 @@ static void test_speculation_needs_a_batch_token_for_every_root(void **state) {
     (void)state;
     fixture f;
     fixture_open(&f);
-    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, MAX_SEQS, 128};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
     eng_config ec = {MAX_SEQS - 1, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 1};
     eng *small;
     spec *s = (spec *)1;
@@ -433,6 +433,96 @@ static void test_sequences_batched_together_each_get_their_plain_output(void **s
     fixture_close(&f);
 }
 
+/* ---- adaptive speculation ------------------------------------------------ */
+
+/* A drafter that costs `cost` units of the test's clock per call, around
+ * the real fixture head. The clock moves one unit per reading besides, so
+ * a step costs 2 units plus the drafter's. */
+typedef struct costly {
+    const spec_drafter *real;
+    int64_t clock, cost;
+} costly;
+
+static int costly_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                          ae_error *err) {
+    costly *c = ctx;
+    c->clock += c->cost;
+    return c->real->propose(c->real->ctx, feeds, n, shape, trees, err);
+}
+
+static void costly_release(void *ctx, int32_t seq) {
+    costly *c = ctx;
+    c->real->release(c->real->ctx, seq);
+}
+
+static int64_t test_clock(void *ctx) { return ++((costly *)ctx)->clock; }
+
+/* `steps` adaptive steps of one sequence with a drafter costing `cost`;
+ * the tokens must be plain greedy's. Returns the totals. */
+static spec_stats adaptive_run(int64_t cost, int32_t steps) {
+    enum { LEN = 256 };
+    fixture f;
+    fixture_open(&f);
+    ae_error err = {0};
+    eng *e;
+    eng_config ec = {128, 1, LEN, LEN, 16, 2};
+    if (eng_init(&e, f.m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    draft_link link;
+    drafter_config dc = {1, LEN, CHUNK, 2, eng_pool(e)};
+    if (draft_link_open(&link, FIX "/head", f.m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    costly c = {&link.iface, 0, cost};
+    spec_drafter d = {&c, costly_propose, costly_release};
+    /* A chain of one drafted token: at most 2 tokens a step, so the
+     * sequence stays inside the fixture's 256 positions. */
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {1, 1, 2}, 1, 128, true, test_clock, &c};
+    if (draft_link_capture(&link, f.m, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
+    spec *s;
+    if (spec_init(&s, e, &d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+    int32_t ids[] = {3, 17, 5, 28, 9}, n = 5, got[LEN], want[LEN], n_got = 0, seq;
+    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    assert_int_equal(spec_seq_start(s, seq, ids, n, CHUNK, &err), AE_OK);
+    sample_rng rng;
+    sample_rng_seed(&rng, 0);
+    for (int32_t k = 0; k < steps; k++) {
+        spec_in in = {seq, &greedy, &rng};
+        spec_out o;
+        if (spec_step(s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
+        for (int32_t j = 0; j < o.n; j++) got[n_got++] = o.tokens[j];
+    }
+    spec_seq_end(s, seq);
+    eng_seq_free(e, seq);
+    plain_greedy(e, ids, n, n_got, want);
+    assert_memory_equal(got, want, (size_t)n_got * sizeof(int32_t));
+    spec_stats st = *spec_total_stats(s);
+    spec_free(s);
+    draft_link_close(&link);
+    eng_free(e);
+    fixture_close(&f);
+    return st;
+}
+
+/* A drafter that makes steps slower than they gain is switched off after
+ * the probes, and tried again after each plain run; one that does not lose
+ * keeps drafting. The phases are spec.h's, step for step. */
+static void test_adaptive_speculation_turns_itself_off_while_it_loses(void **state) {
+    (void)state;
+    /* Plain probe 8, speculative probe 8 (loses), plain run 128,
+     * speculative probe 8 (loses), then 4 steps of the plain run of 256. */
+    spec_stats lose = adaptive_run(1000, 8 + 8 + 128 + 8 + 4);
+    assert_int_equal(lose.steps, 16);
+    assert_int_equal(lose.adapt_plain_steps, 8 + 128 + 4);
+    assert_int_equal(lose.plain_steps, 8 + 128 + 4);
+    assert_int_equal(lose.adapt_off, 2);
+    /* A free drafter never loses (a step gives at least its bonus token):
+     * plain probe 8, speculative probe 8, then the speculative run. */
+    spec_stats win = adaptive_run(0, 8 + 8 + 20);
+    assert_int_equal(win.steps, 8 + 20);
+    assert_int_equal(win.adapt_plain_steps, 8);
+    assert_int_equal(win.adapt_off, 0);
+    printf("losing drafter: %lld speculative steps of %d, switched off %lld times; free drafter: %lld of %d\n",
+           (long long)lose.steps, 8 + 8 + 128 + 8 + 4, (long long)lose.adapt_off, (long long)win.steps, 8 + 8 + 20);
+}
+
 static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
     (void)state;
     fixture f;
@@ -459,6 +549,7 @@ int main(void) {
         cmocka_unit_test(test_speculation_resumes_after_a_drafter_failure),
         cmocka_unit_test(test_speculation_needs_a_batch_token_for_every_root),
         cmocka_unit_test(test_a_step_on_an_unstarted_sequence_fails),
+        cmocka_unit_test(test_adaptive_speculation_turns_itself_off_while_it_loses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
