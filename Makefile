@@ -164,7 +164,7 @@ run: deps
 
 # The whole EAGLE-3 pipeline for the default model (tools/train_draft.sh):
 # data from the model itself, features, training, export to
-# models/smollm2-135m-eagle3/, evaluation. About 75 minutes on 2 cores;
+# models/smollm2-135m-eagle3/, evaluation. About an hour on 2 cores;
 # rerunning resumes where it stopped.
 train-draft: deps
 	$(MAKE) all

@@ -31,7 +31,7 @@
 static const cfg_option ev_opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
     {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
-    {"draft-weights", CFG_STRING, "file", 0, 0, "the head's matrices as the file has them (file), or Q8_0 (q8_0)"},
+    {"draft-weights", CFG_STRING, "q8_0", 0, 0, "the head's matrices rounded to Q8_0 (q8_0), or as the file has them (file)"},
     {"prompts", CFG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' heldout.jsonl)"},
     {"limit", CFG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
     {"max-new-tokens", CFG_INT, "128", 1, 1 << 20, "tokens generated per prompt at most"},

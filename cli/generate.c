@@ -32,7 +32,7 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     DRAFT_LINK_AUTO_OPTIONS,
     {"spec-adaptive", CFG_BOOL, "true", 0, 0,
-     "speculate only while it is faster than plain steps, timed as it runs (target/spec.h)"},
+     "greedy decoding speculates only while it is faster than plain steps, timed as it runs (target/spec.h)"},
     /* The memory plan's settings (target/memplan.h), with defaults for one
      * sequence. */
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
@@ -189,8 +189,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
         drafter_config dc = {plan.max_batch, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, CLI_PREFILL_CHUNK,
-                          cfg_bool(c, "spec-adaptive"), NULL, NULL};
+        /* Only greedy output is the same whenever speculation runs; a
+         * sampled step draws differently with and without a tree, so a
+         * timing-driven switch would break "a seed reproduces a run".
+         * Sampling speculates on every step. */
+        bool adaptive = cfg_bool(c, "spec-adaptive") && cfg_double(c, "temperature") <= 0;
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, CLI_PREFILL_CHUNK, adaptive, NULL, NULL};
         if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
             draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
             goto out;

@@ -17,7 +17,8 @@ typedef struct adapt_state {
     adapt_phase phase;
     int32_t left;           /* steps of the phase still to run */
     int32_t backoff;        /* length of the next plain run */
-    int64_t tokens, ns;     /* of the phase so far */
+    int32_t timed;          /* steps of the phase so far; the first is not timed */
+    int64_t tokens, ns;     /* of the phase's timed steps */
     double spec_rate, plain_rate; /* tokens per ns; 0: not measured yet */
 } adapt_state;
 
@@ -73,14 +74,17 @@ static bool adapt_drafting(const spec *s) {
 static void adapt_enter(adapt_state *a, adapt_phase p, int32_t steps) {
     a->phase = p;
     a->left = steps;
+    a->timed = 0;
     a->tokens = a->ns = 0;
 }
 
 /* One step done: emitted tokens in ns. At a phase's end, the next phase. */
 static void adapt_step(spec *s, int64_t emitted, int64_t ns) {
     adapt_state *a = &s->adapt;
-    a->tokens += emitted;
-    a->ns += ns;
+    if (a->timed++ > 0) {
+        a->tokens += emitted;
+        a->ns += ns;
+    }
     if (a->phase == PLAIN_PROBE || a->phase == PLAIN_RUN) s->total.adapt_plain_steps++;
     if (--a->left > 0) return;
     double rate = a->ns > 0 ? (double)a->tokens / (double)a->ns : 0;

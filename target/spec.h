@@ -82,13 +82,15 @@ typedef struct spec_drafter {
  *   - plain wins: a plain run of SPEC_BACKOFF_MIN steps, doubling up to
  *     SPEC_BACKOFF_MAX while plain keeps winning, each followed by a
  *     speculative probe and a decision.
+ * The first step of a phase is not timed: it carries the switch (a
+ * drafter reset, cold caches), which would tip a short probe.
  * Plain steps still capture features; when speculation comes back, the
  * drafter is reset with the last ENG_MAX_TREE pairs (as after a failure).
  * A losing draft thus costs a probe of SPEC_PROBE_STEPS every
  * SPEC_BACKOFF_MAX steps once settled. */
-#define PLAIN_PROBE_STEPS 8
-#define SPEC_PROBE_STEPS 8
-#define SPEC_RUN_STEPS 256
+#define PLAIN_PROBE_STEPS 5
+#define SPEC_PROBE_STEPS 5
+#define SPEC_RUN_STEPS 32
 #define SPEC_BACKOFF_MIN 128
 #define SPEC_BACKOFF_MAX 2048
 

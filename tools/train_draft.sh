@@ -36,9 +36,10 @@ AERIE=${AERIE:-build/aerie}
 say() { printf '\ntrain-draft: %s\n' "$*"; }
 
 say "model $MODEL -> head $HEAD (work files in $WORK)"
-echo "  expected time on a 2-core x86 machine (AVX-512), with the defaults:"
-echo "    1. prompts ~5 min  2. features ~25 min  3. train ~35 min  5. evaluate ~10 min: about 75 min"
-echo "  (measured when the shipped head was made: see $HEAD/README.md). Rerun to resume after an interruption."
+echo "  expected time on a 2-core x86 machine (AVX-512), with the defaults, as measured when the shipped"
+echo "  head was made (models/smollm2-135m-eagle3/README.md):"
+echo "    1. prompts ~4 min  2. features ~21 min  3. train ~27 min  5. evaluate ~10 min: about 1 hour"
+echo "  Every stage prints its progress. Rerun to resume after an interruption."
 mkdir -p "$WORK"
 t0=$(date +%s)
 

@@ -131,15 +131,21 @@ def test_the_default_model_drafts_with_its_shipped_head(aerie, model):
     r = aerie("generate", "--model", model, "--prompt", "x", "--print-config")
     assert r.rc == 0, r.err
     assert r.json()["draft"] == {"value": str(SHIPPED), "source": "auto"}
-    args = ["generate", "--model", model, "--chat", "--prompt", '[{"role":"user","content":"Name three colors."}]',
-            "--ids", "--max-tokens", "24", "--stats"]
+    args = ["generate", "--model", model, "--chat", "--prompt", '[{"role":"user","content":"Write a short poem about the sea."}]',
+            "--ids", "--max-tokens", "48", "--stats"]
     spec = aerie(*args)
+    always = aerie(*args, "--no-spec-adaptive")
     plain = aerie(*args, "--draft", "none")
-    assert spec.rc == 0 and plain.rc == 0, spec.err + plain.err
-    assert spec.json() == plain.json()
+    assert spec.rc == 0 and always.rc == 0 and plain.rc == 0, spec.err + always.err + plain.err
+    assert spec.json() == plain.json() == always.json()
     assert stats_of(spec)["speculation"] is True and stats_of(plain)["speculation"] is False
-    # A trained head accepts drafted tokens (the random one never does).
-    assert stats_of(spec)["accepted_tokens"] > 0
+    # Adaptive: the first steps are a plain probe (PLAIN_PROBE_STEPS, target/spec.h).
+    assert len(spec.json()) == 48 and stats_of(spec)["adaptive_plain_steps"] >= 5
+    # Drafting on every step, the trained head has tokens accepted (the
+    # random head never does).
+    st = stats_of(always)
+    assert st["adaptive_plain_steps"] == 0 and st["plain_steps"] == 0
+    assert st["accepted_tokens"] > 0 and st["mean_accept_len"] > 1.3
 
 
 def test_a_model_without_a_head_beside_it_decodes_plainly(aerie, model, tmp_path):

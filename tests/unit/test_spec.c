@@ -506,21 +506,22 @@ static spec_stats adaptive_run(int64_t cost, int32_t steps) {
  * keeps drafting. The phases are spec.h's, step for step. */
 static void test_adaptive_speculation_turns_itself_off_while_it_loses(void **state) {
     (void)state;
-    /* Plain probe 8, speculative probe 8 (loses), plain run 128,
-     * speculative probe 8 (loses), then 4 steps of the plain run of 256. */
-    spec_stats lose = adaptive_run(1000, 8 + 8 + 128 + 8 + 4);
-    assert_int_equal(lose.steps, 16);
-    assert_int_equal(lose.adapt_plain_steps, 8 + 128 + 4);
-    assert_int_equal(lose.plain_steps, 8 + 128 + 4);
+    enum { P = PLAIN_PROBE_STEPS, S = SPEC_PROBE_STEPS, B = SPEC_BACKOFF_MIN };
+    /* Plain probe, speculative probe (loses), plain run of B, speculative
+     * probe (loses), then 4 steps of the plain run of 2B. */
+    spec_stats lose = adaptive_run(1000, P + S + B + S + 4);
+    assert_int_equal(lose.steps, 2 * S);
+    assert_int_equal(lose.adapt_plain_steps, P + B + 4);
+    assert_int_equal(lose.plain_steps, P + B + 4);
     assert_int_equal(lose.adapt_off, 2);
     /* A free drafter never loses (a step gives at least its bonus token):
-     * plain probe 8, speculative probe 8, then the speculative run. */
-    spec_stats win = adaptive_run(0, 8 + 8 + 20);
-    assert_int_equal(win.steps, 8 + 20);
-    assert_int_equal(win.adapt_plain_steps, 8);
+     * plain probe, speculative probe, then the speculative run. */
+    spec_stats win = adaptive_run(0, P + S + 20);
+    assert_int_equal(win.steps, S + 20);
+    assert_int_equal(win.adapt_plain_steps, P);
     assert_int_equal(win.adapt_off, 0);
     printf("losing drafter: %lld speculative steps of %d, switched off %lld times; free drafter: %lld of %d\n",
-           (long long)lose.steps, 8 + 8 + 128 + 8 + 4, (long long)lose.adapt_off, (long long)win.steps, 8 + 8 + 20);
+           (long long)lose.steps, P + S + B + S + 4, (long long)lose.adapt_off, (long long)win.steps, P + S + 20);
 }
 
 static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
