@@ -30,6 +30,7 @@ EPOCHS=${EPOCHS:-3}
 TTT=${TTT:-3}                     # unrolled draft steps in training
 DRAFT_VOCAB=${DRAFT_VOCAB:-4096}
 EVAL_PROMPTS=${EVAL_PROMPTS:-100}
+EVAL_TOKENS=${EVAL_TOKENS:-256}   # longest answer in the evaluation
 PYTHON=${PYTHON:-python3}
 AERIE=${AERIE:-build/aerie}
 
@@ -65,9 +66,9 @@ mkdir -p "$HEAD"
 cp "$WORK/train/head/config.json" "$WORK/train/head/model.safetensors" "$WORK/train/head/training.json" "$HEAD/"
 ls -l "$HEAD"
 
-say "5/5 evaluate on $EVAL_PROMPTS held-out prompts (greedy; plain and three tree shapes, side by side)"
+say "5/5 evaluate on $EVAL_PROMPTS held-out prompts, up to $EVAL_TOKENS tokens (greedy; plain and three tree shapes, side by side)"
 "$AERIE" eval-draft --model "$MODEL" --draft "$HEAD" --prompts "$WORK/prompts/heldout.jsonl" \
-    --limit "$EVAL_PROMPTS" | tee "$WORK/eval.json"
+    --limit "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" | tee "$WORK/eval.json"
 cp "$WORK/eval.json" "$HEAD/eval.json"
 
 say "done in $(( ($(date +%s) - t0) / 60 )) min; head in $HEAD, evaluation in $HEAD/eval.json"
