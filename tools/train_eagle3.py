@@ -568,7 +568,7 @@ def load_init(path, info):
     return st["model"], np.asarray(st["draft_ids"], dtype=np.int64), st.get("record", {})
 
 
-def load_head(head_dir, info=None):
+def load_head(head_dir):
     cfg = json.loads((Path(head_dir) / "config.json").read_text())
     t, _ = st_read(Path(head_dir) / "model.safetensors")
     model = Eagle3Head(cfg)
