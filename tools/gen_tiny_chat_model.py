@@ -16,11 +16,12 @@ library only.
 import json
 import math
 import shutil
-import struct
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from gen_eagle_fixture import safetensors_bytes  # numpy-only at import
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "tests" / "golden" / "tokenizer" / "smollm"
@@ -53,18 +54,6 @@ def tensors():
                 (p + "mlp.down_proj.weight", mat(H, F))]
     out.append(("model.norm.weight", np.ones(H, np.float16)))
     return out
-
-
-def safetensors_bytes(ts):
-    header, blobs, at = {}, [], 0
-    for name, a in ts:
-        b = np.ascontiguousarray(a).tobytes()
-        header[name] = {"dtype": "F16", "shape": list(a.shape), "data_offsets": [at, at + len(b)]}
-        blobs.append(b)
-        at += len(b)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text + b"".join(blobs)
 
 
 def main():
