@@ -20,15 +20,23 @@ WARN := -Wall -Wextra -Werror -Wshadow -Wpointer-arith -Wstrict-prototypes \
 # an add that the code wrote apart.
 BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -pthread -ffp-contract=off -MMD -MP $(WARN)
 OPT     ?= -O2 -g
-LIBS    := -lcjson -lm -lpthread
+LIBS    := -lcjson -levent_core -levent_pthreads -levent_openssl -lssl -lcrypto -lprotobuf-nanopb -lm -lpthread
+
+# The wire contract (proto/aerie.proto, bounded by proto/aerie.options) is
+# compiled by nanopb's generator into build/gen/; generated code is never
+# committed.
+NANOPB_GEN ?= nanopb_generator.py
+GEN_C := build/gen/aerie.pb.c
+GEN_H := build/gen/aerie.pb.h
+BASE_CFLAGS += -Ibuild/gen
 
 # target/ and draft/ are libraries first: their main.c files become the
 # service binaries, everything else goes into the library. The in-process
 # pairing of drafter and target (cli/draft_link.c) is in the library too,
 # so that the tests speculate exactly as `aerie generate --draft` does.
 LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c) \
-              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c)) cli/draft_link.c)
-CLI_SRC  := $(sort $(filter-out cli/draft_link.c,$(wildcard cli/*.c)))
+              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c)) cli/draft_link.c cli/plan.c) $(GEN_C)
+CLI_SRC  := $(sort $(filter-out cli/draft_link.c cli/plan.c,$(wildcard cli/*.c)))
 UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))
 MODEL_SRC := $(sort $(wildcard tests/model/test_*.c))
@@ -41,7 +49,8 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=build/asan/tests/%)
 TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o)
 # The suites that share state between threads also run under TSan, which
 # sees data races that ASan cannot.
-TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsan/tests/test_kernels
+TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsan/tests/test_kernels \
+            build/tsan/tests/test_rpc
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 MODEL_BIN := $(MODEL_SRC:tests/model/%.c=build/tests/%)
 
@@ -60,7 +69,27 @@ SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-po
 .PHONY: all deps model test unit fuzz asan tsan run train-draft clean
 .DEFAULT_GOAL := all
 
-all: build/aerie $(MODEL_BIN)
+SERVICES := build/aerie-target build/aerie-draft
+ASAN_SERVICES := $(SERVICES:build/%=build/asan/%)
+
+all: build/aerie $(SERVICES) $(MODEL_BIN)
+
+$(GEN_C) $(GEN_H) &: proto/aerie.proto proto/aerie.options
+	@mkdir -p $(@D)
+	$(MSG) GEN $(GEN_C)
+	$(Q)$(NANOPB_GEN) -q -I proto -D build/gen proto/aerie.proto
+
+# Every object may include the generated header.
+build/obj/%.o build/asan/obj/%.o build/tsan/obj/%.o build/fuzz/obj/%.o: | $(GEN_H)
+
+build/aerie-%: %/main.c build/libaerie.a
+	$(MSG) LD $@
+	$(Q)$(CC) $(BASE_CFLAGS) $(OPT) $< build/libaerie.a $(LIBS) -o $@
+
+build/asan/aerie-%: %/main.c build/asan/libaerie.a
+	@mkdir -p $(@D)
+	$(MSG) ASANLD $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a $(LIBS) -o $@
 
 build/obj/%.o: %.c
 	@mkdir -p $(@D)
@@ -116,7 +145,7 @@ build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a -lcmocka $(LIBS) -o $@
 
 # The fuzzers link the library built once by clang with fuzzer coverage.
-FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -pthread -ffp-contract=off -O1 -g $(WARN) -fno-sanitize-recover=all
+FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -Ibuild/gen -pthread -ffp-contract=off -O1 -g $(WARN) -fno-sanitize-recover=all
 FLIB_OBJ := $(LIB_SRC:%.c=build/fuzz/obj/%.o)
 
 build/fuzz/obj/%.o: %.c
@@ -133,7 +162,7 @@ build/fuzz/%: tests/fuzz/%.c build/fuzz/libaerie.a
 	$(MSG) FUZZLD $@
 	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -fsanitize=fuzzer,address,undefined $< build/fuzz/libaerie.a $(LIBS) -o $@
 
-asan: build/asan/aerie $(UNIT_BIN)
+asan: build/asan/aerie $(ASAN_SERVICES) $(UNIT_BIN)
 unit: $(UNIT_BIN)
 tsan: $(TSAN_BIN)
 fuzz: $(FUZZ_BIN)

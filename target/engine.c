@@ -27,6 +27,7 @@ struct eng {
 const model *eng_model(const eng *e) { return e->m; }
 const eng_config *eng_get_config(const eng *e) { return &e->cfg; }
 pool *eng_pool(eng *e) { return e->pool; }
+kv_stats eng_kv_stats(const eng *e) { return kv_get_stats(e->kv); }
 
 void eng_free(eng *e) {
     if (!e) return;

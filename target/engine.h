@@ -22,6 +22,7 @@
 
 #include "../services/core/err.h"
 #include "../services/core/pool.h"
+#include "../services/kv/kv_cache.h"
 #include "llama.h"
 #include "model.h"
 
@@ -75,6 +76,8 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
 int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err);
 
 const model *eng_model(const eng *e);
+/* KV blocks in use, free and live sequences (kv_cache.h). */
+kv_stats eng_kv_stats(const eng *e);
 const eng_config *eng_get_config(const eng *e);
 /* The engine's thread pool, for a drafter in the same process to share. */
 pool *eng_pool(eng *e);

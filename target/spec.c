@@ -208,40 +208,58 @@ static llama_capture capture_all(spec *s, int32_t n_rows) {
     return c;
 }
 
-int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, ae_error *err) {
-    if (seq < 0 || seq >= s->cfg.max_seqs || eng_seq_len(s->e, seq) != 0)
-        return err_set(err, "sequence %d is not a fresh engine sequence", seq);
+int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
+                     ae_error *err) {
+    if (seq < 0 || seq >= s->cfg.max_seqs) return err_set(err, "sequence %d is out of range", seq);
     if (n < 1) return err_set(err, "the prompt has no tokens");
     if (chunk < 1 || chunk > s->cfg.max_batch_tokens) chunk = s->cfg.max_batch_tokens;
-    for (int32_t i = 0; i < n; i++)
-        if (prompt[i] < 0 || prompt[i] >= s->V) return err_set(err, "token %d is not in the vocabulary", prompt[i]);
     seq_state *st = &s->seqs[seq];
-    *st = (seq_state){.started = true, .root = prompt[n - 1]};
-    for (int32_t done = 0; done < n - 1;) {
-        int32_t k = n - 1 - done < chunk ? n - 1 - done : chunk;
-        eng_item it = {seq, ENG_APPEND, k, prompt + done, NULL, false};
-        llama_capture cap = capture_all(s, k);
-        bool feed = s->d && !st->resync && s->step_no >= s->retry_at;
-        if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
-            st->started = false;
-            return AE_ERR;
-        }
-        if (feed) {
-            /* Pair j: the feature at j with the token at j + 1. */
-            spec_feed f = {seq, done == 0, st->held, k, prompt + done + 1, s->features, false};
-            ae_error derr = {{0}};
-            spec_tree none;
-            if (s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr) == AE_OK) {
-                st->held += k;
-                st->fed = true;
-            } else {
-                /* The first step resets it with what it has by then. */
-                st->resync = true;
-                s->total.draft_failures++;
-            }
-        }
-        done += k;
+    if (*done == 0) {
+        if (eng_seq_len(s->e, seq) != 0) return err_set(err, "sequence %d is not a fresh engine sequence", seq);
+        for (int32_t i = 0; i < n; i++)
+            if (prompt[i] < 0 || prompt[i] >= s->V)
+                return err_set(err, "token %d is not in the vocabulary", prompt[i]);
+        *st = (seq_state){.started = true, .root = prompt[n - 1]};
+    } else if (!st->started || eng_seq_len(s->e, seq) != *done || *done > n - 1) {
+        return err_set(err, "sequence %d: prefill resumed at %d, the engine holds %d", seq, *done,
+                       eng_seq_len(s->e, seq));
     }
+    if (*done == n - 1) return AE_OK;
+    int32_t at = *done, k = n - 1 - at < chunk ? n - 1 - at : chunk;
+    eng_item it = {seq, ENG_APPEND, k, prompt + at, NULL, false};
+    llama_capture cap = capture_all(s, k);
+    bool feed = s->d && !st->resync && s->step_no >= s->retry_at;
+    if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
+        if (at == 0) st->started = false;
+        return AE_ERR;
+    }
+    if (feed) {
+        /* Pair j: the feature at j with the token at j + 1. */
+        spec_feed f = {seq, at == 0, st->held, k, prompt + at + 1, s->features, false};
+        ae_error derr = {{0}};
+        spec_tree none;
+        none.n = 0;
+        if (s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr) == AE_OK && none.n != SPEC_STATE_GONE) {
+            st->held += k;
+            st->fed = true;
+        } else {
+            /* The first step resets it with what it has by then. */
+            st->resync = true;
+            if (none.n == SPEC_STATE_GONE) s->total.state_gone++; /* (none.n is set only on success) */
+            else s->total.draft_failures++;
+        }
+    } else if (s->d) {
+        st->resync = true; /* pairs skipped: the drafter starts over from the window */
+    }
+    *done = at + k;
+    return AE_OK;
+}
+
+int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, ae_error *err) {
+    int32_t done = 0;
+    do {
+        if (spec_seq_prefill(s, seq, prompt, n, chunk, &done, err) != AE_OK) return AE_ERR;
+    } while (done < n - 1);
     /* A one-token prompt gives the drafter nothing to start from: the
      * first step is plain and feeds it then. */
     return AE_OK;
@@ -279,12 +297,17 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
     }
     ae_error derr = {{0}};
     /* trees is indexed by feed here, then spread to the sequences. */
-    if (s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr) != AE_OK) {
+    int rc = s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr);
+    if (rc != AE_OK) {
         for (int32_t i = 0; i < n; i++) {
             s->trees[i].n = 0;
             s->seqs[in[i].seq].resync = true;
         }
         s->total.draft_failures++;
+        if (rc == SPEC_DRAFT_DOWN) {
+            s->retry_at = s->step_no + 2;
+            return;
+        }
         s->failures++;
         int32_t pause = s->failures < 7 ? 1 << (s->failures - 1) : SPEC_MAX_PAUSE;
         s->retry_at = s->step_no + 1 + pause;
@@ -294,6 +317,13 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
     for (int32_t i = n - 1; i >= 0; i--) {
         int32_t f = s->feed_of[i];
         seq_state *st = &s->seqs[in[i].seq];
+        if (s->trees[f].n == SPEC_STATE_GONE) {
+            /* Keep the pending pairs: the reset next step sends them. */
+            st->resync = true;
+            s->total.state_gone++;
+            s->trees[i].n = 0;
+            continue;
+        }
         st->held = s->feeds[f].start + st->n_pending;
         st->n_pending = 0;
         st->fed = true;

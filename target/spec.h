@@ -58,9 +58,17 @@ typedef struct spec_feed {
     bool want_tree;
 } spec_feed;
 
+#define SPEC_STATE_GONE (-1)
+/* What propose returns when no drafter is reachable at all (a link that is
+ * down and reconnecting): asking costs nothing, so the calls pause one step
+ * without backing off, and speculation resumes as soon as it is back. */
+#define SPEC_DRAFT_DOWN 1
+
 typedef struct spec_drafter {
     void *ctx;
-    /* trees[i] for feeds[i] (n = 0: none). A failure drafts nothing this
+    /* trees[i] for feeds[i] (n = 0: none; n = SPEC_STATE_GONE: the drafter
+     * no longer holds what the feed assumed, so the sequence is reset there
+     * on its next call, without a pause). A failure drafts nothing this
      * step; decoding goes on without, the calls pause (1, 2, 4 .. 64
      * steps after consecutive failures), and then every sequence of the
      * failed call is reset at the drafter with the pairs of its last
@@ -117,6 +125,7 @@ typedef struct spec_stats {
     int64_t emitted;     /* tokens out: accepted + one bonus per step */
     int64_t bad_trees;   /* trees refused (malformed, wrong root) */
     int64_t draft_failures; /* propose calls that failed (total only) */
+    int64_t state_gone;     /* sequences the drafter had lost, reset on the next call */
     int64_t adapt_plain_steps; /* plain steps run because speculation was losing, probes included (total only) */
     int64_t adapt_off;   /* times adaptive speculation switched itself off (total only) */
     int64_t draft_ns;    /* time in the drafter (propose calls of steps) */
@@ -143,6 +152,13 @@ size_t spec_bytes(const model *m, const spec_config *cfg);
  * but the last token in chunks of at most `chunk`, feeding the drafter as
  * it goes; the last token becomes the root. */
 int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, ae_error *err);
+
+/* The same one chunk at a time, for a scheduler that runs other steps in
+ * between: *done is the prompt tokens prefilled so far (0 to begin with a
+ * fresh engine sequence); the call prefills the next chunk and advances
+ * it. The sequence is ready for spec_step once *done == n - 1. */
+int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
+                     ae_error *err);
 void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state */
 
 typedef struct spec_in {

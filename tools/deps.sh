@@ -4,6 +4,11 @@
 set -euo pipefail
 
 apt_pkgs=(gcc make clang libclang-rt-dev libcmocka-dev libcjson-dev ca-certificates)
+# The services' RPC link: libevent (with its OpenSSL and pthreads parts),
+# OpenSSL, and nanopb (generator + runtime) for proto/aerie.proto;
+# protoc compiles the same contract for the Python test client, and the
+# openssl tool makes the TLS tests' certificates.
+apt_pkgs+=(libevent-dev libssl-dev openssl nanopb libnanopb-dev protobuf-compiler)
 command -v python3 >/dev/null 2>&1 || apt_pkgs+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || apt_pkgs+=(python3-pip)
 
@@ -16,6 +21,13 @@ python3 -m pip --version >/dev/null 2>&1 || apt_pkgs+=(python3-pip)
 if [ "$(command -v python3)" = /usr/bin/python3 ]; then
     apt_pkgs+=(libopenblas0-pthread)
     python3 -c 'import torch' >/dev/null 2>&1 || apt_pkgs+=(python3-torch)
+fi
+
+py_missing=()
+# The integration tests speak the wire contract through Google's protobuf
+# runtime (tests/integration/aerie_rpc.py).
+if ! python3 -c 'import google.protobuf' >/dev/null 2>&1; then
+    if [ "$(command -v python3)" = /usr/bin/python3 ]; then apt_pkgs+=(python3-protobuf); else py_missing+=(protobuf); fi
 fi
 
 missing=()
@@ -31,7 +43,6 @@ if [ ${#missing[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-py_missing=()
 python3 -c 'import pytest' >/dev/null 2>&1 || py_missing+=(pytest)
 # numpy writes the random EAGLE-3 head the speculative tests run with
 # (tools/gen_eagle_fixture.py --default-head).

@@ -250,7 +250,7 @@ static int garbage_propose(void *ctx, const spec_feed *feeds, int32_t n, const s
         case 1: t->parents[2] = 2; break;         /* its own parent */
         case 2: t->tokens[1] = 32; break;         /* outside the vocabulary */
         case 3: t->parents[0] = 1; break;         /* a root with a parent */
-        case 4: t->n = -1; break;                 /* a negative size */
+        case 4: t->n = -2; break;                 /* a negative size (-1 is SPEC_STATE_GONE) */
         default: t->n = shape->tokens + 1; break; /* bigger than asked */
         }
     }
@@ -291,6 +291,7 @@ typedef struct flaky {
     const spec_drafter *real;
     int32_t calls, fail_at, forget_at;
     draft_link *link;
+    int32_t gone_at, down_at; /* answers SPEC_STATE_GONE for the sequence, or SPEC_DRAFT_DOWN */
 } flaky;
 
 static int flaky_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
@@ -299,7 +300,10 @@ static int flaky_propose(void *ctx, const spec_feed *feeds, int32_t n, const spe
     int32_t call = fl->calls++;
     if (call == fl->fail_at) return err_set(err, "deadline exceeded");
     if (call == fl->forget_at) drafter_release(fl->link->drafter, feeds[0].seq);
-    return fl->real->propose(fl->real->ctx, feeds, n, shape, trees, err);
+    if (call == fl->down_at) return SPEC_DRAFT_DOWN;
+    int rc = fl->real->propose(fl->real->ctx, feeds, n, shape, trees, err);
+    if (call == fl->gone_at) trees[0].n = SPEC_STATE_GONE;
+    return rc;
 }
 
 /* One failed call, or a drafter that lost a sequence's state: decoding
@@ -312,19 +316,23 @@ static void test_speculation_resumes_after_a_drafter_failure(void **state) {
     int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
     int32_t n = prompt(20, ids);
     plain_greedy(f.e, ids, n, N_GEN, want);
-    for (int k = 0; k < 2; k++) {
-        flaky fl = {&f.link.iface, 0, k == 0 ? 4 : -1, k == 1 ? 4 : -1, &f.link};
+    for (int k = 0; k < 4; k++) {
+        flaky fl = {&f.link.iface, 0, k == 0 ? 4 : -1, k == 1 ? 4 : -1, &f.link, k == 2 ? 4 : -1, k == 3 ? 4 : -1};
         spec_drafter d = {&fl, flaky_propose, NULL};
         spec *s = spec_open(&f, &d, (spec_shape){4, 3, 8});
         spec_generate(s, f.e, ids, n, &greedy, 0, N_GEN, got);
         assert_memory_equal(got, want, sizeof got);
         const spec_stats *st = spec_total_stats(s);
-        assert_int_equal(st->draft_failures, 1);
         /* Calls 0 and 1 feed the prompt's 20 pairs (chunks of 16), calls
          * 2 and 3 are steps; call 4 fails (or finds the state gone), so
          * that step and the next (the pause) are plain, and then every
-         * step speculates again from a reset. */
-        assert_int_equal(st->plain_steps, 2);
+         * step speculates again from a reset. A drafter that answers the
+         * sequence is gone (k = 2) costs that one step: the next call
+         * resets it, no pause. A link that is down (k = 3) pauses one step
+         * without backing off. */
+        assert_int_equal(st->draft_failures, k == 2 ? 0 : 1);
+        assert_int_equal(st->state_gone, k == 2 ? 1 : 0);
+        assert_int_equal(st->plain_steps, k == 2 ? 1 : 2);
         assert_int_equal(st->steps + st->plain_steps + st->accepted, st->emitted);
         assert_true(st->steps >= 10);
         spec_free(s);

@@ -1,0 +1,156 @@
+/* aerie-draft: the EAGLE-3 head as a service (draft/server.h). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cli/draft_link.h"
+#include "../cli/plan.h"
+#include "../services/core/log.h"
+#include "../services/core/pool.h"
+#include "../services/core/svc.h"
+#include "../target/memplan.h"
+#include "server.h"
+
+static const cfg_option opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "the target model (.gguf or Hugging Face directory): the head reads its embedding table"},
+    {"draft", CFG_STRING, "auto", 0, 0, "EAGLE-3 head directory (auto: the head trained for this model file, found beside it)"},
+    {"draft-weights", CFG_STRING, "q8_0", 0, 0,
+     "the head's matrices rounded to Q8_0 (q8_0: half the bytes per draft pass), or as the file has them (file)"},
+    {"listen", CFG_STRING, "unix:/tmp/aerie-draft.sock", 0, 0, "address: unix:PATH or HOST:PORT"},
+    {"tls-cert", CFG_STRING, NULL, 0, 0, "TLS 1.3 certificate chain (PEM); with tls-key, the link is TLS"},
+    {"tls-key", CFG_STRING, NULL, 0, 0, "TLS private key (PEM)"},
+    {"tls-client-ca", CFG_STRING, NULL, 0, 0, "demand client certificates signed by this CA (mutual TLS)"},
+    {"max-seqs", CFG_INT, "256", 64, 4096, "sequences whose draft state is kept at once (least recently used evicted)"},
+    {"max-seq-len", CFG_INT, "4096", 64, 1 << 24, "pairs of draft state one sequence keeps"},
+    {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame accepted, MiB"},
+    {"max-conns", CFG_INT, "256", 1, 65536, "connections open at once"},
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0, "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
+    {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
+};
+
+/* The plan: target model (for its embeddings) + head + drafter state,
+ * against mem-fraction x available. */
+static int plan_memory(cfg *c, const model *m, const eagle_head *h, const dsrv_config *dc, char *text, size_t cap,
+                       ae_error *err) {
+    uint64_t avail;
+    if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
+    if (cfg_is_auto(c, "mem-fraction")) cfg_set_auto_double(c, "mem-fraction", memplan_auto_fraction(avail));
+    double frac = cfg_double(c, "mem-fraction");
+    uint64_t budget = (uint64_t)(frac * (double)avail), state = dsrv_bytes(h, dc);
+    uint64_t total = m->weight_bytes + h->weight_bytes + state;
+    char b[5][32];
+    memplan_fmt_bytes(avail, b[0], 32);
+    memplan_fmt_bytes(budget, b[1], 32);
+    memplan_fmt_bytes(m->weight_bytes, b[2], 32);
+    memplan_fmt_bytes(h->weight_bytes, b[3], 32);
+    memplan_fmt_bytes(state, b[4], 32);
+    char tot[32];
+    memplan_fmt_bytes(total, tot, sizeof tot);
+    snprintf(text, cap,
+             "budget = mem-fraction %.3f x available %s = %s\n"
+             "target model (embedding table) = %s\n"
+             "head weights = %s\n"
+             "draft state = max-seqs %d x max-seq-len %d pairs of head KV, plus scratch = %s\n"
+             "total = %s %s budget",
+             frac, b[0], b[1], b[2], b[3], dc->max_keys, dc->max_seq_len, b[4], tot, total <= budget ? "<=" : ">");
+    if (total > budget) {
+        uint64_t per_seq = state / (uint64_t)dc->max_keys;
+        int64_t fit = per_seq ? (int64_t)((budget > m->weight_bytes + h->weight_bytes
+                                               ? budget - m->weight_bytes - h->weight_bytes
+                                               : 0) /
+                                          per_seq)
+                              : 0;
+        for (char *p = text; *p; p++)
+            if (*p == '\n') *p = ';';
+        return err_set(err, "memory plan does not fit: %s. Lower --max-seqs (about %lld fit) or --max-seq-len, or raise --mem-fraction",
+                       text, (long long)fit);
+    }
+    return AE_OK;
+}
+
+int main(int argc, char **argv) {
+    svc_signals_init();
+    log_set_level(LOG_INFO);
+    ae_error err = {{0}};
+    cfg *c = NULL;
+    model *m = NULL;
+    eagle_head *h = NULL;
+    dsrv *d = NULL;
+    rpc_loop *loop = NULL;
+    rpc_server *srv = NULL;
+    bool print_config, help;
+    int rc = 2;
+    if (svc_config_load(&c, "aerie-draft", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
+                        &err) != AE_OK)
+        goto out;
+    if (help) {
+        rc = 0;
+        goto out;
+    }
+    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+    const char *model_path = cfg_str(c, "model");
+    if (!model_path) {
+        err_set(&err, "no model given (use --model FILE)");
+        goto out;
+    }
+    if (model_load(&m, model_path, &err) != AE_OK) goto out;
+    cli_resolve_draft(c);
+    const char *dir = cli_draft_dir(c);
+    if (!dir) {
+        err_set(&err, "no EAGLE-3 head: none found beside %s (use --draft DIR)", model_path);
+        goto out;
+    }
+    eagle_weights held_as;
+    if (eagle_weights_parse(cfg_str(c, "draft-weights"), &held_as, &err) != AE_OK) goto out;
+    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    if (eagle_load(&h, dir, &t, held_as, &err) != AE_OK) goto out;
+    dsrv_config dc = {(int32_t)cfg_int(c, "max-seqs"), (int32_t)cfg_int(c, "max-seq-len"), CLI_PREFILL_CHUNK,
+                      (int32_t)cfg_int(c, "threads")};
+    char plan[2048];
+    if (plan_memory(c, m, h, &dc, plan, sizeof plan, &err) != AE_OK) goto out;
+    if (print_config) {
+        svc_print_config(c);
+        rc = 0;
+        goto out;
+    }
+    cfg_log(c, "aerie-draft");
+    for (char *line = plan, *nl; line && *line; line = nl ? nl + 1 : NULL) {
+        nl = strchr(line, '\n');
+        LOG_INFOF("memplan %.*s", nl ? (int)(nl - line) : (int)strlen(line), line);
+    }
+    if (dsrv_init(&d, h, &dc, &err) != AE_OK) goto out;
+    char *json = cfg_to_json(c);
+    dsrv_set_info(d, json, plan);
+    free(json);
+    rpc_server_config sc = {
+        .addr = cfg_str(c, "listen"),
+        .tls = {cfg_str(c, "tls-cert"), cfg_str(c, "tls-key"), cfg_str(c, "tls-client-ca")},
+        .max_frame = (uint32_t)cfg_int(c, "max-frame-mib") << 20,
+        .max_conns = (uint32_t)cfg_int(c, "max-conns"),
+        .handler = dsrv_handle,
+        .ctx = d,
+    };
+    if (rpc_loop_start(&loop, &err) != AE_OK || rpc_server_open(&srv, loop, &sc, &err) != AE_OK) goto out;
+    LOG_INFOF("draft_ready listen=%s head=%s tls=%s client_certs=%s", sc.addr, dir, sc.tls.cert ? "on" : "off",
+              sc.tls.ca ? "required" : "off");
+    svc_notify("READY=1");
+    int sig = svc_wait_signal();
+    svc_notify("STOPPING=1");
+    LOG_INFOF("draft_stopping signal=%d", sig);
+    dsrv_drain(d);
+    dsrv_stats st = dsrv_get_stats(d);
+    LOG_INFOF("draft_stopped calls=%llu seqs=%llu trees=%llu state_gone=%llu evictions=%llu errors=%llu",
+              (unsigned long long)st.calls, (unsigned long long)st.seqs, (unsigned long long)st.trees,
+              (unsigned long long)st.state_gone, (unsigned long long)st.evictions, (unsigned long long)st.errors);
+    rc = 0;
+out:
+    if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-draft: %s\n", err.msg);
+    rpc_server_close(srv);
+    rpc_loop_free(loop);
+    dsrv_free(d);
+    eagle_free(h);
+    model_free(m);
+    cfg_free(c);
+    return rc;
+}

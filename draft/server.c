@@ -1,0 +1,444 @@
+#include "server.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cjson/cJSON.h>
+
+#include "../services/core/log.h"
+#include "../services/rpc/msg.h"
+#include "../target/llama.h"
+#include "aerie.pb.h"
+
+#define DSRV_MAX_SEQS 64 /* per call: aerie.options ProposeRequest.seqs */
+#define DSRV_REPLY_CAP (aerie_ProposeReply_size + 64)
+
+/* One drafter slot: which (client, seq) it holds. */
+typedef struct slot {
+    bool used;
+    uint64_t client;
+    uint32_t seq;
+    uint64_t last_use; /* call number of its last use, for LRU */
+} slot;
+
+typedef struct job {
+    rpc_call *call;
+    struct job *next;
+} job;
+
+struct dsrv {
+    const eagle_head *head;
+    dsrv_config cfg;
+    drafter *drafter;
+    int32_t fw; /* feature width, 3H */
+    int32_t default_layers[EAGLE_N_AUX]; /* EAGLE-3's, for a head that names none */
+    slot *slots; /* [max_keys] */
+    bool *in_call; /* [max_keys] slots taken by the call being served */
+    uint64_t use_clock;
+    /* one Propose (the worker's) */
+    aerie_ProposeRequest req;
+    aerie_ProposeReply rep;
+    drafter_feed feeds[DSRV_MAX_SEQS];
+    tree_out trees[DSRV_MAX_SEQS];
+    int32_t feed_of[DSRV_MAX_SEQS]; /* -1: state gone */
+    uint8_t *out;                   /* [DSRV_REPLY_CAP] */
+    /* the worker */
+    pthread_t worker;
+    pthread_mutex_t mu; /* queue, stopping, draining, stats, info */
+    pthread_cond_t cv;
+    job *head_job, *tail_job;
+    int32_t queued;
+    bool busy, stopping, draining;
+    dsrv_stats stats;
+    char *config_json, *memory_plan;
+};
+
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+size_t dsrv_bytes(const eagle_head *h, const dsrv_config *cfg) {
+    drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL};
+    return drafter_bytes(h, &dc) + (size_t)cfg->max_keys * (sizeof(slot) + sizeof(bool)) + sizeof(dsrv) +
+           DSRV_REPLY_CAP;
+}
+
+/* The slot of (client, seq), or -1. */
+static int32_t slot_find(const dsrv *d, uint64_t client, uint32_t seq) {
+    for (int32_t k = 0; k < d->cfg.max_keys; k++)
+        if (d->slots[k].used && d->slots[k].client == client && d->slots[k].seq == seq) return k;
+    return -1;
+}
+
+/* A slot for a sequence that starts over: its own, a free one, or the
+ * least recently used one not taken by this call (taken[k]). */
+static int32_t slot_take(dsrv *d, uint64_t client, uint32_t seq, const bool *taken) {
+    int32_t k = slot_find(d, client, seq);
+    if (k >= 0) return k;
+    int32_t lru = -1;
+    for (k = 0; k < d->cfg.max_keys; k++) {
+        if (!d->slots[k].used) break;
+        if (!taken[k] && (lru < 0 || d->slots[k].last_use < d->slots[lru].last_use)) lru = k;
+    }
+    if (k == d->cfg.max_keys) {
+        if (lru < 0) return -1;
+        k = lru;
+        drafter_release(d->drafter, k);
+        d->stats.evictions++;
+    }
+    d->slots[k] = (slot){true, client, seq, 0};
+    return k;
+}
+
+uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *payload, uint32_t payload_len,
+                      uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *err) {
+    aerie_ProposeRequest *rq = &d->req;
+    *out_len = 0;
+    if (msg_decode(aerie_ProposeRequest_fields, rq, msg, len, err) != AE_OK) return RPC_INVALID_ARGUMENT;
+    tree_params tp = {(int32_t)rq->shape.steps, (int32_t)rq->shape.topk, (int32_t)rq->shape.tokens};
+    if (!rq->has_shape || rq->shape.steps > TREE_MAX_STEPS || rq->shape.topk > TREE_MAX_TOPK ||
+        rq->shape.tokens > TREE_MAX_NODES) {
+        err_set(err, "tree shape %u steps, top-%u, %u nodes is out of range (1..%d, 1..%d, 2..%d)", rq->shape.steps,
+                rq->shape.topk, rq->shape.tokens, TREE_MAX_STEPS, TREE_MAX_TOPK, TREE_MAX_NODES);
+        return RPC_INVALID_ARGUMENT;
+    }
+    if (tree_params_check(&tp, err) != AE_OK) return RPC_INVALID_ARGUMENT;
+    if (rq->feature_width != (uint32_t)d->fw) {
+        err_set(err, "features of width %u, this head takes %d (3 x hidden %d): another target model?",
+                rq->feature_width, d->fw, d->head->cfg.hidden);
+        return RPC_FAILED_PRECONDITION;
+    }
+    const int32_t *want = d->head->cfg.n_aux_layers ? d->head->cfg.aux_layers : d->default_layers;
+    bool layers_ok = rq->capture_layers_count == EAGLE_N_AUX;
+    for (int32_t i = 0; layers_ok && i < EAGLE_N_AUX; i++) layers_ok = rq->capture_layers[i] == (uint32_t)want[i];
+    if (!layers_ok) {
+        err_set(err, "features captured at other target layers than this head reads (%d, %d, %d)", want[0], want[1],
+                want[2]);
+        return RPC_FAILED_PRECONDITION;
+    }
+    int32_t n = (int32_t)rq->seqs_count;
+    /* Validate everything before any state changes. */
+    for (int32_t i = 0; i < n; i++) {
+        const aerie_DraftSeq *s = &rq->seqs[i];
+        for (int32_t j = 0; j < i; j++)
+            if (rq->seqs[j].seq == s->seq) {
+                err_set(err, "sequence %u appears twice in one call", s->seq);
+                return RPC_INVALID_ARGUMENT;
+            }
+        if (s->reset && s->start != 0) {
+            err_set(err, "sequence %u: reset with start %u (must be 0)", s->seq, s->start);
+            return RPC_INVALID_ARGUMENT;
+        }
+        if (s->pairs > (uint32_t)d->cfg.max_seq_len) {
+            err_set(err, "sequence %u: %u pairs in one call, at most %d", s->seq, s->pairs, d->cfg.max_seq_len);
+            return RPC_INVALID_ARGUMENT;
+        }
+        const void *tok, *feat;
+        if (frame_payload_slice(payload, payload_len, s->tokens.offset, s->tokens.length, sizeof(int32_t), s->pairs,
+                                &tok, err) != AE_OK ||
+            frame_payload_slice(payload, payload_len, s->features.offset, s->features.length,
+                                sizeof(float) * (size_t)d->fw, s->pairs, &feat, err) != AE_OK) {
+            err_prefix(err, "sequence %u: ", s->seq);
+            return RPC_INVALID_ARGUMENT;
+        }
+        const int32_t *t = tok;
+        for (uint32_t j = 0; j < s->pairs; j++)
+            if (t[j] < 0 || t[j] >= d->head->target.vocab) {
+                err_set(err, "sequence %u: token %d is not in the vocabulary of %d", s->seq, t[j],
+                        d->head->target.vocab);
+                return RPC_INVALID_ARGUMENT;
+            }
+        d->feeds[i] = (drafter_feed){-1, s->reset, (int32_t)s->start, (int32_t)s->pairs, t, feat, s->want_tree};
+    }
+    /* Map sequences to slots: known ones first (so that a new one never
+     * evicts a sequence of this very call), then the ones starting over. */
+    bool *mark = d->in_call;
+    memset(mark, 0, (size_t)d->cfg.max_keys);
+    d->use_clock++;
+    for (int32_t i = 0; i < n; i++) {
+        const aerie_DraftSeq *s = &rq->seqs[i];
+        d->feed_of[i] = -1;
+        if (s->reset) continue;
+        int32_t k = slot_find(d, rq->client, s->seq);
+        if (k < 0) continue;
+        mark[k] = true;
+        if (drafter_len(d->drafter, k) != (int32_t)s->start ||
+            (int64_t)s->start + s->pairs > d->cfg.max_seq_len)
+            continue; /* gone: out of step, or the window is full */
+        d->feed_of[i] = k;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        const aerie_DraftSeq *s = &rq->seqs[i];
+        if (!s->reset) continue;
+        int32_t k = slot_take(d, rq->client, s->seq, mark);
+        if (k < 0) {
+            err_set(err, "all %d draft slots are in this call", d->cfg.max_keys);
+            return RPC_RESOURCE_EXHAUSTED;
+        }
+        mark[k] = true;
+        d->feed_of[i] = k;
+    }
+    int32_t nf = 0;
+    drafter_feed feeds[DSRV_MAX_SEQS];
+    int32_t row_of[DSRV_MAX_SEQS];
+    for (int32_t i = 0; i < n; i++) {
+        row_of[i] = -1;
+        if (d->feed_of[i] < 0) continue;
+        feeds[nf] = d->feeds[i];
+        feeds[nf].key = d->feed_of[i];
+        d->slots[d->feed_of[i]].last_use = d->use_clock;
+        row_of[i] = nf++;
+    }
+    int64_t t0 = mono_ns();
+    if (nf > 0 && drafter_propose(d->drafter, feeds, nf, &tp, d->trees, err) != AE_OK) return RPC_INVALID_ARGUMENT;
+    int64_t busy = mono_ns() - t0;
+    aerie_ProposeReply *rp = &d->rep;
+    memset(rp, 0, sizeof *rp);
+    rp->trees_count = (pb_size_t)n;
+    rp->server_ns = (uint64_t)busy;
+    uint64_t trees = 0, pairs = 0, gone = 0;
+    for (int32_t i = 0; i < n; i++) {
+        aerie_DraftTree *t = &rp->trees[i];
+        if (row_of[i] < 0) {
+            t->status = aerie_SeqStatus_SEQ_STATE_GONE;
+            gone++;
+            continue;
+        }
+        pairs += (uint64_t)feeds[row_of[i]].n;
+        if (!feeds[row_of[i]].want_tree) continue;
+        const tree_out *o = &d->trees[row_of[i]];
+        if (o->n > 0) trees++;
+        t->tokens_count = t->parents_count = t->probs_count = (pb_size_t)o->n;
+        memcpy(t->tokens, o->tokens, (size_t)o->n * sizeof(int32_t));
+        memcpy(t->parents, o->parents, (size_t)o->n * sizeof(int32_t));
+        memcpy(t->probs, o->probs, (size_t)o->n * sizeof(float));
+    }
+    if (msg_encode(aerie_ProposeReply_fields, rp, out, cap, out_len, err) != AE_OK) return RPC_INTERNAL;
+    pthread_mutex_lock(&d->mu);
+    d->stats.calls++;
+    d->stats.seqs += (uint64_t)n;
+    d->stats.trees += trees;
+    d->stats.pairs += pairs;
+    d->stats.state_gone += gone;
+    d->stats.busy_ns += (uint64_t)busy;
+    int32_t used = 0;
+    for (int32_t k = 0; k < d->cfg.max_keys; k++) used += d->slots[k].used;
+    d->stats.keys_used = used;
+    pthread_mutex_unlock(&d->mu);
+    return RPC_OK;
+}
+
+static void do_release(dsrv *d, rpc_call *call) {
+    const rpc_request *rq = rpc_call_request(call);
+    aerie_ReleaseRequest r;
+    ae_error err = {{0}};
+    if (msg_decode(aerie_ReleaseRequest_fields, &r, rq->msg, rq->msg_len, &err) != AE_OK) {
+        rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s", err.msg);
+        return;
+    }
+    for (pb_size_t i = 0; i < r.seqs_count; i++) {
+        int32_t k = slot_find(d, r.client, r.seqs[i]);
+        if (k < 0) continue;
+        drafter_release(d->drafter, k);
+        d->slots[k].used = false;
+    }
+    rpc_call_finish(call, RPC_OK, NULL, 0, NULL, 0);
+}
+
+static void *worker_main(void *arg) {
+    dsrv *d = arg;
+    for (;;) {
+        pthread_mutex_lock(&d->mu);
+        while (!d->head_job && !d->stopping) pthread_cond_wait(&d->cv, &d->mu);
+        job *j = d->head_job;
+        if (!j) {
+            pthread_mutex_unlock(&d->mu);
+            return NULL;
+        }
+        d->head_job = j->next;
+        if (!d->head_job) d->tail_job = NULL;
+        d->queued--;
+        d->busy = true;
+        bool stopping = d->stopping;
+        pthread_mutex_unlock(&d->mu);
+        rpc_call *call = j->call;
+        free(j);
+        const rpc_request *rq = rpc_call_request(call);
+        if (stopping) {
+            rpc_call_fail(call, RPC_UNAVAILABLE, "the draft service is shutting down");
+        } else if (rpc_call_cancelled(call)) {
+            rpc_call_fail(call, RPC_CANCELLED, "cancelled before it ran");
+        } else if (rq->method == aerie_Method_DRAFT_RELEASE) {
+            do_release(d, call);
+        } else {
+            uint32_t out_len;
+            ae_error err = {{0}};
+            uint32_t st =
+                dsrv_propose(d, rq->msg, rq->msg_len, rq->payload, rq->payload_len, d->out, DSRV_REPLY_CAP, &out_len, &err);
+            if (st == RPC_OK) {
+                rpc_call_finish(call, RPC_OK, d->out, out_len, NULL, 0);
+            } else {
+                pthread_mutex_lock(&d->mu);
+                d->stats.errors++;
+                pthread_mutex_unlock(&d->mu);
+                LOG_WARNF("propose_refused status=%s reason=\"%s\"", rpc_status_name(st), err.msg);
+                rpc_call_fail(call, st, "%s", err.msg);
+            }
+        }
+        pthread_mutex_lock(&d->mu);
+        d->busy = false;
+        pthread_cond_broadcast(&d->cv);
+        pthread_mutex_unlock(&d->mu);
+    }
+}
+
+int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error *err) {
+    *out = NULL;
+    if (cfg->max_keys < DSRV_MAX_SEQS || cfg->max_keys > 4096)
+        return err_set(err, "draft: %d sequence slots; need %d..4096 (a call may carry %d sequences)", cfg->max_keys,
+                       DSRV_MAX_SEQS, DSRV_MAX_SEQS);
+    dsrv *d = calloc(1, sizeof *d);
+    if (!d) return err_set(err, "out of memory");
+    d->head = h;
+    d->cfg = *cfg;
+    d->fw = EAGLE_N_AUX * h->cfg.hidden;
+    llama_capture_default_layers(h->target.n_layers, d->default_layers);
+    pthread_mutex_init(&d->mu, NULL);
+    pthread_cond_init(&d->cv, NULL);
+    drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL};
+    d->slots = calloc((size_t)cfg->max_keys, sizeof *d->slots);
+    d->in_call = calloc((size_t)cfg->max_keys, sizeof *d->in_call);
+    d->out = malloc(DSRV_REPLY_CAP);
+    if (!d->slots || !d->in_call || !d->out) {
+        err_set(err, "out of memory");
+        goto fail;
+    }
+    if (drafter_init(&d->drafter, h, &dc, err) != AE_OK) goto fail;
+    if (pthread_create(&d->worker, NULL, worker_main, d) != 0) {
+        err_set(err, "cannot start the draft worker");
+        goto fail;
+    }
+    *out = d;
+    return AE_OK;
+fail:
+    drafter_free(d->drafter);
+    free(d->slots);
+    free(d->in_call);
+    free(d->out);
+    free(d);
+    return AE_ERR;
+}
+
+void dsrv_free(dsrv *d) {
+    if (!d) return;
+    pthread_mutex_lock(&d->mu);
+    d->stopping = true;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+    pthread_join(d->worker, NULL);
+    drafter_free(d->drafter);
+    free(d->slots);
+    free(d->in_call);
+    free(d->out);
+    free(d->config_json);
+    free(d->memory_plan);
+    pthread_mutex_destroy(&d->mu);
+    pthread_cond_destroy(&d->cv);
+    free(d);
+}
+
+void dsrv_set_info(dsrv *d, const char *config_json, const char *memory_plan) {
+    pthread_mutex_lock(&d->mu);
+    free(d->config_json);
+    free(d->memory_plan);
+    d->config_json = config_json ? strdup(config_json) : NULL;
+    d->memory_plan = memory_plan ? strdup(memory_plan) : NULL;
+    pthread_mutex_unlock(&d->mu);
+}
+
+dsrv_stats dsrv_get_stats(dsrv *d) {
+    pthread_mutex_lock(&d->mu);
+    dsrv_stats s = d->stats;
+    pthread_mutex_unlock(&d->mu);
+    return s;
+}
+
+void dsrv_drain(dsrv *d) {
+    pthread_mutex_lock(&d->mu);
+    d->draining = true;
+    while (d->head_job || d->busy) pthread_cond_wait(&d->cv, &d->mu);
+    pthread_mutex_unlock(&d->mu);
+}
+
+static void answer_info(dsrv *d, rpc_call *call) {
+    static _Thread_local aerie_InfoReply r;
+    static _Thread_local uint8_t buf[aerie_InfoReply_size];
+    memset(&r, 0, sizeof r);
+    r.contract_version = FRAME_VERSION;
+    snprintf(r.service, sizeof r.service, "aerie-draft");
+    pthread_mutex_lock(&d->mu);
+    snprintf(r.config_json, sizeof r.config_json, "%s", d->config_json ? d->config_json : "{}");
+    snprintf(r.memory_plan, sizeof r.memory_plan, "%s", d->memory_plan ? d->memory_plan : "");
+    dsrv_stats s = d->stats;
+    int32_t queued = d->queued;
+    pthread_mutex_unlock(&d->mu);
+    snprintf(r.stats_json, sizeof r.stats_json,
+             "{\"calls\": %llu, \"seqs\": %llu, \"trees\": %llu, \"pairs\": %llu, \"state_gone\": %llu, "
+             "\"evictions\": %llu, \"errors\": %llu, \"busy_seconds\": %.3f, \"keys_used\": %d, \"max_keys\": %d, "
+             "\"queued\": %d}",
+             (unsigned long long)s.calls, (unsigned long long)s.seqs, (unsigned long long)s.trees,
+             (unsigned long long)s.pairs, (unsigned long long)s.state_gone, (unsigned long long)s.evictions,
+             (unsigned long long)s.errors, (double)s.busy_ns / 1e9, s.keys_used, d->cfg.max_keys, queued);
+    uint32_t len;
+    ae_error err = {{0}};
+    if (msg_encode(aerie_InfoReply_fields, &r, buf, sizeof buf, &len, &err) != AE_OK)
+        rpc_call_fail(call, RPC_INTERNAL, "%s", err.msg);
+    else
+        rpc_call_finish(call, RPC_OK, buf, len, NULL, 0);
+}
+
+void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
+    dsrv *d = ctx;
+    switch (req->method) {
+    case aerie_Method_DRAFT_INFO:
+        answer_info(d, call);
+        return;
+    case aerie_Method_DRAFT_HEALTH: {
+        aerie_HealthReply h = {true, ""};
+        pthread_mutex_lock(&d->mu);
+        if (d->draining) h.serving = false, snprintf(h.reason, sizeof h.reason, "shutting down");
+        pthread_mutex_unlock(&d->mu);
+        uint8_t buf[aerie_HealthReply_size];
+        uint32_t len = 0;
+        msg_encode(aerie_HealthReply_fields, &h, buf, sizeof buf, &len, NULL);
+        rpc_call_finish(call, RPC_OK, buf, len, NULL, 0);
+        return;
+    }
+    case aerie_Method_DRAFT_PROPOSE:
+    case aerie_Method_DRAFT_RELEASE:
+        break;
+    default:
+        rpc_call_fail(call, RPC_UNIMPLEMENTED, "aerie-draft has no method %u", req->method);
+        return;
+    }
+    job *j = malloc(sizeof *j);
+    pthread_mutex_lock(&d->mu);
+    if (!j || d->draining || d->stopping) {
+        pthread_mutex_unlock(&d->mu);
+        rpc_call_fail(call, RPC_UNAVAILABLE, "%s", j ? "the draft service is shutting down" : "out of memory");
+        free(j);
+        return;
+    }
+    *j = (job){call, NULL};
+    if (d->tail_job) d->tail_job->next = j;
+    else d->head_job = j;
+    d->tail_job = j;
+    d->queued++;
+    pthread_cond_signal(&d->cv);
+    pthread_mutex_unlock(&d->mu);
+}

@@ -1,0 +1,73 @@
+/* aerie-draft's service: Draft.Propose, Release, Info and Health over the
+ * RPC link, on one drafter shared by every target that connects.
+ *
+ * State is kept per (client, sequence id): a client is a target's random
+ * 64-bit id, so a target that reconnects finds its sequences again. The
+ * drafter has max_keys slots (each holds up to max_seq_len pairs of head
+ * KV, reserved at start: the memory bound); a new sequence takes a free
+ * slot or evicts the least recently used one. A sequence whose state is
+ * gone (evicted, never seen, longer than max_seq_len, or holding another
+ * count than the client believes) is answered SEQ_STATE_GONE without a
+ * tree; the client re-primes it with reset and recent pairs. The other
+ * sequences of the call are served.
+ *
+ * Propose and Release run on one worker thread, in arrival order, so the
+ * event loop stays free for Info, Health, pings and other clients. */
+#ifndef AERIE_DRAFT_SERVER_H
+#define AERIE_DRAFT_SERVER_H
+
+#include <stdint.h>
+
+#include "../services/rpc/rpc.h"
+#include "drafter.h"
+#include "eagle.h"
+
+typedef struct dsrv_config {
+    int32_t max_keys;    /* sequences held at once (LRU beyond) */
+    int32_t max_seq_len; /* pairs one sequence may hold */
+    int32_t max_tokens;  /* pairs in one head pass */
+    int32_t threads;
+} dsrv_config;
+
+typedef struct dsrv_stats {
+    uint64_t calls;       /* Propose calls answered OK */
+    uint64_t seqs;        /* sequences in them */
+    uint64_t trees;       /* trees drafted */
+    uint64_t pairs;       /* pairs fed */
+    uint64_t state_gone;  /* sequences answered SEQ_STATE_GONE */
+    uint64_t evictions;   /* slots taken from the least recently used sequence */
+    uint64_t errors;      /* calls answered with an error status */
+    uint64_t busy_ns;     /* time in the drafter */
+    int32_t keys_used;
+} dsrv_stats;
+
+typedef struct dsrv dsrv;
+
+/* h must outlive the service. */
+int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error *err);
+/* Finishes queued calls with UNAVAILABLE, stops the worker, frees. */
+void dsrv_free(dsrv *d); /* NULL is a no-op */
+
+/* What Info serves: the resolved config (JSON) and the memory plan. */
+void dsrv_set_info(dsrv *d, const char *config_json, const char *memory_plan);
+
+/* The RPC handler (rpc_server_config.handler, ctx = d). */
+void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req);
+
+/* Stops admitting work: new calls end UNAVAILABLE; waits until the
+ * queued ones are done. */
+void dsrv_drain(dsrv *d);
+
+dsrv_stats dsrv_get_stats(dsrv *d);
+
+/* Bytes the service takes beyond the head's weights: the drafter and its
+ * message buffers. */
+size_t dsrv_bytes(const eagle_head *h, const dsrv_config *cfg);
+
+/* One Propose, without the link: decodes msg/payload, runs the drafter,
+ * encodes the reply into out[cap]. Returns the status; on an error, errtext
+ * says why and nothing changed. (The worker's body; tests call it.) */
+uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *payload, uint32_t payload_len,
+                      uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *errtext);
+
+#endif

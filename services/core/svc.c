@@ -1,0 +1,98 @@
+#include "svc.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "log.h"
+
+extern char **environ;
+
+void svc_signals_init(void) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+}
+
+int svc_wait_signal(void) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    int sig = 0;
+    while (sigwait(&set, &sig) != 0) {
+    }
+    return sig;
+}
+
+int svc_config_load(cfg **out, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+                    bool *print_config, bool *help, ae_error *err) {
+    *out = NULL;
+    *help = *print_config = false;
+    cfg *c = NULL;
+    char **pos = calloc((size_t)argc + 1, sizeof *pos);
+    int npos = 0;
+    if (!pos) return err_set(err, "out of memory");
+    if (cfg_init(&c, opts, n, err) != AE_OK) goto fail;
+    for (int i = 1; i < argc && strcmp(argv[i], "--"); i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            char *u = cfg_usage(c);
+            printf("usage: %s [options]\n\noptions:\n%s", service, u ? u : "");
+            printf("  --%-16s %s\n  --%-16s %s\n", "config FILE", "JSON file of settings", "print-config",
+                   "print the resolved settings with their sources, then exit");
+            free(u);
+            *help = true;
+            free(pos);
+            *out = c;
+            return AE_OK;
+        }
+    if (cfg_load(c, argc - 1, argv + 1, environ, pos, &npos, print_config, err) != AE_OK) goto fail;
+    if (npos > 0) {
+        err_set(err, "unexpected argument \"%s\"", pos[0]);
+        goto fail;
+    }
+    const char *level = cfg_str(c, "log-level");
+    log_level lv;
+    if (!level || !log_level_parse(level, &lv)) {
+        err_set(err, "log-level: expected debug, info, warn, error or off, got \"%s\"", level ? level : "");
+        goto fail;
+    }
+    log_set_level(lv);
+    free(pos);
+    *out = c;
+    return AE_OK;
+fail:
+    free(pos);
+    cfg_free(c);
+    return AE_ERR;
+}
+
+void svc_print_config(const cfg *c) {
+    char *json = cfg_to_json(c);
+    if (json) puts(json);
+    free(json);
+}
+
+void svc_notify(const char *state) {
+    const char *path = getenv("NOTIFY_SOCKET");
+    if (!path || (path[0] != '/' && path[0] != '@')) return;
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    size_t n = strlen(path);
+    if (n >= sizeof un.sun_path) return;
+    memcpy(un.sun_path, path, n);
+    if (un.sun_path[0] == '@') un.sun_path[0] = '\0'; /* abstract namespace */
+    int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return;
+    if (sendto(fd, state, strlen(state), 0, (struct sockaddr *)&un,
+               (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)) < 0)
+        LOG_WARNF("sd_notify_failed state=%s", state);
+    close(fd);
+}

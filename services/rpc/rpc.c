@@ -1,0 +1,1107 @@
+#include "rpc.h"
+
+#include <errno.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <event2/buffer.h>
+#include <event2/bufferevent.h>
+#include <event2/bufferevent_ssl.h>
+#include <event2/event.h>
+#include <event2/listener.h>
+#include <event2/thread.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+
+#include "../core/log.h"
+
+/* Bytes one read or write callback moves at most: a Propose of 8
+ * sequences x 8 pairs carries about 450 KB of features. */
+#define RPC_IO_CHUNK (1 << 20)
+
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- loop ---- */
+
+struct rpc_loop {
+    struct event_base *base;
+    struct event *keep; /* keeps the loop alive with nothing else to do */
+    pthread_t thread;
+};
+
+static pthread_once_t threads_once = PTHREAD_ONCE_INIT;
+static int threads_rc;
+static void threads_init(void) { threads_rc = evthread_use_pthreads(); }
+
+static void *loop_main(void *arg) {
+    rpc_loop *l = arg;
+    event_base_loop(l->base, EVLOOP_NO_EXIT_ON_EMPTY);
+    return NULL;
+}
+
+static void keep_cb(evutil_socket_t fd, short what, void *arg) { (void)fd, (void)what, (void)arg; }
+
+int rpc_loop_start(rpc_loop **out, ae_error *err) {
+    *out = NULL;
+    pthread_once(&threads_once, threads_init);
+    if (threads_rc != 0) return err_set(err, "libevent: no pthreads support");
+    rpc_loop *l = calloc(1, sizeof *l);
+    if (!l) return err_set(err, "out of memory");
+    l->base = event_base_new();
+    struct timeval hour = {3600, 0};
+    if (l->base) l->keep = event_new(l->base, -1, EV_PERSIST, keep_cb, NULL);
+    if (!l->base || !l->keep || event_add(l->keep, &hour) != 0) {
+        if (l->keep) event_free(l->keep);
+        if (l->base) event_base_free(l->base);
+        free(l);
+        return err_set(err, "libevent: cannot create an event loop");
+    }
+    if (pthread_create(&l->thread, NULL, loop_main, l) != 0) {
+        event_free(l->keep);
+        event_base_free(l->base);
+        free(l);
+        return err_set(err, "cannot start the RPC thread");
+    }
+    *out = l;
+    return AE_OK;
+}
+
+/* Runs fn(arg) on the loop thread and waits for it. */
+typedef struct loop_job {
+    void (*fn)(void *);
+    void *arg;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+} loop_job;
+
+static void job_cb(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    loop_job *j = arg;
+    j->fn(j->arg);
+    pthread_mutex_lock(&j->mu);
+    j->done = true;
+    pthread_cond_signal(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+static void loop_run(rpc_loop *l, void (*fn)(void *), void *arg) {
+    if (pthread_equal(pthread_self(), l->thread)) {
+        fn(arg);
+        return;
+    }
+    loop_job j = {fn, arg, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false};
+    struct timeval now = {0, 0};
+    AE_ASSERT(event_base_once(l->base, -1, EV_TIMEOUT, job_cb, &j, &now) == 0);
+    pthread_mutex_lock(&j.mu);
+    while (!j.done) pthread_cond_wait(&j.cv, &j.mu);
+    pthread_mutex_unlock(&j.mu);
+}
+
+void rpc_loop_free(rpc_loop *l) {
+    if (!l) return;
+    event_base_loopbreak(l->base);
+    pthread_join(l->thread, NULL);
+    event_free(l->keep);
+    event_base_free(l->base);
+    free(l);
+}
+
+/* ---- addresses and TLS ---- */
+
+typedef struct addr {
+    struct sockaddr_storage sa;
+    socklen_t len;
+    bool is_unix;
+    char host[256]; /* for the TLS peer check */
+} addr;
+
+static int addr_parse(const char *text, addr *a, ae_error *err) {
+    memset(a, 0, sizeof *a);
+    if (!text || !*text) return err_set(err, "no address given");
+    if (strncmp(text, "unix:", 5) == 0) {
+        struct sockaddr_un *un = (struct sockaddr_un *)&a->sa;
+        const char *path = text + 5;
+        if (!*path || strlen(path) >= sizeof un->sun_path)
+            return err_set(err, "Unix socket path \"%s\" is empty or too long (max %zu bytes)", path,
+                           sizeof un->sun_path - 1);
+        un->sun_family = AF_UNIX;
+        memcpy(un->sun_path, path, strlen(path) + 1);
+        a->len = (socklen_t)sizeof *un;
+        a->is_unix = true;
+        return AE_OK;
+    }
+    const char *colon = strrchr(text, ':');
+    if (!colon || colon == text || !colon[1])
+        return err_set(err, "address \"%s\" is neither unix:PATH nor HOST:PORT", text);
+    size_t hl = (size_t)(colon - text);
+    if (text[0] == '[' && hl >= 2 && text[hl - 1] == ']') text++, hl -= 2;
+    if (hl >= sizeof a->host) return err_set(err, "host name in \"%s\" is too long", text);
+    memcpy(a->host, text, hl);
+    a->host[hl] = '\0';
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    int rc = getaddrinfo(a->host, colon + 1, &hints, &res);
+    if (rc != 0) return err_set(err, "cannot resolve \"%s\": %s", text, gai_strerror(rc));
+    memcpy(&a->sa, res->ai_addr, res->ai_addrlen);
+    a->len = res->ai_addrlen;
+    freeaddrinfo(res);
+    return AE_OK;
+}
+
+static void ssl_error_text(char *buf, size_t cap) {
+    unsigned long e = ERR_get_error();
+    if (e) ERR_error_string_n(e, buf, cap);
+    else snprintf(buf, cap, "unknown TLS error");
+    ERR_clear_error();
+}
+
+static SSL_CTX *tls_ctx(const rpc_tls *t, bool server, ae_error *err) {
+    char why[256];
+    SSL_CTX *ctx = SSL_CTX_new(server ? TLS_server_method() : TLS_client_method());
+    if (!ctx) {
+        ssl_error_text(why, sizeof why);
+        err_set(err, "TLS: %s", why);
+        return NULL;
+    }
+    SSL_CTX_set_min_proto_version(ctx, TLS1_3_VERSION);
+    if (t->cert && SSL_CTX_use_certificate_chain_file(ctx, t->cert) != 1) {
+        ssl_error_text(why, sizeof why);
+        err_set(err, "TLS certificate %s: %s", t->cert, why);
+        goto fail;
+    }
+    if (t->key && (SSL_CTX_use_PrivateKey_file(ctx, t->key, SSL_FILETYPE_PEM) != 1 ||
+                   SSL_CTX_check_private_key(ctx) != 1)) {
+        ssl_error_text(why, sizeof why);
+        err_set(err, "TLS key %s: %s", t->key, why);
+        goto fail;
+    }
+    if (t->ca) {
+        if (SSL_CTX_load_verify_locations(ctx, t->ca, NULL) != 1) {
+            ssl_error_text(why, sizeof why);
+            err_set(err, "TLS CA %s: %s", t->ca, why);
+            goto fail;
+        }
+        SSL_CTX_set_verify(ctx, server ? SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT : SSL_VERIFY_PEER,
+                           NULL);
+    }
+    return ctx;
+fail:
+    SSL_CTX_free(ctx);
+    return NULL;
+}
+
+/* ---- connections (both sides) ---- */
+
+typedef struct conn conn;
+
+struct rpc_call {
+    conn *c;
+    uint32_t id;
+    atomic_bool cancelled;
+    bool streamed;
+    bool finished; /* a REPLY or END went out (the deadline may send one first) */
+    int64_t deadline_ns; /* 0: none */
+    rpc_request req;
+    uint8_t *msg, *payload;
+    rpc_call *prev, *next; /* the connection's open calls */
+};
+
+struct conn {
+    pthread_mutex_t mu; /* refs, closed, calls */
+    int refs;           /* the loop's while open, one per open call */
+    bool closed;
+    struct bufferevent *bev;
+    rpc_server *srv;
+    rpc_client *cli;
+    uint64_t id;
+    uint32_t max_frame;
+    frame_header hdr; /* of the frame being read */
+    bool have_hdr;
+    bool close_after_flush;
+    rpc_call *calls;
+    int64_t last_rx_ns;
+    bool ping_out;
+    struct event *keepalive;
+    conn *next; /* the server's connections */
+};
+
+static void conn_unref(conn *c) {
+    pthread_mutex_lock(&c->mu);
+    bool last = --c->refs == 0;
+    pthread_mutex_unlock(&c->mu);
+    if (!last) return;
+    if (c->keepalive) event_free(c->keepalive);
+    bufferevent_free(c->bev);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+/* Writes one frame; dropped when the connection is closed. */
+static int conn_sendv(conn *c, const frame_header *h, const void *msg, uint32_t len, const rpc_iov *parts,
+                      int n_parts) {
+    pthread_mutex_lock(&c->mu);
+    if (c->closed) {
+        pthread_mutex_unlock(&c->mu);
+        return AE_ERR;
+    }
+    c->refs++;
+    pthread_mutex_unlock(&c->mu);
+    uint8_t raw[FRAME_HEADER];
+    frame_encode_header(h, raw);
+    bufferevent_lock(c->bev);
+    struct evbuffer *out = bufferevent_get_output(c->bev);
+    int rc = evbuffer_add(out, raw, sizeof raw);
+    if (rc == 0 && len) rc = evbuffer_add(out, msg, len);
+    for (int i = 0; rc == 0 && i < n_parts; i++)
+        if (parts[i].len) rc = evbuffer_add(out, parts[i].base, parts[i].len);
+    bufferevent_unlock(c->bev);
+    conn_unref(c);
+    return rc == 0 ? AE_OK : AE_ERR;
+}
+
+static int conn_send(conn *c, const frame_header *h, const void *msg, uint32_t len, const void *payload,
+                     uint32_t plen) {
+    rpc_iov part = {payload, plen};
+    return conn_sendv(c, h, msg, len, &part, 1);
+}
+
+static void send_error(conn *c, uint8_t kind, uint32_t call_id, uint32_t status, const char *text) {
+    frame_header h = {FRAME_VERSION, kind, 0, call_id, status, 0, (uint32_t)strnlen(text, FRAME_MAX_ERROR), 0};
+    conn_send(c, &h, text, h.msg_len, NULL, 0);
+}
+
+static void server_conn_closed(conn *c);
+static void client_conn_closed(conn *c);
+
+/* Closes a connection (loop thread): its calls are cancelled and the
+ * socket shut; memory goes when the last open call is finished. */
+static void conn_close(conn *c) {
+    pthread_mutex_lock(&c->mu);
+    if (c->closed) {
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    c->closed = true;
+    for (rpc_call *k = c->calls; k; k = k->next) atomic_store(&k->cancelled, true);
+    pthread_mutex_unlock(&c->mu);
+    if (c->keepalive) event_del(c->keepalive);
+    bufferevent_disable(c->bev, EV_READ | EV_WRITE);
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    if (fd >= 0) shutdown(fd, SHUT_RDWR);
+    if (c->srv) server_conn_closed(c);
+    if (c->cli) client_conn_closed(c);
+    conn_unref(c);
+}
+
+/* Sends what is queued, then closes: for an error the peer should read. */
+static void conn_close_after_flush(conn *c) {
+    c->close_after_flush = true;
+    bufferevent_disable(c->bev, EV_READ);
+    if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) conn_close(c);
+}
+
+static void on_write(struct bufferevent *bev, void *arg) {
+    conn *c = arg;
+    if (c->close_after_flush && evbuffer_get_length(bufferevent_get_output(bev)) == 0) conn_close(c);
+}
+
+static void server_frame(conn *c, struct evbuffer *in);
+static void client_frame(conn *c, struct evbuffer *in);
+
+static void on_read(struct bufferevent *bev, void *arg) {
+    conn *c = arg;
+    struct evbuffer *in = bufferevent_get_input(bev);
+    c->last_rx_ns = mono_ns();
+    c->ping_out = false;
+    while (!c->closed && !c->close_after_flush) {
+        size_t avail = evbuffer_get_length(in);
+        if (!c->have_hdr) {
+            if (avail < FRAME_HEADER) break;
+            uint8_t raw[FRAME_HEADER];
+            evbuffer_remove(in, raw, FRAME_HEADER);
+            avail -= FRAME_HEADER;
+            ae_error why = {{0}};
+            frame_check chk = frame_decode_header(raw, c->max_frame, &c->hdr, &why);
+            if (chk != FRAME_OK) {
+                LOG_WARNF("rpc_bad_frame conn=%llu reason=\"%s\"", (unsigned long long)c->id, why.msg);
+                if (chk == FRAME_BAD_VERSION || chk == FRAME_TOO_BIG) {
+                    uint32_t status = chk == FRAME_TOO_BIG ? RPC_RESOURCE_EXHAUSTED : RPC_FAILED_PRECONDITION;
+                    /* The version byte is ours so that the peer can read why. */
+                    send_error(c, FRAME_REPLY, c->hdr.call_id, status, why.msg);
+                    conn_close_after_flush(c);
+                } else {
+                    conn_close(c);
+                }
+                return;
+            }
+            c->have_hdr = true;
+        }
+        if (avail < (size_t)c->hdr.msg_len + c->hdr.payload_len) {
+            bufferevent_setwatermark(bev, EV_READ, (size_t)c->hdr.msg_len + c->hdr.payload_len, 0);
+            return;
+        }
+        bufferevent_setwatermark(bev, EV_READ, 0, 0);
+        c->have_hdr = false;
+        if (c->srv) server_frame(c, in);
+        else client_frame(c, in);
+    }
+}
+
+static void skip_body(conn *c, struct evbuffer *in) {
+    evbuffer_drain(in, (size_t)c->hdr.msg_len + c->hdr.payload_len);
+}
+
+static void tune_bev(struct bufferevent *bev, bool tcp) {
+    bufferevent_set_max_single_read(bev, RPC_IO_CHUNK);
+    bufferevent_set_max_single_write(bev, RPC_IO_CHUNK);
+    evutil_socket_t fd = bufferevent_getfd(bev);
+    if (tcp && fd >= 0) {
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    }
+}
+
+/* ---- server ---- */
+
+struct rpc_server {
+    rpc_loop *loop;
+    rpc_server_config cfg;
+    char addr_text[256];
+    addr a;
+    SSL_CTX *ssl;
+    struct evconnlistener *listener;
+    pthread_mutex_t mu; /* conns, n_conns */
+    conn *conns;
+    int n_conns;
+    uint64_t next_conn_id;
+};
+
+static void server_conn_closed(conn *c) {
+    rpc_server *s = c->srv;
+    pthread_mutex_lock(&s->mu);
+    for (conn **p = &s->conns; *p; p = &(*p)->next)
+        if (*p == c) {
+            *p = c->next;
+            s->n_conns--;
+            break;
+        }
+    pthread_mutex_unlock(&s->mu);
+    if (s->cfg.on_close) s->cfg.on_close(s->cfg.ctx, c->id);
+    c->srv = NULL;
+}
+
+int rpc_server_conns(rpc_server *s) {
+    pthread_mutex_lock(&s->mu);
+    int n = s->n_conns;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+int rpc_server_port(rpc_server *s) {
+    if (s->a.is_unix) return 0;
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (getsockname(evconnlistener_get_fd(s->listener), (struct sockaddr *)&ss, &len) != 0) return 0;
+    return ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                    : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+}
+
+static void on_event(struct bufferevent *bev, short what, void *arg);
+
+static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct sockaddr *sa, int salen, void *arg) {
+    (void)lis, (void)sa, (void)salen;
+    rpc_server *s = arg;
+    pthread_mutex_lock(&s->mu);
+    bool full = (uint32_t)s->n_conns >= s->cfg.max_conns;
+    pthread_mutex_unlock(&s->mu);
+    if (full) {
+        LOG_WARNF("rpc_refused addr=%s reason=\"%u connections open (the limit)\"", s->addr_text, s->cfg.max_conns);
+        evutil_closesocket(fd);
+        return;
+    }
+    int opts = BEV_OPT_CLOSE_ON_FREE | BEV_OPT_THREADSAFE;
+    struct bufferevent *bev = NULL;
+    if (s->ssl) {
+        SSL *ssl = SSL_new(s->ssl);
+        if (ssl) bev = bufferevent_openssl_socket_new(s->loop->base, fd, ssl, BUFFEREVENT_SSL_ACCEPTING, opts);
+        if (!bev && ssl) SSL_free(ssl);
+    } else {
+        bev = bufferevent_socket_new(s->loop->base, fd, opts);
+    }
+    conn *c = bev ? calloc(1, sizeof *c) : NULL;
+    if (!c) {
+        if (bev) bufferevent_free(bev);
+        else evutil_closesocket(fd);
+        return;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    c->refs = 1;
+    c->bev = bev;
+    c->srv = s;
+    c->max_frame = s->cfg.max_frame;
+    c->last_rx_ns = mono_ns();
+    pthread_mutex_lock(&s->mu);
+    c->id = ++s->next_conn_id;
+    c->next = s->conns;
+    s->conns = c;
+    s->n_conns++;
+    pthread_mutex_unlock(&s->mu);
+    tune_bev(bev, !s->a.is_unix);
+    bufferevent_setcb(bev, on_read, on_write, on_event, c);
+    bufferevent_enable(bev, EV_READ | EV_WRITE);
+}
+
+static void call_unlink(rpc_call *k) {
+    conn *c = k->c;
+    pthread_mutex_lock(&c->mu);
+    if (k->prev) k->prev->next = k->next;
+    else if (c->calls == k) c->calls = k->next;
+    if (k->next) k->next->prev = k->prev;
+    k->prev = k->next = NULL;
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void call_free(rpc_call *k) {
+    conn *c = k->c;
+    call_unlink(k);
+    free(k->msg);
+    free(k->payload);
+    free(k);
+    conn_unref(c);
+}
+
+static void server_frame(conn *c, struct evbuffer *in) {
+    frame_header h = c->hdr;
+    if (h.kind == FRAME_PING) {
+        skip_body(c, in);
+        frame_header p = {FRAME_VERSION, FRAME_PONG, 0, h.call_id, 0, 0, 0, 0};
+        conn_send(c, &p, NULL, 0, NULL, 0);
+        return;
+    }
+    if (h.kind == FRAME_CANCEL) {
+        skip_body(c, in);
+        pthread_mutex_lock(&c->mu);
+        for (rpc_call *k = c->calls; k; k = k->next)
+            if (k->id == h.call_id) atomic_store(&k->cancelled, true);
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    if (h.kind == FRAME_PONG) {
+        skip_body(c, in);
+        return;
+    }
+    if (h.kind != FRAME_REQUEST) {
+        /* A client sends requests, cancels and pings only. */
+        LOG_WARNF("rpc_bad_frame conn=%llu reason=\"a client sent a frame of kind %u\"", (unsigned long long)c->id,
+                  h.kind);
+        send_error(c, FRAME_REPLY, h.call_id, RPC_INVALID_ARGUMENT, "a client may send requests, cancels and pings only");
+        conn_close_after_flush(c);
+        return;
+    }
+    bool dup = false;
+    pthread_mutex_lock(&c->mu);
+    for (rpc_call *k = c->calls; k; k = k->next) dup |= k->id == h.call_id;
+    pthread_mutex_unlock(&c->mu);
+    if (dup) {
+        skip_body(c, in);
+        send_error(c, FRAME_REPLY, h.call_id, RPC_ALREADY_EXISTS, "call id already in use on this connection");
+        return;
+    }
+    rpc_call *k = calloc(1, sizeof *k);
+    uint8_t *msg = malloc(h.msg_len ? h.msg_len : 1);
+    uint8_t *payload = aligned_alloc(16, ((size_t)h.payload_len + 15) / 16 * 16 + 16);
+    if (!k || !msg || !payload) {
+        free(k), free(msg), free(payload);
+        skip_body(c, in);
+        send_error(c, FRAME_REPLY, h.call_id, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    evbuffer_remove(in, msg, h.msg_len);
+    evbuffer_remove(in, payload, h.payload_len);
+    k->c = c;
+    k->id = h.call_id;
+    k->msg = msg;
+    k->payload = payload;
+    k->deadline_ns = h.timeout_us ? mono_ns() + (int64_t)h.timeout_us * 1000 : 0;
+    k->req = (rpc_request){h.method, h.timeout_us, msg, h.msg_len, payload, h.payload_len, c->id};
+    pthread_mutex_lock(&c->mu);
+    c->refs++;
+    k->next = c->calls;
+    if (c->calls) c->calls->prev = k;
+    c->calls = k;
+    pthread_mutex_unlock(&c->mu);
+    c->srv->cfg.handler(c->srv->cfg.ctx, k, &k->req);
+}
+
+bool rpc_call_cancelled(const rpc_call *k) {
+    return atomic_load(&k->cancelled) || (k->deadline_ns && mono_ns() > k->deadline_ns);
+}
+
+const rpc_request *rpc_call_request(const rpc_call *k) { return &k->req; }
+
+int rpc_call_item(rpc_call *k, const void *msg, uint32_t len, ae_error *err) {
+    if (rpc_call_cancelled(k)) return err_set(err, "the call was cancelled");
+    k->streamed = true;
+    frame_header h = {FRAME_VERSION, FRAME_ITEM, k->req.method, k->id, 0, 0, len, 0};
+    if (conn_send(k->c, &h, msg, len, NULL, 0) != AE_OK) return err_set(err, "the connection is closed");
+    return AE_OK;
+}
+
+void rpc_call_finish(rpc_call *k, uint32_t status, const void *msg, uint32_t len, const void *payload,
+                     uint32_t payload_len) {
+    if (status == RPC_OK && k->deadline_ns && mono_ns() > k->deadline_ns) {
+        rpc_call_fail(k, RPC_DEADLINE_EXCEEDED, "deadline of %u us exceeded", k->req.timeout_us);
+        return;
+    }
+    frame_header h = {FRAME_VERSION, k->streamed ? FRAME_END : FRAME_REPLY, k->req.method, k->id, status, 0, len,
+                      payload_len};
+    if (!k->finished) conn_send(k->c, &h, msg, len, payload, payload_len);
+    k->finished = true;
+    call_free(k);
+}
+
+void rpc_call_fail(rpc_call *k, uint32_t status, const char *fmt, ...) {
+    char text[FRAME_MAX_ERROR + 1];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    if (status == RPC_OK) status = RPC_UNKNOWN;
+    frame_header h = {FRAME_VERSION, k->streamed ? FRAME_END : FRAME_REPLY, k->req.method, k->id, status, 0,
+                      (uint32_t)strlen(text), 0};
+    if (!k->finished) conn_send(k->c, &h, text, h.msg_len, NULL, 0);
+    k->finished = true;
+    call_free(k);
+}
+
+static int listen_socket(rpc_server *s, ae_error *err) {
+    if (s->a.is_unix) {
+        const char *path = ((struct sockaddr_un *)&s->a.sa)->sun_path;
+        struct stat st;
+        if (lstat(path, &st) == 0) {
+            if (!S_ISSOCK(st.st_mode)) return err_set(err, "%s exists and is not a socket", path);
+            unlink(path); /* a stale socket of an earlier run */
+        }
+    }
+    evutil_socket_t fd = socket(s->a.sa.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) return err_set(err, "socket: %s", strerror(errno));
+    int one = 1;
+    if (!s->a.is_unix) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (struct sockaddr *)&s->a.sa, s->a.len) != 0 || listen(fd, 128) != 0) {
+        err_set(err, "cannot listen on %s: %s", s->addr_text, strerror(errno));
+        close(fd);
+        return AE_ERR;
+    }
+    s->listener = evconnlistener_new(s->loop->base, accept_cb, s, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_THREADSAFE, -1, fd);
+    if (!s->listener) {
+        close(fd);
+        return err_set(err, "libevent: cannot listen on %s", s->addr_text);
+    }
+    return AE_OK;
+}
+
+typedef struct open_job {
+    rpc_server *s;
+    int rc;
+    ae_error *err;
+} open_job;
+
+static void server_open_job(void *arg) {
+    open_job *j = arg;
+    j->rc = listen_socket(j->s, j->err);
+}
+
+int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg, ae_error *err) {
+    *out = NULL;
+    rpc_server *s = calloc(1, sizeof *s);
+    if (!s) return err_set(err, "out of memory");
+    pthread_mutex_init(&s->mu, NULL);
+    s->loop = l;
+    s->cfg = *cfg;
+    if (!s->cfg.max_frame) s->cfg.max_frame = RPC_DEFAULT_MAX_FRAME;
+    if (!s->cfg.max_conns) s->cfg.max_conns = 1024;
+    snprintf(s->addr_text, sizeof s->addr_text, "%s", cfg->addr ? cfg->addr : "");
+    s->cfg.addr = s->addr_text;
+    s->cfg.tls = (rpc_tls){0};
+    if (addr_parse(cfg->addr, &s->a, err) != AE_OK) goto fail;
+    if ((cfg->tls.cert != NULL) != (cfg->tls.key != NULL)) {
+        err_set(err, "TLS needs both a certificate and a key");
+        goto fail;
+    }
+    if (cfg->tls.ca && !cfg->tls.cert) {
+        err_set(err, "client certificates (a CA) need TLS: set a certificate and key too");
+        goto fail;
+    }
+    if (cfg->tls.cert && !(s->ssl = tls_ctx(&cfg->tls, true, err))) goto fail;
+    open_job j = {s, AE_OK, err};
+    loop_run(l, server_open_job, &j);
+    if (j.rc != AE_OK) goto fail;
+    *out = s;
+    return AE_OK;
+fail:
+    if (s->ssl) SSL_CTX_free(s->ssl);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+    return AE_ERR;
+}
+
+static void server_close_job(void *arg) {
+    rpc_server *s = arg;
+    evconnlistener_free(s->listener);
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        conn *c = s->conns;
+        pthread_mutex_unlock(&s->mu);
+        if (!c) break;
+        conn_close(c);
+    }
+    if (s->a.is_unix) unlink(((struct sockaddr_un *)&s->a.sa)->sun_path);
+}
+
+void rpc_server_close(rpc_server *s) {
+    if (!s) return;
+    loop_run(s->loop, server_close_job, s);
+    if (s->ssl) SSL_CTX_free(s->ssl);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+/* ---- client ---- */
+
+typedef struct pending {
+    uint32_t id;
+    conn *c;
+    rpc_reply *out;
+    rpc_item_fn on_item;
+    void *item_ctx;
+    bool done;
+    struct pending *next;
+} pending;
+
+struct rpc_client {
+    rpc_loop *loop;
+    rpc_client_config cfg;
+    char addr_text[256];
+    addr a;
+    SSL_CTX *ssl;
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a call ended, or the connection came or went */
+    conn *cur;         /* connecting or connected */
+    bool connected;
+    bool closing;
+    uint32_t next_id;
+    pending *pend;
+    int32_t backoff_ms;
+    struct event *retry;
+    uint64_t connects;
+};
+
+static void client_connect(rpc_client *cl);
+
+static void retry_cb(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    client_connect(arg);
+}
+
+static void reply_set_error(rpc_reply *r, uint32_t status, const char *text) {
+    r->status = status;
+    snprintf(r->error, sizeof r->error, "%s", text);
+    r->msg_len = r->payload_len = 0;
+}
+
+static void client_conn_closed(conn *c) {
+    rpc_client *cl = c->cli;
+    pthread_mutex_lock(&cl->mu);
+    for (pending *p = cl->pend; p; p = p->next)
+        if (p->c == c && !p->done) {
+            reply_set_error(p->out, RPC_UNAVAILABLE, "the connection was lost");
+            p->done = true;
+        }
+    bool was_connected = cl->cur == c && cl->connected;
+    if (cl->cur == c) {
+        cl->cur = NULL;
+        cl->connected = false;
+    }
+    bool closing = cl->closing;
+    pthread_cond_broadcast(&cl->cv);
+    pthread_mutex_unlock(&cl->mu);
+    if (was_connected && !closing) LOG_WARNF("rpc_disconnected addr=%s", cl->addr_text);
+    if (!closing) {
+        struct timeval tv = {cl->backoff_ms / 1000, (cl->backoff_ms % 1000) * 1000};
+        event_add(cl->retry, &tv);
+        cl->backoff_ms = cl->backoff_ms * 2 < RPC_BACKOFF_MAX_MS ? cl->backoff_ms * 2 : RPC_BACKOFF_MAX_MS;
+    }
+    c->cli = NULL;
+}
+
+static bool grow(uint8_t **buf, uint32_t *cap, uint32_t need, bool aligned) {
+    if (need <= *cap) return true;
+    uint32_t n = need < 4096 ? 4096 : need;
+    uint8_t *p = aligned ? aligned_alloc(16, ((size_t)n + 15) / 16 * 16) : malloc(n);
+    if (!p) return false;
+    free(*buf);
+    *buf = p;
+    *cap = n;
+    return true;
+}
+
+static void client_frame(conn *c, struct evbuffer *in) {
+    rpc_client *cl = c->cli;
+    frame_header h = c->hdr;
+    if (h.kind == FRAME_PONG || h.kind == FRAME_PING) {
+        skip_body(c, in);
+        if (h.kind == FRAME_PING) {
+            frame_header p = {FRAME_VERSION, FRAME_PONG, 0, h.call_id, 0, 0, 0, 0};
+            conn_send(c, &p, NULL, 0, NULL, 0);
+        }
+        return;
+    }
+    if (h.kind != FRAME_REPLY && h.kind != FRAME_ITEM && h.kind != FRAME_END) {
+        LOG_WARNF("rpc_bad_frame addr=%s reason=\"a server sent a frame of kind %u\"", cl->addr_text, h.kind);
+        conn_close(c);
+        return;
+    }
+    pthread_mutex_lock(&cl->mu);
+    pending *p = cl->pend;
+    while (p && !(p->id == h.call_id && p->c == c)) p = p->next;
+    if (!p || p->done) {
+        /* A call the caller gave up on (deadline), or a refusal of the
+         * whole connection (call id 0). */
+        pthread_mutex_unlock(&cl->mu);
+        if (h.status != RPC_OK && h.kind != FRAME_ITEM && h.call_id == 0) {
+            char text[FRAME_MAX_ERROR + 1];
+            uint32_t n = h.msg_len < FRAME_MAX_ERROR ? h.msg_len : FRAME_MAX_ERROR;
+            evbuffer_copyout(in, text, n);
+            text[n] = '\0';
+            LOG_WARNF("rpc_call_refused addr=%s status=%s reason=\"%s\"", cl->addr_text, rpc_status_name(h.status),
+                      text);
+        }
+        skip_body(c, in);
+        return;
+    }
+    rpc_reply *r = p->out;
+    if (h.kind == FRAME_ITEM) {
+        if (!grow(&r->msg, &r->msg_cap, h.msg_len, false)) {
+            skip_body(c, in);
+        } else {
+            evbuffer_remove(in, r->msg, h.msg_len);
+            evbuffer_drain(in, h.payload_len);
+            if (p->on_item && !p->on_item(p->item_ctx, r->msg, h.msg_len)) {
+                frame_header x = {FRAME_VERSION, FRAME_CANCEL, 0, h.call_id, 0, 0, 0, 0};
+                conn_send(c, &x, NULL, 0, NULL, 0);
+            }
+        }
+        pthread_mutex_unlock(&cl->mu);
+        return;
+    }
+    r->status = h.status;
+    r->error[0] = '\0';
+    if (h.status != RPC_OK) {
+        uint32_t n = h.msg_len < FRAME_MAX_ERROR ? h.msg_len : FRAME_MAX_ERROR;
+        evbuffer_copyout(in, r->error, n);
+        r->error[n] = '\0';
+        skip_body(c, in);
+        r->msg_len = r->payload_len = 0;
+    } else if (!grow(&r->msg, &r->msg_cap, h.msg_len, false) ||
+               !grow(&r->payload, &r->payload_cap, h.payload_len, true)) {
+        skip_body(c, in);
+        reply_set_error(r, RPC_RESOURCE_EXHAUSTED, "out of memory for the reply");
+    } else {
+        evbuffer_remove(in, r->msg, h.msg_len);
+        evbuffer_remove(in, r->payload, h.payload_len);
+        r->msg_len = h.msg_len;
+        r->payload_len = h.payload_len;
+    }
+    p->done = true;
+    pthread_cond_broadcast(&cl->cv);
+    pthread_mutex_unlock(&cl->mu);
+}
+
+static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    conn *c = arg;
+    rpc_client *cl = c->cli;
+    if (!cl || c->closed) return;
+    int64_t idle_ms = (mono_ns() - c->last_rx_ns) / 1000000;
+    if (c->ping_out && idle_ms >= (int64_t)cl->cfg.keepalive_ms) {
+        LOG_WARNF("rpc_keepalive_timeout addr=%s idle_ms=%lld", cl->addr_text, (long long)idle_ms);
+        conn_close(c);
+        return;
+    }
+    if (idle_ms >= (int64_t)cl->cfg.keepalive_ms && !c->ping_out) {
+        c->ping_out = true;
+        c->last_rx_ns = mono_ns();
+        frame_header p = {FRAME_VERSION, FRAME_PING, 0, 0, 0, 0, 0, 0};
+        conn_send(c, &p, NULL, 0, NULL, 0);
+    }
+}
+
+static void on_event(struct bufferevent *bev, short what, void *arg) {
+    (void)bev;
+    conn *c = arg;
+    if (what & BEV_EVENT_CONNECTED) {
+        rpc_client *cl = c->cli;
+        if (!cl) return;
+        tune_bev(c->bev, !cl->a.is_unix);
+        pthread_mutex_lock(&cl->mu);
+        cl->connected = true;
+        cl->connects++;
+        cl->backoff_ms = RPC_BACKOFF_MIN_MS;
+        pthread_cond_broadcast(&cl->cv);
+        pthread_mutex_unlock(&cl->mu);
+        c->last_rx_ns = mono_ns();
+        struct timeval tv = {cl->cfg.keepalive_ms / 2000, (cl->cfg.keepalive_ms / 2 % 1000) * 1000};
+        c->keepalive = event_new(cl->loop->base, -1, EV_PERSIST, keepalive_cb, c);
+        if (c->keepalive) event_add(c->keepalive, &tv);
+        LOG_INFOF("rpc_connected addr=%s", cl->addr_text);
+        return;
+    }
+    if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR | BEV_EVENT_TIMEOUT)) {
+        if (what & BEV_EVENT_ERROR) {
+            unsigned long e = bufferevent_get_openssl_error(c->bev);
+            if (e) {
+                char why[256];
+                ERR_error_string_n(e, why, sizeof why);
+                LOG_WARNF("rpc_tls_error conn=%llu reason=\"%s\"", (unsigned long long)c->id, why);
+            }
+        }
+        conn_close(c);
+    }
+}
+
+static void client_connect(rpc_client *cl) {
+    if (cl->closing) return;
+    int opts = BEV_OPT_CLOSE_ON_FREE | BEV_OPT_THREADSAFE;
+    struct bufferevent *bev = NULL;
+    if (cl->ssl) {
+        SSL *ssl = SSL_new(cl->ssl);
+        if (ssl && !cl->a.is_unix) {
+            struct in6_addr tmp;
+            if (inet_pton(AF_INET, cl->a.host, &tmp) == 1 || inet_pton(AF_INET6, cl->a.host, &tmp) == 1)
+                X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl), cl->a.host);
+            else {
+                SSL_set1_host(ssl, cl->a.host);
+                SSL_set_tlsext_host_name(ssl, cl->a.host);
+            }
+        }
+        if (ssl) bev = bufferevent_openssl_socket_new(cl->loop->base, -1, ssl, BUFFEREVENT_SSL_CONNECTING, opts);
+        if (!bev && ssl) SSL_free(ssl);
+    } else {
+        bev = bufferevent_socket_new(cl->loop->base, -1, opts);
+    }
+    conn *c = bev ? calloc(1, sizeof *c) : NULL;
+    if (!c) {
+        if (bev) bufferevent_free(bev);
+        struct timeval tv = {cl->backoff_ms / 1000, (cl->backoff_ms % 1000) * 1000};
+        event_add(cl->retry, &tv);
+        return;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    c->refs = 1;
+    c->bev = bev;
+    c->cli = cl;
+    c->max_frame = cl->cfg.max_frame;
+    pthread_mutex_lock(&cl->mu);
+    cl->cur = c;
+    cl->connected = false;
+    pthread_mutex_unlock(&cl->mu);
+    bufferevent_setcb(bev, on_read, on_write, on_event, c);
+    bufferevent_enable(bev, EV_READ | EV_WRITE);
+    if (bufferevent_socket_connect(bev, (struct sockaddr *)&cl->a.sa, (int)cl->a.len) != 0) conn_close(c);
+}
+
+static void client_start_job(void *arg) { client_connect(arg); }
+
+int rpc_client_open(rpc_client **out, rpc_loop *l, const rpc_client_config *cfg, ae_error *err) {
+    *out = NULL;
+    rpc_client *cl = calloc(1, sizeof *cl);
+    if (!cl) return err_set(err, "out of memory");
+    pthread_mutex_init(&cl->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&cl->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    cl->loop = l;
+    cl->cfg = *cfg;
+    cl->cfg.tls = (rpc_tls){0};
+    if (!cl->cfg.max_frame) cl->cfg.max_frame = RPC_DEFAULT_MAX_FRAME;
+    if (!cl->cfg.keepalive_ms) cl->cfg.keepalive_ms = RPC_KEEPALIVE_MS;
+    snprintf(cl->addr_text, sizeof cl->addr_text, "%s", cfg->addr ? cfg->addr : "");
+    cl->cfg.addr = cl->addr_text;
+    cl->backoff_ms = RPC_BACKOFF_MIN_MS;
+    cl->next_id = 1;
+    if (addr_parse(cfg->addr, &cl->a, err) != AE_OK) goto fail;
+    if ((cfg->tls.cert != NULL) != (cfg->tls.key != NULL)) {
+        err_set(err, "a TLS client certificate needs both a certificate and a key");
+        goto fail;
+    }
+    if (cfg->tls.cert && !cfg->tls.ca) {
+        err_set(err, "TLS needs the CA that signed the server's certificate");
+        goto fail;
+    }
+    if (cfg->tls.ca && !(cl->ssl = tls_ctx(&cfg->tls, false, err))) goto fail;
+    cl->retry = event_new(l->base, -1, 0, retry_cb, cl);
+    if (!cl->retry) {
+        err_set(err, "libevent: out of memory");
+        goto fail;
+    }
+    loop_run(l, client_start_job, cl);
+    *out = cl;
+    return AE_OK;
+fail:
+    if (cl->ssl) SSL_CTX_free(cl->ssl);
+    pthread_cond_destroy(&cl->cv);
+    pthread_mutex_destroy(&cl->mu);
+    free(cl);
+    return AE_ERR;
+}
+
+static void client_close_job(void *arg) {
+    rpc_client *cl = arg;
+    event_del(cl->retry);
+    pthread_mutex_lock(&cl->mu);
+    conn *c = cl->cur;
+    pthread_mutex_unlock(&cl->mu);
+    if (c) conn_close(c);
+}
+
+void rpc_client_close(rpc_client *cl) {
+    if (!cl) return;
+    pthread_mutex_lock(&cl->mu);
+    cl->closing = true;
+    pthread_mutex_unlock(&cl->mu);
+    loop_run(cl->loop, client_close_job, cl);
+    /* Callers still waiting were woken with UNAVAILABLE by the close;
+     * the API asks that none is left by now. */
+    event_free(cl->retry);
+    if (cl->ssl) SSL_CTX_free(cl->ssl);
+    pthread_cond_destroy(&cl->cv);
+    pthread_mutex_destroy(&cl->mu);
+    free(cl);
+}
+
+bool rpc_client_connected(rpc_client *cl) {
+    pthread_mutex_lock(&cl->mu);
+    bool ok = cl->connected;
+    pthread_mutex_unlock(&cl->mu);
+    return ok;
+}
+
+uint64_t rpc_client_connects(rpc_client *cl) {
+    pthread_mutex_lock(&cl->mu);
+    uint64_t n = cl->connects;
+    pthread_mutex_unlock(&cl->mu);
+    return n;
+}
+
+static struct timespec abs_after_ns(int64_t ns) {
+    int64_t t = mono_ns() + ns;
+    return (struct timespec){t / 1000000000, t % 1000000000};
+}
+
+bool rpc_client_wait_connected(rpc_client *cl, int64_t timeout_ms) {
+    struct timespec until = abs_after_ns(timeout_ms * 1000000);
+    pthread_mutex_lock(&cl->mu);
+    while (!cl->connected && pthread_cond_timedwait(&cl->cv, &cl->mu, &until) == 0) {
+    }
+    bool ok = cl->connected;
+    pthread_mutex_unlock(&cl->mu);
+    return ok;
+}
+
+void rpc_reply_free(rpc_reply *r) {
+    free(r->msg);
+    free(r->payload);
+    memset(r, 0, sizeof *r);
+}
+
+uint32_t rpc_client_call(rpc_client *cl, uint16_t method, const void *msg, uint32_t len, const void *payload,
+                         uint32_t payload_len, uint32_t timeout_us, rpc_item_fn on_item, void *item_ctx,
+                         rpc_reply *out) {
+    rpc_iov part = {payload, payload_len};
+    return rpc_client_callv(cl, method, msg, len, &part, 1, timeout_us, on_item, item_ctx, out);
+}
+
+uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint32_t len, const rpc_iov *parts,
+                          int n_parts, uint32_t timeout_us, rpc_item_fn on_item, void *item_ctx, rpc_reply *out) {
+    uint64_t payload_len = 0;
+    for (int i = 0; i < n_parts; i++) payload_len += parts[i].len;
+    out->msg_len = out->payload_len = 0;
+    out->error[0] = '\0';
+    if (len + payload_len > cl->cfg.max_frame) {
+        char text[128];
+        snprintf(text, sizeof text, "request of %llu bytes is over the frame limit of %u bytes",
+                 (unsigned long long)(len + payload_len), cl->cfg.max_frame);
+        reply_set_error(out, RPC_RESOURCE_EXHAUSTED, text);
+        return out->status;
+    }
+    pending p = {0, NULL, out, on_item, item_ctx, false, NULL};
+    pthread_mutex_lock(&cl->mu);
+    if (!cl->connected || !cl->cur) {
+        pthread_mutex_unlock(&cl->mu);
+        reply_set_error(out, RPC_UNAVAILABLE, "not connected");
+        return out->status;
+    }
+    conn *c = cl->cur;
+    p.id = cl->next_id++;
+    if (cl->next_id == 0) cl->next_id = 1;
+    p.c = c;
+    p.next = cl->pend;
+    cl->pend = &p;
+    pthread_mutex_lock(&c->mu);
+    c->refs++;
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&cl->mu);
+
+    frame_header h = {FRAME_VERSION, FRAME_REQUEST, method, p.id, 0, timeout_us, len, (uint32_t)payload_len};
+    bool sent = conn_sendv(c, &h, msg, len, parts, n_parts) == AE_OK;
+    struct timespec until = abs_after_ns(timeout_us ? (int64_t)timeout_us * 1000 : 0);
+    bool timed_out = false;
+    pthread_mutex_lock(&cl->mu);
+    if (!sent && !p.done) {
+        reply_set_error(out, RPC_UNAVAILABLE, "the connection was lost");
+        p.done = true;
+    }
+    while (!p.done) {
+        if (!timeout_us) {
+            pthread_cond_wait(&cl->cv, &cl->mu);
+        } else if (pthread_cond_timedwait(&cl->cv, &cl->mu, &until) == ETIMEDOUT && !p.done) {
+            char text[96];
+            snprintf(text, sizeof text, "no reply within the deadline of %u us", timeout_us);
+            reply_set_error(out, RPC_DEADLINE_EXCEEDED, text);
+            p.done = timed_out = true;
+        }
+    }
+    for (pending **q = &cl->pend; *q; q = &(*q)->next)
+        if (*q == &p) {
+            *q = p.next;
+            break;
+        }
+    pthread_mutex_unlock(&cl->mu);
+    if (timed_out) {
+        /* Outside cl->mu: the loop thread takes it under the socket's lock. */
+        frame_header x = {FRAME_VERSION, FRAME_CANCEL, 0, p.id, 0, 0, 0, 0};
+        conn_send(c, &x, NULL, 0, NULL, 0);
+    }
+    conn_unref(c);
+    return out->status;
+}

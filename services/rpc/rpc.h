@@ -1,0 +1,163 @@
+/* The RPC link: calls between the services over TCP or Unix sockets,
+ * optionally TLS 1.3 (OpenSSL) with client certificates, on libevent.
+ *
+ * One connection carries many calls at once, each named by a call id
+ * (frame.h): unary calls (REQUEST -> REPLY) and server streams (REQUEST ->
+ * ITEM* -> END). A caller may CANCEL a call; a request may carry a timeout
+ * after which the server ends it with DEADLINE_EXCEEDED. Clients send PING
+ * frames while idle and drop a connection whose PONG does not come.
+ *
+ * Threads: an rpc_loop runs one event loop on its own thread; every
+ * socket's reads happen there. Server handlers are called on it and must
+ * not block: they hand work to other threads, which finish the call from
+ * there (the finishing functions take any thread). Client calls block the
+ * calling thread, never the loop's.
+ *
+ * Faults: a frame that cannot be trusted (bad magic or header, another
+ * contract version, over the size limit) is answered with an error where
+ * the peer can read one, and the connection closes; the other connections
+ * carry on. A bad message inside a good frame (unknown method, invalid
+ * protobuf, bad values) is the handler's to answer with an error status;
+ * the connection stays. Every buffer is bounded by the frame limit. */
+#ifndef AERIE_RPC_RPC_H
+#define AERIE_RPC_RPC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "../core/err.h"
+#include "frame.h"
+
+#define RPC_DEFAULT_MAX_FRAME (64u << 20)
+#define RPC_KEEPALIVE_MS 5000   /* a PING after this long without a frame from the peer */
+#define RPC_BACKOFF_MIN_MS 50   /* reconnect backoff: doubles up to the max */
+#define RPC_BACKOFF_MAX_MS 2000
+
+typedef struct rpc_loop rpc_loop;
+
+int rpc_loop_start(rpc_loop **out, ae_error *err);
+/* Closes every server and client on the loop, then stops and frees it. */
+void rpc_loop_free(rpc_loop *l); /* NULL is a no-op */
+
+/* TLS settings. A server uses TLS when cert and key are set; it then
+ * demands a client certificate signed by ca when ca is set (mutual TLS).
+ * A client uses TLS when ca is set (the server's certificate must chain
+ * to it) and presents cert/key when they are set. TLS 1.3 only. */
+typedef struct rpc_tls {
+    const char *cert, *key, *ca;
+} rpc_tls;
+
+/* Addresses: "unix:/path/to.sock", or "host:port" / "[v6]:port" (TCP). */
+
+/* ---- Server ---- */
+
+typedef struct rpc_call rpc_call;
+
+/* A request as the handler sees it. msg and payload stay valid until the
+ * call is finished; the payload is 16-byte aligned. */
+typedef struct rpc_request {
+    uint16_t method;
+    uint32_t timeout_us;
+    const uint8_t *msg;
+    uint32_t msg_len;
+    const uint8_t *payload;
+    uint32_t payload_len;
+    uint64_t conn_id; /* the connection's number in this server */
+} rpc_request;
+
+/* Called on the loop thread for every request. The handler owns the call
+ * and must finish it exactly once (rpc_call_finish / rpc_call_fail), from
+ * any thread, also when it was cancelled. */
+typedef void (*rpc_handler)(void *ctx, rpc_call *call, const rpc_request *req);
+
+typedef struct rpc_server_config {
+    const char *addr;
+    rpc_tls tls;
+    uint32_t max_frame; /* bytes of message plus payload; 0: RPC_DEFAULT_MAX_FRAME */
+    uint32_t max_conns; /* 0: 1024 */
+    rpc_handler handler;
+    void *ctx;
+    /* Called on the loop thread when a connection closes, after its calls
+     * were marked cancelled (may be NULL). */
+    void (*on_close)(void *ctx, uint64_t conn_id);
+} rpc_server_config;
+
+typedef struct rpc_server rpc_server;
+
+/* Listens on cfg->addr (a stale Unix socket file is replaced). */
+int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg, ae_error *err);
+/* Stops accepting, closes every connection (their calls are cancelled)
+ * and frees the server once handlers have finished their calls. */
+void rpc_server_close(rpc_server *s); /* NULL is a no-op */
+int rpc_server_conns(rpc_server *s);  /* connections open now */
+/* The TCP port listened on (the one picked for port 0); 0 for Unix. */
+int rpc_server_port(rpc_server *s);
+
+/* True once the caller cancelled, the deadline passed or the connection
+ * closed: the handler should stop work and finish the call. */
+bool rpc_call_cancelled(const rpc_call *c);
+const rpc_request *rpc_call_request(const rpc_call *c);
+/* Sends one stream item (fails once the call was cancelled). */
+int rpc_call_item(rpc_call *c, const void *msg, uint32_t len, ae_error *err);
+/* Finishes the call: a REPLY (or an END after items) with status, message
+ * and payload. The call is gone afterwards. */
+void rpc_call_finish(rpc_call *c, uint32_t status, const void *msg, uint32_t len, const void *payload,
+                     uint32_t payload_len);
+/* Finishes the call with an error status and text. */
+void rpc_call_fail(rpc_call *c, uint32_t status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* ---- Client ---- */
+
+typedef struct rpc_client rpc_client;
+
+typedef struct rpc_client_config {
+    const char *addr;
+    rpc_tls tls;
+    uint32_t max_frame;    /* 0: RPC_DEFAULT_MAX_FRAME */
+    uint32_t keepalive_ms; /* 0: RPC_KEEPALIVE_MS */
+} rpc_client_config;
+
+/* Connects in the background and reconnects with backoff whenever the
+ * connection is lost. The address is resolved here, once. */
+int rpc_client_open(rpc_client **out, rpc_loop *l, const rpc_client_config *cfg, ae_error *err);
+void rpc_client_close(rpc_client *c); /* NULL is a no-op; pending calls end UNAVAILABLE */
+bool rpc_client_connected(rpc_client *c);
+/* Blocks until connected or timeout_ms passes. */
+bool rpc_client_wait_connected(rpc_client *c, int64_t timeout_ms);
+/* Connections made so far (reconnects included). */
+uint64_t rpc_client_connects(rpc_client *c);
+
+/* A call's outcome. The buffers grow as needed and are reused by the next
+ * call with the same rpc_reply; rpc_reply_free releases them. */
+typedef struct rpc_reply {
+    uint32_t status;
+    char error[FRAME_MAX_ERROR + 1]; /* the peer's (or the link's) text when status != OK */
+    uint8_t *msg;
+    uint32_t msg_len, msg_cap;
+    uint8_t *payload; /* 16-byte aligned */
+    uint32_t payload_len, payload_cap;
+} rpc_reply;
+
+void rpc_reply_free(rpc_reply *r);
+
+/* Called on the loop thread with each stream item; returning false cancels
+ * the call. */
+typedef bool (*rpc_item_fn)(void *ctx, const uint8_t *msg, uint32_t len);
+
+/* Makes a call and waits for its end (never call from the loop thread).
+ * on_item: NULL for a unary call. timeout_us 0: none; at the deadline the
+ * call is cancelled and ends DEADLINE_EXCEEDED. Without a connection it
+ * ends UNAVAILABLE at once. Returns out->status. */
+uint32_t rpc_client_call(rpc_client *c, uint16_t method, const void *msg, uint32_t len, const void *payload,
+                         uint32_t payload_len, uint32_t timeout_us, rpc_item_fn on_item, void *item_ctx,
+                         rpc_reply *out);
+
+/* The same with the payload in pieces, sent back to back (no staging copy). */
+typedef struct rpc_iov {
+    const void *base;
+    uint32_t len;
+} rpc_iov;
+uint32_t rpc_client_callv(rpc_client *c, uint16_t method, const void *msg, uint32_t len, const rpc_iov *payload,
+                          int n_payload, uint32_t timeout_us, rpc_item_fn on_item, void *item_ctx, rpc_reply *out);
+
+#endif

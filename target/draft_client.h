@@ -1,0 +1,44 @@
+/* The target's side of the draft link: spec's drafter interface
+ * (spec.h) over RPC to an aerie-draft service.
+ *
+ * Each step's Propose carries, per sequence, the pairs committed since the
+ * last call: tokens and captured features ride in the frame's payload,
+ * referenced from the message. The call has a deadline; a draft that is
+ * down, slow, or answers with anything but a well-formed reply fails the
+ * call, and spec decodes without a tree (the output is the same, only
+ * slower) and pauses its calls. The RPC client reconnects in the
+ * background, and speculation resumes once the draft answers again
+ * (its state for our sequences is then gone: SEQ_STATE_GONE makes spec
+ * re-prime them). */
+#ifndef AERIE_TARGET_DRAFT_CLIENT_H
+#define AERIE_TARGET_DRAFT_CLIENT_H
+
+#include <stdint.h>
+
+#include "../services/rpc/rpc.h"
+#include "spec.h"
+
+typedef struct dcli_config {
+    const char *addr;
+    rpc_tls tls;
+    uint32_t deadline_us;  /* per Propose */
+    uint32_t max_frame;
+    int32_t feature_width; /* 3H */
+    int32_t capture[LLAMA_MAX_CAPTURE];
+    int32_t vocab;
+} dcli_config;
+
+typedef struct dcli_stats {
+    uint64_t calls, failures, deadline_exceeded, unavailable, bad_replies, state_gone;
+    uint64_t rtt_ns, server_ns; /* summed over successful calls */
+} dcli_stats;
+
+typedef struct dcli dcli;
+
+int dcli_open(dcli **out, rpc_loop *loop, const dcli_config *cfg, ae_error *err);
+void dcli_close(dcli *d); /* NULL is a no-op */
+const spec_drafter *dcli_drafter(dcli *d);
+bool dcli_connected(dcli *d);
+dcli_stats dcli_get_stats(dcli *d);
+
+#endif

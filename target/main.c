@@ -1,0 +1,167 @@
+/* aerie-target: the model as a service (target/server.h, sched.h), with
+ * speculation against an aerie-draft service when one is configured. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cli/plan.h"
+#include "../services/core/log.h"
+#include "../services/core/pool.h"
+#include "../services/core/svc.h"
+#include "../services/tokenizer/tok.h"
+#include "../services/model/gguf.h"
+#include "draft_client.h"
+#include "memplan.h"
+#include "sched.h"
+#include "server.h"
+
+static const cfg_option opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"listen", CFG_STRING, "unix:/tmp/aerie-target.sock", 0, 0, "address: unix:PATH or HOST:PORT"},
+    {"tls-cert", CFG_STRING, NULL, 0, 0, "TLS 1.3 certificate chain (PEM); with tls-key, the link is TLS"},
+    {"tls-key", CFG_STRING, NULL, 0, 0, "TLS private key (PEM)"},
+    {"tls-client-ca", CFG_STRING, NULL, 0, 0, "demand client certificates signed by this CA (mutual TLS)"},
+    {"draft-addr", CFG_STRING, "none", 0, 0, "the aerie-draft service (unix:PATH or HOST:PORT), or none: plain decoding"},
+    {"draft-tls-ca", CFG_STRING, NULL, 0, 0, "speak TLS to the draft; its certificate must chain to this CA"},
+    {"draft-tls-cert", CFG_STRING, NULL, 0, 0, "client certificate for the draft (mutual TLS)"},
+    {"draft-tls-key", CFG_STRING, NULL, 0, 0, "client key for the draft"},
+    {"draft-deadline-ms", CFG_INT, "500", 1, 60000, "a step waits this long for the draft's trees, then goes on without"},
+    {"spec-steps", CFG_INT, "5", 1, 16, "draft tree depth"},
+    {"spec-topk", CFG_INT, "4", 1, 8, "children per expanded node, and the frontier's width"},
+    {"spec-tokens", CFG_INT, "8", 2, 64, "tree nodes verified per step, root included"},
+    {"spec-adaptive", CFG_BOOL, "true", 0, 0, "speculate only while it gives more tokens per second (target/spec.h)"},
+    MEMPLAN_OPTIONS,
+    {"max-queue", CFG_INT, "256", 0, 1 << 20, "requests waiting for a batch slot; beyond, refused RESOURCE_EXHAUSTED"},
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame, MiB"},
+    {"max-conns", CFG_INT, "1024", 1, 65536, "connections open at once"},
+    {"log-interval-s", CFG_INT, "5", 0, 3600, "seconds between load lines (0: none)"},
+    {"drain-timeout-s", CFG_INT, "30", 0, 3600, "on SIGTERM, how long running requests may take to finish"},
+    {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
+};
+
+/* The memory plan: weights + a prefill chunk's workspace + speculation's
+ * per-sequence state + KV (memplan.h). */
+static int plan_memory(cfg *c, const model *m, const spec_config *sc, memplan *plan, ae_error *err) {
+    uint64_t avail;
+    if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
+    const model_config *mc = &m->cfg;
+    memplan_model mm = {m->weight_bytes, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
+                        mc->n_kv_heads, mc->head_dim, mc->vocab};
+    memplan_env env = {avail, CLI_KV_BLOCK, CLI_PREFILL_CHUNK,
+                       llama_stream_workspace(m, CLI_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
+                           spec_bytes(m, sc)};
+    return memplan_compute(c, &mm, &env, plan, err);
+}
+
+int main(int argc, char **argv) {
+    svc_signals_init();
+    log_set_level(LOG_INFO);
+    ae_error err = {{0}};
+    cfg *c = NULL;
+    model *m = NULL;
+    eng *e = NULL;
+    spec *sx = NULL;
+    dcli *dc = NULL;
+    sched *sc = NULL;
+    tsrv *ts = NULL;
+    rpc_loop *loop = NULL;
+    rpc_server *srv = NULL;
+    gguf_file *gf = NULL;
+    tok *tk = NULL;
+    bool print_config, help;
+    int rc = 2;
+    if (svc_config_load(&c, "aerie-target", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
+                        &err) != AE_OK)
+        goto out;
+    if (help) {
+        rc = 0;
+        goto out;
+    }
+    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+    const char *model_path = cfg_str(c, "model");
+    if (!model_path) {
+        err_set(&err, "no model given (use --model FILE)");
+        goto out;
+    }
+    if (model_load(&m, model_path, &err) != AE_OK) goto out;
+    const char *draft_addr = cfg_str(c, "draft-addr");
+    bool drafting = draft_addr && strcmp(draft_addr, "none") != 0;
+    int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
+    spec_config spc = {LLAMA_MAX_CAPTURE, {0},
+                       {(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"), (int32_t)cfg_int(c, "spec-tokens")},
+                       max_batch, CLI_PREFILL_CHUNK, drafting && cfg_bool(c, "spec-adaptive"), NULL, NULL};
+    llama_capture_default_layers(m->cfg.n_layers, spc.capture);
+    memplan plan;
+    if (plan_memory(c, m, &spc, &plan, &err) != AE_OK) goto out;
+    if (print_config) {
+        svc_print_config(c);
+        rc = 0;
+        goto out;
+    }
+    cfg_log(c, "aerie-target");
+    memplan_log(&plan);
+    int32_t threads = (int32_t)cfg_int(c, "threads");
+    if (cli_engine_open(&e, m, &plan, threads, &err) != AE_OK) goto out;
+    /* The end-of-sequence token comes from the model's tokenizer. */
+    int32_t eos = -1;
+    if (gguf_open(&gf, model_path, NULL) == AE_OK && tok_load_gguf(&tk, gf, NULL) == AE_OK) eos = tok_eos(tk);
+    if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
+    if (drafting) {
+        dcli_config dcc = {draft_addr,
+                           {cfg_str(c, "draft-tls-cert"), cfg_str(c, "draft-tls-key"), cfg_str(c, "draft-tls-ca")},
+                           (uint32_t)cfg_int(c, "draft-deadline-ms") * 1000,
+                           (uint32_t)cfg_int(c, "max-frame-mib") << 20,
+                           LLAMA_MAX_CAPTURE * m->cfg.hidden,
+                           {spc.capture[0], spc.capture[1], spc.capture[2]},
+                           m->cfg.vocab};
+        if (dcli_open(&dc, loop, &dcc, &err) != AE_OK) goto out;
+    }
+    if (spec_init(&sx, e, dc ? dcli_drafter(dc) : NULL, &spc, &err) != AE_OK) goto out;
+    sched_sink sink;
+    if (tsrv_init(&ts, m->cfg.vocab, dc, sx, &sink, &err) != AE_OK) goto out;
+    sched_config scc = {max_batch, (int32_t)cfg_int(c, "max-queue"), CLI_PREFILL_CHUNK, plan.max_seq_len,
+                        drafting ? spc.shape.tokens : 1, eos, (int32_t)cfg_int(c, "log-interval-s") * 1000, drafting};
+    if (sched_init(&sc, sx, e, &scc, &sink, &err) != AE_OK) goto out;
+    tsrv_attach(ts, sc);
+    char *json = cfg_to_json(c);
+    tsrv_set_info(ts, json, plan.text);
+    free(json);
+    rpc_server_config rsc = {
+        .addr = cfg_str(c, "listen"),
+        .tls = {cfg_str(c, "tls-cert"), cfg_str(c, "tls-key"), cfg_str(c, "tls-client-ca")},
+        .max_frame = (uint32_t)cfg_int(c, "max-frame-mib") << 20,
+        .max_conns = (uint32_t)cfg_int(c, "max-conns"),
+        .handler = tsrv_handle,
+        .ctx = ts,
+    };
+    if (rpc_server_open(&srv, loop, &rsc, &err) != AE_OK) goto out;
+    LOG_INFOF("target_ready listen=%s model=%s draft=%s max_batch=%d kv_tokens=%lld tls=%s client_certs=%s", rsc.addr,
+              model_path, drafting ? draft_addr : "none", max_batch, (long long)plan.kv_tokens,
+              rsc.tls.cert ? "on" : "off", rsc.tls.ca ? "required" : "off");
+    svc_notify("READY=1");
+    int sig = svc_wait_signal();
+    svc_notify("STOPPING=1");
+    LOG_INFOF("target_stopping signal=%d", sig);
+    tsrv_set_draining(ts);
+    sched_drain(sc, cfg_int(c, "drain-timeout-s") * 1000);
+    sched_stats st = sched_get_stats(sc);
+    LOG_INFOF("target_stopped requests=%llu cancelled=%llu refused=%llu tokens=%llu", (unsigned long long)st.requests_done,
+              (unsigned long long)st.requests_cancelled, (unsigned long long)st.requests_refused,
+              (unsigned long long)st.tokens_out);
+    rc = 0;
+out:
+    if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-target: %s\n", err.msg);
+    sched_free(sc); /* cancels what is left, finishing its calls */
+    rpc_server_close(srv);
+    dcli_close(dc);
+    rpc_loop_free(loop);
+    tsrv_free(ts);
+    spec_free(sx);
+    eng_free(e);
+    tok_free(tk);
+    gguf_close(gf);
+    model_free(m);
+    cfg_free(c);
+    return rc;
+}

@@ -1,0 +1,420 @@
+#include "sched.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../services/core/log.h"
+#include "../services/rpc/frame.h"
+
+typedef enum req_state { REQ_WAITING, REQ_PREFILL, REQ_RUNNING } req_state;
+
+typedef struct req {
+    sched_request r;
+    int32_t *prompt; /* [n_prompt], owned */
+    sample_rng rng;
+    req_state state;
+    int32_t seq;       /* engine sequence, -1 before it has one */
+    int32_t prefilled; /* prompt tokens in the KV */
+    int32_t emitted;
+    int32_t reserve;   /* KV blocks reserved */
+    atomic_bool cancel;
+    struct req *next;
+} req;
+
+struct sched {
+    spec *sx;
+    eng *e;
+    sched_config cfg;
+    sched_sink sink;
+    int32_t block_size, n_blocks;
+    pthread_t thread;
+    pthread_mutex_t mu; /* the lists, counters and flags below */
+    pthread_cond_t cv;  /* work arrived, or a request ended */
+    req *waiting, *waiting_tail, *active;
+    int32_t n_waiting, n_active, reserved;
+    bool draining, stopping;
+    sched_stats stats;
+    /* the loop's own */
+    spec_in *in;   /* [max_batch] */
+    spec_out *out; /* [max_batch] */
+    req **step_reqs; /* [max_batch] */
+    int32_t *emit_buf; /* [ENG_MAX_TREE + 1] */
+    int64_t log_at_ns, log_tokens;
+    spec_stats log_spec;
+    bool logged_idle;
+};
+
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int32_t blocks_for(const sched *s, const req *q) {
+    int64_t slots = (int64_t)q->r.n_prompt + q->r.max_tokens + s->cfg.tree_tokens;
+    return (int32_t)((slots + s->block_size - 1) / s->block_size);
+}
+
+static void req_free(req *q) {
+    if (!q) return;
+    free(q->prompt);
+    free(q);
+}
+
+uint32_t sched_submit(sched *s, const sched_request *r, ae_error *err) {
+    if (r->n_prompt < 1) return err_set(err, "the prompt has no tokens"), RPC_INVALID_ARGUMENT;
+    if (r->max_tokens < 1) return err_set(err, "max_tokens must be at least 1"), RPC_INVALID_ARGUMENT;
+    if ((int64_t)r->n_prompt + r->max_tokens > s->cfg.max_seq_len)
+        return err_set(err, "prompt (%d tokens) + max_tokens (%d) is more than max-seq-len %d", r->n_prompt,
+                       r->max_tokens, s->cfg.max_seq_len),
+               RPC_INVALID_ARGUMENT;
+    const sample_params *p = &r->params;
+    if (!isfinite(p->temperature) || p->temperature < 0 || !isfinite(p->top_p) || p->top_p <= 0 || p->top_p > 1 ||
+        !isfinite(p->min_p) || p->min_p < 0 || p->min_p > 1 || p->top_k < 0)
+        return err_set(err, "sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
+                            "top_k >= 0)"),
+               RPC_INVALID_ARGUMENT;
+    req *q = calloc(1, sizeof *q);
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)r->n_prompt);
+    if (!q || !prompt) {
+        free(q), free(prompt);
+        return err_set(err, "out of memory"), RPC_RESOURCE_EXHAUSTED;
+    }
+    memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
+    q->r = *r;
+    q->r.prompt = q->prompt = prompt;
+    q->seq = -1;
+    sample_rng_seed(&q->rng, r->seed);
+    int32_t need = blocks_for(s, q);
+    if (need > s->n_blocks) {
+        req_free(q);
+        return err_set(err, "the request needs %d KV blocks, the whole cache has %d", need, s->n_blocks),
+               RPC_INVALID_ARGUMENT;
+    }
+    pthread_mutex_lock(&s->mu);
+    uint32_t st = RPC_OK;
+    if (s->draining || s->stopping) {
+        st = RPC_UNAVAILABLE;
+        err_set(err, "the target is shutting down");
+    } else if (s->n_waiting >= s->cfg.max_queue) {
+        st = RPC_RESOURCE_EXHAUSTED;
+        err_set(err, "%d requests are waiting (the queue's limit); retry later", s->n_waiting);
+    }
+    if (st != RPC_OK) {
+        s->stats.requests_refused++;
+        pthread_mutex_unlock(&s->mu);
+        req_free(q);
+        return st;
+    }
+    if (s->waiting_tail) s->waiting_tail->next = q;
+    else s->waiting = q;
+    s->waiting_tail = q;
+    s->n_waiting++;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return RPC_OK;
+}
+
+bool sched_cancel_id(sched *s, const char *id) {
+    if (!id || !*id) return false;
+    bool found = false;
+    pthread_mutex_lock(&s->mu);
+    req *lists[2] = {s->waiting, s->active};
+    for (int l = 0; l < 2; l++)
+        for (req *q = lists[l]; q; q = q->next)
+            if (!strcmp(q->r.id, id)) {
+                atomic_store(&q->cancel, true);
+                found = true;
+            }
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return found;
+}
+
+static void emit(sched *s, req *q, const int32_t *tokens, int32_t n, sched_finish finish, const char *error) {
+    static const spec_stats none;
+    sched_event ev = {tokens, n, finish, q->r.n_prompt, q->emitted,
+                      q->seq >= 0 ? spec_seq_stats(s->sx, q->seq) : &none, error};
+    s->sink.emit(s->sink.ctx, q->r.ctx, &ev);
+}
+
+/* Ends an admitted request: its KV and draft state go first (so that a
+ * caller who asks right after its last event sees them free), then its
+ * last event. */
+static void finish_active(sched *s, req *q, const int32_t *tokens, int32_t n, sched_finish finish, const char *error) {
+    if (q->seq >= 0) {
+        spec_seq_end(s->sx, q->seq);
+        eng_seq_free(s->e, q->seq);
+    }
+    kv_stats kv = eng_kv_stats(s->e);
+    pthread_mutex_lock(&s->mu);
+    s->stats.kv_blocks_used = kv.blocks_used;
+    for (req **p = &s->active; *p; p = &(*p)->next)
+        if (*p == q) {
+            *p = q->next;
+            break;
+        }
+    s->n_active--;
+    s->reserved -= q->reserve;
+    s->stats.requests_done++;
+    if (finish == SCHED_CANCELLED) s->stats.requests_cancelled++;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    /* The sequence's figures stay readable until its id is reused, which
+     * only this thread does. */
+    emit(s, q, tokens, n, finish, error);
+    req_free(q);
+}
+
+/* Waiting requests whose caller gave up leave the queue. */
+static void drop_cancelled_waiting(sched *s, bool all) {
+    for (;;) {
+        req *gone = NULL;
+        pthread_mutex_lock(&s->mu);
+        req *prev = NULL;
+        for (req *q = s->waiting; q; prev = q, q = q->next)
+            if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx)) {
+                if (prev) prev->next = q->next;
+                else s->waiting = q->next;
+                if (s->waiting_tail == q) s->waiting_tail = prev;
+                s->n_waiting--;
+                s->stats.requests_done++;
+                s->stats.requests_cancelled++;
+                gone = q;
+                break;
+            }
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        if (!gone) return;
+        emit(s, gone, NULL, 0, SCHED_CANCELLED, NULL);
+        req_free(gone);
+    }
+}
+
+/* Admits waiting requests in order while a slot and their KV are free. */
+static void admit(sched *s) {
+    pthread_mutex_lock(&s->mu);
+    while (s->waiting && s->n_active < s->cfg.max_batch) {
+        req *q = s->waiting;
+        int32_t need = blocks_for(s, q);
+        if (s->reserved + need > s->n_blocks) break;
+        s->waiting = q->next;
+        if (!s->waiting) s->waiting_tail = NULL;
+        s->n_waiting--;
+        q->next = s->active;
+        s->active = q;
+        s->n_active++;
+        q->reserve = need;
+        s->reserved += need;
+        q->state = REQ_PREFILL;
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Takes a step's tokens for q: stops at a stop token or max_tokens. */
+static void deliver(sched *s, req *q, const int32_t *tokens, int32_t n) {
+    int32_t k = 0;
+    sched_finish fin = SCHED_RUNNING;
+    for (int32_t i = 0; i < n && fin == SCHED_RUNNING; i++) {
+        int32_t t = tokens[i];
+        bool stop = t == s->cfg.eos && !q->r.ignore_eos && s->cfg.eos >= 0;
+        for (int32_t j = 0; j < q->r.n_stop && !stop; j++) stop = t == q->r.stop[j];
+        if (stop) {
+            fin = SCHED_STOP;
+            break;
+        }
+        s->emit_buf[k++] = t;
+        q->emitted++;
+        if (q->emitted >= q->r.max_tokens) fin = SCHED_LENGTH;
+    }
+    pthread_mutex_lock(&s->mu);
+    s->stats.tokens_out += (uint64_t)k;
+    pthread_mutex_unlock(&s->mu);
+    if (fin == SCHED_RUNNING) emit(s, q, s->emit_buf, k, SCHED_RUNNING, NULL);
+    else finish_active(s, q, s->emit_buf, k, fin, NULL);
+}
+
+static void log_line(sched *s, int64_t now) {
+    const spec_stats *t = spec_total_stats(s->sx);
+    double dt = (double)(now - s->log_at_ns) / 1e9;
+    pthread_mutex_lock(&s->mu);
+    int64_t toks = (int64_t)s->stats.tokens_out - s->log_tokens;
+    int64_t steps = t->steps - s->log_spec.steps, acc = t->accepted - s->log_spec.accepted;
+    kv_stats kv = eng_kv_stats(s->e);
+    s->stats.tok_per_s = dt > 0 ? (double)toks / dt : 0;
+    s->stats.accept_len = steps > 0 ? (double)(acc + steps) / (double)steps : 0;
+    s->stats.spec_on = steps > 0;
+    bool idle = s->n_active == 0 && s->n_waiting == 0 && toks == 0;
+    int32_t running = s->n_active, waiting = s->n_waiting;
+    s->log_tokens = (int64_t)s->stats.tokens_out;
+    sched_stats st = s->stats;
+    pthread_mutex_unlock(&s->mu);
+    s->log_spec = *t;
+    s->log_at_ns = now;
+    if (idle && s->logged_idle) return;
+    s->logged_idle = idle;
+    LOG_INFOF("target_load tok_s=%.1f batch=%d queue=%d kv_used=%d/%d kv_pct=%.1f accept_len=%.2f spec=%s", st.tok_per_s,
+              running, waiting, kv.blocks_used, kv.n_blocks, kv.n_blocks ? 100.0 * kv.blocks_used / kv.n_blocks : 0.0,
+              st.accept_len, !s->cfg.speculating ? "none" : st.spec_on ? "on" : "off");
+}
+
+static void *loop_main(void *arg) {
+    sched *s = arg;
+    ae_error err;
+    s->log_at_ns = mono_ns();
+    for (;;) {
+        int64_t now = mono_ns();
+        if (s->cfg.log_interval_ms > 0 && now - s->log_at_ns >= (int64_t)s->cfg.log_interval_ms * 1000000)
+            log_line(s, now);
+        pthread_mutex_lock(&s->mu);
+        bool stopping = s->stopping;
+        pthread_mutex_unlock(&s->mu);
+        drop_cancelled_waiting(s, stopping);
+        /* Cancelled, disconnected, or shutting down. */
+        for (;;) {
+            req *gone = NULL;
+            pthread_mutex_lock(&s->mu);
+            for (req *q = s->active; q && !gone; q = q->next)
+                if (stopping || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx)) gone = q;
+            pthread_mutex_unlock(&s->mu);
+            if (!gone) break;
+            finish_active(s, gone, NULL, 0, SCHED_CANCELLED, NULL);
+        }
+        if (stopping) return NULL;
+        admit(s);
+        pthread_mutex_lock(&s->mu);
+        if (!s->active) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_nsec += 100000000;
+            if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
+            if (!s->waiting && !s->stopping) pthread_cond_timedwait(&s->cv, &s->mu, &until);
+            pthread_mutex_unlock(&s->mu);
+            continue;
+        }
+        /* The scheduler thread alone changes states and the active list's
+         * order, so it may walk the list unlocked from here; others only
+         * set cancel flags. */
+        req *pre = NULL;
+        int32_t n = 0;
+        for (req *q = s->active; q; q = q->next) {
+            if (q->state == REQ_PREFILL && !pre) pre = q;
+            if (q->state == REQ_RUNNING) s->step_reqs[n++] = q;
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (pre) {
+            err_clear(&err);
+            if (pre->seq < 0 && eng_seq_new(s->e, &pre->seq, &err) != AE_OK) {
+                finish_active(s, pre, NULL, 0, SCHED_ERROR, err.msg);
+            } else if (spec_seq_prefill(s->sx, pre->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
+                                        &err) != AE_OK) {
+                LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", pre->seq, err.msg);
+                finish_active(s, pre, NULL, 0, SCHED_ERROR, err.msg);
+            } else if (pre->prefilled >= pre->r.n_prompt - 1) {
+                pthread_mutex_lock(&s->mu);
+                pre->state = REQ_RUNNING;
+                pthread_mutex_unlock(&s->mu);
+            }
+        }
+        if (n == 0) continue;
+        for (int32_t i = 0; i < n; i++) s->in[i] = (spec_in){s->step_reqs[i]->seq, &s->step_reqs[i]->r.params, &s->step_reqs[i]->rng};
+        err_clear(&err);
+        if (spec_step(s->sx, s->in, n, s->out, &err) != AE_OK) {
+            LOG_ERRORF("step_failed batch=%d reason=\"%s\"", n, err.msg);
+            for (int32_t i = 0; i < n; i++) finish_active(s, s->step_reqs[i], NULL, 0, SCHED_ERROR, err.msg);
+            continue;
+        }
+        for (int32_t i = 0; i < n; i++) deliver(s, s->step_reqs[i], s->out[i].tokens, s->out[i].n);
+        kv_stats kv = eng_kv_stats(s->e);
+        pthread_mutex_lock(&s->mu);
+        s->stats.kv_blocks_used = kv.blocks_used;
+        s->stats.spec = *spec_total_stats(s->sx);
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sched_sink *sink, ae_error *err) {
+    *out = NULL;
+    const eng_config *ec = eng_get_config(e);
+    if (cfg->max_batch < 1 || cfg->max_batch > ec->max_seqs || cfg->max_queue < 0 || cfg->chunk < 1)
+        return err_set(err, "scheduler: batch %d (engine holds %d), queue %d, chunk %d", cfg->max_batch, ec->max_seqs,
+                       cfg->max_queue, cfg->chunk);
+    sched *s = calloc(1, sizeof *s);
+    if (!s) return err_set(err, "out of memory");
+    s->sx = sx;
+    s->e = e;
+    s->cfg = *cfg;
+    s->sink = *sink;
+    s->block_size = ec->block_size;
+    s->n_blocks = (ec->kv_tokens + ec->block_size - 1) / ec->block_size;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->in = calloc((size_t)cfg->max_batch, sizeof *s->in);
+    s->out = calloc((size_t)cfg->max_batch, sizeof *s->out);
+    s->step_reqs = calloc((size_t)cfg->max_batch, sizeof *s->step_reqs);
+    s->emit_buf = calloc(ENG_MAX_TREE + 1, sizeof *s->emit_buf);
+    s->stats.kv_blocks = s->n_blocks;
+    if (!s->in || !s->out || !s->step_reqs || !s->emit_buf) {
+        err_set(err, "out of memory");
+        goto fail;
+    }
+    if (pthread_create(&s->thread, NULL, loop_main, s) != 0) {
+        err_set(err, "cannot start the scheduler thread");
+        goto fail;
+    }
+    *out = s;
+    return AE_OK;
+fail:
+    free(s->in), free(s->out), free(s->step_reqs), free(s->emit_buf);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+    return AE_ERR;
+}
+
+void sched_drain(sched *s, int64_t timeout_ms) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (timeout_ms % 1000) * 1000000;
+    if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
+    pthread_mutex_lock(&s->mu);
+    s->draining = true;
+    while ((s->active || s->waiting) && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    }
+    int32_t left = s->n_active + s->n_waiting;
+    pthread_mutex_unlock(&s->mu);
+    if (left > 0) LOG_WARNF("drain_timeout cancelling=%d", left);
+}
+
+void sched_free(sched *s) {
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->stopping = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thread, NULL);
+    free(s->in), free(s->out), free(s->step_reqs), free(s->emit_buf);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}
+
+sched_stats sched_get_stats(sched *s) {
+    pthread_mutex_lock(&s->mu);
+    sched_stats st = s->stats;
+    st.waiting = s->n_waiting;
+    st.running = st.prefilling = 0;
+    for (req *q = s->active; q; q = q->next) {
+        if (q->state == REQ_RUNNING) st.running++;
+        else st.prefilling++;
+    }
+    st.kv_blocks_reserved = s->reserved;
+    pthread_mutex_unlock(&s->mu);
+    return st;
+}

@@ -1,0 +1,114 @@
+/* The target's continuous-batching scheduler.
+ *
+ * Requests wait in a bounded FIFO queue; beyond it they are refused
+ * (RESOURCE_EXHAUSTED). One thread runs the loop:
+ *
+ *   1. requests cancelled (by id, by the caller, or because the client
+ *      went away) end with FINISH_CANCELLED and give their KV back;
+ *   2. waiting requests are admitted in order while a batch slot is free
+ *      and the KV plan can hold them: each admitted request reserves the
+ *      blocks of its worst case (prompt + max_tokens + one tree), so a
+ *      running sequence never runs out of KV;
+ *   3. one chunk of one prompt is prefilled (long prompts take several
+ *      turns, so running streams are never stalled for a whole prompt);
+ *   4. one speculative step (spec.h) advances every running sequence at
+ *      once, and each gets an event with its new tokens.
+ *
+ * New requests join between steps. The scheduler never touches sockets:
+ * events go to a sink (the server), which also says whether a caller has
+ * gone. Every few seconds it logs one line: tok/s, batch, KV use, queue,
+ * acceptance length and whether speculation is on. */
+#ifndef AERIE_TARGET_SCHED_H
+#define AERIE_TARGET_SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "spec.h"
+
+#define SCHED_MAX_STOP 16
+#define SCHED_ID_MAX 65
+
+typedef enum sched_finish {
+    SCHED_RUNNING = 0,
+    SCHED_STOP = 1,      /* end of sequence or a stop token */
+    SCHED_LENGTH = 2,    /* max_tokens */
+    SCHED_CANCELLED = 3,
+    SCHED_ERROR = 4,     /* the engine failed; error says why */
+} sched_finish;
+
+typedef struct sched_request {
+    const int32_t *prompt; /* [n_prompt], copied at submit */
+    int32_t n_prompt;
+    int32_t max_tokens;
+    sample_params params;
+    uint64_t seed;
+    bool ignore_eos;
+    int32_t stop[SCHED_MAX_STOP];
+    int32_t n_stop;
+    char id[SCHED_ID_MAX]; /* for sched_cancel_id; may be empty */
+    void *ctx;             /* the sink's handle for the request */
+} sched_request;
+
+typedef struct sched_event {
+    const int32_t *tokens; /* new tokens (stop tokens are not sent) */
+    int32_t n;
+    sched_finish finish;   /* set on a request's last event */
+    int32_t prompt_tokens, completion_tokens;
+    const spec_stats *spec; /* the sequence's figures */
+    const char *error;     /* with SCHED_ERROR */
+} sched_event;
+
+typedef struct sched_sink {
+    void *ctx;
+    /* Called on the scheduler thread; the event with finish != 0 is the
+     * request's last, after which req_ctx is not used again. */
+    void (*emit)(void *ctx, void *req_ctx, const sched_event *ev);
+    /* True when the caller is gone or gave up. */
+    bool (*cancelled)(void *ctx, void *req_ctx);
+} sched_sink;
+
+typedef struct sched_config {
+    int32_t max_batch;   /* sequences running at once (the engine's max_seqs) */
+    int32_t max_queue;   /* requests waiting at most */
+    int32_t chunk;       /* prompt tokens per prefill pass */
+    int32_t max_seq_len; /* the engine's */
+    int32_t tree_tokens; /* the largest tree a step verifies (KV scratch) */
+    int32_t eos;         /* end of sequence, -1: none */
+    int32_t log_interval_ms; /* 0: no periodic line */
+    bool speculating;    /* a drafter is configured (for the log line) */
+} sched_config;
+
+typedef struct sched_stats {
+    int32_t running, prefilling, waiting;
+    int32_t kv_blocks_used, kv_blocks, kv_blocks_reserved;
+    uint64_t requests_done, requests_cancelled, requests_refused;
+    uint64_t tokens_out;
+    double tok_per_s;    /* over the last log interval */
+    double accept_len;   /* mean over the last log interval's speculative steps; 0: none */
+    bool spec_on;        /* the last interval had speculative steps */
+    spec_stats spec;     /* speculation's totals */
+} sched_stats;
+
+typedef struct sched sched;
+
+/* sx and e must outlive the scheduler; sx is used only by its thread. */
+int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sched_sink *sink, ae_error *err);
+/* Ends every request (CANCELLED), stops the thread, frees. */
+void sched_free(sched *s); /* NULL is a no-op */
+
+/* Queues a request. Fails with the status to answer: INVALID_ARGUMENT
+ * (it can never run here: too long, bad parameters), RESOURCE_EXHAUSTED
+ * (the queue is full) or UNAVAILABLE (draining). */
+uint32_t sched_submit(sched *s, const sched_request *r, ae_error *err);
+
+/* Cancels the request with this id; false when none is waiting or running. */
+bool sched_cancel_id(sched *s, const char *id);
+
+/* Refuses new requests from now on and waits up to timeout_ms for the
+ * admitted ones to finish; what is left is cancelled. */
+void sched_drain(sched *s, int64_t timeout_ms);
+
+sched_stats sched_get_stats(sched *s);
+
+#endif

@@ -1,0 +1,233 @@
+#include "server.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../services/core/log.h"
+#include "../services/rpc/msg.h"
+#include "aerie.pb.h"
+
+struct tsrv {
+    int32_t vocab;
+    dcli *draft;
+    spec *sx;
+    sched *sched;
+    pthread_mutex_t mu; /* info strings, draining */
+    char *config_json, *memory_plan;
+    bool draining;
+    /* the scheduler thread's */
+    aerie_GenerateEvent ev;
+    uint8_t ev_buf[aerie_GenerateEvent_size];
+};
+
+static bool sink_cancelled(void *ctx, void *req_ctx) {
+    (void)ctx;
+    return rpc_call_cancelled(req_ctx);
+}
+
+static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
+    tsrv *t = ctx;
+    rpc_call *call = req_ctx;
+    if (e->finish == SCHED_ERROR) {
+        rpc_call_fail(call, RPC_INTERNAL, "generation failed: %s", e->error ? e->error : "?");
+        return;
+    }
+    aerie_GenerateEvent *ev = &t->ev;
+    memset(ev, 0, sizeof *ev);
+    ev->tokens_count = (pb_size_t)e->n;
+    if (e->n > 0) memcpy(ev->tokens, e->tokens, sizeof(int32_t) * (size_t)e->n);
+    if (e->finish != SCHED_RUNNING) {
+        ev->finish = e->finish == SCHED_STOP     ? aerie_FinishReason_FINISH_STOP
+                     : e->finish == SCHED_LENGTH ? aerie_FinishReason_FINISH_LENGTH
+                                                 : aerie_FinishReason_FINISH_CANCELLED;
+        ev->has_usage = true;
+        ev->usage = (aerie_Usage){(uint32_t)e->prompt_tokens, (uint32_t)e->completion_tokens};
+        ev->has_spec = true;
+        const spec_stats *st = e->spec;
+        ev->spec.steps = (uint64_t)st->steps;
+        ev->spec.drafted = (uint64_t)st->drafted;
+        ev->spec.accepted = (uint64_t)st->accepted;
+        ev->spec.plain_steps = (uint64_t)st->plain_steps;
+        int32_t depth = 0;
+        for (int32_t d = 0; d < SPEC_MAX_DEPTH; d++)
+            if (st->accepted_at[d]) depth = d + 1;
+        ev->spec.accepted_at_count = (pb_size_t)depth;
+        for (int32_t d = 0; d < depth; d++) ev->spec.accepted_at[d] = (uint64_t)st->accepted_at[d];
+    }
+    uint32_t len;
+    ae_error err = {{0}};
+    if (msg_encode(aerie_GenerateEvent_fields, ev, t->ev_buf, sizeof t->ev_buf, &len, &err) != AE_OK) {
+        rpc_call_fail(call, RPC_INTERNAL, "%s", err.msg);
+        return;
+    }
+    if (e->finish == SCHED_RUNNING) {
+        if (e->n > 0) rpc_call_item(call, t->ev_buf, len, NULL); /* a gone caller is seen by sink_cancelled */
+        return;
+    }
+    rpc_call_item(call, t->ev_buf, len, NULL);
+    if (e->finish == SCHED_CANCELLED && rpc_call_cancelled(call))
+        rpc_call_fail(call, RPC_CANCELLED, "cancelled");
+    else
+        rpc_call_finish(call, RPC_OK, NULL, 0, NULL, 0);
+}
+
+int tsrv_init(tsrv **out, int32_t vocab, dcli *draft, spec *sx, sched_sink *sink, ae_error *err) {
+    *out = NULL;
+    tsrv *t = calloc(1, sizeof *t);
+    if (!t) return err_set(err, "out of memory");
+    t->vocab = vocab;
+    t->draft = draft;
+    t->sx = sx;
+    pthread_mutex_init(&t->mu, NULL);
+    *sink = (sched_sink){t, sink_emit, sink_cancelled};
+    *out = t;
+    return AE_OK;
+}
+
+void tsrv_attach(tsrv *t, sched *s) { t->sched = s; }
+
+void tsrv_free(tsrv *t) {
+    if (!t) return;
+    free(t->config_json);
+    free(t->memory_plan);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}
+
+void tsrv_set_info(tsrv *t, const char *config_json, const char *memory_plan) {
+    pthread_mutex_lock(&t->mu);
+    free(t->config_json);
+    free(t->memory_plan);
+    t->config_json = config_json ? strdup(config_json) : NULL;
+    t->memory_plan = memory_plan ? strdup(memory_plan) : NULL;
+    pthread_mutex_unlock(&t->mu);
+}
+
+void tsrv_set_draining(tsrv *t) {
+    pthread_mutex_lock(&t->mu);
+    t->draining = true;
+    pthread_mutex_unlock(&t->mu);
+}
+
+static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
+    aerie_GenerateRequest g;
+    ae_error err = {{0}};
+    if (msg_decode(aerie_GenerateRequest_fields, &g, rq->msg, rq->msg_len, &err) != AE_OK) {
+        rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s", err.msg);
+        return;
+    }
+    const void *p;
+    uint32_t n = g.has_prompt ? g.prompt.length / 4 : 0;
+    if (!g.has_prompt || frame_payload_slice(rq->payload, rq->payload_len, g.prompt.offset, g.prompt.length,
+                                             sizeof(int32_t), n, &p, &err) != AE_OK) {
+        rpc_call_fail(call, RPC_INVALID_ARGUMENT, "prompt: %s", g.has_prompt ? err.msg : "missing");
+        return;
+    }
+    const int32_t *prompt = p;
+    for (uint32_t i = 0; i < n; i++)
+        if (prompt[i] < 0 || prompt[i] >= t->vocab) {
+            rpc_call_fail(call, RPC_INVALID_ARGUMENT, "prompt token %u is %d, not in the vocabulary of %d", i, prompt[i],
+                          t->vocab);
+            return;
+        }
+    sched_request r = {prompt, (int32_t)n, g.max_tokens > INT32_MAX ? INT32_MAX : (int32_t)g.max_tokens,
+                       {g.temperature, g.top_k > INT32_MAX ? INT32_MAX : (int32_t)g.top_k, g.top_p, g.min_p},
+                       g.seed, g.ignore_eos, {0}, 0, {0}, call};
+    /* proto3 leaves unset floats 0: top_p 0 means "off" on the wire. */
+    if (r.params.top_p == 0) r.params.top_p = 1;
+    for (pb_size_t i = 0; i < g.stop_tokens_count; i++) {
+        if (g.stop_tokens[i] >= (uint32_t)t->vocab) {
+            rpc_call_fail(call, RPC_INVALID_ARGUMENT, "stop token %u is not in the vocabulary of %d", g.stop_tokens[i],
+                          t->vocab);
+            return;
+        }
+        r.stop[r.n_stop++] = (int32_t)g.stop_tokens[i];
+    }
+    snprintf(r.id, sizeof r.id, "%s", g.request_id);
+    uint32_t st = sched_submit(t->sched, &r, &err);
+    if (st != RPC_OK) rpc_call_fail(call, st, "%s", err.msg);
+}
+
+static void reply_msg(rpc_call *call, const pb_msgdesc_t *fields, const void *m, uint8_t *buf, uint32_t cap) {
+    uint32_t len;
+    ae_error err = {{0}};
+    if (msg_encode(fields, m, buf, cap, &len, &err) != AE_OK) rpc_call_fail(call, RPC_INTERNAL, "%s", err.msg);
+    else rpc_call_finish(call, RPC_OK, buf, len, NULL, 0);
+}
+
+static void do_info(tsrv *t, rpc_call *call) {
+    static _Thread_local aerie_InfoReply r;
+    static _Thread_local uint8_t buf[aerie_InfoReply_size];
+    memset(&r, 0, sizeof r);
+    r.contract_version = FRAME_VERSION;
+    snprintf(r.service, sizeof r.service, "aerie-target");
+    pthread_mutex_lock(&t->mu);
+    snprintf(r.config_json, sizeof r.config_json, "%s", t->config_json ? t->config_json : "{}");
+    snprintf(r.memory_plan, sizeof r.memory_plan, "%s", t->memory_plan ? t->memory_plan : "");
+    pthread_mutex_unlock(&t->mu);
+    sched_stats s = sched_get_stats(t->sched);
+    char draft[512] = "null";
+    if (t->draft) {
+        dcli_stats d = dcli_get_stats(t->draft);
+        snprintf(draft, sizeof draft,
+                 "{\"connected\": %s, \"calls\": %llu, \"failures\": %llu, \"deadline_exceeded\": %llu, "
+                 "\"unavailable\": %llu, \"bad_replies\": %llu, \"state_gone\": %llu, \"mean_rtt_us\": %.1f, "
+                 "\"mean_server_us\": %.1f}",
+                 dcli_connected(t->draft) ? "true" : "false", (unsigned long long)d.calls,
+                 (unsigned long long)d.failures, (unsigned long long)d.deadline_exceeded,
+                 (unsigned long long)d.unavailable, (unsigned long long)d.bad_replies,
+                 (unsigned long long)d.state_gone, d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
+                 d.calls ? (double)d.server_ns / (double)d.calls / 1e3 : 0.0);
+    }
+    snprintf(r.stats_json, sizeof r.stats_json,
+             "{\"running\": %d, \"prefilling\": %d, \"waiting\": %d, \"kv_blocks_used\": %d, \"kv_blocks\": %d, "
+             "\"kv_blocks_reserved\": %d, \"requests_done\": %llu, \"requests_cancelled\": %llu, "
+             "\"requests_refused\": %llu, \"tokens_out\": %llu, \"tok_per_s\": %.1f, \"accept_len\": %.3f, "
+             "\"spec_on\": %s, \"spec\": {\"steps\": %lld, \"plain_steps\": %lld, \"drafted\": %lld, "
+             "\"accepted\": %lld, \"bad_trees\": %lld, \"draft_failures\": %lld, \"state_gone\": %lld, "
+             "\"adapt_off\": %lld}, \"draft\": %s}",
+             s.running, s.prefilling, s.waiting, s.kv_blocks_used, s.kv_blocks, s.kv_blocks_reserved,
+             (unsigned long long)s.requests_done, (unsigned long long)s.requests_cancelled,
+             (unsigned long long)s.requests_refused, (unsigned long long)s.tokens_out, s.tok_per_s, s.accept_len,
+             s.spec_on ? "true" : "false", (long long)s.spec.steps, (long long)s.spec.plain_steps,
+             (long long)s.spec.drafted, (long long)s.spec.accepted, (long long)s.spec.bad_trees,
+             (long long)s.spec.draft_failures, (long long)s.spec.state_gone, (long long)s.spec.adapt_off, draft);
+    reply_msg(call, aerie_InfoReply_fields, &r, buf, sizeof buf);
+}
+
+void tsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
+    tsrv *t = ctx;
+    switch (req->method) {
+    case aerie_Method_TARGET_GENERATE:
+        do_generate(t, call, req);
+        return;
+    case aerie_Method_TARGET_CANCEL: {
+        aerie_CancelRequest c;
+        ae_error err = {{0}};
+        if (msg_decode(aerie_CancelRequest_fields, &c, req->msg, req->msg_len, &err) != AE_OK) {
+            rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s", err.msg);
+            return;
+        }
+        aerie_CancelReply r = {sched_cancel_id(t->sched, c.request_id)};
+        uint8_t buf[aerie_CancelReply_size];
+        reply_msg(call, aerie_CancelReply_fields, &r, buf, sizeof buf);
+        return;
+    }
+    case aerie_Method_TARGET_INFO:
+        do_info(t, call);
+        return;
+    case aerie_Method_TARGET_HEALTH: {
+        aerie_HealthReply h = {true, ""};
+        pthread_mutex_lock(&t->mu);
+        if (t->draining) h.serving = false, snprintf(h.reason, sizeof h.reason, "shutting down");
+        pthread_mutex_unlock(&t->mu);
+        uint8_t buf[aerie_HealthReply_size];
+        reply_msg(call, aerie_HealthReply_fields, &h, buf, sizeof buf);
+        return;
+    }
+    default:
+        rpc_call_fail(call, RPC_UNIMPLEMENTED, "aerie-target has no method %u", req->method);
+    }
+}

@@ -1,0 +1,478 @@
+"""aerie-draft and aerie-target as real processes on loopback.
+
+Every stream is checked token for token against in-process plain greedy
+decoding (`aerie generate --draft none --ids`): speculation through the
+draft service, a draft killed mid-stream, TLS, and bad input may change
+speed, never tokens. The services run the ASan/UBSan builds and must exit 0
+on SIGTERM (no leak, no sanitizer report).
+"""
+import json
+import os
+import signal
+import socket
+import ssl
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import aerie_rpc as rpc
+from conftest import ROOT, run_aerie
+
+SERVICE_DIR = Path(os.environ.get("AERIE_SERVICE_DIR", ROOT / "build" / "asan"))
+HEAD = ROOT / "models" / "smollm2-135m-eagle3"
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain what a CPU does in one sentence.",
+]
+MAX_TOKENS = 24
+
+
+class Service:
+    def __init__(self, name, args, addr, tmp):
+        self.name = name
+        self.addr = addr
+        self.log_path = tmp / f"{name}.log"
+        env = dict(os.environ)
+        env.setdefault("ASAN_OPTIONS", "detect_leaks=1")
+        for k in list(env):
+            if k.startswith("AERIE_"):
+                del env[k]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([str(SERVICE_DIR / name), *map(str, args)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        rpc.wait_for_socket(addr, self.proc)
+
+    def text(self):
+        return self.log_path.read_text()
+
+    def stop(self, sig=signal.SIGTERM, timeout=120):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=timeout)
+        self.log.close()
+        return rc
+
+
+@pytest.fixture
+def services(tmp_path, model):
+    started = []
+
+    def start(name, *args, addr=None, **kw):
+        addr = addr or f"unix:{tmp_path}/{name}.sock"
+        s = Service(name, ["--model", model, "--listen", addr, *args], addr, tmp_path)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            rc = s.stop()
+            assert rc == 0, f"{s.name} exited {rc}:\n{s.text()[-3000:]}"
+
+
+def draft_args():
+    return ["--draft", HEAD, "--max-seqs", "64", "--max-seq-len", "512", "--threads", "1"]
+
+
+def target_args(draft=None, *extra):
+    args = ["--max-batch", "32", "--max-seq-len", "512", "--threads", "1", "--log-interval-s", "1"]
+    if draft:
+        args += ["--draft-addr", draft.addr, "--no-spec-adaptive", "--draft-deadline-ms", "5000"]
+    return args + list(extra)
+
+
+_refs = {}
+
+
+def reference(model, prompt, max_tokens=MAX_TOKENS):
+    """(prompt ids, greedy ids) from the in-process engine, plain decoding."""
+    key = (prompt, max_tokens)
+    if key not in _refs:
+        ids = json.loads(run_aerie("tokenize", "--model", model, prompt).out)
+        r = run_aerie("generate", "--model", model, "--draft", "none", "--ids", "--ignore-eos",
+                      "--max-tokens", max_tokens, "--prompt", prompt, "--threads", "1", timeout=600)
+        assert r.rc == 0, r.err
+        _refs[key] = (ids, json.loads(r.out))
+    return _refs[key]
+
+
+def run_streams(addr, model, n, tls=None, max_tokens=MAX_TOKENS, on_first=None):
+    """n concurrent Generate streams on one connection; checks each against
+    the reference and returns the streams."""
+    refs = [reference(model, PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(n)]
+    c = rpc.Conn(addr, tls)
+    try:
+        ids = [rpc.start_generate(c, refs[i][0], max_tokens, ignore_eos=True) for i in range(n)]
+        if on_first:
+            threading.Timer(0, on_first).start()
+        streams = rpc.collect(c, ids)
+    finally:
+        c.close()
+    for i, cid in enumerate(ids):
+        s = streams[cid]
+        assert s.status == "OK", s.error
+        assert s.tokens == refs[i][1], f"stream {i} differs"
+        last = s.events[-1]
+        assert last.finish == rpc.pb2().FINISH_LENGTH
+        assert last.usage.prompt_tokens == len(refs[i][0])
+        assert last.usage.completion_tokens == max_tokens
+    return [streams[c] for c in ids]
+
+
+def wait_stats(addr, pred, timeout=60, tls=None):
+    t0 = time.monotonic()
+    while True:
+        _r, stats, _c = rpc.info(addr, tls=tls)
+        if pred(stats) or time.monotonic() - t0 > timeout:
+            return stats
+        time.sleep(0.1)
+
+
+def test_32_streams_through_the_draft_service_equal_plain_greedy(services, model):
+    draft = services("aerie-draft", *draft_args())
+    target = services("aerie-target", *target_args(draft))
+    streams = run_streams(target.addr, model, 32)
+    accepted = sum(s.events[-1].spec.accepted for s in streams)
+    steps = sum(s.events[-1].spec.steps for s in streams)
+    assert steps > 0 and accepted > 0, "the draft service proposed nothing that was accepted"
+    stats = wait_stats(target.addr, lambda s: s["kv_blocks_used"] == 0)
+    assert stats["kv_blocks_used"] == 0
+    assert stats["draft"]["failures"] == 0
+    assert stats["spec"]["bad_trees"] == 0
+
+
+def test_plain_target_without_a_draft_equals_plain_greedy(services, model):
+    target = services("aerie-target", *target_args())
+    streams = run_streams(target.addr, model, 8)
+    assert all(s.events[-1].spec.steps == 0 for s in streams)
+
+
+def test_killing_the_draft_mid_stream_changes_no_token_and_speculation_resumes(services, model, tmp_path):
+    draft = services("aerie-draft", *draft_args())
+    target = services("aerie-target", *target_args(draft))
+    # Let speculation start, then kill the draft while 32 streams run.
+    killed = threading.Event()
+
+    def kill_soon():
+        wait_stats(target.addr, lambda s: s["spec"]["accepted"] > 0, timeout=120)
+        draft.proc.kill()
+        killed.set()
+
+    run_streams(target.addr, model, 32, max_tokens=48, on_first=kill_soon)
+    assert killed.wait(1)
+    draft.proc.wait()
+    stats = wait_stats(target.addr, lambda s: not s["draft"]["connected"])
+    assert stats["draft"]["failures"] > 0
+    # A new draft on the same socket: the target reconnects by itself.
+    os.unlink(draft.addr[5:]) if os.path.exists(draft.addr[5:]) else None
+    services("aerie-draft", *draft_args(), addr=draft.addr)
+    wait_stats(target.addr, lambda s: s["draft"]["connected"], timeout=30)
+    before = rpc.info(target.addr)[1]["spec"]["accepted"]
+    run_streams(target.addr, model, 4)
+    after = rpc.info(target.addr)[1]["spec"]["accepted"]
+    assert after > before, "no speculation after the draft came back"
+
+
+def test_cancel_and_disconnect_free_kv_after_1000_requests(services, model):
+    target = services("aerie-target", *target_args(None, "--max-queue", "1024"))
+    prompt = reference(model, PROMPTS[0])[0]
+    p = rpc.pb2()
+    done = 0
+    for wave in range(10):
+        c = rpc.Conn(target.addr)
+        ctl = rpc.Conn(target.addr)
+        ids = []
+        for i in range(100):
+            ids.append(rpc.start_generate(c, prompt, 200, request_id=f"r{wave}-{i}", ignore_eos=True))
+        for i, cid in enumerate(ids):
+            if i % 3 == 0:  # Target.Cancel by request id, from another connection
+                st, m = ctl.unary(rpc.p_method("TARGET_CANCEL"),
+                                  p.CancelRequest(request_id=f"r{wave}-{i}").SerializeToString())
+                assert st == "OK"
+            elif i % 3 == 1:  # the caller cancels its own call (frame CANCEL)
+                c.send(rpc.frame(rpc.CANCEL, 0, cid))
+        if wave % 2 == 0:
+            # The rest go with the connection.
+            c.close()
+        else:
+            for i, cid in enumerate(ids):
+                if i % 3 == 2:
+                    c.send(rpc.frame(rpc.CANCEL, 0, cid))
+            got = rpc.collect(c, ids)
+            assert all(s.status in ("OK", "CANCELLED") for s in got.values())
+            assert all(len(s.tokens) < 200 for s in got.values())
+            c.close()
+        ctl.close()
+        done += 100
+    stats = wait_stats(target.addr, lambda s: s["requests_done"] >= 1000 and s["kv_blocks_used"] == 0, timeout=120)
+    assert stats["requests_done"] == 1000
+    assert stats["requests_cancelled"] == 1000
+    assert stats["kv_blocks_used"] == 0
+    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_reserved"] == 0
+    # And it still serves.
+    run_streams(target.addr, model, 2)
+
+
+def make_certs(d: Path):
+    def ossl(*a):
+        subprocess.run(["openssl", *a], check=True, capture_output=True)
+    ossl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+         "-subj", "/CN=aerie test CA", "-keyout", d / "ca.key", "-out", d / "ca.pem")
+    for name, san in (("server", "IP:127.0.0.1"), ("client", "DNS:client")):
+        ossl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", f"/CN={name}",
+             "-keyout", d / f"{name}.key", "-out", d / f"{name}.csr")
+        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+        ossl("x509", "-req", "-in", d / f"{name}.csr", "-CA", d / "ca.pem", "-CAkey", d / "ca.key",
+             "-CAcreateserial", "-days", "2", "-extfile", d / f"{name}.ext", "-out", d / f"{name}.pem")
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_streams_over_mutual_tls_and_a_client_without_a_certificate_is_refused(services, model, tmp_path):
+    make_certs(tmp_path)
+    tls = ["--tls-cert", tmp_path / "server.pem", "--tls-key", tmp_path / "server.key",
+           "--tls-client-ca", tmp_path / "ca.pem"]
+    draft = services("aerie-draft", *draft_args(), *tls, addr=f"127.0.0.1:{free_port()}")
+    target = services("aerie-target",
+                      *target_args(draft, "--draft-tls-ca", tmp_path / "ca.pem", "--draft-tls-cert",
+                                   tmp_path / "client.pem", "--draft-tls-key", tmp_path / "client.key"),
+                      *tls, addr=f"127.0.0.1:{free_port()}")
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    ctx.load_cert_chain(str(tmp_path / "client.pem"), str(tmp_path / "client.key"))
+    streams = run_streams(target.addr, model, 8, tls=ctx)
+    assert sum(s.events[-1].spec.accepted for s in streams) > 0, "no speculation over TLS"
+    _r, stats, _c = rpc.info(target.addr, tls=ctx)
+    assert stats["draft"]["connected"] and stats["draft"]["failures"] == 0
+
+    bare = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+    with pytest.raises((ssl.SSLError, rpc.Closed, ConnectionResetError, BrokenPipeError)):
+        c = rpc.Conn(target.addr, bare)
+        c.unary(rpc.p_method("TARGET_HEALTH"), b"")
+    plain = rpc.Conn(target.addr)  # no TLS at all
+    plain.send(rpc.frame(rpc.REQUEST, rpc.p_method("TARGET_HEALTH"), 1))
+    with pytest.raises((rpc.Closed, ConnectionResetError)):
+        plain.read_frame()
+    run_streams(target.addr, model, 1, tls=ctx)
+
+
+def expect_refusal(addr, data, status, text=None, closes=True):
+    c = rpc.Conn(addr)
+    c.send(data)
+    h, m, _p = c.read_frame()
+    assert rpc.STATUS[h["status"]] == status, m
+    if text:
+        assert text in m.decode(), m
+    if closes:
+        with pytest.raises((rpc.Closed, ConnectionResetError)):
+            c.read_frame()
+    c.close()
+    return m.decode()
+
+
+def test_bad_frames_and_messages_get_errors_and_the_target_keeps_serving(services, model):
+    target = services("aerie-target", *target_args())
+    a = target.addr
+    gen = rpc.p_method("TARGET_GENERATE")
+    ids = reference(model, PROMPTS[0])[0]
+    msg, payload = rpc.generate_request(ids, 4)
+    # Frames that break the stream: refused, then that connection closes.
+    expect_refusal(a, rpc.frame(rpc.REQUEST, gen, 1, msg, payload, version=2), "FAILED_PRECONDITION",
+                   "the peer speaks contract version 2, this service speaks version 1")
+    big = rpc.HEADER.pack(rpc.MAGIC, 1, rpc.REQUEST, gen, 1, 0, 0, 0, 65 << 20, 0)
+    expect_refusal(a, big, "RESOURCE_EXHAUSTED", "over the limit of 67108864 bytes")
+    for junk in (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 20, rpc.frame(9, gen, 1)):
+        c = rpc.Conn(a)
+        c.send(junk)
+        with pytest.raises((rpc.Closed, ConnectionResetError)):
+            c.read_frame()
+        c.close()
+    c = rpc.Conn(a)  # truncated: half a frame, then hang up
+    c.send(rpc.frame(rpc.REQUEST, gen, 1, msg, payload)[:-3])
+    c.close()
+    # Bad messages inside good frames: an error, and the connection stays.
+    c = rpc.Conn(a)
+    cases = [
+        (99, b"", b"", "UNIMPLEMENTED", "no method 99"),
+        (gen, b"\xff\xff\xff", b"", "INVALID_ARGUMENT", "invalid message"),
+        (gen, rpc.generate_request([5, 49152], 4)[0], struct.pack("<2i", 5, 49152), "INVALID_ARGUMENT",
+         "not in the vocabulary"),
+        (gen, rpc.generate_request([5, -1], 4)[0], struct.pack("<2i", 5, -1), "INVALID_ARGUMENT",
+         "not in the vocabulary"),
+        (gen, msg, payload[:-4], "INVALID_ARGUMENT", "outside a payload"),
+        (gen, rpc.generate_request(ids, 0)[0], payload, "INVALID_ARGUMENT", "max_tokens must be at least 1"),
+        (gen, rpc.generate_request(ids, 600)[0], payload, "INVALID_ARGUMENT", "more than max-seq-len 512"),
+        (gen, rpc.generate_request([], 4)[0], b"", "INVALID_ARGUMENT", "no tokens"),
+        (gen, rpc.generate_request(ids, 4, temperature=-1.0)[0], payload, "INVALID_ARGUMENT", "out of range"),
+        (gen, rpc.generate_request(ids, 4, stop_tokens=[10 ** 6])[0], payload, "INVALID_ARGUMENT",
+         "stop token"),
+    ]
+    for method, m, p, status, text in cases:
+        st, reply = c.unary(method, m, p)
+        assert (st, text in reply.decode()) == (status, True), (st, reply)
+    c.close()
+    run_streams(a, model, 4)
+    log = target.text()
+    assert "rpc_bad_frame" in log
+
+
+def propose_request(seqs, shape=(5, 4, 8), fw=3 * 576, layers=(2, 15, 27), client=7):
+    """seqs: [(seq, reset, start, tokens, features bytes or None)]."""
+    p = rpc.pb2()
+    req = p.ProposeRequest(client=client, feature_width=fw, capture_layers=list(layers))
+    req.shape.steps, req.shape.topk, req.shape.tokens = shape
+    payload = b""
+    for seq, reset, start, toks, feats in seqs:
+        tb = struct.pack(f"<{len(toks)}i", *toks)
+        fb = feats if feats is not None else struct.pack(f"<{len(toks) * fw}f", *([0.01] * (len(toks) * fw)))
+        s = req.seqs.add(seq=seq, reset=reset, start=start, pairs=len(toks), want_tree=True)
+        s.tokens.offset, s.tokens.length = len(payload), len(tb)
+        s.features.offset, s.features.length = len(payload) + len(tb), len(fb)
+        payload += tb + fb
+    return req.SerializeToString(), payload
+
+
+def test_draft_answers_bad_proposals_with_errors_and_keeps_state_per_client(services):
+    draft = services("aerie-draft", *draft_args())
+    c = rpc.Conn(draft.addr)
+    prop = rpc.p_method("DRAFT_PROPOSE")
+    p = rpc.pb2()
+    m, pl = propose_request([(0, True, 0, [5, 6, 7], None)])
+    st, reply = c.unary(prop, m, pl)
+    assert st == "OK", reply
+    r = p.ProposeReply.FromString(reply)
+    t = r.trees[0]
+    assert t.status == p.SEQ_OK and len(t.tokens) == 8 and t.tokens[0] == 7 and t.parents[0] == -1
+    assert all(0 <= t.parents[i] < i for i in range(1, 8))
+    # The same sequence id of another client has no state: gone, no tree.
+    m, pl = propose_request([(0, False, 3, [8], None)], client=8)
+    r = p.ProposeReply.FromString(c.unary(prop, m, pl)[1])
+    assert r.trees[0].status == p.SEQ_STATE_GONE and len(r.trees[0].tokens) == 0
+    # Ours goes on from 3 pairs; a wrong count is gone too.
+    m, pl = propose_request([(0, False, 3, [8], None), (1, False, 9, [8], None)])
+    r = p.ProposeReply.FromString(c.unary(prop, m, pl)[1])
+    assert [t.status for t in r.trees] == [p.SEQ_OK, p.SEQ_STATE_GONE]
+    assert r.trees[0].tokens[0] == 8
+    bad = [
+        (propose_request([(0, True, 0, [49152], None)]), "INVALID_ARGUMENT", "not in the vocabulary"),
+        (propose_request([(0, True, 0, [5], None)], fw=100), "FAILED_PRECONDITION", "features of width 100"),
+        (propose_request([(0, True, 0, [5], None)], layers=(1, 2, 3)), "FAILED_PRECONDITION", "other target layers"),
+        (propose_request([(0, True, 0, [5], None)], shape=(5, 4, 65)), "INVALID_ARGUMENT", "out of range"),
+        (propose_request([(0, True, 0, [5], None)], shape=(0, 4, 8)), "INVALID_ARGUMENT", ""),
+        (propose_request([(0, True, 0, [5], None), (0, True, 0, [5], None)]), "INVALID_ARGUMENT", "twice"),
+        (propose_request([(0, True, 0, [5], b"\0" * 12)]), "INVALID_ARGUMENT", "payload reference"),
+        ((b"\x0a\xff", b""), "INVALID_ARGUMENT", "invalid message"),
+    ]
+    for (m, pl), status, text in bad:
+        st, reply = c.unary(prop, m, pl)
+        assert st == status and text in reply.decode(), (st, reply)
+    st, reply = c.unary(rpc.p_method("DRAFT_HEALTH"), b"")
+    assert st == "OK" and p.HealthReply.FromString(reply).serving
+    r, stats, cfg = rpc.info(draft.addr, "DRAFT_INFO")
+    assert r.service == "aerie-draft" and r.contract_version == 1
+    assert cfg["max-seqs"] == {"value": 64, "source": "flag"}
+    assert stats["errors"] == len(bad) and stats["state_gone"] == 2
+    c.close()
+
+
+class FakeDraft:
+    """A draft that answers every Propose with a broken tree."""
+
+    def __init__(self, path, mode):
+        self.path, self.mode = path, mode
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(4)
+        self.calls = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        p = rpc.pb2()
+        while True:
+            try:
+                s, _ = self.srv.accept()
+            except OSError:
+                return
+            c = rpc.Conn.__new__(rpc.Conn)
+            c.sock, c.buf, c.next_id, c.lock = s, b"", 1, threading.Lock()
+            try:
+                while True:
+                    h, m, _pl = c.read_frame()
+                    if h["kind"] == rpc.PING:
+                        c.send(rpc.frame(rpc.PONG, 0, h["call_id"]))
+                        continue
+                    if h["method"] != rpc.p_method("DRAFT_PROPOSE"):
+                        c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"]))
+                        continue
+                    req = p.ProposeRequest.FromString(m)
+                    rep = p.ProposeReply()
+                    for _ in req.seqs:
+                        t = rep.trees.add()
+                        if self.mode == "cycle":  # parents that do not form a tree
+                            t.tokens.extend([1, 2, 3]), t.parents.extend([-1, 2, 1]), t.probs.extend([1, .5, .5])
+                        elif self.mode == "big":  # more nodes than asked
+                            n = req.shape.tokens + 1
+                            t.tokens.extend([1] * n), t.parents.extend([-1] + [0] * (n - 1))
+                            t.probs.extend([1.0] * n)
+                        else:  # counts that disagree
+                            t.tokens.extend([1, 2]), t.parents.extend([-1])
+                    self.calls += 1
+                    c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"], rep.SerializeToString()))
+            except (rpc.Closed, OSError):
+                s.close()
+
+
+@pytest.mark.parametrize("mode", ["cycle", "big", "counts"])
+def test_garbage_trees_from_a_draft_change_no_token(services, model, tmp_path, mode):
+    fake = FakeDraft(str(tmp_path / "fake.sock"), mode)
+    target = services("aerie-target", "--max-batch", "8", "--max-seq-len", "512", "--threads", "1",
+                      "--draft-addr", f"unix:{fake.path}", "--no-spec-adaptive")
+    run_streams(target.addr, model, 4)
+    stats = rpc.info(target.addr)[1]
+    assert fake.calls > 0
+    if mode == "counts":
+        assert stats["draft"]["bad_replies"] > 0
+    else:
+        assert stats["spec"]["bad_trees"] > 0
+    assert stats["spec"]["accepted"] == 0
+
+
+def test_print_config_shows_every_setting_with_its_source(model):
+    for name, flag in (("aerie-target", "--max-batch=3"), ("aerie-draft", "--max-seqs=70")):
+        out = subprocess.run([str(SERVICE_DIR / name), "--model", str(model), flag, "--print-config",
+                              *(["--draft", str(HEAD)] if name == "aerie-draft" else [])],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        cfg = json.loads(out.stdout)
+        key, val = flag[2:].split("=")
+        assert cfg[key] == {"value": int(val), "source": "flag"}
+        assert cfg["threads"]["source"] == "auto"
+        assert cfg["mem-fraction"]["source"] == "auto"
+
+
+def test_sigterm_finishes_running_streams_then_exits_cleanly(services, model):
+    target = services("aerie-target", *target_args())
+    ids = reference(model, PROMPTS[1])[0]
+    c = rpc.Conn(target.addr)
+    cid = rpc.start_generate(c, ids, MAX_TOKENS, ignore_eos=True)
+    h, m, _ = c.read_frame()  # streaming has begun
+    assert h["kind"] == rpc.ITEM
+    target.proc.send_signal(signal.SIGTERM)
+    s = rpc.collect(c, [cid])[cid]
+    assert s.status == "OK"
+    first = list(rpc.pb2().GenerateEvent.FromString(m).tokens)
+    assert first + s.tokens == reference(model, PROMPTS[1])[1]
+    assert target.proc.wait(timeout=120) == 0
+    assert "target_stopped requests=1" in target.text()

@@ -1,0 +1,346 @@
+/* The RPC link end to end on loopback: unary calls and streams over Unix
+ * and TCP sockets, many callers at once, deadlines and cancellation,
+ * untrusted frames (another version, oversized, garbage) refused while the
+ * server keeps serving, and a client that reconnects after its server
+ * comes back. TLS is covered by the integration tests, which make their
+ * own certificates. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "../../services/rpc/rpc.h"
+
+enum { M_ECHO = 1, M_STREAM = 2, M_HANG = 3 };
+
+typedef struct server_state {
+    pthread_mutex_t mu;
+    int cancelled_seen; /* M_HANG calls that saw their cancellation */
+    int closes;
+} server_state;
+
+static server_state S = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
+
+static void *stream_worker(void *arg) {
+    rpc_call *k = arg;
+    uint32_t n = rpc_call_request(k)->msg_len ? rpc_call_request(k)->msg[0] : 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t item[2] = {(uint8_t)i, 0xAB};
+        if (rpc_call_item(k, item, 2, NULL) != AE_OK) break;
+    }
+    rpc_call_finish(k, RPC_OK, "done", 4, NULL, 0);
+    return NULL;
+}
+
+static void *hang_worker(void *arg) {
+    rpc_call *k = arg;
+    while (!rpc_call_cancelled(k)) usleep(1000);
+    pthread_mutex_lock(&S.mu);
+    S.cancelled_seen++;
+    pthread_mutex_unlock(&S.mu);
+    rpc_call_fail(k, RPC_CANCELLED, "cancelled");
+    return NULL;
+}
+
+static void spawn(void *(*fn)(void *), rpc_call *k) {
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, fn, k), 0);
+    pthread_detach(t);
+}
+
+/* M_ECHO replies at once, on the loop thread: the message reversed and
+ * the payload doubled byte by byte. */
+static void handler(void *ctx, rpc_call *k, const rpc_request *req) {
+    (void)ctx;
+    if (req->method == M_ECHO) {
+        uint8_t msg[64], *pay = malloc(req->payload_len + 1);
+        uint32_t n = req->msg_len < sizeof msg ? req->msg_len : sizeof msg;
+        for (uint32_t i = 0; i < n; i++) msg[i] = req->msg[n - 1 - i];
+        for (uint32_t i = 0; i < req->payload_len; i++) pay[i] = (uint8_t)(req->payload[i] * 2);
+        rpc_call_finish(k, RPC_OK, msg, n, pay, req->payload_len);
+        free(pay);
+    } else if (req->method == M_STREAM) {
+        spawn(stream_worker, k);
+    } else if (req->method == M_HANG) {
+        spawn(hang_worker, k);
+    } else {
+        rpc_call_fail(k, RPC_UNIMPLEMENTED, "no method %u", req->method);
+    }
+}
+
+static void on_close(void *ctx, uint64_t conn_id) {
+    (void)ctx, (void)conn_id;
+    pthread_mutex_lock(&S.mu);
+    S.closes++;
+    pthread_mutex_unlock(&S.mu);
+}
+
+typedef struct fixture {
+    rpc_loop *loop;
+    rpc_server *srv;
+    rpc_client *cli;
+    char addr[128];
+} fixture;
+
+static void open_server(fixture *f, const char *addr) {
+    ae_error err = {{0}};
+    rpc_server_config sc = {.addr = addr, .max_frame = 1 << 20, .handler = handler, .on_close = on_close};
+    if (rpc_server_open(&f->srv, f->loop, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+}
+
+static void open_client(fixture *f, const char *addr) {
+    ae_error err = {{0}};
+    rpc_client_config cc = {.addr = addr, .max_frame = 1 << 20};
+    if (rpc_client_open(&f->cli, f->loop, &cc, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_true(rpc_client_wait_connected(f->cli, 5000));
+}
+
+static int setup_unix(void **state) {
+    fixture *f = calloc(1, sizeof *f);
+    snprintf(f->addr, sizeof f->addr, "unix:build/test-rpc-%d.sock", (int)getpid());
+    ae_error err = {{0}};
+    if (rpc_loop_start(&f->loop, &err) != AE_OK) fail_msg("%s", err.msg);
+    open_server(f, f->addr);
+    open_client(f, f->addr);
+    *state = f;
+    return 0;
+}
+
+static int setup_tcp(void **state) {
+    fixture *f = calloc(1, sizeof *f);
+    ae_error err = {{0}};
+    if (rpc_loop_start(&f->loop, &err) != AE_OK) fail_msg("%s", err.msg);
+    open_server(f, "127.0.0.1:0");
+    snprintf(f->addr, sizeof f->addr, "127.0.0.1:%d", rpc_server_port(f->srv));
+    open_client(f, f->addr);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state) {
+    fixture *f = *state;
+    rpc_client_close(f->cli);
+    rpc_server_close(f->srv);
+    rpc_loop_free(f->loop);
+    free(f);
+    return 0;
+}
+
+static void echo_roundtrip(fixture *f, uint32_t payload_len) {
+    uint8_t *pay = malloc(payload_len + 1);
+    for (uint32_t i = 0; i < payload_len; i++) pay[i] = (uint8_t)(i * 7);
+    rpc_reply r = {0};
+    assert_int_equal(rpc_client_call(f->cli, M_ECHO, "abc", 3, pay, payload_len, 0, NULL, NULL, &r), RPC_OK);
+    assert_int_equal(r.msg_len, 3);
+    assert_memory_equal(r.msg, "cba", 3);
+    assert_int_equal(r.payload_len, payload_len);
+    for (uint32_t i = 0; i < payload_len; i++) assert_int_equal(r.payload[i], (uint8_t)(i * 14));
+    assert_int_equal((uintptr_t)r.payload % 16, 0);
+    rpc_reply_free(&r);
+    free(pay);
+}
+
+static void test_unary_call_carries_message_and_payload(void **state) {
+    fixture *f = *state;
+    echo_roundtrip(f, 0);
+    echo_roundtrip(f, 5);
+    echo_roundtrip(f, 450000); /* a Propose's worth of features */
+}
+
+static void test_unknown_method_is_an_error_and_the_link_stays(void **state) {
+    fixture *f = *state;
+    rpc_reply r = {0};
+    assert_int_equal(rpc_client_call(f->cli, 99, NULL, 0, NULL, 0, 0, NULL, NULL, &r), RPC_UNIMPLEMENTED);
+    assert_string_equal(r.error, "no method 99");
+    rpc_reply_free(&r);
+    echo_roundtrip(f, 16);
+}
+
+typedef struct items {
+    int n;
+    uint8_t first[16];
+} items;
+
+static bool collect(void *ctx, const uint8_t *msg, uint32_t len) {
+    items *it = ctx;
+    assert_int_equal(len, 2);
+    assert_int_equal(msg[1], 0xAB);
+    if (it->n < 16) it->first[it->n] = msg[0];
+    it->n++;
+    return true;
+}
+
+static void test_stream_delivers_items_in_order_then_end(void **state) {
+    fixture *f = *state;
+    uint8_t n = 12;
+    items it = {0};
+    rpc_reply r = {0};
+    assert_int_equal(rpc_client_call(f->cli, M_STREAM, &n, 1, NULL, 0, 0, collect, &it, &r), RPC_OK);
+    assert_int_equal(it.n, 12);
+    for (int i = 0; i < 12; i++) assert_int_equal(it.first[i], i);
+    assert_int_equal(r.msg_len, 4);
+    assert_memory_equal(r.msg, "done", 4);
+    rpc_reply_free(&r);
+}
+
+static void test_deadline_ends_the_call_and_cancels_it_at_the_server(void **state) {
+    fixture *f = *state;
+    pthread_mutex_lock(&S.mu);
+    int before = S.cancelled_seen;
+    pthread_mutex_unlock(&S.mu);
+    rpc_reply r = {0};
+    assert_int_equal(rpc_client_call(f->cli, M_HANG, NULL, 0, NULL, 0, 20000, NULL, NULL, &r),
+                     RPC_DEADLINE_EXCEEDED);
+    assert_string_equal(r.error, "no reply within the deadline of 20000 us");
+    for (int i = 0; i < 2000; i++) {
+        pthread_mutex_lock(&S.mu);
+        int now = S.cancelled_seen;
+        pthread_mutex_unlock(&S.mu);
+        if (now == before + 1) break;
+        usleep(1000);
+    }
+    pthread_mutex_lock(&S.mu);
+    assert_int_equal(S.cancelled_seen, before + 1);
+    pthread_mutex_unlock(&S.mu);
+    rpc_reply_free(&r);
+    echo_roundtrip(f, 8); /* the late CANCELLED reply is dropped, the link stays */
+}
+
+typedef struct caller {
+    fixture *f;
+    int ok;
+} caller;
+
+static void *call_many(void *arg) {
+    caller *c = arg;
+    rpc_reply r = {0};
+    for (int i = 0; i < 200; i++) {
+        uint8_t msg[4] = {(uint8_t)i, 1, 2, 3}, pay[64];
+        memset(pay, i, sizeof pay);
+        if (rpc_client_call(c->f->cli, M_ECHO, msg, 4, pay, sizeof pay, 0, NULL, NULL, &r) == RPC_OK &&
+            r.msg_len == 4 && r.msg[3] == (uint8_t)i && r.payload_len == 64 && r.payload[63] == (uint8_t)(2 * i))
+            c->ok++;
+    }
+    rpc_reply_free(&r);
+    return NULL;
+}
+
+static void test_concurrent_callers_share_one_connection(void **state) {
+    fixture *f = *state;
+    pthread_t t[8];
+    caller c[8];
+    for (int i = 0; i < 8; i++) {
+        c[i] = (caller){f, 0};
+        pthread_create(&t[i], NULL, call_many, &c[i]);
+    }
+    for (int i = 0; i < 8; i++) pthread_join(t[i], NULL);
+    for (int i = 0; i < 8; i++) assert_int_equal(c[i].ok, 200);
+    assert_int_equal(rpc_server_conns(f->srv), 1);
+    assert_int_equal(rpc_client_connects(f->cli), 1);
+}
+
+/* A raw connection for frames the client library would never send. */
+static int raw_connect(const fixture *f) {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", f->addr + 5);
+    assert_int_equal(connect(fd, (struct sockaddr *)&un, sizeof un), 0);
+    struct timeval tv = {5, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+/* Reads until EOF; returns the bytes read. */
+static size_t read_all(int fd, uint8_t *buf, size_t cap) {
+    size_t n = 0;
+    for (ssize_t k; n < cap && (k = read(fd, buf + n, cap - n)) > 0;) n += (size_t)k;
+    return n;
+}
+
+static void refused_with(const fixture *f, const uint8_t *frame, size_t len, uint32_t status, const char *text) {
+    int fd = raw_connect(f);
+    assert_int_equal(write(fd, frame, len), (ssize_t)len);
+    uint8_t buf[2048];
+    size_t n = read_all(fd, buf, sizeof buf);
+    close(fd);
+    if (!text) {
+        assert_int_equal(n, 0);
+        return;
+    }
+    assert_true(n >= FRAME_HEADER);
+    frame_header h;
+    assert_int_equal(frame_decode_header(buf, 1 << 20, &h, NULL), FRAME_OK);
+    assert_int_equal(h.kind, FRAME_REPLY);
+    assert_int_equal(h.status, status);
+    assert_int_equal(n, FRAME_HEADER + h.msg_len); /* then the server closed */
+    assert_int_equal(h.msg_len, strlen(text));
+    assert_memory_equal(buf + FRAME_HEADER, text, h.msg_len);
+}
+
+static void test_untrusted_frames_close_only_their_connection(void **state) {
+    fixture *f = *state;
+    uint8_t fr[FRAME_HEADER];
+    frame_header h = {FRAME_VERSION + 1, FRAME_REQUEST, M_ECHO, 7, 0, 0, 0, 0};
+    frame_encode_header(&h, fr);
+    fr[4] = FRAME_VERSION + 1;
+    refused_with(f, fr, sizeof fr, RPC_FAILED_PRECONDITION,
+                 "the peer speaks contract version 2, this service speaks version 1");
+    h = (frame_header){FRAME_VERSION, FRAME_REQUEST, M_ECHO, 8, 0, 0, 1 << 19, (1 << 19) + 1};
+    frame_encode_header(&h, fr);
+    refused_with(f, fr, sizeof fr, RPC_RESOURCE_EXHAUSTED, "frame of 1048577 bytes is over the limit of 1048576 bytes");
+    uint8_t junk[40];
+    memset(junk, 'x', sizeof junk);
+    refused_with(f, junk, sizeof junk, 0, NULL);
+    h = (frame_header){FRAME_VERSION, 9, M_ECHO, 9, 0, 0, 0, 0};
+    frame_encode_header(&h, fr);
+    refused_with(f, fr, sizeof fr, 0, NULL);
+    /* A truncated frame: the peer hangs up halfway; nothing is dispatched. */
+    int fd = raw_connect(f);
+    h = (frame_header){FRAME_VERSION, FRAME_REQUEST, M_ECHO, 10, 0, 0, 100, 0};
+    frame_encode_header(&h, fr);
+    assert_int_equal(write(fd, fr, sizeof fr), (ssize_t)sizeof fr);
+    assert_int_equal(write(fd, "abc", 3), 3);
+    close(fd);
+    echo_roundtrip(f, 100);
+    assert_int_equal(rpc_client_connects(f->cli), 1);
+}
+
+static void test_client_reconnects_when_the_server_comes_back(void **state) {
+    fixture *f = *state;
+    rpc_server_close(f->srv);
+    f->srv = NULL;
+    for (int i = 0; i < 500 && rpc_client_connected(f->cli); i++) usleep(2000);
+    assert_false(rpc_client_connected(f->cli));
+    rpc_reply r = {0};
+    assert_int_equal(rpc_client_call(f->cli, M_ECHO, "x", 1, NULL, 0, 0, NULL, NULL, &r), RPC_UNAVAILABLE);
+    rpc_reply_free(&r);
+    open_server(f, f->addr);
+    assert_true(rpc_client_wait_connected(f->cli, 10000));
+    assert_int_equal(rpc_client_connects(f->cli), 2);
+    echo_roundtrip(f, 32);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_unix, teardown),
+        cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_tcp, teardown),
+        cmocka_unit_test_setup_teardown(test_unknown_method_is_an_error_and_the_link_stays, setup_unix, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_delivers_items_in_order_then_end, setup_tcp, teardown),
+        cmocka_unit_test_setup_teardown(test_deadline_ends_the_call_and_cancels_it_at_the_server, setup_unix,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_concurrent_callers_share_one_connection, setup_unix, teardown),
+        cmocka_unit_test_setup_teardown(test_untrusted_frames_close_only_their_connection, setup_unix, teardown),
+        cmocka_unit_test_setup_teardown(test_client_reconnects_when_the_server_comes_back, setup_unix, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
