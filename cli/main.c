@@ -23,6 +23,7 @@ static const cli_cmd *const commands[] = {
     &cli_cmd_dump_features,
     &cli_cmd_eval_draft,
     &cli_cmd_draft_logits,
+    &cli_cmd_bench_rpc,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -12,7 +12,8 @@
 
 /* Blocks SIGTERM and SIGINT in this thread and every thread it starts
  * later (they are taken by svc_wait_signal), and ignores SIGPIPE (a peer
- * that hangs up is an error on its socket, not a death). Call first. */
+ * that hangs up is an error on its socket, not a death). Also keeps large
+ * allocations in the heap (see svc.c). Call first. */
 void svc_signals_init(void);
 
 /* Waits for SIGTERM or SIGINT; returns it. */

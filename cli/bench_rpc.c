@@ -1,0 +1,241 @@
+/* aerie bench-rpc: what the RPC link adds to a speculative step.
+ *
+ * One process holds an aerie-draft service (draft/server.h on the real
+ * head) listening on a Unix socket, on TCP and, with certificates, on TLS
+ * with client certificates; and a client for each. The same Propose (8
+ * sequences x 8 pairs of features by default, every sequence reset so
+ * that each call does the same work) goes round robin in-process (the
+ * service's own function, no link) and over each transport.
+ *
+ * The draft's compute time is the same on every path and is reported by
+ * the service with each reply (server_ns), so the link's cost per call is
+ * measured as (round trip - server_ns) against (in-process call -
+ * server_ns): message encoding and decoding, the payload's copies, the
+ * socket and the thread hand-offs. One JSON line of p50/p90 figures. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "../draft/server.h"
+#include "../services/core/log.h"
+#include "../services/core/svc.h"
+#include "../services/rpc/msg.h"
+#include "aerie.pb.h"
+#include "cli.h"
+#include "draft_link.h"
+#include "plan.h"
+
+static const cfg_option opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "the target model (the head reads its embeddings)"},
+    {"draft", CFG_STRING, "auto", 0, 0, "EAGLE-3 head directory (auto: the head trained for the model)"},
+    {"seqs", CFG_INT, "8", 1, 64, "sequences per Propose"},
+    {"pairs", CFG_INT, "8", 1, 256, "pairs of features per sequence"},
+    {"iters", CFG_INT, "300", 10, 1000000, "calls per path"},
+    {"threads", CFG_INT, "1", 1, 256, "the draft's compute threads"},
+    {"tls-cert", CFG_STRING, NULL, 0, 0, "server certificate: adds the TLS path (with tls-key and tls-ca)"},
+    {"tls-key", CFG_STRING, NULL, 0, 0, "server key"},
+    {"tls-ca", CFG_STRING, NULL, 0, 0, "CA of both certificates (mutual TLS)"},
+    {"tls-client-cert", CFG_STRING, NULL, 0, 0, "client certificate"},
+    {"tls-client-key", CFG_STRING, NULL, 0, 0, "client key"},
+    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+};
+
+static double now_us(void) { return cli_now_seconds() * 1e6; }
+
+static double pct(double *v, int n, double p) {
+    qsort(v, (size_t)n, sizeof *v, cli_cmp_double);
+    int i = (int)floor(p * (n - 1) + 0.5);
+    return v[i];
+}
+
+typedef struct path {
+    const char *name;
+    rpc_client *cli;
+    double *total, *link; /* [iters] microseconds */
+} path;
+
+static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
+    cfg *c = (cfg *)cc;
+    if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
+    svc_signals_init(); /* as the services run: SIGPIPE ignored, large buffers kept in the heap */
+    int rc = CLI_EXIT_USAGE;
+    model *m = NULL;
+    eagle_head *h = NULL;
+    dsrv *d = NULL;
+    rpc_loop *loop = NULL;
+    rpc_server *srv[3] = {0};
+    path paths[4] = {{"in_process", NULL, NULL, NULL}, {"unix", NULL, NULL, NULL}, {"tcp", NULL, NULL, NULL},
+                     {"tls", NULL, NULL, NULL}};
+    int n_paths = 3;
+    uint8_t *msg = NULL, *payload = NULL, *out = NULL;
+    rpc_reply reply = {0};
+    char sock[128];
+    snprintf(sock, sizeof sock, "unix:/tmp/aerie-bench-rpc-%d.sock", (int)getpid());
+
+    const char *model_path = cfg_str(c, "model");
+    if (!model_path) {
+        err_set(err, "no model given (use --model FILE)");
+        goto out;
+    }
+    if (model_load(&m, model_path, err) != AE_OK) goto out;
+    cli_resolve_draft(c);
+    const char *dir = cli_draft_dir(c);
+    if (!dir) {
+        err_set(err, "no EAGLE-3 head found for %s (use --draft DIR)", model_path);
+        goto out;
+    }
+    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_Q8_0, err) != AE_OK) goto out;
+    int32_t S = (int32_t)cfg_int(c, "seqs"), P = (int32_t)cfg_int(c, "pairs"), iters = (int32_t)cfg_int(c, "iters");
+    dsrv_config dc = {64, 512, CLI_PREFILL_CHUNK, (int32_t)cfg_int(c, "threads")};
+    if (dsrv_init(&d, h, &dc, err) != AE_OK) goto out;
+
+    /* The request: S sequences, each reset with P pairs. */
+    int32_t fw = 3 * m->cfg.hidden, layers[3];
+    llama_capture_default_layers(m->cfg.n_layers, layers);
+    if (h->cfg.n_aux_layers) memcpy(layers, h->cfg.aux_layers, sizeof layers);
+    size_t per_seq = (size_t)P * 4 + (size_t)P * (size_t)fw * 4, plen = per_seq * (size_t)S;
+    static aerie_ProposeRequest rq;
+    rq.client = 1;
+    rq.has_shape = true;
+    rq.shape = (aerie_TreeShape){5, 4, 8};
+    rq.feature_width = (uint32_t)fw;
+    rq.capture_layers_count = 3;
+    for (int i = 0; i < 3; i++) rq.capture_layers[i] = (uint32_t)layers[i];
+    rq.seqs_count = (pb_size_t)S;
+    payload = aligned_alloc(16, (plen + 15) / 16 * 16);
+    msg = malloc(aerie_ProposeRequest_size);
+    out = malloc(aerie_ProposeReply_size + 64);
+    for (int p = 0; p < 4; p++) {
+        paths[p].total = calloc((size_t)iters, sizeof(double));
+        paths[p].link = calloc((size_t)iters, sizeof(double));
+        if (!paths[p].total || !paths[p].link) payload = NULL;
+    }
+    if (!payload || !msg || !out) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    uint64_t x = 88172645463325252ull;
+    for (int32_t s = 0; s < S; s++) {
+        uint8_t *base = payload + per_seq * (size_t)s;
+        int32_t *ids = (int32_t *)base;
+        float *feat = (float *)(base + (size_t)P * 4);
+        for (int32_t j = 0; j < P; j++) ids[j] = (int32_t)(x % (uint64_t)m->cfg.vocab), x = x * 6364136223846793005ull + 1;
+        for (size_t j = 0; j < (size_t)P * (size_t)fw; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            feat[j] = (float)((double)(x >> 40) / (double)(1ull << 24) - 0.5);
+        }
+        uint32_t off = (uint32_t)(per_seq * (size_t)s);
+        rq.seqs[s] = (aerie_DraftSeq){(uint32_t)s, true, 0, (uint32_t)P, true, {off, (uint32_t)P * 4}, true,
+                                      {off + (uint32_t)P * 4, (uint32_t)((size_t)P * (size_t)fw * 4)}, true};
+    }
+    uint32_t mlen, olen;
+    if (msg_encode(aerie_ProposeRequest_fields, &rq, msg, aerie_ProposeRequest_size, &mlen, err) != AE_OK) goto out;
+
+    /* The servers and their clients. */
+    char tcp_addr[64] = "127.0.0.1:0", tls_addr[64] = "127.0.0.1:0";
+    const char *cert = cfg_str(c, "tls-cert"), *key = cfg_str(c, "tls-key"), *ca = cfg_str(c, "tls-ca");
+    bool tls = cert && key && ca;
+    if (rpc_loop_start(&loop, err) != AE_OK) goto out;
+    rpc_server_config sc = {.addr = sock, .handler = dsrv_handle, .ctx = d};
+    if (rpc_server_open(&srv[0], loop, &sc, err) != AE_OK) goto out;
+    sc.addr = tcp_addr;
+    if (rpc_server_open(&srv[1], loop, &sc, err) != AE_OK) goto out;
+    snprintf(tcp_addr, sizeof tcp_addr, "127.0.0.1:%d", rpc_server_port(srv[1]));
+    if (tls) {
+        sc.addr = tls_addr;
+        sc.tls = (rpc_tls){cert, key, ca};
+        if (rpc_server_open(&srv[2], loop, &sc, err) != AE_OK) goto out;
+        snprintf(tls_addr, sizeof tls_addr, "127.0.0.1:%d", rpc_server_port(srv[2]));
+        n_paths = 4;
+    }
+    const char *addrs[4] = {NULL, sock, tcp_addr, tls_addr};
+    for (int p = 1; p < n_paths; p++) {
+        rpc_client_config cc2 = {addrs[p], {0}, 0, 0};
+        if (p == 3) cc2.tls = (rpc_tls){cfg_str(c, "tls-client-cert"), cfg_str(c, "tls-client-key"), ca};
+        if (rpc_client_open(&paths[p].cli, loop, &cc2, err) != AE_OK) goto out;
+        if (!rpc_client_wait_connected(paths[p].cli, 10000)) {
+            err_set(err, "cannot connect to %s", addrs[p]);
+            goto out;
+        }
+    }
+
+    /* Warm up every path, then round robin. */
+    static aerie_ProposeReply rp;
+    for (int it = -5; it < iters; it++) {
+        for (int p = 0; p < n_paths; p++) {
+            double t0 = now_us();
+            uint64_t server_ns;
+            if (p == 0) {
+                uint32_t st = dsrv_propose(d, msg, mlen, payload, (uint32_t)plen, out, aerie_ProposeReply_size + 64,
+                                           &olen, err);
+                if (st != RPC_OK || msg_decode(aerie_ProposeReply_fields, &rp, out, olen, err) != AE_OK) goto out;
+            } else {
+                rpc_iov iov = {payload, (uint32_t)plen};
+                uint32_t st = rpc_client_callv(paths[p].cli, aerie_Method_DRAFT_PROPOSE, msg, mlen, &iov, 1, 0, NULL,
+                                               NULL, &reply);
+                if (st != RPC_OK) {
+                    err_set(err, "%s: %s: %s", paths[p].name, rpc_status_name(st), reply.error);
+                    goto out;
+                }
+                if (msg_decode(aerie_ProposeReply_fields, &rp, reply.msg, reply.msg_len, err) != AE_OK) goto out;
+            }
+            double total = now_us() - t0;
+            server_ns = rp.server_ns;
+            if (rp.trees_count != (pb_size_t)S || rp.trees[0].tokens_count < 2) {
+                err_set(err, "%s: a reply without trees", paths[p].name);
+                goto out;
+            }
+            if (it >= 0) {
+                paths[p].total[it] = total;
+                paths[p].link[it] = total - (double)server_ns / 1e3;
+            }
+        }
+    }
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddNumberToObject(o, "seqs", S);
+    cJSON_AddNumberToObject(o, "pairs_per_seq", P);
+    cJSON_AddNumberToObject(o, "payload_bytes", (double)plen);
+    cJSON_AddNumberToObject(o, "message_bytes", mlen);
+    cJSON_AddNumberToObject(o, "iters", iters);
+    double base = 0;
+    for (int p = 0; p < n_paths; p++) {
+        cJSON *q = cJSON_AddObjectToObject(o, paths[p].name);
+        double t50 = pct(paths[p].total, iters, 0.5), l50 = pct(paths[p].link, iters, 0.5),
+               l90 = pct(paths[p].link, iters, 0.9);
+        if (p == 0) base = l50;
+        cJSON_AddNumberToObject(q, "call_us_p50", cli_round(t50, 10));
+        cJSON_AddNumberToObject(q, "outside_draft_us_p50", cli_round(l50, 10));
+        cJSON_AddNumberToObject(q, "outside_draft_us_p90", cli_round(l90, 10));
+        if (p > 0) cJSON_AddNumberToObject(q, "added_us_p50", cli_round(l50 - base, 10));
+    }
+    char *line = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (line) puts(line);
+    cJSON_free(line);
+    rc = 0;
+out:
+    for (int p = 1; p < 4; p++) rpc_client_close(paths[p].cli);
+    for (int i = 0; i < 3; i++) rpc_server_close(srv[i]);
+    rpc_loop_free(loop);
+    for (int p = 0; p < 4; p++) free(paths[p].total), free(paths[p].link);
+    rpc_reply_free(&reply);
+    free(msg), free(payload), free(out);
+    dsrv_free(d);
+    eagle_free(h);
+    model_free(m);
+    return rc;
+}
+
+const cli_cmd cli_cmd_bench_rpc = {
+    .name = "bench-rpc",
+    .args = "--model M",
+    .summary = "what the RPC link adds to a Propose (8 seqs x 8 pairs): in-process, Unix, TCP, TLS",
+    .opts = opts,
+    .n_opts = sizeof opts / sizeof opts[0],
+    .run = run,
+};
