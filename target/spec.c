@@ -1,5 +1,6 @@
 #include "spec.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -44,9 +45,10 @@ struct spec {
     float *pending_feat;   /* [max_seqs][ENG_MAX_TREE][fw] */
     spec_stats total;
     int64_t step_no;   /* spec_step calls so far */
+    int32_t last_n;    /* sequences in the last step */
     int64_t retry_at;  /* no drafter calls before this step */
     int32_t failures;  /* consecutive failed calls */
-    adapt_state adapt;
+    adapt_state adapt[SPEC_ADAPT_BUCKETS]; /* by batch size: bucket floor(log2 n) */
     /* one step */
     spec_feed *feeds;      /* [max_seqs] */
     int32_t *feed_of;      /* [max_seqs] index into feeds, -1: none */
@@ -67,8 +69,18 @@ static int64_t mono_ns(void) {
 
 static int64_t now_ns(const spec *s) { return s->cfg.clock_ns ? s->cfg.clock_ns(s->cfg.clock_ctx) : mono_ns(); }
 
-static bool adapt_drafting(const spec *s) {
-    return !s->cfg.adaptive || s->adapt.phase == SPEC_PROBE || s->adapt.phase == SPEC_RUN;
+/* Tokens per second depend on the batch size far more than on the draft,
+ * so each range of batch sizes (1, 2-3, 4-7, ...) keeps its own phases and
+ * rates: a probe is compared only with steps of a like batch. */
+static adapt_state *adapt_for(spec *s, int32_t n) {
+    int32_t b = 0;
+    while (b + 1 < SPEC_ADAPT_BUCKETS && (n >> (b + 1)) > 0) b++;
+    return &s->adapt[b];
+}
+
+static bool adapt_drafting(spec *s, int32_t n) {
+    const adapt_state *a = adapt_for(s, n);
+    return !s->cfg.adaptive || a->phase == SPEC_PROBE || a->phase == SPEC_RUN;
 }
 
 static void adapt_enter(adapt_state *a, adapt_phase p, int32_t steps) {
@@ -79,8 +91,8 @@ static void adapt_enter(adapt_state *a, adapt_phase p, int32_t steps) {
 }
 
 /* One step done: emitted tokens in ns. At a phase's end, the next phase. */
-static void adapt_step(spec *s, int64_t emitted, int64_t ns) {
-    adapt_state *a = &s->adapt;
+static void adapt_step(spec *s, int32_t n, int64_t emitted, int64_t ns) {
+    adapt_state *a = adapt_for(s, n);
     if (a->timed++ > 0) {
         a->tokens += emitted;
         a->ns += ns;
@@ -102,7 +114,23 @@ static void adapt_step(spec *s, int64_t emitted, int64_t ns) {
         adapt_enter(a, SPEC_RUN, SPEC_RUN_STEPS);
     } else {
         s->total.adapt_off++;
+        /* A speculative probe costs about SPEC_PROBE_STEPS x (plain rate /
+         * speculative rate - 1) plain steps of time: run plain at least
+         * SPEC_PROBE_BUDGET times that long, so that probing a draft that
+         * loses by far costs about 1 / SPEC_PROBE_BUDGET of throughput. */
+        double cost = SPEC_PROBE_STEPS * (a->plain_rate / a->spec_rate - 1);
+        double need = ceil(SPEC_PROBE_BUDGET * cost);
+        if (a->backoff < need) a->backoff = need < SPEC_BACKOFF_MAX ? (int32_t)need : SPEC_BACKOFF_MAX;
         adapt_enter(a, PLAIN_RUN, a->backoff);
+        /* Speculation gains less as the batch grows (the verify pass's
+         * extra tokens cost more, the draft serves more sequences), so a
+         * loss here is taken as one for the larger batches that have not
+         * been measured yet: they start plain instead of probing. */
+        for (adapt_state *b = a + 1; b < s->adapt + SPEC_ADAPT_BUCKETS; b++)
+            if (b->spec_rate == 0 && b->phase == PLAIN_PROBE && b->timed == 0) {
+                b->backoff = a->backoff;
+                adapt_enter(b, PLAIN_RUN, a->backoff);
+            }
         a->backoff = a->backoff * 2 <= SPEC_BACKOFF_MAX ? a->backoff * 2 : SPEC_BACKOFF_MAX;
     }
 }
@@ -181,8 +209,10 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
         return AE_ERR;
     }
     for (size_t t = 0; t < T; t++) s->rows[t] = (int32_t)t;
-    s->adapt.backoff = SPEC_BACKOFF_MIN;
-    adapt_enter(&s->adapt, PLAIN_PROBE, PLAIN_PROBE_STEPS);
+    for (int32_t b = 0; b < SPEC_ADAPT_BUCKETS; b++) {
+        s->adapt[b].backoff = SPEC_BACKOFF_MIN;
+        adapt_enter(&s->adapt[b], PLAIN_PROBE, PLAIN_PROBE_STEPS);
+    }
     *out = s;
     return AE_OK;
 }
@@ -228,7 +258,11 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
     int32_t at = *done, k = n - 1 - at < chunk ? n - 1 - at : chunk;
     eng_item it = {seq, ENG_APPEND, k, prompt + at, NULL, false};
     llama_capture cap = capture_all(s, k);
-    bool feed = s->d && !st->resync && s->step_no >= s->retry_at;
+    /* While adaptive speculation has drafting off for the batch size of
+     * the last step, a prompt is not sent to the drafter: that work would
+     * be wasted, and the sequence is reset from its recent pairs when
+     * drafting comes back. */
+    bool feed = s->d && !st->resync && s->step_no >= s->retry_at && adapt_drafting(s, s->last_n > 0 ? s->last_n : 1);
     if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
         if (at == 0) st->started = false;
         return AE_ERR;
@@ -287,7 +321,7 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
         s->trees[i].n = 0;
         s->feed_of[i] = -1;
     }
-    if (!s->d || s->step_no < s->retry_at || !adapt_drafting(s)) return;
+    if (!s->d || s->step_no < s->retry_at || !adapt_drafting(s, n)) return;
     for (int32_t i = 0; i < n; i++) {
         seq_state *st = &s->seqs[in[i].seq];
         bool reset = !st->fed || st->resync;
@@ -361,6 +395,7 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
             return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
     }
     int64_t t0 = now_ns(s);
+    s->last_n = n;
     propose(s, in, n);
     int64_t t1 = now_ns(s);
     s->step_no++;
@@ -421,7 +456,7 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
     if (s->d && s->cfg.adaptive) {
         int64_t emitted = 0;
         for (int32_t i = 0; i < n; i++) emitted += out[i].n;
-        adapt_step(s, emitted, t2 - t0);
+        adapt_step(s, n, emitted, t2 - t0);
     }
     return AE_OK;
 }

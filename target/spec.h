@@ -89,7 +89,14 @@ typedef struct spec_drafter {
  *     plain probe again to keep the comparison fresh, and a decision;
  *   - plain wins: a plain run of SPEC_BACKOFF_MIN steps, doubling up to
  *     SPEC_BACKOFF_MAX while plain keeps winning, each followed by a
- *     speculative probe and a decision.
+ *     speculative probe and a decision. The run is at least
+ *     SPEC_PROBE_BUDGET times what the losing probe cost (in plain steps'
+ *     time), so a draft that loses by far is probed rarely from the
+ *     start.
+ * Each range of batch sizes (1, 2-3, 4-7, ...) runs its own phases: a
+ * step's speed depends on its batch far more than on the draft. A loss
+ * in one range starts the larger ranges not yet measured in a plain run
+ * of the same length (speculation gains less as batches grow).
  * The first step of a phase is not timed: it carries the switch (a
  * drafter reset, cold caches), which would tip a short probe.
  * Plain steps still capture features; when speculation comes back, the
@@ -101,6 +108,8 @@ typedef struct spec_drafter {
 #define SPEC_RUN_STEPS 32
 #define SPEC_BACKOFF_MIN 128
 #define SPEC_BACKOFF_MAX 2048
+#define SPEC_PROBE_BUDGET 50
+#define SPEC_ADAPT_BUCKETS 8 /* batch sizes 1, 2-3, 4-7, ..., 128+ each decide on their own */
 
 typedef struct spec_config {
     int32_t n_capture;                  /* LLAMA_MAX_CAPTURE */

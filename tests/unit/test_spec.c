@@ -510,18 +510,20 @@ static spec_stats adaptive_run(int64_t cost, int32_t steps) {
 }
 
 /* A drafter that makes steps slower than they gain is switched off after
- * the probes, and tried again after each plain run; one that does not lose
- * keeps drafting. The phases are spec.h's, step for step. */
+ * the probes; one that loses by far (here each call costs 500 plain
+ * steps) is left alone for SPEC_BACKOFF_MAX steps at once, because a probe
+ * of it costs more than SPEC_BACKOFF_MIN steps could make up for. One that
+ * does not lose keeps drafting. The phases are spec.h's, step for step. */
 static void test_adaptive_speculation_turns_itself_off_while_it_loses(void **state) {
     (void)state;
-    enum { P = PLAIN_PROBE_STEPS, S = SPEC_PROBE_STEPS, B = SPEC_BACKOFF_MIN };
-    /* Plain probe, speculative probe (loses), plain run of B, speculative
-     * probe (loses), then 4 steps of the plain run of 2B. */
-    spec_stats lose = adaptive_run(1000, P + S + B + S + 4);
-    assert_int_equal(lose.steps, 2 * S);
-    assert_int_equal(lose.adapt_plain_steps, P + B + 4);
-    assert_int_equal(lose.plain_steps, P + B + 4);
-    assert_int_equal(lose.adapt_off, 2);
+    enum { P = PLAIN_PROBE_STEPS, S = SPEC_PROBE_STEPS };
+    /* Plain probe, speculative probe (loses), then 200 steps into the
+     * plain run of SPEC_BACKOFF_MAX. */
+    spec_stats lose = adaptive_run(1000, P + S + 200);
+    assert_int_equal(lose.steps, S);
+    assert_int_equal(lose.adapt_plain_steps, P + 200);
+    assert_int_equal(lose.plain_steps, P + 200);
+    assert_int_equal(lose.adapt_off, 1);
     /* A free drafter never loses (a step gives at least its bonus token):
      * plain probe, speculative probe, then the speculative run. */
     spec_stats win = adaptive_run(0, P + S + 20);
@@ -529,7 +531,7 @@ static void test_adaptive_speculation_turns_itself_off_while_it_loses(void **sta
     assert_int_equal(win.adapt_plain_steps, P);
     assert_int_equal(win.adapt_off, 0);
     printf("losing drafter: %lld speculative steps of %d, switched off %lld times; free drafter: %lld of %d\n",
-           (long long)lose.steps, P + S + B + S + 4, (long long)lose.adapt_off, (long long)win.steps, P + S + 20);
+           (long long)lose.steps, P + S + 200, (long long)lose.adapt_off, (long long)win.steps, P + S + 20);
 }
 
 static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
