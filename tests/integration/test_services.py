@@ -476,3 +476,38 @@ def test_sigterm_finishes_running_streams_then_exits_cleanly(services, model):
     assert first + s.tokens == reference(model, PROMPTS[1])[1]
     assert target.proc.wait(timeout=120) == 0
     assert "target_stopped requests=1" in target.text()
+
+
+def test_admission_waits_for_kv_and_a_full_queue_refuses(services, model):
+    # 10 KV blocks of 16 tokens; each request below reserves
+    # ceil((prompt + 56 + 1) / 16) blocks, so two run and the rest wait.
+    target = services("aerie-target", "--max-batch", "8", "--max-seq-len", "160", "--max-kv-tokens", "160",
+                      "--max-queue", "2", "--threads", "1", "--log-interval-s", "1")
+    refs = [reference(model, PROMPTS[i], 56) for i in range(4)]
+    need = [(len(r[0]) + 56 + 1 + 15) // 16 for r in refs]
+    assert need[0] + need[1] <= 10 and need[0] + need[1] + min(need[2:]) > 10, need
+    c = rpc.Conn(target.addr)
+    ids = [rpc.start_generate(c, refs[i][0], 56, ignore_eos=True) for i in range(2)]
+    stats = wait_stats(target.addr, lambda s: s["running"] + s["prefilling"] == 2)
+    assert stats["kv_blocks_reserved"] == need[0] + need[1]
+    ids += [rpc.start_generate(c, refs[i][0], 56, ignore_eos=True) for i in range(2, 4)]
+    stats = wait_stats(target.addr, lambda s: s["waiting"] == 2)
+    assert stats["waiting"] == 2 and stats["running"] + stats["prefilling"] == 2
+    refused = rpc.start_generate(c, refs[0][0], 56)
+    # One that can never fit is refused at once, whatever the queue.
+    never = rpc.start_generate(c, refs[0][0], 200)
+    got = rpc.collect(c, ids + [refused, never])
+    c.close()
+    assert got[refused].status == "RESOURCE_EXHAUSTED"
+    assert got[refused].error == "2 requests are waiting (the queue's limit); retry later"
+    assert got[never].status == "INVALID_ARGUMENT"
+    assert got[never].error == f"prompt ({len(refs[0][0])} tokens) + max_tokens (200) is more than max-seq-len 160"
+    for i, cid in enumerate(ids):
+        assert got[cid].status == "OK" and got[cid].tokens == refs[i][1]
+    stats = wait_stats(target.addr, lambda s: s["kv_blocks_used"] == 0)
+    assert stats["kv_blocks_used"] == 0 and stats["requests_refused"] == 1
+    # The periodic line: tok/s, batch, queue, KV use, acceptance, speculation.
+    import re
+    lines = re.findall(r"target_load tok_s=[\d.]+ batch=\d+ queue=(\d+) kv_used=\d+/10 kv_pct=[\d.]+ "
+                       r"accept_len=[\d.]+ spec=none", target.text())
+    assert lines, target.text()[-2000:]

@@ -330,6 +330,36 @@ static void test_client_reconnects_when_the_server_comes_back(void **state) {
     echo_roundtrip(f, 32);
 }
 
+/* A peer that accepts but never answers (a hung process): the client's
+ * pings go unanswered, it drops the connection and connects again. */
+static void test_keepalive_drops_a_silent_peer(void **state) {
+    (void)state;
+    char path[128];
+    snprintf(path, sizeof path, "build/test-rpc-silent-%d.sock", (int)getpid());
+    unlink(path);
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", path);
+    assert_int_equal(bind(lfd, (struct sockaddr *)&un, sizeof un), 0);
+    assert_int_equal(listen(lfd, 8), 0);
+    rpc_loop *loop;
+    rpc_client *cli;
+    ae_error err = {{0}};
+    assert_int_equal(rpc_loop_start(&loop, &err), AE_OK);
+    char addr[160];
+    snprintf(addr, sizeof addr, "unix:%s", path);
+    rpc_client_config cc = {.addr = addr, .keepalive_ms = 100};
+    if (rpc_client_open(&cli, loop, &cc, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_true(rpc_client_wait_connected(cli, 5000));
+    /* Accepted by the kernel's backlog and never read: pings go unanswered. */
+    for (int i = 0; i < 300 && rpc_client_connects(cli) < 2; i++) usleep(10000);
+    assert_true(rpc_client_connects(cli) >= 2);
+    rpc_client_close(cli);
+    rpc_loop_free(loop);
+    close(lfd);
+    unlink(path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_unix, teardown),
@@ -341,6 +371,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_concurrent_callers_share_one_connection, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_untrusted_frames_close_only_their_connection, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_client_reconnects_when_the_server_comes_back, setup_unix, teardown),
+        cmocka_unit_test(test_keepalive_drops_a_silent_peer),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
