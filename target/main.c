@@ -105,7 +105,15 @@ int main(int argc, char **argv) {
     if (cli_engine_open(&e, m, &plan, threads, &err) != AE_OK) goto out;
     /* The end-of-sequence token comes from the model's tokenizer. */
     int32_t eos = -1;
-    if (gguf_open(&gf, model_path, NULL) == AE_OK && tok_load_gguf(&tk, gf, NULL) == AE_OK) eos = tok_eos(tk);
+    char tj[4096];
+    if (gguf_open(&gf, model_path, NULL) == AE_OK) {
+        if (tok_load_gguf(&tk, gf, NULL) != AE_OK) tk = NULL;
+    } else if ((size_t)snprintf(tj, sizeof tj, "%s/tokenizer.json", model_path) < sizeof tj &&
+               tok_load_json(&tk, tj, NULL) != AE_OK) {
+        tk = NULL; /* a Hugging Face directory */
+    }
+    if (tk) eos = tok_eos(tk);
+    else LOG_WARNF("no_tokenizer model=%s reason=\"no end-of-sequence token known: only max_tokens and stop tokens end a request\"", model_path);
     if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
     if (drafting) {
         dcli_config dcc = {draft_addr,

@@ -334,7 +334,7 @@ static void test_client_reconnects_when_the_server_comes_back(void **state) {
  * pings go unanswered, it drops the connection and connects again. */
 static void test_keepalive_drops_a_silent_peer(void **state) {
     (void)state;
-    char path[128];
+    char path[64];
     snprintf(path, sizeof path, "build/test-rpc-silent-%d.sock", (int)getpid());
     unlink(path);
     int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
