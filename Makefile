@@ -74,13 +74,12 @@ ASAN_SERVICES := $(SERVICES:build/%=build/asan/%)
 
 all: build/aerie $(SERVICES) $(MODEL_BIN)
 
+# Every object may include the generated header (an order-only
+# prerequisite of each object rule below).
 $(GEN_C) $(GEN_H) &: proto/aerie.proto proto/aerie.options
 	@mkdir -p $(@D)
 	$(MSG) GEN $(GEN_C)
 	$(Q)$(NANOPB_GEN) -q -I proto -D build/gen proto/aerie.proto
-
-# Every object may include the generated header.
-build/obj/%.o build/asan/obj/%.o build/tsan/obj/%.o build/fuzz/obj/%.o: | $(GEN_H)
 
 build/aerie-%: %/main.c build/libaerie.a
 	$(MSG) LD $@
@@ -91,17 +90,17 @@ build/asan/aerie-%: %/main.c build/asan/libaerie.a
 	$(MSG) ASANLD $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a $(LIBS) -o $@
 
-build/obj/%.o: %.c
+build/obj/%.o: %.c | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) CC $@
 	$(Q)$(CC) $(BASE_CFLAGS) $(OPT) -c $< -o $@
 
-build/asan/obj/%.o: %.c
+build/asan/obj/%.o: %.c | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) ASAN $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) -c $< -o $@
 
-build/tsan/obj/%.o: %.c
+build/tsan/obj/%.o: %.c | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) TSAN $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g -fsanitize=thread -c $< -o $@
@@ -148,7 +147,7 @@ build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -Ibuild/gen -pthread -ffp-contract=off -O1 -g $(WARN) -fno-sanitize-recover=all
 FLIB_OBJ := $(LIB_SRC:%.c=build/fuzz/obj/%.o)
 
-build/fuzz/obj/%.o: %.c
+build/fuzz/obj/%.o: %.c | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) FUZZ $@
 	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -MMD -MP -fsanitize=fuzzer-no-link,address,undefined -c $< -o $@

@@ -10,6 +10,7 @@
 
 #include "../services/core/file.h"
 #include "../services/core/log.h"
+#include "../services/core/svc.h"
 #include "draft_link.h"
 
 /* Bytes the head and its drafter add to the plan (0 without --draft):
@@ -112,6 +113,17 @@ int cli_resolve_engine(cfg *c, bool draft, ae_error *err) {
     int rc = cli_plan(c, m, draft, &plan, err);
     model_free(m);
     return rc;
+}
+
+int cli_service_open(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+                     bool *print_config, bool *help, ae_error *err) {
+    *m = NULL;
+    if (svc_config_load(c, service, opts, n, argc, argv, print_config, help, err) != AE_OK) return AE_ERR;
+    if (*help) return AE_OK;
+    if (cfg_is_auto(*c, "threads")) cfg_set_auto_int(*c, "threads", pool_cpu_count());
+    const char *path = cfg_str(*c, "model");
+    if (!path) return err_set(err, "no model given (use --model FILE)");
+    return model_load(m, path, err);
 }
 
 int cli_engine_open(eng **e, const model *m, const memplan *plan, int32_t threads, ae_error *err) {

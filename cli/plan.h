@@ -35,6 +35,12 @@ void cli_resolve_draft(cfg *c);
  * "draft" setting, then the plan for c's "model". */
 int cli_resolve_engine(cfg *c, bool draft, ae_error *err);
 
+/* The start of a service's main (aerie-target, aerie-draft): its settings
+ * (svc_config_load), threads "auto" resolved, and its --model loaded.
+ * *help: --help printed the usage; exit 0. */
+int cli_service_open(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+                     bool *print_config, bool *help, ae_error *err);
+
 /* An engine sized by the plan, prefill chunks of CLI_PREFILL_CHUNK. */
 int cli_engine_open(eng **e, const model *m, const memplan *plan, int32_t threads, ae_error *err);
 

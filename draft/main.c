@@ -81,20 +81,14 @@ int main(int argc, char **argv) {
     rpc_server *srv = NULL;
     bool print_config, help;
     int rc = 2;
-    if (svc_config_load(&c, "aerie-draft", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
-                        &err) != AE_OK)
+    if (cli_service_open(&c, &m, "aerie-draft", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
+                         &err) != AE_OK)
         goto out;
     if (help) {
         rc = 0;
         goto out;
     }
-    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
     const char *model_path = cfg_str(c, "model");
-    if (!model_path) {
-        err_set(&err, "no model given (use --model FILE)");
-        goto out;
-    }
-    if (model_load(&m, model_path, &err) != AE_OK) goto out;
     cli_resolve_draft(c);
     const char *dir = cli_draft_dir(c);
     if (!dir) {

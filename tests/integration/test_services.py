@@ -387,6 +387,36 @@ def test_draft_answers_bad_proposals_with_errors_and_keeps_state_per_client(serv
     c.close()
 
 
+def test_draft_evicts_the_least_recently_used_sequence_and_serves_two_targets(services):
+    # 64 slots: target A holds 40 sequences, target B (another connection,
+    # another client id) 24, then B starts one more: A's least recently
+    # used sequence goes, and only that one.
+    draft = services("aerie-draft", *draft_args())
+    prop = rpc.p_method("DRAFT_PROPOSE")
+    p = rpc.pb2()
+    a, b = rpc.Conn(draft.addr), rpc.Conn(draft.addr)
+
+    def call(conn, client, seqs):
+        m, pl = propose_request(seqs, client=client)
+        st, reply = conn.unary(prop, m, pl)
+        assert st == "OK", reply
+        return [t.status for t in p.ProposeReply.FromString(reply).trees]
+
+    call(a, 1, [(s, True, 0, [5, 6], None) for s in range(0, 20)])
+    call(a, 1, [(s, True, 0, [5, 6], None) for s in range(20, 40)])
+    call(b, 2, [(s, True, 0, [5, 6], None) for s in range(0, 24)])
+    call(a, 1, [(s, False, 2, [7], None) for s in range(1, 20)])  # A's sequence 0 is now the oldest
+    assert call(b, 2, [(100, True, 0, [5, 6], None)]) == [p.SEQ_OK]
+    assert call(a, 1, [(0, False, 2, [7], None)]) == [p.SEQ_STATE_GONE]
+    assert call(a, 1, [(s, False, 3, [8], None) for s in range(1, 20)]) == [p.SEQ_OK] * 19
+    assert call(a, 1, [(s, False, 2, [8], None) for s in range(20, 40)]) == [p.SEQ_OK] * 20
+    assert call(b, 2, [(s, False, 2, [8], None) for s in range(0, 24)]) == [p.SEQ_OK] * 24
+    _r, stats, _c = rpc.info(draft.addr, "DRAFT_INFO")
+    assert stats["evictions"] == 1 and stats["keys_used"] == 64
+    a.close()
+    b.close()
+
+
 class FakeDraft:
     """A draft that answers every Propose with a broken tree."""
 
