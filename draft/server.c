@@ -15,6 +15,7 @@
 
 #define DSRV_MAX_SEQS 64 /* per call: aerie.options ProposeRequest.seqs */
 #define DSRV_REPLY_CAP (aerie_ProposeReply_size + 64)
+#define DSRV_MAX_QUEUE 1024 /* calls waiting for the worker */
 
 /* One drafter slot: which (client, seq) it holds. */
 typedef struct slot {
@@ -428,9 +429,14 @@ void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
     }
     job *j = malloc(sizeof *j);
     pthread_mutex_lock(&d->mu);
-    if (!j || d->draining || d->stopping) {
+    if (!j || d->draining || d->stopping || d->queued >= DSRV_MAX_QUEUE) {
+        uint32_t st = j && d->queued >= DSRV_MAX_QUEUE && !d->draining && !d->stopping ? RPC_RESOURCE_EXHAUSTED
+                                                                                        : RPC_UNAVAILABLE;
         pthread_mutex_unlock(&d->mu);
-        rpc_call_fail(call, RPC_UNAVAILABLE, "%s", j ? "the draft service is shutting down" : "out of memory");
+        rpc_call_fail(call, st, "%s",
+                      !j                              ? "out of memory"
+                      : st == RPC_RESOURCE_EXHAUSTED ? "the draft's queue is full"
+                                                     : "the draft service is shutting down");
         free(j);
         return;
     }

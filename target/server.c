@@ -67,7 +67,9 @@ static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
         return;
     }
     rpc_call_item(call, t->ev_buf, len, NULL);
-    if (e->finish == SCHED_CANCELLED && rpc_call_cancelled(call))
+    if (e->finish == SCHED_CANCELLED && rpc_call_expired(call))
+        rpc_call_fail(call, RPC_DEADLINE_EXCEEDED, "deadline of %u us exceeded", rpc_call_request(call)->timeout_us);
+    else if (e->finish == SCHED_CANCELLED && rpc_call_cancelled(call))
         rpc_call_fail(call, RPC_CANCELLED, "cancelled");
     else
         rpc_call_finish(call, RPC_OK, NULL, 0, NULL, 0);

@@ -33,6 +33,8 @@
 /* Bytes one read or write callback moves at most: a Propose of 8
  * sequences x 8 pairs carries about 450 KB of features. */
 #define RPC_IO_CHUNK (1 << 20)
+#define RPC_RX_STEP (1 << 20)      /* receive buffer reserved ahead of the bytes that came */
+#define RPC_MAX_CALLS 1024          /* calls open at once on one server connection */
 
 static int64_t mono_ns(void) {
     struct timespec ts;
@@ -293,7 +295,8 @@ static int conn_sendv(conn *c, const frame_header *h, const void *msg, uint32_t 
         if (len) iov[n++] = (struct iovec){(void *)msg, len};
         for (int i = 0; i < n_parts && n < (int)(sizeof iov / sizeof iov[0]); i++)
             if (parts[i].len) iov[n++] = (struct iovec){(void *)parts[i].base, parts[i].len};
-        ssize_t k = writev(bufferevent_getfd(c->bev), iov, n);
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t k = sendmsg(bufferevent_getfd(c->bev), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k > 0) skip = (size_t)k;
     }
     int rc = 0;
@@ -361,10 +364,13 @@ static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload);
 static void client_frame(conn *c, const uint8_t *msg, const uint8_t *payload);
 
 /* Makes rx hold a body of n bytes after a pad that aligns the payload. */
-static bool rx_reserve(conn *c) {
-    c->pad = (16 - c->hdr.msg_len % 16) % 16;
-    size_t need = (size_t)c->pad + c->hdr.msg_len + c->hdr.payload_len;
-    if (need <= c->rx_cap && c->rx) return true;
+/* Makes rx hold the first `upto` bytes of the body (after the pad that
+ * aligns the payload), keeping what was read. A header alone reserves at
+ * most RPC_RX_STEP: the rest grows as bytes arrive, so a peer that only
+ * claims a large frame ties up little memory. */
+static bool rx_reserve(conn *c, size_t upto) {
+    size_t need = (size_t)c->pad + upto;
+    if (c->rx && need <= c->rx_cap) return true;
     if (!c->rx) {
         pthread_mutex_lock(&c->mu);
         if (c->spare && c->spare_cap >= need) {
@@ -375,8 +381,13 @@ static bool rx_reserve(conn *c) {
         if (c->rx) return true;
     }
     size_t cap = need < 4096 ? 4096 : (need + 15) / 16 * 16;
+    if (c->rx && cap < 2 * c->rx_cap) cap = 2 * c->rx_cap; /* amortized growth */
+    size_t full = (size_t)c->pad + c->hdr.msg_len + c->hdr.payload_len;
+    if (cap > full) cap = (full + 15) / 16 * 16;
+    if (cap < 4096) cap = 4096;
     uint8_t *p = aligned_alloc(16, cap);
     if (!p) return false;
+    if (c->rx && c->body_got) memcpy(p + c->pad, c->rx + c->pad, c->body_got);
     free(c->rx);
     c->rx = p;
     c->rx_cap = cap;
@@ -389,6 +400,11 @@ static bool rx_reserve(conn *c) {
 static void on_read(struct bufferevent *bev, void *arg) {
     conn *c = arg;
     struct evbuffer *in = bufferevent_get_input(bev);
+    /* A frame may close the connection, and the close may drop the last
+     * reference: hold one until this callback is done with c. */
+    pthread_mutex_lock(&c->mu);
+    c->refs++;
+    pthread_mutex_unlock(&c->mu);
     c->last_rx_ns = mono_ns();
     c->ping_out = false;
     while (!c->closed && !c->close_after_flush) {
@@ -400,51 +416,63 @@ static void on_read(struct bufferevent *bev, void *arg) {
             frame_check chk = frame_decode_header(raw, c->max_frame, &c->hdr, &why);
             if (chk != FRAME_OK) {
                 LOG_WARNF("rpc_bad_frame conn=%llu reason=\"%s\"", (unsigned long long)c->id, why.msg);
-                if (chk == FRAME_BAD_VERSION || chk == FRAME_TOO_BIG) {
+                if (c->srv && (chk == FRAME_BAD_VERSION || chk == FRAME_TOO_BIG)) {
                     uint32_t status = chk == FRAME_TOO_BIG ? RPC_RESOURCE_EXHAUSTED : RPC_FAILED_PRECONDITION;
                     /* The version byte is ours so that the peer can read why. */
                     send_error(c, FRAME_REPLY, c->hdr.call_id, status, why.msg);
                     conn_close_after_flush(c);
                 } else {
-                    conn_close(c);
+                    conn_close(c); /* a server's bad frame: its calls end UNAVAILABLE */
                 }
-                return;
+                break;
             }
-            if (!rx_reserve(c)) {
-                LOG_ERRORF("rpc_out_of_memory conn=%llu frame_bytes=%u", (unsigned long long)c->id,
-                           c->hdr.msg_len + c->hdr.payload_len);
-                conn_close(c);
-                return;
-            }
+            c->pad = (16 - c->hdr.msg_len % 16) % 16;
             c->have_hdr = true;
             c->body_got = 0;
         }
         size_t need = (size_t)c->hdr.msg_len + c->hdr.payload_len;
+        size_t avail = evbuffer_get_length(in), take = avail < need - c->body_got ? avail : need - c->body_got;
+        size_t ahead = c->body_got + take + (c->direct ? RPC_RX_STEP : 0);
+        if (!rx_reserve(c, ahead < need ? ahead : need)) {
+            LOG_ERRORF("rpc_out_of_memory conn=%llu frame_bytes=%zu", (unsigned long long)c->id, need);
+            conn_close(c);
+            break;
+        }
         uint8_t *body = c->rx + c->pad;
-        size_t take = evbuffer_get_length(in);
-        if (take > need - c->body_got) take = need - c->body_got;
         if (take) evbuffer_remove(in, body + c->body_got, take);
         c->body_got += take;
+        bool hung_up = false;
         if (c->body_got < need && c->direct) {
             evutil_socket_t fd = bufferevent_getfd(bev);
             while (c->body_got < need) {
-                ssize_t k = recv(fd, body + c->body_got, need - c->body_got, MSG_DONTWAIT);
+                size_t room = c->rx_cap - c->pad - c->body_got;
+                if (room == 0) {
+                    if (!rx_reserve(c, c->body_got + RPC_RX_STEP < need ? c->body_got + RPC_RX_STEP : need)) break;
+                    body = c->rx + c->pad;
+                    room = c->rx_cap - c->pad - c->body_got;
+                }
+                size_t want = need - c->body_got < room ? need - c->body_got : room;
+                ssize_t k = recv(fd, body + c->body_got, want, MSG_DONTWAIT);
                 if (k > 0) {
                     c->body_got += (size_t)k;
-                    continue;
+                } else if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+                    hung_up = true; /* mid-frame: nothing of it is dispatched */
+                    break;
+                } else if (errno != EINTR) {
+                    break;
                 }
-                if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-                    conn_close(c); /* the peer hung up mid-frame: nothing of it is dispatched */
-                    return;
-                }
-                if (errno != EINTR) break;
             }
         }
-        if (c->body_got < need) return;
+        if (hung_up) {
+            conn_close(c);
+            break;
+        }
+        if (c->body_got < need) break;
         c->have_hdr = false;
         if (c->srv) server_frame(c, body, body + c->hdr.msg_len);
         else client_frame(c, body, body + c->hdr.msg_len);
     }
+    conn_unref(c);
 }
 
 static void tune_bev(struct bufferevent *bev, bool tcp) {
@@ -604,11 +632,16 @@ static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
         return;
     }
     bool dup = false;
+    int open = 0;
     pthread_mutex_lock(&c->mu);
-    for (rpc_call *k = c->calls; k; k = k->next) dup |= k->id == h.call_id;
+    for (rpc_call *k = c->calls; k; k = k->next) dup |= k->id == h.call_id, open++;
     pthread_mutex_unlock(&c->mu);
     if (dup) {
         send_error(c, FRAME_REPLY, h.call_id, RPC_ALREADY_EXISTS, "call id already in use on this connection");
+        return;
+    }
+    if (open >= RPC_MAX_CALLS) {
+        send_error(c, FRAME_REPLY, h.call_id, RPC_RESOURCE_EXHAUSTED, "too many calls open on this connection");
         return;
     }
     rpc_call *k = calloc(1, sizeof *k);
@@ -637,6 +670,8 @@ static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
 bool rpc_call_cancelled(const rpc_call *k) {
     return atomic_load(&k->cancelled) || (k->deadline_ns && mono_ns() > k->deadline_ns);
 }
+
+bool rpc_call_expired(const rpc_call *k) { return k->deadline_ns && mono_ns() > k->deadline_ns; }
 
 const rpc_request *rpc_call_request(const rpc_call *k) { return &k->req; }
 
@@ -955,7 +990,10 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
 }
 
 static void client_connect(rpc_client *cl) {
-    if (cl->closing) return;
+    pthread_mutex_lock(&cl->mu);
+    bool closing = cl->closing;
+    pthread_mutex_unlock(&cl->mu);
+    if (closing) return;
     int opts = BEV_OPT_CLOSE_ON_FREE | BEV_OPT_THREADSAFE;
     struct bufferevent *bev = NULL;
     if (cl->ssl) {
@@ -1058,8 +1096,11 @@ void rpc_client_close(rpc_client *cl) {
     cl->closing = true;
     pthread_mutex_unlock(&cl->mu);
     loop_run(cl->loop, client_close_job, cl);
-    /* Callers still waiting were woken with UNAVAILABLE by the close;
-     * the API asks that none is left by now. */
+    /* Callers still waiting were woken with UNAVAILABLE by the close; let
+     * them leave before the client goes. */
+    pthread_mutex_lock(&cl->mu);
+    while (cl->pend) pthread_cond_wait(&cl->cv, &cl->mu);
+    pthread_mutex_unlock(&cl->mu);
     event_free(cl->retry);
     if (cl->ssl) SSL_CTX_free(cl->ssl);
     pthread_cond_destroy(&cl->cv);
@@ -1124,7 +1165,7 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
     }
     pending p = {0, NULL, out, on_item, item_ctx, false, NULL};
     pthread_mutex_lock(&cl->mu);
-    if (!cl->connected || !cl->cur) {
+    if (!cl->connected || !cl->cur || cl->closing) {
         pthread_mutex_unlock(&cl->mu);
         reply_set_error(out, RPC_UNAVAILABLE, "not connected");
         return out->status;
@@ -1164,6 +1205,7 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
             *q = p.next;
             break;
         }
+    pthread_cond_broadcast(&cl->cv); /* rpc_client_close may wait for the last caller */
     pthread_mutex_unlock(&cl->mu);
     if (timed_out) {
         /* Outside cl->mu: the loop thread takes it under the socket's lock. */

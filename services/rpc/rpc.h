@@ -96,6 +96,9 @@ int rpc_server_port(rpc_server *s);
 /* True once the caller cancelled, the deadline passed or the connection
  * closed: the handler should stop work and finish the call. */
 bool rpc_call_cancelled(const rpc_call *c);
+/* True once the request's deadline has passed (finish it
+ * DEADLINE_EXCEEDED rather than CANCELLED). */
+bool rpc_call_expired(const rpc_call *c);
 const rpc_request *rpc_call_request(const rpc_call *c);
 /* Sends one stream item (fails once the call was cancelled). */
 int rpc_call_item(rpc_call *c, const void *msg, uint32_t len, ae_error *err);
@@ -140,8 +143,9 @@ typedef struct rpc_reply {
 
 void rpc_reply_free(rpc_reply *r);
 
-/* Called on the loop thread with each stream item; returning false cancels
- * the call. */
+/* Called on the loop thread with each stream item, under the client's
+ * lock: it must not call into this client. Returning false cancels the
+ * call. */
 typedef bool (*rpc_item_fn)(void *ctx, const uint8_t *msg, uint32_t len);
 
 /* Makes a call and waits for its end (never call from the loop thread).

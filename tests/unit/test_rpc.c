@@ -298,6 +298,11 @@ static void test_untrusted_frames_close_only_their_connection(void **state) {
     h = (frame_header){FRAME_VERSION, FRAME_REQUEST, M_ECHO, 8, 0, 0, 1 << 19, (1 << 19) + 1};
     frame_encode_header(&h, fr);
     refused_with(f, fr, sizeof fr, RPC_RESOURCE_EXHAUSTED, "frame of 1048577 bytes is over the limit of 1048576 bytes");
+    /* A frame only a server sends: refused, and closing that connection
+     * inside its own read callback must not touch freed memory. */
+    h = (frame_header){FRAME_VERSION, FRAME_ITEM, M_ECHO, 11, 0, 0, 0, 0};
+    frame_encode_header(&h, fr);
+    refused_with(f, fr, sizeof fr, RPC_INVALID_ARGUMENT, "a client may send requests, cancels and pings only");
     uint8_t junk[40];
     memset(junk, 'x', sizeof junk);
     refused_with(f, junk, sizeof junk, 0, NULL);
