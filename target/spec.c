@@ -20,7 +20,9 @@ typedef struct adapt_state {
     int32_t backoff;        /* length of the next plain run */
     int32_t timed;          /* steps of the phase so far; the first is not timed */
     int64_t tokens, ns;     /* of the phase's timed steps */
+    int64_t all_tokens, all_ns; /* of all its steps, the first included */
     double spec_rate, plain_rate; /* tokens per ns; 0: not measured yet */
+    double plain_step_tokens;     /* tokens a plain step gives (the batch) */
 } adapt_state;
 
 typedef struct seq_state {
@@ -87,7 +89,7 @@ static void adapt_enter(adapt_state *a, adapt_phase p, int32_t steps) {
     a->phase = p;
     a->left = steps;
     a->timed = 0;
-    a->tokens = a->ns = 0;
+    a->tokens = a->ns = a->all_tokens = a->all_ns = 0;
 }
 
 /* One step done: emitted tokens in ns. At a phase's end, the next phase. */
@@ -97,12 +99,14 @@ static void adapt_step(spec *s, int32_t n, int64_t emitted, int64_t ns) {
         a->tokens += emitted;
         a->ns += ns;
     }
+    a->all_tokens += emitted;
+    a->all_ns += ns;
     if (a->phase == PLAIN_PROBE || a->phase == PLAIN_RUN) s->total.adapt_plain_steps++;
     if (--a->left > 0) return;
     double rate = a->ns > 0 ? (double)a->tokens / (double)a->ns : 0;
     bool spec_phase = a->phase == SPEC_PROBE || a->phase == SPEC_RUN;
     if (spec_phase) a->spec_rate = rate;
-    else a->plain_rate = rate;
+    else a->plain_rate = rate, a->plain_step_tokens = (double)a->all_tokens / (double)a->timed;
     if (a->phase == SPEC_RUN) {
         adapt_enter(a, PLAIN_PROBE, PLAIN_PROBE_STEPS); /* keep the comparison fresh */
     } else if (a->phase == PLAIN_RUN || a->spec_rate == 0) {
@@ -114,12 +118,14 @@ static void adapt_step(spec *s, int32_t n, int64_t emitted, int64_t ns) {
         adapt_enter(a, SPEC_RUN, SPEC_RUN_STEPS);
     } else {
         s->total.adapt_off++;
-        /* A speculative probe costs about SPEC_PROBE_STEPS x (plain rate /
-         * speculative rate - 1) plain steps of time: run plain at least
-         * SPEC_PROBE_BUDGET times that long, so that probing a draft that
-         * loses by far costs about 1 / SPEC_PROBE_BUDGET of throughput. */
-        double cost = SPEC_PROBE_STEPS * (a->plain_rate / a->spec_rate - 1);
-        double need = ceil(SPEC_PROBE_BUDGET * cost);
+        /* What the probe lost, in plain steps: its whole time (the first
+         * step too, which carries the drafter's reset) at the plain rate,
+         * less the tokens it gave. Run plain at least SPEC_PROBE_BUDGET
+         * times that long, so that probing a draft that loses costs about
+         * 1 / SPEC_PROBE_BUDGET of throughput. */
+        double lost = (a->plain_rate * (double)a->all_ns - (double)a->all_tokens) /
+                      (a->plain_step_tokens > 0 ? a->plain_step_tokens : 1);
+        double need = ceil(SPEC_PROBE_BUDGET * lost);
         if (a->backoff < need) a->backoff = need < SPEC_BACKOFF_MAX ? (int32_t)need : SPEC_BACKOFF_MAX;
         adapt_enter(a, PLAIN_RUN, a->backoff);
         /* Speculation gains less as the batch grows (the verify pass's

@@ -91,8 +91,8 @@ typedef struct spec_drafter {
  *     SPEC_BACKOFF_MAX while plain keeps winning, each followed by a
  *     speculative probe and a decision. The run is at least
  *     SPEC_PROBE_BUDGET times what the losing probe cost (in plain steps'
- *     time), so a draft that loses by far is probed rarely from the
- *     start.
+ *     time, its untimed first step included), so a draft that loses by
+ *     far is probed rarely from the start.
  * Each range of batch sizes (1, 2-3, 4-7, ...) runs its own phases: a
  * step's speed depends on its batch far more than on the draft. A loss
  * in one range starts the larger ranges not yet measured in a plain run
@@ -108,7 +108,7 @@ typedef struct spec_drafter {
 #define SPEC_RUN_STEPS 32
 #define SPEC_BACKOFF_MIN 128
 #define SPEC_BACKOFF_MAX 2048
-#define SPEC_PROBE_BUDGET 50
+#define SPEC_PROBE_BUDGET 100
 #define SPEC_ADAPT_BUCKETS 8 /* batch sizes 1, 2-3, 4-7, ..., 128+ each decide on their own */
 
 typedef struct spec_config {
