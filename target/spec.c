@@ -245,7 +245,7 @@ static llama_capture capture_all(spec *s, int32_t n_rows) {
 }
 
 int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
-                     ae_error *err) {
+                     bool greedy, ae_error *err) {
     if (seq < 0 || seq >= s->cfg.max_seqs) return err_set(err, "sequence %d is out of range", seq);
     if (n < 1) return err_set(err, "the prompt has no tokens");
     if (chunk < 1 || chunk > s->cfg.max_batch_tokens) chunk = s->cfg.max_batch_tokens;
@@ -268,7 +268,8 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
      * the last step, a prompt is not sent to the drafter: that work would
      * be wasted, and the sequence is reset from its recent pairs when
      * drafting comes back. */
-    bool feed = s->d && !st->resync && s->step_no >= s->retry_at && adapt_drafting(s, s->last_n > 0 ? s->last_n : 1);
+    bool feed = s->d && !st->resync && s->step_no >= s->retry_at &&
+                (!greedy || adapt_drafting(s, s->last_n > 0 ? s->last_n : 1));
     if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
         if (at == 0) st->started = false;
         return AE_ERR;
@@ -298,7 +299,7 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
 int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, ae_error *err) {
     int32_t done = 0;
     do {
-        if (spec_seq_prefill(s, seq, prompt, n, chunk, &done, err) != AE_OK) return AE_ERR;
+        if (spec_seq_prefill(s, seq, prompt, n, chunk, &done, false, err) != AE_OK) return AE_ERR;
     } while (done < n - 1);
     /* A one-token prompt gives the drafter nothing to start from: the
      * first step is plain and feeds it then. */
@@ -327,14 +328,20 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
         s->trees[i].n = 0;
         s->feed_of[i] = -1;
     }
-    if (!s->d || s->step_no < s->retry_at || !adapt_drafting(s, n)) return;
+    if (!s->d || s->step_no < s->retry_at) return;
+    /* Adaptive speculation decides for greedy sequences only: a sampled
+     * step draws differently with and without a tree, so a sequence that
+     * samples speculates on every step, and its seed reproduces it. */
+    bool drafting = adapt_drafting(s, n);
     for (int32_t i = 0; i < n; i++) {
+        if (!drafting && sample_is_greedy(in[i].params)) continue;
         seq_state *st = &s->seqs[in[i].seq];
         bool reset = !st->fed || st->resync;
         s->feed_of[i] = nf;
         s->feeds[nf++] = (spec_feed){in[i].seq, reset, reset ? 0 : st->held, st->n_pending, st->pending_tokens,
                                      pending_features(s, in[i].seq), true};
     }
+    if (nf == 0) return;
     ae_error derr = {{0}};
     /* trees is indexed by feed here, then spread to the sequences. */
     int rc = s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr);
@@ -357,6 +364,12 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
     for (int32_t i = n - 1; i >= 0; i--) {
         int32_t f = s->feed_of[i];
         seq_state *st = &s->seqs[in[i].seq];
+        if (f < 0) {
+            /* Not drafted this step; slot i was a feed's, taken already
+             * (feeds come in sequence order, and this walks down). */
+            s->trees[i].n = 0;
+            continue;
+        }
         if (s->trees[f].n == SPEC_STATE_GONE) {
             /* Keep the pending pairs: the reset next step sends them. */
             st->resync = true;

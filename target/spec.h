@@ -93,6 +93,9 @@ typedef struct spec_drafter {
  *     SPEC_PROBE_BUDGET times what the losing probe cost (in plain steps'
  *     time, its untimed first step included), so a draft that loses by
  *     far is probed rarely from the start.
+ * Only greedy sequences follow these phases: a sampled step draws
+ * differently with and without a tree, so a sampling sequence speculates
+ * on every step (given the same trees, its seed reproduces it).
  * Each range of batch sizes (1, 2-3, 4-7, ...) runs its own phases: a
  * step's speed depends on its batch far more than on the draft. A loss
  * in one range starts the larger ranges not yet measured in a plain run
@@ -165,9 +168,11 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
 /* The same one chunk at a time, for a scheduler that runs other steps in
  * between: *done is the prompt tokens prefilled so far (0 to begin with a
  * fresh engine sequence); the call prefills the next chunk and advances
- * it. The sequence is ready for spec_step once *done == n - 1. */
+ * it. The sequence is ready for spec_step once *done == n - 1. A greedy
+ * sequence's prompt is not sent to the drafter while adaptive
+ * speculation has drafting off (spec_seq_start always sends it). */
 int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
-                     ae_error *err);
+                     bool greedy, ae_error *err);
 void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state */
 
 typedef struct spec_in {

@@ -541,3 +541,25 @@ def test_admission_waits_for_kv_and_a_full_queue_refuses(services, model):
     lines = re.findall(r"target_load tok_s=[\d.]+ batch=\d+ queue=(\d+) kv_used=\d+/10 kv_pct=[\d.]+ "
                        r"accept_len=[\d.]+ spec=none", target.text())
     assert lines, target.text()[-2000:]
+
+
+def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(services, model):
+    # The default: adaptive speculation, which may switch drafting on and
+    # off by the clock for greedy streams; sampled streams draft on every
+    # step, so the same seed gives the same tokens.
+    draft = services("aerie-draft", *draft_args())
+    target = services("aerie-target", "--max-batch", "32", "--max-seq-len", "512", "--threads", "1",
+                      "--draft-addr", draft.addr, "--draft-deadline-ms", "5000")
+    run_streams(target.addr, model, 8)
+    ids = reference(model, PROMPTS[2])[0]
+    runs = []
+    for _ in range(2):
+        c = rpc.Conn(target.addr)
+        cids = [rpc.start_generate(c, ids, 20, temperature=0.8, seed=7 + k, ignore_eos=True) for k in range(3)]
+        got = rpc.collect(c, cids)
+        c.close()
+        assert all(got[i].status == "OK" and len(got[i].tokens) == 20 for i in cids)
+        assert all(got[i].events[-1].spec.steps > 0 for i in cids), "sampled streams were not drafted"
+        runs.append([got[i].tokens for i in cids])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1], "different seeds gave the same tokens"

@@ -465,9 +465,11 @@ static void costly_release(void *ctx, int32_t seq) {
 
 static int64_t test_clock(void *ctx) { return ++((costly *)ctx)->clock; }
 
-/* `steps` adaptive steps of one sequence with a drafter costing `cost`;
- * the tokens must be plain greedy's. Returns the totals. */
-static spec_stats adaptive_run(int64_t cost, int32_t steps) {
+/* `steps` adaptive steps of one sequence with a drafter costing `cost`,
+ * decoding with sp (seed 0); greedy tokens must be plain greedy's. The
+ * tokens go to out[*n_out] when out is given. Returns the totals. */
+static spec_stats adaptive_run_with(int64_t cost, int32_t steps, const sample_params *sp, int32_t *out,
+                                    int32_t *n_out) {
     enum { LEN = 256 };
     fixture f;
     fixture_open(&f);
@@ -492,21 +494,31 @@ static spec_stats adaptive_run(int64_t cost, int32_t steps) {
     sample_rng rng;
     sample_rng_seed(&rng, 0);
     for (int32_t k = 0; k < steps; k++) {
-        spec_in in = {seq, &greedy, &rng};
+        spec_in in = {seq, sp, &rng};
         spec_out o;
         if (spec_step(s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int32_t j = 0; j < o.n; j++) got[n_got++] = o.tokens[j];
     }
     spec_seq_end(s, seq);
     eng_seq_free(e, seq);
-    plain_greedy(e, ids, n, n_got, want);
-    assert_memory_equal(got, want, (size_t)n_got * sizeof(int32_t));
+    if (sample_is_greedy(sp)) {
+        plain_greedy(e, ids, n, n_got, want);
+        assert_memory_equal(got, want, (size_t)n_got * sizeof(int32_t));
+    }
+    if (out) {
+        memcpy(out, got, (size_t)n_got * sizeof(int32_t));
+        *n_out = n_got;
+    }
     spec_stats st = *spec_total_stats(s);
     spec_free(s);
     draft_link_close(&link);
     eng_free(e);
     fixture_close(&f);
     return st;
+}
+
+static spec_stats adaptive_run(int64_t cost, int32_t steps) {
+    return adaptive_run_with(cost, steps, &greedy, NULL, NULL);
 }
 
 /* A drafter that makes steps slower than they gain is switched off after
@@ -532,6 +544,23 @@ static void test_adaptive_speculation_turns_itself_off_while_it_loses(void **sta
     assert_int_equal(win.adapt_off, 0);
     printf("losing drafter: %lld speculative steps of %d, switched off %lld times; free drafter: %lld of %d\n",
            (long long)lose.steps, P + S + 200, (long long)lose.adapt_off, (long long)win.steps, P + S + 20);
+}
+
+/* Adaptive speculation leaves sampled sequences alone: the same losing
+ * drafter that is switched off for greedy decoding drafts every sampled
+ * step, so a seed gives the same tokens whatever the clock said. */
+static void test_adaptive_speculation_keeps_drafting_sampled_sequences(void **state) {
+    (void)state;
+    enum { STEPS = 40 };
+    const sample_params warm = {0.8f, 0, 1, 0};
+    int32_t a[2 * STEPS], b[2 * STEPS], na = 0, nb = 0;
+    spec_stats st = adaptive_run_with(1000, STEPS, &warm, a, &na);
+    assert_int_equal(st.steps, STEPS);
+    assert_int_equal(st.adapt_off, 0);
+    spec_stats again = adaptive_run_with(0, STEPS, &warm, b, &nb); /* another clock, the same draws */
+    assert_int_equal(again.steps, STEPS);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, (size_t)na * sizeof(int32_t));
 }
 
 static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
@@ -561,6 +590,7 @@ int main(void) {
         cmocka_unit_test(test_speculation_needs_a_batch_token_for_every_root),
         cmocka_unit_test(test_a_step_on_an_unstarted_sequence_fails),
         cmocka_unit_test(test_adaptive_speculation_turns_itself_off_while_it_loses),
+        cmocka_unit_test(test_adaptive_speculation_keeps_drafting_sampled_sequences),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
