@@ -206,8 +206,12 @@ static void admit(sched *s) {
         s->waiting = q->next;
         if (!s->waiting) s->waiting_tail = NULL;
         s->n_waiting--;
-        q->next = s->active;
-        s->active = q;
+        /* Admission order is kept: prompts are prefilled first come,
+         * first served. */
+        q->next = NULL;
+        req **tail = &s->active;
+        while (*tail) tail = &(*tail)->next;
+        *tail = q;
         s->n_active++;
         q->reserve = need;
         s->reserved += need;
@@ -297,9 +301,10 @@ static void *loop_main(void *arg) {
             pthread_mutex_unlock(&s->mu);
             continue;
         }
-        /* The scheduler thread alone changes states and the active list's
-         * order, so it may walk the list unlocked from here; others only
-         * set cancel flags. */
+        /* The oldest prompt still prefilling, and the running sequences.
+         * Only this thread changes states and unlinks requests, so the
+         * ones picked here stay valid after the lock is dropped; other
+         * threads only set cancel flags. */
         req *pre = NULL;
         int32_t n = 0;
         for (req *q = s->active; q; q = q->next) {
