@@ -251,6 +251,32 @@ static void do_release(dsrv *d, rpc_call *call) {
     rpc_call_finish(call, RPC_OK, NULL, 0, NULL, 0);
 }
 
+/* Answers one Propose or Release (the worker's body). */
+static void serve(dsrv *d, rpc_call *call, bool stopping) {
+    const rpc_request *rq = rpc_call_request(call);
+    if (stopping) {
+        rpc_call_fail(call, RPC_UNAVAILABLE, "the draft service is shutting down");
+    } else if (rpc_call_cancelled(call)) {
+        rpc_call_fail(call, RPC_CANCELLED, "cancelled before it ran");
+    } else if (rq->method == aerie_Method_DRAFT_RELEASE) {
+        do_release(d, call);
+    } else {
+        uint32_t out_len;
+        ae_error err = {{0}};
+        uint32_t st =
+            dsrv_propose(d, rq->msg, rq->msg_len, rq->payload, rq->payload_len, d->out, DSRV_REPLY_CAP, &out_len, &err);
+        if (st == RPC_OK) {
+            rpc_call_finish(call, RPC_OK, d->out, out_len, NULL, 0);
+        } else {
+            pthread_mutex_lock(&d->mu);
+            d->stats.errors++;
+            pthread_mutex_unlock(&d->mu);
+            LOG_WARNF("propose_refused status=%s reason=\"%s\"", rpc_status_name(st), err.msg);
+            rpc_call_fail(call, st, "%s", err.msg);
+        }
+    }
+}
+
 static void *worker_main(void *arg) {
     dsrv *d = arg;
     for (;;) {
@@ -269,28 +295,7 @@ static void *worker_main(void *arg) {
         pthread_mutex_unlock(&d->mu);
         rpc_call *call = j->call;
         free(j);
-        const rpc_request *rq = rpc_call_request(call);
-        if (stopping) {
-            rpc_call_fail(call, RPC_UNAVAILABLE, "the draft service is shutting down");
-        } else if (rpc_call_cancelled(call)) {
-            rpc_call_fail(call, RPC_CANCELLED, "cancelled before it ran");
-        } else if (rq->method == aerie_Method_DRAFT_RELEASE) {
-            do_release(d, call);
-        } else {
-            uint32_t out_len;
-            ae_error err = {{0}};
-            uint32_t st =
-                dsrv_propose(d, rq->msg, rq->msg_len, rq->payload, rq->payload_len, d->out, DSRV_REPLY_CAP, &out_len, &err);
-            if (st == RPC_OK) {
-                rpc_call_finish(call, RPC_OK, d->out, out_len, NULL, 0);
-            } else {
-                pthread_mutex_lock(&d->mu);
-                d->stats.errors++;
-                pthread_mutex_unlock(&d->mu);
-                LOG_WARNF("propose_refused status=%s reason=\"%s\"", rpc_status_name(st), err.msg);
-                rpc_call_fail(call, st, "%s", err.msg);
-            }
-        }
+        serve(d, call, stopping);
         pthread_mutex_lock(&d->mu);
         d->busy = false;
         pthread_cond_broadcast(&d->cv);
@@ -425,6 +430,22 @@ void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
         break;
     default:
         rpc_call_fail(call, RPC_UNIMPLEMENTED, "aerie-draft has no method %u", req->method);
+        return;
+    }
+    /* With the worker idle and nothing queued, the call is served here on
+     * the event loop: a hand-off to another thread costs about as much as
+     * the rest of the link. Calls that come meanwhile wait in the socket,
+     * and the loop does not read them until this one is done. */
+    pthread_mutex_lock(&d->mu);
+    bool inline_ok = !d->busy && !d->head_job && !d->draining && !d->stopping;
+    if (inline_ok) d->busy = true;
+    pthread_mutex_unlock(&d->mu);
+    if (inline_ok) {
+        serve(d, call, false);
+        pthread_mutex_lock(&d->mu);
+        d->busy = false;
+        pthread_cond_broadcast(&d->cv);
+        pthread_mutex_unlock(&d->mu);
         return;
     }
     job *j = malloc(sizeof *j);
