@@ -811,6 +811,14 @@ typedef struct pending {
     rpc_item_fn on_item;
     void *item_ctx;
     bool done;
+    /* rpc_client_start's calls: on_end runs once, on the loop thread, by
+     * whoever claims the finished call; the pending and its reply are the
+     * client's to free. */
+    rpc_end_fn on_end;
+    bool claimed;
+    struct event *timer; /* the deadline */
+    rpc_client *cl;
+    rpc_reply own;
     struct pending *next;
 } pending;
 
@@ -845,6 +853,34 @@ static void reply_set_error(rpc_reply *r, uint32_t status, const char *text) {
     r->msg_len = r->payload_len = 0;
 }
 
+/* Ends an asynchronous call that this thread claimed (loop thread, cl->mu
+ * not held): unlinks it, runs on_end, frees it. */
+static void async_finish(rpc_client *cl, pending *p) {
+    pthread_mutex_lock(&cl->mu);
+    for (pending **q = &cl->pend; *q; q = &(*q)->next)
+        if (*q == p) {
+            *q = p->next;
+            break;
+        }
+    pthread_cond_broadcast(&cl->cv); /* rpc_client_close may wait for the last call */
+    pthread_mutex_unlock(&cl->mu);
+    if (p->timer) event_free(p->timer);
+    p->on_end(p->item_ctx, &p->own);
+    rpc_reply_free(&p->own);
+    conn_unref(p->c);
+    free(p);
+}
+
+/* Claims one finished, unclaimed asynchronous call of connection c. */
+static pending *claim_finished(rpc_client *cl, conn *c) {
+    pthread_mutex_lock(&cl->mu);
+    pending *p = cl->pend;
+    while (p && !(p->on_end && p->c == c && p->done && !p->claimed)) p = p->next;
+    if (p) p->claimed = true;
+    pthread_mutex_unlock(&cl->mu);
+    return p;
+}
+
 static void client_conn_closed(conn *c) {
     rpc_client *cl = c->cli;
     pthread_mutex_lock(&cl->mu);
@@ -862,6 +898,7 @@ static void client_conn_closed(conn *c) {
     pthread_cond_broadcast(&cl->cv);
     pthread_mutex_unlock(&cl->mu);
     if (was_connected && !closing) LOG_WARNF("rpc_disconnected addr=%s", cl->addr_text);
+    for (pending *p; (p = claim_finished(cl, c));) async_finish(cl, p);
     if (!closing) {
         struct timeval tv = {cl->backoff_ms / 1000, (cl->backoff_ms % 1000) * 1000};
         event_add(cl->retry, &tv);
@@ -933,8 +970,11 @@ static void client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
         r->payload_len = h.payload_len;
     }
     p->done = true;
+    bool mine = p->on_end && !p->claimed;
+    if (mine) p->claimed = true;
     pthread_cond_broadcast(&cl->cv);
     pthread_mutex_unlock(&cl->mu);
+    if (mine) async_finish(cl, p);
 }
 
 static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
@@ -1163,7 +1203,7 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
         reply_set_error(out, RPC_RESOURCE_EXHAUSTED, text);
         return out->status;
     }
-    pending p = {0, NULL, out, on_item, item_ctx, false, NULL};
+    pending p = {.out = out, .on_item = on_item, .item_ctx = item_ctx};
     pthread_mutex_lock(&cl->mu);
     if (!cl->connected || !cl->cur || cl->closing) {
         pthread_mutex_unlock(&cl->mu);
@@ -1214,4 +1254,91 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
     }
     conn_unref(c);
     return out->status;
+}
+
+static void async_deadline_cb(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    pending *p = arg;
+    rpc_client *cl = p->cl;
+    pthread_mutex_lock(&cl->mu);
+    bool mine = !p->done;
+    if (mine) {
+        char text[96];
+        snprintf(text, sizeof text, "no reply within the deadline");
+        reply_set_error(p->out, RPC_DEADLINE_EXCEEDED, text);
+        p->done = p->claimed = true;
+    }
+    pthread_mutex_unlock(&cl->mu);
+    if (!mine) return;
+    frame_header x = {FRAME_VERSION, FRAME_CANCEL, 0, p->id, 0, 0, 0, 0};
+    conn_send(p->c, &x, NULL, 0, NULL, 0);
+    async_finish(cl, p);
+}
+
+int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t len, const rpc_iov *parts,
+                     int n_parts, uint32_t timeout_us, rpc_item_fn on_item, rpc_end_fn on_end, void *ctx,
+                     uint32_t *call_id, ae_error *err) {
+    uint64_t payload_len = 0;
+    for (int i = 0; i < n_parts; i++) payload_len += parts[i].len;
+    if (len + payload_len > cl->cfg.max_frame)
+        return err_set(err, "request of %llu bytes is over the frame limit of %u bytes",
+                       (unsigned long long)(len + payload_len), cl->cfg.max_frame);
+    pending *p = calloc(1, sizeof *p);
+    if (!p) return err_set(err, "out of memory");
+    p->on_item = on_item;
+    p->item_ctx = ctx;
+    p->on_end = on_end;
+    p->cl = cl;
+    p->out = &p->own;
+    if (timeout_us && !(p->timer = evtimer_new(cl->loop->base, async_deadline_cb, p))) {
+        free(p);
+        return err_set(err, "out of memory");
+    }
+    pthread_mutex_lock(&cl->mu);
+    if (!cl->connected || !cl->cur || cl->closing) {
+        pthread_mutex_unlock(&cl->mu);
+        if (p->timer) event_free(p->timer);
+        free(p);
+        return err_set(err, "%s: not connected", cl->addr_text);
+    }
+    conn *c = cl->cur;
+    p->id = cl->next_id++;
+    if (cl->next_id == 0) cl->next_id = 1;
+    p->c = c;
+    p->next = cl->pend;
+    cl->pend = p;
+    pthread_mutex_lock(&c->mu);
+    c->refs++;
+    pthread_mutex_unlock(&c->mu);
+    uint32_t id = p->id;
+    if (p->timer) {
+        /* Armed under cl->mu: its callback takes cl->mu first, so it sees
+         * the call registered. */
+        struct timeval tv = {(time_t)(timeout_us / 1000000), (suseconds_t)(timeout_us % 1000000)};
+        event_add(p->timer, &tv);
+    }
+    pthread_mutex_unlock(&cl->mu);
+    if (call_id) *call_id = id;
+    frame_header h = {FRAME_VERSION, FRAME_REQUEST, method, id, 0, timeout_us, len, (uint32_t)payload_len};
+    if (conn_sendv(c, &h, msg, len, parts, n_parts) != AE_OK) {
+        /* The connection closed meanwhile: its close ends the call. */
+    }
+    return AE_OK;
+}
+
+void rpc_client_cancel(rpc_client *cl, uint32_t call_id) {
+    pthread_mutex_lock(&cl->mu);
+    conn *c = NULL;
+    for (pending *p = cl->pend; p; p = p->next)
+        if (p->id == call_id && !p->done) c = p->c;
+    if (c) {
+        pthread_mutex_lock(&c->mu);
+        c->refs++;
+        pthread_mutex_unlock(&c->mu);
+    }
+    pthread_mutex_unlock(&cl->mu);
+    if (!c) return;
+    frame_header x = {FRAME_VERSION, FRAME_CANCEL, 0, call_id, 0, 0, 0, 0};
+    conn_send(c, &x, NULL, 0, NULL, 0);
+    conn_unref(c);
 }

@@ -164,4 +164,18 @@ typedef struct rpc_iov {
 uint32_t rpc_client_callv(rpc_client *c, uint16_t method, const void *msg, uint32_t len, const rpc_iov *payload,
                           int n_payload, uint32_t timeout_us, rpc_item_fn on_item, void *item_ctx, rpc_reply *out);
 
+/* The same without waiting, for callers on an event loop (the gateway):
+ * on_item for each stream item and on_end once with the outcome, both on
+ * the loop thread; ctx goes to both. on_item runs under the client's lock
+ * and must not call into this client; on_end may. Fails at once (and
+ * calls nothing) when not connected. timeout_us 0: none; at the deadline
+ * the call ends DEADLINE_EXCEEDED and is cancelled at the server. */
+typedef void (*rpc_end_fn)(void *ctx, const rpc_reply *r);
+int rpc_client_start(rpc_client *c, uint16_t method, const void *msg, uint32_t len, const rpc_iov *payload,
+                     int n_payload, uint32_t timeout_us, rpc_item_fn on_item, rpc_end_fn on_end, void *ctx,
+                     uint32_t *call_id, ae_error *err);
+/* Asks the server to cancel a started call; its on_end still comes (with
+ * the server's status, normally CANCELLED). */
+void rpc_client_cancel(rpc_client *c, uint32_t call_id);
+
 #endif

@@ -335,6 +335,103 @@ static void test_client_reconnects_when_the_server_comes_back(void **state) {
     echo_roundtrip(f, 32);
 }
 
+/* ---- calls that do not wait (rpc_client_start) ---- */
+
+typedef struct ended {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int ends, items;
+    uint32_t status;
+    char text[128];
+    uint8_t msg[16];
+    uint32_t msg_len;
+} ended;
+
+static bool count_item(void *ctx, const uint8_t *msg, uint32_t len) {
+    (void)msg, (void)len;
+    ended *e = ctx;
+    e->items++; /* under the client's lock, on the loop thread */
+    return true;
+}
+
+static void on_end(void *ctx, const rpc_reply *r) {
+    ended *e = ctx;
+    pthread_mutex_lock(&e->mu);
+    e->ends++;
+    e->status = r->status;
+    snprintf(e->text, sizeof e->text, "%.127s", r->error);
+    e->msg_len = r->msg_len < sizeof e->msg ? r->msg_len : sizeof e->msg;
+    memcpy(e->msg, r->msg, e->msg_len);
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void wait_end(ended *e) {
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < 500 && e->ends == 0; i++) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 10000000;
+        if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
+        pthread_cond_timedwait(&e->cv, &e->mu, &until);
+    }
+    pthread_mutex_unlock(&e->mu);
+    usleep(20000); /* a second on_end would come now */
+    assert_int_equal(e->ends, 1);
+}
+
+static void test_started_calls_end_once_with_their_outcome(void **state) {
+    fixture *f = *state;
+    ae_error err = {{0}};
+    ended a = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, "", {0}, 0};
+    rpc_iov pay = {"xy", 2};
+    assert_int_equal(rpc_client_start(f->cli, M_ECHO, "abc", 3, &pay, 1, 0, NULL, on_end, &a, NULL, &err), AE_OK);
+    wait_end(&a);
+    assert_int_equal(a.status, RPC_OK);
+    assert_int_equal(a.msg_len, 3);
+    assert_memory_equal(a.msg, "cba", 3);
+
+    ended b = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, "", {0}, 0};
+    uint8_t n = 7;
+    assert_int_equal(rpc_client_start(f->cli, M_STREAM, &n, 1, NULL, 0, 0, count_item, on_end, &b, NULL, &err), AE_OK);
+    wait_end(&b);
+    assert_int_equal(b.status, RPC_OK);
+    assert_int_equal(b.items, 7);
+
+    /* A deadline ends it and cancels it at the server. */
+    ended c = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, "", {0}, 0};
+    assert_int_equal(rpc_client_start(f->cli, M_HANG, NULL, 0, NULL, 0, 20000, NULL, on_end, &c, NULL, &err), AE_OK);
+    wait_end(&c);
+    assert_int_equal(c.status, RPC_DEADLINE_EXCEEDED);
+    assert_string_equal(c.text, "no reply within the deadline");
+
+    /* Cancelled by the caller: the server's answer ends it. */
+    ended d = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, "", {0}, 0};
+    uint32_t id = 0;
+    assert_int_equal(rpc_client_start(f->cli, M_HANG, NULL, 0, NULL, 0, 0, NULL, on_end, &d, &id, &err), AE_OK);
+    assert_true(id != 0);
+    usleep(20000);
+    rpc_client_cancel(f->cli, id);
+    wait_end(&d);
+    assert_int_equal(d.status, RPC_CANCELLED);
+    assert_string_equal(d.text, "cancelled");
+
+    /* A lost connection ends what is open: UNAVAILABLE. */
+    ended e = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, "", {0}, 0};
+    assert_int_equal(rpc_client_start(f->cli, M_HANG, NULL, 0, NULL, 0, 0, NULL, on_end, &e, NULL, &err), AE_OK);
+    usleep(20000);
+    rpc_server_close(f->srv);
+    f->srv = NULL;
+    wait_end(&e);
+    assert_int_equal(e.status, RPC_UNAVAILABLE);
+    /* And nothing starts without a connection. */
+    for (int i = 0; i < 500 && rpc_client_connected(f->cli); i++) usleep(2000);
+    err_clear(&err);
+    assert_int_equal(rpc_client_start(f->cli, M_ECHO, "a", 1, NULL, 0, 0, NULL, on_end, &e, NULL, &err), AE_ERR);
+    assert_true(strstr(err.msg, "not connected") != NULL);
+    open_server(f, f->addr); /* for teardown */
+}
+
 /* A peer that accepts but never answers (a hung process): the client's
  * pings go unanswered, it drops the connection and connects again. */
 static void test_keepalive_drops_a_silent_peer(void **state) {
@@ -377,6 +474,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_untrusted_frames_close_only_their_connection, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_client_reconnects_when_the_server_comes_back, setup_unix, teardown),
         cmocka_unit_test(test_keepalive_drops_a_silent_peer),
+        cmocka_unit_test_setup_teardown(test_started_calls_end_once_with_their_outcome, setup_unix, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
