@@ -703,6 +703,11 @@ void rpc_call_fail(rpc_call *k, uint32_t status, const char *fmt, ...) {
     vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
     if (status == RPC_OK) status = RPC_UNKNOWN;
+    if (status == RPC_CANCELLED && k->deadline_ns && mono_ns() > k->deadline_ns) {
+        /* Cancelled because its time ran out: say so. */
+        status = RPC_DEADLINE_EXCEEDED;
+        snprintf(text, sizeof text, "deadline of %u us exceeded", k->req.timeout_us);
+    }
     frame_header h = {FRAME_VERSION, k->streamed ? FRAME_END : FRAME_REPLY, k->req.method, k->id, status, 0,
                       (uint32_t)strlen(text), 0};
     if (!k->finished) conn_send(k->c, &h, text, h.msg_len, NULL, 0);
