@@ -106,7 +106,7 @@ static void job_cb(evutil_socket_t fd, short what, void *arg) {
     pthread_mutex_unlock(&j->mu);
 }
 
-static void loop_run(rpc_loop *l, void (*fn)(void *), void *arg) {
+void rpc_loop_run(rpc_loop *l, void (*fn)(void *), void *arg) {
     if (pthread_equal(pthread_self(), l->thread)) {
         fn(arg);
         return;
@@ -118,6 +118,8 @@ static void loop_run(rpc_loop *l, void (*fn)(void *), void *arg) {
     while (!j.done) pthread_cond_wait(&j.cv, &j.mu);
     pthread_mutex_unlock(&j.mu);
 }
+
+struct event_base *rpc_loop_base(rpc_loop *l) { return l->base; }
 
 void rpc_loop_free(rpc_loop *l) {
     if (!l) return;
@@ -775,7 +777,7 @@ int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg,
     }
     if (cfg->tls.cert && !(s->ssl = tls_ctx(&cfg->tls, true, err))) goto fail;
     open_job j = {s, AE_OK, err};
-    loop_run(l, server_open_job, &j);
+    rpc_loop_run(l, server_open_job, &j);
     if (j.rc != AE_OK) goto fail;
     *out = s;
     return AE_OK;
@@ -801,7 +803,7 @@ static void server_close_job(void *arg) {
 
 void rpc_server_close(rpc_server *s) {
     if (!s) return;
-    loop_run(s->loop, server_close_job, s);
+    rpc_loop_run(s->loop, server_close_job, s);
     if (s->ssl) SSL_CTX_free(s->ssl);
     pthread_mutex_destroy(&s->mu);
     free(s);
@@ -1115,7 +1117,7 @@ int rpc_client_open(rpc_client **out, rpc_loop *l, const rpc_client_config *cfg,
         err_set(err, "libevent: out of memory");
         goto fail;
     }
-    loop_run(l, client_start_job, cl);
+    rpc_loop_run(l, client_start_job, cl);
     *out = cl;
     return AE_OK;
 fail:
@@ -1140,7 +1142,7 @@ void rpc_client_close(rpc_client *cl) {
     pthread_mutex_lock(&cl->mu);
     cl->closing = true;
     pthread_mutex_unlock(&cl->mu);
-    loop_run(cl->loop, client_close_job, cl);
+    rpc_loop_run(cl->loop, client_close_job, cl);
     /* Callers still waiting were woken with UNAVAILABLE by the close; let
      * them leave before the client goes. */
     pthread_mutex_lock(&cl->mu);

@@ -28,6 +28,8 @@
 #include "../core/err.h"
 #include "frame.h"
 
+struct event_base;
+
 #define RPC_DEFAULT_MAX_FRAME (64u << 20)
 #define RPC_KEEPALIVE_MS 5000   /* a PING after this long without a frame from the peer */
 #define RPC_BACKOFF_MIN_MS 50   /* reconnect backoff: doubles up to the max */
@@ -38,6 +40,13 @@ typedef struct rpc_loop rpc_loop;
 int rpc_loop_start(rpc_loop **out, ae_error *err);
 /* Closes every server and client on the loop, then stops and frees it. */
 void rpc_loop_free(rpc_loop *l); /* NULL is a no-op */
+
+/* Runs fn(arg) on the loop's thread and returns once it has run (at once
+ * when called from that thread). */
+void rpc_loop_run(rpc_loop *l, void (*fn)(void *), void *arg);
+/* The loop's event_base, for other libevent users sharing the thread (the
+ * gateway's HTTP server and timers). Touch it only on the loop thread. */
+struct event_base *rpc_loop_base(rpc_loop *l);
 
 /* TLS settings. A server uses TLS when cert and key are set; it then
  * demands a client certificate signed by ca when ca is set (mutual TLS).
