@@ -1,0 +1,363 @@
+#include "oai.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../services/core/json.h"
+#include "../services/tokenizer/detok.h"
+
+int oai_fail(oai_error *e, int status, const char *type, const char *code, const char *param, const char *fmt, ...) {
+    e->status = status;
+    e->type = type;
+    e->code = code;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return AE_ERR;
+}
+
+int oai_bad(oai_error *e, const char *param, const char *code, const char *fmt, ...) {
+    e->status = 400;
+    e->type = "invalid_request_error";
+    e->code = code;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return AE_ERR;
+}
+
+char *oai_error_json(const oai_error *e) {
+    cJSON *root = cJSON_CreateObject(), *o = cJSON_AddObjectToObject(root, "error");
+    cJSON_AddStringToObject(o, "message", e->message);
+    cJSON_AddStringToObject(o, "type", e->type ? e->type : "server_error");
+    if (e->param[0]) cJSON_AddStringToObject(o, "param", e->param);
+    else cJSON_AddNullToObject(o, "param");
+    if (e->code) cJSON_AddStringToObject(o, "code", e->code);
+    else cJSON_AddNullToObject(o, "code");
+    char *s = cJSON_PrintUnformatted(root);
+    cJSON_Delete(root);
+    AE_ASSERT(s);
+    return s;
+}
+
+/* ---- the request's memory: a list of blocks freed together ---- */
+
+typedef struct block {
+    struct block *next;
+    max_align_t data[];
+} block;
+
+static void *r_alloc(oai_request *r, size_t n) {
+    block *b = malloc(sizeof *b + n);
+    AE_ASSERT(b);
+    b->next = r->mem_;
+    r->mem_ = b;
+    return b->data;
+}
+
+static char *r_strdup(oai_request *r, const char *s, size_t n) {
+    char *d = r_alloc(r, n + 1);
+    memcpy(d, s, n);
+    d[n] = '\0';
+    return d;
+}
+
+void oai_request_free(oai_request *r) {
+    if (!r) return;
+    for (block *b = r->mem_, *next; b; b = next) {
+        next = b->next;
+        free(b);
+    }
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- fields ---- */
+
+static bool is_null(const cJSON *v) { return !v || cJSON_IsNull(v); }
+
+static int get_number(const cJSON *v, const char *name, double lo, double hi, bool lo_open, double *out,
+                      oai_error *e) {
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
+        return oai_bad(e, name, "invalid_type", "'%s' must be a number", name);
+    double x = v->valuedouble;
+    if (x > hi || (lo_open ? x <= lo : x < lo))
+        return oai_bad(e, name, "invalid_value", "'%s' is %g; it must be %s %g and <= %g", name, x,
+                       lo_open ? ">" : ">=", lo, hi);
+    *out = x;
+    return AE_OK;
+}
+
+static int get_int(const cJSON *v, const char *name, int64_t lo, int64_t hi, int64_t *out, oai_error *e) {
+    if (!cJSON_IsNumber(v) || !json_int(v, INT64_C(-9007199254740992), INT64_C(9007199254740992), out))
+        return oai_bad(e, name, "invalid_type", "'%s' must be an integer", name);
+    if (*out < lo || *out > hi)
+        return oai_bad(e, name, "invalid_value", "'%s' is %lld; it must be between %lld and %lld", name,
+                       (long long)*out, (long long)lo, (long long)hi);
+    return AE_OK;
+}
+
+static int get_bool(const cJSON *v, const char *name, bool *out, oai_error *e) {
+    if (!cJSON_IsBool(v)) return oai_bad(e, name, "invalid_type", "'%s' must be true or false", name);
+    *out = cJSON_IsTrue(v);
+    return AE_OK;
+}
+
+static int checked_string(const cJSON *v, const char *name, oai_error *e) {
+    if (!cJSON_IsString(v)) return oai_bad(e, name, "invalid_type", "'%s' must be a string", name);
+    if (!detok_utf8_valid(v->valuestring, strlen(v->valuestring)))
+        return oai_bad(e, name, "invalid_value", "'%s' is not valid UTF-8 (a lone surrogate escape?)", name);
+    return AE_OK;
+}
+
+static int parse_stop(oai_request *r, const cJSON *v, oai_error *e) {
+    const cJSON *one[1] = {v};
+    int n = 1;
+    if (cJSON_IsArray(v)) {
+        n = cJSON_GetArraySize(v);
+        if (n > STOP_MAX_STRINGS) return oai_bad(e, "stop", "invalid_value", "at most %d stop strings", STOP_MAX_STRINGS);
+    } else if (!cJSON_IsString(v)) {
+        return oai_bad(e, "stop", "invalid_type", "'stop' must be a string or a list of strings");
+    }
+    const cJSON *it = cJSON_IsArray(v) ? v->child : one[0];
+    for (int i = 0; i < n; i++, it = it->next) {
+        if (checked_string(it, "stop", e) != AE_OK) return AE_ERR;
+        size_t len = strlen(it->valuestring);
+        if (len < 1 || len > STOP_MAX_BYTES)
+            return oai_bad(e, "stop", "invalid_value", "a stop string has %zu bytes; it must have 1 to %d", len,
+                           STOP_MAX_BYTES);
+        r->stops[r->n_stops] = r_strdup(r, it->valuestring, len);
+        r->stop_lens[r->n_stops++] = len;
+    }
+    return AE_OK;
+}
+
+/* Content: a string, or a list of {"type": "text", "text": ...} parts,
+ * which are joined. */
+static int parse_content(oai_request *r, const cJSON *v, const char *param, const char **out, oai_error *e) {
+    if (cJSON_IsString(v)) {
+        if (checked_string(v, param, e) != AE_OK) return AE_ERR;
+        *out = r_strdup(r, v->valuestring, strlen(v->valuestring));
+        return AE_OK;
+    }
+    if (!cJSON_IsArray(v))
+        return oai_bad(e, param, "invalid_type", "'%s' must be a string or a list of text parts", param);
+    size_t total = 0;
+    for (const cJSON *p = v->child; p; p = p->next) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(p, "type");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(p, "text");
+        if (!cJSON_IsObject(p) || !cJSON_IsString(type))
+            return oai_bad(e, param, "invalid_type", "each part of '%s' must be an object with a type", param);
+        if (strcmp(type->valuestring, "text") != 0)
+            return oai_bad(e, param, "unsupported_content", "content parts of type '%.64s' are not supported (text only)",
+                           type->valuestring);
+        if (cJSON_GetArraySize(p) != 2 || checked_string(text, param, e) != AE_OK)
+            return oai_bad(e, param, "invalid_type", "a text part is {\"type\": \"text\", \"text\": string}");
+        total += strlen(text->valuestring);
+    }
+    char *s = r_alloc(r, total + 1), *w = s;
+    for (const cJSON *p = v->child; p; p = p->next) {
+        const char *t = cJSON_GetObjectItemCaseSensitive(p, "text")->valuestring;
+        size_t n = strlen(t);
+        memcpy(w, t, n);
+        w += n;
+    }
+    *w = '\0';
+    *out = s;
+    return AE_OK;
+}
+
+static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
+    int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : -1;
+    if (n < 1) return oai_bad(e, "messages", "invalid_type", "'messages' must be a non-empty list");
+    if ((size_t)n > CHAT_MAX_MESSAGES) return oai_bad(e, "messages", "invalid_value", "at most %u messages", CHAT_MAX_MESSAGES);
+    r->msgs = r_alloc(r, sizeof(chat_msg) * (size_t)n);
+    r->n_msgs = (size_t)n;
+    int i = 0;
+    for (const cJSON *m = v->child; m; m = m->next, i++) {
+        char param[64];
+        snprintf(param, sizeof param, "messages[%d]", i);
+        if (!cJSON_IsObject(m)) return oai_bad(e, param, "invalid_type", "'%s' must be an object", param);
+        const cJSON *role = NULL, *content = NULL;
+        for (const cJSON *f = m->child; f; f = f->next) {
+            if (strcmp(f->string, "role") == 0) role = f;
+            else if (strcmp(f->string, "content") == 0) content = f;
+            else if (strcmp(f->string, "name") == 0 && is_null(f)) continue;
+            else
+                return oai_bad(e, param, "unsupported_parameter", "'%s.%.40s' is not supported", param, f->string);
+        }
+        if (!cJSON_IsString(role))
+            return oai_bad(e, param, "invalid_type", "'%s.role' must be a string", param);
+        /* The tree is freed after parsing: roles point at literals. */
+        static const char *const roles[][2] = {
+            {"system", "system"}, {"developer", "system"}, {"user", "user"}, {"assistant", "assistant"}};
+        r->msgs[i].role = NULL;
+        for (size_t k = 0; k < sizeof roles / sizeof roles[0]; k++)
+            if (strcmp(role->valuestring, roles[k][0]) == 0) r->msgs[i].role = roles[k][1];
+        if (!r->msgs[i].role)
+            return oai_bad(e, param, "invalid_value",
+                           "'%s.role' is '%.40s'; it must be system, developer, user or assistant", param,
+                           role->valuestring);
+        char cparam[80];
+        snprintf(cparam, sizeof cparam, "%s.content", param);
+        if (is_null(content)) return oai_bad(e, cparam, "invalid_type", "'%s' is missing", cparam);
+        if (parse_content(r, content, cparam, &r->msgs[i].content, e) != AE_OK) return AE_ERR;
+        if (strlen(r->msgs[i].content) > CHAT_MAX_CONTENT)
+            return oai_bad(e, cparam, "invalid_value", "'%s' is over %u bytes", cparam, CHAT_MAX_CONTENT);
+    }
+    return AE_OK;
+}
+
+static int parse_ids(oai_request *r, const cJSON *v, oai_error *e) {
+    int n = cJSON_GetArraySize(v);
+    r->prompt_ids = r_alloc(r, sizeof(int32_t) * (size_t)(n ? n : 1));
+    r->n_prompt_ids = (size_t)n;
+    int i = 0;
+    for (const cJSON *t = v->child; t; t = t->next, i++) {
+        int64_t id;
+        if (get_int(t, "prompt", 0, INT32_MAX, &id, e) != AE_OK)
+            return oai_bad(e, "prompt", "invalid_value", "prompt[%d] is not a token id (an integer >= 0)", i);
+        r->prompt_ids[i] = (int32_t)id;
+    }
+    return AE_OK;
+}
+
+/* A prompt: a string, a list of token ids, or a list holding one of
+ * those (a batch of one). */
+static int parse_prompt(oai_request *r, const cJSON *v, oai_error *e) {
+    if (cJSON_IsArray(v) && cJSON_GetArraySize(v) == 1 && (cJSON_IsString(v->child) || cJSON_IsArray(v->child)))
+        v = v->child;
+    else if (cJSON_IsArray(v) && v->child && !cJSON_IsNumber(v->child))
+        return oai_bad(e, "prompt", "invalid_value", "one prompt per request (a batch of %d was sent)",
+                       cJSON_GetArraySize(v));
+    if (cJSON_IsString(v)) {
+        if (checked_string(v, "prompt", e) != AE_OK) return AE_ERR;
+        r->prompt_len = strlen(v->valuestring);
+        r->prompt = r_strdup(r, v->valuestring, r->prompt_len);
+        return AE_OK;
+    }
+    if (cJSON_IsArray(v)) return parse_ids(r, v, e);
+    return oai_bad(e, "prompt", "invalid_type", "'prompt' must be a string or a list of token ids");
+}
+
+/* Fields accepted only at the value that leaves output as it is. */
+static int neutral(const cJSON *f, oai_error *e) {
+    const char *k = f->string;
+    bool ok = false;
+    if (strcmp(k, "frequency_penalty") == 0 || strcmp(k, "presence_penalty") == 0)
+        ok = cJSON_IsNumber(f) && f->valuedouble == 0;
+    else if (strcmp(k, "logprobs") == 0 || strcmp(k, "echo") == 0)
+        ok = cJSON_IsFalse(f);
+    else if (strcmp(k, "best_of") == 0 || strcmp(k, "n") == 0)
+        ok = cJSON_IsNumber(f) && f->valuedouble == 1;
+    else if (strcmp(k, "logit_bias") == 0)
+        ok = cJSON_IsObject(f) && !f->child;
+    else
+        return oai_bad(e, k, "unsupported_parameter", "'%.60s' is not supported", k);
+    if (!ok) return oai_bad(e, k, "unsupported_value", "'%.60s' is supported only at its default (off)", k);
+    return AE_OK;
+}
+
+static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e) {
+    const cJSON *messages = NULL, *prompt = NULL, *max_tokens = NULL, *max_completion = NULL, *stream_options = NULL;
+    for (const cJSON *f = root->child; f; f = f->next) {
+        const char *k = f->string;
+        if (is_null(f) || strcmp(k, "user") == 0 || strcmp(k, "metadata") == 0 || strcmp(k, "store") == 0) continue;
+        int64_t i64;
+        if (strcmp(k, "model") == 0) {
+            if (checked_string(f, k, e) != AE_OK) return AE_ERR;
+            if (strlen(f->valuestring) >= OAI_MAX_MODEL)
+                return oai_bad(e, k, "invalid_value", "'model' is over %d bytes", OAI_MAX_MODEL - 1);
+            snprintf(r->model, sizeof r->model, "%s", f->valuestring);
+        } else if (kind == OAI_CHAT && strcmp(k, "messages") == 0) {
+            messages = f;
+        } else if (kind == OAI_COMPLETION && strcmp(k, "prompt") == 0) {
+            prompt = f;
+        } else if (strcmp(k, "max_tokens") == 0) {
+            max_tokens = f;
+        } else if (kind == OAI_CHAT && strcmp(k, "max_completion_tokens") == 0) {
+            max_completion = f;
+        } else if (strcmp(k, "temperature") == 0) {
+            if (get_number(f, k, 0, 2, false, &r->temperature, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "top_p") == 0) {
+            if (get_number(f, k, 0, 1, true, &r->top_p, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "min_p") == 0) {
+            if (get_number(f, k, 0, 1, false, &r->min_p, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "top_k") == 0) {
+            /* -1 is how other servers spell "off"; we take it too. */
+            if (get_int(f, k, -1, INT32_MAX, &i64, e) != AE_OK) return AE_ERR;
+            r->top_k = i64 < 0 ? 0 : (int32_t)i64;
+        } else if (strcmp(k, "seed") == 0) {
+            if (get_int(f, k, INT64_MIN, INT64_MAX, &i64, e) != AE_OK) return AE_ERR;
+            r->has_seed = true;
+            r->seed = (uint64_t)i64;
+        } else if (strcmp(k, "stop") == 0) {
+            if (parse_stop(r, f, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "stream") == 0) {
+            if (get_bool(f, k, &r->stream, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "stream_options") == 0) {
+            stream_options = f;
+        } else if (strcmp(k, "ignore_eos") == 0) {
+            if (get_bool(f, k, &r->ignore_eos, e) != AE_OK) return AE_ERR;
+        } else if (neutral(f, e) != AE_OK) {
+            return AE_ERR;
+        }
+    }
+    if (kind == OAI_CHAT) {
+        if (!messages) return oai_bad(e, "messages", "missing_required_parameter", "'messages' is required");
+        if (parse_messages(r, messages, e) != AE_OK) return AE_ERR;
+    } else {
+        if (!prompt) return oai_bad(e, "prompt", "missing_required_parameter", "'prompt' is required");
+        if (parse_prompt(r, prompt, e) != AE_OK) return AE_ERR;
+    }
+    if (!r->model[0]) return oai_bad(e, "model", "missing_required_parameter", "'model' is required");
+    int64_t a = -1, b = -1;
+    if (max_tokens && get_int(max_tokens, "max_tokens", 1, INT32_MAX, &a, e) != AE_OK) return AE_ERR;
+    if (max_completion && get_int(max_completion, "max_completion_tokens", 1, INT32_MAX, &b, e) != AE_OK)
+        return AE_ERR;
+    if (a > 0 && b > 0 && a != b)
+        return oai_bad(e, "max_completion_tokens", "invalid_value",
+                       "max_tokens (%lld) and max_completion_tokens (%lld) disagree", (long long)a, (long long)b);
+    r->max_tokens = b > 0 ? b : a;
+    r->max_tokens_field = b > 0 ? "max_completion_tokens" : "max_tokens";
+    if (stream_options) {
+        if (!r->stream)
+            return oai_bad(e, "stream_options", "invalid_value", "'stream_options' is allowed only with stream: true");
+        if (!cJSON_IsObject(stream_options))
+            return oai_bad(e, "stream_options", "invalid_type", "'stream_options' must be an object");
+        for (const cJSON *f = stream_options->child; f; f = f->next) {
+            if (strcmp(f->string, "include_usage") != 0)
+                return oai_bad(e, "stream_options", "unsupported_parameter", "'stream_options.%.40s' is not supported",
+                               f->string);
+            if (!is_null(f) && get_bool(f, "stream_options.include_usage", &r->include_usage, e) != AE_OK)
+                return AE_ERR;
+        }
+    }
+    return AE_OK;
+}
+
+int oai_parse(oai_request *r, oai_kind kind, const char *body, size_t len, oai_error *e) {
+    memset(r, 0, sizeof *r);
+    r->kind = kind;
+    r->max_tokens = -1;
+    r->temperature = 1;
+    r->top_p = 1;
+    if (!detok_utf8_valid(body, len)) return oai_bad(e, NULL, "invalid_encoding", "the body is not valid UTF-8");
+    ae_error jerr = {{0}};
+    cJSON *root = json_parse(body, len, &jerr);
+    if (!root) return oai_bad(e, NULL, "invalid_json", "the body is not valid JSON: %s", jerr.msg);
+    int rc = cJSON_IsObject(root) ? parse_fields(r, kind, root, e)
+                                  : oai_bad(e, NULL, "invalid_type", "the body must be a JSON object");
+    cJSON_Delete(root);
+    if (rc != AE_OK) {
+        oai_request_free(r);
+        r->kind = kind;
+    }
+    return rc;
+}

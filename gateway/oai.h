@@ -1,0 +1,82 @@
+/* The OpenAI API's request bodies and error shape.
+ *
+ * oai_parse reads a /v1/chat/completions or /v1/completions body into a
+ * plain request, checking every field's type and range. What we do not
+ * implement is refused with 400 rather than ignored: a field that changes
+ * output is either honoured or an error. Fields that cannot change output
+ * are accepted: `user`, `metadata`, `store`, and a few sampling fields when
+ * they hold the value that means "off" (`frequency_penalty: 0`,
+ * `presence_penalty: 0`, `logprobs: false`, `echo: false`, `best_of: 1`,
+ * `logit_bias: {}`, `n: 1`). A JSON null is the same as a missing field, as
+ * OpenAI's own clients send it.
+ *
+ * Every string taken from the body is valid UTF-8 (the body is checked
+ * whole, and again after JSON unescaping, which can make lone surrogates). */
+#ifndef AERIE_GATEWAY_OAI_H
+#define AERIE_GATEWAY_OAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../services/tokenizer/chat.h"
+#include "stop.h"
+
+/* An error as OpenAI's API returns it:
+ * {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}. */
+typedef struct oai_error {
+    int status;         /* HTTP status */
+    const char *type;   /* "invalid_request_error", "authentication_error", ... */
+    const char *code;   /* NULL: JSON null */
+    char param[64];     /* empty: JSON null */
+    char message[512];
+} oai_error;
+
+/* Sets e and returns AE_ERR. */
+int oai_fail(oai_error *e, int status, const char *type, const char *code, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+/* Shorthand: 400 invalid_request_error. */
+int oai_bad(oai_error *e, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The JSON body of e (malloc'd, NUL-terminated). */
+char *oai_error_json(const oai_error *e);
+
+typedef enum oai_kind { OAI_CHAT, OAI_COMPLETION } oai_kind;
+
+#define OAI_MAX_MODEL 256
+
+typedef struct oai_request {
+    oai_kind kind;
+    char model[OAI_MAX_MODEL];
+    /* chat: the conversation (roles "system", "user", "assistant";
+     * "developer" is taken as "system") */
+    chat_msg *msgs;
+    size_t n_msgs;
+    /* completion: the prompt as text, or as token ids */
+    char *prompt;
+    size_t prompt_len;
+    int32_t *prompt_ids;
+    size_t n_prompt_ids;
+    int64_t max_tokens; /* -1: not given */
+    const char *max_tokens_field; /* the field that gave it, for errors */
+    double temperature; /* default 1 (OpenAI's) */
+    double top_p;       /* default 1 */
+    double min_p;       /* default 0 */
+    int32_t top_k;      /* default 0: off */
+    bool has_seed;
+    uint64_t seed;
+    int n_stops;
+    char *stops[STOP_MAX_STRINGS];
+    size_t stop_lens[STOP_MAX_STRINGS];
+    bool stream;
+    bool include_usage; /* stream_options.include_usage */
+    bool ignore_eos;
+    void *mem_; /* everything above points into this one allocation list */
+} oai_request;
+
+/* Parses body[0..len). On failure e holds a 400 with the field named in
+ * param; the request is left empty (oai_request_free is still safe). */
+int oai_parse(oai_request *r, oai_kind kind, const char *body, size_t len, oai_error *e);
+void oai_request_free(oai_request *r);
+
+#endif

@@ -1,0 +1,339 @@
+/* The gateway's pure parts: stop strings on a stream of text pieces, the
+ * OpenAI request parser and error shape, and the Prometheus exposition. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "../../gateway/metrics.h"
+#include "../../gateway/oai.h"
+#include "../../gateway/stop.h"
+
+/* ---- stop strings ---- */
+
+/* Pushes text in pieces of the given sizes (the last takes the rest),
+ * returns everything released (NUL-terminated) and whether it matched. */
+static bool run_stops(const char *const *stops, int n_stops, const char *text, const size_t *sizes, int n_sizes,
+                      char *out, size_t cap) {
+    size_t lens[STOP_MAX_STRINGS];
+    for (int i = 0; i < n_stops; i++) lens[i] = strlen(stops[i]);
+    stop_matcher *m;
+    assert_int_equal(stop_init(&m, stops, lens, n_stops, 64, NULL), AE_OK);
+    char buf[512];
+    size_t used = 0, pos = 0, len = strlen(text);
+    bool matched = false;
+    for (int i = 0; pos < len; i++) {
+        size_t k = i < n_sizes ? sizes[i] : len - pos;
+        if (k > len - pos) k = len - pos;
+        size_t got;
+        matched = stop_push(m, text + pos, k, buf, sizeof buf, &got);
+        assert_true(used + got < cap);
+        memcpy(out + used, buf, got);
+        used += got;
+        pos += k;
+    }
+    if (!matched) {
+        size_t got = stop_flush(m, buf, sizeof buf);
+        memcpy(out + used, buf, got);
+        used += got;
+    }
+    out[used] = '\0';
+    stop_free(m);
+    return matched;
+}
+
+static void test_stop_string_split_across_pieces_is_found_and_cut(void **state) {
+    (void)state;
+    const char *stops[] = {"</answer>"};
+    size_t sizes[] = {3, 4, 2, 1, 5};
+    char out[256];
+    assert_true(run_stops(stops, 1, "The sum is 42</answer> and more", sizes, 5, out, sizeof out));
+    assert_string_equal(out, "The sum is 42");
+}
+
+static void test_text_that_might_begin_a_stop_is_held_until_decided(void **state) {
+    (void)state;
+    const char *stops[] = {"STOP"};
+    const char *s[] = {"STOP"};
+    size_t lens[] = {4};
+    stop_matcher *m;
+    assert_int_equal(stop_init(&m, s, lens, 1, 16, NULL), AE_OK);
+    char out[64];
+    size_t n;
+    assert_false(stop_push(m, "abc ST", 6, out, sizeof out, &n));
+    assert_int_equal(n, 4); /* "abc " out, "ST" held */
+    assert_memory_equal(out, "abc ", 4);
+    assert_false(stop_push(m, "AX", 2, out, sizeof out, &n));
+    assert_int_equal(n, 4); /* "STAX" cannot begin "STOP" */
+    assert_memory_equal(out, "STAX", 4);
+    assert_false(stop_push(m, "S", 1, out, sizeof out, &n));
+    assert_int_equal(n, 0);
+    assert_int_equal(stop_flush(m, out, sizeof out), 1); /* the end releases the held "S" */
+    assert_memory_equal(out, "S", 1);
+    stop_free(m);
+    (void)stops;
+}
+
+static void test_earliest_of_several_stops_wins(void **state) {
+    (void)state;
+    const char *stops[] = {"world", "lo w", "xyz"};
+    size_t sizes[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+    char out[256];
+    assert_true(run_stops(stops, 3, "hello world", sizes, 11, out, sizeof out));
+    assert_string_equal(out, "hel");
+}
+
+static void test_no_stops_passes_text_through_unchanged(void **state) {
+    (void)state;
+    size_t sizes[] = {2, 5};
+    char out[256];
+    assert_false(run_stops(NULL, 0, "plain text, nothing held", sizes, 2, out, sizeof out));
+    assert_string_equal(out, "plain text, nothing held");
+}
+
+static void test_multibyte_stop_never_releases_half_a_character(void **state) {
+    (void)state;
+    /* "é" is C3 A9; the stop is "éé". The first é must be held whole. */
+    const char *stops[] = {"\xC3\xA9\xC3\xA9"};
+    size_t lens[] = {4};
+    stop_matcher *m;
+    assert_int_equal(stop_init(&m, stops, lens, 1, 16, NULL), AE_OK);
+    char out[64];
+    size_t n;
+    assert_false(stop_push(m, "caf\xC3\xA9", 5, out, sizeof out, &n));
+    assert_int_equal(n, 3);
+    assert_memory_equal(out, "caf", 3);
+    assert_false(stop_push(m, "!", 1, out, sizeof out, &n));
+    assert_int_equal(n, 3);
+    assert_memory_equal(out, "\xC3\xA9!", 3);
+    stop_free(m);
+}
+
+/* Every way of cutting a text releases the same text as pushing it whole. */
+static void test_every_split_releases_the_same_text(void **state) {
+    (void)state;
+    const char *stops[] = {"ab", "bab", "cc"};
+    const char *text = "xabab cbcac bacc";
+    char whole[256], cut[256];
+    size_t one[] = {64};
+    bool wm = run_stops(stops, 3, text, one, 1, whole, sizeof whole);
+    assert_true(wm);
+    assert_string_equal(whole, "x");
+    const char *text2 = "bcbcbxbxcbaxc"; /* no stop in it */
+    char whole2[256];
+    assert_false(run_stops(stops, 3, text2, one, 1, whole2, sizeof whole2));
+    for (unsigned mask = 0; mask < (1u << 12); mask += 7) {
+        size_t sizes[16];
+        int n = 0;
+        size_t run = 1;
+        for (int b = 0; b < 12; b++, run++)
+            if (mask >> b & 1) sizes[n++] = run, run = 0;
+        assert_int_equal(run_stops(stops, 3, text2, sizes, n, cut, sizeof cut), false);
+        assert_string_equal(cut, whole2);
+        assert_int_equal(run_stops(stops, 3, text, sizes, n, cut, sizeof cut), true);
+        assert_string_equal(cut, "x");
+    }
+}
+
+static void test_bad_stop_strings_are_refused(void **state) {
+    (void)state;
+    const char *s[] = {""};
+    size_t lens[] = {0};
+    stop_matcher *m;
+    ae_error err = {{0}};
+    assert_int_equal(stop_init(&m, s, lens, 1, 16, &err), AE_ERR);
+    assert_string_equal(err.msg, "stop string 0 has 0 bytes (1 to 256)");
+    assert_null(m);
+}
+
+/* ---- the request parser ---- */
+
+static int parse(oai_request *r, oai_kind k, const char *body, oai_error *e) {
+    return oai_parse(r, k, body, strlen(body), e);
+}
+
+static void expect_bad(oai_kind k, const char *body, int status, const char *param, const char *code,
+                       const char *message) {
+    oai_request r;
+    oai_error e;
+    assert_int_equal(parse(&r, k, body, &e), AE_ERR);
+    assert_int_equal(e.status, status);
+    assert_string_equal(e.param, param);
+    if (code) assert_string_equal(e.code, code);
+    if (message) assert_string_equal(e.message, message);
+    oai_request_free(&r);
+}
+
+static void test_chat_request_with_defaults(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+    assert_int_equal(parse(&r, OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", &e),
+                     AE_OK);
+    assert_string_equal(r.model, "m");
+    assert_int_equal(r.n_msgs, 1);
+    assert_string_equal(r.msgs[0].role, "user");
+    assert_string_equal(r.msgs[0].content, "hi");
+    assert_int_equal(r.max_tokens, -1);
+    assert_true(r.temperature == 1.0 && r.top_p == 1.0 && r.min_p == 0.0);
+    assert_int_equal(r.top_k, 0);
+    assert_false(r.has_seed || r.stream || r.include_usage || r.ignore_eos);
+    assert_int_equal(r.n_stops, 0);
+    oai_request_free(&r);
+}
+
+static void test_chat_request_with_every_field(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+    const char *body =
+        "{\"model\": \"m\", \"messages\": [{\"role\": \"developer\", \"content\": \"be brief\"},"
+        " {\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"a\"}, {\"type\": \"text\", \"text\": \"b\"}]}],"
+        " \"max_completion_tokens\": 7, \"temperature\": 0.5, \"top_p\": 0.9, \"seed\": -3, \"stop\": [\"x\", \"yy\"],"
+        " \"stream\": true, \"stream_options\": {\"include_usage\": true}, \"n\": 1, \"top_k\": 40, \"min_p\": 0.1,"
+        " \"ignore_eos\": true, \"user\": \"u1\", \"frequency_penalty\": 0, \"logprobs\": false, \"tools\": null}";
+    assert_int_equal(parse(&r, OAI_CHAT, body, &e), AE_OK);
+    assert_string_equal(r.msgs[0].role, "system");
+    assert_string_equal(r.msgs[1].content, "ab");
+    assert_int_equal(r.max_tokens, 7);
+    assert_true(r.temperature == 0.5 && r.top_p == 0.9 && r.min_p == 0.1);
+    assert_int_equal(r.top_k, 40);
+    assert_true(r.has_seed);
+    assert_true(r.seed == (uint64_t)-3);
+    assert_int_equal(r.n_stops, 2);
+    assert_memory_equal(r.stops[1], "yy", 2);
+    assert_int_equal(r.stop_lens[1], 2);
+    assert_true(r.stream && r.include_usage && r.ignore_eos);
+    oai_request_free(&r);
+}
+
+static void test_completion_prompts_text_ids_and_batches_of_one(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+    assert_int_equal(parse(&r, OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": [\"once\"], \"max_tokens\": 3}", &e), AE_OK);
+    assert_string_equal(r.prompt, "once");
+    assert_int_equal(r.prompt_len, 4);
+    oai_request_free(&r);
+    assert_int_equal(parse(&r, OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": [[5, 6, 7]]}", &e), AE_OK);
+    assert_int_equal(r.n_prompt_ids, 3);
+    assert_int_equal(r.prompt_ids[2], 7);
+    oai_request_free(&r);
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": [\"a\", \"b\"]}", 400, "prompt", "invalid_value",
+               "one prompt per request (a batch of 2 was sent)");
+}
+
+static void test_bad_requests_name_their_field(void **state) {
+    (void)state;
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [", 400, "", "invalid_json", NULL);
+    expect_bad(OAI_CHAT, "[1, 2]", 400, "", "invalid_type", "the body must be a JSON object");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": \"9\"}",
+               400, "max_tokens", "invalid_type", "'max_tokens' must be an integer");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": -5}",
+               400, "max_tokens", "invalid_value", "'max_tokens' is -5; it must be between 1 and 2147483647");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": 1e12}",
+               400, "max_tokens", "invalid_value", NULL);
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temperature\": 3}",
+               400, "temperature", "invalid_value", "'temperature' is 3; it must be >= 0 and <= 2");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": []}", 400,
+               "tools", "unsupported_parameter", "'tools' is not supported");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 2}", 400, "n",
+               "unsupported_value", "'n' is supported only at its default (off)");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"presence_penalty\": 0.5}",
+               400, "presence_penalty", "unsupported_value", NULL);
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", 400, "messages[0]",
+               "invalid_value", "'messages[0].role' is 'tool'; it must be system, developer, user or assistant");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": []}", 400, "messages", "invalid_type", NULL);
+    expect_bad(OAI_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", 400, "model",
+               "missing_required_parameter", "'model' is required");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stream_options\": {\"include_usage\": true}}",
+               400, "stream_options", "invalid_value", "'stream_options' is allowed only with stream: true");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stop\": [\"\"]}",
+               400, "stop", "invalid_value", "a stop string has 0 bytes; it must have 1 to 256");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}",
+               400, "messages[0].content", "unsupported_content", NULL);
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"max_tokens\": 3, \"max_completion_tokens\": 4}", 400,
+               "max_completion_tokens", "unsupported_parameter", NULL);
+}
+
+static void test_invalid_utf8_and_lone_surrogates_are_refused(void **state) {
+    (void)state;
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"\xC3\x28\"}", 400, "", "invalid_encoding",
+               "the body is not valid UTF-8");
+    /* cJSON refuses a lone surrogate escape as invalid JSON. */
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"\\ud800\"}", 400, "", "invalid_json", NULL);
+}
+
+static void test_error_json_has_openai_shape(void **state) {
+    (void)state;
+    oai_error e;
+    oai_bad(&e, "max_tokens", "invalid_value", "too big: %d", 9);
+    char *s = oai_error_json(&e);
+    assert_string_equal(s, "{\"error\":{\"message\":\"too big: 9\",\"type\":\"invalid_request_error\","
+                           "\"param\":\"max_tokens\",\"code\":\"invalid_value\"}}");
+    free(s);
+    oai_fail(&e, 401, "invalid_request_error", NULL, NULL, "no key");
+    s = oai_error_json(&e);
+    assert_string_equal(s, "{\"error\":{\"message\":\"no key\",\"type\":\"invalid_request_error\",\"param\":null,"
+                           "\"code\":null}}");
+    free(s);
+}
+
+/* ---- metrics ---- */
+
+static void test_histogram_renders_cumulative_buckets(void **state) {
+    (void)state;
+    metrics m;
+    met_init(&m);
+    met_hist_observe(&m.ttft, 0.004);
+    met_hist_observe(&m.ttft, 0.004);
+    met_hist_observe(&m.ttft, 0.3);
+    met_hist_observe(&m.ttft, 1000);
+    met_request(&m, MET_CHAT, 200);
+    met_request(&m, MET_CHAT, 200);
+    met_request(&m, MET_COMPLETIONS, 400);
+    m.spec_accepted_at[1] = 5;
+    met_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100};
+    met_gauges g = {&t, 1, 2, 4};
+    size_t len;
+    char *s = met_render(&m, &g, &len);
+    assert_int_equal(strlen(s), len);
+    assert_non_null(strstr(s, "aerie_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0\n"
+                              "aerie_time_to_first_token_seconds_bucket{le=\"0.005\"} 2\n"));
+    assert_non_null(strstr(s, "aerie_time_to_first_token_seconds_bucket{le=\"0.3\"} 3\n"));
+    assert_non_null(strstr(s, "aerie_time_to_first_token_seconds_bucket{le=\"320\"} 3\n"
+                              "aerie_time_to_first_token_seconds_bucket{le=\"+Inf\"} 4\n"
+                              "aerie_time_to_first_token_seconds_sum 1000.308000\n"
+                              "aerie_time_to_first_token_seconds_count 4\n"));
+    assert_non_null(strstr(s, "aerie_requests_total{route=\"chat_completions\",code=\"200\"} 2\n"
+                              "aerie_requests_total{route=\"completions\",code=\"400\"} 1\n"));
+    assert_non_null(strstr(s, "aerie_spec_accepted_at_position_total{position=\"2\"} 5\n"));
+    assert_non_null(strstr(s, "aerie_kv_cache_usage_ratio{target=\"unix:/tmp/t.sock\"} 0.25\n"));
+    assert_non_null(strstr(s, "# TYPE aerie_e2e_request_latency_seconds histogram\n"));
+    free(s);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_stop_string_split_across_pieces_is_found_and_cut),
+        cmocka_unit_test(test_text_that_might_begin_a_stop_is_held_until_decided),
+        cmocka_unit_test(test_earliest_of_several_stops_wins),
+        cmocka_unit_test(test_no_stops_passes_text_through_unchanged),
+        cmocka_unit_test(test_multibyte_stop_never_releases_half_a_character),
+        cmocka_unit_test(test_every_split_releases_the_same_text),
+        cmocka_unit_test(test_bad_stop_strings_are_refused),
+        cmocka_unit_test(test_chat_request_with_defaults),
+        cmocka_unit_test(test_chat_request_with_every_field),
+        cmocka_unit_test(test_completion_prompts_text_ids_and_batches_of_one),
+        cmocka_unit_test(test_bad_requests_name_their_field),
+        cmocka_unit_test(test_invalid_utf8_and_lone_surrogates_are_refused),
+        cmocka_unit_test(test_error_json_has_openai_shape),
+        cmocka_unit_test(test_histogram_renders_cumulative_buckets),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
