@@ -35,8 +35,9 @@ BASE_CFLAGS += -Ibuild/gen
 # pairing of drafter and target (cli/draft_link.c) is in the library too,
 # so that the tests speculate exactly as `aerie generate --draft` does.
 LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c) \
-              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c)) cli/draft_link.c cli/plan.c) $(GEN_C)
-CLI_SRC  := $(sort $(filter-out cli/draft_link.c cli/plan.c,$(wildcard cli/*.c)))
+              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c gateway/*.c)) cli/draft_link.c cli/plan.c \
+              cli/model_open.c) $(GEN_C)
+CLI_SRC  := $(sort $(filter-out cli/draft_link.c cli/plan.c cli/model_open.c,$(wildcard cli/*.c)))
 UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))
 MODEL_SRC := $(sort $(wildcard tests/model/test_*.c))
@@ -50,7 +51,7 @@ TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o)
 # The suites that share state between threads also run under TSan, which
 # sees data races that ASan cannot.
 TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsan/tests/test_kernels \
-            build/tsan/tests/test_rpc
+            build/tsan/tests/test_rpc build/tsan/tests/test_http
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 MODEL_BIN := $(MODEL_SRC:tests/model/%.c=build/tests/%)
 
@@ -69,7 +70,7 @@ SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-po
 .PHONY: all deps model test unit fuzz asan tsan run train-draft clean
 .DEFAULT_GOAL := all
 
-SERVICES := build/aerie-target build/aerie-draft
+SERVICES := build/aerie-target build/aerie-draft build/aerie-gateway
 ASAN_SERVICES := $(SERVICES:build/%=build/asan/%)
 
 all: build/aerie $(SERVICES) $(MODEL_BIN)

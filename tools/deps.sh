@@ -4,6 +4,8 @@
 set -euo pipefail
 
 apt_pkgs=(gcc make clang libclang-rt-dev libcmocka-dev libcjson-dev ca-certificates)
+# make run waits for the gateway's /health and shows a request with curl.
+apt_pkgs+=(curl)
 # The services' RPC link: libevent (with its OpenSSL and pthreads parts),
 # OpenSSL, and nanopb (generator + runtime) for proto/aerie.proto;
 # protoc compiles the same contract for the Python test client, and the
@@ -47,6 +49,8 @@ python3 -c 'import pytest' >/dev/null 2>&1 || py_missing+=(pytest)
 # numpy writes the random EAGLE-3 head the speculative tests run with
 # (tools/gen_eagle_fixture.py --default-head).
 python3 -c 'import numpy' >/dev/null 2>&1 || py_missing+=(numpy)
+# The gateway's tests talk to it as users do: through OpenAI's own client.
+python3 -c 'import openai' >/dev/null 2>&1 || py_missing+=(openai)
 # Another python3 (a virtualenv, pyenv) takes torch from PyPI.
 python3 -c 'import torch' >/dev/null 2>&1 || [ "$(command -v python3)" = /usr/bin/python3 ] || py_missing+=(torch)
 if [ ${#py_missing[@]} -gt 0 ]; then

@@ -1,0 +1,70 @@
+/* aerie-gateway's HTTP API: OpenAI's chat and completions (streamed as
+ * server-sent events or whole), models, health, metrics, server_info,
+ * tokenize and detokenize, on the RPC link to the target replicas
+ * (router.h).
+ *
+ * A generation request is parsed (oai.h), rendered with the model's chat
+ * template and tokenized here, checked against the context length and the
+ * limits, and sent to the least-loaded healthy target as one Generate
+ * stream. Tokens coming back are detokenized a character at a time
+ * (detok.h), run through the stop strings (stop.h), and written to the
+ * client as they are decided. A stop string, or a client that goes away,
+ * cancels the call at the target. A target that fails mid-request is taken
+ * out and the request goes on at another replica from the tokens it
+ * already has (greedy output is the same; sampled output stays correctly
+ * distributed).
+ *
+ * Everything runs on the rpc_loop's one thread: HTTP, the RPC callbacks,
+ * health checks and timers. The functions below may be called from any
+ * thread. */
+#ifndef AERIE_GATEWAY_GATEWAY_H
+#define AERIE_GATEWAY_GATEWAY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../services/rpc/rpc.h"
+#include "../services/tokenizer/chat.h"
+#include "../services/tokenizer/tok.h"
+#include "router.h"
+
+#define GW_MAX_API_KEYS 64
+
+typedef struct gw_config {
+    const char *host;
+    int port;
+    const char *model_name; /* what /v1/models lists and requests must name */
+    const tok *tok;
+    const chat_template *chat; /* NULL: the model has none; chat requests are refused */
+    router *router;
+    int max_conns;
+    size_t max_body_bytes;
+    int max_inflight;           /* generation requests at once; beyond, 429 */
+    int32_t max_prompt_tokens;  /* 0: the targets' context */
+    int32_t max_tokens_limit;   /* largest max_tokens accepted; 0: the context */
+    int32_t default_max_tokens; /* when a request gives none (capped by what the context leaves) */
+    int idle_timeout_ms;
+    const char *const *api_keys; /* n_api_keys == 0: no key needed */
+    int n_api_keys;
+    const char *config_json;    /* the gateway's resolved settings, for /server_info */
+    int log_interval_ms;        /* 0: no periodic load line */
+} gw_config;
+
+typedef struct gw gw;
+
+/* Starts serving on cfg->host:cfg->port. The config's strings, tokenizer,
+ * template and router must outlive the gateway. */
+int gw_open(gw **out, rpc_loop *loop, const gw_config *cfg, ae_error *err);
+/* From now on generation requests are answered 503 and /health is 503. */
+void gw_set_draining(gw *g);
+/* Generation requests in flight now. */
+int gw_inflight(gw *g);
+int gw_port(gw *g);
+/* Stops serving HTTP: every connection closes, and requests in flight are
+ * cancelled at their targets. Their calls end later (or when the router
+ * closes): free the gateway only after router_close. */
+void gw_close(gw *g); /* NULL is a no-op */
+void gw_free(gw *g);  /* NULL is a no-op; closes first if needed */
+
+#endif

@@ -1,0 +1,191 @@
+/* aerie-gateway: the OpenAI-compatible HTTP API in front of one or more
+ * aerie-target replicas (gateway/gateway.h). */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../cli/cli.h"
+#include "../services/core/file.h"
+#include "../services/core/log.h"
+#include "../services/core/svc.h"
+#include "gateway.h"
+#include "router.h"
+
+static const cfg_option opts[] = {
+    {"model", CFG_STRING, NULL, 0, 0, "the served model (.gguf or Hugging Face directory): its tokenizer and chat template"},
+    {"model-name", CFG_STRING, "auto", 0, 0, "the name clients ask for (auto: the model file's name without .gguf)"},
+    {"host", CFG_STRING, "127.0.0.1", 0, 0, "HTTP address to listen on"},
+    {"port", CFG_INT, "8080", 0, 65535, "HTTP port (0: any free one, logged)"},
+    {"targets", CFG_STRING, "unix:/tmp/aerie-target.sock", 0, 0, "aerie-target replicas, comma-separated (unix:PATH or HOST:PORT)"},
+    {"tls-ca", CFG_STRING, NULL, 0, 0, "speak TLS to targets and drafts; their certificates must chain to this CA"},
+    {"tls-cert", CFG_STRING, NULL, 0, 0, "client certificate for targets and drafts (mutual TLS)"},
+    {"tls-key", CFG_STRING, NULL, 0, 0, "client key"},
+    {"api-key-file", CFG_STRING, NULL, 0, 0, "API keys, one per line: requests must send 'Authorization: Bearer KEY' (none: open)"},
+    {"max-body-bytes", CFG_INT, "4194304", 1024, 1 << 30, "largest request body; beyond, 413"},
+    {"max-conns", CFG_INT, "1024", 1, 65536, "open HTTP connections; beyond, 429"},
+    {"max-inflight", CFG_INT, "512", 1, 1 << 20, "generation requests at once; beyond, 429"},
+    {"max-prompt-tokens", CFG_INT, "0", 0, 1 << 24, "longest prompt accepted (0: the targets' context less one)"},
+    {"max-tokens-limit", CFG_INT, "0", 0, 1 << 24, "largest max_tokens accepted (0: the targets' context)"},
+    {"default-max-tokens", CFG_INT, "512", 1, 1 << 24, "max_tokens of a request that gives none (capped by the context left)"},
+    {"health-interval-ms", CFG_INT, "1000", 50, 600000, "how often each target (and its draft) is asked Health and Info"},
+    {"idle-timeout-s", CFG_INT, "60", 1, 86400, "an HTTP connection without a complete request this long is closed"},
+    {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame, MiB"},
+    {"log-interval-s", CFG_INT, "5", 0, 3600, "seconds between load lines (0: none)"},
+    {"drain-timeout-s", CFG_INT, "30", 0, 3600, "on SIGTERM, how long requests in flight may take to finish"},
+    {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
+};
+
+/* The file's name without directories and without ".gguf". */
+static void default_name(const char *path, char *out, size_t cap) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    const char *base = path;
+    for (size_t i = 0; i < n; i++)
+        if (path[i] == '/') base = path + i + 1;
+    size_t len = (size_t)(path + n - base);
+    if (len > 5 && strncmp(base + len - 5, ".gguf", 5) == 0) len -= 5;
+    snprintf(out, cap, "%.*s", (int)len, base);
+}
+
+/* Splits text at commas into at most max trimmed, non-empty pieces
+ * (written into text itself). */
+static int split_list(char *text, char sep, char **out, int max, ae_error *err) {
+    int n = 0;
+    for (char *s = text, *next; s; s = next) {
+        next = strchr(s, sep);
+        if (next) *next++ = '\0';
+        while (isspace((unsigned char)*s)) s++;
+        char *e = s + strlen(s);
+        while (e > s && isspace((unsigned char)e[-1])) *--e = '\0';
+        if (!*s) continue;
+        if (n == max) return err_set(err, "more than %d entries", max);
+        out[n++] = s;
+    }
+    return n;
+}
+
+int main(int argc, char **argv) {
+    svc_signals_init();
+    log_set_level(LOG_INFO);
+    ae_error err = {{0}};
+    cfg *c = NULL;
+    cli_model cm = {0};
+    chat_template *ct = NULL;
+    rpc_loop *loop = NULL;
+    router *rt = NULL;
+    gw *g = NULL;
+    char *targets_text = NULL, *keys_text = NULL, *config_json = NULL;
+    bool print_config, help;
+    int rc = 2;
+    if (svc_config_load(&c, "aerie-gateway", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
+                        &err) != AE_OK)
+        goto out;
+    if (help) {
+        rc = 0;
+        goto out;
+    }
+    const char *model_path = cfg_str(c, "model");
+    if (!model_path) {
+        err_set(&err, "no model given (use --model FILE): the gateway needs its tokenizer");
+        goto out;
+    }
+    if (cfg_is_auto(c, "model-name")) {
+        char name[256];
+        default_name(model_path, name, sizeof name);
+        cfg_set_auto_str(c, "model-name", name);
+    }
+    if (print_config) {
+        svc_print_config(c);
+        rc = 0;
+        goto out;
+    }
+    targets_text = strdup(cfg_str(c, "targets"));
+    char *targets[ROUTER_MAX_TARGETS];
+    int n_targets = targets_text ? split_list(targets_text, ',', targets, ROUTER_MAX_TARGETS, &err) : 0;
+    if (n_targets <= 0) {
+        err_set(&err, "no targets given (--targets unix:PATH or HOST:PORT, comma-separated)");
+        err_prefix(&err, "targets: ");
+        goto out;
+    }
+    char *keys[GW_MAX_API_KEYS];
+    int n_keys = 0;
+    const char *key_file = cfg_str(c, "api-key-file");
+    if (key_file) {
+        size_t len;
+        if (file_read_all(key_file, 1 << 20, &keys_text, &len, NULL, &err) != AE_OK) goto out;
+        n_keys = split_list(keys_text, '\n', keys, GW_MAX_API_KEYS, &err);
+        if (n_keys <= 0) {
+            err_set(&err, "%s: no API keys in it", key_file);
+            goto out;
+        }
+    }
+    cfg_log(c, "aerie-gateway");
+    if (cli_model_open(&cm, model_path, &err) != AE_OK) goto out;
+    ae_error cerr = {{0}};
+    if (chat_template_init(&ct, tok_chat_template(cm.tok), &cerr) != AE_OK)
+        LOG_WARNF("no_chat_template model=%s reason=\"%s\" effect=\"/v1/chat/completions answers 400; "
+                  "/v1/completions works\"",
+                  model_path, cerr.msg);
+    if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
+    router_config rc_cfg = {(const char *const *)targets, n_targets,
+                            {cfg_str(c, "tls-cert"), cfg_str(c, "tls-key"), cfg_str(c, "tls-ca")},
+                            (uint32_t)cfg_int(c, "max-frame-mib") << 20, (int)cfg_int(c, "health-interval-ms")};
+    if (router_open(&rt, loop, &rc_cfg, &err) != AE_OK) goto out;
+    config_json = cfg_to_json(c);
+    gw_config gc = {
+        .host = cfg_str(c, "host"),
+        .port = (int)cfg_int(c, "port"),
+        .model_name = cfg_str(c, "model-name"),
+        .tok = cm.tok,
+        .chat = ct,
+        .router = rt,
+        .max_conns = (int)cfg_int(c, "max-conns"),
+        .max_body_bytes = (size_t)cfg_int(c, "max-body-bytes"),
+        .max_inflight = (int)cfg_int(c, "max-inflight"),
+        .max_prompt_tokens = (int32_t)cfg_int(c, "max-prompt-tokens"),
+        .max_tokens_limit = (int32_t)cfg_int(c, "max-tokens-limit"),
+        .default_max_tokens = (int32_t)cfg_int(c, "default-max-tokens"),
+        .idle_timeout_ms = (int)cfg_int(c, "idle-timeout-s") * 1000,
+        .api_keys = (const char *const *)keys,
+        .n_api_keys = n_keys,
+        .config_json = config_json,
+        .log_interval_ms = (int)cfg_int(c, "log-interval-s") * 1000,
+    };
+    if (gw_open(&g, loop, &gc, &err) != AE_OK) goto out;
+    LOG_INFOF("gateway_ready url=http://%s:%d model=%s targets=%d api_keys=%d chat_template=%s", gc.host, gw_port(g),
+              gc.model_name, n_targets, n_keys, ct ? chat_variant_name(ct) : "none");
+    svc_notify("READY=1");
+    int sig = svc_wait_signal();
+    svc_notify("STOPPING=1");
+    LOG_INFOF("gateway_stopping signal=%d inflight=%d", sig, gw_inflight(g));
+    gw_set_draining(g);
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int64_t limit_ms = cfg_int(c, "drain-timeout-s") * 1000;
+    for (;;) {
+        int n = gw_inflight(g);
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        int64_t ms = (t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000;
+        if (n == 0 || ms >= limit_ms) {
+            LOG_INFOF("gateway_stopped unfinished=%d drain_ms=%lld", n, (long long)ms);
+            break;
+        }
+        nanosleep(&(struct timespec){0, 20 * 1000 * 1000}, NULL);
+    }
+    rc = 0;
+out:
+    if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-gateway: %s\n", err.msg);
+    gw_close(g);     /* clients of requests still open see their connection close */
+    router_close(rt); /* calls still open end, and their requests with them */
+    gw_free(g);
+    rpc_loop_free(loop);
+    chat_template_free(ct);
+    cli_model_close(&cm);
+    free(config_json);
+    free(keys_text);
+    free(targets_text);
+    cfg_free(c);
+    return rc;
+}
