@@ -1,0 +1,542 @@
+"""aerie-gateway as users meet it: through OpenAI's own Python client and
+raw HTTP, in front of real aerie-target (and aerie-draft) processes.
+
+Greedy text is checked against in-process plain decoding (`aerie generate
+--draft none`); streamed text against whole replies; bad input against the
+exact status and OpenAI's error shape, with the gateway serving after each.
+Every service runs its ASan/UBSan build and must exit 0 on SIGTERM.
+"""
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+import aerie_rpc as rpc
+from conftest import ROOT, run_aerie
+from test_services import HEAD, SERVICE_DIR
+
+CTX = 512
+QUESTION = "What is the capital of France?"
+
+
+class Proc:
+    """One service process, its log in a file."""
+
+    def __init__(self, name, args, tmp, tag=None):
+        self.name = name
+        self.log_path = tmp / f"{tag or name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+        env.setdefault("ASAN_OPTIONS", "detect_leaks=1")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([str(SERVICE_DIR / name), *map(str, args)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def text(self):
+        return self.log_path.read_text()
+
+    def stop(self, sig=signal.SIGTERM, timeout=120):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=timeout)
+        self.log.close()
+        return rc
+
+
+class Gateway(Proc):
+    def __init__(self, model, targets, tmp, *extra, tag="gateway"):
+        super().__init__("aerie-gateway", ["--model", model, "--targets", ",".join(targets), "--port", "0",
+                                           "--health-interval-ms", "200", "--log-interval-s", "0", *extra],
+                         tmp, tag)
+        t0 = time.monotonic()
+        while True:
+            m = re.search(r"gateway_ready url=http://127\.0\.0\.1:(\d+)", self.text())
+            if m:
+                self.port = int(m.group(1))
+                break
+            assert self.proc.poll() is None, f"gateway exited:\n{self.text()}"
+            assert time.monotonic() - t0 < 60, self.text()
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout=60):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if request(self.port, "GET", "/health")[0] == 200:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"/health not 200:\n{self.text()[-2000:]}")
+
+    def client(self, key="unused"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def request(port, method, path, body=None, headers=None, raw=None):
+    """(status, headers, parsed JSON or text) of one HTTP request."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    h = {"Content-Type": "application/json", **(headers or {})}
+    c.request(method, path, body=data, headers=h)
+    r = c.getresponse()
+    text = r.read().decode()
+    c.close()
+    try:
+        return r.status, dict(r.getheaders()), json.loads(text)
+    except ValueError:
+        return r.status, dict(r.getheaders()), text
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, model):
+    """A draft, a target speculating through it, and a gateway."""
+    tmp = tmp_path_factory.mktemp("stack")
+    procs = []
+    draft_addr, target_addr = f"unix:{tmp}/draft.sock", f"unix:{tmp}/target.sock"
+    d = Proc("aerie-draft", ["--model", model, "--draft", HEAD, "--listen", draft_addr, "--max-seqs", "64",
+                             "--max-seq-len", CTX, "--threads", "1"], tmp)
+    procs.append(d)
+    rpc.wait_for_socket(draft_addr, d.proc)
+    t = Proc("aerie-target", ["--model", model, "--listen", target_addr, "--draft-addr", draft_addr,
+                              "--no-spec-adaptive", "--max-batch", "8", "--max-seq-len", CTX, "--threads", "1",
+                              "--draft-deadline-ms", "5000", "--log-interval-s", "0"], tmp)
+    procs.append(t)
+    rpc.wait_for_socket(target_addr, t.proc)
+    g = Gateway(model, [target_addr], tmp)
+    procs.append(g)
+    g.wait_healthy()
+    g.target_addr = target_addr
+    g.name = "SmolLM2-135M-Instruct.Q4_1"
+    yield g
+    for p in reversed(procs):
+        rc = p.stop()
+        assert rc == 0, f"{p.name} exited {rc}:\n{p.text()[-3000:]}"
+
+
+_refs = {}
+
+
+def greedy_reference(model, messages, max_tokens):
+    """The text `aerie generate --chat --draft none` answers (its trailing
+    newline is the CLI's, not the model's)."""
+    key = (json.dumps(messages), max_tokens)
+    if key not in _refs:
+        r = run_aerie("generate", "--model", model, "--chat", "--prompt", json.dumps(messages), "--draft", "none",
+                      "--max-tokens", max_tokens, "--threads", "1", timeout=600)
+        assert r.rc == 0, r.err
+        assert r.out.endswith("\n")
+        _refs[key] = r.out[:-1]
+    return _refs[key]
+
+
+def chat(messages, **kw):
+    return [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+
+
+def stream_text(chunks, chat_api=True):
+    text, finish, usage, roles = [], None, None, []
+    for c in chunks:
+        if c.usage:
+            usage = c.usage
+        for ch in c.choices:
+            piece = ch.delta.content if chat_api else ch.text
+            if chat_api and ch.delta.role:
+                roles.append(ch.delta.role)
+            if piece:
+                assert "\ufffd" not in piece
+                text.append(piece)
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    return "".join(text), finish, usage, roles
+
+
+# ---- the API through the openai client ----
+
+
+def test_models_and_health(stack):
+    models = stack.client().models.list()
+    assert [m.id for m in models.data] == [stack.name]
+    st, _h, body = request(stack.port, "GET", "/health")
+    assert (st, body) == (200, {"status": "ok", "targets_healthy": 1, "targets": 1})
+
+
+def test_greedy_chat_equals_in_process_decoding_with_usage(stack, model):
+    msgs = chat(QUESTION)
+    ref = greedy_reference(model, msgs, 24)
+    r = stack.client().chat.completions.create(model=stack.name, messages=msgs, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == ref
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    prompt_ids = json.loads(run_aerie("tokenize", "--model", model, "--chat", json.dumps(msgs)).out)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    # Streamed, with usage at the end: the same text and the same usage.
+    chunks = list(stack.client().chat.completions.create(model=stack.name, messages=msgs, max_tokens=24,
+                                                         temperature=0, stream=True,
+                                                         stream_options={"include_usage": True}))
+    text, finish, usage, roles = stream_text(chunks)
+    assert (text, finish, roles) == (ref, r.choices[0].finish_reason, ["assistant"])
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+    assert chunks[-1].choices == []
+
+
+def test_max_tokens_ends_with_length(stack):
+    r = stack.client().completions.create(model=stack.name, prompt="Once upon a time", max_tokens=5,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 5)
+    assert r.object == "text_completion"
+
+
+def test_streamed_equals_whole_for_the_same_seed_and_seeds_reproduce(stack):
+    c = stack.client()
+    kw = dict(model=stack.name, prompt="The three best things about autumn are", max_tokens=32, temperature=0.9,
+              seed=1234, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kw)
+    again = c.completions.create(**kw)
+    assert again.choices[0].text == whole.choices[0].text
+    text, finish, _u, _r = stream_text(c.completions.create(stream=True, **kw), chat_api=False)
+    assert (text, finish) == (whole.choices[0].text, "length")
+    others = {c.completions.create(**{**kw, "seed": s}).choices[0].text for s in (1, 2, 3)}
+    assert len(others | {whole.choices[0].text}) > 1
+
+
+def test_multibyte_characters_split_across_tokens_stream_whole(stack):
+    c = stack.client()
+    # The emoji has no token of its own: each one is made of byte tokens.
+    st, _h, tok = request(stack.port, "POST", "/tokenize", {"prompt": "\U0001F600"})
+    assert st == 200 and tok["count"] > 1
+    kw = dict(model=stack.name, prompt="\U0001F600 \U0001F600 \U0001F600 \U0001F600 \U0001F600 \U0001F600",
+              max_tokens=24, temperature=0.7, seed=5, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**kw).choices[0].text
+    text, _f, _u, _r = stream_text(c.completions.create(stream=True, **kw), chat_api=False)
+    assert text == whole
+    assert any(ord(ch) > 0xFFFF for ch in whole), whole  # a 4-byte character came out of several tokens
+    assert "\ufffd" not in whole
+
+
+def test_stop_strings_cut_text_across_token_boundaries(stack, model):
+    msgs = chat("Write a short poem about the sea.")
+    full = greedy_reference(model, msgs, 40)
+    stop = full[11:15]
+    want = full[: full.index(stop)]
+    c = stack.client()
+    r = c.chat.completions.create(model=stack.name, messages=msgs, max_tokens=40, temperature=0, stop=stop)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, "stop")
+    text, finish, _u, _r = stream_text(c.chat.completions.create(model=stack.name, messages=msgs, max_tokens=40,
+                                                                 temperature=0, stop=["\u00e6\u00f8", stop],
+                                                                 stream=True))
+    assert (text, finish) == (want, "stop")
+
+
+def test_top_k_one_is_greedy_through_extra_body(stack, model):
+    msgs = chat(QUESTION)
+    r = stack.client().chat.completions.create(model=stack.name, messages=msgs, max_tokens=24, temperature=1.0,
+                                               seed=99, extra_body={"top_k": 1})
+    assert r.choices[0].message.content == greedy_reference(model, msgs, 24)
+
+
+def test_tokenize_and_detokenize(stack, model):
+    st, _h, body = request(stack.port, "POST", "/tokenize", {"prompt": "Hello world, café!"})
+    ids = json.loads(run_aerie("tokenize", "--model", model, "Hello world, café!").out)
+    assert (st, body) == (200, {"count": len(ids), "max_model_len": CTX, "tokens": ids})
+    st, _h, body = request(stack.port, "POST", "/detokenize", {"tokens": ids})
+    assert (st, body) == (200, {"prompt": "Hello world, café!"})
+    msgs = chat(QUESTION)
+    st, _h, body = request(stack.port, "POST", "/tokenize", {"messages": msgs})
+    assert body["tokens"] == json.loads(run_aerie("tokenize", "--model", model, "--chat", json.dumps(msgs)).out)
+    st, _h, body = request(stack.port, "POST", "/detokenize", {"tokens": [1, 49152]})
+    assert st == 400 and body["error"]["param"] == "tokens"
+
+
+def test_metrics_and_server_info(stack):
+    stack.client().chat.completions.create(model=stack.name, messages=chat(QUESTION), max_tokens=8, temperature=0)
+    st, h, text = request(stack.port, "GET", "/metrics")
+    assert st == 200 and h["Content-Type"].startswith("text/plain; version=0.0.4")
+    m = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            m[k] = float(v)
+    assert m['aerie_requests_total{route="chat_completions",code="200"}'] >= 1
+    assert m["aerie_generation_tokens_total"] >= 8
+    assert m["aerie_time_to_first_token_seconds_count"] >= 1
+    assert m['aerie_time_to_first_token_seconds_bucket{le="+Inf"}'] == m["aerie_time_to_first_token_seconds_count"]
+    assert m["aerie_inter_token_latency_seconds_count"] >= 1
+    assert m["aerie_e2e_request_latency_seconds_count"] >= 1
+    # The target drafts on every step (--no-spec-adaptive) through the trained head.
+    assert m["aerie_spec_draft_steps_total"] >= 1
+    assert m["aerie_spec_drafted_tokens_total"] >= m["aerie_spec_accepted_tokens_total"] > 0
+    assert m['aerie_spec_accepted_at_position_total{position="1"}'] > 0
+    target = stack.target_addr
+    assert m[f'aerie_kv_blocks{{target="{target}"}}'] > 0
+    assert f'aerie_requests_running{{target="{target}"}}' in m
+    assert f'aerie_requests_waiting{{target="{target}"}}' in m
+    st, _h, info = request(stack.port, "GET", "/server_info")
+    assert st == 200
+    gwc = info["gateway"]["config"]
+    assert gwc["targets"] == {"value": target, "source": "flag"}
+    assert gwc["model-name"] == {"value": stack.name, "source": "auto"}
+    assert gwc["default-max-tokens"] == {"value": 512, "source": "default"}
+    assert info["gateway"]["chat_template"] == "chatml-default-system"
+    [t] = info["targets"]
+    assert t["healthy"] and t["config"]["max-seq-len"]["value"] == CTX and "total = weights" in t["memory_plan"]
+    [d] = info["drafts"]
+    assert d["healthy"] and d["config"]["draft"]["value"] == str(HEAD)
+
+
+# ---- bad input: the right status, OpenAI's error shape, and still serving ----
+
+BAD = [
+    ("invalid JSON", b'{"model": "m", "messages": [', 400, None, "invalid_json"),
+    ("wrong type", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens",
+     "invalid_type"),
+    ("negative max_tokens", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}, 400, "max_tokens",
+     "invalid_value"),
+    ("huge max_tokens", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**9}, 400, "max_tokens",
+     "invalid_value"),
+    ("max_tokens past the context", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CTX}, 400,
+     "max_tokens", "context_length_exceeded"),
+    ("prompt longer than the context", {"messages": [{"role": "user", "content": "word " * 700}]}, 400,
+     "messages", "context_length_exceeded"),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model",
+     "model_not_found"),
+    ("invalid UTF-8", b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None,
+     "invalid_encoding"),
+    ("unsupported field", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools", "unsupported_parameter"),
+    ("n above one", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "unsupported_value"),
+    ("a body that is not an object", b"[]", 400, None, "invalid_type"),
+]
+
+
+def check_error(st, body, status, param, code):
+    assert st == status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert (body["error"]["param"], body["error"]["code"]) == (param, code), body
+    assert body["error"]["message"]
+
+
+@pytest.mark.parametrize("what,body,status,param,code", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_their_status_and_the_gateway_keeps_serving(stack, what, body, status, param, code):
+    if isinstance(body, dict):
+        body = {"model": stack.name, **body}
+        raw = json.dumps(body).encode()
+    else:
+        raw = body.replace(b'"M"', json.dumps(stack.name).encode())
+    st, _h, got = request(stack.port, "POST", "/v1/chat/completions", raw=raw)
+    check_error(st, got, status, param, code)
+    r = stack.client().completions.create(model=stack.name, prompt="Hi", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_ten_megabyte_body_is_413_and_unknown_routes_404(stack):
+    s = socket.create_connection(("127.0.0.1", stack.port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 10485760\r\n\r\n" + b"x" * 65536)
+    data = b""
+    while b"\r\n\r\n" not in data or not data.endswith(b"}}"):
+        got = s.recv(65536)
+        if not got:
+            break
+        data += got
+    s.close()
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 413 ")
+    check_error(413, json.loads(body), 413, None, "request_too_large")
+    st, _h, got = request(stack.port, "GET", "/v2/nothing")
+    check_error(st, got, 404, None, "not_found")
+    st, _h, got = request(stack.port, "GET", "/v1/chat/completions")
+    check_error(st, got, 405, None, "method_not_allowed")
+    with pytest.raises(openai.NotFoundError):
+        stack.client().chat.completions.create(model="nope", messages=chat("hi"), max_tokens=2)
+
+
+def test_disconnect_mid_stream_cancels_and_frees_the_kv(stack):
+    s = socket.create_connection(("127.0.0.1", stack.port))
+    body = json.dumps({"model": stack.name, "prompt": "Count from one to a thousand:", "max_tokens": 400,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    data = b""
+    while data.count(b"data: ") < 3:
+        got = s.recv(4096)
+        assert got
+        data += got
+    assert data.startswith(b"HTTP/1.1 200 ")
+    _r, stats, _c = rpc.info(stack.target_addr)
+    assert stats["kv_blocks_used"] > 0
+    s.close()
+    t0 = time.monotonic()
+    while True:
+        _r, stats, _c = rpc.info(stack.target_addr)
+        if stats["kv_blocks_used"] == 0 and stats["running"] == 0:
+            break
+        assert time.monotonic() - t0 < 30, stats
+        time.sleep(0.05)
+    assert stats["requests_cancelled"] >= 1
+    st, _h, text = request(stack.port, "GET", "/metrics")
+    assert 'aerie_request_finish_total{reason="cancelled"} 1\n' in text
+
+
+# ---- keys, limits, replicas, make run ----
+
+
+def test_api_keys(tmp_path, model, stack):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-first\n\n  sk-second  \n")
+    g = Gateway(model, [stack.target_addr], tmp_path, "--api-key-file", keys, tag="gw-keys")
+    try:
+        g.wait_healthy()
+        st, h, body = request(g.port, "GET", "/v1/models")
+        check_error(st, body, 401, None, "invalid_api_key")
+        assert h["WWW-Authenticate"] == "Bearer"
+        with pytest.raises(openai.AuthenticationError):
+            g.client("sk-wrong").models.list()
+        assert g.client("sk-second").models.list().data[0].id == stack.name
+        r = g.client("sk-first").completions.create(model=stack.name, prompt="Hi", max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+        assert request(g.port, "GET", "/health")[0] == 200  # probes need no key
+    finally:
+        assert g.stop() == 0, g.text()
+
+
+def test_inflight_and_connection_limits_answer_429_with_retry_after(tmp_path, model, stack):
+    g = Gateway(model, [stack.target_addr], tmp_path, "--max-inflight", "1", "--max-conns", "3", tag="gw-limits")
+    try:
+        g.wait_healthy()
+        s = socket.create_connection(("127.0.0.1", g.port))
+        body = json.dumps({"model": stack.name, "prompt": "Tell me a long story.", "max_tokens": 300,
+                           "ignore_eos": True, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+        st, h, got = request(g.port, "POST", "/v1/completions", {"model": stack.name, "prompt": "x"})
+        check_error(st, got, 429, None, "rate_limit_exceeded")
+        assert h["Retry-After"] == "1"
+        idle = [socket.create_connection(("127.0.0.1", g.port)) for _ in range(2)]
+        extra = socket.create_connection(("127.0.0.1", g.port))
+        data = b""
+        while True:
+            got = extra.recv(4096)
+            if not got:
+                break
+            data += got
+        head, body = data.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 429 ") and b"Retry-After: 1\r\n" in head + b"\r\n"
+        check_error(429, json.loads(body), 429, None, "too_many_connections")
+        for x in idle + [extra, s]:
+            x.close()
+    finally:
+        assert g.stop() == 0, g.text()
+
+
+def test_two_replicas_share_load_and_a_failed_one_is_routed_around(tmp_path, model):
+    """Requests spread over two targets; when the one serving a greedy
+    stream is killed mid-stream, the stream goes on at the other with the
+    very same text, and /health reports the lost replica."""
+    procs, addrs = [], []
+    for i in range(2):
+        addr = f"unix:{tmp_path}/t{i}.sock"
+        p = Proc("aerie-target", ["--model", model, "--listen", addr, "--max-batch", "4", "--max-seq-len", CTX,
+                                  "--threads", "1", "--log-interval-s", "0"], tmp_path, f"target{i}")
+        rpc.wait_for_socket(addr, p.proc)
+        procs.append(p)
+        addrs.append(addr)
+    g = Gateway(model, addrs, tmp_path, tag="gw-replicas")
+    try:
+        g.wait_healthy()
+        c = g.client()
+        out = []
+        ths = [threading.Thread(target=lambda: out.append(c.completions.create(
+            model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0].text)) for _ in range(6)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        assert len(set(out)) == 1 and len(out) == 6
+        done = [rpc.info(a)[1]["requests_done"] for a in addrs]
+        assert min(done) >= 1 and sum(done) == 6, done
+
+        msgs = chat("Write a long story about a brave knight.")
+        ref = greedy_reference(model, msgs, 120)
+        stream = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=msgs, max_tokens=120,
+                                           temperature=0, stream=True)
+        pieces = []
+        killed = None
+        for chunk in stream:
+            for ch in chunk.choices:
+                if ch.delta.content:
+                    pieces.append(ch.delta.content)
+            if killed is None and len(pieces) >= 3:
+                busy = [rpc.info(a)[1]["running"] for a in addrs]
+                killed = busy.index(1)
+                procs[killed].proc.kill()
+                procs[killed].proc.wait()
+        assert killed is not None
+        assert "".join(pieces) == ref
+        t0 = time.monotonic()
+        while True:
+            st, _h, body = request(g.port, "GET", "/health")
+            if st == 200 and body["targets_healthy"] == 1:
+                break
+            assert time.monotonic() - t0 < 10, body
+            time.sleep(0.05)
+        st, _h, text = request(g.port, "GET", "/metrics")
+        assert "aerie_request_retries_total 1\n" in text
+        assert f'aerie_target_healthy{{target="{addrs[killed]}"}} 0\n' in text
+        r = c.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt="Hello", max_tokens=16,
+                                 temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == out[0]
+    finally:
+        assert g.stop() == 0, g.text()
+        for p in procs:
+            if p.proc.poll() is None:
+                assert p.stop() == 0, p.text()
+
+
+def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path):
+    """tools/run.sh (what `make run` runs after building) on a free port."""
+    for b in ("aerie-draft", "aerie-target", "aerie-gateway"):
+        if not (ROOT / "build" / b).exists():
+            pytest.fail(f"build/{b} is missing: run `make` first")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+    env["AERIE_PORT"] = str(port)
+    log = open(tmp_path / "run.log", "w")
+    p = subprocess.Popen(["bash", "tools/run.sh"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while "Ctrl-C stops all three" not in (tmp_path / "run.log").read_text():
+            assert p.poll() is None, (tmp_path / "run.log").read_text()
+            assert time.monotonic() - t0 < 120, (tmp_path / "run.log").read_text()
+            time.sleep(0.1)
+        text = (tmp_path / "run.log").read_text()
+        assert f"http://127.0.0.1:{port}/v1" in text and "curl http://127.0.0.1" in text
+        st, _h, body = request(port, "POST", "/v1/chat/completions",
+                               {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": chat(QUESTION),
+                                "max_tokens": 8, "temperature": 0})
+        assert st == 200 and body["choices"][0]["message"]["content"]
+        st, _h, info = request(port, "GET", "/server_info")
+        assert len(info["drafts"]) == 1
+        os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+        assert p.wait(timeout=120) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        log.close()
+    text = (tmp_path / "run.log").read_text()
+    for name in ("gateway", "target", "draft"):
+        assert f"[{name}] " in text and "stopped" in text, text
+    assert "run: stopped" in text
