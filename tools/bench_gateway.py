@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Load on aerie-gateway: 1, 16 and 64 concurrent streaming clients, and
+what the gateway adds per streamed token against calling the target's
+Generate directly in the same run.
+
+Starts a target (release build, plain decoding unless --draft) and a
+gateway on Unix sockets in a temporary directory. Each client sends
+streamed /v1/completions requests (greedy, max_tokens each, end of sequence
+ignored so that every request does the same work) over its own keep-alive
+connection and times, from its side:
+
+  ttft  request written -> first text chunk
+  itl   gap between text chunks, divided among the tokens they carried
+        (one per chunk without a draft)
+
+and the run's total tok/s. Errors: any status but 200, an error event, a
+stream without [DONE] or with fewer tokens than asked. There must be none.
+
+Overhead: single requests alternate between the gateway (streamed) and a
+direct Generate on the target's socket (aerie_rpc, the same prompt ids);
+(gateway time - direct time) / tokens is the latency the gateway adds per
+token, and the gateway's CPU time (from /proc) over the load run divided by
+its tokens is its cost per token. Prints one JSON line.
+
+    tools/bench_gateway.py [--levels 1,16,64] [--max-tokens 64] [--max-batch 64] [--threads 2] [--draft]
+"""
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+import aerie_rpc as rpc  # noqa: E402
+
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "SmolLM2-135M-Instruct.Q4_1"
+PROMPTS = [
+    "The history of the printing press", "A recipe for bread starts with", "The best way to learn a language is",
+    "Once upon a time in a small village", "The planets of the solar system are", "To write a good essay, you",
+    "The ocean is home to", "In the year 2050, cities will",
+]
+
+
+def pct(xs, p):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+async def read_chunked_sse(reader):
+    """Yields each SSE data payload (bytes) from a chunked body."""
+    buf = b""
+    while True:
+        size_line = await reader.readline()
+        size = int(size_line.strip(), 16)
+        if size == 0:
+            await reader.readline()
+            break
+        buf += await reader.readexactly(size)
+        await reader.readexactly(2)
+        while b"\n\n" in buf:
+            ev, buf = buf.split(b"\n\n", 1)
+            if ev.startswith(b"data: "):
+                yield ev[6:]
+
+
+async def one_request(reader, writer, prompt, max_tokens, stats):
+    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    t0 = time.monotonic()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    status = await reader.readline()
+    headers = {}
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b""):
+            break
+        k, v = line.decode().split(":", 1)
+        headers[k.strip().lower()] = v.strip()
+    code = int(status.split()[1])
+    if code != 200:
+        await reader.readexactly(int(headers.get("content-length", 0)))
+        stats["errors"].append(f"status {code}")
+        return 0
+    first, last, tokens, done = None, None, 0, False
+    async for data in read_chunked_sse(reader):
+        now = time.monotonic()
+        if data == b"[DONE]":
+            done = True
+            continue
+        ev = json.loads(data)
+        if "error" in ev:
+            stats["errors"].append(ev["error"]["message"])
+            continue
+        text = ev["choices"][0]["text"]
+        if not text:
+            continue
+        # Tokens in this chunk: the target sends one event per decode step.
+        n = 1
+        if first is None:
+            first = now
+            stats["ttft"].append(now - t0)
+        else:
+            stats["itl"].extend([(now - last) / n] * n)
+        last = now
+        tokens += n
+    if not done:
+        stats["errors"].append("no [DONE]")
+    stats["e2e"].append(time.monotonic() - t0)
+    return max_tokens
+
+
+async def client(port, idx, rounds, max_tokens, stats):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
+    toks = 0
+    for r in range(rounds):
+        toks += await one_request(reader, writer, PROMPTS[(idx + r) % len(PROMPTS)], max_tokens, stats)
+    writer.close()
+    return toks
+
+
+async def level(port, n, rounds, max_tokens):
+    stats = {"ttft": [], "itl": [], "e2e": [], "errors": []}
+    t0 = time.monotonic()
+    toks = await asyncio.gather(*[client(port, i, rounds, max_tokens, stats) for i in range(n)])
+    wall = time.monotonic() - t0
+    ms = lambda x: round(x * 1e3, 2) if x is not None else None  # noqa: E731
+    return {
+        "clients": n, "requests": n * rounds, "tokens": sum(toks), "tok_per_s": round(sum(toks) / wall, 1),
+        "ttft_ms_p50": ms(pct(stats["ttft"], 50)), "ttft_ms_p99": ms(pct(stats["ttft"], 99)),
+        "itl_ms_p50": ms(pct(stats["itl"], 50)), "itl_ms_p99": ms(pct(stats["itl"], 99)),
+        "errors": len(stats["errors"]), "error_samples": stats["errors"][:3],
+    }
+
+
+def cpu_seconds(pid):
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tokenize(prompt):
+    out = subprocess.run([str(ROOT / "build" / "aerie"), "tokenize", "--model", str(MODEL), prompt],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def overhead(port, target_addr, max_tokens, pairs):
+    """Per-token latency of a streamed request through the gateway minus a
+    direct Generate of the same ids, alternating."""
+    prompt = PROMPTS[0]
+    ids = tokenize(prompt)
+    gw, direct = [], []
+    for _ in range(pairs):
+        t0 = time.monotonic()
+        stats = {"ttft": [], "itl": [], "e2e": [], "errors": []}
+        asyncio.run(client(port, 0, 1, max_tokens, stats))
+        assert not stats["errors"], stats["errors"]
+        gw.append(time.monotonic() - t0)
+        t0 = time.monotonic()
+        s = rpc.generate(target_addr, ids, max_tokens, ignore_eos=True)
+        assert s.status == "OK" and len(s.tokens) == max_tokens, s.error
+        direct.append(time.monotonic() - t0)
+    g, d = statistics.median(gw), statistics.median(direct)
+    return {"pairs": pairs, "gateway_ms": round(g * 1e3, 2), "direct_ms": round(d * 1e3, 2),
+            "ratio": round(g / d, 4), "added_us_per_token": round((g - d) / max_tokens * 1e6, 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--levels", default="1,16,64")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=9)
+    ap.add_argument("--draft", action="store_true", help="speculate through an aerie-draft with the trained head")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="aerie-bench-gw-"))
+    procs = []
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+
+    def start(name, args, log):
+        p = subprocess.Popen([str(ROOT / "build" / name), *map(str, args)], stdout=open(tmp / log, "w"),
+                             stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        procs.append(p)
+        return p
+
+    try:
+        draft_addr = "none"
+        if a.draft:
+            draft_addr = f"unix:{tmp}/draft.sock"
+            rpc.wait_for_socket(draft_addr, start("aerie-draft", ["--model", MODEL, "--listen", draft_addr,
+                                                                  "--threads", 1], "draft.log"))
+        target_addr = f"unix:{tmp}/target.sock"
+        rpc.wait_for_socket(target_addr, start("aerie-target", [
+            "--model", MODEL, "--listen", target_addr, "--draft-addr", draft_addr, "--max-batch", a.max_batch,
+            "--max-seq-len", 512, "--threads", a.threads, "--log-interval-s", 0], "target.log"))
+        gw = start("aerie-gateway", ["--model", MODEL, "--targets", target_addr, "--port", 0,
+                                     "--health-interval-ms", 200, "--log-interval-s", 0],
+                   "gateway.log")
+        t0 = time.monotonic()
+        port = None
+        while port is None:
+            time.sleep(0.05)
+            m = re.search(r"url=http://127\.0\.0\.1:(\d+)", (tmp / "gateway.log").read_text())
+            if m:
+                port = int(m.group(1))
+            assert gw.poll() is None and time.monotonic() - t0 < 60, (tmp / "gateway.log").read_text()
+        while True:
+            st = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                 f"http://127.0.0.1:{port}/health"], capture_output=True, text=True).stdout
+            if st == "200":
+                break
+            time.sleep(0.05)
+        asyncio.run(level(port, 4, 1, 8))  # warm-up
+        out = {"max_tokens": a.max_tokens, "max_batch": a.max_batch, "threads": a.threads,
+               "draft": a.draft, "levels": []}
+        cpu0, toks = cpu_seconds(gw.pid), 0
+        for n in map(int, a.levels.split(",")):
+            rounds = 8 if n == 1 else (2 if n <= 16 else 1)
+            r = asyncio.run(level(port, n, rounds, a.max_tokens))
+            toks += r["tokens"]
+            out["levels"].append(r)
+        cpu = cpu_seconds(gw.pid) - cpu0
+        out["gateway_cpu_us_per_token"] = round(cpu / max(toks, 1) * 1e6, 1)
+        out["overhead"] = overhead(port, target_addr, a.max_tokens, a.pairs)
+        print(json.dumps(out))
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
