@@ -808,8 +808,10 @@ static void handle_server_info(gw *g, http_req *h) {
               tok_pre_name(tok_pre_kind(g->cfg.tok)));
     if (g->cfg.chat) jb_printf(&b, "\"%s\"", chat_variant_name(g->cfg.chat));
     else jb_str(&b, "null");
-    jb_printf(&b, ",\"context\":%d,\"inflight\":%d,\"connections\":%d,\"config\":%s},", context_len(g), g->inflight,
-              http_server_conns(g->http), g->cfg.config_json ? g->cfg.config_json : "{}");
+    jb_printf(&b, ",\"context\":%d,\"inflight\":%d,\"connections\":%d,\"config\":%s,\"memory_plan\":", context_len(g),
+              g->inflight, http_server_conns(g->http), g->cfg.config_json ? g->cfg.config_json : "{}");
+    jb_quote(&b, g->cfg.memory_plan ? g->cfg.memory_plan : "", g->cfg.memory_plan ? strlen(g->cfg.memory_plan) : 0);
+    jb_str(&b, "},");
     /* peers is {"targets": [...], "drafts": [...]}: its members join ours. */
     jb_add(&b, peers + 1, strlen(peers) - 1);
     reply_json(g, h, MET_ROUTES, 200, b.p, b.len, NULL);
@@ -914,9 +916,9 @@ static void open_on_loop(void *arg) {
         .host = g->cfg.host,
         .port = g->cfg.port,
         .max_conns = g->cfg.max_conns,
-        .max_head_bytes = 64 * 1024,
+        .max_head_bytes = GW_MAX_HEAD_BYTES,
         .max_body_bytes = g->cfg.max_body_bytes,
-        .max_out_bytes = 16u << 20, /* a client this far behind its stream is dropped */
+        .max_out_bytes = GW_MAX_UNSENT_BYTES,
         .idle_timeout_ms = g->cfg.idle_timeout_ms,
         .handler = on_request,
         .error_body = http_error_body,

@@ -30,6 +30,8 @@
 #include "router.h"
 
 #define GW_MAX_API_KEYS 64
+#define GW_MAX_HEAD_BYTES (64u << 10)  /* request line and headers */
+#define GW_MAX_UNSENT_BYTES (1u << 20) /* a client this far behind its stream is dropped */
 
 typedef struct gw_config {
     const char *host;
@@ -48,6 +50,7 @@ typedef struct gw_config {
     const char *const *api_keys; /* n_api_keys == 0: no key needed */
     int n_api_keys;
     const char *config_json;    /* the gateway's resolved settings, for /server_info */
+    const char *memory_plan;    /* its buffers' worst case as arithmetic, for /server_info */
     int log_interval_ms;        /* 0: no periodic load line */
 } gw_config;
 

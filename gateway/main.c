@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../cli/cli.h"
 #include "../services/core/file.h"
@@ -23,7 +24,7 @@ static const cfg_option opts[] = {
     {"tls-cert", CFG_STRING, NULL, 0, 0, "client certificate for targets and drafts (mutual TLS)"},
     {"tls-key", CFG_STRING, NULL, 0, 0, "client key"},
     {"api-key-file", CFG_STRING, NULL, 0, 0, "API keys, one per line: requests must send 'Authorization: Bearer KEY' (none: open)"},
-    {"max-body-bytes", CFG_INT, "4194304", 1024, 1 << 30, "largest request body; beyond, 413"},
+    {"max-body-bytes", CFG_INT, "1048576", 1024, 1 << 30, "largest request body; beyond, 413"},
     {"max-conns", CFG_INT, "1024", 1, 65536, "open HTTP connections; beyond, 429"},
     {"max-inflight", CFG_INT, "512", 1, 1 << 20, "generation requests at once; beyond, 429"},
     {"max-prompt-tokens", CFG_INT, "0", 0, 1 << 24, "longest prompt accepted (0: the targets' context less one)"},
@@ -64,6 +65,27 @@ static int split_list(char *text, char sep, char **out, int max, ae_error *err) 
         out[n++] = s;
     }
     return n;
+}
+
+static double mib(uint64_t b) { return (double)b / (1024.0 * 1024.0); }
+
+/* The gateway holds no model, only buffers: each connection may hold a
+ * request head, a body and unsent reply bytes, all bounded. The worst case
+ * is stated as arithmetic and must fit in the machine's memory. */
+static int plan_memory(const cfg *c, char *text, size_t cap, ae_error *err) {
+    uint64_t conns = (uint64_t)cfg_int(c, "max-conns"), body = (uint64_t)cfg_int(c, "max-body-bytes");
+    uint64_t per = GW_MAX_HEAD_BYTES + body + GW_MAX_UNSENT_BYTES, total = conns * per;
+    uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+    snprintf(text, cap,
+             "http buffers, worst case = max-conns %llu x (head %.2f MiB + body %.2f MiB + unsent %.2f MiB) = "
+             "%.1f MiB (%.1f%% of %.1f MiB of memory)",
+             (unsigned long long)conns, mib(GW_MAX_HEAD_BYTES), mib(body), mib(GW_MAX_UNSENT_BYTES), mib(total),
+             phys ? 100.0 * (double)total / (double)phys : 0.0, mib(phys));
+    if (phys && total > phys / 2)
+        return err_set(err, "memory plan: %s; it must stay under half of memory: lower --max-conns to %llu or "
+                            "--max-body-bytes",
+                       text, (unsigned long long)(phys / 2 / per));
+    return AE_OK;
 }
 
 int main(int argc, char **argv) {
@@ -121,7 +143,10 @@ int main(int argc, char **argv) {
             goto out;
         }
     }
+    char plan[512];
+    if (plan_memory(c, plan, sizeof plan, &err) != AE_OK) goto out;
     cfg_log(c, "aerie-gateway");
+    LOG_INFOF("memory_plan %s", plan);
     if (cli_model_open(&cm, model_path, &err) != AE_OK) goto out;
     ae_error cerr = {{0}};
     if (chat_template_init(&ct, tok_chat_template(cm.tok), &cerr) != AE_OK)
@@ -151,6 +176,7 @@ int main(int argc, char **argv) {
         .api_keys = (const char *const *)keys,
         .n_api_keys = n_keys,
         .config_json = config_json,
+        .memory_plan = plan,
         .log_interval_ms = (int)cfg_int(c, "log-interval-s") * 1000,
     };
     if (gw_open(&g, loop, &gc, &err) != AE_OK) goto out;

@@ -54,7 +54,8 @@ static int peer_open(router *r, peer *p, const char *addr, bool is_draft, ae_err
 }
 
 static void peer_down(peer *p, const char *why) {
-    if (p->healthy)
+    /* Logged when it goes down and when the reason changes, not every check. */
+    if (p->healthy || strncmp(p->reason, why, sizeof p->reason - 1) != 0)
         LOG_WARNF("%s_unhealthy addr=%s reason=\"%s\"", p->is_draft ? "draft" : "target", p->addr, why);
     p->healthy = false;
     snprintf(p->reason, sizeof p->reason, "%.500s", why);

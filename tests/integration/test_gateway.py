@@ -257,7 +257,8 @@ def test_tokenize_and_detokenize(stack, model):
 
 
 def test_metrics_and_server_info(stack):
-    stack.client().chat.completions.create(model=stack.name, messages=chat(QUESTION), max_tokens=8, temperature=0)
+    stack.client().chat.completions.create(model=stack.name, messages=chat(QUESTION), max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
     st, h, text = request(stack.port, "GET", "/metrics")
     assert st == 200 and h["Content-Type"].startswith("text/plain; version=0.0.4")
     m = {}
@@ -286,6 +287,8 @@ def test_metrics_and_server_info(stack):
     assert gwc["model-name"] == {"value": stack.name, "source": "auto"}
     assert gwc["default-max-tokens"] == {"value": 512, "source": "default"}
     assert info["gateway"]["chat_template"] == "chatml-default-system"
+    assert info["gateway"]["memory_plan"].startswith(
+        "http buffers, worst case = max-conns 1024 x (head 0.06 MiB + body 1.00 MiB + unsent 1.00 MiB) = 2112.0 MiB (")
     [t] = info["targets"]
     assert t["healthy"] and t["config"]["max-seq-len"]["value"] == CTX and "total = weights" in t["memory_plan"]
     [d] = info["drafts"]
@@ -387,6 +390,23 @@ def test_disconnect_mid_stream_cancels_and_frees_the_kv(stack):
 
 
 # ---- keys, limits, replicas, make run ----
+
+
+def test_print_config_and_an_impossible_memory_plan(model):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+    r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--port", "9", "--print-config"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    cfg = json.loads(r.stdout)
+    assert r.returncode == 0
+    assert cfg["port"] == {"value": 9, "source": "flag"}
+    assert cfg["model-name"] == {"value": "SmolLM2-135M-Instruct.Q4_1", "source": "auto"}
+    assert cfg["max-body-bytes"] == {"value": 1048576, "source": "default"}
+    r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--max-conns", "65536",
+                        "--max-body-bytes", str(1 << 30)], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("aerie-gateway: memory plan: http buffers, worst case = max-conns 65536 x "
+                               "(head 0.06 MiB + body 1024.00 MiB + unsent 1.00 MiB) = 67178496.0 MiB ("), r.stderr
+    assert "lower --max-conns to " in r.stderr
 
 
 def test_api_keys(tmp_path, model, stack):
