@@ -458,6 +458,37 @@ def test_inflight_and_connection_limits_answer_429_with_retry_after(tmp_path, mo
         assert g.stop() == 0, g.text()
 
 
+def test_a_full_target_queue_is_429_with_retry_after(tmp_path, model):
+    addr = f"unix:{tmp_path}/t.sock"
+    t = Proc("aerie-target", ["--model", model, "--listen", addr, "--max-batch", "1", "--max-queue", "1",
+                              "--max-seq-len", CTX, "--threads", "1", "--log-interval-s", "0"], tmp_path, "target-q")
+    rpc.wait_for_socket(addr, t.proc)
+    g = Gateway(model, [addr], tmp_path, tag="gw-queue")
+    try:
+        g.wait_healthy()
+        body = json.dumps({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Tell me a long story.",
+                           "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        running = socket.create_connection(("127.0.0.1", g.port))
+        running.sendall(head + body)
+        assert running.recv(4096).startswith(b"HTTP/1.1 200 ")  # in the batch's one slot
+        queued = socket.create_connection(("127.0.0.1", g.port))
+        queued.sendall(head + body)  # the queue's one place
+        t0 = time.monotonic()
+        while rpc.info(addr)[1]["waiting"] < 1:
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.02)
+        st, h, got = request(g.port, "POST", "/v1/completions",
+                             {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "x", "max_tokens": 2})
+        check_error(st, got, 429, None, "rate_limit_exceeded")
+        assert h["Retry-After"] == "1" and "the target is full" in got["error"]["message"]
+        running.close()
+        queued.close()
+    finally:
+        assert g.stop() == 0, g.text()
+        assert t.stop() == 0, t.text()
+
+
 def test_two_replicas_share_load_and_a_failed_one_is_routed_around(tmp_path, model):
     """Requests spread over two targets; when the one serving a greedy
     stream is killed mid-stream, the stream goes on at the other with the
@@ -523,8 +554,10 @@ def test_two_replicas_share_load_and_a_failed_one_is_routed_around(tmp_path, mod
                 assert p.stop() == 0, p.text()
 
 
-def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path):
-    """tools/run.sh (what `make run` runs after building) on a free port."""
+@pytest.mark.parametrize("head", [True, False], ids=["with-head", "without-head"])
+def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path, model, head):
+    """tools/run.sh (what `make run` runs after building) on a free port;
+    with a model that has no trained head beside it, without a draft."""
     for b in ("aerie-draft", "aerie-target", "aerie-gateway"):
         if not (ROOT / "build" / b).exists():
             pytest.fail(f"build/{b} is missing: run `make` first")
@@ -533,6 +566,12 @@ def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path):
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
     env["AERIE_PORT"] = str(port)
+    name = "SmolLM2-135M-Instruct.Q4_1"
+    if not head:
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "plain.gguf").symlink_to(model)
+        env["AERIE_MODEL"] = str(tmp_path / "m" / "plain.gguf")
+        name = "plain"
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(["bash", "tools/run.sh"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)
@@ -545,11 +584,11 @@ def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path):
         text = (tmp_path / "run.log").read_text()
         assert f"http://127.0.0.1:{port}/v1" in text and "curl http://127.0.0.1" in text
         st, _h, body = request(port, "POST", "/v1/chat/completions",
-                               {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": chat(QUESTION),
-                                "max_tokens": 8, "temperature": 0})
+                               {"model": name, "messages": chat(QUESTION), "max_tokens": 8, "temperature": 0})
         assert st == 200 and body["choices"][0]["message"]["content"]
         st, _h, info = request(port, "GET", "/server_info")
-        assert len(info["drafts"]) == 1
+        assert len(info["drafts"]) == (1 if head else 0)
+        assert ("no trained EAGLE-3 head" in text) == (not head)
         os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
         assert p.wait(timeout=120) == 0
     finally:
@@ -557,6 +596,6 @@ def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
         log.close()
     text = (tmp_path / "run.log").read_text()
-    for name in ("gateway", "target", "draft"):
-        assert f"[{name}] " in text and "stopped" in text, text
+    for svc in ("gateway", "target", "draft") if head else ("gateway", "target"):
+        assert f"[{svc}] {svc}_stopped" in re.sub(r"\[(\w+)\] \S+ info ", r"[\1] ", text), text
     assert "run: stopped" in text
