@@ -8,6 +8,8 @@
 #include <time.h>
 
 #include <event2/event.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
 
 #include "../services/core/json.h"
 #include "../services/core/log.h"
@@ -20,6 +22,7 @@
 #include "stop.h"
 
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "prompt ids travel as int32 little-endian");
+_Static_assert(ROUTER_MAX_TARGETS <= 64, "a request's failed replicas are bits of a uint64_t");
 
 struct gw {
     gw_config cfg;
@@ -169,6 +172,7 @@ typedef struct greq {
     bool started;           /* the stream's head was sent */
     bool gone;              /* the client went away */
     bool stopped;           /* a stop string matched */
+    bool target_cancelled;  /* the target cancelled it (shutting down, or a Cancel by id) */
     int finish;             /* aerie_FinishReason */
     double t_arrive, t_first, t_last;
     aerie_SpecStats spec;
@@ -278,7 +282,7 @@ static void take_end(greq *q) {
 static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     greq *q = ctx;
     aerie_GenerateEvent ev;
-    if (q->gone || q->finish) return false;
+    if (q->gone || q->finish || q->target_cancelled) return false;
     if (msg_decode(aerie_GenerateEvent_fields, &ev, msg, len, NULL) != AE_OK) return false;
     double now = now_s();
     if (ev.tokens_count > 0) {
@@ -294,6 +298,12 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     for (pb_size_t i = 0; i < ev.tokens_count && !q->stopped; i++) {
         if (q->n_out >= q->max_tokens) break; /* a target never sends more; do not trust it to */
         take_token(q, ev.tokens[i]);
+    }
+    if (ev.finish == aerie_FinishReason_FINISH_CANCELLED && !q->stopped && q->n_out < q->max_tokens) {
+        /* Not ours to end: on_end goes on at another replica. */
+        q->target_cancelled = true;
+        flush_delta(q);
+        return false;
     }
     if (ev.finish != aerie_FinishReason_FINISH_NONE || q->stopped || q->n_out >= q->max_tokens) {
         q->finish = q->stopped                                     ? aerie_FinishReason_FINISH_STOP
@@ -409,10 +419,11 @@ static void on_end(void *ctx, const rpc_reply *r) {
         return;
     }
     oai_error e;
-    if (r->status == RPC_UNAVAILABLE) {
+    if (r->status == RPC_UNAVAILABLE || q->target_cancelled) {
         /* The replica failed or is shutting down: go on elsewhere with the
          * tokens we have. */
-        router_fail(g->cfg.router, q->replica, r->error);
+        router_fail(g->cfg.router, q->replica, q->target_cancelled ? "it cancelled a request" : r->error);
+        q->target_cancelled = false;
         q->tried |= UINT64_C(1) << q->replica;
         ae_error err = {{0}};
         if (start_call(q, &err) == AE_OK) {
@@ -466,10 +477,15 @@ static int start_call(greq *q, ae_error *err) {
         rpc_iov iov = {q->ids, n * 4};
         q->replica = i;
         router_begin(g->cfg.router, i);
-        if (rpc_client_start(router_client(g->cfg.router, i), aerie_Method_TARGET_GENERATE, buf, len, &iov, 1, 0,
-                             on_event, on_end, q, &q->call_id, NULL) == AE_OK)
+        rpc_client *cl = router_client(g->cfg.router, i);
+        if (rpc_client_start(cl, aerie_Method_TARGET_GENERATE, buf, len, &iov, 1, 0, on_event, on_end, q,
+                             &q->call_id, err) == AE_OK)
             return AE_OK;
         router_end(g->cfg.router, i);
+        /* Only a lost connection says the replica is down; a request the
+         * link refuses (over the frame limit) fails alone. */
+        if (rpc_client_connected(cl)) return AE_ERR;
+        err_clear(err);
         router_fail(g->cfg.router, i, "not connected");
         q->tried |= UINT64_C(1) << i;
     }
@@ -664,8 +680,8 @@ static void handle_tokenize(gw *g, http_req *h) {
     }
     if (agp) add_gen = cJSON_IsTrue(agp);
     cJSON_Delete(agp);
-    bool chat = cJSON_HasObjectItem(root, "messages");
-    if (!cJSON_HasObjectItem(root, "model")) cJSON_AddStringToObject(root, "model", g->cfg.model_name);
+    bool chat = cJSON_GetObjectItemCaseSensitive(root, "messages") != NULL;
+    if (!cJSON_GetObjectItemCaseSensitive(root, "model")) cJSON_AddStringToObject(root, "model", g->cfg.model_name);
     char *text = cJSON_PrintUnformatted(root);
     AE_ASSERT(text);
     int rc = oai_parse(&o, chat ? OAI_CHAT : OAI_COMPLETION, text, strlen(text), &e);
@@ -819,13 +835,13 @@ static void handle_server_info(gw *g, http_req *h) {
     free(peers);
 }
 
-/* Constant time in the key's bytes, so that timing does not tell how much
- * of a guess was right. */
+/* Keys are compared as SHA-256 digests in constant time, so that timing
+ * tells neither how much of a guess was right nor the key's length. */
 static bool key_equal(const char *a, size_t na, const char *b) {
-    size_t nb = strlen(b);
-    unsigned char diff = (unsigned char)(na != nb);
-    for (size_t i = 0; i < na && i < nb; i++) diff |= (unsigned char)(a[i] ^ b[i]);
-    return diff == 0;
+    unsigned char da[SHA256_DIGEST_LENGTH], db[SHA256_DIGEST_LENGTH];
+    SHA256((const unsigned char *)a, na, da);
+    SHA256((const unsigned char *)b, strlen(b), db);
+    return CRYPTO_memcmp(da, db, sizeof da) == 0;
 }
 
 static int check_key(gw *g, http_req *h, oai_error *e) {

@@ -33,16 +33,33 @@ int oai_bad(oai_error *e, const char *param, const char *code, const char *fmt, 
     return AE_ERR;
 }
 
+/* Messages quote what clients sent and may have been cut mid-character:
+ * what goes out is made valid UTF-8 (bad bytes become U+FFFD). */
+static char *valid_utf8(const char *s) {
+    size_t n = strlen(s);
+    char *out = malloc(DETOK_UTF8_MAX_OUT(n) + 4);
+    AE_ASSERT(out);
+    detok_utf8 u;
+    detok_utf8_init(&u);
+    size_t len = detok_utf8_push(&u, s, n, out, DETOK_UTF8_MAX_OUT(n));
+    len += detok_utf8_flush(&u, out + len, 3);
+    out[len] = '\0';
+    return out;
+}
+
 char *oai_error_json(const oai_error *e) {
     cJSON *root = cJSON_CreateObject(), *o = cJSON_AddObjectToObject(root, "error");
-    cJSON_AddStringToObject(o, "message", e->message);
+    char *msg = valid_utf8(e->message), *param = valid_utf8(e->param);
+    cJSON_AddStringToObject(o, "message", msg);
     cJSON_AddStringToObject(o, "type", e->type ? e->type : "server_error");
-    if (e->param[0]) cJSON_AddStringToObject(o, "param", e->param);
+    if (param[0]) cJSON_AddStringToObject(o, "param", param);
     else cJSON_AddNullToObject(o, "param");
     if (e->code) cJSON_AddStringToObject(o, "code", e->code);
     else cJSON_AddNullToObject(o, "code");
     char *s = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
+    free(msg);
+    free(param);
     AE_ASSERT(s);
     return s;
 }
@@ -116,6 +133,16 @@ static int checked_string(const cJSON *v, const char *name, oai_error *e) {
     return AE_OK;
 }
 
+/* JSON lets a key repeat; which one counts differs between parsers, so a
+ * repeated key is refused rather than guessed. */
+static int no_duplicates(const cJSON *obj, const char *where, oai_error *e) {
+    for (const cJSON *f = obj->child; f; f = f->next)
+        for (const cJSON *g = f->next; g; g = g->next)
+            if (strcmp(f->string, g->string) == 0)
+                return oai_bad(e, f->string, "duplicate_field", "'%.60s' appears more than once%s", f->string, where);
+    return AE_OK;
+}
+
 static int parse_stop(oai_request *r, const cJSON *v, oai_error *e) {
     const cJSON *one[1] = {v};
     int n = 1;
@@ -125,6 +152,7 @@ static int parse_stop(oai_request *r, const cJSON *v, oai_error *e) {
     } else if (!cJSON_IsString(v)) {
         return oai_bad(e, "stop", "invalid_type", "'stop' must be a string or a list of strings");
     }
+    AE_ASSERT(r->n_stops == 0); /* one "stop" per body: parse_fields refuses repeated keys */
     const cJSON *it = cJSON_IsArray(v) ? v->child : one[0];
     for (int i = 0; i < n; i++, it = it->next) {
         if (checked_string(it, "stop", e) != AE_OK) return AE_ERR;
@@ -184,6 +212,7 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
         char param[64];
         snprintf(param, sizeof param, "messages[%d]", i);
         if (!cJSON_IsObject(m)) return oai_bad(e, param, "invalid_type", "'%s' must be an object", param);
+        if (no_duplicates(m, " in a message", e) != AE_OK) return AE_ERR;
         const cJSON *role = NULL, *content = NULL;
         for (const cJSON *f = m->child; f; f = f->next) {
             if (strcmp(f->string, "role") == 0) role = f;
@@ -266,6 +295,7 @@ static int neutral(const cJSON *f, oai_error *e) {
 
 static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e) {
     const cJSON *messages = NULL, *prompt = NULL, *max_tokens = NULL, *max_completion = NULL, *stream_options = NULL;
+    if (no_duplicates(root, "", e) != AE_OK) return AE_ERR;
     for (const cJSON *f = root->child; f; f = f->next) {
         const char *k = f->string;
         if (is_null(f) || strcmp(k, "user") == 0 || strcmp(k, "metadata") == 0 || strcmp(k, "store") == 0) continue;
@@ -331,6 +361,7 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
             return oai_bad(e, "stream_options", "invalid_value", "'stream_options' is allowed only with stream: true");
         if (!cJSON_IsObject(stream_options))
             return oai_bad(e, "stream_options", "invalid_type", "'stream_options' must be an object");
+        if (no_duplicates(stream_options, " in stream_options", e) != AE_OK) return AE_ERR;
         for (const cJSON *f = stream_options->child; f; f = f->next) {
             if (strcmp(f->string, "include_usage") != 0)
                 return oai_bad(e, "stream_options", "unsupported_parameter", "'stream_options.%.40s' is not supported",

@@ -91,7 +91,8 @@ static void read_target_config(peer *p, const char *config_json) {
     if (!c) return;
     const cJSON *msl = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "max-seq-len"), "value");
     int64_t v;
-    if (json_int(msl, 1, INT32_MAX, &v)) p->max_seq_len = (int32_t)v;
+    /* Bounded: the gateway sizes a request's token buffer from it. */
+    if (json_int(msl, 1, 1 << 24, &v)) p->max_seq_len = (int32_t)v;
     const cJSON *da = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(c, "draft-addr"), "value");
     if (cJSON_IsString(da) && strcmp(da->valuestring, "none") != 0) add_draft(p->r, da->valuestring);
     cJSON_Delete(c);
@@ -254,7 +255,8 @@ int router_pick(router *r, uint64_t exclude) {
     for (int k = 0; k < r->n_targets; k++) {
         int i = (int)((start + (unsigned)k) % (unsigned)r->n_targets);
         const peer *p = &r->targets[i];
-        if (!p->healthy || (exclude >> i & 1) || !rpc_client_connected(p->cl)) continue;
+        /* A replica is used once its Info told its context length. */
+        if (!p->healthy || p->max_seq_len <= 0 || (exclude >> i & 1) || !rpc_client_connected(p->cl)) continue;
         if (best < 0 || p->inflight < r->targets[best].inflight ||
             (p->inflight == r->targets[best].inflight && p->waiting < r->targets[best].waiting))
             best = i;

@@ -554,6 +554,41 @@ def test_two_replicas_share_load_and_a_failed_one_is_routed_around(tmp_path, mod
                 assert p.stop() == 0, p.text()
 
 
+def test_a_target_shutting_down_hands_its_stream_to_another(tmp_path, model):
+    """SIGTERM with --drain-timeout-s 0: the target cancels what runs there;
+    the gateway goes on at the other replica and the text is unchanged."""
+    procs, addrs = [], []
+    for i in range(2):
+        addr = f"unix:{tmp_path}/t{i}.sock"
+        p = Proc("aerie-target", ["--model", model, "--listen", addr, "--max-batch", "4", "--max-seq-len", CTX,
+                                  "--threads", "1", "--log-interval-s", "0", "--drain-timeout-s", "0"],
+                 tmp_path, f"target{i}")
+        rpc.wait_for_socket(addr, p.proc)
+        procs.append(p)
+        addrs.append(addr)
+    g = Gateway(model, addrs, tmp_path, tag="gw-drain")
+    try:
+        g.wait_healthy()
+        msgs = chat("Write a long story about a brave knight.")
+        ref = greedy_reference(model, msgs, 120)
+        pieces, stopped = [], None
+        for chunk in g.client().chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=msgs,
+                                                        max_tokens=120, temperature=0, stream=True):
+            for ch in chunk.choices:
+                if ch.delta.content:
+                    pieces.append(ch.delta.content)
+            if stopped is None and len(pieces) >= 3:
+                stopped = [rpc.info(a)[1]["running"] for a in addrs].index(1)
+                assert procs[stopped].stop() == 0, procs[stopped].text()
+        assert "".join(pieces) == ref
+        assert "aerie_request_retries_total 1\n" in request(g.port, "GET", "/metrics")[2]
+    finally:
+        assert g.stop() == 0, g.text()
+        for p in procs:
+            if p.proc.poll() is None:
+                assert p.stop() == 0, p.text()
+
+
 @pytest.mark.parametrize("head", [True, False], ids=["with-head", "without-head"])
 def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path, model, head):
     """tools/run.sh (what `make run` runs after building) on a free port;

@@ -259,6 +259,14 @@ static void test_bad_requests_name_their_field(void **state) {
                400, "messages[0].content", "unsupported_content", NULL);
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"max_tokens\": 3, \"max_completion_tokens\": 4}", 400,
                "max_completion_tokens", "unsupported_parameter", NULL);
+    /* A repeated key is refused: which one counts would be a guess (and
+     * two "stop" lists once overflowed the stop table). */
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"stop\": \"a\", \"stop\": \"b\"}", 400, "stop",
+               "duplicate_field", "'stop' appears more than once");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"role\": \"system\", \"content\": \"x\"}]}",
+               400, "role", "duplicate_field", "'role' appears more than once in a message");
+    /* NUL cannot hide in a string and cut it short. */
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"ab\\u0000cd\"}", 400, "", "invalid_json", NULL);
 }
 
 static void test_invalid_utf8_and_lone_surrogates_are_refused(void **state) {
@@ -281,6 +289,12 @@ static void test_error_json_has_openai_shape(void **state) {
     s = oai_error_json(&e);
     assert_string_equal(s, "{\"error\":{\"message\":\"no key\",\"type\":\"invalid_request_error\",\"param\":null,"
                            "\"code\":null}}");
+    free(s);
+    /* A quote of client text cut mid-character still goes out as UTF-8. */
+    oai_bad(&e, "caf\xC3", NULL, "no route: caf\xC3\xA9 \xFF");
+    s = oai_error_json(&e);
+    assert_string_equal(s, "{\"error\":{\"message\":\"no route: caf\xC3\xA9 \xEF\xBF\xBD\",\"type\":\"invalid_request_error\","
+                           "\"param\":\"caf\xEF\xBF\xBD\",\"code\":null}}");
     free(s);
 }
 
