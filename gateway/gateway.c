@@ -169,6 +169,7 @@ typedef struct greq {
     char *piece, *text;     /* [detok_max_out], [stop_max_out] */
     jbuf out;               /* non-streamed: the whole text; streamed: the next event */
     jbuf delta;             /* streamed: text not yet sent */
+    jbuf head;              /* streamed: the start of every chunk */
     bool started;           /* the stream's head was sent */
     bool gone;              /* the client went away */
     bool stopped;           /* a stop string matched */
@@ -188,6 +189,7 @@ static void greq_free(greq *q) {
     free(q->text);
     jb_free(&q->out);
     jb_free(&q->delta);
+    jb_free(&q->head);
     free(q);
 }
 
@@ -195,11 +197,15 @@ static const char *finish_name(int f) { return f == aerie_FinishReason_FINISH_LE
 
 static bool is_chat(const greq *q) { return q->o.kind == OAI_CHAT; }
 
-/* The part every streamed chunk starts with. */
+/* The part every streamed chunk starts with, formatted once per request. */
 static void chunk_head(greq *q, jbuf *b) {
-    jb_printf(b, "data: {\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", q->id,
-              is_chat(q) ? "chat.completion.chunk" : "text_completion", (long long)q->created);
-    jb_quote(b, q->g->cfg.model_name, strlen(q->g->cfg.model_name));
+    jbuf *h = &q->head;
+    if (!h->len) {
+        jb_printf(h, "data: {\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", q->id,
+                  is_chat(q) ? "chat.completion.chunk" : "text_completion", (long long)q->created);
+        jb_quote(h, q->g->cfg.model_name, strlen(q->g->cfg.model_name));
+    }
+    jb_add(b, h->p, h->len);
 }
 
 static void add_usage(greq *q, jbuf *b) {

@@ -143,15 +143,12 @@ int detok_init(detok **out, const tok *t, bool skip_special, ae_error *err) {
     int32_t n_vocab = tok_vocab_size(t);
     if (n_vocab <= 0) return err_set(err, "detok_init: tokenizer has an empty vocabulary");
 
-    /* One pass over the vocabulary now so that detok_max_out is a constant
-     * the caller can size its chunk buffer with before the first token. */
-    size_t max_len = 0;
-    for (int32_t id = 0; id < n_vocab; id++) {
-        size_t len = 0;
-        if (tok_token_bytes(t, id, &len) == NULL)
-            return err_set(err, "detok_init: token %d has no bytes", (int)id);
-        if (len > max_len) max_len = len;
-    }
+    /* The longest token bounds one chunk, so detok_max_out is a constant
+     * the caller can size its buffer with before the first token. The
+     * tokenizer knows it from loading: a gateway makes a detokenizer per
+     * request, and a pass over the vocabulary each time cost more than the
+     * request's tokens. */
+    size_t max_len = tok_max_token_bytes(t);
     if (max_len > (SIZE_MAX - 3) / 3)
         return err_set(err, "detok_init: token of %zu bytes is too long", max_len);
 

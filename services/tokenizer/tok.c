@@ -96,6 +96,7 @@ struct tok {
     tok_pre pre;
     bool ignore_merges;
     int32_t n_vocab;
+    size_t max_token_bytes; /* longest raw token */
     tok_entry *ent; /* (n_vocab) */
     blob text, raw;
     str_index by_text, by_raw;
@@ -342,6 +343,7 @@ static int build_vocab(tok *t, ae_error *err) {
             return AE_ERR;
         }
         e->raw_len = (uint32_t)raw_len;
+        if (raw_len > t->max_token_bytes) t->max_token_bytes = raw_len;
     }
     free(buf);
     if (index_build(t, &t->by_text, false, 0, err)) return AE_ERR;
@@ -938,6 +940,8 @@ const uint8_t *tok_token_bytes(const tok *t, int32_t id, size_t *len) {
     *len = t->ent[id].raw_len;
     return t->raw.p + t->ent[id].raw_off;
 }
+
+size_t tok_max_token_bytes(const tok *t) { return t->max_token_bytes; }
 
 bool tok_is_special(const tok *t, int32_t id) {
     return id >= 0 && id < t->n_vocab && (t->ent[id].flags & ENT_SPECIAL);

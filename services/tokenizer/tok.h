@@ -56,6 +56,8 @@ const char *tok_chat_template(const tok *t);
 /* Raw bytes of a token after undoing the byte-level map ("Ġhi" -> " hi").
  * For special tokens, their literal text. NULL for an id out of range. */
 const uint8_t *tok_token_bytes(const tok *t, int32_t id, size_t *len);
+/* Bytes of the longest token (tok_token_bytes), known from loading. */
+size_t tok_max_token_bytes(const tok *t);
 bool tok_is_special(const tok *t, int32_t id);
 /* Id of the vocabulary entry whose raw (mapped) text is s, or -1. */
 int32_t tok_find(const tok *t, const char *s, size_t len);
