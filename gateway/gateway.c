@@ -327,6 +327,8 @@ static void finish_ok(greq *q) {
     metrics *m = &g->met;
     m->prompt_tokens += (uint64_t)q->n_prompt;
     m->generation_tokens += (uint64_t)q->n_out;
+    met_hist_observe(&m->prompt_hist, q->n_prompt);
+    met_hist_observe(&m->generation_hist, q->n_out);
     if (q->finish == aerie_FinishReason_FINISH_LENGTH) m->finish.length++;
     else m->finish.stop++;
     if (q->has_spec) {

@@ -10,6 +10,10 @@
 static const double latency_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
                                     0.75,  1.0,    2.5,   5.0,  10.0,  20.0, 40.0,  80.0, 160.0, 320.0};
 
+/* Buckets for tokens per request: powers of two up to 64k. */
+static const double tokens_le[] = {1,    2,    4,    8,    16,    32,    64,    128,   256,
+                                   512,  1024, 2048, 4096, 8192, 16384, 32768, 65536};
+
 void met_hist_init(met_hist *h, const double *le, int n) {
     AE_ASSERT(n >= 1 && n <= MET_MAX_BUCKETS);
     memset(h, 0, sizeof *h);
@@ -31,6 +35,9 @@ void met_init(metrics *m) {
     met_hist_init(&m->ttft, latency_le, n);
     met_hist_init(&m->itl, latency_le, n);
     met_hist_init(&m->e2e, latency_le, n);
+    int nt = (int)(sizeof tokens_le / sizeof tokens_le[0]);
+    met_hist_init(&m->prompt_hist, tokens_le, nt);
+    met_hist_init(&m->generation_hist, tokens_le, nt);
 }
 
 void met_request(metrics *m, met_route route, int status) {
@@ -105,6 +112,9 @@ char *met_render(const metrics *m, const met_gauges *g, size_t *len) {
     counter(f, "aerie_prompt_tokens_total", "prompt tokens of generation requests", m->prompt_tokens);
     counter(f, "aerie_generation_tokens_total", "tokens generated", m->generation_tokens);
     counter(f, "aerie_request_retries_total", "requests moved to another target after one failed", m->retries);
+    hist(f, "aerie_request_prompt_tokens", "prompt tokens per finished generation request", &m->prompt_hist);
+    hist(f, "aerie_request_generation_tokens", "generated tokens per finished generation request",
+         &m->generation_hist);
     hist(f, "aerie_time_to_first_token_seconds", "from the request's arrival to its first token", &m->ttft);
     hist(f, "aerie_inter_token_latency_seconds",
          "gap between token deliveries, divided among the tokens delivered together", &m->itl);

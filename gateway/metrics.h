@@ -43,7 +43,8 @@ typedef struct metrics {
     int n_requests;
     uint64_t prompt_tokens, generation_tokens;
     met_finish finish;
-    met_hist ttft, itl, e2e; /* seconds */
+    met_hist ttft, itl, e2e;                 /* seconds */
+    met_hist prompt_hist, generation_hist;   /* tokens per request */
     uint64_t spec_steps, spec_plain_steps, spec_drafted, spec_accepted;
     uint64_t spec_accepted_at[MET_SPEC_POSITIONS]; /* [d]: steps that accepted a token at depth d + 1 */
     uint64_t retries;                              /* requests moved to another replica after a failure */

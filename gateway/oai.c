@@ -9,26 +9,30 @@
 #include "../services/core/json.h"
 #include "../services/tokenizer/detok.h"
 
-int oai_fail(oai_error *e, int status, const char *type, const char *code, const char *param, const char *fmt, ...) {
+static int vfail(oai_error *e, int status, const char *type, const char *code, const char *param, const char *fmt,
+                 va_list ap) __attribute__((format(printf, 6, 0)));
+static int vfail(oai_error *e, int status, const char *type, const char *code, const char *param, const char *fmt,
+                 va_list ap) {
     e->status = status;
     e->type = type;
     e->code = code;
     snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    return AE_ERR;
+}
+
+int oai_fail(oai_error *e, int status, const char *type, const char *code, const char *param, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    vfail(e, status, type, code, param, fmt, ap);
     va_end(ap);
     return AE_ERR;
 }
 
 int oai_bad(oai_error *e, const char *param, const char *code, const char *fmt, ...) {
-    e->status = 400;
-    e->type = "invalid_request_error";
-    e->code = code;
-    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    vfail(e, 400, "invalid_request_error", code, param, fmt, ap);
     va_end(ap);
     return AE_ERR;
 }

@@ -272,6 +272,9 @@ def test_metrics_and_server_info(stack):
     assert m['aerie_time_to_first_token_seconds_bucket{le="+Inf"}'] == m["aerie_time_to_first_token_seconds_count"]
     assert m["aerie_inter_token_latency_seconds_count"] >= 1
     assert m["aerie_e2e_request_latency_seconds_count"] >= 1
+    assert m["aerie_request_generation_tokens_count"] == m["aerie_e2e_request_latency_seconds_count"]
+    assert m["aerie_request_generation_tokens_sum"] == m["aerie_generation_tokens_total"]
+    assert m["aerie_request_prompt_tokens_sum"] == m["aerie_prompt_tokens_total"]
     # The target drafts on every step (--no-spec-adaptive) through the trained head.
     assert m["aerie_spec_draft_steps_total"] >= 1
     assert m["aerie_spec_drafted_tokens_total"] >= m["aerie_spec_accepted_tokens_total"] > 0

@@ -312,6 +312,8 @@ static void test_histogram_renders_cumulative_buckets(void **state) {
     met_request(&m, MET_CHAT, 200);
     met_request(&m, MET_COMPLETIONS, 400);
     m.spec_accepted_at[1] = 5;
+    met_hist_observe(&m.generation_hist, 64);
+    met_hist_observe(&m.generation_hist, 65);
     met_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100};
     met_gauges g = {&t, 1, 2, 4};
     size_t len;
@@ -329,6 +331,9 @@ static void test_histogram_renders_cumulative_buckets(void **state) {
     assert_non_null(strstr(s, "aerie_spec_accepted_at_position_total{position=\"2\"} 5\n"));
     assert_non_null(strstr(s, "aerie_kv_cache_usage_ratio{target=\"unix:/tmp/t.sock\"} 0.25\n"));
     assert_non_null(strstr(s, "# TYPE aerie_e2e_request_latency_seconds histogram\n"));
+    assert_non_null(strstr(s, "aerie_request_generation_tokens_bucket{le=\"32\"} 0\n"
+                              "aerie_request_generation_tokens_bucket{le=\"64\"} 1\n"
+                              "aerie_request_generation_tokens_bucket{le=\"128\"} 2\n"));
     free(s);
 }
 
