@@ -461,7 +461,7 @@ def test_inflight_and_connection_limits_answer_429_with_retry_after(tmp_path, mo
         assert g.stop() == 0, g.text()
 
 
-def test_a_full_target_queue_is_429_with_retry_after(tmp_path, model):
+def test_a_full_target_queue_is_429_and_a_queued_client_that_leaves_is_cancelled(tmp_path, model):
     addr = f"unix:{tmp_path}/t.sock"
     t = Proc("aerie-target", ["--model", model, "--listen", addr, "--max-batch", "1", "--max-queue", "1",
                               "--max-seq-len", CTX, "--threads", "1", "--log-interval-s", "0"], tmp_path, "target-q")
@@ -485,8 +485,18 @@ def test_a_full_target_queue_is_429_with_retry_after(tmp_path, model):
                              {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "x", "max_tokens": 2})
         check_error(st, got, 429, None, "rate_limit_exceeded")
         assert h["Retry-After"] == "1" and "the target is full" in got["error"]["message"]
-        running.close()
+        # A client that hangs up while its request waits in the target's
+        # queue (no byte written to it yet) cancels it there too.
         queued.close()
+        t0 = time.monotonic()
+        while True:
+            stats = rpc.info(addr)[1]
+            if stats["waiting"] == 0:
+                break
+            assert time.monotonic() - t0 < 30, stats
+            time.sleep(0.02)
+        assert stats["running"] == 1 and stats["requests_cancelled"] == 1, stats
+        running.close()
     finally:
         assert g.stop() == 0, g.text()
         assert t.stop() == 0, t.text()
