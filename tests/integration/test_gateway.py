@@ -395,6 +395,38 @@ def test_disconnect_mid_stream_cancels_and_frees_the_kv(stack):
 # ---- keys, limits, replicas, make run ----
 
 
+def test_no_target_ready_is_503_with_the_reason(tmp_path, model):
+    addr = f"unix:{tmp_path}/nobody.sock"
+    g = Gateway(model, [addr], tmp_path, tag="gw-alone")
+    try:
+        t0 = time.monotonic()
+        while True:
+            st, h, body = request(g.port, "GET", "/health")
+            if "not connected" in body["error"]["message"]:
+                break
+            assert time.monotonic() - t0 < 10, body
+            time.sleep(0.05)
+        check_error(st, body, 503, None, "service_unavailable")
+        assert body["error"]["message"] == f"no target is ready: {addr}: not connected to {addr}"
+        assert h["Retry-After"] == "1"
+        st, h, body = request(g.port, "POST", "/v1/completions",
+                              {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Hi", "max_tokens": 2})
+        check_error(st, body, 503, None, "service_unavailable")
+        assert h["Retry-After"] == "1"
+        # The target comes up: the gateway finds it without a restart.
+        t = Proc("aerie-target", ["--model", model, "--listen", addr, "--max-seq-len", CTX, "--threads", "1",
+                                  "--log-interval-s", "0"], tmp_path, "target-late")
+        try:
+            g.wait_healthy()
+            st, _h, body = request(g.port, "POST", "/v1/completions",
+                                   {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Hi", "max_tokens": 2})
+            assert st == 200 and body["usage"]["completion_tokens"] >= 1
+        finally:
+            assert t.stop() == 0, t.text()
+    finally:
+        assert g.stop() == 0, g.text()
+
+
 def test_print_config_and_an_impossible_memory_plan(model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
     r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--port", "9", "--print-config"],
