@@ -679,7 +679,8 @@ static void handle_tokenize(gw *g, http_req *h) {
         goto fail;
     }
     /* The same parser as generation, so a text tokenizes here exactly as
-     * it would be sent: add_generation_prompt is taken off first. */
+     * it would be sent: add_generation_prompt (ours alone) is taken off
+     * first. */
     cJSON *agp = cJSON_DetachItemFromObjectCaseSensitive(root, "add_generation_prompt");
     if (agp && !cJSON_IsBool(agp)) {
         cJSON_Delete(agp);
@@ -690,11 +691,7 @@ static void handle_tokenize(gw *g, http_req *h) {
     cJSON_Delete(agp);
     bool chat = cJSON_GetObjectItemCaseSensitive(root, "messages") != NULL;
     if (!cJSON_GetObjectItemCaseSensitive(root, "model")) cJSON_AddStringToObject(root, "model", g->cfg.model_name);
-    char *text = cJSON_PrintUnformatted(root);
-    AE_ASSERT(text);
-    int rc = oai_parse(&o, chat ? OAI_CHAT : OAI_COMPLETION, text, strlen(text), &e);
-    free(text);
-    if (rc != AE_OK || check_model(g, o.model, &e) != AE_OK ||
+    if (oai_parse_tree(&o, chat ? OAI_CHAT : OAI_COMPLETION, root, &e) != AE_OK || check_model(g, o.model, &e) != AE_OK ||
         encode_prompt(g, &o, add_gen, &ids, &n, &e) != AE_OK)
         goto fail;
     jbuf b = {0};

@@ -377,22 +377,32 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
     return AE_OK;
 }
 
-int oai_parse(oai_request *r, oai_kind kind, const char *body, size_t len, oai_error *e) {
+static void request_init(oai_request *r, oai_kind kind) {
     memset(r, 0, sizeof *r);
     r->kind = kind;
     r->max_tokens = -1;
     r->temperature = 1;
     r->top_p = 1;
-    if (!detok_utf8_valid(body, len)) return oai_bad(e, NULL, "invalid_encoding", "the body is not valid UTF-8");
-    ae_error jerr = {{0}};
-    cJSON *root = json_parse(body, len, &jerr);
-    if (!root) return oai_bad(e, NULL, "invalid_json", "the body is not valid JSON: %s", jerr.msg);
+}
+
+int oai_parse_tree(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e) {
+    request_init(r, kind);
     int rc = cJSON_IsObject(root) ? parse_fields(r, kind, root, e)
                                   : oai_bad(e, NULL, "invalid_type", "the body must be a JSON object");
-    cJSON_Delete(root);
     if (rc != AE_OK) {
         oai_request_free(r);
         r->kind = kind;
     }
+    return rc;
+}
+
+int oai_parse(oai_request *r, oai_kind kind, const char *body, size_t len, oai_error *e) {
+    request_init(r, kind);
+    if (!detok_utf8_valid(body, len)) return oai_bad(e, NULL, "invalid_encoding", "the body is not valid UTF-8");
+    ae_error jerr = {{0}};
+    cJSON *root = json_parse(body, len, &jerr);
+    if (!root) return oai_bad(e, NULL, "invalid_json", "the body is not valid JSON: %s", jerr.msg);
+    int rc = oai_parse_tree(r, kind, root, e);
+    cJSON_Delete(root);
     return rc;
 }

@@ -19,6 +19,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <cjson/cJSON.h>
+
 #include "../services/tokenizer/chat.h"
 #include "stop.h"
 
@@ -77,6 +79,8 @@ typedef struct oai_request {
 /* Parses body[0..len). On failure e holds a 400 with the field named in
  * param; the request is left empty (oai_request_free is still safe). */
 int oai_parse(oai_request *r, oai_kind kind, const char *body, size_t len, oai_error *e);
+/* The same from a parsed body (its strings already checked as UTF-8). */
+int oai_parse_tree(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e);
 void oai_request_free(oai_request *r);
 
 #endif
