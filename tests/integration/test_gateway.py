@@ -15,47 +15,28 @@ import socket
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
 
 import aerie_rpc as rpc
 from conftest import ROOT, run_aerie
-from test_services import HEAD, SERVICE_DIR
+from test_services import HEAD, SERVICE_DIR, Service
 
 CTX = 512
 QUESTION = "What is the capital of France?"
 
 
-class Proc:
-    """One service process, its log in a file."""
-
-    def __init__(self, name, args, tmp, tag=None):
-        self.name = name
-        self.log_path = tmp / f"{tag or name}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
-        env.setdefault("ASAN_OPTIONS", "detect_leaks=1")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([str(SERVICE_DIR / name), *map(str, args)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-    def text(self):
-        return self.log_path.read_text()
-
-    def stop(self, sig=signal.SIGTERM, timeout=120):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        rc = self.proc.wait(timeout=timeout)
-        self.log.close()
-        return rc
+def Proc(name, args, tmp, tag=None):
+    """A service process; its socket is waited for by the caller."""
+    return Service(name, args, None, tmp, tag)
 
 
-class Gateway(Proc):
+class Gateway(Service):
     def __init__(self, model, targets, tmp, *extra, tag="gateway"):
         super().__init__("aerie-gateway", ["--model", model, "--targets", ",".join(targets), "--port", "0",
                                            "--health-interval-ms", "200", "--log-interval-s", "0", *extra],
-                         tmp, tag)
+                         None, tmp, tag)
         t0 = time.monotonic()
         while True:
             m = re.search(r"gateway_ready url=http://127\.0\.0\.1:(\d+)", self.text())

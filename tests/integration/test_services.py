@@ -35,10 +35,13 @@ MAX_TOKENS = 24
 
 
 class Service:
-    def __init__(self, name, args, addr, tmp):
+    """A service process, its output in TMP/TAG.log; waits until addr
+    accepts connections (when given)."""
+
+    def __init__(self, name, args, addr, tmp, tag=None):
         self.name = name
         self.addr = addr
-        self.log_path = tmp / f"{name}.log"
+        self.log_path = tmp / f"{tag or name}.log"
         env = dict(os.environ)
         env.setdefault("ASAN_OPTIONS", "detect_leaks=1")
         for k in list(env):
@@ -47,7 +50,8 @@ class Service:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([str(SERVICE_DIR / name), *map(str, args)], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        rpc.wait_for_socket(addr, self.proc)
+        if addr:
+            rpc.wait_for_socket(addr, self.proc)
 
     def text(self):
         return self.log_path.read_text()
