@@ -263,8 +263,8 @@ static void take_token(greq *q, int32_t t) {
     size_t plen = 0, tlen = 0;
     q->ids[q->n_prompt + q->n_out++] = t;
     /* The target checked the id against its vocabulary, and ours is the
-     * same model's; a mismatch is a deployment error, shown as U+FFFD-free
-     * silence rather than a crash. */
+     * same model's: an id we cannot decode means the two were deployed
+     * with different models. It adds no text, and serving goes on. */
     if (detok_push(q->dt, t, q->piece, detok_max_out(q->dt), &plen, NULL) != AE_OK) plen = 0;
     q->stopped = stop_push(q->sm, q->piece, plen, q->text, stop_max_out(q->sm), &tlen);
     emit(q, q->text, tlen);

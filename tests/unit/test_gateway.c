@@ -58,7 +58,6 @@ static void test_stop_string_split_across_pieces_is_found_and_cut(void **state) 
 
 static void test_text_that_might_begin_a_stop_is_held_until_decided(void **state) {
     (void)state;
-    const char *stops[] = {"STOP"};
     const char *s[] = {"STOP"};
     size_t lens[] = {4};
     stop_matcher *m;
@@ -76,7 +75,6 @@ static void test_text_that_might_begin_a_stop_is_held_until_decided(void **state
     assert_int_equal(stop_flush(m, out, sizeof out), 1); /* the end releases the held "S" */
     assert_memory_equal(out, "S", 1);
     stop_free(m);
-    (void)stops;
 }
 
 static void test_earliest_of_several_stops_wins(void **state) {
