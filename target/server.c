@@ -175,12 +175,12 @@ static void do_info(tsrv *t, rpc_call *call) {
         dcli_stats d = dcli_get_stats(t->draft);
         snprintf(draft, sizeof draft,
                  "{\"connected\": %s, \"calls\": %llu, \"failures\": %llu, \"deadline_exceeded\": %llu, "
-                 "\"unavailable\": %llu, \"bad_replies\": %llu, \"state_gone\": %llu, \"mean_rtt_us\": %.1f, "
-                 "\"mean_server_us\": %.1f}",
+                 "\"unavailable\": %llu, \"bad_replies\": %llu, \"state_gone\": %llu, \"release_failures\": %llu, "
+                 "\"mean_rtt_us\": %.1f, \"mean_server_us\": %.1f}",
                  dcli_connected(t->draft) ? "true" : "false", (unsigned long long)d.calls,
                  (unsigned long long)d.failures, (unsigned long long)d.deadline_exceeded,
                  (unsigned long long)d.unavailable, (unsigned long long)d.bad_replies,
-                 (unsigned long long)d.state_gone, d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
+                 (unsigned long long)d.state_gone, (unsigned long long)d.release_failures, d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
                  d.calls ? (double)d.server_ns / (double)d.calls / 1e3 : 0.0);
     }
     snprintf(r.stats_json, sizeof r.stats_json,
