@@ -148,7 +148,20 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
         r.stop[r.n_stop++] = (int32_t)g.stop_tokens[i];
     }
     snprintf(r.id, sizeof r.id, "%s", g.request_id);
+    /* The stream may run for minutes: it keeps its prompt, not the frame
+     * it came in (whose payload may be far larger than the prompt). The
+     * copy comes first because once submitted the call is the scheduler
+     * thread's, which may finish it at any time. */
+    int32_t *own = malloc(sizeof(int32_t) * (n ? n : 1));
+    if (!own) {
+        rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    memcpy(own, prompt, sizeof(int32_t) * n);
+    r.prompt = own;
+    rpc_call_release_request(call);
     uint32_t st = sched_submit(t->sched, &r, &err);
+    free(own); /* sched_submit copied it */
     if (st != RPC_OK) rpc_call_fail(call, st, "%s", err.msg);
 }
 

@@ -648,3 +648,45 @@ def test_finishing_requests_do_not_stall_other_streams_behind_a_slow_draft(servi
     assert fake.releases >= 4
     # Waiting for each Release would leave a gap of `delay` per finished request.
     assert max(gaps) < delay / 2
+
+
+# ---- A Generate call keeps only what it uses of its frame ----
+
+def rss_bytes(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_running_generate_calls_do_not_hold_their_receive_frames(services, model, monkeypatch):
+    # ASan's quarantine would keep freed frames resident: off, so RSS shows
+    # what the target holds.
+    monkeypatch.setenv("ASAN_OPTIONS", "detect_leaks=1:quarantine_size_mb=0")
+    target = services("aerie-target", "--max-batch", "8", "--max-seq-len", "512", "--threads", "1")
+    n, pad = 8, 60 << 20
+    p = rpc.pb2()
+    rpc.generate(target.addr, [1, 2], 2, ignore_eos=True)  # warm: the engine's pages are touched
+    before = rss_bytes(target.proc.pid)
+    c = rpc.Conn(target.addr)
+    try:
+        ids = []
+        for i in range(n):
+            # An 8-byte prompt at the start of a 60 MiB payload.
+            req = p.GenerateRequest(max_tokens=500, ignore_eos=True)
+            req.prompt.offset, req.prompt.length = 0, 8
+            payload = struct.pack("<2i", 1, 2) + bytes(pad - 8)
+            cid = c.new_id()
+            c.send(rpc.frame(rpc.REQUEST, rpc.p_method("TARGET_GENERATE"), cid, req.SerializeToString(), payload))
+            ids.append(cid)
+        stats = wait_stats(target.addr, lambda s: s["running"] + s["prefilling"] + s["waiting"] == n, timeout=60)
+        assert stats["running"] + stats["prefilling"] + stats["waiting"] == n, stats
+        held = rss_bytes(target.proc.pid) - before
+        print(f"{n} Generate calls with {pad >> 20} MiB payloads: target RSS {before / 2**20:.0f} MiB before, "
+              f"+{held / 2**20:.0f} MiB while they run")
+        # Holding each frame would be n x 60 MiB = 480 MiB; one frame being
+        # read may be resident at a time.
+        assert held < 2 * pad, f"{held} bytes more while the calls run"
+    finally:
+        c.close()
+    wait_stats(target.addr, lambda s: s["running"] + s["prefilling"] + s["waiting"] == 0, timeout=60)
