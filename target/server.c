@@ -157,7 +157,7 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
         rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
         return;
     }
-    memcpy(own, prompt, sizeof(int32_t) * n);
+    if (n > 0) memcpy(own, prompt, sizeof(int32_t) * n); /* an empty prompt has no payload slice: sched_submit refuses it */
     r.prompt = own;
     rpc_call_release_request(call);
     uint32_t st = sched_submit(t->sched, &r, &err);
