@@ -157,7 +157,8 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
         rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
         return;
     }
-    if (n > 0) memcpy(own, prompt, sizeof(int32_t) * n); /* an empty prompt has no payload slice: sched_submit refuses it */
+    /* An empty prompt has no payload slice to copy (sched_submit refuses it). */
+    if (n > 0) memcpy(own, prompt, sizeof(int32_t) * n);
     r.prompt = own;
     rpc_call_release_request(call);
     uint32_t st = sched_submit(t->sched, &r, &err);
@@ -193,7 +194,8 @@ static void do_info(tsrv *t, rpc_call *call) {
                  dcli_connected(t->draft) ? "true" : "false", (unsigned long long)d.calls,
                  (unsigned long long)d.failures, (unsigned long long)d.deadline_exceeded,
                  (unsigned long long)d.unavailable, (unsigned long long)d.bad_replies,
-                 (unsigned long long)d.state_gone, (unsigned long long)d.release_failures, d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
+                 (unsigned long long)d.state_gone, (unsigned long long)d.release_failures,
+                 d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
                  d.calls ? (double)d.server_ns / (double)d.calls / 1e3 : 0.0);
     }
     snprintf(r.stats_json, sizeof r.stats_json,
