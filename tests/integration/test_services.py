@@ -619,10 +619,10 @@ class SlowReleaseDraft:
 
 
 def test_finishing_requests_do_not_stall_other_streams_behind_a_slow_draft(services, model, tmp_path):
-    delay = 1.5
+    delay = 3.0
     fake = SlowReleaseDraft(str(tmp_path / "slow.sock"), delay)
     target = services("aerie-target", "--max-batch", "8", "--max-seq-len", "512", "--threads", "1",
-                      "--draft-addr", f"unix:{fake.path}", "--no-spec-adaptive", "--draft-deadline-ms", "3000")
+                      "--draft-addr", f"unix:{fake.path}", "--no-spec-adaptive", "--draft-deadline-ms", "5000")
     wait_stats(target.addr, lambda s: s["draft"]["connected"], timeout=30)
     prompt = [1, 2, 3, 4]
     c = rpc.Conn(target.addr)
