@@ -74,6 +74,17 @@ static size_t tail_to_hold(const stop_matcher *m, const char *s, size_t n) {
     return best;
 }
 
+/* Start of the earliest match in s[0..n), or n when there is none. */
+static size_t first_match(const stop_matcher *m, const char *s, size_t n) {
+    size_t first = n;
+    for (int i = 0; i < m->n; i++) {
+        if (m->len[i] > n) continue;
+        const char *hit = memmem(s, n, m->str[i], m->len[i]);
+        if (hit && (size_t)(hit - s) < first) first = (size_t)(hit - s);
+    }
+    return first;
+}
+
 bool stop_push(stop_matcher *m, const char *in, size_t n, char *out, size_t cap, size_t *out_len) {
     AE_ASSERT(n <= m->max_piece && cap >= stop_max_out(m));
     *out_len = 0;
@@ -85,32 +96,34 @@ bool stop_push(stop_matcher *m, const char *in, size_t n, char *out, size_t cap,
     }
     memcpy(m->work + m->held, in, n);
     size_t len = m->held + n;
-    /* The earliest match wins. The held tail holds no whole stop string,
-     * so a match found now ends inside the new piece. */
-    size_t first = len;
-    for (int i = 0; i < m->n; i++) {
-        if (m->len[i] > len) continue;
-        const char *hit = memmem(m->work, len, m->str[i], m->len[i]);
-        if (hit && (size_t)(hit - m->work) < first) first = (size_t)(hit - m->work);
-    }
-    if (first < len) {
+    /* The match that starts earliest wins. A whole match is final only
+     * when no stop string that starts before it could still be completed
+     * by later text; otherwise everything from that earlier start is held
+     * (a proper prefix of a stop string, so it fits), the match with it,
+     * and the next piece or the flush decides. */
+    size_t first = first_match(m, m->work, len);
+    size_t hold_from = len - tail_to_hold(m, m->work, len);
+    if (first < len && first <= hold_from) {
         memcpy(out, m->work, first);
         *out_len = first;
         m->held = 0;
         m->matched = true;
         return true;
     }
-    size_t hold = tail_to_hold(m, m->work, len);
-    memcpy(out, m->work, len - hold);
-    *out_len = len - hold;
-    memmove(m->work, m->work + len - hold, hold);
-    m->held = hold;
+    memcpy(out, m->work, hold_from);
+    *out_len = hold_from;
+    memmove(m->work, m->work + hold_from, len - hold_from);
+    m->held = len - hold_from;
     return false;
 }
 
 size_t stop_flush(stop_matcher *m, char *out, size_t cap) {
     AE_ASSERT(cap >= m->held);
-    size_t n = m->matched ? 0 : m->held;
+    if (m->matched) return 0;
+    /* No more text: a match held while a longer stop was still possible
+     * is now final. */
+    size_t n = first_match(m, m->work, m->held);
+    if (n < m->held) m->matched = true;
     memcpy(out, m->work, n);
     m->held = 0;
     return n;

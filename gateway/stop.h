@@ -9,6 +9,13 @@
  * any part of a stop string, and the streamed text equals the text of a
  * whole reply however the pieces were cut.
  *
+ * Which match wins: the one that starts earliest in the whole text (at
+ * one start, the stop strings give the same released text, so which of
+ * them it is does not matter). A shorter stop string found inside the
+ * beginning of a longer one therefore waits: with stops "abcd" and "bc",
+ * "xabc" holds "abc" until the next piece says whether "abcd" comes
+ * (release "x") or not (release "xa").
+ *
  * Released text always ends on a character boundary when the input is
  * valid UTF-8 (the held tail starts where a stop string starts).
  *
@@ -42,7 +49,9 @@ size_t stop_max_out(const stop_matcher *m);
  * releases nothing. */
 bool stop_push(stop_matcher *m, const char *in, size_t n, char *out, size_t cap, size_t *out_len);
 
-/* The stream ended without a match: releases the held tail. */
+/* The stream ended without a match from stop_push: releases the held
+ * tail, or the part of it before a match that was waiting on a longer
+ * stop string (stop_matched is then true). */
 size_t stop_flush(stop_matcher *m, char *out, size_t cap);
 
 bool stop_matched(const stop_matcher *m);

@@ -124,6 +124,20 @@ static int dcli_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
     return AE_OK;
 }
 
+/* A Release's answer changes nothing here: a failed one leaves state the
+ * draft's LRU takes back. */
+static void release_done(void *ctx, const rpc_reply *r) {
+    dcli *d = ctx;
+    if (r->status != RPC_OK) {
+        pthread_mutex_lock(&d->mu);
+        d->stats.release_failures++;
+        pthread_mutex_unlock(&d->mu);
+    }
+}
+
+/* Sent without waiting for the answer: spec calls this on the scheduler
+ * thread as a sequence ends, and waiting up to the deadline there would
+ * stall every running stream behind a slow draft. */
 static void dcli_release(void *ctx, int32_t seq) {
     dcli *d = ctx;
     if (!rpc_client_connected(d->rpc)) return; /* its state went with the connection's draft anyway, or LRU takes it */
@@ -131,8 +145,13 @@ static void dcli_release(void *ctx, int32_t seq) {
     uint8_t buf[aerie_ReleaseRequest_size];
     uint32_t len;
     if (msg_encode(aerie_ReleaseRequest_fields, &r, buf, sizeof buf, &len, NULL) != AE_OK) return;
-    rpc_client_call(d->rpc, aerie_Method_DRAFT_RELEASE, buf, len, NULL, 0, d->cfg.deadline_us, NULL, NULL,
-                    &d->reply);
+    /* The frame is queued before this returns, so buf may go. */
+    if (rpc_client_start(d->rpc, aerie_Method_DRAFT_RELEASE, buf, len, NULL, 0, d->cfg.deadline_us, NULL,
+                         release_done, d, NULL, NULL) != AE_OK) {
+        pthread_mutex_lock(&d->mu);
+        d->stats.release_failures++;
+        pthread_mutex_unlock(&d->mu);
+    }
 }
 
 int dcli_open(dcli **out, rpc_loop *loop, const dcli_config *cfg, ae_error *err) {

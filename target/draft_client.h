@@ -31,6 +31,7 @@ typedef struct dcli_config {
 typedef struct dcli_stats {
     uint64_t calls, failures, deadline_exceeded, unavailable, bad_replies, state_gone;
     uint64_t rtt_ns, server_ns; /* summed over successful calls */
+    uint64_t release_failures;  /* Releases (sent without waiting) that failed or were not sent */
 } dcli_stats;
 
 typedef struct dcli dcli;

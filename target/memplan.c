@@ -133,7 +133,9 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
 
     const uint64_t per_seq_blocks = ((uint64_t)max_seq_len + bs - 1) / bs;
     const uint64_t one_seq_kv = per_seq_blocks * kv_block;
-    const uint64_t fixed = w + ws;
+    /* The KV cache's block tables: int32 [max-batch][per_seq_blocks]. */
+    const uint64_t tables = (uint64_t)max_batch * per_seq_blocks * 4ull;
+    const uint64_t fixed = w + ws + tables;
     const uint64_t kv_room = budget > fixed ? budget - fixed : 0;
     const uint64_t fit_blocks = kv_room / kv_block;
 
@@ -147,16 +149,17 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
         if (milli <= 1000u) would(ok, sizeof ok, "--mem-fraction %g", (double)milli / 1000.0);
         if (fit_blocks > 0) would(ok, sizeof ok, "--max-seq-len %" PRIu64, fit_blocks * bs);
         if (env->step_tokens == 0 && budget > w + env->extra_workspace + one_seq_kv) {
-            uint64_t b = (budget - w - env->extra_workspace - one_seq_kv) / ws_tok;
+            /* Each sequence of the batch costs its workspace and its block table row. */
+            uint64_t b = (budget - w - env->extra_workspace - one_seq_kv) / (ws_tok + per_seq_blocks * 4ull);
             if (b >= 1 && b < (uint64_t)max_batch) would(ok, sizeof ok, "--max-batch %" PRIu64, b);
         }
         if (!ok[0]) snprintf(ok, sizeof ok, "no setting; more memory");
         return err_set(err,
                        "memory plan: one sequence of max-seq-len %" PRId64 " does not fit: weights %s + "
-                       "workspace %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s available = %s; "
-                       "would work: %s",
-                       max_seq_len, B(&z, 1, w), B(&z, 2, ws), per_seq_blocks * bs, B(&z, 3, kv_tok),
-                       B(&z, 4, need), fs, B(&z, 5, avail), B(&z, 6, budget), ok);
+                       "workspace %s + block tables %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
+                       "available = %s; would work: %s",
+                       max_seq_len, B(&z, 1, w), B(&z, 2, ws), B(&z, 7, tables), per_seq_blocks * bs,
+                       B(&z, 3, kv_tok), B(&z, 4, need), fs, B(&z, 5, avail), B(&z, 6, budget), ok);
     }
     if (kv_auto) {
         uint64_t cap = (uint64_t)max_batch * per_seq_blocks;
@@ -180,10 +183,10 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
                 would(ok, sizeof ok, "--mem-fraction %g", (double)milli / 1000.0);
             return err_set(err,
                            "memory plan: max-kv-tokens %" PRIu64 " does not fit: weights %s + workspace "
-                           "%s + kv %" PRIu64 " tok x %s = %s > budget %s x %s available = %s; "
-                           "would work: %s",
-                           want, B(&z, 0, w), B(&z, 1, ws), n_blocks * bs, B(&z, 2, kv_tok),
-                           B(&z, 3, need), fs, B(&z, 4, avail), B(&z, 5, budget), ok);
+                           "%s + block tables %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
+                           "available = %s; would work: %s",
+                           want, B(&z, 0, w), B(&z, 1, ws), B(&z, 6, tables), n_blocks * bs,
+                           B(&z, 2, kv_tok), B(&z, 3, need), fs, B(&z, 4, avail), B(&z, 5, budget), ok);
         }
     }
 
@@ -198,7 +201,8 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     out->block_size = (int32_t)bs;
     out->kv_tokens = (int64_t)(n_blocks * bs);
     out->kv_bytes = n_blocks * kv_block;
-    out->total = w + ws + out->kv_bytes;
+    out->block_table_bytes = tables;
+    out->total = w + ws + tables + out->kv_bytes;
     out->max_blocks_per_seq = (int32_t)per_seq_blocks;
     out->max_batch = (int32_t)max_batch;
     out->max_seq_len = (int32_t)max_seq_len;
@@ -213,12 +217,14 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
              "workspace = %" PRIu64 " tok x %s%s = %s\n"
              "kv = %" PRIu64 " blocks x %" PRIu64 " tok = %" PRId64 " tok x %s = %s "
              "(%" PRIu64 " seq of max-seq-len %" PRId64 ")\n"
-             "total = weights %s + workspace %s + kv %s = %s (%.1f%% of budget)",
+             "block tables = %" PRId64 " seq x %" PRIu64 " blocks x 4 B = %s\n"
+             "total = weights %s + workspace %s + block tables %s + kv %s = %s (%.1f%% of budget)",
              fs, fsrc, B(&z, 0, avail), B(&z, 1, budget),
              step, B(&z, 2, ws_tok), extra, B(&z, 3, ws),
              n_blocks, bs, out->kv_tokens, B(&z, 4, kv_tok), B(&z, 5, out->kv_bytes),
              n_blocks / per_seq_blocks, max_seq_len,
-             B(&z, 6, w), B(&z, 8, ws), B(&z, 9, out->kv_bytes), B(&z, 10, out->total),
+             max_batch, per_seq_blocks, B(&z, 11, tables),
+             B(&z, 6, w), B(&z, 8, ws), B(&z, 11, tables), B(&z, 9, out->kv_bytes), B(&z, 10, out->total),
              budget ? 100.0 * (double)out->total / (double)budget : 0.0);
     return AE_OK;
 }
@@ -232,8 +238,9 @@ void memplan_log(const memplan *p) {
         line += len + (end ? 1 : 0);
     }
     LOG_INFOF("memplan_bytes available=%" PRIu64 " budget=%" PRIu64 " weights=%" PRIu64
-              " workspace=%" PRIu64 " kv=%" PRIu64 " total=%" PRIu64 " kv_blocks=%d block_size=%d",
-              p->available, p->budget, p->weight_bytes, p->workspace_bytes, p->kv_bytes, p->total,
+              " workspace=%" PRIu64 " block_tables=%" PRIu64 " kv=%" PRIu64 " total=%" PRIu64
+              " kv_blocks=%d block_size=%d",
+              p->available, p->budget, p->weight_bytes, p->workspace_bytes, p->block_table_bytes, p->kv_bytes, p->total,
               p->n_blocks, p->block_size);
 }
 

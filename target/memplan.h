@@ -13,7 +13,9 @@
  *               features (3 hidden). Kernel scratch that does not scale
  *               this way comes in as extra workspace bytes.
  *   kv        = kv blocks x block_size x (2 n_layers n_kv_heads head_dim x 4 B)
- *   total     = weights + workspace + kv  <=  budget
+ *   tables    = max-batch x ceil(max-seq-len / block_size) x 4 B
+ *               the KV cache's block tables, one int32 row per sequence
+ *   total     = weights + workspace + tables + kv  <=  budget
  *
  * Settings (rows for the service's cfg table, MEMPLAN_OPTIONS):
  *   mem-fraction   auto = the largest fraction (in steps of 0.001) that leaves
@@ -65,6 +67,7 @@ typedef struct memplan {
     uint64_t weight_bytes;
     uint64_t workspace_per_token, workspace_bytes;
     uint64_t kv_bytes_per_token, kv_bytes;
+    uint64_t block_table_bytes; /* max_batch x max_blocks_per_seq x 4 */
     uint64_t total;
     int64_t kv_tokens;          /* n_blocks x block_size */
     int32_t n_blocks, block_size;

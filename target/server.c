@@ -148,7 +148,21 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
         r.stop[r.n_stop++] = (int32_t)g.stop_tokens[i];
     }
     snprintf(r.id, sizeof r.id, "%s", g.request_id);
+    /* The stream may run for minutes: it keeps its prompt, not the frame
+     * it came in (whose payload may be far larger than the prompt). The
+     * copy comes first because once submitted the call is the scheduler
+     * thread's, which may finish it at any time. */
+    int32_t *own = malloc(sizeof(int32_t) * (n ? n : 1));
+    if (!own) {
+        rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    /* An empty prompt has no payload slice to copy (sched_submit refuses it). */
+    if (n > 0) memcpy(own, prompt, sizeof(int32_t) * n);
+    r.prompt = own;
+    rpc_call_release_request(call);
     uint32_t st = sched_submit(t->sched, &r, &err);
+    free(own); /* sched_submit copied it */
     if (st != RPC_OK) rpc_call_fail(call, st, "%s", err.msg);
 }
 
@@ -175,12 +189,13 @@ static void do_info(tsrv *t, rpc_call *call) {
         dcli_stats d = dcli_get_stats(t->draft);
         snprintf(draft, sizeof draft,
                  "{\"connected\": %s, \"calls\": %llu, \"failures\": %llu, \"deadline_exceeded\": %llu, "
-                 "\"unavailable\": %llu, \"bad_replies\": %llu, \"state_gone\": %llu, \"mean_rtt_us\": %.1f, "
-                 "\"mean_server_us\": %.1f}",
+                 "\"unavailable\": %llu, \"bad_replies\": %llu, \"state_gone\": %llu, \"release_failures\": %llu, "
+                 "\"mean_rtt_us\": %.1f, \"mean_server_us\": %.1f}",
                  dcli_connected(t->draft) ? "true" : "false", (unsigned long long)d.calls,
                  (unsigned long long)d.failures, (unsigned long long)d.deadline_exceeded,
                  (unsigned long long)d.unavailable, (unsigned long long)d.bad_replies,
-                 (unsigned long long)d.state_gone, d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
+                 (unsigned long long)d.state_gone, (unsigned long long)d.release_failures,
+                 d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
                  d.calls ? (double)d.server_ns / (double)d.calls / 1e3 : 0.0);
     }
     snprintf(r.stats_json, sizeof r.stats_json,

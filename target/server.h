@@ -1,7 +1,9 @@
 /* aerie-target's service: Target.Generate (a server stream of token
  * events), Cancel, Info and Health over the RPC link, on the scheduler
  * (sched.h). Requests are checked here like all input from the network:
- * a bad one is answered with INVALID_ARGUMENT and nothing else changes. */
+ * a bad one is answered with INVALID_ARGUMENT and nothing else changes.
+ * A running Generate keeps a copy of its prompt, not the frame it came in
+ * (rpc_call_release_request), so a large payload is freed at submit. */
 #ifndef AERIE_TARGET_SERVER_H
 #define AERIE_TARGET_SERVER_H
 

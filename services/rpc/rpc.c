@@ -809,6 +809,18 @@ void rpc_server_close(rpc_server *s) {
     free(s);
 }
 
+void rpc_call_release_request(rpc_call *k) {
+    /* Freed, not given back to the connection as its spare: the frame may
+     * be as large as the frame limit. */
+    free(k->buf);
+    k->buf = NULL;
+    k->buf_cap = 0;
+    k->req.msg = NULL;
+    k->req.msg_len = 0;
+    k->req.payload = NULL;
+    k->req.payload_len = 0;
+}
+
 /* ---- client ---- */
 
 typedef struct pending {

@@ -117,6 +117,12 @@ void rpc_call_finish(rpc_call *c, uint32_t status, const void *msg, uint32_t len
                      uint32_t payload_len);
 /* Finishes the call with an error status and text. */
 void rpc_call_fail(rpc_call *c, uint32_t status, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Frees the request's message and payload before the call finishes, for
+ * a handler that copied what it needs and keeps the call open (a long
+ * stream need not hold its whole receive frame). The request's msg and
+ * payload are NULL and their lengths 0 afterwards; method, timeout and
+ * connection stay. Only by the call's owner, while it owns it. */
+void rpc_call_release_request(rpc_call *c);
 
 /* ---- Client ---- */
 

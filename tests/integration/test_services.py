@@ -567,3 +567,126 @@ def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(s
         runs.append([got[i].tokens for i in cids])
     assert runs[0] == runs[1]
     assert runs[0][0] != runs[0][1], "different seeds gave the same tokens"
+
+
+# ---- A finished request's Release does not stall the other streams ----
+
+class SlowReleaseDraft:
+    """A draft that proposes no tree (every sequence decodes plainly) and
+    answers each Release `delay` seconds late, without holding up the
+    Propose calls behind it."""
+
+    def __init__(self, path, delay):
+        self.path, self.delay = path, delay
+        self.srv = socket.socket(socket.AF_UNIX)
+        self.srv.bind(path)
+        self.srv.listen(4)
+        self.releases = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def late_reply(self, c, h):
+        try:
+            c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"]))
+        except OSError:
+            pass
+
+    def serve(self):
+        p = rpc.pb2()
+        while True:
+            try:
+                s, _ = self.srv.accept()
+            except OSError:
+                return
+            c = rpc.Conn.__new__(rpc.Conn)
+            c.sock, c.buf, c.next_id, c.lock = s, b"", 1, threading.Lock()
+            try:
+                while True:
+                    h, m, _pl = c.read_frame()
+                    if h["kind"] == rpc.PING:
+                        c.send(rpc.frame(rpc.PONG, 0, h["call_id"]))
+                    elif h["method"] == rpc.p_method("DRAFT_RELEASE"):
+                        self.releases += 1
+                        t = threading.Timer(self.delay, self.late_reply, (c, h))
+                        t.daemon = True
+                        t.start()
+                    else:
+                        rep = p.ProposeReply()
+                        for _ in p.ProposeRequest.FromString(m).seqs:
+                            rep.trees.add()  # no tree: plain decoding
+                        c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"], rep.SerializeToString()))
+            except (rpc.Closed, OSError):
+                s.close()
+
+
+def test_finishing_requests_do_not_stall_other_streams_behind_a_slow_draft(services, model, tmp_path):
+    delay = 3.0
+    fake = SlowReleaseDraft(str(tmp_path / "slow.sock"), delay)
+    target = services("aerie-target", "--max-batch", "8", "--max-seq-len", "512", "--threads", "1",
+                      "--draft-addr", f"unix:{fake.path}", "--no-spec-adaptive", "--draft-deadline-ms", "5000")
+    wait_stats(target.addr, lambda s: s["draft"]["connected"], timeout=30)
+    prompt = [1, 2, 3, 4]
+    c = rpc.Conn(target.addr)
+    try:
+        long_id = rpc.start_generate(c, prompt, 48, ignore_eos=True)
+        # Four short requests that finish one after another while the long
+        # one runs: each end sends a Release.
+        short = [rpc.start_generate(c, prompt, 2 + 2 * i, ignore_eos=True) for i in range(4)]
+        p = rpc.pb2()
+        arrivals, left = [], {long_id, *short}
+        while left:
+            h, m, _pl = c.read_frame()
+            if h["kind"] == rpc.ITEM and h["call_id"] == long_id and p.GenerateEvent.FromString(m).tokens:
+                arrivals.append(time.monotonic())
+            elif h["kind"] in (rpc.END, rpc.REPLY):
+                assert h["status"] == 0, m
+                left.discard(h["call_id"])
+    finally:
+        c.close()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    print(f"long stream: {len(arrivals)} events over {arrivals[-1] - arrivals[0]:.2f} s, "
+          f"largest gap {max(gaps):.2f} s; releases seen {fake.releases}")
+    assert fake.releases >= 4
+    # Waiting for each Release would leave a gap of `delay` per finished request.
+    assert max(gaps) < delay / 2
+
+
+# ---- A Generate call keeps only what it uses of its frame ----
+
+def rss_bytes(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_running_generate_calls_do_not_hold_their_receive_frames(services, model, monkeypatch):
+    # ASan's quarantine would keep freed frames resident: off, so RSS shows
+    # what the target holds.
+    monkeypatch.setenv("ASAN_OPTIONS", "detect_leaks=1:quarantine_size_mb=0")
+    target = services("aerie-target", "--max-batch", "8", "--max-seq-len", "512", "--threads", "1")
+    n, pad = 8, 60 << 20
+    p = rpc.pb2()
+    rpc.generate(target.addr, [1, 2], 2, ignore_eos=True)  # warm: the engine's pages are touched
+    before = rss_bytes(target.proc.pid)
+    c = rpc.Conn(target.addr)
+    try:
+        ids = []
+        for i in range(n):
+            # An 8-byte prompt at the start of a 60 MiB payload.
+            req = p.GenerateRequest(max_tokens=500, ignore_eos=True)
+            req.prompt.offset, req.prompt.length = 0, 8
+            payload = struct.pack("<2i", 1, 2) + bytes(pad - 8)
+            cid = c.new_id()
+            c.send(rpc.frame(rpc.REQUEST, rpc.p_method("TARGET_GENERATE"), cid, req.SerializeToString(), payload))
+            ids.append(cid)
+        stats = wait_stats(target.addr, lambda s: s["running"] + s["prefilling"] + s["waiting"] == n, timeout=60)
+        assert stats["running"] + stats["prefilling"] + stats["waiting"] == n, stats
+        held = rss_bytes(target.proc.pid) - before
+        print(f"{n} Generate calls with {pad >> 20} MiB payloads: target RSS {before / 2**20:.0f} MiB before, "
+              f"+{held / 2**20:.0f} MiB while they run")
+        # Holding each frame would be n x 60 MiB = 480 MiB; one frame being
+        # read may be resident at a time.
+        assert held < 2 * pad, f"{held} bytes more while the calls run"
+    finally:
+        c.close()
+    wait_stats(target.addr, lambda s: s["running"] + s["prefilling"] + s["waiting"] == 0, timeout=60)

@@ -41,6 +41,7 @@ static bool run_stops(const char *const *stops, int n_stops, const char *text, c
         size_t got = stop_flush(m, buf, sizeof buf);
         memcpy(out + used, buf, got);
         used += got;
+        matched = stop_matched(m); /* the end may settle a match that waited on a longer stop */
     }
     out[used] = '\0';
     stop_free(m);
@@ -136,6 +137,89 @@ static void test_every_split_releases_the_same_text(void **state) {
         assert_int_equal(run_stops(stops, 3, text, sizes, n, cut, sizeof cut), true);
         assert_string_equal(cut, "x");
     }
+}
+
+/* A shorter stop inside a longer one's prefix: the longer one starts
+ * earlier, so it wins once the text completes it, however it was cut. */
+static void test_a_match_waits_for_an_earlier_starting_stop(void **state) {
+    (void)state;
+    const char *stops[] = {"abcd", "bc"};
+    char out[64];
+    size_t whole[] = {6}, split[] = {4, 2};
+    assert_true(run_stops(stops, 2, "xabcdy", whole, 1, out, sizeof out));
+    assert_string_equal(out, "x");
+    assert_true(run_stops(stops, 2, "xabcdy", split, 2, out, sizeof out));
+    assert_string_equal(out, "x");
+    /* The longer one does not come: the shorter, later one matches. */
+    assert_true(run_stops(stops, 2, "xabczy", split, 2, out, sizeof out));
+    assert_string_equal(out, "xa");
+    /* The stream ends while the longer one is still possible. */
+    assert_true(run_stops(stops, 2, "xabc", split, 1, out, sizeof out));
+    assert_string_equal(out, "xa");
+}
+
+static uint32_t xorshift(uint32_t *s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 17;
+    *s ^= *s << 5;
+    return *s;
+}
+
+/* The reference: the earliest-starting occurrence of any stop in the
+ * whole text decides (at one start, which stop it is does not change the
+ * released text). Returns the released length, or len without a match. */
+static size_t reference_release(const char *const *stops, int n, const char *text, size_t len) {
+    for (size_t at = 0; at < len; at++)
+        for (int i = 0; i < n; i++) {
+            size_t k = strlen(stops[i]);
+            if (k <= len - at && memcmp(text + at, stops[i], k) == 0) return at;
+        }
+    return len;
+}
+
+/* Random texts over a three-letter alphabet with random overlapping stop
+ * sets, pushed under every cut: each cut releases what the reference
+ * does and matches exactly when it does. */
+static void test_every_cut_of_random_texts_matches_the_reference(void **state) {
+    (void)state;
+    uint32_t seed = 0x5eed1234u;
+    int mismatches = 0;
+    for (int trial = 0; trial < 300; trial++) {
+        char stop_text[4][8];
+        const char *stops[4];
+        int n_stops = 1 + (int)(xorshift(&seed) % 4);
+        for (int i = 0; i < n_stops; i++) {
+            size_t k = 1 + xorshift(&seed) % 4;
+            for (size_t j = 0; j < k; j++) stop_text[i][j] = (char)('a' + xorshift(&seed) % 3);
+            stop_text[i][k] = '\0';
+            stops[i] = stop_text[i];
+        }
+        char text[16];
+        size_t len = 1 + xorshift(&seed) % 10;
+        for (size_t j = 0; j < len; j++) text[j] = (char)('a' + xorshift(&seed) % 3);
+        text[len] = '\0';
+        size_t want = reference_release(stops, n_stops, text, len);
+        /* Bit b of mask: a cut after byte b + 1. */
+        for (unsigned mask = 0; mask < (1u << (len - 1)); mask++) {
+            size_t sizes[16];
+            int n = 0;
+            size_t run = 0;
+            for (size_t b = 0; b < len; b++) {
+                run++;
+                if (b + 1 < len && (mask >> b & 1)) sizes[n++] = run, run = 0;
+            }
+            sizes[n++] = run;
+            char out[64];
+            bool matched = run_stops(stops, n_stops, text, sizes, n, out, sizeof out);
+            if (matched != (want < len) || strlen(out) != want || memcmp(out, text, want) != 0) {
+                if (mismatches++ < 3)
+                    print_message("text \"%s\" stops %d (first \"%s\") mask %#x: released \"%s\" matched %d, "
+                                  "want %zu bytes matched %d\n",
+                                  text, n_stops, stops[0], mask, out, matched, want, want < len);
+            }
+        }
+    }
+    assert_int_equal(mismatches, 0);
 }
 
 static void test_bad_stop_strings_are_refused(void **state) {
@@ -343,6 +427,8 @@ int main(void) {
         cmocka_unit_test(test_no_stops_passes_text_through_unchanged),
         cmocka_unit_test(test_multibyte_stop_never_releases_half_a_character),
         cmocka_unit_test(test_every_split_releases_the_same_text),
+        cmocka_unit_test(test_a_match_waits_for_an_earlier_starting_stop),
+        cmocka_unit_test(test_every_cut_of_random_texts_matches_the_reference),
         cmocka_unit_test(test_bad_stop_strings_are_refused),
         cmocka_unit_test(test_chat_request_with_defaults),
         cmocka_unit_test(test_chat_request_with_every_field),

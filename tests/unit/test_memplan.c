@@ -70,12 +70,15 @@ static void test_feasible_plan_numbers_exact(void **state) {
     assert_int_equal(p.kv_tokens, 32768);
     assert_int_equal(p.max_blocks_per_seq, 256);
     assert_int_equal(p.kv_bytes, 2048ull * 16 * 46080);
-    assert_int_equal(p.total, (100ull << 20) + 8 * 231424 + 2048ull * 16 * 46080);
+    assert_int_equal(p.block_table_bytes, 8 * 256 * 4);
+    assert_int_equal(p.total, (100ull << 20) + 8 * 231424 + 8 * 256 * 4 + 2048ull * 16 * 46080);
     assert_string_equal(p.text,
                         "budget = 0.9 (mem-fraction, auto) x 16 GiB available = 14.4 GiB\n"
                         "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
                         "kv = 2048 blocks x 16 tok = 32768 tok x 45 KiB = 1.41 GiB (8 seq of max-seq-len 4096)\n"
-                        "total = weights 100 MiB + workspace 1.77 MiB + kv 1.41 GiB = 1.51 GiB (10.5% of budget)");
+                        "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
+                        "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 1.41 GiB = "
+                        "1.51 GiB (10.5% of budget)");
     cfg_free(c);
 }
 
@@ -91,7 +94,9 @@ static void test_given_kv_tokens_round_up_to_blocks(void **state) {
                         "budget = 0.5 (mem-fraction, flag) x 16 GiB available = 8 GiB\n"
                         "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
                         "kv = 313 blocks x 16 tok = 5008 tok x 45 KiB = 220 MiB (1 seq of max-seq-len 4096)\n"
-                        "total = weights 100 MiB + workspace 1.77 MiB + kv 220 MiB = 322 MiB (3.9% of budget)");
+                        "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
+                        "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 220 MiB = "
+                        "322 MiB (3.9% of budget)");
     cfg_free(c);
 }
 
@@ -104,8 +109,8 @@ static void test_infeasible_plan_shows_arithmetic_and_what_works(void **state) {
     assert_int_equal(plan(c, 2 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
-                        "workspace 1.77 MiB + kv 4096 tok x 45 KiB = 282 MiB > budget 0.1 x 2 GiB "
-                        "available = 205 MiB; would work: --mem-fraction 0.138, --max-seq-len 2336");
+                        "workspace 1.77 MiB + block tables 8 KiB + kv 4096 tok x 45 KiB = 282 MiB > budget "
+                        "0.1 x 2 GiB available = 205 MiB; would work: --mem-fraction 0.138, --max-seq-len 2336");
     cfg_free(c);
 }
 
@@ -135,7 +140,8 @@ static void test_values_named_by_the_error_work(void **state) {
 static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
     (void)state;
     /* budget 0.1 x 4 GiB = 410 MiB; 4096 tokens of KV take 180 MiB and the
-     * weights 100 MiB, leaving room for the workspace of 587 tokens. */
+     * weights 100 MiB, leaving room for the workspace and the block table
+     * row (226 KiB + 1 KiB) of 584 sequences. */
     char *argv[] = {"--mem-fraction", "0.1", "--max-batch", "1000"};
     cfg *c = with_flags(4, argv);
     memplan p;
@@ -143,12 +149,12 @@ static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
     assert_int_equal(plan(c, 4 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
-                        "workspace 221 MiB + kv 4096 tok x 45 KiB = 501 MiB > budget 0.1 x 4 GiB "
-                        "available = 410 MiB; would work: --mem-fraction 0.123, --max-seq-len 2016, "
-                        "--max-batch 587");
+                        "workspace 221 MiB + block tables 1000 KiB + kv 4096 tok x 45 KiB = 502 MiB > budget "
+                        "0.1 x 4 GiB available = 410 MiB; would work: --mem-fraction 0.123, --max-seq-len 2000, "
+                        "--max-batch 584");
     cfg_free(c);
-    char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "587"};
-    char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "588"};
+    char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "584"};
+    char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "585"};
     c = with_flags(4, b_ok);
     assert_int_equal(plan(c, 4 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 256);
@@ -180,8 +186,8 @@ static void test_infeasible_when_kv_tokens_exceed_budget(void **state) {
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: max-kv-tokens 10000000 does not fit: weights 100 MiB + workspace "
-                        "1.77 MiB + kv 10000000 tok x 45 KiB = 429 GiB > budget 0.9 x 16 GiB available = "
-                        "14.4 GiB; would work: --max-kv-tokens 333216");
+                        "1.77 MiB + block tables 8 KiB + kv 10000000 tok x 45 KiB = 429 GiB > budget 0.9 x "
+                        "16 GiB available = 14.4 GiB; would work: --max-kv-tokens 333216");
     cfg_free(c);
 }
 
@@ -222,14 +228,33 @@ static void test_log_writes_each_line(void **state) {
         " info memplan budget = 0.9 (mem-fraction, auto) x 16 GiB available = 14.4 GiB\n",
         " info memplan workspace = 8 tok x 226 KiB = 1.77 MiB\n",
         " info memplan kv = 2048 blocks x 16 tok = 32768 tok",
+        " info memplan block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n",
         " info memplan total = weights 100 MiB",
         (" info memplan_bytes available=17179869184 budget=15461882265 weights=104857600 "
-         "workspace=1851392 kv=1509949440 total=1616658432 kv_blocks=2048 block_size=16\n"),
+         "workspace=1851392 block_tables=8192 kv=1509949440 total=1616666624 kv_blocks=2048 block_size=16\n"),
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) assert_non_null(strstr(buf, want[i]));
     int lines = 0;
     for (char *q = buf; *q; q++) lines += *q == '\n';
-    assert_int_equal(lines, 5);
+    assert_int_equal(lines, 6);
+    cfg_free(c);
+}
+
+/* The engine's KV block tables are int32 [max-batch][ceil(max-seq-len /
+ * block_size)]: 4096 x 12500 x 4 B = 204800000 B here, counted in the
+ * total and shown in the arithmetic. */
+static void test_block_tables_are_counted(void **state) {
+    (void)state;
+    char *argv[] = {"--max-batch", "4096", "--max-seq-len", "200000"};
+    cfg *c = with_flags(4, argv);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(plan(c, 64 * GiB, &p, &err), AE_OK);
+    assert_int_equal(p.max_blocks_per_seq, 12500);
+    assert_int_equal(p.block_table_bytes, 204800000ull);
+    assert_int_equal(p.total - p.weight_bytes - p.workspace_bytes - p.kv_bytes, 204800000ull);
+    assert_non_null(strstr(p.text, "\nblock tables = 4096 seq x 12500 blocks x 4 B = 195 MiB\n"));
+    assert_true(p.total <= p.budget);
     cfg_free(c);
 }
 
@@ -292,6 +317,7 @@ int main(void) {
         cmocka_unit_test(test_infeasible_when_kv_tokens_exceed_budget),
         cmocka_unit_test(test_provenance_default_flag_auto_in_json),
         cmocka_unit_test(test_log_writes_each_line),
+        cmocka_unit_test(test_block_tables_are_counted),
         cmocka_unit_test(test_parse_meminfo),
         cmocka_unit_test(test_fmt_bytes_three_digits),
         cmocka_unit_test(test_bad_model_sizes_rejected),
