@@ -167,8 +167,10 @@ unit: $(UNIT_BIN)
 tsan: $(TSAN_BIN)
 fuzz: $(FUZZ_BIN)
 
+# make deps installs everything; each target below installs only what it
+# needs (tools/deps.sh run|test|train).
 deps:
-	@tools/deps.sh
+	@tools/deps.sh all
 
 model:
 	@tools/fetch_model.sh
@@ -181,13 +183,16 @@ $(RANDOM_HEAD)/model.safetensors: tools/gen_eagle_fixture.py
 	$(MSG) GEN $(RANDOM_HEAD)
 	$(Q)$(PYTHON) tools/gen_eagle_fixture.py --default-head $(RANDOM_HEAD)
 
-test: deps
+test:
+	@tools/deps.sh test
 	$(MAKE) all asan tsan fuzz $(RANDOM_HEAD)/model.safetensors
 	@tools/fetch_model.sh
 	@tools/run_tests.sh
 
-run: deps
-	$(MAKE) all
+# Serving needs the binaries only: the model tests in `all` need cmocka.
+run:
+	@tools/deps.sh run
+	$(MAKE) build/aerie $(SERVICES)
 	@tools/fetch_model.sh
 	@tools/run.sh
 
@@ -195,7 +200,8 @@ run: deps
 # data from the model itself, features, training, export to
 # models/smollm2-135m-eagle3/, evaluation. About an hour on 2 cores;
 # rerunning resumes where it stopped.
-train-draft: deps
+train-draft:
+	@tools/deps.sh train
 	$(MAKE) all
 	@tools/fetch_model.sh
 	@tools/train_draft.sh

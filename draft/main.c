@@ -8,6 +8,7 @@
 #include "../services/core/log.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
+#include "../services/core/watchdog.h"
 #include "../target/memplan.h"
 #include "server.h"
 
@@ -71,6 +72,7 @@ static int plan_memory(cfg *c, const model *m, const eagle_head *h, const dsrv_c
 
 int main(int argc, char **argv) {
     svc_signals_init();
+    svc_loading_begin();
     log_set_level(LOG_INFO);
     ae_error err = {{0}};
     cfg *c = NULL;
@@ -78,6 +80,7 @@ int main(int argc, char **argv) {
     eagle_head *h = NULL;
     dsrv *d = NULL;
     rpc_loop *loop = NULL;
+    wd *w = NULL;
     rpc_server *srv = NULL;
     bool print_config, help;
     int rc = 2;
@@ -126,11 +129,16 @@ int main(int argc, char **argv) {
         .ctx = d,
     };
     if (rpc_loop_start(&loop, &err) != AE_OK || rpc_server_open(&srv, loop, &sc, &err) != AE_OK) goto out;
+    if (wd_init(&w, wd_env_interval_us(), &err) != AE_OK || wd_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
+        goto out;
     LOG_INFOF("draft_ready listen=%s head=%s tls=%s client_certs=%s", sc.addr, dir, sc.tls.cert ? "on" : "off",
               sc.tls.ca ? "required" : "off");
+    svc_loading_end();
     svc_notify("READY=1");
+    if (wd_start(w, &err) != AE_OK) goto out;
     int sig = svc_wait_signal();
     svc_notify("STOPPING=1");
+    wd_stop(w);
     LOG_INFOF("draft_stopping signal=%d", sig);
     dsrv_drain(d);
     dsrv_stats st = dsrv_get_stats(d);
@@ -140,6 +148,7 @@ int main(int argc, char **argv) {
     rc = 0;
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-draft: %s\n", err.msg);
+    wd_free(w); /* its timer lives on the loop, freed below */
     rpc_server_close(srv);
     rpc_loop_free(loop);
     dsrv_free(d);

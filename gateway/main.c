@@ -11,6 +11,7 @@
 #include "../services/core/file.h"
 #include "../services/core/log.h"
 #include "../services/core/svc.h"
+#include "../services/core/watchdog.h"
 #include "gateway.h"
 #include "router.h"
 
@@ -90,12 +91,14 @@ static int plan_memory(const cfg *c, char *text, size_t cap, ae_error *err) {
 
 int main(int argc, char **argv) {
     svc_signals_init();
+    svc_loading_begin();
     log_set_level(LOG_INFO);
     ae_error err = {{0}};
     cfg *c = NULL;
     cli_model cm = {0};
     chat_template *ct = NULL;
     rpc_loop *loop = NULL;
+    wd *w = NULL;
     router *rt = NULL;
     gw *g = NULL;
     char *targets_text = NULL, *keys_text = NULL, *config_json = NULL;
@@ -154,6 +157,8 @@ int main(int argc, char **argv) {
                   "/v1/completions works\"",
                   model_path, cerr.msg);
     if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
+    if (wd_init(&w, wd_env_interval_us(), &err) != AE_OK || wd_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
+        goto out;
     router_config rc_cfg = {(const char *const *)targets, n_targets,
                             {cfg_str(c, "tls-cert"), cfg_str(c, "tls-key"), cfg_str(c, "tls-ca")},
                             (uint32_t)cfg_int(c, "max-frame-mib") << 20, (int)cfg_int(c, "health-interval-ms")};
@@ -182,9 +187,12 @@ int main(int argc, char **argv) {
     if (gw_open(&g, loop, &gc, &err) != AE_OK) goto out;
     LOG_INFOF("gateway_ready url=http://%s:%d model=%s targets=%d api_keys=%d chat_template=%s", gc.host, gw_port(g),
               gc.model_name, n_targets, n_keys, ct ? chat_variant_name(ct) : "none");
+    svc_loading_end();
     svc_notify("READY=1");
+    if (wd_start(w, &err) != AE_OK) goto out;
     int sig = svc_wait_signal();
     svc_notify("STOPPING=1");
+    wd_stop(w);
     LOG_INFOF("gateway_stopping signal=%d inflight=%d", sig, gw_inflight(g));
     gw_set_draining(g);
     struct timespec t0, t;
@@ -203,6 +211,7 @@ int main(int argc, char **argv) {
     rc = 0;
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-gateway: %s\n", err.msg);
+    wd_free(w); /* its timer lives on the loop, freed below */
     gw_close(g);     /* clients of requests still open see their connection close */
     router_close(rt); /* calls still open end, and their requests with them */
     gw_free(g);

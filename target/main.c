@@ -8,6 +8,7 @@
 #include "../services/core/log.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
+#include "../services/core/watchdog.h"
 #include "../services/tokenizer/tok.h"
 #include "../services/model/gguf.h"
 #include "draft_client.h"
@@ -56,6 +57,7 @@ static int plan_memory(cfg *c, const model *m, const spec_config *sc, memplan *p
 
 int main(int argc, char **argv) {
     svc_signals_init();
+    svc_loading_begin();
     log_set_level(LOG_INFO);
     ae_error err = {{0}};
     cfg *c = NULL;
@@ -66,6 +68,7 @@ int main(int argc, char **argv) {
     sched *sc = NULL;
     tsrv *ts = NULL;
     rpc_loop *loop = NULL;
+    wd *w = NULL;
     rpc_server *srv = NULL;
     gguf_file *gf = NULL;
     tok *tk = NULL;
@@ -109,6 +112,10 @@ int main(int argc, char **argv) {
     if (tk) eos = tok_eos(tk);
     else LOG_WARNF("no_tokenizer model=%s reason=\"no end-of-sequence token known: only max_tokens and stop tokens end a request\"", model_path);
     if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
+    /* Watched: the RPC loop and the scheduler thread (it beats wd_process()). */
+    if (wd_init(&w, wd_env_interval_us(), &err) != AE_OK || wd_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
+        goto out;
+    wd_set_process(w);
     if (drafting) {
         dcli_config dcc = {draft_addr,
                            {cfg_str(c, "draft-tls-cert"), cfg_str(c, "draft-tls-key"), cfg_str(c, "draft-tls-ca")},
@@ -141,9 +148,12 @@ int main(int argc, char **argv) {
     LOG_INFOF("target_ready listen=%s model=%s draft=%s max_batch=%d kv_tokens=%lld tls=%s client_certs=%s", rsc.addr,
               model_path, drafting ? draft_addr : "none", max_batch, (long long)plan.kv_tokens,
               rsc.tls.cert ? "on" : "off", rsc.tls.ca ? "required" : "off");
+    svc_loading_end();
     svc_notify("READY=1");
+    if (wd_start(w, &err) != AE_OK) goto out;
     int sig = svc_wait_signal();
     svc_notify("STOPPING=1");
+    wd_stop(w);
     LOG_INFOF("target_stopping signal=%d", sig);
     tsrv_set_draining(ts);
     sched_drain(sc, cfg_int(c, "drain-timeout-s") * 1000);
@@ -155,6 +165,7 @@ int main(int argc, char **argv) {
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-target: %s\n", err.msg);
     sched_free(sc); /* cancels what is left, finishing its calls */
+    wd_free(w);     /* after the scheduler that beats it, before the loop it times */
     rpc_server_close(srv);
     dcli_close(dc);
     rpc_loop_free(loop);

@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "../services/core/log.h"
+#include "../services/core/watchdog.h"
 #include "../services/rpc/frame.h"
 
 typedef enum req_state { REQ_WAITING, REQ_PREFILL, REQ_RUNNING } req_state;
@@ -271,7 +272,12 @@ static void *loop_main(void *arg) {
     sched *s = arg;
     ae_error err;
     s->log_at_ns = mono_ns();
+    /* systemd's watchdog hears from this thread each time round (at least
+     * every 100 ms while idle, below); a hung step stops the pings. */
+    wd *w = wd_process();
+    int beat = wd_add(w, "scheduler");
     for (;;) {
+        wd_beat(w, beat);
         int64_t now = mono_ns();
         if (s->cfg.log_interval_ms > 0 && now - s->log_at_ns >= (int64_t)s->cfg.log_interval_ms * 1000000)
             log_line(s, now);
@@ -289,7 +295,10 @@ static void *loop_main(void *arg) {
             if (!gone) break;
             finish_active(s, gone, NULL, 0, SCHED_CANCELLED, NULL);
         }
-        if (stopping) return NULL;
+        if (stopping) {
+            wd_remove(w, beat);
+            return NULL;
+        }
         admit(s);
         pthread_mutex_lock(&s->mu);
         if (!s->active) {

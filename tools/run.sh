@@ -6,8 +6,9 @@
 #   aerie-gateway the OpenAI-compatible API on http://127.0.0.1:8080
 #
 # They talk over Unix sockets in a private directory. Each one's log lines
-# are shown with its name in front. Ctrl-C stops all three (each drains
-# and exits). With no trained head for the model, the target runs without a
+# are shown with its name in front. One that exits is started again with
+# backoff while the others keep serving (see supervise). Ctrl-C stops all
+# three (each drains and exits). With no trained head for the model, the target runs without a
 # draft, and this says so.
 #
 # AERIE_MODEL, AERIE_HOST and AERIE_PORT change the model and the address.
@@ -20,34 +21,78 @@ port=${AERIE_PORT:-8080}
 unset AERIE_MODEL AERIE_HOST AERIE_PORT
 
 dir=$(mktemp -d /tmp/aerie-run.XXXXXX)
-pids=()
+sups=()   # one supervisor per service, in start order
 
 stop_all() {
     trap - INT TERM EXIT
-    [ ${#pids[@]} -gt 0 ] || { rm -rf "$dir"; return; }
+    [ ${#sups[@]} -gt 0 ] || { rm -rf "$dir"; return; }
     echo
     echo "run: stopping (gateway, then target, then draft)"
-    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
-        kill -TERM "${pids[i]}" 2>/dev/null || true
-        wait "${pids[i]}" 2>/dev/null || true
+    for ((i = ${#sups[@]} - 1; i >= 0; i--)); do
+        kill -TERM "${sups[i]}" 2>/dev/null || true
+        wait "${sups[i]}" 2>/dev/null || true
     done
-    pids=()
+    sups=()
     rm -rf "$dir"
     echo "run: stopped"
 }
 trap 'stop_all; exit 0' INT TERM
 trap stop_all EXIT
 
-# start NAME ARGS...: runs build/NAME with its output prefixed by its name.
-start() {
-    local name=$1
+# supervise NAME ARGS...: runs build/NAME with its output prefixed by its
+# name, and starts it again when it fails, as systemd's Restart=on-failure
+# would: after 0.5 s, doubling up to 8 s while it keeps dying young (under
+# 10 s), giving up after 5 such exits in a row. The others keep serving
+# meanwhile (the target decodes without its draft, the gateway answers 503
+# with Retry-After while no target is up). A clean exit (status 0: the
+# service was asked to stop, e.g. by Ctrl-C, which reaches the whole
+# process group) is not restarted. SIGTERM stops the service and this.
+# The "started pid=" and "exited (...)" lines are for people and tests.
+supervise() {
+    local name=$1 short=${1#aerie-}
     shift
-    "build/$name" "$@" > >(trap "" INT; sed -u "s/^/[${name#aerie-}] /") 2>&1 &
-    pids+=($!)
+    local pid= stopping=false delay=0.5 young=0 t0 rc how
+    trap 'stopping=true; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null' TERM
+    while :; do
+        t0=$SECONDS
+        "build/$name" "$@" > >(trap "" INT TERM; sed -u "s/^/[$short] /") 2>&1 &
+        pid=$!
+        echo "run: $short started pid=$pid"
+        # A trapped TERM interrupts wait; wait again for the service itself.
+        while :; do
+            rc=0
+            wait "$pid" || rc=$?
+            kill -0 "$pid" 2>/dev/null || break
+        done
+        pid=
+        $stopping && return 0
+        if [ "$rc" -eq 0 ]; then
+            # A clean exit (it was asked to stop) is not a failure:
+            # Restart=on-failure would leave it stopped too.
+            echo "run: $short exited (status 0); not restarting"
+            return 0
+        fi
+        if [ "$rc" -gt 128 ]; then how="signal $((rc - 128))"; else how="status $rc"; fi
+        if [ $((SECONDS - t0)) -ge 10 ]; then delay=0.5 young=0; else young=$((young + 1)); fi
+        if [ "$young" -ge 5 ]; then
+            echo "run: $short exited ($how) $young times in a row within 10 s of starting; giving up" >&2
+            return 1
+        fi
+        echo "run: $short exited ($how); restarting in $delay s"
+        sleep "$delay" &
+        wait $! || true
+        $stopping && return 0
+        delay=$(awk -v d="$delay" 'BEGIN { d *= 2; print (d > 8 ? 8 : d) }')
+    done
+}
+
+start() {
+    supervise "$@" &
+    sups+=($!)
 }
 
 alive() {
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || return 1; done
+    for p in "${sups[@]}"; do kill -0 "$p" 2>/dev/null || return 1; done
 }
 
 draft_addr=none
@@ -64,7 +109,7 @@ start aerie-gateway --model "$model" --targets "unix:$dir/target.sock" --host "$
 echo "run: waiting for http://$host:$port/health"
 for ((i = 0; ; i++)); do
     if ! alive; then
-        echo "run: a service exited while starting (its lines above say why)" >&2
+        echo "run: a service keeps exiting while starting (its lines above say why)" >&2
         exit 1
     fi
     code=$(curl -s -o /dev/null -w '%{http_code}' "http://$host:$port/health" || true)
@@ -85,9 +130,9 @@ Aerie is serving $name at http://$host:$port/v1 (draft: $([ "$draft_addr" = none
     -d '{"model": "$name", "messages": [{"role": "user", "content": "What is speculative decoding?"}], "max_tokens": 64}'
 
   also: /v1/completions, /v1/models, /health, /metrics, /server_info, /tokenize, /detokenize
-  Ctrl-C stops all three.
+  A service that exits is started again; Ctrl-C stops all three.
 
 EOF
 while alive; do sleep 1; done
-echo "run: a service exited (its lines above say why)" >&2
+echo "run: a service stopped for good (its lines above say why)" >&2
 exit 1

@@ -1,11 +1,13 @@
 #include "svc.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -101,4 +103,44 @@ void svc_notify(const char *state) {
                (socklen_t)(offsetof(struct sockaddr_un, sun_path) + n)) < 0)
         LOG_WARNF("sd_notify_failed state=%s", state);
     close(fd);
+}
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t thread;
+    bool running, done;
+} loading = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, false, false};
+
+static void *extend_main(void *arg) {
+    (void)arg;
+    char msg[64];
+    snprintf(msg, sizeof msg, "EXTEND_TIMEOUT_USEC=%llu", (unsigned long long)SVC_EXTEND_BY_S * 1000000);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    pthread_mutex_lock(&loading.mu);
+    for (int waited = 0; !loading.done && waited <= SVC_LOAD_MAX_S; waited += SVC_EXTEND_EVERY_S) {
+        svc_notify(msg);
+        until.tv_sec += SVC_EXTEND_EVERY_S;
+        while (!loading.done && pthread_cond_timedwait(&loading.cv, &loading.mu, &until) != ETIMEDOUT) {
+        }
+    }
+    pthread_mutex_unlock(&loading.mu);
+    return NULL;
+}
+
+void svc_loading_begin(void) {
+    if (!getenv("NOTIFY_SOCKET") || loading.running) return;
+    loading.done = false;
+    loading.running = pthread_create(&loading.thread, NULL, extend_main, NULL) == 0;
+}
+
+void svc_loading_end(void) {
+    if (!loading.running) return;
+    pthread_mutex_lock(&loading.mu);
+    loading.done = true;
+    pthread_cond_broadcast(&loading.cv);
+    pthread_mutex_unlock(&loading.mu);
+    pthread_join(loading.thread, NULL);
+    loading.running = false;
 }

@@ -32,4 +32,17 @@ void svc_print_config(const cfg *c);
  * "STOPPING=1"; a no-op without $NOTIFY_SOCKET. */
 void svc_notify(const char *state);
 
+/* While a service loads its model (before READY=1), asks systemd every
+ * SVC_EXTEND_EVERY_S to extend its start timeout by SVC_EXTEND_BY_S
+ * (EXTEND_TIMEOUT_USEC), so that TimeoutStartSec= bounds a stall rather
+ * than a large model's load. It gives up after SVC_LOAD_MAX_S: a load
+ * that long is taken as hung, and systemd's timeout then ends it. A no-op
+ * without $NOTIFY_SOCKET. svc_loading_end stops it (call it before
+ * READY=1); both are for main's thread. */
+#define SVC_EXTEND_EVERY_S 10
+#define SVC_EXTEND_BY_S 30
+#define SVC_LOAD_MAX_S 1800
+void svc_loading_begin(void);
+void svc_loading_end(void);
+
 #endif

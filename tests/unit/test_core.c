@@ -8,6 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -17,6 +20,7 @@
 #include "../../services/core/file.h"
 #include "../../services/core/log.h"
 #include "../../services/core/pool.h"
+#include "../../services/core/watchdog.h"
 
 static void test_err_keeps_first_error(void **state) {
     (void)state;
@@ -226,6 +230,149 @@ static void test_file_read_all_reads_a_pipe_up_to_the_limit(void **state) {
     close(fds[0]);
 }
 
+/* ---- watchdog ---- */
+
+static void sleep_ms(int ms) { nanosleep(&(struct timespec){ms / 1000, (long)(ms % 1000) * 1000000}, NULL); }
+
+static void test_watchdog_interval_comes_from_env_and_honours_watchdog_pid(void **state) {
+    (void)state;
+    char pid[32];
+    unsetenv("WATCHDOG_PID");
+    unsetenv("WATCHDOG_USEC");
+    assert_int_equal(wd_env_interval_us(), 0);
+    setenv("WATCHDOG_USEC", "200000", 1);
+    assert_int_equal(wd_env_interval_us(), 200000);
+    snprintf(pid, sizeof pid, "%d", (int)getpid());
+    setenv("WATCHDOG_PID", pid, 1);
+    assert_int_equal(wd_env_interval_us(), 200000);
+    snprintf(pid, sizeof pid, "%d", (int)getpid() + 1); /* meant for another process */
+    setenv("WATCHDOG_PID", pid, 1);
+    assert_int_equal(wd_env_interval_us(), 0);
+    unsetenv("WATCHDOG_PID");
+    setenv("WATCHDOG_USEC", "20s", 1);
+    assert_int_equal(wd_env_interval_us(), 0);
+    unsetenv("WATCHDOG_USEC");
+}
+
+static void test_watchdog_off_is_a_null_handle_and_every_call_a_noop(void **state) {
+    (void)state;
+    wd *w = (wd *)1;
+    assert_int_equal(wd_init(&w, 0, NULL), AE_OK);
+    assert_null(w);
+    assert_int_equal(wd_add(w, "rpc"), -1);
+    wd_beat(w, -1);
+    assert_null(wd_stale(w, wd_now_ns()));
+    assert_int_equal(wd_start(w, NULL), AE_OK);
+    wd_free(w);
+}
+
+static void test_watchdog_stale_names_the_loop_that_stopped_beating(void **state) {
+    (void)state;
+    wd *w;
+    assert_int_equal(wd_init(&w, 400000, NULL), AE_OK); /* stale after 200 ms */
+    int a = wd_add(w, "event-loop"), b = wd_add(w, "scheduler");
+    assert_null(wd_stale(w, wd_now_ns()));
+    for (int i = 0; i < 6; i++) {
+        sleep_ms(50);
+        wd_beat(w, a);
+    }
+    assert_string_equal(wd_stale(w, wd_now_ns()), "scheduler");
+    wd_beat(w, b);
+    assert_null(wd_stale(w, wd_now_ns()));
+    /* A loop that ends on purpose leaves the checks. */
+    wd_remove(w, b);
+    for (int i = 0; i < 6; i++) {
+        sleep_ms(50);
+        wd_beat(w, a);
+    }
+    assert_null(wd_stale(w, wd_now_ns()));
+    wd_free(w);
+}
+
+static void test_watchdog_test_stall_hook_drops_only_the_named_loop(void **state) {
+    (void)state;
+    setenv("AERIE_TEST_WATCHDOG_STALL", "scheduler", 1);
+    wd *w;
+    assert_int_equal(wd_init(&w, 200000, NULL), AE_OK); /* stale after 100 ms */
+    int a = wd_add(w, "rpc"), b = wd_add(w, "scheduler");
+    unsetenv("AERIE_TEST_WATCHDOG_STALL");
+    sleep_ms(150);
+    wd_beat(w, a);
+    wd_beat(w, b);
+    assert_string_equal(wd_stale(w, wd_now_ns()), "scheduler");
+    wd_free(w);
+}
+
+typedef struct beater {
+    wd *w;
+    int slot;
+    atomic_bool stop;
+} beater;
+
+static void *beater_main(void *arg) {
+    beater *b = arg;
+    for (int i = 0; i < 1000 && !atomic_load(&b->stop); i++) {
+        wd_beat(b->w, b->slot);
+        sleep_ms(10);
+    }
+    return NULL;
+}
+
+/* WATCHDOG=1 datagrams that arrive on fd within ms. */
+static int count_pings(int fd, int ms) {
+    int n = 0;
+    int64_t end = wd_now_ns() + (int64_t)ms * 1000000;
+    for (;;) {
+        int64_t left_us = (end - wd_now_ns()) / 1000;
+        if (left_us <= 0) return n;
+        struct timeval tv = {(time_t)(left_us / 1000000), (suseconds_t)(left_us % 1000000)};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        char buf[64];
+        ssize_t got = recv(fd, buf, sizeof buf - 1, 0);
+        if (got < 0) continue; /* timed out: the loop ends on the clock */
+        buf[got] = '\0';
+        assert_string_equal(buf, "WATCHDOG=1");
+        n++;
+    }
+}
+
+static void test_watchdog_pings_every_quarter_interval_only_while_every_loop_beats(void **state) {
+    (void)state;
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/aerie-wd-test-%d.sock", (int)getpid());
+    unlink(path);
+    int fd = socket(AF_UNIX, SOCK_DGRAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", path);
+    assert_int_equal(bind(fd, (struct sockaddr *)&un, sizeof un), 0);
+    setenv("NOTIFY_SOCKET", path, 1);
+
+    wd *w;
+    assert_int_equal(wd_init(&w, 200000, NULL), AE_OK); /* a ping every 50 ms; stale after 100 ms */
+    beater loops[2] = {{w, wd_add(w, "event-loop"), false}, {w, wd_add(w, "scheduler"), false}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, beater_main, &loops[i]), 0);
+    assert_int_equal(wd_start(w, NULL), AE_OK);
+    int healthy = count_pings(fd, 1000);
+    assert_in_range(healthy, 16, 21); /* 20 at 50 ms, give or take the edges */
+
+    /* The scheduler hangs; the event loop keeps beating. */
+    atomic_store(&loops[1].stop, true);
+    pthread_join(th[1], NULL);
+    sleep_ms(150);
+    while (recv(fd, (char[64]){0}, 64, MSG_DONTWAIT) > 0) {
+    }
+    assert_int_equal(count_pings(fd, 500), 0);
+
+    atomic_store(&loops[0].stop, true);
+    pthread_join(th[0], NULL);
+    wd_free(w); /* no loop beats after it */
+    unsetenv("NOTIFY_SOCKET");
+    close(fd);
+    unlink(path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_err_keeps_first_error),
@@ -237,6 +384,11 @@ int main(void) {
         cmocka_unit_test(test_log_line_format_and_level_filter),
         cmocka_unit_test(test_file_read_all_reads_limits_and_reports_missing),
         cmocka_unit_test(test_file_read_all_reads_a_pipe_up_to_the_limit),
+        cmocka_unit_test(test_watchdog_interval_comes_from_env_and_honours_watchdog_pid),
+        cmocka_unit_test(test_watchdog_off_is_a_null_handle_and_every_call_a_noop),
+        cmocka_unit_test(test_watchdog_stale_names_the_loop_that_stopped_beating),
+        cmocka_unit_test(test_watchdog_test_stall_hook_drops_only_the_named_loop),
+        cmocka_unit_test(test_watchdog_pings_every_quarter_interval_only_while_every_loop_beats),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }

@@ -1,0 +1,82 @@
+/* systemd's watchdog (WatchdogSec=) for a service with several loops.
+ *
+ * Every loop that must keep turning (the RPC event loop, the target's
+ * scheduler, ...) registers a slot and beats it each time round. A thread
+ * of this module sends WATCHDOG=1 every interval/4, and only while every
+ * slot has beaten within the last interval/2: one healthy loop pinging for
+ * the whole process would hide a hung one, and systemd then kills and
+ * restarts the service (Restart=on-failure).
+ *
+ * The interval comes from $WATCHDOG_USEC, honoured only when
+ * $WATCHDOG_PID is unset or names this process (wd_env_interval_us).
+ * Without a watchdog the handle is NULL and every call is a no-op, so code
+ * may beat unconditionally.
+ *
+ * Test-only hook, off unless set: $AERIE_TEST_WATCHDOG_STALL=NAME makes
+ * the loop registered as NAME count as hung (its beats are dropped), so
+ * that a test can see a service stop pinging without hanging it for real.
+ * Nothing in production sets it. */
+#ifndef AERIE_CORE_WATCHDOG_H
+#define AERIE_CORE_WATCHDOG_H
+
+#include <stdint.h>
+
+#include "err.h"
+
+struct event_base;
+
+#define WD_MAX_LOOPS 32
+#define WD_NAME_MAX 32
+
+typedef struct wd wd;
+
+/* The watchdog interval systemd asked for, in microseconds; 0 when none
+ * (unset, unparsable, or meant for another process). */
+int64_t wd_env_interval_us(void);
+
+/* A watchdog with this interval; *out = NULL when interval_us <= 0. */
+int wd_init(wd **out, int64_t interval_us, ae_error *err);
+
+/* Stops pinging and removes the loop timers (wd_watch_base); safe to call
+ * while other loops still beat. Call it after STOPPING=1 (systemd does not
+ * watch a stopping service) and before the event bases are freed. */
+void wd_stop(wd *w);
+
+/* wd_stop, then frees; NULL is a no-op. No loop may beat after it. */
+void wd_free(wd *w);
+
+/* Registers a loop (the name is copied, cut to WD_NAME_MAX - 1) as just
+ * beaten; returns its slot, or -1 when w is NULL. A full table is a broken
+ * invariant (WD_MAX_LOOPS). Any thread. */
+int wd_add(wd *w, const char *name);
+
+/* Takes the loop's slot out of the checks (the loop is ending on purpose). */
+void wd_remove(wd *w, int slot);
+
+/* The loop in this slot is alive now. Lock-free; no-op for NULL or -1. */
+void wd_beat(wd *w, int slot);
+
+/* The name of a registered loop that has not beaten within interval/2 of
+ * now_ns (CLOCK_MONOTONIC), or NULL when all have. */
+const char *wd_stale(wd *w, int64_t now_ns);
+
+/* CLOCK_MONOTONIC in nanoseconds. */
+int64_t wd_now_ns(void);
+
+/* Registers a loop for a libevent base and beats it from a timer on that
+ * base every interval/4, i.e. from the loop's own thread: the beat stops
+ * when the loop stops turning. The base must use libevent's pthreads
+ * locking (the RPC loops do) when this is called from another thread. */
+int wd_watch_base(wd *w, struct event_base *base, const char *name, ae_error *err);
+
+/* Starts the pinging thread. Call when the service is ready, right after
+ * READY=1 (systemd arms the watchdog only then). */
+int wd_start(wd *w, ae_error *err);
+
+/* The process's watchdog, for loops deep inside libraries (the target's
+ * scheduler) that have no other way to reach it. Set by main; NULL until
+ * then, which makes their beats no-ops (unit tests, the CLI). */
+void wd_set_process(wd *w);
+wd *wd_process(void);
+
+#endif
