@@ -15,7 +15,9 @@
  * distributed).
  *
  * Everything runs on the rpc_loop's one thread: HTTP, the RPC callbacks,
- * health checks and timers. The functions below may be called from any
+ * health checks and timers, except rendering and tokenizing prompts, which
+ * GW_TOK_WORKERS threads do (with parsing the body) so that a big request
+ * never stalls the loop. The functions below may be called from any
  * thread. */
 #ifndef AERIE_GATEWAY_GATEWAY_H
 #define AERIE_GATEWAY_GATEWAY_H
@@ -32,6 +34,12 @@
 #define GW_MAX_API_KEYS 64
 #define GW_MAX_HEAD_BYTES (64u << 10)  /* request line and headers */
 #define GW_MAX_UNSENT_BYTES (1u << 20) /* a client this far behind its stream is dropped */
+#define GW_TOK_WORKERS 2               /* threads that render and tokenize prompts */
+/* What one tokenizing worker holds at most for a body of b bytes: the
+ * rendered text (b plus the template's markers: at most 64 bytes for each
+ * of CHAT_MAX_MESSAGES) and its ids (4 bytes per byte, plus 2). The memory
+ * plan counts GW_TOK_WORKERS of these. */
+#define GW_TOK_WORKER_BYTES(b) (5u * ((uint64_t)(b) + 64u * CHAT_MAX_MESSAGES + 4096u) + 8u)
 
 typedef struct gw_config {
     const char *host;
