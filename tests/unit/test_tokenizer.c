@@ -823,8 +823,19 @@ static void test_added_token_matching_equals_the_scan(void **state) {
     tok_free(t);
 }
 
+static double encode_ms(const tok *t, const char *text, size_t len, int32_t **ids, size_t *n) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    *ids = encode(t, text, len, TOK_PARSE_SPECIAL, n);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    return (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) * 1e-6;
+}
+
 /* 273 added tokens all starting "<|", and 1 MiB of "<|": each position
- * once tried every token (0.28 s in a release build). */
+ * once tried every token (0.28 s in a release build, 2.2 s under ASan).
+ * Timed against the same text with one added token, so that the
+ * sanitizer's and the machine's speed cancel out: the scan was ~100 times
+ * slower, a trie about as fast. */
 static void test_many_added_tokens_match_in_linear_time(void **state) {
     (void)state;
     enum { N_ADDED = 273, LEN = 1 << 20 };
@@ -833,21 +844,22 @@ static void test_many_added_tokens_match_in_linear_time(void **state) {
     size_t w = 0;
     for (int i = 0; i < N_ADDED; i++)
         w += (size_t)sprintf(json + w, "%s{\"id\":%d,\"content\":\"<|t%d|>\",\"special\":true}", i ? "," : "", 3 + i, i);
-    tok *t = tiny_with_added(json);
+    tok *many = tiny_with_added(json);
+    tok *one = tiny_with_added("{\"id\":45,\"content\":\"<|t42|>\",\"special\":true}");
     for (size_t i = 0; i < LEN; i++) text[i] = i % 2 ? '|' : '<';
     memcpy(text + LEN - 7, "<|t42|>", 7);
+    int32_t *ids;
     size_t n;
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    int32_t *ids = encode(t, text, LEN, TOK_PARSE_SPECIAL, &n);
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    double ms = (double)(b.tv_sec - a.tv_sec) * 1e3 + (double)(b.tv_nsec - a.tv_nsec) * 1e-6;
-    print_message("added=%d bytes=%d encode_ms=%.1f\n", N_ADDED, LEN, ms);
+    double base = encode_ms(one, text, LEN, &ids, &n);
+    free(ids);
+    double ms = encode_ms(many, text, LEN, &ids, &n);
+    print_message("bytes=%d encode_ms: 1 added token %.1f, %d added tokens %.1f\n", LEN, base, N_ADDED, ms);
     assert_int_equal(n, 1); /* '<' and '|' have no token here: only the added one is left */
     assert_int_equal(ids[0], 3 + 42);
-    assert_true(ms < 400.0);
+    assert_true(ms < 4 * base + 20);
     free(ids);
-    tok_free(t);
+    tok_free(many);
+    tok_free(one);
     free(json);
     free(text);
 }
