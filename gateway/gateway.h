@@ -37,8 +37,9 @@
 #define GW_TOK_WORKERS 2               /* threads that render and tokenize prompts */
 /* What one tokenizing worker holds at most for a body of b bytes: the
  * rendered text (b plus the template's markers: at most 64 bytes for each
- * of CHAT_MAX_MESSAGES) and its ids (4 bytes per byte, plus 2). The memory
- * plan counts GW_TOK_WORKERS of these. */
+ * of CHAT_MAX_MESSAGES, and the default system prompt) and its ids (4
+ * bytes per byte of it). GW_TOK_WORKERS of these are what the workers
+ * hold at once, for a memory plan to add. */
 #define GW_TOK_WORKER_BYTES(b) (5u * ((uint64_t)(b) + 64u * CHAT_MAX_MESSAGES + 4096u) + 8u)
 
 typedef struct gw_config {
