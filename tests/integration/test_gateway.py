@@ -719,6 +719,7 @@ def shaped_bodies():
         return head + item * n + tail
     keys = '{"model":"%s","prompt":"x"' % MODEL_NAME + "".join(',"k%d":0' % i for i in range(90000)) + "}"
     return {
+        "detokenize_tiny_ids": fill('{"tokens":[1', ",1", "]}"),
         "distinct_keys": keys[:BIG - 40].rsplit(",", 1)[0] + "}",
         "many_messages": fill('{"model":"%s","messages":[{"role":"user","content":"a"}' % MODEL_NAME,
                               ',{"role":"user","content":"a"}', "]}"),
@@ -737,7 +738,8 @@ def test_a_1mib_body_of_any_shape_is_answered_without_stalling_the_loop(tmp_path
 
             def send(body=body, out=out):
                 t0 = time.monotonic()
-                out["st"] = request(g.port, "POST", "/v1/completions", raw=body.encode())[0]
+                path = "/detokenize" if name.startswith("detokenize") else "/v1/completions"
+                out["st"] = request(g.port, "POST", path, raw=body.encode())[0]
                 out["ms"] = (time.monotonic() - t0) * 1e3
             th = threading.Thread(target=send)
             th.start()
@@ -746,7 +748,8 @@ def test_a_1mib_body_of_any_shape_is_answered_without_stalling_the_loop(tmp_path
                 worst = max(worst, worst_latency(g.port, ["/health"], 1))
             th.join()
             print(f"shape={name} status={out['st']} answered_ms={out['ms']:.0f} worst_health_ms={worst * 1e3:.0f}")
-            assert out["st"] in (400, 503)  # refused by the parser, or no target after it
+            # Refused by the parser, or no target after it (too long a text for /detokenize).
+            assert out["st"] in (400, 503, 413)
             # Under ASan on a loaded machine; distinct keys held it 80 s before.
             assert worst < 0.3, f"{name}: /health took {worst * 1e3:.0f} ms"
     finally:
