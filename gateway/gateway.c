@@ -939,11 +939,6 @@ refuse:
 
 /* ---- the other routes ---- */
 
-/* A reply the gateway builds from what a request names (ids, text) is at
- * most this long: a small body can name a huge text (1 MiB of one
- * whitespace token's id decoded to 19 MB), and a whole reply is queued
- * whatever the client reads. */
-#define GW_MAX_REPLY_BYTES GW_MAX_UNSENT_BYTES
 
 static int reply_too_large(oai_error *e, const char *what, size_t bytes) {
     return oai_fail(e, 413, "invalid_request_error", "reply_too_large", NULL,
