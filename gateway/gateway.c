@@ -1,6 +1,8 @@
 #include "gateway.h"
 
+#include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +26,38 @@
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "prompt ids travel as int32 little-endian");
 _Static_assert(ROUTER_MAX_TARGETS <= 64, "a request's failed replicas are bits of a uint64_t");
 
+typedef struct tjob tjob;
+
+/* A growing text buffer for replies. */
+typedef struct jbuf {
+    char *p;
+    size_t len, cap;
+    bool oom; /* an allocation failed: what was added since is lost; the reply becomes a 503 */
+} jbuf;
+
+/* A request body to parse and render, tokenize or detokenize on a worker
+ * (what is linear in the body's size, off the loop). The loop
+ * thread fills the input, hands it over (tjob_submit) and touches nothing
+ * of it (nor *o) until done runs, on the loop thread again. */
+typedef enum tjob_what { TJOB_GENERATE, TJOB_TOKENIZE, TJOB_DETOKENIZE } tjob_what;
+
+struct tjob {
+    tjob *next;
+    const char *body; /* [len]: the HTTP request's, alive until it is answered */
+    size_t len;
+    tjob_what what;
+    oai_kind kind; /* TJOB_GENERATE: of this kind */
+    void (*done)(tjob *j);
+    /* the result */
+    int rc;          /* AE_ERR: e says why */
+    oai_error e;
+    oai_request *o;  /* the parsed request; owned by whoever embeds the job */
+    bool add_gen;    /* the generation prompt is rendered */
+    int32_t *ids;    /* [n], malloc'd; the done callback takes it */
+    int32_t n;
+    jbuf reply;      /* TJOB_TOKENIZE: the ids' JSON list; TJOB_DETOKENIZE: the whole body */
+};
+
 struct gw {
     gw_config cfg;
     rpc_loop *loop;
@@ -35,27 +69,39 @@ struct gw {
     struct event *log_timer;
     uint64_t log_requests, log_tokens; /* at the last load line */
     uint64_t requests_done;
+    /* The tokenizing workers: a queue in, a list out and an event that
+     * wakes the loop for it (libevent is set up for threads by rpc.c). */
+    pthread_t workers[GW_TOK_WORKERS];
+    int n_workers;
+    pthread_mutex_t tmu;
+    pthread_cond_t tcv;
+    tjob *todo, *todo_last, *finished;
+    bool stopping; /* the workers exit */
+    struct event *finished_ev;
+    int jobs; /* submitted and not yet done: for the load line */
 };
+
+static int check_model(const gw *g, const char *model, oai_error *e);
 
 /* ---- a growing text buffer for replies ---- */
 
-typedef struct jbuf {
-    char *p;
-    size_t len, cap;
-} jbuf;
-
-static void jb_reserve(jbuf *b, size_t more) {
-    if (b->len + more + 1 <= b->cap) return;
+static bool jb_reserve(jbuf *b, size_t more) {
+    if (b->oom) return false;
+    if (b->len + more + 1 <= b->cap) return true;
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->len + more + 1) cap *= 2;
     char *p = realloc(b->p, cap);
-    AE_ASSERT(p);
+    if (!p) {
+        b->oom = true;
+        return false;
+    }
     b->p = p;
     b->cap = cap;
+    return true;
 }
 
 static void jb_add(jbuf *b, const char *s, size_t n) {
-    jb_reserve(b, n);
+    if (!jb_reserve(b, n)) return;
     memcpy(b->p + b->len, s, n);
     b->len += n;
     b->p[b->len] = '\0';
@@ -70,7 +116,7 @@ static void jb_printf(jbuf *b, const char *fmt, ...) {
     int n = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
     AE_ASSERT(n >= 0);
-    jb_reserve(b, (size_t)n);
+    if (!jb_reserve(b, (size_t)n)) return;
     va_start(ap, fmt);
     vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
     va_end(ap);
@@ -78,8 +124,19 @@ static void jb_printf(jbuf *b, const char *fmt, ...) {
 }
 
 /* s[0..n) (valid UTF-8) as a JSON string, quotes included. */
+/* The bytes jb_quote adds for s[0..n). */
+static size_t jb_quoted_len(const char *s, size_t n) {
+    size_t k = n + 2;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"' || c == '\\' || c == '\n') k += 1;
+        else if (c < 0x20) k += 5;
+    }
+    return k;
+}
+
 static void jb_quote(jbuf *b, const char *s, size_t n) {
-    jb_reserve(b, 6 * n + 2);
+    if (!jb_reserve(b, 6 * n + 2)) return;
     char *w = b->p + b->len;
     *w++ = '"';
     for (size_t i = 0; i < n; i++) {
@@ -98,6 +155,11 @@ static void jb_quote(jbuf *b, const char *s, size_t n) {
     *w++ = '"';
     b->len = (size_t)(w - b->p);
     b->p[b->len] = '\0';
+}
+
+static void jb_clear(jbuf *b) {
+    b->len = 0;
+    b->oom = false;
 }
 
 static void jb_free(jbuf *b) {
@@ -120,14 +182,22 @@ static void reply_json(gw *g, http_req *h, met_route route, int status, const ch
 }
 
 static void reply_error(gw *g, http_req *h, met_route route, const oai_error *e) {
-    char *body = oai_error_json(e);
+    char *json = oai_error_json(e);
+    const char *body = json ? json : OAI_OOM_JSON;
     const char *extra = NULL;
     if (e->status == 429 || e->status == 503) extra = "Retry-After: 1\r\n";
     else if (e->status == 401) extra = "WWW-Authenticate: Bearer\r\n";
     if (e->status >= 500 || e->status == 429)
         LOG_INFOF("request_refused status=%d peer=%s reason=\"%s\"", e->status, http_req_peer(h), e->message);
     reply_json(g, h, route, e->status, body, strlen(body), extra);
-    free(body);
+    free(json);
+}
+
+/* A reply built in b, or the 503 its allocation failure calls for. */
+static void reply_jbuf(gw *g, http_req *h, met_route route, jbuf *b) {
+    oai_error e;
+    if (b->oom) reply_error(g, h, route, (oai_oom(&e), &e));
+    else reply_json(g, h, route, 200, b->p, b->len, NULL);
 }
 
 static size_t http_error_body(void *ctx, int status, const char *message, char *out, size_t cap,
@@ -140,10 +210,11 @@ static size_t http_error_body(void *ctx, int status, const char *message, char *
                        : status == 431 ? "headers_too_large"
                                        : "bad_request";
     oai_fail(&e, status, type, code, NULL, "%s", message);
-    char *body = oai_error_json(&e);
+    char *json = oai_error_json(&e);
+    const char *body = json ? json : OAI_OOM_JSON;
     size_t n = strlen(body) < cap ? strlen(body) : cap;
     memcpy(out, body, n);
-    free(body);
+    free(json);
     *content_type = "application/json";
     return n;
 }
@@ -178,10 +249,12 @@ typedef struct greq {
     double t_arrive, t_first, t_last;
     aerie_SpecStats spec;
     bool has_spec;
+    tjob job; /* the prompt's tokenizing, before the call */
 } greq;
 
 static void greq_free(greq *q) {
     oai_request_free(&q->o);
+    free(q->job.ids);
     free(q->ids);
     detok_free(q->dt);
     stop_free(q->sm);
@@ -217,7 +290,7 @@ static void add_usage(greq *q, jbuf *b) {
  * finish reason. */
 static void send_chunk(greq *q, const char *text, size_t n, bool role, const char *finish) {
     jbuf *b = &q->out;
-    b->len = 0;
+    jb_clear(b);
     chunk_head(q, b);
     jb_str(b, ",\"choices\":[{\"index\":0,");
     if (is_chat(q)) {
@@ -235,7 +308,9 @@ static void send_chunk(greq *q, const char *text, size_t n, bool role, const cha
     jb_str(b, "}]");
     if (q->o.include_usage) jb_str(b, ",\"usage\":null");
     jb_str(b, "}\n\n");
-    http_stream_write(q->http, b->p, b->len);
+    /* Out of memory mid-stream: the chunk is lost, not the gateway. */
+    if (b->oom) LOG_WARNF("chunk_lost id=%s reason=\"out of memory\"", q->id);
+    else http_stream_write(q->http, b->p, b->len);
 }
 
 static void stream_start(greq *q) {
@@ -345,12 +420,12 @@ static void finish_ok(greq *q) {
         send_chunk(q, NULL, 0, false, fin);
         if (q->o.include_usage) {
             jbuf *b = &q->out;
-            b->len = 0;
+            jb_clear(b);
             chunk_head(q, b);
             jb_str(b, ",\"choices\":[],");
             add_usage(q, b);
             jb_str(b, "}\n\n");
-            http_stream_write(q->http, b->p, b->len);
+            if (!b->oom) http_stream_write(q->http, b->p, b->len);
         }
         http_stream_write(q->http, "data: [DONE]\n\n", 14);
         met_request(m, q->route, 200);
@@ -368,7 +443,8 @@ static void finish_ok(greq *q) {
         jb_printf(&b, ",\"logprobs\":null,\"finish_reason\":\"%s\"}],", fin);
         add_usage(q, &b);
         jb_str(&b, "}");
-        reply_json(g, q->http, q->route, 200, b.p, b.len, NULL);
+        b.oom |= q->out.oom; /* the text is incomplete */
+        reply_jbuf(g, q->http, q->route, &b);
         jb_free(&b);
     }
     double now = now_s();
@@ -388,12 +464,12 @@ static void finish_error(greq *q, const oai_error *e) {
         reply_error(g, q->http, q->route, e);
         return;
     }
-    char *body = oai_error_json(e);
+    char *json = oai_error_json(e);
     jbuf b = {0};
-    jb_printf(&b, "data: %s\n\ndata: [DONE]\n\n", body);
-    http_stream_write(q->http, b.p, b.len);
+    jb_printf(&b, "data: %s\n\ndata: [DONE]\n\n", json ? json : OAI_OOM_JSON);
+    if (!b.oom) http_stream_write(q->http, b.p, b.len);
     jb_free(&b);
-    free(body);
+    free(json);
     met_request(&g->met, q->route, e->status);
     http_stream_end(q->http);
     LOG_WARNF("request_failed id=%s status=%d reason=\"%s\"", q->id, e->status, e->message);
@@ -502,18 +578,21 @@ static int start_call(greq *q, ae_error *err) {
 static void on_client_gone(void *arg) {
     greq *q = arg;
     q->gone = true;
-    rpc_client_cancel(router_client(q->g->cfg.router, q->replica), q->call_id);
+    /* While its prompt is being tokenized there is no call yet. */
+    if (q->replica >= 0) rpc_client_cancel(router_client(q->g->cfg.router, q->replica), q->call_id);
 }
 
 /* Renders and tokenizes what the request asks about: a conversation (with
- * the generation prompt when add_gen) or a prompt's text or ids. */
-static int encode_prompt(gw *g, const oai_request *o, bool add_gen, int32_t **ids, int32_t *n, oai_error *e) {
+ * the generation prompt when add_gen) or a prompt's text or ids. Runs on a
+ * tokenizing worker: it reads only o and the immutable tokenizer and
+ * template. */
+static int encode_prompt(const gw *g, const oai_request *o, bool add_gen, int32_t **ids, int32_t *n, oai_error *e) {
     *ids = NULL;
     *n = 0;
     if (o->prompt_ids || (o->kind == OAI_COMPLETION && !o->prompt)) {
         size_t k = o->n_prompt_ids;
         *ids = malloc(sizeof(int32_t) * (k ? k : 1));
-        AE_ASSERT(*ids);
+        if (!*ids) return oai_oom(e);
         for (size_t i = 0; i < k; i++) {
             if (o->prompt_ids[i] >= tok_vocab_size(g->cfg.tok)) {
                 free(*ids), *ids = NULL;
@@ -540,7 +619,10 @@ static int encode_prompt(gw *g, const oai_request *o, bool add_gen, int32_t **id
         flags = TOK_PARSE_SPECIAL; /* the template writes its own BOS */
     }
     *ids = malloc(sizeof(int32_t) * (len + 2));
-    AE_ASSERT(*ids);
+    if (!*ids) {
+        free(rendered);
+        return oai_oom(e);
+    }
     size_t got = 0;
     int rc = tok_encode(g->cfg.tok, text ? text : "", len, flags, *ids, len + 2, &got, &err);
     free(rendered);
@@ -556,7 +638,171 @@ static int encode_prompt(gw *g, const oai_request *o, bool add_gen, int32_t **id
     return AE_OK;
 }
 
-static int check_model(gw *g, const char *model, oai_error *e) {
+/* ---- the tokenizing workers ----
+ *
+ * Tokenizing 1 MiB takes ~0.25 s and parsing half a million ids ~0.2 s:
+ * on the loop they stalled every stream, /health and /metrics. Bodies of
+ * generation, /tokenize and /detokenize requests are queued to a small
+ * fixed pool of threads, which also build the latter two's replies;
+ * each finished job goes on a list and wakes the loop, which calls its
+ * done. What the workers hold at once is bounded by their number (see
+ * GW_TOK_WORKER_BYTES); a queued job holds only its request, which the
+ * gateway already counts. */
+
+/* A /tokenize body: {"prompt": text} or {"messages": [...],
+ * "add_generation_prompt": bool}, optional "model". The same parser as
+ * generation, so a text tokenizes here exactly as it would be sent:
+ * add_generation_prompt (ours alone) is taken off first. */
+static int parse_tokenize(const gw *g, tjob *j) {
+    oai_error *e = &j->e;
+    ae_error jerr = {{0}};
+    cJSON *root = detok_utf8_valid(j->body, j->len) ? json_parse(j->body, j->len, &jerr) : NULL;
+    int rc = AE_ERR;
+    j->add_gen = true;
+    if (!root) {
+        oai_bad(e, NULL, "invalid_json", "the body is not valid JSON%s%s", jerr.msg[0] ? ": " : " (UTF-8)", jerr.msg);
+        goto out;
+    }
+    if (!cJSON_IsObject(root)) {
+        oai_bad(e, NULL, "invalid_type", "the body must be a JSON object");
+        goto out;
+    }
+    cJSON *agp = cJSON_DetachItemFromObjectCaseSensitive(root, "add_generation_prompt");
+    if (agp && !cJSON_IsBool(agp)) {
+        cJSON_Delete(agp);
+        oai_bad(e, "add_generation_prompt", "invalid_type", "'add_generation_prompt' must be true or false");
+        goto out;
+    }
+    if (agp) j->add_gen = cJSON_IsTrue(agp);
+    cJSON_Delete(agp);
+    bool chat = cJSON_GetObjectItemCaseSensitive(root, "messages") != NULL;
+    if (!cJSON_GetObjectItemCaseSensitive(root, "model") &&
+        !cJSON_AddStringToObject(root, "model", g->cfg.model_name)) {
+        oai_oom(e);
+        goto out;
+    }
+    rc = oai_parse_tree(j->o, chat ? OAI_CHAT : OAI_COMPLETION, root, e);
+out:
+    cJSON_Delete(root);
+    return rc;
+}
+
+static int detokenize_body(const gw *g, tjob *j);
+static int tokenize_list(tjob *j);
+
+/* On a worker: what only reads the body, the tokenizer and the template. */
+static void run_job(const gw *g, tjob *j) {
+    if (j->what == TJOB_DETOKENIZE) {
+        j->rc = detokenize_body(g, j);
+        return;
+    }
+    j->rc = j->what == TJOB_TOKENIZE ? parse_tokenize(g, j) : oai_parse(j->o, j->kind, j->body, j->len, &j->e);
+    if (j->rc == AE_OK) j->rc = check_model(g, j->o->model, &j->e);
+    if (j->rc == AE_OK) j->rc = encode_prompt(g, j->o, j->add_gen, &j->ids, &j->n, &j->e);
+    if (j->rc == AE_OK && j->what == TJOB_TOKENIZE) j->rc = tokenize_list(j);
+}
+
+static void *worker_main(void *arg) {
+    gw *g = arg;
+    pthread_mutex_lock(&g->tmu);
+    for (;;) {
+        while (!g->todo && !g->stopping) pthread_cond_wait(&g->tcv, &g->tmu);
+        if (g->stopping) break;
+        tjob *j = g->todo;
+        g->todo = j->next;
+        if (!g->todo) g->todo_last = NULL;
+        pthread_mutex_unlock(&g->tmu);
+        run_job(g, j);
+        pthread_mutex_lock(&g->tmu);
+        j->next = g->finished;
+        g->finished = j;
+        pthread_mutex_unlock(&g->tmu);
+        event_active(g->finished_ev, EV_READ, 1);
+        pthread_mutex_lock(&g->tmu);
+    }
+    pthread_mutex_unlock(&g->tmu);
+    return NULL;
+}
+
+/* On the loop thread: the finished jobs' done callbacks. */
+static void on_finished(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    gw *g = arg;
+    pthread_mutex_lock(&g->tmu);
+    tjob *list = g->finished;
+    g->finished = NULL;
+    pthread_mutex_unlock(&g->tmu);
+    while (list) {
+        tjob *j = list;
+        list = j->next;
+        g->jobs--;
+        j->done(j);
+    }
+}
+
+static void tjob_submit(gw *g, tjob *j, http_req *h, tjob_what what, oai_kind kind, oai_request *o,
+                        void (*done)(tjob *)) {
+    size_t len;
+    const char *body = http_req_body(h, &len);
+    *j = (tjob){.body = body, .len = len, .what = what, .kind = kind, .o = o, .add_gen = true, .done = done,
+                .rc = AE_ERR};
+    g->jobs++;
+    pthread_mutex_lock(&g->tmu);
+    if (g->todo_last) g->todo_last->next = j;
+    else g->todo = j;
+    g->todo_last = j;
+    pthread_cond_signal(&g->tcv);
+    pthread_mutex_unlock(&g->tmu);
+}
+
+/* On failure, workers_stop undoes what was done. */
+static int workers_start(gw *g, ae_error *err) {
+    g->finished_ev = event_new(rpc_loop_base(g->loop), -1, 0, on_finished, g);
+    if (!g->finished_ev) return err_set(err, "out of memory");
+    if (pthread_mutex_init(&g->tmu, NULL) != 0) {
+        event_free(g->finished_ev), g->finished_ev = NULL;
+        return err_set(err, "pthread_mutex_init failed");
+    }
+    if (pthread_cond_init(&g->tcv, NULL) != 0) {
+        pthread_mutex_destroy(&g->tmu);
+        event_free(g->finished_ev), g->finished_ev = NULL;
+        return err_set(err, "pthread_cond_init failed");
+    }
+    for (; g->n_workers < GW_TOK_WORKERS; g->n_workers++)
+        if (pthread_create(&g->workers[g->n_workers], NULL, worker_main, g) != 0)
+            return err_set(err, "cannot start a tokenizing worker");
+    return AE_OK;
+}
+
+/* Stops the workers (a job being tokenized is finished first); on the
+ * loop thread, jobs never taken end as 503 and every done runs. */
+static void workers_drain_on_loop(void *arg) {
+    gw *g = arg;
+    for (tjob *j = g->todo, *next; j; j = next) {
+        next = j->next;
+        j->rc = oai_fail(&j->e, 503, "server_error", "service_unavailable", NULL, "the gateway is shutting down");
+        j->next = g->finished;
+        g->finished = j;
+    }
+    g->todo = g->todo_last = NULL;
+    on_finished(-1, 0, g);
+    event_free(g->finished_ev); /* here: never under its own callback */
+    g->finished_ev = NULL;
+}
+
+static void workers_stop(gw *g) {
+    if (!g->finished_ev) return;
+    pthread_mutex_lock(&g->tmu);
+    g->stopping = true;
+    pthread_cond_broadcast(&g->tcv);
+    pthread_mutex_unlock(&g->tmu);
+    for (int i = 0; i < g->n_workers; i++) pthread_join(g->workers[i], NULL);
+    rpc_loop_run(g->loop, workers_drain_on_loop, g);
+    pthread_cond_destroy(&g->tcv);
+    pthread_mutex_destroy(&g->tmu);
+}
+
+static int check_model(const gw *g, const char *model, oai_error *e) {
     if (strcmp(model, g->cfg.model_name) == 0) return AE_OK;
     return oai_fail(e, 404, "invalid_request_error", "model_not_found", "model",
                     "the model '%.200s' does not exist; this server serves '%.200s'", model, g->cfg.model_name);
@@ -565,19 +811,55 @@ static int check_model(gw *g, const char *model, oai_error *e) {
 /* The context the targets have (0 when none has reported yet). */
 static int32_t context_len(gw *g) { return router_context(g->cfg.router); }
 
+/* No target has reported its context: e is the 503. */
+static int no_target(gw *g, oai_error *e) {
+    char why[512];
+    router_healthy(g->cfg.router, why, sizeof why);
+    return oai_fail(e, 503, "server_error", "service_unavailable", NULL, "no target is ready (%s)",
+                    why[0] ? why : "none has reported its context length yet");
+}
+
+static void on_prompt_encoded(tjob *j);
+
+/* A generation request: parsed and tokenized by a worker (a 1 MiB body
+ * of any shape costs the loop nothing but its bytes), then checked and
+ * sent to a target by on_prompt_encoded. */
 static void handle_generate(gw *g, http_req *h, oai_kind kind) {
     met_route route = kind == OAI_CHAT ? MET_CHAT : MET_COMPLETIONS;
     oai_error e;
-    size_t blen;
-    const char *body = http_req_body(h, &blen);
     greq *q = calloc(1, sizeof *q);
-    AE_ASSERT(q);
+    if (!q) return reply_error(g, h, route, (oai_oom(&e), &e));
     q->g = g;
     q->http = h;
     q->route = route;
     q->replica = -1;
     q->t_arrive = now_s();
-    if (oai_parse(&q->o, kind, body, blen, &e) != AE_OK || check_model(g, q->o.model, &e) != AE_OK) goto refuse;
+    http_req_on_close(h, on_client_gone, q);
+    tjob_submit(g, &q->job, h, TJOB_GENERATE, kind, &q->o, on_prompt_encoded);
+}
+
+static void on_prompt_encoded(tjob *j) {
+    greq *q = (greq *)(void *)((char *)j - offsetof(greq, job));
+    gw *g = q->g;
+    oai_kind kind = j->kind;
+    oai_error e;
+    if (q->gone) {
+        g->met.finish.cancelled++;
+        met_request(&g->met, q->route, 499);
+        LOG_INFOF("request_cancelled id=- reason=\"the client went away while its prompt was tokenized\"");
+        http_respond(q->http, 499, "application/json", NULL, NULL, 0); /* only frees it */
+        greq_free(q);
+        return;
+    }
+    if (j->rc != AE_OK) {
+        e = j->e;
+        goto refuse;
+    }
+    q->ids = j->ids;
+    q->n_prompt = j->n;
+    j->ids = NULL;
+    /* The checks of the gateway's state come after the worker, in the
+     * order they always had: a bad body is 400 whatever the load. */
     if (g->draining) {
         oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "the gateway is shutting down");
         goto refuse;
@@ -589,15 +871,9 @@ static void handle_generate(gw *g, http_req *h, oai_kind kind) {
     }
     int32_t ctx = context_len(g);
     if (ctx <= 0) {
-        char why[512];
-        router_healthy(g->cfg.router, why, sizeof why);
-        oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "no target is ready (%s)",
-                 why[0] ? why : "none has reported its context length yet");
+        no_target(g, &e);
         goto refuse;
     }
-    int32_t *prompt;
-    if (encode_prompt(g, &q->o, true, &prompt, &q->n_prompt, &e) != AE_OK) goto refuse;
-    q->ids = prompt;
     int32_t max_prompt = g->cfg.max_prompt_tokens > 0 && g->cfg.max_prompt_tokens < ctx ? g->cfg.max_prompt_tokens
                                                                                         : ctx - 1;
     if (q->n_prompt < 1) {
@@ -625,7 +901,10 @@ static void handle_generate(gw *g, http_req *h, oai_kind kind) {
     q->max_tokens = q->o.max_tokens > 0 ? (int32_t)q->o.max_tokens : g->cfg.default_max_tokens;
     if (q->max_tokens > ctx - q->n_prompt) q->max_tokens = ctx - q->n_prompt;
     int32_t *all = realloc(q->ids, sizeof(int32_t) * (size_t)(q->n_prompt + q->max_tokens));
-    AE_ASSERT(all);
+    if (!all) {
+        oai_oom(&e);
+        goto refuse;
+    }
     q->ids = all;
     ae_error err = {{0}};
     if (detok_init(&q->dt, g->cfg.tok, true, &err) != AE_OK ||
@@ -636,7 +915,10 @@ static void handle_generate(gw *g, http_req *h, oai_kind kind) {
     }
     q->piece = malloc(detok_max_out(q->dt) + 3);
     q->text = malloc(stop_max_out(q->sm) + 1);
-    AE_ASSERT(q->piece && q->text);
+    if (!q->piece || !q->text) {
+        oai_oom(&e);
+        goto refuse;
+    }
     if (q->o.has_seed) q->seed = q->o.seed;
     else if (getrandom(&q->seed, sizeof q->seed, 0) != (ssize_t)sizeof q->seed) q->seed = (uint64_t)(now_s() * 1e9);
     uint8_t rnd[12];
@@ -649,126 +931,163 @@ static void handle_generate(gw *g, http_req *h, oai_kind kind) {
         goto refuse;
     }
     g->inflight++;
-    http_req_on_close(h, on_client_gone, q);
     return;
 refuse:
-    reply_error(g, h, route, &e);
+    reply_error(g, q->http, q->route, &e);
     greq_free(q);
 }
 
 /* ---- the other routes ---- */
 
-/* POST /tokenize: {"prompt": text} or {"messages": [...],
- * "add_generation_prompt": bool}, optional "model". */
-static void handle_tokenize(gw *g, http_req *h) {
-    oai_error e;
-    size_t blen;
-    const char *body = http_req_body(h, &blen);
-    ae_error jerr = {{0}};
-    cJSON *root = detok_utf8_valid(body, blen) ? json_parse(body, blen, &jerr) : NULL;
-    oai_request o;
-    memset(&o, 0, sizeof o);
-    bool add_gen = true;
-    int32_t *ids = NULL, n = 0;
-    if (!root) {
-        oai_bad(&e, NULL, "invalid_json", "the body is not valid JSON%s%s", jerr.msg[0] ? ": " : " (UTF-8)", jerr.msg);
-        goto fail;
-    }
-    if (!cJSON_IsObject(root)) {
-        oai_bad(&e, NULL, "invalid_type", "the body must be a JSON object");
-        goto fail;
-    }
-    /* The same parser as generation, so a text tokenizes here exactly as
-     * it would be sent: add_generation_prompt (ours alone) is taken off
-     * first. */
-    cJSON *agp = cJSON_DetachItemFromObjectCaseSensitive(root, "add_generation_prompt");
-    if (agp && !cJSON_IsBool(agp)) {
-        cJSON_Delete(agp);
-        oai_bad(&e, "add_generation_prompt", "invalid_type", "'add_generation_prompt' must be true or false");
-        goto fail;
-    }
-    if (agp) add_gen = cJSON_IsTrue(agp);
-    cJSON_Delete(agp);
-    bool chat = cJSON_GetObjectItemCaseSensitive(root, "messages") != NULL;
-    if (!cJSON_GetObjectItemCaseSensitive(root, "model")) cJSON_AddStringToObject(root, "model", g->cfg.model_name);
-    if (oai_parse_tree(&o, chat ? OAI_CHAT : OAI_COMPLETION, root, &e) != AE_OK || check_model(g, o.model, &e) != AE_OK ||
-        encode_prompt(g, &o, add_gen, &ids, &n, &e) != AE_OK)
-        goto fail;
-    jbuf b = {0};
-    jb_printf(&b, "{\"count\":%d,\"max_model_len\":%d,\"tokens\":[", n, context_len(g));
-    for (int32_t i = 0; i < n; i++) jb_printf(&b, "%s%d", i ? "," : "", ids[i]);
-    jb_str(&b, "]}");
-    reply_json(g, h, MET_TOKENIZE, 200, b.p, b.len, NULL);
-    jb_free(&b);
-    free(ids);
-    oai_request_free(&o);
-    cJSON_Delete(root);
-    return;
-fail:
-    reply_error(g, h, MET_TOKENIZE, &e);
-    free(ids);
-    oai_request_free(&o);
-    cJSON_Delete(root);
+
+static int reply_too_large(oai_error *e, const char *what, size_t bytes) {
+    return oai_fail(e, 413, "invalid_request_error", "reply_too_large", NULL,
+                    "the %s would be over %zu bytes (the limit is %u); send less at once", what, bytes,
+                    GW_MAX_REPLY_BYTES);
 }
 
-/* POST /detokenize: {"tokens": [ids], optional "model"} -> {"prompt": text}. */
-static void handle_detokenize(gw *g, http_req *h) {
+typedef struct tokreq {
+    gw *g;
+    http_req *h;
+    oai_request o;
+    tjob job;
+} tokreq;
+
+static void on_tokenized(tjob *j);
+
+/* POST /tokenize (see parse_tokenize): parsed and tokenized by a worker;
+ * on_tokenized answers. */
+static void handle_tokenize(gw *g, http_req *h) {
     oai_error e;
-    size_t blen;
-    const char *body = http_req_body(h, &blen);
+    tokreq *t = calloc(1, sizeof *t);
+    if (!t) return reply_error(g, h, MET_TOKENIZE, (oai_oom(&e), &e));
+    t->g = g;
+    t->h = h;
+    tjob_submit(g, &t->job, h, TJOB_TOKENIZE, OAI_COMPLETION, &t->o, on_tokenized);
+}
+
+/* On the worker: "1,2,3]}", the ids' part of the reply, within the limit
+ * (the head, written on the loop, is at most 64 bytes). */
+static int tokenize_list(tjob *j) {
+    size_t bytes = 64 + 2;
+    for (int32_t i = 0; i < j->n; i++) {
+        char num[16];
+        bytes += (size_t)snprintf(num, sizeof num, "%d", j->ids[i]) + (i > 0);
+    }
+    if (bytes > GW_MAX_REPLY_BYTES) return reply_too_large(&j->e, "list of token ids", bytes);
+    if (!jb_reserve(&j->reply, bytes)) return oai_oom(&j->e);
+    for (int32_t i = 0; i < j->n; i++) jb_printf(&j->reply, "%s%d", i ? "," : "", j->ids[i]);
+    jb_str(&j->reply, "]}");
+    return AE_OK;
+}
+
+static void on_tokenized(tjob *j) {
+    tokreq *t = (tokreq *)(void *)((char *)j - offsetof(tokreq, job));
+    gw *g = t->g;
+    if (j->rc != AE_OK) {
+        reply_error(g, t->h, MET_TOKENIZE, &j->e);
+    } else {
+        jbuf b = {0};
+        jb_printf(&b, "{\"count\":%d,\"max_model_len\":%d,\"tokens\":[", j->n, context_len(g));
+        jb_add(&b, j->reply.p, j->reply.len);
+        reply_jbuf(g, t->h, MET_TOKENIZE, &b);
+        jb_free(&b);
+    }
+    free(j->ids);
+    jb_free(&j->reply);
+    oai_request_free(&t->o);
+    free(t);
+}
+
+/* POST /detokenize: {"tokens": [ids], optional "model"} -> {"prompt": text}.
+ * On a worker: parsing half a million ids took the loop ~0.2 s. */
+static int detokenize_body(const gw *g, tjob *j) {
+    oai_error *e = &j->e;
     ae_error jerr = {{0}};
-    cJSON *root = json_parse(body, blen, &jerr);
+    cJSON *root = json_parse(j->body, j->len, &jerr);
     int32_t *ids = NULL;
     char *text = NULL;
+    int rc = AE_ERR;
     const cJSON *toks = cJSON_GetObjectItemCaseSensitive(root, "tokens");
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (!root) {
-        oai_bad(&e, NULL, "invalid_json", "the body is not valid JSON: %s", jerr.msg);
-        goto fail;
+        oai_bad(e, NULL, "invalid_json", "the body is not valid JSON: %s", jerr.msg);
+        goto out;
     }
     for (const cJSON *f = cJSON_IsObject(root) ? root->child : NULL; f; f = f->next)
         if (strcmp(f->string, "tokens") != 0 && strcmp(f->string, "model") != 0) {
-            oai_bad(&e, f->string, "unsupported_parameter", "'%.60s' is not supported", f->string);
-            goto fail;
+            oai_bad(e, f->string, "unsupported_parameter", "'%.60s' is not supported", f->string);
+            goto out;
         }
     if (model && !cJSON_IsNull(model) &&
-        (!cJSON_IsString(model) ? oai_bad(&e, "model", "invalid_type", "'model' must be a string")
-                                : check_model(g, model->valuestring, &e)) != AE_OK)
-        goto fail;
+        (!cJSON_IsString(model) ? oai_bad(e, "model", "invalid_type", "'model' must be a string")
+                                : check_model(g, model->valuestring, e)) != AE_OK)
+        goto out;
     if (!cJSON_IsArray(toks)) {
-        oai_bad(&e, "tokens", "invalid_type", "'tokens' must be a list of token ids");
-        goto fail;
+        oai_bad(e, "tokens", "invalid_type", "'tokens' must be a list of token ids");
+        goto out;
     }
     int n = cJSON_GetArraySize(toks), i = 0;
     ids = malloc(sizeof(int32_t) * (size_t)(n ? n : 1));
-    AE_ASSERT(ids);
+    if (!ids) {
+        oai_oom(e);
+        goto out;
+    }
     for (const cJSON *t = toks->child; t; t = t->next, i++) {
         int64_t v;
         if (!json_int(t, 0, tok_vocab_size(g->cfg.tok) - 1, &v)) {
-            oai_bad(&e, "tokens", "invalid_value", "tokens[%d] is not a token id of this model (0 to %d)", i,
+            oai_bad(e, "tokens", "invalid_value", "tokens[%d] is not a token id of this model (0 to %d)", i,
                     tok_vocab_size(g->cfg.tok) - 1);
-            goto fail;
+            goto out;
         }
         ids[i] = (int32_t)v;
     }
+    /* Measured before anything is allocated for it: the text, then its
+     * JSON form, must fit the reply's limit. */
     size_t len = 0;
     tok_decode(g->cfg.tok, ids, (size_t)n, false, NULL, 0, &len, NULL);
+    if (len + 13 > GW_MAX_REPLY_BYTES) {
+        reply_too_large(e, "text", len + 13);
+        goto out;
+    }
     text = malloc(len + 1);
-    AE_ASSERT(text);
+    if (!text) {
+        oai_oom(e);
+        goto out;
+    }
     tok_decode(g->cfg.tok, ids, (size_t)n, false, text, len + 1, &len, NULL);
-    jbuf b = {0};
-    jb_str(&b, "{\"prompt\":");
-    jb_quote(&b, text, len);
-    jb_str(&b, "}");
-    reply_json(g, h, MET_DETOKENIZE, 200, b.p, b.len, NULL);
-    jb_free(&b);
-    goto out;
-fail:
-    reply_error(g, h, MET_DETOKENIZE, &e);
+    size_t bytes = jb_quoted_len(text, len) + 11;
+    if (bytes > GW_MAX_REPLY_BYTES) {
+        reply_too_large(e, "text as JSON", bytes);
+        goto out;
+    }
+    jbuf *b = &j->reply;
+    jb_str(b, "{\"prompt\":");
+    jb_quote(b, text, len);
+    jb_str(b, "}");
+    rc = b->oom ? oai_oom(e) : AE_OK;
 out:
     free(ids);
     free(text);
     cJSON_Delete(root);
+    return rc;
+}
+
+static void on_detokenized(tjob *j) {
+    tokreq *t = (tokreq *)(void *)((char *)j - offsetof(tokreq, job));
+    if (j->rc != AE_OK) reply_error(t->g, t->h, MET_DETOKENIZE, &j->e);
+    else reply_jbuf(t->g, t->h, MET_DETOKENIZE, &j->reply);
+    jb_free(&j->reply);
+    free(t);
+}
+
+static void handle_detokenize(gw *g, http_req *h) {
+    oai_error e;
+    tokreq *t = calloc(1, sizeof *t);
+    if (!t) return reply_error(g, h, MET_DETOKENIZE, (oai_oom(&e), &e));
+    t->g = g;
+    t->h = h;
+    tjob_submit(g, &t->job, h, TJOB_DETOKENIZE, OAI_COMPLETION, NULL, on_detokenized);
 }
 
 static void handle_models(gw *g, http_req *h, const char *one) {
@@ -805,9 +1124,10 @@ static void handle_health(gw *g, http_req *h) {
         http_respond(h, 200, "application/json", NULL, body, (size_t)len);
         return;
     }
-    char *body = oai_error_json(&e);
+    char *json = oai_error_json(&e);
+    const char *body = json ? json : OAI_OOM_JSON;
     http_respond(h, 503, "application/json", "Retry-After: 1\r\n", body, strlen(body));
-    free(body);
+    free(json);
 }
 
 static void handle_metrics(gw *g, http_req *h) {
@@ -917,8 +1237,8 @@ static void on_log_timer(evutil_socket_t fd, short what, void *arg) {
     uint64_t req = g->requests_done, toks = g->met.generation_tokens;
     char why[256];
     int healthy = router_healthy(g->cfg.router, why, sizeof why);
-    LOG_INFOF("gateway_load req_s=%.2f tok_s=%.1f inflight=%d conns=%d targets_healthy=%d/%d",
-              (double)(req - g->log_requests) / dt, (double)(toks - g->log_tokens) / dt, g->inflight,
+    LOG_INFOF("gateway_load req_s=%.2f tok_s=%.1f inflight=%d tokenizing=%d conns=%d targets_healthy=%d/%d",
+              (double)(req - g->log_requests) / dt, (double)(toks - g->log_tokens) / dt, g->inflight, g->jobs,
               http_server_conns(g->http), healthy, router_count(g->cfg.router));
     g->log_requests = req;
     g->log_tokens = toks;
@@ -960,9 +1280,15 @@ int gw_open(gw **out, rpc_loop *loop, const gw_config *cfg, ae_error *err) {
     g->loop = loop;
     g->started = (int64_t)time(NULL);
     met_init(&g->met);
+    if (workers_start(g, err) != AE_OK) {
+        workers_stop(g);
+        free(g);
+        return AE_ERR;
+    }
     open_job j = {g, err, AE_ERR};
     rpc_loop_run(loop, open_on_loop, &j);
     if (j.rc != AE_OK) {
+        workers_stop(g);
         free(g);
         return AE_ERR;
     }
@@ -1004,5 +1330,6 @@ void gw_close(gw *g) {
 void gw_free(gw *g) {
     if (!g) return;
     gw_close(g);
+    workers_stop(g);
     free(g);
 }

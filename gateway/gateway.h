@@ -15,7 +15,9 @@
  * distributed).
  *
  * Everything runs on the rpc_loop's one thread: HTTP, the RPC callbacks,
- * health checks and timers. The functions below may be called from any
+ * health checks and timers, except rendering and tokenizing prompts, which
+ * GW_TOK_WORKERS threads do (with parsing the body) so that a big request
+ * never stalls the loop. The functions below may be called from any
  * thread. */
 #ifndef AERIE_GATEWAY_GATEWAY_H
 #define AERIE_GATEWAY_GATEWAY_H
@@ -32,6 +34,21 @@
 #define GW_MAX_API_KEYS 64
 #define GW_MAX_HEAD_BYTES (64u << 10)  /* request line and headers */
 #define GW_MAX_UNSENT_BYTES (1u << 20) /* a client this far behind its stream is dropped */
+/* A reply built from what a request names (/tokenize's ids,
+ * /detokenize's text) is at most this long, else 413: a small body can
+ * name a huge text (1 MiB of one whitespace token's id decodes to 11 MB),
+ * and a whole reply is queued whatever the client reads. */
+#define GW_MAX_REPLY_BYTES GW_MAX_UNSENT_BYTES
+#define GW_TOK_WORKERS 2               /* threads that render and tokenize prompts */
+/* What one worker holds at most for a body of b bytes, summed though
+ * not all at once: the JSON tree (a cJSON node and malloc's overhead, 80
+ * bytes, for every 2 bytes of "1,1,..."), the parsed request's copy of the
+ * text (b), the rendered text (b plus at most 64 bytes of markers for each
+ * of CHAT_MAX_MESSAGES, and the default system prompt), its ids (4 bytes
+ * per byte of it) and a reply (GW_MAX_REPLY_BYTES, 1 MiB). GW_TOK_WORKERS
+ * of these are what the workers hold at once, for a memory plan to add. */
+#define GW_TOK_WORKER_BYTES(b) \
+    (40u * (uint64_t)(b) + (uint64_t)(b) + 5u * ((uint64_t)(b) + 64u * CHAT_MAX_MESSAGES + 4096u) + (1u << 20))
 
 typedef struct gw_config {
     const char *host;

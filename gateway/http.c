@@ -452,10 +452,14 @@ static void conn_refuse(conn *c, int status, const char *why) {
 /* Reads a head if a whole one is there. False: wait for more bytes. */
 static bool read_head(conn *c, struct evbuffer *in) {
     const http_config *cfg = &c->srv->cfg;
-    while (c->scanned == 0 && evbuffer_get_length(in) >= 2) {
+    /* Empty lines before a request (RFC 9112 2.2) are dropped whenever
+     * they are whole, however they were split across reads: a lone "\r"
+     * left from the last read is completed by this one's "\n". */
+    while (evbuffer_get_length(in) >= 2) {
         const unsigned char *b = evbuffer_pullup(in, 2);
         if (b[0] != '\r' || b[1] != '\n') break;
-        evbuffer_drain(in, 2); /* an empty line before a request (RFC 9112 2.2) */
+        evbuffer_drain(in, 2);
+        c->scanned = c->scanned > 2 ? c->scanned - 2 : 0;
     }
     size_t n = evbuffer_get_length(in);
     if (n == 0) return false;

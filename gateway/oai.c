@@ -29,6 +29,10 @@ int oai_fail(oai_error *e, int status, const char *type, const char *code, const
     return AE_ERR;
 }
 
+int oai_oom(oai_error *e) {
+    return oai_fail(e, 503, "server_error", "out_of_memory", NULL, "the gateway is out of memory; retry later");
+}
+
 int oai_bad(oai_error *e, const char *param, const char *code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -42,7 +46,7 @@ int oai_bad(oai_error *e, const char *param, const char *code, const char *fmt, 
 static char *valid_utf8(const char *s) {
     size_t n = strlen(s);
     char *out = malloc(DETOK_UTF8_MAX_OUT(n) + 4);
-    AE_ASSERT(out);
+    if (!out) return NULL;
     detok_utf8 u;
     detok_utf8_init(&u);
     size_t len = detok_utf8_push(&u, s, n, out, DETOK_UTF8_MAX_OUT(n));
@@ -53,18 +57,17 @@ static char *valid_utf8(const char *s) {
 
 char *oai_error_json(const oai_error *e) {
     cJSON *root = cJSON_CreateObject(), *o = cJSON_AddObjectToObject(root, "error");
-    char *msg = valid_utf8(e->message), *param = valid_utf8(e->param);
-    cJSON_AddStringToObject(o, "message", msg);
-    cJSON_AddStringToObject(o, "type", e->type ? e->type : "server_error");
-    if (param[0]) cJSON_AddStringToObject(o, "param", param);
-    else cJSON_AddNullToObject(o, "param");
-    if (e->code) cJSON_AddStringToObject(o, "code", e->code);
-    else cJSON_AddNullToObject(o, "code");
-    char *s = cJSON_PrintUnformatted(root);
+    char *msg = valid_utf8(e->message), *param = valid_utf8(e->param), *s = NULL;
+    /* Every add below fails alone (NULL object, NULL string) when memory
+     * is short; a missing member is caught by the checks. */
+    if (o && msg && param && cJSON_AddStringToObject(o, "message", msg) &&
+        cJSON_AddStringToObject(o, "type", e->type ? e->type : "server_error") &&
+        (param[0] ? cJSON_AddStringToObject(o, "param", param) : cJSON_AddNullToObject(o, "param")) &&
+        (e->code ? cJSON_AddStringToObject(o, "code", e->code) : cJSON_AddNullToObject(o, "code")))
+        s = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
     free(msg);
     free(param);
-    AE_ASSERT(s);
     return s;
 }
 
@@ -75,9 +78,10 @@ typedef struct block {
     max_align_t data[];
 } block;
 
+/* NULL when out of memory: the caller answers with oai_oom. */
 static void *r_alloc(oai_request *r, size_t n) {
     block *b = malloc(sizeof *b + n);
-    AE_ASSERT(b);
+    if (!b) return NULL;
     b->next = r->mem_;
     r->mem_ = b;
     return b->data;
@@ -85,6 +89,7 @@ static void *r_alloc(oai_request *r, size_t n) {
 
 static char *r_strdup(oai_request *r, const char *s, size_t n) {
     char *d = r_alloc(r, n + 1);
+    if (!d) return NULL;
     memcpy(d, s, n);
     d[n] = '\0';
     return d;
@@ -137,14 +142,40 @@ static int checked_string(const cJSON *v, const char *name, oai_error *e) {
     return AE_OK;
 }
 
+typedef struct key_at {
+    const char *key;
+    int at; /* its place in the object */
+} key_at;
+
+static int key_cmp(const void *pa, const void *pb) {
+    const key_at *a = pa, *b = pb;
+    int c = strcmp(a->key, b->key);
+    return c ? c : (a->at > b->at) - (a->at < b->at);
+}
+
 /* JSON lets a key repeat; which one counts differs between parsers, so a
- * repeated key is refused rather than guessed. */
+ * repeated key is refused rather than guessed. The keys are sorted, not
+ * compared pairwise: a body of 90k distinct keys once held the loop for
+ * seconds. The key named is the repeated one that appears first. */
 static int no_duplicates(const cJSON *obj, const char *where, oai_error *e) {
-    for (const cJSON *f = obj->child; f; f = f->next)
-        for (const cJSON *g = f->next; g; g = g->next)
-            if (strcmp(f->string, g->string) == 0)
-                return oai_bad(e, f->string, "duplicate_field", "'%.60s' appears more than once%s", f->string, where);
-    return AE_OK;
+    int n = 0;
+    for (const cJSON *f = obj->child; f; f = f->next) n++;
+    if (n < 2) return AE_OK;
+    key_at small[16], *k = (size_t)n <= sizeof small / sizeof small[0] ? small : malloc(sizeof *k * (size_t)n);
+    if (!k) return oai_oom(e);
+    int i = 0;
+    for (const cJSON *f = obj->child; f; f = f->next, i++) k[i] = (key_at){f->string, i};
+    qsort(k, (size_t)n, sizeof *k, key_cmp);
+    const key_at *first = NULL;
+    for (int run = 0, j = 1; j <= n; j++) {
+        if (j < n && strcmp(k[j].key, k[run].key) == 0) continue;
+        if (j - run > 1 && (!first || k[run].at < first->at)) first = &k[run]; /* k[run]: the run's first place */
+        run = j;
+    }
+    int rc = first ? oai_bad(e, first->key, "duplicate_field", "'%.60s' appears more than once%s", first->key, where)
+                   : AE_OK;
+    if (k != small) free(k);
+    return rc;
 }
 
 static int parse_stop(oai_request *r, const cJSON *v, oai_error *e) {
@@ -164,7 +195,7 @@ static int parse_stop(oai_request *r, const cJSON *v, oai_error *e) {
         if (len < 1 || len > STOP_MAX_BYTES)
             return oai_bad(e, "stop", "invalid_value", "a stop string has %zu bytes; it must have 1 to %d", len,
                            STOP_MAX_BYTES);
-        r->stops[r->n_stops] = r_strdup(r, it->valuestring, len);
+        if (!(r->stops[r->n_stops] = r_strdup(r, it->valuestring, len))) return oai_oom(e);
         r->stop_lens[r->n_stops++] = len;
     }
     return AE_OK;
@@ -176,7 +207,7 @@ static int parse_content(oai_request *r, const cJSON *v, const char *param, cons
     if (cJSON_IsString(v)) {
         if (checked_string(v, param, e) != AE_OK) return AE_ERR;
         *out = r_strdup(r, v->valuestring, strlen(v->valuestring));
-        return AE_OK;
+        return *out ? AE_OK : oai_oom(e);
     }
     if (!cJSON_IsArray(v))
         return oai_bad(e, param, "invalid_type", "'%s' must be a string or a list of text parts", param);
@@ -194,6 +225,7 @@ static int parse_content(oai_request *r, const cJSON *v, const char *param, cons
         total += strlen(text->valuestring);
     }
     char *s = r_alloc(r, total + 1), *w = s;
+    if (!s) return oai_oom(e);
     for (const cJSON *p = v->child; p; p = p->next) {
         const char *t = cJSON_GetObjectItemCaseSensitive(p, "text")->valuestring;
         size_t n = strlen(t);
@@ -210,6 +242,7 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
     if (n < 1) return oai_bad(e, "messages", "invalid_type", "'messages' must be a non-empty list");
     if ((size_t)n > CHAT_MAX_MESSAGES) return oai_bad(e, "messages", "invalid_value", "at most %u messages", CHAT_MAX_MESSAGES);
     r->msgs = r_alloc(r, sizeof(chat_msg) * (size_t)n);
+    if (!r->msgs) return oai_oom(e);
     r->n_msgs = (size_t)n;
     int i = 0;
     for (const cJSON *m = v->child; m; m = m->next, i++) {
@@ -250,6 +283,7 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
 static int parse_ids(oai_request *r, const cJSON *v, oai_error *e) {
     int n = cJSON_GetArraySize(v);
     r->prompt_ids = r_alloc(r, sizeof(int32_t) * (size_t)(n ? n : 1));
+    if (!r->prompt_ids) return oai_oom(e);
     r->n_prompt_ids = (size_t)n;
     int i = 0;
     for (const cJSON *t = v->child; t; t = t->next, i++) {
@@ -273,7 +307,7 @@ static int parse_prompt(oai_request *r, const cJSON *v, oai_error *e) {
         if (checked_string(v, "prompt", e) != AE_OK) return AE_ERR;
         r->prompt_len = strlen(v->valuestring);
         r->prompt = r_strdup(r, v->valuestring, r->prompt_len);
-        return AE_OK;
+        return r->prompt ? AE_OK : oai_oom(e);
     }
     if (cJSON_IsArray(v)) return parse_ids(r, v, e);
     return oai_bad(e, "prompt", "invalid_type", "'prompt' must be a string or a list of token ids");

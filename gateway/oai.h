@@ -40,8 +40,15 @@ int oai_fail(oai_error *e, int status, const char *type, const char *code, const
 /* Shorthand: 400 invalid_request_error. */
 int oai_bad(oai_error *e, const char *param, const char *code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
-/* The JSON body of e (malloc'd, NUL-terminated). */
+/* Sets e to 503 server_error "out_of_memory" and returns AE_ERR: what a
+ * request gets when an allocation for it fails. */
+int oai_oom(oai_error *e);
+/* The JSON body of e (malloc'd, NUL-terminated); NULL when out of memory
+ * (OAI_OOM_JSON is then the body to send). */
 char *oai_error_json(const oai_error *e);
+#define OAI_OOM_JSON                                                                                          \
+    "{\"error\":{\"message\":\"the gateway is out of memory; retry later\",\"type\":\"server_error\","  \
+    "\"param\":null,\"code\":\"out_of_memory\"}}"
 
 typedef enum oai_kind { OAI_CHAT, OAI_COMPLETION } oai_kind;
 
@@ -77,7 +84,7 @@ typedef struct oai_request {
 } oai_request;
 
 /* Parses body[0..len). On failure e holds a 400 with the field named in
- * param; the request is left empty (oai_request_free is still safe). */
+ * param (or oai_oom's 503); the request is left empty (oai_request_free is still safe). */
 int oai_parse(oai_request *r, oai_kind kind, const char *body, size_t len, oai_error *e);
 /* The same from a parsed body (its strings already checked as UTF-8). */
 int oai_parse_tree(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e);

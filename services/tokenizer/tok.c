@@ -92,6 +92,19 @@ typedef struct blob {
     size_t len, cap;
 } blob;
 
+/* A node of the trie of added tokens' texts: the node for a prefix has
+ * one child per byte that continues some token. A walk from a text
+ * position costs at most the longest added token's length, whatever the
+ * number of added tokens (a scan over all of them took 0.28 s for 1 MiB of
+ * "<|" with 273 tokens starting so). */
+typedef struct added_node {
+    uint32_t child;   /* first child; 0: none */
+    uint32_t sibling; /* the parent's next child; 0: none */
+    int32_t id;       /* the lowest id whose text ends here; -1: none */
+    int32_t id_plain; /* the same among non-special tokens */
+    uint8_t byte;     /* the byte leading here from the parent */
+} added_node;
+
 struct tok {
     tok_pre pre;
     bool ignore_merges;
@@ -107,9 +120,10 @@ struct tok {
     int32_t byte_id[256]; /* single-byte token of each byte; -1: none */
     int32_t unk;          /* -1: none */
 
-    int32_t *added;        /* (n_added) ids, by first byte, then longest first */
-    uint32_t n_added;
-    uint32_t added_at[257]; /* added[added_at[b] .. added_at[b+1]) start with b */
+    added_node *added;      /* (n_added_nodes) the added tokens' trie; [0] is its root */
+    uint32_t n_added_nodes;
+    uint32_t n_added;       /* added tokens */
+    uint32_t added_root[256]; /* the root's child for each byte; 0: none */
     int added_first;        /* the only first byte of all added tokens, or -1 */
 
     int32_t bos, eos;
@@ -396,53 +410,49 @@ static int merge_add(tok *t, const char *l, size_t llen, const char *r, size_t r
     return AE_OK;
 }
 
-typedef struct added_key {
-    uint8_t first;
-    uint32_t len;
-    int32_t id;
-} added_key;
-
-static int added_cmp(const void *pa, const void *pb) {
-    const added_key *a = pa, *b = pb;
-    if (a->first != b->first) return a->first < b->first ? -1 : 1;
-    if (a->len != b->len) return a->len > b->len ? -1 : 1;
-    return a->id < b->id ? -1 : 1;
+/* The child of node `at` for byte b, made when `make` (the room is
+ * counted beforehand); 0 when absent. */
+static uint32_t added_child(tok *t, uint32_t at, uint8_t b, bool make) {
+    uint32_t *link = at ? &t->added[at].child : &t->added_root[b];
+    if (at)
+        for (; *link; link = &t->added[*link].sibling)
+            if (t->added[*link].byte == b) return *link;
+    if (*link || !make) return *link;
+    uint32_t k = t->n_added_nodes++;
+    t->added[k] = (added_node){0, 0, -1, -1, b};
+    *link = k;
+    return k;
 }
 
 static int build_finish(tok *t, ae_error *err) {
+    size_t bytes = 0;
     uint32_t n = 0;
     for (int32_t id = 0; id < t->n_vocab; id++)
-        if ((t->ent[id].flags & ENT_ADDED) && t->ent[id].raw_len) n++;
+        if ((t->ent[id].flags & ENT_ADDED) && t->ent[id].raw_len) n++, bytes += t->ent[id].raw_len;
     if (n) {
-        added_key *keys = malloc((size_t)n * sizeof *keys);
-        t->added = malloc((size_t)n * sizeof *t->added);
-        if (!keys || !t->added) {
-            free(keys);
-            return err_set(err, "out of memory (added tokens)");
-        }
-        n = 0;
+        if (bytes >= UINT32_MAX) return err_set(err, "added tokens: %zu bytes of text is too many", bytes);
+        t->added = malloc((bytes + 1) * sizeof *t->added);
+        if (!t->added) return err_set(err, "out of memory (added tokens)");
+        t->added[0] = (added_node){0, 0, -1, -1, 0};
+        t->n_added_nodes = 1;
+        /* Ids ascending: the first to reach a node is its lowest. */
         for (int32_t id = 0; id < t->n_vocab; id++) {
             const tok_entry *e = &t->ent[id];
-            if ((e->flags & ENT_ADDED) && e->raw_len)
-                keys[n++] = (added_key){t->raw.p[e->raw_off], e->raw_len, id};
+            if (!(e->flags & ENT_ADDED) || !e->raw_len) continue;
+            const uint8_t *p = t->raw.p + e->raw_off;
+            uint32_t at = 0;
+            for (uint32_t j = 0; j < e->raw_len; j++) at = added_child(t, at, p[j], true);
+            if (t->added[at].id < 0) t->added[at].id = id;
+            if (!(e->flags & ENT_SPECIAL) && t->added[at].id_plain < 0) t->added[at].id_plain = id;
         }
-        qsort(keys, n, sizeof *keys, added_cmp);
-        for (uint32_t i = 0; i < n; i++) t->added[i] = keys[i].id;
-        free(keys);
     }
     t->n_added = n;
-    /* added_at[b]: first index whose first byte is >= b. */
-    uint32_t i = 0;
     int firsts = 0;
-    for (int b = 0; b <= 256; b++) {
-        t->added_at[b] = i;
-        uint32_t start = i;
-        while (b < 256 && i < n && t->raw.p[t->ent[t->added[i]].raw_off] == b) i++;
-        if (i > start) {
+    for (int b = 0; b < 256; b++)
+        if (t->added_root[b]) {
             firsts++;
             t->added_first = b;
         }
-    }
     if (firsts != 1) t->added_first = -1;
 
     t->cache = calloc(CACHE_SLOTS, sizeof *t->cache);
@@ -1130,9 +1140,9 @@ static long bpe_piece(const tok *t, const uint8_t *w, size_t n, int32_t *out,
 }
 
 /* The next added token in s[from..len): its start and id, or false. Leftmost
- * first, then longest (added[] is sorted longest first per first byte).
- * Special tokens count only when `special` is set; other added tokens are
- * always split out, as the reference library does. */
+ * first, then longest, then the lowest id, walked in the trie from each
+ * position. Special tokens count only when `special` is set; other added
+ * tokens are always split out, as the reference library does. */
 static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from, bool special,
                        size_t *at, int32_t *id) {
     if (t->n_added == 0) return false;
@@ -1142,15 +1152,18 @@ static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from, 
             if (!p) return false;
             i = (size_t)(p - s);
         }
-        uint8_t b = s[i];
-        for (uint32_t k = t->added_at[b]; k < t->added_at[b + 1]; k++) {
-            const tok_entry *e = &t->ent[t->added[k]];
-            if (!special && (e->flags & ENT_SPECIAL)) continue;
-            if (e->raw_len <= len - i && memcmp(s + i, t->raw.p + e->raw_off, e->raw_len) == 0) {
-                *at = i;
-                *id = t->added[k];
-                return true;
-            }
+        int32_t best = -1;
+        for (uint32_t k = t->added_root[s[i]], j = 1; k; j++) {
+            const added_node *nd = &t->added[k];
+            int32_t here = special ? nd->id : nd->id_plain;
+            if (here >= 0) best = here;
+            if (i + j >= len) break;
+            for (k = nd->child; k && t->added[k].byte != s[i + j]; k = t->added[k].sibling) {}
+        }
+        if (best >= 0) {
+            *at = i;
+            *id = best;
+            return true;
         }
     }
     return false;

@@ -624,6 +624,23 @@ static void test_many_pipelined_requests_are_all_answered(void **state) {
     close(fd);
 }
 
+/* RFC 9112 2.2: empty lines before a request are skipped, however the
+ * bytes are split across reads ("\r", then "\n\r\n" and the request). */
+static void test_empty_lines_split_across_reads_are_skipped(void **state) {
+    fixture *f = *state;
+    int fd = client(f);
+    send_all(fd, "\r");
+    usleep(50000); /* a read of its own */
+    send_all(fd, "\n\r\nGET /hello HTTP/1.1\r\n\r\n");
+    expect_bytes(fd, HELLO);
+    send_all(fd, "\r\n\r");
+    usleep(50000);
+    send_all(fd, "\nGET /hello HTTP/1.1\r\n\r\n");
+    expect_bytes(fd, HELLO);
+    assert_int_equal(get_int(&T.handled), 2);
+    close(fd);
+}
+
 static void test_pipelined_request_waits_for_an_owned_one(void **state) {
     fixture *f = *state;
     int fd = client(f);
@@ -894,6 +911,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_keep_alive_serves_two_requests_on_one_connection, setup, teardown),
         cmocka_unit_test_setup_teardown(test_pipelined_requests_are_answered_in_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_many_pipelined_requests_are_all_answered, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_empty_lines_split_across_reads_are_skipped, setup, teardown),
         cmocka_unit_test_setup_teardown(test_pipelined_request_waits_for_an_owned_one, setup, teardown),
         cmocka_unit_test_setup_teardown(test_streamed_reply_is_chunked_on_the_wire, setup, teardown),
         cmocka_unit_test_setup_teardown(test_http10_stream_ends_with_the_connection, setup, teardown),
