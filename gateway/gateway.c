@@ -354,7 +354,12 @@ static void take_end(greq *q) {
         q->stopped = stop_push(q->sm, q->piece, plen, q->text, stop_max_out(q->sm), &tlen);
         emit(q, q->text, tlen);
     }
-    if (!q->stopped) emit(q, q->text, stop_flush(q->sm, q->text, stop_max_out(q->sm)));
+    if (!q->stopped) {
+        /* The flush may settle a match that waited for a longer stop
+         * starting earlier (stop.h): that ends the request on a stop too. */
+        emit(q, q->text, stop_flush(q->sm, q->text, stop_max_out(q->sm)));
+        q->stopped = stop_matched(q->sm);
+    }
     if (q->stopped) q->finish = aerie_FinishReason_FINISH_STOP;
 }
 
@@ -1136,12 +1141,20 @@ static void handle_metrics(gw *g, http_req *h) {
     met_gauges gg = {targets, router_count(g->cfg.router), g->inflight, g->http ? http_server_conns(g->http) : 0};
     size_t len;
     char *text = met_render(&g->met, &gg, &len);
+    if (!text) {
+        oai_error e;
+        return reply_error(g, h, MET_ROUTES, (oai_oom(&e), &e));
+    }
     http_respond(h, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, text, len);
     free(text);
 }
 
 static void handle_server_info(gw *g, http_req *h) {
     char *peers = router_info_json(g->cfg.router);
+    if (!peers) {
+        oai_error e;
+        return reply_error(g, h, MET_ROUTES, (oai_oom(&e), &e));
+    }
     jbuf b = {0};
     jb_str(&b, "{\"gateway\":{\"service\":\"aerie-gateway\",\"model\":");
     jb_quote(&b, g->cfg.model_name, strlen(g->cfg.model_name));
@@ -1155,7 +1168,7 @@ static void handle_server_info(gw *g, http_req *h) {
     jb_str(&b, "},");
     /* peers is {"targets": [...], "drafts": [...]}: its members join ours. */
     jb_add(&b, peers + 1, strlen(peers) - 1);
-    reply_json(g, h, MET_ROUTES, 200, b.p, b.len, NULL);
+    reply_jbuf(g, h, MET_ROUTES, &b);
     jb_free(&b);
     free(peers);
 }

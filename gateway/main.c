@@ -71,21 +71,26 @@ static int split_list(char *text, char sep, char **out, int max, ae_error *err) 
 static double mib(uint64_t b) { return (double)b / (1024.0 * 1024.0); }
 
 /* The gateway holds no model, only buffers: each connection may hold a
- * request head, a body and unsent reply bytes, all bounded. The worst case
- * is stated as arithmetic and must fit in the machine's memory. */
+ * request head, a body and unsent reply bytes (up to max_out, plus the one
+ * reply that may go past it: http.c drops the client only beyond that),
+ * and each tokenizer worker what one body costs it (gateway.h). The worst
+ * case is stated as arithmetic and must fit in half the machine's memory. */
 static int plan_memory(const cfg *c, char *text, size_t cap, ae_error *err) {
     uint64_t conns = (uint64_t)cfg_int(c, "max-conns"), body = (uint64_t)cfg_int(c, "max-body-bytes");
-    uint64_t per = GW_MAX_HEAD_BYTES + body + GW_MAX_UNSENT_BYTES, total = conns * per;
+    uint64_t per = GW_MAX_HEAD_BYTES + body + GW_MAX_UNSENT_BYTES + GW_MAX_REPLY_BYTES, http = conns * per;
+    uint64_t worker = GW_TOK_WORKER_BYTES(body), workers = GW_TOK_WORKERS * worker, total = http + workers;
     uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
     snprintf(text, cap,
-             "http buffers, worst case = max-conns %llu x (head %.2f MiB + body %.2f MiB + unsent %.2f MiB) = "
-             "%.1f MiB (%.1f%% of %.1f MiB of memory)",
-             (unsigned long long)conns, mib(GW_MAX_HEAD_BYTES), mib(body), mib(GW_MAX_UNSENT_BYTES), mib(total),
+             "http buffers, worst case = max-conns %llu x (head %.2f MiB + body %.2f MiB + unsent %.2f MiB + "
+             "reply %.2f MiB) = %.1f MiB; tokenizer workers = %d x %.2f MiB = %.1f MiB; total = %.1f MiB "
+             "(%.1f%% of %.1f MiB of memory)",
+             (unsigned long long)conns, mib(GW_MAX_HEAD_BYTES), mib(body), mib(GW_MAX_UNSENT_BYTES),
+             mib(GW_MAX_REPLY_BYTES), mib(http), GW_TOK_WORKERS, mib(worker), mib(workers), mib(total),
              phys ? 100.0 * (double)total / (double)phys : 0.0, mib(phys));
     if (phys && total > phys / 2)
         return err_set(err, "memory plan: %s; it must stay under half of memory: lower --max-conns to %llu or "
                             "--max-body-bytes",
-                       text, (unsigned long long)(phys / 2 / per));
+                       text, (unsigned long long)(phys / 2 > workers ? (phys / 2 - workers) / per : 0));
     return AE_OK;
 }
 

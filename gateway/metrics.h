@@ -69,6 +69,6 @@ typedef struct met_gauges {
 } met_gauges;
 
 /* The exposition text, malloc'd and NUL-terminated; *len its length. */
-char *met_render(const metrics *m, const met_gauges *g, size_t *len);
+char *met_render(const metrics *m, const met_gauges *g, size_t *len); /* NULL: out of memory */
 
 #endif

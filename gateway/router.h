@@ -59,6 +59,6 @@ void router_gauges(const router *r, met_target *targets);
 
 /* {"targets": [...], "drafts": [...]} with each one's address, health and
  * latest Info (settings, memory plan, live figures), malloc'd. */
-char *router_info_json(const router *r);
+char *router_info_json(const router *r); /* NULL: out of memory */
 
 #endif

@@ -272,7 +272,8 @@ def test_metrics_and_server_info(stack):
     assert gwc["default-max-tokens"] == {"value": 512, "source": "default"}
     assert info["gateway"]["chat_template"] == "chatml-default-system"
     assert info["gateway"]["memory_plan"].startswith(
-        "http buffers, worst case = max-conns 1024 x (head 0.06 MiB + body 1.00 MiB + unsent 1.00 MiB) = 2112.0 MiB (")
+        "http buffers, worst case = max-conns 1024 x (head 0.06 MiB + body 1.00 MiB + unsent 1.00 MiB + "
+        "reply 1.00 MiB) = 3136.0 MiB; tokenizer workers = 2 x 48.27 MiB = 96.5 MiB; total = 3232.5 MiB (")
     [t] = info["targets"]
     assert t["healthy"] and t["config"]["max-seq-len"]["value"] == CTX and "total = weights" in t["memory_plan"]
     [d] = info["drafts"]
@@ -421,7 +422,9 @@ def test_print_config_and_an_impossible_memory_plan(model):
                         "--max-body-bytes", str(1 << 30)], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2
     assert r.stderr.startswith("aerie-gateway: memory plan: http buffers, worst case = max-conns 65536 x "
-                               "(head 0.06 MiB + body 1024.00 MiB + unsent 1.00 MiB) = 67178496.0 MiB ("), r.stderr
+                               "(head 0.06 MiB + body 1024.00 MiB + unsent 1.00 MiB + reply 1.00 MiB) = "
+                               "67244032.0 MiB; tokenizer workers = 2 x 47106.27 MiB = 94212.5 MiB; "
+                               "total = 67338244.5 MiB ("), r.stderr
     assert "lower --max-conns to " in r.stderr
 
 
