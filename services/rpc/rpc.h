@@ -34,6 +34,19 @@ struct event_base;
 #define RPC_KEEPALIVE_MS 5000   /* a PING after this long without a frame from the peer */
 #define RPC_BACKOFF_MIN_MS 50   /* reconnect backoff: doubles up to the max */
 #define RPC_BACKOFF_MAX_MS 2000
+/* A server closes a connection that has not finished its TLS handshake and
+ * sent one whole frame this long after accept: a silent peer must not hold
+ * one of max_conns. */
+#define RPC_HANDSHAKE_MS 5000
+/* Then it closes one silent this long with no call open. Clients ping
+ * after RPC_KEEPALIVE_MS without a frame, so twice that plus a margin
+ * never races a live client's ping. */
+#define RPC_IDLE_MS (2 * RPC_KEEPALIVE_MS + 5000)
+/* A server stops reading from a peer that leaves this much unsent (it
+ * resumes below half), and drops one that leaves more than max_out_bytes
+ * beyond the frame being sent. */
+#define RPC_OUT_PAUSE_BYTES (4u << 20)
+#define RPC_DEFAULT_MAX_OUT (64u << 20)
 
 typedef struct rpc_loop rpc_loop;
 
@@ -89,6 +102,9 @@ typedef struct rpc_server_config {
     /* Called on the loop thread when a connection closes, after its calls
      * were marked cancelled (may be NULL). */
     void (*on_close)(void *ctx, uint64_t conn_id);
+    uint32_t handshake_ms; /* 0: RPC_HANDSHAKE_MS */
+    uint32_t idle_ms;      /* 0: RPC_IDLE_MS */
+    uint32_t max_out_bytes; /* 0: RPC_DEFAULT_MAX_OUT */
 } rpc_server_config;
 
 typedef struct rpc_server rpc_server;
