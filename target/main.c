@@ -164,9 +164,12 @@ int main(int argc, char **argv) {
     rc = 0;
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-target: %s\n", err.msg);
-    sched_free(sc); /* cancels what is left, finishing its calls */
-    wd_free(w);     /* after the scheduler that beats it, before the loop it times */
+    /* The server first: it cancels the calls still open and returns once
+     * the scheduler (still running) has finished them, so no handler can
+     * reach the scheduler after it is freed. */
     rpc_server_close(srv);
+    sched_free(sc); /* ends what is left */
+    wd_free(w);     /* after the scheduler that beats it, before the loop it times */
     dcli_close(dc);
     rpc_loop_free(loop);
     tsrv_free(ts);
