@@ -171,6 +171,34 @@ static int addr_parse(const char *text, addr *a, ae_error *err) {
     return AE_OK;
 }
 
+int rpc_default_addr(char *out, size_t cap, const char *name, bool create, ae_error *err) {
+    char dir[200];
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    int n;
+    if (xdg && xdg[0] == '/') n = snprintf(dir, sizeof dir, "%s/aerie", xdg);
+    else if (getuid() == 0) n = snprintf(dir, sizeof dir, "/run/aerie");
+    else n = snprintf(dir, sizeof dir, "/tmp/aerie-%u", (unsigned)getuid());
+    if (n < 0 || (size_t)n >= sizeof dir) return err_set(err, "runtime directory under \"%s\" is too long", xdg);
+    if (create && mkdir(dir, 0700) != 0 && errno != EEXIST)
+        return err_set(err, "cannot make the runtime directory %s: %s", dir, strerror(errno));
+    struct stat st;
+    if (lstat(dir, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) return err_set(err, "runtime directory %s is not a directory", dir);
+        if (st.st_uid != getuid())
+            return err_set(err, "runtime directory %s belongs to uid %u, not to this user (uid %u)", dir,
+                           (unsigned)st.st_uid, (unsigned)getuid());
+        if (st.st_mode & 077)
+            return err_set(err, "runtime directory %s is open to other users (mode %03o, want 700)", dir,
+                           (unsigned)(st.st_mode & 0777));
+    } else if (create || errno != ENOENT) {
+        return err_set(err, "runtime directory %s: %s", dir, strerror(errno));
+    }
+    n = snprintf(out, cap, "unix:%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= cap || (size_t)n - 5 >= sizeof ((struct sockaddr_un *)0)->sun_path)
+        return err_set(err, "socket path %s/%s is too long", dir, name);
+    return AE_OK;
+}
+
 static void ssl_error_text(char *buf, size_t cap) {
     unsigned long e = ERR_get_error();
     if (e) ERR_error_string_n(e, buf, cap);

@@ -23,6 +23,7 @@
 #define AERIE_RPC_RPC_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "../core/err.h"
@@ -69,7 +70,19 @@ typedef struct rpc_tls {
     const char *cert, *key, *ca;
 } rpc_tls;
 
-/* Addresses: "unix:/path/to.sock", or "host:port" / "[v6]:port" (TCP). */
+/* Addresses: "unix:/path/to.sock", or "host:port" / "[v6]:port" (TCP).
+ * On a Unix socket each side checks the other's user (SO_PEERCRED): a
+ * server refuses a peer that is neither its own user nor root, and a client
+ * refuses a server socket that is neither, so another local user can
+ * neither talk to a service nor pose as one. */
+
+/* The default address of a service's Unix socket: "unix:DIR/NAME" in a
+ * runtime directory only this user may enter: $XDG_RUNTIME_DIR/aerie, else
+ * /run/aerie for root, else /tmp/aerie-UID (never a shared directory such
+ * as /tmp itself, where another user could take the path first). With
+ * create, DIR is made (mode 0700) when missing. A DIR that exists must be
+ * a directory (not a link) of this user with no access for others. */
+int rpc_default_addr(char *out, size_t cap, const char *name, bool create, ae_error *err);
 
 /* ---- Server ---- */
 

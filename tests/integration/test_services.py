@@ -805,3 +805,37 @@ def test_a_peer_that_pipelines_info_and_never_reads_is_bounded_and_dropped(servi
     assert "reason=\"silent for" in target.text(), target.text()[-2000:]
     print(f"dropped {time.monotonic() - t1:.1f} s after the peer stopped sending")
     rpc.info(target.addr)  # the others are still served
+
+
+def test_default_sockets_are_in_a_private_runtime_directory(model, tmp_path, monkeypatch):
+    """No --listen: the socket goes into $XDG_RUNTIME_DIR/aerie (mode 0700),
+    the source says auto, and AERIE_LISTEN or --listen still win."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    run_dir = tmp_path / "aerie"
+
+    def printed(name, *args, env=None):
+        e = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+        e.update(env or {})
+        extra = ["--draft", str(HEAD)] if name == "aerie-draft" else []
+        out = subprocess.run([str(SERVICE_DIR / name), "--model", str(model), *extra, *args, "--print-config"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120, env=e)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    for name, key, sock in (("aerie-target", "listen", "aerie-target.sock"),
+                            ("aerie-draft", "listen", "aerie-draft.sock"),
+                            ("aerie-gateway", "targets", "aerie-target.sock")):
+        assert printed(name)[key] == {"value": f"unix:{run_dir}/{sock}", "source": "auto"}, name
+    assert printed("aerie-target", env={"AERIE_LISTEN": "unix:/run/x/t.sock"})["listen"] == \
+        {"value": "unix:/run/x/t.sock", "source": "env"}
+    assert printed("aerie-target", "--listen", "127.0.0.1:0")["listen"] == {"value": "127.0.0.1:0", "source": "flag"}
+    assert not run_dir.exists()  # printing the configuration makes nothing
+
+    target = Service("aerie-target", ["--model", model, *target_args()], f"unix:{run_dir}/aerie-target.sock",
+                     tmp_path)
+    try:
+        assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+        _r, stats, cfg = rpc.info(target.addr)
+        assert cfg["listen"] == {"value": target.addr, "source": "auto"}
+    finally:
+        assert target.stop() == 0, target.text()[-3000:]

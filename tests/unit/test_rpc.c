@@ -12,7 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
@@ -670,6 +672,137 @@ static void test_server_close_waits_for_handlers_to_finish(void **state) {
     open_server(f, f->addr); /* for teardown */
 }
 
+/* ---- Unix sockets and other local users ---- */
+
+#define NOBODY 65534
+
+/* Runs fn in a child process as uid NOBODY; returns its exit code. */
+static int as_nobody(int (*fn)(const char *), const char *arg) {
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (setgid(NOBODY) != 0 || setuid(NOBODY) != 0) _exit(9);
+        _exit(fn(arg));
+    }
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 100;
+}
+
+/* 0: the server hung up without a PONG; 1: it answered; 2: no connection. */
+static int ping_once(const char *path) {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", path);
+    if (connect(fd, (struct sockaddr *)&un, sizeof un) != 0) return 2;
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    uint8_t fr[FRAME_HEADER];
+    frame_header h = {FRAME_VERSION, FRAME_PING, 0, 0, 0, 0, 0, 0};
+    frame_encode_header(&h, fr);
+    if (send(fd, fr, sizeof fr, MSG_NOSIGNAL) != (ssize_t)sizeof fr) return 0; /* already shut */
+    ssize_t k = read(fd, fr, sizeof fr);
+    close(fd);
+    return k > 0 ? 1 : 0;
+}
+
+static void test_a_server_refuses_a_peer_of_another_user(void **state) {
+    fixture *f = *state;
+    if (getuid() != 0) skip(); /* needs root to become another user */
+    const char *path = f->addr + 5;
+    assert_int_equal(chmod(path, 0777), 0); /* so that only the peer check stands in the way */
+    assert_int_equal(as_nobody(ping_once, path), 0);
+    assert_int_equal(ping_once(path), 1); /* root may */
+    echo_roundtrip(f, 8);
+}
+
+/* Listens as another user at path for 2 s, accepting what comes. */
+static int listen_briefly(const char *path) {
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", path);
+    if (bind(lfd, (struct sockaddr *)&un, sizeof un) != 0 || listen(lfd, 8) != 0) return 2;
+    usleep(2000000);
+    return 0;
+}
+
+static void test_a_client_refuses_a_socket_of_another_user(void **state) {
+    (void)state;
+    if (getuid() != 0) skip();
+    char dir[] = "/tmp/aerie-test-rpc-XXXXXX", path[96], addr[128];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(chmod(dir, 0777), 0);
+    snprintf(path, sizeof path, "%s/impostor.sock", dir);
+    snprintf(addr, sizeof addr, "unix:%s", path);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (setgid(NOBODY) != 0 || setuid(NOBODY) != 0) _exit(9);
+        _exit(listen_briefly(path));
+    }
+    struct stat st;
+    for (int i = 0; i < 200 && stat(path, &st) != 0; i++) usleep(5000);
+    rpc_loop *loop;
+    rpc_client *cli;
+    ae_error err = {{0}};
+    assert_int_equal(rpc_loop_start(&loop, &err), AE_OK);
+    rpc_client_config cc = {.addr = addr};
+    if (rpc_client_open(&cli, loop, &cc, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_false(rpc_client_wait_connected(cli, 500));
+    assert_int_equal(rpc_client_connects(cli), 0);
+    rpc_client_close(cli);
+    rpc_loop_free(loop);
+    int code = 0;
+    assert_int_equal(waitpid(pid, &code, 0), pid);
+    assert_int_equal(WEXITSTATUS(code), 0);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* The default socket lives in a directory of this user that no one else
+ * may enter, and a directory that is not private is refused. */
+static void test_the_default_socket_is_in_a_private_directory(void **state) {
+    (void)state;
+    char cwd[256], xdg[320], want[400], got[400];
+    assert_non_null(getcwd(cwd, sizeof cwd));
+    snprintf(xdg, sizeof xdg, "%s/build/test-rpc-xdg-%d", cwd, (int)getpid());
+    assert_int_equal(mkdir(xdg, 0700), 0);
+    char *old = getenv("XDG_RUNTIME_DIR") ? strdup(getenv("XDG_RUNTIME_DIR")) : NULL;
+    setenv("XDG_RUNTIME_DIR", xdg, 1);
+    ae_error err = {{0}};
+    char dir[340];
+    snprintf(dir, sizeof dir, "%s/aerie", xdg);
+    /* Without create a missing directory is fine (the gateway's view). */
+    assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", false, &err), AE_OK);
+    struct stat st;
+    assert_int_equal(stat(dir, &st), -1);
+    assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", true, &err), AE_OK);
+    snprintf(want, sizeof want, "unix:%s/aerie-target.sock", dir);
+    assert_string_equal(got, want);
+    assert_int_equal(stat(dir, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0700);
+    assert_int_equal(chmod(dir, 0755), 0);
+    assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", false, &err), AE_ERR);
+    char text[512];
+    snprintf(text, sizeof text, "runtime directory %s is open to other users (mode 755, want 700)", dir);
+    assert_string_equal(err.msg, text);
+    if (getuid() == 0) {
+        assert_int_equal(chmod(dir, 0700), 0);
+        assert_int_equal(chown(dir, NOBODY, NOBODY), 0);
+        err = (ae_error){{0}};
+        assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", true, &err), AE_ERR);
+        snprintf(text, sizeof text, "runtime directory %s belongs to uid 65534, not to this user (uid 0)", dir);
+        assert_string_equal(err.msg, text);
+    }
+    rmdir(dir);
+    rmdir(xdg);
+    if (old) setenv("XDG_RUNTIME_DIR", old, 1);
+    else unsetenv("XDG_RUNTIME_DIR");
+    free(old);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_unix, teardown),
@@ -687,6 +820,9 @@ int main(void) {
         cmocka_unit_test(test_a_peer_that_does_not_read_is_paused_then_closed),
         cmocka_unit_test(test_a_stream_to_a_peer_that_does_not_read_is_dropped),
         cmocka_unit_test_setup_teardown(test_server_close_waits_for_handlers_to_finish, setup_unix, teardown),
+        cmocka_unit_test_setup_teardown(test_a_server_refuses_a_peer_of_another_user, setup_unix, teardown),
+        cmocka_unit_test(test_a_client_refuses_a_socket_of_another_user),
+        cmocka_unit_test(test_the_default_socket_is_in_a_private_directory),
         cmocka_unit_test_setup_teardown(test_started_calls_end_once_with_their_outcome, setup_unix, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
