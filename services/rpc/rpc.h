@@ -18,7 +18,9 @@
  * the peer can read one, and the connection closes; the other connections
  * carry on. A bad message inside a good frame (unknown method, invalid
  * protobuf, bad values) is the handler's to answer with an error status;
- * the connection stays. Every buffer is bounded by the frame limit. */
+ * the connection stays. Every receive buffer is bounded by the frame
+ * limit; what a server queues for a peer is bounded by RPC_OUT_PAUSE_BYTES
+ * (it stops reading) and max_out_bytes (it drops the peer). */
 #ifndef AERIE_RPC_RPC_H
 #define AERIE_RPC_RPC_H
 
@@ -125,7 +127,9 @@ typedef struct rpc_server rpc_server;
 /* Listens on cfg->addr (a stale Unix socket file is replaced). */
 int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg, ae_error *err);
 /* Stops accepting, closes every connection (their calls are cancelled)
- * and frees the server once handlers have finished their calls. */
+ * and frees the server once handlers have finished their calls: it blocks
+ * until then, so call it off the loop thread, while whatever finishes the
+ * calls still runs. */
 void rpc_server_close(rpc_server *s); /* NULL is a no-op */
 int rpc_server_conns(rpc_server *s);  /* connections open now */
 /* The TCP port listened on (the one picked for port 0); 0 for Unix. */
