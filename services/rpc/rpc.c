@@ -35,6 +35,12 @@
 #define RPC_IO_CHUNK (1 << 20)
 #define RPC_RX_STEP (1 << 20)      /* receive buffer reserved ahead of the bytes that came */
 #define RPC_MAX_CALLS 1024          /* calls open at once on one server connection */
+/* rpc_server_close: how long open calls get to finish on their own (a
+ * stream whose last event is on its way), then how long peers get to take
+ * what is queued, before the rest is cancelled and cut. */
+#define RPC_CLOSE_GRACE_MS 1000
+
+static struct timespec abs_after_ns(int64_t ns);
 
 static int64_t mono_ns(void) {
     struct timespec ts;
@@ -292,6 +298,7 @@ struct conn {
     bool got_frame;
     size_t max_out;   /* 0: no limit (a client's connection) */
     bool read_paused; /* under the bufferevent's lock: too much unsent */
+    bool reads_off;   /* the server is closing: no more requests */
     bool drop;        /* under the bufferevent's lock: past max_out */
     size_t drop_queued;
     conn *next; /* the server's connections */
@@ -426,7 +433,7 @@ static void on_write(struct bufferevent *bev, void *arg) {
         conn_close(c);
         return;
     }
-    if (c->read_paused && queued <= RPC_OUT_PAUSE_BYTES / 2 && !c->closed && !c->close_after_flush) {
+    if (c->read_paused && queued <= RPC_OUT_PAUSE_BYTES / 2 && !c->closed && !c->close_after_flush && !c->reads_off) {
         c->read_paused = false;
         bufferevent_enable(bev, EV_READ);
         /* Frames that came before the pause wait in the input buffer. */
@@ -576,7 +583,7 @@ struct rpc_server {
     SSL_CTX *ssl;
     struct evconnlistener *listener;
     pthread_mutex_t mu; /* conns, n_conns, n_calls */
-    pthread_cond_t calls_done; /* n_calls fell to 0 */
+    pthread_cond_t cv; /* n_calls or n_conns fell (CLOCK_MONOTONIC) */
     conn *conns;
     int n_conns;
     int n_calls; /* handed to the handler and not yet finished */
@@ -590,6 +597,7 @@ static void server_conn_closed(conn *c) {
         if (*p == c) {
             *p = c->next;
             s->n_conns--;
+            pthread_cond_broadcast(&s->cv);
             break;
         }
     pthread_mutex_unlock(&s->mu);
@@ -756,7 +764,7 @@ static void call_free(rpc_call *k) {
     conn_unref(c);
     if (s) { /* the last touch of s: rpc_server_close may free it next */
         pthread_mutex_lock(&s->mu);
-        if (--s->n_calls == 0) pthread_cond_broadcast(&s->calls_done);
+        if (--s->n_calls == 0) pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
     }
 }
@@ -919,7 +927,11 @@ int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg,
     rpc_server *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "out of memory");
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->calls_done, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
     s->loop = l;
     s->cfg = *cfg;
     if (!s->cfg.max_frame) s->cfg.max_frame = RPC_DEFAULT_MAX_FRAME;
@@ -947,15 +959,48 @@ int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg,
     return AE_OK;
 fail:
     if (s->ssl) SSL_CTX_free(s->ssl);
-    pthread_cond_destroy(&s->calls_done);
+    pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
     return AE_ERR;
 }
 
-static void server_close_job(void *arg) {
+/* Stops accepting, and reading requests. Connections come and go only on
+ * the loop thread, which this is. */
+static void server_stop_job(void *arg) {
     rpc_server *s = arg;
     evconnlistener_free(s->listener);
+    if (s->a.is_unix) unlink(((struct sockaddr_un *)&s->a.sa)->sun_path);
+    pthread_mutex_lock(&s->mu);
+    conn *c = s->conns;
+    pthread_mutex_unlock(&s->mu);
+    for (; c; c = c->next) {
+        bufferevent_lock(c->bev);
+        c->reads_off = true;
+        bufferevent_disable(c->bev, EV_READ);
+        bufferevent_unlock(c->bev);
+    }
+}
+
+/* Cancels every call. A connection with replies still queued closes once
+ * they are sent; the others close now. */
+static void server_close_job(void *arg) {
+    rpc_server *s = arg;
+    pthread_mutex_lock(&s->mu);
+    conn *c = s->conns;
+    pthread_mutex_unlock(&s->mu);
+    for (conn *next; c; c = next) {
+        next = c->next;
+        pthread_mutex_lock(&c->mu);
+        for (rpc_call *k = c->calls; k; k = k->next) atomic_store(&k->cancelled, true);
+        pthread_mutex_unlock(&c->mu);
+        conn_close_after_flush(c);
+    }
+}
+
+/* Closes what is left: peers that did not take their replies in time. */
+static void server_close_rest_job(void *arg) {
+    rpc_server *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
         conn *c = s->conns;
@@ -963,21 +1008,33 @@ static void server_close_job(void *arg) {
         if (!c) break;
         conn_close(c);
     }
-    if (s->a.is_unix) unlink(((struct sockaddr_un *)&s->a.sa)->sun_path);
 }
 
 void rpc_server_close(rpc_server *s) {
     if (!s) return;
     AE_ASSERT(!pthread_equal(pthread_self(), s->loop->thread)); /* handlers may finish calls on the loop */
-    rpc_loop_run(s->loop, server_close_job, s);
-    /* The calls were cancelled with their connections; the handlers finish
-     * them from their own threads. Until then they may use what the caller
-     * frees after this returns. */
+    rpc_loop_run(s->loop, server_stop_job, s);
+    /* Calls that are about to end (a drained scheduler's last events may
+     * still be on their way) end as they would have. */
+    struct timespec until = abs_after_ns((int64_t)RPC_CLOSE_GRACE_MS * 1000000);
     pthread_mutex_lock(&s->mu);
-    while (s->n_calls > 0) pthread_cond_wait(&s->calls_done, &s->mu);
+    while (s->n_calls > 0 && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&s->mu);
+    rpc_loop_run(s->loop, server_close_job, s);
+    until = abs_after_ns((int64_t)RPC_CLOSE_GRACE_MS * 1000000);
+    pthread_mutex_lock(&s->mu);
+    while (s->n_conns > 0 && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&s->mu);
+    rpc_loop_run(s->loop, server_close_rest_job, s);
+    /* The handlers finish the cancelled calls from their own threads; until
+     * then they may use what the caller frees after this returns. */
+    pthread_mutex_lock(&s->mu);
+    while (s->n_calls > 0) pthread_cond_wait(&s->cv, &s->mu);
     pthread_mutex_unlock(&s->mu);
     if (s->ssl) SSL_CTX_free(s->ssl);
-    pthread_cond_destroy(&s->calls_done);
+    pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }

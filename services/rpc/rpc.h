@@ -126,10 +126,11 @@ typedef struct rpc_server rpc_server;
 
 /* Listens on cfg->addr (a stale Unix socket file is replaced). */
 int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg, ae_error *err);
-/* Stops accepting, closes every connection (their calls are cancelled)
- * and frees the server once handlers have finished their calls: it blocks
- * until then, so call it off the loop thread, while whatever finishes the
- * calls still runs. */
+/* Stops accepting and reading requests; gives open calls a second to end
+ * as they would and peers a second to take their last replies; then
+ * cancels what is left, closes every connection and frees the server once
+ * handlers have finished their calls. It blocks until then: call it off
+ * the loop thread, while whatever finishes the calls still runs. */
 void rpc_server_close(rpc_server *s); /* NULL is a no-op */
 int rpc_server_conns(rpc_server *s);  /* connections open now */
 /* The TCP port listened on (the one picked for port 0); 0 for Unix. */

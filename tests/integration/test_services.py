@@ -839,3 +839,27 @@ def test_default_sockets_are_in_a_private_runtime_directory(model, tmp_path, mon
         assert cfg["listen"] == {"value": target.addr, "source": "auto"}
     finally:
         assert target.stop() == 0, target.text()[-3000:]
+
+
+def test_a_tls_connection_without_a_handshake_is_closed_after_5_s(services, tmp_path):
+    """With mutual TLS on, a peer needs no certificate to open a connection:
+    one that never finishes the handshake is closed 5 s after accept."""
+    make_certs(tmp_path)
+    tls = ["--tls-cert", tmp_path / "server.pem", "--tls-key", tmp_path / "server.key",
+           "--tls-client-ca", tmp_path / "ca.pem"]
+    draft = services("aerie-draft", *draft_args(), *tls, addr=f"127.0.0.1:{free_port()}")
+    host, port = draft.addr.rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)), timeout=10)
+    partial = socket.create_connection((host, int(port)), timeout=10)
+    partial.sendall(bytes([0x16, 0x03, 0x01, 0x02, 0x00]))  # a ClientHello's record header, then nothing
+    t0 = time.monotonic()
+    for s in (silent, partial):
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+        s.close()
+    took = time.monotonic() - t0
+    print(f"closed {took:.1f} s after connecting")
+    assert 4 < took < 8
+    assert draft.text().count("no frame within 5000 ms of accept") == 2
