@@ -1,9 +1,11 @@
 /* The RPC link end to end on loopback: unary calls and streams over Unix
  * and TCP sockets, many callers at once, deadlines and cancellation,
  * untrusted frames (another version, oversized, garbage) refused while the
- * server keeps serving, and a client that reconnects after its server
- * comes back. TLS is covered by the integration tests, which make their
- * own certificates. */
+ * server keeps serving, a client that reconnects after its server
+ * comes back, silent and non-reading peers (closed, paused, dropped), Unix
+ * peers of another user (as uid 65534 when run as root), and a server
+ * close that waits for its handlers. TLS is covered by the integration
+ * tests, which make their own certificates. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
