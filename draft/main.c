@@ -17,7 +17,8 @@ static const cfg_option opts[] = {
     {"draft", CFG_STRING, "auto", 0, 0, "EAGLE-3 head directory (auto: the head trained for this model file, found beside it)"},
     {"draft-weights", CFG_STRING, "q8_0", 0, 0,
      "the head's matrices rounded to Q8_0 (q8_0: half the bytes per draft pass), or as the file has them (file)"},
-    {"listen", CFG_STRING, "unix:/tmp/aerie-draft.sock", 0, 0, "address: unix:PATH or HOST:PORT"},
+    {"listen", CFG_STRING, "auto", 0, 0,
+     "address: unix:PATH or HOST:PORT (auto: aerie-draft.sock in a private runtime directory, rpc.h)"},
     {"tls-cert", CFG_STRING, NULL, 0, 0, "TLS 1.3 certificate chain (PEM); with tls-key, the link is TLS"},
     {"tls-key", CFG_STRING, NULL, 0, 0, "TLS private key (PEM)"},
     {"tls-client-ca", CFG_STRING, NULL, 0, 0, "demand client certificates signed by this CA (mutual TLS)"},
@@ -90,6 +91,11 @@ int main(int argc, char **argv) {
     if (help) {
         rc = 0;
         goto out;
+    }
+    if (cfg_is_auto(c, "listen")) {
+        char addr[256];
+        if (rpc_default_addr(addr, sizeof addr, "aerie-draft.sock", !print_config, &err) != AE_OK) goto out;
+        cfg_set_auto_str(c, "listen", addr);
     }
     const char *model_path = cfg_str(c, "model");
     cli_resolve_draft(c);

@@ -20,7 +20,8 @@ static const cfg_option opts[] = {
     {"model-name", CFG_STRING, "auto", 0, 0, "the name clients ask for (auto: the model file's name without .gguf)"},
     {"host", CFG_STRING, "127.0.0.1", 0, 0, "HTTP address to listen on"},
     {"port", CFG_INT, "8080", 0, 65535, "HTTP port (0: any free one, logged)"},
-    {"targets", CFG_STRING, "unix:/tmp/aerie-target.sock", 0, 0, "aerie-target replicas, comma-separated (unix:PATH or HOST:PORT)"},
+    {"targets", CFG_STRING, "auto", 0, 0,
+     "aerie-target replicas, comma-separated (unix:PATH or HOST:PORT; auto: the target's own default socket)"},
     {"tls-ca", CFG_STRING, NULL, 0, 0, "speak TLS to targets and drafts; their certificates must chain to this CA"},
     {"tls-cert", CFG_STRING, NULL, 0, 0, "client certificate for targets and drafts (mutual TLS)"},
     {"tls-key", CFG_STRING, NULL, 0, 0, "client key"},
@@ -125,6 +126,12 @@ int main(int argc, char **argv) {
         char name[256];
         default_name(model_path, name, sizeof name);
         cfg_set_auto_str(c, "model-name", name);
+    }
+    if (cfg_is_auto(c, "targets")) {
+        char addr[256];
+        /* The target makes the directory; the gateway only checks it. */
+        if (rpc_default_addr(addr, sizeof addr, "aerie-target.sock", false, &err) != AE_OK) goto out;
+        cfg_set_auto_str(c, "targets", addr);
     }
     if (print_config) {
         svc_print_config(c);

@@ -18,7 +18,8 @@
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
-    {"listen", CFG_STRING, "unix:/tmp/aerie-target.sock", 0, 0, "address: unix:PATH or HOST:PORT"},
+    {"listen", CFG_STRING, "auto", 0, 0,
+     "address: unix:PATH or HOST:PORT (auto: aerie-target.sock in a private runtime directory, rpc.h)"},
     {"tls-cert", CFG_STRING, NULL, 0, 0, "TLS 1.3 certificate chain (PEM); with tls-key, the link is TLS"},
     {"tls-key", CFG_STRING, NULL, 0, 0, "TLS private key (PEM)"},
     {"tls-client-ca", CFG_STRING, NULL, 0, 0, "demand client certificates signed by this CA (mutual TLS)"},
@@ -80,6 +81,11 @@ int main(int argc, char **argv) {
     if (help) {
         rc = 0;
         goto out;
+    }
+    if (cfg_is_auto(c, "listen")) {
+        char addr[256];
+        if (rpc_default_addr(addr, sizeof addr, "aerie-target.sock", !print_config, &err) != AE_OK) goto out;
+        cfg_set_auto_str(c, "listen", addr);
     }
     const char *model_path = cfg_str(c, "model");
     const char *draft_addr = cfg_str(c, "draft-addr");
@@ -164,9 +170,12 @@ int main(int argc, char **argv) {
     rc = 0;
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-target: %s\n", err.msg);
-    sched_free(sc); /* cancels what is left, finishing its calls */
-    wd_free(w);     /* after the scheduler that beats it, before the loop it times */
+    /* The server first: it cancels the calls still open and returns once
+     * the scheduler (still running) has finished them, so no handler can
+     * reach the scheduler after it is freed. */
     rpc_server_close(srv);
+    sched_free(sc); /* ends what is left */
+    wd_free(w);     /* after the scheduler that beats it, before the loop it times */
     dcli_close(dc);
     rpc_loop_free(loop);
     tsrv_free(ts);

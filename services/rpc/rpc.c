@@ -35,6 +35,12 @@
 #define RPC_IO_CHUNK (1 << 20)
 #define RPC_RX_STEP (1 << 20)      /* receive buffer reserved ahead of the bytes that came */
 #define RPC_MAX_CALLS 1024          /* calls open at once on one server connection */
+/* rpc_server_close: how long open calls get to finish on their own (a
+ * stream whose last event is on its way), then how long peers get to take
+ * what is queued, before the rest is cancelled and cut. */
+#define RPC_CLOSE_GRACE_MS 1000
+
+static struct timespec abs_after_ns(int64_t ns);
 
 static int64_t mono_ns(void) {
     struct timespec ts;
@@ -171,6 +177,34 @@ static int addr_parse(const char *text, addr *a, ae_error *err) {
     return AE_OK;
 }
 
+int rpc_default_addr(char *out, size_t cap, const char *name, bool create, ae_error *err) {
+    char dir[200];
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    int n;
+    if (xdg && xdg[0] == '/') n = snprintf(dir, sizeof dir, "%s/aerie", xdg);
+    else if (getuid() == 0) n = snprintf(dir, sizeof dir, "/run/aerie");
+    else n = snprintf(dir, sizeof dir, "/tmp/aerie-%u", (unsigned)getuid());
+    if (n < 0 || (size_t)n >= sizeof dir) return err_set(err, "runtime directory under \"%s\" is too long", xdg);
+    if (create && mkdir(dir, 0700) != 0 && errno != EEXIST)
+        return err_set(err, "cannot make the runtime directory %s: %s", dir, strerror(errno));
+    struct stat st;
+    if (lstat(dir, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) return err_set(err, "runtime directory %s is not a directory", dir);
+        if (st.st_uid != getuid())
+            return err_set(err, "runtime directory %s belongs to uid %u, not to this user (uid %u)", dir,
+                           (unsigned)st.st_uid, (unsigned)getuid());
+        if (st.st_mode & 077)
+            return err_set(err, "runtime directory %s is open to other users (mode %03o, want 700)", dir,
+                           (unsigned)(st.st_mode & 0777));
+    } else if (create || errno != ENOENT) {
+        return err_set(err, "runtime directory %s: %s", dir, strerror(errno));
+    }
+    n = snprintf(out, cap, "unix:%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= cap || (size_t)n - 5 >= sizeof ((struct sockaddr_un *)0)->sun_path)
+        return err_set(err, "socket path %s/%s is too long", dir, name);
+    return AE_OK;
+}
+
 static void ssl_error_text(char *buf, size_t cap) {
     unsigned long e = ERR_get_error();
     if (e) ERR_error_string_n(e, buf, cap);
@@ -219,6 +253,7 @@ typedef struct conn conn;
 
 struct rpc_call {
     conn *c;
+    rpc_server *srv; /* counts the call until it is finished */
     uint32_t id;
     atomic_bool cancelled;
     bool streamed;
@@ -255,6 +290,17 @@ struct conn {
     int64_t last_rx_ns;
     bool ping_out;
     struct event *keepalive;
+    /* Server side. timer: the handshake/first-frame limit, then the idle
+     * limit, and the drop of a peer that leaves too much unsent. */
+    struct event *timer;
+    int64_t accept_ns;
+    uint32_t handshake_ms, idle_ms;
+    bool got_frame;
+    size_t max_out;   /* 0: no limit (a client's connection) */
+    bool read_paused; /* under the bufferevent's lock: too much unsent */
+    bool reads_off;   /* the server is closing: no more requests */
+    bool drop;        /* under the bufferevent's lock: past max_out */
+    size_t drop_queued;
     conn *next; /* the server's connections */
 };
 
@@ -264,6 +310,7 @@ static void conn_unref(conn *c) {
     pthread_mutex_unlock(&c->mu);
     if (!last) return;
     if (c->keepalive) event_free(c->keepalive);
+    if (c->timer) event_free(c->timer);
     bufferevent_free(c->bev);
     free(c->rx);
     free(c->spare);
@@ -285,6 +332,19 @@ static int conn_sendv(conn *c, const frame_header *h, const void *msg, uint32_t 
     frame_encode_header(h, raw);
     bufferevent_lock(c->bev);
     struct evbuffer *out = bufferevent_get_output(c->bev);
+    if (c->max_out && (c->drop || evbuffer_get_length(out) > c->max_out)) {
+        /* The peer leaves more than max_out unsent beyond the frame before:
+         * it is dropped as gone (on the loop thread) instead of queueing
+         * without end. */
+        if (!c->drop) {
+            c->drop = true;
+            c->drop_queued = evbuffer_get_length(out);
+            event_active(c->timer, EV_TIMEOUT, 1);
+        }
+        bufferevent_unlock(c->bev);
+        conn_unref(c);
+        return AE_ERR;
+    }
     /* On a plain socket with nothing queued, the caller's thread writes
      * the frame itself: no copy into the queue and no hand-off to the
      * loop thread (together most of a Propose's link cost). What the
@@ -310,6 +370,12 @@ static int conn_sendv(conn *c, const frame_header *h, const void *msg, uint32_t 
         size_t drop = skip < n ? skip : n;
         skip -= drop;
         if (n > drop) rc = evbuffer_add(out, base + drop, n - drop);
+    }
+    if (c->max_out && !c->read_paused && evbuffer_get_length(out) > RPC_OUT_PAUSE_BYTES) {
+        /* No more requests from a peer that does not take its replies:
+         * on_write resumes once it has read half of them. */
+        c->read_paused = true;
+        bufferevent_disable(c->bev, EV_READ);
     }
     bufferevent_unlock(c->bev);
     conn_unref(c);
@@ -342,6 +408,7 @@ static void conn_close(conn *c) {
     for (rpc_call *k = c->calls; k; k = k->next) atomic_store(&k->cancelled, true);
     pthread_mutex_unlock(&c->mu);
     if (c->keepalive) event_del(c->keepalive);
+    if (c->timer) event_del(c->timer);
     bufferevent_disable(c->bev, EV_READ | EV_WRITE);
     evutil_socket_t fd = bufferevent_getfd(c->bev);
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
@@ -357,9 +424,21 @@ static void conn_close_after_flush(conn *c) {
     if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) conn_close(c);
 }
 
+static void on_read(struct bufferevent *bev, void *arg);
+
 static void on_write(struct bufferevent *bev, void *arg) {
     conn *c = arg;
-    if (c->close_after_flush && evbuffer_get_length(bufferevent_get_output(bev)) == 0) conn_close(c);
+    size_t queued = evbuffer_get_length(bufferevent_get_output(bev));
+    if (c->close_after_flush && queued == 0) {
+        conn_close(c);
+        return;
+    }
+    if (c->read_paused && queued <= RPC_OUT_PAUSE_BYTES / 2 && !c->closed && !c->close_after_flush && !c->reads_off) {
+        c->read_paused = false;
+        bufferevent_enable(bev, EV_READ);
+        /* Frames that came before the pause wait in the input buffer. */
+        if (evbuffer_get_length(bufferevent_get_input(bev))) on_read(bev, c);
+    }
 }
 
 static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload);
@@ -409,7 +488,7 @@ static void on_read(struct bufferevent *bev, void *arg) {
     pthread_mutex_unlock(&c->mu);
     c->last_rx_ns = mono_ns();
     c->ping_out = false;
-    while (!c->closed && !c->close_after_flush) {
+    while (!c->closed && !c->close_after_flush && !c->read_paused) {
         if (!c->have_hdr) {
             if (evbuffer_get_length(in) < FRAME_HEADER) break;
             uint8_t raw[FRAME_HEADER];
@@ -503,9 +582,11 @@ struct rpc_server {
     addr a;
     SSL_CTX *ssl;
     struct evconnlistener *listener;
-    pthread_mutex_t mu; /* conns, n_conns */
+    pthread_mutex_t mu; /* conns, n_conns, n_calls */
+    pthread_cond_t cv; /* n_calls or n_conns fell (CLOCK_MONOTONIC) */
     conn *conns;
     int n_conns;
+    int n_calls; /* handed to the handler and not yet finished */
     uint64_t next_conn_id;
 };
 
@@ -516,6 +597,7 @@ static void server_conn_closed(conn *c) {
         if (*p == c) {
             *p = c->next;
             s->n_conns--;
+            pthread_cond_broadcast(&s->cv);
             break;
         }
     pthread_mutex_unlock(&s->mu);
@@ -541,6 +623,59 @@ int rpc_server_port(rpc_server *s) {
 
 static void on_event(struct bufferevent *bev, short what, void *arg);
 
+/* Unix sockets: the peer must run as this user or as root; another local
+ * user must not be able to talk to (or pose as) a service. */
+static bool peer_uid_ok(evutil_socket_t fd, unsigned *peer_uid) {
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return false;
+    *peer_uid = (unsigned)cred.uid;
+    return cred.uid == getuid() || cred.uid == 0;
+}
+
+/* A server connection's clock (loop thread): closes one that sent no whole
+ * frame within handshake_ms of accept, then one silent for idle_ms with no
+ * call open, and drops one conn_sendv found past max_out. */
+static void server_timer_cb(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    conn *c = arg;
+    if (c->closed) return;
+    bufferevent_lock(c->bev);
+    bool drop = c->drop;
+    size_t queued = c->drop_queued;
+    bufferevent_unlock(c->bev);
+    if (drop) {
+        LOG_WARNF("rpc_dropped conn=%llu reason=\"the peer does not read its replies: %zu bytes unsent, limit %zu\"",
+                  (unsigned long long)c->id, queued, c->max_out);
+        conn_close(c);
+        return;
+    }
+    int64_t now = mono_ns(), left_ms;
+    if (!c->got_frame) {
+        left_ms = c->handshake_ms - (now - c->accept_ns) / 1000000;
+        if (left_ms <= 0) {
+            LOG_INFOF("rpc_closed conn=%llu reason=\"no frame within %u ms of accept\"", (unsigned long long)c->id,
+                      c->handshake_ms);
+            conn_close(c);
+            return;
+        }
+    } else {
+        pthread_mutex_lock(&c->mu);
+        bool busy = c->calls != NULL;
+        pthread_mutex_unlock(&c->mu);
+        if (busy) c->last_rx_ns = now; /* an open call (a long stream) is activity */
+        left_ms = c->idle_ms - (now - c->last_rx_ns) / 1000000;
+        if (left_ms <= 0) {
+            LOG_INFOF("rpc_closed conn=%llu reason=\"silent for %lld ms (the limit is %u)\"", (unsigned long long)c->id,
+                      (long long)((now - c->last_rx_ns) / 1000000), c->idle_ms);
+            conn_close(c);
+            return;
+        }
+    }
+    struct timeval tv = {left_ms / 1000, left_ms % 1000 * 1000};
+    event_add(c->timer, &tv);
+}
+
 static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct sockaddr *sa, int salen, void *arg) {
     (void)lis, (void)sa, (void)salen;
     rpc_server *s = arg;
@@ -549,6 +684,14 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     pthread_mutex_unlock(&s->mu);
     if (full) {
         LOG_WARNF("rpc_refused addr=%s reason=\"%u connections open (the limit)\"", s->addr_text, s->cfg.max_conns);
+        evutil_closesocket(fd);
+        return;
+    }
+    unsigned peer_uid = 0;
+    if (s->a.is_unix && !peer_uid_ok(fd, &peer_uid)) {
+        LOG_WARNF("rpc_refused addr=%s peer_uid=%u uid=%u reason=\"the peer runs as another user (only this user "
+                  "and root may connect)\"",
+                  s->addr_text, peer_uid, (unsigned)getuid());
         evutil_closesocket(fd);
         return;
     }
@@ -562,7 +705,9 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
         bev = bufferevent_socket_new(s->loop->base, fd, opts);
     }
     conn *c = bev ? calloc(1, sizeof *c) : NULL;
-    if (!c) {
+    struct event *timer = c ? event_new(s->loop->base, -1, 0, server_timer_cb, c) : NULL;
+    if (!timer) {
+        free(c);
         if (bev) bufferevent_free(bev);
         else evutil_closesocket(fd);
         return;
@@ -573,7 +718,11 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     c->srv = s;
     c->direct = !s->ssl;
     c->max_frame = s->cfg.max_frame;
-    c->last_rx_ns = mono_ns();
+    c->last_rx_ns = c->accept_ns = mono_ns();
+    c->timer = timer;
+    c->handshake_ms = s->cfg.handshake_ms;
+    c->idle_ms = s->cfg.idle_ms;
+    c->max_out = s->cfg.max_out_bytes;
     pthread_mutex_lock(&s->mu);
     c->id = ++s->next_conn_id;
     c->next = s->conns;
@@ -582,7 +731,11 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     pthread_mutex_unlock(&s->mu);
     tune_bev(bev, !s->a.is_unix);
     bufferevent_setcb(bev, on_read, on_write, on_event, c);
+    /* on_write runs once the queue is down to half the pause mark. */
+    bufferevent_setwatermark(bev, EV_WRITE, RPC_OUT_PAUSE_BYTES / 2, 0);
     bufferevent_enable(bev, EV_READ | EV_WRITE);
+    struct timeval tv = {c->handshake_ms / 1000, c->handshake_ms % 1000 * 1000};
+    event_add(c->timer, &tv);
 }
 
 /* Unlinks the call; its buffer goes back to the connection for the next
@@ -604,14 +757,25 @@ static void call_unlink(rpc_call *k) {
 
 static void call_free(rpc_call *k) {
     conn *c = k->c;
+    rpc_server *s = k->srv;
     call_unlink(k);
     free(k->buf);
     free(k);
     conn_unref(c);
+    if (s) { /* the last touch of s: rpc_server_close may free it next */
+        pthread_mutex_lock(&s->mu);
+        if (--s->n_calls == 0) pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+    }
 }
 
 static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
     frame_header h = c->hdr;
+    if (!c->got_frame) { /* from now on the idle limit */
+        c->got_frame = true;
+        struct timeval tv = {c->idle_ms / 1000, c->idle_ms % 1000 * 1000};
+        event_add(c->timer, &tv);
+    }
     if (h.kind == FRAME_PING) {
         frame_header p = {FRAME_VERSION, FRAME_PONG, 0, h.call_id, 0, 0, 0, 0};
         conn_send(c, &p, NULL, 0, NULL, 0);
@@ -660,6 +824,10 @@ static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
     k->id = h.call_id;
     k->deadline_ns = h.timeout_us ? mono_ns() + (int64_t)h.timeout_us * 1000 : 0;
     k->req = (rpc_request){h.method, h.timeout_us, msg, h.msg_len, payload, h.payload_len, c->id};
+    k->srv = c->srv;
+    pthread_mutex_lock(&k->srv->mu);
+    k->srv->n_calls++;
+    pthread_mutex_unlock(&k->srv->mu);
     pthread_mutex_lock(&c->mu);
     c->refs++;
     k->next = c->calls;
@@ -759,10 +927,18 @@ int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg,
     rpc_server *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "out of memory");
     pthread_mutex_init(&s->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cv, &ca);
+    pthread_condattr_destroy(&ca);
     s->loop = l;
     s->cfg = *cfg;
     if (!s->cfg.max_frame) s->cfg.max_frame = RPC_DEFAULT_MAX_FRAME;
     if (!s->cfg.max_conns) s->cfg.max_conns = 1024;
+    if (!s->cfg.handshake_ms) s->cfg.handshake_ms = RPC_HANDSHAKE_MS;
+    if (!s->cfg.idle_ms) s->cfg.idle_ms = RPC_IDLE_MS;
+    if (!s->cfg.max_out_bytes) s->cfg.max_out_bytes = RPC_DEFAULT_MAX_OUT;
     snprintf(s->addr_text, sizeof s->addr_text, "%s", cfg->addr ? cfg->addr : "");
     s->cfg.addr = s->addr_text;
     s->cfg.tls = (rpc_tls){0};
@@ -783,14 +959,48 @@ int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg,
     return AE_OK;
 fail:
     if (s->ssl) SSL_CTX_free(s->ssl);
+    pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
     return AE_ERR;
 }
 
-static void server_close_job(void *arg) {
+/* Stops accepting, and reading requests. Connections come and go only on
+ * the loop thread, which this is. */
+static void server_stop_job(void *arg) {
     rpc_server *s = arg;
     evconnlistener_free(s->listener);
+    if (s->a.is_unix) unlink(((struct sockaddr_un *)&s->a.sa)->sun_path);
+    pthread_mutex_lock(&s->mu);
+    conn *c = s->conns;
+    pthread_mutex_unlock(&s->mu);
+    for (; c; c = c->next) {
+        bufferevent_lock(c->bev);
+        c->reads_off = true;
+        bufferevent_disable(c->bev, EV_READ);
+        bufferevent_unlock(c->bev);
+    }
+}
+
+/* Cancels every call. A connection with replies still queued closes once
+ * they are sent; the others close now. */
+static void server_close_job(void *arg) {
+    rpc_server *s = arg;
+    pthread_mutex_lock(&s->mu);
+    conn *c = s->conns;
+    pthread_mutex_unlock(&s->mu);
+    for (conn *next; c; c = next) {
+        next = c->next;
+        pthread_mutex_lock(&c->mu);
+        for (rpc_call *k = c->calls; k; k = k->next) atomic_store(&k->cancelled, true);
+        pthread_mutex_unlock(&c->mu);
+        conn_close_after_flush(c);
+    }
+}
+
+/* Closes what is left: peers that did not take their replies in time. */
+static void server_close_rest_job(void *arg) {
+    rpc_server *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
         conn *c = s->conns;
@@ -798,13 +1008,33 @@ static void server_close_job(void *arg) {
         if (!c) break;
         conn_close(c);
     }
-    if (s->a.is_unix) unlink(((struct sockaddr_un *)&s->a.sa)->sun_path);
 }
 
 void rpc_server_close(rpc_server *s) {
     if (!s) return;
+    AE_ASSERT(!pthread_equal(pthread_self(), s->loop->thread)); /* handlers may finish calls on the loop */
+    rpc_loop_run(s->loop, server_stop_job, s);
+    /* Calls that are about to end (a drained scheduler's last events may
+     * still be on their way) end as they would have. */
+    struct timespec until = abs_after_ns((int64_t)RPC_CLOSE_GRACE_MS * 1000000);
+    pthread_mutex_lock(&s->mu);
+    while (s->n_calls > 0 && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&s->mu);
     rpc_loop_run(s->loop, server_close_job, s);
+    until = abs_after_ns((int64_t)RPC_CLOSE_GRACE_MS * 1000000);
+    pthread_mutex_lock(&s->mu);
+    while (s->n_conns > 0 && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    }
+    pthread_mutex_unlock(&s->mu);
+    rpc_loop_run(s->loop, server_close_rest_job, s);
+    /* The handlers finish the cancelled calls from their own threads; until
+     * then they may use what the caller frees after this returns. */
+    pthread_mutex_lock(&s->mu);
+    while (s->n_calls > 0) pthread_cond_wait(&s->cv, &s->mu);
+    pthread_mutex_unlock(&s->mu);
     if (s->ssl) SSL_CTX_free(s->ssl);
+    pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
@@ -1021,6 +1251,15 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
     if (what & BEV_EVENT_CONNECTED) {
         rpc_client *cl = c->cli;
         if (!cl) return;
+        unsigned peer_uid = 0;
+        if (cl->a.is_unix && !peer_uid_ok(bufferevent_getfd(c->bev), &peer_uid)) {
+            /* Someone else's socket at our path: it must not see a prompt. */
+            LOG_ERRORF("rpc_peer_refused addr=%s peer_uid=%u uid=%u reason=\"the socket belongs to another user "
+                       "(only this user and root are trusted)\"",
+                       cl->addr_text, peer_uid, (unsigned)getuid());
+            conn_close(c);
+            return;
+        }
         tune_bev(c->bev, !cl->a.is_unix);
         pthread_mutex_lock(&cl->mu);
         cl->connected = true;

@@ -18,11 +18,14 @@
  * the peer can read one, and the connection closes; the other connections
  * carry on. A bad message inside a good frame (unknown method, invalid
  * protobuf, bad values) is the handler's to answer with an error status;
- * the connection stays. Every buffer is bounded by the frame limit. */
+ * the connection stays. Every receive buffer is bounded by the frame
+ * limit; what a server queues for a peer is bounded by RPC_OUT_PAUSE_BYTES
+ * (it stops reading) and max_out_bytes (it drops the peer). */
 #ifndef AERIE_RPC_RPC_H
 #define AERIE_RPC_RPC_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "../core/err.h"
@@ -34,6 +37,19 @@ struct event_base;
 #define RPC_KEEPALIVE_MS 5000   /* a PING after this long without a frame from the peer */
 #define RPC_BACKOFF_MIN_MS 50   /* reconnect backoff: doubles up to the max */
 #define RPC_BACKOFF_MAX_MS 2000
+/* A server closes a connection that has not finished its TLS handshake and
+ * sent one whole frame this long after accept: a silent peer must not hold
+ * one of max_conns. */
+#define RPC_HANDSHAKE_MS 5000
+/* Then it closes one silent this long with no call open. Clients ping
+ * after RPC_KEEPALIVE_MS without a frame, so twice that plus a margin
+ * never races a live client's ping. */
+#define RPC_IDLE_MS (2 * RPC_KEEPALIVE_MS + 5000)
+/* A server stops reading from a peer that leaves this much unsent (it
+ * resumes below half), and drops one that leaves more than max_out_bytes
+ * beyond the frame being sent. */
+#define RPC_OUT_PAUSE_BYTES (4u << 20)
+#define RPC_DEFAULT_MAX_OUT (64u << 20)
 
 typedef struct rpc_loop rpc_loop;
 
@@ -56,7 +72,19 @@ typedef struct rpc_tls {
     const char *cert, *key, *ca;
 } rpc_tls;
 
-/* Addresses: "unix:/path/to.sock", or "host:port" / "[v6]:port" (TCP). */
+/* Addresses: "unix:/path/to.sock", or "host:port" / "[v6]:port" (TCP).
+ * On a Unix socket each side checks the other's user (SO_PEERCRED): a
+ * server refuses a peer that is neither its own user nor root, and a client
+ * refuses a server socket that is neither, so another local user can
+ * neither talk to a service nor pose as one. */
+
+/* The default address of a service's Unix socket: "unix:DIR/NAME" in a
+ * runtime directory only this user may enter: $XDG_RUNTIME_DIR/aerie, else
+ * /run/aerie for root, else /tmp/aerie-UID (never a shared directory such
+ * as /tmp itself, where another user could take the path first). With
+ * create, DIR is made (mode 0700) when missing. A DIR that exists must be
+ * a directory (not a link) of this user with no access for others. */
+int rpc_default_addr(char *out, size_t cap, const char *name, bool create, ae_error *err);
 
 /* ---- Server ---- */
 
@@ -89,14 +117,20 @@ typedef struct rpc_server_config {
     /* Called on the loop thread when a connection closes, after its calls
      * were marked cancelled (may be NULL). */
     void (*on_close)(void *ctx, uint64_t conn_id);
+    uint32_t handshake_ms; /* 0: RPC_HANDSHAKE_MS */
+    uint32_t idle_ms;      /* 0: RPC_IDLE_MS */
+    uint32_t max_out_bytes; /* 0: RPC_DEFAULT_MAX_OUT */
 } rpc_server_config;
 
 typedef struct rpc_server rpc_server;
 
 /* Listens on cfg->addr (a stale Unix socket file is replaced). */
 int rpc_server_open(rpc_server **out, rpc_loop *l, const rpc_server_config *cfg, ae_error *err);
-/* Stops accepting, closes every connection (their calls are cancelled)
- * and frees the server once handlers have finished their calls. */
+/* Stops accepting and reading requests; gives open calls a second to end
+ * as they would and peers a second to take their last replies; then
+ * cancels what is left, closes every connection and frees the server once
+ * handlers have finished their calls. It blocks until then: call it off
+ * the loop thread, while whatever finishes the calls still runs. */
 void rpc_server_close(rpc_server *s); /* NULL is a no-op */
 int rpc_server_conns(rpc_server *s);  /* connections open now */
 /* The TCP port listened on (the one picked for port 0); 0 for Unix. */

@@ -690,3 +690,176 @@ def test_running_generate_calls_do_not_hold_their_receive_frames(services, model
     finally:
         c.close()
     wait_stats(target.addr, lambda s: s["running"] + s["prefilling"] + s["waiting"] == 0, timeout=60)
+
+
+# ---- what a service owes to its other clients (issue 15: items 2, 3, 4) ----
+
+def rss_kib(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_sigterm_under_a_stream_of_info_calls_exits_cleanly(services):
+    """Info calls keep coming while the target shuts down: none may reach
+    the freed scheduler (ASan reports it, the exit code says so)."""
+    target = services("aerie-target", *target_args())
+    stop = threading.Event()
+    answered = [0] * 4
+
+    def hammer(i):
+        while not stop.is_set():
+            try:
+                c = rpc.Conn(target.addr, timeout=5)
+                try:
+                    for _ in range(200):
+                        c.send(b"".join(rpc.frame(rpc.REQUEST, rpc.p_method("TARGET_INFO"), c.new_id())
+                                        for _ in range(8)))
+                        for _ in range(8):
+                            c.read_frame()
+                        answered[i] += 8
+                finally:
+                    c.close()
+            except (OSError, rpc.Closed):
+                pass
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    target.proc.send_signal(signal.SIGTERM)
+    try:
+        rc = target.proc.wait(timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+    print(f"Info calls answered before and during shutdown: {sum(answered)}")
+    assert sum(answered) > 0
+    assert "AddressSanitizer" not in target.text(), target.text()[-3000:]
+    assert rc == 0, target.text()[-3000:]
+
+
+def test_silent_connections_do_not_lock_out_a_new_client(services):
+    """Six connections that never send a frame, against --max-conns 4:
+    they are closed 5 s after accept, and a new client is served within
+    12 s."""
+    draft = services("aerie-draft", *draft_args(), "--max-conns", "4")
+    path = draft.addr[5:]
+    time.sleep(0.5)  # the start-up probe's connection is gone: four slots free
+    silent = []
+    for _ in range(6):
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        silent.append(s)
+    t0 = time.monotonic()
+    served = None
+    while time.monotonic() - t0 < 12:
+        try:
+            c = rpc.Conn(draft.addr, timeout=1)
+            try:
+                st, _m = c.unary(rpc.p_method("DRAFT_INFO"), b"")
+                if st == "OK":
+                    served = time.monotonic() - t0
+                    break
+            finally:
+                c.close()
+        except (OSError, rpc.Closed):
+            pass
+        time.sleep(0.2)
+    for s in silent:
+        s.close()
+    print(f"new client served {served} s after six silent connections")
+    assert served is not None and served < 12, draft.text()[-2000:]
+    assert "no frame within 5000 ms of accept" in draft.text()
+
+
+def test_a_peer_that_pipelines_info_and_never_reads_is_bounded_and_dropped(services):
+    """Info requests pipelined for 4 s without reading a reply: the target
+    stops reading, its RSS stays within 64 MiB of where it was, and the
+    connection is closed as silent."""
+    target = services("aerie-target", *target_args())
+    rpc.info(target.addr)  # the Info path warmed up
+    before = rss_kib(target.proc.pid)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(target.addr[5:])
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    s.settimeout(0.2)
+    batch = b"".join(rpc.frame(rpc.REQUEST, rpc.p_method("TARGET_INFO"), i + 1) for i in range(4096))
+    sent, peak, t0 = 0, before, time.monotonic()
+    while time.monotonic() - t0 < 4:
+        try:
+            sent += s.send(batch)
+        except socket.timeout:
+            pass
+        peak = max(peak, rss_kib(target.proc.pid))
+    grew = (peak - before) // 1024
+    print(f"requests sent: {sent >> 10} KiB; target RSS {before // 1024} MiB -> peak {peak // 1024} MiB "
+          f"(+{grew} MiB)")
+    assert grew < 64
+    t1 = time.monotonic()
+    while "rpc_closed" not in target.text() and time.monotonic() - t1 < 25:
+        time.sleep(0.2)
+    s.close()
+    assert "reason=\"silent for" in target.text(), target.text()[-2000:]
+    print(f"dropped {time.monotonic() - t1:.1f} s after the peer stopped sending")
+    rpc.info(target.addr)  # the others are still served
+
+
+def test_default_sockets_are_in_a_private_runtime_directory(model, tmp_path, monkeypatch):
+    """No --listen: the socket goes into $XDG_RUNTIME_DIR/aerie (mode 0700),
+    the source says auto, and AERIE_LISTEN or --listen still win."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    run_dir = tmp_path / "aerie"
+
+    def printed(name, *args, env=None):
+        e = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+        e.update(env or {})
+        extra = ["--draft", str(HEAD)] if name == "aerie-draft" else []
+        out = subprocess.run([str(SERVICE_DIR / name), "--model", str(model), *extra, *args, "--print-config"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120, env=e)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    for name, key, sock in (("aerie-target", "listen", "aerie-target.sock"),
+                            ("aerie-draft", "listen", "aerie-draft.sock"),
+                            ("aerie-gateway", "targets", "aerie-target.sock")):
+        assert printed(name)[key] == {"value": f"unix:{run_dir}/{sock}", "source": "auto"}, name
+    assert printed("aerie-target", env={"AERIE_LISTEN": "unix:/run/x/t.sock"})["listen"] == \
+        {"value": "unix:/run/x/t.sock", "source": "env"}
+    assert printed("aerie-target", "--listen", "127.0.0.1:0")["listen"] == {"value": "127.0.0.1:0", "source": "flag"}
+    assert not run_dir.exists()  # printing the configuration makes nothing
+
+    target = Service("aerie-target", ["--model", model, *target_args()], f"unix:{run_dir}/aerie-target.sock",
+                     tmp_path)
+    try:
+        assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+        _r, stats, cfg = rpc.info(target.addr)
+        assert cfg["listen"] == {"value": target.addr, "source": "auto"}
+    finally:
+        assert target.stop() == 0, target.text()[-3000:]
+
+
+def test_a_tls_connection_without_a_handshake_is_closed_after_5_s(services, tmp_path):
+    """With mutual TLS on, a peer needs no certificate to open a connection:
+    one that never finishes the handshake is closed 5 s after accept."""
+    make_certs(tmp_path)
+    tls = ["--tls-cert", tmp_path / "server.pem", "--tls-key", tmp_path / "server.key",
+           "--tls-client-ca", tmp_path / "ca.pem"]
+    draft = services("aerie-draft", *draft_args(), *tls, addr=f"127.0.0.1:{free_port()}")
+    host, port = draft.addr.rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)), timeout=10)
+    partial = socket.create_connection((host, int(port)), timeout=10)
+    partial.sendall(bytes([0x16, 0x03, 0x01, 0x02, 0x00]))  # a ClientHello's record header, then nothing
+    t0 = time.monotonic()
+    for s in (silent, partial):
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+        s.close()
+    took = time.monotonic() - t0
+    print(f"closed {took:.1f} s after connecting")
+    assert 4 < took < 8
+    assert draft.text().count("no frame within 5000 ms of accept") == 2

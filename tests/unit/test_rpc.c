@@ -1,9 +1,11 @@
 /* The RPC link end to end on loopback: unary calls and streams over Unix
  * and TCP sockets, many callers at once, deadlines and cancellation,
  * untrusted frames (another version, oversized, garbage) refused while the
- * server keeps serving, and a client that reconnects after its server
- * comes back. TLS is covered by the integration tests, which make their
- * own certificates. */
+ * server keeps serving, a client that reconnects after its server
+ * comes back, silent and non-reading peers (closed, paused, dropped), Unix
+ * peers of another user (as uid 65534 when run as root), and a server
+ * close that waits for its handlers. TLS is covered by the integration
+ * tests, which make their own certificates. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -12,7 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
@@ -21,15 +25,17 @@
 
 #include "../../services/rpc/rpc.h"
 
-enum { M_ECHO = 1, M_STREAM = 2, M_HANG = 3 };
+enum { M_ECHO = 1, M_STREAM = 2, M_HANG = 3, M_SLOW_CANCEL = 4, M_FLOOD = 5 };
 
 typedef struct server_state {
     pthread_mutex_t mu;
     int cancelled_seen; /* M_HANG calls that saw their cancellation */
     int closes;
+    int slow_finished; /* M_SLOW_CANCEL calls finished */
+    int flood_items;   /* items an M_FLOOD call got out before the link failed */
 } server_state;
 
-static server_state S = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
+static server_state S = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, -1};
 
 static void *stream_worker(void *arg) {
     rpc_call *k = arg;
@@ -49,6 +55,32 @@ static void *hang_worker(void *arg) {
     S.cancelled_seen++;
     pthread_mutex_unlock(&S.mu);
     rpc_call_fail(k, RPC_CANCELLED, "cancelled");
+    return NULL;
+}
+
+/* Takes its time over the cancellation, as a scheduler between steps does. */
+static void *slow_cancel_worker(void *arg) {
+    rpc_call *k = arg;
+    while (!rpc_call_cancelled(k)) usleep(1000);
+    usleep(100000);
+    pthread_mutex_lock(&S.mu);
+    S.slow_finished++;
+    pthread_mutex_unlock(&S.mu);
+    rpc_call_fail(k, RPC_CANCELLED, "cancelled");
+    return NULL;
+}
+
+/* Streams 64 KiB items (at most FLOOD_ITEMS) until the link refuses one. */
+#define FLOOD_ITEMS 1024
+static void *flood_worker(void *arg) {
+    rpc_call *k = arg;
+    static uint8_t item[64 << 10];
+    int i = 0;
+    while (i < FLOOD_ITEMS && rpc_call_item(k, item, sizeof item, NULL) == AE_OK) i++;
+    pthread_mutex_lock(&S.mu);
+    S.flood_items = i;
+    pthread_mutex_unlock(&S.mu);
+    rpc_call_finish(k, RPC_OK, NULL, 0, NULL, 0);
     return NULL;
 }
 
@@ -73,6 +105,10 @@ static void handler(void *ctx, rpc_call *k, const rpc_request *req) {
         spawn(stream_worker, k);
     } else if (req->method == M_HANG) {
         spawn(hang_worker, k);
+    } else if (req->method == M_SLOW_CANCEL) {
+        spawn(slow_cancel_worker, k);
+    } else if (req->method == M_FLOOD) {
+        spawn(flood_worker, k);
     } else {
         rpc_call_fail(k, RPC_UNIMPLEMENTED, "no method %u", req->method);
     }
@@ -466,6 +502,309 @@ static void test_keepalive_drops_a_silent_peer(void **state) {
     unlink(path);
 }
 
+/* ---- what a server owes to its other clients ---- */
+
+static int state_int(int *p) {
+    pthread_mutex_lock(&S.mu);
+    int v = *p;
+    pthread_mutex_unlock(&S.mu);
+    return v;
+}
+
+/* Polls for up to ms until the server has n connections; returns how
+ * long that took (ms), or -1. */
+static int wait_conns(rpc_server *s, int n, int ms) {
+    for (int i = 0; i <= ms; i += 5) {
+        if (rpc_server_conns(s) == n) return i;
+        usleep(5000);
+    }
+    return -1;
+}
+
+static void open_limited(fixture *f, uint32_t handshake_ms, uint32_t idle_ms, uint32_t max_out) {
+    ae_error err = {{0}};
+    snprintf(f->addr, sizeof f->addr, "unix:build/test-rpc-lim-%d.sock", (int)getpid());
+    if (rpc_loop_start(&f->loop, &err) != AE_OK) fail_msg("%s", err.msg);
+    rpc_server_config sc = {.addr = f->addr, .max_frame = 1 << 20, .handler = handler, .on_close = on_close,
+                            .handshake_ms = handshake_ms, .idle_ms = idle_ms, .max_out_bytes = max_out};
+    if (rpc_server_open(&f->srv, f->loop, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+}
+
+static void close_limited(fixture *f) {
+    rpc_client_close(f->cli);
+    rpc_server_close(f->srv);
+    rpc_loop_free(f->loop);
+}
+
+static void send_frame(int fd, uint8_t kind, uint16_t method, uint32_t id, const void *msg, uint32_t len) {
+    uint8_t fr[FRAME_HEADER];
+    frame_header h = {FRAME_VERSION, kind, method, id, 0, 0, len, 0};
+    frame_encode_header(&h, fr);
+    assert_int_equal(write(fd, fr, sizeof fr), (ssize_t)sizeof fr);
+    if (len) assert_int_equal(write(fd, msg, len), (ssize_t)len);
+}
+
+/* Connections that never send a frame are closed after the handshake
+ * time, and a new client is served. */
+static void test_silent_connections_are_closed_after_the_handshake_time(void **state) {
+    (void)state;
+    fixture f = {0};
+    open_limited(&f, 200, 60000, 0);
+    int fds[6];
+    for (int i = 0; i < 6; i++) fds[i] = raw_connect(&f);
+    assert_int_equal(wait_conns(f.srv, 6, 1000) >= 0, 1);
+    usleep(100000);
+    assert_int_equal(rpc_server_conns(f.srv), 6); /* not before its time */
+    int took = wait_conns(f.srv, 0, 2000);
+    printf("silent connections closed %d ms after the check began\n", took);
+    assert_true(took >= 0);
+    uint8_t b;
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(read(fds[i], &b, 1), 0); /* EOF: the server hung up */
+        close(fds[i]);
+    }
+    open_client(&f, f.addr);
+    echo_roundtrip(&f, 8);
+    close_limited(&f);
+}
+
+/* After its first frame a connection may be silent for idle_ms, and
+ * longer while a call is open on it. */
+static void test_idle_connections_are_closed_but_open_calls_keep_them(void **state) {
+    (void)state;
+    fixture f = {0};
+    open_limited(&f, 200, 400, 0);
+    int quiet = raw_connect(&f), busy = raw_connect(&f);
+    send_frame(quiet, FRAME_PING, 0, 0, NULL, 0);
+    send_frame(busy, FRAME_REQUEST, M_HANG, 1, NULL, 0);
+    uint8_t buf[FRAME_HEADER];
+    assert_int_equal(read(quiet, buf, sizeof buf), FRAME_HEADER); /* the PONG */
+    usleep(250000);                                               /* past the handshake time */
+    assert_int_equal(rpc_server_conns(f.srv), 2);
+    assert_true(wait_conns(f.srv, 1, 2000) >= 0); /* the quiet one */
+    assert_int_equal(read(quiet, buf, 1), 0);
+    usleep(800000); /* twice the idle time with its call open */
+    assert_int_equal(rpc_server_conns(f.srv), 1);
+    send_frame(busy, FRAME_CANCEL, 0, 1, NULL, 0);
+    assert_true(read(busy, buf, sizeof buf) == FRAME_HEADER); /* the call's end */
+    assert_true(wait_conns(f.srv, 0, 2000) >= 0); /* then idle like any other */
+    close(quiet);
+    close(busy);
+    close_limited(&f);
+}
+
+/* A peer that pipelines requests and never reads the replies: the server
+ * stops reading from it rather than queueing replies without end. */
+static void test_a_peer_that_does_not_read_is_paused_then_closed(void **state) {
+    (void)state;
+    fixture f = {0};
+    open_limited(&f, 5000, 500, 0);
+    int fd = raw_connect(&f);
+    int fl = 1 << 16;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &fl, sizeof fl);
+    static uint8_t req[FRAME_HEADER + (16 << 10)];
+    frame_header h = {FRAME_VERSION, FRAME_REQUEST, M_ECHO, 0, 0, 0, 0, 16 << 10};
+    size_t sent = 0, limit = (size_t)128 << 20;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (uint32_t id = 1; sent < limit; id++) {
+        h.call_id = id;
+        frame_encode_header(&h, req);
+        size_t off = 0;
+        while (off < sizeof req) {
+            ssize_t k = send(fd, req + off, sizeof req - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (k > 0) {
+                off += (size_t)k;
+                continue;
+            }
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if (t.tv_sec - t0.tv_sec >= 2) break;
+            usleep(1000);
+        }
+        sent += off;
+        if (off < sizeof req) break;
+    }
+    printf("the peer got %zu MiB of requests in before the server stopped reading\n", sent >> 20);
+    assert_true(sent < (size_t)32 << 20);
+    /* Silent since: closed by the idle rule, replies unread. */
+    assert_true(wait_conns(f.srv, 0, 3000) >= 0);
+    close(fd);
+    open_client(&f, f.addr);
+    echo_roundtrip(&f, 8);
+    close_limited(&f);
+}
+
+/* A stream to a peer that does not read fails once max_out_bytes are
+ * queued, and the connection is dropped. */
+static void test_a_stream_to_a_peer_that_does_not_read_is_dropped(void **state) {
+    (void)state;
+    fixture f = {0};
+    open_limited(&f, 5000, 60000, 1 << 20);
+    pthread_mutex_lock(&S.mu);
+    S.flood_items = -1;
+    pthread_mutex_unlock(&S.mu);
+    int fd = raw_connect(&f);
+    send_frame(fd, FRAME_REQUEST, M_FLOOD, 1, NULL, 0);
+    for (int i = 0; i < 500 && state_int(&S.flood_items) < 0; i++) usleep(10000);
+    int got = state_int(&S.flood_items);
+    printf("the stream got %d of %d items of 64 KiB out before the link refused\n", got, FLOOD_ITEMS);
+    assert_true(got >= 0 && got < FLOOD_ITEMS / 4);
+    assert_true(wait_conns(f.srv, 0, 2000) >= 0);
+    close(fd);
+    close_limited(&f);
+}
+
+/* rpc_server_close returns once the handlers have finished their calls:
+ * the caller may then free what the handlers use. */
+static void test_server_close_waits_for_handlers_to_finish(void **state) {
+    fixture *f = *state;
+    int before = state_int(&S.slow_finished);
+    uint32_t id;
+    ae_error err = {{0}};
+    ended e = {0};
+    pthread_mutex_init(&e.mu, NULL);
+    pthread_cond_init(&e.cv, NULL);
+    assert_int_equal(rpc_client_start(f->cli, M_SLOW_CANCEL, NULL, 0, NULL, 0, 0, NULL, on_end, &e, &id, &err), AE_OK);
+    for (int i = 0; i < 200 && rpc_server_conns(f->srv) != 1; i++) usleep(1000);
+    usleep(50000); /* the request is in the handler's hands */
+    rpc_server_close(f->srv);
+    f->srv = NULL;
+    assert_int_equal(state_int(&S.slow_finished), before + 1);
+    wait_end(&e);
+    open_server(f, f->addr); /* for teardown */
+}
+
+/* ---- Unix sockets and other local users ---- */
+
+#define NOBODY 65534
+
+/* Runs fn in a child process as uid NOBODY; returns its exit code. */
+static int as_nobody(int (*fn)(const char *), const char *arg) {
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (setgid(NOBODY) != 0 || setuid(NOBODY) != 0) _exit(9);
+        _exit(fn(arg));
+    }
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 100;
+}
+
+/* 0: the server hung up without a PONG; 1: it answered; 2: no connection. */
+static int ping_once(const char *path) {
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", path);
+    if (connect(fd, (struct sockaddr *)&un, sizeof un) != 0) return 2;
+    struct timeval tv = {3, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    uint8_t fr[FRAME_HEADER];
+    frame_header h = {FRAME_VERSION, FRAME_PING, 0, 0, 0, 0, 0, 0};
+    frame_encode_header(&h, fr);
+    if (send(fd, fr, sizeof fr, MSG_NOSIGNAL) != (ssize_t)sizeof fr) return 0; /* already shut */
+    ssize_t k = read(fd, fr, sizeof fr);
+    close(fd);
+    return k > 0 ? 1 : 0;
+}
+
+static void test_a_server_refuses_a_peer_of_another_user(void **state) {
+    fixture *f = *state;
+    if (getuid() != 0) skip(); /* needs root to become another user */
+    const char *path = f->addr + 5;
+    assert_int_equal(chmod(path, 0777), 0); /* so that only the peer check stands in the way */
+    assert_int_equal(as_nobody(ping_once, path), 0);
+    assert_int_equal(ping_once(path), 1); /* root may */
+    echo_roundtrip(f, 8);
+}
+
+/* Listens as another user at path for 2 s, accepting what comes. */
+static int listen_briefly(const char *path) {
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", path);
+    if (bind(lfd, (struct sockaddr *)&un, sizeof un) != 0 || listen(lfd, 8) != 0) return 2;
+    usleep(2000000);
+    return 0;
+}
+
+static void test_a_client_refuses_a_socket_of_another_user(void **state) {
+    (void)state;
+    if (getuid() != 0) skip();
+    char dir[] = "/tmp/aerie-test-rpc-XXXXXX", path[96], addr[128];
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(chmod(dir, 0777), 0);
+    snprintf(path, sizeof path, "%s/impostor.sock", dir);
+    snprintf(addr, sizeof addr, "unix:%s", path);
+    fflush(NULL);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (setgid(NOBODY) != 0 || setuid(NOBODY) != 0) _exit(9);
+        _exit(listen_briefly(path));
+    }
+    struct stat st;
+    for (int i = 0; i < 200 && stat(path, &st) != 0; i++) usleep(5000);
+    rpc_loop *loop;
+    rpc_client *cli;
+    ae_error err = {{0}};
+    assert_int_equal(rpc_loop_start(&loop, &err), AE_OK);
+    rpc_client_config cc = {.addr = addr};
+    if (rpc_client_open(&cli, loop, &cc, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_false(rpc_client_wait_connected(cli, 500));
+    assert_int_equal(rpc_client_connects(cli), 0);
+    rpc_client_close(cli);
+    rpc_loop_free(loop);
+    int code = 0;
+    assert_int_equal(waitpid(pid, &code, 0), pid);
+    assert_int_equal(WEXITSTATUS(code), 0);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* The default socket lives in a directory of this user that no one else
+ * may enter, and a directory that is not private is refused. */
+static void test_the_default_socket_is_in_a_private_directory(void **state) {
+    (void)state;
+    char cwd[256], xdg[320], want[400], got[400];
+    assert_non_null(getcwd(cwd, sizeof cwd));
+    snprintf(xdg, sizeof xdg, "%s/build/test-rpc-xdg-%d", cwd, (int)getpid());
+    assert_int_equal(mkdir(xdg, 0700), 0);
+    char *old = getenv("XDG_RUNTIME_DIR") ? strdup(getenv("XDG_RUNTIME_DIR")) : NULL;
+    setenv("XDG_RUNTIME_DIR", xdg, 1);
+    ae_error err = {{0}};
+    char dir[340];
+    snprintf(dir, sizeof dir, "%s/aerie", xdg);
+    /* Without create a missing directory is fine (the gateway's view). */
+    assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", false, &err), AE_OK);
+    struct stat st;
+    assert_int_equal(stat(dir, &st), -1);
+    assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", true, &err), AE_OK);
+    snprintf(want, sizeof want, "unix:%s/aerie-target.sock", dir);
+    assert_string_equal(got, want);
+    assert_int_equal(stat(dir, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0700);
+    assert_int_equal(chmod(dir, 0755), 0);
+    assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", false, &err), AE_ERR);
+    char text[512];
+    snprintf(text, sizeof text, "runtime directory %s is open to other users (mode 755, want 700)", dir);
+    assert_string_equal(err.msg, text);
+    if (getuid() == 0) {
+        assert_int_equal(chmod(dir, 0700), 0);
+        assert_int_equal(chown(dir, NOBODY, NOBODY), 0);
+        err = (ae_error){{0}};
+        assert_int_equal(rpc_default_addr(got, sizeof got, "aerie-target.sock", true, &err), AE_ERR);
+        snprintf(text, sizeof text, "runtime directory %s belongs to uid 65534, not to this user (uid 0)", dir);
+        assert_string_equal(err.msg, text);
+    }
+    rmdir(dir);
+    rmdir(xdg);
+    if (old) setenv("XDG_RUNTIME_DIR", old, 1);
+    else unsetenv("XDG_RUNTIME_DIR");
+    free(old);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_unix, teardown),
@@ -478,6 +817,14 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_untrusted_frames_close_only_their_connection, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_client_reconnects_when_the_server_comes_back, setup_unix, teardown),
         cmocka_unit_test(test_keepalive_drops_a_silent_peer),
+        cmocka_unit_test(test_silent_connections_are_closed_after_the_handshake_time),
+        cmocka_unit_test(test_idle_connections_are_closed_but_open_calls_keep_them),
+        cmocka_unit_test(test_a_peer_that_does_not_read_is_paused_then_closed),
+        cmocka_unit_test(test_a_stream_to_a_peer_that_does_not_read_is_dropped),
+        cmocka_unit_test_setup_teardown(test_server_close_waits_for_handlers_to_finish, setup_unix, teardown),
+        cmocka_unit_test_setup_teardown(test_a_server_refuses_a_peer_of_another_user, setup_unix, teardown),
+        cmocka_unit_test(test_a_client_refuses_a_socket_of_another_user),
+        cmocka_unit_test(test_the_default_socket_is_in_a_private_directory),
         cmocka_unit_test_setup_teardown(test_started_calls_end_once_with_their_outcome, setup_unix, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
