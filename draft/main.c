@@ -135,8 +135,10 @@ int main(int argc, char **argv) {
         .ctx = d,
     };
     if (rpc_loop_start(&loop, &err) != AE_OK || rpc_server_open(&srv, loop, &sc, &err) != AE_OK) goto out;
+    /* Watched: the RPC loop and the draft worker (it beats wd_process()). */
     if (wd_init(&w, wd_env_interval_us(), &err) != AE_OK || wd_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
         goto out;
+    wd_set_process(w);
     LOG_INFOF("draft_ready listen=%s head=%s tls=%s client_certs=%s", sc.addr, dir, sc.tls.cert ? "on" : "off",
               sc.tls.ca ? "required" : "off");
     svc_loading_end();
@@ -154,10 +156,10 @@ int main(int argc, char **argv) {
     rc = 0;
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-draft: %s\n", err.msg);
-    wd_free(w); /* its timer lives on the loop, freed below */
     rpc_server_close(srv);
+    dsrv_free(d);   /* joins the worker, which beats w */
+    wd_free(w);     /* its timer lives on the loop, freed below */
     rpc_loop_free(loop);
-    dsrv_free(d);
     eagle_free(h);
     model_free(m);
     cfg_free(c);

@@ -9,6 +9,7 @@
 #include <cjson/cJSON.h>
 
 #include "../services/core/log.h"
+#include "../services/core/watchdog.h"
 #include "../services/rpc/msg.h"
 #include "../target/llama.h"
 #include "aerie.pb.h"
@@ -277,11 +278,32 @@ static void serve(dsrv *d, rpc_call *call, bool stopping) {
     }
 }
 
+/* systemd's watchdog hears from the worker each time round, at least every
+ * 100 ms while idle: a Propose that hangs stops the pings, which the RPC
+ * loop alone would keep sending. The watchdog is set by main after the
+ * worker started (wd_process), so the worker registers once it appears;
+ * main frees it only after dsrv_free has joined the worker. */
+#define WORKER_BEAT_NS 100000000
+
 static void *worker_main(void *arg) {
     dsrv *d = arg;
+    wd *w = NULL;
+    int beat = -1;
     for (;;) {
+        if (!w && (w = wd_process())) beat = wd_add(w, "draft-worker");
+        wd_beat(w, beat);
         pthread_mutex_lock(&d->mu);
-        while (!d->head_job && !d->stopping) pthread_cond_wait(&d->cv, &d->mu);
+        if (!d->head_job && !d->stopping) {
+            struct timespec until;
+            clock_gettime(CLOCK_MONOTONIC, &until);
+            until.tv_nsec += WORKER_BEAT_NS;
+            if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
+            pthread_cond_timedwait(&d->cv, &d->mu, &until);
+        }
+        if (!d->head_job && !d->stopping) {
+            pthread_mutex_unlock(&d->mu);
+            continue;
+        }
         job *j = d->head_job;
         if (!j) {
             pthread_mutex_unlock(&d->mu);
@@ -315,7 +337,11 @@ int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error 
     d->fw = EAGLE_N_AUX * h->cfg.hidden;
     llama_capture_default_layers(h->target.n_layers, d->default_layers);
     pthread_mutex_init(&d->mu, NULL);
-    pthread_cond_init(&d->cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&d->cv, &ca);
+    pthread_condattr_destroy(&ca);
     drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL};
     d->slots = calloc((size_t)cfg->max_keys, sizeof *d->slots);
     d->in_call = calloc((size_t)cfg->max_keys, sizeof *d->in_call);

@@ -183,7 +183,8 @@ def test_service_extends_start_then_ready_then_pings_at_a_quarter_interval_then_
 
 
 @pytest.mark.parametrize("binary,loop", [("aerie-target", "scheduler"), ("aerie-target", "rpc"),
-                                         ("aerie-gateway", "rpc"), ("aerie-draft", "rpc")])
+                                         ("aerie-gateway", "rpc"), ("aerie-draft", "rpc"),
+                                         ("aerie-draft", "draft-worker")])
 def test_one_stalled_loop_stops_the_pings(tmp_path, model, binary, loop):
     # AERIE_TEST_WATCHDOG_STALL (services/core/watchdog.h) drops that
     # loop's beats as if it hung; the other loops keep beating.
