@@ -217,6 +217,23 @@ def test_stop_strings_cut_text_across_token_boundaries(stack, model):
     assert (text, finish) == (want, "stop")
 
 
+def test_a_stop_settled_when_the_reply_ends_finishes_with_stop(stack, model):
+    # The last characters complete a stop while a longer stop that starts
+    # one character earlier could still complete: the matcher holds the
+    # text until max_tokens ends the stream, and the flush settles the
+    # shorter stop (gateway/stop.h). That ends the reply on a stop.
+    msgs = chat("Write a short poem about the sea.")
+    full = greedy_reference(model, msgs, 40)
+    k = next(k for k in range(1, len(full)) if full.find(full[-k:]) == len(full) - k)
+    stops = [full[-k - 1:] + "\u00e6", full[-k:]]
+    c = stack.client()
+    r = c.chat.completions.create(model=stack.name, messages=msgs, max_tokens=40, temperature=0, stop=stops)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (full[:-k], "stop")
+    text, finish, _u, _r = stream_text(c.chat.completions.create(model=stack.name, messages=msgs, max_tokens=40,
+                                                                 temperature=0, stop=stops, stream=True))
+    assert (text, finish) == (full[:-k], "stop")
+
+
 def test_top_k_one_is_greedy_through_extra_body(stack, model):
     msgs = chat(QUESTION)
     r = stack.client().chat.completions.create(model=stack.name, messages=msgs, max_tokens=24, temperature=1.0,
