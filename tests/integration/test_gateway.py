@@ -834,3 +834,20 @@ def test_detokenize_that_would_amplify_is_413(tmp_path, model):
         assert st == 413 and r["error"]["code"] == "reply_too_large", (st, str(r)[:200])
     finally:
         assert g.stop() == 0, g.text()
+
+
+def test_an_allocation_that_fails_in_a_handler_is_a_503_and_the_gateway_serves_on(tmp_path, model, monkeypatch):
+    # ASan's allocator returns NULL for any single allocation over 2 MiB
+    # (the tokenizer's own tables, loaded at start, stay under that). The
+    # ids of a 700 kB prompt take 2.8 MB: that allocation fails in the
+    # handler. It used to hit an assert that aborted the whole gateway.
+    monkeypatch.setenv("ASAN_OPTIONS", "detect_leaks=1:allocator_may_return_null=1:max_allocation_size_mb=2")
+    g = lone_gateway(tmp_path, model, "gw-oom")
+    try:
+        st, h, r = request(g.port, "POST", "/tokenize", {"prompt": "a " * 350000})
+        assert (st, r["error"]["code"], r["error"]["type"]) == (503, "out_of_memory", "server_error"), (st, r)
+        assert h["Retry-After"] == "1"
+        st, _h, r = request(g.port, "POST", "/tokenize", {"prompt": "Hello world"})
+        assert (st, r["tokens"]) == (200, [19556, 905])
+    finally:
+        assert g.stop() == 0, g.text()
