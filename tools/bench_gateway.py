@@ -74,13 +74,26 @@ async def read_chunked_sse(reader):
                 yield ev[6:]
 
 
-async def one_request(reader, writer, prompt, max_tokens, stats):
-    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True}).encode()
-    t0 = time.monotonic()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    await writer.drain()
+async def sse_events(reader, errors):
+    """Yields (arrival time, parsed event) for each event of a streamed
+    reply; error events and a stream without [DONE] go to errors."""
+    done = False
+    async for data in read_chunked_sse(reader):
+        now = time.monotonic()
+        if data == b"[DONE]":
+            done = True
+            continue
+        ev = json.loads(data)
+        if "error" in ev:
+            errors.append(ev["error"]["message"])
+            continue
+        yield now, ev
+    if not done:
+        errors.append("no [DONE]")
+
+
+async def read_head(reader):
+    """(status code, headers with lower-case names) of an HTTP reply."""
     status = await reader.readline()
     headers = {}
     while True:
@@ -89,21 +102,23 @@ async def one_request(reader, writer, prompt, max_tokens, stats):
             break
         k, v = line.decode().split(":", 1)
         headers[k.strip().lower()] = v.strip()
-    code = int(status.split()[1])
+    return int(status.split()[1]), headers
+
+
+async def one_request(reader, writer, prompt, max_tokens, stats):
+    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    t0 = time.monotonic()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    code, headers = await read_head(reader)
     if code != 200:
         await reader.readexactly(int(headers.get("content-length", 0)))
         stats["errors"].append(f"status {code}")
         return 0
-    first, last, done = None, None, False
-    async for data in read_chunked_sse(reader):
-        now = time.monotonic()
-        if data == b"[DONE]":
-            done = True
-            continue
-        ev = json.loads(data)
-        if "error" in ev:
-            stats["errors"].append(ev["error"]["message"])
-            continue
+    first, last = None, None
+    async for now, ev in sse_events(reader, stats["errors"]):
         text = ev["choices"][0]["text"]
         if not text:
             continue
@@ -113,8 +128,6 @@ async def one_request(reader, writer, prompt, max_tokens, stats):
         else:
             stats["itl"].append(now - last)
         last = now
-    if not done:
-        stats["errors"].append("no [DONE]")
     stats["e2e"].append(time.monotonic() - t0)
     return max_tokens
 

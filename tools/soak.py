@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "tools"))
 import aerie_rpc as rpc  # noqa: E402
-from bench_gateway import pct, read_chunked_sse  # noqa: E402
+from bench_gateway import pct, read_head, sse_events  # noqa: E402
 
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 HEAD = ROOT / "models" / "smollm2-135m-eagle3"
@@ -127,29 +127,13 @@ async def one_request(reader, writer, prompt, max_tokens, stats):
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     await writer.drain()
-    status = await reader.readline()
-    headers = {}
-    while True:
-        line = await reader.readline()
-        if line in (b"\r\n", b""):
-            break
-        k, v = line.decode().split(":", 1)
-        headers[k.strip().lower()] = v.strip()
-    code = int(status.split()[1])
+    code, headers = await read_head(reader)
     if code != 200:
         detail = await reader.readexactly(int(headers.get("content-length", 0)))
         stats["errors"].append(f"status {code}: {detail[:200]!r}")
         return
-    text, last, done, finish = [], None, False, None
-    async for data in read_chunked_sse(reader):
-        now = time.monotonic()
-        if data == b"[DONE]":
-            done = True
-            continue
-        ev = json.loads(data)
-        if "error" in ev:
-            stats["errors"].append(ev["error"]["message"])
-            continue
+    text, last, finish = [], None, None
+    async for now, ev in sse_events(reader, stats["errors"]):
         ch = ev["choices"][0]
         finish = ch.get("finish_reason") or finish
         piece = ch["delta"].get("content") or ""
@@ -159,8 +143,6 @@ async def one_request(reader, writer, prompt, max_tokens, stats):
             stats["itl"].append(now - last)
         last = now
         text.append(piece)
-    if not done:
-        stats["errors"].append("no [DONE]")
     if finish not in ("stop", "length"):
         stats["errors"].append(f"finish_reason {finish}")
     reply = "".join(text)

@@ -421,19 +421,18 @@ def test_draft_evicts_the_least_recently_used_sequence_and_serves_two_targets(se
     b.close()
 
 
-class FakeDraft:
-    """A draft that answers every Propose with a broken tree."""
+class FakeDraftServer:
+    """A draft service in Python on a Unix socket: it answers pings, and
+    each other frame with on_frame(conn, header, message)."""
 
-    def __init__(self, path, mode):
-        self.path, self.mode = path, mode
+    def __init__(self, path):
+        self.path = path
         self.srv = socket.socket(socket.AF_UNIX)
         self.srv.bind(path)
         self.srv.listen(4)
-        self.calls = 0
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
-        p = rpc.pb2()
         while True:
             try:
                 s, _ = self.srv.accept()
@@ -446,26 +445,39 @@ class FakeDraft:
                     h, m, _pl = c.read_frame()
                     if h["kind"] == rpc.PING:
                         c.send(rpc.frame(rpc.PONG, 0, h["call_id"]))
-                        continue
-                    if h["method"] != rpc.p_method("DRAFT_PROPOSE"):
-                        c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"]))
-                        continue
-                    req = p.ProposeRequest.FromString(m)
-                    rep = p.ProposeReply()
-                    for _ in req.seqs:
-                        t = rep.trees.add()
-                        if self.mode == "cycle":  # parents that do not form a tree
-                            t.tokens.extend([1, 2, 3]), t.parents.extend([-1, 2, 1]), t.probs.extend([1, .5, .5])
-                        elif self.mode == "big":  # more nodes than asked
-                            n = req.shape.tokens + 1
-                            t.tokens.extend([1] * n), t.parents.extend([-1] + [0] * (n - 1))
-                            t.probs.extend([1.0] * n)
-                        else:  # counts that disagree
-                            t.tokens.extend([1, 2]), t.parents.extend([-1])
-                    self.calls += 1
-                    c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"], rep.SerializeToString()))
+                    else:
+                        self.on_frame(c, h, m)
             except (rpc.Closed, OSError):
                 s.close()
+
+
+class FakeDraft(FakeDraftServer):
+    """A draft that answers every Propose with a broken tree."""
+
+    def __init__(self, path, mode):
+        self.mode = mode
+        self.calls = 0
+        super().__init__(path)
+
+    def on_frame(self, c, h, m):
+        if h["method"] != rpc.p_method("DRAFT_PROPOSE"):
+            c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"]))
+            return
+        p = rpc.pb2()
+        req = p.ProposeRequest.FromString(m)
+        rep = p.ProposeReply()
+        for _ in req.seqs:
+            t = rep.trees.add()
+            if self.mode == "cycle":  # parents that do not form a tree
+                t.tokens.extend([1, 2, 3]), t.parents.extend([-1, 2, 1]), t.probs.extend([1, .5, .5])
+            elif self.mode == "big":  # more nodes than asked
+                n = req.shape.tokens + 1
+                t.tokens.extend([1] * n), t.parents.extend([-1] + [0] * (n - 1))
+                t.probs.extend([1.0] * n)
+            else:  # counts that disagree
+                t.tokens.extend([1, 2]), t.parents.extend([-1])
+        self.calls += 1
+        c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"], rep.SerializeToString()))
 
 
 @pytest.mark.parametrize("mode", ["cycle", "big", "counts"])
@@ -571,18 +583,15 @@ def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(s
 
 # ---- A finished request's Release does not stall the other streams ----
 
-class SlowReleaseDraft:
+class SlowReleaseDraft(FakeDraftServer):
     """A draft that proposes no tree (every sequence decodes plainly) and
     answers each Release `delay` seconds late, without holding up the
     Propose calls behind it."""
 
     def __init__(self, path, delay):
-        self.path, self.delay = path, delay
-        self.srv = socket.socket(socket.AF_UNIX)
-        self.srv.bind(path)
-        self.srv.listen(4)
+        self.delay = delay
         self.releases = 0
-        threading.Thread(target=self.serve, daemon=True).start()
+        super().__init__(path)
 
     def late_reply(self, c, h):
         try:
@@ -590,32 +599,18 @@ class SlowReleaseDraft:
         except OSError:
             pass
 
-    def serve(self):
+    def on_frame(self, c, h, m):
+        if h["method"] == rpc.p_method("DRAFT_RELEASE"):
+            self.releases += 1
+            t = threading.Timer(self.delay, self.late_reply, (c, h))
+            t.daemon = True
+            t.start()
+            return
         p = rpc.pb2()
-        while True:
-            try:
-                s, _ = self.srv.accept()
-            except OSError:
-                return
-            c = rpc.Conn.__new__(rpc.Conn)
-            c.sock, c.buf, c.next_id, c.lock = s, b"", 1, threading.Lock()
-            try:
-                while True:
-                    h, m, _pl = c.read_frame()
-                    if h["kind"] == rpc.PING:
-                        c.send(rpc.frame(rpc.PONG, 0, h["call_id"]))
-                    elif h["method"] == rpc.p_method("DRAFT_RELEASE"):
-                        self.releases += 1
-                        t = threading.Timer(self.delay, self.late_reply, (c, h))
-                        t.daemon = True
-                        t.start()
-                    else:
-                        rep = p.ProposeReply()
-                        for _ in p.ProposeRequest.FromString(m).seqs:
-                            rep.trees.add()  # no tree: plain decoding
-                        c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"], rep.SerializeToString()))
-            except (rpc.Closed, OSError):
-                s.close()
+        rep = p.ProposeReply()
+        for _ in p.ProposeRequest.FromString(m).seqs:
+            rep.trees.add()  # no tree: plain decoding
+        c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"], rep.SerializeToString()))
 
 
 def test_finishing_requests_do_not_stall_other_streams_behind_a_slow_draft(services, model, tmp_path):
