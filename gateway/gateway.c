@@ -1338,6 +1338,10 @@ void gw_close(gw *g) {
     if (!g || !g->http) return;
     rpc_loop_run(g->loop, close_on_loop, g);
     g->http = NULL;
+    /* A job a worker finishes now is answered (its client is gone) with
+     * the router's figures: stop them here, while the router that main
+     * closes next is still there. */
+    workers_stop(g);
 }
 
 void gw_free(gw *g) {

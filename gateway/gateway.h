@@ -82,7 +82,8 @@ void gw_set_draining(gw *g);
 int gw_inflight(gw *g);
 int gw_port(gw *g);
 /* Stops serving HTTP: every connection closes, and requests in flight are
- * cancelled at their targets. Their calls end later (or when the router
+ * cancelled at their targets. Waits for the tokenizer workers' jobs to end
+ * (they may read the router). Calls end later (or when the router
  * closes): free the gateway only after router_close. */
 void gw_close(gw *g); /* NULL is a no-op */
 void gw_free(gw *g);  /* NULL is a no-op; closes first if needed */

@@ -1565,8 +1565,11 @@ int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t 
     p->c = c;
     p->next = cl->pend;
     cl->pend = p;
+    /* One reference for the call, one for the send below: called off the
+     * loop thread (the target's Release), the connection may close and
+     * end the call before this thread has sent it. */
     pthread_mutex_lock(&c->mu);
-    c->refs++;
+    c->refs += 2;
     pthread_mutex_unlock(&c->mu);
     uint32_t id = p->id;
     if (p->timer) {
@@ -1581,6 +1584,7 @@ int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t 
     if (conn_sendv(c, &h, msg, len, parts, n_parts) != AE_OK) {
         /* The connection closed meanwhile: its close ends the call. */
     }
+    conn_unref(c);
     return AE_OK;
 }
 

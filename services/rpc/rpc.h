@@ -213,9 +213,10 @@ typedef struct rpc_iov {
 uint32_t rpc_client_callv(rpc_client *c, uint16_t method, const void *msg, uint32_t len, const rpc_iov *payload,
                           int n_payload, uint32_t timeout_us, rpc_item_fn on_item, void *item_ctx, rpc_reply *out);
 
-/* The same without waiting, for callers on an event loop (the gateway):
- * on_item for each stream item and on_end once with the outcome, both on
- * the loop thread; ctx goes to both. on_item runs under the client's lock
+/* The same without waiting, from any thread (the gateway's event loop,
+ * the target's scheduler sending Release): on_item for each stream item
+ * and on_end once with the outcome, both on the loop thread, possibly
+ * before this returns; ctx goes to both. on_item runs under the client's lock
  * and must not call into this client; on_end may. Fails at once (and
  * calls nothing) when not connected. timeout_us 0: none; at the deadline
  * the call ends DEADLINE_EXCEEDED and is cancelled at the server. */

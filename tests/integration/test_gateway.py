@@ -851,3 +851,19 @@ def test_an_allocation_that_fails_in_a_handler_is_a_503_and_the_gateway_serves_o
         assert (st, r["tokens"]) == (200, [19556, 905])
     finally:
         assert g.stop() == 0, g.text()
+
+
+def test_sigterm_while_a_prompt_is_being_tokenized_exits_cleanly(tmp_path, model):
+    # A worker still tokenizing when SIGTERM comes finishes after the
+    # gateway has closed: its answer must not touch what shutdown freed
+    # (the router). ASan fails the exit code if it does.
+    g = lone_gateway(tmp_path, model, "gw-term")
+    body = json.dumps({"prompt": " " * (BIG - 64)}).encode()
+    socks = [send_post(g.port, "/tokenize", body) for _ in range(2)]
+    try:
+        time.sleep(0.1)  # both bodies read, their jobs on the workers (1 MiB takes them 0.3 s or more)
+        rc = g.stop()
+    finally:
+        for s in socks:
+            s.close()
+    assert rc == 0, g.text()[-3000:]
