@@ -288,6 +288,7 @@ struct conn {
     bool close_after_flush;
     rpc_call *calls;
     int64_t last_rx_ns;
+    int64_t calls_end_ns; /* when the last open call ended (under mu): idle counts from there too */
     bool ping_out;
     struct event *keepalive;
     /* Server side. timer: the handshake/first-frame limit, then the idle
@@ -662,8 +663,12 @@ static void server_timer_cb(evutil_socket_t fd, short what, void *arg) {
     } else {
         pthread_mutex_lock(&c->mu);
         bool busy = c->calls != NULL;
+        int64_t ended = c->calls_end_ns;
         pthread_mutex_unlock(&c->mu);
-        if (busy) c->last_rx_ns = now; /* an open call (a long stream) is activity */
+        /* An open call (a long stream) is activity, and so is its end: a
+         * peer that only streamed is silent from the last call's end. */
+        if (busy) c->last_rx_ns = now;
+        else if (ended > c->last_rx_ns) c->last_rx_ns = ended;
         left_ms = c->idle_ms - (now - c->last_rx_ns) / 1000000;
         if (left_ms <= 0) {
             LOG_INFOF("rpc_closed conn=%llu reason=\"silent for %lld ms (the limit is %u)\"", (unsigned long long)c->id,
@@ -752,6 +757,7 @@ static void call_unlink(rpc_call *k) {
     else if (c->calls == k) c->calls = k->next;
     if (k->next) k->next->prev = k->prev;
     k->prev = k->next = NULL;
+    if (!c->calls) c->calls_end_ns = mono_ns();
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -1271,6 +1277,13 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
         struct timeval tv = {cl->cfg.keepalive_ms / 2000, (cl->cfg.keepalive_ms / 2 % 1000) * 1000};
         c->keepalive = event_new(cl->loop->base, -1, EV_PERSIST, keepalive_cb, c);
         if (c->keepalive) event_add(c->keepalive, &tv);
+        /* A first frame at once: a server closes a connection that sends
+         * none within its handshake time (5 s), which an idle client's
+         * first keepalive ping (after 5 s) would only race. Its PONG also
+         * shows the link works end to end. */
+        c->ping_out = true;
+        frame_header ping = {FRAME_VERSION, FRAME_PING, 0, 0, 0, 0, 0, 0};
+        conn_send(c, &ping, NULL, 0, NULL, 0);
         LOG_INFOF("rpc_connected addr=%s", cl->addr_text);
         return;
     }

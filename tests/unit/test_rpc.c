@@ -593,6 +593,51 @@ static void test_idle_connections_are_closed_but_open_calls_keep_them(void **sta
     close_limited(&f);
 }
 
+/* An idle client's first keepalive ping comes only after its keepalive
+ * interval (5 s, like the server's handshake time): so a client says
+ * something at once, and is not cut while it has nothing to ask. */
+static void test_an_idle_client_is_not_cut_for_sending_no_first_frame(void **state) {
+    (void)state;
+    fixture f = {0};
+    open_limited(&f, 300, 60000, 0);
+    open_client(&f, f.addr);
+    usleep(1000000); /* over three handshake times, with nothing to call */
+    assert_int_equal(rpc_server_conns(f.srv), 1);
+    assert_int_equal(rpc_client_connects(f.cli), 1);
+    assert_true(rpc_client_connected(f.cli));
+    close_limited(&f);
+}
+
+/* Silence counts from the end of the last call: a peer whose only traffic
+ * was a call that ended on its own (here at its deadline) gets the whole
+ * idle time after it, whatever the phase of the server's timer. */
+static void test_idle_time_counts_from_the_end_of_the_last_call(void **state) {
+    (void)state;
+    fixture f = {0};
+    open_limited(&f, 200, 1000, 0);
+    int fd = raw_connect(&f);
+    uint8_t fr[FRAME_HEADER];
+    /* From the first frame the timer looks every 1000 ms while the call
+     * is open (1000, 2000, ...); the call ends at its deadline, 2500 ms. */
+    frame_header h = {FRAME_VERSION, FRAME_REQUEST, M_HANG, 1, 0, 2500000, 0, 0};
+    frame_encode_header(&h, fr);
+    assert_int_equal(write(fd, fr, sizeof fr), (ssize_t)sizeof fr);
+    assert_int_equal(read(fd, fr, sizeof fr), FRAME_HEADER); /* the call's end */
+    frame_header end;
+    ae_error why = {{0}};
+    assert_int_equal(frame_decode_header(fr, 1 << 20, &end, &why), FRAME_OK);
+    assert_int_equal(end.status, RPC_DEADLINE_EXCEEDED);
+    uint8_t text[FRAME_MAX_ERROR];
+    if (end.msg_len) assert_int_equal(read(fd, text, end.msg_len), (ssize_t)end.msg_len);
+    usleep(750000); /* the look at 3000 ms would see 1000 ms since the one at 2000 */
+    assert_int_equal(rpc_server_conns(f.srv), 1);
+    int took = wait_conns(f.srv, 0, 2000);
+    printf("closed %d ms after 750 ms of silence since the call ended\n", took);
+    assert_true(took >= 0);
+    close(fd);
+    close_limited(&f);
+}
+
 /* A peer that pipelines requests and never reads the replies: the server
  * stops reading from it rather than queueing replies without end. */
 static void test_a_peer_that_does_not_read_is_paused_then_closed(void **state) {
@@ -819,6 +864,8 @@ int main(void) {
         cmocka_unit_test(test_keepalive_drops_a_silent_peer),
         cmocka_unit_test(test_silent_connections_are_closed_after_the_handshake_time),
         cmocka_unit_test(test_idle_connections_are_closed_but_open_calls_keep_them),
+        cmocka_unit_test(test_an_idle_client_is_not_cut_for_sending_no_first_frame),
+        cmocka_unit_test(test_idle_time_counts_from_the_end_of_the_last_call),
         cmocka_unit_test(test_a_peer_that_does_not_read_is_paused_then_closed),
         cmocka_unit_test(test_a_stream_to_a_peer_that_does_not_read_is_dropped),
         cmocka_unit_test_setup_teardown(test_server_close_waits_for_handlers_to_finish, setup_unix, teardown),
