@@ -51,8 +51,8 @@ trap stop_all EXIT
 supervise() {
     local name=$1 short=${1#aerie-}
     shift
-    local pid= stopping=false delay=0.5 young=0 t0 rc how
-    trap 'stopping=true; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null' TERM
+    local pid= spid= stopping=false delay=0.5 young=0 t0 rc how
+    trap 'stopping=true; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null; [ -z "$spid" ] || kill "$spid" 2>/dev/null' TERM
     while :; do
         t0=$SECONDS
         "build/$name" "$@" > >(trap "" INT TERM; sed -u "s/^/[$short] /") 2>&1 &
@@ -80,7 +80,9 @@ supervise() {
         fi
         echo "run: $short exited ($how); restarting in $delay s"
         sleep "$delay" &
-        wait $! || true
+        spid=$!
+        wait "$spid" || true
+        spid=
         $stopping && return 0
         delay=$(awk -v d="$delay" 'BEGIN { d *= 2; print (d > 8 ? 8 : d) }')
     done
