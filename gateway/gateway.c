@@ -960,15 +960,20 @@ typedef struct tokreq {
 
 static void on_tokenized(tjob *j);
 
-/* POST /tokenize (see parse_tokenize): parsed and tokenized by a worker;
- * on_tokenized answers. */
-static void handle_tokenize(gw *g, http_req *h) {
+/* /tokenize and /detokenize: a worker does the job (parsing the body into
+ * the request's oai_request when parse), and done answers on the loop. */
+static void submit_tokreq(gw *g, http_req *h, met_route route, tjob_what what, bool parse, void (*done)(tjob *)) {
     oai_error e;
     tokreq *t = calloc(1, sizeof *t);
-    if (!t) return reply_error(g, h, MET_TOKENIZE, (oai_oom(&e), &e));
+    if (!t) return reply_error(g, h, route, (oai_oom(&e), &e));
     t->g = g;
     t->h = h;
-    tjob_submit(g, &t->job, h, TJOB_TOKENIZE, OAI_COMPLETION, &t->o, on_tokenized);
+    tjob_submit(g, &t->job, h, what, OAI_COMPLETION, parse ? &t->o : NULL, done);
+}
+
+/* POST /tokenize (see parse_tokenize); on_tokenized answers. */
+static void handle_tokenize(gw *g, http_req *h) {
+    submit_tokreq(g, h, MET_TOKENIZE, TJOB_TOKENIZE, true, on_tokenized);
 }
 
 /* On the worker: "1,2,3]}", the ids' part of the reply, within the limit
@@ -1087,12 +1092,7 @@ static void on_detokenized(tjob *j) {
 }
 
 static void handle_detokenize(gw *g, http_req *h) {
-    oai_error e;
-    tokreq *t = calloc(1, sizeof *t);
-    if (!t) return reply_error(g, h, MET_DETOKENIZE, (oai_oom(&e), &e));
-    t->g = g;
-    t->h = h;
-    tjob_submit(g, &t->job, h, TJOB_DETOKENIZE, OAI_COMPLETION, NULL, on_detokenized);
+    submit_tokreq(g, h, MET_DETOKENIZE, TJOB_DETOKENIZE, false, on_detokenized);
 }
 
 static void handle_models(gw *g, http_req *h, const char *one) {

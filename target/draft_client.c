@@ -126,13 +126,14 @@ static int dcli_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
 
 /* A Release's answer changes nothing here: a failed one leaves state the
  * draft's LRU takes back. */
+static void count_release_failure(dcli *d) {
+    pthread_mutex_lock(&d->mu);
+    d->stats.release_failures++;
+    pthread_mutex_unlock(&d->mu);
+}
+
 static void release_done(void *ctx, const rpc_reply *r) {
-    dcli *d = ctx;
-    if (r->status != RPC_OK) {
-        pthread_mutex_lock(&d->mu);
-        d->stats.release_failures++;
-        pthread_mutex_unlock(&d->mu);
-    }
+    if (r->status != RPC_OK) count_release_failure(ctx);
 }
 
 /* Sent without waiting for the answer: spec calls this on the scheduler
@@ -147,11 +148,8 @@ static void dcli_release(void *ctx, int32_t seq) {
     if (msg_encode(aerie_ReleaseRequest_fields, &r, buf, sizeof buf, &len, NULL) != AE_OK) return;
     /* The frame is queued before this returns, so buf may go. */
     if (rpc_client_start(d->rpc, aerie_Method_DRAFT_RELEASE, buf, len, NULL, 0, d->cfg.deadline_us, NULL,
-                         release_done, d, NULL, NULL) != AE_OK) {
-        pthread_mutex_lock(&d->mu);
-        d->stats.release_failures++;
-        pthread_mutex_unlock(&d->mu);
-    }
+                         release_done, d, NULL, NULL) != AE_OK)
+        count_release_failure(d);
 }
 
 int dcli_open(dcli **out, rpc_loop *loop, const dcli_config *cfg, ae_error *err) {
