@@ -51,20 +51,36 @@ trap stop_all EXIT
 supervise() {
     local name=$1 short=${1#aerie-}
     shift
-    local pid= spid= stopping=false delay=0.5 young=0 t0 rc how
+    local pid= spid= lpid= stopping=false delay=0.5 young=0 t0 rc how
+    local fifo="$dir/$short.out"
+    mkfifo "$fifo"
     trap 'stopping=true; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null; [ -z "$spid" ] || kill "$spid" 2>/dev/null' TERM
+    # Ctrl-C reaches the service itself (the whole group gets it); this
+    # only waits for it and does not restart it. Without this trap a
+    # subshell of a script that traps INT would die of it, leaving the
+    # service running while the script removes its socket directory.
+    trap 'stopping=true' INT
     while :; do
         t0=$SECONDS
-        "build/$name" "$@" > >(trap "" INT TERM; sed -u "s/^/[$short] /") 2>&1 &
+        # The prefixer reads a FIFO, not a process substitution, so that
+        # this can wait for it: the service's last lines are printed before
+        # "run: stopped" (it ignores Ctrl-C and ends at the service's EOF).
+        (trap "" INT TERM; exec sed -u "s/^/[$short] /" <"$fifo") &
+        lpid=$!
+        "build/$name" "$@" >"$fifo" 2>&1 &
         pid=$!
         echo "run: $short started pid=$pid"
-        # A trapped TERM interrupts wait; wait again for the service itself.
+        # A stop that came before pid was set has not reached the service.
+        ! $stopping || kill -TERM "$pid" 2>/dev/null || true
+        # A trapped TERM interrupts wait; wait again for the service itself,
+        # then for its prefixer to print what is left.
         while :; do
             rc=0
             wait "$pid" || rc=$?
             kill -0 "$pid" 2>/dev/null || break
         done
-        pid=
+        while kill -0 "$lpid" 2>/dev/null; do wait "$lpid" || true; done
+        pid= lpid=
         $stopping && return 0
         if [ "$rc" -eq 0 ]; then
             # A clean exit (it was asked to stop) is not a failure:

@@ -679,7 +679,44 @@ def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path, model, head):
     text = (tmp_path / "run.log").read_text()
     for svc in ("gateway", "target", "draft") if head else ("gateway", "target"):
         assert f"[{svc}] {svc}_stopped" in re.sub(r"\[(\w+)\] \S+ info ", r"[\1] ", text), text
-    assert "run: stopped" in text
+    # Nothing after it: run.sh waited for every service and its log lines.
+    assert text.endswith("run: stopped\n"), text
+
+
+def test_make_run_ctrl_c_while_the_services_load_waits_for_all_three(tmp_path):
+    """Ctrl-C before the stack is up: each service finishes loading, stops,
+    and prints its last line before run.sh says "run: stopped". (Each
+    service's supervisor once died of the SIGINT itself, so run.sh removed
+    the socket directory under a draft that was still loading.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+    env["AERIE_PORT"] = str(port)
+    log = open(tmp_path / "run.log", "w")
+    p = subprocess.Popen(["bash", "tools/run.sh"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        # Once each has begun (and so holds SIGINT for its own handling),
+        # while the target and the draft are still reading their weights.
+        while (tmp_path / "run.log").read_text().count("info config_begin") < 3:
+            assert p.poll() is None and time.monotonic() - t0 < 60, (tmp_path / "run.log").read_text()
+            time.sleep(0.01)
+        assert "draft_ready" not in (tmp_path / "run.log").read_text()
+        os.killpg(p.pid, signal.SIGINT)
+        assert p.wait(timeout=120) == 0
+        left = [d for d in os.listdir("/proc") if d.isdigit() and os.path.exists(f"/proc/{d}/stat")
+                and open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[4] == str(p.pid)]
+        assert left == [], f"processes of run.sh's session still running: {left}"
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        log.close()
+    text = (tmp_path / "run.log").read_text()
+    for svc in ("gateway", "target", "draft"):
+        assert f"[{svc}] {svc}_stopped" in re.sub(r"\[(\w+)\] \S+ info ", r"[\1] ", text), text
+    assert text.endswith("run: stopped\n") and "cannot listen" not in text, text
 
 
 # ---- a request's cost on the gateway's loop (issue 15) ----
