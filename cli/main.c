@@ -24,6 +24,7 @@ static const cli_cmd *const commands[] = {
     &cli_cmd_eval_draft,
     &cli_cmd_draft_logits,
     &cli_cmd_bench_rpc,
+    &cli_cmd_perplexity,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
