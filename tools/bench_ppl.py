@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Accuracy as users judge it: aerie and llama.cpp side by side against the
+same f32 transformers base (tools/gen_ppl_base.py; format in target/ppl.h).
+
+Both engines score the same windows of the same tokens: aerie through
+`aerie perplexity --kl-base` (it tokenizes the text itself and must match
+the base's tokens), llama.cpp through llama-cpp-python on the same GGUF, fed
+the base's own window tokens, one window per context (reset between
+windows, n_ctx = n_batch = ctx, logits for every position). The llama.cpp
+side is scored here in numpy exactly as target/ppl.c scores aerie's rows:
+log-softmax in float64, KL over the base's top K and the rest, argmax the
+first maximum, kld_p99 the ceil(0.99 n)-th smallest.
+
+  python3 tools/bench_ppl.py                        # corpus.txt, ctx 512
+  python3 tools/bench_ppl.py --aerie-args "--threads 2"
+  python3 tools/bench_ppl.py --no-llama             # aerie only
+
+Extra settings for aerie (e.g. another activation precision, once the
+engine has one) go in --aerie-args, which is passed to `aerie perplexity`
+as it is. Prints a table and one JSON line.
+
+Needs: make build/aerie; pip install numpy llama-cpp-python.
+"""
+import argparse
+import json
+import shlex
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT = ROOT / "tests" / "golden" / "ppl" / "corpus.txt"
+BASE = ROOT / "tests" / "golden" / "ppl" / "corpus.base"
+
+
+def read_base(path):
+    """The base as numpy arrays (see target/ppl.h for the layout)."""
+    import numpy as np
+    data = Path(path).read_bytes()
+    if data[:8] != b"AEPPLB01":
+        raise SystemExit("%s: not a perplexity base" % path)
+    vocab, ctx, windows, k, flags = struct.unpack_from("<5I", data, 8)
+    off = 28
+    tokens = np.frombuffer(data, dtype="<i4", count=windows * ctx, offset=off).reshape(windows, ctx)
+    off += 4 * windows * ctx
+    first = ctx // 2
+    scored = ctx - 1 - first
+    rec = np.dtype([("logp_next", "<f4"), ("log_rest", "<f4"), ("ids", "<i4", (k,)), ("logp", "<f4", (k,))])
+    recs = np.frombuffer(data, dtype=rec, offset=off)
+    assert len(recs) == windows * scored, "base size does not match its header"
+    return {"vocab": vocab, "ctx": ctx, "windows": windows, "k": k, "first": first, "scored": scored,
+            "tokens": tokens, "recs": recs}
+
+
+class Scorer:
+    """numpy twin of target/ppl.c's scorer."""
+
+    def __init__(self):
+        self.nll = 0.0
+        self.kld = []
+        self.agree = 0
+        self.base_nll = 0.0
+
+    def add(self, logits, nxt, ref):
+        import numpy as np
+        x = logits.astype(np.float64)
+        mx = x.max()
+        e = np.exp(x - mx)
+        z = e.sum()
+        log_z = np.log(z) + mx
+        self.nll += log_z - x[nxt]
+        ids = ref["ids"]
+        lp = ref["logp"].astype(np.float64)
+        lq = x[ids] - log_z
+        kl = float(np.sum(np.exp(lp) * (lp - lq)))
+        if np.isfinite(ref["log_rest"]):
+            mask = np.ones(len(x), dtype=bool)
+            mask[ids] = False
+            z_rest = e[mask].sum()
+            lq_rest = np.log(z_rest) - np.log(z) if z_rest > 0 else -np.inf
+            lr = float(ref["log_rest"])
+            kl += np.exp(lr) * (lr - lq_rest)
+        self.kld.append(kl)
+        self.base_nll -= float(ref["logp_next"])
+        self.agree += int(np.argmax(x)) == int(ids[0])
+
+    def result(self):
+        import numpy as np
+        n = len(self.kld)
+        v = sorted(self.kld)
+        return {"ppl": float(np.exp(self.nll / n)), "tokens": n, "base_ppl": float(np.exp(self.base_nll / n)),
+                "kld_mean": float(np.mean(self.kld)), "kld_p99": v[(99 * n + 99) // 100 - 1],
+                "top1_agree": self.agree / n}
+
+
+def run_llama(args, base):
+    from llama_cpp import Llama
+    import numpy as np
+    ctx = base["ctx"]
+    t0 = time.time()
+    llm = Llama(model_path=str(args.model), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True,
+                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    sc = Scorer()
+    for w in range(base["windows"]):
+        win = [int(t) for t in base["tokens"][w]]
+        llm.reset()
+        llm.eval(win)
+        scores = np.asarray(llm.scores[:ctx], dtype=np.float32)
+        for j in range(base["scored"]):
+            pos = base["first"] + j
+            sc.add(scores[pos], win[pos + 1], base["recs"][w * base["scored"] + j])
+        print("bench_ppl: llama.cpp window %d/%d (%.0fs)" % (w + 1, base["windows"], time.time() - t0),
+              file=sys.stderr, flush=True)
+    r = sc.result()
+    r["windows"] = base["windows"]
+    r["seconds"] = round(time.time() - t0, 2)
+    import llama_cpp
+    r["version"] = llama_cpp.__version__
+    return r
+
+
+def run_aerie(args, base):
+    cmd = [str(args.aerie), "perplexity", "--model", str(args.model), "--file", str(args.text),
+           "--ctx", str(base["ctx"]), "--kl-base", str(args.base)] + shlex.split(args.aerie_args)
+    print("bench_ppl: " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--text", default=str(TEXT))
+    ap.add_argument("--base", default=str(BASE))
+    ap.add_argument("--aerie", default=str(ROOT / "build" / "aerie"))
+    ap.add_argument("--aerie-args", default="", help="more settings for `aerie perplexity`, as one string")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (aerie: --aerie-args)")
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-aerie", action="store_true")
+    args = ap.parse_args()
+    base = read_base(args.base)
+    rows = {}
+    if not args.no_aerie:
+        rows["aerie"] = run_aerie(args, base)
+    if not args.no_llama:
+        rows["llama.cpp"] = run_llama(args, base)
+    any_row = next(iter(rows.values()))
+    print("%d windows of %d tokens, %d scored; f32 transformers ppl %.4f" % (
+        base["windows"], base["ctx"], any_row["tokens"], any_row["base_ppl"]))
+    print("%-10s %10s %12s %12s %11s %9s" % ("engine", "ppl", "kld_mean", "kld_p99", "top1_agree", "seconds"))
+    for name, r in rows.items():
+        print("%-10s %10.4f %12.4g %12.4g %11.4f %9.1f" % (
+            name, r["ppl"], r["kld_mean"], r["kld_p99"], r["top1_agree"], r["seconds"]))
+    print(json.dumps({"ctx": base["ctx"], "windows": base["windows"], "tokens": any_row["tokens"],
+                      "base_ppl": any_row["base_ppl"], "engines": rows}))
+
+
+if __name__ == "__main__":
+    main()
