@@ -14,6 +14,11 @@ first maximum, kld_p99 the ceil(0.99 n)-th smallest.
   python3 tools/bench_ppl.py                        # corpus.txt, ctx 512
   python3 tools/bench_ppl.py --aerie-args "--threads 2"
   python3 tools/bench_ppl.py --no-llama             # aerie only
+  python3 tools/bench_ppl.py --no-aerie --jobs 2 --threads 1
+
+llama.cpp's threads spin at barriers, which costs it dearly on a host
+whose cores are shared with other work; --jobs 2 --threads 1 runs its
+windows in two single-threaded processes instead (same numbers).
 
 Extra settings for aerie (e.g. another activation precision, once the
 engine has one) go in --aerie-args, which is passed to `aerie perplexity`
@@ -96,15 +101,18 @@ class Scorer:
                 "top1_agree": self.agree / n}
 
 
-def run_llama(args, base):
+def llama_windows(job):
+    """Scores windows [lo, hi) with llama.cpp; returns the scorer's sums."""
+    model, threads, base_path, lo, hi = job
     from llama_cpp import Llama
     import numpy as np
+    base = read_base(base_path)
     ctx = base["ctx"]
     t0 = time.time()
-    llm = Llama(model_path=str(args.model), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True,
-                n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    llm = Llama(model_path=model, n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
     sc = Scorer()
-    for w in range(base["windows"]):
+    for w in range(lo, hi):
         win = [int(t) for t in base["tokens"][w]]
         llm.reset()
         llm.eval(win)
@@ -114,10 +122,32 @@ def run_llama(args, base):
             sc.add(scores[pos], win[pos + 1], base["recs"][w * base["scored"] + j])
         print("bench_ppl: llama.cpp window %d/%d (%.0fs)" % (w + 1, base["windows"], time.time() - t0),
               file=sys.stderr, flush=True)
-    r = sc.result()
-    r["windows"] = base["windows"]
-    r["seconds"] = round(time.time() - t0, 2)
+    return sc.nll, sc.kld, sc.agree, sc.base_nll
+
+
+def run_llama(args, base):
+    """The windows split among --jobs processes (a window's numbers do not
+    depend on which process or how many threads ran it)."""
+    import multiprocessing
     import llama_cpp
+    t0 = time.time()
+    n = base["windows"]
+    jobs = [(str(args.model), args.threads, str(args.base), n * i // args.jobs, n * (i + 1) // args.jobs)
+            for i in range(args.jobs)]
+    if args.jobs == 1:
+        parts = [llama_windows(jobs[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            parts = pool.map(llama_windows, jobs)
+    sc = Scorer()
+    for nll, kld, agree, base_nll in parts:
+        sc.nll += nll
+        sc.kld += kld
+        sc.agree += agree
+        sc.base_nll += base_nll
+    r = sc.result()
+    r["windows"] = n
+    r["seconds"] = round(time.time() - t0, 2)
     r["version"] = llama_cpp.__version__
     return r
 
@@ -138,6 +168,7 @@ def main():
     ap.add_argument("--aerie", default=str(ROOT / "build" / "aerie"))
     ap.add_argument("--aerie-args", default="", help="more settings for `aerie perplexity`, as one string")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads (aerie: --aerie-args)")
+    ap.add_argument("--jobs", type=int, default=1, help="llama.cpp processes, each scoring a share of the windows")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-aerie", action="store_true")
     args = ap.parse_args()
