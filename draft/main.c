@@ -135,10 +135,11 @@ int main(int argc, char **argv) {
         .ctx = d,
     };
     if (rpc_loop_start(&loop, &err) != AE_OK || rpc_server_open(&srv, loop, &sc, &err) != AE_OK) goto out;
-    /* Watched: the RPC loop and the draft worker (it beats wd_process()). */
+    /* Watched: the RPC loop and the draft worker. */
     if (wd_init(&w, wd_env_interval_us(), &err) != AE_OK || wd_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
         goto out;
     wd_set_process(w);
+    dsrv_watch(d, w);
     LOG_INFOF("draft_ready listen=%s head=%s tls=%s client_certs=%s", sc.addr, dir, sc.tls.cert ? "on" : "off",
               sc.tls.ca ? "required" : "off");
     svc_loading_end();

@@ -21,6 +21,7 @@
 
 #include <stdint.h>
 
+#include "../services/core/watchdog.h"
 #include "../services/rpc/rpc.h"
 #include "drafter.h"
 #include "eagle.h"
@@ -50,6 +51,11 @@ typedef struct dsrv dsrv;
 int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error *err);
 /* Finishes queued calls with UNAVAILABLE, stops the worker, frees. */
 void dsrv_free(dsrv *d); /* NULL is a no-op */
+
+/* Puts the worker under systemd's watchdog w (it beats every interval/4
+ * while idle); without it the idle worker sleeps until work comes. w
+ * must outlive the service; dsrv_free joins the worker first. */
+void dsrv_watch(dsrv *d, wd *w);
 
 /* What Info serves: the resolved config (JSON) and the memory plan. */
 void dsrv_set_info(dsrv *d, const char *config_json, const char *memory_plan);
