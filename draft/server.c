@@ -50,7 +50,9 @@ struct dsrv {
     /* the worker */
     pthread_t worker;
     pthread_mutex_t mu; /* queue, stopping, draining, stats, info */
-    pthread_cond_t cv;
+    pthread_cond_t cv;   /* the worker's: a job came, or stop */
+    pthread_cond_t idle; /* dsrv_drain's: a call was served (apart, so that
+                          * a call served on the loop wakes no worker) */
     job *head_job, *tail_job;
     int32_t queued;
     bool busy, stopping, draining;
@@ -321,7 +323,7 @@ static void *worker_main(void *arg) {
         pthread_mutex_lock(&d->mu);
         wd_beat(d->wd, beat);
         d->busy = false;
-        pthread_cond_broadcast(&d->cv);
+        pthread_cond_broadcast(&d->idle);
         pthread_mutex_unlock(&d->mu);
     }
 }
@@ -342,6 +344,7 @@ int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error 
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&d->cv, &ca);
+    pthread_cond_init(&d->idle, &ca);
     pthread_condattr_destroy(&ca);
     drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL};
     d->slots = calloc((size_t)cfg->max_keys, sizeof *d->slots);
@@ -382,6 +385,7 @@ void dsrv_free(dsrv *d) {
     free(d->memory_plan);
     pthread_mutex_destroy(&d->mu);
     pthread_cond_destroy(&d->cv);
+    pthread_cond_destroy(&d->idle);
     free(d);
 }
 
@@ -411,7 +415,7 @@ dsrv_stats dsrv_get_stats(dsrv *d) {
 void dsrv_drain(dsrv *d) {
     pthread_mutex_lock(&d->mu);
     d->draining = true;
-    while (d->head_job || d->busy) pthread_cond_wait(&d->cv, &d->mu);
+    while (d->head_job || d->busy) pthread_cond_wait(&d->idle, &d->mu);
     pthread_mutex_unlock(&d->mu);
 }
 
@@ -478,7 +482,7 @@ void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
         serve(d, call, false);
         pthread_mutex_lock(&d->mu);
         d->busy = false;
-        pthread_cond_broadcast(&d->cv);
+        pthread_cond_broadcast(&d->idle);
         pthread_mutex_unlock(&d->mu);
         return;
     }
