@@ -15,7 +15,10 @@
  * loop itself when nothing else is pending (a hand-off to another thread
  * costs about as much as the rest of the link: 445 -> 301 us p50 per
  * Propose over a Unix socket in aerie bench-rpc), else queued for a worker
- * thread. Info and Health wait at most one Propose. */
+ * thread. Info and Health wait at most one Propose. The worker waits on
+ * a condition variable of its own, so a call served on the loop wakes
+ * nothing; idle, it sleeps until work comes (or beats systemd's watchdog
+ * every interval/4, dsrv_watch). */
 #ifndef AERIE_DRAFT_SERVER_H
 #define AERIE_DRAFT_SERVER_H
 
