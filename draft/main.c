@@ -26,7 +26,9 @@ static const cfg_option opts[] = {
     {"max-seq-len", CFG_INT, "4096", 64, 1 << 24, "pairs of draft state one sequence keeps"},
     {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame accepted, MiB"},
     {"max-conns", CFG_INT, "256", 1, 65536, "connections open at once"},
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
+     "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
+     "since the two take turns within each step: README, Threads)"},
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0, "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
 };
