@@ -2,7 +2,9 @@
  *
  * One process holds an aerie-draft service (draft/server.h on the real
  * head) listening on a Unix socket, on TCP and, with certificates, on TLS
- * with client certificates; and a client for each. The same Propose (8
+ * with client certificates; and a client for each, on an RPC loop of its
+ * own as in the target (one loop serving both ends would read the reply
+ * on the thread that just sent it). The same Propose (8
  * sequences x 8 pairs of features by default, every sequence reset so
  * that each call does the same work) goes round robin in-process (the
  * service's own function, no link) and over each transport.
@@ -11,11 +13,17 @@
  * the service with each reply (server_ns), so the link's cost per call is
  * measured as (round trip - server_ns) against (in-process call -
  * server_ns): message encoding and decoding, the payload's copies, the
- * socket and the thread hand-offs. One JSON line of p50/p90 figures. */
+ * socket and the thread hand-offs. Wall-clock figures on a busy host
+ * mostly measure its run queue: each thread that sleeps and is woken may
+ * wait for a core. So the context switches of the whole process per call
+ * (both ends of the link live here) are counted too: a count of the
+ * hand-offs that does not move with the load. One JSON line of p50, p90
+ * and p99 figures. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -56,7 +64,14 @@ typedef struct path {
     const char *name;
     rpc_client *cli;
     double *total, *link; /* [iters] microseconds */
+    long switches;        /* the process's context switches during the calls */
 } path;
+
+static long switches_now(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_nvcsw + ru.ru_nivcsw;
+}
 
 static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cfg *c = (cfg *)cc;
@@ -66,10 +81,10 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     model *m = NULL;
     eagle_head *h = NULL;
     dsrv *d = NULL;
-    rpc_loop *loop = NULL;
+    rpc_loop *loop = NULL, *cloop = NULL; /* the servers', the clients' (two processes in a deployment) */
     rpc_server *srv[3] = {0};
-    path paths[4] = {{"in_process", NULL, NULL, NULL}, {"unix", NULL, NULL, NULL}, {"tcp", NULL, NULL, NULL},
-                     {"tls", NULL, NULL, NULL}};
+    path paths[4] = {{"in_process", NULL, NULL, NULL, 0}, {"unix", NULL, NULL, NULL, 0},
+                     {"tcp", NULL, NULL, NULL, 0}, {"tls", NULL, NULL, NULL, 0}};
     int n_paths = 3;
     uint8_t *msg = NULL, *payload = NULL, *out = NULL;
     rpc_reply reply = {0};
@@ -140,7 +155,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     char tcp_addr[64] = "127.0.0.1:0", tls_addr[64] = "127.0.0.1:0";
     const char *cert = cfg_str(c, "tls-cert"), *key = cfg_str(c, "tls-key"), *ca = cfg_str(c, "tls-ca");
     bool tls = cert && key && ca;
-    if (rpc_loop_start(&loop, err) != AE_OK) goto out;
+    if (rpc_loop_start(&loop, err) != AE_OK || rpc_loop_start(&cloop, err) != AE_OK) goto out;
     rpc_server_config sc = {.addr = sock, .handler = dsrv_handle, .ctx = d};
     if (rpc_server_open(&srv[0], loop, &sc, err) != AE_OK) goto out;
     sc.addr = tcp_addr;
@@ -157,7 +172,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     for (int p = 1; p < n_paths; p++) {
         rpc_client_config cc2 = {addrs[p], {0}, 0, 0};
         if (p == 3) cc2.tls = (rpc_tls){cfg_str(c, "tls-client-cert"), cfg_str(c, "tls-client-key"), ca};
-        if (rpc_client_open(&paths[p].cli, loop, &cc2, err) != AE_OK) goto out;
+        if (rpc_client_open(&paths[p].cli, cloop, &cc2, err) != AE_OK) goto out;
         if (!rpc_client_wait_connected(paths[p].cli, 10000)) {
             err_set(err, "cannot connect to %s", addrs[p]);
             goto out;
@@ -168,6 +183,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     static aerie_ProposeReply rp;
     for (int it = -5; it < iters; it++) {
         for (int p = 0; p < n_paths; p++) {
+            long sw0 = switches_now();
             double t0 = now_us();
             uint64_t server_ns;
             if (p == 0) {
@@ -185,6 +201,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 if (msg_decode(aerie_ProposeReply_fields, &rp, reply.msg, reply.msg_len, err) != AE_OK) goto out;
             }
             double total = now_us() - t0;
+            if (it >= 0) paths[p].switches += switches_now() - sw0;
             server_ns = rp.server_ns;
             if (rp.trees_count != (pb_size_t)S || rp.trees[0].tokens_count < 2) {
                 err_set(err, "%s: a reply without trees", paths[p].name);
@@ -206,11 +223,13 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     for (int p = 0; p < n_paths; p++) {
         cJSON *q = cJSON_AddObjectToObject(o, paths[p].name);
         double t50 = pct(paths[p].total, iters, 0.5), l50 = pct(paths[p].link, iters, 0.5),
-               l90 = pct(paths[p].link, iters, 0.9);
+               l90 = pct(paths[p].link, iters, 0.9), l99 = pct(paths[p].link, iters, 0.99);
         if (p == 0) base = l50;
         cJSON_AddNumberToObject(q, "call_us_p50", cli_round(t50, 10));
         cJSON_AddNumberToObject(q, "outside_draft_us_p50", cli_round(l50, 10));
         cJSON_AddNumberToObject(q, "outside_draft_us_p90", cli_round(l90, 10));
+        cJSON_AddNumberToObject(q, "outside_draft_us_p99", cli_round(l99, 10));
+        cJSON_AddNumberToObject(q, "switches_per_call", cli_round((double)paths[p].switches / iters, 100));
         if (p > 0) cJSON_AddNumberToObject(q, "added_us_p50", cli_round(l50 - base, 10));
     }
     char *line = cJSON_PrintUnformatted(o);
@@ -221,6 +240,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
 out:
     for (int p = 1; p < 4; p++) rpc_client_close(paths[p].cli);
     for (int i = 0; i < 3; i++) rpc_server_close(srv[i]);
+    rpc_loop_free(cloop);
     rpc_loop_free(loop);
     for (int p = 0; p < 4; p++) free(paths[p].total), free(paths[p].link);
     rpc_reply_free(&reply);

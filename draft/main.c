@@ -26,7 +26,9 @@ static const cfg_option opts[] = {
     {"max-seq-len", CFG_INT, "4096", 64, 1 << 24, "pairs of draft state one sequence keeps"},
     {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame accepted, MiB"},
     {"max-conns", CFG_INT, "256", 1, 65536, "connections open at once"},
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
+     "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
+     "since the two take turns within each step: README, Threads)"},
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0, "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
 };
@@ -135,10 +137,11 @@ int main(int argc, char **argv) {
         .ctx = d,
     };
     if (rpc_loop_start(&loop, &err) != AE_OK || rpc_server_open(&srv, loop, &sc, &err) != AE_OK) goto out;
-    /* Watched: the RPC loop and the draft worker (it beats wd_process()). */
+    /* Watched: the RPC loop and the draft worker. */
     if (wd_init(&w, wd_env_interval_us(), &err) != AE_OK || wd_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
         goto out;
     wd_set_process(w);
+    dsrv_watch(d, w);
     LOG_INFOF("draft_ready listen=%s head=%s tls=%s client_certs=%s", sc.addr, dir, sc.tls.cert ? "on" : "off",
               sc.tls.ca ? "required" : "off");
     svc_loading_end();

@@ -50,10 +50,13 @@ struct dsrv {
     /* the worker */
     pthread_t worker;
     pthread_mutex_t mu; /* queue, stopping, draining, stats, info */
-    pthread_cond_t cv;
+    pthread_cond_t cv;   /* the worker's: a job came, or stop */
+    pthread_cond_t idle; /* dsrv_drain's: a call was served (apart, so that
+                          * a call served on the loop wakes no worker) */
     job *head_job, *tail_job;
     int32_t queued;
     bool busy, stopping, draining;
+    wd *wd; /* systemd's watchdog (dsrv_watch), or NULL */
     dsrv_stats stats;
     char *config_json, *memory_plan;
 };
@@ -278,32 +281,31 @@ static void serve(dsrv *d, rpc_call *call, bool stopping) {
     }
 }
 
-/* systemd's watchdog hears from the worker each time round, at least every
- * 100 ms while idle: a Propose that hangs stops the pings, which the RPC
- * loop alone would keep sending. The watchdog is set by main after the
- * worker started (wd_process), so the worker registers once it appears;
- * main frees it only after dsrv_free has joined the worker. */
-#define WORKER_BEAT_NS 100000000
+/* Waits (under d->mu) until a job comes or the service stops. Watched by
+ * systemd (dsrv_watch), the worker beats every interval/4 meanwhile: a
+ * Propose that hangs stops the beats, which the RPC loop alone would keep
+ * sending. Unwatched it sleeps until woken: an idle draft wakes for
+ * nothing (tests/integration/test_services.py measures it). */
+static void worker_wait(dsrv *d, int *beat) {
+    while (!d->head_job && !d->stopping) {
+        if (!d->wd) {
+            pthread_cond_wait(&d->cv, &d->mu);
+            continue;
+        }
+        if (*beat < 0) *beat = wd_add(d->wd, "draft-worker");
+        wd_beat(d->wd, *beat);
+        int64_t t = mono_ns() + wd_interval_ns(d->wd) / 4;
+        struct timespec until = {t / 1000000000, t % 1000000000};
+        pthread_cond_timedwait(&d->cv, &d->mu, &until);
+    }
+}
 
 static void *worker_main(void *arg) {
     dsrv *d = arg;
-    wd *w = NULL;
     int beat = -1;
     for (;;) {
-        if (!w && (w = wd_process())) beat = wd_add(w, "draft-worker");
-        wd_beat(w, beat);
         pthread_mutex_lock(&d->mu);
-        if (!d->head_job && !d->stopping) {
-            struct timespec until;
-            clock_gettime(CLOCK_MONOTONIC, &until);
-            until.tv_nsec += WORKER_BEAT_NS;
-            if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
-            pthread_cond_timedwait(&d->cv, &d->mu, &until);
-        }
-        if (!d->head_job && !d->stopping) {
-            pthread_mutex_unlock(&d->mu);
-            continue;
-        }
+        worker_wait(d, &beat);
         job *j = d->head_job;
         if (!j) {
             pthread_mutex_unlock(&d->mu);
@@ -319,8 +321,9 @@ static void *worker_main(void *arg) {
         free(j);
         serve(d, call, stopping);
         pthread_mutex_lock(&d->mu);
+        wd_beat(d->wd, beat);
         d->busy = false;
-        pthread_cond_broadcast(&d->cv);
+        pthread_cond_broadcast(&d->idle);
         pthread_mutex_unlock(&d->mu);
     }
 }
@@ -341,6 +344,7 @@ int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error 
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&d->cv, &ca);
+    pthread_cond_init(&d->idle, &ca);
     pthread_condattr_destroy(&ca);
     drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL};
     d->slots = calloc((size_t)cfg->max_keys, sizeof *d->slots);
@@ -381,7 +385,15 @@ void dsrv_free(dsrv *d) {
     free(d->memory_plan);
     pthread_mutex_destroy(&d->mu);
     pthread_cond_destroy(&d->cv);
+    pthread_cond_destroy(&d->idle);
     free(d);
+}
+
+void dsrv_watch(dsrv *d, wd *w) {
+    pthread_mutex_lock(&d->mu);
+    d->wd = w;
+    pthread_cond_broadcast(&d->cv);
+    pthread_mutex_unlock(&d->mu);
 }
 
 void dsrv_set_info(dsrv *d, const char *config_json, const char *memory_plan) {
@@ -403,7 +415,7 @@ dsrv_stats dsrv_get_stats(dsrv *d) {
 void dsrv_drain(dsrv *d) {
     pthread_mutex_lock(&d->mu);
     d->draining = true;
-    while (d->head_job || d->busy) pthread_cond_wait(&d->cv, &d->mu);
+    while (d->head_job || d->busy) pthread_cond_wait(&d->idle, &d->mu);
     pthread_mutex_unlock(&d->mu);
 }
 
@@ -470,7 +482,7 @@ void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
         serve(d, call, false);
         pthread_mutex_lock(&d->mu);
         d->busy = false;
-        pthread_cond_broadcast(&d->cv);
+        pthread_cond_broadcast(&d->idle);
         pthread_mutex_unlock(&d->mu);
         return;
     }

@@ -15,12 +15,16 @@
  * loop itself when nothing else is pending (a hand-off to another thread
  * costs about as much as the rest of the link: 445 -> 301 us p50 per
  * Propose over a Unix socket in aerie bench-rpc), else queued for a worker
- * thread. Info and Health wait at most one Propose. */
+ * thread. Info and Health wait at most one Propose. The worker waits on
+ * a condition variable of its own, so a call served on the loop wakes
+ * nothing; idle, it sleeps until work comes (or beats systemd's watchdog
+ * every interval/4, dsrv_watch). */
 #ifndef AERIE_DRAFT_SERVER_H
 #define AERIE_DRAFT_SERVER_H
 
 #include <stdint.h>
 
+#include "../services/core/watchdog.h"
 #include "../services/rpc/rpc.h"
 #include "drafter.h"
 #include "eagle.h"
@@ -50,6 +54,11 @@ typedef struct dsrv dsrv;
 int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error *err);
 /* Finishes queued calls with UNAVAILABLE, stops the worker, frees. */
 void dsrv_free(dsrv *d); /* NULL is a no-op */
+
+/* Puts the worker under systemd's watchdog w (it beats every interval/4
+ * while idle); without it the idle worker sleeps until work comes. w
+ * must outlive the service; dsrv_free joins the worker first. */
+void dsrv_watch(dsrv *d, wd *w);
 
 /* What Info serves: the resolved config (JSON) and the memory plan. */
 void dsrv_set_info(dsrv *d, const char *config_json, const char *memory_plan);

@@ -34,7 +34,9 @@ static const cfg_option opts[] = {
     {"spec-adaptive", CFG_BOOL, "true", 0, 0, "speculate only while it gives more tokens per second (target/spec.h)"},
     MEMPLAN_OPTIONS,
     {"max-queue", CFG_INT, "256", 0, 1 << 20, "requests waiting for a batch slot; beyond, refused RESOURCE_EXHAUSTED"},
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
+     "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
+     "since the two take turns within each step: README, Threads)"},
     {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame, MiB"},
     {"max-conns", CFG_INT, "1024", 1, 65536, "connections open at once"},
     {"log-interval-s", CFG_INT, "5", 0, 3600, "seconds between load lines (0: none)"},

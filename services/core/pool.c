@@ -5,6 +5,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -15,9 +16,24 @@
 
 /* A forward pass hands the pool a few hundred short jobs per token; waking
  * a sleeping thread through a condition variable costs more than many of
- * them. So both sides spin for a while on atomics before sleeping: about
- * this many pause instructions (tens of microseconds). */
-#define POOL_SPIN 20000
+ * them. So both sides spin on atomics before sleeping, but only this long:
+ * a spinning thread holds a core, and the target and the draft share the
+ * same cores (make run), taking turns within each step. The gaps between
+ * the jobs of one pass are a few microseconds; between steps the waiting
+ * pool should give its cores away at once. The bound was 20000 pauses,
+ * which is 520 us on a Zen 4 (a pause is about 26 ns there, 10x what it
+ * was on older cores): one stack of target and draft at 2 threads each
+ * made 1.0 tok/s with it on the loaded 2-core development host and 24.5
+ * tok/s with this bound (tools/bench_threads.py, README). Wall time, not
+ * a count, so that it means the same on every core (and under TSan). */
+#define POOL_SPIN_NS 50000
+#define POOL_SPIN_CHECK 64 /* pauses between looks at the clock */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
 
 struct pool {
     int n_threads;      /* including the caller */
@@ -49,10 +65,12 @@ static void run_tasks(pool *p, pool_fn fn, void *ctx, int n_tasks) {
 /* Waits until generation moves past seen (or shutdown); returns the new
  * generation. Spins first, then sleeps. */
 static unsigned long wait_for_job(pool *p, unsigned long seen) {
-    for (int i = 0; i < POOL_SPIN; i++) {
+    int64_t until = now_ns() + POOL_SPIN_NS;
+    for (int i = 1;; i++) {
         unsigned long g = atomic_load(&p->generation);
         if (g != seen || atomic_load(&p->shutdown)) return g;
         CPU_RELAX();
+        if (i % POOL_SPIN_CHECK == 0 && now_ns() > until) break;
     }
     pthread_mutex_lock(&p->mu);
     atomic_fetch_add(&p->sleepers, 1);
@@ -163,7 +181,11 @@ void pool_run(pool *p, pool_fn fn, void *ctx, int n_tasks) {
 
     run_tasks(p, fn, ctx, n_tasks);
 
-    for (int i = 0; i < POOL_SPIN && atomic_load(&p->pending) > 0; i++) CPU_RELAX();
+    int64_t until = now_ns() + POOL_SPIN_NS;
+    for (int i = 1; atomic_load(&p->pending) > 0; i++) {
+        CPU_RELAX();
+        if (i % POOL_SPIN_CHECK == 0 && now_ns() > until) break;
+    }
     if (atomic_load(&p->pending) > 0) {
         pthread_mutex_lock(&p->mu);
         while (atomic_load(&p->pending) > 0) pthread_cond_wait(&p->done, &p->mu);

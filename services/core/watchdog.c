@@ -63,6 +63,8 @@ int64_t wd_env_interval_us(void) {
     return us;
 }
 
+int64_t wd_interval_ns(const wd *w) { return w ? w->interval_ns : 0; }
+
 int wd_init(wd **out, int64_t interval_us, ae_error *err) {
     *out = NULL;
     if (interval_us <= 0) return AE_OK;

@@ -37,6 +37,11 @@ int64_t wd_env_interval_us(void);
 /* A watchdog with this interval; *out = NULL when interval_us <= 0. */
 int wd_init(wd **out, int64_t interval_us, ae_error *err);
 
+/* The interval in nanoseconds; 0 for NULL. A loop that sleeps until work
+ * comes beats at least every interval/4 (as wd_watch_base's timers do),
+ * and need not wake at all without a watchdog. */
+int64_t wd_interval_ns(const wd *w);
+
 /* Stops pinging and removes the loop timers (wd_watch_base); safe to call
  * while other loops still beat. Call it after STOPPING=1 (systemd does not
  * watch a stopping service) and before the event bases are freed. */

@@ -2,12 +2,14 @@
 
 #include <errno.h>
 #include <netdb.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -476,6 +478,27 @@ static bool rx_reserve(conn *c, size_t upto) {
     return true;
 }
 
+/* Reads the rest of the current frame's body straight from a plain
+ * socket into rx, as far as the kernel has it now. Returns 1 once the body
+ * is whole, 0 when more is to come, -1 when the peer hung up mid-frame (or
+ * rx cannot grow): nothing of that frame is dispatched. Under the
+ * bufferevent's lock. */
+static int read_body(conn *c, evutil_socket_t fd, size_t need) {
+    while (c->body_got < need) {
+        size_t room = c->rx_cap - c->pad - c->body_got;
+        if (room == 0) {
+            if (!rx_reserve(c, c->body_got + RPC_RX_STEP < need ? c->body_got + RPC_RX_STEP : need)) return -1;
+            room = c->rx_cap - c->pad - c->body_got;
+        }
+        size_t want = need - c->body_got < room ? need - c->body_got : room;
+        ssize_t k = recv(fd, c->rx + c->pad + c->body_got, want, MSG_DONTWAIT);
+        if (k > 0) c->body_got += (size_t)k;
+        else if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return -1;
+        else if (errno != EINTR) return 0;
+    }
+    return 1;
+}
+
 /* Reads frames while whole ones are there. libevent reads a socket 4 KiB
  * per wakeup, so on a plain socket the rest of a large body is read here
  * directly, in as few calls as the kernel allows. */
@@ -523,34 +546,14 @@ static void on_read(struct bufferevent *bev, void *arg) {
         uint8_t *body = c->rx + c->pad;
         if (take) evbuffer_remove(in, body + c->body_got, take);
         c->body_got += take;
-        bool hung_up = false;
-        if (c->body_got < need && c->direct) {
-            evutil_socket_t fd = bufferevent_getfd(bev);
-            while (c->body_got < need) {
-                size_t room = c->rx_cap - c->pad - c->body_got;
-                if (room == 0) {
-                    if (!rx_reserve(c, c->body_got + RPC_RX_STEP < need ? c->body_got + RPC_RX_STEP : need)) break;
-                    body = c->rx + c->pad;
-                    room = c->rx_cap - c->pad - c->body_got;
-                }
-                size_t want = need - c->body_got < room ? need - c->body_got : room;
-                ssize_t k = recv(fd, body + c->body_got, want, MSG_DONTWAIT);
-                if (k > 0) {
-                    c->body_got += (size_t)k;
-                } else if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-                    hung_up = true; /* mid-frame: nothing of it is dispatched */
-                    break;
-                } else if (errno != EINTR) {
-                    break;
-                }
-            }
-        }
+        bool hung_up = c->body_got < need && c->direct && read_body(c, bufferevent_getfd(bev), need) < 0;
         if (hung_up) {
             conn_close(c);
             break;
         }
         if (c->body_got < need) break;
         c->have_hdr = false;
+        body = c->rx + c->pad; /* read_body may have moved rx */
         if (c->srv) server_frame(c, body, body + c->hdr.msg_len);
         else client_frame(c, body, body + c->hdr.msg_len);
     }
@@ -1066,6 +1069,7 @@ typedef struct pending {
     rpc_item_fn on_item;
     void *item_ctx;
     bool done;
+    bool polling; /* its caller reads the socket itself (caller_read) */
     /* rpc_client_start's calls: on_end runs once, on the loop thread, by
      * whoever claims the finished call; the pending and its reply are the
      * client's to free. */
@@ -1093,6 +1097,7 @@ struct rpc_client {
     int32_t backoff_ms;
     struct event *retry;
     uint64_t connects;
+    int wake_fd; /* an eventfd: the loop ended a call whose caller polls the socket */
 };
 
 static void client_connect(rpc_client *cl);
@@ -1225,10 +1230,16 @@ static void client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
         r->payload_len = h.payload_len;
     }
     p->done = true;
-    bool mine = p->on_end && !p->claimed;
+    bool mine = p->on_end && !p->claimed, poke = p->polling;
     if (mine) p->claimed = true;
     pthread_cond_broadcast(&cl->cv);
     pthread_mutex_unlock(&cl->mu);
+    if (poke) { /* the loop read the reply before its caller took the socket over */
+        uint64_t one = 1;
+        if (write(cl->wake_fd, &one, sizeof one) < 0) {
+            /* the counter is full: the caller is woken anyway */
+        }
+    }
     if (mine) async_finish(cl, p);
 }
 
@@ -1237,15 +1248,21 @@ static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
     conn *c = arg;
     rpc_client *cl = c->cli;
     if (!cl || c->closed) return;
+    /* A caller reading its own reply updates these (caller_read). */
+    bufferevent_lock(c->bev);
     int64_t idle_ms = (mono_ns() - c->last_rx_ns) / 1000000;
-    if (c->ping_out && idle_ms >= (int64_t)cl->cfg.keepalive_ms) {
+    bool ping_out = c->ping_out, ping = idle_ms >= (int64_t)cl->cfg.keepalive_ms && !ping_out;
+    if (ping) {
+        c->ping_out = true;
+        c->last_rx_ns = mono_ns();
+    }
+    bufferevent_unlock(c->bev);
+    if (ping_out && idle_ms >= (int64_t)cl->cfg.keepalive_ms) {
         LOG_WARNF("rpc_keepalive_timeout addr=%s idle_ms=%lld", cl->addr_text, (long long)idle_ms);
         conn_close(c);
         return;
     }
-    if (idle_ms >= (int64_t)cl->cfg.keepalive_ms && !c->ping_out) {
-        c->ping_out = true;
-        c->last_rx_ns = mono_ns();
+    if (ping) {
         frame_header p = {FRAME_VERSION, FRAME_PING, 0, 0, 0, 0, 0, 0};
         conn_send(c, &p, NULL, 0, NULL, 0);
     }
@@ -1366,6 +1383,11 @@ int rpc_client_open(rpc_client **out, rpc_loop *l, const rpc_client_config *cfg,
     cl->cfg.addr = cl->addr_text;
     cl->backoff_ms = RPC_BACKOFF_MIN_MS;
     cl->next_id = 1;
+    cl->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (cl->wake_fd < 0) {
+        err_set(err, "eventfd: %s", strerror(errno));
+        goto fail;
+    }
     if (addr_parse(cfg->addr, &cl->a, err) != AE_OK) goto fail;
     if ((cfg->tls.cert != NULL) != (cfg->tls.key != NULL)) {
         err_set(err, "a TLS client certificate needs both a certificate and a key");
@@ -1386,6 +1408,7 @@ int rpc_client_open(rpc_client **out, rpc_loop *l, const rpc_client_config *cfg,
     return AE_OK;
 fail:
     if (cl->ssl) SSL_CTX_free(cl->ssl);
+    if (cl->wake_fd >= 0) close(cl->wake_fd);
     pthread_cond_destroy(&cl->cv);
     pthread_mutex_destroy(&cl->mu);
     free(cl);
@@ -1414,6 +1437,7 @@ void rpc_client_close(rpc_client *cl) {
     pthread_mutex_unlock(&cl->mu);
     event_free(cl->retry);
     if (cl->ssl) SSL_CTX_free(cl->ssl);
+    close(cl->wake_fd);
     pthread_cond_destroy(&cl->cv);
     pthread_mutex_destroy(&cl->mu);
     free(cl);
@@ -1452,6 +1476,109 @@ void rpc_reply_free(rpc_reply *r) {
     free(r->msg);
     free(r->payload);
     memset(r, 0, sizeof *r);
+}
+
+/* ---- a caller reads its own reply ---- */
+
+/* Whether a caller may take this frame off the socket itself: a REPLY to
+ * a blocking unary call (its waiter is woken as the loop would), or a
+ * PING or PONG. Anything else (stream items, asynchronous calls, whose
+ * callbacks run on the loop thread; refusals; frames that fail their
+ * checks) stays in the socket for the loop. */
+static bool caller_may_take(rpc_client *cl, conn *c, const frame_header *h) {
+    if (h->kind == FRAME_PING || h->kind == FRAME_PONG) return true;
+    if (h->kind != FRAME_REPLY) return false;
+    pthread_mutex_lock(&cl->mu);
+    pending *p = cl->pend;
+    while (p && !(p->id == h->call_id && p->c == c)) p = p->next;
+    bool ok = p && !p->done && !p->on_end && !p->on_item;
+    pthread_mutex_unlock(&cl->mu);
+    return ok;
+}
+
+/* Takes what the socket has of the next frame, and dispatches it once
+ * whole (under the bufferevent's lock). Returns false to leave the socket
+ * to the loop: a frame the caller may not take, the peer's hang-up or an
+ * error, which the loop then reads and handles as ever, or bytes the loop
+ * already took into its input buffer (they come first). */
+static bool caller_take(rpc_client *cl, conn *c, evutil_socket_t fd) {
+    if (evbuffer_get_length(bufferevent_get_input(c->bev))) return false;
+    if (!c->have_hdr) {
+        uint8_t raw[FRAME_HEADER];
+        ssize_t k = recv(fd, raw, FRAME_HEADER, MSG_PEEK | MSG_DONTWAIT);
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return true;
+        if (k != FRAME_HEADER) return false; /* hung up, an error, or a header cut short */
+        frame_header h;
+        ae_error why = {{0}};
+        if (frame_decode_header(raw, c->max_frame, &h, &why) != FRAME_OK || !caller_may_take(cl, c, &h)) return false;
+        if (recv(fd, raw, FRAME_HEADER, MSG_DONTWAIT) != FRAME_HEADER) return false; /* cannot be short: peeked */
+        c->hdr = h;
+        c->pad = (16 - h.msg_len % 16) % 16;
+        c->have_hdr = true;
+        c->body_got = 0;
+        c->last_rx_ns = mono_ns();
+        c->ping_out = false;
+    }
+    size_t need = (size_t)c->hdr.msg_len + c->hdr.payload_len;
+    if (!rx_reserve(c, need < RPC_RX_STEP ? need : RPC_RX_STEP)) return false;
+    int got = read_body(c, fd, need);
+    if (got < 0) return false;
+    if (got == 0) return true;
+    c->have_hdr = false;
+    client_frame(c, c->rx + c->pad, c->rx + c->pad + c->hdr.msg_len);
+    return true;
+}
+
+/* Waits for p's reply by reading the socket on the calling thread: the
+ * caller wakes when the reply comes, where it would wait for the loop
+ * thread to wake, read the reply and wake it in turn (on a busy host each
+ * wake-up may wait for a core). Plain sockets only: TLS keeps its state in
+ * the loop's bufferevent. The loop still reads too (turning its reads off
+ * and on from here would wake it twice per call instead): whichever thread
+ * holds the bufferevent's lock takes the bytes, both through the same
+ * frame state, and the loop pokes wake_fd when it ended this call. Returns
+ * once p is done, the deadline has passed, or the socket holds a frame
+ * only the loop may take; the caller's wait then goes on as without this. */
+static void caller_read(rpc_client *cl, conn *c, pending *p, int64_t deadline_ns) {
+    evutil_socket_t fd = bufferevent_getfd(c->bev);
+    pthread_mutex_lock(&cl->mu);
+    p->polling = true;
+    pthread_mutex_unlock(&cl->mu);
+    for (;;) {
+        pthread_mutex_lock(&cl->mu);
+        bool done = p->done;
+        pthread_mutex_unlock(&cl->mu);
+        if (done) break;
+        int wait_ms = -1;
+        if (deadline_ns) {
+            int64_t left = deadline_ns - mono_ns();
+            if (left <= 0) break;
+            wait_ms = (int)((left + 999999) / 1000000);
+        }
+        /* A close on the loop thread shuts the socket down, which ends
+         * this poll too. */
+        struct pollfd pf[2] = {{fd, POLLIN, 0}, {cl->wake_fd, POLLIN, 0}};
+        int k = poll(pf, 2, wait_ms);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) break;
+        if (pf[1].revents) {
+            uint64_t n;
+            if (read(cl->wake_fd, &n, sizeof n) < 0) {
+                /* EAGAIN: another caller drained it; p->done says */
+            }
+        }
+        if (!pf[0].revents) continue; /* p->done and the deadline are checked above */
+        bufferevent_lock(c->bev);
+        pthread_mutex_lock(&c->mu);
+        bool closed = c->closed;
+        pthread_mutex_unlock(&c->mu);
+        bool go_on = !closed && caller_take(cl, c, fd);
+        bufferevent_unlock(c->bev);
+        if (!go_on) break;
+    }
+    pthread_mutex_lock(&cl->mu);
+    p->polling = false;
+    pthread_mutex_unlock(&cl->mu);
 }
 
 uint32_t rpc_client_call(rpc_client *cl, uint16_t method, const void *msg, uint32_t len, const void *payload,
@@ -1494,7 +1621,9 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
 
     frame_header h = {FRAME_VERSION, FRAME_REQUEST, method, p.id, 0, timeout_us, len, (uint32_t)payload_len};
     bool sent = conn_sendv(c, &h, msg, len, parts, n_parts) == AE_OK;
-    struct timespec until = abs_after_ns(timeout_us ? (int64_t)timeout_us * 1000 : 0);
+    int64_t deadline_ns = timeout_us ? mono_ns() + (int64_t)timeout_us * 1000 : 0;
+    if (sent && c->direct && !on_item) caller_read(cl, c, &p, deadline_ns);
+    struct timespec until = {deadline_ns / 1000000000, deadline_ns % 1000000000};
     bool timed_out = false;
     pthread_mutex_lock(&cl->mu);
     if (!sent && !p.done) {

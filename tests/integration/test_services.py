@@ -858,3 +858,74 @@ def test_a_tls_connection_without_a_handshake_is_closed_after_5_s(services, tmp_
     print(f"closed {took:.1f} s after connecting")
     assert 4 < took < 8
     assert draft.text().count("no frame within 5000 ms of accept") == 2
+
+
+def cpu_and_wakeups(pid, kinds=("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+    """(CPU nanoseconds, context switches of the given kinds) summed over
+    the process's threads: schedstat's run time is exact, unlike the 10 ms
+    ticks of /proc/PID/stat."""
+    cpu = switches = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            cpu += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                if line.split(":")[0] in kinds:
+                    switches += int(line.split()[1])
+        except FileNotFoundError:
+            pass  # a thread that ended between the listing and the read
+    return cpu, switches
+
+
+def idle_cost(pid, seconds):
+    a = cpu_and_wakeups(pid)
+    time.sleep(seconds)
+    b = cpu_and_wakeups(pid)
+    return b[0] - a[0], b[1] - a[1]
+
+
+def test_an_idle_draft_uses_no_cpu_alone_or_with_a_target_connected(services):
+    """An idle draft sleeps until work comes. What may still wake it in
+    5 s: the RPC keepalive (the target's client pings after 5 s without a
+    frame, so at most one PING in 5 s) and the server's idle-connection
+    timer (15 s). So at most 3 wake-ups in 5 s; a loop that polls every
+    100 ms makes 50. Each wake-up costs tens of microseconds even under
+    ASan, so 20 ms of CPU in 5 s is a bound no real idle draft nears,
+    and a spinning thread passes it within 20 ms."""
+    draft = services("aerie-draft", *draft_args(), "--threads", "2")
+    rpc.info(draft.addr, method="DRAFT_INFO")  # served: loaded and idle from here
+    time.sleep(1)
+    cpu, wakeups = idle_cost(draft.proc.pid, 5)
+    print(f"alone: cpu_ms={cpu / 1e6:.3f} wakeups={wakeups}")
+    assert wakeups <= 3 and cpu < 20e6, (cpu, wakeups)
+    target = services("aerie-target", *target_args(draft))
+    stats = wait_stats(target.addr, lambda s: s["draft"]["connected"])
+    assert stats["draft"]["connected"] is True
+    time.sleep(1)
+    cpu, wakeups = idle_cost(draft.proc.pid, 5)
+    print(f"with a target: cpu_ms={cpu / 1e6:.3f} wakeups={wakeups}")
+    assert wakeups <= 3 and cpu < 20e6, (cpu, wakeups)
+
+
+def test_a_propose_wakes_only_the_draft_thread_that_serves_it(services):
+    """An idle draft serves a Propose on its RPC loop (draft/server.h): the
+    loop wakes when the request comes and sleeps again after the reply,
+    one voluntary context switch per call, and no other thread of the
+    draft (the worker, the compute pool at --threads 1: none) may wake.
+    The Python client waits for each reply before it sends the next."""
+    draft = services("aerie-draft", *draft_args())
+    c = rpc.Conn(draft.addr)
+    prop = rpc.p_method("DRAFT_PROPOSE")
+    m, pl = propose_request([(0, True, 0, [5, 6, 7], None)])
+    assert c.unary(prop, m, pl)[0] == "OK"  # warm: buffers, the drafter's first pass
+    calls = 40
+    # Voluntary ones: a thread that went to sleep (the preemptions of a busy
+    # host are involuntary, and not the draft's doing).
+    _cpu, before = cpu_and_wakeups(draft.proc.pid, ("voluntary_ctxt_switches",))
+    for _ in range(calls):
+        st, reply = c.unary(prop, m, pl)
+        assert st == "OK", reply
+    _cpu, after = cpu_and_wakeups(draft.proc.pid, ("voluntary_ctxt_switches",))
+    c.close()
+    print(f"context switches per Propose: {(after - before) / calls:.2f}")
+    # One per call, and a few for the host (a page fault's wait).
+    assert after - before <= calls + calls // 4, after - before

@@ -850,10 +850,95 @@ static void test_the_default_socket_is_in_a_private_directory(void **state) {
     free(old);
 }
 
+/* Holds a loop's thread until released. */
+typedef struct held {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool holding, release;
+    rpc_loop *loop;
+} held;
+
+static void hold_job(void *arg) {
+    held *h = arg;
+    pthread_mutex_lock(&h->mu);
+    h->holding = true;
+    pthread_cond_broadcast(&h->cv);
+    while (!h->release) pthread_cond_wait(&h->cv, &h->mu);
+    pthread_mutex_unlock(&h->mu);
+}
+
+static void *hold_thread(void *arg) {
+    held *h = arg;
+    rpc_loop_run(h->loop, hold_job, h);
+    return NULL;
+}
+
+/* On a plain socket the caller of a blocking call reads its own reply:
+ * the client's loop thread takes no part, so a call ends OK while that
+ * thread is held (a reply that had to pass through it would end the
+ * call DEADLINE_EXCEEDED). The server runs on a loop of its own, as in
+ * two processes. */
+static void caller_reads_its_reply(const char *addr_or_null) {
+    ae_error err = {{0}};
+    fixture f = {0};
+    rpc_loop *cloop = NULL;
+    if (rpc_loop_start(&f.loop, &err) != AE_OK || rpc_loop_start(&cloop, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (addr_or_null) snprintf(f.addr, sizeof f.addr, "%s", addr_or_null);
+    open_server(&f, addr_or_null ? f.addr : "127.0.0.1:0");
+    if (!addr_or_null) snprintf(f.addr, sizeof f.addr, "127.0.0.1:%d", rpc_server_port(f.srv));
+    rpc_client_config cc = {.addr = f.addr, .max_frame = 1 << 20};
+    if (rpc_client_open(&f.cli, cloop, &cc, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_true(rpc_client_wait_connected(f.cli, 5000));
+    held h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, false, cloop};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, hold_thread, &h), 0);
+    pthread_mutex_lock(&h.mu);
+    while (!h.holding) pthread_cond_wait(&h.cv, &h.mu);
+    pthread_mutex_unlock(&h.mu);
+    enum { N = 20000 }; /* a Propose of one sequence: fits the socket's buffer */
+    static uint8_t pay[N];
+    for (uint32_t i = 0; i < N; i++) pay[i] = (uint8_t)(i * 7);
+    rpc_reply r = {0};
+    for (int call = 0; call < 3; call++) {
+        uint32_t st = rpc_client_call(f.cli, M_ECHO, "abc", 3, pay, N, 2000000, NULL, NULL, &r);
+        if (st != RPC_OK) fail_msg("call %d: %s: %s", call, rpc_status_name(st), r.error);
+        assert_int_equal(r.msg_len, 3);
+        assert_memory_equal(r.msg, "cba", 3);
+        assert_int_equal(r.payload_len, N);
+        for (uint32_t i = 0; i < N; i++) assert_int_equal(r.payload[i], (uint8_t)(i * 14));
+    }
+    pthread_mutex_lock(&h.mu);
+    h.release = true;
+    pthread_cond_broadcast(&h.cv);
+    pthread_mutex_unlock(&h.mu);
+    pthread_join(t, NULL);
+    /* The loop goes on reading where the caller stopped. */
+    echo_roundtrip(&f, 5);
+    rpc_reply_free(&r);
+    rpc_client_close(f.cli);
+    rpc_server_close(f.srv);
+    rpc_loop_free(cloop);
+    rpc_loop_free(f.loop);
+}
+
+static void test_a_blocking_caller_reads_its_own_reply_over_unix(void **state) {
+    (void)state;
+    char addr[128];
+    snprintf(addr, sizeof addr, "unix:build/test-rpc-own-%d.sock", (int)getpid());
+    caller_reads_its_reply(addr);
+}
+
+static void test_a_blocking_caller_reads_its_own_reply_over_tcp(void **state) {
+    (void)state;
+    caller_reads_its_reply(NULL);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_tcp, teardown),
+        cmocka_unit_test(test_a_blocking_caller_reads_its_own_reply_over_unix),
+        cmocka_unit_test(test_a_blocking_caller_reads_its_own_reply_over_tcp),
         cmocka_unit_test_setup_teardown(test_unknown_method_is_an_error_and_the_link_stays, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_stream_delivers_items_in_order_then_end, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_deadline_ends_the_call_and_cancels_it_at_the_server, setup_unix,
