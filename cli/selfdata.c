@@ -31,13 +31,20 @@
  *   lengths        I32 [S]          tokens of each sequence
  *   prompt_lengths I32 [S]          of which prompt (chat template included)
  *   prompt_index   I32 [S]          line of the prompts file, from 0
- * Metadata: format, capture_layers ("2,15,27"), hidden, topk. */
+ * Metadata: format, capture_layers ("2,15,27"), hidden, topk.
+ *
+ * A trainer that streams (tools/train_eagle3.py train --stream) replaces
+ * each shard it has used by an empty shard-NNNNN.consumed, so the data on
+ * disk stay a few shards however long the run. Either file counts as
+ * written when a run resumes, and with --max-pending N the dump waits
+ * while N shards are written and not yet consumed. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -546,6 +553,8 @@ static const cfg_option df_opts[] = {
     {"topk", CFG_INT, "8", 1, 64, "target probabilities kept per token"},
     {"capture", CFG_STRING, "auto", 0, 0, "target layers whose input is captured, \"a,b,c\" (auto: EAGLE-3's 2, n/2, n-3)"},
     {"shard-size", CFG_INT, "64", 1, 1 << 20, "sequences per shard"},
+    {"max-pending", CFG_INT, "0", 0, 1 << 20,
+     "pause while this many shards wait for a streaming trainer to consume them (0: never pause)"},
     {"max-prompt-tokens", CFG_INT, "512", 1, 1 << 20, "longest prompt with its template; longer ones are an error"},
     {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: max-prompt-tokens + max-new-tokens)"},
 };
@@ -558,6 +567,7 @@ typedef struct df_state {
     sample_params sp;
     uint64_t seed;
     int64_t shard_size, n_shards, shard; /* shard: the next to write */
+    int64_t max_pending, oldest;         /* oldest: no shard before it is waiting for the trainer */
     bg_seq **slots;                      /* [n_prompts], filled by next, emptied by writing */
     int32_t capture[LLAMA_MAX_CAPTURE];
     const char *out;
@@ -624,6 +634,31 @@ static bool df_next(void *ctx, bg_seq **out) {
 
 static void shard_path(const df_state *d, int64_t shard, char *buf, size_t cap) {
     snprintf(buf, cap, "%s/shard-%05lld.safetensors", d->out, (long long)shard);
+}
+
+/* Written by a streaming trainer in place of a shard it has used. */
+static bool shard_consumed(const df_state *d, int64_t shard) {
+    char path[4200];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/shard-%05lld.consumed", d->out, (long long)shard);
+    return stat(path, &st) == 0;
+}
+
+/* With --max-pending, holds the dump (the engine idle) while that many
+ * shards wait for the trainer: the disk holds at most that many. */
+static void df_wait_for_trainer(df_state *d) {
+    if (d->max_pending <= 0) return;
+    bool said = false;
+    for (;;) {
+        while (d->oldest < d->shard && shard_consumed(d, d->oldest)) d->oldest++;
+        if (d->shard - d->oldest < d->max_pending || d->shard >= d->n_shards) return;
+        if (!said)
+            fprintf(stderr, "dump-features: %lld shards wait for the trainer (--max-pending %lld); pausing until it "
+                    "consumes one\n", (long long)(d->shard - d->oldest), (long long)d->max_pending);
+        said = true;
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
 }
 
 static int df_write_shard(df_state *d, int64_t shard, ae_error *err) {
@@ -721,6 +756,7 @@ static int df_done(void *ctx, bg_seq *s, ae_error *err) {
         }
         d->shard++;
         df_progress(d, true);
+        df_wait_for_trainer(d);
     }
     df_progress(d, false);
     return AE_OK;
@@ -893,6 +929,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     d.sp = (sample_params){(float)cfg_double(c, "temperature"), 0, 1, 0};
     d.seed = (uint64_t)cfg_int(c, "seed");
     d.shard_size = cfg_int(c, "shard-size");
+    d.max_pending = cfg_int(c, "max-pending");
     d.n_shards = (d.n_prompts + d.shard_size - 1) / d.shard_size;
     d.slots = calloc((size_t)d.n_prompts, sizeof *d.slots);
     settings = df_settings_json(c, &d, sd.m);
@@ -917,7 +954,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     for (struct stat st; d.shard < d.n_shards; d.shard++) {
         shard_path(&d, d.shard, path, sizeof path);
-        if (stat(path, &st) != 0) break;
+        if (stat(path, &st) != 0 && !shard_consumed(&d, d.shard)) break;
     }
     d.first = d.next = d.shard * d.shard_size < d.n_prompts ? d.shard * d.shard_size : d.n_prompts;
     fprintf(stderr,
@@ -935,6 +972,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             "dump-features: memory beside the engine's plan: at most 3 x shard-size %lld sequences x %.0f tokens "
             "x %.0f bytes = %.0f MiB\n",
             (long long)d.shard_size, cap, row, held / 1048576.0);
+    df_wait_for_trainer(&d); /* a resumed run may find its limit already reached */
     d.t0 = d.last_progress = cli_now_seconds();
     df_progress(&d, true);
     bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,

@@ -13,6 +13,10 @@ prompts the model writes for itself cover many tasks and topics.
         tools/prompts/tasks.txt filled with the topics of topics.txt
         (everyday life) and tools.txt (programs), in a shuffled order.
 
+    make_seeds.py merge --out FILE --exclude HELDOUT PART.jsonl...
+        The prompts of gen-prompts' parts as one file: in order, each text
+        once (case and spacing aside), none that contains a held-out prompt.
+
 Each opening is the start of the user's text; gen-prompts lets the model
 write the rest at temperature, so one opening yields many different turns.
 """
@@ -92,6 +96,29 @@ def seeds(args):
           f"everyday topics and {len(tools)} programs", file=sys.stderr)
 
 
+def norm(t):
+    return " ".join(t.lower().split())
+
+
+def merge(args):
+    held = [norm(json.loads(x)["prompt"]) for x in Path(args.exclude).read_text().splitlines() if x.strip()]
+    seen, kept, dropped = set(), [], 0
+    for part in args.parts:
+        for line in Path(part).read_text().splitlines():
+            t = json.loads(line)["prompt"]
+            n = norm(t)
+            if n in seen or any(h in n for h in held):
+                dropped += 1
+                continue
+            seen.add(n)
+            kept.append(t)
+    tmp = Path(args.out + ".tmp")
+    tmp.write_text("".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in kept))
+    tmp.replace(args.out)
+    print(f"make_seeds: {len(kept)} prompts from {len(args.parts)} parts ({dropped} repeated or held out)",
+          file=sys.stderr)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -100,8 +127,12 @@ def main():
     s.add_argument("--count", type=int, required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=1)
+    m = sub.add_parser("merge")
+    m.add_argument("--out", required=True)
+    m.add_argument("--exclude", required=True)
+    m.add_argument("parts", nargs="+")
     a = ap.parse_args()
-    harvest() if a.cmd == "harvest" else seeds(a)
+    {"harvest": lambda _: harvest(), "seeds": seeds, "merge": merge}[a.cmd](a)
 
 
 if __name__ == "__main__":
