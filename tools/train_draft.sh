@@ -38,7 +38,7 @@ SHARD=${SHARD:-64}                # sequences per feature shard
 PENDING=${PENDING:-8}             # shards on disk waiting for the trainer, at most
 VOCAB_SHARDS=${VOCAB_SHARDS:-8}   # first shards whose responses choose the draft vocabulary (<= PENDING)
 TTT=${TTT:-6}                     # unrolled draft steps in training
-DRAFT_VOCAB=${DRAFT_VOCAB:-8192}  # chosen by measured coverage (models/smollm2-135m-eagle3/README.md)
+DRAFT_VOCAB=${DRAFT_VOCAB:-4096}  # the shipped head's; tools/train_eagle3.py vocab measures 2k..16k on a dump
 EVAL_TOKENS=${EVAL_TOKENS:-128}   # longest answer in the evaluation; answers end where the model ends them
 EVAL_SHAPES=${EVAL_SHAPES:-5/4/8,1/1/2,3/1/4}
 PYTHON=${PYTHON:-python3}
@@ -47,20 +47,21 @@ AERIE=${AERIE:-build/aerie}
 say() { printf '\ntrain-draft: %s\n' "$*"; }
 hours() { awk -v s="$1" 'BEGIN { printf "%.1f h", s / 3600 }'; }
 
-# Expected times: an extrapolation, not a measurement of this setting. The
-# rates are those measured on the 2-core AMD EPYC (Zen 4) machine when the
-# shipped head was made (2 threads, unloaded): gen-prompts 12.7 sampled
-# turns/s, dump-features 1.97 prompts/s at 256 new tokens, training
-# 1225 tokens/s at ttt 3; a pass at ttt T costs about T/3 of one at ttt 3
-# (measured side by side, models/smollm2-135m-eagle3/README.md). Stages 2
-# and 3 share the 2 cores, so their times add.
-t1=$(( PROMPTS * 10 / 127 * 13 / 10 ))  # 1.3 samples per kept turn
+# Expected times: an extrapolation, not a measurement of these settings.
+# The rates were measured on the 2-core AMD EPYC (Zen 4) machine when the
+# shipped head was made (2 threads, unloaded; its README): gen-prompts
+# 12.7 sampled turns/s (1.25 samples per kept turn), dump-features 1.97
+# prompts/s at 256 new tokens (264 tokens a sequence), training 1225
+# tokens/s at ttt 3. A training step at ttt 6 costs 2.13x one at ttt 3
+# (measured side by side: each unrolled step 0.355 of a ttt-3 step). Stages 2 and 3 share
+# the 2 cores, so their times add.
+t1=$(( PROMPTS * 125 / 1270 ))
 t2=$(( PROMPTS * 100 / 197 * MAX_NEW / 256 ))
-t3=$(( PROMPTS * 260 * TTT / 3 / 1225 * MAX_NEW / 256 ))
+t3=$(( PROMPTS * 264 * TTT * 355 / 1000 / 1225 * MAX_NEW / 256 ))
 say "model $MODEL -> head $HEAD (work files in $WORK)"
 echo "  expected time on 2 cores, extrapolated from measured rates (see this script): 1. prompts ~$(hours $t1)"
 echo "  2+3. features and training side by side ~$(hours $(( t2 + t3 ))) (features ~$(hours $t2), training ~$(hours $t3))"
-echo "  5. evaluate ~0.3 h. Every stage prints its progress. Rerun to resume after an interruption."
+echo "  5. evaluate ~5 min. Every stage prints its progress. Rerun to resume after an interruption."
 if [ "$VOCAB_SHARDS" -gt "$PENDING" ]; then
     echo "train-draft: VOCAB_SHARDS ($VOCAB_SHARDS) must be at most PENDING ($PENDING): the trainer needs them all at once" >&2
     exit 2
