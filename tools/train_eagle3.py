@@ -659,7 +659,7 @@ def train_stream(args):
     # Validation shards are copied to OUT and consumed at once, so that
     # every shard of the dump is consumed in order (dump-features counts
     # the shards waiting before the first one not consumed).
-    val = []
+    val, record = [], {}
     for k in range(n_val):
         copy = out / f"val-{data.path(k).name}"
         if not copy.exists():
@@ -677,13 +677,17 @@ def train_stream(args):
         # deleted file).
         first = [s for k in range(n_val, min(n_val + n_vocab, data.n_shards)) for s in data.get(k)]
         ids = draft_vocabulary(response_counts(first, V), args.draft_vocab)
+        record["vocab_coverage_by_size"] = coverage_table(first, V, (2048, 4096, 8192, 16384))
+        print("train: coverage of response tokens by draft vocabulary size (chosen on half of the vocabulary shards, "
+              "counted on the other): " + ", ".join(f"{r['draft_vocab']} {r['coverage_unseen']:.1%}"
+                                                   for r in record["vocab_coverage_by_size"]),
+              file=sys.stderr, flush=True)
     t2d_index = np.full(V, -1, dtype=np.int64)
     t2d_index[ids] = np.arange(len(ids))
     model = Eagle3Head(head_config(info, len(ids)))
     embed = torch.from_numpy(data.embed.astype(np.float32))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     shard, batch, step, t_prev = n_val, 0, 0, 0.0
-    record = {}
     counts = np.zeros(V, dtype=np.int64)  # response tokens trained on, for the coverage actually seen
     if state:
         model.load_state_dict(state["model"])
@@ -786,15 +790,20 @@ def vocab_coverage(args):
     seqs = []
     for p in sorted(d.glob("shard-*.safetensors")):
         seqs += load_shard(p)
+    c = response_counts(seqs, V)
+    print(json.dumps({"sequences": len(seqs), "response_tokens": int(c.sum()), "distinct_response_tokens":
+                      int((c > 0).sum()), "sizes": coverage_table(seqs, V, [int(x) for x in args.sizes.split(",")])}))
+
+
+def coverage_table(seqs, V, sizes):
     half = len(seqs) // 2
     a, b = response_counts(seqs[:half], V), response_counts(seqs[half:], V)
     rows = []
-    for size in (int(x) for x in args.sizes.split(",")):
+    for size in sizes:
         ids = draft_vocabulary(a, size)
         rows.append({"draft_vocab": size, "coverage_unseen": round(float(b[ids].sum() / max(b.sum(), 1)), 4),
                      "coverage_seen": round(float(a[ids].sum() / max(a.sum(), 1)), 4)})
-    print(json.dumps({"sequences": len(seqs), "response_tokens": int(a.sum() + b.sum()),
-                      "distinct_response_tokens": int(((a + b) > 0).sum()), "sizes": rows}))
+    return rows
 
 
 def load_init(path, info):
