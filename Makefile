@@ -197,9 +197,10 @@ run:
 	@tools/run.sh
 
 # The whole EAGLE-3 pipeline for the default model (tools/train_draft.sh):
-# data from the model itself, features, training, export to
-# models/smollm2-135m-eagle3/, evaluation. About an hour on 2 cores;
-# rerunning resumes where it stopped.
+# data from the model itself, features and training side by side (streamed),
+# export to models/smollm2-135m-eagle3/, evaluation on the held-out prompts.
+# Many hours on 2 cores (it prints its estimate per stage); rerunning
+# resumes where it stopped.
 train-draft:
 	@tools/deps.sh train
 	$(MAKE) all

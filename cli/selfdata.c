@@ -4,6 +4,12 @@
  *                        (the template up to the user's content, then the
  *                        model writes the content) at a temperature,
  *                        deduplicated; writes train.jsonl and heldout.jsonl.
+ *                        With --seeds, attempt i starts its user turn with
+ *                        opening i mod n of that file (a task and a topic),
+ *                        so the turns are as varied as the openings; with
+ *                        --exclude, a turn that contains one of that
+ *                        file's prompts is dropped (the committed held-out
+ *                        set is never trained on).
  *   aerie dump-features  answers each prompt with the target (greedy by
  *                        default: self-distillation) and writes, for every
  *                        token, the captured features and the target's
@@ -25,13 +31,20 @@
  *   lengths        I32 [S]          tokens of each sequence
  *   prompt_lengths I32 [S]          of which prompt (chat template included)
  *   prompt_index   I32 [S]          line of the prompts file, from 0
- * Metadata: format, capture_layers ("2,15,27"), hidden, topk. */
+ * Metadata: format, capture_layers ("2,15,27"), hidden, topk.
+ *
+ * A trainer that streams (tools/train_eagle3.py train --stream) replaces
+ * each shard it has used by an empty shard-NNNNN.consumed, so the data on
+ * disk stay a few shards however long the run. Either file counts as
+ * written when a run resumes, and with --max-pending N the dump waits
+ * while N shards are written and not yet consumed. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -155,13 +168,22 @@ static const cfg_option gp_opts[] = {
     {"max-tokens", CFG_INT, "64", 2, 1 << 16, "longest user turn; longer samples are dropped"},
     {"min-tokens", CFG_INT, "4", 1, 1 << 16, "shortest user turn kept"},
     {"keep-cut", CFG_BOOL, "false", 0, 0, "keep user turns that reach max-tokens (cut short) instead of dropping them"},
-    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: the template's opening + max-tokens)"},
+    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: 256 + max-tokens)"},
+    {"seeds", CFG_STRING, NULL, 0, 0,
+     "JSON lines of {\"prompt\": OPENING}: attempt i starts its user turn with opening i mod n"},
+    {"exclude", CFG_STRING, NULL, 0, 0,
+     "JSON lines of {\"prompt\": TEXT}: turns containing one of them (case and spacing aside) are dropped"},
 };
 
 typedef struct gp_state {
     selfdata *sd;
     int32_t *opener;
-    int32_t n_opener, cap;
+    int32_t n_opener, cap; /* cap: opener + max-tokens, without a seed */
+    int32_t **seed_ids;    /* [n_seeds][seed_len[i]]: openings of the user's content */
+    int32_t *seed_len;
+    int64_t n_seeds;
+    char **exclude;        /* [n_exclude] normalised texts (norm_text) */
+    int64_t n_exclude;
     sample_params sp;
     uint64_t seed;
     int64_t count, attempts, max_attempts;
@@ -173,7 +195,7 @@ typedef struct gp_state {
     int64_t n_kept;
     uint64_t *seen;   /* open-addressing set of normalised-text hashes, 0 = empty */
     size_t seen_cap;
-    int64_t sampled, duplicates, cut, short_, special;
+    int64_t sampled, duplicates, cut, short_, special, excluded;
     int64_t tokens;
     double t0, last_progress;
 } gp_state;
@@ -181,18 +203,21 @@ typedef struct gp_state {
 static bool gp_next(void *ctx, bg_seq **out) {
     gp_state *g = ctx;
     if (g->n_kept >= g->count || g->attempts >= g->max_attempts) return false;
+    int64_t i = g->attempts;
+    int32_t n_seed = g->n_seeds ? g->seed_len[i % g->n_seeds] : 0;
     bg_seq *s = calloc(1, sizeof *s);
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)g->cap);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(g->cap + n_seed));
     if (!s || !ids) {
         free(s);
         free(ids);
         return false; /* the run ends short, and says so */
     }
     memcpy(ids, g->opener, sizeof(int32_t) * (size_t)g->n_opener);
+    if (n_seed) memcpy(ids + g->n_opener, g->seed_ids[i % g->n_seeds], sizeof(int32_t) * (size_t)n_seed);
     s->index = g->attempts++;
     s->ids = ids;
-    s->n_prompt = g->n_opener;
-    s->cap = g->cap;
+    s->n_prompt = g->n_opener + n_seed;
+    s->cap = g->cap + n_seed;
     s->sp = g->sp;
     sample_rng_seed(&s->rng, seq_seed(g->seed, s->index));
     g->slots[s->index] = s;
@@ -217,6 +242,26 @@ static uint64_t norm_hash(const char *t) {
         h = (h ^ ch) * 0x100000001b3ULL;
     }
     return h ? h : 1;
+}
+
+/* The text lowercased (ASCII), runs of whitespace as one space, the ends
+ * trimmed: the form in which --exclude compares turns. */
+static char *norm_text(const char *t) {
+    char *o = malloc(strlen(t) + 1), *w = o;
+    if (!o) return NULL;
+    bool space = false;
+    for (; *t; t++) {
+        unsigned char ch = (unsigned char)*t;
+        if (ch == ' ' || ch == '\n' || ch == '\t' || ch == '\r') {
+            space = w != o;
+            continue;
+        }
+        if (space) *w++ = ' ';
+        space = false;
+        *w++ = (char)(ch >= 'A' && ch <= 'Z' ? ch - 'A' + 'a' : ch);
+    }
+    *w = 0;
+    return o;
 }
 
 static bool seen_insert(gp_state *g, uint64_t h) {
@@ -249,8 +294,9 @@ static char *turn_text(const tok *t, const int32_t *ids, int32_t n, ae_error *er
 
 static int gp_judge(gp_state *g, bg_seq *s, ae_error *err) {
     const tok *t = g->sd->cm.tok;
-    int32_t n = s->n - s->n_prompt - (s->stopped ? 1 : 0);
-    const int32_t *body = s->ids + s->n_prompt;
+    /* The turn is the seed's opening and what the model wrote after it. */
+    int32_t n = s->n - g->n_opener - (s->stopped ? 1 : 0);
+    const int32_t *body = s->ids + g->n_opener;
     g->tokens += s->n - s->n_prompt;
     g->sampled++;
     if (!s->stopped) {
@@ -268,6 +314,21 @@ static int gp_judge(gp_state *g, bg_seq *s, ae_error *err) {
         g->short_++;
         free(text);
         return AE_OK;
+    }
+    if (g->n_exclude) {
+        char *nt = norm_text(text);
+        if (!nt) {
+            free(text);
+            return err_set(err, "out of memory");
+        }
+        bool hit = false;
+        for (int64_t i = 0; i < g->n_exclude && !hit; i++) hit = g->exclude[i][0] && strstr(nt, g->exclude[i]);
+        free(nt);
+        if (hit) {
+            g->excluded++;
+            free(text);
+            return AE_OK;
+        }
     }
     if (!seen_insert(g, norm_hash(text))) {
         g->duplicates++;
@@ -288,9 +349,10 @@ static void gp_progress(gp_state *g, bool force) {
     fmt_duration(eta, sizeof eta, rate * (double)(g->count - g->n_kept));
     fprintf(stderr,
             "gen-prompts: %lld/%lld prompts from %lld samples (%lld duplicates, %lld cut at max-tokens%s, %lld too short, "
-            "%lld with special tokens), %.0f tok/s, %s left\n",
+            "%lld with special tokens, %lld excluded), %.0f tok/s, %s left\n",
             (long long)g->n_kept, (long long)g->count, (long long)g->sampled, (long long)g->duplicates,
-            (long long)g->cut, g->keep_cut ? " and kept" : "", (long long)g->short_, (long long)g->special, el > 0 ? (double)g->tokens / el : 0.0,
+            (long long)g->cut, g->keep_cut ? " and kept" : "", (long long)g->short_, (long long)g->special,
+            (long long)g->excluded, el > 0 ? (double)g->tokens / el : 0.0,
             g->n_kept >= g->count ? "nothing" : eta);
 }
 
@@ -345,6 +407,42 @@ static int write_jsonl(const char *dir, const char *name, char **texts, int64_t 
     return rc;
 }
 
+/* The seeds' token ids, each encoded alone (no special tokens: an opening
+ * is the user's text, never markup). */
+static int gp_load_seeds(gp_state *g, const char *path, ae_error *err) {
+    if (!path) return AE_OK;
+    char **texts = NULL;
+    int64_t n = 0;
+    if (cli_read_prompts(path, &texts, &n, 0, err) != AE_OK) return AE_ERR;
+    int rc = AE_OK;
+    g->seed_ids = calloc((size_t)n, sizeof *g->seed_ids);
+    g->seed_len = calloc((size_t)n, sizeof *g->seed_len);
+    if (!g->seed_ids || !g->seed_len) rc = err_set(err, "out of memory");
+    for (int64_t i = 0; rc == AE_OK && i < n; i++) {
+        size_t len = strlen(texts[i]), got = 0;
+        g->seed_ids[i] = malloc((len + 1) * sizeof(int32_t));
+        g->n_seeds = i + 1;
+        if (!g->seed_ids[i]) rc = err_set(err, "out of memory");
+        else rc = tok_encode(g->sd->cm.tok, texts[i], len, 0, g->seed_ids[i], len + 1, &got, err);
+        g->seed_len[i] = (int32_t)got;
+    }
+    for (int64_t i = 0; i < n; i++) free(texts[i]);
+    free(texts);
+    return rc;
+}
+
+static int gp_load_exclude(gp_state *g, const char *path, ae_error *err) {
+    if (!path) return AE_OK;
+    if (cli_read_prompts(path, &g->exclude, &g->n_exclude, 0, err) != AE_OK) return AE_ERR;
+    for (int64_t i = 0; i < g->n_exclude; i++) {
+        char *nt = norm_text(g->exclude[i]);
+        if (!nt) return err_set(err, "out of memory");
+        free(g->exclude[i]);
+        g->exclude[i] = nt;
+    }
+    return AE_OK;
+}
+
 static int gp_resolve(cfg *c, ae_error *err) {
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", 256 + cfg_int(c, "max-tokens"));
     return cli_resolve_engine(c, false, err);
@@ -366,9 +464,15 @@ static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (selfdata_open(&sd, c, err) != AE_OK || make_dir(out, err) != AE_OK) goto out;
     if (cli_user_turn_ids(sd.cm.tok, sd.ct, NULL, &g.opener, &g.n_opener, err) != AE_OK) goto out;
     g.cap = g.n_opener + (int32_t)cfg_int(c, "max-tokens");
-    if (g.cap > cfg_int(c, "max-seq-len")) {
-        err_set(err, "the template's opening (%d tokens) + max-tokens (%lld) exceeds max-seq-len %lld", g.n_opener,
-                (long long)cfg_int(c, "max-tokens"), (long long)cfg_int(c, "max-seq-len"));
+    if (gp_load_seeds(&g, cfg_str(c, "seeds"), err) != AE_OK || gp_load_exclude(&g, cfg_str(c, "exclude"), err) != AE_OK)
+        goto out;
+    int32_t longest_seed = 0;
+    for (int64_t i = 0; i < g.n_seeds; i++)
+        if (g.seed_len[i] > longest_seed) longest_seed = g.seed_len[i];
+    if (g.cap + longest_seed > cfg_int(c, "max-seq-len")) {
+        err_set(err, "the template's opening (%d tokens) + the longest seed (%d) + max-tokens (%lld) exceeds "
+                "max-seq-len %lld", g.n_opener, longest_seed, (long long)cfg_int(c, "max-tokens"),
+                (long long)cfg_int(c, "max-seq-len"));
         goto out;
     }
     g.sp = (sample_params){(float)cfg_double(c, "temperature"), 0, (float)cfg_double(c, "top-p"), 0};
@@ -402,9 +506,10 @@ static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
         write_jsonl(out, "train.jsonl", g.kept + heldout, count - heldout, err) != AE_OK)
         goto out;
     printf("{\"train\":%lld,\"heldout\":%lld,\"samples\":%lld,\"duplicates\":%lld,\"cut\":%lld,\"too_short\":%lld,"
-           "\"special\":%lld,\"generated_tokens\":%lld,\"seconds\":%.1f}\n",
+           "\"special\":%lld,\"excluded\":%lld,\"seeds\":%lld,\"generated_tokens\":%lld,\"seconds\":%.1f}\n",
            (long long)(count - heldout), (long long)heldout, (long long)g.sampled, (long long)g.duplicates,
-           (long long)g.cut, (long long)g.short_, (long long)g.special, (long long)g.tokens,
+           (long long)g.cut, (long long)g.short_, (long long)g.special, (long long)g.excluded, (long long)g.n_seeds,
+           (long long)g.tokens,
            cli_now_seconds() - g.t0);
     rc = 0;
 out:
@@ -418,6 +523,11 @@ out:
     free(g.kept);
     free(g.seen);
     free(g.opener);
+    for (int64_t i = 0; g.seed_ids && i < g.n_seeds; i++) free(g.seed_ids[i]);
+    free(g.seed_ids);
+    free(g.seed_len);
+    for (int64_t i = 0; g.exclude && i < g.n_exclude; i++) free(g.exclude[i]);
+    free(g.exclude);
     selfdata_close(&sd);
     return rc;
 }
@@ -443,6 +553,8 @@ static const cfg_option df_opts[] = {
     {"topk", CFG_INT, "8", 1, 64, "target probabilities kept per token"},
     {"capture", CFG_STRING, "auto", 0, 0, "target layers whose input is captured, \"a,b,c\" (auto: EAGLE-3's 2, n/2, n-3)"},
     {"shard-size", CFG_INT, "64", 1, 1 << 20, "sequences per shard"},
+    {"max-pending", CFG_INT, "0", 0, 1 << 20,
+     "pause while this many shards wait for a streaming trainer to consume them (0: never pause)"},
     {"max-prompt-tokens", CFG_INT, "512", 1, 1 << 20, "longest prompt with its template; longer ones are an error"},
     {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: max-prompt-tokens + max-new-tokens)"},
 };
@@ -455,6 +567,7 @@ typedef struct df_state {
     sample_params sp;
     uint64_t seed;
     int64_t shard_size, n_shards, shard; /* shard: the next to write */
+    int64_t max_pending, oldest;         /* oldest: no shard before it is waiting for the trainer */
     bg_seq **slots;                      /* [n_prompts], filled by next, emptied by writing */
     int32_t capture[LLAMA_MAX_CAPTURE];
     const char *out;
@@ -521,6 +634,31 @@ static bool df_next(void *ctx, bg_seq **out) {
 
 static void shard_path(const df_state *d, int64_t shard, char *buf, size_t cap) {
     snprintf(buf, cap, "%s/shard-%05lld.safetensors", d->out, (long long)shard);
+}
+
+/* Written by a streaming trainer in place of a shard it has used. */
+static bool shard_consumed(const df_state *d, int64_t shard) {
+    char path[4200];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/shard-%05lld.consumed", d->out, (long long)shard);
+    return stat(path, &st) == 0;
+}
+
+/* With --max-pending, holds the dump (the engine idle) while that many
+ * shards wait for the trainer: the disk holds at most that many. */
+static void df_wait_for_trainer(df_state *d) {
+    if (d->max_pending <= 0) return;
+    bool said = false;
+    for (;;) {
+        while (d->oldest < d->shard && shard_consumed(d, d->oldest)) d->oldest++;
+        if (d->shard - d->oldest < d->max_pending || d->shard >= d->n_shards) return;
+        if (!said)
+            fprintf(stderr, "dump-features: %lld shards wait for the trainer (--max-pending %lld); pausing until it "
+                    "consumes one\n", (long long)(d->shard - d->oldest), (long long)d->max_pending);
+        said = true;
+        struct timespec ts = {0, 200 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
 }
 
 static int df_write_shard(df_state *d, int64_t shard, ae_error *err) {
@@ -618,6 +756,7 @@ static int df_done(void *ctx, bg_seq *s, ae_error *err) {
         }
         d->shard++;
         df_progress(d, true);
+        df_wait_for_trainer(d);
     }
     df_progress(d, false);
     return AE_OK;
@@ -790,6 +929,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     d.sp = (sample_params){(float)cfg_double(c, "temperature"), 0, 1, 0};
     d.seed = (uint64_t)cfg_int(c, "seed");
     d.shard_size = cfg_int(c, "shard-size");
+    d.max_pending = cfg_int(c, "max-pending");
     d.n_shards = (d.n_prompts + d.shard_size - 1) / d.shard_size;
     d.slots = calloc((size_t)d.n_prompts, sizeof *d.slots);
     settings = df_settings_json(c, &d, sd.m);
@@ -814,7 +954,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     for (struct stat st; d.shard < d.n_shards; d.shard++) {
         shard_path(&d, d.shard, path, sizeof path);
-        if (stat(path, &st) != 0) break;
+        if (stat(path, &st) != 0 && !shard_consumed(&d, d.shard)) break;
     }
     d.first = d.next = d.shard * d.shard_size < d.n_prompts ? d.shard * d.shard_size : d.n_prompts;
     fprintf(stderr,
@@ -832,6 +972,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             "dump-features: memory beside the engine's plan: at most 3 x shard-size %lld sequences x %.0f tokens "
             "x %.0f bytes = %.0f MiB\n",
             (long long)d.shard_size, cap, row, held / 1048576.0);
+    df_wait_for_trainer(&d); /* a resumed run may find its limit already reached */
     d.t0 = d.last_progress = cli_now_seconds();
     df_progress(&d, true);
     bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,

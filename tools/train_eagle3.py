@@ -4,6 +4,19 @@
     train_eagle3.py train --features DIR --out DIR [options]
         Trains, checkpointing to OUT/checkpoint.pt (a rerun resumes from
         it), and exports the head to OUT/head/.
+    train_eagle3.py train --stream --features DIR --out DIR [options]
+        Trains on the shards in order as dump-features writes them, one
+        pass, and with --delete-consumed replaces each shard it has used by
+        an empty shard-NNNNN.consumed (dump-features --max-pending waits for
+        that), so the disk holds a few shards however much data there is.
+        The first --val-shards shards are copied to OUT for validation, and
+        the draft vocabulary is chosen from the response tokens of the next
+        --vocab-shards, which must all be on disk at once: dump-features
+        --max-pending must be at least --vocab-shards. It checkpoints after every shard (and at
+        --stop-after); a rerun resumes at the batch it stopped at.
+    train_eagle3.py vocab --features DIR [--sizes 2048,4096,...]
+        Coverage of response tokens by draft vocabularies of those sizes:
+        chosen on the first half of the sequences, counted on the second.
     train_eagle3.py export --out DIR
         Exports OUT/checkpoint.pt to OUT/head/ again.
     train_eagle3.py reference --head DIR --features DIR --out FILE [--pairs N]
@@ -46,6 +59,7 @@ import json
 import math
 import os
 import random
+import shutil
 import struct
 import sys
 import time
@@ -111,6 +125,18 @@ def st_write(path, tensors, meta=None):
 
 # ---- data ---------------------------------------------------------------
 
+def load_shard(path):
+    """The sequences of one shard: (input_ids, hidden, topk_ids, topk_p,
+    prompt_len, prompt_index), views of one read of the file."""
+    t, _ = st_read(path)
+    seqs, at = [], 0
+    for n, pl, pi in zip(t["lengths"].tolist(), t["prompt_lengths"].tolist(), t["prompt_index"].tolist()):
+        sl = slice(at, at + n)
+        seqs.append((t["input_ids"][sl], t["hidden"][sl], t["topk_ids"][sl], t["topk_p"][sl], pl, pi))
+        at += n
+    return seqs
+
+
 class Features:
     """Every sequence of a dump-features directory, held in memory."""
 
@@ -128,22 +154,72 @@ class Features:
                   "training on those", file=sys.stderr, flush=True)
         self.seqs = []  # (input_ids, hidden, topk_ids, topk_p, prompt_len, prompt_index)
         for p in shards:
-            t, _ = st_read(p)
-            at = 0
-            for n, pl, pi in zip(t["lengths"].tolist(), t["prompt_lengths"].tolist(), t["prompt_index"].tolist()):
-                sl = slice(at, at + n)
-                self.seqs.append((t["input_ids"][sl], t["hidden"][sl], t["topk_ids"][sl], t["topk_p"][sl], pl, pi))
-                at += n
+            self.seqs += load_shard(p)
         embed, _ = st_read(d / "target_embed.safetensors")
         self.embed = embed["embed"]
         self.hidden = int(self.info["target_hidden"])
         self.topk = int(self.info["topk"])
 
     def response_counts(self, seqs):
-        counts = np.zeros(int(self.info["target_vocab"]), dtype=np.int64)
-        for ids, _, _, _, pl, _ in seqs:
-            np.add.at(counts, ids[pl:], 1)
-        return counts
+        return response_counts(seqs, int(self.info["target_vocab"]))
+
+
+def response_counts(seqs, vocab):
+    counts = np.zeros(vocab, dtype=np.int64)
+    for ids, _, _, _, pl, _ in seqs:
+        np.add.at(counts, ids[pl:], 1)
+    return counts
+
+
+class ShardStream:
+    """The shards of a dump-features directory in order, as they appear:
+    what a streaming trainer reads while the dump still runs."""
+
+    def __init__(self, directory, wait_seconds):
+        self.dir = Path(directory)
+        self.wait_seconds = wait_seconds
+        deadline = time.time() + wait_seconds
+        while not (self.dir / "features.json").exists() or not (self.dir / "target_embed.safetensors").exists():
+            if time.time() > deadline:
+                raise SystemExit(f"train: {self.dir} has no features.json after {wait_seconds} s")
+            time.sleep(1)
+        self.info = json.loads((self.dir / "features.json").read_text())
+        if self.info.get("format") != "aerie-features-1":
+            raise SystemExit(f"{self.dir}/features.json: not an aerie-features-1 dump")
+        self.n_shards = int(self.info["shards"])
+        self.hidden = int(self.info["target_hidden"])
+        self.topk = int(self.info["topk"])
+        self.embed = st_read(self.dir / "target_embed.safetensors")[0]["embed"]
+
+    def path(self, k):
+        return self.dir / f"shard-{k:05d}.safetensors"
+
+    def consumed_path(self, k):
+        return self.dir / f"shard-{k:05d}.consumed"
+
+    def get(self, k):
+        """Shard k's sequences, waiting for dump-features to write it."""
+        return load_shard(self.get_path(k))
+
+    def get_path(self, k):
+        p, said, deadline = self.path(k), False, time.time() + self.wait_seconds
+        while not p.exists():
+            if self.consumed_path(k).exists():
+                raise SystemExit(f"train: {p} was consumed by an earlier run, and this checkpoint needs it: "
+                                 "the checkpoint and the features directory do not belong together")
+            if time.time() > deadline:
+                raise SystemExit(f"train: {p} did not appear within {self.wait_seconds} s (is dump-features running?)")
+            if not said:
+                print(f"train: waiting for {p.name} from dump-features", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(0.5)
+        return p
+
+    def consume(self, k):
+        """Replaces used shard k by its marker: marker first, so that a
+        crash in between leaves both and no gap for dump-features."""
+        self.consumed_path(k).touch()
+        self.path(k).unlink(missing_ok=True)
 
 
 def draft_vocabulary(counts, size):
@@ -556,6 +632,180 @@ def train(args):
           file=sys.stderr, flush=True)
 
 
+def train_stream(args):
+    """One pass over the shards in order, as dump-features writes them."""
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "checkpoint.pt"
+    data = ShardStream(args.features, args.wait_seconds)
+    info = data.info
+    V = int(info["target_vocab"])
+    n_val, n_vocab = args.val_shards, max(args.vocab_shards, 1)
+    if data.n_shards <= n_val:
+        raise SystemExit(f"train: {data.n_shards} shards leave none to train on after --val-shards {n_val}")
+    resume = ckpt_path.exists() and not args.fresh
+    state = torch.load(ckpt_path, map_location="cpu") if resume else None
+    run_args = {"features_dir": str(Path(args.features).resolve()), "shards": data.n_shards, "stream": True,
+                "batch_tokens": args.batch_tokens, "seed": args.seed, "ttt": args.ttt, "val_shards": n_val,
+                "vocab_shards": n_vocab, "draft_vocab": args.draft_vocab}
+    if state:
+        diff = [f"{k} {state['args'].get(k)} (now {v})" for k, v in run_args.items() if state["args"].get(k) != v]
+        if diff:
+            raise SystemExit(f"train: {ckpt_path} was made with " + ", ".join(diff) +
+                             "; rerun with those settings to resume, or use --fresh or another --out")
+    # Validation shards are copied to OUT and consumed at once, so that
+    # every shard of the dump is consumed in order (dump-features counts
+    # the shards waiting before the first one not consumed).
+    val, record = [], {}
+    for k in range(n_val):
+        copy = out / f"val-{data.path(k).name}"
+        if not copy.exists():
+            shutil.copyfile(data.get_path(k), str(copy) + ".tmp")
+            os.replace(str(copy) + ".tmp", copy)
+        val += load_shard(copy)
+        if args.delete_consumed:
+            data.consume(k)
+    if state:
+        ids = np.asarray(state["draft_ids"], dtype=np.int64)
+    else:
+        # The vocabulary must be fixed before the first step: the most
+        # frequent response tokens of the first training shards (kept on
+        # disk until they are trained on, so nothing is read twice from a
+        # deleted file).
+        first = [s for k in range(n_val, min(n_val + n_vocab, data.n_shards)) for s in data.get(k)]
+        ids = draft_vocabulary(response_counts(first, V), args.draft_vocab)
+        record["vocab_coverage_by_size"] = coverage_table(first, V, (2048, 4096, 8192, 16384))
+        print("train: coverage of response tokens by draft vocabulary size (chosen on half of the vocabulary shards, "
+              "counted on the other): " + ", ".join(f"{r['draft_vocab']} {r['coverage_unseen']:.1%}"
+                                                   for r in record["vocab_coverage_by_size"]),
+              file=sys.stderr, flush=True)
+    t2d_index = np.full(V, -1, dtype=np.int64)
+    t2d_index[ids] = np.arange(len(ids))
+    model = Eagle3Head(head_config(info, len(ids)))
+    embed = torch.from_numpy(data.embed.astype(np.float32))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    shard, batch, step, t_prev = n_val, 0, 0, 0.0
+    counts = np.zeros(V, dtype=np.int64)  # response tokens trained on, for the coverage actually seen
+    if state:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        shard, batch, step, t_prev = state["shard"], state["batch"], state["step"], state["seconds"]
+        record, counts = state["record"], np.asarray(state["counts"], dtype=np.int64)
+    n_train = data.n_shards - n_val
+    print(f"train: streaming {n_train} shards of {info['shard_size']} sequences from {args.features}, "
+          f"{n_val} kept for validation ({len(val)} sequences); draft vocabulary {len(ids)}; ttt {args.ttt}; "
+          f"{'resuming at shard %d batch %d (step %d)' % (shard, batch, step) if state else 'starting'}",
+          file=sys.stderr, flush=True)
+    val_batches = make_batches(val, args.batch_tokens, random.Random(1))
+    weights = [0.8 ** s for s in range(args.ttt)]
+
+    def lr_at(progress):  # progress in [0, 1] over the training shards
+        w = args.warmup_fraction
+        if progress < w:
+            return args.lr * max(progress / w, 0.02)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (progress - w) / max(1e-9, 1 - w))))
+
+    def save(shard_at, batch_at):
+        record.update({"steps": step, "ttt_steps": args.ttt, "lr": args.lr, "batch_tokens": args.batch_tokens,
+                       "stream": True, "train_shards": shard_at - n_val, "val_sequences": len(val),
+                       "val_prompt_index": sorted(s[5] for s in val), "train_response_tokens": int(counts.sum()),
+                       "draft_vocab_size": len(ids),
+                       "draft_vocab_coverage": round(float(counts[ids].sum() / max(counts.sum(), 1)), 4),
+                       "seconds": round(t_prev + time.time() - t0, 1), "target_model": info.get("model"),
+                       "features": {k: info[k] for k in ("prompt_count", "max_new_tokens", "temperature",
+                                                         "capture_layers", "topk")}})
+        save_checkpoint(ckpt_path, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                                    "shard": shard_at, "batch": batch_at, "seconds": t_prev + time.time() - t0,
+                                    "draft_ids": ids.tolist(), "record": record, "args": run_args,
+                                    "counts": counts.tolist()})
+
+    t0, run_steps, seen = time.time(), 0, 0
+    hits, cnt, loss_sum, n_loss = np.zeros(args.ttt), np.zeros(args.ttt), 0.0, 0
+    while shard < data.n_shards:
+        if shard > n_val and args.delete_consumed:
+            data.consume(shard - 1)  # left by a run stopped between its checkpoint and this
+        seqs = data.get(shard)
+        batches = make_batches(seqs, args.batch_tokens, random.Random(args.seed * 1000003 + shard))
+        if batch == 0:
+            counts += response_counts(seqs, V)
+        for b in range(batch, len(batches)):
+            for gr in opt.param_groups:
+                gr["lr"] = lr_at((shard - n_val + b / len(batches)) / n_train)
+            feat, toks, tid, tp, mask = collate(data, seqs, batches[b], args.ttt, t2d_index)
+            loss = 0.0
+            for s, hn in enumerate(model.unroll(feat, toks, embed, args.ttt)):
+                l, h, n = step_loss(model, hn, tid[s], tp[s], mask[s])
+                loss = loss + weights[s] * l
+                hits[s] += float(h)
+                cnt[s] += float(n)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+            step += 1
+            run_steps += 1
+            seen += int(feat.shape[0] * feat.shape[1])
+            loss_sum += float(loss.detach())
+            n_loss += 1
+            if step % args.log_every == 0:
+                el = time.time() - t0
+                done = (shard - n_val + (b + 1) / len(batches)) / n_train
+                acc = hits / np.maximum(cnt, 1)
+                print(f"train: step {step} shard {shard + 1}/{data.n_shards} loss {loss_sum / n_loss:.3f} top-1 by "
+                      "step " + " ".join(f"{a:.3f}" for a in acc) + f"  {seen / el:.0f} tok/s", file=sys.stderr,
+                      flush=True)
+                record["train_top1_by_step"] = [round(float(a), 4) for a in acc]
+                record["train_loss"] = round(loss_sum / n_loss, 4)
+                hits[:], cnt[:], loss_sum, n_loss = 0, 0, 0.0, 0
+            if args.stop_after and run_steps == args.stop_after and (b + 1 < len(batches)
+                                                                     or shard + 1 < data.n_shards):
+                save(shard, b + 1) if b + 1 < len(batches) else save(shard + 1, 0)
+                print(f"train: stopping after {run_steps} steps as asked (--stop-after); checkpoint at step {step}, "
+                      "rerun to resume", file=sys.stderr, flush=True)
+                return
+        shard, batch = shard + 1, 0
+        last = shard == data.n_shards
+        if val_batches and ((shard - n_val) % args.val_every == 0 or last):
+            va = evaluate(model, data, val, val_batches, args.ttt, t2d_index, embed)
+            print("train: validation top-1 by step " + " ".join(f"{a:.3f}" for a in va), file=sys.stderr, flush=True)
+            record["val_top1_by_step"] = [round(float(a), 4) for a in va]
+        save(shard, 0)
+        if args.delete_consumed and shard - 1 >= n_val:
+            data.consume(shard - 1)
+    state = torch.load(ckpt_path, map_location="cpu")
+    head = export(out, state, info)
+    print(f"train: done, {state['step']} steps in {fmt_time(state['seconds'])}; head written to {head}",
+          file=sys.stderr, flush=True)
+
+
+def vocab_coverage(args):
+    """Coverage of response tokens: vocabulary from the first half of the
+    sequences, counted on the second half (so the figure is what unseen
+    data gets)."""
+    d = Path(args.features)
+    V = int(json.loads((d / "features.json").read_text())["target_vocab"])
+    seqs = []
+    for p in sorted(d.glob("shard-*.safetensors")):
+        seqs += load_shard(p)
+    c = response_counts(seqs, V)
+    print(json.dumps({"sequences": len(seqs), "response_tokens": int(c.sum()), "distinct_response_tokens":
+                      int((c > 0).sum()), "sizes": coverage_table(seqs, V, [int(x) for x in args.sizes.split(",")])}))
+
+
+def coverage_table(seqs, V, sizes):
+    half = len(seqs) // 2
+    a, b = response_counts(seqs[:half], V), response_counts(seqs[half:], V)
+    rows = []
+    for size in sizes:
+        ids = draft_vocabulary(a, size)
+        rows.append({"draft_vocab": size, "coverage_unseen": round(float(b[ids].sum() / max(b.sum(), 1)), 4),
+                     "coverage_seen": round(float(a[ids].sum() / max(a.sum(), 1)), 4)})
+    return rows
+
+
 def load_init(path, info):
     """Weights, draft vocabulary and record of an earlier head directory or
     checkpoint, to train further under a new schedule."""
@@ -616,6 +866,21 @@ def main():
                                   "instead of random weights")
     t.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many steps of this run, as an interruption would (rerun to resume)")
+    t.add_argument("--stream", action="store_true",
+                   help="one pass over the shards as dump-features writes them (see the top of this file)")
+    t.add_argument("--delete-consumed", action="store_true",
+                   help="with --stream: replace each shard trained on by an empty shard-NNNNN.consumed")
+    t.add_argument("--val-shards", type=int, default=1, help="with --stream: first shards kept for validation")
+    t.add_argument("--vocab-shards", type=int, default=8,
+                   help="with --stream: training shards whose response tokens choose the draft vocabulary "
+                        "(at most dump-features' --max-pending)")
+    t.add_argument("--val-every", type=int, default=20, help="with --stream: validate every this many shards")
+    t.add_argument("--warmup-fraction", type=float, default=0.02, help="with --stream: of the pass, warm-up")
+    t.add_argument("--wait-seconds", type=float, default=7200,
+                   help="with --stream: how long to wait for dump-features to write the next shard")
+    v = sub.add_parser("vocab")
+    v.add_argument("--features", required=True)
+    v.add_argument("--sizes", default="2048,4096,8192,16384")
     e = sub.add_parser("export")
     e.add_argument("--out", required=True)
     e.add_argument("--features", required=True)
@@ -626,7 +891,9 @@ def main():
     r.add_argument("--pairs", type=int, default=16)
     args = ap.parse_args()
     if args.cmd == "train":
-        train(args)
+        train_stream(args) if args.stream else train(args)
+    elif args.cmd == "vocab":
+        vocab_coverage(args)
     elif args.cmd == "export":
         info = json.loads((Path(args.features) / "features.json").read_text())
         state = torch.load(Path(args.out) / "checkpoint.pt", map_location="cpu")

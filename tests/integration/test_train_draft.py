@@ -238,3 +238,113 @@ def test_training_resumes_where_it_stopped(pipeline):
     wa, wb = st_read(a / "head" / "model.safetensors"), st_read(b / "head" / "model.safetensors")
     for name in PUBLISHED:
         assert np.array_equal(wa[name][1], wb[name][1]), name
+
+
+HELDOUT = ROOT / "tools" / "prompts" / "heldout.jsonl"
+
+
+def norm(t):
+    return " ".join(t.lower().split())
+
+
+def test_the_committed_held_out_set_is_60_distinct_chat_prompts():
+    held = [json.loads(x)["prompt"] for x in HELDOUT.read_text().splitlines()]
+    assert len(held) == 66 and len({norm(h) for h in held}) == 66
+    assert all(h.strip() == h and 10 <= len(h) <= 400 for h in held)
+
+
+def test_training_prompts_never_contain_a_held_out_prompt(pipeline, aerie):
+    """Seeds that are, or contain, held-out prompts: gen-prompts --exclude
+    drops every turn that contains one, and the others start with their
+    opening."""
+    held = [json.loads(x)["prompt"] for x in HELDOUT.read_text().splitlines()]
+    d = pipeline["dir"]
+    seeds = d / "seeds.jsonl"
+    openings = [held[0], "Hello", "tell me: " + held[1].upper(), "Write", held[2].replace(" ", "  "), "Why"]
+    seeds.write_text("".join(json.dumps({"prompt": o}) + "\n" for o in openings))
+    out = d / "seeded"
+    r = aerie("gen-prompts", "--model", pipeline["model"], "--out", out, "--count", "8", "--heldout", "0",
+              "--max-tokens", "6", "--keep-cut", "--threads", "1", "--seeds", seeds, "--exclude", HELDOUT)
+    assert r.rc == 0, r.err
+    g = r.json()
+    assert g["train"] == 8 and g["seeds"] == 6
+    # Attempts cycle through the 6 openings; 3 of them hold a held-out prompt.
+    assert g["excluded"] == g["samples"] // 2 == 8
+    train = [json.loads(x)["prompt"] for x in (out / "train.jsonl").read_text().splitlines()]
+    assert not any(norm(h) in norm(t) for t in train for h in held)
+    # Kept in attempt order: openings 1, 3, 5, 1, 3, 5, 1, 3.
+    starts = [next(o for o in ("Hello", "Why", "Write") if t.startswith(o)) for t in train]
+    assert starts == ["Hello", "Write", "Why"] * 2 + ["Hello", "Write"]
+
+
+def test_vocab_reports_coverage_on_sequences_it_did_not_choose_from(pipeline):
+    r = trainer("vocab", "--features", pipeline["features"], "--sizes", "16,256,4096")
+    o = json.loads(r.stdout)
+    assert o["sequences"] == 11
+    seqs = []
+    for s in sorted(pipeline["features"].glob("shard-*.safetensors")):
+        st = st_read(s)
+        at = 0
+        for n, pl in zip(st["lengths"][1].tolist(), st["prompt_lengths"][1].tolist()):
+            seqs.append(st["input_ids"][1][at + pl:at + n])
+            at += n
+    first, second = np.concatenate(seqs[:5]), np.concatenate(seqs[5:])
+    cov = [x["coverage_unseen"] for x in o["sizes"]]
+    assert cov == sorted(cov) and o["sizes"][2]["coverage_seen"] == 1.0
+    top = np.argsort(-np.bincount(first, minlength=49152), kind="stable")[:256]
+    assert cov[1] == pytest.approx(np.isin(second, top).mean(), abs=1e-4)
+
+
+def test_stream_training_interrupted_and_resumed_matches_an_uninterrupted_run(pipeline, aerie):
+    """dump-features and a streaming trainer run together; both are stopped
+    part way and run again. The head is bit for bit the one trained in one
+    go, and the trainer left only markers of the shards it consumed."""
+    import os
+    import signal
+    import time
+    from conftest import aerie_bin
+    d = pipeline["dir"]
+    dump = ["dump-features", "--model", pipeline["model"], "--prompts", pipeline["prompts"] / "train.jsonl",
+            "--max-new-tokens", "24", "--shard-size", "2", "--capture", "1,2,3", "--threads", "1"]
+    common = ["--stream", "--val-shards", "1", "--vocab-shards", "2", "--draft-vocab", "256", "--batch-tokens",
+              "128", "--threads", "1", "--log-every", "1", "--wait-seconds", "120"]
+    whole = d / "stream-whole"
+    r = aerie(*dump, "--out", whole)
+    assert r.rc == 0, r.err
+    trainer("train", "--features", whole, "--out", d / "stream-a", *common)
+    assert len(list(whole.glob("shard-*.safetensors"))) == 6
+
+    live = d / "stream-live"
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1")
+    p = subprocess.Popen([str(aerie_bin()), *map(str, dump), "--out", live, "--max-pending", "2"],
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    # Nobody consumes yet: the dump pauses at 2 pending shards; stop it there.
+    deadline = time.time() + 60
+    while len(list(live.glob("shard-*.safetensors"))) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert len(list(live.glob("shard-*.safetensors"))) == 2 and p.poll() is None
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=10)
+    # The trainer waits for shards; it is stopped part way through its pass.
+    p = subprocess.Popen([str(aerie_bin()), *map(str, dump), "--out", live, "--max-pending", "2"],
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    first = trainer("train", "--features", live, "--out", d / "stream-b", *common, "--delete-consumed",
+                    "--stop-after", "3")
+    assert "stopping after 3 steps" in first.stderr
+    second = trainer("train", "--features", live, "--out", d / "stream-b", *common, "--delete-consumed")
+    assert re.search(r"resuming at shard \d batch \d \(step 3\)", second.stderr), second.stderr
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "resuming after the shards already written" in err and "pausing until it consumes one" in err
+    # The validation shard went to the trainer's directory; every shard was consumed.
+    assert sorted(f.name for f in live.glob("shard-*")) == [f"shard-{k:05d}.consumed" for k in range(6)]
+    assert all((live / f"shard-{k:05d}.consumed").stat().st_size == 0 for k in range(6))
+    assert (d / "stream-b" / "val-shard-00000.safetensors").read_bytes() == \
+        (whole / "shard-00000.safetensors").read_bytes()
+    wa, wb = st_read(d / "stream-a" / "head" / "model.safetensors"), st_read(d / "stream-b" / "head" / "model.safetensors")
+    for name in PUBLISHED:
+        assert np.array_equal(wa[name][1], wb[name][1]), name
+    rec = json.loads((d / "stream-b" / "head" / "training.json").read_text())
+    assert rec["stream"] is True and rec["train_shards"] == 5 and rec["val_sequences"] == 2
+    assert rec["ttt_steps"] == 3 and len(rec["val_top1_by_step"]) == 3
