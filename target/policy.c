@@ -81,16 +81,16 @@ static void enter_stage(const policy *p, bucket *b, int32_t i) {
     }
 }
 
-int policy_init(policy **out, const policy_config *cfg, ae_error *err) {
-    *out = NULL;
-    const policy_shape *m = &cfg->max;
-    if (m->steps < 1 || m->steps > POLICY_MAX_DEPTH || m->topk < 1 || m->topk > POLICY_MAX_RANK || m->tokens < 2 ||
-        m->tokens > POLICY_MAX_NODES)
-        return err_set(err, "policy: tree of %d steps, top-%d, %d nodes (need 1..%d, 1..%d, 2..%d)", m->steps, m->topk,
-                       m->tokens, POLICY_MAX_DEPTH, POLICY_MAX_RANK, POLICY_MAX_NODES);
-    policy *p = calloc(1, sizeof *p);
-    if (!p) return err_set(err, "out of memory");
+static bool bounds_ok(const policy_shape *m) {
+    return m->steps >= 1 && m->steps <= POLICY_MAX_DEPTH && m->topk >= 1 && m->topk <= POLICY_MAX_RANK &&
+           m->tokens >= 2 && m->tokens <= POLICY_MAX_NODES;
+}
+
+void policy_reset(policy *p, const policy_config *cfg) {
+    AE_ASSERT(bounds_ok(&cfg->max));
+    memset(p, 0, sizeof *p);
     p->cfg = *cfg;
+    const policy_shape *m = &cfg->max;
     int32_t deep = m->steps < m->tokens - 1 ? m->steps : m->tokens - 1;
     stage all[MAX_STAGES] = {{PLAIN, SETTLE_PLAIN_STEPS},
                              {*m, SETTLE_TREE_STEPS},
@@ -105,6 +105,17 @@ int policy_init(policy **out, const policy_config *cfg, ae_error *err) {
         p->b[i].choice = PLAIN;
         enter_stage(p, &p->b[i], 0);
     }
+}
+
+int policy_init(policy **out, const policy_config *cfg, ae_error *err) {
+    *out = NULL;
+    const policy_shape *m = &cfg->max;
+    if (!bounds_ok(m))
+        return err_set(err, "policy: tree of %d steps, top-%d, %d nodes (need 1..%d, 1..%d, 2..%d)", m->steps, m->topk,
+                       m->tokens, POLICY_MAX_DEPTH, POLICY_MAX_RANK, POLICY_MAX_NODES);
+    policy *p = malloc(sizeof *p);
+    if (!p) return err_set(err, "out of memory");
+    policy_reset(p, cfg);
     *out = p;
     return AE_OK;
 }

@@ -116,6 +116,8 @@ typedef struct policy policy;
 
 int policy_init(policy **out, const policy_config *cfg, ae_error *err);
 void policy_free(policy *p); /* NULL is a no-op */
+/* Starts over with new bounds (valid ones: policy_init checks them). */
+void policy_reset(policy *p, const policy_config *cfg);
 
 /* The shape for the next step of a batch of n sequences (n >= 1). */
 policy_pick policy_choose(policy *p, int32_t n);
