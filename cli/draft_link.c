@@ -88,6 +88,7 @@ void draft_link_stats_json(cJSON *o, const spec_stats *st, const spec_shape *sha
     cJSON_AddNumberToObject(o, "mean_accept_len", round4(spec_stats_accept_len(st)));
     cJSON_AddNumberToObject(o, "adaptive_plain_steps", (double)st->adapt_plain_steps);
     cJSON_AddNumberToObject(o, "adaptive_switched_off", (double)st->adapt_off);
+    cJSON_AddNumberToObject(o, "policy_explore_steps", (double)st->explore_steps);
     cJSON *depth = cJSON_AddArrayToObject(o, "accept_per_depth");
     for (int32_t d = 0; depth && d < shape->steps && d < SPEC_MAX_DEPTH; d++)
         cJSON_AddItemToArray(depth, cJSON_CreateNumber(st->steps ? round4((double)st->accepted_at[d] / (double)st->steps) : 0));

@@ -32,7 +32,8 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     DRAFT_LINK_AUTO_OPTIONS,
     {"spec-adaptive", CFG_BOOL, "true", 0, 0,
-     "greedy decoding speculates only while it is faster than plain steps, timed as it runs (target/spec.h)"},
+     "greedy decoding picks each step's tree (or none) within the spec-* bounds by measured cost and acceptance "
+     "(target/policy.h); off or sampling: always the spec-* tree"},
     /* The memory plan's settings (target/memplan.h), with defaults for one
      * sequence. */
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
@@ -189,10 +190,11 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
         drafter_config dc = {plan.max_batch, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
-        /* Only greedy output is the same whenever speculation runs; a
+        /* Only greedy output is the same whatever tree a step drafts; a
          * sampled step draws differently with and without a tree, so a
-         * timing-driven switch would break "a seed reproduces a run".
-         * Sampling speculates on every step. */
+         * timing-driven choice would break "a seed reproduces a run".
+         * Sampling drafts the configured tree on every step (as
+         * SPEC_PIN_SAMPLED does in a batch, target/spec.h). */
         bool adaptive = cfg_bool(c, "spec-adaptive") && cfg_double(c, "temperature") <= 0;
         spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, CLI_PREFILL_CHUNK, adaptive, NULL, NULL};
         if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
@@ -247,7 +249,17 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_AddNumberToObject(o, "threads", threads);
         cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
         cJSON_AddBoolToObject(o, "speculation", sx != NULL);
-        if (sx) draft_link_stats_json(o, spec_total_stats(sx), &shape);
+        if (sx) {
+            draft_link_stats_json(o, spec_total_stats(sx), &shape);
+            /* The policy's choice at batch 1 and the figures behind it. */
+            policy_report pr;
+            char pj[2048];
+            spec_policy_report(sx, 1, &pr);
+            if (policy_report_json(&pr, pj, sizeof pj) < (int)sizeof pj) {
+                cJSON *pol = cJSON_Parse(pj);
+                if (pol) cJSON_AddItemToObject(o, "policy", pol);
+            }
+        }
         char *line = cJSON_PrintUnformatted(o);
         cJSON_Delete(o);
         if (line) fprintf(stderr, "%s\n", line);

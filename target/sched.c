@@ -263,9 +263,16 @@ static void log_line(sched *s, int64_t now) {
     s->log_at_ns = now;
     if (idle && s->logged_idle) return;
     s->logged_idle = idle;
-    LOG_INFOF("target_load tok_s=%.1f batch=%d queue=%d kv_used=%d/%d kv_pct=%.1f accept_len=%.2f spec=%s", st.tok_per_s,
+    /* With a drafter, the policy's choice for the last batch and the
+     * figures behind it (policy.h). */
+    char pol[768] = "";
+    if (s->cfg.speculating) {
+        pol[0] = ' ';
+        policy_report_log(&st.policy, pol + 1, sizeof pol - 1);
+    }
+    LOG_INFOF("target_load tok_s=%.1f batch=%d queue=%d kv_used=%d/%d kv_pct=%.1f accept_len=%.2f spec=%s%s", st.tok_per_s,
               running, waiting, kv.blocks_used, kv.n_blocks, kv.n_blocks ? 100.0 * kv.blocks_used / kv.n_blocks : 0.0,
-              st.accept_len, !s->cfg.speculating ? "none" : st.spec_on ? "on" : "off");
+              st.accept_len, !s->cfg.speculating ? "none" : st.spec_on ? "on" : "off", pol);
 }
 
 static void *loop_main(void *arg) {
@@ -345,9 +352,12 @@ static void *loop_main(void *arg) {
         }
         for (int32_t i = 0; i < n; i++) deliver(s, s->step_reqs[i], s->out[i].tokens, s->out[i].n);
         kv_stats kv = eng_kv_stats(s->e);
+        policy_report pr;
+        spec_policy_report(s->sx, n, &pr);
         pthread_mutex_lock(&s->mu);
         s->stats.kv_blocks_used = kv.blocks_used;
         s->stats.spec = *spec_total_stats(s->sx);
+        s->stats.policy = pr;
         pthread_mutex_unlock(&s->mu);
     }
 }

@@ -17,7 +17,8 @@
  * New requests join between steps. The scheduler never touches sockets:
  * events go to a sink (the server), which also says whether a caller has
  * gone. Every few seconds it logs one line: tok/s, batch, KV use, queue,
- * acceptance length and whether speculation is on. */
+ * acceptance length, whether speculation is on, and the policy's tree and
+ * the figures behind it (policy.h). */
 #ifndef AERIE_TARGET_SCHED_H
 #define AERIE_TARGET_SCHED_H
 
@@ -88,6 +89,7 @@ typedef struct sched_stats {
     double accept_len;   /* mean over the last log interval's speculative steps; 0: none */
     bool spec_on;        /* the last interval had speculative steps */
     spec_stats spec;     /* speculation's totals */
+    policy_report policy; /* the policy's choice for the last step's batch */
 } sched_stats;
 
 typedef struct sched sched;

@@ -184,7 +184,8 @@ static void do_info(tsrv *t, rpc_call *call) {
     snprintf(r.memory_plan, sizeof r.memory_plan, "%s", t->memory_plan ? t->memory_plan : "");
     pthread_mutex_unlock(&t->mu);
     sched_stats s = sched_get_stats(t->sched);
-    char draft[512] = "null";
+    char draft[512] = "null", pol[2048] = "null";
+    if (t->draft) policy_report_json(&s.policy, pol, sizeof pol);
     if (t->draft) {
         dcli_stats d = dcli_get_stats(t->draft);
         snprintf(draft, sizeof draft,
@@ -204,13 +205,14 @@ static void do_info(tsrv *t, rpc_call *call) {
              "\"requests_refused\": %llu, \"tokens_out\": %llu, \"tok_per_s\": %.1f, \"accept_len\": %.3f, "
              "\"spec_on\": %s, \"spec\": {\"steps\": %lld, \"plain_steps\": %lld, \"drafted\": %lld, "
              "\"accepted\": %lld, \"bad_trees\": %lld, \"draft_failures\": %lld, \"state_gone\": %lld, "
-             "\"adapt_off\": %lld}, \"draft\": %s}",
+             "\"adapt_off\": %lld, \"explore_steps\": %lld}, \"policy\": %s, \"draft\": %s}",
              s.running, s.prefilling, s.waiting, s.kv_blocks_used, s.kv_blocks, s.kv_blocks_reserved,
              (unsigned long long)s.requests_done, (unsigned long long)s.requests_cancelled,
              (unsigned long long)s.requests_refused, (unsigned long long)s.tokens_out, s.tok_per_s, s.accept_len,
              s.spec_on ? "true" : "false", (long long)s.spec.steps, (long long)s.spec.plain_steps,
              (long long)s.spec.drafted, (long long)s.spec.accepted, (long long)s.spec.bad_trees,
-             (long long)s.spec.draft_failures, (long long)s.spec.state_gone, (long long)s.spec.adapt_off, draft);
+             (long long)s.spec.draft_failures, (long long)s.spec.state_gone, (long long)s.spec.adapt_off,
+             (long long)s.spec.explore_steps, pol, draft);
     reply_msg(call, aerie_InfoReply_fields, &r, buf, sizeof buf);
 }
 

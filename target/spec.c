@@ -1,6 +1,5 @@
 #include "spec.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -9,21 +8,6 @@
 
 /* Calls to the drafter pause this many steps at most after failures. */
 #define SPEC_MAX_PAUSE 64
-
-/* Adaptive speculation (spec.h): the phase running and the rates of the
- * last phase of each kind. */
-typedef enum adapt_phase { SPEC_PROBE, PLAIN_PROBE, SPEC_RUN, PLAIN_RUN } adapt_phase;
-
-typedef struct adapt_state {
-    adapt_phase phase;
-    int32_t left;           /* steps of the phase still to run */
-    int32_t backoff;        /* length of the next plain run */
-    int32_t timed;          /* steps of the phase so far; the first is not timed */
-    int64_t tokens, ns;     /* of the phase's timed steps */
-    int64_t all_tokens, all_ns; /* of all its steps, the first included */
-    double spec_rate, plain_rate; /* tokens per ns; 0: not measured yet */
-    double plain_step_tokens;     /* tokens a plain step gives (the batch) */
-} adapt_state;
 
 typedef struct seq_state {
     bool started;
@@ -50,7 +34,8 @@ struct spec {
     int32_t last_n;    /* sequences in the last step */
     int64_t retry_at;  /* no drafter calls before this step */
     int32_t failures;  /* consecutive failed calls */
-    adapt_state adapt[SPEC_ADAPT_BUCKETS]; /* by batch size: bucket floor(log2 n) */
+    policy *pol;       /* with a drafter: each step's tree */
+    bool was_drafting; /* the policy's last choice (not a probe) drafted */
     /* one step */
     spec_feed *feeds;      /* [max_seqs] */
     int32_t *feed_of;      /* [max_seqs] index into feeds, -1: none */
@@ -70,76 +55,6 @@ static int64_t mono_ns(void) {
 }
 
 static int64_t now_ns(const spec *s) { return s->cfg.clock_ns ? s->cfg.clock_ns(s->cfg.clock_ctx) : mono_ns(); }
-
-/* Tokens per second depend on the batch size far more than on the draft,
- * so each range of batch sizes (1, 2-3, 4-7, ...) keeps its own phases and
- * rates: a probe is compared only with steps of a like batch. */
-static adapt_state *adapt_for(spec *s, int32_t n) {
-    int32_t b = 0;
-    while (b + 1 < SPEC_ADAPT_BUCKETS && (n >> (b + 1)) > 0) b++;
-    return &s->adapt[b];
-}
-
-static bool adapt_drafting(spec *s, int32_t n) {
-    const adapt_state *a = adapt_for(s, n);
-    return !s->cfg.adaptive || a->phase == SPEC_PROBE || a->phase == SPEC_RUN;
-}
-
-static void adapt_enter(adapt_state *a, adapt_phase p, int32_t steps) {
-    a->phase = p;
-    a->left = steps;
-    a->timed = 0;
-    a->tokens = a->ns = a->all_tokens = a->all_ns = 0;
-}
-
-/* One step done: emitted tokens in ns. At a phase's end, the next phase. */
-static void adapt_step(spec *s, int32_t n, int64_t emitted, int64_t ns) {
-    adapt_state *a = adapt_for(s, n);
-    if (a->timed++ > 0) {
-        a->tokens += emitted;
-        a->ns += ns;
-    }
-    a->all_tokens += emitted;
-    a->all_ns += ns;
-    if (a->phase == PLAIN_PROBE || a->phase == PLAIN_RUN) s->total.adapt_plain_steps++;
-    if (--a->left > 0) return;
-    double rate = a->ns > 0 ? (double)a->tokens / (double)a->ns : 0;
-    bool spec_phase = a->phase == SPEC_PROBE || a->phase == SPEC_RUN;
-    if (spec_phase) a->spec_rate = rate;
-    else a->plain_rate = rate, a->plain_step_tokens = (double)a->all_tokens / (double)a->timed;
-    if (a->phase == SPEC_RUN) {
-        adapt_enter(a, PLAIN_PROBE, PLAIN_PROBE_STEPS); /* keep the comparison fresh */
-    } else if (a->phase == PLAIN_RUN || a->spec_rate == 0) {
-        adapt_enter(a, SPEC_PROBE, SPEC_PROBE_STEPS);
-    } else if (a->plain_rate == 0) {
-        adapt_enter(a, PLAIN_PROBE, PLAIN_PROBE_STEPS);
-    } else if (a->spec_rate >= a->plain_rate) {
-        a->backoff = SPEC_BACKOFF_MIN;
-        adapt_enter(a, SPEC_RUN, SPEC_RUN_STEPS);
-    } else {
-        s->total.adapt_off++;
-        /* What the probe lost, in plain steps: its whole time (the first
-         * step too, which carries the drafter's reset) at the plain rate,
-         * less the tokens it gave. Run plain at least SPEC_PROBE_BUDGET
-         * times that long, so that probing a draft that loses costs about
-         * 1 / SPEC_PROBE_BUDGET of throughput. */
-        double lost = (a->plain_rate * (double)a->all_ns - (double)a->all_tokens) /
-                      (a->plain_step_tokens > 0 ? a->plain_step_tokens : 1);
-        double need = ceil(SPEC_PROBE_BUDGET * lost);
-        if (a->backoff < need) a->backoff = need < SPEC_BACKOFF_MAX ? (int32_t)need : SPEC_BACKOFF_MAX;
-        adapt_enter(a, PLAIN_RUN, a->backoff);
-        /* Speculation gains less as the batch grows (the verify pass's
-         * extra tokens cost more, the draft serves more sequences), so a
-         * loss here is taken as one for the larger batches that have not
-         * been measured yet: they start plain instead of probing. */
-        for (adapt_state *b = a + 1; b < s->adapt + SPEC_ADAPT_BUCKETS; b++)
-            if (b->spec_rate == 0 && b->phase == PLAIN_PROBE && b->timed == 0) {
-                b->backoff = a->backoff;
-                adapt_enter(b, PLAIN_RUN, a->backoff);
-            }
-        a->backoff = a->backoff * 2 <= SPEC_BACKOFF_MAX ? a->backoff * 2 : SPEC_BACKOFF_MAX;
-    }
-}
 
 static bool shape_ok(const spec_shape *sh) {
     return sh->steps >= 1 && sh->topk >= 1 && sh->tokens >= 2 && sh->tokens <= ENG_MAX_TREE;
@@ -169,6 +84,7 @@ void spec_free(spec *s) {
     free(s->logits);
     free(s->probs);
     sample_free(s->sampler);
+    policy_free(s->pol);
     free(s);
 }
 
@@ -215,9 +131,10 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
         return AE_ERR;
     }
     for (size_t t = 0; t < T; t++) s->rows[t] = (int32_t)t;
-    for (int32_t b = 0; b < SPEC_ADAPT_BUCKETS; b++) {
-        s->adapt[b].backoff = SPEC_BACKOFF_MIN;
-        adapt_enter(&s->adapt[b], PLAIN_PROBE, PLAIN_PROBE_STEPS);
+    policy_config pc = {cfg->shape, cfg->adaptive};
+    if (d && policy_init(&s->pol, &pc, err) != AE_OK) {
+        spec_free(s);
+        return AE_ERR;
     }
     *out = s;
     return AE_OK;
@@ -226,6 +143,12 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
 void spec_set_shape(spec *s, const spec_shape *shape) {
     AE_ASSERT(shape_ok(shape));
     s->cfg.shape = *shape;
+    if (s->pol) policy_reset(s->pol, &(policy_config){*shape, s->cfg.adaptive});
+}
+
+void spec_policy_report(const spec *s, int32_t n, policy_report *r) {
+    if (s->pol) policy_get_report(s->pol, n, r);
+    else memset(r, 0, sizeof *r);
 }
 
 const spec_stats *spec_seq_stats(const spec *s, int32_t seq) {
@@ -264,12 +187,12 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
     int32_t at = *done, k = n - 1 - at < chunk ? n - 1 - at : chunk;
     eng_item it = {seq, ENG_APPEND, k, prompt + at, NULL, false};
     llama_capture cap = capture_all(s, k);
-    /* While adaptive speculation has drafting off for the batch size of
-     * the last step, a prompt is not sent to the drafter: that work would
-     * be wasted, and the sequence is reset from its recent pairs when
-     * drafting comes back. */
+    /* While the policy runs the batch size of the last step plainly, a
+     * prompt is not sent to the drafter: that work would be wasted, and
+     * the sequence is reset from its recent pairs when drafting comes
+     * back. (A sampled sequence drafts on every step: SPEC_PIN_SAMPLED.) */
     bool feed = s->d && !st->resync && s->step_no >= s->retry_at &&
-                (!greedy || adapt_drafting(s, s->last_n > 0 ? s->last_n : 1));
+                ((!greedy && SPEC_PIN_SAMPLED) || policy_drafting(s->pol, s->last_n > 0 ? s->last_n : 1));
     if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
         if (at == 0) st->started = false;
         return AE_ERR;
@@ -313,38 +236,37 @@ void spec_seq_end(spec *s, int32_t seq) {
 }
 
 /* A tree from the drafter is input from outside: checked like it. */
-static bool tree_ok(const spec *s, const spec_tree *t, int32_t root) {
-    if (t->n < 1 || t->n > s->cfg.shape.tokens || t->tokens[0] != root || t->parents[0] != -1) return false;
+static bool tree_ok(const spec *s, const spec_tree *t, int32_t root, int32_t max_nodes) {
+    if (t->n < 1 || t->n > max_nodes || t->tokens[0] != root || t->parents[0] != -1) return false;
     for (int32_t i = 1; i < t->n; i++)
         if (t->parents[i] < 0 || t->parents[i] >= i || t->tokens[i] < 0 || t->tokens[i] >= s->V) return false;
     return true;
 }
 
-/* Asks the drafter for trees; on a failure every tree is empty, the
- * sequences are marked for a reset, and calls pause (spec.h). */
-static void propose(spec *s, const spec_in *in, int32_t n) {
+/* Asks the drafter for trees of `shape` (none when it is plain); on a
+ * failure every tree is empty, the sequences are marked for a reset, and
+ * calls pause (spec.h). Returns whether the call's time measures the
+ * shape: it was made, it succeeded, no sequence was reset (a reset feeds
+ * a window of pairs) and some tree came back. */
+static bool propose(spec *s, const spec_in *in, int32_t n, const spec_shape *shape) {
     int32_t nf = 0;
     for (int32_t i = 0; i < n; i++) {
         s->trees[i].n = 0;
         s->feed_of[i] = -1;
     }
-    if (!s->d || s->step_no < s->retry_at) return;
-    /* Adaptive speculation decides for greedy sequences only: a sampled
-     * step draws differently with and without a tree, so a sequence that
-     * samples speculates on every step, and its seed reproduces it. */
-    bool drafting = adapt_drafting(s, n);
+    if (!s->d || s->step_no < s->retry_at || shape->tokens < 2) return false;
+    bool timed = true;
     for (int32_t i = 0; i < n; i++) {
-        if (!drafting && sample_is_greedy(in[i].params)) continue;
         seq_state *st = &s->seqs[in[i].seq];
         bool reset = !st->fed || st->resync;
+        timed &= !reset;
         s->feed_of[i] = nf;
         s->feeds[nf++] = (spec_feed){in[i].seq, reset, reset ? 0 : st->held, st->n_pending, st->pending_tokens,
                                      pending_features(s, in[i].seq), true};
     }
-    if (nf == 0) return;
     ae_error derr = {{0}};
     /* trees is indexed by feed here, then spread to the sequences. */
-    int rc = s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr);
+    int rc = s->d->propose(s->d->ctx, s->feeds, nf, shape, s->trees, &derr);
     if (rc != AE_OK) {
         for (int32_t i = 0; i < n; i++) {
             s->trees[i].n = 0;
@@ -353,28 +275,24 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
         s->total.draft_failures++;
         if (rc == SPEC_DRAFT_DOWN) {
             s->retry_at = s->step_no + 2;
-            return;
+            return false;
         }
         s->failures++;
         int32_t pause = s->failures < 7 ? 1 << (s->failures - 1) : SPEC_MAX_PAUSE;
         s->retry_at = s->step_no + 1 + pause;
-        return;
+        return false;
     }
     s->failures = 0;
+    bool any = false;
     for (int32_t i = n - 1; i >= 0; i--) {
         int32_t f = s->feed_of[i];
         seq_state *st = &s->seqs[in[i].seq];
-        if (f < 0) {
-            /* Not drafted this step; slot i was a feed's, taken already
-             * (feeds come in sequence order, and this walks down). */
-            s->trees[i].n = 0;
-            continue;
-        }
         if (s->trees[f].n == SPEC_STATE_GONE) {
             /* Keep the pending pairs: the reset next step sends them. */
             st->resync = true;
             s->total.state_gone++;
             s->trees[i].n = 0;
+            timed = false;
             continue;
         }
         st->held = s->feeds[f].start + st->n_pending;
@@ -382,7 +300,9 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
         st->fed = true;
         st->resync = false;
         if (f != i) s->trees[i] = s->trees[f];
+        any |= s->trees[i].n > 1;
     }
+    return timed && any;
 }
 
 /* Keeps pair (features of batch row `row`, token next) for the drafter's
@@ -413,16 +333,26 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         if (eng_seq_len(s->e, seq) >= ec->max_seq_len)
             return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
     }
+    /* The step's tree: the policy's, or the configured one for a step
+     * with a sampled sequence in it (SPEC_PIN_SAMPLED). */
+    spec_shape shape = s->cfg.shape;
+    bool explore = false;
+    if (s->pol) {
+        policy_pick pk = policy_choose(s->pol, n);
+        bool pin = false;
+        for (int32_t i = 0; i < n && SPEC_PIN_SAMPLED; i++) pin |= !sample_is_greedy(in[i].params);
+        if (!pin) shape = pk.shape, explore = pk.explore;
+    }
     int64_t t0 = now_ns(s);
     s->last_n = n;
-    propose(s, in, n);
+    bool timed = propose(s, in, n, &shape);
     int64_t t1 = now_ns(s);
     s->step_no++;
     int32_t T = 0;
     for (int32_t i = 0; i < n; i++) {
         seq_state *st = &s->seqs[in[i].seq];
         spec_tree *t = &s->trees[i];
-        if (t->n != 0 && !tree_ok(s, t, st->root)) {
+        if (t->n != 0 && !tree_ok(s, t, st->root, shape.tokens)) {
             st->stats.bad_trees++;
             s->total.bad_trees++;
             t->n = 0;
@@ -447,6 +377,7 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         int32_t path[ENG_MAX_TREE], bonus;
         int32_t n_path = verify_sample(&vt, s->sampler, in[i].params, in[i].rng, s->probs, path, &bonus);
         AE_ASSERT(eng_commit_path(s->e, seq, path, n_path, NULL) == AE_OK);
+        if (s->pol && t->n > 1) policy_observe_tree(s->pol, t->parents, t->n, path, n_path);
         spec_out *o = &out[i];
         o->n = 0;
         o->drafted = t->n - 1;
@@ -472,10 +403,14 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
     int64_t t2 = now_ns(s);
     s->total.draft_ns += t1 - t0;
     s->total.verify_ns += t2 - t1;
-    if (s->d && s->cfg.adaptive) {
-        int64_t emitted = 0;
-        for (int32_t i = 0; i < n; i++) emitted += out[i].n;
-        adapt_step(s, n, emitted, t2 - t0);
+    if (s->pol) {
+        policy_observe_step(s->pol, n, &shape, T, shape.tokens < 2 ? 0 : timed ? t1 - t0 : -1, t2 - t1);
+        if (explore) s->total.explore_steps++;
+        if (shape.tokens < 2 && s->cfg.adaptive) s->total.adapt_plain_steps++;
+        if (!explore) {
+            if (s->was_drafting && shape.tokens < 2) s->total.adapt_off++;
+            s->was_drafting = shape.tokens >= 2;
+        }
     }
     return AE_OK;
 }

@@ -28,14 +28,12 @@
 #include <stdint.h>
 
 #include "engine.h"
+#include "policy.h"
 #include "sample.h"
 
-/* The tree a step asks for (EAGLE-2 parameters, see draft/tree.h). */
-typedef struct spec_shape {
-    int32_t steps;
-    int32_t topk;
-    int32_t tokens; /* nodes, root included */
-} spec_shape;
+/* The tree a step asks for (EAGLE-2 parameters, see draft/tree.h; tokens
+ * 1: none). */
+typedef policy_shape spec_shape;
 
 typedef struct spec_tree {
     int32_t n;                     /* nodes, root included; 0 = none */
@@ -79,40 +77,22 @@ typedef struct spec_drafter {
     void (*release)(void *ctx, int32_t seq);
 } spec_drafter;
 
-/* Adaptive speculation: speculation runs only while it gives more tokens
- * per second than plain steps do. Steps are grouped in phases, each timed
- * as a whole (tokens out / wall time of its steps, all sequences of the
- * batch together):
- *   - first a plain probe of PLAIN_PROBE_STEPS, then a speculative probe
- *     of SPEC_PROBE_STEPS, then a decision;
- *   - speculation wins: a run of SPEC_RUN_STEPS speculative steps, then a
- *     plain probe again to keep the comparison fresh, and a decision;
- *   - plain wins: a plain run of SPEC_BACKOFF_MIN steps, doubling up to
- *     SPEC_BACKOFF_MAX while plain keeps winning, each followed by a
- *     speculative probe and a decision. The run is at least
- *     SPEC_PROBE_BUDGET times what the losing probe cost (in plain steps'
- *     time, its untimed first step included), so a draft that loses by
- *     far is probed rarely from the start.
- * Only greedy sequences follow these phases: a sampled step draws
- * differently with and without a tree, so a sampling sequence speculates
- * on every step (given the same trees, its seed reproduces it).
- * Each range of batch sizes (1, 2-3, 4-7, ...) runs its own phases: a
- * step's speed depends on its batch far more than on the draft. A loss
- * in one range starts the larger ranges not yet measured in a plain run
- * of the same length (speculation gains less as batches grow).
- * The first step of a phase is not timed: it carries the switch (a
- * drafter reset, cold caches), which would tip a short probe.
- * Plain steps still capture features; when speculation comes back, the
+/* Adaptive speculation: the policy (policy.h) picks each step's tree
+ * within the configured shape, from a chain to a small tree to none at
+ * all, by the tokens per second it expects from the verify pass's cost
+ * curve, the drafter's cost and the head's acceptance by depth and rank,
+ * all measured on the steps it runs (timed with cfg.clock_ns). Without
+ * adaptation every step asks for the configured shape.
+ * Plain steps still capture features; when drafting comes back, the
  * drafter is reset with the last ENG_MAX_TREE pairs (as after a failure).
- * A losing draft thus costs a probe of SPEC_PROBE_STEPS every
- * SPEC_BACKOFF_MAX steps once settled. */
-#define PLAIN_PROBE_STEPS 5
-#define SPEC_PROBE_STEPS 5
-#define SPEC_RUN_STEPS 32
-#define SPEC_BACKOFF_MIN 128
-#define SPEC_BACKOFF_MAX 2048
-#define SPEC_PROBE_BUDGET 100
-#define SPEC_ADAPT_BUCKETS 8 /* batch sizes 1, 2-3, 4-7, ..., 128+ each decide on their own */
+ *
+ * Sampled sequences: verify's draws depend on the tree today, so a step
+ * with a sampled sequence in it asks for the configured shape whatever
+ * the policy says (SPEC_PIN_SAMPLED), and a seed reproduces its tokens
+ * given the same trees. Once sampled output is independent of the tree
+ * (draws keyed by seed and position, issue 16), set it to 0 and sampled
+ * steps follow the policy like greedy ones. */
+#define SPEC_PIN_SAMPLED 1
 
 typedef struct spec_config {
     int32_t n_capture;                  /* LLAMA_MAX_CAPTURE */
@@ -120,8 +100,8 @@ typedef struct spec_config {
     spec_shape shape;
     int32_t max_seqs;         /* the engine's */
     int32_t max_batch_tokens; /* the engine's */
-    bool adaptive;            /* speculation turns itself off while it loses (above) */
-    /* The clock the adaptive phases are timed with (tests give their
+    bool adaptive;            /* the policy picks each step's tree (above); shape bounds it */
+    /* The clock steps are timed with for the policy (tests give their
      * own); NULL: the monotonic clock. */
     int64_t (*clock_ns)(void *ctx);
     void *clock_ctx;
@@ -138,8 +118,9 @@ typedef struct spec_stats {
     int64_t bad_trees;   /* trees refused (malformed, wrong root) */
     int64_t draft_failures; /* propose calls that failed (total only) */
     int64_t state_gone;     /* sequences the drafter had lost, reset on the next call */
-    int64_t adapt_plain_steps; /* plain steps run because speculation was losing, probes included (total only) */
-    int64_t adapt_off;   /* times adaptive speculation switched itself off (total only) */
+    int64_t adapt_plain_steps; /* plain steps the policy chose, probes included (total only) */
+    int64_t adapt_off;   /* times the policy's choice went from a tree to plain (total only) */
+    int64_t explore_steps; /* steps the policy ran to measure, settling included (total only) */
     int64_t draft_ns;    /* time in the drafter (propose calls of steps) */
     int64_t verify_ns;   /* time in the verify pass, acceptance and commit */
     int64_t accepted_at[SPEC_MAX_DEPTH]; /* [d]: steps that accepted a token at depth d + 1 */
@@ -169,8 +150,8 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
  * between: *done is the prompt tokens prefilled so far (0 to begin with a
  * fresh engine sequence); the call prefills the next chunk and advances
  * it. The sequence is ready for spec_step once *done == n - 1. A greedy
- * sequence's prompt is not sent to the drafter while adaptive
- * speculation has drafting off (spec_seq_start always sends it). */
+ * sequence's prompt is not sent to the drafter while the policy runs
+ * plainly (spec_seq_start always sends it). */
 int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
                      bool greedy, ae_error *err);
 void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state */
@@ -191,7 +172,11 @@ typedef struct spec_out {
  * or when the KV cache is full. */
 int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err);
 
+/* New bounds (or the fixed shape); the policy starts over. */
 void spec_set_shape(spec *s, const spec_shape *shape);
+/* The policy's choice and the figures behind it, for batches of n (n <= 0:
+ * the last step's); zeros without a drafter. */
+void spec_policy_report(const spec *s, int32_t n, policy_report *r);
 const spec_stats *spec_seq_stats(const spec *s, int32_t seq);
 const spec_stats *spec_total_stats(const spec *s);
 

@@ -579,6 +579,12 @@ def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(s
         runs.append([got[i].tokens for i in cids])
     assert runs[0] == runs[1]
     assert runs[0][0] != runs[0][1], "different seeds gave the same tokens"
+    # The policy's choice and the figures behind it (target/policy.h).
+    pol = rpc.info(target.addr)[1]["policy"]
+    assert pol["adaptive"] is True and pol["batch"] >= 1
+    assert pol["shape"] == "plain" or all(int(x) <= b for x, b in zip(pol["shape"].split("/"), (5, 4, 8)))
+    assert len(pol["accept"]) == 5 and sorted(pol["verify_us"], key=int) == [str(t) for t in range(1, 9)]
+    assert pol["plain_tok_s"] > 0 and pol["explore_steps"] <= pol["settled_steps"] * 0.02
 
 
 # ---- A finished request's Release does not stall the other streams ----

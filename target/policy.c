@@ -1,0 +1,518 @@
+#include "policy.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The settling schedule: each stage runs a shape for a few steps. Plain
+ * first (V(1), and the bound for everything else), then the bounding tree
+ * (acceptance at every rank, V at the largest size, D at full width), the
+ * deepest chain (acceptance deep down, D at width 1), a one-token chain
+ * (V(2), D's intercept). */
+#define SETTLE_PLAIN_STEPS 6
+#define SETTLE_TREE_STEPS 12
+#define SETTLE_DEEP_STEPS 8
+#define SETTLE_CHAIN_STEPS 6
+#define MAX_STAGES 4
+
+/* Acceptance estimates start from a prior worth this many observations:
+ * 1/2 at the first child of the root, half the rank above for a later
+ * sibling, and the depth above for deeper nodes. */
+#define PRIOR_WEIGHT 2.0
+/* Decay of the draft-cost fit per observation, and its ridge (a share of
+ * the weight), which splits a cost between the fit's two slopes while
+ * only chains (whose steps equal their nodes) have been measured. */
+#define FIT_DECAY 0.98
+#define FIT_RIDGE 1e-3
+
+/* Candidates of one expected tree: topk at the first depth, topk^2 after. */
+#define POOL_MAX (POLICY_MAX_RANK + (POLICY_MAX_DEPTH - 1) * POLICY_MAX_RANK * POLICY_MAX_RANK)
+
+typedef struct stage {
+    policy_shape shape;
+    int32_t steps;
+} stage;
+
+typedef struct bucket {
+    double verify[POLICY_MAX_NODES + 1]; /* ns per sequence at t nodes per sequence (EWMA) */
+    int32_t n_verify[POLICY_MAX_NODES + 1];
+    double draft[POLICY_MAX_DEPTH + 1][POLICY_MAX_RANK + 1]; /* ns per sequence by (steps, topk) (EWMA) */
+    int32_t n_draft[POLICY_MAX_DEPTH + 1][POLICY_MAX_RANK + 1];
+    double fit_a[3][3], fit_b[3]; /* decayed normal equations of the draft fit, in µs */
+    int32_t stage;                /* settling stage running; n_stages once settled */
+    int32_t left;                 /* steps left of the stage or probe */
+    bool probing;
+    policy_shape choice, running;
+    policy_shape best_tree, runner_up; /* of the last decision; tokens 0: none */
+    double credit;                /* exploring steps earned */
+    int32_t probe_turn;
+    int32_t since_decide;
+    int64_t settled_steps, explore_steps;
+    int32_t last_n;
+} bucket;
+
+struct policy {
+    policy_config cfg;
+    stage stages[MAX_STAGES];
+    int32_t n_stages;
+    double hits[POLICY_MAX_DEPTH][POLICY_MAX_RANK], chances[POLICY_MAX_DEPTH][POLICY_MAX_RANK];
+    bucket b[POLICY_BUCKETS];
+    int32_t last; /* bucket of the last step */
+};
+
+static const policy_shape PLAIN = {0, 0, 1};
+
+static bool same(const policy_shape *a, const policy_shape *b) {
+    return a->steps == b->steps && a->topk == b->topk && a->tokens == b->tokens;
+}
+
+static int32_t bucket_of(int32_t n) {
+    int32_t b = 0;
+    while (b + 1 < POLICY_BUCKETS && (n >> (b + 1)) > 0) b++;
+    return b;
+}
+
+static void enter_stage(const policy *p, bucket *b, int32_t i) {
+    b->stage = i;
+    if (i < p->n_stages) {
+        b->running = p->stages[i].shape;
+        b->left = p->stages[i].steps;
+    }
+}
+
+static bool bounds_ok(const policy_shape *m) {
+    return m->steps >= 1 && m->steps <= POLICY_MAX_DEPTH && m->topk >= 1 && m->topk <= POLICY_MAX_RANK &&
+           m->tokens >= 2 && m->tokens <= POLICY_MAX_NODES;
+}
+
+void policy_reset(policy *p, const policy_config *cfg) {
+    AE_ASSERT(bounds_ok(&cfg->max));
+    memset(p, 0, sizeof *p);
+    p->cfg = *cfg;
+    const policy_shape *m = &cfg->max;
+    int32_t deep = m->steps < m->tokens - 1 ? m->steps : m->tokens - 1;
+    stage all[MAX_STAGES] = {{PLAIN, SETTLE_PLAIN_STEPS},
+                             {*m, SETTLE_TREE_STEPS},
+                             {{deep, 1, deep + 1}, SETTLE_DEEP_STEPS},
+                             {{1, 1, 2}, SETTLE_CHAIN_STEPS}};
+    for (int32_t i = 0; i < MAX_STAGES; i++) {
+        bool dup = false;
+        for (int32_t j = 0; j < p->n_stages; j++) dup |= same(&p->stages[j].shape, &all[i].shape);
+        if (!dup) p->stages[p->n_stages++] = all[i];
+    }
+    for (int32_t i = 0; i < POLICY_BUCKETS; i++) {
+        p->b[i].choice = PLAIN;
+        enter_stage(p, &p->b[i], 0);
+    }
+}
+
+int policy_init(policy **out, const policy_config *cfg, ae_error *err) {
+    *out = NULL;
+    const policy_shape *m = &cfg->max;
+    if (!bounds_ok(m))
+        return err_set(err, "policy: tree of %d steps, top-%d, %d nodes (need 1..%d, 1..%d, 2..%d)", m->steps, m->topk,
+                       m->tokens, POLICY_MAX_DEPTH, POLICY_MAX_RANK, POLICY_MAX_NODES);
+    policy *p = malloc(sizeof *p);
+    if (!p) return err_set(err, "out of memory");
+    policy_reset(p, cfg);
+    *out = p;
+    return AE_OK;
+}
+
+void policy_free(policy *p) { free(p); }
+
+/* ---- estimates --------------------------------------------------------- */
+
+/* Each entry's prior is its neighbour's estimate (policy.h), so the table
+ * is filled in order. */
+static void estimate_table(const policy *p, double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK]) {
+    for (int32_t d = 0; d < POLICY_MAX_DEPTH; d++)
+        for (int32_t r = 0; r < POLICY_MAX_RANK; r++) {
+            double prior = d > 0 ? pe[d - 1][r] : r > 0 ? 0.5 * pe[0][r - 1] : 0.5;
+            pe[d][r] = (p->hits[d][r] + PRIOR_WEIGHT * prior) / (p->chances[d][r] + PRIOR_WEIGHT);
+        }
+}
+
+/* The estimates, or (cautious) each less one standard error: what
+ * decisions use, so that a tree seen a few times in probes does not win
+ * over plain by the luck of its samples. */
+static void accept_table_z(const policy *p, double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK], bool cautious) {
+    estimate_table(p, pe);
+    if (!cautious) return;
+    for (int32_t d = 0; d < POLICY_MAX_DEPTH; d++)
+        for (int32_t r = 0; r < POLICY_MAX_RANK; r++) {
+            double q = pe[d][r], se = sqrt(q * (1 - q) / (p->chances[d][r] + PRIOR_WEIGHT));
+            pe[d][r] = q > se ? q - se : 0;
+        }
+}
+
+static void accept_table(const policy *p, double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK]) {
+    accept_table_z(p, pe, false);
+}
+
+double policy_accept(const policy *p, int32_t depth, int32_t rank) {
+    AE_ASSERT(depth >= 0 && depth < POLICY_MAX_DEPTH && rank >= 0 && rank < POLICY_MAX_RANK);
+    double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK];
+    accept_table(p, pe);
+    return pe[depth][rank];
+}
+
+static int cmp_desc(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* The expected tree of depth `steps` and width `topk` (policy.h): the
+ * scores of all its candidates, best first, into cum as running sums
+ * (cum[i] = E[accepted] of a tree of i + 1 drafted nodes). Returns how
+ * many. */
+static int32_t expected_tree(const double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK], int32_t steps, int32_t topk,
+                             double *cum) {
+    double frontier[POLICY_MAX_RANK] = {1.0}, next[POLICY_MAX_RANK * POLICY_MAX_RANK];
+    int32_t nf = 1, m = 0;
+    for (int32_t d = 0; d < steps; d++) {
+        int32_t nn = 0;
+        for (int32_t i = 0; i < nf; i++)
+            for (int32_t r = 0; r < topk; r++) next[nn++] = frontier[i] * pe[d][r];
+        memcpy(cum + m, next, (size_t)nn * sizeof(double));
+        m += nn;
+        qsort(next, (size_t)nn, sizeof(double), cmp_desc);
+        nf = nn < topk ? nn : topk;
+        memcpy(frontier, next, (size_t)nf * sizeof(double));
+    }
+    qsort(cum, (size_t)m, sizeof(double), cmp_desc);
+    for (int32_t i = 1; i < m; i++) cum[i] += cum[i - 1];
+    return m;
+}
+
+double policy_expected_accepted(const policy *p, const policy_shape *s) {
+    if (s->tokens < 2) return 0;
+    double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK], cum[POOL_MAX];
+    accept_table(p, pe);
+    int32_t m = expected_tree(pe, s->steps, s->topk, cum);
+    int32_t k = s->tokens - 1 < m ? s->tokens - 1 : m;
+    return cum[k - 1];
+}
+
+/* V(t) for a bucket: measured, or interpolated between the nearest
+ * measured sizes; past the largest, extended along the last two; 0 when
+ * nothing is measured. */
+static double verify_cost(const bucket *b, int32_t t) {
+    if (b->n_verify[t]) return b->verify[t];
+    int32_t lo = t - 1, hi = t + 1;
+    while (lo >= 1 && !b->n_verify[lo]) lo--;
+    while (hi <= POLICY_MAX_NODES && !b->n_verify[hi]) hi++;
+    if (lo >= 1 && hi <= POLICY_MAX_NODES)
+        return b->verify[lo] + (b->verify[hi] - b->verify[lo]) * (double)(t - lo) / (double)(hi - lo);
+    if (hi <= POLICY_MAX_NODES) return b->verify[hi];
+    if (lo < 1) return 0;
+    int32_t lo2 = lo - 1;
+    while (lo2 >= 1 && !b->n_verify[lo2]) lo2--;
+    double slope = lo2 >= 1 ? (b->verify[lo] - b->verify[lo2]) / (double)(lo - lo2) : 0;
+    return b->verify[lo] + (slope > 0 ? slope : 0) * (double)(t - lo);
+}
+
+/* Solves the 3x3 system a x = y (Gaussian elimination, partial pivoting). */
+static bool solve3(double a[3][3], double y[3], double x[3]) {
+    for (int c = 0; c < 3; c++) {
+        int piv = c;
+        for (int r = c + 1; r < 3; r++)
+            if (fabs(a[r][c]) > fabs(a[piv][c])) piv = r;
+        if (fabs(a[piv][c]) < 1e-12) return false;
+        for (int k = 0; k < 3; k++) {
+            double t = a[c][k];
+            a[c][k] = a[piv][k];
+            a[piv][k] = t;
+        }
+        double t = y[c];
+        y[c] = y[piv];
+        y[piv] = t;
+        for (int r = c + 1; r < 3; r++) {
+            double f = a[r][c] / a[c][c];
+            for (int k = c; k < 3; k++) a[r][k] -= f * a[c][k];
+            y[r] -= f * y[c];
+        }
+    }
+    for (int c = 2; c >= 0; c--) {
+        double s = y[c];
+        for (int k = c + 1; k < 3; k++) s -= a[c][k] * x[k];
+        x[c] = s / a[c][c];
+    }
+    return true;
+}
+
+static void draft_features(int32_t steps, int32_t topk, double f[3]) {
+    f[0] = 1;
+    f[1] = steps;
+    f[2] = 1 + (double)(steps - 1) * topk;
+}
+
+/* D(steps, topk) for a bucket in ns: measured, or from the fit; 0 when
+ * neither is known (or the fit says nothing sensible). */
+static double draft_cost(const bucket *b, int32_t steps, int32_t topk) {
+    if (b->n_draft[steps][topk]) return b->draft[steps][topk];
+    if (b->fit_a[0][0] <= 0) return 0;
+    double a[3][3], y[3], x[3], f[3];
+    memcpy(a, b->fit_a, sizeof a);
+    memcpy(y, b->fit_b, sizeof y);
+    double ridge = FIT_RIDGE * a[0][0];
+    a[1][1] += ridge;
+    a[2][2] += ridge;
+    if (!solve3(a, y, x)) return 0;
+    draft_features(steps, topk, f);
+    double us = x[0] * f[0] + x[1] * f[1] + x[2] * f[2];
+    return us > 0 ? us * 1e3 : 0;
+}
+
+static double rate_of(const bucket *b, const double *cum, int32_t m, const policy_shape *s) {
+    double v = verify_cost(b, s->tokens);
+    if (v <= 0) return 0;
+    if (s->tokens < 2) return 1e9 / v;
+    double d = draft_cost(b, s->steps, s->topk);
+    if (d <= 0) return 0;
+    int32_t k = s->tokens - 1 < m ? s->tokens - 1 : m;
+    return (1 + cum[k - 1]) * 1e9 / (v + d);
+}
+
+double policy_rate(const policy *p, int32_t n, const policy_shape *s) {
+    double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK], cum[POOL_MAX];
+    int32_t m = 0;
+    if (s->tokens >= 2) {
+        accept_table(p, pe);
+        m = expected_tree(pe, s->steps, s->topk, cum);
+    }
+    return rate_of(&p->b[bucket_of(n)], cum, m, s);
+}
+
+/* ---- decisions ----------------------------------------------------------- */
+
+/* Every shape within the bounds, plain first, then by width, depth and
+ * nodes (so that among equals the cheaper wins: strictly better only
+ * replaces). Sets the best, the best tree and the runner-up. */
+static void decide(policy *p, bucket *b, bool settling) {
+    double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK], cum[POOL_MAX];
+    accept_table_z(p, pe, true);
+    const policy_shape *mx = &p->cfg.max;
+    policy_shape best = PLAIN, second = {0, 0, 0}, tree = {0, 0, 0};
+    double best_r = rate_of(b, NULL, 0, &PLAIN), second_r = 0, tree_r = 0, cur_r = -1;
+    if (same(&b->choice, &PLAIN)) cur_r = best_r;
+    for (int32_t w = 1; w <= mx->topk; w++)
+        for (int32_t d = 1; d <= mx->steps; d++) {
+            int32_t m = expected_tree(pe, d, w, cum);
+            int32_t tmax = w == 1 ? d + 1 : 1 + m;
+            if (tmax > mx->tokens) tmax = mx->tokens;
+            /* A frontier wider than the tree's nodes cannot be kept: the
+             * same tree as width tokens - 1 (every kept node's ancestors
+             * are kept, so no depth keeps more). */
+            for (int32_t t = d + 1 > w + 1 ? d + 1 : w + 1; t <= tmax; t++) {
+                policy_shape s = {d, w, t};
+                double r = rate_of(b, cum, m, &s);
+                if (same(&s, &b->choice)) cur_r = r;
+                if (r > tree_r) tree_r = r, tree = s;
+                if (r > best_r) {
+                    second_r = best_r, second = best;
+                    best_r = r, best = s;
+                } else if (r > second_r) {
+                    second_r = r, second = s;
+                }
+            }
+        }
+    b->best_tree = tree;
+    b->runner_up = second;
+    b->since_decide = 0;
+    /* A measured choice stays unless another is clearly better (noise
+     * would otherwise flip between near equals). */
+    if (settling || cur_r <= 0 || best_r > cur_r * POLICY_SWITCH_GAIN) b->choice = best;
+    if (!same(&b->choice, &best)) b->runner_up = best;
+}
+
+/* The next probe's shape in turn (policy.h); false when every turn would
+ * run the choice itself. */
+static bool next_probe(policy *p, bucket *b, policy_shape *out) {
+    for (int32_t k = 0; k < 3; k++) {
+        int32_t turn = b->probe_turn++ % 3;
+        policy_shape s = turn == 0 ? (b->choice.tokens >= 2 ? PLAIN : b->best_tree)
+                         : turn == 1 ? b->runner_up
+                                     : p->cfg.max;
+        if (s.tokens >= 1 && !same(&s, &b->choice)) {
+            *out = s;
+            return true;
+        }
+    }
+    return false;
+}
+
+policy_pick policy_choose(policy *p, int32_t n) {
+    AE_ASSERT(n >= 1);
+    if (!p->cfg.adaptive) return (policy_pick){p->cfg.max, false};
+    p->last = bucket_of(n);
+    bucket *b = &p->b[p->last];
+    b->last_n = n;
+    if (b->stage < p->n_stages) {
+        policy_pick pick = {b->running, true};
+        if (--b->left == 0) {
+            enter_stage(p, b, b->stage + 1);
+            if (b->stage == p->n_stages) {
+                decide(p, b, true);
+                b->running = b->choice;
+            }
+        }
+        return pick;
+    }
+    b->settled_steps++;
+    if (!b->probing) {
+        b->credit += POLICY_EXPLORE_SHARE;
+        policy_shape probe;
+        if (b->credit >= POLICY_PROBE_STEPS && next_probe(p, b, &probe)) {
+            b->credit -= POLICY_PROBE_STEPS;
+            b->probing = true;
+            b->left = POLICY_PROBE_STEPS;
+            b->running = probe;
+        } else {
+            if (++b->since_decide >= POLICY_DECIDE_EVERY) decide(p, b, false);
+            b->running = b->choice;
+            return (policy_pick){b->choice, false};
+        }
+    }
+    policy_pick pick = {b->running, true};
+    b->explore_steps++;
+    if (--b->left == 0) {
+        b->probing = false;
+        decide(p, b, false);
+        b->running = b->choice;
+    }
+    return pick;
+}
+
+bool policy_drafting(const policy *p, int32_t n) {
+    return !p->cfg.adaptive || p->b[bucket_of(n)].running.tokens >= 2;
+}
+
+int64_t policy_explore_steps(const policy *p) {
+    int64_t e = 0;
+    for (int32_t i = 0; i < POLICY_BUCKETS; i++) e += p->b[i].explore_steps;
+    return e;
+}
+
+/* ---- measurements -------------------------------------------------------- */
+
+static void ewma(double *v, int32_t *count, double x) {
+    *v = (*count)++ ? *v + POLICY_EWMA * (x - *v) : x;
+}
+
+void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_t tokens, int64_t draft_ns,
+                         int64_t verify_ns) {
+    if (n < 1 || tokens < n) return;
+    bucket *b = &p->b[bucket_of(n)];
+    int32_t t = (tokens + n / 2) / n;
+    if (t > POLICY_MAX_NODES) t = POLICY_MAX_NODES;
+    ewma(&b->verify[t], &b->n_verify[t], (double)verify_ns / n);
+    int32_t s = shape->steps, k = shape->topk;
+    if (shape->tokens < 2 || draft_ns < 0 || s < 1 || s > POLICY_MAX_DEPTH || k < 1 || k > POLICY_MAX_RANK) return;
+    double per = (double)draft_ns / n;
+    ewma(&b->draft[s][k], &b->n_draft[s][k], per);
+    double f[3], us = per / 1e3;
+    draft_features(s, k, f);
+    for (int i = 0; i < 3; i++) {
+        for (int j = 0; j < 3; j++) b->fit_a[i][j] = FIT_DECAY * b->fit_a[i][j] + f[i] * f[j];
+        b->fit_b[i] = FIT_DECAY * b->fit_b[i] + f[i] * us;
+    }
+}
+
+void policy_observe_tree(policy *p, const int32_t *parents, int32_t n, const int32_t *path, int32_t n_path) {
+    if (n < 2 || n > POLICY_MAX_NODES || n_path < 1 || n_path > n) return;
+    int32_t kids[POLICY_MAX_NODES] = {0}, rank[POLICY_MAX_NODES] = {0};
+    for (int32_t i = 1; i < n; i++) {
+        if (parents[i] < 0 || parents[i] >= i) return;
+        rank[i] = kids[parents[i]]++;
+    }
+    for (int32_t j = 0; j < n_path && j < POLICY_MAX_DEPTH; j++) {
+        int32_t node = path[j], c = kids[node] < POLICY_MAX_RANK ? kids[node] : POLICY_MAX_RANK;
+        for (int32_t r = 0; r < c; r++) p->chances[j][r] += 1;
+        if (j + 1 < n_path && rank[path[j + 1]] < POLICY_MAX_RANK) p->hits[j][rank[path[j + 1]]] += 1;
+    }
+    /* A window over recent trees: the workload may change. */
+    if (p->chances[0][0] >= POLICY_ACCEPT_WINDOW)
+        for (int32_t d = 0; d < POLICY_MAX_DEPTH; d++)
+            for (int32_t r = 0; r < POLICY_MAX_RANK; r++) p->hits[d][r] *= 0.5, p->chances[d][r] *= 0.5;
+}
+
+/* ---- reports ------------------------------------------------------------- */
+
+void policy_get_report(const policy *p, int32_t n, policy_report *r) {
+    memset(r, 0, sizeof *r);
+    const bucket *b = &p->b[n > 0 ? bucket_of(n) : p->last];
+    const policy_shape *mx = &p->cfg.max;
+    r->batch = n > 0 ? n : b->last_n > 0 ? b->last_n : 1;
+    r->adaptive = p->cfg.adaptive;
+    r->settled = !p->cfg.adaptive || b->stage >= p->n_stages;
+    r->shape = p->cfg.adaptive ? b->choice : *mx;
+    double pe[POLICY_MAX_DEPTH][POLICY_MAX_RANK], cum[POOL_MAX];
+    accept_table(p, pe);
+    r->n_accept = mx->steps;
+    for (int32_t d = 0; d < mx->steps; d++) r->accept[d] = pe[d][0];
+    int32_t m = 0;
+    if (r->shape.tokens >= 2) {
+        m = expected_tree(pe, r->shape.steps, r->shape.topk, cum);
+        r->expected_accepted = cum[(r->shape.tokens - 1 < m ? r->shape.tokens - 1 : m) - 1];
+        r->draft_us = draft_cost(b, r->shape.steps, r->shape.topk) / 1e3;
+    }
+    r->n_verify = mx->tokens;
+    for (int32_t t = 1; t <= mx->tokens; t++) {
+        r->verify_tokens[t - 1] = t;
+        r->verify_us[t - 1] = verify_cost(b, t) / 1e3;
+    }
+    r->tok_s = rate_of(b, cum, m, &r->shape) * r->batch;
+    r->plain_tok_s = rate_of(b, NULL, 0, &PLAIN) * r->batch;
+    r->settled_steps = b->settled_steps;
+    r->explore_steps = b->explore_steps;
+}
+
+static void shape_name(const policy_shape *s, char *buf, size_t cap) {
+    if (s->tokens < 2) snprintf(buf, cap, "plain");
+    else snprintf(buf, cap, "%d/%d/%d", s->steps, s->topk, s->tokens);
+}
+
+/* Appends to buf at *at, keeping snprintf's count past the end. */
+#define APPEND(...)                                                                                         \
+    do {                                                                                                    \
+        int k_ = snprintf(buf + (*at < cap ? *at : cap), *at < cap ? cap - *at : 0, __VA_ARGS__);           \
+        if (k_ > 0) *at += (size_t)k_;                                                                      \
+    } while (0)
+
+static void append_list(char *buf, size_t cap, size_t *at, const double *v, int32_t n, const char *sep,
+                        int decimals) {
+    for (int32_t i = 0; i < n; i++) {
+        if (i) APPEND("%s", sep);
+        APPEND("%.*f", decimals, v[i]);
+    }
+}
+
+int policy_report_json(const policy_report *r, char *buf, size_t cap) {
+    size_t at0 = 0, *at = &at0;
+    char name[48];
+    shape_name(&r->shape, name, sizeof name);
+    APPEND("{\"batch\": %d, \"adaptive\": %s, \"settled\": %s, \"shape\": \"%s\", \"accept\": [", r->batch,
+           r->adaptive ? "true" : "false", r->settled ? "true" : "false", name);
+    append_list(buf, cap, at, r->accept, r->n_accept, ", ", 3);
+    APPEND("], \"expected_accepted\": %.3f, \"verify_us\": {", r->expected_accepted);
+    for (int32_t i = 0; i < r->n_verify; i++) APPEND("%s\"%d\": %.1f", i ? ", " : "", r->verify_tokens[i], r->verify_us[i]);
+    APPEND("}, \"draft_us\": %.1f, \"tok_s\": %.1f, \"plain_tok_s\": %.1f, \"settled_steps\": %lld, "
+           "\"explore_steps\": %lld}",
+           r->draft_us, r->tok_s, r->plain_tok_s, (long long)r->settled_steps, (long long)r->explore_steps);
+    return (int)*at;
+}
+
+int policy_report_log(const policy_report *r, char *buf, size_t cap) {
+    size_t at0 = 0, *at = &at0;
+    char name[48];
+    shape_name(&r->shape, name, sizeof name);
+    APPEND("policy=%s%s exp_tok_s=%.1f plain_tok_s=%.1f accept=", name, r->settled ? "" : "(settling)", r->tok_s,
+           r->plain_tok_s);
+    append_list(buf, cap, at, r->accept, r->n_accept, "/", 2);
+    APPEND(" draft_us=%.0f verify_us=", r->draft_us);
+    append_list(buf, cap, at, r->verify_us, r->n_verify, "/", 0);
+    APPEND(" explore=%lld/%lld", (long long)r->explore_steps, (long long)r->settled_steps);
+    return (int)*at;
+}

@@ -1,0 +1,164 @@
+/* The speculation policy: which draft tree each step asks for, sized by
+ * what trees cost and gain here, measured as the target runs.
+ *
+ * A step of n sequences either verifies every root alone (plain) or asks
+ * the drafter for trees of one shape (EAGLE-2 parameters: depth `steps`,
+ * width `topk`, `tokens` nodes with the root) and verifies them all in one
+ * pass. Per sequence, a shape s gives
+ *
+ *     rate(s) = (1 + E[accepted | s]) / (V(tokens) + D(steps, topk))
+ *
+ * tokens per unit of time, against 1 / V(1) for a plain step, where
+ *
+ *   - V(t) is the verify pass's time per sequence when each sequence
+ *     verifies t nodes: a table by t (1..POLICY_MAX_NODES) for each range
+ *     of batch sizes (1, 2-3, 4-7, ...; a pass's cost depends on its batch
+ *     far more than on anything else), each entry an EWMA of measured
+ *     steps; sizes not measured are interpolated between the nearest
+ *     measured ones (the curve is flat while the pass is bound by reading
+ *     the weights, then rises);
+ *   - D(steps, topk) is the drafter's time per sequence (the propose call:
+ *     the link and the head's sequential passes), an EWMA for each shape
+ *     measured, and for the others a least-squares fit of
+ *     c0 + c1 * steps + c2 * (nodes the head runs: 1 + (steps - 1) * topk)
+ *     over the shapes measured;
+ *   - E[accepted | s] comes from the head's acceptance in this workload:
+ *     p[d][r], how often the r-th child (in the drafter's order, best
+ *     first) of a node reached at depth d is the token accepted there,
+ *     counted from every verified tree (a node's children are distinct, so
+ *     at most one is accepted). The expected tree of a shape is built the
+ *     way the drafter builds its own (draft/tree.h), with p in place of
+ *     the head's probabilities: depth by depth, the best `topk` nodes
+ *     expand, each child scoring its parent's score times p; the best
+ *     tokens - 1 nodes make the tree, and the sum of their scores (each the
+ *     chance that the path to it is accepted) is E[accepted]. A chain is
+ *     the product sum p0 + p0 p1 + ...
+ *
+ * The policy picks the best rate over the shapes within the bounds (the
+ * configured tree: --spec-steps, --spec-topk, --spec-tokens), plain
+ * included; a batch runs plainly when no tree pays. It decides again every
+ * POLICY_DECIDE_EVERY steps, and leaves the shape it runs only for one
+ * estimated at least POLICY_SWITCH_GAIN times better.
+ *
+ * Each range of batch sizes settles on its own: a schedule of a few
+ * shapes (plain, the bounding tree, the deepest chain, a one-token chain)
+ * measures the ends of both cost curves and the acceptance at every depth
+ * and rank; then it picks. Once settled, it explores at most
+ * POLICY_EXPLORE_SHARE of its steps, in probes of POLICY_PROBE_STEPS
+ * steps that refresh what the choice does not measure by running: plain
+ * when it drafts, the best tree when it runs plainly, the runner-up, and
+ * the bounding tree (acceptance at every rank), in turn. A probe's first
+ * step may carry a drafter reset (after plain steps its state is stale):
+ * the caller does not time such a draft (draft_ns < 0).
+ *
+ * Not adaptive (a fixed shape): every step asks for the bounding tree.
+ *
+ * Plain data, no I/O, no clock: the caller measures (spec.c times its
+ * steps with its own clock, tests feed synthetic figures). */
+#ifndef AERIE_TARGET_POLICY_H
+#define AERIE_TARGET_POLICY_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../services/core/err.h"
+
+#define POLICY_BUCKETS 8      /* batch sizes 1, 2-3, 4-7, ..., 128+ */
+#define POLICY_MAX_DEPTH 16   /* draft/tree.h's TREE_MAX_STEPS */
+#define POLICY_MAX_RANK 8     /* draft/tree.h's TREE_MAX_TOPK */
+#define POLICY_MAX_NODES 64   /* draft/tree.h's TREE_MAX_NODES */
+#define POLICY_EXPLORE_SHARE 0.02
+#define POLICY_PROBE_STEPS 2
+#define POLICY_DECIDE_EVERY 8
+#define POLICY_SWITCH_GAIN 1.02
+#define POLICY_EWMA 0.125      /* weight of a new measurement of a cost */
+#define POLICY_ACCEPT_WINDOW 2048 /* acceptance counts halve past this many first-depth chances */
+
+/* A tree's shape (draft/tree.h's parameters). tokens 1: plain (no tree;
+ * steps and topk are then 0). */
+typedef struct policy_shape {
+    int32_t steps;
+    int32_t topk;
+    int32_t tokens; /* nodes, root included */
+} policy_shape;
+
+typedef struct policy_config {
+    policy_shape max; /* the bounds: steps 1..16, topk 1..8, tokens 2..64 */
+    bool adaptive;    /* false: always the bounding tree */
+} policy_config;
+
+/* The shape for the next step, and whether it is there to explore. */
+typedef struct policy_pick {
+    policy_shape shape;
+    bool explore;
+} policy_pick;
+
+/* The figures behind the choice for one range of batch sizes (for Info,
+ * /server_info and the periodic log line). Costs are per sequence, rates
+ * (tokens per second) for the whole batch; 0: not known yet. */
+typedef struct policy_report {
+    int32_t batch;                 /* the last step's batch size */
+    bool adaptive, settled;
+    policy_shape shape;            /* the choice */
+    double accept[POLICY_MAX_DEPTH]; /* p[d][0]: the best child accepted at depth d + 1, given the path got there */
+    int32_t n_accept;              /* entries of accept: the bound's steps */
+    double expected_accepted;      /* E[accepted] of the choice */
+    int32_t n_verify;
+    int32_t verify_tokens[POLICY_MAX_NODES]; /* node counts reported: 1 .. the bound's tokens */
+    double verify_us[POLICY_MAX_NODES];      /* V at each, measured or interpolated */
+    double draft_us;               /* D of the choice (0 for plain) */
+    double tok_s, plain_tok_s;     /* expected rate of the choice, and of plain */
+    int64_t settled_steps, explore_steps; /* since this range settled, and of them exploring */
+} policy_report;
+
+typedef struct policy policy;
+
+int policy_init(policy **out, const policy_config *cfg, ae_error *err);
+void policy_free(policy *p); /* NULL is a no-op */
+/* Starts over with new bounds (valid ones: policy_init checks them). */
+void policy_reset(policy *p, const policy_config *cfg);
+
+/* The shape for the next step of a batch of n sequences (n >= 1). */
+policy_pick policy_choose(policy *p, int32_t n);
+
+/* Whether the shape now running for batches of n drafts (a caller feeding
+ * the drafter a new prompt asks first). */
+bool policy_drafting(const policy *p, int32_t n);
+
+/* What a step cost: n sequences ran `shape` (as asked; some may have got
+ * no tree), `tokens` nodes verified in all, draft_ns in the drafter
+ * (< 0: not a measure of the shape, e.g. a reset or a failed call; plain
+ * steps pass 0) and verify_ns in the pass. */
+void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_t tokens, int64_t draft_ns,
+                         int64_t verify_ns);
+
+/* One verified tree of n nodes (parents[0] = -1, parents[i] < i; children
+ * of a node in the drafter's order) and the accepted path (path[0] = 0,
+ * then each accepted node, a child of the one before). */
+void policy_observe_tree(policy *p, const int32_t *parents, int32_t n, const int32_t *path, int32_t n_path);
+
+/* Estimated p[depth][rank] (0-based depth: children of the root are 0). */
+double policy_accept(const policy *p, int32_t depth, int32_t rank);
+
+/* E[accepted] of a shape under the current estimates. */
+double policy_expected_accepted(const policy *p, const policy_shape *shape);
+
+/* Expected tokens per second per sequence of a shape for batches of n
+ * (0: a cost not known yet). */
+double policy_rate(const policy *p, int32_t n, const policy_shape *shape);
+
+/* Explores spent since settling, over all ranges (probes only). */
+int64_t policy_explore_steps(const policy *p);
+
+/* The figures for batches of n (n <= 0: of the last step's batch). */
+void policy_get_report(const policy *p, int32_t n, policy_report *r);
+
+/* The report as a JSON object; returns the length written (truncated to
+ * cap - 1 like snprintf, whose return it mirrors). */
+int policy_report_json(const policy_report *r, char *buf, size_t cap);
+
+/* The report as key=value pairs for a log line. */
+int policy_report_log(const policy_report *r, char *buf, size_t cap);
+
+#endif

@@ -1,0 +1,344 @@
+/* The speculation policy (target/policy.h) in synthetic worlds: a verify
+ * pass, a drafter and a head with known costs and acceptance, fed to the
+ * policy as spec.c feeds it real steps. The shapes it must pick follow
+ * from the arithmetic of policy.h with the true figures; the numbers in
+ * the comments are that arithmetic. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "../../target/policy.h"
+
+#define RANKS 4
+#define STEPS_SETTLING 32 /* the schedule: plain 6, tree 12, deepest chain 8, one-token chain 6 */
+
+typedef struct world {
+    double p[POLICY_MAX_DEPTH][RANKS]; /* true: the rank-r child is the target's token at depth d */
+    double v0_us, v_slope_us;          /* V(t) = v0 + slope (t - 1), per sequence */
+    double d0_us, d_step_us, d_node_us; /* D = d0 + step * steps + node * (1 + (steps - 1) topk) */
+    uint64_t rng;
+} world;
+
+static double uniform(world *w) {
+    w->rng ^= w->rng << 13;
+    w->rng ^= w->rng >> 7;
+    w->rng ^= w->rng << 17;
+    return (double)(w->rng >> 11) / 9007199254740992.0;
+}
+
+static void set_acceptance(world *w, const double *ranks, const double *deeper) {
+    for (int d = 0; d < POLICY_MAX_DEPTH; d++)
+        for (int r = 0; r < RANKS; r++) w->p[d][r] = d == 0 || !deeper ? ranks[r] : deeper[r];
+}
+
+/* The drafter's tree for a shape (draft/tree.h's build, with the world's
+ * probabilities as the head's): parents[] in creation order. */
+static int32_t build_tree(const world *w, const policy_shape *s, int32_t *parents) {
+    enum { POOL = 1024 };
+    int32_t par[POOL], dep[POOL], n_pool = 0, frontier[POLICY_MAX_RANK] = {-1}, nf = 1;
+    double score[POOL];
+    for (int32_t d = 0; d < s->steps; d++) {
+        int32_t first = n_pool;
+        for (int32_t i = 0; i < nf; i++)
+            for (int32_t r = 0; r < s->topk; r++) {
+                double ps = frontier[i] < 0 ? 1.0 : score[frontier[i]];
+                par[n_pool] = frontier[i], dep[n_pool] = d;
+                score[n_pool++] = ps * (r < RANKS ? w->p[d][r] : 0.0);
+            }
+        /* next frontier: the best topk of this depth, earlier first among equals */
+        nf = 0;
+        for (int32_t k = 0; k < s->topk && k < n_pool - first; k++) {
+            int32_t best = -1;
+            for (int32_t i = first; i < n_pool; i++) {
+                bool taken = false;
+                for (int32_t j = 0; j < nf; j++) taken |= frontier[j] == i;
+                if (!taken && (best < 0 || score[i] > score[best])) best = i;
+            }
+            frontier[nf++] = best;
+        }
+    }
+    (void)dep;
+    /* keep the best tokens - 1, then back to creation order */
+    bool keep[POOL] = {false};
+    int32_t kept = 0;
+    for (; kept < s->tokens - 1 && kept < n_pool; kept++) {
+        int32_t best = -1;
+        for (int32_t i = 0; i < n_pool; i++)
+            if (!keep[i] && (best < 0 || score[i] > score[best])) best = i;
+        keep[best] = true;
+    }
+    int32_t node_of[POOL], n = 1;
+    parents[0] = -1;
+    for (int32_t i = 0; i < n_pool; i++)
+        if (keep[i]) {
+            node_of[i] = n;
+            parents[n++] = par[i] < 0 ? 0 : node_of[par[i]];
+        }
+    return n;
+}
+
+/* The target's token at each reached node: rank r with probability p[d][r]
+ * (none with the rest); accepted when that child is in the tree. */
+static int32_t verify(world *w, const int32_t *parents, int32_t n, int32_t *path) {
+    int32_t n_path = 1, node = 0;
+    path[0] = 0;
+    for (int32_t d = 0;; d++) {
+        double u = uniform(w), c = 0;
+        int32_t r = 0;
+        for (; r < RANKS; r++) {
+            c += w->p[d < POLICY_MAX_DEPTH ? d : POLICY_MAX_DEPTH - 1][r];
+            if (u < c) break;
+        }
+        int32_t child = -1, seen = 0;
+        for (int32_t i = 1; i < n && child < 0; i++)
+            if (parents[i] == node && seen++ == r) child = i;
+        if (r == RANKS || child < 0) return n_path;
+        path[n_path++] = child;
+        node = child;
+    }
+}
+
+typedef struct tally {
+    int64_t steps, settled_at, drafted_settled, explore_settled;
+    policy_shape last;
+} tally;
+
+/* `steps` steps of a batch of n through the policy in world w. */
+static void run(policy *p, world *w, int32_t n, int32_t steps, tally *t) {
+    for (int32_t k = 0; k < steps; k++) {
+        policy_report r;
+        policy_get_report(p, n, &r);
+        bool settled = r.settled; /* before the step: the step that ends settling still settles */
+        policy_pick pk = policy_choose(p, n);
+        int32_t parents[POLICY_MAX_NODES], path[POLICY_MAX_NODES], nodes = 1;
+        double draft_us = 0;
+        if (pk.shape.tokens >= 2) {
+            nodes = build_tree(w, &pk.shape, parents);
+            for (int32_t i = 0; i < n; i++) {
+                int32_t n_path = verify(w, parents, nodes, path);
+                policy_observe_tree(p, parents, nodes, path, n_path);
+            }
+            draft_us = w->d0_us + w->d_step_us * pk.shape.steps +
+                       w->d_node_us * (1 + (pk.shape.steps - 1) * pk.shape.topk);
+        }
+        double v_us = w->v0_us + w->v_slope_us * (nodes - 1);
+        policy_observe_step(p, n, &pk.shape, n * nodes, (int64_t)(draft_us * 1e3 * n), (int64_t)(v_us * 1e3 * n));
+        t->steps++;
+        if (settled) {
+            if (!t->settled_at) t->settled_at = t->steps;
+            t->drafted_settled += pk.shape.tokens >= 2;
+            t->explore_settled += pk.explore;
+        }
+        policy_get_report(p, 0, &r);
+        t->last = r.shape;
+    }
+}
+
+static policy *open_policy(policy_shape max) {
+    policy_config c = {max, true};
+    policy *p;
+    ae_error err = {0};
+    if (policy_init(&p, &c, &err) != AE_OK) fail_msg("%s", err.msg);
+    return p;
+}
+
+static void assert_shape(policy_shape got, int32_t steps, int32_t topk, int32_t tokens) {
+    if (got.steps != steps || got.topk != topk || got.tokens != tokens)
+        fail_msg("shape %d/%d/%d, expected %d/%d/%d", got.steps, got.topk, got.tokens, steps, topk, tokens);
+}
+
+static const policy_shape BOUND = {5, 4, 8};
+
+/* A drafter that costs more than trees can give back (5 ms a call against
+ * a 3 ms pass, 60% first-token acceptance): best tree 4/2/8 at 0.301
+ * tokens/ms, plain 0.333. The batch settles after the schedule, is plain
+ * a few dozen steps later (the first estimates are from a few trees) and
+ * stays plain, drafting only in probes: 2 steps per 100 of the choice. */
+static void test_a_slow_draft_goes_plain_and_stays_plain(void **state) {
+    (void)state;
+    world w = {.v0_us = 3000, .d0_us = 5000, .d_step_us = 100, .rng = 1};
+    set_acceptance(&w, (double[]){0.6, 0.1, 0.05, 0.02}, NULL);
+    policy *p = open_policy(BOUND);
+    tally t = {0};
+    run(p, &w, 1, STEPS_SETTLING, &t);
+    assert_int_equal(t.settled_at, 0);
+    run(p, &w, 1, 48, &t);
+    assert_int_equal(t.settled_at, STEPS_SETTLING + 1);
+    assert_shape(t.last, 0, 0, 1);
+    tally after = {0};
+    run(p, &w, 1, 5100, &after);
+    assert_shape(after.last, 0, 0, 1);
+    policy_report r;
+    policy_get_report(p, 0, &r);
+    printf("slow draft: of %lld steps, %lld drafted, %lld exploring; since settling %lld of %lld\n",
+           (long long)after.steps, (long long)after.drafted_settled, (long long)after.explore_settled,
+           (long long)r.explore_steps, (long long)r.settled_steps);
+    assert_int_equal(after.drafted_settled, after.explore_settled);
+    assert_int_equal(after.explore_settled, 100);
+    assert_int_equal(policy_explore_steps(p), r.explore_steps);
+    assert_true(r.explore_steps * 50 <= r.settled_steps);
+    policy_free(p);
+}
+
+/* Acceptance too low to pay for any tree (5% at the first child): plain. */
+static void test_low_acceptance_runs_plainly(void **state) {
+    (void)state;
+    world w = {.v0_us = 3000, .v_slope_us = 150, .d0_us = 200, .d_step_us = 50, .d_node_us = 20, .rng = 2};
+    set_acceptance(&w, (double[]){0.05, 0.02, 0.01, 0.01}, NULL);
+    policy *p = open_policy(BOUND);
+    tally t = {0};
+    run(p, &w, 1, 600, &t);
+    assert_shape(t.last, 0, 0, 1);
+    assert_true(t.explore_settled * 50 <= t.steps - STEPS_SETTLING);
+    policy_free(p);
+}
+
+/* High acceptance (90% at the first child, 5% at the second) and a verify
+ * pass that costs the same at any size: the deepest chain, 5/1/6 at 1.116
+ * tokens/ms, beats the tree 5/2/8 (1.039: its second children rarely pay
+ * for the draft's wider passes) and the chain of 4 (1.024). */
+static void test_high_acceptance_and_a_flat_verify_cost_pick_a_chain(void **state) {
+    (void)state;
+    world w = {.v0_us = 3000, .d0_us = 200, .d_step_us = 100, .d_node_us = 100, .rng = 3};
+    set_acceptance(&w, (double[]){0.9, 0.05, 0.0, 0.0}, NULL);
+    policy *p = open_policy(BOUND);
+    tally t = {0};
+    run(p, &w, 1, 800, &t);
+    assert_shape(t.last, 5, 1, 6);
+    policy_report r;
+    policy_get_report(p, 0, &r);
+    char line[512];
+    policy_report_log(&r, line, sizeof line);
+    printf("chain: %s\n", line);
+    assert_true(r.tok_s > r.plain_tok_s);
+    assert_true(t.explore_settled * 50 <= t.steps - STEPS_SETTLING);
+    policy_free(p);
+}
+
+/* In between: the first child is accepted half the time and the second
+ * 35%, but deeper nodes rarely (20%, 10%), a draft depth costs 1 ms and a
+ * verified node 0.2 ms. The one-depth tree of two children, 1/2/3 (E = 0.85:
+ * 0.398 tokens/ms), beats the single token 1/1/2 (0.337), plain (0.333)
+ * and anything deeper (2/2/4: 0.328). */
+static void test_middling_acceptance_picks_a_small_tree(void **state) {
+    (void)state;
+    world w = {.v0_us = 3000, .v_slope_us = 200, .d0_us = 200, .d_step_us = 1000, .d_node_us = 50, .rng = 4};
+    set_acceptance(&w, (double[]){0.5, 0.35, 0.0, 0.0}, (double[]){0.2, 0.1, 0.0, 0.0});
+    policy *p = open_policy(BOUND);
+    tally t = {0};
+    run(p, &w, 1, 800, &t);
+    assert_shape(t.last, 1, 2, 3);
+    policy_report r;
+    policy_get_report(p, 0, &r);
+    char line[512];
+    policy_report_log(&r, line, sizeof line);
+    printf("small tree: %s\n", line);
+    policy_free(p);
+}
+
+/* Each range of batch sizes settles on its own, and a fixed policy always
+ * asks for the bounding tree. */
+static void test_batch_ranges_settle_apart_and_a_fixed_policy_never_moves(void **state) {
+    (void)state;
+    world w = {.v0_us = 3000, .d0_us = 5000, .d_step_us = 100, .rng = 1}; /* the slow draft above */
+    set_acceptance(&w, (double[]){0.6, 0.1, 0.05, 0.02}, NULL);
+    policy *p = open_policy(BOUND);
+    tally t1 = {0}, t8 = {0};
+    run(p, &w, 1, STEPS_SETTLING + 48, &t1);
+    assert_int_equal(t1.settled_at, STEPS_SETTLING + 1);
+    assert_false(policy_drafting(p, 1));
+    run(p, &w, 8, 10, &t8); /* batches of 8: still settling */
+    assert_int_equal(t8.settled_at, 0);
+    assert_true(policy_drafting(p, 8)); /* at the bounding tree, after 6 plain steps */
+    policy_free(p);
+
+    policy_config c = {{4, 3, 8}, false};
+    ae_error err = {0};
+    assert_int_equal(policy_init(&p, &c, &err), AE_OK);
+    for (int32_t n = 1; n <= 64; n *= 2) {
+        policy_pick pk = policy_choose(p, n);
+        assert_shape(pk.shape, 4, 3, 8);
+        assert_false(pk.explore);
+        assert_true(policy_drafting(p, n));
+    }
+    policy_free(p);
+    c.max.tokens = 65;
+    assert_int_equal(policy_init(&p, &c, &err), AE_ERR);
+    assert_string_equal(err.msg, "policy: tree of 4 steps, top-3, 65 nodes (need 1..16, 1..8, 2..64)");
+}
+
+/* What a verified tree teaches: the chances and hits at each depth and
+ * rank, on top of the priors (1/2 for the first child, half the rank
+ * above, the depth above). */
+static void test_acceptance_is_counted_by_depth_and_rank(void **state) {
+    (void)state;
+    policy *p = open_policy(BOUND);
+    /* Priors: 1/2 at every depth for the first child, 1/4 for the second. */
+    assert_true(policy_accept(p, 0, 0) == 0.5);
+    assert_true(policy_accept(p, 3, 1) == 0.25);
+    /* A chain of 3 at 1/2: 1/2 + 1/4 + 1/8. A tree of 2 depths, width 2,
+     * 4 nodes: children 1/2 and 1/4, then 1/4 under the first: 1. */
+    policy_shape chain = {3, 1, 4}, tree = {2, 2, 4};
+    assert_true(policy_expected_accepted(p, &chain) == 0.875);
+    assert_true(policy_expected_accepted(p, &tree) == 1.0);
+    /* Root with three children; the second is accepted, then its only
+     * child is not. */
+    int32_t parents[5] = {-1, 0, 0, 0, 2}, path[2] = {0, 2};
+    policy_observe_tree(p, parents, 5, path, 2);
+    /* depth 0: 3 chances, the hit at rank 1; depth 1: one chance, no hit */
+    assert_true(policy_accept(p, 0, 0) == (0 + 2 * 0.5) / (1 + 2));
+    double p00 = 1.0 / 3, p01 = (1 + 2 * 0.5 * p00) / 3, p02 = (0 + 2 * 0.5 * p01) / 3;
+    assert_true(policy_accept(p, 0, 1) == p01);
+    assert_true(policy_accept(p, 0, 2) == p02);
+    assert_true(policy_accept(p, 1, 0) == (0 + 2 * p00) / 3);
+    /* rank 3 at depth 0 had no chance: its prior, half of rank 2 */
+    assert_true(policy_accept(p, 0, 3) == 0.5 * p02);
+    policy_free(p);
+}
+
+/* The verify cost of sizes not measured is interpolated between the
+ * nearest measured ones, and the report says it. */
+static void test_the_verify_curve_is_interpolated_between_measured_sizes(void **state) {
+    (void)state;
+    policy *p = open_policy(BOUND);
+    policy_shape plain = {0, 0, 1}, tree = {5, 4, 8};
+    policy_observe_step(p, 2, &plain, 2, 0, 2 * 3000000);       /* 3 ms a sequence at 1 node */
+    policy_observe_step(p, 2, &tree, 16, 2 * 800000, 2 * 10000000); /* 10 ms at 8 nodes */
+    (void)policy_choose(p, 2);
+    policy_report r;
+    policy_get_report(p, 0, &r);
+    assert_int_equal(r.batch, 2);
+    assert_int_equal(r.n_verify, 8);
+    assert_true(r.verify_us[0] == 3000.0);
+    assert_true(r.verify_us[3] == 6000.0); /* 4 nodes: 3/7 of the way */
+    assert_true(r.verify_us[7] == 10000.0);
+    char json[1024];
+    int len = policy_report_json(&r, json, sizeof json);
+    assert_true(len > 0 && (size_t)len < sizeof json);
+    printf("%s\n", json);
+    assert_non_null(strstr(json, "\"verify_us\": {\"1\": 3000.0, \"2\": 4000.0, \"3\": 5000.0, \"4\": 6000.0"));
+    assert_non_null(strstr(json, "\"shape\": \"plain\""));
+    /* A short buffer: cut, terminated, and the length it needed. */
+    char small[16];
+    assert_int_equal(policy_report_json(&r, small, sizeof small), len);
+    assert_int_equal(strlen(small), 15);
+    policy_free(p);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_a_slow_draft_goes_plain_and_stays_plain),
+        cmocka_unit_test(test_low_acceptance_runs_plainly),
+        cmocka_unit_test(test_high_acceptance_and_a_flat_verify_cost_pick_a_chain),
+        cmocka_unit_test(test_middling_acceptance_picks_a_small_tree),
+        cmocka_unit_test(test_batch_ranges_settle_apart_and_a_fixed_policy_never_moves),
+        cmocka_unit_test(test_acceptance_is_counted_by_depth_and_rank),
+        cmocka_unit_test(test_the_verify_curve_is_interpolated_between_measured_sizes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
