@@ -80,7 +80,10 @@ def load_prompts(path):
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                prompt = json.loads(line).get("prompt")
+                try:
+                    prompt = json.loads(line).get("prompt")
+                except (ValueError, AttributeError):
+                    prompt = None
                 if not isinstance(prompt, str) or not prompt:
                     raise ValueError(f"{path}:{n}: no \"prompt\" string")
                 prompts.append(prompt)

@@ -149,6 +149,8 @@ def test_a_stack_that_does_not_start_stops_the_run_with_its_services_last_lines(
 @pytest.mark.parametrize("content, message", [
     ("", "{path}: no prompts"),
     ('{"prompt": "Hi"}\n\n{"text": "Hi"}\n', '{path}:3: no "prompt" string'),
+    ('{"prompt": "Hi"}\n["Hi"]\n', '{path}:2: no "prompt" string'),
+    ('{"prompt": "Hi"\n', '{path}:1: no "prompt" string'),
 ])
 def test_a_prompts_file_without_prompts_exits_2(tmp_path, content, message):
     path = tmp_path / "prompts.jsonl"
