@@ -28,11 +28,23 @@ FAST = ["--streams", "1,2", "--runs", "1", "--max-tokens", "16"]
 RUN_KEYS = {"with_draft_tok_s", "without_draft_tok_s", "ratio", "requests", "tokens", "finish_reasons"}
 
 
-def run_bench(*args, timeout=1200):
+def bench(*args, **kw):
+    """bench_spec.py on the ASan services, in a Popen."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
     env.setdefault("ASAN_OPTIONS", "detect_leaks=1")
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "bench_spec.py"), "--build", str(SERVICE_DIR),
-                           *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.Popen([sys.executable, str(ROOT / "tools" / "bench_spec.py"), "--build", str(SERVICE_DIR),
+                             *map(str, args)], text=True, env=env, cwd=ROOT, **kw)
+
+
+def run_bench(*args, timeout=1200):
+    p = bench(*args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def write_prompts(path, prompts):
@@ -173,12 +185,8 @@ def service_pids(logs):
 
 def test_sigterm_stops_both_stacks_before_it_exits(tmp_path, model):
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
-    env.setdefault("ASAN_OPTIONS", "detect_leaks=1")
     err = open(tmp_path / "stderr", "w+")
-    p = subprocess.Popen([sys.executable, str(ROOT / "tools" / "bench_spec.py"), "--build", str(SERVICE_DIR),
-                          "--prompts", str(prompts), "--streams", "1", "--max-tokens", "4"],
-                         stdout=subprocess.PIPE, stderr=err, env=env, cwd=ROOT, text=True)
+    p = bench("--prompts", prompts, "--streams", 1, "--max-tokens", 4, stdout=subprocess.PIPE, stderr=err)
     logs = None
     try:
         t0 = time.monotonic()
