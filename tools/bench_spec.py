@@ -29,10 +29,11 @@ kept otherwise (the last line on stderr says where). A prompts file
 without prompts: exit 2.
 
 Prints, per streams value, each run's tokens/s with and without the draft
-and their ratio, and the median ratio over the runs; then one JSON line
-with everything, including the draft stack's target Info as /server_info
-shows it (acceptance, and the speculation settings it chose). Progress
-goes to stderr.
+and their ratio, and the median ratio over the runs; the draft stack's
+mean acceptance length over the whole run; then one JSON line with
+everything, including that target's Info as /server_info shows it
+(speculation counters and the settings it chose). Progress goes to
+stderr.
 
     tools/bench_spec.py [--prompts tools/prompts/heldout.jsonl] [--streams 1,8,32] [--runs 3]
                         [--max-tokens 128] [--model M] [--build build]
@@ -220,8 +221,12 @@ def main():
             print(f"{n} streams: {runs}; median {result['streams'][str(n)]['median_ratio']}x")
         result["identical"] = True
         result["draft_target"] = server_info(stacks["draft"].port)
-        stats = result["draft_target"]["stats"]
-        print(f"the target with the draft: accept_len {stats['accept_len']}, spec {json.dumps(stats['spec'])}")
+        # Its accept_len is the last log interval's (0 once idle): the
+        # whole run's mean is accepted + 1 per draft step.
+        spec = result["draft_target"]["stats"]["spec"]
+        result["accept_len_mean"] = round((spec["accepted"] + spec["steps"]) / spec["steps"], 3) if spec["steps"] else 0
+        print(f"the target with the draft: mean acceptance length {result['accept_len_mean']} over {spec['steps']} "
+              f"draft steps ({spec['plain_steps']} plain steps); spec {json.dumps(spec)}")
         ok = True
     except Differs as e:
         progress(str(e))

@@ -68,15 +68,22 @@ def test_prints_a_line_per_streams_value_then_the_acceptance_then_one_json_line(
                         lines[0]), lines[0]
     assert re.fullmatch(r"2 streams: run 1: [\d.]+ tok/s with the draft, [\d.]+ without, [\d.]+x; median [\d.]+x",
                         lines[1]), lines[1]
-    assert re.fullmatch(r"the target with the draft: accept_len [\d.]+, spec \{.*\}", lines[2]), lines[2]
-    json.loads(lines[3])
+    m = re.fullmatch(r"the target with the draft: mean acceptance length ([\d.]+) over (\d+) draft steps "
+                     r"\((\d+) plain steps\); spec (\{.*\})", lines[2])
+    assert m, lines[2]
+    out = json.loads(lines[3])
+    spec = json.loads(m.group(4))
+    assert spec == out["draft_target"]["stats"]["spec"]
+    assert (int(m.group(2)), int(m.group(3))) == (spec["steps"], spec["plain_steps"])
+    mean = (spec["accepted"] + spec["steps"]) / spec["steps"] if spec["steps"] else 0
+    assert float(m.group(1)) == out["accept_len_mean"] == round(mean, 3)
 
 
 def test_json_holds_each_runs_figures_and_their_median(fast):
     r, prompts = fast
     out = json.loads(r.stdout.splitlines()[-1])
     assert set(out) == {"prompts", "prompts_file", "max_tokens", "runs", "streams", "identical", "draft_target",
-                        "exit_codes", "wall_s"}
+                        "accept_len_mean", "exit_codes", "wall_s"}
     assert (out["prompts"], out["prompts_file"], out["max_tokens"], out["runs"]) == (3, str(prompts), 16, 1)
     assert list(out["streams"]) == ["1", "2"]
     # 1 stream: each prompt once per stack; 2 streams: groups of 2, the
