@@ -28,8 +28,6 @@ per token, under load and one request at a time. Prints one JSON line.
 import argparse
 import asyncio
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -39,9 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path.insert(0, str(ROOT / "tools"))
 import aerie_rpc as rpc  # noqa: E402
+from aerie_stack import MODEL, Stack  # noqa: E402
 
-MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME = "SmolLM2-135M-Instruct.Q4_1"
 PROMPTS = [
     "The history of the printing press", "A recipe for bread starts with", "The best way to learn a language is",
@@ -206,42 +205,12 @@ def main():
     ap.add_argument("--draft", action="store_true", help="speculate through an aerie-draft with the trained head")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="aerie-bench-gw-"))
-    procs = []
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
-
-    def start(name, args, log):
-        p = subprocess.Popen([str(ROOT / "build" / name), *map(str, args)], stdout=open(tmp / log, "w"),
-                             stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        procs.append(p)
-        return p
-
+    stack = Stack(tmp, draft=a.draft, draft_args=["--threads", 1],
+                  target_args=["--max-batch", a.max_batch, "--max-seq-len", 512, "--threads", a.threads,
+                               "--log-interval-s", 0],
+                  gateway_args=["--health-interval-ms", 200, "--log-interval-s", 0])
+    port, target_addr, gw = stack.port, stack.target_addr, stack.gateway
     try:
-        draft_addr = "none"
-        if a.draft:
-            draft_addr = f"unix:{tmp}/draft.sock"
-            rpc.wait_for_socket(draft_addr, start("aerie-draft", ["--model", MODEL, "--listen", draft_addr,
-                                                                  "--threads", 1], "draft.log"))
-        target_addr = f"unix:{tmp}/target.sock"
-        rpc.wait_for_socket(target_addr, start("aerie-target", [
-            "--model", MODEL, "--listen", target_addr, "--draft-addr", draft_addr, "--max-batch", a.max_batch,
-            "--max-seq-len", 512, "--threads", a.threads, "--log-interval-s", 0], "target.log"))
-        gw = start("aerie-gateway", ["--model", MODEL, "--targets", target_addr, "--port", 0,
-                                     "--health-interval-ms", 200, "--log-interval-s", 0],
-                   "gateway.log")
-        t0 = time.monotonic()
-        port = None
-        while port is None:
-            time.sleep(0.05)
-            m = re.search(r"url=http://127\.0\.0\.1:(\d+)", (tmp / "gateway.log").read_text())
-            if m:
-                port = int(m.group(1))
-            assert gw.poll() is None and time.monotonic() - t0 < 60, (tmp / "gateway.log").read_text()
-        while True:
-            st = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                                 f"http://127.0.0.1:{port}/health"], capture_output=True, text=True).stdout
-            if st == "200":
-                break
-            time.sleep(0.05)
         asyncio.run(level(port, 4, 1, 8))  # warm-up
         out = {"max_tokens": a.max_tokens, "max_batch": a.max_batch, "threads": a.threads,
                "draft": a.draft, "levels": []}
@@ -256,9 +225,7 @@ def main():
         out["overhead"] = overhead(port, target_addr, gw.pid, a.max_tokens, a.pairs)
         print(json.dumps(out))
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(timeout=60)
+        stack.stop()
 
 
 if __name__ == "__main__":

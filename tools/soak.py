@@ -29,10 +29,7 @@ Exits 1 when any check fails.
 import argparse
 import asyncio
 import json
-import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "tools"))
 import aerie_rpc as rpc  # noqa: E402
+from aerie_stack import Stack  # noqa: E402
 from bench_gateway import pct, read_head, sse_events  # noqa: E402
 
-MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 HEAD = ROOT / "models" / "smollm2-135m-eagle3"
 NAME = "SmolLM2-135M-Instruct.Q4_1"
 PROMPTS = [
@@ -68,57 +65,6 @@ def rss_mib(pid):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for {pid}")
-
-
-class Stack:
-    """The three services, started the way `make run` starts them."""
-
-    def __init__(self, tmp, threads, max_batch):
-        self.tmp = tmp
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
-        self.draft_addr = f"unix:{tmp}/draft.sock"
-        self.target_addr = f"unix:{tmp}/target.sock"
-        self.draft_starts = 0
-        self.draft = self.start_draft()
-        self.target = self.start("aerie-target", [
-            "--model", MODEL, "--listen", self.target_addr, "--draft-addr", self.draft_addr,
-            "--max-batch", max_batch, "--max-seq-len", 1024, "--threads", threads], "target.log")
-        rpc.wait_for_socket(self.target_addr, self.target)
-        self.gateway = self.start("aerie-gateway", ["--model", MODEL, "--targets", self.target_addr, "--port", 0,
-                                                    "--health-interval-ms", 200], "gateway.log")
-        t0 = time.monotonic()
-        self.port = None
-        while self.port is None:
-            time.sleep(0.05)
-            m = re.search(r"url=http://127\.0\.0\.1:(\d+)", (tmp / "gateway.log").read_text())
-            if m:
-                self.port = int(m.group(1))
-            assert self.gateway.poll() is None and time.monotonic() - t0 < 60, (tmp / "gateway.log").read_text()
-
-    def start(self, name, args, log):
-        return subprocess.Popen([str(ROOT / "build" / name), *map(str, args)], stdout=open(self.tmp / log, "a"),
-                                stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
-
-    def start_draft(self):
-        self.draft_starts += 1
-        p = self.start("aerie-draft", ["--model", MODEL, "--draft", HEAD, "--listen", self.draft_addr,
-                                       "--threads", 1], "draft.log")
-        rpc.wait_for_socket(self.draft_addr, p)
-        return p
-
-    def restart_draft(self):
-        self.draft = self.start_draft()
-
-    def kill_draft(self):
-        self.draft.send_signal(signal.SIGKILL)
-        self.draft.wait()
-
-    def stop(self):
-        for p in (self.gateway, self.target, self.draft):
-            if p.poll() is None:
-                p.terminate()
-        return {name: p.wait(timeout=120) for name, p in
-                (("gateway", self.gateway), ("target", self.target), ("draft", self.draft))}
 
 
 async def one_request(reader, writer, prompt, max_tokens, stats):
@@ -176,10 +122,11 @@ async def soak(stack, a, report):
     report["rss_mib_start"] = {n: round(rss_mib(p.pid), 1) for n, p in
                                (("gateway", stack.gateway), ("target", stack.target), ("draft", stack.draft))}
     await asyncio.sleep(max(0.0, t0 + a.seconds / 2 - time.monotonic()))
-    stack.kill_draft()
+    stack.draft.send_signal(signal.SIGKILL)
+    stack.draft.wait()
     report["draft_killed_at_s"] = round(time.monotonic() - t0, 1)
     await asyncio.sleep(1.0)  # a supervisor's restart delay
-    await loop.run_in_executor(None, stack.restart_draft)
+    await loop.run_in_executor(None, stack.start_draft)
     report["draft_restarted_at_s"] = round(time.monotonic() - t0, 1)
     await asyncio.gather(*clients)
     report["wall_s"] = round(time.monotonic() - t0, 1)
@@ -195,14 +142,12 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="aerie-soak-"))
-    stack = Stack(tmp, a.threads, max(a.streams, 1))
+    stack = Stack(tmp, draft=True, draft_args=["--draft", HEAD, "--threads", 1],
+                  target_args=["--max-batch", max(a.streams, 1), "--max-seq-len", 1024, "--threads", a.threads],
+                  gateway_args=["--health-interval-ms", 200])
     report = {"streams": a.streams, "seconds": a.seconds, "max_tokens": a.max_tokens, "logs": str(tmp)}
     ok = False
     try:
-        while subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                              f"http://127.0.0.1:{stack.port}/health"], capture_output=True,
-                             text=True).stdout != "200":
-            time.sleep(0.1)
         stats = asyncio.run(soak(stack, a, report))
         time.sleep(1.0)  # let the target release the last sequences
         report["rss_mib_end"] = {n: round(rss_mib(p.pid), 1) for n, p in
