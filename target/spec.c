@@ -59,7 +59,6 @@ struct spec {
     int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
-    float *probs;          /* [V] */
     sampler *sampler;
 };
 
@@ -150,10 +149,9 @@ double spec_stats_accept_len(const spec_stats *st) {
 }
 
 size_t spec_bytes(const model *m, const spec_config *c) {
-    size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, V = (size_t)m->cfg.vocab, S = (size_t)c->max_seqs,
-           T = (size_t)c->max_batch_tokens;
+    size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, S = (size_t)c->max_seqs, T = (size_t)c->max_batch_tokens;
     return S * (sizeof(seq_state) + sizeof(spec_feed) + sizeof(int32_t) + sizeof(spec_tree) + sizeof(eng_item)) +
-           S * ENG_MAX_TREE * fw * sizeof(float) + T * sizeof(int32_t) + V * sizeof(float);
+           S * ENG_MAX_TREE * fw * sizeof(float) + T * sizeof(int32_t);
 }
 
 void spec_free(spec *s) {
@@ -167,7 +165,6 @@ void spec_free(spec *s) {
     free(s->rows);
     free(s->features);
     free(s->logits);
-    free(s->probs);
     sample_free(s->sampler);
     free(s);
 }
@@ -204,9 +201,8 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
     s->rows = malloc(T * sizeof *s->rows);
     s->features = malloc(T * fw * sizeof(float));
     s->logits = malloc(T * V * sizeof(float));
-    s->probs = malloc(V * sizeof(float));
     if (!s->seqs || !s->pending_feat || !s->feeds || !s->feed_of || !s->trees || !s->items || !s->rows ||
-        !s->features || !s->logits || !s->probs) {
+        !s->features || !s->logits) {
         spec_free(s);
         return err_set(err, "speculation: out of memory");
     }
@@ -329,9 +325,8 @@ static void propose(spec *s, const spec_in *in, int32_t n) {
         s->feed_of[i] = -1;
     }
     if (!s->d || s->step_no < s->retry_at) return;
-    /* Adaptive speculation decides for greedy sequences only: a sampled
-     * step draws differently with and without a tree, so a sequence that
-     * samples speculates on every step, and its seed reproduces it. */
+    /* Adaptive speculation decides for greedy sequences only; a sequence
+     * that samples speculates on every step (spec.h). */
     bool drafting = adapt_drafting(s, n);
     for (int32_t i = 0; i < n; i++) {
         if (!drafting && sample_is_greedy(in[i].params)) continue;
@@ -445,7 +440,10 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         const spec_tree *t = &s->trees[i];
         verify_tree vt = {t->n, t->tokens, t->parents, s->logits + (size_t)row * (size_t)s->V, s->V};
         int32_t path[ENG_MAX_TREE], bonus;
-        int32_t n_path = verify_sample(&vt, s->sampler, in[i].params, in[i].rng, s->probs, path, &bonus);
+        /* The root's KV is not written yet: it sits at the sequence's
+         * length, and the first token decided at the next position. */
+        int32_t pos = eng_seq_len(s->e, seq) + 1;
+        int32_t n_path = verify_sample(&vt, s->sampler, in[i].params, in[i].rng, pos, path, &bonus);
         AE_ASSERT(eng_commit_path(s->e, seq, path, n_path, NULL) == AE_OK);
         spec_out *o = &out[i];
         o->n = 0;

@@ -8,8 +8,9 @@
  *      (feature captured at position j, token at j + 1);
  *   2. runs one engine step over all the trees (ENG_TREE), capturing the
  *      EAGLE-3 features of every node;
- *   3. accepts per sequence (verify.h): greedy or tree rejection sampling,
- *      so the tokens are the target's own whatever the draft proposed;
+ *   3. accepts per sequence (verify.h): a drafted token is kept when it is
+ *      the target's own argmax or keyed draw at its position, so the
+ *      tokens are plain decoding's whatever the draft proposed;
  *   4. commits the accepted path's KV, keeps its features for the next
  *      call, and makes the bonus token the new root.
  *
@@ -93,9 +94,10 @@ typedef struct spec_drafter {
  *     SPEC_PROBE_BUDGET times what the losing probe cost (in plain steps'
  *     time, its untimed first step included), so a draft that loses by
  *     far is probed rarely from the start.
- * Only greedy sequences follow these phases: a sampled step draws
- * differently with and without a tree, so a sampling sequence speculates
- * on every step (given the same trees, its seed reproduces it).
+ * Only greedy sequences follow these phases; a sampling sequence
+ * speculates on every step. (The rule dates from rejection sampling,
+ * whose draws depended on the tree; keyed draws do not, sample.h, so a
+ * seed gives the same tokens either way.)
  * Each range of batch sizes (1, 2-3, 4-7, ...) runs its own phases: a
  * step's speed depends on its batch far more than on the draft. A loss
  * in one range starts the larger ranges not yet measured in a plain run
@@ -178,7 +180,7 @@ void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state 
 typedef struct spec_in {
     int32_t seq;
     const sample_params *params;
-    sample_rng *rng;
+    const sample_rng *rng; /* the key of its draws (sample.h) */
 } spec_in;
 
 typedef struct spec_out {
