@@ -29,7 +29,8 @@
  * trick with G = -ln E: each kept token i gets E_i = -ln U_i, U_i uniform
  * from a counter-based hash of (seed, choice, pos, i), and the token with
  * the least E_i / w_i wins (w_i its unnormalised weight), which is token
- * i with probability w_i / sum w exactly. It costs one hash, one short
+ * i with probability w_i / sum w (exactly, but for the f32 rounding of
+ * w_i and E_i). It costs one hash, one short
  * log polynomial and one division per kept token (the kept set only: ids
  * come in ascending order, so the draw depends only on the
  * distribution), in SIMD where the CPU has it, with the same bits on

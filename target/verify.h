@@ -17,8 +17,8 @@
  *     child carrying that token is accepted, and when none does, the draw
  *     is the bonus. Every emitted token is thus the draw plain decoding
  *     makes at its position, whatever the draft proposed: a child x is
- *     accepted with probability P(x), the children together with the sum
- *     of their P, as in rejection sampling against a one-hot draft.
+ *     accepted with probability P(x), and some child with the sum of the
+ *     children's P, as in rejection sampling against a one-hot draft.
  *
  * path[0] = 0 (the root), then the accepted nodes, each the child of the
  * one before; its length is returned (1 + accepted draft tokens). */
