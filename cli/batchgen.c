@@ -84,7 +84,7 @@ static void take_step(bg_state *st, int32_t n_items) {
             bg_topk(lg, vocab, cfg->topk, s->topk_ids + at, st->topk_p);
             for (int32_t j = 0; j < cfg->topk; j++) s->topk_p[at + (size_t)j] = quant_f32_to_f16(st->topk_p[j]);
         }
-        int32_t next = sample_token(st->smp, lg, &s->sp, &s->rng);
+        int32_t next = sample_token(st->smp, lg, &s->sp, &s->rng, s->n); /* at position n */
         s->ids[s->n++] = next;
         s->stopped = next == cfg->stop;
     }

@@ -104,7 +104,7 @@ static bool emit(emitter *em, int32_t token, int *rc, ae_error *err) {
 
 /* Plain decoding: prefill the whole prompt, then one token per pass. */
 static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_prompt, sampler *smp,
-                        const sample_params *sp, sample_rng *rng, emitter *em, double *t_prefill, double *t_decode,
+                        const sample_params *sp, const sample_rng *rng, emitter *em, double *t_prefill, double *t_decode,
                         ae_error *err) {
     float *logits = malloc(sizeof(float) * (size_t)eng_model(e)->cfg.vocab);
     if (!logits) return err_set(err, "out of memory");
@@ -119,7 +119,7 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
     *t_prefill = cli_now_seconds() - t0;
     t0 = cli_now_seconds();
     while (rc == AE_OK) {
-        int32_t next = sample_token(smp, logits, sp, rng);
+        int32_t next = sample_token(smp, logits, sp, rng, eng_seq_len(e, seq)); /* its position */
         if (!emit(em, next, &rc, err)) break;
         eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
         rc = eng_step(e, &it, 1, logits, NULL, err);
@@ -132,7 +132,7 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
 /* Speculative decoding: the prompt but its last token is prefilled; every
  * step verifies a draft tree under the last decided token. */
 static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prompt, const sample_params *sp,
-                       sample_rng *rng, emitter *em, double *t_prefill, double *t_decode, ae_error *err) {
+                       const sample_rng *rng, emitter *em, double *t_prefill, double *t_decode, ae_error *err) {
     double t0 = cli_now_seconds();
     int rc = spec_seq_start(sx, seq, ids, n_prompt, CLI_PREFILL_CHUNK, err);
     *t_prefill = cli_now_seconds() - t0;

@@ -318,5 +318,8 @@ void kn_cpu_force_scalar(bool on);
 /* "avx512vnni+avx2", "avx2" or "scalar": the paths ops take now (for the
  * startup log). */
 const char *kn_cpu_simd(void);
+/* The same as a level: 0 portable, 1 AVX2, 2 AVX-512. For code outside
+ * the kernels that keeps the same promise (target/sample.c). */
+int kn_cpu_simd_level(void);
 
 #endif

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../kernels/kernels.h"
+
 typedef struct cand {
     float w;    /* exp(s - s_max): unnormalised probability */
     float s;    /* logit / temperature */
@@ -19,37 +21,148 @@ struct sampler {
     float *probs; /* (vocab) output of sample_dist */
 };
 
-/* ---- random numbers: splitmix64 to seed, xoshiro256** to draw ---- */
+/* ---- the keyed random numbers ---- */
 
-static uint64_t splitmix64(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+/* splitmix64's output function on x + its increment: a bijection of
+ * 64-bit words that mixes every input bit into every output bit. */
+static uint64_t mix64(uint64_t x) {
+    uint64_t z = x + 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
 
-void sample_rng_seed(sample_rng *rng, uint64_t seed) {
-    uint64_t x = seed;
-    for (int i = 0; i < 4; i++) rng->s[i] = splitmix64(&x);
+/* The key of one position. Each step is a bijection, so the positions of
+ * one (seed, choice) never share a key. */
+static uint64_t pos_key(const sample_rng *rng, int32_t pos) {
+    return mix64(mix64(mix64(rng->seed) ^ rng->choice) ^ (uint32_t)pos);
 }
 
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-uint64_t sample_rng_next(sample_rng *rng) {
-    uint64_t *s = rng->s;
-    uint64_t result = rotl(s[1] * 5, 7) * 9;
-    uint64_t t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
+/* A 32-bit integer hash with low bias (two xorshift-multiply rounds);
+ * a bijection. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
 }
 
-double sample_rng_uniform(sample_rng *rng) {
-    return (double)(sample_rng_next(rng) >> 11) * 0x1.0p-53;
+/* 32 random bits for vocabulary entry id under a position's key: 32-bit
+ * lanes, so that 16 tokens fit one AVX-512 register. */
+static inline uint32_t id_bits(uint32_t klo, uint32_t khi, uint32_t id) { return mix32(mix32(id ^ klo) ^ khi); }
+
+#define LN2_F 0.693147182f
+#define ONE_MINUS_SQRT_HALF 0.292893219f
+
+/* E = -ln U for the uniform U = 1 - V, V = (bits / 2 + 1/2) / 2^31 in
+ * (0, 1]. In f32 with no libm call and no fused operation, so that scalar
+ * and SIMD code give the same bits. Small E (U near 1) is what decides
+ * races among many tokens, so there ln(1 - V) is taken from V itself,
+ * never from the rounded 1 - V; U is kept >= 2^-25 (E <= 17.3: the
+ * exponential's tail beyond has mass 3e-8). ln(1 + f) = 2 atanh(s) with
+ * s = f / (2 + f), |s| <= 0.172, to s^9: relative error about 1e-8 before
+ * rounding. */
+static inline uint32_t f32_bits(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+static inline float bits_f32(uint32_t b) {
+    float x;
+    memcpy(&x, &b, sizeof x);
+    return x;
+}
+
+/* The selections are integer masks, not branches: a branch would keep
+ * the compiler from vectorising the loop (it may not run a division that
+ * the source runs conditionally). Every value here is positive, so f32
+ * order is integer order on the bits. */
+static inline float exp_of_bits(uint32_t bits) {
+    float v = ((float)(int32_t)(bits >> 1) + 0.5f) * 0x1p-31f;
+    uint32_t ub = f32_bits(1.0f - v);
+    ub = ub < 0x33000000u ? 0x33000000u : ub; /* U >= 2^-25 */
+    int32_t e = (int32_t)(ub >> 23) - 127;
+    uint32_t mb = (ub & 0x007fffffu) | 0x3f800000u;  /* U = m 2^e, m in [1, 2) */
+    uint32_t high = 0u - (uint32_t)(mb > 0x3fb504f3u); /* m > sqrt 2: halve it */
+    mb -= high & 0x00800000u;
+    e += (int32_t)(high & 1u);
+    /* U in (sqrt 1/2, 1]: e = 0 and f = U - 1 = -V exactly */
+    uint32_t near = 0u - (uint32_t)(f32_bits(v) < f32_bits(ONE_MINUS_SQRT_HALF));
+    float f = bits_f32((f32_bits(-v) & near) | (f32_bits(bits_f32(mb) - 1.0f) & ~near));
+    e &= (int32_t)~near;
+    float sv = f / (2.0f + f), z = sv * sv;
+    float t = z * (1.0f / 3 + z * (1.0f / 5 + z * (1.0f / 7 + z * (1.0f / 9))));
+    float ln = (float)e * LN2_F + 2.0f * sv * (1.0f + t);
+    return -ln;
+}
+
+void sample_rng_seed(sample_rng *rng, uint64_t seed) { *rng = (sample_rng){.seed = seed, .choice = 0}; }
+
+double sample_rng_uniform(const sample_rng *rng, int32_t pos, int32_t id) {
+    uint64_t k = pos_key(rng, pos);
+    uint32_t bits = id_bits((uint32_t)k, (uint32_t)(k >> 32), (uint32_t)id);
+    return 1.0 - ((double)(bits >> 1) + 0.5) * 0x1p-31;
+}
+
+float sample_rng_exp(const sample_rng *rng, int32_t pos, int32_t id) {
+    uint64_t k = pos_key(rng, pos);
+    return exp_of_bits(id_bits((uint32_t)k, (uint32_t)(k >> 32), (uint32_t)id));
+}
+
+/* The race: the index of the least E_i / w_i over ids[n] with weights
+ * w[n] (>= 0, at least one > 0), as f32 bit patterns (the ratios are
+ * positive or +inf, so they order as integers); the first of equal ones.
+ * Blocks of RACE_BLOCK are computed apart from the comparison so that
+ * the compiler can vectorise them; the result does not depend on the
+ * block size or the SIMD path. */
+#define RACE_BLOCK 16
+
+static inline uint32_t race_key(uint32_t klo, uint32_t khi, int32_t id, float w) {
+    return f32_bits(exp_of_bits(id_bits(klo, khi, (uint32_t)id)) / w);
+}
+
+#define RACE_FN(sfx, attr)                                                                                  \
+    attr static int32_t race_##sfx(const int32_t *ids, const float *w, int32_t n, uint32_t klo, uint32_t khi) { \
+        uint32_t best = UINT32_MAX;                                                                        \
+        int32_t at = 0, i = 0;                                                                             \
+        for (; i + RACE_BLOCK <= n; i += RACE_BLOCK) {                                                     \
+            uint32_t r[RACE_BLOCK], least = UINT32_MAX;                                                    \
+            for (int j = 0; j < RACE_BLOCK; j++) r[j] = race_key(klo, khi, ids[i + j], w[i + j]);         \
+            for (int j = 0; j < RACE_BLOCK; j++) least = r[j] < least ? r[j] : least;                      \
+            if (least < best) {                                                                            \
+                best = least;                                                                              \
+                for (int j = 0; j < RACE_BLOCK; j++)                                                       \
+                    if (r[j] == least) {                                                                   \
+                        at = i + j;                                                                        \
+                        break;                                                                             \
+                    }                                                                                      \
+            }                                                                                              \
+        }                                                                                                  \
+        for (; i < n; i++) {                                                                               \
+            uint32_t r = race_key(klo, khi, ids[i], w[i]);                                                 \
+            if (r < best) best = r, at = i;                                                                \
+        }                                                                                                  \
+        return at;                                                                                         \
+    }
+
+RACE_FN(scalar, )
+#if defined(__x86_64__)
+RACE_FN(avx2, __attribute__((target("avx2"))))
+RACE_FN(avx512, __attribute__((target("avx512f"))))
+#endif
+
+static int32_t race(const int32_t *ids, const float *w, int32_t n, const sample_rng *rng, int32_t pos) {
+    uint64_t k = pos_key(rng, pos);
+    uint32_t klo = (uint32_t)k, khi = (uint32_t)(k >> 32);
+#if defined(__x86_64__)
+    int level = kn_cpu_simd_level();
+    if (level == 2) return race_avx512(ids, w, n, klo, khi);
+    if (level == 1) return race_avx2(ids, w, n, klo, khi);
+#endif
+    return race_scalar(ids, w, n, klo, khi);
 }
 
 /* ---- sampler ---- */
@@ -202,10 +315,9 @@ static cand top_p_cut(cand *c, int32_t n, double target) {
     return c[j > 0 ? j - 1 : 0];
 }
 
-int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
-                    const int32_t **ids, const float **probs) {
-    *ids = s->ids;
-    *probs = s->probs;
+/* The kept set of sample_dist: ids in s->ids, unnormalised weights (the
+ * top token's is 1) in s->tmp, their sum in s->total. Returns n >= 1. */
+static int32_t kept_set(sampler *s, const float *logits, const sample_params *p) {
     const float t = p->temperature;
     if (sample_is_greedy(p)) goto one_hot;
 
@@ -271,16 +383,23 @@ int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
         total += w;
         k++;
     }
-    for (int32_t i = 0; i < k; i++) s->probs[i] = (float)(s->tmp[i] / total);
     s->total = total;
     return k;
 
 one_hot:
     s->ids[0] = sample_greedy(logits, s->vocab);
-    s->probs[0] = 1.0f;
     s->tmp[0] = 1.0f;
     s->total = 1.0;
     return 1;
+}
+
+int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
+                    const int32_t **ids, const float **probs) {
+    *ids = s->ids;
+    *probs = s->probs;
+    int32_t k = kept_set(s, logits, p);
+    for (int32_t i = 0; i < k; i++) s->probs[i] = (float)(s->tmp[i] / s->total);
+    return k;
 }
 
 void sample_dist_dense(sampler *s, const float *logits, const sample_params *p, float *probs) {
@@ -291,36 +410,9 @@ void sample_dist_dense(sampler *s, const float *logits, const sample_params *p, 
     for (int32_t i = 0; i < n; i++) probs[ids[i]] = q[i];
 }
 
-int32_t sample_token(sampler *s, const float *logits, const sample_params *p, sample_rng *rng) {
+int32_t sample_token(sampler *s, const float *logits, const sample_params *p, const sample_rng *rng, int32_t pos) {
     if (sample_is_greedy(p)) return sample_greedy(logits, s->vocab);
-    const int32_t *ids;
-    const float *q;
-    int32_t n = sample_dist(s, logits, p, &ids, &q);
-    /* Walk the unnormalised weights (tmp) against their exact double total
-     * rather than the rounded probabilities. One number per draw. */
-    double u = sample_rng_uniform(rng) * s->total, acc = 0;
-    for (int32_t i = 0; i < n; i++) {
-        acc += s->tmp[i];
-        if (u < acc) return ids[i];
-    }
-    return ids[n - 1]; /* u rounded up to the total */
-}
-
-int32_t sample_from_weights(const float *weights, int32_t n, sample_rng *rng) {
-    double total = 0;
-    int32_t last = 0;
-    for (int32_t i = 0; i < n; i++) {
-        if (weights[i] > 0.0f) {
-            total += weights[i];
-            last = i;
-        }
-    }
-    double u = sample_rng_uniform(rng) * total, acc = 0;
-    for (int32_t i = 0; i < n; i++) {
-        if (weights[i] > 0.0f) {
-            acc += weights[i];
-            if (u < acc) return i;
-        }
-    }
-    return last;
+    int32_t n = kept_set(s, logits, p);
+    if (n == 1) return s->ids[0];
+    return s->ids[race(s->ids, s->tmp, n, rng, pos)];
 }

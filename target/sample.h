@@ -19,11 +19,24 @@
  *
  * Greedy is argmax of the raw logits; among equal maxima the lowest id wins.
  *
- * The random stream is xoshiro256** seeded through splitmix64; its state
- * lives in the request (sample_rng), so one seed reproduces one sequence of
- * draws whatever else the server is doing. A sampler holds scratch sized for
- * the vocabulary at init; no call allocates afterwards. A sampler is not
- * shared between threads at once. */
+ * Random numbers are keyed, not streamed: the draw for the token at
+ * position pos of a sequence (its index in prompt + output) is a pure
+ * function of (seed, choice, pos) and the distribution there, whatever
+ * was drawn before and however many positions one pass decides. So a
+ * seeded sequence is the same token for token with or without a draft
+ * tree, for any tree and any batch (verify.h accepts a drafted token only
+ * when it is this draw). The draw is an exponential race, the Gumbel-max
+ * trick with G = -ln E: each kept token i gets E_i = -ln U_i, U_i uniform
+ * from a counter-based hash of (seed, choice, pos, i), and the token with
+ * the least E_i / w_i wins (w_i its unnormalised weight), which is token
+ * i with probability w_i / sum w (exactly, but for the f32 rounding of
+ * w_i and E_i). It costs one hash, one short
+ * log polynomial and one division per kept token (the kept set only: ids
+ * come in ascending order, so the draw depends only on the
+ * distribution), in SIMD where the CPU has it, with the same bits on
+ * every path (kn_cpu_limit_simd pins it). A sampler holds scratch sized
+ * for the vocabulary at init; no call allocates afterwards. A sampler is
+ * not shared between threads at once. */
 #ifndef AERIE_TARGET_SAMPLE_H
 #define AERIE_TARGET_SAMPLE_H
 
@@ -39,15 +52,21 @@ typedef struct sample_params {
     float min_p;       /* <= 0: off */
 } sample_params;
 
-/* Per-request random state (plain data on purpose: it lives in the request). */
+/* The key of a sequence's random numbers (plain data on purpose: it
+ * lives in the request). */
 typedef struct sample_rng {
-    uint64_t s[4];
+    uint64_t seed;
+    uint32_t choice; /* which of a request's choices (OpenAI n): 0, as n is always 1 */
 } sample_rng;
 
+/* Key seed, choice 0. */
 void sample_rng_seed(sample_rng *rng, uint64_t seed);
-uint64_t sample_rng_next(sample_rng *rng);
-/* Uniform in [0, 1) with 53 random bits. */
-double sample_rng_uniform(sample_rng *rng);
+/* The uniform in (0, 1) that vocabulary entry id gets at position pos, and
+ * its exponential E = -ln U as the draws compute it: within 3e-7
+ * relative for E <= 1, where races are decided, and within 3 * 2^-25 / U
+ * beyond (U rounded to f32). Pure functions of their arguments. */
+double sample_rng_uniform(const sample_rng *rng, int32_t pos, int32_t id);
+float sample_rng_exp(const sample_rng *rng, int32_t pos, int32_t id);
 
 /* True when p selects greedy decoding (temperature <= 0). */
 bool sample_is_greedy(const sample_params *p);
@@ -70,15 +89,11 @@ int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
                     const int32_t **ids, const float **probs);
 
 /* The same distribution written densely: probs f32 [vocab], 0 for every
- * filtered token. For exact rejection sampling against a draft. */
+ * filtered token (the exact distribution, for tests). */
 void sample_dist_dense(sampler *s, const float *logits, const sample_params *p, float *probs);
 
-/* One token: greedy when p says so (rng untouched), otherwise one draw
- * from sample_dist's distribution using one number from rng. */
-int32_t sample_token(sampler *s, const float *logits, const sample_params *p, sample_rng *rng);
-
-/* Draws an index from weights f32 [n] (>= 0, not all 0) with one number
- * from rng; for residual distributions in rejection sampling. */
-int32_t sample_from_weights(const float *weights, int32_t n, sample_rng *rng);
+/* The token at position pos: greedy when p says so (rng not read),
+ * otherwise the keyed draw from sample_dist's distribution. */
+int32_t sample_token(sampler *s, const float *logits, const sample_params *p, const sample_rng *rng, int32_t pos);
 
 #endif

@@ -44,7 +44,6 @@ struct spec {
     int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
-    float *probs;          /* [V] */
     sampler *sampler;
 };
 
@@ -65,10 +64,9 @@ double spec_stats_accept_len(const spec_stats *st) {
 }
 
 size_t spec_bytes(const model *m, const spec_config *c) {
-    size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, V = (size_t)m->cfg.vocab, S = (size_t)c->max_seqs,
-           T = (size_t)c->max_batch_tokens;
+    size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, S = (size_t)c->max_seqs, T = (size_t)c->max_batch_tokens;
     return S * (sizeof(seq_state) + sizeof(spec_feed) + sizeof(int32_t) + sizeof(spec_tree) + sizeof(eng_item)) +
-           S * ENG_MAX_TREE * fw * sizeof(float) + T * sizeof(int32_t) + V * sizeof(float);
+           S * ENG_MAX_TREE * fw * sizeof(float) + T * sizeof(int32_t);
 }
 
 void spec_free(spec *s) {
@@ -82,7 +80,6 @@ void spec_free(spec *s) {
     free(s->rows);
     free(s->features);
     free(s->logits);
-    free(s->probs);
     sample_free(s->sampler);
     policy_free(s->pol);
     free(s);
@@ -120,9 +117,8 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
     s->rows = malloc(T * sizeof *s->rows);
     s->features = malloc(T * fw * sizeof(float));
     s->logits = malloc(T * V * sizeof(float));
-    s->probs = malloc(V * sizeof(float));
     if (!s->seqs || !s->pending_feat || !s->feeds || !s->feed_of || !s->trees || !s->items || !s->rows ||
-        !s->features || !s->logits || !s->probs) {
+        !s->features || !s->logits) {
         spec_free(s);
         return err_set(err, "speculation: out of memory");
     }
@@ -375,7 +371,10 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         const spec_tree *t = &s->trees[i];
         verify_tree vt = {t->n, t->tokens, t->parents, s->logits + (size_t)row * (size_t)s->V, s->V};
         int32_t path[ENG_MAX_TREE], bonus;
-        int32_t n_path = verify_sample(&vt, s->sampler, in[i].params, in[i].rng, s->probs, path, &bonus);
+        /* The root's KV is not written yet: it sits at the sequence's
+         * length, and the first token decided at the next position. */
+        int32_t pos = eng_seq_len(s->e, seq) + 1;
+        int32_t n_path = verify_sample(&vt, s->sampler, in[i].params, in[i].rng, pos, path, &bonus);
         AE_ASSERT(eng_commit_path(s->e, seq, path, n_path, NULL) == AE_OK);
         if (s->pol && t->n > 1) policy_observe_tree(s->pol, t->parents, t->n, path, n_path);
         spec_out *o = &out[i];

@@ -8,8 +8,9 @@
  *      (feature captured at position j, token at j + 1);
  *   2. runs one engine step over all the trees (ENG_TREE), capturing the
  *      EAGLE-3 features of every node;
- *   3. accepts per sequence (verify.h): greedy or tree rejection sampling,
- *      so the tokens are the target's own whatever the draft proposed;
+ *   3. accepts per sequence (verify.h): a drafted token is kept when it is
+ *      the target's own argmax or keyed draw at its position, so the
+ *      tokens are plain decoding's whatever the draft proposed;
  *   4. commits the accepted path's KV, keeps its features for the next
  *      call, and makes the bonus token the new root.
  *
@@ -159,7 +160,7 @@ void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state 
 typedef struct spec_in {
     int32_t seq;
     const sample_params *params;
-    sample_rng *rng;
+    const sample_rng *rng; /* the key of its draws (sample.h) */
 } spec_in;
 
 typedef struct spec_out {

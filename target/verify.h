@@ -10,15 +10,15 @@
  *     order); the bonus is the argmax at the last accepted node. Each
  *     emitted token is the argmax after its prefix, exactly what plain
  *     greedy decoding emits.
- *   - sampling: at the current node take the target's filtered
- *     distribution P (temperature, top-k, top-p, min-p: sample.h). For
- *     each child x in node order, accept it with probability
- *     P(x) / sum(P) (one uniform draw); on rejection set P(x) = 0 and go
- *     on. If no child is accepted, the bonus is drawn from what is left of
- *     P. Each stage draws exactly from P conditioned on the tokens
- *     already rejected, so every emitted token follows the target's
- *     distribution whatever the draft proposed (the draft is treated as
- *     deterministic, q = 1). Children with P(x) = 0 use no draw.
+ *   - sampling: the same walk with the target's keyed draw (sample.h)
+ *     in place of the argmax: at the current node, at depth d under the
+ *     root, the draw for position pos + d from the target's filtered
+ *     distribution there (temperature, top-k, top-p, min-p); the first
+ *     child carrying that token is accepted, and when none does, the draw
+ *     is the bonus. Every emitted token is thus the draw plain decoding
+ *     makes at its position, whatever the draft proposed: a child x is
+ *     accepted with probability P(x), and some child with the sum of the
+ *     children's P, as in rejection sampling against a one-hot draft.
  *
  * path[0] = 0 (the root), then the accepted nodes, each the child of the
  * one before; its length is returned (1 + accepted draft tokens). */
@@ -39,8 +39,9 @@ typedef struct verify_tree {
 
 int32_t verify_greedy(const verify_tree *t, int32_t *path, int32_t *bonus);
 
-/* probs: f32 [vocab] scratch. Greedy parameters take verify_greedy. */
-int32_t verify_sample(const verify_tree *t, sampler *s, const sample_params *p, sample_rng *rng, float *probs,
+/* pos: the position of the token after the root (the root's + 1). Greedy
+ * parameters give verify_greedy's answer and read no rng. */
+int32_t verify_sample(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng, int32_t pos,
                       int32_t *path, int32_t *bonus);
 
 #endif

@@ -44,6 +44,33 @@ static inline void run_plain_greedy(eng *e, const int32_t *ids, int32_t n, int32
     free(lg);
 }
 
+/* Plain sampled decoding with sampling parameters sp and a rng seeded
+ * with seed: the prompt in chunks, then one token per pass. */
+static inline void run_plain_sampled(eng *e, const int32_t *ids, int32_t n, int32_t chunk, const sample_params *sp,
+                                     uint64_t seed, int32_t n_gen, int32_t *out) {
+    ae_error err = {0};
+    int32_t seq, V = eng_model(e)->cfg.vocab;
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    sampler *smp;
+    assert_non_null(lg);
+    assert_int_equal(sample_init(&smp, V, &err), AE_OK);
+    sample_rng rng;
+    sample_rng_seed(&rng, seed);
+    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    for (int32_t at = 0; at < n; at += chunk) {
+        eng_item it = {seq, ENG_APPEND, n - at < chunk ? n - at : chunk, ids + at, NULL, false};
+        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+    }
+    for (int32_t g = 0; g < n_gen; g++) {
+        out[g] = sample_token(smp, lg, sp, &rng, n + g);
+        eng_item it = {seq, ENG_APPEND, 1, &out[g], NULL, false};
+        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+    }
+    eng_seq_free(e, seq);
+    sample_free(smp);
+    free(lg);
+}
+
 /* Speculative decoding of n_gen tokens with sampling parameters sp and a
  * rng seeded with seed (a step may overshoot; the extra tokens are dropped
  * as a caller stopping at max-tokens would). */

@@ -95,6 +95,8 @@ const char *kn_cpu_simd(void) {
     return kn_cpu_use_avx512vnni() ? "avx512vnni+avx2" : kn_cpu_use_avx2() ? "avx2" : "scalar";
 }
 
+int kn_cpu_simd_level(void) { return kn_cpu_use_avx512vnni() ? 2 : kn_cpu_use_avx2() ? 1 : 0; }
+
 /* ---- per-row ops -------------------------------------------------------- */
 
 /* Element-wise work below this many elements runs on the caller: waking the

@@ -587,6 +587,39 @@ def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(s
     assert pol["plain_tok_s"] > 0 and pol["explore_steps"] <= pol["settled_steps"] * 0.02
 
 
+def test_seeded_sampled_streams_are_the_same_with_and_without_the_draft(services, model):
+    # Draws are keyed on (seed, choice, position) (target/sample.h): a
+    # seeded stream's tokens depend neither on the trees verified nor on
+    # the streams batched with it. Eight mixed streams at once through the
+    # draft, each against the same request alone on a target with none.
+    draft = services("aerie-draft", *draft_args())
+    spec = services("aerie-target", *target_args(draft))
+    plain = services("aerie-target", *target_args())
+    kinds = [dict(temperature=0.8), dict(temperature=1.1, top_p=0.9), dict(temperature=0.7, top_k=20),
+             dict(temperature=0.0)]
+
+    prompts = [json.loads(run_aerie("tokenize", "--model", model, p).out) for p in PROMPTS]
+
+    def request(i):
+        return prompts[i % len(PROMPTS)], dict(seed=100 + i, ignore_eos=True, **kinds[i % 4])
+
+    def run(addr, which):
+        c = rpc.Conn(addr)
+        try:
+            cids = [rpc.start_generate(c, request(i)[0], 24, **request(i)[1]) for i in which]
+            got = rpc.collect(c, cids)
+        finally:
+            c.close()
+        assert all(got[x].status == "OK" and len(got[x].tokens) == 24 for x in cids)
+        return [got[x] for x in cids]
+
+    together = run(spec.addr, range(8))
+    assert sum(s.events[-1].spec.steps for s in together) > 0
+    alone = [run(plain.addr, [i])[0] for i in range(8)]
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    assert together[0].tokens != together[4].tokens  # same prompt and parameters, other seeds
+
+
 # ---- A finished request's Release does not stall the other streams ----
 
 class SlowReleaseDraft(FakeDraftServer):

@@ -73,6 +73,23 @@ def test_sampled_speculation_is_reproducible_by_seed(aerie, model, head):
     assert a.json() != c.json()
 
 
+@pytest.mark.parametrize("shape", [("4", "1", "5"), ("4", "3", "8"), ("8", "4", "32")],
+                         ids=["chain", "wide", "deep"])
+def test_sampled_output_is_the_plain_output_for_the_same_seed(aerie, model, head, shape):
+    # The token at each position is the target's keyed draw for (seed,
+    # position): the tree only decides how many are checked in one pass.
+    steps, topk, tokens = shape
+    for prompt, sampling in [("Once upon a time", ["--temperature", "0.9", "--top-k", "40"]),
+                             ("def fib(n):", ["--temperature", "1.2", "--top-p", "0.95"])]:
+        args = ["generate", "--model", model, "--prompt", prompt, "--ids", *MAX, *sampling, "--seed", "11"]
+        plain = aerie(*args)
+        spec = aerie(*args, "--draft", head, "--spec-steps", steps, "--spec-topk", topk, "--spec-tokens", tokens,
+                     "--stats")
+        assert plain.rc == 0 and spec.rc == 0, plain.err + spec.err
+        assert spec.json() == plain.json()
+        assert stats_of(spec)["verify_steps"] > 0
+
+
 def test_a_head_for_another_model_is_refused_naming_the_tensor(aerie, model):
     r = aerie("generate", "--model", model, "--prompt", "x", "--draft", TINY_HEAD)
     assert r.rc == 2

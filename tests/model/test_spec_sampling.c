@@ -1,5 +1,6 @@
-/* Speculative sampling keeps the target's distribution (tree rejection
- * sampling, target/verify.h), on the tiny fixture (vocabulary 32) with its
+/* Speculative sampling keeps the target's distribution (a drafted token
+ * is accepted when it is the target's keyed draw, target/verify.h), on
+ * the tiny fixture (vocabulary 32) with its
  * EAGLE-3 head: the first two generated tokens of 100000 seeded samples
  * with speculation, and as many without, under temperature, top-k and
  * top-p. Three Pearson chi-square tests, each must give p > 0.001:
@@ -7,7 +8,9 @@
  *     from the target's own filtered distributions (sample_dist_dense);
  *   - plain counts against it (the control);
  *   - speculative against plain counts (homogeneity, 2 x K table).
- * Cells whose expected count is under 5 are pooled into one. A fourth
+ * Cells whose expected count is under 5 are pooled into one. Each seed
+ * gives the same two tokens with speculation as without, bit for bit
+ * (the draws are keyed on seed and position, sample.h). A fourth
  * check shows the test can fail: a sampler that always accepts the draft's
  * first child is rejected at p < 1e-6. Release build: 200000 generations
  * under ASan would take minutes. Run from the repo root. */
@@ -91,6 +94,8 @@ static void exact_joint(fixture *f, double *joint) {
     sample_free(smp);
 }
 
+static int32_t plain_pair[N_SAMPLES][2]; /* seed i's first two tokens, plain */
+
 static void plain_counts(fixture *f, int64_t *counts) {
     ae_error err = {0};
     sampler *smp;
@@ -103,11 +108,12 @@ static void plain_counts(fixture *f, int64_t *counts) {
         assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
         eng_item it = {seq, ENG_APPEND, 3, prompt, NULL, false};
         assert_int_equal(eng_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
-        t[0] = sample_token(smp, lg, &params, &rng);
+        t[0] = sample_token(smp, lg, &params, &rng, 3);
         eng_item d = {seq, ENG_APPEND, 1, &t[0], NULL, false};
         assert_int_equal(eng_step(f->e, &d, 1, lg, NULL, &err), AE_OK);
-        t[1] = sample_token(smp, lg, &params, &rng);
+        t[1] = sample_token(smp, lg, &params, &rng, 4);
         counts[t[0] * V + t[1]]++;
+        plain_pair[i][0] = t[0], plain_pair[i][1] = t[1];
         eng_seq_free(f->e, seq);
     }
     sample_free(smp);
@@ -159,8 +165,11 @@ static int informed_propose(void *ctx, const spec_feed *feeds, int32_t n, const 
     return AE_OK;
 }
 
-static void spec_counts(fixture *f, int64_t *counts) {
+/* Counts the speculative pairs; returns how many seeds gave other tokens
+ * than plain decoding. */
+static int spec_counts(fixture *f, int64_t *counts) {
     ae_error err = {0};
+    int differ = 0;
     for (int i = 0; i < N_SAMPLES; i++) {
         sample_rng rng;
         sample_rng_seed(&rng, (uint64_t)i);
@@ -174,9 +183,11 @@ static void spec_counts(fixture *f, int64_t *counts) {
             for (int32_t j = 0; j < o.n && got < 2; j++) t[got++] = o.tokens[j];
         }
         counts[t[0] * V + t[1]]++;
+        differ += t[0] != plain_pair[i][0] || t[1] != plain_pair[i][1];
         spec_seq_end(f->s, seq);
         eng_seq_free(f->e, seq);
     }
+    return differ;
 }
 
 static void test_speculative_sampling_keeps_the_target_distribution(void **state) {
@@ -187,7 +198,9 @@ static void test_speculative_sampling_keeps_the_target_distribution(void **state
     static int64_t plain[V * V], spec_c[V * V];
     exact_joint(&f, joint);
     plain_counts(&f, plain);
-    spec_counts(&f, spec_c);
+    int differ = spec_counts(&f, spec_c);
+    printf("seeds whose speculative tokens differ from plain: %d of %d\n", differ, N_SAMPLES);
+    assert_int_equal(differ, 0);
     const spec_stats *st = spec_total_stats(f.s);
     printf("speculative: %lld verify steps, %lld drafted, %lld accepted (mean acceptance length %.3f)\n",
            (long long)st->steps, (long long)st->drafted, (long long)st->accepted, spec_stats_accept_len(st));
@@ -210,7 +223,7 @@ static void test_speculative_sampling_keeps_the_target_distribution(void **state
     spec *head_spec = f.s;
     ae_error err = {0};
     assert_int_equal(spec_init(&f.s, f.e, &d, &sc, &err), AE_OK);
-    spec_counts(&f, informed_c);
+    assert_int_equal(spec_counts(&f, informed_c), 0);
     st = spec_total_stats(f.s);
     chisq_result gi = chisq_fit(informed_c, joint, V * V, N_SAMPLES);
     printf("informed drafter: %lld accepted in %lld steps (mean acceptance length %.3f)\n", (long long)st->accepted,
@@ -248,11 +261,11 @@ static void test_a_biased_acceptor_is_detected(void **state) {
         /* The "draft" proposes the most likely token; it is always kept
          * when it has any probability. */
         t[0] = sample_greedy(lg, V);
-        if (!(p[t[0]] > 0)) t[0] = sample_token(smp, lg, &params, &rng);
-        if (sample_rng_uniform(&rng) < 0.5) t[0] = sample_token(smp, lg, &params, &rng);
+        if (!(p[t[0]] > 0)) t[0] = sample_token(smp, lg, &params, &rng, 3);
+        if (sample_rng_uniform(&rng, 3, V) < 0.5) t[0] = sample_token(smp, lg, &params, &rng, 3); /* a coin off the vocabulary */
         eng_item d = {seq, ENG_APPEND, 1, &t[0], NULL, false};
         assert_int_equal(eng_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
-        t[1] = sample_token(smp, lg, &params, &rng);
+        t[1] = sample_token(smp, lg, &params, &rng, 4);
         biased[t[0] * V + t[1]]++;
         eng_seq_free(f.e, seq);
     }

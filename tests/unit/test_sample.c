@@ -1,5 +1,7 @@
 /* Sampling: greedy, each filter's exact kept set, the order of filters,
- * seeded reproducibility and the distribution of many draws. */
+ * the keyed random numbers (pinned values, a pure function of seed,
+ * choice and position, the same bits at every SIMD level) and the
+ * distribution of many draws. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -11,7 +13,9 @@
 
 #include <cmocka.h>
 
+#include "../../kernels/kernels.h"
 #include "../../target/sample.h"
+#include "../chisq.h"
 
 static sampler *make(int32_t vocab) {
     sampler *s;
@@ -43,11 +47,8 @@ static void test_temperature_zero_is_greedy(void **state) {
     sampler *s = make(4);
     const float logits[] = {0.1f, 0.2f, 5.0f, 5.0f};
     sample_params p = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
-    sample_rng rng, before;
-    sample_rng_seed(&rng, 7);
-    before = rng;
-    for (int i = 0; i < 10; i++) assert_int_equal(sample_token(s, logits, &p, &rng), 2);
-    assert_memory_equal(&rng, &before, sizeof rng); /* greedy draws no numbers */
+    /* Greedy reads no random numbers: no key at all. */
+    for (int i = 0; i < 10; i++) assert_int_equal(sample_token(s, logits, &p, NULL, i), 2);
     const int32_t *ids;
     const float *probs;
     assert_int_equal(sample_dist(s, logits, &p, &ids, &probs), 1);
@@ -203,28 +204,132 @@ static void test_same_seed_same_tokens(void **state) {
     sample_rng_seed(&c, 1235);
     int32_t ta[N], tb[N], tc[N];
     for (int i = 0; i < N; i++) {
-        ta[i] = sample_token(s, logits, &p, &a);
-        tb[i] = sample_token(s, logits, &p, &b);
-        tc[i] = sample_token(s, logits, &p, &c);
+        ta[i] = sample_token(s, logits, &p, &a, i);
+        tb[i] = sample_token(s, logits, &p, &b, i);
+        tc[i] = sample_token(s, logits, &p, &c, i);
     }
     assert_memory_equal(ta, tb, sizeof ta);
     assert_memory_not_equal(ta, tc, sizeof ta);
     sample_free(s);
 }
 
-static void test_rng_known_first_outputs(void **state) {
+static void test_keyed_numbers_known_values(void **state) {
     (void)state;
-    /* Seed 0 through splitmix64 gives the first state word e220a8397b1dcdaf
-     * (splitmix64's published first output); the draws after it are pinned
-     * (computed by an independent Python model of xoshiro256**) so that a
-     * seed means the same stream in every release. */
+    /* (seed, choice, pos, id) -> 32 hash bits, computed by an independent
+     * Python model of sample.c's hash, so that a seed means the same
+     * numbers in every release: U = 1 - (bits / 2 + 1/2) / 2^31. */
+    const struct {
+        uint64_t seed;
+        uint32_t choice;
+        int32_t pos, id;
+        uint32_t bits;
+    } known[] = {
+        {0, 0, 0, 0, 0xbc1edd3eu},      {0, 0, 0, 1, 0xc571c214u}, {0, 0, 1, 0, 0x5192023cu},
+        {7, 0, 5, 3, 0xa9dd3997u},      {7, 1, 5, 3, 0x319a33eeu},
+        {UINT64_MAX, 0, 100000, 49151, 0x5e788588u},
+    };
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
+        sample_rng r;
+        sample_rng_seed(&r, known[i].seed);
+        r.choice = known[i].choice;
+        double want = 1.0 - ((double)(known[i].bits >> 1) + 0.5) * 0x1p-31;
+        assert_true(sample_rng_uniform(&r, known[i].pos, known[i].id) == want);
+    }
     sample_rng r;
     sample_rng_seed(&r, 0);
-    assert_true(r.s[0] == 0xe220a8397b1dcdafull);
-    assert_true(sample_rng_next(&r) == 0x99ec5f36cb75f2b4ull);
-    assert_true(sample_rng_next(&r) == 0xbf6e1f784956452aull);
-    /* uniform = top 53 bits / 2^53 */
-    assert_true(sample_rng_uniform(&r) == (double)(0x1a5f849d4933e6e0ull >> 11) * 0x1.0p-53);
+    assert_float_equal(sample_rng_uniform(&r, 0, 0), 0.2651540490332991, 1e-16);
+}
+
+/* E = -ln U as the draws compute it, against libm in double, over a
+ * million numbers: within 3e-7 relative where E <= 1 (the races are
+ * decided there); below U = 1/e, within 3 x 2^-25 / U, which is what
+ * rounding U to f32 allows (sample.c). */
+static void test_exponentials_are_minus_log_of_the_uniforms(void **state) {
+    (void)state;
+    sample_rng r;
+    sample_rng_seed(&r, 3);
+    double worst = 0, worst_tail = 0, least = 1e9, most = 0;
+    for (int32_t pos = 0; pos < 1000; pos++)
+        for (int32_t id = 0; id < 1000; id++) {
+            double u = sample_rng_uniform(&r, pos, id), want = -log(u);
+            float e = sample_rng_exp(&r, pos, id);
+            double rel = fabs((double)e - want) / want, tail = fabs((double)e - want) * u / 0x1p-25;
+            if (want <= 1 && rel > worst) worst = rel;
+            if (want > 1 && tail > worst_tail) worst_tail = tail;
+            if (e < least) least = e;
+            if (e > most) most = e;
+        }
+    print_message("worst relative error %.3g (E <= 1), worst error %.3g x 2^-25 / U (E > 1), E from %.3g to %.3g\n",
+                  worst, worst_tail, least, most);
+    assert_true(worst < 3e-7);
+    assert_true(worst_tail < 3);
+    assert_true(least > 0 && least < 1e-5); /* near U = 1 the numbers stay fine-grained */
+    assert_true(most > 10 && most < 17.33); /* U is kept >= 2^-25 */
+}
+
+/* The draw at (seed, choice, pos) does not depend on what was drawn
+ * before: positions visited in another order, with draws of other keys
+ * and other distributions in between, give the same tokens. Another
+ * choice or seed gives others. */
+static void test_a_draw_is_a_pure_function_of_seed_choice_and_position(void **state) {
+    (void)state;
+    enum { V = 64, N = 300 };
+    sampler *s = make(V);
+    float logits[V], other[V];
+    for (int i = 0; i < V; i++) logits[i] = (float)((i * 29) % 13) * 0.25f, other[i] = (float)(i % 5);
+    sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 0.98f, .min_p = 0.0f};
+    sample_params q = {.temperature = 0.6f, .top_k = 7, .top_p = 1.0f, .min_p = 0.0f};
+    sample_rng key, noise, choice1, seed2;
+    sample_rng_seed(&key, 2024);
+    sample_rng_seed(&noise, 9);
+    sample_rng_seed(&choice1, 2024);
+    choice1.choice = 1;
+    sample_rng_seed(&seed2, 2025);
+    int32_t forward[N], backward[N], c1[N], s2[N];
+    for (int32_t pos = 0; pos < N; pos++) forward[pos] = sample_token(s, logits, &p, &key, pos);
+    for (int32_t pos = N - 1; pos >= 0; pos--) {
+        sample_token(s, other, &q, &noise, pos);
+        sample_token(s, logits, &p, &key, pos + 7);
+        backward[pos] = sample_token(s, logits, &p, &key, pos);
+        c1[pos] = sample_token(s, logits, &p, &choice1, pos);
+        s2[pos] = sample_token(s, logits, &p, &seed2, pos);
+    }
+    assert_memory_equal(forward, backward, sizeof forward);
+    assert_memory_not_equal(forward, c1, sizeof forward);
+    assert_memory_not_equal(forward, s2, sizeof forward);
+    int same = 0;
+    for (int i = 0; i < N; i++) same += forward[i] == c1[i];
+    assert_true(same < N / 4); /* independent draws, not a shifted copy */
+    sample_free(s);
+}
+
+/* The race runs in SIMD where the CPU has it: the same tokens at every
+ * level, over a vocabulary the size of SmolLM2's with no filter. */
+static void test_draws_are_the_same_bits_at_every_simd_level(void **state) {
+    (void)state;
+    enum { V = 49152, N = 40 };
+    sampler *s = make(V);
+    float *logits = malloc(sizeof(float) * V);
+    assert_non_null(logits);
+    uint64_t x = 88172645463325252ull;
+    for (int i = 0; i < V; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        logits[i] = (float)(x >> 40) * 0x1p-24f * 12.0f - 6.0f;
+    }
+    sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
+    sample_rng key;
+    sample_rng_seed(&key, 5);
+    int32_t got[3][N];
+    for (int level = 0; level < 3; level++) {
+        kn_cpu_limit_simd(level);
+        for (int32_t pos = 0; pos < N; pos++) got[level][pos] = sample_token(s, logits, &p, &key, pos);
+    }
+    kn_cpu_limit_simd(2);
+    print_message("SIMD here: %s\n", kn_cpu_simd());
+    assert_memory_equal(got[0], got[1], sizeof got[0]);
+    assert_memory_equal(got[0], got[2], sizeof got[0]);
+    free(logits);
+    sample_free(s);
 }
 
 /* 80000 draws from {0.5, 0.25, 0.125, 0.0625, 0.0625} with a fixed seed:
@@ -241,7 +346,7 @@ static void test_draws_follow_the_distribution(void **state) {
     sample_rng rng;
     sample_rng_seed(&rng, 42);
     int count[V] = {0};
-    for (int i = 0; i < N; i++) count[sample_token(s, logits, &p, &rng)]++;
+    for (int i = 0; i < N; i++) count[sample_token(s, logits, &p, &rng, i)]++;
     double chi2 = 0;
     for (int i = 0; i < V; i++) {
         double e = N * w[i];
@@ -252,7 +357,7 @@ static void test_draws_follow_the_distribution(void **state) {
     /* Filtered draws stay inside the kept set and follow its renormalised mass. */
     p.top_k = 2; /* {0.5, 0.25} -> {2/3, 1/3} */
     int kept[V] = {0};
-    for (int i = 0; i < N; i++) kept[sample_token(s, logits, &p, &rng)]++;
+    for (int i = 0; i < N; i++) kept[sample_token(s, logits, &p, &rng, N + i)]++;
     assert_int_equal(kept[2] + kept[3] + kept[4], 0);
     double e0 = N * 2.0 / 3.0, e1 = N / 3.0;
     double chi2k = (kept[0] - e0) * (kept[0] - e0) / e0 + (kept[1] - e1) * (kept[1] - e1) / e1;
@@ -260,15 +365,32 @@ static void test_draws_follow_the_distribution(void **state) {
     sample_free(s);
 }
 
-static void test_from_weights_skips_zero_weights(void **state) {
+/* Many tokens of near-equal weight, where the race is decided by the
+ * smallest exponentials: 100000 draws over 512 tokens (weights 1 to 2)
+ * fit the distribution (Pearson, 511 degrees of freedom, p > 0.001). */
+static void test_draws_over_many_tokens_follow_the_distribution(void **state) {
     (void)state;
-    const float w[] = {0.0f, 2.0f, 0.0f, 1.0f, 0.0f};
+    enum { V = 512, N = 100000 };
+    sampler *s = make(V);
+    double w[V], z = 0;
+    float logits[V];
+    for (int i = 0; i < V; i++) z += w[i] = 1.0 + (double)((i * 97) % V) / V;
+    logits_from_weights(w, V, logits);
+    sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     sample_rng rng;
-    sample_rng_seed(&rng, 9);
-    int count[5] = {0};
-    for (int i = 0; i < 3000; i++) count[sample_from_weights(w, 5, &rng)]++;
-    assert_int_equal(count[0] + count[2] + count[4], 0);
-    assert_in_range(count[1], 1900, 2100);
+    sample_rng_seed(&rng, 77);
+    static long count[V];
+    for (int i = 0; i < N; i++) count[sample_token(s, logits, &p, &rng, i)]++;
+    double chi2 = 0;
+    for (int i = 0; i < V; i++) {
+        double e = N * w[i] / z;
+        chi2 += (count[i] - e) * (count[i] - e) / e;
+    }
+    double pv = chisq_gamma_q(511 / 2.0, chi2 / 2);
+    print_message("512 tokens: chi2 = %.1f, df = 511, p = %.3f\n", chi2, pv);
+    assert_true(pv > 0.001);
+    assert_true(pv < 0.999); /* nor too good a fit */
+    sample_free(s);
 }
 
 static void test_masked_logits_are_never_drawn(void **state) {
@@ -326,9 +448,12 @@ int main(void) {
         cmocka_unit_test(test_min_p_keeps_tokens_above_fraction_of_top),
         cmocka_unit_test(test_filters_apply_in_transformers_order),
         cmocka_unit_test(test_same_seed_same_tokens),
-        cmocka_unit_test(test_rng_known_first_outputs),
+        cmocka_unit_test(test_keyed_numbers_known_values),
+        cmocka_unit_test(test_exponentials_are_minus_log_of_the_uniforms),
+        cmocka_unit_test(test_a_draw_is_a_pure_function_of_seed_choice_and_position),
+        cmocka_unit_test(test_draws_are_the_same_bits_at_every_simd_level),
         cmocka_unit_test(test_draws_follow_the_distribution),
-        cmocka_unit_test(test_from_weights_skips_zero_weights),
+        cmocka_unit_test(test_draws_over_many_tokens_follow_the_distribution),
         cmocka_unit_test(test_masked_logits_are_never_drawn),
         cmocka_unit_test(test_init_rejects_empty_vocab),
         cmocka_unit_test(test_tiny_temperature_is_near_greedy_not_overflow),

@@ -382,6 +382,114 @@ static void test_sampled_speculation_is_reproducible_by_seed(void **state) {
     fixture_close(&f);
 }
 
+/* Sampling parameters the sampled tests cycle through: filters on and
+ * off, cool and hot. */
+static const sample_params sampled[3] = {{0.9f, 20, 0.95f, 0}, {0.7f, 0, 1, 0}, {1.3f, 0, 1, 0.05f}};
+
+/* A seeded sampled sequence is its plain output, token for token, with
+ * the real head at every tree shape and with no drafter at all: the draw
+ * at a position does not depend on the tree. */
+static void test_sampled_speculation_is_the_plain_output_for_any_tree(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    const spec_shape shapes[3] = {{4, 1, 5}, {4, 3, 8}, {8, 4, 32}};
+    int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
+    int64_t accepted = 0;
+    for (int k = 0; k < 4; k++) {
+        spec *s = spec_open(&f, k < 3 ? &f.link.iface : NULL, shapes[k < 3 ? k : 0]);
+        int identical = 0, runs = 0;
+        for (int i = 0; i < N_PROMPTS; i += 5) {
+            int32_t n = prompt(i, ids);
+            const sample_params *sp = &sampled[i % 3];
+            run_plain_sampled(f.e, ids, n, CHUNK, sp, 100 + (uint64_t)i, N_GEN, want);
+            spec_generate(s, f.e, ids, n, sp, 100 + (uint64_t)i, N_GEN, got);
+            runs++;
+            if (memcmp(got, want, sizeof got) == 0) identical++;
+        }
+        printf("tree %d: %d/%d sampled runs identical to plain, %lld accepted\n", k, identical, runs,
+               (long long)spec_total_stats(s)->accepted);
+        assert_int_equal(identical, runs);
+        accepted += spec_total_stats(s)->accepted;
+        spec_free(s);
+    }
+    assert_true(accepted > 0);
+    fixture_close(&f);
+}
+
+/* The oracle above, proposing the plain sampled continuation: every
+ * promised depth is accepted and nothing more, so a child is accepted
+ * exactly when it is the target's own draw. */
+static void test_an_oracle_of_the_sampled_continuation_is_accepted_exactly(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    int32_t ids[MAX_PROMPT], truth[MAX_PROMPT + N_GEN + 8], got[N_GEN];
+    for (int i = 0; i < N_PROMPTS; i += 7) {
+        int32_t n = prompt(i, ids);
+        const sample_params *sp = &sampled[i % 3];
+        memcpy(truth, ids, (size_t)n * sizeof(int32_t));
+        run_plain_sampled(f.e, ids, n, CHUNK, sp, 7 + (uint64_t)i, N_GEN + 8, truth + n);
+        oracle o = {truth, n + N_GEN + 8, 32, 3 * 32, 0, 0, 0, {0}, NULL, true};
+        o.features = calloc((size_t)o.n_truth * (size_t)o.fw, sizeof(float));
+        spec_drafter d = {&o, oracle_propose, NULL};
+        spec *s = spec_open(&f, &d, (spec_shape){8, 8, 32});
+        spec_generate(s, f.e, ids, n, sp, 7 + (uint64_t)i, N_GEN, got);
+        assert_memory_equal(got, truth + n, sizeof got);
+        assert_int_equal(spec_total_stats(s)->accepted, o.promised);
+        assert_true(o.promised > 0);
+        free(o.features);
+        spec_free(s);
+    }
+    fixture_close(&f);
+}
+
+/* Sequences with different parameters in one step (greedy and sampled,
+ * each sampled one with its own seed), leaving the batch at different
+ * lengths: every one gets its plain output. */
+static void test_sampled_sequences_batched_together_each_get_their_plain_output(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    spec *s = spec_open(&f, &f.link.iface, (spec_shape){4, 3, 8});
+    ae_error err = {0};
+    const sample_params *params[MAX_SEQS] = {&sampled[0], &greedy, &sampled[1], &sampled[2]};
+    int32_t ids[MAX_SEQS][MAX_PROMPT], n[MAX_SEQS], want[MAX_SEQS][N_GEN], got[MAX_SEQS][N_GEN], seq[MAX_SEQS];
+    int32_t n_got[MAX_SEQS] = {0}, limit[MAX_SEQS];
+    sample_rng rng[MAX_SEQS];
+    for (int i = 0; i < MAX_SEQS; i++) {
+        n[i] = prompt(13 * i + 2, ids[i]);
+        limit[i] = N_GEN - 4 * ((i + 1) % MAX_SEQS);
+        run_plain_sampled(f.e, ids[i], n[i], CHUNK, params[i], 40 + (uint64_t)i, N_GEN, want[i]);
+        sample_rng_seed(&rng[i], 40 + (uint64_t)i);
+        assert_int_equal(eng_seq_new(f.e, &seq[i], &err), AE_OK);
+        assert_int_equal(spec_seq_start(s, seq[i], ids[i], n[i], CHUNK, &err), AE_OK);
+    }
+    for (;;) {
+        spec_in in[MAX_SEQS];
+        spec_out o[MAX_SEQS];
+        int32_t who[MAX_SEQS], m = 0;
+        for (int i = 0; i < MAX_SEQS; i++)
+            if (n_got[i] < limit[i]) {
+                who[m] = i;
+                in[m++] = (spec_in){seq[i], params[i], &rng[i]};
+            }
+        if (m == 0) break;
+        if (spec_step(s, in, m, o, &err) != AE_OK) fail_msg("%s", err.msg);
+        for (int32_t j = 0; j < m; j++)
+            for (int32_t k = 0; k < o[j].n && n_got[who[j]] < limit[who[j]]; k++)
+                got[who[j]][n_got[who[j]]++] = o[j].tokens[k];
+    }
+    for (int i = 0; i < MAX_SEQS; i++) {
+        assert_memory_equal(got[i], want[i], (size_t)limit[i] * sizeof(int32_t));
+        spec_seq_end(s, seq[i]);
+        eng_seq_free(f.e, seq[i]);
+    }
+    assert_true(spec_total_stats(s)->accepted > 0);
+    spec_free(s);
+    fixture_close(&f);
+}
+
 /* Several sequences in one step, each with its own tree: every one gets
  * its plain output; sequences leave the batch as they finish, at
  * different lengths. Per-sequence statistics add up to the total. */
@@ -596,6 +704,9 @@ int main(void) {
         cmocka_unit_test(test_a_failing_or_lying_drafter_changes_nothing),
         cmocka_unit_test(test_sampled_speculation_is_reproducible_by_seed),
         cmocka_unit_test(test_sequences_batched_together_each_get_their_plain_output),
+        cmocka_unit_test(test_sampled_speculation_is_the_plain_output_for_any_tree),
+        cmocka_unit_test(test_an_oracle_of_the_sampled_continuation_is_accepted_exactly),
+        cmocka_unit_test(test_sampled_sequences_batched_together_each_get_their_plain_output),
         cmocka_unit_test(test_speculation_resumes_after_a_drafter_failure),
         cmocka_unit_test(test_speculation_needs_a_batch_token_for_every_root),
         cmocka_unit_test(test_a_step_on_an_unstarted_sequence_fails),

@@ -1,5 +1,6 @@
 /* Tree verification: the exact greedy path and bonus on hand-built trees,
- * the draws sampling spends, reproducibility, and that sampled output
+ * that sampling accepts a child exactly when it is the target's keyed
+ * draw at its position, reproducibility, and that sampled output
  * follows the target's filtered distribution (Pearson chi-square, with a
  * biased acceptor as a negative control that the same check rejects). */
 #include <math.h>
@@ -143,7 +144,7 @@ static sampler *make(int32_t vocab) {
 }
 
 /* The deep tree above through verify_sample with temperature 0 (other
- * filters set, still greedy): the greedy path, and no number drawn. */
+ * filters set, still greedy): the greedy path, and no key read. */
 static void test_greedy_params_through_verify_sample_draw_nothing(void **state) {
     (void)state;
     const int32_t tokens[] = {7, 1, 2, 3, 6, 5, 6, 0}, parents[] = {-1, 0, 0, 0, 1, 3, 3, 6};
@@ -153,42 +154,53 @@ static void test_greedy_params_through_verify_sample_draw_nothing(void **state) 
     verify_tree t = {8, tokens, parents, logits, GV};
     sampler *s = make(GV);
     sample_params p = {.temperature = 0.0f, .top_k = 3, .top_p = 0.5f, .min_p = 0.1f};
-    sample_rng rng, before;
-    sample_rng_seed(&rng, 99);
-    before = rng;
-    float probs[GV];
     int32_t path[8], bonus = -1;
     const int32_t want[] = {0, 3, 6, 7};
-    expect_path(path, verify_sample(&t, s, &p, &rng, probs, path, &bonus), want, 4);
+    expect_path(path, verify_sample(&t, s, &p, NULL, 0, path, &bonus), want, 4);
     assert_int_equal(bonus, 2);
-    assert_memory_equal(&rng, &before, sizeof rng);
     sample_free(s);
 }
 
-/* top_k 1 leaves one token with P = 1 at every node: sampling must walk
- * the greedy path. Root: node 1 (token 2) has P = 0 and costs no draw;
- * node 2 (token 0) is accepted with the one draw u * 1 < 1; node 2 has no
- * children, so the bonus (its argmax 4) is the second and last draw. */
-static void test_sampling_draws_once_per_live_child_and_once_for_bonus(void **state) {
+/* Rows with every token possible (temperature 1, no filter). */
+static void set_spread(float *logits, int32_t node) {
+    for (int32_t v = 0; v < GV; v++) logits[(size_t)node * GV + v] = 0.3f * (float)((v * 5 + node * 3) % GV);
+}
+
+/*       0 (7)
+ *     /   |   \
+ *  1(x)  2(d0) 3(d0)     d0: the root's draw at pos; x any other token
+ *          |
+ *        4(y)            y: anything but node 2's draw d1 at pos + 1
+ * Node 2 is accepted (the first child carrying the draw, node 3 not),
+ * node 4 is not, and the bonus is d1. With d0 on no child, the path is
+ * the root alone and the bonus d0. Over 200 positions, so that many
+ * different draws are checked. */
+static void test_sampling_accepts_a_child_only_when_it_is_the_keyed_draw(void **state) {
     (void)state;
-    const int32_t tokens[] = {7, 2, 0}, parents[] = {-1, 0, 0};
-    float logits[3 * GV];
-    const int32_t argmax[] = {0, 1, 4};
-    for (int32_t i = 0; i < 3; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {3, tokens, parents, logits, GV};
     sampler *s = make(GV);
-    sample_params p = {.temperature = 1.0f, .top_k = 1, .top_p = 1.0f, .min_p = 0.0f};
-    sample_rng rng, want_rng;
+    sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
+    float logits[5 * GV];
+    for (int32_t i = 0; i < 5; i++) set_spread(logits, i);
+    sample_rng rng;
     sample_rng_seed(&rng, 5);
-    want_rng = rng;
-    sample_rng_next(&want_rng);
-    sample_rng_next(&want_rng);
-    float probs[GV];
-    int32_t path[3], bonus = -1;
-    const int32_t want[] = {0, 2};
-    expect_path(path, verify_sample(&t, s, &p, &rng, probs, path, &bonus), want, 2);
-    assert_int_equal(bonus, 4);
-    assert_memory_equal(&rng, &want_rng, sizeof rng);
+    int distinct[GV] = {0};
+    for (int32_t pos = 1; pos <= 200; pos++) {
+        int32_t d0 = sample_token(s, logits, &p, &rng, pos), d1 = sample_token(s, logits + 2 * GV, &p, &rng, pos + 1);
+        distinct[d0] = 1;
+        int32_t tokens[] = {7, (d0 + 1) % GV, d0, d0, (d1 + 3) % GV}, parents[] = {-1, 0, 0, 0, 2};
+        verify_tree t = {5, tokens, parents, logits, GV};
+        int32_t path[5], bonus = -1;
+        const int32_t want[] = {0, 2};
+        expect_path(path, verify_sample(&t, s, &p, &rng, pos, path, &bonus), want, 2);
+        assert_int_equal(bonus, d1);
+        tokens[2] = tokens[3] = (d0 + 2) % GV;
+        const int32_t root[] = {0};
+        expect_path(path, verify_sample(&t, s, &p, &rng, pos, path, &bonus), root, 1);
+        assert_int_equal(bonus, d0);
+    }
+    int n_distinct = 0;
+    for (int32_t v = 0; v < GV; v++) n_distinct += distinct[v];
+    assert_int_equal(n_distinct, GV);
     sample_free(s);
 }
 
@@ -203,11 +215,10 @@ static void test_sampling_a_point_distribution_walks_the_greedy_path(void **stat
     sample_params p = {.temperature = 0.8f, .top_k = 1, .top_p = 1.0f, .min_p = 0.0f};
     sample_rng rng;
     sample_rng_seed(&rng, 11);
-    float probs[GV];
     int32_t path[8], bonus = -1;
     const int32_t want[] = {0, 3, 6, 7};
     for (int i = 0; i < 100; i++) {
-        expect_path(path, verify_sample(&t, s, &p, &rng, probs, path, &bonus), want, 4);
+        expect_path(path, verify_sample(&t, s, &p, &rng, 8 * i, path, &bonus), want, 4);
         assert_int_equal(bonus, 2);
     }
     sample_free(s);
@@ -255,8 +266,8 @@ static const float s_logits[SN * SV] = {
     -0.30f, -0.80f, -1.00f, -1.20f, -1.40f, -1.60f, /* node 4 (token 1) */
 };
 
-typedef int32_t (*verify_fn)(const verify_tree *t, sampler *s, const sample_params *p, sample_rng *rng,
-                             float *probs, int32_t *path, int32_t *bonus);
+typedef int32_t (*verify_fn)(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng,
+                             int32_t pos, int32_t *path, int32_t *bonus);
 
 typedef struct fit {
     double chi2, p;
@@ -310,11 +321,10 @@ static void fit_sampled_output(verify_fn fn, const sample_params *p, long n, uin
 
     sample_rng rng;
     sample_rng_seed(&rng, seed);
-    float probs[SV];
     int32_t path[SN], bonus;
     long n_cond = 0;
     for (long r = 0; r < n; r++) {
-        int32_t len = fn(&t, s, p, &rng, probs, path, &bonus);
+        int32_t len = fn(&t, s, p, &rng, (int32_t)(4 * r), path, &bonus); /* each run its own positions */
         int32_t x = len >= 2 ? s_tokens[path[1]] : bonus;
         int32_t y = len >= 3 ? s_tokens[path[2]] : bonus;
         if (len >= 2) assert_int_equal(node_of[x], path[1]);
@@ -367,9 +377,21 @@ static void test_sampled_output_follows_target_with_top_k_top_p(void **state) {
 
 /* Negative controls: two wrong acceptors, same machinery. */
 
+/* An index drawn from weights w[n] (not all 0) with the uniform u. */
+static int32_t from_weights(const float *w, int32_t n, double u) {
+    double total = 0, acc = 0;
+    int32_t last = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (w[i] > 0.0f) total += w[i], last = i;
+    for (int32_t i = 0; i < n; i++)
+        if (w[i] > 0.0f && u * total < (acc += w[i])) return i;
+    return last;
+}
+
 /* Accepts the first child with P > 0 at every node. */
-static int32_t accept_first_child(const verify_tree *t, sampler *s, const sample_params *p, sample_rng *rng,
-                                  float *probs, int32_t *path, int32_t *bonus) {
+static int32_t accept_first_child(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng,
+                                  int32_t pos, int32_t *path, int32_t *bonus) {
+    float probs[SV];
     int32_t n_path = 0, cur = 0;
     path[n_path++] = 0;
     for (;;) {
@@ -378,32 +400,35 @@ static int32_t accept_first_child(const verify_tree *t, sampler *s, const sample
         for (int32_t i = cur + 1; i < t->n && next < 0; i++)
             if (t->parents[i] == cur && probs[t->tokens[i]] > 0.0f) next = i;
         if (next < 0) {
-            *bonus = sample_from_weights(probs, t->vocab, rng);
+            *bonus = from_weights(probs, t->vocab, sample_rng_uniform(rng, pos + n_path - 1, 0));
             return n_path;
         }
         path[n_path++] = cur = next;
     }
 }
 
-/* Accepts child x with probability P(x) from the full distribution, not
- * from what is left after the rejections before it: the subtle bug. */
+/* Rejection sampling that accepts child x with probability P(x) from the
+ * full distribution, not from what is left after the rejections before
+ * it: the subtle bug of that rule. */
 static int32_t accept_without_renormalising(const verify_tree *t, sampler *s, const sample_params *p,
-                                            sample_rng *rng, float *probs, int32_t *path, int32_t *bonus) {
+                                            const sample_rng *rng, int32_t pos, int32_t *path, int32_t *bonus) {
+    float probs[SV];
     int32_t n_path = 0, cur = 0;
     path[n_path++] = 0;
     for (;;) {
+        int32_t at = pos + n_path - 1;
         sample_dist_dense(s, t->logits + (size_t)cur * (size_t)t->vocab, p, probs);
         int32_t next = -1;
         for (int32_t i = cur + 1; i < t->n && next < 0; i++) {
             int32_t x = t->tokens[i];
             if (t->parents[i] != cur || !(probs[x] > 0.0f)) continue;
-            if (sample_rng_uniform(rng) < (double)probs[x])
+            if (sample_rng_uniform(rng, at, 1 + i) < (double)probs[x])
                 next = i;
             else
                 probs[x] = 0.0f;
         }
         if (next < 0) {
-            *bonus = sample_from_weights(probs, t->vocab, rng);
+            *bonus = from_weights(probs, t->vocab, sample_rng_uniform(rng, at, 0));
             return n_path;
         }
         path[n_path++] = cur = next;
@@ -438,14 +463,13 @@ static void test_same_seed_same_paths_and_bonuses(void **state) {
     sample_params p = {.temperature = 0.7f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     static int32_t got[3][R][SN + 2];
     const uint64_t seeds[3] = {77, 77, 78};
-    float probs[SV];
     for (int k = 0; k < 3; k++) {
         sample_rng rng;
         sample_rng_seed(&rng, seeds[k]);
         memset(got[k], 0xff, sizeof got[k]);
         for (int r = 0; r < R; r++) {
             int32_t *row = got[k][r];
-            row[0] = verify_sample(&t, s, &p, &rng, probs, row + 2, &row[1]);
+            row[0] = verify_sample(&t, s, &p, &rng, 4 * r, row + 2, &row[1]);
         }
     }
     assert_memory_equal(got[0], got[1], sizeof got[0]);
@@ -462,7 +486,7 @@ int main(void) {
         cmocka_unit_test(test_greedy_accepts_a_whole_chain),
         cmocka_unit_test(test_greedy_stops_a_chain_at_the_first_mismatch),
         cmocka_unit_test(test_greedy_params_through_verify_sample_draw_nothing),
-        cmocka_unit_test(test_sampling_draws_once_per_live_child_and_once_for_bonus),
+        cmocka_unit_test(test_sampling_accepts_a_child_only_when_it_is_the_keyed_draw),
         cmocka_unit_test(test_sampling_a_point_distribution_walks_the_greedy_path),
         cmocka_unit_test(test_chi_square_p_value_matches_closed_forms),
         cmocka_unit_test(test_sampled_output_follows_target_at_temperature),
