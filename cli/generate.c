@@ -190,12 +190,10 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
         drafter_config dc = {plan.max_batch, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
-        /* Only greedy output is the same whatever tree a step drafts; a
-         * sampled step draws differently with and without a tree, so a
-         * timing-driven choice would break "a seed reproduces a run".
-         * Sampling drafts the configured tree on every step (as
-         * SPEC_PIN_SAMPLED does in a batch, target/spec.h). */
-        bool adaptive = cfg_bool(c, "spec-adaptive") && cfg_double(c, "temperature") <= 0;
+        /* Greedy and sampled output alike are the same whatever tree a
+         * step drafts (sampled draws are keyed by seed and position), so
+         * the policy may choose freely. */
+        bool adaptive = cfg_bool(c, "spec-adaptive");
         spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, CLI_PREFILL_CHUNK, adaptive, NULL, NULL};
         if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
             draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)

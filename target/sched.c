@@ -333,7 +333,7 @@ static void *loop_main(void *arg) {
             if (pre->seq < 0 && eng_seq_new(s->e, &pre->seq, &err) != AE_OK) {
                 finish_active(s, pre, NULL, 0, SCHED_ERROR, err.msg);
             } else if (spec_seq_prefill(s->sx, pre->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
-                                        sample_is_greedy(&pre->r.params), &err) != AE_OK) {
+                                        false, &err) != AE_OK) {
                 LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", pre->seq, err.msg);
                 finish_active(s, pre, NULL, 0, SCHED_ERROR, err.msg);
             } else if (pre->prefilled >= pre->r.n_prompt - 1) {

@@ -164,7 +164,7 @@ static llama_capture capture_all(spec *s, int32_t n_rows) {
 }
 
 int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
-                     bool greedy, ae_error *err) {
+                     bool always_feed, ae_error *err) {
     if (seq < 0 || seq >= s->cfg.max_seqs) return err_set(err, "sequence %d is out of range", seq);
     if (n < 1) return err_set(err, "the prompt has no tokens");
     if (chunk < 1 || chunk > s->cfg.max_batch_tokens) chunk = s->cfg.max_batch_tokens;
@@ -186,9 +186,9 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
     /* While the policy runs the batch size of the last step plainly, a
      * prompt is not sent to the drafter: that work would be wasted, and
      * the sequence is reset from its recent pairs when drafting comes
-     * back. (A sampled sequence drafts on every step: SPEC_PIN_SAMPLED.) */
+     * back. */
     bool feed = s->d && !st->resync && s->step_no >= s->retry_at &&
-                ((!greedy && SPEC_PIN_SAMPLED) || policy_drafting(s->pol, s->last_n > 0 ? s->last_n : 1));
+                (always_feed || policy_drafting(s->pol, s->last_n > 0 ? s->last_n : 1));
     if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
         if (at == 0) st->started = false;
         return AE_ERR;
@@ -218,7 +218,7 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
 int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, ae_error *err) {
     int32_t done = 0;
     do {
-        if (spec_seq_prefill(s, seq, prompt, n, chunk, &done, false, err) != AE_OK) return AE_ERR;
+        if (spec_seq_prefill(s, seq, prompt, n, chunk, &done, true, err) != AE_OK) return AE_ERR;
     } while (done < n - 1);
     /* A one-token prompt gives the drafter nothing to start from: the
      * first step is plain and feeds it then. */
@@ -329,15 +329,12 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         if (eng_seq_len(s->e, seq) >= ec->max_seq_len)
             return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
     }
-    /* The step's tree: the policy's, or the configured one for a step
-     * with a sampled sequence in it (SPEC_PIN_SAMPLED). */
+    /* The step's tree: the policy's, or the configured one without it. */
     spec_shape shape = s->cfg.shape;
     bool explore = false;
     if (s->pol) {
         policy_pick pk = policy_choose(s->pol, n);
-        bool pin = false;
-        for (int32_t i = 0; i < n && SPEC_PIN_SAMPLED; i++) pin |= !sample_is_greedy(in[i].params);
-        if (!pin) shape = pk.shape, explore = pk.explore;
+        shape = pk.shape, explore = pk.explore;
     }
     int64_t t0 = now_ns(s);
     s->last_n = n;

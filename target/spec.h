@@ -87,13 +87,9 @@ typedef struct spec_drafter {
  * Plain steps still capture features; when drafting comes back, the
  * drafter is reset with the last ENG_MAX_TREE pairs (as after a failure).
  *
- * Sampled sequences: verify's draws depend on the tree today, so a step
- * with a sampled sequence in it asks for the configured shape whatever
- * the policy says (SPEC_PIN_SAMPLED), and a seed reproduces its tokens
- * given the same trees. Once sampled output is independent of the tree
- * (draws keyed by seed and position, issue 16), set it to 0 and sampled
- * steps follow the policy like greedy ones. */
-#define SPEC_PIN_SAMPLED 1
+ * Sampled sequences follow the policy like greedy ones: their draws are
+ * keyed by (seed, choice, position) (sample.h), so neither the tree nor
+ * the choice to draft at all changes their tokens. */
 
 typedef struct spec_config {
     int32_t n_capture;                  /* LLAMA_MAX_CAPTURE */
@@ -150,11 +146,11 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
 /* The same one chunk at a time, for a scheduler that runs other steps in
  * between: *done is the prompt tokens prefilled so far (0 to begin with a
  * fresh engine sequence); the call prefills the next chunk and advances
- * it. The sequence is ready for spec_step once *done == n - 1. A greedy
- * sequence's prompt is not sent to the drafter while the policy runs
- * plainly (spec_seq_start always sends it). */
+ * it. The sequence is ready for spec_step once *done == n - 1. Unless
+ * always_feed, the prompt is not sent to the drafter while the policy
+ * runs plainly (spec_seq_start always sends it). */
 int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
-                     bool greedy, ae_error *err);
+                     bool always_feed, ae_error *err);
 void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state */
 
 typedef struct spec_in {

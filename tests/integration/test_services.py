@@ -560,9 +560,9 @@ def test_admission_waits_for_kv_and_a_full_queue_refuses(services, model):
 
 
 def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(services, model):
-    # The default: adaptive speculation, which may switch drafting on and
-    # off by the clock for greedy streams; sampled streams draft on every
-    # step, so the same seed gives the same tokens.
+    # The default: the policy picks each step's tree, or none, by the
+    # clock, for greedy and sampled streams alike; the same seed gives the
+    # same tokens whatever it picked (draws keyed by seed and position).
     draft = services("aerie-draft", *draft_args())
     target = services("aerie-target", "--max-batch", "32", "--max-seq-len", "512", "--threads", "1",
                       "--draft-addr", draft.addr, "--draft-deadline-ms", "5000")
@@ -575,7 +575,6 @@ def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(s
         got = rpc.collect(c, cids)
         c.close()
         assert all(got[i].status == "OK" and len(got[i].tokens) == 20 for i in cids)
-        assert all(got[i].events[-1].spec.steps > 0 for i in cids), "sampled streams were not drafted"
         runs.append([got[i].tokens for i in cids])
     assert runs[0] == runs[1]
     assert runs[0][0] != runs[0][1], "different seeds gave the same tokens"
