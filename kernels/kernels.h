@@ -46,8 +46,9 @@
  *   - kn_attention: for each (token, head) the visible keys are visited in
  *     position order (prefix slots 0..n_prefix-1, then the extra slots) and
  *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list.
- *     K and V are the pool's f16 values widened exactly to f32. Scores are 8-lane dot products (lane l sums elements 8j + l, mul
- *     then add, then the lane tree) times 1/sqrt(head_dim). A chunk gives
+ *     K and V are the pool's f16 values widened exactly to f32. Scores
+ *     are 8-lane dot products (lane l sums elements 8j + l, mul then
+ *     add, then the lane tree) times 1/sqrt(head_dim). A chunk gives
  *     (mc = its largest score, l = sum e^(s - mc), o = sum e^(s - mc) v) in
  *     key order; chunks merge in order: M' = max(M, mc), a = e^(M - M'),
  *     b = e^(mc - M'), L = L a + l b, O = O a + o b; out = O / L. e^x is a
@@ -293,7 +294,8 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
 void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
                   float *out, int32_t n_heads);
 
-/* Up to this many tokens, attention splits each token's keys over the
+/* Up to this many tokens, when they form few runs of one sequence (one
+ * decode, one verify tree), attention splits the runs' chunks over the
  * threads and keeps the chunks' partials in the stream's workspace; size
  * it with kn_attention_workspace (a smaller workspace only takes the other
  * way, with the same bits). */
