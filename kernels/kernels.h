@@ -46,15 +46,17 @@
  *   - kn_attention: for each (token, head) the visible keys are visited in
  *     position order (prefix slots 0..n_prefix-1, then the extra slots) and
  *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list.
- *     Scores are 8-lane dot products (lane l sums elements 8j + l, mul
- *     then add, then the lane tree) times 1/sqrt(head_dim). A chunk gives
+ *     K and V are the pool's f16 values widened exactly to f32. Scores
+ *     are 8-lane dot products (lane l sums elements 8j + l, mul then
+ *     add, then the lane tree) times 1/sqrt(head_dim). A chunk gives
  *     (mc = its largest score, l = sum e^(s - mc), o = sum e^(s - mc) v) in
  *     key order; chunks merge in order: M' = max(M, mc), a = e^(M - M'),
  *     b = e^(mc - M'), L = L a + l b, O = O a + o b; out = O / L. e^x is a
  *     fixed polynomial (kn_attention.c), not libm's. head_dim is a
  *     multiple of 8. A tree node whose ancestors sit in scratch slots and
  *     the same token decoded after the ancestors were committed see the
- *     same keys in the same order and get identical bits.
+ *     same keys in the same order and get identical bits, and so does a
+ *     token whether its chunks were shared with other tokens or not.
  *   - kn_rmsnorm: the sum of squares in double over 8 lanes (lane l takes
  *     elements 8j + l in order), the lane tree, then the tail in order.
  *   - kn_softmax: sums in double, in element order.
@@ -236,10 +238,11 @@ void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t
 
 /* One layer's KV storage (plain data; the KV cache owns the memory). Slot s
  * of a sequence lives in block block_table[s / block_size], row
- * s % block_size. */
+ * s % block_size. Elements are IEEE half floats (f16 bit patterns): half
+ * the bytes of f32 to hold and, at decode, to read. */
 typedef struct kn_kv_pool {
-    float *k; /* [n_blocks][block_size][n_kv_heads][head_dim] */
-    float *v; /* [n_blocks][block_size][n_kv_heads][head_dim] */
+    uint16_t *k; /* f16 [n_blocks][block_size][n_kv_heads][head_dim] */
+    uint16_t *v; /* f16 [n_blocks][block_size][n_kv_heads][head_dim] */
     int32_t n_blocks;
     int32_t block_size;
     int32_t n_kv_heads;
@@ -267,7 +270,9 @@ typedef struct kn_kv_map {
 #define KN_ATTN_CHUNK 32
 
 /* Stores k[m][n_kv_heads][head_dim] and v[...] of each token t at slot
- * map->slot[t] of its sequence. */
+ * map->slot[t] of its sequence, each element rounded to f16 to nearest,
+ * ties to even, as quant_f32_to_f16 does (subnormals kept, overflow to
+ * inf, NaN quiet): F16C and the portable path store the same bits. */
 void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k,
                  const float *v);
 
@@ -276,11 +281,21 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
  * its extra slots (a tree node: its ancestors in scratch slots, then
  * itself; a prefill or decode token: n_prefix = position + 1, no extras).
  * Grouped-query: head h reads kv head h / (n_heads / n_kv_heads). Each
- * token must see at least one slot; q is already rotated. */
+ * token must see at least one slot; q is already rotated; out does not
+ * overlap q.
+ *
+ * K and V come only from the pool, widened exactly from f16, so the keys
+ * of the batch's own tokens (written by kn_kv_write just before) are the
+ * rounded ones too: a token sees the same values whether its keys were
+ * written in this pass or read back later. Tokens of one sequence that
+ * are adjacent in the batch (a tree's nodes, a prefill chunk) share each
+ * chunk that lies wholly in their prefixes: it is loaded and widened once
+ * for all of them. Each token's arithmetic is still the one above. */
 void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
                   float *out, int32_t n_heads);
 
-/* Up to this many tokens, attention splits each token's keys over the
+/* Up to this many tokens, when they form few runs of one sequence (one
+ * decode, one verify tree), attention splits the runs' chunks over the
  * threads and keeps the chunks' partials in the stream's workspace; size
  * it with kn_attention_workspace (a smaller workspace only takes the other
  * way, with the same bits). */

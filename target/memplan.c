@@ -10,6 +10,7 @@
 
 #include "../services/core/file.h"
 #include "../services/core/log.h"
+#include "../services/kv/kv_cache.h"
 
 void memplan_fmt_bytes(uint64_t bytes, char *buf, size_t cap) {
     static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -127,7 +128,8 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
                 2ull * ((uint64_t)m->n_heads + (uint64_t)m->n_kv_heads) * (uint64_t)m->head_dim +
                 2ull * (uint64_t)m->ffn + (uint64_t)m->vocab + (uint64_t)m->head_dim);
     const uint64_t ws = step * ws_tok + env->extra_workspace;
-    const uint64_t kv_tok = 2ull * (uint64_t)m->n_layers * (uint64_t)m->n_kv_heads * (uint64_t)m->head_dim * 4ull;
+    /* f16 K and V (kv_cache.h) */
+    const uint64_t kv_tok = kv_bytes_per_token(m->n_layers, m->n_kv_heads, m->head_dim);
     const uint64_t kv_block = bs * kv_tok;
     const uint64_t w = m->weight_bytes;
 

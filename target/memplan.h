@@ -12,7 +12,7 @@
  *               (vocab), RoPE cos and sin (head_dim), EAGLE-3 captured
  *               features (3 hidden). Kernel scratch that does not scale
  *               this way comes in as extra workspace bytes.
- *   kv        = kv blocks x block_size x (2 n_layers n_kv_heads head_dim x 4 B)
+ *   kv        = kv blocks x block_size x (2 n_layers n_kv_heads head_dim x 2 B, f16)
  *   tables    = max-batch x ceil(max-seq-len / block_size) x 4 B
  *               the KV cache's block tables, one int32 row per sequence
  *   total     = weights + workspace + tables + kv  <=  budget

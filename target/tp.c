@@ -186,7 +186,7 @@ typedef struct tp_rank {
     kn_stream *stream;
     llama_ws *ws;
     kn_kv_pool *kv; /* [n_layers] views into kv_mem */
-    float *kv_mem;  /* per layer: K then V, each f32 [kv_blocks][block_size][local kv heads][D] */
+    uint16_t *kv_mem; /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D] */
     pthread_t thread;
     bool started;
 } tp_rank;
@@ -301,14 +301,14 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
     size_t row = (size_t)c->n_kv_heads * (size_t)c->head_dim;
     size_t layers2 = 2 * (size_t)c->n_layers;
     if (per / (size_t)cfg->block_size != (size_t)cfg->kv_blocks || (row && per > SIZE_MAX / row) ||
-        per * row > SIZE_MAX / sizeof(float) / layers2)
+        per * row > SIZE_MAX / sizeof(uint16_t) / layers2)
         return err_set(err, "tensor parallel: KV of %d blocks x %d tokens overflows", cfg->kv_blocks, cfg->block_size);
-    size_t n = per * row; /* floats of one layer's K (or V) */
-    r->kv_mem = calloc(n * layers2, sizeof(float));
+    size_t n = per * row; /* elements of one layer's K (or V) */
+    r->kv_mem = calloc(n * layers2, sizeof(uint16_t));
     r->kv = calloc((size_t)c->n_layers, sizeof *r->kv);
     if (!r->kv_mem || !r->kv)
         return err_set(err, "tensor parallel: rank %d: out of memory for %zu bytes of KV", r->rank,
-                       n * layers2 * sizeof(float));
+                       n * layers2 * sizeof(uint16_t));
     for (int32_t l = 0; l < c->n_layers; l++)
         r->kv[l] = (kn_kv_pool){r->kv_mem + (size_t)(2 * l) * n, r->kv_mem + (size_t)(2 * l + 1) * n,
                                 cfg->kv_blocks, cfg->block_size, c->n_kv_heads, c->head_dim};

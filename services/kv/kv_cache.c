@@ -14,9 +14,9 @@ typedef struct kv_seq {
 
 struct kv_cache {
     kv_params p;
-    size_t row;       /* floats per slot: n_kv_heads * head_dim */
-    size_t pool;      /* floats per pool: n_blocks * block_size * row */
-    float *data;      /* f32 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim], K then V */
+    size_t row;       /* elements per slot: n_kv_heads * head_dim */
+    size_t pool;      /* elements per pool: n_blocks * block_size * row */
+    uint16_t *data;   /* f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim], K then V */
     int32_t *tables;  /* int32 [max_seqs][max_blocks_per_seq]; -1 where unused */
     kv_seq *seqs;     /* (max_seqs) */
     int32_t *free_blocks; /* stack of free block ids, (n_blocks); top at n_free-1 */
@@ -28,7 +28,7 @@ struct kv_cache {
 
 uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim) {
     if (n_layers <= 0 || n_kv_heads <= 0 || head_dim <= 0) return 0;
-    return 2ull * (uint64_t)n_layers * (uint64_t)n_kv_heads * (uint64_t)head_dim * sizeof(float);
+    return 2ull * (uint64_t)n_layers * (uint64_t)n_kv_heads * (uint64_t)head_dim * sizeof(uint16_t);
 }
 
 /* a * b into *out; false on overflow. */
@@ -43,24 +43,24 @@ static bool params_ok(const kv_params *p) {
            p->n_blocks > 0 && p->max_seqs > 0 && p->max_blocks_per_seq > 0;
 }
 
-/* Floats in all pools; 0 on overflow (or slot counts past INT32_MAX). */
-static uint64_t pool_floats(const kv_params *p) {
+/* Elements in all pools; 0 on overflow (or slot counts past INT32_MAX). */
+static uint64_t pool_elems(const kv_params *p) {
     uint64_t row = (uint64_t)p->n_kv_heads * (uint64_t)p->head_dim, n;
     if ((uint64_t)p->max_blocks_per_seq * (uint64_t)p->block_size > INT32_MAX) return 0;
     if (!mul_ok((uint64_t)p->n_blocks, (uint64_t)p->block_size, &n)) return 0;
     if (!mul_ok(n, row, &n)) return 0;
     if (!mul_ok(n, 2ull * (uint64_t)p->n_layers, &n)) return 0;
-    if (!mul_ok(n, sizeof(float), &(uint64_t){0})) return 0;
+    if (!mul_ok(n, sizeof(uint16_t), &(uint64_t){0})) return 0;
     return n;
 }
 
 uint64_t kv_bytes(const kv_params *p) {
     if (!params_ok(p)) return 0;
-    uint64_t floats = pool_floats(p), tables;
-    if (floats == 0) return 0;
+    uint64_t elems = pool_elems(p), tables;
+    if (elems == 0) return 0;
     if (!mul_ok((uint64_t)p->max_seqs, (uint64_t)p->max_blocks_per_seq * sizeof(int32_t), &tables))
         return 0;
-    return floats * sizeof(float) + tables + (uint64_t)p->n_blocks * sizeof(int32_t) +
+    return elems * sizeof(uint16_t) + tables + (uint64_t)p->n_blocks * sizeof(int32_t) +
            (uint64_t)p->max_seqs * (sizeof(kv_seq) + sizeof(int32_t));
 }
 
@@ -72,8 +72,8 @@ int kv_init(kv_cache **out, const kv_params *p, ae_error *err) {
                        "block_size=%d blocks=%d max_seqs=%d max_blocks_per_seq=%d)",
                        p->n_layers, p->n_kv_heads, p->head_dim, p->block_size, p->n_blocks,
                        p->max_seqs, p->max_blocks_per_seq);
-    uint64_t floats = pool_floats(p);
-    if (floats == 0 || floats * sizeof(float) > SIZE_MAX)
+    uint64_t elems = pool_elems(p);
+    if (elems == 0 || elems * sizeof(uint16_t) > SIZE_MAX)
         return err_set(err, "kv cache: %d blocks x %d tokens x %d layers is too large", p->n_blocks,
                        p->block_size, p->n_layers);
     kv_cache *kv = calloc(1, sizeof *kv);
@@ -81,7 +81,7 @@ int kv_init(kv_cache **out, const kv_params *p, ae_error *err) {
     kv->p = *p;
     kv->row = (size_t)p->n_kv_heads * (size_t)p->head_dim;
     kv->pool = (size_t)p->n_blocks * (size_t)p->block_size * kv->row;
-    size_t bytes = (size_t)floats * sizeof(float);
+    size_t bytes = (size_t)elems * sizeof(uint16_t);
     /* 64-byte aligned for SIMD loads, on huge pages where it can. */
     kv->data = mem_alloc_large(bytes);
     kv->tables = malloc((size_t)p->max_seqs * (size_t)p->max_blocks_per_seq * sizeof(int32_t));
@@ -251,13 +251,13 @@ int kv_commit_path(kv_cache *kv, int32_t seq, const int32_t *node_slots, int32_t
     }
     /* Destination len+i <= source node_slots[i] < every later source, so
      * moving front to back never overwrites a row still to be read. */
-    const size_t row_bytes = kv->row * sizeof(float);
+    const size_t row_bytes = kv->row * sizeof(uint16_t);
     for (int32_t i = 0; i < n; i++) {
         int32_t src = node_slots[i], dst = s->len + i;
         if (src == dst) continue;
         size_t so = slot_offset(kv, seq, src), d = slot_offset(kv, seq, dst);
         for (int32_t l = 0; l < kv->p.n_layers; l++) {
-            float *k = kv_k_pool(kv, l), *v = kv_v_pool(kv, l);
+            uint16_t *k = kv_k_pool(kv, l), *v = kv_v_pool(kv, l);
             memcpy(k + d, k + so, row_bytes);
             memcpy(v + d, v + so, row_bytes);
         }
@@ -275,12 +275,12 @@ int32_t kv_seq_n_blocks(const kv_cache *kv, int32_t seq) { return live_seq(kv, s
 
 const int32_t *kv_block_tables(const kv_cache *kv) { return kv->tables; }
 
-float *kv_k_pool(kv_cache *kv, int32_t layer) {
+uint16_t *kv_k_pool(kv_cache *kv, int32_t layer) {
     AE_ASSERT(layer >= 0 && layer < kv->p.n_layers);
     return kv->data + (size_t)layer * 2 * kv->pool;
 }
 
-float *kv_v_pool(kv_cache *kv, int32_t layer) {
+uint16_t *kv_v_pool(kv_cache *kv, int32_t layer) {
     AE_ASSERT(layer >= 0 && layer < kv->p.n_layers);
     return kv->data + ((size_t)layer * 2 + 1) * kv->pool;
 }
@@ -296,16 +296,16 @@ kn_kv_pool kv_layer(kv_cache *kv, int32_t layer) {
     };
 }
 
-static float *slot_row(kv_cache *kv, float *pool, int32_t seq, int32_t slot) {
+static uint16_t *slot_row(kv_cache *kv, uint16_t *pool, int32_t seq, int32_t slot) {
     kv_seq *s = live_seq(kv, seq);
     AE_ASSERT(slot >= 0 && slot < s->n_blocks * kv->p.block_size && "kv: slot not reserved");
     return pool + slot_offset(kv, seq, slot);
 }
 
-float *kv_slot_k(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot) {
+uint16_t *kv_slot_k(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot) {
     return slot_row(kv, kv_k_pool(kv, layer), seq, slot);
 }
 
-float *kv_slot_v(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot) {
+uint16_t *kv_slot_v(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot) {
     return slot_row(kv, kv_v_pool(kv, layer), seq, slot);
 }

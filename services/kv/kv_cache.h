@@ -5,11 +5,12 @@
  *
  * Layout (the attention kernel reads it directly; see kernels/kernels.h):
  *   per layer l, a K pool and a V pool, each
- *     f32 [n_blocks][block_size][n_kv_heads][head_dim]
+ *     f16 [n_blocks][block_size][n_kv_heads][head_dim]
+ *   (IEEE half bit patterns, as kn_kv_write rounds them)
  *   per sequence a block table, int32 [max_blocks_per_seq] of block ids,
  *   stored as rows of one int32 [max_seqs][max_blocks_per_seq] array.
  * Slot s of a sequence lives in block block_table[s / block_size], row
- * s % block_size; one row is n_kv_heads * head_dim contiguous floats.
+ * s % block_size; one row is n_kv_heads * head_dim contiguous halves.
  *
  * A sequence has a committed length (slots 0 .. len-1 hold the KV of tokens
  * that are final) and a capacity (blocks held x block_size). Slots between
@@ -50,7 +51,7 @@ typedef struct kv_stats {
 } kv_stats;
 
 /* Bytes of K and V for one token over all layers:
- * 2 * n_layers * n_kv_heads * head_dim * sizeof(float). */
+ * 2 * n_layers * n_kv_heads * head_dim * 2 (f16). */
 uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim);
 
 /* Bytes kv_init takes for these sizes (pools + block tables + bookkeeping);
@@ -108,18 +109,18 @@ int32_t kv_seq_n_blocks(const kv_cache *kv, int32_t seq);
 /* All block tables: int32 [max_seqs][max_blocks_per_seq], row = seq id. */
 const int32_t *kv_block_tables(const kv_cache *kv);
 
-/* Per-layer pools: f32 [n_blocks][block_size][n_kv_heads][head_dim].
+/* Per-layer pools: f16 [n_blocks][block_size][n_kv_heads][head_dim].
  * Addresses are fixed for the life of the cache. */
-float *kv_k_pool(kv_cache *kv, int32_t layer);
-float *kv_v_pool(kv_cache *kv, int32_t layer);
+uint16_t *kv_k_pool(kv_cache *kv, int32_t layer);
+uint16_t *kv_v_pool(kv_cache *kv, int32_t layer);
 
 /* Layer `layer` as the attention kernel takes it (kn_kv_write, kn_attention);
  * the map's block_tables are kv_block_tables with n_seqs = max_seqs and
  * table_len = max_blocks_per_seq. */
 kn_kv_pool kv_layer(kv_cache *kv, int32_t layer);
 
-/* One slot's row: f32 [n_kv_heads][head_dim]; slot < capacity. */
-float *kv_slot_k(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot);
-float *kv_slot_v(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot);
+/* One slot's row: f16 [n_kv_heads][head_dim]; slot < capacity. */
+uint16_t *kv_slot_k(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot);
+uint16_t *kv_slot_v(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot);
 
 #endif

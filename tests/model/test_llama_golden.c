@@ -1,9 +1,14 @@
 /* The CPU engine against Hugging Face transformers on the same dequantized
  * weights (tests/golden/llama/smollm2.json, made by
  * tools/gen_llama_golden.py): for every prompt, 64 greedy tokens must be
- * identical, and the final-position logits within 1e-3 relative L2 where
+ * identical, and the final-position logits within 2e-3 relative L2 where
  * the reference kept the whole vector (top-20 logits elsewhere). The
  * EAGLE-3 capture is checked against transformers' hidden states too.
+ *
+ * The logits bound was 1e-3 with an f32 KV cache (measured 6.8e-4); the
+ * cache holds f16 now (kernels.h), whose rounding of every key and value
+ * (unit roundoff 4.9e-4) moved the worst prompt to 1.3e-3, with the same
+ * greedy tokens on every prompt. The reference stays f32 throughout.
  *
  * All prompts run as sequences of one batched engine, so this also checks
  * that batching changes nothing a user can see. Run from the repo root. */
@@ -196,7 +201,7 @@ static void test_matches_transformers(void **state) {
            "(%d prompts x 3 layers)\n",
            identical, np, N_GEN, worst_logits, full_checked, worst_top, worst_hidden, hidden_checked);
     assert_int_equal(identical, np);
-    assert_true(full_checked >= 4 && worst_logits < 1e-3);
+    assert_true(full_checked >= 4 && worst_logits < 2e-3);
     assert_true(worst_top < 1e-4);
     assert_true(hidden_checked >= 3 && worst_hidden < 1e-3);
     free(logits);

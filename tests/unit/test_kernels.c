@@ -633,22 +633,29 @@ static void rope_llama3_scaling_bands(void **state) {
 enum { BS = 16, NB = 40, KVH = 2, HD = 24, NH = 6, TBL = 8 };
 
 typedef struct kv_fixture {
-    float k[NB * BS * KVH * HD], v[NB * BS * KVH * HD];
+    uint16_t k[NB * BS * KVH * HD], v[NB * BS * KVH * HD]; /* f16 */
     kn_kv_pool pool;
     int32_t tables[4 * TBL]; /* 4 sequences */
 } kv_fixture;
 
+/* n random values in [-scale, scale), rounded to f16. */
+static void fill_f16(uint16_t *h, size_t n, float scale) {
+    for (size_t i = 0; i < n; i++) h[i] = quant_f32_to_f16(rndf() * scale);
+}
+
 static void kv_setup(kv_fixture *f) {
-    fill(f->k, sizeof f->k / sizeof f->k[0], 1.0f);
-    fill(f->v, sizeof f->v / sizeof f->v[0], 1.0f);
-    f->pool = (kn_kv_pool){.k = f->k, .v = f->v, .n_blocks = NB, .block_size = BS,
+    fill_f16(f->k, sizeof f->k / sizeof f->k[0], 1.0f);
+    fill_f16(f->v, sizeof f->v / sizeof f->v[0], 1.0f);
+    /* Through void * so that this file also builds against an f32 pool
+     * (the regression run of the f16 change). */
+    f->pool = (kn_kv_pool){.k = (void *)f->k, .v = (void *)f->v, .n_blocks = NB, .block_size = BS,
                            .n_kv_heads = KVH, .head_dim = HD};
     /* Scrambled block ids: sequence s, entry e -> a distinct block. */
     for (int s = 0; s < 4; s++)
         for (int e = 0; e < TBL; e++) f->tables[s * TBL + e] = (e * 4 + s) * 7 % 32 + (s == 3 ? 8 : 0);
 }
 
-static const float *kv_row(const kv_fixture *f, const float *base, int seq, int slot, int g) {
+static const uint16_t *kv_row(const kv_fixture *f, const uint16_t *base, int seq, int slot, int g) {
     int blk = f->tables[seq * TBL + slot / BS];
     return base + (((size_t)blk * BS + (size_t)(slot % BS)) * KVH + (size_t)g) * HD;
 }
@@ -664,18 +671,18 @@ static void attention_reference(const kv_fixture *f, const kn_kv_map *map, const
             double s[256], mx = -INFINITY, sum = 0, o[HD] = {0};
             for (int i = 0; i < nvis; i++) {
                 int slot = i < map->n_prefix[t] ? i : map->extra[map->extra_start[t] + i - map->n_prefix[t]];
-                const float *kr = kv_row(f, f->k, map->seq[t], slot, g);
+                const uint16_t *kr = kv_row(f, f->k, map->seq[t], slot, g);
                 s[i] = 0;
-                for (int d = 0; d < HD; d++) s[i] += (double)qh[d] * kr[d];
+                for (int d = 0; d < HD; d++) s[i] += (double)qh[d] * quant_f16_to_f32(kr[d]);
                 s[i] /= sqrt((double)HD);
                 mx = fmax(mx, s[i]);
             }
             for (int i = 0; i < nvis; i++) {
                 int slot = i < map->n_prefix[t] ? i : map->extra[map->extra_start[t] + i - map->n_prefix[t]];
-                const float *vr = kv_row(f, f->v, map->seq[t], slot, g);
+                const uint16_t *vr = kv_row(f, f->v, map->seq[t], slot, g);
                 double p = exp(s[i] - mx);
                 sum += p;
-                for (int d = 0; d < HD; d++) o[d] += p * vr[d];
+                for (int d = 0; d < HD; d++) o[d] += p * quant_f16_to_f32(vr[d]);
             }
             for (int d = 0; d < HD; d++) {
                 double ref = o[d] / sum;
@@ -740,7 +747,9 @@ static void attention_split_and_walk_agree_bitwise(void **state) {
     kn_stream_free(bare);
 }
 
-static void kv_write_stores_rows_at_their_slots(void **state) {
+/* Each element lands at its slot rounded to f16 exactly as
+ * quant_f32_to_f16 rounds it (nearest, ties to even). */
+static void kv_write_stores_rows_at_their_slots_rounded_to_f16(void **state) {
     (void)state;
     static kv_fixture f;
     kv_setup(&f);
@@ -752,10 +761,67 @@ static void kv_write_stores_rows_at_their_slots(void **state) {
     fill(v, sizeof v / sizeof v[0], 1.0f);
     kn_kv_write(F.streams[1], &f.pool, &map, k, v);
     for (int t = 0; t < 2; t++)
-        for (int g = 0; g < KVH; g++) {
-            assert_same_bits(kv_row(&f, f.k, seq[t], slot[t], g), k + (t * KVH + g) * HD, HD, "k");
-            assert_same_bits(kv_row(&f, f.v, seq[t], slot[t], g), v + (t * KVH + g) * HD, HD, "v");
+        for (int g = 0; g < KVH; g++)
+            for (int d = 0; d < HD; d++) {
+                size_t i = (size_t)(t * KVH + g) * HD + (size_t)d;
+                uint16_t gk = kv_row(&f, f.k, seq[t], slot[t], g)[d], gv = kv_row(&f, f.v, seq[t], slot[t], g)[d];
+                if (gk != quant_f32_to_f16(k[i]) || gv != quant_f32_to_f16(v[i]))
+                    fail_msg("token %d kv head %d dim %d: stored k 0x%04x v 0x%04x, expected 0x%04x 0x%04x", t, g, d,
+                             gk, gv, quant_f32_to_f16(k[i]), quant_f32_to_f16(v[i]));
+            }
+}
+
+/* Every f32 that matters for rounding to f16: each half's exact value,
+ * one f32 ulp either side, the midpoints to the next half (ties) and one
+ * ulp either side of them, for every sign and class (subnormal halves,
+ * the overflow edge at 65520, infinities, quiet and signalling NaNs) and
+ * f32 subnormals. The F16C path of kn_kv_write and the portable one store
+ * quant_f32_to_f16's bits for all of them. */
+static void kv_write_rounds_like_quant_on_every_boundary_and_path(void **state) {
+    (void)state;
+    enum { PER = 6, ROWS = 65536 * PER / (KVH * HD) + 1 };
+    static float x[ROWS * KVH * HD];
+    size_t n = 0;
+    for (uint32_t h = 0; h <= 0xffff; h++) {
+        float a = quant_f16_to_f32((uint16_t)h);
+        if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff)) { /* NaN: a quiet one and a signalling one */
+            uint32_t sign = fbits(a) & 0x80000000u, pay = (uint32_t)(h & 0x1ff) << 13;
+            uint32_t cand[PER] = {sign | 0x7fc00000u | pay, sign | 0x7f800000u | pay | 1u, sign | 0x7f800001u,
+                                  sign | 0x7fffffffu, sign | 0x7fa00000u, sign | 0x7fc00001u};
+            for (int i = 0; i < PER; i++) memcpy(&x[n++], &cand[i], sizeof(float));
+            continue;
         }
+        uint16_t up = (uint16_t)(h + 1); /* the next half away from zero */
+        float b = (h & 0x7fff) < 0x7c00 ? quant_f16_to_f32(up) : a;
+        float mid = (h & 0x7fff) == 0x7bff ? copysignf(65520.0f, a) : (float)(((double)a + (double)b) / 2);
+        float cand[PER] = {a, nextafterf(a, 0.0f), nextafterf(a, copysignf(INFINITY, a)), mid,
+                           nextafterf(mid, 0.0f), nextafterf(mid, copysignf(INFINITY, a))};
+        for (int i = 0; i < PER; i++) x[n++] = cand[i];
+    }
+    x[n++] = 0x1p-149f; /* f32 subnormals */
+    x[n++] = -0x1p-130f;
+    while (n < sizeof x / sizeof x[0]) x[n++] = 0x1p-25f;
+    static uint16_t pool_k[ROWS * KVH * HD], pool_v[ROWS * KVH * HD];
+    static int32_t slots[ROWS], table[ROWS / BS + 1], zero[ROWS];
+    for (int i = 0; i < ROWS / BS + 1; i++) table[i] = i;
+    for (int i = 0; i < ROWS; i++) slots[i] = i;
+    kn_kv_pool kvp = {.k = (void *)pool_k, .v = (void *)pool_v, .n_blocks = ROWS / BS + 1, .block_size = BS,
+                       .n_kv_heads = KVH, .head_dim = HD};
+    kn_kv_map map = {.m = ROWS, .block_tables = table, .n_seqs = 1, .table_len = ROWS / BS + 1, .seq = zero,
+                     .slot = slots, .n_prefix = zero, .extra_start = zero, .n_extra = zero};
+    for (int level = 0; level <= 2; level++) {
+        kn_cpu_limit_simd(level);
+        memset(pool_k, 0xff, sizeof pool_k);
+        memset(pool_v, 0xff, sizeof pool_v);
+        kn_kv_write(F.streams[1], &kvp, &map, x, x);
+        for (size_t i = 0; i < sizeof x / sizeof x[0]; i++) {
+            uint16_t want = quant_f32_to_f16(x[i]);
+            if (pool_k[i] != want || pool_v[i] != want)
+                fail_msg("simd level %d: 0x%08x stored as k 0x%04x v 0x%04x, expected 0x%04x", level, fbits(x[i]),
+                         pool_k[i], pool_v[i], want);
+        }
+    }
+    kn_cpu_limit_simd(2);
 }
 
 /* The tree-vs-decode case. Sequence 0 has 70 committed slots (past the
@@ -771,8 +837,8 @@ static void attention_tree_node_equals_decode_after_commit_bitwise(void **state)
     const int scratch[3] = {100, 104, 110};
     for (int i = 0; i < 3; i++)
         for (int g = 0; g < KVH; g++) {
-            memcpy((float *)kv_row(&f, f.k, 0, 70 + i, g), kv_row(&f, f.k, 0, scratch[i], g), HD * sizeof(float));
-            memcpy((float *)kv_row(&f, f.v, 0, 70 + i, g), kv_row(&f, f.v, 0, scratch[i], g), HD * sizeof(float));
+            memcpy((uint16_t *)kv_row(&f, f.k, 0, 70 + i, g), kv_row(&f, f.k, 0, scratch[i], g), HD * sizeof(uint16_t));
+            memcpy((uint16_t *)kv_row(&f, f.v, 0, 70 + i, g), kv_row(&f, f.v, 0, scratch[i], g), HD * sizeof(uint16_t));
         }
     float qtok[NH * HD];
     fill(qtok, NH * HD, 2.0f);
@@ -814,6 +880,86 @@ static void attention_tree_node_equals_decode_after_commit_bitwise(void **state)
             snprintf(what, sizeof what, "tree node at batch position %d, %d threads", p, threads);
             assert_same_bits(out + p * NH * HD, want, NH * HD, what);
         }
+}
+
+/* Token t of `map` alone in a pass of its own, on stream s. */
+static void attend_alone(kn_stream *s, const kv_fixture *f, const kn_kv_map *map, int t, const float *q, float *out) {
+    int32_t zero[1] = {0};
+    kn_kv_map one = {.m = 1, .block_tables = f->tables, .n_seqs = 4, .table_len = TBL, .seq = map->seq + t,
+                     .slot = map->seq + t, .n_prefix = map->n_prefix + t, .extra_start = zero,
+                     .n_extra = map->n_extra + t, .extra = map->extra + map->extra_start[t],
+                     .n_extra_total = map->n_extra[t]};
+    kn_attention(s, &f->pool, &one, q + (size_t)t * NH * HD, out, NH);
+}
+
+/* Tokens of one sequence side by side share each chunk that lies wholly
+ * in their prefixes (loaded and widened once for all of them). Whatever
+ * shares a chunk, every token gets the bits it gets alone: a tree of 8
+ * nodes over a prefix of 100 slots (3 shared chunks, then each node's own
+ * end of prefix and ancestors) and over one of 64 (a chunk edge), next to
+ * another sequence's decode token, and a prefill run of 20 positions;
+ * with 1 to 3 threads, with and without the workspace (the split and the
+ * walk ways), at every SIMD level. */
+static void attention_shared_chunks_give_each_token_its_alone_bits(void **state) {
+    (void)state;
+    static kv_fixture f;
+    kv_setup(&f);
+    /* Tree nodes in scratch slots 100 + i; parent of node i. */
+    const int parent[8] = {-1, 0, 0, 1, 1, 2, 3, 3};
+    enum { TREE = 8, PRE = 20, M = TREE + 1 + PRE };
+    int32_t seq[M], n_prefix[M], extra_start[M], n_extra[M], extra[TREE * TREE];
+    int n_ex = 0;
+    for (int i = 0; i < TREE; i++) {
+        int path[TREE], d = 0;
+        for (int j = i; j >= 0; j = parent[j]) path[d++] = 100 + j;
+        seq[i] = 0, extra_start[i] = n_ex, n_extra[i] = d;
+        while (d > 0) extra[n_ex++] = path[--d]; /* root first: increasing slots */
+    }
+    seq[TREE] = 3, n_prefix[TREE] = 77, extra_start[TREE] = 0, n_extra[TREE] = 0;
+    for (int i = 0; i < PRE; i++) {
+        int t = TREE + 1 + i;
+        seq[t] = 1, n_prefix[t] = 50 + i, extra_start[t] = 0, n_extra[t] = 0;
+    }
+    static float q[M * NH * HD], got[M * NH * HD], alone[M * NH * HD], ref[M * NH * HD];
+    fill(q, sizeof q / sizeof q[0], 2.0f);
+    kn_stream *bare;
+    assert_int_equal(kn_stream_init_cpu(&bare, F.pools[2], 0, NULL), AE_OK);
+    const int prefixes[2] = {100, 64};
+    for (int pi = 0; pi < 2; pi++) {
+        for (int i = 0; i < TREE; i++) n_prefix[i] = prefixes[pi];
+        kn_kv_map map = {.m = M, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
+                         .slot = seq, .n_prefix = n_prefix, .extra_start = extra_start, .n_extra = n_extra,
+                         .extra = extra, .n_extra_total = n_ex};
+        kn_cpu_limit_simd(0);
+        for (int t = 0; t < M; t++) attend_alone(F.streams[1], &f, &map, t, q, ref + (size_t)t * NH * HD);
+        for (int level = 0; level <= 2; level++) {
+            kn_cpu_limit_simd(level);
+            for (int t = 0; t < M; t++) attend_alone(F.streams[1], &f, &map, t, q, alone + (size_t)t * NH * HD);
+            char what[96];
+            snprintf(what, sizeof what, "prefix %d, each token alone, simd level %d vs portable", prefixes[pi], level);
+            assert_same_bits(alone, ref, (size_t)M * NH * HD, what);
+            /* The tree alone (8 tokens: the split way), the whole batch
+             * (the walk way), and both on a stream without workspace. */
+            const int ms[2] = {TREE, M};
+            for (int mi = 0; mi < 2; mi++)
+                for (int threads = 0; threads <= MAX_THREADS; threads++) {
+                    map.m = ms[mi];
+                    memset(got, 0, sizeof got);
+                    kn_attention(threads == 0 ? bare : F.streams[threads], &f.pool, &map, q, got, NH);
+                    snprintf(what, sizeof what, "prefix %d, %d tokens together, %d threads%s, simd level %d",
+                             prefixes[pi], ms[mi], threads == 0 ? 2 : threads, threads == 0 ? " (no workspace)" : "",
+                             level);
+                    assert_same_bits(got, ref, (size_t)ms[mi] * NH * HD, what);
+                }
+        }
+        kn_cpu_limit_simd(2);
+        attention_reference(&f, &(kn_kv_map){.m = M, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL,
+                                             .seq = seq, .slot = seq, .n_prefix = n_prefix,
+                                             .extra_start = extra_start, .n_extra = n_extra, .extra = extra,
+                                             .n_extra_total = n_ex},
+                            q, ref);
+    }
+    kn_stream_free(bare);
 }
 
 /* ---- tensor parallelism ------------------------------------------------- */
@@ -908,8 +1054,10 @@ int main(void) {
         cmocka_unit_test(rope_llama3_scaling_bands),
         cmocka_unit_test(attention_matches_reference_with_gqa_and_paged_blocks),
         cmocka_unit_test(attention_split_and_walk_agree_bitwise),
-        cmocka_unit_test(kv_write_stores_rows_at_their_slots),
+        cmocka_unit_test(kv_write_stores_rows_at_their_slots_rounded_to_f16),
+        cmocka_unit_test(kv_write_rounds_like_quant_on_every_boundary_and_path),
         cmocka_unit_test(attention_tree_node_equals_decode_after_commit_bitwise),
+        cmocka_unit_test(attention_shared_chunks_give_each_token_its_alone_bits),
         cmocka_unit_test(allreduce_two_ranks_matches_one_rank_and_repeats_bitwise),
         cmocka_unit_test(allreduce_sums_in_rank_order_and_one_rank_is_a_noop),
     };

@@ -11,7 +11,7 @@
 
 #include "../../services/kv/kv_cache.h"
 
-/* 2 layers, 2 kv heads x 3 dims = 6 floats per row, 4 tokens per block. */
+/* 2 layers, 2 kv heads x 3 dims = 6 halves per row, 4 tokens per block. */
 static const kv_params small = {
     .n_layers = 2, .n_kv_heads = 2, .head_dim = 3, .block_size = 4,
     .n_blocks = 8, .max_seqs = 4, .max_blocks_per_seq = 6,
@@ -25,14 +25,16 @@ static kv_cache *make(const kv_params *p) {
     return kv;
 }
 
-/* A value that names where it was written: K/V, layer, sequence, slot, element. */
-static float tag(int is_v, int layer, int seq, int slot, int e) {
-    return (float)(is_v * 100000 + layer * 10000 + seq * 1000 + slot * 10 + e);
+/* A 16-bit pattern that names where it was written: K/V, layer,
+ * sequence, slot (< 32), element (< 8). The cache moves the bits as they
+ * are. */
+static uint16_t tag(int is_v, int layer, int seq, int slot, int e) {
+    return (uint16_t)((((is_v * 2 + layer) * 4 + seq) * 32 + slot) * 8 + e);
 }
 
 static void fill_slot(kv_cache *kv, int seq, int slot, int as_slot) {
     for (int l = 0; l < small.n_layers; l++) {
-        float *k = kv_slot_k(kv, l, seq, slot), *v = kv_slot_v(kv, l, seq, slot);
+        uint16_t *k = kv_slot_k(kv, l, seq, slot), *v = kv_slot_v(kv, l, seq, slot);
         for (int e = 0; e < ROW; e++) {
             k[e] = tag(0, l, seq, as_slot, e);
             v[e] = tag(1, l, seq, as_slot, e);
@@ -43,7 +45,7 @@ static void fill_slot(kv_cache *kv, int seq, int slot, int as_slot) {
 /* Slot `slot` holds what fill_slot wrote as `as_slot`. */
 static void expect_slot(kv_cache *kv, int seq, int slot, int as_slot) {
     for (int l = 0; l < small.n_layers; l++) {
-        const float *k = kv_slot_k(kv, l, seq, slot), *v = kv_slot_v(kv, l, seq, slot);
+        const uint16_t *k = kv_slot_k(kv, l, seq, slot), *v = kv_slot_v(kv, l, seq, slot);
         for (int e = 0; e < ROW; e++) {
             assert_true(k[e] == tag(0, l, seq, as_slot, e));
             assert_true(v[e] == tag(1, l, seq, as_slot, e));
@@ -53,7 +55,7 @@ static void expect_slot(kv_cache *kv, int seq, int slot, int as_slot) {
 
 static void test_bytes_per_token_is_two_layers_of_rows(void **state) {
     (void)state;
-    assert_int_equal(kv_bytes_per_token(30, 3, 64), 2 * 30 * 3 * 64 * 4); /* SmolLM2-135M: 46080 */
+    assert_int_equal(kv_bytes_per_token(30, 3, 64), 2 * 30 * 3 * 64 * 2); /* SmolLM2-135M, f16: 23040 */
     assert_int_equal(kv_bytes_per_token(0, 3, 64), 0);
 }
 

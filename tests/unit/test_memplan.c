@@ -1,7 +1,7 @@
 /* Memory plan: exact arithmetic, the auto fraction, infeasible plans that
  * name what would work, and provenance of every setting. The model is
  * SmolLM2-135M's shape with 100 MiB of weights: workspace 221.25 KiB and
- * KV 45 KiB per token. */
+ * KV 22.5 KiB per token (f16). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -64,21 +64,21 @@ static void test_feasible_plan_numbers_exact(void **state) {
     /* 4 B x (7 x 576 + 2 x (9 + 3) x 64 + 2 x 1536 + 49152 + 64) */
     assert_int_equal(p.workspace_per_token, 231424);
     assert_int_equal(p.workspace_bytes, 8 * 231424);
-    assert_int_equal(p.kv_bytes_per_token, 46080);
-    /* 20826 blocks would fit; max-batch 8 x 256 blocks per sequence is all that can be used */
+    assert_int_equal(p.kv_bytes_per_token, 23040);
+    /* 41653 blocks would fit; max-batch 8 x 256 blocks per sequence is all that can be used */
     assert_int_equal(p.n_blocks, 2048);
     assert_int_equal(p.kv_tokens, 32768);
     assert_int_equal(p.max_blocks_per_seq, 256);
-    assert_int_equal(p.kv_bytes, 2048ull * 16 * 46080);
+    assert_int_equal(p.kv_bytes, 2048ull * 16 * 23040);
     assert_int_equal(p.block_table_bytes, 8 * 256 * 4);
-    assert_int_equal(p.total, (100ull << 20) + 8 * 231424 + 8 * 256 * 4 + 2048ull * 16 * 46080);
+    assert_int_equal(p.total, (100ull << 20) + 8 * 231424 + 8 * 256 * 4 + 2048ull * 16 * 23040);
     assert_string_equal(p.text,
                         "budget = 0.9 (mem-fraction, auto) x 16 GiB available = 14.4 GiB\n"
                         "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
-                        "kv = 2048 blocks x 16 tok = 32768 tok x 45 KiB = 1.41 GiB (8 seq of max-seq-len 4096)\n"
+                        "kv = 2048 blocks x 16 tok = 32768 tok x 22.5 KiB = 720 MiB (8 seq of max-seq-len 4096)\n"
                         "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
-                        "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 1.41 GiB = "
-                        "1.51 GiB (10.5% of budget)");
+                        "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 720 MiB = "
+                        "822 MiB (5.6% of budget)");
     cfg_free(c);
 }
 
@@ -93,24 +93,24 @@ static void test_given_kv_tokens_round_up_to_blocks(void **state) {
     assert_string_equal(p.text,
                         "budget = 0.5 (mem-fraction, flag) x 16 GiB available = 8 GiB\n"
                         "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
-                        "kv = 313 blocks x 16 tok = 5008 tok x 45 KiB = 220 MiB (1 seq of max-seq-len 4096)\n"
+                        "kv = 313 blocks x 16 tok = 5008 tok x 22.5 KiB = 110 MiB (1 seq of max-seq-len 4096)\n"
                         "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
-                        "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 220 MiB = "
-                        "322 MiB (3.9% of budget)");
+                        "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 110 MiB = "
+                        "212 MiB (2.6% of budget)");
     cfg_free(c);
 }
 
 static void test_infeasible_plan_shows_arithmetic_and_what_works(void **state) {
     (void)state;
-    char *argv[] = {"--mem-fraction", "0.1"};
+    char *argv[] = {"--mem-fraction", "0.09"};
     cfg *c = with_flags(2, argv);
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 2 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
-                        "workspace 1.77 MiB + block tables 8 KiB + kv 4096 tok x 45 KiB = 282 MiB > budget "
-                        "0.1 x 2 GiB available = 205 MiB; would work: --mem-fraction 0.138, --max-seq-len 2336");
+                        "workspace 1.77 MiB + block tables 8 KiB + kv 4096 tok x 22.5 KiB = 192 MiB > budget "
+                        "0.09 x 2 GiB available = 184 MiB; would work: --mem-fraction 0.094, --max-seq-len 3744");
     cfg_free(c);
 }
 
@@ -118,19 +118,19 @@ static void test_infeasible_plan_shows_arithmetic_and_what_works(void **state) {
 static void test_values_named_by_the_error_work(void **state) {
     (void)state;
     memplan p;
-    char *f_ok[] = {"--mem-fraction", "0.138"}, *f_bad[] = {"--mem-fraction", "0.137"};
-    char *l_ok[] = {"--mem-fraction", "0.1", "--max-seq-len", "2336"};
-    char *l_bad[] = {"--mem-fraction", "0.1", "--max-seq-len", "2337"};
+    char *f_ok[] = {"--mem-fraction", "0.094"}, *f_bad[] = {"--mem-fraction", "0.093"};
+    char *l_ok[] = {"--mem-fraction", "0.09", "--max-seq-len", "3744"};
+    char *l_bad[] = {"--mem-fraction", "0.09", "--max-seq-len", "3745"};
     cfg *c = with_flags(2, f_ok);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_OK);
-    assert_int_equal(p.n_blocks, 257); /* one 4096-token sequence and a block to spare */
+    assert_int_equal(p.n_blocks, 258); /* one 4096-token sequence and two blocks to spare */
     cfg_free(c);
     c = with_flags(2, f_bad);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_ERR);
     cfg_free(c);
     c = with_flags(4, l_ok);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_OK);
-    assert_int_equal(p.n_blocks, 146);
+    assert_int_equal(p.n_blocks, 234);
     cfg_free(c);
     c = with_flags(4, l_bad);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_ERR);
@@ -139,9 +139,9 @@ static void test_values_named_by_the_error_work(void **state) {
 
 static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
     (void)state;
-    /* budget 0.1 x 4 GiB = 410 MiB; 4096 tokens of KV take 180 MiB and the
+    /* budget 0.1 x 4 GiB = 410 MiB; 4096 tokens of KV take 90 MiB and the
      * weights 100 MiB, leaving room for the workspace and the block table
-     * row (226 KiB + 1 KiB) of 584 sequences. */
+     * row (226 KiB + 1 KiB) of 990 sequences. */
     char *argv[] = {"--mem-fraction", "0.1", "--max-batch", "1000"};
     cfg *c = with_flags(4, argv);
     memplan p;
@@ -149,12 +149,12 @@ static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
     assert_int_equal(plan(c, 4 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
-                        "workspace 221 MiB + block tables 1000 KiB + kv 4096 tok x 45 KiB = 502 MiB > budget "
-                        "0.1 x 4 GiB available = 410 MiB; would work: --mem-fraction 0.123, --max-seq-len 2000, "
-                        "--max-batch 584");
+                        "workspace 221 MiB + block tables 1000 KiB + kv 4096 tok x 22.5 KiB = 412 MiB > budget "
+                        "0.1 x 4 GiB available = 410 MiB; would work: --mem-fraction 0.101, --max-seq-len 4000, "
+                        "--max-batch 990");
     cfg_free(c);
-    char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "584"};
-    char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "585"};
+    char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "990"};
+    char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "991"};
     c = with_flags(4, b_ok);
     assert_int_equal(plan(c, 4 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 256);
@@ -186,8 +186,8 @@ static void test_infeasible_when_kv_tokens_exceed_budget(void **state) {
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: max-kv-tokens 10000000 does not fit: weights 100 MiB + workspace "
-                        "1.77 MiB + block tables 8 KiB + kv 10000000 tok x 45 KiB = 429 GiB > budget 0.9 x "
-                        "16 GiB available = 14.4 GiB; would work: --max-kv-tokens 333216");
+                        "1.77 MiB + block tables 8 KiB + kv 10000000 tok x 22.5 KiB = 215 GiB > budget 0.9 x "
+                        "16 GiB available = 14.4 GiB; would work: --max-kv-tokens 666448");
     cfg_free(c);
 }
 
@@ -231,7 +231,7 @@ static void test_log_writes_each_line(void **state) {
         " info memplan block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n",
         " info memplan total = weights 100 MiB",
         (" info memplan_bytes available=17179869184 budget=15461882265 weights=104857600 "
-         "workspace=1851392 block_tables=8192 kv=1509949440 total=1616666624 kv_blocks=2048 block_size=16\n"),
+         "workspace=1851392 block_tables=8192 kv=754974720 total=861691904 kv_blocks=2048 block_size=16\n"),
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) assert_non_null(strstr(buf, want[i]));
     int lines = 0;
@@ -281,7 +281,7 @@ static void test_fmt_bytes_three_digits(void **state) {
     (void)state;
     char s[24];
     const struct { uint64_t b; const char *want; } cases[] = {
-        {0, "0 B"}, {1023, "1023 B"}, {1024, "1 KiB"}, {46080, "45 KiB"},
+        {0, "0 B"}, {1023, "1023 B"}, {1024, "1 KiB"}, {23040, "22.5 KiB"}, {46080, "45 KiB"},
         {226560, "221 KiB"}, {1812480, "1.73 MiB"}, {96600000, "92.1 MiB"},
         {25125558681ull, "23.4 GiB"}, {3ull << 40, "3 TiB"},
     };

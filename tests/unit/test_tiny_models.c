@@ -31,7 +31,12 @@
 #define N_GEN 16
 #define MAX_PROMPT 96
 #define CHUNK 32
-#define REL_TOL 1e-4
+/* The references are f32 throughout; the engine keeps K and V in f16
+ * (kernels.h), whose unit roundoff 2^-11 = 4.9e-4 bounds the relative
+ * error of each stored element. The outputs move by about half that
+ * (3.2e-4 at worst here, against 3e-7 with an f32 cache), so the bound
+ * is one f16 unit roundoff (it was 1e-4 with the f32 cache). */
+#define REL_TOL 4.9e-4
 
 static cJSON *load_expected(const char *name) {
     char path[256];

@@ -215,7 +215,7 @@ typedef struct plain {
     kn_stream *stream;
     llama_ws *ws;
     kn_kv_pool *kv; /* [n_layers] */
-    float *kv_mem;
+    uint16_t *kv_mem; /* f16 */
 } plain;
 
 static void plain_init(plain *p) {
@@ -227,7 +227,7 @@ static void plain_init(plain *p) {
         llama_ws_init(&p->ws, mdl, N_PROMPT, 1, &err) != AE_OK)
         fail_msg("%s", err.msg);
     size_t n = (size_t)N_BLOCKS * BLOCK * (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    p->kv_mem = calloc(2 * n * (size_t)c->n_layers, sizeof(float));
+    p->kv_mem = calloc(2 * n * (size_t)c->n_layers, sizeof(uint16_t));
     p->kv = calloc((size_t)c->n_layers, sizeof *p->kv);
     assert_non_null(p->kv_mem);
     assert_non_null(p->kv);
