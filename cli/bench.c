@@ -41,6 +41,7 @@
 #include "../target/sample.h"
 #include "cli.h"
 #include "draft_link.h"
+#include "plan.h"
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
@@ -52,6 +53,7 @@ static const cfg_option opts[] = {
     {"bandwidth-mib", CFG_INT, "auto", 16, 1 << 16,
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    CLI_ACT_BITS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
     DRAFT_LINK_OPTIONS,
 };
@@ -313,7 +315,7 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
         return err_set(err, "--batch %d x --spec-tokens %d exceeds --max-batch-tokens %d", b->batch, shape.tokens,
                        b->max_batch_tokens);
     const eng_config *ec = eng_get_config(b->e);
-    drafter_config dc = {ec->max_seqs, ec->max_seq_len, b->max_batch_tokens, threads, eng_pool(b->e)};
+    drafter_config dc = {ec->max_seqs, ec->max_seq_len, b->max_batch_tokens, threads, eng_pool(b->e), ec->act_bits};
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, ec->max_seqs, ec->max_batch_tokens, false, NULL, NULL};
     draft_link link;
     spec *sx = NULL;
@@ -374,6 +376,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (!path) return err_set(err, "no model given (use --model FILE)"), CLI_EXIT_USAGE;
     if (batch > max_batch_tokens)
         return err_set(err, "--batch %d exceeds --max-batch-tokens %d", batch, max_batch_tokens), CLI_EXIT_USAGE;
+    int32_t act_bits;
+    if (cli_act_bits(c, &act_bits, err) != AE_OK) return CLI_EXIT_USAGE;
 
     if (model_load(&m, path, err) != AE_OK) goto out;
     /* Speculation verifies trees of up to ENG_MAX_TREE nodes past the
@@ -393,7 +397,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     int32_t block = 16, blocks_per_seq = (seq_len + block - 1) / block;
     /* The batch's sequences, and one more for warm-up and verification. */
-    eng_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block, threads};
+    eng_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block, threads,
+                     act_bits};
     b.vocab = m->cfg.vocab;
     b.batch = batch;
     b.max_batch_tokens = max_batch_tokens;
@@ -472,6 +477,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_AddStringToObject(o, "model", path);
     cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
     cJSON_AddNumberToObject(o, "threads", threads);
+    cJSON_AddNumberToObject(o, "act_bits", act_bits);
     cJSON_AddNumberToObject(o, "batch", batch);
     cJSON_AddNumberToObject(o, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(o, "gen_tokens", n_gen);

@@ -106,7 +106,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_Q8_0, err) != AE_OK) goto out;
     int32_t S = (int32_t)cfg_int(c, "seqs"), P = (int32_t)cfg_int(c, "pairs"), iters = (int32_t)cfg_int(c, "iters");
-    dsrv_config dc = {64, 512, CLI_PREFILL_CHUNK, (int32_t)cfg_int(c, "threads")};
+    dsrv_config dc = {64, 512, CLI_PREFILL_CHUNK, (int32_t)cfg_int(c, "threads"), 0};
     if (dsrv_init(&d, h, &dc, err) != AE_OK) goto out;
 
     /* The request: S sequences, each reset with P pairs. */

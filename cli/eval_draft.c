@@ -38,6 +38,7 @@ static const cfg_option ev_opts[] = {
     {"shapes", CFG_STRING, "5/4/8,4/1/5,6/4/16", 0, 0,
      "tree shapes steps/topk/tokens, comma separated (the first is the default of generate)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    CLI_ACT_BITS_OPTION,
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
@@ -206,8 +207,10 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int32_t threads = (int32_t)cfg_int(c, "threads"), max_new = (int32_t)cfg_int(c, "max-new-tokens");
     eagle_weights weights;
     if (eagle_weights_parse(cfg_str(c, "draft-weights"), &weights, err) != AE_OK) goto out;
-    if (cli_engine_open(&e, m, &plan, threads, err) != AE_OK) goto out;
-    drafter_config dc = {1, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
+    int32_t act_bits;
+    if (cli_act_bits(c, &act_bits, err) != AE_OK || cli_engine_open(&e, m, &plan, threads, act_bits, err) != AE_OK)
+        goto out;
+    drafter_config dc = {1, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, CLI_PREFILL_CHUNK, false, NULL, NULL};
     if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
         draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
@@ -307,6 +310,7 @@ static const cfg_option dl_opts[] = {
     {"input", CFG_STRING, NULL, 0, 0, "safetensors with features F32 [n, 3H] and tokens I32 [n]"},
     {"out", CFG_STRING, NULL, 0, 0, "safetensors to write: logits F32 [n, draft_vocab]"},
     {"threads", CFG_INT, "1", 1, POOL_MAX_THREADS, "compute threads"},
+    CLI_ACT_BITS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
@@ -326,7 +330,8 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
     float *feat = NULL, *hidden = NULL, *logits = NULL;
     int32_t *tokens = NULL, *pos = NULL, *seqs = NULL, *n_prefix = NULL, *zero = NULL, *rows = NULL;
     int rc = CLI_EXIT_USAGE;
-    if (model_load(&m, path, err) != AE_OK) goto out;
+    int32_t act_bits;
+    if (cli_act_bits(c, &act_bits, err) != AE_OK || model_load(&m, path, err) != AE_OK) goto out;
     eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_FILE, err) != AE_OK || st_open(&f, in, err) != AE_OK) goto out;
     const st_tensor *tf = st_find(f, "features"), *tt = st_find(f, "tokens");
@@ -365,6 +370,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
         eagle_ws_init(&ws, h, n, err) != AE_OK || kv_seq_alloc(kv, &seq, err) != AE_OK ||
         kv_seq_reserve(kv, seq, n, err) != AE_OK)
         goto out;
+    kn_stream_set_act_bits(s, act_bits);
     for (int32_t i = 0; i < n; i++) {
         pos[i] = i;
         seqs[i] = seq;

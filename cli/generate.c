@@ -30,6 +30,7 @@ static const cfg_option opts[] = {
     {"stats", CFG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
     {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    CLI_ACT_BITS_OPTION,
     DRAFT_LINK_AUTO_OPTIONS,
     {"spec-adaptive", CFG_BOOL, "true", 0, 0,
      "greedy decoding picks each step's tree (or none) within the spec-* bounds by measured cost and acceptance "
@@ -181,15 +182,15 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 plan.max_seq_len);
         goto out;
     }
-    int32_t threads = (int32_t)cfg_int(c, "threads");
-    if (cli_engine_open(&e, m, &plan, threads, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
+    int32_t threads = (int32_t)cfg_int(c, "threads"), act_bits;
+    if (cli_act_bits(c, &act_bits, err) != AE_OK || cli_engine_open(&e, m, &plan, threads, act_bits, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
         detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
     spec_shape shape;
     eagle_weights weights;
     if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
-        drafter_config dc = {plan.max_batch, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e)};
+        drafter_config dc = {plan.max_batch, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
         /* Greedy and sampled output alike are the same whatever tree a
          * step drafts (sampled draws are keyed by seed and position), so
          * the policy may choose freely. */

@@ -27,7 +27,7 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
         eagle_load(&h, dir, &t, held_as, err) != AE_OK)
         return AE_ERR;
     int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
-    drafter_config dc = {max_batch, max_seq_len, CLI_PREFILL_CHUNK, 1, NULL};
+    drafter_config dc = {max_batch, max_seq_len, CLI_PREFILL_CHUNK, 1, NULL, 0};
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, CLI_PREFILL_CHUNK, false, NULL, NULL};
     *weights = h->weight_bytes;
     *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
@@ -126,11 +126,18 @@ int cli_service_open(cfg **c, model **m, const char *service, const cfg_option *
     return model_load(m, path, err);
 }
 
-int cli_engine_open(eng **e, const model *m, const memplan *plan, int32_t threads, ae_error *err) {
+int cli_act_bits(const cfg *c, int32_t *bits, ae_error *err) {
+    int64_t v = cfg_int(c, "act-bits");
+    if (v != 8 && v != 15) return err_set(err, "act-bits must be 8 or 15, got %lld", (long long)v);
+    *bits = (int32_t)v;
+    return AE_OK;
+}
+
+int cli_engine_open(eng **e, const model *m, const memplan *plan, int32_t threads, int32_t act_bits, ae_error *err) {
     if (plan->kv_tokens > INT32_MAX)
         return err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
                        (long long)plan->kv_tokens, INT32_MAX);
     eng_config ec = {CLI_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
-                     plan->block_size, threads};
+                     plan->block_size, threads, act_bits};
     return eng_init(e, m, &ec, err);
 }

@@ -16,6 +16,18 @@
 #define CLI_PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
 #define CLI_KV_BLOCK 16
 
+/* The activation precision of the quantized matmuls (kernels.h, "Batch
+ * invariance"), a setting of every program that runs the engine or the
+ * head. The default is this one constant, to be chosen by measurement. */
+#define CLI_ACT_BITS_DEFAULT "15"
+#define CLI_ACT_BITS_OPTION                                                                                 \
+    {"act-bits", CFG_INT, CLI_ACT_BITS_DEFAULT, 8, 15,                                                     \
+     "bits each activation keeps in quantized matmuls: 15 (two byte planes) or 8 (one: a pass of several " \
+     "tokens does half the integer work, with more rounding error)"}
+
+/* c's "act-bits" into *bits; a value other than 8 or 15 fails. */
+int cli_act_bits(const cfg *c, int32_t *bits, ae_error *err);
+
 /* The plan for model m; records auto values in c. With draft, c also holds
  * "draft" and "draft-weights" (DRAFT_LINK_OPTIONS), and a set "draft" adds
  * the head and its drafter. */
@@ -41,7 +53,8 @@ int cli_resolve_engine(cfg *c, bool draft, ae_error *err);
 int cli_service_open(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
                      bool *print_config, bool *help, ae_error *err);
 
-/* An engine sized by the plan, prefill chunks of CLI_PREFILL_CHUNK. */
-int cli_engine_open(eng **e, const model *m, const memplan *plan, int32_t threads, ae_error *err);
+/* An engine sized by the plan, prefill chunks of CLI_PREFILL_CHUNK, at
+ * act_bits (8 or 15) of activation precision. */
+int cli_engine_open(eng **e, const model *m, const memplan *plan, int32_t threads, int32_t act_bits, ae_error *err);
 
 #endif

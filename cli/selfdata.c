@@ -89,7 +89,9 @@ static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
     if (cli_plan(c, s->m, false, &plan, err) != AE_OK) return AE_ERR;
     memplan_log(&plan);
     s->threads = (int32_t)cfg_int(c, "threads");
-    return cli_engine_open(&s->e, s->m, &plan, s->threads, err);
+    int32_t act_bits;
+    if (cli_act_bits(c, &act_bits, err) != AE_OK) return AE_ERR;
+    return cli_engine_open(&s->e, s->m, &plan, s->threads, act_bits, err);
 }
 
 int cli_user_turn_ids(const tok *t, const chat_template *ct, const char *content, int32_t **ids, int32_t *n,
@@ -152,6 +154,7 @@ static int write_text_file(const char *path, const char *text, size_t len, ae_er
     {"seed", CFG_INT, "1", 0, 9007199254740991.0, "random seed; sequence i draws from stream (seed, i)"},    \
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"}, \
     {"max-batch", CFG_INT, "16", 1, 4096, "sequences generated together"},                                 \
+    CLI_ACT_BITS_OPTION,                                                                                    \
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,                                                        \
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},                      \
     {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},              \

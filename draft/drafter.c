@@ -96,6 +96,8 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
         (!cfg->pool && cfg->threads < 1))
         return err_set(err, "drafter: bad sizes (seqs %d, seq len %d, tokens %d, threads %d)", cfg->max_seqs,
                        cfg->max_seq_len, cfg->max_tokens, cfg->threads);
+    if (cfg->act_bits != 0 && cfg->act_bits != 8 && cfg->act_bits != 15)
+        return err_set(err, "drafter: activation bits must be 8 or 15, got %d", cfg->act_bits);
     drafter *d = calloc(1, sizeof *d);
     if (!d) return err_set(err, "out of memory");
     d->head = h;
@@ -109,6 +111,7 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
                            err) != AE_OK ||
         eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, &kp, err) != AE_OK)
         goto fail;
+    if (cfg->act_bits) kn_stream_set_act_bits(d->stream, cfg->act_bits);
     d->layer = kv_layer(d->kv, 0);
     d->keys = calloc((size_t)cfg->max_seqs, sizeof *d->keys);
     d->last_hidden = calloc((size_t)cfg->max_seqs * H, sizeof(float));

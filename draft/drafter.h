@@ -36,6 +36,9 @@ typedef struct drafter_config {
      * process: two pools would spin against each other on the same cores
      * while one of them waits for the other's step. */
     struct pool *pool;
+    /* Activation precision of the head's quantized matmuls (a Q8_0 head
+     * or its quantized fc/lm_head), 15 or 8 (0: 15; kernels.h). */
+    int32_t act_bits;
 } drafter_config;
 
 typedef struct drafter_feed {

@@ -29,6 +29,7 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
      "since the two take turns within each step: README, Threads)"},
+    CLI_ACT_BITS_OPTION,
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0, "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
 };
@@ -107,11 +108,14 @@ int main(int argc, char **argv) {
         goto out;
     }
     eagle_weights held_as;
-    if (eagle_weights_parse(cfg_str(c, "draft-weights"), &held_as, &err) != AE_OK) goto out;
+    int32_t act_bits;
+    if (eagle_weights_parse(cfg_str(c, "draft-weights"), &held_as, &err) != AE_OK ||
+        cli_act_bits(c, &act_bits, &err) != AE_OK)
+        goto out;
     eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     if (eagle_load(&h, dir, &t, held_as, &err) != AE_OK) goto out;
     dsrv_config dc = {(int32_t)cfg_int(c, "max-seqs"), (int32_t)cfg_int(c, "max-seq-len"), CLI_PREFILL_CHUNK,
-                      (int32_t)cfg_int(c, "threads")};
+                      (int32_t)cfg_int(c, "threads"), act_bits};
     char plan[2048];
     if (plan_memory(c, m, h, &dc, plan, sizeof plan, &err) != AE_OK) goto out;
     if (print_config) {

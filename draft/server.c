@@ -68,7 +68,7 @@ static int64_t mono_ns(void) {
 }
 
 size_t dsrv_bytes(const eagle_head *h, const dsrv_config *cfg) {
-    drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL};
+    drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL, cfg->act_bits};
     return drafter_bytes(h, &dc) + (size_t)cfg->max_keys * (sizeof(slot) + sizeof(bool)) + sizeof(dsrv) +
            DSRV_REPLY_CAP;
 }
@@ -346,7 +346,7 @@ int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error 
     pthread_cond_init(&d->cv, &ca);
     pthread_cond_init(&d->idle, &ca);
     pthread_condattr_destroy(&ca);
-    drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL};
+    drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL, cfg->act_bits};
     d->slots = calloc((size_t)cfg->max_keys, sizeof *d->slots);
     d->in_call = calloc((size_t)cfg->max_keys, sizeof *d->in_call);
     d->out = malloc(DSRV_REPLY_CAP);

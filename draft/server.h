@@ -34,6 +34,7 @@ typedef struct dsrv_config {
     int32_t max_seq_len; /* pairs one sequence may hold */
     int32_t max_tokens;  /* pairs in one head pass */
     int32_t threads;
+    int32_t act_bits; /* the head's activation precision, 15 or 8 (0: 15; drafter.h) */
 } dsrv_config;
 
 typedef struct dsrv_stats {

@@ -29,20 +29,31 @@
  *     in increasing j, acc = fma(x, w, acc); the lane tree tree(acc) =
  *     ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)); then the k % 8 tail
  *     elements, s = fma(x, w, s) one by one.
- *   - kn_matmul, quantized W (Q8_0, Q4_0, Q4_1) in integers: each block
- *     of 32 elements of a row of x is rounded to integers
- *     xi = round_even(x * (16256 / amax)) with amax its largest |x|
- *     (|xi| <= 16256 = 127 * 128; all xi = 0 and sx = 0 when amax <
- *     2^-100, where 16256 / amax could overflow; a block with an inf or
- *     NaN gets scale NaN), scale sx = amax / 16256. Per block b
- *     of a weight row, isum = sum q * xi exactly in int32 (q: Q8_0's
- *     int8, Q4_0's nibble - 8, Q4_1's nibble), then in block order
+ *   - kn_matmul, quantized W (Q8_0, Q4_0, Q4_1) in integers, at the
+ *     stream's activation precision P (kn_stream_set_act_bits: 15 or 8
+ *     bits; L = 16256 = 127 * 128 at 15, L = 127 at 8): each block of 32
+ *     elements of a row of x is rounded to integers
+ *     xi = round_even(x * (L / amax)), the quotient L / amax rounded to
+ *     f32 first, with amax the block's largest |x|; xi is clamped to
+ *     [-L, L] and the scale is sx = amax / L. All xi = 0 and sx = 0 when
+ *     amax < 2^-100, where L / amax could overflow; a block with an inf
+ *     or NaN gets all xi = 0 and sx = NaN. Per block b of a weight row,
+ *     isum = sum q * xi exactly in int32 (q: Q8_0's int8, Q4_0's
+ *     nibble - 8, Q4_1's nibble), then in block order
  *     acc = fma((float)isum, d * sx, acc) and, for Q4_1,
  *     acc = fma(m, sx * (float)sum xi, acc) (d, m widened from f16).
- *     Integer sums have no order, so the packed AVX-512 VNNI kernel and
- *     the portable one give the same bits. xi keeps about 15 bits of x:
- *     the logits stay within 5e-4 of an f32 product on the dequantized
- *     weights (the golden test); 8-bit xi gave 5%.
+ *     Integer sums have no order, so the packed AVX-512 VNNI and AVX2
+ *     kernels and the portable one give the same bits at either P.
+ *     At 15 bits xi keeps about 15 bits of x: the logits stay within 5e-4
+ *     of an f32 product on the dequantized weights (the golden test); x
+ *     takes two byte planes, so a block costs two integer dot products
+ *     per weight byte. At 8 bits (llama.cpp's Q8_0 activations) it takes
+ *     one, half the work of a pass of several tokens, for more error (5%
+ *     of the logits measured in issue 3).
+ *     One run uses one precision: every pass of the engine, the draft
+ *     head and every tensor-parallel rank's stream is set to the same P
+ *     before the first op and never changed while sequences live, because
+ *     a token's bits are invariant only among passes of the same P.
  *   - kn_attention: for each (token, head) the visible keys are visited in
  *     position order (prefix slots 0..n_prefix-1, then the extra slots) and
  *     cut into chunks of KN_ATTN_CHUNK by their index in that visible list.
@@ -98,6 +109,13 @@ struct pool; /* services/core/pool.h */
  * the largest m and k the engine will pass (0 is valid: no scratch). */
 int kn_stream_init_cpu(kn_stream **out, struct pool *p, size_t workspace_bytes, ae_error *err);
 void kn_stream_free(kn_stream *s); /* NULL is a no-op */
+
+/* The precision quantized matmuls round x to (kernels.h "Batch
+ * invariance"): 15 (two byte planes, the default) or 8 (one). Set it
+ * before the stream's first op; any other value is a broken invariant. */
+#define KN_ACT_BITS_DEFAULT 15
+void kn_stream_set_act_bits(kn_stream *s, int bits);
+int kn_stream_act_bits(const kn_stream *s);
 void kn_stream_sync(kn_stream *s);  /* CPU: nothing to wait for */
 int kn_stream_threads(const kn_stream *s);
 
@@ -140,9 +158,10 @@ void kn_weight_pack(kn_weight *w, void *dst);
 /* True when kn_matmul has a native kernel for t. */
 bool kn_matmul_supports(ggml_type t);
 
-/* Workspace bytes kn_matmul needs for m rows of k inputs: quantized W
- * reads x rounded to integers (planes and scales, about 2.4 bytes per
- * element); float W needs none. */
+/* Workspace bytes kn_matmul needs for m rows of k inputs at either
+ * activation precision: quantized W reads x rounded to integers (bytes
+ * and scales: about 2.4 bytes per element at 15 bits, 1.4 at 8, which
+ * uses the front of the same space); float W needs none. */
 size_t kn_matmul_workspace(int64_t m, int64_t k);
 
 /* ---- ops ---------------------------------------------------------------- */

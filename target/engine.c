@@ -59,6 +59,8 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
         cfg->kv_tokens < cfg->max_seq_len)
         return err_set(err, "engine: bad sizes (batch %d, seqs %d, seq len %d, kv tokens %d, block %d)",
                        cfg->max_batch_tokens, cfg->max_seqs, cfg->max_seq_len, cfg->kv_tokens, cfg->block_size);
+    if (cfg->act_bits != 0 && cfg->act_bits != 8 && cfg->act_bits != 15)
+        return err_set(err, "engine: activation bits must be 8 or 15, got %d", cfg->act_bits);
     eng *e = calloc(1, sizeof *e);
     if (!e) return err_set(err, "out of memory");
     e->m = m;
@@ -72,6 +74,8 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
         llama_ws_init(&e->ws, m, cfg->max_batch_tokens, cfg->max_batch_tokens, err) != AE_OK ||
         kv_init(&e->kv, &kp, err) != AE_OK)
         goto fail;
+    if (cfg->act_bits) kn_stream_set_act_bits(e->stream, cfg->act_bits);
+    e->cfg.act_bits = kn_stream_act_bits(e->stream);
     e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
     int32_t **arrays[] = {&e->pos, &e->seq, &e->slot, &e->n_prefix, &e->extra_start, &e->n_extra,
                           &e->tokens, &e->logit_rows, &e->old_cap};

@@ -35,6 +35,10 @@ typedef struct eng_config {
     int32_t kv_tokens;        /* KV cache size in tokens, shared by all sequences */
     int32_t block_size;       /* KV block size in tokens */
     int32_t threads;
+    /* Activation precision of the quantized matmuls, 15 or 8 (0: the
+     * kernels' default, 15); every pass of the engine uses it (kernels.h,
+     * "Batch invariance"). */
+    int32_t act_bits;
 } eng_config;
 
 typedef enum eng_kind { ENG_APPEND = 0, ENG_TREE = 1 } eng_kind;

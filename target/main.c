@@ -39,6 +39,7 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
      "since the two take turns within each step: README, Threads)"},
+    CLI_ACT_BITS_OPTION,
     {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame, MiB"},
     {"max-conns", CFG_INT, "1024", 1, 65536, "connections open at once"},
     {"log-interval-s", CFG_INT, "5", 0, 3600, "seconds between load lines (0: none)"},
@@ -91,6 +92,8 @@ int main(int argc, char **argv) {
         if (rpc_default_addr(addr, sizeof addr, "aerie-target.sock", !print_config, &err) != AE_OK) goto out;
         cfg_set_auto_str(c, "listen", addr);
     }
+    int32_t act_bits;
+    if (cli_act_bits(c, &act_bits, &err) != AE_OK) goto out;
     const char *model_path = cfg_str(c, "model");
     const char *draft_addr = cfg_str(c, "draft-addr");
     bool drafting = draft_addr && strcmp(draft_addr, "none") != 0;
@@ -109,7 +112,7 @@ int main(int argc, char **argv) {
     cfg_log(c, "aerie-target");
     memplan_log(&plan);
     int32_t threads = (int32_t)cfg_int(c, "threads");
-    if (cli_engine_open(&e, m, &plan, threads, &err) != AE_OK) goto out;
+    if (cli_engine_open(&e, m, &plan, threads, act_bits, &err) != AE_OK) goto out;
     /* The end-of-sequence token comes from the model's tokenizer. */
     int32_t eos = -1;
     char tj[4096];

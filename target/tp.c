@@ -318,11 +318,12 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
 int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error *err) {
     *out = NULL;
     if (cfg->n_ranks < 1 || cfg->n_ranks > TP_MAX_RANKS || cfg->threads_per_rank < 1 || cfg->max_tokens < 1 ||
-        cfg->max_logits < 1 || cfg->max_logits > cfg->max_tokens || cfg->kv_blocks < 1 || cfg->block_size < 1)
+        cfg->max_logits < 1 || cfg->max_logits > cfg->max_tokens || cfg->kv_blocks < 1 || cfg->block_size < 1 ||
+        (cfg->act_bits != 0 && cfg->act_bits != 8 && cfg->act_bits != 15))
         return err_set(err, "tensor parallel: bad sizes (ranks %d, threads per rank %d, tokens %d, logits %d, "
-                       "kv blocks %d, block size %d)",
+                       "kv blocks %d, block size %d, activation bits %d)",
                        cfg->n_ranks, cfg->threads_per_rank, cfg->max_tokens, cfg->max_logits, cfg->kv_blocks,
-                       cfg->block_size);
+                       cfg->block_size, cfg->act_bits);
     tp_group *g = calloc(1, sizeof *g);
     if (!g) return err_set(err, "out of memory");
     g->m = m;
@@ -341,6 +342,8 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
             llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;
+        /* One precision for all ranks: their partial sums are added. */
+        if (cfg->act_bits) kn_stream_set_act_bits(r->stream, cfg->act_bits);
     }
     if (pthread_mutex_init(&g->mu, NULL) != 0) {
         err_set(err, "tensor parallel: cannot create a mutex");

@@ -67,6 +67,7 @@ typedef struct tp_config {
     int32_t max_logits;       /* logit rows in one forward pass (rank 0) */
     int32_t kv_blocks;        /* KV blocks per layer; block ids of the maps index these */
     int32_t block_size;       /* tokens per KV block */
+    int32_t act_bits;         /* every rank's activation precision, 15 or 8 (0: 15; kernels.h) */
 } tp_config;
 
 typedef struct tp_group tp_group;

@@ -20,6 +20,7 @@ int kn_stream_init_cpu(kn_stream **out, pool *p, size_t workspace_bytes, ae_erro
     kn_stream *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "kernels: out of memory for a stream");
     s->pool = p;
+    s->act_bits = KN_ACT_BITS_DEFAULT;
     if (workspace_bytes > 0) {
         size_t bytes = (workspace_bytes + 63) & ~(size_t)63;
         s->work = aligned_alloc(64, bytes);
@@ -43,6 +44,13 @@ void kn_stream_free(kn_stream *s) {
 void kn_stream_sync(kn_stream *s) { (void)s; }
 
 int kn_stream_threads(const kn_stream *s) { return pool_threads(s->pool); }
+
+void kn_stream_set_act_bits(kn_stream *s, int bits) {
+    AE_ASSERT(bits == 8 || bits == 15);
+    s->act_bits = bits;
+}
+
+int kn_stream_act_bits(const kn_stream *s) { return s->act_bits; }
 
 static atomic_int g_simd_limit = 2; /* 0 portable, 1 AVX2, 2 AVX-512 */
 

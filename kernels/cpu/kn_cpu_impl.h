@@ -15,6 +15,7 @@ struct kn_stream {
     pool *pool;     /* not owned */
     void *work;     /* (work_bytes) scratch, 64-byte aligned */
     size_t work_bytes;
+    int act_bits;   /* 15 or 8: how quantized matmuls round x (kernels.h) */
 };
 
 /* The core of every exponential in the kernels, for xc in [-87, 88]:
@@ -130,62 +131,72 @@ void kn_tile_avx2(const kn_tile *t);
 /* ---- integer matmul of the quantized types (kn_qmatmul.c) ---------------
  *
  * A quantized row of x (kernels.h, "quantized W") as the kernels read it:
- * for each block b of 32 elements, 64 bytes of planes (hi[32] then
- * lo[32], xi = 128 * hi + lo), then after all planes the per-block arrays
- * sx[nb] (f32 scale), xs[nb] (f32, sx * sum xi) and isx[nb] (int32,
- * sum xi). */
+ * for each block b of 32 elements its bytes of x, then after all blocks
+ * the per-block arrays sx[nb] (f32 scale), xs[nb] (f32, sx * sum xi) and
+ * isx[nb] (int32, sum xi). The bytes of a block are, at 15 bits, 64 bytes
+ * of planes (hi[32] then lo[32], xi = 128 * hi + lo); at 8 bits, xi[32]
+ * itself. */
 bool kn_qmatmul_type(ggml_type t);
 void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
 void kn_qmatmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
                        float *y_up, int64_t m);
 
-#define KN_QX_MAX 16256 /* |xi| <= 127 * 128 */
+#define KN_QX_MAX 16256 /* 15 bits: |xi| <= 127 * 128 */
+#define KN_QX8_MAX 127  /* 8 bits: |xi| <= 127 */
 #define KN_QX_TINY 0x1p-100f /* a block whose largest |x| is below this counts as zero */
-#define KN_QX_PLANES 64 /* bytes of planes per block */
-size_t kn_qx_row_bytes(int64_t k);
-void kn_qx_quantize(const float *x, int64_t k, uint8_t *row);
+#define KN_QX_PLANES 64 /* bytes of x per block at 15 bits (two planes) */
+#define KN_QX8_BYTES 32 /* bytes of x per block at 8 bits (one) */
+/* Bytes of x per block at `bits` (15 or 8). */
+static inline size_t kn_qx_block_bytes(int bits) { return bits == 8 ? KN_QX8_BYTES : KN_QX_PLANES; }
+size_t kn_qx_row_bytes(int64_t k, int bits);
+void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row);
 /* The same with AVX-512, the same bytes (kn_qmatmul_avx512.c). */
-void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row);
+void kn_qx_quantize_avx512(const float *x, int64_t k, int bits, uint8_t *row);
 
 typedef struct kn_qx {
-    const int8_t *planes; /* [nb][64] */
+    const int8_t *planes; /* [nb][kn_qx_block_bytes(bits)] */
     const float *sx, *xs;
     const int32_t *isx;
 } kn_qx;
-kn_qx kn_qx_view(const uint8_t *row, int64_t k);
+kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits);
 
 
-/* Tokens [0, tm) (tm <= KN_TILE_M) of quantized x, row r at qx[r], times
- * packed group g of w (rows 16g .. 16g+15), written to y[r * ldy + 16g + i]. */
-void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy);
+/* Tokens [0, tm) (tm <= KN_TILE_M) of quantized x at `bits` (15 or 8),
+ * row r at qx[r], times packed group g of w (rows 16g .. 16g+15), written
+ * to y[r * ldy + 16g + i]. */
+void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy);
 /* The same with AVX2 (kn_qmatmul_avx2.c), for CPUs without VNNI. */
-void kn_qgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy);
+void kn_qgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy);
 
 /* Defines `name` (one of the two above) in a kernel file that has
- * qgroup(type, TM, w, g, qx, y, ldy) for a target attribute `attr`: one
- * instance per (type, tile height), so that a tile's accumulators live in
- * registers, and a table to pick the instance at run time. */
-#define KN_QG_INSTANCE(fn, attr, type, TM)                                                      \
+ * qgroup(type, TM, BITS, w, g, qx, y, ldy) for a target attribute `attr`:
+ * one instance per (type, tile height, bits), so that a tile's
+ * accumulators live in registers and the loops have no branches on the
+ * precision, and a table to pick the instance at run time. */
+typedef void (*kn_qg_fn)(const kn_weight *, int64_t, const kn_qx *, float *, size_t);
+#define KN_QG_INSTANCE(fn, attr, type, TM, BITS)                                                \
     static attr void fn(const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) { \
-        qgroup(type, TM, w, g, qx, y, ldy);                                                     \
+        qgroup(type, TM, BITS, w, g, qx, y, ldy);                                               \
     }
-#define KN_QG_TYPE(pfx, attr, type)                                                                             \
-    KN_QG_INSTANCE(pfx##_1, attr, type, 1) KN_QG_INSTANCE(pfx##_2, attr, type, 2)                              \
-    KN_QG_INSTANCE(pfx##_3, attr, type, 3) KN_QG_INSTANCE(pfx##_4, attr, type, 4)                              \
-    KN_QG_INSTANCE(pfx##_5, attr, type, 5) KN_QG_INSTANCE(pfx##_6, attr, type, 6)                              \
-    KN_QG_INSTANCE(pfx##_7, attr, type, 7) KN_QG_INSTANCE(pfx##_8, attr, type, 8)                              \
-    static void (*const pfx[KN_TILE_M])(const kn_weight *, int64_t, const kn_qx *, float *, size_t) = {       \
-        pfx##_1, pfx##_2, pfx##_3, pfx##_4, pfx##_5, pfx##_6, pfx##_7, pfx##_8};
-#define KN_QG_KERNELS(name, attr)                                                                         \
-    _Static_assert(KN_TILE_M == 8, "one instance per tile height");                                      \
-    KN_QG_TYPE(name##_q8_0, attr, GGML_TYPE_Q8_0)                                                        \
-    KN_QG_TYPE(name##_q4_0, attr, GGML_TYPE_Q4_0)                                                        \
-    KN_QG_TYPE(name##_q4_1, attr, GGML_TYPE_Q4_1)                                                        \
-    void name(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {             \
-        AE_ASSERT(tm >= 1 && tm <= KN_TILE_M);                                                           \
-        void (*const *set)(const kn_weight *, int64_t, const kn_qx *, float *, size_t) =                 \
-            w->type == GGML_TYPE_Q8_0 ? name##_q8_0 : w->type == GGML_TYPE_Q4_0 ? name##_q4_0 : name##_q4_1; \
-        set[tm - 1](w, g, qx, y, ldy);                                                                   \
+#define KN_QG_BITS(pfx, attr, type, BITS)                                                                       \
+    KN_QG_INSTANCE(pfx##_1, attr, type, 1, BITS) KN_QG_INSTANCE(pfx##_2, attr, type, 2, BITS)                  \
+    KN_QG_INSTANCE(pfx##_3, attr, type, 3, BITS) KN_QG_INSTANCE(pfx##_4, attr, type, 4, BITS)                  \
+    KN_QG_INSTANCE(pfx##_5, attr, type, 5, BITS) KN_QG_INSTANCE(pfx##_6, attr, type, 6, BITS)                  \
+    KN_QG_INSTANCE(pfx##_7, attr, type, 7, BITS) KN_QG_INSTANCE(pfx##_8, attr, type, 8, BITS)                  \
+    static const kn_qg_fn pfx[KN_TILE_M] = {pfx##_1, pfx##_2, pfx##_3, pfx##_4, pfx##_5, pfx##_6, pfx##_7, pfx##_8};
+#define KN_QG_TYPE(pfx, attr, type) KN_QG_BITS(pfx##_b15, attr, type, 15) KN_QG_BITS(pfx##_b8, attr, type, 8)
+#define KN_QG_PICK(name, bits) ((bits) == 8 ? name##_b8 : name##_b15)
+#define KN_QG_KERNELS(name, attr)                                                                           \
+    _Static_assert(KN_TILE_M == 8, "one instance per tile height");                                        \
+    KN_QG_TYPE(name##_q8_0, attr, GGML_TYPE_Q8_0)                                                          \
+    KN_QG_TYPE(name##_q4_0, attr, GGML_TYPE_Q4_0)                                                          \
+    KN_QG_TYPE(name##_q4_1, attr, GGML_TYPE_Q4_1)                                                          \
+    void name(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy) {     \
+        AE_ASSERT(tm >= 1 && tm <= KN_TILE_M && (bits == 8 || bits == 15));                                \
+        const kn_qg_fn *set = w->type == GGML_TYPE_Q8_0   ? KN_QG_PICK(name##_q8_0, bits)                  \
+                              : w->type == GGML_TYPE_Q4_0 ? KN_QG_PICK(name##_q4_0, bits)                  \
+                                                          : KN_QG_PICK(name##_q4_1, bits);                 \
+        set[tm - 1](w, g, qx, y, ldy);                                                                     \
     }
 
 #endif

@@ -31,10 +31,11 @@ bool kn_matmul_supports(ggml_type t) {
     }
 }
 
-/* Quantized W needs x quantized (kn_qmatmul.c): one row of planes and
- * scales per row of x. Float W needs nothing. */
+/* Quantized W needs x quantized (kn_qmatmul.c): one row of bytes and
+ * scales per row of x, at most the 15-bit row (8 bits takes less). Float
+ * W needs nothing. */
 size_t kn_matmul_workspace(int64_t m, int64_t k) {
-    return (size_t)m * kn_qx_row_bytes(k);
+    return (size_t)m * kn_qx_row_bytes(k, 15);
 }
 
 /* ---- portable kernel ---------------------------------------------------- */

@@ -1,7 +1,8 @@
 /* Matrix product with quantized weights (Q8_0, Q4_0, Q4_1) in integers.
  *
- * x is quantized per block of 32 to integers xi with |xi| <= 16256 and
- * one f32 scale per block (kernels.h gives the exact rule). Each block of
+ * x is quantized per block of 32 to integers xi with |xi| <= 16256 (15
+ * bits) or |xi| <= 127 (8 bits, the stream's choice) and one f32 scale
+ * per block (kernels.h gives the exact rule). Each block of
  * a weight row then contributes an exact integer dot product, scaled in
  * f32 in a fixed order. Integer sums have no order, so every kernel (the
  * portable one here on the file's layout, the AVX-512 VNNI one on the
@@ -14,7 +15,10 @@
  * pairs per instruction. xi needs about 15 bits to keep the logits within
  * 1e-3 of the f32 reference (8-bit activations gave 5% error), so xi is
  * split into two signed bytes, hi and lo, and each block costs two
- * dot products per weight byte.
+ * dot products per weight byte. The 8-bit precision keeps xi in one
+ * signed byte, as llama.cpp's Q8_0 activations do: one dot product per
+ * weight byte, half the work of a pass of several tokens, for about 5%
+ * error in the logits.
  *
  * This file: x quantization, packing, the portable kernel and the driver;
  * kn_qmatmul_avx512.c and kn_qmatmul_avx2.c hold the SIMD kernels. */
@@ -30,14 +34,14 @@ bool kn_qmatmul_type(ggml_type t) {
 
 /* ---- x ------------------------------------------------------------------ */
 
-size_t kn_qx_row_bytes(int64_t k) {
+size_t kn_qx_row_bytes(int64_t k, int bits) {
     size_t nb = (size_t)(k / KN_QK);
-    return (nb * (KN_QX_PLANES + 3 * sizeof(float)) + 63) & ~(size_t)63;
+    return (nb * (kn_qx_block_bytes(bits) + 3 * sizeof(float)) + 63) & ~(size_t)63;
 }
 
-kn_qx kn_qx_view(const uint8_t *row, int64_t k) {
+kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits) {
     size_t nb = (size_t)(k / KN_QK);
-    const uint8_t *a = row + nb * KN_QX_PLANES;
+    const uint8_t *a = row + nb * kn_qx_block_bytes(bits);
     kn_qx q = {
         .planes = (const int8_t *)row,
         .sx = (const float *)(const void *)a,
@@ -53,19 +57,21 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k) {
  * (lrintf is a library call). */
 static float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-void kn_qx_quantize(const float *x, int64_t k, uint8_t *row) {
+void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
+    AE_ASSERT(bits == 8 || bits == 15);
     if (kn_cpu_use_avx512vnni()) {
-        kn_qx_quantize_avx512(x, k, row);
+        kn_qx_quantize_avx512(x, k, bits, row);
         return;
     }
     int64_t nb = k / KN_QK;
-    size_t off = (size_t)nb * KN_QX_PLANES;
-    float *sx = (float *)(void *)(row + off);
+    size_t bpb = kn_qx_block_bytes(bits);
+    const int32_t lim = bits == 8 ? KN_QX8_MAX : KN_QX_MAX;
+    float *sx = (float *)(void *)(row + (size_t)nb * bpb);
     float *xs = sx + nb;
     int32_t *isx = (int32_t *)(void *)(xs + nb);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * KN_QK;
-        int8_t *hi = (int8_t *)row + b * KN_QX_PLANES, *lo = hi + KN_QK;
+        int8_t *hi = (int8_t *)row + (size_t)b * bpb, *lo = hi + KN_QK; /* at 8 bits, hi is xi */
         float amax = 0.0f;
         bool finite = true;
         for (int i = 0; i < KN_QK; i++) {
@@ -75,20 +81,24 @@ void kn_qx_quantize(const float *x, int64_t k, uint8_t *row) {
         }
         int32_t sum = 0;
         if (!finite || amax < KN_QX_TINY) {
-            /* Zero (or below KN_QX_TINY, where 16256 / amax would
+            /* Zero (or below KN_QX_TINY, where lim / amax would
              * overflow): every product is 0. Not finite: the scale is NaN,
              * so every output this block touches becomes NaN, as in f32. */
-            memset(hi, 0, KN_QX_PLANES);
+            memset(hi, 0, bpb);
             sx[b] = finite ? 0.0f : NAN;
         } else {
-            float inv = (float)KN_QX_MAX / amax;
-            sx[b] = amax / (float)KN_QX_MAX;
+            float inv = (float)lim / amax;
+            sx[b] = amax / (float)lim;
             for (int i = 0; i < KN_QK; i++) {
                 int32_t v = (int32_t)round_even(xb[i] * inv);
-                v = v > KN_QX_MAX ? KN_QX_MAX : v < -KN_QX_MAX ? -KN_QX_MAX : v;
-                int32_t h = (v + 64) >> 7; /* floor: hi in [-127, 127], lo in [-64, 63] */
-                hi[i] = (int8_t)h;
-                lo[i] = (int8_t)(v - 128 * h);
+                v = v > lim ? lim : v < -lim ? -lim : v;
+                if (bits == 8) {
+                    hi[i] = (int8_t)v;
+                } else {
+                    int32_t h = (v + 64) >> 7; /* floor: hi in [-127, 127], lo in [-64, 63] */
+                    hi[i] = (int8_t)h;
+                    lo[i] = (int8_t)(v - 128 * h);
+                }
                 sum += v;
             }
         }
@@ -160,22 +170,23 @@ void kn_weight_pack(kn_weight *w, void *dst) {
 /* ---- portable kernel ------------------------------------------------------ */
 
 /* One output: weight row `row` (the file's layout) against quantized x. */
-static float qdot(ggml_type t, const uint8_t *row, const kn_qx *q, int64_t nb) {
-    size_t bb = quant_block_bytes(t);
+static float qdot(ggml_type t, const uint8_t *row, const kn_qx *q, int64_t nb, int bits) {
+    size_t bb = quant_block_bytes(t), bpb = kn_qx_block_bytes(bits);
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + (size_t)b * bb;
-        const int8_t *hi = q->planes + b * KN_QX_PLANES, *lo = hi + KN_QK;
+        const int8_t *xb = q->planes + (size_t)b * bpb;
+        int32_t xi[KN_QK];
+        for (int i = 0; i < KN_QK; i++) xi[i] = bits == 8 ? xb[i] : 128 * xb[i] + xb[i + KN_QK];
         uint16_t dh;
         memcpy(&dh, blk, 2);
         int32_t isum = 0;
         if (t == GGML_TYPE_Q8_0) {
             const int8_t *qs = (const int8_t *)(blk + 2);
-            for (int i = 0; i < KN_QK; i++) isum += qs[i] * (128 * hi[i] + lo[i]);
+            for (int i = 0; i < KN_QK; i++) isum += qs[i] * xi[i];
         } else {
             const uint8_t *qs = blk + (t == GGML_TYPE_Q4_1 ? 4 : 2);
-            for (int i = 0; i < 16; i++)
-                isum += (qs[i] & 15) * (128 * hi[i] + lo[i]) + (qs[i] >> 4) * (128 * hi[i + 16] + lo[i + 16]);
+            for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * xi[i] + (qs[i] >> 4) * xi[i + 16];
             if (t == GGML_TYPE_Q4_0) isum -= 8 * q->isx[b];
         }
         float d = quant_f16_to_f32(dh);
@@ -208,6 +219,7 @@ typedef struct qmm_job {
     int64_t k;
     uint8_t *qx;             /* [m][kn_qx_row_bytes(k)] */
     size_t qx_stride;
+    int bits;                /* 15 or 8: the stream's precision of x */
     int64_t m;
     bool vnni, avx2; /* packed groups: AVX-512 VNNI, else AVX2, else portable */
     bool swiglu; /* w[0] gate, w[1] up: y[0] = swiglu(y[0], y[1]) */
@@ -216,7 +228,8 @@ typedef struct qmm_job {
 static void quantize_task(void *ctx, int task, int n_tasks) {
     const qmm_job *job = ctx;
     int64_t r0 = job->m * task / n_tasks, r1 = job->m * (task + 1) / n_tasks;
-    for (int64_t r = r0; r < r1; r++) kn_qx_quantize(job->x + r * job->k, job->k, job->qx + (size_t)r * job->qx_stride);
+    for (int64_t r = r0; r < r1; r++)
+        kn_qx_quantize(job->x + r * job->k, job->k, job->bits, job->qx + (size_t)r * job->qx_stride);
 }
 
 /* Rows [j0, j1) of w for every token: packed groups through VNNI, the
@@ -228,19 +241,19 @@ static void qmm_rows(const qmm_job *job, const kn_weight *w, float *y_all, int64
     for (int64_t r0 = 0; r0 < job->m; r0 += KN_TILE_M) {
         int tm = job->m - r0 < KN_TILE_M ? (int)(job->m - r0) : KN_TILE_M;
         kn_qx qx[KN_TILE_M];
-        for (int r = 0; r < tm; r++) qx[r] = kn_qx_view(job->qx + (size_t)(r0 + r) * job->qx_stride, k);
+        for (int r = 0; r < tm; r++) qx[r] = kn_qx_view(job->qx + (size_t)(r0 + r) * job->qx_stride, k, job->bits);
         float *y = y_all + r0 * n;
         int64_t j = j0;
         if ((job->vnni || job->avx2) && w->packed)
             for (; j + KN_PACK_ROWS <= j1 && j + KN_PACK_ROWS <= n / KN_PACK_ROWS * KN_PACK_ROWS; j += KN_PACK_ROWS) {
                 if (job->vnni)
-                    kn_qgroup_avx512(w, j / KN_PACK_ROWS, qx, tm, y, (size_t)n);
+                    kn_qgroup_avx512(w, j / KN_PACK_ROWS, qx, tm, job->bits, y, (size_t)n);
                 else
-                    kn_qgroup_avx2(w, j / KN_PACK_ROWS, qx, tm, y, (size_t)n);
+                    kn_qgroup_avx2(w, j / KN_PACK_ROWS, qx, tm, job->bits, y, (size_t)n);
             }
         for (; j < j1; j++) {
             const uint8_t *row = (const uint8_t *)w->data + (size_t)j * w->row_bytes;
-            for (int r = 0; r < tm; r++) y[(size_t)r * (size_t)n + (size_t)j] = qdot(w->type, row, &qx[r], nb);
+            for (int r = 0; r < tm; r++) y[(size_t)r * (size_t)n + (size_t)j] = qdot(w->type, row, &qx[r], nb, job->bits);
         }
     }
 }
@@ -282,9 +295,9 @@ static void qmm_run(kn_stream *s, int n_w, const kn_weight *const *w, const floa
     AE_ASSERT(n_w >= 1 && n_w <= KN_MM_MAX_W);
     int64_t k = w[0]->cols;
     AE_ASSERT(k % KN_QK == 0);
-    size_t stride = kn_qx_row_bytes(k);
+    size_t stride = kn_qx_row_bytes(k, s->act_bits);
     AE_ASSERT(s->work_bytes >= (size_t)m * stride);
-    qmm_job job = {.n_w = n_w, .x = x, .k = k, .qx = s->work, .qx_stride = stride, .m = m,
+    qmm_job job = {.n_w = n_w, .x = x, .k = k, .qx = s->work, .qx_stride = stride, .bits = s->act_bits, .m = m,
                    .vnni = kn_cpu_use_avx512vnni(), .avx2 = kn_cpu_use_avx2(), .swiglu = swiglu};
     for (int i = 0; i < n_w; i++) {
         AE_ASSERT(w[i]->cols == k && kn_qmatmul_type(w[i]->type));

@@ -3,8 +3,10 @@
  * multiplies 4 unsigned weight bytes of that row by 4 signed bytes of x
  * broadcast to all lanes, so no horizontal sums are needed. Per block and
  * token the exact integer sum is
- *   isum = 128 * sum(w * hi) + sum(w * lo)  (minus 8 * sum xi for Q4_0,
- *   128 * sum xi for Q8_0, whose bytes are stored + 128),
+ *   isum = 128 * sum(w * hi) + sum(w * lo)  at 15 bits,
+ *   isum = sum(w * xi)                      at 8 bits,
+ * minus 8 * sum xi for Q4_0 and 128 * sum xi for Q8_0 (whose bytes are
+ * stored + 128),
  * then acc = fma((float)isum, d * sx, acc) and, for Q4_1,
  * acc = fma(m, xs, acc): the portable kernel's steps, so the bits match.
  *
@@ -48,9 +50,9 @@ INL void load_q(ggml_type t, const uint8_t *p, __m512i q[8]) {
     }
 }
 
-/* One packed group against TM tokens; TM is a constant in each instance
- * so the accumulators stay in registers. */
-INL void qgroup(ggml_type t, int TM, const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) {
+/* One packed group against TM tokens at BITS; TM and BITS are constants
+ * in each instance so the accumulators stay in registers. */
+INL void qgroup(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) {
     int64_t nb = w->cols / KN_QK;
     size_t pb = kn_pack_block_bytes(t);
     size_t doff = t == GGML_TYPE_Q8_0 ? 512 : 256;
@@ -73,17 +75,31 @@ INL void qgroup(ggml_type t, int TM, const kn_weight *w, int64_t g, const kn_qx 
                         : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < TM; r++) {
-            const int8_t *hi = qx[r].planes + b * KN_QX_PLANES, *lo = hi + KN_QK;
-            /* Four independent chains hide vpdpbusd's latency. */
-            __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+            __m512i isum;
+            if (BITS == 8) {
+                const int8_t *xi = qx[r].planes + b * KN_QX8_BYTES;
+                /* Two chains: with several tokens in flight, their
+                 * chains already overlap. */
+                __m512i s0 = _mm512_setzero_si512(), s1 = s0;
 #pragma GCC unroll 4
-            for (int v = 0; v < 8; v += 2) {
-                h0 = _mm512_dpbusd_epi32(h0, q[v], bcast4(hi + 4 * v));
-                h1 = _mm512_dpbusd_epi32(h1, q[v + 1], bcast4(hi + 4 * v + 4));
-                l0 = _mm512_dpbusd_epi32(l0, q[v], bcast4(lo + 4 * v));
-                l1 = _mm512_dpbusd_epi32(l1, q[v + 1], bcast4(lo + 4 * v + 4));
+                for (int v = 0; v < 8; v += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, q[v], bcast4(xi + 4 * v));
+                    s1 = _mm512_dpbusd_epi32(s1, q[v + 1], bcast4(xi + 4 * v + 4));
+                }
+                isum = _mm512_add_epi32(s0, s1);
+            } else {
+                const int8_t *hi = qx[r].planes + b * KN_QX_PLANES, *lo = hi + KN_QK;
+                /* Four independent chains hide vpdpbusd's latency. */
+                __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+#pragma GCC unroll 4
+                for (int v = 0; v < 8; v += 2) {
+                    h0 = _mm512_dpbusd_epi32(h0, q[v], bcast4(hi + 4 * v));
+                    h1 = _mm512_dpbusd_epi32(h1, q[v + 1], bcast4(hi + 4 * v + 4));
+                    l0 = _mm512_dpbusd_epi32(l0, q[v], bcast4(lo + 4 * v));
+                    l1 = _mm512_dpbusd_epi32(l1, q[v + 1], bcast4(lo + 4 * v + 4));
+                }
+                isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 7), _mm512_add_epi32(l0, l1));
             }
-            __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 7), _mm512_add_epi32(l0, l1));
             if (t == GGML_TYPE_Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * qx[r].isx[b]));
             if (t == GGML_TYPE_Q8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * qx[r].isx[b]));
             __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(qx[r].sx[b]));
@@ -101,17 +117,18 @@ KN_QG_KERNELS(kn_qgroup_avx512, TGT)
  * round-to-even by adding and subtracting 1.5 * 2^23, the clamp and the
  * split are the same IEEE and integer operations, so the bytes are the
  * portable code's. */
-TGT void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
+TGT void kn_qx_quantize_avx512(const float *x, int64_t k, int bits, uint8_t *row) {
     int64_t nb = k / KN_QK;
-    size_t off = (size_t)nb * KN_QX_PLANES;
-    float *sx = (float *)(void *)(row + off);
+    size_t bpb = kn_qx_block_bytes(bits);
+    const int32_t lim = bits == 8 ? KN_QX8_MAX : KN_QX_MAX;
+    float *sx = (float *)(void *)(row + (size_t)nb * bpb);
     float *xs = sx + nb;
     int32_t *isx = (int32_t *)(void *)(xs + nb);
     const __m512 magic = _mm512_set1_ps(12582912.0f), big = _mm512_set1_ps(FLT_MAX);
-    const __m512i lim = _mm512_set1_epi32(KN_QX_MAX), half = _mm512_set1_epi32(64);
+    const __m512i vlim = _mm512_set1_epi32(lim), nlim = _mm512_set1_epi32(-lim), half = _mm512_set1_epi32(64);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * KN_QK;
-        int8_t *hi = (int8_t *)row + b * KN_QX_PLANES, *lo = hi + KN_QK;
+        int8_t *hi = (int8_t *)row + (size_t)b * bpb, *lo = hi + KN_QK; /* at 8 bits, hi is xi */
         __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
         __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
         /* finite: every |x| <= FLT_MAX (false for inf and NaN) */
@@ -119,28 +136,33 @@ TGT void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
                       (__mmask16)0xffff;
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
         if (!finite || amax < KN_QX_TINY) {
-            memset(hi, 0, KN_QX_PLANES);
+            memset(hi, 0, bpb);
             sx[b] = finite ? 0.0f : __builtin_nanf("");
             isx[b] = 0;
             xs[b] = sx[b] * 0.0f;
             continue;
         }
-        float inv = (float)KN_QX_MAX / amax;
-        sx[b] = amax / (float)KN_QX_MAX;
+        float inv = (float)lim / amax;
+        sx[b] = amax / (float)lim;
         __m512 vi = _mm512_set1_ps(inv);
         __m512 r0 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v0, vi), magic), magic);
         __m512 r1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(v1, vi), magic), magic);
         __m512i i0 = _mm512_cvttps_epi32(r0), i1 = _mm512_cvttps_epi32(r1);
-        i0 = _mm512_max_epi32(_mm512_min_epi32(i0, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        i1 = _mm512_max_epi32(_mm512_min_epi32(i1, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(i0, half), 7);
-        __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(i1, half), 7);
-        __m512i l0 = _mm512_sub_epi32(i0, _mm512_slli_epi32(h0, 7));
-        __m512i l1 = _mm512_sub_epi32(i1, _mm512_slli_epi32(h1, 7));
-        _mm_storeu_si128((__m128i *)(void *)hi, _mm512_cvtepi32_epi8(h0));
-        _mm_storeu_si128((__m128i *)(void *)(hi + 16), _mm512_cvtepi32_epi8(h1));
-        _mm_storeu_si128((__m128i *)(void *)lo, _mm512_cvtepi32_epi8(l0));
-        _mm_storeu_si128((__m128i *)(void *)(lo + 16), _mm512_cvtepi32_epi8(l1));
+        i0 = _mm512_max_epi32(_mm512_min_epi32(i0, vlim), nlim);
+        i1 = _mm512_max_epi32(_mm512_min_epi32(i1, vlim), nlim);
+        if (bits == 8) {
+            _mm_storeu_si128((__m128i *)(void *)hi, _mm512_cvtepi32_epi8(i0));
+            _mm_storeu_si128((__m128i *)(void *)(hi + 16), _mm512_cvtepi32_epi8(i1));
+        } else {
+            __m512i h0 = _mm512_srai_epi32(_mm512_add_epi32(i0, half), 7);
+            __m512i h1 = _mm512_srai_epi32(_mm512_add_epi32(i1, half), 7);
+            __m512i l0 = _mm512_sub_epi32(i0, _mm512_slli_epi32(h0, 7));
+            __m512i l1 = _mm512_sub_epi32(i1, _mm512_slli_epi32(h1, 7));
+            _mm_storeu_si128((__m128i *)(void *)hi, _mm512_cvtepi32_epi8(h0));
+            _mm_storeu_si128((__m128i *)(void *)(hi + 16), _mm512_cvtepi32_epi8(h1));
+            _mm_storeu_si128((__m128i *)(void *)lo, _mm512_cvtepi32_epi8(l0));
+            _mm_storeu_si128((__m128i *)(void *)(lo + 16), _mm512_cvtepi32_epi8(l1));
+        }
         int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
         isx[b] = sum;
         xs[b] = sx[b] * (float)sum;
@@ -178,13 +200,13 @@ TGT void kn_swiglu_avx512(const float *g, const float *u, float *y, int64_t n) {
 
 #else /* not x86-64: kn_cpu_use_avx512vnni is always false */
 
-void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, float *y, size_t ldy) {
-    (void)w, (void)g, (void)qx, (void)tm, (void)y, (void)ldy;
+void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy) {
+    (void)w, (void)g, (void)qx, (void)tm, (void)bits, (void)y, (void)ldy;
     AE_ASSERT(!"no AVX-512 kernel on this architecture");
 }
 
-void kn_qx_quantize_avx512(const float *x, int64_t k, uint8_t *row) {
-    (void)x, (void)k, (void)row;
+void kn_qx_quantize_avx512(const float *x, int64_t k, int bits, uint8_t *row) {
+    (void)x, (void)k, (void)bits, (void)row;
     AE_ASSERT(!"no AVX-512 kernel on this architecture");
 }
 

@@ -11,7 +11,10 @@
  * greedy tokens on every prompt. The reference stays f32 throughout.
  *
  * All prompts run as sequences of one batched engine, so this also checks
- * that batching changes nothing a user can see. Run from the repo root. */
+ * that batching changes nothing a user can see. Run from the repo root.
+ *
+ * The same comparison at 8-bit activations (kernels.h) holds to the
+ * looser bounds measured for it, stated at the test. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -32,6 +35,14 @@
 #define GOLDEN "tests/golden/llama/smollm2.json"
 #define N_GEN 64
 #define MAX_PROMPTS 32
+/* BOUNDS_8BIT: measured at 8-bit activations on this file (the results
+ * are bitwise deterministic): 6/26 prompts keep all 64 greedy tokens,
+ * final logits rel L2 max 0.0834, top-20 max |diff|/L2 0.00102, features
+ * rel L2 max 0.0274. The bounds leave 1.5x on each error. */
+#define MIN_IDENTICAL_8BIT 4
+#define MAX_LOGITS_8BIT 0.125
+#define MAX_TOP_8BIT 0.0015
+#define MAX_HIDDEN_8BIT 0.04
 
 static model *mdl;
 static cJSON *golden;
@@ -103,14 +114,20 @@ static double rel_l2(const float *x, const float *ref, size_t n) {
     return sqrt(num / den);
 }
 
-static void test_matches_transformers(void **state) {
-    (void)state;
+/* What one run against the reference found. */
+typedef struct golden_result {
+    int32_t prompts, identical; /* prompts, and those whose N_GEN greedy tokens all match */
+    int32_t full_checked, hidden_checked;
+    double worst_logits, worst_top, worst_hidden;
+} golden_result;
+
+static golden_result run_golden(int32_t act_bits) {
     const cJSON *prompts = cJSON_GetObjectItem(golden, "prompts");
     int32_t np = cJSON_GetArraySize(prompts);
     assert_true(np >= 20 && np <= MAX_PROMPTS);
     const int32_t V = mdl->cfg.vocab, H = mdl->cfg.hidden;
     eng_config cfg = {.max_batch_tokens = 512, .max_seqs = MAX_PROMPTS, .max_seq_len = 384,
-                      .kv_tokens = MAX_PROMPTS * 384, .block_size = 16, .threads = 2};
+                      .kv_tokens = MAX_PROMPTS * 384, .block_size = 16, .threads = 2, .act_bits = act_bits};
     eng *e;
     ae_error err = {0};
     if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -196,23 +213,43 @@ static void test_matches_transformers(void **state) {
                    got[p][first], ref_gen[p][first]);
         free(ref_gen[p]);
     }
-    printf("golden: %d/%d prompts give the same %d greedy tokens; final logits rel L2 max %.3g "
-           "(%d full vectors); top-20 logits max |diff|/L2 %.3g; captured features rel L2 max %.3g "
+    printf("golden (%d-bit activations): %d/%d prompts give the same %d greedy tokens; final logits rel L2 max "
+           "%.3g (%d full vectors); top-20 logits max |diff|/L2 %.3g; captured features rel L2 max %.3g "
            "(%d prompts x 3 layers)\n",
-           identical, np, N_GEN, worst_logits, full_checked, worst_top, worst_hidden, hidden_checked);
-    assert_int_equal(identical, np);
-    assert_true(full_checked >= 4 && worst_logits < 2e-3);
-    assert_true(worst_top < 1e-4);
-    assert_true(hidden_checked >= 3 && worst_hidden < 1e-3);
+           act_bits, identical, np, N_GEN, worst_logits, full_checked, worst_top, worst_hidden, hidden_checked);
     free(logits);
     free(feat);
     free(ref);
     eng_free(e);
+    return (golden_result){np, identical, full_checked, hidden_checked, worst_logits, worst_top, worst_hidden};
+}
+
+static void test_matches_transformers(void **state) {
+    (void)state;
+    golden_result r = run_golden(15);
+    assert_int_equal(r.identical, r.prompts);
+    assert_true(r.full_checked >= 4 && r.worst_logits < 2e-3);
+    assert_true(r.worst_top < 1e-4);
+    assert_true(r.hidden_checked >= 3 && r.worst_hidden < 1e-3);
+}
+
+/* 8-bit activations round x to 1/127 of each block's largest magnitude,
+ * so the logits move far more than at 15 bits. The bounds are what was
+ * measured on this file (BOUNDS_8BIT below, with about 1.5x margin); a
+ * change that makes the 8-bit path worse than that fails here. */
+static void test_8bit_activations_stay_within_measured_bounds(void **state) {
+    (void)state;
+    golden_result r = run_golden(8);
+    assert_true(r.identical >= MIN_IDENTICAL_8BIT);
+    assert_true(r.full_checked >= 4 && r.worst_logits < MAX_LOGITS_8BIT);
+    assert_true(r.worst_top < MAX_TOP_8BIT);
+    assert_true(r.hidden_checked >= 3 && r.worst_hidden < MAX_HIDDEN_8BIT);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matches_transformers),
+        cmocka_unit_test(test_8bit_activations_stay_within_measured_bounds),
     };
     return cmocka_run_group_tests_name("llama_golden", tests, setup, teardown);
 }

@@ -4,8 +4,9 @@
  * prompts, three tree shapes, 16 tokens each, token-identical to plain
  * greedy decoding. A random head is almost never right, so this pins the
  * verification of real-size trees (wide and deep, 8 and 32 nodes) and the
- * commit of the root; the tiny fixture's tests cover accepted paths. Run
- * from the repo root. */
+ * commit of the root; the tiny fixture's tests cover accepted paths. Both
+ * activation precisions (kernels.h) are run: each is lossless on its own.
+ * Run from the repo root. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -30,16 +31,15 @@
 /* Prompt i: 1..MAX_PROMPT random ids. */
 static int32_t prompt(int i, int32_t vocab, int32_t *ids) { return spec_test_prompt(i, vocab, MAX_PROMPT, 13, ids); }
 
-static void test_greedy_speculation_is_lossless_on_the_default_model(void **state) {
-    (void)state;
+static void check_lossless(int32_t act_bits) {
     ae_error err = {0};
     model *m;
     eng *e;
     draft_link link;
     if (model_load(&m, MODEL_PATH, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
-    eng_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2};
+    eng_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2, act_bits};
     assert_int_equal(eng_init(&e, m, &ec, &err), AE_OK);
-    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(e)};
+    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(e), act_bits};
     if (draft_link_open(&link, HEAD_DIR, m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s (run `make test`)", err.msg);
     int32_t V = m->cfg.vocab, ids[MAX_PROMPT], got[N_GEN];
     static int32_t want[N_PROMPTS][N_GEN];
@@ -59,7 +59,7 @@ static void test_greedy_speculation_is_lossless_on_the_default_model(void **stat
             else fprintf(stderr, "%s: prompt %d differs\n", names[k], i);
         }
         const spec_stats *st = spec_total_stats(s);
-        printf("%s: %d/%d prompts identical; %lld verify steps, %lld drafted, %lld accepted\n", names[k],
+        printf("%d-bit %s: %d/%d prompts identical; %lld verify steps, %lld drafted, %lld accepted\n", act_bits, names[k],
                identical, N_PROMPTS, (long long)st->steps, (long long)st->drafted, (long long)st->accepted);
         assert_int_equal(identical, N_PROMPTS);
         assert_int_equal(st->bad_trees, 0);
@@ -71,9 +71,20 @@ static void test_greedy_speculation_is_lossless_on_the_default_model(void **stat
     model_free(m);
 }
 
+static void test_greedy_speculation_is_lossless_on_the_default_model(void **state) {
+    (void)state;
+    check_lossless(15);
+}
+
+static void test_greedy_speculation_is_lossless_at_8bit_activations(void **state) {
+    (void)state;
+    check_lossless(8);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_speculation_is_lossless_on_the_default_model),
+        cmocka_unit_test(test_greedy_speculation_is_lossless_at_8bit_activations),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

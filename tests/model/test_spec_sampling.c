@@ -48,9 +48,9 @@ static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
     if (model_load(&f->m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 1};
+    eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 1, 0};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    drafter_config dc = {1, SEQ_LEN, 16, 1, eng_pool(f->e)};
+    drafter_config dc = {1, SEQ_LEN, 16, 1, eng_pool(f->e), 0};
     if (draft_link_open(&f->link, FIX "/head", f->m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, 1, 64, false, NULL, NULL};
     if (draft_link_capture(&f->link, f->m, sc.capture, &err) != AE_OK ||

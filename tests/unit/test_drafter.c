@@ -120,7 +120,7 @@ static void test_trees_match_sequential_reference(void **state) {
     eagle_head *h;
     load_fixture(&m, &h);
     drafter *d;
-    drafter_config dc = {NK, MAXL, 5, 2, NULL};
+    drafter_config dc = {NK, MAXL, 5, 2, NULL, 0};
     assert_int_equal(drafter_init(&d, h, &dc, &err), AE_OK);
     ref r;
     ref_open(&r, h);
@@ -184,7 +184,7 @@ static void test_bad_feeds_are_refused_and_change_nothing(void **state) {
     eagle_head *h;
     load_fixture(&m, &h);
     drafter *d;
-    drafter_config dc = {2, MAXL, 8, 1, NULL};
+    drafter_config dc = {2, MAXL, 8, 1, NULL, 0};
     assert_int_equal(drafter_init(&d, h, &dc, &err), AE_OK);
     static float feats[4 * 96];
     int32_t toks[4] = {1, 2, 3, 4}, bad[4] = {1, 2, 32, 4};

@@ -211,7 +211,7 @@ static void test_fixture_target_forms_match_transformers(void **state) {
     cJSON *root = expected();
     for (int f = 0; f < 2; f++) {
         model *m = load_target(paths[f]);
-        eng_config cfg = {64, 1, 64, 64, 16, 2};
+        eng_config cfg = {64, 1, 64, 64, 16, 2, 0};
         eng *e;
         ae_error err = {0};
         if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);

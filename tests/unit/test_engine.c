@@ -45,14 +45,17 @@ static int teardown(void **state) {
     return 0;
 }
 
-static eng *new_engine(int threads) {
+/* act_bits 0: the default (15). */
+static eng *new_engine_bits(int threads, int32_t act_bits) {
     eng_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
-                      .block_size = 16, .threads = threads};
+                      .block_size = 16, .threads = threads, .act_bits = act_bits};
     eng *e = NULL;
     ae_error err = {0};
     if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     return e;
 }
+
+static eng *new_engine(int threads) { return new_engine_bits(threads, 0); }
 
 static int32_t new_seq(eng *e) {
     int32_t s;
@@ -120,9 +123,8 @@ static void test_logits_do_not_depend_on_batch_mates_or_threads(void **state) {
     eng_free(e3);
 }
 
-static void test_tree_node_equals_decoding_its_path(void **state) {
-    (void)state;
-    eng *e = new_engine(2);
+static void check_tree_node_equals_decoding_its_path(int32_t act_bits) {
+    eng *e = new_engine_bits(2, act_bits);
     float *tree = malloc(sizeof(float) * (size_t)V * 6), *seqd = malloc(sizeof(float) * (size_t)V * 3);
     float *scratch = malloc(sizeof(float) * (size_t)V);
     int32_t t = new_seq(e), s = new_seq(e);
@@ -157,6 +159,44 @@ static void test_tree_node_equals_decoding_its_path(void **state) {
     free(seqd);
     free(scratch);
     eng_free(e);
+}
+
+static void test_tree_node_equals_decoding_its_path(void **state) {
+    (void)state;
+    check_tree_node_equals_decoding_its_path(0);
+}
+
+static void test_tree_node_equals_decoding_its_path_at_8bit_activations(void **state) {
+    (void)state;
+    check_tree_node_equals_decoding_its_path(8);
+}
+
+/* act_bits is the engine's: 15 by default, 8 when asked (and then the
+ * logits are another rounding's), anything else refused. */
+static void test_activation_bits_are_an_engine_setting(void **state) {
+    (void)state;
+    eng *e15 = new_engine(1), *e8 = new_engine_bits(1, 8);
+    assert_int_equal(eng_get_config(e15)->act_bits, 15);
+    assert_int_equal(eng_get_config(e8)->act_bits, 8);
+    float *a = malloc(sizeof(float) * (size_t)V), *b = malloc(sizeof(float) * (size_t)V);
+    eng_item i15 = {new_seq(e15), ENG_APPEND, N_PROMPT, PROMPT, NULL, false};
+    eng_item i8 = {new_seq(e8), ENG_APPEND, N_PROMPT, PROMPT, NULL, false};
+    step(e15, &i15, 1, a);
+    step(e8, &i8, 1, b);
+    int32_t differ = 0;
+    for (int32_t v = 0; v < V; v++) differ += a[v] != b[v];
+    assert_true(differ > V / 2);
+    free(a);
+    free(b);
+    eng_free(e15);
+    eng_free(e8);
+    eng_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
+                      .block_size = 16, .threads = 1, .act_bits = 9};
+    eng *bad = NULL;
+    ae_error err = {0};
+    assert_int_equal(eng_init(&bad, mdl, &cfg, &err), AE_ERR);
+    assert_null(bad);
+    assert_string_equal(err.msg, "engine: activation bits must be 8 or 15, got 9");
 }
 
 static void test_bad_items_fail_and_change_nothing(void **state) {
@@ -314,6 +354,8 @@ int main(void) {
         cmocka_unit_test(test_prefill_equals_token_by_token_decode),
         cmocka_unit_test(test_logits_do_not_depend_on_batch_mates_or_threads),
         cmocka_unit_test(test_tree_node_equals_decoding_its_path),
+        cmocka_unit_test(test_tree_node_equals_decoding_its_path_at_8bit_activations),
+        cmocka_unit_test(test_activation_bits_are_an_engine_setting),
         cmocka_unit_test(test_bad_items_fail_and_change_nothing),
         cmocka_unit_test(test_capture_is_three_layer_inputs_and_batch_invariant),
         cmocka_unit_test(test_refused_step_gives_back_the_blocks_it_reserved),

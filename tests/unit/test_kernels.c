@@ -24,8 +24,9 @@
 #define WORK_BYTES (1u << 20)
 
 typedef struct fixture {
-    pool *pools[MAX_THREADS + 1];        /* [t]: t threads */
-    kn_stream *streams[MAX_THREADS + 1]; /* on pools[t] */
+    pool *pools[MAX_THREADS + 1];         /* [t]: t threads */
+    kn_stream *streams[MAX_THREADS + 1];  /* on pools[t], 15-bit activations (the default) */
+    kn_stream *streams8[MAX_THREADS + 1]; /* on pools[t], 8-bit activations */
 } fixture;
 
 static fixture F;
@@ -35,6 +36,8 @@ static int setup(void **state) {
     for (int t = 1; t <= MAX_THREADS; t++) {
         if (pool_init(&F.pools[t], t, NULL) != AE_OK) return -1;
         if (kn_stream_init_cpu(&F.streams[t], F.pools[t], WORK_BYTES, NULL) != AE_OK) return -1;
+        if (kn_stream_init_cpu(&F.streams8[t], F.pools[t], WORK_BYTES, NULL) != AE_OK) return -1;
+        kn_stream_set_act_bits(F.streams8[t], 8);
     }
     return 0;
 }
@@ -43,6 +46,7 @@ static int teardown(void **state) {
     (void)state;
     for (int t = 1; t <= MAX_THREADS; t++) {
         kn_stream_free(F.streams[t]);
+        kn_stream_free(F.streams8[t]);
         pool_free(F.pools[t]);
     }
     kn_cpu_force_scalar(false);
@@ -142,6 +146,12 @@ static void assert_same_bits(const float *got, const float *want, size_t n, cons
                      (double)got[i], fbits(got[i]), (double)want[i], fbits(want[i]));
 }
 
+/* The fixture's stream with t threads at `bits` of activation precision. */
+static kn_stream *stream(int t, int bits) { return bits == 8 ? F.streams8[t] : F.streams[t]; }
+
+/* L of kernels.h: the largest |xi| at `bits`. */
+static float act_limit(int bits) { return bits == 8 ? 127.0f : 16256.0f; }
+
 static bool is_quant(ggml_type t) {
     return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
 }
@@ -152,13 +162,13 @@ static bool is_quant(ggml_type t) {
  * the f32 accumulation bound (k * 2^-23 relative to sum |x w|). Quantized
  * types multiply x rounded to 1/16256 of its block's largest magnitude
  * (kernels.h), so the bound adds sum |w| * half a step per block. */
-static void check_matmul_reference(ggml_type type, int64_t m, int64_t n, int64_t k) {
+static void check_matmul_reference_bits(ggml_type type, int64_t m, int64_t n, int64_t k, int bits) {
     test_weight tw = make_weight(type, n, k);
     if (is_quant(type) && n >= KN_PACK_ROWS) pack_weight(&tw);
     float *x = malloc(sizeof(float) * (size_t)(m * k));
     float *y = malloc(sizeof(float) * (size_t)(m * n));
     fill(x, (size_t)(m * k), 2.0f);
-    kn_matmul(F.streams[2], &tw.w, x, y, m);
+    kn_matmul(stream(2, bits), &tw.w, x, y, m);
     for (int64_t r = 0; r < m; r++)
         for (int64_t j = 0; j < n; j++) {
             double ref = 0, mag = 0, qerr = 0;
@@ -171,18 +181,22 @@ static void check_matmul_reference(ggml_type type, int64_t m, int64_t n, int64_t
                     wabs += fabs(w);
                     if (fabs(xv) > amax) amax = fabs(xv);
                 }
-                if (is_quant(type)) qerr += wabs * amax * (0.5 / 16256.0 + 1e-7);
+                if (is_quant(type)) qerr += wabs * amax * (0.5 / act_limit(bits) + 1e-7);
             }
             double bound = (double)k * 1.2e-7 * mag + qerr + 1e-30;
             double err = fabs((double)y[r * n + j] - ref);
             if (err > bound)
-                fail_msg("%s m=%lld: y[%lld][%lld] = %.9g, reference %.9g, error %.3g > bound %.3g",
-                         quant_type_name(type), (long long)m, (long long)r, (long long)j,
+                fail_msg("%s %d-bit m=%lld: y[%lld][%lld] = %.9g, reference %.9g, error %.3g > bound %.3g",
+                         quant_type_name(type), bits, (long long)m, (long long)r, (long long)j,
                          (double)y[r * n + j], ref, err, bound);
         }
     free(x);
     free(y);
     free_weight(&tw);
+}
+
+static void check_matmul_reference(ggml_type type, int64_t m, int64_t n, int64_t k) {
+    check_matmul_reference_bits(type, m, n, k, 15);
 }
 
 static const ggml_type ALL_TYPES[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,
@@ -236,10 +250,12 @@ static void matmul_simd_and_portable_paths_agree_bitwise(void **state) {
 }
 
 /* The quantized contract of kernels.h, written out again here from its
- * text: x rounded per block to xi = round(x * 16256 / amax), exact integer
- * dot products per block, then acc = fma(isum, d * sx, acc) and for Q4_1
- * acc = fma(m, sx * sum xi, acc), block by block. */
-static float contract_row(ggml_type type, const uint8_t *row, const float *x, int64_t k) {
+ * text: x rounded per block to xi = round(x * (L / amax)) (L = 16256 at
+ * 15 bits, 127 at 8), exact integer dot products per block, then
+ * acc = fma(isum, d * sx, acc) and for Q4_1 acc = fma(m, sx * sum xi,
+ * acc), block by block. */
+static float contract_row_bits(ggml_type type, const uint8_t *row, const float *x, int64_t k, int bits) {
+    const float L = act_limit(bits);
     size_t bb = quant_block_bytes(type);
     float acc = 0.0f;
     for (int64_t b = 0; b < k / 32; b++) {
@@ -249,7 +265,7 @@ static float contract_row(ggml_type type, const uint8_t *row, const float *x, in
         for (int i = 0; i < 32; i++)
             if (fabsf(xb[i]) > amax) amax = fabsf(xb[i]);
         bool zero = amax < 0x1p-100f; /* counts as a zero block */
-        float sx = zero ? 0.0f : amax / 16256.0f, inv = zero ? 0.0f : 16256.0f / amax;
+        float sx = zero ? 0.0f : amax / L, inv = zero ? 0.0f : L / amax;
         int32_t xi[32], sum = 0;
         for (int i = 0; i < 32; i++) {
             xi[i] = (int32_t)nearbyintf(xb[i] * inv);
@@ -284,8 +300,7 @@ static float contract_row(ggml_type type, const uint8_t *row, const float *x, in
  * read from the file's layout. Row 0 carries extreme scales: a subnormal f16 d, the largest d
  * with the most negative offset, d = 1 with an offset that rounds. x
  * holds a zero block, a block with one huge outlier and tiny values. */
-static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) {
-    (void)state;
+static void check_integer_contract(int bits) {
     const ggml_type types[] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
     const uint16_t d_edge[3] = {0x0001, 0x7bff, 0x3c00};
     const uint16_t m_edge[3] = {0x8001, 0xfbff, 0x3555};
@@ -307,15 +322,16 @@ static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) 
         }
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < n; j++)
-                want[r * n + j] = contract_row(types[t], tw.bytes + (size_t)j * tw.w.row_bytes, x + r * k, k);
+                want[r * n + j] =
+                    contract_row_bits(types[t], tw.bytes + (size_t)j * tw.w.row_bytes, x + r * k, k, bits);
         for (int packed = 0; packed <= 1; packed++) {
             if (packed) pack_weight(&tw);
             for (int level = 0; level <= 2; level++) { /* portable, AVX2, AVX-512: what the CPU has */
                 kn_cpu_limit_simd(level);
                 for (int64_t m = 1; m <= M; m++) {
-                    kn_matmul(F.streams[2], &tw.w, x, got, m);
-                    char what[80];
-                    snprintf(what, sizeof what, "%s %s %s m=%lld", quant_type_name(types[t]),
+                    kn_matmul(stream(2, bits), &tw.w, x, got, m);
+                    char what[96];
+                    snprintf(what, sizeof what, "%s %d-bit %s %s m=%lld", quant_type_name(types[t]), bits,
                              packed ? "packed" : "file layout", kn_cpu_simd(), (long long)m);
                     assert_same_bits(got, want, (size_t)(m * n), what);
                 }
@@ -329,10 +345,19 @@ static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) 
     free(want);
 }
 
+static void quantized_matmul_follows_the_integer_contract_bitwise(void **state) {
+    (void)state;
+    check_integer_contract(15);
+}
+
+static void quantized_matmul_8bit_follows_the_integer_contract_bitwise(void **state) {
+    (void)state;
+    check_integer_contract(8);
+}
+
 /* A non-finite x makes every output it touches NaN (as f32 would); a zero
  * row of x gives exact zeros. */
-static void quantized_matmul_propagates_nan_and_keeps_zeros(void **state) {
-    (void)state;
+static void check_nan_and_zeros(int bits) {
     int64_t n = 32, k = 64;
     test_weight tw = make_weight(GGML_TYPE_Q4_1, n, k);
     pack_weight(&tw);
@@ -343,7 +368,7 @@ static void quantized_matmul_propagates_nan_and_keeps_zeros(void **state) {
     x[128 + 40] = INFINITY;
     for (int level = 0; level <= 2; level++) {
         kn_cpu_limit_simd(level);
-        kn_matmul(F.streams[2], &tw.w, x, y, 3);
+        kn_matmul(stream(2, bits), &tw.w, x, y, 3);
         for (int64_t j = 0; j < n; j++) {
             assert_true(y[j] == 0.0f && !signbit(y[j]));
             assert_true(isnan(y[32 + j]));
@@ -354,14 +379,99 @@ static void quantized_matmul_propagates_nan_and_keeps_zeros(void **state) {
     free_weight(&tw);
 }
 
+static void quantized_matmul_propagates_nan_and_keeps_zeros(void **state) {
+    (void)state;
+    check_nan_and_zeros(15);
+}
+
+static void quantized_matmul_8bit_propagates_nan_and_keeps_zeros(void **state) {
+    (void)state;
+    check_nan_and_zeros(8);
+}
+
+/* Hand-made blocks with known xi, at both precisions. Block 0 of x is
+ * 127, -64, 2.5, 3.5, -2.5, 0.3, 0...: amax = 127, so at 8 bits
+ * L / amax = 1 and xi = 127, -64, 2, 4, -2, 0 (ties to even, 0.3 lost),
+ * sx = 1; at 15 bits L / amax = 128 and xi = 16256, -8192, 320, 448,
+ * -320, 38 (0.3 * 128 = 38.4), sx = 1/128. Block 1 is zero. Weights with
+ * d = 1 (f16 0x3c00), Q4_1's m = 0.5 (0x3800). */
+static void quantized_matmul_exact_on_hand_made_blocks(void **state) {
+    (void)state;
+    int64_t k = 64;
+    float x[64] = {127.0f, -64.0f, 2.5f, 3.5f, -2.5f, 0.3f};
+    /* Q8_0, 16 rows (one packed group), row j: q[i] = (i + j) % 7 - 3. */
+    uint8_t q8[16][2 * 34] = {{0}}, q40[16][2 * 18] = {{0}}, q41[16][2 * 20] = {{0}};
+    for (int j = 0; j < 16; j++)
+        for (int b = 0; b < 2; b++) {
+            put16(q8[j] + 34 * b, 0x3c00);
+            for (int i = 0; i < 32; i++) q8[j][34 * b + 2 + i] = (uint8_t)(int8_t)((i + j) % 7 - 3);
+            put16(q40[j] + 18 * b, 0x3c00);
+            put16(q41[j] + 20 * b, 0x3c00);
+            put16(q41[j] + 20 * b + 2, 0x3800);
+            for (int i = 0; i < 16; i++) {
+                uint8_t lo = (uint8_t)((i + j) % 16), hi = (uint8_t)((i + 16 + 2 * j) % 16);
+                q40[j][18 * b + 2 + i] = (uint8_t)(lo | hi << 4);
+                q41[j][20 * b + 4 + i] = (uint8_t)(lo | hi << 4);
+            }
+        }
+    const int32_t xi8[6] = {127, -64, 2, 4, -2, 0}, xi15[6] = {16256, -8192, 320, 448, -320, 38};
+    const ggml_type types[3] = {GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
+    const uint8_t *data[3] = {&q8[0][0], &q40[0][0], &q41[0][0]};
+    for (int t = 0; t < 3; t++)
+        for (int bits = 8; bits <= 15; bits += 7) {
+            const int32_t *xi = bits == 8 ? xi8 : xi15;
+            float sx = bits == 8 ? 1.0f : 1.0f / 128.0f;
+            float want[16];
+            for (int j = 0; j < 16; j++) {
+                int32_t isum = 0, sum = 0;
+                for (int i = 0; i < 6; i++) {
+                    int32_t q = types[t] == GGML_TYPE_Q8_0 ? (i + j) % 7 - 3 : (i + j) % 16;
+                    if (types[t] == GGML_TYPE_Q4_0) q -= 8;
+                    isum += q * xi[i];
+                    sum += xi[i];
+                }
+                /* Exact in f32: |isum| < 2^24 and sx a power of two. */
+                want[j] = (float)isum * sx + (types[t] == GGML_TYPE_Q4_1 ? 0.5f * sx * (float)sum : 0.0f);
+            }
+            test_weight tw = {.w = {.type = types[t], .rows = 16, .cols = k, .data = data[t],
+                                    .row_bytes = quant_row_bytes(types[t], (uint64_t)k)}};
+            for (int packed = 0; packed <= 1; packed++) {
+                if (packed) pack_weight(&tw);
+                for (int level = 0; level <= 2; level++) {
+                    kn_cpu_limit_simd(level);
+                    float y[16];
+                    kn_matmul(stream(1, bits), &tw.w, x, y, 1);
+                    char what[80];
+                    snprintf(what, sizeof what, "%s %d-bit %s %s", quant_type_name(types[t]), bits,
+                             packed ? "packed" : "file layout", kn_cpu_simd());
+                    assert_same_bits(y, want, 16, what);
+                }
+            }
+            kn_cpu_limit_simd(2);
+            free(tw.packed);
+        }
+}
+
+/* At 8 bits every quantized type stays within the bound of x rounded to
+ * 1/127 of its block's largest magnitude, against the f32 product of the
+ * dequantized weights (computed in double), on every path. */
+static void quantized_matmul_8bit_stays_within_its_rounding_bound(void **state) {
+    (void)state;
+    for (int level = 0; level <= 2; level++) {
+        kn_cpu_limit_simd(level);
+        for (size_t t = 3; t < N_TYPES; t++) check_matmul_reference_bits(ALL_TYPES[t], 6, 37, 160, 8);
+    }
+    kn_cpu_limit_simd(2);
+}
+
 /* Row r of an m-row batch equals row r computed alone, for m = 1..33 and
  * 1, 2, 3 threads: tiles of 4 rows, partial tiles and thread splits all
  * give the same bits. */
-static void matmul_row_is_batch_invariant(void **state) {
-    (void)state;
-    const ggml_type types[] = {GGML_TYPE_Q4_1, GGML_TYPE_Q8_0, GGML_TYPE_F32};
+static void check_batch_invariance(int bits) {
+    const ggml_type types[] = {GGML_TYPE_Q4_1, GGML_TYPE_Q8_0, GGML_TYPE_F32, GGML_TYPE_Q4_0};
     const int64_t M = 33;
-    for (size_t t = 0; t < 3; t++) {
+    for (size_t t = 0; t < (bits == 8 ? 4u : 3u); t++) {
+        if (bits == 8 && !is_quant(types[t])) continue; /* float W has no activation precision */
         int64_t n = 37, k = types[t] == GGML_TYPE_F32 ? 69 : 96;
         test_weight tw = make_weight(types[t], n, k);
         if (is_quant(types[t])) pack_weight(&tw);
@@ -369,15 +479,15 @@ static void matmul_row_is_batch_invariant(void **state) {
         float *alone = malloc(sizeof(float) * (size_t)(M * n));
         float *batch = malloc(sizeof(float) * (size_t)(M * n));
         fill(x, (size_t)(M * k), 1.0f);
-        for (int64_t r = 0; r < M; r++) kn_matmul(F.streams[1], &tw.w, x + r * k, alone + r * n, 1);
+        for (int64_t r = 0; r < M; r++) kn_matmul(stream(1, bits), &tw.w, x + r * k, alone + r * n, 1);
         for (int threads = 1; threads <= MAX_THREADS; threads++)
             for (int64_t m = 1; m <= M; m++) {
                 /* The batch starts at row M - m so each row sits at a
                  * different place (and tile) than when computed alone. */
                 const float *xb = x + (M - m) * k;
-                kn_matmul(F.streams[threads], &tw.w, xb, batch, m);
+                kn_matmul(stream(threads, bits), &tw.w, xb, batch, m);
                 char what[64];
-                snprintf(what, sizeof what, "%s m=%lld threads=%d", quant_type_name(types[t]),
+                snprintf(what, sizeof what, "%s %d-bit m=%lld threads=%d", quant_type_name(types[t]), bits,
                          (long long)m, threads);
                 assert_same_bits(batch, alone + (M - m) * n, (size_t)(m * n), what);
             }
@@ -386,6 +496,16 @@ static void matmul_row_is_batch_invariant(void **state) {
         free(batch);
         free_weight(&tw);
     }
+}
+
+static void matmul_row_is_batch_invariant(void **state) {
+    (void)state;
+    check_batch_invariance(15);
+}
+
+static void matmul_8bit_row_is_batch_invariant(void **state) {
+    (void)state;
+    check_batch_invariance(8);
 }
 
 /* A column shard (row_bytes = full stride, data and packed at the
@@ -1041,6 +1161,11 @@ int main(void) {
         cmocka_unit_test(matmul_simd_and_portable_paths_agree_bitwise),
         cmocka_unit_test(quantized_matmul_follows_the_integer_contract_bitwise),
         cmocka_unit_test(quantized_matmul_propagates_nan_and_keeps_zeros),
+        cmocka_unit_test(quantized_matmul_8bit_follows_the_integer_contract_bitwise),
+        cmocka_unit_test(quantized_matmul_8bit_propagates_nan_and_keeps_zeros),
+        cmocka_unit_test(quantized_matmul_exact_on_hand_made_blocks),
+        cmocka_unit_test(quantized_matmul_8bit_stays_within_its_rounding_bound),
+        cmocka_unit_test(matmul_8bit_row_is_batch_invariant),
         cmocka_unit_test(fused_matmul_equals_separate_calls),
         cmocka_unit_test(matmul_row_is_batch_invariant),
         cmocka_unit_test(matmul_column_shard_reads_only_its_blocks),

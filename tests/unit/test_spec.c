@@ -37,9 +37,9 @@ static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
     if (model_load(&f->m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2};
+    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f->e)};
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f->e), 0};
     if (draft_link_open(&f->link, FIX "/head", f->m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
@@ -88,7 +88,7 @@ static void test_greedy_speculation_is_lossless_with_the_fixture_head(void **sta
     for (int k = 0; k < 4; k++) {
         if (k == 3) { /* the same head rounded to Q8_0: other trees, the same output */
             ae_error err = {0};
-            drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f.e)};
+            drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f.e), 0};
             draft_link_close(&f.link);
             if (draft_link_open(&f.link, FIX "/head", f.m, EAGLE_WEIGHTS_Q8_0, &dc, &err) != AE_OK)
                 fail_msg("%s", err.msg);
@@ -345,7 +345,7 @@ static void test_speculation_needs_a_batch_token_for_every_root(void **state) {
     fixture f;
     fixture_open(&f);
     spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
-    eng_config ec = {MAX_SEQS - 1, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 1};
+    eng_config ec = {MAX_SEQS - 1, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 1, 0};
     eng *small;
     spec *s = (spec *)1;
     ae_error err = {0};
@@ -589,10 +589,10 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     fixture_open(&f);
     ae_error err = {0};
     eng *e;
-    eng_config ec = {128, 1, LEN, LEN, 16, 2};
+    eng_config ec = {128, 1, LEN, LEN, 16, 2, 0};
     if (eng_init(&e, f.m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     draft_link link;
-    drafter_config dc = {1, LEN, CHUNK, 2, eng_pool(e)};
+    drafter_config dc = {1, LEN, CHUNK, 2, eng_pool(e), 0};
     if (draft_link_open(&link, FIX "/head", f.m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
     costly c = {&link.iface, 0, cost, verify, 0};
     spec_drafter d = {&c, costly_propose, costly_release};
