@@ -33,6 +33,7 @@ static const cfg_option opts[] = {
     {"ctx", CFG_INT, "512", PPL_MIN_CTX, 1 << 20, "tokens in a window; its second half is scored"},
     {"kl-base", CFG_STRING, NULL, 0, 0, "reference log-probabilities (tools/gen_ppl_base.py) to compare with"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    CLI_ACT_BITS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
@@ -43,10 +44,10 @@ static int resolve(cfg *c, ae_error *err) {
 
 /* The engine for one window at a time. Every engine setting of the run is
  * decided here, from the command's settings. */
-static eng_config engine_config(const cfg *c, int32_t ctx) {
+static eng_config engine_config(const cfg *c, int32_t ctx, int32_t act_bits) {
     int32_t chunk = ctx < CLI_PREFILL_CHUNK ? ctx : CLI_PREFILL_CHUNK;
     int32_t kv = (ctx + CLI_KV_BLOCK - 1) / CLI_KV_BLOCK * CLI_KV_BLOCK;
-    eng_config ec = {chunk, 1, ctx, kv, CLI_KV_BLOCK, (int32_t)cfg_int(c, "threads")};
+    eng_config ec = {chunk, 1, ctx, kv, CLI_KV_BLOCK, (int32_t)cfg_int(c, "threads"), act_bits};
     return ec;
 }
 
@@ -126,7 +127,9 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
         err_set(err, "--ctx %d exceeds the model's context of %d", w.ctx, m->cfg.context_length);
         goto out;
     }
-    eng_config ec = engine_config(c, w.ctx);
+    int32_t act_bits;
+    if (cli_act_bits(c, &act_bits, err) != AE_OK) goto out;
+    eng_config ec = engine_config(c, w.ctx, act_bits);
     if (eng_init(&e, m, &ec, err) != AE_OK ||
         ppl_scorer_init(&sc, m->cfg.vocab, (int64_t)w.n_windows * w.scored, err) != AE_OK)
         goto out;
@@ -158,6 +161,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     cJSON_AddNumberToObject(o, "tokens", (double)r.tokens);
     cJSON_AddNumberToObject(o, "windows", w.n_windows);
     cJSON_AddNumberToObject(o, "ctx", w.ctx);
+    cJSON_AddNumberToObject(o, "act_bits", ec.act_bits);
     if (base) {
         cJSON_AddNumberToObject(o, "base_ppl", r.base_ppl);
         cJSON_AddNumberToObject(o, "kld_mean", r.kld_mean);
