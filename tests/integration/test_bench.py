@@ -19,7 +19,7 @@ KEYS = {"model", "simd", "threads", "batch", "prompt_tokens", "gen_tokens", "pre
         "decode_tok_per_s", "decode_step_per_s", "weight_bytes_per_step", "bandwidth_gb_per_s",
         "bandwidth_best_gb_per_s", "roofline_fraction_windows", "roofline_fraction_vs_best",
         "bandwidth_mib", "roofline_tok_per_s", "roofline_fraction", "verify_context", "verify_1_ms",
-        "verify_cost", "wall_seconds"}
+        "verify_cost", "wall_seconds", "act_bits"}
 
 # SmolLM2-135M Q4_1 ties its output projection to the embedding table, so a
 # decode step reads every tensor of the file once: 30 layers x 7 Q4_1
@@ -42,6 +42,7 @@ def test_prints_one_json_line_with_every_figure(tiny):
     assert set(tiny) == KEYS
     assert (tiny["threads"], tiny["batch"], tiny["prompt_tokens"], tiny["gen_tokens"]) == (2, 2, 8, 4)
     assert (tiny["bandwidth_mib"], tiny["verify_context"]) == (64, 8)
+    assert tiny["act_bits"] == 15  # the default activation precision (cli/plan.h)
     assert tiny["model"] == str(MODEL)
     assert tiny["simd"] in {"avx512vnni+avx2", "avx2", "scalar"}  # kn_cpu_simd()
     for k in ("prefill_tok_per_s", "decode_tok_per_s", "decode_step_per_s", "bandwidth_gb_per_s",
