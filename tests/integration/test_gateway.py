@@ -635,6 +635,14 @@ def test_a_target_shutting_down_hands_its_stream_to_another(tmp_path, model):
                 assert p.stop() == 0, p.text()
 
 
+def sigint_as_in_a_terminal():
+    """run.sh as a terminal starts it: SIGINT at its default action. A
+    runner started in the background by a shell (nohup CMD &) passes
+    SIGINT on ignored, and an ignored SIGINT can be neither trapped by
+    run.sh nor waited for by the services, so Ctrl-C could not be tried."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("head", [True, False], ids=["with-head", "without-head"])
 def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path, model, head):
     """tools/run.sh (what `make run` runs after building) on a free port;
@@ -655,7 +663,7 @@ def test_make_run_serves_and_ctrl_c_stops_all_three(tmp_path, model, head):
         name = "plain"
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(["bash", "tools/run.sh"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     try:
         t0 = time.monotonic()
         while "Ctrl-C stops all three" not in (tmp_path / "run.log").read_text():
@@ -695,7 +703,7 @@ def test_make_run_ctrl_c_while_the_services_load_waits_for_all_three(tmp_path):
     env["AERIE_PORT"] = str(port)
     log = open(tmp_path / "run.log", "w")
     p = subprocess.Popen(["bash", "tools/run.sh"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     try:
         t0 = time.monotonic()
         # Once each has begun (and so holds SIGINT for its own handling),
