@@ -508,14 +508,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     cJSON_AddNumberToObject(o, "wall_seconds", cli_round(cli_now_seconds() - t_start, 1e2));
-    char *line = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    if (!line) {
-        err_set(err, "out of memory");
-        goto out;
-    }
-    puts(line);
-    cJSON_free(line);
+    if (cli_put_json_line(o, err) != AE_OK) goto out;
     rc = 0;
 out:
     bw_probe_free(&probe);

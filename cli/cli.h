@@ -45,6 +45,10 @@ void cli_model_close(cli_model *m);
 double cli_now_seconds(void);
 /* x rounded to the nearest multiple of 1 / scale (for JSON output). */
 double cli_round(double x, double scale);
+/* Prints o as one JSON line on stdout and frees it (struct cJSON from
+ * <cjson/cJSON.h>); fails only when out of memory. */
+struct cJSON;
+int cli_put_json_line(struct cJSON *o, ae_error *err);
 /* qsort comparator for doubles, ascending. */
 int cli_cmp_double(const void *a, const void *b);
 

@@ -7,6 +7,8 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include <cjson/cJSON.h>
+
 #include "../services/core/log.h"
 #include "cli.h"
 
@@ -53,6 +55,15 @@ double cli_now_seconds(void) {
 }
 
 double cli_round(double x, double scale) { return (double)llround(x * scale) / scale; }
+
+int cli_put_json_line(cJSON *o, ae_error *err) {
+    char *line = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (!line) return err_set(err, "out of memory");
+    puts(line);
+    cJSON_free(line);
+    return AE_OK;
+}
 
 int cli_cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;

@@ -171,14 +171,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     cJSON_AddNumberToObject(o, "threads", ec.threads);
     cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
     cJSON_AddNumberToObject(o, "seconds", cli_round(cli_now_seconds() - t_start, 1e2));
-    char *line = cJSON_PrintUnformatted(o);
-    cJSON_Delete(o);
-    if (!line) {
-        err_set(err, "out of memory");
-        goto out;
-    }
-    puts(line);
-    cJSON_free(line);
+    if (cli_put_json_line(o, err) != AE_OK) goto out;
     rc = 0;
 out:
     free(logits);

@@ -441,6 +441,24 @@ def step_loss(model, normed, tgt_ids, tgt_p, mask):
     return loss, hits, n
 
 
+def train_step(model, opt, batch, embed, ttt, weights, clip, hits, counts):
+    """One optimiser step on a collated batch (feat, toks, tid, tp, mask),
+    the unrolled steps' losses weighted; adds each step's top-1 hits and
+    positions to hits and counts, and returns the loss."""
+    feat, toks, tid, tp, mask = batch
+    loss = 0.0
+    for s, hn in enumerate(model.unroll(feat, toks, embed, ttt)):
+        l, h, n = step_loss(model, hn, tid[s], tp[s], mask[s])
+        loss = loss + weights[s] * l
+        hits[s] += float(h)
+        counts[s] += float(n)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return float(loss.detach())
+
+
 def fmt_time(s):
     return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"
 
@@ -574,22 +592,11 @@ def train(args):
                 break
             for gr in opt.param_groups:
                 gr["lr"] = lr_at(step)
-            feat, toks, tid, tp, mask = collate(data, trn, idx, args.ttt, t2d_index)
-            outs = model.unroll(feat, toks, embed, args.ttt)
-            loss = 0.0
-            for s, hn in enumerate(outs):
-                l, h, n = step_loss(model, hn, tid[s], tp[s], mask[s])
-                loss = loss + weights[s] * l
-                hits[s] += float(h)
-                counts_s[s] += float(n)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            opt.step()
+            batch = collate(data, trn, idx, args.ttt, t2d_index)
+            loss_sum += train_step(model, opt, batch, embed, args.ttt, weights, args.clip, hits, counts_s)
             step += 1
             run_steps += 1
-            seen_tokens += int(feat.shape[0] * feat.shape[1])
-            loss_sum += float(loss.detach())
+            seen_tokens += int(batch[0].shape[0] * batch[0].shape[1])
             n_loss += 1
             last = step == total
             if step % args.log_every == 0 or last:
@@ -734,21 +741,11 @@ def train_stream(args):
         for b in range(batch, len(batches)):
             for gr in opt.param_groups:
                 gr["lr"] = lr_at((shard - n_val + b / len(batches)) / n_train)
-            feat, toks, tid, tp, mask = collate(data, seqs, batches[b], args.ttt, t2d_index)
-            loss = 0.0
-            for s, hn in enumerate(model.unroll(feat, toks, embed, args.ttt)):
-                l, h, n = step_loss(model, hn, tid[s], tp[s], mask[s])
-                loss = loss + weights[s] * l
-                hits[s] += float(h)
-                cnt[s] += float(n)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            opt.step()
+            batch = collate(data, seqs, batches[b], args.ttt, t2d_index)
+            loss_sum += train_step(model, opt, batch, embed, args.ttt, weights, args.clip, hits, cnt)
             step += 1
             run_steps += 1
-            seen += int(feat.shape[0] * feat.shape[1])
-            loss_sum += float(loss.detach())
+            seen += int(batch[0].shape[0] * batch[0].shape[1])
             n_loss += 1
             if step % args.log_every == 0:
                 el = time.time() - t0
