@@ -195,22 +195,35 @@ double policy_expected_accepted(const policy *p, const policy_shape *s) {
     return cum[k - 1];
 }
 
-/* V(t) for a bucket: measured, or interpolated between the nearest
- * measured sizes; past the largest, extended along the last two; 0 when
- * nothing is measured. */
+/* A measured V(t), capped by every larger size measured: a pass of more
+ * nodes does all the work of one of fewer, so a smaller size that
+ * measured dearer caught a slow step (the host, another process), and
+ * the larger one bounds it. */
+static double verify_measured(const bucket *b, int32_t t) {
+    double v = b->verify[t];
+    for (int32_t u = t + 1; u <= POLICY_MAX_NODES; u++)
+        if (b->n_verify[u] && b->verify[u] < v) v = b->verify[u];
+    return v;
+}
+
+/* V(t) for a bucket: measured (capped as above), or interpolated between
+ * the nearest measured sizes; past the largest, extended along the last
+ * two; 0 when nothing is measured. The curve never falls. */
 static double verify_cost(const bucket *b, int32_t t) {
-    if (b->n_verify[t]) return b->verify[t];
+    if (b->n_verify[t]) return verify_measured(b, t);
     int32_t lo = t - 1, hi = t + 1;
     while (lo >= 1 && !b->n_verify[lo]) lo--;
     while (hi <= POLICY_MAX_NODES && !b->n_verify[hi]) hi++;
-    if (lo >= 1 && hi <= POLICY_MAX_NODES)
-        return b->verify[lo] + (b->verify[hi] - b->verify[lo]) * (double)(t - lo) / (double)(hi - lo);
-    if (hi <= POLICY_MAX_NODES) return b->verify[hi];
+    if (lo >= 1 && hi <= POLICY_MAX_NODES) {
+        double vl = verify_measured(b, lo), vh = verify_measured(b, hi);
+        return vl + (vh - vl) * (double)(t - lo) / (double)(hi - lo);
+    }
+    if (hi <= POLICY_MAX_NODES) return verify_measured(b, hi);
     if (lo < 1) return 0;
     int32_t lo2 = lo - 1;
     while (lo2 >= 1 && !b->n_verify[lo2]) lo2--;
-    double slope = lo2 >= 1 ? (b->verify[lo] - b->verify[lo2]) / (double)(lo - lo2) : 0;
-    return b->verify[lo] + (slope > 0 ? slope : 0) * (double)(t - lo);
+    double vl = b->verify[lo], slope = lo2 >= 1 ? (vl - verify_measured(b, lo2)) / (double)(lo - lo2) : 0;
+    return vl + (slope > 0 ? slope : 0) * (double)(t - lo);
 }
 
 /* Solves the 3x3 system a x = y (Gaussian elimination, partial pivoting). */

@@ -14,9 +14,11 @@
  *     verifies t nodes: a table by t (1..POLICY_MAX_NODES) for each range
  *     of batch sizes (1, 2-3, 4-7, ...; a pass's cost depends on its batch
  *     far more than on anything else), each entry an EWMA of measured
- *     steps; sizes not measured are interpolated between the nearest
- *     measured ones (the curve is flat while the pass is bound by reading
- *     the weights, then rises);
+ *     steps, capped by the cheapest larger size measured (more nodes
+ *     never cost less: a dearer small size caught a slow step); sizes not
+ *     measured are interpolated between the nearest measured ones (the
+ *     curve is flat while the pass is bound by reading the weights, then
+ *     rises);
  *   - D(steps, topk) is the drafter's time per sequence (the propose call:
  *     the link and the head's sequential passes), an EWMA for each shape
  *     measured, and for the others a least-squares fit of

@@ -330,6 +330,31 @@ static void test_the_verify_curve_is_interpolated_between_measured_sizes(void **
     policy_free(p);
 }
 
+/* A pass of more nodes never costs less than one of fewer: measured
+ * figures that say otherwise (a slow step caught once at 2 and at 7 nodes,
+ * as a loaded host gives) are capped by the cheapest larger size measured,
+ * before anything is interpolated between them. Without the cap, one
+ * 19 ms outlier at 2 nodes made a one-token chain look twice as dear as a
+ * 3-node tree for the rest of the run. */
+static void test_a_costlier_smaller_pass_is_capped_by_a_larger_one(void **state) {
+    (void)state;
+    policy *p = open_policy(BOUND);
+    policy_shape plain = {0, 0, 1}, c2 = {1, 1, 2}, c3 = {2, 1, 3}, t7 = {5, 4, 7}, t8 = {5, 4, 8};
+    policy_observe_step(p, 1, &plain, 1, 0, 8000000); /* 8 ms at 1 node */
+    policy_observe_step(p, 1, &c2, 2, 500000, 19000000); /* 19 ms at 2: the outlier */
+    policy_observe_step(p, 1, &c3, 3, 600000, 10000000); /* 10 ms at 3 */
+    policy_observe_step(p, 1, &t7, 7, 900000, 23000000); /* 23 ms at 7: another */
+    policy_observe_step(p, 1, &t8, 8, 900000, 14000000); /* 14 ms at 8 */
+    (void)policy_choose(p, 1);
+    policy_report r;
+    policy_get_report(p, 0, &r);
+    assert_int_equal(r.n_verify, 8);
+    static const double want[8] = {8000, 10000, 10000, 11000, 12000, 13000, 14000, 14000};
+    for (int i = 0; i < 8; i++)
+        if (r.verify_us[i] != want[i]) fail_msg("V(%d) = %.1f us, expected %.1f", i + 1, r.verify_us[i], want[i]);
+    policy_free(p);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_slow_draft_goes_plain_and_stays_plain),
@@ -339,6 +364,7 @@ int main(void) {
         cmocka_unit_test(test_batch_ranges_settle_apart_and_a_fixed_policy_never_moves),
         cmocka_unit_test(test_acceptance_is_counted_by_depth_and_rank),
         cmocka_unit_test(test_the_verify_curve_is_interpolated_between_measured_sizes),
+        cmocka_unit_test(test_a_costlier_smaller_pass_is_capped_by_a_larger_one),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
