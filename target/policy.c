@@ -32,6 +32,7 @@
 typedef struct stage {
     policy_shape shape;
     int32_t steps;
+    bool acceptance; /* there to learn the head's acceptance (shared by every range) */
 } stage;
 
 typedef struct bucket {
@@ -46,6 +47,7 @@ typedef struct bucket {
     policy_shape choice, running;
     policy_shape best_tree, runner_up; /* of the last decision; tokens 0: none */
     double credit;                /* exploring steps earned */
+    double credit_ns;             /* exploring time earned (per sequence) */
     int32_t probe_turn;
     int32_t since_decide;
     int64_t settled_steps, explore_steps;
@@ -73,7 +75,30 @@ static int32_t bucket_of(int32_t n) {
     return b;
 }
 
+/* The settled range nearest to b (by batch size), or NULL. */
+static const bucket *settled_neighbour(const policy *p, const bucket *b) {
+    int32_t i = (int32_t)(b - p->b);
+    for (int32_t k = 1; k < POLICY_BUCKETS; k++)
+        for (int32_t j = i - k; j <= i + k; j += 2 * k)
+            if (j >= 0 && j < POLICY_BUCKETS && p->b[j].stage >= p->n_stages) return &p->b[j];
+    return NULL;
+}
+
+/* Enters stage i, or the first after it worth running. Once a range has
+ * settled, the head's acceptance is known (it is shared), so a range that
+ * settles later skips the stages there only to learn it (the bounding
+ * tree and the deepest chain: at a large batch the dearest steps of all)
+ * and takes the nearest settled range's draft-cost fit as its start; its
+ * verify costs beyond two nodes are extended from its own plain and
+ * one-token steps until probes measure them. */
 static void enter_stage(const policy *p, bucket *b, int32_t i) {
+    const bucket *nb = settled_neighbour(p, b);
+    if (nb)
+        while (i < p->n_stages && p->stages[i].acceptance) i++;
+    if (nb && b->fit_a[0][0] <= 0 && nb->fit_a[0][0] > 0) {
+        memcpy(b->fit_a, nb->fit_a, sizeof b->fit_a);
+        memcpy(b->fit_b, nb->fit_b, sizeof b->fit_b);
+    }
     b->stage = i;
     if (i < p->n_stages) {
         b->running = p->stages[i].shape;
@@ -92,10 +117,10 @@ void policy_reset(policy *p, const policy_config *cfg) {
     p->cfg = *cfg;
     const policy_shape *m = &cfg->max;
     int32_t deep = m->steps < m->tokens - 1 ? m->steps : m->tokens - 1;
-    stage all[MAX_STAGES] = {{PLAIN, SETTLE_PLAIN_STEPS},
-                             {*m, SETTLE_TREE_STEPS},
-                             {{deep, 1, deep + 1}, SETTLE_DEEP_STEPS},
-                             {{1, 1, 2}, SETTLE_CHAIN_STEPS}};
+    stage all[MAX_STAGES] = {{PLAIN, SETTLE_PLAIN_STEPS, false},
+                             {*m, SETTLE_TREE_STEPS, true},
+                             {{deep, 1, deep + 1}, SETTLE_DEEP_STEPS, true},
+                             {{1, 1, 2}, SETTLE_CHAIN_STEPS, false}};
     for (int32_t i = 0; i < MAX_STAGES; i++) {
         bool dup = false;
         for (int32_t j = 0; j < p->n_stages; j++) dup |= same(&p->stages[j].shape, &all[i].shape);
@@ -340,20 +365,27 @@ static void decide(policy *p, bucket *b, bool settling) {
     if (!same(&b->choice, &best)) b->runner_up = best;
 }
 
-/* The next probe's shape in turn (policy.h); false when every turn would
- * run the choice itself. */
-static bool next_probe(policy *p, bucket *b, policy_shape *out) {
+/* The next probe's shape in turn (policy.h), and in *turns how many turns
+ * taking it uses up; false when every turn would run the choice itself. */
+static bool next_probe(const policy *p, const bucket *b, policy_shape *out, int32_t *turns) {
     for (int32_t k = 0; k < 3; k++) {
-        int32_t turn = b->probe_turn++ % 3;
+        int32_t turn = (b->probe_turn + k) % 3;
         policy_shape s = turn == 0 ? (b->choice.tokens >= 2 ? PLAIN : b->best_tree)
                          : turn == 1 ? b->runner_up
                                      : p->cfg.max;
         if (s.tokens >= 1 && !same(&s, &b->choice)) {
             *out = s;
+            *turns = k + 1;
             return true;
         }
     }
     return false;
+}
+
+/* A step's expected time per sequence in ns (0: not known). */
+static double step_cost(const bucket *b, const policy_shape *s) {
+    double v = verify_cost(b, s->tokens);
+    return s->tokens >= 2 ? v + draft_cost(b, s->steps, s->topk) : v;
 }
 
 policy_pick policy_choose(policy *p, int32_t n) {
@@ -375,10 +407,18 @@ policy_pick policy_choose(policy *p, int32_t n) {
     }
     b->settled_steps++;
     if (!b->probing) {
-        b->credit += POLICY_EXPLORE_SHARE;
+        /* Probes are paid from two budgets, each earned at
+         * POLICY_EXPLORE_SHARE: steps, and time (a probe of a tree at a
+         * large batch costs several plain steps, so it waits longer). */
+        if (b->credit < POLICY_PROBE_STEPS) b->credit += POLICY_EXPLORE_SHARE;
+        b->credit_ns += POLICY_EXPLORE_SHARE * step_cost(b, &b->choice);
         policy_shape probe;
-        if (b->credit >= POLICY_PROBE_STEPS && next_probe(p, b, &probe)) {
+        int32_t turns = 0;
+        if (b->credit >= POLICY_PROBE_STEPS && next_probe(p, b, &probe, &turns) &&
+            b->credit_ns >= POLICY_PROBE_STEPS * step_cost(b, &probe)) {
             b->credit -= POLICY_PROBE_STEPS;
+            b->credit_ns -= POLICY_PROBE_STEPS * step_cost(b, &probe);
+            b->probe_turn += turns;
             b->probing = true;
             b->left = POLICY_PROBE_STEPS;
             b->running = probe;

@@ -43,13 +43,19 @@
  * estimated at least POLICY_SWITCH_GAIN times better.
  *
  * Each range of batch sizes settles on its own: a schedule of a few
- * shapes (plain, the bounding tree, the deepest chain, a one-token chain)
- * measures the ends of both cost curves and the acceptance at every depth
- * and rank; then it picks. Once settled, it explores at most
- * POLICY_EXPLORE_SHARE of its steps, in probes of POLICY_PROBE_STEPS
- * steps that refresh what the choice does not measure by running: plain
- * when it drafts, the best tree when it runs plainly, the runner-up, and
- * the bounding tree (acceptance at every rank), in turn. A probe's first
+ * shapes (plain, the bounding tree, the deepest chain, a one-token chain:
+ * 32 steps) measures the ends of both cost curves and the acceptance at
+ * every depth and rank; then it picks. The acceptance is the head's, shared
+ * by all ranges, so a range that settles after another runs only plain
+ * and the one-token chain (12 steps), starts from the nearest settled
+ * range's draft-cost fit, and extends its verify curve from its two sizes
+ * until probes measure more. Once settled, it explores at most
+ * POLICY_EXPLORE_SHARE of its steps and of its time (each probe waits
+ * until both budgets cover it: a tree at a large batch costs several
+ * plain steps), in probes of POLICY_PROBE_STEPS steps that refresh what
+ * the choice does not measure by running: plain when it drafts, the best
+ * tree when it runs plainly, the runner-up, and the bounding tree
+ * (acceptance at every rank), in turn. A probe's first
  * step may carry a drafter reset (after plain steps its state is stale):
  * the caller does not time such a draft (draft_ns < 0).
  *
