@@ -37,6 +37,7 @@ stderr.
 
     tools/bench_spec.py [--prompts tools/prompts/heldout.jsonl] [--streams 1,8,32] [--runs 3]
                         [--max-tokens 128] [--model M] [--build build]
+                        [--draft-target-args FLAGS]
 """
 import argparse
 import concurrent.futures
@@ -174,6 +175,10 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--build", type=Path, default=BUILD, help="where the service binaries are")
+    ap.add_argument("--draft-target-args", default="",
+                    help="extra aerie-target flags of the stack with the draft, e.g. "
+                         "'--no-spec-adaptive --spec-steps 1 --spec-topk 1 --spec-tokens 2' (default: none, "
+                         "as make run starts it)")
     a = ap.parse_args()
     streams = [int(x) for x in a.streams.split(",")]
     if a.runs < 1 or a.max_tokens < 1 or not streams or min(streams) < 1:
@@ -188,14 +193,15 @@ def main():
     signal.signal(signal.SIGTERM, on_sigterm)
     tmp = Path(tempfile.mkdtemp(prefix="aerie-bench-spec-"))
     stacks = {}
-    result = {"prompts": len(prompts), "prompts_file": str(a.prompts), "max_tokens": a.max_tokens,
+    result = {"prompts": len(prompts), "prompts_file": str(a.prompts), "max_tokens": a.max_tokens, "draft_target_args": a.draft_target_args,
               "runs": a.runs, "streams": {}}
     ok = False
     try:
         for name in STACKS:
             progress(f"starting the stack {LABEL[name]} (logs in {tmp / name})")
             try:
-                stacks[name] = Stack(tmp / name, draft=name == "draft", model=a.model, build=a.build)
+                stacks[name] = Stack(tmp / name, draft=name == "draft", model=a.model, build=a.build,
+                                     target_args=a.draft_target_args.split() if name == "draft" else ())
             except StackError as e:
                 progress(f"the stack {LABEL[name]} did not start: {e}")
                 return 1

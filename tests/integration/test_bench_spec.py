@@ -82,8 +82,9 @@ def test_prints_a_line_per_streams_value_then_the_acceptance_then_one_json_line(
 def test_json_holds_each_runs_figures_and_their_median(fast):
     r, prompts = fast
     out = json.loads(r.stdout.splitlines()[-1])
-    assert set(out) == {"prompts", "prompts_file", "max_tokens", "runs", "streams", "identical", "draft_target",
-                        "accept_len_mean", "exit_codes", "wall_s"}
+    assert set(out) == {"prompts", "prompts_file", "max_tokens", "draft_target_args", "runs", "streams", "identical",
+                        "draft_target", "accept_len_mean", "exit_codes", "wall_s"}
+    assert out["draft_target_args"] == ""
     assert (out["prompts"], out["prompts_file"], out["max_tokens"], out["runs"]) == (3, str(prompts), 16, 1)
     assert list(out["streams"]) == ["1", "2"]
     # 1 stream: each prompt once per stack; 2 streams: groups of 2, the
@@ -125,6 +126,27 @@ def test_json_shows_the_draft_stacks_target_speculating_through_its_draft(fast):
     assert stats["draft"]["connected"] is True
     assert stats["running"] == stats["waiting"] == 0
     assert stats["requests_done"] == 1 + 3 + 4  # the warm-up, then both levels
+
+
+def test_draft_target_args_reach_only_the_draft_stacks_target(tmp_path):
+    """A fixed one-token chain on every step, by flags: the target says
+    where each setting came from, drafts every step, and the text is still
+    the plain stack's."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:1])
+    flags = "--no-spec-adaptive --spec-steps 1 --spec-topk 1 --spec-tokens 2"
+    r = run_bench("--prompts", prompts, "--streams", 1, "--runs", 1, "--max-tokens", 8, "--draft-target-args", flags,
+                  timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["draft_target_args"] == flags
+    assert out["identical"] is True
+    config = out["draft_target"]["config"]
+    assert config["spec-adaptive"] == {"value": False, "source": "flag"}
+    assert [config[k] for k in ("spec-steps", "spec-topk", "spec-tokens")] == [
+        {"value": 1, "source": "flag"}, {"value": 1, "source": "flag"}, {"value": 2, "source": "flag"}]
+    spec = out["draft_target"]["stats"]["spec"]
+    assert spec["plain_steps"] == 0 and spec["steps"] > 0
+    assert spec["drafted"] == spec["steps"]  # one drafted token a step
 
 
 def test_progress_goes_to_stderr(fast):
