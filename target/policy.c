@@ -26,6 +26,18 @@
 #define FIT_DECAY 0.98
 #define FIT_RIDGE 1e-3
 
+/* The host's speed moves (a shared machine, another process on the same
+ * cores: 3x within a run here), and a size measured only in a probe long
+ * ago would keep the speed of then, so comparing it with the choice,
+ * measured every step, compares two hosts. Costs are therefore stored as
+ * measured / drift, where drift follows every step's ratio of measured to
+ * expected for a size already known; it moves faster than the stored
+ * costs (DRIFT_EWMA > POLICY_EWMA), so a change of speed lands mostly in
+ * the factor every size shares. A step moves it by at most a factor
+ * DRIFT_CLAMP. */
+#define DRIFT_EWMA 0.3
+#define DRIFT_CLAMP 2.0
+
 /* Candidates of one expected tree: topk at the first depth, topk^2 after. */
 #define POOL_MAX (POLICY_MAX_RANK + (POLICY_MAX_DEPTH - 1) * POLICY_MAX_RANK * POLICY_MAX_RANK)
 
@@ -61,6 +73,7 @@ struct policy {
     double hits[POLICY_MAX_DEPTH][POLICY_MAX_RANK], chances[POLICY_MAX_DEPTH][POLICY_MAX_RANK];
     bucket b[POLICY_BUCKETS];
     int32_t last; /* bucket of the last step */
+    double drift; /* the host's speed factor now (policy.h): stored costs times this are today's */
 };
 
 static const policy_shape PLAIN = {0, 0, 1};
@@ -115,6 +128,7 @@ void policy_reset(policy *p, const policy_config *cfg) {
     AE_ASSERT(bounds_ok(&cfg->max));
     memset(p, 0, sizeof *p);
     p->cfg = *cfg;
+    p->drift = 1.0;
     const policy_shape *m = &cfg->max;
     int32_t deep = m->steps < m->tokens - 1 ? m->steps : m->tokens - 1;
     stage all[MAX_STAGES] = {{PLAIN, SETTLE_PLAIN_STEPS, false},
@@ -460,10 +474,18 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
     bucket *b = &p->b[bucket_of(n)];
     int32_t t = (tokens + n / 2) / n;
     if (t > POLICY_MAX_NODES) t = POLICY_MAX_NODES;
-    ewma(&b->verify[t], &b->n_verify[t], (double)verify_ns / n);
+    double v = (double)verify_ns / n;
+    /* A size measured before tells how fast the host runs now against
+     * then; one step moves the factor at most by its clamp (an outlier). */
+    if (b->n_verify[t] && b->verify[t] > 0) {
+        double f = v / (b->verify[t] * p->drift);
+        f = f < 1 / DRIFT_CLAMP ? 1 / DRIFT_CLAMP : f > DRIFT_CLAMP ? DRIFT_CLAMP : f;
+        p->drift *= 1 + DRIFT_EWMA * (f - 1);
+    }
+    ewma(&b->verify[t], &b->n_verify[t], v / p->drift);
     int32_t s = shape->steps, k = shape->topk;
     if (shape->tokens < 2 || draft_ns < 0 || s < 1 || s > POLICY_MAX_DEPTH || k < 1 || k > POLICY_MAX_RANK) return;
-    double per = (double)draft_ns / n;
+    double per = (double)draft_ns / n / p->drift;
     ewma(&b->draft[s][k], &b->n_draft[s][k], per);
     double f[3], us = per / 1e3;
     draft_features(s, k, f);
@@ -509,15 +531,16 @@ void policy_get_report(const policy *p, int32_t n, policy_report *r) {
     if (r->shape.tokens >= 2) {
         m = expected_tree(pe, r->shape.steps, r->shape.topk, cum);
         r->expected_accepted = cum[(r->shape.tokens - 1 < m ? r->shape.tokens - 1 : m) - 1];
-        r->draft_us = draft_cost(b, r->shape.steps, r->shape.topk) / 1e3;
+        r->draft_us = draft_cost(b, r->shape.steps, r->shape.topk) * p->drift / 1e3;
     }
     r->n_verify = mx->tokens;
     for (int32_t t = 1; t <= mx->tokens; t++) {
         r->verify_tokens[t - 1] = t;
-        r->verify_us[t - 1] = verify_cost(b, t) / 1e3;
+        r->verify_us[t - 1] = verify_cost(b, t) * p->drift / 1e3;
     }
-    r->tok_s = rate_of(b, cum, m, &r->shape) * r->batch;
-    r->plain_tok_s = rate_of(b, NULL, 0, &PLAIN) * r->batch;
+    r->tok_s = rate_of(b, cum, m, &r->shape) * r->batch / p->drift;
+    r->plain_tok_s = rate_of(b, NULL, 0, &PLAIN) * r->batch / p->drift;
+    r->drift = p->drift;
     r->settled_steps = b->settled_steps;
     r->explore_steps = b->explore_steps;
 }
@@ -552,8 +575,8 @@ int policy_report_json(const policy_report *r, char *buf, size_t cap) {
     APPEND("], \"expected_accepted\": %.3f, \"verify_us\": {", r->expected_accepted);
     for (int32_t i = 0; i < r->n_verify; i++) APPEND("%s\"%d\": %.1f", i ? ", " : "", r->verify_tokens[i], r->verify_us[i]);
     APPEND("}, \"draft_us\": %.1f, \"tok_s\": %.1f, \"plain_tok_s\": %.1f, \"settled_steps\": %lld, "
-           "\"explore_steps\": %lld}",
-           r->draft_us, r->tok_s, r->plain_tok_s, (long long)r->settled_steps, (long long)r->explore_steps);
+           "\"explore_steps\": %lld, \"drift\": %.3f}",
+           r->draft_us, r->tok_s, r->plain_tok_s, (long long)r->settled_steps, (long long)r->explore_steps, r->drift);
     return (int)*at;
 }
 
@@ -566,6 +589,6 @@ int policy_report_log(const policy_report *r, char *buf, size_t cap) {
     append_list(buf, cap, at, r->accept, r->n_accept, "/", 2);
     APPEND(" draft_us=%.0f verify_us=", r->draft_us);
     append_list(buf, cap, at, r->verify_us, r->n_verify, "/", 0);
-    APPEND(" explore=%lld/%lld", (long long)r->explore_steps, (long long)r->settled_steps);
+    APPEND(" explore=%lld/%lld drift=%.2f", (long long)r->explore_steps, (long long)r->settled_steps, r->drift);
     return (int)*at;
 }

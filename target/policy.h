@@ -36,6 +36,14 @@
  *     chance that the path to it is accepted) is E[accepted]. A chain is
  *     the product sum p0 + p0 p1 + ...
  *
+ * Both costs are stored divided by a drift factor shared by all ranges:
+ * each step at a size measured before moves it by the ratio of measured to
+ * expected (faster than the stored costs move), so when the host slows
+ * down or speeds up (a shared machine, the other service on the same
+ * cores), a size last measured in a probe long ago is compared with the
+ * choice at today's speed, not at the speed of then. Reports show costs
+ * and rates times the factor: today's.
+ *
  * The policy picks the best rate over the shapes within the bounds (the
  * configured tree: --spec-steps, --spec-topk, --spec-tokens), plain
  * included; a batch runs plainly when no tree pays. It decides again every
@@ -118,6 +126,7 @@ typedef struct policy_report {
     double draft_us;               /* D of the choice (0 for plain) */
     double tok_s, plain_tok_s;     /* expected rate of the choice, and of plain */
     int64_t settled_steps, explore_steps; /* since this range settled, and of them exploring */
+    double drift;                  /* the host's speed factor: today's costs / those stored (policy.h) */
 } policy_report;
 
 typedef struct policy policy;

@@ -21,6 +21,7 @@ typedef struct world {
     double p[POLICY_MAX_DEPTH][RANKS]; /* true: the rank-r child is the target's token at depth d */
     double v0_us, v_slope_us;          /* V(t) = v0 + slope (t - 1), per sequence */
     double d0_us, d_step_us, d_node_us; /* D = d0 + step * steps + node * (1 + (steps - 1) topk) */
+    double slowdown;                    /* every cost times this (0: 1): the host's speed moving */
     uint64_t rng;
 } world;
 
@@ -105,6 +106,7 @@ static int32_t verify(world *w, const int32_t *parents, int32_t n, int32_t *path
 
 typedef struct tally {
     int64_t steps, settled_at, drafted_settled, explore_settled;
+    int64_t plain_choice_settled; /* steps plain by the choice, not in a probe */
     double settled_us, explore_us; /* the world's time of the settled steps, and of those exploring */
     policy_shape last;
 } tally;
@@ -127,13 +129,15 @@ static void run(policy *p, world *w, int32_t n, int32_t steps, tally *t) {
             draft_us = w->d0_us + w->d_step_us * pk.shape.steps +
                        w->d_node_us * (1 + (pk.shape.steps - 1) * pk.shape.topk);
         }
-        double v_us = w->v0_us + w->v_slope_us * (nodes - 1);
+        double v_us = w->v0_us + w->v_slope_us * (nodes - 1), slow = w->slowdown > 0 ? w->slowdown : 1;
+        v_us *= slow, draft_us *= slow;
         policy_observe_step(p, n, &pk.shape, n * nodes, (int64_t)(draft_us * 1e3 * n), (int64_t)(v_us * 1e3 * n));
         t->steps++;
         if (settled) {
             if (!t->settled_at) t->settled_at = t->steps;
             t->drafted_settled += pk.shape.tokens >= 2;
             t->explore_settled += pk.explore;
+            t->plain_choice_settled += !pk.explore && pk.shape.tokens < 2;
             t->settled_us += draft_us + v_us;
             if (pk.explore) t->explore_us += draft_us + v_us;
         }
@@ -375,6 +379,41 @@ static void test_a_costlier_smaller_pass_is_capped_by_a_larger_one(void **state)
     policy_free(p);
 }
 
+/* The host slows to half speed after settling (another process on the
+ * cores). The one-token chain, measured every step, then costs twice what
+ * it did, while sizes measured only in probes keep the old speed: compared
+ * as stored, the 3-node tree 1/2/3 (whose second child is never accepted)
+ * looked cheaper and took over. The drift factor follows the slowdown from
+ * the chain's own steps, so the choice stays. */
+static void test_a_slower_host_does_not_make_stale_costs_look_cheap(void **state) {
+    (void)state;
+    world w = {.v0_us = 3000, .v_slope_us = 100, .d0_us = 200, .d_step_us = 100, .rng = 5};
+    set_acceptance(&w, (double[]){0.4, 0.0, 0.0, 0.0}, (double[]){0.1, 0.0, 0.0, 0.0});
+    policy *p = open_policy(BOUND);
+    tally t = {0};
+    run(p, &w, 1, 400, &t);
+    assert_shape(t.last, 1, 1, 2);
+    policy_report before;
+    policy_get_report(p, 1, &before);
+    w.slowdown = 2;
+    tally slow = {0};
+    run(p, &w, 1, 400, &slow);
+    policy_report r;
+    policy_get_report(p, 1, &r);
+    char line[512];
+    policy_report_log(&r, line, sizeof line);
+    printf("slower host: %s; of %lld steps %lld plain by choice, %lld exploring\n", line, (long long)slow.steps,
+           (long long)slow.plain_choice_settled, (long long)slow.explore_settled);
+    assert_shape(slow.last, 1, 1, 2);
+    assert_int_equal(slow.plain_choice_settled, 0);
+    /* Most of the change is in the shared factor (each step moves it by
+     * DRIFT_EWMA 0.3, the chain's stored cost by POLICY_EWMA 0.125: 1.82
+     * of the 2), and the rates it reports are today's. */
+    assert_true(r.drift > 1.8 && r.drift <= 2.0);
+    assert_true(r.plain_tok_s < 0.56 * before.plain_tok_s);
+    policy_free(p);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_slow_draft_goes_plain_and_stays_plain),
@@ -385,6 +424,7 @@ int main(void) {
         cmocka_unit_test(test_acceptance_is_counted_by_depth_and_rank),
         cmocka_unit_test(test_the_verify_curve_is_interpolated_between_measured_sizes),
         cmocka_unit_test(test_a_costlier_smaller_pass_is_capped_by_a_larger_one),
+        cmocka_unit_test(test_a_slower_host_does_not_make_stale_costs_look_cheap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
