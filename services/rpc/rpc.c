@@ -1275,7 +1275,9 @@ static void client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
 static void reads_take_back(conn *c) {
     if (!c->reads_handed) return;
     c->reads_handed = false;
-    event_del(c->hup);
+    /* Not waiting for a running hup_cb: it waits for the bufferevent's
+     * lock, which this thread holds. */
+    event_del_noblock(c->hup);
     pthread_mutex_lock(&c->mu);
     bool closed = c->closed;
     pthread_mutex_unlock(&c->mu);
