@@ -1360,7 +1360,8 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
             return;
         }
         tune_bev(c->bev, !cl->a.is_unix);
-        if (c->direct && cl->a.is_unix) c->hup = event_new(cl->loop->base, bufferevent_getfd(c->bev), EV_CLOSED, hup_cb, c);
+        if (c->direct && cl->a.is_unix) /* NULL (out of memory): the loop keeps reading */
+            c->hup = event_new(cl->loop->base, bufferevent_getfd(c->bev), EV_CLOSED, hup_cb, c);
         pthread_mutex_lock(&cl->mu);
         cl->connected = true;
         cl->connects++;
