@@ -304,6 +304,11 @@ struct conn {
     bool reads_off;   /* the server is closing: no more requests */
     bool drop;        /* under the bufferevent's lock: past max_out */
     size_t drop_queued;
+    /* Client side, Unix socket: the loop's reads handed to blocking
+     * callers (reads_hand_over), under the bufferevent's lock; hup
+     * watches for the server's hang-up meanwhile. */
+    bool reads_handed;
+    struct event *hup;
     conn *next; /* the server's connections */
 };
 
@@ -314,6 +319,7 @@ static void conn_unref(conn *c) {
     if (!last) return;
     if (c->keepalive) event_free(c->keepalive);
     if (c->timer) event_free(c->timer);
+    if (c->hup) event_free(c->hup);
     bufferevent_free(c->bev);
     free(c->rx);
     free(c->spare);
@@ -412,6 +418,7 @@ static void conn_close(conn *c) {
     pthread_mutex_unlock(&c->mu);
     if (c->keepalive) event_del(c->keepalive);
     if (c->timer) event_del(c->timer);
+    if (c->hup) event_del(c->hup);
     bufferevent_disable(c->bev, EV_READ | EV_WRITE);
     evutil_socket_t fd = bufferevent_getfd(c->bev);
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
@@ -1178,6 +1185,9 @@ static bool grow(uint8_t **buf, uint32_t *cap, uint32_t need, bool aligned) {
     return true;
 }
 
+/* The call whose caller reads the socket on this thread (caller_read). */
+static _Thread_local const pending *reading_for;
+
 static void client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
     rpc_client *cl = c->cli;
     frame_header h = c->hdr;
@@ -1230,17 +1240,80 @@ static void client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
         r->payload_len = h.payload_len;
     }
     p->done = true;
-    bool mine = p->on_end && !p->claimed, poke = p->polling;
+    /* A caller that took its own reply needs no poke: one would only end
+     * its next call's first wait at once. */
+    bool mine = p->on_end && !p->claimed, poke = p->polling && p != reading_for;
     if (mine) p->claimed = true;
     pthread_cond_broadcast(&cl->cv);
     pthread_mutex_unlock(&cl->mu);
-    if (poke) { /* the loop read the reply before its caller took the socket over */
+    if (poke) { /* the loop (or another caller) read the reply before its caller could */
         uint64_t one = 1;
         if (write(cl->wake_fd, &one, sizeof one) < 0) {
             /* the counter is full: the caller is woken anyway */
         }
     }
     if (mine) async_finish(cl, p);
+}
+
+/* ---- who reads a client's socket ---- */
+
+/* On a Unix socket, blocking callers read their own replies
+ * (caller_read). Were the loop to watch the socket as well, every reply
+ * would wake two threads, the loop for nothing: on a busy host that
+ * thread waits for a core, and the two then contend for the
+ * bufferevent's lock. So the first blocking call hands the socket's
+ * reads over to the callers, and the loop watches only for the server's
+ * hang-up (EV_CLOSED: bytes arriving do not wake it). The reads come
+ * back to the loop (reads_take_back) for whatever only it may take: a
+ * started call or a stream is opened, a caller finds a frame that is not
+ * its to take or the peer's hang-up, the peer hangs up, or the keepalive
+ * pings. Handing over and taking back from another thread wakes the loop
+ * once each, so they stay in place between calls: back to back blocking
+ * calls wake only the server and the caller. Unix sockets only: on TCP an
+ * error can come without a hang-up, which the EV_CLOSED watch would not
+ * take, and libevent would spin on it. All under the bufferevent's lock. */
+static void reads_take_back(conn *c) {
+    if (!c->reads_handed) return;
+    c->reads_handed = false;
+    /* Not waiting for a running hup_cb: it waits for the bufferevent's
+     * lock, which this thread holds. */
+    event_del_noblock(c->hup);
+    pthread_mutex_lock(&c->mu);
+    bool closed = c->closed;
+    pthread_mutex_unlock(&c->mu);
+    if (!closed) bufferevent_enable(c->bev, EV_READ);
+}
+
+static void reads_hand_over(conn *c) {
+    if (c->reads_handed || !c->hup) return;
+    /* Bytes the loop took into its buffer come first: it keeps them. */
+    if (evbuffer_get_length(bufferevent_get_input(c->bev))) return;
+    pthread_mutex_lock(&c->mu);
+    bool closed = c->closed;
+    pthread_mutex_unlock(&c->mu);
+    if (closed || event_add(c->hup, NULL) != 0) return;
+    c->reads_handed = true;
+    bufferevent_disable(c->bev, EV_READ);
+}
+
+/* The server hung up while the callers held the reads: the loop reads
+ * what is left and then the end, and closes the connection as ever. */
+static void hup_cb(evutil_socket_t fd, short what, void *arg) {
+    (void)fd, (void)what;
+    conn *c = arg;
+    bufferevent_lock(c->bev);
+    reads_take_back(c);
+    bufferevent_unlock(c->bev);
+}
+
+/* Takes the reads back before a call whose frames only the loop may
+ * take (a started call, a stream) goes out. Its pending entry is in
+ * place first, so a caller that hands the reads over after this sees it
+ * and leaves them (caller_read). */
+static void reads_for_loop(conn *c) {
+    bufferevent_lock(c->bev);
+    reads_take_back(c);
+    bufferevent_unlock(c->bev);
 }
 
 static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
@@ -1256,6 +1329,9 @@ static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
         c->ping_out = true;
         c->last_rx_ns = mono_ns();
     }
+    /* The PONG is the loop's to read when no caller is there to take it
+     * (a caller that hands the reads over again takes it itself). */
+    if (ping || ping_out) reads_take_back(c);
     bufferevent_unlock(c->bev);
     if (ping_out && idle_ms >= (int64_t)cl->cfg.keepalive_ms) {
         LOG_WARNF("rpc_keepalive_timeout addr=%s idle_ms=%lld", cl->addr_text, (long long)idle_ms);
@@ -1284,6 +1360,8 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
             return;
         }
         tune_bev(c->bev, !cl->a.is_unix);
+        if (c->direct && cl->a.is_unix) /* NULL (out of memory): the loop keeps reading */
+            c->hup = event_new(cl->loop->base, bufferevent_getfd(c->bev), EV_CLOSED, hup_cb, c);
         pthread_mutex_lock(&cl->mu);
         cl->connected = true;
         cl->connects++;
@@ -1533,17 +1611,24 @@ static bool caller_take(rpc_client *cl, conn *c, evutil_socket_t fd) {
  * caller wakes when the reply comes, where it would wait for the loop
  * thread to wake, read the reply and wake it in turn (on a busy host each
  * wake-up may wait for a core). Plain sockets only: TLS keeps its state in
- * the loop's bufferevent. The loop still reads too (turning its reads off
- * and on from here would wake it twice per call instead): whichever thread
- * holds the bufferevent's lock takes the bytes, both through the same
- * frame state, and the loop pokes wake_fd when it ended this call. Returns
+ * the loop's bufferevent. On a Unix socket the loop hands its reads over
+ * (reads_hand_over) unless a call only it may read is open; elsewhere,
+ * or until then, it reads too: whichever thread holds the bufferevent's
+ * lock takes the bytes, both through the same frame state, and the loop
+ * pokes wake_fd when it ended this call. Returns
  * once p is done, the deadline has passed, or the socket holds a frame
  * only the loop may take; the caller's wait then goes on as without this. */
 static void caller_read(rpc_client *cl, conn *c, pending *p, int64_t deadline_ns) {
     evutil_socket_t fd = bufferevent_getfd(c->bev);
+    bufferevent_lock(c->bev);
     pthread_mutex_lock(&cl->mu);
     p->polling = true;
+    bool loop_calls = false; /* open calls whose frames only the loop may take */
+    for (pending *q = cl->pend; q; q = q->next) loop_calls |= q->c == c && !q->done && (q->on_end || q->on_item);
     pthread_mutex_unlock(&cl->mu);
+    if (!loop_calls) reads_hand_over(c);
+    bufferevent_unlock(c->bev);
+    reading_for = p;
     for (;;) {
         pthread_mutex_lock(&cl->mu);
         bool done = p->done;
@@ -1573,9 +1658,11 @@ static void caller_read(rpc_client *cl, conn *c, pending *p, int64_t deadline_ns
         bool closed = c->closed;
         pthread_mutex_unlock(&c->mu);
         bool go_on = !closed && caller_take(cl, c, fd);
+        if (!go_on) reads_take_back(c); /* the loop reads that frame (or the end) */
         bufferevent_unlock(c->bev);
         if (!go_on) break;
     }
+    reading_for = NULL;
     pthread_mutex_lock(&cl->mu);
     p->polling = false;
     pthread_mutex_unlock(&cl->mu);
@@ -1619,6 +1706,7 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
     pthread_mutex_unlock(&c->mu);
     pthread_mutex_unlock(&cl->mu);
 
+    if (on_item) reads_for_loop(c);
     frame_header h = {FRAME_VERSION, FRAME_REQUEST, method, p.id, 0, timeout_us, len, (uint32_t)payload_len};
     bool sent = conn_sendv(c, &h, msg, len, parts, n_parts) == AE_OK;
     int64_t deadline_ns = timeout_us ? mono_ns() + (int64_t)timeout_us * 1000 : 0;
@@ -1722,6 +1810,7 @@ int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t 
     }
     pthread_mutex_unlock(&cl->mu);
     if (call_id) *call_id = id;
+    reads_for_loop(c);
     frame_header h = {FRAME_VERSION, FRAME_REQUEST, method, id, 0, timeout_us, len, (uint32_t)payload_len};
     if (conn_sendv(c, &h, msg, len, parts, n_parts) != AE_OK) {
         /* The connection closed meanwhile: its close ends the call. */

@@ -7,8 +7,11 @@
  * after which the server ends it with DEADLINE_EXCEEDED. Clients send PING
  * frames while idle and drop a connection whose PONG does not come.
  *
- * Threads: an rpc_loop runs one event loop on its own thread; every
- * socket's reads happen there. Server handlers are called on it and must
+ * Threads: an rpc_loop runs one event loop on its own thread; the
+ * sockets' reads happen there, except that a blocking unary call on a
+ * plain socket reads its own reply on the calling thread (and on a Unix
+ * socket the loop leaves such replies to their callers and is not woken
+ * by them). Server handlers are called on the loop and must
  * not block: they hand work to other threads, which finish the call from
  * there (the finishing functions take any thread). Client calls block the
  * calling thread, never the loop's.

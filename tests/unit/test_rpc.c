@@ -933,12 +933,91 @@ static void test_a_blocking_caller_reads_its_own_reply_over_tcp(void **state) {
     caller_reads_its_reply(NULL);
 }
 
+/* The voluntary context switches of thread tid so far: each one is a
+ * time the thread slept and was woken. */
+static long thread_sleeps(pid_t tid) {
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/self/task/%d/status", (int)tid);
+    FILE *fp = fopen(path, "r");
+    assert_non_null(fp);
+    long n = -1;
+    while (fgets(line, sizeof line, fp))
+        if (sscanf(line, "voluntary_ctxt_switches: %ld", &n) == 1) break;
+    fclose(fp);
+    assert_true(n >= 0);
+    return n;
+}
+
+static void tid_job(void *arg) { *(pid_t *)arg = (pid_t)gettid(); }
+
+/* Blocking calls in a row on a Unix socket wake only the server's loop
+ * and the caller: the client's loop thread sleeps through them (a
+ * thread woken for nothing waits for a core on a busy host). With its
+ * reads handed to the callers, the client still takes started calls and
+ * streams, which the loop reads, and still sees its server go at once.
+ * (On TCP the loop keeps reading too: rpc.c, reads_hand_over.) */
+static void test_blocking_calls_leave_the_client_loop_asleep(void **state) {
+    (void)state;
+    ae_error err = {{0}};
+    fixture f = {0};
+    rpc_loop *cloop = NULL;
+    if (rpc_loop_start(&f.loop, &err) != AE_OK || rpc_loop_start(&cloop, &err) != AE_OK) fail_msg("%s", err.msg);
+    snprintf(f.addr, sizeof f.addr, "unix:build/test-rpc-asleep-%d.sock", (int)getpid());
+    open_server(&f, f.addr);
+    /* No keepalive ping within the test: its timer would wake the loop. */
+    rpc_client_config cc = {.addr = f.addr, .max_frame = 1 << 20, .keepalive_ms = 600000};
+    if (rpc_client_open(&f.cli, cloop, &cc, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_true(rpc_client_wait_connected(f.cli, 5000));
+    pid_t loop_tid = 0;
+    rpc_loop_run(cloop, tid_job, &loop_tid);
+    enum { N = 20000, CALLS = 50 };
+    static uint8_t pay[N];
+    for (uint32_t i = 0; i < N; i++) pay[i] = (uint8_t)(i * 7);
+    rpc_reply r = {0};
+    for (int call = -2; call < CALLS; call++) {
+        static long before;
+        if (call == 0) before = thread_sleeps(loop_tid); /* after two calls: the first may hand the reads over */
+        uint32_t st = rpc_client_call(f.cli, M_ECHO, "abc", 3, pay, N, 0, NULL, NULL, &r);
+        if (st != RPC_OK) fail_msg("call %d: %s: %s", call, rpc_status_name(st), r.error);
+        assert_int_equal(r.payload_len, N);
+        assert_int_equal(r.payload[N - 1], (uint8_t)((N - 1) * 14));
+        if (call == CALLS - 1) {
+            long woken = thread_sleeps(loop_tid) - before;
+            if (woken != 0) fail_msg("the client's loop thread was woken %ld times in %d calls", woken, CALLS);
+        }
+    }
+    rpc_reply_free(&r);
+    /* The loop reads again for what only it may take. */
+    ended a = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, "", {0}, 0};
+    rpc_iov two = {"xy", 2};
+    assert_int_equal(rpc_client_start(f.cli, M_ECHO, "abc", 3, &two, 1, 0, NULL, on_end, &a, NULL, &err), AE_OK);
+    wait_end(&a);
+    assert_int_equal(a.status, RPC_OK);
+    assert_memory_equal(a.msg, "cba", 3);
+    echo_roundtrip(&f, 5);
+    uint8_t n = 9;
+    items it = {0};
+    assert_int_equal(rpc_client_call(f.cli, M_STREAM, &n, 1, NULL, 0, 0, collect, &it, &r), RPC_OK);
+    assert_int_equal(it.n, 9);
+    rpc_reply_free(&r);
+    /* A server that goes is seen at once, not at the next ping. */
+    echo_roundtrip(&f, 5);
+    echo_roundtrip(&f, 5);
+    rpc_server_close(f.srv);
+    for (int i = 0; i < 500 && rpc_client_connected(f.cli); i++) usleep(2000);
+    assert_false(rpc_client_connected(f.cli));
+    rpc_client_close(f.cli);
+    rpc_loop_free(cloop);
+    rpc_loop_free(f.loop);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_unary_call_carries_message_and_payload, setup_tcp, teardown),
         cmocka_unit_test(test_a_blocking_caller_reads_its_own_reply_over_unix),
         cmocka_unit_test(test_a_blocking_caller_reads_its_own_reply_over_tcp),
+        cmocka_unit_test(test_blocking_calls_leave_the_client_loop_asleep),
         cmocka_unit_test_setup_teardown(test_unknown_method_is_an_error_and_the_link_stays, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_stream_delivers_items_in_order_then_end, setup_tcp, teardown),
         cmocka_unit_test_setup_teardown(test_deadline_ends_the_call_and_cancels_it_at_the_server, setup_unix,
