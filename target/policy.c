@@ -58,6 +58,7 @@ typedef struct bucket {
     bool probing;
     policy_shape choice, running;
     policy_shape best_tree, runner_up; /* of the last decision; tokens 0: none */
+    double tree_vs_plain;         /* the best tree's rate over plain's at the last decision (0: none) */
     double credit;                /* exploring steps earned */
     double credit_ns;             /* exploring time earned (per sequence) */
     int32_t probe_turn;
@@ -372,6 +373,8 @@ static void decide(policy *p, bucket *b, bool settling) {
         }
     b->best_tree = tree;
     b->runner_up = second;
+    double plain_r = rate_of(b, NULL, 0, &PLAIN);
+    b->tree_vs_plain = plain_r > 0 ? tree_r / plain_r : 0;
     b->since_decide = 0;
     /* A measured choice stays unless another is clearly better (noise
      * would otherwise flip between near equals). */
@@ -454,6 +457,11 @@ policy_pick policy_choose(policy *p, int32_t n) {
 
 bool policy_drafting(const policy *p, int32_t n) {
     return !p->cfg.adaptive || p->b[bucket_of(n)].running.tokens >= 2;
+}
+
+bool policy_keep_drafter(const policy *p, int32_t n) {
+    const bucket *b = &p->b[bucket_of(n)];
+    return policy_drafting(p, n) || b->stage < p->n_stages || b->tree_vs_plain >= POLICY_KEEP_DRAFTER;
 }
 
 int64_t policy_explore_steps(const policy *p) {

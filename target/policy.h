@@ -89,7 +89,8 @@
 #define POLICY_DECIDE_EVERY 8
 #define POLICY_SWITCH_GAIN 1.02
 #define POLICY_EWMA 0.125      /* weight of a new measurement of a cost */
-#define POLICY_ACCEPT_WINDOW 2048 /* acceptance counts halve past this many first-depth chances */
+#define POLICY_ACCEPT_WINDOW 2048
+#define POLICY_KEEP_DRAFTER 0.8 /* policy_keep_drafter: the best tree at 80% of plain's rate or more */ /* acceptance counts halve past this many first-depth chances */
 
 /* A tree's shape (draft/tree.h's parameters). tokens 1: plain (no tree;
  * steps and topk are then 0). */
@@ -142,6 +143,18 @@ policy_pick policy_choose(policy *p, int32_t n);
 /* Whether the shape now running for batches of n drafts (a caller feeding
  * the drafter a new prompt asks first). */
 bool policy_drafting(const policy *p, int32_t n);
+/* Whether the drafter should be kept in step with batches of n while they
+ * run plainly (fed each prompt and, now and then, the pairs of the plain
+ * steps): the shape running drafts, the range is still settling, or its
+ * best tree came within POLICY_KEEP_DRAFTER of plain at the last decision.
+ * Then a probe, or a switch back to drafting, finds a drafter that holds
+ * the whole sequence; one reset from the last ENG_MAX_TREE pairs proposes
+ * worse trees, and probes that always follow a reset would measure the
+ * head's acceptance low and keep a tree that pays from being chosen
+ * (0.21-0.25 at the first depth in such probes, against 0.34-0.37 while
+ * drafting, on the held-out prompts). Far from paying (large batches on
+ * this CPU), the drafter's work would be wasted and it is left stale. */
+bool policy_keep_drafter(const policy *p, int32_t n);
 
 /* What a step cost: n sequences ran `shape` (as asked; some may have got
  * no tree), `tokens` nodes verified in all, draft_ns in the drafter

@@ -8,6 +8,11 @@
 
 /* Calls to the drafter pause this many steps at most after failures. */
 #define SPEC_MAX_PAUSE 64
+/* A sequence running plainly while the policy keeps the drafter in step
+ * sends its pairs once this many are pending: one draft pass per this many
+ * steps, and never the window's ENG_MAX_TREE, past which it would be
+ * reset. */
+#define SPEC_FEED_AT 32
 
 typedef struct seq_state {
     bool started;
@@ -183,12 +188,12 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
     int32_t at = *done, k = n - 1 - at < chunk ? n - 1 - at : chunk;
     eng_item it = {seq, ENG_APPEND, k, prompt + at, NULL, false};
     llama_capture cap = capture_all(s, k);
-    /* While the policy runs the batch size of the last step plainly, a
-     * prompt is not sent to the drafter: that work would be wasted, and
-     * the sequence is reset from its recent pairs when drafting comes
-     * back. */
+    /* While the policy runs the batch size of the last step plainly and
+     * no tree comes near paying, a prompt is not sent to the drafter: that
+     * work would be wasted, and the sequence is reset from its recent
+     * pairs when drafting comes back (policy_keep_drafter). */
     bool feed = s->d && !st->resync && s->step_no >= s->retry_at &&
-                (always_feed || policy_drafting(s->pol, s->last_n > 0 ? s->last_n : 1));
+                (always_feed || policy_keep_drafter(s->pol, s->last_n > 0 ? s->last_n : 1));
     if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
         if (at == 0) st->started = false;
         return AE_ERR;
@@ -317,6 +322,41 @@ static void push_pending(spec *s, seq_state *st, int32_t seq, int32_t row, int32
     st->pending_tokens[st->n_pending++] = next;
 }
 
+/* After a plain step: sends the pending pairs of sequences with
+ * SPEC_FEED_AT of them to the drafter, without asking for trees, while the
+ * policy keeps it in step (policy_keep_drafter), so the window never
+ * overflows into a reset. Not timed as the step's: the policy compares
+ * what steps of each shape cost, and this is one draft pass per
+ * SPEC_FEED_AT plain steps. A failure or a drafter that lost the state
+ * marks the sequence for a reset, as in propose. */
+static void feed_plain(spec *s, const spec_in *in, int32_t n) {
+    if (!s->d || s->step_no < s->retry_at || !policy_keep_drafter(s->pol, n)) return;
+    int32_t nf = 0;
+    for (int32_t i = 0; i < n; i++) {
+        seq_state *st = &s->seqs[in[i].seq];
+        if (!st->fed || st->resync || st->n_pending < SPEC_FEED_AT) continue;
+        s->feeds[nf++] = (spec_feed){in[i].seq, false, st->held, st->n_pending, st->pending_tokens,
+                                     pending_features(s, in[i].seq), false};
+    }
+    if (nf == 0) return;
+    ae_error derr = {{0}};
+    if (s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr) != AE_OK) {
+        for (int32_t k = 0; k < nf; k++) s->seqs[s->feeds[k].seq].resync = true;
+        s->total.draft_failures++;
+        return;
+    }
+    for (int32_t k = 0; k < nf; k++) {
+        seq_state *st = &s->seqs[s->feeds[k].seq];
+        if (s->trees[k].n == SPEC_STATE_GONE) {
+            st->resync = true;
+            s->total.state_gone++;
+            continue;
+        }
+        st->held = s->feeds[k].start + st->n_pending;
+        st->n_pending = 0;
+    }
+}
+
 int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err) {
     if (n < 1 || n > s->cfg.max_seqs) return err_set(err, "step of %d sequences (1..%d)", n, s->cfg.max_seqs);
     const eng_config *ec = eng_get_config(s->e);
@@ -408,5 +448,6 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
             s->was_drafting = shape.tokens >= 2;
         }
     }
+    if (shape.tokens < 2) feed_plain(s, in, n);
     return AE_OK;
 }

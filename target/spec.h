@@ -84,8 +84,11 @@ typedef struct spec_drafter {
  * curve, the drafter's cost and the head's acceptance by depth and rank,
  * all measured on the steps it runs (timed with cfg.clock_ns). Without
  * adaptation every step asks for the configured shape.
- * Plain steps still capture features; when drafting comes back, the
- * drafter is reset with the last ENG_MAX_TREE pairs (as after a failure).
+ * Plain steps still capture features. While the policy keeps the drafter
+ * in step (policy_keep_drafter: a tree comes near paying), prompts and,
+ * every SPEC_FEED_AT plain steps, the pending pairs are fed to it without
+ * asking for trees; otherwise, when drafting comes back, the drafter is
+ * reset with the last ENG_MAX_TREE pairs (as after a failure).
  *
  * Sampled sequences follow the policy like greedy ones: their draws are
  * keyed by (seed, choice, position) (sample.h), so neither the tree nor

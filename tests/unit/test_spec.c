@@ -559,12 +559,21 @@ static void test_sequences_batched_together_each_get_their_plain_output(void **s
 typedef struct costly {
     const spec_drafter *real;
     int64_t clock, cost, verify, reads;
+    int64_t resets, feed_calls; /* feeds that reset a sequence; calls that asked for no tree */
 } costly;
+
+static costly last_costly; /* the drafter of the last adaptive_run_with, for its counts */
 
 static int costly_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
                           ae_error *err) {
     costly *c = ctx;
     c->clock += c->cost;
+    bool any_tree = false;
+    for (int32_t i = 0; i < n; i++) {
+        c->resets += feeds[i].reset;
+        any_tree |= feeds[i].want_tree;
+    }
+    c->feed_calls += !any_tree;
     return c->real->propose(c->real->ctx, feeds, n, shape, trees, err);
 }
 
@@ -594,7 +603,7 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     draft_link link;
     drafter_config dc = {1, LEN, CHUNK, 2, eng_pool(e), 0};
     if (draft_link_open(&link, FIX "/head", f.m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
-    costly c = {&link.iface, 0, cost, verify, 0};
+    costly c = {&link.iface, 0, cost, verify, 0, 0, 0};
     spec_drafter d = {&c, costly_propose, costly_release};
     /* A chain of one drafted token: at most 2 tokens a step, so the
      * sequence stays inside the fixture's 256 positions. */
@@ -624,6 +633,7 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
         *n_out = n_got;
     }
     spec_stats st = *spec_total_stats(s);
+    last_costly = c;
     spec_free(s);
     draft_link_close(&link);
     eng_free(e);
@@ -660,9 +670,19 @@ static void test_the_policy_runs_plainly_while_drafting_loses(void **state) {
     assert_int_equal(lose.adapt_plain_steps, lose.plain_steps);
     assert_int_equal(lose.explore_steps, SETTLE);
     assert_int_equal(lose.adapt_off, 0); /* it never chose to draft */
+    /* Far from paying, the drafter is left stale: after the prompt, no
+     * call feeds it without asking for a tree. */
+    assert_int_equal(last_costly.feed_calls, 1);
     spec_stats useless = adaptive_run(0, 100, STEPS);
-    printf("useless drafter: %lld speculative steps of %d, %lld exploring\n", (long long)useless.steps, STEPS,
-           (long long)useless.explore_steps);
+    printf("useless drafter: %lld speculative steps of %d, %lld exploring; %lld feeding calls, %lld resets\n",
+           (long long)useless.steps, STEPS, (long long)useless.explore_steps, (long long)last_costly.feed_calls,
+           (long long)last_costly.resets);
+    /* Near paying (a tree at 99% of plain's rate: policy_keep_drafter),
+     * the drafter is kept in step through the plain steps: fed every
+     * SPEC_FEED_AT (32) of them, so it is reset only once, by the prompt,
+     * and the probes find it holding the whole sequence. */
+    assert_int_equal(last_costly.resets, 1);
+    assert_true(last_costly.feed_calls >= 1 + 5);
     assert_int_equal(useless.accepted, 0);
     assert_int_equal(useless.steps, 12 + 2 * (200 / 102));
     assert_int_equal(useless.explore_steps, SETTLE + 2 * (200 / 102));
