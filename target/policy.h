@@ -13,8 +13,9 @@
  *   - V(t) is the verify pass's time per sequence when each sequence
  *     verifies t nodes: a table by t (1..POLICY_MAX_NODES) for each range
  *     of batch sizes (1, 2-3, 4-7, ...; a pass's cost depends on its batch
- *     far more than on anything else), each entry an EWMA of measured
- *     steps, capped by the cheapest larger size measured (more nodes
+ *     far more than on anything else), each entry the median of the last 5
+ *     steps at that size (a few slow steps on shared cores do not move
+ *     it), capped by the cheapest larger size measured (more nodes
  *     never cost less: a dearer small size caught a slow step); sizes not
  *     measured are interpolated between the nearest measured ones (the
  *     curve is flat while the pass is bound by reading the weights, then
@@ -37,9 +38,10 @@
  *     the product sum p0 + p0 p1 + ...
  *
  * Both costs are stored divided by a drift factor shared by all ranges:
- * each step at a size measured before moves it by the ratio of measured to
- * expected (faster than the stored costs move), so when the host slows
- * down or speeds up (a shared machine, the other service on the same
+ * the median ratio of measured to stored over the last 5 steps at sizes
+ * measured before (it follows a change of speed within 3 steps, before
+ * the stored medians take it in, and a lone slow step moves nothing), so
+ * when the host slows down or speeds up (a shared machine, the other service on the same
  * cores), a size last measured in a probe long ago is compared with the
  * choice at today's speed, not at the speed of then. Reports show costs
  * and rates times the factor: today's.
@@ -88,7 +90,7 @@
 #define POLICY_PROBE_STEPS 2
 #define POLICY_DECIDE_EVERY 8
 #define POLICY_SWITCH_GAIN 1.02
-#define POLICY_EWMA 0.125      /* weight of a new measurement of a cost */
+#define POLICY_EWMA 0.125      /* weight of a new measurement of a draft cost */
 #define POLICY_ACCEPT_WINDOW 2048
 #define POLICY_KEEP_DRAFTER 0.8 /* policy_keep_drafter: the best tree at 80% of plain's rate or more */ /* acceptance counts halve past this many first-depth chances */
 
