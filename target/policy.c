@@ -45,6 +45,13 @@
 #define DRIFT_SAMPLES 5
 #define VERIFY_SAMPLES 5
 
+/* Decay of the feeding and plain-step times per plain step kept in step
+ * (half-life 138 steps: about 4 feeds of SPEC_FEED_AT pairs). */
+#define FEED_DECAY 0.995
+/* The share is judged only over this many plain steps: the prompts of a
+ * new batch are fed before its first plain step. */
+#define FEED_MIN_STEPS 64
+
 /* Candidates of one expected tree: topk at the first depth, topk^2 after. */
 #define POOL_MAX (POLICY_MAX_RANK + (POLICY_MAX_DEPTH - 1) * POLICY_MAX_RANK * POLICY_MAX_RANK)
 
@@ -67,6 +74,8 @@ typedef struct bucket {
     policy_shape choice, running;
     policy_shape best_tree, runner_up; /* of the last decision; tokens 0: none */
     double tree_vs_plain;         /* the best tree's rate over plain's at the last decision (0: none) */
+    double feed_ns, plain_ns;     /* feeding the drafter and plain steps while kept, decayed (FEED_DECAY) */
+    int32_t feed_steps;           /* plain steps in those sums (up to FEED_MIN_STEPS) */
     double credit;                /* exploring steps earned */
     double credit_ns;             /* exploring time earned (per sequence) */
     int32_t probe_turn;
@@ -469,9 +478,18 @@ bool policy_drafting(const policy *p, int32_t n) {
     return !p->cfg.adaptive || p->b[bucket_of(n)].running.tokens >= 2;
 }
 
+static double feed_share(const bucket *b) {
+    return b->feed_steps >= FEED_MIN_STEPS && b->plain_ns > 0 ? b->feed_ns / b->plain_ns : 0;
+}
+
 bool policy_keep_drafter(const policy *p, int32_t n) {
     const bucket *b = &p->b[bucket_of(n)];
-    return policy_drafting(p, n) || b->stage < p->n_stages || b->tree_vs_plain >= POLICY_KEEP_DRAFTER;
+    return policy_drafting(p, n) || b->stage < p->n_stages ||
+           (b->tree_vs_plain >= POLICY_KEEP_DRAFTER && feed_share(b) <= POLICY_KEEP_COST);
+}
+
+void policy_observe_feed(policy *p, int32_t n, int64_t ns) {
+    if (n >= 1 && ns > 0) p->b[bucket_of(n)].feed_ns += (double)ns;
 }
 
 int64_t policy_explore_steps(const policy *p) {
@@ -504,6 +522,11 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
                          int64_t verify_ns) {
     if (n < 1 || tokens < n) return;
     bucket *b = &p->b[bucket_of(n)];
+    if (shape->tokens < 2 && policy_keep_drafter(p, n)) {
+        b->feed_ns *= FEED_DECAY;
+        b->plain_ns = FEED_DECAY * b->plain_ns + (double)verify_ns;
+        if (b->feed_steps < FEED_MIN_STEPS) b->feed_steps++;
+    }
     int32_t t = (tokens + n / 2) / n;
     if (t > POLICY_MAX_NODES) t = POLICY_MAX_NODES;
     double v = (double)verify_ns / n;
@@ -575,6 +598,8 @@ void policy_get_report(const policy *p, int32_t n, policy_report *r) {
     r->tok_s = rate_of(b, cum, m, &r->shape) * r->batch / p->drift;
     r->plain_tok_s = rate_of(b, NULL, 0, &PLAIN) * r->batch / p->drift;
     r->drift = p->drift;
+    r->feed_share = feed_share(b);
+    r->keep_drafter = policy_keep_drafter(p, r->batch);
     r->settled_steps = b->settled_steps;
     r->explore_steps = b->explore_steps;
 }
@@ -609,8 +634,9 @@ int policy_report_json(const policy_report *r, char *buf, size_t cap) {
     APPEND("], \"expected_accepted\": %.3f, \"verify_us\": {", r->expected_accepted);
     for (int32_t i = 0; i < r->n_verify; i++) APPEND("%s\"%d\": %.1f", i ? ", " : "", r->verify_tokens[i], r->verify_us[i]);
     APPEND("}, \"draft_us\": %.1f, \"tok_s\": %.1f, \"plain_tok_s\": %.1f, \"settled_steps\": %lld, "
-           "\"explore_steps\": %lld, \"drift\": %.3f}",
-           r->draft_us, r->tok_s, r->plain_tok_s, (long long)r->settled_steps, (long long)r->explore_steps, r->drift);
+           "\"explore_steps\": %lld, \"drift\": %.3f, \"feed_share\": %.4f, \"keep_drafter\": %s}",
+           r->draft_us, r->tok_s, r->plain_tok_s, (long long)r->settled_steps, (long long)r->explore_steps, r->drift,
+           r->feed_share, r->keep_drafter ? "true" : "false");
     return (int)*at;
 }
 
@@ -623,6 +649,7 @@ int policy_report_log(const policy_report *r, char *buf, size_t cap) {
     append_list(buf, cap, at, r->accept, r->n_accept, "/", 2);
     APPEND(" draft_us=%.0f verify_us=", r->draft_us);
     append_list(buf, cap, at, r->verify_us, r->n_verify, "/", 0);
-    APPEND(" explore=%lld/%lld drift=%.2f", (long long)r->explore_steps, (long long)r->settled_steps, r->drift);
+    APPEND(" explore=%lld/%lld drift=%.2f feed=%.1f%%%s", (long long)r->explore_steps, (long long)r->settled_steps,
+           r->drift, 100 * r->feed_share, r->keep_drafter ? "" : "(stale)");
     return (int)*at;
 }

@@ -91,8 +91,9 @@
 #define POLICY_DECIDE_EVERY 8
 #define POLICY_SWITCH_GAIN 1.02
 #define POLICY_EWMA 0.125      /* weight of a new measurement of a draft cost */
-#define POLICY_ACCEPT_WINDOW 2048
-#define POLICY_KEEP_DRAFTER 0.8 /* policy_keep_drafter: the best tree at 80% of plain's rate or more */ /* acceptance counts halve past this many first-depth chances */
+#define POLICY_ACCEPT_WINDOW 2048 /* acceptance counts halve past this many first-depth chances */
+#define POLICY_KEEP_DRAFTER 0.8 /* policy_keep_drafter: the best tree at 80% of plain's rate or more, */
+#define POLICY_KEEP_COST 0.02   /* and feeding the drafter at most 2% of the range's plain time */
 
 /* A tree's shape (draft/tree.h's parameters). tokens 1: plain (no tree;
  * steps and topk are then 0). */
@@ -130,6 +131,8 @@ typedef struct policy_report {
     double tok_s, plain_tok_s;     /* expected rate of the choice, and of plain */
     int64_t settled_steps, explore_steps; /* since this range settled, and of them exploring */
     double drift;                  /* the host's speed factor: today's costs / those stored (policy.h) */
+    double feed_share;             /* feeding the drafter through plain steps: its time over theirs */
+    bool keep_drafter;             /* policy_keep_drafter for this range */
 } policy_report;
 
 typedef struct policy policy;
@@ -148,15 +151,25 @@ bool policy_drafting(const policy *p, int32_t n);
 /* Whether the drafter should be kept in step with batches of n while they
  * run plainly (fed each prompt and, now and then, the pairs of the plain
  * steps): the shape running drafts, the range is still settling, or its
- * best tree came within POLICY_KEEP_DRAFTER of plain at the last decision.
- * Then a probe, or a switch back to drafting, finds a drafter that holds
+ * best tree came within POLICY_KEEP_DRAFTER of plain at the last decision
+ * and keeping it in step costs at most POLICY_KEEP_COST of the plain
+ * steps' time (policy_observe_feed). Then a probe, or a switch back to drafting, finds a drafter that holds
  * the whole sequence; one reset from the last ENG_MAX_TREE pairs proposes
  * worse trees, and probes that always follow a reset would measure the
  * head's acceptance low and keep a tree that pays from being chosen
  * (0.21-0.25 at the first depth in such probes, against 0.34-0.37 while
- * drafting, on the held-out prompts). Far from paying (large batches on
- * this CPU), the drafter's work would be wasted and it is left stale. */
+ * drafting, on the held-out prompts). Far from paying, or where the
+ * feeding costs more than the exploring budget (large batches on this
+ * CPU, where the draft's passes over every token compete with a
+ * compute-bound target: 8 streams ran at 0.94x plain while it was fed),
+ * the drafter's work would be wasted and it is left stale. */
 bool policy_keep_drafter(const policy *p, int32_t n);
+
+/* Time spent feeding the drafter (a prompt, or the pending pairs of plain
+ * steps) while batches of n run plainly and it is kept in step. The share
+ * is that time over the plain steps' own, both decayed per plain step;
+ * it is frozen while the drafter is not kept (nothing measures it then). */
+void policy_observe_feed(policy *p, int32_t n, int64_t ns);
 
 /* What a step cost: n sequences ran `shape` (as asked; some may have got
  * no tree), `tokens` nodes verified in all, draft_ns in the drafter

@@ -204,7 +204,10 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
         ae_error derr = {{0}};
         spec_tree none;
         none.n = 0;
-        if (s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr) == AE_OK && none.n != SPEC_STATE_GONE) {
+        int64_t t0 = now_ns(s);
+        int rc = s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr);
+        if (s->pol) policy_observe_feed(s->pol, s->last_n > 0 ? s->last_n : 1, now_ns(s) - t0);
+        if (rc == AE_OK && none.n != SPEC_STATE_GONE) {
             st->held += k;
             st->fed = true;
         } else {
@@ -328,7 +331,9 @@ static void push_pending(spec *s, seq_state *st, int32_t seq, int32_t row, int32
  * overflows into a reset. Not timed as the step's: the policy compares
  * what steps of each shape cost, and this is one draft pass per
  * SPEC_FEED_AT plain steps. A failure or a drafter that lost the state
- * marks the sequence for a reset, as in propose. */
+ * marks the sequence for a reset, as in propose. The policy is told what
+ * feeding costs (policy_observe_feed): where it is dear against the plain
+ * steps it stops keeping the drafter in step. */
 static void feed_plain(spec *s, const spec_in *in, int32_t n) {
     if (!s->d || s->step_no < s->retry_at || !policy_keep_drafter(s->pol, n)) return;
     int32_t nf = 0;
@@ -340,7 +345,10 @@ static void feed_plain(spec *s, const spec_in *in, int32_t n) {
     }
     if (nf == 0) return;
     ae_error derr = {{0}};
-    if (s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr) != AE_OK) {
+    int64_t t0 = now_ns(s);
+    int rc = s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr);
+    policy_observe_feed(s->pol, n, now_ns(s) - t0);
+    if (rc != AE_OK) {
         for (int32_t k = 0; k < nf; k++) s->seqs[s->feeds[k].seq].resync = true;
         s->total.draft_failures++;
         return;

@@ -584,6 +584,7 @@ def test_adaptive_speculation_keeps_tokens_and_seeds_reproduce_sampled_streams(s
     assert pol["shape"] == "plain" or all(int(x) <= b for x, b in zip(pol["shape"].split("/"), (5, 4, 8)))
     assert len(pol["accept"]) == 5 and sorted(pol["verify_us"], key=int) == [str(t) for t in range(1, 9)]
     assert pol["plain_tok_s"] > 0 and pol["explore_steps"] <= pol["settled_steps"] * 0.02
+    assert 0 <= pol["feed_share"] < 1 and pol["keep_drafter"] in (True, False)
 
 
 def test_seeded_sampled_streams_are_the_same_with_and_without_the_draft(services, model):

@@ -23,6 +23,8 @@ typedef struct world {
     double v0_us, v_slope_us;          /* V(t) = v0 + slope (t - 1), per sequence */
     double d0_us, d_step_us, d_node_us; /* D = d0 + step * steps + node * (1 + (steps - 1) topk) */
     double slowdown;                    /* every cost times this (0: 1): the host's speed moving */
+    double feed_us;                     /* feeding the drafter one pair of a plain step (0: free) */
+    int32_t pending;                    /* pairs of plain steps not yet fed, per sequence */
     uint64_t rng;
 } world;
 
@@ -108,6 +110,7 @@ static int32_t verify(world *w, const int32_t *parents, int32_t n, int32_t *path
 typedef struct tally {
     int64_t steps, settled_at, drafted_settled, explore_settled;
     int64_t plain_choice_settled; /* steps plain by the choice, not in a probe */
+    int64_t feeds;                /* calls feeding the drafter after plain steps */
     double settled_us, explore_us; /* the world's time of the settled steps, and of those exploring */
     policy_shape last;
 } tally;
@@ -133,6 +136,14 @@ static void run(policy *p, world *w, int32_t n, int32_t steps, tally *t) {
         double v_us = w->v0_us + w->v_slope_us * (nodes - 1), slow = w->slowdown > 0 ? w->slowdown : 1;
         v_us *= slow, draft_us *= slow;
         policy_observe_step(p, n, &pk.shape, n * nodes, (int64_t)(draft_us * 1e3 * n), (int64_t)(v_us * 1e3 * n));
+        /* As spec.c: a tree's call sends the pending pairs; after plain
+         * steps they go in one call per 32, while the drafter is kept. */
+        w->pending = pk.shape.tokens >= 2 ? 0 : w->pending + 1;
+        if (pk.shape.tokens < 2 && w->pending >= 32 && policy_keep_drafter(p, n)) {
+            policy_observe_feed(p, n, (int64_t)(w->feed_us * slow * 1e3 * n * w->pending));
+            w->pending = 0;
+            t->feeds++;
+        }
         t->steps++;
         if (settled) {
             if (!t->settled_at) t->settled_at = t->steps;
@@ -437,6 +448,46 @@ static void test_a_slower_host_does_not_make_stale_costs_look_cheap(void **state
     policy_free(p);
 }
 
+/* A tree near paying but not paying (the one-token chain at 0.97 of
+ * plain: 1.2 tokens in 3.7 ms against 1 in 3 ms) keeps the drafter in
+ * step through the plain steps while that costs little: 30 us a pair is
+ * 1% of a 3 ms step. At 300 us a pair (10%: at 8 sequences a step, the
+ * draft's passes over every token on cores a compute-bound target needs)
+ * it is dropped once 64 plain steps have measured it (after one feed),
+ * and the report says so. */
+static void test_the_drafter_is_kept_in_step_only_while_that_is_cheap(void **state) {
+    (void)state;
+    double feed_us[2] = {30, 300};
+    int64_t feeds[2];
+    for (int k = 0; k < 2; k++) {
+        world w = {.v0_us = 3000, .v_slope_us = 300, .d0_us = 400, .feed_us = feed_us[k], .rng = 9};
+        set_acceptance(&w, (double[]){0.2, 0.05, 0.02, 0.01}, (double[]){0.1, 0.02, 0.01, 0.0});
+        policy *p = open_policy(BOUND);
+        tally t = {0};
+        run(p, &w, 8, 2000, &t);
+        policy_report r;
+        policy_get_report(p, 8, &r);
+        char line[512];
+        policy_report_log(&r, line, sizeof line);
+        printf("feeding at %.0f us a pair: %lld feeds in %lld steps; %s\n", feed_us[k], (long long)t.feeds,
+               (long long)t.steps, line);
+        assert_shape(t.last, 0, 0, 1);
+        assert_true(policy_keep_drafter(p, 8) == (k == 0));
+        assert_true(r.keep_drafter == (k == 0));
+        /* Kept: within a cycle of 32 steps the decayed sums swing by 16%.
+         * Dropped: the share froze at one feed over the first 64 plain
+         * steps (5%), over the bound either way. */
+        if (k == 0) assert_true(fabs(r.feed_share - feed_us[k] / w.v0_us) < 0.2 * feed_us[k] / w.v0_us);
+        else assert_true(r.feed_share > POLICY_KEEP_COST && r.feed_share < feed_us[k] / w.v0_us);
+        feeds[k] = t.feeds;
+        policy_free(p);
+    }
+    /* Every 32 plain steps after the 32 of settling: 61, less at most one
+     * for each of the 13 probes (a probe's tree sends the pairs itself). */
+    assert_true(feeds[0] >= 61 - 13);
+    assert_int_equal(feeds[1], 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_slow_draft_goes_plain_and_stays_plain),
@@ -449,6 +500,7 @@ int main(void) {
         cmocka_unit_test(test_a_costlier_smaller_pass_is_capped_by_a_larger_one),
         cmocka_unit_test(test_a_slower_host_does_not_make_stale_costs_look_cheap),
         cmocka_unit_test(test_a_few_slow_steps_do_not_move_a_cost),
+        cmocka_unit_test(test_the_drafter_is_kept_in_step_only_while_that_is_cheap),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -553,9 +553,11 @@ static void test_sequences_batched_together_each_get_their_plain_output(void **s
 
 /* A drafter that costs `cost` units of the test's clock per call, around
  * the real fixture head. The clock moves one unit per reading besides,
- * and `verify` more at the reading that ends a step (spec_step reads it
- * three times: before the drafter, after it, after the verify pass), so
- * a step's pass costs 1 + verify units whatever its size. */
+ * and `verify` more at the reading that ends a step's pass (the third
+ * of the step: before the drafter, after it, after the verify pass;
+ * readings that time feeding the drafter come after those, and the count
+ * starts again at each step), so a step's pass costs 1 + verify units
+ * whatever its size. */
 typedef struct costly {
     const spec_drafter *real;
     int64_t clock, cost, verify, reads;
@@ -619,6 +621,7 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     for (int32_t k = 0; k < steps; k++) {
         spec_in in = {seq, sp, &rng};
         spec_out o;
+        c.reads = 0;
         if (spec_step(s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int32_t j = 0; j < o.n; j++) got[n_got++] = o.tokens[j];
     }
