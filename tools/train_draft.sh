@@ -41,6 +41,8 @@ TTT=${TTT:-6}                     # unrolled draft steps in training
 DRAFT_VOCAB=${DRAFT_VOCAB:-4096}  # the shipped head's; tools/train_eagle3.py vocab measures 2k..16k on a dump
 EVAL_TOKENS=${EVAL_TOKENS:-128}   # longest answer in the evaluation; answers end where the model ends them
 EVAL_SHAPES=${EVAL_SHAPES:-5/4/8,1/1/2,3/1/4}
+INIT=${INIT:-}                    # a head to train further instead of starting from random weights
+FIRST_PART=${FIRST_PART:-0}       # first prompt part: a run from INIT takes parts its head has not seen
 PYTHON=${PYTHON:-python3}
 AERIE=${AERIE:-build/aerie}
 
@@ -71,19 +73,21 @@ t0=$(date +%s)
 
 parts=$(( (PROMPTS + PART - 1) / PART ))
 say "1/5 prompts: $PROMPTS in $parts parts, none containing a prompt of $HELDOUT"
-for ((p = 0; p < parts; p++)); do
+part_files=()
+for ((p = FIRST_PART; p < FIRST_PART + parts; p++)); do
     dir="$WORK/prompts/part-$(printf %04d "$p")"
+    part_files+=("$dir/train.jsonl")
     if [ -s "$dir/train.jsonl" ]; then
         echo "  part $p kept from an earlier run"
         continue
     fi
-    n=$(( p == parts - 1 ? PROMPTS - p * PART : PART ))
+    n=$(( p == FIRST_PART + parts - 1 ? PROMPTS - (parts - 1) * PART : PART ))
     "$PYTHON" tools/make_seeds.py seeds --count $(( 2 * n )) --seed $(( p + 1 )) --out "$dir.seeds.jsonl"
     "$AERIE" gen-prompts --model "$MODEL" --out "$dir" --count "$n" --heldout 0 --seed $(( p + 1 )) \
         --seeds "$dir.seeds.jsonl" --exclude "$HELDOUT" --max-batch "$BATCH" | tee "$dir.json"
 done
 "$PYTHON" tools/make_seeds.py merge --out "$WORK/prompts/train.jsonl" --exclude "$HELDOUT" \
-    "$WORK"/prompts/part-*/train.jsonl
+    "${part_files[@]}"
 
 say "2+3/5 features (responses of up to $MAX_NEW tokens) and training (ttt $TTT, draft vocabulary $DRAFT_VOCAB), side by side"
 "$AERIE" dump-features --model "$MODEL" --prompts "$WORK/prompts/train.jsonl" --out "$WORK/features" \
@@ -92,7 +96,7 @@ say "2+3/5 features (responses of up to $MAX_NEW tokens) and training (ttt $TTT,
 dump=$!
 trap 'kill $dump 2>/dev/null' EXIT
 "$PYTHON" tools/train_eagle3.py train --stream --delete-consumed --features "$WORK/features" --out "$WORK/train" \
-    --ttt "$TTT" --draft-vocab "$DRAFT_VOCAB" --vocab-shards "$VOCAB_SHARDS" --threads 1
+    --ttt "$TTT" --draft-vocab "$DRAFT_VOCAB" --vocab-shards "$VOCAB_SHARDS" --threads 1 ${INIT:+--init "$INIT"}
 wait $dump
 trap - EXIT
 tail -1 "$WORK/dump-features.log"

@@ -657,7 +657,7 @@ def train_stream(args):
     state = torch.load(ckpt_path, map_location="cpu") if resume else None
     run_args = {"features_dir": str(Path(args.features).resolve()), "shards": data.n_shards, "stream": True,
                 "batch_tokens": args.batch_tokens, "seed": args.seed, "ttt": args.ttt, "val_shards": n_val,
-                "vocab_shards": n_vocab, "draft_vocab": args.draft_vocab}
+                "vocab_shards": n_vocab, "draft_vocab": args.draft_vocab, "init": args.init}
     if state:
         diff = [f"{k} {state['args'].get(k)} (now {v})" for k, v in run_args.items() if state["args"].get(k) != v]
         if diff:
@@ -675,8 +675,17 @@ def train_stream(args):
         val += load_shard(copy)
         if args.delete_consumed:
             data.consume(k)
+    init = load_init(args.init, info) if args.init and not state else None
+    if init and len(init[1]) != args.draft_vocab:
+        raise SystemExit(f"train: --init {args.init} has a draft vocabulary of {len(init[1])}, not --draft-vocab "
+                         f"{args.draft_vocab}")
     if state:
         ids = np.asarray(state["draft_ids"], dtype=np.int64)
+    elif init:
+        # Training goes on from an earlier head: its vocabulary stays, so
+        # that its lm_head rows keep their meaning.
+        ids = init[1]
+        record["init"] = {"from": str(args.init), "record": init[2]}
     else:
         # The vocabulary must be fixed before the first step: the most
         # frequent response tokens of the first training shards (kept on
@@ -696,6 +705,8 @@ def train_stream(args):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     shard, batch, step, t_prev = n_val, 0, 0, 0.0
     counts = np.zeros(V, dtype=np.int64)  # response tokens trained on, for the coverage actually seen
+    if init:
+        model.load_state_dict(init[0])
     if state:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -704,7 +715,8 @@ def train_stream(args):
     n_train = data.n_shards - n_val
     print(f"train: streaming {n_train} shards of {info['shard_size']} sequences from {args.features}, "
           f"{n_val} kept for validation ({len(val)} sequences); draft vocabulary {len(ids)}; ttt {args.ttt}; "
-          f"{'resuming at shard %d batch %d (step %d)' % (shard, batch, step) if state else 'starting'}",
+          f"{'resuming at shard %d batch %d (step %d)' % (shard, batch, step) if state else 'starting'}"
+          f"{' from ' + args.init if init else ''}",
           file=sys.stderr, flush=True)
     val_batches = make_batches(val, args.batch_tokens, random.Random(1))
     weights = [0.8 ** s for s in range(args.ttt)]
