@@ -24,8 +24,8 @@ Every reply's text, finish reason and token count must be the same on both
 stacks (and in every run): the first prompt where they differ is printed
 and the script exits 1. A stack that does not start: its service's last
 log lines, exit 1. SIGTERM or Ctrl-C stops both stacks, prints the JSON
-line of the levels done and exits 1. The services' logs are removed after a clean run and
-kept otherwise (the last line on stderr says where). A prompts file
+line of the levels done and exits 1. The services' logs are removed after a clean run
+(unless --keep-logs) and kept otherwise (the last line on stderr says where). A prompts file
 without prompts: exit 2.
 
 Prints, per streams value, each run's tokens/s with and without the draft
@@ -37,7 +37,7 @@ stderr.
 
     tools/bench_spec.py [--prompts tools/prompts/heldout.jsonl] [--streams 1,8,32] [--runs 3]
                         [--max-tokens 128] [--model M] [--build build]
-                        [--draft-target-args FLAGS]
+                        [--draft-target-args FLAGS] [--keep-logs]
 """
 import argparse
 import concurrent.futures
@@ -175,6 +175,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--model", type=Path, default=MODEL)
     ap.add_argument("--build", type=Path, default=BUILD, help="where the service binaries are")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the services' logs after a clean run too (the target's load lines show the policy)")
     ap.add_argument("--draft-target-args", default="",
                     help="extra aerie-target flags of the stack with the draft, e.g. "
                          "'--no-spec-adaptive --spec-steps 1 --spec-topk 1 --spec-tokens 2' (default: none, "
@@ -249,7 +251,7 @@ def main():
         if bad:
             progress("; ".join(bad) + " when stopped")
             ok = False
-        if ok:
+        if ok and not a.keep_logs:
             shutil.rmtree(tmp)
         else:
             progress(f"the services' logs are in {tmp}")
