@@ -22,6 +22,12 @@
 # dump-features goes on after its last shard, the trainer from its last
 # checkpoint (within a shard). So an interrupted run (Ctrl-C, a reboot) is
 # continued by running it again with the same settings.
+#
+# A run that outlives its machine (the work files are lost) goes on from
+# the head it last exported: INIT=that head and FIRST_PART=the first part
+# it has not seen train it further on new prompts, with its draft
+# vocabulary and a fresh learning-rate schedule. The head's training.json
+# records what it started from ("init"), so the chain of runs is on file.
 # Settings come from the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
