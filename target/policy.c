@@ -489,7 +489,10 @@ bool policy_keep_drafter(const policy *p, int32_t n) {
 }
 
 void policy_observe_feed(policy *p, int32_t n, int64_t ns) {
-    if (n >= 1 && ns > 0) p->b[bucket_of(n)].feed_ns += (double)ns;
+    if (n < 1 || ns <= 0) return;
+    bucket *b = &p->b[bucket_of(n)];
+    /* While the range drafts, the drafter needs its prompts anyway. */
+    if (b->choice.tokens < 2) b->feed_ns += (double)ns;
 }
 
 int64_t policy_explore_steps(const policy *p) {
@@ -522,7 +525,7 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
                          int64_t verify_ns) {
     if (n < 1 || tokens < n) return;
     bucket *b = &p->b[bucket_of(n)];
-    if (shape->tokens < 2 && policy_keep_drafter(p, n)) {
+    if (shape->tokens < 2 && b->choice.tokens < 2 && policy_keep_drafter(p, n)) {
         b->feed_ns *= FEED_DECAY;
         b->plain_ns = FEED_DECAY * b->plain_ns + (double)verify_ns;
         if (b->feed_steps < FEED_MIN_STEPS) b->feed_steps++;

@@ -166,9 +166,13 @@ bool policy_drafting(const policy *p, int32_t n);
 bool policy_keep_drafter(const policy *p, int32_t n);
 
 /* Time spent feeding the drafter (a prompt, or the pending pairs of plain
- * steps) while batches of n run plainly and it is kept in step. The share
- * is that time over the plain steps' own, both decayed per plain step;
- * it is frozen while the drafter is not kept (nothing measures it then). */
+ * steps) while batches of n run plainly by choice and it is kept in step.
+ * The share is that time over the plain steps' own, both decayed per
+ * plain step, judged once 64 plain steps are in it; it is frozen while
+ * the drafter is not kept (nothing measures it then) and while the range
+ * drafts (the drafter needs its prompts then, and plain steps are only
+ * probes: a share of those would count every prompt against a few
+ * steps, 50-110% at 1 stream in a run of the headline benchmark). */
 void policy_observe_feed(policy *p, int32_t n, int64_t ns);
 
 /* What a step cost: n sequences ran `shape` (as asked; some may have got

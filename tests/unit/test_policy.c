@@ -482,6 +482,26 @@ static void test_the_drafter_is_kept_in_step_only_while_that_is_cheap(void **sta
         feeds[k] = t.feeds;
         policy_free(p);
     }
+    /* A range that drafts needs its prompts fed anyway: feeds then count
+     * for nothing (counted against its few plain probes, every prompt
+     * of a 1-stream run made the share 50-110%, and the drafter was
+     * dropped as soon as plain won a decision). */
+    world w = {.v0_us = 3000, .v_slope_us = 100, .d0_us = 200, .d_step_us = 100, .rng = 5};
+    set_acceptance(&w, (double[]){0.4, 0.0, 0.0, 0.0}, (double[]){0.1, 0.0, 0.0, 0.0});
+    policy *p = open_policy(BOUND);
+    tally t = {0};
+    run(p, &w, 1, 200, &t);
+    for (int k = 0; k < 12000; k++) { /* past 64 plain steps (settling and probes) */
+        policy_observe_feed(p, 1, 3000000); /* a prompt each step, as long as a step */
+        run(p, &w, 1, 1, &t);
+    }
+    assert_shape(t.last, 1, 1, 2);
+    policy_report r;
+    char line0[512];
+    policy_get_report(p, 1, &r);
+    printf("drafting, a prompt fed each step: %s\n", (policy_report_log(&r, line0, sizeof line0), line0));
+    assert_true(r.feed_share == 0.0 && r.keep_drafter);
+    policy_free(p);
     /* Every 32 plain steps after the 32 of settling: 61, less at most one
      * for each of the 13 probes (a probe's tree sends the pairs itself). */
     assert_true(feeds[0] >= 61 - 13);
