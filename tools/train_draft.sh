@@ -115,6 +115,6 @@ ls -l "$HEAD"
 say "5/5 evaluate on $HELDOUT, up to $EVAL_TOKENS tokens (greedy; plain and the shapes $EVAL_SHAPES, side by side)"
 "$AERIE" eval-draft --model "$MODEL" --draft "$HEAD" --prompts "$HELDOUT" --max-new-tokens "$EVAL_TOKENS" \
     --shapes "$EVAL_SHAPES" | tee "$WORK/eval.json"
-cp "$WORK/eval.json" "$HEAD/eval.json"
+cp "$WORK/eval.json" "$HEAD/eval-heldout.json"
 
-say "done in $(( ($(date +%s) - t0) / 60 )) min; head in $HEAD, evaluation in $HEAD/eval.json"
+say "done in $(( ($(date +%s) - t0) / 60 )) min; head in $HEAD, evaluation in $HEAD/eval-heldout.json"
