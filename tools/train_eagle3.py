@@ -534,10 +534,7 @@ def train(args):
         if diff:
             raise SystemExit(f"train: {ckpt_path} was made with " + ", ".join(diff) +
                              "; rerun with those settings to resume, or use --fresh or another --out")
-    init = load_init(args.init, info) if args.init and not state else None
-    if init and len(init[1]) != args.draft_vocab:
-        raise SystemExit(f"train: --init {args.init} has a draft vocabulary of {len(init[1])}, not --draft-vocab "
-                         f"{args.draft_vocab}")
+    init = load_init(args.init, info, args.draft_vocab) if args.init and not state else None
     ids = np.asarray(state["draft_ids"]) if state else init[1] if init else draft_vocabulary(counts, args.draft_vocab)
     coverage = counts[ids].sum() / max(counts.sum(), 1)
     t2d_index = np.full(int(info["target_vocab"]), -1, dtype=np.int64)
@@ -675,10 +672,7 @@ def train_stream(args):
         val += load_shard(copy)
         if args.delete_consumed:
             data.consume(k)
-    init = load_init(args.init, info) if args.init and not state else None
-    if init and len(init[1]) != args.draft_vocab:
-        raise SystemExit(f"train: --init {args.init} has a draft vocabulary of {len(init[1])}, not --draft-vocab "
-                         f"{args.draft_vocab}")
+    init = load_init(args.init, info, args.draft_vocab) if args.init and not state else None
     if state:
         ids = np.asarray(state["draft_ids"], dtype=np.int64)
     elif init:
@@ -815,16 +809,22 @@ def coverage_table(seqs, V, sizes):
     return rows
 
 
-def load_init(path, info):
+def load_init(path, info, draft_vocab):
     """Weights, draft vocabulary and record of an earlier head directory or
-    checkpoint, to train further under a new schedule."""
+    checkpoint, to train further under a new schedule; its vocabulary must
+    have draft_vocab tokens."""
     p = Path(path)
     if p.is_dir():
         model, d2t = load_head(p)
         rec = json.loads((p / "training.json").read_text()) if (p / "training.json").exists() else {}
-        return model.state_dict(), (d2t + np.arange(len(d2t))).astype(np.int64), rec
-    st = torch.load(p, map_location="cpu")
-    return st["model"], np.asarray(st["draft_ids"], dtype=np.int64), st.get("record", {})
+        init = model.state_dict(), (d2t + np.arange(len(d2t))).astype(np.int64), rec
+    else:
+        st = torch.load(p, map_location="cpu")
+        init = st["model"], np.asarray(st["draft_ids"], dtype=np.int64), st.get("record", {})
+    if len(init[1]) != draft_vocab:
+        raise SystemExit(f"train: --init {path} has a draft vocabulary of {len(init[1])}, not --draft-vocab "
+                         f"{draft_vocab}")
+    return init
 
 
 def load_head(head_dir):

@@ -348,3 +348,32 @@ def test_stream_training_interrupted_and_resumed_matches_an_uninterrupted_run(pi
     rec = json.loads((d / "stream-b" / "head" / "training.json").read_text())
     assert rec["stream"] is True and rec["train_shards"] == 5 and rec["val_sequences"] == 2
     assert rec["ttt_steps"] == 3 and len(rec["val_top1_by_step"]) == 3
+
+
+def test_stream_training_goes_on_from_an_earlier_head(pipeline, aerie):
+    """--init with --stream (train-draft's INIT): the trainer starts from the
+    head's weights and keeps its draft vocabulary, records what it started
+    from, and refuses a head whose vocabulary has another size. At a
+    learning rate too small to move an fp16 weight, the head it exports is
+    the one it started from, bit for bit."""
+    d = pipeline["dir"]
+    feats = d / "init-features"
+    r = aerie("dump-features", "--model", pipeline["model"], "--prompts", pipeline["prompts"] / "train.jsonl",
+              "--max-new-tokens", "24", "--shard-size", "2", "--capture", "1,2,3", "--threads", "1", "--out", feats)
+    assert r.rc == 0, r.err
+    base = ["--stream", "--val-shards", "1", "--vocab-shards", "2", "--batch-tokens", "128", "--threads", "1",
+            "--log-every", "1"]
+    common = [*base, "--draft-vocab", "256"]
+    trainer("train", "--features", feats, "--out", d / "init-first", *common)
+    first = d / "init-first" / "head"
+    again = trainer("train", "--features", feats, "--out", d / "init-again", *common, "--init", first, "--lr", "1e-12")
+    assert f"starting from {first}" in again.stderr, again.stderr
+    wa, wb = st_read(first / "model.safetensors"), st_read(d / "init-again" / "head" / "model.safetensors")
+    for name in PUBLISHED:
+        assert np.array_equal(wa[name][1], wb[name][1]), name
+    rec = json.loads((d / "init-again" / "head" / "training.json").read_text())
+    assert rec["init"]["from"] == str(first) and rec["init"]["record"]["train_shards"] == 5
+    bad = trainer("train", "--features", feats, "--out", d / "init-bad", *base, "--draft-vocab", "128", "--init", first,
+                  check=False)
+    assert bad.returncode != 0
+    assert f"--init {first} has a draft vocabulary of 256, not --draft-vocab 128" in bad.stderr
