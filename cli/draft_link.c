@@ -94,4 +94,7 @@ void draft_link_stats_json(cJSON *o, const spec_stats *st, const spec_shape *sha
         cJSON_AddItemToArray(depth, cJSON_CreateNumber(st->steps ? round4((double)st->accepted_at[d] / (double)st->steps) : 0));
     double total = (double)(st->draft_ns + st->verify_ns);
     cJSON_AddNumberToObject(o, "draft_time_share", total > 0 ? round4((double)st->draft_ns / total) : 0);
+    cJSON_AddNumberToObject(o, "explore_time_share", total > 0 ? round4((double)st->explore_ns / total) : 0);
+    double all = total + (double)st->feed_ns;
+    cJSON_AddNumberToObject(o, "feed_time_share", all > 0 ? round4((double)st->feed_ns / all) : 0);
 }

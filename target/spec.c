@@ -206,7 +206,9 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
         none.n = 0;
         int64_t t0 = now_ns(s);
         int rc = s->d->propose(s->d->ctx, &f, 1, &s->cfg.shape, &none, &derr);
-        if (s->pol) policy_observe_feed(s->pol, s->last_n > 0 ? s->last_n : 1, now_ns(s) - t0);
+        int64_t ns = now_ns(s) - t0;
+        s->total.feed_ns += ns;
+        if (s->pol) policy_observe_feed(s->pol, s->last_n > 0 ? s->last_n : 1, ns);
         if (rc == AE_OK && none.n != SPEC_STATE_GONE) {
             st->held += k;
             st->fed = true;
@@ -347,7 +349,9 @@ static void feed_plain(spec *s, const spec_in *in, int32_t n) {
     ae_error derr = {{0}};
     int64_t t0 = now_ns(s);
     int rc = s->d->propose(s->d->ctx, s->feeds, nf, &s->cfg.shape, s->trees, &derr);
-    policy_observe_feed(s->pol, n, now_ns(s) - t0);
+    int64_t ns = now_ns(s) - t0;
+    s->total.feed_ns += ns;
+    policy_observe_feed(s->pol, n, ns);
     if (rc != AE_OK) {
         for (int32_t k = 0; k < nf; k++) s->seqs[s->feeds[k].seq].resync = true;
         s->total.draft_failures++;
@@ -449,7 +453,10 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
     s->total.verify_ns += t2 - t1;
     if (s->pol) {
         policy_observe_step(s->pol, n, &shape, T, shape.tokens < 2 ? 0 : timed ? t1 - t0 : -1, t2 - t1);
-        if (explore) s->total.explore_steps++;
+        if (explore) {
+            s->total.explore_steps++;
+            s->total.explore_ns += t2 - t0;
+        }
         if (shape.tokens < 2 && s->cfg.adaptive) s->total.adapt_plain_steps++;
         if (!explore) {
             if (s->was_drafting && shape.tokens < 2) s->total.adapt_off++;

@@ -123,6 +123,8 @@ typedef struct spec_stats {
     int64_t explore_steps; /* steps the policy ran to measure, settling included (total only) */
     int64_t draft_ns;    /* time in the drafter (propose calls of steps) */
     int64_t verify_ns;   /* time in the verify pass, acceptance and commit */
+    int64_t explore_ns;  /* of draft_ns + verify_ns, the steps the policy ran to measure (total only) */
+    int64_t feed_ns;     /* time feeding the drafter outside steps: prompts, and plain steps' pairs (total only) */
     int64_t accepted_at[SPEC_MAX_DEPTH]; /* [d]: steps that accepted a token at depth d + 1 */
 } spec_stats;
 

@@ -672,6 +672,12 @@ static void test_the_policy_runs_plainly_while_drafting_loses(void **state) {
     assert_int_equal(lose.plain_steps, STEPS - lose.steps);
     assert_int_equal(lose.adapt_plain_steps, lose.plain_steps);
     assert_int_equal(lose.explore_steps, SETTLE);
+    /* What exploring cost, by the test's clock: each settling step's
+     * three readings (2 units) and its pass (10), and for the 12 drafting
+     * ones the drafter's 1000 too. Feeding outside steps: the prompt's
+     * one call, 1000 units and the reading after it. */
+    assert_int_equal(lose.explore_ns, 6 * 12 + 12 * 1012);
+    assert_int_equal(lose.feed_ns, 1001);
     assert_int_equal(lose.adapt_off, 0); /* it never chose to draft */
     /* Far from paying, the drafter is left stale: after the prompt, no
      * call feeds it without asking for a tree. */
