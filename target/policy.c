@@ -14,6 +14,10 @@
 #define SETTLE_TREE_STEPS 12
 #define SETTLE_DEEP_STEPS 8
 #define SETTLE_CHAIN_STEPS 6
+/* A stage that learns acceptance runs its trees in fewer steps at a
+ * larger batch (enter_stage), but never fewer than these: the first step
+ * after plain ones resets the drafter and is not timed. */
+#define SETTLE_MIN_STEPS 2
 #define MAX_STAGES 4
 
 /* Acceptance estimates start from a prior worth this many observations:
@@ -134,8 +138,17 @@ static void enter_stage(const policy *p, bucket *b, int32_t i) {
     }
     b->stage = i;
     if (i < p->n_stages) {
-        b->running = p->stages[i].shape;
-        b->left = p->stages[i].steps;
+        const stage *st = &p->stages[i];
+        b->running = st->shape;
+        b->left = st->steps;
+        /* A stage that learns acceptance is sized in trees: a step of n
+         * sequences verifies n of them. At batch 8 the bounding tree's
+         * 12 steps would cost some 6 plain steps each (a fresh target
+         * under 32 streams settled there first: 5% of its first 20 s). */
+        if (st->acceptance) {
+            int32_t n = b->last_n > 1 ? b->last_n : 1, steps = (st->steps + n - 1) / n;
+            b->left = steps > SETTLE_MIN_STEPS ? steps : SETTLE_MIN_STEPS < st->steps ? SETTLE_MIN_STEPS : st->steps;
+        }
     }
 }
 

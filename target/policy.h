@@ -54,8 +54,10 @@
  *
  * Each range of batch sizes settles on its own: a schedule of a few
  * shapes (plain, the bounding tree, the deepest chain, a one-token chain:
- * 32 steps) measures the ends of both cost curves and the acceptance at
- * every depth and rank; then it picks. The acceptance is the head's, shared
+ * 32 steps at batch 1; the two that learn acceptance are sized in trees,
+ * so a batch of 8 runs them in 2 steps each, 16 in all) measures the ends
+ * of both cost curves and the acceptance at every depth and rank; then it
+ * picks. The acceptance is the head's, shared
  * by all ranges, so a range that settles after another runs only plain
  * and the one-token chain (12 steps), starts from the nearest settled
  * range's draft-cost fit, and extends its verify curve from its two sizes
