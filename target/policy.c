@@ -457,10 +457,13 @@ policy_pick policy_choose(policy *p, int32_t n) {
     b->settled_steps++;
     if (!b->probing) {
         /* Probes are paid from two budgets, each earned at
-         * POLICY_EXPLORE_SHARE: steps, and time (a probe of a tree at a
-         * large batch costs several plain steps, so it waits longer). */
-        if (b->credit < POLICY_PROBE_STEPS) b->credit += POLICY_EXPLORE_SHARE;
-        b->credit_ns += POLICY_EXPLORE_SHARE * step_cost(b, &b->choice);
+         * POLICY_EXPLORE_SHARE (POLICY_EXPLORE_FAR far from paying):
+         * steps, and time (a probe of a tree at a large batch costs
+         * several plain steps, so it waits longer). */
+        double share = b->choice.tokens < 2 && b->tree_vs_plain < POLICY_KEEP_DRAFTER ? POLICY_EXPLORE_FAR
+                                                                                        : POLICY_EXPLORE_SHARE;
+        if (b->credit < POLICY_PROBE_STEPS) b->credit += share;
+        b->credit_ns += share * step_cost(b, &b->choice);
         policy_shape probe;
         int32_t turns = 0;
         if (b->credit >= POLICY_PROBE_STEPS && next_probe(p, b, &probe, &turns) &&
@@ -543,7 +546,11 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
         b->plain_ns = FEED_DECAY * b->plain_ns + (double)verify_ns;
         if (b->feed_steps < FEED_MIN_STEPS) b->feed_steps++;
     }
-    int32_t t = (tokens + n / 2) / n;
+    /* A step where some sequences got no tree, or a cut one, measures
+     * no size (its pass is cheaper than the shape's), and its drafter
+     * served fewer trees. */
+    if (shape->tokens >= 2 && tokens != n * shape->tokens) return;
+    int32_t t = tokens / n;
     if (t > POLICY_MAX_NODES) t = POLICY_MAX_NODES;
     double v = (double)verify_ns / n;
     /* A size measured before tells how fast the host runs now against

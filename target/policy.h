@@ -69,7 +69,12 @@
  * tree when it runs plainly, the runner-up, and the bounding tree
  * (acceptance at every rank), in turn. A probe's first
  * step may carry a drafter reset (after plain steps its state is stale):
- * the caller does not time such a draft (draft_ns < 0).
+ * the caller does not time such a draft (draft_ns < 0). A range whose
+ * best tree is far from paying (under POLICY_KEEP_DRAFTER of plain's
+ * rate: the drafter is left stale) earns its probes at
+ * POLICY_EXPLORE_FAR instead: there every probe pays that reset too (at
+ * batch 8 it cost 15-37 ms, 1-3 plain steps, beside the probe's own 2
+ * steps), and what a probe could find must gain 25% to change anything.
  *
  * Not adaptive (a fixed shape): every step asks for the bounding tree.
  *
@@ -89,6 +94,7 @@
 #define POLICY_MAX_RANK 8     /* draft/tree.h's TREE_MAX_TOPK */
 #define POLICY_MAX_NODES 64   /* draft/tree.h's TREE_MAX_NODES */
 #define POLICY_EXPLORE_SHARE 0.02
+#define POLICY_EXPLORE_FAR 0.005 /* where no tree comes near paying */
 #define POLICY_PROBE_STEPS 2
 #define POLICY_DECIDE_EVERY 8
 #define POLICY_SWITCH_GAIN 1.02
@@ -178,9 +184,10 @@ bool policy_keep_drafter(const policy *p, int32_t n);
 void policy_observe_feed(policy *p, int32_t n, int64_t ns);
 
 /* What a step cost: n sequences ran `shape` (as asked; some may have got
- * no tree), `tokens` nodes verified in all, draft_ns in the drafter
- * (< 0: not a measure of the shape, e.g. a reset or a failed call; plain
- * steps pass 0) and verify_ns in the pass. */
+ * no tree, or a cut one: then tokens is not n * shape->tokens and the
+ * step measures nothing), `tokens` nodes verified in all, draft_ns in the
+ * drafter (< 0: not a measure of the shape, e.g. a reset or a failed
+ * call; plain steps pass 0) and verify_ns in the pass. */
 void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_t tokens, int64_t draft_ns,
                          int64_t verify_ns);
 
