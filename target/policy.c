@@ -34,11 +34,16 @@
  * cores: 3x within a run here), and a size measured only in a probe long
  * ago would keep the speed of then, so comparing it with the choice,
  * measured every step, compares two hosts. Costs are therefore stored as
- * measured / drift, where drift is the median ratio of measured to stored
- * over the last DRIFT_SAMPLES steps at sizes already known: after a change
- * of speed it follows within 3 steps, before the stored costs (medians of
- * their own last VERIFY_SAMPLES) can take it in, and a lone slow step
- * moves neither.
+ * measured / drift, where drift is the median over the range's last
+ * DRIFT_SAMPLES plain steps of their cost against its first plain step's:
+ * after a change of speed it follows within 3 plain steps, before the
+ * stored costs (medians of their own last VERIFY_SAMPLES) can take it in,
+ * and a lone slow step moves neither.
+ *
+ * Plain steps only, and each range its own (policy.h): a factor that
+ * every step moved took in the choice's own cost, so a tree stored too
+ * cheap stayed so (its dearer steps read as a slower host, and plain's
+ * estimate rose with them), and one range's steps moved another's.
  *
  * Medians, not averages: on cores shared with the gateway and the draft a
  * few steps now and then run at half speed or less (a group of requests
@@ -47,6 +52,10 @@
  * time (a one-token chain read 15.3 ms against 5.9 ms plain at batch 1,
  * where steady drafting measures 1.1-1.2x). */
 #define DRIFT_SAMPLES 5
+/* A tree pass under this share of plain's estimate has the drafting range
+ * measure plain again at once (policy_choose): more nodes never cost
+ * less, so the estimate is stale. */
+#define RECHECK_BELOW 0.8
 #define VERIFY_SAMPLES 5
 
 /* Decay of the feeding and plain-step times per plain step kept in step
@@ -69,6 +78,12 @@ typedef struct bucket {
     double verify[POLICY_MAX_NODES + 1]; /* ns per sequence at t nodes per sequence: the median of vs */
     double vs[POLICY_MAX_NODES + 1][VERIFY_SAMPLES]; /* the last samples (a ring), stored as measured / drift */
     int32_t n_verify[POLICY_MAX_NODES + 1];
+    int64_t seen[POLICY_MAX_NODES + 1]; /* the step (of this range's, counted by steps) that last measured t */
+    int64_t steps;
+    policy_shape fresh; /* the tree of the steps since the last plain ones (tokens 0: none, or settled) */
+    int32_t fresh_n;    /* its samples since then */
+    int32_t fresh_plain; /* plain steps since its last step: restate_fresh until the factor has followed */
+    bool recheck;        /* a tree's pass measured under plain's estimate: measure plain next */
     double draft[POLICY_MAX_DEPTH + 1][POLICY_MAX_RANK + 1]; /* ns per sequence by (steps, topk) (EWMA) */
     int32_t n_draft[POLICY_MAX_DEPTH + 1][POLICY_MAX_RANK + 1];
     double fit_a[3][3], fit_b[3]; /* decayed normal equations of the draft fit, in µs */
@@ -86,6 +101,10 @@ typedef struct bucket {
     int32_t since_decide;
     int64_t settled_steps, explore_steps;
     int32_t last_n;
+    double drift; /* the host's speed factor for this range now (policy.h): stored costs times this are today's */
+    double plain_ref;             /* its first plain step's cost per sequence: the factor's 1 */
+    double ratios[DRIFT_SAMPLES]; /* its last plain steps' cost / plain_ref (a ring) */
+    int32_t n_ratios;
 } bucket;
 
 struct policy {
@@ -95,9 +114,6 @@ struct policy {
     double hits[POLICY_MAX_DEPTH][POLICY_MAX_RANK], chances[POLICY_MAX_DEPTH][POLICY_MAX_RANK];
     bucket b[POLICY_BUCKETS];
     int32_t last; /* bucket of the last step */
-    double drift; /* the host's speed factor now (policy.h): stored costs times this are today's */
-    double ratios[DRIFT_SAMPLES]; /* the last steps' measured / stored (a ring) */
-    int32_t n_ratios;
 };
 
 static const policy_shape PLAIN = {0, 0, 1};
@@ -133,8 +149,10 @@ static void enter_stage(const policy *p, bucket *b, int32_t i) {
     if (nb)
         while (i < p->n_stages && p->stages[i].acceptance) i++;
     if (nb && b->fit_a[0][0] <= 0 && nb->fit_a[0][0] > 0) {
+        /* Costs as the neighbour stores them, times its drift, are
+         * today's; over this range's drift, as this one stores them. */
         memcpy(b->fit_a, nb->fit_a, sizeof b->fit_a);
-        memcpy(b->fit_b, nb->fit_b, sizeof b->fit_b);
+        for (int k = 0; k < 3; k++) b->fit_b[k] = nb->fit_b[k] * nb->drift / b->drift;
     }
     b->stage = i;
     if (i < p->n_stages) {
@@ -161,7 +179,6 @@ void policy_reset(policy *p, const policy_config *cfg) {
     AE_ASSERT(bounds_ok(&cfg->max));
     memset(p, 0, sizeof *p);
     p->cfg = *cfg;
-    p->drift = 1.0;
     const policy_shape *m = &cfg->max;
     int32_t deep = m->steps < m->tokens - 1 ? m->steps : m->tokens - 1;
     stage all[MAX_STAGES] = {{PLAIN, SETTLE_PLAIN_STEPS, false},
@@ -175,6 +192,7 @@ void policy_reset(policy *p, const policy_config *cfg) {
     }
     for (int32_t i = 0; i < POLICY_BUCKETS; i++) {
         p->b[i].choice = PLAIN;
+        p->b[i].drift = 1.0;
         enter_stage(p, &p->b[i], 0);
     }
 }
@@ -267,14 +285,27 @@ double policy_expected_accepted(const policy *p, const policy_shape *s) {
     return cum[k - 1];
 }
 
-/* A measured V(t), capped by every larger size measured: a pass of more
- * nodes does all the work of one of fewer, so a smaller size that
- * measured dearer caught a slow step (the host, another process), and
- * the larger one bounds it. */
+/* A measured V(t), kept in order: a pass of more nodes does all the
+ * work of one of fewer. Among tree sizes only the newer reading bounds
+ * the older: a larger size measured as recently caps it (a smaller size
+ * that measured dearer caught a slow step: the host, another process),
+ * and a smaller one measured since raises it (a larger size last seen
+ * long ago, cheaper than the choice measures now, held a dear chain at
+ * that old cost). Plain's V(1) is never capped, and floors every tree's:
+ * it is measured every plain step, where a tree size is measured in a few
+ * probes. Capped by a chain stored too cheap, plain cost what the chain
+ * did, and a chain then always looked better than plain: at batch 4-8,
+ * where its pass cost 2.5-3.5 plain steps, it ran 57 and 24 steps in one
+ * 32-stream run. */
 static double verify_measured(const bucket *b, int32_t t) {
     double v = b->verify[t];
-    for (int32_t u = t + 1; u <= POLICY_MAX_NODES; u++)
-        if (b->n_verify[u] && b->verify[u] < v) v = b->verify[u];
+    if (t == 1) return v;
+    for (int32_t u = 2; u <= POLICY_MAX_NODES; u++) {
+        if (!b->n_verify[u] || u == t) continue;
+        if (u > t && b->seen[u] >= b->seen[t] && b->verify[u] < v) v = b->verify[u];
+        if (u < t && b->seen[u] > b->seen[t] && b->verify[u] > v) v = b->verify[u];
+    }
+    if (b->n_verify[1] && v < b->verify[1]) v = b->verify[1];
     return v;
 }
 
@@ -466,8 +497,17 @@ policy_pick policy_choose(policy *p, int32_t n) {
         b->credit_ns += share * step_cost(b, &b->choice);
         policy_shape probe;
         int32_t turns = 0;
-        if (b->credit >= POLICY_PROBE_STEPS && next_probe(p, b, &probe, &turns) &&
-            b->credit_ns >= POLICY_PROBE_STEPS * step_cost(b, &probe)) {
+        if (b->recheck && b->choice.tokens >= 2) {
+            /* A tree's pass came in under plain's estimate: that estimate
+             * is stale (a burst of slow plain steps, then no plain step
+             * to move the factor back). Plain steps now, enough to move
+             * its median; they cost less than the tree's. */
+            b->recheck = false;
+            b->probing = true;
+            b->left = DRIFT_SAMPLES / 2 + 1;
+            b->running = PLAIN;
+        } else if (b->credit >= POLICY_PROBE_STEPS && next_probe(p, b, &probe, &turns) &&
+                   b->credit_ns >= POLICY_PROBE_STEPS * step_cost(b, &probe)) {
             b->credit -= POLICY_PROBE_STEPS;
             b->credit_ns -= POLICY_PROBE_STEPS * step_cost(b, &probe);
             b->probe_turn += turns;
@@ -533,6 +573,23 @@ static double median_of(const double *v, int32_t n) {
     return w[(n - 1) / 2];
 }
 
+/* The plain steps after trees moved the range's factor by f (old / new):
+ * the trees' samples since the plain steps before them were stored over
+ * a factor only plain steps move, so the slowdown (or speed-up) they met
+ * was charged to the tree. Restated at the new factor, they charge it to
+ * the host, as the plain steps show. A tree that grew dear while plain
+ * did not keeps its cost: plain's factor did not move. */
+static void restate_fresh(bucket *b, double f) {
+    const policy_shape *s = &b->fresh;
+    if (s->tokens < 2 || s->tokens > POLICY_MAX_NODES) return;
+    int32_t t = s->tokens, have = b->n_verify[t] < VERIFY_SAMPLES ? b->n_verify[t] : VERIFY_SAMPLES;
+    int32_t k = b->fresh_n < have ? b->fresh_n : have;
+    for (int32_t i = 1; i <= k; i++) b->vs[t][(b->n_verify[t] - i + 2 * VERIFY_SAMPLES) % VERIFY_SAMPLES] *= f;
+    if (k > 0) b->verify[t] = median_of(b->vs[t], have);
+    if (s->steps >= 1 && s->steps <= POLICY_MAX_DEPTH && s->topk >= 1 && s->topk <= POLICY_MAX_RANK)
+        b->draft[s->steps][s->topk] *= f;
+}
+
 static void ewma(double *v, int32_t *count, double x) {
     *v = (*count)++ ? *v + POLICY_EWMA * (x - *v) : x;
 }
@@ -553,19 +610,34 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
     int32_t t = tokens / n;
     if (t > POLICY_MAX_NODES) t = POLICY_MAX_NODES;
     double v = (double)verify_ns / n;
-    /* A size measured before tells how fast the host runs now against
-     * then; one step moves the factor at most by its clamp (an outlier). */
-    if (b->n_verify[t] && b->verify[t] > 0) {
-        p->ratios[p->n_ratios++ % DRIFT_SAMPLES] = v / b->verify[t];
-        if (p->n_ratios >= 2 * DRIFT_SAMPLES) p->n_ratios -= DRIFT_SAMPLES;
-        p->drift = median_of(p->ratios, p->n_ratios < DRIFT_SAMPLES ? p->n_ratios : DRIFT_SAMPLES);
+    /* A plain step tells how fast the host runs now against the range's
+     * first (policy.h: only plain steps, and only this range's). Against
+     * the first, not against the stored costs: those are stored over the
+     * factor, and a factor measured against them would wander with the
+     * noise of every step it took in (to 0.21 in one run). */
+    if (t == 1) {
+        double before = b->drift;
+        if (b->plain_ref <= 0) b->plain_ref = v;
+        b->ratios[b->n_ratios++ % DRIFT_SAMPLES] = v / b->plain_ref;
+        if (b->n_ratios >= 2 * DRIFT_SAMPLES) b->n_ratios -= DRIFT_SAMPLES;
+        b->drift = median_of(b->ratios, b->n_ratios < DRIFT_SAMPLES ? b->n_ratios : DRIFT_SAMPLES);
+        if (b->drift != before) restate_fresh(b, before / b->drift);
     }
-    b->vs[t][b->n_verify[t]++ % VERIFY_SAMPLES] = v / p->drift;
+    if (t == 1 && b->fresh.tokens >= 2 && ++b->fresh_plain >= DRIFT_SAMPLES / 2 + 1) b->fresh.tokens = 0;
+    if (t >= 2) {
+        if (!same(&b->fresh, shape)) b->fresh = *shape, b->fresh_n = 0;
+        b->fresh_plain = 0;
+        b->fresh_n++;
+    }
+    if (t >= 2 && b->n_verify[1] && v < RECHECK_BELOW * b->verify[1] * b->drift) b->recheck = true;
+    if (t == 1) b->recheck = false;
+    b->vs[t][b->n_verify[t]++ % VERIFY_SAMPLES] = v / b->drift;
+    b->seen[t] = ++b->steps;
     if (b->n_verify[t] >= 2 * VERIFY_SAMPLES) b->n_verify[t] -= VERIFY_SAMPLES; /* the same slot next, never overflowing */
     b->verify[t] = median_of(b->vs[t], b->n_verify[t] < VERIFY_SAMPLES ? b->n_verify[t] : VERIFY_SAMPLES);
     int32_t s = shape->steps, k = shape->topk;
     if (shape->tokens < 2 || draft_ns < 0 || s < 1 || s > POLICY_MAX_DEPTH || k < 1 || k > POLICY_MAX_RANK) return;
-    double per = (double)draft_ns / n / p->drift;
+    double per = (double)draft_ns / n / b->drift;
     ewma(&b->draft[s][k], &b->n_draft[s][k], per);
     double f[3], us = per / 1e3;
     draft_features(s, k, f);
@@ -611,16 +683,16 @@ void policy_get_report(const policy *p, int32_t n, policy_report *r) {
     if (r->shape.tokens >= 2) {
         m = expected_tree(pe, r->shape.steps, r->shape.topk, cum);
         r->expected_accepted = cum[(r->shape.tokens - 1 < m ? r->shape.tokens - 1 : m) - 1];
-        r->draft_us = draft_cost(b, r->shape.steps, r->shape.topk) * p->drift / 1e3;
+        r->draft_us = draft_cost(b, r->shape.steps, r->shape.topk) * b->drift / 1e3;
     }
     r->n_verify = mx->tokens;
     for (int32_t t = 1; t <= mx->tokens; t++) {
         r->verify_tokens[t - 1] = t;
-        r->verify_us[t - 1] = verify_cost(b, t) * p->drift / 1e3;
+        r->verify_us[t - 1] = verify_cost(b, t) * b->drift / 1e3;
     }
-    r->tok_s = rate_of(b, cum, m, &r->shape) * r->batch / p->drift;
-    r->plain_tok_s = rate_of(b, NULL, 0, &PLAIN) * r->batch / p->drift;
-    r->drift = p->drift;
+    r->tok_s = rate_of(b, cum, m, &r->shape) * r->batch / b->drift;
+    r->plain_tok_s = rate_of(b, NULL, 0, &PLAIN) * r->batch / b->drift;
+    r->drift = b->drift;
     r->feed_share = feed_share(b);
     r->keep_drafter = policy_keep_drafter(p, r->batch);
     r->settled_steps = b->settled_steps;

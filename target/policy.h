@@ -15,11 +15,13 @@
  *     of batch sizes (1, 2-3, 4-7, ...; a pass's cost depends on its batch
  *     far more than on anything else), each entry the median of the last 5
  *     steps at that size (a few slow steps on shared cores do not move
- *     it), capped by the cheapest larger size measured (more nodes
- *     never cost less: a dearer small size caught a slow step); sizes not
- *     measured are interpolated between the nearest measured ones (the
- *     curve is flat while the pass is bound by reading the weights, then
- *     rises);
+ *     it), for a tree capped by a larger size measured as recently,
+ *     raised by a smaller one measured since, and never under plain's
+ *     V(1), the size measured most (more nodes never cost less: a dearer
+ *     small size caught a slow step; the newer reading bounds the older);
+ *     sizes not measured are interpolated between the nearest measured
+ *     ones (the curve is flat while the pass is bound by reading the
+ *     weights, then rises);
  *   - D(steps, topk) is the drafter's time per sequence (the propose call:
  *     the link and the head's sequential passes), an EWMA for each shape
  *     measured, and for the others a least-squares fit of
@@ -37,14 +39,29 @@
  *     chance that the path to it is accepted) is E[accepted]. A chain is
  *     the product sum p0 + p0 p1 + ...
  *
- * Both costs are stored divided by a drift factor shared by all ranges:
- * the median ratio of measured to stored over the last 5 steps at sizes
- * measured before (it follows a change of speed within 3 steps, before
- * the stored medians take it in, and a lone slow step moves nothing), so
- * when the host slows down or speeds up (a shared machine, the other service on the same
- * cores), a size last measured in a probe long ago is compared with the
- * choice at today's speed, not at the speed of then. Reports show costs
- * and rates times the factor: today's.
+ * Both costs are stored divided by the range's drift factor: the median
+ * over its last 5 plain steps of their cost against its first plain
+ * step's (it follows a change of speed within 3 of them, before the
+ * stored medians take it in, and a lone slow step moves nothing), so
+ * when the host slows down or speeds up (a shared machine, the other
+ * service on the same cores), a size last measured in a probe long ago
+ * is compared at today's speed, not at the speed of then.
+ *   - Plain steps only. A factor that every step moved took in the
+ *     choice's own cost, so a tree stored too cheap stayed chosen: its
+ *     dearer steps read as a slower host, and plain's estimate rose with
+ *     them (a one-token chain ran 447 steps at batch 4-7 in a 32-stream
+ *     run, its pass 1.6x plain's while the policy had them equal).
+ *   - While a range drafts, a slowdown is first charged to the tree,
+ *     which errs towards plain. When the plain steps that follow (a
+ *     probe, or a choice) move the factor, the tree's samples since the
+ *     plain steps before them are restated at the new factor.
+ *   - A tree pass measured under 0.8 of plain's estimate means that
+ *     estimate is stale (a burst of slow plain steps, then none to move
+ *     the factor back): the range runs 3 plain steps at once.
+ *   - Each range its own: contention is not the same at every batch
+ *     size, and a shared factor stored one range's probes over another's
+ *     speed.
+ * Reports show costs and rates times the factor: today's.
  *
  * The policy picks the best rate over the shapes within the bounds (the
  * configured tree: --spec-steps, --spec-topk, --spec-tokens), plain
@@ -138,7 +155,7 @@ typedef struct policy_report {
     double draft_us;               /* D of the choice (0 for plain) */
     double tok_s, plain_tok_s;     /* expected rate of the choice, and of plain */
     int64_t settled_steps, explore_steps; /* since this range settled, and of them exploring */
-    double drift;                  /* the host's speed factor: today's costs / those stored (policy.h) */
+    double drift;                  /* the range's speed factor: today's costs / those stored (policy.h) */
     double feed_share;             /* feeding the drafter through plain steps: its time over theirs */
     bool keep_drafter;             /* policy_keep_drafter for this range */
 } policy_report;
