@@ -502,6 +502,19 @@ static void test_a_few_slow_steps_do_not_move_a_cost(void **state) {
     policy_free(p);
 }
 
+/* A world where the one-token chain pays (1.4 tokens in 3.4 ms against
+ * 1 in 3 ms; the second child at the root is never accepted), and a
+ * policy 400 steps into it at batch 1, running the chain. */
+static policy *running_the_chain(world *w) {
+    *w = (world){.v0_us = 3000, .v_slope_us = 100, .d0_us = 200, .d_step_us = 100, .rng = 5};
+    set_acceptance(w, (double[]){0.4, 0.0, 0.0, 0.0}, (double[]){0.1, 0.0, 0.0, 0.0});
+    policy *p = open_policy(BOUND);
+    tally t = {0};
+    run(p, w, 1, 400, &t);
+    assert_shape(t.last, 1, 1, 2);
+    return p;
+}
+
 /* The host slows to half speed after settling (another process on the
  * cores) while the one-token chain runs. The range's drift factor moves
  * only with plain steps (policy.h), so at first the slowdown is charged to
@@ -514,12 +527,8 @@ static void test_a_few_slow_steps_do_not_move_a_cost(void **state) {
  * (test_a_dear_choice_is_dropped). */
 static void test_a_slower_host_does_not_make_stale_costs_look_cheap(void **state) {
     (void)state;
-    world w = {.v0_us = 3000, .v_slope_us = 100, .d0_us = 200, .d_step_us = 100, .rng = 5};
-    set_acceptance(&w, (double[]){0.4, 0.0, 0.0, 0.0}, (double[]){0.1, 0.0, 0.0, 0.0});
-    policy *p = open_policy(BOUND);
-    tally t = {0};
-    run(p, &w, 1, 400, &t);
-    assert_shape(t.last, 1, 1, 2);
+    world w;
+    policy *p = running_the_chain(&w);
     policy_report before;
     policy_get_report(p, 1, &before);
     w.slowdown = 2;
@@ -549,12 +558,8 @@ static void test_a_slower_host_does_not_make_stale_costs_look_cheap(void **state
  * long ago capped the chain's: it stayed. */
 static void test_a_dear_choice_is_dropped(void **state) {
     (void)state;
-    world w = {.v0_us = 3000, .v_slope_us = 100, .d0_us = 200, .d_step_us = 100, .rng = 5};
-    set_acceptance(&w, (double[]){0.4, 0.0, 0.0, 0.0}, (double[]){0.1, 0.0, 0.0, 0.0});
-    policy *p = open_policy(BOUND);
-    tally t = {0};
-    run(p, &w, 1, 400, &t);
-    assert_shape(t.last, 1, 1, 2);
+    world w;
+    policy *p = running_the_chain(&w);
     w.v_slope_us = 3100;
     tally dear = {0};
     run(p, &w, 1, 24, &dear);
@@ -625,17 +630,14 @@ static void test_no_tree_costs_less_than_plain(void **state) {
  * 3 plain steps, and the factor is back. */
 static void test_a_stale_plain_estimate_is_measured_again(void **state) {
     (void)state;
-    world w = {.v0_us = 3000, .v_slope_us = 100, .d0_us = 200, .d_step_us = 100, .rng = 5};
-    set_acceptance(&w, (double[]){0.4, 0.0, 0.0, 0.0}, (double[]){0.1, 0.0, 0.0, 0.0});
-    policy *p = open_policy(BOUND);
-    tally t = {0};
-    run(p, &w, 1, 400, &t);
-    assert_shape(t.last, 1, 1, 2);
+    world w;
+    policy *p = running_the_chain(&w);
     const policy_shape plain = {0, 0, 1};
     for (int i = 0; i < 5; i++) policy_observe_step(p, 1, &plain, 1, 0, 12000000);
     policy_report r;
     policy_get_report(p, 1, &r);
     assert_true(fabs(r.drift - 4.0) < 0.01);
+    tally t = {0};
     run(p, &w, 1, 1, &t); /* the chain, at 3.1 ms against plain's 12 ms estimate */
     for (int i = 0; i < 3; i++) {
         policy_pick pk = policy_choose(p, 1);
