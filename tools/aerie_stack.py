@@ -119,6 +119,24 @@ class Stack:
             time.sleep(0.1)
         raise self._failed("gateway", f"/health was not 200 after {self.timeout} s")
 
+    def cpu_seconds(self):
+        """CPU time (user and system) its services have used so far, in
+        seconds: on a host whose speed moves with other tenants, the work
+        done, beside the wall time it took. A service that has exited (or
+        is not there) counts 0."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for proc in (self.draft, self.target, self.gateway):
+            if proc is None:
+                continue
+            try:
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (stat fields 14 and 15)
+        return total
+
     def stop(self):
         """SIGTERM to the gateway, then the target, then the draft, as
         `make run` stops them (each drains and exits); their exit statuses

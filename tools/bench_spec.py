@@ -18,7 +18,13 @@ CPU from each other and each would see only half the streams. The last
 group of a pass wraps around to the first prompts, so every group has N
 streams. A group's time runs until its last reply ends. Tokens are the
 replies' usage.completion_tokens; tokens/s of a stack are its tokens over
-the summed time of its groups.
+the summed time of its groups. Beside the wall time, the CPU time its
+services used over the same groups (user and system, /proc), per token:
+the work each stack does, which the host's other tenants move far less
+than they move the wall time (on the development machine, 32-stream
+wall-time ratios of one build ranged 0.87-1.13x from run to run). The
+ratio of the two is cpu_ratio, plain's over the draft's: above 1 when the
+draft saves work.
 
 Every reply's text, finish reason and token count must be the same on both
 stacks (and in every run): the first prompt where they differ is printed
@@ -29,7 +35,7 @@ line of the levels done and exits 1. The services' logs are removed after a clea
 without prompts: exit 2.
 
 Prints, per streams value, each run's tokens/s with and without the draft
-and their ratio, and the median ratio over the runs; the draft stack's
+and their ratio, with the CPU ratio, and the medians over the runs; the draft stack's
 mean acceptance length over the whole run; then one JSON line with
 everything, including that target's Info as /server_info shows it
 (speculation counters and the settings it chose). Progress goes to
@@ -96,7 +102,7 @@ def load_prompts(path):
 
 class Bench:
     def __init__(self, stacks, prompts, max_tokens, streams):
-        self.prompts, self.max_tokens = prompts, max_tokens
+        self.stacks, self.prompts, self.max_tokens = stacks, prompts, max_tokens
         self.clients = {name: openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="unused",
                                             max_retries=0, timeout=900) for name, s in stacks.items()}
         self.model = self.clients["plain"].models.list().data[0].id
@@ -117,18 +123,20 @@ class Bench:
                           f"  the stack {LABEL[first_stack]}: {first!r}\n  the stack {LABEL[stack]}: {reply!r}")
 
     def group(self, stack, idx):
-        """The prompts idx at once on one stack: (seconds, tokens, finish reasons)."""
-        t0 = time.monotonic()
+        """The prompts idx at once on one stack: (seconds, CPU seconds of its
+        services, tokens, finish reasons)."""
+        cpu0, t0 = self.stacks[stack].cpu_seconds(), time.monotonic()
         got = list(self.pool.map(lambda i: self.ask(stack, i), idx))
-        wall = time.monotonic() - t0
+        wall, cpu = time.monotonic() - t0, self.stacks[stack].cpu_seconds() - cpu0
         for i, reply in got:
             self.check(stack, i, reply)
-        return wall, sum(r[2] for _, r in got), [r[1] for _, r in got]
+        return wall, cpu, sum(r[2] for _, r in got), [r[1] for _, r in got]
 
     def level(self, n):
         """Every prompt once on each stack, n streams at a time, the
         stacks taking turns by group: tokens/s of each and the counts."""
         secs = dict.fromkeys(STACKS, 0.0)
+        cpus = dict.fromkeys(STACKS, 0.0)
         toks = dict.fromkeys(STACKS, 0)
         finish = {}
         groups = -(-len(self.prompts) // n)
@@ -136,8 +144,9 @@ class Bench:
         for g in range(groups):
             idx = [(g * n + k) % len(self.prompts) for k in range(n)]
             for stack in (STACKS if g % 2 == 0 else STACKS[::-1]):
-                wall, tokens, reasons = self.group(stack, idx)
+                wall, cpu, tokens, reasons = self.group(stack, idx)
                 secs[stack] += wall
+                cpus[stack] += cpu
                 toks[stack] += tokens
                 if stack == "plain":
                     for reason in reasons:
@@ -149,6 +158,10 @@ class Bench:
         return {"with_draft_tok_s": round(toks["draft"] / secs["draft"], 2),
                 "without_draft_tok_s": round(toks["plain"] / secs["plain"], 2),
                 "ratio": round((toks["draft"] / secs["draft"]) / (toks["plain"] / secs["plain"]), 4),
+                "with_draft_cpu_ms_per_token": round(1e3 * cpus["draft"] / toks["draft"], 4),
+                "without_draft_cpu_ms_per_token": round(1e3 * cpus["plain"] / toks["plain"], 4),
+                "cpu_ratio": round((cpus["plain"] / toks["plain"]) / (cpus["draft"] / toks["draft"]), 4)
+                if cpus["draft"] > 0 and toks["plain"] > 0 else 0,
                 "requests": groups * n, "tokens": toks["plain"], "finish_reasons": finish}
 
 
@@ -219,14 +232,18 @@ def main():
                 row = bench.level(n)
                 rows[n].append(row)
                 progress(f"run {run}/{a.runs}, {n} streams: {row['with_draft_tok_s']} tok/s with the draft, "
-                         f"{row['without_draft_tok_s']} without: {row['ratio']}x")
+                         f"{row['without_draft_tok_s']} without: {row['ratio']}x; CPU per token "
+                         f"{row['with_draft_cpu_ms_per_token']} ms with, {row['without_draft_cpu_ms_per_token']} "
+                         f"without: {row['cpu_ratio']}x")
                 # kept as it goes, for the JSON line of a run stopped early
-                result["streams"][str(n)] = {"runs": rows[n], "median_ratio": round(
-                    statistics.median(r["ratio"] for r in rows[n]), 4)}
+                result["streams"][str(n)] = {
+                    "runs": rows[n], "median_ratio": round(statistics.median(r["ratio"] for r in rows[n]), 4),
+                    "median_cpu_ratio": round(statistics.median(r["cpu_ratio"] for r in rows[n]), 4)}
         for n in streams:
             runs = "; ".join(f"run {k}: {r['with_draft_tok_s']} tok/s with the draft, {r['without_draft_tok_s']} "
-                             f"without, {r['ratio']}x" for k, r in enumerate(rows[n], 1))
-            print(f"{n} streams: {runs}; median {result['streams'][str(n)]['median_ratio']}x")
+                             f"without, {r['ratio']}x (CPU {r['cpu_ratio']}x)" for k, r in enumerate(rows[n], 1))
+            print(f"{n} streams: {runs}; median {result['streams'][str(n)]['median_ratio']}x "
+                  f"(CPU {result['streams'][str(n)]['median_cpu_ratio']}x)")
         result["identical"] = True
         result["draft_target"] = server_info(stacks["draft"].port)
         # Its accept_len is the last log interval's (0 once idle): the

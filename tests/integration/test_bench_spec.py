@@ -25,7 +25,8 @@ import bench_spec  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 FAST = ["--streams", "1,2", "--runs", "1", "--max-tokens", "16"]
-RUN_KEYS = {"with_draft_tok_s", "without_draft_tok_s", "ratio", "requests", "tokens", "finish_reasons"}
+RUN_KEYS = {"with_draft_tok_s", "without_draft_tok_s", "ratio", "with_draft_cpu_ms_per_token",
+            "without_draft_cpu_ms_per_token", "cpu_ratio", "requests", "tokens", "finish_reasons"}
 
 
 def bench(*args, **kw):
@@ -64,10 +65,9 @@ def test_prints_a_line_per_streams_value_then_the_acceptance_then_one_json_line(
     r, _ = fast
     lines = r.stdout.splitlines()
     assert len(lines) == 4, r.stdout
-    assert re.fullmatch(r"1 streams: run 1: [\d.]+ tok/s with the draft, [\d.]+ without, [\d.]+x; median [\d.]+x",
-                        lines[0]), lines[0]
-    assert re.fullmatch(r"2 streams: run 1: [\d.]+ tok/s with the draft, [\d.]+ without, [\d.]+x; median [\d.]+x",
-                        lines[1]), lines[1]
+    for n, line in ((1, lines[0]), (2, lines[1])):
+        assert re.fullmatch(rf"{n} streams: run 1: [\d.]+ tok/s with the draft, [\d.]+ without, [\d.]+x "
+                            r"\(CPU [\d.]+x\); median [\d.]+x \(CPU [\d.]+x\)", line), line
     m = re.fullmatch(r"the target with the draft: mean acceptance length ([\d.]+) over (\d+) draft steps "
                      r"\((\d+) plain steps\); spec (\{.*\})", lines[2])
     assert m, lines[2]
@@ -91,7 +91,7 @@ def test_json_holds_each_runs_figures_and_their_median(fast):
     # second wrapping round to the first prompt.
     for n, requests in (("1", 3), ("2", 4)):
         level = out["streams"][n]
-        assert set(level) == {"runs", "median_ratio"}
+        assert set(level) == {"runs", "median_ratio", "median_cpu_ratio"}
         assert len(level["runs"]) == 1
         run = level["runs"][0]
         assert set(run) == RUN_KEYS
@@ -105,6 +105,12 @@ def test_json_holds_each_runs_figures_and_their_median(fast):
         w, p = run["with_draft_tok_s"], run["without_draft_tok_s"]
         assert (w - 0.005) / (p + 0.005) - 5e-5 <= run["ratio"] <= (w + 0.005) / (p - 0.005) + 5e-5
         assert level["median_ratio"] == run["ratio"]
+        # CPU per token: both stacks did work; the ratio is of those figures
+        # (each rounded to 1e-4 ms: within what that can move it)
+        cw, cp = run["with_draft_cpu_ms_per_token"], run["without_draft_cpu_ms_per_token"]
+        assert cw > 0 and cp > 0
+        assert (cp - 5e-5) / (cw + 5e-5) - 5e-5 <= run["cpu_ratio"] <= (cp + 5e-5) / (cw - 5e-5) + 5e-5
+        assert level["median_cpu_ratio"] == run["cpu_ratio"]
     # The second level repeats prompt 1 as its fourth request.
     assert out["streams"]["2"]["runs"][0]["tokens"] > out["streams"]["1"]["runs"][0]["tokens"]
 
