@@ -614,7 +614,8 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
      * first (policy.h: only plain steps, and only this range's). Against
      * the first, not against the stored costs: those are stored over the
      * factor, and a factor measured against them would wander with the
-     * noise of every step it took in (to 0.21 in one run). */
+     * noise of every step it took in (test_policy.c: from 6.5 to 2,325
+     * over 20,000 noisy steps). */
     if (t == 1) {
         double before = b->drift;
         if (b->plain_ref <= 0) b->plain_ref = v;
