@@ -626,7 +626,10 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
     }
     if (t == 1 && b->fresh.tokens >= 2 && ++b->fresh_plain >= DRIFT_SAMPLES / 2 + 1) b->fresh.tokens = 0;
     if (t >= 2) {
-        if (!same(&b->fresh, shape)) b->fresh = *shape, b->fresh_n = 0;
+        if (!same(&b->fresh, shape)) {
+            b->fresh = *shape;
+            b->fresh_n = 0;
+        }
         b->fresh_plain = 0;
         b->fresh_n++;
     }
