@@ -17,12 +17,26 @@
  * mostly measure its run queue: each thread that sleeps and is woken may
  * wait for a core. So the context switches of the whole process per call
  * (both ends of the link live here) are counted too: a count of the
- * hand-offs that does not move with the load. One JSON line of p50, p90
- * and p99 figures. */
+ * hand-offs that does not move with the load.
+ *
+ * The floor: the same exchange with none of the link's code, in the same
+ * rounds. The caller writes a frame's bytes (header, message, pad,
+ * payload) to a Unix socket pair in one writev and blocks in read(); a
+ * thread of its own, woken by them, makes the in-process call on them
+ * and writes back the reply. What that costs beyond the in-process call
+ * is what any link between two threads pays here: the copies, and the
+ * kernel's and the host's two wake-ups, which on a virtual machine grow
+ * with how long the woken core slept. So the Unix path's `over_floor`
+ * (its added figure less the floor's) is the link's own code. One JSON
+ * line of p50, p90 and p99 figures. */
+#include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -31,6 +45,7 @@
 #include "../draft/server.h"
 #include "../services/core/log.h"
 #include "../services/core/svc.h"
+#include "../services/rpc/frame.h"
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
 #include "cli.h"
@@ -67,6 +82,71 @@ typedef struct path {
     long switches;        /* the process's context switches during the calls */
 } path;
 
+/* The floor's far end: reads a request frame's bytes, makes the same
+ * in-process call on them, and writes back a header (the reply's length
+ * and the draft's time) and the reply; ends when the caller shuts its
+ * end. */
+typedef struct floor_peer {
+    int fd;
+    dsrv *d;
+    uint32_t head_len, msg_len, payload_len;
+    uint8_t *req, *rep; /* head_len + payload_len; FRAME_HEADER + rep_cap */
+    uint32_t rep_cap;
+    ae_error err;
+} floor_peer;
+
+static bool read_all(int fd, uint8_t *p, size_t n) {
+    while (n) {
+        ssize_t k = read(fd, p, n);
+        if (k <= 0) return false;
+        p += k, n -= (size_t)k;
+    }
+    return true;
+}
+
+static bool write_all(int fd, const uint8_t *p, size_t n) {
+    while (n) {
+        ssize_t k = write(fd, p, n);
+        if (k <= 0) return false;
+        p += k, n -= (size_t)k;
+    }
+    return true;
+}
+
+static void *floor_main(void *arg) {
+    floor_peer *f = arg;
+    while (read_all(f->fd, f->req, (size_t)f->head_len + f->payload_len)) {
+        uint32_t olen = 0;
+        uint64_t t0 = (uint64_t)(now_us() * 1e3);
+        uint32_t st = dsrv_propose(f->d, f->req + FRAME_HEADER, f->msg_len, f->req + f->head_len, f->payload_len,
+                                   f->rep + FRAME_HEADER, f->rep_cap, &olen, &f->err);
+        uint64_t busy = (uint64_t)(now_us() * 1e3) - t0;
+        if (st != RPC_OK) olen = 0; /* the caller reads an empty reply as the failure */
+        memcpy(f->rep, &olen, sizeof olen);
+        memcpy(f->rep + 8, &busy, sizeof busy);
+        if (!write_all(f->fd, f->rep, FRAME_HEADER + (size_t)olen)) break;
+    }
+    return NULL;
+}
+
+/* One floor exchange: the frame out in one writev, as the link sends
+ * one, and the reply read back. Returns the reply's length, 0 on a
+ * failure. */
+static uint32_t floor_call(int fd, const uint8_t *head, size_t head_len, const uint8_t *payload, size_t plen,
+                           uint8_t *rep) {
+    struct iovec iov[2] = {{(void *)head, head_len}, {(void *)payload, plen}};
+    ssize_t k = writev(fd, iov, 2);
+    if (k < 0) return 0;
+    size_t done = (size_t)k; /* a short write (the socket's buffer): the rest plainly */
+    if (done < head_len && !write_all(fd, head + done, head_len - done)) return 0;
+    size_t from = done > head_len ? done - head_len : 0;
+    if (from < plen && !write_all(fd, payload + from, plen - from)) return 0;
+    uint32_t olen;
+    if (!read_all(fd, rep, FRAME_HEADER)) return 0;
+    memcpy(&olen, rep, sizeof olen);
+    return olen && read_all(fd, rep + FRAME_HEADER, olen) ? olen : 0;
+}
+
 static long switches_now(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
@@ -86,6 +166,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     path paths[4] = {{"in_process", NULL, NULL, NULL, 0}, {"unix", NULL, NULL, NULL, 0},
                      {"tcp", NULL, NULL, NULL, 0}, {"tls", NULL, NULL, NULL, 0}};
     int n_paths = 3;
+    path fl = {"floor", NULL, NULL, NULL, 0};
+    int fds[2] = {-1, -1};
+    floor_peer peer = {0};
+    pthread_t floor_thread;
+    bool floor_started = false;
+    uint8_t *fl_head = NULL, *fl_rep = NULL;
     uint8_t *msg = NULL, *payload = NULL, *out = NULL;
     rpc_reply reply = {0};
     char sock[128];
@@ -125,6 +211,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     payload = aligned_alloc(16, (plen + 15) / 16 * 16);
     msg = malloc(aerie_ProposeRequest_size);
     out = malloc(aerie_ProposeReply_size + 64);
+    fl.total = calloc((size_t)iters, sizeof(double));
+    if (!fl.total) payload = NULL;
     for (int p = 0; p < 4; p++) {
         paths[p].total = calloc((size_t)iters, sizeof(double));
         paths[p].link = calloc((size_t)iters, sizeof(double));
@@ -179,7 +267,31 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         }
     }
 
-    /* Warm up every path, then round robin. */
+    /* The floor: a frame's bytes (header, message, pad, payload) on a
+     * socket pair to a thread that makes the in-process call. */
+    uint32_t fl_head_len = FRAME_HEADER + mlen + (16 - mlen % 16) % 16;
+    peer = (floor_peer){-1, d, fl_head_len, mlen, (uint32_t)plen, NULL, NULL, aerie_ProposeReply_size + 64, {{0}}};
+    peer.req = malloc((size_t)fl_head_len + plen);
+    peer.rep = malloc(FRAME_HEADER + (size_t)peer.rep_cap);
+    fl_rep = malloc(FRAME_HEADER + (size_t)peer.rep_cap);
+    fl_head = calloc(1, fl_head_len);
+    if (!peer.req || !peer.rep || !fl_rep || !fl_head) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    memcpy(fl_head + FRAME_HEADER, msg, mlen);
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) {
+        err_set(err, "socketpair: %s", strerror(errno));
+        goto out;
+    }
+    peer.fd = fds[1];
+    if (pthread_create(&floor_thread, NULL, floor_main, &peer) != 0) {
+        err_set(err, "cannot start the floor's thread");
+        goto out;
+    }
+    floor_started = true;
+
+    /* Warm up every path, then round robin, the floor last in each round. */
     static aerie_ProposeReply rp;
     for (int it = -5; it < iters; it++) {
         for (int p = 0; p < n_paths; p++) {
@@ -212,7 +324,20 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 paths[p].link[it] = total - (double)server_ns / 1e3;
             }
         }
+        long sw0 = switches_now();
+        double t0 = now_us();
+        uint32_t flen = floor_call(fds[0], fl_head, fl_head_len, payload, plen, fl_rep);
+        if (!flen || msg_decode(aerie_ProposeReply_fields, &rp, fl_rep + FRAME_HEADER, flen, err) != AE_OK) {
+            err_set(err, "floor: %s", flen ? err->msg : peer.err.msg[0] ? peer.err.msg : strerror(errno));
+            goto out;
+        }
+        double total = now_us() - t0;
+        uint64_t busy;
+        memcpy(&busy, fl_rep + 8, sizeof busy);
+        if (it >= 0) fl.total[it] = total - (double)busy / 1e3, fl.switches += switches_now() - sw0;
     }
+    /* As the others' added figures: beyond the in-process call's p50. */
+    double floor50 = pct(fl.total, iters, 0.5) - pct(paths[0].link, iters, 0.5);
     cJSON *o = cJSON_CreateObject();
     cJSON_AddNumberToObject(o, "seqs", S);
     cJSON_AddNumberToObject(o, "pairs_per_seq", P);
@@ -230,14 +355,25 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_AddNumberToObject(q, "outside_draft_us_p90", cli_round(l90, 10));
         cJSON_AddNumberToObject(q, "outside_draft_us_p99", cli_round(l99, 10));
         cJSON_AddNumberToObject(q, "switches_per_call", cli_round((double)paths[p].switches / iters, 100));
-        if (p > 0) cJSON_AddNumberToObject(q, "added_us_p50", cli_round(l50 - base, 10));
+        if (p > 0) {
+            cJSON_AddNumberToObject(q, "added_us_p50", cli_round(l50 - base, 10));
+            if (p == 1) cJSON_AddNumberToObject(q, "over_floor_us_p50", cli_round(l50 - base - floor50, 10));
+        }
     }
+    cJSON *q = cJSON_AddObjectToObject(o, "floor");
+    cJSON_AddNumberToObject(q, "added_us_p50", cli_round(floor50, 10));
+    cJSON_AddNumberToObject(q, "switches_per_call", cli_round((double)fl.switches / iters, 100));
     char *line = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (line) puts(line);
     cJSON_free(line);
     rc = 0;
 out:
+    if (fds[0] >= 0) shutdown(fds[0], SHUT_RDWR);
+    if (floor_started) pthread_join(floor_thread, NULL);
+    for (int i = 0; i < 2; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    free(peer.req), free(peer.rep), free(fl_head), free(fl_rep), free(fl.total);
     for (int p = 1; p < 4; p++) rpc_client_close(paths[p].cli);
     for (int i = 0; i < 3; i++) rpc_server_close(srv[i]);
     rpc_loop_free(cloop);
