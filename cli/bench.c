@@ -154,9 +154,9 @@ static int bw_probe_init(bw_probe *b, size_t bytes, int threads, ae_error *err) 
 
 /* Read bandwidth of one pass over the buffer, in bytes per second. */
 static double bw_probe_pass(bw_probe *b) {
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     pool_run(b->pool, bw_sum, b->job, b->threads);
-    double t = cli_now_seconds() - t0;
+    double t = clock_mono_seconds() - t0;
     uint64_t check = 0;
     for (int i = 0; i < b->threads; i++) check += b->job->sums[i];
     LOG_DEBUGF("bench bandwidth_checksum=%llu", (unsigned long long)check);
@@ -234,9 +234,9 @@ static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_err
         parents[i] = i - 1;
     }
     eng_item it = {seq, ENG_TREE, n, tokens, parents, false};
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     if (eng_step(b->e, &it, 1, b->logits, NULL, err) != AE_OK) return AE_ERR;
-    *seconds = cli_now_seconds() - t0;
+    *seconds = clock_mono_seconds() - t0;
     return eng_commit_path(b->e, seq, none, 0, err);
 }
 
@@ -258,12 +258,12 @@ static int fresh_seqs(bench *b, ae_error *err) {
 static int plain_round(bench *b, int32_t n_prompt, int32_t n_gen, int32_t *out, double *secs, ae_error *err) {
     if (fresh_seqs(b, err) != AE_OK || prefill(b, b->seqs, b->batch, b->prompts, n_prompt, b->next, err) != AE_OK)
         return AE_ERR;
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     for (int32_t g = 0; g < n_gen; g++) {
         for (int32_t i = 0; i < b->batch; i++) out[(size_t)i * (size_t)n_gen + (size_t)g] = b->next[i];
         if (decode_step(b, err) != AE_OK) return AE_ERR;
     }
-    *secs = cli_now_seconds() - t0;
+    *secs = clock_mono_seconds() - t0;
     return AE_OK;
 }
 
@@ -282,7 +282,7 @@ static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32
     for (int32_t i = 0; rc == AE_OK && i < b->batch; i++)
         rc = spec_seq_start(sx, b->seqs[i], b->prompts + (size_t)i * (size_t)n_prompt, n_prompt, b->max_batch_tokens,
                             err);
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     while (rc == AE_OK) {
         int32_t n = 0;
         for (int32_t i = 0; i < b->batch; i++)
@@ -295,7 +295,7 @@ static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32
                 out[(size_t)i * (size_t)n_gen + (size_t)got[i]++] = o[j].tokens[k];
         }
     }
-    *secs = cli_now_seconds() - t0;
+    *secs = clock_mono_seconds() - t0;
     for (int32_t i = 0; i < b->batch; i++) spec_seq_end(sx, b->seqs[i]);
     free(in);
     free(o);
@@ -363,7 +363,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
     if (cfg_is_auto(c, "bandwidth-mib")) cfg_set_auto_int(c, "bandwidth-mib", auto_bandwidth_mib());
-    double t_start = cli_now_seconds();
+    double t_start = clock_mono_seconds();
     const char *path = cfg_str(c, "model");
     int32_t n_prompt = (int32_t)cfg_int(c, "prompt-tokens"), n_gen = (int32_t)cfg_int(c, "gen-tokens");
     int32_t batch = (int32_t)cfg_int(c, "batch"), max_batch_tokens = (int32_t)cfg_int(c, "max-batch-tokens");
@@ -429,9 +429,9 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (prefill(&b, &vseq, 1, b.prompts + (size_t)batch * (size_t)n_prompt, n_prompt, &vnext, err) != AE_OK)
         goto out;
 
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     if (prefill(&b, b.seqs, batch, b.prompts, n_prompt, b.next, err) != AE_OK) goto out;
-    double t_prefill = cli_now_seconds() - t0;
+    double t_prefill = clock_mono_seconds() - t0;
     /* Decode runs in windows, each followed by one pass of the bandwidth
      * probe. This host's bandwidth jumps between ~35 and ~56 GB/s as its
      * neighbours' load changes, every few seconds; a window's decode rate
@@ -443,10 +443,10 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     size_t weight_bytes = model_decode_bytes(m);
     for (int w = 0; w < n_win; w++) {
         int32_t steps = n_gen * (w + 1) / n_win - n_gen * w / n_win;
-        t0 = cli_now_seconds();
+        t0 = clock_mono_seconds();
         for (int32_t i = 0; i < steps; i++)
             if (decode_step(&b, err) != AE_OK) goto out;
-        double t = cli_now_seconds() - t0;
+        double t = clock_mono_seconds() - t0;
         t_decode += t;
         win_bw[w] = bw_probe_pass(&probe);
         if (win_bw[w] > bw_best) bw_best = win_bw[w];
@@ -507,7 +507,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_Delete(o);
         goto out;
     }
-    cJSON_AddNumberToObject(o, "wall_seconds", cli_round(cli_now_seconds() - t_start, 1e2));
+    cJSON_AddNumberToObject(o, "wall_seconds", cli_round(clock_mono_seconds() - t_start, 1e2));
     if (cli_put_json_line(o, err) != AE_OK) goto out;
     rc = 0;
 out:

@@ -67,7 +67,7 @@ static const cfg_option opts[] = {
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-static double now_us(void) { return cli_now_seconds() * 1e6; }
+static double now_us(void) { return clock_mono_seconds() * 1e6; }
 
 static double pct(double *v, int n, double p) {
     qsort(v, (size_t)n, sizeof *v, cli_cmp_double);

@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 
+#include "../services/core/clock.h"
 #include "../services/core/config.h"
 #include "../services/core/err.h"
 #include "../services/model/gguf.h"
@@ -41,8 +42,6 @@ typedef struct cli_model {
 int cli_model_open(cli_model *m, const char *path, ae_error *err);
 void cli_model_close(cli_model *m);
 
-/* Monotonic clock in seconds, for the timing subcommands. */
-double cli_now_seconds(void);
 /* x rounded to the nearest multiple of 1 / scale (for JSON output). */
 double cli_round(double x, double scale);
 /* Prints o as one JSON line on stdout and frees it (struct cJSON from

@@ -88,7 +88,7 @@ static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t ma
         rc = eng_step(e, &it, 1, logits, NULL, err);
         done += k;
     }
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     *n = 0;
     *steps = 0;
     while (rc == AE_OK) {
@@ -100,7 +100,7 @@ static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t ma
         rc = eng_step(e, &it, 1, logits, NULL, err);
         ++*steps;
     }
-    *seconds = cli_now_seconds() - t0;
+    *seconds = clock_mono_seconds() - t0;
     eng_seq_free(e, seq);
     return rc;
 }
@@ -114,7 +114,7 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
      * over this run is this sequence's (it runs alone). */
     int64_t draft0 = spec_total_stats(sx)->draft_ns, verify0 = spec_total_stats(sx)->verify_ns;
     int rc = spec_seq_start(sx, seq, prompt, n_prompt, CLI_PREFILL_CHUNK, err);
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     sample_params sp = {0, 0, 1, 0};
     sample_rng rng;
     sample_rng_seed(&rng, 0);
@@ -130,7 +130,7 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
             if (*n == max_new) more = false;
         }
     }
-    r->seconds += cli_now_seconds() - t0;
+    r->seconds += clock_mono_seconds() - t0;
     if (rc == AE_OK) {
         const spec_stats *st = spec_seq_stats(sx, seq);
         r->steps += st->steps;
@@ -224,7 +224,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     int32_t eos = tok_eos(cm.tok);
     int64_t plain_tokens = 0;
-    double plain_seconds = 0, t_start = cli_now_seconds();
+    double plain_seconds = 0, t_start = clock_mono_seconds();
     fprintf(stderr, "eval-draft: %lld prompts, up to %d new tokens each, plain and %d tree shapes\n",
             (long long)n_prompts, max_new, n_shapes);
     for (int64_t p = 0; p < n_prompts; p++) {
@@ -270,7 +270,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_AddNumberToObject(o, "threads", threads);
     cJSON_AddNumberToObject(o, "plain_decode_tok_per_s", cli_round(plain_tps, 10));
     for (int s = 0; s < n_shapes; s++) cJSON_AddItemToArray(arr, shape_json(&runs[s], plain_tps));
-    cJSON_AddNumberToObject(o, "seconds", cli_round(cli_now_seconds() - t_start, 10));
+    cJSON_AddNumberToObject(o, "seconds", cli_round(clock_mono_seconds() - t_start, 10));
     char *line = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (line) puts(line);

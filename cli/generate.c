@@ -110,22 +110,22 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
     float *logits = malloc(sizeof(float) * (size_t)eng_model(e)->cfg.vocab);
     if (!logits) return err_set(err, "out of memory");
     int rc = AE_OK;
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
         int32_t k = n_prompt - done < CLI_PREFILL_CHUNK ? n_prompt - done : CLI_PREFILL_CHUNK;
         eng_item it = {seq, ENG_APPEND, k, ids + done, NULL, false};
         rc = eng_step(e, &it, 1, logits, NULL, err);
         done += k;
     }
-    *t_prefill = cli_now_seconds() - t0;
-    t0 = cli_now_seconds();
+    *t_prefill = clock_mono_seconds() - t0;
+    t0 = clock_mono_seconds();
     while (rc == AE_OK) {
         int32_t next = sample_token(smp, logits, sp, rng, eng_seq_len(e, seq)); /* its position */
         if (!emit(em, next, &rc, err)) break;
         eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
         rc = eng_step(e, &it, 1, logits, NULL, err);
     }
-    *t_decode = cli_now_seconds() - t0;
+    *t_decode = clock_mono_seconds() - t0;
     free(logits);
     return rc;
 }
@@ -134,17 +134,17 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
  * step verifies a draft tree under the last decided token. */
 static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prompt, const sample_params *sp,
                        const sample_rng *rng, emitter *em, double *t_prefill, double *t_decode, ae_error *err) {
-    double t0 = cli_now_seconds();
+    double t0 = clock_mono_seconds();
     int rc = spec_seq_start(sx, seq, ids, n_prompt, CLI_PREFILL_CHUNK, err);
-    *t_prefill = cli_now_seconds() - t0;
-    t0 = cli_now_seconds();
+    *t_prefill = clock_mono_seconds() - t0;
+    t0 = clock_mono_seconds();
     for (bool more = rc == AE_OK; more;) {
         spec_in in = {seq, sp, rng};
         spec_out o;
         if ((rc = spec_step(sx, &in, 1, &o, err)) != AE_OK) break;
         for (int32_t j = 0; j < o.n && more; j++) more = emit(em, o.tokens[j], &rc, err);
     }
-    *t_decode = cli_now_seconds() - t0;
+    *t_decode = clock_mono_seconds() - t0;
     spec_seq_end(sx, seq);
     return rc;
 }
@@ -165,9 +165,9 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     const char *path = cfg_str(c, "model"), *draft = cli_draft_dir(c);
     if (cli_model_open(&cm, path, err) != AE_OK) goto out;
     if (prompt_ids(c, cm.tok, &ids, &n_prompt, err) != AE_OK) goto out;
-    double t_load = cli_now_seconds();
+    double t_load = clock_mono_seconds();
     if (model_load(&m, path, err) != AE_OK) goto out;
-    t_load = cli_now_seconds() - t_load;
+    t_load = clock_mono_seconds() - t_load;
     int32_t max_new = (int32_t)cfg_int(c, "max-tokens");
     if ((int64_t)n_prompt + max_new > m->cfg.context_length) {
         err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds the model's context of %d", n_prompt,

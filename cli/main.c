@@ -48,12 +48,6 @@ static void command_usage(const cli_cmd *cmd, const cfg *c) {
            "print-config", "print the resolved settings with their sources, then exit");
 }
 
-double cli_now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 double cli_round(double x, double scale) { return (double)llround(x * scale) / scale; }
 
 int cli_put_json_line(cJSON *o, ae_error *err) {

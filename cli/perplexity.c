@@ -105,7 +105,7 @@ static int score_window(eng *e, const int32_t *win, const ppl_windows *w, int32_
 
 static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    double t_start = cli_now_seconds();
+    double t_start = clock_mono_seconds();
     cli_model cm = {0};
     model *m = NULL;
     eng *e = NULL;
@@ -140,10 +140,10 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     }
     LOG_INFOF("perplexity model=%s file=%s ctx=%d windows=%d scored=%lld threads=%d simd=%s", path,
               cfg_str(c, "file"), w.ctx, w.n_windows, (long long)w.n_windows * w.scored, ec.threads, kn_cpu_simd());
-    double t_eval = cli_now_seconds(), t_shown = t_eval;
+    double t_eval = clock_mono_seconds(), t_shown = t_eval;
     for (int32_t i = 0; i < w.n_windows; i++) {
         if (score_window(e, tokens + (size_t)i * (size_t)w.ctx, &w, i, base, sc, logits, err) != AE_OK) goto out;
-        double now = cli_now_seconds();
+        double now = clock_mono_seconds();
         if (now - t_shown >= PROGRESS_SECONDS && i + 1 < w.n_windows) {
             ppl_result r = ppl_scorer_result(sc);
             fprintf(stderr, "perplexity window=%d/%d tokens=%lld ppl=%.4f seconds=%.1f\n", i + 1, w.n_windows,
@@ -170,7 +170,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     }
     cJSON_AddNumberToObject(o, "threads", ec.threads);
     cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
-    cJSON_AddNumberToObject(o, "seconds", cli_round(cli_now_seconds() - t_start, 1e2));
+    cJSON_AddNumberToObject(o, "seconds", cli_round(clock_mono_seconds() - t_start, 1e2));
     if (cli_put_json_line(o, err) != AE_OK) goto out;
     rc = 0;
 out:

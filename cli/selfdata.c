@@ -344,7 +344,7 @@ static int gp_judge(gp_state *g, bg_seq *s, ae_error *err) {
 }
 
 static void gp_progress(gp_state *g, bool force) {
-    double now = cli_now_seconds();
+    double now = clock_mono_seconds();
     if (!force && now - g->last_progress < PROGRESS_SECONDS) return;
     g->last_progress = now;
     double el = now - g->t0, rate = g->n_kept > 0 ? el / (double)g->n_kept : -1;
@@ -495,7 +495,7 @@ static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     fprintf(stderr, "gen-prompts: sampling %lld user turns (temperature %g) after the template's opening of %d tokens\n",
             (long long)count, cfg_double(c, "temperature"), g.n_opener);
-    g.t0 = g.last_progress = cli_now_seconds();
+    g.t0 = g.last_progress = clock_mono_seconds();
     int32_t stop = tok_eos(sd.cm.tok);
     bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, stop, 0, {0}, 0};
     if (bg_run(sd.e, &bc, gp_next, gp_done, &g, err) != AE_OK) goto out;
@@ -513,7 +513,7 @@ static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
            (long long)(count - heldout), (long long)heldout, (long long)g.sampled, (long long)g.duplicates,
            (long long)g.cut, (long long)g.short_, (long long)g.special, (long long)g.excluded, (long long)g.n_seeds,
            (long long)g.tokens,
-           cli_now_seconds() - g.t0);
+           clock_mono_seconds() - g.t0);
     rc = 0;
 out:
     for (int64_t i = 0; g.slots && i < g.attempts; i++)
@@ -721,7 +721,7 @@ out:
 }
 
 static void df_progress(df_state *d, bool force) {
-    double now = cli_now_seconds();
+    double now = clock_mono_seconds();
     if (!force && now - d->last_progress < PROGRESS_SECONDS) return;
     d->last_progress = now;
     double el = now - d->t0;
@@ -976,7 +976,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             "x %.0f bytes = %.0f MiB\n",
             (long long)d.shard_size, cap, row, held / 1048576.0);
     df_wait_for_trainer(&d); /* a resumed run may find its limit already reached */
-    d.t0 = d.last_progress = cli_now_seconds();
+    d.t0 = d.last_progress = clock_mono_seconds();
     df_progress(&d, true);
     bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,
                     {d.capture[0], d.capture[1], d.capture[2]}, d.topk};
@@ -988,7 +988,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     df_progress(&d, true);
     printf("{\"prompts\":%lld,\"shards\":%lld,\"tokens_this_run\":%lld,\"generated_this_run\":%lld,\"seconds\":%.1f}\n",
            (long long)d.n_prompts, (long long)d.n_shards, (long long)d.tokens, (long long)d.generated,
-           cli_now_seconds() - d.t0);
+           clock_mono_seconds() - d.t0);
     rc = 0;
 out:
     for (int64_t i = 0; d.slots && i < d.n_prompts; i++) free_seq(d.slots[i]);

@@ -13,6 +13,7 @@
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 
+#include "../services/core/clock.h"
 #include "../services/core/json.h"
 #include "../services/core/log.h"
 #include "../services/rpc/msg.h"
@@ -165,12 +166,6 @@ static void jb_clear(jbuf *b) {
 static void jb_free(jbuf *b) {
     free(b->p);
     *b = (jbuf){0};
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* ---- replies ---- */
@@ -370,7 +365,7 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     aerie_GenerateEvent ev;
     if (q->gone || q->finish || q->target_cancelled) return false;
     if (msg_decode(aerie_GenerateEvent_fields, &ev, msg, len, NULL) != AE_OK) return false;
-    double now = now_s();
+    double now = clock_mono_seconds();
     if (ev.tokens_count > 0) {
         if (!q->t_first) {
             q->t_first = now;
@@ -452,7 +447,7 @@ static void finish_ok(greq *q) {
         reply_jbuf(g, q->http, q->route, &b);
         jb_free(&b);
     }
-    double now = now_s();
+    double now = clock_mono_seconds();
     met_hist_observe(&m->e2e, now - q->t_arrive);
     LOG_INFOF("request id=%s route=%s target=%s prompt=%d completion=%d finish=%s ttft_ms=%.1f e2e_ms=%.1f", q->id,
               is_chat(q) ? "chat" : "completions", q->replica >= 0 ? router_addr(g->cfg.router, q->replica) : "-",
@@ -838,7 +833,7 @@ static void handle_generate(gw *g, http_req *h, oai_kind kind) {
     q->http = h;
     q->route = route;
     q->replica = -1;
-    q->t_arrive = now_s();
+    q->t_arrive = clock_mono_seconds();
     http_req_on_close(h, on_client_gone, q);
     tjob_submit(g, &q->job, h, TJOB_GENERATE, kind, &q->o, on_prompt_encoded);
 }
@@ -925,7 +920,7 @@ static void on_prompt_encoded(tjob *j) {
         goto refuse;
     }
     if (q->o.has_seed) q->seed = q->o.seed;
-    else if (getrandom(&q->seed, sizeof q->seed, 0) != (ssize_t)sizeof q->seed) q->seed = (uint64_t)(now_s() * 1e9);
+    else if (getrandom(&q->seed, sizeof q->seed, 0) != (ssize_t)sizeof q->seed) q->seed = (uint64_t)(clock_mono_seconds() * 1e9);
     uint8_t rnd[12];
     if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) memset(rnd, 0, sizeof rnd);
     int w = snprintf(q->id, sizeof q->id, "%s-", kind == OAI_CHAT ? "chatcmpl" : "cmpl");

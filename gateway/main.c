@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "../cli/cli.h"
+#include "../services/core/clock.h"
 #include "../services/core/file.h"
 #include "../services/core/log.h"
 #include "../services/core/svc.h"
@@ -207,13 +208,11 @@ int main(int argc, char **argv) {
     wd_stop(w);
     LOG_INFOF("gateway_stopping signal=%d inflight=%d", sig, gw_inflight(g));
     gw_set_draining(g);
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int64_t t0 = clock_mono_ns();
     int64_t limit_ms = cfg_int(c, "drain-timeout-s") * 1000;
     for (;;) {
         int n = gw_inflight(g);
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        int64_t ms = (t.tv_sec - t0.tv_sec) * 1000 + (t.tv_nsec - t0.tv_nsec) / 1000000;
+        int64_t ms = (clock_mono_ns() - t0) / 1000000;
         if (n == 0 || ms >= limit_ms) {
             LOG_INFOF("gateway_stopped unfinished=%d drain_ms=%lld", n, (long long)ms);
             break;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 #include <time.h>
 
+#include "../services/core/clock.h"
 #include "../services/core/log.h"
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
@@ -29,12 +30,6 @@ struct dcli {
     pthread_mutex_t mu; /* stats */
     dcli_stats stats;
 };
-
-static int64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 static void count(dcli *d, uint64_t *field) {
     pthread_mutex_lock(&d->mu);
@@ -68,10 +63,10 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
     }
     uint32_t len;
     if (msg_encode(aerie_ProposeRequest_fields, rq, d->msg, sizeof d->msg, &len, err) != AE_OK) return AE_ERR;
-    int64_t t0 = mono_ns();
+    int64_t t0 = clock_mono_ns();
     uint32_t st = rpc_client_callv(d->rpc, aerie_Method_DRAFT_PROPOSE, d->msg, len, d->iov, n_iov,
                                    d->cfg.deadline_us, NULL, NULL, &d->reply);
-    int64_t rtt = mono_ns() - t0;
+    int64_t rtt = clock_mono_ns() - t0;
     if (st != RPC_OK) {
         count(d, st == RPC_DEADLINE_EXCEEDED ? &d->stats.deadline_exceeded
                  : st == RPC_UNAVAILABLE     ? &d->stats.unavailable
@@ -161,7 +156,7 @@ int dcli_open(dcli **out, rpc_loop *loop, const dcli_config *cfg, ae_error *err)
     d->cfg.addr = d->addr;
     pthread_mutex_init(&d->mu, NULL);
     if (getrandom(&d->client_id, sizeof d->client_id, 0) != (ssize_t)sizeof d->client_id)
-        d->client_id = (uint64_t)mono_ns() ^ (uint64_t)getpid() << 32;
+        d->client_id = (uint64_t)clock_mono_ns() ^ (uint64_t)getpid() << 32;
     rpc_client_config rc = {cfg->addr, cfg->tls, cfg->max_frame, 0};
     if (rpc_client_open(&d->rpc, loop, &rc, err) != AE_OK) {
         pthread_mutex_destroy(&d->mu);

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../services/core/clock.h"
 #include "../services/core/log.h"
 #include "../services/core/watchdog.h"
 #include "../services/rpc/frame.h"
@@ -49,12 +50,6 @@ struct sched {
     spec_stats log_spec;
     bool logged_idle;
 };
-
-static int64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 static int32_t blocks_for(const sched *s, const req *q) {
     int64_t slots = (int64_t)q->r.n_prompt + q->r.max_tokens + s->cfg.tree_tokens;
@@ -278,14 +273,14 @@ static void log_line(sched *s, int64_t now) {
 static void *loop_main(void *arg) {
     sched *s = arg;
     ae_error err;
-    s->log_at_ns = mono_ns();
+    s->log_at_ns = clock_mono_ns();
     /* systemd's watchdog hears from this thread each time round (at least
      * every 100 ms while idle, below); a hung step stops the pings. */
     wd *w = wd_process();
     int beat = wd_add(w, "scheduler");
     for (;;) {
         wd_beat(w, beat);
-        int64_t now = mono_ns();
+        int64_t now = clock_mono_ns();
         if (s->cfg.log_interval_ms > 0 && now - s->log_at_ns >= (int64_t)s->cfg.log_interval_ms * 1000000)
             log_line(s, now);
         pthread_mutex_lock(&s->mu);

@@ -4,6 +4,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../services/core/clock.h"
 #include "verify.h"
 
 /* Calls to the drafter pause this many steps at most after failures. */
@@ -52,13 +53,7 @@ struct spec {
     sampler *sampler;
 };
 
-static int64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static int64_t now_ns(const spec *s) { return s->cfg.clock_ns ? s->cfg.clock_ns(s->cfg.clock_ctx) : mono_ns(); }
+static int64_t now_ns(const spec *s) { return s->cfg.clock_ns ? s->cfg.clock_ns(s->cfg.clock_ctx) : clock_mono_ns(); }
 
 static bool shape_ok(const spec_shape *sh) {
     return sh->steps >= 1 && sh->topk >= 1 && sh->tokens >= 2 && sh->tokens <= ENG_MAX_TREE;

@@ -7,6 +7,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
@@ -28,12 +30,6 @@
  * a count, so that it means the same on every core (and under TSan). */
 #define POOL_SPIN_NS 50000
 #define POOL_SPIN_CHECK 64 /* pauses between looks at the clock */
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 struct pool {
     int n_threads;      /* including the caller */
@@ -65,12 +61,12 @@ static void run_tasks(pool *p, pool_fn fn, void *ctx, int n_tasks) {
 /* Waits until generation moves past seen (or shutdown); returns the new
  * generation. Spins first, then sleeps. */
 static unsigned long wait_for_job(pool *p, unsigned long seen) {
-    int64_t until = now_ns() + POOL_SPIN_NS;
+    int64_t until = clock_mono_ns() + POOL_SPIN_NS;
     for (int i = 1;; i++) {
         unsigned long g = atomic_load(&p->generation);
         if (g != seen || atomic_load(&p->shutdown)) return g;
         CPU_RELAX();
-        if (i % POOL_SPIN_CHECK == 0 && now_ns() > until) break;
+        if (i % POOL_SPIN_CHECK == 0 && clock_mono_ns() > until) break;
     }
     pthread_mutex_lock(&p->mu);
     atomic_fetch_add(&p->sleepers, 1);
@@ -181,10 +177,10 @@ void pool_run(pool *p, pool_fn fn, void *ctx, int n_tasks) {
 
     run_tasks(p, fn, ctx, n_tasks);
 
-    int64_t until = now_ns() + POOL_SPIN_NS;
+    int64_t until = clock_mono_ns() + POOL_SPIN_NS;
     for (int i = 1; atomic_load(&p->pending) > 0; i++) {
         CPU_RELAX();
-        if (i % POOL_SPIN_CHECK == 0 && now_ns() > until) break;
+        if (i % POOL_SPIN_CHECK == 0 && clock_mono_ns() > until) break;
     }
     if (atomic_load(&p->pending) > 0) {
         pthread_mutex_lock(&p->mu);

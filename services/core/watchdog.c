@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "log.h"
 #include "svc.h"
 
@@ -39,12 +40,6 @@ struct wd {
 };
 
 static _Atomic(wd *) process_wd;
-
-int64_t wd_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 int64_t wd_env_interval_us(void) {
     const char *pid = getenv("WATCHDOG_PID");
@@ -117,7 +112,7 @@ int wd_add(wd *w, const char *name) {
     wd_slot *s = &w->slots[i];
     snprintf(s->name, sizeof s->name, "%s", name);
     s->dropped = stall && !strcmp(stall, s->name);
-    atomic_store(&s->beat_ns, wd_now_ns());
+    atomic_store(&s->beat_ns, clock_mono_ns());
     atomic_store(&s->used, true);
     pthread_mutex_unlock(&w->mu);
     if (s->dropped) LOG_WARNF("watchdog_test_stall loop=%s reason=\"AERIE_TEST_WATCHDOG_STALL: its beats are dropped\"", s->name);
@@ -134,7 +129,7 @@ void wd_beat(wd *w, int slot) {
     if (!w || slot < 0) return;
     AE_ASSERT(slot < WD_MAX_LOOPS);
     wd_slot *s = &w->slots[slot];
-    if (!s->dropped) atomic_store_explicit(&s->beat_ns, wd_now_ns(), memory_order_relaxed);
+    if (!s->dropped) atomic_store_explicit(&s->beat_ns, clock_mono_ns(), memory_order_relaxed);
 }
 
 const char *wd_stale(wd *w, int64_t now_ns) {
@@ -180,7 +175,7 @@ static void *ping_main(void *arg) {
     const char *was_stale = NULL;
     pthread_mutex_lock(&w->mu);
     while (!w->stopping) {
-        int64_t now = wd_now_ns();
+        int64_t now = clock_mono_ns();
         const char *stale = wd_stale(w, now);
         if (!stale) svc_notify("WATCHDOG=1");
         else if (stale != was_stale)

@@ -62,11 +62,8 @@ void wd_remove(wd *w, int slot);
 void wd_beat(wd *w, int slot);
 
 /* The name of a registered loop that has not beaten within interval/2 of
- * now_ns (CLOCK_MONOTONIC), or NULL when all have. */
+ * now_ns (clock_mono_ns, services/core/clock.h), or NULL when all have. */
 const char *wd_stale(wd *w, int64_t now_ns);
-
-/* CLOCK_MONOTONIC in nanoseconds. */
-int64_t wd_now_ns(void);
 
 /* Registers a loop for a libevent base and beats it from a timer on that
  * base every interval/4, i.e. from the loop's own thread: the beat stops

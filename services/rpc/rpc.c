@@ -30,6 +30,7 @@
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 
+#include "../core/clock.h"
 #include "../core/log.h"
 
 /* Bytes one read or write callback moves at most: a Propose of 8
@@ -43,12 +44,6 @@
 #define RPC_CLOSE_GRACE_MS 1000
 
 static struct timespec abs_after_ns(int64_t ns);
-
-static int64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 /* ---- loop ---- */
 
@@ -517,7 +512,7 @@ static void on_read(struct bufferevent *bev, void *arg) {
     pthread_mutex_lock(&c->mu);
     c->refs++;
     pthread_mutex_unlock(&c->mu);
-    c->last_rx_ns = mono_ns();
+    c->last_rx_ns = clock_mono_ns();
     c->ping_out = false;
     while (!c->closed && !c->close_after_flush && !c->read_paused) {
         if (!c->have_hdr) {
@@ -661,7 +656,7 @@ static void server_timer_cb(evutil_socket_t fd, short what, void *arg) {
         conn_close(c);
         return;
     }
-    int64_t now = mono_ns(), left_ms;
+    int64_t now = clock_mono_ns(), left_ms;
     if (!c->got_frame) {
         left_ms = c->handshake_ms - (now - c->accept_ns) / 1000000;
         if (left_ms <= 0) {
@@ -733,7 +728,7 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     c->srv = s;
     c->direct = !s->ssl;
     c->max_frame = s->cfg.max_frame;
-    c->last_rx_ns = c->accept_ns = mono_ns();
+    c->last_rx_ns = c->accept_ns = clock_mono_ns();
     c->timer = timer;
     c->handshake_ms = s->cfg.handshake_ms;
     c->idle_ms = s->cfg.idle_ms;
@@ -767,7 +762,7 @@ static void call_unlink(rpc_call *k) {
     else if (c->calls == k) c->calls = k->next;
     if (k->next) k->next->prev = k->prev;
     k->prev = k->next = NULL;
-    if (!c->calls) c->calls_end_ns = mono_ns();
+    if (!c->calls) c->calls_end_ns = clock_mono_ns();
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -838,7 +833,7 @@ static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
     c->rx_cap = 0;
     k->c = c;
     k->id = h.call_id;
-    k->deadline_ns = h.timeout_us ? mono_ns() + (int64_t)h.timeout_us * 1000 : 0;
+    k->deadline_ns = h.timeout_us ? clock_mono_ns() + (int64_t)h.timeout_us * 1000 : 0;
     k->req = (rpc_request){h.method, h.timeout_us, msg, h.msg_len, payload, h.payload_len, c->id};
     k->srv = c->srv;
     pthread_mutex_lock(&k->srv->mu);
@@ -854,10 +849,10 @@ static void server_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
 }
 
 bool rpc_call_cancelled(const rpc_call *k) {
-    return atomic_load(&k->cancelled) || (k->deadline_ns && mono_ns() > k->deadline_ns);
+    return atomic_load(&k->cancelled) || (k->deadline_ns && clock_mono_ns() > k->deadline_ns);
 }
 
-bool rpc_call_expired(const rpc_call *k) { return k->deadline_ns && mono_ns() > k->deadline_ns; }
+bool rpc_call_expired(const rpc_call *k) { return k->deadline_ns && clock_mono_ns() > k->deadline_ns; }
 
 const rpc_request *rpc_call_request(const rpc_call *k) { return &k->req; }
 
@@ -871,7 +866,7 @@ int rpc_call_item(rpc_call *k, const void *msg, uint32_t len, ae_error *err) {
 
 void rpc_call_finish(rpc_call *k, uint32_t status, const void *msg, uint32_t len, const void *payload,
                      uint32_t payload_len) {
-    if (status == RPC_OK && k->deadline_ns && mono_ns() > k->deadline_ns) {
+    if (status == RPC_OK && k->deadline_ns && clock_mono_ns() > k->deadline_ns) {
         rpc_call_fail(k, RPC_DEADLINE_EXCEEDED, "deadline of %u us exceeded", k->req.timeout_us);
         return;
     }
@@ -889,7 +884,7 @@ void rpc_call_fail(rpc_call *k, uint32_t status, const char *fmt, ...) {
     vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
     if (status == RPC_OK) status = RPC_UNKNOWN;
-    if (status == RPC_CANCELLED && k->deadline_ns && mono_ns() > k->deadline_ns) {
+    if (status == RPC_CANCELLED && k->deadline_ns && clock_mono_ns() > k->deadline_ns) {
         /* Cancelled because its time ran out: say so. */
         status = RPC_DEADLINE_EXCEEDED;
         snprintf(text, sizeof text, "deadline of %u us exceeded", k->req.timeout_us);
@@ -1323,11 +1318,11 @@ static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
     if (!cl || c->closed) return;
     /* A caller reading its own reply updates these (caller_read). */
     bufferevent_lock(c->bev);
-    int64_t idle_ms = (mono_ns() - c->last_rx_ns) / 1000000;
+    int64_t idle_ms = (clock_mono_ns() - c->last_rx_ns) / 1000000;
     bool ping_out = c->ping_out, ping = idle_ms >= (int64_t)cl->cfg.keepalive_ms && !ping_out;
     if (ping) {
         c->ping_out = true;
-        c->last_rx_ns = mono_ns();
+        c->last_rx_ns = clock_mono_ns();
     }
     /* The PONG is the loop's to read when no caller is there to take it
      * (a caller that hands the reads over again takes it itself). */
@@ -1368,7 +1363,7 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
         cl->backoff_ms = RPC_BACKOFF_MIN_MS;
         pthread_cond_broadcast(&cl->cv);
         pthread_mutex_unlock(&cl->mu);
-        c->last_rx_ns = mono_ns();
+        c->last_rx_ns = clock_mono_ns();
         struct timeval tv = {cl->cfg.keepalive_ms / 2000, (cl->cfg.keepalive_ms / 2 % 1000) * 1000};
         c->keepalive = event_new(cl->loop->base, -1, EV_PERSIST, keepalive_cb, c);
         if (c->keepalive) event_add(c->keepalive, &tv);
@@ -1536,7 +1531,7 @@ uint64_t rpc_client_connects(rpc_client *cl) {
 }
 
 static struct timespec abs_after_ns(int64_t ns) {
-    int64_t t = mono_ns() + ns;
+    int64_t t = clock_mono_ns() + ns;
     return (struct timespec){t / 1000000000, t % 1000000000};
 }
 
@@ -1594,7 +1589,7 @@ static bool caller_take(rpc_client *cl, conn *c, evutil_socket_t fd) {
         c->pad = (16 - h.msg_len % 16) % 16;
         c->have_hdr = true;
         c->body_got = 0;
-        c->last_rx_ns = mono_ns();
+        c->last_rx_ns = clock_mono_ns();
         c->ping_out = false;
     }
     size_t need = (size_t)c->hdr.msg_len + c->hdr.payload_len;
@@ -1636,7 +1631,7 @@ static void caller_read(rpc_client *cl, conn *c, pending *p, int64_t deadline_ns
         if (done) break;
         int wait_ms = -1;
         if (deadline_ns) {
-            int64_t left = deadline_ns - mono_ns();
+            int64_t left = deadline_ns - clock_mono_ns();
             if (left <= 0) break;
             wait_ms = (int)((left + 999999) / 1000000);
         }
@@ -1709,7 +1704,7 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
     if (on_item) reads_for_loop(c);
     frame_header h = {FRAME_VERSION, FRAME_REQUEST, method, p.id, 0, timeout_us, len, (uint32_t)payload_len};
     bool sent = conn_sendv(c, &h, msg, len, parts, n_parts) == AE_OK;
-    int64_t deadline_ns = timeout_us ? mono_ns() + (int64_t)timeout_us * 1000 : 0;
+    int64_t deadline_ns = timeout_us ? clock_mono_ns() + (int64_t)timeout_us * 1000 : 0;
     if (sent && c->direct && !on_item) caller_read(cl, c, &p, deadline_ns);
     struct timespec until = {deadline_ns / 1000000000, deadline_ns % 1000000000};
     bool timed_out = false;

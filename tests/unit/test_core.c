@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "../../services/core/arena.h"
+#include "../../services/core/clock.h"
 #include "../../services/core/err.h"
 #include "../../services/core/file.h"
 #include "../../services/core/log.h"
@@ -296,7 +297,7 @@ static void test_watchdog_off_is_a_null_handle_and_every_call_a_noop(void **stat
     assert_null(w);
     assert_int_equal(wd_add(w, "rpc"), -1);
     wd_beat(w, -1);
-    assert_null(wd_stale(w, wd_now_ns()));
+    assert_null(wd_stale(w, clock_mono_ns()));
     assert_int_equal(wd_start(w, NULL), AE_OK);
     wd_free(w);
 }
@@ -306,21 +307,21 @@ static void test_watchdog_stale_names_the_loop_that_stopped_beating(void **state
     wd *w;
     assert_int_equal(wd_init(&w, 400000, NULL), AE_OK); /* stale after 200 ms */
     int a = wd_add(w, "event-loop"), b = wd_add(w, "scheduler");
-    assert_null(wd_stale(w, wd_now_ns()));
+    assert_null(wd_stale(w, clock_mono_ns()));
     for (int i = 0; i < 6; i++) {
         sleep_ms(50);
         wd_beat(w, a);
     }
-    assert_string_equal(wd_stale(w, wd_now_ns()), "scheduler");
+    assert_string_equal(wd_stale(w, clock_mono_ns()), "scheduler");
     wd_beat(w, b);
-    assert_null(wd_stale(w, wd_now_ns()));
+    assert_null(wd_stale(w, clock_mono_ns()));
     /* A loop that ends on purpose leaves the checks. */
     wd_remove(w, b);
     for (int i = 0; i < 6; i++) {
         sleep_ms(50);
         wd_beat(w, a);
     }
-    assert_null(wd_stale(w, wd_now_ns()));
+    assert_null(wd_stale(w, clock_mono_ns()));
     wd_free(w);
 }
 
@@ -334,7 +335,7 @@ static void test_watchdog_test_stall_hook_drops_only_the_named_loop(void **state
     sleep_ms(150);
     wd_beat(w, a);
     wd_beat(w, b);
-    assert_string_equal(wd_stale(w, wd_now_ns()), "scheduler");
+    assert_string_equal(wd_stale(w, clock_mono_ns()), "scheduler");
     wd_free(w);
 }
 
@@ -356,9 +357,9 @@ static void *beater_main(void *arg) {
 /* WATCHDOG=1 datagrams that arrive on fd within ms. */
 static int count_pings(int fd, int ms) {
     int n = 0;
-    int64_t end = wd_now_ns() + (int64_t)ms * 1000000;
+    int64_t end = clock_mono_ns() + (int64_t)ms * 1000000;
     for (;;) {
-        int64_t left_us = (end - wd_now_ns()) / 1000;
+        int64_t left_us = (end - clock_mono_ns()) / 1000;
         if (left_us <= 0) return n;
         struct timeval tv = {(time_t)(left_us / 1000000), (suseconds_t)(left_us % 1000000)};
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
