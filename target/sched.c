@@ -11,7 +11,6 @@
 #include "../services/core/clock.h"
 #include "../services/core/log.h"
 #include "../services/core/watchdog.h"
-#include "../services/rpc/frame.h"
 
 typedef enum req_state { REQ_WAITING, REQ_PREFILL, REQ_RUNNING } req_state;
 
@@ -62,24 +61,24 @@ static void req_free(req *q) {
     free(q);
 }
 
-uint32_t sched_submit(sched *s, const sched_request *r, ae_error *err) {
-    if (r->n_prompt < 1) return err_set(err, "the prompt has no tokens"), RPC_INVALID_ARGUMENT;
-    if (r->max_tokens < 1) return err_set(err, "max_tokens must be at least 1"), RPC_INVALID_ARGUMENT;
+sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
+    if (r->n_prompt < 1) return err_set(err, "the prompt has no tokens"), SCHED_INVALID;
+    if (r->max_tokens < 1) return err_set(err, "max_tokens must be at least 1"), SCHED_INVALID;
     if ((int64_t)r->n_prompt + r->max_tokens > s->cfg.max_seq_len)
         return err_set(err, "prompt (%d tokens) + max_tokens (%d) is more than max-seq-len %d", r->n_prompt,
                        r->max_tokens, s->cfg.max_seq_len),
-               RPC_INVALID_ARGUMENT;
+               SCHED_INVALID;
     const sample_params *p = &r->params;
     if (!isfinite(p->temperature) || p->temperature < 0 || !isfinite(p->top_p) || p->top_p <= 0 || p->top_p > 1 ||
         !isfinite(p->min_p) || p->min_p < 0 || p->min_p > 1 || p->top_k < 0)
         return err_set(err, "sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
                             "top_k >= 0)"),
-               RPC_INVALID_ARGUMENT;
+               SCHED_INVALID;
     req *q = calloc(1, sizeof *q);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)r->n_prompt);
     if (!q || !prompt) {
         free(q), free(prompt);
-        return err_set(err, "out of memory"), RPC_RESOURCE_EXHAUSTED;
+        return err_set(err, "out of memory"), SCHED_BUSY;
     }
     memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
     q->r = *r;
@@ -90,18 +89,18 @@ uint32_t sched_submit(sched *s, const sched_request *r, ae_error *err) {
     if (need > s->n_blocks) {
         req_free(q);
         return err_set(err, "the request needs %d KV blocks, the whole cache has %d", need, s->n_blocks),
-               RPC_INVALID_ARGUMENT;
+               SCHED_INVALID;
     }
     pthread_mutex_lock(&s->mu);
-    uint32_t st = RPC_OK;
+    sched_refusal st = SCHED_QUEUED;
     if (s->draining || s->stopping) {
-        st = RPC_UNAVAILABLE;
+        st = SCHED_DRAINING;
         err_set(err, "the target is shutting down");
     } else if (s->n_waiting >= s->cfg.max_queue) {
-        st = RPC_RESOURCE_EXHAUSTED;
+        st = SCHED_BUSY;
         err_set(err, "%d requests are waiting (the queue's limit); retry later", s->n_waiting);
     }
-    if (st != RPC_OK) {
+    if (st != SCHED_QUEUED) {
         s->stats.requests_refused++;
         pthread_mutex_unlock(&s->mu);
         req_free(q);
@@ -113,7 +112,7 @@ uint32_t sched_submit(sched *s, const sched_request *r, ae_error *err) {
     s->n_waiting++;
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
-    return RPC_OK;
+    return SCHED_QUEUED;
 }
 
 bool sched_cancel_id(sched *s, const char *id) {

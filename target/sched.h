@@ -99,10 +99,17 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
 /* Ends every request (CANCELLED), stops the thread, frees. */
 void sched_free(sched *s); /* NULL is a no-op */
 
-/* Queues a request. Fails with the status to answer: INVALID_ARGUMENT
- * (it can never run here: too long, bad parameters), RESOURCE_EXHAUSTED
- * (the queue is full) or UNAVAILABLE (draining). */
-uint32_t sched_submit(sched *s, const sched_request *r, ae_error *err);
+/* Why sched_submit refused a request; the server maps each to its wire
+ * status (target/server.c). */
+typedef enum sched_refusal {
+    SCHED_QUEUED = 0,
+    SCHED_INVALID = 1,  /* it can never run here: too long, bad parameters */
+    SCHED_BUSY = 2,     /* the queue is full, or out of memory: retry later */
+    SCHED_DRAINING = 3, /* the target is shutting down */
+} sched_refusal;
+
+/* Queues a request, or says why not (err: the words for the client). */
+sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err);
 
 /* Cancels the request with this id; false when none is waiting or running. */
 bool sched_cancel_id(sched *s, const char *id);

@@ -161,9 +161,13 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
     if (n > 0) memcpy(own, prompt, sizeof(int32_t) * n);
     r.prompt = own;
     rpc_call_release_request(call);
-    uint32_t st = sched_submit(t->sched, &r, &err);
+    sched_refusal why = sched_submit(t->sched, &r, &err);
     free(own); /* sched_submit copied it */
-    if (st != RPC_OK) rpc_call_fail(call, st, "%s", err.msg);
+    static const uint32_t status[] = {[SCHED_QUEUED] = RPC_OK,
+                                      [SCHED_INVALID] = RPC_INVALID_ARGUMENT,
+                                      [SCHED_BUSY] = RPC_RESOURCE_EXHAUSTED,
+                                      [SCHED_DRAINING] = RPC_UNAVAILABLE};
+    if (why != SCHED_QUEUED) rpc_call_fail(call, status[why], "%s", err.msg);
 }
 
 static void reply_msg(rpc_call *call, const pb_msgdesc_t *fields, const void *m, uint8_t *buf, uint32_t cap) {
