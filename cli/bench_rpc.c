@@ -197,7 +197,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
 
     /* The request: S sequences, each reset with P pairs. */
     int32_t fw = 3 * m->cfg.hidden, layers[3];
-    llama_capture_default_layers(m->cfg.n_layers, layers);
+    capture_default_layers(m->cfg.n_layers, layers);
     if (h->cfg.n_aux_layers) memcpy(layers, h->cfg.aux_layers, sizeof layers);
     size_t per_seq = (size_t)P * 4 + (size_t)P * (size_t)fw * 4, plen = per_seq * (size_t)S;
     static aerie_ProposeRequest rq;

@@ -54,7 +54,7 @@ void draft_link_close(draft_link *l) {
 
 int draft_link_capture(const draft_link *l, const model *m, int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
     if (l->head->cfg.n_aux_layers == 0) {
-        llama_capture_default_layers(m->cfg.n_layers, out);
+        capture_default_layers(m->cfg.n_layers, out);
         return AE_OK;
     }
     return llama_capture_layers_from(l->head->cfg.aux_layers, l->head->cfg.n_aux_layers, m->cfg.n_layers, out, err);

@@ -858,7 +858,7 @@ static char *df_settings_json(const cfg *c, const df_state *d, const model *m) {
 
 static int parse_capture(const char *s, const model *m, int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
     if (!strcmp(s, "auto")) {
-        llama_capture_default_layers(m->cfg.n_layers, out);
+        capture_default_layers(m->cfg.n_layers, out);
         return AE_OK;
     }
     int32_t ids[LLAMA_MAX_CAPTURE + 1];

@@ -46,8 +46,9 @@
 
 #include "../kernels/kernels.h"
 #include "../services/core/err.h"
+#include "../services/model/capture.h"
 
-#define EAGLE_N_AUX 3 /* captured target layers */
+#define EAGLE_N_AUX CAPTURE_LAYERS /* captured target layers */
 
 /* What the head needs of its target. */
 typedef struct eagle_target {

@@ -11,7 +11,6 @@
 #include "../services/core/log.h"
 #include "../services/core/watchdog.h"
 #include "../services/rpc/msg.h"
-#include "../target/llama.h"
 #include "aerie.pb.h"
 
 #define DSRV_MAX_SEQS 64 /* per call: aerie.options ProposeRequest.seqs */
@@ -338,7 +337,7 @@ int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error 
     d->head = h;
     d->cfg = *cfg;
     d->fw = EAGLE_N_AUX * h->cfg.hidden;
-    llama_capture_default_layers(h->target.n_layers, d->default_layers);
+    capture_default_layers(h->target.n_layers, d->default_layers);
     pthread_mutex_init(&d->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);

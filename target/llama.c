@@ -85,12 +85,6 @@ void llama_ws_free(llama_ws *ws) {
     free(ws);
 }
 
-void llama_capture_default_layers(int32_t n_layers, int32_t out[LLAMA_MAX_CAPTURE]) {
-    out[0] = 2;
-    out[1] = n_layers / 2;
-    out[2] = n_layers - 3;
-}
-
 int llama_capture_layers_from(const int32_t *ids, int32_t n, int32_t n_layers,
                               int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
     if (n != LLAMA_MAX_CAPTURE)

@@ -17,9 +17,10 @@
 #include <stdint.h>
 
 #include "../kernels/kernels.h"
+#include "../services/model/capture.h"
 #include "model.h"
 
-#define LLAMA_MAX_CAPTURE 3
+#define LLAMA_MAX_CAPTURE CAPTURE_LAYERS
 
 /* EAGLE-3 feature capture: the residual stream entering chosen layers, for
  * chosen tokens of the batch, concatenated per token. */
@@ -30,12 +31,6 @@ typedef struct llama_capture {
     const int32_t *rows;               /* [n_rows] batch rows to capture */
     float *out;                        /* [n_rows][n_layers * H] */
 } llama_capture;
-
-/* EAGLE-3's default capture layers for an n_layers model: the inputs of
- * layers 2, n/2 and n-3 (for 32 layers: 2, 16, 29). "Input of layer i" is
- * the residual stream before layer i runs, i.e. transformers'
- * output_hidden_states[i]. */
-void llama_capture_default_layers(int32_t n_layers, int32_t out[LLAMA_MAX_CAPTURE]);
 
 /* A head's own choice (eagle_config.eagle_aux_hidden_state_layer_ids, in
  * the same input-of-layer convention), checked against the model: exactly

@@ -101,7 +101,7 @@ int main(int argc, char **argv) {
     spec_config spc = {LLAMA_MAX_CAPTURE, {0},
                        {(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"), (int32_t)cfg_int(c, "spec-tokens")},
                        max_batch, CLI_PREFILL_CHUNK, drafting && cfg_bool(c, "spec-adaptive"), NULL, NULL};
-    llama_capture_default_layers(m->cfg.n_layers, spc.capture);
+    capture_default_layers(m->cfg.n_layers, spc.capture);
     memplan plan;
     if (plan_memory(c, m, &spc, &plan, &err) != AE_OK) goto out;
     if (print_config) {

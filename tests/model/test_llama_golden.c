@@ -132,7 +132,7 @@ static golden_result run_golden(int32_t act_bits) {
     ae_error err = {0};
     if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     int32_t layers[LLAMA_MAX_CAPTURE];
-    llama_capture_default_layers(mdl->cfg.n_layers, layers);
+    capture_default_layers(mdl->cfg.n_layers, layers);
 
     int32_t seq[MAX_PROMPTS], *ref_gen[MAX_PROMPTS], got[MAX_PROMPTS][N_GEN];
     float *logits = malloc(sizeof(float) * (size_t)V * MAX_PROMPTS);

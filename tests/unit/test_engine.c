@@ -223,7 +223,7 @@ static void test_capture_is_three_layer_inputs_and_batch_invariant(void **state)
     (void)state;
     const int32_t H = mdl->cfg.hidden;
     int32_t layers[LLAMA_MAX_CAPTURE];
-    llama_capture_default_layers(mdl->cfg.n_layers, layers);
+    capture_default_layers(mdl->cfg.n_layers, layers);
     assert_int_equal(layers[0], 2);
     assert_int_equal(layers[1], 15);
     assert_int_equal(layers[2], 27);
