@@ -41,7 +41,7 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
 int cli_plan(cfg *c, const model *m, bool draft, memplan *plan, ae_error *err) {
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
     uint64_t avail;
-    if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
+    if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
     const model_config *mc = &m->cfg;
     uint64_t dw = 0, dx = 0;
     if (draft && draft_bytes(c, m, (int32_t)cfg_int(c, "max-seq-len"), &dw, &dx, err) != AE_OK) return AE_ERR;

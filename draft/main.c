@@ -5,11 +5,11 @@
 
 #include "../cli/draft_link.h"
 #include "../cli/plan.h"
+#include "../services/core/hostmem.h"
 #include "../services/core/log.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
 #include "../services/core/watchdog.h"
-#include "../target/memplan.h"
 #include "server.h"
 
 static const cfg_option opts[] = {
@@ -39,19 +39,19 @@ static const cfg_option opts[] = {
 static int plan_memory(cfg *c, const model *m, const eagle_head *h, const dsrv_config *dc, char *text, size_t cap,
                        ae_error *err) {
     uint64_t avail;
-    if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
-    if (cfg_is_auto(c, "mem-fraction")) cfg_set_auto_double(c, "mem-fraction", memplan_auto_fraction(avail));
+    if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
+    if (cfg_is_auto(c, "mem-fraction")) cfg_set_auto_double(c, "mem-fraction", hostmem_auto_fraction(avail));
     double frac = cfg_double(c, "mem-fraction");
     uint64_t budget = (uint64_t)(frac * (double)avail), state = dsrv_bytes(h, dc);
     uint64_t total = m->weight_bytes + h->weight_bytes + state;
     char b[5][32];
-    memplan_fmt_bytes(avail, b[0], 32);
-    memplan_fmt_bytes(budget, b[1], 32);
-    memplan_fmt_bytes(m->weight_bytes, b[2], 32);
-    memplan_fmt_bytes(h->weight_bytes, b[3], 32);
-    memplan_fmt_bytes(state, b[4], 32);
+    hostmem_fmt_bytes(avail, b[0], 32);
+    hostmem_fmt_bytes(budget, b[1], 32);
+    hostmem_fmt_bytes(m->weight_bytes, b[2], 32);
+    hostmem_fmt_bytes(h->weight_bytes, b[3], 32);
+    hostmem_fmt_bytes(state, b[4], 32);
     char tot[32];
-    memplan_fmt_bytes(total, tot, sizeof tot);
+    hostmem_fmt_bytes(total, tot, sizeof tot);
     snprintf(text, cap,
              "budget = mem-fraction %.3f x available %s = %s\n"
              "target model (embedding table) = %s\n"

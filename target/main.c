@@ -51,7 +51,7 @@ static const cfg_option opts[] = {
  * per-sequence state + KV (memplan.h). */
 static int plan_memory(cfg *c, const model *m, const spec_config *sc, memplan *plan, ae_error *err) {
     uint64_t avail;
-    if (memplan_mem_available(&avail, err) != AE_OK) return AE_ERR;
+    if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
     const model_config *mc = &m->cfg;
     memplan_model mm = {m->weight_bytes, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
                         mc->n_kv_heads, mc->head_dim, mc->vocab};

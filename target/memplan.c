@@ -8,23 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../services/core/file.h"
+#include "../services/core/hostmem.h"
 #include "../services/core/log.h"
 #include "../services/kv/kv_cache.h"
-
-void memplan_fmt_bytes(uint64_t bytes, char *buf, size_t cap) {
-    static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-    double v = (double)bytes;
-    int u = 0;
-    while (v >= 1024.0 && u < 5) {
-        v /= 1024.0;
-        u++;
-    }
-    if (u == 0 || v == floor(v)) snprintf(buf, cap, "%.0f %s", v, unit[u]);
-    else if (v < 10.0) snprintf(buf, cap, "%.2f %s", v, unit[u]);
-    else if (v < 100.0) snprintf(buf, cap, "%.1f %s", v, unit[u]);
-    else snprintf(buf, cap, "%.0f %s", v, unit[u]);
-}
 
 /* Shorthand for formatted sizes inside one message: B(i, bytes) formats
  * into the i-th of a few local buffers. */
@@ -33,37 +19,18 @@ typedef struct sizes {
 } sizes;
 
 static const char *B(sizes *z, int i, uint64_t bytes) {
-    memplan_fmt_bytes(bytes, z->s[i], sizeof z->s[i]);
+    hostmem_fmt_bytes(bytes, z->s[i], sizeof z->s[i]);
     return z->s[i];
 }
 
-/* floor(available x ppm / 1e6) without overflow or rounding surprises. */
-static uint64_t scale_ppm(uint64_t available, uint64_t ppm) {
-    return available / 1000000u * ppm + available % 1000000u * ppm / 1000000u;
-}
-
 static uint64_t to_ppm(double fraction) { return (uint64_t)llround(fraction * 1e6); }
-
-double memplan_auto_fraction(uint64_t available) {
-    if (available == 0) return 0.0;
-    uint64_t reserve = available / 100u * MEMPLAN_RESERVE_PCT;
-    if (reserve < MEMPLAN_RESERVE_MIN) reserve = MEMPLAN_RESERVE_MIN;
-    if (available <= reserve) return 0.0;
-    /* An estimate in double, then settled exactly on the integer budget. */
-    uint64_t left = available - reserve;
-    uint64_t milli = (uint64_t)floor(1000.0 * (double)left / (double)available);
-    if (milli > 1000u) milli = 1000u;
-    while (milli < 1000u && scale_ppm(available, (milli + 1u) * 1000u) <= left) milli++;
-    while (milli > 0 && scale_ppm(available, milli * 1000u) > left) milli--;
-    return (double)milli / 1000.0;
-}
 
 /* The smallest multiple of 0.001 whose budget holds need; > 1000 if none. */
 static uint64_t milli_needed(uint64_t available, uint64_t need) {
     if (available == 0) return 1001;
     uint64_t milli = (uint64_t)ceil((double)need * 1000.0 / (double)available);
     if (milli > 0) milli--;
-    while (milli <= 1000u && scale_ppm(available, milli * 1000u) < need) milli++;
+    while (milli <= 1000u && hostmem_share(available, milli * 1000u) < need) milli++;
     return milli;
 }
 
@@ -111,12 +78,12 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     const bool frac_auto = cfg_is_auto(c, "mem-fraction");
     double frac;
     if (frac_auto) {
-        frac = memplan_auto_fraction(avail);
+        frac = hostmem_auto_fraction(avail);
         cfg_set_auto_double(c, "mem-fraction", frac);
     } else {
         frac = cfg_double(c, "mem-fraction");
     }
-    const uint64_t budget = scale_ppm(avail, to_ppm(frac));
+    const uint64_t budget = hostmem_share(avail, to_ppm(frac));
     char fs[32];
     fmt_fraction(frac, fs, sizeof fs);
     const char *fsrc = cfg_source_name(cfg_get_source(c, "mem-fraction"));
@@ -244,35 +211,4 @@ void memplan_log(const memplan *p) {
               " kv_blocks=%d block_size=%d",
               p->available, p->budget, p->weight_bytes, p->workspace_bytes, p->block_table_bytes, p->kv_bytes, p->total,
               p->n_blocks, p->block_size);
-}
-
-int memplan_parse_meminfo(const char *text, uint64_t *bytes, ae_error *err) {
-    *bytes = 0;
-    const char *p = text;
-    while (p && *p) {
-        if (!strncmp(p, "MemAvailable:", 13)) {
-            char *end;
-            errno = 0;
-            unsigned long long kb = strtoull(p + 13, &end, 10);
-            while (*end == ' ') end++;
-            if (errno || end == p + 13 || strncmp(end, "kB", 2) != 0 || kb > UINT64_MAX / 1024u)
-                return err_set(err, "meminfo: cannot read the MemAvailable line");
-            *bytes = (uint64_t)kb * 1024u;
-            return AE_OK;
-        }
-        p = strchr(p, '\n');
-        if (p) p++;
-    }
-    return err_set(err, "meminfo: no MemAvailable line");
-}
-
-int memplan_mem_available(uint64_t *bytes, ae_error *err) {
-    char *text;
-    size_t len;
-    *bytes = 0;
-    if (file_read_all("/proc/meminfo", 1 << 16, &text, &len, NULL, err) != AE_OK) return AE_ERR;
-    int rc = memplan_parse_meminfo(text, bytes, err);
-    free(text);
-    if (rc != AE_OK) err_prefix(err, "/proc/");
-    return rc;
 }

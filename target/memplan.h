@@ -36,6 +36,7 @@
 
 #include "../services/core/config.h"
 #include "../services/core/err.h"
+#include "../services/core/hostmem.h"
 
 #define MEMPLAN_OPTIONS                                                                          \
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,                                              \
@@ -45,8 +46,6 @@
     {"max-batch", CFG_INT, "8", 1, 4096, "sequences in flight at once"},                         \
     {"max-seq-len", CFG_INT, "4096", 1, 16777216, "longest sequence in tokens"}
 
-#define MEMPLAN_RESERVE_MIN (1ull << 30) /* bytes left to the system at least */
-#define MEMPLAN_RESERVE_PCT 10           /* ... or this share of available, if larger */
 #define MEMPLAN_TEXT_MAX 1024
 
 typedef struct memplan_model {
@@ -55,7 +54,7 @@ typedef struct memplan_model {
 } memplan_model;
 
 typedef struct memplan_env {
-    uint64_t mem_available;   /* bytes: MemAvailable on CPU (memplan_mem_available) */
+    uint64_t mem_available;   /* bytes: MemAvailable on CPU (hostmem_available) */
     int32_t block_size;       /* KV tokens per block */
     int32_t step_tokens;      /* tokens in one forward pass; 0: max-batch */
     uint64_t extra_workspace; /* kernel scratch bytes beyond the per-token formula */
@@ -86,16 +85,5 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
  * line of exact byte counts. */
 void memplan_log(const memplan *p);
 
-/* The auto mem-fraction for this much available memory: the largest
- * multiple of 0.001 leaving max(1 GiB, 10%); 0 when nothing is left. */
-double memplan_auto_fraction(uint64_t available);
-
-/* MemAvailable from /proc/meminfo, in bytes. */
-int memplan_mem_available(uint64_t *bytes, ae_error *err);
-/* The same from a meminfo text (for tests). */
-int memplan_parse_meminfo(const char *text, uint64_t *bytes, ae_error *err);
-
-/* "23.4 GiB", "45 KiB", "512 B": 3 significant digits, binary units. */
-void memplan_fmt_bytes(uint64_t bytes, char *buf, size_t cap);
 
 #endif

@@ -45,12 +45,12 @@ static int plan(cfg *c, uint64_t available, memplan *p, ae_error *err) {
 
 static void test_auto_fraction_leaves_the_reserve(void **state) {
     (void)state;
-    assert_true(memplan_auto_fraction(16 * GiB) == 0.9);   /* 10% = 1.6 GiB > 1 GiB */
-    assert_true(memplan_auto_fraction(100 * GiB) == 0.9);
-    assert_true(memplan_auto_fraction(8 * GiB) == 0.875);  /* 1 GiB > 10% */
-    assert_true(memplan_auto_fraction(3 * GiB) == 0.666);  /* 2/3 rounded down */
-    assert_true(memplan_auto_fraction(GiB) == 0.0);        /* nothing left */
-    assert_true(memplan_auto_fraction(0) == 0.0);
+    assert_true(hostmem_auto_fraction(16 * GiB) == 0.9);   /* 10% = 1.6 GiB > 1 GiB */
+    assert_true(hostmem_auto_fraction(100 * GiB) == 0.9);
+    assert_true(hostmem_auto_fraction(8 * GiB) == 0.875);  /* 1 GiB > 10% */
+    assert_true(hostmem_auto_fraction(3 * GiB) == 0.666);  /* 2/3 rounded down */
+    assert_true(hostmem_auto_fraction(GiB) == 0.0);        /* nothing left */
+    assert_true(hostmem_auto_fraction(0) == 0.0);
 }
 
 static void test_feasible_plan_numbers_exact(void **state) {
@@ -262,18 +262,18 @@ static void test_parse_meminfo(void **state) {
     (void)state;
     uint64_t b;
     ae_error err = {0};
-    assert_int_equal(memplan_parse_meminfo("MemTotal:       32768000 kB\nMemFree:  1 kB\n"
+    assert_int_equal(hostmem_parse_meminfo("MemTotal:       32768000 kB\nMemFree:  1 kB\n"
                                            "MemAvailable:   24536192 kB\nBuffers: 2 kB\n",
                                            &b, &err),
                      AE_OK);
     assert_int_equal(b, 24536192ull * 1024);
-    assert_int_equal(memplan_parse_meminfo("MemTotal: 5 kB\n", &b, &err), AE_ERR);
+    assert_int_equal(hostmem_parse_meminfo("MemTotal: 5 kB\n", &b, &err), AE_ERR);
     assert_string_equal(err.msg, "meminfo: no MemAvailable line");
     err_clear(&err);
-    assert_int_equal(memplan_parse_meminfo("MemAvailable: lots\n", &b, &err), AE_ERR);
+    assert_int_equal(hostmem_parse_meminfo("MemAvailable: lots\n", &b, &err), AE_ERR);
     assert_string_equal(err.msg, "meminfo: cannot read the MemAvailable line");
     /* This machine's own file reads. */
-    assert_int_equal(memplan_mem_available(&b, NULL), AE_OK);
+    assert_int_equal(hostmem_available(&b, NULL), AE_OK);
     assert_true(b > 0);
 }
 
@@ -286,7 +286,7 @@ static void test_fmt_bytes_three_digits(void **state) {
         {25125558681ull, "23.4 GiB"}, {3ull << 40, "3 TiB"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        memplan_fmt_bytes(cases[i].b, s, sizeof s);
+        hostmem_fmt_bytes(cases[i].b, s, sizeof s);
         assert_string_equal(s, cases[i].want);
     }
 }
