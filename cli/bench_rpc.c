@@ -43,6 +43,7 @@
 #include <cjson/cJSON.h>
 
 #include "../draft/server.h"
+#include "../services/core/file.h"
 #include "../services/core/log.h"
 #include "../services/core/svc.h"
 #include "../services/rpc/frame.h"
@@ -95,27 +96,9 @@ typedef struct floor_peer {
     ae_error err;
 } floor_peer;
 
-static bool read_all(int fd, uint8_t *p, size_t n) {
-    while (n) {
-        ssize_t k = read(fd, p, n);
-        if (k <= 0) return false;
-        p += k, n -= (size_t)k;
-    }
-    return true;
-}
-
-static bool write_all(int fd, const uint8_t *p, size_t n) {
-    while (n) {
-        ssize_t k = write(fd, p, n);
-        if (k <= 0) return false;
-        p += k, n -= (size_t)k;
-    }
-    return true;
-}
-
 static void *floor_main(void *arg) {
     floor_peer *f = arg;
-    while (read_all(f->fd, f->req, (size_t)f->head_len + f->payload_len)) {
+    while (file_read_full(f->fd, f->req, (size_t)f->head_len + f->payload_len) == 0) {
         uint32_t olen = 0;
         uint64_t t0 = (uint64_t)(now_us() * 1e3);
         uint32_t st = dsrv_propose(f->d, f->req + FRAME_HEADER, f->msg_len, f->req + f->head_len, f->payload_len,
@@ -124,7 +107,7 @@ static void *floor_main(void *arg) {
         if (st != RPC_OK) olen = 0; /* the caller reads an empty reply as the failure */
         memcpy(f->rep, &olen, sizeof olen);
         memcpy(f->rep + 8, &busy, sizeof busy);
-        if (!write_all(f->fd, f->rep, FRAME_HEADER + (size_t)olen)) break;
+        if (file_write_full(f->fd, f->rep, FRAME_HEADER + (size_t)olen) != 0) break;
     }
     return NULL;
 }
@@ -138,13 +121,13 @@ static uint32_t floor_call(int fd, const uint8_t *head, size_t head_len, const u
     ssize_t k = writev(fd, iov, 2);
     if (k < 0) return 0;
     size_t done = (size_t)k; /* a short write (the socket's buffer): the rest plainly */
-    if (done < head_len && !write_all(fd, head + done, head_len - done)) return 0;
+    if (done < head_len && file_write_full(fd, head + done, head_len - done) != 0) return 0;
     size_t from = done > head_len ? done - head_len : 0;
-    if (from < plen && !write_all(fd, payload + from, plen - from)) return 0;
+    if (from < plen && file_write_full(fd, payload + from, plen - from) != 0) return 0;
     uint32_t olen;
-    if (!read_all(fd, rep, FRAME_HEADER)) return 0;
+    if (file_read_full(fd, rep, FRAME_HEADER) != 0) return 0;
     memcpy(&olen, rep, sizeof olen);
-    return olen && read_all(fd, rep + FRAME_HEADER, olen) ? olen : 0;
+    return olen && file_read_full(fd, rep + FRAME_HEADER, olen) == 0 ? olen : 0;
 }
 
 static long switches_now(void) {

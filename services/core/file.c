@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 int file_read_all(const char *path, size_t limit, char **out, size_t *len, bool *missing,
                   ae_error *err) {
@@ -71,4 +72,28 @@ fail:
     free(buf);
     fclose(fp);
     return AE_ERR;
+}
+
+int file_write_full(int fd, const void *p, size_t n) {
+    const char *c = p;
+    while (n > 0) {
+        ssize_t w = write(fd, c, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return -1;
+        c += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+int file_read_full(int fd, void *p, size_t n) {
+    char *c = p;
+    while (n > 0) {
+        ssize_t r = read(fd, c, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return -1;
+        c += r;
+        n -= (size_t)r;
+    }
+    return 0;
 }

@@ -1,5 +1,6 @@
 /* Whole small files (JSON configs, tokenizer.json, prompts) read into
- * memory, with a size limit so a wrong path cannot exhaust memory. */
+ * memory, with a size limit so a wrong path cannot exhaust memory; and
+ * whole transfers on a descriptor. */
 #ifndef AERIE_CORE_FILE_H
 #define AERIE_CORE_FILE_H
 
@@ -15,5 +16,11 @@
  * can treat an optional file's absence apart from a broken one. */
 int file_read_all(const char *path, size_t limit, char **out, size_t *len, bool *missing,
                   ae_error *err);
+
+/* Writes, or reads, exactly n bytes on fd, going on after short transfers
+ * and EINTR. 0 when all n moved; -1 on an error (errno says) or, reading,
+ * at the end of the stream first. */
+int file_write_full(int fd, const void *p, size_t n);
+int file_read_full(int fd, void *p, size_t n);
 
 #endif

@@ -9,17 +9,7 @@
 
 #include <cjson/cJSON.h>
 
-static int write_all(int fd, const void *p, size_t n) {
-    const char *c = p;
-    while (n > 0) {
-        ssize_t w = write(fd, c, n);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) return -1;
-        c += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
+#include "../core/file.h"
 
 /* The header JSON, or NULL (out of memory, or a bad tensor in err). */
 static char *header_json(const st_out *t, size_t n, const char *const *meta, size_t n_meta,
@@ -80,12 +70,12 @@ int st_write(const char *path, const st_out *t, size_t n, const char *const *met
     uint8_t len_le[8];
     for (int i = 0; i < 8; i++) len_le[i] = (uint8_t)((uint64_t)padded >> (8 * i));
     static const char spaces[8] = "        ";
-    bool ok = write_all(fd, len_le, 8) == 0 && write_all(fd, json, jl) == 0 &&
-              write_all(fd, spaces, padded - jl) == 0;
+    bool ok = file_write_full(fd, len_le, 8) == 0 && file_write_full(fd, json, jl) == 0 &&
+              file_write_full(fd, spaces, padded - jl) == 0;
     for (size_t i = 0; ok && i < n; i++) {
         uint64_t bytes = st_dtype_size(t[i].dtype);
         for (uint32_t d = 0; d < t[i].n_dims; d++) bytes *= t[i].shape[d];
-        if (bytes) ok = write_all(fd, t[i].data, (size_t)bytes) == 0;
+        if (bytes) ok = file_write_full(fd, t[i].data, (size_t)bytes) == 0;
     }
     if (ok) ok = fsync(fd) == 0;
     if (close(fd) != 0) ok = false;
