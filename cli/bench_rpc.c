@@ -310,8 +310,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         long sw0 = switches_now();
         double t0 = now_us();
         uint32_t flen = floor_call(fds[0], fl_head, fl_head_len, payload, plen, fl_rep);
-        if (!flen || msg_decode(aerie_ProposeReply_fields, &rp, fl_rep + FRAME_HEADER, flen, err) != AE_OK) {
-            err_set(err, "floor: %s", flen ? err->msg : peer.err.msg[0] ? peer.err.msg : strerror(errno));
+        if (!flen) {
+            err_set(err, "floor: %s", peer.err.msg[0] ? peer.err.msg : strerror(errno));
+            goto out;
+        }
+        if (msg_decode(aerie_ProposeReply_fields, &rp, fl_rep + FRAME_HEADER, flen, err) != AE_OK) {
+            err_prefix(err, "floor: ");
             goto out;
         }
         double total = now_us() - t0;
