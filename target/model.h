@@ -19,6 +19,7 @@
 
 #include "../kernels/kernels.h"
 #include "../services/core/err.h"
+#include "../services/model/weights.h"
 
 #define MODEL_MAX_LAYERS 256
 
@@ -63,11 +64,7 @@ typedef struct model {
     size_t weight_bytes;      /* bytes of weights as used (mapped + converted) */
     size_t converted_bytes;   /* of which converted to f32 at load */
     char path[1024];
-    /* owners */
-    struct gguf_file *gguf;
-    struct st_model *st;
-    void **owned; /* converted buffers */
-    size_t n_owned, cap_owned;
+    weights_store *w;               /* the file's tensors, and the buffers converted from them */
 } model;
 
 /* path: a .gguf file or a Hugging Face model directory. Errors name the

@@ -1,0 +1,56 @@
+/* A model's tensors as the kernels read them, from a GGUF file or a Hugging
+ * Face directory (safetensors), by name and checked shape. What every
+ * architecture's loader (target/) and the draft's view of its target
+ * (embedding.h) share; which tensors a model has is theirs to say.
+ *
+ * Matrices stay in their file type where kn_matmul has a native kernel
+ * (F32, F16, BF16, Q8_0, Q4_0, Q4_1 from GGUF), pointing into the mapped
+ * file; anything else, and every safetensors tensor (which may be
+ * unaligned, and is often BF16), is converted to f32 once, into a buffer
+ * the weights own. Vectors (norms, biases) are f32. */
+#ifndef AERIE_MODEL_WEIGHTS_H
+#define AERIE_MODEL_WEIGHTS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../../kernels/kernels.h"
+#include "../core/err.h"
+#include "gguf.h"
+#include "safetensors.h"
+
+typedef struct weights_store {
+    gguf_file *gguf;      /* exactly one of gguf and st is set */
+    st_model *st;
+    size_t bytes;         /* bytes of weights as used (mapped + converted) */
+    size_t converted_bytes; /* of which converted to f32 at load */
+    void **owned;         /* converted and packed buffers */
+    size_t n_owned, cap_owned;
+} weights_store;
+
+/* path: a .gguf file or a Hugging Face model directory (its safetensors;
+ * config.json is the caller's). Errors name the path. */
+int weights_open(weights_store **out, const char *path, ae_error *err);
+void weights_close(weights_store *w); /* NULL is a no-op */
+
+bool weights_has(const weights_store *w, const char *name);
+
+/* The matrix `name` of [rows][cols], for kn_matmul. */
+int weights_matrix(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err);
+
+/* An embedding table of [rows][cols]: kn_embed reads any GGUF type, so a
+ * GGUF table stays as the file has it (and, read a row at a time, is not
+ * counted in bytes); a safetensors one is converted like a matrix. */
+int weights_table(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err);
+
+/* The vector `name` of n floats; a missing optional one is NULL. */
+int weights_vector(weights_store *w, const char *name, int64_t n, bool optional, const float **out, ae_error *err);
+
+/* Gives a quantized matrix the SIMD layout (kn_weight_pack) in a buffer
+ * the weights own, and drops the file pages that packing read: the
+ * resident weights are then the packed copy (the same size), not twice
+ * it. A matrix with no packed layout is left as it is. */
+int weights_pack(weights_store *w, kn_weight *m, ae_error *err);
+
+#endif
