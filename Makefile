@@ -30,14 +30,11 @@ GEN_C := build/gen/aerie.pb.c
 GEN_H := build/gen/aerie.pb.h
 BASE_CFLAGS += -Ibuild/gen
 
-# target/ and draft/ are libraries first: their main.c files become the
-# service binaries, everything else goes into the library. The in-process
-# pairing of drafter and target (cli/draft_link.c) is in the library too,
-# so that the tests speculate exactly as `aerie generate --draft` does.
+# target/, draft/ and gateway/ are libraries first: their main.c files
+# become the service binaries, everything else goes into the library.
 LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/cpu/*.c) \
-              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c gateway/*.c)) cli/draft_link.c cli/plan.c \
-              cli/model_open.c) $(GEN_C)
-CLI_SRC  := $(sort $(filter-out cli/draft_link.c cli/plan.c cli/model_open.c,$(wildcard cli/*.c)))
+              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c gateway/*.c))) $(GEN_C)
+CLI_SRC  := $(sort $(wildcard cli/*.c))
 UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))
 MODEL_SRC := $(sort $(wildcard tests/model/test_*.c))

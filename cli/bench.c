@@ -40,7 +40,6 @@
 #include "../target/engine.h"
 #include "../target/sample.h"
 #include "cli.h"
-#include "draft_link.h"
 #include "plan.h"
 
 static const cfg_option opts[] = {
@@ -53,7 +52,7 @@ static const cfg_option opts[] = {
     {"bandwidth-mib", CFG_INT, "auto", 16, 1 << 16,
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
-    CLI_ACT_BITS_OPTION,
+    SVC_ACT_BITS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
     DRAFT_LINK_OPTIONS,
 };
@@ -324,13 +323,13 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
     double plain_rate[SPEC_ROUNDS], spec_rate[SPEC_ROUNDS];
     bool identical = true;
     int rc = plain_out && spec_out_ids ? AE_OK : err_set(err, "out of memory");
-    if (rc == AE_OK) rc = draft_link_open(&link, cfg_str(c, "draft"), m, weights, &dc, err);
+    if (rc == AE_OK) rc = draft_link_open(&link, cfg_str(c, "draft"), model_embedding(m), weights, &dc, err);
     if (rc != AE_OK) {
         free(plain_out);
         free(spec_out_ids);
         return AE_ERR;
     }
-    if (draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, b->e, &link.iface, &sc, err) != AE_OK)
+    if (draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, b->e, &link.iface, &sc, err) != AE_OK)
         rc = AE_ERR;
     for (int r = 0; rc == AE_OK && r < SPEC_ROUNDS; r++) {
         double tp, ts;
@@ -349,7 +348,7 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
         cJSON_AddNumberToObject(o, "spec_decode_tok_per_s", cli_round(sr, 1e2));
         cJSON_AddNumberToObject(o, "spec_speedup", cli_round(sr / pr, 1e3));
         cJSON_AddBoolToObject(o, "spec_output_identical", identical);
-        draft_link_stats_json(o, spec_total_stats(sx), &shape);
+        cli_spec_stats_json(o, spec_total_stats(sx), &shape);
     }
     spec_free(sx);
     draft_link_close(&link);
@@ -377,7 +376,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (batch > max_batch_tokens)
         return err_set(err, "--batch %d exceeds --max-batch-tokens %d", batch, max_batch_tokens), CLI_EXIT_USAGE;
     int32_t act_bits;
-    if (cli_act_bits(c, &act_bits, err) != AE_OK) return CLI_EXIT_USAGE;
+    if (svc_act_bits(c, &act_bits, err) != AE_OK) return CLI_EXIT_USAGE;
 
     if (model_load(&m, path, err) != AE_OK) goto out;
     /* Speculation verifies trees of up to ENG_MAX_TREE nodes past the

@@ -50,7 +50,6 @@
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
 #include "cli.h"
-#include "draft_link.h"
 #include "plan.h"
 
 static const cfg_option opts[] = {
@@ -166,16 +165,16 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     if (model_load(&m, model_path, err) != AE_OK) goto out;
-    cli_resolve_draft(c);
-    const char *dir = cli_draft_dir(c);
+    eagle_resolve_dir(c);
+    const char *dir = eagle_dir(c);
     if (!dir) {
         err_set(err, "no EAGLE-3 head found for %s (use --draft DIR)", model_path);
         goto out;
     }
-    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    eagle_target t = model_embedding(m);
     if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_Q8_0, err) != AE_OK) goto out;
     int32_t S = (int32_t)cfg_int(c, "seqs"), P = (int32_t)cfg_int(c, "pairs"), iters = (int32_t)cfg_int(c, "iters");
-    dsrv_config dc = {64, 512, CLI_PREFILL_CHUNK, (int32_t)cfg_int(c, "threads"), 0};
+    dsrv_config dc = {64, 512, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "threads"), 0};
     if (dsrv_init(&d, h, &dc, err) != AE_OK) goto out;
 
     /* The request: S sequences, each reset with P pairs. */

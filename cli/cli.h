@@ -13,6 +13,7 @@
 #include "../services/core/err.h"
 #include "../services/model/gguf.h"
 #include "../services/tokenizer/tok.h"
+#include "../services/tokenizer/tok_file.h"
 
 #define CLI_EXIT_USAGE 2
 
@@ -30,17 +31,6 @@ typedef struct cli_cmd {
      * them. A failure (an impossible memory plan) exits 2. */
     int (*resolve)(cfg *c, ae_error *err);
 } cli_cmd;
-
-/* A tokenizer and, when the model is a GGUF file, the file it came from. */
-typedef struct cli_model {
-    gguf_file *gguf; /* NULL for a Hugging Face directory or tokenizer.json */
-    tok *tok;
-} cli_model;
-
-/* Opens `path`: a .gguf file, a directory holding tokenizer.json, or a
- * tokenizer.json itself. */
-int cli_model_open(cli_model *m, const char *path, ae_error *err);
-void cli_model_close(cli_model *m);
 
 /* x rounded to the nearest multiple of 1 / scale (for JSON output). */
 double cli_round(double x, double scale);

@@ -23,7 +23,6 @@
 #include "../services/model/st_write.h"
 #include "../services/tokenizer/chat.h"
 #include "cli.h"
-#include "draft_link.h"
 #include "plan.h"
 
 #define MAX_SHAPES 8
@@ -38,7 +37,7 @@ static const cfg_option ev_opts[] = {
     {"shapes", CFG_STRING, "5/4/8,4/1/5,6/4/16", 0, 0,
      "tree shapes steps/topk/tokens, comma separated (the first is the default of generate)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
-    CLI_ACT_BITS_OPTION,
+    SVC_ACT_BITS_OPTION,
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
@@ -83,7 +82,7 @@ static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t ma
     if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
     int rc = AE_OK;
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
-        int32_t k = n_prompt - done < CLI_PREFILL_CHUNK ? n_prompt - done : CLI_PREFILL_CHUNK;
+        int32_t k = n_prompt - done < SETUP_PREFILL_CHUNK ? n_prompt - done : SETUP_PREFILL_CHUNK;
         eng_item it = {seq, ENG_APPEND, k, prompt + done, NULL, false};
         rc = eng_step(e, &it, 1, logits, NULL, err);
         done += k;
@@ -113,7 +112,7 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
     /* Time is kept for whole steps, not per sequence: the totals' growth
      * over this run is this sequence's (it runs alone). */
     int64_t draft0 = spec_total_stats(sx)->draft_ns, verify0 = spec_total_stats(sx)->verify_ns;
-    int rc = spec_seq_start(sx, seq, prompt, n_prompt, CLI_PREFILL_CHUNK, err);
+    int rc = spec_seq_start(sx, seq, prompt, n_prompt, SETUP_PREFILL_CHUNK, err);
     double t0 = clock_mono_seconds();
     sample_params sp = {0, 0, 1, 0};
     sample_rng rng;
@@ -182,7 +181,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     shape_run runs[MAX_SHAPES];
     int n_shapes;
     if (parse_shapes(cfg_str(c, "shapes"), runs, &n_shapes, err) != AE_OK) return CLI_EXIT_USAGE;
-    cli_model cm = {0};
+    tok_file cm = {0};
     model *m = NULL;
     eng *e = NULL;
     spec *sx = NULL;
@@ -194,7 +193,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int32_t *plain = NULL, *got = NULL, *ids = NULL;
     int rc = CLI_EXIT_USAGE;
     if (cli_read_prompts(pfile, &prompts, &n_prompts, cfg_int(c, "limit"), err) != AE_OK) goto out;
-    if (cli_model_open(&cm, path, err) != AE_OK) goto out;
+    if (tok_file_open(&cm, path, err) != AE_OK) goto out;
     if (!tok_chat_template(cm.tok)) {
         err_set(err, "%s: the model has no chat template", path);
         goto out;
@@ -208,12 +207,12 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     eagle_weights weights;
     if (eagle_weights_parse(cfg_str(c, "draft-weights"), &weights, err) != AE_OK) goto out;
     int32_t act_bits;
-    if (cli_act_bits(c, &act_bits, err) != AE_OK || cli_engine_open(&e, m, &plan, threads, act_bits, err) != AE_OK)
+    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, m, &plan, threads, act_bits, err) != AE_OK)
         goto out;
-    drafter_config dc = {1, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, CLI_PREFILL_CHUNK, false, NULL, NULL};
-    if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
-        draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
+    drafter_config dc = {1, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, SETUP_PREFILL_CHUNK, false, NULL, NULL};
+    if (draft_link_open(&link, draft, model_embedding(m), weights, &dc, err) != AE_OK ||
+        draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
         goto out;
     logits = malloc(sizeof(float) * (size_t)m->cfg.vocab);
     plain = malloc(sizeof(int32_t) * (size_t)max_new);
@@ -288,7 +287,7 @@ out:
     eng_free(e);
     model_free(m);
     chat_template_free(ct);
-    cli_model_close(&cm);
+    tok_file_close(&cm);
     return rc;
 }
 
@@ -310,7 +309,7 @@ static const cfg_option dl_opts[] = {
     {"input", CFG_STRING, NULL, 0, 0, "safetensors with features F32 [n, 3H] and tokens I32 [n]"},
     {"out", CFG_STRING, NULL, 0, 0, "safetensors to write: logits F32 [n, draft_vocab]"},
     {"threads", CFG_INT, "1", 1, POOL_MAX_THREADS, "compute threads"},
-    CLI_ACT_BITS_OPTION,
+    SVC_ACT_BITS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
@@ -331,8 +330,8 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
     int32_t *tokens = NULL, *pos = NULL, *seqs = NULL, *n_prefix = NULL, *zero = NULL, *rows = NULL;
     int rc = CLI_EXIT_USAGE;
     int32_t act_bits;
-    if (cli_act_bits(c, &act_bits, err) != AE_OK || model_load(&m, path, err) != AE_OK) goto out;
-    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    if (svc_act_bits(c, &act_bits, err) != AE_OK || model_load(&m, path, err) != AE_OK) goto out;
+    eagle_target t = model_embedding(m);
     if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_FILE, err) != AE_OK || st_open(&f, in, err) != AE_OK) goto out;
     const st_tensor *tf = st_find(f, "features"), *tt = st_find(f, "tokens");
     int32_t H = m->cfg.hidden, Vd = h->cfg.draft_vocab;

@@ -13,7 +13,6 @@
 #include "../target/engine.h"
 #include "../target/memplan.h"
 #include "cli.h"
-#include "draft_link.h"
 #include "plan.h"
 
 static const cfg_option opts[] = {
@@ -30,7 +29,7 @@ static const cfg_option opts[] = {
     {"stats", CFG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
     {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
-    CLI_ACT_BITS_OPTION,
+    SVC_ACT_BITS_OPTION,
     DRAFT_LINK_AUTO_OPTIONS,
     {"spec-adaptive", CFG_BOOL, "true", 0, 0,
      "greedy decoding picks each step's tree (or none) within the spec-* bounds by measured cost and acceptance "
@@ -112,7 +111,7 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
     int rc = AE_OK;
     double t0 = clock_mono_seconds();
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
-        int32_t k = n_prompt - done < CLI_PREFILL_CHUNK ? n_prompt - done : CLI_PREFILL_CHUNK;
+        int32_t k = n_prompt - done < SETUP_PREFILL_CHUNK ? n_prompt - done : SETUP_PREFILL_CHUNK;
         eng_item it = {seq, ENG_APPEND, k, ids + done, NULL, false};
         rc = eng_step(e, &it, 1, logits, NULL, err);
         done += k;
@@ -135,7 +134,7 @@ static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_promp
 static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prompt, const sample_params *sp,
                        const sample_rng *rng, emitter *em, double *t_prefill, double *t_decode, ae_error *err) {
     double t0 = clock_mono_seconds();
-    int rc = spec_seq_start(sx, seq, ids, n_prompt, CLI_PREFILL_CHUNK, err);
+    int rc = spec_seq_start(sx, seq, ids, n_prompt, SETUP_PREFILL_CHUNK, err);
     *t_prefill = clock_mono_seconds() - t0;
     t0 = clock_mono_seconds();
     for (bool more = rc == AE_OK; more;) {
@@ -152,7 +151,7 @@ static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prom
 static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cfg *c = (cfg *)cc; /* resolve() has replaced every auto value */
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    cli_model cm = {0};
+    tok_file cm = {0};
     model *m = NULL;
     eng *e = NULL;
     sampler *smp = NULL;
@@ -162,8 +161,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int32_t *ids = NULL;
     size_t n_prompt = 0;
     int rc = CLI_EXIT_USAGE;
-    const char *path = cfg_str(c, "model"), *draft = cli_draft_dir(c);
-    if (cli_model_open(&cm, path, err) != AE_OK) goto out;
+    const char *path = cfg_str(c, "model"), *draft = eagle_dir(c);
+    if (tok_file_open(&cm, path, err) != AE_OK) goto out;
     if (prompt_ids(c, cm.tok, &ids, &n_prompt, err) != AE_OK) goto out;
     double t_load = clock_mono_seconds();
     if (model_load(&m, path, err) != AE_OK) goto out;
@@ -183,21 +182,21 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     int32_t threads = (int32_t)cfg_int(c, "threads"), act_bits;
-    if (cli_act_bits(c, &act_bits, err) != AE_OK || cli_engine_open(&e, m, &plan, threads, act_bits, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
+    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, m, &plan, threads, act_bits, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
         detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
     spec_shape shape;
     eagle_weights weights;
     if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
-        drafter_config dc = {plan.max_batch, plan.max_seq_len, CLI_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
+        drafter_config dc = {plan.max_batch, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
         /* Greedy and sampled output alike are the same whatever tree a
          * step drafts (sampled draws are keyed by seed and position), so
          * the policy may choose freely. */
         bool adaptive = cfg_bool(c, "spec-adaptive");
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, CLI_PREFILL_CHUNK, adaptive, NULL, NULL};
-        if (draft_link_open(&link, draft, m, weights, &dc, err) != AE_OK ||
-            draft_link_capture(&link, m, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, SETUP_PREFILL_CHUNK, adaptive, NULL, NULL};
+        if (draft_link_open(&link, draft, model_embedding(m), weights, &dc, err) != AE_OK ||
+            draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
             goto out;
     }
     em.ids = malloc(sizeof(int32_t) * (size_t)max_new);
@@ -249,7 +248,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
         cJSON_AddBoolToObject(o, "speculation", sx != NULL);
         if (sx) {
-            draft_link_stats_json(o, spec_total_stats(sx), &shape);
+            cli_spec_stats_json(o, spec_total_stats(sx), &shape);
             /* The policy's choice at batch 1 and the figures behind it. */
             policy_report pr;
             char pj[2048];
@@ -275,7 +274,7 @@ out:
     sample_free(smp);
     eng_free(e);
     model_free(m);
-    cli_model_close(&cm);
+    tok_file_close(&cm);
     return rc;
 }
 

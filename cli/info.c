@@ -251,7 +251,7 @@ static void print_text(const cJSON *o) {
 static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     const char *path = cfg_str(c, "model");
-    cli_model m = {0};
+    tok_file m = {0};
     cJSON *o = NULL;
     struct stat st;
     if (!path) return err_set(err, "no model given (use --model FILE)"), CLI_EXIT_USAGE;
@@ -266,7 +266,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
         o = describe(m.gguf, m.tok, tok_err.msg, err);
         if (!o) {
             err_prefix(err, "%s: ", path);
-            cli_model_close(&m);
+            tok_file_close(&m);
             return CLI_EXIT_USAGE;
         }
     }
@@ -278,7 +278,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
         print_text(o);
     }
     cJSON_Delete(o);
-    cli_model_close(&m);
+    tok_file_close(&m);
     return 0;
 }
 

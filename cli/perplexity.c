@@ -33,7 +33,7 @@ static const cfg_option opts[] = {
     {"ctx", CFG_INT, "512", PPL_MIN_CTX, 1 << 20, "tokens in a window; its second half is scored"},
     {"kl-base", CFG_STRING, NULL, 0, 0, "reference log-probabilities (tools/gen_ppl_base.py) to compare with"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
-    CLI_ACT_BITS_OPTION,
+    SVC_ACT_BITS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
@@ -45,9 +45,9 @@ static int resolve(cfg *c, ae_error *err) {
 /* The engine for one window at a time. Every engine setting of the run is
  * decided here, from the command's settings. */
 static eng_config engine_config(const cfg *c, int32_t ctx, int32_t act_bits) {
-    int32_t chunk = ctx < CLI_PREFILL_CHUNK ? ctx : CLI_PREFILL_CHUNK;
-    int32_t kv = (ctx + CLI_KV_BLOCK - 1) / CLI_KV_BLOCK * CLI_KV_BLOCK;
-    eng_config ec = {chunk, 1, ctx, kv, CLI_KV_BLOCK, (int32_t)cfg_int(c, "threads"), act_bits};
+    int32_t chunk = ctx < SETUP_PREFILL_CHUNK ? ctx : SETUP_PREFILL_CHUNK;
+    int32_t kv = (ctx + SETUP_KV_BLOCK - 1) / SETUP_KV_BLOCK * SETUP_KV_BLOCK;
+    eng_config ec = {chunk, 1, ctx, kv, SETUP_KV_BLOCK, (int32_t)cfg_int(c, "threads"), act_bits};
     return ec;
 }
 
@@ -106,7 +106,7 @@ static int score_window(eng *e, const int32_t *win, const ppl_windows *w, int32_
 static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     double t_start = clock_mono_seconds();
-    cli_model cm = {0};
+    tok_file cm = {0};
     model *m = NULL;
     eng *e = NULL;
     ppl_base *base = NULL;
@@ -116,7 +116,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     int rc = CLI_EXIT_USAGE;
     ppl_windows w;
     const char *path = cfg_str(c, "model"), *base_path = cfg_str(c, "kl-base");
-    if (cli_model_open(&cm, path, err) != AE_OK || text_windows(c, cm.tok, &w, &tokens, err) != AE_OK) goto out;
+    if (tok_file_open(&cm, path, err) != AE_OK || text_windows(c, cm.tok, &w, &tokens, err) != AE_OK) goto out;
     if (base_path && (ppl_base_open(&base, base_path, err) != AE_OK ||
                       ppl_base_check(base, &w, tok_vocab_size(cm.tok), tokens, err) != AE_OK)) {
         err_prefix(err, "--kl-base: ");
@@ -128,7 +128,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
         goto out;
     }
     int32_t act_bits;
-    if (cli_act_bits(c, &act_bits, err) != AE_OK) goto out;
+    if (svc_act_bits(c, &act_bits, err) != AE_OK) goto out;
     eng_config ec = engine_config(c, w.ctx, act_bits);
     if (eng_init(&e, m, &ec, err) != AE_OK ||
         ppl_scorer_init(&sc, m->cfg.vocab, (int64_t)w.n_windows * w.scored, err) != AE_OK)
@@ -180,7 +180,7 @@ out:
     ppl_base_close(base);
     eng_free(e);
     model_free(m);
-    cli_model_close(&cm);
+    tok_file_close(&cm);
     return rc;
 }
 

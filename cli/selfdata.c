@@ -64,7 +64,7 @@
 /* ---- shared ---------------------------------------------------------- */
 
 typedef struct selfdata {
-    cli_model cm;
+    tok_file cm;
     model *m;
     eng *e;
     chat_template *ct;
@@ -75,13 +75,13 @@ static void selfdata_close(selfdata *s) {
     eng_free(s->e);
     model_free(s->m);
     chat_template_free(s->ct);
-    cli_model_close(&s->cm);
+    tok_file_close(&s->cm);
 }
 
 static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
     memset(s, 0, sizeof *s);
     const char *path = cfg_str(c, "model");
-    if (cli_model_open(&s->cm, path, err) != AE_OK) return AE_ERR;
+    if (tok_file_open(&s->cm, path, err) != AE_OK) return AE_ERR;
     if (!tok_chat_template(s->cm.tok)) return err_set(err, "%s: the model has no chat template", path);
     if (chat_template_init(&s->ct, tok_chat_template(s->cm.tok), err) != AE_OK) return AE_ERR;
     if (model_load(&s->m, path, err) != AE_OK) return AE_ERR;
@@ -90,8 +90,8 @@ static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
     memplan_log(&plan);
     s->threads = (int32_t)cfg_int(c, "threads");
     int32_t act_bits;
-    if (cli_act_bits(c, &act_bits, err) != AE_OK) return AE_ERR;
-    return cli_engine_open(&s->e, s->m, &plan, s->threads, act_bits, err);
+    if (svc_act_bits(c, &act_bits, err) != AE_OK) return AE_ERR;
+    return setup_engine(&s->e, s->m, &plan, s->threads, act_bits, err);
 }
 
 int cli_user_turn_ids(const tok *t, const chat_template *ct, const char *content, int32_t **ids, int32_t *n,
@@ -154,7 +154,7 @@ static int write_text_file(const char *path, const char *text, size_t len, ae_er
     {"seed", CFG_INT, "1", 0, 9007199254740991.0, "random seed; sequence i draws from stream (seed, i)"},    \
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"}, \
     {"max-batch", CFG_INT, "16", 1, 4096, "sequences generated together"},                                 \
-    CLI_ACT_BITS_OPTION,                                                                                    \
+    SVC_ACT_BITS_OPTION,                                                                                    \
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,                                                        \
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},                      \
     {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},              \
@@ -497,7 +497,7 @@ static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             (long long)count, cfg_double(c, "temperature"), g.n_opener);
     g.t0 = g.last_progress = clock_mono_seconds();
     int32_t stop = tok_eos(sd.cm.tok);
-    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, stop, 0, {0}, 0};
+    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), SETUP_PREFILL_CHUNK, stop, 0, {0}, 0};
     if (bg_run(sd.e, &bc, gp_next, gp_done, &g, err) != AE_OK) goto out;
     gp_progress(&g, true);
     if (g.n_kept < count) {
@@ -870,7 +870,7 @@ static int parse_capture(const char *s, const model *m, int32_t out[LLAMA_MAX_CA
         ids[n++] = (int32_t)v;
         p = *end ? end + 1 : end;
     }
-    return llama_capture_layers_from(ids, n, m->cfg.n_layers, out, err);
+    return capture_layers_from(ids, n, m->cfg.n_layers, out, err);
 }
 
 /* The target's embedding table as the engine holds it (dequantized, f32):
@@ -978,7 +978,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     df_wait_for_trainer(&d); /* a resumed run may find its limit already reached */
     d.t0 = d.last_progress = clock_mono_seconds();
     df_progress(&d, true);
-    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), CLI_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,
+    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), SETUP_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,
                     {d.capture[0], d.capture[1], d.capture[2]}, d.topk};
     if (bg_run(sd.e, &bc, df_next, df_done, &d, err) != AE_OK) goto out;
     if (err_is_set(&d.prompt_err)) {

@@ -70,10 +70,10 @@ static int run_tokenize(const cfg *c, int argc, char **argv, ae_error *err) {
     char *text = NULL;
     size_t len = 0, n = 0;
     int32_t *ids = NULL;
-    cli_model m = {0};
+    tok_file m = {0};
     int rc = CLI_EXIT_USAGE;
     if (input_text(c, argc, argv, &text, &len, err) != AE_OK) goto out;
-    if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
+    if (tok_file_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
     int flags = TOK_ADD_BOS | (cfg_bool(c, "special") ? TOK_PARSE_SPECIAL : 0);
     if (cfg_bool(c, "chat")) {
         char *prompt;
@@ -91,7 +91,7 @@ static int run_tokenize(const cfg *c, int argc, char **argv, ae_error *err) {
 out:
     free(ids);
     free(text);
-    cli_model_close(&m);
+    tok_file_close(&m);
     return rc;
 }
 
@@ -111,7 +111,7 @@ static const cfg_option detokenize_opts[] = {
 };
 
 static int run_detokenize(const cfg *c, int argc, char **argv, ae_error *err) {
-    cli_model m = {0};
+    tok_file m = {0};
     int32_t *ids = NULL;
     char *text = NULL;
     int rc = CLI_EXIT_USAGE;
@@ -134,7 +134,7 @@ static int run_detokenize(const cfg *c, int argc, char **argv, ae_error *err) {
         }
         ids[i] = (int32_t)v;
     }
-    if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
+    if (tok_file_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
     for (int i = 0; i < argc; i++) {
         if (ids[i] >= tok_vocab_size(m.tok)) {
             err_set(err, "token id %d is out of range (vocabulary has %d)", ids[i], tok_vocab_size(m.tok));
@@ -156,7 +156,7 @@ static int run_detokenize(const cfg *c, int argc, char **argv, ae_error *err) {
 out:
     free(text);
     free(ids);
-    cli_model_close(&m);
+    tok_file_close(&m);
     return rc;
 }
 
@@ -181,7 +181,7 @@ static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
     size_t len = 0, n = 0;
     int32_t *ids = NULL;
     double *times = NULL;
-    cli_model m = {0};
+    tok_file m = {0};
     int rc = CLI_EXIT_USAGE;
     if (argc > 0) {
         err_set(err, "unexpected argument \"%s\"", argv[0]);
@@ -192,7 +192,7 @@ static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
         goto out;
     }
     if (file_read_all(cfg_str(c, "file"), MAX_TEXT_BYTES, &text, &len, NULL, err) != AE_OK) goto out;
-    if (cli_model_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
+    if (tok_file_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
     int reps = (int)cfg_int(c, "repeat");
     times = malloc((size_t)reps * sizeof *times);
     ids = malloc((len + 2) * sizeof *ids);
@@ -216,7 +216,7 @@ out:
     free(times);
     free(ids);
     free(text);
-    cli_model_close(&m);
+    tok_file_close(&m);
     return rc;
 }
 

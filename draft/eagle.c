@@ -1,10 +1,15 @@
 #include "eagle.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
+#include "../services/core/config.h"
+#include "../services/core/file.h"
 #include "../services/model/hfconfig.h"
 #include "../services/model/safetensors.h"
 
@@ -376,4 +381,56 @@ void eagle_forward(const eagle_head *hd, kn_stream *s, const kn_kv_pool *kv, eag
     }
     kn_rmsnorm(s, ws->out_x, hd->out_norm, ws->out_x, b->n_logits, H, c->rms_eps);
     kn_matmul(s, &hd->lm_head, ws->out_x, b->logits, b->n_logits);
+}
+
+/* ---- finding the head --------------------------------------------------- */
+
+const char *eagle_dir(const cfg *c) {
+    const char *d = cfg_str(c, "draft");
+    return d && strcmp(d, "none") ? d : NULL;
+}
+
+/* The "target_model" of dir/training.json, or NULL. */
+static char *head_target(const char *dir) {
+    char path[4096], *text = NULL, *out = NULL;
+    size_t len;
+    ae_error err = {0};
+    if ((size_t)snprintf(path, sizeof path, "%s/training.json", dir) >= sizeof path) return NULL;
+    if (file_read_all(path, 1 << 20, &text, &len, NULL, &err) != AE_OK) return NULL;
+    cJSON *o = cJSON_Parse(text);
+    const cJSON *t = o ? cJSON_GetObjectItemCaseSensitive(o, "target_model") : NULL;
+    if (cJSON_IsString(t)) out = strdup(t->valuestring);
+    cJSON_Delete(o);
+    free(text);
+    return out;
+}
+
+void eagle_resolve_dir(cfg *c) {
+    if (!cfg_is_auto(c, "draft")) return;
+    const char *model_path = cfg_str(c, "model");
+    char found[4096] = "none";
+    if (model_path) {
+        char dir[4096];
+        snprintf(dir, sizeof dir, "%s", model_path);
+        size_t n = strlen(dir);
+        while (n > 1 && dir[n - 1] == '/') dir[--n] = 0; /* a model directory given as "dir/" */
+        char *slash = strrchr(dir, '/');
+        const char *name = slash ? slash + 1 : dir;
+        char parent[4096];
+        snprintf(parent, sizeof parent, "%.*s", slash ? (int)(slash - dir) : 1, slash ? dir : ".");
+        struct dirent **list = NULL;
+        int k = scandir(parent, &list, NULL, alphasort);
+        for (int i = 0; i < k; i++) {
+            char sub[4096];
+            if (list[i]->d_name[0] != '.' && !strcmp(found, "none") &&
+                (size_t)snprintf(sub, sizeof sub, "%s/%s", parent, list[i]->d_name) < sizeof sub) {
+                char *target = head_target(sub);
+                if (target && !strcmp(target, name)) snprintf(found, sizeof found, "%s", sub);
+                free(target);
+            }
+            free(list[i]);
+        }
+        free(list);
+    }
+    cfg_set_auto_str(c, "draft", found);
 }

@@ -47,16 +47,12 @@
 #include "../kernels/kernels.h"
 #include "../services/core/err.h"
 #include "../services/model/capture.h"
+#include "../services/model/embedding.h"
 
 #define EAGLE_N_AUX CAPTURE_LAYERS /* captured target layers */
 
 /* What the head needs of its target. */
-typedef struct eagle_target {
-    int32_t hidden;         /* H */
-    int32_t vocab;          /* target vocabulary */
-    int32_t n_layers;
-    const kn_weight *embed; /* [vocab][H]; must outlive the head */
-} eagle_target;
+typedef embedding_view eagle_target;
 
 /* How the head's matrices are held. The draft only changes speed, never
  * output, so it may trade exactness for bytes: a draft pass reads every
@@ -110,6 +106,17 @@ int eagle_weights_parse(const char *text, eagle_weights *out, ae_error *err);
  * refused with one line naming it and both shapes. */
 int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_weights weights, ae_error *err);
 void eagle_free(eagle_head *h); /* NULL is a no-op */
+
+/* The head directory c's "draft" names, or NULL for none (unset or
+ * "none"). */
+struct cfg; /* services/core/config.h */
+const char *eagle_dir(const struct cfg *c);
+
+/* Replaces c's draft "auto" with the head trained for c's "model": a
+ * directory beside the model file whose training.json (written by
+ * tools/train_eagle3.py) has "target_model" equal to the model's file
+ * name. None found: "none". */
+void eagle_resolve_dir(struct cfg *c);
 
 typedef struct eagle_batch {
     int32_t m;

@@ -3,13 +3,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cli/draft_link.h"
-#include "../cli/plan.h"
 #include "../services/core/hostmem.h"
 #include "../services/core/log.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
 #include "../services/core/watchdog.h"
+#include "../services/model/embedding.h"
 #include "server.h"
 
 static const cfg_option opts[] = {
@@ -29,25 +28,25 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
      "since the two take turns within each step: README, Threads)"},
-    CLI_ACT_BITS_OPTION,
+    SVC_ACT_BITS_OPTION,
     {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0, "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
 };
 
-/* The plan: target model (for its embeddings) + head + drafter state,
- * against mem-fraction x available. */
-static int plan_memory(cfg *c, const model *m, const eagle_head *h, const dsrv_config *dc, char *text, size_t cap,
+/* The plan: the target's embedding table + head + drafter state, against
+ * mem-fraction x available. */
+static int plan_memory(cfg *c, const embedding *m, const eagle_head *h, const dsrv_config *dc, char *text, size_t cap,
                        ae_error *err) {
     uint64_t avail;
     if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
     if (cfg_is_auto(c, "mem-fraction")) cfg_set_auto_double(c, "mem-fraction", hostmem_auto_fraction(avail));
     double frac = cfg_double(c, "mem-fraction");
     uint64_t budget = (uint64_t)(frac * (double)avail), state = dsrv_bytes(h, dc);
-    uint64_t total = m->weight_bytes + h->weight_bytes + state;
+    uint64_t total = m->bytes + h->weight_bytes + state;
     char b[5][32];
     hostmem_fmt_bytes(avail, b[0], 32);
     hostmem_fmt_bytes(budget, b[1], 32);
-    hostmem_fmt_bytes(m->weight_bytes, b[2], 32);
+    hostmem_fmt_bytes(m->bytes, b[2], 32);
     hostmem_fmt_bytes(h->weight_bytes, b[3], 32);
     hostmem_fmt_bytes(state, b[4], 32);
     char tot[32];
@@ -61,8 +60,8 @@ static int plan_memory(cfg *c, const model *m, const eagle_head *h, const dsrv_c
              frac, b[0], b[1], b[2], b[3], dc->max_keys, dc->max_seq_len, b[4], tot, total <= budget ? "<=" : ">");
     if (total > budget) {
         uint64_t per_seq = state / (uint64_t)dc->max_keys;
-        int64_t fit = per_seq ? (int64_t)((budget > m->weight_bytes + h->weight_bytes
-                                               ? budget - m->weight_bytes - h->weight_bytes
+        int64_t fit = per_seq ? (int64_t)((budget > m->bytes + h->weight_bytes
+                                               ? budget - m->bytes - h->weight_bytes
                                                : 0) /
                                           per_seq)
                               : 0;
@@ -80,7 +79,7 @@ int main(int argc, char **argv) {
     log_set_level(LOG_INFO);
     ae_error err = {{0}};
     cfg *c = NULL;
-    model *m = NULL;
+    embedding m = {0};
     eagle_head *h = NULL;
     dsrv *d = NULL;
     rpc_loop *loop = NULL;
@@ -88,21 +87,27 @@ int main(int argc, char **argv) {
     rpc_server *srv = NULL;
     bool print_config, help;
     int rc = 2;
-    if (cli_service_open(&c, &m, "aerie-draft", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
-                         &err) != AE_OK)
+    if (svc_config_load(&c, "aerie-draft", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
+                        &err) != AE_OK)
         goto out;
     if (help) {
         rc = 0;
         goto out;
     }
+    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+    const char *model_path = cfg_str(c, "model");
+    if (!model_path) {
+        err_set(&err, "no model given (use --model FILE)");
+        goto out;
+    }
+    if (embedding_open(&m, model_path, &err) != AE_OK) goto out;
     if (cfg_is_auto(c, "listen")) {
         char addr[256];
         if (rpc_default_addr(addr, sizeof addr, "aerie-draft.sock", !print_config, &err) != AE_OK) goto out;
         cfg_set_auto_str(c, "listen", addr);
     }
-    const char *model_path = cfg_str(c, "model");
-    cli_resolve_draft(c);
-    const char *dir = cli_draft_dir(c);
+    eagle_resolve_dir(c);
+    const char *dir = eagle_dir(c);
     if (!dir) {
         err_set(&err, "no EAGLE-3 head: none found beside %s (use --draft DIR)", model_path);
         goto out;
@@ -110,14 +115,14 @@ int main(int argc, char **argv) {
     eagle_weights held_as;
     int32_t act_bits;
     if (eagle_weights_parse(cfg_str(c, "draft-weights"), &held_as, &err) != AE_OK ||
-        cli_act_bits(c, &act_bits, &err) != AE_OK)
+        svc_act_bits(c, &act_bits, &err) != AE_OK)
         goto out;
-    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+    eagle_target t = embedding_of(&m);
     if (eagle_load(&h, dir, &t, held_as, &err) != AE_OK) goto out;
-    dsrv_config dc = {(int32_t)cfg_int(c, "max-seqs"), (int32_t)cfg_int(c, "max-seq-len"), CLI_PREFILL_CHUNK,
+    dsrv_config dc = {(int32_t)cfg_int(c, "max-seqs"), (int32_t)cfg_int(c, "max-seq-len"), DSRV_PASS_PAIRS,
                       (int32_t)cfg_int(c, "threads"), act_bits};
     char plan[2048];
-    if (plan_memory(c, m, h, &dc, plan, sizeof plan, &err) != AE_OK) goto out;
+    if (plan_memory(c, &m, h, &dc, plan, sizeof plan, &err) != AE_OK) goto out;
     if (print_config) {
         svc_print_config(c);
         rc = 0;
@@ -168,7 +173,7 @@ out:
     wd_free(w);     /* its timer lives on the loop, freed below */
     rpc_loop_free(loop);
     eagle_free(h);
-    model_free(m);
+    embedding_close(&m);
     cfg_free(c);
     return rc;
 }

@@ -29,6 +29,10 @@
 #include "drafter.h"
 #include "eagle.h"
 
+/* Pairs one head pass takes: the target's prefill chunk
+ * (target/setup.h), so that a chunk's pairs go in one pass. */
+#define DSRV_PASS_PAIRS 256
+
 typedef struct dsrv_config {
     int32_t max_keys;    /* sequences held at once (LRU beyond) */
     int32_t max_seq_len; /* pairs one sequence may hold */

@@ -7,7 +7,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../cli/cli.h"
+#include "../services/tokenizer/tok_file.h"
 #include "../services/core/clock.h"
 #include "../services/core/file.h"
 #include "../services/core/log.h"
@@ -102,7 +102,7 @@ int main(int argc, char **argv) {
     log_set_level(LOG_INFO);
     ae_error err = {{0}};
     cfg *c = NULL;
-    cli_model cm = {0};
+    tok_file cm = {0};
     chat_template *ct = NULL;
     rpc_loop *loop = NULL;
     wd *w = NULL;
@@ -163,7 +163,7 @@ int main(int argc, char **argv) {
     if (plan_memory(c, plan, sizeof plan, &err) != AE_OK) goto out;
     cfg_log(c, "aerie-gateway");
     LOG_INFOF("memory_plan %s", plan);
-    if (cli_model_open(&cm, model_path, &err) != AE_OK) goto out;
+    if (tok_file_open(&cm, model_path, &err) != AE_OK) goto out;
     ae_error cerr = {{0}};
     if (chat_template_init(&ct, tok_chat_template(cm.tok), &cerr) != AE_OK)
         LOG_WARNF("no_chat_template model=%s reason=\"%s\" effect=\"/v1/chat/completions answers 400; "
@@ -228,7 +228,7 @@ out:
     gw_free(g);
     rpc_loop_free(loop);
     chat_template_free(ct);
-    cli_model_close(&cm);
+    tok_file_close(&cm);
     free(config_json);
     free(keys_text);
     free(targets_text);

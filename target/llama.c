@@ -85,18 +85,6 @@ void llama_ws_free(llama_ws *ws) {
     free(ws);
 }
 
-int llama_capture_layers_from(const int32_t *ids, int32_t n, int32_t n_layers,
-                              int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
-    if (n != LLAMA_MAX_CAPTURE)
-        return err_set(err, "eagle_aux_hidden_state_layer_ids: %d ids, expected %d", n, LLAMA_MAX_CAPTURE);
-    for (int32_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] > n_layers)
-            return err_set(err, "eagle_aux_hidden_state_layer_ids[%d] = %d is outside 0..%d", i, ids[i], n_layers);
-        out[i] = ids[i];
-    }
-    return AE_OK;
-}
-
 static void capture_layer(const llama_capture *cap, int32_t layer, const float *x, int32_t H) {
     if (!cap) return;
     for (int32_t j = 0; j < cap->n_layers; j++) {

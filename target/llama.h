@@ -32,12 +32,6 @@ typedef struct llama_capture {
     float *out;                        /* [n_rows][n_layers * H] */
 } llama_capture;
 
-/* A head's own choice (eagle_config.eagle_aux_hidden_state_layer_ids, in
- * the same input-of-layer convention), checked against the model: exactly
- * LLAMA_MAX_CAPTURE ids in 0..n_layers. */
-int llama_capture_layers_from(const int32_t *ids, int32_t n, int32_t n_layers,
-                              int32_t out[LLAMA_MAX_CAPTURE], ae_error *err);
-
 typedef struct llama_batch {
     int32_t m;                    /* tokens in the batch */
     const int32_t *tokens;        /* [m] */

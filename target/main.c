@@ -4,17 +4,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../cli/plan.h"
 #include "../services/core/log.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
 #include "../services/core/watchdog.h"
-#include "../services/tokenizer/tok.h"
-#include "../services/model/gguf.h"
+#include "../services/tokenizer/tok_file.h"
 #include "draft_client.h"
 #include "memplan.h"
 #include "sched.h"
 #include "server.h"
+#include "setup.h"
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
@@ -39,27 +38,13 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
      "since the two take turns within each step: README, Threads)"},
-    CLI_ACT_BITS_OPTION,
+    SVC_ACT_BITS_OPTION,
     {"max-frame-mib", CFG_INT, "64", 1, 1024, "largest RPC frame, MiB"},
     {"max-conns", CFG_INT, "1024", 1, 65536, "connections open at once"},
     {"log-interval-s", CFG_INT, "5", 0, 3600, "seconds between load lines (0: none)"},
     {"drain-timeout-s", CFG_INT, "30", 0, 3600, "on SIGTERM, how long running requests may take to finish"},
     {"log-level", CFG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
 };
-
-/* The memory plan: weights + a prefill chunk's workspace + speculation's
- * per-sequence state + KV (memplan.h). */
-static int plan_memory(cfg *c, const model *m, const spec_config *sc, memplan *plan, ae_error *err) {
-    uint64_t avail;
-    if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
-    const model_config *mc = &m->cfg;
-    memplan_model mm = {m->weight_bytes, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
-                        mc->n_kv_heads, mc->head_dim, mc->vocab};
-    memplan_env env = {avail, CLI_KV_BLOCK, CLI_PREFILL_CHUNK,
-                       llama_stream_workspace(m, CLI_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
-                           spec_bytes(m, sc)};
-    return memplan_compute(c, &mm, &env, plan, err);
-}
 
 int main(int argc, char **argv) {
     svc_signals_init();
@@ -76,11 +61,10 @@ int main(int argc, char **argv) {
     rpc_loop *loop = NULL;
     wd *w = NULL;
     rpc_server *srv = NULL;
-    gguf_file *gf = NULL;
-    tok *tk = NULL;
+    tok_file tf = {0};
     bool print_config, help;
     int rc = 2;
-    if (cli_service_open(&c, &m, "aerie-target", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
+    if (setup_service(&c, &m, "aerie-target", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
                          &err) != AE_OK)
         goto out;
     if (help) {
@@ -93,17 +77,19 @@ int main(int argc, char **argv) {
         cfg_set_auto_str(c, "listen", addr);
     }
     int32_t act_bits;
-    if (cli_act_bits(c, &act_bits, &err) != AE_OK) goto out;
+    if (svc_act_bits(c, &act_bits, &err) != AE_OK) goto out;
     const char *model_path = cfg_str(c, "model");
     const char *draft_addr = cfg_str(c, "draft-addr");
     bool drafting = draft_addr && strcmp(draft_addr, "none") != 0;
     int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
     spec_config spc = {LLAMA_MAX_CAPTURE, {0},
                        {(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"), (int32_t)cfg_int(c, "spec-tokens")},
-                       max_batch, CLI_PREFILL_CHUNK, drafting && cfg_bool(c, "spec-adaptive"), NULL, NULL};
+                       max_batch, SETUP_PREFILL_CHUNK, drafting && cfg_bool(c, "spec-adaptive"), NULL, NULL};
     capture_default_layers(m->cfg.n_layers, spc.capture);
     memplan plan;
-    if (plan_memory(c, m, &spc, &plan, &err) != AE_OK) goto out;
+    /* weights + a prefill chunk's workspace + speculation's per-sequence
+     * state + KV (memplan.h) */
+    if (setup_plan(c, m, 0, spec_bytes(m, &spc), &plan, &err) != AE_OK) goto out;
     if (print_config) {
         svc_print_config(c);
         rc = 0;
@@ -112,17 +98,10 @@ int main(int argc, char **argv) {
     cfg_log(c, "aerie-target");
     memplan_log(&plan);
     int32_t threads = (int32_t)cfg_int(c, "threads");
-    if (cli_engine_open(&e, m, &plan, threads, act_bits, &err) != AE_OK) goto out;
+    if (setup_engine(&e, m, &plan, threads, act_bits, &err) != AE_OK) goto out;
     /* The end-of-sequence token comes from the model's tokenizer. */
     int32_t eos = -1;
-    char tj[4096];
-    if (gguf_open(&gf, model_path, NULL) == AE_OK) {
-        if (tok_load_gguf(&tk, gf, NULL) != AE_OK) tk = NULL;
-    } else if ((size_t)snprintf(tj, sizeof tj, "%s/tokenizer.json", model_path) < sizeof tj &&
-               tok_load_json(&tk, tj, NULL) != AE_OK) {
-        tk = NULL; /* a Hugging Face directory */
-    }
-    if (tk) eos = tok_eos(tk);
+    if (tok_file_open(&tf, model_path, NULL) == AE_OK) eos = tok_eos(tf.tok);
     else LOG_WARNF("no_tokenizer model=%s reason=\"no end-of-sequence token known: only max_tokens and stop tokens end a request\"", model_path);
     if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
     /* Watched: the RPC loop and the scheduler thread (it beats wd_process()). */
@@ -142,7 +121,7 @@ int main(int argc, char **argv) {
     if (spec_init(&sx, e, dc ? dcli_drafter(dc) : NULL, &spc, &err) != AE_OK) goto out;
     sched_sink sink;
     if (tsrv_init(&ts, m->cfg.vocab, dc, sx, &sink, &err) != AE_OK) goto out;
-    sched_config scc = {max_batch, (int32_t)cfg_int(c, "max-queue"), CLI_PREFILL_CHUNK, plan.max_seq_len,
+    sched_config scc = {max_batch, (int32_t)cfg_int(c, "max-queue"), SETUP_PREFILL_CHUNK, plan.max_seq_len,
                         drafting ? spc.shape.tokens : 1, eos, (int32_t)cfg_int(c, "log-interval-s") * 1000, drafting};
     if (sched_init(&sc, sx, e, &scc, &sink, &err) != AE_OK) goto out;
     tsrv_attach(ts, sc);
@@ -188,8 +167,7 @@ out:
     tsrv_free(ts);
     spec_free(sx);
     eng_free(e);
-    tok_free(tk);
-    gguf_close(gf);
+    tok_file_close(&tf);
     model_free(m);
     cfg_free(c);
     return rc;

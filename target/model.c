@@ -234,3 +234,7 @@ size_t model_decode_bytes(const model *m) {
     b += m->output.row_bytes * (size_t)m->output.rows + (size_t)c->hidden * sizeof(float);
     return b;
 }
+
+embedding_view model_embedding(const model *m) {
+    return (embedding_view){m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
+}

@@ -19,6 +19,7 @@
 
 #include "../kernels/kernels.h"
 #include "../services/core/err.h"
+#include "../services/model/embedding.h"
 #include "../services/model/weights.h"
 
 #define MODEL_MAX_LAYERS 256
@@ -76,5 +77,8 @@ void model_free(model *m); /* NULL is a no-op */
  * matrices, the norms and the output projection (the embedding row is
  * negligible). The numerator of the bandwidth roofline. */
 size_t model_decode_bytes(const model *m);
+
+/* What an EAGLE-3 head reads of the model (services/model/embedding.h). */
+embedding_view model_embedding(const model *m);
 
 #endif

@@ -105,6 +105,7 @@
 #include <stdint.h>
 
 #include "../services/core/err.h"
+#include "../services/spec/spec_drafter.h"
 
 #define POLICY_BUCKETS 8      /* batch sizes 1, 2-3, 4-7, ..., 128+ */
 #define POLICY_MAX_DEPTH 16   /* draft/tree.h's TREE_MAX_STEPS */
@@ -120,13 +121,8 @@
 #define POLICY_KEEP_DRAFTER 0.8 /* policy_keep_drafter: the best tree at 80% of plain's rate or more, */
 #define POLICY_KEEP_COST 0.02   /* and feeding the drafter at most 2% of the range's plain time */
 
-/* A tree's shape (draft/tree.h's parameters). tokens 1: plain (no tree;
- * steps and topk are then 0). */
-typedef struct policy_shape {
-    int32_t steps;
-    int32_t topk;
-    int32_t tokens; /* nodes, root included */
-} policy_shape;
+/* A tree's shape: the speculation contract's (tokens 1: plain). */
+typedef spec_shape policy_shape;
 
 typedef struct policy_config {
     policy_shape max; /* the bounds: steps 1..16, topk 1..8, tokens 2..64 */

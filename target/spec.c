@@ -7,6 +7,8 @@
 #include "../services/core/clock.h"
 #include "verify.h"
 
+_Static_assert(ENG_MAX_TREE == SPEC_MAX_TREE, "a drafted tree must fit one engine step");
+
 /* Calls to the drafter pause this many steps at most after failures. */
 #define SPEC_MAX_PAUSE 64
 /* A sequence running plainly while the policy keeps the drafter in step

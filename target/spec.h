@@ -19,64 +19,19 @@
  * a plain decode step, with the same bits (batch invariance), so greedy
  * output never depends on the draft. Chains are trees like any other.
  *
- * The drafter is an interface: in one process it calls draft/drafter.h; the
- * services put the RPC link behind it. Trees from it are checked like
- * input from the network. */
+ * The drafter is an interface (services/spec/spec_drafter.h): in one
+ * process it calls draft/drafter.h; the services put the RPC link behind
+ * it. Trees from it are checked like input from the network. */
 #ifndef AERIE_TARGET_SPEC_H
 #define AERIE_TARGET_SPEC_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "../services/spec/spec_drafter.h"
 #include "engine.h"
 #include "policy.h"
 #include "sample.h"
-
-/* The tree a step asks for (EAGLE-2 parameters, see draft/tree.h; tokens
- * 1: none). */
-typedef policy_shape spec_shape;
-
-typedef struct spec_tree {
-    int32_t n;                     /* nodes, root included; 0 = none */
-    int32_t tokens[ENG_MAX_TREE];  /* node 0 must be the root */
-    int32_t parents[ENG_MAX_TREE]; /* -1 for the root, else 0 <= parent < i */
-    float probs[ENG_MAX_TREE];     /* the draft's p of each node given its parent */
-} spec_tree;
-
-/* What the drafter is told about one sequence. A drafter that does not
- * hold exactly `start` pairs for seq (it restarted, evicted the state, or
- * missed a call) must fail the call; the target then resets the sequence
- * there with the pairs it still has. */
-typedef struct spec_feed {
-    int32_t seq;           /* the engine's sequence id */
-    bool reset;            /* drop any state held for seq, then take these pairs */
-    int32_t start;         /* pairs the drafter holds for seq before this feed (0 with reset) */
-    int32_t n;             /* pairs */
-    const int32_t *tokens; /* [n] */
-    const float *features; /* [n][feature_width] */
-    bool want_tree;
-} spec_feed;
-
-#define SPEC_STATE_GONE (-1)
-/* What propose returns when no drafter is reachable at all (a link that is
- * down and reconnecting): asking costs nothing, so the calls pause one step
- * without backing off, and speculation resumes as soon as it is back. */
-#define SPEC_DRAFT_DOWN 1
-
-typedef struct spec_drafter {
-    void *ctx;
-    /* trees[i] for feeds[i] (n = 0: none; n = SPEC_STATE_GONE: the drafter
-     * no longer holds what the feed assumed, so the sequence is reset there
-     * on its next call, without a pause). A failure drafts nothing this
-     * step; decoding goes on without, the calls pause (1, 2, 4 .. 64
-     * steps after consecutive failures), and then every sequence of the
-     * failed call is reset at the drafter with the pairs of its last
-     * ENG_MAX_TREE committed tokens (a shorter history costs acceptance,
-     * never correctness; RoPE sees only relative positions). */
-    int (*propose)(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
-                   ae_error *err);
-    void (*release)(void *ctx, int32_t seq);
-} spec_drafter;
 
 /* Adaptive speculation: the policy (policy.h) picks each step's tree
  * within the configured shape, from a chain to a small tree to none at

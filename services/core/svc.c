@@ -144,3 +144,10 @@ void svc_loading_end(void) {
     pthread_join(loading.thread, NULL);
     loading.running = false;
 }
+
+int svc_act_bits(const cfg *c, int32_t *bits, ae_error *err) {
+    int64_t v = cfg_int(c, "act-bits");
+    if (v != 8 && v != 15) return err_set(err, "act-bits must be 8 or 15, got %lld", (long long)v);
+    *bits = (int32_t)v;
+    return AE_OK;
+}

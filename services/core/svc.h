@@ -6,9 +6,21 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "config.h"
 #include "err.h"
+
+/* The activation precision of the quantized matmuls (kernels.h, "Batch
+ * invariance"), a setting of every program that runs the engine or the
+ * head: 15 (two byte planes) or 8. */
+#define SVC_ACT_BITS_OPTION                                                                                 \
+    {"act-bits", CFG_INT, "15", 8, 15,                                                                     \
+     "bits each activation keeps in quantized matmuls: 15 (two byte planes) or 8 (one: a pass of several " \
+     "tokens does half the integer work, with more rounding error)"}
+
+/* c's "act-bits" into *bits; a value other than 8 or 15 fails. */
+int svc_act_bits(const cfg *c, int32_t *bits, ae_error *err);
 
 /* Blocks SIGTERM and SIGINT in this thread and every thread it starts
  * later (they are taken by svc_wait_signal), and ignores SIGPIPE (a peer

@@ -7,6 +7,8 @@
 
 #include <stdint.h>
 
+#include "../core/err.h"
+
 #define CAPTURE_LAYERS 3 /* EAGLE-3 concatenates three target layers */
 
 /* EAGLE-3's default capture layers for an n_layers model: the inputs of
@@ -18,5 +20,10 @@ static inline void capture_default_layers(int32_t n_layers, int32_t out[CAPTURE_
     out[1] = n_layers / 2;
     out[2] = n_layers - 3;
 }
+
+/* A head's own choice (eagle_config.eagle_aux_hidden_state_layer_ids, in
+ * the same input-of-layer convention), checked against an n_layers
+ * model: exactly CAPTURE_LAYERS ids in 0..n_layers. */
+int capture_layers_from(const int32_t *ids, int32_t n, int32_t n_layers, int32_t out[CAPTURE_LAYERS], ae_error *err);
 
 #endif

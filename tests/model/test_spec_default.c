@@ -17,7 +17,7 @@
 
 #include <cmocka.h>
 
-#include "../../cli/draft_link.h"
+#include "../../draft/draft_link.h"
 #include "../spec_run.h"
 
 #define MODEL_PATH "models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -40,7 +40,7 @@ static void check_lossless(int32_t act_bits) {
     eng_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2, act_bits};
     assert_int_equal(eng_init(&e, m, &ec, &err), AE_OK);
     drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(e), act_bits};
-    if (draft_link_open(&link, HEAD_DIR, m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s (run `make test`)", err.msg);
+    if (draft_link_open(&link, HEAD_DIR, model_embedding(m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s (run `make test`)", err.msg);
     int32_t V = m->cfg.vocab, ids[MAX_PROMPT], got[N_GEN];
     static int32_t want[N_PROMPTS][N_GEN];
     for (int i = 0; i < N_PROMPTS; i++) run_plain_greedy(e, ids, prompt(i, V, ids), CHUNK, N_GEN, want[i]);
@@ -50,7 +50,7 @@ static void check_lossless(int32_t act_bits) {
     for (int k = 0; k < 3; k++) {
         spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shapes[k], 1, CHUNK, false, NULL, NULL};
         spec *s;
-        assert_int_equal(draft_link_capture(&link, m, sc.capture, &err), AE_OK);
+        assert_int_equal(draft_link_capture(&link, sc.capture, &err), AE_OK);
         assert_int_equal(spec_init(&s, e, &link.iface, &sc, &err), AE_OK);
         int identical = 0;
         for (int i = 0; i < N_PROMPTS; i++) {

@@ -25,7 +25,7 @@
 
 #include <cmocka.h>
 
-#include "../../cli/draft_link.h"
+#include "../../draft/draft_link.h"
 #include "../../target/spec.h"
 #include "../chisq.h"
 
@@ -51,9 +51,9 @@ static void fixture_open(fixture *f) {
     eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 1, 0};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {1, SEQ_LEN, 16, 1, eng_pool(f->e), 0};
-    if (draft_link_open(&f->link, FIX "/head", f->m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, 1, 64, false, NULL, NULL};
-    if (draft_link_capture(&f->link, f->m, sc.capture, &err) != AE_OK ||
+    if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK ||
         spec_init(&f->s, f->e, &f->link.iface, &sc, &err) != AE_OK)
         fail_msg("%s", err.msg);
 }

@@ -250,7 +250,7 @@ static void test_capture_is_three_layer_inputs_and_batch_invariant(void **state)
     /* Layer inputs differ from one another (the capture is not one copy). */
     assert_memory_not_equal(pre, pre + H, (size_t)H * sizeof(float));
     int32_t bad[3] = {2, 15, 31}, out[3];
-    assert_int_equal(llama_capture_layers_from(bad, 3, 30, out, &err), AE_ERR);
+    assert_int_equal(capture_layers_from(bad, 3, 30, out, &err), AE_ERR);
     assert_string_equal(err.msg, "eagle_aux_hidden_state_layer_ids[2] = 31 is outside 0..30");
     free(logits);
     free(pre);

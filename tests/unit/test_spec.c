@@ -14,7 +14,7 @@
 
 #include <cmocka.h>
 
-#include "../../cli/draft_link.h"
+#include "../../draft/draft_link.h"
 #include "../../target/spec.h"
 #include "../spec_run.h"
 
@@ -40,7 +40,7 @@ static void fixture_open(fixture *f) {
     eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f->e), 0};
-    if (draft_link_open(&f->link, FIX "/head", f->m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
 static void fixture_close(fixture *f) {
@@ -52,7 +52,7 @@ static void fixture_close(fixture *f) {
 static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, MAX_SEQS, 128, false, NULL, NULL};
     ae_error err = {0};
-    if (draft_link_capture(&f->link, f->m, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
     if (spec_init(&s, f->e, d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     return s;
@@ -90,7 +90,7 @@ static void test_greedy_speculation_is_lossless_with_the_fixture_head(void **sta
             ae_error err = {0};
             drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f.e), 0};
             draft_link_close(&f.link);
-            if (draft_link_open(&f.link, FIX "/head", f.m, EAGLE_WEIGHTS_Q8_0, &dc, &err) != AE_OK)
+            if (draft_link_open(&f.link, FIX "/head", model_embedding(f.m), EAGLE_WEIGHTS_Q8_0, &dc, &err) != AE_OK)
                 fail_msg("%s", err.msg);
         }
         spec *s = spec_open(&f, &f.link.iface, shapes[k]);
@@ -604,13 +604,13 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     if (eng_init(&e, f.m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     draft_link link;
     drafter_config dc = {1, LEN, CHUNK, 2, eng_pool(e), 0};
-    if (draft_link_open(&link, FIX "/head", f.m, EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_open(&link, FIX "/head", model_embedding(f.m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
     costly c = {&link.iface, 0, cost, verify, 0, 0, 0};
     spec_drafter d = {&c, costly_propose, costly_release};
     /* A chain of one drafted token: at most 2 tokens a step, so the
      * sequence stays inside the fixture's 256 positions. */
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {1, 1, 2}, 1, 128, true, test_clock, &c};
-    if (draft_link_capture(&link, f.m, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_capture(&link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
     if (spec_init(&s, e, &d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     int32_t ids[] = {3, 17, 5, 28, 9}, n = 5, got[LEN], want[LEN], n_got = 0, seq;

@@ -1,14 +1,12 @@
-/* An EAGLE-3 drafter in this process, behind the target's spec_drafter
- * interface (target/spec.h): what `aerie generate --draft` and `aerie
+/* An EAGLE-3 drafter in this process, behind the spec_drafter interface
+ * (services/spec/spec_drafter.h): what `aerie generate --draft` and `aerie
  * bench --draft` speculate with. The services put an RPC link there. */
-#ifndef AERIE_CLI_DRAFT_LINK_H
-#define AERIE_CLI_DRAFT_LINK_H
+#ifndef AERIE_DRAFT_DRAFT_LINK_H
+#define AERIE_DRAFT_DRAFT_LINK_H
 
-#include <cjson/cJSON.h>
-
-#include "../draft/drafter.h"
 #include "../services/core/config.h"
-#include "../target/spec.h"
+#include "../services/spec/spec_drafter.h"
+#include "drafter.h"
 
 /* The settings of speculation, rows for a command's cfg table. The tree
  * defaults are SGLang's for EAGLE-3 (REFERENCES.md). The head is rounded
@@ -36,12 +34,6 @@
 /* The tree shape and head weights DRAFT_LINK_OPTIONS set, checked. */
 int draft_link_settings(const cfg *c, spec_shape *shape, eagle_weights *weights, ae_error *err);
 
-/* Adds the speculation figures to a JSON object: the shape, steps,
- * drafted and accepted tokens, mean acceptance length, acceptance per
- * depth (share of verify steps that accepted a token at depth d + 1), and
- * the time shares of drafting and verifying. */
-void draft_link_stats_json(cJSON *o, const spec_stats *st, const spec_shape *shape);
-
 typedef struct draft_link {
     eagle_head *head;
     drafter *drafter;
@@ -51,13 +43,13 @@ typedef struct draft_link {
     spec_drafter iface;  /* ctx = this link */
 } draft_link;
 
-/* Loads the head in dir for target m and sizes its drafter. */
-int draft_link_open(draft_link *l, const char *dir, const model *m, eagle_weights weights, const drafter_config *dc,
-                    ae_error *err);
+/* Loads the head in dir for target t and sizes its drafter. */
+int draft_link_open(draft_link *l, const char *dir, eagle_target t, eagle_weights weights,
+                    const drafter_config *dc, ae_error *err);
 void draft_link_close(draft_link *l);
 
 /* The target layers the head reads: its own choice, or EAGLE-3's default. */
-int draft_link_capture(const draft_link *l, const model *m, int32_t out[LLAMA_MAX_CAPTURE], ae_error *err);
+int draft_link_capture(const draft_link *l, int32_t out[CAPTURE_LAYERS], ae_error *err);
 
 /* Bytes the head's weights and drafter take. */
 size_t draft_link_bytes(const draft_link *l, const drafter_config *dc);

@@ -24,10 +24,9 @@ static int link_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
 
 static void link_release(void *ctx, int32_t seq) { drafter_release(((draft_link *)ctx)->drafter, seq); }
 
-int draft_link_open(draft_link *l, const char *dir, const model *m, eagle_weights weights, const drafter_config *dc,
-                    ae_error *err) {
+int draft_link_open(draft_link *l, const char *dir, eagle_target t, eagle_weights weights,
+                    const drafter_config *dc, ae_error *err) {
     memset(l, 0, sizeof *l);
-    eagle_target t = {m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
     if (eagle_load(&l->head, dir, &t, weights, err) != AE_OK) return AE_ERR;
     l->max_seqs = dc->max_seqs;
     l->feeds = calloc((size_t)dc->max_seqs, sizeof *l->feeds);
@@ -52,12 +51,13 @@ void draft_link_close(draft_link *l) {
     memset(l, 0, sizeof *l);
 }
 
-int draft_link_capture(const draft_link *l, const model *m, int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
+int draft_link_capture(const draft_link *l, int32_t out[CAPTURE_LAYERS], ae_error *err) {
+    int32_t n_layers = l->head->target.n_layers;
     if (l->head->cfg.n_aux_layers == 0) {
-        capture_default_layers(m->cfg.n_layers, out);
+        capture_default_layers(n_layers, out);
         return AE_OK;
     }
-    return llama_capture_layers_from(l->head->cfg.aux_layers, l->head->cfg.n_aux_layers, m->cfg.n_layers, out, err);
+    return capture_layers_from(l->head->cfg.aux_layers, l->head->cfg.n_aux_layers, n_layers, out, err);
 }
 
 size_t draft_link_bytes(const draft_link *l, const drafter_config *dc) {
@@ -70,31 +70,4 @@ int draft_link_settings(const cfg *c, spec_shape *shape, eagle_weights *weights,
     tree_params p = {shape->steps, shape->topk, shape->tokens};
     if (tree_params_check(&p, err) != AE_OK) return AE_ERR;
     return eagle_weights_parse(cfg_str(c, "draft-weights"), weights, err);
-}
-
-static double round4(double x) { return (double)(int64_t)(x * 1e4 + (x < 0 ? -0.5 : 0.5)) / 1e4; }
-
-void draft_link_stats_json(cJSON *o, const spec_stats *st, const spec_shape *shape) {
-    cJSON_AddNumberToObject(o, "spec_steps", shape->steps);
-    cJSON_AddNumberToObject(o, "spec_topk", shape->topk);
-    cJSON_AddNumberToObject(o, "spec_tokens", shape->tokens);
-    cJSON_AddNumberToObject(o, "verify_steps", (double)st->steps);
-    cJSON_AddNumberToObject(o, "plain_steps", (double)st->plain_steps);
-    cJSON_AddNumberToObject(o, "drafted_tokens", (double)st->drafted);
-    cJSON_AddNumberToObject(o, "accepted_tokens", (double)st->accepted);
-    cJSON_AddNumberToObject(o, "emitted_tokens", (double)st->emitted);
-    cJSON_AddNumberToObject(o, "draft_failures", (double)st->draft_failures);
-    cJSON_AddNumberToObject(o, "bad_trees", (double)st->bad_trees);
-    cJSON_AddNumberToObject(o, "mean_accept_len", round4(spec_stats_accept_len(st)));
-    cJSON_AddNumberToObject(o, "adaptive_plain_steps", (double)st->adapt_plain_steps);
-    cJSON_AddNumberToObject(o, "adaptive_switched_off", (double)st->adapt_off);
-    cJSON_AddNumberToObject(o, "policy_explore_steps", (double)st->explore_steps);
-    cJSON *depth = cJSON_AddArrayToObject(o, "accept_per_depth");
-    for (int32_t d = 0; depth && d < shape->steps && d < SPEC_MAX_DEPTH; d++)
-        cJSON_AddItemToArray(depth, cJSON_CreateNumber(st->steps ? round4((double)st->accepted_at[d] / (double)st->steps) : 0));
-    double total = (double)(st->draft_ns + st->verify_ns);
-    cJSON_AddNumberToObject(o, "draft_time_share", total > 0 ? round4((double)st->draft_ns / total) : 0);
-    cJSON_AddNumberToObject(o, "explore_time_share", total > 0 ? round4((double)st->explore_ns / total) : 0);
-    double all = total + (double)st->feed_ns;
-    cJSON_AddNumberToObject(o, "feed_time_share", all > 0 ? round4((double)st->feed_ns / all) : 0);
 }

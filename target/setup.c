@@ -1,0 +1,38 @@
+#include "setup.h"
+
+#include "../services/core/hostmem.h"
+#include "../services/core/pool.h"
+#include "../services/core/svc.h"
+
+int setup_service(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+                  bool *print_config, bool *help, ae_error *err) {
+    *m = NULL;
+    if (svc_config_load(c, service, opts, n, argc, argv, print_config, help, err) != AE_OK) return AE_ERR;
+    if (*help) return AE_OK;
+    if (cfg_is_auto(*c, "threads")) cfg_set_auto_int(*c, "threads", pool_cpu_count());
+    const char *path = cfg_str(*c, "model");
+    if (!path) return err_set(err, "no model given (use --model FILE)");
+    return model_load(m, path, err);
+}
+
+int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
+    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
+    uint64_t avail;
+    if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
+    const model_config *mc = &m->cfg;
+    memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
+                        mc->n_kv_heads, mc->head_dim, mc->vocab};
+    memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
+                       llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
+                           extra_work};
+    return memplan_compute(c, &mm, &env, plan, err);
+}
+
+int setup_engine(eng **e, const model *m, const memplan *plan, int32_t threads, int32_t act_bits, ae_error *err) {
+    if (plan->kv_tokens > INT32_MAX)
+        return err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
+                       (long long)plan->kv_tokens, INT32_MAX);
+    eng_config ec = {SETUP_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
+                     plan->block_size, threads, act_bits};
+    return eng_init(e, m, &ec, err);
+}

@@ -1,0 +1,35 @@
+/* The start of anything that runs the target engine: aerie-target's main,
+ * and the `aerie` commands that run it in-process (generate, bench,
+ * perplexity, gen-prompts, dump-features, eval-draft). Its settings and
+ * model, its memory plan (memplan.h) checked against this machine, and the
+ * engine the plan sizes. */
+#ifndef AERIE_TARGET_SETUP_H
+#define AERIE_TARGET_SETUP_H
+
+#include <stdint.h>
+
+#include "../services/core/config.h"
+#include "engine.h"
+#include "memplan.h"
+#include "model.h"
+
+#define SETUP_PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
+#define SETUP_KV_BLOCK 16
+
+/* A service's settings (svc_config_load), threads "auto" resolved, and its
+ * --model loaded. *help: --help printed the usage; exit 0. */
+int setup_service(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+                  bool *print_config, bool *help, ae_error *err);
+
+/* The memory plan for model m, against the memory this machine has, from
+ * c's MEMPLAN_OPTIONS rows: the model's weights plus extra_weights, and a
+ * prefill chunk's workspace plus extra_work (a speculation's state, an
+ * in-process head's). Records auto values in c (max-seq-len auto: the
+ * model's context length). */
+int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err);
+
+/* An engine sized by the plan, prefill chunks of SETUP_PREFILL_CHUNK, at
+ * act_bits (8 or 15) of activation precision. */
+int setup_engine(eng **e, const model *m, const memplan *plan, int32_t threads, int32_t act_bits, ae_error *err);
+
+#endif
