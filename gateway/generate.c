@@ -1,0 +1,473 @@
+/* The generation routes (/v1/chat/completions, /v1/completions): a
+ * request's prompt, once a tokenizing worker has encoded it, goes to a
+ * target chosen by the router as a Generate call; its events come back
+ * as tokens, are detokenized, matched against the stop strings and
+ * rendered (render.h) as a stream or one body. A target that fails
+ * before the first token is retried at another. */
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "../services/core/clock.h"
+#include "../services/core/log.h"
+#include "../services/rpc/msg.h"
+#include "../services/tokenizer/detok.h"
+#include "aerie.pb.h"
+#include "gw_internal.h"
+#include "render.h"
+#include "stop.h"
+
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "prompt ids travel as int32 little-endian");
+_Static_assert(ROUTER_MAX_TARGETS <= 64, "a request's failed replicas are bits of a uint64_t");
+
+typedef struct greq {
+    gw *g;
+    http_req *http;
+    oai_request o;
+    met_route route;
+    char id[48];
+    int64_t created;
+    /* the prompt, then every token generated: what a retry resends */
+    int32_t *ids; /* [n_prompt + max_tokens] */
+    int32_t n_prompt, n_out, max_tokens;
+    uint64_t seed;
+    int replica;     /* -1: no call */
+    uint64_t tried;  /* replicas that failed this request */
+    uint32_t call_id;
+    detok *dt;
+    stop_matcher *sm;
+    char *piece, *text;     /* [detok_max_out], [stop_max_out] */
+    jbuf out;               /* non-streamed: the whole text; streamed: the next event */
+    jbuf delta;             /* streamed: text not yet sent */
+    jbuf head;              /* streamed: the start of every chunk */
+    bool started;           /* the stream's head was sent */
+    bool gone;              /* the client went away */
+    bool stopped;           /* a stop string matched */
+    bool target_cancelled;  /* the target cancelled it (shutting down, or a Cancel by id) */
+    int finish;             /* aerie_FinishReason */
+    double t_arrive, t_first, t_last;
+    aerie_SpecStats spec;
+    bool has_spec;
+    tjob job; /* the prompt's tokenizing, before the call */
+} greq;
+
+static void greq_free(greq *q) {
+    oai_request_free(&q->o);
+    free(q->job.ids);
+    free(q->ids);
+    detok_free(q->dt);
+    stop_free(q->sm);
+    free(q->piece);
+    free(q->text);
+    jbuf_free(&q->out);
+    jbuf_free(&q->delta);
+    jbuf_free(&q->head);
+    free(q);
+}
+
+static bool is_chat(const greq *q) { return q->o.kind == OAI_CHAT; }
+
+static render_meta meta(const greq *q) { return (render_meta){q->id, is_chat(q), q->created, q->g->cfg.model_name}; }
+
+/* The part every streamed chunk starts with, formatted once per request. */
+static const jbuf *chunk_head(greq *q) {
+    if (!q->head.len) {
+        render_meta m = meta(q);
+        render_chunk_head(&q->head, &m);
+    }
+    return &q->head;
+}
+
+/* One chunk with text (or, for chat, the opening role) and maybe the
+ * finish reason. */
+static void send_chunk(greq *q, const char *text, size_t n, bool role, const char *finish) {
+    jbuf *b = &q->out;
+    jbuf_clear(b);
+    render_chunk(b, chunk_head(q), is_chat(q), text, n, role, finish, q->o.include_usage);
+    /* Out of memory mid-stream: the chunk is lost, not the gateway. */
+    if (b->oom) LOG_WARNF("chunk_lost id=%s reason=\"out of memory\"", q->id);
+    else http_stream_write(q->http, b->p, b->len);
+}
+
+static void stream_start(greq *q) {
+    if (q->started) return;
+    q->started = true;
+    char extra[96];
+    snprintf(extra, sizeof extra, "Cache-Control: no-cache\r\nX-Request-Id: %s\r\n", q->id);
+    http_stream_start(q->http, 200, "text/event-stream", extra);
+    if (is_chat(q)) send_chunk(q, NULL, 0, true, NULL);
+}
+
+static void flush_delta(greq *q) {
+    if (!q->o.stream || q->gone || q->delta.len == 0) return;
+    stream_start(q);
+    send_chunk(q, q->delta.p, q->delta.len, false, NULL);
+    q->delta.len = 0;
+}
+
+/* Text the stop strings released. */
+static void emit(greq *q, const char *s, size_t n) {
+    if (n) jbuf_add(q->o.stream ? &q->delta : &q->out, s, n);
+}
+
+static void take_token(greq *q, int32_t t) {
+    size_t plen = 0, tlen = 0;
+    q->ids[q->n_prompt + q->n_out++] = t;
+    /* The target checked the id against its vocabulary, and ours is the
+     * same model's: an id we cannot decode means the two were deployed
+     * with different models. It adds no text, and serving goes on. */
+    if (detok_push(q->dt, t, q->piece, detok_max_out(q->dt), &plen, NULL) != AE_OK) plen = 0;
+    q->stopped = stop_push(q->sm, q->piece, plen, q->text, stop_max_out(q->sm), &tlen);
+    emit(q, q->text, tlen);
+}
+
+/* The stream of tokens ended (finish reason known): releases what the
+ * detokenizer and the stop strings still hold. */
+static void take_end(greq *q) {
+    size_t tlen = 0;
+    if (!q->stopped) {
+        size_t plen = detok_flush(q->dt, q->piece, detok_max_out(q->dt));
+        q->stopped = stop_push(q->sm, q->piece, plen, q->text, stop_max_out(q->sm), &tlen);
+        emit(q, q->text, tlen);
+    }
+    if (!q->stopped) {
+        /* The flush may settle a match that waited for a longer stop
+         * starting earlier (stop.h): that ends the request on a stop too. */
+        emit(q, q->text, stop_flush(q->sm, q->text, stop_max_out(q->sm)));
+        q->stopped = stop_matched(q->sm);
+    }
+    if (q->stopped) q->finish = aerie_FinishReason_FINISH_STOP;
+}
+
+/* Called by the RPC link for each GenerateEvent, on the loop thread and
+ * under the client's lock: nothing here calls into the client. */
+static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
+    greq *q = ctx;
+    aerie_GenerateEvent ev;
+    if (q->gone || q->finish || q->target_cancelled) return false;
+    if (msg_decode(aerie_GenerateEvent_fields, &ev, msg, len, NULL) != AE_OK) return false;
+    double now = clock_mono_seconds();
+    if (ev.tokens_count > 0) {
+        if (!q->t_first) {
+            q->t_first = now;
+            met_hist_observe(&q->g->met.ttft, now - q->t_arrive);
+        } else {
+            double gap = (now - q->t_last) / ev.tokens_count;
+            for (pb_size_t i = 0; i < ev.tokens_count; i++) met_hist_observe(&q->g->met.itl, gap);
+        }
+        q->t_last = now;
+    }
+    for (pb_size_t i = 0; i < ev.tokens_count && !q->stopped; i++) {
+        if (q->n_out >= q->max_tokens) break; /* a target never sends more; do not trust it to */
+        take_token(q, ev.tokens[i]);
+    }
+    if (ev.finish == aerie_FinishReason_FINISH_CANCELLED && !q->stopped && q->n_out < q->max_tokens) {
+        /* Not ours to end: on_end goes on at another replica. */
+        q->target_cancelled = true;
+        flush_delta(q);
+        return false;
+    }
+    if (ev.finish != aerie_FinishReason_FINISH_NONE || q->stopped || q->n_out >= q->max_tokens) {
+        q->finish = q->stopped                                     ? aerie_FinishReason_FINISH_STOP
+                    : ev.finish == aerie_FinishReason_FINISH_NONE ? aerie_FinishReason_FINISH_LENGTH
+                                                                   : ev.finish;
+        if (ev.has_spec) q->spec = ev.spec, q->has_spec = true;
+        take_end(q);
+    }
+    flush_delta(q);
+    return !q->finish;
+}
+
+static void finish_ok(greq *q) {
+    gw *g = q->g;
+    metrics *m = &g->met;
+    m->prompt_tokens += (uint64_t)q->n_prompt;
+    m->generation_tokens += (uint64_t)q->n_out;
+    met_hist_observe(&m->prompt_hist, q->n_prompt);
+    met_hist_observe(&m->generation_hist, q->n_out);
+    if (q->finish == aerie_FinishReason_FINISH_LENGTH) m->finish.length++;
+    else m->finish.stop++;
+    if (q->has_spec) {
+        m->spec_steps += q->spec.steps;
+        m->spec_plain_steps += q->spec.plain_steps;
+        m->spec_drafted += q->spec.drafted;
+        m->spec_accepted += q->spec.accepted;
+        for (pb_size_t d = 0; d < q->spec.accepted_at_count && d < MET_SPEC_POSITIONS; d++)
+            m->spec_accepted_at[d] += q->spec.accepted_at[d];
+    }
+    const char *fin = render_finish_name(q->finish);
+    if (q->o.stream) {
+        stream_start(q);
+        send_chunk(q, NULL, 0, false, fin);
+        if (q->o.include_usage) {
+            jbuf *b = &q->out;
+            jbuf_clear(b);
+            render_usage_chunk(b, chunk_head(q), q->n_prompt, q->n_out);
+            if (!b->oom) http_stream_write(q->http, b->p, b->len);
+        }
+        http_stream_write(q->http, "data: [DONE]\n\n", 14);
+        met_request(m, q->route, 200);
+        http_stream_end(q->http);
+    } else {
+        jbuf b = {0};
+        render_meta rm = meta(q);
+        render_completion(&b, &rm, q->out.p, q->out.len, fin, q->n_prompt, q->n_out);
+        b.oom |= q->out.oom; /* the text is incomplete */
+        gw_reply_jbuf(g, q->http, q->route, &b);
+        jbuf_free(&b);
+    }
+    double now = clock_mono_seconds();
+    met_hist_observe(&m->e2e, now - q->t_arrive);
+    LOG_INFOF("request id=%s route=%s target=%s prompt=%d completion=%d finish=%s ttft_ms=%.1f e2e_ms=%.1f", q->id,
+              is_chat(q) ? "chat" : "completions", q->replica >= 0 ? router_addr(g->cfg.router, q->replica) : "-",
+              q->n_prompt, q->n_out, fin, q->t_first ? (q->t_first - q->t_arrive) * 1e3 : -1.0,
+              (now - q->t_arrive) * 1e3);
+}
+
+/* The request failed: an error reply, or an error event when the stream
+ * has started. */
+static void finish_error(greq *q, const oai_error *e) {
+    gw *g = q->g;
+    g->met.finish.error++;
+    if (!q->started) {
+        gw_reply_error(g, q->http, q->route, e);
+        return;
+    }
+    char *json = oai_error_json(e);
+    jbuf b = {0};
+    render_error_event(&b, json ? json : OAI_OOM_JSON);
+    if (!b.oom) http_stream_write(q->http, b.p, b.len);
+    jbuf_free(&b);
+    free(json);
+    met_request(&g->met, q->route, e->status);
+    http_stream_end(q->http);
+    LOG_WARNF("request_failed id=%s status=%d reason=\"%s\"", q->id, e->status, e->message);
+}
+
+static void request_done(greq *q) {
+    q->g->inflight--;
+    q->g->requests_done++;
+    greq_free(q);
+}
+
+static int start_call(greq *q, ae_error *err);
+
+static void on_end(void *ctx, const rpc_reply *r) {
+    greq *q = ctx;
+    gw *g = q->g;
+    router_end(g->cfg.router, q->replica);
+    if (q->gone) {
+        g->met.finish.cancelled++;
+        met_request(&g->met, q->route, 499);
+        LOG_INFOF("request_cancelled id=%s reason=\"the client went away\" completion=%d", q->id, q->n_out);
+        /* Only frees the request: the client is gone. */
+        if (q->started) http_stream_end(q->http);
+        else http_respond(q->http, 499, "application/json", NULL, NULL, 0);
+        request_done(q);
+        return;
+    }
+    if (q->finish) {
+        finish_ok(q);
+        request_done(q);
+        return;
+    }
+    oai_error e;
+    if (r->status == RPC_UNAVAILABLE || q->target_cancelled) {
+        /* The replica failed or is shutting down: go on elsewhere with the
+         * tokens we have. */
+        router_fail(g->cfg.router, q->replica, q->target_cancelled ? "it cancelled a request" : r->error);
+        q->target_cancelled = false;
+        q->tried |= UINT64_C(1) << q->replica;
+        ae_error err = {{0}};
+        if (start_call(q, &err) == AE_OK) {
+            g->met.retries++;
+            return;
+        }
+        oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "the target failed (%s) and %s", r->error,
+                 err.msg);
+    } else if (r->status == RPC_INVALID_ARGUMENT) {
+        oai_bad(&e, NULL, "invalid_value", "%s", r->error);
+    } else if (r->status == RPC_RESOURCE_EXHAUSTED) {
+        oai_fail(&e, 429, "rate_limit_error", "rate_limit_exceeded", NULL, "the target is full: %s", r->error);
+    } else if (r->status == RPC_DEADLINE_EXCEEDED) {
+        oai_fail(&e, 504, "server_error", "timeout", NULL, "the target did not answer in time: %s", r->error);
+    } else {
+        oai_fail(&e, 502, "server_error", "target_error", NULL, "the target failed: %s (status %u)", r->error,
+                 r->status);
+    }
+    finish_error(q, &e);
+    request_done(q);
+}
+
+/* Sends the prompt (and whatever was generated before a retry) to the
+ * least-loaded healthy replica not yet tried. */
+static int start_call(greq *q, ae_error *err) {
+    gw *g = q->g;
+    for (;;) {
+        int i = router_pick(g->cfg.router, q->tried);
+        if (i < 0) {
+            char why[512];
+            router_healthy(g->cfg.router, why, sizeof why);
+            return err_set(err, "no target is ready (%s)", why[0] ? why : "every one failed this request");
+        }
+        aerie_GenerateRequest gr = aerie_GenerateRequest_init_zero;
+        snprintf(gr.request_id, sizeof gr.request_id, "%s", q->id);
+        gr.max_tokens = (uint32_t)(q->max_tokens - q->n_out);
+        gr.temperature = (float)q->o.temperature;
+        gr.top_k = (uint32_t)q->o.top_k;
+        gr.top_p = (float)q->o.top_p;
+        gr.min_p = (float)q->o.min_p;
+        /* A retry draws from another point of the seed's stream; the
+         * output is still distributed as the target's. */
+        gr.seed = q->seed + (uint64_t)q->n_out;
+        gr.ignore_eos = q->o.ignore_eos;
+        uint32_t n = (uint32_t)(q->n_prompt + q->n_out);
+        gr.has_prompt = true;
+        gr.prompt = (aerie_PayloadRef){0, n * 4};
+        uint8_t buf[aerie_GenerateRequest_size];
+        uint32_t len;
+        if (msg_encode(aerie_GenerateRequest_fields, &gr, buf, sizeof buf, &len, err) != AE_OK) return AE_ERR;
+        rpc_iov iov = {q->ids, n * 4};
+        q->replica = i;
+        router_begin(g->cfg.router, i);
+        rpc_client *cl = router_client(g->cfg.router, i);
+        if (rpc_client_start(cl, aerie_Method_TARGET_GENERATE, buf, len, &iov, 1, 0, on_event, on_end, q,
+                             &q->call_id, err) == AE_OK)
+            return AE_OK;
+        router_end(g->cfg.router, i);
+        /* Only a lost connection says the replica is down; a request the
+         * link refuses (over the frame limit) fails alone. */
+        if (rpc_client_connected(cl)) return AE_ERR;
+        err_clear(err);
+        router_fail(g->cfg.router, i, "not connected");
+        q->tried |= UINT64_C(1) << i;
+    }
+}
+
+static void on_client_gone(void *arg) {
+    greq *q = arg;
+    q->gone = true;
+    /* While its prompt is being tokenized there is no call yet. */
+    if (q->replica >= 0) rpc_client_cancel(router_client(q->g->cfg.router, q->replica), q->call_id);
+}
+
+static void on_prompt_encoded(tjob *j);
+
+/* A generation request: parsed and tokenized by a worker (a 1 MiB body
+ * of any shape costs the loop nothing but its bytes), then checked and
+ * sent to a target by on_prompt_encoded. */
+void gw_handle_generate(gw *g, http_req *h, oai_kind kind) {
+    met_route route = kind == OAI_CHAT ? MET_CHAT : MET_COMPLETIONS;
+    oai_error e;
+    greq *q = calloc(1, sizeof *q);
+    if (!q) return gw_reply_error(g, h, route, (oai_oom(&e), &e));
+    q->g = g;
+    q->http = h;
+    q->route = route;
+    q->replica = -1;
+    q->t_arrive = clock_mono_seconds();
+    http_req_on_close(h, on_client_gone, q);
+    gw_tjob_submit(g, &q->job, h, TJOB_GENERATE, kind, &q->o, on_prompt_encoded);
+}
+
+static void on_prompt_encoded(tjob *j) {
+    greq *q = (greq *)(void *)((char *)j - offsetof(greq, job));
+    gw *g = q->g;
+    oai_kind kind = j->kind;
+    oai_error e;
+    if (q->gone) {
+        g->met.finish.cancelled++;
+        met_request(&g->met, q->route, 499);
+        LOG_INFOF("request_cancelled id=- reason=\"the client went away while its prompt was tokenized\"");
+        http_respond(q->http, 499, "application/json", NULL, NULL, 0); /* only frees it */
+        greq_free(q);
+        return;
+    }
+    if (j->rc != AE_OK) {
+        e = j->e;
+        goto refuse;
+    }
+    q->ids = j->ids;
+    q->n_prompt = j->n;
+    j->ids = NULL;
+    /* The checks of the gateway's state come after the worker, in the
+     * order they always had: a bad body is 400 whatever the load. */
+    if (g->draining) {
+        oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "the gateway is shutting down");
+        goto refuse;
+    }
+    if (g->inflight >= g->cfg.max_inflight) {
+        oai_fail(&e, 429, "rate_limit_error", "rate_limit_exceeded", NULL,
+                 "%d requests are in flight (the gateway's max-inflight); retry later", g->inflight);
+        goto refuse;
+    }
+    int32_t ctx = gw_context_len(g);
+    if (ctx <= 0) {
+        gw_no_target(g, &e);
+        goto refuse;
+    }
+    int32_t max_prompt = g->cfg.max_prompt_tokens > 0 && g->cfg.max_prompt_tokens < ctx ? g->cfg.max_prompt_tokens
+                                                                                        : ctx - 1;
+    if (q->n_prompt < 1) {
+        oai_bad(&e, kind == OAI_CHAT ? "messages" : "prompt", "invalid_value", "the prompt has no tokens");
+        goto refuse;
+    }
+    if (q->n_prompt > max_prompt) {
+        oai_bad(&e, kind == OAI_CHAT ? "messages" : "prompt", "context_length_exceeded",
+                "the prompt has %d tokens; at most %d fit (the context is %d tokens)", q->n_prompt, max_prompt, ctx);
+        goto refuse;
+    }
+    int32_t limit = g->cfg.max_tokens_limit > 0 ? g->cfg.max_tokens_limit : ctx;
+    const char *mt_param = q->o.max_tokens_field;
+    if (q->o.max_tokens > limit) {
+        oai_bad(&e, mt_param, "invalid_value", "%s is %lld; this server allows at most %d", mt_param,
+                (long long)q->o.max_tokens, limit);
+        goto refuse;
+    }
+    if (q->o.max_tokens > 0 && q->n_prompt + q->o.max_tokens > ctx) {
+        oai_bad(&e, mt_param, "context_length_exceeded",
+                "the prompt (%d tokens) and %s (%lld) are more than the context of %d tokens", q->n_prompt, mt_param,
+                (long long)q->o.max_tokens, ctx);
+        goto refuse;
+    }
+    q->max_tokens = q->o.max_tokens > 0 ? (int32_t)q->o.max_tokens : g->cfg.default_max_tokens;
+    if (q->max_tokens > ctx - q->n_prompt) q->max_tokens = ctx - q->n_prompt;
+    int32_t *all = realloc(q->ids, sizeof(int32_t) * (size_t)(q->n_prompt + q->max_tokens));
+    if (!all) {
+        oai_oom(&e);
+        goto refuse;
+    }
+    q->ids = all;
+    ae_error err = {{0}};
+    if (detok_init(&q->dt, g->cfg.tok, true, &err) != AE_OK ||
+        stop_init(&q->sm, (const char *const *)q->o.stops, q->o.stop_lens, q->o.n_stops, detok_max_out(q->dt) + 3,
+                  &err) != AE_OK) {
+        oai_fail(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
+        goto refuse;
+    }
+    q->piece = malloc(detok_max_out(q->dt) + 3);
+    q->text = malloc(stop_max_out(q->sm) + 1);
+    if (!q->piece || !q->text) {
+        oai_oom(&e);
+        goto refuse;
+    }
+    if (q->o.has_seed) q->seed = q->o.seed;
+    else if (getrandom(&q->seed, sizeof q->seed, 0) != (ssize_t)sizeof q->seed) q->seed = (uint64_t)(clock_mono_seconds() * 1e9);
+    uint8_t rnd[12];
+    if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) memset(rnd, 0, sizeof rnd);
+    int w = snprintf(q->id, sizeof q->id, "%s-", kind == OAI_CHAT ? "chatcmpl" : "cmpl");
+    for (size_t i = 0; i < sizeof rnd; i++) w += snprintf(q->id + w, sizeof q->id - (size_t)w, "%02x", rnd[i]);
+    q->created = (int64_t)time(NULL);
+    if (start_call(q, &err) != AE_OK) {
+        oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "%s", err.msg);
+        goto refuse;
+    }
+    g->inflight++;
+    return;
+refuse:
+    gw_reply_error(g, q->http, q->route, &e);
+    greq_free(q);
+}

@@ -1,0 +1,29 @@
+/* The gateway's JSON writer: a growing text buffer that replies and
+ * stream events are written into. An allocation failure marks the buffer
+ * (oom) and drops what is added after it, so that writers need not check
+ * each call: the reply becomes a 503 instead. */
+#ifndef AERIE_GATEWAY_JBUF_H
+#define AERIE_GATEWAY_JBUF_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+typedef struct jbuf {
+    char *p; /* NUL-terminated once anything was added */
+    size_t len, cap;
+    bool oom; /* an allocation failed: what was added since is lost */
+} jbuf;
+
+/* Room for `more` bytes (and the NUL) past len; false (and oom) when out of memory. */
+bool jbuf_reserve(jbuf *b, size_t more);
+void jbuf_add(jbuf *b, const char *s, size_t n);
+void jbuf_str(jbuf *b, const char *s);
+void jbuf_printf(jbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* s[0..n) (valid UTF-8) as a JSON string, quotes included. */
+void jbuf_quote(jbuf *b, const char *s, size_t n);
+/* The bytes jbuf_quote adds for s[0..n). */
+size_t jbuf_quoted_len(const char *s, size_t n);
+void jbuf_clear(jbuf *b); /* empty, and the oom mark cleared */
+void jbuf_free(jbuf *b);
+
+#endif
