@@ -365,7 +365,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
     kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, (n + 15) / 16, 1, (n + 15) / 16};
     int32_t seq;
     if (kv_init(&kv, &kp, err) != AE_OK || pool_init(&p, (int)cfg_int(c, "threads"), err) != AE_OK ||
-        kn_stream_init_cpu(&s, p, eagle_stream_workspace(h, n, n), err) != AE_OK ||
+        kn_stream_init(&s, &kn_backend_cpu, &(kn_stream_config){p, eagle_stream_workspace(h, n, n)}, err) != AE_OK ||
         eagle_ws_init(&ws, h, n, err) != AE_OK || kv_seq_alloc(kv, &seq, err) != AE_OK ||
         kv_seq_reserve(kv, seq, n, err) != AE_OK)
         goto out;

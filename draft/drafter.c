@@ -107,8 +107,7 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
     kv_params kp = kv_params_for(h, cfg);
     d->pool = cfg->pool;
     if ((!d->pool && pool_init(&d->own_pool, cfg->threads, err) != AE_OK) ||
-        kn_stream_init_cpu(&d->stream, d->pool ? d->pool : d->own_pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH),
-                           err) != AE_OK ||
+        kn_stream_init(&d->stream, &kn_backend_cpu, &(kn_stream_config){d->pool ? d->pool : d->own_pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH)}, err) != AE_OK ||
         eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, &kp, err) != AE_OK)
         goto fail;
     if (cfg->act_bits) kn_stream_set_act_bits(d->stream, cfg->act_bits);

@@ -100,15 +100,34 @@
 
 /* ---- streams ------------------------------------------------------------ */
 
+/* Ops run on a stream of a backend (backend.h: what a backend fills in).
+ * kn_backend_cpu is the reference backend, always there. */
+typedef struct kn_backend kn_backend;
 typedef struct kn_stream kn_stream;
 struct pool; /* services/core/pool.h */
 
-/* A CPU stream running ops on pool p (not owned; may be shared by several
- * streams, which then take turns). workspace_bytes is the scratch the
- * stream keeps for ops that need it; size it with kn_matmul_workspace for
- * the largest m and k the engine will pass (0 is valid: no scratch). */
-int kn_stream_init_cpu(kn_stream **out, struct pool *p, size_t workspace_bytes, ae_error *err);
+extern const kn_backend kn_backend_cpu;
+
+/* What a backend is asked about (kn_backend_supports): a matmul's weight
+ * type, an embedding table's type, a KV pool's element type, or the f32
+ * of every other op. */
+typedef enum kn_op { KN_OP_MATMUL, KN_OP_EMBED, KN_OP_KV, KN_OP_F32 } kn_op;
+bool kn_backend_supports(const kn_backend *be, kn_op op, ggml_type type);
+const char *kn_backend_name(const kn_backend *be); /* "cpu" */
+
+typedef struct kn_stream_config {
+    /* CPU: the threads ops run on (not owned; several streams may share
+     * one pool, and then take turns). */
+    struct pool *pool;
+    /* Scratch the stream keeps for ops that need it: size it with
+     * kn_matmul_workspace and kn_attention_workspace for the largest
+     * shapes the caller will pass (0 is valid: no scratch). */
+    size_t workspace_bytes;
+} kn_stream_config;
+
+int kn_stream_init(kn_stream **out, const kn_backend *be, const kn_stream_config *cfg, ae_error *err);
 void kn_stream_free(kn_stream *s); /* NULL is a no-op */
+const kn_backend *kn_stream_backend(const kn_stream *s);
 
 /* The precision quantized matmuls round x to (kernels.h "Batch
  * invariance"): 15 (two byte planes, the default) or 8 (one). Set it
@@ -116,8 +135,29 @@ void kn_stream_free(kn_stream *s); /* NULL is a no-op */
 #define KN_ACT_BITS_DEFAULT 15
 void kn_stream_set_act_bits(kn_stream *s, int bits);
 int kn_stream_act_bits(const kn_stream *s);
-void kn_stream_sync(kn_stream *s);  /* CPU: nothing to wait for */
+void kn_stream_sync(kn_stream *s); /* waits for every op queued (CPU: none is) */
 int kn_stream_threads(const kn_stream *s);
+
+/* A point in a stream's work: kn_event_wait makes another stream's later
+ * ops wait for what s had queued at kn_event_record (CPU: nothing to
+ * wait for). */
+typedef struct kn_event {
+    void *impl; /* the backend's */
+} kn_event;
+void kn_event_record(kn_stream *s, kn_event *e);
+void kn_event_wait(kn_stream *s, const kn_event *e);
+
+/* Memory of a backend (CPU: host memory, 64-byte aligned). Copies in and
+ * out are ops of a stream, in its order. */
+typedef struct kn_buf {
+    const kn_backend *be;
+    void *ptr; /* the backend's address: pass it to that backend's ops */
+    size_t bytes;
+} kn_buf;
+int kn_buf_alloc(const kn_backend *be, kn_buf *b, size_t bytes, ae_error *err);
+void kn_buf_free(kn_buf *b); /* a zeroed one is a no-op */
+void kn_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n);
+void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n);
 
 /* ---- weights ------------------------------------------------------------ */
 
@@ -209,6 +249,12 @@ void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n)
  * as f32. Every id must be in [0, table->rows). */
 void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
 
+/* dst[r * dst_stride .. + width) = src[rows[r] * width .. + width) for
+ * r < n: rows of a batch gathered (the logit rows, the features a head
+ * reads). dst does not overlap src. */
+void kn_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
+                    int64_t dst_stride);
+
 /* ---- RoPE --------------------------------------------------------------- */
 
 #define KN_MAX_HEAD_DIM 256
@@ -257,15 +303,17 @@ void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t
 
 /* One layer's KV storage (plain data; the KV cache owns the memory). Slot s
  * of a sequence lives in block block_table[s / block_size], row
- * s % block_size. Elements are IEEE half floats (f16 bit patterns): half
- * the bytes of f32 to hold and, at decode, to read. */
+ * s % block_size. The element type is the pool's: a backend says which it
+ * takes (kn_backend_supports, KN_OP_KV). The CPU's is GGML_TYPE_F16, IEEE
+ * half floats: half the bytes of f32 to hold and, at decode, to read. */
 typedef struct kn_kv_pool {
-    uint16_t *k; /* f16 [n_blocks][block_size][n_kv_heads][head_dim] */
-    uint16_t *v; /* f16 [n_blocks][block_size][n_kv_heads][head_dim] */
+    void *k; /* [n_blocks][block_size][n_kv_heads][head_dim] of type */
+    void *v; /* the same */
     int32_t n_blocks;
     int32_t block_size;
     int32_t n_kv_heads;
     int32_t head_dim;
+    ggml_type type;
 } kn_kv_pool;
 
 /* Where each token of a batch reads and writes the KV cache (plain data,

@@ -70,7 +70,7 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
                     (cfg->kv_tokens + cfg->block_size - 1) / cfg->block_size, cfg->max_seqs,
                     (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size};
     if (pool_init(&e->pool, cfg->threads, err) != AE_OK ||
-        kn_stream_init_cpu(&e->stream, e->pool, llama_stream_workspace(m, cfg->max_batch_tokens, cfg->max_seq_len), err) != AE_OK ||
+        kn_stream_init(&e->stream, &kn_backend_cpu, &(kn_stream_config){e->pool, llama_stream_workspace(m, cfg->max_batch_tokens, cfg->max_seq_len)}, err) != AE_OK ||
         llama_ws_init(&e->ws, m, cfg->max_batch_tokens, cfg->max_batch_tokens, err) != AE_OK ||
         kv_init(&e->kv, &kp, err) != AE_OK)
         goto fail;

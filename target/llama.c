@@ -85,14 +85,12 @@ void llama_ws_free(llama_ws *ws) {
     free(ws);
 }
 
-static void capture_layer(const llama_capture *cap, int32_t layer, const float *x, int32_t H) {
+static void capture_layer(kn_stream *s, const llama_capture *cap, int32_t layer, const float *x, int32_t H) {
     if (!cap) return;
-    for (int32_t j = 0; j < cap->n_layers; j++) {
-        if (cap->layers[j] != layer) continue;
-        for (int32_t r = 0; r < cap->n_rows; r++)
-            memcpy(cap->out + ((size_t)r * (size_t)cap->n_layers + (size_t)j) * (size_t)H,
-                   x + (size_t)cap->rows[r] * (size_t)H, (size_t)H * sizeof(float));
-    }
+    for (int32_t j = 0; j < cap->n_layers; j++)
+        if (cap->layers[j] == layer)
+            kn_gather_rows(s, x, cap->rows, cap->n_rows, H, cap->out + (size_t)j * (size_t)H,
+                           (int64_t)cap->n_layers * H);
 }
 
 void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
@@ -115,7 +113,7 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
     kn_rope_table(&m->rope, b->pos, T, ws->rope);
     for (int32_t li = 0; li < c->n_layers; li++) {
         const model_layer *l = &m->layers[li];
-        capture_layer(cap, li, ws->x, H);
+        capture_layer(s, cap, li, ws->x, H);
 
         /* attention block */
         kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, H, c->rms_eps);
@@ -138,13 +136,10 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
         kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
         kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);
     }
-    capture_layer(cap, c->n_layers, ws->x, H);
+    capture_layer(s, cap, c->n_layers, ws->x, H);
     if (b->n_logits == 0) return;
-    for (int32_t r = 0; r < b->n_logits; r++) {
-        AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
-        memcpy(ws->out_x + (size_t)r * (size_t)H, ws->x + (size_t)b->logit_rows[r] * (size_t)H,
-               (size_t)H * sizeof(float));
-    }
+    for (int32_t r = 0; r < b->n_logits; r++) AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
+    kn_gather_rows(s, ws->x, b->logit_rows, b->n_logits, H, ws->out_x, H);
     kn_rmsnorm(s, ws->out_x, m->output_norm, ws->out_x, b->n_logits, H, c->rms_eps);
     kn_matmul(s, &m->output, ws->out_x, b->logits, b->n_logits);
 }

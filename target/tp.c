@@ -311,7 +311,7 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
                        n * layers2 * sizeof(uint16_t));
     for (int32_t l = 0; l < c->n_layers; l++)
         r->kv[l] = (kn_kv_pool){r->kv_mem + (size_t)(2 * l) * n, r->kv_mem + (size_t)(2 * l + 1) * n,
-                                cfg->kv_blocks, cfg->block_size, c->n_kv_heads, c->head_dim};
+                                cfg->kv_blocks, cfg->block_size, c->n_kv_heads, c->head_dim, GGML_TYPE_F16};
     return AE_OK;
 }
 
@@ -338,7 +338,7 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
         r->rank = i;
         if (tp_shard_init(&r->shard, m, &g->split, i, err) != AE_OK ||
             pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
-            kn_stream_init_cpu(&r->stream, r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, 0), err) != AE_OK ||
+            kn_stream_init(&r->stream, &kn_backend_cpu, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, 0)}, err) != AE_OK ||
             llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;

@@ -47,17 +47,10 @@
  * most that share one load of a chunk there. Bounds the stack state. */
 #define KN_ATTN_WINDOW 16
 
-static void check_map(const kn_kv_pool *kv, const kn_kv_map *map) {
-    AE_ASSERT(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_kv_heads > 0);
-    AE_ASSERT(kv->head_dim > 0 && kv->head_dim <= KN_MAX_HEAD_DIM);
-    AE_ASSERT(map->m >= 0 && map->n_seqs >= 0 && map->table_len >= 0 && map->n_extra_total >= 0);
-    for (int32_t t = 0; t < map->m; t++) {
-        AE_ASSERT(map->seq[t] >= 0 && map->seq[t] < map->n_seqs);
-        AE_ASSERT(map->n_prefix[t] >= 0 && map->n_extra[t] >= 0);
-        AE_ASSERT(map->extra_start[t] >= 0 &&
-                  map->extra_start[t] <= map->n_extra_total - map->n_extra[t]);
-    }
-}
+/* The pool's elements: f16 bit patterns (kn_backend_cpu takes GGML_TYPE_F16
+ * pools only). */
+static inline uint16_t *pool_k(const kn_kv_pool *kv) { return kv->k; }
+static inline uint16_t *pool_v(const kn_kv_pool *kv) { return kv->v; }
 
 /* Row of slot `slot` of sequence row `seq`: [n_kv_heads][head_dim]. */
 static size_t slot_row(const kn_kv_pool *kv, const kn_kv_map *map, int32_t seq, int32_t slot) {
@@ -84,7 +77,7 @@ typedef void (*widen_fn)(const kn_kv_pool *kv, const size_t *rows, int n, size_t
 static void widen_portable(const kn_kv_pool *kv, const size_t *rows, int n, size_t off, int hd, float *kf,
                            float *vf) {
     for (int j = 0; j < n; j++) {
-        const uint16_t *k = kv->k + rows[j] + off, *v = kv->v + rows[j] + off;
+        const uint16_t *k = pool_k(kv) + rows[j] + off, *v = pool_v(kv) + rows[j] + off;
         for (int i = 0; i < hd; i++) {
             kf[(size_t)j * (size_t)hd + (size_t)i] = quant_f16_to_f32(k[i]);
             vf[(size_t)j * (size_t)hd + (size_t)i] = quant_f16_to_f32(v[i]);
@@ -108,7 +101,7 @@ __attribute__((target("avx2,f16c"))) static void narrow_f16c(const float *x, uin
 __attribute__((target("avx2,f16c"))) static void widen_f16c(const kn_kv_pool *kv, const size_t *rows, int n,
                                                              size_t off, int hd, float *kf, float *vf) {
     for (int j = 0; j < n; j++) {
-        const uint16_t *k = kv->k + rows[j] + off, *v = kv->v + rows[j] + off;
+        const uint16_t *k = pool_k(kv) + rows[j] + off, *v = pool_v(kv) + rows[j] + off;
         float *kd = kf + (size_t)j * (size_t)hd, *vd = vf + (size_t)j * (size_t)hd;
         for (int i = 0; i < hd; i += 8) {
             _mm256_storeu_ps(kd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(k + i))));
@@ -121,16 +114,15 @@ __attribute__((target("avx2,f16c"))) static void widen_f16c(const kn_kv_pool *kv
 #define widen_f16c widen_portable
 #endif
 
-void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k,
+void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k,
                  const float *v) {
     (void)s;
-    check_map(kv, map);
     size_t width = (size_t)kv->n_kv_heads * (size_t)kv->head_dim;
     void (*narrow)(const float *, uint16_t *, size_t) = kn_cpu_use_avx2() ? narrow_f16c : narrow_portable;
     for (int32_t t = 0; t < map->m; t++) {
         size_t at = slot_row(kv, map, map->seq[t], map->slot[t]);
-        narrow(k + (size_t)t * width, kv->k + at, width);
-        narrow(v + (size_t)t * width, kv->v + at, width);
+        narrow(k + (size_t)t * width, pool_k(kv) + at, width);
+        narrow(v + (size_t)t * width, pool_v(kv) + at, width);
     }
 }
 /* 8 floats as one value. GCC's vector extensions: each lane is the plain
@@ -230,8 +222,8 @@ static int token_rows(const attn_job *job, int32_t t, int32_t c, size_t *rows) {
 static void prefetch_rows(const kn_kv_pool *kv, const size_t *rows, int n, size_t off, size_t len) {
     for (int j = 0; j < n; j++)
         for (size_t d = 0; d < len; d += 32) {
-            __builtin_prefetch(kv->k + rows[j] + off + d, 0, 2);
-            __builtin_prefetch(kv->v + rows[j] + off + d, 0, 2);
+            __builtin_prefetch(pool_k(kv) + rows[j] + off + d, 0, 2);
+            __builtin_prefetch(pool_v(kv) + rows[j] + off + d, 0, 2);
         }
 }
 
@@ -529,13 +521,8 @@ size_t kn_attention_workspace(int32_t n_heads, int32_t head_dim, int32_t max_key
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
+void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
                   float *out, int32_t n_heads) {
-    check_map(kv, map);
-    AE_ASSERT(n_heads > 0 && n_heads % kv->n_kv_heads == 0 && kv->head_dim % 8 == 0);
-    AE_ASSERT((int64_t)map->m * n_heads <= INT32_MAX);
-    size_t all = (size_t)map->m * (size_t)n_heads * (size_t)kv->head_dim;
-    AE_ASSERT(out + all <= q || q + all <= out);
     attn_job job = {
         .kv = kv,
         .map = map,
@@ -546,7 +533,7 @@ void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, cons
         .simd = kn_cpu_use_avx2(),
     };
     job.widen = job.simd ? widen_f16c : widen_portable;
-    int threads = kn_stream_threads(s);
+    int threads = pool_threads(KN_CPU(s)->pool);
     int32_t m = map->m;
     if (m == 0) return;
     if (m <= KN_ATTN_SPLIT_M) {
@@ -568,8 +555,8 @@ void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, cons
         run_start[n_runs] = m;
         size_t pairs = (size_t)first[m], H = (size_t)n_heads, hd = (size_t)kv->head_dim;
         size_t need = align64(pairs * H * sizeof(float)) * 2 + pairs * H * hd * sizeof(float);
-        if ((int64_t)n_runs * kv->n_kv_heads < 4 * (int64_t)threads && need <= s->work_bytes) {
-            char *w = s->work;
+        if ((int64_t)n_runs * kv->n_kv_heads < 4 * (int64_t)threads && need <= KN_CPU(s)->work_bytes) {
+            char *w = KN_CPU(s)->work;
             job.first = first;
             job.run_start = run_start;
             job.unit_first = unit_first;
@@ -579,7 +566,7 @@ void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, cons
             job.part_o = (float *)(void *)(w + 2 * align64(pairs * H * sizeof(float)));
             int32_t units = unit_first[n_runs];
             int tasks = units < threads ? (int)units : threads;
-            pool_run(s->pool, units_task, &job, tasks);
+            pool_run(KN_CPU(s)->pool, units_task, &job, tasks);
             for (int32_t t = 0; t < m; t++) {
                 if (job.simd)
                     merge_avx2(&job, t);
@@ -594,5 +581,5 @@ void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, cons
     int64_t w = (int64_t)m * kv->n_kv_heads / (4 * (int64_t)threads);
     job.window = w < 1 ? 1 : w > KN_ATTN_WINDOW ? KN_ATTN_WINDOW : (int32_t)w;
     int64_t windows = (m + job.window - 1) / job.window;
-    pool_run(s->pool, walk_task, &job, (int)(windows * kv->n_kv_heads));
+    pool_run(KN_CPU(s)->pool, walk_task, &job, (int)(windows * kv->n_kv_heads));
 }

@@ -12,45 +12,55 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- streams and dispatch ----------------------------------------------- */
+/* ---- streams, buffers and SIMD dispatch ------------------------------------ */
 
-int kn_stream_init_cpu(kn_stream **out, pool *p, size_t workspace_bytes, ae_error *err) {
-    *out = NULL;
-    if (!p) return err_set(err, "kernels: a CPU stream needs a thread pool");
-    kn_stream *s = calloc(1, sizeof *s);
+static int cpu_stream_init(kn_stream **out, const kn_stream_config *cfg, ae_error *err) {
+    if (!cfg || !cfg->pool) return err_set(err, "kernels: a CPU stream needs a thread pool");
+    kn_cpu_stream *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "kernels: out of memory for a stream");
-    s->pool = p;
-    s->act_bits = KN_ACT_BITS_DEFAULT;
-    if (workspace_bytes > 0) {
-        size_t bytes = (workspace_bytes + 63) & ~(size_t)63;
+    s->pool = cfg->pool;
+    if (cfg->workspace_bytes > 0) {
+        size_t bytes = (cfg->workspace_bytes + 63) & ~(size_t)63;
         s->work = aligned_alloc(64, bytes);
         if (!s->work) {
             free(s);
-            return err_set(err, "kernels: cannot allocate %zu bytes of stream workspace",
-                           workspace_bytes);
+            return err_set(err, "kernels: cannot allocate %zu bytes of stream workspace", cfg->workspace_bytes);
         }
         s->work_bytes = bytes;
     }
-    *out = s;
+    *out = &s->base;
     return AE_OK;
 }
 
-void kn_stream_free(kn_stream *s) {
-    if (!s) return;
-    free(s->work);
-    free(s);
+static void cpu_stream_free(kn_stream *s) {
+    free(KN_CPU(s)->work);
+    free(KN_CPU(s));
 }
 
-void kn_stream_sync(kn_stream *s) { (void)s; }
+static int cpu_stream_threads(const kn_stream *s) { return pool_threads(KN_CPU(s)->pool); }
 
-int kn_stream_threads(const kn_stream *s) { return pool_threads(s->pool); }
+/* Every op is done when it returns: there is nothing to wait for. */
+static void cpu_sync(kn_stream *s) { (void)s; }
+static void cpu_event_record(kn_stream *s, kn_event *e) { (void)s, (void)e; }
+static void cpu_event_wait(kn_stream *s, const kn_event *e) { (void)s, (void)e; }
 
-void kn_stream_set_act_bits(kn_stream *s, int bits) {
-    AE_ASSERT(bits == 8 || bits == 15);
-    s->act_bits = bits;
+/* Buffers are host memory, 64-byte aligned. */
+static int cpu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
+    b->ptr = aligned_alloc(64, ((bytes ? bytes : 1) + 63) & ~(size_t)63);
+    return b->ptr ? AE_OK : err_set(err, "kernels: out of memory for a %zu-byte buffer", bytes);
 }
 
-int kn_stream_act_bits(const kn_stream *s) { return s->act_bits; }
+static void cpu_buf_free(kn_buf *b) { free(b->ptr); }
+
+static void cpu_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n) {
+    (void)s;
+    memcpy((char *)dst->ptr + off, src, n);
+}
+
+static void cpu_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n) {
+    (void)s;
+    memcpy(dst, (const char *)src->ptr + off, n);
+}
 
 static atomic_int g_simd_limit = 2; /* 0 portable, 1 AVX2, 2 AVX-512 */
 
@@ -128,13 +138,13 @@ static void rows_task(void *ctx, int task, int n_tasks) {
 
 /* Runs job->row for every row, on the pool when the work is large. */
 static void run_rows(kn_stream *s, rows_job *job) {
-    int threads = pool_threads(s->pool);
+    int threads = pool_threads(KN_CPU(s)->pool);
     if (threads == 1 || job->m < 2 || job->m * job->n < KN_PAR_MIN) {
         for (int64_t r = 0; r < job->m; r++) job->row(job, r);
         return;
     }
     int n_tasks = job->m < threads ? (int)job->m : threads;
-    pool_run(s->pool, rows_task, job, n_tasks);
+    pool_run(KN_CPU(s)->pool, rows_task, job, n_tasks);
 }
 
 static void rmsnorm_row(const rows_job *job, int64_t r) {
@@ -165,9 +175,8 @@ static void rmsnorm_row(const rows_job *job, int64_t r) {
     }
 }
 
-void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
+void kn_cpu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
                 float eps) {
-    AE_ASSERT(m >= 0 && n > 0 && eps >= 0.0f);
     rows_job job = {.m = m, .row = rmsnorm_row, .a = x, .b = g, .y = y, .n = n, .eps = eps};
     run_rows(s, &job);
 }
@@ -199,7 +208,7 @@ static void flat_job(kn_stream *s, rows_job *job, int64_t count) {
     }
 }
 
-void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count) {
+void kn_cpu_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count) {
     rows_job job = {.row = add_row, .a = a, .b = b, .y = y};
     flat_job(s, &job, count);
 }
@@ -218,14 +227,13 @@ void kn_swiglu_span(const float *g, const float *u, float *y, int64_t n) {
     for (; i < n; i++) y[i] = kn_swiglu1(g[i], u[i]);
 }
 
-void kn_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {
+void kn_cpu_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {
     rows_job job = {.row = swiglu_row, .a = gate, .b = up, .y = y};
     flat_job(s, &job, count);
 }
 
-void kn_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {
+void kn_cpu_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {
     (void)s;
-    AE_ASSERT(m >= 0 && n > 0);
     for (int64_t r = 0; r < m; r++)
         for (int64_t i = 0; i < n; i++) x[r * n + i] += bias[i];
 }
@@ -244,15 +252,13 @@ static void softmax_row(const rows_job *job, int64_t r) {
     for (int64_t i = 0; i < job->n; i++) x[i] *= inv;
 }
 
-void kn_softmax(kn_stream *s, float *x, int64_t m, int64_t n) {
-    AE_ASSERT(m >= 0 && n > 0);
+void kn_cpu_softmax(kn_stream *s, float *x, int64_t m, int64_t n) {
     rows_job job = {.m = m, .row = softmax_row, .y = x, .n = n};
     run_rows(s, &job);
 }
 
-void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
+void kn_cpu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
     (void)s;
-    AE_ASSERT(m >= 0 && n > 0 && n <= INT32_MAX);
     for (int64_t r = 0; r < m; r++) {
         const float *row = x + r * n;
         int64_t best = -1;
@@ -262,9 +268,8 @@ void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n)
     }
 }
 
-void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
+void kn_cpu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
     (void)s;
-    AE_ASSERT(m >= 0 && table->cols > 0 && quant_can_dequantize(table->type));
     for (int64_t t = 0; t < m; t++) {
         AE_ASSERT(ids[t] >= 0 && ids[t] < table->rows);
         const uint8_t *row = (const uint8_t *)table->data + (size_t)ids[t] * table->row_bytes;
@@ -327,10 +332,9 @@ void kn_rope_table(const kn_rope *r, const int32_t *pos, int64_t m, float *cs) {
     }
 }
 
-void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs) {
+void kn_cpu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs) {
     (void)s;
     int half = r->head_dim / 2;
-    AE_ASSERT(half > 0 && m >= 0 && n_heads > 0);
     /* Pair i of the adjacent layout is (2i, 2i+1); of NeoX (i, i+half). */
     int stride = r->layout == KN_ROPE_ADJACENT ? 2 : 1;
     int other = r->layout == KN_ROPE_ADJACENT ? 1 : half;
@@ -351,11 +355,47 @@ void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t
     }
 }
 
-void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads,
-                   const int32_t *pos) {
-    float cs[KN_MAX_HEAD_DIM];
-    for (int64_t t = 0; t < m; t++) {
-        kn_rope_table(r, pos + t, 1, cs);
-        kn_rope_rotate(s, r, x + t * n_heads * r->head_dim, 1, n_heads, cs);
-    }
+static void cpu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
+                            int64_t dst_stride) {
+    (void)s;
+    for (int64_t r = 0; r < n; r++)
+        memcpy(dst + r * dst_stride, src + (int64_t)rows[r] * width, (size_t)width * sizeof(float));
 }
+
+static bool cpu_supports(kn_op op, ggml_type type) {
+    switch (op) {
+    case KN_OP_MATMUL: return kn_matmul_supports(type);
+    case KN_OP_EMBED: return quant_can_dequantize(type);
+    case KN_OP_KV: return type == GGML_TYPE_F16;
+    case KN_OP_F32: return type == GGML_TYPE_F32;
+    }
+    return false;
+}
+
+const kn_backend kn_backend_cpu = {
+    .name = "cpu",
+    .supports = cpu_supports,
+    .stream_init = cpu_stream_init,
+    .stream_free = cpu_stream_free,
+    .stream_threads = cpu_stream_threads,
+    .sync = cpu_sync,
+    .event_record = cpu_event_record,
+    .event_wait = cpu_event_wait,
+    .buf_alloc = cpu_buf_alloc,
+    .buf_free = cpu_buf_free,
+    .upload = cpu_upload,
+    .download = cpu_download,
+    .matmul_n = kn_cpu_matmul_n,
+    .matmul_swiglu = kn_cpu_matmul_swiglu,
+    .rmsnorm = kn_cpu_rmsnorm,
+    .add = kn_cpu_add,
+    .bias_add = kn_cpu_bias_add,
+    .swiglu = kn_cpu_swiglu,
+    .softmax = kn_cpu_softmax,
+    .argmax = kn_cpu_argmax,
+    .embed = kn_cpu_embed,
+    .gather_rows = cpu_gather_rows,
+    .rope_rotate = kn_cpu_rope_rotate,
+    .kv_write = kn_cpu_kv_write,
+    .attention = kn_cpu_attention,
+};

@@ -9,14 +9,36 @@
 #include <string.h>
 
 #include "../../services/core/pool.h"
-#include "../kernels.h"
+#include "../backend.h"
 
-struct kn_stream {
+/* A CPU stream: ops run on the pool's threads and are done when they
+ * return. */
+typedef struct kn_cpu_stream {
+    kn_stream base; /* backend.h; base.act_bits: how quantized matmuls round x */
     pool *pool;     /* not owned */
     void *work;     /* (work_bytes) scratch, 64-byte aligned */
     size_t work_bytes;
-    int act_bits;   /* 15 or 8: how quantized matmuls round x (kernels.h) */
-};
+} kn_cpu_stream;
+
+#define KN_CPU(s) ((kn_cpu_stream *)(s))
+
+/* The ops of kn_backend_cpu (backend.h), their arguments checked by
+ * kernels.c. kn_cpu_matmul is one matrix (kn_cpu_matmul_n's loop). */
+void kn_cpu_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m);
+void kn_cpu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
+void kn_cpu_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                          float *y_up, int64_t m);
+void kn_cpu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps);
+void kn_cpu_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count);
+void kn_cpu_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n);
+void kn_cpu_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count);
+void kn_cpu_softmax(kn_stream *s, float *x, int64_t m, int64_t n);
+void kn_cpu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
+void kn_cpu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
+void kn_cpu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
+void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
+void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
+                      int32_t n_heads);
 
 /* The core of every exponential in the kernels, for xc in [-87, 88]:
  * xc = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7

@@ -121,11 +121,7 @@ static void mm_task(void *ctx, int task, int n_tasks) {
     }
 }
 
-void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m) {
-    AE_ASSERT(kn_matmul_supports(w->type));
-    AE_ASSERT(w->rows > 0 && w->cols > 0 && m >= 0);
-    AE_ASSERT(w->row_bytes >= quant_row_bytes(w->type, (uint64_t)w->cols) &&
-              quant_row_bytes(w->type, (uint64_t)w->cols) > 0);
+void kn_cpu_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m) {
     if (m == 0) return;
     if (kn_qmatmul_type(w->type)) {
         kn_qmatmul_n(s, 1, &w, x, &y, m);
@@ -133,32 +129,27 @@ void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64
     }
     mm_job job = {.w = w, .x = x, .y = y, .m = m, .avx2 = kn_cpu_use_avx2()};
     int64_t n_chunks = (w->rows + KN_CHUNK_N - 1) / KN_CHUNK_N;
-    int threads = kn_stream_threads(s);
-    pool_run(s->pool, mm_task, &job, n_chunks < threads ? (int)n_chunks : threads);
+    int threads = pool_threads(KN_CPU(s)->pool);
+    pool_run(KN_CPU(s)->pool, mm_task, &job, n_chunks < threads ? (int)n_chunks : threads);
 }
 
-void kn_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
-    AE_ASSERT(n >= 1);
+void kn_cpu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
     bool quant = true;
-    for (int i = 0; i < n; i++) {
-        AE_ASSERT(w[i]->cols == w[0]->cols);
-        quant = quant && kn_qmatmul_type(w[i]->type);
-    }
+    for (int i = 0; i < n; i++) quant = quant && kn_qmatmul_type(w[i]->type);
     if (!quant || n > 4 || m == 0) {
-        for (int i = 0; i < n; i++) kn_matmul(s, w[i], x, y[i], m);
+        for (int i = 0; i < n; i++) kn_cpu_matmul(s, w[i], x, y[i], m);
         return;
     }
     kn_qmatmul_n(s, n, w, x, y, m);
 }
 
-void kn_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+void kn_cpu_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
                       float *y_up, int64_t m) {
-    AE_ASSERT(gate->rows == up->rows && gate->cols == up->cols);
     if (m > 0 && kn_qmatmul_type(gate->type) && kn_qmatmul_type(up->type)) {
         kn_qmatmul_swiglu(s, gate, up, x, y_gate, y_up, m);
         return;
     }
-    kn_matmul(s, gate, x, y_gate, m);
-    kn_matmul(s, up, x, y_up, m);
-    kn_swiglu(s, y_gate, y_up, y_gate, m * gate->rows);
+    kn_cpu_matmul(s, gate, x, y_gate, m);
+    kn_cpu_matmul(s, up, x, y_up, m);
+    kn_cpu_swiglu(s, y_gate, y_up, y_gate, m * gate->rows);
 }

@@ -296,8 +296,8 @@ static void qmm_run(kn_stream *s, int n_w, const kn_weight *const *w, const floa
     int64_t k = w[0]->cols;
     AE_ASSERT(k % KN_QK == 0);
     size_t stride = kn_qx_row_bytes(k, s->act_bits);
-    AE_ASSERT(s->work_bytes >= (size_t)m * stride);
-    qmm_job job = {.n_w = n_w, .x = x, .k = k, .qx = s->work, .qx_stride = stride, .bits = s->act_bits, .m = m,
+    AE_ASSERT(KN_CPU(s)->work_bytes >= (size_t)m * stride);
+    qmm_job job = {.n_w = n_w, .x = x, .k = k, .qx = KN_CPU(s)->work, .qx_stride = stride, .bits = s->act_bits, .m = m,
                    .vnni = kn_cpu_use_avx512vnni(), .avx2 = kn_cpu_use_avx2(), .swiglu = swiglu};
     for (int i = 0; i < n_w; i++) {
         AE_ASSERT(w[i]->cols == k && kn_qmatmul_type(w[i]->type));
@@ -305,15 +305,15 @@ static void qmm_run(kn_stream *s, int n_w, const kn_weight *const *w, const floa
         job.y[i] = y[i];
         job.chunks[i + 1] = job.chunks[i] + (w[i]->rows + KN_QCHUNK - 1) / KN_QCHUNK;
     }
-    int threads = kn_stream_threads(s);
+    int threads = pool_threads(KN_CPU(s)->pool);
     /* One row is quicker to quantize here than to hand out (0.6 us for
      * 1536 elements with AVX-512; a pool pass costs ~0.25 us). */
     if (m == 1 || threads == 1)
         quantize_task(&job, 0, 1);
     else
-        pool_run(s->pool, quantize_task, &job, m < threads ? (int)m : threads);
+        pool_run(KN_CPU(s)->pool, quantize_task, &job, m < threads ? (int)m : threads);
     int64_t total = swiglu ? job.chunks[1] : job.chunks[n_w];
-    pool_run(s->pool, qmm_task, &job, total < threads ? (int)total : threads);
+    pool_run(KN_CPU(s)->pool, qmm_task, &job, total < threads ? (int)total : threads);
 }
 
 void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {

@@ -293,6 +293,7 @@ kn_kv_pool kv_layer(kv_cache *kv, int32_t layer) {
         .block_size = kv->p.block_size,
         .n_kv_heads = kv->p.n_kv_heads,
         .head_dim = kv->p.head_dim,
+        .type = GGML_TYPE_F16,
     };
 }
 

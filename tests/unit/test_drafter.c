@@ -45,7 +45,7 @@ static void ref_open(ref *r, const eagle_head *h) {
     assert_int_equal(kv_init(&r->kv, &kp, &err), AE_OK);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 1, &err), AE_OK);
-    assert_int_equal(kn_stream_init_cpu(&r->s, r->p, eagle_stream_workspace(h, 1, 256), &err), AE_OK);
+    assert_int_equal(kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 1, 256)}, &err), AE_OK);
     assert_int_equal(eagle_ws_init(&r->ws, h, 1, &err), AE_OK);
 }
 

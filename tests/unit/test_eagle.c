@@ -104,7 +104,7 @@ static void runner_open(runner *r, const eagle_head *h) {
     if (kv_init(&r->kv, &kp, &err) != AE_OK) fail_msg("%s", err.msg);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 2, &err), AE_OK);
-    assert_int_equal(kn_stream_init_cpu(&r->s, r->p, eagle_stream_workspace(h, 8, 16), &err), AE_OK);
+    assert_int_equal(kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 8, 16)}, &err), AE_OK);
     assert_int_equal(eagle_ws_init(&r->ws, h, 8, &err), AE_OK);
     assert_int_equal(kv_seq_alloc(r->kv, &r->seq, &err), AE_OK);
     assert_int_equal(kv_seq_reserve(r->kv, r->seq, 6, &err), AE_OK);

@@ -35,8 +35,8 @@ static int setup(void **state) {
     (void)state;
     for (int t = 1; t <= MAX_THREADS; t++) {
         if (pool_init(&F.pools[t], t, NULL) != AE_OK) return -1;
-        if (kn_stream_init_cpu(&F.streams[t], F.pools[t], WORK_BYTES, NULL) != AE_OK) return -1;
-        if (kn_stream_init_cpu(&F.streams8[t], F.pools[t], WORK_BYTES, NULL) != AE_OK) return -1;
+        if (kn_stream_init(&F.streams[t], &kn_backend_cpu, &(kn_stream_config){F.pools[t], WORK_BYTES}, NULL) != AE_OK) return -1;
+        if (kn_stream_init(&F.streams8[t], &kn_backend_cpu, &(kn_stream_config){F.pools[t], WORK_BYTES}, NULL) != AE_OK) return -1;
         kn_stream_set_act_bits(F.streams8[t], 8);
     }
     return 0;
@@ -769,7 +769,7 @@ static void kv_setup(kv_fixture *f) {
     /* Through void * so that this file also builds against an f32 pool
      * (the regression run of the f16 change). */
     f->pool = (kn_kv_pool){.k = (void *)f->k, .v = (void *)f->v, .n_blocks = NB, .block_size = BS,
-                           .n_kv_heads = KVH, .head_dim = HD};
+                           .n_kv_heads = KVH, .head_dim = HD, .type = GGML_TYPE_F16};
     /* Scrambled block ids: sequence s, entry e -> a distinct block. */
     for (int s = 0; s < 4; s++)
         for (int e = 0; e < TBL; e++) f->tables[s * TBL + e] = (e * 4 + s) * 7 % 32 + (s == 3 ? 8 : 0);
@@ -847,7 +847,7 @@ static void attention_split_and_walk_agree_bitwise(void **state) {
     float q[2 * NH * HD], split[2 * NH * HD], walk[2 * NH * HD];
     fill(q, sizeof q / sizeof q[0], 2.0f);
     kn_stream *bare;
-    assert_int_equal(kn_stream_init_cpu(&bare, F.pools[2], 0, NULL), AE_OK);
+    assert_int_equal(kn_stream_init(&bare, &kn_backend_cpu, &(kn_stream_config){F.pools[2], 0}, NULL), AE_OK);
     kn_attention(bare, &f.pool, &map, q, walk, NH);
     for (int m = 1; m <= 2; m++) {
         map.m = m;
@@ -926,7 +926,7 @@ static void kv_write_rounds_like_quant_on_every_boundary_and_path(void **state) 
     for (int i = 0; i < ROWS / BS + 1; i++) table[i] = i;
     for (int i = 0; i < ROWS; i++) slots[i] = i;
     kn_kv_pool kvp = {.k = (void *)pool_k, .v = (void *)pool_v, .n_blocks = ROWS / BS + 1, .block_size = BS,
-                       .n_kv_heads = KVH, .head_dim = HD};
+                       .n_kv_heads = KVH, .head_dim = HD, .type = GGML_TYPE_F16};
     kn_kv_map map = {.m = ROWS, .block_tables = table, .n_seqs = 1, .table_len = ROWS / BS + 1, .seq = zero,
                      .slot = slots, .n_prefix = zero, .extra_start = zero, .n_extra = zero};
     for (int level = 0; level <= 2; level++) {
@@ -1043,7 +1043,7 @@ static void attention_shared_chunks_give_each_token_its_alone_bits(void **state)
     static float q[M * NH * HD], got[M * NH * HD], alone[M * NH * HD], ref[M * NH * HD];
     fill(q, sizeof q / sizeof q[0], 2.0f);
     kn_stream *bare;
-    assert_int_equal(kn_stream_init_cpu(&bare, F.pools[2], 0, NULL), AE_OK);
+    assert_int_equal(kn_stream_init(&bare, &kn_backend_cpu, &(kn_stream_config){F.pools[2], 0}, NULL), AE_OK);
     const int prefixes[2] = {100, 64};
     for (int pi = 0; pi < 2; pi++) {
         for (int i = 0; i < TREE; i++) n_prefix[i] = prefixes[pi];
@@ -1154,8 +1154,70 @@ static void allreduce_sums_in_rank_order_and_one_rank_is_a_noop(void **state) {
     kn_comm_free_cpu(NULL, 0);
 }
 
+/* ---- the backend table ---------------------------------------------------- */
+
+static void cpu_backend_says_what_it_supports(void **state) {
+    (void)state;
+    const kn_backend *be = kn_stream_backend(F.streams[1]);
+    assert_ptr_equal(be, &kn_backend_cpu);
+    assert_string_equal(kn_backend_name(be), "cpu");
+    ggml_type native[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
+    for (size_t i = 0; i < sizeof native / sizeof native[0]; i++)
+        assert_true(kn_backend_supports(be, KN_OP_MATMUL, native[i]));
+    assert_false(kn_backend_supports(be, KN_OP_MATMUL, GGML_TYPE_Q6_K)); /* converted to f32 at load */
+    assert_true(kn_backend_supports(be, KN_OP_EMBED, GGML_TYPE_Q6_K));   /* kn_embed reads any type */
+    assert_true(kn_backend_supports(be, KN_OP_KV, GGML_TYPE_F16));
+    assert_false(kn_backend_supports(be, KN_OP_KV, GGML_TYPE_F32));
+    assert_true(kn_backend_supports(be, KN_OP_F32, GGML_TYPE_F32));
+    assert_false(kn_backend_supports(be, KN_OP_F32, GGML_TYPE_F16));
+}
+
+static void buffers_round_trip_and_events_order_nothing_on_the_cpu(void **state) {
+    (void)state;
+    kn_stream *s = F.streams[2];
+    kn_buf b;
+    ae_error err = {0};
+    assert_int_equal(kn_buf_alloc(&kn_backend_cpu, &b, 1000, &err), AE_OK);
+    assert_int_equal(b.bytes, 1000);
+    assert_int_equal((uintptr_t)b.ptr % 64, 0);
+    uint8_t in[1000], out[1000] = {0};
+    for (int i = 0; i < 1000; i++) in[i] = (uint8_t)(i * 7 + 3);
+    kn_upload(s, &b, 0, in, 600);
+    kn_upload(s, &b, 600, in + 600, 400);
+    kn_event e = {0};
+    kn_event_record(s, &e);
+    kn_event_wait(F.streams[1], &e);
+    kn_stream_sync(s);
+    kn_download(s, out, &b, 0, 1000);
+    assert_memory_equal(in, out, 1000);
+    memset(out, 0, sizeof out);
+    kn_download(s, out + 10, &b, 250, 5);
+    assert_int_equal(out[10], (uint8_t)(250 * 7 + 3));
+    assert_int_equal(out[14], (uint8_t)(254 * 7 + 3));
+    assert_int_equal(out[15], 0);
+    kn_buf_free(&b);
+    assert_null(b.ptr);
+    kn_buf_free(&b); /* a zeroed buffer is a no-op */
+}
+
+static void gather_rows_copies_the_named_rows_to_a_stride(void **state) {
+    (void)state;
+    float src[5][3], dst[3][4];
+    for (int r = 0; r < 5; r++)
+        for (int c = 0; c < 3; c++) src[r][c] = (float)(10 * r + c);
+    for (int r = 0; r < 3; r++)
+        for (int c = 0; c < 4; c++) dst[r][c] = -1.0f;
+    int32_t rows[3] = {4, 0, 4};
+    kn_gather_rows(F.streams[1], &src[0][0], rows, 3, 3, &dst[0][0], 4);
+    const float want[3][4] = {{40, 41, 42, -1}, {0, 1, 2, -1}, {40, 41, 42, -1}};
+    assert_memory_equal(dst, want, sizeof want);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(cpu_backend_says_what_it_supports),
+        cmocka_unit_test(buffers_round_trip_and_events_order_nothing_on_the_cpu),
+        cmocka_unit_test(gather_rows_copies_the_named_rows_to_a_stride),
         cmocka_unit_test(matmul_matches_double_reference_for_every_type),
         cmocka_unit_test(matmul_portable_path_matches_double_reference),
         cmocka_unit_test(matmul_simd_and_portable_paths_agree_bitwise),

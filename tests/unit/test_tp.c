@@ -223,7 +223,7 @@ static void plain_init(plain *p) {
     ae_error err = {0};
     memset(p, 0, sizeof *p);
     if (pool_init(&p->pool, 2, &err) != AE_OK ||
-        kn_stream_init_cpu(&p->stream, p->pool, llama_stream_workspace(mdl, N_PROMPT, N_PROMPT + N_GEN), &err) != AE_OK ||
+        kn_stream_init(&p->stream, &kn_backend_cpu, &(kn_stream_config){p->pool, llama_stream_workspace(mdl, N_PROMPT, N_PROMPT + N_GEN)}, &err) != AE_OK ||
         llama_ws_init(&p->ws, mdl, N_PROMPT, 1, &err) != AE_OK)
         fail_msg("%s", err.msg);
     size_t n = (size_t)N_BLOCKS * BLOCK * (size_t)c->n_kv_heads * (size_t)c->head_dim;
@@ -233,7 +233,7 @@ static void plain_init(plain *p) {
     assert_non_null(p->kv);
     for (int32_t l = 0; l < c->n_layers; l++)
         p->kv[l] = (kn_kv_pool){p->kv_mem + (size_t)(2 * l) * n, p->kv_mem + (size_t)(2 * l + 1) * n, N_BLOCKS,
-                                BLOCK, c->n_kv_heads, c->head_dim};
+                                BLOCK, c->n_kv_heads, c->head_dim, GGML_TYPE_F16};
 }
 
 static void plain_free(plain *p) {

@@ -1,0 +1,76 @@
+/* What a compute backend fills in. kernels.h is what the rest of Aerie
+ * calls; each of its ops checks its arguments there (kernels.c) and then
+ * calls the stream's backend through this table. The CPU backend
+ * (cpu/kn_cpu.c, kn_backend_cpu) is the reference, and every other
+ * backend is tested op by op against it.
+ *
+ * A backend:
+ *   - says which ops it runs on which types (supports);
+ *   - makes streams: every backend's stream struct starts with a
+ *     struct kn_stream (below), so that an op finds its backend, and the
+ *     backend casts the stream to its own struct;
+ *   - allocates buffers in its own memory and copies into and out of them
+ *     (upload, download);
+ *   - runs each op of kernels.h with the contract stated there, which
+ *     includes the bits (kernels.h "Batch invariance");
+ *   - orders work: sync waits for everything queued on a stream, and an
+ *     event recorded on one stream can be waited for on another.
+ *
+ * A backend whose ops run asynchronously (CUDA) must treat every pointer
+ * an op takes as its own memory (from buf_alloc); the CPU backend's
+ * buffers are host memory, so host pointers and buffer pointers are the
+ * same there. */
+#ifndef AERIE_KERNELS_BACKEND_H
+#define AERIE_KERNELS_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels.h"
+
+/* The head of every backend's stream. */
+struct kn_stream {
+    const kn_backend *be;
+    int act_bits; /* 15 or 8 (kernels.h); kn_stream_set_act_bits */
+};
+
+struct kn_backend {
+    const char *name; /* "cpu" */
+
+    bool (*supports)(kn_op op, ggml_type type);
+
+    /* streams */
+    int (*stream_init)(kn_stream **out, const kn_stream_config *cfg, ae_error *err);
+    void (*stream_free)(kn_stream *s);
+    int (*stream_threads)(const kn_stream *s);
+    void (*sync)(kn_stream *s);
+    void (*event_record)(kn_stream *s, kn_event *e);
+    void (*event_wait)(kn_stream *s, const kn_event *e);
+
+    /* buffers */
+    int (*buf_alloc)(kn_buf *b, size_t bytes, ae_error *err);
+    void (*buf_free)(kn_buf *b);
+    void (*upload)(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n);
+    void (*download)(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n);
+
+    /* ops: the arguments are checked, as kernels.h states them */
+    void (*matmul_n)(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
+    void (*matmul_swiglu)(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                          float *y_up, int64_t m);
+    void (*rmsnorm)(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps);
+    void (*add)(kn_stream *s, const float *a, const float *b, float *y, int64_t count);
+    void (*bias_add)(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n);
+    void (*swiglu)(kn_stream *s, const float *gate, const float *up, float *y, int64_t count);
+    void (*softmax)(kn_stream *s, float *x, int64_t m, int64_t n);
+    void (*argmax)(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
+    void (*embed)(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
+    void (*rope_rotate)(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
+    void (*kv_write)(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
+    void (*attention)(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
+                      int32_t n_heads);
+    void (*gather_rows)(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
+                        int64_t dst_stride);
+};
+
+#endif

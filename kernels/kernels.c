@@ -1,0 +1,180 @@
+/* The entry points of kernels.h: each checks its arguments, then calls
+ * the stream's backend (backend.h). What an op computes, and its bits,
+ * are the backend's to keep; what it may be given is checked here once
+ * for every backend. */
+#include "backend.h"
+
+#include <stdlib.h>
+
+/* ---- streams, events, buffers --------------------------------------------- */
+
+int kn_stream_init(kn_stream **out, const kn_backend *be, const kn_stream_config *cfg, ae_error *err) {
+    *out = NULL;
+    if (!be) return err_set(err, "kernels: no backend");
+    if (be->stream_init(out, cfg, err) != AE_OK) return AE_ERR;
+    (*out)->be = be;
+    (*out)->act_bits = KN_ACT_BITS_DEFAULT;
+    return AE_OK;
+}
+
+void kn_stream_free(kn_stream *s) {
+    if (s) s->be->stream_free(s);
+}
+
+const kn_backend *kn_stream_backend(const kn_stream *s) { return s->be; }
+
+const char *kn_backend_name(const kn_backend *be) { return be->name; }
+
+bool kn_backend_supports(const kn_backend *be, kn_op op, ggml_type type) { return be->supports(op, type); }
+
+void kn_stream_set_act_bits(kn_stream *s, int bits) {
+    AE_ASSERT(bits == 8 || bits == 15);
+    s->act_bits = bits;
+}
+
+int kn_stream_act_bits(const kn_stream *s) { return s->act_bits; }
+
+void kn_stream_sync(kn_stream *s) { s->be->sync(s); }
+
+int kn_stream_threads(const kn_stream *s) { return s->be->stream_threads(s); }
+
+void kn_event_record(kn_stream *s, kn_event *e) { s->be->event_record(s, e); }
+
+void kn_event_wait(kn_stream *s, const kn_event *e) { s->be->event_wait(s, e); }
+
+int kn_buf_alloc(const kn_backend *be, kn_buf *b, size_t bytes, ae_error *err) {
+    *b = (kn_buf){0};
+    if (be->buf_alloc(b, bytes, err) != AE_OK) return AE_ERR;
+    b->be = be;
+    b->bytes = bytes;
+    return AE_OK;
+}
+
+void kn_buf_free(kn_buf *b) {
+    if (b->be) b->be->buf_free(b);
+    *b = (kn_buf){0};
+}
+
+void kn_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n) {
+    AE_ASSERT(dst->be == s->be && off <= dst->bytes && n <= dst->bytes - off);
+    if (n) s->be->upload(s, dst, off, src, n);
+}
+
+void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n) {
+    AE_ASSERT(src->be == s->be && off <= src->bytes && n <= src->bytes - off);
+    if (n) s->be->download(s, dst, src, off, n);
+}
+
+/* ---- ops -------------------------------------------------------------------- */
+
+static void check_weight(const kn_stream *s, const kn_weight *w) {
+    AE_ASSERT(w && w->rows > 0 && w->cols > 0);
+    AE_ASSERT(s->be->supports(KN_OP_MATMUL, w->type));
+    AE_ASSERT(w->row_bytes >= quant_row_bytes(w->type, (uint64_t)w->cols) &&
+              quant_row_bytes(w->type, (uint64_t)w->cols) > 0);
+}
+
+void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m) {
+    check_weight(s, w);
+    AE_ASSERT(m >= 0);
+    s->be->matmul_n(s, 1, &w, x, &y, m);
+}
+
+void kn_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
+    AE_ASSERT(n >= 1 && m >= 0);
+    for (int i = 0; i < n; i++) {
+        check_weight(s, w[i]);
+        AE_ASSERT(w[i]->cols == w[0]->cols);
+    }
+    s->be->matmul_n(s, n, w, x, y, m);
+}
+
+void kn_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                      float *y_up, int64_t m) {
+    check_weight(s, gate);
+    check_weight(s, up);
+    AE_ASSERT(gate->rows == up->rows && gate->cols == up->cols && m >= 0);
+    s->be->matmul_swiglu(s, gate, up, x, y_gate, y_up, m);
+}
+
+void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps) {
+    AE_ASSERT(m >= 0 && n > 0 && eps >= 0.0f);
+    s->be->rmsnorm(s, x, g, y, m, n, eps);
+}
+
+void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count) {
+    AE_ASSERT(count >= 0);
+    s->be->add(s, a, b, y, count);
+}
+
+void kn_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {
+    AE_ASSERT(m >= 0 && n > 0);
+    s->be->bias_add(s, x, bias, m, n);
+}
+
+void kn_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {
+    AE_ASSERT(count >= 0);
+    s->be->swiglu(s, gate, up, y, count);
+}
+
+void kn_softmax(kn_stream *s, float *x, int64_t m, int64_t n) {
+    AE_ASSERT(m >= 0 && n > 0);
+    s->be->softmax(s, x, m, n);
+}
+
+void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
+    AE_ASSERT(m >= 0 && n > 0 && n <= INT32_MAX);
+    s->be->argmax(s, x, out, m, n);
+}
+
+void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
+    AE_ASSERT(m >= 0 && table->cols > 0 && s->be->supports(KN_OP_EMBED, table->type));
+    s->be->embed(s, table, ids, out, m);
+}
+
+void kn_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
+                    int64_t dst_stride) {
+    AE_ASSERT(n >= 0 && width > 0 && dst_stride >= width);
+    s->be->gather_rows(s, src, rows, n, width, dst, dst_stride);
+}
+
+void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs) {
+    AE_ASSERT(r->head_dim / 2 > 0 && m >= 0 && n_heads > 0);
+    s->be->rope_rotate(s, r, x, m, n_heads, cs);
+}
+
+void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const int32_t *pos) {
+    float cs[KN_MAX_HEAD_DIM];
+    for (int64_t t = 0; t < m; t++) {
+        kn_rope_table(r, pos + t, 1, cs);
+        kn_rope_rotate(s, r, x + t * n_heads * r->head_dim, 1, n_heads, cs);
+    }
+}
+
+static void check_kv(const kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map) {
+    AE_ASSERT(kv->k && kv->v && s->be->supports(KN_OP_KV, kv->type));
+    AE_ASSERT(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_kv_heads > 0);
+    AE_ASSERT(kv->head_dim > 0 && kv->head_dim <= KN_MAX_HEAD_DIM);
+    AE_ASSERT(map->m >= 0 && map->n_seqs >= 0 && map->table_len >= 0 && map->n_extra_total >= 0);
+    for (int32_t t = 0; t < map->m; t++) {
+        AE_ASSERT(map->seq[t] >= 0 && map->seq[t] < map->n_seqs);
+        AE_ASSERT(map->n_prefix[t] >= 0 && map->n_extra[t] >= 0);
+        AE_ASSERT(map->extra_start[t] >= 0 &&
+                  map->extra_start[t] <= map->n_extra_total - map->n_extra[t]);
+    }
+}
+
+void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v) {
+    check_kv(s, kv, map);
+    s->be->kv_write(s, kv, map, k, v);
+}
+
+void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
+                  int32_t n_heads) {
+    check_kv(s, kv, map);
+    AE_ASSERT(n_heads > 0 && n_heads % kv->n_kv_heads == 0 && kv->head_dim % 8 == 0);
+    AE_ASSERT((int64_t)map->m * n_heads <= INT32_MAX);
+    size_t all = (size_t)map->m * (size_t)n_heads * (size_t)kv->head_dim;
+    AE_ASSERT(out + all <= q || q + all <= out);
+    s->be->attention(s, kv, map, q, out, n_heads);
+}
