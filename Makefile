@@ -1,7 +1,8 @@
 # Aerie: one entry point. See README.md and ../shared/DESIGN.md.
 #
 # Sources are found by folder, so a new module needs no edit here:
-#   services/*/*.c kernels/*.c kernels/cpu/*.c target/*.c draft/*.c gateway/*.c -> build/libaerie.a
+#   services/*/*.c kernels/*.c kernels/cpu/*.c target/*.c target/arch/*.c draft/*.c gateway/*.c
+#                                   -> build/libaerie.a
 #   cli/*.c                         -> build/aerie
 #   tests/unit/test_NAME.c          -> build/asan/tests/test_NAME (cmocka, ASan+UBSan)
 #   tests/fuzz/fuzz_NAME.c          -> build/fuzz/fuzz_NAME (libFuzzer, ASan+UBSan)
@@ -33,7 +34,7 @@ BASE_CFLAGS += -Ibuild/gen
 # target/, draft/ and gateway/ are libraries first: their main.c files
 # become the service binaries, everything else goes into the library.
 LIB_SRC  := $(sort $(wildcard services/*/*.c kernels/*.c kernels/cpu/*.c) \
-              $(filter-out %/main.c,$(wildcard target/*.c draft/*.c gateway/*.c))) $(GEN_C)
+              $(filter-out %/main.c,$(wildcard target/*.c target/arch/*.c draft/*.c gateway/*.c))) $(GEN_C)
 CLI_SRC  := $(sort $(wildcard cli/*.c))
 UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))

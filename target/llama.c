@@ -93,11 +93,37 @@ static void capture_layer(kn_stream *s, const llama_capture *cap, int32_t layer,
                            (int64_t)cap->n_layers * H);
 }
 
+/* GQA attention: ws->x in, the output projection in ws->proj (a partial
+ * sum over this rank's heads under tensor parallelism). */
+static void attn_gqa(const model *m, const model_layer *l, kn_stream *s, const kn_kv_pool *kv, llama_ws *ws,
+                     const llama_batch *b) {
+    const model_config *c = &m->cfg;
+    const int32_t T = b->m, H = c->hidden;
+    const int64_t QD = (int64_t)c->n_heads * c->head_dim, KD = (int64_t)c->n_kv_heads * c->head_dim;
+    kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, H, c->rms_eps);
+    kn_matmul_n(s, 3, (const kn_weight *[]){&l->wq, &l->wk, &l->wv}, ws->xn, (float *[]){ws->q, ws->k, ws->v}, T);
+    if (l->bq) kn_bias_add(s, ws->q, l->bq, T, QD);
+    if (l->bk) kn_bias_add(s, ws->k, l->bk, T, KD);
+    if (l->bv) kn_bias_add(s, ws->v, l->bv, T, KD);
+    kn_rope_rotate(s, &m->rope, ws->q, T, c->n_heads, ws->rope);
+    kn_rope_rotate(s, &m->rope, ws->k, T, c->n_kv_heads, ws->rope);
+    kn_kv_write(s, kv, b->map, ws->k, ws->v);
+    kn_attention(s, kv, b->map, ws->q, ws->attn, c->n_heads);
+    kn_matmul(s, &l->wo, ws->attn, ws->proj, T);
+}
+
+/* The dense SwiGLU FFN: ws->x in, the down projection in ws->proj. */
+static void ffn_dense(const model *m, const model_layer *l, kn_stream *s, llama_ws *ws, int32_t T) {
+    const model_config *c = &m->cfg;
+    kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, c->hidden, c->rms_eps);
+    kn_matmul_swiglu(s, &l->w_gate, &l->w_up, ws->xn, ws->gate, ws->up, T);
+    kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
+}
+
 void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
                    llama_ws *ws, const llama_batch *b) {
     const model_config *c = &m->cfg;
     const int32_t T = b->m, H = c->hidden;
-    const int64_t QD = (int64_t)c->n_heads * c->head_dim, KD = (int64_t)c->n_kv_heads * c->head_dim;
     AE_ASSERT(T >= 1 && T <= ws->max_tokens);
     AE_ASSERT(b->n_logits >= 0 && b->n_logits <= ws->max_logits);
     AE_ASSERT(b->map && b->map->m == T);
@@ -111,28 +137,21 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
 
     kn_embed(s, &m->tok_embd, b->tokens, ws->x, T);
     kn_rope_table(&m->rope, b->pos, T, ws->rope);
+    /* The layer loop every architecture shares: the capture and the
+     * allreduce hooks are here, each block's kind picks its ops. */
     for (int32_t li = 0; li < c->n_layers; li++) {
         const model_layer *l = &m->layers[li];
         capture_layer(s, cap, li, ws->x, H);
-
-        /* attention block */
-        kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, H, c->rms_eps);
-        kn_matmul_n(s, 3, (const kn_weight *[]){&l->wq, &l->wk, &l->wv}, ws->xn, (float *[]){ws->q, ws->k, ws->v}, T);
-        if (l->bq) kn_bias_add(s, ws->q, l->bq, T, QD);
-        if (l->bk) kn_bias_add(s, ws->k, l->bk, T, KD);
-        if (l->bv) kn_bias_add(s, ws->v, l->bv, T, KD);
-        kn_rope_rotate(s, &m->rope, ws->q, T, c->n_heads, ws->rope);
-        kn_rope_rotate(s, &m->rope, ws->k, T, c->n_kv_heads, ws->rope);
-        kn_kv_write(s, &kv[li], b->map, ws->k, ws->v);
-        kn_attention(s, &kv[li], b->map, ws->q, ws->attn, c->n_heads);
-        kn_matmul(s, &l->wo, ws->attn, ws->proj, T);
+        switch (l->attn) {
+        case MODEL_ATTN_GQA: attn_gqa(m, l, s, &kv[li], ws, b); break;
+        default: AE_ASSERT(!"an attention kind the forward pass does not have");
+        }
         kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
         kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);
-
-        /* MLP block */
-        kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, H, c->rms_eps);
-        kn_matmul_swiglu(s, &l->w_gate, &l->w_up, ws->xn, ws->gate, ws->up, T);
-        kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
+        switch (l->ffn) {
+        case MODEL_FFN_DENSE: ffn_dense(m, l, s, ws, T); break;
+        default: AE_ASSERT(!"an FFN kind the forward pass does not have");
+        }
         kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
         kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);
     }

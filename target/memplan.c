@@ -10,7 +10,6 @@
 
 #include "../services/core/hostmem.h"
 #include "../services/core/log.h"
-#include "../services/kv/kv_cache.h"
 
 /* Shorthand for formatted sizes inside one message: B(i, bytes) formats
  * into the i-th of a few local buffers. */
@@ -58,6 +57,7 @@ static int model_ok(const memplan_model *m, const memplan_env *env, ae_error *er
                        "memory plan: model sizes must be positive (layers=%d hidden=%d ffn=%d heads=%d "
                        "kv_heads=%d head_dim=%d vocab=%d)",
                        m->n_layers, m->hidden, m->ffn, m->n_heads, m->n_kv_heads, m->head_dim, m->vocab);
+    if (m->kv_bytes_per_token == 0) return err_set(err, "memory plan: the model's KV takes 0 bytes per token");
     if (env->block_size <= 0 || env->step_tokens < 0)
         return err_set(err, "memory plan: block_size %d must be positive and step_tokens %d >= 0",
                        env->block_size, env->step_tokens);
@@ -95,8 +95,7 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
                 2ull * ((uint64_t)m->n_heads + (uint64_t)m->n_kv_heads) * (uint64_t)m->head_dim +
                 2ull * (uint64_t)m->ffn + (uint64_t)m->vocab + (uint64_t)m->head_dim);
     const uint64_t ws = step * ws_tok + env->extra_workspace;
-    /* f16 K and V (kv_cache.h) */
-    const uint64_t kv_tok = kv_bytes_per_token(m->n_layers, m->n_kv_heads, m->head_dim);
+    const uint64_t kv_tok = m->kv_bytes_per_token;
     const uint64_t kv_block = bs * kv_tok;
     const uint64_t w = m->weight_bytes;
 

@@ -12,7 +12,9 @@
  *               (vocab), RoPE cos and sin (head_dim), EAGLE-3 captured
  *               features (3 hidden). Kernel scratch that does not scale
  *               this way comes in as extra workspace bytes.
- *   kv        = kv blocks x block_size x (2 n_layers n_kv_heads head_dim x 2 B, f16)
+ *   kv        = kv blocks x block_size x KV bytes per token, the
+ *               architecture's (arch.h; Llama's: 2 n_layers n_kv_heads
+ *               head_dim x 2 B, f16)
  *   tables    = max-batch x ceil(max-seq-len / block_size) x 4 B
  *               the KV cache's block tables, one int32 row per sequence
  *   total     = weights + workspace + tables + kv  <=  budget
@@ -51,6 +53,7 @@
 typedef struct memplan_model {
     uint64_t weight_bytes;
     int32_t n_layers, hidden, ffn, n_heads, n_kv_heads, head_dim, vocab;
+    uint64_t kv_bytes_per_token; /* all layers: the architecture's (arch.h) */
 } memplan_model;
 
 typedef struct memplan_env {

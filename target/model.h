@@ -25,7 +25,7 @@
 #define MODEL_MAX_LAYERS 256
 
 typedef struct model_config {
-    char arch[128];       /* "llama", "qwen2" */
+    char arch[128];       /* as the file names it: "llama", "qwen2" */
     int32_t n_layers;
     int32_t hidden;       /* H */
     int32_t ffn;          /* F */
@@ -40,7 +40,15 @@ typedef struct model_config {
     kn_rope_config rope;
 } model_config;
 
+/* A layer's blocks, by kind (arch.h). The fields below are GQA's and the
+ * dense FFN's, the kinds every architecture read today has; MLA and MoE
+ * come with their own fields. */
+typedef enum model_attn { MODEL_ATTN_GQA, MODEL_ATTN_MLA } model_attn;
+typedef enum model_ffn { MODEL_FFN_DENSE, MODEL_FFN_MOE } model_ffn;
+
 typedef struct model_layer {
+    model_attn attn;
+    model_ffn ffn;
     const float *attn_norm; /* [H] */
     const float *ffn_norm;  /* [H] */
     kn_weight wq;           /* [n_heads * D][H] */
@@ -57,6 +65,7 @@ typedef struct model_layer {
 
 typedef struct model {
     model_config cfg;
+    const struct arch *arch;  /* arch.h: what reads, plans and splits this model */
     kn_weight tok_embd;       /* [V][H] */
     kn_weight output;         /* [V][H]; the same as tok_embd when tied */
     const float *output_norm; /* [H] */

@@ -3,6 +3,7 @@
 #include "../services/core/hostmem.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
+#include "arch.h"
 
 int setup_service(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
                   bool *print_config, bool *help, ae_error *err) {
@@ -21,7 +22,7 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
     if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
     const model_config *mc = &m->cfg;
     memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
-                        mc->n_kv_heads, mc->head_dim, mc->vocab};
+                        mc->n_kv_heads, mc->head_dim, mc->vocab, m->arch->kv_bytes_per_token(mc)};
     memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
                        llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
                            extra_work};

@@ -7,6 +7,7 @@
 
 #include "../services/core/pool.h"
 #include "../services/model/quant.h"
+#include "arch.h"
 
 /* ---- split ---------------------------------------------------------------- */
 
@@ -143,6 +144,7 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
     s->output = full->output;
     s->output_norm = full->output_norm;
     s->rope = full->rope;
+    s->arch = full->arch;
     memcpy(s->path, full->path, sizeof s->path);
     const int64_t D = c->head_dim;
     const int64_t q0 = hd.begin * D, nq = (int64_t)(hd.end - hd.begin) * D;
@@ -150,6 +152,13 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
     for (int32_t li = 0; li < c->n_layers; li++) {
         const model_layer *f = &full->layers[li];
         model_layer *l = &s->layers[li];
+        if (f->attn != MODEL_ATTN_GQA || f->ffn != MODEL_FFN_DENSE) {
+            tp_shard_free(s);
+            return err_set(err, "tensor parallel: layer %d is not GQA attention and a dense FFN, the blocks this "
+                           "split knows", li);
+        }
+        l->attn = f->attn;
+        l->ffn = f->ffn;
         AE_ASSERT(f->wq.rows == (int64_t)c->n_heads * D && f->wk.rows == (int64_t)c->n_kv_heads * D &&
                   f->wv.rows == f->wk.rows && f->wo.cols == f->wq.rows && f->w_gate.rows == c->ffn &&
                   f->w_up.rows == c->ffn && f->w_down.cols == c->ffn);
@@ -329,7 +338,7 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
     g->m = m;
     g->cfg = *cfg;
     const int32_t R = cfg->n_ranks;
-    if (tp_split_plan(&g->split, &m->cfg, R, err) != AE_OK ||
+    if (m->arch->tp_split(&g->split, &m->cfg, R, err) != AE_OK ||
         kn_comm_init_cpu(g->comms, R, (size_t)cfg->max_tokens * (size_t)m->cfg.hidden, err) != AE_OK)
         goto fail;
     for (int32_t i = 0; i < R; i++) {

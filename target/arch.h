@@ -1,0 +1,55 @@
+/* Model architectures. Each is one file in target/arch/ that fills in an
+ * arch: the model types it reads, its hyperparameters and tensors, its KV
+ * bytes per token, and how it splits across tensor-parallel ranks. Model
+ * loading (model.c), the memory plan (setup.c) and tensor parallelism
+ * (tp.c) ask the model's arch, and have no per-architecture code.
+ *
+ * A layer is made of tagged blocks (model.h): attention is GQA (or MLA),
+ * the FFN dense (or MoE). The forward pass (llama.c) runs one layer loop
+ * for every architecture. The loop owns the EAGLE-3 capture and the
+ * allreduce hooks, and each block's kind picks the ops that run it. A new
+ * architecture is a new file here, its name in arch.c's list, and, where
+ * it needs them, new block kinds and ops. */
+#ifndef AERIE_TARGET_ARCH_H
+#define AERIE_TARGET_ARCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../services/core/err.h"
+#include "../services/model/gguf.h"
+#include "../services/model/hfconfig.h"
+#include "model.h"
+
+struct tp_split; /* tp.h */
+
+typedef struct arch {
+    const char *name;
+    const char *const *hf_types;   /* Hugging Face model_type values it reads; NULL-terminated */
+    const char *const *gguf_archs; /* GGUF general.architecture values it reads; NULL-terminated */
+    /* The hyperparameters, into c (c->arch is set): from a GGUF file's
+     * keys, or from a Hugging Face config.json (read at path). */
+    int (*config_gguf)(model_config *c, const gguf_file *f, ae_error *err);
+    int (*config_hf)(model_config *c, const hfcfg *hc, const char *path, ae_error *err);
+    /* Every tensor the forward pass reads, from m->w, with each layer's
+     * block kinds; quantized matrices packed (weights_pack). */
+    int (*load)(model *m, ae_error *err);
+    /* Bytes of KV one token takes, all layers together. */
+    uint64_t (*kv_bytes_per_token)(const model_config *c);
+    /* The split of heads and FFN features over n_ranks ranks. */
+    int (*tp_split)(struct tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
+} arch;
+
+extern const arch arch_llama; /* arch/llama.c: Llama and Qwen2 */
+
+/* The architecture that reads a GGUF general.architecture or a Hugging
+ * Face model_type; NULL (err says which there are) for none. */
+const arch *arch_for_gguf(const char *name, ae_error *err);
+const arch *arch_for_hf(const char *model_type, ae_error *err);
+
+/* GGUF's {name}.{suffix} integer key, or def when it is absent. */
+int64_t arch_gguf_int(const gguf_file *f, const char *name, const char *suffix, int64_t def);
+/* The same, required to be in 1..INT32_MAX. */
+int arch_gguf_required(const gguf_file *f, const char *name, const char *suffix, int32_t *out, ae_error *err);
+
+#endif

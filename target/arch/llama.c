@@ -1,0 +1,160 @@
+/* Llama and Qwen2: GQA attention (Qwen2 with q/k/v biases), a dense
+ * SwiGLU FFN, RMSNorm, RoPE; the same forward pass, read from GGUF or
+ * Hugging Face files. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../services/kv/kv_cache.h"
+#include "../arch.h"
+#include "../tp.h"
+
+static const char *const hf_types[] = {"llama", "qwen2", NULL};
+static const char *const gguf_archs[] = {"llama", "qwen2", NULL};
+
+static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
+    bool llama = !strcmp(c->arch, "llama");
+    const char *a = c->arch;
+    if (arch_gguf_required(gf, a, "block_count", &c->n_layers, err) ||
+        arch_gguf_required(gf, a, "embedding_length", &c->hidden, err) ||
+        arch_gguf_required(gf, a, "feed_forward_length", &c->ffn, err) ||
+        arch_gguf_required(gf, a, "attention.head_count", &c->n_heads, err))
+        return AE_ERR;
+    c->n_kv_heads = (int32_t)arch_gguf_int(gf, a, "attention.head_count_kv", c->n_heads);
+    c->head_dim = (int32_t)arch_gguf_int(gf, a, "attention.key_length", c->n_heads ? c->hidden / c->n_heads : 0);
+    int64_t ctx = arch_gguf_int(gf, a, "context_length", 2048);
+    if (ctx < 1 || ctx > INT32_MAX) return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
+    c->context_length = (int32_t)ctx;
+    char key[192]; /* arch (< 128) + the longest suffix */
+    float f;
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", a);
+    c->rms_eps = gguf_get_f32(gf, key, &f, NULL) == AE_OK ? f : 1e-5f;
+    if (!(c->rms_eps >= 0.0f && c->rms_eps <= 1.0f)) /* also NaN */
+        return err_set(err, "key %s: %g is outside 0..1", key, (double)c->rms_eps);
+    snprintf(key, sizeof key, "%s.rope.freq_base", a);
+    c->rope = (kn_rope_config){llama ? KN_ROPE_ADJACENT : KN_ROPE_NEOX, c->head_dim,
+                               gguf_get_f32(gf, key, &f, NULL) == AE_OK ? f : 10000.0, 0, 0, 0, 0};
+    if (gguf_find_tensor(gf, "rope_freqs.weight"))
+        return err_set(err, "rope_freqs.weight (Llama-3.1 rope scaling in GGUF) is not supported yet");
+    const gguf_tensor *emb = gguf_find_tensor(gf, "token_embd.weight");
+    if (!emb || emb->n_dims != 2) return err_set(err, "tensor token_embd.weight is missing or not 2-D");
+    if (emb->ne[1] > INT32_MAX) return err_set(err, "vocabulary too large");
+    c->vocab = (int32_t)emb->ne[1];
+    c->qkv_bias = gguf_find_tensor(gf, "blk.0.attn_q.bias") != NULL;
+    return AE_OK;
+}
+
+static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_error *err) {
+    c->n_layers = hc->num_hidden_layers;
+    c->hidden = hc->hidden_size;
+    c->ffn = hc->intermediate_size;
+    c->n_heads = hc->num_attention_heads;
+    c->n_kv_heads = hc->num_key_value_heads;
+    c->head_dim = hc->head_dim;
+    c->vocab = hc->vocab_size;
+    c->context_length = hc->max_position_embeddings;
+    c->rms_eps = (float)hc->rms_norm_eps;
+    c->qkv_bias = hc->attention_bias;
+    /* Llama's attention_bias also biases o_proj, which the forward pass
+     * does not have; Qwen2 biases q/k/v only. Refuse rather than run wrong. */
+    if (hc->attention_bias && strcmp(c->arch, "qwen2"))
+        return err_set(err, "%s: attention_bias on a %s model (an o_proj bias) is not supported", path, c->arch);
+    c->rope = hfcfg_rope(hc);
+    return AE_OK;
+}
+
+/* A format's tensor names: the model's own, then a layer's, each named
+ * layer + its index + "." + suffix. */
+typedef struct tensor_names {
+    const char *embd, *norm, *output, *layer;
+    const char *sfx[12]; /* attn_norm, ffn_norm, q, k, v, o, gate, up, down, q bias, k bias, v bias */
+} tensor_names;
+
+static const tensor_names gguf_names = {
+    "token_embd.weight", "output_norm.weight", "output.weight", "blk.",
+    {"attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+     "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias"}};
+
+static const tensor_names hf_names = {
+    "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.",
+    {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+     "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+     "self_attn.v_proj.bias"}};
+
+static int load_tensors(model *m, const tensor_names *nm, ae_error *err) {
+    model_config *c = &m->cfg;
+    weights_store *w = m->w;
+    m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
+    if (!m->layers) return err_set(err, "out of memory");
+
+    int64_t H = c->hidden, F = c->ffn, QD = (int64_t)c->n_heads * c->head_dim,
+            KD = (int64_t)c->n_kv_heads * c->head_dim;
+    if (weights_table(w, nm->embd, c->vocab, H, &m->tok_embd, err) ||
+        weights_vector(w, nm->norm, H, false, &m->output_norm, err))
+        return AE_ERR;
+    c->tied_embeddings = !weights_has(w, nm->output);
+    if (c->tied_embeddings) {
+        if (!kn_matmul_supports(m->tok_embd.type)) {
+            if (weights_matrix(w, nm->embd, c->vocab, H, &m->output, err)) return AE_ERR;
+        } else {
+            m->output = m->tok_embd;
+            /* A GGUF table is read a row at a time and not counted;
+             * as the output projection every byte of it is. */
+            if (w->gguf) w->bytes += (size_t)m->tok_embd.row_bytes * (size_t)c->vocab;
+        }
+    } else if (weights_matrix(w, nm->output, c->vocab, H, &m->output, err)) {
+        return AE_ERR;
+    }
+    for (int i = 0; i < c->n_layers; i++) {
+        model_layer *l = &m->layers[i];
+        l->attn = MODEL_ATTN_GQA;
+        l->ffn = MODEL_FFN_DENSE;
+        char n[12][128], pre[32];
+        snprintf(pre, sizeof pre, "%s%d.", nm->layer, i);
+        for (int j = 0; j < 12; j++) snprintf(n[j], sizeof n[j], "%s%s", pre, nm->sfx[j]);
+        if (weights_vector(w, n[0], H, false, &l->attn_norm, err) ||
+            weights_vector(w, n[1], H, false, &l->ffn_norm, err) ||
+            weights_matrix(w, n[2], QD, H, &l->wq, err) || weights_matrix(w, n[3], KD, H, &l->wk, err) ||
+            weights_matrix(w, n[4], KD, H, &l->wv, err) || weights_matrix(w, n[5], H, QD, &l->wo, err) ||
+            weights_matrix(w, n[6], F, H, &l->w_gate, err) || weights_matrix(w, n[7], F, H, &l->w_up, err) ||
+            weights_matrix(w, n[8], H, F, &l->w_down, err) ||
+            weights_vector(w, n[9], QD, !c->qkv_bias, &l->bq, err) ||
+            weights_vector(w, n[10], KD, !c->qkv_bias, &l->bk, err) ||
+            weights_vector(w, n[11], KD, !c->qkv_bias, &l->bv, err))
+            return AE_ERR;
+    }
+    return AE_OK;
+}
+
+static int pack_weights(model *m, ae_error *err) {
+    for (int32_t i = 0; i < m->cfg.n_layers; i++) {
+        model_layer *l = &m->layers[i];
+        kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
+        for (int j = 0; j < 7; j++)
+            if (weights_pack(m->w, w[j], err) != AE_OK) return AE_ERR;
+    }
+    return weights_pack(m->w, &m->output, err);
+}
+
+static int load(model *m, ae_error *err) {
+    const tensor_names *nm = m->w->gguf ? &gguf_names : &hf_names;
+    if (load_tensors(m, nm, err) != AE_OK) return AE_ERR;
+    return pack_weights(m, err);
+}
+
+/* f16 K and V of every layer's kv heads (kv_cache.h). */
+static uint64_t kv_token_bytes(const model_config *c) {
+    return kv_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim);
+}
+
+const arch arch_llama = {
+    .name = "llama",
+    .hf_types = hf_types,
+    .gguf_archs = gguf_archs,
+    .config_gguf = config_gguf,
+    .config_hf = config_hf,
+    .load = load,
+    .kv_bytes_per_token = kv_token_bytes,
+    .tp_split = tp_split_plan,
+};
