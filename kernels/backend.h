@@ -67,6 +67,8 @@ struct kn_backend {
     void (*embed)(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
     void (*rope_rotate)(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
     void (*kv_write)(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
+    void (*kv_move)(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows,
+                    int32_t n);
     void (*attention)(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                       int32_t n_heads);
     void (*gather_rows)(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,

@@ -169,6 +169,13 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
     s->be->kv_write(s, kv, map, k, v);
 }
 
+void kn_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n) {
+    AE_ASSERT(kv->k && kv->v && s->be->supports(KN_OP_KV, kv->type) && n >= 0);
+    const int64_t rows = (int64_t)kv->n_blocks * kv->block_size;
+    for (int32_t i = 0; i < n; i++) AE_ASSERT(src_rows[i] >= 0 && src_rows[i] < rows && dst_rows[i] >= 0 && dst_rows[i] < rows);
+    if (n) s->be->kv_move(s, kv, src_rows, dst_rows, n);
+}
+
 void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                   int32_t n_heads) {
     check_kv(s, kv, map);

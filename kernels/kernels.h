@@ -361,6 +361,12 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
 void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
                   float *out, int32_t n_heads);
 
+/* Copies the K and V rows src_rows[i] to dst_rows[i] of the pool, in
+ * order i = 0, 1, ...; a row is one slot, [n_kv_heads][head_dim] at
+ * block * block_size + slot % block_size. A later move may read a row an
+ * earlier one wrote (the KV cache's commit moves front to back). */
+void kn_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n);
+
 /* Up to this many tokens, when they form few runs of one sequence (one
  * decode, one verify tree), attention splits the runs' chunks over the
  * threads and keeps the chunks' partials in the stream's workspace; size

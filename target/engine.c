@@ -218,7 +218,7 @@ int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_erro
     int32_t len = kv_seq_len(e->kv, seq);
     int32_t slots[ENG_MAX_TREE];
     for (int32_t i = 0; i < n; i++) slots[i] = len + path[i];
-    if (kv_commit_path(e->kv, seq, slots, n, err) != AE_OK) return AE_ERR;
+    if (kv_commit_path(e->kv, e->stream, seq, slots, n, err) != AE_OK) return AE_ERR;
     kv_seq_trim(e->kv, seq, kv_seq_len(e->kv, seq));
     e->tree_n[seq] = 0;
     return AE_OK;

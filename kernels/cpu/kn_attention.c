@@ -125,6 +125,17 @@ void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, c
         narrow(v + (size_t)t * width, pool_v(kv) + at, width);
     }
 }
+
+void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows,
+                    int32_t n) {
+    (void)s;
+    const size_t row = (size_t)kv->n_kv_heads * (size_t)kv->head_dim;
+    for (int32_t i = 0; i < n; i++) {
+        if (src_rows[i] == dst_rows[i]) continue;
+        memcpy(pool_k(kv) + (size_t)dst_rows[i] * row, pool_k(kv) + (size_t)src_rows[i] * row, row * sizeof(uint16_t));
+        memcpy(pool_v(kv) + (size_t)dst_rows[i] * row, pool_v(kv) + (size_t)src_rows[i] * row, row * sizeof(uint16_t));
+    }
+}
 /* 8 floats as one value. GCC's vector extensions: each lane is the plain
  * IEEE operation, so the portable build (two SSE halves) and the AVX2
  * build (one register) give the same bits. */

@@ -397,5 +397,6 @@ const kn_backend kn_backend_cpu = {
     .gather_rows = cpu_gather_rows,
     .rope_rotate = kn_cpu_rope_rotate,
     .kv_write = kn_cpu_kv_write,
+    .kv_move = kn_cpu_kv_move,
     .attention = kn_cpu_attention,
 };

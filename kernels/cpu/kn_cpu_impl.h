@@ -37,6 +37,8 @@ void kn_cpu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_
 void kn_cpu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
 void kn_cpu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
 void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
+void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows,
+                    int32_t n);
 void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                       int32_t n_heads);
 

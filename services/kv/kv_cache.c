@@ -47,6 +47,7 @@ static bool params_ok(const kv_params *p) {
 static uint64_t pool_elems(const kv_params *p) {
     uint64_t row = (uint64_t)p->n_kv_heads * (uint64_t)p->head_dim, n;
     if ((uint64_t)p->max_blocks_per_seq * (uint64_t)p->block_size > INT32_MAX) return 0;
+    if ((uint64_t)p->n_blocks * (uint64_t)p->block_size > INT32_MAX) return 0; /* rows are int32 (kn_kv_move) */
     if (!mul_ok((uint64_t)p->n_blocks, (uint64_t)p->block_size, &n)) return 0;
     if (!mul_ok(n, row, &n)) return 0;
     if (!mul_ok(n, 2ull * (uint64_t)p->n_layers, &n)) return 0;
@@ -233,7 +234,7 @@ static size_t slot_offset(const kv_cache *kv, int32_t seq, int32_t slot) {
     return ((size_t)block * (size_t)bs + (size_t)(slot % bs)) * kv->row;
 }
 
-int kv_commit_path(kv_cache *kv, int32_t seq, const int32_t *node_slots, int32_t n,
+int kv_commit_path(kv_cache *kv, kn_stream *stream, int32_t seq, const int32_t *node_slots, int32_t n,
                    ae_error *err) {
     kv_seq *s = live_seq(kv, seq);
     int32_t cap = s->n_blocks * kv->p.block_size;
@@ -250,16 +251,18 @@ int kv_commit_path(kv_cache *kv, int32_t seq, const int32_t *node_slots, int32_t
                            seq, i, node_slots[i], s->len, cap);
     }
     /* Destination len+i <= source node_slots[i] < every later source, so
-     * moving front to back never overwrites a row still to be read. */
-    const size_t row_bytes = kv->row * sizeof(uint16_t);
-    for (int32_t i = 0; i < n; i++) {
-        int32_t src = node_slots[i], dst = s->len + i;
-        if (src == dst) continue;
-        size_t so = slot_offset(kv, seq, src), d = slot_offset(kv, seq, dst);
+     * moving front to back never overwrites a row still to be read. The
+     * moves go in chunks, in order. */
+    enum { CHUNK = 64 };
+    for (int32_t at = 0; at < n; at += CHUNK) {
+        int32_t src[CHUNK], dst[CHUNK], m = n - at < CHUNK ? n - at : CHUNK;
+        for (int32_t i = 0; i < m; i++) {
+            src[i] = (int32_t)(slot_offset(kv, seq, node_slots[at + i]) / kv->row);
+            dst[i] = (int32_t)(slot_offset(kv, seq, s->len + at + i) / kv->row);
+        }
         for (int32_t l = 0; l < kv->p.n_layers; l++) {
-            uint16_t *k = kv_k_pool(kv, l), *v = kv_v_pool(kv, l);
-            memcpy(k + d, k + so, row_bytes);
-            memcpy(v + d, v + so, row_bytes);
+            kn_kv_pool pool = kv_layer(kv, l);
+            kn_kv_move(stream, &pool, src, dst, m);
         }
     }
     s->len += n;

@@ -97,8 +97,9 @@ int kv_seq_advance(kv_cache *kv, int32_t seq, int32_t n, ae_error *err);
  * tree is stored parents before children, so a root-to-leaf path is). Their
  * K/V rows, in every layer, move to slots len .. len+n-1 in order and the
  * committed length becomes len + n. Slots after that are free to overwrite.
- * Invalid slots fail with nothing moved. */
-int kv_commit_path(kv_cache *kv, int32_t seq, const int32_t *node_slots, int32_t n,
+ * The rows move by kn_kv_move on s, in order. Invalid slots fail with
+ * nothing moved. */
+int kv_commit_path(kv_cache *kv, kn_stream *s, int32_t seq, const int32_t *node_slots, int32_t n,
                    ae_error *err);
 
 /* The sequence's block table: int32 [kv_seq_n_blocks(seq)] block ids

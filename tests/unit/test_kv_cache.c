@@ -9,7 +9,25 @@
 
 #include <cmocka.h>
 
+#include "../../services/core/pool.h"
 #include "../../services/kv/kv_cache.h"
+
+/* The stream kv_commit_path moves rows on. */
+static pool *P;
+static kn_stream *S;
+
+static int group_setup(void **state) {
+    (void)state;
+    if (pool_init(&P, 1, NULL) != AE_OK) return -1;
+    return kn_stream_init(&S, &kn_backend_cpu, &(kn_stream_config){P, 0}, NULL) == AE_OK ? 0 : -1;
+}
+
+static int group_teardown(void **state) {
+    (void)state;
+    kn_stream_free(S);
+    pool_free(P);
+    return 0;
+}
 
 /* 2 layers, 2 kv heads x 3 dims = 6 halves per row, 4 tokens per block. */
 static const kv_params small = {
@@ -76,9 +94,9 @@ static void test_init_rejects_zero_sizes_and_free_null_is_noop(void **state) {
 static void test_pools_follow_the_documented_layout(void **state) {
     (void)state;
     kv_cache *kv = make(&small);
-    size_t pool = (size_t)small.n_blocks * small.block_size * ROW;
-    assert_ptr_equal(kv_v_pool(kv, 0), kv_k_pool(kv, 0) + pool);
-    assert_ptr_equal(kv_k_pool(kv, 1), kv_k_pool(kv, 0) + 2 * pool);
+    size_t elems = (size_t)small.n_blocks * small.block_size * ROW; /* of one pool */
+    assert_ptr_equal(kv_v_pool(kv, 0), kv_k_pool(kv, 0) + elems);
+    assert_ptr_equal(kv_k_pool(kv, 1), kv_k_pool(kv, 0) + 2 * elems);
     assert_int_equal((uintptr_t)kv_k_pool(kv, 0) % 64, 0);
     int32_t s;
     assert_int_equal(kv_seq_alloc(kv, &s, NULL), AE_OK);
@@ -95,6 +113,7 @@ static void test_pools_follow_the_documented_layout(void **state) {
     assert_int_equal(l1.block_size, 4);
     assert_int_equal(l1.n_kv_heads, 2);
     assert_int_equal(l1.head_dim, 3);
+    assert_int_equal(l1.type, GGML_TYPE_F16);
     kv_free(kv);
 }
 
@@ -192,7 +211,7 @@ static void test_commit_path_moves_accepted_nodes_in_all_layers(void **state) {
 
     /* Accepted path: nodes 0, 2, 5 (slots 3, 5, 8); slot 8 sits in block 2. */
     const int32_t path[] = {3, 5, 8};
-    assert_int_equal(kv_commit_path(kv, a, path, 3, NULL), AE_OK);
+    assert_int_equal(kv_commit_path(kv, S, a, path, 3, NULL), AE_OK);
     assert_int_equal(kv_seq_len(kv, a), 6);
     for (int slot = 0; slot < 3; slot++) expect_slot(kv, a, slot, slot);
     expect_slot(kv, a, 3, 3);
@@ -213,7 +232,7 @@ static void test_commit_path_handles_overlapping_chain(void **state) {
     assert_int_equal(kv_seq_advance(kv, s, 2, NULL), AE_OK);
     /* Each destination is the previous node's source: 2<-3, 3<-4, 4<-5, 5<-7. */
     const int32_t path[] = {3, 4, 5, 7};
-    assert_int_equal(kv_commit_path(kv, s, path, 4, NULL), AE_OK);
+    assert_int_equal(kv_commit_path(kv, S, s, path, 4, NULL), AE_OK);
     assert_int_equal(kv_seq_len(kv, s), 6);
     expect_slot(kv, s, 0, 0);
     expect_slot(kv, s, 1, 1);
@@ -222,7 +241,7 @@ static void test_commit_path_handles_overlapping_chain(void **state) {
     expect_slot(kv, s, 4, 5);
     expect_slot(kv, s, 5, 7);
     /* An empty path (nothing accepted) keeps the length. */
-    assert_int_equal(kv_commit_path(kv, s, NULL, 0, NULL), AE_OK);
+    assert_int_equal(kv_commit_path(kv, S, s, NULL, 0, NULL), AE_OK);
     assert_int_equal(kv_seq_len(kv, s), 6);
     kv_free(kv);
 }
@@ -238,22 +257,22 @@ static void test_commit_path_rejects_bad_slots_and_moves_nothing(void **state) {
 
     ae_error err = {0};
     const int32_t unordered[] = {3, 6, 5};
-    assert_int_equal(kv_commit_path(kv, s, unordered, 3, &err), AE_ERR);
+    assert_int_equal(kv_commit_path(kv, S, s, unordered, 3, &err), AE_ERR);
     assert_string_equal(err.msg, "kv cache: sequence 0: path node 2 is in slot 5; slots must be "
                                  "strictly increasing within [2, 8)");
     err_clear(&err);
     const int32_t committed[] = {1};
-    assert_int_equal(kv_commit_path(kv, s, committed, 1, &err), AE_ERR);
+    assert_int_equal(kv_commit_path(kv, S, s, committed, 1, &err), AE_ERR);
     assert_string_equal(err.msg, "kv cache: sequence 0: path node 0 is in slot 1; slots must be "
                                  "strictly increasing within [2, 8)");
     err_clear(&err);
     const int32_t past[] = {4, 8};
-    assert_int_equal(kv_commit_path(kv, s, past, 2, &err), AE_ERR);
+    assert_int_equal(kv_commit_path(kv, S, s, past, 2, &err), AE_ERR);
     assert_string_equal(err.msg, "kv cache: sequence 0: path node 1 is in slot 8; slots must be "
                                  "strictly increasing within [2, 8)");
     err_clear(&err);
     const int32_t too_long[7] = {2, 3, 4, 5, 6, 7, 8};
-    assert_int_equal(kv_commit_path(kv, s, too_long, 7, &err), AE_ERR);
+    assert_int_equal(kv_commit_path(kv, S, s, too_long, 7, &err), AE_ERR);
     assert_string_equal(err.msg, "kv cache: sequence 0: path of 7 nodes does not fit (length 2, capacity 8)");
     assert_int_equal(kv_seq_len(kv, s), 2);
     for (int slot = 0; slot < 8; slot++) expect_slot(kv, s, slot, slot);
@@ -386,5 +405,5 @@ int main(void) {
         cmocka_unit_test(test_exhaustion_fails_cleanly_then_freeing_makes_room),
         cmocka_unit_test(test_many_sequences_interleaved),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }
