@@ -53,7 +53,7 @@ struct gw {
     uint64_t log_requests, log_tokens; /* at the last load line */
     uint64_t requests_done;
     /* The tokenizing workers: a queue in, a list out and an event that
-     * wakes the loop for it (libevent is set up for threads by rpc.c). */
+     * wakes the loop for it (libevent is set up for threads by rpc_loop.c). */
     pthread_t workers[GW_TOK_WORKERS];
     int n_workers;
     pthread_mutex_t tmu;

@@ -955,7 +955,7 @@ static void tid_job(void *arg) { *(pid_t *)arg = (pid_t)gettid(); }
  * thread woken for nothing waits for a core on a busy host). With its
  * reads handed to the callers, the client still takes started calls and
  * streams, which the loop reads, and still sees its server go at once.
- * (On TCP the loop keeps reading too: rpc.c, reads_hand_over.) */
+ * (On TCP the loop keeps reading too: rpc_client.c, reads_hand_over.) */
 static void test_blocking_calls_leave_the_client_loop_asleep(void **state) {
     (void)state;
     ae_error err = {{0}};
