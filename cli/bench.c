@@ -378,7 +378,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int32_t act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK) return CLI_EXIT_USAGE;
 
-    if (model_load(&m, path, err) != AE_OK) goto out;
+    if (model_load(&m, path, &kn_backend_cpu, err) != AE_OK) goto out;
     /* Speculation verifies trees of up to ENG_MAX_TREE nodes past the
      * generated tokens. */
     int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX) + (cfg_str(c, "draft") ? ENG_MAX_TREE : 0);

@@ -164,7 +164,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         err_set(err, "no model given (use --model FILE)");
         goto out;
     }
-    if (model_load(&m, model_path, err) != AE_OK) goto out;
+    if (model_load(&m, model_path, &kn_backend_cpu, err) != AE_OK) goto out;
     eagle_resolve_dir(c);
     const char *dir = eagle_dir(c);
     if (!dir) {

@@ -198,7 +198,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
         err_set(err, "%s: the model has no chat template", path);
         goto out;
     }
-    if (chat_template_init(&ct, tok_chat_template(cm.tok), err) != AE_OK || model_load(&m, path, err) != AE_OK)
+    if (chat_template_init(&ct, tok_chat_template(cm.tok), err) != AE_OK || model_load(&m, path, &kn_backend_cpu, err) != AE_OK)
         goto out;
     memplan plan;
     if (cli_plan(c, m, true, &plan, err) != AE_OK) goto out;
@@ -330,7 +330,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
     int32_t *tokens = NULL, *pos = NULL, *seqs = NULL, *n_prefix = NULL, *zero = NULL, *rows = NULL;
     int rc = CLI_EXIT_USAGE;
     int32_t act_bits;
-    if (svc_act_bits(c, &act_bits, err) != AE_OK || model_load(&m, path, err) != AE_OK) goto out;
+    if (svc_act_bits(c, &act_bits, err) != AE_OK || model_load(&m, path, &kn_backend_cpu, err) != AE_OK) goto out;
     eagle_target t = model_embedding(m);
     if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_FILE, err) != AE_OK || st_open(&f, in, err) != AE_OK) goto out;
     const st_tensor *tf = st_find(f, "features"), *tt = st_find(f, "tokens");
@@ -364,7 +364,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
         }
     kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, (n + 15) / 16, 1, (n + 15) / 16};
     int32_t seq;
-    if (kv_init(&kv, &kp, err) != AE_OK || pool_init(&p, (int)cfg_int(c, "threads"), err) != AE_OK ||
+    if (kv_init(&kv, &kn_backend_cpu, &kp, err) != AE_OK || pool_init(&p, (int)cfg_int(c, "threads"), err) != AE_OK ||
         kn_stream_init(&s, &kn_backend_cpu, &(kn_stream_config){p, eagle_stream_workspace(h, n, n)}, err) != AE_OK ||
         eagle_ws_init(&ws, h, n, err) != AE_OK || kv_seq_alloc(kv, &seq, err) != AE_OK ||
         kv_seq_reserve(kv, seq, n, err) != AE_OK)
@@ -376,7 +376,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
         n_prefix[i] = i + 1;
         rows[i] = i;
     }
-    kn_kv_map map = {n, kv_block_tables(kv), kp.max_seqs, kp.max_blocks_per_seq, seqs, pos, n_prefix, zero, zero,
+    kn_kv_map map = {n, kv_map_tables(kv), kp.max_seqs, kp.max_blocks_per_seq, seqs, pos, n_prefix, zero, zero,
                      zero, 0};
     eagle_batch b = {n, tokens, feat, 3 * H, pos, &map, hidden, n, rows, logits};
     kn_kv_pool layer = kv_layer(kv, 0);

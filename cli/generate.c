@@ -165,7 +165,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (tok_file_open(&cm, path, err) != AE_OK) goto out;
     if (prompt_ids(c, cm.tok, &ids, &n_prompt, err) != AE_OK) goto out;
     double t_load = clock_mono_seconds();
-    if (model_load(&m, path, err) != AE_OK) goto out;
+    if (model_load(&m, path, &kn_backend_cpu, err) != AE_OK) goto out;
     t_load = clock_mono_seconds() - t_load;
     int32_t max_new = (int32_t)cfg_int(c, "max-tokens");
     if ((int64_t)n_prompt + max_new > m->cfg.context_length) {

@@ -122,7 +122,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
         err_prefix(err, "--kl-base: ");
         goto out;
     }
-    if (model_load(&m, path, err) != AE_OK) goto out;
+    if (model_load(&m, path, &kn_backend_cpu, err) != AE_OK) goto out;
     if (w.ctx > m->cfg.context_length) {
         err_set(err, "--ctx %d exceeds the model's context of %d", w.ctx, m->cfg.context_length);
         goto out;

@@ -40,7 +40,7 @@ int cli_resolve_engine(cfg *c, bool draft, ae_error *err) {
     const char *path = cfg_str(c, "model");
     if (!path) return err_set(err, "no model given (use --model FILE)");
     model *m;
-    if (model_load(&m, path, err) != AE_OK) return AE_ERR;
+    if (model_load(&m, path, &kn_backend_cpu, err) != AE_OK) return AE_ERR;
     memplan plan;
     int rc = cli_plan(c, m, draft, &plan, err);
     model_free(m);

@@ -84,7 +84,7 @@ static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
     if (tok_file_open(&s->cm, path, err) != AE_OK) return AE_ERR;
     if (!tok_chat_template(s->cm.tok)) return err_set(err, "%s: the model has no chat template", path);
     if (chat_template_init(&s->ct, tok_chat_template(s->cm.tok), err) != AE_OK) return AE_ERR;
-    if (model_load(&s->m, path, err) != AE_OK) return AE_ERR;
+    if (model_load(&s->m, path, &kn_backend_cpu, err) != AE_OK) return AE_ERR;
     memplan plan;
     if (cli_plan(c, s->m, false, &plan, err) != AE_OK) return AE_ERR;
     memplan_log(&plan);

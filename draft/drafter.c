@@ -108,7 +108,7 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
     d->pool = cfg->pool;
     if ((!d->pool && pool_init(&d->own_pool, cfg->threads, err) != AE_OK) ||
         kn_stream_init(&d->stream, &kn_backend_cpu, &(kn_stream_config){d->pool ? d->pool : d->own_pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH)}, err) != AE_OK ||
-        eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, &kp, err) != AE_OK)
+        eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, &kn_backend_cpu, &kp, err) != AE_OK)
         goto fail;
     if (cfg->act_bits) kn_stream_set_act_bits(d->stream, cfg->act_bits);
     d->layer = kv_layer(d->kv, 0);
@@ -193,7 +193,7 @@ static void feed_pairs(drafter *d, const drafter_feed *f) {
         }
         bool last = done + m == f->n;
         d->logit_rows[0] = m - 1;
-        kn_kv_map map = {m, kv_block_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
+        kn_kv_map map = {m, kv_map_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
                          d->seq, d->slot, d->n_prefix, d->extra_start, d->n_extra, d->extra, 0};
         eagle_batch b = {m, d->tokens, f->features + (size_t)done * 3 * (size_t)H, 3 * H, d->pos, &map,
                          d->hidden, last ? 1 : 0, d->logit_rows, d->logits};
@@ -240,7 +240,7 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
             d->logit_rows[m] = m;
         }
     }
-    kn_kv_map map = {m, kv_block_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
+    kn_kv_map map = {m, kv_map_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
                      d->seq, d->slot, d->n_prefix, d->extra_start, d->n_extra, d->extra, n_extra};
     eagle_batch eb = {m, d->tokens, d->in, (int32_t)H, d->pos, &map, d->hidden, m, d->logit_rows, d->logits};
     eagle_forward(d->head, d->stream, &d->layer, d->ws, &eb);

@@ -352,16 +352,15 @@ void eagle_forward(const eagle_head *hd, kn_stream *s, const kn_kv_pool *kv, eag
     if (b->in_width == 3 * H)
         kn_matmul(s, &hd->fc, b->in, ws->h, T);
     else
-        memcpy(ws->h, b->in, (size_t)T * Hs * sizeof(float));
+        kn_gather_rows(s, b->in, NULL, T, H, ws->h, H);
     kn_embed(s, hd->target.embed, b->tokens, ws->e, T);
     kn_rmsnorm(s, ws->e, hd->input_norm, ws->e, T, H, c->rms_eps);
     kn_rmsnorm(s, ws->h, hd->hidden_norm, ws->proj, T, H, c->rms_eps);
-    for (int32_t t = 0; t < T; t++) {
-        memcpy(ws->x + 2 * (size_t)t * Hs, ws->e + (size_t)t * Hs, Hs * sizeof(float));
-        memcpy(ws->x + (2 * (size_t)t + 1) * Hs, ws->proj + (size_t)t * Hs, Hs * sizeof(float));
-    }
+    /* x[t] = [e[t], normed h[t]] */
+    kn_gather_rows(s, ws->e, NULL, T, H, ws->x, 2 * (int64_t)H);
+    kn_gather_rows(s, ws->proj, NULL, T, H, ws->x + Hs, 2 * (int64_t)H);
     kn_matmul_n(s, 3, (const kn_weight *[]){&hd->wq, &hd->wk, &hd->wv}, ws->x, (float *[]){ws->q, ws->k, ws->v}, T);
-    kn_rope_table(&hd->rope, b->pos, T, ws->rope);
+    kn_rope_table(s, &hd->rope, b->pos, T, ws->rope);
     kn_rope_rotate(s, &hd->rope, ws->q, T, c->n_heads, ws->rope);
     kn_rope_rotate(s, &hd->rope, ws->k, T, c->n_kv_heads, ws->rope);
     kn_kv_write(s, kv, b->map, ws->k, ws->v);
@@ -375,10 +374,8 @@ void eagle_forward(const eagle_head *hd, kn_stream *s, const kn_kv_pool *kv, eag
     kn_add(s, b->hidden, ws->proj, b->hidden, (int64_t)T * H);
 
     if (b->n_logits == 0) return;
-    for (int32_t r = 0; r < b->n_logits; r++) {
-        AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
-        memcpy(ws->out_x + (size_t)r * Hs, b->hidden + (size_t)b->logit_rows[r] * Hs, Hs * sizeof(float));
-    }
+    for (int32_t r = 0; r < b->n_logits; r++) AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
+    kn_gather_rows(s, b->hidden, b->logit_rows, b->n_logits, H, ws->out_x, H);
     kn_rmsnorm(s, ws->out_x, hd->out_norm, ws->out_x, b->n_logits, H, c->rms_eps);
     kn_matmul(s, &hd->lm_head, ws->out_x, b->logits, b->n_logits);
 }

@@ -100,7 +100,7 @@ int main(int argc, char **argv) {
         err_set(&err, "no model given (use --model FILE)");
         goto out;
     }
-    if (embedding_open(&m, model_path, &err) != AE_OK) goto out;
+    if (embedding_open(&m, model_path, &kn_backend_cpu, &err) != AE_OK) goto out;
     if (cfg_is_auto(c, "listen")) {
         char addr[256];
         if (rpc_default_addr(addr, sizeof addr, "aerie-draft.sock", !print_config, &err) != AE_OK) goto out;

@@ -16,10 +16,11 @@
  *   - orders work: sync waits for everything queued on a stream, and an
  *     event recorded on one stream can be waited for on another.
  *
- * A backend whose ops run asynchronously (CUDA) must treat every pointer
- * an op takes as its own memory (from buf_alloc); the CPU backend's
- * buffers are host memory, so host pointers and buffer pointers are the
- * same there. */
+ * A backend whose memory is not the host's (CUDA) takes only pointers
+ * into its own buffers (buf_alloc), and kernels.c checks every weight
+ * and KV pool for it. The CPU backend's buffers are host memory
+ * (host_memory): plain host pointers are its memory too, so tools and
+ * tests may hand it arrays they allocated themselves. */
 #ifndef AERIE_KERNELS_BACKEND_H
 #define AERIE_KERNELS_BACKEND_H
 
@@ -37,6 +38,11 @@ struct kn_stream {
 
 struct kn_backend {
     const char *name; /* "cpu" */
+    /* Its buffers are host memory and its ops read host pointers: a
+     * weight or pool with no buffer is memory it can use, a buffer made
+     * from host bytes is those bytes (no copy), and the caller's output
+     * arrays can be written in place. */
+    bool host_memory;
 
     bool (*supports)(kn_op op, ggml_type type);
 
@@ -49,8 +55,11 @@ struct kn_backend {
     void (*event_wait)(kn_stream *s, const kn_event *e);
 
     /* buffers */
-    int (*buf_alloc)(kn_buf *b, size_t bytes, ae_error *err);
+    int (*buf_alloc)(kn_buf *b, size_t bytes, ae_error *err); /* zero-filled */
     void (*buf_free)(kn_buf *b);
+    /* Blocking copy from the host, outside any stream (loading weights). */
+    void (*buf_write)(kn_buf *b, size_t off, const void *src, size_t n);
+    /* In the stream's order; src may be reused as soon as upload returns. */
     void (*upload)(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n);
     void (*download)(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n);
 
@@ -65,6 +74,7 @@ struct kn_backend {
     void (*softmax)(kn_stream *s, float *x, int64_t m, int64_t n);
     void (*argmax)(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
     void (*embed)(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
+    void (*rope_table)(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
     void (*rope_rotate)(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
     void (*kv_write)(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
     void (*kv_move)(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows,

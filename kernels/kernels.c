@@ -51,8 +51,20 @@ int kn_buf_alloc(const kn_backend *be, kn_buf *b, size_t bytes, ae_error *err) {
 }
 
 void kn_buf_free(kn_buf *b) {
-    if (b->be) b->be->buf_free(b);
+    if (b->be && !b->borrowed) b->be->buf_free(b);
     *b = (kn_buf){0};
+}
+
+bool kn_backend_host_memory(const kn_backend *be) { return be->host_memory; }
+
+int kn_buf_from_host(const kn_backend *be, kn_buf *b, const void *host, size_t bytes, ae_error *err) {
+    if (be->host_memory) {
+        *b = (kn_buf){.be = be, .ptr = (void *)(uintptr_t)host, .bytes = bytes, .borrowed = true};
+        return AE_OK;
+    }
+    if (kn_buf_alloc(be, b, bytes, err) != AE_OK) return AE_ERR;
+    if (bytes) be->buf_write(b, 0, host, bytes);
+    return AE_OK;
 }
 
 void kn_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n) {
@@ -67,8 +79,21 @@ void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t 
 
 /* ---- ops -------------------------------------------------------------------- */
 
+/* p, read by an op of s, lies in b, a buffer of s's backend; with no
+ * buffer it is host memory, which only a host-memory backend reads. */
+static void check_mem(const kn_stream *s, const kn_buf *b, const void *p) {
+    if (!b) {
+        AE_ASSERT(s->be->host_memory && "host memory given to a backend that has its own");
+        return;
+    }
+    AE_ASSERT(b->be == s->be && "a buffer of another backend");
+    AE_ASSERT((const char *)p >= (const char *)b->ptr && (const char *)p < (const char *)b->ptr + b->bytes);
+}
+
 static void check_weight(const kn_stream *s, const kn_weight *w) {
     AE_ASSERT(w && w->rows > 0 && w->cols > 0);
+    check_mem(s, w->buf, w->data);
+    if (w->packed) check_mem(s, w->packed_buf, w->packed);
     AE_ASSERT(s->be->supports(KN_OP_MATMUL, w->type));
     AE_ASSERT(w->row_bytes >= quant_row_bytes(w->type, (uint64_t)w->cols) &&
               quant_row_bytes(w->type, (uint64_t)w->cols) > 0);
@@ -129,6 +154,7 @@ void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n)
 
 void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
     AE_ASSERT(m >= 0 && table->cols > 0 && s->be->supports(KN_OP_EMBED, table->type));
+    check_mem(s, table->buf, table->data);
     s->be->embed(s, table, ids, out, m);
 }
 
@@ -143,19 +169,32 @@ void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t
     s->be->rope_rotate(s, r, x, m, n_heads, cs);
 }
 
+void kn_rope_table(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs) {
+    AE_ASSERT(r->head_dim / 2 > 0 && m >= 0);
+    s->be->rope_table(s, r, pos, m, cs);
+}
+
 void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const int32_t *pos) {
+    AE_ASSERT(s->be->host_memory);
     float cs[KN_MAX_HEAD_DIM];
     for (int64_t t = 0; t < m; t++) {
-        kn_rope_table(r, pos + t, 1, cs);
+        kn_rope_table(s, r, pos + t, 1, cs);
         kn_rope_rotate(s, r, x + t * n_heads * r->head_dim, 1, n_heads, cs);
     }
 }
 
-static void check_kv(const kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map) {
+static void check_pool(const kn_stream *s, const kn_kv_pool *kv) {
     AE_ASSERT(kv->k && kv->v && s->be->supports(KN_OP_KV, kv->type));
+    check_mem(s, kv->buf, kv->k);
+    check_mem(s, kv->buf, kv->v);
+}
+
+static void check_kv(const kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map) {
+    check_pool(s, kv);
     AE_ASSERT(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_kv_heads > 0);
     AE_ASSERT(kv->head_dim > 0 && kv->head_dim <= KN_MAX_HEAD_DIM);
     AE_ASSERT(map->m >= 0 && map->n_seqs >= 0 && map->table_len >= 0 && map->n_extra_total >= 0);
+    if (!s->be->host_memory) return; /* the map is the backend's memory: the engine checked it */
     for (int32_t t = 0; t < map->m; t++) {
         AE_ASSERT(map->seq[t] >= 0 && map->seq[t] < map->n_seqs);
         AE_ASSERT(map->n_prefix[t] >= 0 && map->n_extra[t] >= 0);
@@ -170,9 +209,10 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
 }
 
 void kn_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n) {
-    AE_ASSERT(kv->k && kv->v && s->be->supports(KN_OP_KV, kv->type) && n >= 0);
+    check_pool(s, kv);
+    AE_ASSERT(n >= 0);
     const int64_t rows = (int64_t)kv->n_blocks * kv->block_size;
-    for (int32_t i = 0; i < n; i++) AE_ASSERT(src_rows[i] >= 0 && src_rows[i] < rows && dst_rows[i] >= 0 && dst_rows[i] < rows);
+    for (int32_t i = 0; i < n && s->be->host_memory; i++) AE_ASSERT(src_rows[i] >= 0 && src_rows[i] < rows && dst_rows[i] >= 0 && dst_rows[i] < rows);
     if (n) s->be->kv_move(s, kv, src_rows, dst_rows, n);
 }
 

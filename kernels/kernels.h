@@ -147,15 +147,24 @@ typedef struct kn_event {
 void kn_event_record(kn_stream *s, kn_event *e);
 void kn_event_wait(kn_stream *s, const kn_event *e);
 
-/* Memory of a backend (CPU: host memory, 64-byte aligned). Copies in and
- * out are ops of a stream, in its order. */
+/* Memory of a backend (CPU: host memory, 64-byte aligned, on huge pages
+ * when large). Copies in and out are ops of a stream, in its order. */
 typedef struct kn_buf {
     const kn_backend *be;
     void *ptr; /* the backend's address: pass it to that backend's ops */
     size_t bytes;
+    bool borrowed; /* host memory the caller owns (kn_buf_from_host) */
 } kn_buf;
+/* bytes of zeros. */
 int kn_buf_alloc(const kn_backend *be, kn_buf *b, size_t bytes, ae_error *err);
 void kn_buf_free(kn_buf *b); /* a zeroed one is a no-op */
+/* A buffer holding the host bytes [host, host + bytes), which must outlive
+ * it: on a host-memory backend those bytes themselves (borrowed, no
+ * copy: a mapped model file stays mapped), on any other a new buffer
+ * they are copied into, before this returns. For loading, not steps. */
+int kn_buf_from_host(const kn_backend *be, kn_buf *b, const void *host, size_t bytes, ae_error *err);
+/* True when the backend's memory is the host's (backend.h). */
+bool kn_backend_host_memory(const kn_backend *be);
 void kn_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n);
 void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n);
 
@@ -172,6 +181,11 @@ typedef struct kn_weight {
     int64_t cols; /* k: input features */
     const void *data;
     size_t row_bytes;
+    /* The buffers data and packed lie in, of the backend that runs the
+     * ops (checked); NULL: host memory, which only a host-memory backend
+     * takes (a tool's or a test's own array). */
+    const kn_buf *buf;
+    const kn_buf *packed_buf;
     /* Optional: the same quantized values repacked by kn_weight_pack for
      * the SIMD kernels (NULL: the kernels read data). Packed group g (rows
      * 16g..16g+15), block b sits at packed + g * pack_stride +
@@ -251,7 +265,8 @@ void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *o
 
 /* dst[r * dst_stride .. + width) = src[rows[r] * width .. + width) for
  * r < n: rows of a batch gathered (the logit rows, the features a head
- * reads). dst does not overlap src. */
+ * reads). rows NULL: rows 0 .. n-1, a strided copy (a head's input laid
+ * side by side). dst does not overlap src. */
 void kn_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
                     int64_t dst_stride);
 
@@ -288,15 +303,18 @@ typedef struct kn_rope {
 int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err);
 
 /* Rotates x[m][n_heads][head_dim] in place; token t is at position pos[t]
- * (>= 0). The angle is computed in double and rounded once to f32. */
+ * (>= 0). The angle is computed in double and rounded once to f32. pos
+ * is host memory, so this takes a host-memory backend (tests; a forward
+ * pass uses the two steps below). */
 void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads,
                    const int32_t *pos);
 
 /* The same in two steps, so that a forward pass computes each token's
  * cos and sin once for all its layers: kn_rope_table writes
  * cs[m][head_dim] (cos, sin of pair i at 2i, 2i+1), kn_rope_rotate applies
- * them. The bits are kn_rope_apply's. */
-void kn_rope_table(const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
+ * them. The bits are kn_rope_apply's. Both are ops of the stream: pos and
+ * cs are the backend's memory (a step's positions are an input buffer). */
+void kn_rope_table(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
 void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
 
 /* ---- paged KV cache and attention --------------------------------------- */
@@ -309,6 +327,7 @@ void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t
 typedef struct kn_kv_pool {
     void *k; /* [n_blocks][block_size][n_kv_heads][head_dim] of type */
     void *v; /* the same */
+    const kn_buf *buf; /* holding k and v (checked); NULL: host memory, as for kn_weight */
     int32_t n_blocks;
     int32_t block_size;
     int32_t n_kv_heads;
@@ -316,9 +335,11 @@ typedef struct kn_kv_pool {
     ggml_type type;
 } kn_kv_pool;
 
-/* Where each token of a batch reads and writes the KV cache (plain data,
- * flat int32 arrays so a GPU backend can copy them to fixed device
- * buffers). All layers share one map per step. */
+/* Where each token of a batch reads and writes the KV cache: flat int32
+ * arrays in the backend's memory (the engine uploads them into fixed
+ * buffers each step, so a captured step replays with new contents). All
+ * layers share one map per step. On a host-memory backend kernels.c also
+ * checks the entries; elsewhere the engine's validation is the check. */
 typedef struct kn_kv_map {
     int32_t m;                   /* tokens in the batch */
     const int32_t *block_tables; /* [n_seqs][table_len] block ids (unused: -1) */

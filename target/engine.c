@@ -5,6 +5,14 @@
 
 #include "../services/kv/kv_cache.h"
 
+/* A step's inputs: arrays the engine fills on the host, then uploads to
+ * fixed places in one buffer of the backend (e->in), which is all the
+ * forward pass reads. Their addresses never change, so a step captured
+ * once (a CUDA graph) replays with new contents. [max_batch_tokens]
+ * each, but IN_EXTRA: [max_batch_tokens * ENG_MAX_TREE]. */
+enum { IN_TOKENS, IN_POS, IN_SEQ, IN_SLOT, IN_N_PREFIX, IN_EXTRA_START, IN_N_EXTRA, IN_LOGIT_ROWS, IN_CAP_ROWS,
+       IN_EXTRA, IN_N };
+
 struct eng {
     const model *m;
     eng_config cfg;
@@ -13,16 +21,34 @@ struct eng {
     llama_ws *ws;
     kv_cache *kv;
     kn_kv_pool *layers; /* [n_layers] */
-    /* per-step maps, [max_batch_tokens] unless noted */
-    int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows;
+    int32_t *host[IN_N]; /* the step's inputs as filled, in one allocation (host[0]) */
+    int32_t *dev[IN_N];  /* the same in e->in, at the backend's addresses */
+    size_t in_len[IN_N]; /* elements of each */
+    kn_buf in;
+    /* Where the forward pass writes logits and captured features on a
+     * backend whose memory is not the host's: [max_batch_tokens][vocab],
+     * then [max_batch_tokens][LLAMA_MAX_CAPTURE * hidden]; downloaded
+     * into the caller's arrays. A host-memory backend writes those arrays
+     * directly (no buffer). */
+    kn_buf out;
+    /* the host arrays above by name */
+    int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows, *cap_rows, *extra;
     int32_t *old_cap; /* per item: KV capacity before this step reserved */
-    int32_t *extra; /* [max_batch_tokens * ENG_MAX_TREE] */
     int32_t *depth; /* [ENG_MAX_TREE] */
     /* The last tree of each sequence, to check a committed path against:
      * parents [max_seqs][ENG_MAX_TREE], node count [max_seqs] (0: none). */
     int32_t *tree_parents;
     int32_t *tree_n;
 };
+
+/* Elements of each input for T tokens. */
+static size_t input_len(int i, size_t T) { return i == IN_EXTRA ? T * ENG_MAX_TREE : T; }
+
+size_t eng_input_bytes(int32_t max_batch_tokens) {
+    size_t n = 0;
+    for (int i = 0; i < IN_N; i++) n += input_len(i, (size_t)max_batch_tokens);
+    return 2 * n * sizeof(int32_t);
+}
 
 const model *eng_model(const eng *e) { return e->m; }
 const eng_config *eng_get_config(const eng *e) { return &e->cfg; }
@@ -35,17 +61,11 @@ void eng_free(eng *e) {
     kn_stream_free(e->stream);
     pool_free(e->pool);
     kv_free(e->kv);
+    kn_buf_free(&e->in);
+    kn_buf_free(&e->out);
     free(e->layers);
-    free(e->pos);
-    free(e->seq);
-    free(e->slot);
-    free(e->n_prefix);
-    free(e->extra_start);
-    free(e->n_extra);
-    free(e->tokens);
-    free(e->logit_rows);
+    free(e->host[0]);
     free(e->old_cap);
-    free(e->extra);
     free(e->depth);
     free(e->tree_parents);
     free(e->tree_n);
@@ -70,22 +90,35 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
                     (cfg->kv_tokens + cfg->block_size - 1) / cfg->block_size, cfg->max_seqs,
                     (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size};
     if (pool_init(&e->pool, cfg->threads, err) != AE_OK ||
-        kn_stream_init(&e->stream, &kn_backend_cpu, &(kn_stream_config){e->pool, llama_stream_workspace(m, cfg->max_batch_tokens, cfg->max_seq_len)}, err) != AE_OK ||
+        kn_stream_init(&e->stream, m->be, &(kn_stream_config){e->pool, llama_stream_workspace(m, cfg->max_batch_tokens, cfg->max_seq_len)}, err) != AE_OK ||
         llama_ws_init(&e->ws, m, cfg->max_batch_tokens, cfg->max_batch_tokens, err) != AE_OK ||
-        kv_init(&e->kv, &kp, err) != AE_OK)
+        kv_init(&e->kv, m->be, &kp, err) != AE_OK)
         goto fail;
     if (cfg->act_bits) kn_stream_set_act_bits(e->stream, cfg->act_bits);
     e->cfg.act_bits = kn_stream_act_bits(e->stream);
+    size_t in_total = 0;
+    for (int i = 0; i < IN_N; i++) in_total += e->in_len[i] = input_len(i, T);
+    if (kn_buf_alloc(m->be, &e->in, in_total * sizeof(int32_t), err) != AE_OK) goto fail;
+    if (!kn_backend_host_memory(m->be) &&
+        kn_buf_alloc(m->be, &e->out, T * ((size_t)c->vocab + LLAMA_MAX_CAPTURE * (size_t)c->hidden) * sizeof(float),
+                     err) != AE_OK)
+        goto fail;
+    if (!(e->host[0] = calloc(in_total, sizeof(int32_t)))) goto oom;
+    e->dev[0] = e->in.ptr;
+    for (int i = 1; i < IN_N; i++) {
+        e->host[i] = e->host[i - 1] + e->in_len[i - 1];
+        e->dev[i] = e->dev[i - 1] + e->in_len[i - 1];
+    }
+    e->tokens = e->host[IN_TOKENS], e->pos = e->host[IN_POS], e->seq = e->host[IN_SEQ];
+    e->slot = e->host[IN_SLOT], e->n_prefix = e->host[IN_N_PREFIX], e->extra_start = e->host[IN_EXTRA_START];
+    e->n_extra = e->host[IN_N_EXTRA], e->logit_rows = e->host[IN_LOGIT_ROWS], e->cap_rows = e->host[IN_CAP_ROWS];
+    e->extra = e->host[IN_EXTRA];
     e->layers = calloc((size_t)c->n_layers, sizeof *e->layers);
-    int32_t **arrays[] = {&e->pos, &e->seq, &e->slot, &e->n_prefix, &e->extra_start, &e->n_extra,
-                          &e->tokens, &e->logit_rows, &e->old_cap};
-    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
-        if (!(*arrays[i] = calloc(T, sizeof(int32_t)))) goto oom;
-    e->extra = calloc(T * ENG_MAX_TREE, sizeof(int32_t));
+    e->old_cap = calloc(T, sizeof(int32_t));
     e->depth = calloc(ENG_MAX_TREE, sizeof(int32_t));
     e->tree_parents = calloc((size_t)cfg->max_seqs * ENG_MAX_TREE, sizeof(int32_t));
     e->tree_n = calloc((size_t)cfg->max_seqs, sizeof(int32_t));
-    if (!e->layers || !e->extra || !e->depth || !e->tree_parents || !e->tree_n) goto oom;
+    if (!e->layers || !e->old_cap || !e->depth || !e->tree_parents || !e->tree_n) goto oom;
     for (int32_t l = 0; l < c->n_layers; l++) e->layers[l] = kv_layer(e->kv, l);
     *out = e;
     return AE_OK;
@@ -113,7 +146,7 @@ int32_t eng_logit_rows(const eng_item *items, int32_t n_items) {
 
 /* Checks every item before anything is written, so a bad one changes
  * nothing. */
-static int validate(eng *e, const eng_item *items, int32_t n_items, ae_error *err) {
+static int validate(eng *e, const eng_item *items, int32_t n_items, const llama_capture *cap, ae_error *err) {
     int32_t total = 0;
     for (int32_t i = 0; i < n_items; i++) {
         const eng_item *it = &items[i];
@@ -138,6 +171,18 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, ae_error *er
                     return err_set(err, "item %d: node %d has parent %d (must be -1 or an earlier node)", i, t, it->parents[t]);
         }
     }
+    if (cap) {
+        if (cap->n_layers < 0 || cap->n_layers > LLAMA_MAX_CAPTURE || cap->n_rows < 0 ||
+            cap->n_rows > e->cfg.max_batch_tokens)
+            return err_set(err, "capture: %d layers of %d rows (at most %d and %d)", cap->n_layers, cap->n_rows,
+                           LLAMA_MAX_CAPTURE, e->cfg.max_batch_tokens);
+        for (int32_t r = 0; r < cap->n_rows; r++)
+            if (cap->rows[r] < 0 || cap->rows[r] >= total)
+                return err_set(err, "capture: row %d is %d, the step has %d tokens", r, cap->rows[r], total);
+        for (int32_t j = 0; j < cap->n_layers; j++)
+            if (cap->layers[j] < 0 || cap->layers[j] > e->m->cfg.n_layers)
+                return err_set(err, "capture: layer %d is not in [0, %d]", cap->layers[j], e->m->cfg.n_layers);
+    }
     /* Reserve KV room for every item; if one cannot have it, give back
      * what the earlier ones took, so a refused step leaves the pool as it
      * was (len <= capacity, so trimming to the old capacity restores it). */
@@ -154,7 +199,7 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, ae_error *er
 int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
              const llama_capture *capture, ae_error *err) {
     if (n_items < 1) return err_set(err, "empty step");
-    if (validate(e, items, n_items, err) != AE_OK) return AE_ERR;
+    if (validate(e, items, n_items, capture, err) != AE_OK) return AE_ERR;
     int32_t T = 0, n_logits = 0, n_extra_total = 0;
     for (int32_t i = 0; i < n_items; i++) {
         const eng_item *it = &items[i];
@@ -184,10 +229,34 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
             e->logit_rows[n_logits++] = T;
         }
     }
-    kn_kv_map map = {T, kv_block_tables(e->kv), e->cfg.max_seqs, kv_get_params(e->kv)->max_blocks_per_seq,
-                     e->seq, e->slot, e->n_prefix, e->extra_start, e->n_extra, e->extra, n_extra_total};
-    llama_batch b = {T, e->tokens, e->pos, &map, n_logits, e->logit_rows, logits, capture};
+    /* Upload what this step filled; the forward pass reads only e->in. */
+    int32_t n_cap = capture ? capture->n_rows : 0;
+    if (n_cap) memcpy(e->cap_rows, capture->rows, (size_t)n_cap * sizeof(int32_t));
+    size_t used[IN_N] = {T, T, T, T, T, T, T, n_logits, n_cap, n_extra_total};
+    for (int i = 0; i < IN_N; i++)
+        kn_upload(e->stream, &e->in, (size_t)((char *)e->dev[i] - (char *)e->in.ptr), e->host[i], used[i] * sizeof(int32_t));
+    kv_upload_tables(e->kv, e->stream);
+    const int32_t *const *d = (const int32_t *const *)e->dev;
+    kn_kv_map map = {T, kv_map_tables(e->kv), e->cfg.max_seqs, kv_get_params(e->kv)->max_blocks_per_seq,
+                     d[IN_SEQ], d[IN_SLOT], d[IN_N_PREFIX], d[IN_EXTRA_START], d[IN_N_EXTRA], d[IN_EXTRA], n_extra_total};
+    /* Outputs: the caller's arrays on a host-memory backend, else e->out. */
+    const size_t V = (size_t)e->m->cfg.vocab, W = capture ? (size_t)capture->n_layers * (size_t)e->m->cfg.hidden : 0;
+    float *out_logits = e->out.ptr ? e->out.ptr : logits;
+    llama_capture cap;
+    if (capture) {
+        cap = *capture;
+        cap.rows = d[IN_CAP_ROWS];
+        if (e->out.ptr) cap.out = (float *)e->out.ptr + (size_t)e->cfg.max_batch_tokens * V;
+    }
+    llama_batch b = {T, d[IN_TOKENS], d[IN_POS], &map, n_logits, d[IN_LOGIT_ROWS], out_logits, capture ? &cap : NULL};
     llama_forward(e->m, e->stream, NULL, e->layers, e->ws, &b);
+    if (e->out.ptr) {
+        kn_download(e->stream, logits, &e->out, 0, (size_t)n_logits * V * sizeof(float));
+        if (capture)
+            kn_download(e->stream, capture->out, &e->out, (size_t)e->cfg.max_batch_tokens * V * sizeof(float),
+                        (size_t)n_cap * W * sizeof(float));
+    }
+    kn_stream_sync(e->stream);
     for (int32_t i = 0; i < n_items; i++) {
         const eng_item *it = &items[i];
         if (it->kind == ENG_APPEND) {

@@ -13,7 +13,9 @@
  * token with all_logits) and for every node of a tree, in item order.
  *
  * This is the call the scheduler and speculative decoding build on. All
- * buffers are sized at eng_init; a step allocates nothing. */
+ * buffers are sized at eng_init; a step allocates nothing. A step's
+ * inputs are uploaded to fixed places in a buffer of the backend, so the
+ * forward pass reads the same addresses every step. */
 #ifndef AERIE_TARGET_ENGINE_H
 #define AERIE_TARGET_ENGINE_H
 
@@ -54,8 +56,13 @@ typedef struct eng_item {
 
 typedef struct eng eng;
 
-/* m must outlive the engine. */
+/* m must outlive the engine, which runs on m's backend (m->be): its
+ * stream, workspace, KV cache and step inputs are that backend's. */
 int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err);
+
+/* Bytes of a step's inputs at this many tokens: the host arrays the
+ * engine fills and the backend buffer they are uploaded to (memory plan). */
+size_t eng_input_bytes(int32_t max_batch_tokens);
 void eng_free(eng *e); /* NULL is a no-op */
 
 int eng_seq_new(eng *e, int32_t *seq, ae_error *err);

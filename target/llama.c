@@ -16,7 +16,7 @@ struct llama_ws {
     float *up;    /* [max_tokens][F] */
     float *out_x; /* [max_logits][H] rows whose logits are wanted */
     float *rope;  /* [max_tokens][D] each token's cos and sin, for all layers */
-    void *block;  /* one allocation holding all of the above */
+    kn_buf block; /* one buffer of the model's backend holding all of the above */
 };
 
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -58,17 +58,15 @@ int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t ma
     llama_ws *ws = calloc(1, sizeof *ws);
     if (!ws) return err_set(err, "out of memory");
     size_t bytes = llama_ws_bytes(m, max_tokens, max_logits);
-    ws->block = aligned_alloc(64, bytes);
-    if (!ws->block) {
+    if (kn_buf_alloc(m->be, &ws->block, bytes, err) != AE_OK) {
         free(ws);
-        return err_set(err, "out of memory for a %zu byte workspace", bytes);
+        return err_prefix(err, "a %zu-byte workspace: ", bytes), AE_ERR;
     }
-    memset(ws->block, 0, bytes);
     size_t sz[WS_BUFS];
     ws_sizes(m, max_tokens, max_logits, sz);
     float **slots[WS_BUFS] = {&ws->x,    &ws->xn,   &ws->q,  &ws->k,     &ws->v,   &ws->attn,
                               &ws->proj, &ws->gate, &ws->up, &ws->out_x, &ws->rope};
-    char *p = ws->block;
+    char *p = ws->block.ptr;
     for (int i = 0; i < WS_BUFS; i++) {
         *slots[i] = (float *)(void *)p;
         p += round64(sz[i] * sizeof(float));
@@ -81,7 +79,7 @@ int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t ma
 
 void llama_ws_free(llama_ws *ws) {
     if (!ws) return;
-    free(ws->block);
+    kn_buf_free(&ws->block);
     free(ws);
 }
 
@@ -127,16 +125,19 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
     AE_ASSERT(T >= 1 && T <= ws->max_tokens);
     AE_ASSERT(b->n_logits >= 0 && b->n_logits <= ws->max_logits);
     AE_ASSERT(b->map && b->map->m == T);
+    /* Row indices are read here only where they are host memory; on other
+     * backends they are the engine's, checked before it uploaded them. */
+    const bool host = kn_backend_host_memory(kn_stream_backend(s));
     const llama_capture *cap = b->capture;
     if (cap) {
         AE_ASSERT(cap->n_layers >= 0 && cap->n_layers <= LLAMA_MAX_CAPTURE);
-        for (int32_t r = 0; r < cap->n_rows; r++) AE_ASSERT(cap->rows[r] >= 0 && cap->rows[r] < T);
+        for (int32_t r = 0; r < cap->n_rows && host; r++) AE_ASSERT(cap->rows[r] >= 0 && cap->rows[r] < T);
         for (int32_t j = 0; j < cap->n_layers; j++)
             AE_ASSERT(cap->layers[j] >= 0 && cap->layers[j] <= c->n_layers);
     }
 
     kn_embed(s, &m->tok_embd, b->tokens, ws->x, T);
-    kn_rope_table(&m->rope, b->pos, T, ws->rope);
+    kn_rope_table(s, &m->rope, b->pos, T, ws->rope);
     /* The layer loop every architecture shares: the capture and the
      * allreduce hooks are here, each block's kind picks its ops. */
     for (int32_t li = 0; li < c->n_layers; li++) {
@@ -157,7 +158,7 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
     }
     capture_layer(s, cap, c->n_layers, ws->x, H);
     if (b->n_logits == 0) return;
-    for (int32_t r = 0; r < b->n_logits; r++) AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
+    for (int32_t r = 0; r < b->n_logits && host; r++) AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
     kn_gather_rows(s, ws->x, b->logit_rows, b->n_logits, H, ws->out_x, H);
     kn_rmsnorm(s, ws->out_x, m->output_norm, ws->out_x, b->n_logits, H, c->rms_eps);
     kn_matmul(s, &m->output, ws->out_x, b->logits, b->n_logits);

@@ -32,6 +32,8 @@ typedef struct llama_capture {
     float *out;                        /* [n_rows][n_layers * H] */
 } llama_capture;
 
+/* Every array is the stream's backend's memory (the engine's input and
+ * output buffers; on a host-memory backend, any host array). */
 typedef struct llama_batch {
     int32_t m;                    /* tokens in the batch */
     const int32_t *tokens;        /* [m] */
@@ -46,7 +48,7 @@ typedef struct llama_batch {
 typedef struct llama_ws llama_ws;
 
 /* Workspace for batches of up to max_tokens tokens and max_logits logit
- * rows. */
+ * rows, in a buffer of the model's backend. */
 int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
                   ae_error *err);
 void llama_ws_free(llama_ws *ws); /* NULL is a no-op */

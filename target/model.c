@@ -29,7 +29,7 @@ static int check_config(const model_config *c, ae_error *err) {
 
 /* The GGUF file's architecture, its hyperparameters and tensors. */
 static int load_gguf(model *m, const char *path, ae_error *err) {
-    if (weights_open(&m->w, path, err) != AE_OK) return AE_ERR;
+    if (weights_open(&m->w, path, m->be, err) != AE_OK) return AE_ERR;
     model_config *c = &m->cfg;
     gguf_str s;
     if (gguf_get_str(m->w->gguf, "general.architecture", &s, err) != AE_OK) return AE_ERR;
@@ -54,16 +54,17 @@ static int load_hf(model *m, const char *dir, ae_error *err) {
         err_prefix(err, "%s: ", path);
         return AE_ERR;
     }
-    if (m->arch->config_hf(c, &hc, path, err) != AE_OK || weights_open(&m->w, dir, err) != AE_OK ||
+    if (m->arch->config_hf(c, &hc, path, err) != AE_OK || weights_open(&m->w, dir, m->be, err) != AE_OK ||
         check_config(c, err) != AE_OK)
         return AE_ERR;
     return m->arch->load(m, err);
 }
 
-int model_load(model **out, const char *path, ae_error *err) {
+int model_load(model **out, const char *path, const kn_backend *be, ae_error *err) {
     *out = NULL;
     model *m = calloc(1, sizeof *m);
     if (!m) return err_set(err, "out of memory");
+    m->be = be;
     snprintf(m->path, sizeof m->path, "%s", path);
     struct stat sb;
     int rc;
@@ -99,6 +100,7 @@ size_t model_decode_bytes(const model *m) {
     b += m->output.row_bytes * (size_t)m->output.rows + (size_t)c->hidden * sizeof(float);
     return b;
 }
+
 
 embedding_view model_embedding(const model *m) {
     return (embedding_view){m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};

@@ -66,6 +66,7 @@ typedef struct model_layer {
 typedef struct model {
     model_config cfg;
     const struct arch *arch;  /* arch.h: what reads, plans and splits this model */
+    const kn_backend *be;     /* whose memory the weights are in: engines on it run the model */
     kn_weight tok_embd;       /* [V][H] */
     kn_weight output;         /* [V][H]; the same as tok_embd when tied */
     const float *output_norm; /* [H] */
@@ -77,9 +78,10 @@ typedef struct model {
     weights_store *w;               /* the file's tensors, and the buffers converted from them */
 } model;
 
-/* path: a .gguf file or a Hugging Face model directory. Errors name the
- * file and the missing or malformed tensor or key. */
-int model_load(model **out, const char *path, ae_error *err);
+/* path: a .gguf file or a Hugging Face model directory, loaded into the
+ * memory of be (weights.h). Errors name the file and the missing or
+ * malformed tensor or key. */
+int model_load(model **out, const char *path, const kn_backend *be, ae_error *err);
 void model_free(model *m); /* NULL is a no-op */
 
 /* Bytes read from weights by one decode step of one token: every layer's

@@ -13,7 +13,7 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
     if (cfg_is_auto(*c, "threads")) cfg_set_auto_int(*c, "threads", pool_cpu_count());
     const char *path = cfg_str(*c, "model");
     if (!path) return err_set(err, "no model given (use --model FILE)");
-    return model_load(m, path, err);
+    return model_load(m, path, &kn_backend_cpu, err);
 }
 
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {

@@ -145,6 +145,7 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
     s->output_norm = full->output_norm;
     s->rope = full->rope;
     s->arch = full->arch;
+    s->be = full->be;
     memcpy(s->path, full->path, sizeof s->path);
     const int64_t D = c->head_dim;
     const int64_t q0 = hd.begin * D, nq = (int64_t)(hd.end - hd.begin) * D;
@@ -195,7 +196,7 @@ typedef struct tp_rank {
     kn_stream *stream;
     llama_ws *ws;
     kn_kv_pool *kv; /* [n_layers] views into kv_mem */
-    uint16_t *kv_mem; /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D] */
+    kn_buf kv_mem;  /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D] */
     pthread_t thread;
     bool started;
 } tp_rank;
@@ -296,7 +297,7 @@ void tp_group_free(tp_group *g) {
         kn_stream_free(r->stream);
         pool_free(r->pool);
         free(r->kv);
-        free(r->kv_mem);
+        kn_buf_free(&r->kv_mem);
         tp_shard_free(r->shard);
     }
     kn_comm_free_cpu(g->comms, g->cfg.n_ranks);
@@ -313,14 +314,15 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
         per * row > SIZE_MAX / sizeof(uint16_t) / layers2)
         return err_set(err, "tensor parallel: KV of %d blocks x %d tokens overflows", cfg->kv_blocks, cfg->block_size);
     size_t n = per * row; /* elements of one layer's K (or V) */
-    r->kv_mem = calloc(n * layers2, sizeof(uint16_t));
     r->kv = calloc((size_t)c->n_layers, sizeof *r->kv);
-    if (!r->kv_mem || !r->kv)
-        return err_set(err, "tensor parallel: rank %d: out of memory for %zu bytes of KV", r->rank,
-                       n * layers2 * sizeof(uint16_t));
+    if (!r->kv) return err_set(err, "out of memory");
+    if (kn_buf_alloc(r->shard->be, &r->kv_mem, n * layers2 * sizeof(uint16_t), err) != AE_OK)
+        return err_prefix(err, "tensor parallel: rank %d's KV: ", r->rank), AE_ERR;
+    uint16_t *k0 = r->kv_mem.ptr;
     for (int32_t l = 0; l < c->n_layers; l++)
-        r->kv[l] = (kn_kv_pool){r->kv_mem + (size_t)(2 * l) * n, r->kv_mem + (size_t)(2 * l + 1) * n,
-                                cfg->kv_blocks, cfg->block_size, c->n_kv_heads, c->head_dim, GGML_TYPE_F16};
+        r->kv[l] = (kn_kv_pool){.k = k0 + (size_t)(2 * l) * n, .v = k0 + (size_t)(2 * l + 1) * n, .buf = &r->kv_mem,
+                                .n_blocks = cfg->kv_blocks, .block_size = cfg->block_size,
+                                .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .type = GGML_TYPE_F16};
     return AE_OK;
 }
 
@@ -347,7 +349,7 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
         r->rank = i;
         if (tp_shard_init(&r->shard, m, &g->split, i, err) != AE_OK ||
             pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
-            kn_stream_init(&r->stream, &kn_backend_cpu, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, 0)}, err) != AE_OK ||
+            kn_stream_init(&r->stream, m->be, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, 0)}, err) != AE_OK ||
             llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../services/core/mem.h"
+
 /* ---- streams, buffers and SIMD dispatch ------------------------------------ */
 
 static int cpu_stream_init(kn_stream **out, const kn_stream_config *cfg, ae_error *err) {
@@ -44,11 +46,17 @@ static void cpu_sync(kn_stream *s) { (void)s; }
 static void cpu_event_record(kn_stream *s, kn_event *e) { (void)s, (void)e; }
 static void cpu_event_wait(kn_stream *s, const kn_event *e) { (void)s, (void)e; }
 
-/* Buffers are host memory, 64-byte aligned. */
+/* Buffers are host memory, 64-byte aligned, on huge pages when large
+ * (mem.h). Zeroed here, which also commits the pages the memory plan
+ * counted. */
 static int cpu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
-    b->ptr = aligned_alloc(64, ((bytes ? bytes : 1) + 63) & ~(size_t)63);
-    return b->ptr ? AE_OK : err_set(err, "kernels: out of memory for a %zu-byte buffer", bytes);
+    b->ptr = mem_alloc_large(bytes ? bytes : 1);
+    if (!b->ptr) return err_set(err, "kernels: out of memory for a %zu-byte buffer", bytes);
+    memset(b->ptr, 0, bytes);
+    return AE_OK;
 }
+
+static void cpu_buf_write(kn_buf *b, size_t off, const void *src, size_t n) { memcpy((char *)b->ptr + off, src, n); }
 
 static void cpu_buf_free(kn_buf *b) { free(b->ptr); }
 
@@ -318,9 +326,9 @@ int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err) {
     return AE_OK;
 }
 
-void kn_rope_table(const kn_rope *r, const int32_t *pos, int64_t m, float *cs) {
+static void cpu_rope_table(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs) {
+    (void)s;
     int half = r->head_dim / 2;
-    AE_ASSERT(half > 0 && m >= 0);
     for (int64_t t = 0; t < m; t++) {
         AE_ASSERT(pos[t] >= 0);
         float *row = cs + t * r->head_dim;
@@ -359,7 +367,7 @@ static void cpu_gather_rows(kn_stream *s, const float *src, const int32_t *rows,
                             int64_t dst_stride) {
     (void)s;
     for (int64_t r = 0; r < n; r++)
-        memcpy(dst + r * dst_stride, src + (int64_t)rows[r] * width, (size_t)width * sizeof(float));
+        memcpy(dst + r * dst_stride, src + (rows ? (int64_t)rows[r] : r) * width, (size_t)width * sizeof(float));
 }
 
 static bool cpu_supports(kn_op op, ggml_type type) {
@@ -374,6 +382,7 @@ static bool cpu_supports(kn_op op, ggml_type type) {
 
 const kn_backend kn_backend_cpu = {
     .name = "cpu",
+    .host_memory = true,
     .supports = cpu_supports,
     .stream_init = cpu_stream_init,
     .stream_free = cpu_stream_free,
@@ -383,6 +392,7 @@ const kn_backend kn_backend_cpu = {
     .event_wait = cpu_event_wait,
     .buf_alloc = cpu_buf_alloc,
     .buf_free = cpu_buf_free,
+    .buf_write = cpu_buf_write,
     .upload = cpu_upload,
     .download = cpu_download,
     .matmul_n = kn_cpu_matmul_n,
@@ -395,6 +405,7 @@ const kn_backend kn_backend_cpu = {
     .argmax = kn_cpu_argmax,
     .embed = kn_cpu_embed,
     .gather_rows = cpu_gather_rows,
+    .rope_table = cpu_rope_table,
     .rope_rotate = kn_cpu_rope_rotate,
     .kv_write = kn_cpu_kv_write,
     .kv_move = kn_cpu_kv_move,

@@ -4,20 +4,27 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../core/mem.h"
 
 typedef struct kv_seq {
     bool live;
+    bool dirty;       /* its table row changed since kv_upload_tables */
     int32_t len;      /* committed slots */
     int32_t n_blocks; /* blocks held: entries of this sequence's table row */
 } kv_seq;
 
+/* Rows kv_commit_path moves per kn_kv_move. */
+#define KV_MOVE_CHUNK 64
+
 struct kv_cache {
     kv_params p;
+    const kn_backend *be;
     size_t row;       /* elements per slot: n_kv_heads * head_dim */
     size_t pool;      /* elements per pool: n_blocks * block_size * row */
-    uint16_t *data;   /* f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim], K then V */
-    int32_t *tables;  /* int32 [max_seqs][max_blocks_per_seq]; -1 where unused */
+    kn_buf data;      /* f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim], K then V */
+    kn_buf tables_buf; /* the block tables the kernels read: int32 [max_seqs][max_blocks_per_seq] */
+    int32_t *tables;  /* the same, as this file keeps them; -1 where unused. On a host-memory
+                         backend tables_buf itself, else a host copy kv_upload_tables sends */
+    kn_buf moves;     /* int32 [2][KV_MOVE_CHUNK]: source and destination rows of a commit */
     kv_seq *seqs;     /* (max_seqs) */
     int32_t *free_blocks; /* stack of free block ids, (n_blocks); top at n_free-1 */
     int32_t n_free;
@@ -62,10 +69,10 @@ uint64_t kv_bytes(const kv_params *p) {
     if (!mul_ok((uint64_t)p->max_seqs, (uint64_t)p->max_blocks_per_seq * sizeof(int32_t), &tables))
         return 0;
     return elems * sizeof(uint16_t) + tables + (uint64_t)p->n_blocks * sizeof(int32_t) +
-           (uint64_t)p->max_seqs * (sizeof(kv_seq) + sizeof(int32_t));
+           (uint64_t)p->max_seqs * (sizeof(kv_seq) + sizeof(int32_t)) + 2 * KV_MOVE_CHUNK * sizeof(int32_t);
 }
 
-int kv_init(kv_cache **out, const kv_params *p, ae_error *err) {
+int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *err) {
     *out = NULL;
     if (!params_ok(p))
         return err_set(err,
@@ -80,24 +87,31 @@ int kv_init(kv_cache **out, const kv_params *p, ae_error *err) {
     kv_cache *kv = calloc(1, sizeof *kv);
     if (!kv) return err_set(err, "kv cache: out of memory");
     kv->p = *p;
+    kv->be = be;
     kv->row = (size_t)p->n_kv_heads * (size_t)p->head_dim;
     kv->pool = (size_t)p->n_blocks * (size_t)p->block_size * kv->row;
     size_t bytes = (size_t)elems * sizeof(uint16_t);
-    /* 64-byte aligned for SIMD loads, on huge pages where it can. */
-    kv->data = mem_alloc_large(bytes);
-    kv->tables = malloc((size_t)p->max_seqs * (size_t)p->max_blocks_per_seq * sizeof(int32_t));
+    size_t n_table = (size_t)p->max_seqs * (size_t)p->max_blocks_per_seq;
+    /* The backend's buffers come zeroed: the pages are committed now, as
+     * the plan counted them, and a stray read sees 0 rather than garbage. */
+    if (kn_buf_alloc(be, &kv->data, bytes, err) != AE_OK) {
+        err_prefix(err, "kv cache: %zu bytes of K/V (%d blocks x %d tokens x %d layers): ", bytes, p->n_blocks,
+                   p->block_size, p->n_layers);
+        goto fail;
+    }
+    if (kn_buf_alloc(be, &kv->tables_buf, n_table * sizeof(int32_t), err) != AE_OK ||
+        kn_buf_alloc(be, &kv->moves, 2 * KV_MOVE_CHUNK * sizeof(int32_t), err) != AE_OK)
+        goto fail;
+    kv->tables = kn_backend_host_memory(be) ? kv->tables_buf.ptr : malloc(n_table * sizeof(int32_t));
     kv->seqs = calloc((size_t)p->max_seqs, sizeof *kv->seqs);
     kv->free_blocks = malloc((size_t)p->n_blocks * sizeof(int32_t));
     kv->free_seqs = malloc((size_t)p->max_seqs * sizeof(int32_t));
-    if (!kv->data || !kv->tables || !kv->seqs || !kv->free_blocks || !kv->free_seqs) {
-        err_set(err, "kv cache: out of memory for %zu bytes of K/V (%d blocks x %d tokens x %d layers)",
-                bytes, p->n_blocks, p->block_size, p->n_layers);
+    if (!kv->tables || !kv->seqs || !kv->free_blocks || !kv->free_seqs) {
+        err_set(err, "kv cache: out of memory for the block tables of %d sequences", p->max_seqs);
         goto fail;
     }
-    /* Zeroed so that the pages are committed now, as the plan counted them,
-     * and so a stray read sees 0 rather than garbage. */
-    memset(kv->data, 0, bytes);
-    for (size_t i = 0; i < (size_t)p->max_seqs * (size_t)p->max_blocks_per_seq; i++) kv->tables[i] = -1;
+    for (size_t i = 0; i < n_table; i++) kv->tables[i] = -1;
+    for (int32_t i = 0; i < p->max_seqs; i++) kv->seqs[i].dirty = true;
     /* Stacks pop from the top: block 0 and sequence 0 come out first. */
     for (int32_t i = 0; i < p->n_blocks; i++) kv->free_blocks[i] = p->n_blocks - 1 - i;
     kv->n_free = p->n_blocks;
@@ -112,8 +126,10 @@ fail:
 
 void kv_free(kv_cache *kv) {
     if (!kv) return;
-    free(kv->data);
-    free(kv->tables);
+    if (kv->tables != kv->tables_buf.ptr) free(kv->tables);
+    kn_buf_free(&kv->data);
+    kn_buf_free(&kv->tables_buf);
+    kn_buf_free(&kv->moves);
     free(kv->seqs);
     free(kv->free_blocks);
     free(kv->free_seqs);
@@ -163,6 +179,7 @@ static void release_blocks(kv_cache *kv, int32_t seq, int32_t keep) {
         AE_ASSERT(kv->n_free < kv->p.n_blocks);
         kv->free_blocks[kv->n_free++] = row[i];
         row[i] = -1;
+        s->dirty = true;
     }
     if (keep < s->n_blocks) s->n_blocks = keep;
 }
@@ -196,6 +213,7 @@ int kv_seq_reserve(kv_cache *kv, int32_t seq, int32_t n_slots, ae_error *err) {
                        kv->p.n_blocks - kv->n_free, kv->p.max_seqs - kv->n_free_seqs);
     int32_t *row = table_row(kv, seq);
     for (int32_t i = 0; i < more; i++) row[s->n_blocks++] = kv->free_blocks[--kv->n_free];
+    s->dirty = true;
     int32_t used = kv->p.n_blocks - kv->n_free;
     if (used > kv->peak) kv->peak = used;
     return AE_OK;
@@ -252,17 +270,19 @@ int kv_commit_path(kv_cache *kv, kn_stream *stream, int32_t seq, const int32_t *
     }
     /* Destination len+i <= source node_slots[i] < every later source, so
      * moving front to back never overwrites a row still to be read. The
-     * moves go in chunks, in order. */
-    enum { CHUNK = 64 };
-    for (int32_t at = 0; at < n; at += CHUNK) {
-        int32_t src[CHUNK], dst[CHUNK], m = n - at < CHUNK ? n - at : CHUNK;
+     * moves go in chunks, in order, their rows uploaded to the moves
+     * buffer on the same stream. */
+    const int32_t *rows = kv->moves.ptr;
+    for (int32_t at = 0; at < n; at += KV_MOVE_CHUNK) {
+        int32_t rc[2][KV_MOVE_CHUNK], m = n - at < KV_MOVE_CHUNK ? n - at : KV_MOVE_CHUNK;
         for (int32_t i = 0; i < m; i++) {
-            src[i] = (int32_t)(slot_offset(kv, seq, node_slots[at + i]) / kv->row);
-            dst[i] = (int32_t)(slot_offset(kv, seq, s->len + at + i) / kv->row);
+            rc[0][i] = (int32_t)(slot_offset(kv, seq, node_slots[at + i]) / kv->row);
+            rc[1][i] = (int32_t)(slot_offset(kv, seq, s->len + at + i) / kv->row);
         }
+        kn_upload(stream, &kv->moves, 0, rc, sizeof rc);
         for (int32_t l = 0; l < kv->p.n_layers; l++) {
             kn_kv_pool pool = kv_layer(kv, l);
-            kn_kv_move(stream, &pool, src, dst, m);
+            kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);
         }
     }
     s->len += n;
@@ -278,20 +298,40 @@ int32_t kv_seq_n_blocks(const kv_cache *kv, int32_t seq) { return live_seq(kv, s
 
 const int32_t *kv_block_tables(const kv_cache *kv) { return kv->tables; }
 
-uint16_t *kv_k_pool(kv_cache *kv, int32_t layer) {
+const int32_t *kv_map_tables(const kv_cache *kv) { return kv->tables_buf.ptr; }
+
+void kv_upload_tables(kv_cache *kv, kn_stream *s) {
+    if (kv->tables == kv->tables_buf.ptr) return;
+    const size_t len = (size_t)kv->p.max_blocks_per_seq;
+    for (int32_t q = 0; q < kv->p.max_seqs; q++) {
+        if (!kv->seqs[q].dirty) continue;
+        kv->seqs[q].dirty = false;
+        kn_upload(s, &kv->tables_buf, (size_t)q * len * sizeof(int32_t), kv->tables + (size_t)q * len,
+                      len * sizeof(int32_t));
+    }
+}
+
+/* Layer l's K (v = 0) or V (v = 1) pool, at the backend's address. */
+static uint16_t *pool_at(const kv_cache *kv, int32_t layer, int v) {
     AE_ASSERT(layer >= 0 && layer < kv->p.n_layers);
-    return kv->data + (size_t)layer * 2 * kv->pool;
+    return (uint16_t *)kv->data.ptr + ((size_t)layer * 2 + (size_t)v) * kv->pool;
+}
+
+uint16_t *kv_k_pool(kv_cache *kv, int32_t layer) {
+    AE_ASSERT(kn_backend_host_memory(kv->be));
+    return pool_at(kv, layer, 0);
 }
 
 uint16_t *kv_v_pool(kv_cache *kv, int32_t layer) {
-    AE_ASSERT(layer >= 0 && layer < kv->p.n_layers);
-    return kv->data + ((size_t)layer * 2 + 1) * kv->pool;
+    AE_ASSERT(kn_backend_host_memory(kv->be));
+    return pool_at(kv, layer, 1);
 }
 
 kn_kv_pool kv_layer(kv_cache *kv, int32_t layer) {
     return (kn_kv_pool){
-        .k = kv_k_pool(kv, layer),
-        .v = kv_v_pool(kv, layer),
+        .k = pool_at(kv, layer, 0),
+        .v = pool_at(kv, layer, 1),
+        .buf = &kv->data,
         .n_blocks = kv->p.n_blocks,
         .block_size = kv->p.block_size,
         .n_kv_heads = kv->p.n_kv_heads,

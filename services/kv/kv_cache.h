@@ -1,7 +1,9 @@
 /* Paged KV cache: one pool of fixed-size blocks shared by every sequence.
  *
  * All memory is taken at kv_init from the sizes the memory plan chose; no
- * call after that allocates (DESIGN.md invariant 5).
+ * call after that allocates (DESIGN.md invariant 5). The pools, and the
+ * block tables the kernels read, are buffers of the backend given to
+ * kv_init; the bookkeeping is host memory.
  *
  * Layout (the attention kernel reads it directly; see kernels/kernels.h):
  *   per layer l, a K pool and a V pool, each
@@ -54,11 +56,12 @@ typedef struct kv_stats {
  * 2 * n_layers * n_kv_heads * head_dim * 2 (f16). */
 uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim);
 
-/* Bytes kv_init takes for these sizes (pools + block tables + bookkeeping);
- * 0 when the sizes overflow. */
+/* Bytes kv_init takes for these sizes (pools + block tables + bookkeeping)
+ * on a host-memory backend; another also keeps a host copy of the block
+ * tables. 0 when the sizes overflow. */
 uint64_t kv_bytes(const kv_params *p);
 
-int kv_init(kv_cache **out, const kv_params *p, ae_error *err);
+int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *err);
 void kv_free(kv_cache *kv); /* NULL is a no-op */
 
 const kv_params *kv_get_params(const kv_cache *kv);
@@ -107,17 +110,27 @@ int kv_commit_path(kv_cache *kv, kn_stream *s, int32_t seq, const int32_t *node_
 const int32_t *kv_seq_block_table(const kv_cache *kv, int32_t seq);
 int32_t kv_seq_n_blocks(const kv_cache *kv, int32_t seq);
 
-/* All block tables: int32 [max_seqs][max_blocks_per_seq], row = seq id. */
+/* All block tables: int32 [max_seqs][max_blocks_per_seq], row = seq id,
+ * as the cache keeps them (host memory). */
 const int32_t *kv_block_tables(const kv_cache *kv);
 
+/* The same tables in the backend's memory, at a fixed address: what a
+ * kn_kv_map's block_tables is (n_seqs = max_seqs, table_len =
+ * max_blocks_per_seq). kv_upload_tables on the step's stream makes them
+ * current before the step's ops: it sends the rows changed since its last
+ * call (none on a host-memory backend, whose kernels read the cache's own
+ * tables). */
+const int32_t *kv_map_tables(const kv_cache *kv);
+void kv_upload_tables(kv_cache *kv, kn_stream *s);
+
 /* Per-layer pools: f16 [n_blocks][block_size][n_kv_heads][head_dim].
- * Addresses are fixed for the life of the cache. */
+ * Addresses are fixed for the life of the cache. These and the slot rows
+ * below are host pointers, for a host-memory backend only (tests). */
 uint16_t *kv_k_pool(kv_cache *kv, int32_t layer);
 uint16_t *kv_v_pool(kv_cache *kv, int32_t layer);
 
-/* Layer `layer` as the attention kernel takes it (kn_kv_write, kn_attention);
- * the map's block_tables are kv_block_tables with n_seqs = max_seqs and
- * table_len = max_blocks_per_seq. */
+/* Layer `layer` as the attention kernel takes it (kn_kv_write, kn_attention),
+ * in the cache's buffer; the map's block_tables are kv_map_tables. */
 kn_kv_pool kv_layer(kv_cache *kv, int32_t layer);
 
 /* One slot's row: f16 [n_kv_heads][head_dim]; slot < capacity. */

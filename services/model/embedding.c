@@ -27,10 +27,10 @@ static int shape_gguf(embedding *e, const gguf_file *f, ae_error *err) {
     return AE_OK;
 }
 
-int embedding_open(embedding *e, const char *path, ae_error *err) {
+int embedding_open(embedding *e, const char *path, const kn_backend *be, ae_error *err) {
     memset(e, 0, sizeof *e);
     const char *name = "token_embd.weight";
-    if (weights_open(&e->w, path, err) != AE_OK) return AE_ERR;
+    if (weights_open(&e->w, path, be, err) != AE_OK) return AE_ERR;
     int rc;
     if (e->w->gguf) {
         rc = shape_gguf(e, e->w->gguf, err);

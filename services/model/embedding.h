@@ -31,8 +31,9 @@ typedef struct embedding {
     weights_store *w; /* owner */
 } embedding;
 
-/* path: a .gguf file or a Hugging Face model directory. */
-int embedding_open(embedding *e, const char *path, ae_error *err);
+/* path: a .gguf file or a Hugging Face model directory; the table is
+ * given in be's memory (weights.h). */
+int embedding_open(embedding *e, const char *path, const kn_backend *be, ae_error *err);
 void embedding_close(embedding *e); /* a zeroed one is a no-op */
 embedding_view embedding_of(const embedding *e);
 

@@ -20,18 +20,31 @@
 #include "gguf.h"
 #include "safetensors.h"
 
+/* A buffer the weights hand out, and the host memory behind it that they
+ * wrote (a conversion, a packed copy; NULL for the mapped file's bytes). */
+typedef struct weights_buf {
+    kn_buf buf;
+    void *host;
+} weights_buf;
+
 typedef struct weights_store {
     gguf_file *gguf;      /* exactly one of gguf and st is set */
     st_model *st;
+    const kn_backend *be; /* whose memory the tensors are given in */
     size_t bytes;         /* bytes of weights as used (mapped + converted) */
     size_t converted_bytes; /* of which converted to f32 at load */
-    void **owned;         /* converted and packed buffers */
-    size_t n_owned, cap_owned;
+    weights_buf **bufs;   /* one per tensor handed out, and per converted or packed copy */
+    size_t n_bufs, cap_bufs;
 } weights_store;
 
 /* path: a .gguf file or a Hugging Face model directory (its safetensors;
- * config.json is the caller's). Errors name the path. */
-int weights_open(weights_store **out, const char *path, ae_error *err);
+ * config.json is the caller's). Errors name the path.
+ *
+ * Every matrix, table and vector is handed out in a buffer of be
+ * (kn_weight.buf): on a host-memory backend (the CPU) a mapped tensor is
+ * the file's own bytes and nothing is copied; on any other each tensor is
+ * copied into the backend's memory as it is asked for. */
+int weights_open(weights_store **out, const char *path, const kn_backend *be, ae_error *err);
 void weights_close(weights_store *w); /* NULL is a no-op */
 
 bool weights_has(const weights_store *w, const char *name);
@@ -47,10 +60,12 @@ int weights_table(weights_store *w, const char *name, int64_t rows, int64_t cols
 /* The vector `name` of n floats; a missing optional one is NULL. */
 int weights_vector(weights_store *w, const char *name, int64_t n, bool optional, const float **out, ae_error *err);
 
-/* Gives a quantized matrix the SIMD layout (kn_weight_pack) in a buffer
- * the weights own, and drops the file pages that packing read: the
- * resident weights are then the packed copy (the same size), not twice
- * it. A matrix with no packed layout is left as it is. */
+/* Gives a quantized matrix the CPU kernels' SIMD layout (kn_weight_pack)
+ * in a buffer the weights own, and drops the file pages that packing
+ * read: the resident weights are then the packed copy (the same size),
+ * not twice it. A matrix with no packed layout, or on a backend whose
+ * memory is not the host's (the layout is the CPU kernels'), is left as
+ * it is. */
 int weights_pack(weights_store *w, kn_weight *m, ae_error *err);
 
 #endif

@@ -56,7 +56,7 @@ static int setup(void **state) {
     }
     char *text;
     size_t len;
-    if (model_load(&mdl, MODEL_PATH, &err) != AE_OK || file_read_all(GOLDEN, 8u << 20, &text, &len, NULL, &err) != AE_OK) {
+    if (model_load(&mdl, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK || file_read_all(GOLDEN, 8u << 20, &text, &len, NULL, &err) != AE_OK) {
         fprintf(stderr, "%s\n", err.msg);
         return -1;
     }

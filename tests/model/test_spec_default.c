@@ -36,7 +36,7 @@ static void check_lossless(int32_t act_bits) {
     model *m;
     eng *e;
     draft_link link;
-    if (model_load(&m, MODEL_PATH, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
+    if (model_load(&m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
     eng_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2, act_bits};
     assert_int_equal(eng_init(&e, m, &ec, &err), AE_OK);
     drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(e), act_bits};

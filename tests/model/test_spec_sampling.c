@@ -47,7 +47,7 @@ typedef struct fixture {
 static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
-    if (model_load(&f->m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(&f->m, FIX "/target", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
     eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 1, 0};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {1, SEQ_LEN, 16, 1, eng_pool(f->e), 0};

@@ -40,7 +40,7 @@ static void the_default_model_states_its_kv_split_and_blocks(void **state) {
     (void)state;
     model *m;
     ae_error err = {0};
-    if (model_load(&m, MODEL_PATH, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
+    if (model_load(&m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
     assert_ptr_equal(m->arch, &arch_llama);
     /* SmolLM2-135M: f16 K and V of 30 layers x 3 kv heads x 64 */
     assert_int_equal(m->arch->kv_bytes_per_token(&m->cfg), 2 * 30 * 3 * 64 * 2);

@@ -42,7 +42,7 @@ static void ref_open(ref *r, const eagle_head *h) {
     ae_error err = {0};
     r->h = h;
     kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 16, 1, 16};
-    assert_int_equal(kv_init(&r->kv, &kp, &err), AE_OK);
+    assert_int_equal(kv_init(&r->kv, &kn_backend_cpu, &kp, &err), AE_OK);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 1, &err), AE_OK);
     assert_int_equal(kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 1, 256)}, &err), AE_OK);
@@ -65,7 +65,7 @@ static void ref_dist(ref *r, int32_t L, const int32_t *toks, const float *feats,
         int32_t width = t < L ? 3 * H : H;
         if (t < L) memcpy(in, feats + (size_t)t * 3 * H, sizeof(float) * 3 * (size_t)H);
         else memcpy(in, hid, sizeof(float) * (size_t)H);
-        kn_kv_map map = {1, kv_block_tables(r->kv), 1, 16, &seq, &slot, &np, &zero, &zero, &zero, 0};
+        kn_kv_map map = {1, kv_map_tables(r->kv), 1, 16, &seq, &slot, &np, &zero, &zero, &zero, 0};
         eagle_batch b = {1, &tok, in, width, &pos, &map, hid, 1, &row, probs};
         eagle_forward(h, r->s, &r->layer, r->ws, &b);
     }
@@ -108,7 +108,7 @@ static void check_tree(ref *r, const tree_out *t, int32_t L, const int32_t *toks
 /* The fixture's target and its head. */
 static void load_fixture(model **m, eagle_head **h) {
     ae_error err = {0};
-    if (model_load(m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(m, FIX "/target", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
     eagle_target tg = {(*m)->cfg.hidden, (*m)->cfg.vocab, (*m)->cfg.n_layers, &(*m)->tok_embd};
     if (eagle_load(h, FIX "/head", &tg, EAGLE_WEIGHTS_FILE, &err) != AE_OK) fail_msg("%s", err.msg);
 }

@@ -80,7 +80,7 @@ static double rel_l2(const float *got, const float *want, int32_t n) {
 static model *load_target(const char *path) {
     model *m;
     ae_error err = {0};
-    if (model_load(&m, path, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(&m, path, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
     return m;
 }
 
@@ -101,7 +101,7 @@ typedef struct runner {
 static void runner_open(runner *r, const eagle_head *h) {
     ae_error err = {0};
     kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 1, 1, 1};
-    if (kv_init(&r->kv, &kp, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (kv_init(&r->kv, &kn_backend_cpu, &kp, &err) != AE_OK) fail_msg("%s", err.msg);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 2, &err), AE_OK);
     assert_int_equal(kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 8, 16)}, &err), AE_OK);
@@ -130,7 +130,7 @@ static void runner_step(runner *r, const eagle_head *h, int32_t n, const int32_t
         n_prefix[i] = pos[i] + 1;
         rows[i] = i;
     }
-    kn_kv_map map = {n, kv_block_tables(r->kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
+    kn_kv_map map = {n, kv_map_tables(r->kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
     eagle_batch b = {n, tokens, in_copy, width, pos, &map, hidden, n, rows, logits};
     eagle_forward(h, r->s, &r->layer, r->ws, &b);
 }

@@ -31,7 +31,7 @@ static int setup(void **state) {
         return -1;
     }
     ae_error err = {0};
-    if (model_load(&mdl, MODEL_PATH, &err) != AE_OK) {
+    if (model_load(&mdl, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) {
         fprintf(stderr, "%s\n", err.msg);
         return -1;
     }
@@ -341,7 +341,7 @@ static void test_load_keeps_the_weights_resident_once(void **state) {
     if (before < 0) skip();
     model *m2;
     ae_error err = {0};
-    if (model_load(&m2, MODEL_PATH, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(&m2, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
     long after = rss_file_kb();
     size_t weights_kb = mdl->weight_bytes / 1024;
     print_message("file pages: %ld kB before load, %ld kB after; weights %zu kB\n", before, after, weights_kb);

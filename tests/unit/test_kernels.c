@@ -1211,6 +1211,10 @@ static void gather_rows_copies_the_named_rows_to_a_stride(void **state) {
     kn_gather_rows(F.streams[1], &src[0][0], rows, 3, 3, &dst[0][0], 4);
     const float want[3][4] = {{40, 41, 42, -1}, {0, 1, 2, -1}, {40, 41, 42, -1}};
     assert_memory_equal(dst, want, sizeof want);
+    /* No rows: 0, 1, 2 in order. */
+    kn_gather_rows(F.streams[1], &src[0][0], NULL, 3, 3, &dst[0][0], 4);
+    const float first[3][4] = {{0, 1, 2, -1}, {10, 11, 12, -1}, {20, 21, 22, -1}};
+    assert_memory_equal(dst, first, sizeof first);
 }
 
 int main(void) {

@@ -39,7 +39,7 @@ static const kv_params small = {
 static kv_cache *make(const kv_params *p) {
     kv_cache *kv;
     ae_error err = {0};
-    assert_int_equal(kv_init(&kv, p, &err), AE_OK);
+    assert_int_equal(kv_init(&kv, &kn_backend_cpu, p, &err), AE_OK);
     return kv;
 }
 
@@ -83,7 +83,7 @@ static void test_init_rejects_zero_sizes_and_free_null_is_noop(void **state) {
     p.block_size = 0;
     kv_cache *kv = (kv_cache *)1;
     ae_error err = {0};
-    assert_int_equal(kv_init(&kv, &p, &err), AE_ERR);
+    assert_int_equal(kv_init(&kv, &kn_backend_cpu, &p, &err), AE_ERR);
     assert_null(kv);
     assert_string_equal(err.msg,
                         "kv cache: sizes must be positive (layers=2 kv_heads=2 head_dim=3 block_size=0 "

@@ -173,8 +173,8 @@ static void test_hf_directory_matches_the_gguf(void **state) {
     (void)state;
     ae_error err = {0};
     model *hf, *gg;
-    if (model_load(&hf, dir, &err) != AE_OK) fail_msg("%s", err.msg);
-    if (model_load(&gg, MODEL_PATH, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(&hf, dir, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(&gg, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
     assert_int_equal(hf->cfg.rope.layout, KN_ROPE_NEOX);
     assert_int_equal(gg->cfg.rope.layout, KN_ROPE_ADJACENT);
     assert_true(hf->cfg.tied_embeddings);

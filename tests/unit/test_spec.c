@@ -36,7 +36,7 @@ typedef struct fixture {
 static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
-    if (model_load(&f->m, FIX "/target", &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(&f->m, FIX "/target", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
     eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
     if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f->e), 0};

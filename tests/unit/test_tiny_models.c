@@ -163,7 +163,7 @@ static model *load(const char *name) {
     snprintf(dir, sizeof dir, GOLDEN "/%s", name);
     model *m;
     ae_error err = {0};
-    if (model_load(&m, dir, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (model_load(&m, dir, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
     return m;
 }
 
@@ -240,7 +240,7 @@ static void test_qwen2_without_bias_is_refused(void **state) {
 
     model *m = (model *)1;
     ae_error err = {0};
-    int rc = model_load(&m, dir, &err);
+    int rc = model_load(&m, dir, &kn_backend_cpu, &err);
     unlink(st_path);
     unlink(cfg_path);
     rmdir(dir);

@@ -38,7 +38,7 @@ static int setup(void **state) {
         return -1;
     }
     ae_error err = {0};
-    if (model_load(&mdl, MODEL_PATH, &err) != AE_OK) {
+    if (model_load(&mdl, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) {
         fprintf(stderr, "%s\n", err.msg);
         return -1;
     }
@@ -232,8 +232,8 @@ static void plain_init(plain *p) {
     assert_non_null(p->kv_mem);
     assert_non_null(p->kv);
     for (int32_t l = 0; l < c->n_layers; l++)
-        p->kv[l] = (kn_kv_pool){p->kv_mem + (size_t)(2 * l) * n, p->kv_mem + (size_t)(2 * l + 1) * n, N_BLOCKS,
-                                BLOCK, c->n_kv_heads, c->head_dim, GGML_TYPE_F16};
+        p->kv[l] = (kn_kv_pool){p->kv_mem + (size_t)(2 * l) * n, p->kv_mem + (size_t)(2 * l + 1) * n, NULL,
+                                N_BLOCKS, BLOCK, c->n_kv_heads, c->head_dim, GGML_TYPE_F16};
 }
 
 static void plain_free(plain *p) {
