@@ -22,7 +22,7 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
     *weights = h->weight_bytes;
     *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
     LOG_INFOF("draft head=%s weights=%zu drafter_and_trees=%llu (counted in the memory plan as weights and "
-              "kernel scratch)", dir, h->weight_bytes, (unsigned long long)*work);
+              "fixed workspace)", dir, h->weight_bytes, (unsigned long long)*work);
     eagle_free(h);
     return AE_OK;
 }

@@ -36,6 +36,14 @@ typedef struct arch {
     int (*load)(model *m, ae_error *err);
     /* Bytes of KV one token takes, all layers together. */
     uint64_t (*kv_bytes_per_token)(const model_config *c);
+    /* Bytes of f32 working memory one token of a forward pass takes: the
+     * memory plan's per-token workspace (memplan.h), which is what its
+     * blocks' buffers, its logits row and its captured features need. */
+    uint64_t (*workspace_per_token)(const model_config *c);
+    /* Bytes of weights one decode step of one token reads (the model's or
+     * a tensor-parallel shard's): the numerator of the bandwidth roofline
+     * (model_decode_bytes). */
+    size_t (*decode_bytes)(const model *m);
     /* The split of heads and FFN features over n_ranks ranks. */
     int (*tp_split)(struct tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
 } arch;

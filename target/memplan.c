@@ -58,6 +58,7 @@ static int model_ok(const memplan_model *m, const memplan_env *env, ae_error *er
                        "kv_heads=%d head_dim=%d vocab=%d)",
                        m->n_layers, m->hidden, m->ffn, m->n_heads, m->n_kv_heads, m->head_dim, m->vocab);
     if (m->kv_bytes_per_token == 0) return err_set(err, "memory plan: the model's KV takes 0 bytes per token");
+    if (m->workspace_per_token == 0) return err_set(err, "memory plan: the model's workspace takes 0 bytes per token");
     if (env->block_size <= 0 || env->step_tokens < 0)
         return err_set(err, "memory plan: block_size %d must be positive and step_tokens %d >= 0",
                        env->block_size, env->step_tokens);
@@ -90,10 +91,7 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
 
     /* workspace and per-token KV */
     const uint64_t step = env->step_tokens > 0 ? (uint64_t)env->step_tokens : (uint64_t)max_batch;
-    const uint64_t ws_tok =
-        4ull * (7ull * (uint64_t)m->hidden +
-                2ull * ((uint64_t)m->n_heads + (uint64_t)m->n_kv_heads) * (uint64_t)m->head_dim +
-                2ull * (uint64_t)m->ffn + (uint64_t)m->vocab + (uint64_t)m->head_dim);
+    const uint64_t ws_tok = m->workspace_per_token;
     const uint64_t ws = step * ws_tok + env->extra_workspace;
     const uint64_t kv_tok = m->kv_bytes_per_token;
     const uint64_t kv_block = bs * kv_tok;
@@ -179,7 +177,7 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
 
     char extra[64] = "";
     if (env->extra_workspace)
-        snprintf(extra, sizeof extra, " + %s kernel scratch", B(&z, 7, env->extra_workspace));
+        snprintf(extra, sizeof extra, " + %s fixed", B(&z, 7, env->extra_workspace));
     snprintf(out->text, sizeof out->text,
              "budget = %s (mem-fraction, %s) x %s available = %s\n"
              "workspace = %" PRIu64 " tok x %s%s = %s\n"

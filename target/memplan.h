@@ -3,15 +3,13 @@
  *
  *   budget    = mem-fraction x available
  *   weights   = the model's bytes in memory (given)
- *   workspace = step tokens x 4 B x (7 hidden + 2 (n_heads + n_kv_heads) head_dim
- *                                   + 2 ffn + vocab + head_dim)  + extra workspace
- *               per token, in f32: residual, normed input, projection
- *               output and the row kept for logits (4 hidden), q and
- *               attention output (2 n_heads head_dim), k and v
- *               (2 n_kv_heads head_dim), gate and up (2 ffn), logits
- *               (vocab), RoPE cos and sin (head_dim), EAGLE-3 captured
- *               features (3 hidden). Kernel scratch that does not scale
- *               this way comes in as extra workspace bytes.
+ *   workspace = step tokens x workspace per token + extra workspace
+ *               per token: the architecture's (arch.h; Llama's, in f32:
+ *               4 B x (7 hidden + 2 (n_heads + n_kv_heads) head_dim
+ *               + 2 ffn + vocab + head_dim)). What does not scale with
+ *               step tokens comes in as extra workspace bytes, "fixed"
+ *               (setup.h: kernel scratch, the engine's step inputs, and
+ *               speculation and draft state).
  *   kv        = kv blocks x block_size x KV bytes per token, the
  *               architecture's (arch.h; Llama's: 2 n_layers n_kv_heads
  *               head_dim x 2 B, f16)
@@ -53,14 +51,15 @@
 typedef struct memplan_model {
     uint64_t weight_bytes;
     int32_t n_layers, hidden, ffn, n_heads, n_kv_heads, head_dim, vocab;
-    uint64_t kv_bytes_per_token; /* all layers: the architecture's (arch.h) */
+    uint64_t kv_bytes_per_token;  /* all layers: the architecture's (arch.h) */
+    uint64_t workspace_per_token; /* the architecture's (arch.h) */
 } memplan_model;
 
 typedef struct memplan_env {
     uint64_t mem_available;   /* bytes: MemAvailable on CPU (hostmem_available) */
     int32_t block_size;       /* KV tokens per block */
     int32_t step_tokens;      /* tokens in one forward pass; 0: max-batch */
-    uint64_t extra_workspace; /* kernel scratch bytes beyond the per-token formula */
+    uint64_t extra_workspace; /* bytes beyond the per-token formula ("fixed") */
 } memplan_env;
 
 typedef struct memplan {

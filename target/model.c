@@ -88,19 +88,7 @@ int model_load(model **out, const char *path, const kn_backend *be, ae_error *er
     return AE_OK;
 }
 
-size_t model_decode_bytes(const model *m) {
-    size_t b = 0;
-    const model_config *c = &m->cfg;
-    for (int i = 0; i < c->n_layers; i++) {
-        const model_layer *l = &m->layers[i];
-        const kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
-        for (int j = 0; j < 7; j++) b += w[j]->row_bytes * (size_t)w[j]->rows;
-        b += 2 * (size_t)c->hidden * sizeof(float);
-    }
-    b += m->output.row_bytes * (size_t)m->output.rows + (size_t)c->hidden * sizeof(float);
-    return b;
-}
-
+size_t model_decode_bytes(const model *m) { return m->arch->decode_bytes(m); }
 
 embedding_view model_embedding(const model *m) {
     return (embedding_view){m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};

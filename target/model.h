@@ -84,9 +84,9 @@ typedef struct model {
 int model_load(model **out, const char *path, const kn_backend *be, ae_error *err);
 void model_free(model *m); /* NULL is a no-op */
 
-/* Bytes read from weights by one decode step of one token: every layer's
- * matrices, the norms and the output projection (the embedding row is
- * negligible). The numerator of the bandwidth roofline. */
+/* Bytes read from weights by one decode step of one token, as the
+ * model's architecture counts them (arch.h decode_bytes). The numerator
+ * of the bandwidth roofline. */
 size_t model_decode_bytes(const model *m);
 
 /* What an EAGLE-3 head reads of the model (services/model/embedding.h). */

@@ -22,10 +22,11 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
     if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
     const model_config *mc = &m->cfg;
     memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
-                        mc->n_kv_heads, mc->head_dim, mc->vocab, m->arch->kv_bytes_per_token(mc)};
+                        mc->n_kv_heads, mc->head_dim, mc->vocab, m->arch->kv_bytes_per_token(mc),
+                        m->arch->workspace_per_token(mc)};
     memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
                        llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
-                           extra_work};
+                           eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work};
     return memplan_compute(c, &mm, &env, plan, err);
 }
 

@@ -23,7 +23,8 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
 
 /* The memory plan for model m, against the memory this machine has, from
  * c's MEMPLAN_OPTIONS rows: the model's weights plus extra_weights, and a
- * prefill chunk's workspace plus extra_work (a speculation's state, an
+ * prefill chunk's workspace plus what is fixed: the stream's scratch, the
+ * engine's step inputs, and extra_work (a speculation's state, an
  * in-process head's). Records auto values in c (max-seq-len auto: the
  * model's context length). */
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err);

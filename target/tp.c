@@ -93,20 +93,12 @@ static int cols_view(kn_weight *out, const kn_weight *w, int64_t c0, int64_t n, 
 
 static bool range_ok(tp_range r, int32_t n) { return r.begin >= 0 && r.begin < r.end && r.end <= n; }
 
-/* Bytes of weights a shard reads (the full model owns them all; a column
- * view reads cols of each row, not row_bytes). */
+/* Bytes of weights a shard reads (the full model owns them all): what
+ * one decode step reads of it, plus an untied embedding table. */
 static size_t shard_bytes(const model *s) {
-    const model_config *c = &s->cfg;
-    size_t b = (size_t)s->output.rows * quant_row_bytes(s->output.type, (uint64_t)s->output.cols) +
-               (size_t)c->hidden * sizeof(float);
-    if (!c->tied_embeddings)
+    size_t b = s->arch->decode_bytes(s);
+    if (!s->cfg.tied_embeddings)
         b += (size_t)s->tok_embd.rows * quant_row_bytes(s->tok_embd.type, (uint64_t)s->tok_embd.cols);
-    for (int32_t i = 0; i < c->n_layers; i++) {
-        const model_layer *l = &s->layers[i];
-        const kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
-        for (int j = 0; j < 7; j++) b += (size_t)w[j]->rows * quant_row_bytes(w[j]->type, (uint64_t)w[j]->cols);
-        b += 2 * (size_t)c->hidden * sizeof(float);
-    }
     return b;
 }
 

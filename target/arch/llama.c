@@ -148,6 +148,34 @@ static uint64_t kv_token_bytes(const model_config *c) {
     return kv_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim);
 }
 
+/* In f32: the residual, the normed input, the projection output and the
+ * row kept for logits (4 hidden); q and the attention output (2 n_heads
+ * head_dim); k and v (2 n_kv_heads head_dim); gate and up (2 ffn); the
+ * logits (vocab); RoPE cos and sin (head_dim); EAGLE-3's captured
+ * features (3 hidden). */
+static uint64_t workspace_per_token(const model_config *c) {
+    return 4ull * (7ull * (uint64_t)c->hidden + 2ull * ((uint64_t)c->n_heads + (uint64_t)c->n_kv_heads) *
+                                                    (uint64_t)c->head_dim +
+                   2ull * (uint64_t)c->ffn + (uint64_t)c->vocab + (uint64_t)c->head_dim);
+}
+
+/* Every layer's seven matrices and two norms, then the output projection
+ * and its norm (the embedding row is negligible). A matrix counts the
+ * bytes of its own columns, so a tensor-parallel column shard counts its
+ * share, not the full rows it strides over. */
+static size_t decode_bytes(const model *m) {
+    const model_config *c = &m->cfg;
+    size_t b = 0;
+    for (int32_t i = 0; i < c->n_layers; i++) {
+        const model_layer *l = &m->layers[i];
+        const kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
+        for (int j = 0; j < 7; j++) b += (size_t)w[j]->rows * quant_row_bytes(w[j]->type, (uint64_t)w[j]->cols);
+        b += 2 * (size_t)c->hidden * sizeof(float);
+    }
+    return b + (size_t)m->output.rows * quant_row_bytes(m->output.type, (uint64_t)m->output.cols) +
+           (size_t)c->hidden * sizeof(float);
+}
+
 const arch arch_llama = {
     .name = "llama",
     .hf_types = hf_types,
@@ -156,5 +184,7 @@ const arch arch_llama = {
     .config_hf = config_hf,
     .load = load,
     .kv_bytes_per_token = kv_token_bytes,
+    .workspace_per_token = workspace_per_token,
+    .decode_bytes = decode_bytes,
     .tp_split = tp_split_plan,
 };

@@ -1,6 +1,7 @@
 /* The architecture table (target/arch.h): which files each architecture
  * reads, what it refuses with, and what it states about a model: its KV
- * bytes per token, its tensor-parallel split, and its layers' block kinds. */
+ * and workspace bytes per token, the bytes a decode step reads, its
+ * tensor-parallel split, and its layers' block kinds. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -44,10 +45,21 @@ static void the_default_model_states_its_kv_split_and_blocks(void **state) {
     assert_ptr_equal(m->arch, &arch_llama);
     /* SmolLM2-135M: f16 K and V of 30 layers x 3 kv heads x 64 */
     assert_int_equal(m->arch->kv_bytes_per_token(&m->cfg), 2 * 30 * 3 * 64 * 2);
+    /* 4 B x (7 x 576 + 2 x (9 + 3) x 64 + 2 x 1536 + 49152 + 64) */
+    assert_int_equal(m->arch->workspace_per_token(&m->cfg), 231424);
+    /* A decode step reads every matrix's bytes in the file, row by row,
+     * and the f32 norms. */
+    size_t want = 0;
     for (int32_t i = 0; i < m->cfg.n_layers; i++) {
-        assert_int_equal(m->layers[i].attn, MODEL_ATTN_GQA);
-        assert_int_equal(m->layers[i].ffn, MODEL_FFN_DENSE);
+        const model_layer *l = &m->layers[i];
+        assert_int_equal(l->attn, MODEL_ATTN_GQA);
+        assert_int_equal(l->ffn, MODEL_FFN_DENSE);
+        const kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
+        for (int j = 0; j < 7; j++) want += (size_t)w[j]->rows * w[j]->row_bytes;
+        want += 2 * 576 * sizeof(float);
     }
+    want += (size_t)m->output.rows * m->output.row_bytes + 576 * sizeof(float);
+    assert_int_equal(model_decode_bytes(m), want);
     tp_split sp;
     assert_int_equal(m->arch->tp_split(&sp, &m->cfg, 3, &err), AE_OK);
     for (int r = 0; r < 3; r++) {

@@ -25,6 +25,8 @@ static const memplan_model smol = {
     .weight_bytes = 100ull << 20, .n_layers = 30, .hidden = 576, .ffn = 1536,
     .n_heads = 9, .n_kv_heads = 3, .head_dim = 64, .vocab = 49152,
     .kv_bytes_per_token = 2 * 30 * 3 * 64 * 2, /* Llama's: f16 K and V of 30 layers x 3 kv heads x 64 */
+    /* Llama's (test_arch checks it on the model): 4 B x (7 x 576 + 2 x 12 x 64 + 2 x 1536 + 49152 + 64) */
+    .workspace_per_token = 231424,
 };
 
 /* A cfg with MEMPLAN_OPTIONS and the given flags applied. */
