@@ -79,24 +79,32 @@ void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t 
 
 /* ---- ops -------------------------------------------------------------------- */
 
-/* p, read by an op of s, lies in b, a buffer of s's backend; with no
- * buffer it is host memory, which only a host-memory backend reads. */
-static void check_mem(const kn_stream *s, const kn_buf *b, const void *p) {
+/* [p, p + n), read by an op of s, lies in b, a buffer of s's backend;
+ * with no buffer it is host memory, which only a host-memory backend
+ * reads. */
+static void check_mem(const kn_stream *s, const kn_buf *b, const void *p, size_t n) {
     if (!b) {
         AE_ASSERT(s->be->host_memory && "host memory given to a backend that has its own");
         return;
     }
     AE_ASSERT(b->be == s->be && "a buffer of another backend");
-    AE_ASSERT((const char *)p >= (const char *)b->ptr && (const char *)p < (const char *)b->ptr + b->bytes);
+    uintptr_t lo = (uintptr_t)b->ptr, at = (uintptr_t)p;
+    AE_ASSERT(at >= lo && at - lo <= b->bytes && n <= b->bytes - (at - lo));
+}
+
+/* The bytes of w's rows from data: the last row needs only its own
+ * columns (a column shard strides over the full rows). */
+static size_t weight_span(const kn_weight *w) {
+    return (size_t)(w->rows - 1) * w->row_bytes + (size_t)quant_row_bytes(w->type, (uint64_t)w->cols);
 }
 
 static void check_weight(const kn_stream *s, const kn_weight *w) {
     AE_ASSERT(w && w->rows > 0 && w->cols > 0);
-    check_mem(s, w->buf, w->data);
-    if (w->packed) check_mem(s, w->packed_buf, w->packed);
     AE_ASSERT(s->be->supports(KN_OP_MATMUL, w->type));
     AE_ASSERT(w->row_bytes >= quant_row_bytes(w->type, (uint64_t)w->cols) &&
               quant_row_bytes(w->type, (uint64_t)w->cols) > 0);
+    check_mem(s, w->buf, w->data, weight_span(w));
+    if (w->packed) check_mem(s, w->packed_buf, w->packed, 1); /* its start: a shard's packed rows stride too */
 }
 
 void kn_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m) {
@@ -153,8 +161,8 @@ void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n)
 }
 
 void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
-    AE_ASSERT(m >= 0 && table->cols > 0 && s->be->supports(KN_OP_EMBED, table->type));
-    check_mem(s, table->buf, table->data);
+    AE_ASSERT(m >= 0 && table->rows > 0 && table->cols > 0 && s->be->supports(KN_OP_EMBED, table->type));
+    check_mem(s, table->buf, table->data, weight_span(table));
     s->be->embed(s, table, ids, out, m);
 }
 
@@ -185,8 +193,11 @@ void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t 
 
 static void check_pool(const kn_stream *s, const kn_kv_pool *kv) {
     AE_ASSERT(kv->k && kv->v && s->be->supports(KN_OP_KV, kv->type));
-    check_mem(s, kv->buf, kv->k);
-    check_mem(s, kv->buf, kv->v);
+    AE_ASSERT(kv->n_blocks > 0 && kv->block_size > 0 && kv->n_kv_heads > 0 && kv->head_dim > 0);
+    size_t bytes = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->n_kv_heads *
+                   (size_t)quant_row_bytes(kv->type, (uint64_t)kv->head_dim);
+    check_mem(s, kv->buf, kv->k, bytes);
+    check_mem(s, kv->buf, kv->v, bytes);
 }
 
 static void check_kv(const kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map) {

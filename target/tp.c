@@ -307,7 +307,7 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
         return err_set(err, "tensor parallel: KV of %d blocks x %d tokens overflows", cfg->kv_blocks, cfg->block_size);
     size_t n = per * row; /* elements of one layer's K (or V) */
     r->kv = calloc((size_t)c->n_layers, sizeof *r->kv);
-    if (!r->kv) return err_set(err, "out of memory");
+    if (!r->kv) return err_set(err, "tensor parallel: rank %d: out of memory for its KV pools", r->rank);
     if (kn_buf_alloc(r->shard->be, &r->kv_mem, n * layers2 * sizeof(uint16_t), err) != AE_OK)
         return err_prefix(err, "tensor parallel: rank %d's KV: ", r->rank), AE_ERR;
     uint16_t *k0 = r->kv_mem.ptr;
@@ -327,6 +327,12 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
                        "kv blocks %d, block size %d, activation bits %d)",
                        cfg->n_ranks, cfg->threads_per_rank, cfg->max_tokens, cfg->max_logits, cfg->kv_blocks,
                        cfg->block_size, cfg->act_bits);
+    /* The ranks reduce on the host (kn_comm_init_cpu) and read the
+     * caller's batch arrays: a host-memory backend's ranks only, until
+     * the engine owns its ranks (issue 20). */
+    if (!kn_backend_host_memory(m->be))
+        return err_set(err, "tensor parallel: the model is on backend %s; ranks run on host-memory backends only",
+                       kn_backend_name(m->be));
     tp_group *g = calloc(1, sizeof *g);
     if (!g) return err_set(err, "out of memory");
     g->m = m;

@@ -165,7 +165,8 @@ int kv_seq_alloc(kv_cache *kv, int32_t *seq_out, ae_error *err) {
         return err_set(err, "kv cache: all %d sequence slots are in use (max_seqs=%d)", kv->p.max_seqs,
                        kv->p.max_seqs);
     int32_t id = kv->free_seqs[--kv->n_free_seqs];
-    kv->seqs[id] = (kv_seq){.live = true, .len = 0, .n_blocks = 0};
+    /* Dirty: a row freed since the last upload is all -1 here, not yet there. */
+    kv->seqs[id] = (kv_seq){.live = true, .dirty = true, .len = 0, .n_blocks = 0};
     *seq_out = id;
     return AE_OK;
 }
@@ -279,7 +280,8 @@ int kv_commit_path(kv_cache *kv, kn_stream *stream, int32_t seq, const int32_t *
             rc[0][i] = (int32_t)(slot_offset(kv, seq, node_slots[at + i]) / kv->row);
             rc[1][i] = (int32_t)(slot_offset(kv, seq, s->len + at + i) / kv->row);
         }
-        kn_upload(stream, &kv->moves, 0, rc, sizeof rc);
+        kn_upload(stream, &kv->moves, 0, rc[0], (size_t)m * sizeof(int32_t));
+        kn_upload(stream, &kv->moves, sizeof rc[0], rc[1], (size_t)m * sizeof(int32_t));
         for (int32_t l = 0; l < kv->p.n_layers; l++) {
             kn_kv_pool pool = kv_layer(kv, l);
             kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);

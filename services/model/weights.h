@@ -4,10 +4,10 @@
  * (embedding.h) share; which tensors a model has is theirs to say.
  *
  * Matrices stay in their file type where kn_matmul has a native kernel
- * (F32, F16, BF16, Q8_0, Q4_0, Q4_1 from GGUF), pointing into the mapped
- * file; anything else, and every safetensors tensor (which may be
- * unaligned, and is often BF16), is converted to f32 once, into a buffer
- * the weights own. Vectors (norms, biases) are f32. */
+ * (F32, F16, BF16, Q8_0, Q4_0, Q4_1 from GGUF): on a host-memory backend
+ * they point into the mapped file. Anything else, and every safetensors
+ * tensor (which may be unaligned, and is often BF16), is converted to f32
+ * once, into memory the weights own. Vectors (norms, biases) are f32. */
 #ifndef AERIE_MODEL_WEIGHTS_H
 #define AERIE_MODEL_WEIGHTS_H
 
@@ -21,7 +21,9 @@
 #include "safetensors.h"
 
 /* A buffer the weights hand out, and the host memory behind it that they
- * wrote (a conversion, a packed copy; NULL for the mapped file's bytes). */
+ * wrote and keep (a conversion or a packed copy on a host-memory backend;
+ * NULL for the mapped file's bytes, and on any other backend, where the
+ * buffer is a copy and the host memory was freed). */
 typedef struct weights_buf {
     kn_buf buf;
     void *host;
