@@ -181,6 +181,32 @@ int32_t sample_greedy(const float *logits, int32_t vocab) {
     return best;
 }
 
+float sample_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t k, sample_logprob *top) {
+    AE_ASSERT(vocab > 0 && token >= 0 && token < vocab && k >= 0 && k <= vocab && k <= SAMPLE_MAX_TOP_LOGPROBS);
+    float m = -INFINITY;
+    int32_t n = 0; /* entries of top so far, best first */
+    for (int32_t i = 0; i < vocab; i++) {
+        float x = logits[i];
+        if (!(x > -INFINITY)) continue; /* -inf and NaN */
+        if (x > m) m = x;
+        if (k == 0 || (n == k && !(x > logits[top[n - 1].id]))) continue;
+        int32_t at = n < k ? n++ : k - 1; /* a full list drops its last */
+        while (at > 0 && x > logits[top[at - 1].id]) {
+            top[at] = top[at - 1];
+            at--;
+        }
+        top[at].id = i;
+    }
+    AE_ASSERT(m > -INFINITY && "logprobs of a row with no finite logit");
+    double sum = 0.0;
+    for (int32_t i = 0; i < vocab; i++)
+        if (logits[i] > -INFINITY) sum += exp((double)logits[i] - (double)m);
+    const double lse = (double)m + log(sum);
+    for (int32_t j = 0; j < n; j++) top[j].logprob = (float)((double)logits[top[j].id] - lse);
+    const float x = logits[token];
+    return x > -INFINITY ? (float)((double)x - lse) : -INFINITY;
+}
+
 int sample_init(sampler **out, int32_t vocab, ae_error *err) {
     *out = NULL;
     if (vocab <= 0) return err_set(err, "sampler: vocabulary size %d must be positive", vocab);

@@ -74,6 +74,26 @@ bool sample_is_greedy(const sample_params *p);
 /* argmax of logits f32 [vocab]; lowest id among equal maxima; NaN never wins. */
 int32_t sample_greedy(const float *logits, int32_t vocab);
 
+/* OpenAI logprobs (issue 18 builds on this). */
+#define SAMPLE_MAX_TOP_LOGPROBS 20
+
+typedef struct sample_logprob {
+    int32_t id;
+    float logprob;
+} sample_logprob;
+
+/* The log-probability of token under the raw logits f32 [vocab] (the
+ * log-softmax before temperature, filters and penalties: what vLLM
+ * reports by default, raw_logprobs), and in top[0..k) the k most likely
+ * tokens, best first, the lower id first among equal logits. In double:
+ * m = the largest logit, lse = m + ln(sum over ids in order of
+ * e^(x - m)), and a token's value is (float)(x - lse). It is a function
+ * of the row alone, so equal rows give equal bits: a verified tree
+ * node's row is the plain decode's (kernels.h, batch invariance). NaN
+ * counts as -inf; the row must hold a finite logit; k <= vocab and
+ * k <= SAMPLE_MAX_TOP_LOGPROBS. */
+float sample_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t k, sample_logprob *top);
+
 typedef struct sampler sampler;
 
 int sample_init(sampler **out, int32_t vocab, ae_error *err);

@@ -406,6 +406,48 @@ static void test_masked_logits_are_never_drawn(void **state) {
     sample_free(s);
 }
 
+/* The log-softmax of the raw row, against long double, and the top
+ * tokens best first with the lower id first among equals. */
+static void test_logprobs_are_the_raw_log_softmax_and_its_top(void **state) {
+    (void)state;
+    const float lg[6] = {1.0f, 3.0f, -2.5f, 3.0f, 0.25f, -INFINITY};
+    long double sum = 0.0L;
+    for (int i = 0; i < 5; i++) sum += expl((long double)lg[i]);
+    sample_logprob top[5];
+    for (int32_t t = 0; t < 6; t++) {
+        float want = t == 5 ? -INFINITY : (float)((long double)lg[t] - logl(sum));
+        float got = sample_logprobs(lg, 6, t, t == 0 ? 5 : 0, top);
+        if (t == 5) assert_true(isinf(got) && got < 0);
+        else assert_float_equal(got, want, 1e-6);
+    }
+    const int32_t ids[5] = {1, 3, 0, 4, 2};
+    for (int j = 0; j < 5; j++) {
+        assert_int_equal(top[j].id, ids[j]);
+        assert_float_equal(top[j].logprob, (float)((long double)lg[ids[j]] - logl(sum)), 1e-6);
+    }
+    /* A shorter list is the front of the longer one. */
+    sample_logprob two[2];
+    (void)sample_logprobs(lg, 6, 2, 2, two);
+    assert_int_equal(two[0].id, 1);
+    assert_int_equal(two[1].id, 3);
+    assert_true(two[0].logprob == top[0].logprob && two[1].logprob == top[1].logprob);
+}
+
+/* A uniform row: every token ln(1/4); NaN counts as -inf and is never a top. */
+static void test_logprobs_of_a_uniform_row_and_nan(void **state) {
+    (void)state;
+    const float u[4] = {0.5f, 0.5f, 0.5f, 0.5f};
+    sample_logprob top[4];
+    assert_float_equal(sample_logprobs(u, 4, 2, 4, top), (float)-log(4.0), 1e-7);
+    for (int j = 0; j < 4; j++) assert_int_equal(top[j].id, j);
+    const float withnan[3] = {NAN, 0.0f, 0.0f};
+    sample_logprob t2[3];
+    assert_true(isinf(sample_logprobs(withnan, 3, 0, 3, t2)));
+    assert_int_equal(t2[0].id, 1);
+    assert_int_equal(t2[1].id, 2);
+    assert_float_equal(t2[0].logprob, (float)-log(2.0), 1e-7);
+}
+
 static void test_init_rejects_empty_vocab(void **state) {
     (void)state;
     sampler *s = (sampler *)1;
@@ -455,6 +497,8 @@ int main(void) {
         cmocka_unit_test(test_draws_follow_the_distribution),
         cmocka_unit_test(test_draws_over_many_tokens_follow_the_distribution),
         cmocka_unit_test(test_masked_logits_are_never_drawn),
+        cmocka_unit_test(test_logprobs_are_the_raw_log_softmax_and_its_top),
+        cmocka_unit_test(test_logprobs_of_a_uniform_row_and_nan),
         cmocka_unit_test(test_init_rejects_empty_vocab),
         cmocka_unit_test(test_tiny_temperature_is_near_greedy_not_overflow),
     };
