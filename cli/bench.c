@@ -285,7 +285,7 @@ static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32
     while (rc == AE_OK) {
         int32_t n = 0;
         for (int32_t i = 0; i < b->batch; i++)
-            if (got[i] < n_gen) in[n++] = (spec_in){b->seqs[i], &greedy, &rng};
+            if (got[i] < n_gen) in[n++] = (spec_in){.seq = b->seqs[i], .params = &greedy, .rng = &rng};
         if (n == 0) break;
         if ((rc = spec_step(sx, in, n, o, err)) != AE_OK) break;
         for (int32_t j = 0, i = 0; j < n; j++, i++) {

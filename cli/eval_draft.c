@@ -119,7 +119,7 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
     sample_rng_seed(&rng, 0);
     *n = 0;
     for (bool more = rc == AE_OK; more;) {
-        spec_in in = {seq, &sp, &rng};
+        spec_in in = {.seq = seq, .params = &sp, .rng = &rng};
         spec_out o;
         if ((rc = spec_step(sx, &in, 1, &o, err)) != AE_OK) break;
         for (int32_t j = 0; j < o.n && more; j++) {

@@ -138,7 +138,7 @@ static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prom
     *t_prefill = clock_mono_seconds() - t0;
     t0 = clock_mono_seconds();
     for (bool more = rc == AE_OK; more;) {
-        spec_in in = {seq, sp, rng};
+        spec_in in = {.seq = seq, .params = sp, .rng = rng};
         spec_out o;
         if ((rc = spec_step(sx, &in, 1, &o, err)) != AE_OK) break;
         for (int32_t j = 0; j < o.n && more; j++) more = emit(em, o.tokens[j], &rc, err);

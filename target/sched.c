@@ -18,6 +18,7 @@ typedef struct req {
     sched_request r;
     int32_t *prompt; /* [n_prompt], owned */
     sample_rng rng;
+    penalty *pen;      /* penalties and biases, made at admission; NULL: none */
     req_state state;
     int32_t seq;       /* engine sequence, -1 before it has one */
     int32_t prefilled; /* prompt tokens in the KV */
@@ -33,6 +34,7 @@ struct sched {
     sched_config cfg;
     sched_sink sink;
     int32_t block_size, n_blocks;
+    int32_t vocab;
     pthread_t thread;
     pthread_mutex_t mu; /* the lists, counters and flags below */
     pthread_cond_t cv;  /* work arrived, or a request ended */
@@ -57,6 +59,7 @@ static int32_t blocks_for(const sched *s, const req *q) {
 
 static void req_free(req *q) {
     if (!q) return;
+    penalty_free(q->pen);
     free(q->prompt);
     free(q);
 }
@@ -74,6 +77,19 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
         return err_set(err, "sampling parameters out of range (temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
                             "top_k >= 0)"),
                SCHED_INVALID;
+    if (r->n_generated < 0 || r->n_generated >= r->n_prompt)
+        return err_set(err, "%d of the %d prompt tokens are said to be generated", r->n_generated, r->n_prompt),
+               SCHED_INVALID;
+    if (r->top_logprobs < 0 || r->top_logprobs > SAMPLE_MAX_TOP_LOGPROBS)
+        return err_set(err, "top_logprobs is %d (0..%d)", r->top_logprobs, SAMPLE_MAX_TOP_LOGPROBS), SCHED_INVALID;
+    if (r->n_stop < 0 || r->n_stop > SCHED_MAX_STOP)
+        return err_set(err, "%d stop tokens (at most %d)", r->n_stop, SCHED_MAX_STOP), SCHED_INVALID;
+    /* min_tokens holds back the end of sequence and the stop ids. */
+    penalty_params pen = r->pen;
+    pen.n_stop = 0;
+    if (s->cfg.eos >= 0 && !r->ignore_eos) pen.stop[pen.n_stop++] = s->cfg.eos;
+    for (int32_t i = 0; i < r->n_stop; i++) pen.stop[pen.n_stop++] = r->stop[i];
+    if (penalty_check(&pen, s->vocab, err) != AE_OK) return SCHED_INVALID;
     req *q = calloc(1, sizeof *q);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)r->n_prompt);
     if (!q || !prompt) {
@@ -82,6 +98,7 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
     }
     memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
     q->r = *r;
+    q->r.pen = pen;
     q->r.prompt = q->prompt = prompt;
     q->seq = -1;
     sample_rng_seed(&q->rng, r->seed);
@@ -131,17 +148,20 @@ bool sched_cancel_id(sched *s, const char *id) {
     return found;
 }
 
-static void emit(sched *s, req *q, const int32_t *tokens, int32_t n, sched_finish finish, const char *error) {
+static void emit(sched *s, req *q, const int32_t *tokens, int32_t n, const spec_out *o, sched_finish finish,
+                 const char *error) {
     static const spec_stats none;
-    sched_event ev = {tokens, n, finish, q->r.n_prompt, q->emitted,
-                      q->seq >= 0 ? spec_seq_stats(s->sx, q->seq) : &none, error};
+    bool lp = o && q->r.logprobs;
+    sched_event ev = {tokens, n, lp ? o->logprob : NULL, lp ? o->n_top : 0, lp ? o->top : NULL, finish,
+                      q->r.n_prompt, q->emitted, q->seq >= 0 ? spec_seq_stats(s->sx, q->seq) : &none, error};
     s->sink.emit(s->sink.ctx, q->r.ctx, &ev);
 }
 
 /* Ends an admitted request: its KV and draft state go first (so that a
  * caller who asks right after its last event sees them free), then its
  * last event. */
-static void finish_active(sched *s, req *q, const int32_t *tokens, int32_t n, sched_finish finish, const char *error) {
+static void finish_active(sched *s, req *q, const int32_t *tokens, int32_t n, const spec_out *o, sched_finish finish,
+                          const char *error) {
     if (q->seq >= 0) {
         spec_seq_end(s->sx, q->seq);
         eng_seq_free(s->e, q->seq);
@@ -162,7 +182,7 @@ static void finish_active(sched *s, req *q, const int32_t *tokens, int32_t n, sc
     pthread_mutex_unlock(&s->mu);
     /* The sequence's figures stay readable until its id is reused, which
      * only this thread does. */
-    emit(s, q, tokens, n, finish, error);
+    emit(s, q, tokens, n, o, finish, error);
     req_free(q);
 }
 
@@ -186,7 +206,7 @@ static void drop_cancelled_waiting(sched *s, bool all) {
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         if (!gone) return;
-        emit(s, gone, NULL, 0, SCHED_CANCELLED, NULL);
+        emit(s, gone, NULL, 0, NULL, SCHED_CANCELLED, NULL);
         req_free(gone);
     }
 }
@@ -216,7 +236,9 @@ static void admit(sched *s) {
 }
 
 /* Takes a step's tokens for q: stops at a stop token or max_tokens. */
-static void deliver(sched *s, req *q, const int32_t *tokens, int32_t n) {
+static void deliver(sched *s, req *q, const spec_out *o) {
+    const int32_t *tokens = o->tokens;
+    int32_t n = o->n;
     int32_t k = 0;
     sched_finish fin = SCHED_RUNNING;
     for (int32_t i = 0; i < n && fin == SCHED_RUNNING; i++) {
@@ -234,8 +256,8 @@ static void deliver(sched *s, req *q, const int32_t *tokens, int32_t n) {
     pthread_mutex_lock(&s->mu);
     s->stats.tokens_out += (uint64_t)k;
     pthread_mutex_unlock(&s->mu);
-    if (fin == SCHED_RUNNING) emit(s, q, s->emit_buf, k, SCHED_RUNNING, NULL);
-    else finish_active(s, q, s->emit_buf, k, fin, NULL);
+    if (fin == SCHED_RUNNING) emit(s, q, s->emit_buf, k, o, SCHED_RUNNING, NULL);
+    else finish_active(s, q, s->emit_buf, k, o, fin, NULL);
 }
 
 static void log_line(sched *s, int64_t now) {
@@ -294,7 +316,7 @@ static void *loop_main(void *arg) {
                 if (stopping || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx)) gone = q;
             pthread_mutex_unlock(&s->mu);
             if (!gone) break;
-            finish_active(s, gone, NULL, 0, SCHED_CANCELLED, NULL);
+            finish_active(s, gone, NULL, 0, NULL, SCHED_CANCELLED, NULL);
         }
         if (stopping) {
             wd_remove(w, beat);
@@ -324,12 +346,16 @@ static void *loop_main(void *arg) {
         pthread_mutex_unlock(&s->mu);
         if (pre) {
             err_clear(&err);
-            if (pre->seq < 0 && eng_seq_new(s->e, &pre->seq, &err) != AE_OK) {
-                finish_active(s, pre, NULL, 0, SCHED_ERROR, err.msg);
+            if (pre->seq < 0 && !pre->pen && penalty_active(&pre->r.pen) &&
+                penalty_init(&pre->pen, &pre->r.pen, s->vocab, pre->prompt, pre->r.n_prompt, pre->r.n_generated,
+                             &err) != AE_OK) {
+                finish_active(s, pre, NULL, 0, NULL, SCHED_ERROR, err.msg);
+            } else if (pre->seq < 0 && eng_seq_new(s->e, &pre->seq, &err) != AE_OK) {
+                finish_active(s, pre, NULL, 0, NULL, SCHED_ERROR, err.msg);
             } else if (spec_seq_prefill(s->sx, pre->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
                                         false, &err) != AE_OK) {
                 LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", pre->seq, err.msg);
-                finish_active(s, pre, NULL, 0, SCHED_ERROR, err.msg);
+                finish_active(s, pre, NULL, 0, NULL, SCHED_ERROR, err.msg);
             } else if (pre->prefilled >= pre->r.n_prompt - 1) {
                 pthread_mutex_lock(&s->mu);
                 pre->state = REQ_RUNNING;
@@ -337,14 +363,18 @@ static void *loop_main(void *arg) {
             }
         }
         if (n == 0) continue;
-        for (int32_t i = 0; i < n; i++) s->in[i] = (spec_in){s->step_reqs[i]->seq, &s->step_reqs[i]->r.params, &s->step_reqs[i]->rng};
+        for (int32_t i = 0; i < n; i++) {
+            req *q = s->step_reqs[i];
+            s->in[i] = (spec_in){.seq = q->seq, .params = &q->r.params, .rng = &q->rng, .pen = q->pen,
+                                 .logprobs = q->r.logprobs, .top_logprobs = q->r.top_logprobs};
+        }
         err_clear(&err);
         if (spec_step(s->sx, s->in, n, s->out, &err) != AE_OK) {
             LOG_ERRORF("step_failed batch=%d reason=\"%s\"", n, err.msg);
-            for (int32_t i = 0; i < n; i++) finish_active(s, s->step_reqs[i], NULL, 0, SCHED_ERROR, err.msg);
+            for (int32_t i = 0; i < n; i++) finish_active(s, s->step_reqs[i], NULL, 0, NULL, SCHED_ERROR, err.msg);
             continue;
         }
-        for (int32_t i = 0; i < n; i++) deliver(s, s->step_reqs[i], s->out[i].tokens, s->out[i].n);
+        for (int32_t i = 0; i < n; i++) deliver(s, s->step_reqs[i], &s->out[i]);
         kv_stats kv = eng_kv_stats(s->e);
         policy_report pr;
         spec_policy_report(s->sx, n, &pr);
@@ -369,6 +399,7 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     s->cfg = *cfg;
     s->sink = *sink;
     s->block_size = ec->block_size;
+    s->vocab = eng_model(e)->cfg.vocab;
     s->n_blocks = (ec->kv_tokens + ec->block_size - 1) / ec->block_size;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);

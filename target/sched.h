@@ -47,6 +47,13 @@ typedef struct sched_request {
     bool ignore_eos;
     int32_t stop[SCHED_MAX_STOP];
     int32_t n_stop;
+    /* Of the prompt, the last n_generated tokens are output already (a
+     * gateway resending a stream after a failover): penalties and
+     * min_tokens count them as generated. */
+    int32_t n_generated;
+    penalty_params pen; /* its stop ids are filled in at submit */
+    bool logprobs;        /* each token's log-probability (spec.h) */
+    int32_t top_logprobs; /* and this many most likely tokens */
     char id[SCHED_ID_MAX]; /* for sched_cancel_id; may be empty */
     void *ctx;             /* the sink's handle for the request */
 } sched_request;
@@ -54,6 +61,11 @@ typedef struct sched_request {
 typedef struct sched_event {
     const int32_t *tokens; /* new tokens (stop tokens are not sent) */
     int32_t n;
+    /* With the request's logprobs: token i's, and n_top most likely
+     * tokens at its position; else NULL. */
+    const float *logprob;
+    int32_t n_top;
+    const sample_logprob (*top)[SAMPLE_MAX_TOP_LOGPROBS];
     sched_finish finish;   /* set on a request's last event */
     int32_t prompt_tokens, completion_tokens;
     const spec_stats *spec; /* the sequence's figures */

@@ -38,6 +38,18 @@ static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
     memset(ev, 0, sizeof *ev);
     ev->tokens_count = (pb_size_t)e->n;
     if (e->n > 0) memcpy(ev->tokens, e->tokens, sizeof(int32_t) * (size_t)e->n);
+    if (e->logprob) {
+        ev->logprobs_count = (pb_size_t)e->n;
+        for (int32_t i = 0; i < e->n; i++) {
+            aerie_TokenLogprobs *l = &ev->logprobs[i];
+            l->logprob = e->logprob[i];
+            l->top_tokens_count = l->top_logprobs_count = (pb_size_t)e->n_top;
+            for (int32_t k = 0; k < e->n_top; k++) {
+                l->top_tokens[k] = e->top[i][k].id;
+                l->top_logprobs[k] = e->top[i][k].logprob;
+            }
+        }
+    }
     if (e->finish != SCHED_RUNNING) {
         ev->finish = e->finish == SCHED_STOP     ? aerie_FinishReason_FINISH_STOP
                      : e->finish == SCHED_LENGTH ? aerie_FinishReason_FINISH_LENGTH
@@ -134,11 +146,30 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
                           t->vocab);
             return;
         }
-    sched_request r = {prompt, (int32_t)n, g.max_tokens > INT32_MAX ? INT32_MAX : (int32_t)g.max_tokens,
-                       {g.temperature, g.top_k > INT32_MAX ? INT32_MAX : (int32_t)g.top_k, g.top_p, g.min_p},
-                       g.seed, g.ignore_eos, {0}, 0, {0}, call};
-    /* proto3 leaves unset floats 0: top_p 0 means "off" on the wire. */
+    sched_request r = {.prompt = prompt,
+                       .n_prompt = (int32_t)n,
+                       .max_tokens = g.max_tokens > INT32_MAX ? INT32_MAX : (int32_t)g.max_tokens,
+                       .params = {g.temperature, g.top_k > INT32_MAX ? INT32_MAX : (int32_t)g.top_k, g.top_p, g.min_p},
+                       .seed = g.seed,
+                       .ignore_eos = g.ignore_eos,
+                       .n_generated = g.generated > n ? (int32_t)n : (int32_t)g.generated,
+                       .pen = {.presence = g.presence_penalty,
+                               .frequency = g.frequency_penalty,
+                               .repetition = g.repetition_penalty,
+                               .min_tokens = g.min_tokens > INT32_MAX ? INT32_MAX : (int32_t)g.min_tokens},
+                       .logprobs = g.logprobs,
+                       .top_logprobs = g.top_logprobs > SAMPLE_MAX_TOP_LOGPROBS + 1 ? SAMPLE_MAX_TOP_LOGPROBS + 1
+                                                                                     : (int32_t)g.top_logprobs,
+                       .ctx = call};
+    /* proto3 leaves unset floats 0: top_p 0 and repetition_penalty 0 mean
+     * "off" on the wire. */
     if (r.params.top_p == 0) r.params.top_p = 1;
+    if (r.pen.repetition == 0) r.pen.repetition = 1;
+    r.pen.n_bias = (int32_t)g.logit_bias_count;
+    for (pb_size_t i = 0; i < g.logit_bias_count; i++) {
+        r.pen.bias_id[i] = g.logit_bias[i].token;
+        r.pen.bias[i] = g.logit_bias[i].bias;
+    }
     for (pb_size_t i = 0; i < g.stop_tokens_count; i++) {
         if (g.stop_tokens[i] >= (uint32_t)t->vocab) {
             rpc_call_fail(call, RPC_INVALID_ARGUMENT, "stop token %u is not in the vocabulary of %d", g.stop_tokens[i],

@@ -52,6 +52,7 @@ struct spec {
     int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
+    float *scratch;        /* [V]: a row penalised (penalty_apply) */
     sampler *sampler;
 };
 
@@ -82,6 +83,7 @@ void spec_free(spec *s) {
     free(s->rows);
     free(s->features);
     free(s->logits);
+    free(s->scratch);
     sample_free(s->sampler);
     policy_free(s->pol);
     free(s);
@@ -119,8 +121,9 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
     s->rows = malloc(T * sizeof *s->rows);
     s->features = malloc(T * fw * sizeof(float));
     s->logits = malloc(T * V * sizeof(float));
+    s->scratch = malloc(V * sizeof(float));
     if (!s->seqs || !s->pending_feat || !s->feeds || !s->feed_of || !s->trees || !s->items || !s->rows ||
-        !s->features || !s->logits) {
+        !s->features || !s->logits || !s->scratch) {
         spec_free(s);
         return err_set(err, "speculation: out of memory");
     }
@@ -366,6 +369,19 @@ static void feed_plain(spec *s, const spec_in *in, int32_t n) {
     }
 }
 
+/* verify_proc over a sequence's penalties (penalty.h). */
+typedef struct pen_proc {
+    penalty *pen;
+    float *scratch;
+} pen_proc;
+
+static const float *pen_apply(void *ctx, const float *row) {
+    pen_proc *pp = ctx;
+    return penalty_apply(pp->pen, row, pp->scratch);
+}
+
+static void pen_push(void *ctx, int32_t token) { penalty_push(((pen_proc *)ctx)->pen, token); }
+
 int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err) {
     if (n < 1 || n > s->cfg.max_seqs) return err_set(err, "step of %d sequences (1..%d)", n, s->cfg.max_seqs);
     const eng_config *ec = eng_get_config(s->e);
@@ -377,6 +393,9 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
             if (in[j].seq == seq) return err_set(err, "item %d: sequence %d appears twice", i, seq);
         if (eng_seq_len(s->e, seq) >= ec->max_seq_len)
             return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
+        if (in[i].top_logprobs < 0 || in[i].top_logprobs > SAMPLE_MAX_TOP_LOGPROBS || in[i].top_logprobs > s->V)
+            return err_set(err, "item %d: %d top log-probabilities (0..%d)", i, in[i].top_logprobs,
+                           SAMPLE_MAX_TOP_LOGPROBS);
     }
     /* The step's tree: the policy's, or the configured one without it. */
     spec_shape shape = s->cfg.shape;
@@ -415,7 +434,10 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         int32_t seq = in[i].seq;
         seq_state *st = &s->seqs[seq];
         const spec_tree *t = &s->trees[i];
-        verify_tree vt = {t->n, t->tokens, t->parents, s->logits + (size_t)row * (size_t)s->V, s->V};
+        const float *rows = s->logits + (size_t)row * (size_t)s->V;
+        pen_proc pp = {in[i].pen, s->scratch};
+        verify_proc proc = {&pp, pen_apply, pen_push};
+        verify_tree vt = {t->n, t->tokens, t->parents, rows, s->V, in[i].pen ? &proc : NULL};
         int32_t path[ENG_MAX_TREE], bonus;
         /* The root's KV is not written yet: it sits at the sequence's
          * length, and the first token decided at the next position. */
@@ -426,8 +448,12 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         spec_out *o = &out[i];
         o->n = 0;
         o->drafted = t->n - 1;
+        o->n_top = in[i].logprobs ? in[i].top_logprobs : 0;
         for (int32_t j = 0; j < n_path; j++) {
             int32_t next = j + 1 < n_path ? t->tokens[path[j + 1]] : bonus;
+            if (in[i].logprobs)
+                o->logprob[o->n] = sample_logprobs(rows + (size_t)path[j] * (size_t)s->V, s->V, next, o->n_top,
+                                                   o->top[o->n]);
             o->tokens[o->n++] = next;
             if (s->d) push_pending(s, st, seq, row + path[j], next);
         }

@@ -30,6 +30,7 @@
 
 #include "../services/spec/spec_drafter.h"
 #include "engine.h"
+#include "penalty.h"
 #include "policy.h"
 #include "sample.h"
 
@@ -117,12 +118,28 @@ typedef struct spec_in {
     int32_t seq;
     const sample_params *params;
     const sample_rng *rng; /* the key of its draws (sample.h) */
+    /* The sequence's penalties and biases (penalty.h), or NULL; each token
+     * decided is pushed to it. */
+    penalty *pen;
+    /* Each token's log-probability, and the top_logprobs
+     * (0..SAMPLE_MAX_TOP_LOGPROBS) most likely tokens at its position
+     * (sample_logprobs: the target's raw row, before penalties and
+     * temperature). */
+    bool logprobs;
+    int32_t top_logprobs;
 } spec_in;
 
 typedef struct spec_out {
     int32_t n;                        /* tokens decided this step, >= 1 */
     int32_t tokens[ENG_MAX_TREE + 1]; /* accepted drafted tokens, then the bonus */
     int32_t drafted;                  /* nodes proposed besides the root */
+    /* With logprobs: token j's log-probability, and n_top tokens
+     * with theirs. A token's row is the one of the tree node it was
+     * decided at, which is plain decoding's row bit for bit (batch
+     * invariance), so the values are plain decoding's. */
+    float logprob[ENG_MAX_TREE + 1];
+    int32_t n_top;
+    sample_logprob top[ENG_MAX_TREE + 1][SAMPLE_MAX_TOP_LOGPROBS];
 } spec_out;
 
 /* One step for n sequences. Fails (nothing changed) only on a bad input

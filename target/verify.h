@@ -29,12 +29,27 @@
 
 #include "sample.h"
 
+/* What a sequence's own rules make of a row (penalties, biases, and later
+ * a grammar's mask): the walk asks for the row of each node it decides
+ * at, and pushes each token it decides, so the rules follow the path
+ * being accepted and see nothing of the branches left aside. Only the
+ * nodes on that path are processed (lazily), never the whole tree. */
+typedef struct verify_proc {
+    void *ctx;
+    /* The row to decide with after the path so far, given the target's
+     * raw row: row itself, or a copy the rules changed. */
+    const float *(*apply)(void *ctx, const float *row);
+    /* token was decided after the path so far. */
+    void (*push)(void *ctx, int32_t token);
+} verify_proc;
+
 typedef struct verify_tree {
     int32_t n;              /* nodes, root included, >= 1 */
     const int32_t *tokens;  /* [n] */
     const int32_t *parents; /* [n] */
     const float *logits;    /* [n][vocab] */
     int32_t vocab;
+    const verify_proc *proc; /* NULL: the raw rows decide */
 } verify_tree;
 
 int32_t verify_greedy(const verify_tree *t, int32_t *path, int32_t *bonus);

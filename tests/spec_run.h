@@ -83,7 +83,7 @@ static inline void run_spec(spec *s, eng *e, const int32_t *ids, int32_t n, int3
     assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
     if (spec_seq_start(s, seq, ids, n, chunk, &err) != AE_OK) fail_msg("%s", err.msg);
     while (got < n_gen) {
-        spec_in in = {seq, sp, &rng};
+        spec_in in = {.seq = seq, .params = sp, .rng = &rng};
         spec_out o;
         if (spec_step(s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
         assert_true(o.n >= 1 && o.n <= o.drafted + 1);

@@ -293,9 +293,9 @@ def test_bad_frames_and_messages_get_errors_and_the_target_keeps_serving(service
     ids = reference(model, PROMPTS[0])[0]
     msg, payload = rpc.generate_request(ids, 4)
     # Frames that break the stream: refused, then that connection closes.
-    expect_refusal(a, rpc.frame(rpc.REQUEST, gen, 1, msg, payload, version=2), "FAILED_PRECONDITION",
-                   "the peer speaks contract version 2, this service speaks version 1")
-    big = rpc.HEADER.pack(rpc.MAGIC, 1, rpc.REQUEST, gen, 1, 0, 0, 0, 65 << 20, 0)
+    expect_refusal(a, rpc.frame(rpc.REQUEST, gen, 1, msg, payload, version=3), "FAILED_PRECONDITION",
+                   "the peer speaks contract version 3, this service speaks version 2")
+    big = rpc.HEADER.pack(rpc.MAGIC, rpc.VERSION, rpc.REQUEST, gen, 1, 0, 0, 0, 65 << 20, 0)
     expect_refusal(a, big, "RESOURCE_EXHAUSTED", "over the limit of 67108864 bytes")
     for junk in (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 20, rpc.frame(9, gen, 1)):
         c = rpc.Conn(a)
@@ -385,7 +385,7 @@ def test_draft_answers_bad_proposals_with_errors_and_keeps_state_per_client(serv
     st, reply = c.unary(rpc.p_method("DRAFT_HEALTH"), b"")
     assert st == "OK" and p.HealthReply.FromString(reply).serving
     r, stats, cfg = rpc.info(draft.addr, "DRAFT_INFO")
-    assert r.service == "aerie-draft" and r.contract_version == 1
+    assert r.service == "aerie-draft" and r.contract_version == 2
     assert cfg["max-seqs"] == {"value": 64, "source": "flag"}
     assert stats["errors"] == len(bad) and stats["state_gone"] == 2
     c.close()

@@ -12,7 +12,11 @@
  * gives the same two tokens with speculation as without, bit for bit
  * (the draws are keyed on seed and position, sample.h). A fourth
  * check shows the test can fail: a sampler that always accepts the draft's
- * first child is rejected at p < 1e-6. Release build: 200000 generations
+ * first child is rejected at p < 1e-6. A fifth runs 50000 seeds under
+ * penalties and a bias (target/penalty.h) with a drafter that proposes
+ * the whole vocabulary under the root, so every second token is decided
+ * at a tree node: each pair is plain penalised decoding's, and the counts
+ * fit the exact penalised joint distribution. Release build: 200000 generations
  * under ASan would take minutes. Run from the repo root. */
 #include <math.h>
 #include <setjmp.h>
@@ -26,6 +30,7 @@
 #include <cmocka.h>
 
 #include "../../draft/draft_link.h"
+#include "../../target/penalty.h"
 #include "../../target/spec.h"
 #include "../chisq.h"
 
@@ -177,7 +182,7 @@ static int spec_counts(fixture *f, int64_t *counts) {
         assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
         if (spec_seq_start(f->s, seq, prompt, 3, 16, &err) != AE_OK) fail_msg("%s", err.msg);
         while (got < 2) {
-            spec_in in = {seq, &params, &rng};
+            spec_in in = {.seq = seq, .params = &params, .rng = &rng};
             spec_out o;
             if (spec_step(f->s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
             for (int32_t j = 0; j < o.n && got < 2; j++) t[got++] = o.tokens[j];
@@ -276,10 +281,126 @@ static void test_a_biased_acceptor_is_detected(void **state) {
     fixture_close(&f);
 }
 
+/* ---- with penalties ---- */
+
+/* Penalties that make the second token depend on the first (frequency,
+ * presence and repetition over the output), a bias, and min_tokens 1
+ * holding token 7 back from the first position only. */
+static const penalty_params pen = {.presence = 0.4f, .frequency = 1.2f, .repetition = 1.3f, .min_tokens = 1,
+                                   .n_stop = 1, .stop = {7}, .n_bias = 2, .bias_id = {2, 30}, .bias = {1.5f, -0.7f}};
+
+/* The drafter proposes every token of the vocabulary under the root, so
+ * the first token is always accepted and the second is decided at the
+ * child's row: the penalties of a tree node must follow its path. */
+static int fan_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                       ae_error *err) {
+    (void)ctx, (void)n, (void)shape, (void)err;
+    spec_tree *t = &trees[0];
+    t->n = 0;
+    if (!feeds[0].want_tree) return AE_OK;
+    t->tokens[0] = prompt[2];
+    t->parents[0] = -1;
+    for (int32_t v = 0; v < V; v++) t->tokens[v + 1] = v, t->parents[v + 1] = 0;
+    t->n = V + 1;
+    return AE_OK;
+}
+
+/* 50000 seeds of two tokens under pen, speculating with the fan: each
+ * seed's pair is the plain penalised decoding's, and the counts fit the
+ * exact penalised joint distribution. */
+static void test_penalised_sampling_under_speculation_keeps_the_penalised_distribution(void **state) {
+    (void)state;
+    enum { N = 50000 };
+    fixture f;
+    fixture_open(&f);
+    ae_error err = {0};
+    sampler *smp;
+    assert_int_equal(sample_init(&smp, V, &err), AE_OK);
+    static double joint[V * V];
+    static float q1[V], q2[V];
+    float lg[V], scratch[V];
+    int32_t seq;
+    penalty *pn;
+    /* The exact joint: the rows penalised as after the prompt, and after
+     * the prompt and a. */
+    assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
+    assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
+    eng_item it = {seq, ENG_APPEND, 3, prompt, NULL, false};
+    assert_int_equal(eng_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+    sample_dist_dense(smp, penalty_apply(pn, lg, scratch), &params, q1);
+    eng_seq_free(f.e, seq);
+    penalty_free(pn);
+    assert_true(q1[7] == 0); /* min_tokens */
+    for (int32_t a = 0; a < V; a++) {
+        for (int32_t b = 0; b < V; b++) joint[a * V + b] = 0;
+        if (q1[a] == 0) continue;
+        int32_t ids[4] = {prompt[0], prompt[1], prompt[2], a};
+        assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
+        penalty_push(pn, a);
+        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
+        eng_item it2 = {seq, ENG_APPEND, 4, ids, NULL, false};
+        assert_int_equal(eng_step(f.e, &it2, 1, lg, NULL, &err), AE_OK);
+        sample_dist_dense(smp, penalty_apply(pn, lg, scratch), &params, q2);
+        for (int32_t b = 0; b < V; b++) joint[a * V + b] = (double)q1[a] * q2[b];
+        eng_seq_free(f.e, seq);
+        penalty_free(pn);
+    }
+    spec_drafter d = {NULL, fan_propose, NULL};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {1, 8, V + 1}, 1, 64, false, NULL, NULL};
+    spec *sx;
+    if (spec_init(&sx, f.e, &d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+    static int64_t counts[V * V];
+    int differ = 0;
+    for (int i = 0; i < N; i++) {
+        sample_rng rng;
+        sample_rng_seed(&rng, (uint64_t)i);
+        int32_t t[2], got = 0, want[2];
+        /* plain, penalised */
+        assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
+        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
+        assert_int_equal(eng_step(f.e, &(eng_item){seq, ENG_APPEND, 3, prompt, NULL, false}, 1, lg, NULL, &err), AE_OK);
+        want[0] = sample_token(smp, penalty_apply(pn, lg, scratch), &params, &rng, 3);
+        penalty_push(pn, want[0]);
+        assert_int_equal(eng_step(f.e, &(eng_item){seq, ENG_APPEND, 1, &want[0], NULL, false}, 1, lg, NULL, &err),
+                         AE_OK);
+        want[1] = sample_token(smp, penalty_apply(pn, lg, scratch), &params, &rng, 4);
+        eng_seq_free(f.e, seq);
+        penalty_free(pn);
+        /* speculative */
+        assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
+        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
+        if (spec_seq_start(sx, seq, prompt, 3, 16, &err) != AE_OK) fail_msg("%s", err.msg);
+        while (got < 2) {
+            spec_in in = {.seq = seq, .params = &params, .rng = &rng, .pen = pn};
+            static spec_out o;
+            if (spec_step(sx, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
+            for (int32_t j = 0; j < o.n && got < 2; j++) t[got++] = o.tokens[j];
+        }
+        spec_seq_end(sx, seq);
+        eng_seq_free(f.e, seq);
+        penalty_free(pn);
+        counts[t[0] * V + t[1]]++;
+        differ += t[0] != want[0] || t[1] != want[1];
+    }
+    const spec_stats *st = spec_total_stats(sx);
+    chisq_result r = chisq_fit(counts, joint, V * V, N);
+    printf("penalised: %d of %d seeds differ from plain; %lld of %lld steps accepted the first token; "
+           "vs exact: chi2 %.2f, df %d, p %.4f\n",
+           differ, N, (long long)st->accepted, (long long)st->steps, r.stat, r.df, r.p);
+    assert_int_equal(differ, 0);
+    assert_int_equal(st->accepted, (int64_t)N); /* every first token came from the fan */
+    assert_true(r.df > 20);
+    assert_true(r.p > 0.001);
+    spec_free(sx);
+    sample_free(smp);
+    fixture_close(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_speculative_sampling_keeps_the_target_distribution),
         cmocka_unit_test(test_a_biased_acceptor_is_detected),
+        cmocka_unit_test(test_penalised_sampling_under_speculation_keeps_the_penalised_distribution),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -472,7 +472,7 @@ static void test_sampled_sequences_batched_together_each_get_their_plain_output(
         for (int i = 0; i < MAX_SEQS; i++)
             if (n_got[i] < limit[i]) {
                 who[m] = i;
-                in[m++] = (spec_in){seq[i], params[i], &rng[i]};
+                in[m++] = (spec_in){.seq = seq[i], .params = params[i], .rng = &rng[i]};
             }
         if (m == 0) break;
         if (spec_step(s, in, m, o, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -520,7 +520,7 @@ static void test_sequences_batched_together_each_get_their_plain_output(void **s
         for (int i = 0; i < MAX_SEQS; i++)
             if (n_got[i] < limit[i]) {
                 who[m] = i;
-                in[m++] = (spec_in){seq[i], &greedy, &rng[i]};
+                in[m++] = (spec_in){.seq = seq[i], .params = &greedy, .rng = &rng[i]};
             }
         if (m == 0) break;
         if (spec_step(s, in, m, o, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -619,7 +619,7 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     sample_rng rng;
     sample_rng_seed(&rng, 0);
     for (int32_t k = 0; k < steps; k++) {
-        spec_in in = {seq, sp, &rng};
+        spec_in in = {.seq = seq, .params = sp, .rng = &rng};
         spec_out o;
         c.reads = 0;
         if (spec_step(s, &in, 1, &o, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -730,7 +730,7 @@ static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
     spec *s = spec_open(&f, &f.link.iface, (spec_shape){4, 3, 8});
     sample_rng rng;
     sample_rng_seed(&rng, 1);
-    spec_in in = {0, &greedy, &rng};
+    spec_in in = {.seq = 0, .params = &greedy, .rng = &rng};
     spec_out o;
     ae_error err = {0};
     assert_int_equal(spec_step(s, &in, 1, &o, &err), AE_ERR);

@@ -42,7 +42,7 @@ static void test_greedy_stops_at_root_when_no_child_matches(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {5, 4, 6, 0, 1};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 1);
@@ -57,7 +57,7 @@ static void test_greedy_accepts_one_level(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {2, 4, 6, 0, 1};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 2};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 2);
@@ -80,7 +80,7 @@ static void test_greedy_follows_a_deep_path_through_a_later_sibling(void **state
     float logits[8 * GV];
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {8, tokens, parents, logits, GV};
+    verify_tree t = {8, tokens, parents, logits, GV, NULL};
     int32_t path[8], bonus = -1;
     const int32_t want[] = {0, 3, 6, 7};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 4);
@@ -100,7 +100,7 @@ static void test_greedy_takes_the_first_of_siblings_sharing_a_token(void **state
     float logits[5 * GV];
     const int32_t argmax[] = {4, 6, 5, 2, 3};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 1, 3};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 3);
@@ -115,7 +115,7 @@ static void test_greedy_accepts_a_whole_chain(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {1, 2, 3, 4, 6};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 1, 2, 3, 4};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 5);
@@ -129,7 +129,7 @@ static void test_greedy_stops_a_chain_at_the_first_mismatch(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {1, 2, 5, 4, 6};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 1, 2};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 3);
@@ -151,7 +151,7 @@ static void test_greedy_params_through_verify_sample_draw_nothing(void **state) 
     float logits[8 * GV];
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {8, tokens, parents, logits, GV};
+    verify_tree t = {8, tokens, parents, logits, GV, NULL};
     sampler *s = make(GV);
     sample_params p = {.temperature = 0.0f, .top_k = 3, .top_p = 0.5f, .min_p = 0.1f};
     int32_t path[8], bonus = -1;
@@ -188,7 +188,7 @@ static void test_sampling_accepts_a_child_only_when_it_is_the_keyed_draw(void **
         int32_t d0 = sample_token(s, logits, &p, &rng, pos), d1 = sample_token(s, logits + 2 * GV, &p, &rng, pos + 1);
         distinct[d0] = 1;
         int32_t tokens[] = {7, (d0 + 1) % GV, d0, d0, (d1 + 3) % GV}, parents[] = {-1, 0, 0, 0, 2};
-        verify_tree t = {5, tokens, parents, logits, GV};
+        verify_tree t = {5, tokens, parents, logits, GV, NULL};
         int32_t path[5], bonus = -1;
         const int32_t want[] = {0, 2};
         expect_path(path, verify_sample(&t, s, &p, &rng, pos, path, &bonus), want, 2);
@@ -210,7 +210,7 @@ static void test_sampling_a_point_distribution_walks_the_greedy_path(void **stat
     float logits[8 * GV];
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {8, tokens, parents, logits, GV};
+    verify_tree t = {8, tokens, parents, logits, GV, NULL};
     sampler *s = make(GV);
     sample_params p = {.temperature = 0.8f, .top_k = 1, .top_p = 1.0f, .min_p = 0.0f};
     sample_rng rng;
@@ -301,7 +301,7 @@ static fit pearson(const long *count, const double *prob, int n, long total) {
 static void fit_sampled_output(verify_fn fn, const sample_params *p, long n, uint64_t seed, fit *joint,
                                fit *cond) {
     sampler *s = make(SV);
-    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV};
+    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL};
     float dense[SN][SV];
     for (int32_t i = 0; i < SN; i++) sample_dist_dense(s, s_logits + (size_t)i * SV, p, dense[i]);
     int32_t node_of[SV]; /* the root's child with token x, or -1 */
@@ -459,7 +459,7 @@ static void test_same_seed_same_paths_and_bonuses(void **state) {
     (void)state;
     enum { R = 500 };
     sampler *s = make(SV);
-    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV};
+    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL};
     sample_params p = {.temperature = 0.7f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     static int32_t got[3][R][SN + 2];
     const uint64_t seeds[3] = {77, 77, 78};
