@@ -21,6 +21,8 @@
 #include "stop.h"
 
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "prompt ids travel as int32 little-endian");
+_Static_assert(OAI_MAX_BIAS <= 300 && OAI_MAX_STOP_IDS <= 16 && OAI_MAX_TOP_LOGPROBS <= 20,
+               "the request's lists fit GenerateRequest's and TokenLogprobs' bounds (aerie.options)");
 _Static_assert(ROUTER_MAX_TARGETS <= 64, "a request's failed replicas are bits of a uint64_t");
 
 typedef struct greq {
@@ -43,6 +45,8 @@ typedef struct greq {
     jbuf out;               /* non-streamed: the whole text; streamed: the next event */
     jbuf delta;             /* streamed: text not yet sent */
     jbuf head;              /* streamed: the start of every chunk */
+    render_lp lp;           /* with logprobs: the tokens' not yet sent (streamed), or all */
+    int64_t text_chars;     /* characters the tokens so far decoded to (completions' text_offset) */
     bool started;           /* the stream's head was sent */
     bool gone;              /* the client went away */
     bool stopped;           /* a stop string matched */
@@ -65,6 +69,7 @@ static void greq_free(greq *q) {
     jbuf_free(&q->out);
     jbuf_free(&q->delta);
     jbuf_free(&q->head);
+    render_lp_free(&q->lp);
     free(q);
 }
 
@@ -86,7 +91,12 @@ static const jbuf *chunk_head(greq *q) {
 static void send_chunk(greq *q, const char *text, size_t n, bool role, const char *finish) {
     jbuf *b = &q->out;
     jbuf_clear(b);
-    render_chunk(b, chunk_head(q), is_chat(q), text, n, role, finish, q->o.include_usage);
+    /* The tokens' log-probabilities go with the first chunk of text
+     * after them (text held back by the stop strings comes later), and
+     * what is left with the last. */
+    bool lp = q->o.logprobs && !role && (n > 0 || finish);
+    render_chunk(b, chunk_head(q), is_chat(q), text, n, role, lp ? &q->lp : NULL, finish, q->o.include_usage);
+    if (lp) render_lp_clear(&q->lp);
     /* Out of memory mid-stream: the chunk is lost, not the gateway. */
     if (b->oom) LOG_WARNF("chunk_lost id=%s reason=\"out of memory\"", q->id);
     else http_stream_write(q->http, b->p, b->len);
@@ -113,13 +123,31 @@ static void emit(greq *q, const char *s, size_t n) {
     if (n) jbuf_add(q->o.stream ? &q->delta : &q->out, s, n);
 }
 
-static void take_token(greq *q, int32_t t) {
+/* Token t's log-probability entry (l: what the target sent for it). */
+static void take_logprobs(greq *q, int32_t t, const aerie_TokenLogprobs *l) {
+    const tok *tk = q->g->cfg.tok;
+    render_top top[OAI_MAX_TOP_LOGPROBS];
+    int n_top = 0;
+    for (pb_size_t k = 0; k < l->top_tokens_count && k < l->top_logprobs_count && n_top < q->o.top_logprobs; k++) {
+        top[n_top].bytes = tok_token_bytes(tk, l->top_tokens[k], &top[n_top].len);
+        top[n_top].logprob = l->top_logprobs[k];
+        if (top[n_top].bytes) n_top++;
+    }
+    size_t len = 0;
+    const uint8_t *bytes = tok_token_bytes(tk, t, &len);
+    render_lp_add(&q->lp, bytes ? bytes : (const uint8_t *)"", bytes ? len : 0, l->logprob, top, n_top,
+                  q->text_chars);
+}
+
+static void take_token(greq *q, int32_t t, const aerie_TokenLogprobs *l) {
     size_t plen = 0, tlen = 0;
     q->ids[q->n_prompt + q->n_out++] = t;
+    if (q->o.logprobs && l) take_logprobs(q, t, l);
     /* The target checked the id against its vocabulary, and ours is the
      * same model's: an id we cannot decode means the two were deployed
      * with different models. It adds no text, and serving goes on. */
     if (detok_push(q->dt, t, q->piece, detok_max_out(q->dt), &plen, NULL) != AE_OK) plen = 0;
+    for (size_t i = 0; i < plen; i++) q->text_chars += ((unsigned char)q->piece[i] & 0xC0) != 0x80;
     q->stopped = stop_push(q->sm, q->piece, plen, q->text, stop_max_out(q->sm), &tlen);
     emit(q, q->text, tlen);
 }
@@ -162,7 +190,7 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     }
     for (pb_size_t i = 0; i < ev.tokens_count && !q->stopped; i++) {
         if (q->n_out >= q->max_tokens) break; /* a target never sends more; do not trust it to */
-        take_token(q, ev.tokens[i]);
+        take_token(q, ev.tokens[i], i < ev.logprobs_count ? &ev.logprobs[i] : NULL);
     }
     if (ev.finish == aerie_FinishReason_FINISH_CANCELLED && !q->stopped && q->n_out < q->max_tokens) {
         /* Not ours to end: on_end goes on at another replica. */
@@ -214,7 +242,7 @@ static void finish_ok(greq *q) {
     } else {
         jbuf b = {0};
         render_meta rm = meta(q);
-        render_completion(&b, &rm, q->out.p, q->out.len, fin, q->n_prompt, q->n_out);
+        render_completion(&b, &rm, q->out.p, q->out.len, q->o.logprobs ? &q->lp : NULL, fin, q->n_prompt, q->n_out);
         b.oom |= q->out.oom; /* the text is incomplete */
         gw_reply_jbuf(g, q->http, q->route, &b);
         jbuf_free(&b);
@@ -324,6 +352,18 @@ static int start_call(greq *q, ae_error *err) {
          * output is still distributed as the target's. */
         gr.seed = q->seed + (uint64_t)q->n_out;
         gr.ignore_eos = q->o.ignore_eos;
+        gr.generated = (uint32_t)q->n_out;
+        gr.presence_penalty = (float)q->o.presence_penalty;
+        gr.frequency_penalty = (float)q->o.frequency_penalty;
+        gr.repetition_penalty = (float)q->o.repetition_penalty;
+        gr.min_tokens = (uint32_t)q->o.min_tokens;
+        gr.logit_bias_count = (pb_size_t)q->o.n_bias;
+        for (int k = 0; k < q->o.n_bias; k++)
+            gr.logit_bias[k] = (aerie_LogitBias){q->o.bias_id[k], q->o.bias[k]};
+        gr.stop_tokens_count = (pb_size_t)q->o.n_stop_ids;
+        for (int k = 0; k < q->o.n_stop_ids; k++) gr.stop_tokens[k] = (uint32_t)q->o.stop_ids[k];
+        gr.logprobs = q->o.logprobs;
+        gr.top_logprobs = (uint32_t)q->o.top_logprobs;
         uint32_t n = (uint32_t)(q->n_prompt + q->n_out);
         gr.has_prompt = true;
         gr.prompt = (aerie_PayloadRef){0, n * 4};
@@ -393,6 +433,8 @@ static void on_prompt_encoded(tjob *j) {
     q->ids = j->ids;
     q->n_prompt = j->n;
     j->ids = NULL;
+    q->lp.chat = kind == OAI_CHAT;
+    if (oai_check_vocab(&q->o, tok_vocab_size(g->cfg.tok), &e) != AE_OK) goto refuse;
     /* The checks of the gateway's state come after the worker, in the
      * order they always had: a bad body is 400 whatever the load. */
     if (g->draining) {

@@ -313,18 +313,67 @@ static int parse_prompt(oai_request *r, const cJSON *v, oai_error *e) {
     return oai_bad(e, "prompt", "invalid_type", "'prompt' must be a string or a list of token ids");
 }
 
+/* logit_bias: {"<token id>": bias, ...}, ids in decimal. */
+static int parse_bias(oai_request *r, const cJSON *v, oai_error *e) {
+    if (!cJSON_IsObject(v))
+        return oai_bad(e, "logit_bias", "invalid_type", "'logit_bias' must be an object of token ids to numbers");
+    if (no_duplicates(v, " in logit_bias", e) != AE_OK) return AE_ERR;
+    int n = cJSON_GetArraySize(v);
+    if (n > OAI_MAX_BIAS)
+        return oai_bad(e, "logit_bias", "invalid_value", "'logit_bias' has %d entries; at most %d", n, OAI_MAX_BIAS);
+    r->bias_id = r_alloc(r, sizeof(int32_t) * (size_t)(n ? n : 1));
+    r->bias = r_alloc(r, sizeof(float) * (size_t)(n ? n : 1));
+    if (!r->bias_id || !r->bias) return oai_oom(e);
+    for (const cJSON *f = v->child; f; f = f->next) {
+        const char *k = f->string;
+        size_t len = strlen(k);
+        bool digits = len >= 1 && len <= 10 && (len == 1 || k[0] != '0');
+        for (size_t i = 0; i < len && digits; i++) digits = k[i] >= '0' && k[i] <= '9';
+        long long id = digits ? strtoll(k, NULL, 10) : -1;
+        if (!digits || id > INT32_MAX)
+            return oai_bad(e, "logit_bias", "invalid_value", "'logit_bias' key '%.40s' is not a token id", k);
+        double b;
+        if (get_number(f, "logit_bias", -100, 100, false, &b, e) != AE_OK) return AE_ERR;
+        /* Keys are distinct strings without leading zeros: distinct ids. */
+        r->bias_id[r->n_bias] = (int32_t)id;
+        r->bias[r->n_bias++] = (float)b;
+    }
+    return AE_OK;
+}
+
+static int parse_stop_ids(oai_request *r, const cJSON *v, oai_error *e) {
+    if (!cJSON_IsArray(v)) return oai_bad(e, "stop_token_ids", "invalid_type", "'stop_token_ids' must be a list of ids");
+    int n = cJSON_GetArraySize(v);
+    if (n > OAI_MAX_STOP_IDS)
+        return oai_bad(e, "stop_token_ids", "invalid_value", "at most %d stop_token_ids", OAI_MAX_STOP_IDS);
+    for (const cJSON *t = v->child; t; t = t->next) {
+        int64_t id;
+        if (get_int(t, "stop_token_ids", 0, INT32_MAX, &id, e) != AE_OK) return AE_ERR;
+        r->stop_ids[r->n_stop_ids++] = (int32_t)id;
+    }
+    return AE_OK;
+}
+
+int oai_check_vocab(const oai_request *r, int32_t vocab, oai_error *e) {
+    for (int i = 0; i < r->n_bias; i++)
+        if (r->bias_id[i] >= vocab)
+            return oai_bad(e, "logit_bias", "invalid_value", "'logit_bias' names token %d; the vocabulary has %d",
+                           r->bias_id[i], vocab);
+    for (int i = 0; i < r->n_stop_ids; i++)
+        if (r->stop_ids[i] >= vocab)
+            return oai_bad(e, "stop_token_ids", "invalid_value", "stop_token_ids[%d] is %d; the vocabulary has %d", i,
+                           r->stop_ids[i], vocab);
+    return AE_OK;
+}
+
 /* Fields accepted only at the value that leaves output as it is. */
 static int neutral(const cJSON *f, oai_error *e) {
     const char *k = f->string;
     bool ok = false;
-    if (strcmp(k, "frequency_penalty") == 0 || strcmp(k, "presence_penalty") == 0)
-        ok = cJSON_IsNumber(f) && f->valuedouble == 0;
-    else if (strcmp(k, "logprobs") == 0 || strcmp(k, "echo") == 0)
+    if (strcmp(k, "echo") == 0)
         ok = cJSON_IsFalse(f);
     else if (strcmp(k, "best_of") == 0 || strcmp(k, "n") == 0)
         ok = cJSON_IsNumber(f) && f->valuedouble == 1;
-    else if (strcmp(k, "logit_bias") == 0)
-        ok = cJSON_IsObject(f) && !f->child;
     else
         return oai_bad(e, k, "unsupported_parameter", "'%.60s' is not supported", k);
     if (!ok) return oai_bad(e, k, "unsupported_value", "'%.60s' is supported only at its default (off)", k);
@@ -333,6 +382,7 @@ static int neutral(const cJSON *f, oai_error *e) {
 
 static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e) {
     const cJSON *messages = NULL, *prompt = NULL, *max_tokens = NULL, *max_completion = NULL, *stream_options = NULL;
+    const cJSON *logprobs = NULL, *top_logprobs = NULL;
     if (no_duplicates(root, "", e) != AE_OK) return AE_ERR;
     for (const cJSON *f = root->child; f; f = f->next) {
         const char *k = f->string;
@@ -373,6 +423,23 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
             stream_options = f;
         } else if (strcmp(k, "ignore_eos") == 0) {
             if (get_bool(f, k, &r->ignore_eos, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "presence_penalty") == 0) {
+            if (get_number(f, k, -2, 2, false, &r->presence_penalty, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "frequency_penalty") == 0) {
+            if (get_number(f, k, -2, 2, false, &r->frequency_penalty, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "repetition_penalty") == 0) {
+            if (get_number(f, k, 0, 100, true, &r->repetition_penalty, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "min_tokens") == 0) {
+            if (get_int(f, k, 0, INT32_MAX, &i64, e) != AE_OK) return AE_ERR;
+            r->min_tokens = (int32_t)i64;
+        } else if (strcmp(k, "logit_bias") == 0) {
+            if (parse_bias(r, f, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "stop_token_ids") == 0) {
+            if (parse_stop_ids(r, f, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "logprobs") == 0) {
+            logprobs = f;
+        } else if (kind == OAI_CHAT && strcmp(k, "top_logprobs") == 0) {
+            top_logprobs = f;
         } else if (neutral(f, e) != AE_OK) {
             return AE_ERR;
         }
@@ -394,6 +461,24 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
                        "max_tokens (%lld) and max_completion_tokens (%lld) disagree", (long long)a, (long long)b);
     r->max_tokens = b > 0 ? b : a;
     r->max_tokens_field = b > 0 ? "max_completion_tokens" : "max_tokens";
+    if (r->max_tokens > 0 && r->min_tokens > r->max_tokens)
+        return oai_bad(e, "min_tokens", "invalid_value", "min_tokens (%d) is more than %s (%lld)", r->min_tokens,
+                       r->max_tokens_field, (long long)r->max_tokens);
+    /* Chat: logprobs true or false, and top_logprobs 0..20 with it.
+     * Completions: logprobs is how many top tokens (0..20). */
+    if (kind == OAI_CHAT) {
+        if (logprobs && get_bool(logprobs, "logprobs", &r->logprobs, e) != AE_OK) return AE_ERR;
+        if (top_logprobs) {
+            if (get_int(top_logprobs, "top_logprobs", 0, OAI_MAX_TOP_LOGPROBS, &a, e) != AE_OK) return AE_ERR;
+            if (!r->logprobs)
+                return oai_bad(e, "top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs': true");
+            r->top_logprobs = (int32_t)a;
+        }
+    } else if (logprobs) {
+        if (get_int(logprobs, "logprobs", 0, OAI_MAX_TOP_LOGPROBS, &a, e) != AE_OK) return AE_ERR;
+        r->logprobs = true;
+        r->top_logprobs = (int32_t)a;
+    }
     if (stream_options) {
         if (!r->stream)
             return oai_bad(e, "stream_options", "invalid_value", "'stream_options' is allowed only with stream: true");
@@ -417,6 +502,7 @@ static void request_init(oai_request *r, oai_kind kind) {
     r->max_tokens = -1;
     r->temperature = 1;
     r->top_p = 1;
+    r->repetition_penalty = 1;
 }
 
 int oai_parse_tree(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e) {

@@ -4,11 +4,13 @@
  * plain request, checking every field's type and range. What we do not
  * implement is refused with 400 rather than ignored: a field that changes
  * output is either honoured or an error. Fields that cannot change output
- * are accepted: `user`, `metadata`, `store`, and a few sampling fields when
- * they hold the value that means "off" (`frequency_penalty: 0`,
- * `presence_penalty: 0`, `logprobs: false`, `echo: false`, `best_of: 1`,
- * `logit_bias: {}`, `n: 1`). A JSON null is the same as a missing field, as
- * OpenAI's own clients send it.
+ * are accepted: `user`, `metadata`, `store`, and a few fields when they
+ * hold the value that means "off" (`echo: false`, `best_of: 1`, `n: 1`).
+ * A JSON null is the same as a missing field, as OpenAI's own clients
+ * send it.
+ *
+ * Token ids (logit_bias keys, stop_token_ids) are checked against the
+ * vocabulary by oai_check_vocab, once the tokenizer is at hand.
  *
  * Every string taken from the body is valid UTF-8 (the body is checked
  * whole, and again after JSON unescaping, which can make lone surrogates). */
@@ -53,6 +55,9 @@ char *oai_error_json(const oai_error *e);
 typedef enum oai_kind { OAI_CHAT, OAI_COMPLETION } oai_kind;
 
 #define OAI_MAX_MODEL 256
+#define OAI_MAX_BIAS 300        /* logit_bias entries (OpenAI's limit) */
+#define OAI_MAX_STOP_IDS 16     /* stop_token_ids */
+#define OAI_MAX_TOP_LOGPROBS 20 /* top_logprobs, and completions' logprobs */
 
 typedef struct oai_request {
     oai_kind kind;
@@ -80,6 +85,19 @@ typedef struct oai_request {
     bool stream;
     bool include_usage; /* stream_options.include_usage */
     bool ignore_eos;
+    /* penalties and biases (target/penalty.h) */
+    double presence_penalty, frequency_penalty; /* -2..2, default 0 */
+    double repetition_penalty;                  /* > 0, default 1 */
+    int32_t min_tokens;                         /* default 0 */
+    int n_bias;
+    int32_t *bias_id; /* [n_bias], distinct */
+    float *bias;      /* [n_bias], -100..100 */
+    int n_stop_ids;
+    int32_t stop_ids[OAI_MAX_STOP_IDS]; /* stop_token_ids */
+    /* log-probabilities: chat's logprobs and top_logprobs; completions'
+     * integer logprobs sets both */
+    bool logprobs;
+    int32_t top_logprobs; /* 0..OAI_MAX_TOP_LOGPROBS */
     void *mem_; /* everything above points into this one allocation list */
 } oai_request;
 
@@ -89,5 +107,8 @@ int oai_parse(oai_request *r, oai_kind kind, const char *body, size_t len, oai_e
 /* The same from a parsed body (its strings already checked as UTF-8). */
 int oai_parse_tree(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e);
 void oai_request_free(oai_request *r);
+/* The token ids the request names (logit_bias, stop_token_ids) are in
+ * [0, vocab); else e is the 400 naming the field. */
+int oai_check_vocab(const oai_request *r, int32_t vocab, oai_error *e);
 
 #endif

@@ -19,6 +19,32 @@ typedef struct render_meta {
     const char *model;
 } render_meta;
 
+/* Log-probabilities of the tokens of a chunk or of a whole completion, in
+ * OpenAI's shape: chat's {"content": [{token, logprob, bytes,
+ * top_logprobs}]}, or completions' {tokens, token_logprobs,
+ * top_logprobs, text_offset}. A token is named by its text (invalid UTF-8
+ * replaced by U+FFFD) and, for chat, its exact bytes. -inf, which JSON
+ * cannot hold, is written -9999.0 as OpenAI does. */
+typedef struct render_top {
+    const uint8_t *bytes;
+    size_t len;
+    float logprob;
+} render_top;
+
+typedef struct render_lp {
+    bool chat;
+    int n;                      /* tokens held */
+    jbuf content;               /* chat: the entries */
+    jbuf tokens, lps, tops, offsets; /* completions: the four lists */
+} render_lp;
+
+void render_lp_add(render_lp *l, const uint8_t *bytes, size_t len, float logprob, const render_top *top, int n_top,
+                   int64_t text_offset);
+/* The object of what l holds. */
+void render_lp_json(jbuf *b, const render_lp *l);
+void render_lp_clear(render_lp *l); /* empty, for the next chunk */
+void render_lp_free(render_lp *l);
+
 /* "stop" or "length" for an aerie_FinishReason. */
 const char *render_finish_name(int finish);
 
@@ -27,17 +53,19 @@ const char *render_finish_name(int finish);
 void render_chunk_head(jbuf *b, const render_meta *m);
 
 /* One streamed chunk after head: text (or, for chat with role, the opening
- * assistant role), and the finish reason or null. include_usage: the
- * client asked for usage, so every chunk carries "usage": null. */
-void render_chunk(jbuf *b, const jbuf *head, bool chat, const char *text, size_t n, bool role, const char *finish,
-                  bool include_usage);
+ * assistant role), its tokens' log-probabilities (NULL: null), and the
+ * finish reason or null. include_usage: the client asked for usage, so
+ * every chunk carries "usage": null. */
+void render_chunk(jbuf *b, const jbuf *head, bool chat, const char *text, size_t n, bool role, const render_lp *lp,
+                  const char *finish, bool include_usage);
 
 /* The last chunk of a stream that asked for usage: no choices, the usage. */
 void render_usage_chunk(jbuf *b, const jbuf *head, int32_t prompt_tokens, int32_t completion_tokens);
 
-/* A whole (non-streamed) completion of text[0..n). */
-void render_completion(jbuf *b, const render_meta *m, const char *text, size_t n, const char *finish,
-                       int32_t prompt_tokens, int32_t completion_tokens);
+/* A whole (non-streamed) completion of text[0..n), with its tokens'
+ * log-probabilities (NULL: null). */
+void render_completion(jbuf *b, const render_meta *m, const char *text, size_t n, const render_lp *lp,
+                       const char *finish, int32_t prompt_tokens, int32_t completion_tokens);
 
 /* A stream's end on an error: the error object as an event, then [DONE]. */
 void render_error_event(jbuf *b, const char *error_json);

@@ -30,6 +30,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             AE_ASSERT(r.msgs[i].role && detok_utf8_valid(r.msgs[i].content, strlen(r.msgs[i].content)));
         if (kind == OAI_COMPLETION) AE_ASSERT(r.prompt || r.prompt_ids || r.n_prompt_ids == 0);
         AE_ASSERT(r.temperature >= 0 && r.temperature <= 2 && r.top_p > 0 && r.top_p <= 1);
+        AE_ASSERT(r.presence_penalty >= -2 && r.presence_penalty <= 2 && r.frequency_penalty >= -2 &&
+                  r.frequency_penalty <= 2 && r.repetition_penalty > 0 && r.min_tokens >= 0);
+        AE_ASSERT(r.n_bias >= 0 && r.n_bias <= OAI_MAX_BIAS && r.n_stop_ids >= 0 && r.n_stop_ids <= OAI_MAX_STOP_IDS);
+        for (int i = 0; i < r.n_bias; i++) {
+            AE_ASSERT(r.bias_id[i] >= 0 && r.bias[i] >= -100 && r.bias[i] <= 100);
+            for (int j = 0; j < i; j++) AE_ASSERT(r.bias_id[j] != r.bias_id[i]);
+        }
+        for (int i = 0; i < r.n_stop_ids; i++) AE_ASSERT(r.stop_ids[i] >= 0);
+        AE_ASSERT(r.top_logprobs >= 0 && r.top_logprobs <= OAI_MAX_TOP_LOGPROBS && (r.logprobs || !r.top_logprobs));
     } else {
         AE_ASSERT(e.status == 400 && e.message[0]);
     }

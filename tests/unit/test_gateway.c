@@ -295,6 +295,42 @@ static void test_chat_request_with_every_field(void **state) {
     oai_request_free(&r);
 }
 
+static void test_penalties_biases_and_logprobs_are_parsed(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+    const char *body = "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}],"
+                       " \"presence_penalty\": -0.5, \"frequency_penalty\": 1.25, \"repetition_penalty\": 1.1,"
+                       " \"min_tokens\": 3, \"logit_bias\": {\"17\": -100, \"0\": 2.5}, \"stop_token_ids\": [4, 9],"
+                       " \"logprobs\": true, \"top_logprobs\": 20}";
+    assert_int_equal(parse(&r, OAI_CHAT, body, &e), AE_OK);
+    assert_true(r.presence_penalty == -0.5 && r.frequency_penalty == 1.25 && r.repetition_penalty == 1.1);
+    assert_int_equal(r.min_tokens, 3);
+    assert_int_equal(r.n_bias, 2);
+    assert_true(r.bias_id[0] == 17 && r.bias[0] == -100.0f && r.bias_id[1] == 0 && r.bias[1] == 2.5f);
+    assert_int_equal(r.n_stop_ids, 2);
+    assert_true(r.stop_ids[0] == 4 && r.stop_ids[1] == 9);
+    assert_true(r.logprobs);
+    assert_int_equal(r.top_logprobs, 20);
+    assert_int_equal(oai_check_vocab(&r, 18, &e), AE_OK);
+    assert_int_equal(oai_check_vocab(&r, 17, &e), AE_ERR);
+    assert_string_equal(e.param, "logit_bias");
+    assert_string_equal(e.message, "'logit_bias' names token 17; the vocabulary has 17");
+    oai_request_free(&r);
+    /* Defaults: every rule off. */
+    assert_int_equal(parse(&r, OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\"}", &e), AE_OK);
+    assert_true(r.presence_penalty == 0 && r.frequency_penalty == 0 && r.repetition_penalty == 1);
+    assert_true(r.min_tokens == 0 && r.n_bias == 0 && r.n_stop_ids == 0 && !r.logprobs);
+    oai_request_free(&r);
+    /* Completions: logprobs is the number of top tokens. */
+    assert_int_equal(parse(&r, OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"logprobs\": 0, \"stop_token_ids\": [30]}", &e), AE_OK);
+    assert_true(r.logprobs);
+    assert_int_equal(r.top_logprobs, 0);
+    assert_int_equal(oai_check_vocab(&r, 30, &e), AE_ERR);
+    assert_string_equal(e.message, "stop_token_ids[0] is 30; the vocabulary has 30");
+    oai_request_free(&r);
+}
+
 static void test_completion_prompts_text_ids_and_batches_of_one(void **state) {
     (void)state;
     oai_request r;
@@ -327,8 +363,35 @@ static void test_bad_requests_name_their_field(void **state) {
                "tools", "unsupported_parameter", "'tools' is not supported");
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 2}", 400, "n",
                "unsupported_value", "'n' is supported only at its default (off)");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"presence_penalty\": 0.5}",
-               400, "presence_penalty", "unsupported_value", NULL);
+#define MSG "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+    expect_bad(OAI_CHAT, MSG "\"presence_penalty\": 2.5}", 400, "presence_penalty", "invalid_value",
+               "'presence_penalty' is 2.5; it must be >= -2 and <= 2");
+    expect_bad(OAI_CHAT, MSG "\"frequency_penalty\": \"1\"}", 400, "frequency_penalty", "invalid_type",
+               "'frequency_penalty' must be a number");
+    expect_bad(OAI_CHAT, MSG "\"repetition_penalty\": 0}", 400, "repetition_penalty", "invalid_value",
+               "'repetition_penalty' is 0; it must be > 0 and <= 100");
+    expect_bad(OAI_CHAT, MSG "\"logit_bias\": {\"abc\": 1}}", 400, "logit_bias", "invalid_value",
+               "'logit_bias' key 'abc' is not a token id");
+    expect_bad(OAI_CHAT, MSG "\"logit_bias\": {\"007\": 1}}", 400, "logit_bias", "invalid_value",
+               "'logit_bias' key '007' is not a token id");
+    expect_bad(OAI_CHAT, MSG "\"logit_bias\": {\"5\": 101}}", 400, "logit_bias", "invalid_value",
+               "'logit_bias' is 101; it must be >= -100 and <= 100");
+    expect_bad(OAI_CHAT, MSG "\"logit_bias\": [1]}", 400, "logit_bias", "invalid_type",
+               "'logit_bias' must be an object of token ids to numbers");
+    expect_bad(OAI_CHAT, MSG "\"min_tokens\": 5, \"max_tokens\": 4}", 400, "min_tokens", "invalid_value",
+               "min_tokens (5) is more than max_tokens (4)");
+    expect_bad(OAI_CHAT, MSG "\"stop_token_ids\": [1, -2]}", 400, "stop_token_ids", "invalid_value",
+               "'stop_token_ids' is -2; it must be between 0 and 2147483647");
+    expect_bad(OAI_CHAT, MSG "\"top_logprobs\": 3}", 400, "top_logprobs", "invalid_value",
+               "'top_logprobs' needs 'logprobs': true");
+    expect_bad(OAI_CHAT, MSG "\"logprobs\": true, \"top_logprobs\": 21}", 400, "top_logprobs", "invalid_value",
+               "'top_logprobs' is 21; it must be between 0 and 20");
+    expect_bad(OAI_CHAT, MSG "\"logprobs\": 2}", 400, "logprobs", "invalid_type", "'logprobs' must be true or false");
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"logprobs\": true}", 400, "logprobs",
+               "invalid_type", "'logprobs' must be an integer");
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"top_logprobs\": 2}", 400, "top_logprobs",
+               "unsupported_parameter", "'top_logprobs' is not supported");
+#undef MSG
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", 400, "messages[0]",
                "invalid_value", "'messages[0].role' is 'tool'; it must be system, developer, user or assistant");
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": []}", 400, "messages", "invalid_type", NULL);
@@ -546,6 +609,7 @@ int main(void) {
         cmocka_unit_test(test_chat_request_with_defaults),
         cmocka_unit_test(test_chat_request_with_every_field),
         cmocka_unit_test(test_completion_prompts_text_ids_and_batches_of_one),
+        cmocka_unit_test(test_penalties_biases_and_logprobs_are_parsed),
         cmocka_unit_test(test_bad_requests_name_their_field),
         cmocka_unit_test(test_invalid_utf8_and_lone_surrogates_are_refused),
         cmocka_unit_test(test_error_json_has_openai_shape),
