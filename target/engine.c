@@ -134,6 +134,13 @@ int eng_seq_new(eng *e, int32_t *seq, ae_error *err) {
     e->tree_n[*seq] = 0;
     return AE_OK;
 }
+int eng_seq_fork(eng *e, int32_t src, int32_t *seq, ae_error *err) {
+    if (!kv_seq_is_live(e->kv, src)) return err_set(err, "sequence %d is not live", src);
+    if (kv_seq_fork(e->kv, e->stream, src, seq, err) != AE_OK) return AE_ERR;
+    e->tree_n[*seq] = 0;
+    return AE_OK;
+}
+
 void eng_seq_free(eng *e, int32_t seq) { kv_seq_free(e->kv, seq); }
 int32_t eng_seq_len(const eng *e, int32_t seq) { return kv_seq_len(e->kv, seq); }
 

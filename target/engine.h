@@ -66,6 +66,9 @@ size_t eng_input_bytes(int32_t max_batch_tokens);
 void eng_free(eng *e); /* NULL is a no-op */
 
 int eng_seq_new(eng *e, int32_t *seq, ae_error *err);
+/* A new sequence with src's committed tokens, their KV shared
+ * (kv_seq_fork): one prefill for all of a request's choices. */
+int eng_seq_fork(eng *e, int32_t src, int32_t *seq, ae_error *err);
 void eng_seq_free(eng *e, int32_t seq);
 int32_t eng_seq_len(const eng *e, int32_t seq);
 

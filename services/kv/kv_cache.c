@@ -26,6 +26,7 @@ struct kv_cache {
                          backend tables_buf itself, else a host copy kv_upload_tables sends */
     kn_buf moves;     /* int32 [2][KV_MOVE_CHUNK]: source and destination rows of a commit */
     kv_seq *seqs;     /* (max_seqs) */
+    int32_t *refs;        /* (n_blocks): sequences holding each block (kv_seq_fork shares them) */
     int32_t *free_blocks; /* stack of free block ids, (n_blocks); top at n_free-1 */
     int32_t n_free;
     int32_t *free_seqs;   /* stack of free sequence ids, (max_seqs) */
@@ -68,7 +69,7 @@ uint64_t kv_bytes(const kv_params *p) {
     if (elems == 0) return 0;
     if (!mul_ok((uint64_t)p->max_seqs, (uint64_t)p->max_blocks_per_seq * sizeof(int32_t), &tables))
         return 0;
-    return elems * sizeof(uint16_t) + tables + (uint64_t)p->n_blocks * sizeof(int32_t) +
+    return elems * sizeof(uint16_t) + tables + (uint64_t)p->n_blocks * 2 * sizeof(int32_t) +
            (uint64_t)p->max_seqs * (sizeof(kv_seq) + sizeof(int32_t)) + 2 * KV_MOVE_CHUNK * sizeof(int32_t);
 }
 
@@ -105,8 +106,9 @@ int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *
     kv->tables = kn_backend_host_memory(be) ? kv->tables_buf.ptr : malloc(n_table * sizeof(int32_t));
     kv->seqs = calloc((size_t)p->max_seqs, sizeof *kv->seqs);
     kv->free_blocks = malloc((size_t)p->n_blocks * sizeof(int32_t));
+    kv->refs = calloc((size_t)p->n_blocks, sizeof(int32_t));
     kv->free_seqs = malloc((size_t)p->max_seqs * sizeof(int32_t));
-    if (!kv->tables || !kv->seqs || !kv->free_blocks || !kv->free_seqs) {
+    if (!kv->tables || !kv->seqs || !kv->free_blocks || !kv->refs || !kv->free_seqs) {
         err_set(err, "kv cache: out of memory for the block tables of %d sequences", p->max_seqs);
         goto fail;
     }
@@ -132,6 +134,7 @@ void kv_free(kv_cache *kv) {
     kn_buf_free(&kv->moves);
     free(kv->seqs);
     free(kv->free_blocks);
+    free(kv->refs);
     free(kv->free_seqs);
     free(kv);
 }
@@ -177,8 +180,11 @@ static void release_blocks(kv_cache *kv, int32_t seq, int32_t keep) {
     int32_t *row = table_row(kv, seq);
     /* Last block first, so a sequence that grows again gets its blocks back in order. */
     for (int32_t i = s->n_blocks - 1; i >= keep; i--) {
-        AE_ASSERT(kv->n_free < kv->p.n_blocks);
-        kv->free_blocks[kv->n_free++] = row[i];
+        AE_ASSERT(kv->refs[row[i]] > 0);
+        if (--kv->refs[row[i]] == 0) {
+            AE_ASSERT(kv->n_free < kv->p.n_blocks);
+            kv->free_blocks[kv->n_free++] = row[i];
+        }
         row[i] = -1;
         s->dirty = true;
     }
@@ -213,7 +219,11 @@ int kv_seq_reserve(kv_cache *kv, int32_t seq, int32_t n_slots, ae_error *err) {
                        seq, more, n_slots, bs, s->n_blocks, kv->n_free, kv->p.n_blocks,
                        kv->p.n_blocks - kv->n_free, kv->p.max_seqs - kv->n_free_seqs);
     int32_t *row = table_row(kv, seq);
-    for (int32_t i = 0; i < more; i++) row[s->n_blocks++] = kv->free_blocks[--kv->n_free];
+    for (int32_t i = 0; i < more; i++) {
+        int32_t b = kv->free_blocks[--kv->n_free];
+        kv->refs[b] = 1;
+        row[s->n_blocks++] = b;
+    }
     s->dirty = true;
     int32_t used = kv->p.n_blocks - kv->n_free;
     if (used > kv->peak) kv->peak = used;
@@ -251,6 +261,50 @@ static size_t slot_offset(const kv_cache *kv, int32_t seq, int32_t slot) {
     const int32_t bs = kv->p.block_size;
     int32_t block = table_row(kv, seq)[slot / bs];
     return ((size_t)block * (size_t)bs + (size_t)(slot % bs)) * kv->row;
+}
+
+int kv_seq_fork(kv_cache *kv, kn_stream *stream, int32_t src, int32_t *dst_out, ae_error *err) {
+    kv_seq *s = live_seq(kv, src);
+    const int32_t bs = kv->p.block_size, full = s->len / bs, part = s->len % bs;
+    *dst_out = -1;
+    if (part > 0 && kv->n_free == 0)
+        return err_set(err, "kv cache exhausted: forking sequence %d needs a block for its last %d slots, none is free",
+                       src, part);
+    int32_t dst;
+    if (kv_seq_alloc(kv, &dst, err) != AE_OK) return AE_ERR;
+    kv_seq *d = &kv->seqs[dst];
+    const int32_t *from = table_row(kv, src);
+    int32_t *row = table_row(kv, dst);
+    for (int32_t i = 0; i < full; i++) {
+        row[i] = from[i];
+        kv->refs[from[i]]++;
+    }
+    d->n_blocks = full;
+    d->len = full * bs;
+    if (part > 0) {
+        /* The block being filled is written by both from here on: the
+         * fork gets its own copy of its committed rows. */
+        AE_ASSERT(kv_seq_reserve(kv, dst, (full + 1) * bs, NULL) == AE_OK);
+        const int32_t *rows = kv->moves.ptr;
+        int32_t rc[2][KV_MOVE_CHUNK];
+        for (int32_t at = 0; at < part; at += KV_MOVE_CHUNK) {
+            int32_t m = part - at < KV_MOVE_CHUNK ? part - at : KV_MOVE_CHUNK;
+            for (int32_t i = 0; i < m; i++) {
+                rc[0][i] = (int32_t)(slot_offset(kv, src, full * bs + at + i) / kv->row);
+                rc[1][i] = (int32_t)(slot_offset(kv, dst, full * bs + at + i) / kv->row);
+            }
+            kn_upload(stream, &kv->moves, 0, rc[0], (size_t)m * sizeof(int32_t));
+            kn_upload(stream, &kv->moves, sizeof rc[0], rc[1], (size_t)m * sizeof(int32_t));
+            for (int32_t l = 0; l < kv->p.n_layers; l++) {
+                kn_kv_pool pool = kv_layer(kv, l);
+                kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);
+            }
+        }
+        d->len += part;
+    }
+    d->dirty = true;
+    *dst_out = dst;
+    return AE_OK;
 }
 
 int kv_commit_path(kv_cache *kv, kn_stream *stream, int32_t seq, const int32_t *node_slots, int32_t n,

@@ -70,8 +70,17 @@ kv_stats kv_get_stats(const kv_cache *kv);
 /* A new empty sequence (length 0, no blocks). Fails when max_seqs are live. */
 int kv_seq_alloc(kv_cache *kv, int32_t *seq_out, ae_error *err);
 
-/* Ends a sequence; its blocks go back to the free list. */
+/* Ends a sequence; its blocks go back to the free list (a shared block
+ * once no other sequence holds it). */
 void kv_seq_free(kv_cache *kv, int32_t seq);
+
+/* A new sequence holding what src has committed (OpenAI's n choices of
+ * one prompt): its full blocks are shared, counted per block and given
+ * back when the last holder lets go; they are never written again, since
+ * writes go to slots at or past a sequence's length. The block being
+ * filled is copied into a fresh one, by kn_kv_move on s. Fails (nothing
+ * changed) when no sequence slot or, for that copy, no block is free. */
+int kv_seq_fork(kv_cache *kv, kn_stream *s, int32_t src, int32_t *dst_out, ae_error *err);
 
 /* Grows the sequence's block table so that slots 0 .. n_slots-1 exist.
  * Either every block needed is taken or none is: on failure (pool or

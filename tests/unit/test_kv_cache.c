@@ -222,6 +222,73 @@ static void test_commit_path_moves_accepted_nodes_in_all_layers(void **state) {
     kv_free(kv);
 }
 
+/* Slot `slot` of seq holds what fill_slot wrote into sequence `writer`. */
+static void expect_written_by(kv_cache *kv, int seq, int slot, int writer, int as_slot) {
+    for (int l = 0; l < small.n_layers; l++) {
+        const uint16_t *k = kv_slot_k(kv, l, seq, slot), *v = kv_slot_v(kv, l, seq, slot);
+        for (int e = 0; e < ROW; e++)
+            assert_true(k[e] == tag(0, l, writer, as_slot, e) && v[e] == tag(1, l, writer, as_slot, e));
+    }
+}
+
+/* A fork shares the full blocks, copies the one being filled, and each
+ * side then writes its own; blocks go back when the last holder ends. */
+static void test_fork_shares_full_blocks_and_copies_the_last(void **state) {
+    (void)state;
+    kv_cache *kv = make(&small);
+    ae_error err = {0};
+    int32_t a, b, c;
+    assert_int_equal(kv_seq_alloc(kv, &a, NULL), AE_OK);
+    assert_int_equal(kv_seq_reserve(kv, a, 8, NULL), AE_OK);
+    for (int slot = 0; slot < 6; slot++) fill_slot(kv, a, slot, slot);
+    assert_int_equal(kv_seq_advance(kv, a, 6, NULL), AE_OK);
+    kv_seq_trim(kv, a, 6);
+    assert_int_equal(kv_get_stats(kv).blocks_used, 2);
+    assert_int_equal(kv_seq_fork(kv, S, a, &b, &err), AE_OK);
+    assert_int_equal(kv_seq_len(kv, b), 6);
+    assert_int_equal(kv_seq_n_blocks(kv, b), 2);
+    assert_int_equal(kv_seq_block_table(kv, b)[0], kv_seq_block_table(kv, a)[0]); /* shared */
+    assert_int_not_equal(kv_seq_block_table(kv, b)[1], kv_seq_block_table(kv, a)[1]); /* copied */
+    assert_int_equal(kv_get_stats(kv).blocks_used, 3);
+    for (int slot = 0; slot < 6; slot++) expect_written_by(kv, b, slot, a, slot);
+    /* Each writes its slot 6: neither sees the other's. */
+    fill_slot(kv, a, 6, 6);
+    fill_slot(kv, b, 6, 6);
+    expect_written_by(kv, a, 6, a, 6);
+    expect_written_by(kv, b, 6, b, 6);
+    expect_written_by(kv, a, 5, a, 5);
+    /* A fork of a fork on a block boundary copies nothing. */
+    assert_int_equal(kv_seq_advance(kv, b, 1, NULL), AE_OK);
+    assert_int_equal(kv_seq_reserve(kv, b, 8, NULL), AE_OK);
+    fill_slot(kv, b, 7, 7);
+    assert_int_equal(kv_seq_advance(kv, b, 1, NULL), AE_OK);
+    assert_int_equal(kv_seq_fork(kv, S, b, &c, &err), AE_OK);
+    assert_int_equal(kv_seq_n_blocks(kv, c), 2);
+    assert_int_equal(kv_get_stats(kv).blocks_used, 3);
+    expect_written_by(kv, c, 7, b, 7);
+    /* The shared block outlives a and b. */
+    kv_seq_free(kv, a);
+    kv_seq_free(kv, b);
+    assert_int_equal(kv_get_stats(kv).blocks_used, 2);
+    expect_written_by(kv, c, 0, a, 0);
+    expect_written_by(kv, c, 6, b, 6);
+    kv_seq_free(kv, c);
+    assert_int_equal(kv_get_stats(kv).blocks_used, 0);
+    /* No block for the copy: refused, nothing changed. */
+    assert_int_equal(kv_seq_alloc(kv, &a, NULL), AE_OK);
+    assert_int_equal(kv_seq_reserve(kv, a, 6 * 4, NULL), AE_OK);
+    assert_int_equal(kv_seq_alloc(kv, &b, NULL), AE_OK);
+    assert_int_equal(kv_seq_reserve(kv, b, 2 * 4, NULL), AE_OK);
+    assert_int_equal(kv_seq_advance(kv, a, 3, NULL), AE_OK);
+    assert_int_equal(kv_seq_fork(kv, S, a, &c, &err), AE_ERR);
+    assert_int_equal(c, -1);
+    char want[128];
+    snprintf(want, sizeof want, "kv cache exhausted: forking sequence %d needs a block for its last 3 slots, none is free", a);
+    assert_string_equal(err.msg, want);
+    assert_int_equal(kv_get_stats(kv).seqs_live, 2);
+    kv_free(kv);
+}
+
 static void test_commit_path_handles_overlapping_chain(void **state) {
     (void)state;
     kv_cache *kv = make(&small);
@@ -400,6 +467,7 @@ int main(void) {
         cmocka_unit_test(test_reserve_beyond_block_table_fails),
         cmocka_unit_test(test_commit_path_moves_accepted_nodes_in_all_layers),
         cmocka_unit_test(test_commit_path_handles_overlapping_chain),
+        cmocka_unit_test(test_fork_shares_full_blocks_and_copies_the_last),
         cmocka_unit_test(test_commit_path_rejects_bad_slots_and_moves_nothing),
         cmocka_unit_test(test_trim_returns_scratch_blocks),
         cmocka_unit_test(test_exhaustion_fails_cleanly_then_freeing_makes_room),
