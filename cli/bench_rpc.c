@@ -216,7 +216,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         }
         uint32_t off = (uint32_t)(per_seq * (size_t)s);
         rq.seqs[s] = (aerie_DraftSeq){(uint32_t)s, true, 0, (uint32_t)P, true, {off, (uint32_t)P * 4}, true,
-                                      {off + (uint32_t)P * 4, (uint32_t)((size_t)P * (size_t)fw * 4)}, true};
+                                      {off + (uint32_t)P * 4, (uint32_t)((size_t)P * (size_t)fw * 4)}, true,
+                                      false, 0};
     }
     uint32_t mlen, olen;
     if (msg_encode(aerie_ProposeRequest_fields, &rq, msg, aerie_ProposeRequest_size, &mlen, err) != AE_OK) goto out;

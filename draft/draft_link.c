@@ -7,13 +7,26 @@ static int link_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
                         ae_error *err) {
     draft_link *l = ctx;
     if (n > l->max_seqs) return err_set(err, "drafter: %d sequences, at most %d", n, l->max_seqs);
-    for (int32_t i = 0; i < n; i++)
-        l->feeds[i] = (drafter_feed){feeds[i].seq, feeds[i].reset, feeds[i].start, feeds[i].n, feeds[i].tokens,
-                                     feeds[i].features, feeds[i].want_tree};
-    tree_params p = {shape->steps, shape->topk, shape->tokens};
-    if (drafter_propose(l->drafter, l->feeds, n, &p, l->trees, err) != AE_OK) return AE_ERR;
+    /* A fork whose source no longer holds `start` pairs is gone, as the
+     * draft service answers it; the others are served. */
+    int32_t m = 0;
     for (int32_t i = 0; i < n; i++) {
-        const tree_out *t = &l->trees[i];
+        const spec_feed *f = &feeds[i];
+        l->row_of[i] = -1;
+        if (f->fork && (f->fork_of < 0 || f->fork_of >= l->max_seqs || drafter_len(l->drafter, f->fork_of) != f->start))
+            continue;
+        l->row_of[i] = m;
+        l->feeds[m++] = (drafter_feed){f->seq, f->reset, f->start, f->n, f->tokens, f->features, f->want_tree,
+                                       f->fork ? f->fork_of : -1};
+    }
+    tree_params p = {shape->steps, shape->topk, shape->tokens};
+    if (m > 0 && drafter_propose(l->drafter, l->feeds, m, &p, l->trees, err) != AE_OK) return AE_ERR;
+    for (int32_t i = n - 1; i >= 0; i--) {
+        if (l->row_of[i] < 0) {
+            trees[i].n = SPEC_STATE_GONE;
+            continue;
+        }
+        const tree_out *t = &l->trees[l->row_of[i]];
         trees[i].n = t->n;
         memcpy(trees[i].tokens, t->tokens, (size_t)t->n * sizeof(int32_t));
         memcpy(trees[i].parents, t->parents, (size_t)t->n * sizeof(int32_t));
@@ -31,7 +44,8 @@ int draft_link_open(draft_link *l, const char *dir, eagle_target t, eagle_weight
     l->max_seqs = dc->max_seqs;
     l->feeds = calloc((size_t)dc->max_seqs, sizeof *l->feeds);
     l->trees = calloc((size_t)dc->max_seqs, sizeof *l->trees);
-    if (!l->feeds || !l->trees) {
+    l->row_of = calloc((size_t)dc->max_seqs, sizeof *l->row_of);
+    if (!l->feeds || !l->trees || !l->row_of) {
         draft_link_close(l);
         return err_set(err, "out of memory");
     }
@@ -48,6 +62,7 @@ void draft_link_close(draft_link *l) {
     eagle_free(l->head);
     free(l->feeds);
     free(l->trees);
+    free(l->row_of);
     memset(l, 0, sizeof *l);
 }
 

@@ -40,6 +40,7 @@ typedef struct draft_link {
     int32_t max_seqs;
     drafter_feed *feeds; /* [max_seqs] */
     tree_out *trees;     /* [max_seqs] */
+    int32_t *row_of;     /* [max_seqs]: a call's feed i went as row_of[i] (-1: gone) */
     spec_drafter iface;  /* ctx = this link */
 } draft_link;
 

@@ -155,7 +155,16 @@ static int validate(const drafter *d, const drafter_feed *feeds, int32_t n, ae_e
             if (feeds[j].key == f->key) return err_set(err, "feed %d: key %d appears twice", i, f->key);
         if (f->n < 0 || (f->n > 0 && (!f->tokens || !f->features)))
             return err_set(err, "feed %d: %d pairs without their tokens or features", i, f->n);
-        int32_t have = f->reset ? 0 : drafter_len(d, f->key);
+        if (f->fork_of >= 0) {
+            if (f->reset || f->fork_of >= d->cfg.max_seqs || f->fork_of == f->key)
+                return err_set(err, "feed %d: key %d forks key %d%s", i, f->key, f->fork_of,
+                               f->reset ? " and resets" : "");
+            for (int32_t j = 0; j < n; j++)
+                if (feeds[j].key == f->fork_of && feeds[j].fork_of >= 0)
+                    return err_set(err, "feed %d: key %d forks key %d, itself forked in this call", i, f->key,
+                                   f->fork_of);
+        }
+        int32_t have = f->reset ? 0 : drafter_len(d, f->fork_of >= 0 ? f->fork_of : f->key);
         if (!f->reset && f->start != have)
             return err_set(err, "feed %d: key %d holds %d pairs, the caller assumes %d", i, f->key, have, f->start);
         if (f->n > d->cfg.max_seq_len - have)
@@ -264,6 +273,23 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
 int drafter_propose(drafter *d, const drafter_feed *feeds, int32_t n, const tree_params *p, tree_out *trees,
                     ae_error *err) {
     if (tree_params_check(p, err) != AE_OK || validate(d, feeds, n, err) != AE_OK) return AE_ERR;
+    /* Forks first: each copies its source as it was before this call. */
+    for (int32_t i = 0; i < n; i++) {
+        const drafter_feed *f = &feeds[i];
+        if (f->fork_of < 0) continue;
+        drafter_release(d, f->key);
+        key_state *ks = &d->keys[f->key], *src = &d->keys[f->fork_of];
+        if (src->kv_seq < 0) continue; /* start was 0: nothing to copy */
+        int32_t kseq;
+        /* One sequence slot per key, and the pool holds every key's whole
+         * length: sharing never runs it out. */
+        AE_ASSERT(kv_seq_fork(d->kv, d->stream, src->kv_seq, &kseq, NULL) == AE_OK);
+        *ks = *src;
+        ks->kv_seq = kseq;
+        memcpy(d->last_hidden + (size_t)f->key * (size_t)d->head->cfg.hidden,
+               d->last_hidden + (size_t)f->fork_of * (size_t)d->head->cfg.hidden,
+               (size_t)d->head->cfg.hidden * sizeof(float));
+    }
     for (int32_t i = 0; i < n; i++) {
         const drafter_feed *f = &feeds[i];
         key_state *ks = &d->keys[f->key];

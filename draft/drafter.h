@@ -49,6 +49,10 @@ typedef struct drafter_feed {
     const int32_t *tokens; /* [n] target ids: the token after each feature */
     const float *features; /* [n][3H] */
     bool want_tree;        /* draft a tree after feeding */
+    /* >= 0: the key starts as a copy of this key's state (which holds
+     * `start` pairs), taken before any feed of the call; reset is false.
+     * The copy shares the pairs' KV (kv_seq_fork). -1: none. */
+    int32_t fork_of;
 } drafter_feed;
 
 typedef struct drafter drafter;

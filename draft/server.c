@@ -45,6 +45,7 @@ struct dsrv {
     drafter_feed feeds[DSRV_MAX_SEQS];
     tree_out trees[DSRV_MAX_SEQS];
     int32_t feed_of[DSRV_MAX_SEQS]; /* -1: state gone */
+    int32_t fork_src[DSRV_MAX_SEQS]; /* a fork's source slot, -1: not a fork (or its source is gone) */
     uint8_t *out;                   /* [DSRV_REPLY_CAP] */
     /* the worker */
     pthread_t worker;
@@ -138,6 +139,10 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
             err_set(err, "sequence %u: reset with start %u (must be 0)", s->seq, s->start);
             return RPC_INVALID_ARGUMENT;
         }
+        if (s->fork && (s->reset || s->fork_of == s->seq)) {
+            err_set(err, "sequence %u: a fork of sequence %u%s", s->seq, s->fork_of, s->reset ? " with reset" : "");
+            return RPC_INVALID_ARGUMENT;
+        }
         if (s->pairs > (uint32_t)d->cfg.max_seq_len) {
             err_set(err, "sequence %u: %u pairs in one call, at most %d", s->seq, s->pairs, d->cfg.max_seq_len);
             return RPC_INVALID_ARGUMENT;
@@ -157,7 +162,7 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
                         d->head->target.vocab);
                 return RPC_INVALID_ARGUMENT;
             }
-        d->feeds[i] = (drafter_feed){-1, s->reset, (int32_t)s->start, (int32_t)s->pairs, t, feat, s->want_tree};
+        d->feeds[i] = (drafter_feed){-1, s->reset, (int32_t)s->start, (int32_t)s->pairs, t, feat, s->want_tree, -1};
     }
     /* Map sequences to slots: known ones first (so that a new one never
      * evicts a sequence of this very call), then the ones starting over. */
@@ -167,7 +172,19 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
     for (int32_t i = 0; i < n; i++) {
         const aerie_DraftSeq *s = &rq->seqs[i];
         d->feed_of[i] = -1;
+        d->fork_src[i] = -1;
         if (s->reset) continue;
+        if (s->fork) {
+            /* The source, as it is before this call's feeds, is kept from
+             * eviction; the fork takes a slot below. */
+            int32_t src = slot_find(d, rq->client, s->fork_of);
+            if (src >= 0 && drafter_len(d->drafter, src) == (int32_t)s->start &&
+                (int64_t)s->start + s->pairs <= d->cfg.max_seq_len) {
+                mark[src] = true;
+                d->fork_src[i] = src;
+            }
+            continue;
+        }
         int32_t k = slot_find(d, rq->client, s->seq);
         if (k < 0) continue;
         mark[k] = true;
@@ -178,7 +195,7 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
     }
     for (int32_t i = 0; i < n; i++) {
         const aerie_DraftSeq *s = &rq->seqs[i];
-        if (!s->reset) continue;
+        if (!s->reset && d->fork_src[i] < 0) continue;
         int32_t k = slot_take(d, rq->client, s->seq, mark);
         if (k < 0) {
             err_set(err, "all %d draft slots are in this call", d->cfg.max_keys);
@@ -195,6 +212,7 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
         if (d->feed_of[i] < 0) continue;
         feeds[nf] = d->feeds[i];
         feeds[nf].key = d->feed_of[i];
+        feeds[nf].fork_of = d->fork_src[i];
         d->slots[d->feed_of[i]].last_use = d->use_clock;
         row_of[i] = nf++;
     }

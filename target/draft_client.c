@@ -56,7 +56,8 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
         const spec_feed *f = &feeds[i];
         uint32_t tl = (uint32_t)f->n * 4, fl = (uint32_t)((size_t)f->n * (size_t)d->cfg.feature_width * 4);
         rq->seqs[i] = (aerie_DraftSeq){(uint32_t)f->seq, f->reset, (uint32_t)f->start, (uint32_t)f->n,
-                                       true, {(uint32_t)off, tl}, true, {(uint32_t)(off + tl), fl}, f->want_tree};
+                                       true, {(uint32_t)off, tl}, true, {(uint32_t)(off + tl), fl}, f->want_tree,
+                                       f->fork, f->fork ? (uint32_t)f->fork_of : 0};
         d->iov[n_iov++] = (rpc_iov){f->tokens, tl};
         d->iov[n_iov++] = (rpc_iov){f->features, fl};
         off += (uint64_t)tl + fl;

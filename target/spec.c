@@ -22,6 +22,10 @@ typedef struct seq_state {
     bool fed;    /* the drafter has been told of this sequence since it started */
     bool resync; /* the drafter lost pairs of it: reset it with the pending ones */
     int32_t held; /* pairs the drafter holds for it (when fed and not resync) */
+    /* A choice forked from another (spec_seq_fork): the next call to the
+     * drafter starts it from fork_of's state there, `held` pairs. */
+    bool fork;
+    int32_t fork_of;
     int32_t root;
     /* Pairs committed since the drafter last took some: the latest
      * ENG_MAX_TREE (older ones dropped, which sets resync). */
@@ -200,7 +204,7 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
     }
     if (feed) {
         /* Pair j: the feature at j with the token at j + 1. */
-        spec_feed f = {seq, at == 0, st->held, k, prompt + at + 1, s->features, false};
+        spec_feed f = {seq, at == 0, st->held, k, prompt + at + 1, s->features, false, false, 0};
         ae_error derr = {{0}};
         spec_tree none;
         none.n = 0;
@@ -232,6 +236,26 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
     } while (done < n - 1);
     /* A one-token prompt gives the drafter nothing to start from: the
      * first step is plain and feeds it then. */
+    return AE_OK;
+}
+
+int spec_seq_fork(spec *s, int32_t src, int32_t dst, ae_error *err) {
+    if (src < 0 || src >= s->cfg.max_seqs || !s->seqs[src].started) return err_set(err, "sequence %d was not started", src);
+    if (dst < 0 || dst >= s->cfg.max_seqs || dst == src || s->seqs[dst].started)
+        return err_set(err, "sequence %d cannot be a fork of %d", dst, src);
+    if (eng_seq_len(s->e, dst) != eng_seq_len(s->e, src))
+        return err_set(err, "sequence %d holds %d tokens, its source %d holds %d", dst, eng_seq_len(s->e, dst), src,
+                       eng_seq_len(s->e, src));
+    seq_state *a = &s->seqs[src], *b = &s->seqs[dst];
+    *b = *a;
+    b->stats = (spec_stats){0};
+    memcpy(pending_features(s, dst), pending_features(s, src), (size_t)a->n_pending * (size_t)s->fw * sizeof(float));
+    /* A source the drafter is in step with is copied there; else the
+     * fork is reset there like its source would be. */
+    if (s->d && a->fed && !a->resync && !a->fork) {
+        b->fork = true;
+        b->fork_of = src;
+    }
     return AE_OK;
 }
 
@@ -268,7 +292,7 @@ static bool propose(spec *s, const spec_in *in, int32_t n, const spec_shape *sha
         timed &= !reset;
         s->feed_of[i] = nf;
         s->feeds[nf++] = (spec_feed){in[i].seq, reset, reset ? 0 : st->held, st->n_pending, st->pending_tokens,
-                                     pending_features(s, in[i].seq), true};
+                                     pending_features(s, in[i].seq), true, st->fork && !reset, st->fork_of};
     }
     ae_error derr = {{0}};
     /* trees is indexed by feed here, then spread to the sequences. */
@@ -305,6 +329,7 @@ static bool propose(spec *s, const spec_in *in, int32_t n, const spec_shape *sha
         st->n_pending = 0;
         st->fed = true;
         st->resync = false;
+        st->fork = false;
         if (f != i) s->trees[i] = s->trees[f];
         any |= s->trees[i].n > 1;
     }
@@ -343,7 +368,7 @@ static void feed_plain(spec *s, const spec_in *in, int32_t n) {
         seq_state *st = &s->seqs[in[i].seq];
         if (!st->fed || st->resync || st->n_pending < SPEC_FEED_AT) continue;
         s->feeds[nf++] = (spec_feed){in[i].seq, false, st->held, st->n_pending, st->pending_tokens,
-                                     pending_features(s, in[i].seq), false};
+                                     pending_features(s, in[i].seq), false, st->fork, st->fork_of};
     }
     if (nf == 0) return;
     ae_error derr = {{0}};
@@ -366,6 +391,7 @@ static void feed_plain(spec *s, const spec_in *in, int32_t n) {
         }
         st->held = s->feeds[k].start + st->n_pending;
         st->n_pending = 0;
+        st->fork = false;
     }
 }
 

@@ -113,6 +113,11 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
 int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
                      bool always_feed, ae_error *err);
 void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state */
+/* dst (a fresh engine sequence forked from src, eng_seq_fork) continues
+ * from where src is: the same root and pairs waiting for the drafter, and
+ * at the drafter a copy of src's state, taken on dst's first call there
+ * (spec_feed.fork). OpenAI's n choices of one prompt. */
+int spec_seq_fork(spec *s, int32_t src, int32_t dst, ae_error *err);
 
 typedef struct spec_in {
     int32_t seq;

@@ -40,6 +40,12 @@ typedef struct spec_feed {
     const int32_t *tokens; /* [n] */
     const float *features; /* [n][feature_width] */
     bool want_tree;
+    /* Start seq from what the drafter holds for fork_of (another choice
+     * of the same prompt, OpenAI's n), which must be `start` pairs, as it
+     * was before any feed of this call; then take these pairs. Without
+     * that state the sequence is gone (SPEC_STATE_GONE). */
+    bool fork;
+    int32_t fork_of;
 } spec_feed;
 
 #define SPEC_STATE_GONE (-1)

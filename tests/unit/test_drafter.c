@@ -145,7 +145,7 @@ static void test_trees_match_sequential_reference(void **state) {
         /* call 1: reset all, feed lens */
         drafter_feed f[NK];
         tree_out trees[NK];
-        for (int k = 0; k < NK; k++) f[k] = (drafter_feed){k, true, 0, lens[k], toks[k], feats[k], true};
+        for (int k = 0; k < NK; k++) f[k] = (drafter_feed){k, true, 0, lens[k], toks[k], feats[k], true, -1};
         if (drafter_propose(d, f, NK, &shapes[sh], trees, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int k = 0; k < NK; k++) {
             have[k] = lens[k];
@@ -157,7 +157,7 @@ static void test_trees_match_sequential_reference(void **state) {
         int32_t add[NK] = {0, 9, 3};
         for (int k = 0; k < NK; k++)
             f[k] = (drafter_feed){k, false, have[k], add[k], toks[k] + have[k], feats[k] + (size_t)have[k] * 3 * H,
-                                  true};
+                                  true, -1};
         if (drafter_propose(d, f, NK, &shapes[sh], trees, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int k = 0; k < NK; k++) {
             have[k] += add[k];
@@ -190,7 +190,7 @@ static void test_bad_feeds_are_refused_and_change_nothing(void **state) {
     int32_t toks[4] = {1, 2, 3, 4}, bad[4] = {1, 2, 32, 4};
     tree_params p = {2, 2, 4};
     tree_out trees[2];
-    drafter_feed ok = {0, true, 0, 4, toks, feats, true};
+    drafter_feed ok = {0, true, 0, 4, toks, feats, true, -1};
     assert_int_equal(drafter_propose(d, &ok, 1, &p, trees, &err), AE_OK);
     assert_int_equal(drafter_len(d, 0), 4);
     assert_int_equal(trees[0].n, 4);

@@ -490,6 +490,78 @@ static void test_sampled_sequences_batched_together_each_get_their_plain_output(
     fixture_close(&f);
 }
 
+/* One prompt prefilled once and forked into MAX_SEQS choices (OpenAI's
+ * n), each with its own key (seed, choice): every choice gets the plain
+ * output of its key, the forks draft from their first step on (the
+ * drafter's state was forked too), and the KV blocks of the prompt are
+ * shared. */
+static void test_forked_choices_each_get_their_plain_output(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    spec *s = spec_open(&f, &f.link.iface, (spec_shape){4, 3, 8});
+    ae_error err = {0};
+    int32_t ids[MAX_PROMPT], n = prompt(31, ids), want[MAX_SEQS][N_GEN], got[MAX_SEQS][N_GEN], seq[MAX_SEQS];
+    int32_t n_got[MAX_SEQS] = {0};
+    sample_rng rng[MAX_SEQS];
+    sampler *smp;
+    assert_int_equal(sample_init(&smp, 32, &err), AE_OK);
+    for (int c = 0; c < MAX_SEQS; c++) {
+        /* plain decoding of choice c */
+        rng[c] = (sample_rng){.seed = 77, .choice = (uint32_t)c};
+        float lg[32];
+        int32_t q;
+        assert_int_equal(eng_seq_new(f.e, &q, &err), AE_OK);
+        eng_item it = {q, ENG_APPEND, n, ids, NULL, false};
+        assert_int_equal(eng_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+        for (int32_t g = 0; g < N_GEN; g++) {
+            want[c][g] = sample_token(smp, lg, &sampled[1], &rng[c], n + g);
+            eng_item d = {q, ENG_APPEND, 1, &want[c][g], NULL, false};
+            assert_int_equal(eng_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
+        }
+        eng_seq_free(f.e, q);
+    }
+    assert_true(memcmp(want[0], want[1], sizeof want[0]) != 0); /* the keys differ */
+    assert_int_equal(eng_seq_new(f.e, &seq[0], &err), AE_OK);
+    assert_int_equal(spec_seq_start(s, seq[0], ids, n, CHUNK, &err), AE_OK);
+    int32_t used = eng_kv_stats(f.e).blocks_used;
+    for (int c = 1; c < MAX_SEQS; c++) {
+        assert_int_equal(eng_seq_fork(f.e, seq[0], &seq[c], &err), AE_OK);
+        assert_int_equal(spec_seq_fork(s, seq[0], seq[c], &err), AE_OK);
+    }
+    /* Only the block being filled is copied. */
+    int32_t per_fork = (n - 1) % 16 ? 1 : 0;
+    assert_int_equal(eng_kv_stats(f.e).blocks_used, used + (MAX_SEQS - 1) * per_fork);
+    for (int step = 0;; step++) {
+        spec_in in[MAX_SEQS];
+        spec_out o[MAX_SEQS];
+        int32_t m = 0;
+        for (int c = 0; c < MAX_SEQS; c++)
+            if (n_got[c] < N_GEN) in[m++] = (spec_in){.seq = seq[c], .params = &sampled[1], .rng = &rng[c]};
+        if (m == 0) break;
+        if (spec_step(s, in, m, o, &err) != AE_OK) fail_msg("%s", err.msg);
+        for (int32_t j = 0; j < m; j++) {
+            int c = 0;
+            while (seq[c] != in[j].seq) c++;
+            if (step == 0) assert_true(o[j].drafted > 0); /* every choice drafted at once */
+            for (int32_t k = 0; k < o[j].n && n_got[c] < N_GEN; k++) got[c][n_got[c]++] = o[j].tokens[k];
+        }
+    }
+    for (int c = 0; c < MAX_SEQS; c++) {
+        assert_memory_equal(got[c], want[c], sizeof got[c]);
+        assert_true(spec_seq_stats(s, seq[c])->steps > 0);
+        assert_int_equal(spec_seq_stats(s, seq[c])->bad_trees, 0);
+        spec_seq_end(s, seq[c]);
+        eng_seq_free(f.e, seq[c]);
+    }
+    assert_int_equal(spec_total_stats(s)->state_gone, 0);
+    assert_int_equal(spec_total_stats(s)->draft_failures, 0);
+    assert_int_equal(eng_kv_stats(f.e).blocks_used, 0);
+    sample_free(smp);
+    spec_free(s);
+    fixture_close(&f);
+}
+
 /* Several sequences in one step, each with its own tree: every one gets
  * its plain output; sequences leave the batch as they finish, at
  * different lengths. Per-sequence statistics add up to the total. */
@@ -749,6 +821,7 @@ int main(void) {
         cmocka_unit_test(test_sampled_speculation_is_the_plain_output_for_any_tree),
         cmocka_unit_test(test_an_oracle_of_the_sampled_continuation_is_accepted_exactly),
         cmocka_unit_test(test_sampled_sequences_batched_together_each_get_their_plain_output),
+        cmocka_unit_test(test_forked_choices_each_get_their_plain_output),
         cmocka_unit_test(test_speculation_resumes_after_a_drafter_failure),
         cmocka_unit_test(test_speculation_needs_a_batch_token_for_every_root),
         cmocka_unit_test(test_a_step_on_an_unstarted_sequence_fails),
