@@ -166,7 +166,10 @@ static int validate(const drafter *d, const drafter_feed *feeds, int32_t n, ae_e
         }
         int32_t have = f->reset ? 0 : drafter_len(d, f->fork_of >= 0 ? f->fork_of : f->key);
         if (!f->reset && f->start != have)
-            return err_set(err, "feed %d: key %d holds %d pairs, the caller assumes %d", i, f->key, have, f->start);
+            return f->fork_of >= 0 ? err_set(err, "feed %d: key %d forks key %d, which holds %d pairs, the caller assumes %d",
+                                             i, f->key, f->fork_of, have, f->start)
+                                   : err_set(err, "feed %d: key %d holds %d pairs, the caller assumes %d", i, f->key,
+                                             have, f->start);
         if (f->n > d->cfg.max_seq_len - have)
             return err_set(err, "feed %d: key %d would hold %lld pairs, the drafter's limit is %d", i, f->key,
                            (long long)have + f->n, d->cfg.max_seq_len);

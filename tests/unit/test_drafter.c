@@ -198,13 +198,16 @@ static void test_bad_feeds_are_refused_and_change_nothing(void **state) {
         drafter_feed f;
         const char *msg;
     } cases[] = {
-        {{2, true, 0, 4, toks, feats, true}, "feed 1: key 2 is outside 0..1"},
-        {{1, false, 3, 4, toks, feats, true}, "feed 1: key 1 holds 0 pairs, the caller assumes 3"},
-        {{1, true, 0, 4, bad, feats, true}, "feed 1: token 32 is not in the target's vocabulary"},
-        {{0, false, 4, 4, toks, feats, true}, "feed 1: key 0 appears twice"},
+        {{2, true, 0, 4, toks, feats, true, -1}, "feed 1: key 2 is outside 0..1"},
+        {{1, false, 3, 4, toks, feats, true, -1}, "feed 1: key 1 holds 0 pairs, the caller assumes 3"},
+        {{1, true, 0, 4, bad, feats, true, -1}, "feed 1: token 32 is not in the target's vocabulary"},
+        {{0, false, 4, 4, toks, feats, true, -1}, "feed 1: key 0 appears twice"},
+        {{1, false, 3, 0, toks, feats, true, 0}, "feed 1: key 1 forks key 0, which holds 4 pairs, the caller assumes 3"},
+        {{1, true, 0, 0, toks, feats, true, 0}, "feed 1: key 1 forks key 0 and resets"},
+        {{1, false, 4, 0, toks, feats, true, 1}, "feed 1: key 1 forks key 1"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        drafter_feed two[2] = {{0, false, 4, 4, toks, feats, true}, cases[i].f};
+        drafter_feed two[2] = {{0, false, 4, 4, toks, feats, true, -1}, cases[i].f};
         err = (ae_error){{0}};
         assert_int_equal(drafter_propose(d, two, 2, &p, trees, &err), AE_ERR);
         assert_string_equal(err.msg, cases[i].msg);
