@@ -25,6 +25,21 @@ _Static_assert(OAI_MAX_BIAS <= 300 && OAI_MAX_STOP_IDS <= 16 && OAI_MAX_TOP_LOGP
                "the request's lists fit GenerateRequest's and TokenLogprobs' bounds (aerie.options)");
 _Static_assert(ROUTER_MAX_TARGETS <= 64, "a request's failed replicas are bits of a uint64_t");
 
+/* One of a request's choices as the gateway turns it into text. */
+typedef struct gchoice {
+    int32_t n_out;      /* tokens taken */
+    detok *dt;
+    stop_matcher *sm;
+    char *piece, *text; /* [detok_max_out], [stop_max_out] */
+    jbuf out;           /* non-streamed: the whole text */
+    jbuf delta;         /* streamed: text not yet sent */
+    render_lp lp;       /* with logprobs: the tokens' not yet sent (streamed), or all */
+    int64_t text_chars; /* characters the tokens so far decoded to (completions' text_offset) */
+    bool stopped;       /* a stop string matched */
+    int finish;         /* aerie_FinishReason; 0 while running */
+    bool role_sent;     /* streamed chat: the opening role chunk went */
+} gchoice;
+
 typedef struct greq {
     gw *g;
     http_req *http;
@@ -32,28 +47,24 @@ typedef struct greq {
     met_route route;
     char id[48];
     int64_t created;
-    /* the prompt, then every token generated: what a retry resends */
+    /* the prompt, then (n = 1) every token generated: what a retry resends */
     int32_t *ids; /* [n_prompt + max_tokens] */
-    int32_t n_prompt, n_out, max_tokens;
+    int32_t n_prompt, max_tokens;
+    int32_t n;       /* choices */
+    int32_t n_done;  /* choices finished */
+    int32_t n_taken; /* tokens taken over all choices */
+    gchoice *ch;     /* [n] */
     uint64_t seed;
     int replica;     /* -1: no call */
     uint64_t tried;  /* replicas that failed this request */
     uint32_t call_id;
-    detok *dt;
-    stop_matcher *sm;
-    char *piece, *text;     /* [detok_max_out], [stop_max_out] */
-    jbuf out;               /* non-streamed: the whole text; streamed: the next event */
-    jbuf delta;             /* streamed: text not yet sent */
+    jbuf ev;                /* streamed: the next event */
     jbuf head;              /* streamed: the start of every chunk */
-    render_lp lp;           /* with logprobs: the tokens' not yet sent (streamed), or all */
-    int64_t text_chars;     /* characters the tokens so far decoded to (completions' text_offset) */
     bool started;           /* the stream's head was sent */
     bool gone;              /* the client went away */
-    bool stopped;           /* a stop string matched */
     bool target_cancelled;  /* the target cancelled it (shutting down, or a Cancel by id) */
-    int finish;             /* aerie_FinishReason */
     double t_arrive, t_first, t_last;
-    aerie_SpecStats spec;
+    aerie_SpecStats spec;   /* summed over the choices */
     bool has_spec;
     tjob job; /* the prompt's tokenizing, before the call */
 } greq;
@@ -62,14 +73,19 @@ static void greq_free(greq *q) {
     oai_request_free(&q->o);
     free(q->job.ids);
     free(q->ids);
-    detok_free(q->dt);
-    stop_free(q->sm);
-    free(q->piece);
-    free(q->text);
-    jbuf_free(&q->out);
-    jbuf_free(&q->delta);
+    for (int32_t c = 0; q->ch && c < q->n; c++) {
+        gchoice *ch = &q->ch[c];
+        detok_free(ch->dt);
+        stop_free(ch->sm);
+        free(ch->piece);
+        free(ch->text);
+        jbuf_free(&ch->out);
+        jbuf_free(&ch->delta);
+        render_lp_free(&ch->lp);
+    }
+    free(q->ch);
+    jbuf_free(&q->ev);
     jbuf_free(&q->head);
-    render_lp_free(&q->lp);
     free(q);
 }
 
@@ -86,17 +102,18 @@ static const jbuf *chunk_head(greq *q) {
     return &q->head;
 }
 
-/* One chunk with text (or, for chat, the opening role) and maybe the
- * finish reason. */
-static void send_chunk(greq *q, const char *text, size_t n, bool role, const char *finish) {
-    jbuf *b = &q->out;
+/* One chunk of choice c with text (or, for chat, the opening role) and
+ * maybe the finish reason. */
+static void send_chunk(greq *q, int32_t c, const char *text, size_t n, bool role, const char *finish) {
+    jbuf *b = &q->ev;
+    gchoice *ch = &q->ch[c];
     jbuf_clear(b);
     /* The tokens' log-probabilities go with the first chunk of text
      * after them (text held back by the stop strings comes later), and
      * what is left with the last. */
     bool lp = q->o.logprobs && !role && (n > 0 || finish);
-    render_chunk(b, chunk_head(q), is_chat(q), text, n, role, lp ? &q->lp : NULL, finish, q->o.include_usage);
-    if (lp) render_lp_clear(&q->lp);
+    render_chunk(b, chunk_head(q), is_chat(q), c, text, n, role, lp ? &ch->lp : NULL, finish, q->o.include_usage);
+    if (lp) render_lp_clear(&ch->lp);
     /* Out of memory mid-stream: the chunk is lost, not the gateway. */
     if (b->oom) LOG_WARNF("chunk_lost id=%s reason=\"out of memory\"", q->id);
     else http_stream_write(q->http, b->p, b->len);
@@ -108,23 +125,32 @@ static void stream_start(greq *q) {
     char extra[96];
     snprintf(extra, sizeof extra, "Cache-Control: no-cache\r\nX-Request-Id: %s\r\n", q->id);
     http_stream_start(q->http, 200, "text/event-stream", extra);
-    if (is_chat(q)) send_chunk(q, NULL, 0, true, NULL);
 }
 
-static void flush_delta(greq *q) {
-    if (!q->o.stream || q->gone || q->delta.len == 0) return;
+/* Streamed chat: each choice opens with the assistant role, as OpenAI's do. */
+static void open_choice(greq *q, int32_t c) {
     stream_start(q);
-    send_chunk(q, q->delta.p, q->delta.len, false, NULL);
-    q->delta.len = 0;
+    if (is_chat(q) && !q->ch[c].role_sent) {
+        q->ch[c].role_sent = true;
+        send_chunk(q, c, NULL, 0, true, NULL);
+    }
+}
+
+static void flush_delta(greq *q, int32_t c) {
+    gchoice *ch = &q->ch[c];
+    if (!q->o.stream || q->gone || ch->delta.len == 0) return;
+    open_choice(q, c);
+    send_chunk(q, c, ch->delta.p, ch->delta.len, false, NULL);
+    ch->delta.len = 0;
 }
 
 /* Text the stop strings released. */
-static void emit(greq *q, const char *s, size_t n) {
-    if (n) jbuf_add(q->o.stream ? &q->delta : &q->out, s, n);
+static void emit(greq *q, gchoice *ch, const char *s, size_t n) {
+    if (n) jbuf_add(q->o.stream ? &ch->delta : &ch->out, s, n);
 }
 
 /* Token t's log-probability entry (l: what the target sent for it). */
-static void take_logprobs(greq *q, int32_t t, const aerie_TokenLogprobs *l) {
+static void take_logprobs(greq *q, gchoice *ch, int32_t t, const aerie_TokenLogprobs *l) {
     const tok *tk = q->g->cfg.tok;
     render_top top[OAI_MAX_TOP_LOGPROBS];
     int n_top = 0;
@@ -135,48 +161,83 @@ static void take_logprobs(greq *q, int32_t t, const aerie_TokenLogprobs *l) {
     }
     size_t len = 0;
     const uint8_t *bytes = tok_token_bytes(tk, t, &len);
-    render_lp_add(&q->lp, bytes ? bytes : (const uint8_t *)"", bytes ? len : 0, l->logprob, top, n_top,
-                  q->text_chars);
+    render_lp_add(&ch->lp, bytes ? bytes : (const uint8_t *)"", bytes ? len : 0, l->logprob, top, n_top,
+                  ch->text_chars);
 }
 
-static void take_token(greq *q, int32_t t, const aerie_TokenLogprobs *l) {
+static void take_token(greq *q, gchoice *ch, int32_t t, const aerie_TokenLogprobs *l) {
     size_t plen = 0, tlen = 0;
-    q->ids[q->n_prompt + q->n_out++] = t;
-    if (q->o.logprobs && l) take_logprobs(q, t, l);
+    if (q->n == 1) q->ids[q->n_prompt + ch->n_out] = t;
+    ch->n_out++;
+    q->n_taken++;
+    if (q->o.logprobs && l) take_logprobs(q, ch, t, l);
     /* The target checked the id against its vocabulary, and ours is the
      * same model's: an id we cannot decode means the two were deployed
      * with different models. It adds no text, and serving goes on. */
-    if (detok_push(q->dt, t, q->piece, detok_max_out(q->dt), &plen, NULL) != AE_OK) plen = 0;
-    for (size_t i = 0; i < plen; i++) q->text_chars += ((unsigned char)q->piece[i] & 0xC0) != 0x80;
-    q->stopped = stop_push(q->sm, q->piece, plen, q->text, stop_max_out(q->sm), &tlen);
-    emit(q, q->text, tlen);
+    if (detok_push(ch->dt, t, ch->piece, detok_max_out(ch->dt), &plen, NULL) != AE_OK) plen = 0;
+    for (size_t i = 0; i < plen; i++) ch->text_chars += ((unsigned char)ch->piece[i] & 0xC0) != 0x80;
+    ch->stopped = stop_push(ch->sm, ch->piece, plen, ch->text, stop_max_out(ch->sm), &tlen);
+    emit(q, ch, ch->text, tlen);
 }
 
-/* The stream of tokens ended (finish reason known): releases what the
+/* The choice's tokens ended (finish reason known): releases what the
  * detokenizer and the stop strings still hold. */
-static void take_end(greq *q) {
+static void take_end(greq *q, gchoice *ch) {
     size_t tlen = 0;
-    if (!q->stopped) {
-        size_t plen = detok_flush(q->dt, q->piece, detok_max_out(q->dt));
-        q->stopped = stop_push(q->sm, q->piece, plen, q->text, stop_max_out(q->sm), &tlen);
-        emit(q, q->text, tlen);
+    if (!ch->stopped) {
+        size_t plen = detok_flush(ch->dt, ch->piece, detok_max_out(ch->dt));
+        ch->stopped = stop_push(ch->sm, ch->piece, plen, ch->text, stop_max_out(ch->sm), &tlen);
+        emit(q, ch, ch->text, tlen);
     }
-    if (!q->stopped) {
+    if (!ch->stopped) {
         /* The flush may settle a match that waited for a longer stop
-         * starting earlier (stop.h): that ends the request on a stop too. */
-        emit(q, q->text, stop_flush(q->sm, q->text, stop_max_out(q->sm)));
-        q->stopped = stop_matched(q->sm);
+         * starting earlier (stop.h): that ends the choice on a stop too. */
+        emit(q, ch, ch->text, stop_flush(ch->sm, ch->text, stop_max_out(ch->sm)));
+        ch->stopped = stop_matched(ch->sm);
     }
-    if (q->stopped) q->finish = aerie_FinishReason_FINISH_STOP;
+    if (ch->stopped) ch->finish = aerie_FinishReason_FINISH_STOP;
+}
+
+/* Choice c is done: its text is settled, and a stream sends its last
+ * chunk now (OpenAI's streams finish each choice on its own). */
+static void end_choice(greq *q, int32_t c, int finish) {
+    gchoice *ch = &q->ch[c];
+    ch->finish = finish;
+    take_end(q, ch);
+    q->n_done++;
+    if (q->o.stream && !q->gone) {
+        flush_delta(q, c);
+        open_choice(q, c);
+        send_chunk(q, c, NULL, 0, false, render_finish_name(ch->finish));
+    }
+}
+
+static void add_spec(greq *q, const aerie_GenerateEvent *ev) {
+    if (!ev->has_spec) return;
+    aerie_SpecStats *t = &q->spec;
+    t->steps += ev->spec.steps;
+    t->drafted += ev->spec.drafted;
+    t->accepted += ev->spec.accepted;
+    t->plain_steps += ev->spec.plain_steps;
+    for (pb_size_t d = 0; d < ev->spec.accepted_at_count; d++) {
+        if (d >= t->accepted_at_count) t->accepted_at[t->accepted_at_count++] = 0;
+        t->accepted_at[d] += ev->spec.accepted_at[d];
+    }
+    q->has_spec = true;
 }
 
 /* Called by the RPC link for each GenerateEvent, on the loop thread and
- * under the client's lock: nothing here calls into the client. */
+ * under the client's lock: nothing here calls into the client. Returns
+ * whether more events are wanted. */
 static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     greq *q = ctx;
     aerie_GenerateEvent ev;
-    if (q->gone || q->finish || q->target_cancelled) return false;
+    if (q->gone || q->n_done == q->n || q->target_cancelled) return false;
     if (msg_decode(aerie_GenerateEvent_fields, &ev, msg, len, NULL) != AE_OK) return false;
+    /* A target never names another choice; do not trust it to. */
+    if (ev.index >= (uint32_t)q->n) return false;
+    int32_t c = (int32_t)ev.index;
+    gchoice *ch = &q->ch[c];
     double now = clock_mono_seconds();
     if (ev.tokens_count > 0) {
         if (!q->t_first) {
@@ -188,36 +249,40 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
         }
         q->t_last = now;
     }
-    for (pb_size_t i = 0; i < ev.tokens_count && !q->stopped; i++) {
-        if (q->n_out >= q->max_tokens) break; /* a target never sends more; do not trust it to */
-        take_token(q, ev.tokens[i], i < ev.logprobs_count ? &ev.logprobs[i] : NULL);
+    if (ch->finish) return true; /* ended here by a stop string: the target runs on */
+    for (pb_size_t i = 0; i < ev.tokens_count && !ch->stopped; i++) {
+        if (ch->n_out >= q->max_tokens) break; /* a target never sends more; do not trust it to */
+        take_token(q, ch, ev.tokens[i], i < ev.logprobs_count ? &ev.logprobs[i] : NULL);
     }
-    if (ev.finish == aerie_FinishReason_FINISH_CANCELLED && !q->stopped && q->n_out < q->max_tokens) {
+    if (ev.finish == aerie_FinishReason_FINISH_CANCELLED && !ch->stopped && ch->n_out < q->max_tokens) {
         /* Not ours to end: on_end goes on at another replica. */
         q->target_cancelled = true;
-        flush_delta(q);
+        for (int32_t k = 0; k < q->n; k++) flush_delta(q, k);
         return false;
     }
-    if (ev.finish != aerie_FinishReason_FINISH_NONE || q->stopped || q->n_out >= q->max_tokens) {
-        q->finish = q->stopped                                     ? aerie_FinishReason_FINISH_STOP
-                    : ev.finish == aerie_FinishReason_FINISH_NONE ? aerie_FinishReason_FINISH_LENGTH
-                                                                   : ev.finish;
-        if (ev.has_spec) q->spec = ev.spec, q->has_spec = true;
-        take_end(q);
+    if (ev.finish != aerie_FinishReason_FINISH_NONE || ch->stopped || ch->n_out >= q->max_tokens) {
+        add_spec(q, &ev);
+        end_choice(q, c,
+                   ch->stopped                                   ? aerie_FinishReason_FINISH_STOP
+                   : ev.finish == aerie_FinishReason_FINISH_NONE ? aerie_FinishReason_FINISH_LENGTH
+                                                                 : ev.finish);
+    } else {
+        flush_delta(q, c);
     }
-    flush_delta(q);
-    return !q->finish;
+    return q->n_done < q->n;
 }
 
 static void finish_ok(greq *q) {
     gw *g = q->g;
     metrics *m = &g->met;
     m->prompt_tokens += (uint64_t)q->n_prompt;
-    m->generation_tokens += (uint64_t)q->n_out;
+    m->generation_tokens += (uint64_t)q->n_taken;
     met_hist_observe(&m->prompt_hist, q->n_prompt);
-    met_hist_observe(&m->generation_hist, q->n_out);
-    if (q->finish == aerie_FinishReason_FINISH_LENGTH) m->finish.length++;
-    else m->finish.stop++;
+    met_hist_observe(&m->generation_hist, q->n_taken);
+    for (int32_t c = 0; c < q->n; c++) {
+        if (q->ch[c].finish == aerie_FinishReason_FINISH_LENGTH) m->finish.length++;
+        else m->finish.stop++;
+    }
     if (q->has_spec) {
         m->spec_steps += q->spec.steps;
         m->spec_plain_steps += q->spec.plain_steps;
@@ -226,14 +291,13 @@ static void finish_ok(greq *q) {
         for (pb_size_t d = 0; d < q->spec.accepted_at_count && d < MET_SPEC_POSITIONS; d++)
             m->spec_accepted_at[d] += q->spec.accepted_at[d];
     }
-    const char *fin = render_finish_name(q->finish);
+    const char *fin = render_finish_name(q->ch[0].finish);
     if (q->o.stream) {
         stream_start(q);
-        send_chunk(q, NULL, 0, false, fin);
         if (q->o.include_usage) {
-            jbuf *b = &q->out;
+            jbuf *b = &q->ev;
             jbuf_clear(b);
-            render_usage_chunk(b, chunk_head(q), q->n_prompt, q->n_out);
+            render_usage_chunk(b, chunk_head(q), q->n_prompt, q->n_taken);
             if (!b->oom) http_stream_write(q->http, b->p, b->len);
         }
         http_stream_write(q->http, "data: [DONE]\n\n", 14);
@@ -242,18 +306,25 @@ static void finish_ok(greq *q) {
     } else {
         jbuf b = {0};
         render_meta rm = meta(q);
-        render_completion(&b, &rm, q->out.p, q->out.len, q->o.logprobs ? &q->lp : NULL, fin, q->n_prompt, q->n_out);
-        b.oom |= q->out.oom; /* the text is incomplete */
+        render_choice rc[OAI_MAX_N];
+        for (int32_t c = 0; c < q->n; c++) {
+            gchoice *ch = &q->ch[c];
+            rc[c] = (render_choice){ch->out.p, ch->out.len, q->o.logprobs ? &ch->lp : NULL,
+                                    render_finish_name(ch->finish)};
+            b.oom |= ch->out.oom; /* the text is incomplete */
+        }
+        render_completion(&b, &rm, rc, q->n, q->n_prompt, q->n_taken);
         gw_reply_jbuf(g, q->http, q->route, &b);
         jbuf_free(&b);
     }
     double now = clock_mono_seconds();
     met_hist_observe(&m->e2e, now - q->t_arrive);
-    LOG_INFOF("request id=%s route=%s target=%s prompt=%d completion=%d finish=%s ttft_ms=%.1f e2e_ms=%.1f", q->id,
-              is_chat(q) ? "chat" : "completions", q->replica >= 0 ? router_addr(g->cfg.router, q->replica) : "-",
-              q->n_prompt, q->n_out, fin, q->t_first ? (q->t_first - q->t_arrive) * 1e3 : -1.0,
-              (now - q->t_arrive) * 1e3);
+    LOG_INFOF("request id=%s route=%s target=%s prompt=%d completion=%d n=%d finish=%s ttft_ms=%.1f e2e_ms=%.1f",
+              q->id, is_chat(q) ? "chat" : "completions",
+              q->replica >= 0 ? router_addr(g->cfg.router, q->replica) : "-", q->n_prompt, q->n_taken, q->n, fin,
+              q->t_first ? (q->t_first - q->t_arrive) * 1e3 : -1.0, (now - q->t_arrive) * 1e3);
 }
+
 
 /* The request failed: an error reply, or an error event when the stream
  * has started. */
@@ -290,14 +361,14 @@ static void on_end(void *ctx, const rpc_reply *r) {
     if (q->gone) {
         g->met.finish.cancelled++;
         met_request(&g->met, q->route, 499);
-        LOG_INFOF("request_cancelled id=%s reason=\"the client went away\" completion=%d", q->id, q->n_out);
+        LOG_INFOF("request_cancelled id=%s reason=\"the client went away\" completion=%d", q->id, q->n_taken);
         /* Only frees the request: the client is gone. */
         if (q->started) http_stream_end(q->http);
         else http_respond(q->http, 499, "application/json", NULL, NULL, 0);
         request_done(q);
         return;
     }
-    if (q->finish) {
+    if (q->n_done == q->n) {
         finish_ok(q);
         request_done(q);
         return;
@@ -334,6 +405,11 @@ static void on_end(void *ctx, const rpc_reply *r) {
  * least-loaded healthy replica not yet tried. */
 static int start_call(greq *q, ae_error *err) {
     gw *g = q->g;
+    /* Choices forked on one target go on there or nowhere: a retry can
+     * resend one output, not n. */
+    if (q->n > 1 && q->n_taken > 0)
+        return err_set(err, "the %d choices of a request cannot move to another target once tokens came", q->n);
+    int32_t n_out = q->ch[0].n_out;
     for (;;) {
         int i = router_pick(g->cfg.router, q->tried);
         if (i < 0) {
@@ -343,16 +419,17 @@ static int start_call(greq *q, ae_error *err) {
         }
         aerie_GenerateRequest gr = aerie_GenerateRequest_init_zero;
         snprintf(gr.request_id, sizeof gr.request_id, "%s", q->id);
-        gr.max_tokens = (uint32_t)(q->max_tokens - q->n_out);
+        gr.max_tokens = (uint32_t)(q->max_tokens - n_out);
+        gr.n = (uint32_t)q->n;
         gr.temperature = (float)q->o.temperature;
         gr.top_k = (uint32_t)q->o.top_k;
         gr.top_p = (float)q->o.top_p;
         gr.min_p = (float)q->o.min_p;
-        /* A retry draws from another point of the seed's stream; the
-         * output is still distributed as the target's. */
-        gr.seed = q->seed + (uint64_t)q->n_out;
+        /* Draws are keyed by (seed, choice, position): a retry with the
+         * same seed goes on as the first target would have. */
+        gr.seed = q->seed;
         gr.ignore_eos = q->o.ignore_eos;
-        gr.generated = (uint32_t)q->n_out;
+        gr.generated = (uint32_t)n_out;
         gr.presence_penalty = (float)q->o.presence_penalty;
         gr.frequency_penalty = (float)q->o.frequency_penalty;
         gr.repetition_penalty = (float)q->o.repetition_penalty;
@@ -364,7 +441,7 @@ static int start_call(greq *q, ae_error *err) {
         for (int k = 0; k < q->o.n_stop_ids; k++) gr.stop_tokens[k] = (uint32_t)q->o.stop_ids[k];
         gr.logprobs = q->o.logprobs;
         gr.top_logprobs = (uint32_t)q->o.top_logprobs;
-        uint32_t n = (uint32_t)(q->n_prompt + q->n_out);
+        uint32_t n = (uint32_t)(q->n_prompt + n_out);
         gr.has_prompt = true;
         gr.prompt = (aerie_PayloadRef){0, n * 4};
         uint8_t buf[aerie_GenerateRequest_size];
@@ -433,7 +510,6 @@ static void on_prompt_encoded(tjob *j) {
     q->ids = j->ids;
     q->n_prompt = j->n;
     j->ids = NULL;
-    q->lp.chat = kind == OAI_CHAT;
     if (oai_check_vocab(&q->o, tok_vocab_size(g->cfg.tok), &e) != AE_OK) goto refuse;
     /* The checks of the gateway's state come after the worker, in the
      * order they always had: a bad body is 400 whatever the load. */
@@ -484,17 +560,27 @@ static void on_prompt_encoded(tjob *j) {
     }
     q->ids = all;
     ae_error err = {{0}};
-    if (detok_init(&q->dt, g->cfg.tok, true, &err) != AE_OK ||
-        stop_init(&q->sm, (const char *const *)q->o.stops, q->o.stop_lens, q->o.n_stops, detok_max_out(q->dt) + 3,
-                  &err) != AE_OK) {
-        oai_fail(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
-        goto refuse;
-    }
-    q->piece = malloc(detok_max_out(q->dt) + 3);
-    q->text = malloc(stop_max_out(q->sm) + 1);
-    if (!q->piece || !q->text) {
+    q->n = q->o.n;
+    q->ch = calloc((size_t)q->n, sizeof *q->ch);
+    if (!q->ch) {
         oai_oom(&e);
         goto refuse;
+    }
+    for (int32_t c = 0; c < q->n; c++) {
+        gchoice *ch = &q->ch[c];
+        ch->lp.chat = kind == OAI_CHAT;
+        if (detok_init(&ch->dt, g->cfg.tok, true, &err) != AE_OK ||
+            stop_init(&ch->sm, (const char *const *)q->o.stops, q->o.stop_lens, q->o.n_stops,
+                      detok_max_out(ch->dt) + 3, &err) != AE_OK) {
+            oai_fail(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
+            goto refuse;
+        }
+        ch->piece = malloc(detok_max_out(ch->dt) + 3);
+        ch->text = malloc(stop_max_out(ch->sm) + 1);
+        if (!ch->piece || !ch->text) {
+            oai_oom(&e);
+            goto refuse;
+        }
     }
     if (q->o.has_seed) q->seed = q->o.seed;
     else if (getrandom(&q->seed, sizeof q->seed, 0) != (ssize_t)sizeof q->seed) q->seed = (uint64_t)(clock_mono_seconds() * 1e9);

@@ -372,7 +372,7 @@ static int neutral(const cJSON *f, oai_error *e) {
     bool ok = false;
     if (strcmp(k, "echo") == 0)
         ok = cJSON_IsFalse(f);
-    else if (strcmp(k, "best_of") == 0 || strcmp(k, "n") == 0)
+    else if (strcmp(k, "best_of") == 0)
         ok = cJSON_IsNumber(f) && f->valuedouble == 1;
     else
         return oai_bad(e, k, "unsupported_parameter", "'%.60s' is not supported", k);
@@ -423,6 +423,9 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
             stream_options = f;
         } else if (strcmp(k, "ignore_eos") == 0) {
             if (get_bool(f, k, &r->ignore_eos, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "n") == 0) {
+            if (get_int(f, k, 1, OAI_MAX_N, &i64, e) != AE_OK) return AE_ERR;
+            r->n = (int32_t)i64;
         } else if (strcmp(k, "presence_penalty") == 0) {
             if (get_number(f, k, -2, 2, false, &r->presence_penalty, e) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "frequency_penalty") == 0) {
@@ -503,6 +506,7 @@ static void request_init(oai_request *r, oai_kind kind) {
     r->temperature = 1;
     r->top_p = 1;
     r->repetition_penalty = 1;
+    r->n = 1;
 }
 
 int oai_parse_tree(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e) {

@@ -5,7 +5,7 @@
  * implement is refused with 400 rather than ignored: a field that changes
  * output is either honoured or an error. Fields that cannot change output
  * are accepted: `user`, `metadata`, `store`, and a few fields when they
- * hold the value that means "off" (`echo: false`, `best_of: 1`, `n: 1`).
+ * hold the value that means "off" (`echo: false`, `best_of: 1`).
  * A JSON null is the same as a missing field, as OpenAI's own clients
  * send it.
  *
@@ -58,6 +58,7 @@ typedef enum oai_kind { OAI_CHAT, OAI_COMPLETION } oai_kind;
 #define OAI_MAX_BIAS 300        /* logit_bias entries (OpenAI's limit) */
 #define OAI_MAX_STOP_IDS 16     /* stop_token_ids */
 #define OAI_MAX_TOP_LOGPROBS 20 /* top_logprobs, and completions' logprobs */
+#define OAI_MAX_N 16            /* choices */
 
 typedef struct oai_request {
     oai_kind kind;
@@ -82,6 +83,7 @@ typedef struct oai_request {
     int n_stops;
     char *stops[STOP_MAX_STRINGS];
     size_t stop_lens[STOP_MAX_STRINGS];
+    int32_t n; /* choices, 1..OAI_MAX_N (default 1) */
     bool stream;
     bool include_usage; /* stream_options.include_usage */
     bool ignore_eos;

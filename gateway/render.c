@@ -130,10 +130,10 @@ static void usage(jbuf *b, int32_t prompt_tokens, int32_t completion_tokens) {
                 completion_tokens, prompt_tokens + completion_tokens);
 }
 
-void render_chunk(jbuf *b, const jbuf *head, bool chat, const char *text, size_t n, bool role, const render_lp *lp,
-                  const char *finish, bool include_usage) {
+void render_chunk(jbuf *b, const jbuf *head, bool chat, int32_t index, const char *text, size_t n, bool role,
+                  const render_lp *lp, const char *finish, bool include_usage) {
     jbuf_add(b, head->p, head->len);
-    jbuf_str(b, ",\"choices\":[{\"index\":0,");
+    jbuf_printf(b, ",\"choices\":[{\"index\":%d,", index);
     if (chat) {
         jbuf_str(b, "\"delta\":{");
         if (role) jbuf_str(b, "\"role\":\"assistant\",\"content\":\"\"");
@@ -161,20 +161,24 @@ void render_usage_chunk(jbuf *b, const jbuf *head, int32_t prompt_tokens, int32_
     jbuf_str(b, "}\n\n");
 }
 
-void render_completion(jbuf *b, const render_meta *m, const char *text, size_t n, const render_lp *lp,
-                       const char *finish, int32_t prompt_tokens, int32_t completion_tokens) {
+void render_completion(jbuf *b, const render_meta *m, const render_choice *c, int32_t n_choices,
+                       int32_t prompt_tokens, int32_t completion_tokens) {
     jbuf_printf(b, "{\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", m->id,
                 m->chat ? "chat.completion" : "text_completion", (long long)m->created);
     jbuf_quote(b, m->model, strlen(m->model));
-    jbuf_str(b, ",\"choices\":[{\"index\":0,");
-    if (m->chat) jbuf_str(b, "\"message\":{\"role\":\"assistant\",\"content\":");
-    else jbuf_str(b, "\"text\":");
-    jbuf_quote(b, text ? text : "", n);
-    if (m->chat) jbuf_str(b, "}");
-    jbuf_str(b, ",\"logprobs\":");
-    if (lp) render_lp_json(b, lp);
-    else jbuf_str(b, "null");
-    jbuf_printf(b, ",\"finish_reason\":\"%s\"}],", finish);
+    jbuf_str(b, ",\"choices\":[");
+    for (int32_t i = 0; i < n_choices; i++) {
+        jbuf_printf(b, "%s{\"index\":%d,", i ? "," : "", i);
+        if (m->chat) jbuf_str(b, "\"message\":{\"role\":\"assistant\",\"content\":");
+        else jbuf_str(b, "\"text\":");
+        jbuf_quote(b, c[i].text ? c[i].text : "", c[i].text ? c[i].n : 0);
+        if (m->chat) jbuf_str(b, "}");
+        jbuf_str(b, ",\"logprobs\":");
+        if (c[i].lp) render_lp_json(b, c[i].lp);
+        else jbuf_str(b, "null");
+        jbuf_printf(b, ",\"finish_reason\":\"%s\"}", c[i].finish);
+    }
+    jbuf_str(b, "],");
     usage(b, prompt_tokens, completion_tokens);
     jbuf_str(b, "}");
 }

@@ -52,20 +52,29 @@ const char *render_finish_name(int finish);
  * and including the model. */
 void render_chunk_head(jbuf *b, const render_meta *m);
 
-/* One streamed chunk after head: text (or, for chat with role, the opening
+/* One streamed chunk of choice `index` after head: text (or, for chat with role, the opening
  * assistant role), its tokens' log-probabilities (NULL: null), and the
  * finish reason or null. include_usage: the client asked for usage, so
  * every chunk carries "usage": null. */
-void render_chunk(jbuf *b, const jbuf *head, bool chat, const char *text, size_t n, bool role, const render_lp *lp,
-                  const char *finish, bool include_usage);
+void render_chunk(jbuf *b, const jbuf *head, bool chat, int32_t index, const char *text, size_t n, bool role,
+                  const render_lp *lp, const char *finish, bool include_usage);
 
 /* The last chunk of a stream that asked for usage: no choices, the usage. */
 void render_usage_chunk(jbuf *b, const jbuf *head, int32_t prompt_tokens, int32_t completion_tokens);
 
-/* A whole (non-streamed) completion of text[0..n), with its tokens'
- * log-probabilities (NULL: null). */
-void render_completion(jbuf *b, const render_meta *m, const char *text, size_t n, const render_lp *lp,
-                       const char *finish, int32_t prompt_tokens, int32_t completion_tokens);
+/* One choice of a whole completion: text[0..n), its tokens'
+ * log-probabilities (NULL: null) and finish reason. */
+typedef struct render_choice {
+    const char *text;
+    size_t n;
+    const render_lp *lp;
+    const char *finish;
+} render_choice;
+
+/* A whole (non-streamed) completion of choices c[0..n_choices), indexed
+ * in order; completion_tokens is their sum. */
+void render_completion(jbuf *b, const render_meta *m, const render_choice *c, int32_t n_choices,
+                       int32_t prompt_tokens, int32_t completion_tokens);
 
 /* A stream's end on an error: the error object as an event, then [DONE]. */
 void render_error_event(jbuf *b, const char *error_json);

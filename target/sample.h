@@ -56,7 +56,7 @@ typedef struct sample_params {
  * lives in the request). */
 typedef struct sample_rng {
     uint64_t seed;
-    uint32_t choice; /* which of a request's choices (OpenAI n): 0, as n is always 1 */
+    uint32_t choice; /* which of a request's choices (OpenAI n), 0.. */
 } sample_rng;
 
 /* Key seed, choice 0. */

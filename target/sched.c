@@ -14,17 +14,26 @@
 
 typedef enum req_state { REQ_WAITING, REQ_PREFILL, REQ_RUNNING } req_state;
 
+/* One of a request's n choices: its own sequence, random key and
+ * penalties. Choice 0 prefills; the others fork from it once the prompt
+ * is in (eng_seq_fork, spec_seq_fork). */
+typedef struct choice {
+    int32_t seq;  /* engine sequence, -1 before it has one or once done */
+    sample_rng rng;
+    penalty *pen; /* penalties and biases, made at admission; NULL: none */
+    int32_t emitted;
+    bool done;
+} choice;
+
 typedef struct req {
     sched_request r;
     int32_t *prompt; /* [n_prompt], owned */
-    sample_rng rng;
-    penalty *pen;      /* penalties and biases, made at admission; NULL: none */
     req_state state;
-    int32_t seq;       /* engine sequence, -1 before it has one */
     int32_t prefilled; /* prompt tokens in the KV */
-    int32_t emitted;
     int32_t reserve;   /* KV blocks reserved */
+    int32_t n_done;    /* choices finished */
     atomic_bool cancel;
+    choice ch[SCHED_MAX_N];
     struct req *next;
 } req;
 
@@ -40,26 +49,32 @@ struct sched {
     pthread_cond_t cv;  /* work arrived, or a request ended */
     req *waiting, *waiting_tail, *active;
     int32_t n_waiting, n_active, reserved;
+    int32_t n_seqs; /* the active requests' choices: sequences held */
     bool draining, stopping;
     sched_stats stats;
     /* the loop's own */
     spec_in *in;   /* [max_batch] */
     spec_out *out; /* [max_batch] */
     req **step_reqs; /* [max_batch] */
+    int32_t *step_ch; /* [max_batch]: the choice of step_reqs[i] */
     int32_t *emit_buf; /* [ENG_MAX_TREE + 1] */
     int64_t log_at_ns, log_tokens;
     spec_stats log_spec;
     bool logged_idle;
 };
 
+/* One choice's worst case, and the choices after the first, which share
+ * the prompt's full blocks (kv_seq_fork). */
 static int32_t blocks_for(const sched *s, const req *q) {
     int64_t slots = (int64_t)q->r.n_prompt + q->r.max_tokens + s->cfg.tree_tokens;
-    return (int32_t)((slots + s->block_size - 1) / s->block_size);
+    int64_t one = (slots + s->block_size - 1) / s->block_size, shared = (q->r.n_prompt - 1) / s->block_size;
+    int64_t all = one + (int64_t)(q->r.n - 1) * (one - shared);
+    return all > INT32_MAX ? INT32_MAX : (int32_t)all;
 }
 
 static void req_free(req *q) {
     if (!q) return;
-    penalty_free(q->pen);
+    for (int32_t c = 0; c < q->r.n; c++) penalty_free(q->ch[c].pen);
     free(q->prompt);
     free(q);
 }
@@ -82,6 +97,12 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
                SCHED_INVALID;
     if (r->top_logprobs < 0 || r->top_logprobs > SAMPLE_MAX_TOP_LOGPROBS)
         return err_set(err, "top_logprobs is %d (0..%d)", r->top_logprobs, SAMPLE_MAX_TOP_LOGPROBS), SCHED_INVALID;
+    if (r->n < 1 || r->n > SCHED_MAX_N)
+        return err_set(err, "n is %d (1..%d)", r->n, SCHED_MAX_N), SCHED_INVALID;
+    if (r->n > s->cfg.max_batch)
+        return err_set(err, "n of %d needs %d sequences at once; this target runs at most %d", r->n, r->n,
+                       s->cfg.max_batch),
+               SCHED_INVALID;
     if (r->n_stop < 0 || r->n_stop > SCHED_MAX_STOP)
         return err_set(err, "%d stop tokens (at most %d)", r->n_stop, SCHED_MAX_STOP), SCHED_INVALID;
     /* min_tokens holds back the end of sequence and the stop ids. */
@@ -100,8 +121,10 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
     q->r = *r;
     q->r.pen = pen;
     q->r.prompt = q->prompt = prompt;
-    q->seq = -1;
-    sample_rng_seed(&q->rng, r->seed);
+    for (int32_t c = 0; c < r->n; c++) {
+        q->ch[c].seq = -1;
+        q->ch[c].rng = (sample_rng){.seed = r->seed, .choice = (uint32_t)c};
+    }
     int32_t need = blocks_for(s, q);
     if (need > s->n_blocks) {
         req_free(q);
@@ -148,24 +171,31 @@ bool sched_cancel_id(sched *s, const char *id) {
     return found;
 }
 
-static void emit(sched *s, req *q, const int32_t *tokens, int32_t n, const spec_out *o, sched_finish finish,
-                 const char *error) {
+/* An event of choice c; last: the request's last. */
+static void emit(sched *s, req *q, int32_t c, const int32_t *tokens, int32_t n, const spec_out *o, sched_finish finish,
+                 bool last, const char *error) {
     static const spec_stats none;
     bool lp = o && q->r.logprobs;
-    sched_event ev = {tokens, n, lp ? o->logprob : NULL, lp ? o->n_top : 0, lp ? o->top : NULL, finish,
-                      q->r.n_prompt, q->emitted, q->seq >= 0 ? spec_seq_stats(s->sx, q->seq) : &none, error};
+    const choice *ch = &q->ch[c];
+    sched_event ev = {tokens, n, lp ? o->logprob : NULL, lp ? o->n_top : 0, lp ? o->top : NULL, c, finish, last,
+                      q->r.n_prompt, ch->emitted, ch->seq >= 0 ? spec_seq_stats(s->sx, ch->seq) : &none, error};
     s->sink.emit(s->sink.ctx, q->r.ctx, &ev);
+}
+
+static void end_choice(sched *s, choice *ch) {
+    if (ch->seq >= 0) {
+        spec_seq_end(s->sx, ch->seq);
+        eng_seq_free(s->e, ch->seq);
+    }
 }
 
 /* Ends an admitted request: its KV and draft state go first (so that a
  * caller who asks right after its last event sees them free), then its
  * last event. */
-static void finish_active(sched *s, req *q, const int32_t *tokens, int32_t n, const spec_out *o, sched_finish finish,
-                          const char *error) {
-    if (q->seq >= 0) {
-        spec_seq_end(s->sx, q->seq);
-        eng_seq_free(s->e, q->seq);
-    }
+static void finish_active(sched *s, req *q, int32_t c, const int32_t *tokens, int32_t n, const spec_out *o,
+                          sched_finish finish, const char *error) {
+    for (int32_t k = 0; k < q->r.n; k++)
+        if (!q->ch[k].done) end_choice(s, &q->ch[k]);
     kv_stats kv = eng_kv_stats(s->e);
     pthread_mutex_lock(&s->mu);
     s->stats.kv_blocks_used = kv.blocks_used;
@@ -175,6 +205,7 @@ static void finish_active(sched *s, req *q, const int32_t *tokens, int32_t n, co
             break;
         }
     s->n_active--;
+    s->n_seqs -= q->r.n;
     s->reserved -= q->reserve;
     s->stats.requests_done++;
     if (finish == SCHED_CANCELLED) s->stats.requests_cancelled++;
@@ -182,7 +213,7 @@ static void finish_active(sched *s, req *q, const int32_t *tokens, int32_t n, co
     pthread_mutex_unlock(&s->mu);
     /* The sequence's figures stay readable until its id is reused, which
      * only this thread does. */
-    emit(s, q, tokens, n, o, finish, error);
+    emit(s, q, c, tokens, n, o, finish, true, error);
     req_free(q);
 }
 
@@ -206,15 +237,25 @@ static void drop_cancelled_waiting(sched *s, bool all) {
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         if (!gone) return;
-        emit(s, gone, NULL, 0, NULL, SCHED_CANCELLED, NULL);
+        emit(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, true, NULL);
         req_free(gone);
     }
+}
+
+/* Each choice's penalties (penalty.h), when the request has any. */
+static int start_penalties(sched *s, req *q, ae_error *err) {
+    if (!penalty_active(&q->r.pen)) return AE_OK;
+    for (int32_t c = 0; c < q->r.n; c++)
+        if (!q->ch[c].pen && penalty_init(&q->ch[c].pen, &q->r.pen, s->vocab, q->prompt, q->r.n_prompt,
+                                          q->r.n_generated, err) != AE_OK)
+            return AE_ERR;
+    return AE_OK;
 }
 
 /* Admits waiting requests in order while a slot and their KV are free. */
 static void admit(sched *s) {
     pthread_mutex_lock(&s->mu);
-    while (s->waiting && s->n_active < s->cfg.max_batch) {
+    while (s->waiting && s->n_seqs + s->waiting->r.n <= s->cfg.max_batch) {
         req *q = s->waiting;
         int32_t need = blocks_for(s, q);
         if (s->reserved + need > s->n_blocks) break;
@@ -228,6 +269,7 @@ static void admit(sched *s) {
         while (*tail) tail = &(*tail)->next;
         *tail = q;
         s->n_active++;
+        s->n_seqs += q->r.n;
         q->reserve = need;
         s->reserved += need;
         q->state = REQ_PREFILL;
@@ -235,10 +277,12 @@ static void admit(sched *s) {
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Takes a step's tokens for q: stops at a stop token or max_tokens. */
-static void deliver(sched *s, req *q, const spec_out *o) {
+/* Takes a step's tokens for choice c of q: stops at a stop token or
+ * max_tokens. */
+static void deliver(sched *s, req *q, int32_t c, const spec_out *o) {
     const int32_t *tokens = o->tokens;
     int32_t n = o->n;
+    choice *ch = &q->ch[c];
     int32_t k = 0;
     sched_finish fin = SCHED_RUNNING;
     for (int32_t i = 0; i < n && fin == SCHED_RUNNING; i++) {
@@ -250,14 +294,24 @@ static void deliver(sched *s, req *q, const spec_out *o) {
             break;
         }
         s->emit_buf[k++] = t;
-        q->emitted++;
-        if (q->emitted >= q->r.max_tokens) fin = SCHED_LENGTH;
+        ch->emitted++;
+        if (ch->emitted >= q->r.max_tokens) fin = SCHED_LENGTH;
     }
     pthread_mutex_lock(&s->mu);
     s->stats.tokens_out += (uint64_t)k;
     pthread_mutex_unlock(&s->mu);
-    if (fin == SCHED_RUNNING) emit(s, q, s->emit_buf, k, o, SCHED_RUNNING, NULL);
-    else finish_active(s, q, s->emit_buf, k, o, fin, NULL);
+    if (fin == SCHED_RUNNING) {
+        emit(s, q, c, s->emit_buf, k, o, SCHED_RUNNING, false, NULL);
+    } else if (q->n_done + 1 == q->r.n) {
+        finish_active(s, q, c, s->emit_buf, k, o, fin, NULL);
+    } else {
+        /* One choice done, others still running: its sequence goes now. */
+        end_choice(s, ch);
+        ch->seq = -1;
+        ch->done = true;
+        q->n_done++;
+        emit(s, q, c, s->emit_buf, k, o, fin, false, NULL);
+    }
 }
 
 static void log_line(sched *s, int64_t now) {
@@ -316,7 +370,7 @@ static void *loop_main(void *arg) {
                 if (stopping || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx)) gone = q;
             pthread_mutex_unlock(&s->mu);
             if (!gone) break;
-            finish_active(s, gone, NULL, 0, NULL, SCHED_CANCELLED, NULL);
+            finish_active(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, NULL);
         }
         if (stopping) {
             wd_remove(w, beat);
@@ -341,40 +395,62 @@ static void *loop_main(void *arg) {
         int32_t n = 0;
         for (req *q = s->active; q; q = q->next) {
             if (q->state == REQ_PREFILL && !pre) pre = q;
-            if (q->state == REQ_RUNNING) s->step_reqs[n++] = q;
+            if (q->state == REQ_RUNNING)
+                for (int32_t c = 0; c < q->r.n; c++)
+                    if (!q->ch[c].done) {
+                        s->step_reqs[n] = q;
+                        s->step_ch[n++] = c;
+                    }
         }
         pthread_mutex_unlock(&s->mu);
         if (pre) {
             err_clear(&err);
-            if (pre->seq < 0 && !pre->pen && penalty_active(&pre->r.pen) &&
-                penalty_init(&pre->pen, &pre->r.pen, s->vocab, pre->prompt, pre->r.n_prompt, pre->r.n_generated,
-                             &err) != AE_OK) {
-                finish_active(s, pre, NULL, 0, NULL, SCHED_ERROR, err.msg);
-            } else if (pre->seq < 0 && eng_seq_new(s->e, &pre->seq, &err) != AE_OK) {
-                finish_active(s, pre, NULL, 0, NULL, SCHED_ERROR, err.msg);
-            } else if (spec_seq_prefill(s->sx, pre->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
+            choice *c0 = &pre->ch[0];
+            if (c0->seq < 0 && (start_penalties(s, pre, &err) != AE_OK || eng_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
+                finish_active(s, pre, 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
+            } else if (spec_seq_prefill(s->sx, c0->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
                                         false, &err) != AE_OK) {
-                LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", pre->seq, err.msg);
-                finish_active(s, pre, NULL, 0, NULL, SCHED_ERROR, err.msg);
+                LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", c0->seq, err.msg);
+                finish_active(s, pre, 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
             } else if (pre->prefilled >= pre->r.n_prompt - 1) {
-                pthread_mutex_lock(&s->mu);
-                pre->state = REQ_RUNNING;
-                pthread_mutex_unlock(&s->mu);
+                /* The prompt is in: the other choices fork from choice 0. */
+                for (int32_t c = 1; c < pre->r.n && err.msg[0] == 0; c++)
+                    if (eng_seq_fork(s->e, c0->seq, &pre->ch[c].seq, &err) == AE_OK &&
+                        spec_seq_fork(s->sx, c0->seq, pre->ch[c].seq, &err) != AE_OK) {
+                        eng_seq_free(s->e, pre->ch[c].seq);
+                        pre->ch[c].seq = -1;
+                    }
+                if (err.msg[0]) {
+                    LOG_ERRORF("fork_failed seq=%d reason=\"%s\"", c0->seq, err.msg);
+                    finish_active(s, pre, 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
+                } else {
+                    pthread_mutex_lock(&s->mu);
+                    pre->state = REQ_RUNNING;
+                    pthread_mutex_unlock(&s->mu);
+                }
             }
         }
         if (n == 0) continue;
         for (int32_t i = 0; i < n; i++) {
             req *q = s->step_reqs[i];
-            s->in[i] = (spec_in){.seq = q->seq, .params = &q->r.params, .rng = &q->rng, .pen = q->pen,
+            choice *ch = &q->ch[s->step_ch[i]];
+            s->in[i] = (spec_in){.seq = ch->seq, .params = &q->r.params, .rng = &ch->rng, .pen = ch->pen,
                                  .logprobs = q->r.logprobs, .top_logprobs = q->r.top_logprobs};
         }
         err_clear(&err);
         if (spec_step(s->sx, s->in, n, s->out, &err) != AE_OK) {
             LOG_ERRORF("step_failed batch=%d reason=\"%s\"", n, err.msg);
-            for (int32_t i = 0; i < n; i++) finish_active(s, s->step_reqs[i], NULL, 0, NULL, SCHED_ERROR, err.msg);
+            /* Every request of the step ends, once. */
+            for (int32_t i = 0; i < n; i++) {
+                bool seen = false;
+                for (int32_t j = 0; j < i; j++) seen |= s->step_reqs[j] == s->step_reqs[i];
+                if (!seen) finish_active(s, s->step_reqs[i], 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
+            }
             continue;
         }
-        for (int32_t i = 0; i < n; i++) deliver(s, s->step_reqs[i], &s->out[i]);
+        /* A request ends with its last choice; none of its choices comes
+         * after that in the step (they were done before it). */
+        for (int32_t i = 0; i < n; i++) deliver(s, s->step_reqs[i], s->step_ch[i], &s->out[i]);
         kv_stats kv = eng_kv_stats(s->e);
         policy_report pr;
         spec_policy_report(s->sx, n, &pr);
@@ -406,9 +482,10 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     s->in = calloc((size_t)cfg->max_batch, sizeof *s->in);
     s->out = calloc((size_t)cfg->max_batch, sizeof *s->out);
     s->step_reqs = calloc((size_t)cfg->max_batch, sizeof *s->step_reqs);
+    s->step_ch = calloc((size_t)cfg->max_batch, sizeof *s->step_ch);
     s->emit_buf = calloc(ENG_MAX_TREE + 1, sizeof *s->emit_buf);
     s->stats.kv_blocks = s->n_blocks;
-    if (!s->in || !s->out || !s->step_reqs || !s->emit_buf) {
+    if (!s->in || !s->out || !s->step_reqs || !s->step_ch || !s->emit_buf) {
         err_set(err, "out of memory");
         goto fail;
     }
@@ -419,7 +496,7 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     *out = s;
     return AE_OK;
 fail:
-    free(s->in), free(s->out), free(s->step_reqs), free(s->emit_buf);
+    free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->emit_buf);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);
@@ -448,7 +525,7 @@ void sched_free(sched *s) {
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
-    free(s->in), free(s->out), free(s->step_reqs), free(s->emit_buf);
+    free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->emit_buf);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

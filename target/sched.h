@@ -5,12 +5,14 @@
  *
  *   1. requests cancelled (by id, by the caller, or because the client
  *      went away) end with FINISH_CANCELLED and give their KV back;
- *   2. waiting requests are admitted in order while a batch slot is free
- *      and the KV plan can hold them: each admitted request reserves the
- *      blocks of its worst case (prompt + max_tokens + one tree), so a
- *      running sequence never runs out of KV;
+ *   2. waiting requests are admitted in order while batch slots for all
+ *      their choices are free and the KV plan can hold them: each
+ *      admitted request reserves the blocks of its worst case (prompt +
+ *      max_tokens + one tree per choice, the prompt's full blocks once),
+ *      so a running sequence never runs out of KV;
  *   3. one chunk of one prompt is prefilled (long prompts take several
  *      turns, so running streams are never stalled for a whole prompt);
+ *      once a prompt is in, its other choices fork from it;
  *   4. one speculative step (spec.h) advances every running sequence at
  *      once, and each gets an event with its new tokens.
  *
@@ -29,6 +31,7 @@
 
 #define SCHED_MAX_STOP 16
 #define SCHED_ID_MAX 65
+#define SCHED_MAX_N 16 /* choices of one request (OpenAI's n) */
 
 typedef enum sched_finish {
     SCHED_RUNNING = 0,
@@ -41,7 +44,10 @@ typedef enum sched_finish {
 typedef struct sched_request {
     const int32_t *prompt; /* [n_prompt], copied at submit */
     int32_t n_prompt;
-    int32_t max_tokens;
+    int32_t max_tokens; /* per choice */
+    /* Choices of the prompt (1..SCHED_MAX_N): the prompt is prefilled once
+     * and forked; choice c draws with the key (seed, c) (sample.h). */
+    int32_t n;
     sample_params params;
     uint64_t seed;
     bool ignore_eos;
@@ -66,7 +72,9 @@ typedef struct sched_event {
     const float *logprob;
     int32_t n_top;
     const sample_logprob (*top)[SAMPLE_MAX_TOP_LOGPROBS];
-    sched_finish finish;   /* set on a request's last event */
+    int32_t index;         /* the choice */
+    sched_finish finish;   /* set on the choice's last event */
+    bool last;             /* the request's last event (every choice done) */
     int32_t prompt_tokens, completion_tokens;
     const spec_stats *spec; /* the sequence's figures */
     const char *error;     /* with SCHED_ERROR */
@@ -74,8 +82,10 @@ typedef struct sched_event {
 
 typedef struct sched_sink {
     void *ctx;
-    /* Called on the scheduler thread; the event with finish != 0 is the
-     * request's last, after which req_ctx is not used again. */
+    /* Called on the scheduler thread; the event with last set is the
+     * request's last, after which req_ctx is not used again. A request
+     * that ends early (cancelled, an error) gets one last event, of
+     * choice 0, whatever its choices were doing. */
     void (*emit)(void *ctx, void *req_ctx, const sched_event *ev);
     /* True when the caller is gone or gave up. */
     bool (*cancelled)(void *ctx, void *req_ctx);

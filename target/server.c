@@ -37,6 +37,7 @@ static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
     aerie_GenerateEvent *ev = &t->ev;
     memset(ev, 0, sizeof *ev);
     ev->tokens_count = (pb_size_t)e->n;
+    ev->index = (uint32_t)e->index;
     if (e->n > 0) memcpy(ev->tokens, e->tokens, sizeof(int32_t) * (size_t)e->n);
     if (e->logprob) {
         ev->logprobs_count = (pb_size_t)e->n;
@@ -74,8 +75,9 @@ static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
         rpc_call_fail(call, RPC_INTERNAL, "%s", err.msg);
         return;
     }
-    if (e->finish == SCHED_RUNNING) {
-        if (e->n > 0) rpc_call_item(call, t->ev_buf, len, NULL); /* a gone caller is seen by sink_cancelled */
+    if (!e->last) {
+        /* a gone caller is seen by sink_cancelled */
+        if (e->n > 0 || e->finish != SCHED_RUNNING) rpc_call_item(call, t->ev_buf, len, NULL);
         return;
     }
     rpc_call_item(call, t->ev_buf, len, NULL);
@@ -149,6 +151,7 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
     sched_request r = {.prompt = prompt,
                        .n_prompt = (int32_t)n,
                        .max_tokens = g.max_tokens > INT32_MAX ? INT32_MAX : (int32_t)g.max_tokens,
+                       .n = g.n == 0 ? 1 : g.n > SCHED_MAX_N ? SCHED_MAX_N + 1 : (int32_t)g.n,
                        .params = {g.temperature, g.top_k > INT32_MAX ? INT32_MAX : (int32_t)g.top_k, g.top_p, g.min_p},
                        .seed = g.seed,
                        .ignore_eos = g.ignore_eos,

@@ -317,7 +317,7 @@ BAD = [
      "invalid_encoding"),
     ("unsupported field", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
      "tools", "unsupported_parameter"),
-    ("n above one", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "unsupported_value"),
+    ("n above sixteen", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n", "invalid_value"),
     ("a body that is not an object", b"[]", 400, None, "invalid_type"),
 ]
 

@@ -5,6 +5,7 @@ has no draft. Log-probabilities, penalties, biases, min_tokens and stop ids
 must give the same output on both, to the bit; bad values get their 400.
 """
 import math
+import time
 
 import openai
 import pytest
@@ -180,3 +181,70 @@ def test_bad_values_get_a_400_naming_the_parameter(pair, kw, param, msg):
     # and it keeps serving
     r = g.client().chat.completions.create(model=g.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert r.usage.completion_tokens == 2
+
+
+def choice_texts(r):
+    return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def spec_figures(g):
+    """The speculating target's figures, once the gateway has fetched them
+    after the last request."""
+    time.sleep(0.6)  # three health intervals
+    st, _h, info = request(g.port, "GET", "/server_info")
+    assert st == 200
+    return info["targets"][0]["stats"]["spec"]
+
+
+def test_n_choices_are_keyed_by_seed_and_index_and_the_same_with_and_without_the_draft(pair):
+    kw = dict(max_tokens=20, temperature=0.9, seed=11, n=4, logprobs=True)
+    before = spec_figures(pair[0])
+    spec, plain = both(pair, chat(QUESTIONS[1], **kw))
+    after = spec_figures(pair[0])
+    # Every choice drafted: the forks took their source's state at the
+    # draft service, none was lost.
+    assert after["state_gone"] == before["state_gone"] and after["draft_failures"] == before["draft_failures"]
+    assert after["steps"] - before["steps"] >= 4 and after["accepted"] > before["accepted"]
+    assert [c.index for c in spec.choices] == [0, 1, 2, 3]
+    assert choice_texts(spec) == choice_texts(plain)
+    assert len(set(choice_texts(spec))) >= 3  # other keys, other draws
+    again = both(pair, chat(QUESTIONS[1], **kw))[0]
+    assert choice_texts(again) == choice_texts(spec)
+    # usage counts every choice; each choice's tokens have their entries
+    assert spec.usage.completion_tokens == sum(len(c.logprobs.content) for c in spec.choices)
+    assert spec.usage.prompt_tokens == plain.usage.prompt_tokens
+    # Choice 0 is the single choice of the same seed.
+    one = both(pair, chat(QUESTIONS[1], max_tokens=20, temperature=0.9, seed=11))[1]
+    assert one.choices[0].message.content == choice_texts(spec)[0]
+    # Greedy choices are all the greedy reply.
+    greedy = both(pair, chat(QUESTIONS[0], max_tokens=12, temperature=0, n=3))
+    assert len(set(choice_texts(greedy[0]) + choice_texts(greedy[1]))) == 1
+
+
+def test_streamed_choices_are_interleaved_by_index_and_each_finishes(pair):
+    g = pair[0]
+    kw = dict(model=g.name, messages=[{"role": "user", "content": QUESTIONS[2]}], max_tokens=16, temperature=0.8,
+              seed=3, n=3)
+    whole = g.client().chat.completions.create(**kw)
+    texts, finish, roles, order = {}, {}, {}, []
+    for c in g.client().chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if c.usage:
+            assert c.usage.completion_tokens == whole.usage.completion_tokens
+        for ch in c.choices:
+            order.append(ch.index)
+            if ch.delta.role:
+                roles[ch.index] = ch.delta.role
+            texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert [texts[i] for i in range(3)] == choice_texts(whole)
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert roles == {0: "assistant", 1: "assistant", 2: "assistant"}
+    assert order != sorted(order)  # interleaved, not one choice after another
+
+
+def test_n_beyond_the_target_s_batch_is_refused(pair):
+    g = pair[0]
+    with pytest.raises(openai.BadRequestError) as ei:
+        g.client().chat.completions.create(model=g.name, messages=[{"role": "user", "content": "hi"}], n=9)
+    assert ei.value.body["message"] == "n of 9 needs 9 sequences at once; this target runs at most 8"

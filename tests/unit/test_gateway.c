@@ -361,8 +361,10 @@ static void test_bad_requests_name_their_field(void **state) {
                400, "temperature", "invalid_value", "'temperature' is 3; it must be >= 0 and <= 2");
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": []}", 400,
                "tools", "unsupported_parameter", "'tools' is not supported");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 2}", 400, "n",
-               "unsupported_value", "'n' is supported only at its default (off)");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 17}", 400, "n",
+               "invalid_value", "'n' is 17; it must be between 1 and 16");
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"best_of\": 2}", 400, "best_of",
+               "unsupported_value", "'best_of' is supported only at its default (off)");
 #define MSG "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
     expect_bad(OAI_CHAT, MSG "\"presence_penalty\": 2.5}", 400, "presence_penalty", "invalid_value",
                "'presence_penalty' is 2.5; it must be >= -2 and <= 2");
