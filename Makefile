@@ -21,7 +21,15 @@ WARN := -Wall -Wextra -Werror -Wshadow -Wpointer-arith -Wstrict-prototypes \
 # an add that the code wrote apart.
 BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -pthread -ffp-contract=off -MMD -MP $(WARN)
 OPT     ?= -O2 -g
-LIBS    := -lcjson -levent_core -levent_pthreads -levent_openssl -lssl -lcrypto -lprotobuf-nanopb -lm -lpthread
+# Structured output runs on XGrammar's C++ library, built from its PyPI
+# source release by tools/build_xgrammar.sh (target/grammar.h); it and the
+# C++ runtime come after libaerie.a on every link line.
+XGR_LIB := build/xgrammar/lib/libxgrammar.a
+CXX     ?= g++
+FUZZCXX ?= clang++
+CXXFLAGS_BASE := -std=c++17 -D_GNU_SOURCE -pthread -MMD -MP -Wall -Wextra -Werror -Wno-unused-parameter \
+                 -Ibuild/xgrammar/include
+LIBS    := $(XGR_LIB) -lstdc++ -lcjson -levent_core -levent_pthreads -levent_openssl -lssl -lcrypto -lprotobuf-nanopb -lm -lpthread
 
 # The wire contract (proto/aerie.proto, bounded by proto/aerie.options) is
 # compiled by nanopb's generator into build/gen/; generated code is never
@@ -40,12 +48,14 @@ UNIT_SRC := $(sort $(wildcard tests/unit/test_*.c))
 FUZZ_SRC := $(sort $(wildcard tests/fuzz/fuzz_*.c))
 MODEL_SRC := $(sort $(wildcard tests/model/test_*.c))
 
-LIB_OBJ  := $(LIB_SRC:%.c=build/obj/%.o)
+# C++ sources of the library: the C face of XGrammar.
+LIB_CXX  := target/grammar.cc
+LIB_OBJ  := $(LIB_SRC:%.c=build/obj/%.o) $(LIB_CXX:%.cc=build/obj/%.o)
 CLI_OBJ  := $(CLI_SRC:%.c=build/obj/%.o)
-ALIB_OBJ := $(LIB_SRC:%.c=build/asan/obj/%.o)
+ALIB_OBJ := $(LIB_SRC:%.c=build/asan/obj/%.o) $(LIB_CXX:%.cc=build/asan/obj/%.o)
 ACLI_OBJ := $(CLI_SRC:%.c=build/asan/obj/%.o)
 UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=build/asan/tests/%)
-TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o)
+TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o) $(LIB_CXX:%.cc=build/tsan/obj/%.o)
 # The suites that share state between threads also run under TSan, which
 # sees data races that ASan cannot.
 TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsan/tests/test_kernels \
@@ -88,6 +98,29 @@ build/asan/aerie-%: %/main.c build/asan/libaerie.a
 	@mkdir -p $(@D)
 	$(MSG) ASANLD $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a $(LIBS) -o $@
+
+$(XGR_LIB): tools/build_xgrammar.sh
+	$(Q)tools/build_xgrammar.sh
+
+build/obj/%.o: %.cc | $(GEN_H) $(XGR_LIB)
+	@mkdir -p $(@D)
+	$(MSG) CXX $@
+	$(Q)$(CXX) $(CXXFLAGS_BASE) $(OPT) -c $< -o $@
+
+build/asan/obj/%.o: %.cc | $(GEN_H) $(XGR_LIB)
+	@mkdir -p $(@D)
+	$(MSG) ASANCXX $@
+	$(Q)$(CXX) $(CXXFLAGS_BASE) -O1 -g $(SAN) -c $< -o $@
+
+build/tsan/obj/%.o: %.cc | $(GEN_H) $(XGR_LIB)
+	@mkdir -p $(@D)
+	$(MSG) TSANCXX $@
+	$(Q)$(CXX) $(CXXFLAGS_BASE) -O1 -g -fsanitize=thread -c $< -o $@
+
+build/fuzz/obj/%.o: %.cc | $(GEN_H) $(XGR_LIB)
+	@mkdir -p $(@D)
+	$(MSG) FUZZCXX $@
+	$(Q)$(FUZZCXX) $(CXXFLAGS_BASE) -O1 -g -fsanitize=fuzzer-no-link,address,undefined -c $< -o $@
 
 build/obj/%.o: %.c | $(GEN_H)
 	@mkdir -p $(@D)
@@ -144,7 +177,7 @@ build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
 
 # The fuzzers link the library built once by clang with fuzzer coverage.
 FUZZ_FLAGS := -std=c11 -D_GNU_SOURCE -Ibuild/gen -pthread -ffp-contract=off -O1 -g $(WARN) -fno-sanitize-recover=all
-FLIB_OBJ := $(LIB_SRC:%.c=build/fuzz/obj/%.o)
+FLIB_OBJ := $(LIB_SRC:%.c=build/fuzz/obj/%.o) $(LIB_CXX:%.cc=build/fuzz/obj/%.o)
 
 build/fuzz/obj/%.o: %.c | $(GEN_H)
 	@mkdir -p $(@D)

@@ -410,6 +410,7 @@ static int start_call(greq *q, ae_error *err) {
     if (q->n > 1 && q->n_taken > 0)
         return err_set(err, "the %d choices of a request cannot move to another target once tokens came", q->n);
     int32_t n_out = q->ch[0].n_out;
+    uint32_t n_ids = (uint32_t)(q->n_prompt + n_out);
     for (;;) {
         int i = router_pick(g->cfg.router, q->tried);
         if (i < 0) {
@@ -439,19 +440,24 @@ static int start_call(greq *q, ae_error *err) {
             gr.logit_bias[k] = (aerie_LogitBias){q->o.bias_id[k], q->o.bias[k]};
         gr.stop_tokens_count = (pb_size_t)q->o.n_stop_ids;
         for (int k = 0; k < q->o.n_stop_ids; k++) gr.stop_tokens[k] = (uint32_t)q->o.stop_ids[k];
+        gr.response_format = (uint32_t)q->o.format;
+        if (q->o.format == OAI_JSON_SCHEMA) {
+            gr.has_schema = true;
+            gr.schema = (aerie_PayloadRef){n_ids * 4, (uint32_t)q->o.schema_len};
+        }
         gr.logprobs = q->o.logprobs;
         gr.top_logprobs = (uint32_t)q->o.top_logprobs;
-        uint32_t n = (uint32_t)(q->n_prompt + n_out);
         gr.has_prompt = true;
-        gr.prompt = (aerie_PayloadRef){0, n * 4};
+        gr.prompt = (aerie_PayloadRef){0, n_ids * 4};
         uint8_t buf[aerie_GenerateRequest_size];
         uint32_t len;
         if (msg_encode(aerie_GenerateRequest_fields, &gr, buf, sizeof buf, &len, err) != AE_OK) return AE_ERR;
-        rpc_iov iov = {q->ids, n * 4};
+        rpc_iov iov[2] = {{q->ids, n_ids * 4}, {q->o.schema, (uint32_t)q->o.schema_len}};
         q->replica = i;
         router_begin(g->cfg.router, i);
         rpc_client *cl = router_client(g->cfg.router, i);
-        if (rpc_client_start(cl, aerie_Method_TARGET_GENERATE, buf, len, &iov, 1, 0, on_event, on_end, q,
+        if (rpc_client_start(cl, aerie_Method_TARGET_GENERATE, buf, len, iov, q->o.format == OAI_JSON_SCHEMA ? 2 : 1, 0,
+                             on_event, on_end, q,
                              &q->call_id, err) == AE_OK)
             return AE_OK;
         router_end(g->cfg.router, i);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "../services/core/json.h"
+#include "schema.h"
 #include "../services/tokenizer/detok.h"
 
 static int vfail(oai_error *e, int status, const char *type, const char *code, const char *param, const char *fmt,
@@ -354,6 +355,50 @@ static int parse_stop_ids(oai_request *r, const cJSON *v, oai_error *e) {
     return AE_OK;
 }
 
+/* response_format: {"type": "text" | "json_object" | "json_schema",
+ * "json_schema": {"name", "schema", "strict", "description"}}. */
+static int parse_format(oai_request *r, const cJSON *v, oai_error *e) {
+    const char *P = "response_format";
+    if (!cJSON_IsObject(v)) return oai_bad(e, P, "invalid_type", "'response_format' must be an object");
+    if (no_duplicates(v, " in response_format", e) != AE_OK) return AE_ERR;
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(v, "type"), *js = NULL;
+    if (!cJSON_IsString(type))
+        return oai_bad(e, P, "invalid_type", "'response_format.type' must be text, json_object or json_schema");
+    for (const cJSON *f = v->child; f; f = f->next)
+        if (strcmp(f->string, "type") != 0 && !(strcmp(f->string, "json_schema") == 0 && (js = f)))
+            return oai_bad(e, P, "unsupported_parameter", "'response_format.%.40s' is not supported", f->string);
+    if (strcmp(type->valuestring, "text") == 0 || strcmp(type->valuestring, "json_object") == 0) {
+        if (js) return oai_bad(e, P, "invalid_value", "'response_format.json_schema' goes with type json_schema");
+        r->format = type->valuestring[0] == 't' ? OAI_TEXT : OAI_JSON_OBJECT;
+        return AE_OK;
+    }
+    if (strcmp(type->valuestring, "json_schema") != 0)
+        return oai_bad(e, P, "invalid_value", "'response_format.type' is '%.40s'; it must be text, json_object or json_schema",
+                       type->valuestring);
+    if (!cJSON_IsObject(js))
+        return oai_bad(e, P, "missing_required_parameter", "'response_format.json_schema' must be an object");
+    if (no_duplicates(js, " in response_format.json_schema", e) != AE_OK) return AE_ERR;
+    const cJSON *schema = NULL;
+    for (const cJSON *f = js->child; f; f = f->next) {
+        if (strcmp(f->string, "schema") == 0) schema = f;
+        else if (strcmp(f->string, "strict") == 0 && (cJSON_IsBool(f) || cJSON_IsNull(f))) continue;
+        else if ((strcmp(f->string, "name") == 0 || strcmp(f->string, "description") == 0) && cJSON_IsString(f)) continue;
+        else return oai_bad(e, P, "invalid_value", "'response_format.json_schema.%.40s' is not supported here", f->string);
+    }
+    if (!cJSON_IsObject(schema))
+        return oai_bad(e, P, "missing_required_parameter", "'response_format.json_schema.schema' must be an object");
+    char why[256];
+    if (schema_check(schema, why, sizeof why) != AE_OK) return oai_bad(e, P, "unsupported_schema", "%s", why);
+    char *text = cJSON_PrintUnformatted(schema);
+    if (!text) return oai_oom(e);
+    r->schema_len = strlen(text);
+    r->schema = r_strdup(r, text, r->schema_len);
+    cJSON_free(text);
+    if (!r->schema) return oai_oom(e);
+    r->format = OAI_JSON_SCHEMA;
+    return AE_OK;
+}
+
 int oai_check_vocab(const oai_request *r, int32_t vocab, oai_error *e) {
     for (int i = 0; i < r->n_bias; i++)
         if (r->bias_id[i] >= vocab)
@@ -439,6 +484,8 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
             if (parse_bias(r, f, e) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "stop_token_ids") == 0) {
             if (parse_stop_ids(r, f, e) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "response_format") == 0) {
+            if (parse_format(r, f, e) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "logprobs") == 0) {
             logprobs = f;
         } else if (kind == OAI_CHAT && strcmp(k, "top_logprobs") == 0) {

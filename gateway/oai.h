@@ -53,6 +53,7 @@ char *oai_error_json(const oai_error *e);
     "\"param\":null,\"code\":\"out_of_memory\"}}"
 
 typedef enum oai_kind { OAI_CHAT, OAI_COMPLETION } oai_kind;
+enum { OAI_TEXT = 0, OAI_JSON_OBJECT = 1, OAI_JSON_SCHEMA = 2 }; /* the wire's response_format */
 
 #define OAI_MAX_MODEL 256
 #define OAI_MAX_BIAS 300        /* logit_bias entries (OpenAI's limit) */
@@ -100,6 +101,12 @@ typedef struct oai_request {
      * integer logprobs sets both */
     bool logprobs;
     int32_t top_logprobs; /* 0..OAI_MAX_TOP_LOGPROBS */
+    /* response_format: OAI_TEXT, OAI_JSON_OBJECT, or OAI_JSON_SCHEMA with
+     * the schema (checked against gateway/schema.h's subset) as compact
+     * JSON text */
+    int format;
+    char *schema;
+    size_t schema_len;
     void *mem_; /* everything above points into this one allocation list */
 } oai_request;
 

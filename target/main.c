@@ -8,6 +8,7 @@
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
 #include "../services/core/watchdog.h"
+#include "../services/core/clock.h"
 #include "../services/tokenizer/tok_file.h"
 #include "draft_client.h"
 #include "memplan.h"
@@ -62,6 +63,7 @@ int main(int argc, char **argv) {
     wd *w = NULL;
     rpc_server *srv = NULL;
     tok_file tf = {0};
+    grammar_vocab *gv = NULL;
     bool print_config, help;
     int rc = 2;
     if (setup_service(&c, &m, "aerie-target", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
@@ -101,8 +103,13 @@ int main(int argc, char **argv) {
     if (setup_engine(&e, m, &plan, threads, act_bits, &err) != AE_OK) goto out;
     /* The end-of-sequence token comes from the model's tokenizer. */
     int32_t eos = -1;
-    if (tok_file_open(&tf, model_path, NULL) == AE_OK) eos = tok_eos(tf.tok);
-    else LOG_WARNF("no_tokenizer model=%s reason=\"no end-of-sequence token known: only max_tokens and stop tokens end a request\"", model_path);
+    if (tok_file_open(&tf, model_path, NULL) == AE_OK) {
+        eos = tok_eos(tf.tok);
+        /* Structured output's automaton over the vocabulary, built once. */
+        int64_t t0 = clock_mono_ns();
+        if (grammar_vocab_init(&gv, tf.tok, m->cfg.vocab, eos, &err) != AE_OK) goto out;
+        LOG_INFOF("grammar_ready vocab=%d ms=%.1f", m->cfg.vocab, (double)(clock_mono_ns() - t0) / 1e6);
+    } else LOG_WARNF("no_tokenizer model=%s reason=\"no end-of-sequence token known: only max_tokens and stop tokens end a request\"", model_path);
     if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
     /* Watched: the RPC loop and the scheduler thread (it beats wd_process()). */
     if (wd_init(&w, wd_env_interval_us(), &err) != AE_OK || wd_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
@@ -122,7 +129,7 @@ int main(int argc, char **argv) {
     sched_sink sink;
     if (tsrv_init(&ts, m->cfg.vocab, dc, sx, &sink, &err) != AE_OK) goto out;
     sched_config scc = {max_batch, (int32_t)cfg_int(c, "max-queue"), SETUP_PREFILL_CHUNK, plan.max_seq_len,
-                        drafting ? spc.shape.tokens : 1, eos, (int32_t)cfg_int(c, "log-interval-s") * 1000, drafting};
+                        drafting ? spc.shape.tokens : 1, eos, (int32_t)cfg_int(c, "log-interval-s") * 1000, drafting, gv};
     if (sched_init(&sc, sx, e, &scc, &sink, &err) != AE_OK) goto out;
     tsrv_attach(ts, sc);
     char *json = cfg_to_json(c);
@@ -167,6 +174,7 @@ out:
     tsrv_free(ts);
     spec_free(sx);
     eng_free(e);
+    grammar_vocab_free(gv);
     tok_file_close(&tf);
     model_free(m);
     cfg_free(c);

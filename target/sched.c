@@ -21,6 +21,7 @@ typedef struct choice {
     int32_t seq;  /* engine sequence, -1 before it has one or once done */
     sample_rng rng;
     penalty *pen; /* penalties and biases, made at admission; NULL: none */
+    grammar_matcher *gm; /* structured output, made at admission; NULL: none */
     int32_t emitted;
     bool done;
 } choice;
@@ -28,6 +29,7 @@ typedef struct choice {
 typedef struct req {
     sched_request r;
     int32_t *prompt; /* [n_prompt], owned */
+    char *schema;    /* owned, NUL-terminated; NULL: none */
     req_state state;
     int32_t prefilled; /* prompt tokens in the KV */
     int32_t reserve;   /* KV blocks reserved */
@@ -57,6 +59,7 @@ struct sched {
     spec_out *out; /* [max_batch] */
     req **step_reqs; /* [max_batch] */
     int32_t *step_ch; /* [max_batch]: the choice of step_reqs[i] */
+    bool *step_failed; /* [max_batch] */
     int32_t *emit_buf; /* [ENG_MAX_TREE + 1] */
     int64_t log_at_ns, log_tokens;
     spec_stats log_spec;
@@ -74,7 +77,11 @@ static int32_t blocks_for(const sched *s, const req *q) {
 
 static void req_free(req *q) {
     if (!q) return;
-    for (int32_t c = 0; c < q->r.n; c++) penalty_free(q->ch[c].pen);
+    for (int32_t c = 0; c < q->r.n; c++) {
+        penalty_free(q->ch[c].pen);
+        grammar_matcher_free(q->ch[c].gm);
+    }
+    free(q->schema);
     free(q->prompt);
     free(q);
 }
@@ -111,6 +118,12 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
     if (s->cfg.eos >= 0 && !r->ignore_eos) pen.stop[pen.n_stop++] = s->cfg.eos;
     for (int32_t i = 0; i < r->n_stop; i++) pen.stop[pen.n_stop++] = r->stop[i];
     if (penalty_check(&pen, s->vocab, err) != AE_OK) return SCHED_INVALID;
+    if (r->format < 0 || r->format > 2 || (r->format == 2) != (r->schema != NULL))
+        return err_set(err, "response format %d%s", r->format, r->schema ? " with a schema" : " without a schema"),
+               SCHED_INVALID;
+    if (r->format && !s->cfg.grammar)
+        return err_set(err, "structured output needs the model's tokenizer, which this target could not load"),
+               SCHED_INVALID;
     req *q = calloc(1, sizeof *q);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)r->n_prompt);
     if (!q || !prompt) {
@@ -118,9 +131,14 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
         return err_set(err, "out of memory"), SCHED_BUSY;
     }
     memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
+    if (r->schema && !(q->schema = strndup(r->schema, r->schema_len))) {
+        free(q), free(prompt);
+        return err_set(err, "out of memory"), SCHED_BUSY;
+    }
     q->r = *r;
     q->r.pen = pen;
     q->r.prompt = q->prompt = prompt;
+    q->r.schema = q->schema;
     for (int32_t c = 0; c < r->n; c++) {
         q->ch[c].seq = -1;
         q->ch[c].rng = (sample_rng){.seed = r->seed, .choice = (uint32_t)c};
@@ -242,13 +260,17 @@ static void drop_cancelled_waiting(sched *s, bool all) {
     }
 }
 
-/* Each choice's penalties (penalty.h), when the request has any. */
-static int start_penalties(sched *s, req *q, ae_error *err) {
-    if (!penalty_active(&q->r.pen)) return AE_OK;
-    for (int32_t c = 0; c < q->r.n; c++)
-        if (!q->ch[c].pen && penalty_init(&q->ch[c].pen, &q->r.pen, s->vocab, q->prompt, q->r.n_prompt,
-                                          q->r.n_generated, err) != AE_OK)
+/* Each choice's penalties (penalty.h) and grammar (grammar.h), when the
+ * request has them. A schema is compiled here, on the scheduler's
+ * thread, the first time it is seen (grammar.h caches it). */
+static int start_rules(sched *s, req *q, ae_error *err) {
+    for (int32_t c = 0; c < q->r.n; c++) {
+        if (penalty_active(&q->r.pen) && !q->ch[c].pen &&
+            penalty_init(&q->ch[c].pen, &q->r.pen, s->vocab, q->prompt, q->r.n_prompt, q->r.n_generated, err) != AE_OK)
             return AE_ERR;
+        if (q->r.format && !q->ch[c].gm && grammar_matcher_init(&q->ch[c].gm, s->cfg.grammar, q->schema, err) != AE_OK)
+            return AE_ERR;
+    }
     return AE_OK;
 }
 
@@ -287,7 +309,8 @@ static void deliver(sched *s, req *q, int32_t c, const spec_out *o) {
     sched_finish fin = SCHED_RUNNING;
     for (int32_t i = 0; i < n && fin == SCHED_RUNNING; i++) {
         int32_t t = tokens[i];
-        bool stop = t == s->cfg.eos && !q->r.ignore_eos && s->cfg.eos >= 0;
+        /* A grammar's value ends at eos, ignore_eos or not. */
+        bool stop = t == s->cfg.eos && (!q->r.ignore_eos || ch->gm) && s->cfg.eos >= 0;
         for (int32_t j = 0; j < q->r.n_stop && !stop; j++) stop = t == q->r.stop[j];
         if (stop) {
             fin = SCHED_STOP;
@@ -406,7 +429,7 @@ static void *loop_main(void *arg) {
         if (pre) {
             err_clear(&err);
             choice *c0 = &pre->ch[0];
-            if (c0->seq < 0 && (start_penalties(s, pre, &err) != AE_OK || eng_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
+            if (c0->seq < 0 && (start_rules(s, pre, &err) != AE_OK || eng_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
                 finish_active(s, pre, 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
             } else if (spec_seq_prefill(s->sx, c0->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
                                         false, &err) != AE_OK) {
@@ -434,7 +457,7 @@ static void *loop_main(void *arg) {
         for (int32_t i = 0; i < n; i++) {
             req *q = s->step_reqs[i];
             choice *ch = &q->ch[s->step_ch[i]];
-            s->in[i] = (spec_in){.seq = ch->seq, .params = &q->r.params, .rng = &ch->rng, .pen = ch->pen,
+            s->in[i] = (spec_in){.seq = ch->seq, .params = &q->r.params, .rng = &ch->rng, .pen = ch->pen, .gm = ch->gm,
                                  .logprobs = q->r.logprobs, .top_logprobs = q->r.top_logprobs};
         }
         err_clear(&err);
@@ -450,7 +473,25 @@ static void *loop_main(void *arg) {
         }
         /* A request ends with its last choice; none of its choices comes
          * after that in the step (they were done before it). */
-        for (int32_t i = 0; i < n; i++) deliver(s, s->step_reqs[i], s->step_ch[i], &s->out[i]);
+        /* A choice whose grammar refused a token (every token was masked:
+         * a schema nothing fits) ends its request with an error, once;
+         * the request's other entries in the step are skipped. */
+        for (int32_t i = 0; i < n; i++) s->step_failed[i] = false;
+        for (int32_t i = 0; i < n; i++)
+            if (s->out[i].refused)
+                for (int32_t j = 0; j < n; j++) s->step_failed[j] |= s->step_reqs[j] == s->step_reqs[i];
+        for (int32_t i = 0; i < n; i++) {
+            if (!s->step_failed[i]) {
+                deliver(s, s->step_reqs[i], s->step_ch[i], &s->out[i]);
+                continue;
+            }
+            bool first = true;
+            for (int32_t j = 0; j < i; j++) first &= s->step_reqs[j] != s->step_reqs[i];
+            if (!first) continue;
+            LOG_ERRORF("grammar_refused seq=%d", s->in[i].seq);
+            finish_active(s, s->step_reqs[i], s->step_ch[i], NULL, 0, NULL, SCHED_ERROR,
+                          "the output's grammar allowed no token");
+        }
         kv_stats kv = eng_kv_stats(s->e);
         policy_report pr;
         spec_policy_report(s->sx, n, &pr);
@@ -483,9 +524,10 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     s->out = calloc((size_t)cfg->max_batch, sizeof *s->out);
     s->step_reqs = calloc((size_t)cfg->max_batch, sizeof *s->step_reqs);
     s->step_ch = calloc((size_t)cfg->max_batch, sizeof *s->step_ch);
+    s->step_failed = calloc((size_t)cfg->max_batch, sizeof *s->step_failed);
     s->emit_buf = calloc(ENG_MAX_TREE + 1, sizeof *s->emit_buf);
     s->stats.kv_blocks = s->n_blocks;
-    if (!s->in || !s->out || !s->step_reqs || !s->step_ch || !s->emit_buf) {
+    if (!s->in || !s->out || !s->step_reqs || !s->step_ch || !s->step_failed || !s->emit_buf) {
         err_set(err, "out of memory");
         goto fail;
     }
@@ -496,7 +538,7 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     *out = s;
     return AE_OK;
 fail:
-    free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->emit_buf);
+    free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);
@@ -525,7 +567,7 @@ void sched_free(sched *s) {
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
-    free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->emit_buf);
+    free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

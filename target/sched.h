@@ -58,6 +58,11 @@ typedef struct sched_request {
      * min_tokens count them as generated. */
     int32_t n_generated;
     penalty_params pen; /* its stop ids are filled in at submit */
+    /* Structured output: 0 none, 1 any JSON object, 2 the JSON Schema
+     * schema[0..schema_len) (grammar.h); copied at submit. */
+    int32_t format;
+    const char *schema;
+    size_t schema_len;
     bool logprobs;        /* each token's log-probability (spec.h) */
     int32_t top_logprobs; /* and this many most likely tokens */
     char id[SCHED_ID_MAX]; /* for sched_cancel_id; may be empty */
@@ -100,6 +105,7 @@ typedef struct sched_config {
     int32_t eos;         /* end of sequence, -1: none */
     int32_t log_interval_ms; /* 0: no periodic line */
     bool speculating;    /* a drafter is configured (for the log line) */
+    grammar_vocab *grammar; /* structured output's automaton; NULL: refused */
 } sched_config;
 
 typedef struct sched_stats {

@@ -181,6 +181,22 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
         }
         r.stop[r.n_stop++] = (int32_t)g.stop_tokens[i];
     }
+    if (g.response_format > 2) {
+        rpc_call_fail(call, RPC_INVALID_ARGUMENT, "response format %u is not 0, 1 or 2", g.response_format);
+        return;
+    }
+    r.format = (int32_t)g.response_format;
+    const void *schema = NULL;
+    if (g.response_format == 2) {
+        if (!g.has_schema || g.schema.length == 0 ||
+            frame_payload_slice(rq->payload, rq->payload_len, g.schema.offset, g.schema.length, 1, g.schema.length,
+                                &schema, &err) != AE_OK) {
+            rpc_call_fail(call, RPC_INVALID_ARGUMENT, "schema: %s", g.has_schema ? err.msg : "missing");
+            return;
+        }
+        r.schema = schema;
+        r.schema_len = g.schema.length;
+    }
     snprintf(r.id, sizeof r.id, "%s", g.request_id);
     /* The stream may run for minutes: it keeps its prompt, not the frame
      * it came in (whose payload may be far larger than the prompt). The
@@ -194,9 +210,18 @@ static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
     /* An empty prompt has no payload slice to copy (sched_submit refuses it). */
     if (n > 0) memcpy(own, prompt, sizeof(int32_t) * n);
     r.prompt = own;
+    char *own_schema = r.schema ? malloc(r.schema_len) : NULL;
+    if (r.schema && !own_schema) {
+        free(own);
+        rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    if (own_schema) memcpy(own_schema, r.schema, r.schema_len);
+    r.schema = own_schema;
     rpc_call_release_request(call);
     sched_refusal why = sched_submit(t->sched, &r, &err);
     free(own); /* sched_submit copied it */
+    free(own_schema);
     static const uint32_t status[] = {[SCHED_QUEUED] = RPC_OK,
                                       [SCHED_INVALID] = RPC_INVALID_ARGUMENT,
                                       [SCHED_BUSY] = RPC_RESOURCE_EXHAUSTED,

@@ -1,5 +1,6 @@
 #include "spec.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -56,7 +57,8 @@ struct spec {
     int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
-    float *scratch;        /* [V]: a row penalised (penalty_apply) */
+    float *scratch;        /* [V]: a row penalised (penalty_apply) and masked */
+    uint32_t *mask;        /* [(V + 31) / 32]: a grammar's mask (grammar_fill_mask) */
     sampler *sampler;
 };
 
@@ -88,6 +90,7 @@ void spec_free(spec *s) {
     free(s->features);
     free(s->logits);
     free(s->scratch);
+    free(s->mask);
     sample_free(s->sampler);
     policy_free(s->pol);
     free(s);
@@ -126,8 +129,9 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
     s->features = malloc(T * fw * sizeof(float));
     s->logits = malloc(T * V * sizeof(float));
     s->scratch = malloc(V * sizeof(float));
+    s->mask = malloc((V + 31) / 32 * sizeof(uint32_t));
     if (!s->seqs || !s->pending_feat || !s->feeds || !s->feed_of || !s->trees || !s->items || !s->rows ||
-        !s->features || !s->logits || !s->scratch) {
+        !s->features || !s->logits || !s->scratch || !s->mask) {
         spec_free(s);
         return err_set(err, "speculation: out of memory");
     }
@@ -395,18 +399,39 @@ static void feed_plain(spec *s, const spec_in *in, int32_t n) {
     }
 }
 
-/* verify_proc over a sequence's penalties (penalty.h). */
-typedef struct pen_proc {
+/* verify_proc over a sequence's rules: its penalties (penalty.h), then
+ * its grammar's mask (grammar.h). */
+typedef struct rules_proc {
     penalty *pen;
+    grammar_matcher *gm;
     float *scratch;
-} pen_proc;
+    uint32_t *mask;
+    int32_t V;
+    bool refused;
+} rules_proc;
 
-static const float *pen_apply(void *ctx, const float *row) {
-    pen_proc *pp = ctx;
-    return penalty_apply(pp->pen, row, pp->scratch);
+static const float *rules_apply(void *ctx, const float *row) {
+    rules_proc *rp = ctx;
+    const float *r = rp->pen ? penalty_apply(rp->pen, row, rp->scratch) : row;
+    /* Past the value's end (eos taken) nothing is masked: the scheduler
+     * ends the choice at that eos. */
+    if (!rp->gm || grammar_terminated(rp->gm)) return r;
+    grammar_fill_mask(rp->gm, rp->mask);
+    if (r != rp->scratch) memcpy(rp->scratch, r, (size_t)rp->V * sizeof(float));
+    for (int32_t w = 0; w < (rp->V + 31) / 32; w++) {
+        uint32_t m = rp->mask[w];
+        if (m == UINT32_MAX) continue;
+        for (int32_t b = 0; b < 32 && w * 32 + b < rp->V; b++)
+            if (!(m >> b & 1)) rp->scratch[w * 32 + b] = -INFINITY;
+    }
+    return rp->scratch;
 }
 
-static void pen_push(void *ctx, int32_t token) { penalty_push(((pen_proc *)ctx)->pen, token); }
+static void rules_push(void *ctx, int32_t token) {
+    rules_proc *rp = ctx;
+    if (rp->pen) penalty_push(rp->pen, token);
+    if (rp->gm && !rp->refused && !grammar_terminated(rp->gm) && !grammar_accept(rp->gm, token)) rp->refused = true;
+}
 
 int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err) {
     if (n < 1 || n > s->cfg.max_seqs) return err_set(err, "step of %d sequences (1..%d)", n, s->cfg.max_seqs);
@@ -461,9 +486,9 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         seq_state *st = &s->seqs[seq];
         const spec_tree *t = &s->trees[i];
         const float *rows = s->logits + (size_t)row * (size_t)s->V;
-        pen_proc pp = {in[i].pen, s->scratch};
-        verify_proc proc = {&pp, pen_apply, pen_push};
-        verify_tree vt = {t->n, t->tokens, t->parents, rows, s->V, in[i].pen ? &proc : NULL};
+        rules_proc rp = {in[i].pen, in[i].gm, s->scratch, s->mask, s->V, false};
+        verify_proc proc = {&rp, rules_apply, rules_push};
+        verify_tree vt = {t->n, t->tokens, t->parents, rows, s->V, in[i].pen || in[i].gm ? &proc : NULL};
         int32_t path[ENG_MAX_TREE], bonus;
         /* The root's KV is not written yet: it sits at the sequence's
          * length, and the first token decided at the next position. */
@@ -474,6 +499,7 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         spec_out *o = &out[i];
         o->n = 0;
         o->drafted = t->n - 1;
+        o->refused = rp.refused;
         o->n_top = in[i].logprobs ? in[i].top_logprobs : 0;
         for (int32_t j = 0; j < n_path; j++) {
             int32_t next = j + 1 < n_path ? t->tokens[path[j + 1]] : bonus;

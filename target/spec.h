@@ -30,6 +30,7 @@
 
 #include "../services/spec/spec_drafter.h"
 #include "engine.h"
+#include "grammar.h"
 #include "penalty.h"
 #include "policy.h"
 #include "sample.h"
@@ -126,6 +127,10 @@ typedef struct spec_in {
     /* The sequence's penalties and biases (penalty.h), or NULL; each token
      * decided is pushed to it. */
     penalty *pen;
+    /* The sequence's grammar (grammar.h), or NULL: each row decided at is
+     * masked to the tokens it allows next, and each token decided is
+     * taken by it. */
+    grammar_matcher *gm;
     /* Each token's log-probability, and the top_logprobs
      * (0..SAMPLE_MAX_TOP_LOGPROBS) most likely tokens at its position
      * (sample_logprobs: the target's raw row, before penalties and
@@ -138,6 +143,7 @@ typedef struct spec_out {
     int32_t n;                        /* tokens decided this step, >= 1 */
     int32_t tokens[ENG_MAX_TREE + 1]; /* accepted drafted tokens, then the bonus */
     int32_t drafted;                  /* nodes proposed besides the root */
+    bool refused;                     /* the grammar refused a token decided (it allowed none) */
     /* With logprobs: token j's log-probability, and n_top tokens
      * with theirs. A token's row is the one of the tree node it was
      * decided at, which is plain decoding's row bit for bit (batch

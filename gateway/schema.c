@@ -1,0 +1,123 @@
+#include "schema.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "../services/core/err.h"
+
+typedef struct walk {
+    const cJSON *root;
+    int nodes;
+    char *why;
+    size_t cap;
+} walk;
+
+/* "'key' at place what" */
+static int refuse(walk *w, const char *key, const char *at, const char *what) {
+    snprintf(w->why, w->cap, "'%.60s' at %s %s", key, at, what);
+    return AE_ERR;
+}
+
+static const char *const annotations[] = {"title", "description", "$schema", "$id", "$comment", "examples"};
+static const char *const types[] = {"object", "array", "string", "integer", "number", "boolean", "null"};
+
+static bool one_of(const char *s, const char *const *list, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(s, list[i]) == 0) return true;
+    return false;
+}
+
+/* A JSON pointer ("#/a/b") to a schema in the document. */
+static const cJSON *resolve(const cJSON *root, const char *ref) {
+    if (strncmp(ref, "#/", 2) != 0) return NULL;
+    const cJSON *at = root;
+    const char *p = ref + 2;
+    while (*p) {
+        char key[256];
+        size_t n = strcspn(p, "/");
+        if (n == 0 || n >= sizeof key) return NULL;
+        memcpy(key, p, n);
+        key[n] = '\0';
+        if (strchr(key, '~')) return NULL; /* escaped pointers: not in the subset */
+        at = cJSON_IsObject(at) ? cJSON_GetObjectItemCaseSensitive(at, key) : NULL;
+        if (!at) return NULL;
+        p += n + (p[n] == '/');
+    }
+    return cJSON_IsObject(at) ? at : NULL;
+}
+
+static int check(walk *w, const cJSON *s, const char *at, int depth);
+
+static int check_child(walk *w, const cJSON *s, const char *at, const char *key, const char *sub, int depth) {
+    char where[512];
+    snprintf(where, sizeof where, "%s/%s%s%s", at, key, sub ? "/" : "", sub ? sub : "");
+    return check(w, s, where, depth + 1);
+}
+
+static bool is_count(const cJSON *v) {
+    return cJSON_IsNumber(v) && v->valuedouble >= 0 && v->valuedouble <= 1e9 && v->valuedouble == (double)(long)v->valuedouble;
+}
+
+static int check(walk *w, const cJSON *s, const char *at, int depth) {
+    if (!cJSON_IsObject(s)) return snprintf(w->why, w->cap, "the schema at %s is not an object", at), AE_ERR;
+    if (depth > SCHEMA_MAX_DEPTH)
+        return snprintf(w->why, w->cap, "schemas nest deeper than %d levels at %s", SCHEMA_MAX_DEPTH, at), AE_ERR;
+    if (++w->nodes > SCHEMA_MAX_NODES)
+        return snprintf(w->why, w->cap, "the document has more than %d schemas (at %s)", SCHEMA_MAX_NODES, at), AE_ERR;
+    for (const cJSON *f = s->child; f; f = f->next) {
+        const char *k = f->string;
+        if (one_of(k, annotations, sizeof annotations / sizeof *annotations)) continue;
+        if (strcmp(k, "type") == 0) {
+            bool ok = cJSON_IsString(f) && one_of(f->valuestring, types, 7);
+            if (cJSON_IsArray(f)) {
+                ok = cJSON_GetArraySize(f) > 0;
+                for (const cJSON *t = f->child; t && ok; t = t->next) ok = cJSON_IsString(t) && one_of(t->valuestring, types, 7);
+            }
+            if (!ok) return refuse(w, k, at, "must be a JSON type or a list of them");
+        } else if (strcmp(k, "properties") == 0 || strcmp(k, "$defs") == 0 || strcmp(k, "definitions") == 0) {
+            if (!cJSON_IsObject(f)) return refuse(w, k, at, "must be an object of schemas");
+            for (const cJSON *p = f->child; p; p = p->next)
+                if (check_child(w, p, at, k, p->string, depth) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "required") == 0) {
+            bool ok = cJSON_IsArray(f);
+            for (const cJSON *r = ok ? f->child : NULL; r && ok; r = r->next) ok = cJSON_IsString(r);
+            if (!ok) return refuse(w, k, at, "must be a list of property names");
+        } else if (strcmp(k, "additionalProperties") == 0) {
+            if (!cJSON_IsFalse(f))
+                return refuse(w, k, at, "is supported only as false (no properties besides the listed ones)");
+        } else if (strcmp(k, "enum") == 0) {
+            if (!cJSON_IsArray(f) || cJSON_GetArraySize(f) < 1)
+                return refuse(w, k, at, "must be a non-empty list");
+        } else if (strcmp(k, "const") == 0) {
+            continue; /* any JSON value */
+        } else if (strcmp(k, "anyOf") == 0) {
+            if (!cJSON_IsArray(f) || cJSON_GetArraySize(f) < 1)
+                return refuse(w, k, at, "must be a non-empty list of schemas");
+            int i = 0;
+            for (const cJSON *a = f->child; a; a = a->next, i++) {
+                char idx[16];
+                snprintf(idx, sizeof idx, "%d", i);
+                if (check_child(w, a, at, k, idx, depth) != AE_OK) return AE_ERR;
+            }
+        } else if (strcmp(k, "items") == 0) {
+            if (check_child(w, f, at, k, NULL, depth) != AE_OK) return AE_ERR;
+        } else if (strcmp(k, "minItems") == 0 || strcmp(k, "maxItems") == 0 || strcmp(k, "minLength") == 0 ||
+                   strcmp(k, "maxLength") == 0) {
+            if (!is_count(f)) return refuse(w, k, at, "must be an integer >= 0");
+        } else if (strcmp(k, "minimum") == 0 || strcmp(k, "maximum") == 0 || strcmp(k, "exclusiveMinimum") == 0 ||
+                   strcmp(k, "exclusiveMaximum") == 0) {
+            if (!cJSON_IsNumber(f)) return refuse(w, k, at, "must be a number");
+        } else if (strcmp(k, "$ref") == 0) {
+            if (!cJSON_IsString(f) || !resolve(w->root, f->valuestring))
+                return refuse(w, k, at, "must point into this document (\"#/$defs/name\")");
+        } else {
+            return refuse(w, k, at, "is not supported");
+        }
+    }
+    return AE_OK;
+}
+
+int schema_check(const cJSON *schema, char *why, size_t cap) {
+    walk w = {schema, 0, why, cap};
+    return check(&w, schema, "#", 0);
+}

@@ -1,0 +1,120 @@
+// The C face of XGrammar (grammar.h). C++ stays in this file: no exception
+// crosses into C, each becomes an ae_error.
+#include <xgrammar/xgrammar.h>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <string>
+#include <vector>
+
+// The C headers say _Noreturn (C11); C++ spells it [[noreturn]].
+#define _Noreturn [[noreturn]]
+extern "C" {
+#include "grammar.h"
+}
+#undef _Noreturn
+
+struct grammar_vocab {
+    std::optional<xgrammar::TokenizerInfo> info;
+    std::optional<xgrammar::GrammarCompiler> compiler;
+    std::mutex mu; // compiles
+    int32_t vocab;
+    std::atomic<uint64_t> masks{0}, ns{0};
+};
+
+struct grammar_matcher {
+    grammar_vocab *v;
+    std::optional<xgrammar::GrammarMatcher> m;
+};
+
+static int fail(ae_error *err, const char *what, const std::exception &e) {
+    return err_set(err, "%s: %s", what, e.what());
+}
+
+extern "C" int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t vocab, int32_t eos, ae_error *err) {
+    *out = nullptr;
+    int32_t n_tok = tok_vocab_size(t);
+    if (vocab < n_tok) return err_set(err, "structured output: the model has %d logits, the tokenizer %d ids", vocab, n_tok);
+    try {
+        std::vector<std::string> words((size_t)n_tok);
+        for (int32_t i = 0; i < n_tok; i++) {
+            size_t len = 0;
+            const uint8_t *b = tok_token_bytes(t, i, &len);
+            // Special tokens are empty words: never allowed (eos is a stop token).
+            if (b && !tok_is_special(t, i)) words[(size_t)i].assign((const char *)b, len);
+        }
+        std::vector<int32_t> stops;
+        if (eos >= 0) stops.push_back(eos);
+        auto *v = new grammar_vocab();
+        v->vocab = vocab;
+        v->info.emplace(words, xgrammar::VocabType::RAW, vocab, stops);
+        // One thread: compiles run on the scheduler's thread, between steps.
+        v->compiler.emplace(*v->info, 1, true);
+        *out = v;
+        return AE_OK;
+    } catch (const std::bad_alloc &) {
+        return err_set(err, "structured output: out of memory for the vocabulary's automaton");
+    } catch (const std::exception &e) {
+        return fail(err, "structured output: the vocabulary", e);
+    }
+}
+
+extern "C" void grammar_vocab_free(grammar_vocab *v) { delete v; }
+
+extern "C" int grammar_matcher_init(grammar_matcher **out, grammar_vocab *v, const char *schema, ae_error *err) {
+    *out = nullptr;
+    try {
+        std::optional<xgrammar::CompiledGrammar> g;
+        {
+            std::lock_guard<std::mutex> lock(v->mu);
+            // OpenAI's json_object is any JSON object; a schema of type
+            // object alone says the same.
+            std::string s = schema ? schema : "{\"type\": \"object\"}";
+            g.emplace(v->compiler->CompileJSONSchema(s, true, std::nullopt, std::nullopt, true, GRAMMAR_MAX_WS));
+        }
+        auto *m = new grammar_matcher();
+        m->v = v;
+        m->m.emplace(*g);
+        *out = m;
+        return AE_OK;
+    } catch (const std::bad_alloc &) {
+        return err_set(err, "structured output: out of memory compiling the schema");
+    } catch (const std::exception &e) {
+        return fail(err, "structured output: the schema", e);
+    }
+}
+
+extern "C" void grammar_matcher_free(grammar_matcher *m) { delete m; }
+
+extern "C" void grammar_fill_mask(grammar_matcher *m, uint32_t *mask) {
+    auto t0 = std::chrono::steady_clock::now();
+    int64_t words = (m->v->vocab + 31) / 32;
+    DLTensor d{};
+    d.data = mask;
+    d.device = DLDevice{kDLCPU, 0};
+    d.ndim = 1;
+    d.dtype = DLDataType{kDLInt, 32, 1};
+    d.shape = &words;
+    d.strides = nullptr;
+    d.byte_offset = 0;
+    m->m->FillNextTokenBitmask(&d);
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    m->v->masks++;
+    m->v->ns += (uint64_t)ns;
+}
+
+extern "C" bool grammar_accept(grammar_matcher *m, int32_t token) {
+    if (token < 0 || token >= m->v->vocab) return false;
+    return m->m->AcceptToken(token);
+}
+
+extern "C" bool grammar_terminated(const grammar_matcher *m) { return m->m->IsTerminated(); }
+
+extern "C" void grammar_vocab_mask_stats(const grammar_vocab *v, uint64_t *masks, uint64_t *ns) {
+    *masks = v->masks.load();
+    *ns = v->ns.load();
+}

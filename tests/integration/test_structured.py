@@ -1,0 +1,111 @@
+"""Structured output (response_format) through the official `openai` client:
+every schema x prompt gives JSON that validates against its schema with
+the `jsonschema` package, the same text with and without the draft, and
+schemas outside the supported subset get a 400 naming the keyword.
+"""
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from test_sampling_api import both, pair  # noqa: F401 (the fixture)
+
+S = {"type": "string", "maxLength": 24}
+# An integer without bounds lets a small model write digits until
+# max_tokens; the schemas that are not about that bound theirs.
+SMALL = {"type": "integer", "minimum": 0, "maximum": 1000}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"kind": {"const": "fruit"}, "name": S}, "required": ["kind", "name"]},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, S]}}, "required": ["v"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 6}},
+     "required": ["code"]},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10, "maximum": 99}}, "required": ["n"]},
+    {"type": "object", "properties": {"person": {"type": "object", "properties": {"first": S, "last": S},
+                                                 "required": ["first", "last"], "additionalProperties": False}},
+     "required": ["person"]},
+    {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                      "required": ["x", "y"]}},
+     "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}},
+     "required": ["a", "b"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "none": {"type": "null"}},
+     "required": ["ok", "none"]},
+    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0, "maximum": 1000}},
+     "required": ["price"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"}, "label": S}, "required": ["id", "label"]}}},
+     "required": ["items"]},
+    {"type": "object", "properties": {"note": {"type": ["string", "null"], "maxLength": 20}}, "required": ["note"]},
+    {"type": "object", "properties": {"k": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5}},
+     "required": ["k"]},
+    {"type": "object", "properties": {"level": {"enum": [1, 2, 3]}}, "required": ["level"]},
+    {"type": "object", "properties": {"city": S, "zip": S}, "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "integer"}}, "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"days": {"type": "array", "maxItems": 3,
+                                               "items": {"enum": ["mon", "tue", "wed"]}}}, "required": ["days"]},
+    {"type": "object", "properties": {"shape": {"anyOf": [
+        {"type": "object", "properties": {"r": SMALL}, "required": ["r"], "additionalProperties": False},
+        {"type": "object", "properties": {"w": SMALL, "h": SMALL}, "required": ["w", "h"],
+         "additionalProperties": False}]}}, "required": ["shape"]},
+    {"title": "answer", "description": "an answer", "type": "object",
+     "properties": {"answer": {"type": "string", "maxLength": 40, "description": "the answer"}},
+     "required": ["answer"]},
+]
+PROMPTS = ["Give me a JSON object.", "Describe the capital of France as JSON."]
+
+
+def ask(schema, prompt, **kw):
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+
+    def go(c, name):
+        return c.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=160, temperature=0, response_format=fmt, **kw)
+    return go
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_outputs_validate_against_their_schema_and_equal_plain(pair, i):  # noqa: F811
+    schema = SCHEMAS[i]
+    for prompt in PROMPTS:
+        spec, plain = both(pair, ask(schema, prompt))
+        text = spec.choices[0].message.content
+        assert text == plain.choices[0].message.content
+        assert spec.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_mode_and_sampled_constrained_output(pair):  # noqa: F811
+    def go(c, name):
+        return c.chat.completions.create(model=name, messages=[{"role": "user", "content": "List two colors."}],
+                                         max_tokens=120, temperature=0.8, seed=5, n=3,
+                                         response_format={"type": "json_object"})
+    spec, plain = both(pair, go)
+    assert [c.message.content for c in spec.choices] == [c.message.content for c in plain.choices]
+    for c in spec.choices:
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+
+
+@pytest.mark.parametrize("schema,msg", [
+    ({"type": "object", "properties": {"z": {"type": "string", "pattern": "^[0-9]+$"}}},
+     "'pattern' at #/properties/z is not supported"),
+    ({"type": "object", "oneOf": [{"type": "object"}]}, "'oneOf' at # is not supported"),
+    ({"type": "object", "additionalProperties": True},
+     "'additionalProperties' at # is supported only as false (no properties besides the listed ones)"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://x/y"}}},
+     "'$ref' at #/properties/a must point into this document (\"#/$defs/name\")"),
+    ({"type": "integer", "multipleOf": 3}, "'multipleOf' at # is not supported"),
+])
+def test_schemas_outside_the_subset_are_refused_naming_the_keyword(pair, schema, msg):  # noqa: F811
+    g = pair[0]
+    with pytest.raises(openai.BadRequestError) as ei:
+        g.client().chat.completions.create(
+            model=g.name, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    assert ei.value.body["param"] == "response_format" and ei.value.body["message"] == msg
