@@ -519,6 +519,18 @@ static void handle_server_info(gw *g, http_req *h) {
     jbuf_printf(&b, ",\"context\":%d,\"inflight\":%d,\"connections\":%d,\"config\":%s,\"memory_plan\":", gw_context_len(g),
               g->inflight, http_server_conns(g->http), g->cfg.config_json ? g->cfg.config_json : "{}");
     jbuf_quote(&b, g->cfg.memory_plan ? g->cfg.memory_plan : "", g->cfg.memory_plan ? strlen(g->cfg.memory_plan) : 0);
+    /* What the API honours (README.md, "API"). */
+    jbuf_printf(&b, ",\"features\":{\"n_max\":%d,\"logprobs\":true,\"top_logprobs_max\":%d,"
+                    "\"logprobs_source\":\"raw logits, before penalties, biases, masks and temperature\","
+                    "\"sampling\":[\"temperature\",\"top_p\",\"top_k\",\"min_p\",\"seed\"],"
+                    "\"penalties\":[\"presence_penalty\",\"frequency_penalty\",\"repetition_penalty\","
+                    "\"logit_bias\",\"min_tokens\",\"stop_token_ids\"],"
+                    "\"response_format\":[\"text\",\"json_object\",\"json_schema\"],"
+                    "\"json_schema_keywords\":[\"type\",\"properties\",\"required\",\"additionalProperties (false)\","
+                    "\"enum\",\"const\",\"anyOf\",\"items\",\"minItems\",\"maxItems\",\"minLength\",\"maxLength\","
+                    "\"minimum\",\"maximum\",\"exclusiveMinimum\",\"exclusiveMaximum\",\"$ref\",\"$defs\","
+                    "\"definitions\"],\"tools\":false,\"speculative_decoding\":\"EAGLE-3, lossless\"}",
+                OAI_MAX_N, OAI_MAX_TOP_LOGPROBS);
     jbuf_str(&b, "},");
     /* peers is {"targets": [...], "drafts": [...]}: its members join ours. */
     jbuf_add(&b, peers + 1, strlen(peers) - 1);

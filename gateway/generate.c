@@ -600,6 +600,7 @@ static void on_prompt_encoded(tjob *j) {
         goto refuse;
     }
     g->inflight++;
+    if (q->o.format != OAI_TEXT) g->met.constrained++;
     return;
 refuse:
     gw_reply_error(g, q->http, q->route, &e);

@@ -80,8 +80,9 @@ static void hist(FILE *f, const char *name, const char *help, const met_hist *h)
             h->sum, name, (unsigned long long)h->count);
 }
 
-static void target_gauge(FILE *f, const met_gauges *g, const char *name, const char *help, int field) {
-    head(f, name, "gauge", help);
+static void target_series(FILE *f, const met_gauges *g, const char *name, const char *type, const char *help,
+                          int field) {
+    head(f, name, type, help);
     for (int i = 0; i < g->n_targets; i++) {
         const met_target *t = &g->targets[i];
         double v = field == 0   ? t->healthy
@@ -90,9 +91,15 @@ static void target_gauge(FILE *f, const met_gauges *g, const char *name, const c
                    : field == 3 ? t->inflight
                    : field == 4 ? t->kv_blocks_used
                    : field == 5 ? t->kv_blocks
+                   : field == 7 ? t->grammar_masks
+                   : field == 8 ? t->grammar_mask_seconds
                                 : (t->kv_blocks ? (double)t->kv_blocks_used / t->kv_blocks : 0.0);
         fprintf(f, "%s{target=\"%s\"} %g\n", name, t->addr, v);
     }
+}
+
+static void target_gauge(FILE *f, const met_gauges *g, const char *name, const char *help, int field) {
+    target_series(f, g, name, "gauge", help, field);
 }
 
 char *met_render(const metrics *m, const met_gauges *g, size_t *len) {
@@ -112,6 +119,8 @@ char *met_render(const metrics *m, const met_gauges *g, size_t *len) {
     counter(f, "aerie_prompt_tokens_total", "prompt tokens of generation requests", m->prompt_tokens);
     counter(f, "aerie_generation_tokens_total", "tokens generated", m->generation_tokens);
     counter(f, "aerie_request_retries_total", "requests moved to another target after one failed", m->retries);
+    counter(f, "aerie_constrained_requests_total", "generation requests with a response_format (JSON)",
+            m->constrained);
     hist(f, "aerie_request_prompt_tokens", "prompt tokens per finished generation request", &m->prompt_hist);
     hist(f, "aerie_request_generation_tokens", "generated tokens per finished generation request",
          &m->generation_hist);
@@ -139,6 +148,10 @@ char *met_render(const metrics *m, const met_gauges *g, size_t *len) {
     target_gauge(f, g, "aerie_kv_blocks_used", "KV cache blocks in use at the target", 4);
     target_gauge(f, g, "aerie_kv_blocks", "KV cache blocks the target has", 5);
     target_gauge(f, g, "aerie_kv_cache_usage_ratio", "share of the target's KV cache in use", 6);
+    target_series(f, g, "aerie_grammar_masks_total", "counter",
+                  "structured output: token masks the target computed (as of its last health check)", 7);
+    target_series(f, g, "aerie_grammar_mask_seconds_total", "counter",
+                  "structured output: time the target spent computing token masks", 8);
     /* A failed allocation inside the stream shows at the close. */
     if (fclose(f) != 0) {
         free(buf);

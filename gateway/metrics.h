@@ -48,6 +48,7 @@ typedef struct metrics {
     uint64_t spec_steps, spec_plain_steps, spec_drafted, spec_accepted;
     uint64_t spec_accepted_at[MET_SPEC_POSITIONS]; /* [d]: steps that accepted a token at depth d + 1 */
     uint64_t retries;                              /* requests moved to another replica after a failure */
+    uint64_t constrained;                          /* requests with a response_format (json_object, json_schema) */
 } metrics;
 
 void met_init(metrics *m);
@@ -59,6 +60,7 @@ typedef struct met_target {
     bool healthy;
     int inflight; /* this gateway's requests on it now */
     int running, waiting, kv_blocks_used, kv_blocks;
+    double grammar_masks, grammar_mask_seconds; /* structured output's masks at the target, since it started */
 } met_target;
 
 typedef struct met_gauges {

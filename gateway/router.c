@@ -21,6 +21,7 @@ typedef struct peer {
     char reason[512];
     int inflight;
     int running, waiting, kv_blocks_used, kv_blocks;
+    double grammar_masks, grammar_mask_seconds;
     int32_t max_seq_len;
     char *config_json, *memory_plan, *stats_json; /* the latest Info */
 } peer;
@@ -117,6 +118,10 @@ static void info_done(void *ctx, const rpc_reply *rep) {
             p->waiting = json_field_int(s, "waiting");
             p->kv_blocks_used = json_field_int(s, "kv_blocks_used");
             p->kv_blocks = json_field_int(s, "kv_blocks");
+            const cJSON *gm = cJSON_GetObjectItemCaseSensitive(s, "grammar_masks"),
+                        *gt = cJSON_GetObjectItemCaseSensitive(s, "grammar_mask_ms");
+            p->grammar_masks = cJSON_IsNumber(gm) ? gm->valuedouble : 0;
+            p->grammar_mask_seconds = cJSON_IsNumber(gt) ? gt->valuedouble / 1e3 : 0;
         }
         cJSON_Delete(s);
     }
@@ -292,7 +297,9 @@ int32_t router_context(const router *r) {
 void router_gauges(const router *r, met_target *t) {
     for (int i = 0; i < r->n_targets; i++) {
         const peer *p = &r->targets[i];
-        t[i] = (met_target){p->addr, p->healthy, p->inflight, p->running, p->waiting, p->kv_blocks_used, p->kv_blocks};
+        t[i] = (met_target){p->addr,           p->healthy,   p->inflight,      p->running,
+                            p->waiting,        p->kv_blocks_used, p->kv_blocks, p->grammar_masks,
+                            p->grammar_mask_seconds};
     }
 }
 

@@ -53,7 +53,7 @@ extern "C" int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t voc
         v->vocab = vocab;
         v->info.emplace(words, xgrammar::VocabType::RAW, vocab, stops);
         // One thread: compiles run on the scheduler's thread, between steps.
-        v->compiler.emplace(*v->info, 1, true);
+        v->compiler.emplace(*v->info, 1, true, GRAMMAR_CACHE_BYTES);
         *out = v;
         return AE_OK;
     } catch (const std::bad_alloc &) {

@@ -25,6 +25,10 @@
 #include "../services/tokenizer/tok.h"
 
 #define GRAMMAR_MAX_WS 2 /* whitespace characters allowed between JSON tokens */
+/* Compiled schemas kept for reuse, at most this many bytes (the least
+ * recently used go first): clients cannot grow the target without bound
+ * by sending new schemas. */
+#define GRAMMAR_CACHE_BYTES (64ll << 20)
 
 typedef struct grammar_vocab grammar_vocab;
 typedef struct grammar_matcher grammar_matcher;

@@ -164,6 +164,7 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
         req_free(q);
         return st;
     }
+    if (r->format) s->stats.requests_constrained++;
     if (s->waiting_tail) s->waiting_tail->next = q;
     else s->waiting = q;
     s->waiting_tail = q;
@@ -584,5 +585,6 @@ sched_stats sched_get_stats(sched *s) {
     }
     st.kv_blocks_reserved = s->reserved;
     pthread_mutex_unlock(&s->mu);
+    if (s->cfg.grammar) grammar_vocab_mask_stats(s->cfg.grammar, &st.grammar_masks, &st.grammar_mask_ns);
     return st;
 }

@@ -112,6 +112,8 @@ typedef struct sched_stats {
     int32_t running, prefilling, waiting;
     int32_t kv_blocks_used, kv_blocks, kv_blocks_reserved;
     uint64_t requests_done, requests_cancelled, requests_refused;
+    uint64_t requests_constrained; /* admitted with a response format */
+    uint64_t grammar_masks, grammar_mask_ns; /* masks computed, and their time (grammar.h) */
     uint64_t tokens_out;
     double tok_per_s;    /* over the last log interval */
     double accept_len;   /* mean over the last log interval's speculative steps; 0: none */

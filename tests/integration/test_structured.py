@@ -109,3 +109,23 @@ def test_schemas_outside_the_subset_are_refused_naming_the_keyword(pair, schema,
             model=g.name, messages=[{"role": "user", "content": "hi"}],
             response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
     assert ei.value.body["param"] == "response_format" and ei.value.body["message"] == msg
+
+
+def test_metrics_count_constrained_requests_and_mask_time_and_server_info_lists_features(pair):  # noqa: F811
+    import re
+    import time
+    from test_gateway import request
+    g = pair[0]
+    both(pair, ask(SCHEMAS[0], PROMPTS[0]))
+    time.sleep(0.6)  # the gateway fetches the targets' figures every 200 ms
+    st, _h, text = request(g.port, "GET", "/metrics")
+    assert st == 200
+    assert int(re.search(r"^aerie_constrained_requests_total (\d+)$", text, re.M).group(1)) >= 1
+    masks = float(re.search(r'^aerie_grammar_masks_total\{target="[^"]+"\} (\S+)$', text, re.M).group(1))
+    secs = float(re.search(r'^aerie_grammar_mask_seconds_total\{target="[^"]+"\} (\S+)$', text, re.M).group(1))
+    assert masks >= 10 and 0 < secs < masks * 50e-6 * 10  # well under 50 us a mask, with room for ASan
+    st, _h, info = request(g.port, "GET", "/server_info")
+    f = info["gateway"]["features"]
+    assert f["response_format"] == ["text", "json_object", "json_schema"] and f["n_max"] == 16
+    assert f["top_logprobs_max"] == 20 and "anyOf" in f["json_schema_keywords"]
+    assert info["targets"][0]["stats"]["requests_constrained"] >= 1

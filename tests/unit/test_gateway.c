@@ -331,6 +331,77 @@ static void test_penalties_biases_and_logprobs_are_parsed(void **state) {
     oai_request_free(&r);
 }
 
+static void test_response_format_and_the_schema_subset(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+#define RF(x) "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"response_format\": " x "}"
+#define JS(s) RF("{\"type\": \"json_schema\", \"json_schema\": {\"name\": \"t\", \"strict\": true, \"schema\": " s "}}")
+    assert_int_equal(parse(&r, OAI_CHAT, RF("{\"type\": \"text\"}"), &e), AE_OK);
+    assert_int_equal(r.format, OAI_TEXT);
+    oai_request_free(&r);
+    assert_int_equal(parse(&r, OAI_CHAT, RF("{\"type\": \"json_object\"}"), &e), AE_OK);
+    assert_int_equal(r.format, OAI_JSON_OBJECT);
+    assert_null(r.schema);
+    oai_request_free(&r);
+    /* Every keyword of the subset; the schema goes on as compact JSON. */
+    assert_int_equal(parse(&r, OAI_CHAT,
+                           JS("{\"$defs\": {\"p\": {\"type\": \"integer\", \"minimum\": 0, \"maximum\": 9, "
+                              "\"exclusiveMinimum\": -1, \"exclusiveMaximum\": 10}}, \"title\": \"t\", "
+                              "\"type\": \"object\", \"properties\": {\"a\": {\"$ref\": \"#/$defs/p\"}, "
+                              "\"b\": {\"type\": [\"string\", \"null\"], \"minLength\": 1, \"maxLength\": 3}, "
+                              "\"c\": {\"type\": \"array\", \"items\": {\"enum\": [1, \"x\"]}, \"minItems\": 0, "
+                              "\"maxItems\": 2}, \"d\": {\"anyOf\": [{\"const\": 1}, {\"type\": \"boolean\"}]}}, "
+                              "\"required\": [\"a\"], \"additionalProperties\": false}"),
+                           &e),
+                     AE_OK);
+    assert_int_equal(r.format, OAI_JSON_SCHEMA);
+    assert_int_equal(r.schema_len, strlen(r.schema));
+    assert_string_equal(r.schema, "{\"$defs\":{\"p\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":9,"
+                                  "\"exclusiveMinimum\":-1,\"exclusiveMaximum\":10}},\"title\":\"t\",\"type\":\"object\","
+                                  "\"properties\":{\"a\":{\"$ref\":\"#/$defs/p\"},\"b\":{\"type\":[\"string\",\"null\"],"
+                                  "\"minLength\":1,\"maxLength\":3},\"c\":{\"type\":\"array\",\"items\":{\"enum\":[1,"
+                                  "\"x\"]},\"minItems\":0,\"maxItems\":2},\"d\":{\"anyOf\":[{\"const\":1},{\"type\":"
+                                  "\"boolean\"}]}},\"required\":[\"a\"],\"additionalProperties\":false}");
+    oai_request_free(&r);
+    struct {
+        const char *body, *msg;
+    } bad[] = {
+        {JS("{\"type\": \"string\", \"pattern\": \"a\"}"), "'pattern' at # is not supported"},
+        {JS("{\"properties\": {\"a\": {\"items\": {\"format\": \"date\"}}}}"),
+         "'format' at #/properties/a/items is not supported"},
+        {JS("{\"anyOf\": [{}, {\"not\": {}}]}"), "'not' at #/anyOf/1 is not supported"},
+        {JS("{\"$ref\": \"#/$defs/missing\"}"), "'$ref' at # must point into this document (\"#/$defs/name\")"},
+        {JS("{\"additionalProperties\": {}}"),
+         "'additionalProperties' at # is supported only as false (no properties besides the listed ones)"},
+        {JS("{\"maxLength\": -1}"), "'maxLength' at # must be an integer >= 0"},
+        {JS("{\"type\": \"date\"}"), "'type' at # must be a JSON type or a list of them"},
+        {JS("[]"), "'response_format.json_schema.schema' must be an object"},
+        {RF("{\"type\": \"xml\"}"), "'response_format.type' is 'xml'; it must be text, json_object or json_schema"},
+        {RF("{\"type\": \"json_schema\"}"), "'response_format.json_schema' must be an object"},
+        {RF("{\"type\": \"json_object\", \"extra\": 1}"), "'response_format.extra' is not supported"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(parse(&r, OAI_CHAT, bad[i].body, &e), AE_ERR);
+        assert_string_equal(e.param, "response_format");
+        assert_string_equal(e.message, bad[i].msg);
+    }
+    /* Nesting past the limit. */
+    char deep[4096] = "", *w = deep;
+    for (int i = 0; i < 40; i++) w += sprintf(w, "{\"items\": ");
+    w += sprintf(w, "{}");
+    for (int i = 0; i < 40; i++) *w++ = '}';
+    *w = '\0';
+    char body[8192];
+    snprintf(body, sizeof body, JS("%s"), deep);
+    assert_int_equal(parse(&r, OAI_CHAT, body, &e), AE_ERR);
+    assert_string_equal(e.message, "schemas nest deeper than 32 levels at #/items/items/items/items/items/items/items/"
+                                   "items/items/items/items/items/items/items/items/items/items/items/items/items/items/"
+                                   "items/items/items/items/items/items/items/items/items/items/items/items");
+#undef JS
+#undef RF
+}
+
 static void test_completion_prompts_text_ids_and_batches_of_one(void **state) {
     (void)state;
     oai_request r;
@@ -574,7 +645,8 @@ static void test_histogram_renders_cumulative_buckets(void **state) {
     m.spec_accepted_at[1] = 5;
     met_hist_observe(&m.generation_hist, 64);
     met_hist_observe(&m.generation_hist, 65);
-    met_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100};
+    met_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100, 120, 0.0015};
+    m.constrained = 7;
     met_gauges g = {&t, 1, 2, 4};
     size_t len;
     char *s = met_render(&m, &g, &len);
@@ -590,6 +662,10 @@ static void test_histogram_renders_cumulative_buckets(void **state) {
                               "aerie_requests_total{route=\"completions\",code=\"400\"} 1\n"));
     assert_non_null(strstr(s, "aerie_spec_accepted_at_position_total{position=\"2\"} 5\n"));
     assert_non_null(strstr(s, "aerie_kv_cache_usage_ratio{target=\"unix:/tmp/t.sock\"} 0.25\n"));
+    assert_non_null(strstr(s, "# TYPE aerie_grammar_masks_total counter\n"));
+    assert_non_null(strstr(s, "aerie_grammar_masks_total{target=\"unix:/tmp/t.sock\"} 120\n"));
+    assert_non_null(strstr(s, "aerie_grammar_mask_seconds_total{target=\"unix:/tmp/t.sock\"} 0.0015\n"));
+    assert_non_null(strstr(s, "aerie_constrained_requests_total 7\n"));
     assert_non_null(strstr(s, "# TYPE aerie_e2e_request_latency_seconds histogram\n"));
     assert_non_null(strstr(s, "aerie_request_generation_tokens_bucket{le=\"32\"} 0\n"
                               "aerie_request_generation_tokens_bucket{le=\"64\"} 1\n"
@@ -612,6 +688,7 @@ int main(void) {
         cmocka_unit_test(test_chat_request_with_every_field),
         cmocka_unit_test(test_completion_prompts_text_ids_and_batches_of_one),
         cmocka_unit_test(test_penalties_biases_and_logprobs_are_parsed),
+        cmocka_unit_test(test_response_format_and_the_schema_subset),
         cmocka_unit_test(test_bad_requests_name_their_field),
         cmocka_unit_test(test_invalid_utf8_and_lone_surrogates_are_refused),
         cmocka_unit_test(test_error_json_has_openai_shape),
