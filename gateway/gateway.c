@@ -64,6 +64,42 @@ static size_t http_error_body(void *ctx, int status, const char *message, char *
     return n;
 }
 
+/* The tool prompt (README, "Tools"): every template we know renders
+ * without tools, so the functions go into the system message, after its
+ * text (or the template's default system text). */
+static const char TOOL_PROMPT_HEAD[] =
+    "You can call functions to answer. They are listed below as JSON, between <tools> and </tools>.\n<tools>\n";
+static const char TOOL_PROMPT_TAIL[] =
+    "\n</tools>\nTo call a function, answer with one block per call, and nothing else:\n<tool_call>\n"
+    "{\"name\": \"<the function's name>\", \"arguments\": <its arguments as a JSON object>}\n</tool_call>";
+
+/* o's messages with the tool prompt in the system message; *msgs is
+ * malloc'd (and *sys, the system text), or o's own when there are no
+ * tools. */
+static int with_tools(const gw *g, const oai_request *o, chat_msg **msgs, size_t *n, char **sys, oai_error *e) {
+    *msgs = o->msgs;
+    *n = o->n_msgs;
+    *sys = NULL;
+    if (o->n_tools == 0) return AE_OK;
+    bool has_sys = o->n_msgs > 0 && strcmp(o->msgs[0].role, "system") == 0;
+    const char *base = has_sys ? o->msgs[0].content : chat_default_system(g->cfg.chat);
+    size_t len = (base ? strlen(base) + 2 : 0) + sizeof TOOL_PROMPT_HEAD + strlen(o->tools_json) + sizeof TOOL_PROMPT_TAIL;
+    *sys = malloc(len);
+    *msgs = malloc(sizeof(chat_msg) * (o->n_msgs + 1));
+    if (!*sys || !*msgs) {
+        free(*sys), free(*msgs);
+        *msgs = NULL, *sys = NULL;
+        return oai_oom(e);
+    }
+    snprintf(*sys, len, "%s%s%s%s%s", base ? base : "", base ? "\n\n" : "", TOOL_PROMPT_HEAD, o->tools_json,
+             TOOL_PROMPT_TAIL);
+    (*msgs)[0] = (chat_msg){"system", *sys};
+    size_t from = has_sys ? 1 : 0;
+    for (size_t i = from; i < o->n_msgs; i++) (*msgs)[1 + i - from] = o->msgs[i];
+    *n = 1 + o->n_msgs - from;
+    return AE_OK;
+}
+
 /* Renders and tokenizes what the request asks about: a conversation (with
  * the generation prompt when add_gen) or a prompt's text or ids. Runs on a
  * tokenizing worker: it reads only o and the immutable tokenizer and
@@ -95,8 +131,14 @@ static int encode_prompt(const gw *g, const oai_request *o, bool add_gen, int32_
         if (!g->cfg.chat)
             return oai_bad(e, "messages", "no_chat_template",
                            "the model has no chat template we know; use /v1/completions");
-        if (chat_render_alloc(g->cfg.chat, o->msgs, o->n_msgs, add_gen, &rendered, &len, &err) != AE_OK)
-            return oai_bad(e, "messages", "invalid_value", "%s", err.msg);
+        chat_msg *msgs;
+        size_t n_msgs;
+        char *sys;
+        if (with_tools(g, o, &msgs, &n_msgs, &sys, e) != AE_OK) return AE_ERR;
+        int rrc = chat_render_alloc(g->cfg.chat, msgs, n_msgs, add_gen, &rendered, &len, &err);
+        if (msgs != o->msgs) free(msgs);
+        free(sys);
+        if (rrc != AE_OK) return oai_bad(e, "messages", "invalid_value", "%s", err.msg);
         text = rendered;
         flags = TOK_PARSE_SPECIAL; /* the template writes its own BOS */
     }
@@ -529,7 +571,7 @@ static void handle_server_info(gw *g, http_req *h) {
                     "\"json_schema_keywords\":[\"type\",\"properties\",\"required\",\"additionalProperties (false)\","
                     "\"enum\",\"const\",\"anyOf\",\"items\",\"minItems\",\"maxItems\",\"minLength\",\"maxLength\","
                     "\"minimum\",\"maximum\",\"exclusiveMinimum\",\"exclusiveMaximum\",\"$ref\",\"$defs\","
-                    "\"definitions\"],\"tools\":false,\"speculative_decoding\":\"EAGLE-3, lossless\"}",
+                    "\"definitions\"],\"tools\":[\"none\",\"auto\",\"required\",\"function\"],\"speculative_decoding\":\"EAGLE-3, lossless\"}",
                 OAI_MAX_N, OAI_MAX_TOP_LOGPROBS);
     jbuf_str(&b, "},");
     /* peers is {"targets": [...], "drafts": [...]}: its members join ours. */

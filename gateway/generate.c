@@ -19,6 +19,7 @@
 #include "gw_internal.h"
 #include "render.h"
 #include "stop.h"
+#include "toolcall.h"
 
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "prompt ids travel as int32 little-endian");
 _Static_assert(OAI_MAX_BIAS <= 300 && OAI_MAX_STOP_IDS <= 16 && OAI_MAX_TOP_LOGPROBS <= 20,
@@ -38,6 +39,8 @@ typedef struct gchoice {
     bool stopped;       /* a stop string matched */
     int finish;         /* aerie_FinishReason; 0 while running */
     bool role_sent;     /* streamed chat: the opening role chunk went */
+    char *calls;        /* with tools: the tool_calls found (a JSON list), or NULL */
+    char *rest;         /* and the text besides them (NULL: none) */
 } gchoice;
 
 typedef struct greq {
@@ -82,6 +85,8 @@ static void greq_free(greq *q) {
         jbuf_free(&ch->out);
         jbuf_free(&ch->delta);
         render_lp_free(&ch->lp);
+        free(ch->calls);
+        free(ch->rest);
     }
     free(q->ch);
     jbuf_free(&q->ev);
@@ -136,9 +141,13 @@ static void open_choice(greq *q, int32_t c) {
     }
 }
 
+/* With tools, a reply is text or calls, which only its end tells: its
+ * text is held until then (README, "Tools"). */
+static bool holds_text(const greq *q) { return q->o.n_tools > 0; }
+
 static void flush_delta(greq *q, int32_t c) {
     gchoice *ch = &q->ch[c];
-    if (!q->o.stream || q->gone || ch->delta.len == 0) return;
+    if (!q->o.stream || q->gone || ch->delta.len == 0 || holds_text(q)) return;
     open_choice(q, c);
     send_chunk(q, c, ch->delta.p, ch->delta.len, false, NULL);
     ch->delta.len = 0;
@@ -205,9 +214,25 @@ static void end_choice(greq *q, int32_t c, int finish) {
     ch->finish = finish;
     take_end(q, ch);
     q->n_done++;
+    if (holds_text(q)) {
+        jbuf *t = q->o.stream ? &ch->delta : &ch->out;
+        ch->calls = toolcall_find(t->p ? t->p : "", t->len, q->o.tool_choice >= OAI_TOOLS_REQUIRED,
+                                  (const char *const *)q->o.tool_names, q->o.n_tools,
+                                  q->id + (strncmp(q->id, "chatcmpl-", 9) ? 0 : 9), q->o.stream, &ch->rest);
+        if (ch->calls) ch->finish = RENDER_FINISH_TOOL_CALLS;
+    }
     if (q->o.stream && !q->gone) {
-        flush_delta(q, c);
         open_choice(q, c);
+        if (ch->calls) {
+            if (ch->rest) send_chunk(q, c, ch->rest, strlen(ch->rest), false, NULL);
+            jbuf *b = &q->ev;
+            jbuf_clear(b);
+            render_tool_chunk(b, chunk_head(q), c, ch->calls, q->o.include_usage);
+            if (!b->oom) http_stream_write(q->http, b->p, b->len);
+        } else if (ch->delta.len) {
+            send_chunk(q, c, ch->delta.p, ch->delta.len, false, NULL);
+        }
+        ch->delta.len = 0;
         send_chunk(q, c, NULL, 0, false, render_finish_name(ch->finish));
     }
 }
@@ -309,8 +334,8 @@ static void finish_ok(greq *q) {
         render_choice rc[OAI_MAX_N];
         for (int32_t c = 0; c < q->n; c++) {
             gchoice *ch = &q->ch[c];
-            rc[c] = (render_choice){ch->out.p, ch->out.len, q->o.logprobs ? &ch->lp : NULL,
-                                    render_finish_name(ch->finish)};
+            rc[c] = (render_choice){ch->calls ? ch->rest : ch->out.p, ch->calls ? (ch->rest ? strlen(ch->rest) : 0) : ch->out.len,
+                                    q->o.logprobs ? &ch->lp : NULL, render_finish_name(ch->finish), ch->calls};
             b.oom |= ch->out.oom; /* the text is incomplete */
         }
         render_completion(&b, &rm, rc, q->n, q->n_prompt, q->n_taken);

@@ -251,13 +251,63 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
         snprintf(param, sizeof param, "messages[%d]", i);
         if (!cJSON_IsObject(m)) return oai_bad(e, param, "invalid_type", "'%s' must be an object", param);
         if (no_duplicates(m, " in a message", e) != AE_OK) return AE_ERR;
-        const cJSON *role = NULL, *content = NULL;
+        const cJSON *role = NULL, *content = NULL, *calls = NULL;
         for (const cJSON *f = m->child; f; f = f->next) {
             if (strcmp(f->string, "role") == 0) role = f;
             else if (strcmp(f->string, "content") == 0) content = f;
-            else if (strcmp(f->string, "name") == 0 && is_null(f)) continue;
+            else if (strcmp(f->string, "name") == 0 && (is_null(f) || cJSON_IsString(f))) continue;
+            else if (strcmp(f->string, "tool_call_id") == 0 && (is_null(f) || cJSON_IsString(f))) continue;
+            else if (strcmp(f->string, "tool_calls") == 0) calls = f;
             else
                 return oai_bad(e, param, "unsupported_parameter", "'%s.%.40s' is not supported", param, f->string);
+        }
+        if (cJSON_IsString(role) && strcmp(role->valuestring, "tool") == 0) {
+            /* A function's result: the user's turn, in the tags the tool
+             * prompt names (README, "Tools"). */
+            char cparam[80];
+            snprintf(cparam, sizeof cparam, "%s.content", param);
+            const char *text;
+            if (is_null(content)) return oai_bad(e, cparam, "invalid_type", "'%s' is missing", cparam);
+            if (parse_content(r, content, cparam, &text, e) != AE_OK) return AE_ERR;
+            size_t len = strlen(text);
+            if (len > CHAT_MAX_CONTENT) return oai_bad(e, cparam, "invalid_value", "'%s' is over %u bytes", cparam, CHAT_MAX_CONTENT);
+            char *w = r_alloc(r, len + 64);
+            if (!w) return oai_oom(e);
+            snprintf(w, len + 64, "<tool_response>\n%s\n</tool_response>", text);
+            r->msgs[i] = (chat_msg){"user", w};
+            continue;
+        }
+        if (calls && !is_null(calls)) {
+            /* An assistant's calls, written as the tool prompt asks for
+             * them, after its text. */
+            if (!cJSON_IsString(role) || strcmp(role->valuestring, "assistant") != 0 || !cJSON_IsArray(calls))
+                return oai_bad(e, param, "invalid_value", "'%s.tool_calls' must be a list, in an assistant message", param);
+            size_t cap = 1, used = 0;
+            const char *text = "";
+            if (!is_null(content) && parse_content(r, content, param, &text, e) != AE_OK) return AE_ERR;
+            cap += strlen(text);
+            for (const cJSON *c = calls->child; c; c = c->next) {
+                const cJSON *fn = cJSON_GetObjectItemCaseSensitive(c, "function");
+                const cJSON *nm = cJSON_GetObjectItemCaseSensitive(fn, "name");
+                const cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+                if (!cJSON_IsString(nm) || !cJSON_IsString(args))
+                    return oai_bad(e, param, "invalid_value",
+                                   "'%s.tool_calls' entries need function.name and function.arguments strings", param);
+                cap += strlen(nm->valuestring) + strlen(args->valuestring) + 64;
+            }
+            if (cap > CHAT_MAX_CONTENT) return oai_bad(e, param, "invalid_value", "'%s' is over %u bytes", param, CHAT_MAX_CONTENT);
+            char *w = r_alloc(r, cap);
+            if (!w) return oai_oom(e);
+            used += (size_t)snprintf(w, cap, "%s", text);
+            for (const cJSON *c = calls->child; c; c = c->next) {
+                const cJSON *fn = cJSON_GetObjectItemCaseSensitive(c, "function");
+                used += (size_t)snprintf(w + used, cap - used, "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>",
+                                         used ? "\n" : "", cJSON_GetObjectItemCaseSensitive(fn, "name")->valuestring,
+                                         cJSON_GetObjectItemCaseSensitive(fn, "arguments")->valuestring);
+            }
+            if (!detok_utf8_valid(w, used)) return oai_bad(e, param, "invalid_value", "'%s.tool_calls' is not valid UTF-8", param);
+            r->msgs[i] = (chat_msg){"assistant", w};
+            continue;
         }
         if (!cJSON_IsString(role))
             return oai_bad(e, param, "invalid_type", "'%s.role' must be a string", param);
@@ -269,7 +319,7 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
             if (strcmp(role->valuestring, roles[k][0]) == 0) r->msgs[i].role = roles[k][1];
         if (!r->msgs[i].role)
             return oai_bad(e, param, "invalid_value",
-                           "'%s.role' is '%.40s'; it must be system, developer, user or assistant", param,
+                           "'%s.role' is '%.40s'; it must be system, developer, user, assistant or tool", param,
                            role->valuestring);
         char cparam[80];
         snprintf(cparam, sizeof cparam, "%s.content", param);
@@ -399,6 +449,133 @@ static int parse_format(oai_request *r, const cJSON *v, oai_error *e) {
     return AE_OK;
 }
 
+/* tools: [{"type": "function", "function": {"name", "description",
+ * "parameters", "strict"}}], each name distinct, each parameters schema in
+ * the subset (schema.h). */
+static int parse_tools(oai_request *r, const cJSON *v, oai_error *e) {
+    const char *P = "tools";
+    int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : -1;
+    if (n < 1) return oai_bad(e, P, "invalid_type", "'tools' must be a non-empty list of functions");
+    if (n > OAI_MAX_TOOLS) return oai_bad(e, P, "invalid_value", "'tools' has %d functions; at most %d", n, OAI_MAX_TOOLS);
+    cJSON *list = cJSON_CreateArray();
+    if (!list) return oai_oom(e);
+    int i = 0, rc = AE_OK;
+    for (const cJSON *t = v->child; t && rc == AE_OK; t = t->next, i++) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(t, "type"), *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+        if (!cJSON_IsObject(t) || !cJSON_IsString(type) || strcmp(type->valuestring, "function") != 0 || !cJSON_IsObject(fn)) {
+            rc = oai_bad(e, P, "invalid_value", "tools[%d] must be {\"type\": \"function\", \"function\": {...}}", i);
+            break;
+        }
+        const cJSON *name = NULL, *params = NULL;
+        for (const cJSON *f = fn->child; f && rc == AE_OK; f = f->next) {
+            if (strcmp(f->string, "name") == 0) name = f;
+            else if (strcmp(f->string, "parameters") == 0) params = f;
+            else if (strcmp(f->string, "description") == 0 && cJSON_IsString(f)) continue;
+            else if (strcmp(f->string, "strict") == 0 && (cJSON_IsBool(f) || cJSON_IsNull(f))) continue;
+            else rc = oai_bad(e, P, "unsupported_parameter", "tools[%d].function.%.40s is not supported", i, f->string);
+        }
+        if (rc != AE_OK) break;
+        size_t len = cJSON_IsString(name) ? strlen(name->valuestring) : 0;
+        bool ok = len >= 1 && len <= 64;
+        for (size_t k = 0; k < len && ok; k++) {
+            char c = name->valuestring[k];
+            ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+        }
+        if (!ok) {
+            rc = oai_bad(e, P, "invalid_value", "tools[%d].function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -", i);
+            break;
+        }
+        for (int k = 0; k < r->n_tools && rc == AE_OK; k++)
+            if (strcmp(r->tool_names[k], name->valuestring) == 0)
+                rc = oai_bad(e, P, "invalid_value", "two tools are named '%s'", name->valuestring);
+        char why[256];
+        if (rc == AE_OK && params && (!cJSON_IsObject(params) || schema_check(params, why, sizeof why) != AE_OK))
+            rc = oai_bad(e, P, "unsupported_schema", "tools[%d].function.parameters: %s", i,
+                         cJSON_IsObject(params) ? why : "must be a JSON Schema object");
+        if (rc != AE_OK) break;
+        if (!(r->tool_names[r->n_tools++] = r_strdup(r, name->valuestring, len))) rc = oai_oom(e);
+        cJSON *copy = cJSON_Duplicate(t, true);
+        if (!copy || !cJSON_AddItemToArray(list, copy)) rc = oai_oom(e);
+    }
+    if (rc == AE_OK) {
+        char *text = cJSON_PrintUnformatted(list);
+        if (!text || !(r->tools_json = r_strdup(r, text, strlen(text)))) rc = oai_oom(e);
+        cJSON_free(text);
+    }
+    cJSON_Delete(list);
+    return rc;
+}
+
+/* The schema of a call: {"name": ..., "arguments": parameters}, one
+ * function (named) or any of them (required). */
+static int call_schema(oai_request *r, const cJSON *tools, oai_error *e) {
+    cJSON *any = cJSON_CreateArray();
+    int i = 0;
+    for (const cJSON *t = tools->child; t && any; t = t->next, i++) {
+        if (r->tool_choice == OAI_TOOLS_NAMED && i != r->tool_named) continue;
+        const cJSON *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+        const cJSON *params = cJSON_GetObjectItemCaseSensitive(fn, "parameters");
+        cJSON *o = cJSON_CreateObject(), *props = o ? cJSON_AddObjectToObject(o, "properties") : NULL;
+        cJSON *nm = props ? cJSON_AddObjectToObject(props, "name") : NULL;
+        cJSON *req = o ? cJSON_AddArrayToObject(o, "required") : NULL;
+        bool ok = nm && req && cJSON_AddStringToObject(o, "type", "object") &&
+                  cJSON_AddStringToObject(nm, "const", cJSON_GetObjectItemCaseSensitive(fn, "name")->valuestring) &&
+                  cJSON_AddItemToObject(props, "arguments",
+                                        params ? cJSON_Duplicate(params, true) : cJSON_CreateObject()) &&
+                  cJSON_AddItemToArray(req, cJSON_CreateString("name")) &&
+                  cJSON_AddItemToArray(req, cJSON_CreateString("arguments")) &&
+                  cJSON_AddFalseToObject(o, "additionalProperties") && cJSON_AddItemToArray(any, o);
+        if (!ok) {
+            cJSON_Delete(o);
+            cJSON_Delete(any);
+            return oai_oom(e);
+        }
+    }
+    cJSON *root = cJSON_GetArraySize(any) == 1 ? cJSON_DetachItemFromArray(any, 0) : cJSON_CreateObject();
+    if (root && cJSON_GetArraySize(any) > 0) cJSON_AddItemToObject(root, "anyOf", any), any = NULL;
+    cJSON_Delete(any);
+    char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (!text) return oai_oom(e);
+    r->schema_len = strlen(text);
+    r->schema = r_strdup(r, text, r->schema_len);
+    cJSON_free(text);
+    if (!r->schema) return oai_oom(e);
+    r->format = OAI_JSON_SCHEMA;
+    return AE_OK;
+}
+
+/* tool_choice: "none", "auto", "required" or {"type": "function",
+ * "function": {"name": ...}}; without tools only "none". */
+static int parse_tool_choice(oai_request *r, const cJSON *v, const cJSON *tools, oai_error *e) {
+    const char *P = "tool_choice";
+    r->tool_choice = tools ? OAI_TOOLS_AUTO : OAI_TOOLS_NONE;
+    if (!v) return AE_OK;
+    if (cJSON_IsString(v)) {
+        static const char *const names[] = {"none", "auto", "required"};
+        int k = 0;
+        while (k < 3 && strcmp(v->valuestring, names[k]) != 0) k++;
+        if (k == 3)
+            return oai_bad(e, P, "invalid_value", "'tool_choice' is '%.40s'; it must be none, auto, required or a function",
+                           v->valuestring);
+        r->tool_choice = k;
+    } else {
+        const cJSON *fn = cJSON_GetObjectItemCaseSensitive(v, "function");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+        if (!cJSON_IsObject(v) || !cJSON_IsString(name))
+            return oai_bad(e, P, "invalid_type", "'tool_choice' must be a string or {\"type\": \"function\", "
+                                                 "\"function\": {\"name\": ...}}");
+        r->tool_choice = OAI_TOOLS_NAMED;
+        r->tool_named = -1;
+        for (int k = 0; k < r->n_tools; k++)
+            if (strcmp(r->tool_names[k], name->valuestring) == 0) r->tool_named = k;
+        if (r->tool_named < 0) return oai_bad(e, P, "invalid_value", "'tool_choice' names '%.64s', which is not in tools", name->valuestring);
+    }
+    if (r->tool_choice != OAI_TOOLS_NONE && !tools)
+        return oai_bad(e, P, "invalid_value", "'tool_choice' other than none needs 'tools'");
+    return AE_OK;
+}
+
 int oai_check_vocab(const oai_request *r, int32_t vocab, oai_error *e) {
     for (int i = 0; i < r->n_bias; i++)
         if (r->bias_id[i] >= vocab)
@@ -427,7 +604,7 @@ static int neutral(const cJSON *f, oai_error *e) {
 
 static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_error *e) {
     const cJSON *messages = NULL, *prompt = NULL, *max_tokens = NULL, *max_completion = NULL, *stream_options = NULL;
-    const cJSON *logprobs = NULL, *top_logprobs = NULL;
+    const cJSON *logprobs = NULL, *top_logprobs = NULL, *tools = NULL, *tool_choice = NULL;
     if (no_duplicates(root, "", e) != AE_OK) return AE_ERR;
     for (const cJSON *f = root->child; f; f = f->next) {
         const char *k = f->string;
@@ -484,6 +661,13 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
             if (parse_bias(r, f, e) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "stop_token_ids") == 0) {
             if (parse_stop_ids(r, f, e) != AE_OK) return AE_ERR;
+        } else if (kind == OAI_CHAT && strcmp(k, "tools") == 0) {
+            tools = f;
+        } else if (kind == OAI_CHAT && strcmp(k, "tool_choice") == 0) {
+            tool_choice = f;
+        } else if (kind == OAI_CHAT && strcmp(k, "parallel_tool_calls") == 0) {
+            bool b;
+            if (get_bool(f, k, &b, e) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "response_format") == 0) {
             if (parse_format(r, f, e) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "logprobs") == 0) {
@@ -511,6 +695,15 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
                        "max_tokens (%lld) and max_completion_tokens (%lld) disagree", (long long)a, (long long)b);
     r->max_tokens = b > 0 ? b : a;
     r->max_tokens_field = b > 0 ? "max_completion_tokens" : "max_tokens";
+    if (tools && parse_tools(r, tools, e) != AE_OK) return AE_ERR;
+    if (parse_tool_choice(r, tool_choice, tools, e) != AE_OK) return AE_ERR;
+    if (r->tool_choice >= OAI_TOOLS_REQUIRED) {
+        if (r->format != OAI_TEXT)
+            return oai_bad(e, "response_format", "invalid_value",
+                           "'response_format' cannot go with tool_choice required or a named function");
+        if (call_schema(r, tools, e) != AE_OK) return AE_ERR;
+    }
+    if (r->tool_choice == OAI_TOOLS_NONE) r->n_tools = 0; /* the model is not told of them */
     if (r->max_tokens > 0 && r->min_tokens > r->max_tokens)
         return oai_bad(e, "min_tokens", "invalid_value", "min_tokens (%d) is more than %s (%lld)", r->min_tokens,
                        r->max_tokens_field, (long long)r->max_tokens);

@@ -60,6 +60,8 @@ enum { OAI_TEXT = 0, OAI_JSON_OBJECT = 1, OAI_JSON_SCHEMA = 2 }; /* the wire's r
 #define OAI_MAX_STOP_IDS 16     /* stop_token_ids */
 #define OAI_MAX_TOP_LOGPROBS 20 /* top_logprobs, and completions' logprobs */
 #define OAI_MAX_N 16            /* choices */
+#define OAI_MAX_TOOLS 64        /* functions in tools */
+enum { OAI_TOOLS_NONE = 0, OAI_TOOLS_AUTO = 1, OAI_TOOLS_REQUIRED = 2, OAI_TOOLS_NAMED = 3 };
 
 typedef struct oai_request {
     oai_kind kind;
@@ -107,6 +109,15 @@ typedef struct oai_request {
     int format;
     char *schema;
     size_t schema_len;
+    /* tools (chat): the functions as one JSON list for the prompt
+     * (tools_json), their names, and tool_choice. With OAI_TOOLS_REQUIRED
+     * or a named function, format is OAI_JSON_SCHEMA and schema is the
+     * call's: {"name": one of them, "arguments": its parameters}. */
+    int n_tools;
+    char *tool_names[OAI_MAX_TOOLS];
+    char *tools_json;
+    int tool_choice; /* OAI_TOOLS_* */
+    int tool_named;  /* with OAI_TOOLS_NAMED: which */
     void *mem_; /* everything above points into this one allocation list */
 } oai_request;
 

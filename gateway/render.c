@@ -117,7 +117,9 @@ void render_lp_free(render_lp *l) {
     l->n = 0;
 }
 
-const char *render_finish_name(int finish) { return finish == aerie_FinishReason_FINISH_LENGTH ? "length" : "stop"; }
+const char *render_finish_name(int finish) {
+    return finish == aerie_FinishReason_FINISH_LENGTH ? "length" : finish == RENDER_FINISH_TOOL_CALLS ? "tool_calls" : "stop";
+}
 
 void render_chunk_head(jbuf *b, const render_meta *m) {
     jbuf_printf(b, "data: {\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", m->id,
@@ -154,6 +156,15 @@ void render_chunk(jbuf *b, const jbuf *head, bool chat, int32_t index, const cha
     jbuf_str(b, "}\n\n");
 }
 
+void render_tool_chunk(jbuf *b, const jbuf *head, int32_t index, const char *tool_calls, bool include_usage) {
+    jbuf_add(b, head->p, head->len);
+    jbuf_printf(b, ",\"choices\":[{\"index\":%d,\"delta\":{\"tool_calls\":%s},\"logprobs\":null,"
+                   "\"finish_reason\":null}]",
+                index, tool_calls);
+    if (include_usage) jbuf_str(b, ",\"usage\":null");
+    jbuf_str(b, "}\n\n");
+}
+
 void render_usage_chunk(jbuf *b, const jbuf *head, int32_t prompt_tokens, int32_t completion_tokens) {
     jbuf_add(b, head->p, head->len);
     jbuf_str(b, ",\"choices\":[],");
@@ -171,7 +182,9 @@ void render_completion(jbuf *b, const render_meta *m, const render_choice *c, in
         jbuf_printf(b, "%s{\"index\":%d,", i ? "," : "", i);
         if (m->chat) jbuf_str(b, "\"message\":{\"role\":\"assistant\",\"content\":");
         else jbuf_str(b, "\"text\":");
-        jbuf_quote(b, c[i].text ? c[i].text : "", c[i].text ? c[i].n : 0);
+        if (c[i].tool_calls && !c[i].text) jbuf_str(b, "null");
+        else jbuf_quote(b, c[i].text ? c[i].text : "", c[i].text ? c[i].n : 0);
+        if (m->chat && c[i].tool_calls) jbuf_printf(b, ",\"tool_calls\":%s", c[i].tool_calls);
         if (m->chat) jbuf_str(b, "}");
         jbuf_str(b, ",\"logprobs\":");
         if (c[i].lp) render_lp_json(b, c[i].lp);

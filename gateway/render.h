@@ -45,7 +45,9 @@ void render_lp_json(jbuf *b, const render_lp *l);
 void render_lp_clear(render_lp *l); /* empty, for the next chunk */
 void render_lp_free(render_lp *l);
 
-/* "stop" or "length" for an aerie_FinishReason. */
+/* "stop", "length" or "tool_calls" for an aerie_FinishReason or
+ * RENDER_FINISH_TOOL_CALLS (a gateway-side reason: the reply is calls). */
+#define RENDER_FINISH_TOOL_CALLS 100
 const char *render_finish_name(int finish);
 
 /* The start every streamed chunk of the response shares: "data: {" up to
@@ -65,11 +67,16 @@ void render_usage_chunk(jbuf *b, const jbuf *head, int32_t prompt_tokens, int32_
 /* One choice of a whole completion: text[0..n), its tokens'
  * log-probabilities (NULL: null) and finish reason. */
 typedef struct render_choice {
-    const char *text;
+    const char *text; /* NULL with tool_calls: content null */
     size_t n;
     const render_lp *lp;
     const char *finish;
+    const char *tool_calls; /* chat: the message's tool_calls (a JSON list), or NULL */
 } render_choice;
+
+/* A streamed chunk of choice index whose delta is tool_calls (a JSON
+ * list whose entries carry their "index"). */
+void render_tool_chunk(jbuf *b, const jbuf *head, int32_t index, const char *tool_calls, bool include_usage);
 
 /* A whole (non-streamed) completion of choices c[0..n_choices), indexed
  * in order; completion_tokens is their sum. */

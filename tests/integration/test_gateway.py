@@ -315,8 +315,10 @@ BAD = [
      "model_not_found"),
     ("invalid UTF-8", b'{"model": "M", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None,
      "invalid_encoding"),
-    ("unsupported field", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
-     "tools", "unsupported_parameter"),
+    ("bad tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400,
+     "tools", "invalid_value"),
+    ("unsupported field", {"messages": [{"role": "user", "content": "hi"}], "functions": []}, 400,
+     "functions", "unsupported_parameter"),
     ("n above sixteen", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n", "invalid_value"),
     ("a body that is not an object", b"[]", 400, None, "invalid_type"),
 ]

@@ -13,6 +13,7 @@
 
 #include "../../gateway/metrics.h"
 #include "../../gateway/oai.h"
+#include "../../gateway/toolcall.h"
 #include "../../gateway/stop.h"
 
 /* ---- stop strings ---- */
@@ -402,6 +403,103 @@ static void test_response_format_and_the_schema_subset(void **state) {
 #undef RF
 }
 
+static void test_tool_calls_are_found_in_replies(void **state) {
+    (void)state;
+    const char *names[2] = {"get_weather", "add"};
+    char *rest;
+    /* A constrained reply is one call. */
+    const char *one = "{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}";
+    char *c = toolcall_find(one, strlen(one), true, names, 2, "xyz", false, &rest);
+    assert_string_equal(c, "[{\"id\":\"call_xyz_0\",\"type\":\"function\",\"function\":{\"name\":\"add\","
+                           "\"arguments\":\"{\\\"a\\\":1,\\\"b\\\":2}\"}}]");
+    assert_null(rest);
+    free(c);
+    /* auto: blocks in tags, text around them kept, a cut closing tag. */
+    const char *text = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+                       "</tool_call>\n<tool_call>{\"name\": \"add\", \"arguments\": {}}";
+    c = toolcall_find(text, strlen(text), false, names, 2, "q", true, &rest);
+    assert_string_equal(c, "[{\"index\":0,\"id\":\"call_q_0\",\"type\":\"function\",\"function\":{\"name\":"
+                           "\"get_weather\",\"arguments\":\"{\\\"city\\\":\\\"Paris\\\"}\"}},{\"index\":1,\"id\":"
+                           "\"call_q_1\",\"type\":\"function\",\"function\":{\"name\":\"add\",\"arguments\":\"{}\"}}]");
+    assert_string_equal(rest, "Let me check.");
+    free(c), free(rest);
+    /* Not calls: an unknown name, arguments that are not an object, no
+     * tags, or bad JSON. */
+    const char *nots[] = {"<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>",
+                          "<tool_call>{\"name\": \"add\", \"arguments\": \"1, 2\"}</tool_call>",
+                          "{\"name\": \"add\", \"arguments\": {}}", "<tool_call>{\"name\": \"add\", </tool_call>"};
+    for (size_t i = 0; i < sizeof nots / sizeof nots[0]; i++) {
+        assert_null(toolcall_find(nots[i], strlen(nots[i]), false, names, 2, "q", false, &rest));
+        assert_null(rest);
+    }
+}
+
+static void test_tools_and_tool_messages_are_parsed(void **state) {
+    (void)state;
+    oai_request r;
+    oai_error e;
+#define TOOLS "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"d\", " \
+              "\"parameters\": {\"type\": \"object\", \"properties\": {\"x\": {\"type\": \"integer\"}}}}}, " \
+              "{\"type\": \"function\", \"function\": {\"name\": \"g\"}}]"
+#define MSGS "\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", " \
+             "\"content\": null, \"tool_calls\": [{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": " \
+             "\"f\", \"arguments\": \"{\\\"x\\\": 1}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c1\", " \
+             "\"content\": \"2\"}]"
+    assert_int_equal(parse(&r, OAI_CHAT, "{" MSGS ", " TOOLS "}", &e), AE_OK);
+    assert_int_equal(r.n_tools, 2);
+    assert_int_equal(r.tool_choice, OAI_TOOLS_AUTO);
+    assert_int_equal(r.format, OAI_TEXT);
+    assert_string_equal(r.msgs[1].role, "assistant");
+    assert_string_equal(r.msgs[1].content, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>");
+    assert_string_equal(r.msgs[2].role, "user");
+    assert_string_equal(r.msgs[2].content, "<tool_response>\n2\n</tool_response>");
+    oai_request_free(&r);
+    /* A named function: the output is its call, by a schema. */
+    assert_int_equal(parse(&r, OAI_CHAT, "{" MSGS ", " TOOLS ", \"tool_choice\": {\"type\": \"function\", "
+                                         "\"function\": {\"name\": \"g\"}}}", &e), AE_OK);
+    assert_int_equal(r.tool_choice, OAI_TOOLS_NAMED);
+    assert_int_equal(r.tool_named, 1);
+    assert_int_equal(r.format, OAI_JSON_SCHEMA);
+    assert_string_equal(r.schema, "{\"properties\":{\"name\":{\"const\":\"g\"},\"arguments\":{}},\"required\":"
+                                  "[\"name\",\"arguments\"],\"type\":\"object\",\"additionalProperties\":false}");
+    oai_request_free(&r);
+    assert_int_equal(parse(&r, OAI_CHAT, "{" MSGS ", " TOOLS ", \"tool_choice\": \"required\"}", &e), AE_OK);
+    assert_int_equal(r.tool_choice, OAI_TOOLS_REQUIRED);
+    assert_non_null(strstr(r.schema, "{\"anyOf\":[{\"properties\":{\"name\":{\"const\":\"f\"}"));
+    oai_request_free(&r);
+    assert_int_equal(parse(&r, OAI_CHAT, "{" MSGS ", " TOOLS ", \"tool_choice\": \"none\"}", &e), AE_OK);
+    assert_int_equal(r.n_tools, 0); /* not told to the model */
+    oai_request_free(&r);
+    struct {
+        const char *body, *param, *msg;
+    } bad[] = {
+        {"{" MSGS ", \"tool_choice\": \"required\"}", "tool_choice", "'tool_choice' other than none needs 'tools'"},
+        {"{" MSGS ", " TOOLS ", \"tool_choice\": \"always\"}", "tool_choice",
+         "'tool_choice' is 'always'; it must be none, auto, required or a function"},
+        {"{" MSGS ", " TOOLS ", \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"h\"}}}",
+         "tool_choice", "'tool_choice' names 'h', which is not in tools"},
+        {"{" MSGS ", \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"a b\"}}]}", "tools",
+         "tools[0].function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -"},
+        {"{" MSGS ", \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"a\", \"parameters\": "
+         "{\"type\": \"string\", \"pattern\": \"x\"}}}]}",
+         "tools", "tools[0].function.parameters: 'pattern' at # is not supported"},
+        {"{" MSGS ", \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"a\"}}, {\"type\": "
+         "\"function\", \"function\": {\"name\": \"a\"}}]}",
+         "tools", "two tools are named 'a'"},
+        {"{" MSGS ", \"tools\": [{\"type\": \"retrieval\"}]}", "tools",
+         "tools[0] must be {\"type\": \"function\", \"function\": {...}}"},
+        {"{" MSGS ", " TOOLS ", \"tool_choice\": \"required\", \"response_format\": {\"type\": \"json_object\"}}",
+         "response_format", "'response_format' cannot go with tool_choice required or a named function"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(parse(&r, OAI_CHAT, bad[i].body, &e), AE_ERR);
+        assert_string_equal(e.param, bad[i].param);
+        assert_string_equal(e.message, bad[i].msg);
+    }
+#undef MSGS
+#undef TOOLS
+}
+
 static void test_completion_prompts_text_ids_and_batches_of_one(void **state) {
     (void)state;
     oai_request r;
@@ -431,7 +529,9 @@ static void test_bad_requests_name_their_field(void **state) {
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temperature\": 3}",
                400, "temperature", "invalid_value", "'temperature' is 3; it must be >= 0 and <= 2");
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": []}", 400,
-               "tools", "unsupported_parameter", "'tools' is not supported");
+               "tools", "invalid_type", "'tools' must be a non-empty list of functions");
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"tools\": []}", 400, "tools",
+               "unsupported_parameter", "'tools' is not supported");
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 17}", 400, "n",
                "invalid_value", "'n' is 17; it must be between 1 and 16");
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"best_of\": 2}", 400, "best_of",
@@ -465,8 +565,8 @@ static void test_bad_requests_name_their_field(void **state) {
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"top_logprobs\": 2}", 400, "top_logprobs",
                "unsupported_parameter", "'top_logprobs' is not supported");
 #undef MSG
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", 400, "messages[0]",
-               "invalid_value", "'messages[0].role' is 'tool'; it must be system, developer, user or assistant");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"function\", \"content\": \"x\"}]}", 400, "messages[0]",
+               "invalid_value", "'messages[0].role' is 'function'; it must be system, developer, user, assistant or tool");
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": []}", 400, "messages", "invalid_type", NULL);
     expect_bad(OAI_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", 400, "model",
                "missing_required_parameter", "'model' is required");
@@ -689,6 +789,8 @@ int main(void) {
         cmocka_unit_test(test_completion_prompts_text_ids_and_batches_of_one),
         cmocka_unit_test(test_penalties_biases_and_logprobs_are_parsed),
         cmocka_unit_test(test_response_format_and_the_schema_subset),
+        cmocka_unit_test(test_tool_calls_are_found_in_replies),
+        cmocka_unit_test(test_tools_and_tool_messages_are_parsed),
         cmocka_unit_test(test_bad_requests_name_their_field),
         cmocka_unit_test(test_invalid_utf8_and_lone_surrogates_are_refused),
         cmocka_unit_test(test_error_json_has_openai_shape),
