@@ -405,6 +405,18 @@ static int parse_stop_ids(oai_request *r, const cJSON *v, oai_error *e) {
     return AE_OK;
 }
 
+/* The output is constrained to schema, sent on as compact JSON text. */
+static int set_schema(oai_request *r, const cJSON *schema, oai_error *e) {
+    char *text = schema ? cJSON_PrintUnformatted(schema) : NULL;
+    if (!text) return oai_oom(e);
+    r->schema_len = strlen(text);
+    r->schema = r_strdup(r, text, r->schema_len);
+    cJSON_free(text);
+    if (!r->schema) return oai_oom(e);
+    r->format = OAI_JSON_SCHEMA;
+    return AE_OK;
+}
+
 /* response_format: {"type": "text" | "json_object" | "json_schema",
  * "json_schema": {"name", "schema", "strict", "description"}}. */
 static int parse_format(oai_request *r, const cJSON *v, oai_error *e) {
@@ -439,14 +451,7 @@ static int parse_format(oai_request *r, const cJSON *v, oai_error *e) {
         return oai_bad(e, P, "missing_required_parameter", "'response_format.json_schema.schema' must be an object");
     char why[256];
     if (schema_check(schema, why, sizeof why) != AE_OK) return oai_bad(e, P, "unsupported_schema", "%s", why);
-    char *text = cJSON_PrintUnformatted(schema);
-    if (!text) return oai_oom(e);
-    r->schema_len = strlen(text);
-    r->schema = r_strdup(r, text, r->schema_len);
-    cJSON_free(text);
-    if (!r->schema) return oai_oom(e);
-    r->format = OAI_JSON_SCHEMA;
-    return AE_OK;
+    return set_schema(r, schema, e);
 }
 
 /* tools: [{"type": "function", "function": {"name", "description",
@@ -534,15 +539,9 @@ static int call_schema(oai_request *r, const cJSON *tools, oai_error *e) {
     cJSON *root = cJSON_GetArraySize(any) == 1 ? cJSON_DetachItemFromArray(any, 0) : cJSON_CreateObject();
     if (root && cJSON_GetArraySize(any) > 0) cJSON_AddItemToObject(root, "anyOf", any), any = NULL;
     cJSON_Delete(any);
-    char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+    int rc = set_schema(r, root, e);
     cJSON_Delete(root);
-    if (!text) return oai_oom(e);
-    r->schema_len = strlen(text);
-    r->schema = r_strdup(r, text, r->schema_len);
-    cJSON_free(text);
-    if (!r->schema) return oai_oom(e);
-    r->format = OAI_JSON_SCHEMA;
-    return AE_OK;
+    return rc;
 }
 
 /* tool_choice: "none", "auto", "required" or {"type": "function",

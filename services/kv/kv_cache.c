@@ -263,6 +263,18 @@ static size_t slot_offset(const kv_cache *kv, int32_t seq, int32_t slot) {
     return ((size_t)block * (size_t)bs + (size_t)(slot % bs)) * kv->row;
 }
 
+/* Copies pool rows rc[0][i] to rc[1][i], i < m, in every layer, in
+ * order: the rows are uploaded to the moves buffer on the stream. */
+static void move_rows(kv_cache *kv, kn_stream *stream, const int32_t rc[2][KV_MOVE_CHUNK], int32_t m) {
+    const int32_t *rows = kv->moves.ptr;
+    kn_upload(stream, &kv->moves, 0, rc[0], (size_t)m * sizeof(int32_t));
+    kn_upload(stream, &kv->moves, KV_MOVE_CHUNK * sizeof(int32_t), rc[1], (size_t)m * sizeof(int32_t));
+    for (int32_t l = 0; l < kv->p.n_layers; l++) {
+        kn_kv_pool pool = kv_layer(kv, l);
+        kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);
+    }
+}
+
 int kv_seq_fork(kv_cache *kv, kn_stream *stream, int32_t src, int32_t *dst_out, ae_error *err) {
     kv_seq *s = live_seq(kv, src);
     const int32_t bs = kv->p.block_size, full = s->len / bs, part = s->len % bs;
@@ -285,7 +297,6 @@ int kv_seq_fork(kv_cache *kv, kn_stream *stream, int32_t src, int32_t *dst_out, 
         /* The block being filled is written by both from here on: the
          * fork gets its own copy of its committed rows. */
         AE_ASSERT(kv_seq_reserve(kv, dst, (full + 1) * bs, NULL) == AE_OK);
-        const int32_t *rows = kv->moves.ptr;
         int32_t rc[2][KV_MOVE_CHUNK];
         for (int32_t at = 0; at < part; at += KV_MOVE_CHUNK) {
             int32_t m = part - at < KV_MOVE_CHUNK ? part - at : KV_MOVE_CHUNK;
@@ -293,12 +304,7 @@ int kv_seq_fork(kv_cache *kv, kn_stream *stream, int32_t src, int32_t *dst_out, 
                 rc[0][i] = (int32_t)(slot_offset(kv, src, full * bs + at + i) / kv->row);
                 rc[1][i] = (int32_t)(slot_offset(kv, dst, full * bs + at + i) / kv->row);
             }
-            kn_upload(stream, &kv->moves, 0, rc[0], (size_t)m * sizeof(int32_t));
-            kn_upload(stream, &kv->moves, sizeof rc[0], rc[1], (size_t)m * sizeof(int32_t));
-            for (int32_t l = 0; l < kv->p.n_layers; l++) {
-                kn_kv_pool pool = kv_layer(kv, l);
-                kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);
-            }
+            move_rows(kv, stream, rc, m);
         }
         d->len += part;
     }
@@ -327,19 +333,13 @@ int kv_commit_path(kv_cache *kv, kn_stream *stream, int32_t seq, const int32_t *
      * moving front to back never overwrites a row still to be read. The
      * moves go in chunks, in order, their rows uploaded to the moves
      * buffer on the same stream. */
-    const int32_t *rows = kv->moves.ptr;
     for (int32_t at = 0; at < n; at += KV_MOVE_CHUNK) {
         int32_t rc[2][KV_MOVE_CHUNK], m = n - at < KV_MOVE_CHUNK ? n - at : KV_MOVE_CHUNK;
         for (int32_t i = 0; i < m; i++) {
             rc[0][i] = (int32_t)(slot_offset(kv, seq, node_slots[at + i]) / kv->row);
             rc[1][i] = (int32_t)(slot_offset(kv, seq, s->len + at + i) / kv->row);
         }
-        kn_upload(stream, &kv->moves, 0, rc[0], (size_t)m * sizeof(int32_t));
-        kn_upload(stream, &kv->moves, sizeof rc[0], rc[1], (size_t)m * sizeof(int32_t));
-        for (int32_t l = 0; l < kv->p.n_layers; l++) {
-            kn_kv_pool pool = kv_layer(kv, l);
-            kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);
-        }
+        move_rows(kv, stream, rc, m);
     }
     s->len += n;
     return AE_OK;
