@@ -29,13 +29,34 @@ typedef struct fixture {
     uint32_t *mask;
 } fixture;
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Resident memory of this process, KiB. */
+static long rss_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kib = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0) kib = strtol(line + 6, NULL, 10);
+    if (f) fclose(f);
+    return kib;
+}
+
 static void open_fixture(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
     if (tok_file_open(&f->tf, MODEL, &err) != AE_OK) fail_msg("%s", err.msg);
     f->V = tok_vocab_size(f->tf.tok);
     f->eos = tok_eos(f->tf.tok);
+    long before = rss_kib();
+    int64_t t0 = now_ns();
     if (grammar_vocab_init(&f->gv, f->tf.tok, f->V, f->eos, &err) != AE_OK) fail_msg("%s", err.msg);
+    printf("the vocabulary's automaton: %.1f ms, %.1f MiB resident\n", (double)(now_ns() - t0) / 1e6,
+           (double)(rss_kib() - before) / 1024);
     f->mask = calloc((size_t)(f->V + 31) / 32, sizeof *f->mask);
 }
 
@@ -53,11 +74,6 @@ static int32_t id_of(const fixture *f, const char *text) {
     return id;
 }
 
-static int64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
 
 /* Drives m through text, the longest allowed token at each step; returns
  * the steps, and fills ns[] with each mask's time. */
