@@ -274,6 +274,14 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
         }
         q->t_last = now;
     }
+    /* A cancel by the target (it is shutting down, or a Cancel by id)
+     * ends the call whatever choice it names: every choice not done goes
+     * on elsewhere or fails. */
+    if (ev.finish == aerie_FinishReason_FINISH_CANCELLED && (ch->finish || q->n > 1)) {
+        q->target_cancelled = true;
+        for (int32_t k = 0; k < q->n; k++) flush_delta(q, k);
+        return false;
+    }
     if (ch->finish) return true; /* ended here by a stop string: the target runs on */
     for (pb_size_t i = 0; i < ev.tokens_count && !ch->stopped; i++) {
         if (ch->n_out >= q->max_tokens) break; /* a target never sends more; do not trust it to */

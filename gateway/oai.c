@@ -454,6 +454,16 @@ static int parse_format(oai_request *r, const cJSON *v, oai_error *e) {
     return set_schema(r, schema, e);
 }
 
+/* A "$ref", "$defs" or "definitions" key anywhere in v. */
+static bool has_ref(const cJSON *v) {
+    for (const cJSON *f = v->child; f; f = f->next) {
+        if (f->string && (!strcmp(f->string, "$ref") || !strcmp(f->string, "$defs") || !strcmp(f->string, "definitions")))
+            return true;
+        if ((cJSON_IsObject(f) || cJSON_IsArray(f)) && has_ref(f)) return true;
+    }
+    return false;
+}
+
 /* tools: [{"type": "function", "function": {"name", "description",
  * "parameters", "strict"}}], each name distinct, each parameters schema in
  * the subset (schema.h). */
@@ -494,6 +504,11 @@ static int parse_tools(oai_request *r, const cJSON *v, oai_error *e) {
             if (strcmp(r->tool_names[k], name->valuestring) == 0)
                 rc = oai_bad(e, P, "invalid_value", "two tools are named '%s'", name->valuestring);
         char why[256];
+        /* A call's schema nests the parameters under "arguments", where
+         * their "#/..." references would no longer resolve. */
+        if (rc == AE_OK && params && cJSON_IsObject(params) && has_ref(params))
+            rc = oai_bad(e, P, "unsupported_schema", "tools[%d].function.parameters: '$defs' and '$ref' are not supported "
+                                                     "in tool parameters", i);
         if (rc == AE_OK && params && (!cJSON_IsObject(params) || schema_check(params, why, sizeof why) != AE_OK))
             rc = oai_bad(e, P, "unsupported_schema", "tools[%d].function.parameters: %s", i,
                          cJSON_IsObject(params) ? why : "must be a JSON Schema object");

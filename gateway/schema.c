@@ -114,6 +114,13 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
             return refuse(w, k, at, "is not supported");
         }
     }
+    /* Bounds that allow nothing cannot be compiled into a grammar. */
+    static const char *const pairs[][2] = {{"minLength", "maxLength"}, {"minItems", "maxItems"}, {"minimum", "maximum"}};
+    for (size_t i = 0; i < 3; i++) {
+        const cJSON *lo = cJSON_GetObjectItemCaseSensitive(s, pairs[i][0]), *hi = cJSON_GetObjectItemCaseSensitive(s, pairs[i][1]);
+        if (cJSON_IsNumber(lo) && cJSON_IsNumber(hi) && lo->valuedouble > hi->valuedouble)
+            return snprintf(w->why, w->cap, "'%s' at %s is more than '%s'", pairs[i][0], at, pairs[i][1]), AE_ERR;
+    }
     return AE_OK;
 }
 

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <mutex>
 #include <new>
@@ -65,27 +66,73 @@ extern "C" int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t voc
 
 extern "C" void grammar_vocab_free(grammar_vocab *v) { delete v; }
 
-extern "C" int grammar_matcher_init(grammar_matcher **out, grammar_vocab *v, const char *schema, ae_error *err) {
+struct grammar {
+    std::optional<xgrammar::CompiledGrammar> g;
+};
+
+/* The engine's reason without its source location: "[time] file.cc:line:
+ * reason", or "... Check failed: (...) is false: reason". */
+static int refused(ae_error *err, const std::exception &e) {
+    const char *w = e.what(), *r = strstr(w, "is false: "), *at = strstr(w, ".cc:");
+    if (r) {
+        r += 10;
+    } else if (at) {
+        for (r = at + 4; *r >= '0' && *r <= '9'; r++) {
+        }
+        while (*r == ':' || *r == ' ') r++;
+    } else {
+        r = w;
+    }
+    return err_set(err, "the schema cannot be compiled: %.300s", r), GRAMMAR_REFUSED;
+}
+
+extern "C" int grammar_compile(grammar **out, grammar_vocab *v, const char *schema, ae_error *err) {
     *out = nullptr;
     try {
-        std::optional<xgrammar::CompiledGrammar> g;
-        {
+        auto *g = new grammar();
+        try {
             std::lock_guard<std::mutex> lock(v->mu);
             // OpenAI's json_object is any JSON object; a schema of type
             // object alone says the same.
             std::string s = schema ? schema : "{\"type\": \"object\"}";
-            g.emplace(v->compiler->CompileJSONSchema(s, true, std::nullopt, std::nullopt, true, GRAMMAR_MAX_WS));
+            g->g.emplace(v->compiler->CompileJSONSchema(s, true, std::nullopt, std::nullopt, true, GRAMMAR_MAX_WS));
+        } catch (const std::bad_alloc &) {
+            delete g;
+            throw;
+        } catch (const std::exception &e) {
+            delete g;
+            return refused(err, e);
         }
-        auto *m = new grammar_matcher();
-        m->v = v;
-        m->m.emplace(*g);
-        *out = m;
+        *out = g;
         return AE_OK;
     } catch (const std::bad_alloc &) {
         return err_set(err, "structured output: out of memory compiling the schema");
-    } catch (const std::exception &e) {
-        return fail(err, "structured output: the schema", e);
     }
+}
+
+extern "C" void grammar_free(grammar *g) { delete g; }
+
+extern "C" int grammar_matcher_new(grammar_matcher **out, grammar_vocab *v, const grammar *g, ae_error *err) {
+    *out = nullptr;
+    try {
+        auto *m = new grammar_matcher();
+        m->v = v;
+        m->m.emplace(*g->g);
+        *out = m;
+        return AE_OK;
+    } catch (const std::exception &e) {
+        return fail(err, "structured output: a matcher", e);
+    }
+}
+
+extern "C" int grammar_matcher_init(grammar_matcher **out, grammar_vocab *v, const char *schema, ae_error *err) {
+    *out = nullptr;
+    grammar *g;
+    int rc = grammar_compile(&g, v, schema, err);
+    if (rc != AE_OK) return rc;
+    rc = grammar_matcher_new(out, v, g, err);
+    grammar_free(g);
+    return rc;
 }
 
 extern "C" void grammar_matcher_free(grammar_matcher *m) { delete m; }
@@ -101,7 +148,12 @@ extern "C" void grammar_fill_mask(grammar_matcher *m, uint32_t *mask) {
     d.shape = &words;
     d.strides = nullptr;
     d.byte_offset = 0;
-    m->m->FillNextTokenBitmask(&d);
+    try {
+        m->m->FillNextTokenBitmask(&d);
+    } catch (const std::exception &) {
+        // Nothing allowed: the step refuses the token it decides (spec.c).
+        memset(mask, 0, (size_t)words * sizeof *mask);
+    }
     auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     m->v->masks++;
     m->v->ns += (uint64_t)ns;
@@ -109,7 +161,11 @@ extern "C" void grammar_fill_mask(grammar_matcher *m, uint32_t *mask) {
 
 extern "C" bool grammar_accept(grammar_matcher *m, int32_t token) {
     if (token < 0 || token >= m->v->vocab) return false;
-    return m->m->AcceptToken(token);
+    try {
+        return m->m->AcceptToken(token);
+    } catch (const std::exception &) {
+        return false;
+    }
 }
 
 extern "C" bool grammar_terminated(const grammar_matcher *m) { return m->m->IsTerminated(); }

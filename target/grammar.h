@@ -31,6 +31,7 @@
 #define GRAMMAR_CACHE_BYTES (64ll << 20)
 
 typedef struct grammar_vocab grammar_vocab;
+typedef struct grammar grammar; /* a compiled schema */
 typedef struct grammar_matcher grammar_matcher;
 
 /* The automaton's vocabulary: each id's bytes (tok_token_bytes), special
@@ -39,8 +40,19 @@ typedef struct grammar_matcher grammar_matcher;
 int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t vocab, int32_t eos, ae_error *err);
 void grammar_vocab_free(grammar_vocab *v); /* NULL is a no-op */
 
-/* A matcher at the start of a value of schema (JSON text; NULL: any JSON
- * object, OpenAI's json_object). Compiled schemas are cached by text. */
+/* Compiles schema (JSON text; NULL: any JSON object, OpenAI's
+ * json_object); compiled schemas are cached by text. A schema the engine
+ * cannot make a grammar of is GRAMMAR_REFUSED, with the engine's reason
+ * in err (a client's error); anything else (memory) is AE_ERR. A compile
+ * can take seconds for a large schema: callers keep it off threads that
+ * serve others (target/sched.c has a thread for it). */
+#define GRAMMAR_REFUSED 2
+int grammar_compile(grammar **out, grammar_vocab *v, const char *schema, ae_error *err);
+void grammar_free(grammar *g); /* NULL is a no-op */
+
+/* A matcher at the start of a value of g (g may be freed after). */
+int grammar_matcher_new(grammar_matcher **out, grammar_vocab *v, const grammar *g, ae_error *err);
+/* Both at once. */
 int grammar_matcher_init(grammar_matcher **out, grammar_vocab *v, const char *schema, ae_error *err);
 void grammar_matcher_free(grammar_matcher *m); /* NULL is a no-op */
 

@@ -30,6 +30,9 @@ typedef struct req {
     sched_request r;
     int32_t *prompt; /* [n_prompt], owned */
     char *schema;    /* owned, NUL-terminated; NULL: none */
+    grammar *g;      /* its compiled grammar (the compiling thread's), NULL: none */
+    int compile_rc;  /* AE_OK, or why the schema did not compile (compile_err) */
+    char compile_err[AE_ERR_MAX];
     req_state state;
     int32_t prefilled; /* prompt tokens in the KV */
     int32_t reserve;   /* KV blocks reserved */
@@ -50,6 +53,13 @@ struct sched {
     pthread_mutex_t mu; /* the lists, counters and flags below */
     pthread_cond_t cv;  /* work arrived, or a request ended */
     req *waiting, *waiting_tail, *active;
+    /* Requests with a response format wait here first: one thread compiles
+     * their schemas, in order, then queues them (a compile can take
+     * seconds, and must not stall the running streams). */
+    req *compiling, *compiling_tail;
+    pthread_t compiler;
+    bool has_compiler, compiler_stop;
+    pthread_cond_t ccv; /* a schema to compile, or stop */
     int32_t n_waiting, n_active, reserved;
     int32_t n_seqs; /* the active requests' choices: sequences held */
     bool draining, stopping;
@@ -82,6 +92,7 @@ static void req_free(req *q) {
         grammar_matcher_free(q->ch[c].gm);
     }
     free(q->schema);
+    grammar_free(q->g);
     free(q->prompt);
     free(q);
 }
@@ -164,11 +175,18 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
         req_free(q);
         return st;
     }
-    if (r->format) s->stats.requests_constrained++;
-    if (s->waiting_tail) s->waiting_tail->next = q;
-    else s->waiting = q;
-    s->waiting_tail = q;
     s->n_waiting++;
+    if (r->format) {
+        s->stats.requests_constrained++;
+        if (s->compiling_tail) s->compiling_tail->next = q;
+        else s->compiling = q;
+        s->compiling_tail = q;
+        pthread_cond_broadcast(&s->ccv);
+    } else {
+        if (s->waiting_tail) s->waiting_tail->next = q;
+        else s->waiting = q;
+        s->waiting_tail = q;
+    }
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     return SCHED_QUEUED;
@@ -243,36 +261,84 @@ static void drop_cancelled_waiting(sched *s, bool all) {
         pthread_mutex_lock(&s->mu);
         req *prev = NULL;
         for (req *q = s->waiting; q; prev = q, q = q->next)
-            if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx)) {
+            if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx) || q->compile_rc != AE_OK) {
                 if (prev) prev->next = q->next;
                 else s->waiting = q->next;
                 if (s->waiting_tail == q) s->waiting_tail = prev;
                 s->n_waiting--;
                 s->stats.requests_done++;
-                s->stats.requests_cancelled++;
+                if (q->compile_rc == AE_OK || all) s->stats.requests_cancelled++;
+                else s->stats.requests_refused++;
                 gone = q;
                 break;
             }
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         if (!gone) return;
-        emit(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, true, NULL);
+        /* A schema that did not compile is the client's error (its
+         * reason), or ours (out of memory). */
+        if (gone->compile_rc != AE_OK && !all)
+            emit(s, gone, 0, NULL, 0, NULL, gone->compile_rc == GRAMMAR_REFUSED ? SCHED_REFUSED : SCHED_ERROR, true,
+                 gone->compile_err);
+        else
+            emit(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, true, NULL);
         req_free(gone);
     }
 }
 
-/* Each choice's penalties (penalty.h) and grammar (grammar.h), when the
- * request has them. A schema is compiled here, on the scheduler's
- * thread, the first time it is seen (grammar.h caches it). */
-static int start_rules(sched *s, req *q, ae_error *err) {
+/* Each choice's penalties (penalty.h) and grammar matcher (grammar.h,
+ * from the schema the compiling thread compiled), when the request has
+ * them. A resent output (n_generated) is taken by the matcher first, so a
+ * stream that moved here goes on inside its value. */
+static int start_rules(sched *s, req *q, ae_error *err, bool *refused) {
+    *refused = false;
     for (int32_t c = 0; c < q->r.n; c++) {
         if (penalty_active(&q->r.pen) && !q->ch[c].pen &&
             penalty_init(&q->ch[c].pen, &q->r.pen, s->vocab, q->prompt, q->r.n_prompt, q->r.n_generated, err) != AE_OK)
             return AE_ERR;
-        if (q->r.format && !q->ch[c].gm && grammar_matcher_init(&q->ch[c].gm, s->cfg.grammar, q->schema, err) != AE_OK)
-            return AE_ERR;
+        if (!q->r.format || q->ch[c].gm) continue;
+        if (grammar_matcher_new(&q->ch[c].gm, s->cfg.grammar, q->g, err) != AE_OK) return AE_ERR;
+        for (int32_t i = q->r.n_prompt - q->r.n_generated; i < q->r.n_prompt; i++)
+            if (!grammar_accept(q->ch[c].gm, q->prompt[i])) {
+                *refused = true;
+                return err_set(err, "the output resent after a failover does not fit its schema (token %d of it)",
+                               i - (q->r.n_prompt - q->r.n_generated));
+            }
     }
     return AE_OK;
+}
+
+/* The compiling thread (see struct sched). */
+static void *compiler_main(void *arg) {
+    sched *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->compiling && !s->compiler_stop) pthread_cond_wait(&s->ccv, &s->mu);
+        req *q = s->compiling;
+        if (!q) break;
+        s->compiling = q->next;
+        if (!s->compiling) s->compiling_tail = NULL;
+        q->next = NULL;
+        bool skip = s->compiler_stop || atomic_load(&q->cancel);
+        pthread_mutex_unlock(&s->mu);
+        ae_error err = {{0}};
+        if (!skip) {
+            int64_t t0 = clock_mono_ns();
+            q->compile_rc = grammar_compile(&q->g, s->cfg.grammar, q->schema, &err);
+            if (q->compile_rc != AE_OK) snprintf(q->compile_err, sizeof q->compile_err, "%s", err.msg);
+            double ms = (double)(clock_mono_ns() - t0) / 1e6;
+            if (ms > 100) LOG_INFOF("schema_compiled ms=%.1f bytes=%zu ok=%d", ms, strlen(q->schema), q->compile_rc == AE_OK);
+        }
+        pthread_mutex_lock(&s->mu);
+        /* Queued in order of compiling (the scheduler drops it if it was
+         * cancelled meanwhile). */
+        if (s->waiting_tail) s->waiting_tail->next = q;
+        else s->waiting = q;
+        s->waiting_tail = q;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
 }
 
 /* Admits waiting requests in order while a slot and their KV are free. */
@@ -329,12 +395,14 @@ static void deliver(sched *s, req *q, int32_t c, const spec_out *o) {
     } else if (q->n_done + 1 == q->r.n) {
         finish_active(s, q, c, s->emit_buf, k, o, fin, NULL);
     } else {
-        /* One choice done, others still running: its sequence goes now. */
+        /* One choice done, others still running: its event (with its
+         * speculation figures, read from its sequence), then its sequence
+         * goes. */
+        emit(s, q, c, s->emit_buf, k, o, fin, false, NULL);
         end_choice(s, ch);
         ch->seq = -1;
         ch->done = true;
         q->n_done++;
-        emit(s, q, c, s->emit_buf, k, o, fin, false, NULL);
     }
 }
 
@@ -430,8 +498,10 @@ static void *loop_main(void *arg) {
         if (pre) {
             err_clear(&err);
             choice *c0 = &pre->ch[0];
-            if (c0->seq < 0 && (start_rules(s, pre, &err) != AE_OK || eng_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
-                finish_active(s, pre, 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
+            bool refused = false;
+            if (c0->seq < 0 &&
+                (start_rules(s, pre, &err, &refused) != AE_OK || eng_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
+                finish_active(s, pre, 0, NULL, 0, NULL, refused ? SCHED_REFUSED : SCHED_ERROR, err.msg);
             } else if (spec_seq_prefill(s->sx, c0->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
                                         false, &err) != AE_OK) {
                 LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", c0->seq, err.msg);
@@ -504,6 +574,18 @@ static void *loop_main(void *arg) {
     }
 }
 
+/* Stops the compiling thread; what it had not compiled goes to the
+ * waiting queue (where a stopping scheduler cancels it). */
+static void stop_compiler(sched *s) {
+    if (!s->has_compiler) return;
+    pthread_mutex_lock(&s->mu);
+    s->compiler_stop = true;
+    pthread_cond_broadcast(&s->ccv);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->compiler, NULL);
+    s->has_compiler = false;
+}
+
 int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sched_sink *sink, ae_error *err) {
     *out = NULL;
     const eng_config *ec = eng_get_config(e);
@@ -521,6 +603,7 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     s->n_blocks = (ec->kv_tokens + ec->block_size - 1) / ec->block_size;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    pthread_cond_init(&s->ccv, NULL);
     s->in = calloc((size_t)cfg->max_batch, sizeof *s->in);
     s->out = calloc((size_t)cfg->max_batch, sizeof *s->out);
     s->step_reqs = calloc((size_t)cfg->max_batch, sizeof *s->step_reqs);
@@ -532,8 +615,16 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
         err_set(err, "out of memory");
         goto fail;
     }
+    if (s->cfg.grammar) {
+        if (pthread_create(&s->compiler, NULL, compiler_main, s) != 0) {
+            err_set(err, "cannot start the schema compiling thread");
+            goto fail;
+        }
+        s->has_compiler = true;
+    }
     if (pthread_create(&s->thread, NULL, loop_main, s) != 0) {
         err_set(err, "cannot start the scheduler thread");
+        stop_compiler(s);
         goto fail;
     }
     *out = s;
@@ -542,6 +633,7 @@ fail:
     free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
+    pthread_cond_destroy(&s->ccv);
     free(s);
     return AE_ERR;
 }
@@ -554,7 +646,7 @@ void sched_drain(sched *s, int64_t timeout_ms) {
     if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
     pthread_mutex_lock(&s->mu);
     s->draining = true;
-    while ((s->active || s->waiting) && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    while ((s->active || s->waiting || s->compiling) && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
     }
     int32_t left = s->n_active + s->n_waiting;
     pthread_mutex_unlock(&s->mu);
@@ -563,6 +655,7 @@ void sched_drain(sched *s, int64_t timeout_ms) {
 
 void sched_free(sched *s) {
     if (!s) return;
+    stop_compiler(s);
     pthread_mutex_lock(&s->mu);
     s->stopping = true;
     pthread_cond_broadcast(&s->cv);
@@ -571,6 +664,7 @@ void sched_free(sched *s) {
     free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
+    pthread_cond_destroy(&s->ccv);
     free(s);
 }
 

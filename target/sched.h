@@ -39,6 +39,7 @@ typedef enum sched_finish {
     SCHED_LENGTH = 2,    /* max_tokens */
     SCHED_CANCELLED = 3,
     SCHED_ERROR = 4,     /* the engine failed; error says why */
+    SCHED_REFUSED = 5,   /* the request cannot be served (a schema that does not compile); error says why */
 } sched_finish;
 
 typedef struct sched_request {
@@ -82,7 +83,7 @@ typedef struct sched_event {
     bool last;             /* the request's last event (every choice done) */
     int32_t prompt_tokens, completion_tokens;
     const spec_stats *spec; /* the sequence's figures */
-    const char *error;     /* with SCHED_ERROR */
+    const char *error;     /* with SCHED_ERROR and SCHED_REFUSED */
 } sched_event;
 
 typedef struct sched_sink {

@@ -30,6 +30,10 @@ static bool sink_cancelled(void *ctx, void *req_ctx) {
 static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
     tsrv *t = ctx;
     rpc_call *call = req_ctx;
+    if (e->finish == SCHED_REFUSED) {
+        rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s", e->error ? e->error : "?");
+        return;
+    }
     if (e->finish == SCHED_ERROR) {
         rpc_call_fail(call, RPC_INTERNAL, "generation failed: %s", e->error ? e->error : "?");
         return;

@@ -417,12 +417,22 @@ static const float *rules_apply(void *ctx, const float *row) {
      * ends the choice at that eos. */
     if (!rp->gm || grammar_terminated(rp->gm)) return r;
     grammar_fill_mask(rp->gm, rp->mask);
-    if (r != rp->scratch) memcpy(rp->scratch, r, (size_t)rp->V * sizeof(float));
-    for (int32_t w = 0; w < (rp->V + 31) / 32; w++) {
-        uint32_t m = rp->mask[w];
-        if (m == UINT32_MAX) continue;
-        for (int32_t b = 0; b < 32 && w * 32 + b < rp->V; b++)
-            if (!(m >> b & 1)) rp->scratch[w * 32 + b] = -INFINITY;
+    for (int pass = 0; pass < 2; pass++) {
+        /* The second pass drops the penalties: min_tokens can hold back
+         * the end of sequence when a complete value allows nothing else.
+         * The grammar wins (the output must be valid). */
+        const float *from = pass ? row : r;
+        if (from != rp->scratch) memcpy(rp->scratch, from, (size_t)rp->V * sizeof(float));
+        bool any = false;
+        for (int32_t w = 0; w < (rp->V + 31) / 32; w++) {
+            uint32_t m = rp->mask[w];
+            for (int32_t b = 0; b < 32 && w * 32 + b < rp->V; b++) {
+                float *x = &rp->scratch[w * 32 + b];
+                if (!(m >> b & 1)) *x = -INFINITY;
+                else any |= *x > -INFINITY;
+            }
+        }
+        if (any || !rp->pen) break;
     }
     return rp->scratch;
 }

@@ -187,6 +187,13 @@ def choice_texts(r):
     return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
 
 
+def gateway_spec_steps(g):
+    import re
+    st, _h, text = request(g.port, "GET", "/metrics")
+    return sum(int(re.search(rf"^{name} (\d+)$", text, re.M).group(1))
+               for name in ("aerie_spec_draft_steps_total", "aerie_spec_plain_steps_total"))
+
+
 def spec_figures(g):
     """The speculating target's figures, once the gateway has fetched them
     after the last request."""
@@ -198,9 +205,12 @@ def spec_figures(g):
 
 def test_n_choices_are_keyed_by_seed_and_index_and_the_same_with_and_without_the_draft(pair):
     kw = dict(max_tokens=20, temperature=0.9, seed=11, n=4, logprobs=True)
-    before = spec_figures(pair[0])
+    before, gw_before = spec_figures(pair[0]), gateway_spec_steps(pair[0])
     spec, plain = both(pair, chat(QUESTIONS[1], **kw))
-    after = spec_figures(pair[0])
+    after, gw_after = spec_figures(pair[0]), gateway_spec_steps(pair[0])
+    # Every choice's last event carries its own figures: the gateway's sum
+    # is the target's.
+    assert gw_after - gw_before == (after["steps"] + after["plain_steps"]) - (before["steps"] + before["plain_steps"])
     # Every choice drafted: the forks took their source's state at the
     # draft service, none was lost.
     assert after["state_gone"] == before["state_gone"] and after["draft_failures"] == before["draft_failures"]

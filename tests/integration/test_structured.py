@@ -129,3 +129,54 @@ def test_metrics_count_constrained_requests_and_mask_time_and_server_info_lists_
     assert f["response_format"] == ["text", "json_object", "json_schema"] and f["n_max"] == 16
     assert f["top_logprobs_max"] == 20 and "anyOf" in f["json_schema_keywords"]
     assert info["targets"][0]["stats"]["requests_constrained"] >= 1
+
+
+def test_min_tokens_yields_to_a_complete_value(pair):  # noqa: F811
+    """min_tokens holds back the end of sequence, but once the value is
+    complete nothing else is allowed: the grammar wins."""
+    spec, plain = both(pair, ask({"type": "boolean"}, PROMPTS[0], extra_body={"min_tokens": 10}))
+    assert spec.choices[0].message.content == plain.choices[0].message.content
+    assert json.loads(spec.choices[0].message.content) in (True, False)
+
+
+@pytest.mark.parametrize("schema,start", [
+    ({"type": "array", "minItems": 1}, "the schema cannot be compiled: "),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "'minLength' at # is more than 'maxLength'"),
+])
+def test_schemas_that_allow_nothing_or_do_not_compile_are_a_400(pair, schema, start):  # noqa: F811
+    g = pair[0]
+    with pytest.raises(openai.BadRequestError) as ei:
+        g.client().chat.completions.create(
+            model=g.name, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    msg = ei.value.body["message"]
+    assert msg.startswith(start) and ".cc:" not in msg and "build/" not in msg, msg
+
+
+def test_a_slow_schema_compile_does_not_stall_other_requests(pair):  # noqa: F811
+    """Schemas compile on their own thread: a large one (seconds) leaves
+    the target serving everyone else meanwhile."""
+    import threading
+    import time
+    g = pair[1]
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 4} for i in range(1500)}}
+    done = {}
+
+    def slow():
+        g.client().chat.completions.create(
+            model=g.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "big", "schema": big}})
+        done["slow"] = time.monotonic()
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    r = g.client().chat.completions.create(model=g.name, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                           temperature=0)
+    done["fast"] = time.monotonic()
+    t.join()
+    assert r.usage.completion_tokens == 8
+    print(f"fast request: {done['fast'] - t0:.2f} s; the big schema's request ended "
+          f"{done['slow'] - done['fast']:.2f} s after it")
+    assert done["fast"] < done["slow"]

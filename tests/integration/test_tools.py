@@ -90,6 +90,9 @@ def test_a_conversation_with_calls_and_results_is_served(pair):  # noqa: F811
      "'tool_choice' names 'nope', which is not in tools"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]),
      "tools", "tools[0].function.parameters: 'not' at # is not supported"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "$defs": {"u": {"type": "string"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/u"}}}}}]),
+     "tools", "tools[0].function.parameters: '$defs' and '$ref' are not supported in tool parameters"),
 ])
 def test_bad_tools_get_a_400(pair, kw, param, msg):  # noqa: F811
     g = pair[0]
