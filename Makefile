@@ -63,6 +63,38 @@ TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsa
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 MODEL_BIN := $(MODEL_SRC:tests/model/%.c=build/tests/%)
 
+# The CUDA backend (kernels/cuda/*.cu) is a plugin the services open with
+# dlopen (kernels/device.h): build/libaerie-cuda.so, built by nvcc wherever
+# nvcc is found, with cudart linked statically so that it loads on a
+# machine with no driver and then reports that no GPU is usable.
+#   sm_90a: H100/H200 (wgmma); sm_100a: B200 (tcgen05); sm_120: RTX PRO
+#   6000 Blackwell (no 'a': its fast path is mma.sync); compute_80 PTX: any
+#   other GPU from sm_80 on JITs it ('a' and 'f' PTX never JITs elsewhere).
+# --fmad=false: the kernels keep the CPU backend's bits (kn_cuda.h), as
+# -ffp-contract=off does for gcc.
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
+CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a \
+                -gencode=arch=compute_120,code=sm_120 -gencode=arch=compute_80,code=compute_80
+NVCCFLAGS := -std=c++17 --fmad=false -O2 -g -Ibuild/gen -Werror all-warnings -Xptxas -warn-spills \
+             -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra,-Werror,-Wno-unused-parameter,-pthread
+CUDA_SRC := $(sort $(wildcard kernels/cuda/*.cu))
+CUDA_OBJ := $(CUDA_SRC:%.cu=build/cuda/%.o)
+CUDA_LIB := build/libaerie-cuda.so
+ifneq ($(NVCC),)
+CUDA_ALL := $(CUDA_LIB)
+else
+CUDA_ALL := cuda-note
+endif
+# The same kernel sources compiled by g++ against the CPU stand-in for
+# CUDA (kernels/cuda/shim), for make test-cuda-cpu.
+SHIM_FLAGS := -std=c++17 -DKN_CUDA_SHIM -D_GNU_SOURCE -pthread -ffp-contract=off -MMD -MP -Ibuild/gen \
+              -Wall -Wextra -Werror -Wshadow -Wno-unused-parameter
+SHIM_SRC := $(CUDA_SRC) kernels/cuda/shim/cuda_shim.cc
+ASHIM_OBJ := $(patsubst %,build/asan/shim/%.o,$(SHIM_SRC))
+TSHIM_OBJ := $(patsubst %,build/tsan/shim/%.o,$(SHIM_SRC))
+CUDA_CPU_BIN := build/asan/cuda/test_cuda_ops build/asan/cuda/test_cuda_model build/tsan/cuda/test_cuda_ops
+.SECONDARY: $(ASHIM_OBJ) $(TSHIM_OBJ)
+
 # `make V=1` shows the full command lines.
 V ?= 0
 ifeq ($(V),0)
@@ -75,13 +107,13 @@ endif
 
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: all deps model test unit fuzz asan tsan run train-draft clean
+.PHONY: all deps model test unit fuzz asan tsan run train-draft clean cuda test-cuda-cpu cuda-note
 .DEFAULT_GOAL := all
 
 SERVICES := build/aerie-target build/aerie-draft build/aerie-gateway
 ASAN_SERVICES := $(SERVICES:build/%=build/asan/%)
 
-all: build/aerie $(SERVICES) $(MODEL_BIN)
+all: build/aerie $(SERVICES) $(MODEL_BIN) $(CUDA_ALL)
 
 # Every object may include the generated header (an order-only
 # prerequisite of each object rule below).
@@ -195,9 +227,53 @@ build/fuzz/%: tests/fuzz/%.c build/fuzz/libaerie.a
 	$(MSG) FUZZLD $@
 	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -fsanitize=fuzzer,address,undefined $< build/fuzz/libaerie.a $(LIBS) -o $@
 
-asan: build/asan/aerie $(ASAN_SERVICES) $(UNIT_BIN)
+build/cuda/%.o: %.cu kernels/cuda/kn_cuda.h kernels/backend.h kernels/kernels.h kernels/device.h | $(GEN_H)
+	@mkdir -p $(@D)
+	$(MSG) NVCC $@
+	$(Q)$(NVCC) $(NVCCFLAGS) $(CUDA_GENCODE) -c $< -o $@
+
+$(CUDA_LIB): $(CUDA_OBJ)
+	$(MSG) NVLD $@
+	$(Q)$(NVCC) -shared -cudart static $(CUDA_GENCODE) -Xlinker --no-undefined $^ -o $@
+
+ifneq ($(NVCC),)
+cuda: $(CUDA_LIB)
+else
+cuda:
+	@echo "make cuda: nvcc not found (install the CUDA toolkit, or set NVCC=path)"; exit 2
+endif
+
+cuda-note:
+	@echo "  note   nvcc not found: building without the CUDA backend (--device cuda needs make cuda)"
+
+build/asan/shim/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+	@mkdir -p $(@D)
+	$(MSG) SHIM $@
+	$(Q)$(CXX) $(SHIM_FLAGS) -x c++ -O1 -g $(SAN) -c $< -o $@
+
+build/tsan/shim/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+	@mkdir -p $(@D)
+	$(MSG) TSHIM $@
+	$(Q)$(CXX) $(SHIM_FLAGS) -x c++ -O1 -g -fsanitize=thread -c $< -o $@
+
+build/asan/cuda/test_%: tests/cuda_cpu/test_%.c $(ASHIM_OBJ) build/asan/libaerie.a
+	@mkdir -p $(@D)
+	$(MSG) ASANLD $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< $(ASHIM_OBJ) build/asan/libaerie.a -lcmocka $(LIBS) -o $@
+
+build/tsan/cuda/test_%: tests/cuda_cpu/test_%.c $(TSHIM_OBJ) build/tsan/libaerie.a
+	@mkdir -p $(@D)
+	$(MSG) TSANLD $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g -fsanitize=thread $< $(TSHIM_OBJ) build/tsan/libaerie.a -lcmocka $(LIBS) -o $@
+
+# The CUDA kernels on the CPU, against the CPU backend, under ASan+UBSan
+# and under TSan (part of make test, through tools/run_tests.sh).
+test-cuda-cpu: $(CUDA_CPU_BIN)
+	@tools/run_tests.sh --only $(CUDA_CPU_BIN)
+
+asan: build/asan/aerie $(ASAN_SERVICES) $(UNIT_BIN) build/asan/cuda/test_cuda_ops build/asan/cuda/test_cuda_model
 unit: $(UNIT_BIN)
-tsan: $(TSAN_BIN)
+tsan: $(TSAN_BIN) build/tsan/cuda/test_cuda_ops
 fuzz: $(FUZZ_BIN)
 
 # make deps installs everything; each target below installs only what it
@@ -225,7 +301,7 @@ test:
 # Serving needs the binaries only: the model tests in `all` need cmocka.
 run:
 	@tools/deps.sh run
-	$(MAKE) build/aerie $(SERVICES)
+	$(MAKE) build/aerie $(SERVICES) $(CUDA_ALL)
 	@tools/fetch_model.sh
 	@tools/run.sh
 

@@ -7,18 +7,31 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# --only BIN...: just those cmocka binaries (make test-cuda-cpu).
+only=()
+if [ "${1:-}" = --only ]; then
+    shift
+    only=("$@")
+fi
+
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 logdir=build/test-logs
-rm -rf "$logdir" && mkdir -p "$logdir"
+[ ${#only[@]} -gt 0 ] || rm -rf "$logdir"
+mkdir -p "$logdir"
 
 passed=0 failed=0
 failures=()
 
-echo "== unit tests (cmocka: ASan+UBSan; TSan for the suites that share state across threads;"
-echo "   release build for the whole-model comparisons in tests/model)"
-for t in build/asan/tests/test_* build/tsan/tests/test_* build/tests/test_*; do
+suites=(build/asan/tests/test_* build/asan/cuda/test_* build/tsan/tests/test_* build/tsan/cuda/test_* build/tests/test_*)
+if [ ${#only[@]} -gt 0 ]; then
+    suites=("${only[@]}")
+else
+    echo "== unit tests (cmocka: ASan+UBSan; TSan for the suites that share state across threads;"
+    echo "   release build for the whole-model comparisons in tests/model; the CUDA kernels on the CPU shim)"
+fi
+for t in "${suites[@]}"; do
     [ -x "$t" ] || continue
     name=$(basename "$(dirname "$(dirname "$t")")")/$(basename "$t")
     name=${name/#build\//release/}   # build/tests/test_x: the release-build model tests
@@ -39,6 +52,12 @@ for t in build/asan/tests/test_* build/tsan/tests/test_* build/tests/test_*; do
         failures+=("$name")
     fi
 done
+
+if [ ${#only[@]} -gt 0 ]; then
+    echo "$passed passed, $failed failed"
+    [ "$failed" -eq 0 ] && [ ${#failures[@]} -eq 0 ]
+    exit
+fi
 
 echo "== fuzz targets (libFuzzer, ASan+UBSan, ${FUZZ_SECONDS}s each)"
 for f in build/fuzz/fuzz_*; do

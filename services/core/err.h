@@ -38,7 +38,7 @@ static inline void err_clear(ae_error *err) {
     if (err) err->msg[0] = '\0';
 }
 
-_Noreturn void err_assert_fail(const char *cond, const char *file, int line);
+__attribute__((noreturn)) void err_assert_fail(const char *cond, const char *file, int line);
 
 #define AE_ASSERT(cond) \
     ((cond) ? (void)0 : err_assert_fail(#cond, __FILE__, __LINE__))

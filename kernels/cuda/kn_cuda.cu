@@ -1,0 +1,220 @@
+/* The CUDA backend (backend.h): streams, buffers, events and the table,
+ * and the plugin's entry point kn_cuda_open (kernels/device.h). The ops
+ * are in kn_cuda_ops.cu.
+ *
+ * One process drives one device, chosen at open: the runtime's current
+ * device is per thread, so every entry that touches the device makes it
+ * current first (kcu_bind). Streams are non-blocking CUDA streams with
+ * their workspace in device memory; buffers are cudaMalloc'd and zeroed.
+ * A failed call while serving is fatal and names the call, file and
+ * line; at open a failure is an error line for the caller. */
+#include "kn_cuda.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+extern "C" {
+#include "../device.h"
+}
+
+static int g_device = -1;
+static thread_local int t_bound = -1;
+
+void kcu_bind(void) {
+    if (t_bound != g_device) {
+        KN_CK(cudaSetDevice(g_device));
+        t_bound = g_device;
+    }
+}
+
+void kn_cuda_fail(const char *call, cudaError_t e, const char *file, int line) {
+    fprintf(stderr, "aerie cuda: %s failed: %s (%d) at %s:%d\n", call, cudaGetErrorString(e), (int)e, file, line);
+    fflush(stderr);
+    abort();
+}
+
+void kn_cuda_assert_fail(const char *cond, const char *file, int line) {
+    fprintf(stderr, "aerie cuda: assertion failed: %s at %s:%d\n", cond, file, line);
+    fflush(stderr);
+    abort();
+}
+
+/* err_set's rule (the first error is kept), without linking libaerie. */
+__attribute__((format(printf, 2, 3))) static int fail(ae_error *err, const char *fmt, ...) {
+    if (err && err->msg[0] == '\0') {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        va_end(ap);
+    }
+    return AE_ERR;
+}
+
+/* ---- streams and events ---------------------------------------------------- */
+
+static int cu_stream_init(kn_stream **out, const kn_stream_config *cfg, ae_error *err) {
+    kcu_bind();
+    kn_cuda_stream *s = (kn_cuda_stream *)calloc(1, sizeof *s);
+    if (!s) return fail(err, "cuda: out of host memory for a stream");
+    cudaError_t e = cudaStreamCreateWithFlags(&s->st, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        free(s);
+        return fail(err, "cuda: cudaStreamCreateWithFlags: %s (%d)", cudaGetErrorString(e), (int)e);
+    }
+    size_t bytes = cfg ? cfg->workspace_bytes : 0;
+    if (bytes > 0) {
+        e = cudaMalloc(&s->work, bytes);
+        if (e != cudaSuccess) {
+            cudaStreamDestroy(s->st);
+            free(s);
+            return fail(err, "cuda: cannot allocate %zu bytes of stream workspace: %s", bytes, cudaGetErrorString(e));
+        }
+        s->work_bytes = bytes;
+    }
+    *out = &s->base;
+    return AE_OK;
+}
+
+static void cu_stream_free(kn_stream *s) {
+    kcu_bind();
+    kn_cuda_stream *c = KN_CU(s);
+    KN_CK(cudaStreamSynchronize(c->st));
+    if (c->work) KN_CK(cudaFree(c->work));
+    KN_CK(cudaStreamDestroy(c->st));
+    free(c);
+}
+
+static int cu_stream_threads(const kn_stream *s) {
+    (void)s;
+    return 1; /* host threads the stream keeps busy */
+}
+
+static void cu_sync(kn_stream *s) {
+    kcu_bind();
+    KN_CK(cudaStreamSynchronize(KN_CU(s)->st));
+}
+
+/* An event is created the first time it is recorded and kept with the
+ * caller's kn_event for the process's life (a step reuses its events). */
+static void cu_event_record(kn_stream *s, kn_event *e) {
+    kcu_bind();
+    if (!e->impl) {
+        cudaEvent_t ev;
+        KN_CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+        e->impl = (void *)ev;
+    }
+    KN_CK(cudaEventRecord((cudaEvent_t)e->impl, KN_CU(s)->st));
+}
+
+static void cu_event_wait(kn_stream *s, const kn_event *e) {
+    kcu_bind();
+    if (e->impl) KN_CK(cudaStreamWaitEvent(KN_CU(s)->st, (cudaEvent_t)e->impl, 0));
+}
+
+/* ---- buffers ----------------------------------------------------------------- */
+
+static int cu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
+    kcu_bind();
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        cudaGetLastError(); /* clear it: the device is still good */
+        size_t fr = 0, tot = 0;
+        cudaMemGetInfo(&fr, &tot);
+        return fail(err, "cuda: cannot allocate %zu bytes on cuda:%d (%zu of %zu free): %s", bytes, g_device, fr,
+                    tot, cudaGetErrorString(e));
+    }
+    KN_CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    b->ptr = p;
+    return AE_OK;
+}
+
+static void cu_buf_free(kn_buf *b) {
+    kcu_bind();
+    KN_CK(cudaFree(b->ptr));
+}
+
+static void cu_buf_write(kn_buf *b, size_t off, const void *src, size_t n) {
+    kcu_bind();
+    KN_CK(cudaMemcpy((char *)b->ptr + off, src, n, cudaMemcpyHostToDevice));
+}
+
+static void cu_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n) {
+    kcu_bind();
+    KN_CK(cudaMemcpyAsync((char *)dst->ptr + off, src, n, cudaMemcpyHostToDevice, KN_CU(s)->st));
+}
+
+static void cu_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n) {
+    kcu_bind();
+    KN_CK(cudaMemcpyAsync(dst, (const char *)src->ptr + off, n, cudaMemcpyDeviceToHost, KN_CU(s)->st));
+}
+
+/* ---- the table ------------------------------------------------------------------ */
+
+static const kn_backend kn_backend_cuda = {
+    "cuda",
+    false, /* host_memory */
+    kcu_supports,
+    cu_stream_init,
+    cu_stream_free,
+    cu_stream_threads,
+    cu_sync,
+    cu_event_record,
+    cu_event_wait,
+    cu_buf_alloc,
+    cu_buf_free,
+    cu_buf_write,
+    cu_upload,
+    cu_download,
+    kcu_matmul_n,
+    kcu_matmul_swiglu,
+    kcu_rmsnorm,
+    kcu_add,
+    kcu_bias_add,
+    kcu_swiglu,
+    kcu_softmax,
+    kcu_argmax,
+    kcu_embed,
+    kcu_rope_table,
+    kcu_rope_rotate,
+    kcu_kv_write,
+    kcu_kv_move,
+    kcu_attention,
+    kcu_gather_rows,
+};
+
+extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, const kn_backend **be,
+                                                                   kn_device_info *info, ae_error *err) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return fail(err, "no usable GPU: cudaGetDeviceCount: %s (%d)", cudaGetErrorString(e), (int)e);
+    }
+    if (n == 0) return fail(err, "no usable GPU: cudaGetDeviceCount found none");
+    if (index < 0 || index >= n) return fail(err, "cuda:%d does not exist: this machine has %d GPU(s)", index, n);
+    if (g_device >= 0 && g_device != index)
+        return fail(err, "cuda:%d: this process already drives cuda:%d", index, g_device);
+    e = cudaSetDevice(index);
+    if (e != cudaSuccess) return fail(err, "cuda:%d: cudaSetDevice: %s (%d)", index, cudaGetErrorString(e), (int)e);
+    cudaDeviceProp p;
+    size_t fr = 0, tot = 0;
+    e = cudaGetDeviceProperties(&p, index);
+    if (e == cudaSuccess) e = cudaMemGetInfo(&fr, &tot);
+    if (e != cudaSuccess)
+        return fail(err, "cuda:%d: cannot read the device: %s (%d)", index, cudaGetErrorString(e), (int)e);
+    g_device = index;
+    t_bound = index;
+    memset(info, 0, sizeof *info);
+    snprintf(info->name, sizeof info->name, "%s", p.name);
+    info->index = index;
+    info->cc_major = p.major;
+    info->cc_minor = p.minor;
+    info->total_bytes = tot;
+    info->free_bytes = fr;
+    cudaDriverGetVersion(&info->driver_version);
+    cudaRuntimeGetVersion(&info->runtime_version);
+    *be = &kn_backend_cuda;
+    return AE_OK;
+}

@@ -1,0 +1,82 @@
+/* Internals of the CUDA backend (kn_cuda.cu: streams, buffers, the
+ * table; kn_cuda_ops.cu: the kernels). Every file here is written in the
+ * portable subset of CUDA C++ that shim/cuda_shim.h also provides, so
+ * that g++ builds the same sources for the CPU (KN_CUDA_SHIM) and the
+ * op tests compare them with the CPU backend.
+ *
+ * The kernels keep the bits of kernels.h ("Batch invariance") exactly:
+ * every reduction runs in the order the CPU backend's does, with no
+ * contraction of a multiply and an add the code wrote apart (nvcc
+ * --fmad=false, as -ffp-contract=off on the CPU), so a CUDA run is batch
+ * invariant by construction and its greedy speculative output is
+ * token-identical to plain decoding. The one exception is kn_softmax,
+ * whose e^x is the device's expf (within 2 ulp of the CPU's libm); it
+ * is used only for the draft's proposal probabilities. */
+#ifndef AERIE_KERNELS_CUDA_H
+#define AERIE_KERNELS_CUDA_H
+
+#ifdef KN_CUDA_SHIM
+#include "shim/cuda_shim.h"
+#else
+#include <cuda_runtime.h>
+#define KN_LAUNCH(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#endif
+
+#include <stdint.h>
+#include <string.h>
+
+extern "C" {
+#include "../backend.h"
+}
+
+#define KN_HD __host__ __device__ __forceinline__
+
+/* A CUDA stream: its queue and its scratch in device memory. */
+struct kn_cuda_stream {
+    kn_stream base; /* backend.h */
+    cudaStream_t st;
+    void *work;
+    size_t work_bytes;
+};
+#define KN_CU(s) ((kn_cuda_stream *)(s))
+
+/* Every CUDA call is checked: a failure during an op is fatal (the
+ * device is lost or an invariant broke), reported with the call, the
+ * file and the line. */
+__attribute__((noreturn)) void kn_cuda_fail(const char *call, cudaError_t e, const char *file, int line);
+#define KN_CK(call)                                                          \
+    do {                                                                     \
+        cudaError_t e_ = (call);                                             \
+        if (e_ != cudaSuccess) kn_cuda_fail(#call, e_, __FILE__, __LINE__);  \
+    } while (0)
+
+/* AE_ASSERT's twin: the plugin links nothing of libaerie. */
+__attribute__((noreturn)) void kn_cuda_assert_fail(const char *cond, const char *file, int line);
+#define KCU_ASSERT(cond) ((cond) ? (void)0 : kn_cuda_assert_fail(#cond, __FILE__, __LINE__))
+
+/* Makes the backend's device current on the calling thread (once per
+ * thread: the runtime's current device is per thread). */
+void kcu_bind(void);
+
+/* ---- the ops (kn_cuda_ops.cu), as backend.h declares them ------------- */
+void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
+void kcu_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                       float *y_up, int64_t m);
+void kcu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps);
+void kcu_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count);
+void kcu_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n);
+void kcu_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count);
+void kcu_softmax(kn_stream *s, float *x, int64_t m, int64_t n);
+void kcu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
+void kcu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
+void kcu_rope_table(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
+void kcu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
+void kcu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
+void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n);
+void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
+                   int32_t n_heads);
+void kcu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
+                     int64_t dst_stride);
+bool kcu_supports(kn_op op, ggml_type type);
+
+#endif

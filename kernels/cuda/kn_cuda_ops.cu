@@ -1,0 +1,781 @@
+/* The ops of the CUDA backend: portable kernels that keep the CPU
+ * backend's bits (kn_cuda.h). Each reduction that kernels.h orders is
+ * computed in that order; what it leaves free (integer sums, maxima,
+ * which thread does what) is spread over the GPU's threads.
+ *
+ * Layout of the work:
+ *   - element-wise ops: a grid-stride loop, one element per thread;
+ *   - per-row ops (rmsnorm, softmax, argmax): one block per row;
+ *   - float matmul: a block is 32 weight rows x 8 lanes; thread (j, l)
+ *     runs lane l's fma chain of row j for up to 8 rows of x, and lane 0
+ *     adds the lanes in kernels.h's tree;
+ *   - quantized matmul: x is first rounded to integers per block of 32
+ *     (kqx_quantize), then a warp takes one weight row: each lane an
+ *     integer block sum, and lane r chains row r's block terms in order;
+ *   - attention: a block per (token, head) walks the token's chunks in
+ *     order, each chunk's partial computed by the block, merged as it
+ *     goes (the "walk" of kn_attention.c; the split of a long context
+ *     over blocks is future work, tests/gpu/UNRUN.md). */
+#include "kn_cuda.h"
+
+#include <math.h>
+
+#define KCU_THREADS 128
+#define KCU_MAX_GRID 4096
+#define KCU_QK 32
+
+static dim3 flat_grid(int64_t count) {
+    int64_t b = (count + KCU_THREADS - 1) / KCU_THREADS;
+    return dim3((unsigned)(b < 1 ? 1 : b > KCU_MAX_GRID ? KCU_MAX_GRID : b));
+}
+
+static KN_HD int64_t flat_start(void) { return (int64_t)blockIdx.x * blockDim.x + threadIdx.x; }
+static KN_HD int64_t flat_step(void) { return (int64_t)gridDim.x * blockDim.x; }
+
+/* The stream to launch on, with its device made current on this thread. */
+static cudaStream_t st(kn_stream *s) {
+    kcu_bind();
+    return KN_CU(s)->st;
+}
+
+/* ---- numbers ------------------------------------------------------------ */
+
+static KN_HD float f32_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static KN_HD uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* IEEE half to float, exact (subnormal halves are normal floats). */
+static KN_HD float half_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, man = h & 0x3ffu;
+    if (e == 31u) return f32_of(sign | 0x7f800000u | (man << 13));
+    if (e == 0u) {
+        float v = (float)man * 0x1p-24f; /* exact: man < 2^10 */
+        return sign ? -v : v;
+    }
+    return f32_of(sign | ((e + 112u) << 23) | (man << 13));
+}
+
+/* Float to IEEE half, to nearest, ties to even; NaN stays NaN with its
+ * top payload bits, overflow goes to inf: quant_f32_to_f16's bits. */
+static KN_HD uint16_t f32_to_half(float f) {
+    uint32_t x = bits_of(f), ax = x & 0x7fffffffu;
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (ax >= 0x38800000u) {
+        uint32_t h = (ax - 0x38000000u) >> 13, rest = ax & 0x1fffu;
+        if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    if (ax <= 0x33000000u) return sign;
+    uint32_t man = (ax & 0x7fffffu) | 0x800000u, shift = 126u - (ax >> 23);
+    uint32_t q = man >> shift, rest = man & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+static KN_HD float bf16_to_f32(uint16_t h) { return f32_of((uint32_t)h << 16); }
+
+/* e^xc for xc in [-87, 88], the IEEE steps of KN_EXP_CORE
+ * (kn_cpu_impl.h) one by one. */
+static KN_HD float exp_core(float xc) {
+    float t = xc * 1.44269504f;
+    float n = (t + 12582912.0f) - 12582912.0f;
+    float nh = n * 0.693145752f;
+    float r = xc - nh;
+    float nl = n * 1.42860677e-06f;
+    r = r - nl;
+    float p = r * (1.0f / 5040.0f);
+    p = p + 1.0f / 720.0f;
+    p = p * r;
+    p = p + 1.0f / 120.0f;
+    p = p * r;
+    p = p + 1.0f / 24.0f;
+    p = p * r;
+    p = p + 1.0f / 6.0f;
+    p = p * r;
+    p = p + 0.5f;
+    p = p * r;
+    p = p + 1.0f;
+    p = p * r;
+    p = p + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    return p * f32_of((uint32_t)e);
+}
+
+/* kn_exp: x clamped to [-87, 88], NaN kept. */
+static KN_HD float exp_clamped(float x) {
+    if (x != x) return x;
+    return exp_core(x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x);
+}
+
+/* The attention's e^x for x <= 0: 0 below -87, NaN kept. */
+static KN_HD float exp_neg(float x) {
+    if (x != x) return x;
+    if (x < -87.0f) return 0.0f;
+    return exp_core(x);
+}
+
+/* ---- element-wise ------------------------------------------------------- */
+
+__global__ void k_add(const float *a, const float *b, float *y, int64_t count) {
+    for (int64_t i = flat_start(); i < count; i += flat_step()) y[i] = a[i] + b[i];
+}
+
+void kcu_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count) {
+    if (count == 0) return;
+    KN_LAUNCH(k_add, flat_grid(count), dim3(KCU_THREADS), st(s), a, b, y, count);
+    KN_CK(cudaGetLastError());
+}
+
+/* silu(g) * u as kn_swiglu1 computes it. */
+static KN_HD float swiglu1(float g, float u) {
+    float e = exp_clamped(-g);
+    float den = 1.0f + e;
+    float sg = g / den;
+    return sg * u;
+}
+
+__global__ void k_swiglu(const float *g, const float *u, float *y, int64_t count) {
+    for (int64_t i = flat_start(); i < count; i += flat_step()) y[i] = swiglu1(g[i], u[i]);
+}
+
+void kcu_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {
+    if (count == 0) return;
+    KN_LAUNCH(k_swiglu, flat_grid(count), dim3(KCU_THREADS), st(s), gate, up, y, count);
+    KN_CK(cudaGetLastError());
+}
+
+__global__ void k_bias_add(float *x, const float *bias, int64_t m, int64_t n) {
+    for (int64_t i = flat_start(); i < m * n; i += flat_step()) x[i] = x[i] + bias[i % n];
+}
+
+void kcu_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {
+    if (m == 0) return;
+    KN_LAUNCH(k_bias_add, flat_grid(m * n), dim3(KCU_THREADS), st(s), x, bias, m, n);
+    KN_CK(cudaGetLastError());
+}
+
+__global__ void k_gather(const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
+                         int64_t dst_stride) {
+    for (int64_t i = flat_start(); i < n * width; i += flat_step()) {
+        int64_t r = i / width, c = i % width;
+        int64_t from = rows ? (int64_t)rows[r] : r;
+        dst[r * dst_stride + c] = src[from * width + c];
+    }
+}
+
+void kcu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
+                     int64_t dst_stride) {
+    if (n == 0) return;
+    KN_LAUNCH(k_gather, flat_grid(n * width), dim3(KCU_THREADS), st(s), src, rows, n, width, dst, dst_stride);
+    KN_CK(cudaGetLastError());
+}
+
+/* ---- per row ------------------------------------------------------------ */
+
+/* Row blockIdx.x. The sum of squares is kernels.h's: 8 lanes of double
+ * sums in element order (threads 0..7), the lane tree, the tail. */
+__global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, float eps) {
+    __shared__ double lane[8];
+    __shared__ float inv_s;
+    const float *xr = x + (int64_t)blockIdx.x * n;
+    float *yr = y + (int64_t)blockIdx.x * n;
+    unsigned t = threadIdx.x;
+    int64_t n8 = n / 8 * 8;
+    if (t < 8) {
+        double a = 0.0;
+        for (int64_t i = t; i < n8; i += 8) {
+            double v = (double)xr[i];
+            double sq = v * v;
+            a = a + sq;
+        }
+        lane[t] = a;
+    }
+    __syncthreads();
+    if (t == 0) {
+        double ss = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+        for (int64_t i = n8; i < n; i++) {
+            double v = (double)xr[i];
+            double sq = v * v;
+            ss = ss + sq;
+        }
+        inv_s = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
+    }
+    __syncthreads();
+    float inv = inv_s;
+    for (int64_t i = t; i < n; i += blockDim.x) {
+        float v = xr[i] * inv;
+        yr[i] = v * g[i];
+    }
+}
+
+void kcu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps) {
+    if (m == 0) return;
+    KN_LAUNCH(k_rmsnorm, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, g, y, n, eps);
+    KN_CK(cudaGetLastError());
+}
+
+/* Row blockIdx.x in place. The maximum is order-free; the sum is in
+ * double in element order (thread 0), as on the CPU. */
+__global__ void k_softmax(float *x, int64_t n) {
+    __shared__ float mx_t[KCU_THREADS];
+    __shared__ float inv_s;
+    float *xr = x + (int64_t)blockIdx.x * n;
+    unsigned t = threadIdx.x;
+    float mx = -INFINITY;
+    for (int64_t i = t; i < n; i += blockDim.x)
+        if (xr[i] > mx) mx = xr[i];
+    mx_t[t] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (unsigned i = 0; i < blockDim.x; i++)
+        if (mx_t[i] > mx) mx = mx_t[i];
+    for (int64_t i = t; i < n; i += blockDim.x) xr[i] = expf(xr[i] - mx);
+    __syncthreads();
+    if (t == 0) {
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += xr[i];
+        inv_s = (float)(1.0 / sum);
+    }
+    __syncthreads();
+    float inv = inv_s;
+    for (int64_t i = t; i < n; i += blockDim.x) xr[i] = xr[i] * inv;
+}
+
+void kcu_softmax(kn_stream *s, float *x, int64_t m, int64_t n) {
+    if (m == 0) return;
+    KN_LAUNCH(k_softmax, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, n);
+    KN_CK(cudaGetLastError());
+}
+
+/* (v, i) beats (bv, bi): NaN never wins, larger wins, then lower index. */
+static KN_HD bool am_better(float v, int64_t i, float bv, int64_t bi) {
+    if (v != v || i < 0) return false;
+    if (bi < 0) return true;
+    return v > bv || (v == bv && i < bi);
+}
+
+__global__ void k_argmax(const float *x, int32_t *out, int64_t n) {
+    __shared__ float bv_t[KCU_THREADS];
+    __shared__ int64_t bi_t[KCU_THREADS];
+    const float *xr = x + (int64_t)blockIdx.x * n;
+    unsigned t = threadIdx.x;
+    float bv = 0.0f;
+    int64_t bi = -1;
+    for (int64_t i = t; i < n; i += blockDim.x)
+        if (am_better(xr[i], i, bv, bi)) {
+            bv = xr[i];
+            bi = i;
+        }
+    bv_t[t] = bv;
+    bi_t[t] = bi;
+    __syncthreads();
+    if (t == 0) {
+        for (unsigned i = 1; i < blockDim.x; i++)
+            if (am_better(bv_t[i], bi_t[i], bv, bi)) {
+                bv = bv_t[i];
+                bi = bi_t[i];
+            }
+        out[blockIdx.x] = bi < 0 ? 0 : (int32_t)bi;
+    }
+}
+
+void kcu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
+    if (m == 0) return;
+    KN_LAUNCH(k_argmax, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, out, n);
+    KN_CK(cudaGetLastError());
+}
+
+/* ---- weights ------------------------------------------------------------ */
+
+/* What a kernel needs of a kn_weight. */
+struct kw {
+    const uint8_t *data;
+    size_t row_bytes;
+    int64_t rows, cols;
+    int type;
+};
+
+static kw kw_of(const kn_weight *w) {
+    kw k;
+    k.data = (const uint8_t *)w->data;
+    k.row_bytes = w->row_bytes;
+    k.rows = w->rows;
+    k.cols = w->cols;
+    k.type = (int)w->type;
+    return k;
+}
+
+static KN_HD uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+/* Element i of weight row `row`, as quant_dequantize gives it. */
+static __device__ float w_elem(const kw &w, int64_t row, int64_t i) {
+    const uint8_t *r = w.data + (size_t)row * w.row_bytes;
+    switch (w.type) {
+    case GGML_TYPE_F32: {
+        float f;
+        memcpy(&f, r + 4 * i, sizeof f);
+        return f;
+    }
+    case GGML_TYPE_F16: return half_to_f32(ld16(r + 2 * i));
+    case GGML_TYPE_BF16: return bf16_to_f32(ld16(r + 2 * i));
+    case GGML_TYPE_Q8_0: {
+        const uint8_t *b = r + (size_t)(i / KCU_QK) * 34;
+        return (float)(int8_t)b[2 + i % KCU_QK] * half_to_f32(ld16(b));
+    }
+    case GGML_TYPE_Q4_0: {
+        const uint8_t *b = r + (size_t)(i / KCU_QK) * 18;
+        int j = (int)(i % KCU_QK);
+        int q = j < 16 ? b[2 + j] & 15 : b[2 + j - 16] >> 4;
+        return (float)(q - 8) * half_to_f32(ld16(b));
+    }
+    case GGML_TYPE_Q4_1: {
+        const uint8_t *b = r + (size_t)(i / KCU_QK) * 20;
+        int j = (int)(i % KCU_QK);
+        int q = j < 16 ? b[4 + j] & 15 : b[4 + j - 16] >> 4;
+        float v = (float)q * half_to_f32(ld16(b));
+        return v + half_to_f32(ld16(b + 2));
+    }
+    default: return NAN;
+    }
+}
+
+bool kcu_supports(kn_op op, ggml_type type) {
+    switch (op) {
+    case KN_OP_MATMUL:
+    case KN_OP_EMBED:
+        return type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16 || type == GGML_TYPE_Q8_0 ||
+               type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1;
+    case KN_OP_KV: return type == GGML_TYPE_F16;
+    case KN_OP_F32: return type == GGML_TYPE_F32;
+    }
+    return false;
+}
+
+/* ---- embedding ------------------------------------------------------------ */
+
+__global__ void k_embed(kw table, const int32_t *ids, float *out, int64_t m) {
+    for (int64_t i = flat_start(); i < m * table.cols; i += flat_step()) {
+        int64_t t = i / table.cols, c = i % table.cols;
+        int32_t id = ids[t];
+        /* the engine checked every id; a bad one would read outside */
+        out[i] = id >= 0 && id < table.rows ? w_elem(table, id, c) : NAN;
+    }
+}
+
+void kcu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
+    if (m == 0) return;
+    KN_LAUNCH(k_embed, flat_grid(m * table->cols), dim3(KCU_THREADS), st(s), kw_of(table), ids, out, m);
+    KN_CK(cudaGetLastError());
+}
+
+/* ---- float matmul ----------------------------------------------------------- */
+
+#define MM_ROWS 32 /* weight rows per block; 8 lanes each */
+#define MM_TILE 8  /* rows of x per block */
+
+/* y[r][j] for weight rows blockIdx.x * 32 .. and x rows blockIdx.y * 8 ..:
+ * lane l of row j is the chain acc = fma(x[i], w[i], acc) over
+ * i = 8j' + l, then lane 0 adds the lanes' tree and the tail. */
+__global__ void __launch_bounds__(256) k_matmul_f(kw w, const float *x, float *y, int64_t m) {
+    __shared__ float red[MM_TILE][MM_ROWS][8];
+    unsigned l = threadIdx.x % 8, jr = threadIdx.x / 8;
+    int64_t j = (int64_t)blockIdx.x * MM_ROWS + jr, r0 = (int64_t)blockIdx.y * MM_TILE;
+    int tm = m - r0 < MM_TILE ? (int)(m - r0) : MM_TILE;
+    int64_t k = w.cols, k8 = k / 8 * 8;
+    bool live = j < w.rows;
+    float acc[MM_TILE];
+    for (int r = 0; r < MM_TILE; r++) acc[r] = 0.0f;
+    if (live)
+        for (int64_t i = l; i < k8; i += 8) {
+            float wv = w_elem(w, j, i);
+            for (int r = 0; r < tm; r++) acc[r] = fmaf(x[(r0 + r) * k + i], wv, acc[r]);
+        }
+    for (int r = 0; r < MM_TILE; r++) red[r][jr][l] = acc[r];
+    __syncthreads();
+    if (live && l == 0)
+        for (int r = 0; r < tm; r++) {
+            const float *a = red[r][jr];
+            float s04 = a[0] + a[4], s15 = a[1] + a[5], s26 = a[2] + a[6], s37 = a[3] + a[7];
+            float lo = s04 + s26, hi = s15 + s37;
+            float sum = lo + hi;
+            for (int64_t i = k8; i < k; i++) sum = fmaf(x[(r0 + r) * k + i], w_elem(w, j, i), sum);
+            y[(r0 + r) * w.rows + j] = sum;
+        }
+}
+
+/* ---- quantized matmul -------------------------------------------------------- */
+
+/* x rounded per block of 32 (kernels.h, "quantized W"), in the stream's
+ * workspace: for each row of x, xi as int16[k], then sx[nb], xs[nb]
+ * (f32) and isx[nb] (int32): kn_matmul_workspace's bytes exactly. */
+struct qxrow {
+    int16_t *xi;
+    float *sx, *xs;
+    int32_t *isx;
+};
+
+static KN_HD size_t qx_row_bytes(int64_t k) { return (size_t)(k / KCU_QK) * (2 * KCU_QK + 12); }
+
+static KN_HD qxrow qx_at(void *work, int64_t k, int64_t r) {
+    uint8_t *b = (uint8_t *)work + (size_t)r * qx_row_bytes(k);
+    int64_t nb = k / KCU_QK;
+    qxrow q;
+    q.xi = (int16_t *)(void *)b;
+    q.sx = (float *)(void *)(b + 2 * k);
+    q.xs = q.sx + nb;
+    q.isx = (int32_t *)(void *)(q.xs + nb);
+    return q;
+}
+
+/* Block blockIdx.x of row blockIdx.y, one element per thread (32). */
+__global__ void k_qx(const float *x, int64_t k, int lim, void *work) {
+    __shared__ float ax[KCU_QK];
+    __shared__ int32_t xv[KCU_QK];
+    __shared__ float inv_s;
+    __shared__ int state; /* 0 zero, 1 finite, 2 not finite */
+    int64_t b = blockIdx.x, r = blockIdx.y;
+    unsigned i = threadIdx.x;
+    qxrow q = qx_at(work, k, r);
+    float xv_f = x[r * k + b * KCU_QK + i];
+    ax[i] = fabsf(xv_f);
+    __syncthreads();
+    if (i == 0) {
+        float amax = 0.0f;
+        bool finite = true;
+        for (int j = 0; j < KCU_QK; j++) {
+            float a = ax[j];
+            finite = finite && a <= 3.40282347e+38f;
+            amax = a > amax ? a : amax;
+        }
+        if (!finite || amax < 0x1p-100f) {
+            state = finite ? 0 : 2;
+            q.sx[b] = finite ? 0.0f : NAN;
+        } else {
+            state = 1;
+            inv_s = (float)lim / amax;
+            q.sx[b] = amax / (float)lim;
+        }
+    }
+    __syncthreads();
+    int32_t v = 0;
+    if (state == 1) {
+        float t = xv_f * inv_s;
+        v = (int32_t)((t + 12582912.0f) - 12582912.0f);
+        v = v > lim ? lim : v < -lim ? -lim : v;
+    }
+    q.xi[b * KCU_QK + i] = (int16_t)v;
+    xv[i] = v;
+    __syncthreads();
+    if (i == 0) {
+        int32_t sum = 0;
+        for (int j = 0; j < KCU_QK; j++) sum += xv[j];
+        q.isx[b] = sum;
+        q.xs[b] = q.sx[b] * (float)sum;
+    }
+}
+
+#define QW 4 /* weight rows (warps) per block */
+
+/* Weight row blockIdx.x * 4 + warp against x rows blockIdx.y * 8 ..:
+ * lane L takes block b = 32g + L of each group g and writes its exact
+ * integer sums; lane r then chains row r's terms of the group in block
+ * order: acc = fma(isum, d * sx, acc) and, for Q4_1,
+ * acc = fma(m, xs, acc). */
+__global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, int64_t m) {
+    __shared__ int32_t isum[QW][MM_TILE][32];
+    __shared__ float dq[QW][32], mq[QW][32];
+    unsigned lane = threadIdx.x % 32, wp = threadIdx.x / 32;
+    int64_t j = (int64_t)blockIdx.x * QW + wp, r0 = (int64_t)blockIdx.y * MM_TILE;
+    int tm = m - r0 < MM_TILE ? (int)(m - r0) : MM_TILE;
+    int64_t k = w.cols, nb = k / KCU_QK;
+    bool live = j < w.rows;
+    size_t bb = w.type == GGML_TYPE_Q8_0 ? 34 : w.type == GGML_TYPE_Q4_0 ? 18 : 20;
+    const uint8_t *row = w.data + (size_t)(live ? j : 0) * w.row_bytes;
+    float acc = 0.0f;
+    qxrow mine = qx_at(work, k, r0 + (lane < (unsigned)tm ? lane : 0));
+    for (int64_t g = 0; g < nb; g += 32) {
+        int64_t b = g + lane;
+        if (live && b < nb) {
+            const uint8_t *blk = row + (size_t)b * bb;
+            dq[wp][lane] = half_to_f32(ld16(blk));
+            mq[wp][lane] = w.type == GGML_TYPE_Q4_1 ? half_to_f32(ld16(blk + 2)) : 0.0f;
+            for (int r = 0; r < tm; r++) {
+                qxrow q = qx_at(work, k, r0 + r);
+                const int16_t *xi = q.xi + b * KCU_QK;
+                int32_t s = 0;
+                if (w.type == GGML_TYPE_Q8_0) {
+                    for (int i = 0; i < KCU_QK; i++) s += (int32_t)(int8_t)blk[2 + i] * xi[i];
+                } else {
+                    const uint8_t *qs = blk + (w.type == GGML_TYPE_Q4_1 ? 4 : 2);
+                    for (int i = 0; i < 16; i++) s += (qs[i] & 15) * xi[i] + (qs[i] >> 4) * xi[i + 16];
+                    if (w.type == GGML_TYPE_Q4_0) s -= 8 * q.isx[b];
+                }
+                isum[wp][r][lane] = s;
+            }
+        }
+        __syncthreads();
+        if (live && lane < (unsigned)tm) {
+            int64_t cnt = nb - g < 32 ? nb - g : 32;
+            for (int64_t L = 0; L < cnt; L++) {
+                float dsx = dq[wp][L] * mine.sx[g + L];
+                acc = fmaf((float)isum[wp][lane][L], dsx, acc);
+                if (w.type == GGML_TYPE_Q4_1) acc = fmaf(mq[wp][L], mine.xs[g + L], acc);
+            }
+        }
+        __syncthreads();
+    }
+    if (live && lane < (unsigned)tm) y[(r0 + lane) * w.rows + j] = acc;
+}
+
+static bool is_quant(ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1; }
+
+static dim3 tile_grid(int64_t rows, int64_t per_block, int64_t m) {
+    return dim3((unsigned)((rows + per_block - 1) / per_block), (unsigned)((m + MM_TILE - 1) / MM_TILE));
+}
+
+/* x rounded once for every quantized weight of the call. */
+static void quantize_x(kn_stream *s, const float *x, int64_t k, int64_t m) {
+    KCU_ASSERT((size_t)m * qx_row_bytes(k) <= KN_CU(s)->work_bytes);
+    int lim = s->act_bits == 8 ? 127 : 16256;
+    KN_LAUNCH(k_qx, dim3((unsigned)(k / KCU_QK), (unsigned)m), dim3(KCU_QK), st(s), x, k, lim, KN_CU(s)->work);
+    KN_CK(cudaGetLastError());
+}
+
+static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m, bool x_ready) {
+    if (is_quant(w->type)) {
+        if (!x_ready) quantize_x(s, x, w->cols, m);
+        KN_LAUNCH(k_matmul_q, tile_grid(w->rows, QW, m), dim3(32 * QW), st(s), kw_of(w), KN_CU(s)->work, y, m);
+    } else {
+        KN_LAUNCH(k_matmul_f, tile_grid(w->rows, MM_ROWS, m), dim3(8 * MM_ROWS), st(s), kw_of(w), x, y, m);
+    }
+    KN_CK(cudaGetLastError());
+}
+
+void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
+    if (m == 0) return;
+    bool ready = false;
+    for (int i = 0; i < n; i++) {
+        matmul_one(s, w[i], x, y[i], m, ready);
+        ready = ready || is_quant(w[i]->type);
+    }
+}
+
+void kcu_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                       float *y_up, int64_t m) {
+    if (m == 0) return;
+    const kn_weight *w[2] = {gate, up};
+    float *y[2] = {y_gate, y_up};
+    kcu_matmul_n(s, 2, w, x, y, m);
+    kcu_swiglu(s, y_gate, y_up, y_gate, m * gate->rows);
+}
+
+/* ---- RoPE --------------------------------------------------------------------- */
+
+struct rope_freqs {
+    double inv_freq[KN_MAX_HEAD_DIM / 2];
+};
+
+__global__ void k_rope_table(rope_freqs f, int32_t head_dim, const int32_t *pos, int64_t m, float *cs) {
+    int32_t half = head_dim / 2;
+    for (int64_t i = flat_start(); i < m * half; i += flat_step()) {
+        int64_t t = i / half;
+        int32_t p = (int32_t)(i % half);
+        double a = (double)pos[t] * f.inv_freq[p];
+        cs[t * head_dim + 2 * p] = (float)cos(a);
+        cs[t * head_dim + 2 * p + 1] = (float)sin(a);
+    }
+}
+
+void kcu_rope_table(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs) {
+    if (m == 0) return;
+    rope_freqs f;
+    memcpy(f.inv_freq, r->inv_freq, sizeof f.inv_freq);
+    KN_LAUNCH(k_rope_table, flat_grid(m * (r->head_dim / 2)), dim3(KCU_THREADS), st(s), f, r->head_dim, pos, m, cs);
+    KN_CK(cudaGetLastError());
+}
+
+__global__ void k_rope_rotate(int32_t head_dim, int adjacent, float *x, int64_t m, int32_t n_heads, const float *cs) {
+    int32_t half = head_dim / 2;
+    int stride = adjacent ? 2 : 1, other = adjacent ? 1 : half;
+    for (int64_t i = flat_start(); i < m * n_heads * half; i += flat_step()) {
+        int64_t th = i / half, t = th / n_heads;
+        int32_t p = (int32_t)(i % half);
+        float c = cs[t * head_dim + 2 * p], sn = cs[t * head_dim + 2 * p + 1];
+        float *p0 = x + th * head_dim + p * stride, *p1 = p0 + other;
+        float x0 = *p0, x1 = *p1;
+        float a0 = x0 * c, b0 = x1 * sn;
+        float a1 = x0 * sn, b1 = x1 * c;
+        *p0 = a0 - b0;
+        *p1 = a1 + b1;
+    }
+}
+
+void kcu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs) {
+    if (m == 0) return;
+    KN_LAUNCH(k_rope_rotate, flat_grid(m * n_heads * (r->head_dim / 2)), dim3(KCU_THREADS), st(s), r->head_dim,
+              r->layout == KN_ROPE_ADJACENT ? 1 : 0, x, m, n_heads, cs);
+    KN_CK(cudaGetLastError());
+}
+
+/* ---- KV cache ----------------------------------------------------------------- */
+
+/* Element offset of slot `slot` of sequence row `seq` (kn_attention.c). */
+static __device__ size_t slot_row(const kn_kv_pool &kv, const kn_kv_map &map, int32_t seq, int32_t slot) {
+    int32_t blk = map.block_tables[(size_t)seq * (size_t)map.table_len + (size_t)(slot / kv.block_size)];
+    size_t row = (size_t)blk * (size_t)kv.block_size + (size_t)(slot % kv.block_size);
+    return row * (size_t)kv.n_kv_heads * (size_t)kv.head_dim;
+}
+
+__global__ void k_kv_write(kn_kv_pool kv, kn_kv_map map, const float *k, const float *v) {
+    int64_t width = (int64_t)kv.n_kv_heads * kv.head_dim;
+    for (int64_t i = flat_start(); i < (int64_t)map.m * width; i += flat_step()) {
+        int64_t t = i / width, e = i % width;
+        size_t at = slot_row(kv, map, map.seq[t], map.slot[t]) + (size_t)e;
+        ((uint16_t *)kv.k)[at] = f32_to_half(k[i]);
+        ((uint16_t *)kv.v)[at] = f32_to_half(v[i]);
+    }
+}
+
+void kcu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v) {
+    if (map->m == 0) return;
+    KN_LAUNCH(k_kv_write, flat_grid((int64_t)map->m * kv->n_kv_heads * kv->head_dim), dim3(KCU_THREADS), st(s), *kv,
+              *map, k, v);
+    KN_CK(cudaGetLastError());
+}
+
+/* One block, the moves in order: a later one may read what an earlier
+ * one wrote. */
+__global__ void k_kv_move(kn_kv_pool kv, const int32_t *src, const int32_t *dst, int32_t n) {
+    size_t row = (size_t)kv.n_kv_heads * (size_t)kv.head_dim;
+    uint16_t *K = (uint16_t *)kv.k, *V = (uint16_t *)kv.v;
+    for (int32_t i = 0; i < n; i++) {
+        int32_t a = src[i], b = dst[i];
+        if (a != b)
+            for (size_t e = threadIdx.x; e < row; e += blockDim.x) {
+                K[(size_t)b * row + e] = K[(size_t)a * row + e];
+                V[(size_t)b * row + e] = V[(size_t)a * row + e];
+            }
+        __syncthreads();
+    }
+}
+
+void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n) {
+    KN_LAUNCH(k_kv_move, dim3(1), dim3(KCU_THREADS), st(s), *kv, src_rows, dst_rows, n);
+    KN_CK(cudaGetLastError());
+}
+
+/* ---- attention ------------------------------------------------------------------ */
+
+#define AT_CHUNK KN_ATTN_CHUNK
+#define AT_DPT (KN_MAX_HEAD_DIM / KCU_THREADS) /* output elements per thread */
+
+/* Token blockIdx.y, head blockIdx.x: its visible keys in chunks of 32, in
+ * order. Per chunk: thread j < n scores key j (8 lanes of mul-then-add,
+ * the lane tree, times scale); thread 0 takes the chunk's maximum and
+ * l = sum e^(s - mc) in key order; each thread sums o for its own
+ * elements in key order; the state merges as kn_attention.c's. */
+__global__ void __launch_bounds__(KCU_THREADS) k_attention(kn_kv_pool kv, kn_kv_map map, const float *q, float *out,
+                                                            int32_t n_heads, float scale) {
+    __shared__ float qs[KN_MAX_HEAD_DIM];
+    __shared__ float sc[AT_CHUNK];
+    __shared__ size_t rows[AT_CHUNK];
+    __shared__ float mc_s, l_s;
+    const int hd = kv.head_dim;
+    int32_t h = (int32_t)blockIdx.x, t = (int32_t)blockIdx.y;
+    unsigned tid = threadIdx.x;
+    size_t off = (size_t)(h / (n_heads / kv.n_kv_heads)) * (size_t)hd;
+    const float *qh = q + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)hd;
+    for (int d = (int)tid; d < hd; d += KCU_THREADS) qs[d] = qh[d];
+    int32_t seq = map.seq[t], n_prefix = map.n_prefix[t];
+    const int32_t *extra = map.extra + map.extra_start[t];
+    int64_t n_vis = (int64_t)n_prefix + map.n_extra[t];
+    const uint16_t *K = (const uint16_t *)kv.k, *V = (const uint16_t *)kv.v;
+    float M = 0.0f, L = 0.0f, O[AT_DPT];
+    for (int e = 0; e < AT_DPT; e++) O[e] = 0.0f;
+    __syncthreads();
+    for (int64_t c0 = 0; c0 < n_vis; c0 += AT_CHUNK) {
+        int n = n_vis - c0 < AT_CHUNK ? (int)(n_vis - c0) : AT_CHUNK;
+        if ((int)tid < n) {
+            int64_t vi = c0 + tid;
+            int32_t slot = vi < n_prefix ? (int32_t)vi : extra[vi - n_prefix];
+            size_t at = slot_row(kv, map, seq, slot) + off;
+            rows[tid] = at;
+            float a[8];
+            for (int l = 0; l < 8; l++) a[l] = 0.0f;
+            for (int d = 0; d < hd; d += 8)
+                for (int l = 0; l < 8; l++) {
+                    float p = qs[d + l] * half_to_f32(K[at + (size_t)(d + l)]);
+                    a[l] = a[l] + p;
+                }
+            float tr = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+            sc[tid] = tr * scale;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            float mc = -INFINITY;
+            for (int j = 0; j < n; j++) mc = sc[j] > mc ? sc[j] : mc;
+            float l = 0.0f;
+            for (int j = 0; j < n; j++) {
+                float p = exp_neg(sc[j] - mc);
+                sc[j] = p;
+                l = l + p;
+            }
+            mc_s = mc;
+            l_s = l;
+        }
+        __syncthreads();
+        float mc = mc_s, l = l_s;
+        bool first = c0 == 0;
+        float a = 0.0f, b = 0.0f;
+        if (!first) {
+            float mn = mc > M ? mc : M;
+            a = exp_neg(M - mn);
+            b = exp_neg(mc - mn);
+            float la = L * a, lb = l * b;
+            L = la + lb;
+            M = mn;
+        } else {
+            M = mc;
+            L = l;
+        }
+        for (int e = 0; e < AT_DPT; e++) {
+            int d = (int)tid + e * KCU_THREADS;
+            if (d >= hd) break;
+            float o = 0.0f;
+            for (int j = 0; j < n; j++) {
+                float pv = half_to_f32(V[rows[j] + (size_t)d]) * sc[j];
+                o = o + pv;
+            }
+            if (first) {
+                O[e] = o;
+            } else {
+                float x = O[e] * a, y = o * b;
+                O[e] = x + y;
+            }
+        }
+        __syncthreads();
+    }
+    float *oh = out + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)hd;
+    for (int e = 0; e < AT_DPT; e++) {
+        int d = (int)tid + e * KCU_THREADS;
+        if (d < hd) oh[d] = O[e] / L;
+    }
+}
+
+void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
+                   int32_t n_heads) {
+    if (map->m == 0) return;
+    float scale = 1.0f / sqrtf((float)kv->head_dim);
+    KN_LAUNCH(k_attention, dim3((unsigned)n_heads, (unsigned)map->m), dim3(KCU_THREADS), st(s), *kv, *map, q, out,
+              n_heads, scale);
+    KN_CK(cudaGetLastError());
+}

@@ -1,0 +1,296 @@
+/* The CPU stand-in for CUDA (cuda_shim.h). */
+#include "cuda_shim.h"
+
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+/* ---- kernels ------------------------------------------------------------ */
+
+#define SHIM_MAX_THREADS 1024
+#define SHIM_WARP 32
+
+/* One launch: its threads, the block's barrier and each warp's. */
+struct launch {
+    dim3 grid, block;
+    const std::function<void()> *fn;
+    unsigned n_threads;
+    pthread_barrier_t block_bar;
+    pthread_barrier_t warp_bar[SHIM_MAX_THREADS / SHIM_WARP];
+    double xch[SHIM_MAX_THREADS]; /* a shuffle's values, by thread */
+    unsigned syncs[SHIM_MAX_THREADS]; /* __syncthreads reached in this block, by thread */
+};
+
+static thread_local launch *t_launch;
+static thread_local unsigned t_tid, t_syncs;
+
+/* One launch at a time: __shared__ variables are statics. */
+static pthread_mutex_t g_launch_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void shim_fail(const char *what) {
+    fprintf(stderr, "cuda shim: %s\n", what);
+    abort();
+}
+
+void __syncthreads(void) {
+    t_syncs++;
+    pthread_barrier_wait(&t_launch->block_bar);
+}
+
+static pthread_barrier_t *warp_barrier(void) { return &t_launch->warp_bar[t_tid / SHIM_WARP]; }
+
+void __syncwarp(unsigned mask) {
+    if (mask != 0xffffffffu) shim_fail("__syncwarp with a partial mask");
+    pthread_barrier_wait(warp_barrier());
+}
+
+static double shfl_xor(unsigned mask, double v, int lane_mask, int width) {
+    if (mask != 0xffffffffu || width != SHIM_WARP) shim_fail("a shuffle with a partial mask or width");
+    if (t_launch->n_threads % SHIM_WARP != 0) shim_fail("a shuffle in a block that is not whole warps");
+    unsigned lane = t_tid % SHIM_WARP, base = t_tid - lane;
+    t_launch->xch[t_tid] = v;
+    pthread_barrier_wait(warp_barrier());
+    double r = t_launch->xch[base + (lane ^ (unsigned)lane_mask)];
+    pthread_barrier_wait(warp_barrier());
+    return r;
+}
+
+float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width) {
+    return (float)shfl_xor(mask, v, lane_mask, width);
+}
+double __shfl_xor_sync(unsigned mask, double v, int lane_mask, int width) {
+    return shfl_xor(mask, v, lane_mask, width);
+}
+int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width) {
+    return (int)shfl_xor(mask, (double)v, lane_mask, width);
+}
+
+/* The threads that play CUDA threads: made on first need and kept (a
+ * launch only wakes them), since making 128 threads per launch cost more
+ * than the kernels. Worker i plays thread i of every block. */
+struct worker {
+    pthread_t th;
+    sem_t start;
+};
+static worker g_workers[SHIM_MAX_THREADS];
+static unsigned g_n_workers;
+static launch *g_current; /* the launch being run; set before the workers are woken */
+static sem_t g_done;
+
+static void run_blocks(launch *l, unsigned tid) {
+    t_launch = l;
+    t_tid = tid;
+    blockDim = l->block;
+    gridDim = l->grid;
+    threadIdx = dim3(tid % l->block.x, tid / l->block.x % l->block.y, tid / (l->block.x * l->block.y));
+    for (unsigned bz = 0; bz < l->grid.z; bz++)
+        for (unsigned by = 0; by < l->grid.y; by++)
+            for (unsigned bx = 0; bx < l->grid.x; bx++) {
+                blockIdx = dim3(bx, by, bz);
+                t_syncs = 0;
+                (*l->fn)();
+                l->syncs[tid] = t_syncs;
+                pthread_barrier_wait(&l->block_bar);
+                if (tid == 0)
+                    for (unsigned i = 1; i < l->n_threads; i++)
+                        if (l->syncs[i] != l->syncs[0])
+                            shim_fail("threads of a block reached different numbers of __syncthreads");
+                pthread_barrier_wait(&l->block_bar);
+            }
+}
+
+static void *worker_main(void *p) {
+    unsigned tid = (unsigned)(uintptr_t)p;
+    for (;;) {
+        sem_wait(&g_workers[tid].start);
+        run_blocks(g_current, tid);
+        sem_post(&g_done);
+    }
+    return NULL;
+}
+
+static void ensure_workers(unsigned n) {
+    if (g_n_workers == 0) sem_init(&g_done, 0, 0);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 1u << 20);
+    for (; g_n_workers < n; g_n_workers++) {
+        sem_init(&g_workers[g_n_workers].start, 0, 0);
+        if (pthread_create(&g_workers[g_n_workers].th, &attr, worker_main, (void *)(uintptr_t)g_n_workers) != 0)
+            shim_fail("pthread_create failed");
+        pthread_detach(g_workers[g_n_workers].th);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn) {
+    unsigned n = block.x * block.y * block.z;
+    if (n == 0 || n > SHIM_MAX_THREADS) shim_fail("a block of 0 or more than 1024 threads");
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) shim_fail("an empty grid");
+    pthread_mutex_lock(&g_launch_mu);
+    ensure_workers(n);
+    launch *l = new launch();
+    l->grid = grid;
+    l->block = block;
+    l->fn = &fn;
+    l->n_threads = n;
+    pthread_barrier_init(&l->block_bar, NULL, n);
+    for (unsigned w = 0; w < (n + SHIM_WARP - 1) / SHIM_WARP; w++) {
+        unsigned in_warp = n - w * SHIM_WARP < SHIM_WARP ? n - w * SHIM_WARP : SHIM_WARP;
+        pthread_barrier_init(&l->warp_bar[w], NULL, in_warp);
+    }
+    g_current = l;
+    for (unsigned i = 0; i < n; i++) sem_post(&g_workers[i].start);
+    for (unsigned i = 0; i < n; i++) sem_wait(&g_done);
+    pthread_barrier_destroy(&l->block_bar);
+    for (unsigned w = 0; w < (n + SHIM_WARP - 1) / SHIM_WARP; w++) pthread_barrier_destroy(&l->warp_bar[w]);
+    delete l;
+    pthread_mutex_unlock(&g_launch_mu);
+}
+
+/* ---- runtime ------------------------------------------------------------ */
+
+struct shim_stream {
+    int unused;
+};
+struct shim_event {
+    int unused;
+};
+
+static size_t gpu_bytes(void) {
+    const char *s = getenv("AERIE_SHIM_GPU_MIB");
+    long mib = s ? atol(s) : 1024;
+    return (size_t)(mib > 0 ? mib : 1024) << 20;
+}
+
+static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER;
+static size_t g_used; /* bytes cudaMalloc handed out and not freed */
+
+const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return "unknown error";
+    }
+}
+cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+cudaError_t cudaGetDeviceCount(int *n) {
+    *n = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaGetDevice(int *d) {
+    *d = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
+    if (d != 0) return cudaErrorInvalidDevice;
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "cuda shim (CPU)");
+    p->totalGlobalMem = gpu_bytes();
+    p->major = 0;
+    p->minor = 0;
+    p->multiProcessorCount = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int *v) {
+    *v = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *v) {
+    *v = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    pthread_mutex_lock(&g_mem_mu);
+    size_t total = gpu_bytes();
+    *total_bytes = total;
+    *free_bytes = g_used < total ? total - g_used : 0;
+    pthread_mutex_unlock(&g_mem_mu);
+    return cudaSuccess;
+}
+
+/* Each allocation carries its size in front, for cudaMemGetInfo. */
+#define SHIM_HDR 64
+cudaError_t cudaMalloc(void **p, size_t n) {
+    pthread_mutex_lock(&g_mem_mu);
+    bool fits = n <= gpu_bytes() - g_used && g_used <= gpu_bytes();
+    if (fits) g_used += n;
+    pthread_mutex_unlock(&g_mem_mu);
+    char *b = fits ? (char *)aligned_alloc(SHIM_HDR, (SHIM_HDR + n + SHIM_HDR - 1) / SHIM_HDR * SHIM_HDR) : NULL;
+    if (!b) {
+        if (fits) {
+            pthread_mutex_lock(&g_mem_mu);
+            g_used -= n;
+            pthread_mutex_unlock(&g_mem_mu);
+        }
+        *p = NULL;
+        return cudaErrorMemoryAllocation;
+    }
+    memcpy(b, &n, sizeof n);
+    *p = b + SHIM_HDR;
+    return cudaSuccess;
+}
+cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    char *b = (char *)p - SHIM_HDR;
+    size_t n;
+    memcpy(&n, b, sizeof n);
+    pthread_mutex_lock(&g_mem_mu);
+    g_used -= n;
+    pthread_mutex_unlock(&g_mem_mu);
+    free(b);
+    return cudaSuccess;
+}
+cudaError_t cudaMemset(void *p, int v, size_t n) {
+    memset(p, v, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
+    (void)s;
+    return cudaMemset(p, v, n);
+}
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind k) {
+    (void)k;
+    if (n) memmove(dst, src, n);
+    return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind k, cudaStream_t s) {
+    (void)s;
+    return cudaMemcpy(dst, src, n, k);
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
+    (void)flags;
+    *s = new shim_stream();
+    return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    delete s;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    (void)s;
+    return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+    (void)flags;
+    *e = new shim_event();
+    return cudaSuccess;
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    delete e;
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    (void)e, (void)s;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
+    (void)s, (void)e, (void)flags;
+    return cudaSuccess;
+}

@@ -1,0 +1,191 @@
+/* Whole models on the CUDA backend's kernels, run on the CPU shim
+ * (kernels/cuda/shim): the tiny Hugging Face checkpoints of
+ * tests/golden/tiny (Qwen2 with q/k/v biases; Llama 3 with rope scaling
+ * and GQA 4:1), loaded into the CUDA backend's buffers and served by the
+ * real engine, which uploads its inputs and downloads logits as it does
+ * on a GPU. Each golden prompt is prefilled in chunks, then a verify tree
+ * with feature capture is run and a path committed, then the prompt is
+ * decoded greedily beside a second sequence; every step's logits and
+ * features must equal the CPU backend's bit for bit, and the greedy
+ * tokens must equal transformers' (tools/gen_tiny_golden.py). Run from
+ * the repo root. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "../test_io.h"
+
+#include "../../kernels/device.h"
+#include "../../target/engine.h"
+
+int kn_cuda_open(int index, const kn_backend **be, kn_device_info *info, ae_error *err);
+
+#define GOLDEN "tests/golden/tiny"
+#define N_GEN 16
+#define MAX_PROMPT 96
+#define CHUNK 32
+
+static const kn_backend *CU;
+
+static int setup(void **state) {
+    (void)state;
+    kn_device_info info;
+    ae_error err = {{0}};
+    if (kn_cuda_open(0, &CU, &info, &err) != AE_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+static int32_t json_ints(const cJSON *arr, int32_t *out, int32_t cap) {
+    int32_t n = 0;
+    const cJSON *v;
+    cJSON_ArrayForEach(v, arr) {
+        assert_true(n < cap && cJSON_IsNumber(v));
+        out[n++] = (int32_t)v->valueint;
+    }
+    return n;
+}
+
+static int32_t argmax(const float *x, int32_t n) {
+    int32_t b = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+static eng *engine_on(const model *m) {
+    eng_config cfg = {.max_batch_tokens = CHUNK + 8, .max_seqs = 2, .max_seq_len = 160, .kv_tokens = 320,
+                      .block_size = 16, .threads = 2};
+    eng *e;
+    ae_error err = {{0}};
+    if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    return e;
+}
+
+/* One step on both engines; their logits (rows) and features must be
+ * bit-equal. Returns the CPU's logits in lg[0]. */
+static int steps; /* steps compared in the current model */
+static void step_both(eng *e[2], const eng_item it[2][2], int32_t n, float *lg[2], float *ft[2],
+                      const llama_capture *cap) {
+    ae_error err = {{0}};
+    for (int k = 0; k < 2; k++) {
+        llama_capture c;
+        if (cap) {
+            c = *cap;
+            c.out = ft[k];
+        }
+        if (eng_step(e[k], it[k], n, lg[k], cap ? &c : NULL, &err) != AE_OK)
+            fail_msg("%s step: %s", k ? "cuda" : "cpu", err.msg);
+    }
+    int32_t rows = eng_logit_rows(it[0], n), V = eng_model(e[0])->cfg.vocab, H = eng_model(e[0])->cfg.hidden;
+    assert_memory_equal(lg[0], lg[1], (size_t)rows * (size_t)V * sizeof(float));
+    if (cap) assert_memory_equal(ft[0], ft[1], (size_t)cap->n_rows * (size_t)cap->n_layers * (size_t)H * sizeof(float));
+    steps++;
+}
+
+static void run_model(const char *name) {
+    char dir[256], path[300];
+    snprintf(dir, sizeof dir, GOLDEN "/%s", name);
+    model *m[2];
+    ae_error err = {{0}};
+    if (model_load(&m[0], dir, &kn_backend_cpu, &err) != AE_OK || model_load(&m[1], dir, CU, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    assert_false(kn_backend_host_memory(m[1]->be));
+    snprintf(path, sizeof path, "%s/expected.json", dir);
+    char *text = test_read_file(path, NULL);
+    cJSON *root = cJSON_Parse(text);
+    free(text);
+    assert_non_null(root);
+    const int32_t V = m[0]->cfg.vocab, H = m[0]->cfg.hidden;
+    float *lg[2], *ft[2];
+    for (int k = 0; k < 2; k++) {
+        lg[k] = calloc((size_t)(CHUNK + 8) * V, sizeof(float));
+        ft[k] = calloc((size_t)8 * 3 * H, sizeof(float));
+    }
+    int32_t equal = 0, total = 0;
+    steps = 0;
+    const cJSON *p;
+    cJSON_ArrayForEach(p, cJSON_GetObjectItemCaseSensitive(root, "prompts")) {
+        int32_t ids[MAX_PROMPT], want[N_GEN];
+        int32_t n = json_ints(cJSON_GetObjectItemCaseSensitive(p, "ids"), ids, MAX_PROMPT);
+        assert_int_equal(json_ints(cJSON_GetObjectItemCaseSensitive(p, "generated"), want, N_GEN), N_GEN);
+        eng *e[2] = {engine_on(m[0]), engine_on(m[1])};
+        int32_t s[2], other[2];
+        for (int k = 0; k < 2; k++) {
+            assert_int_equal(eng_seq_new(e[k], &s[k], &err), AE_OK);
+            assert_int_equal(eng_seq_new(e[k], &other[k], &err), AE_OK);
+        }
+        eng_item it[2][2];
+        for (int32_t at = 0; at < n; at += CHUNK) {
+            int32_t c = n - at < CHUNK ? n - at : CHUNK;
+            for (int k = 0; k < 2; k++)
+                it[k][0] = (eng_item){.seq = s[k], .kind = ENG_APPEND, .n_tokens = c, .tokens = ids + at,
+                                      .all_logits = true};
+            step_both(e, (const eng_item(*)[2])it, 1, lg, ft, NULL);
+        }
+        /* The prompt's last logits give the first greedy token. */
+        int32_t got = argmax(lg[0] + (size_t)((n - 1) % CHUNK) * V, V);
+        /* A tree of 5 nodes on the other sequence (its prompt: the first
+         * 6 reference tokens), captured at 3 layers; then a path of 2
+         * committed. */
+        static const int32_t parents[5] = {-1, -1, 0, 0, 2}, keep[2] = {0, 2};
+        int32_t tree[5] = {want[6], want[7], want[8], want[1], want[2]}, rows[5] = {0, 1, 2, 3, 4};
+        for (int k = 0; k < 2; k++)
+            it[k][0] = (eng_item){.seq = other[k], .kind = ENG_APPEND, .n_tokens = 6, .tokens = want};
+        step_both(e, (const eng_item(*)[2])it, 1, lg, ft, NULL);
+        for (int k = 0; k < 2; k++)
+            it[k][0] = (eng_item){.seq = other[k], .kind = ENG_TREE, .n_tokens = 5, .tokens = tree, .parents = parents};
+        llama_capture cap = {.n_layers = 3, .layers = {0, 1, 1}, .n_rows = 5, .rows = rows};
+        step_both(e, (const eng_item(*)[2])it, 1, lg, ft, &cap);
+        for (int k = 0; k < 2; k++) assert_int_equal(eng_commit_path(e[k], other[k], keep, 2, &err), AE_OK);
+        /* Greedy decode of the prompt beside one token a step of the other. */
+        for (int32_t g = 0; g < N_GEN; g++) {
+            equal += got == want[g];
+            total++;
+            for (int k = 0; k < 2; k++) {
+                it[k][0] = (eng_item){.seq = other[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &ids[g % n]};
+                it[k][1] = (eng_item){.seq = s[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &want[g]};
+            }
+            step_both(e, (const eng_item(*)[2])it, 2, lg, ft, NULL);
+            got = argmax(lg[0] + V, V);
+        }
+        eng_free(e[0]);
+        eng_free(e[1]);
+    }
+    printf("%s on the cuda kernels (shim): %d steps bit-equal to the cpu backend, %d/%d greedy tokens equal to "
+           "transformers\n", name, steps, equal, total);
+    assert_int_equal(equal, total);
+    for (int k = 0; k < 2; k++) {
+        free(lg[k]);
+        free(ft[k]);
+        model_free(m[k]);
+    }
+    cJSON_Delete(root);
+}
+
+static void qwen2_tiny_matches_cpu_and_transformers(void **state) {
+    (void)state;
+    run_model("qwen2");
+}
+
+static void llama3_tiny_matches_cpu_and_transformers(void **state) {
+    (void)state;
+    run_model("llama3");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(qwen2_tiny_matches_cpu_and_transformers),
+        cmocka_unit_test(llama3_tiny_matches_cpu_and_transformers),
+    };
+    return cmocka_run_group_tests(tests, setup, NULL);
+}

@@ -1,0 +1,474 @@
+/* The CUDA backend's kernels, built by g++ against the CPU stand-in of
+ * kernels/cuda/shim (make test-cuda-cpu), against the CPU backend: every
+ * op of kernels.h on small shapes, every output compared bit for bit
+ * (kernels/cuda/kn_cuda.h: the CUDA kernels keep the CPU's reduction
+ * orders; NaN counts as equal to NaN, since a GPU's NaN payloads differ).
+ * The CUDA side runs as a backend whose memory is not the host's: inputs
+ * are uploaded into its buffers and outputs downloaded, as the engine
+ * does. Built under ASan+UBSan and under TSan: one pthread per CUDA
+ * thread, so a missing __syncthreads is a race TSan reports. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <math.h>
+
+#include "../../kernels/device.h"
+#include "../../services/core/pool.h"
+
+int kn_cuda_open(int index, const kn_backend **be, kn_device_info *info, ae_error *err);
+
+#define WORK (1u << 20)
+
+static const kn_backend *CU;
+static pool *P;
+static kn_stream *cpu15, *cpu8, *cu15, *cu8;
+
+static int setup(void **state) {
+    (void)state;
+    ae_error err = {{0}};
+    kn_device_info info;
+    if (kn_cuda_open(0, &CU, &info, &err) != AE_OK) {
+        fprintf(stderr, "%s\n", err.msg);
+        return -1;
+    }
+    if (pool_init(&P, 2, &err) != AE_OK) return -1;
+    if (kn_stream_init(&cpu15, &kn_backend_cpu, &(kn_stream_config){P, WORK}, &err) != AE_OK ||
+        kn_stream_init(&cpu8, &kn_backend_cpu, &(kn_stream_config){P, WORK}, &err) != AE_OK ||
+        kn_stream_init(&cu15, CU, &(kn_stream_config){NULL, WORK}, &err) != AE_OK ||
+        kn_stream_init(&cu8, CU, &(kn_stream_config){NULL, WORK}, &err) != AE_OK)
+        return -1;
+    kn_stream_set_act_bits(cpu8, 8);
+    kn_stream_set_act_bits(cu8, 8);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    kn_stream_free(cpu15);
+    kn_stream_free(cpu8);
+    kn_stream_free(cu15);
+    kn_stream_free(cu8);
+    pool_free(P);
+    return 0;
+}
+
+/* ---- helpers --------------------------------------------------------------- */
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+static uint32_t rnd(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)rng;
+}
+static float frand(float lo, float hi) { return lo + (hi - lo) * (float)(rnd() >> 8) / 16777216.0f; }
+static void fill(float *x, size_t n, float lo, float hi) {
+    for (size_t i = 0; i < n; i++) x[i] = frand(lo, hi);
+}
+
+/* Device buffers made for a test, freed at its end. */
+#define MAX_BUFS 256
+static kn_buf bufs[MAX_BUFS];
+static int n_bufs;
+
+static void *dev(const void *host, size_t bytes) {
+    assert_true(n_bufs < MAX_BUFS);
+    kn_buf *b = &bufs[n_bufs++];
+    assert_int_equal(kn_buf_from_host(CU, b, host, bytes, NULL), AE_OK);
+    return b->ptr;
+}
+static kn_buf *last_buf(void) { return &bufs[n_bufs - 1]; }
+static void *dev_zero(size_t bytes) {
+    assert_true(n_bufs < MAX_BUFS);
+    kn_buf *b = &bufs[n_bufs++];
+    assert_int_equal(kn_buf_alloc(CU, b, bytes, NULL), AE_OK);
+    return b->ptr;
+}
+static void get(kn_stream *s, void *host, const void *dptr, size_t bytes) {
+    for (int i = 0; i < n_bufs; i++) {
+        uintptr_t lo = (uintptr_t)bufs[i].ptr, p = (uintptr_t)dptr;
+        if (p >= lo && p - lo + bytes <= bufs[i].bytes) {
+            kn_download(s, host, &bufs[i], p - lo, bytes);
+            kn_stream_sync(s);
+            return;
+        }
+    }
+    fail_msg("no buffer holds that pointer");
+}
+static void free_bufs(void) {
+    for (int i = 0; i < n_bufs; i++) kn_buf_free(&bufs[i]);
+    n_bufs = 0;
+}
+
+/* Bit-equal floats, any NaN equal to any NaN. Returns the first index
+ * that differs, or -1. */
+static long first_diff(const float *a, const float *b, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        if (a[i] != a[i] && b[i] != b[i]) continue;
+        if (memcmp(&a[i], &b[i], sizeof(float)) != 0) return (long)i;
+    }
+    return -1;
+}
+
+static int compared;
+static void same(const char *what, const float *cpu, const float *cuda, size_t n) {
+    long d = first_diff(cpu, cuda, n);
+    if (d >= 0) fail_msg("%s: element %ld: cpu %.9g, cuda %.9g", what, d, (double)cpu[d], (double)cuda[d]);
+    compared += (int)n;
+}
+
+/* ---- weights ---------------------------------------------------------------- */
+
+static const ggml_type TYPES[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16,
+                                  GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
+
+/* Random rows of type t with sane scales: f16 d in [-0.05, 0.05], Q4_1's
+ * m in [-0.1, 0.1]; floats in [-1, 1]. */
+static uint8_t *make_rows(ggml_type t, int64_t rows, int64_t cols, size_t *row_bytes) {
+    size_t rb = quant_row_bytes(t, (uint64_t)cols);
+    uint8_t *d = malloc((size_t)rows * rb);
+    assert_non_null(d);
+    for (size_t i = 0; i < (size_t)rows * rb; i++) d[i] = (uint8_t)rnd();
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = d + (size_t)r * rb;
+        for (int64_t i = 0; i < cols; i++) {
+            uint16_t h;
+            switch (t) {
+            case GGML_TYPE_F32: {
+                float f = frand(-1, 1);
+                memcpy(row + 4 * i, &f, 4);
+                break;
+            }
+            case GGML_TYPE_F16: h = quant_f32_to_f16(frand(-1, 1)); memcpy(row + 2 * i, &h, 2); break;
+            case GGML_TYPE_BF16: h = quant_f32_to_bf16(frand(-1, 1)); memcpy(row + 2 * i, &h, 2); break;
+            default: break;
+            }
+        }
+        if (t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1) {
+            size_t bb = quant_block_bytes(t);
+            for (int64_t b = 0; b < cols / 32; b++) {
+                uint16_t h = quant_f32_to_f16(frand(-0.05f, 0.05f));
+                memcpy(row + (size_t)b * bb, &h, 2);
+                if (t == GGML_TYPE_Q4_1) {
+                    h = quant_f32_to_f16(frand(-0.1f, 0.1f));
+                    memcpy(row + (size_t)b * bb + 2, &h, 2);
+                }
+            }
+        }
+    }
+    *row_bytes = rb;
+    return d;
+}
+
+/* The same weight for both backends: host memory for the CPU, a buffer
+ * for CUDA. */
+typedef struct wpair {
+    kn_weight cpu, cu;
+    uint8_t *host;
+} wpair;
+
+static void make_weight(wpair *w, ggml_type t, int64_t rows, int64_t cols) {
+    size_t rb;
+    w->host = make_rows(t, rows, cols, &rb);
+    w->cpu = (kn_weight){.type = t, .rows = rows, .cols = cols, .data = w->host, .row_bytes = rb};
+    w->cu = w->cpu;
+    w->cu.data = dev(w->host, (size_t)rows * rb);
+    w->cu.buf = last_buf();
+}
+
+/* ---- tests ------------------------------------------------------------------- */
+
+static void matmul_every_type_both_precisions(void **state) {
+    (void)state;
+    const int64_t ms[] = {1, 3, 9}, n = 40;
+    for (size_t ti = 0; ti < sizeof TYPES / sizeof TYPES[0]; ti++) {
+        ggml_type t = TYPES[ti];
+        bool q = t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
+        int64_t k = q ? 96 : 100; /* float rows get a tail after the 8 lanes */
+        wpair w;
+        make_weight(&w, t, n, k);
+        for (size_t mi = 0; mi < 3; mi++) {
+            int64_t m = ms[mi];
+            float *x = malloc((size_t)(m * k) * sizeof(float)), *yc = malloc((size_t)(m * n) * sizeof(float)),
+                  *yg = malloc((size_t)(m * n) * sizeof(float));
+            fill(x, (size_t)(m * k), -2, 2);
+            if (m > 1) {
+                for (int i = 0; i < 32; i++) x[k + i] = 0.0f; /* a zero block */
+                x[2 * k + 5] = INFINITY;                        /* a block that makes NaN */
+            }
+            float *dx = dev(x, (size_t)(m * k) * sizeof(float)), *dy = dev_zero((size_t)(m * n) * sizeof(float));
+            for (int bits = 0; bits < (q ? 2 : 1); bits++) {
+                kn_matmul(bits ? cpu8 : cpu15, &w.cpu, x, yc, m);
+                kn_matmul(bits ? cu8 : cu15, &w.cu, dx, dy, m);
+                get(cu15, yg, dy, (size_t)(m * n) * sizeof(float));
+                char what[64];
+                snprintf(what, sizeof what, "matmul %s m=%lld bits=%d", quant_type_name(t), (long long)m,
+                         bits ? 8 : 15);
+                same(what, yc, yg, (size_t)(m * n));
+            }
+            free(x), free(yc), free(yg);
+        }
+        free(w.host);
+    }
+    free_bufs();
+    printf("matmul: %d outputs identical over 6 types, m = 1, 3, 9\n", compared);
+}
+
+static void matmul_n_and_swiglu(void **state) {
+    (void)state;
+    const int64_t m = 5, k = 64, n = 48;
+    for (int qi = 0; qi < 2; qi++) {
+        ggml_type t = qi ? GGML_TYPE_Q4_1 : GGML_TYPE_F16;
+        wpair a, b, c;
+        make_weight(&a, t, n, k);
+        make_weight(&b, t, n, k);
+        make_weight(&c, t, n, k);
+        float x[5 * 64], yc[3][5 * 48], yg[3][5 * 48];
+        fill(x, sizeof x / sizeof x[0], -1, 1);
+        float *dx = dev(x, sizeof x);
+        float *dy[3] = {dev_zero(sizeof yc[0]), dev_zero(sizeof yc[0]), dev_zero(sizeof yc[0])};
+        const kn_weight *wc[3] = {&a.cpu, &b.cpu, &c.cpu}, *wg[3] = {&a.cu, &b.cu, &c.cu};
+        float *yc_p[3] = {yc[0], yc[1], yc[2]};
+        kn_matmul_n(cpu15, 3, wc, x, yc_p, m);
+        kn_matmul_n(cu15, 3, wg, dx, dy, m);
+        for (int i = 0; i < 3; i++) {
+            get(cu15, yg[i], dy[i], sizeof yg[i]);
+            same("matmul_n", yc[i], yg[i], (size_t)(m * n));
+        }
+        kn_matmul_swiglu(cpu15, &a.cpu, &b.cpu, x, yc[0], yc[1], m);
+        kn_matmul_swiglu(cu15, &a.cu, &b.cu, dx, dy[0], dy[1], m);
+        get(cu15, yg[0], dy[0], sizeof yg[0]);
+        get(cu15, yg[1], dy[1], sizeof yg[1]);
+        same("matmul_swiglu gate", yc[0], yg[0], (size_t)(m * n));
+        same("matmul_swiglu up", yc[1], yg[1], (size_t)(m * n));
+        free(a.host), free(b.host), free(c.host);
+        free_bufs();
+    }
+}
+
+static void row_and_elementwise_ops(void **state) {
+    (void)state;
+    enum { M = 3, N = 100 };
+    float x[M * N], g[N], b[N], yc[M * N], yg[M * N];
+    fill(x, M * N, -3, 3);
+    fill(g, N, 0.5f, 1.5f);
+    fill(b, N, -1, 1);
+    float *dx = dev(x, sizeof x), *dg = dev(g, sizeof g), *db = dev(b, sizeof b), *dy = dev_zero(sizeof yc);
+
+    kn_rmsnorm(cpu15, x, g, yc, M, N, 1e-5f);
+    kn_rmsnorm(cu15, dx, dg, dy, M, N, 1e-5f);
+    get(cu15, yg, dy, sizeof yg);
+    same("rmsnorm", yc, yg, M * N);
+
+    kn_add(cpu15, x, yc, yc, M * N);
+    kn_add(cu15, dx, dy, dy, M * N);
+    get(cu15, yg, dy, sizeof yg);
+    same("add", yc, yg, M * N);
+
+    kn_swiglu(cpu15, x, yc, yc, M * N);
+    kn_swiglu(cu15, dx, dy, dy, M * N);
+    get(cu15, yg, dy, sizeof yg);
+    same("swiglu", yc, yg, M * N);
+
+    kn_bias_add(cpu15, yc, b, M, N);
+    kn_bias_add(cu15, dy, db, M, N);
+    get(cu15, yg, dy, sizeof yg);
+    same("bias_add", yc, yg, M * N);
+
+    memcpy(yc, x, sizeof x);
+    kn_upload(cu15, last_buf(), 0, x, sizeof x);
+    kn_softmax(cpu15, yc, M, N);
+    kn_softmax(cu15, dy, M, N);
+    get(cu15, yg, dy, sizeof yg);
+    same("softmax", yc, yg, M * N);
+
+    /* argmax: a tie (lowest index wins) and a NaN (never chosen) */
+    x[7] = 9.0f, x[40] = 9.0f, x[N + 3] = NAN, x[N + 50] = 8.0f, x[N + 51] = NAN;
+    for (int i = 0; i < N; i++) x[2 * N + i] = NAN; /* all NaN: 0 */
+    kn_upload(cu15, &bufs[0], 0, x, sizeof x);
+    int32_t ac[M], ag[M];
+    int32_t *da = dev_zero(sizeof ag);
+    kn_argmax(cpu15, x, ac, M, N);
+    kn_argmax(cu15, dx, da, M, N);
+    get(cu15, ag, da, sizeof ag);
+    assert_memory_equal(ac, ag, sizeof ac);
+    assert_int_equal(ac[0], 7);
+
+    /* gather_rows, named rows and a plain strided copy */
+    int32_t rows[2] = {2, 0};
+    int32_t *drows = dev(rows, sizeof rows);
+    float gc[2 * 2 * N], gg[2 * 2 * N];
+    memset(gc, 0, sizeof gc);
+    float *dgat = dev_zero(sizeof gg);
+    kn_gather_rows(cpu15, x, rows, 2, N, gc, 2 * N);
+    kn_gather_rows(cu15, dx, drows, 2, N, dgat, 2 * N);
+    kn_gather_rows(cpu15, x, NULL, 2, N, gc + N, 2 * N);
+    kn_gather_rows(cu15, dx, NULL, 2, N, dgat + N, 2 * N);
+    get(cu15, gg, dgat, sizeof gg);
+    same("gather_rows", gc, gg, 4 * N);
+    free_bufs();
+}
+
+static void embed_every_type(void **state) {
+    (void)state;
+    const int64_t rows = 20, cols = 64, m = 6;
+    int32_t ids[6] = {3, 0, 19, 3, 7, 11};
+    for (size_t ti = 0; ti < sizeof TYPES / sizeof TYPES[0]; ti++) {
+        wpair w;
+        make_weight(&w, TYPES[ti], rows, cols);
+        float oc[6 * 64], og[6 * 64];
+        int32_t *dids = dev(ids, sizeof ids);
+        float *dout = dev_zero(sizeof og);
+        kn_embed(cpu15, &w.cpu, ids, oc, m);
+        kn_embed(cu15, &w.cu, dids, dout, m);
+        get(cu15, og, dout, sizeof og);
+        same(quant_type_name(TYPES[ti]), oc, og, (size_t)(m * cols));
+        free(w.host);
+        free_bufs();
+    }
+}
+
+static void rope_both_layouts(void **state) {
+    (void)state;
+    enum { M = 4, H = 3, D = 64 };
+    int32_t pos[M] = {0, 1, 17, 4000};
+    for (int layout = 0; layout < 2; layout++) {
+        kn_rope r;
+        kn_rope_config rc = {.layout = (kn_rope_layout)layout, .head_dim = D, .theta = 10000.0,
+                             .factor = layout ? 8.0 : 0.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0,
+                             .original_max_pos = 8192.0};
+        assert_int_equal(kn_rope_init(&r, &rc, NULL), AE_OK);
+        float x[M * H * D], csc[M * D], csg[M * D], xg[M * H * D];
+        fill(x, M * H * D, -1, 1);
+        int32_t *dpos = dev(pos, sizeof pos);
+        float *dcs = dev_zero(sizeof csg), *dx = dev(x, sizeof x);
+        kn_rope_table(cpu15, &r, pos, M, csc);
+        kn_rope_table(cu15, &r, dpos, M, dcs);
+        get(cu15, csg, dcs, sizeof csg);
+        same("rope_table", csc, csg, M * D);
+        kn_rope_rotate(cpu15, &r, x, M, H, csc);
+        kn_rope_rotate(cu15, &r, dx, M, H, dcs);
+        get(cu15, xg, dx, sizeof xg);
+        same(layout ? "rope_rotate neox" : "rope_rotate adjacent", x, xg, M * H * D);
+        free_bufs();
+    }
+}
+
+/* KV: two sequences in a pool of 8 blocks of 16 rows, 2 kv heads of 64,
+ * 4 query heads. Sequence 0 holds 45 slots (two chunks and a part);
+ * sequence 1 holds 20 committed slots and a tree of 3 nodes in scratch
+ * slots 40, 41, 42 (node 2's ancestors: node 0). Attention runs over a
+ * batch of prefill-like tokens of sequence 0 and the tree. */
+enum { NB = 8, BS = 16, KVH = 2, HD = 64, QH = 4, TL = 4 };
+
+static void kv_write_attention_and_move(void **state) {
+    (void)state;
+    size_t pool_elems = (size_t)NB * BS * KVH * HD;
+    uint16_t *kc = calloc(pool_elems, 2), *vc = calloc(pool_elems, 2), *kg = malloc(pool_elems * 2),
+             *vg = malloc(pool_elems * 2);
+    /* K and V in one buffer: a pool names one buffer (kernels.c checks both) */
+    uint16_t *dkv = dev_zero(2 * pool_elems * 2);
+    kn_buf *kvbuf = last_buf();
+    uint16_t *dk = dkv, *dv = dkv + pool_elems;
+    kn_kv_pool pc = {.k = kc, .v = vc, .n_blocks = NB, .block_size = BS, .n_kv_heads = KVH, .head_dim = HD,
+                     .type = GGML_TYPE_F16};
+    kn_kv_pool pg = pc;
+    pg.k = dk, pg.v = dv, pg.buf = kvbuf;
+    int32_t tables[2 * TL] = {5, 1, 7, -1, 2, 0, 6, -1};
+
+    /* writes: all 45 slots of seq 0, 20 of seq 1, and its 3 scratch slots */
+    enum { NW = 45 + 20 + 3 };
+    int32_t wseq[NW], wslot[NW], zeros[NW];
+    for (int i = 0; i < NW; i++) {
+        wseq[i] = i < 45 ? 0 : 1;
+        wslot[i] = i < 45 ? i : i < 65 ? i - 45 : 40 + (i - 65);
+        zeros[i] = 0;
+    }
+    float *k = malloc((size_t)NW * KVH * HD * 4), *v = malloc((size_t)NW * KVH * HD * 4);
+    fill(k, (size_t)NW * KVH * HD, -2, 2);
+    fill(v, (size_t)NW * KVH * HD, -2, 2);
+    kn_kv_map wm = {.m = NW, .block_tables = tables, .n_seqs = 2, .table_len = TL, .seq = wseq, .slot = wslot,
+                    .n_prefix = zeros, .extra_start = zeros, .n_extra = zeros, .extra = zeros, .n_extra_total = 0};
+    kn_kv_map wg = wm;
+    wg.block_tables = dev(tables, sizeof tables), wg.seq = dev(wseq, sizeof wseq), wg.slot = dev(wslot, sizeof wslot);
+    wg.n_prefix = wg.extra_start = wg.n_extra = wg.extra = dev(zeros, sizeof zeros);
+    float *dkf = dev(k, (size_t)NW * KVH * HD * 4), *dvf = dev(v, (size_t)NW * KVH * HD * 4);
+    kn_kv_write(cpu15, &pc, &wm, k, v);
+    kn_kv_write(cu15, &pg, &wg, dkf, dvf);
+    get(cu15, kg, dk, pool_elems * 2);
+    get(cu15, vg, dv, pool_elems * 2);
+    assert_memory_equal(kc, kg, pool_elems * 2);
+    assert_memory_equal(vc, vg, pool_elems * 2);
+
+    /* attention: seq 0 tokens at positions 0, 31, 32, 44 (1, 32, 33, 45
+     * keys), then the tree: node 0 sees 20 + [40], node 1 20 + [41],
+     * node 2 20 + [40, 42] */
+    enum { NT = 7 };
+    int32_t aseq[NT] = {0, 0, 0, 0, 1, 1, 1}, aslot[NT] = {0, 31, 32, 44, 40, 41, 42};
+    int32_t npre[NT] = {1, 32, 33, 45, 20, 20, 20}, xst[NT] = {0, 0, 0, 0, 0, 1, 2}, nex[NT] = {0, 0, 0, 0, 1, 1, 2};
+    int32_t extra[4] = {40, 41, 40, 42};
+    kn_kv_map am = {.m = NT, .block_tables = tables, .n_seqs = 2, .table_len = TL, .seq = aseq, .slot = aslot,
+                    .n_prefix = npre, .extra_start = xst, .n_extra = nex, .extra = extra, .n_extra_total = 4};
+    kn_kv_map ag = am;
+    ag.block_tables = dev(tables, sizeof tables), ag.seq = dev(aseq, sizeof aseq), ag.slot = dev(aslot, sizeof aslot);
+    ag.n_prefix = dev(npre, sizeof npre), ag.extra_start = dev(xst, sizeof xst), ag.n_extra = dev(nex, sizeof nex);
+    ag.extra = dev(extra, sizeof extra);
+    float q[NT * QH * HD], oc[NT * QH * HD], og[NT * QH * HD];
+    fill(q, NT * QH * HD, -1, 1);
+    float *dq = dev(q, sizeof q), *dout = dev_zero(sizeof og);
+    kn_attention(cpu15, &pc, &am, q, oc, QH);
+    kn_attention(cu15, &pg, &ag, dq, dout, QH);
+    get(cu15, og, dout, sizeof og);
+    same("attention", oc, og, NT * QH * HD);
+
+    /* moves that chain: row 40 -> 12, then 12 -> 13, and one in place */
+    int32_t src[3] = {2 * BS + 8, 5 * BS + 12, 3}, dst[3] = {5 * BS + 12, 5 * BS + 13, 3};
+    int32_t *dsrc = dev(src, sizeof src), *ddst = dev(dst, sizeof dst);
+    kn_kv_move(cpu15, &pc, src, dst, 3);
+    kn_kv_move(cu15, &pg, dsrc, ddst, 3);
+    get(cu15, kg, dk, pool_elems * 2);
+    get(cu15, vg, dv, pool_elems * 2);
+    assert_memory_equal(kc, kg, pool_elems * 2);
+    assert_memory_equal(vc, vg, pool_elems * 2);
+    assert_memory_equal(kc + (size_t)(5 * BS + 13) * KVH * HD, kc + (size_t)(2 * BS + 8) * KVH * HD, KVH * HD * 2);
+    free(k), free(v), free(kc), free(vc), free(kg), free(vg);
+    free_bufs();
+}
+
+static void device_open_reports_the_shim(void **state) {
+    (void)state;
+    const kn_backend *be;
+    kn_device_info info;
+    ae_error err = {{0}};
+    assert_int_equal(kn_cuda_open(0, &be, &info, &err), AE_OK);
+    assert_ptr_equal(be, CU);
+    assert_string_equal(kn_backend_name(be), "cuda");
+    assert_false(kn_backend_host_memory(be));
+    assert_int_equal(kn_cuda_open(1, &be, &info, &err), AE_ERR);
+    assert_string_equal(err.msg, "cuda:1 does not exist: this machine has 1 GPU(s)");
+    assert_true(kn_backend_supports(be, KN_OP_MATMUL, GGML_TYPE_Q4_1));
+    assert_false(kn_backend_supports(be, KN_OP_MATMUL, GGML_TYPE_Q6_K));
+    assert_true(kn_backend_supports(be, KN_OP_KV, GGML_TYPE_F16));
+    assert_false(kn_backend_supports(be, KN_OP_KV, GGML_TYPE_BF16));
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(device_open_reports_the_shim),
+        cmocka_unit_test(matmul_every_type_both_precisions),
+        cmocka_unit_test(matmul_n_and_swiglu),
+        cmocka_unit_test(row_and_elementwise_ops),
+        cmocka_unit_test(embed_every_type),
+        cmocka_unit_test(rope_both_layouts),
+        cmocka_unit_test(kv_write_attention_and_move),
+    };
+    int rc = cmocka_run_group_tests(tests, setup, teardown);
+    printf("cuda ops on the CPU shim: %d values compared bit for bit with the CPU backend\n", compared);
+    return rc;
+}
