@@ -18,6 +18,9 @@
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"device", CFG_STRING, "auto", 0, 0,
+     "where the model runs: auto (cuda:0 when build/libaerie-cuda.so loads and a GPU is usable, else cpu), cpu, "
+     "cuda or cuda:N"},
     {"listen", CFG_STRING, "auto", 0, 0,
      "address: unix:PATH or HOST:PORT (auto: aerie-target.sock in a private runtime directory, rpc.h)"},
     {"tls-cert", CFG_STRING, NULL, 0, 0, "TLS 1.3 certificate chain (PEM); with tls-key, the link is TLS"},

@@ -175,17 +175,19 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     out->step_tokens = (int32_t)step;
     if (kv_auto) cfg_set_auto_int(c, "max-kv-tokens", out->kv_tokens);
 
+    char where[64] = "available";
+    if (env->device) snprintf(where, sizeof where, "free on %s at start", env->device);
     char extra[64] = "";
     if (env->extra_workspace)
         snprintf(extra, sizeof extra, " + %s fixed", B(&z, 7, env->extra_workspace));
     snprintf(out->text, sizeof out->text,
-             "budget = %s (mem-fraction, %s) x %s available = %s\n"
+             "budget = %s (mem-fraction, %s) x %s %s = %s\n"
              "workspace = %" PRIu64 " tok x %s%s = %s\n"
              "kv = %" PRIu64 " blocks x %" PRIu64 " tok = %" PRId64 " tok x %s = %s "
              "(%" PRIu64 " seq of max-seq-len %" PRId64 ")\n"
              "block tables = %" PRId64 " seq x %" PRIu64 " blocks x 4 B = %s\n"
              "total = weights %s + workspace %s + block tables %s + kv %s = %s (%.1f%% of budget)",
-             fs, fsrc, B(&z, 0, avail), B(&z, 1, budget),
+             fs, fsrc, B(&z, 0, avail), where, B(&z, 1, budget),
              step, B(&z, 2, ws_tok), extra, B(&z, 3, ws),
              n_blocks, bs, out->kv_tokens, B(&z, 4, kv_tok), B(&z, 5, out->kv_bytes),
              n_blocks / per_seq_blocks, max_seq_len,

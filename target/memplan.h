@@ -60,6 +60,7 @@ typedef struct memplan_env {
     int32_t block_size;       /* KV tokens per block */
     int32_t step_tokens;      /* tokens in one forward pass; 0: max-batch */
     uint64_t extra_workspace; /* bytes beyond the per-token formula ("fixed") */
+    const char *device;       /* "cuda:0": available is that GPU's free memory at start; NULL: the host's */
 } memplan_env;
 
 typedef struct memplan {

@@ -3,7 +3,12 @@
 #include "../services/core/hostmem.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
+#include "../services/core/log.h"
+#include "../kernels/device.h"
 #include "arch.h"
+
+/* The device --device resolved to (one per process). */
+static kn_device g_device;
 
 int setup_service(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
                   bool *print_config, bool *help, ae_error *err) {
@@ -11,22 +16,40 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
     if (svc_config_load(c, service, opts, n, argc, argv, print_config, help, err) != AE_OK) return AE_ERR;
     if (*help) return AE_OK;
     if (cfg_is_auto(*c, "threads")) cfg_set_auto_int(*c, "threads", pool_cpu_count());
+    if (kn_device_open(cfg_str(*c, "device"), &g_device, err) != AE_OK) return AE_ERR;
+    if (cfg_is_auto(*c, "device")) {
+        cfg_set_auto_str(*c, "device", g_device.name);
+        LOG_INFOF("device %s (auto: %s)", g_device.name, g_device.why);
+    }
+    if (g_device.kind == KN_DEVICE_CUDA)
+        LOG_INFOF("device %s: %s, compute capability %d.%d, %llu MiB of %llu MiB free, driver %d, runtime %d",
+                  g_device.name, g_device.info.name, g_device.info.cc_major, g_device.info.cc_minor,
+                  (unsigned long long)(g_device.info.free_bytes >> 20),
+                  (unsigned long long)(g_device.info.total_bytes >> 20), g_device.info.driver_version,
+                  g_device.info.runtime_version);
     const char *path = cfg_str(*c, "model");
     if (!path) return err_set(err, "no model given (use --model FILE)");
-    return model_load(m, path, &kn_backend_cpu, err);
+    return model_load(m, path, g_device.be, err);
 }
 
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
+    /* On a GPU the plan is of the device's memory: what was free when it
+     * was opened, before the weights were loaded into it. */
     uint64_t avail;
-    if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
+    bool on_gpu = g_device.kind == KN_DEVICE_CUDA && m->be == g_device.be;
+    if (on_gpu)
+        avail = g_device.info.free_bytes;
+    else if (hostmem_available(&avail, err) != AE_OK)
+        return AE_ERR;
     const model_config *mc = &m->cfg;
     memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
                         mc->n_kv_heads, mc->head_dim, mc->vocab, m->arch->kv_bytes_per_token(mc),
                         m->arch->workspace_per_token(mc)};
     memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
                        llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
-                           eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work};
+                           eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work,
+                       on_gpu ? g_device.name : NULL};
     return memplan_compute(c, &mm, &env, plan, err);
 }
 

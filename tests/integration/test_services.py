@@ -508,6 +508,35 @@ def test_print_config_shows_every_setting_with_its_source(model):
         assert cfg["mem-fraction"]["source"] == "auto"
 
 
+
+def test_device_auto_names_its_choice_and_an_unusable_cuda_exits_2_with_one_line(model):
+    """--device (kernels/device.h): auto is resolved and shown with source auto;
+    cuda on a machine where it cannot be had is refused, not silently the CPU."""
+    target = str(SERVICE_DIR / "aerie-target")
+    out = subprocess.run([target, "--model", str(model), "--print-config"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    device = json.loads(out.stdout)["device"]
+    assert device["source"] == "auto"
+    gpu = device["value"] == "cuda:0"
+    if not gpu:
+        assert device["value"] == "cpu"
+        assert "device cpu (auto: " in out.stderr
+    out = subprocess.run([target, "--model", str(model), "--device", "cpu", "--print-config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert json.loads(out.stdout)["device"] == {"value": "cpu", "source": "flag"}
+    for spec, why in (("cuda:7", None), ("gpu", "expected auto, cpu, cuda or cuda:N")):
+        out = subprocess.run([target, "--model", str(model), "--device", spec], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert lines[0].startswith(f"aerie-target: --device {spec}: ")
+        if why:
+            assert lines[0].endswith(why)
+        elif not gpu:
+            assert "no usable GPU" in lines[0] or "cannot load the CUDA backend" in lines[0]
+
 def test_sigterm_finishes_running_streams_then_exits_cleanly(services, model):
     target = services("aerie-target", *target_args())
     ids = reference(model, PROMPTS[1])[0]
