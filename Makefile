@@ -75,15 +75,17 @@ MODEL_BIN := $(MODEL_SRC:tests/model/%.c=build/tests/%)
 NVCC    ?= $(shell command -v nvcc 2>/dev/null || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/cuda/bin/nvcc; })
 CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a \
                 -gencode=arch=compute_120,code=sm_120 -gencode=arch=compute_80,code=compute_80
-NVCCFLAGS := -std=c++17 --fmad=false -O2 -g -Ibuild/gen -Werror all-warnings -Xptxas -warn-spills \
+NVCCFLAGS := -std=c++17 --fmad=false -O2 -g -Werror all-warnings -Xptxas -warn-spills \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra,-Werror,-Wno-unused-parameter,-pthread
 CUDA_SRC := $(sort $(wildcard kernels/cuda/*.cu))
 CUDA_OBJ := $(CUDA_SRC:%.cu=build/cuda/%.o)
 CUDA_LIB := build/libaerie-cuda.so
 ifneq ($(NVCC),)
 CUDA_ALL := $(CUDA_LIB)
+CUDA_TEST := cuda-12.8
 else
 CUDA_ALL := cuda-note
+CUDA_TEST :=
 endif
 # The same kernel sources compiled by g++ against the CPU stand-in for
 # CUDA (kernels/cuda/shim), for make test-cuda-cpu.
@@ -107,7 +109,7 @@ endif
 
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: all deps model test unit fuzz asan tsan run train-draft clean cuda test-cuda-cpu cuda-note
+.PHONY: all deps model test unit fuzz asan tsan run train-draft clean cuda test-cuda-cpu cuda-note gpu-tests cuda-12.8
 .DEFAULT_GOAL := all
 
 SERVICES := build/aerie-target build/aerie-draft build/aerie-gateway
@@ -227,7 +229,7 @@ build/fuzz/%: tests/fuzz/%.c build/fuzz/libaerie.a
 	$(MSG) FUZZLD $@
 	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -fsanitize=fuzzer,address,undefined $< build/fuzz/libaerie.a $(LIBS) -o $@
 
-build/cuda/%.o: %.cu kernels/cuda/kn_cuda.h kernels/backend.h kernels/kernels.h kernels/device.h | $(GEN_H)
+build/cuda/%.o: %.cu kernels/cuda/kn_cuda.h kernels/backend.h kernels/kernels.h kernels/device.h
 	@mkdir -p $(@D)
 	$(MSG) NVCC $@
 	$(Q)$(NVCC) $(NVCCFLAGS) $(CUDA_GENCODE) -c $< -o $@
@@ -242,6 +244,10 @@ else
 cuda:
 	@echo "make cuda: nvcc not found (install the CUDA toolkit, or set NVCC=path)"; exit 2
 endif
+
+# The CUDA backend against CUDA 12.8's headers and ptxas (from PyPI).
+cuda-12.8:
+	@NVCC=$(NVCC) tools/check_cuda_12_8.sh
 
 cuda-note:
 	@echo "  note   nvcc not found: building without the CUDA backend (--device cuda needs make cuda)"
@@ -265,6 +271,21 @@ build/tsan/cuda/test_%: tests/cuda_cpu/test_%.c $(TSHIM_OBJ) build/tsan/libaerie
 	@mkdir -p $(@D)
 	$(MSG) TSANLD $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g -fsanitize=thread $< $(TSHIM_OBJ) build/tsan/libaerie.a -lcmocka $(LIBS) -o $@
+
+# The same op and model tests for a GPU machine (tests/gpu/run.sh): built
+# here, where the libraries are, with the shared ones they load copied
+# beside them (the GPU machine has none of them and no registry); they
+# open build/libaerie-cuda.so, which run.sh builds there with its nvcc.
+GPU_TEST_BIN := build/gpu/test_cuda_ops build/gpu/test_cuda_model
+
+build/gpu/test_%: tests/cuda_cpu/test_%.c build/libaerie.a
+	@mkdir -p $(@D)/lib
+	$(MSG) LD $@
+	$(Q)$(CC) $(BASE_CFLAGS) $(OPT) -DKN_TEST_GPU $< build/libaerie.a -lcmocka $(LIBS) -o $@
+	$(Q)ldd $@ | awk '/=> \// {print $$3}' | grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*)\.so' | \
+	    xargs -r cp -L -t $(@D)/lib
+
+gpu-tests: $(GPU_TEST_BIN)
 
 # The CUDA kernels on the CPU, against the CPU backend, under ASan+UBSan
 # and under TSan (part of make test, through tools/run_tests.sh).
@@ -294,7 +315,7 @@ $(RANDOM_HEAD)/model.safetensors: tools/gen_eagle_fixture.py
 
 test:
 	@tools/deps.sh test
-	$(MAKE) all asan tsan fuzz $(RANDOM_HEAD)/model.safetensors
+	$(MAKE) all asan tsan fuzz $(RANDOM_HEAD)/model.safetensors $(CUDA_TEST)
 	@tools/fetch_model.sh
 	@tools/run_tests.sh
 
