@@ -177,6 +177,18 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
 
     char where[64] = "available";
     if (env->device) snprintf(where, sizeof where, "free on %s at start", env->device);
+    char peers[256] = "";
+    if (env->device && env->device_total > 0) {
+        double total = (double)env->device_total;
+        out->vllm_gpu_memory_utilization = (double)out->total / total;
+        double left = (double)avail - (double)w - (double)out->kv_bytes;
+        out->sglang_mem_fraction_static = 1.0 - left / total;
+        snprintf(peers, sizeof peers,
+                 "\n%s: %s in all, %s free at start; this plan as the peers' settings: vLLM "
+                 "--gpu-memory-utilization %.3f, SGLang --mem-fraction-static %.3f",
+                 env->device, B(&z, 0, env->device_total), B(&z, 1, avail), out->vllm_gpu_memory_utilization,
+                 out->sglang_mem_fraction_static);
+    }
     char extra[64] = "";
     if (env->extra_workspace)
         snprintf(extra, sizeof extra, " + %s fixed", B(&z, 7, env->extra_workspace));
@@ -186,14 +198,14 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
              "kv = %" PRIu64 " blocks x %" PRIu64 " tok = %" PRId64 " tok x %s = %s "
              "(%" PRIu64 " seq of max-seq-len %" PRId64 ")\n"
              "block tables = %" PRId64 " seq x %" PRIu64 " blocks x 4 B = %s\n"
-             "total = weights %s + workspace %s + block tables %s + kv %s = %s (%.1f%% of budget)",
+             "total = weights %s + workspace %s + block tables %s + kv %s = %s (%.1f%% of budget)%s",
              fs, fsrc, B(&z, 0, avail), where, B(&z, 1, budget),
              step, B(&z, 2, ws_tok), extra, B(&z, 3, ws),
              n_blocks, bs, out->kv_tokens, B(&z, 4, kv_tok), B(&z, 5, out->kv_bytes),
              n_blocks / per_seq_blocks, max_seq_len,
              max_batch, per_seq_blocks, B(&z, 11, tables),
              B(&z, 6, w), B(&z, 8, ws), B(&z, 11, tables), B(&z, 9, out->kv_bytes), B(&z, 10, out->total),
-             budget ? 100.0 * (double)out->total / (double)budget : 0.0);
+             budget ? 100.0 * (double)out->total / (double)budget : 0.0, peers);
     return AE_OK;
 }
 

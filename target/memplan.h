@@ -28,7 +28,23 @@
  * Auto values are recorded in the cfg with source "auto".
  *
  * A plan that cannot hold one sequence of max-seq-len fails with the
- * arithmetic and the value of each setting that would work. */
+ * arithmetic and the value of each setting that would work.
+ *
+ * On a GPU (memplan_env.device) "available" is the memory the device had
+ * free when it was opened, before the weights went in: mem-fraction means
+ * the same on every device, the share of what was free at start that the
+ * process may use in all. The peers define theirs otherwise, so the plan
+ * states its equivalents in their terms (total: the GPU's memory):
+ *   vLLM   gpu_memory_utilization = this plan's total / total
+ *          (vLLM sizes KV as total x utilization minus its own weights,
+ *          activations and graphs);
+ *   SGLang mem_fraction_static = 1 - (free at start - weights - kv) / total
+ *          (SGLang gives KV rest = available after weights - total x
+ *          (1 - mem_fraction_static), and keeps the remainder for
+ *          activations and graphs).
+ * An operator who carries a value from one to another sees the mapping:
+ * a hand-picked SGLang 0.55 on a GPU whose weights take 60% of it leaves
+ * KV a negative rest, where its automatic 0.88 left room. */
 #ifndef AERIE_TARGET_MEMPLAN_H
 #define AERIE_TARGET_MEMPLAN_H
 
@@ -61,6 +77,7 @@ typedef struct memplan_env {
     int32_t step_tokens;      /* tokens in one forward pass; 0: max-batch */
     uint64_t extra_workspace; /* bytes beyond the per-token formula ("fixed") */
     const char *device;       /* "cuda:0": available is that GPU's free memory at start; NULL: the host's */
+    uint64_t device_total;    /* with device: the GPU's memory in all */
 } memplan_env;
 
 typedef struct memplan {
@@ -75,6 +92,9 @@ typedef struct memplan {
     int32_t n_blocks, block_size;
     int32_t max_blocks_per_seq; /* ceil(max-seq-len / block_size) */
     int32_t max_batch, max_seq_len, step_tokens;
+    /* On a GPU, the same plan in the peers' settings (memplan.h, top):
+     * vLLM's gpu_memory_utilization and SGLang's mem_fraction_static. */
+    double vllm_gpu_memory_utilization, sglang_mem_fraction_static;
     char text[MEMPLAN_TEXT_MAX]; /* the arithmetic, one line per '\n' */
 } memplan;
 

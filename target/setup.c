@@ -49,7 +49,7 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
     memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
                        llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
                            eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work,
-                       on_gpu ? g_device.name : NULL};
+                       on_gpu ? g_device.name : NULL, on_gpu ? g_device.info.total_bytes : 0};
     return memplan_compute(c, &mm, &env, plan, err);
 }
 

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <math.h>
 
 #include "../../services/core/log.h"
 #include "../../target/memplan.h"
@@ -82,6 +83,29 @@ static void test_feasible_plan_numbers_exact(void **state) {
                         "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
                         "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 720 MiB = "
                         "822 MiB (5.6% of budget)");
+    cfg_free(c);
+}
+
+/* On a GPU: the plan is of the device's free memory at start, and says
+ * what it would be in vLLM's and SGLang's settings (memplan.h). */
+static void test_gpu_plan_states_the_peers_equivalents(void **state) {
+    (void)state;
+    cfg *c = with_flags(0, NULL);
+    memplan p;
+    ae_error err = {0};
+    memplan_env env = {.mem_available = 139 * GiB, .block_size = 16, .device = "cuda:0",
+                       .device_total = 141 * GiB};
+    assert_int_equal(memplan_compute(c, &smol, &env, &p, &err), AE_OK);
+    assert_int_equal(p.total, 861691904ull);
+    /* 861691904 / 141 GiB */
+    assert_true(fabs(p.vllm_gpu_memory_utilization - 0.005691582) < 1e-9);
+    /* 1 - (139 GiB - 100 MiB - 720 MiB) / 141 GiB */
+    assert_true(fabs(p.sglang_mem_fraction_static - 0.019863697) < 1e-9);
+    const char *want_first = "budget = 0.9 (mem-fraction, auto) x 139 GiB free on cuda:0 at start = 125 GiB\n";
+    assert_memory_equal(p.text, want_first, strlen(want_first));
+    const char *last = strrchr(p.text, '\n') + 1;
+    assert_string_equal(last, "cuda:0: 141 GiB in all, 139 GiB free at start; this plan as the peers' settings: "
+                              "vLLM --gpu-memory-utilization 0.006, SGLang --mem-fraction-static 0.020");
     cfg_free(c);
 }
 
@@ -312,6 +336,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_auto_fraction_leaves_the_reserve),
         cmocka_unit_test(test_feasible_plan_numbers_exact),
+        cmocka_unit_test(test_gpu_plan_states_the_peers_equivalents),
         cmocka_unit_test(test_given_kv_tokens_round_up_to_blocks),
         cmocka_unit_test(test_infeasible_plan_shows_arithmetic_and_what_works),
         cmocka_unit_test(test_values_named_by_the_error_work),
