@@ -95,6 +95,9 @@ SHIM_SRC := $(CUDA_SRC) kernels/cuda/shim/cuda_shim.cc
 ASHIM_OBJ := $(patsubst %,build/asan/shim/%.o,$(SHIM_SRC))
 TSHIM_OBJ := $(patsubst %,build/tsan/shim/%.o,$(SHIM_SRC))
 CUDA_CPU_BIN := build/asan/cuda/test_cuda_ops build/asan/cuda/test_cuda_model build/tsan/cuda/test_cuda_ops
+# The plugin built on the shim (release): lets the services and aerie bench
+# run --device cuda on a machine with no GPU (tests/integration/test_cuda_shim.py).
+SHIM_LIB := build/shim/libaerie-cuda.so
 .SECONDARY: $(ASHIM_OBJ) $(TSHIM_OBJ)
 
 # `make V=1` shows the full command lines.
@@ -262,6 +265,12 @@ build/tsan/shim/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(
 	$(MSG) TSHIM $@
 	$(Q)$(CXX) $(SHIM_FLAGS) -x c++ -O1 -g -fsanitize=thread -c $< -o $@
 
+$(SHIM_LIB): $(SHIM_SRC) kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h kernels/backend.h kernels/kernels.h kernels/device.h
+	@mkdir -p $(@D)
+	$(MSG) SHIMLD $@
+	$(Q)$(CXX) $(filter-out -MMD -MP,$(SHIM_FLAGS)) -DSHIM_FIBERS -O2 -g -fPIC -shared -fvisibility=hidden -Wl,--no-undefined \
+	    -x c++ $(SHIM_SRC) -o $@
+
 build/asan/cuda/test_%: tests/cuda_cpu/test_%.c $(ASHIM_OBJ) build/asan/libaerie.a
 	@mkdir -p $(@D)
 	$(MSG) ASANLD $@
@@ -276,14 +285,24 @@ build/tsan/cuda/test_%: tests/cuda_cpu/test_%.c $(TSHIM_OBJ) build/tsan/libaerie
 # here, where the libraries are, with the shared ones they load copied
 # beside them (the GPU machine has none of them and no registry); they
 # open build/libaerie-cuda.so, which run.sh builds there with its nvcc.
-GPU_TEST_BIN := build/gpu/test_cuda_ops build/gpu/test_cuda_model
+GPU_TEST_BIN := build/gpu/test_cuda_ops build/gpu/test_cuda_model build/gpu/aerie
+# The shared libraries binary $(1) loads, beside it in lib/, but the C and
+# C++ runtimes (that machine's are newer, and its nvcc-built plugin needs
+# its own libstdc++).
+copy_libs = ldd $(1) | awk '/=> \// {print $$3}' | \
+    grep -vE '/(libc|libm|libpthread|libdl|librt|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' | xargs -r cp -L -t $(dir $(1))lib
 
 build/gpu/test_%: tests/cuda_cpu/test_%.c build/libaerie.a
 	@mkdir -p $(@D)/lib
 	$(MSG) LD $@
 	$(Q)$(CC) $(BASE_CFLAGS) $(OPT) -DKN_TEST_GPU $< build/libaerie.a -lcmocka $(LIBS) -o $@
-	$(Q)ldd $@ | awk '/=> \// {print $$3}' | grep -vE '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*)\.so' | \
-	    xargs -r cp -L -t $(@D)/lib
+	$(Q)$(call copy_libs,$@)
+
+# aerie itself, for make-model and bench there.
+build/gpu/aerie: build/aerie
+	@mkdir -p $(@D)/lib
+	$(Q)cp $< $@
+	$(Q)$(call copy_libs,$@)
 
 gpu-tests: $(GPU_TEST_BIN)
 
@@ -292,7 +311,7 @@ gpu-tests: $(GPU_TEST_BIN)
 test-cuda-cpu: $(CUDA_CPU_BIN)
 	@tools/run_tests.sh --only $(CUDA_CPU_BIN)
 
-asan: build/asan/aerie $(ASAN_SERVICES) $(UNIT_BIN) build/asan/cuda/test_cuda_ops build/asan/cuda/test_cuda_model
+asan: build/asan/aerie $(ASAN_SERVICES) $(UNIT_BIN) build/asan/cuda/test_cuda_ops build/asan/cuda/test_cuda_model $(SHIM_LIB)
 unit: $(UNIT_BIN)
 tsan: $(TSAN_BIN) build/tsan/cuda/test_cuda_ops
 fuzz: $(FUZZ_BIN)

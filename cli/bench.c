@@ -36,6 +36,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "../kernels/device.h"
 #include "../services/core/log.h"
 #include "../target/engine.h"
 #include "../target/sample.h"
@@ -44,6 +45,8 @@
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"device", CFG_STRING, "cpu", 0, 0,
+     "where the model runs: cpu, cuda, cuda:N or auto (on CUDA the roofline is the device's copy bandwidth)"},
     {"prompt-tokens", CFG_INT, "128", 1, 1 << 20, "synthetic prompt tokens of each sequence"},
     {"gen-tokens", CFG_INT, "128", 1, 1 << 20, "decode steps after the prompt"},
     {"batch", CFG_INT, "1", 1, 256, "sequences prefilled and decoded together"},
@@ -118,11 +121,14 @@ static void bw_sum(void *ctx, int task, int n_tasks) {
     j->sums[task] = s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7;
 }
 
-/* A buffer larger than the caches, filled, and a pool to read it. */
+/* A buffer larger than the caches, filled, and a pool to read it; or,
+ * on a GPU, the device's copy bandwidth over a buffer of that size. */
 typedef struct bw_probe {
     pool *pool;
     bw_job *job;
     int threads;
+    kn_cuda_copy_gbps_fn gpu; /* set: measure the device instead */
+    size_t gpu_bytes;
 } bw_probe;
 
 static void bw_probe_free(bw_probe *b) {
@@ -132,8 +138,14 @@ static void bw_probe_free(bw_probe *b) {
     memset(b, 0, sizeof *b);
 }
 
-static int bw_probe_init(bw_probe *b, size_t bytes, int threads, ae_error *err) {
+static int bw_probe_init(bw_probe *b, size_t bytes, int threads, const kn_device *dev, ae_error *err) {
     memset(b, 0, sizeof *b);
+    if (dev->kind == KN_DEVICE_CUDA) {
+        if (!dev->copy_gbps) return err_set(err, "the CUDA plugin has no %s", KN_CUDA_COPY_GBPS);
+        b->gpu = dev->copy_gbps;
+        b->gpu_bytes = bytes;
+        return AE_OK;
+    }
     b->threads = threads;
     b->job = calloc(1, sizeof *b->job);
     if (!b->job) return err_set(err, "out of memory");
@@ -151,8 +163,10 @@ static int bw_probe_init(bw_probe *b, size_t bytes, int threads, ae_error *err) 
     return AE_OK;
 }
 
-/* Read bandwidth of one pass over the buffer, in bytes per second. */
+/* Read bandwidth of one pass over the buffer, in bytes per second; on a
+ * GPU, bytes read and written per second of 10 device copies. */
 static double bw_probe_pass(bw_probe *b) {
+    if (b->gpu) return b->gpu(b->gpu_bytes, 10) * 1e9;
     double t0 = clock_mono_seconds();
     pool_run(b->pool, bw_sum, b->job, b->threads);
     double t = clock_mono_seconds() - t0;
@@ -361,7 +375,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cfg *c = (cfg *)cc; /* auto values are resolved here */
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
-    if (cfg_is_auto(c, "bandwidth-mib")) cfg_set_auto_int(c, "bandwidth-mib", auto_bandwidth_mib());
+    kn_device dev;
+    if (kn_device_open(cfg_str(c, "device"), &dev, err) != AE_OK) return CLI_EXIT_USAGE;
+    if (cfg_is_auto(c, "device")) cfg_set_auto_str(c, "device", dev.name);
+    /* A GPU's last-level cache is tens of MiB; 1 GiB is far past it. */
+    if (cfg_is_auto(c, "bandwidth-mib"))
+        cfg_set_auto_int(c, "bandwidth-mib", dev.kind == KN_DEVICE_CUDA ? 1024 : auto_bandwidth_mib());
     double t_start = clock_mono_seconds();
     const char *path = cfg_str(c, "model");
     int32_t n_prompt = (int32_t)cfg_int(c, "prompt-tokens"), n_gen = (int32_t)cfg_int(c, "gen-tokens");
@@ -378,7 +397,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int32_t act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK) return CLI_EXIT_USAGE;
 
-    if (model_load(&m, path, &kn_backend_cpu, err) != AE_OK) goto out;
+    if (model_load(&m, path, dev.be, err) != AE_OK) goto out;
     /* Speculation verifies trees of up to ENG_MAX_TREE nodes past the
      * generated tokens. */
     int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX) + (cfg_str(c, "draft") ? ENG_MAX_TREE : 0);
@@ -388,7 +407,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     /* Before the engine exists, so its KV cache does not share the memory. */
-    if (bw_probe_init(&probe, (size_t)cfg_int(c, "bandwidth-mib") << 20, threads, err) != AE_OK) goto out;
+    if (bw_probe_init(&probe, (size_t)cfg_int(c, "bandwidth-mib") << 20, threads, &dev, err) != AE_OK) goto out;
     double bw_best = 0;
     for (int r = 0; r < reps; r++) {
         double bw = bw_probe_pass(&probe);
@@ -421,7 +440,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     for (int32_t s = 0; s <= batch; s++)
         if (eng_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
     LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt,
-              n_gen, threads, kn_cpu_simd());
+              n_gen, threads, dev.kind == KN_DEVICE_CUDA ? dev.info.name : kn_cpu_simd());
 
     /* Warm-up: the verify sequence's prefix pages the weights in. */
     int32_t vseq = b.seqs[batch], vnext;
@@ -474,6 +493,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     cJSON_AddStringToObject(o, "model", path);
+    cJSON_AddStringToObject(o, "device", dev.kind == KN_DEVICE_CUDA ? dev.info.name : "cpu");
     cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
     cJSON_AddNumberToObject(o, "threads", threads);
     cJSON_AddNumberToObject(o, "act_bits", act_bits);

@@ -67,5 +67,6 @@ extern const cli_cmd cli_cmd_eval_draft;
 extern const cli_cmd cli_cmd_draft_logits;
 extern const cli_cmd cli_cmd_bench_rpc;
 extern const cli_cmd cli_cmd_perplexity;
+extern const cli_cmd cli_cmd_make_model;
 
 #endif

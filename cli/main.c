@@ -27,6 +27,7 @@ static const cli_cmd *const commands[] = {
     &cli_cmd_draft_logits,
     &cli_cmd_bench_rpc,
     &cli_cmd_perplexity,
+    &cli_cmd_make_model,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -73,6 +73,8 @@ static int open_cuda(int index, kn_device *out, ae_error *err) {
         dlclose(h);
         return err_set(err, "%s has no %s", path, KN_CUDA_ENTRY);
     }
+    sym = dlsym(h, KN_CUDA_COPY_GBPS);
+    memcpy(&out->copy_gbps, &sym, sizeof out->copy_gbps);
     /* The plugin stays loaded: its backend table lives in it. */
     if (open_fn(index, &out->be, &out->info, err) != AE_OK) return AE_ERR;
     out->kind = KN_DEVICE_CUDA;

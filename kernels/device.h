@@ -28,6 +28,10 @@ typedef struct kn_device_info {
  * backend's, and fills info. Errors are one line in err. */
 #define KN_CUDA_ENTRY "kn_cuda_open"
 typedef int (*kn_cuda_open_fn)(int index, const kn_backend **be, kn_device_info *info, ae_error *err);
+/* And its copy bandwidth: GB/s of device-to-device copies of `bytes`,
+ * counting bytes read and written (0: the buffers do not fit). */
+#define KN_CUDA_COPY_GBPS "kn_cuda_copy_gbps"
+typedef double (*kn_cuda_copy_gbps_fn)(size_t bytes, int reps);
 
 typedef enum kn_device_kind { KN_DEVICE_CPU = 0, KN_DEVICE_CUDA = 1 } kn_device_kind;
 
@@ -37,6 +41,7 @@ typedef struct kn_device {
     kn_device_info info; /* CUDA only */
     char name[32];       /* "cpu" or "cuda:N": what --print-config shows */
     char why[AE_ERR_MAX + 64]; /* auto only: why it chose what it chose */
+    kn_cuda_copy_gbps_fn copy_gbps; /* CUDA only */
 } kn_device;
 
 /* Resolves spec ("auto", "cpu", "cuda", "cuda:N"). An explicit cuda that

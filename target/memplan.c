@@ -74,6 +74,8 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     const int64_t max_seq_len = cfg_int(c, "max-seq-len");
     const uint64_t bs = (uint64_t)env->block_size;
     const uint64_t avail = env->mem_available;
+    char where[64] = "available";
+    if (env->device) snprintf(where, sizeof where, "free on %s at start", env->device);
 
     /* budget */
     const bool frac_auto = cfg_is_auto(c, "mem-fraction");
@@ -123,9 +125,9 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
         return err_set(err,
                        "memory plan: one sequence of max-seq-len %" PRId64 " does not fit: weights %s + "
                        "workspace %s + block tables %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
-                       "available = %s; would work: %s",
+                       "%s = %s; would work: %s",
                        max_seq_len, B(&z, 1, w), B(&z, 2, ws), B(&z, 7, tables), per_seq_blocks * bs,
-                       B(&z, 3, kv_tok), B(&z, 4, need), fs, B(&z, 5, avail), B(&z, 6, budget), ok);
+                       B(&z, 3, kv_tok), B(&z, 4, need), fs, B(&z, 5, avail), where, B(&z, 6, budget), ok);
     }
     if (kv_auto) {
         uint64_t cap = (uint64_t)max_batch * per_seq_blocks;
@@ -150,9 +152,9 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
             return err_set(err,
                            "memory plan: max-kv-tokens %" PRIu64 " does not fit: weights %s + workspace "
                            "%s + block tables %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
-                           "available = %s; would work: %s",
+                           "%s = %s; would work: %s",
                            want, B(&z, 0, w), B(&z, 1, ws), B(&z, 6, tables), n_blocks * bs,
-                           B(&z, 2, kv_tok), B(&z, 3, need), fs, B(&z, 4, avail), B(&z, 5, budget), ok);
+                           B(&z, 2, kv_tok), B(&z, 3, need), fs, B(&z, 4, avail), where, B(&z, 5, budget), ok);
         }
     }
 
@@ -175,8 +177,6 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     out->step_tokens = (int32_t)step;
     if (kv_auto) cfg_set_auto_int(c, "max-kv-tokens", out->kv_tokens);
 
-    char where[64] = "available";
-    if (env->device) snprintf(where, sizeof where, "free on %s at start", env->device);
     char peers[256] = "";
     if (env->device && env->device_total > 0) {
         double total = (double)env->device_total;

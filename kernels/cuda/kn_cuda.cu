@@ -184,6 +184,38 @@ static const kn_backend kn_backend_cuda = {
     kcu_gather_rows,
 };
 
+/* The bandwidth of device-to-device copies of `bytes`, `reps` of them
+ * timed after one untimed, in GB/s counting bytes read and written (the
+ * bandwidth roofline of aerie bench); 0 when the buffers do not fit. */
+extern "C" __attribute__((visibility("default"))) double kn_cuda_copy_gbps(size_t bytes, int reps) {
+    kcu_bind();
+    void *a = NULL, *b = NULL;
+    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        if (a) cudaFree(a);
+        return 0.0;
+    }
+    cudaStream_t s;
+    cudaEvent_t t0, t1;
+    KN_CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    KN_CK(cudaEventCreate(&t0));
+    KN_CK(cudaEventCreate(&t1));
+    KN_CK(cudaMemsetAsync(a, 1, bytes, s));
+    KN_CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s));
+    KN_CK(cudaEventRecord(t0, s));
+    for (int r = 0; r < reps; r++) KN_CK(cudaMemcpyAsync(r % 2 ? a : b, r % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
+    KN_CK(cudaEventRecord(t1, s));
+    KN_CK(cudaEventSynchronize(t1));
+    float ms = 0.0f;
+    KN_CK(cudaEventElapsedTime(&ms, t0, t1));
+    KN_CK(cudaEventDestroy(t0));
+    KN_CK(cudaEventDestroy(t1));
+    KN_CK(cudaStreamDestroy(s));
+    KN_CK(cudaFree(a));
+    KN_CK(cudaFree(b));
+    return ms > 0.0f ? 2.0 * (double)bytes * reps / ((double)ms * 1e-3) / 1e9 : 0.0;
+}
+
 extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, const kn_backend **be,
                                                                    kn_device_info *info, ae_error *err) {
     int n = 0;

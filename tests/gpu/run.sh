@@ -53,6 +53,11 @@ import torch
 print("  torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())))
 PY
 nproc
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "no GPU here: nothing to run"
+    echo "gpu: 0 passed, 1 failed in $((SECONDS - t0)) s"
+    exit 1
+fi
 
 step "build: make cuda with this machine's nvcc"
 if [ -z "$NVCC" ]; then
@@ -74,8 +79,22 @@ run ops 120 build/gpu/test_cuda_ops
 step "models: the tiny golden checkpoints through the engine on CUDA"
 run models 180 build/gpu/test_cuda_model
 
-step "benchmarks"
-echo "not written yet: decode against the HBM roofline and speculation at fixed acceptance (issue 19, item 9)"
+# Decode at batch 1 against the HBM roofline: weight bytes per step over
+# the device's copy bandwidth measured in the same run (aerie bench
+# --device cuda). Models with random weights made here (no download): a
+# Llama-3.1-8B shape in Q4_0 and in BF16, and the default model's shape
+# (SmolLM2-135M, Q4_1), which launch latency bounds.
+step "benchmarks: decode against the copy-bandwidth roofline"
+models=${AERIE_GPU_MODELS:-/tmp/aerie-models}
+mkdir -p "$models"
+for spec in smollm2-135m:q4_1 llama-3.1-8b:q4_0 llama-3.1-8b:bf16; do
+    shape=${spec%%:*} type=${spec#*:}
+    file=$models/$shape-$type.gguf
+    [ -s "$file" ] || run "make-$shape-$type" 240 build/gpu/aerie make-model --shape "$shape" --type "$type" --out "$file"
+    run "bench-$shape-$type" 240 build/gpu/aerie bench --model "$file" --device cuda --prompt-tokens 128 \
+        --gen-tokens 64 --repeat 3 --log-level info
+done
+echo "not written yet: speculation at fixed acceptance with an oracle draft (issue 19, item 9)"
 
 echo
 [ ${#failures[@]} -eq 0 ] || echo "failed: ${failures[*]}"

@@ -3,8 +3,10 @@
 
 #include <pthread.h>
 #include <semaphore.h>
+#include <ucontext.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
 thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
@@ -24,8 +26,6 @@ struct launch {
     unsigned syncs[SHIM_MAX_THREADS]; /* __syncthreads reached in this block, by thread */
 };
 
-static thread_local launch *t_launch;
-static thread_local unsigned t_tid, t_syncs;
 
 /* One launch at a time: __shared__ variables are statics. */
 static pthread_mutex_t g_launch_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -34,6 +34,127 @@ static void shim_fail(const char *what) {
     fprintf(stderr, "cuda shim: %s\n", what);
     abort();
 }
+
+#ifdef SHIM_FIBERS
+/* Fibers (SHIM_FIBERS, the release plugin build/shim/libaerie-cuda.so):
+ * a block's threads are ucontext fibers on the launching thread, each run
+ * until it reaches a barrier or ends, round robin. Tens of times faster
+ * than one OS thread per CUDA thread on a machine with few cores, which
+ * is what lets a whole service run on it; the sanitizer builds keep real
+ * threads, which TSan and ASan understand. A shuffle is a barrier of the
+ * whole block here, so every warp must shuffle in step. */
+struct fiber {
+    ucontext_t ctx;
+    dim3 tid;
+    bool done;
+    unsigned syncs;
+};
+
+#define FIBER_STACK (256u << 10)
+static fiber g_fibers[SHIM_MAX_THREADS];
+static char *g_stacks;        /* SHIM_MAX_THREADS x FIBER_STACK, made on first use */
+static ucontext_t g_sched;    /* the launching thread's own context */
+static unsigned g_cur, g_n;   /* the fiber running, and fibers in the block */
+static launch *g_launch;
+static double g_xch[SHIM_MAX_THREADS];
+
+static void yield_to_sched(void) { swapcontext(&g_fibers[g_cur].ctx, &g_sched); }
+
+void __syncthreads(void) {
+    g_fibers[g_cur].syncs++;
+    yield_to_sched();
+}
+
+void __syncwarp(unsigned mask) {
+    if (mask != 0xffffffffu) shim_fail("__syncwarp with a partial mask");
+    __syncthreads();
+}
+
+static double shfl_xor(unsigned mask, double v, int lane_mask, int width) {
+    if (mask != 0xffffffffu || width != SHIM_WARP) shim_fail("a shuffle with a partial mask or width");
+    if (g_n % SHIM_WARP != 0) shim_fail("a shuffle in a block that is not whole warps");
+    unsigned me = g_cur, lane = me % SHIM_WARP, base = me - lane;
+    g_xch[me] = v;
+    __syncthreads();
+    double r = g_xch[base + (lane ^ (unsigned)lane_mask)];
+    __syncthreads();
+    return r;
+}
+
+float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width) {
+    return (float)shfl_xor(mask, v, lane_mask, width);
+}
+double __shfl_xor_sync(unsigned mask, double v, int lane_mask, int width) {
+    return shfl_xor(mask, v, lane_mask, width);
+}
+int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width) {
+    return (int)shfl_xor(mask, (double)v, lane_mask, width);
+}
+
+static void fiber_main(void) {
+    (*g_launch->fn)();
+    g_fibers[g_cur].done = true;
+    /* returning ends the fiber: uc_link goes back to the scheduler */
+}
+
+void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn) {
+    unsigned n = block.x * block.y * block.z;
+    if (n == 0 || n > SHIM_MAX_THREADS) shim_fail("a block of 0 or more than 1024 threads");
+    if (grid.x == 0 || grid.y == 0 || grid.z == 0) shim_fail("an empty grid");
+    pthread_mutex_lock(&g_launch_mu);
+    if (!g_stacks) {
+        g_stacks = (char *)malloc((size_t)SHIM_MAX_THREADS * FIBER_STACK);
+        if (!g_stacks) shim_fail("out of memory for fiber stacks");
+    }
+    launch l;
+    l.grid = grid;
+    l.block = block;
+    l.fn = &fn;
+    l.n_threads = n;
+    g_launch = &l;
+    g_n = n;
+    blockDim = block;
+    gridDim = grid;
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                blockIdx = dim3(bx, by, bz);
+                for (unsigned i = 0; i < n; i++) {
+                    fiber *f = &g_fibers[i];
+                    f->tid = dim3(i % block.x, i / block.x % block.y, i / (block.x * block.y));
+                    f->done = false;
+                    f->syncs = 0;
+                    getcontext(&f->ctx);
+                    f->ctx.uc_stack.ss_sp = g_stacks + (size_t)i * FIBER_STACK;
+                    f->ctx.uc_stack.ss_size = FIBER_STACK;
+                    f->ctx.uc_link = &g_sched;
+                    makecontext(&f->ctx, fiber_main, 0);
+                }
+                /* Rounds: each fiber runs to its next barrier or its end;
+                 * after a round every fiber still running must be at the
+                 * same barrier, and none may have ended before it. */
+                for (;;) {
+                    unsigned running = 0;
+                    for (unsigned i = 0; i < n; i++) {
+                        if (g_fibers[i].done) continue;
+                        g_cur = i;
+                        threadIdx = g_fibers[i].tid;
+                        swapcontext(&g_sched, &g_fibers[i].ctx);
+                        running += !g_fibers[i].done;
+                    }
+                    for (unsigned i = 1; i < n; i++)
+                        if (g_fibers[i].syncs != g_fibers[0].syncs)
+                            shim_fail("threads of a block reached different numbers of __syncthreads");
+                    if (running == 0) break;
+                    if (running != n) shim_fail("threads of a block reached different numbers of __syncthreads");
+                }
+            }
+    pthread_mutex_unlock(&g_launch_mu);
+}
+
+#else
+static thread_local launch *t_launch;
+static thread_local unsigned t_tid, t_syncs;
 
 void __syncthreads(void) {
     t_syncs++;
@@ -151,19 +272,21 @@ void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn) {
     pthread_mutex_unlock(&g_launch_mu);
 }
 
+#endif
+
 /* ---- runtime ------------------------------------------------------------ */
 
 struct shim_stream {
     int unused;
 };
 struct shim_event {
-    int unused;
+    double at; /* seconds, when it was recorded: every call is synchronous */
 };
 
 static size_t gpu_bytes(void) {
     const char *s = getenv("AERIE_SHIM_GPU_MIB");
-    long mib = s ? atol(s) : 1024;
-    return (size_t)(mib > 0 ? mib : 1024) << 20;
+    long mib = s ? atol(s) : 4096;
+    return (size_t)(mib > 0 ? mib : 4096) << 20;
 }
 
 static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -286,8 +409,20 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
     delete e;
     return cudaSuccess;
 }
+cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-    (void)e, (void)s;
+    (void)s;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    e->at = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    (void)e;
+    return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+    *ms = (float)((end->at - start->at) * 1e3);
     return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {

@@ -14,7 +14,7 @@
  *
  * Runtime: memory is host memory, copies are memcpy, and every call is
  * synchronous, so streams and events are only handles. One device,
- * reported with the memory given by AERIE_SHIM_GPU_MIB (default 1024).
+ * reported with the memory given by AERIE_SHIM_GPU_MIB (default 4096).
  *
  * Not here, and so not used by the portable kernels: dynamic shared
  * memory, atomics, cooperative groups, tensor-core instructions, cp.async
@@ -98,6 +98,9 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
 cudaError_t cudaStreamDestroy(cudaStream_t s);
 cudaError_t cudaStreamSynchronize(cudaStream_t s);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
+cudaError_t cudaEventCreate(cudaEvent_t *e);
+cudaError_t cudaEventSynchronize(cudaEvent_t e);
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);

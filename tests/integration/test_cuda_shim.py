@@ -1,0 +1,100 @@
+"""The services and aerie bench on --device cuda, on a machine with no GPU.
+
+build/shim/libaerie-cuda.so is the CUDA plugin's sources built against the
+CPU stand-in for CUDA (kernels/cuda/shim), so `--device cuda` takes the
+path it takes on a GPU: the plugin opened with dlopen, the model copied
+into the backend's buffers, every step's inputs uploaded and its logits
+downloaded, and the memory plan made of the device's memory. The model is
+a small random Llama (aerie make-model): the shim is far slower than the
+CPU backend."""
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+import aerie_rpc as rpc
+from conftest import ROOT, run_aerie
+
+SHIM = ROOT / "build" / "shim" / "libaerie-cuda.so"
+TARGET = ROOT / "build" / "aerie-target"
+PROMPTS = [[1, 17, 300, 42, 9, 250], [5, 5, 480, 3]]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cuda") / "tiny-q4_1.gguf"
+    r = run_aerie("make-model", "--shape", "smollm2-135m", "--layers", "2", "--vocab", "512", "--type", "q4_1",
+                  "--out", path)
+    assert r.rc == 0, r.err
+    made = json.loads(r.out)
+    assert made["layers"] == 2 and made["vocab"] == 512
+    return path
+
+
+def env_with_shim():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
+    env["AERIE_CUDA_LIB"] = str(SHIM)
+    return env
+
+
+def serve(model, device, tmp_path):
+    addr = f"unix:{tmp_path}/{device}.sock"
+    log = open(tmp_path / f"{device}.log", "w")
+    p = subprocess.Popen([str(TARGET), "--model", str(model), "--listen", addr, "--device", device, "--max-batch", "4",
+                          "--max-seq-len", "64", "--threads", "2", "--log-interval-s", "0"],
+                         stdout=log, stderr=subprocess.STDOUT, env=env_with_shim(), cwd=ROOT)
+    rpc.wait_for_socket(addr, p)
+    try:
+        c = rpc.Conn(addr)
+        ids = [rpc.start_generate(c, prompt, MAX_TOKENS, ignore_eos=True) for prompt in PROMPTS]
+        streams = rpc.collect(c, ids)
+        c.close()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0
+        log.close()
+    for cid in ids:
+        assert streams[cid].status == "OK", streams[cid].error
+    return [streams[cid].tokens for cid in ids], (tmp_path / f"{device}.log").read_text()
+
+
+def test_target_on_the_cuda_backend_serves_the_cpu_backends_tokens(tiny, tmp_path):
+    cpu, _ = serve(tiny, "cpu", tmp_path)
+    cuda, log = serve(tiny, "cuda", tmp_path)
+    assert all(len(t) == MAX_TOKENS for t in cpu)
+    assert cuda == cpu
+    # the device and its memory plan: the shim reports a 4096 MiB device
+    assert "device cuda:0: cuda shim (CPU), compute capability 0.0, 4096 MiB of 4096 MiB free" in log
+    assert "free on cuda:0 at start" in log
+    assert "cuda:0: 4 GiB in all, 4 GiB free at start; this plan as the peers' settings: vLLM " \
+           "--gpu-memory-utilization" in log
+
+
+def test_print_config_names_the_cuda_device_and_an_impossible_gpu_plan_exits_2(tiny):
+    env = env_with_shim()
+    out = subprocess.run([str(TARGET), "--model", str(tiny), "--print-config"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["device"] == {"value": "cuda:0", "source": "auto"}
+    assert "device cuda:0 (auto: a GPU is usable: cuda shim (CPU))" in out.stderr
+    env["AERIE_SHIM_GPU_MIB"] = "8"  # the weights alone are 4.4 MiB: no room for a sequence of 4096
+    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "4096"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("aerie-target: memory plan: one sequence of max-seq-len 4096 does not fit: weights 4.41 MiB")
+    assert line.endswith("> budget 0 x 8 MiB free on cuda:0 at start = 0 B; would work: no setting; more memory")
+
+
+def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):
+    r = run_aerie("bench", "--model", tiny, "--device", "cuda", "--prompt-tokens", "8", "--gen-tokens", "2",
+                  "--repeat", "1", "--bandwidth-mib", "16", env={"AERIE_CUDA_LIB": str(SHIM)}, timeout=600)
+    assert r.rc == 0, r.err
+    out = json.loads(r.out.strip().splitlines()[-1])
+    assert out["device"] == "cuda shim (CPU)"
+    assert out["bandwidth_mib"] == 16
+    assert out["bandwidth_gb_per_s"] > 0 and out["decode_tok_per_s"] > 0
+    assert out["weight_bytes_per_step"] == 4619520
