@@ -45,8 +45,9 @@
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
-    {"device", CFG_STRING, "cpu", 0, 0,
-     "where the model runs: cpu, cuda, cuda:N or auto (on CUDA the roofline is the device's copy bandwidth)"},
+    {"device", CFG_STRING, "auto", 0, 0,
+     "where the model runs: auto (cuda:0 when a GPU is usable, else cpu), cpu, cuda or cuda:N (on CUDA the "
+     "roofline is the device's copy bandwidth)"},
     {"prompt-tokens", CFG_INT, "128", 1, 1 << 20, "synthetic prompt tokens of each sequence"},
     {"gen-tokens", CFG_INT, "128", 1, 1 << 20, "decode steps after the prompt"},
     {"batch", CFG_INT, "1", 1, 256, "sequences prefilled and decoded together"},
@@ -57,6 +58,9 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    {"oracle-accept", CFG_INT, "0", 0, 62,
+     "speculate with an oracle draft instead of --draft: the target's own greedy tokens, this many right then one "
+     "wrong, so every step's acceptance length is this + 1 (0: off)"},
     DRAFT_LINK_OPTIONS,
 };
 
@@ -317,8 +321,47 @@ static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32
 }
 
 /* Plain and speculative decoding of the same prompts, in alternating
- * rounds; adds both rates, their ratio, whether the tokens were the same,
- * and the acceptance figures to o. */
+ * rounds, with drafter d; adds both rates, their ratio, whether the tokens
+ * were the same, and the acceptance figures to o. *ref, when given, is
+ * pointed at each round's plain output before its speculative round (the
+ * oracle reads it). */
+static int spec_rounds(bench *b, const spec_drafter *d, const int32_t capture[CAPTURE_LAYERS],
+                       const spec_shape *shape, int32_t n_prompt, int32_t n_gen, const int32_t **ref, cJSON *o,
+                       ae_error *err) {
+    const eng_config *ec = eng_get_config(b->e);
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, *shape, ec->max_seqs, ec->max_batch_tokens, false, NULL, NULL};
+    memcpy(sc.capture, capture, sizeof sc.capture);
+    spec *sx = NULL;
+    size_t n_out = (size_t)b->batch * (size_t)n_gen;
+    int32_t *plain_out = malloc(sizeof(int32_t) * n_out), *spec_out_ids = malloc(sizeof(int32_t) * n_out);
+    double plain_rate[SPEC_ROUNDS], spec_rate[SPEC_ROUNDS];
+    bool identical = true;
+    int rc = plain_out && spec_out_ids ? AE_OK : err_set(err, "out of memory");
+    if (rc == AE_OK) rc = spec_init(&sx, b->e, d, &sc, err);
+    for (int r = 0; rc == AE_OK && r < SPEC_ROUNDS; r++) {
+        double tp, ts;
+        if ((rc = plain_round(b, n_prompt, n_gen, plain_out, &tp, err)) != AE_OK) break;
+        if (ref) *ref = plain_out;
+        if ((rc = spec_round(b, sx, n_prompt, n_gen, spec_out_ids, &ts, err)) != AE_OK) break;
+        plain_rate[r] = (double)n_out / tp;
+        spec_rate[r] = (double)n_out / ts;
+        identical &= memcmp(plain_out, spec_out_ids, n_out * sizeof(int32_t)) == 0;
+    }
+    if (rc == AE_OK) {
+        double pr = median_of(plain_rate, SPEC_ROUNDS), sr = median_of(spec_rate, SPEC_ROUNDS);
+        cJSON_AddNumberToObject(o, "plain_decode_tok_per_s", cli_round(pr, 1e2));
+        cJSON_AddNumberToObject(o, "spec_decode_tok_per_s", cli_round(sr, 1e2));
+        cJSON_AddNumberToObject(o, "spec_speedup", cli_round(sr / pr, 1e3));
+        cJSON_AddBoolToObject(o, "spec_output_identical", identical);
+        cli_spec_stats_json(o, spec_total_stats(sx), shape);
+    }
+    spec_free(sx);
+    free(plain_out);
+    free(spec_out_ids);
+    return rc;
+}
+
+/* The same with the EAGLE-3 head of --draft, in this process. */
 static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt, int32_t n_gen, int threads,
                         cJSON *o, ae_error *err) {
     spec_shape shape;
@@ -329,45 +372,98 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
                        b->max_batch_tokens);
     const eng_config *ec = eng_get_config(b->e);
     drafter_config dc = {ec->max_seqs, ec->max_seq_len, b->max_batch_tokens, threads, eng_pool(b->e), ec->act_bits};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, ec->max_seqs, ec->max_batch_tokens, false, NULL, NULL};
     draft_link link;
-    spec *sx = NULL;
-    size_t n_out = (size_t)b->batch * (size_t)n_gen;
-    int32_t *plain_out = malloc(sizeof(int32_t) * n_out), *spec_out_ids = malloc(sizeof(int32_t) * n_out);
-    double plain_rate[SPEC_ROUNDS], spec_rate[SPEC_ROUNDS];
-    bool identical = true;
-    int rc = plain_out && spec_out_ids ? AE_OK : err_set(err, "out of memory");
-    if (rc == AE_OK) rc = draft_link_open(&link, cfg_str(c, "draft"), model_embedding(m), weights, &dc, err);
-    if (rc != AE_OK) {
-        free(plain_out);
-        free(spec_out_ids);
-        return AE_ERR;
-    }
-    if (draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, b->e, &link.iface, &sc, err) != AE_OK)
-        rc = AE_ERR;
-    for (int r = 0; rc == AE_OK && r < SPEC_ROUNDS; r++) {
-        double tp, ts;
-        if ((rc = plain_round(b, n_prompt, n_gen, plain_out, &tp, err)) != AE_OK ||
-            (rc = spec_round(b, sx, n_prompt, n_gen, spec_out_ids, &ts, err)) != AE_OK)
-            break;
-        plain_rate[r] = (double)n_out / tp;
-        spec_rate[r] = (double)n_out / ts;
-        identical &= memcmp(plain_out, spec_out_ids, n_out * sizeof(int32_t)) == 0;
-    }
+    int32_t capture[CAPTURE_LAYERS];
+    if (draft_link_open(&link, cfg_str(c, "draft"), model_embedding(m), weights, &dc, err) != AE_OK) return AE_ERR;
+    int rc = draft_link_capture(&link, capture, err);
     if (rc == AE_OK) {
-        double pr = median_of(plain_rate, SPEC_ROUNDS), sr = median_of(spec_rate, SPEC_ROUNDS);
         cJSON_AddStringToObject(o, "draft", cfg_str(c, "draft"));
         cJSON_AddStringToObject(o, "draft_weights", cfg_str(c, "draft-weights"));
-        cJSON_AddNumberToObject(o, "plain_decode_tok_per_s", cli_round(pr, 1e2));
-        cJSON_AddNumberToObject(o, "spec_decode_tok_per_s", cli_round(sr, 1e2));
-        cJSON_AddNumberToObject(o, "spec_speedup", cli_round(sr / pr, 1e3));
-        cJSON_AddBoolToObject(o, "spec_output_identical", identical);
-        cli_spec_stats_json(o, spec_total_stats(sx), &shape);
+        rc = spec_rounds(b, &link.iface, capture, &shape, n_prompt, n_gen, NULL, o, err);
     }
-    spec_free(sx);
     draft_link_close(&link);
-    free(plain_out);
-    free(spec_out_ids);
+    return rc;
+}
+
+/* ---- the oracle draft ------------------------------------------------------ */
+
+/* A drafter that knows the target's greedy continuation (the plain round's
+ * output for the same prompts) and proposes a chain of `accept` right
+ * tokens, then a wrong one: every verify pass accepts exactly `accept`
+ * drafts and adds the target's own token, so the acceptance length is
+ * accept + 1 whatever a head would have learned. What speculation then
+ * gains or loses is the system's cost alone (verify passes, features,
+ * bookkeeping).
+ *
+ * A feed's last pair carries the next tree's root, the token at position
+ * `held` (start + n pairs) of prompt ++ output (EAGLE-3 pairs position
+ * i's feature with token i + 1); the chain continues from there. A root
+ * that is not that token (an assumption broken) gets no tree, and is
+ * counted. */
+typedef struct oracle {
+    const bench *b;
+    int32_t n_prompt, n_gen, accept;
+    const int32_t *ref; /* [batch][n_gen]: plain decoding's output */
+    int64_t misaligned;
+} oracle;
+
+/* Token p of prompt ++ output of bench sequence i; -1 past the end. */
+static int32_t oracle_token(const oracle *o, int32_t i, int64_t p) {
+    if (p < o->n_prompt) return o->b->prompts[(size_t)i * (size_t)o->n_prompt + (size_t)p];
+    p -= o->n_prompt;
+    return p < o->n_gen ? o->ref[(size_t)i * (size_t)o->n_gen + (size_t)p] : -1;
+}
+
+static int oracle_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                          ae_error *err) {
+    (void)err;
+    oracle *o = ctx;
+    for (int32_t f = 0; f < n; f++) {
+        const spec_feed *fd = &feeds[f];
+        spec_tree *t = &trees[f];
+        t->n = 0;
+        int32_t i = 0;
+        while (i < o->b->batch && o->b->seqs[i] != fd->seq) i++;
+        if (!fd->want_tree || fd->n == 0 || i == o->b->batch) continue;
+        int64_t held = (int64_t)fd->start + fd->n;
+        int32_t root = fd->tokens[fd->n - 1];
+        if (oracle_token(o, i, held) != root) {
+            o->misaligned++;
+            continue;
+        }
+        t->tokens[0] = root;
+        t->parents[0] = -1;
+        t->probs[0] = 1.0f;
+        t->n = 1;
+        for (int32_t k = 1; k <= o->accept + 1 && t->n < shape->tokens && t->n < SPEC_MAX_TREE; k++) {
+            int32_t next = oracle_token(o, i, held + k);
+            if (next < 0) break;
+            if (k == o->accept + 1) next = (next + 1) % o->b->vocab; /* the wrong one */
+            t->tokens[t->n] = next;
+            t->parents[t->n] = t->n - 1;
+            t->probs[t->n] = 1.0f;
+            t->n++;
+        }
+    }
+    return AE_OK;
+}
+
+static void oracle_release(void *ctx, int32_t seq) { (void)ctx, (void)seq; }
+
+static int compare_oracle(bench *b, const model *m, int32_t n_prompt, int32_t n_gen, int32_t accept, cJSON *o,
+                          ae_error *err) {
+    spec_shape shape = {accept + 1, 1, accept + 2}; /* a chain: root, accept right, one wrong */
+    if (b->batch * shape.tokens > b->max_batch_tokens)
+        return err_set(err, "--batch %d x %d tree nodes exceeds --max-batch-tokens %d", b->batch, shape.tokens,
+                       b->max_batch_tokens);
+    oracle orc = {.b = b, .n_prompt = n_prompt, .n_gen = n_gen, .accept = accept};
+    spec_drafter d = {.ctx = &orc, .propose = oracle_propose, .release = oracle_release};
+    int32_t capture[CAPTURE_LAYERS];
+    capture_default_layers(m->cfg.n_layers, capture);
+    cJSON_AddStringToObject(o, "draft", "oracle");
+    cJSON_AddNumberToObject(o, "oracle_accept", accept);
+    int rc = spec_rounds(b, &d, capture, &shape, n_prompt, n_gen, &orc.ref, o, err);
+    if (rc == AE_OK) cJSON_AddNumberToObject(o, "oracle_misaligned", (double)orc.misaligned);
     return rc;
 }
 
@@ -522,7 +618,9 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         snprintf(key, sizeof key, "%d", verify_sizes[k]);
         cJSON_AddNumberToObject(vc, key, k == 0 ? 1.0 : cli_round(median[k] / median[0], 1e3));
     }
-    if (cfg_str(c, "draft") && compare_spec(&b, c, m, n_prompt, n_gen, threads, o, err) != AE_OK) {
+    int32_t accept = (int32_t)cfg_int(c, "oracle-accept");
+    if (accept > 0 ? compare_oracle(&b, m, n_prompt, n_gen, accept, o, err) != AE_OK
+                   : cfg_str(c, "draft") && compare_spec(&b, c, m, n_prompt, n_gen, threads, o, err) != AE_OK) {
         cJSON_Delete(o);
         goto out;
     }

@@ -81,20 +81,40 @@ run models 180 build/gpu/test_cuda_model
 
 # Decode at batch 1 against the HBM roofline: weight bytes per step over
 # the device's copy bandwidth measured in the same run (aerie bench
-# --device cuda). Models with random weights made here (no download): a
-# Llama-3.1-8B shape in Q4_0 and in BF16, and the default model's shape
-# (SmolLM2-135M, Q4_1), which launch latency bounds.
-step "benchmarks: decode against the copy-bandwidth roofline"
+# --device cuda). Models with random weights made here (no download): the
+# default model's shape (SmolLM2-135M, Q4_1), which launch latency bounds,
+# and a Llama-3.1-8B shape in Q4_0 and in BF16.
+#
+# Then speculation at a fixed acceptance: an oracle draft proposes the
+# target's own greedy tokens, K right then one wrong, so each step's
+# acceptance length is exactly K + 1 (2, 3, 4): tokens/s against plain
+# decoding, the system's cost apart from any head's quality.
+step "benchmarks"
 models=${AERIE_GPU_MODELS:-/tmp/aerie-models}
 mkdir -p "$models"
-for spec in smollm2-135m:q4_1 llama-3.1-8b:q4_0 llama-3.1-8b:bf16; do
-    shape=${spec%%:*} type=${spec#*:}
-    file=$models/$shape-$type.gguf
-    [ -s "$file" ] || run "make-$shape-$type" 240 build/gpu/aerie make-model --shape "$shape" --type "$type" --out "$file"
-    run "bench-$shape-$type" 240 build/gpu/aerie bench --model "$file" --device cuda --prompt-tokens 128 \
-        --gen-tokens 64 --repeat 3 --log-level info
+make_model() { # shape type: sets $file, made once
+    file=$models/$1-$2.gguf
+    [ -s "$file" ] || run "make-$1-$2" 240 build/gpu/aerie make-model --shape "$1" --type "$2" --out "$file"
+}
+bench() { # name file args...
+    local name=$1 file=$2
+    shift 2
+    run "$name" 240 build/gpu/aerie bench --model "$file" --device cuda --prompt-tokens 128 "$@"
+}
+make_model smollm2-135m q4_1
+bench bench-smollm2-135m-q4_1 "$file" --gen-tokens 64 --repeat 3
+make_model llama-3.1-8b q4_0
+bench bench-llama-3.1-8b-q4_0 "$file" --gen-tokens 64 --repeat 3
+for k in 1 2 3; do
+    bench "oracle-$((k + 1))-llama-3.1-8b-q4_0" "$file" --gen-tokens 30 --repeat 1 --oracle-accept $k
 done
-echo "not written yet: speculation at fixed acceptance with an oracle draft (issue 19, item 9)"
+make_model llama-3.1-8b bf16
+bench bench-llama-3.1-8b-bf16 "$file" --gen-tokens 64 --repeat 3
+echo
+echo "figures (one JSON line each):"
+for f in "$OUT"/bench-*.log "$OUT"/oracle-*.log; do
+    [ -f "$f" ] && printf '  %s: %s\n' "$(basename "$f" .log)" "$(grep '^{' "$f" | tail -n 1 | cut -c1-400)"
+done
 
 echo
 [ ${#failures[@]} -eq 0 ] || echo "failed: ${failures[*]}"

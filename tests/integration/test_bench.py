@@ -15,7 +15,7 @@ from conftest import MODEL
 TINY = ["--prompt-tokens", "8", "--gen-tokens", "4", "--batch", "2", "--repeat", "1",
         "--bandwidth-mib", "64", "--threads", "2"]
 
-KEYS = {"model", "simd", "threads", "batch", "prompt_tokens", "gen_tokens", "prefill_tok_per_s",
+KEYS = {"model", "device", "simd", "threads", "batch", "prompt_tokens", "gen_tokens", "prefill_tok_per_s",
         "decode_tok_per_s", "decode_step_per_s", "weight_bytes_per_step", "bandwidth_gb_per_s",
         "bandwidth_best_gb_per_s", "roofline_fraction_windows", "roofline_fraction_vs_best",
         "bandwidth_mib", "roofline_tok_per_s", "roofline_fraction", "verify_context", "verify_1_ms",
@@ -45,6 +45,7 @@ def test_prints_one_json_line_with_every_figure(tiny):
     assert tiny["act_bits"] == 15  # the default activation precision (SVC_ACT_BITS_OPTION, services/core/svc.h)
     assert tiny["model"] == str(MODEL)
     assert tiny["simd"] in {"avx512vnni+avx2", "avx2", "scalar"}  # kn_cpu_simd()
+    assert tiny["device"] == "cpu"  # --device auto: no GPU here
     for k in ("prefill_tok_per_s", "decode_tok_per_s", "decode_step_per_s", "bandwidth_gb_per_s",
               "roofline_tok_per_s", "verify_1_ms", "wall_seconds"):
         assert tiny[k] > 0, k
@@ -92,6 +93,23 @@ def test_print_config_shows_each_setting_and_its_source(aerie, model):
     assert c["prompt-tokens"] == {"value": 128, "source": "default"}
     assert c["threads"] == {"value": "auto", "source": "default"}
     assert c["bandwidth-mib"] == {"value": "auto", "source": "default"}
+
+
+def test_oracle_draft_fixes_the_acceptance_length(aerie, model):
+    """--oracle-accept K proposes the target's own greedy tokens, K right then
+    one wrong: every step accepts K drafts plus the target's token, so the
+    mean acceptance length is exactly K + 1 when the output is a whole
+    number of steps (33 = 11 x 3), and the output is plain decoding's."""
+    r = aerie("bench", "--model", model, "--oracle-accept", "2", "--prompt-tokens", "16", "--gen-tokens", "33",
+              "--repeat", "1", "--bandwidth-mib", "16", "--threads", "2", timeout=900)
+    assert r.rc == 0, r.err
+    out = json.loads(r.out)
+    assert (out["draft"], out["oracle_accept"], out["oracle_misaligned"]) == ("oracle", 2, 0)
+    assert out["spec_output_identical"] is True
+    assert (out["spec_steps"], out["spec_topk"], out["spec_tokens"]) == (3, 1, 4)
+    assert out["mean_accept_len"] == 3
+    assert out["accept_per_depth"] == [1, 1, 0]
+    assert out["spec_speedup"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
