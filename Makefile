@@ -239,7 +239,7 @@ build/cuda/%.o: %.cu kernels/cuda/kn_cuda.h kernels/backend.h kernels/kernels.h 
 
 $(CUDA_LIB): $(CUDA_OBJ)
 	$(MSG) NVLD $@
-	$(Q)$(NVCC) -shared -cudart static $(CUDA_GENCODE) -Xlinker --no-undefined $^ -o $@
+	$(Q)$(NVCC) -shared -cudart static $(CUDA_GENCODE) -Xlinker --no-undefined -Xlinker --exclude-libs,ALL $^ -o $@
 
 ifneq ($(NVCC),)
 cuda: $(CUDA_LIB)

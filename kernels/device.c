@@ -76,7 +76,10 @@ static int open_cuda(int index, kn_device *out, ae_error *err) {
     sym = dlsym(h, KN_CUDA_COPY_GBPS);
     memcpy(&out->copy_gbps, &sym, sizeof out->copy_gbps);
     /* The plugin stays loaded: its backend table lives in it. */
-    if (open_fn(index, &out->be, &out->info, err) != AE_OK) return AE_ERR;
+    if (open_fn(index, &out->be, &out->info, err) != AE_OK) {
+        dlclose(h);
+        return AE_ERR;
+    }
     out->kind = KN_DEVICE_CUDA;
     snprintf(out->name, sizeof out->name, "cuda:%d", index);
     return AE_OK;

@@ -28,6 +28,14 @@ void kcu_bind(void) {
     }
 }
 
+bool kcu_sync_launches(void) {
+    static const bool on = [] {
+        const char *e = getenv("AERIE_CUDA_SYNC");
+        return e && strcmp(e, "1") == 0;
+    }();
+    return on;
+}
+
 void kn_cuda_fail(const char *call, cudaError_t e, const char *file, int line) {
     fprintf(stderr, "aerie cuda: %s failed: %s (%d) at %s:%d\n", call, cudaGetErrorString(e), (int)e, file, line);
     fflush(stderr);
@@ -126,6 +134,9 @@ static int cu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
                     tot, cudaGetErrorString(e));
     }
     KN_CK(cudaMemset(p, 0, bytes ? bytes : 1));
+    /* cudaMemset may return before it is done, on the legacy stream, which
+     * the non-blocking op streams do not wait for: done before any op. */
+    KN_CK(cudaDeviceSynchronize());
     b->ptr = p;
     return AE_OK;
 }
@@ -138,6 +149,8 @@ static void cu_buf_free(kn_buf *b) {
 static void cu_buf_write(kn_buf *b, size_t off, const void *src, size_t n) {
     kcu_bind();
     KN_CK(cudaMemcpy((char *)b->ptr + off, src, n, cudaMemcpyHostToDevice));
+    /* From pageable memory it may return before the copy lands. */
+    KN_CK(cudaDeviceSynchronize());
 }
 
 static void cu_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n) {
@@ -236,6 +249,12 @@ extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, co
     if (e == cudaSuccess) e = cudaMemGetInfo(&fr, &tot);
     if (e != cudaSuccess)
         return fail(err, "cuda:%d: cannot read the device: %s (%d)", index, cudaGetErrorString(e), (int)e);
+    e = kcu_image_check();
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return fail(err, "cuda:%d (%s, compute capability %d.%d): no kernel image for it in this build: %s", index,
+                    p.name, p.major, p.minor, cudaGetErrorString(e));
+    }
     g_device = index;
     t_bound = index;
     memset(info, 0, sizeof *info);

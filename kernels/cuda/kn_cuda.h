@@ -9,9 +9,12 @@
  * contraction of a multiply and an add the code wrote apart (nvcc
  * --fmad=false, as -ffp-contract=off on the CPU), so a CUDA run is batch
  * invariant by construction and its greedy speculative output is
- * token-identical to plain decoding. The one exception is kn_softmax,
- * whose e^x is the device's expf (within 2 ulp of the CPU's libm); it
- * is used only for the draft's proposal probabilities. */
+ * token-identical to plain decoding. Two ops call the device's libm and
+ * so may differ from the CPU in the last bit, never with the batch:
+ * kn_softmax's expf (within 2 ulp; the draft's proposal probabilities
+ * only) and kn_rope_table's cos and sin in double (within 2 ulp of
+ * double, so the f32 result differs only where the double lands within
+ * that of an f32 rounding boundary: rare, but not never). */
 #ifndef AERIE_KERNELS_CUDA_H
 #define AERIE_KERNELS_CUDA_H
 
@@ -57,6 +60,12 @@ __attribute__((noreturn)) void kn_cuda_assert_fail(const char *cond, const char 
 /* Makes the backend's device current on the calling thread (once per
  * thread: the runtime's current device is per thread). */
 void kcu_bind(void);
+/* AERIE_CUDA_SYNC=1: wait for every kernel as it is launched (debugging,
+ * tests/gpu/run.sh). Read once. */
+bool kcu_sync_launches(void);
+/* Whether this build has a kernel image the device can run (opening
+ * fails cleanly otherwise, rather than at the first op). */
+cudaError_t kcu_image_check(void);
 
 /* ---- the ops (kn_cuda_ops.cu), as backend.h declares them ------------- */
 void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);

@@ -32,6 +32,14 @@ static dim3 flat_grid(int64_t count) {
 static KN_HD int64_t flat_start(void) { return (int64_t)blockIdx.x * blockDim.x + threadIdx.x; }
 static KN_HD int64_t flat_step(void) { return (int64_t)gridDim.x * blockDim.x; }
 
+/* After each launch: the launch's own error, and with AERIE_CUDA_SYNC=1
+ * (tests/gpu/run.sh) a wait for the kernel, so that a fault is reported
+ * at the kernel that made it rather than at a later call. */
+static void launched(kn_stream *s) {
+    KN_CK(cudaGetLastError());
+    if (kcu_sync_launches()) KN_CK(cudaStreamSynchronize(KN_CU(s)->st));
+}
+
 /* The stream to launch on, with its device made current on this thread. */
 static cudaStream_t st(kn_stream *s) {
     kcu_bind();
@@ -132,7 +140,7 @@ __global__ void k_add(const float *a, const float *b, float *y, int64_t count) {
 void kcu_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count) {
     if (count == 0) return;
     KN_LAUNCH(k_add, flat_grid(count), dim3(KCU_THREADS), st(s), a, b, y, count);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* silu(g) * u as kn_swiglu1 computes it. */
@@ -150,7 +158,7 @@ __global__ void k_swiglu(const float *g, const float *u, float *y, int64_t count
 void kcu_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int64_t count) {
     if (count == 0) return;
     KN_LAUNCH(k_swiglu, flat_grid(count), dim3(KCU_THREADS), st(s), gate, up, y, count);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 __global__ void k_bias_add(float *x, const float *bias, int64_t m, int64_t n) {
@@ -160,7 +168,7 @@ __global__ void k_bias_add(float *x, const float *bias, int64_t m, int64_t n) {
 void kcu_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {
     if (m == 0) return;
     KN_LAUNCH(k_bias_add, flat_grid(m * n), dim3(KCU_THREADS), st(s), x, bias, m, n);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 __global__ void k_gather(const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
@@ -176,7 +184,7 @@ void kcu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_
                      int64_t dst_stride) {
     if (n == 0) return;
     KN_LAUNCH(k_gather, flat_grid(n * width), dim3(KCU_THREADS), st(s), src, rows, n, width, dst, dst_stride);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* ---- per row ------------------------------------------------------------ */
@@ -220,7 +228,7 @@ __global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, f
 void kcu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps) {
     if (m == 0) return;
     KN_LAUNCH(k_rmsnorm, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, g, y, n, eps);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* Row blockIdx.x in place. The maximum is order-free; the sum is in
@@ -253,7 +261,7 @@ __global__ void k_softmax(float *x, int64_t n) {
 void kcu_softmax(kn_stream *s, float *x, int64_t m, int64_t n) {
     if (m == 0) return;
     KN_LAUNCH(k_softmax, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, n);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* (v, i) beats (bv, bi): NaN never wins, larger wins, then lower index. */
@@ -291,7 +299,7 @@ __global__ void k_argmax(const float *x, int32_t *out, int64_t n) {
 void kcu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
     if (m == 0) return;
     KN_LAUNCH(k_argmax, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, out, n);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* ---- weights ------------------------------------------------------------ */
@@ -348,6 +356,15 @@ static __device__ float w_elem(const kw &w, int64_t row, int64_t i) {
     }
 }
 
+cudaError_t kcu_image_check(void) {
+#ifdef KN_CUDA_SHIM
+    return cudaSuccess;
+#else
+    cudaFuncAttributes a;
+    return cudaFuncGetAttributes(&a, k_add);
+#endif
+}
+
 bool kcu_supports(kn_op op, ggml_type type) {
     switch (op) {
     case KN_OP_MATMUL:
@@ -374,7 +391,7 @@ __global__ void k_embed(kw table, const int32_t *ids, float *out, int64_t m) {
 void kcu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
     if (m == 0) return;
     KN_LAUNCH(k_embed, flat_grid(m * table->cols), dim3(KCU_THREADS), st(s), kw_of(table), ids, out, m);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* ---- float matmul ----------------------------------------------------------- */
@@ -436,13 +453,14 @@ static KN_HD qxrow qx_at(void *work, int64_t k, int64_t r) {
     return q;
 }
 
-/* Block blockIdx.x of row blockIdx.y, one element per thread (32). */
+/* Row blockIdx.x, block blockIdx.y, one element per thread (32). Rows go
+ * on x: a prefill chunk may hold more tokens than grid y's 65535. */
 __global__ void k_qx(const float *x, int64_t k, int lim, void *work) {
     __shared__ float ax[KCU_QK];
     __shared__ int32_t xv[KCU_QK];
     __shared__ float inv_s;
     __shared__ int state; /* 0 zero, 1 finite, 2 not finite */
-    int64_t b = blockIdx.x, r = blockIdx.y;
+    int64_t r = blockIdx.x, b = blockIdx.y;
     unsigned i = threadIdx.x;
     qxrow q = qx_at(work, k, r);
     float xv_f = x[r * k + b * KCU_QK + i];
@@ -546,8 +564,8 @@ static dim3 tile_grid(int64_t rows, int64_t per_block, int64_t m) {
 static void quantize_x(kn_stream *s, const float *x, int64_t k, int64_t m) {
     KCU_ASSERT((size_t)m * qx_row_bytes(k) <= KN_CU(s)->work_bytes);
     int lim = s->act_bits == 8 ? 127 : 16256;
-    KN_LAUNCH(k_qx, dim3((unsigned)(k / KCU_QK), (unsigned)m), dim3(KCU_QK), st(s), x, k, lim, KN_CU(s)->work);
-    KN_CK(cudaGetLastError());
+    KN_LAUNCH(k_qx, dim3((unsigned)m, (unsigned)(k / KCU_QK)), dim3(KCU_QK), st(s), x, k, lim, KN_CU(s)->work);
+    launched(s);
 }
 
 static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m, bool x_ready) {
@@ -557,7 +575,7 @@ static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *
     } else {
         KN_LAUNCH(k_matmul_f, tile_grid(w->rows, MM_ROWS, m), dim3(8 * MM_ROWS), st(s), kw_of(w), x, y, m);
     }
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m) {
@@ -600,7 +618,7 @@ void kcu_rope_table(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t 
     rope_freqs f;
     memcpy(f.inv_freq, r->inv_freq, sizeof f.inv_freq);
     KN_LAUNCH(k_rope_table, flat_grid(m * (r->head_dim / 2)), dim3(KCU_THREADS), st(s), f, r->head_dim, pos, m, cs);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 __global__ void k_rope_rotate(int32_t head_dim, int adjacent, float *x, int64_t m, int32_t n_heads, const float *cs) {
@@ -623,7 +641,7 @@ void kcu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_
     if (m == 0) return;
     KN_LAUNCH(k_rope_rotate, flat_grid(m * n_heads * (r->head_dim / 2)), dim3(KCU_THREADS), st(s), r->head_dim,
               r->layout == KN_ROPE_ADJACENT ? 1 : 0, x, m, n_heads, cs);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* ---- KV cache ----------------------------------------------------------------- */
@@ -649,7 +667,7 @@ void kcu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, cons
     if (map->m == 0) return;
     KN_LAUNCH(k_kv_write, flat_grid((int64_t)map->m * kv->n_kv_heads * kv->head_dim), dim3(KCU_THREADS), st(s), *kv,
               *map, k, v);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* One block, the moves in order: a later one may read what an earlier
@@ -670,7 +688,7 @@ __global__ void k_kv_move(kn_kv_pool kv, const int32_t *src, const int32_t *dst,
 
 void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n) {
     KN_LAUNCH(k_kv_move, dim3(1), dim3(KCU_THREADS), st(s), *kv, src_rows, dst_rows, n);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }
 
 /* ---- attention ------------------------------------------------------------------ */
@@ -678,7 +696,8 @@ void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, co
 #define AT_CHUNK KN_ATTN_CHUNK
 #define AT_DPT (KN_MAX_HEAD_DIM / KCU_THREADS) /* output elements per thread */
 
-/* Token blockIdx.y, head blockIdx.x: its visible keys in chunks of 32, in
+/* Token blockIdx.x, head blockIdx.y (tokens on x: grid y stops at 65535):
+ * its visible keys in chunks of 32, in
  * order. Per chunk: thread j < n scores key j (8 lanes of mul-then-add,
  * the lane tree, times scale); thread 0 takes the chunk's maximum and
  * l = sum e^(s - mc) in key order; each thread sums o for its own
@@ -690,7 +709,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attention(kn_kv_pool kv, kn_kv_
     __shared__ size_t rows[AT_CHUNK];
     __shared__ float mc_s, l_s;
     const int hd = kv.head_dim;
-    int32_t h = (int32_t)blockIdx.x, t = (int32_t)blockIdx.y;
+    int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
     unsigned tid = threadIdx.x;
     size_t off = (size_t)(h / (n_heads / kv.n_kv_heads)) * (size_t)hd;
     const float *qh = q + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)hd;
@@ -775,7 +794,7 @@ void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, con
                    int32_t n_heads) {
     if (map->m == 0) return;
     float scale = 1.0f / sqrtf((float)kv->head_dim);
-    KN_LAUNCH(k_attention, dim3((unsigned)n_heads, (unsigned)map->m), dim3(KCU_THREADS), st(s), *kv, *map, q, out,
+    KN_LAUNCH(k_attention, dim3((unsigned)map->m, (unsigned)n_heads), dim3(KCU_THREADS), st(s), *kv, *map, q, out,
               n_heads, scale);
-    KN_CK(cudaGetLastError());
+    launched(s);
 }

@@ -73,11 +73,13 @@ fi
 export LD_LIBRARY_PATH=$PWD/build/gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export AERIE_CUDA_LIB=$PWD/build/libaerie-cuda.so
 
+# The correctness runs wait for each kernel as it is launched, so that a
+# fault names the kernel that made it (AERIE_CUDA_SYNC=1).
 step "ops: every op of the CUDA backend against the CPU backend"
-run ops 120 build/gpu/test_cuda_ops
+AERIE_CUDA_SYNC=1 run ops 120 build/gpu/test_cuda_ops
 
 step "models: the tiny golden checkpoints through the engine on CUDA"
-run models 180 build/gpu/test_cuda_model
+AERIE_CUDA_SYNC=1 run models 180 build/gpu/test_cuda_model
 
 # Decode at batch 1 against the HBM roofline: weight bytes per step over
 # the device's copy bandwidth measured in the same run (aerie bench
