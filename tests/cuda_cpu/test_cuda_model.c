@@ -23,26 +23,9 @@
 
 #include "../test_io.h"
 
-#include "../../kernels/device.h"
+#include "cuda_open.h"
 #include "../../target/engine.h"
 
-/* Linked with the shim (make test-cuda-cpu) the backend's entry point is
- * called directly; built for a GPU machine (make gpu-tests,
- * tests/gpu/run.sh) with KN_TEST_GPU, the plugin is opened as the
- * services open it. */
-#ifdef KN_TEST_GPU
-static int kn_cuda_open(int index, const kn_backend **be, kn_device_info *info, ae_error *err) {
-    char spec[16];
-    snprintf(spec, sizeof spec, "cuda:%d", index);
-    kn_device d;
-    if (kn_device_open(spec, &d, err) != AE_OK) return AE_ERR;
-    *be = d.be;
-    *info = d.info;
-    return AE_OK;
-}
-#else
-int kn_cuda_open(int index, const kn_backend **be, kn_device_info *info, ae_error *err);
-#endif
 
 #define GOLDEN "tests/golden/tiny"
 #define N_GEN 16
@@ -53,13 +36,7 @@ static const kn_backend *CU;
 
 static int setup(void **state) {
     (void)state;
-    kn_device_info info;
-    ae_error err = {{0}};
-    if (kn_cuda_open(0, &CU, &info, &err) != AE_OK) {
-        fprintf(stderr, "%s\n", err.msg);
-        return -1;
-    }
-    return 0;
+    return cuda_open_or_say(&CU);
 }
 
 static int32_t json_ints(const cJSON *arr, int32_t *out, int32_t cap) {

@@ -18,26 +18,9 @@
 #include <cmocka.h>
 #include <math.h>
 
-#include "../../kernels/device.h"
+#include "cuda_open.h"
 #include "../../services/core/pool.h"
 
-/* Linked with the shim (make test-cuda-cpu) the backend's entry point is
- * called directly; built for a GPU machine (make gpu-tests,
- * tests/gpu/run.sh) with KN_TEST_GPU, the plugin is opened as the
- * services open it. */
-#ifdef KN_TEST_GPU
-static int kn_cuda_open(int index, const kn_backend **be, kn_device_info *info, ae_error *err) {
-    char spec[16];
-    snprintf(spec, sizeof spec, "cuda:%d", index);
-    kn_device d;
-    if (kn_device_open(spec, &d, err) != AE_OK) return AE_ERR;
-    *be = d.be;
-    *info = d.info;
-    return AE_OK;
-}
-#else
-int kn_cuda_open(int index, const kn_backend **be, kn_device_info *info, ae_error *err);
-#endif
 
 #define WORK (1u << 20)
 
@@ -48,11 +31,7 @@ static kn_stream *cpu15, *cpu8, *cu15, *cu8;
 static int setup(void **state) {
     (void)state;
     ae_error err = {{0}};
-    kn_device_info info;
-    if (kn_cuda_open(0, &CU, &info, &err) != AE_OK) {
-        fprintf(stderr, "%s\n", err.msg);
-        return -1;
-    }
+    if (cuda_open_or_say(&CU) != 0) return -1;
     if (pool_init(&P, 2, &err) != AE_OK) return -1;
     if (kn_stream_init(&cpu15, &kn_backend_cpu, &(kn_stream_config){P, WORK}, &err) != AE_OK ||
         kn_stream_init(&cpu8, &kn_backend_cpu, &(kn_stream_config){P, WORK}, &err) != AE_OK ||

@@ -81,15 +81,6 @@ static double shfl_xor(unsigned mask, double v, int lane_mask, int width) {
     return r;
 }
 
-float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width) {
-    return (float)shfl_xor(mask, v, lane_mask, width);
-}
-double __shfl_xor_sync(unsigned mask, double v, int lane_mask, int width) {
-    return shfl_xor(mask, v, lane_mask, width);
-}
-int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width) {
-    return (int)shfl_xor(mask, (double)v, lane_mask, width);
-}
 
 static void fiber_main(void) {
     (*g_launch->fn)();
@@ -179,15 +170,6 @@ static double shfl_xor(unsigned mask, double v, int lane_mask, int width) {
     return r;
 }
 
-float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width) {
-    return (float)shfl_xor(mask, v, lane_mask, width);
-}
-double __shfl_xor_sync(unsigned mask, double v, int lane_mask, int width) {
-    return shfl_xor(mask, v, lane_mask, width);
-}
-int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width) {
-    return (int)shfl_xor(mask, (double)v, lane_mask, width);
-}
 
 /* The threads that play CUDA threads: made on first need and kept (a
  * launch only wakes them), since making 128 threads per launch cost more
@@ -273,6 +255,17 @@ void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn) {
 }
 
 #endif
+
+/* The shuffles of both ways, through shfl_xor. */
+float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width) {
+    return (float)shfl_xor(mask, v, lane_mask, width);
+}
+double __shfl_xor_sync(unsigned mask, double v, int lane_mask, int width) {
+    return shfl_xor(mask, v, lane_mask, width);
+}
+int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width) {
+    return (int)shfl_xor(mask, (double)v, lane_mask, width);
+}
 
 /* ---- runtime ------------------------------------------------------------ */
 
