@@ -94,11 +94,16 @@ SHIM_FLAGS := -std=c++17 -DKN_CUDA_SHIM -D_GNU_SOURCE -pthread -ffp-contract=off
 SHIM_SRC := $(CUDA_SRC) kernels/cuda/shim/cuda_shim.cc
 ASHIM_OBJ := $(patsubst %,build/asan/shim/%.o,$(SHIM_SRC))
 TSHIM_OBJ := $(patsubst %,build/tsan/shim/%.o,$(SHIM_SRC))
-CUDA_CPU_BIN := build/asan/cuda/test_cuda_ops build/asan/cuda/test_cuda_model build/tsan/cuda/test_cuda_ops
+# The op test runs under ASan and TSan with a thread per CUDA thread; the
+# whole-model tests on a release build with the fiber shim (too slow with
+# real threads on 2 cores).
+FSHIM_OBJ := $(patsubst %,build/shim/obj/%.o,$(SHIM_SRC))
+CUDA_REL_BIN := build/tests/test_cuda_model build/tests/test_cuda_spec
+CUDA_CPU_BIN := build/asan/cuda/test_cuda_ops build/tsan/cuda/test_cuda_ops $(CUDA_REL_BIN)
 # The plugin built on the shim (release): lets the services and aerie bench
 # run --device cuda on a machine with no GPU (tests/integration/test_cuda_shim.py).
 SHIM_LIB := build/shim/libaerie-cuda.so
-.SECONDARY: $(ASHIM_OBJ) $(TSHIM_OBJ)
+.SECONDARY: $(ASHIM_OBJ) $(TSHIM_OBJ) $(FSHIM_OBJ)
 
 # `make V=1` shows the full command lines.
 V ?= 0
@@ -271,6 +276,16 @@ $(SHIM_LIB): $(SHIM_SRC) kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h ke
 	$(Q)$(CXX) $(filter-out -MMD -MP,$(SHIM_FLAGS)) -DSHIM_FIBERS -O2 -g -fPIC -shared -fvisibility=hidden -Wl,--no-undefined \
 	    -x c++ $(SHIM_SRC) -o $@
 
+build/shim/obj/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+	@mkdir -p $(@D)
+	$(MSG) FSHIM $@
+	$(Q)$(CXX) $(SHIM_FLAGS) -DSHIM_FIBERS -x c++ $(OPT) -c $< -o $@
+
+$(CUDA_REL_BIN): build/tests/%: tests/cuda_cpu/%.c $(FSHIM_OBJ) build/libaerie.a
+	@mkdir -p $(@D)
+	$(MSG) LD $@
+	$(Q)$(CC) $(BASE_CFLAGS) $(OPT) $< $(FSHIM_OBJ) build/libaerie.a -lcmocka $(LIBS) -o $@
+
 build/asan/cuda/test_%: tests/cuda_cpu/test_%.c $(ASHIM_OBJ) build/asan/libaerie.a
 	@mkdir -p $(@D)
 	$(MSG) ASANLD $@
@@ -285,7 +300,7 @@ build/tsan/cuda/test_%: tests/cuda_cpu/test_%.c $(TSHIM_OBJ) build/tsan/libaerie
 # here, where the libraries are, with the shared ones they load copied
 # beside them (the GPU machine has none of them and no registry); they
 # open build/libaerie-cuda.so, which run.sh builds there with its nvcc.
-GPU_TEST_BIN := build/gpu/test_cuda_ops build/gpu/test_cuda_model build/gpu/aerie
+GPU_TEST_BIN := build/gpu/test_cuda_ops build/gpu/test_cuda_model build/gpu/test_cuda_spec build/gpu/aerie
 # The shared libraries binary $(1) loads, beside it in lib/, but the C and
 # C++ runtimes (that machine's are newer, and its nvcc-built plugin needs
 # its own libstdc++).
@@ -311,9 +326,9 @@ gpu-tests: $(GPU_TEST_BIN)
 test-cuda-cpu: $(CUDA_CPU_BIN)
 	@tools/run_tests.sh --only $(CUDA_CPU_BIN)
 
-asan: build/asan/aerie $(ASAN_SERVICES) $(UNIT_BIN) build/asan/cuda/test_cuda_ops build/asan/cuda/test_cuda_model $(SHIM_LIB)
+asan: build/asan/aerie $(ASAN_SERVICES) $(UNIT_BIN) $(filter build/asan/%,$(CUDA_CPU_BIN)) $(CUDA_REL_BIN) $(SHIM_LIB)
 unit: $(UNIT_BIN)
-tsan: $(TSAN_BIN) build/tsan/cuda/test_cuda_ops
+tsan: $(TSAN_BIN) $(filter build/tsan/%,$(CUDA_CPU_BIN))
 fuzz: $(FUZZ_BIN)
 
 # make deps installs everything; each target below installs only what it

@@ -11,10 +11,10 @@
 
 #ifdef KN_TEST_GPU
 static int kn_cuda_open(int index, const kn_backend **be, kn_device_info *info, ae_error *err) {
-    char spec[16];
-    snprintf(spec, sizeof spec, "cuda:%d", index);
+    char name[16];
+    snprintf(name, sizeof name, "cuda:%d", index);
     kn_device d;
-    if (kn_device_open(spec, &d, err) != AE_OK) return AE_ERR;
+    if (kn_device_open(name, &d, err) != AE_OK) return AE_ERR;
     *be = d.be;
     *info = d.info;
     return AE_OK;

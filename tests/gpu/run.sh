@@ -12,7 +12,8 @@
 # driver, CUDA, cuBLAS and NCCL versions, then runs every op of the CUDA
 # backend against the CPU backend and the tiny golden models
 # (tests/cuda_cpu/: the same tests make test-cuda-cpu runs on the CPU
-# shim), and ends with one summary line. tests/gpu/UNRUN.md lists what
+# shim), the lossless speculative test with the target on CUDA, and the
+# benchmarks; it ends with one summary line. tests/gpu/UNRUN.md lists what
 # has never run on a GPU; update it from this script's log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -80,6 +81,9 @@ AERIE_CUDA_SYNC=1 run ops 120 build/gpu/test_cuda_ops
 
 step "models: the tiny golden checkpoints through the engine on CUDA"
 AERIE_CUDA_SYNC=1 run models 180 build/gpu/test_cuda_model
+
+step "speculation: greedy speculative output on CUDA equals plain decoding"
+run spec 180 build/gpu/test_cuda_spec
 
 # Decode at batch 1 against the HBM roofline: weight bytes per step over
 # the device's copy bandwidth measured in the same run (aerie bench

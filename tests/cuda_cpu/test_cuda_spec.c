@@ -1,0 +1,145 @@
+/* Speculative decoding with the target on the CUDA backend (kernels on
+ * the CPU shim here, on a GPU in tests/gpu/run.sh): the tiny fixture of
+ * tests/golden/eagle/tiny, its EAGLE-3 head drafting on the CPU (with its
+ * own copy of the embedding table, as the draft service has), the target
+ * verifying on CUDA; and a drafter that knows the answer, so that most of
+ * each tree is accepted and the verify path is the one taken. Because the
+ * CUDA kernels are batch invariant, greedy speculative output must equal
+ * plain greedy output on CUDA token for token, for a chain and for wide
+ * trees; and plain output on CUDA must equal the CPU backend's. Run from
+ * the repo root. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "../../draft/draft_link.h"
+#include "../../target/spec.h"
+#include "../spec_run.h"
+#include "cuda_open.h"
+
+#define FIX "tests/golden/eagle/tiny"
+#define N_PROMPTS 8
+#define MAX_PROMPT 40
+#define N_GEN 16
+#define SEQ_LEN 160
+#define CHUNK 16
+#define MAX_SEQS 2
+
+static const kn_backend *CU;
+
+static int setup(void **state) {
+    (void)state;
+    return cuda_open_or_say(&CU);
+}
+
+/* The drafter that knows: the sequence's whole greedy stream (prompt ++
+ * plain output), and under each root the next 4 tokens of it, each with a
+ * wrong sibling (the true token + 1) before it. The root is the token at
+ * position start + n of the stream (EAGLE-3 pairs feature i with token
+ * i + 1). */
+typedef struct knows {
+    int32_t stream[MAX_PROMPT + N_GEN];
+    int32_t len, vocab;
+    int64_t trees;
+} knows;
+
+static int knows_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                         ae_error *err) {
+    (void)err, (void)shape;
+    knows *k = ctx;
+    for (int32_t f = 0; f < n; f++) {
+        spec_tree *t = &trees[f];
+        t->n = 0;
+        int32_t at = feeds[f].start + feeds[f].n;
+        if (!feeds[f].want_tree || feeds[f].n == 0) continue;
+        assert_int_equal(feeds[f].tokens[feeds[f].n - 1], k->stream[at]);
+        *t = (spec_tree){.n = 1, .tokens = {k->stream[at]}, .parents = {-1}, .probs = {1.0f}};
+        int32_t parent = 0;
+        for (int32_t d = 1; d <= 4 && at + d < k->len; d++) {
+            int32_t right = k->stream[at + d];
+            t->tokens[t->n] = (right + 1) % k->vocab, t->parents[t->n] = parent, t->probs[t->n++] = 0.5f;
+            t->tokens[t->n] = right, t->parents[t->n] = parent, t->probs[t->n++] = 0.5f;
+            parent = t->n - 1;
+        }
+        k->trees++;
+    }
+    return AE_OK;
+}
+
+static void knows_release(void *ctx, int32_t seq) { (void)ctx, (void)seq; }
+
+static eng *engine(const model *m) {
+    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
+    eng *e;
+    ae_error err = {{0}};
+    if (eng_init(&e, m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    return e;
+}
+
+static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
+    (void)state;
+    ae_error err = {{0}};
+    model *m_cpu, *m_cu;
+    if (model_load(&m_cpu, FIX "/target", &kn_backend_cpu, &err) != AE_OK ||
+        model_load(&m_cu, FIX "/target", CU, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
+    draft_link link;
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, NULL, 0};
+    if (draft_link_open(&link, FIX "/head", model_embedding(m_cpu), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    static const sample_params greedy = {0, 0, 1, 0};
+    const spec_shape shapes[2] = {{4, 1, 5}, {4, 3, 8}};
+    int32_t ids[MAX_PROMPT], want[N_PROMPTS][N_GEN], got[N_GEN];
+    for (int i = 0; i < N_PROMPTS; i++) {
+        int32_t n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+        run_plain_greedy(e_cpu, ids, n, CHUNK, N_GEN, want[i]);
+        run_plain_greedy(e_cu, ids, n, CHUNK, N_GEN, got);
+        assert_memory_equal(got, want[i], sizeof got);
+    }
+    knows kn = {.vocab = m_cpu->cfg.vocab};
+    spec_drafter knower = {.ctx = &kn, .propose = knows_propose, .release = knows_release};
+    const spec_drafter *drafters[3] = {&link.iface, &link.iface, &knower};
+    const char *names[3] = {"the head, chain 4/1/5", "the head, tree 4/3/8", "a drafter that knows, tree 4/2/9"};
+    const spec_shape shape_of[3] = {shapes[0], shapes[1], {4, 2, 9}};
+    for (int k = 0; k < 3; k++) {
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape_of[k], MAX_SEQS, 128, false, NULL, NULL};
+        spec *s;
+        if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, drafters[k], &sc, &err) != AE_OK)
+            fail_msg("%s", err.msg);
+        int identical = 0;
+        for (int i = 0; i < N_PROMPTS; i++) {
+            int32_t n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+            memcpy(kn.stream, ids, sizeof(int32_t) * (size_t)n);
+            memcpy(kn.stream + n, want[i], sizeof want[i]);
+            kn.len = n + N_GEN;
+            run_spec(s, e_cu, ids, n, CHUNK, &greedy, 0, N_GEN, got);
+            identical += memcmp(got, want[i], sizeof got) == 0;
+        }
+        const spec_stats *st = spec_total_stats(s);
+        printf("%s on cuda: %d/%d prompts identical to plain; %lld verify steps, %lld drafted, %lld accepted\n",
+               names[k], identical, N_PROMPTS, (long long)st->steps, (long long)st->drafted, (long long)st->accepted);
+        assert_int_equal(identical, N_PROMPTS);
+        assert_true(st->steps > 0 && st->accepted > 0);
+        if (k == 2) assert_true(st->accepted * 2 > st->steps * 3); /* most of each chain of 4 */
+        spec_free(s);
+    }
+    draft_link_close(&link);
+    eng_free(e_cu);
+    eng_free(e_cpu);
+    model_free(m_cu);
+    model_free(m_cpu);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(greedy_speculation_on_cuda_is_plain_decoding),
+    };
+    return cmocka_run_group_tests(tests, setup, NULL);
+}
