@@ -8,6 +8,8 @@
 #   tests/fuzz/fuzz_NAME.c          -> build/fuzz/fuzz_NAME (libFuzzer, ASan+UBSan)
 #   tests/model/test_NAME.c         -> build/tests/test_NAME (cmocka, release build:
 #                                      whole-model runs that are too slow under ASan)
+#   kernels/cuda/*.cu               -> build/libaerie-cuda.so (nvcc; the CUDA plugin), and
+#                                      compiled by g++ on the CPU shim for tests/cuda_cpu/
 
 CC      ?= gcc
 FUZZCC  ?= clang
