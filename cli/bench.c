@@ -206,6 +206,7 @@ typedef struct bench {
     int32_t *next;    /* [batch] the token each sequence decodes next */
     eng_item *items;  /* [batch] */
     float *logits;    /* [max(batch, VERIFY_MAX)][vocab] */
+    int32_t *ids;     /* [batch] each row's argmax: the greedy passes bring back only these, as the target does */
 } bench;
 
 /* Prefills seqs[0..n) with prompts of `len` tokens, packing chunks of
@@ -222,12 +223,11 @@ static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prom
             budget -= k;
             end = from + k;
         }
-        if (eng_step(b->e, b->items, n_items, b->logits, NULL, err) != AE_OK) return AE_ERR;
+        if (eng_step_argmax(b->e, b->items, n_items, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
         /* Every item but the last completes its sequence; the last may stop
          * short when the pass is full. */
         int32_t n_complete = end == len ? n_items : n_items - 1;
-        for (int32_t i = 0; i < n_complete; i++)
-            next[first + i] = sample_greedy(b->logits + (size_t)i * (size_t)b->vocab, b->vocab);
+        for (int32_t i = 0; i < n_complete; i++) next[first + i] = b->ids[i];
         done = end == len ? 0 : end;
         first += n_complete;
     }
@@ -237,8 +237,8 @@ static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prom
 /* One decode step: every sequence appends its next token. */
 static int decode_step(bench *b, ae_error *err) {
     for (int32_t i = 0; i < b->batch; i++) b->items[i] = (eng_item){b->seqs[i], ENG_APPEND, 1, &b->next[i], NULL, false};
-    if (eng_step(b->e, b->items, b->batch, b->logits, NULL, err) != AE_OK) return AE_ERR;
-    for (int32_t i = 0; i < b->batch; i++) b->next[i] = sample_greedy(b->logits + (size_t)i * (size_t)b->vocab, b->vocab);
+    if (eng_step_argmax(b->e, b->items, b->batch, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
+    memcpy(b->next, b->ids, (size_t)b->batch * sizeof(int32_t));
     return AE_OK;
 }
 
@@ -520,10 +520,11 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     b.seqs = malloc(sizeof(int32_t) * (size_t)(batch + 1));
     b.prompts = malloc(sizeof(int32_t) * (size_t)(batch + 1) * (size_t)n_prompt);
     b.next = malloc(sizeof(int32_t) * (size_t)(batch + 1));
+    b.ids = malloc(sizeof(int32_t) * (size_t)(batch + 1));
     b.items = malloc(sizeof(eng_item) * (size_t)(batch + 1));
     b.logits = malloc(sizeof(float) * (size_t)rows * (size_t)b.vocab);
     times = malloc(sizeof(double) * (size_t)reps * VERIFY_SIZES);
-    if (!b.seqs || !b.prompts || !b.next || !b.items || !b.logits || !times) {
+    if (!b.seqs || !b.prompts || !b.next || !b.ids || !b.items || !b.logits || !times) {
         err_set(err, "out of memory");
         goto out;
     }
@@ -633,6 +634,7 @@ out:
     free(b.logits);
     free(b.items);
     free(b.next);
+    free(b.ids);
     free(b.prompts);
     free(b.seqs);
     eng_free(b.e);

@@ -31,6 +31,7 @@ struct eng {
      * into the caller's arrays. A host-memory backend writes those arrays
      * directly (no buffer). */
     kn_buf out;
+    kn_buf ids; /* [max_batch_tokens] int32: eng_step_argmax's, on such a backend */
     /* the host arrays above by name */
     int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows, *cap_rows, *extra;
     int32_t *old_cap; /* per item: KV capacity before this step reserved */
@@ -63,6 +64,7 @@ void eng_free(eng *e) {
     kv_free(e->kv);
     kn_buf_free(&e->in);
     kn_buf_free(&e->out);
+    kn_buf_free(&e->ids);
     free(e->layers);
     free(e->host[0]);
     free(e->old_cap);
@@ -100,8 +102,9 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
     for (int i = 0; i < IN_N; i++) in_total += e->in_len[i] = input_len(i, T);
     if (kn_buf_alloc(m->be, &e->in, in_total * sizeof(int32_t), err) != AE_OK) goto fail;
     if (!kn_backend_host_memory(m->be) &&
-        kn_buf_alloc(m->be, &e->out, T * ((size_t)c->vocab + LLAMA_MAX_CAPTURE * (size_t)c->hidden) * sizeof(float),
-                     err) != AE_OK)
+        (kn_buf_alloc(m->be, &e->out, T * ((size_t)c->vocab + LLAMA_MAX_CAPTURE * (size_t)c->hidden) * sizeof(float),
+                      err) != AE_OK ||
+         kn_buf_alloc(m->be, &e->ids, T * sizeof(int32_t), err) != AE_OK))
         goto fail;
     if (!(e->host[0] = calloc(in_total, sizeof(int32_t)))) goto oom;
     e->dev[0] = e->in.ptr;
@@ -203,8 +206,9 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, const llama_
     return AE_OK;
 }
 
-int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
-             const llama_capture *capture, ae_error *err) {
+/* eng_step, or with argmax non-NULL eng_step_argmax. */
+static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
+                const llama_capture *capture, ae_error *err) {
     if (n_items < 1) return err_set(err, "empty step");
     if (validate(e, items, n_items, capture, err) != AE_OK) return AE_ERR;
     int32_t T = 0, n_logits = 0, n_extra_total = 0;
@@ -257,8 +261,12 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
     }
     llama_batch b = {T, d[IN_TOKENS], d[IN_POS], &map, n_logits, d[IN_LOGIT_ROWS], out_logits, capture ? &cap : NULL};
     llama_forward(e->m, e->stream, NULL, e->layers, e->ws, &b);
+    if (argmax) {
+        kn_argmax(e->stream, out_logits, e->ids.ptr ? e->ids.ptr : argmax, n_logits, (int64_t)V);
+        if (e->ids.ptr) kn_download(e->stream, argmax, &e->ids, 0, (size_t)n_logits * sizeof(int32_t));
+    }
     if (e->out.ptr) {
-        kn_download(e->stream, logits, &e->out, 0, (size_t)n_logits * V * sizeof(float));
+        if (!argmax) kn_download(e->stream, logits, &e->out, 0, (size_t)n_logits * V * sizeof(float));
         if (capture)
             kn_download(e->stream, capture->out, &e->out, (size_t)e->cfg.max_batch_tokens * V * sizeof(float),
                         (size_t)n_cap * W * sizeof(float));
@@ -276,6 +284,16 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
         }
     }
     return AE_OK;
+}
+
+int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits, const llama_capture *capture,
+             ae_error *err) {
+    return step(e, items, n_items, logits, NULL, capture, err);
+}
+
+int eng_step_argmax(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
+                    const llama_capture *capture, ae_error *err) {
+    return step(e, items, n_items, logits, argmax, capture, err);
 }
 
 int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err) {

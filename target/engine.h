@@ -82,6 +82,15 @@ int32_t eng_logit_rows(const eng_item *items, int32_t n_items);
 int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
              const llama_capture *capture, ae_error *err);
 
+/* The same pass when only each logit row's argmax is wanted (greedy
+ * verification): argmax[eng_logit_rows] is kn_argmax of each row, which
+ * picks as sample_greedy does. The argmax runs where the pass ran, so on
+ * a device only the ids come back, not [rows][vocab] floats. logits is
+ * scratch the size eng_step takes: a host-memory backend writes the rows
+ * there, any other leaves it alone. */
+int eng_step_argmax(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
+                    const llama_capture *capture, ae_error *err);
+
 /* After a tree step: keeps nodes path[0..n) (node indices of that tree,
  * root-level first, each the parent of the next) as committed tokens. The
  * path is checked against the sequence's last tree; anything else (no

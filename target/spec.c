@@ -57,6 +57,7 @@ struct spec {
     int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
+    int32_t *ids;          /* [max_batch_tokens] each row's argmax, in a step greedy throughout */
     float *scratch;        /* [V]: a row penalised (penalty_apply) and masked */
     uint32_t *mask;        /* [(V + 31) / 32]: a grammar's mask (grammar_fill_mask) */
     sampler *sampler;
@@ -89,6 +90,7 @@ void spec_free(spec *s) {
     free(s->rows);
     free(s->features);
     free(s->logits);
+    free(s->ids);
     free(s->scratch);
     free(s->mask);
     sample_free(s->sampler);
@@ -128,10 +130,11 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
     s->rows = malloc(T * sizeof *s->rows);
     s->features = malloc(T * fw * sizeof(float));
     s->logits = malloc(T * V * sizeof(float));
+    s->ids = malloc(T * sizeof *s->ids);
     s->scratch = malloc(V * sizeof(float));
     s->mask = malloc((V + 31) / 32 * sizeof(uint32_t));
     if (!s->seqs || !s->pending_feat || !s->feeds || !s->feed_of || !s->trees || !s->items || !s->rows ||
-        !s->features || !s->logits || !s->scratch || !s->mask) {
+        !s->features || !s->logits || !s->ids || !s->scratch || !s->mask) {
         spec_free(s);
         return err_set(err, "speculation: out of memory");
     }
@@ -489,7 +492,14 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         T += t->n;
     }
     llama_capture cap = capture_all(s, T);
-    if (eng_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err) != AE_OK) return AE_ERR;
+    /* Greedy throughout, with nothing that reads a whole row (penalties, a
+     * grammar, log-probabilities): only each row's argmax comes back. */
+    bool ids_only = true;
+    for (int32_t i = 0; i < n && ids_only; i++)
+        ids_only = sample_is_greedy(in[i].params) && !in[i].pen && !in[i].gm && !in[i].logprobs;
+    if ((ids_only ? eng_step_argmax(s->e, s->items, n, s->logits, s->ids, s->d ? &cap : NULL, err)
+                  : eng_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err)) != AE_OK)
+        return AE_ERR;
 
     for (int32_t i = 0, row = 0; i < n; row += s->trees[i].n, i++) {
         int32_t seq = in[i].seq;
@@ -498,7 +508,8 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         const float *rows = s->logits + (size_t)row * (size_t)s->V;
         rules_proc rp = {in[i].pen, in[i].gm, s->scratch, s->mask, s->V, false};
         verify_proc proc = {&rp, rules_apply, rules_push};
-        verify_tree vt = {t->n, t->tokens, t->parents, rows, s->V, in[i].pen || in[i].gm ? &proc : NULL};
+        verify_tree vt = {t->n,  t->tokens, t->parents, rows, s->V, in[i].pen || in[i].gm ? &proc : NULL,
+                          ids_only ? s->ids + row : NULL};
         int32_t path[ENG_MAX_TREE], bonus;
         /* The root's KV is not written yet: it sits at the sequence's
          * length, and the first token decided at the next position. */

@@ -7,9 +7,14 @@ static int32_t walk(const verify_tree *t, sampler *s, const sample_params *p, co
     int32_t n_path = 0, cur = 0;
     path[n_path++] = 0;
     for (;;) {
-        const float *row = t->logits + (size_t)cur * (size_t)t->vocab;
-        if (t->proc) row = t->proc->apply(t->proc->ctx, row);
-        int32_t want = s ? sample_token(s, row, p, rng, pos + n_path - 1) : sample_greedy(row, t->vocab), next = -1;
+        int32_t want, next = -1;
+        if (!s && !t->proc && t->argmax) {
+            want = t->argmax[cur];
+        } else {
+            const float *row = t->logits + (size_t)cur * (size_t)t->vocab;
+            if (t->proc) row = t->proc->apply(t->proc->ctx, row);
+            want = s ? sample_token(s, row, p, rng, pos + n_path - 1) : sample_greedy(row, t->vocab);
+        }
         for (int32_t i = cur + 1; i < t->n; i++)
             if (t->parents[i] == cur && t->tokens[i] == want) {
                 next = i;

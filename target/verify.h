@@ -50,6 +50,9 @@ typedef struct verify_tree {
     const float *logits;    /* [n][vocab] */
     int32_t vocab;
     const verify_proc *proc; /* NULL: the raw rows decide */
+    /* [n] each row's argmax (eng_step_argmax), which greedy without proc
+     * reads instead of logits (then not read at all); NULL: from logits. */
+    const int32_t *argmax;
 } verify_tree;
 
 int32_t verify_greedy(const verify_tree *t, int32_t *path, int32_t *bonus);

@@ -42,7 +42,7 @@ static void test_greedy_stops_at_root_when_no_child_matches(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {5, 4, 6, 0, 1};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV, NULL};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 1);
@@ -57,11 +57,44 @@ static void test_greedy_accepts_one_level(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {2, 4, 6, 0, 1};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV, NULL};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 2};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 2);
     assert_int_equal(bonus, 6);
+}
+
+/* The same tree decided by row argmaxes alone (eng_step_argmax): with no
+ * logits at all, the path of test_greedy_accepts_one_level; with a rule
+ * that reads rows (verify_proc), the ids are not used and the rows
+ * decide. */
+static const float *shift_row(void *ctx, const float *row) {
+    float *out = ctx;
+    for (int32_t v = 0; v < GV; v++) out[v] = row[(v + 1) % GV]; /* argmax a moves to a - 1 */
+    return out;
+}
+static void push_nothing(void *ctx, int32_t tok) { (void)ctx, (void)tok; }
+
+static void test_greedy_reads_row_argmaxes_when_given(void **state) {
+    (void)state;
+    const int32_t tokens[] = {7, 1, 2, 3, 6}, parents[] = {-1, 0, 0, 0, 1};
+    const int32_t ids[] = {2, 4, 6, 0, 1};
+    verify_tree t = {5, tokens, parents, NULL, GV, NULL, ids};
+    int32_t path[5], bonus = -1;
+    const int32_t want[] = {0, 2};
+    expect_path(path, verify_greedy(&t, path, &bonus), want, 2);
+    assert_int_equal(bonus, 6);
+    /* With a rule: rows decide. Root row's argmax 2 becomes 1 (node 1),
+     * node 1's argmax 7 becomes 6 (node 4), node 4's 0 becomes 7. */
+    float logits[5 * GV], shifted[GV];
+    const int32_t row_max[] = {2, 7, 6, 0, 0};
+    for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, row_max[i]);
+    verify_proc proc = {shifted, shift_row, push_nothing};
+    t.logits = logits;
+    t.proc = &proc;
+    const int32_t want2[] = {0, 1, 4};
+    expect_path(path, verify_greedy(&t, path, &bonus), want2, 3);
+    assert_int_equal(bonus, 7);
 }
 
 /*          0 (7)
@@ -80,7 +113,7 @@ static void test_greedy_follows_a_deep_path_through_a_later_sibling(void **state
     float logits[8 * GV];
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {8, tokens, parents, logits, GV, NULL};
+    verify_tree t = {8, tokens, parents, logits, GV, NULL, NULL};
     int32_t path[8], bonus = -1;
     const int32_t want[] = {0, 3, 6, 7};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 4);
@@ -100,7 +133,7 @@ static void test_greedy_takes_the_first_of_siblings_sharing_a_token(void **state
     float logits[5 * GV];
     const int32_t argmax[] = {4, 6, 5, 2, 3};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV, NULL};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 1, 3};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 3);
@@ -115,7 +148,7 @@ static void test_greedy_accepts_a_whole_chain(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {1, 2, 3, 4, 6};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV, NULL};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 1, 2, 3, 4};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 5);
@@ -129,7 +162,7 @@ static void test_greedy_stops_a_chain_at_the_first_mismatch(void **state) {
     float logits[5 * GV];
     const int32_t argmax[] = {1, 2, 5, 4, 6};
     for (int32_t i = 0; i < 5; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {5, tokens, parents, logits, GV, NULL};
+    verify_tree t = {5, tokens, parents, logits, GV, NULL, NULL};
     int32_t path[5], bonus = -1;
     const int32_t want[] = {0, 1, 2};
     expect_path(path, verify_greedy(&t, path, &bonus), want, 3);
@@ -151,7 +184,7 @@ static void test_greedy_params_through_verify_sample_draw_nothing(void **state) 
     float logits[8 * GV];
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {8, tokens, parents, logits, GV, NULL};
+    verify_tree t = {8, tokens, parents, logits, GV, NULL, NULL};
     sampler *s = make(GV);
     sample_params p = {.temperature = 0.0f, .top_k = 3, .top_p = 0.5f, .min_p = 0.1f};
     int32_t path[8], bonus = -1;
@@ -188,7 +221,7 @@ static void test_sampling_accepts_a_child_only_when_it_is_the_keyed_draw(void **
         int32_t d0 = sample_token(s, logits, &p, &rng, pos), d1 = sample_token(s, logits + 2 * GV, &p, &rng, pos + 1);
         distinct[d0] = 1;
         int32_t tokens[] = {7, (d0 + 1) % GV, d0, d0, (d1 + 3) % GV}, parents[] = {-1, 0, 0, 0, 2};
-        verify_tree t = {5, tokens, parents, logits, GV, NULL};
+        verify_tree t = {5, tokens, parents, logits, GV, NULL, NULL};
         int32_t path[5], bonus = -1;
         const int32_t want[] = {0, 2};
         expect_path(path, verify_sample(&t, s, &p, &rng, pos, path, &bonus), want, 2);
@@ -210,7 +243,7 @@ static void test_sampling_a_point_distribution_walks_the_greedy_path(void **stat
     float logits[8 * GV];
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
-    verify_tree t = {8, tokens, parents, logits, GV, NULL};
+    verify_tree t = {8, tokens, parents, logits, GV, NULL, NULL};
     sampler *s = make(GV);
     sample_params p = {.temperature = 0.8f, .top_k = 1, .top_p = 1.0f, .min_p = 0.0f};
     sample_rng rng;
@@ -301,7 +334,7 @@ static fit pearson(const long *count, const double *prob, int n, long total) {
 static void fit_sampled_output(verify_fn fn, const sample_params *p, long n, uint64_t seed, fit *joint,
                                fit *cond) {
     sampler *s = make(SV);
-    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL};
+    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL, NULL};
     float dense[SN][SV];
     for (int32_t i = 0; i < SN; i++) sample_dist_dense(s, s_logits + (size_t)i * SV, p, dense[i]);
     int32_t node_of[SV]; /* the root's child with token x, or -1 */
@@ -459,7 +492,7 @@ static void test_same_seed_same_paths_and_bonuses(void **state) {
     (void)state;
     enum { R = 500 };
     sampler *s = make(SV);
-    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL};
+    verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL, NULL};
     sample_params p = {.temperature = 0.7f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     static int32_t got[3][R][SN + 2];
     const uint64_t seeds[3] = {77, 77, 78};
@@ -481,6 +514,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_stops_at_root_when_no_child_matches),
         cmocka_unit_test(test_greedy_accepts_one_level),
+        cmocka_unit_test(test_greedy_reads_row_argmaxes_when_given),
         cmocka_unit_test(test_greedy_follows_a_deep_path_through_a_later_sibling),
         cmocka_unit_test(test_greedy_takes_the_first_of_siblings_sharing_a_token),
         cmocka_unit_test(test_greedy_accepts_a_whole_chain),
