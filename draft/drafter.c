@@ -31,25 +31,40 @@ typedef struct tree_job {
     int32_t row_of[TREE_MAX_POOL];  /* its row in the last pass (whose hidden states are kept) */
 } tree_job;
 
+/* A pass's integer inputs: filled on the host, uploaded to the same
+ * places of d->ibuf. [max_rows] each, but I_EXTRA: [max_rows *
+ * TREE_MAX_STEPS]. I_GATHER: the rows of d->states a tree pass takes
+ * its inputs from. */
+enum { I_TOKENS, I_POS, I_SEQ, I_SLOT, I_N_PREFIX, I_EXTRA_START, I_N_EXTRA, I_LOGIT_ROWS, I_GATHER, I_EXTRA, I_N };
+
 struct drafter {
     const eagle_head *head;
     drafter_config cfg;
     int32_t max_rows; /* rows of one head pass */
     pool *pool;     /* the shared pool, or own_pool */
     pool *own_pool;
-    kn_stream *stream;
+    kn_stream *stream; /* on the head's backend */
+    bool host_memory;  /* that backend's memory is the host's: no copies in or out */
     eagle_ws *ws;
     kv_cache *kv;
     kn_kv_pool layer;
     key_state *keys;    /* [max_seqs] */
-    float *last_hidden; /* [max_seqs][H] pre-norm output of each key's last pair */
     tree_job *jobs;     /* [max_seqs] */
-    /* one pass, [max_rows] unless noted */
-    int32_t *tokens, *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *logit_rows;
-    int32_t *extra;  /* [max_rows * TREE_MAX_STEPS] */
-    float *in;       /* [max_rows][H] fed-back hidden states */
-    float *hidden;   /* [max_rows][H] */
-    float *logits;   /* [max_rows][draft_vocab] */
+    int32_t *host[I_N]; /* one allocation (host[0]) */
+    int32_t *dev[I_N];  /* the same in ibuf */
+    kn_buf ibuf;
+    /* In the backend's memory, one buffer (fbuf):
+     *   states [max_seqs + max_rows][H]: the pre-norm output of each
+     *          key's last pair, then the hidden states of the last pass
+     *          (hidden), so that a tree pass gathers its inputs from both
+     *          in one op;
+     *   in     [max_rows][H] a tree pass's inputs (parents' states);
+     *   logits [max_rows][draft_vocab], made probabilities in place;
+     *   feat   [max_rows][3H] features uploaded (none on a host-memory
+     *          backend, which reads the caller's). */
+    kn_buf fbuf;
+    float *states, *hidden, *in, *logits, *feat;
+    float *probs; /* host: [max_rows][draft_vocab] downloaded, or logits itself */
 };
 
 static int32_t rows_for(const drafter_config *c) {
@@ -62,14 +77,33 @@ static kv_params kv_params_for(const eagle_head *h, const drafter_config *c) {
     return (kv_params){1, h->cfg.n_kv_heads, h->cfg.head_dim, KV_BLOCK, per_seq * c->max_seqs, c->max_seqs, per_seq};
 }
 
+/* Floats of each part of fbuf, in order: states, in, logits, feat. */
+static void fbuf_sizes(const eagle_head *h, const drafter_config *c, size_t n[4]) {
+    size_t R = (size_t)rows_for(c), H = (size_t)h->cfg.hidden;
+    n[0] = ((size_t)c->max_seqs + R) * H;
+    n[1] = R * H;
+    n[2] = R * (size_t)h->cfg.draft_vocab;
+    n[3] = kn_backend_host_memory(h->be) ? 0 : R * 3 * H;
+}
+
+static size_t ints_len(int i, size_t R) { return i == I_EXTRA ? R * TREE_MAX_STEPS : R; }
+
 size_t drafter_bytes(const eagle_head *h, const drafter_config *c) {
     kv_params kp = kv_params_for(h, c);
-    size_t rows = (size_t)rows_for(c), H = (size_t)h->cfg.hidden;
+    size_t rows = (size_t)rows_for(c), f[4], ints = 0;
+    fbuf_sizes(h, c, f);
+    for (int i = 0; i < I_N; i++) ints += ints_len(i, rows);
     return (size_t)kv_bytes(&kp) + eagle_ws_bytes(h, (int32_t)rows) +
            eagle_stream_workspace(h, (int32_t)rows, c->max_seq_len + TREE_SCRATCH) +
-           (size_t)c->max_seqs * (sizeof(key_state) + sizeof(tree_job) + H * sizeof(float)) +
-           rows * (8 + TREE_MAX_STEPS) * sizeof(int32_t) +
-           rows * (2 * H + (size_t)h->cfg.draft_vocab) * sizeof(float);
+           (f[0] + f[1] + f[2] + f[3]) * sizeof(float) + ints * sizeof(int32_t) +
+           (kn_backend_host_memory(h->be) ? drafter_host_bytes(h, c) : 0);
+}
+
+size_t drafter_host_bytes(const eagle_head *h, const drafter_config *c) {
+    size_t rows = (size_t)rows_for(c), ints = 0;
+    for (int i = 0; i < I_N; i++) ints += ints_len(i, rows);
+    size_t probs = kn_backend_host_memory(h->be) ? 0 : rows * (size_t)h->cfg.draft_vocab * sizeof(float);
+    return (size_t)c->max_seqs * (sizeof(key_state) + sizeof(tree_job)) + ints * sizeof(int32_t) + probs;
 }
 
 void drafter_free(drafter *d) {
@@ -79,14 +113,11 @@ void drafter_free(drafter *d) {
     pool_free(d->own_pool);
     kv_free(d->kv);
     free(d->keys);
-    free(d->last_hidden);
     free(d->jobs);
-    int32_t *ints[] = {d->tokens, d->pos, d->seq, d->slot, d->n_prefix, d->extra_start, d->n_extra, d->logit_rows,
-                       d->extra};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++) free(ints[i]);
-    free(d->in);
-    free(d->hidden);
-    free(d->logits);
+    free(d->host[0]);
+    kn_buf_free(&d->ibuf);
+    kn_buf_free(&d->fbuf);
+    if (!d->host_memory) free(d->probs);
     free(d);
 }
 
@@ -103,27 +134,38 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
     d->head = h;
     d->cfg = *cfg;
     d->max_rows = rows_for(cfg);
+    d->host_memory = kn_backend_host_memory(h->be);
     size_t R = (size_t)d->max_rows, H = (size_t)h->cfg.hidden;
     kv_params kp = kv_params_for(h, cfg);
     d->pool = cfg->pool;
     if ((!d->pool && pool_init(&d->own_pool, cfg->threads, err) != AE_OK) ||
-        kn_stream_init(&d->stream, &kn_backend_cpu, &(kn_stream_config){d->pool ? d->pool : d->own_pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH)}, err) != AE_OK ||
-        eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, &kn_backend_cpu, &kp, err) != AE_OK)
+        kn_stream_init(&d->stream, h->be, &(kn_stream_config){d->pool ? d->pool : d->own_pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH)}, err) != AE_OK ||
+        eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, h->be, &kp, err) != AE_OK)
         goto fail;
     if (cfg->act_bits) kn_stream_set_act_bits(d->stream, cfg->act_bits);
     d->layer = kv_layer(d->kv, 0);
+    size_t n_ints = 0, f[4];
+    for (int i = 0; i < I_N; i++) n_ints += ints_len(i, R);
+    fbuf_sizes(h, cfg, f);
+    if (kn_buf_alloc(h->be, &d->ibuf, n_ints * sizeof(int32_t), err) != AE_OK ||
+        kn_buf_alloc(h->be, &d->fbuf, (f[0] + f[1] + f[2] + f[3]) * sizeof(float), err) != AE_OK)
+        goto fail;
     d->keys = calloc((size_t)cfg->max_seqs, sizeof *d->keys);
-    d->last_hidden = calloc((size_t)cfg->max_seqs * H, sizeof(float));
     d->jobs = calloc((size_t)cfg->max_seqs, sizeof *d->jobs);
-    int32_t **ints[] = {&d->tokens, &d->pos, &d->seq, &d->slot, &d->n_prefix, &d->extra_start, &d->n_extra,
-                        &d->logit_rows};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
-        if (!(*ints[i] = calloc(R, sizeof(int32_t)))) goto oom;
-    d->extra = calloc(R * TREE_MAX_STEPS, sizeof(int32_t));
-    d->in = calloc(R * H, sizeof(float));
-    d->hidden = calloc(R * H, sizeof(float));
-    d->logits = calloc(R * (size_t)h->cfg.draft_vocab, sizeof(float));
-    if (!d->keys || !d->last_hidden || !d->jobs || !d->extra || !d->in || !d->hidden || !d->logits) goto oom;
+    d->host[0] = calloc(n_ints, sizeof(int32_t));
+    if (!d->keys || !d->jobs || !d->host[0]) goto oom;
+    d->dev[0] = d->ibuf.ptr;
+    for (int i = 1; i < I_N; i++) {
+        d->host[i] = d->host[i - 1] + ints_len(i - 1, R);
+        d->dev[i] = d->dev[i - 1] + ints_len(i - 1, R);
+    }
+    d->states = d->fbuf.ptr;
+    d->hidden = d->states + (size_t)cfg->max_seqs * H;
+    d->in = d->states + f[0];
+    d->logits = d->in + f[1];
+    d->feat = f[3] ? d->logits + f[2] : NULL;
+    d->probs = d->host_memory ? d->logits : malloc(f[2] * sizeof(float));
+    if (!d->probs) goto oom;
     for (int32_t k = 0; k < cfg->max_seqs; k++) d->keys[k].kv_seq = -1;
     *out = d;
     return AE_OK;
@@ -132,6 +174,30 @@ oom:
 fail:
     drafter_free(d);
     return AE_ERR;
+}
+
+/* Sends the first n of input i to the backend; returns its address there. */
+static const int32_t *put(drafter *d, int i, int32_t n) {
+    kn_upload(d->stream, &d->ibuf, (size_t)((char *)d->dev[i] - (char *)d->ibuf.ptr), d->host[i],
+              (size_t)n * sizeof(int32_t));
+    return d->dev[i];
+}
+
+/* Copies H floats from row src to row dst of d->states, on the stream. */
+static void copy_state(drafter *d, int32_t src, int32_t dst) {
+    const int64_t H = d->head->cfg.hidden;
+    kn_gather_rows(d->stream, d->states + (size_t)src * (size_t)H, NULL, 1, H, d->states + (size_t)dst * (size_t)H, H);
+}
+
+/* Softmax over the draft vocabulary of the first m rows of logits, on
+ * the backend; then waits for them on the host (d->probs). */
+static void probs_of(drafter *d, int32_t m) {
+    size_t Vd = (size_t)d->head->cfg.draft_vocab;
+    kn_softmax(d->stream, d->logits, m, (int64_t)Vd);
+    if (!d->host_memory)
+        kn_download(d->stream, d->probs, &d->fbuf, (size_t)((char *)d->logits - (char *)d->fbuf.ptr),
+                    (size_t)m * Vd * sizeof(float));
+    kn_stream_sync(d->stream);
 }
 
 void drafter_release(drafter *d, int32_t key) {
@@ -180,42 +246,58 @@ static int validate(const drafter *d, const drafter_feed *feeds, int32_t n, ae_e
     return AE_OK;
 }
 
-/* Softmax over the draft vocabulary, then the row's best k children as
- * target ids. */
-static void children_of(const drafter *d, float *row, int32_t k, int32_t *tokens, float *probs) {
+/* The best k children of a row of probabilities (probs_of), as target
+ * ids. */
+static void children_of(const drafter *d, const float *row, int32_t k, int32_t *tokens, float *probs) {
     int32_t Vd = d->head->cfg.draft_vocab, idx[TREE_MAX_TOPK];
-    kn_softmax(d->stream, row, 1, Vd);
     tree_topk(row, Vd, k, idx, probs);
     for (int32_t j = 0; j < k; j++) tokens[j] = d->head->draft_to_target[idx[j]];
+}
+
+/* The map of a pass of m rows with n_extra tree slots, its inputs sent. */
+static kn_kv_map send_map(drafter *d, int32_t m, int32_t n_extra) {
+    const int32_t *seq = put(d, I_SEQ, m), *slot = put(d, I_SLOT, m), *n_prefix = put(d, I_N_PREFIX, m),
+                  *extra_start = put(d, I_EXTRA_START, m), *n_ex = put(d, I_N_EXTRA, m),
+                  *extra = put(d, I_EXTRA, n_extra);
+    kv_upload_tables(d->kv, d->stream);
+    return (kn_kv_map){m, kv_map_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
+                       seq, slot, n_prefix, extra_start, n_ex, extra, n_extra};
 }
 
 /* Runs one feed's pairs through the head, chunk by chunk, into its KV. */
 static void feed_pairs(drafter *d, const drafter_feed *f) {
     key_state *ks = &d->keys[f->key];
     const int32_t H = d->head->cfg.hidden;
+    int32_t *tokens = d->host[I_TOKENS], *pos = d->host[I_POS], *seq = d->host[I_SEQ], *slot = d->host[I_SLOT],
+            *n_prefix = d->host[I_N_PREFIX], *extra_start = d->host[I_EXTRA_START], *n_extra = d->host[I_N_EXTRA];
     for (int32_t done = 0; done < f->n;) {
         int32_t m = f->n - done < d->max_rows ? f->n - done : d->max_rows, len = kv_seq_len(d->kv, ks->kv_seq);
         AE_ASSERT(kv_seq_reserve(d->kv, ks->kv_seq, len + m, NULL) == AE_OK);
         for (int32_t t = 0; t < m; t++) {
-            d->tokens[t] = f->tokens[done + t];
-            d->pos[t] = d->slot[t] = len + t;
-            d->seq[t] = ks->kv_seq;
-            d->n_prefix[t] = len + t + 1;
-            d->extra_start[t] = d->n_extra[t] = 0;
+            tokens[t] = f->tokens[done + t];
+            pos[t] = slot[t] = len + t;
+            seq[t] = ks->kv_seq;
+            n_prefix[t] = len + t + 1;
+            extra_start[t] = n_extra[t] = 0;
         }
         bool last = done + m == f->n;
-        d->logit_rows[0] = m - 1;
-        kn_kv_map map = {m, kv_map_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
-                         d->seq, d->slot, d->n_prefix, d->extra_start, d->n_extra, d->extra, 0};
-        eagle_batch b = {m, d->tokens, f->features + (size_t)done * 3 * (size_t)H, 3 * H, d->pos, &map,
-                         d->hidden, last ? 1 : 0, d->logit_rows, d->logits};
+        d->host[I_LOGIT_ROWS][0] = m - 1;
+        const float *feat = f->features + (size_t)done * 3 * (size_t)H;
+        if (!d->host_memory) {
+            kn_upload(d->stream, &d->fbuf, (size_t)((char *)d->feat - (char *)d->fbuf.ptr), feat,
+                      (size_t)m * 3 * (size_t)H * sizeof(float));
+            feat = d->feat;
+        }
+        kn_kv_map map = send_map(d, m, 0);
+        eagle_batch b = {m,        put(d, I_TOKENS, m), feat,      3 * H, put(d, I_POS, m), &map,
+                         d->hidden, last ? 1 : 0,       put(d, I_LOGIT_ROWS, 1), d->logits};
         eagle_forward(d->head, d->stream, &d->layer, d->ws, &b);
         AE_ASSERT(kv_seq_advance(d->kv, ks->kv_seq, m, NULL) == AE_OK);
-        memcpy(d->last_hidden + (size_t)f->key * (size_t)H, d->hidden + (size_t)(m - 1) * (size_t)H,
-               (size_t)H * sizeof(float));
+        copy_state(d, d->cfg.max_seqs + m - 1, f->key);
         if (last) {
             int32_t k = d->head->cfg.draft_vocab < TREE_MAX_TOPK ? d->head->cfg.draft_vocab : TREE_MAX_TOPK;
-            children_of(d, d->logits, k, ks->top_tokens, ks->top_probs);
+            probs_of(d, 1);
+            children_of(d, d->probs, k, ks->top_tokens, ks->top_probs);
             ks->n_top = k;
             ks->last_token = f->tokens[f->n - 1];
         }
@@ -228,6 +310,9 @@ static void feed_pairs(drafter *d, const drafter_feed *f) {
 static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
     const size_t H = (size_t)d->head->cfg.hidden;
     int32_t m = 0, n_extra = 0;
+    int32_t *tokens = d->host[I_TOKENS], *pos = d->host[I_POS], *seq = d->host[I_SEQ], *slot = d->host[I_SLOT],
+            *n_prefix = d->host[I_N_PREFIX], *extra_start = d->host[I_EXTRA_START], *n_ex = d->host[I_N_EXTRA],
+            *extra = d->host[I_EXTRA], *gather = d->host[I_GATHER], *logit_rows = d->host[I_LOGIT_ROWS];
     for (int32_t j = 0; j < n_jobs; j++) {
         tree_job *job = &jobs[j];
         const tree_build *b = &job->b;
@@ -235,27 +320,29 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
         for (int32_t i = 0; i < b->n_frontier; i++, m++) {
             int32_t node = b->frontier[i];
             const tree_cand *c = &b->pool[node];
-            const float *parent_h = c->parent < 0 ? d->last_hidden + (size_t)job->key * H
-                                                  : d->hidden + (size_t)job->row_of[c->parent] * H;
-            memcpy(d->in + (size_t)m * H, parent_h, H * sizeof(float));
+            /* The parent's state: the key's last pair, or a row of the
+             * last pass (states rows max_seqs + r). */
+            gather[m] = c->parent < 0 ? job->key : d->cfg.max_seqs + job->row_of[c->parent];
             job->slot_of[node] = job->len + job->n_expanded++;
-            d->tokens[m] = c->token;
-            d->pos[m] = job->len + c->depth - 1;
-            d->seq[m] = d->keys[job->key].kv_seq;
-            d->slot[m] = job->slot_of[node];
-            d->n_prefix[m] = job->len;
-            d->extra_start[m] = n_extra;
-            d->n_extra[m] = c->depth;
+            tokens[m] = c->token;
+            pos[m] = job->len + c->depth - 1;
+            seq[m] = d->keys[job->key].kv_seq;
+            slot[m] = job->slot_of[node];
+            n_prefix[m] = job->len;
+            extra_start[m] = n_extra;
+            n_ex[m] = c->depth;
             for (int32_t a = node, t = c->depth - 1; a >= 0; a = b->pool[a].parent, t--)
-                d->extra[n_extra + t] = job->slot_of[a];
+                extra[n_extra + t] = job->slot_of[a];
             n_extra += c->depth;
-            d->logit_rows[m] = m;
+            logit_rows[m] = m;
         }
     }
-    kn_kv_map map = {m, kv_map_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
-                     d->seq, d->slot, d->n_prefix, d->extra_start, d->n_extra, d->extra, n_extra};
-    eagle_batch eb = {m, d->tokens, d->in, (int32_t)H, d->pos, &map, d->hidden, m, d->logit_rows, d->logits};
+    kn_gather_rows(d->stream, d->states, put(d, I_GATHER, m), m, (int64_t)H, d->in, (int64_t)H);
+    kn_kv_map map = send_map(d, m, n_extra);
+    eagle_batch eb = {m,         put(d, I_TOKENS, m), d->in,     (int32_t)H, put(d, I_POS, m), &map,
+                      d->hidden, m,                   put(d, I_LOGIT_ROWS, m), d->logits};
     eagle_forward(d->head, d->stream, &d->layer, d->ws, &eb);
+    probs_of(d, m);
     for (int32_t j = 0; j < n_jobs; j++) {
         tree_job *job = &jobs[j];
         tree_build *b = &job->b;
@@ -264,7 +351,7 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
         int32_t nf = b->n_frontier, frontier[TREE_MAX_TOPK];
         memcpy(frontier, b->frontier, sizeof frontier);
         for (int32_t i = 0; i < nf; i++)
-            children_of(d, d->logits + (size_t)(job->first_row + i) * (size_t)d->head->cfg.draft_vocab, k,
+            children_of(d, d->probs + (size_t)(job->first_row + i) * (size_t)d->head->cfg.draft_vocab, k,
                         toks + i * k, probs + i * k);
         tree_expand(b, k, toks, probs);
         /* The nodes just run are the parents of the next frontier, whose
@@ -289,9 +376,7 @@ int drafter_propose(drafter *d, const drafter_feed *feeds, int32_t n, const tree
         AE_ASSERT(kv_seq_fork(d->kv, d->stream, src->kv_seq, &kseq, NULL) == AE_OK);
         *ks = *src;
         ks->kv_seq = kseq;
-        memcpy(d->last_hidden + (size_t)f->key * (size_t)d->head->cfg.hidden,
-               d->last_hidden + (size_t)f->fork_of * (size_t)d->head->cfg.hidden,
-               (size_t)d->head->cfg.hidden * sizeof(float));
+        copy_state(d, f->fork_of, f->key);
     }
     for (int32_t i = 0; i < n; i++) {
         const drafter_feed *f = &feeds[i];

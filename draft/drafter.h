@@ -16,7 +16,12 @@
  * done.
  *
  * Keys are the caller's sequence ids, 0 .. max_seqs-1. All memory is
- * taken at drafter_init; a call allocates nothing. */
+ * taken at drafter_init; a call allocates nothing.
+ *
+ * It runs on the head's backend (eagle.h). A call sends that backend the
+ * pairs' features and each pass's positions and maps, keeps the hidden
+ * states there, and brings back only the draft probabilities of the rows
+ * it expands (the softmax runs there too). */
 #ifndef AERIE_DRAFT_DRAFTER_H
 #define AERIE_DRAFT_DRAFTER_H
 
@@ -74,7 +79,11 @@ void drafter_release(drafter *d, int32_t key);
 /* Pairs held for a key (0 when it has no state). */
 int32_t drafter_len(const drafter *d, int32_t key);
 
-/* Bytes drafter_init takes for these sizes, beyond the head's weights. */
+/* Bytes drafter_init takes for these sizes, beyond the head's weights:
+ * drafter_bytes in the memory of the head's backend (h->be), counting
+ * drafter_host_bytes too when that memory is the host's; on any other
+ * backend drafter_host_bytes are taken in host memory besides. */
 size_t drafter_bytes(const eagle_head *h, const drafter_config *cfg);
+size_t drafter_host_bytes(const eagle_head *h, const drafter_config *cfg);
 
 #endif

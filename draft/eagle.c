@@ -15,10 +15,18 @@
 
 /* ---- loading -------------------------------------------------------------- */
 
-void eagle_free(eagle_head *h) {
-    if (!h) return;
+static void free_owned(eagle_head *h) {
     for (int32_t i = 0; i < h->n_owned; i++) free(h->owned[i]);
     free(h->owned);
+    h->owned = NULL;
+    h->n_owned = 0;
+}
+
+void eagle_free(eagle_head *h) {
+    if (!h) return;
+    free_owned(h);
+    for (int32_t i = 0; i < h->n_bufs; i++) kn_buf_free(&h->bufs[i]);
+    free(h->bufs);
     free(h->draft_to_target);
     free(h);
 }
@@ -215,6 +223,37 @@ static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     return AE_OK;
 }
 
+/* Puts the head where its target's embedding table is. A host-memory
+ * backend reads the host copies as they are; any other gets a copy of
+ * each matrix and vector (a packed copy is the CPU's: not taken), and
+ * the host copies go. */
+static int place(eagle_head *h, ae_error *err) {
+    const kn_buf *tb = h->target.embed ? h->target.embed->buf : NULL;
+    h->be = tb ? tb->be : &kn_backend_cpu;
+    if (kn_backend_host_memory(h->be)) return AE_OK;
+    kn_weight *mats[] = {&h->fc, &h->wq, &h->wk, &h->wv, &h->wo, &h->gate, &h->up, &h->down, &h->lm_head};
+    const float **vecs[] = {&h->input_norm, &h->hidden_norm, &h->post_norm, &h->out_norm};
+    enum { N_MATS = sizeof mats / sizeof mats[0], N_VECS = sizeof vecs / sizeof vecs[0] };
+    if (!(h->bufs = calloc(N_MATS + N_VECS, sizeof *h->bufs))) return err_set(err, "out of memory");
+    h->weight_bytes = 0;
+    for (int i = 0; i < N_MATS; i++) {
+        kn_weight *w = mats[i];
+        size_t bytes = (size_t)w->rows * w->row_bytes;
+        if (kn_buf_from_host(h->be, &h->bufs[h->n_bufs], w->data, bytes, err) != AE_OK) return AE_ERR;
+        const kn_buf *b = &h->bufs[h->n_bufs++];
+        w->data = b->ptr, w->buf = b, w->packed = NULL, w->packed_buf = NULL, w->pack_stride = 0;
+        h->weight_bytes += bytes;
+    }
+    for (int i = 0; i < N_VECS; i++) {
+        size_t bytes = (size_t)h->cfg.hidden * sizeof(float);
+        if (kn_buf_from_host(h->be, &h->bufs[h->n_bufs], *vecs[i], bytes, err) != AE_OK) return AE_ERR;
+        *vecs[i] = h->bufs[h->n_bufs++].ptr;
+        h->weight_bytes += bytes;
+    }
+    free_owned(h);
+    return AE_OK;
+}
+
 int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_weights weights, ae_error *err) {
     *out = NULL;
     eagle_head *h = calloc(1, sizeof *h);
@@ -250,6 +289,7 @@ int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_w
             rc = AE_ERR;
         else if (c->hidden != H)
             rc = err_set(err, "config.json hidden_size is %d, the target's is %lld", c->hidden, (long long)H);
+        if (rc == AE_OK) rc = place(h, err);
         if (rc != AE_OK && !strstr(err ? err->msg : "", dir)) err_prefix(err, "head %s: ", dir);
     }
     st_model_close(st); /* every tensor was converted */
@@ -277,7 +317,7 @@ struct eagle_ws {
     float *up;    /* [max_tokens][F] */
     float *out_x; /* [max_tokens][H] rows whose logits are wanted */
     float *rope;  /* [max_tokens][D] */
-    void *block;
+    kn_buf block; /* all of the above, in the head's backend's memory */
 };
 
 #define EWS_BUFS 12
@@ -315,17 +355,15 @@ int eagle_ws_init(eagle_ws **out, const eagle_head *hd, int32_t max_tokens, ae_e
     eagle_ws *ws = calloc(1, sizeof *ws);
     if (!ws) return err_set(err, "out of memory");
     size_t bytes = eagle_ws_bytes(hd, max_tokens);
-    ws->block = aligned_alloc(64, bytes);
-    if (!ws->block) {
+    if (kn_buf_alloc(hd->be, &ws->block, bytes, err) != AE_OK) {
         free(ws);
-        return err_set(err, "out of memory for a %zu byte head workspace", bytes);
+        return err_prefix(err, "a %zu byte head workspace: ", bytes), AE_ERR;
     }
-    memset(ws->block, 0, bytes);
     size_t sz[EWS_BUFS];
     ews_sizes(hd, max_tokens, sz);
     float **slots[EWS_BUFS] = {&ws->h,    &ws->e,    &ws->x,  &ws->q,     &ws->k,   &ws->v,
                                &ws->attn, &ws->proj, &ws->gate, &ws->up, &ws->out_x, &ws->rope};
-    char *p = ws->block;
+    char *p = ws->block.ptr;
     for (int i = 0; i < EWS_BUFS; i++) {
         *slots[i] = (float *)(void *)p;
         p += round64(sz[i] * sizeof(float));
@@ -337,7 +375,7 @@ int eagle_ws_init(eagle_ws **out, const eagle_head *hd, int32_t max_tokens, ae_e
 
 void eagle_ws_free(eagle_ws *ws) {
     if (!ws) return;
-    free(ws->block);
+    kn_buf_free(&ws->block);
     free(ws);
 }
 
@@ -374,7 +412,8 @@ void eagle_forward(const eagle_head *hd, kn_stream *s, const kn_kv_pool *kv, eag
     kn_add(s, b->hidden, ws->proj, b->hidden, (int64_t)T * H);
 
     if (b->n_logits == 0) return;
-    for (int32_t r = 0; r < b->n_logits; r++) AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
+    /* logit_rows are the backend's to read (a device's memory): in range
+     * by the caller's construction. */
     kn_gather_rows(s, b->hidden, b->logit_rows, b->n_logits, H, ws->out_x, H);
     kn_rmsnorm(s, ws->out_x, hd->out_norm, ws->out_x, b->n_logits, H, c->rms_eps);
     kn_matmul(s, &hd->lm_head, ws->out_x, b->logits, b->n_logits);

@@ -95,7 +95,14 @@ typedef struct eagle_head {
     eagle_weights weights;
     size_t weight_bytes;     /* bytes of the matrices and vectors as held */
     char dir[1024];
-    float **owned;           /* converted buffers */
+    /* Where it runs: the backend of the target's embedding table, which
+     * the head reads. On one whose memory is not the host's (CUDA), the
+     * matrices and vectors are copied into bufs and the host copies
+     * freed. */
+    const kn_backend *be;
+    kn_buf *bufs;
+    int32_t n_bufs;
+    float **owned;           /* converted buffers (host) */
     int32_t n_owned;
 } eagle_head;
 
@@ -103,7 +110,9 @@ typedef struct eagle_head {
 int eagle_weights_parse(const char *text, eagle_weights *out, ae_error *err);
 
 /* dir: a head directory. A tensor whose shape does not fit the target is
- * refused with one line naming it and both shapes. */
+ * refused with one line naming it and both shapes. The head is placed on
+ * the backend of t->embed (h->be); everything that runs it (eagle_ws,
+ * its KV, the drafter) takes that backend's memory. */
 int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_weights weights, ae_error *err);
 void eagle_free(eagle_head *h); /* NULL is a no-op */
 
@@ -139,7 +148,9 @@ size_t eagle_ws_bytes(const eagle_head *h, int32_t max_tokens);
 /* Stream scratch for batches of max_tokens over up to max_keys keys. */
 size_t eagle_stream_workspace(const eagle_head *h, int32_t max_tokens, int32_t max_keys);
 
-/* Shapes are the caller's to check (asserted here). */
+/* Every array of b is in the memory of h->be, like ws and kv, and is not
+ * read on the host: its contents (ids, positions, rows in range) are the
+ * caller's to check; sizes are asserted here. */
 void eagle_forward(const eagle_head *h, kn_stream *s, const kn_kv_pool *kv, eagle_ws *ws, const eagle_batch *b);
 
 #endif

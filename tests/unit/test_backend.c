@@ -11,8 +11,9 @@
  *   - every weight is copied at load, the engine's inputs and the KV
  *     block tables go through uploads, and logits and features come back
  *     by download, as on a GPU.
- * The engine on it must give the CPU backend's bits, step for step. Run
- * from the repo root. */
+ * The engine on it must give the CPU backend's bits, step for step, and
+ * the draft head drafts the CPU's trees (tests/draft_rounds.h). Run from
+ * the repo root. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -27,6 +28,7 @@
 #include "../../kernels/backend.h"
 #include "../../target/engine.h"
 #include "../../target/sample.h"
+#include "../draft_rounds.h"
 
 #define MODEL_PATH "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -362,12 +364,22 @@ static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
     }
 }
 
+/* The draft head and its drafter on staged: every weight and norm, the
+ * embedding table, the KV, the features and each pass's maps in staged
+ * buffers, the hidden states kept there, only probabilities downloaded;
+ * the trees are the CPU's, bit for bit. */
+static void test_the_head_on_staged_drafts_the_cpu_trees(void **state) {
+    (void)state;
+    draft_rounds_on(&staged, "staged", 0.0f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_buffer_from_host_borrows_or_copies),
         cmocka_unit_test(test_weights_are_in_the_backends_buffers),
         cmocka_unit_test(test_kv_tables_reach_the_backend_as_they_change),
         cmocka_unit_test(test_engine_on_staged_gives_the_cpu_bits),
+        cmocka_unit_test(test_the_head_on_staged_drafts_the_cpu_trees),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
