@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../kernels/device.h"
 #include "../services/core/hostmem.h"
 #include "../services/core/log.h"
 #include "../services/core/pool.h"
@@ -13,6 +14,9 @@
 
 static const cfg_option opts[] = {
     {"model", CFG_STRING, NULL, 0, 0, "the target model (.gguf or Hugging Face directory): the head reads its embedding table"},
+    {"device", CFG_STRING, "auto", 0, 0,
+     "where the head runs: auto (cuda:0 when build/libaerie-cuda.so loads and a GPU is usable, else cpu), cpu, "
+     "cuda or cuda:N (its own GPU, beside the target's)"},
     {"draft", CFG_STRING, "auto", 0, 0, "EAGLE-3 head directory (auto: the head trained for this model file, found beside it)"},
     {"draft-weights", CFG_STRING, "q8_0", 0, 0,
      "the head's matrices rounded to Q8_0 (q8_0: half the bytes per draft pass), or as the file has them (file)"},
@@ -34,11 +38,18 @@ static const cfg_option opts[] = {
 };
 
 /* The plan: the target's embedding table + head + drafter state, against
- * mem-fraction x available. */
-static int plan_memory(cfg *c, const embedding *m, const eagle_head *h, const dsrv_config *dc, char *text, size_t cap,
-                       ae_error *err) {
+ * mem-fraction x available: the host's memory, or on a GPU what was free
+ * on it when it was opened. */
+static int plan_memory(cfg *c, const kn_device *dev, const embedding *m, const eagle_head *h, const dsrv_config *dc,
+                       char *text, size_t cap, ae_error *err) {
     uint64_t avail;
-    if (hostmem_available(&avail, err) != AE_OK) return AE_ERR;
+    char where[64] = "available";
+    if (dev->kind == KN_DEVICE_CUDA) {
+        avail = dev->info.free_bytes;
+        snprintf(where, sizeof where, "free on %s at start", dev->name);
+    } else if (hostmem_available(&avail, err) != AE_OK) {
+        return AE_ERR;
+    }
     if (cfg_is_auto(c, "mem-fraction")) cfg_set_auto_double(c, "mem-fraction", hostmem_auto_fraction(avail));
     double frac = cfg_double(c, "mem-fraction");
     uint64_t budget = (uint64_t)(frac * (double)avail), state = dsrv_bytes(h, dc);
@@ -52,12 +63,12 @@ static int plan_memory(cfg *c, const embedding *m, const eagle_head *h, const ds
     char tot[32];
     hostmem_fmt_bytes(total, tot, sizeof tot);
     snprintf(text, cap,
-             "budget = mem-fraction %.3f x available %s = %s\n"
+             "budget = mem-fraction %.3f x %s %s = %s\n"
              "target model (embedding table) = %s\n"
              "head weights = %s\n"
              "draft state = max-seqs %d x max-seq-len %d pairs of head KV, plus scratch = %s\n"
              "total = %s %s budget",
-             frac, b[0], b[1], b[2], b[3], dc->max_keys, dc->max_seq_len, b[4], tot, total <= budget ? "<=" : ">");
+             frac, where, b[0], b[1], b[2], b[3], dc->max_keys, dc->max_seq_len, b[4], tot, total <= budget ? "<=" : ">");
     if (total > budget) {
         uint64_t per_seq = state / (uint64_t)dc->max_keys;
         int64_t fit = per_seq ? (int64_t)((budget > m->bytes + h->weight_bytes
@@ -80,6 +91,7 @@ int main(int argc, char **argv) {
     ae_error err = {{0}};
     cfg *c = NULL;
     embedding m = {0};
+    kn_device dev;
     eagle_head *h = NULL;
     dsrv *d = NULL;
     rpc_loop *loop = NULL;
@@ -100,7 +112,8 @@ int main(int argc, char **argv) {
         err_set(&err, "no model given (use --model FILE)");
         goto out;
     }
-    if (embedding_open(&m, model_path, &kn_backend_cpu, &err) != AE_OK) goto out;
+    /* The head runs where its copy of the target's embedding table is. */
+    if (kn_device_from_cfg(c, &dev, &err) != AE_OK || embedding_open(&m, model_path, dev.be, &err) != AE_OK) goto out;
     if (cfg_is_auto(c, "listen")) {
         char addr[256];
         if (rpc_default_addr(addr, sizeof addr, "aerie-draft.sock", !print_config, &err) != AE_OK) goto out;
@@ -122,7 +135,7 @@ int main(int argc, char **argv) {
     dsrv_config dc = {(int32_t)cfg_int(c, "max-seqs"), (int32_t)cfg_int(c, "max-seq-len"), DSRV_PASS_PAIRS,
                       (int32_t)cfg_int(c, "threads"), act_bits};
     char plan[2048];
-    if (plan_memory(c, &m, h, &dc, plan, sizeof plan, &err) != AE_OK) goto out;
+    if (plan_memory(c, &dev, &m, h, &dc, plan, sizeof plan, &err) != AE_OK) goto out;
     if (print_config) {
         svc_print_config(c);
         rc = 0;

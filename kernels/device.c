@@ -7,6 +7,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../services/core/config.h"
+#include "../services/core/log.h"
+
 #define PLUGIN_NAME "libaerie-cuda.so"
 
 int kn_device_plugin_path(char *out, size_t n, ae_error *err) {
@@ -104,5 +107,19 @@ int kn_device_open(const char *spec, kn_device *out, ae_error *err) {
     out->kind = KN_DEVICE_CPU;
     out->be = &kn_backend_cpu;
     snprintf(out->name, sizeof out->name, "cpu");
+    return AE_OK;
+}
+
+int kn_device_from_cfg(struct cfg *c, kn_device *out, ae_error *err) {
+    if (kn_device_open(cfg_str(c, "device"), out, err) != AE_OK) return AE_ERR;
+    if (cfg_is_auto(c, "device")) {
+        cfg_set_auto_str(c, "device", out->name);
+        LOG_INFOF("device %s (auto: %s)", out->name, out->why);
+    }
+    if (out->kind == KN_DEVICE_CUDA)
+        LOG_INFOF("device %s: %s, compute capability %d.%d, %llu MiB of %llu MiB free, driver %d, runtime %d",
+                  out->name, out->info.name, out->info.cc_major, out->info.cc_minor,
+                  (unsigned long long)(out->info.free_bytes >> 20), (unsigned long long)(out->info.total_bytes >> 20),
+                  out->info.driver_version, out->info.runtime_version);
     return AE_OK;
 }

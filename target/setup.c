@@ -16,17 +16,7 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
     if (svc_config_load(c, service, opts, n, argc, argv, print_config, help, err) != AE_OK) return AE_ERR;
     if (*help) return AE_OK;
     if (cfg_is_auto(*c, "threads")) cfg_set_auto_int(*c, "threads", pool_cpu_count());
-    if (kn_device_open(cfg_str(*c, "device"), &g_device, err) != AE_OK) return AE_ERR;
-    if (cfg_is_auto(*c, "device")) {
-        cfg_set_auto_str(*c, "device", g_device.name);
-        LOG_INFOF("device %s (auto: %s)", g_device.name, g_device.why);
-    }
-    if (g_device.kind == KN_DEVICE_CUDA)
-        LOG_INFOF("device %s: %s, compute capability %d.%d, %llu MiB of %llu MiB free, driver %d, runtime %d",
-                  g_device.name, g_device.info.name, g_device.info.cc_major, g_device.info.cc_minor,
-                  (unsigned long long)(g_device.info.free_bytes >> 20),
-                  (unsigned long long)(g_device.info.total_bytes >> 20), g_device.info.driver_version,
-                  g_device.info.runtime_version);
+    if (kn_device_from_cfg(*c, &g_device, err) != AE_OK) return AE_ERR;
     const char *path = cfg_str(*c, "model");
     if (!path) return err_set(err, "no model given (use --model FILE)");
     return model_load(m, path, g_device.be, err);

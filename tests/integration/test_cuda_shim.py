@@ -1,5 +1,9 @@
 """The services and aerie bench on --device cuda, on a machine with no GPU.
 
+The draft service runs its head on --device cuda the same way: the head,
+its copy of the target's embedding table and its KV in the backend's
+buffers, features uploaded and draft probabilities downloaded.
+
 build/shim/libaerie-cuda.so is the CUDA plugin's sources built against the
 CPU stand-in for CUDA (kernels/cuda/shim), so `--device cuda` takes the
 path it takes on a GPU: the plugin opened with dlopen, the model copied
@@ -19,6 +23,8 @@ from conftest import ROOT, run_aerie
 
 SHIM = ROOT / "build" / "shim" / "libaerie-cuda.so"
 TARGET = ROOT / "build" / "aerie-target"
+DRAFT = ROOT / "build" / "aerie-draft"
+EAGLE = ROOT / "tests" / "golden" / "eagle" / "tiny"  # a 6-layer target of vocabulary 32 and its head
 PROMPTS = [[1, 17, 300, 42, 9, 250], [5, 5, 480, 3]]
 MAX_TOKENS = 8
 
@@ -98,3 +104,94 @@ def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):
     assert out["bandwidth_mib"] == 16
     assert out["bandwidth_gb_per_s"] > 0 and out["decode_tok_per_s"] > 0
     assert out["weight_bytes_per_step"] == 4619520
+
+
+def start(binary, args, tag, tmp_path, env=None):
+    log = open(tmp_path / f"{tag}.log", "w")
+    p = subprocess.Popen([str(binary), *map(str, args)], stdout=log, stderr=subprocess.STDOUT,
+                         env=env or env_with_shim(), cwd=ROOT)
+    return p, log
+
+
+def stop(p, log):
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 0
+    log.close()
+
+
+def generate(addr, prompts, n):
+    c = rpc.Conn(addr)
+    try:
+        ids = [rpc.start_generate(c, prompt, n, ignore_eos=True) for prompt in prompts]
+        streams = rpc.collect(c, ids)
+    finally:
+        c.close()
+    for cid in ids:
+        assert streams[cid].status == "OK", streams[cid].error
+    return [streams[cid] for cid in ids]
+
+
+def default_layer_head(tmp_path):
+    """The tiny head, reading the layers the target service captures (its
+    defaults) rather than the ones it was made for: its trees are then
+    poor, but every one is drafted on the device and verified."""
+    head = tmp_path / "head"
+    head.mkdir()
+    cfg = json.loads((EAGLE / "head" / "config.json").read_text())
+    del cfg["eagle_config"]
+    (head / "config.json").write_text(json.dumps(cfg))
+    (head / "model.safetensors").symlink_to(EAGLE / "head" / "model.safetensors")
+    return head
+
+
+def test_draft_on_the_cuda_backend_drafts_for_a_cpu_target_and_output_is_plain(tmp_path):
+    model = EAGLE / "target.gguf"
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [27, 18, 28, 18, 28]]
+    n = 12
+    common = ["--model", model, "--max-batch", "4", "--max-seq-len", "64", "--threads", "2", "--log-interval-s", "0",
+              "--device", "cpu"]
+    plain_addr = f"unix:{tmp_path}/plain.sock"
+    p, log = start(TARGET, common + ["--listen", plain_addr, "--draft-addr", "none"], "plain", tmp_path)
+    try:
+        rpc.wait_for_socket(plain_addr, p)
+        want = [s.tokens for s in generate(plain_addr, prompts, n)]
+    finally:
+        stop(p, log)
+    assert all(len(t) == n for t in want)
+
+    draft_addr, target_addr = f"unix:{tmp_path}/draft.sock", f"unix:{tmp_path}/target.sock"
+    d, dlog = start(DRAFT, ["--model", model, "--draft", default_layer_head(tmp_path), "--device", "cuda", "--listen", draft_addr,
+                            "--max-seqs", "64", "--max-seq-len", "128", "--threads", "2"], "draft", tmp_path)
+    try:
+        rpc.wait_for_socket(draft_addr, d)
+        t, tlog = start(TARGET, common + ["--listen", target_addr, "--draft-addr", draft_addr, "--no-spec-adaptive",
+                                          "--draft-deadline-ms", "60000"], "target", tmp_path)
+        try:
+            rpc.wait_for_socket(target_addr, t)
+            streams = generate(target_addr, prompts, n)
+            stats = rpc.info(target_addr)[1]
+        finally:
+            stop(t, tlog)
+    finally:
+        stop(d, dlog)
+    assert [s.tokens for s in streams] == want
+    steps = sum(s.events[-1].spec.steps for s in streams)
+    assert steps > 0, "no drafted tree was verified"
+    assert stats["draft"]["failures"] == 0 and stats["spec"]["bad_trees"] == 0
+    text = (tmp_path / "draft.log").read_text()
+    assert "device cuda:0: cuda shim (CPU), compute capability 0.0, 4096 MiB of 4096 MiB free" in text
+    assert "memplan budget = mem-fraction 0.750 x free on cuda:0 at start 4 GiB = 3 GiB" in text
+
+
+def test_an_impossible_draft_plan_on_the_gpu_exits_2_with_the_arithmetic():
+    env = env_with_shim()
+    env["AERIE_SHIM_GPU_MIB"] = "2"
+    out = subprocess.run([str(DRAFT), "--model", str(EAGLE / "target.gguf"), "--draft", str(EAGLE / "head"),
+                          "--device", "cuda", "--max-seqs", "4096", "--max-seq-len", "4096"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("aerie-draft: memory plan does not fit: budget = mem-fraction ")
+    assert "x free on cuda:0 at start 2 MiB" in line
+    assert line.endswith("Lower --max-seqs (about 0 fit) or --max-seq-len, or raise --mem-fraction")
