@@ -10,6 +10,7 @@
 
 #include "../services/core/log.h"
 #include "../services/core/watchdog.h"
+#include "../services/model/quant.h"
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
 
@@ -47,6 +48,8 @@ struct dsrv {
     int32_t feed_of[DSRV_MAX_SEQS]; /* -1: state gone */
     int32_t fork_src[DSRV_MAX_SEQS]; /* a fork's source slot, -1: not a fork (or its source is gone) */
     uint8_t *out;                   /* [DSRV_REPLY_CAP] */
+    float *feat32;    /* f16 features of the call as f32, grown to the largest call */
+    size_t feat32_cap; /* floats */
     /* the worker */
     pthread_t worker;
     pthread_mutex_t mu; /* queue, stopping, draining, stats, info */
@@ -100,6 +103,28 @@ static int32_t slot_take(dsrv *d, uint64_t client, uint32_t seq, const bool *tak
     return k;
 }
 
+/* The f16 features of feeds[0..n) as f32 in d->feat32; each feed then
+ * points there. */
+static int widen_features(dsrv *d, int32_t n, ae_error *err) {
+    size_t need = 0;
+    for (int32_t i = 0; i < n; i++) need += (size_t)d->feeds[i].n * (size_t)d->fw;
+    if (need > d->feat32_cap) {
+        float *p = realloc(d->feat32, need * sizeof *p);
+        if (!p) return err_set(err, "no memory for the call's %zu features as f32", need);
+        d->feat32 = p;
+        d->feat32_cap = need;
+    }
+    float *o = d->feat32;
+    for (int32_t i = 0; i < n; i++) {
+        const uint8_t *h = (const uint8_t *)d->feeds[i].features; /* the payload: may be unaligned */
+        size_t m = (size_t)d->feeds[i].n * (size_t)d->fw;
+        for (size_t j = 0; j < m; j++) o[j] = quant_f16_to_f32((uint16_t)(h[2 * j] | h[2 * j + 1] << 8));
+        d->feeds[i].features = o;
+        o += m;
+    }
+    return AE_OK;
+}
+
 uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *payload, uint32_t payload_len,
                       uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *err) {
     aerie_ProposeRequest *rq = &d->req;
@@ -126,6 +151,12 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
                 want[2]);
         return RPC_FAILED_PRECONDITION;
     }
+    bool f16 = rq->feature_type == aerie_FeatureType_FEATURES_F16;
+    if (!f16 && rq->feature_type != aerie_FeatureType_FEATURES_F32) {
+        err_set(err, "feature type %d: expected FEATURES_F32 (0) or FEATURES_F16 (1)", (int)rq->feature_type);
+        return RPC_INVALID_ARGUMENT;
+    }
+    const size_t feat_bytes = (f16 ? sizeof(uint16_t) : sizeof(float)) * (size_t)d->fw;
     int32_t n = (int32_t)rq->seqs_count;
     /* Validate everything before any state changes. */
     for (int32_t i = 0; i < n; i++) {
@@ -150,8 +181,8 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
         const void *tok, *feat;
         if (frame_payload_slice(payload, payload_len, s->tokens.offset, s->tokens.length, sizeof(int32_t), s->pairs,
                                 &tok, err) != AE_OK ||
-            frame_payload_slice(payload, payload_len, s->features.offset, s->features.length,
-                                sizeof(float) * (size_t)d->fw, s->pairs, &feat, err) != AE_OK) {
+            frame_payload_slice(payload, payload_len, s->features.offset, s->features.length, feat_bytes,
+                                s->pairs, &feat, err) != AE_OK) {
             err_prefix(err, "sequence %u: ", s->seq);
             return RPC_INVALID_ARGUMENT;
         }
@@ -164,6 +195,7 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
             }
         d->feeds[i] = (drafter_feed){-1, s->reset, (int32_t)s->start, (int32_t)s->pairs, t, feat, s->want_tree, -1};
     }
+    if (f16 && widen_features(d, n, err) != AE_OK) return RPC_RESOURCE_EXHAUSTED;
     /* Map sequences to slots: known ones first (so that a new one never
      * evicts a sequence of this very call), then the ones starting over. */
     bool *mark = d->in_call;
@@ -398,6 +430,7 @@ void dsrv_free(dsrv *d) {
     free(d->slots);
     free(d->in_call);
     free(d->out);
+    free(d->feat32);
     free(d->config_json);
     free(d->memory_plan);
     pthread_mutex_destroy(&d->mu);

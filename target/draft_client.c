@@ -10,6 +10,7 @@
 
 #include "../services/core/clock.h"
 #include "../services/core/log.h"
+#include "../services/model/quant.h"
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
 
@@ -26,6 +27,8 @@ struct dcli {
     aerie_ProposeReply rep;
     uint8_t msg[aerie_ProposeRequest_size];
     rpc_iov iov[2 * DCLI_MAX_SEQS];
+    uint16_t *half;  /* the call's features as f16, grown to the largest call */
+    size_t half_cap; /* elements */
     rpc_reply reply;
     pthread_mutex_t mu; /* stats */
     dcli_stats stats;
@@ -36,6 +39,30 @@ static void count(dcli *d, uint64_t *field) {
     d->stats.failures++;
     (*field)++;
     pthread_mutex_unlock(&d->mu);
+}
+
+/* f16 of x, saturated: the draft reads a feature beyond f16's range as
+ * its largest rather than inf (its output changes speed, not tokens). */
+static uint16_t feature_f16(float x) {
+    if (x > 65504.0f) x = 65504.0f;
+    else if (x < -65504.0f) x = -65504.0f;
+    return quant_f32_to_f16(x);
+}
+
+/* feeds' features as f16 in d->half, one run per feed, in order. */
+static int features_f16(dcli *d, const spec_feed *feeds, int32_t n, ae_error *err) {
+    size_t need = 0, fw = (size_t)d->cfg.feature_width;
+    for (int32_t i = 0; i < n; i++) need += (size_t)feeds[i].n * fw;
+    if (need > d->half_cap) {
+        uint16_t *p = realloc(d->half, need * sizeof *p);
+        if (!p) return err_set(err, "out of memory for %zu features of a Propose", need);
+        d->half = p;
+        d->half_cap = need;
+    }
+    uint16_t *o = d->half;
+    for (int32_t i = 0; i < n; i++)
+        for (size_t j = 0, m = (size_t)feeds[i].n * fw; j < m; j++) *o++ = feature_f16(feeds[i].features[j]);
+    return AE_OK;
 }
 
 /* One call for feeds[0..n), n <= DCLI_MAX_SEQS. */
@@ -50,16 +77,21 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
     rq->capture_layers_count = LLAMA_MAX_CAPTURE;
     for (int32_t i = 0; i < LLAMA_MAX_CAPTURE; i++) rq->capture_layers[i] = (uint32_t)d->cfg.capture[i];
     rq->seqs_count = (pb_size_t)n;
+    rq->feature_type = aerie_FeatureType_FEATURES_F16;
+    if (features_f16(d, feeds, n, err) != AE_OK) return AE_ERR;
+    const uint16_t *half = d->half;
     uint64_t off = 0;
     int n_iov = 0;
     for (int32_t i = 0; i < n; i++) {
         const spec_feed *f = &feeds[i];
-        uint32_t tl = (uint32_t)f->n * 4, fl = (uint32_t)((size_t)f->n * (size_t)d->cfg.feature_width * 4);
+        size_t nf = (size_t)f->n * (size_t)d->cfg.feature_width;
+        uint32_t tl = (uint32_t)f->n * 4, fl = (uint32_t)(nf * sizeof *half);
         rq->seqs[i] = (aerie_DraftSeq){(uint32_t)f->seq, f->reset, (uint32_t)f->start, (uint32_t)f->n,
                                        true, {(uint32_t)off, tl}, true, {(uint32_t)(off + tl), fl}, f->want_tree,
                                        f->fork, f->fork ? (uint32_t)f->fork_of : 0};
         d->iov[n_iov++] = (rpc_iov){f->tokens, tl};
-        d->iov[n_iov++] = (rpc_iov){f->features, fl};
+        d->iov[n_iov++] = (rpc_iov){half, fl};
+        half += nf;
         off += (uint64_t)tl + fl;
     }
     uint32_t len;
@@ -173,6 +205,7 @@ void dcli_close(dcli *d) {
     if (!d) return;
     rpc_client_close(d->rpc);
     rpc_reply_free(&d->reply);
+    free(d->half);
     pthread_mutex_destroy(&d->mu);
     free(d);
 }

@@ -30,7 +30,7 @@
 
 #define FRAME_MAGIC 0x46524541u /* "AERF" read little-endian */
 #define FRAME_HEADER 32
-#define FRAME_VERSION 2          /* aerie.proto CONTRACT_VERSION */
+#define FRAME_VERSION 3          /* aerie.proto CONTRACT_VERSION */
 #define FRAME_MAX_ERROR 1024     /* bytes of error text in a failed reply */
 
 typedef enum frame_kind {

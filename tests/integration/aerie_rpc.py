@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 MAGIC = 0x46524541
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<IBBHIIIII I".replace(" ", ""))
 REQUEST, REPLY, ITEM, END, CANCEL, PING, PONG = range(1, 8)
 STATUS = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",

@@ -293,8 +293,8 @@ def test_bad_frames_and_messages_get_errors_and_the_target_keeps_serving(service
     ids = reference(model, PROMPTS[0])[0]
     msg, payload = rpc.generate_request(ids, 4)
     # Frames that break the stream: refused, then that connection closes.
-    expect_refusal(a, rpc.frame(rpc.REQUEST, gen, 1, msg, payload, version=3), "FAILED_PRECONDITION",
-                   "the peer speaks contract version 3, this service speaks version 2")
+    expect_refusal(a, rpc.frame(rpc.REQUEST, gen, 1, msg, payload, version=4), "FAILED_PRECONDITION",
+                   "the peer speaks contract version 4, this service speaks version 3")
     big = rpc.HEADER.pack(rpc.MAGIC, rpc.VERSION, rpc.REQUEST, gen, 1, 0, 0, 0, 65 << 20, 0)
     expect_refusal(a, big, "RESOURCE_EXHAUSTED", "over the limit of 67108864 bytes")
     for junk in (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 20, rpc.frame(9, gen, 1)):
@@ -332,15 +332,17 @@ def test_bad_frames_and_messages_get_errors_and_the_target_keeps_serving(service
     assert "rpc_bad_frame" in log
 
 
-def propose_request(seqs, shape=(5, 4, 8), fw=3 * 576, layers=(2, 15, 27), client=7):
-    """seqs: [(seq, reset, start, tokens, features bytes or None)]."""
+def propose_request(seqs, shape=(5, 4, 8), fw=3 * 576, layers=(2, 15, 27), client=7, ftype=0, value=0.01):
+    """seqs: [(seq, reset, start, tokens, features bytes or None)]; None:
+    every feature `value`, as f32 (ftype 0) or f16 (ftype 1)."""
     p = rpc.pb2()
-    req = p.ProposeRequest(client=client, feature_width=fw, capture_layers=list(layers))
+    req = p.ProposeRequest(client=client, feature_width=fw, capture_layers=list(layers), feature_type=ftype)
     req.shape.steps, req.shape.topk, req.shape.tokens = shape
     payload = b""
     for seq, reset, start, toks, feats in seqs:
         tb = struct.pack(f"<{len(toks)}i", *toks)
-        fb = feats if feats is not None else struct.pack(f"<{len(toks) * fw}f", *([0.01] * (len(toks) * fw)))
+        n = len(toks) * fw
+        fb = feats if feats is not None else struct.pack(f"<{n}{'e' if ftype == 1 else 'f'}", *([value] * n))
         s = req.seqs.add(seq=seq, reset=reset, start=start, pairs=len(toks), want_tree=True)
         s.tokens.offset, s.tokens.length = len(payload), len(tb)
         s.features.offset, s.features.length = len(payload) + len(tb), len(fb)
@@ -369,7 +371,19 @@ def test_draft_answers_bad_proposals_with_errors_and_keeps_state_per_client(serv
     r = p.ProposeReply.FromString(c.unary(prop, m, pl)[1])
     assert [t.status for t in r.trees] == [p.SEQ_OK, p.SEQ_STATE_GONE]
     assert r.trees[0].tokens[0] == 8
+    # Features in f16 (as the target sends them) draft what the same values
+    # in f32 draft.
+    trees = []
+    for client, ftype in ((20, 0), (21, 1)):
+        m, pl = propose_request([(0, True, 0, [5, 6, 7], None)], client=client, ftype=ftype, value=0.375)
+        r = p.ProposeReply.FromString(c.unary(prop, m, pl)[1])
+        assert r.trees[0].status == p.SEQ_OK and len(r.trees[0].tokens) == 8
+        trees.append((list(r.trees[0].tokens), list(r.trees[0].parents), list(r.trees[0].probs)))
+    assert trees[0] == trees[1]
+    f32_len = struct.pack(f"<{3 * 576}f", *([0.5] * 3 * 576))
     bad = [
+        (propose_request([(0, True, 0, [5], None)], ftype=7), "INVALID_ARGUMENT", "feature type 7: expected"),
+        (propose_request([(0, True, 0, [5], f32_len)], ftype=1), "INVALID_ARGUMENT", "payload reference"),
         (propose_request([(0, True, 0, [49152], None)]), "INVALID_ARGUMENT", "not in the vocabulary"),
         (propose_request([(0, True, 0, [5], None)], fw=100), "FAILED_PRECONDITION", "features of width 100"),
         (propose_request([(0, True, 0, [5], None)], layers=(1, 2, 3)), "FAILED_PRECONDITION", "other target layers"),
@@ -385,7 +399,7 @@ def test_draft_answers_bad_proposals_with_errors_and_keeps_state_per_client(serv
     st, reply = c.unary(rpc.p_method("DRAFT_HEALTH"), b"")
     assert st == "OK" and p.HealthReply.FromString(reply).serving
     r, stats, cfg = rpc.info(draft.addr, "DRAFT_INFO")
-    assert r.service == "aerie-draft" and r.contract_version == 2
+    assert r.service == "aerie-draft" and r.contract_version == 3
     assert cfg["max-seqs"] == {"value": 64, "source": "flag"}
     assert stats["errors"] == len(bad) and stats["state_gone"] == 2
     c.close()

@@ -332,7 +332,7 @@ static void test_untrusted_frames_close_only_their_connection(void **state) {
     frame_encode_header(&h, fr);
     fr[4] = FRAME_VERSION + 1;
     refused_with(f, fr, sizeof fr, RPC_FAILED_PRECONDITION,
-                 "the peer speaks contract version 3, this service speaks version 2");
+                 "the peer speaks contract version 4, this service speaks version 3");
     h = (frame_header){FRAME_VERSION, FRAME_REQUEST, M_ECHO, 8, 0, 0, 1 << 19, (1 << 19) + 1};
     frame_encode_header(&h, fr);
     refused_with(f, fr, sizeof fr, RPC_RESOURCE_EXHAUSTED, "frame of 1048577 bytes is over the limit of 1048576 bytes");
