@@ -170,15 +170,10 @@ static int32_t race(const int32_t *ids, const float *w, int32_t n, const sample_
 bool sample_is_greedy(const sample_params *p) { return !(p->temperature > 0.0f); }
 
 int32_t sample_greedy(const float *logits, int32_t vocab) {
-    int32_t best = 0;
-    float bv = -INFINITY;
-    for (int32_t i = 0; i < vocab; i++) {
-        if (logits[i] > bv) {
-            bv = logits[i];
-            best = i;
-        }
-    }
-    return best;
+    int32_t best = -1;
+    for (int32_t i = 0; i < vocab; i++)
+        if (logits[i] == logits[i] && (best < 0 || logits[i] > logits[best])) best = i;
+    return best < 0 ? 0 : best;
 }
 
 float sample_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t k, sample_logprob *top) {

@@ -71,7 +71,10 @@ float sample_rng_exp(const sample_rng *rng, int32_t pos, int32_t id);
 /* True when p selects greedy decoding (temperature <= 0). */
 bool sample_is_greedy(const sample_params *p);
 
-/* argmax of logits f32 [vocab]; lowest id among equal maxima; NaN never wins. */
+/* argmax of logits f32 [vocab]; lowest id among equal maxima; NaN never
+ * wins (a row of NaN: 0). The same pick as kn_argmax, which greedy steps
+ * run on the device instead (eng_step_argmax): an all -inf row picks 0,
+ * [NaN, -inf, -inf] picks 1. */
 int32_t sample_greedy(const float *logits, int32_t vocab);
 
 /* OpenAI logprobs (issue 18 builds on this). */

@@ -76,7 +76,7 @@ double spec_stats_accept_len(const spec_stats *st) {
 size_t spec_bytes(const model *m, const spec_config *c) {
     size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, S = (size_t)c->max_seqs, T = (size_t)c->max_batch_tokens;
     return S * (sizeof(seq_state) + sizeof(spec_feed) + sizeof(int32_t) + sizeof(spec_tree) + sizeof(eng_item)) +
-           S * ENG_MAX_TREE * fw * sizeof(float) + T * sizeof(int32_t);
+           S * ENG_MAX_TREE * fw * sizeof(float) + 2 * T * sizeof(int32_t);
 }
 
 void spec_free(spec *s) {

@@ -13,7 +13,7 @@
 
 #include <cmocka.h>
 
-#include "../../kernels/kernels.h"
+#include "../../kernels/backend.h"
 #include "../../target/sample.h"
 #include "../chisq.h"
 
@@ -40,6 +40,16 @@ static void test_greedy_takes_argmax_lowest_id_on_ties(void **state) {
     assert_int_equal(sample_greedy(logits, 5), 1);
     const float nan_first[] = {NAN, -1.0f, -0.5f};
     assert_int_equal(sample_greedy(nan_first, 3), 2);
+    /* kn_argmax's picks (eng_step_argmax runs it instead): -inf is a
+     * value, NaN never is, and a row of NaN picks 0. */
+    const float nan_then_ninf[] = {NAN, -INFINITY, -INFINITY}, all_nan[] = {NAN, NAN}, ninf[] = {-INFINITY, -INFINITY};
+    assert_int_equal(sample_greedy(nan_then_ninf, 3), 1);
+    assert_int_equal(sample_greedy(all_nan, 2), 0);
+    assert_int_equal(sample_greedy(ninf, 2), 0);
+    int32_t ids[3];
+    const float rows[3][3] = {{NAN, -INFINITY, -INFINITY}, {NAN, NAN, NAN}, {1.0f, 3.0f, 3.0f}};
+    kn_backend_cpu.argmax(NULL, &rows[0][0], ids, 3, 3); /* the CPU backend's, which needs no stream */
+    for (int r = 0; r < 3; r++) assert_int_equal(ids[r], sample_greedy(rows[r], 3));
 }
 
 static void test_temperature_zero_is_greedy(void **state) {
