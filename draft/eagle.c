@@ -412,8 +412,10 @@ void eagle_forward(const eagle_head *hd, kn_stream *s, const kn_kv_pool *kv, eag
     kn_add(s, b->hidden, ws->proj, b->hidden, (int64_t)T * H);
 
     if (b->n_logits == 0) return;
-    /* logit_rows are the backend's to read (a device's memory): in range
-     * by the caller's construction. */
+    /* On a device the rows are not the host's to read: in range by the
+     * caller's construction, checked here where they can be. */
+    if (kn_backend_host_memory(hd->be))
+        for (int32_t r = 0; r < b->n_logits; r++) AE_ASSERT(b->logit_rows[r] >= 0 && b->logit_rows[r] < T);
     kn_gather_rows(s, b->hidden, b->logit_rows, b->n_logits, H, ws->out_x, H);
     kn_rmsnorm(s, ws->out_x, hd->out_norm, ws->out_x, b->n_logits, H, c->rms_eps);
     kn_matmul(s, &hd->lm_head, ws->out_x, b->logits, b->n_logits);

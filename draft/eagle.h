@@ -149,8 +149,9 @@ size_t eagle_ws_bytes(const eagle_head *h, int32_t max_tokens);
 size_t eagle_stream_workspace(const eagle_head *h, int32_t max_tokens, int32_t max_keys);
 
 /* Every array of b is in the memory of h->be, like ws and kv, and is not
- * read on the host: its contents (ids, positions, rows in range) are the
- * caller's to check; sizes are asserted here. */
+ * read on the host unless that memory is the host's: its contents (ids,
+ * positions, rows in range) are the caller's to check; sizes are asserted
+ * here, and logit rows too on a host-memory backend. */
 void eagle_forward(const eagle_head *h, kn_stream *s, const kn_kv_pool *kv, eagle_ws *ws, const eagle_batch *b);
 
 #endif

@@ -69,6 +69,13 @@ static int plan_memory(cfg *c, const kn_device *dev, const embedding *m, const e
              "draft state = max-seqs %d x max-seq-len %d pairs of head KV, plus scratch = %s\n"
              "total = %s %s budget",
              frac, where, b[0], b[1], b[2], b[3], dc->max_keys, dc->max_seq_len, b[4], tot, total <= budget ? "<=" : ">");
+    uint64_t host = dsrv_host_bytes(h, dc);
+    if (host && strlen(text) + 96 < cap) {
+        char hb[32];
+        hostmem_fmt_bytes(host, hb, sizeof hb);
+        snprintf(text + strlen(text), cap - strlen(text), "\nhost memory besides = %s (draft probabilities, pass arrays)",
+                 hb);
+    }
     if (total > budget) {
         uint64_t per_seq = state / (uint64_t)dc->max_keys;
         int64_t fit = per_seq ? (int64_t)((budget > m->bytes + h->weight_bytes

@@ -70,10 +70,19 @@ static int64_t mono_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* The server's own memory, always the host's. */
+static size_t own_bytes(const dsrv_config *cfg) {
+    return (size_t)cfg->max_keys * (sizeof(slot) + sizeof(bool)) + sizeof(dsrv) + DSRV_REPLY_CAP;
+}
+
 size_t dsrv_bytes(const eagle_head *h, const dsrv_config *cfg) {
     drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL, cfg->act_bits};
-    return drafter_bytes(h, &dc) + (size_t)cfg->max_keys * (sizeof(slot) + sizeof(bool)) + sizeof(dsrv) +
-           DSRV_REPLY_CAP;
+    return drafter_bytes(h, &dc) + (kn_backend_host_memory(h->be) ? own_bytes(cfg) : 0);
+}
+
+size_t dsrv_host_bytes(const eagle_head *h, const dsrv_config *cfg) {
+    drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL, cfg->act_bits};
+    return kn_backend_host_memory(h->be) ? 0 : drafter_host_bytes(h, &dc) + own_bytes(cfg);
 }
 
 /* The slot of (client, seq), or -1. */

@@ -77,9 +77,15 @@ void dsrv_drain(dsrv *d);
 
 dsrv_stats dsrv_get_stats(dsrv *d);
 
-/* Bytes the service takes beyond the head's weights: the drafter and its
- * message buffers. */
+/* Bytes the service takes beyond the head's weights, in the memory of the
+ * head's backend: the drafter, and on a host-memory backend its message
+ * buffers too. */
 size_t dsrv_bytes(const eagle_head *h, const dsrv_config *cfg);
+/* What it takes in host memory besides, when the head is on a device (0
+ * on a host-memory backend, where dsrv_bytes counts it). Features sent as
+ * f16 are widened into a buffer that grows to the largest call, up to
+ * twice --max-frame-mib, not counted here. */
+size_t dsrv_host_bytes(const eagle_head *h, const dsrv_config *cfg);
 
 /* One Propose, without the link: decodes msg/payload, runs the drafter,
  * encodes the reply into out[cap]. Returns the status; on an error, errtext

@@ -182,6 +182,7 @@ def test_draft_on_the_cuda_backend_drafts_for_a_cpu_target_and_output_is_plain(t
     text = (tmp_path / "draft.log").read_text()
     assert "device cuda:0: cuda shim (CPU), compute capability 0.0, 4096 MiB of 4096 MiB free" in text
     assert "memplan budget = mem-fraction 0.750 x free on cuda:0 at start 4 GiB = 3 GiB" in text
+    assert "memplan host memory besides = " in text  # the probabilities it downloads, outside the GPU budget
 
 
 def test_an_impossible_draft_plan_on_the_gpu_exits_2_with_the_arithmetic():
