@@ -26,7 +26,7 @@ struct dcli {
     aerie_ProposeRequest req;
     aerie_ProposeReply rep;
     uint8_t msg[aerie_ProposeRequest_size];
-    rpc_iov iov[2 * DCLI_MAX_SEQS];
+    rpc_iov iov[3 * DCLI_MAX_SEQS];
     uint16_t *half;  /* the call's features as f16, grown to the largest call */
     size_t half_cap; /* elements */
     rpc_reply reply;
@@ -93,6 +93,11 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
         d->iov[n_iov++] = (rpc_iov){half, fl};
         half += nf;
         off += (uint64_t)tl + fl;
+        if (fl % 4) { /* an odd count of f16: the next run's int32 tokens stay 4-byte aligned */
+            static const uint16_t pad = 0;
+            d->iov[n_iov++] = (rpc_iov){&pad, sizeof pad};
+            off += sizeof pad;
+        }
     }
     uint32_t len;
     if (msg_encode(aerie_ProposeRequest_fields, rq, d->msg, sizeof d->msg, &len, err) != AE_OK) return AE_ERR;

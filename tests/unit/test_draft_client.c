@@ -1,7 +1,10 @@
 /* The target's draft client against a fake draft on a Unix socket: a
  * finished sequence's Release is sent without waiting for the draft's
  * answer (the scheduler thread calls it between steps, so a slow draft
- * must not stall every stream), and it still arrives. */
+ * must not stall every stream), and it still arrives; and Propose sends
+ * features as f16, saturated to f16's range, each run padded so that the
+ * next sequence's int32 tokens stay aligned. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,6 +18,7 @@
 
 #include <cmocka.h>
 
+#include "../../services/model/quant.h"
 #include "../../services/rpc/msg.h"
 #include "../../target/draft_client.h"
 #include "aerie.pb.h"
@@ -23,6 +27,10 @@
 #define N_RELEASES 4
 
 typedef struct fake_draft {
+    /* the last Propose, as the fake saw it */
+    int32_t feature_type, n_props, tok_off[4], feat_len[4];
+    int32_t toks[8];
+    float feats[32];
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int32_t seqs[16]; /* the sequences Release named, in arrival order */
@@ -46,8 +54,48 @@ static void *slow_release(void *arg) {
     return NULL;
 }
 
+/* Records a Propose's features (widened) and tokens, and answers every
+ * sequence with a root-only tree. */
+static void fake_propose(fake_draft *f, rpc_call *call, const rpc_request *req) {
+    static aerie_ProposeRequest r;
+    static aerie_ProposeReply rep;
+    if (msg_decode(aerie_ProposeRequest_fields, &r, req->msg, req->msg_len, NULL) != AE_OK) {
+        rpc_call_fail(call, RPC_INVALID_ARGUMENT, "bad Propose");
+        return;
+    }
+    f->feature_type = (int32_t)r.feature_type;
+    f->n_props = (int32_t)r.seqs_count;
+    int nt = 0, nf = 0;
+    memset(&rep, 0, sizeof rep);
+    for (pb_size_t i = 0; i < r.seqs_count && i < 4; i++) {
+        const aerie_DraftSeq *q = &r.seqs[i];
+        f->tok_off[i] = (int32_t)q->tokens.offset;
+        f->feat_len[i] = (int32_t)q->features.length;
+        for (uint32_t j = 0; j < q->pairs && nt < 8; j++)
+            memcpy(&f->toks[nt++], req->payload + q->tokens.offset + 4 * j, 4);
+        for (uint32_t j = 0; j < q->features.length / 2 && nf < 32; j++) {
+            uint16_t h;
+            memcpy(&h, req->payload + q->features.offset + 2 * j, 2);
+            f->feats[nf++] = quant_f16_to_f32(h);
+        }
+        rep.trees[i] = (aerie_DraftTree){aerie_SeqStatus_SEQ_OK, 1, {f->toks[nt - 1]}, 1, {-1}, 1, {1.0f}};
+    }
+    rep.trees_count = r.seqs_count;
+    uint8_t out[aerie_ProposeReply_size];
+    uint32_t len;
+    if (msg_encode(aerie_ProposeReply_fields, &rep, out, sizeof out, &len, NULL) != AE_OK) {
+        rpc_call_fail(call, RPC_INTERNAL, "encode");
+        return;
+    }
+    rpc_call_finish(call, RPC_OK, out, len, NULL, 0);
+}
+
 static void fake_handle(void *ctx, rpc_call *call, const rpc_request *req) {
     fake_draft *f = ctx;
+    if (req->method == aerie_Method_DRAFT_PROPOSE) {
+        fake_propose(f, call, req);
+        return;
+    }
     if (req->method != aerie_Method_DRAFT_RELEASE) {
         rpc_call_fail(call, RPC_UNIMPLEMENTED, "the fake draft answers Release only");
         return;
@@ -67,7 +115,7 @@ static void fake_handle(void *ctx, rpc_call *call, const rpc_request *req) {
     if (!spawned) rpc_call_fail(call, RPC_RESOURCE_EXHAUSTED, "the fake draft is busy");
 }
 
-static void test_release_does_not_wait_for_a_slow_draft(void **state) {
+static void test_release_does_not_wait_and_propose_sends_aligned_f16(void **state) {
     (void)state;
     fake_draft f = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     char addr[128];
@@ -105,6 +153,36 @@ static void test_release_does_not_wait_for_a_slow_draft(void **state) {
     assert_true(f.client != 0);
     pthread_mutex_unlock(&f.mu);
 
+    /* Propose: a feature width of 3, odd like no real model's (3 x an
+     * even hidden), so that a run of one pair is 6 bytes of f16 and needs
+     * padding before the next sequence's tokens. */
+    const int32_t t0s[1] = {7}, t1s[2] = {8, 9};
+    const float f0[3] = {0.5f, -2.0f, 1e5f}, f1[6] = {-1e6f, 0.1f, 3.0f, INFINITY, -0.0f, 65504.0f};
+    spec_feed feeds[2] = {{0, true, 0, 1, t0s, f0, true, false, 0}, {1, true, 0, 2, t1s, f1, true, false, 0}};
+    spec_tree trees[2];
+    spec_shape shape = {2, 1, 3};
+    ae_error err = {{0}};
+    dcli_config dc3 = {.addr = addr, .deadline_us = 500000, .feature_width = 3, .vocab = 100};
+    dcli *d3;
+    assert_int_equal(dcli_open(&d3, loop, &dc3, NULL), AE_OK);
+    for (int i = 0; i < 200 && !dcli_connected(d3); i++) usleep(10000);
+    const spec_drafter *dr3 = dcli_drafter(d3);
+    if (dr3->propose(dr3->ctx, feeds, 2, &shape, trees, &err) != AE_OK) fail_msg("%s", err.msg);
+    dcli_close(d3);
+    assert_int_equal(f.feature_type, aerie_FeatureType_FEATURES_F16);
+    assert_int_equal(f.n_props, 2);
+    assert_int_equal(f.feat_len[0], 6);
+    assert_int_equal(f.feat_len[1], 12);
+    assert_int_equal(f.tok_off[1] % 4, 0); /* after 4 + 6 bytes, 2 of padding */
+    assert_int_equal(f.tok_off[1], 12);
+    const int32_t want_toks[3] = {7, 8, 9};
+    assert_memory_equal(f.toks, want_toks, sizeof want_toks);
+    const float want[9] = {0.5f, -2.0f, 65504.0f, -65504.0f, quant_f16_to_f32(quant_f32_to_f16(0.1f)), 3.0f,
+                           65504.0f, -0.0f, 65504.0f};
+    assert_memory_equal(f.feats, want, sizeof want);
+    assert_int_equal(trees[0].n, 1);
+    assert_int_equal(trees[1].tokens[0], 9);
+
     /* Closing with answers still outstanding ends them cleanly. */
     dcli_close(d);
     for (int i = 0; i < f.n_workers; i++) pthread_join(f.workers[i], NULL);
@@ -114,7 +192,7 @@ static void test_release_does_not_wait_for_a_slow_draft(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_release_does_not_wait_for_a_slow_draft),
+        cmocka_unit_test(test_release_does_not_wait_and_propose_sends_aligned_f16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
