@@ -300,9 +300,11 @@ build/tsan/cuda/test_%: tests/cuda_cpu/test_%.c $(TSHIM_OBJ) build/tsan/libaerie
 
 # The same op and model tests for a GPU machine (tests/gpu/run.sh): built
 # here, where the libraries are, with the shared ones they load copied
-# beside them (the GPU machine has none of them and no registry); they
-# open build/libaerie-cuda.so, which run.sh builds there with its nvcc.
-GPU_TEST_BIN := build/gpu/test_cuda_ops build/gpu/test_cuda_model build/gpu/test_cuda_spec build/gpu/aerie
+# beside them (the GPU machine has none of them and no registry), and the
+# CUDA plugin built here (build/gpu/libaerie-cuda.so: nvcc 13 here and
+# there, cudart static), so that no device time goes on building.
+GPU_TEST_BIN := build/gpu/test_cuda_ops build/gpu/test_cuda_model build/gpu/test_cuda_spec build/gpu/aerie \
+    build/gpu/libaerie-cuda.so
 # The shared libraries binary $(1) loads, beside it in lib/, but the C and
 # C++ runtimes (that machine's are newer, and its nvcc-built plugin needs
 # its own libstdc++).
@@ -320,6 +322,10 @@ build/gpu/aerie: build/aerie
 	@mkdir -p $(@D)/lib
 	$(Q)cp $< $@
 	$(Q)$(call copy_libs,$@)
+
+build/gpu/libaerie-cuda.so: $(CUDA_LIB)
+	@mkdir -p $(@D)
+	$(Q)cp $< $@
 
 gpu-tests: $(GPU_TEST_BIN)
 

@@ -36,8 +36,10 @@ for t in "${suites[@]}"; do
     name=$(basename "$(dirname "$(dirname "$t")")")/$(basename "$t")
     name=${name/#build\//release/}   # build/tests/test_x: the release-build model tests
     log=$logdir/${name//\//-}.log
+    t0=$SECONDS
     "$t" >"$log" 2>&1
     rc=$?
+    secs=$((SECONDS - t0))
     # A file may hold several cmocka groups: add up their summaries.
     p=0 f=0
     for k in $(grep -oE '^\[  PASSED  \] [0-9]+' "$log" | grep -oE '[0-9]+$'); do p=$((p + k)); done
@@ -45,9 +47,9 @@ for t in "${suites[@]}"; do
     if [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi   # crashed or sanitizer report
     passed=$((passed + p)) failed=$((failed + f))
     if [ $rc -eq 0 ]; then
-        printf '  %-28s %3d passed\n' "$name" "$p"
+        printf '  %-28s %3d passed %5d s\n' "$name" "$p" "$secs"
     else
-        printf '  %-28s %3d passed, %d FAILED (exit %d) — %s\n' "$name" "$p" "$f" $rc "$log"
+        printf '  %-28s %3d passed, %d FAILED (exit %d, %d s) — %s\n' "$name" "$p" "$f" $rc "$secs" "$log"
         grep -E 'FAILED|ERROR|error|Sanitizer' "$log" | head -n 20 | sed 's/^/      /'
         failures+=("$name")
     fi
@@ -85,7 +87,8 @@ for f in build/fuzz/fuzz_*; do
 done
 
 echo "== integration tests (pytest)"
-python3 -m pytest -q tests/integration 2>&1 | tee "$logdir/pytest.log"
+# The 25 slowest tests are listed at the end: CI has 90 minutes in all.
+python3 -m pytest -q --durations=25 tests/integration 2>&1 | tee "$logdir/pytest.log"
 prc=${PIPESTATUS[0]}
 summary=$(tail -n1 "$logdir/pytest.log")
 p=$(grep -oE '[0-9]+ passed' <<<"$summary" | grep -oE '[0-9]+')

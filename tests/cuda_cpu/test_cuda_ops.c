@@ -221,8 +221,9 @@ static void matmul_every_type_both_precisions(void **state) {
             float *dx = dev(x, (size_t)(m * k) * sizeof(float)), *dy = dev_zero((size_t)(m * n) * sizeof(float));
             for (int bits = 0; bits < (q ? 2 : 1); bits++) {
                 kn_matmul(bits ? cpu8 : cpu15, &w.cpu, x, yc, m);
-                kn_matmul(bits ? cu8 : cu15, &w.cu, dx, dy, m);
-                get(cu15, yg, dy, (size_t)(m * n) * sizeof(float));
+                kn_stream *cu = bits ? cu8 : cu15;
+                kn_matmul(cu, &w.cu, dx, dy, m);
+                get(cu, yg, dy, (size_t)(m * n) * sizeof(float)); /* on the stream that wrote dy */
                 char what[64];
                 snprintf(what, sizeof what, "matmul %s m=%lld bits=%d", quant_type_name(t), (long long)m,
                          bits ? 8 : 15);
