@@ -503,53 +503,119 @@ __global__ void k_qx(const float *x, int64_t k, int lim, void *work) {
 
 #define QW 4 /* weight rows (warps) per block */
 
-/* Weight row blockIdx.x * 4 + warp against x rows blockIdx.y * 8 ..:
- * lane L takes block b = 32g + L of each group g and writes its exact
- * integer sums; lane r then chains row r's terms of the group in block
- * order: acc = fma(isum, d * sx, acc) and, for Q4_1,
- * acc = fma(m, xs, acc). */
+/* Aligned loads (the caller knows the alignment); the shim's through
+ * memcpy, which is what C allows. */
+static KN_HD uint32_t ld32a(const void *p) {
+#ifdef KN_CUDA_SHIM
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#else
+    return *(const uint32_t *)p;
+#endif
+}
+static KN_HD uint32_t ld16a(const void *p) {
+#ifdef KN_CUDA_SHIM
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#else
+    return *(const uint16_t *)p;
+#endif
+}
+static KN_HD int32_t lo16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v & 0xffffu); }
+static KN_HD int32_t hi16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v >> 16); }
+
+/* Weight row blockIdx.x * 4 + warp against x rows blockIdx.y * 8 .., in
+ * groups of 32 blocks. First the exact integer sums, four lanes to a
+ * block: lane L takes quarter L % 4 of blocks g + L / 4 + 8u (u < 4),
+ * all four blocks' weights loaded before any arithmetic, and two
+ * shuffles add the quarters (integers: any order gives the same sum).
+ * Then lane r chains row r's terms of the group in block order:
+ * acc = fma(isum, d * sx, acc) and, for Q4_1, acc = fma(m, xs, acc), the
+ * CPU's order exactly. Weight rows are 2-byte aligned (4 for Q4_1), and
+ * x's rows 4 (kcu_matmul checks). */
 __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, int64_t m) {
     __shared__ int32_t isum[QW][MM_TILE][32];
-    __shared__ float dq[QW][32], mq[QW][32];
-    unsigned lane = threadIdx.x % 32, wp = threadIdx.x / 32;
+    __shared__ float dq[QW][32], mq[QW][32], sxs[QW][MM_TILE][32], xss[QW][MM_TILE][32];
+    unsigned lane = threadIdx.x % 32, wp = threadIdx.x / 32, qt = lane % 4, sl = lane / 4;
     int64_t j = (int64_t)blockIdx.x * QW + wp, r0 = (int64_t)blockIdx.y * MM_TILE;
     int tm = m - r0 < MM_TILE ? (int)(m - r0) : MM_TILE;
     int64_t k = w.cols, nb = k / KCU_QK;
-    bool live = j < w.rows;
-    size_t bb = w.type == GGML_TYPE_Q8_0 ? 34 : w.type == GGML_TYPE_Q4_0 ? 18 : 20;
+    bool live = j < w.rows, q8 = w.type == GGML_TYPE_Q8_0, q41 = w.type == GGML_TYPE_Q4_1;
+    size_t bb = q8 ? 34 : q41 ? 20 : 18;
     const uint8_t *row = w.data + (size_t)(live ? j : 0) * w.row_bytes;
     float acc = 0.0f;
-    qxrow mine = qx_at(work, k, r0 + (lane < (unsigned)tm ? lane : 0));
     for (int64_t g = 0; g < nb; g += 32) {
-        int64_t b = g + lane;
-        if (live && b < nb) {
+        uint32_t wa[4], wb[4];
+        bool have[4];
+        for (int u = 0; u < 4; u++) {
+            int64_t b = g + sl + 8 * u;
+            have[u] = live && b < nb;
+            wa[u] = wb[u] = 0;
+            if (!have[u]) continue;
             const uint8_t *blk = row + (size_t)b * bb;
-            dq[wp][lane] = half_to_f32(ld16(blk));
-            mq[wp][lane] = w.type == GGML_TYPE_Q4_1 ? half_to_f32(ld16(blk + 2)) : 0.0f;
-            for (int r = 0; r < tm; r++) {
-                qxrow q = qx_at(work, k, r0 + r);
-                const int16_t *xi = q.xi + b * KCU_QK;
-                int32_t s = 0;
-                if (w.type == GGML_TYPE_Q8_0) {
-                    for (int i = 0; i < KCU_QK; i++) s += (int32_t)(int8_t)blk[2 + i] * xi[i];
-                } else {
-                    const uint8_t *qs = blk + (w.type == GGML_TYPE_Q4_1 ? 4 : 2);
-                    for (int i = 0; i < 16; i++) s += (qs[i] & 15) * xi[i] + (qs[i] >> 4) * xi[i + 16];
-                    if (w.type == GGML_TYPE_Q4_0) s -= 8 * q.isx[b];
-                }
-                isum[wp][r][lane] = s;
+            if (q8) { /* qs[8q .. 8q+7], 2-byte aligned */
+                const uint8_t *p = blk + 2 + 8 * qt;
+                wa[u] = ld16a(p) | ld16a(p + 2) << 16;
+                wb[u] = ld16a(p + 4) | ld16a(p + 6) << 16;
+            } else if (q41) { /* qs[4q .. 4q+3], 4-byte aligned */
+                wa[u] = ld32a(blk + 4 + 4 * qt);
+            } else {
+                const uint8_t *p = blk + 2 + 4 * qt;
+                wa[u] = ld16a(p) | ld16a(p + 2) << 16;
             }
         }
-        __syncthreads();
+        if (live && g + lane < nb) {
+            const uint8_t *blk = row + (size_t)(g + lane) * bb;
+            dq[wp][lane] = half_to_f32((uint16_t)ld16a(blk));
+            mq[wp][lane] = q41 ? half_to_f32((uint16_t)ld16a(blk + 2)) : 0.0f;
+        }
+        for (int r = 0; r < tm; r++) { /* tm is the same in every lane: the shuffles see them all */
+            qxrow xr = qx_at(work, k, r0 + r);
+            if (g + lane < nb) {
+                sxs[wp][r][lane] = xr.sx[g + lane];
+                xss[wp][r][lane] = xr.xs[g + lane];
+            }
+            for (int u = 0; u < 4; u++) {
+                int64_t b = g + sl + 8 * u;
+                int32_t part = 0;
+                if (have[u]) {
+                    const int16_t *xi = xr.xi + b * KCU_QK;
+                    if (q8) {
+                        uint32_t x0 = ld32a(xi + 8 * qt), x1 = ld32a(xi + 8 * qt + 2), x2 = ld32a(xi + 8 * qt + 4),
+                                 x3 = ld32a(xi + 8 * qt + 6);
+                        part = (int32_t)(int8_t)(wa[u] & 255) * lo16(x0) + (int32_t)(int8_t)(wa[u] >> 8 & 255) * hi16(x0) +
+                               (int32_t)(int8_t)(wa[u] >> 16 & 255) * lo16(x1) + (int32_t)(int8_t)(wa[u] >> 24) * hi16(x1) +
+                               (int32_t)(int8_t)(wb[u] & 255) * lo16(x2) + (int32_t)(int8_t)(wb[u] >> 8 & 255) * hi16(x2) +
+                               (int32_t)(int8_t)(wb[u] >> 16 & 255) * lo16(x3) + (int32_t)(int8_t)(wb[u] >> 24) * hi16(x3);
+                    } else {
+                        uint32_t l0 = ld32a(xi + 4 * qt), l1 = ld32a(xi + 4 * qt + 2), h0 = ld32a(xi + 16 + 4 * qt),
+                                 h1 = ld32a(xi + 16 + 4 * qt + 2), v = wa[u];
+                        part = (int32_t)(v & 15) * lo16(l0) + (int32_t)(v >> 4 & 15) * lo16(h0) +
+                               (int32_t)(v >> 8 & 15) * hi16(l0) + (int32_t)(v >> 12 & 15) * hi16(h0) +
+                               (int32_t)(v >> 16 & 15) * lo16(l1) + (int32_t)(v >> 20 & 15) * lo16(h1) +
+                               (int32_t)(v >> 24 & 15) * hi16(l1) + (int32_t)(v >> 28) * hi16(h1);
+                    }
+                }
+                part += __shfl_xor_sync(0xffffffffu, part, 1);
+                part += __shfl_xor_sync(0xffffffffu, part, 2);
+                if (have[u] && qt == 0) {
+                    if (w.type == GGML_TYPE_Q4_0) part -= 8 * xr.isx[b];
+                    isum[wp][r][sl + 8 * u] = part;
+                }
+            }
+        }
+        __syncwarp();
         if (live && lane < (unsigned)tm) {
             int64_t cnt = nb - g < 32 ? nb - g : 32;
             for (int64_t L = 0; L < cnt; L++) {
-                float dsx = dq[wp][L] * mine.sx[g + L];
+                float dsx = dq[wp][L] * sxs[wp][lane][L];
                 acc = fmaf((float)isum[wp][lane][L], dsx, acc);
-                if (w.type == GGML_TYPE_Q4_1) acc = fmaf(mq[wp][L], mine.xs[g + L], acc);
+                if (q41) acc = fmaf(mq[wp][L], xss[wp][lane][L], acc);
             }
         }
-        __syncthreads();
+        __syncwarp();
     }
     if (live && lane < (unsigned)tm) y[(r0 + lane) * w.rows + j] = acc;
 }
@@ -570,6 +636,8 @@ static void quantize_x(kn_stream *s, const float *x, int64_t k, int64_t m) {
 
 static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m, bool x_ready) {
     if (is_quant(w->type)) {
+        size_t al = w->type == GGML_TYPE_Q4_1 ? 4 : 2; /* k_matmul_q's loads */
+        KCU_ASSERT((uintptr_t)w->data % al == 0 && w->row_bytes % al == 0);
         if (!x_ready) quantize_x(s, x, w->cols, m);
         KN_LAUNCH(k_matmul_q, tile_grid(w->rows, QW, m), dim3(32 * QW), st(s), kw_of(w), KN_CU(s)->work, y, m);
     } else {

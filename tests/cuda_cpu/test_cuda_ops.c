@@ -203,10 +203,12 @@ static void make_weight(wpair *w, ggml_type t, int64_t rows, int64_t cols) {
 static void matmul_every_type_both_precisions(void **state) {
     (void)state;
     const int64_t ms[] = {1, 3, 9}, n = 40;
-    for (size_t ti = 0; ti < sizeof TYPES / sizeof TYPES[0]; ti++) {
-        ggml_type t = TYPES[ti];
+    for (size_t tk = 0; tk < 2 * sizeof TYPES / sizeof TYPES[0]; tk++) {
+        ggml_type t = TYPES[tk / 2];
         bool q = t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
-        int64_t k = q ? 96 : 100; /* float rows get a tail after the 8 lanes */
+        /* float rows get a tail after the 8 lanes; quantized rows of 37
+         * blocks take one whole group of 32 and a part of the next */
+        int64_t k = tk % 2 ? (q ? 37 * 32 : 1188) : (q ? 96 : 100);
         wpair w;
         make_weight(&w, t, n, k);
         for (size_t mi = 0; mi < 3; mi++) {
@@ -225,8 +227,8 @@ static void matmul_every_type_both_precisions(void **state) {
                 kn_matmul(cu, &w.cu, dx, dy, m);
                 get(cu, yg, dy, (size_t)(m * n) * sizeof(float)); /* on the stream that wrote dy */
                 char what[64];
-                snprintf(what, sizeof what, "matmul %s m=%lld bits=%d", quant_type_name(t), (long long)m,
-                         bits ? 8 : 15);
+                snprintf(what, sizeof what, "matmul %s k=%lld m=%lld bits=%d", quant_type_name(t), (long long)k,
+                         (long long)m, bits ? 8 : 15);
                 same(what, yc, yg, (size_t)(m * n));
             }
             free(x), free(yc), free(yg);
@@ -234,7 +236,7 @@ static void matmul_every_type_both_precisions(void **state) {
         free(w.host);
     }
     free_bufs();
-    printf("matmul: %d outputs identical over 6 types, m = 1, 3, 9\n", compared);
+    printf("matmul: %d outputs identical over 6 types, 2 widths each, m = 1, 3, 9\n", compared);
 }
 
 static void matmul_n_and_swiglu(void **state) {

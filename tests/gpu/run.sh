@@ -8,7 +8,8 @@
 # Run there, from the repo root, carrying build/gpu (the test binaries, the
 # shared libraries they load, which that machine lacks, and the CUDA
 # plugin built here):
-#   tests/gpu/run.sh            logs to $OUT (or build/gpu-out)
+#   tests/gpu/run.sh            logs to $OUT (or build/gpu-out): run.log,
+#                               and each check's in gpu-logs.tgz
 #
 # It prints the machine, driver, CUDA, cuBLAS and NCCL versions, then, most
 # telling first: every op of the CUDA backend against the CPU backend and
@@ -22,6 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-build/gpu-out}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)
 exec > >(tee "$OUT/run.log") 2>&1
 t0=$SECONDS
 deadline=${AERIE_GPU_DEADLINE:-330}
@@ -29,7 +31,7 @@ passed=0 failed=0 failures=() skipped=()
 
 step() { echo; echo "== $* ($((SECONDS - t0)) s)"; }
 
-# run NAME TIMEOUT CMD...: one check, its output to $OUT/NAME.log and here;
+# run NAME TIMEOUT CMD...: one check, its output to $LOGS/NAME.log and here;
 # cut to the time left before the deadline, and skipped with under 15 s.
 run() {
     local name=$1 limit=$2 left=$((deadline - (SECONDS - t0)))
@@ -40,7 +42,7 @@ run() {
         return 0
     fi
     [ "$limit" -gt "$left" ] && limit=$left
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
     local rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ]; then
         passed=$((passed + 1))
@@ -103,14 +105,18 @@ run spec 180 build/gpu/test_cuda_spec
 # target's own greedy tokens, K right then one wrong, so each step's
 # acceptance length is exactly K + 1 (2, 3, 4): tokens/s against plain
 # decoding, the system's cost apart from any head's quality.
-step "benchmarks"
+# AERIE_GPU_BENCH=0: the correctness checks and memcheck only.
+bench_on=${AERIE_GPU_BENCH:-1}
+[ "$bench_on" = 1 ] && step "benchmarks"
 models=${AERIE_GPU_MODELS:-/tmp/aerie-models}
 mkdir -p "$models"
 make_model() { # shape type: sets $file, made once
+    [ "$bench_on" = 1 ] || return 0
     file=$models/$1-$2.gguf
     [ -s "$file" ] || run "make-$1-$2" 240 build/gpu/aerie make-model --shape "$1" --type "$2" --out "$file"
 }
 bench() { # name file args...
+    [ "$bench_on" = 1 ] || return 0
     local name=$1 file=$2
     shift 2
     run "$name" 240 build/gpu/aerie bench --model "$file" --device cuda --prompt-tokens 128 "$@"
@@ -140,19 +146,22 @@ bench bench-llama-3.1-8b-bf16 "$file" --gen-tokens 64 --repeat 3
 # The side-by-side figure: transformers' batch-1 greedy decode on the same
 # shapes (bf16, random weights), where its python3 has torch.
 step "peer: transformers on the same shapes"
-if python3 -c 'import torch, transformers' 2>/dev/null; then
+if [ "$bench_on" != 1 ]; then
+    echo "off (AERIE_GPU_BENCH=0)"
+elif python3 -c 'import torch, transformers' 2>/dev/null; then
     run peer-transformers 120 python3 tests/gpu/peer_transformers.py smollm2-135m llama-3.1-8b
 else
     echo "transformers: not on this machine"
 fi
 echo
 echo "figures (one JSON line each):"
-for f in "$OUT"/bench-*.log "$OUT"/oracle-*.log "$OUT"/peer-*.log; do
+for f in "$LOGS"/bench-*.log "$LOGS"/oracle-*.log "$LOGS"/peer-*.log; do
     [ -f "$f" ] && grep "^{" "$f" | tail -n 2 | cut -c1-400 | sed "s/^/  $(basename "$f" .log): /"
 done
 
 echo
 [ ${#failures[@]} -eq 0 ] || echo "failed: ${failures[*]}"
 [ ${#skipped[@]} -eq 0 ] || echo "skipped at the deadline: ${skipped[*]}"
+tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .
 echo "gpu: $passed passed, $failed failed in $((SECONDS - t0)) s"
 [ "$failed" -eq 0 ]
