@@ -271,34 +271,69 @@ static KN_HD bool am_better(float v, int64_t i, float bv, int64_t bi) {
     return v > bv || (v == bv && i < bi);
 }
 
-__global__ void k_argmax(const float *x, int32_t *out, int64_t n) {
+/* Row blockIdx.x in 32 slices (blockIdx.y), each scanned by a block with
+ * four loads in flight per thread, then reduced in shared memory: the
+ * best (value, index) of its slice into pv/pi. "Better" is a total order
+ * on non-NaN values (larger, then lower index), so the split changes no
+ * result; k_argmax_fin takes the best of the slices. */
+#define AM_SLICES 32
+__global__ void __launch_bounds__(KCU_THREADS) k_argmax_part(const float *x, int64_t n, float *pv, int32_t *pi) {
     __shared__ float bv_t[KCU_THREADS];
     __shared__ int64_t bi_t[KCU_THREADS];
     const float *xr = x + (int64_t)blockIdx.x * n;
-    unsigned t = threadIdx.x;
+    unsigned t = threadIdx.x, B = blockDim.x;
+    int64_t per = (n + AM_SLICES - 1) / AM_SLICES, lo = (int64_t)blockIdx.y * per;
+    int64_t hi = lo + per < n ? lo + per : n;
     float bv = 0.0f;
     int64_t bi = -1;
-    for (int64_t i = t; i < n; i += blockDim.x)
-        if (am_better(xr[i], i, bv, bi)) {
-            bv = xr[i];
-            bi = i;
-        }
+    for (int64_t i = lo + t; i < hi; i += 4 * (int64_t)B) {
+        float v[4];
+        for (int u = 0; u < 4; u++) v[u] = i + u * (int64_t)B < hi ? xr[i + u * (int64_t)B] : NAN;
+        for (int u = 0; u < 4; u++)
+            if (am_better(v[u], i + u * (int64_t)B, bv, bi)) {
+                bv = v[u];
+                bi = i + u * (int64_t)B;
+            }
+    }
     bv_t[t] = bv;
     bi_t[t] = bi;
     __syncthreads();
+    for (unsigned w = B / 2; w > 0; w /= 2) {
+        if (t < w && am_better(bv_t[t + w], bi_t[t + w], bv_t[t], bi_t[t])) {
+            bv_t[t] = bv_t[t + w];
+            bi_t[t] = bi_t[t + w];
+        }
+        __syncthreads();
+    }
     if (t == 0) {
-        for (unsigned i = 1; i < blockDim.x; i++)
-            if (am_better(bv_t[i], bi_t[i], bv, bi)) {
-                bv = bv_t[i];
-                bi = bi_t[i];
-            }
-        out[blockIdx.x] = bi < 0 ? 0 : (int32_t)bi;
+        pv[blockIdx.x * AM_SLICES + blockIdx.y] = bv_t[0];
+        pi[blockIdx.x * AM_SLICES + blockIdx.y] = (int32_t)bi_t[0];
     }
 }
 
+__global__ void k_argmax_fin(const float *pv, const int32_t *pi, int32_t *out) {
+    float bv = 0.0f;
+    int64_t bi = -1;
+    for (int j = 0; j < AM_SLICES; j++) {
+        int64_t at = (int64_t)blockIdx.x * AM_SLICES + j;
+        if (am_better(pv[at], pi[at], bv, bi)) {
+            bv = pv[at];
+            bi = pi[at];
+        }
+    }
+    out[blockIdx.x] = bi < 0 ? 0 : (int32_t)bi; /* a row of NaN: 0, as the CPU's */
+}
+
+/* The slices' partial results go in the stream's workspace. */
 void kcu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
     if (m == 0) return;
-    KN_LAUNCH(k_argmax, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, out, n);
+    size_t part = (size_t)m * AM_SLICES;
+    KCU_ASSERT(part * (sizeof(float) + sizeof(int32_t)) <= KN_CU(s)->work_bytes && KCU_THREADS % 2 == 0);
+    float *pv = (float *)KN_CU(s)->work;
+    int32_t *pi = (int32_t *)(void *)(pv + part);
+    KN_LAUNCH(k_argmax_part, dim3((unsigned)m, AM_SLICES), dim3(KCU_THREADS), st(s), x, n, pv, pi);
+    launched(s);
+    KN_LAUNCH(k_argmax_fin, dim3((unsigned)m), dim3(1), st(s), pv, pi, out);
     launched(s);
 }
 

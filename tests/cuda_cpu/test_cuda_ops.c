@@ -318,6 +318,25 @@ static void row_and_elementwise_ops(void **state) {
     get(cu15, ag, da, sizeof ag);
     assert_memory_equal(ac, ag, sizeof ac);
     assert_int_equal(ac[0], 7);
+    {   /* rows of a vocabulary's width, cut into slices on the GPU: a tie
+         * across slices, the maximum at the last index, a NaN slice */
+        enum { V = 4099 };
+        float *big = malloc(3 * V * sizeof(float));
+        fill(big, 3 * V, -1, 1);
+        big[1000] = big[3000] = 2.0f;
+        big[2 * V - 1] = 2.0f;
+        for (int i = 0; i < 200; i++) big[2 * V + i] = NAN;
+        big[2 * V + 4000] = 3.0f;
+        int32_t bc[3], bg[3];
+        float *dbig = dev(big, 3 * V * sizeof(float));
+        int32_t *dbi = dev_zero(sizeof bg);
+        kn_argmax(cpu15, big, bc, 3, V);
+        kn_argmax(cu15, dbig, dbi, 3, V);
+        get(cu15, bg, dbi, sizeof bg);
+        assert_memory_equal(bc, bg, sizeof bc);
+        assert_true(bc[0] == 1000 && bc[1] == V - 1 && bc[2] == 4000);
+        free(big);
+    }
 
     /* gather_rows, named rows and a plain strided copy */
     int32_t rows[2] = {2, 0};

@@ -109,6 +109,7 @@ run spec 180 build/gpu/test_cuda_spec
 bench_on=${AERIE_GPU_BENCH:-1}
 [ "$bench_on" = 1 ] && step "benchmarks"
 models=${AERIE_GPU_MODELS:-/tmp/aerie-models}
+file=
 mkdir -p "$models"
 make_model() { # shape type: sets $file, made once
     [ "$bench_on" = 1 ] || return 0
