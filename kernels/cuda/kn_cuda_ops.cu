@@ -359,6 +359,29 @@ static kw kw_of(const kn_weight *w) {
 
 static KN_HD uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
+/* Aligned loads (the caller knows the alignment); the shim's through
+ * memcpy, which is what C allows. */
+static KN_HD uint32_t ld32a(const void *p) {
+#ifdef KN_CUDA_SHIM
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#else
+    return *(const uint32_t *)p;
+#endif
+}
+static KN_HD uint32_t ld16a(const void *p) {
+#ifdef KN_CUDA_SHIM
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+#else
+    return *(const uint16_t *)p;
+#endif
+}
+static KN_HD int32_t lo16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v & 0xffffu); }
+static KN_HD int32_t hi16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v >> 16); }
+
 /* Element i of weight row `row`, as quant_dequantize gives it. */
 static __device__ float w_elem(const kw &w, int64_t row, int64_t i) {
     const uint8_t *r = w.data + (size_t)row * w.row_bytes;
@@ -434,23 +457,68 @@ void kcu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *
 #define MM_ROWS 32 /* weight rows per block; 8 lanes each */
 #define MM_TILE 8  /* rows of x per block */
 
+#define MF_CB 512 /* bytes of a weight row per chunk: 128 f32 or 256 f16/bf16 */
+#define MF_PAD 16 /* after each row in shared memory: the 4 rows a warp reads fall in other banks */
+
+template <int T> static __device__ float mf_elem(const uint8_t *p, int64_t i) {
+    if (T == GGML_TYPE_F32) {
+        float f;
+        memcpy(&f, p + 4 * i, sizeof f);
+        return f;
+    }
+    uint16_t h = (uint16_t)ld16a(p + 2 * i);
+    return T == GGML_TYPE_F16 ? half_to_f32(h) : bf16_to_f32(h);
+}
+
 /* y[r][j] for weight rows blockIdx.x * 32 .. and x rows blockIdx.y * 8 ..:
  * lane l of row j is the chain acc = fma(x[i], w[i], acc) over
- * i = 8j' + l, then lane 0 adds the lanes' tree and the tail. */
-__global__ void __launch_bounds__(256) k_matmul_f(kw w, const float *x, float *y, int64_t m) {
+ * i = 8j' + l, then lane 0 adds the lanes' tree and the tail, the CPU's
+ * order. The rows and x pass through shared memory a chunk at a time,
+ * loaded by the whole block in 16-byte pieces where the rows are aligned
+ * to 16 bytes (else element by element), so that each load is wide and
+ * coalesced while each lane still takes its own elements in order. */
+template <int T> __global__ void __launch_bounds__(256) k_matmul_f(kw w, const float *x, float *y, int64_t m) {
+    alignas(16) __shared__ uint8_t ws[MM_ROWS][MF_CB + MF_PAD];
+    __shared__ float xs[MM_TILE][MF_CB / 2];
     __shared__ float red[MM_TILE][MM_ROWS][8];
-    unsigned l = threadIdx.x % 8, jr = threadIdx.x / 8;
-    int64_t j = (int64_t)blockIdx.x * MM_ROWS + jr, r0 = (int64_t)blockIdx.y * MM_TILE;
+    const int es = T == GGML_TYPE_F32 ? 4 : 2, ce = MF_CB / es; /* elements per chunk */
+    unsigned tid = threadIdx.x, l = tid % 8, jr = tid / 8;
+    int64_t j0 = (int64_t)blockIdx.x * MM_ROWS, j = j0 + jr, r0 = (int64_t)blockIdx.y * MM_TILE;
     int tm = m - r0 < MM_TILE ? (int)(m - r0) : MM_TILE;
+    int nr = w.rows - j0 < MM_ROWS ? (int)(w.rows - j0) : MM_ROWS;
     int64_t k = w.cols, k8 = k / 8 * 8;
     bool live = j < w.rows;
+    bool vec = (uintptr_t)w.data % 16 == 0 && w.row_bytes % 16 == 0;
     float acc[MM_TILE];
     for (int r = 0; r < MM_TILE; r++) acc[r] = 0.0f;
-    if (live)
-        for (int64_t i = l; i < k8; i += 8) {
-            float wv = w_elem(w, j, i);
-            for (int r = 0; r < tm; r++) acc[r] = fmaf(x[(r0 + r) * k + i], wv, acc[r]);
+    for (int64_t c0 = 0; c0 < k8; c0 += ce) {
+        int cl = k8 - c0 < ce ? (int)(k8 - c0) : ce; /* a multiple of 8 */
+        int cb = cl * es;                             /* a multiple of 16 */
+        if (vec) {
+            for (int u = (int)tid; u < nr * (cb / 16); u += (int)blockDim.x) {
+                int rr = u / (cb / 16), o = u % (cb / 16) * 16;
+                const uint8_t *src = w.data + (size_t)(j0 + rr) * w.row_bytes + (size_t)c0 * es + o;
+#ifdef KN_CUDA_SHIM
+                memcpy(&ws[rr][o], src, 16);
+#else
+                *(uint4 *)(void *)&ws[rr][o] = *(const uint4 *)(const void *)src;
+#endif
+            }
+        } else {
+            for (int u = (int)tid; u < nr * cb; u += (int)blockDim.x) {
+                int rr = u / cb, o = u % cb;
+                ws[rr][o] = w.data[(size_t)(j0 + rr) * w.row_bytes + (size_t)c0 * es + o];
+            }
         }
+        for (int u = (int)tid; u < tm * cl; u += (int)blockDim.x) xs[u / cl][u % cl] = x[(r0 + u / cl) * k + c0 + u % cl];
+        __syncthreads();
+        if (live)
+            for (int i = (int)l; i < cl; i += 8) {
+                float wv = mf_elem<T>(ws[jr], i);
+                for (int r = 0; r < tm; r++) acc[r] = fmaf(xs[r][i], wv, acc[r]);
+            }
+        __syncthreads();
+    }
     for (int r = 0; r < MM_TILE; r++) red[r][jr][l] = acc[r];
     __syncthreads();
     if (live && l == 0)
@@ -459,7 +527,8 @@ __global__ void __launch_bounds__(256) k_matmul_f(kw w, const float *x, float *y
             float s04 = a[0] + a[4], s15 = a[1] + a[5], s26 = a[2] + a[6], s37 = a[3] + a[7];
             float lo = s04 + s26, hi = s15 + s37;
             float sum = lo + hi;
-            for (int64_t i = k8; i < k; i++) sum = fmaf(x[(r0 + r) * k + i], w_elem(w, j, i), sum);
+            for (int64_t i = k8; i < k; i++)
+                sum = fmaf(x[(r0 + r) * k + i], mf_elem<T>(w.data + (size_t)j * w.row_bytes, i), sum);
             y[(r0 + r) * w.rows + j] = sum;
         }
 }
@@ -537,29 +606,6 @@ __global__ void k_qx(const float *x, int64_t k, int lim, void *work) {
 }
 
 #define QW 4 /* weight rows (warps) per block */
-
-/* Aligned loads (the caller knows the alignment); the shim's through
- * memcpy, which is what C allows. */
-static KN_HD uint32_t ld32a(const void *p) {
-#ifdef KN_CUDA_SHIM
-    uint32_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-#else
-    return *(const uint32_t *)p;
-#endif
-}
-static KN_HD uint32_t ld16a(const void *p) {
-#ifdef KN_CUDA_SHIM
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-#else
-    return *(const uint16_t *)p;
-#endif
-}
-static KN_HD int32_t lo16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v & 0xffffu); }
-static KN_HD int32_t hi16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v >> 16); }
 
 /* Weight row blockIdx.x * 4 + warp against x rows blockIdx.y * 8 .., in
  * groups of 32 blocks. First the exact integer sums, four lanes to a
@@ -676,7 +722,11 @@ static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *
         if (!x_ready) quantize_x(s, x, w->cols, m);
         KN_LAUNCH(k_matmul_q, tile_grid(w->rows, QW, m), dim3(32 * QW), st(s), kw_of(w), KN_CU(s)->work, y, m);
     } else {
-        KN_LAUNCH(k_matmul_f, tile_grid(w->rows, MM_ROWS, m), dim3(8 * MM_ROWS), st(s), kw_of(w), x, y, m);
+        dim3 grid = tile_grid(w->rows, MM_ROWS, m), block(8 * MM_ROWS);
+        KCU_ASSERT((uintptr_t)w->data % 4 == 0 && w->row_bytes % 2 == 0);
+        if (w->type == GGML_TYPE_F32) KN_LAUNCH(k_matmul_f<GGML_TYPE_F32>, grid, block, st(s), kw_of(w), x, y, m);
+        else if (w->type == GGML_TYPE_F16) KN_LAUNCH(k_matmul_f<GGML_TYPE_F16>, grid, block, st(s), kw_of(w), x, y, m);
+        else KN_LAUNCH(k_matmul_f<GGML_TYPE_BF16>, grid, block, st(s), kw_of(w), x, y, m);
     }
     launched(s);
 }

@@ -206,9 +206,11 @@ static void matmul_every_type_both_precisions(void **state) {
     for (size_t tk = 0; tk < 2 * sizeof TYPES / sizeof TYPES[0]; tk++) {
         ggml_type t = TYPES[tk / 2];
         bool q = t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
-        /* float rows get a tail after the 8 lanes; quantized rows of 37
-         * blocks take one whole group of 32 and a part of the next */
-        int64_t k = tk % 2 ? (q ? 37 * 32 : 1188) : (q ? 96 : 100);
+        /* float rows of 100 get a tail after the 8 lanes (and f16/bf16
+         * rows that are not 16-byte aligned); of 1184, several chunks of
+         * aligned rows. Quantized rows of 37 blocks take one whole group
+         * of 32 and a part of the next. */
+        int64_t k = tk % 2 ? (q ? 37 * 32 : 1184) : (q ? 96 : 100);
         wpair w;
         make_weight(&w, t, n, k);
         for (size_t mi = 0; mi < 3; mi++) {
