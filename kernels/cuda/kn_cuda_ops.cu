@@ -190,23 +190,32 @@ void kcu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_
 /* ---- per row ------------------------------------------------------------ */
 
 /* Row blockIdx.x. The sum of squares is kernels.h's: 8 lanes of double
- * sums in element order (threads 0..7), the lane tree, the tail. */
+ * sums in element order (threads 0..7), the lane tree, the tail. The row
+ * passes through shared memory a chunk at a time, loaded by the whole
+ * block, so that the lanes' chains wait on no global load. */
+#define RN_CHUNK 2048
 __global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, float eps) {
+    __shared__ float xs[RN_CHUNK];
     __shared__ double lane[8];
     __shared__ float inv_s;
     const float *xr = x + (int64_t)blockIdx.x * n;
     float *yr = y + (int64_t)blockIdx.x * n;
     unsigned t = threadIdx.x;
     int64_t n8 = n / 8 * 8;
-    if (t < 8) {
-        double a = 0.0;
-        for (int64_t i = t; i < n8; i += 8) {
-            double v = (double)xr[i];
-            double sq = v * v;
-            a = a + sq;
-        }
-        lane[t] = a;
+    double a = 0.0;
+    for (int64_t c0 = 0; c0 < n8; c0 += RN_CHUNK) {
+        int cl = n8 - c0 < RN_CHUNK ? (int)(n8 - c0) : RN_CHUNK; /* a multiple of 8 */
+        for (int i = (int)t; i < cl; i += (int)blockDim.x) xs[i] = xr[c0 + i];
+        __syncthreads();
+        if (t < 8)
+            for (int i = (int)t; i < cl; i += 8) {
+                double v = (double)xs[i];
+                double sq = v * v;
+                a = a + sq;
+            }
+        __syncthreads();
     }
+    if (t < 8) lane[t] = a;
     __syncthreads();
     if (t == 0) {
         double ss = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
@@ -849,104 +858,206 @@ void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, co
 #define AT_CHUNK KN_ATTN_CHUNK
 #define AT_DPT (KN_MAX_HEAD_DIM / KCU_THREADS) /* output elements per thread */
 
+/* Chunk [c0, c0 + n) of the visible keys of a token of sequence seq, for
+ * the head whose K/V columns start at off (q in qs): thread j < n scores
+ * key j (8 lanes of mul-then-add, the lane tree, times scale); thread 0
+ * takes the chunk's maximum and l = sum e^(s - mc) in key order into
+ * *mc_s, *l_s; each thread sums o for its own elements in key order.
+ * Every thread of the block calls it. */
+static __device__ void at_chunk(const kn_kv_pool &kv, const kn_kv_map &map, const float *qs, int32_t seq,
+                                int32_t n_prefix, const int32_t *extra, size_t off, int64_t c0, int n, float scale,
+                                float *sc, size_t *rows, float *mc_s, float *l_s, float *o) {
+    const int hd = kv.head_dim;
+    unsigned tid = threadIdx.x;
+    const uint16_t *K = (const uint16_t *)kv.k, *V = (const uint16_t *)kv.v;
+    if ((int)tid < n) {
+        int64_t vi = c0 + tid;
+        int32_t slot = vi < n_prefix ? (int32_t)vi : extra[vi - n_prefix];
+        size_t at = slot_row(kv, map, seq, slot) + off;
+        rows[tid] = at;
+        float a[8];
+        for (int l = 0; l < 8; l++) a[l] = 0.0f;
+        for (int d = 0; d < hd; d += 8)
+            for (int l = 0; l < 8; l++) {
+                float p = qs[d + l] * half_to_f32(K[at + (size_t)(d + l)]);
+                a[l] = a[l] + p;
+            }
+        float tr = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+        sc[tid] = tr * scale;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float mc = -INFINITY;
+        for (int j = 0; j < n; j++) mc = sc[j] > mc ? sc[j] : mc;
+        float l = 0.0f;
+        for (int j = 0; j < n; j++) {
+            float p = exp_neg(sc[j] - mc);
+            sc[j] = p;
+            l = l + p;
+        }
+        *mc_s = mc;
+        *l_s = l;
+    }
+    __syncthreads();
+    for (int e = 0; e < AT_DPT; e++) {
+        int d = (int)tid + e * KCU_THREADS;
+        float oe = 0.0f;
+        if (d < hd)
+            for (int j = 0; j < n; j++) {
+                float pv = half_to_f32(V[rows[j] + (size_t)d]) * sc[j];
+                oe = oe + pv;
+            }
+        o[e] = oe;
+    }
+}
+
+/* The running state (M, L, O) after a chunk (mc, l, o) in order; the
+ * first chunk starts it. kn_attention.c's merge. */
+static __device__ void at_merge(bool first, float mc, float l, const float *o, float *M, float *L, float *O) {
+    float a = 0.0f, b = 0.0f;
+    if (!first) {
+        float mn = mc > *M ? mc : *M;
+        a = exp_neg(*M - mn);
+        b = exp_neg(mc - mn);
+        float la = *L * a, lb = l * b;
+        *L = la + lb;
+        *M = mn;
+    } else {
+        *M = mc;
+        *L = l;
+    }
+    for (int e = 0; e < AT_DPT; e++) {
+        if (first) {
+            O[e] = o[e];
+        } else {
+            float x = O[e] * a, y = o[e] * b;
+            O[e] = x + y;
+        }
+    }
+}
+
+/* Token t's query for head h into shared memory; its sequence, prefix,
+ * extra slots, visible count and K/V column offset. */
+struct at_tok {
+    int32_t seq, n_prefix;
+    const int32_t *extra;
+    int64_t n_vis;
+    size_t off;
+};
+static __device__ at_tok at_token(const kn_kv_pool &kv, const kn_kv_map &map, const float *q, int32_t n_heads,
+                                  int32_t t, int32_t h, float *qs) {
+    const int hd = kv.head_dim;
+    const float *qh = q + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)hd;
+    for (int d = (int)threadIdx.x; d < hd; d += KCU_THREADS) qs[d] = qh[d];
+    at_tok k;
+    k.seq = map.seq[t];
+    k.n_prefix = map.n_prefix[t];
+    k.extra = map.extra + map.extra_start[t];
+    k.n_vis = (int64_t)k.n_prefix + map.n_extra[t];
+    k.off = (size_t)(h / (n_heads / kv.n_kv_heads)) * (size_t)hd;
+    return k;
+}
+
 /* Token blockIdx.x, head blockIdx.y (tokens on x: grid y stops at 65535):
- * its visible keys in chunks of 32, in
- * order. Per chunk: thread j < n scores key j (8 lanes of mul-then-add,
- * the lane tree, times scale); thread 0 takes the chunk's maximum and
- * l = sum e^(s - mc) in key order; each thread sums o for its own
- * elements in key order; the state merges as kn_attention.c's. */
+ * its visible keys in chunks of 32, in order, each merged into the
+ * running state as it is made. */
 __global__ void __launch_bounds__(KCU_THREADS) k_attention(kn_kv_pool kv, kn_kv_map map, const float *q, float *out,
                                                             int32_t n_heads, float scale) {
     __shared__ float qs[KN_MAX_HEAD_DIM];
     __shared__ float sc[AT_CHUNK];
     __shared__ size_t rows[AT_CHUNK];
     __shared__ float mc_s, l_s;
-    const int hd = kv.head_dim;
     int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
-    unsigned tid = threadIdx.x;
-    size_t off = (size_t)(h / (n_heads / kv.n_kv_heads)) * (size_t)hd;
-    const float *qh = q + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)hd;
-    for (int d = (int)tid; d < hd; d += KCU_THREADS) qs[d] = qh[d];
-    int32_t seq = map.seq[t], n_prefix = map.n_prefix[t];
-    const int32_t *extra = map.extra + map.extra_start[t];
-    int64_t n_vis = (int64_t)n_prefix + map.n_extra[t];
-    const uint16_t *K = (const uint16_t *)kv.k, *V = (const uint16_t *)kv.v;
-    float M = 0.0f, L = 0.0f, O[AT_DPT];
-    for (int e = 0; e < AT_DPT; e++) O[e] = 0.0f;
+    at_tok k = at_token(kv, map, q, n_heads, t, h, qs);
+    float M = 0.0f, L = 0.0f, O[AT_DPT], o[AT_DPT];
     __syncthreads();
-    for (int64_t c0 = 0; c0 < n_vis; c0 += AT_CHUNK) {
-        int n = n_vis - c0 < AT_CHUNK ? (int)(n_vis - c0) : AT_CHUNK;
-        if ((int)tid < n) {
-            int64_t vi = c0 + tid;
-            int32_t slot = vi < n_prefix ? (int32_t)vi : extra[vi - n_prefix];
-            size_t at = slot_row(kv, map, seq, slot) + off;
-            rows[tid] = at;
-            float a[8];
-            for (int l = 0; l < 8; l++) a[l] = 0.0f;
-            for (int d = 0; d < hd; d += 8)
-                for (int l = 0; l < 8; l++) {
-                    float p = qs[d + l] * half_to_f32(K[at + (size_t)(d + l)]);
-                    a[l] = a[l] + p;
-                }
-            float tr = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-            sc[tid] = tr * scale;
-        }
+    for (int64_t c0 = 0; c0 < k.n_vis; c0 += AT_CHUNK) {
+        int n = k.n_vis - c0 < AT_CHUNK ? (int)(k.n_vis - c0) : AT_CHUNK;
+        at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, &mc_s, &l_s, o);
+        at_merge(c0 == 0, mc_s, l_s, o, &M, &L, O);
         __syncthreads();
-        if (tid == 0) {
-            float mc = -INFINITY;
-            for (int j = 0; j < n; j++) mc = sc[j] > mc ? sc[j] : mc;
-            float l = 0.0f;
-            for (int j = 0; j < n; j++) {
-                float p = exp_neg(sc[j] - mc);
-                sc[j] = p;
-                l = l + p;
-            }
-            mc_s = mc;
-            l_s = l;
-        }
-        __syncthreads();
-        float mc = mc_s, l = l_s;
-        bool first = c0 == 0;
-        float a = 0.0f, b = 0.0f;
-        if (!first) {
-            float mn = mc > M ? mc : M;
-            a = exp_neg(M - mn);
-            b = exp_neg(mc - mn);
-            float la = L * a, lb = l * b;
-            L = la + lb;
-            M = mn;
-        } else {
-            M = mc;
-            L = l;
-        }
+    }
+    float *oh = out + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)kv.head_dim;
+    for (int e = 0; e < AT_DPT; e++) {
+        int d = (int)threadIdx.x + e * KCU_THREADS;
+        if (d < kv.head_dim) oh[d] = O[e] / L;
+    }
+}
+
+/* Decode and verify (m <= KN_ATTN_SPLIT_M): the chunks of every (token,
+ * head) at once, a block each (blockIdx.z; chunks past the token's keys
+ * return), their (mc, l, o) into part, [t][h][chunk][2 + head_dim]; then
+ * k_attn_merge merges each token's chunks in order. The arithmetic is
+ * k_attention's, so the bits are too. */
+__global__ void __launch_bounds__(KCU_THREADS) k_attn_part(kn_kv_pool kv, kn_kv_map map, const float *q,
+                                                            int32_t n_heads, float scale, int32_t n_chunks,
+                                                            float *part) {
+    __shared__ float qs[KN_MAX_HEAD_DIM];
+    __shared__ float sc[AT_CHUNK];
+    __shared__ size_t rows[AT_CHUNK];
+    __shared__ float mc_s, l_s;
+    int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
+    int64_t c0 = (int64_t)blockIdx.z * AT_CHUNK;
+    at_tok k = at_token(kv, map, q, n_heads, t, h, qs);
+    if (c0 >= k.n_vis) return; /* the same in every thread */
+    int n = k.n_vis - c0 < AT_CHUNK ? (int)(k.n_vis - c0) : AT_CHUNK;
+    float o[AT_DPT];
+    __syncthreads();
+    at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, &mc_s, &l_s, o);
+    const int hd = kv.head_dim;
+    float *p = part + (((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)n_chunks + blockIdx.z) * (size_t)(hd + 2);
+    if (threadIdx.x == 0) {
+        p[0] = mc_s;
+        p[1] = l_s;
+    }
+    for (int e = 0; e < AT_DPT; e++) {
+        int d = (int)threadIdx.x + e * KCU_THREADS;
+        if (d < hd) p[2 + d] = o[e];
+    }
+}
+
+__global__ void __launch_bounds__(KCU_THREADS) k_attn_merge(kn_kv_pool kv, kn_kv_map map, float *out,
+                                                             int32_t n_heads, int32_t n_chunks, const float *part) {
+    int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
+    const int hd = kv.head_dim;
+    int64_t n_vis = (int64_t)map.n_prefix[t] + map.n_extra[t];
+    const float *p0 = part + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)n_chunks * (size_t)(hd + 2);
+    float M = 0.0f, L = 0.0f, O[AT_DPT], o[AT_DPT];
+    for (int64_t c = 0; c * AT_CHUNK < n_vis; c++) {
+        const float *p = p0 + (size_t)c * (size_t)(hd + 2);
         for (int e = 0; e < AT_DPT; e++) {
-            int d = (int)tid + e * KCU_THREADS;
-            if (d >= hd) break;
-            float o = 0.0f;
-            for (int j = 0; j < n; j++) {
-                float pv = half_to_f32(V[rows[j] + (size_t)d]) * sc[j];
-                o = o + pv;
-            }
-            if (first) {
-                O[e] = o;
-            } else {
-                float x = O[e] * a, y = o * b;
-                O[e] = x + y;
-            }
+            int d = (int)threadIdx.x + e * KCU_THREADS;
+            o[e] = d < hd ? p[2 + d] : 0.0f;
         }
-        __syncthreads();
+        at_merge(c == 0, p[0], p[1], o, &M, &L, O);
     }
     float *oh = out + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)hd;
     for (int e = 0; e < AT_DPT; e++) {
-        int d = (int)tid + e * KCU_THREADS;
+        int d = (int)threadIdx.x + e * KCU_THREADS;
         if (d < hd) oh[d] = O[e] / L;
     }
 }
 
+/* Split where the partials fit the stream's workspace (sized by
+ * kn_attention_workspace for KN_ATTN_SPLIT_M tokens); a token sees at
+ * most its block table's slots. */
 void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                    int32_t n_heads) {
     if (map->m == 0) return;
     float scale = 1.0f / sqrtf((float)kv->head_dim);
+    int64_t max_keys = (int64_t)map->table_len * kv->block_size;
+    int32_t n_chunks = (int32_t)((max_keys + AT_CHUNK - 1) / AT_CHUNK);
+    size_t part_bytes = (size_t)map->m * (size_t)n_heads * (size_t)n_chunks * (size_t)(kv->head_dim + 2) * sizeof(float);
+    if (map->m <= KN_ATTN_SPLIT_M && n_chunks > 1 && n_chunks <= 65535 && part_bytes <= KN_CU(s)->work_bytes) {
+        float *part = (float *)KN_CU(s)->work;
+        KN_LAUNCH(k_attn_part, dim3((unsigned)map->m, (unsigned)n_heads, (unsigned)n_chunks), dim3(KCU_THREADS),
+                  st(s), *kv, *map, q, n_heads, scale, n_chunks, part);
+        launched(s);
+        KN_LAUNCH(k_attn_merge, dim3((unsigned)map->m, (unsigned)n_heads), dim3(KCU_THREADS), st(s), *kv, *map, out,
+                  n_heads, n_chunks, part);
+        launched(s);
+        return;
+    }
     KN_LAUNCH(k_attention, dim3((unsigned)map->m, (unsigned)n_heads), dim3(KCU_THREADS), st(s), *kv, *map, q, out,
               n_heads, scale);
     launched(s);

@@ -352,6 +352,20 @@ static void row_and_elementwise_ops(void **state) {
     kn_gather_rows(cu15, dx, NULL, 2, N, dgat + N, 2 * N);
     get(cu15, gg, dgat, sizeof gg);
     same("gather_rows", gc, gg, 4 * N);
+    {   /* rows wider than the kernel's chunk of 2048, with a tail */
+        enum { W = 4100 };
+        float *xw = malloc(2 * W * sizeof(float)), *gw = malloc(W * sizeof(float)), *yw = malloc(2 * W * sizeof(float)),
+              *yv = malloc(2 * W * sizeof(float));
+        fill(xw, 2 * W, -3, 3);
+        fill(gw, W, -1, 1);
+        float *dxw = dev(xw, 2 * W * sizeof(float)), *dgw = dev(gw, W * sizeof(float));
+        float *dyw = dev_zero(2 * W * sizeof(float));
+        kn_rmsnorm(cpu15, xw, gw, yw, 2, W, 1e-5f);
+        kn_rmsnorm(cu15, dxw, dgw, dyw, 2, W, 1e-5f);
+        get(cu15, yv, dyw, 2 * W * sizeof(float));
+        same("rmsnorm, wide rows", yw, yv, 2 * W);
+        free(xw), free(gw), free(yw), free(yv);
+    }
     free_bufs();
 }
 
@@ -465,7 +479,17 @@ static void kv_write_attention_and_move(void **state) {
     kn_attention(cpu15, &pc, &am, q, oc, QH);
     kn_attention(cu15, &pg, &ag, dq, dout, QH);
     get(cu15, og, dout, sizeof og);
-    same("attention", oc, og, NT * QH * HD);
+    same("attention, chunks apart then merged", oc, og, NT * QH * HD);
+    /* with no workspace for the chunks' partials: one block per (token,
+     * head) walks its chunks, the same bits */
+    kn_stream *bare;
+    ae_error err = {{0}};
+    assert_int_equal(kn_stream_init(&bare, CU, &(kn_stream_config){NULL, 0}, &err), AE_OK);
+    kn_upload(bare, last_buf(), 0, (float[NT * QH * HD]){0}, sizeof og);
+    kn_attention(bare, &pg, &ag, dq, dout, QH);
+    get(bare, og, dout, sizeof og);
+    same("attention, chunks in one block", oc, og, NT * QH * HD);
+    kn_stream_free(bare);
 
     /* moves that chain: row 40 -> 12, then 12 -> 13, and one in place */
     int32_t src[3] = {2 * BS + 8, 5 * BS + 12, 3}, dst[3] = {5 * BS + 12, 5 * BS + 13, 3};
