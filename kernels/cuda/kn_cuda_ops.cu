@@ -208,10 +208,14 @@ __global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, f
         for (int i = (int)t; i < cl; i += (int)blockDim.x) xs[i] = xr[c0 + i];
         __syncthreads();
         if (t < 8)
-            for (int i = (int)t; i < cl; i += 8) {
-                double v = (double)xs[i];
-                double sq = v * v;
-                a = a + sq;
+            for (int i0 = (int)t; i0 < cl; i0 += 8 * 16) { /* 16 loads ahead of the chain */
+                float v[16];
+                for (int u = 0; u < 16; u++) v[u] = i0 + 8 * u < cl ? xs[i0 + 8 * u] : 0.0f;
+                for (int u = 0; u < 16 && i0 + 8 * u < cl; u++) {
+                    double d = (double)v[u];
+                    double sq = d * d;
+                    a = a + sq;
+                }
             }
         __syncthreads();
     }
@@ -616,6 +620,36 @@ __global__ void k_qx(const float *x, int64_t k, int lim, void *work) {
 
 #define QW 4 /* weight rows (warps) per block */
 
+/* Lane (sl, qt)'s quarter of blocks g + sl + 8u (u < 4) of a quantized
+ * row, and the scales (d, and m for Q4_1) of block g + lane. */
+static __device__ void qload(const kw &w, const uint8_t *row, size_t bb, bool live, bool q8, bool q41, int64_t g,
+                             int64_t nb, unsigned sl, unsigned qt, unsigned lane, uint32_t *wa, uint32_t *wb,
+                             unsigned *have, float *d, float *mm) {
+    *have = 0;
+    for (int u = 0; u < 4; u++) {
+        int64_t b = g + sl + 8 * u;
+        wa[u] = wb[u] = 0;
+        if (!live || b >= nb) continue;
+        *have |= 1u << u;
+        const uint8_t *blk = row + (size_t)b * bb;
+        if (q8) { /* qs[8q .. 8q+7], 2-byte aligned */
+            const uint8_t *p = blk + 2 + 8 * qt;
+            wa[u] = ld16a(p) | ld16a(p + 2) << 16;
+            wb[u] = ld16a(p + 4) | ld16a(p + 6) << 16;
+        } else if (q41) { /* qs[4q .. 4q+3], 4-byte aligned */
+            wa[u] = ld32a(blk + 4 + 4 * qt);
+        } else {
+            const uint8_t *p = blk + 2 + 4 * qt;
+            wa[u] = ld16a(p) | ld16a(p + 2) << 16;
+        }
+    }
+    if (live && g + lane < nb) {
+        const uint8_t *blk = row + (size_t)(g + lane) * bb;
+        *d = half_to_f32((uint16_t)ld16a(blk));
+        *mm = q41 ? half_to_f32((uint16_t)ld16a(blk + 2)) : 0.0f;
+    }
+}
+
 /* Weight row blockIdx.x * 4 + warp against x rows blockIdx.y * 8 .., in
  * groups of 32 blocks. First the exact integer sums, four lanes to a
  * block: lane L takes quarter L % 4 of blocks g + L / 4 + 8u (u < 4),
@@ -636,30 +670,17 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
     size_t bb = q8 ? 34 : q41 ? 20 : 18;
     const uint8_t *row = w.data + (size_t)(live ? j : 0) * w.row_bytes;
     float acc = 0.0f;
+    /* group g's weights in wa/wb (have: which blocks exist) and this lane's block scale in dl/ml;
+     * the next group's are loaded before this one's arithmetic */
+    uint32_t wa[4], wb[4], na[4] = {0, 0, 0, 0}, nbw[4] = {0, 0, 0, 0};
+    unsigned have = 0, nhave = 0; /* bit u: block g + sl + 8u exists */
+    float dl = 0.0f, ml = 0.0f, ndl = 0.0f, nml = 0.0f;
+    qload(w, row, bb, live, q8, q41, 0, nb, sl, qt, lane, wa, wb, &have, &dl, &ml);
     for (int64_t g = 0; g < nb; g += 32) {
-        uint32_t wa[4], wb[4];
-        bool have[4];
-        for (int u = 0; u < 4; u++) {
-            int64_t b = g + sl + 8 * u;
-            have[u] = live && b < nb;
-            wa[u] = wb[u] = 0;
-            if (!have[u]) continue;
-            const uint8_t *blk = row + (size_t)b * bb;
-            if (q8) { /* qs[8q .. 8q+7], 2-byte aligned */
-                const uint8_t *p = blk + 2 + 8 * qt;
-                wa[u] = ld16a(p) | ld16a(p + 2) << 16;
-                wb[u] = ld16a(p + 4) | ld16a(p + 6) << 16;
-            } else if (q41) { /* qs[4q .. 4q+3], 4-byte aligned */
-                wa[u] = ld32a(blk + 4 + 4 * qt);
-            } else {
-                const uint8_t *p = blk + 2 + 4 * qt;
-                wa[u] = ld16a(p) | ld16a(p + 2) << 16;
-            }
-        }
+        if (g + 32 < nb) qload(w, row, bb, live, q8, q41, g + 32, nb, sl, qt, lane, na, nbw, &nhave, &ndl, &nml);
         if (live && g + lane < nb) {
-            const uint8_t *blk = row + (size_t)(g + lane) * bb;
-            dq[wp][lane] = half_to_f32((uint16_t)ld16a(blk));
-            mq[wp][lane] = q41 ? half_to_f32((uint16_t)ld16a(blk + 2)) : 0.0f;
+            dq[wp][lane] = dl;
+            mq[wp][lane] = ml;
         }
         for (int r = 0; r < tm; r++) { /* tm is the same in every lane: the shuffles see them all */
             qxrow xr = qx_at(work, k, r0 + r);
@@ -670,7 +691,7 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
             for (int u = 0; u < 4; u++) {
                 int64_t b = g + sl + 8 * u;
                 int32_t part = 0;
-                if (have[u]) {
+                if (have >> u & 1) {
                     const int16_t *xi = xr.xi + b * KCU_QK;
                     if (q8) {
                         uint32_t x0 = ld32a(xi + 8 * qt), x1 = ld32a(xi + 8 * qt + 2), x2 = ld32a(xi + 8 * qt + 4),
@@ -690,7 +711,7 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
                 }
                 part += __shfl_xor_sync(0xffffffffu, part, 1);
                 part += __shfl_xor_sync(0xffffffffu, part, 2);
-                if (have[u] && qt == 0) {
+                if ((have >> u & 1) && qt == 0) {
                     if (w.type == GGML_TYPE_Q4_0) part -= 8 * xr.isx[b];
                     isum[wp][r][sl + 8 * u] = part;
                 }
@@ -706,6 +727,13 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
             }
         }
         __syncwarp();
+        for (int u = 0; u < 4; u++) {
+            wa[u] = na[u];
+            wb[u] = nbw[u];
+        }
+        have = nhave;
+        dl = ndl;
+        ml = nml;
     }
     if (live && lane < (unsigned)tm) y[(r0 + lane) * w.rows + j] = acc;
 }
@@ -859,27 +887,44 @@ void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, co
 #define AT_DPT (KN_MAX_HEAD_DIM / KCU_THREADS) /* output elements per thread */
 
 /* Chunk [c0, c0 + n) of the visible keys of a token of sequence seq, for
- * the head whose K/V columns start at off (q in qs): thread j < n scores
- * key j (8 lanes of mul-then-add, the lane tree, times scale); thread 0
- * takes the chunk's maximum and l = sum e^(s - mc) in key order into
- * *mc_s, *l_s; each thread sums o for its own elements in key order.
- * Every thread of the block calls it. */
+ * the head whose K/V columns start at off (q in qs). The chunk's K and V
+ * rows come into shared memory first (kv_s: [2][AT_CHUNK][head_dim + 2]
+ * halves, the 2 keeping a column's reads in distinct banks), all threads
+ * loading, 4 bytes each. Then thread j < n scores key j (8 lanes of
+ * mul-then-add, the lane tree, times scale); thread 0 takes the chunk's
+ * maximum and l = sum e^(s - mc) in key order into *mc_s, *l_s; each
+ * thread sums o for its own elements in key order. Every thread of the
+ * block calls it. */
+#define AT_KS (KN_MAX_HEAD_DIM + 2)
 static __device__ void at_chunk(const kn_kv_pool &kv, const kn_kv_map &map, const float *qs, int32_t seq,
                                 int32_t n_prefix, const int32_t *extra, size_t off, int64_t c0, int n, float scale,
-                                float *sc, size_t *rows, float *mc_s, float *l_s, float *o) {
-    const int hd = kv.head_dim;
+                                float *sc, size_t *rows, uint16_t (*kv_s)[AT_CHUNK][AT_KS], float *mc_s, float *l_s,
+                                float *o) {
+    const int hd = kv.head_dim, hs = hd + 2;
     unsigned tid = threadIdx.x;
     const uint16_t *K = (const uint16_t *)kv.k, *V = (const uint16_t *)kv.v;
     if ((int)tid < n) {
         int64_t vi = c0 + tid;
         int32_t slot = vi < n_prefix ? (int32_t)vi : extra[vi - n_prefix];
-        size_t at = slot_row(kv, map, seq, slot) + off;
-        rows[tid] = at;
+        rows[tid] = slot_row(kv, map, seq, slot) + off;
+    }
+    __syncthreads();
+    for (int u = (int)tid; u < 2 * n * (hd / 2); u += KCU_THREADS) {
+        int which = u / (n * (hd / 2)), r = u % (n * (hd / 2)), j = r / (hd / 2), d = r % (hd / 2) * 2;
+        uint32_t w = ld32a((which ? V : K) + rows[j] + (size_t)d);
+        uint16_t *dst = &((uint16_t *)kv_s[which])[j * hs + d];
+        dst[0] = (uint16_t)(w & 0xffffu);
+        dst[1] = (uint16_t)(w >> 16);
+    }
+    __syncthreads();
+    const uint16_t *ks = (const uint16_t *)kv_s[0], *vs = (const uint16_t *)kv_s[1];
+    if ((int)tid < n) {
+        const uint16_t *kr = ks + tid * hs;
         float a[8];
         for (int l = 0; l < 8; l++) a[l] = 0.0f;
         for (int d = 0; d < hd; d += 8)
             for (int l = 0; l < 8; l++) {
-                float p = qs[d + l] * half_to_f32(K[at + (size_t)(d + l)]);
+                float p = qs[d + l] * half_to_f32(kr[d + l]);
                 a[l] = a[l] + p;
             }
         float tr = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -904,7 +949,7 @@ static __device__ void at_chunk(const kn_kv_pool &kv, const kn_kv_map &map, cons
         float oe = 0.0f;
         if (d < hd)
             for (int j = 0; j < n; j++) {
-                float pv = half_to_f32(V[rows[j] + (size_t)d]) * sc[j];
+                float pv = half_to_f32(vs[j * hs + d]) * sc[j];
                 oe = oe + pv;
             }
         o[e] = oe;
@@ -966,6 +1011,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attention(kn_kv_pool kv, kn_kv_
     __shared__ float qs[KN_MAX_HEAD_DIM];
     __shared__ float sc[AT_CHUNK];
     __shared__ size_t rows[AT_CHUNK];
+    __shared__ uint16_t kv_s[2][AT_CHUNK][AT_KS];
     __shared__ float mc_s, l_s;
     int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
     at_tok k = at_token(kv, map, q, n_heads, t, h, qs);
@@ -973,7 +1019,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attention(kn_kv_pool kv, kn_kv_
     __syncthreads();
     for (int64_t c0 = 0; c0 < k.n_vis; c0 += AT_CHUNK) {
         int n = k.n_vis - c0 < AT_CHUNK ? (int)(k.n_vis - c0) : AT_CHUNK;
-        at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, &mc_s, &l_s, o);
+        at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, kv_s, &mc_s, &l_s, o);
         at_merge(c0 == 0, mc_s, l_s, o, &M, &L, O);
         __syncthreads();
     }
@@ -995,6 +1041,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_part(kn_kv_pool kv, kn_kv_
     __shared__ float qs[KN_MAX_HEAD_DIM];
     __shared__ float sc[AT_CHUNK];
     __shared__ size_t rows[AT_CHUNK];
+    __shared__ uint16_t kv_s[2][AT_CHUNK][AT_KS];
     __shared__ float mc_s, l_s;
     int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
     int64_t c0 = (int64_t)blockIdx.z * AT_CHUNK;
@@ -1003,7 +1050,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_part(kn_kv_pool kv, kn_kv_
     int n = k.n_vis - c0 < AT_CHUNK ? (int)(k.n_vis - c0) : AT_CHUNK;
     float o[AT_DPT];
     __syncthreads();
-    at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, &mc_s, &l_s, o);
+    at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, kv_s, &mc_s, &l_s, o);
     const int hd = kv.head_dim;
     float *p = part + (((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)n_chunks + blockIdx.z) * (size_t)(hd + 2);
     if (threadIdx.x == 0) {
@@ -1044,6 +1091,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_merge(kn_kv_pool kv, kn_kv
 void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                    int32_t n_heads) {
     if (map->m == 0) return;
+    KCU_ASSERT((uintptr_t)kv->k % 4 == 0 && (uintptr_t)kv->v % 4 == 0 && kv->head_dim % 8 == 0); /* at_chunk's loads */
     float scale = 1.0f / sqrtf((float)kv->head_dim);
     int64_t max_keys = (int64_t)map->table_len * kv->block_size;
     int32_t n_chunks = (int32_t)((max_keys + AT_CHUNK - 1) / AT_CHUNK);

@@ -32,4 +32,19 @@ for spec in ${PROFILE_MODELS:-smollm2-135m:q4_1 llama-3.1-8b:q4_0 llama-3.1-8b:b
         >/dev/null 2>"/tmp/ncu-$shape-$type.err" || { echo "ncu failed:"; tail -n 5 "/tmp/ncu-$shape-$type.err"; rc=1; }
     python3 tests/gpu/ncu_summary.py "$csv" 25 || rc=1
 done
+# PROFILE_DETAIL="KERNEL:SKIP ...": ncu's speed-of-light, occupancy and
+# warp-stall sections for two launches of each KERNEL past its first SKIP
+# (the first prefill and decode kernels, on the q4_0 model), into
+# $OUT/ncu-detail.txt; the headline rows are printed.
+file=$models/llama-3.1-8b-q4_0.gguf
+for spec in ${PROFILE_DETAIL:-}; do
+    kernel=${spec%%:*} kskip=${spec##*:}
+    echo "== $kernel: launches $kskip and $((kskip + 1)), in detail"
+    timeout 120 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --kernel-name "$kernel" --launch-skip "$kskip" \
+        --launch-count 2 build/gpu/aerie bench --model "$file" --device cuda --prompt-tokens 128 --gen-tokens 4 \
+        --repeat 1 2>/dev/null | sed -n '/==PROF== Disconnected/,$p' >>"$OUT/ncu-detail.txt" || rc=1
+    grep -E "^  [a-z_]+|Duration|DRAM Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit|Warp Cycles Per Issued|L1/TEX Hit|Grid Size" \
+        "$OUT/ncu-detail.txt" | tail -n 40
+done
 exit $rc
