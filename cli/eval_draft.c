@@ -377,7 +377,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
         rows[i] = i;
     }
     kn_kv_map map = {n, kv_map_tables(kv), kp.max_seqs, kp.max_blocks_per_seq, seqs, pos, n_prefix, zero, zero,
-                     zero, 0};
+                     zero, 0, n};
     eagle_batch b = {n, tokens, feat, 3 * H, pos, &map, hidden, n, rows, logits};
     kn_kv_pool layer = kv_layer(kv, 0);
     eagle_forward(h, s, &layer, ws, &b);

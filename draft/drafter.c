@@ -260,8 +260,13 @@ static kn_kv_map send_map(drafter *d, int32_t m, int32_t n_extra) {
                   *extra_start = put(d, I_EXTRA_START, m), *n_ex = put(d, I_N_EXTRA, m),
                   *extra = put(d, I_EXTRA, n_extra);
     kv_upload_tables(d->kv, d->stream);
+    int32_t max_vis = 0;
+    for (int32_t t = 0; t < m; t++) {
+        int32_t vis = d->host[I_N_PREFIX][t] + d->host[I_N_EXTRA][t];
+        if (vis > max_vis) max_vis = vis;
+    }
     return (kn_kv_map){m, kv_map_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
-                       seq, slot, n_prefix, extra_start, n_ex, extra, n_extra};
+                       seq, slot, n_prefix, extra_start, n_ex, extra, n_extra, max_vis};
 }
 
 /* Runs one feed's pairs through the head, chunk by chunk, into its KV. */

@@ -352,6 +352,10 @@ typedef struct kn_kv_map {
     const int32_t *n_extra;     /* [m] count of extra slots (0 for prefill/decode) */
     const int32_t *extra;       /* [n_extra_total] slots, increasing position order */
     int32_t n_extra_total;
+    /* The most slots a token of the batch sees (n_prefix + n_extra), as
+     * the host knows it, or 0 for "up to the block table's capacity": a
+     * backend that splits attention by chunks sizes its grid by it. */
+    int32_t max_visible;
 } kn_kv_map;
 
 /* Visible keys are cut into chunks of this many for the online softmax. */

@@ -248,8 +248,12 @@ static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, i
         kn_upload(e->stream, &e->in, (size_t)((char *)e->dev[i] - (char *)e->in.ptr), e->host[i], used[i] * sizeof(int32_t));
     kv_upload_tables(e->kv, e->stream);
     const int32_t *const *d = (const int32_t *const *)e->dev;
+    int32_t max_vis = 0;
+    for (int32_t t = 0; t < T; t++)
+        if (e->n_prefix[t] + e->n_extra[t] > max_vis) max_vis = e->n_prefix[t] + e->n_extra[t];
     kn_kv_map map = {T, kv_map_tables(e->kv), e->cfg.max_seqs, kv_get_params(e->kv)->max_blocks_per_seq,
-                     d[IN_SEQ], d[IN_SLOT], d[IN_N_PREFIX], d[IN_EXTRA_START], d[IN_N_EXTRA], d[IN_EXTRA], n_extra_total};
+                     d[IN_SEQ], d[IN_SLOT], d[IN_N_PREFIX], d[IN_EXTRA_START], d[IN_N_EXTRA], d[IN_EXTRA], n_extra_total,
+                     max_vis};
     /* Outputs: the caller's arrays on a host-memory backend, else e->out. */
     const size_t V = (size_t)e->m->cfg.vocab, W = capture ? (size_t)capture->n_layers * (size_t)e->m->cfg.hidden : 0;
     float *out_logits = e->out.ptr ? e->out.ptr : logits;

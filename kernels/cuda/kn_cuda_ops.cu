@@ -653,14 +653,16 @@ static __device__ void qload(const kw &w, const uint8_t *row, size_t bb, bool li
 /* Weight row blockIdx.x * 4 + warp against x rows blockIdx.y * 8 .., in
  * groups of 32 blocks. First the exact integer sums, four lanes to a
  * block: lane L takes quarter L % 4 of blocks g + L / 4 + 8u (u < 4),
- * all four blocks' weights loaded before any arithmetic, and two
- * shuffles add the quarters (integers: any order gives the same sum).
+ * all four blocks' weights loaded before any arithmetic, and the block's
+ * first lane adds the quarters through shared memory (integers: any order
+ * gives the same sum; shared memory rather than shuffles, which the CPU
+ * shim can only make block-wide barriers).
  * Then lane r chains row r's terms of the group in block order:
  * acc = fma(isum, d * sx, acc) and, for Q4_1, acc = fma(m, xs, acc), the
  * CPU's order exactly. Weight rows are 2-byte aligned (4 for Q4_1), and
  * x's rows 4 (kcu_matmul checks). */
 __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, int64_t m) {
-    __shared__ int32_t isum[QW][MM_TILE][32];
+    __shared__ int32_t isum[QW][MM_TILE][32], qpart[QW][4][32];
     __shared__ float dq[QW][32], mq[QW][32], sxs[QW][MM_TILE][32], xss[QW][MM_TILE][32];
     unsigned lane = threadIdx.x % 32, wp = threadIdx.x / 32, qt = lane % 4, sl = lane / 4;
     int64_t j = (int64_t)blockIdx.x * QW + wp, r0 = (int64_t)blockIdx.y * MM_TILE;
@@ -709,13 +711,18 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
                                (int32_t)(v >> 24 & 15) * hi16(l1) + (int32_t)(v >> 28) * hi16(h1);
                     }
                 }
-                part += __shfl_xor_sync(0xffffffffu, part, 1);
-                part += __shfl_xor_sync(0xffffffffu, part, 2);
-                if ((have >> u & 1) && qt == 0) {
-                    if (w.type == GGML_TYPE_Q4_0) part -= 8 * xr.isx[b];
-                    isum[wp][r][sl + 8 * u] = part;
-                }
+                qpart[wp][u][lane] = part;
             }
+            __syncwarp();
+            if (qt == 0)
+                for (int u = 0; u < 4; u++)
+                    if (have >> u & 1) {
+                        const int32_t *pq = &qpart[wp][u][lane];
+                        int32_t sum = (pq[0] + pq[1]) + (pq[2] + pq[3]);
+                        if (w.type == GGML_TYPE_Q4_0) sum -= 8 * xr.isx[g + sl + 8 * u];
+                        isum[wp][r][sl + 8 * u] = sum;
+                    }
+            __syncwarp();
         }
         __syncwarp();
         if (live && lane < (unsigned)tm) {
@@ -1070,7 +1077,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_merge(kn_kv_pool kv, kn_kv
     int64_t n_vis = (int64_t)map.n_prefix[t] + map.n_extra[t];
     const float *p0 = part + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)n_chunks * (size_t)(hd + 2);
     float M = 0.0f, L = 0.0f, O[AT_DPT], o[AT_DPT];
-    for (int64_t c = 0; c * AT_CHUNK < n_vis; c++) {
+    for (int64_t c = 0; c * AT_CHUNK < n_vis && c < n_chunks; c++) {
         const float *p = p0 + (size_t)c * (size_t)(hd + 2);
         for (int e = 0; e < AT_DPT; e++) {
             int d = (int)threadIdx.x + e * KCU_THREADS;
@@ -1078,6 +1085,7 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_merge(kn_kv_pool kv, kn_kv
         }
         at_merge(c == 0, p[0], p[1], o, &M, &L, O);
     }
+    if (n_vis > (int64_t)n_chunks * AT_CHUNK) L = NAN; /* map->max_visible said too few: loud, not wrong */
     float *oh = out + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)hd;
     for (int e = 0; e < AT_DPT; e++) {
         int d = (int)threadIdx.x + e * KCU_THREADS;
@@ -1087,13 +1095,13 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_merge(kn_kv_pool kv, kn_kv
 
 /* Split where the partials fit the stream's workspace (sized by
  * kn_attention_workspace for KN_ATTN_SPLIT_M tokens); a token sees at
- * most its block table's slots. */
+ * most map->max_visible slots, or its block table's. */
 void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                    int32_t n_heads) {
     if (map->m == 0) return;
     KCU_ASSERT((uintptr_t)kv->k % 4 == 0 && (uintptr_t)kv->v % 4 == 0 && kv->head_dim % 8 == 0); /* at_chunk's loads */
     float scale = 1.0f / sqrtf((float)kv->head_dim);
-    int64_t max_keys = (int64_t)map->table_len * kv->block_size;
+    int64_t max_keys = map->max_visible > 0 ? map->max_visible : (int64_t)map->table_len * kv->block_size;
     int32_t n_chunks = (int32_t)((max_keys + AT_CHUNK - 1) / AT_CHUNK);
     size_t part_bytes = (size_t)map->m * (size_t)n_heads * (size_t)n_chunks * (size_t)(kv->head_dim + 2) * sizeof(float);
     if (map->m <= KN_ATTN_SPLIT_M && n_chunks > 1 && n_chunks <= 65535 && part_bytes <= KN_CU(s)->work_bytes) {

@@ -65,7 +65,7 @@ static void ref_dist(ref *r, int32_t L, const int32_t *toks, const float *feats,
         int32_t width = t < L ? 3 * H : H;
         if (t < L) memcpy(in, feats + (size_t)t * 3 * H, sizeof(float) * 3 * (size_t)H);
         else memcpy(in, hid, sizeof(float) * (size_t)H);
-        kn_kv_map map = {1, kv_map_tables(r->kv), 1, 16, &seq, &slot, &np, &zero, &zero, &zero, 0};
+        kn_kv_map map = {1, kv_map_tables(r->kv), 1, 16, &seq, &slot, &np, &zero, &zero, &zero, 0, np};
         eagle_batch b = {1, &tok, in, width, &pos, &map, hid, 1, &row, probs};
         eagle_forward(h, r->s, &r->layer, r->ws, &b);
     }

@@ -130,7 +130,7 @@ static void runner_step(runner *r, const eagle_head *h, int32_t n, const int32_t
         n_prefix[i] = pos[i] + 1;
         rows[i] = i;
     }
-    kn_kv_map map = {n, kv_map_tables(r->kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0};
+    kn_kv_map map = {n, kv_map_tables(r->kv), 1, 1, seqs, pos, n_prefix, zero, zero, zero, 0, 0};
     eagle_batch b = {n, tokens, in_copy, width, pos, &map, hidden, n, rows, logits};
     eagle_forward(h, r->s, &r->layer, r->ws, &b);
 }

@@ -277,7 +277,7 @@ static run_result *generate(int32_t R, int32_t n_gen) {
             seq[i] = 0;
             n_prefix[i] = len + i + 1;
         }
-        kn_kv_map map = {m, table, 1, N_BLOCKS, seq, slot, n_prefix, zero, zero, NULL, 0};
+        kn_kv_map map = {m, table, 1, N_BLOCKS, seq, slot, n_prefix, zero, zero, NULL, 0, len + m};
         int32_t last = m - 1;
         float *logits = res->logits + (size_t)step * (size_t)V;
         llama_batch b = {m, cur, pos, &map, 1, &last, logits, NULL};

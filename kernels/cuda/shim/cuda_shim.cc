@@ -1,7 +1,12 @@
 /* The CPU stand-in for CUDA (cuda_shim.h). */
+/* Fibers switch stacks with _setjmp/_longjmp, which fortify's longjmp
+ * check would take for a corrupt stack. */
+#undef _FORTIFY_SOURCE
 #include "cuda_shim.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
+#include <setjmp.h>
 #include <semaphore.h>
 #include <ucontext.h>
 #include <stdio.h>
@@ -37,14 +42,24 @@ static void shim_fail(const char *what) {
 
 #ifdef SHIM_FIBERS
 /* Fibers (SHIM_FIBERS, the release plugin build/shim/libaerie-cuda.so):
- * a block's threads are ucontext fibers on the launching thread, each run
- * until it reaches a barrier or ends, round robin. Tens of times faster
- * than one OS thread per CUDA thread on a machine with few cores, which
- * is what lets a whole service run on it; the sanitizer builds keep real
- * threads, which TSan and ASan understand. A shuffle is a barrier of the
- * whole block here, so every warp must shuffle in step. */
+ * a block's threads are fibers on the launching thread, each run until it
+ * reaches a barrier or ends, round robin. Tens of times faster than one OS
+ * thread per CUDA thread on a machine with few cores, which is what lets a
+ * whole service run on it; the sanitizer builds keep real threads, which
+ * TSan and ASan understand. A shuffle is a barrier of the whole block
+ * here, so every warp must shuffle in step.
+ *
+ * A fiber is made once (makecontext, on its own stack) and lives across
+ * blocks and launches: it parks between blocks, and every switch is a
+ * _setjmp/_longjmp pair, which makes no system call (swapcontext saves
+ * and restores the signal mask with one each time, and a barrier costs a
+ * switch per thread). In a process with a sanitizer runtime (the ASan
+ * services load this plugin in the integration tests) the switches are
+ * swapcontext, which the runtime follows; its longjmp would take a jump
+ * between stacks for a stack it cannot trust. */
 struct fiber {
-    ucontext_t ctx;
+    jmp_buf jb;
+    ucontext_t uc;
     dim3 tid;
     bool done;
     unsigned syncs;
@@ -53,12 +68,22 @@ struct fiber {
 #define FIBER_STACK (256u << 10)
 static fiber g_fibers[SHIM_MAX_THREADS];
 static char *g_stacks;        /* SHIM_MAX_THREADS x FIBER_STACK, made on first use */
-static ucontext_t g_sched;    /* the launching thread's own context */
+static jmp_buf g_sched;       /* where the scheduler waits for the fiber it resumed */
+static ucontext_t g_sched_uc; /* the same, for swapcontext */
+static int g_jumps = -1;      /* _setjmp/_longjmp (1) or swapcontext (0); -1: not decided yet */
 static unsigned g_cur, g_n;   /* the fiber running, and fibers in the block */
+static unsigned g_made;       /* fibers made so far */
 static launch *g_launch;
 static double g_xch[SHIM_MAX_THREADS];
 
-static void yield_to_sched(void) { swapcontext(&g_fibers[g_cur].ctx, &g_sched); }
+static void yield_to_sched(void) {
+    fiber *f = &g_fibers[g_cur];
+    if (!g_jumps) {
+        swapcontext(&f->uc, &g_sched_uc);
+    } else if (!_setjmp(f->jb)) {
+        _longjmp(g_sched, 1);
+    }
+}
 
 void __syncthreads(void) {
     g_fibers[g_cur].syncs++;
@@ -82,10 +107,37 @@ static double shfl_xor(unsigned mask, double v, int lane_mask, int width) {
 }
 
 
+/* A fiber's life: park, run a block's thread when resumed, say so, park. */
 static void fiber_main(void) {
-    (*g_launch->fn)();
-    g_fibers[g_cur].done = true;
-    /* returning ends the fiber: uc_link goes back to the scheduler */
+    for (;;) {
+        yield_to_sched();
+        (*g_launch->fn)();
+        g_fibers[g_cur].done = true;
+    }
+}
+
+/* Runs fiber i until it parks or reaches a barrier. */
+static void resume(unsigned i) {
+    g_cur = i;
+    threadIdx = g_fibers[i].tid;
+    if (!g_jumps) {
+        swapcontext(&g_sched_uc, &g_fibers[i].uc);
+    } else if (!_setjmp(g_sched)) {
+        _longjmp(g_fibers[i].jb, 1);
+    }
+}
+
+/* Makes fiber i on its stack and runs it to its first park. */
+static void make_fiber(unsigned i) {
+    if (g_jumps < 0) g_jumps = !dlsym(RTLD_DEFAULT, "__asan_init") && !dlsym(RTLD_DEFAULT, "__tsan_init");
+    ucontext_t *uc = &g_fibers[i].uc;
+    if (getcontext(uc) != 0) shim_fail("getcontext failed");
+    uc->uc_stack.ss_sp = g_stacks + (size_t)i * FIBER_STACK;
+    uc->uc_stack.ss_size = FIBER_STACK;
+    uc->uc_link = NULL; /* fiber_main never returns */
+    makecontext(uc, fiber_main, 0);
+    g_cur = i;
+    if (!g_jumps || !_setjmp(g_sched)) swapcontext(&g_sched_uc, uc);
 }
 
 void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn) {
@@ -110,16 +162,12 @@ void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn) {
         for (unsigned by = 0; by < grid.y; by++)
             for (unsigned bx = 0; bx < grid.x; bx++) {
                 blockIdx = dim3(bx, by, bz);
+                for (; g_made < n; g_made++) make_fiber(g_made);
                 for (unsigned i = 0; i < n; i++) {
                     fiber *f = &g_fibers[i];
                     f->tid = dim3(i % block.x, i / block.x % block.y, i / (block.x * block.y));
                     f->done = false;
                     f->syncs = 0;
-                    getcontext(&f->ctx);
-                    f->ctx.uc_stack.ss_sp = g_stacks + (size_t)i * FIBER_STACK;
-                    f->ctx.uc_stack.ss_size = FIBER_STACK;
-                    f->ctx.uc_link = &g_sched;
-                    makecontext(&f->ctx, fiber_main, 0);
                 }
                 /* Rounds: each fiber runs to its next barrier or its end;
                  * after a round every fiber still running must be at the
@@ -128,9 +176,7 @@ void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn) {
                     unsigned running = 0;
                     for (unsigned i = 0; i < n; i++) {
                         if (g_fibers[i].done) continue;
-                        g_cur = i;
-                        threadIdx = g_fibers[i].tid;
-                        swapcontext(&g_sched, &g_fibers[i].ctx);
+                        resume(i);
                         running += !g_fibers[i].done;
                     }
                     for (unsigned i = 1; i < n; i++)
