@@ -5,17 +5,22 @@
  *
  * Layout of the work:
  *   - element-wise ops: a grid-stride loop, one element per thread;
- *   - per-row ops (rmsnorm, softmax, argmax): one block per row;
- *   - float matmul: a block is 32 weight rows x 8 lanes; thread (j, l)
- *     runs lane l's fma chain of row j for up to 8 rows of x, and lane 0
- *     adds the lanes in kernels.h's tree;
+ *   - per-row ops (rmsnorm, softmax): one block per row; argmax: 32
+ *     blocks per row, then the best of them;
+ *   - float matmul: a block is 32 weight rows x 8 lanes; the rows and x
+ *     pass through shared memory a chunk at a time, and thread (j, l)
+ *     runs lane l's fma chain of row j for up to 8 rows of x; lane 0 adds
+ *     the lanes in kernels.h's tree;
  *   - quantized matmul: x is first rounded to integers per block of 32
- *     (kqx_quantize), then a warp takes one weight row: each lane an
- *     integer block sum, and lane r chains row r's block terms in order;
- *   - attention: a block per (token, head) walks the token's chunks in
- *     order, each chunk's partial computed by the block, merged as it
- *     goes (the "walk" of kn_attention.c; the split of a long context
- *     over blocks is future work, tests/gpu/UNRUN.md). */
+ *     (k_qx), then a warp takes one weight row, a group of 32 blocks at a
+ *     time: four lanes to a block make its exact integer sum, and lane r
+ *     chains row r's block terms in order;
+ *   - attention: for decode and verify (up to KN_ATTN_SPLIT_M tokens) a
+ *     block per (token, head, chunk) makes the chunk's partial and a
+ *     second kernel merges them in order; for more tokens a block per
+ *     (token, head) walks its chunks, merging as it goes. Both are
+ *     kn_attention.c's arithmetic.
+ * tests/gpu/UNRUN.md says what of this has run on a GPU, and how fast. */
 #include "kn_cuda.h"
 
 #include <math.h>
