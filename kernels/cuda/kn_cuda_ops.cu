@@ -379,24 +379,17 @@ static KN_HD uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] <<
 
 /* Aligned loads (the caller knows the alignment); the shim's through
  * memcpy, which is what C allows. */
-static KN_HD uint32_t ld32a(const void *p) {
+template <typename T> static KN_HD T load_aligned(const void *p) {
 #ifdef KN_CUDA_SHIM
-    uint32_t v;
+    T v;
     memcpy(&v, p, sizeof v);
     return v;
 #else
-    return *(const uint32_t *)p;
+    return *(const T *)p;
 #endif
 }
-static KN_HD uint32_t ld16a(const void *p) {
-#ifdef KN_CUDA_SHIM
-    uint16_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-#else
-    return *(const uint16_t *)p;
-#endif
-}
+static KN_HD uint32_t ld32a(const void *p) { return load_aligned<uint32_t>(p); }
+static KN_HD uint32_t ld16a(const void *p) { return load_aligned<uint16_t>(p); }
 static KN_HD int32_t lo16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v & 0xffffu); }
 static KN_HD int32_t hi16(uint32_t v) { return (int32_t)(int16_t)(uint16_t)(v >> 16); }
 
@@ -899,7 +892,7 @@ void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, co
 #define AT_DPT (KN_MAX_HEAD_DIM / KCU_THREADS) /* output elements per thread */
 
 /* Chunk [c0, c0 + n) of the visible keys of a token of sequence seq, for
- * the head whose K/V columns start at off (q in qs). The chunk's K and V
+ * the head whose K/V columns start at off (q in sh.qs). The chunk's K and V
  * rows come into shared memory first (kv_s: [2][AT_CHUNK][head_dim + 2]
  * halves, the 2 keeping a column's reads in distinct banks), all threads
  * loading, 4 bytes each. Then thread j < n scores key j (8 lanes of
@@ -908,10 +901,20 @@ void kcu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, co
  * thread sums o for its own elements in key order. Every thread of the
  * block calls it. */
 #define AT_KS (KN_MAX_HEAD_DIM + 2)
-static __device__ void at_chunk(const kn_kv_pool &kv, const kn_kv_map &map, const float *qs, int32_t seq,
+struct at_shared { /* a block's shared memory for attention */
+    float qs[KN_MAX_HEAD_DIM];
+    float sc[AT_CHUNK];
+    size_t rows[AT_CHUNK];
+    uint16_t kv_s[2][AT_CHUNK][AT_KS];
+    float mc_s, l_s;
+};
+static __device__ void at_chunk(const kn_kv_pool &kv, const kn_kv_map &map, at_shared &sh, int32_t seq,
                                 int32_t n_prefix, const int32_t *extra, size_t off, int64_t c0, int n, float scale,
-                                float *sc, size_t *rows, uint16_t (*kv_s)[AT_CHUNK][AT_KS], float *mc_s, float *l_s,
                                 float *o) {
+    const float *qs = sh.qs;
+    float *sc = sh.sc, *mc_s = &sh.mc_s, *l_s = &sh.l_s;
+    size_t *rows = sh.rows;
+    uint16_t(*kv_s)[AT_CHUNK][AT_KS] = sh.kv_s;
     const int hd = kv.head_dim, hs = hd + 2;
     unsigned tid = threadIdx.x;
     const uint16_t *K = (const uint16_t *)kv.k, *V = (const uint16_t *)kv.v;
@@ -1020,19 +1023,15 @@ static __device__ at_tok at_token(const kn_kv_pool &kv, const kn_kv_map &map, co
  * running state as it is made. */
 __global__ void __launch_bounds__(KCU_THREADS) k_attention(kn_kv_pool kv, kn_kv_map map, const float *q, float *out,
                                                             int32_t n_heads, float scale) {
-    __shared__ float qs[KN_MAX_HEAD_DIM];
-    __shared__ float sc[AT_CHUNK];
-    __shared__ size_t rows[AT_CHUNK];
-    __shared__ uint16_t kv_s[2][AT_CHUNK][AT_KS];
-    __shared__ float mc_s, l_s;
+    __shared__ at_shared sh;
     int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
-    at_tok k = at_token(kv, map, q, n_heads, t, h, qs);
+    at_tok k = at_token(kv, map, q, n_heads, t, h, sh.qs);
     float M = 0.0f, L = 0.0f, O[AT_DPT], o[AT_DPT];
     __syncthreads();
     for (int64_t c0 = 0; c0 < k.n_vis; c0 += AT_CHUNK) {
         int n = k.n_vis - c0 < AT_CHUNK ? (int)(k.n_vis - c0) : AT_CHUNK;
-        at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, kv_s, &mc_s, &l_s, o);
-        at_merge(c0 == 0, mc_s, l_s, o, &M, &L, O);
+        at_chunk(kv, map, sh, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, o);
+        at_merge(c0 == 0, sh.mc_s, sh.l_s, o, &M, &L, O);
         __syncthreads();
     }
     float *oh = out + ((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)kv.head_dim;
@@ -1050,24 +1049,20 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attention(kn_kv_pool kv, kn_kv_
 __global__ void __launch_bounds__(KCU_THREADS) k_attn_part(kn_kv_pool kv, kn_kv_map map, const float *q,
                                                             int32_t n_heads, float scale, int32_t n_chunks,
                                                             float *part) {
-    __shared__ float qs[KN_MAX_HEAD_DIM];
-    __shared__ float sc[AT_CHUNK];
-    __shared__ size_t rows[AT_CHUNK];
-    __shared__ uint16_t kv_s[2][AT_CHUNK][AT_KS];
-    __shared__ float mc_s, l_s;
+    __shared__ at_shared sh;
     int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
     int64_t c0 = (int64_t)blockIdx.z * AT_CHUNK;
-    at_tok k = at_token(kv, map, q, n_heads, t, h, qs);
+    at_tok k = at_token(kv, map, q, n_heads, t, h, sh.qs);
     if (c0 >= k.n_vis) return; /* the same in every thread */
     int n = k.n_vis - c0 < AT_CHUNK ? (int)(k.n_vis - c0) : AT_CHUNK;
     float o[AT_DPT];
     __syncthreads();
-    at_chunk(kv, map, qs, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, sc, rows, kv_s, &mc_s, &l_s, o);
+    at_chunk(kv, map, sh, k.seq, k.n_prefix, k.extra, k.off, c0, n, scale, o);
     const int hd = kv.head_dim;
     float *p = part + (((size_t)t * (size_t)n_heads + (size_t)h) * (size_t)n_chunks + blockIdx.z) * (size_t)(hd + 2);
     if (threadIdx.x == 0) {
-        p[0] = mc_s;
-        p[1] = l_s;
+        p[0] = sh.mc_s;
+        p[1] = sh.l_s;
     }
     for (int e = 0; e < AT_DPT; e++) {
         int d = (int)threadIdx.x + e * KCU_THREADS;
