@@ -195,12 +195,12 @@ void kcu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_
 /* ---- per row ------------------------------------------------------------ */
 
 /* Row blockIdx.x. The sum of squares is kernels.h's: 8 lanes of double
- * sums in element order (threads 0..7), the lane tree, the tail. The row
- * passes through shared memory a chunk at a time, loaded by the whole
- * block, so that the lanes' chains wait on no global load. */
+ * sums in element order (threads 0..7), the lane tree, the tail. The
+ * squares are independent: the whole block makes them, a chunk at a time,
+ * into shared memory, and the 8 lanes only add, 8 loads ahead. */
 #define RN_CHUNK 2048
 __global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, float eps) {
-    __shared__ float xs[RN_CHUNK];
+    __shared__ double sq[RN_CHUNK];
     __shared__ double lane[8];
     __shared__ float inv_s;
     const float *xr = x + (int64_t)blockIdx.x * n;
@@ -210,18 +210,20 @@ __global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, f
     double a = 0.0;
     for (int64_t c0 = 0; c0 < n8; c0 += RN_CHUNK) {
         int cl = n8 - c0 < RN_CHUNK ? (int)(n8 - c0) : RN_CHUNK; /* a multiple of 8 */
-        for (int i = (int)t; i < cl; i += (int)blockDim.x) xs[i] = xr[c0 + i];
+        for (int i = (int)t; i < cl; i += (int)blockDim.x) {
+            double v = (double)xr[c0 + i];
+            sq[i] = v * v;
+        }
         __syncthreads();
-        if (t < 8)
-            for (int i0 = (int)t; i0 < cl; i0 += 8 * 16) { /* 16 loads ahead of the chain */
-                float v[16];
-                for (int u = 0; u < 16; u++) v[u] = i0 + 8 * u < cl ? xs[i0 + 8 * u] : 0.0f;
-                for (int u = 0; u < 16 && i0 + 8 * u < cl; u++) {
-                    double d = (double)v[u];
-                    double sq = d * d;
-                    a = a + sq;
-                }
+        if (t < 8) {
+            int i = (int)t;
+            for (; i + 56 < cl; i += 64) { /* 8 of the lane's squares, then their sums in order */
+                double s8[8];
+                for (int u = 0; u < 8; u++) s8[u] = sq[i + 8 * u];
+                for (int u = 0; u < 8; u++) a = a + s8[u];
             }
+            for (; i < cl; i += 8) a = a + sq[i];
+        }
         __syncthreads();
     }
     if (t < 8) lane[t] = a;
@@ -230,8 +232,8 @@ __global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, f
         double ss = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
         for (int64_t i = n8; i < n; i++) {
             double v = (double)xr[i];
-            double sq = v * v;
-            ss = ss + sq;
+            double v2 = v * v;
+            ss = ss + v2;
         }
         inv_s = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
     }
