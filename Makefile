@@ -31,7 +31,7 @@ CXX     ?= g++
 FUZZCXX ?= clang++
 CXXFLAGS_BASE := -std=c++17 -D_GNU_SOURCE -pthread -MMD -MP -Wall -Wextra -Werror -Wno-unused-parameter \
                  -Ibuild/xgrammar/include
-LIBS    := $(XGR_LIB) -lstdc++ -lcjson -levent_core -levent_pthreads -levent_openssl -lssl -lcrypto -lprotobuf-nanopb -lm -lpthread
+LIBS    := $(XGR_LIB) -lstdc++ -lcjson -levent_core -levent_pthreads -levent_openssl -lssl -lcrypto -lprotobuf-nanopb -lm -lpthread -ldl
 
 # The wire contract (proto/aerie.proto, bounded by proto/aerie.options) is
 # compiled by nanopb's generator into build/gen/; generated code is never
@@ -276,7 +276,7 @@ $(SHIM_LIB): $(SHIM_SRC) kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h ke
 	@mkdir -p $(@D)
 	$(MSG) SHIMLD $@
 	$(Q)$(CXX) $(filter-out -MMD -MP,$(SHIM_FLAGS)) -DSHIM_FIBERS -O2 -g -fPIC -shared -fvisibility=hidden -Wl,--no-undefined \
-	    -x c++ $(SHIM_SRC) -o $@
+	    -x c++ $(SHIM_SRC) -o $@ -ldl
 
 build/shim/obj/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
 	@mkdir -p $(@D)

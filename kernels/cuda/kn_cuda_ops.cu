@@ -291,18 +291,20 @@ static KN_HD bool am_better(float v, int64_t i, float bv, int64_t bi) {
     return v > bv || (v == bv && i < bi);
 }
 
-/* Row blockIdx.x in 32 slices (blockIdx.y), each scanned by a block with
+/* Row blockIdx.x in ns slices (blockIdx.y), each scanned by a block with
  * four loads in flight per thread, then reduced in shared memory: the
- * best (value, index) of its slice into pv/pi. "Better" is a total order
- * on non-NaN values (larger, then lower index), so the split changes no
- * result; k_argmax_fin takes the best of the slices. */
+ * best (value, index) of its slice into pv/pi, or with one slice the
+ * answer into out. "Better" is a total order on non-NaN values (larger,
+ * then lower index), so the split changes no result; k_argmax_fin takes
+ * the best of the slices. */
 #define AM_SLICES 32
-__global__ void __launch_bounds__(KCU_THREADS) k_argmax_part(const float *x, int64_t n, float *pv, int32_t *pi) {
+__global__ void __launch_bounds__(KCU_THREADS) k_argmax_part(const float *x, int64_t n, int ns, float *pv, int32_t *pi,
+                                                              int32_t *out) {
     __shared__ float bv_t[KCU_THREADS];
     __shared__ int64_t bi_t[KCU_THREADS];
     const float *xr = x + (int64_t)blockIdx.x * n;
     unsigned t = threadIdx.x, B = blockDim.x;
-    int64_t per = (n + AM_SLICES - 1) / AM_SLICES, lo = (int64_t)blockIdx.y * per;
+    int64_t per = (n + ns - 1) / ns, lo = (int64_t)blockIdx.y * per;
     int64_t hi = lo + per < n ? lo + per : n;
     float bv = 0.0f;
     int64_t bi = -1;
@@ -325,9 +327,11 @@ __global__ void __launch_bounds__(KCU_THREADS) k_argmax_part(const float *x, int
         }
         __syncthreads();
     }
-    if (t == 0) {
-        pv[blockIdx.x * AM_SLICES + blockIdx.y] = bv_t[0];
-        pi[blockIdx.x * AM_SLICES + blockIdx.y] = (int32_t)bi_t[0];
+    if (t == 0 && ns == 1) {
+        out[blockIdx.x] = bi_t[0] < 0 ? 0 : (int32_t)bi_t[0]; /* a row of NaN: 0, as the CPU's */
+    } else if (t == 0) {
+        pv[blockIdx.x * ns + blockIdx.y] = bv_t[0];
+        pi[blockIdx.x * ns + blockIdx.y] = (int32_t)bi_t[0];
     }
 }
 
@@ -344,14 +348,22 @@ __global__ void k_argmax_fin(const float *pv, const int32_t *pi, int32_t *out) {
     out[blockIdx.x] = bi < 0 ? 0 : (int32_t)bi; /* a row of NaN: 0, as the CPU's */
 }
 
-/* The slices' partial results go in the stream's workspace. */
+/* The slices' partial results go in the stream's workspace; a stream with
+ * too little for them scans each row with one block. */
 void kcu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
     if (m == 0) return;
+    KCU_ASSERT((KCU_THREADS & (KCU_THREADS - 1)) == 0); /* the reduction tree halves */
     size_t part = (size_t)m * AM_SLICES;
-    KCU_ASSERT(part * (sizeof(float) + sizeof(int32_t)) <= KN_CU(s)->work_bytes && KCU_THREADS % 2 == 0);
+    if (part * (sizeof(float) + sizeof(int32_t)) > KN_CU(s)->work_bytes) {
+        KN_LAUNCH(k_argmax_part, dim3((unsigned)m, 1), dim3(KCU_THREADS), st(s), x, n, 1, (float *)NULL,
+                  (int32_t *)NULL, out);
+        launched(s);
+        return;
+    }
     float *pv = (float *)KN_CU(s)->work;
     int32_t *pi = (int32_t *)(void *)(pv + part);
-    KN_LAUNCH(k_argmax_part, dim3((unsigned)m, AM_SLICES), dim3(KCU_THREADS), st(s), x, n, pv, pi);
+    KN_LAUNCH(k_argmax_part, dim3((unsigned)m, AM_SLICES), dim3(KCU_THREADS), st(s), x, n, AM_SLICES, pv, pi,
+              (int32_t *)NULL);
     launched(s);
     KN_LAUNCH(k_argmax_fin, dim3((unsigned)m), dim3(1), st(s), pv, pi, out);
     launched(s);
@@ -660,7 +672,7 @@ static __device__ void qload(const kw &w, const uint8_t *row, size_t bb, bool li
  * Then lane r chains row r's terms of the group in block order:
  * acc = fma(isum, d * sx, acc) and, for Q4_1, acc = fma(m, xs, acc), the
  * CPU's order exactly. Weight rows are 2-byte aligned (4 for Q4_1), and
- * x's rows 4 (kcu_matmul checks). */
+ * x's rows (76 bytes a block in the workspace) 4. */
 __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, int64_t m) {
     __shared__ int32_t isum[QW][MM_TILE][32], qpart[QW][4][32];
     __shared__ float dq[QW][32], mq[QW][32], sxs[QW][MM_TILE][32], xss[QW][MM_TILE][32];
@@ -684,7 +696,7 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
             dq[wp][lane] = dl;
             mq[wp][lane] = ml;
         }
-        for (int r = 0; r < tm; r++) { /* tm is the same in every lane: the shuffles see them all */
+        for (int r = 0; r < tm; r++) { /* tm is the same in every lane: all reach the __syncwarp */
             qxrow xr = qx_at(work, k, r0 + r);
             if (g + lane < nb) {
                 sxs[wp][r][lane] = xr.sx[g + lane];
@@ -767,7 +779,8 @@ static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *
         KN_LAUNCH(k_matmul_q, tile_grid(w->rows, QW, m), dim3(32 * QW), st(s), kw_of(w), KN_CU(s)->work, y, m);
     } else {
         dim3 grid = tile_grid(w->rows, MM_ROWS, m), block(8 * MM_ROWS);
-        KCU_ASSERT((uintptr_t)w->data % 4 == 0 && w->row_bytes % 2 == 0);
+        size_t al = w->type == GGML_TYPE_F32 ? 4 : 2; /* mf_elem's loads; the 16-byte path checks its own */
+        KCU_ASSERT((uintptr_t)w->data % al == 0 && w->row_bytes % al == 0);
         if (w->type == GGML_TYPE_F32) KN_LAUNCH(k_matmul_f<GGML_TYPE_F32>, grid, block, st(s), kw_of(w), x, y, m);
         else if (w->type == GGML_TYPE_F16) KN_LAUNCH(k_matmul_f<GGML_TYPE_F16>, grid, block, st(s), kw_of(w), x, y, m);
         else KN_LAUNCH(k_matmul_f<GGML_TYPE_BF16>, grid, block, st(s), kw_of(w), x, y, m);

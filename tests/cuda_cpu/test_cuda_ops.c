@@ -337,6 +337,15 @@ static void row_and_elementwise_ops(void **state) {
         get(cu15, bg, dbi, sizeof bg);
         assert_memory_equal(bc, bg, sizeof bc);
         assert_true(bc[0] == 1000 && bc[1] == V - 1 && bc[2] == 4000);
+        /* a stream with no workspace for the slices: a block per row */
+        kn_stream *bare;
+        ae_error err = {{0}};
+        assert_int_equal(kn_stream_init(&bare, CU, &(kn_stream_config){NULL, 0}, &err), AE_OK);
+        kn_upload(bare, last_buf(), 0, (int32_t[3]){-1, -1, -1}, sizeof bg);
+        kn_argmax(bare, dbig, dbi, 3, V);
+        get(bare, bg, dbi, sizeof bg);
+        assert_memory_equal(bc, bg, sizeof bc);
+        kn_stream_free(bare);
         free(big);
     }
 

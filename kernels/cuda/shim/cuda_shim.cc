@@ -56,7 +56,10 @@ static void shim_fail(const char *what) {
  * switch per thread). In a process with a sanitizer runtime (the ASan
  * services load this plugin in the integration tests) the switches are
  * swapcontext, which the runtime follows; its longjmp would take a jump
- * between stacks for a stack it cannot trust. */
+ * between stacks for a stack it cannot trust. (A process with the CET
+ * shadow stack switched on would need swapcontext too: glibc's longjmp
+ * does not switch shadow stacks. Debian's toolchain does not switch it
+ * on.) */
 struct fiber {
     jmp_buf jb;
     ucontext_t uc;
