@@ -252,9 +252,14 @@ void kcu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t
 }
 
 /* Row blockIdx.x in place. The maximum is order-free; the sum is in
- * double in element order (thread 0), as on the CPU. */
+ * double in element order, one chain (thread 0), as on the CPU. The
+ * exponentials are independent: the whole block makes them, a chunk at a
+ * time, and copies them to shared memory, from which thread 0 adds 8
+ * loads ahead. */
+#define SM_CHUNK 4096
 __global__ void k_softmax(float *x, int64_t n) {
     __shared__ float mx_t[KCU_THREADS];
+    __shared__ float ex[SM_CHUNK];
     __shared__ float inv_s;
     float *xr = x + (int64_t)blockIdx.x * n;
     unsigned t = threadIdx.x;
@@ -266,13 +271,27 @@ __global__ void k_softmax(float *x, int64_t n) {
     mx = -INFINITY;
     for (unsigned i = 0; i < blockDim.x; i++)
         if (mx_t[i] > mx) mx = mx_t[i];
-    for (int64_t i = t; i < n; i += blockDim.x) xr[i] = expf(xr[i] - mx);
-    __syncthreads();
-    if (t == 0) {
-        double sum = 0.0;
-        for (int64_t i = 0; i < n; i++) sum += xr[i];
-        inv_s = (float)(1.0 / sum);
+    double sum = 0.0; /* thread 0's */
+    for (int64_t c0 = 0; c0 < n; c0 += SM_CHUNK) {
+        int cl = n - c0 < SM_CHUNK ? (int)(n - c0) : SM_CHUNK;
+        for (int i = (int)t; i < cl; i += (int)blockDim.x) {
+            float e = expf(xr[c0 + i] - mx);
+            xr[c0 + i] = e;
+            ex[i] = e;
+        }
+        __syncthreads();
+        if (t == 0) {
+            int i = 0;
+            for (; i + 8 <= cl; i += 8) {
+                float e8[8];
+                for (int u = 0; u < 8; u++) e8[u] = ex[i + u];
+                for (int u = 0; u < 8; u++) sum += e8[u];
+            }
+            for (; i < cl; i++) sum += ex[i];
+        }
+        __syncthreads();
     }
+    if (t == 0) inv_s = (float)(1.0 / sum);
     __syncthreads();
     float inv = inv_s;
     for (int64_t i = t; i < n; i += blockDim.x) xr[i] = xr[i] * inv;

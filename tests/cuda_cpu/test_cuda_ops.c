@@ -361,7 +361,7 @@ static void row_and_elementwise_ops(void **state) {
     kn_gather_rows(cu15, dx, NULL, 2, N, dgat + N, 2 * N);
     get(cu15, gg, dgat, sizeof gg);
     same("gather_rows", gc, gg, 4 * N);
-    {   /* rows wider than the kernel's chunk of 2048, with a tail */
+    {   /* rows wider than the kernels' chunks (2048, 4096), with a tail */
         enum { W = 4100 };
         float *xw = malloc(2 * W * sizeof(float)), *gw = malloc(W * sizeof(float)), *yw = malloc(2 * W * sizeof(float)),
               *yv = malloc(2 * W * sizeof(float));
@@ -373,6 +373,12 @@ static void row_and_elementwise_ops(void **state) {
         kn_rmsnorm(cu15, dxw, dgw, dyw, 2, W, 1e-5f);
         get(cu15, yv, dyw, 2 * W * sizeof(float));
         same("rmsnorm, wide rows", yw, yv, 2 * W);
+        /* softmax over rows wider than its chunk of 4096 */
+        kn_upload(cu15, last_buf(), 0, xw, 2 * W * sizeof(float));
+        kn_softmax(cpu15, xw, 2, W);
+        kn_softmax(cu15, dyw, 2, W);
+        get(cu15, yv, dyw, 2 * W * sizeof(float));
+        libm_near("softmax, wide rows", xw, yv, 2 * W, 1e-6);
         free(xw), free(gw), free(yw), free(yv);
     }
     free_bufs();
