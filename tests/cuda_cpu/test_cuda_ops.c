@@ -96,6 +96,14 @@ static void get(kn_stream *s, void *host, const void *dptr, size_t bytes) {
     }
     fail_msg("no buffer holds that pointer");
 }
+/* A CUDA stream with no workspace: ops that would keep partials there
+ * take their other way. */
+static kn_stream *bare_stream(void) {
+    kn_stream *s;
+    ae_error err = {{0}};
+    assert_int_equal(kn_stream_init(&s, CU, &(kn_stream_config){NULL, 0}, &err), AE_OK);
+    return s;
+}
 static void free_bufs(void) {
     for (int i = 0; i < n_bufs; i++) kn_buf_free(&bufs[i]);
     n_bufs = 0;
@@ -338,9 +346,7 @@ static void row_and_elementwise_ops(void **state) {
         assert_memory_equal(bc, bg, sizeof bc);
         assert_true(bc[0] == 1000 && bc[1] == V - 1 && bc[2] == 4000);
         /* a stream with no workspace for the slices: a block per row */
-        kn_stream *bare;
-        ae_error err = {{0}};
-        assert_int_equal(kn_stream_init(&bare, CU, &(kn_stream_config){NULL, 0}, &err), AE_OK);
+        kn_stream *bare = bare_stream();
         kn_upload(bare, last_buf(), 0, (int32_t[3]){-1, -1, -1}, sizeof bg);
         kn_argmax(bare, dbig, dbi, 3, V);
         get(bare, bg, dbi, sizeof bg);
@@ -497,9 +503,7 @@ static void kv_write_attention_and_move(void **state) {
     same("attention, chunks apart then merged", oc, og, NT * QH * HD);
     /* with no workspace for the chunks' partials: one block per (token,
      * head) walks its chunks, the same bits */
-    kn_stream *bare;
-    ae_error err = {{0}};
-    assert_int_equal(kn_stream_init(&bare, CU, &(kn_stream_config){NULL, 0}, &err), AE_OK);
+    kn_stream *bare = bare_stream();
     kn_upload(bare, last_buf(), 0, (float[NT * QH * HD]){0}, sizeof og);
     kn_attention(bare, &pg, &ag, dq, dout, QH);
     get(bare, og, dout, sizeof og);

@@ -98,11 +98,9 @@ def test_print_config_names_the_cuda_device_and_an_impossible_gpu_plan_exits_2(t
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):
     # The release aerie, as the services here: the shim's fibers switch
     # with swapcontext under a sanitizer runtime, several times slower.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AERIE_")}
-    env["AERIE_CUDA_LIB"] = str(SHIM)
     r = subprocess.run([str(ROOT / "build" / "aerie"), "bench", "--model", str(tiny), "--device", "cuda",
                         "--prompt-tokens", "8", "--gen-tokens", "2", "--repeat", "1", "--bandwidth-mib", "16"],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                       capture_output=True, text=True, env=env_with_shim(), cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["device"] == "cuda shim (CPU)"
