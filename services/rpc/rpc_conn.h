@@ -65,6 +65,7 @@ struct rpc_call {
     rpc_server *srv; /* counts the call until it is finished */
     uint32_t id;
     atomic_bool cancelled;
+    atomic_bool server_closing; /* cancelled by rpc_server_close, not by the peer */
     bool streamed;
     bool finished; /* a REPLY or END went out (the deadline may send one first) */
     int64_t deadline_ns; /* 0: none */

@@ -299,7 +299,12 @@ void rpc_call_fail(rpc_call *k, uint32_t status, const char *fmt, ...) {
     vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
     if (status == RPC_OK) status = RPC_UNKNOWN;
-    if (status == RPC_CANCELLED && k->deadline_ns && clock_mono_ns() > k->deadline_ns) {
+    if (status == RPC_CANCELLED && atomic_load(&k->server_closing)) {
+        /* The peer did not cancel it: this server is going away, and the
+         * call may be tried again elsewhere. */
+        status = RPC_UNAVAILABLE;
+        snprintf(text, sizeof text, "the server is shutting down");
+    } else if (status == RPC_CANCELLED && k->deadline_ns && clock_mono_ns() > k->deadline_ns) {
         /* Cancelled because its time ran out: say so. */
         status = RPC_DEADLINE_EXCEEDED;
         snprintf(text, sizeof text, "deadline of %u us exceeded", k->req.timeout_us);
@@ -418,7 +423,10 @@ static void server_close_job(void *arg) {
     for (conn *next; c; c = next) {
         next = c->next;
         pthread_mutex_lock(&c->mu);
-        for (rpc_call *k = c->calls; k; k = k->next) atomic_store(&k->cancelled, true);
+        for (rpc_call *k = c->calls; k; k = k->next) {
+            atomic_store(&k->server_closing, true);
+            atomic_store(&k->cancelled, true);
+        }
         pthread_mutex_unlock(&c->mu);
         rpc_conn_close_after_flush(c);
     }
