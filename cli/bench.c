@@ -57,6 +57,7 @@ static const cfg_option opts[] = {
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
+    MEMPLAN_GRAPHS_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
     {"oracle-accept", CFG_INT, "0", 0, 62,
      "speculate with an oracle draft instead of --draft: the target's own greedy tokens, this many right then one "
@@ -534,6 +535,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
             b.prompts[(size_t)s * (size_t)n_prompt + (size_t)t] = (int32_t)(splitmix64(&st) % (uint64_t)b.vocab);
     }
     if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
+    eng_set_graphs(b.e, memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be)));
     for (int32_t s = 0; s <= batch; s++)
         if (eng_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
     LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt,
@@ -625,6 +627,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_Delete(o);
         goto out;
     }
+    eng_graph_stats gs = eng_get_graph_stats(b.e);
+    cJSON_AddNumberToObject(o, "cuda_graphs", gs.max_graphs);
+    cJSON_AddNumberToObject(o, "graph_captures", (double)gs.captures);
+    cJSON_AddNumberToObject(o, "graph_replays", (double)gs.replays);
+    cJSON_AddNumberToObject(o, "graph_bytes", (double)gs.bytes);
+    cJSON_AddNumberToObject(o, "graph_max_nodes", (double)gs.max_nodes);
     cJSON_AddNumberToObject(o, "wall_seconds", cli_round(clock_mono_seconds() - t_start, 1e2));
     if (cli_put_json_line(o, err) != AE_OK) goto out;
     rc = 0;

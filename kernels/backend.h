@@ -36,6 +36,12 @@ struct kn_stream {
     int act_bits; /* 15 or 8 (kernels.h); kn_stream_set_act_bits */
 };
 
+/* The head of every backend's graph (kernels.h kn_graph). */
+struct kn_graph {
+    const kn_backend *be;
+    size_t nodes, bytes;
+};
+
 struct kn_backend {
     const char *name; /* "cpu" */
     /* Its buffers are host memory and its ops read host pointers: a
@@ -53,6 +59,13 @@ struct kn_backend {
     void (*sync)(kn_stream *s);
     void (*event_record)(kn_stream *s, kn_event *e);
     void (*event_wait)(kn_stream *s, const kn_event *e);
+
+    /* graphs (kernels.h); NULL where there are none. graph_end fills the
+     * head's nodes and bytes. */
+    int (*graph_begin)(kn_stream *s, ae_error *err);
+    int (*graph_end)(kn_stream *s, kn_graph **out, ae_error *err);
+    void (*graph_launch)(kn_stream *s, kn_graph *g);
+    void (*graph_free)(kn_graph *g);
 
     /* buffers */
     int (*buf_alloc)(kn_buf *b, size_t bytes, ae_error *err); /* zero-filled */

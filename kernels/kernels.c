@@ -42,6 +42,33 @@ void kn_event_record(kn_stream *s, kn_event *e) { s->be->event_record(s, e); }
 
 void kn_event_wait(kn_stream *s, const kn_event *e) { s->be->event_wait(s, e); }
 
+bool kn_backend_has_graphs(const kn_backend *be) { return be->graph_begin != NULL; }
+
+int kn_graph_begin(kn_stream *s, ae_error *err) {
+    if (!s->be->graph_begin) return err_set(err, "the %s backend has no graphs", s->be->name);
+    return s->be->graph_begin(s, err);
+}
+
+int kn_graph_end(kn_stream *s, kn_graph **out, ae_error *err) {
+    *out = NULL;
+    AE_ASSERT(s->be->graph_end);
+    if (s->be->graph_end(s, out, err) != AE_OK) return AE_ERR;
+    (*out)->be = s->be;
+    return AE_OK;
+}
+
+void kn_graph_launch(kn_stream *s, kn_graph *g) {
+    AE_ASSERT(g->be == s->be);
+    s->be->graph_launch(s, g);
+}
+
+void kn_graph_free(kn_graph *g) {
+    if (g) g->be->graph_free(g);
+}
+
+size_t kn_graph_nodes(const kn_graph *g) { return g->nodes; }
+size_t kn_graph_bytes(const kn_graph *g) { return g->bytes; }
+
 int kn_buf_alloc(const kn_backend *be, kn_buf *b, size_t bytes, ae_error *err) {
     *b = (kn_buf){0};
     if (be->buf_alloc(b, bytes, err) != AE_OK) return AE_ERR;

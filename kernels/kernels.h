@@ -147,6 +147,34 @@ typedef struct kn_event {
 void kn_event_record(kn_stream *s, kn_event *e);
 void kn_event_wait(kn_stream *s, const kn_event *e);
 
+/* A graph: the ops one stream queued between kn_graph_begin and
+ * kn_graph_end, recorded instead of run, then replayed by kn_graph_launch
+ * as one launch (a CUDA graph). A replay runs the same ops with the same
+ * arguments: the same buffers and every scalar as it was at capture; only
+ * the buffers' contents may differ. So everything a captured op reads
+ * that changes from one replay to the next must be in device memory, and
+ * between begin and end the caller queues ops only: no upload, download
+ * or sync on that stream (a backend refuses them, and kn_graph_end then
+ * fails). A backend without graphs (the CPU's) says so here, and its
+ * callers run the ops themselves. */
+typedef struct kn_graph kn_graph;
+bool kn_backend_has_graphs(const kn_backend *be);
+int kn_graph_begin(kn_stream *s, ae_error *err);
+/* Ends the capture and readies the graph for replay on s. */
+int kn_graph_end(kn_stream *s, kn_graph **out, ae_error *err);
+void kn_graph_launch(kn_stream *s, kn_graph *g); /* in s's order */
+void kn_graph_free(kn_graph *g);                  /* NULL is a no-op */
+size_t kn_graph_nodes(const kn_graph *g);         /* ops in it */
+/* Device memory the graph took, as the device's free memory fell from
+ * before the capture to after the graph was ready (0 if it rose: another
+ * user freed some meanwhile). */
+size_t kn_graph_bytes(const kn_graph *g);
+/* What one captured launch is estimated to take of device memory, for
+ * memory plans made before any capture (a kernel's parameters and the
+ * graph's bookkeeping). Not yet measured on a GPU: each capture logs
+ * kn_graph_bytes beside it. */
+#define KN_GRAPH_NODE_BYTES 4096
+
 /* Memory of a backend (CPU: host memory, 64-byte aligned, on huge pages
  * when large). Copies in and out are ops of a stream, in its order. */
 typedef struct kn_buf {

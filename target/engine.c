@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../services/core/log.h"
 #include "../services/kv/kv_cache.h"
 
 /* A step's inputs: arrays the engine fills on the host, then uploads to
@@ -12,6 +13,15 @@
  * each, but IN_EXTRA: [max_batch_tokens * ENG_MAX_TREE]. */
 enum { IN_TOKENS, IN_POS, IN_SEQ, IN_SLOT, IN_N_PREFIX, IN_EXTRA_START, IN_N_EXTRA, IN_LOGIT_ROWS, IN_CAP_ROWS,
        IN_EXTRA, IN_N };
+
+/* A captured step, by its shape (engine.h, CUDA graphs). */
+typedef struct eng_graph {
+    int32_t T, n_logits, n_cap, n_cap_layers, keys;
+    int32_t cap_layers[LLAMA_MAX_CAPTURE];
+    bool argmax;
+    kn_graph *g; /* NULL: a free entry */
+    uint64_t last_use;
+} eng_graph;
 
 struct eng {
     const model *m;
@@ -40,6 +50,9 @@ struct eng {
      * parents [max_seqs][ENG_MAX_TREE], node count [max_seqs] (0: none). */
     int32_t *tree_parents;
     int32_t *tree_n;
+    eng_graph *graphs; /* [graph_stats.max_graphs] */
+    eng_graph_stats graph_stats;
+    uint64_t graph_clock; /* steps replayed or captured, for least-recently-used */
 };
 
 /* Elements of each input for T tokens. */
@@ -56,8 +69,29 @@ const eng_config *eng_get_config(const eng *e) { return &e->cfg; }
 pool *eng_pool(eng *e) { return e->pool; }
 kv_stats eng_kv_stats(const eng *e) { return kv_get_stats(e->kv); }
 
+static void graphs_drop(eng *e) {
+    for (int32_t i = 0; i < e->graph_stats.max_graphs; i++) kn_graph_free(e->graphs[i].g);
+    free(e->graphs);
+    e->graphs = NULL;
+    e->graph_stats.max_graphs = e->graph_stats.live = 0;
+    e->graph_stats.bytes = 0;
+}
+
+void eng_set_graphs(eng *e, int32_t max_graphs) {
+    graphs_drop(e);
+    if (max_graphs <= 0 || kn_backend_host_memory(e->m->be) || !kn_backend_has_graphs(e->m->be)) return;
+    if (!(e->graphs = calloc((size_t)max_graphs, sizeof *e->graphs))) {
+        LOG_WARNF("graphs off: out of host memory for %d of them", max_graphs);
+        return;
+    }
+    e->graph_stats.max_graphs = max_graphs;
+}
+
+eng_graph_stats eng_get_graph_stats(const eng *e) { return e->graph_stats; }
+
 void eng_free(eng *e) {
     if (!e) return;
+    graphs_drop(e);
     llama_ws_free(e->ws);
     kn_stream_free(e->stream);
     pool_free(e->pool);
@@ -206,6 +240,83 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, const llama_
     return AE_OK;
 }
 
+/* The ops of a step after its inputs are uploaded, which a graph holds:
+ * the forward pass, then, with ids, each logit row's argmax into ids. */
+static void forward(eng *e, const llama_batch *b, int32_t *ids) {
+    llama_forward(e->m, e->stream, NULL, e->layers, e->ws, b);
+    if (ids) kn_argmax(e->stream, b->logits, ids, b->n_logits, (int64_t)e->m->cfg.vocab);
+}
+
+/* The graph for this step's shape, made room for if new (its g still
+ * NULL), or NULL when the step runs op by op. Sets map->max_visible to
+ * the graph's bound of keys, and map->n_extra_total to the capacity of
+ * the extra slots, so that the graph's values hold for every step it
+ * serves. */
+static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_kv_map *map, int32_t n_logits,
+                            const llama_capture *cap, bool argmax) {
+    eng_graph_stats *gs = &e->graph_stats;
+    if (gs->max_graphs == 0 || map->m > ENG_GRAPH_MAX_TOKENS) return NULL;
+    /* Decode tokens and trees only: a prompt's chunks come in every size,
+     * and would push out the shapes that repeat. */
+    for (int32_t i = 0; i < n_items; i++)
+        if (items[i].kind == ENG_APPEND && items[i].n_tokens > 1) return NULL;
+    int32_t capacity = e->cfg.max_seq_len, keys = ENG_GRAPH_MIN_KEYS;
+    while (keys < map->max_visible && keys < capacity) keys *= 2;
+    if (keys > capacity) keys = capacity;
+    eng_graph want = {map->m, n_logits, cap ? cap->n_rows : 0, cap ? cap->n_layers : 0, keys, {0}, argmax, NULL, 0};
+    if (cap) memcpy(want.cap_layers, cap->layers, (size_t)cap->n_layers * sizeof(int32_t));
+    map->max_visible = keys;
+    map->n_extra_total = (int32_t)e->in_len[IN_EXTRA];
+    eng_graph *lru = NULL;
+    for (int32_t i = 0; i < gs->max_graphs; i++) {
+        eng_graph *g = &e->graphs[i];
+        if (g->g && g->T == want.T && g->n_logits == want.n_logits && g->n_cap == want.n_cap &&
+            g->n_cap_layers == want.n_cap_layers && g->keys == want.keys && g->argmax == want.argmax &&
+            !memcmp(g->cap_layers, want.cap_layers, sizeof want.cap_layers))
+            return g;
+        if (!lru || (lru->g && (!g->g || g->last_use < lru->last_use))) lru = g;
+    }
+    if (lru->g) {
+        gs->bytes -= kn_graph_bytes(lru->g);
+        gs->live--;
+        gs->evictions++;
+        kn_graph_free(lru->g);
+    }
+    *lru = want;
+    return lru;
+}
+
+/* Replays gr, capturing it first if new; false if the capture failed
+ * (graphs are then off, and nothing ran). */
+static bool graph_run(eng *e, eng_graph *gr, const llama_batch *b, int32_t *ids) {
+    eng_graph_stats *gs = &e->graph_stats;
+    if (!gr->g) {
+        ae_error err = {{0}};
+        if (kn_graph_begin(e->stream, &err) == AE_OK) {
+            forward(e, b, ids);
+            if (kn_graph_end(e->stream, &gr->g, &err) != AE_OK) gr->g = NULL;
+        }
+        if (!gr->g) {
+            LOG_WARNF("graphs off: capturing a step of %d tokens failed: %s", b->m, err.msg);
+            graphs_drop(e);
+            return false;
+        }
+        gs->captures++;
+        gs->live++;
+        gs->bytes += kn_graph_bytes(gr->g);
+        if (kn_graph_nodes(gr->g) > gs->max_nodes) gs->max_nodes = kn_graph_nodes(gr->g);
+        LOG_INFOF("graph captured tokens=%d logit_rows=%d capture_rows=%d keys=%d argmax=%d nodes=%zu bytes=%zu "
+                  "live=%d of %d",
+                  gr->T, gr->n_logits, gr->n_cap, gr->keys, (int)gr->argmax, kn_graph_nodes(gr->g),
+                  kn_graph_bytes(gr->g), gs->live, gs->max_graphs);
+    } else {
+        gs->replays++;
+    }
+    gr->last_use = ++e->graph_clock;
+    kn_graph_launch(e->stream, gr->g);
+    return true;
+}
+
 /* eng_step, or with argmax non-NULL eng_step_argmax. */
 static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
                 const llama_capture *capture, ae_error *err) {
@@ -264,11 +375,13 @@ static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, i
         if (e->out.ptr) cap.out = (float *)e->out.ptr + (size_t)e->cfg.max_batch_tokens * V;
     }
     llama_batch b = {T, d[IN_TOKENS], d[IN_POS], &map, n_logits, d[IN_LOGIT_ROWS], out_logits, capture ? &cap : NULL};
-    llama_forward(e->m, e->stream, NULL, e->layers, e->ws, &b);
-    if (argmax) {
-        kn_argmax(e->stream, out_logits, e->ids.ptr ? e->ids.ptr : argmax, n_logits, (int64_t)V);
-        if (e->ids.ptr) kn_download(e->stream, argmax, &e->ids, 0, (size_t)n_logits * sizeof(int32_t));
+    int32_t *ids = argmax ? (e->ids.ptr ? e->ids.ptr : argmax) : NULL;
+    eng_graph *gr = graph_for(e, items, n_items, &map, n_logits, capture, ids != NULL);
+    if (!gr || !graph_run(e, gr, &b, ids)) {
+        e->graph_stats.eager_steps++;
+        forward(e, &b, ids);
     }
+    if (argmax && e->ids.ptr) kn_download(e->stream, argmax, &e->ids, 0, (size_t)n_logits * sizeof(int32_t));
     if (e->out.ptr) {
         if (!argmax) kn_download(e->stream, logits, &e->out, 0, (size_t)n_logits * V * sizeof(float));
         if (capture)

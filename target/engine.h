@@ -98,6 +98,38 @@ int eng_step_argmax(eng *e, const eng_item *items, int32_t n_items, float *logit
  * err and changes nothing. */
 int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err);
 
+/* CUDA graphs. A decode or verify step (items of one token, or trees; at
+ * most ENG_GRAPH_MAX_TOKENS tokens in all) on a backend with graphs (kernels.h kn_graph) is captured the
+ * first time its shape is seen and replayed after that. The shape is
+ * what the forward pass's launches are sized by on the host: the tokens,
+ * the logit and capture rows, the capture layers, whether the argmax
+ * runs, and the keys a token may see, rounded up to a power of two (at
+ * least ENG_GRAPH_MIN_KEYS, at most a sequence's capacity): the attention
+ * kernels skip key chunks past a token's own count, so one graph serves
+ * every step up to its bound with the same bits. Everything else a step
+ * changes (token ids, positions, block tables, a tree's shape) is read
+ * from device memory. Prompt chunks run op by op: they come in every
+ * size, and would push out the shapes that repeat.
+ *
+ * At most max_graphs are kept (the memory plan's count); a new shape
+ * past that replaces the one used least recently. 0 (the default) turns
+ * graphs off; on a backend without them this does nothing. A capture
+ * that fails turns graphs off for the engine, with a warning, and the
+ * step runs op by op. */
+#define ENG_GRAPH_MAX_TOKENS ENG_MAX_TREE
+#define ENG_GRAPH_MIN_KEYS 256
+void eng_set_graphs(eng *e, int32_t max_graphs);
+
+typedef struct eng_graph_stats {
+    int32_t max_graphs; /* 0: off */
+    int32_t live;       /* graphs held now */
+    int64_t captures, replays, evictions;
+    int64_t eager_steps; /* steps run op by op (prefill, or graphs off) */
+    uint64_t bytes;      /* device memory the live graphs took (kn_graph_bytes) */
+    uint64_t max_nodes;  /* the most ops one graph held */
+} eng_graph_stats;
+eng_graph_stats eng_get_graph_stats(const eng *e);
+
 const model *eng_model(const eng *e);
 /* KV blocks in use, free and live sequences (kv_cache.h). */
 kv_stats eng_kv_stats(const eng *e);

@@ -57,6 +57,14 @@ size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits);
  * attention over up to max_keys keys (0: attention goes without). */
 size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys);
 
+/* Launches one forward pass queues on the CUDA backend, at most (a graph's
+ * nodes, for the memory plan): per layer 15 ops, of which the 5 matmuls
+ * take one more to quantize x (one for q, k and v together, one for gate
+ * and up) and attention one more to merge its splits: 24; then the
+ * embedding, rope's table, the logit rows' gather, the final norm, the
+ * output matmul (2) and an argmax (2), and a capture's gathers. */
+#define LLAMA_GRAPH_NODES(n_layers) ((uint64_t)(n_layers) * 24u + 8u + LLAMA_MAX_CAPTURE)
+
 /* Runs the batch. kv[l] is layer l's KV pool. Shapes and ids are the
  * engine's to check (asserted here). */
 void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,

@@ -65,6 +65,11 @@ static int model_ok(const memplan_model *m, const memplan_env *env, ae_error *er
     return AE_OK;
 }
 
+int32_t memplan_graphs(cfg *c, bool has_graphs) {
+    if (cfg_is_auto(c, "cuda-graphs")) cfg_set_auto_int(c, "cuda-graphs", has_graphs ? MEMPLAN_AUTO_GRAPHS : 0);
+    return has_graphs ? (int32_t)cfg_int(c, "cuda-graphs") : 0;
+}
+
 int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memplan *out,
                     ae_error *err) {
     memset(out, 0, sizeof *out);
@@ -103,7 +108,12 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     const uint64_t one_seq_kv = per_seq_blocks * kv_block;
     /* The KV cache's block tables: int32 [max-batch][per_seq_blocks]. */
     const uint64_t tables = (uint64_t)max_batch * per_seq_blocks * 4ull;
-    const uint64_t fixed = w + ws + tables;
+    /* Graphs: each step shape kept costs its launches' device memory. */
+    const bool has_graphs = env->graph_nodes > 0;
+    const int32_t n_graphs = memplan_graphs(c, has_graphs);
+    const uint64_t graph_each = env->graph_nodes * env->graph_node_bytes;
+    const uint64_t graphs = (uint64_t)n_graphs * graph_each;
+    const uint64_t fixed = w + ws + tables + graphs;
     const uint64_t kv_room = budget > fixed ? budget - fixed : 0;
     const uint64_t fit_blocks = kv_room / kv_block;
 
@@ -116,18 +126,23 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
         uint64_t need = fixed + one_seq_kv, milli = milli_needed(avail, need);
         if (milli <= 1000u) would(ok, sizeof ok, "--mem-fraction %g", (double)milli / 1000.0);
         if (fit_blocks > 0) would(ok, sizeof ok, "--max-seq-len %" PRIu64, fit_blocks * bs);
+        if (graphs > 0 && budget >= fixed - graphs + one_seq_kv)
+            would(ok, sizeof ok, "--cuda-graphs %" PRIu64, (budget - (fixed - graphs) - one_seq_kv) / graph_each);
         if (env->step_tokens == 0 && budget > w + env->extra_workspace + one_seq_kv) {
             /* Each sequence of the batch costs its workspace and its block table row. */
-            uint64_t b = (budget - w - env->extra_workspace - one_seq_kv) / (ws_tok + per_seq_blocks * 4ull);
+            uint64_t b = budget > w + env->extra_workspace + graphs + one_seq_kv
+                             ? (budget - w - env->extra_workspace - graphs - one_seq_kv) / (ws_tok + per_seq_blocks * 4ull)
+                             : 0;
             if (b >= 1 && b < (uint64_t)max_batch) would(ok, sizeof ok, "--max-batch %" PRIu64, b);
         }
         if (!ok[0]) snprintf(ok, sizeof ok, "no setting; more memory");
         return err_set(err,
                        "memory plan: one sequence of max-seq-len %" PRId64 " does not fit: weights %s + "
-                       "workspace %s + block tables %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
+                       "workspace %s + block tables %s%s%s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
                        "%s = %s; would work: %s",
-                       max_seq_len, B(&z, 1, w), B(&z, 2, ws), B(&z, 7, tables), per_seq_blocks * bs,
-                       B(&z, 3, kv_tok), B(&z, 4, need), fs, B(&z, 5, avail), where, B(&z, 6, budget), ok);
+                       max_seq_len, B(&z, 1, w), B(&z, 2, ws), B(&z, 7, tables), graphs ? " + graphs " : "",
+                       graphs ? B(&z, 8, graphs) : "", per_seq_blocks * bs, B(&z, 3, kv_tok), B(&z, 4, need), fs,
+                       B(&z, 5, avail), where, B(&z, 6, budget), ok);
     }
     if (kv_auto) {
         uint64_t cap = (uint64_t)max_batch * per_seq_blocks;
@@ -151,10 +166,11 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
                 would(ok, sizeof ok, "--mem-fraction %g", (double)milli / 1000.0);
             return err_set(err,
                            "memory plan: max-kv-tokens %" PRIu64 " does not fit: weights %s + workspace "
-                           "%s + block tables %s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
+                           "%s + block tables %s%s%s + kv %" PRIu64 " tok x %s = %s > budget %s x %s "
                            "%s = %s; would work: %s",
-                           want, B(&z, 0, w), B(&z, 1, ws), B(&z, 6, tables), n_blocks * bs,
-                           B(&z, 2, kv_tok), B(&z, 3, need), fs, B(&z, 4, avail), where, B(&z, 5, budget), ok);
+                           want, B(&z, 0, w), B(&z, 1, ws), B(&z, 6, tables), graphs ? " + graphs " : "",
+                           graphs ? B(&z, 7, graphs) : "", n_blocks * bs, B(&z, 2, kv_tok), B(&z, 3, need), fs,
+                           B(&z, 4, avail), where, B(&z, 5, budget), ok);
         }
     }
 
@@ -170,7 +186,9 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     out->kv_tokens = (int64_t)(n_blocks * bs);
     out->kv_bytes = n_blocks * kv_block;
     out->block_table_bytes = tables;
-    out->total = w + ws + tables + out->kv_bytes;
+    out->graphs = n_graphs;
+    out->graph_bytes = graphs;
+    out->total = w + ws + tables + graphs + out->kv_bytes;
     out->max_blocks_per_seq = (int32_t)per_seq_blocks;
     out->max_batch = (int32_t)max_batch;
     out->max_seq_len = (int32_t)max_seq_len;
@@ -189,6 +207,20 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
                  env->device, B(&z, 0, env->device_total), B(&z, 1, avail), out->vllm_gpu_memory_utilization,
                  out->sglang_mem_fraction_static);
     }
+    /* The graphs line: on a device with graphs, or where a value was
+     * given that this run cannot use. */
+    char gline[200] = "", gterm[48] = "";
+    const char *gsrc = cfg_source_name(cfg_get_source(c, "cuda-graphs"));
+    if (has_graphs && n_graphs > 0) {
+        snprintf(gline, sizeof gline,
+                 "graphs = %d step shapes (cuda-graphs, %s) x %" PRIu64 " nodes x %s = %s (an estimate; each "
+                 "capture logs what it took)\n",
+                 n_graphs, gsrc, env->graph_nodes, B(&z, 0, env->graph_node_bytes), B(&z, 1, graphs));
+        snprintf(gterm, sizeof gterm, " + graphs %s", B(&z, 0, graphs));
+    } else if (!has_graphs && cfg_int(c, "cuda-graphs") > 0) {
+        snprintf(gline, sizeof gline, "graphs = none: cuda-graphs %lld (%s) has no effect without a GPU\n",
+                 (long long)cfg_int(c, "cuda-graphs"), gsrc);
+    }
     char extra[64] = "";
     if (env->extra_workspace)
         snprintf(extra, sizeof extra, " + %s fixed", B(&z, 7, env->extra_workspace));
@@ -198,13 +230,14 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
              "kv = %" PRIu64 " blocks x %" PRIu64 " tok = %" PRId64 " tok x %s = %s "
              "(%" PRIu64 " seq of max-seq-len %" PRId64 ")\n"
              "block tables = %" PRId64 " seq x %" PRIu64 " blocks x 4 B = %s\n"
-             "total = weights %s + workspace %s + block tables %s + kv %s = %s (%.1f%% of budget)%s",
+             "%s"
+             "total = weights %s + workspace %s + block tables %s%s + kv %s = %s (%.1f%% of budget)%s",
              fs, fsrc, B(&z, 0, avail), where, B(&z, 1, budget),
              step, B(&z, 2, ws_tok), extra, B(&z, 3, ws),
              n_blocks, bs, out->kv_tokens, B(&z, 4, kv_tok), B(&z, 5, out->kv_bytes),
              n_blocks / per_seq_blocks, max_seq_len,
-             max_batch, per_seq_blocks, B(&z, 11, tables),
-             B(&z, 6, w), B(&z, 8, ws), B(&z, 11, tables), B(&z, 9, out->kv_bytes), B(&z, 10, out->total),
+             max_batch, per_seq_blocks, B(&z, 11, tables), gline,
+             B(&z, 6, w), B(&z, 8, ws), B(&z, 11, tables), gterm, B(&z, 9, out->kv_bytes), B(&z, 10, out->total),
              budget ? 100.0 * (double)out->total / (double)budget : 0.0, peers);
     return AE_OK;
 }
@@ -218,8 +251,8 @@ void memplan_log(const memplan *p) {
         line += len + (end ? 1 : 0);
     }
     LOG_INFOF("memplan_bytes available=%" PRIu64 " budget=%" PRIu64 " weights=%" PRIu64
-              " workspace=%" PRIu64 " block_tables=%" PRIu64 " kv=%" PRIu64 " total=%" PRIu64
-              " kv_blocks=%d block_size=%d",
-              p->available, p->budget, p->weight_bytes, p->workspace_bytes, p->block_table_bytes, p->kv_bytes, p->total,
-              p->n_blocks, p->block_size);
+              " workspace=%" PRIu64 " block_tables=%" PRIu64 " graphs=%" PRIu64 " kv=%" PRIu64 " total=%" PRIu64
+              " kv_blocks=%d block_size=%d cuda_graphs=%d",
+              p->available, p->budget, p->weight_bytes, p->workspace_bytes, p->block_table_bytes, p->graph_bytes,
+              p->kv_bytes, p->total, p->n_blocks, p->block_size, p->graphs);
 }

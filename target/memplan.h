@@ -15,7 +15,12 @@
  *               head_dim x 2 B, f16)
  *   tables    = max-batch x ceil(max-seq-len / block_size) x 4 B
  *               the KV cache's block tables, one int32 row per sequence
- *   total     = weights + workspace + tables + kv  <=  budget
+ *   graphs    = cuda-graphs x nodes x node bytes (on a device with graphs)
+ *               the step shapes the engine keeps captured (engine.h), each
+ *               estimated as memplan_env.graph_nodes launches of
+ *               graph_node_bytes of device memory; each capture logs what
+ *               it took, measured
+ *   total     = weights + workspace + tables + graphs + kv  <=  budget
  *
  * Settings (rows for the service's cfg table, MEMPLAN_OPTIONS):
  *   mem-fraction   auto = the largest fraction (in steps of 0.001) that leaves
@@ -25,6 +30,9 @@
  *                  a given value is rounded up to whole blocks
  *   max-batch      sequences in flight at once
  *   max-seq-len    longest sequence (prompt + generated + tree scratch)
+ *   cuda-graphs    step shapes kept as graphs; auto = MEMPLAN_AUTO_GRAPHS
+ *                  on a device with graphs, 0 elsewhere (a CPU run ignores
+ *                  a given value, and the plan says so)
  * Auto values are recorded in the cfg with source "auto".
  *
  * A plan that cannot hold one sequence of max-seq-len fails with the
@@ -60,9 +68,21 @@
     {"max-kv-tokens", CFG_INT, "auto", 1, 1e12,                                                  \
      "KV cache size in tokens (auto: what fits, at most max-batch x max-seq-len)"},              \
     {"max-batch", CFG_INT, "8", 1, 4096, "sequences in flight at once"},                         \
-    {"max-seq-len", CFG_INT, "4096", 1, 16777216, "longest sequence in tokens"}
+    {"max-seq-len", CFG_INT, "4096", 1, 16777216, "longest sequence in tokens"},                 \
+    MEMPLAN_GRAPHS_OPTION
 
-#define MEMPLAN_TEXT_MAX 1024
+/* Decode and verify step shapes a GPU run keeps as CUDA graphs; its own
+ * row, for commands that build an engine without a plan (aerie bench). */
+#define MEMPLAN_GRAPHS_OPTION                                                                    \
+    {"cuda-graphs", CFG_INT, "auto", 0, 4096,                                                    \
+     "step shapes kept as CUDA graphs (auto: 32 on a GPU, 0 on the CPU; 0: off)"}
+#define MEMPLAN_AUTO_GRAPHS 32
+
+/* cuda-graphs resolved for a device that has graphs or not (auto
+ * recorded in c); 0 where it has none. */
+int32_t memplan_graphs(cfg *c, bool has_graphs);
+
+#define MEMPLAN_TEXT_MAX 1280
 
 typedef struct memplan_model {
     uint64_t weight_bytes;
@@ -78,6 +98,10 @@ typedef struct memplan_env {
     uint64_t extra_workspace; /* bytes beyond the per-token formula ("fixed") */
     const char *device;       /* "cuda:0": available is that GPU's free memory at start; NULL: the host's */
     uint64_t device_total;    /* with device: the GPU's memory in all */
+    /* A device with graphs: launches in one captured step (an upper
+     * bound, the architecture's) and the device memory each is estimated
+     * to take. 0: no graphs. */
+    uint64_t graph_nodes, graph_node_bytes;
 } memplan_env;
 
 typedef struct memplan {
@@ -87,6 +111,8 @@ typedef struct memplan {
     uint64_t workspace_per_token, workspace_bytes;
     uint64_t kv_bytes_per_token, kv_bytes;
     uint64_t block_table_bytes; /* max_batch x max_blocks_per_seq x 4 */
+    int32_t graphs;             /* step shapes kept as graphs (cuda-graphs) */
+    uint64_t graph_bytes;       /* graphs x graph_nodes x graph_node_bytes */
     uint64_t total;
     int64_t kv_tokens;          /* n_blocks x block_size */
     int32_t n_blocks, block_size;

@@ -39,7 +39,11 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
     memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
                        llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
                            eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work,
-                       on_gpu ? g_device.name : NULL, on_gpu ? g_device.info.total_bytes : 0};
+                       on_gpu ? g_device.name : NULL, on_gpu ? g_device.info.total_bytes : 0, 0, 0};
+    if (!kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be)) {
+        env.graph_nodes = LLAMA_GRAPH_NODES(mc->n_layers);
+        env.graph_node_bytes = KN_GRAPH_NODE_BYTES;
+    }
     return memplan_compute(c, &mm, &env, plan, err);
 }
 
@@ -49,5 +53,7 @@ int setup_engine(eng **e, const model *m, const memplan *plan, int32_t threads, 
                        (long long)plan->kv_tokens, INT32_MAX);
     eng_config ec = {SETUP_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
                      plan->block_size, threads, act_bits};
-    return eng_init(e, m, &ec, err);
+    if (eng_init(e, m, &ec, err) != AE_OK) return AE_ERR;
+    eng_set_graphs(*e, plan->graphs);
+    return AE_OK;
 }

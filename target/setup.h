@@ -30,7 +30,8 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err);
 
 /* An engine sized by the plan, prefill chunks of SETUP_PREFILL_CHUNK, at
- * act_bits (8 or 15) of activation precision. */
+ * act_bits (8 or 15) of activation precision, keeping the plan's count of
+ * step shapes as graphs (eng_set_graphs). */
 int setup_engine(eng **e, const model *m, const memplan *plan, int32_t threads, int32_t act_bits, ae_error *err);
 
 #endif

@@ -120,6 +120,79 @@ static void cu_event_wait(kn_stream *s, const kn_event *e) {
     if (e->impl) KN_CK(cudaStreamWaitEvent(KN_CU(s)->st, (cudaEvent_t)e->impl, 0));
 }
 
+/* ---- graphs ------------------------------------------------------------------ */
+
+/* A captured stream: the executable graph, instantiated and uploaded. */
+struct kcu_graph {
+    kn_graph base; /* backend.h */
+    cudaGraphExec_t exec;
+};
+
+/* Thread-local capture: this thread's calls that would break a capture
+ * fail (and name themselves through KN_CK) instead of running; other
+ * threads of the process (another stream's work) are not held up. */
+static int cu_graph_begin(kn_stream *s, ae_error *err) {
+    kcu_bind();
+    kn_cuda_stream *c = KN_CU(s);
+    size_t fr = 0, tot = 0;
+    KN_CK(cudaMemGetInfo(&fr, &tot));
+    c->free_at_capture = fr;
+    cudaError_t e = cudaStreamBeginCapture(c->st, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return fail(err, "cuda: cudaStreamBeginCapture: %s (%d)", cudaGetErrorString(e), (int)e);
+    }
+    return AE_OK;
+}
+
+static int cu_graph_end(kn_stream *s, kn_graph **out, ae_error *err) {
+    kcu_bind();
+    kn_cuda_stream *c = KN_CU(s);
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->st, &g);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        if (g) cudaGraphDestroy(g);
+        return fail(err, "cuda: the capture failed: cudaStreamEndCapture: %s (%d)", cudaGetErrorString(e), (int)e);
+    }
+    size_t nodes = 0;
+    KN_CK(cudaGraphGetNodes(g, NULL, &nodes));
+    kcu_graph *kg = (kcu_graph *)calloc(1, sizeof *kg);
+    if (!kg) {
+        KN_CK(cudaGraphDestroy(g));
+        return fail(err, "cuda: out of host memory for a graph");
+    }
+    e = cudaGraphInstantiate(&kg->exec, g, 0);
+    KN_CK(cudaGraphDestroy(g)); /* the executable graph is a copy */
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        free(kg);
+        return fail(err, "cuda: cudaGraphInstantiate of %zu nodes: %s (%d)", nodes, cudaGetErrorString(e), (int)e);
+    }
+    /* Uploaded now, so that its memory is counted here and its first
+     * replay costs what the others do. */
+    KN_CK(cudaGraphUpload(kg->exec, c->st));
+    KN_CK(cudaStreamSynchronize(c->st));
+    size_t fr = 0, tot = 0;
+    KN_CK(cudaMemGetInfo(&fr, &tot));
+    kg->base.nodes = nodes;
+    kg->base.bytes = c->free_at_capture > fr ? c->free_at_capture - fr : 0;
+    *out = &kg->base;
+    return AE_OK;
+}
+
+static void cu_graph_launch(kn_stream *s, kn_graph *g) {
+    kcu_bind();
+    KN_CK(cudaGraphLaunch(((kcu_graph *)g)->exec, KN_CU(s)->st));
+    if (kcu_sync_launches()) KN_CK(cudaStreamSynchronize(KN_CU(s)->st));
+}
+
+static void cu_graph_free(kn_graph *g) {
+    kcu_bind();
+    KN_CK(cudaGraphExecDestroy(((kcu_graph *)g)->exec));
+    free(g);
+}
+
 /* ---- buffers ----------------------------------------------------------------- */
 
 static int cu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
@@ -175,6 +248,10 @@ static const kn_backend kn_backend_cuda = {
     cu_sync,
     cu_event_record,
     cu_event_wait,
+    cu_graph_begin,
+    cu_graph_end,
+    cu_graph_launch,
+    cu_graph_free,
     cu_buf_alloc,
     cu_buf_free,
     cu_buf_write,

@@ -40,6 +40,7 @@ struct kn_cuda_stream {
     cudaStream_t st;
     void *work;
     size_t work_bytes;
+    size_t free_at_capture; /* the device's free bytes when the capture began */
 };
 #define KN_CU(s) ((kn_cuda_stream *)(s))
 

@@ -42,7 +42,12 @@ static KN_HD int64_t flat_step(void) { return (int64_t)gridDim.x * blockDim.x; }
  * at the kernel that made it rather than at a later call. */
 static void launched(kn_stream *s) {
     KN_CK(cudaGetLastError());
-    if (kcu_sync_launches()) KN_CK(cudaStreamSynchronize(KN_CU(s)->st));
+    if (kcu_sync_launches()) {
+        /* Not while capturing: that would end the capture. */
+        cudaStreamCaptureStatus cs;
+        KN_CK(cudaStreamIsCapturing(KN_CU(s)->st, &cs));
+        if (cs == cudaStreamCaptureStatusNone) KN_CK(cudaStreamSynchronize(KN_CU(s)->st));
+    }
 }
 
 /* The stream to launch on, with its device made current on this thread. */

@@ -7,8 +7,11 @@
  * with feature capture is run and a path committed, then the prompt is
  * decoded greedily beside a second sequence; every step's logits and
  * features must equal the CPU backend's bit for bit, and the greedy
- * tokens must equal transformers' (tools/gen_tiny_golden.py). Run from
- * the repo root. */
+ * tokens must equal transformers' (tools/gen_tiny_golden.py). The same
+ * again with the CUDA engine's steps captured as graphs and replayed
+ * (engine.h): every step of at most ENG_GRAPH_MAX_TOKENS tokens, with its
+ * new tokens, positions and block tables read from device memory, must
+ * still give the CPU's bits. Run from the repo root. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -101,7 +104,7 @@ static void step_both(eng *e[2], const eng_item it[2][2], int32_t n, float *lg[2
     steps++;
 }
 
-static void run_model(const char *name) {
+static void run_model(const char *name, int32_t max_graphs) {
     char dir[256], path[300];
     snprintf(dir, sizeof dir, GOLDEN "/%s", name);
     model *m[2];
@@ -121,6 +124,7 @@ static void run_model(const char *name) {
         ft[k] = calloc((size_t)8 * 3 * H, sizeof(float));
     }
     int32_t equal = 0, total = 0;
+    int64_t captures = 0, replays = 0, evictions = 0, decode_steps = 0;
     steps = bit_equal = 0;
     const cJSON *p;
     cJSON_ArrayForEach(p, cJSON_GetObjectItemCaseSensitive(root, "prompts")) {
@@ -128,6 +132,9 @@ static void run_model(const char *name) {
         int32_t n = json_ints(cJSON_GetObjectItemCaseSensitive(p, "ids"), ids, MAX_PROMPT);
         assert_int_equal(json_ints(cJSON_GetObjectItemCaseSensitive(p, "generated"), want, N_GEN), N_GEN);
         eng *e[2] = {engine_on(m[0]), engine_on(m[1])};
+        eng_set_graphs(e[0], max_graphs); /* the CPU backend has none: nothing changes */
+        eng_set_graphs(e[1], max_graphs);
+        int before = steps;
         int32_t s[2], other[2];
         for (int k = 0; k < 2; k++) {
             assert_int_equal(eng_seq_new(e[k], &s[k], &err), AE_OK);
@@ -166,12 +173,40 @@ static void run_model(const char *name) {
             }
             step_both(e, (const eng_item(*)[2])it, 2, lg, ft, NULL);
             got = argmax(lg[0] + V, V);
+            decode_steps++;
+        }
+        eng_graph_stats g0 = eng_get_graph_stats(e[0]), g1 = eng_get_graph_stats(e[1]);
+        assert_int_equal(g0.max_graphs, 0);
+        assert_int_equal(g0.captures + g0.replays, 0);
+        if (max_graphs) {
+            /* The prompt's chunks and the other's 6 tokens run op by op;
+             * the tree and the decode steps are graphs. */
+            assert_int_equal(g1.max_graphs, max_graphs);
+            assert_int_equal(g1.eager_steps, (n + CHUNK - 1) / CHUNK + 1);
+            assert_int_equal(g1.captures + g1.replays, 1 + N_GEN);
+            assert_true(g1.live <= max_graphs);
+            /* The shim charges SHIM_GRAPH_NODE_BYTES a node; a graph has at most max_nodes. */
+            assert_true(g1.bytes >= (uint64_t)g1.live * 4096 && g1.bytes <= (uint64_t)g1.live * g1.max_nodes * 4096);
+            captures += g1.captures, replays += g1.replays, evictions += g1.evictions;
+        } else {
+            assert_int_equal(g1.captures + g1.replays, 0);
+            assert_int_equal(g1.eager_steps, steps - before);
         }
         eng_free(e[0]);
         eng_free(e[1]);
     }
-    printf("%s on the cuda backend: %d of %d steps bit-equal to the cpu backend, %d/%d greedy tokens equal to "
-           "transformers\n", name, bit_equal, steps, equal, total);
+    printf("%s on the cuda backend%s: %d of %d steps bit-equal to the cpu backend, %d/%d greedy tokens equal to "
+           "transformers\n", name, max_graphs ? " with graphs" : "", bit_equal, steps, equal, total);
+    if (max_graphs) {
+        printf("  graphs (at most %d kept): %lld captured, %lld replayed, %lld replaced\n", max_graphs,
+               (long long)captures, (long long)replays, (long long)evictions);
+        /* Per prompt (a new engine each): the tree and the first decode
+         * step are captured, the other decode steps replay it. */
+        assert_int_equal(captures, 2 * (decode_steps / N_GEN));
+        assert_int_equal(replays, decode_steps - decode_steps / N_GEN);
+        /* With room for one, the first decode step's graph replaces the tree's. */
+        assert_int_equal(evictions, max_graphs == 1 ? decode_steps / N_GEN : 0);
+    }
     assert_int_equal(equal, total);
     for (int k = 0; k < 2; k++) {
         free(lg[k]);
@@ -183,18 +218,31 @@ static void run_model(const char *name) {
 
 static void qwen2_tiny_matches_cpu_and_transformers(void **state) {
     (void)state;
-    run_model("qwen2");
+    run_model("qwen2", 0);
 }
 
 static void llama3_tiny_matches_cpu_and_transformers(void **state) {
     (void)state;
-    run_model("llama3");
+    run_model("llama3", 0);
+}
+
+static void graphs_replay_the_same_bits(void **state) {
+    (void)state;
+    run_model("qwen2", 16);
+    run_model("llama3", 16);
+}
+
+static void graphs_replaced_when_few_are_kept(void **state) {
+    (void)state;
+    run_model("llama3", 1);
 }
 
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(qwen2_tiny_matches_cpu_and_transformers),
         cmocka_unit_test(llama3_tiny_matches_cpu_and_transformers),
+        cmocka_unit_test(graphs_replay_the_same_bits),
+        cmocka_unit_test(graphs_replaced_when_few_are_kept),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -128,12 +128,20 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
     const spec_shape shape_of[4] = {shapes[0], shapes[1], shapes[1], {4, 2, 9}};
     spec_stats on_cpu = {0};
     (void)on_cpu; /* read only off a GPU */
-    for (int k = 0; k < 4; k++) {
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape_of[k], MAX_SEQS, 128, false, NULL, NULL};
+    /* Then again with the CUDA engine's steps as graphs (engine.h): the
+     * verify trees of each shape replayed with new tokens and new tree
+     * masks, and the plain decode beside them. */
+    for (int k = 0; k < 6; k++) {
+        bool graphs = k >= 4;
+        if (k == 4) eng_set_graphs(e_cu, 16);
+        int d = graphs ? (k == 4 ? 1 : 3) : k;
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape_of[d], MAX_SEQS, 128, false, NULL, NULL};
         spec *s;
-        if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, drafters[k], &sc, &err) != AE_OK)
+        if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, drafters[d], &sc, &err) != AE_OK)
             fail_msg("%s", err.msg);
         int identical = 0;
+        int64_t chunks = 0; /* prompt chunks: run op by op */
+        eng_graph_stats g0 = eng_get_graph_stats(e_cu);
         for (int i = 0; i < N_PROMPTS; i++) {
             int32_t n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
             memcpy(kn.stream, ids, sizeof(int32_t) * (size_t)n);
@@ -141,18 +149,37 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
             kn.len = n + N_GEN;
             run_spec(s, e_cu, ids, n, CHUNK, &greedy, 0, N_GEN, got);
             identical += memcmp(got, want[i], sizeof got) == 0;
+            for (int32_t at = 0; at < n; at += CHUNK) chunks += 2 * (n - at > 1); /* a chunk of 1 is a decode step */
+            if (graphs) {
+                run_plain_greedy(e_cu, ids, n, CHUNK, N_GEN, got);
+                identical += memcmp(got, want[i], sizeof got) == 0;
+            }
         }
         const spec_stats *st = spec_total_stats(s);
-        printf("%s on cuda: %d/%d prompts identical to plain; %lld verify steps, %lld drafted, %lld accepted\n",
-               names[k], identical, N_PROMPTS, (long long)st->steps, (long long)st->drafted, (long long)st->accepted);
-        assert_int_equal(identical, N_PROMPTS);
+        eng_graph_stats g1 = eng_get_graph_stats(e_cu);
+        printf("%s on cuda%s: %d/%d prompts identical to plain; %lld verify steps, %lld drafted, %lld accepted\n",
+               names[d], graphs ? " with graphs" : "", identical, graphs ? 2 * N_PROMPTS : N_PROMPTS,
+               (long long)st->steps, (long long)st->drafted, (long long)st->accepted);
+        assert_int_equal(identical, graphs ? 2 * N_PROMPTS : N_PROMPTS);
         assert_true(st->steps > 0 && st->accepted > 0);
+        if (graphs) {
+            printf("  graphs: %lld captured, %lld replayed, %lld steps op by op\n",
+                   (long long)(g1.captures - g0.captures), (long long)(g1.replays - g0.replays),
+                   (long long)(g1.eager_steps - g0.eager_steps));
+            /* Each prompt's chunks of more than one token (in the
+             * speculative run and the plain one) run op by op, and every
+             * other step is a graph. */
+            assert_int_equal(g1.eager_steps - g0.eager_steps, chunks);
+            assert_true(g1.replays - g0.replays > st->steps);
+        }
         if (k == 1) on_cpu = *st;
 #ifndef KN_TEST_GPU /* there the probabilities may differ in the last bit, and a near-tie with them */
         if (k == 2) /* the same trees, so the same steps */
             assert_true(st->steps == on_cpu.steps && st->drafted == on_cpu.drafted && st->accepted == on_cpu.accepted);
+        if (k == 4) /* graphs change no bit, so no step */
+            assert_true(st->steps == on_cpu.steps && st->drafted == on_cpu.drafted && st->accepted == on_cpu.accepted);
 #endif
-        if (k == 3) assert_true(st->accepted * 2 > st->steps * 3); /* most of each chain of 4 */
+        if (d == 3) assert_true(st->accepted * 2 > st->steps * 3); /* most of each chain of 4 */
         spec_free(s);
     }
     draft_link_close(&link_cu);

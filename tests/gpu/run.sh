@@ -132,10 +132,14 @@ bench() { # name file args...
     shift 2
     run "$name" 240 build/gpu/aerie bench --model "$file" --device cuda --prompt-tokens 128 "$@"
 }
+# Each decode step is a CUDA graph by default (--cuda-graphs auto); the
+# same with --cuda-graphs 0 beside it is what the graphs save.
 make_model smollm2-135m q4_1
 bench bench-smollm2-135m-q4_1 "$file" --gen-tokens 64 --repeat 3
+bench bench-smollm2-135m-q4_1-nographs "$file" --gen-tokens 64 --repeat 3 --cuda-graphs 0
 make_model llama-3.1-8b q4_0
 bench bench-llama-3.1-8b-q4_0 "$file" --gen-tokens 64 --repeat 3
+bench bench-llama-3.1-8b-q4_0-nographs "$file" --gen-tokens 64 --repeat 3 --cuda-graphs 0
 for k in 1 2 3; do
     bench "oracle-$((k + 1))-llama-3.1-8b-q4_0" "$file" --gen-tokens 30 --repeat 1 --oracle-accept $k
 done
@@ -167,7 +171,7 @@ fi
 echo
 echo "figures (one JSON line each):"
 for f in "$LOGS"/bench-*.log "$LOGS"/oracle-*.log "$LOGS"/peer-*.log; do
-    [ -f "$f" ] && grep "^{" "$f" | tail -n 2 | cut -c1-400 | sed "s/^/  $(basename "$f" .log): /"
+    [ -f "$f" ] && grep "^{" "$f" | tail -n 2 | cut -c1-2000 | sed "s/^/  $(basename "$f" .log): /"
 done
 
 echo

@@ -77,6 +77,15 @@ def test_target_on_the_cuda_backend_serves_the_cpu_backends_tokens(tiny, tmp_pat
     assert "free on cuda:0 at start" in log
     assert "cuda:0: 4 GiB in all, 4 GiB free at start; this plan as the peers' settings: vLLM " \
            "--gpu-memory-utilization" in log
+    # decode steps captured as graphs and replayed, with the same tokens:
+    # the plan's line (2 layers x 24 + 8 + 3 launches at most), and each
+    # capture's measured size, which the shim makes 4 KiB a launch
+    assert "graphs = 32 step shapes (cuda-graphs, auto) x 59 nodes x 4 KiB = 7.38 MiB" in log
+    captured = [line for line in log.splitlines() if " graph captured tokens=" in line]
+    assert captured
+    for line in captured:
+        f = dict(kv.split("=") for kv in line.split() if "=" in kv)
+        assert int(f["nodes"]) <= 59 and int(f["bytes"]) == 4096 * int(f["nodes"])
 
 
 def test_print_config_names_the_cuda_device_and_an_impossible_gpu_plan_exits_2(tiny):
@@ -107,6 +116,17 @@ def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):
     assert out["bandwidth_mib"] == 16
     assert out["bandwidth_gb_per_s"] > 0 and out["decode_tok_per_s"] > 0
     assert out["weight_bytes_per_step"] == 4619520
+    # every decode and verify step a graph: captured once per shape, then replayed
+    assert out["cuda_graphs"] == 32
+    assert out["graph_captures"] >= 1 and out["graph_replays"] >= 1
+    assert 0 < out["graph_max_nodes"] <= 59
+    r = subprocess.run([str(ROOT / "build" / "aerie"), "bench", "--model", str(tiny), "--device", "cuda",
+                        "--prompt-tokens", "8", "--gen-tokens", "2", "--repeat", "1", "--bandwidth-mib", "16",
+                        "--cuda-graphs", "0"], capture_output=True, text=True, env=env_with_shim(), cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    off = json.loads(r.stdout.strip().splitlines()[-1])
+    assert off["cuda_graphs"] == 0 and off["graph_captures"] == 0 and off["graph_replays"] == 0
 
 
 def start(binary, args, tag, tmp_path, env=None):

@@ -109,6 +109,80 @@ static void test_gpu_plan_states_the_peers_equivalents(void **state) {
     cfg_free(c);
 }
 
+/* On a device with graphs: the step shapes kept cost their estimated
+ * launches, a line of the plan and a term of its total. */
+static const memplan_env gpu_graphs = {.mem_available = 139 * GiB, .block_size = 16, .device = "cuda:0",
+                                       .device_total = 141 * GiB, .graph_nodes = 30 * 24 + 8 + 3,
+                                       .graph_node_bytes = 4096};
+
+static void test_gpu_plan_counts_its_graphs(void **state) {
+    (void)state;
+    cfg *c = with_flags(0, NULL);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(memplan_compute(c, &smol, &gpu_graphs, &p, &err), AE_OK);
+    assert_int_equal(p.graphs, MEMPLAN_AUTO_GRAPHS);
+    assert_int_equal(cfg_get_source(c, "cuda-graphs"), CFG_SRC_AUTO);
+    /* 32 x 731 x 4096 */
+    assert_int_equal(p.graph_bytes, 95813632ull);
+    assert_int_equal(p.total, 861691904ull + 95813632ull);
+    assert_non_null(strstr(p.text, "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
+                                   "graphs = 32 step shapes (cuda-graphs, auto) x 731 nodes x 4 KiB = 91.4 MiB (an "
+                                   "estimate; each capture logs what it took)\n"
+                                   "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + graphs "
+                                   "91.4 MiB + kv 720 MiB = 913 MiB"));
+    cfg_free(c);
+
+    /* Off: no term. */
+    char *off[] = {"--cuda-graphs", "0"};
+    c = with_flags(2, off);
+    assert_int_equal(memplan_compute(c, &smol, &gpu_graphs, &p, &err), AE_OK);
+    assert_int_equal(p.graphs, 0);
+    assert_int_equal(p.total, 861691904ull);
+    assert_null(strstr(p.text, "graphs"));
+    cfg_free(c);
+
+    /* On the CPU a given value changes nothing, and the plan says so. */
+    char *given[] = {"--cuda-graphs", "16"};
+    c = with_flags(2, given);
+    assert_int_equal(plan(c, 16 * GiB, &p, NULL), AE_OK);
+    assert_int_equal(p.graphs, 0);
+    assert_int_equal(p.total, 861691904ull);
+    assert_non_null(strstr(p.text, "\ngraphs = none: cuda-graphs 16 (flag) has no effect without a GPU\n"));
+    cfg_free(c);
+}
+
+/* Too many graphs for the device: the error counts them, and names the
+ * most that fit, which does fit (and one more does not). */
+static void test_too_many_graphs_fail_with_the_count_that_fits(void **state) {
+    (void)state;
+    memplan_env env = gpu_graphs;
+    env.mem_available = 3 * GiB;
+    char *argv[] = {"--mem-fraction", "0.5", "--cuda-graphs", "1000"};
+    cfg *c = with_flags(4, argv);
+    memplan p;
+    ae_error err = {0};
+    assert_int_equal(memplan_compute(c, &smol, &env, &p, &err), AE_ERR);
+    assert_non_null(strstr(err.msg, "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
+                                    "workspace 1.77 MiB + block tables 8 KiB + graphs 2.79 GiB + kv 4096 tok"));
+    const char *k = strstr(err.msg, "--cuda-graphs ");
+    assert_non_null(k);
+    long fit = atol(k + strlen("--cuda-graphs "));
+    /* budget 1.5 GiB, minus weights, workspace, tables and one
+     * sequence's 90 MiB of KV, over 2994176 B a graph */
+    assert_int_equal(fit, (long)((3 * GiB / 2 - (100ull << 20) - 1851392 - 8192 - 256ull * 16 * 23040) / 2994176));
+    cfg_free(c);
+    for (long more = 0; more <= 1; more++) {
+        char n[16];
+        snprintf(n, sizeof n, "%ld", fit + more);
+        char *again[] = {"--mem-fraction", "0.5", "--cuda-graphs", n};
+        c = with_flags(4, again);
+        err = (ae_error){0};
+        assert_int_equal(memplan_compute(c, &smol, &env, &p, &err), more ? AE_ERR : AE_OK);
+        cfg_free(c);
+    }
+}
+
 static void test_given_kv_tokens_round_up_to_blocks(void **state) {
     (void)state;
     char *argv[] = {"--mem-fraction", "0.5", "--max-kv-tokens", "5000"};
@@ -230,7 +304,8 @@ static void test_provenance_default_flag_auto_in_json(void **state) {
                         "{\"mem-fraction\":{\"value\":0.875,\"source\":\"auto\"},"
                         "\"max-kv-tokens\":{\"value\":16384,\"source\":\"auto\"},"
                         "\"max-batch\":{\"value\":8,\"source\":\"default\"},"
-                        "\"max-seq-len\":{\"value\":2048,\"source\":\"flag\"}}");
+                        "\"max-seq-len\":{\"value\":2048,\"source\":\"flag\"},"
+                        "\"cuda-graphs\":{\"value\":0,\"source\":\"auto\"}}");
     free(json);
     cfg_free(c);
 }
@@ -258,7 +333,8 @@ static void test_log_writes_each_line(void **state) {
         " info memplan block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n",
         " info memplan total = weights 100 MiB",
         (" info memplan_bytes available=17179869184 budget=15461882265 weights=104857600 "
-         "workspace=1851392 block_tables=8192 kv=754974720 total=861691904 kv_blocks=2048 block_size=16\n"),
+         "workspace=1851392 block_tables=8192 graphs=0 kv=754974720 total=861691904 kv_blocks=2048 block_size=16 "
+         "cuda_graphs=0\n"),
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) assert_non_null(strstr(buf, want[i]));
     int lines = 0;
@@ -337,6 +413,8 @@ int main(void) {
         cmocka_unit_test(test_auto_fraction_leaves_the_reserve),
         cmocka_unit_test(test_feasible_plan_numbers_exact),
         cmocka_unit_test(test_gpu_plan_states_the_peers_equivalents),
+        cmocka_unit_test(test_gpu_plan_counts_its_graphs),
+        cmocka_unit_test(test_too_many_graphs_fail_with_the_count_that_fits),
         cmocka_unit_test(test_given_kv_tokens_round_up_to_blocks),
         cmocka_unit_test(test_infeasible_plan_shows_arithmetic_and_what_works),
         cmocka_unit_test(test_values_named_by_the_error_work),

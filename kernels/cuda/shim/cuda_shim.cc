@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include <vector>
+
 thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 /* ---- kernels ------------------------------------------------------------ */
@@ -318,8 +320,22 @@ int __shfl_xor_sync(unsigned mask, int v, int lane_mask, int width) {
 
 /* ---- runtime ------------------------------------------------------------ */
 
+/* A graph's node: a launch, or a device-to-device copy. */
+struct shim_graph_node {
+    dim3 grid, block;
+    std::function<void()> fn; /* empty: the copy */
+    void *dst;
+    const void *src;
+    size_t n;
+};
+struct shim_graph {
+    std::vector<shim_graph_node> nodes;
+    size_t charged; /* device bytes it takes, once instantiated */
+};
 struct shim_stream {
-    int unused;
+    bool capturing;
+    bool invalidated; /* a refused call while capturing */
+    shim_graph *graph; /* what is being recorded */
 };
 struct shim_event {
     double at; /* seconds, when it was recorded: every call is synchronous */
@@ -334,12 +350,26 @@ static size_t gpu_bytes(void) {
 static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER;
 static size_t g_used; /* bytes cudaMalloc handed out and not freed */
 
+/* The stream this thread captures, if any (capture mode thread-local or
+ * global: either refuses this thread's unsafe calls). */
+static thread_local shim_stream *t_capturing;
+
+/* A call CUDA refuses while this thread captures: it fails, and the
+ * capture is invalidated. */
+static bool refused(void) {
+    if (!t_capturing) return false;
+    t_capturing->invalidated = true;
+    return true;
+}
+
 const char *cudaGetErrorString(cudaError_t e) {
     switch (e) {
     case cudaSuccess: return "no error";
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorMemoryAllocation: return "out of memory";
     case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorStreamCaptureUnsupported: return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated: return "operation failed due to a previous error during capture";
     default: return "unknown error";
     }
 }
@@ -383,6 +413,7 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
 /* Each allocation carries its size in front, for cudaMemGetInfo. */
 #define SHIM_HDR 64
 cudaError_t cudaMalloc(void **p, size_t n) {
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
     pthread_mutex_lock(&g_mem_mu);
     bool fits = n <= gpu_bytes() - g_used && g_used <= gpu_bytes();
     if (fits) g_used += n;
@@ -413,33 +444,49 @@ cudaError_t cudaFree(void *p) {
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void *p, int v, size_t n) {
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
     memset(p, v, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
-    (void)s;
-    return cudaMemset(p, v, n);
+    if (s->capturing) return refused(), cudaErrorStreamCaptureUnsupported; /* no memset nodes here */
+    memset(p, v, n);
+    return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind k) {
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
     (void)k;
     if (n) memmove(dst, src, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind k, cudaStream_t s) {
-    (void)s;
-    return cudaMemcpy(dst, src, n, k);
+    if (s->capturing) {
+        /* Only copies within the device are recorded: a host array's
+         * contents at replay are not what the caller may assume. */
+        if (k != cudaMemcpyDeviceToDevice) return refused(), cudaErrorStreamCaptureUnsupported;
+        shim_graph_node nd = {dim3(), dim3(), std::function<void()>(), dst, src, n};
+        s->graph->nodes.push_back(nd);
+        return cudaSuccess;
+    }
+    if (n) memmove(dst, src, n);
+    return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) {
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
+    return cudaSuccess;
+}
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
     (void)flags;
     *s = new shim_stream();
     return cudaSuccess;
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    if (s->capturing) return cudaErrorStreamCaptureUnsupported;
     delete s;
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
     (void)s;
     return cudaSuccess;
 }
@@ -454,13 +501,14 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, 0); }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
-    (void)s;
+    if (s->capturing) return refused(), cudaErrorStreamCaptureUnsupported; /* no event nodes here */
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     e->at = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
     return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
     (void)e;
     return cudaSuccess;
 }
@@ -470,5 +518,101 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) 
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
     (void)s, (void)e, (void)flags;
+    return cudaSuccess;
+}
+
+/* ---- graphs -------------------------------------------------------------- */
+
+void shim_launch_on(cudaStream_t s, dim3 grid, dim3 block, const std::function<void()> &fn) {
+    if (s && s->capturing) {
+        shim_graph_node nd = {grid, block, fn, NULL, NULL, 0};
+        s->graph->nodes.push_back(nd);
+        return;
+    }
+    shim_launch(grid, block, fn);
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+    (void)mode;
+    if (s->capturing || t_capturing) return cudaErrorInvalidValue; /* one capture per thread here */
+    s->capturing = true;
+    s->invalidated = false;
+    s->graph = new shim_graph();
+    s->graph->charged = 0;
+    t_capturing = s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g) {
+    if (!s->capturing) return cudaErrorInvalidValue;
+    s->capturing = false;
+    t_capturing = NULL;
+    shim_graph *graph = s->graph;
+    s->graph = NULL;
+    if (s->invalidated) {
+        delete graph;
+        *g = NULL;
+        return cudaErrorStreamCaptureInvalidated;
+    }
+    *g = graph;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status) {
+    *status = !s->capturing ? cudaStreamCaptureStatusNone
+              : s->invalidated ? cudaStreamCaptureStatusInvalidated
+                               : cudaStreamCaptureStatusActive;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphGetNodes(cudaGraph_t g, cudaGraphNode_t *nodes, size_t *n) {
+    if (nodes) return cudaErrorInvalidValue; /* only the count, here */
+    *n = g->nodes.size();
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t g, unsigned long long flags) {
+    (void)flags;
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
+    size_t bytes = g->nodes.size() * SHIM_GRAPH_NODE_BYTES;
+    pthread_mutex_lock(&g_mem_mu);
+    bool fits = bytes <= gpu_bytes() - g_used && g_used <= gpu_bytes();
+    if (fits) g_used += bytes;
+    pthread_mutex_unlock(&g_mem_mu);
+    if (!fits) return cudaErrorMemoryAllocation;
+    shim_graph *e = new shim_graph(*g);
+    e->charged = bytes;
+    *exec = e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphUpload(cudaGraphExec_t exec, cudaStream_t s) {
+    (void)exec;
+    if (s->capturing) return refused(), cudaErrorStreamCaptureUnsupported;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+    if (s->capturing) return refused(), cudaErrorStreamCaptureUnsupported; /* no child graphs here */
+    for (const shim_graph_node &nd : exec->nodes) {
+        if (nd.fn)
+            shim_launch(nd.grid, nd.block, nd.fn);
+        else if (nd.n)
+            memmove(nd.dst, nd.src, nd.n);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    if (!exec) return cudaSuccess;
+    pthread_mutex_lock(&g_mem_mu);
+    g_used -= exec->charged;
+    pthread_mutex_unlock(&g_mem_mu);
+    delete exec;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+    delete g;
     return cudaSuccess;
 }

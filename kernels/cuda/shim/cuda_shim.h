@@ -59,6 +59,8 @@ enum {
     cudaErrorInsufficientDriver = 35,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorStreamCaptureUnsupported = 900,
+    cudaErrorStreamCaptureInvalidated = 901,
 };
 typedef enum cudaMemcpyKind {
     cudaMemcpyHostToHost = 0,
@@ -69,6 +71,19 @@ typedef enum cudaMemcpyKind {
 } cudaMemcpyKind;
 typedef struct shim_stream *cudaStream_t;
 typedef struct shim_event *cudaEvent_t;
+typedef struct shim_graph *cudaGraph_t;
+typedef struct shim_graph *cudaGraphExec_t;
+typedef struct shim_graph_node *cudaGraphNode_t;
+typedef enum cudaStreamCaptureMode {
+    cudaStreamCaptureModeGlobal = 0,
+    cudaStreamCaptureModeThreadLocal = 1,
+    cudaStreamCaptureModeRelaxed = 2,
+} cudaStreamCaptureMode;
+typedef enum cudaStreamCaptureStatus {
+    cudaStreamCaptureStatusNone = 0,
+    cudaStreamCaptureStatusActive = 1,
+    cudaStreamCaptureStatusInvalidated = 2,
+} cudaStreamCaptureStatus;
 #define cudaStreamNonBlocking 1u
 #define cudaEventDisableTiming 2u
 
@@ -106,10 +121,33 @@ cudaError_t cudaEventDestroy(cudaEvent_t e);
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags);
 
+/* Graphs: while a stream captures, its launches and device-to-device
+ * copies are recorded, not run, and the calls CUDA refuses to a capturing
+ * thread (a synchronous copy or memset, cudaMalloc, any synchronize, a
+ * copy to or from the host on the capturing stream) fail with
+ * cudaErrorStreamCaptureUnsupported and invalidate the capture, as they
+ * do there. An instantiated graph replays its nodes in order, with the
+ * arguments they were captured with; it takes SHIM_GRAPH_NODE_BYTES of
+ * the device's memory per node (a stand-in for the parameter blocks a GPU
+ * keeps, so that cudaMemGetInfo shows a graph's memory). */
+#define SHIM_GRAPH_NODE_BYTES 4096
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g);
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status);
+cudaError_t cudaGraphGetNodes(cudaGraph_t g, cudaGraphNode_t *nodes, size_t *n);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t g, unsigned long long flags);
+cudaError_t cudaGraphUpload(cudaGraphExec_t exec, cudaStream_t s);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t g);
+
 /* Runs fn once per thread of each block of grid, blocks in order. */
 void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn);
+/* The same on stream s: recorded instead while s captures. The lambda
+ * holds the kernel's arguments by value, as a launch's parameters are. */
+void shim_launch_on(cudaStream_t s, dim3 grid, dim3 block, const std::function<void()> &fn);
 
 #define KN_LAUNCH(kernel, grid, block, stream, ...) \
-    ((void)(stream), shim_launch((grid), (block), [=]() { kernel(__VA_ARGS__); }))
+    shim_launch_on((stream), (grid), (block), [=]() { kernel(__VA_ARGS__); })
 
 #endif
