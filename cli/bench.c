@@ -58,6 +58,7 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
     MEMPLAN_GRAPHS_OPTION,
+    MEMPLAN_DETERMINISTIC_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
     {"oracle-accept", CFG_INT, "0", 0, 62,
      "speculate with an oracle draft instead of --draft: the target's own greedy tokens, this many right then one "
@@ -536,6 +537,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
     eng_set_graphs(b.e, memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be)));
+    if (eng_set_fast(b.e, !cfg_bool(c, "deterministic"), err) != AE_OK) goto out;
     for (int32_t s = 0; s <= batch; s++)
         if (eng_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
     LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt,
@@ -596,6 +598,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
     cJSON_AddNumberToObject(o, "threads", threads);
     cJSON_AddNumberToObject(o, "act_bits", act_bits);
+    cJSON_AddBoolToObject(o, "deterministic", !eng_fast(b.e)); /* the CPU backend has only that mode */
     cJSON_AddNumberToObject(o, "batch", batch);
     cJSON_AddNumberToObject(o, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(o, "gen_tokens", n_gen);

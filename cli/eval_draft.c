@@ -207,7 +207,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     eagle_weights weights;
     if (eagle_weights_parse(cfg_str(c, "draft-weights"), &weights, err) != AE_OK) goto out;
     int32_t act_bits;
-    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, m, &plan, threads, act_bits, err) != AE_OK)
+    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, c, m, &plan, threads, act_bits, err) != AE_OK)
         goto out;
     drafter_config dc = {1, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
     spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, SETUP_PREFILL_CHUNK, false, NULL, NULL};

@@ -182,7 +182,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     int32_t threads = (int32_t)cfg_int(c, "threads"), act_bits;
-    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, m, &plan, threads, act_bits, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
+    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, c, m, &plan, threads, act_bits, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
         detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
     spec_shape shape;

@@ -91,7 +91,7 @@ static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
     s->threads = (int32_t)cfg_int(c, "threads");
     int32_t act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK) return AE_ERR;
-    return setup_engine(&s->e, s->m, &plan, s->threads, act_bits, err);
+    return setup_engine(&s->e, c, s->m, &plan, s->threads, act_bits, err);
 }
 
 int cli_user_turn_ids(const tok *t, const chat_template *ct, const char *content, int32_t **ids, int32_t *n,

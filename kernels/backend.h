@@ -34,6 +34,7 @@
 struct kn_stream {
     const kn_backend *be;
     int act_bits; /* 15 or 8 (kernels.h); kn_stream_set_act_bits */
+    bool fast;    /* kn_stream_set_fast, where the backend has a fast mode */
 };
 
 /* The head of every backend's graph (kernels.h kn_graph). */
@@ -57,6 +58,9 @@ struct kn_backend {
     void (*stream_free)(kn_stream *s);
     int (*stream_threads)(const kn_stream *s);
     void (*sync)(kn_stream *s);
+    /* Readies s for fast mode (kernels.h kn_stream_set_fast); NULL: the
+     * backend has only the deterministic one. */
+    int (*set_fast)(kn_stream *s, ae_error *err);
     void (*event_record)(kn_stream *s, kn_event *e);
     void (*event_wait)(kn_stream *s, const kn_event *e);
 

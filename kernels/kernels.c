@@ -14,6 +14,7 @@ int kn_stream_init(kn_stream **out, const kn_backend *be, const kn_stream_config
     if (be->stream_init(out, cfg, err) != AE_OK) return AE_ERR;
     (*out)->be = be;
     (*out)->act_bits = KN_ACT_BITS_DEFAULT;
+    (*out)->fast = false;
     return AE_OK;
 }
 
@@ -33,6 +34,18 @@ void kn_stream_set_act_bits(kn_stream *s, int bits) {
 }
 
 int kn_stream_act_bits(const kn_stream *s) { return s->act_bits; }
+
+int kn_stream_set_fast(kn_stream *s, bool fast, ae_error *err) {
+    if (!fast || !s->be->set_fast || s->fast) {
+        s->fast = fast && s->be->set_fast;
+        return AE_OK;
+    }
+    if (s->be->set_fast(s, err) != AE_OK) return AE_ERR;
+    s->fast = true;
+    return AE_OK;
+}
+
+bool kn_stream_fast(const kn_stream *s) { return s->fast; }
 
 void kn_stream_sync(kn_stream *s) { s->be->sync(s); }
 

@@ -135,6 +135,20 @@ const kn_backend *kn_stream_backend(const kn_stream *s);
 #define KN_ACT_BITS_DEFAULT 15
 void kn_stream_set_act_bits(kn_stream *s, int bits);
 int kn_stream_act_bits(const kn_stream *s);
+/* Deterministic (the default) or fast. Every backend's ops are
+ * deterministic and batch invariant by default ("Batch invariance"). A
+ * fast stream may run float-weight matmuls (F32, F16, BF16) through the
+ * vendor's BLAS (cuBLAS on CUDA, opened when this is first asked for,
+ * with KN_FAST_WORKSPACE_BYTES of device memory of its own), x rounded to
+ * the weight's type: its kernel and its order of additions change with
+ * m, so a row's bits depend on the batch, and greedy speculative output
+ * may differ from plain decoding at near-ties. Quantized matmuls and the
+ * other ops keep their bits. The CPU backend has only the one mode: fast
+ * changes nothing there. Set before the stream's first op; fails with err
+ * where the backend cannot (no cuBLAS found). */
+#define KN_FAST_WORKSPACE_BYTES (32u << 20)
+int kn_stream_set_fast(kn_stream *s, bool fast, ae_error *err);
+bool kn_stream_fast(const kn_stream *s);
 void kn_stream_sync(kn_stream *s); /* waits for every op queued (CPU: none is) */
 int kn_stream_threads(const kn_stream *s);
 

@@ -89,6 +89,9 @@ void eng_set_graphs(eng *e, int32_t max_graphs) {
 
 eng_graph_stats eng_get_graph_stats(const eng *e) { return e->graph_stats; }
 
+int eng_set_fast(eng *e, bool fast, ae_error *err) { return kn_stream_set_fast(e->stream, fast, err); }
+bool eng_fast(const eng *e) { return kn_stream_fast(e->stream); }
+
 void eng_free(eng *e) {
     if (!e) return;
     graphs_drop(e);
@@ -263,6 +266,9 @@ static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_k
     int32_t capacity = e->cfg.max_seq_len, keys = ENG_GRAPH_MIN_KEYS;
     while (keys < map->max_visible && keys < capacity) keys *= 2;
     if (keys > capacity) keys = capacity;
+    /* Past KN_ATTN_SPLIT_M tokens attention does not split by keys: one
+     * graph for every length (the bound is then the capacity). */
+    if (map->m > KN_ATTN_SPLIT_M) keys = capacity;
     eng_graph want = {map->m, n_logits, cap ? cap->n_rows : 0, cap ? cap->n_layers : 0, keys, {0}, argmax, NULL, 0};
     if (cap) memcpy(want.cap_layers, cap->layers, (size_t)cap->n_layers * sizeof(int32_t));
     map->max_visible = keys;

@@ -113,12 +113,18 @@ int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_erro
  *
  * At most max_graphs are kept (the memory plan's count); a new shape
  * past that replaces the one used least recently. 0 (the default) turns
- * graphs off; on a backend without them this does nothing. A capture
- * that fails turns graphs off for the engine, with a warning, and the
- * step runs op by op. */
+ * graphs off; on a backend without them this does nothing. A graph the
+ * device cannot make or hold (its capture, instantiation or upload fails:
+ * out of memory, say) turns graphs off for the engine, with a warning,
+ * and the step runs op by op. */
 #define ENG_GRAPH_MAX_TOKENS ENG_MAX_TREE
 #define ENG_GRAPH_MIN_KEYS 256
 void eng_set_graphs(eng *e, int32_t max_graphs);
+
+/* The engine's stream in fast mode, or deterministic (the default):
+ * kernels.h kn_stream_set_fast. Before the first step. */
+int eng_set_fast(eng *e, bool fast, ae_error *err);
+bool eng_fast(const eng *e); /* false on a backend with only the deterministic mode */
 
 typedef struct eng_graph_stats {
     int32_t max_graphs; /* 0: off */

@@ -58,12 +58,16 @@ size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits);
 size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys);
 
 /* Launches one forward pass queues on the CUDA backend, at most (a graph's
- * nodes, for the memory plan): per layer 15 ops, of which the 5 matmuls
- * take one more to quantize x (one for q, k and v together, one for gate
- * and up) and attention one more to merge its splits: 24; then the
- * embedding, rope's table, the logit rows' gather, the final norm, the
- * output matmul (2) and an argmax (2), and a capture's gathers. */
-#define LLAMA_GRAPH_NODES(n_layers) ((uint64_t)(n_layers) * 24u + 8u + LLAMA_MAX_CAPTURE)
+ * nodes, for the memory plan). Per layer: the 7 matmuls (q, k, v, o,
+ * gate, up, down) and 4 quantizations of x (one for q, k and v, one for
+ * gate and up), 2 norms, 3 biases, 2 ropes, the KV write, attention and
+ * its merge, 2 adds and the SwiGLU: 24. Then the embedding, rope's
+ * table, the logit rows' gather, the final norm, the output matmul (2)
+ * and an argmax (2), and a capture's gathers. In fast mode
+ * (kn_stream_set_fast) each float matmul may be 3: x rounded for cuBLAS,
+ * whose GEMM may be two kernels (34 a layer, and one more at the head). */
+#define LLAMA_GRAPH_NODES(n_layers, fast) \
+    ((uint64_t)(n_layers) * ((fast) ? 34u : 24u) + ((fast) ? 9u : 8u) + LLAMA_MAX_CAPTURE)
 
 /* Runs the batch. kv[l] is layer l's KV pool. Shapes and ids are the
  * engine's to check (asserted here). */

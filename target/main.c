@@ -103,7 +103,7 @@ int main(int argc, char **argv) {
     cfg_log(c, "aerie-target");
     memplan_log(&plan);
     int32_t threads = (int32_t)cfg_int(c, "threads");
-    if (setup_engine(&e, m, &plan, threads, act_bits, &err) != AE_OK) goto out;
+    if (setup_engine(&e, c, m, &plan, threads, act_bits, &err) != AE_OK) goto out;
     /* The end-of-sequence token comes from the model's tokenizer. */
     int32_t eos = -1;
     if (tok_file_open(&tf, model_path, NULL) == AE_OK) {

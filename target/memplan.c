@@ -66,6 +66,7 @@ static int model_ok(const memplan_model *m, const memplan_env *env, ae_error *er
 }
 
 int32_t memplan_graphs(cfg *c, bool has_graphs) {
+    if (!cfg_has(c, "cuda-graphs")) return 0; /* a command that runs on the CPU only */
     if (cfg_is_auto(c, "cuda-graphs")) cfg_set_auto_int(c, "cuda-graphs", has_graphs ? MEMPLAN_AUTO_GRAPHS : 0);
     return has_graphs ? (int32_t)cfg_int(c, "cuda-graphs") : 0;
 }
@@ -210,14 +211,14 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     /* The graphs line: on a device with graphs, or where a value was
      * given that this run cannot use. */
     char gline[200] = "", gterm[48] = "";
-    const char *gsrc = cfg_source_name(cfg_get_source(c, "cuda-graphs"));
+    const char *gsrc = cfg_has(c, "cuda-graphs") ? cfg_source_name(cfg_get_source(c, "cuda-graphs")) : "";
     if (has_graphs && n_graphs > 0) {
         snprintf(gline, sizeof gline,
                  "graphs = %d step shapes (cuda-graphs, %s) x %" PRIu64 " nodes x %s = %s (an estimate; each "
                  "capture logs what it took)\n",
                  n_graphs, gsrc, env->graph_nodes, B(&z, 0, env->graph_node_bytes), B(&z, 1, graphs));
         snprintf(gterm, sizeof gterm, " + graphs %s", B(&z, 0, graphs));
-    } else if (!has_graphs && cfg_int(c, "cuda-graphs") > 0) {
+    } else if (!has_graphs && cfg_has(c, "cuda-graphs") && cfg_int(c, "cuda-graphs") > 0) {
         snprintf(gline, sizeof gline, "graphs = none: cuda-graphs %lld (%s) has no effect without a GPU\n",
                  (long long)cfg_int(c, "cuda-graphs"), gsrc);
     }

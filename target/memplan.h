@@ -69,7 +69,8 @@
      "KV cache size in tokens (auto: what fits, at most max-batch x max-seq-len)"},              \
     {"max-batch", CFG_INT, "8", 1, 4096, "sequences in flight at once"},                         \
     {"max-seq-len", CFG_INT, "4096", 1, 16777216, "longest sequence in tokens"},                 \
-    MEMPLAN_GRAPHS_OPTION
+    MEMPLAN_GRAPHS_OPTION,                                                                       \
+    MEMPLAN_DETERMINISTIC_OPTION
 
 /* Decode and verify step shapes a GPU run keeps as CUDA graphs; its own
  * row, for commands that build an engine without a plan (aerie bench). */
@@ -77,6 +78,12 @@
     {"cuda-graphs", CFG_INT, "auto", 0, 4096,                                                    \
      "step shapes kept as CUDA graphs (auto: 32 on a GPU, 0 on the CPU; 0: off)"}
 #define MEMPLAN_AUTO_GRAPHS 32
+/* Deterministic kernels or fast ones (kernels.h kn_stream_set_fast); on a
+ * GPU fast mode's cuBLAS workspace is part of the plan's fixed workspace. */
+#define MEMPLAN_DETERMINISTIC_OPTION                                                             \
+    {"deterministic", CFG_BOOL, "true", 0, 0,                                                    \
+     "batch-invariant kernels, greedy speculative output identical to plain (--no-deterministic: " \
+     "float-weight matmuls by cuBLAS on a GPU; faster, and output may then differ at near-ties)"}
 
 /* cuda-graphs resolved for a device that has graphs or not (auto
  * recorded in c); 0 where it has none. */

@@ -36,18 +36,30 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
     memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
                         mc->n_kv_heads, mc->head_dim, mc->vocab, m->arch->kv_bytes_per_token(mc),
                         m->arch->workspace_per_token(mc)};
+    /* Fast mode on a GPU: cuBLAS's own workspace. */
+    const bool fast = !kn_backend_host_memory(m->be) && cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
     memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
                        llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
-                           eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work,
+                           eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work + (fast ? KN_FAST_WORKSPACE_BYTES : 0),
                        on_gpu ? g_device.name : NULL, on_gpu ? g_device.info.total_bytes : 0, 0, 0};
     if (!kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be)) {
-        env.graph_nodes = LLAMA_GRAPH_NODES(mc->n_layers);
+        env.graph_nodes = LLAMA_GRAPH_NODES(mc->n_layers, fast);
         env.graph_node_bytes = KN_GRAPH_NODE_BYTES;
     }
     return memplan_compute(c, &mm, &env, plan, err);
 }
 
-int setup_engine(eng **e, const model *m, const memplan *plan, int32_t threads, int32_t act_bits, ae_error *err) {
+/* The engine's stream made fast when c's "deterministic" is false. */
+static int setup_fast(const cfg *c, eng *e, ae_error *err) {
+    bool fast = cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
+    if (fast && kn_backend_host_memory(eng_model(e)->be))
+        LOG_INFOF("deterministic=false has no effect on the %s backend: its kernels are batch invariant",
+                  kn_backend_name(eng_model(e)->be));
+    return eng_set_fast(e, fast, err);
+}
+
+int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
+                 ae_error *err) {
     if (plan->kv_tokens > INT32_MAX)
         return err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
                        (long long)plan->kv_tokens, INT32_MAX);
@@ -55,5 +67,5 @@ int setup_engine(eng **e, const model *m, const memplan *plan, int32_t threads, 
                      plan->block_size, threads, act_bits};
     if (eng_init(e, m, &ec, err) != AE_OK) return AE_ERR;
     eng_set_graphs(*e, plan->graphs);
-    return AE_OK;
+    return setup_fast(c, *e, err);
 }

@@ -31,7 +31,10 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
 
 /* An engine sized by the plan, prefill chunks of SETUP_PREFILL_CHUNK, at
  * act_bits (8 or 15) of activation precision, keeping the plan's count of
- * step shapes as graphs (eng_set_graphs). */
-int setup_engine(eng **e, const model *m, const memplan *plan, int32_t threads, int32_t act_bits, ae_error *err);
+ * step shapes as graphs (eng_set_graphs), in fast mode when c's
+ * "deterministic" is false (kernels.h kn_stream_set_fast; where the
+ * backend cannot, the error says why). */
+int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
+                 ae_error *err);
 
 #endif

@@ -10,6 +10,8 @@
  * line; at open a failure is an error line for the caller. */
 #include "kn_cuda.h"
 
+#include <dlfcn.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -84,10 +86,13 @@ static int cu_stream_init(kn_stream **out, const kn_stream_config *cfg, ae_error
     return AE_OK;
 }
 
+static void blas_free(kn_cuda_stream *c);
+
 static void cu_stream_free(kn_stream *s) {
     kcu_bind();
     kn_cuda_stream *c = KN_CU(s);
     KN_CK(cudaStreamSynchronize(c->st));
+    blas_free(c);
     if (c->work) KN_CK(cudaFree(c->work));
     KN_CK(cudaStreamDestroy(c->st));
     free(c);
@@ -118,6 +123,129 @@ static void cu_event_record(kn_stream *s, kn_event *e) {
 static void cu_event_wait(kn_stream *s, const kn_event *e) {
     kcu_bind();
     if (e->impl) KN_CK(cudaStreamWaitEvent(KN_CU(s)->st, (cudaEvent_t)e->impl, 0));
+}
+
+/* ---- fast mode: cuBLAS, opened when first asked for ---------------------------- */
+
+/* cuBLAS is not linked: the plugin opens it with dlopen the first time a
+ * stream is made fast (kernels.h), so a deterministic run never loads its
+ * hundreds of megabytes. AERIE_CUBLAS_LIB names the file; otherwise
+ * libcublas.so.13, then .12, on the loader's path. The entry points and
+ * the values of the enums below are cuBLAS's public C ABI (cublas_api.h,
+ * library_types.h), the same in CUDA 12 and 13; the header is not needed
+ * to build. */
+enum {
+    KCU_BLAS_OK = 0,
+    KCU_OP_N = 0,
+    KCU_OP_T = 1,
+    KCU_R_32F = 0,
+    KCU_R_16F = 2,
+    KCU_R_16BF = 14,
+    KCU_COMPUTE_32F = 68,
+    KCU_GEMM_DEFAULT = -1,
+};
+struct kcu_blas_api {
+    int (*create)(void **handle);
+    int (*destroy)(void *handle);
+    int (*set_stream)(void *handle, cudaStream_t st);
+    int (*set_workspace)(void *handle, void *work, size_t bytes);
+    int (*get_version)(void *handle, int *version);
+    int (*gemm_ex)(void *handle, int transa, int transb, int m, int n, int k, const void *alpha, const void *a,
+                   int atype, int lda, const void *b, int btype, int ldb, const void *beta, void *c, int ctype,
+                   int ldc, int compute, int algo);
+};
+static kcu_blas_api g_blas;
+static char g_blas_error[256]; /* why it could not be opened, once tried */
+static pthread_once_t g_blas_once = PTHREAD_ONCE_INIT;
+
+static void blas_open(void) {
+#ifdef KN_CUDA_SHIM
+    snprintf(g_blas_error, sizeof g_blas_error, "the CPU shim has no cuBLAS");
+#else
+    const char *env = getenv("AERIE_CUBLAS_LIB");
+    const char *names[3] = {env && *env ? env : "libcublas.so.13", env && *env ? NULL : "libcublas.so.12", NULL};
+    void *lib = NULL;
+    for (int i = 0; i < 2 && names[i] && !lib; i++) lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        snprintf(g_blas_error, sizeof g_blas_error, "cannot open cuBLAS (%s; AERIE_CUBLAS_LIB names the file): %s",
+                 env && *env ? env : "libcublas.so.13 or .12", why ? why : "not found");
+        return;
+    }
+    struct {
+        const char *name;
+        void **fn;
+    } syms[] = {
+        {"cublasCreate_v2", (void **)&g_blas.create},          {"cublasDestroy_v2", (void **)&g_blas.destroy},
+        {"cublasSetStream_v2", (void **)&g_blas.set_stream},    {"cublasSetWorkspace_v2", (void **)&g_blas.set_workspace},
+        {"cublasGetVersion_v2", (void **)&g_blas.get_version},  {"cublasGemmEx", (void **)&g_blas.gemm_ex},
+    };
+    for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++)
+        if (!(*syms[i].fn = dlsym(lib, syms[i].name))) {
+            snprintf(g_blas_error, sizeof g_blas_error, "cuBLAS has no %s", syms[i].name);
+            g_blas.gemm_ex = NULL;
+            return;
+        }
+#endif
+}
+
+/* Every cuBLAS call is checked as the runtime's are. */
+#define KN_CB(call)                                                                                        \
+    do {                                                                                                   \
+        int st_ = (call);                                                                                  \
+        if (st_ != KCU_BLAS_OK) {                                                                          \
+            fprintf(stderr, "aerie cuda: %s failed: cuBLAS status %d at %s:%d\n", #call, st_, __FILE__, __LINE__); \
+            fflush(stderr);                                                                                \
+            abort();                                                                                       \
+        }                                                                                                  \
+    } while (0)
+
+static int cu_set_fast(kn_stream *s, ae_error *err) {
+    kcu_bind();
+    kn_cuda_stream *c = KN_CU(s);
+    if (c->blas) return AE_OK;
+    pthread_once(&g_blas_once, blas_open);
+    if (!g_blas.gemm_ex) return fail(err, "fast mode: %s", g_blas_error);
+    int st = g_blas.create(&c->blas);
+    if (st != KCU_BLAS_OK) {
+        c->blas = NULL;
+        return fail(err, "fast mode: cublasCreate failed: cuBLAS status %d", st);
+    }
+    cudaError_t e = cudaMalloc(&c->blas_work, KN_FAST_WORKSPACE_BYTES);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        g_blas.destroy(c->blas);
+        c->blas = c->blas_work = NULL;
+        return fail(err, "fast mode: cannot allocate cuBLAS's %u-byte workspace: %s", KN_FAST_WORKSPACE_BYTES,
+                    cudaGetErrorString(e));
+    }
+    /* Its own workspace, so that it allocates nothing while a graph is
+     * captured. */
+    KN_CB(g_blas.set_stream(c->blas, c->st));
+    KN_CB(g_blas.set_workspace(c->blas, c->blas_work, KN_FAST_WORKSPACE_BYTES));
+    int version = 0;
+    KN_CB(g_blas.get_version(c->blas, &version));
+    fprintf(stderr, "aerie cuda: fast mode: cuBLAS %d on cuda:%d\n", version, g_device);
+    return AE_OK;
+}
+
+static void blas_free(kn_cuda_stream *c) {
+    if (!c->blas) return;
+    KN_CB(g_blas.destroy(c->blas));
+    KN_CK(cudaFree(c->blas_work));
+    c->blas = c->blas_work = NULL;
+}
+
+void kcu_blas_gemm(kn_stream *s, ggml_type type, const void *w, const void *xt, float *y, int64_t m, int64_t n,
+                   int64_t k) {
+    kn_cuda_stream *c = KN_CU(s);
+    KCU_ASSERT(c->blas && m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX);
+    int t = type == GGML_TYPE_F32 ? KCU_R_32F : type == GGML_TYPE_F16 ? KCU_R_16F : KCU_R_16BF;
+    const float one = 1.0f, zero = 0.0f;
+    /* cuBLAS is column-major: row-major y [m][n] is its n x m matrix, W
+     * [n][k] its k x n (so transposed) and x [m][k] its k x m. */
+    KN_CB(g_blas.gemm_ex(c->blas, KCU_OP_T, KCU_OP_N, (int)n, (int)m, (int)k, &one, w, t, (int)k, xt, t, (int)k, &zero,
+                         y, KCU_R_32F, (int)n, KCU_COMPUTE_32F, KCU_GEMM_DEFAULT));
 }
 
 /* ---- graphs ------------------------------------------------------------------ */
@@ -170,9 +298,16 @@ static int cu_graph_end(kn_stream *s, kn_graph **out, ae_error *err) {
         return fail(err, "cuda: cudaGraphInstantiate of %zu nodes: %s (%d)", nodes, cudaGetErrorString(e), (int)e);
     }
     /* Uploaded now, so that its memory is counted here and its first
-     * replay costs what the others do. */
-    KN_CK(cudaGraphUpload(kg->exec, c->st));
-    KN_CK(cudaStreamSynchronize(c->st));
+     * replay costs what the others do. Out of memory here is the plan's
+     * estimate falling short: graphs off, not the end of the service. */
+    e = cudaGraphUpload(kg->exec, c->st);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->st);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        KN_CK(cudaGraphExecDestroy(kg->exec));
+        free(kg);
+        return fail(err, "cuda: cudaGraphUpload of %zu nodes: %s (%d)", nodes, cudaGetErrorString(e), (int)e);
+    }
     size_t fr = 0, tot = 0;
     KN_CK(cudaMemGetInfo(&fr, &tot));
     kg->base.nodes = nodes;
@@ -246,6 +381,7 @@ static const kn_backend kn_backend_cuda = {
     cu_stream_free,
     cu_stream_threads,
     cu_sync,
+    cu_set_fast,
     cu_event_record,
     cu_event_wait,
     cu_graph_begin,

@@ -41,6 +41,8 @@ struct kn_cuda_stream {
     void *work;
     size_t work_bytes;
     size_t free_at_capture; /* the device's free bytes when the capture began */
+    void *blas;             /* fast mode: the stream's cuBLAS handle */
+    void *blas_work;        /* and its workspace, KN_FAST_WORKSPACE_BYTES */
 };
 #define KN_CU(s) ((kn_cuda_stream *)(s))
 
@@ -67,6 +69,12 @@ bool kcu_sync_launches(void);
 /* Whether this build has a kernel image the device can run (opening
  * fails cleanly otherwise, rather than at the first op). */
 cudaError_t kcu_image_check(void);
+
+/* Fast mode (kernels.h kn_stream_set_fast): y[m][n] = x[m][k] . W[n][k]^T
+ * by cuBLAS, W row-major of type (GGML_TYPE_F32, F16 or BF16) and xt x
+ * already in that type, y f32; accumulation in f32. */
+void kcu_blas_gemm(kn_stream *s, ggml_type type, const void *w, const void *xt, float *y, int64_t m, int64_t n,
+                   int64_t k);
 
 /* ---- the ops (kn_cuda_ops.cu), as backend.h declares them ------------- */
 void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);

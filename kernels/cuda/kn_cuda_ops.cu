@@ -101,6 +101,13 @@ static KN_HD uint16_t f32_to_half(float f) {
 
 static KN_HD float bf16_to_f32(uint16_t h) { return f32_of((uint32_t)h << 16); }
 
+/* Float to bfloat16, to nearest, ties to even; NaN stays a quiet NaN. */
+static KN_HD uint16_t f32_to_bf16(float f) {
+    uint32_t x = bits_of(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 /* e^xc for xc in [-87, 88], the IEEE steps of KN_EXP_CORE
  * (kn_cpu_impl.h) one by one. */
 static KN_HD float exp_core(float xc) {
@@ -795,7 +802,36 @@ static void quantize_x(kn_stream *s, const float *x, int64_t k, int64_t m) {
     launched(s);
 }
 
+/* x rounded to the weights' 16-bit type, for cuBLAS (fast mode). */
+template <ggml_type T> __global__ void k_round_x(const float *x, int64_t count, uint16_t *out) {
+    for (int64_t i = flat_start(); i < count; i += flat_step())
+        out[i] = T == GGML_TYPE_F16 ? f32_to_half(x[i]) : f32_to_bf16(x[i]);
+}
+
+/* Whether fast mode takes w (cuBLAS). */
+static bool by_blas(const kn_stream *s, const kn_weight *w) {
+    return s->fast && !is_quant(w->type) && w->row_bytes == (size_t)w->cols * (w->type == GGML_TYPE_F32 ? 4 : 2);
+}
+
+/* x_ready: the workspace holds x quantized by an earlier matmul of the
+ * same x (kcu_matmul_n). */
 static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m, bool x_ready) {
+    if (by_blas(s, w)) {
+        /* Fast mode: cuBLAS, x in the weights' type in the workspace
+         * (2 bytes an element, within kn_matmul_workspace's). */
+        const void *xt = x;
+        if (w->type != GGML_TYPE_F32) {
+            KCU_ASSERT((size_t)m * (size_t)w->cols * 2 <= KN_CU(s)->work_bytes);
+            uint16_t *h = (uint16_t *)KN_CU(s)->work;
+            if (w->type == GGML_TYPE_F16) KN_LAUNCH(k_round_x<GGML_TYPE_F16>, flat_grid(m * w->cols), dim3(KCU_THREADS), st(s), x, m * w->cols, h);
+            else KN_LAUNCH(k_round_x<GGML_TYPE_BF16>, flat_grid(m * w->cols), dim3(KCU_THREADS), st(s), x, m * w->cols, h);
+            launched(s);
+            xt = h;
+        }
+        kcu_blas_gemm(s, w->type, w->data, xt, y, m, w->rows, w->cols);
+        launched(s);
+        return;
+    }
     if (is_quant(w->type)) {
         size_t al = w->type == GGML_TYPE_Q4_1 ? 4 : 2; /* k_matmul_q's loads */
         KCU_ASSERT((uintptr_t)w->data % al == 0 && w->row_bytes % al == 0);
@@ -817,7 +853,10 @@ void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x
     bool ready = false;
     for (int i = 0; i < n; i++) {
         matmul_one(s, w[i], x, y[i], m, ready);
-        ready = ready || is_quant(w[i]->type);
+        /* A quantized matmul leaves x quantized in the workspace; fast
+         * mode's rounding of x for cuBLAS overwrites it. */
+        if (is_quant(w[i]->type)) ready = true;
+        else if (by_blas(s, w[i]) && w[i]->type != GGML_TYPE_F32) ready = false;
     }
 }
 

@@ -40,6 +40,8 @@ static cfg_value *find(const cfg *c, const char *name) {
     return NULL;
 }
 
+bool cfg_has(const cfg *c, const char *name) { return find(c, name) != NULL; }
+
 static cfg_value *must_find(const cfg *c, const char *name) {
     cfg_value *v = find(c, name);
     AE_ASSERT(v != NULL && "undeclared config option");

@@ -73,6 +73,10 @@ void cfg_set_auto_int(cfg *c, const char *name, int64_t v);
 void cfg_set_auto_double(cfg *c, const char *name, double v);
 void cfg_set_auto_str(cfg *c, const char *name, const char *v);
 
+/* Whether the table declares name (for code shared by commands whose
+ * tables differ). */
+bool cfg_has(const cfg *c, const char *name);
+
 /* Getters. The name must be declared (always-on assert otherwise). */
 int64_t cfg_int(const cfg *c, const char *name);
 double cfg_double(const cfg *c, const char *name);

@@ -524,6 +524,59 @@ static void kv_write_attention_and_move(void **state) {
     free_bufs();
 }
 
+/* Fast mode (kernels.h kn_stream_set_fast): float-weight matmuls by
+ * cuBLAS on a GPU, x rounded to the weights' type, within that rounding
+ * of the CPU's result (relative L2 error); the shim has no cuBLAS and
+ * says so, and the CPU backend has only its one mode. */
+static void fast_mode_matmul(void **state) {
+    (void)state;
+    ae_error err = {{0}};
+    assert_int_equal(kn_stream_set_fast(cpu15, true, &err), AE_OK);
+    assert_false(kn_stream_fast(cpu15)); /* nothing to change on the CPU */
+    kn_stream *fast;
+    assert_int_equal(kn_stream_init(&fast, CU, &(kn_stream_config){NULL, WORK}, &err), AE_OK);
+#ifndef KN_TEST_GPU
+    assert_int_equal(kn_stream_set_fast(fast, true, &err), AE_ERR);
+    assert_string_equal(err.msg, "fast mode: the CPU shim has no cuBLAS");
+    assert_false(kn_stream_fast(fast));
+#else
+    if (kn_stream_set_fast(fast, true, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_true(kn_stream_fast(fast));
+    const ggml_type types[3] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16};
+    const double bound[3] = {1e-5, 1e-3, 8e-3}; /* f32 sums; x rounded to f16 (2^-11) or bf16 (2^-8) */
+    const int64_t ms[] = {1, 3, 9}, n = 40, k = 1184;
+    for (int ti = 0; ti < 3; ti++) {
+        wpair w;
+        make_weight(&w, types[ti], n, k);
+        for (size_t mi = 0; mi < 3; mi++) {
+            int64_t m = ms[mi];
+            float *x = malloc((size_t)(m * k) * sizeof(float)), *yc = malloc((size_t)(m * n) * sizeof(float)),
+                  *yg = malloc((size_t)(m * n) * sizeof(float));
+            fill(x, (size_t)(m * k), -2, 2);
+            float *dx = dev(x, (size_t)(m * k) * sizeof(float)), *dy = dev_zero((size_t)(m * n) * sizeof(float));
+            kn_matmul(cpu15, &w.cpu, x, yc, m);
+            kn_matmul(fast, &w.cu, dx, dy, m);
+            get(fast, yg, dy, (size_t)(m * n) * sizeof(float));
+            double num = 0, den = 0;
+            for (int64_t i = 0; i < m * n; i++) {
+                double d = (double)yc[i] - yg[i];
+                num += d * d;
+                den += (double)yc[i] * yc[i];
+            }
+            double rel = sqrt(num / den);
+            printf("fast matmul %s m=%lld: relative L2 error %.2e (bound %.0e)\n", quant_type_name(types[ti]),
+                   (long long)m, rel, bound[ti]);
+            assert_true(rel <= bound[ti]);
+            compared += (int)(m * n);
+            free(x), free(yc), free(yg);
+        }
+        free(w.host);
+    }
+    free_bufs();
+#endif
+    kn_stream_free(fast);
+}
+
 static void device_open_reports_the_shim(void **state) {
     (void)state;
     const kn_backend *be;
@@ -556,6 +609,7 @@ int main(void) {
         cmocka_unit_test(embed_every_type),
         cmocka_unit_test(rope_both_layouts),
         cmocka_unit_test(kv_write_attention_and_move),
+        cmocka_unit_test(fast_mode_matmul),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
 #ifdef KN_TEST_GPU

@@ -62,6 +62,14 @@ NVCC=$(command -v nvcc || { test -x /usr/local/cuda/bin/nvcc && echo /usr/local/
 echo "cuBLAS and NCCL libraries present:"
 { ldconfig -p 2>/dev/null | grep -oE '(libcublas|libcublasLt|libnccl)\.so[.0-9]*' | sort -u
   find / -xdev \( -name 'libcublas.so.*' -o -name 'libnccl.so.*' \) 2>/dev/null | head -n 6; } | sed 's/^/  /'
+# Fast mode (--no-deterministic) opens cuBLAS with dlopen: where the
+# loader does not find libcublas.so.13 (or .12), the first on the disk.
+if [ -z "${AERIE_CUBLAS_LIB:-}" ] && ! ldconfig -p 2>/dev/null | grep -qE 'libcublas\.so\.1[23] '; then
+    AERIE_CUBLAS_LIB=$(find / -xdev -name 'libcublas.so.13' 2>/dev/null | head -n 1)
+    [ -n "$AERIE_CUBLAS_LIB" ] || AERIE_CUBLAS_LIB=$(find / -xdev -name 'libcublas.so.12' 2>/dev/null | head -n 1)
+    [ -n "$AERIE_CUBLAS_LIB" ] && export AERIE_CUBLAS_LIB
+fi
+echo "cuBLAS for fast mode: ${AERIE_CUBLAS_LIB:-libcublas.so.13, from the loader path}"
 python3 - <<'PY' 2>/dev/null || true
 import torch
 print("  torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())))
@@ -154,9 +162,12 @@ else
     echo "compute-sanitizer: not on this machine"
 fi
 
-step "benchmarks: bf16"
+# The cost of deterministic mode: the BF16 shape again in fast mode
+# (--no-deterministic: its matmuls by cuBLAS, x rounded to bf16).
+step "benchmarks: bf16, deterministic and fast"
 make_model llama-3.1-8b bf16
 bench bench-llama-3.1-8b-bf16 "$file" --gen-tokens 64 --repeat 3
+bench bench-llama-3.1-8b-bf16-fast "$file" --gen-tokens 64 --repeat 3 --no-deterministic
 
 # The side-by-side figure: transformers' batch-1 greedy decode on the same
 # shapes (bf16, random weights), where its python3 has torch.

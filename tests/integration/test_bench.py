@@ -19,7 +19,8 @@ KEYS = {"model", "device", "simd", "threads", "batch", "prompt_tokens", "gen_tok
         "decode_tok_per_s", "decode_step_per_s", "weight_bytes_per_step", "bandwidth_gb_per_s",
         "bandwidth_best_gb_per_s", "roofline_fraction_windows", "roofline_fraction_vs_best",
         "bandwidth_mib", "roofline_tok_per_s", "roofline_fraction", "verify_context", "verify_1_ms",
-        "verify_cost", "wall_seconds", "act_bits"}
+        "verify_cost", "wall_seconds", "act_bits", "deterministic", "cuda_graphs", "graph_captures",
+        "graph_replays", "graph_bytes", "graph_max_nodes"}
 
 # SmolLM2-135M Q4_1 ties its output projection to the embedding table, so a
 # decode step reads every tensor of the file once: 30 layers x 7 Q4_1
@@ -46,6 +47,9 @@ def test_prints_one_json_line_with_every_figure(tiny):
     assert tiny["model"] == str(MODEL)
     assert tiny["simd"] in {"avx512vnni+avx2", "avx2", "scalar"}  # kn_cpu_simd()
     assert tiny["device"] == "cpu"  # --device auto: no GPU here
+    # the CPU backend is deterministic, and has no graphs
+    assert tiny["deterministic"] is True
+    assert (tiny["cuda_graphs"], tiny["graph_captures"], tiny["graph_replays"], tiny["graph_bytes"]) == (0, 0, 0, 0)
     for k in ("prefill_tok_per_s", "decode_tok_per_s", "decode_step_per_s", "bandwidth_gb_per_s",
               "roofline_tok_per_s", "verify_1_ms", "wall_seconds"):
         assert tiny[k] > 0, k

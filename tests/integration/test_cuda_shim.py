@@ -93,7 +93,10 @@ def test_print_config_names_the_cuda_device_and_an_impossible_gpu_plan_exits_2(t
     out = subprocess.run([str(TARGET), "--model", str(tiny), "--print-config"], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["device"] == {"value": "cuda:0", "source": "auto"}
+    printed = json.loads(out.stdout)
+    assert printed["device"] == {"value": "cuda:0", "source": "auto"}
+    assert printed["deterministic"] == {"value": True, "source": "default"}
+    assert printed["cuda-graphs"] == {"value": 32, "source": "auto"}
     assert "device cuda:0 (auto: a GPU is usable: cuda shim (CPU))" in out.stderr
     env["AERIE_SHIM_GPU_MIB"] = "8"  # the weights alone are 4.4 MiB: no room for a sequence of 4096
     out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "4096"],
@@ -102,6 +105,12 @@ def test_print_config_names_the_cuda_device_and_an_impossible_gpu_plan_exits_2(t
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("aerie-target: memory plan: one sequence of max-seq-len 4096 does not fit: weights 4.41 MiB")
     assert line.endswith("> budget 0 x 8 MiB free on cuda:0 at start = 0 B; would work: no setting; more memory")
+    # fast mode needs cuBLAS, which the shim has not: one line, exit 2
+    env["AERIE_SHIM_GPU_MIB"] = "4096"
+    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64",
+                          "--no-deterministic"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == "aerie-target: fast mode: the CPU shim has no cuBLAS"
 
 
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):

@@ -51,6 +51,8 @@ static void test_defaults_have_source_default(void **state) {
     assert_true(cfg_is_auto(c, "threads"));
     assert_int_equal(cfg_get_source(c, "model"), CFG_SRC_UNSET);
     assert_null(cfg_str(c, "model"));
+    assert_true(cfg_has(c, "model"));
+    assert_false(cfg_has(c, "cuda-graphs")); /* not in this table */
     cfg_free(c);
 }
 

@@ -305,7 +305,8 @@ static void test_provenance_default_flag_auto_in_json(void **state) {
                         "\"max-kv-tokens\":{\"value\":16384,\"source\":\"auto\"},"
                         "\"max-batch\":{\"value\":8,\"source\":\"default\"},"
                         "\"max-seq-len\":{\"value\":2048,\"source\":\"flag\"},"
-                        "\"cuda-graphs\":{\"value\":0,\"source\":\"auto\"}}");
+                        "\"cuda-graphs\":{\"value\":0,\"source\":\"auto\"},"
+                        "\"deterministic\":{\"value\":true,\"source\":\"default\"}}");
     free(json);
     cfg_free(c);
 }

@@ -433,6 +433,7 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) {
+    if (refused()) return cudaErrorStreamCaptureUnsupported;
     if (!p) return cudaSuccess;
     char *b = (char *)p - SHIM_HDR;
     size_t n;

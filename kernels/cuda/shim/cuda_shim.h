@@ -24,6 +24,7 @@
 #define AERIE_CUDA_SHIM_H
 
 #include <functional>
+#include <tuple>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -144,10 +145,13 @@ cudaError_t cudaGraphDestroy(cudaGraph_t g);
 /* Runs fn once per thread of each block of grid, blocks in order. */
 void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn);
 /* The same on stream s: recorded instead while s captures. The lambda
- * holds the kernel's arguments by value, as a launch's parameters are. */
+ * holds the kernel's arguments as they were evaluated at the launch (a
+ * tuple made there), as a launch's parameters are: a replay passes those
+ * values, whatever the variables they came from hold by then. */
 void shim_launch_on(cudaStream_t s, dim3 grid, dim3 block, const std::function<void()> &fn);
 
-#define KN_LAUNCH(kernel, grid, block, stream, ...) \
-    shim_launch_on((stream), (grid), (block), [=]() { kernel(__VA_ARGS__); })
+#define KN_LAUNCH(kernel, grid, block, stream, ...)                                       \
+    shim_launch_on((stream), (grid), (block),                                             \
+                   [shim_args_ = std::make_tuple(__VA_ARGS__)]() { std::apply(kernel, shim_args_); })
 
 #endif
