@@ -64,7 +64,13 @@ struct drafter {
      *          backend, which reads the caller's). */
     kn_buf fbuf;
     float *states, *hidden, *in, *logits, *feat;
-    float *probs; /* host: [max_rows][draft_vocab] downloaded, or logits itself */
+    /* Each row's best children (kn_topk of its probabilities), on the
+     * backend: top_idx [max_rows][TREE_MAX_TOPK] int32 then top_val
+     * [max_rows][TREE_MAX_TOPK] f32, k a row; and where the host reads
+     * them (the same arrays on a host-memory backend). */
+    kn_buf tbuf;
+    int32_t *top_idx, *host_idx;
+    float *top_val, *host_val;
 };
 
 static int32_t rows_for(const drafter_config *c) {
@@ -88,6 +94,9 @@ static void fbuf_sizes(const eagle_head *h, const drafter_config *c, size_t n[4]
 
 static size_t ints_len(int i, size_t R) { return i == I_EXTRA ? R * TREE_MAX_STEPS : R; }
 
+/* Bytes of tbuf: each row's top-k ids and values. */
+static size_t top_bytes(size_t rows) { return rows * TREE_MAX_TOPK * (sizeof(int32_t) + sizeof(float)); }
+
 size_t drafter_bytes(const eagle_head *h, const drafter_config *c) {
     kv_params kp = kv_params_for(h, c);
     size_t rows = (size_t)rows_for(c), f[4], ints = 0;
@@ -95,15 +104,15 @@ size_t drafter_bytes(const eagle_head *h, const drafter_config *c) {
     for (int i = 0; i < I_N; i++) ints += ints_len(i, rows);
     return (size_t)kv_bytes(&kp) + eagle_ws_bytes(h, (int32_t)rows) +
            eagle_stream_workspace(h, (int32_t)rows, c->max_seq_len + TREE_SCRATCH) +
-           (f[0] + f[1] + f[2] + f[3]) * sizeof(float) + ints * sizeof(int32_t) +
+           (f[0] + f[1] + f[2] + f[3]) * sizeof(float) + ints * sizeof(int32_t) + top_bytes(rows) +
            (kn_backend_host_memory(h->be) ? drafter_host_bytes(h, c) : 0);
 }
 
 size_t drafter_host_bytes(const eagle_head *h, const drafter_config *c) {
     size_t rows = (size_t)rows_for(c), ints = 0;
     for (int i = 0; i < I_N; i++) ints += ints_len(i, rows);
-    size_t probs = kn_backend_host_memory(h->be) ? 0 : rows * (size_t)h->cfg.draft_vocab * sizeof(float);
-    return (size_t)c->max_seqs * (sizeof(key_state) + sizeof(tree_job)) + ints * sizeof(int32_t) + probs;
+    size_t tops = kn_backend_host_memory(h->be) ? 0 : top_bytes(rows);
+    return (size_t)c->max_seqs * (sizeof(key_state) + sizeof(tree_job)) + ints * sizeof(int32_t) + tops;
 }
 
 void drafter_free(drafter *d) {
@@ -117,7 +126,8 @@ void drafter_free(drafter *d) {
     free(d->host[0]);
     kn_buf_free(&d->ibuf);
     kn_buf_free(&d->fbuf);
-    if (!d->host_memory) free(d->probs);
+    kn_buf_free(&d->tbuf);
+    if (!d->host_memory) free(d->host_idx);
     free(d);
 }
 
@@ -148,7 +158,8 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
     for (int i = 0; i < I_N; i++) n_ints += ints_len(i, R);
     fbuf_sizes(h, cfg, f);
     if (kn_buf_alloc(h->be, &d->ibuf, n_ints * sizeof(int32_t), err) != AE_OK ||
-        kn_buf_alloc(h->be, &d->fbuf, (f[0] + f[1] + f[2] + f[3]) * sizeof(float), err) != AE_OK)
+        kn_buf_alloc(h->be, &d->fbuf, (f[0] + f[1] + f[2] + f[3]) * sizeof(float), err) != AE_OK ||
+        kn_buf_alloc(h->be, &d->tbuf, top_bytes(R), err) != AE_OK)
         goto fail;
     d->keys = calloc((size_t)cfg->max_seqs, sizeof *d->keys);
     d->jobs = calloc((size_t)cfg->max_seqs, sizeof *d->jobs);
@@ -164,8 +175,11 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
     d->in = d->states + f[0];
     d->logits = d->in + f[1];
     d->feat = f[3] ? d->logits + f[2] : NULL;
-    d->probs = d->host_memory ? d->logits : malloc(f[2] * sizeof(float));
-    if (!d->probs) goto oom;
+    d->top_idx = d->tbuf.ptr;
+    d->top_val = (float *)(void *)(d->top_idx + R * TREE_MAX_TOPK);
+    d->host_idx = d->host_memory ? d->top_idx : malloc(top_bytes(R));
+    if (!d->host_idx) goto oom;
+    d->host_val = (float *)(void *)(d->host_idx + R * TREE_MAX_TOPK);
     for (int32_t k = 0; k < cfg->max_seqs; k++) d->keys[k].kv_seq = -1;
     *out = d;
     return AE_OK;
@@ -189,14 +203,19 @@ static void copy_state(drafter *d, int32_t src, int32_t dst) {
     kn_gather_rows(d->stream, d->states + (size_t)src * (size_t)H, NULL, 1, H, d->states + (size_t)dst * (size_t)H, H);
 }
 
-/* Softmax over the draft vocabulary of the first m rows of logits, on
- * the backend; then waits for them on the host (d->probs). */
-static void probs_of(drafter *d, int32_t m) {
-    size_t Vd = (size_t)d->head->cfg.draft_vocab;
-    kn_softmax(d->stream, d->logits, m, (int64_t)Vd);
-    if (!d->host_memory)
-        kn_download(d->stream, d->probs, &d->fbuf, (size_t)((char *)d->logits - (char *)d->fbuf.ptr),
-                    (size_t)m * Vd * sizeof(float));
+/* Softmax over the draft vocabulary of the first m rows of logits, then
+ * each row's k most likely, on the backend; waits for those on the host
+ * (d->host_idx, d->host_val: [m][k]). Only they cross from a device, not
+ * the rows. */
+static void top_of(drafter *d, int32_t m, int32_t k) {
+    kn_softmax(d->stream, d->logits, m, (int64_t)d->head->cfg.draft_vocab);
+    kn_topk(d->stream, d->logits, m, (int64_t)d->head->cfg.draft_vocab, k, d->top_idx, d->top_val);
+    if (!d->host_memory) {
+        size_t n = (size_t)m * (size_t)k;
+        kn_download(d->stream, d->host_idx, &d->tbuf, 0, n * sizeof(int32_t));
+        kn_download(d->stream, d->host_val, &d->tbuf, (size_t)((char *)d->top_val - (char *)d->tbuf.ptr),
+                    n * sizeof(float));
+    }
     kn_stream_sync(d->stream);
 }
 
@@ -246,11 +265,10 @@ static int validate(const drafter *d, const drafter_feed *feeds, int32_t n, ae_e
     return AE_OK;
 }
 
-/* The best k children of a row of probabilities (probs_of), as target
- * ids. */
-static void children_of(const drafter *d, const float *row, int32_t k, int32_t *tokens, float *probs) {
-    int32_t Vd = d->head->cfg.draft_vocab, idx[TREE_MAX_TOPK];
-    tree_topk(row, Vd, k, idx, probs);
+/* The best k children of row r of the last top_of, as target ids. */
+static void children_of(const drafter *d, int32_t r, int32_t k, int32_t *tokens, float *probs) {
+    const int32_t *idx = d->host_idx + (size_t)r * (size_t)k;
+    memcpy(probs, d->host_val + (size_t)r * (size_t)k, (size_t)k * sizeof(float));
     for (int32_t j = 0; j < k; j++) tokens[j] = d->head->draft_to_target[idx[j]];
 }
 
@@ -301,8 +319,8 @@ static void feed_pairs(drafter *d, const drafter_feed *f) {
         copy_state(d, d->cfg.max_seqs + m - 1, f->key);
         if (last) {
             int32_t k = d->head->cfg.draft_vocab < TREE_MAX_TOPK ? d->head->cfg.draft_vocab : TREE_MAX_TOPK;
-            probs_of(d, 1);
-            children_of(d, d->probs, k, ks->top_tokens, ks->top_probs);
+            top_of(d, 1, k);
+            children_of(d, 0, k, ks->top_tokens, ks->top_probs);
             ks->n_top = k;
             ks->last_token = f->tokens[f->n - 1];
         }
@@ -347,7 +365,7 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
     eagle_batch eb = {m,         put(d, I_TOKENS, m), d->in,     (int32_t)H, put(d, I_POS, m), &map,
                       d->hidden, m,                   put(d, I_LOGIT_ROWS, m), d->logits};
     eagle_forward(d->head, d->stream, &d->layer, d->ws, &eb);
-    probs_of(d, m);
+    top_of(d, m, k);
     for (int32_t j = 0; j < n_jobs; j++) {
         tree_job *job = &jobs[j];
         tree_build *b = &job->b;
@@ -356,8 +374,7 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
         int32_t nf = b->n_frontier, frontier[TREE_MAX_TOPK];
         memcpy(frontier, b->frontier, sizeof frontier);
         for (int32_t i = 0; i < nf; i++)
-            children_of(d, d->probs + (size_t)(job->first_row + i) * (size_t)d->head->cfg.draft_vocab, k,
-                        toks + i * k, probs + i * k);
+            children_of(d, job->first_row + i, k, toks + i * k, probs + i * k);
         tree_expand(b, k, toks, probs);
         /* The nodes just run are the parents of the next frontier, whose
          * pass reads their hidden states from these rows. */

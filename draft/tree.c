@@ -94,20 +94,3 @@ void tree_finish(const tree_build *b, tree_out *out) {
         out->probs[1 + i] = c->p;
     }
 }
-
-void tree_topk(const float *x, int32_t n, int32_t k, int32_t *idx, float *val) {
-    AE_ASSERT(k >= 1 && k <= n);
-    int32_t m = 0;
-    for (int32_t i = 0; i < n; i++) {
-        float v = isnan(x[i]) ? -INFINITY : x[i];
-        if (m == k && !(v > val[m - 1])) continue;
-        int32_t j = m < k ? m++ : m - 1;
-        while (j > 0 && v > val[j - 1]) {
-            idx[j] = idx[j - 1];
-            val[j] = val[j - 1];
-            j--;
-        }
-        idx[j] = i;
-        val[j] = v;
-    }
-}

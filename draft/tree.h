@@ -83,9 +83,4 @@ void tree_expand(tree_build *b, int32_t k, const int32_t *tokens, const float *p
 
 void tree_finish(const tree_build *b, tree_out *out);
 
-/* The k largest of x[n] (k <= n): idx[k] and val[k], largest first, the
- * lower index first among equal values; NaN counts as -inf. For taking a
- * node's children from the head's distribution. */
-void tree_topk(const float *x, int32_t n, int32_t k, int32_t *idx, float *val);
-
 #endif

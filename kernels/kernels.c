@@ -200,6 +200,11 @@ void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n)
     s->be->argmax(s, x, out, m, n);
 }
 
+void kn_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val) {
+    AE_ASSERT(m >= 0 && n > 0 && n <= INT32_MAX && k >= 1 && k <= KN_TOPK_MAX && k <= n);
+    s->be->topk(s, x, m, n, k, idx, val);
+}
+
 void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
     AE_ASSERT(m >= 0 && table->rows > 0 && table->cols > 0 && s->be->supports(KN_OP_EMBED, table->type));
     check_mem(s, table->buf, table->data, weight_span(table));

@@ -301,6 +301,14 @@ void kn_softmax(kn_stream *s, float *x, int64_t m, int64_t n);
  * index wins ties; NaN is never chosen unless the row is all NaN (then 0). */
 void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
 
+/* The k largest values of each row of x[m][n] (1 <= k <= KN_TOPK_MAX,
+ * k <= n): idx[m][k] and val[m][k], largest first, the lower index first
+ * among equal values; NaN counts as -inf (and val says -inf). A selection,
+ * no arithmetic: every backend gives the same ids and bits. On a device
+ * only these come back, not the row (a draft's children). */
+#define KN_TOPK_MAX 16
+void kn_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val);
+
 /* out[m][table->cols] = row ids[t] of the table (any dequantizable type),
  * as f32. Every id must be in [0, table->rows). */
 void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);

@@ -276,6 +276,28 @@ void kn_cpu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_
     }
 }
 
+/* Insertion into the sorted first k: one pass over the row. */
+static void cpu_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val) {
+    (void)s;
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = x + r * n;
+        int32_t *id = idx + r * k;
+        float *v = val + r * k;
+        int32_t have = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float a = isnan(row[i]) ? -INFINITY : row[i];
+            if (have == k && !(a > v[k - 1])) continue; /* an equal value keeps the lower index */
+            int32_t j = have < k ? have++ : k - 1;
+            for (; j > 0 && a > v[j - 1]; j--) {
+                id[j] = id[j - 1];
+                v[j] = v[j - 1];
+            }
+            id[j] = (int32_t)i;
+            v[j] = a;
+        }
+    }
+}
+
 void kn_cpu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
     (void)s;
     for (int64_t t = 0; t < m; t++) {
@@ -403,6 +425,7 @@ const kn_backend kn_backend_cpu = {
     .swiglu = kn_cpu_swiglu,
     .softmax = kn_cpu_softmax,
     .argmax = kn_cpu_argmax,
+    .topk = cpu_topk,
     .embed = kn_cpu_embed,
     .gather_rows = cpu_gather_rows,
     .rope_table = cpu_rope_table,

@@ -401,6 +401,7 @@ static const kn_backend kn_backend_cuda = {
     kcu_swiglu,
     kcu_softmax,
     kcu_argmax,
+    kcu_topk,
     kcu_embed,
     kcu_rope_table,
     kcu_rope_rotate,

@@ -400,6 +400,71 @@ void kcu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n
     launched(s);
 }
 
+/* ---- top-k ----------------------------------------------------------------- */
+
+/* (a, ia) before (b, ib): larger first, then the lower index. */
+static __device__ __forceinline__ bool tk_before(float a, int32_t ia, float b, int32_t ib) {
+    return a > b || (a == b && ia < ib);
+}
+
+/* One block a row: each thread keeps the best k of its stride of the row,
+ * sorted; then halving rounds merge pairs of lists in shared memory. A
+ * selection under one total order (value, then index), so any split gives
+ * the CPU's result. Unfilled places hold (-inf, INT32_MAX), after every
+ * real element. */
+__global__ void __launch_bounds__(KCU_THREADS) k_topk(const float *x, int64_t n, int32_t k, int32_t *idx,
+                                                      float *val) {
+    __shared__ float sv[KCU_THREADS][KN_TOPK_MAX];
+    __shared__ int32_t si[KCU_THREADS][KN_TOPK_MAX];
+    const unsigned tid = threadIdx.x;
+    const float *row = x + (int64_t)blockIdx.x * n;
+    float *v = sv[tid];
+    int32_t *id = si[tid];
+    for (int j = 0; j < k; j++) v[j] = -INFINITY, id[j] = INT32_MAX;
+    for (int64_t i = tid; i < n; i += KCU_THREADS) {
+        float a = row[i];
+        a = a != a ? -INFINITY : a;
+        if (!tk_before(a, (int32_t)i, v[k - 1], id[k - 1])) continue;
+        int j = k - 1;
+        for (; j > 0 && tk_before(a, (int32_t)i, v[j - 1], id[j - 1]); j--) {
+            v[j] = v[j - 1];
+            id[j] = id[j - 1];
+        }
+        v[j] = a;
+        id[j] = (int32_t)i;
+    }
+    __syncthreads();
+    for (unsigned half = KCU_THREADS / 2; half > 0; half /= 2) {
+        float mv[KN_TOPK_MAX];
+        int32_t mi[KN_TOPK_MAX];
+        if (tid < half) {
+            const float *b = sv[tid + half];
+            const int32_t *ib = si[tid + half];
+            for (int j = 0, p = 0, q = 0; j < k; j++) {
+                bool left = tk_before(v[p], id[p], b[q], ib[q]);
+                mv[j] = left ? v[p] : b[q];
+                mi[j] = left ? id[p] : ib[q];
+                p += left, q += !left;
+            }
+        }
+        __syncthreads();
+        if (tid < half)
+            for (int j = 0; j < k; j++) v[j] = mv[j], id[j] = mi[j];
+        __syncthreads();
+    }
+    if (tid < (unsigned)k) {
+        idx[(int64_t)blockIdx.x * k + tid] = si[0][tid];
+        val[(int64_t)blockIdx.x * k + tid] = sv[0][tid];
+    }
+}
+
+void kcu_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val) {
+    if (m == 0) return;
+    KCU_ASSERT((KCU_THREADS & (KCU_THREADS - 1)) == 0 && m <= INT32_MAX); /* the merge halves */
+    KN_LAUNCH(k_topk, dim3((unsigned)m), dim3(KCU_THREADS), st(s), x, n, k, idx, val);
+    launched(s);
+}
+
 /* ---- weights ------------------------------------------------------------ */
 
 /* What a kernel needs of a kn_weight. */

@@ -352,7 +352,43 @@ static void row_and_elementwise_ops(void **state) {
         get(bare, bg, dbi, sizeof bg);
         assert_memory_equal(bc, bg, sizeof bc);
         kn_stream_free(bare);
+        /* top-k of the same rows: ties across the threads' strides, NaN
+         * as -inf, a row where NaN makes up most of the best 16 */
+        for (int i = 0; i < 40; i++) big[V + 5 * i] = 1.5f;
+        dbig = dev(big, 3 * V * sizeof(float));
+        int32_t ic[3 * KN_TOPK_MAX], ig[3 * KN_TOPK_MAX];
+        float vc[3 * KN_TOPK_MAX], vg[3 * KN_TOPK_MAX];
+        int32_t *dti = dev_zero(sizeof ig);
+        float *dtv = dev_zero(sizeof vg);
+        for (int k = 1; k <= KN_TOPK_MAX; k = k < 8 ? 8 : k == 8 ? KN_TOPK_MAX : KN_TOPK_MAX + 1) {
+            kn_topk(cpu15, big, 3, V, k, ic, vc);
+            kn_topk(cu15, dbig, 3, V, k, dti, dtv);
+            get(cu15, ig, dti, (size_t)(3 * k) * sizeof(int32_t));
+            get(cu15, vg, dtv, (size_t)(3 * k) * sizeof(float));
+            assert_memory_equal(ic, ig, (size_t)(3 * k) * sizeof(int32_t));
+            assert_memory_equal(vc, vg, (size_t)(3 * k) * sizeof(float));
+            compared += 3 * k;
+        }
+        /* (k = 16 last) row 0: the tie at 1000 and 3000; row 1: V - 1, then the 1.5s from 0 on */
+        assert_true(ic[0] == 1000 && ic[1] == 3000 && ic[KN_TOPK_MAX] == V - 1 && ic[KN_TOPK_MAX + 1] == 0);
         free(big);
+    }
+    {   /* every value equal, NaN rows, and rows shorter than the threads */
+        float eq[3 * 20];
+        for (int i = 0; i < 20; i++) eq[i] = 0.25f, eq[20 + i] = NAN, eq[40 + i] = (float)(i % 3);
+        int32_t ic[3 * KN_TOPK_MAX], ig[3 * KN_TOPK_MAX];
+        float vc[3 * KN_TOPK_MAX], vg[3 * KN_TOPK_MAX];
+        float *deq = dev(eq, sizeof eq);
+        int32_t *dti = dev_zero(sizeof ig);
+        float *dtv = dev_zero(sizeof vg);
+        kn_topk(cpu15, eq, 3, 20, KN_TOPK_MAX, ic, vc);
+        kn_topk(cu15, deq, 3, 20, KN_TOPK_MAX, dti, dtv);
+        get(cu15, ig, dti, sizeof ig);
+        get(cu15, vg, dtv, sizeof vg);
+        assert_memory_equal(ic, ig, sizeof ic);
+        assert_memory_equal(vc, vg, sizeof vc);
+        compared += 3 * KN_TOPK_MAX;
+        assert_true(ic[0] == 0 && ic[KN_TOPK_MAX - 1] == KN_TOPK_MAX - 1 && vc[KN_TOPK_MAX] == -INFINITY);
     }
 
     /* gather_rows, named rows and a plain strided copy */

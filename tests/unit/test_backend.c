@@ -127,6 +127,9 @@ static void st_softmax(kn_stream *s, float *x, int64_t m, int64_t n) { kn_backen
 static void st_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n) {
     kn_backend_cpu.argmax(s, U(x), U(out), m, n);
 }
+static void st_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val) {
+    kn_backend_cpu.topk(s, U(x), m, n, k, U(idx), U(val));
+}
 static void st_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
     kn_weight t = UW(table);
     kn_backend_cpu.embed(s, &t, U(ids), U(out), m);
@@ -166,7 +169,7 @@ static void staged_init(void) {
     staged.upload = st_upload, staged.download = st_download;
     staged.matmul_n = st_matmul_n, staged.matmul_swiglu = st_matmul_swiglu, staged.rmsnorm = st_rmsnorm;
     staged.add = st_add, staged.bias_add = st_bias_add, staged.swiglu = st_swiglu, staged.softmax = st_softmax;
-    staged.argmax = st_argmax, staged.embed = st_embed, staged.gather_rows = st_gather_rows;
+    staged.argmax = st_argmax, staged.topk = st_topk, staged.embed = st_embed, staged.gather_rows = st_gather_rows;
     staged.rope_table = st_rope_table, staged.rope_rotate = st_rope_rotate;
     staged.kv_write = st_kv_write, staged.kv_move = st_kv_move, staged.attention = st_attention;
 }

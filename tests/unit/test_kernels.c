@@ -1217,8 +1217,71 @@ static void gather_rows_copies_the_named_rows_to_a_stride(void **state) {
     assert_memory_equal(dst, first, sizeof first);
 }
 
+static void test_topk_largest_first_lower_index_on_ties(void **state) {
+    (void)state;
+    const float x[] = {0.1f, 0.7f, NAN, 0.7f, 0.3f, -1.0f};
+    int32_t idx[6];
+    float val[6];
+    kn_topk(stream(1, 15), x, 1, 6, 3, idx, val);
+    const int32_t want[] = {1, 3, 4};
+    const float wv[] = {0.7f, 0.7f, 0.3f};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(idx[i], want[i]);
+        assert_true(val[i] == wv[i]);
+    }
+}
+
+static void test_topk_of_all_puts_nan_last_as_minus_infinity(void **state) {
+    (void)state;
+    const float x[] = {0.1f, 0.7f, NAN, 0.7f, 0.3f, -INFINITY};
+    int32_t idx[6];
+    float val[6];
+    kn_topk(stream(1, 15), x, 1, 6, 6, idx, val);
+    /* -inf at 5 and NaN (as -inf) at 2 tie: the lower index first. */
+    const int32_t want[] = {1, 3, 4, 0, 2, 5};
+    const float wv[] = {0.7f, 0.7f, 0.3f, 0.1f, -INFINITY, -INFINITY};
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(idx[i], want[i]);
+        assert_true(val[i] == wv[i]);
+    }
+    const float nans[] = {NAN, NAN, NAN};
+    kn_topk(stream(1, 15), nans, 1, 3, 2, idx, val);
+    assert_int_equal(idx[0], 0);
+    assert_int_equal(idx[1], 1);
+    assert_true(val[0] == -INFINITY && val[1] == -INFINITY);
+}
+
+/* Rows apart, and more than 16 candidates of equal value: each row's k
+ * best, the lower indices first. */
+static void test_topk_of_several_rows(void **state) {
+    (void)state;
+    enum { M = 3, N = 40, K = KN_TOPK_MAX };
+    float x[M * N];
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < N; i++) x[r * N + i] = r == 2 ? 1.0f : (float)((i * 7 + r) % 13);
+    int32_t idx[M * K];
+    float val[M * K];
+    kn_topk(stream(1, 15), x, M, N, K, idx, val);
+    for (int r = 0; r < 2; r++) {
+        /* the values 12 down, each at increasing index */
+        for (int j = 0; j < K; j++) {
+            int32_t i = idx[r * K + j];
+            assert_true(val[r * K + j] == x[r * N + i]);
+            if (j > 0) {
+                float a = val[r * K + j - 1], b = val[r * K + j];
+                assert_true(a > b || (a == b && idx[r * K + j - 1] < i));
+            }
+        }
+        assert_true(val[r * K] == 12.0f);
+    }
+    for (int j = 0; j < K; j++) assert_int_equal(idx[2 * K + j], j); /* all equal: the first K */
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_topk_largest_first_lower_index_on_ties),
+        cmocka_unit_test(test_topk_of_all_puts_nan_last_as_minus_infinity),
+        cmocka_unit_test(test_topk_of_several_rows),
         cmocka_unit_test(cpu_backend_says_what_it_supports),
         cmocka_unit_test(buffers_round_trip_and_events_order_nothing_on_the_cpu),
         cmocka_unit_test(gather_rows_copies_the_named_rows_to_a_stride),

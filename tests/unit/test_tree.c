@@ -346,40 +346,6 @@ static void test_params_check_accepts_the_bounds(void **state) {
     assert_string_equal(err.msg, "");
 }
 
-static void test_topk_largest_first_lower_index_on_ties(void **state) {
-    (void)state;
-    const float x[] = {0.1f, 0.7f, NAN, 0.7f, 0.3f, -1.0f};
-    int32_t idx[6];
-    float val[6];
-    tree_topk(x, 6, 3, idx, val);
-    const int32_t want[] = {1, 3, 4};
-    const float wv[] = {0.7f, 0.7f, 0.3f};
-    for (int i = 0; i < 3; i++) {
-        assert_int_equal(idx[i], want[i]);
-        assert_true(val[i] == wv[i]);
-    }
-}
-
-static void test_topk_of_all_puts_nan_last_as_minus_infinity(void **state) {
-    (void)state;
-    const float x[] = {0.1f, 0.7f, NAN, 0.7f, 0.3f, -INFINITY};
-    int32_t idx[6];
-    float val[6];
-    tree_topk(x, 6, 6, idx, val);
-    /* -inf at 5 and NaN (as -inf) at 2 tie: the lower index first. */
-    const int32_t want[] = {1, 3, 4, 0, 2, 5};
-    const float wv[] = {0.7f, 0.7f, 0.3f, 0.1f, -INFINITY, -INFINITY};
-    for (int i = 0; i < 6; i++) {
-        assert_int_equal(idx[i], want[i]);
-        assert_true(val[i] == wv[i]);
-    }
-    const float nans[] = {NAN, NAN, NAN};
-    tree_topk(nans, 3, 2, idx, val);
-    assert_int_equal(idx[0], 0);
-    assert_int_equal(idx[1], 1);
-    assert_true(val[0] == -INFINITY && val[1] == -INFINITY);
-}
-
 /* ---- property test against a brute-force model ---- */
 
 static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
@@ -532,8 +498,6 @@ int main(void) {
         cmocka_unit_test(test_fewer_children_than_topk),
         cmocka_unit_test(test_params_check_names_the_parameter_out_of_range),
         cmocka_unit_test(test_params_check_accepts_the_bounds),
-        cmocka_unit_test(test_topk_largest_first_lower_index_on_ties),
-        cmocka_unit_test(test_topk_of_all_puts_nan_last_as_minus_infinity),
         cmocka_unit_test(test_random_builds_match_the_brute_force_order),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
