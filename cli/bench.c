@@ -536,8 +536,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
             b.prompts[(size_t)s * (size_t)n_prompt + (size_t)t] = (int32_t)(splitmix64(&st) % (uint64_t)b.vocab);
     }
     if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
-    eng_set_graphs(b.e, memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be)));
     if (eng_set_fast(b.e, !cfg_bool(c, "deterministic"), err) != AE_OK) goto out;
+    {   /* The graphs held to the bytes a memory plan would give them. */
+        int32_t n_graphs = memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be));
+        eng_set_graphs(b.e, n_graphs,
+                       (uint64_t)n_graphs * LLAMA_GRAPH_NODES(m->cfg.n_layers, eng_fast(b.e)) * KN_GRAPH_NODE_BYTES);
+    }
     for (int32_t s = 0; s <= batch; s++)
         if (eng_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
     LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt,

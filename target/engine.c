@@ -1,5 +1,6 @@
 #include "engine.h"
 
+#include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -73,18 +74,39 @@ static void graphs_drop(eng *e) {
     for (int32_t i = 0; i < e->graph_stats.max_graphs; i++) kn_graph_free(e->graphs[i].g);
     free(e->graphs);
     e->graphs = NULL;
-    e->graph_stats.max_graphs = e->graph_stats.live = 0;
+    e->graph_stats.max_graphs = e->graph_stats.kept_max = e->graph_stats.live = 0;
     e->graph_stats.bytes = 0;
 }
 
-void eng_set_graphs(eng *e, int32_t max_graphs) {
+void eng_set_graphs(eng *e, int32_t max_graphs, uint64_t budget) {
     graphs_drop(e);
     if (max_graphs <= 0 || kn_backend_host_memory(e->m->be) || !kn_backend_has_graphs(e->m->be)) return;
     if (!(e->graphs = calloc((size_t)max_graphs, sizeof *e->graphs))) {
         LOG_WARNF("graphs off: out of host memory for %d of them", max_graphs);
         return;
     }
-    e->graph_stats.max_graphs = max_graphs;
+    e->graph_stats.max_graphs = e->graph_stats.kept_max = max_graphs;
+    e->graph_stats.budget = budget;
+}
+
+/* Frees graph g (a live one). */
+static void graph_evict(eng *e, eng_graph *g) {
+    eng_graph_stats *gs = &e->graph_stats;
+    gs->bytes -= kn_graph_bytes(g->g);
+    gs->live--;
+    gs->evictions++;
+    kn_graph_free(g->g);
+    g->g = NULL;
+}
+
+/* The live graph used least recently, other than keep; NULL if none. */
+static eng_graph *graph_lru(eng *e, const eng_graph *keep) {
+    eng_graph *lru = NULL;
+    for (int32_t i = 0; i < e->graph_stats.max_graphs; i++) {
+        eng_graph *g = &e->graphs[i];
+        if (g->g && g != keep && (!lru || g->last_use < lru->last_use)) lru = g;
+    }
+    return lru;
 }
 
 eng_graph_stats eng_get_graph_stats(const eng *e) { return e->graph_stats; }
@@ -273,23 +295,48 @@ static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_k
     if (cap) memcpy(want.cap_layers, cap->layers, (size_t)cap->n_layers * sizeof(int32_t));
     map->max_visible = keys;
     map->n_extra_total = (int32_t)e->in_len[IN_EXTRA];
-    eng_graph *lru = NULL;
+    eng_graph *free_slot = NULL;
     for (int32_t i = 0; i < gs->max_graphs; i++) {
         eng_graph *g = &e->graphs[i];
         if (g->g && g->T == want.T && g->n_logits == want.n_logits && g->n_cap == want.n_cap &&
             g->n_cap_layers == want.n_cap_layers && g->keys == want.keys && g->argmax == want.argmax &&
             !memcmp(g->cap_layers, want.cap_layers, sizeof want.cap_layers))
             return g;
-        if (!lru || (lru->g && (!g->g || g->last_use < lru->last_use))) lru = g;
+        if (!g->g && !free_slot) free_slot = g;
     }
-    if (lru->g) {
-        gs->bytes -= kn_graph_bytes(lru->g);
-        gs->live--;
-        gs->evictions++;
-        kn_graph_free(lru->g);
+    /* A new shape: a free place while fewer than kept_max are held, else
+     * the place of the one used least recently. */
+    eng_graph *slot = gs->live < gs->kept_max ? free_slot : NULL;
+    if (!slot) {
+        slot = graph_lru(e, NULL);
+        graph_evict(e, slot);
     }
-    *lru = want;
-    return lru;
+    *slot = want;
+    return slot;
+}
+
+/* Holds the graphs to the plan's bytes, as measured: while they take
+ * more, the least recently used other than gr goes, and fewer are kept
+ * from then on (said once). false: gr alone takes more (graphs off). */
+static bool graphs_within_budget(eng *e, eng_graph *gr) {
+    eng_graph_stats *gs = &e->graph_stats;
+    if (gs->budget == 0 || gs->bytes <= gs->budget) return true;
+    uint64_t took = gs->bytes;
+    eng_graph *g;
+    while (gs->bytes > gs->budget && (g = graph_lru(e, gr))) graph_evict(e, g);
+    if (gs->bytes > gs->budget) {
+        LOG_WARNF("graphs off: one graph took %" PRIu64 " bytes, more than the memory plan's %" PRIu64
+                  " for all of them (its estimate per launch is short); steps run op by op",
+                  gs->bytes, gs->budget);
+        return false;
+    }
+    if (gs->live < gs->kept_max) {
+        LOG_WARNF("graphs: %d took %" PRIu64 " bytes, more than the memory plan's %" PRIu64
+                  " (its estimate per launch is short); keeping at most %d",
+                  gs->live + 1, took, gs->budget, gs->live);
+        gs->kept_max = gs->live;
+    }
+    return true;
 }
 
 /* Replays gr, capturing it first if new; false if the capture failed
@@ -314,7 +361,11 @@ static bool graph_run(eng *e, eng_graph *gr, const llama_batch *b, int32_t *ids)
         LOG_INFOF("graph captured tokens=%d logit_rows=%d capture_rows=%d keys=%d argmax=%d nodes=%zu bytes=%zu "
                   "live=%d of %d",
                   gr->T, gr->n_logits, gr->n_cap, gr->keys, (int)gr->argmax, kn_graph_nodes(gr->g),
-                  kn_graph_bytes(gr->g), gs->live, gs->max_graphs);
+                  kn_graph_bytes(gr->g), gs->live, gs->kept_max);
+        if (!graphs_within_budget(e, gr)) {
+            graphs_drop(e);
+            return false;
+        }
     } else {
         gs->replays++;
     }

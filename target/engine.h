@@ -112,14 +112,19 @@ int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_erro
  * size, and would push out the shapes that repeat.
  *
  * At most max_graphs are kept (the memory plan's count); a new shape
- * past that replaces the one used least recently. 0 (the default) turns
- * graphs off; on a backend without them this does nothing. A graph the
+ * past that replaces the one used least recently. budget (the plan's
+ * bytes for them; 0: none) holds what they take as measured
+ * (kn_graph_bytes): past it the least recently used go, and fewer are
+ * kept from then on, with a warning, so that an estimate that fell short
+ * costs graphs, not the memory the plan gave the KV cache. max_graphs 0
+ * (the default) turns graphs off; on a backend without them this does
+ * nothing. A graph the
  * device cannot make or hold (its capture, instantiation or upload fails:
  * out of memory, say) turns graphs off for the engine, with a warning,
  * and the step runs op by op. */
 #define ENG_GRAPH_MAX_TOKENS ENG_MAX_TREE
 #define ENG_GRAPH_MIN_KEYS 256
-void eng_set_graphs(eng *e, int32_t max_graphs);
+void eng_set_graphs(eng *e, int32_t max_graphs, uint64_t budget);
 
 /* The engine's stream in fast mode, or deterministic (the default):
  * kernels.h kn_stream_set_fast. Before the first step. */
@@ -128,7 +133,9 @@ bool eng_fast(const eng *e); /* false on a backend with only the deterministic m
 
 typedef struct eng_graph_stats {
     int32_t max_graphs; /* 0: off */
+    int32_t kept_max;   /* held at most now: max_graphs, or fewer once the budget bit */
     int32_t live;       /* graphs held now */
+    uint64_t budget;    /* bytes they may take (0: no bound) */
     int64_t captures, replays, evictions;
     int64_t eager_steps; /* steps run op by op (prefill, or graphs off) */
     uint64_t bytes;      /* device memory the live graphs took (kn_graph_bytes) */

@@ -133,7 +133,7 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
      * masks, and the plain decode beside them. */
     for (int k = 0; k < 6; k++) {
         bool graphs = k >= 4;
-        if (k == 4) eng_set_graphs(e_cu, 16);
+        if (k == 4) eng_set_graphs(e_cu, 16, 0);
         int d = graphs ? (k == 4 ? 1 : 3) : k;
         spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape_of[d], MAX_SEQS, 128, false, NULL, NULL};
         spec *s;
