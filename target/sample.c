@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../kernels/draw.h"
 #include "../kernels/kernels.h"
 
 typedef struct cand {
@@ -21,95 +22,21 @@ struct sampler {
     float *probs; /* (vocab) output of sample_dist */
 };
 
-/* ---- the keyed random numbers ---- */
+/* ---- the keyed random numbers (kernels/draw.h) ---- */
 
-/* splitmix64's output function on x + its increment: a bijection of
- * 64-bit words that mixes every input bit into every output bit. */
-static uint64_t mix64(uint64_t x) {
-    uint64_t z = x + 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/* The key of one position. Each step is a bijection, so the positions of
- * one (seed, choice) never share a key. */
-static uint64_t pos_key(const sample_rng *rng, int32_t pos) {
-    return mix64(mix64(mix64(rng->seed) ^ rng->choice) ^ (uint32_t)pos);
-}
-
-/* A 32-bit integer hash with low bias (two xorshift-multiply rounds);
- * a bijection. */
-static inline uint32_t mix32(uint32_t x) {
-    x ^= x >> 16;
-    x *= 0x7feb352du;
-    x ^= x >> 15;
-    x *= 0x846ca68bu;
-    x ^= x >> 16;
-    return x;
-}
-
-/* 32 random bits for vocabulary entry id under a position's key: 32-bit
- * lanes, so that 16 tokens fit one AVX-512 register. */
-static inline uint32_t id_bits(uint32_t klo, uint32_t khi, uint32_t id) { return mix32(mix32(id ^ klo) ^ khi); }
-
-#define LN2_F 0.693147182f
-#define ONE_MINUS_SQRT_HALF 0.292893219f
-
-/* E = -ln U for the uniform U = 1 - V, V = (bits / 2 + 1/2) / 2^31 in
- * (0, 1]. In f32 with no libm call and no fused operation, so that scalar
- * and SIMD code give the same bits. Small E (U near 1) is what decides
- * races among many tokens, so there ln(1 - V) is taken from V itself,
- * never from the rounded 1 - V; U is kept >= 2^-25 (E <= 17.3: the
- * exponential's tail beyond has mass 3e-8). ln(1 + f) = 2 atanh(s) with
- * s = f / (2 + f), |s| <= 0.172, to s^9: relative error about 1e-8 before
- * rounding. */
-static inline uint32_t f32_bits(float x) {
-    uint32_t b;
-    memcpy(&b, &x, sizeof b);
-    return b;
-}
-
-static inline float bits_f32(uint32_t b) {
-    float x;
-    memcpy(&x, &b, sizeof x);
-    return x;
-}
-
-/* The selections are integer masks, not branches: a branch would keep
- * the compiler from vectorising the loop (it may not run a division that
- * the source runs conditionally). Every value here is positive, so f32
- * order is integer order on the bits. */
-static inline float exp_of_bits(uint32_t bits) {
-    float v = ((float)(int32_t)(bits >> 1) + 0.5f) * 0x1p-31f;
-    uint32_t ub = f32_bits(1.0f - v);
-    ub = ub < 0x33000000u ? 0x33000000u : ub; /* U >= 2^-25 */
-    int32_t e = (int32_t)(ub >> 23) - 127;
-    uint32_t mb = (ub & 0x007fffffu) | 0x3f800000u;  /* U = m 2^e, m in [1, 2) */
-    uint32_t high = 0u - (uint32_t)(mb > 0x3fb504f3u); /* m > sqrt 2: halve it */
-    mb -= high & 0x00800000u;
-    e += (int32_t)(high & 1u);
-    /* U in (sqrt 1/2, 1]: e = 0 and f = U - 1 = -V exactly */
-    uint32_t near = 0u - (uint32_t)(f32_bits(v) < f32_bits(ONE_MINUS_SQRT_HALF));
-    float f = bits_f32((f32_bits(-v) & near) | (f32_bits(bits_f32(mb) - 1.0f) & ~near));
-    e &= (int32_t)~near;
-    float sv = f / (2.0f + f), z = sv * sv;
-    float t = z * (1.0f / 3 + z * (1.0f / 5 + z * (1.0f / 7 + z * (1.0f / 9))));
-    float ln = (float)e * LN2_F + 2.0f * sv * (1.0f + t);
-    return -ln;
-}
+static uint64_t pos_key(const sample_rng *rng, int32_t pos) { return kn_draw_key(rng->seed, rng->choice, pos); }
 
 void sample_rng_seed(sample_rng *rng, uint64_t seed) { *rng = (sample_rng){.seed = seed, .choice = 0}; }
 
 double sample_rng_uniform(const sample_rng *rng, int32_t pos, int32_t id) {
     uint64_t k = pos_key(rng, pos);
-    uint32_t bits = id_bits((uint32_t)k, (uint32_t)(k >> 32), (uint32_t)id);
+    uint32_t bits = kn_draw_bits((uint32_t)k, (uint32_t)(k >> 32), (uint32_t)id);
     return 1.0 - ((double)(bits >> 1) + 0.5) * 0x1p-31;
 }
 
 float sample_rng_exp(const sample_rng *rng, int32_t pos, int32_t id) {
     uint64_t k = pos_key(rng, pos);
-    return exp_of_bits(id_bits((uint32_t)k, (uint32_t)(k >> 32), (uint32_t)id));
+    return kn_draw_exp(kn_draw_bits((uint32_t)k, (uint32_t)(k >> 32), (uint32_t)id));
 }
 
 /* The race: the index of the least E_i / w_i over ids[n] with weights
@@ -121,7 +48,7 @@ float sample_rng_exp(const sample_rng *rng, int32_t pos, int32_t id) {
 #define RACE_BLOCK 16
 
 static inline uint32_t race_key(uint32_t klo, uint32_t khi, int32_t id, float w) {
-    return f32_bits(exp_of_bits(id_bits(klo, khi, (uint32_t)id)) / w);
+    return kn_draw_f32_bits(kn_draw_exp(kn_draw_bits(klo, khi, (uint32_t)id)) / w);
 }
 
 #define RACE_FN(sfx, attr)                                                                                  \
