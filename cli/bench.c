@@ -540,7 +540,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     {   /* The graphs held to the bytes a memory plan would give them. */
         int32_t n_graphs = memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be));
         eng_set_graphs(b.e, n_graphs,
-                       (uint64_t)n_graphs * LLAMA_GRAPH_NODES(m->cfg.n_layers, eng_fast(b.e)) * KN_GRAPH_NODE_BYTES);
+                       (uint64_t)n_graphs * LLAMA_GRAPH_NODES(m->cfg.n_layers, eng_fast(b.e)) * KN_GRAPH_NODE_BYTES +
+                           KN_GRAPH_BYTES_GRAIN);
     }
     for (int32_t s = 0; s <= batch; s++)
         if (eng_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;

@@ -94,6 +94,8 @@ static void fbuf_sizes(const eagle_head *h, const drafter_config *c, size_t n[4]
 
 static size_t ints_len(int i, size_t R) { return i == I_EXTRA ? R * TREE_MAX_STEPS : R; }
 
+_Static_assert(TREE_MAX_TOPK <= KN_TOPK_MAX, "a node's children are one kn_topk");
+
 /* Bytes of tbuf: each row's top-k ids and values. */
 static size_t top_bytes(size_t rows) { return rows * TREE_MAX_TOPK * (sizeof(int32_t) + sizeof(float)); }
 

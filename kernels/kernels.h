@@ -188,6 +188,10 @@ size_t kn_graph_bytes(const kn_graph *g);
  * graph's bookkeeping). Not yet measured on a GPU: each capture logs
  * kn_graph_bytes beside it. */
 #define KN_GRAPH_NODE_BYTES 4096
+/* The step in which a GPU's free memory, and so kn_graph_bytes, moves
+ * (and a first capture may also load kernels): what a budget checked
+ * against kn_graph_bytes allows beyond its estimate. */
+#define KN_GRAPH_BYTES_GRAIN (2u << 20)
 
 /* Memory of a backend (CPU: host memory, 64-byte aligned, on huge pages
  * when large). Copies in and out are ops of a stream, in its order. */

@@ -309,6 +309,7 @@ static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_k
     eng_graph *slot = gs->live < gs->kept_max ? free_slot : NULL;
     if (!slot) {
         slot = graph_lru(e, NULL);
+        AE_ASSERT(slot); /* live >= kept_max >= 1 */
         graph_evict(e, slot);
     }
     *slot = want;
@@ -317,11 +318,13 @@ static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_k
 
 /* Holds the graphs to the plan's bytes, as measured: while they take
  * more, the least recently used other than gr goes, and fewer are kept
- * from then on (said once). false: gr alone takes more (graphs off). */
+ * from then on (said each time the count falls). false: gr alone takes
+ * more (graphs off). */
 static bool graphs_within_budget(eng *e, eng_graph *gr) {
     eng_graph_stats *gs = &e->graph_stats;
     if (gs->budget == 0 || gs->bytes <= gs->budget) return true;
     uint64_t took = gs->bytes;
+    int32_t had = gs->live;
     eng_graph *g;
     while (gs->bytes > gs->budget && (g = graph_lru(e, gr))) graph_evict(e, g);
     if (gs->bytes > gs->budget) {
@@ -333,7 +336,7 @@ static bool graphs_within_budget(eng *e, eng_graph *gr) {
     if (gs->live < gs->kept_max) {
         LOG_WARNF("graphs: %d took %" PRIu64 " bytes, more than the memory plan's %" PRIu64
                   " (its estimate per launch is short); keeping at most %d",
-                  gs->live + 1, took, gs->budget, gs->live);
+                  had, took, gs->budget, gs->live);
         gs->kept_max = gs->live;
     }
     return true;

@@ -113,7 +113,8 @@ int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_erro
  *
  * At most max_graphs are kept (the memory plan's count); a new shape
  * past that replaces the one used least recently. budget (the plan's
- * bytes for them; 0: none) holds what they take as measured
+ * bytes for them, plus KN_GRAPH_BYTES_GRAIN of measuring; 0: none)
+ * holds what they take as measured
  * (kn_graph_bytes): past it the least recently used go, and fewer are
  * kept from then on, with a warning, so that an estimate that fell short
  * costs graphs, not the memory the plan gave the KV cache. max_graphs 0

@@ -66,6 +66,6 @@ int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int
     eng_config ec = {SETUP_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
                      plan->block_size, threads, act_bits};
     if (eng_init(e, m, &ec, err) != AE_OK) return AE_ERR;
-    eng_set_graphs(*e, plan->graphs, plan->graph_bytes);
+    eng_set_graphs(*e, plan->graphs, plan->graphs ? plan->graph_bytes + KN_GRAPH_BYTES_GRAIN : 0);
     return setup_fast(c, *e, err);
 }
