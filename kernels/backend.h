@@ -91,6 +91,8 @@ struct kn_backend {
     void (*softmax)(kn_stream *s, float *x, int64_t m, int64_t n);
     void (*argmax)(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
     void (*topk)(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val);
+    /* NULL where the backend has none (kernels.h kn_sample) */
+    void (*sample)(kn_stream *s, const float *x, int64_t m, int64_t n, const kn_draw *draws, int32_t *out);
     void (*embed)(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
     void (*rope_table)(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
     void (*rope_rotate)(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);

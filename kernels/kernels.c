@@ -205,6 +205,13 @@ void kn_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int3
     s->be->topk(s, x, m, n, k, idx, val);
 }
 
+bool kn_backend_has_sample(const kn_backend *be) { return be->sample != NULL; }
+
+void kn_sample(kn_stream *s, const float *x, int64_t m, int64_t n, const kn_draw *draws, int32_t *out) {
+    AE_ASSERT(m >= 0 && n > 0 && n <= INT32_MAX && s->be->sample);
+    s->be->sample(s, x, m, n, draws, out);
+}
+
 void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m) {
     AE_ASSERT(m >= 0 && table->rows > 0 && table->cols > 0 && s->be->supports(KN_OP_EMBED, table->type));
     check_mem(s, table->buf, table->data, weight_span(table));

@@ -313,6 +313,28 @@ void kn_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n)
 #define KN_TOPK_MAX 16
 void kn_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val);
 
+/* How kn_sample draws a row: target/sample.h's sampling at one position,
+ * for the settings a device runs (no top-p). */
+typedef struct kn_draw {
+    float temperature; /* <= 0: greedy, kn_argmax's pick */
+    int32_t top_k;     /* 0: off, else 1..KN_TOPK_MAX */
+    float min_p;       /* <= 0: off */
+    uint32_t key_lo, key_hi; /* the position's key (draw.h kn_draw_key) */
+} kn_draw;
+
+/* out[m] = the token each row of logits x[m][n] draws with draws[m] (the
+ * backend's memory), as target/sample.h's sample_token draws it with
+ * top_p = 1: the kept set (temperature, top-k, min-p) and the race of
+ * keyed exponentials, the first least key winning. On a device only the
+ * ids come back, not the rows. A function of the row alone: batch
+ * invariant. The device's expf may differ from the host's in the last
+ * bit, so a token within that of a min-p bound or of a tie in the race
+ * may differ from the host's; the distribution is the same. The CPU
+ * backend has no kn_sample (its caller samples the rows it holds):
+ * kn_backend_has_sample. */
+bool kn_backend_has_sample(const kn_backend *be);
+void kn_sample(kn_stream *s, const float *x, int64_t m, int64_t n, const kn_draw *draws, int32_t *out);
+
 /* out[m][table->cols] = row ids[t] of the table (any dequantizable type),
  * as f32. Every id must be in [0, table->rows). */
 void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);

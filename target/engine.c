@@ -19,7 +19,7 @@ enum { IN_TOKENS, IN_POS, IN_SEQ, IN_SLOT, IN_N_PREFIX, IN_EXTRA_START, IN_N_EXT
 typedef struct eng_graph {
     int32_t T, n_logits, n_cap, n_cap_layers, keys;
     int32_t cap_layers[LLAMA_MAX_CAPTURE];
-    bool argmax;
+    int ids_by; /* 0: logits only, 1: each row's argmax, 2: each row's draw (kn_sample) */
     kn_graph *g; /* NULL: a free entry */
     uint64_t last_use;
 } eng_graph;
@@ -43,6 +43,7 @@ struct eng {
      * directly (no buffer). */
     kn_buf out;
     kn_buf ids; /* [max_batch_tokens] int32: eng_step_argmax's, on such a backend */
+    kn_buf draws; /* [max_batch_tokens] kn_draw: eng_step_sample's, on a backend with kn_sample */
     /* the host arrays above by name */
     int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows, *cap_rows, *extra;
     int32_t *old_cap; /* per item: KV capacity before this step reserved */
@@ -54,6 +55,7 @@ struct eng {
     eng_graph *graphs; /* [graph_stats.max_graphs] */
     eng_graph_stats graph_stats;
     uint64_t graph_clock; /* steps replayed or captured, for least-recently-used */
+    int64_t drawn_steps;  /* eng_step_sample's */
 };
 
 /* Elements of each input for T tokens. */
@@ -62,7 +64,7 @@ static size_t input_len(int i, size_t T) { return i == IN_EXTRA ? T * ENG_MAX_TR
 size_t eng_input_bytes(int32_t max_batch_tokens) {
     size_t n = 0;
     for (int i = 0; i < IN_N; i++) n += input_len(i, (size_t)max_batch_tokens);
-    return 2 * n * sizeof(int32_t);
+    return 2 * n * sizeof(int32_t) + (size_t)max_batch_tokens * sizeof(kn_draw); /* and a device's draws */
 }
 
 const model *eng_model(const eng *e) { return e->m; }
@@ -124,6 +126,7 @@ void eng_free(eng *e) {
     kn_buf_free(&e->in);
     kn_buf_free(&e->out);
     kn_buf_free(&e->ids);
+    kn_buf_free(&e->draws);
     free(e->layers);
     free(e->host[0]);
     free(e->old_cap);
@@ -163,7 +166,8 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
     if (!kn_backend_host_memory(m->be) &&
         (kn_buf_alloc(m->be, &e->out, T * ((size_t)c->vocab + LLAMA_MAX_CAPTURE * (size_t)c->hidden) * sizeof(float),
                       err) != AE_OK ||
-         kn_buf_alloc(m->be, &e->ids, T * sizeof(int32_t), err) != AE_OK))
+         kn_buf_alloc(m->be, &e->ids, T * sizeof(int32_t), err) != AE_OK ||
+         (kn_backend_has_sample(m->be) && kn_buf_alloc(m->be, &e->draws, T * sizeof(kn_draw), err) != AE_OK)))
         goto fail;
     if (!(e->host[0] = calloc(in_total, sizeof(int32_t)))) goto oom;
     e->dev[0] = e->in.ptr;
@@ -266,10 +270,12 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, const llama_
 }
 
 /* The ops of a step after its inputs are uploaded, which a graph holds:
- * the forward pass, then, with ids, each logit row's argmax into ids. */
-static void forward(eng *e, const llama_batch *b, int32_t *ids) {
+ * the forward pass, then, with ids, each logit row's token into ids: its
+ * draw by draws (the backend's memory), or else its argmax. */
+static void forward(eng *e, const llama_batch *b, int32_t *ids, const kn_draw *draws) {
     llama_forward(e->m, e->stream, NULL, e->layers, e->ws, b);
-    if (ids) kn_argmax(e->stream, b->logits, ids, b->n_logits, (int64_t)e->m->cfg.vocab);
+    if (ids && draws) kn_sample(e->stream, b->logits, b->n_logits, (int64_t)e->m->cfg.vocab, draws, ids);
+    else if (ids) kn_argmax(e->stream, b->logits, ids, b->n_logits, (int64_t)e->m->cfg.vocab);
 }
 
 /* The graph for this step's shape, made room for if new (its g still
@@ -278,7 +284,7 @@ static void forward(eng *e, const llama_batch *b, int32_t *ids) {
  * the extra slots, so that the graph's values hold for every step it
  * serves. */
 static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_kv_map *map, int32_t n_logits,
-                            const llama_capture *cap, bool argmax) {
+                            const llama_capture *cap, int ids_by) {
     eng_graph_stats *gs = &e->graph_stats;
     if (gs->max_graphs == 0 || map->m > ENG_GRAPH_MAX_TOKENS) return NULL;
     /* Decode tokens and trees only: a prompt's chunks come in every size,
@@ -291,7 +297,7 @@ static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_k
     /* Past KN_ATTN_SPLIT_M tokens attention does not split by keys: one
      * graph for every length (the bound is then the capacity). */
     if (map->m > KN_ATTN_SPLIT_M) keys = capacity;
-    eng_graph want = {map->m, n_logits, cap ? cap->n_rows : 0, cap ? cap->n_layers : 0, keys, {0}, argmax, NULL, 0};
+    eng_graph want = {map->m, n_logits, cap ? cap->n_rows : 0, cap ? cap->n_layers : 0, keys, {0}, ids_by, NULL, 0};
     if (cap) memcpy(want.cap_layers, cap->layers, (size_t)cap->n_layers * sizeof(int32_t));
     map->max_visible = keys;
     map->n_extra_total = (int32_t)e->in_len[IN_EXTRA];
@@ -299,7 +305,7 @@ static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_k
     for (int32_t i = 0; i < gs->max_graphs; i++) {
         eng_graph *g = &e->graphs[i];
         if (g->g && g->T == want.T && g->n_logits == want.n_logits && g->n_cap == want.n_cap &&
-            g->n_cap_layers == want.n_cap_layers && g->keys == want.keys && g->argmax == want.argmax &&
+            g->n_cap_layers == want.n_cap_layers && g->keys == want.keys && g->ids_by == want.ids_by &&
             !memcmp(g->cap_layers, want.cap_layers, sizeof want.cap_layers))
             return g;
         if (!g->g && !free_slot) free_slot = g;
@@ -344,12 +350,12 @@ static bool graphs_within_budget(eng *e, eng_graph *gr) {
 
 /* Replays gr, capturing it first if new; false if the capture failed
  * (graphs are then off, and nothing ran). */
-static bool graph_run(eng *e, eng_graph *gr, const llama_batch *b, int32_t *ids) {
+static bool graph_run(eng *e, eng_graph *gr, const llama_batch *b, int32_t *ids, const kn_draw *draws) {
     eng_graph_stats *gs = &e->graph_stats;
     if (!gr->g) {
         ae_error err = {{0}};
         if (kn_graph_begin(e->stream, &err) == AE_OK) {
-            forward(e, b, ids);
+            forward(e, b, ids, draws);
             if (kn_graph_end(e->stream, &gr->g, &err) != AE_OK) gr->g = NULL;
         }
         if (!gr->g) {
@@ -361,9 +367,9 @@ static bool graph_run(eng *e, eng_graph *gr, const llama_batch *b, int32_t *ids)
         gs->live++;
         gs->bytes += kn_graph_bytes(gr->g);
         if (kn_graph_nodes(gr->g) > gs->max_nodes) gs->max_nodes = kn_graph_nodes(gr->g);
-        LOG_INFOF("graph captured tokens=%d logit_rows=%d capture_rows=%d keys=%d argmax=%d nodes=%zu bytes=%zu "
+        LOG_INFOF("graph captured tokens=%d logit_rows=%d capture_rows=%d keys=%d ids_by=%d nodes=%zu bytes=%zu "
                   "live=%d of %d",
-                  gr->T, gr->n_logits, gr->n_cap, gr->keys, (int)gr->argmax, kn_graph_nodes(gr->g),
+                  gr->T, gr->n_logits, gr->n_cap, gr->keys, gr->ids_by, kn_graph_nodes(gr->g),
                   kn_graph_bytes(gr->g), gs->live, gs->kept_max);
         if (!graphs_within_budget(e, gr)) {
             graphs_drop(e);
@@ -377,10 +383,13 @@ static bool graph_run(eng *e, eng_graph *gr, const llama_batch *b, int32_t *ids)
     return true;
 }
 
-/* eng_step, or with argmax non-NULL eng_step_argmax. */
+/* eng_step; with argmax non-NULL eng_step_argmax, and with draws too
+ * eng_step_sample. */
 static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
-                const llama_capture *capture, ae_error *err) {
+                const kn_draw *draws, const llama_capture *capture, ae_error *err) {
     if (n_items < 1) return err_set(err, "empty step");
+    if (draws && !e->draws.ptr)
+        return err_set(err, "the %s backend draws no tokens (kn_sample): sample the logits", kn_backend_name(e->m->be));
     if (validate(e, items, n_items, capture, err) != AE_OK) return AE_ERR;
     int32_t T = 0, n_logits = 0, n_extra_total = 0;
     for (int32_t i = 0; i < n_items; i++) {
@@ -436,10 +445,16 @@ static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, i
     }
     llama_batch b = {T, d[IN_TOKENS], d[IN_POS], &map, n_logits, d[IN_LOGIT_ROWS], out_logits, capture ? &cap : NULL};
     int32_t *ids = argmax ? (e->ids.ptr ? e->ids.ptr : argmax) : NULL;
-    eng_graph *gr = graph_for(e, items, n_items, &map, n_logits, capture, ids != NULL);
-    if (!gr || !graph_run(e, gr, &b, ids)) {
+    const kn_draw *dd = NULL;
+    if (draws) { /* at a fixed place, as the other inputs: a graph reads them anew */
+        kn_upload(e->stream, &e->draws, 0, draws, (size_t)n_logits * sizeof(kn_draw));
+        dd = e->draws.ptr;
+        e->drawn_steps++;
+    }
+    eng_graph *gr = graph_for(e, items, n_items, &map, n_logits, capture, !ids ? 0 : dd ? 2 : 1);
+    if (!gr || !graph_run(e, gr, &b, ids, dd)) {
         e->graph_stats.eager_steps++;
-        forward(e, &b, ids);
+        forward(e, &b, ids, dd);
     }
     if (argmax && e->ids.ptr) kn_download(e->stream, argmax, &e->ids, 0, (size_t)n_logits * sizeof(int32_t));
     if (e->out.ptr) {
@@ -465,13 +480,21 @@ static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, i
 
 int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits, const llama_capture *capture,
              ae_error *err) {
-    return step(e, items, n_items, logits, NULL, capture, err);
+    return step(e, items, n_items, logits, NULL, NULL, capture, err);
 }
 
 int eng_step_argmax(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
                     const llama_capture *capture, ae_error *err) {
-    return step(e, items, n_items, logits, argmax, capture, err);
+    return step(e, items, n_items, logits, argmax, NULL, capture, err);
 }
+
+int eng_step_sample(eng *e, const eng_item *items, int32_t n_items, float *logits, const kn_draw *draws,
+                    int32_t *ids, const llama_capture *capture, ae_error *err) {
+    return step(e, items, n_items, logits, ids, draws, capture, err);
+}
+
+bool eng_can_sample(const eng *e) { return e->draws.ptr != NULL; }
+int64_t eng_drawn_steps(const eng *e) { return e->drawn_steps; }
 
 int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err) {
     if (!kv_seq_is_live(e->kv, seq)) return err_set(err, "sequence %d is not live", seq);

@@ -91,6 +91,16 @@ int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
 int eng_step_argmax(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
                     const llama_capture *capture, ae_error *err);
 
+/* The same pass when each logit row's token is drawn where the pass ran
+ * (kernels.h kn_sample): ids[eng_logit_rows] by draws[eng_logit_rows]
+ * (host memory; a row of temperature 0 takes the argmax). Only on a
+ * backend that draws (eng_can_sample: a device's); elsewhere it fails
+ * and the caller samples the logits. */
+int eng_step_sample(eng *e, const eng_item *items, int32_t n_items, float *logits, const kn_draw *draws,
+                    int32_t *ids, const llama_capture *capture, ae_error *err);
+bool eng_can_sample(const eng *e);
+int64_t eng_drawn_steps(const eng *e); /* steps eng_step_sample ran */
+
 /* After a tree step: keeps nodes path[0..n) (node indices of that tree,
  * root-level first, each the parent of the next) as committed tokens. The
  * path is checked against the sequence's last tree; anything else (no

@@ -96,6 +96,16 @@ static int32_t race(const int32_t *ids, const float *w, int32_t n, const sample_
 
 bool sample_is_greedy(const sample_params *p) { return !(p->temperature > 0.0f); }
 
+bool sample_on_device(const sample_params *p) {
+    return sample_is_greedy(p) || (!(p->top_p < 1.0f) && p->top_k <= KN_TOPK_MAX);
+}
+
+kn_draw sample_draw(const sample_params *p, const sample_rng *rng, int32_t pos) {
+    uint64_t k = sample_is_greedy(p) ? 0 : pos_key(rng, pos); /* greedy reads no rng */
+    return (kn_draw){sample_is_greedy(p) ? 0.0f : p->temperature, p->top_k > 0 ? p->top_k : 0, p->min_p,
+                     (uint32_t)k, (uint32_t)(k >> 32)};
+}
+
 int32_t sample_greedy(const float *logits, int32_t vocab) {
     int32_t best = -1;
     for (int32_t i = 0; i < vocab; i++)

@@ -43,6 +43,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "../kernels/kernels.h"
 #include "../services/core/err.h"
 
 typedef struct sample_params {
@@ -70,6 +71,12 @@ float sample_rng_exp(const sample_rng *rng, int32_t pos, int32_t id);
 
 /* True when p selects greedy decoding (temperature <= 0). */
 bool sample_is_greedy(const sample_params *p);
+
+/* Whether a device can draw with p (kernels.h kn_sample): greedy, or
+ * sampling without top-p and with top-k off or within KN_TOPK_MAX. */
+bool sample_on_device(const sample_params *p);
+/* kn_sample's draw of sample_token(p, rng, pos); greedy reads no rng. */
+kn_draw sample_draw(const sample_params *p, const sample_rng *rng, int32_t pos);
 
 /* argmax of logits f32 [vocab]; lowest id among equal maxima; NaN never
  * wins (a row of NaN: 0). The same pick as kn_argmax, which greedy steps

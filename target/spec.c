@@ -57,7 +57,8 @@ struct spec {
     int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
-    int32_t *ids;          /* [max_batch_tokens] each row's argmax, in a step greedy throughout */
+    int32_t *ids;          /* [max_batch_tokens] each row's token, decided where the pass ran */
+    kn_draw *draws;        /* [max_batch_tokens] how each row draws it (eng_step_sample) */
     float *scratch;        /* [V]: a row penalised (penalty_apply) and masked */
     uint32_t *mask;        /* [(V + 31) / 32]: a grammar's mask (grammar_fill_mask) */
     sampler *sampler;
@@ -91,6 +92,7 @@ void spec_free(spec *s) {
     free(s->features);
     free(s->logits);
     free(s->ids);
+    free(s->draws);
     free(s->scratch);
     free(s->mask);
     sample_free(s->sampler);
@@ -131,10 +133,11 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
     s->features = malloc(T * fw * sizeof(float));
     s->logits = malloc(T * V * sizeof(float));
     s->ids = malloc(T * sizeof *s->ids);
+    s->draws = malloc(T * sizeof *s->draws);
     s->scratch = malloc(V * sizeof(float));
     s->mask = malloc((V + 31) / 32 * sizeof(uint32_t));
     if (!s->seqs || !s->pending_feat || !s->feeds || !s->feed_of || !s->trees || !s->items || !s->rows ||
-        !s->features || !s->logits || !s->ids || !s->scratch || !s->mask) {
+        !s->features || !s->logits || !s->ids || !s->draws || !s->scratch || !s->mask) {
         spec_free(s);
         return err_set(err, "speculation: out of memory");
     }
@@ -492,13 +495,29 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         T += t->n;
     }
     llama_capture cap = capture_all(s, T);
-    /* Greedy throughout, with nothing that reads a whole row (penalties, a
-     * grammar, log-probabilities): only each row's argmax comes back. */
-    bool ids_only = true;
-    for (int32_t i = 0; i < n && ids_only; i++)
-        ids_only = sample_is_greedy(in[i].params) && !in[i].pen && !in[i].gm && !in[i].logprobs;
-    if ((ids_only ? eng_step_argmax(s->e, s->items, n, s->logits, s->ids, s->d ? &cap : NULL, err)
-                  : eng_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err)) != AE_OK)
+    /* With nothing that reads a whole row (penalties, a grammar,
+     * log-probabilities), each row's token is decided where the pass ran
+     * and only the ids come back: its argmax when greedy throughout, or
+     * on a backend that draws (a device), its keyed draw at the node's
+     * position (the root's + 1 + its depth, as verify_sample walks). */
+    bool ids_only = true, greedy = true;
+    for (int32_t i = 0; i < n && ids_only; i++) {
+        ids_only = !in[i].pen && !in[i].gm && !in[i].logprobs;
+        greedy = greedy && sample_is_greedy(in[i].params);
+        if (!sample_is_greedy(in[i].params)) ids_only = ids_only && eng_can_sample(s->e) && sample_on_device(in[i].params);
+    }
+    bool drawn = ids_only && !greedy;
+    for (int32_t i = 0, row = 0; drawn && i < n; row += s->trees[i].n, i++) {
+        const spec_tree *t = &s->trees[i];
+        int32_t pos = eng_seq_len(s->e, in[i].seq) + 1, depth[ENG_MAX_TREE];
+        for (int32_t j = 0; j < t->n; j++) {
+            depth[j] = t->parents[j] < 0 ? 0 : depth[t->parents[j]] + 1;
+            s->draws[row + j] = sample_draw(in[i].params, in[i].rng, pos + depth[j]);
+        }
+    }
+    if ((drawn     ? eng_step_sample(s->e, s->items, n, s->logits, s->draws, s->ids, s->d ? &cap : NULL, err)
+         : ids_only ? eng_step_argmax(s->e, s->items, n, s->logits, s->ids, s->d ? &cap : NULL, err)
+                    : eng_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err)) != AE_OK)
         return AE_ERR;
 
     for (int32_t i = 0, row = 0; i < n; row += s->trees[i].n, i++) {

@@ -8,7 +8,7 @@ static int32_t walk(const verify_tree *t, sampler *s, const sample_params *p, co
     path[n_path++] = 0;
     for (;;) {
         int32_t want, next = -1;
-        if (!s && !t->proc && t->argmax) {
+        if (!t->proc && t->argmax) {
             want = t->argmax[cur];
         } else {
             const float *row = t->logits + (size_t)cur * (size_t)t->vocab;

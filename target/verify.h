@@ -50,8 +50,10 @@ typedef struct verify_tree {
     const float *logits;    /* [n][vocab] */
     int32_t vocab;
     const verify_proc *proc; /* NULL: the raw rows decide */
-    /* [n] each row's argmax (eng_step_argmax), which greedy without proc
-     * reads instead of logits (then not read at all); NULL: from logits. */
+    /* [n] the token decided at each row, computed where the pass ran:
+     * greedy's argmax (eng_step_argmax) or the keyed draw at the row's
+     * position (eng_step_sample), read instead of logits when there is
+     * no proc (logits are then not read at all); NULL: from logits. */
     const int32_t *argmax;
 } verify_tree;
 

@@ -402,6 +402,7 @@ static const kn_backend kn_backend_cuda = {
     kcu_softmax,
     kcu_argmax,
     kcu_topk,
+    kcu_sample,
     kcu_embed,
     kcu_rope_table,
     kcu_rope_rotate,

@@ -87,6 +87,7 @@ void kcu_swiglu(kn_stream *s, const float *gate, const float *up, float *y, int6
 void kcu_softmax(kn_stream *s, float *x, int64_t m, int64_t n);
 void kcu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_t n);
 void kcu_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val);
+void kcu_sample(kn_stream *s, const float *x, int64_t m, int64_t n, const kn_draw *draws, int32_t *out);
 void kcu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
 void kcu_rope_table(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
 void kcu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);

@@ -19,6 +19,7 @@
 #include <math.h>
 
 #include "cuda_open.h"
+#include "../../target/sample.h"
 #include "../../services/core/pool.h"
 
 
@@ -560,6 +561,69 @@ static void kv_write_attention_and_move(void **state) {
     free_bufs();
 }
 
+/* kn_sample against the host's sampler (target/sample.c), row by row:
+ * greedy, temperatures, top-k, min-p, and rows with masked (-inf), NaN
+ * and +inf logits, each at many positions' keys. On the shim the device
+ * code calls the host's expf, so every id must be the host's; on a GPU
+ * its expf may move a token across a min-p bound or a race's tie in the
+ * last bit, so nearly every one must. */
+static void sample_draws_as_the_host_does(void **state) {
+    (void)state;
+    enum { V = 1500, ROWS = 6, POS = 24, CASES = 7 };
+    static const sample_params cases[CASES] = {
+        {0.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 1.0f, 0.0f}, {0.7f, 0, 1.0f, 0.05f}, {1.3f, 5, 1.0f, 0.0f},
+        {0.8f, 1, 1.0f, 0.0f}, {1.0f, KN_TOPK_MAX, 1.0f, 0.1f}, {1e-6f, 3, 1.0f, 0.0f},
+    };
+    float *x = malloc((size_t)ROWS * V * sizeof(float));
+    fill(x, (size_t)ROWS * V, -4, 4);
+    for (int i = 0; i < V; i += 3) x[V + i] = -INFINITY;   /* a grammar's mask */
+    for (int i = 0; i < V; i++) x[2 * V + i] = -INFINITY;  /* all masked: greedy's pick, 0 */
+    x[3 * V + 7] = NAN, x[3 * V + 8] = INFINITY;           /* +inf is no finite logit */
+    for (int i = 0; i < 40; i++) x[4 * V + 100 + i] = 6.0f; /* ties at the top */
+    sampler *smp;
+    ae_error err = {{0}};
+    assert_int_equal(sample_init(&smp, V, &err), AE_OK);
+    kn_draw *draws = malloc(sizeof(kn_draw) * ROWS * POS);
+    int32_t *got = malloc(sizeof(int32_t) * ROWS * POS), *want = malloc(sizeof(int32_t) * ROWS * POS);
+    float *big = malloc((size_t)ROWS * POS * V * sizeof(float)); /* each row repeated at each position */
+    for (int r = 0; r < ROWS; r++)
+        for (int p = 0; p < POS; p++) memcpy(big + ((size_t)r * POS + p) * V, x + (size_t)r * V, V * sizeof(float));
+    float *dbig = dev(big, (size_t)ROWS * POS * V * sizeof(float));
+    int32_t *dout = dev_zero(sizeof(int32_t) * ROWS * POS);
+    int equal = 0, total = 0;
+    for (int c = 0; c < CASES; c++) {
+        sample_rng key;
+        sample_rng_seed(&key, 1234 + (uint64_t)c);
+        for (int r = 0; r < ROWS; r++)
+            for (int p = 0; p < POS; p++) {
+                draws[r * POS + p] = sample_draw(&cases[c], &key, 100 + p);
+                want[r * POS + p] = sample_token(smp, x + (size_t)r * V, &cases[c], &key, 100 + p);
+            }
+        kn_draw *dd = dev(draws, sizeof(kn_draw) * ROWS * POS);
+        kn_sample(cu15, dbig, ROWS * POS, V, dd, dout);
+        get(cu15, got, dout, sizeof(int32_t) * ROWS * POS);
+        for (int i = 0; i < ROWS * POS; i++) equal += got[i] == want[i];
+        total += ROWS * POS;
+        if (cases[c].temperature >= 0.5f && cases[c].top_k != 1) {
+            int distinct = 0; /* the draws do vary with the position */
+            for (int p = 1; p < POS; p++) distinct += want[p] != want[0];
+            assert_true(distinct > 0);
+        }
+        assert_int_equal(want[2 * POS], 0);
+    }
+    printf("sample: %d of %d draws the host's (%d parameter sets x %d rows x %d positions)\n", equal, total, CASES,
+           ROWS, POS);
+#ifdef KN_TEST_GPU
+    assert_true(equal * 100 >= total * 99);
+#else
+    assert_int_equal(equal, total);
+#endif
+    compared += total;
+    free(x), free(big), free(draws), free(got), free(want);
+    sample_free(smp);
+    free_bufs();
+}
+
 /* Fast mode (kernels.h kn_stream_set_fast): float-weight matmuls by
  * cuBLAS on a GPU, x rounded to the weights' type, within that rounding
  * of the CPU's result (relative L2 error); the shim has no cuBLAS and
@@ -646,6 +710,7 @@ int main(void) {
         cmocka_unit_test(rope_both_layouts),
         cmocka_unit_test(kv_write_attention_and_move),
         cmocka_unit_test(fast_mode_matmul),
+        cmocka_unit_test(sample_draws_as_the_host_does),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
 #ifdef KN_TEST_GPU

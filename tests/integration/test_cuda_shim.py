@@ -56,6 +56,9 @@ def serve(model, device, tmp_path):
     try:
         c = rpc.Conn(addr)
         ids = [rpc.start_generate(c, prompt, MAX_TOKENS, ignore_eos=True) for prompt in PROMPTS]
+        # and one sampled: on cuda each token is drawn on the device (kn_sample)
+        ids.append(rpc.start_generate(c, PROMPTS[0], MAX_TOKENS, ignore_eos=True, temperature=0.9, top_k=8,
+                                      seed=5))
         streams = rpc.collect(c, ids)
         c.close()
     finally:
@@ -71,6 +74,7 @@ def test_target_on_the_cuda_backend_serves_the_cpu_backends_tokens(tiny, tmp_pat
     cpu, _ = serve(tiny, "cpu", tmp_path)
     cuda, log = serve(tiny, "cuda", tmp_path)
     assert all(len(t) == MAX_TOKENS for t in cpu)
+    assert cpu[2] != cpu[0]  # the sampled request is not greedy's
     assert cuda == cpu
     # the device and its memory plan: the shim reports a 4096 MiB device
     assert "device cuda:0: cuda shim (CPU), compute capability 0.0, 4096 MiB of 4096 MiB free" in log
