@@ -101,6 +101,7 @@ bool sample_on_device(const sample_params *p) {
 }
 
 kn_draw sample_draw(const sample_params *p, const sample_rng *rng, int32_t pos) {
+    AE_ASSERT(sample_on_device(p)); /* kn_draw has no top-p, and top-k within KN_TOPK_MAX */
     uint64_t k = sample_is_greedy(p) ? 0 : pos_key(rng, pos); /* greedy reads no rng */
     return (kn_draw){sample_is_greedy(p) ? 0.0f : p->temperature, p->top_k > 0 ? p->top_k : 0, p->min_p,
                      (uint32_t)k, (uint32_t)(k >> 32)};

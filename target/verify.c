@@ -1,7 +1,9 @@
 #include "verify.h"
 
 /* The walk both rules share: the token the target decides after node cur
- * at depth d is greedy's argmax when s is NULL, else the keyed draw. */
+ * at depth d is greedy's argmax when s is NULL, else the keyed draw; ids
+ * decided where the pass ran (t->argmax) are read instead of the rows
+ * when nothing processes them. */
 static int32_t walk(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng, int32_t pos,
                     int32_t *path, int32_t *bonus) {
     int32_t n_path = 0, cur = 0;

@@ -611,7 +611,8 @@ __global__ void __launch_bounds__(KCU_THREADS) k_sample(const float *x, int64_t 
         tk_select(sc, n, d.top_k, sv, si);
         kth = sv[0][d.top_k - 1];
     }
-    /* 4. min-p, and the race: the least E / w over the kept tokens */
+    /* (3. top-p: not on the device.) 4. min-p, and the race: the least
+     * E / w over the kept tokens */
     const float min_p = d.min_p > 1.0f ? 1.0f : d.min_p > 0.0f ? d.min_p : 0.0f;
     uint32_t best_key = 0;
     int32_t at_t = -1;
