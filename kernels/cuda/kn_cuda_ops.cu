@@ -12,9 +12,13 @@
  *     runs lane l's fma chain of row j for up to 8 rows of x; lane 0 adds
  *     the lanes in kernels.h's tree;
  *   - quantized matmul: x is first rounded to integers per block of 32
- *     (k_qx), then a warp takes one weight row, a group of 32 blocks at a
- *     time: four lanes to a block make its exact integer sum, and lane r
- *     chains row r's block terms in order;
+ *     (k_qx). For one row of x (decode) a warp takes one weight row, a
+ *     group of 32 blocks at a time: four lanes to a block make its exact
+ *     integer sum, and lane r chains row r's block terms in order. For
+ *     more (verify, prefill) a warp takes 16 weight rows by up to 32 rows
+ *     of x, a block at a time: the tensor cores' mma makes the integer
+ *     sums (exact, so in any order), and each lane chains its outputs'
+ *     terms in order;
  *   - attention: for decode and verify (up to KN_ATTN_SPLIT_M tokens) a
  *     block per (token, head, chunk) makes the chunk's partial and a
  *     second kernel merges them in order; for more tokens a block per
@@ -28,6 +32,13 @@ extern "C" {
 }
 
 #include <math.h>
+
+/* A loop nvcc unrolls whole (gcc, for the shim, has no such pragma). */
+#ifdef KN_CUDA_SHIM
+#define KCU_UNROLL
+#else
+#define KCU_UNROLL _Pragma("unroll")
+#endif
 
 #define KCU_THREADS 128
 #define KCU_MAX_GRID 4096
@@ -1030,6 +1041,165 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
     if (live && lane < (unsigned)tm) y[(r0 + lane) * w.rows + j] = acc;
 }
 
+/* ---- quantized matmul on tensor cores (verify and prefill) ------------------- */
+
+/* D = A B + C over one warp, with A 16 x 32 and B 32 x 8 signed bytes and
+ * C, D 16 x 8 int32: mma.m16n8k32 with .s8 operands, whose fragments the
+ * PTX ISA lays out so (g = lane / 4, t = lane % 4; byte i of a register
+ * is element i of its run of four):
+ *   A, row-major: a[0] row g, columns 4t .. 4t+3; a[1] row g+8, the same
+ *     columns; a[2] row g, columns 16+4t ..; a[3] row g+8, columns 16+4t ..
+ *   B, column-major: b[0] rows 4t .. 4t+3 of column g; b[1] rows 16+4t ..
+ *   C and D: c[0], c[1] row g, columns 2t, 2t+1; c[2], c[3] row g+8.
+ * The sums are of integers, exact in any order, so the tensor cores give
+ * the same bits as any other way. From sm_80 on it is the one instruction
+ * (every target of the build is); elsewhere, the CPU shim included, the
+ * same product through shared memory, laid out as above: the shim's run
+ * checks the kernel's fragments against this layout, and a GPU's run
+ * checks the layout against the hardware (tests/gpu/UNRUN.md). Every lane
+ * of the warp calls it. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define KCU_MMA_S8 1
+#endif
+/* Warps per block of k_matmul_qmma, 16 weight rows each: one, so that a
+ * verify pass's 1024-row K and V projections of an 8B model still make
+ * 64 blocks, and its 4096-row ones 256 (an H200 has 132 SMs). */
+#define QM_WARPS 1
+#define QM_TILES 4 /* its tiles of 8 rows of x per block */
+static __device__ __forceinline__ void mma_s8(const uint32_t a[4], const uint32_t b[2], int32_t c[4]) {
+#ifdef KCU_MMA_S8
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    __shared__ int8_t sa[QM_WARPS][16][32], sb[QM_WARPS][8][32]; /* sb: [column][row] */
+    unsigned lane = threadIdx.x % 32, w = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    for (unsigned i = 0; i < 4; i++) {
+        sa[w][g][4 * t + i] = (int8_t)(uint8_t)(a[0] >> 8 * i);
+        sa[w][g + 8][4 * t + i] = (int8_t)(uint8_t)(a[1] >> 8 * i);
+        sa[w][g][16 + 4 * t + i] = (int8_t)(uint8_t)(a[2] >> 8 * i);
+        sa[w][g + 8][16 + 4 * t + i] = (int8_t)(uint8_t)(a[3] >> 8 * i);
+        sb[w][g][4 * t + i] = (int8_t)(uint8_t)(b[0] >> 8 * i);
+        sb[w][g][16 + 4 * t + i] = (int8_t)(uint8_t)(b[1] >> 8 * i);
+    }
+    __syncwarp();
+    for (unsigned i = 0; i < 4; i++) {
+        unsigned row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+        int32_t s = 0;
+        for (int e = 0; e < 32; e++) s += (int32_t)sa[w][row][e] * (int32_t)sb[w][col][e];
+        c[i] += s;
+    }
+    __syncwarp();
+#endif
+}
+
+/* Four 16-bit integers of x (two words, low half first) as signed
+ * bytes. Wide (15-bit) x is split as x = 128 hi + lo, hi = x >> 7 in
+ * [-127, 127] and lo = x & 127, since |x| <= 16256 = 127 * 128; 8-bit x
+ * (|x| <= 127) is its own bytes, in lo. */
+static __device__ __forceinline__ void split_x(uint32_t w0, uint32_t w1, bool wide, uint32_t *hi, uint32_t *lo) {
+    int32_t v[4] = {lo16(w0), hi16(w0), lo16(w1), hi16(w1)};
+    uint32_t h = 0, l = 0;
+    for (int i = 0; i < 4; i++) {
+        h |= ((uint32_t)(v[i] >> 7) & 255u) << 8 * i;
+        l |= ((uint32_t)v[i] & (wide ? 127u : 255u)) << 8 * i;
+    }
+    *hi = wide ? h : 0u;
+    *lo = l;
+}
+
+/* Weight row `row`'s block b as this lane's two A registers (columns
+ * 4t .. 4t+3 and 16+4t ..) and its scales; zeros for a row past the end.
+ * Q4 nibbles are the A bytes as they are (0 .. 15), Q4_0's 8 taken off
+ * afterwards through x's block sum, as the CPU does. */
+static __device__ __forceinline__ void qm_load(const kw &w, const uint8_t *row, bool live, int64_t b, unsigned t,
+                                               uint32_t *lo, uint32_t *hi, float *d, float *mm) {
+    *lo = *hi = 0;
+    *d = *mm = 0.0f;
+    if (!live) return;
+    if (w.type == GGML_TYPE_Q8_0) {
+        const uint8_t *blk = row + (size_t)b * 34, *p = blk + 2 + 4 * t;
+        *lo = ld16a(p) | ld16a(p + 2) << 16;
+        *hi = ld16a(p + 16) | ld16a(p + 18) << 16;
+        *d = half_to_f32((uint16_t)ld16a(blk));
+    } else {
+        bool q41 = w.type == GGML_TYPE_Q4_1;
+        const uint8_t *blk = row + (size_t)b * (q41 ? 20 : 18);
+        uint32_t v = q41 ? ld32a(blk + 4 + 4 * t) : ld16a(blk + 2 + 4 * t) | ld16a(blk + 4 + 4 * t) << 16;
+        *lo = v & 0x0f0f0f0fu;
+        *hi = v >> 4 & 0x0f0f0f0fu;
+        *d = half_to_f32((uint16_t)ld16a(blk));
+        *mm = q41 ? half_to_f32((uint16_t)ld16a(blk + 2)) : 0.0f;
+    }
+}
+
+/* y for weight rows (blockIdx.x * QM_WARPS + warp) * 16 .. +15 and x rows
+ * blockIdx.y * 32 .. +31, one quantized block (32 columns) at a time:
+ * each block's exact integer sums for 16 weight rows by 8 x rows come
+ * from mma_s8 (two for 15-bit x: hi and lo), and each lane chains its
+ * four outputs' terms in block order, acc = fma(isum, d * sx, acc) and,
+ * for Q4_1, acc = fma(m, xs, acc): the CPU's order, so k_matmul_q's bits,
+ * with no scalar work per x row but the chain. `wide`: x has 15 bits (hi
+ * and two mmas; else one). At most 85 registers a thread (24 blocks of
+ * one warp an SM), where the pipelined loads would take 160. */
+__global__ void __launch_bounds__(32 * QM_WARPS, 24) k_matmul_qmma(kw w, void *work, float *y, int64_t m, bool wide) {
+    unsigned lane = threadIdx.x % 32, wp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
+    int64_t j0 = ((int64_t)blockIdx.x * QM_WARPS + wp) * 16, r0 = (int64_t)blockIdx.y * (8 * QM_TILES);
+    int64_t k = w.cols, nb = k / KCU_QK, ja = j0 + g, jb = ja + 8;
+    int nt = (int)((m - r0 + 7) / 8 < QM_TILES ? (m - r0 + 7) / 8 : QM_TILES); /* the same in the whole block */
+    bool la = ja < w.rows, lb = jb < w.rows, q41 = w.type == GGML_TYPE_Q4_1, q40 = w.type == GGML_TYPE_Q4_0;
+    const uint8_t *rowa = w.data + (size_t)(la ? ja : 0) * w.row_bytes, *rowb = w.data + (size_t)(lb ? jb : 0) * w.row_bytes;
+    float acc[QM_TILES][4];
+    for (int u = 0; u < QM_TILES; u++)
+        for (int i = 0; i < 4; i++) acc[u][i] = 0.0f;
+    /* block b's weights in a, d, mm; block b + 1's are loaded into na,
+     * nd, nmm before b's arithmetic, to keep a load in flight */
+    uint32_t a[4], na[4];
+    float d[2], mm[2], nd[2], nmm[2];
+    qm_load(w, rowa, la && nb > 0, 0, t, &na[0], &na[2], &nd[0], &nmm[0]);
+    qm_load(w, rowb, lb && nb > 0, 0, t, &na[1], &na[3], &nd[1], &nmm[1]);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int i = 0; i < 4; i++) a[i] = na[i];
+        for (int i = 0; i < 2; i++) {
+            d[i] = nd[i];
+            mm[i] = nmm[i];
+        }
+        qm_load(w, rowa, la && b + 1 < nb, b + 1, t, &na[0], &na[2], &nd[0], &nmm[0]);
+        qm_load(w, rowb, lb && b + 1 < nb, b + 1, t, &na[1], &na[3], &nd[1], &nmm[1]);
+KCU_UNROLL
+        for (int u = 0; u < QM_TILES; u++) { /* a constant count, so that acc stays in registers */
+            if (u >= nt) break;
+            /* B: x row r0 + 8u + g, this lane's columns of the block */
+            int64_t rx = r0 + 8 * u + g;
+            uint32_t bh[2] = {0, 0}, bl[2] = {0, 0};
+            if (rx < m) {
+                const int16_t *xi = qx_at(work, k, rx).xi + b * KCU_QK + 4 * t;
+                split_x(ld32a(xi), ld32a(xi + 2), wide, &bh[0], &bl[0]);
+                split_x(ld32a(xi + 16), ld32a(xi + 18), wide, &bh[1], &bl[1]);
+            }
+            int32_t ch[4] = {0, 0, 0, 0}, cl[4] = {0, 0, 0, 0};
+            if (wide) mma_s8(a, bh, ch);
+            mma_s8(a, bl, cl);
+            for (int i = 0; i < 4; i++) {
+                int64_t rc = r0 + 8 * u + 2 * t + (i & 1);
+                if (rc >= m) continue;
+                qxrow xc = qx_at(work, k, rc);
+                int32_t isum = 128 * ch[i] + cl[i];
+                if (q40) isum -= 8 * xc.isx[b];
+                float dsx = d[i >> 1] * xc.sx[b];
+                acc[u][i] = fmaf((float)isum, dsx, acc[u][i]);
+                if (q41) acc[u][i] = fmaf(mm[i >> 1], xc.xs[b], acc[u][i]);
+            }
+        }
+    }
+KCU_UNROLL
+    for (int u = 0; u < QM_TILES; u++)
+        for (int i = 0; i < 4; i++) {
+            int64_t rc = r0 + 8 * u + 2 * t + (i & 1), j = i < 2 ? ja : jb;
+            if (rc < m && j < w.rows) y[rc * w.rows + j] = acc[u][i];
+        }
+}
+
 static bool is_quant(ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1; }
 
 static dim3 tile_grid(int64_t rows, int64_t per_block, int64_t m) {
@@ -1078,7 +1248,14 @@ static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *
         size_t al = w->type == GGML_TYPE_Q4_1 ? 4 : 2; /* k_matmul_q's loads */
         KCU_ASSERT((uintptr_t)w->data % al == 0 && w->row_bytes % al == 0);
         if (!x_ready) quantize_x(s, x, w->cols, m);
-        KN_LAUNCH(k_matmul_q, tile_grid(w->rows, QW, m), dim3(32 * QW), st(s), kw_of(w), KN_CU(s)->work, y, m);
+        if (m == 1) {
+            KN_LAUNCH(k_matmul_q, tile_grid(w->rows, QW, m), dim3(32 * QW), st(s), kw_of(w), KN_CU(s)->work, y, m);
+        } else { /* verify and prefill: the tensor cores' integer sums */
+            dim3 grid((unsigned)((w->rows + 16 * QM_WARPS - 1) / (16 * QM_WARPS)),
+                      (unsigned)((m + 8 * QM_TILES - 1) / (8 * QM_TILES)));
+            KN_LAUNCH(k_matmul_qmma, grid, dim3(32 * QM_WARPS), st(s), kw_of(w), KN_CU(s)->work, y, m,
+                      s->act_bits != 8);
+        }
     } else {
         dim3 grid = tile_grid(w->rows, MM_ROWS, m), block(8 * MM_ROWS);
         size_t al = w->type == GGML_TYPE_F32 ? 4 : 2; /* mf_elem's loads; the 16-byte path checks its own */

@@ -211,7 +211,7 @@ static void make_weight(wpair *w, ggml_type t, int64_t rows, int64_t cols) {
 
 static void matmul_every_type_both_precisions(void **state) {
     (void)state;
-    const int64_t ms[] = {1, 3, 9}, n = 40;
+    const int64_t ms[] = {1, 2, 3, 9, 33}, n = 40;
     for (size_t tk = 0; tk < 2 * sizeof TYPES / sizeof TYPES[0]; tk++) {
         ggml_type t = TYPES[tk / 2];
         bool q = t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
@@ -222,15 +222,14 @@ static void matmul_every_type_both_precisions(void **state) {
         int64_t k = tk % 2 ? (q ? 37 * 32 : 1184) : (q ? 96 : 100);
         wpair w;
         make_weight(&w, t, n, k);
-        for (size_t mi = 0; mi < 3; mi++) {
+        for (size_t mi = 0; mi < sizeof ms / sizeof ms[0]; mi++) {
             int64_t m = ms[mi];
             float *x = malloc((size_t)(m * k) * sizeof(float)), *yc = malloc((size_t)(m * n) * sizeof(float)),
                   *yg = malloc((size_t)(m * n) * sizeof(float));
             fill(x, (size_t)(m * k), -2, 2);
-            if (m > 1) {
+            if (m > 1)
                 for (int i = 0; i < 32; i++) x[k + i] = 0.0f; /* a zero block */
-                x[2 * k + 5] = INFINITY;                        /* a block that makes NaN */
-            }
+            if (m > 2) x[2 * k + 5] = INFINITY;               /* a block that makes NaN */
             float *dx = dev(x, (size_t)(m * k) * sizeof(float)), *dy = dev_zero((size_t)(m * n) * sizeof(float));
             for (int bits = 0; bits < (q ? 2 : 1); bits++) {
                 kn_matmul(bits ? cpu8 : cpu15, &w.cpu, x, yc, m);
@@ -247,7 +246,7 @@ static void matmul_every_type_both_precisions(void **state) {
         free(w.host);
     }
     free_bufs();
-    printf("matmul: %d outputs identical over 6 types, 2 widths each, m = 1, 3, 9\n", compared);
+    printf("matmul: %d outputs identical over 6 types, 2 widths each, m = 1, 2, 3, 9, 33\n", compared);
 }
 
 static void matmul_n_and_swiglu(void **state) {
@@ -648,7 +647,7 @@ static void fast_mode_matmul(void **state) {
     for (int ti = 0; ti < 3; ti++) {
         wpair w;
         make_weight(&w, types[ti], n, k);
-        for (size_t mi = 0; mi < 3; mi++) {
+        for (size_t mi = 0; mi < sizeof ms / sizeof ms[0]; mi++) {
             int64_t m = ms[mi];
             float *x = malloc((size_t)(m * k) * sizeof(float)), *yc = malloc((size_t)(m * n) * sizeof(float)),
                   *yg = malloc((size_t)(m * n) * sizeof(float));

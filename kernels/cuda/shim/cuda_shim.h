@@ -35,7 +35,7 @@
 #define __host__
 #define __forceinline__ inline
 #define __shared__ static
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct dim3 {
     unsigned x, y, z;
