@@ -475,7 +475,8 @@ static void rope_both_layouts(void **state) {
  * 4 query heads. Sequence 0 holds 45 slots (two chunks and a part);
  * sequence 1 holds 20 committed slots and a tree of 3 nodes in scratch
  * slots 40, 41, 42 (node 2's ancestors: node 0). Attention runs over a
- * batch of prefill-like tokens of sequence 0 and the tree. */
+ * batch of prefill-like tokens of sequence 0 and the tree, and over a
+ * larger one. */
 enum { NB = 8, BS = 16, KVH = 2, HD = 64, QH = 4, TL = 4 };
 
 static void kv_write_attention_and_move(void **state) {
@@ -545,6 +546,35 @@ static void kv_write_attention_and_move(void **state) {
     get(bare, og, dout, sizeof og);
     same("attention, chunks in one block", oc, og, NT * QH * HD);
     kn_stream_free(bare);
+
+    /* more tokens than KN_ATTN_SPLIT_M, 8 to a block: seq 0 at positions
+     * 28 .. 44, then the tree. The first 8 (29 .. 36 keys) share no whole
+     * chunk; the next 8 (37 .. 44 keys) load chunk 0 once for all; the
+     * last block mixes sequences and shares none. */
+    enum { NL = 17 + 3 };
+    int32_t lseq[NL], lslot[NL], lpre[NL], lxst[NL], lnex[NL];
+    for (int i = 0; i < NL; i++) {
+        bool tree = i >= 17;
+        lseq[i] = tree ? 1 : 0;
+        lslot[i] = tree ? aslot[4 + i - 17] : 28 + i;
+        lpre[i] = tree ? 20 : 29 + i;
+        lxst[i] = tree ? xst[4 + i - 17] : 0;
+        lnex[i] = tree ? nex[4 + i - 17] : 0;
+    }
+    kn_kv_map lm = am;
+    lm.m = NL, lm.seq = lseq, lm.slot = lslot, lm.n_prefix = lpre, lm.extra_start = lxst, lm.n_extra = lnex;
+    kn_kv_map lg = ag;
+    lg.m = NL, lg.seq = dev(lseq, sizeof lseq), lg.slot = dev(lslot, sizeof lslot), lg.n_prefix = dev(lpre, sizeof lpre);
+    lg.extra_start = dev(lxst, sizeof lxst), lg.n_extra = dev(lnex, sizeof lnex);
+    float *ql = malloc(sizeof(float) * NL * QH * HD), *olc = malloc(sizeof(float) * NL * QH * HD),
+          *olg = malloc(sizeof(float) * NL * QH * HD);
+    fill(ql, (size_t)NL * QH * HD, -1, 1);
+    float *dql = dev(ql, sizeof(float) * NL * QH * HD), *dol = dev_zero(sizeof(float) * NL * QH * HD);
+    kn_attention(cpu15, &pc, &lm, ql, olc, QH);
+    kn_attention(cu15, &pg, &lg, dql, dol, QH);
+    get(cu15, olg, dol, sizeof(float) * NL * QH * HD);
+    same("attention, 8 tokens to a block", olc, olg, NL * QH * HD);
+    free(ql), free(olc), free(olg);
 
     /* moves that chain: row 40 -> 12, then 12 -> 13, and one in place */
     int32_t src[3] = {2 * BS + 8, 5 * BS + 12, 3}, dst[3] = {5 * BS + 12, 5 * BS + 13, 3};
