@@ -61,7 +61,8 @@ TLIB_OBJ := $(LIB_SRC:%.c=build/tsan/obj/%.o) $(LIB_CXX:%.cc=build/tsan/obj/%.o)
 # The suites that share state between threads also run under TSan, which
 # sees data races that ASan cannot.
 TSAN_BIN := build/tsan/tests/test_core build/tsan/tests/test_tokenizer build/tsan/tests/test_kernels \
-            build/tsan/tests/test_rpc build/tsan/tests/test_http build/tsan/tests/test_draft_client
+            build/tsan/tests/test_rpc build/tsan/tests/test_http build/tsan/tests/test_draft_client \
+            build/tsan/tests/test_tp
 FUZZ_BIN := $(FUZZ_SRC:tests/fuzz/%.c=build/fuzz/%)
 MODEL_BIN := $(MODEL_SRC:tests/model/%.c=build/tests/%)
 

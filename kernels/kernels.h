@@ -496,6 +496,14 @@ int kn_comm_size(const kn_comm *c); /* 1 for NULL */
  * rank. */
 void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count);
 
+/* What one rank's allreduces have cost since its comm was made: calls,
+ * bytes of its buffer (count x 4 each), and the time spent in them (wall
+ * time on the CPU, barrier waits included). Zeros for a NULL comm. */
+typedef struct kn_comm_stats {
+    uint64_t calls, bytes, ns;
+} kn_comm_stats;
+kn_comm_stats kn_comm_get_stats(const kn_comm *c);
+
 /* ---- CPU backend controls ----------------------------------------------- */
 
 /* Test hooks, process-wide; set them while no op runs.

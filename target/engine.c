@@ -6,6 +6,8 @@
 
 #include "../services/core/log.h"
 #include "../services/kv/kv_cache.h"
+#include "arch.h"
+#include "tp.h"
 
 /* A step's inputs: arrays the engine fills on the host, then uploads to
  * fixed places in one buffer of the backend (e->in), which is all the
@@ -52,6 +54,8 @@ struct eng {
      * parents [max_seqs][ENG_MAX_TREE], node count [max_seqs] (0: none). */
     int32_t *tree_parents;
     int32_t *tree_n;
+    tp_group *tp; /* eng_set_tp's ranks, or NULL: one rank */
+    eng_comm_stats comm;
     eng_graph *graphs; /* [graph_stats.max_graphs] */
     eng_graph_stats graph_stats;
     uint64_t graph_clock; /* steps replayed or captured, for least-recently-used */
@@ -119,6 +123,7 @@ bool eng_fast(const eng *e) { return kn_stream_fast(e->stream); }
 void eng_free(eng *e) {
     if (!e) return;
     graphs_drop(e);
+    tp_group_free(e->tp);
     llama_ws_free(e->ws);
     kn_stream_free(e->stream);
     pool_free(e->pool);
@@ -192,6 +197,65 @@ oom:
     err_set(err, "engine: out of memory");
 fail:
     eng_free(e);
+    return AE_ERR;
+}
+
+int32_t eng_tp(const eng *e) { return e->tp ? tp_group_ranks(e->tp) : 1; }
+eng_comm_stats eng_get_comm_stats(const eng *e) { return e->comm; }
+
+/* e->kv made anew with n shards of heads[] kv heads, and e->layers from
+ * it (one shard); false with err set, e->kv NULL, if it cannot be. */
+static bool kv_remake(eng *e, int32_t n, const int32_t *heads, ae_error *err) {
+    kv_params kp = *kv_get_params(e->kv);
+    kv_free(e->kv);
+    e->kv = NULL;
+    if (kv_init_sharded(&e->kv, e->m->be, &kp, n, heads, err) != AE_OK) return false;
+    if (n == 1)
+        for (int32_t l = 0; l < e->m->cfg.n_layers; l++) e->layers[l] = kv_layer(e->kv, l);
+    return true;
+}
+
+int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err) {
+    const model_config *c = &e->m->cfg;
+    if (n_ranks < 1 || n_ranks > TP_MAX_RANKS)
+        return err_set(err, "tensor parallel: %d ranks (1 to %d)", n_ranks, TP_MAX_RANKS);
+    if (n_ranks == eng_tp(e)) return AE_OK;
+    if (!e->kv || kv_get_stats(e->kv).seqs_live > 0)
+        return err_set(err, "tensor parallel: ranks are set before any sequence");
+    if (n_ranks > 1 && !kn_backend_host_memory(e->m->be))
+        return err_set(err, "tensor parallel: %d ranks on the %s backend: ranks run on the CPU backend only "
+                       "(ranks on GPUs need NCCL, not built yet)", n_ranks, kn_backend_name(e->m->be));
+    tp_split sp;
+    int32_t heads[TP_MAX_RANKS] = {c->n_kv_heads};
+    if (n_ranks > 1) {
+        if (e->m->arch->tp_split(&sp, c, n_ranks, err) != AE_OK) return AE_ERR;
+        for (int32_t r = 0; r < n_ranks; r++) heads[r] = sp.kv_heads[r].end - sp.kv_heads[r].begin;
+    }
+    tp_group_free(e->tp);
+    e->tp = NULL;
+    if (!kv_remake(e, n_ranks, heads, err)) goto restore;
+    if (n_ranks == 1) return AE_OK;
+    kn_kv_pool *pools = calloc((size_t)n_ranks * (size_t)c->n_layers, sizeof *pools);
+    if (!pools) {
+        err_set(err, "tensor parallel: out of memory");
+        goto restore;
+    }
+    for (int32_t r = 0; r < n_ranks; r++)
+        for (int32_t l = 0; l < c->n_layers; l++) pools[(size_t)r * (size_t)c->n_layers + (size_t)l] = kv_shard_layer(e->kv, r, l);
+    const kv_params *kp = kv_get_params(e->kv);
+    tp_config tc = {.n_ranks = n_ranks, .threads_per_rank = e->cfg.threads / n_ranks > 1 ? e->cfg.threads / n_ranks : 1,
+                    .max_tokens = e->cfg.max_batch_tokens, .max_logits = e->cfg.max_batch_tokens,
+                    .kv_blocks = kp->n_blocks, .block_size = kp->block_size, .act_bits = e->cfg.act_bits,
+                    .max_seq_len = e->cfg.max_seq_len, .kv = pools};
+    int rc = tp_group_init(&e->tp, e->m, &tc, err);
+    free(pools);
+    if (rc == AE_OK) return AE_OK;
+restore: /* one rank again, as before the call */
+    {
+        ae_error again = {{0}};
+        int32_t one = c->n_kv_heads;
+        if (!kv_remake(e, 1, &one, &again)) LOG_ERRORF("engine: the KV cache is lost: %s", again.msg);
+    }
     return AE_ERR;
 }
 
@@ -273,7 +337,18 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, const llama_
  * the forward pass, then, with ids, each logit row's token into ids: its
  * draw by draws (the backend's memory), or else its argmax. */
 static void forward(eng *e, const llama_batch *b, int32_t *ids, const kn_draw *draws) {
-    llama_forward(e->m, e->stream, NULL, e->layers, e->ws, b);
+    if (e->tp) {
+        kn_comm_stats a = tp_group_comm_stats(e->tp);
+        tp_forward(e->tp, b);
+        kn_comm_stats z = tp_group_comm_stats(e->tp);
+        eng_comm_stats *cs = &e->comm;
+        cs->last = (kn_comm_stats){z.calls - a.calls, z.bytes - a.bytes, z.ns - a.ns};
+        cs->total = z;
+        cs->last_tokens = b->m;
+        cs->steps++;
+    } else {
+        llama_forward(e->m, e->stream, NULL, e->layers, e->ws, b);
+    }
     if (ids && draws) kn_sample(e->stream, b->logits, b->n_logits, (int64_t)e->m->cfg.vocab, draws, ids);
     else if (ids) kn_argmax(e->stream, b->logits, ids, b->n_logits, (int64_t)e->m->cfg.vocab);
 }

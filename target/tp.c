@@ -187,8 +187,8 @@ typedef struct tp_rank {
     pool *pool;
     kn_stream *stream;
     llama_ws *ws;
-    kn_kv_pool *kv; /* [n_layers] views into kv_mem */
-    kn_buf kv_mem;  /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D] */
+    kn_kv_pool *kv; /* [n_layers] views into kv_mem, or the caller's pools (tp_config.kv) */
+    kn_buf kv_mem;  /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D]; unused with tp_config.kv */
     pthread_t thread;
     bool started;
 } tp_rank;
@@ -222,6 +222,8 @@ const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank) {
     AE_ASSERT(rank >= 0 && rank < g->cfg.n_ranks);
     return g->ranks[rank].kv;
 }
+
+kn_comm_stats tp_group_comm_stats(const tp_group *g) { return kn_comm_get_stats(g->comms[0]); }
 
 /* One rank's share of the step. Ranks other than 0 skip the logits and the
  * capture: their residual stream is rank 0's, bit for bit. */
@@ -308,6 +310,19 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
     size_t n = per * row; /* elements of one layer's K (or V) */
     r->kv = calloc((size_t)c->n_layers, sizeof *r->kv);
     if (!r->kv) return err_set(err, "tensor parallel: rank %d: out of memory for its KV pools", r->rank);
+    if (cfg->kv) { /* the caller's: they must fit the shard */
+        for (int32_t l = 0; l < c->n_layers; l++) {
+            const kn_kv_pool *p = &cfg->kv[(size_t)r->rank * (size_t)c->n_layers + (size_t)l];
+            if (p->n_kv_heads != c->n_kv_heads || p->head_dim != c->head_dim || p->n_blocks != cfg->kv_blocks ||
+                p->block_size != cfg->block_size)
+                return err_set(err, "tensor parallel: rank %d layer %d: a KV pool of %d kv heads x %d, %d blocks "
+                               "of %d, for a shard of %d kv heads x %d, %d blocks of %d",
+                               r->rank, l, p->n_kv_heads, p->head_dim, p->n_blocks, p->block_size, c->n_kv_heads,
+                               c->head_dim, cfg->kv_blocks, cfg->block_size);
+            r->kv[l] = *p;
+        }
+        return AE_OK;
+    }
     if (kn_buf_alloc(r->shard->be, &r->kv_mem, n * layers2 * sizeof(uint16_t), err) != AE_OK)
         return err_prefix(err, "tensor parallel: rank %d's KV: ", r->rank), AE_ERR;
     uint16_t *k0 = r->kv_mem.ptr;
@@ -347,7 +362,7 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
         r->rank = i;
         if (tp_shard_init(&r->shard, m, &g->split, i, err) != AE_OK ||
             pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
-            kn_stream_init(&r->stream, m->be, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, 0)}, err) != AE_OK ||
+            kn_stream_init(&r->stream, m->be, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, cfg->max_seq_len)}, err) != AE_OK ||
             llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;

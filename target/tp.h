@@ -68,6 +68,11 @@ typedef struct tp_config {
     int32_t kv_blocks;        /* KV blocks per layer; block ids of the maps index these */
     int32_t block_size;       /* tokens per KV block */
     int32_t act_bits;         /* every rank's activation precision, 15 or 8 (0: 15; kernels.h) */
+    int32_t max_seq_len;      /* keys one token may see, for the streams' workspace (0: unbounded) */
+    /* The ranks' KV pools, rank r's layer l at kv[r * n_layers + l], with
+     * the rank's kv heads and kv_blocks x block_size slots (an engine's
+     * sharded KV cache, services/kv); NULL: the group makes its own. */
+    const kn_kv_pool *kv;
 } tp_config;
 
 typedef struct tp_group tp_group;
@@ -91,5 +96,7 @@ const tp_split *tp_group_split(const tp_group *g);
 const model *tp_group_shard(const tp_group *g, int32_t rank);
 /* Rank r's KV pools: [n_layers]. */
 const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank);
+/* Rank 0's allreduces so far (every rank makes the same calls). */
+kn_comm_stats tp_group_comm_stats(const tp_group *g);
 
 #endif

@@ -9,6 +9,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct comm_group {
     int n_ranks;
@@ -21,6 +22,7 @@ typedef struct comm_group {
 struct kn_comm {
     comm_group *group;
     int rank;
+    kn_comm_stats stats; /* this rank's; only its thread writes them */
 };
 
 int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err) {
@@ -76,9 +78,20 @@ void kn_comm_free_cpu(kn_comm **comms, int n_ranks) {
 int kn_comm_rank(const kn_comm *c) { return c ? c->rank : 0; }
 int kn_comm_size(const kn_comm *c) { return c ? c->group->n_ranks : 1; }
 
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+kn_comm_stats kn_comm_get_stats(const kn_comm *c) { return c ? c->stats : (kn_comm_stats){0, 0, 0}; }
+
 void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count) {
     (void)s;
     if (!c || c->group->n_ranks == 1) return;
+    uint64_t t0 = now_ns();
+    c->stats.calls++;
+    c->stats.bytes += (uint64_t)count * sizeof(float);
     comm_group *g = c->group;
     AE_ASSERT(count <= g->max_count);
     memcpy(g->slots + (size_t)c->rank * g->max_count, buf, count * sizeof(float));
@@ -89,4 +102,5 @@ void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count) {
         buf[i] = sum;
     }
     pthread_barrier_wait(&g->barrier);
+    c->stats.ns += now_ns() - t0;
 }

@@ -19,8 +19,14 @@ struct kv_cache {
     kv_params p;
     const kn_backend *be;
     size_t row;       /* elements per slot: n_kv_heads * head_dim */
-    size_t pool;      /* elements per pool: n_blocks * block_size * row */
-    kn_buf data;      /* f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim], K then V */
+    /* Shards (kv_init_sharded): shard s holds kv heads shard_heads[s] of
+     * every slot, in pools of its own, from element shard_off[s] of data:
+     * f16 [n_layers][2][n_blocks][block_size][shard_heads[s]][head_dim]. */
+    int32_t n_shards;
+    int32_t shard_heads[KV_MAX_SHARDS];
+    size_t shard_pool[KV_MAX_SHARDS]; /* elements per pool of shard s: n_blocks * block_size * its heads * head_dim */
+    size_t shard_off[KV_MAX_SHARDS];
+    kn_buf data;      /* the shards one after another (one shard: f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim]) */
     kn_buf tables_buf; /* the block tables the kernels read: int32 [max_seqs][max_blocks_per_seq] */
     int32_t *tables;  /* the same, as this file keeps them; -1 where unused. On a host-memory
                          backend tables_buf itself, else a host copy kv_upload_tables sends */
@@ -74,7 +80,20 @@ uint64_t kv_bytes(const kv_params *p) {
 }
 
 int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *err) {
+    return kv_init_sharded(out, be, p, 1, &p->n_kv_heads, err);
+}
+
+int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, int32_t n_shards,
+                    const int32_t *shard_kv_heads, ae_error *err) {
     *out = NULL;
+    int64_t heads = 0;
+    for (int32_t i = 0; i < n_shards && n_shards <= KV_MAX_SHARDS; i++) {
+        if (shard_kv_heads[i] < 1) return err_set(err, "kv cache: shard %d has %d kv heads", i, shard_kv_heads[i]);
+        heads += shard_kv_heads[i];
+    }
+    if (n_shards < 1 || n_shards > KV_MAX_SHARDS || heads != p->n_kv_heads)
+        return err_set(err, "kv cache: %d shards of %lld kv heads in all, for %d kv heads (at most %d shards)",
+                       n_shards, (long long)heads, p->n_kv_heads, KV_MAX_SHARDS);
     if (!params_ok(p))
         return err_set(err,
                        "kv cache: sizes must be positive (layers=%d kv_heads=%d head_dim=%d "
@@ -90,7 +109,12 @@ int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *
     kv->p = *p;
     kv->be = be;
     kv->row = (size_t)p->n_kv_heads * (size_t)p->head_dim;
-    kv->pool = (size_t)p->n_blocks * (size_t)p->block_size * kv->row;
+    kv->n_shards = n_shards;
+    for (int32_t i = 0; i < n_shards; i++) {
+        kv->shard_heads[i] = shard_kv_heads[i];
+        kv->shard_pool[i] = (size_t)p->n_blocks * (size_t)p->block_size * (size_t)shard_kv_heads[i] * (size_t)p->head_dim;
+        kv->shard_off[i] = i ? kv->shard_off[i - 1] + 2 * (size_t)p->n_layers * kv->shard_pool[i - 1] : 0;
+    }
     size_t bytes = (size_t)elems * sizeof(uint16_t);
     size_t n_table = (size_t)p->max_seqs * (size_t)p->max_blocks_per_seq;
     /* The backend's buffers come zeroed: the pages are committed now, as
@@ -269,10 +293,11 @@ static void move_rows(kv_cache *kv, kn_stream *stream, const int32_t rc[2][KV_MO
     const int32_t *rows = kv->moves.ptr;
     kn_upload(stream, &kv->moves, 0, rc[0], (size_t)m * sizeof(int32_t));
     kn_upload(stream, &kv->moves, KV_MOVE_CHUNK * sizeof(int32_t), rc[1], (size_t)m * sizeof(int32_t));
-    for (int32_t l = 0; l < kv->p.n_layers; l++) {
-        kn_kv_pool pool = kv_layer(kv, l);
-        kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);
-    }
+    for (int32_t sh = 0; sh < kv->n_shards; sh++)
+        for (int32_t l = 0; l < kv->p.n_layers; l++) {
+            kn_kv_pool pool = kv_shard_layer(kv, sh, l);
+            kn_kv_move(stream, &pool, rows, rows + KV_MOVE_CHUNK, m);
+        }
 }
 
 int kv_seq_fork(kv_cache *kv, kn_stream *stream, int32_t src, int32_t *dst_out, ae_error *err) {
@@ -367,33 +392,40 @@ void kv_upload_tables(kv_cache *kv, kn_stream *s) {
     }
 }
 
-/* Layer l's K (v = 0) or V (v = 1) pool, at the backend's address. */
-static uint16_t *pool_at(const kv_cache *kv, int32_t layer, int v) {
-    AE_ASSERT(layer >= 0 && layer < kv->p.n_layers);
-    return (uint16_t *)kv->data.ptr + ((size_t)layer * 2 + (size_t)v) * kv->pool;
+/* Shard sh's layer l K (v = 0) or V (v = 1) pool, at the backend's address. */
+static uint16_t *pool_at(const kv_cache *kv, int32_t sh, int32_t layer, int v) {
+    AE_ASSERT(sh >= 0 && sh < kv->n_shards && layer >= 0 && layer < kv->p.n_layers);
+    return (uint16_t *)kv->data.ptr + kv->shard_off[sh] + ((size_t)layer * 2 + (size_t)v) * kv->shard_pool[sh];
 }
 
 uint16_t *kv_k_pool(kv_cache *kv, int32_t layer) {
-    AE_ASSERT(kn_backend_host_memory(kv->be));
-    return pool_at(kv, layer, 0);
+    AE_ASSERT(kn_backend_host_memory(kv->be) && kv->n_shards == 1);
+    return pool_at(kv, 0, layer, 0);
 }
 
 uint16_t *kv_v_pool(kv_cache *kv, int32_t layer) {
-    AE_ASSERT(kn_backend_host_memory(kv->be));
-    return pool_at(kv, layer, 1);
+    AE_ASSERT(kn_backend_host_memory(kv->be) && kv->n_shards == 1);
+    return pool_at(kv, 0, layer, 1);
 }
 
-kn_kv_pool kv_layer(kv_cache *kv, int32_t layer) {
+int32_t kv_n_shards(const kv_cache *kv) { return kv->n_shards; }
+
+kn_kv_pool kv_shard_layer(kv_cache *kv, int32_t shard, int32_t layer) {
     return (kn_kv_pool){
-        .k = pool_at(kv, layer, 0),
-        .v = pool_at(kv, layer, 1),
+        .k = pool_at(kv, shard, layer, 0),
+        .v = pool_at(kv, shard, layer, 1),
         .buf = &kv->data,
         .n_blocks = kv->p.n_blocks,
         .block_size = kv->p.block_size,
-        .n_kv_heads = kv->p.n_kv_heads,
+        .n_kv_heads = kv->shard_heads[shard],
         .head_dim = kv->p.head_dim,
         .type = GGML_TYPE_F16,
     };
+}
+
+kn_kv_pool kv_layer(kv_cache *kv, int32_t layer) {
+    AE_ASSERT(kv->n_shards == 1);
+    return kv_shard_layer(kv, 0, layer);
 }
 
 static uint16_t *slot_row(kv_cache *kv, uint16_t *pool, int32_t seq, int32_t slot) {

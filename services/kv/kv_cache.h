@@ -62,6 +62,17 @@ uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_d
 uint64_t kv_bytes(const kv_params *p);
 
 int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *err);
+
+/* The same for tensor-parallel ranks (target/tp.h): the slots' kv heads
+ * cut into n_shards shards of shard_kv_heads[s] heads each (in order,
+ * adding up to p->n_kv_heads), each shard in pools of its own
+ * (kv_shard_layer) for one rank. Block tables, and so every slot and
+ * move, are shared: kv_seq_fork and kv_commit_path move the rows of every
+ * shard. The bytes are kv_bytes(p), however the heads are cut. */
+#define KV_MAX_SHARDS 64
+int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, int32_t n_shards,
+                    const int32_t *shard_kv_heads, ae_error *err);
+int32_t kv_n_shards(const kv_cache *kv);
 void kv_free(kv_cache *kv); /* NULL is a no-op */
 
 const kv_params *kv_get_params(const kv_cache *kv);
@@ -134,13 +145,16 @@ void kv_upload_tables(kv_cache *kv, kn_stream *s);
 
 /* Per-layer pools: f16 [n_blocks][block_size][n_kv_heads][head_dim].
  * Addresses are fixed for the life of the cache. These and the slot rows
- * below are host pointers, for a host-memory backend only (tests). */
+ * below are host pointers, for a host-memory backend and one shard only
+ * (tests). */
 uint16_t *kv_k_pool(kv_cache *kv, int32_t layer);
 uint16_t *kv_v_pool(kv_cache *kv, int32_t layer);
 
 /* Layer `layer` as the attention kernel takes it (kn_kv_write, kn_attention),
- * in the cache's buffer; the map's block_tables are kv_map_tables. */
+ * in the cache's buffer; the map's block_tables are kv_map_tables. One
+ * shard only (kv_init); kv_shard_layer: shard `shard`'s, its kv heads. */
 kn_kv_pool kv_layer(kv_cache *kv, int32_t layer);
+kn_kv_pool kv_shard_layer(kv_cache *kv, int32_t shard, int32_t layer);
 
 /* One slot's row: f16 [n_kv_heads][head_dim]; slot < capacity. */
 uint16_t *kv_slot_k(kv_cache *kv, int32_t layer, int32_t seq, int32_t slot);

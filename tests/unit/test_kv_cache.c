@@ -222,6 +222,66 @@ static void test_commit_path_moves_accepted_nodes_in_all_layers(void **state) {
     kv_free(kv);
 }
 
+/* Shards (tensor-parallel ranks): 3 kv heads cut 2 + 1, each shard in
+ * pools of its own, one block table. A commit moves the rows of every
+ * shard; the pools take the bytes of one unsharded cache. */
+static uint16_t *shard_row(kv_cache *kv, int sh, int layer, int is_v, int seq, int slot) {
+    kn_kv_pool p = kv_shard_layer(kv, sh, layer);
+    int32_t blk = kv_seq_block_table(kv, seq)[slot / p.block_size];
+    size_t row = (size_t)blk * (size_t)p.block_size + (size_t)(slot % p.block_size);
+    return (uint16_t *)(is_v ? p.v : p.k) + row * (size_t)p.n_kv_heads * (size_t)p.head_dim;
+}
+
+static void test_shards_share_tables_and_every_commit(void **state) {
+    (void)state;
+    kv_params p = small;
+    p.n_kv_heads = 3;
+    const int32_t heads[2] = {2, 1};
+    kv_cache *kv;
+    ae_error err = {0};
+    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, heads, &err), AE_OK);
+    assert_int_equal(kv_n_shards(kv), 2);
+    for (int sh = 0; sh < 2; sh++) {
+        kn_kv_pool l1 = kv_shard_layer(kv, sh, 1);
+        assert_int_equal(l1.n_kv_heads, heads[sh]);
+        assert_int_equal(l1.n_blocks, p.n_blocks);
+    }
+    /* the shards lie one after another in the cache's one buffer */
+    assert_ptr_equal((uint16_t *)kv_shard_layer(kv, 1, 0).k,
+                     (uint16_t *)kv_shard_layer(kv, 0, 0).k + 2 * 2 * (size_t)p.n_blocks * 4 * 2 * 3);
+    int32_t a;
+    assert_int_equal(kv_seq_alloc(kv, &a, NULL), AE_OK);
+    assert_int_equal(kv_seq_reserve(kv, a, 9, NULL), AE_OK);
+    for (int sh = 0; sh < 2; sh++)
+        for (int l = 0; l < 2; l++)
+            for (int v = 0; v < 2; v++)
+                for (int slot = 0; slot < 9; slot++) {
+                    uint16_t *r = shard_row(kv, sh, l, v, a, slot);
+                    for (int e = 0; e < heads[sh] * 3; e++) r[e] = tag(v, l, sh, slot, e);
+                }
+    assert_int_equal(kv_seq_advance(kv, a, 2, NULL), AE_OK);
+    const int32_t path[] = {3, 6}; /* tree nodes 1 and 4 of slots 2 .. 8 */
+    assert_int_equal(kv_commit_path(kv, S, a, path, 2, NULL), AE_OK);
+    kn_stream_sync(S);
+    assert_int_equal(kv_seq_len(kv, a), 4);
+    const int want[4] = {0, 1, 3, 6};
+    for (int sh = 0; sh < 2; sh++)
+        for (int l = 0; l < 2; l++)
+            for (int v = 0; v < 2; v++)
+                for (int slot = 0; slot < 4; slot++) {
+                    const uint16_t *r = shard_row(kv, sh, l, v, a, slot);
+                    for (int e = 0; e < heads[sh] * 3; e++) assert_int_equal(r[e], tag(v, l, sh, want[slot], e));
+                }
+    kv_free(kv);
+    /* heads that do not add up, or an empty shard, are refused */
+    const int32_t bad[2] = {2, 2}, empty[2] = {3, 0};
+    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, bad, &err), AE_ERR);
+    assert_string_equal(err.msg, "kv cache: 2 shards of 4 kv heads in all, for 3 kv heads (at most 64 shards)");
+    err = (ae_error){0};
+    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, empty, &err), AE_ERR);
+    assert_string_equal(err.msg, "kv cache: shard 1 has 0 kv heads");
+}
+
 /* Slot `slot` of seq holds what fill_slot wrote into sequence `writer`. */
 static void expect_written_by(kv_cache *kv, int seq, int slot, int writer, int as_slot) {
     for (int l = 0; l < small.n_layers; l++) {
@@ -472,6 +532,7 @@ int main(void) {
         cmocka_unit_test(test_trim_returns_scratch_blocks),
         cmocka_unit_test(test_exhaustion_fails_cleanly_then_freeing_makes_room),
         cmocka_unit_test(test_many_sequences_interleaved),
+        cmocka_unit_test(test_shards_share_tables_and_every_commit),
     };
     return cmocka_run_group_tests(tests, group_setup, group_teardown);
 }

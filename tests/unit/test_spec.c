@@ -417,6 +417,44 @@ static void test_sampled_speculation_is_the_plain_output_for_any_tree(void **sta
     fixture_close(&f);
 }
 
+/* At two tensor-parallel ranks (eng_set_tp) the target's output moves
+ * from one rank's (partial sums are added in another order), but at that
+ * degree speculation is still lossless: greedy and seeded sampled output
+ * equal plain output at two ranks, token for token, through trees whose
+ * rows are committed in both ranks' KV shards. */
+static void test_speculation_at_two_ranks_is_plain_at_two_ranks(void **state) {
+    (void)state;
+    fixture f;
+    fixture_open(&f);
+    ae_error err = {0};
+    if (eng_set_tp(f.e, 2, &err) != AE_OK) fail_msg("%s", err.msg);
+    const spec_shape shapes[2] = {{4, 1, 5}, {8, 4, 32}};
+    int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
+    for (int k = 0; k < 2; k++) {
+        spec *s = spec_open(&f, &f.link.iface, shapes[k]);
+        int identical = 0, runs = 0;
+        for (int i = 0; i < N_PROMPTS; i += 5) {
+            int32_t n = prompt(i, ids);
+            const sample_params *sp = i % 2 ? &sampled[i % 3] : &greedy;
+            run_plain_sampled(f.e, ids, n, CHUNK, sp, 300 + (uint64_t)i, N_GEN, want);
+            spec_generate(s, f.e, ids, n, sp, 300 + (uint64_t)i, N_GEN, got);
+            runs++;
+            if (memcmp(got, want, sizeof got) == 0) identical++;
+        }
+        const spec_stats *st = spec_total_stats(s);
+        eng_comm_stats cs = eng_get_comm_stats(f.e);
+        printf("2 ranks, tree %d: %d/%d runs identical to plain; %lld accepted; the last pass, of %d tokens: "
+               "%llu allreduces x %llu bytes\n",
+               k, identical, runs, (long long)st->accepted, cs.last_tokens, (unsigned long long)cs.last.calls,
+               (unsigned long long)(cs.last.calls ? cs.last.bytes / cs.last.calls : 0));
+        assert_int_equal(identical, runs);
+        assert_true(st->accepted > 0);
+        assert_int_equal(cs.last.calls, 2 * eng_model(f.e)->cfg.n_layers);
+        spec_free(s);
+    }
+    fixture_close(&f);
+}
+
 /* The oracle above, proposing the plain sampled continuation: every
  * promised depth is accepted and nothing more, so a child is accepted
  * exactly when it is the target's own draw. */
@@ -819,6 +857,7 @@ int main(void) {
         cmocka_unit_test(test_sampled_speculation_is_reproducible_by_seed),
         cmocka_unit_test(test_sequences_batched_together_each_get_their_plain_output),
         cmocka_unit_test(test_sampled_speculation_is_the_plain_output_for_any_tree),
+        cmocka_unit_test(test_speculation_at_two_ranks_is_plain_at_two_ranks),
         cmocka_unit_test(test_an_oracle_of_the_sampled_continuation_is_accepted_exactly),
         cmocka_unit_test(test_sampled_sequences_batched_together_each_get_their_plain_output),
         cmocka_unit_test(test_forked_choices_each_get_their_plain_output),

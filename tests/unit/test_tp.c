@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "../../services/core/pool.h"
+#include "../../target/engine.h"
 #include "../../target/tp.h"
 
 #define MODEL_PATH "models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -370,6 +371,99 @@ static void test_two_ranks_repeat_bit_for_bit(void **state) {
     run_result_free(again);
 }
 
+/* ---- ranks inside the engine ---------------------------------------------- */
+
+/* generate() through the engine at R ranks (eng_set_tp; R = 1: none),
+ * the prompt in one prefill step, and each step's allreduces against the
+ * architecture: two per layer (after the attention output projection and
+ * after the MLP down projection), each of the step's tokens x hidden
+ * floats; none at one rank. */
+static run_result *engine_generate(int32_t R) {
+    const model_config *c = &mdl->cfg;
+    eng_config ec = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
+                     .kv_tokens = 2 * N_BLOCKS * BLOCK, .block_size = BLOCK, .threads = 2};
+    eng *e;
+    ae_error err = {0};
+    if (eng_init(&e, mdl, &ec, &err) != AE_OK || eng_set_tp(e, R, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(eng_tp(e), R);
+    run_result *res = calloc(1, sizeof *res);
+    assert_non_null(res);
+    res->logits = calloc((size_t)V * N_GEN, sizeof(float));
+    assert_non_null(res->logits);
+    int32_t s, cur[N_PROMPT], m = N_PROMPT;
+    memcpy(cur, PROMPT, sizeof PROMPT);
+    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    for (int32_t step = 0; step < N_GEN; step++) {
+        float *logits = res->logits + (size_t)step * (size_t)V;
+        eng_item it = {s, ENG_APPEND, m, cur, NULL, false};
+        if (eng_step(e, &it, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        eng_comm_stats cs = eng_get_comm_stats(e);
+        uint64_t want = R > 1 ? 2 * (uint64_t)c->n_layers : 0;
+        assert_int_equal(cs.last.calls, want);
+        assert_int_equal(cs.last.bytes, want * (uint64_t)m * (uint64_t)c->hidden * sizeof(float));
+        assert_int_equal(cs.total.calls, want * (uint64_t)(step + 1));
+        if (R > 1 && step < 2)
+            print_message("%d ranks, a pass of %d tokens: %llu allreduces x %.2f KiB, %.3f ms in them\n", R, m,
+                          (unsigned long long)cs.last.calls, (double)cs.last.bytes / (double)cs.last.calls / 1024.0,
+                          (double)cs.last.ns / 1e6);
+        res->tokens[step] = argmax(logits);
+        cur[0] = res->tokens[step];
+        m = 1;
+    }
+    eng_free(e);
+    return res;
+}
+
+/* One rank is the plain forward pass, and R ranks in the engine are the
+ * tp_group's R ranks, bit for bit (the thread counts differ: batch
+ * invariance); both give the reference's greedy tokens. */
+static void test_the_engine_at_one_two_and_three_ranks(void **state) {
+    (void)state;
+    run_result *one = engine_generate(1);
+    assert_memory_equal(one->tokens, get_reference()->tokens, sizeof one->tokens);
+    assert_memory_equal(one->logits, get_reference()->logits, sizeof(float) * (size_t)V * N_GEN);
+    run_result_free(one);
+    if (!two_ranks) two_ranks = generate(2, N_GEN);
+    run_result *two = engine_generate(2);
+    assert_memory_equal(two->tokens, two_ranks->tokens, sizeof two->tokens);
+    assert_memory_equal(two->logits, two_ranks->logits, sizeof(float) * (size_t)V * N_GEN);
+    assert_matches_reference(two, 2);
+    run_result_free(two);
+    run_result *three = engine_generate(3);
+    assert_matches_reference(three, 3);
+    run_result_free(three);
+}
+
+/* Ranks the model cannot be cut into are refused with the reason, and the
+ * engine goes on at one rank; ranks are set before any sequence. */
+static void test_the_engine_refuses_ranks_it_cannot_have(void **state) {
+    (void)state;
+    eng_config ec = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
+                     .kv_tokens = 2 * N_BLOCKS * BLOCK, .block_size = BLOCK, .threads = 2};
+    eng *e;
+    ae_error err = {0};
+    if (eng_init(&e, mdl, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(eng_set_tp(e, 4, &err), AE_ERR);
+    print_message("4 ranks: %s\n", err.msg);
+    assert_non_null(strstr(err.msg, "3 kv heads"));
+    assert_int_equal(eng_tp(e), 1);
+    err = (ae_error){0};
+    assert_int_equal(eng_set_tp(e, 0, &err), AE_ERR);
+    assert_string_equal(err.msg, "tensor parallel: 0 ranks (1 to 64)");
+    int32_t s, tok = PROMPT[0];
+    float *lg = malloc(sizeof(float) * (size_t)V);
+    assert_non_null(lg);
+    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    eng_item it = {s, ENG_APPEND, 1, &tok, NULL, false};
+    assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+    err = (ae_error){0};
+    assert_int_equal(eng_set_tp(e, 2, &err), AE_ERR);
+    assert_string_equal(err.msg, "tensor parallel: ranks are set before any sequence");
+    assert_int_equal(eng_set_tp(e, 1, &err), AE_OK); /* what it has: nothing to do */
+    free(lg);
+    eng_free(e);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_split_gives_uneven_heads_and_even_ffn),
@@ -380,6 +474,8 @@ int main(void) {
         cmocka_unit_test(test_two_ranks_generate_the_tokens_of_one_rank),
         cmocka_unit_test(test_three_ranks_generate_the_tokens_of_one_rank),
         cmocka_unit_test(test_two_ranks_repeat_bit_for_bit),
+        cmocka_unit_test(test_the_engine_at_one_two_and_three_ranks),
+        cmocka_unit_test(test_the_engine_refuses_ranks_it_cannot_have),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
     run_result_free(reference);
