@@ -57,6 +57,7 @@ static const cfg_option opts[] = {
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
+    SETUP_TP_OPTION,
     MEMPLAN_GRAPHS_OPTION,
     MEMPLAN_DETERMINISTIC_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
@@ -209,6 +210,7 @@ typedef struct bench {
     eng_item *items;  /* [batch] */
     float *logits;    /* [max(batch, VERIFY_MAX)][vocab] */
     int32_t *ids;     /* [batch] each row's argmax: the greedy passes bring back only these, as the target does */
+    kn_comm_stats verify_ar[VERIFY_SIZES]; /* the allreduces of the last verify pass of each size */
 } bench;
 
 /* Prefills seqs[0..n) with prompts of `len` tokens, packing chunks of
@@ -256,6 +258,8 @@ static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_err
     double t0 = clock_mono_seconds();
     if (eng_step(b->e, &it, 1, b->logits, NULL, err) != AE_OK) return AE_ERR;
     *seconds = clock_mono_seconds() - t0;
+    for (int k = 0; k < VERIFY_SIZES; k++)
+        if (verify_sizes[k] == n) b->verify_ar[k] = eng_get_comm_stats(b->e).last;
     return eng_commit_path(b->e, seq, none, 0, err);
 }
 
@@ -536,6 +540,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
             b.prompts[(size_t)s * (size_t)n_prompt + (size_t)t] = (int32_t)(splitmix64(&st) % (uint64_t)b.vocab);
     }
     if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
+    const int32_t tp = (int32_t)cfg_int(c, "tp");
+    if (eng_set_tp(b.e, tp, err) != AE_OK) {
+        err_prefix(err, "--tp %d: ", tp);
+        goto out;
+    }
+    setup_log_allreduces(m, tp, cfg_source_name(cfg_get_source(c, "tp")));
     if (eng_set_fast(b.e, !cfg_bool(c, "deterministic"), err) != AE_OK) goto out;
     {   /* The graphs held to the bytes a memory plan would give them. */
         int32_t n_graphs = memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be));
@@ -576,6 +586,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         if (win_bw[w] > bw_best) bw_best = win_bw[w];
         win_frac[w] = (double)steps / t / (win_bw[w] / (double)weight_bytes);
     }
+    const kn_comm_stats decode_ar = eng_get_comm_stats(b.e).last; /* a decode pass's */
     double win_in_order[BENCH_WINDOWS];
     memcpy(win_in_order, win_frac, sizeof win_frac);
     double frac = median_of(win_frac, n_win), bandwidth = median_of(win_bw, n_win);
@@ -636,6 +647,23 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     eng_graph_stats gs = eng_get_graph_stats(b.e);
+    /* Every allreduce of a pass (issue: count them): rank 0's calls,
+     * bytes and wall time, for a decode pass of `batch` tokens and each
+     * verify size. */
+    cJSON_AddNumberToObject(o, "tp", tp);
+    cJSON_AddNumberToObject(o, "allreduces_per_step", (double)decode_ar.calls);
+    cJSON_AddNumberToObject(o, "allreduce_bytes_per_step", (double)decode_ar.bytes);
+    cJSON_AddNumberToObject(o, "allreduce_ms_per_step", cli_round((double)decode_ar.ns / 1e6, 1e3));
+    cJSON *var = cJSON_AddObjectToObject(o, "verify_allreduces");
+    for (int k = 0; var && k < VERIFY_SIZES; k++) {
+        char key[16];
+        snprintf(key, sizeof key, "%d", verify_sizes[k]);
+        cJSON *one = cJSON_AddObjectToObject(var, key);
+        if (!one) break;
+        cJSON_AddNumberToObject(one, "calls", (double)b.verify_ar[k].calls);
+        cJSON_AddNumberToObject(one, "bytes", (double)b.verify_ar[k].bytes);
+        cJSON_AddNumberToObject(one, "ms", cli_round((double)b.verify_ar[k].ns / 1e6, 1e3));
+    }
     cJSON_AddNumberToObject(o, "cuda_graphs", gs.max_graphs);
     cJSON_AddNumberToObject(o, "graph_captures", (double)gs.captures);
     cJSON_AddNumberToObject(o, "graph_replays", (double)gs.replays);

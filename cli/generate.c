@@ -30,6 +30,7 @@ static const cfg_option opts[] = {
     {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
+    SETUP_TP_OPTION,
     DRAFT_LINK_AUTO_OPTIONS,
     {"spec-adaptive", CFG_BOOL, "true", 0, 0,
      "greedy decoding picks each step's tree (or none) within the spec-* bounds by measured cost and acceptance "
@@ -247,6 +248,15 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_AddNumberToObject(o, "threads", threads);
         cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
         cJSON_AddBoolToObject(o, "speculation", sx != NULL);
+        /* The allreduces of the last pass (a decode pass, or the last
+         * verify pass), and over the run: rank 0's, 0 at one rank. */
+        eng_comm_stats cs = eng_get_comm_stats(e);
+        cJSON_AddNumberToObject(o, "tp", eng_tp(e));
+        cJSON_AddNumberToObject(o, "allreduces_per_step", (double)cs.last.calls);
+        cJSON_AddNumberToObject(o, "allreduce_bytes_per_step", (double)cs.last.bytes);
+        cJSON_AddNumberToObject(o, "allreduce_tokens_per_step", cs.last_tokens);
+        cJSON_AddNumberToObject(o, "allreduces", (double)cs.total.calls);
+        cJSON_AddNumberToObject(o, "allreduce_ms", cli_round((double)cs.total.ns / 1e6, 1e3));
         if (sx) {
             cli_spec_stats_json(o, spec_total_stats(sx), &shape);
             /* The policy's choice at batch 1 and the figures behind it. */

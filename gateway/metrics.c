@@ -93,6 +93,10 @@ static void target_series(FILE *f, const met_gauges *g, const char *name, const 
                    : field == 5 ? t->kv_blocks
                    : field == 7 ? t->grammar_masks
                    : field == 8 ? t->grammar_mask_seconds
+                   : field == 9 ? t->tp
+                   : field == 10 ? t->allreduces_per_step
+                   : field == 11 ? t->allreduces_total
+                   : field == 12 ? t->allreduce_seconds
                                 : (t->kv_blocks ? (double)t->kv_blocks_used / t->kv_blocks : 0.0);
         fprintf(f, "%s{target=\"%s\"} %g\n", name, t->addr, v);
     }
@@ -152,6 +156,12 @@ char *met_render(const metrics *m, const met_gauges *g, size_t *len) {
                   "structured output: token masks the target computed (as of its last health check)", 7);
     target_series(f, g, "aerie_grammar_mask_seconds_total", "counter",
                   "structured output: time the target spent computing token masks", 8);
+    target_gauge(f, g, "aerie_target_tp_ranks", "tensor-parallel ranks of the target (1: none)", 9);
+    target_gauge(f, g, "aerie_allreduces_per_step",
+                 "allreduces in the target's last forward pass (2 per layer at 2 or more ranks)", 10);
+    target_series(f, g, "aerie_allreduces_total", "counter", "allreduces the target's ranks made", 11);
+    target_series(f, g, "aerie_allreduce_seconds_total", "counter",
+                  "time rank 0 spent in allreduces, waiting for the other ranks included", 12);
     /* A failed allocation inside the stream shows at the close. */
     if (fclose(f) != 0) {
         free(buf);

@@ -61,6 +61,9 @@ typedef struct met_target {
     int inflight; /* this gateway's requests on it now */
     int running, waiting, kv_blocks_used, kv_blocks;
     double grammar_masks, grammar_mask_seconds; /* structured output's masks at the target, since it started */
+    /* tensor parallelism: ranks, the allreduces of its last forward pass,
+     * and all of them since it started, with their time */
+    double tp, allreduces_per_step, allreduces_total, allreduce_seconds;
 } met_target;
 
 typedef struct met_gauges {

@@ -22,6 +22,7 @@ typedef struct peer {
     int inflight;
     int running, waiting, kv_blocks_used, kv_blocks;
     double grammar_masks, grammar_mask_seconds;
+    double tp, allreduces_per_step, allreduces_total, allreduce_seconds; /* its Info's "tp" and "allreduces" */
     int32_t max_seq_len;
     char *config_json, *memory_plan, *stats_json; /* the latest Info */
 } peer;
@@ -122,6 +123,15 @@ static void info_done(void *ctx, const rpc_reply *rep) {
                         *gt = cJSON_GetObjectItemCaseSensitive(s, "grammar_mask_ms");
             p->grammar_masks = cJSON_IsNumber(gm) ? gm->valuedouble : 0;
             p->grammar_mask_seconds = cJSON_IsNumber(gt) ? gt->valuedouble / 1e3 : 0;
+            const cJSON *tp = cJSON_GetObjectItemCaseSensitive(s, "tp"),
+                        *ar = cJSON_GetObjectItemCaseSensitive(s, "allreduces");
+            const cJSON *aps = cJSON_GetObjectItemCaseSensitive(ar, "per_step"),
+                        *at = cJSON_GetObjectItemCaseSensitive(ar, "total"),
+                        *as = cJSON_GetObjectItemCaseSensitive(ar, "seconds_total");
+            p->tp = cJSON_IsNumber(tp) ? tp->valuedouble : 1;
+            p->allreduces_per_step = cJSON_IsNumber(aps) ? aps->valuedouble : 0;
+            p->allreduces_total = cJSON_IsNumber(at) ? at->valuedouble : 0;
+            p->allreduce_seconds = cJSON_IsNumber(as) ? as->valuedouble : 0;
         }
         cJSON_Delete(s);
     }
@@ -299,7 +309,8 @@ void router_gauges(const router *r, met_target *t) {
         const peer *p = &r->targets[i];
         t[i] = (met_target){p->addr,           p->healthy,   p->inflight,      p->running,
                             p->waiting,        p->kv_blocks_used, p->kv_blocks, p->grammar_masks,
-                            p->grammar_mask_seconds};
+                            p->grammar_mask_seconds, p->tp, p->allreduces_per_step, p->allreduces_total,
+                            p->allreduce_seconds};
     }
 }
 

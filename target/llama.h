@@ -10,7 +10,9 @@
  *
  * Tensor parallelism: the allreduce hooks sit after the attention output
  * projection and after the MLP down projection (kn_allreduce_sum, a no-op
- * with one rank). */
+ * with one rank): LLAMA_ALLREDUCES_PER_LAYER per layer, each of the
+ * pass's tokens x hidden floats. */
+#define LLAMA_ALLREDUCES_PER_LAYER 2
 #ifndef AERIE_TARGET_LLAMA_H
 #define AERIE_TARGET_LLAMA_H
 

@@ -564,10 +564,12 @@ static void *loop_main(void *arg) {
                           "the output's grammar allowed no token");
         }
         kv_stats kv = eng_kv_stats(s->e);
+        eng_comm_stats cs = eng_get_comm_stats(s->e);
         policy_report pr;
         spec_policy_report(s->sx, n, &pr);
         pthread_mutex_lock(&s->mu);
         s->stats.kv_blocks_used = kv.blocks_used;
+        s->stats.comm = cs;
         s->stats.spec = *spec_total_stats(s->sx);
         s->stats.policy = pr;
         pthread_mutex_unlock(&s->mu);
@@ -611,6 +613,7 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     s->step_failed = calloc((size_t)cfg->max_batch, sizeof *s->step_failed);
     s->emit_buf = calloc(ENG_MAX_TREE + 1, sizeof *s->emit_buf);
     s->stats.kv_blocks = s->n_blocks;
+    s->stats.tp = eng_tp(e);
     if (!s->in || !s->out || !s->step_reqs || !s->step_ch || !s->step_failed || !s->emit_buf) {
         err_set(err, "out of memory");
         goto fail;

@@ -121,6 +121,8 @@ typedef struct sched_stats {
     bool spec_on;        /* the last interval had speculative steps */
     spec_stats spec;     /* speculation's totals */
     policy_report policy; /* the policy's choice for the last step's batch */
+    int32_t tp;           /* tensor-parallel ranks of the engine (eng_tp) */
+    eng_comm_stats comm;  /* their allreduces: the last step's and all so far (eng_get_comm_stats) */
 } sched_stats;
 
 typedef struct sched sched;

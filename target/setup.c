@@ -22,8 +22,37 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
     return model_load(m, path, g_device.be, err);
 }
 
+uint64_t setup_tp_work(const cfg *c, const model *m) {
+    int64_t R = cfg_has(c, "tp") ? cfg_int(c, "tp") : 1;
+    if (R <= 1) return 0;
+    const model_config *mc = &m->cfg;
+    uint64_t per = llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
+                   (uint64_t)m->arch->workspace_per_token(mc) * SETUP_PREFILL_CHUNK +
+                   (uint64_t)SETUP_PREFILL_CHUNK * (uint64_t)mc->hidden * sizeof(float);
+    return (uint64_t)R * per;
+}
+
+void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
+    if (n_ranks <= 1) return;
+    const model_config *mc = &m->cfg;
+    int32_t per_pass = LLAMA_ALLREDUCES_PER_LAYER * mc->n_layers;
+    double tok_kib = (double)mc->hidden * sizeof(float) / 1024.0;
+    LOG_INFOF("tensor parallel: tp=%d (%s); allreduces = %d per layer x %d layers = %d a pass, each tokens x %d "
+              "hidden x 4 bytes: a decode pass of 1 token %d x %.2f KiB, a verify pass of 8 tokens %d x %.2f KiB",
+              n_ranks, source, LLAMA_ALLREDUCES_PER_LAYER, mc->n_layers, per_pass, mc->hidden, per_pass, tok_kib,
+              per_pass, 8 * tok_kib);
+}
+
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
+    uint64_t tp_work = setup_tp_work(c, m);
+    if (tp_work) {
+        LOG_INFOF("tensor parallel: tp=%lld (%s): the ranks' workspace, %lld x (stream scratch, activations of %d "
+                  "tokens, an allreduce slot) = %.1f MiB, in the plan's fixed workspace",
+                  (long long)cfg_int(c, "tp"), cfg_source_name(cfg_get_source(c, "tp")), (long long)cfg_int(c, "tp"),
+                  SETUP_PREFILL_CHUNK, (double)tp_work / 1048576.0);
+        extra_work += tp_work;
+    }
     /* On a GPU the plan is of the device's memory: what was free when it
      * was opened, before the weights were loaded into it. */
     uint64_t avail;
@@ -66,6 +95,11 @@ int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int
     eng_config ec = {SETUP_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
                      plan->block_size, threads, act_bits};
     if (eng_init(e, m, &ec, err) != AE_OK) return AE_ERR;
+    if (cfg_has(c, "tp")) {
+        int32_t R = (int32_t)cfg_int(c, "tp");
+        if (eng_set_tp(*e, R, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
+        setup_log_allreduces(m, R, cfg_source_name(cfg_get_source(c, "tp")));
+    }
     eng_set_graphs(*e, plan->graphs, plan->graphs ? plan->graph_bytes + KN_GRAPH_BYTES_GRAIN : 0);
     return setup_fast(c, *e, err);
 }

@@ -14,6 +14,12 @@
 #include "model.h"
 
 #define SETUP_PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
+
+/* Tensor-parallel ranks of the engine (engine.h eng_set_tp). */
+#define SETUP_TP_OPTION                                                                                        \
+    {"tp", CFG_INT, "1", 1, 64,                                                                               \
+     "tensor-parallel ranks: threads of this process, each over a shard of the model's heads and FFN and its " \
+     "kv heads of the KV cache, adding partial sums by allreduce, 2 per layer (CPU only for now)"}
 #define SETUP_KV_BLOCK 16
 
 /* A service's settings (svc_config_load), threads "auto" resolved, and its
@@ -30,11 +36,22 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err);
 
 /* An engine sized by the plan, prefill chunks of SETUP_PREFILL_CHUNK, at
- * act_bits (8 or 15) of activation precision, keeping the plan's count of
+ * c's "tp" ranks where it has the row (logged with the allreduces a pass
+ * will make, as arithmetic), at act_bits (8 or 15) of activation
+ * precision, keeping the plan's count of
  * step shapes as graphs (eng_set_graphs), in fast mode when c's
  * "deterministic" is false (kernels.h kn_stream_set_fast; where the
  * backend cannot, the error says why). */
 int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
                  ae_error *err);
+
+/* Bytes the ranks of c's "tp" add to the plan's workspace (0 at one
+ * rank): each rank's stream scratch and activations for a prefill chunk,
+ * and its allreduce slot; an upper bound, as a rank's shard is smaller. */
+uint64_t setup_tp_work(const cfg *c, const model *m);
+
+/* Logs, for n_ranks > 1, the allreduces a pass makes: "2 per layer x L
+ * layers = N a pass, each tokens x hidden x 4 bytes: ...". */
+void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source);
 
 #endif

@@ -602,6 +602,58 @@ def test_two_replicas_share_load_and_a_failed_one_is_routed_around(tmp_path, mod
                 assert p.stop() == 0, p.text()
 
 
+def test_a_target_at_two_ranks_gives_the_same_text_and_counts_its_allreduces(tmp_path, model):
+    """aerie-target --tp 2, speculating through a head behind the gateway:
+    the greedy text of one rank in-process; the startup log states the
+    allreduces a pass makes, as arithmetic; Info, /server_info and
+    /metrics report them as counted, 2 per layer (30 layers). Ranks the
+    model cannot be cut into stop the target at start with the reason."""
+    draft_addr, target_addr = f"unix:{tmp_path}/d.sock", f"unix:{tmp_path}/t.sock"
+    d = Proc("aerie-draft", ["--model", model, "--draft", HEAD, "--listen", draft_addr, "--max-seq-len", CTX,
+                             "--threads", "1"], tmp_path, "draft-tp")
+    rpc.wait_for_socket(draft_addr, d.proc)
+    t = Proc("aerie-target", ["--model", model, "--listen", target_addr, "--draft-addr", draft_addr, "--tp", "2",
+                              "--no-spec-adaptive", "--max-batch", "4", "--max-seq-len", CTX, "--threads", "2",
+                              "--log-interval-s", "0"], tmp_path, "target-tp")
+    rpc.wait_for_socket(target_addr, t.proc)
+    g = Gateway(model, [target_addr], tmp_path, tag="gw-tp")
+    try:
+        g.wait_healthy()
+        assert ("tensor parallel: tp=2 (flag); allreduces = 2 per layer x 30 layers = 60 a pass, each tokens x "
+                "576 hidden x 4 bytes: a decode pass of 1 token 60 x 2.25 KiB, a verify pass of 8 tokens 60 x "
+                "18.00 KiB") in t.text()
+        msgs = chat(QUESTION)
+        r = g.client().chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=msgs, max_tokens=24,
+                                               temperature=0)
+        assert r.choices[0].message.content == greedy_reference(model, msgs, 24)
+        _r, stats, cfg = rpc.info(target_addr)
+        assert cfg["tp"] == {"value": 2, "source": "flag"}
+        assert stats["tp"] == 2 and stats["spec"]["steps"] > 0
+        ar = stats["allreduces"]
+        assert ar["per_step"] == 60 and ar["bytes_per_step"] == 60 * ar["tokens_per_step"] * 576 * 4, ar
+        assert ar["total"] > 0 and ar["total"] % 60 == 0 and ar["seconds_total"] > 0, ar
+        t0 = time.monotonic()
+        while True:  # the gateway's copy comes with its next health check
+            st, _h, info = request(g.port, "GET", "/server_info")
+            if info["targets"][0]["stats"]["allreduces"]["total"] >= ar["total"]:
+                break
+            assert time.monotonic() - t0 < 10, info["targets"]
+            time.sleep(0.05)
+        st, _h, text = request(g.port, "GET", "/metrics")
+        assert f'aerie_target_tp_ranks{{target="{target_addr}"}} 2\n' in text
+        assert f'aerie_allreduces_per_step{{target="{target_addr}"}} 60\n' in text
+        assert re.search(rf'aerie_allreduces_total{{target="{re.escape(target_addr)}"}} [1-9]', text)
+    finally:
+        assert g.stop() == 0, g.text()
+        assert t.stop() == 0, t.text()
+        assert d.stop() == 0, d.text()
+    bad = subprocess.run([str(SERVICE_DIR / "aerie-target"), "--model", model, "--listen",
+                          f"unix:{tmp_path}/t4.sock", "--tp", "4", "--max-seq-len", str(CTX), "--threads", "1"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    assert "--tp 4: tensor parallel: 4 ranks but only 3 kv heads; at most 3 ranks" in bad.stderr
+
+
 def test_a_target_shutting_down_hands_its_stream_to_another(tmp_path, model):
     """SIGTERM with --drain-timeout-s 0: the target cancels what runs there;
     the gateway goes on at the other replica and the text is unchanged."""

@@ -745,7 +745,7 @@ static void test_histogram_renders_cumulative_buckets(void **state) {
     m.spec_accepted_at[1] = 5;
     met_hist_observe(&m.generation_hist, 64);
     met_hist_observe(&m.generation_hist, 65);
-    met_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100, 120, 0.0015};
+    met_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100, 120, 0.0015, 2, 60, 6000, 0.125};
     m.constrained = 7;
     met_gauges g = {&t, 1, 2, 4};
     size_t len;
@@ -766,6 +766,11 @@ static void test_histogram_renders_cumulative_buckets(void **state) {
     assert_non_null(strstr(s, "aerie_grammar_masks_total{target=\"unix:/tmp/t.sock\"} 120\n"));
     assert_non_null(strstr(s, "aerie_grammar_mask_seconds_total{target=\"unix:/tmp/t.sock\"} 0.0015\n"));
     assert_non_null(strstr(s, "aerie_constrained_requests_total 7\n"));
+    assert_non_null(strstr(s, "aerie_target_tp_ranks{target=\"unix:/tmp/t.sock\"} 2\n"));
+    assert_non_null(strstr(s, "aerie_allreduces_per_step{target=\"unix:/tmp/t.sock\"} 60\n"));
+    assert_non_null(strstr(s, "# TYPE aerie_allreduces_total counter\n"
+                              "aerie_allreduces_total{target=\"unix:/tmp/t.sock\"} 6000\n"));
+    assert_non_null(strstr(s, "aerie_allreduce_seconds_total{target=\"unix:/tmp/t.sock\"} 0.125\n"));
     assert_non_null(strstr(s, "# TYPE aerie_e2e_request_latency_seconds histogram\n"));
     assert_non_null(strstr(s, "aerie_request_generation_tokens_bucket{le=\"32\"} 0\n"
                               "aerie_request_generation_tokens_bucket{le=\"64\"} 1\n"
