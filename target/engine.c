@@ -201,6 +201,7 @@ fail:
 }
 
 int32_t eng_tp(const eng *e) { return e->tp ? tp_group_ranks(e->tp) : 1; }
+const model *eng_tp_shard(const eng *e, int32_t r) { return e->tp ? tp_group_shard(e->tp, r) : e->m; }
 eng_comm_stats eng_get_comm_stats(const eng *e) { return e->comm; }
 
 /* e->kv made anew with n shards of heads[] kv heads, and e->layers from

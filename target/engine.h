@@ -165,6 +165,8 @@ eng_graph_stats eng_get_graph_stats(const eng *e);
  * is batch invariant as before. */
 int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err);
 int32_t eng_tp(const eng *e); /* 1 without ranks */
+/* Rank r's shard of the model (tp_group_shard); the model itself at one rank. */
+const model *eng_tp_shard(const eng *e, int32_t r);
 
 /* The allreduces of the last step, and of every step so far: rank 0's
  * calls, bytes and time (kn_comm_get_stats); zeros at one rank. */

@@ -45,14 +45,7 @@ void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
 
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
-    uint64_t tp_work = setup_tp_work(c, m);
-    if (tp_work) {
-        LOG_INFOF("tensor parallel: tp=%lld (%s): the ranks' workspace, %lld x (stream scratch, activations of %d "
-                  "tokens, an allreduce slot) = %.1f MiB, in the plan's fixed workspace",
-                  (long long)cfg_int(c, "tp"), cfg_source_name(cfg_get_source(c, "tp")), (long long)cfg_int(c, "tp"),
-                  SETUP_PREFILL_CHUNK, (double)tp_work / 1048576.0);
-        extra_work += tp_work;
-    }
+    extra_work += setup_tp_work(c, m); /* logged by setup_engine */
     /* On a GPU the plan is of the device's memory: what was free when it
      * was opened, before the weights were loaded into it. */
     uint64_t avail;
@@ -99,6 +92,21 @@ int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int
         int32_t R = (int32_t)cfg_int(c, "tp");
         if (eng_set_tp(*e, R, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
         setup_log_allreduces(m, R, cfg_source_name(cfg_get_source(c, "tp")));
+        if (R > 1)
+            LOG_INFOF("tensor parallel: the ranks' workspace, %d x (stream scratch, activations of %d tokens, an "
+                      "allreduce slot) = %.1f MiB, in the plan's fixed workspace",
+                      R, SETUP_PREFILL_CHUNK, (double)setup_tp_work(c, m) / 1048576.0);
+        /* Each rank's part of the plan: its shard of the weights (views
+         * into the one loaded copy) and its kv heads' share of the KV. */
+        const model_config *mc = &m->cfg;
+        for (int32_t r = 0; r < R && R > 1; r++) {
+            const model *sh = eng_tp_shard(*e, r);
+            LOG_INFOF("tensor parallel: rank %d: weights read %.2f MiB (shard), kv heads %d of %d: KV %.2f MiB "
+                      "= %lld tokens x %.0f bytes",
+                      r, (double)sh->weight_bytes / 1048576.0, sh->cfg.n_kv_heads, mc->n_kv_heads,
+                      (double)plan->kv_tokens * (double)m->arch->kv_bytes_per_token(&sh->cfg) / 1048576.0,
+                      (long long)plan->kv_tokens, (double)m->arch->kv_bytes_per_token(&sh->cfg));
+        }
     }
     eng_set_graphs(*e, plan->graphs, plan->graphs ? plan->graph_bytes + KN_GRAPH_BYTES_GRAIN : 0);
     return setup_fast(c, *e, err);

@@ -115,6 +115,13 @@ def test_print_config_names_the_cuda_device_and_an_impossible_gpu_plan_exits_2(t
                           "--no-deterministic"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "aerie-target: fast mode: the CPU shim has no cuBLAS"
+    # ranks on a GPU need NCCL, which is not built: one line, exit 2
+    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", "--tp", "2"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "aerie-target: --tp 2: tensor parallel: 2 ranks on the cuda backend: ranks run on the CPU backend only "
+        "(ranks on GPUs need NCCL, not built yet)")
 
 
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):
