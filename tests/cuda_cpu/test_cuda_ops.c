@@ -471,6 +471,27 @@ static void rope_both_layouts(void **state) {
     }
 }
 
+/* Random K and V for n tokens of two sequences (seq[i], slot[i]; tables:
+ * [2][table_len] block ids) written by kn_kv_write into the CPU pool pc
+ * and the CUDA pool pg alike. zeros: n zeros. */
+static void write_random_kv(const kn_kv_pool *pc, const kn_kv_pool *pg, const int32_t *tables, int32_t table_len,
+                            int32_t n, const int32_t *seq, const int32_t *slot, const int32_t *zeros) {
+    size_t count = (size_t)n * (size_t)pc->n_kv_heads * (size_t)pc->head_dim;
+    float *k = malloc(count * 4), *v = malloc(count * 4);
+    assert_true(k && v);
+    fill(k, count, -2, 2);
+    fill(v, count, -2, 2);
+    kn_kv_map wm = {.m = n, .block_tables = tables, .n_seqs = 2, .table_len = table_len, .seq = seq, .slot = slot,
+                    .n_prefix = zeros, .extra_start = zeros, .n_extra = zeros, .extra = zeros, .n_extra_total = 0};
+    kn_kv_map wg = wm;
+    wg.block_tables = dev(tables, sizeof(int32_t) * 2 * (size_t)table_len);
+    wg.seq = dev(seq, sizeof(int32_t) * (size_t)n), wg.slot = dev(slot, sizeof(int32_t) * (size_t)n);
+    wg.n_prefix = wg.extra_start = wg.n_extra = wg.extra = dev(zeros, sizeof(int32_t) * (size_t)n);
+    kn_kv_write(cpu15, pc, &wm, k, v);
+    kn_kv_write(cu15, pg, &wg, dev(k, count * 4), dev(v, count * 4));
+    free(k), free(v);
+}
+
 /* KV: two sequences in a pool of 8 blocks of 16 rows, 2 kv heads of 64,
  * 4 query heads. Sequence 0 holds 45 slots (two chunks and a part);
  * sequence 1 holds 20 committed slots and a tree of 3 nodes in scratch
@@ -502,17 +523,7 @@ static void kv_write_attention_and_move(void **state) {
         wslot[i] = i < 45 ? i : i < 65 ? i - 45 : 40 + (i - 65);
         zeros[i] = 0;
     }
-    float *k = malloc((size_t)NW * KVH * HD * 4), *v = malloc((size_t)NW * KVH * HD * 4);
-    fill(k, (size_t)NW * KVH * HD, -2, 2);
-    fill(v, (size_t)NW * KVH * HD, -2, 2);
-    kn_kv_map wm = {.m = NW, .block_tables = tables, .n_seqs = 2, .table_len = TL, .seq = wseq, .slot = wslot,
-                    .n_prefix = zeros, .extra_start = zeros, .n_extra = zeros, .extra = zeros, .n_extra_total = 0};
-    kn_kv_map wg = wm;
-    wg.block_tables = dev(tables, sizeof tables), wg.seq = dev(wseq, sizeof wseq), wg.slot = dev(wslot, sizeof wslot);
-    wg.n_prefix = wg.extra_start = wg.n_extra = wg.extra = dev(zeros, sizeof zeros);
-    float *dkf = dev(k, (size_t)NW * KVH * HD * 4), *dvf = dev(v, (size_t)NW * KVH * HD * 4);
-    kn_kv_write(cpu15, &pc, &wm, k, v);
-    kn_kv_write(cu15, &pg, &wg, dkf, dvf);
+    write_random_kv(&pc, &pg, tables, TL, NW, wseq, wslot, zeros);
     get(cu15, kg, dk, pool_elems * 2);
     get(cu15, vg, dv, pool_elems * 2);
     assert_memory_equal(kc, kg, pool_elems * 2);
@@ -586,8 +597,73 @@ static void kv_write_attention_and_move(void **state) {
     assert_memory_equal(kc, kg, pool_elems * 2);
     assert_memory_equal(vc, vg, pool_elems * 2);
     assert_memory_equal(kc + (size_t)(5 * BS + 13) * KVH * HD, kc + (size_t)(2 * BS + 8) * KVH * HD, KVH * HD * 2);
-    free(k), free(v), free(kc), free(vc), free(kg), free(vg);
+    free(kc), free(vc), free(kg), free(vg);
     free_bufs();
+}
+
+/* k_attn_group's cases, at head_dim 64, 128 and 256 (two sequences of 64
+ * written slots, 27 tokens, 8 to a block): a block sharing two whole
+ * chunks with nothing after them; one whose prefixes end on and beside
+ * chunk boundaries (32 .. 64 keys: one shared chunk); a block of tree
+ * nodes with 1 to 8 ancestors past a 32-key prefix (one shared chunk,
+ * every tail an extra); and a last block of 3 tokens (fewer than 8) that
+ * shares one chunk, one of them with extras. Bit for bit the CPU's. */
+static void attention_group_cases_at(int hd) {
+    enum { XNB = 8, XBS = 16, XKVH = 2, XQH = 4, XTL = 4 };
+    size_t pool_elems = (size_t)XNB * XBS * XKVH * hd;
+    uint16_t *kc = calloc(pool_elems, 2), *vc = calloc(pool_elems, 2);
+    uint16_t *dkv = dev_zero(2 * pool_elems * 2);
+    kn_buf *kvbuf = last_buf();
+    kn_kv_pool pc = {.k = kc, .v = vc, .n_blocks = XNB, .block_size = XBS, .n_kv_heads = XKVH, .head_dim = hd,
+                     .type = GGML_TYPE_F16};
+    kn_kv_pool pg = pc;
+    pg.k = dkv, pg.v = dkv + pool_elems, pg.buf = kvbuf;
+    int32_t tables[2 * XTL] = {5, 1, 7, 3, 2, 0, 6, 4};
+    enum { NW = 128 };
+    int32_t wseq[NW], wslot[NW], zeros[NW];
+    for (int i = 0; i < NW; i++) wseq[i] = i < 64 ? 0 : 1, wslot[i] = i % 64, zeros[i] = 0;
+    write_random_kv(&pc, &pg, tables, XTL, NW, wseq, wslot, zeros);
+
+    enum { NT = 27 };
+    int32_t seq[NT], slot[NT], npre[NT], xst[NT], nex[NT], extra[64];
+    int32_t b1[8] = {32, 40, 50, 64, 33, 63, 48, 32};
+    int ne = 0;
+    for (int i = 0; i < NT; i++) {
+        xst[i] = ne, nex[i] = 0;
+        if (i < 8) seq[i] = 0, npre[i] = 64, slot[i] = 63;
+        else if (i < 16) seq[i] = 0, npre[i] = b1[i - 8], slot[i] = npre[i] - 1;
+        else if (i < 24) {
+            int n = i - 16;
+            seq[i] = 1, npre[i] = 32, slot[i] = 40 + n;
+            for (int a = 0; a <= n; a++) extra[ne++] = 40 + a;
+            nex[i] = n + 1;
+        } else {
+            seq[i] = 1, npre[i] = 35 + (i - 24) * 14, slot[i] = 60;
+            if (i == 25) extra[ne++] = 50, extra[ne++] = 51, nex[i] = 2;
+        }
+    }
+    kn_kv_map am = {.m = NT, .block_tables = tables, .n_seqs = 2, .table_len = XTL, .seq = seq, .slot = slot,
+                    .n_prefix = npre, .extra_start = xst, .n_extra = nex, .extra = extra, .n_extra_total = ne};
+    kn_kv_map ag = am;
+    ag.block_tables = dev(tables, sizeof tables), ag.seq = dev(seq, sizeof seq), ag.slot = dev(slot, sizeof slot);
+    ag.n_prefix = dev(npre, sizeof npre), ag.extra_start = dev(xst, sizeof xst), ag.n_extra = dev(nex, sizeof nex);
+    ag.extra = dev(extra, sizeof extra);
+    size_t nq = (size_t)NT * XQH * hd;
+    float *q = malloc(nq * 4), *oc = malloc(nq * 4), *og = malloc(nq * 4);
+    fill(q, nq, -1, 1);
+    float *dq = dev(q, nq * 4), *dout = dev_zero(nq * 4);
+    kn_attention(cpu15, &pc, &am, q, oc, XQH);
+    kn_attention(cu15, &pg, &ag, dq, dout, XQH);
+    get(cu15, og, dout, nq * 4);
+    char what[64];
+    snprintf(what, sizeof what, "attention, 8 tokens to a block, head_dim %d", hd);
+    same(what, oc, og, nq);
+    free(q), free(oc), free(og), free(kc), free(vc);
+    free_bufs();
+}
+static void attention_group_cases(void **state) {
+    (void)state;
+    for (int hd = 64; hd <= 256; hd *= 2) attention_group_cases_at(hd);
 }
 
 /* kn_sample against the host's sampler (target/sample.c), row by row:
@@ -738,6 +814,7 @@ int main(void) {
         cmocka_unit_test(embed_every_type),
         cmocka_unit_test(rope_both_layouts),
         cmocka_unit_test(kv_write_attention_and_move),
+        cmocka_unit_test(attention_group_cases),
         cmocka_unit_test(fast_mode_matmul),
         cmocka_unit_test(sample_draws_as_the_host_does),
     };
