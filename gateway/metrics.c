@@ -98,7 +98,7 @@ static void target_series(FILE *f, const met_gauges *g, const char *name, const 
                    : field == 11 ? t->allreduces_total
                    : field == 12 ? t->allreduce_seconds
                                 : (t->kv_blocks ? (double)t->kv_blocks_used / t->kv_blocks : 0.0);
-        fprintf(f, "%s{target=\"%s\"} %g\n", name, t->addr, v);
+        fprintf(f, "%s{target=\"%s\"} %.15g\n", name, t->addr, v); /* counters stay exact to 1e15 */
     }
 }
 

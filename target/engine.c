@@ -204,16 +204,34 @@ int32_t eng_tp(const eng *e) { return e->tp ? tp_group_ranks(e->tp) : 1; }
 const model *eng_tp_shard(const eng *e, int32_t r) { return e->tp ? tp_group_shard(e->tp, r) : e->m; }
 eng_comm_stats eng_get_comm_stats(const eng *e) { return e->comm; }
 
-/* e->kv made anew with n shards of heads[] kv heads, and e->layers from
- * it (one shard); false with err set, e->kv NULL, if it cannot be. */
-static bool kv_remake(eng *e, int32_t n, const int32_t *heads, ae_error *err) {
-    kv_params kp = *kv_get_params(e->kv);
+/* e->kv made anew with the sizes kp, in n shards of heads[] kv heads, and
+ * e->layers from it (one shard); false with err set and e->kv NULL (and
+ * e->layers zeroed) if it cannot be. */
+static bool kv_remake(eng *e, const kv_params *kp, int32_t n, const int32_t *heads, ae_error *err) {
     kv_free(e->kv);
     e->kv = NULL;
-    if (kv_init_sharded(&e->kv, e->m->be, &kp, n, heads, err) != AE_OK) return false;
+    memset(e->layers, 0, (size_t)e->m->cfg.n_layers * sizeof *e->layers);
+    if (kv_init_sharded(&e->kv, e->m->be, kp, n, heads, err) != AE_OK) return false;
     if (n == 1)
         for (int32_t l = 0; l < e->m->cfg.n_layers; l++) e->layers[l] = kv_layer(e->kv, l);
     return true;
+}
+
+/* The ranks, for n_ranks > 1, over a KV cache already sharded for them. */
+static int tp_make(eng *e, int32_t n_ranks, ae_error *err) {
+    const model_config *c = &e->m->cfg;
+    kn_kv_pool *pools = calloc((size_t)n_ranks * (size_t)c->n_layers, sizeof *pools);
+    if (!pools) return err_set(err, "tensor parallel: out of memory");
+    for (int32_t r = 0; r < n_ranks; r++)
+        for (int32_t l = 0; l < c->n_layers; l++) pools[(size_t)r * (size_t)c->n_layers + (size_t)l] = kv_shard_layer(e->kv, r, l);
+    const kv_params *kp = kv_get_params(e->kv);
+    tp_config tc = {.n_ranks = n_ranks, .threads_per_rank = e->cfg.threads / n_ranks > 1 ? e->cfg.threads / n_ranks : 1,
+                    .max_tokens = e->cfg.max_batch_tokens, .max_logits = e->cfg.max_batch_tokens,
+                    .kv_blocks = kp->n_blocks, .block_size = kp->block_size, .act_bits = e->cfg.act_bits,
+                    .max_seq_len = e->cfg.max_seq_len, .kv = pools};
+    int rc = tp_group_init(&e->tp, e->m, &tc, err);
+    free(pools);
+    return rc;
 }
 
 int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err) {
@@ -232,32 +250,32 @@ int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err) {
         if (e->m->arch->tp_split(&sp, c, n_ranks, err) != AE_OK) return AE_ERR;
         for (int32_t r = 0; r < n_ranks; r++) heads[r] = sp.kv_heads[r].end - sp.kv_heads[r].begin;
     }
+    const kv_params kp = *kv_get_params(e->kv);
     tp_group_free(e->tp);
     e->tp = NULL;
-    if (!kv_remake(e, n_ranks, heads, err)) goto restore;
-    if (n_ranks == 1) return AE_OK;
-    kn_kv_pool *pools = calloc((size_t)n_ranks * (size_t)c->n_layers, sizeof *pools);
-    if (!pools) {
-        err_set(err, "tensor parallel: out of memory");
-        goto restore;
-    }
-    for (int32_t r = 0; r < n_ranks; r++)
-        for (int32_t l = 0; l < c->n_layers; l++) pools[(size_t)r * (size_t)c->n_layers + (size_t)l] = kv_shard_layer(e->kv, r, l);
-    const kv_params *kp = kv_get_params(e->kv);
-    tp_config tc = {.n_ranks = n_ranks, .threads_per_rank = e->cfg.threads / n_ranks > 1 ? e->cfg.threads / n_ranks : 1,
-                    .max_tokens = e->cfg.max_batch_tokens, .max_logits = e->cfg.max_batch_tokens,
-                    .kv_blocks = kp->n_blocks, .block_size = kp->block_size, .act_bits = e->cfg.act_bits,
-                    .max_seq_len = e->cfg.max_seq_len, .kv = pools};
-    int rc = tp_group_init(&e->tp, e->m, &tc, err);
-    free(pools);
-    if (rc == AE_OK) return AE_OK;
-restore: /* one rank again, as before the call */
-    {
+    e->comm = (eng_comm_stats){{0, 0, 0}, {0, 0, 0}, 0, 0}; /* the new ranks' counts from zero */
+    bool ok = kv_remake(e, &kp, n_ranks, heads, err) && (n_ranks == 1 || tp_make(e, n_ranks, err) == AE_OK);
+    if (!ok) { /* one rank, whatever there was before: it needs no more than eng_init had */
+        tp_group_free(e->tp);
+        e->tp = NULL;
         ae_error again = {{0}};
         int32_t one = c->n_kv_heads;
-        if (!kv_remake(e, 1, &one, &again)) LOG_ERRORF("engine: the KV cache is lost: %s", again.msg);
+        if (!kv_remake(e, &kp, 1, &one, &again)) LOG_ERRORF("engine: the KV cache is lost: %s", again.msg);
     }
-    return AE_ERR;
+    /* The engine's own activations serve one rank only: freed while the
+     * ranks (each with its own) run, made again for one. */
+    if (e->tp) {
+        llama_ws_free(e->ws);
+        e->ws = NULL;
+    } else if (!e->ws) {
+        ae_error again = {{0}};
+        if (llama_ws_init(&e->ws, e->m, e->cfg.max_batch_tokens, e->cfg.max_batch_tokens, &again) != AE_OK) {
+            if (ok) *err = again;
+            else LOG_ERRORF("engine: one rank's activations are lost: %s", again.msg);
+            return AE_ERR;
+        }
+    }
+    return ok ? AE_OK : AE_ERR;
 }
 
 int eng_seq_new(eng *e, int32_t *seq, ae_error *err) {

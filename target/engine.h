@@ -154,22 +154,27 @@ typedef struct eng_graph_stats {
 } eng_graph_stats;
 eng_graph_stats eng_get_graph_stats(const eng *e);
 
-/* Tensor parallelism (target/tp.h): n_ranks ranks, each a thread with
- * its share of the engine's threads (at least one), run every forward
- * pass over their shards of the model; each rank reads and writes its own
- * kv heads of the KV cache, whose block tables, forks and commits serve
- * all ranks at once (kv_init_sharded). The cache is made anew, so this
- * comes before any sequence; 1 is one rank again. On a host-memory
- * backend only for now: ranks on GPUs wait for NCCL. Ranks add partial
- * sums, so TP N is not bitwise TP 1 (kernels.h); at any one N every pass
- * is batch invariant as before. */
+/* Tensor parallelism (target/tp.h): n_ranks ranks run every forward pass
+ * over their shards of the model, rank 0 on the calling thread and each
+ * other on a thread of its own, each with a pool of its share of the
+ * engine's threads (at least one; the engine's own pool stays, for what
+ * runs between passes). Each rank reads and writes its own kv heads of
+ * the KV cache, whose block tables, forks and commits serve all ranks at
+ * once (kv_init_sharded). The cache is made anew, so this comes before
+ * any sequence; 1 is one rank again. While ranks run, the engine's own
+ * activations for one rank are freed. If the ranks cannot be made, the
+ * engine is left at one rank and this fails. On a host-memory backend
+ * only for now: ranks on GPUs wait for NCCL. Ranks add partial sums, so
+ * TP N is not bitwise TP 1 (kernels.h); at any one N every pass is batch
+ * invariant as before. */
 int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err);
 int32_t eng_tp(const eng *e); /* 1 without ranks */
 /* Rank r's shard of the model (tp_group_shard); the model itself at one rank. */
 const model *eng_tp_shard(const eng *e, int32_t r);
 
-/* The allreduces of the last step, and of every step so far: rank 0's
- * calls, bytes and time (kn_comm_get_stats); zeros at one rank. */
+/* The allreduces of the last step, and of every step since the ranks
+ * were set: rank 0's calls, bytes and time (kn_comm_get_stats); zeros at
+ * one rank. */
 typedef struct eng_comm_stats {
     kn_comm_stats last, total;
     int32_t last_tokens; /* tokens of the last step */

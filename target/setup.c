@@ -6,6 +6,7 @@
 #include "../services/core/log.h"
 #include "../kernels/device.h"
 #include "arch.h"
+#include "tp.h"
 
 /* The device --device resolved to (one per process). */
 static kn_device g_device;
@@ -23,13 +24,25 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
 }
 
 uint64_t setup_tp_work(const cfg *c, const model *m) {
-    int64_t R = cfg_has(c, "tp") ? cfg_int(c, "tp") : 1;
+    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
     if (R <= 1) return 0;
     const model_config *mc = &m->cfg;
-    uint64_t per = llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
-                   (uint64_t)m->arch->workspace_per_token(mc) * SETUP_PREFILL_CHUNK +
-                   (uint64_t)SETUP_PREFILL_CHUNK * (uint64_t)mc->hidden * sizeof(float);
-    return (uint64_t)R * per;
+    const int32_t T = SETUP_PREFILL_CHUNK, keys = (int32_t)cfg_int(c, "max-seq-len");
+    tp_split sp;
+    ae_error e = {{0}};
+    if (m->arch->tp_split(&sp, mc, R, &e) != AE_OK) return 0; /* setup_engine says why */
+    /* what tp_group_init takes: the allreduce slots, then each rank's
+     * activations (rank 0 with the logit rows) and stream scratch */
+    uint64_t ranks = (uint64_t)R * (uint64_t)T * (uint64_t)mc->hidden * sizeof(float);
+    for (int32_t r = 0; r < R; r++) {
+        model *sh;
+        if (tp_shard_init(&sh, m, &sp, r, &e) != AE_OK) return 0;
+        ranks += llama_ws_bytes(sh, T, r == 0 ? T : 1) + llama_stream_workspace(sh, T, keys);
+        tp_shard_free(sh);
+    }
+    /* less the engine's own activations, freed while the ranks run */
+    uint64_t own = llama_ws_bytes(m, T, T);
+    return ranks > own ? ranks - own : 0;
 }
 
 void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
@@ -93,15 +106,17 @@ int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int
         if (eng_set_tp(*e, R, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
         setup_log_allreduces(m, R, cfg_source_name(cfg_get_source(c, "tp")));
         if (R > 1)
-            LOG_INFOF("tensor parallel: the ranks' workspace, %d x (stream scratch, activations of %d tokens, an "
-                      "allreduce slot) = %.1f MiB, in the plan's fixed workspace",
+            LOG_INFOF("tensor parallel: the %d ranks' workspaces (allreduce slots, activations of %d tokens, stream "
+                      "scratch), less the engine's own activations freed while they run: %.1f MiB more in the plan's "
+                      "fixed workspace",
                       R, SETUP_PREFILL_CHUNK, (double)setup_tp_work(c, m) / 1048576.0);
         /* Each rank's part of the plan: its shard of the weights (views
          * into the one loaded copy) and its kv heads' share of the KV. */
         const model_config *mc = &m->cfg;
         for (int32_t r = 0; r < R && R > 1; r++) {
             const model *sh = eng_tp_shard(*e, r);
-            LOG_INFOF("tensor parallel: rank %d: weights read %.2f MiB (shard), kv heads %d of %d: KV %.2f MiB "
+            LOG_INFOF("tensor parallel: rank %d: weights read %.2f MiB (its shard and the output projection, which "
+                      "only rank 0 reads; views of the one loaded copy), kv heads %d of %d: KV %.2f MiB "
                       "= %lld tokens x %.0f bytes",
                       r, (double)sh->weight_bytes / 1048576.0, sh->cfg.n_kv_heads, mc->n_kv_heads,
                       (double)plan->kv_tokens * (double)m->arch->kv_bytes_per_token(&sh->cfg) / 1048576.0,

@@ -46,8 +46,10 @@ int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int
                  ae_error *err);
 
 /* Bytes the ranks of c's "tp" add to the plan's workspace (0 at one
- * rank): each rank's stream scratch and activations for a prefill chunk,
- * and its allreduce slot; an upper bound, as a rank's shard is smaller. */
+ * rank): what tp_group_init takes (each rank's activations for a prefill
+ * chunk, rank 0's with the logit rows, its stream scratch and its
+ * allreduce slot), less the engine's own activations, which are freed
+ * while the ranks run. */
 uint64_t setup_tp_work(const cfg *c, const model *m);
 
 /* Logs, for n_ranks > 1, the allreduces a pass makes: "2 per layer x L

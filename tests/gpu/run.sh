@@ -74,6 +74,23 @@ python3 - <<'PY' 2>/dev/null || true
 import torch
 print("  torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join(map(str, torch.cuda.nccl.version())))
 PY
+# NCCL's own version (ncclGetVersion: major*10000 + minor*100 + patch
+# from 2.9 on), from the first libnccl the loader or the disk has.
+nccl_version=$(python3 - <<'PY' 2>/dev/null
+import ctypes, ctypes.util, glob
+names = [ctypes.util.find_library("nccl") or "libnccl.so.2"] + sorted(glob.glob("/usr/**/libnccl.so.2", recursive=True))
+for n in names:
+    try:
+        lib = ctypes.CDLL(n)
+    except OSError:
+        continue
+    v = ctypes.c_int(0)
+    if lib.ncclGetVersion(ctypes.byref(v)) == 0:
+        print(f"{v.value // 10000}.{v.value // 100 % 100}.{v.value % 100}")
+        break
+PY
+)
+echo "NCCL: ${nccl_version:-no libnccl.so.2 found}"
 nproc
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "no GPU here: nothing to run"
@@ -155,6 +172,15 @@ done
 # Out-of-bounds and misaligned accesses, and reads of memory never
 # written, in every kernel of the op test (the shim's ASan cannot see the
 # device's own addressing).
+# Tensor parallelism over NCCL: TP 1 through NCCL, and TP 2 on this one
+# GPU where NCCL is 2.30 or later (NCCL_MULTI_RANK_GPU_ENABLE=1). The
+# NCCL ranks are not built yet (the ranks run on the CPU backend only;
+# README, "Tensor parallelism"): both are reported as skipped.
+step "tensor parallelism over NCCL"
+echo "-- nccl-tp1: skipped (NCCL ranks are not built yet; NCCL here: ${nccl_version:-none})"
+echo "-- nccl-tp2: skipped (NCCL ranks are not built yet; two ranks on one GPU would also need NCCL >= 2.30)"
+not_built=(nccl-tp1 nccl-tp2)
+
 step "compute-sanitizer: memcheck over the op test"
 if command -v compute-sanitizer >/dev/null 2>&1; then
     run memcheck 120 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 3 build/gpu/test_cuda_ops
@@ -188,6 +214,7 @@ done
 echo
 [ ${#failures[@]} -eq 0 ] || echo "failed: ${failures[*]}"
 [ ${#skipped[@]} -eq 0 ] || echo "skipped at the deadline: ${skipped[*]}"
+echo "skipped, not built yet: ${not_built[*]}"
 tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .
 echo "gpu: $passed passed, $failed failed in $((SECONDS - t0)) s"
 [ "$failed" -eq 0 ]

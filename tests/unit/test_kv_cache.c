@@ -223,8 +223,8 @@ static void test_commit_path_moves_accepted_nodes_in_all_layers(void **state) {
 }
 
 /* Shards (tensor-parallel ranks): 3 kv heads cut 2 + 1, each shard in
- * pools of its own, one block table. A commit moves the rows of every
- * shard; the pools take the bytes of one unsharded cache. */
+ * pools of its own, one after the other, one block table. A commit and a
+ * fork move the rows of every shard. */
 static uint16_t *shard_row(kv_cache *kv, int sh, int layer, int is_v, int seq, int slot) {
     kn_kv_pool p = kv_shard_layer(kv, sh, layer);
     int32_t blk = kv_seq_block_table(kv, seq)[slot / p.block_size];
@@ -271,6 +271,22 @@ static void test_shards_share_tables_and_every_commit(void **state) {
                 for (int slot = 0; slot < 4; slot++) {
                     const uint16_t *r = shard_row(kv, sh, l, v, a, slot);
                     for (int e = 0; e < heads[sh] * 3; e++) assert_int_equal(r[e], tag(v, l, sh, want[slot], e));
+                }
+    /* a fork at 6 slots shares the full block and copies slots 4 and 5,
+     * in every shard */
+    assert_int_equal(kv_seq_advance(kv, a, 2, NULL), AE_OK);
+    int32_t b;
+    assert_int_equal(kv_seq_fork(kv, S, a, &b, &err), AE_OK);
+    kn_stream_sync(S);
+    assert_int_equal(kv_seq_block_table(kv, b)[0], kv_seq_block_table(kv, a)[0]);
+    assert_int_not_equal(kv_seq_block_table(kv, b)[1], kv_seq_block_table(kv, a)[1]);
+    const int want_b[6] = {0, 1, 3, 6, 4, 5};
+    for (int sh = 0; sh < 2; sh++)
+        for (int l = 0; l < 2; l++)
+            for (int v = 0; v < 2; v++)
+                for (int slot = 0; slot < 6; slot++) {
+                    const uint16_t *r = shard_row(kv, sh, l, v, b, slot);
+                    for (int e = 0; e < heads[sh] * 3; e++) assert_int_equal(r[e], tag(v, l, sh, want_b[slot], e));
                 }
     kv_free(kv);
     /* heads that do not add up, or an empty shard, are refused */

@@ -378,13 +378,10 @@ static void test_two_ranks_repeat_bit_for_bit(void **state) {
  * architecture: two per layer (after the attention output projection and
  * after the MLP down projection), each of the step's tokens x hidden
  * floats; none at one rank. */
-static run_result *engine_generate(int32_t R) {
+static run_result *engine_run(eng *e, int32_t R) {
     const model_config *c = &mdl->cfg;
-    eng_config ec = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
-                     .kv_tokens = 2 * N_BLOCKS * BLOCK, .block_size = BLOCK, .threads = 2};
-    eng *e;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &ec, &err) != AE_OK || eng_set_tp(e, R, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (eng_set_tp(e, R, &err) != AE_OK) fail_msg("%s", err.msg);
     assert_int_equal(eng_tp(e), R);
     run_result *res = calloc(1, sizeof *res);
     assert_non_null(res);
@@ -410,6 +407,18 @@ static run_result *engine_generate(int32_t R) {
         cur[0] = res->tokens[step];
         m = 1;
     }
+    eng_seq_free(e, s);
+    return res;
+}
+
+static const eng_config engine_cfg = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
+                                      .kv_tokens = 2 * N_BLOCKS * BLOCK, .block_size = BLOCK, .threads = 2};
+
+static run_result *engine_generate(int32_t R) {
+    eng *e;
+    ae_error err = {0};
+    if (eng_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    run_result *res = engine_run(e, R);
     eng_free(e);
     return res;
 }
@@ -434,15 +443,40 @@ static void test_the_engine_at_one_two_and_three_ranks(void **state) {
     run_result_free(three);
 }
 
+/* One engine set to 2 ranks, back to 1, then 3 (between sequences): each
+ * run is what a fresh engine at that many ranks gives, bit for bit, and
+ * each setting counts its allreduces from zero (engine_run checks the
+ * totals step by step). */
+static void test_the_engine_changes_ranks_between_sequences(void **state) {
+    (void)state;
+    eng *e;
+    ae_error err = {0};
+    if (eng_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (!two_ranks) two_ranks = generate(2, N_GEN);
+    const run_result *want[3] = {two_ranks, get_reference(), NULL};
+    run_result *three = engine_generate(3);
+    want[2] = three;
+    const int32_t ranks[3] = {2, 1, 3};
+    for (int i = 0; i < 3; i++) {
+        run_result *got = engine_run(e, ranks[i]);
+        assert_memory_equal(got->tokens, want[i]->tokens, sizeof got->tokens);
+        assert_memory_equal(got->logits, want[i]->logits, sizeof(float) * (size_t)V * N_GEN);
+        run_result_free(got);
+    }
+    assert_int_equal(eng_set_tp(e, 1, &err), AE_OK);
+    eng_comm_stats cs = eng_get_comm_stats(e);
+    assert_true(cs.last.calls == 0 && cs.total.calls == 0 && cs.steps == 0);
+    run_result_free(three);
+    eng_free(e);
+}
+
 /* Ranks the model cannot be cut into are refused with the reason, and the
  * engine goes on at one rank; ranks are set before any sequence. */
 static void test_the_engine_refuses_ranks_it_cannot_have(void **state) {
     (void)state;
-    eng_config ec = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
-                     .kv_tokens = 2 * N_BLOCKS * BLOCK, .block_size = BLOCK, .threads = 2};
     eng *e;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (eng_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     assert_int_equal(eng_set_tp(e, 4, &err), AE_ERR);
     print_message("4 ranks: %s\n", err.msg);
     assert_non_null(strstr(err.msg, "3 kv heads"));
@@ -475,6 +509,7 @@ int main(void) {
         cmocka_unit_test(test_three_ranks_generate_the_tokens_of_one_rank),
         cmocka_unit_test(test_two_ranks_repeat_bit_for_bit),
         cmocka_unit_test(test_the_engine_at_one_two_and_three_ranks),
+        cmocka_unit_test(test_the_engine_changes_ranks_between_sequences),
         cmocka_unit_test(test_the_engine_refuses_ranks_it_cannot_have),
     };
     int rc = cmocka_run_group_tests(tests, setup, teardown);
