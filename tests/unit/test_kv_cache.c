@@ -232,6 +232,18 @@ static uint16_t *shard_row(kv_cache *kv, int sh, int layer, int is_v, int seq, i
     return (uint16_t *)(is_v ? p.v : p.k) + row * (size_t)p.n_kv_heads * (size_t)p.head_dim;
 }
 
+/* Slots 0 .. n-1 of seq hold, in both shards, every layer, K and V, the
+ * rows written for slots want[]. */
+static void expect_shard_rows(kv_cache *kv, const int32_t *heads, int seq, const int *want, int n) {
+    for (int sh = 0; sh < 2; sh++)
+        for (int l = 0; l < 2; l++)
+            for (int v = 0; v < 2; v++)
+                for (int slot = 0; slot < n; slot++) {
+                    const uint16_t *r = shard_row(kv, sh, l, v, seq, slot);
+                    for (int e = 0; e < heads[sh] * 3; e++) assert_int_equal(r[e], tag(v, l, sh, want[slot], e));
+                }
+}
+
 static void test_shards_share_tables_and_every_commit(void **state) {
     (void)state;
     kv_params p = small;
@@ -265,13 +277,7 @@ static void test_shards_share_tables_and_every_commit(void **state) {
     kn_stream_sync(S);
     assert_int_equal(kv_seq_len(kv, a), 4);
     const int want[4] = {0, 1, 3, 6};
-    for (int sh = 0; sh < 2; sh++)
-        for (int l = 0; l < 2; l++)
-            for (int v = 0; v < 2; v++)
-                for (int slot = 0; slot < 4; slot++) {
-                    const uint16_t *r = shard_row(kv, sh, l, v, a, slot);
-                    for (int e = 0; e < heads[sh] * 3; e++) assert_int_equal(r[e], tag(v, l, sh, want[slot], e));
-                }
+    expect_shard_rows(kv, heads, a, want, 4);
     /* a fork at 6 slots shares the full block and copies slots 4 and 5,
      * in every shard */
     assert_int_equal(kv_seq_advance(kv, a, 2, NULL), AE_OK);
@@ -281,13 +287,7 @@ static void test_shards_share_tables_and_every_commit(void **state) {
     assert_int_equal(kv_seq_block_table(kv, b)[0], kv_seq_block_table(kv, a)[0]);
     assert_int_not_equal(kv_seq_block_table(kv, b)[1], kv_seq_block_table(kv, a)[1]);
     const int want_b[6] = {0, 1, 3, 6, 4, 5};
-    for (int sh = 0; sh < 2; sh++)
-        for (int l = 0; l < 2; l++)
-            for (int v = 0; v < 2; v++)
-                for (int slot = 0; slot < 6; slot++) {
-                    const uint16_t *r = shard_row(kv, sh, l, v, b, slot);
-                    for (int e = 0; e < heads[sh] * 3; e++) assert_int_equal(r[e], tag(v, l, sh, want_b[slot], e));
-                }
+    expect_shard_rows(kv, heads, b, want_b, 6);
     kv_free(kv);
     /* heads that do not add up, or an empty shard, are refused */
     const int32_t bad[2] = {2, 2}, empty[2] = {3, 0};
