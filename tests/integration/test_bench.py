@@ -20,7 +20,8 @@ KEYS = {"model", "device", "simd", "threads", "batch", "prompt_tokens", "gen_tok
         "bandwidth_best_gb_per_s", "roofline_fraction_windows", "roofline_fraction_vs_best",
         "bandwidth_mib", "roofline_tok_per_s", "roofline_fraction", "verify_context", "verify_1_ms",
         "verify_cost", "wall_seconds", "act_bits", "deterministic", "cuda_graphs", "graph_captures",
-        "graph_replays", "graph_bytes", "graph_max_nodes"}
+        "graph_replays", "graph_bytes", "graph_max_nodes", "tp", "allreduces_per_step",
+        "allreduce_bytes_per_step", "allreduce_ms_per_step", "verify_allreduces"}
 
 # SmolLM2-135M Q4_1 ties its output projection to the embedding table, so a
 # decode step reads every tensor of the file once: 30 layers x 7 Q4_1
@@ -50,9 +51,26 @@ def test_prints_one_json_line_with_every_figure(tiny):
     # the CPU backend is deterministic, and has no graphs
     assert tiny["deterministic"] is True
     assert (tiny["cuda_graphs"], tiny["graph_captures"], tiny["graph_replays"], tiny["graph_bytes"]) == (0, 0, 0, 0)
+    # one rank: no allreduce
+    assert (tiny["tp"], tiny["allreduces_per_step"], tiny["allreduce_bytes_per_step"]) == (1, 0, 0)
+    assert all(v == {"calls": 0, "bytes": 0, "ms": 0} for v in tiny["verify_allreduces"].values())
     for k in ("prefill_tok_per_s", "decode_tok_per_s", "decode_step_per_s", "bandwidth_gb_per_s",
               "roofline_tok_per_s", "verify_1_ms", "wall_seconds"):
         assert tiny[k] > 0, k
+
+
+def test_two_ranks_count_two_allreduces_a_layer_in_every_pass(aerie, model):
+    """--tp 2: a decode pass of the batch's 2 tokens and every verify size
+    make 60 allreduces (2 per layer, 30 layers), each of the pass's tokens
+    x 576 hidden floats."""
+    r = aerie("bench", "--model", model, *TINY, "--tp", "2", timeout=600)
+    assert r.rc == 0, r.err
+    b = json.loads(r.out)
+    assert (b["tp"], b["allreduces_per_step"], b["allreduce_bytes_per_step"]) == (2, 60, 60 * 2 * 576 * 4)
+    assert b["allreduce_ms_per_step"] > 0
+    assert list(b["verify_allreduces"]) == ["1", "2", "4", "8", "16", "32"]
+    for n, v in b["verify_allreduces"].items():
+        assert (v["calls"], v["bytes"]) == (60, 60 * int(n) * 576 * 4), (n, v)
 
 
 def test_verify_cost_has_the_six_sizes_relative_to_one_token(tiny):
