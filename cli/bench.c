@@ -58,6 +58,7 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
     SETUP_TP_OPTION,
+    SETUP_ALLREDUCE_OPTION,
     MEMPLAN_GRAPHS_OPTION,
     MEMPLAN_DETERMINISTIC_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
@@ -541,11 +542,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
     const int32_t tp = (int32_t)cfg_int(c, "tp");
-    if (eng_set_tp(b.e, tp, err) != AE_OK) {
-        err_prefix(err, "--tp %d: ", tp);
-        goto out;
-    }
-    setup_log_allreduces(m, tp, cfg_source_name(cfg_get_source(c, "tp")));
+    if (setup_tp(c, b.e, m, err) != AE_OK) goto out;
     if (eng_set_fast(b.e, !cfg_bool(c, "deterministic"), err) != AE_OK) goto out;
     {   /* The graphs held to the bytes a memory plan would give them. */
         int32_t n_graphs = memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be));
@@ -651,6 +648,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
      * bytes and wall time, for a decode pass of `batch` tokens and each
      * verify size. */
     cJSON_AddNumberToObject(o, "tp", tp);
+    cJSON_AddStringToObject(o, "allreduce", tp > 1 ? kn_allreduce_name(eng_allreduce(b.e)) : "none");
     cJSON_AddNumberToObject(o, "allreduces_per_step", (double)decode_ar.calls);
     cJSON_AddNumberToObject(o, "allreduce_bytes_per_step", (double)decode_ar.bytes);
     cJSON_AddNumberToObject(o, "allreduce_ms_per_step", cli_round((double)decode_ar.ns / 1e6, 1e3));

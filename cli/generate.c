@@ -31,6 +31,7 @@ static const cfg_option opts[] = {
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
     SETUP_TP_OPTION,
+    SETUP_ALLREDUCE_OPTION,
     DRAFT_LINK_AUTO_OPTIONS,
     {"spec-adaptive", CFG_BOOL, "true", 0, 0,
      "greedy decoding picks each step's tree (or none) within the spec-* bounds by measured cost and acceptance "
@@ -252,6 +253,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
          * verify pass), and over the run: rank 0's, 0 at one rank. */
         eng_comm_stats cs = eng_get_comm_stats(e);
         cJSON_AddNumberToObject(o, "tp", eng_tp(e));
+        cJSON_AddStringToObject(o, "allreduce", eng_tp(e) > 1 ? kn_allreduce_name(eng_allreduce(e)) : "none");
         cJSON_AddNumberToObject(o, "allreduces_per_step", (double)cs.last.calls);
         cJSON_AddNumberToObject(o, "allreduce_bytes_per_step", (double)cs.last.bytes);
         cJSON_AddNumberToObject(o, "allreduce_tokens_per_step", cs.last_tokens);

@@ -37,6 +37,27 @@ struct kn_stream {
     bool fast;    /* kn_stream_set_fast, where the backend has a fast mode */
 };
 
+/* The head of every communicator (kernels.h kn_comm). kernels.c checks
+ * the arguments, counts calls and bytes, and calls ops; the kind adds the
+ * time. */
+typedef struct kn_comm_ops {
+    kn_allreduce kind;
+    void (*allreduce)(kn_comm *c, kn_stream *s, float *buf, size_t count);
+    /* x += the sum of buf, fused; NULL: allreduce, then the stream's add */
+    void (*allreduce_add)(kn_comm *c, kn_stream *s, float *buf, float *x, size_t count);
+    /* brings c->stats.ns up to date (a GPU's events); NULL: it always is */
+    void (*update_stats)(kn_comm *c);
+    /* frees comms[0..n) of one group; entries may be NULL */
+    void (*free_group)(kn_comm **comms, int n_ranks);
+} kn_comm_ops;
+
+struct kn_comm {
+    const kn_comm_ops *ops;
+    int rank, n_ranks;
+    size_t max_count;
+    kn_comm_stats stats; /* this rank's; only its thread writes them */
+};
+
 /* The head of every backend's graph (kernels.h kn_graph). */
 struct kn_graph {
     const kn_backend *be;
@@ -70,6 +91,11 @@ struct kn_backend {
     int (*graph_end)(kn_stream *s, kn_graph **out, ae_error *err);
     void (*graph_launch)(kn_stream *s, kn_graph *g);
     void (*graph_free)(kn_graph *g);
+
+    /* A communicator of `kind` (never AUTO) for ranks that are threads of
+     * this process (kernels.h kn_comm_init); NULL: ranks cannot run on this
+     * backend. */
+    int (*comm_init)(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
 
     /* buffers */
     int (*buf_alloc)(kn_buf *b, size_t bytes, ae_error *err); /* zero-filled */

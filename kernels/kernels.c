@@ -5,6 +5,7 @@
 #include "backend.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 /* ---- streams, events, buffers --------------------------------------------- */
 
@@ -178,6 +179,68 @@ void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t 
 void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count) {
     AE_ASSERT(count >= 0);
     s->be->add(s, a, b, y, count);
+}
+
+/* ---- tensor-parallel communication ---- */
+
+static const char *const allreduce_names[] = {"auto", "cpu", "nccl", "custom"};
+
+const char *kn_allreduce_name(kn_allreduce k) {
+    return (unsigned)k < sizeof allreduce_names / sizeof *allreduce_names ? allreduce_names[k] : "?";
+}
+
+int kn_allreduce_parse(const char *s) {
+    for (int i = 0; i < (int)(sizeof allreduce_names / sizeof *allreduce_names); i++)
+        if (s && strcmp(s, allreduce_names[i]) == 0) return i;
+    return -1;
+}
+
+int kn_comm_init(const kn_backend *be, kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count,
+                 ae_error *err) {
+    for (int r = 0; r < n_ranks; r++) comms[r] = NULL;
+    if (kind == KN_ALLREDUCE_AUTO) return err_set(err, "comm: allreduce auto is chosen before a comm is made");
+    if (!be->comm_init) return err_set(err, "comm: the %s backend cannot run ranks", be->name);
+    return be->comm_init(kind, comms, n_ranks, max_count, err);
+}
+
+void kn_comm_free(kn_comm **comms, int n_ranks) {
+    if (!comms) return;
+    for (int r = 0; r < n_ranks; r++)
+        if (comms[r]) {
+            comms[r]->ops->free_group(comms, n_ranks);
+            return;
+        }
+}
+
+int kn_comm_rank(const kn_comm *c) { return c ? c->rank : 0; }
+int kn_comm_size(const kn_comm *c) { return c ? c->n_ranks : 1; }
+kn_allreduce kn_comm_kind(const kn_comm *c) { return c ? c->ops->kind : KN_ALLREDUCE_CPU; }
+
+kn_comm_stats kn_comm_get_stats(kn_comm *c) {
+    if (!c) return (kn_comm_stats){0, 0, 0};
+    if (c->ops->update_stats) c->ops->update_stats(c);
+    return c->stats;
+}
+
+void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count) {
+    if (!c || c->n_ranks == 1) return;
+    AE_ASSERT(count <= c->max_count);
+    c->stats.calls++;
+    c->stats.bytes += (uint64_t)count * sizeof(float);
+    c->ops->allreduce(c, s, buf, count);
+}
+
+void kn_allreduce_add(kn_comm *c, kn_stream *s, float *buf, float *x, size_t count) {
+    AE_ASSERT(count <= (size_t)INT64_MAX);
+    if (c && c->n_ranks > 1 && c->ops->allreduce_add) {
+        AE_ASSERT(count <= c->max_count);
+        c->stats.calls++;
+        c->stats.bytes += (uint64_t)count * sizeof(float);
+        c->ops->allreduce_add(c, s, buf, x, count);
+        return;
+    }
+    kn_allreduce_sum(c, s, buf, count);
+    kn_add(s, x, buf, x, (int64_t)count);
 }
 
 void kn_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {

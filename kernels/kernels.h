@@ -87,7 +87,8 @@
  *     of a quantized row is a run of whole blocks, so a shard is a
  *     kn_weight with data offset to its first block and row_bytes kept as
  *     the full row's stride: no copy.
- *   kn_allreduce_sum is a no-op with one rank (or a NULL comm). */
+ *   kn_allreduce_sum is a no-op with one rank (or a NULL comm), and
+ *   kn_allreduce_add a plain kn_add. */
 #ifndef AERIE_KERNELS_H
 #define AERIE_KERNELS_H
 
@@ -480,29 +481,61 @@ size_t kn_attention_workspace(int32_t n_heads, int32_t head_dim, int32_t max_key
 
 typedef struct kn_comm kn_comm;
 
-/* A communicator for n_ranks ranks that are threads of this process:
- * comms[r] (r < n_ranks) is rank r's handle, used by that thread only.
- * max_count bounds the floats of one allreduce (buffers are allocated
- * here, never in the op). Free with kn_comm_free_cpu on the same array. */
+/* How ranks add their partials (--allreduce):
+ *   - CPU: ranks that are threads of this process, on a host-memory
+ *     backend; each rank sums every rank's slot itself, in rank order.
+ *   - NCCL: ncclAllReduce on the rank's stream (the CUDA plugin opens
+ *     libnccl with dlopen). Every rank gets the same bits, but NCCL's
+ *     order of additions is its own, not rank order.
+ *   - CUSTOM: the CUDA plugin's one-shot allreduce for ranks of one
+ *     process: each rank copies its partial to a slot every rank can
+ *     read, and one kernel per rank adds all slots in rank order, the CPU
+ *     communicator's bits. One pass over R slots: for small messages.
+ *   - AUTO: the caller's choice, resolved before a comm is made (the
+ *     engine's rule is in target/engine.h). */
+typedef enum kn_allreduce { KN_ALLREDUCE_AUTO, KN_ALLREDUCE_CPU, KN_ALLREDUCE_NCCL, KN_ALLREDUCE_CUSTOM } kn_allreduce;
+const char *kn_allreduce_name(kn_allreduce k); /* "auto", "cpu", "nccl", "custom" */
+/* The kind named s; -1 if none is. */
+int kn_allreduce_parse(const char *s);
+
+/* A communicator of kind `kind` for n_ranks ranks that are threads of this
+ * process, on backend be: comms[r] (r < n_ranks) is rank r's handle, used
+ * by that thread only, with that rank's streams. max_count bounds the
+ * floats of one allreduce (buffers are allocated here, never in the op).
+ * Fails, naming why, where be has no such kind. Free with kn_comm_free on
+ * the same array. */
+int kn_comm_init(const kn_backend *be, kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count,
+                 ae_error *err);
+/* The CPU kind, on the CPU backend. */
 int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
-void kn_comm_free_cpu(kn_comm **comms, int n_ranks); /* NULL entries ignored */
+void kn_comm_free(kn_comm **comms, int n_ranks); /* NULL entries ignored */
 
 int kn_comm_rank(const kn_comm *c); /* 0 for NULL */
 int kn_comm_size(const kn_comm *c); /* 1 for NULL */
+kn_allreduce kn_comm_kind(const kn_comm *c); /* KN_ALLREDUCE_CPU for NULL */
 
-/* buf[count] = sum over ranks of every rank's buf, added in rank order
- * (((r0 + r1) + r2) + ...) so every rank gets the same bits, run to run.
+/* buf[count] = sum over ranks of every rank's buf: in rank order
+ * (((r0 + r1) + r2) + ...) for the CPU and custom kinds, so every rank
+ * gets the same bits, run to run; NCCL's order for NCCL. In s's order.
  * All ranks must call it with the same count. No-op for a NULL comm or one
  * rank. */
 void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count);
 
+/* x[i] = x[i] + (the sum over ranks of buf[i]): the residual add after a
+ * row-parallel projection, with kn_allreduce_sum's sum and kn_add's bits.
+ * The custom kind does both in one kernel; buf's contents after it are
+ * undefined. With a NULL comm or one rank it is kn_add. */
+void kn_allreduce_add(kn_comm *c, kn_stream *s, float *buf, float *x, size_t count);
+
 /* What one rank's allreduces have cost since its comm was made: calls,
  * bytes of its buffer (count x 4 each), and the time spent in them (wall
- * time on the CPU, barrier waits included). Zeros for a NULL comm. */
+ * time on the CPU, barrier waits included; on a GPU, the time between
+ * events recorded on the stream around each, which waits for the calls
+ * in flight). Zeros for a NULL comm. */
 typedef struct kn_comm_stats {
     uint64_t calls, bytes, ns;
 } kn_comm_stats;
-kn_comm_stats kn_comm_get_stats(const kn_comm *c);
+kn_comm_stats kn_comm_get_stats(kn_comm *c);
 
 /* ---- CPU backend controls ----------------------------------------------- */
 

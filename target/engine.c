@@ -1,6 +1,7 @@
 #include "engine.h"
 
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -55,6 +56,7 @@ struct eng {
     int32_t *tree_parents;
     int32_t *tree_n;
     tp_group *tp; /* eng_set_tp's ranks, or NULL: one rank */
+    char allreduce_why[256]; /* eng_allreduce_why */
     eng_comm_stats comm;
     eng_graph *graphs; /* [graph_stats.max_graphs] */
     eng_graph_stats graph_stats;
@@ -203,6 +205,32 @@ fail:
 int32_t eng_tp(const eng *e) { return e->tp ? tp_group_ranks(e->tp) : 1; }
 const model *eng_tp_shard(const eng *e, int32_t r) { return e->tp ? tp_group_shard(e->tp, r) : e->m; }
 eng_comm_stats eng_get_comm_stats(const eng *e) { return e->comm; }
+kn_allreduce eng_allreduce(const eng *e) { return e->tp ? tp_group_allreduce(e->tp) : KN_ALLREDUCE_CPU; }
+const char *eng_allreduce_why(const eng *e) { return e->allreduce_why; }
+
+/* AUTO on a backend with a device of its own: each kind's time for a
+ * decode and a verify pass's message, the faster sum kept. The group
+ * starts as custom. */
+static void allreduce_choose(eng *e) {
+    const size_t H = (size_t)e->m->cfg.hidden;
+    double custom[2] = {tp_group_time_allreduce(e->tp, H, ENG_ALLREDUCE_REPS),
+                        tp_group_time_allreduce(e->tp, 8 * H, ENG_ALLREDUCE_REPS)};
+    ae_error why = {{0}};
+    if (tp_group_set_allreduce(e->tp, KN_ALLREDUCE_NCCL, &why) != AE_OK) {
+        snprintf(e->allreduce_why, sizeof e->allreduce_why,
+                 "custom: %.1f + %.1f us for 1 + 8 tokens; nccl not measured (%.150s)", custom[0] / 1e3,
+                 custom[1] / 1e3, why.msg);
+        return;
+    }
+    double nccl[2] = {tp_group_time_allreduce(e->tp, H, ENG_ALLREDUCE_REPS),
+                      tp_group_time_allreduce(e->tp, 8 * H, ENG_ALLREDUCE_REPS)};
+    bool keep_nccl = nccl[0] + nccl[1] <= custom[0] + custom[1];
+    if (!keep_nccl && tp_group_set_allreduce(e->tp, KN_ALLREDUCE_CUSTOM, &why) != AE_OK) keep_nccl = true;
+    snprintf(e->allreduce_why, sizeof e->allreduce_why,
+             "%s: us a call for 1 + 8 tokens, custom %.1f + %.1f, nccl %.1f + %.1f (%d calls each)",
+             keep_nccl ? "nccl" : "custom", custom[0] / 1e3, custom[1] / 1e3, nccl[0] / 1e3, nccl[1] / 1e3,
+             ENG_ALLREDUCE_REPS);
+}
 
 /* e->kv made anew with the sizes kp, in n shards of heads[] kv heads, and
  * e->layers from it (one shard); false with err set and e->kv NULL (and
@@ -218,7 +246,7 @@ static bool kv_remake(eng *e, const kv_params *kp, int32_t n, const int32_t *hea
 }
 
 /* The ranks, for n_ranks > 1, over a KV cache already sharded for them. */
-static int tp_make(eng *e, int32_t n_ranks, ae_error *err) {
+static int tp_make(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err) {
     const model_config *c = &e->m->cfg;
     kn_kv_pool *pools = calloc((size_t)n_ranks * (size_t)c->n_layers, sizeof *pools);
     if (!pools) return err_set(err, "tensor parallel: out of memory");
@@ -228,22 +256,28 @@ static int tp_make(eng *e, int32_t n_ranks, ae_error *err) {
     tp_config tc = {.n_ranks = n_ranks, .threads_per_rank = e->cfg.threads / n_ranks > 1 ? e->cfg.threads / n_ranks : 1,
                     .max_tokens = e->cfg.max_batch_tokens, .max_logits = e->cfg.max_batch_tokens,
                     .kv_blocks = kp->n_blocks, .block_size = kp->block_size, .act_bits = e->cfg.act_bits,
-                    .max_seq_len = e->cfg.max_seq_len, .kv = pools};
+                    .max_seq_len = e->cfg.max_seq_len, .kv = pools, .allreduce = allreduce};
     int rc = tp_group_init(&e->tp, e->m, &tc, err);
     free(pools);
+    if (rc == AE_OK && allreduce == KN_ALLREDUCE_AUTO && !kn_backend_host_memory(e->m->be)) allreduce_choose(e);
     return rc;
 }
 
-int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err) {
+int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err) {
     const model_config *c = &e->m->cfg;
     if (n_ranks < 1 || n_ranks > TP_MAX_RANKS)
         return err_set(err, "tensor parallel: %d ranks (1 to %d)", n_ranks, TP_MAX_RANKS);
-    if (n_ranks == eng_tp(e)) return AE_OK;
+    const bool host = kn_backend_host_memory(e->m->be);
+    if (allreduce != KN_ALLREDUCE_AUTO && allreduce != KN_ALLREDUCE_CPU && host)
+        return err_set(err, "tensor parallel: --allreduce %s is for ranks on a GPU; the %s backend's ranks reduce "
+                       "with cpu", kn_allreduce_name(allreduce), kn_backend_name(e->m->be));
+    if (allreduce == KN_ALLREDUCE_CPU && !host)
+        return err_set(err, "tensor parallel: --allreduce cpu is for ranks on the CPU; the %s backend's ranks "
+                       "reduce with nccl or custom", kn_backend_name(e->m->be));
+    if (n_ranks == eng_tp(e) && (n_ranks == 1 || allreduce == KN_ALLREDUCE_AUTO || allreduce == eng_allreduce(e)))
+        return AE_OK;
     if (!e->kv || kv_get_stats(e->kv).seqs_live > 0)
         return err_set(err, "tensor parallel: ranks are set before any sequence");
-    if (n_ranks > 1 && !kn_backend_host_memory(e->m->be))
-        return err_set(err, "tensor parallel: %d ranks on the %s backend: ranks run on the CPU backend only "
-                       "(ranks on GPUs need NCCL, not built yet)", n_ranks, kn_backend_name(e->m->be));
     tp_split sp;
     int32_t heads[TP_MAX_RANKS] = {c->n_kv_heads};
     if (n_ranks > 1) {
@@ -253,8 +287,15 @@ int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err) {
     const kv_params kp = *kv_get_params(e->kv);
     tp_group_free(e->tp);
     e->tp = NULL;
+    e->allreduce_why[0] = '\0';
     e->comm = (eng_comm_stats){{0, 0, 0}, {0, 0, 0}, 0, 0}; /* the new ranks' counts from zero */
-    bool ok = kv_remake(e, &kp, n_ranks, heads, err) && (n_ranks == 1 || tp_make(e, n_ranks, err) == AE_OK);
+    /* Graphs hold one rank's passes: made again, for one rank, as steps come. */
+    int32_t max_graphs = e->graph_stats.max_graphs;
+    uint64_t budget = e->graph_stats.budget;
+    graphs_drop(e);
+    bool ok = kv_remake(e, &kp, n_ranks, heads, err) &&
+              (n_ranks == 1 || tp_make(e, n_ranks, allreduce, err) == AE_OK);
+    if (!e->tp) eng_set_graphs(e, max_graphs, budget);
     if (!ok) { /* one rank, whatever there was before: it needs no more than eng_init had */
         tp_group_free(e->tp);
         e->tp = NULL;
@@ -358,7 +399,7 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, const llama_
 static void forward(eng *e, const llama_batch *b, int32_t *ids, const kn_draw *draws) {
     if (e->tp) {
         kn_comm_stats a = tp_group_comm_stats(e->tp);
-        tp_forward(e->tp, b);
+        tp_forward(e->tp, e->stream, b);
         kn_comm_stats z = tp_group_comm_stats(e->tp);
         eng_comm_stats *cs = &e->comm;
         cs->last = (kn_comm_stats){z.calls - a.calls, z.bytes - a.bytes, z.ns - a.ns};
@@ -380,7 +421,7 @@ static void forward(eng *e, const llama_batch *b, int32_t *ids, const kn_draw *d
 static eng_graph *graph_for(eng *e, const eng_item *items, int32_t n_items, kn_kv_map *map, int32_t n_logits,
                             const llama_capture *cap, int ids_by) {
     eng_graph_stats *gs = &e->graph_stats;
-    if (gs->max_graphs == 0 || map->m > ENG_GRAPH_MAX_TOKENS) return NULL;
+    if (gs->max_graphs == 0 || map->m > ENG_GRAPH_MAX_TOKENS || e->tp) return NULL;
     /* Decode tokens and trees only: a prompt's chunks come in every size,
      * and would push out the shapes that repeat. */
     for (int32_t i = 0; i < n_items; i++)

@@ -163,12 +163,25 @@ eng_graph_stats eng_get_graph_stats(const eng *e);
  * once (kv_init_sharded). The cache is made anew, so this comes before
  * any sequence; 1 is one rank again. While ranks run, the engine's own
  * activations for one rank are freed. If the ranks cannot be made, the
- * engine is left at one rank and this fails. On a host-memory backend
- * only for now: ranks on GPUs wait for NCCL. Ranks add partial sums, so
+ * engine is left at one rank and this fails. Ranks add partial sums, so
  * TP N is not bitwise TP 1 (kernels.h); at any one N every pass is batch
- * invariant as before. */
-int eng_set_tp(eng *e, int32_t n_ranks, ae_error *err);
+ * invariant as before.
+ *
+ * `allreduce` is how they add (kernels.h kn_allreduce). On a host-memory
+ * backend only CPU; on CUDA, whose ranks share its device for now, NCCL
+ * or custom, with CUDA graphs off while ranks run. AUTO takes CPU on a
+ * host-memory backend; on CUDA it times both kinds (ENG_ALLREDUCE_REPS
+ * calls of a decode pass's message, 1 token x hidden floats, and of a
+ * verify pass's, 8 tokens) and takes the one with the smaller sum,
+ * custom alone where NCCL cannot be had: eng_allreduce_why says what was
+ * measured. */
+#define ENG_ALLREDUCE_REPS 50
+int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err);
 int32_t eng_tp(const eng *e); /* 1 without ranks */
+/* The kind the ranks use (KN_ALLREDUCE_CPU at one rank), and for AUTO the
+ * measurement it was chosen by ("" otherwise). */
+kn_allreduce eng_allreduce(const eng *e);
+const char *eng_allreduce_why(const eng *e);
 /* Rank r's shard of the model (tp_group_shard); the model itself at one rank. */
 const model *eng_tp_shard(const eng *e, int32_t r);
 

@@ -34,6 +34,8 @@ static void ws_sizes(const model *m, int32_t T, int32_t L, size_t sz[WS_BUFS]) {
     memcpy(sz, v, sizeof v);
 }
 
+float *llama_ws_proj(llama_ws *ws) { return ws->proj; }
+
 size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
     size_t sz[WS_BUFS], total = 0;
     ws_sizes(m, max_tokens, max_logits, sz);
@@ -147,14 +149,12 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
         case MODEL_ATTN_GQA: attn_gqa(m, l, s, &kv[li], ws, b); break;
         default: AE_ASSERT(!"an attention kind the forward pass does not have");
         }
-        kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
-        kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);
+        kn_allreduce_add(comm, s, ws->proj, ws->x, (size_t)T * (size_t)H);
         switch (l->ffn) {
         case MODEL_FFN_DENSE: ffn_dense(m, l, s, ws, T); break;
         default: AE_ASSERT(!"an FFN kind the forward pass does not have");
         }
-        kn_allreduce_sum(comm, s, ws->proj, (size_t)T * (size_t)H);
-        kn_add(s, ws->x, ws->proj, ws->x, (int64_t)T * H);
+        kn_allreduce_add(comm, s, ws->proj, ws->x, (size_t)T * (size_t)H);
     }
     capture_layer(s, cap, c->n_layers, ws->x, H);
     if (b->n_logits == 0) return;

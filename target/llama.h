@@ -54,6 +54,10 @@ typedef struct llama_ws llama_ws;
 int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
                   ae_error *err);
 void llama_ws_free(llama_ws *ws); /* NULL is a no-op */
+/* The [max_tokens][hidden] buffer the allreduces add (the row-parallel
+ * projections' output), in the model's backend's memory: a message to
+ * time them with between passes. */
+float *llama_ws_proj(llama_ws *ws);
 size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits);
 /* Bytes the stream needs for kn_matmul at this batch size and for
  * attention over up to max_keys keys (0: attention goes without). */

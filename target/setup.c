@@ -17,6 +17,8 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
     if (svc_config_load(c, service, opts, n, argc, argv, print_config, help, err) != AE_OK) return AE_ERR;
     if (*help) return AE_OK;
     if (cfg_is_auto(*c, "threads")) cfg_set_auto_int(*c, "threads", pool_cpu_count());
+    if (cfg_has(*c, "allreduce") && kn_allreduce_parse(cfg_str(*c, "allreduce")) < 0)
+        return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", cfg_str(*c, "allreduce"));
     if (kn_device_from_cfg(*c, &g_device, err) != AE_OK) return AE_ERR;
     const char *path = cfg_str(*c, "model");
     if (!path) return err_set(err, "no model given (use --model FILE)");
@@ -31,9 +33,12 @@ uint64_t setup_tp_work(const cfg *c, const model *m) {
     tp_split sp;
     ae_error e = {{0}};
     if (m->arch->tp_split(&sp, mc, R, &e) != AE_OK) return 0; /* setup_engine says why */
-    /* what tp_group_init takes: the allreduce slots, then each rank's
-     * activations (rank 0 with the logit rows) and stream scratch */
-    uint64_t ranks = (uint64_t)R * (uint64_t)T * (uint64_t)mc->hidden * sizeof(float);
+    /* what tp_group_init takes: the allreduce slots (the CPU's one a rank;
+     * on a GPU the custom kind's two, one a parity: NCCL's own buffers are
+     * NCCL's, outside the plan), then each rank's activations (rank 0 with
+     * the logit rows) and stream scratch */
+    uint64_t slots = kn_backend_host_memory(m->be) ? 1 : 2;
+    uint64_t ranks = slots * (uint64_t)R * (uint64_t)T * (uint64_t)mc->hidden * sizeof(float);
     for (int32_t r = 0; r < R; r++) {
         model *sh;
         if (tp_shard_init(&sh, m, &sp, r, &e) != AE_OK) return 0;
@@ -54,6 +59,25 @@ void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
               "hidden x 4 bytes: a decode pass of 1 token %d x %.2f KiB, a verify pass of 8 tokens %d x %.2f KiB",
               n_ranks, source, LLAMA_ALLREDUCES_PER_LAYER, mc->n_layers, per_pass, mc->hidden, per_pass, tok_kib,
               per_pass, 8 * tok_kib);
+}
+
+int setup_tp(cfg *c, eng *e, const model *m, ae_error *err) {
+    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
+    int kind = cfg_has(c, "allreduce") ? kn_allreduce_parse(cfg_str(c, "allreduce")) : KN_ALLREDUCE_AUTO;
+    if (kind < 0) return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", cfg_str(c, "allreduce"));
+    if (eng_set_tp(e, R, (kn_allreduce)kind, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
+    if (R <= 1) return AE_OK;
+    const char *name = kn_allreduce_name(eng_allreduce(e));
+    if (cfg_has(c, "allreduce") && cfg_is_auto(c, "allreduce")) {
+        cfg_set_auto_str(c, "allreduce", name);
+        const char *why = eng_allreduce_why(e);
+        LOG_INFOF("tensor parallel: allreduce %s (auto: %s)", name,
+                  why[0] ? why : kn_backend_host_memory(m->be) ? "the CPU's ranks reduce on the host" : "");
+    } else {
+        LOG_INFOF("tensor parallel: allreduce %s (%s)", name, cfg_source_name(cfg_get_source(c, "allreduce")));
+    }
+    setup_log_allreduces(m, R, cfg_source_name(cfg_get_source(c, "tp")));
+    return AE_OK;
 }
 
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
@@ -93,7 +117,7 @@ static int setup_fast(const cfg *c, eng *e, ae_error *err) {
     return eng_set_fast(e, fast, err);
 }
 
-int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
+int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
                  ae_error *err) {
     if (plan->kv_tokens > INT32_MAX)
         return err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
@@ -103,8 +127,7 @@ int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int
     if (eng_init(e, m, &ec, err) != AE_OK) return AE_ERR;
     if (cfg_has(c, "tp")) {
         int32_t R = (int32_t)cfg_int(c, "tp");
-        if (eng_set_tp(*e, R, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
-        setup_log_allreduces(m, R, cfg_source_name(cfg_get_source(c, "tp")));
+        if (setup_tp(c, *e, m, err) != AE_OK) return AE_ERR;
         if (R > 1)
             LOG_INFOF("tensor parallel: the %d ranks' workspaces (allreduce slots, activations of %d tokens, stream "
                       "scratch), less the engine's own activations freed while they run: %.1f MiB more in the plan's "

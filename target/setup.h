@@ -19,7 +19,14 @@
 #define SETUP_TP_OPTION                                                                                        \
     {"tp", CFG_INT, "1", 1, 64,                                                                               \
      "tensor-parallel ranks: threads of this process, each over a shard of the model's heads and FFN and its " \
-     "kv heads of the KV cache, adding partial sums by allreduce, 2 per layer (CPU only for now)"}
+     "kv heads of the KV cache, adding partial sums by allreduce, 2 per layer (on CUDA the ranks share the one " \
+     "device for now)"}
+/* How the ranks add their partial sums (kernels.h kn_allreduce). */
+#define SETUP_ALLREDUCE_OPTION                                                                                 \
+    {"allreduce", CFG_STRING, "auto", 0, 0,                                                                   \
+     "how tensor-parallel ranks add partial sums: cpu (CPU ranks), nccl or custom (CUDA ranks: NCCL, or a "    \
+     "one-shot kernel that adds in rank order), auto (cpu on the CPU; on CUDA the faster of the two, measured " \
+     "at start and logged)"}
 #define SETUP_KV_BLOCK 16
 
 /* A service's settings (svc_config_load), threads "auto" resolved, and its
@@ -42,7 +49,7 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
  * step shapes as graphs (eng_set_graphs), in fast mode when c's
  * "deterministic" is false (kernels.h kn_stream_set_fast; where the
  * backend cannot, the error says why). */
-int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
+int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
                  ae_error *err);
 
 /* Bytes the ranks of c's "tp" add to the plan's workspace (0 at one
@@ -51,6 +58,11 @@ int setup_engine(eng **e, const cfg *c, const model *m, const memplan *plan, int
  * allreduce slot), less the engine's own activations, which are freed
  * while the ranks run. */
 uint64_t setup_tp_work(const cfg *c, const model *m);
+
+/* e's ranks from c's "tp" and "allreduce" (engine.h eng_set_tp): "auto"
+ * is replaced by the kind chosen, and the choice, its measurement and
+ * the allreduces of a pass are logged. */
+int setup_tp(cfg *c, eng *e, const model *m, ae_error *err);
 
 /* Logs, for n_ranks > 1, the allreduces a pass makes: "2 per layer x L
  * layers = N a pass, each tokens x hidden x 4 bytes: ...". */

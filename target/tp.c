@@ -191,7 +191,11 @@ typedef struct tp_rank {
     kn_buf kv_mem;  /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D]; unused with tp_config.kv */
     pthread_t thread;
     bool started;
+    kn_event done; /* recorded after its part of a step (tp_forward's `after`) */
 } tp_rank;
+
+/* What the rank threads run on a wakeup. */
+typedef enum { TP_JOB_FORWARD, TP_JOB_TIME } tp_job;
 
 struct tp_group {
     const model *m;
@@ -207,7 +211,13 @@ struct tp_group {
     uint64_t gen;
     int32_t n_done;
     bool quit;
-    const llama_batch *batch;
+    tp_job job;
+    const llama_batch *batch; /* TP_JOB_FORWARD */
+    kn_stream *after;         /* and the stream it orders against, or NULL */
+    kn_event start;           /* recorded on `after` before the ranks start */
+    size_t time_count;        /* TP_JOB_TIME */
+    int time_reps;
+    double time_ns; /* rank 0's result */
 };
 
 int32_t tp_group_ranks(const tp_group *g) { return g->cfg.n_ranks; }
@@ -223,11 +233,30 @@ const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank) {
     return g->ranks[rank].kv;
 }
 
-kn_comm_stats tp_group_comm_stats(const tp_group *g) { return kn_comm_get_stats(g->comms[0]); }
+kn_comm_stats tp_group_comm_stats(tp_group *g) { return kn_comm_get_stats(g->comms[0]); }
+kn_allreduce tp_group_allreduce(const tp_group *g) { return kn_comm_kind(g->comms[0]); }
+
+/* Times the allreduce on rank r's stream, its comm's clock (rank 0's
+ * result is kept). The activations' buffer is the message. */
+static void time_rank(tp_group *g, tp_rank *r) {
+    kn_comm *c = g->comms[r->rank];
+    float *buf = llama_ws_proj(r->ws);
+    kn_allreduce_sum(c, r->stream, buf, g->time_count);
+    kn_stream_sync(r->stream);
+    kn_comm_stats a = kn_comm_get_stats(c);
+    for (int i = 0; i < g->time_reps; i++) kn_allreduce_sum(c, r->stream, buf, g->time_count);
+    kn_stream_sync(r->stream);
+    kn_comm_stats z = kn_comm_get_stats(c);
+    if (r->rank == 0) g->time_ns = (double)(z.ns - a.ns) / (g->time_reps > 0 ? g->time_reps : 1);
+}
 
 /* One rank's share of the step. Ranks other than 0 skip the logits and the
  * capture: their residual stream is rank 0's, bit for bit. */
 static void run_rank(tp_group *g, tp_rank *r) {
+    if (g->job == TP_JOB_TIME) {
+        time_rank(g, r);
+        return;
+    }
     llama_batch b = *g->batch;
     if (r->rank != 0) {
         b.n_logits = 0;
@@ -235,7 +264,9 @@ static void run_rank(tp_group *g, tp_rank *r) {
         b.logits = NULL;
         b.capture = NULL;
     }
+    if (g->after) kn_event_wait(r->stream, &g->start);
     llama_forward(r->shard, r->stream, g->comms[r->rank], r->kv, r->ws, &b);
+    if (g->after) kn_event_record(r->stream, &r->done);
 }
 
 static void *rank_main(void *arg) {
@@ -257,10 +288,9 @@ static void *rank_main(void *arg) {
     return NULL;
 }
 
-void tp_forward(tp_group *g, const llama_batch *b) {
-    AE_ASSERT(b && b->map);
+/* Runs the group's job on every rank, rank 0 here, and waits for all. */
+static void run_job(tp_group *g) {
     pthread_mutex_lock(&g->mu);
-    g->batch = b;
     g->n_done = 0;
     g->gen++;
     pthread_cond_broadcast(&g->wake);
@@ -268,8 +298,42 @@ void tp_forward(tp_group *g, const llama_batch *b) {
     run_rank(g, &g->ranks[0]);
     pthread_mutex_lock(&g->mu);
     while (g->n_done < g->cfg.n_ranks - 1) pthread_cond_wait(&g->done, &g->mu);
-    g->batch = NULL;
     pthread_mutex_unlock(&g->mu);
+}
+
+void tp_forward(tp_group *g, kn_stream *after, const llama_batch *b) {
+    AE_ASSERT(b && b->map);
+    g->job = TP_JOB_FORWARD;
+    g->batch = b;
+    g->after = after;
+    if (after) kn_event_record(after, &g->start);
+    run_job(g);
+    if (after)
+        for (int32_t i = 0; i < g->cfg.n_ranks; i++) kn_event_wait(after, &g->ranks[i].done);
+    g->batch = NULL;
+    g->after = NULL;
+}
+
+double tp_group_time_allreduce(tp_group *g, size_t count, int reps) {
+    AE_ASSERT(count >= 1 && count <= (size_t)g->cfg.max_tokens * (size_t)g->m->cfg.hidden && reps >= 0);
+    g->job = TP_JOB_TIME;
+    g->time_count = count;
+    g->time_reps = reps;
+    run_job(g);
+    g->job = TP_JOB_FORWARD;
+    return g->time_ns;
+}
+
+int tp_group_set_allreduce(tp_group *g, kn_allreduce kind, ae_error *err) {
+    kn_comm *fresh[TP_MAX_RANKS];
+    if (kn_comm_init(g->m->be, kind, fresh, g->cfg.n_ranks, (size_t)g->cfg.max_tokens * (size_t)g->m->cfg.hidden,
+                     err) != AE_OK)
+        return AE_ERR;
+    for (int32_t i = 0; i < g->cfg.n_ranks; i++) kn_stream_sync(g->ranks[i].stream);
+    kn_comm_free(g->comms, g->cfg.n_ranks);
+    memcpy(g->comms, fresh, (size_t)g->cfg.n_ranks * sizeof *fresh);
+    g->cfg.allreduce = kind;
+    return AE_OK;
 }
 
 void tp_group_free(tp_group *g) {
@@ -294,7 +358,7 @@ void tp_group_free(tp_group *g) {
         kn_buf_free(&r->kv_mem);
         tp_shard_free(r->shard);
     }
-    kn_comm_free_cpu(g->comms, g->cfg.n_ranks);
+    kn_comm_free(g->comms, g->cfg.n_ranks);
     free(g);
 }
 
@@ -342,19 +406,16 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
                        "kv blocks %d, block size %d, activation bits %d)",
                        cfg->n_ranks, cfg->threads_per_rank, cfg->max_tokens, cfg->max_logits, cfg->kv_blocks,
                        cfg->block_size, cfg->act_bits);
-    /* The ranks reduce on the host (kn_comm_init_cpu) and read the
-     * caller's batch arrays: a host-memory backend's ranks only, until
-     * the engine owns its ranks (issue 20). */
-    if (!kn_backend_host_memory(m->be))
-        return err_set(err, "tensor parallel: the model is on backend %s; ranks run on host-memory backends only",
-                       kn_backend_name(m->be));
     tp_group *g = calloc(1, sizeof *g);
     if (!g) return err_set(err, "out of memory");
     g->m = m;
     g->cfg = *cfg;
     const int32_t R = cfg->n_ranks;
+    if (g->cfg.allreduce == KN_ALLREDUCE_AUTO)
+        g->cfg.allreduce = kn_backend_host_memory(m->be) ? KN_ALLREDUCE_CPU : KN_ALLREDUCE_CUSTOM;
     if (m->arch->tp_split(&g->split, &m->cfg, R, err) != AE_OK ||
-        kn_comm_init_cpu(g->comms, R, (size_t)cfg->max_tokens * (size_t)m->cfg.hidden, err) != AE_OK)
+        kn_comm_init(m->be, g->cfg.allreduce, g->comms, R, (size_t)cfg->max_tokens * (size_t)m->cfg.hidden, err) !=
+            AE_OK)
         goto fail;
     for (int32_t i = 0; i < R; i++) {
         tp_rank *r = &g->ranks[i];

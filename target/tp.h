@@ -1,6 +1,8 @@
-/* Tensor parallelism on the CPU backend: R ranks, each a thread of this
- * process, each running the whole llama_forward over its shard of the
- * weights (kernels/kernels.h, "Tensor parallelism").
+/* Tensor parallelism: R ranks, each a thread of this process with its own
+ * stream, each running the whole llama_forward over its shard of the
+ * weights (kernels/kernels.h, "Tensor parallelism"). On the CPU backend
+ * the ranks reduce on the host; on CUDA they share the plugin's device
+ * and reduce by NCCL or the custom kernel (kernels.h kn_allreduce).
  *
  * A shard is a `model` whose cfg holds the rank's local n_heads, n_kv_heads
  * and ffn, and whose kn_weight views point into the full model's data; no
@@ -73,6 +75,10 @@ typedef struct tp_config {
      * the rank's kv heads and kv_blocks x block_size slots (an engine's
      * sharded KV cache, services/kv); NULL: the group makes its own. */
     const kn_kv_pool *kv;
+    /* How the ranks add partials (kernels.h kn_allreduce); AUTO: CPU on a
+     * host-memory backend, custom on others (the engine measures before
+     * it chooses: engine.h eng_set_tp). */
+    kn_allreduce allreduce;
 } tp_config;
 
 typedef struct tp_group tp_group;
@@ -85,11 +91,24 @@ typedef struct tp_group tp_group;
 int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error *err);
 void tp_group_free(tp_group *g); /* NULL is a no-op */
 
-/* Runs b on every rank at once and returns when all have finished. The
- * map's block ids address every rank's pools alike. b's logits and capture
- * are filled by rank 0 only (every rank holds the same residual stream).
+/* Runs b on every rank at once and returns when every rank has queued
+ * its part (on a host-memory backend: finished it). The map's block ids
+ * address every rank's pools alike. b's logits and capture are filled by
+ * rank 0 only (every rank holds the same residual stream). Stream
+ * `after`, when not NULL, orders the ranks: they start after what was
+ * queued on it, and what is queued on it next waits for all of them.
  * Shapes are asserted, as in llama_forward. Allocates nothing. */
-void tp_forward(tp_group *g, const llama_batch *b);
+void tp_forward(tp_group *g, kn_stream *after, const llama_batch *b);
+
+/* Times `reps` allreduces of `count` floats (count <= max_tokens x hidden)
+ * on every rank at once, after one untimed: rank 0's nanoseconds a call,
+ * by its comm's clock (events on a GPU). For choosing a kind. */
+double tp_group_time_allreduce(tp_group *g, size_t count, int reps);
+
+/* Replaces the ranks' communicator with one of `kind` (not AUTO); on
+ * failure the old one stays. */
+int tp_group_set_allreduce(tp_group *g, kn_allreduce kind, ae_error *err);
+kn_allreduce tp_group_allreduce(const tp_group *g);
 
 int32_t tp_group_ranks(const tp_group *g);
 const tp_split *tp_group_split(const tp_group *g);
@@ -97,6 +116,6 @@ const model *tp_group_shard(const tp_group *g, int32_t rank);
 /* Rank r's KV pools: [n_layers]. */
 const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank);
 /* Rank 0's allreduces so far (every rank makes the same calls). */
-kn_comm_stats tp_group_comm_stats(const tp_group *g);
+kn_comm_stats tp_group_comm_stats(tp_group *g);
 
 #endif

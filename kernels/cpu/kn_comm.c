@@ -16,14 +16,53 @@ typedef struct comm_group {
     size_t max_count;
     float *slots; /* [n_ranks][max_count] */
     pthread_barrier_t barrier;
-    int refs; /* ranks still holding the group, for kn_comm_free_cpu */
+    int refs; /* ranks still holding the group, for kn_comm_free */
 } comm_group;
 
-struct kn_comm {
+typedef struct cpu_comm {
+    kn_comm base; /* backend.h */
     comm_group *group;
-    int rank;
-    kn_comm_stats stats; /* this rank's; only its thread writes them */
-};
+} cpu_comm;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void cpu_allreduce(kn_comm *base, kn_stream *s, float *buf, size_t count) {
+    (void)s;
+    uint64_t t0 = now_ns();
+    cpu_comm *c = (cpu_comm *)base;
+    comm_group *g = c->group;
+    memcpy(g->slots + (size_t)base->rank * g->max_count, buf, count * sizeof(float));
+    pthread_barrier_wait(&g->barrier);
+    for (size_t i = 0; i < count; i++) {
+        float sum = g->slots[i];
+        for (int r = 1; r < g->n_ranks; r++) sum = sum + g->slots[(size_t)r * g->max_count + i];
+        buf[i] = sum;
+    }
+    pthread_barrier_wait(&g->barrier);
+    base->stats.ns += now_ns() - t0;
+}
+
+static void cpu_free_group(kn_comm **comms, int n_ranks) {
+    for (int r = 0; r < n_ranks; r++) {
+        cpu_comm *c = (cpu_comm *)comms[r];
+        if (!c) continue;
+        comm_group *g = c->group;
+        if (--g->refs == 0) {
+            pthread_barrier_destroy(&g->barrier);
+            free(g->slots);
+            free(g);
+        }
+        free(c);
+        comms[r] = NULL;
+    }
+}
+
+static const kn_comm_ops cpu_comm_ops = {
+    .kind = KN_ALLREDUCE_CPU, .allreduce = cpu_allreduce, .free_group = cpu_free_group};
 
 int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err) {
     if (n_ranks < 1 || n_ranks > POOL_MAX_THREADS)
@@ -42,9 +81,9 @@ int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *e
         return err_set(err, "comm: cannot allocate %d x %zu floats", n_ranks, max_count);
     }
     for (int r = 0; r < n_ranks; r++) {
-        comms[r] = calloc(1, sizeof *comms[r]);
-        if (!comms[r]) {
-            kn_comm_free_cpu(comms, r);
+        cpu_comm *c = calloc(1, sizeof *c);
+        if (!c) {
+            cpu_free_group(comms, r);
             if (r == 0) { /* no rank holds the group yet */
                 pthread_barrier_destroy(&g->barrier);
                 free(g->slots);
@@ -52,55 +91,17 @@ int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *e
             }
             return err_set(err, "comm: out of memory");
         }
-        comms[r]->group = g;
-        comms[r]->rank = r;
+        c->base = (kn_comm){.ops = &cpu_comm_ops, .rank = r, .n_ranks = n_ranks, .max_count = max_count};
+        c->group = g;
+        comms[r] = &c->base;
         g->refs++;
     }
     return AE_OK;
 }
 
-void kn_comm_free_cpu(kn_comm **comms, int n_ranks) {
-    if (!comms) return;
-    for (int r = 0; r < n_ranks; r++) {
-        kn_comm *c = comms[r];
-        if (!c) continue;
-        comm_group *g = c->group;
-        if (--g->refs == 0) {
-            pthread_barrier_destroy(&g->barrier);
-            free(g->slots);
-            free(g);
-        }
-        free(c);
-        comms[r] = NULL;
-    }
-}
-
-int kn_comm_rank(const kn_comm *c) { return c ? c->rank : 0; }
-int kn_comm_size(const kn_comm *c) { return c ? c->group->n_ranks : 1; }
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-kn_comm_stats kn_comm_get_stats(const kn_comm *c) { return c ? c->stats : (kn_comm_stats){0, 0, 0}; }
-
-void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count) {
-    (void)s;
-    if (!c || c->group->n_ranks == 1) return;
-    uint64_t t0 = now_ns();
-    c->stats.calls++;
-    c->stats.bytes += (uint64_t)count * sizeof(float);
-    comm_group *g = c->group;
-    AE_ASSERT(count <= g->max_count);
-    memcpy(g->slots + (size_t)c->rank * g->max_count, buf, count * sizeof(float));
-    pthread_barrier_wait(&g->barrier);
-    for (size_t i = 0; i < count; i++) {
-        float sum = g->slots[i];
-        for (int r = 1; r < g->n_ranks; r++) sum = sum + g->slots[(size_t)r * g->max_count + i];
-        buf[i] = sum;
-    }
-    pthread_barrier_wait(&g->barrier);
-    c->stats.ns += now_ns() - t0;
+int kn_cpu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err) {
+    if (kind != KN_ALLREDUCE_CPU)
+        return err_set(err, "comm: the cpu backend's ranks reduce with --allreduce cpu, not %s (nccl and custom are "
+                       "the cuda backend's)", kn_allreduce_name(kind));
+    return kn_comm_init_cpu(comms, n_ranks, max_count, err);
 }

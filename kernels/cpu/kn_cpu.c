@@ -412,6 +412,7 @@ const kn_backend kn_backend_cpu = {
     .sync = cpu_sync,
     .event_record = cpu_event_record,
     .event_wait = cpu_event_wait,
+    .comm_init = kn_cpu_comm_init,
     .buf_alloc = cpu_buf_alloc,
     .buf_free = cpu_buf_free,
     .buf_write = cpu_buf_write,

@@ -22,6 +22,9 @@ typedef struct kn_cpu_stream {
 
 #define KN_CPU(s) ((kn_cpu_stream *)(s))
 
+/* kn_backend_cpu's comm_init (kn_comm.c): the CPU kind only. */
+int kn_cpu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
+
 /* The ops of kn_backend_cpu (backend.h), their arguments checked by
  * kernels.c. kn_cpu_matmul is one matrix (kn_cpu_matmul_n's loop). */
 void kn_cpu_matmul(kn_stream *s, const kn_weight *w, const float *x, float *y, int64_t m);

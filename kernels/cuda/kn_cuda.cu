@@ -30,6 +30,8 @@ void kcu_bind(void) {
     }
 }
 
+int kcu_device(void) { return g_device; }
+
 bool kcu_sync_launches(void) {
     static const bool on = [] {
         const char *e = getenv("AERIE_CUDA_SYNC");
@@ -388,6 +390,7 @@ static const kn_backend kn_backend_cuda = {
     cu_graph_end,
     cu_graph_launch,
     cu_graph_free,
+    kcu_comm_init,
     cu_buf_alloc,
     cu_buf_free,
     cu_buf_write,

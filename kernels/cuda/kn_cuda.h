@@ -63,6 +63,10 @@ __attribute__((noreturn)) void kn_cuda_assert_fail(const char *cond, const char 
 /* Makes the backend's device current on the calling thread (once per
  * thread: the runtime's current device is per thread). */
 void kcu_bind(void);
+/* That device's index (cuda:N). */
+int kcu_device(void);
+/* The backend's comm_init (kn_cuda_comm.cu): the custom and nccl kinds. */
+int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
 /* AERIE_CUDA_SYNC=1: wait for every kernel as it is launched (debugging,
  * tests/gpu/run.sh). Read once. */
 bool kcu_sync_launches(void);

@@ -17,6 +17,7 @@
 
 #include <cmocka.h>
 #include <math.h>
+#include <pthread.h>
 
 #include "cuda_open.h"
 #include "../../target/sample.h"
@@ -247,6 +248,162 @@ static void matmul_every_type_both_precisions(void **state) {
     }
     free_bufs();
     printf("matmul: %d outputs identical over 6 types, 2 widths each, m = 1, 2, 3, 9, 33\n", compared);
+}
+
+/* Column shards, as tensor parallelism cuts a row-parallel weight
+ * (target/tp.c): data starts at the shard's first block and row_bytes
+ * stays the full row's, so rows are strided; widths of 16 (a float shard
+ * of a tiny model's o_proj) to 96. */
+static void matmul_of_column_shards(void **state) {
+    (void)state;
+    const int64_t K = 128, n = 24;
+    const int64_t shards[][2] = {{0, 16}, {16, 16}, {32, 32}, {64, 64}, {32, 96}};
+    int before = compared;
+    for (size_t ti = 0; ti < sizeof TYPES / sizeof TYPES[0]; ti++) {
+        ggml_type t = TYPES[ti];
+        bool q = t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
+        wpair w;
+        make_weight(&w, t, n, K);
+        for (size_t si = 0; si < sizeof shards / sizeof shards[0]; si++) {
+            int64_t c0 = shards[si][0], kk = shards[si][1];
+            if (q && (c0 % 32 || kk % 32)) continue;
+            kn_weight vc = w.cpu, vg = w.cu;
+            size_t off = quant_row_bytes(t, (uint64_t)c0);
+            vc.data = (const uint8_t *)vc.data + off, vg.data = (const uint8_t *)vg.data + off;
+            vc.cols = vg.cols = kk;
+            for (int64_t m = 1; m <= 20; m += 19) {
+                float *x = malloc((size_t)(m * kk) * sizeof(float)), *yc = malloc((size_t)(m * n) * sizeof(float)),
+                      *yg = malloc((size_t)(m * n) * sizeof(float));
+                fill(x, (size_t)(m * kk), -2, 2);
+                float *dx = dev(x, (size_t)(m * kk) * sizeof(float)), *dy = dev_zero((size_t)(m * n) * sizeof(float));
+                kn_matmul(cpu15, &vc, x, yc, m);
+                kn_matmul(cu15, &vg, dx, dy, m);
+                get(cu15, yg, dy, (size_t)(m * n) * sizeof(float));
+                char what[80];
+                snprintf(what, sizeof what, "shard matmul %s cols [%lld, %lld) m=%lld", quant_type_name(t),
+                         (long long)c0, (long long)(c0 + kk), (long long)m);
+                same(what, yc, yg, (size_t)(m * n));
+                free(x), free(yc), free(yg);
+            }
+        }
+        free(w.host);
+    }
+    free_bufs();
+    printf("column shards: %d outputs identical over 6 types\n", compared - before);
+}
+
+/* ---- the allreduce of ranks on the CUDA backend (kn_cuda_comm.cu) ---- */
+
+enum { AR_RANKS = 3, AR_CALLS = 5, AR_MAX = 700 };
+static const size_t AR_COUNT[AR_CALLS] = {576, 1, 700, 257, 576}; /* odd, one, the max */
+
+typedef struct ar_rank {
+    kn_comm *comm;
+    kn_stream *s;
+    float *part[AR_CALLS], *x[AR_CALLS]; /* the backend's: every call's partial and residual */
+} ar_rank;
+
+/* Rank r's partial of call i, and the residual every rank holds. */
+static float ar_part(int r, int i, size_t j) { return (float)((int)(j * 7 + (size_t)r * 13 + (size_t)i) % 97) * 0.173f - 8.1f; }
+static float ar_resid(int i, size_t j) { return (float)((int)(j * 3 + (size_t)i) % 31) * 0.5f - 7.0f; }
+
+/* The calls alternate: even ones kn_allreduce_sum, odd ones
+ * kn_allreduce_add, with no sync between them, so the slots of both
+ * parities are reused while other ranks may still be behind. */
+static void *ar_rank_main(void *arg) {
+    ar_rank *rk = arg;
+    for (int i = 0; i < AR_CALLS; i++) {
+        if (i % 2 == 0) kn_allreduce_sum(rk->comm, rk->s, rk->part[i], AR_COUNT[i]);
+        else kn_allreduce_add(rk->comm, rk->s, rk->part[i], rk->x[i], AR_COUNT[i]);
+    }
+    kn_stream_sync(rk->s);
+    return NULL;
+}
+
+static void run_ranks(const kn_backend *be, kn_allreduce kind, float out[AR_CALLS][AR_RANKS][AR_MAX],
+                      kn_comm_stats *st) {
+    kn_comm *comms[AR_RANKS];
+    ae_error err = {{0}};
+    if (kn_comm_init(be, kind, comms, AR_RANKS, AR_MAX, &err) != AE_OK) fail_msg("%s", err.msg);
+    ar_rank rk[AR_RANKS];
+    kn_buf held[AR_RANKS][AR_CALLS][2];
+    float host[AR_MAX];
+    for (int r = 0; r < AR_RANKS; r++) {
+        rk[r].comm = comms[r];
+        assert_int_equal(kn_stream_init(&rk[r].s, be, &(kn_stream_config){be == CU ? NULL : P, 0}, &err), AE_OK);
+        for (int i = 0; i < AR_CALLS; i++) {
+            for (size_t j = 0; j < AR_MAX; j++) host[j] = ar_part(r, i, j);
+            assert_int_equal(kn_buf_alloc(be, &held[r][i][0], sizeof host, &err), AE_OK);
+            kn_upload(rk[r].s, &held[r][i][0], 0, host, sizeof host);
+            for (size_t j = 0; j < AR_MAX; j++) host[j] = ar_resid(i, j);
+            assert_int_equal(kn_buf_alloc(be, &held[r][i][1], sizeof host, &err), AE_OK);
+            kn_upload(rk[r].s, &held[r][i][1], 0, host, sizeof host);
+            rk[r].part[i] = held[r][i][0].ptr;
+            rk[r].x[i] = held[r][i][1].ptr;
+        }
+        kn_stream_sync(rk[r].s);
+    }
+    pthread_t th[AR_RANKS];
+    for (int r = 1; r < AR_RANKS; r++) assert_int_equal(pthread_create(&th[r], NULL, ar_rank_main, &rk[r]), 0);
+    ar_rank_main(&rk[0]);
+    for (int r = 1; r < AR_RANKS; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < AR_RANKS; r++) {
+        for (int i = 0; i < AR_CALLS; i++) {
+            kn_download(rk[r].s, out[i][r], &held[r][i][i % 2], 0, AR_COUNT[i] * sizeof(float));
+            kn_stream_sync(rk[r].s);
+            kn_buf_free(&held[r][i][0]);
+            kn_buf_free(&held[r][i][1]);
+        }
+        st[r] = kn_comm_get_stats(comms[r]);
+        assert_int_equal(kn_comm_kind(comms[r]), kind);
+        kn_stream_free(rk[r].s);
+    }
+    kn_comm_free(comms, AR_RANKS);
+}
+
+/* Three ranks' custom allreduce gives the CPU communicator's bits on
+ * every rank, alone and fused with the residual add, through both
+ * parities of its slots; NCCL is refused on the shim with the reason. */
+static void custom_allreduce_is_the_cpus_in_rank_order(void **state) {
+    (void)state;
+    static float cpu[AR_CALLS][AR_RANKS][AR_MAX], cu[AR_CALLS][AR_RANKS][AR_MAX];
+    kn_comm_stats sc[AR_RANKS], sg[AR_RANKS];
+    run_ranks(&kn_backend_cpu, KN_ALLREDUCE_CPU, cpu, sc);
+    run_ranks(CU, KN_ALLREDUCE_CUSTOM, cu, sg);
+    uint64_t bytes = 0;
+    for (int i = 0; i < AR_CALLS; i++) {
+        bytes += AR_COUNT[i] * sizeof(float);
+        for (int r = 0; r < AR_RANKS; r++) {
+            char what[64];
+            snprintf(what, sizeof what, "allreduce call %d (%s) rank %d", i, i % 2 ? "add" : "sum", r);
+            same(what, cpu[i][r], cu[i][r], AR_COUNT[i]);
+            same(what, cpu[i][0], cu[i][r], AR_COUNT[i]); /* every rank the same */
+        }
+        /* and the sum is the rank-order one, written out */
+        for (size_t j = 0; j < AR_COUNT[i]; j++) {
+            float want = (ar_part(0, i, j) + ar_part(1, i, j)) + ar_part(2, i, j);
+            if (i % 2) want = ar_resid(i, j) + want;
+            assert_memory_equal(&cu[i][1][j], &want, sizeof want);
+        }
+    }
+    for (int r = 0; r < AR_RANKS; r++) {
+        assert_int_equal(sg[r].calls, AR_CALLS);
+        assert_int_equal(sg[r].bytes, bytes);
+        assert_int_equal(sc[r].calls, sg[r].calls);
+        assert_int_equal(sc[r].bytes, sg[r].bytes);
+    }
+    kn_comm *c[2] = {NULL, NULL};
+    ae_error err = {{0}};
+    assert_int_equal(kn_comm_init(CU, KN_ALLREDUCE_NCCL, c, 2, 16, &err), AE_ERR);
+#ifndef KN_TEST_GPU
+    assert_string_equal(err.msg, "cuda comm: nccl: the CPU shim has no NCCL (it needs a GPU)");
+#endif
+    assert_null(c[0]);
+    err.msg[0] = '\0';
+    assert_int_equal(kn_comm_init(CU, KN_ALLREDUCE_CPU, c, 2, 16, &err), AE_ERR);
+    assert_string_equal(err.msg, "cuda comm: the cuda backend's ranks reduce with --allreduce nccl or custom, not cpu");
+    printf("custom allreduce: %d ranks x %d calls (sum and fused add, %llu bytes a rank) bit-equal to the cpu's\n",
+           AR_RANKS, AR_CALLS, (unsigned long long)bytes);
 }
 
 static void matmul_n_and_swiglu(void **state) {
@@ -809,6 +966,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(device_open_reports_the_shim),
         cmocka_unit_test(matmul_every_type_both_precisions),
+        cmocka_unit_test(matmul_of_column_shards),
+        cmocka_unit_test(custom_allreduce_is_the_cpus_in_rank_order),
         cmocka_unit_test(matmul_n_and_swiglu),
         cmocka_unit_test(row_and_elementwise_ops),
         cmocka_unit_test(embed_every_type),

@@ -13,7 +13,14 @@
  * chunked feeds, forks and several rounds (tests/draft_rounds.h). On a
  * GPU the softmax's expf is the device's (kn_cuda.h), so there the
  * probabilities are held to 1e-5 of the CPU's instead; on the shim it is
- * the host's, as the CPU's. Run from the repo root. */
+ * the host's, as the CPU's.
+ *
+ * At two tensor-parallel ranks (engine.h eng_set_tp) the CUDA engine's
+ * ranks reduce with the custom allreduce (or $AERIE_TEST_ALLREDUCE: nccl
+ * on a GPU) and the CPU engine's with its own, both in rank order: every
+ * logit of a prefill and of a decode is the CPU's bits, plain output is
+ * the CPU's at two ranks, speculative output equals it, and both count
+ * the same allreduces, 2 a layer a pass. Run from the repo root. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -224,10 +231,118 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
     model_free(m_cpu);
 }
 
+/* The kind the CUDA engine's ranks use. */
+static kn_allreduce cuda_allreduce(void) {
+    const char *env = getenv("AERIE_TEST_ALLREDUCE");
+    int k = env && env[0] ? kn_allreduce_parse(env) : KN_ALLREDUCE_CUSTOM;
+    if (k < 0) fail_msg("AERIE_TEST_ALLREDUCE=%s: not a kind", env);
+    return (kn_allreduce)k;
+}
+
+static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
+    (void)state;
+    ae_error err = {{0}};
+    model *m_cpu, *m_cu;
+    if (model_load(&m_cpu, FIX "/target", &kn_backend_cpu, &err) != AE_OK ||
+        model_load(&m_cu, FIX "/target", CU, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
+    const kn_allreduce kind = cuda_allreduce();
+    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, &err) != AE_OK)
+        fail_msg("--tp 2: %s", err.msg);
+    assert_int_equal(eng_allreduce(e_cu), kind);
+    eng_set_graphs(e_cu, 16, 0); /* asked for, and off while ranks run */
+    const int32_t V = m_cpu->cfg.vocab, L = m_cpu->cfg.n_layers;
+    /* one prefill of 20 tokens with every row's logits, then a decode
+     * step: the bits of both */
+    int32_t ids[MAX_PROMPT], want[N_PROMPTS][N_GEN], got[N_GEN];
+    int32_t n = 0;
+    for (int i = 0; i < N_PROMPTS && n < 21; i++) n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+    assert_true(n >= 21);
+    float *lg[2] = {malloc(sizeof(float) * 20 * (size_t)V), malloc(sizeof(float) * 20 * (size_t)V)};
+    eng *e[2] = {e_cpu, e_cu};
+    int32_t seq[2];
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(eng_seq_new(e[k], &seq[k], &err), AE_OK);
+        eng_item it = {seq[k], ENG_APPEND, 20, ids, NULL, true};
+        assert_int_equal(eng_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
+    }
+    assert_memory_equal(lg[0], lg[1], sizeof(float) * 20 * (size_t)V);
+    for (int k = 0; k < 2; k++) {
+        eng_item it = {seq[k], ENG_APPEND, 1, &ids[20], NULL, false};
+        assert_int_equal(eng_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
+        eng_seq_free(e[k], seq[k]);
+    }
+    assert_memory_equal(lg[0], lg[1], sizeof(float) * (size_t)V);
+    for (int i = 0; i < N_PROMPTS; i++) {
+        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+        run_plain_greedy(e_cpu, ids, n, CHUNK, N_GEN, want[i]);
+        run_plain_greedy(e_cu, ids, n, CHUNK, N_GEN, got);
+        assert_memory_equal(got, want[i], sizeof got);
+    }
+    draft_link link;
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, NULL, 0};
+    if (draft_link_open(&link, FIX "/head", model_embedding(m_cpu), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    static const sample_params greedy = {0, 0, 1, 0};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec *s;
+    if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link.iface, &sc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    int identical = 0;
+    for (int i = 0; i < N_PROMPTS; i++) {
+        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+        run_spec(s, e_cu, ids, n, CHUNK, &greedy, 0, N_GEN, got);
+        identical += memcmp(got, want[i], sizeof got) == 0;
+    }
+    const spec_stats *st = spec_total_stats(s);
+    eng_comm_stats c0 = eng_get_comm_stats(e_cpu), c1 = eng_get_comm_stats(e_cu);
+    eng_graph_stats gs = eng_get_graph_stats(e_cu);
+    printf("two ranks on cuda, allreduce %s: prefill and decode logits bit-equal to two cpu ranks; plain output "
+           "identical on %d/%d prompts; speculative (the head, tree 4/3/8) identical to plain on %d/%d, %lld verify "
+           "steps, %lld accepted; %llu allreduces in %lld passes (cpu ranks: %llu in %lld), %llu bytes; graphs "
+           "captured %lld\n",
+           kn_allreduce_name(kind), N_PROMPTS, N_PROMPTS, identical, N_PROMPTS, (long long)st->steps,
+           (long long)st->accepted, (unsigned long long)c1.total.calls, (long long)c1.steps,
+           (unsigned long long)c0.total.calls, (long long)c0.steps, (unsigned long long)c1.total.bytes,
+           (long long)gs.captures);
+    assert_int_equal(identical, N_PROMPTS);
+    assert_true(st->steps > 0 && st->accepted > 0);
+    assert_int_equal(c0.total.calls, (uint64_t)2 * (uint64_t)L * (uint64_t)c0.steps);
+    assert_int_equal(c1.total.calls, (uint64_t)2 * (uint64_t)L * (uint64_t)c1.steps);
+    assert_true(c1.total.ns > 0);
+    assert_int_equal(gs.captures + gs.replays, 0);
+    spec_free(s);
+    draft_link_close(&link);
+    /* auto: custom measured; NCCL is not in the shim, and the log says so */
+    eng_free(e_cu);
+    e_cu = engine(m_cu);
+    if (eng_set_tp(e_cu, 2, KN_ALLREDUCE_AUTO, &err) != AE_OK) fail_msg("--tp 2: %s", err.msg);
+    printf("auto: %s\n", eng_allreduce_why(e_cu));
+#ifndef KN_TEST_GPU
+    assert_int_equal(eng_allreduce(e_cu), KN_ALLREDUCE_CUSTOM);
+    assert_non_null(strstr(eng_allreduce_why(e_cu), "nccl not measured (cuda comm: nccl: the CPU shim has no NCCL"));
+#endif
+    /* the CPU's kind is refused on CUDA */
+    eng_free(e_cu);
+    e_cu = engine(m_cu);
+    err.msg[0] = '\0';
+    assert_int_equal(eng_set_tp(e_cu, 2, KN_ALLREDUCE_CPU, &err), AE_ERR);
+    assert_string_equal(err.msg, "tensor parallel: --allreduce cpu is for ranks on the CPU; the cuda backend's ranks "
+                                 "reduce with nccl or custom");
+    free(lg[0]);
+    free(lg[1]);
+    eng_free(e_cu);
+    eng_free(e_cpu);
+    model_free(m_cu);
+    model_free(m_cpu);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(the_head_drafts_the_same_trees_on_cuda),
         cmocka_unit_test(greedy_speculation_on_cuda_is_plain_decoding),
+        cmocka_unit_test(ranks_on_cuda_give_the_cpu_ranks_bits),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -20,7 +20,7 @@ KEYS = {"model", "device", "simd", "threads", "batch", "prompt_tokens", "gen_tok
         "bandwidth_best_gb_per_s", "roofline_fraction_windows", "roofline_fraction_vs_best",
         "bandwidth_mib", "roofline_tok_per_s", "roofline_fraction", "verify_context", "verify_1_ms",
         "verify_cost", "wall_seconds", "act_bits", "deterministic", "cuda_graphs", "graph_captures",
-        "graph_replays", "graph_bytes", "graph_max_nodes", "tp", "allreduces_per_step",
+        "graph_replays", "graph_bytes", "graph_max_nodes", "tp", "allreduce", "allreduces_per_step",
         "allreduce_bytes_per_step", "allreduce_ms_per_step", "verify_allreduces"}
 
 # SmolLM2-135M Q4_1 ties its output projection to the embedding table, so a
@@ -53,6 +53,7 @@ def test_prints_one_json_line_with_every_figure(tiny):
     assert (tiny["cuda_graphs"], tiny["graph_captures"], tiny["graph_replays"], tiny["graph_bytes"]) == (0, 0, 0, 0)
     # one rank: no allreduce
     assert (tiny["tp"], tiny["allreduces_per_step"], tiny["allreduce_bytes_per_step"]) == (1, 0, 0)
+    assert tiny["allreduce"] == "none"
     assert all(v == {"calls": 0, "bytes": 0, "ms": 0} for v in tiny["verify_allreduces"].values())
     for k in ("prefill_tok_per_s", "decode_tok_per_s", "decode_step_per_s", "bandwidth_gb_per_s",
               "roofline_tok_per_s", "verify_1_ms", "wall_seconds"):
@@ -67,6 +68,7 @@ def test_two_ranks_count_two_allreduces_a_layer_in_every_pass(aerie, model):
     assert r.rc == 0, r.err
     b = json.loads(r.out)
     assert (b["tp"], b["allreduces_per_step"], b["allreduce_bytes_per_step"]) == (2, 60, 60 * 2 * 576 * 4)
+    assert b["allreduce"] == "cpu"
     assert b["allreduce_ms_per_step"] > 0
     assert list(b["verify_allreduces"]) == ["1", "2", "4", "8", "16", "32"]
     for n, v in b["verify_allreduces"].items():

@@ -46,11 +46,12 @@ def env_with_shim():
     return env
 
 
-def serve(model, device, tmp_path):
-    addr = f"unix:{tmp_path}/{device}.sock"
-    log = open(tmp_path / f"{device}.log", "w")
+def serve(model, device, tmp_path, *extra):
+    tag = "-".join([device, *map(str, extra)]).replace("--", "")
+    addr = f"unix:{tmp_path}/{tag}.sock"
+    log = open(tmp_path / f"{tag}.log", "w")
     p = subprocess.Popen([str(TARGET), "--model", str(model), "--listen", addr, "--device", device, "--max-batch", "4",
-                          "--max-seq-len", "64", "--threads", "2", "--log-interval-s", "0"],
+                          "--max-seq-len", "64", "--threads", "2", "--log-interval-s", "0", *map(str, extra)],
                          stdout=log, stderr=subprocess.STDOUT, env=env_with_shim(), cwd=ROOT)
     rpc.wait_for_socket(addr, p)
     try:
@@ -67,7 +68,7 @@ def serve(model, device, tmp_path):
         log.close()
     for cid in ids:
         assert streams[cid].status == "OK", streams[cid].error
-    return [streams[cid].tokens for cid in ids], (tmp_path / f"{device}.log").read_text()
+    return [streams[cid].tokens for cid in ids], (tmp_path / f"{tag}.log").read_text()
 
 
 def test_target_on_the_cuda_backend_serves_the_cpu_backends_tokens(tiny, tmp_path):
@@ -115,13 +116,35 @@ def test_print_config_names_the_cuda_device_and_an_impossible_gpu_plan_exits_2(t
                           "--no-deterministic"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == "aerie-target: fast mode: the CPU shim has no cuBLAS"
-    # ranks on a GPU need NCCL, which is not built: one line, exit 2
-    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", "--tp", "2"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == (
-        "aerie-target: --tp 2: tensor parallel: 2 ranks on the cuda backend: ranks run on the CPU backend only "
-        "(ranks on GPUs need NCCL, not built yet)")
+    # ranks on CUDA reduce with NCCL, which the shim has not, or the custom
+    # kernel; the CPU's kind is refused there, and a kind that is none of them
+    for args, line in [
+            (["--tp", "2", "--allreduce", "nccl"],
+             "aerie-target: --tp 2: cuda comm: nccl: the CPU shim has no NCCL (it needs a GPU)"),
+            (["--tp", "2", "--allreduce", "cpu"],
+             "aerie-target: --tp 2: tensor parallel: --allreduce cpu is for ranks on the CPU; the cuda backend's "
+             "ranks reduce with nccl or custom"),
+            (["--allreduce", "ring"], "aerie-target: --allreduce ring: not one of auto, cpu, nccl, custom")]:
+        out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", *args],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert out.returncode == 2
+        assert out.stderr.strip().splitlines()[-1] == line
+
+
+def test_ranks_on_the_cuda_backend_serve_the_cpu_ranks_tokens(tiny, tmp_path):
+    # Both reduce in rank order (the custom kernel on CUDA), and every op
+    # keeps the CPU's bits: the same tokens, greedy and sampled.
+    cpu, _ = serve(tiny, "cpu", tmp_path, "--tp", "2")
+    cuda, log = serve(tiny, "cuda", tmp_path, "--tp", "2")
+    assert all(len(t) == MAX_TOKENS for t in cpu)
+    assert cuda == cpu
+    # auto measured the custom kernel; NCCL is not in the shim, and the log says so
+    assert "tensor parallel: allreduce custom (auto: custom: " in log
+    assert "nccl not measured (cuda comm: nccl: the CPU shim has no NCCL (it needs a GPU))" in log
+    assert "allreduces = 2 per layer x 2 layers = 4 a pass" in log
+    custom, _ = serve(tiny, "cuda", tmp_path, "--tp", "3", "--allreduce", "custom")
+    three, _ = serve(tiny, "cpu", tmp_path, "--tp", "3")
+    assert custom == three
 
 
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):

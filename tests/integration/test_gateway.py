@@ -628,6 +628,7 @@ def test_a_target_at_two_ranks_gives_the_same_text_and_counts_its_allreduces(tmp
         assert r.choices[0].message.content == greedy_reference(model, msgs, 24)
         _r, stats, cfg = rpc.info(target_addr)
         assert cfg["tp"] == {"value": 2, "source": "flag"}
+        assert cfg["allreduce"] == {"value": "cpu", "source": "auto"}
         assert stats["tp"] == 2 and stats["spec"]["steps"] > 0
         ar = stats["allreduces"]
         assert ar["per_step"] == 60 and ar["bytes_per_step"] == 60 * ar["tokens_per_step"] * 576 * 4, ar

@@ -1093,6 +1093,8 @@ typedef struct tp_rank {
     const float *x; /* [TP_M][TP_K], the full activations */
     float y[TP_M * TP_N];
     float xs[TP_M * TP_K];
+    float part[TP_M * TP_N]; /* the rank's partial, kept */
+    float resid[TP_M * TP_N]; /* a residual stream, after kn_allreduce_add */
 } tp_rank;
 
 /* Row-parallel: rank r takes input columns [r*K/R, (r+1)*K/R) of W and
@@ -1106,7 +1108,11 @@ static void *tp_rank_main(void *arg) {
     shard.data = rk->w->bytes + quant_row_bytes(shard.type, (uint64_t)(kc * r));
     for (int t = 0; t < TP_M; t++) memcpy(rk->xs + t * kc, rk->x + t * TP_K + kc * r, (size_t)kc * sizeof(float));
     kn_matmul(rk->stream, &shard, rk->xs, rk->y, TP_M);
+    memcpy(rk->part, rk->y, sizeof rk->part);
     kn_allreduce_sum(rk->comm, rk->stream, rk->y, TP_M * TP_N);
+    /* the fused form: the residual plus the same sum */
+    for (int i = 0; i < TP_M * TP_N; i++) rk->resid[i] = 0.25f * (float)(i % 7) - 0.5f;
+    kn_allreduce_add(rk->comm, rk->stream, rk->part, rk->resid, TP_M * TP_N);
     return NULL;
 }
 
@@ -1122,7 +1128,7 @@ static void run_tp(int R, const test_weight *w, const float *x, tp_rank *ranks) 
         assert_int_equal(pthread_create(&th[r], NULL, tp_rank_main, &ranks[r]), 0);
     }
     for (int r = 0; r < R; r++) pthread_join(th[r], NULL);
-    kn_comm_free_cpu(comms, R);
+    kn_comm_free(comms, R);
 }
 
 static void allreduce_two_ranks_matches_one_rank_and_repeats_bitwise(void **state) {
@@ -1136,6 +1142,11 @@ static void allreduce_two_ranks_matches_one_rank_and_repeats_bitwise(void **stat
     run_tp(2, &w, x, again);
     assert_same_bits(two[0].y, two[1].y, TP_M * TP_N, "rank 0 vs rank 1");
     assert_same_bits(two[0].y, again[0].y, TP_M * TP_N, "run 1 vs run 2");
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < TP_M * TP_N; i++) {
+            float want = (0.25f * (float)(i % 7) - 0.5f) + two[0].y[i];
+            assert_memory_equal(&two[r].resid[i], &want, sizeof want);
+        }
     for (int i = 0; i < TP_M * TP_N; i++) assert_true(fabsf(two[0].y[i] - one[0].y[i]) <= 1e-5f * (1 + fabsf(one[0].y[i])));
     free_weight(&w);
 }
@@ -1150,8 +1161,28 @@ static void allreduce_sums_in_rank_order_and_one_rank_is_a_noop(void **state) {
     assert_int_equal(kn_comm_size(c[0]), 1);
     kn_allreduce_sum(c[0], F.streams[1], buf, 2);
     assert_true(buf[0] == 1.5f && buf[1] == -2.0f);
-    kn_comm_free_cpu(c, 1);
-    kn_comm_free_cpu(NULL, 0);
+    assert_int_equal(kn_comm_kind(c[0]), KN_ALLREDUCE_CPU);
+    float x[2] = {0.25f, 1.0f};
+    kn_allreduce_add(c[0], F.streams[1], buf, x, 2); /* one rank: the add alone */
+    assert_true(x[0] == 1.75f && x[1] == -1.0f);
+    kn_allreduce_add(NULL, F.streams[1], buf, x, 2);
+    assert_true(x[0] == 3.25f && x[1] == -3.0f);
+    kn_comm_free(c, 1);
+    kn_comm_free(NULL, 0);
+    /* the kinds by name, and the ones the CPU backend does not have */
+    assert_int_equal(kn_allreduce_parse("custom"), KN_ALLREDUCE_CUSTOM);
+    assert_int_equal(kn_allreduce_parse("nccl"), KN_ALLREDUCE_NCCL);
+    assert_int_equal(kn_allreduce_parse("ring"), -1);
+    assert_string_equal(kn_allreduce_name(KN_ALLREDUCE_AUTO), "auto");
+    ae_error err = {{0}};
+    kn_comm *two[2] = {c[0], c[0]};
+    assert_int_equal(kn_comm_init(&kn_backend_cpu, KN_ALLREDUCE_NCCL, two, 2, 4, &err), AE_ERR);
+    assert_string_equal(err.msg, "comm: the cpu backend's ranks reduce with --allreduce cpu, not nccl (nccl and "
+                                 "custom are the cuda backend's)");
+    assert_null(two[0]);
+    err.msg[0] = '\0';
+    assert_int_equal(kn_comm_init(&kn_backend_cpu, KN_ALLREDUCE_AUTO, two, 2, 4, &err), AE_ERR);
+    assert_string_equal(err.msg, "comm: allreduce auto is chosen before a comm is made");
 }
 
 /* ---- the backend table ---------------------------------------------------- */
