@@ -20,6 +20,7 @@
 #include <pthread.h>
 
 #include "cuda_open.h"
+#include "../../kernels/backend.h" /* a comm's op, called past kn_allreduce_sum */
 #include "../../target/sample.h"
 #include "../../services/core/pool.h"
 
@@ -320,15 +321,15 @@ static void *ar_rank_main(void *arg) {
     return NULL;
 }
 
-static void run_ranks(const kn_backend *be, kn_allreduce kind, float out[AR_CALLS][AR_RANKS][AR_MAX],
+static void run_ranks(const kn_backend *be, kn_allreduce kind, int R, float out[AR_CALLS][AR_RANKS][AR_MAX],
                       kn_comm_stats *st) {
     kn_comm *comms[AR_RANKS];
     ae_error err = {{0}};
-    if (kn_comm_init(be, kind, comms, AR_RANKS, AR_MAX, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (kn_comm_init(be, kind, comms, R, AR_MAX, &err) != AE_OK) fail_msg("%s", err.msg);
     ar_rank rk[AR_RANKS];
     kn_buf held[AR_RANKS][AR_CALLS][2];
     float host[AR_MAX];
-    for (int r = 0; r < AR_RANKS; r++) {
+    for (int r = 0; r < R; r++) {
         rk[r].comm = comms[r];
         assert_int_equal(kn_stream_init(&rk[r].s, be, &(kn_stream_config){be == CU ? NULL : P, 0}, &err), AE_OK);
         for (int i = 0; i < AR_CALLS; i++) {
@@ -344,10 +345,10 @@ static void run_ranks(const kn_backend *be, kn_allreduce kind, float out[AR_CALL
         kn_stream_sync(rk[r].s);
     }
     pthread_t th[AR_RANKS];
-    for (int r = 1; r < AR_RANKS; r++) assert_int_equal(pthread_create(&th[r], NULL, ar_rank_main, &rk[r]), 0);
+    for (int r = 1; r < R; r++) assert_int_equal(pthread_create(&th[r], NULL, ar_rank_main, &rk[r]), 0);
     ar_rank_main(&rk[0]);
-    for (int r = 1; r < AR_RANKS; r++) pthread_join(th[r], NULL);
-    for (int r = 0; r < AR_RANKS; r++) {
+    for (int r = 1; r < R; r++) pthread_join(th[r], NULL);
+    for (int r = 0; r < R; r++) {
         for (int i = 0; i < AR_CALLS; i++) {
             kn_download(rk[r].s, out[i][r], &held[r][i][i % 2], 0, AR_COUNT[i] * sizeof(float));
             kn_stream_sync(rk[r].s);
@@ -358,7 +359,7 @@ static void run_ranks(const kn_backend *be, kn_allreduce kind, float out[AR_CALL
         assert_int_equal(kn_comm_kind(comms[r]), kind);
         kn_stream_free(rk[r].s);
     }
-    kn_comm_free(comms, AR_RANKS);
+    kn_comm_free(comms, R);
 }
 
 /* Three ranks' custom allreduce gives the CPU communicator's bits on
@@ -368,8 +369,8 @@ static void custom_allreduce_is_the_cpus_in_rank_order(void **state) {
     (void)state;
     static float cpu[AR_CALLS][AR_RANKS][AR_MAX], cu[AR_CALLS][AR_RANKS][AR_MAX];
     kn_comm_stats sc[AR_RANKS], sg[AR_RANKS];
-    run_ranks(&kn_backend_cpu, KN_ALLREDUCE_CPU, cpu, sc);
-    run_ranks(CU, KN_ALLREDUCE_CUSTOM, cu, sg);
+    run_ranks(&kn_backend_cpu, KN_ALLREDUCE_CPU, AR_RANKS, cpu, sc);
+    run_ranks(CU, KN_ALLREDUCE_CUSTOM, AR_RANKS, cu, sg);
     uint64_t bytes = 0;
     for (int i = 0; i < AR_CALLS; i++) {
         bytes += AR_COUNT[i] * sizeof(float);
@@ -404,6 +405,48 @@ static void custom_allreduce_is_the_cpus_in_rank_order(void **state) {
     assert_string_equal(err.msg, "cuda comm: the cuda backend's ranks reduce with --allreduce nccl or custom, not cpu");
     printf("custom allreduce: %d ranks x %d calls (sum and fused add, %llu bytes a rank) bit-equal to the cpu's\n",
            AR_RANKS, AR_CALLS, (unsigned long long)bytes);
+}
+
+/* NCCL on a GPU, when tests/gpu/run.sh asks (AERIE_TEST_NCCL_RANKS; a
+ * shim build has no NCCL). One rank: NCCL's op, called directly
+ * (kn_allreduce_sum skips one rank), leaves the buffer's bits. Two ranks
+ * on this one GPU (NCCL 2.30 or later, NCCL_MULTI_RANK_GPU_ENABLE=1): a
+ * sum of two has one order, so the CPU's bits, alone and fused. */
+static void nccl_allreduce_when_asked(void **state) {
+    (void)state;
+    const char *env = getenv("AERIE_TEST_NCCL_RANKS");
+    if (!env || !env[0]) {
+        printf("nccl: not asked (AERIE_TEST_NCCL_RANKS=1 or 2, on a GPU)\n");
+        return;
+    }
+    int R = atoi(env);
+    assert_true(R == 1 || R == 2);
+    ae_error err = {{0}};
+    if (R == 1) {
+        kn_comm *c[1];
+        if (kn_comm_init(CU, KN_ALLREDUCE_NCCL, c, 1, 1024, &err) != AE_OK) fail_msg("%s", err.msg);
+        float x[1024], y[1024];
+        fill(x, 1024, -3, 3);
+        float *dx = dev(x, sizeof x);
+        for (int i = 0; i < 3; i++) c[0]->ops->allreduce(c[0], cu15, dx, 1024);
+        get(cu15, y, dx, sizeof y);
+        same("nccl, one rank", x, y, 1024);
+        kn_comm_stats st = kn_comm_get_stats(c[0]);
+        assert_true(st.ns > 0);
+        printf("nccl, one rank: 3 allreduces of 1024 floats, the buffer unchanged, %.1f us each\n",
+               (double)st.ns / 3e3);
+        kn_comm_free(c, 1);
+        free_bufs();
+        return;
+    }
+    static float cpu[AR_CALLS][AR_RANKS][AR_MAX], cu[AR_CALLS][AR_RANKS][AR_MAX];
+    kn_comm_stats sc[AR_RANKS], sg[AR_RANKS];
+    run_ranks(&kn_backend_cpu, KN_ALLREDUCE_CPU, 2, cpu, sc);
+    run_ranks(CU, KN_ALLREDUCE_NCCL, 2, cu, sg);
+    for (int i = 0; i < AR_CALLS; i++)
+        for (int r = 0; r < 2; r++) same("nccl, two ranks", cpu[i][r], cu[i][r], AR_COUNT[i]);
+    printf("nccl, two ranks on one GPU: %d calls bit-equal to the cpu's, %.1f us a call on rank 0\n", AR_CALLS,
+           (double)sg[0].ns / AR_CALLS / 1e3);
 }
 
 static void matmul_n_and_swiglu(void **state) {
@@ -962,12 +1005,14 @@ static void device_open_reports_the_shim(void **state) {
     assert_false(kn_backend_supports(be, KN_OP_KV, GGML_TYPE_BF16));
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1) cmocka_set_test_filter(argv[1]); /* one test, by name (tests/gpu/run.sh) */
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(device_open_reports_the_shim),
         cmocka_unit_test(matmul_every_type_both_precisions),
         cmocka_unit_test(matmul_of_column_shards),
         cmocka_unit_test(custom_allreduce_is_the_cpus_in_rank_order),
+        cmocka_unit_test(nccl_allreduce_when_asked),
         cmocka_unit_test(matmul_n_and_swiglu),
         cmocka_unit_test(row_and_elementwise_ops),
         cmocka_unit_test(embed_every_type),

@@ -27,7 +27,7 @@ LOGS=$(mktemp -d)
 exec > >(tee "$OUT/run.log") 2>&1
 t0=$SECONDS
 deadline=${AERIE_GPU_DEADLINE:-330}
-passed=0 failed=0 failures=() skipped=()
+passed=0 failed=0 failures=() skipped=() not_built=()
 
 step() { echo; echo "== $* ($((SECONDS - t0)) s)"; }
 
@@ -76,7 +76,7 @@ print("  torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join
 PY
 # NCCL's own version (ncclGetVersion: major*10000 + minor*100 + patch
 # from 2.9 on), from the first libnccl the loader or the disk has.
-nccl_version=$(python3 - <<'PY' 2>/dev/null
+nccl_found=$(python3 - <<'PY' 2>/dev/null
 import ctypes, ctypes.util, glob
 names = [ctypes.util.find_library("nccl") or "libnccl.so.2"] + sorted(glob.glob("/usr/**/libnccl.so.2", recursive=True))
 for n in names:
@@ -86,11 +86,17 @@ for n in names:
         continue
     v = ctypes.c_int(0)
     if lib.ncclGetVersion(ctypes.byref(v)) == 0:
-        print(f"{v.value // 10000}.{v.value // 100 % 100}.{v.value % 100}")
+        print(f"{v.value // 10000}.{v.value // 100 % 100}.{v.value % 100} {lib._name}")
         break
 PY
 )
-echo "NCCL: ${nccl_version:-no libnccl.so.2 found}"
+nccl_version=${nccl_found%% *}
+# The plugin opens NCCL with dlopen: the file found, unless told.
+if [ -n "$nccl_found" ] && [ -z "${AERIE_NCCL_LIB:-}" ]; then
+    AERIE_NCCL_LIB=${nccl_found#* }
+    [ "${AERIE_NCCL_LIB#/}" != "$AERIE_NCCL_LIB" ] && export AERIE_NCCL_LIB || unset AERIE_NCCL_LIB
+fi
+echo "NCCL: ${nccl_version:-no libnccl.so.2 found}${AERIE_NCCL_LIB:+ ($AERIE_NCCL_LIB)}"
 nproc
 if ! nvidia-smi -L >/dev/null 2>&1; then
     echo "no GPU here: nothing to run"
@@ -172,14 +178,33 @@ done
 # Out-of-bounds and misaligned accesses, and reads of memory never
 # written, in every kernel of the op test (the shim's ASan cannot see the
 # device's own addressing).
-# Tensor parallelism over NCCL: TP 1 through NCCL, and TP 2 on this one
-# GPU where NCCL is 2.30 or later (NCCL_MULTI_RANK_GPU_ENABLE=1). The
-# NCCL ranks are not built yet (the ranks run on the CPU backend only;
-# README, "Tensor parallelism"): both are reported as skipped.
-step "tensor parallelism over NCCL"
-echo "-- nccl-tp1: skipped (NCCL ranks are not built yet; NCCL here: ${nccl_version:-none})"
-echo "-- nccl-tp2: skipped (NCCL ranks are not built yet; two ranks on one GPU would also need NCCL >= 2.30)"
-not_built=(nccl-tp1 nccl-tp2)
+# Tensor parallelism on this one GPU (the ranks share the plugin's
+# device: kernels/cuda/kn_cuda_comm.cu). NCCL at TP 1: its allreduce
+# called on one rank leaves the bits. At TP 2 (NCCL 2.30 or later, with
+# NCCL_MULTI_RANK_GPU_ENABLE=1): two ranks' sums bit-equal to the CPU's,
+# and the engine at two ranks through NCCL, speculative output equal to
+# plain. The custom kernel's two ranks ran in "spec" above. Then the
+# allreduce figures of a verify pass at TP 2 on the GPU: aerie bench, auto
+# (its measurement of both kinds is in the log), on the 8B shape.
+step "tensor parallelism: NCCL and the custom allreduce"
+if [ -z "$nccl_version" ]; then
+    echo "-- nccl-tp1: skipped (no libnccl.so.2 on this machine)"
+    echo "-- nccl-tp2: skipped (no libnccl.so.2 on this machine)"
+    not_built=(nccl-tp1 nccl-tp2)
+else
+    AERIE_TEST_NCCL_RANKS=1 run nccl-tp1 60 build/gpu/test_cuda_ops nccl_allreduce_when_asked
+    IFS=. read -r nccl_major nccl_minor _ <<<"$nccl_version"
+    if [ "$nccl_major" -gt 2 ] || { [ "$nccl_major" -eq 2 ] && [ "$nccl_minor" -ge 30 ]; }; then
+        NCCL_MULTI_RANK_GPU_ENABLE=1 AERIE_TEST_NCCL_RANKS=2 run nccl-tp2 60 build/gpu/test_cuda_ops nccl_allreduce_when_asked
+        NCCL_MULTI_RANK_GPU_ENABLE=1 AERIE_TEST_ALLREDUCE=nccl run nccl-tp2-spec 120 build/gpu/test_cuda_spec \
+            ranks_on_cuda_give_the_cpu_ranks_bits
+    else
+        echo "-- nccl-tp2: skipped (NCCL $nccl_version: two ranks on one GPU need NCCL 2.30 or later)"
+        not_built=(nccl-tp2)
+    fi
+fi
+make_model llama-3.1-8b q4_0
+NCCL_MULTI_RANK_GPU_ENABLE=1 bench bench-llama-3.1-8b-q4_0-tp2 "$file" --gen-tokens 32 --repeat 1 --tp 2
 
 step "compute-sanitizer: memcheck over the op test"
 if command -v compute-sanitizer >/dev/null 2>&1; then
@@ -214,7 +239,7 @@ done
 echo
 [ ${#failures[@]} -eq 0 ] || echo "failed: ${failures[*]}"
 [ ${#skipped[@]} -eq 0 ] || echo "skipped at the deadline: ${skipped[*]}"
-echo "skipped, not built yet: ${not_built[*]}"
+[ ${#not_built[@]} -eq 0 ] || echo "skipped, not possible here: ${not_built[*]}"
 tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .
 echo "gpu: $passed passed, $failed failed in $((SECONDS - t0)) s"
 [ "$failed" -eq 0 ]
