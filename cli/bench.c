@@ -59,6 +59,7 @@ static const cfg_option opts[] = {
     SVC_ACT_BITS_OPTION,
     SETUP_TP_OPTION,
     SETUP_ALLREDUCE_OPTION,
+    SETUP_TP_DEVICES_OPTION,
     MEMPLAN_GRAPHS_OPTION,
     MEMPLAN_DETERMINISTIC_OPTION,
     {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
@@ -542,7 +543,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
     const int32_t tp = (int32_t)cfg_int(c, "tp");
-    if (setup_tp(c, b.e, m, err) != AE_OK) goto out;
+    if (setup_tp(c, b.e, m, &dev, err) != AE_OK) goto out;
     if (eng_set_fast(b.e, !cfg_bool(c, "deterministic"), err) != AE_OK) goto out;
     {   /* The graphs held to the bytes a memory plan would give them. */
         int32_t n_graphs = memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be));

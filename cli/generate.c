@@ -32,6 +32,7 @@ static const cfg_option opts[] = {
     SVC_ACT_BITS_OPTION,
     SETUP_TP_OPTION,
     SETUP_ALLREDUCE_OPTION,
+    SETUP_TP_DEVICES_OPTION,
     DRAFT_LINK_AUTO_OPTIONS,
     {"spec-adaptive", CFG_BOOL, "true", 0, 0,
      "greedy decoding picks each step's tree (or none) within the spec-* bounds by measured cost and acceptance "

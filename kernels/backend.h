@@ -75,7 +75,8 @@ struct kn_backend {
     bool (*supports)(kn_op op, ggml_type type);
 
     /* streams */
-    int (*stream_init)(kn_stream **out, const kn_stream_config *cfg, ae_error *err);
+    /* be: the table called (a backend may have one per device) */
+    int (*stream_init)(const kn_backend *be, kn_stream **out, const kn_stream_config *cfg, ae_error *err);
     void (*stream_free)(kn_stream *s);
     int (*stream_threads)(const kn_stream *s);
     void (*sync)(kn_stream *s);
@@ -93,11 +94,12 @@ struct kn_backend {
     void (*graph_free)(kn_graph *g);
 
     /* A communicator of `kind` (never AUTO) for ranks that are threads of
-     * this process (kernels.h kn_comm_init); NULL: ranks cannot run on this
-     * backend. */
-    int (*comm_init)(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
+     * this process (kernels.h kn_comm_init), rank r's streams of table
+     * rank_be[r] (never NULL here); NULL: ranks cannot run on this backend. */
+    int (*comm_init)(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_backend *const *rank_be,
+                     size_t max_count, ae_error *err);
 
-    /* buffers */
+    /* buffers; b->be is set before buf_alloc is called */
     int (*buf_alloc)(kn_buf *b, size_t bytes, ae_error *err); /* zero-filled */
     void (*buf_free)(kn_buf *b);
     /* Blocking copy from the host, outside any stream (loading weights). */
@@ -129,6 +131,13 @@ struct kn_backend {
                       int32_t n_heads);
     void (*gather_rows)(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
                         int64_t dst_stride);
+
+    /* Whether this backend's ops may read and write buffers of `other`
+     * (another device's table of the same backend, with peer access);
+     * NULL: only its own. */
+    bool (*reads)(const kn_backend *self, const kn_backend *other);
+    /* Frees e->impl (kn_event_free); NULL: events hold nothing. */
+    void (*event_free)(kn_event *e);
 };
 
 #endif

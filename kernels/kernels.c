@@ -12,7 +12,7 @@
 int kn_stream_init(kn_stream **out, const kn_backend *be, const kn_stream_config *cfg, ae_error *err) {
     *out = NULL;
     if (!be) return err_set(err, "kernels: no backend");
-    if (be->stream_init(out, cfg, err) != AE_OK) return AE_ERR;
+    if (be->stream_init(be, out, cfg, err) != AE_OK) return AE_ERR;
     (*out)->be = be;
     (*out)->act_bits = KN_ACT_BITS_DEFAULT;
     (*out)->fast = false;
@@ -52,7 +52,16 @@ void kn_stream_sync(kn_stream *s) { s->be->sync(s); }
 
 int kn_stream_threads(const kn_stream *s) { return s->be->stream_threads(s); }
 
-void kn_event_record(kn_stream *s, kn_event *e) { s->be->event_record(s, e); }
+void kn_event_record(kn_stream *s, kn_event *e) {
+    AE_ASSERT(!e->impl || e->be == s->be); /* an event stays with one backend (one device) */
+    e->be = s->be;
+    s->be->event_record(s, e);
+}
+
+void kn_event_free(kn_event *e) {
+    if (e->impl && e->be && e->be->event_free) e->be->event_free(e);
+    *e = (kn_event){NULL, NULL};
+}
 
 void kn_event_wait(kn_stream *s, const kn_event *e) { s->be->event_wait(s, e); }
 
@@ -84,9 +93,11 @@ size_t kn_graph_nodes(const kn_graph *g) { return g->nodes; }
 size_t kn_graph_bytes(const kn_graph *g) { return g->bytes; }
 
 int kn_buf_alloc(const kn_backend *be, kn_buf *b, size_t bytes, ae_error *err) {
-    *b = (kn_buf){0};
-    if (be->buf_alloc(b, bytes, err) != AE_OK) return AE_ERR;
-    b->be = be;
+    *b = (kn_buf){.be = be};
+    if (be->buf_alloc(b, bytes, err) != AE_OK) {
+        *b = (kn_buf){0};
+        return AE_ERR;
+    }
     b->bytes = bytes;
     return AE_OK;
 }
@@ -97,6 +108,9 @@ void kn_buf_free(kn_buf *b) {
 }
 
 bool kn_backend_host_memory(const kn_backend *be) { return be->host_memory; }
+bool kn_backend_reads(const kn_backend *self, const kn_backend *other) {
+    return self == other || (self->reads && self->reads(self, other));
+}
 
 int kn_buf_from_host(const kn_backend *be, kn_buf *b, const void *host, size_t bytes, ae_error *err) {
     if (be->host_memory) {
@@ -120,7 +134,8 @@ void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t 
 
 /* ---- ops -------------------------------------------------------------------- */
 
-/* [p, p + n), read by an op of s, lies in b, a buffer of s's backend;
+/* [p, p + n), read by an op of s, lies in b, a buffer of s's backend (or
+ * of one it reads: another device's, by peer access);
  * with no buffer it is host memory, which only a host-memory backend
  * reads. */
 static void check_mem(const kn_stream *s, const kn_buf *b, const void *p, size_t n) {
@@ -128,7 +143,7 @@ static void check_mem(const kn_stream *s, const kn_buf *b, const void *p, size_t
         AE_ASSERT(s->be->host_memory && "host memory given to a backend that has its own");
         return;
     }
-    AE_ASSERT(b->be == s->be && "a buffer of another backend");
+    AE_ASSERT(kn_backend_reads(s->be, b->be) && "a buffer of another backend");
     uintptr_t lo = (uintptr_t)b->ptr, at = (uintptr_t)p;
     AE_ASSERT(at >= lo && at - lo <= b->bytes && n <= b->bytes - (at - lo));
 }
@@ -195,12 +210,21 @@ int kn_allreduce_parse(const char *s) {
     return -1;
 }
 
-int kn_comm_init(const kn_backend *be, kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count,
-                 ae_error *err) {
+int kn_comm_init(const kn_backend *be, kn_allreduce kind, kn_comm **comms, int n_ranks,
+                 const kn_backend *const *rank_be, size_t max_count, ae_error *err) {
     for (int r = 0; r < n_ranks; r++) comms[r] = NULL;
     if (kind == KN_ALLREDUCE_AUTO) return err_set(err, "comm: allreduce auto is chosen before a comm is made");
     if (!be->comm_init) return err_set(err, "comm: the %s backend cannot run ranks", be->name);
-    return be->comm_init(kind, comms, n_ranks, max_count, err);
+    if (n_ranks < 1 || n_ranks > KN_COMM_MAX_RANKS)
+        return err_set(err, "comm: ranks must be in 1..%d, got %d", KN_COMM_MAX_RANKS, n_ranks);
+    const kn_backend *all[KN_COMM_MAX_RANKS];
+    for (int r = 0; r < n_ranks; r++) {
+        all[r] = rank_be ? rank_be[r] : be;
+        if (!all[r] || all[r]->comm_init != be->comm_init)
+            return err_set(err, "comm: rank %d is on backend %s, not one of %s's", r, all[r] ? all[r]->name : "(none)",
+                           be->name);
+    }
+    return be->comm_init(kind, comms, n_ranks, all, max_count, err);
 }
 
 void kn_comm_free(kn_comm **comms, int n_ranks) {

@@ -157,10 +157,14 @@ int kn_stream_threads(const kn_stream *s);
  * ops wait for what s had queued at kn_event_record (CPU: nothing to
  * wait for). */
 typedef struct kn_event {
-    void *impl; /* the backend's */
+    void *impl;            /* the backend's */
+    const kn_backend *be;  /* whose impl it is (set by kn_event_record) */
 } kn_event;
 void kn_event_record(kn_stream *s, kn_event *e);
 void kn_event_wait(kn_stream *s, const kn_event *e);
+/* Frees what recording e made (a CUDA event); a zeroed or never recorded
+ * one is a no-op. e may be recorded again after. */
+void kn_event_free(kn_event *e);
 
 /* A graph: the ops one stream queued between kn_graph_begin and
  * kn_graph_end, recorded instead of run, then replayed by kn_graph_launch
@@ -212,6 +216,9 @@ void kn_buf_free(kn_buf *b); /* a zeroed one is a no-op */
 int kn_buf_from_host(const kn_backend *be, kn_buf *b, const void *host, size_t bytes, ae_error *err);
 /* True when the backend's memory is the host's (backend.h). */
 bool kn_backend_host_memory(const kn_backend *be);
+/* Whether self's ops may take buffers of other: the same backend, or
+ * another device's table that self reaches by peer access (backend.h). */
+bool kn_backend_reads(const kn_backend *self, const kn_backend *other);
 void kn_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n);
 void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n);
 
@@ -500,12 +507,14 @@ int kn_allreduce_parse(const char *s);
 
 /* A communicator of kind `kind` for n_ranks ranks that are threads of this
  * process, on backend be: comms[r] (r < n_ranks) is rank r's handle, used
- * by that thread only, with that rank's streams. max_count bounds the
- * floats of one allreduce (buffers are allocated here, never in the op).
- * Fails, naming why, where be has no such kind. Free with kn_comm_free on
- * the same array. */
-int kn_comm_init(const kn_backend *be, kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count,
-                 ae_error *err);
+ * by that thread only, with streams of rank_be[r] (NULL: every rank on
+ * be; a backend with a table per device, as CUDA's, takes the ranks'
+ * tables). max_count bounds the floats of one allreduce (buffers are
+ * allocated here, never in the op). Fails, naming why, where be has no
+ * such kind. Free with kn_comm_free on the same array. */
+#define KN_COMM_MAX_RANKS 64
+int kn_comm_init(const kn_backend *be, kn_allreduce kind, kn_comm **comms, int n_ranks,
+                 const kn_backend *const *rank_be, size_t max_count, ae_error *err);
 /* The CPU kind, on the CPU backend. */
 int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
 void kn_comm_free(kn_comm **comms, int n_ranks); /* NULL entries ignored */

@@ -58,6 +58,10 @@ struct eng {
     tp_group *tp; /* eng_set_tp's ranks, or NULL: one rank */
     char allreduce_why[256]; /* eng_allreduce_why */
     eng_comm_stats comm;
+    bool comm_pending;     /* a ranks' pass queued: its counts are read after the step's sync */
+    kn_comm_stats comm_at; /* the counts before it */
+    int32_t graphs_wanted; /* eng_set_graphs' max_graphs and budget, kept while ranks hold graphs off */
+    uint64_t graphs_budget;
     eng_graph *graphs; /* [graph_stats.max_graphs] */
     eng_graph_stats graph_stats;
     uint64_t graph_clock; /* steps replayed or captured, for least-recently-used */
@@ -88,6 +92,8 @@ static void graphs_drop(eng *e) {
 
 void eng_set_graphs(eng *e, int32_t max_graphs, uint64_t budget) {
     graphs_drop(e);
+    e->graphs_wanted = max_graphs;
+    e->graphs_budget = budget;
     if (max_graphs <= 0 || kn_backend_host_memory(e->m->be) || !kn_backend_has_graphs(e->m->be)) return;
     if (!(e->graphs = calloc((size_t)max_graphs, sizeof *e->graphs))) {
         LOG_WARNF("graphs off: out of host memory for %d of them", max_graphs);
@@ -119,7 +125,10 @@ static eng_graph *graph_lru(eng *e, const eng_graph *keep) {
 
 eng_graph_stats eng_get_graph_stats(const eng *e) { return e->graph_stats; }
 
-int eng_set_fast(eng *e, bool fast, ae_error *err) { return kn_stream_set_fast(e->stream, fast, err); }
+int eng_set_fast(eng *e, bool fast, ae_error *err) {
+    if (kn_stream_set_fast(e->stream, fast, err) != AE_OK) return AE_ERR;
+    return e->tp ? tp_group_set_fast(e->tp, fast, err) : AE_OK;
+}
 bool eng_fast(const eng *e) { return kn_stream_fast(e->stream); }
 
 void eng_free(eng *e) {
@@ -205,6 +214,8 @@ fail:
 int32_t eng_tp(const eng *e) { return e->tp ? tp_group_ranks(e->tp) : 1; }
 const model *eng_tp_shard(const eng *e, int32_t r) { return e->tp ? tp_group_shard(e->tp, r) : e->m; }
 eng_comm_stats eng_get_comm_stats(const eng *e) { return e->comm; }
+const kn_backend *eng_tp_backend(const eng *e, int32_t r) { return e->tp ? tp_group_backend(e->tp, r) : e->m->be; }
+uint64_t eng_tp_copied_bytes(const eng *e, int32_t r) { return e->tp ? tp_group_copied_bytes(e->tp, r) : 0; }
 kn_allreduce eng_allreduce(const eng *e) { return e->tp ? tp_group_allreduce(e->tp) : KN_ALLREDUCE_CPU; }
 const char *eng_allreduce_why(const eng *e) { return e->allreduce_why; }
 
@@ -212,9 +223,9 @@ const char *eng_allreduce_why(const eng *e) { return e->allreduce_why; }
  * decode and a verify pass's message, the faster sum kept. The group
  * starts as custom. */
 static void allreduce_choose(eng *e) {
-    const size_t H = (size_t)e->m->cfg.hidden;
+    const size_t H = (size_t)e->m->cfg.hidden, V = (e->cfg.max_batch_tokens < 8 ? (size_t)e->cfg.max_batch_tokens : 8) * H;
     double custom[2] = {tp_group_time_allreduce(e->tp, H, ENG_ALLREDUCE_REPS),
-                        tp_group_time_allreduce(e->tp, 8 * H, ENG_ALLREDUCE_REPS)};
+                        tp_group_time_allreduce(e->tp, V, ENG_ALLREDUCE_REPS)};
     ae_error why = {{0}};
     if (tp_group_set_allreduce(e->tp, KN_ALLREDUCE_NCCL, &why) != AE_OK) {
         snprintf(e->allreduce_why, sizeof e->allreduce_why,
@@ -223,7 +234,7 @@ static void allreduce_choose(eng *e) {
         return;
     }
     double nccl[2] = {tp_group_time_allreduce(e->tp, H, ENG_ALLREDUCE_REPS),
-                      tp_group_time_allreduce(e->tp, 8 * H, ENG_ALLREDUCE_REPS)};
+                      tp_group_time_allreduce(e->tp, V, ENG_ALLREDUCE_REPS)};
     bool keep_nccl = nccl[0] + nccl[1] <= custom[0] + custom[1];
     if (!keep_nccl && tp_group_set_allreduce(e->tp, KN_ALLREDUCE_CUSTOM, &why) != AE_OK) keep_nccl = true;
     snprintf(e->allreduce_why, sizeof e->allreduce_why,
@@ -235,18 +246,19 @@ static void allreduce_choose(eng *e) {
 /* e->kv made anew with the sizes kp, in n shards of heads[] kv heads, and
  * e->layers from it (one shard); false with err set and e->kv NULL (and
  * e->layers zeroed) if it cannot be. */
-static bool kv_remake(eng *e, const kv_params *kp, int32_t n, const int32_t *heads, ae_error *err) {
+static bool kv_remake(eng *e, const kv_params *kp, int32_t n, const int32_t *heads, const kn_backend *const *shard_be,
+                      ae_error *err) {
     kv_free(e->kv);
     e->kv = NULL;
     memset(e->layers, 0, (size_t)e->m->cfg.n_layers * sizeof *e->layers);
-    if (kv_init_sharded(&e->kv, e->m->be, kp, n, heads, err) != AE_OK) return false;
+    if (kv_init_sharded(&e->kv, e->m->be, kp, n, heads, shard_be, err) != AE_OK) return false;
     if (n == 1)
         for (int32_t l = 0; l < e->m->cfg.n_layers; l++) e->layers[l] = kv_layer(e->kv, l);
     return true;
 }
 
 /* The ranks, for n_ranks > 1, over a KV cache already sharded for them. */
-static int tp_make(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err) {
+static int tp_make(eng *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend *const *rank_be, ae_error *err) {
     const model_config *c = &e->m->cfg;
     kn_kv_pool *pools = calloc((size_t)n_ranks * (size_t)c->n_layers, sizeof *pools);
     if (!pools) return err_set(err, "tensor parallel: out of memory");
@@ -256,14 +268,15 @@ static int tp_make(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *er
     tp_config tc = {.n_ranks = n_ranks, .threads_per_rank = e->cfg.threads / n_ranks > 1 ? e->cfg.threads / n_ranks : 1,
                     .max_tokens = e->cfg.max_batch_tokens, .max_logits = e->cfg.max_batch_tokens,
                     .kv_blocks = kp->n_blocks, .block_size = kp->block_size, .act_bits = e->cfg.act_bits,
-                    .max_seq_len = e->cfg.max_seq_len, .kv = pools, .allreduce = allreduce};
+                    .max_seq_len = e->cfg.max_seq_len, .kv = pools, .allreduce = allreduce, .rank_be = rank_be};
     int rc = tp_group_init(&e->tp, e->m, &tc, err);
     free(pools);
+    if (rc == AE_OK && kn_stream_fast(e->stream)) rc = tp_group_set_fast(e->tp, true, err);
     if (rc == AE_OK && allreduce == KN_ALLREDUCE_AUTO && !kn_backend_host_memory(e->m->be)) allreduce_choose(e);
     return rc;
 }
 
-int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err) {
+int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend *const *rank_be, ae_error *err) {
     const model_config *c = &e->m->cfg;
     if (n_ranks < 1 || n_ranks > TP_MAX_RANKS)
         return err_set(err, "tensor parallel: %d ranks (1 to %d)", n_ranks, TP_MAX_RANKS);
@@ -274,8 +287,16 @@ int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err) {
     if (allreduce == KN_ALLREDUCE_CPU && !host)
         return err_set(err, "tensor parallel: --allreduce cpu is for ranks on the CPU; the %s backend's ranks "
                        "reduce with nccl or custom", kn_backend_name(e->m->be));
-    if (n_ranks == eng_tp(e) && (n_ranks == 1 || allreduce == KN_ALLREDUCE_AUTO || allreduce == eng_allreduce(e)))
+    bool same_be = true;
+    for (int32_t r = 0; r < n_ranks && rank_be; r++)
+        same_be = same_be && rank_be[r] == (e->tp ? tp_group_backend(e->tp, r) : e->m->be);
+    if (n_ranks == eng_tp(e) && same_be &&
+        (n_ranks == 1 || allreduce == KN_ALLREDUCE_AUTO || allreduce == eng_allreduce(e)))
         return AE_OK;
+    for (int32_t r = 0; r < n_ranks && rank_be; r++)
+        if (rank_be[r] != e->m->be && (!kn_backend_reads(rank_be[r], e->m->be) || !kn_backend_reads(e->m->be, rank_be[r])))
+            return err_set(err, "tensor parallel: rank %d's device cannot reach the engine's memory, or the engine's "
+                           "its (ranks on several GPUs need peer access between them)", r);
     if (!e->kv || kv_get_stats(e->kv).seqs_live > 0)
         return err_set(err, "tensor parallel: ranks are set before any sequence");
     tp_split sp;
@@ -289,19 +310,20 @@ int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err) {
     e->tp = NULL;
     e->allreduce_why[0] = '\0';
     e->comm = (eng_comm_stats){{0, 0, 0}, {0, 0, 0}, 0, 0}; /* the new ranks' counts from zero */
+    e->comm_pending = false;
     /* Graphs hold one rank's passes: made again, for one rank, as steps come. */
-    int32_t max_graphs = e->graph_stats.max_graphs;
-    uint64_t budget = e->graph_stats.budget;
+    const int32_t max_graphs = e->graphs_wanted;
+    const uint64_t budget = e->graphs_budget;
     graphs_drop(e);
-    bool ok = kv_remake(e, &kp, n_ranks, heads, err) &&
-              (n_ranks == 1 || tp_make(e, n_ranks, allreduce, err) == AE_OK);
+    bool ok = kv_remake(e, &kp, n_ranks, heads, n_ranks > 1 ? rank_be : NULL, err) &&
+              (n_ranks == 1 || tp_make(e, n_ranks, allreduce, rank_be, err) == AE_OK);
     if (!e->tp) eng_set_graphs(e, max_graphs, budget);
     if (!ok) { /* one rank, whatever there was before: it needs no more than eng_init had */
         tp_group_free(e->tp);
         e->tp = NULL;
         ae_error again = {{0}};
         int32_t one = c->n_kv_heads;
-        if (!kv_remake(e, &kp, 1, &one, &again)) LOG_ERRORF("engine: the KV cache is lost: %s", again.msg);
+        if (!kv_remake(e, &kp, 1, &one, NULL, &again)) LOG_ERRORF("engine: the KV cache is lost: %s", again.msg);
     }
     /* The engine's own activations serve one rank only: freed while the
      * ranks (each with its own) run, made again for one. */
@@ -398,19 +420,28 @@ static int validate(eng *e, const eng_item *items, int32_t n_items, const llama_
  * draw by draws (the backend's memory), or else its argmax. */
 static void forward(eng *e, const llama_batch *b, int32_t *ids, const kn_draw *draws) {
     if (e->tp) {
-        kn_comm_stats a = tp_group_comm_stats(e->tp);
+        /* The counts before (the last pass is done: its step synced) and,
+         * after this step's sync, after (comm_read): reading them now
+         * would wait for the ranks' last allreduce. */
+        e->comm_at = tp_group_comm_stats(e->tp);
         tp_forward(e->tp, e->stream, b);
-        kn_comm_stats z = tp_group_comm_stats(e->tp);
-        eng_comm_stats *cs = &e->comm;
-        cs->last = (kn_comm_stats){z.calls - a.calls, z.bytes - a.bytes, z.ns - a.ns};
-        cs->total = z;
-        cs->last_tokens = b->m;
-        cs->steps++;
+        e->comm_pending = true;
+        e->comm.last_tokens = b->m;
     } else {
         llama_forward(e->m, e->stream, NULL, e->layers, e->ws, b);
     }
     if (ids && draws) kn_sample(e->stream, b->logits, b->n_logits, (int64_t)e->m->cfg.vocab, draws, ids);
     else if (ids) kn_argmax(e->stream, b->logits, ids, b->n_logits, (int64_t)e->m->cfg.vocab);
+}
+
+/* A ranks' pass's allreduces into e->comm, once its step has synced. */
+static void comm_read(eng *e) {
+    if (!e->comm_pending) return;
+    e->comm_pending = false;
+    kn_comm_stats a = e->comm_at, z = tp_group_comm_stats(e->tp);
+    e->comm.last = (kn_comm_stats){z.calls - a.calls, z.bytes - a.bytes, z.ns - a.ns};
+    e->comm.total = z;
+    e->comm.steps++;
 }
 
 /* The graph for this step's shape, made room for if new (its g still
@@ -599,6 +630,7 @@ static int step(eng *e, const eng_item *items, int32_t n_items, float *logits, i
                         (size_t)n_cap * W * sizeof(float));
     }
     kn_stream_sync(e->stream);
+    comm_read(e);
     for (int32_t i = 0; i < n_items; i++) {
         const eng_item *it = &items[i];
         if (it->kind == ENG_APPEND) {

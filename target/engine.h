@@ -174,9 +174,21 @@ eng_graph_stats eng_get_graph_stats(const eng *e);
  * calls of a decode pass's message, 1 token x hidden floats, and of a
  * verify pass's, 8 tokens) and takes the one with the smaller sum,
  * custom alone where NCCL cannot be had: eng_allreduce_why says what was
- * measured. */
+ * measured.
+ *
+ * rank_be[r] is rank r's backend (NULL: all on the model's): on CUDA, one
+ * device's table each (kn_device_open of cuda:N), so that a GPU holds a
+ * rank's shard of the weights (copied there) and its kv heads of the KV
+ * cache. Ranks on other devices than the model's read the step's inputs,
+ * the block tables and the norms from the model's device, and the
+ * engine's stream moves their KV rows, so every device must reach the
+ * model's and the model's every one (peer access; kn_backend_reads). */
 #define ENG_ALLREDUCE_REPS 50
-int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, ae_error *err);
+int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend *const *rank_be, ae_error *err);
+/* Rank r's backend (the model's at one rank), and the bytes of weights
+ * copied to it (tp_group_copied_bytes; 0 for views). */
+const kn_backend *eng_tp_backend(const eng *e, int32_t r);
+uint64_t eng_tp_copied_bytes(const eng *e, int32_t r);
 int32_t eng_tp(const eng *e); /* 1 without ranks */
 /* The kind the ranks use (KN_ALLREDUCE_CPU at one rank), and for AUTO the
  * measurement it was chosen by ("" otherwise). */

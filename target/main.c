@@ -40,6 +40,7 @@ static const cfg_option opts[] = {
     MEMPLAN_OPTIONS,
     SETUP_TP_OPTION,
     SETUP_ALLREDUCE_OPTION,
+    SETUP_TP_DEVICES_OPTION,
     {"max-queue", CFG_INT, "256", 0, 1 << 20, "requests waiting for a batch slot; beyond, refused RESOURCE_EXHAUSTED"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "

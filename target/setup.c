@@ -1,5 +1,9 @@
 #include "setup.h"
 
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "../services/core/hostmem.h"
 #include "../services/core/pool.h"
 #include "../services/core/svc.h"
@@ -61,11 +65,59 @@ void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
               per_pass, 8 * tok_kib);
 }
 
-int setup_tp(cfg *c, eng *e, const model *m, ae_error *err) {
+/* The ranks' devices from c's "tp-devices" (a list of N, or auto), on
+ * the CUDA device dev: bes[r] for each rank, "auto" resolved and logged. */
+static kn_device g_rank_dev[TP_MAX_RANKS]; /* the ranks' devices, for the log; tables live in the plugin */
+
+static int tp_devices(cfg *c, const kn_device *dev, int32_t R, const kn_backend **bes, ae_error *err) {
+    kn_device *opened = g_rank_dev;
+    const char *spec = cfg_has(c, "tp-devices") ? cfg_str(c, "tp-devices") : "auto";
+    char list[CFG_MAX_VALUE] = "", name[32];
+    if (strcmp(spec, "auto") != 0) {
+        const char *at = spec;
+        for (int32_t r = 0; r < R; r++) {
+            char *end;
+            long v = strtol(at, &end, 10);
+            if (end == at || v < 0 || v > 1023 || (r < R - 1 ? *end != ',' : *end != '\0'))
+                return err_set(err, "--tp-devices %.100s: expected %d device numbers, as 0,1 (or auto)", spec, R);
+            at = end + 1;
+            snprintf(name, sizeof name, "cuda:%ld", v);
+            if (kn_device_open(name, &opened[r], err) != AE_OK) return err_prefix(err, "--tp-devices: "), AE_ERR;
+            bes[r] = opened[r].be;
+        }
+        return AE_OK;
+    }
+    /* auto: a GPU each from dev's on, where this machine has them */
+    ae_error why = {{0}};
+    int32_t r = 0;
+    for (; r < R; r++) {
+        snprintf(name, sizeof name, "cuda:%d", dev->info.index + r);
+        if (kn_device_open(name, &opened[r], &why) != AE_OK) break;
+        bes[r] = opened[r].be;
+    }
+    if (r < R) {
+        for (r = 0; r < R; r++) bes[r] = dev->be, opened[r] = *dev;
+        for (r = 0; r < R; r++) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index);
+        LOG_INFOF("tensor parallel: tp-devices %s (auto: every rank on %s; one GPU a rank needs %d from cuda:%d: %s)",
+                  list, dev->name, R, dev->info.index, why.msg);
+    } else {
+        for (r = 0; r < R; r++) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index + r);
+        LOG_INFOF("tensor parallel: tp-devices %s (auto: a GPU a rank, from %s)", list, dev->name);
+    }
+    cfg_set_auto_str(c, "tp-devices", list);
+    return AE_OK;
+}
+
+int setup_tp(cfg *c, eng *e, const model *m, const kn_device *dev, ae_error *err) {
     int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
     int kind = cfg_has(c, "allreduce") ? kn_allreduce_parse(cfg_str(c, "allreduce")) : KN_ALLREDUCE_AUTO;
     if (kind < 0) return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", cfg_str(c, "allreduce"));
-    if (eng_set_tp(e, R, (kn_allreduce)kind, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
+    const kn_backend *bes[TP_MAX_RANKS];
+    bool on_gpus = R > 1 && dev && dev->kind == KN_DEVICE_CUDA && m->be == dev->be;
+    for (int32_t r = 0; r < R && R <= TP_MAX_RANKS; r++) snprintf(g_rank_dev[r].name, sizeof g_rank_dev[r].name, "cpu");
+    if (on_gpus && tp_devices(c, dev, R, bes, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
+    if (eng_set_tp(e, R, (kn_allreduce)kind, on_gpus ? bes : NULL, err) != AE_OK)
+        return err_prefix(err, "--tp %d: ", R), AE_ERR;
     if (R <= 1) return AE_OK;
     const char *name = kn_allreduce_name(eng_allreduce(e));
     if (cfg_has(c, "allreduce") && cfg_is_auto(c, "allreduce")) {
@@ -127,21 +179,26 @@ int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t t
     if (eng_init(e, m, &ec, err) != AE_OK) return AE_ERR;
     if (cfg_has(c, "tp")) {
         int32_t R = (int32_t)cfg_int(c, "tp");
-        if (setup_tp(c, *e, m, err) != AE_OK) return AE_ERR;
+        if (setup_tp(c, *e, m, &g_device, err) != AE_OK) return AE_ERR;
         if (R > 1)
             LOG_INFOF("tensor parallel: the %d ranks' workspaces (allreduce slots, activations of %d tokens, stream "
                       "scratch), less the engine's own activations freed while they run: %.1f MiB more in the plan's "
                       "fixed workspace",
                       R, SETUP_PREFILL_CHUNK, (double)setup_tp_work(c, m) / 1048576.0);
         /* Each rank's part of the plan: its shard of the weights (views
-         * into the one loaded copy) and its kv heads' share of the KV. */
+         * into the one loaded copy, or a copy on its own GPU) and its kv
+         * heads' share of the KV. */
         const model_config *mc = &m->cfg;
         for (int32_t r = 0; r < R && R > 1; r++) {
             const model *sh = eng_tp_shard(*e, r);
-            LOG_INFOF("tensor parallel: rank %d: weights read %.2f MiB (its shard and the output projection, which "
-                      "only rank 0 reads; views of the one loaded copy), kv heads %d of %d: KV %.2f MiB "
-                      "= %lld tokens x %.0f bytes",
-                      r, (double)sh->weight_bytes / 1048576.0, sh->cfg.n_kv_heads, mc->n_kv_heads,
+            uint64_t copied = eng_tp_copied_bytes(*e, r);
+            char where[96] = "views of the one loaded copy";
+            if (copied)
+                snprintf(where, sizeof where, "%.2f MiB copied to its device", (double)copied / 1048576.0);
+            LOG_INFOF("tensor parallel: rank %d on %s: weights read %.2f MiB (its shard and the output projection, "
+                      "which only rank 0 reads; %s), kv heads %d of %d: KV %.2f MiB = %lld tokens x %.0f bytes",
+                      r, g_rank_dev[r].name, (double)sh->weight_bytes / 1048576.0, where,
+                      sh->cfg.n_kv_heads, mc->n_kv_heads,
                       (double)plan->kv_tokens * (double)m->arch->kv_bytes_per_token(&sh->cfg) / 1048576.0,
                       (long long)plan->kv_tokens, (double)m->arch->kv_bytes_per_token(&sh->cfg));
         }

@@ -19,8 +19,12 @@
 #define SETUP_TP_OPTION                                                                                        \
     {"tp", CFG_INT, "1", 1, 64,                                                                               \
      "tensor-parallel ranks: threads of this process, each over a shard of the model's heads and FFN and its " \
-     "kv heads of the KV cache, adding partial sums by allreduce, 2 per layer (on CUDA the ranks share the one " \
-     "device for now)"}
+     "kv heads of the KV cache, adding partial sums by allreduce, 2 per layer (on CUDA: --tp-devices)"}
+/* Each rank's GPU. */
+#define SETUP_TP_DEVICES_OPTION                                                                                \
+    {"tp-devices", CFG_STRING, "auto", 0, 0,                                                                  \
+     "the GPU of each tensor-parallel rank, as 0,1: auto gives each rank its own GPU from --device's on where " \
+     "this machine has them, and puts every rank on --device's otherwise (logged); not used on the CPU"}
 /* How the ranks add their partial sums (kernels.h kn_allreduce). */
 #define SETUP_ALLREDUCE_OPTION                                                                                 \
     {"allreduce", CFG_STRING, "auto", 0, 0,                                                                   \
@@ -61,8 +65,10 @@ uint64_t setup_tp_work(const cfg *c, const model *m);
 
 /* e's ranks from c's "tp" and "allreduce" (engine.h eng_set_tp): "auto"
  * is replaced by the kind chosen, and the choice, its measurement and
- * the allreduces of a pass are logged. */
-int setup_tp(cfg *c, eng *e, const model *m, ae_error *err);
+ * the allreduces of a pass are logged. On CUDA (dev, where the model is)
+ * the ranks' GPUs come from c's "tp-devices". */
+struct kn_device; /* kernels/device.h */
+int setup_tp(cfg *c, eng *e, const model *m, const struct kn_device *dev, ae_error *err);
 
 /* Logs, for n_ranks > 1, the allreduces a pass makes: "2 per layer x L
  * layers = N a pass, each tokens x hidden x 4 bytes: ...". */

@@ -192,6 +192,10 @@ typedef struct tp_rank {
     pthread_t thread;
     bool started;
     kn_event done; /* recorded after its part of a step (tp_forward's `after`) */
+    const kn_backend *be; /* its backend: the model's, or another device's */
+    kn_buf *wbufs; /* [n_wbufs]: its copies of the shard's matrices, on another backend than the model's */
+    int32_t n_wbufs;
+    uint64_t copied; /* their bytes */
 } tp_rank;
 
 /* What the rank threads run on a wakeup. */
@@ -231,6 +235,16 @@ const model *tp_group_shard(const tp_group *g, int32_t rank) {
 const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank) {
     AE_ASSERT(rank >= 0 && rank < g->cfg.n_ranks);
     return g->ranks[rank].kv;
+}
+
+const kn_backend *tp_group_backend(const tp_group *g, int32_t rank) {
+    AE_ASSERT(rank >= 0 && rank < g->cfg.n_ranks);
+    return g->ranks[rank].be;
+}
+
+uint64_t tp_group_copied_bytes(const tp_group *g, int32_t rank) {
+    AE_ASSERT(rank >= 0 && rank < g->cfg.n_ranks);
+    return g->ranks[rank].copied;
 }
 
 kn_comm_stats tp_group_comm_stats(tp_group *g) { return kn_comm_get_stats(g->comms[0]); }
@@ -301,8 +315,18 @@ static void run_job(tp_group *g) {
     pthread_mutex_unlock(&g->mu);
 }
 
+int tp_group_set_fast(tp_group *g, bool fast, ae_error *err) {
+    for (int32_t i = 0; i < g->cfg.n_ranks; i++)
+        if (kn_stream_set_fast(g->ranks[i].stream, fast, err) != AE_OK)
+            return err_prefix(err, "tensor parallel: rank %d: ", i), AE_ERR;
+    return AE_OK;
+}
+
 void tp_forward(tp_group *g, kn_stream *after, const llama_batch *b) {
     AE_ASSERT(b && b->map);
+    /* On a device, the ranks' work is only queued: the caller orders
+     * what follows after it through `after`. */
+    AE_ASSERT(after || kn_backend_host_memory(g->m->be));
     g->job = TP_JOB_FORWARD;
     g->batch = b;
     g->after = after;
@@ -326,7 +350,9 @@ double tp_group_time_allreduce(tp_group *g, size_t count, int reps) {
 
 int tp_group_set_allreduce(tp_group *g, kn_allreduce kind, ae_error *err) {
     kn_comm *fresh[TP_MAX_RANKS];
-    if (kn_comm_init(g->m->be, kind, fresh, g->cfg.n_ranks, (size_t)g->cfg.max_tokens * (size_t)g->m->cfg.hidden,
+    const kn_backend *bes[TP_MAX_RANKS];
+    for (int32_t i = 0; i < g->cfg.n_ranks; i++) bes[i] = g->ranks[i].be;
+    if (kn_comm_init(g->m->be, kind, fresh, g->cfg.n_ranks, bes, (size_t)g->cfg.max_tokens * (size_t)g->m->cfg.hidden,
                      err) != AE_OK)
         return AE_ERR;
     for (int32_t i = 0; i < g->cfg.n_ranks; i++) kn_stream_sync(g->ranks[i].stream);
@@ -349,14 +375,18 @@ void tp_group_free(tp_group *g) {
         pthread_cond_destroy(&g->wake);
         pthread_mutex_destroy(&g->mu);
     }
+    kn_event_free(&g->start);
     for (int32_t i = 0; i < g->cfg.n_ranks; i++) {
         tp_rank *r = &g->ranks[i];
+        kn_event_free(&r->done);
         llama_ws_free(r->ws);
         kn_stream_free(r->stream);
         pool_free(r->pool);
         free(r->kv);
         kn_buf_free(&r->kv_mem);
         tp_shard_free(r->shard);
+        for (int32_t k = 0; k < r->n_wbufs; k++) kn_buf_free(&r->wbufs[k]);
+        free(r->wbufs);
     }
     kn_comm_free(g->comms, g->cfg.n_ranks);
     free(g);
@@ -397,6 +427,63 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
     return AE_OK;
 }
 
+/* *w (a view of the model's weight, in buffers of `from`'s backend) copied
+ * into a buffer of be, its rows packed to the view's columns: downloaded
+ * on `from`, packed on the host, written into be. */
+static int weight_copy(kn_weight *w, kn_stream *from, const kn_backend *be, kn_buf *out, uint64_t *bytes,
+                       ae_error *err) {
+    AE_ASSERT(w->buf && w->rows > 0);
+    size_t rb = quant_row_bytes(w->type, (uint64_t)w->cols), rows = (size_t)w->rows;
+    size_t span = (rows - 1) * w->row_bytes + rb;
+    uint8_t *tmp = malloc(span), *packed = malloc(rows * rb);
+    if (!tmp || !packed) {
+        free(tmp);
+        free(packed);
+        return err_set(err, "tensor parallel: out of host memory copying a %zu-byte weight", span);
+    }
+    kn_download(from, tmp, w->buf, (size_t)((const uint8_t *)w->data - (const uint8_t *)w->buf->ptr), span);
+    kn_stream_sync(from);
+    for (size_t i = 0; i < rows; i++) memcpy(packed + i * rb, tmp + i * w->row_bytes, rb);
+    free(tmp);
+    int rc = kn_buf_from_host(be, out, packed, rows * rb, err);
+    free(packed);
+    if (rc != AE_OK) return AE_ERR;
+    w->data = out->ptr;
+    w->row_bytes = rb;
+    w->buf = out;
+    w->packed = NULL;
+    w->packed_buf = NULL;
+    *bytes += rows * rb;
+    return AE_OK;
+}
+
+/* Rank r's shard's matrices (and the embedding table, and for rank 0 the
+ * output projection) copied into its backend's memory. */
+static int rank_copy_weights(tp_rank *r, const model *m, ae_error *err) {
+    model *sh = r->shard;
+    const int32_t L = sh->cfg.n_layers;
+    r->wbufs = calloc((size_t)L * 7 + 2, sizeof *r->wbufs);
+    if (!r->wbufs) return err_set(err, "tensor parallel: out of memory");
+    kn_stream *from = NULL;
+    if (kn_stream_init(&from, m->be, &(kn_stream_config){NULL, 0}, err) != AE_OK) return AE_ERR;
+    int rc = AE_OK;
+    for (int32_t l = 0; l < L && rc == AE_OK; l++) {
+        model_layer *ly = &sh->layers[l];
+        kn_weight *ws[7] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->w_gate, &ly->w_up, &ly->w_down};
+        for (int k = 0; k < 7 && rc == AE_OK; k++)
+            rc = weight_copy(ws[k], from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
+    }
+    bool tied = sh->output.data == sh->tok_embd.data;
+    if (rc == AE_OK) rc = weight_copy(&sh->tok_embd, from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
+    if (rc == AE_OK && r->rank == 0) {
+        if (tied) sh->output = sh->tok_embd;
+        else rc = weight_copy(&sh->output, from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
+    }
+    kn_stream_free(from);
+    if (rc != AE_OK) err_prefix(err, "tensor parallel: rank %d's weights on backend %s: ", r->rank, kn_backend_name(r->be));
+    return rc;
+}
+
 int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error *err) {
     *out = NULL;
     if (cfg->n_ranks < 1 || cfg->n_ranks > TP_MAX_RANKS || cfg->threads_per_rank < 1 || cfg->max_tokens < 1 ||
@@ -413,17 +500,34 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
     const int32_t R = cfg->n_ranks;
     if (g->cfg.allreduce == KN_ALLREDUCE_AUTO)
         g->cfg.allreduce = kn_backend_host_memory(m->be) ? KN_ALLREDUCE_CPU : KN_ALLREDUCE_CUSTOM;
-    if (m->arch->tp_split(&g->split, &m->cfg, R, err) != AE_OK ||
-        kn_comm_init(m->be, g->cfg.allreduce, g->comms, R, (size_t)cfg->max_tokens * (size_t)m->cfg.hidden, err) !=
-            AE_OK)
+    for (int32_t i = 0; i < R; i++) {
+        const kn_backend *b = cfg->rank_be ? cfg->rank_be[i] : m->be;
+        g->ranks[i].be = b;
+        if (b != m->be && (!kn_backend_reads(b, m->be) || !kn_backend_reads(m->be, b))) {
+            err_set(err, "tensor parallel: rank %d's backend cannot reach the model's memory, or the model's its "
+                    "(ranks on several GPUs need peer access between them)", i);
+            goto fail;
+        }
+    }
+    g->cfg.rank_be = NULL; /* the caller's array need not outlive the call */
+    if (m->arch->tp_split(&g->split, &m->cfg, R, err) != AE_OK)
         goto fail;
+    {
+        const kn_backend *bes[TP_MAX_RANKS];
+        for (int32_t i = 0; i < R; i++) bes[i] = g->ranks[i].be;
+        if (kn_comm_init(m->be, g->cfg.allreduce, g->comms, R, bes, (size_t)cfg->max_tokens * (size_t)m->cfg.hidden,
+                         err) != AE_OK)
+            goto fail;
+    }
     for (int32_t i = 0; i < R; i++) {
         tp_rank *r = &g->ranks[i];
         r->g = g;
         r->rank = i;
-        if (tp_shard_init(&r->shard, m, &g->split, i, err) != AE_OK ||
-            pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
-            kn_stream_init(&r->stream, m->be, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, cfg->max_seq_len)}, err) != AE_OK ||
+        if (tp_shard_init(&r->shard, m, &g->split, i, err) != AE_OK) goto fail;
+        r->shard->be = r->be;
+        if (r->be != m->be && rank_copy_weights(r, m, err) != AE_OK) goto fail;
+        if (pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
+            kn_stream_init(&r->stream, r->be, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, cfg->max_seq_len)}, err) != AE_OK ||
             llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;

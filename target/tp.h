@@ -79,6 +79,13 @@ typedef struct tp_config {
      * host-memory backend, custom on others (the engine measures before
      * it chooses: engine.h eng_set_tp). */
     kn_allreduce allreduce;
+    /* Rank r's backend (a device's table: backend.h), rank_be[r]; NULL:
+     * every rank on the model's. A rank on another backend than the
+     * model's gets its shard's matrices and the embedding table copied
+     * into that backend's memory; it reads the rest (norms, biases, the
+     * step's inputs) where they are, so its backend must reach the
+     * model's memory and the model's reach its (kn_backend_reads). */
+    const kn_backend *const *rank_be;
 } tp_config;
 
 typedef struct tp_group tp_group;
@@ -110,11 +117,18 @@ double tp_group_time_allreduce(tp_group *g, size_t count, int reps);
 int tp_group_set_allreduce(tp_group *g, kn_allreduce kind, ae_error *err);
 kn_allreduce tp_group_allreduce(const tp_group *g);
 
+/* Every rank's stream in fast mode, or not (kernels.h kn_stream_set_fast). */
+int tp_group_set_fast(tp_group *g, bool fast, ae_error *err);
+
 int32_t tp_group_ranks(const tp_group *g);
 const tp_split *tp_group_split(const tp_group *g);
 const model *tp_group_shard(const tp_group *g, int32_t rank);
 /* Rank r's KV pools: [n_layers]. */
 const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank);
+/* Rank r's backend, and the bytes of weights copied into its memory (0
+ * for a rank on the model's backend: views). */
+const kn_backend *tp_group_backend(const tp_group *g, int32_t rank);
+uint64_t tp_group_copied_bytes(const tp_group *g, int32_t rank);
 /* Rank 0's allreduces so far (every rank makes the same calls). */
 kn_comm_stats tp_group_comm_stats(tp_group *g);
 

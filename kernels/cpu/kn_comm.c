@@ -99,7 +99,9 @@ int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *e
     return AE_OK;
 }
 
-int kn_cpu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err) {
+int kn_cpu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_backend *const *rank_be,
+                     size_t max_count, ae_error *err) {
+    (void)rank_be; /* one host: every rank's memory is the same */
     if (kind != KN_ALLREDUCE_CPU)
         return err_set(err, "comm: the cpu backend's ranks reduce with --allreduce cpu, not %s (nccl and custom are "
                        "the cuda backend's)", kn_allreduce_name(kind));

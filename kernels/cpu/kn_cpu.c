@@ -16,7 +16,8 @@
 
 /* ---- streams, buffers and SIMD dispatch ------------------------------------ */
 
-static int cpu_stream_init(kn_stream **out, const kn_stream_config *cfg, ae_error *err) {
+static int cpu_stream_init(const kn_backend *be, kn_stream **out, const kn_stream_config *cfg, ae_error *err) {
+    (void)be;
     if (!cfg || !cfg->pool) return err_set(err, "kernels: a CPU stream needs a thread pool");
     kn_cpu_stream *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "kernels: out of memory for a stream");

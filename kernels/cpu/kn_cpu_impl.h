@@ -23,7 +23,8 @@ typedef struct kn_cpu_stream {
 #define KN_CPU(s) ((kn_cpu_stream *)(s))
 
 /* kn_backend_cpu's comm_init (kn_comm.c): the CPU kind only. */
-int kn_cpu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
+int kn_cpu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_backend *const *rank_be,
+                     size_t max_count, ae_error *err);
 
 /* The ops of kn_backend_cpu (backend.h), their arguments checked by
  * kernels.c. kn_cpu_matmul is one matrix (kn_cpu_matmul_n's loop). */

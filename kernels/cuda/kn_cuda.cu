@@ -2,9 +2,11 @@
  * and the plugin's entry point kn_cuda_open (kernels/device.h). The ops
  * are in kn_cuda_ops.cu.
  *
- * One process drives one device, chosen at open: the runtime's current
- * device is per thread, so every entry that touches the device makes it
- * current first (kcu_bind). Streams are non-blocking CUDA streams with
+ * A process may drive several devices: each one opened has its own copy
+ * of the table, and a stream or buffer's table says which device it is
+ * on. The runtime's current device is per thread, so every entry that
+ * touches a device makes it current first (kcu_bind). Devices opened
+ * reach each other's memory where the hardware lets them (peer access). Streams are non-blocking CUDA streams with
  * their workspace in device memory; buffers are cudaMalloc'd and zeroed.
  * A failed call while serving is fatal and names the call, file and
  * line; at open a failure is an error line for the caller. */
@@ -20,17 +22,33 @@ extern "C" {
 #include "../device.h"
 }
 
-static int g_device = -1;
+/* A table per device opened (kn_cuda_open): which table an op's stream or
+ * buffer has says which device it is on. */
+static kn_backend g_tables[KCU_MAX_DEVICES];
+static bool g_opened[KCU_MAX_DEVICES];
+static int g_first = -1; /* the first device opened: kn_cuda_copy_gbps's */
+static bool g_peer[KCU_MAX_DEVICES][KCU_MAX_DEVICES]; /* [i][j]: cuda:i's kernels reach cuda:j's memory */
+static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static thread_local int t_bound = -1;
 
-void kcu_bind(void) {
-    if (t_bound != g_device) {
-        KN_CK(cudaSetDevice(g_device));
-        t_bound = g_device;
+void kcu_bind(int dev) {
+    if (t_bound != dev) {
+        KN_CK(cudaSetDevice(dev));
+        t_bound = dev;
     }
 }
 
-int kcu_device(void) { return g_device; }
+bool kcu_reads(const kn_backend *self, const kn_backend *other) {
+    ptrdiff_t i = self - g_tables, j = other - g_tables;
+    if (i < 0 || i >= KCU_MAX_DEVICES || j < 0 || j >= KCU_MAX_DEVICES || !g_opened[j]) return false;
+    return i == j || g_peer[i][j];
+}
+
+int kcu_dev_of(const kn_backend *be) {
+    ptrdiff_t i = be - g_tables;
+    KCU_ASSERT(i >= 0 && i < KCU_MAX_DEVICES && g_opened[i]);
+    return (int)i;
+}
 
 bool kcu_sync_launches(void) {
     static const bool on = [] {
@@ -65,10 +83,12 @@ __attribute__((format(printf, 2, 3))) static int fail(ae_error *err, const char 
 
 /* ---- streams and events ---------------------------------------------------- */
 
-static int cu_stream_init(kn_stream **out, const kn_stream_config *cfg, ae_error *err) {
-    kcu_bind();
+static int cu_stream_init(const kn_backend *be, kn_stream **out, const kn_stream_config *cfg, ae_error *err) {
+    const int dev = kcu_dev_of(be);
+    kcu_bind(dev);
     kn_cuda_stream *s = (kn_cuda_stream *)calloc(1, sizeof *s);
     if (!s) return fail(err, "cuda: out of host memory for a stream");
+    s->dev = dev;
     cudaError_t e = cudaStreamCreateWithFlags(&s->st, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         free(s);
@@ -91,7 +111,7 @@ static int cu_stream_init(kn_stream **out, const kn_stream_config *cfg, ae_error
 static void blas_free(kn_cuda_stream *c);
 
 static void cu_stream_free(kn_stream *s) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     kn_cuda_stream *c = KN_CU(s);
     KN_CK(cudaStreamSynchronize(c->st));
     blas_free(c);
@@ -106,14 +126,14 @@ static int cu_stream_threads(const kn_stream *s) {
 }
 
 static void cu_sync(kn_stream *s) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     KN_CK(cudaStreamSynchronize(KN_CU(s)->st));
 }
 
 /* An event is created the first time it is recorded and kept with the
  * caller's kn_event for the process's life (a step reuses its events). */
 static void cu_event_record(kn_stream *s, kn_event *e) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     if (!e->impl) {
         cudaEvent_t ev;
         KN_CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
@@ -122,8 +142,13 @@ static void cu_event_record(kn_stream *s, kn_event *e) {
     KN_CK(cudaEventRecord((cudaEvent_t)e->impl, KN_CU(s)->st));
 }
 
+static void cu_event_free(kn_event *e) {
+    KN_CK(cudaEventDestroy((cudaEvent_t)e->impl));
+    e->impl = NULL;
+}
+
 static void cu_event_wait(kn_stream *s, const kn_event *e) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     if (e->impl) KN_CK(cudaStreamWaitEvent(KN_CU(s)->st, (cudaEvent_t)e->impl, 0));
 }
 
@@ -203,7 +228,7 @@ static void blas_open(void) {
     } while (0)
 
 static int cu_set_fast(kn_stream *s, ae_error *err) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     kn_cuda_stream *c = KN_CU(s);
     if (c->blas) return AE_OK;
     pthread_once(&g_blas_once, blas_open);
@@ -227,7 +252,7 @@ static int cu_set_fast(kn_stream *s, ae_error *err) {
     KN_CB(g_blas.set_workspace(c->blas, c->blas_work, KN_FAST_WORKSPACE_BYTES));
     int version = 0;
     KN_CB(g_blas.get_version(c->blas, &version));
-    fprintf(stderr, "aerie cuda: fast mode: cuBLAS %d on cuda:%d\n", version, g_device);
+    fprintf(stderr, "aerie cuda: fast mode: cuBLAS %d on cuda:%d\n", version, c->dev);
     return AE_OK;
 }
 
@@ -262,7 +287,7 @@ struct kcu_graph {
  * fail (and name themselves through KN_CK) instead of running; other
  * threads of the process (another stream's work) are not held up. */
 static int cu_graph_begin(kn_stream *s, ae_error *err) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     kn_cuda_stream *c = KN_CU(s);
     size_t fr = 0, tot = 0;
     KN_CK(cudaMemGetInfo(&fr, &tot));
@@ -276,7 +301,7 @@ static int cu_graph_begin(kn_stream *s, ae_error *err) {
 }
 
 static int cu_graph_end(kn_stream *s, kn_graph **out, ae_error *err) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     kn_cuda_stream *c = KN_CU(s);
     cudaGraph_t g = NULL;
     cudaError_t e = cudaStreamEndCapture(c->st, &g);
@@ -319,13 +344,13 @@ static int cu_graph_end(kn_stream *s, kn_graph **out, ae_error *err) {
 }
 
 static void cu_graph_launch(kn_stream *s, kn_graph *g) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     KN_CK(cudaGraphLaunch(((kcu_graph *)g)->exec, KN_CU(s)->st));
     if (kcu_sync_launches()) KN_CK(cudaStreamSynchronize(KN_CU(s)->st));
 }
 
 static void cu_graph_free(kn_graph *g) {
-    kcu_bind();
+    kcu_bind(kcu_dev_of(g->be));
     KN_CK(cudaGraphExecDestroy(((kcu_graph *)g)->exec));
     free(g);
 }
@@ -333,14 +358,14 @@ static void cu_graph_free(kn_graph *g) {
 /* ---- buffers ----------------------------------------------------------------- */
 
 static int cu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
-    kcu_bind();
+    kcu_bind(kcu_dev_of(b->be));
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
     if (e != cudaSuccess) {
         cudaGetLastError(); /* clear it: the device is still good */
         size_t fr = 0, tot = 0;
         cudaMemGetInfo(&fr, &tot);
-        return fail(err, "cuda: cannot allocate %zu bytes on cuda:%d (%zu of %zu free): %s", bytes, g_device, fr,
+        return fail(err, "cuda: cannot allocate %zu bytes on cuda:%d (%zu of %zu free): %s", bytes, kcu_dev_of(b->be), fr,
                     tot, cudaGetErrorString(e));
     }
     KN_CK(cudaMemset(p, 0, bytes ? bytes : 1));
@@ -352,24 +377,24 @@ static int cu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
 }
 
 static void cu_buf_free(kn_buf *b) {
-    kcu_bind();
+    kcu_bind(kcu_dev_of(b->be));
     KN_CK(cudaFree(b->ptr));
 }
 
 static void cu_buf_write(kn_buf *b, size_t off, const void *src, size_t n) {
-    kcu_bind();
+    kcu_bind(kcu_dev_of(b->be));
     KN_CK(cudaMemcpy((char *)b->ptr + off, src, n, cudaMemcpyHostToDevice));
     /* From pageable memory it may return before the copy lands. */
     KN_CK(cudaDeviceSynchronize());
 }
 
 static void cu_upload(kn_stream *s, const kn_buf *dst, size_t off, const void *src, size_t n) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     KN_CK(cudaMemcpyAsync((char *)dst->ptr + off, src, n, cudaMemcpyHostToDevice, KN_CU(s)->st));
 }
 
 static void cu_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t n) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     KN_CK(cudaMemcpyAsync(dst, (const char *)src->ptr + off, n, cudaMemcpyDeviceToHost, KN_CU(s)->st));
 }
 
@@ -413,13 +438,15 @@ static const kn_backend kn_backend_cuda = {
     kcu_kv_move,
     kcu_attention,
     kcu_gather_rows,
+    kcu_reads,
+    cu_event_free,
 };
 
 /* The bandwidth of device-to-device copies of `bytes`, `reps` of them
  * timed after one untimed, in GB/s counting bytes read and written (the
  * bandwidth roofline of aerie bench); 0 when the buffers do not fit. */
 extern "C" __attribute__((visibility("default"))) double kn_cuda_copy_gbps(size_t bytes, int reps) {
-    kcu_bind();
+    kcu_bind(g_first);
     void *a = NULL, *b = NULL;
     if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
         cudaGetLastError();
@@ -457,8 +484,7 @@ extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, co
     }
     if (n == 0) return fail(err, "no usable GPU: cudaGetDeviceCount found none");
     if (index < 0 || index >= n) return fail(err, "cuda:%d does not exist: this machine has %d GPU(s)", index, n);
-    if (g_device >= 0 && g_device != index)
-        return fail(err, "cuda:%d: this process already drives cuda:%d", index, g_device);
+    if (index >= KCU_MAX_DEVICES) return fail(err, "cuda:%d: this build drives cuda:0 to cuda:%d", index, KCU_MAX_DEVICES - 1);
     e = cudaSetDevice(index);
     if (e != cudaSuccess) return fail(err, "cuda:%d: cudaSetDevice: %s (%d)", index, cudaGetErrorString(e), (int)e);
     cudaDeviceProp p;
@@ -473,7 +499,6 @@ extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, co
         return fail(err, "cuda:%d (%s, compute capability %d.%d): no kernel image for it in this build: %s", index,
                     p.name, p.major, p.minor, cudaGetErrorString(e));
     }
-    g_device = index;
     t_bound = index;
     memset(info, 0, sizeof *info);
     snprintf(info->name, sizeof info->name, "%s", p.name);
@@ -484,6 +509,34 @@ extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, co
     info->free_bytes = fr;
     cudaDriverGetVersion(&info->driver_version);
     cudaRuntimeGetVersion(&info->runtime_version);
-    *be = &kn_backend_cuda;
+    /* Each device opened can read the others' memory where the hardware
+     * lets it (NVLink, PCIe P2P): ranks on several GPUs need it (target/tp.h). */
+    pthread_mutex_lock(&g_open_mu);
+    for (int j = 0; j < KCU_MAX_DEVICES; j++) {
+        int ok_ij = 0, ok_ji = 0;
+        if (j == index || !g_opened[j]) continue;
+        cudaError_t e2;
+        g_peer[index][j] = g_peer[j][index] = false;
+        if (cudaDeviceCanAccessPeer(&ok_ij, index, j) == cudaSuccess && ok_ij) {
+            kcu_bind(index);
+            e2 = cudaDeviceEnablePeerAccess(j, 0);
+            g_peer[index][j] = e2 == cudaSuccess || e2 == cudaErrorPeerAccessAlreadyEnabled;
+            cudaGetLastError();
+        }
+        if (cudaDeviceCanAccessPeer(&ok_ji, j, index) == cudaSuccess && ok_ji) {
+            kcu_bind(j);
+            e2 = cudaDeviceEnablePeerAccess(index, 0);
+            g_peer[j][index] = e2 == cudaSuccess || e2 == cudaErrorPeerAccessAlreadyEnabled;
+            cudaGetLastError();
+        }
+    }
+    if (!g_opened[index]) {
+        g_tables[index] = kn_backend_cuda;
+        g_opened[index] = true;
+    }
+    if (g_first < 0) g_first = index;
+    pthread_mutex_unlock(&g_open_mu);
+    kcu_bind(index);
+    *be = &g_tables[index];
     return AE_OK;
 }

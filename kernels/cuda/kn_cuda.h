@@ -37,6 +37,7 @@ extern "C" {
 /* A CUDA stream: its queue and its scratch in device memory. */
 struct kn_cuda_stream {
     kn_stream base; /* backend.h */
+    int dev;        /* its device, cuda:dev */
     cudaStream_t st;
     void *work;
     size_t work_bytes;
@@ -60,13 +61,20 @@ __attribute__((noreturn)) void kn_cuda_fail(const char *call, cudaError_t e, con
 __attribute__((noreturn)) void kn_cuda_assert_fail(const char *cond, const char *file, int line);
 #define KCU_ASSERT(cond) ((cond) ? (void)0 : kn_cuda_assert_fail(#cond, __FILE__, __LINE__))
 
-/* Makes the backend's device current on the calling thread (once per
- * thread: the runtime's current device is per thread). */
-void kcu_bind(void);
-/* That device's index (cuda:N). */
-int kcu_device(void);
+/* The plugin drives any of a process's devices, up to this many: each
+ * opened has a backend table of its own (kn_cuda_open). */
+#define KCU_MAX_DEVICES 64
+/* Makes device `dev` current on the calling thread (cached per thread:
+ * the runtime's current device is per thread). */
+void kcu_bind(int dev);
+/* The device of a table kn_cuda_open returned. */
+int kcu_dev_of(const kn_backend *be);
+/* The table's reads (backend.h): the same device, or one it has peer
+ * access to. */
+bool kcu_reads(const kn_backend *self, const kn_backend *other);
 /* The backend's comm_init (kn_cuda_comm.cu): the custom and nccl kinds. */
-int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
+int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_backend *const *rank_be, size_t max_count,
+                  ae_error *err);
 /* AERIE_CUDA_SYNC=1: wait for every kernel as it is launched (debugging,
  * tests/gpu/run.sh). Read once. */
 bool kcu_sync_launches(void);

@@ -1,14 +1,13 @@
 /* Allreduce for ranks that are threads of this process (kernels.h
  * kn_comm), on the CUDA backend: the backend's comm_init.
  *
- * Every rank is on the plugin's device for now (kn_cuda.cu drives one):
- * that is tensor parallelism as tests/gpu/run.sh runs it on one GPU, and
- * the bits and the counts of the real thing. Ranks on a GPU each need
- * per-device backends (ARCHITECTURE.md, "Tensor parallelism").
+ * Rank r is on the device of its table (kcu_dev_of): ranks may share one
+ * GPU (tests/gpu/run.sh on the one lent) or have one each.
  *
  * Two kinds:
- *   - custom: a one-shot allreduce. Rank r copies its partial into slot
- *     [p][r] (p: the call's parity), records `ready`, and meets the other
+ *   - custom: a one-shot allreduce. Rank r copies its partial into its
+ *     slot p (p: the call's parity; the slots are on the rank's device,
+ *     read by the others by peer access, which it needs), records `ready`, and meets the other
  *     ranks' threads at a host barrier, so every rank's `ready` of this call
  *     is recorded; its stream then waits for the others' `ready` and one
  *     kernel adds the R slots in rank order (the CPU communicator's bits),
@@ -33,7 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define KCU_COMM_MAX 64   /* ranks */
+#define KCU_COMM_MAX KN_COMM_MAX_RANKS
 #define KCU_TIMED 512     /* calls whose events may be in flight at once, per rank */
 
 /* err_set's rule (the first error is kept), without linking libaerie. */
@@ -59,6 +58,8 @@ static struct {
     int (*init_all)(kcu_nccl_comm *, int, const int *);
     int (*all_reduce)(const void *, void *, size_t, int, int, kcu_nccl_comm, cudaStream_t);
     int (*destroy)(kcu_nccl_comm);
+    int (*group_start)(void);
+    int (*group_end)(void);
     const char *(*error_string)(int);
 } g_nccl;
 static pthread_mutex_t g_nccl_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -83,8 +84,11 @@ static bool nccl_open(void) {
             *(void **)&g_nccl.all_reduce = dlsym(h, "ncclAllReduce");
             *(void **)&g_nccl.destroy = dlsym(h, "ncclCommDestroy");
             *(void **)&g_nccl.error_string = dlsym(h, "ncclGetErrorString");
+            *(void **)&g_nccl.group_start = dlsym(h, "ncclGroupStart");
+            *(void **)&g_nccl.group_end = dlsym(h, "ncclGroupEnd");
             if (!g_nccl.get_version || !g_nccl.init_all || !g_nccl.all_reduce || !g_nccl.destroy ||
-                !g_nccl.error_string || g_nccl.get_version(&g_nccl.version) != KCU_NCCL_OK) {
+                !g_nccl.error_string || !g_nccl.group_start || !g_nccl.group_end ||
+                g_nccl.get_version(&g_nccl.version) != KCU_NCCL_OK) {
                 snprintf(g_nccl.why, sizeof g_nccl.why, "%s lacks NCCL's entry points", name);
                 dlclose(h);
             } else {
@@ -102,12 +106,18 @@ static bool nccl_open(void) {
 
 /* ---- the group -------------------------------------------------------------- */
 
+/* Every rank's slot of one parity, as a kernel argument. */
+struct kcu_slots {
+    const float *p[KCU_COMM_MAX];
+};
+
 struct kcu_group {
     int n;
     size_t max;
     int refs;
+    int dev[KCU_COMM_MAX]; /* rank r's device */
     /* custom */
-    float *slots; /* device: [2][n][max] */
+    float *slots[KCU_COMM_MAX]; /* rank r's, on its device: [2][max] */
     cudaEvent_t ready[2][KCU_COMM_MAX], done[2][KCU_COMM_MAX];
     pthread_barrier_t bar;
     bool bar_ready;
@@ -135,42 +145,47 @@ static void harvest_one(kcu_comm *c) {
     c->pending--;
 }
 
+/* Rank 0's calls only (kernels.h: the time is rank 0's), so that the
+ * other ranks record nothing they never read. */
 static void time_begin(kcu_comm *c, cudaStream_t st) {
+    if (c->base.rank != 0) return;
     if (c->pending == KCU_TIMED) harvest_one(c);
     int i = (c->head + c->pending) % KCU_TIMED;
     KN_CK(cudaEventRecord(c->t0[i], st));
 }
 
 static void time_end(kcu_comm *c, cudaStream_t st) {
+    if (c->base.rank != 0) return;
     int i = (c->head + c->pending) % KCU_TIMED;
     KN_CK(cudaEventRecord(c->t1[i], st));
     c->pending++;
 }
 
 static void comm_update_stats(kn_comm *base) {
-    kcu_bind();
     kcu_comm *c = KCU_COMM(base);
+    kcu_bind(c->g->dev[base->rank]);
     while (c->pending > 0) harvest_one(c);
 }
 
-/* out[i] = (x[i] +) the sum of slots[r][i] over r = 0..n-1, in rank order. */
-__global__ void __launch_bounds__(256) k_allreduce_slots(const float *slots, int n, size_t stride, const float *x,
-                                                         float *out, size_t count) {
+/* out[i] = (x[i] +) the sum of slots.p[r][i] over r = 0..n-1, in rank order. */
+__global__ void __launch_bounds__(256) k_allreduce_slots(kcu_slots slots, int n, const float *x, float *out,
+                                                         size_t count) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
-    float sum = slots[i];
-    for (int r = 1; r < n; r++) sum = sum + slots[(size_t)r * stride + i];
+    float sum = slots.p[0][i];
+    for (int r = 1; r < n; r++) sum = sum + slots.p[r][i];
     out[i] = x ? x[i] + sum : sum;
 }
 
 static void custom_run(kn_comm *base, kn_stream *s, float *buf, float *x, size_t count) {
-    kcu_bind();
     kcu_comm *c = KCU_COMM(base);
     kcu_group *g = c->g;
+    KCU_ASSERT(KN_CU(s)->dev == g->dev[base->rank]);
+    kcu_bind(KN_CU(s)->dev);
     cudaStream_t st = KN_CU(s)->st;
     const int r = base->rank, p = (int)(c->seq++ & 1);
     time_begin(c, st);
-    float *mine = g->slots + ((size_t)p * (size_t)g->n + (size_t)r) * g->max;
+    float *mine = g->slots[r] + (size_t)p * g->max;
     for (int q = 0; q < g->n; q++)
         if (q != r) KN_CK(cudaStreamWaitEvent(st, g->done[p][q], 0)); /* their reads of call seq - 2 */
     KN_CK(cudaMemcpyAsync(mine, buf, count * sizeof(float), cudaMemcpyDeviceToDevice, st));
@@ -178,10 +193,10 @@ static void custom_run(kn_comm *base, kn_stream *s, float *buf, float *x, size_t
     pthread_barrier_wait(&g->bar);
     for (int q = 0; q < g->n; q++)
         if (q != r) KN_CK(cudaStreamWaitEvent(st, g->ready[p][q], 0));
+    kcu_slots all;
+    for (int q = 0; q < g->n; q++) all.p[q] = g->slots[q] + (size_t)p * g->max;
     unsigned blocks = (unsigned)((count + 255) / 256);
-    if (blocks)
-        KN_LAUNCH(k_allreduce_slots, dim3(blocks), dim3(256), st, g->slots + (size_t)p * (size_t)g->n * g->max, g->n,
-                  g->max, x, x ? x : buf, count);
+    if (blocks) KN_LAUNCH(k_allreduce_slots, dim3(blocks), dim3(256), st, all, g->n, x, x ? x : buf, count);
     KN_CK(cudaEventRecord(g->done[p][r], st));
     time_end(c, st);
     if (kcu_sync_launches()) KN_CK(cudaStreamSynchronize(st));
@@ -193,8 +208,9 @@ static void custom_allreduce_add(kn_comm *c, kn_stream *s, float *buf, float *x,
 }
 
 static void nccl_allreduce(kn_comm *base, kn_stream *s, float *buf, size_t count) {
-    kcu_bind();
     kcu_comm *c = KCU_COMM(base);
+    KCU_ASSERT(KN_CU(s)->dev == c->g->dev[base->rank]);
+    kcu_bind(KN_CU(s)->dev);
     cudaStream_t st = KN_CU(s)->st;
     time_begin(c, st);
     int rc = g_nccl.all_reduce(buf, buf, count, KCU_NCCL_FLOAT32, KCU_NCCL_SUM, c->nccl, st);
@@ -210,24 +226,29 @@ static void nccl_allreduce(kn_comm *base, kn_stream *s, float *buf, size_t count
 
 /* Frees the group's own resources (its ranks are gone). */
 static void group_release(kcu_group *g) {
-    KN_CK(cudaDeviceSynchronize()); /* the slots' last readers */
-    for (int p = 0; p < 2; p++)
-        for (int r = 0; r < g->n; r++) {
+    for (int r = 0; r < g->n; r++) { /* the slots' last readers, on every device */
+        kcu_bind(g->dev[r]);
+        KN_CK(cudaDeviceSynchronize());
+    }
+    for (int r = 0; r < g->n; r++) {
+        kcu_bind(g->dev[r]);
+        for (int p = 0; p < 2; p++) {
             if (g->ready[p][r]) KN_CK(cudaEventDestroy(g->ready[p][r]));
             if (g->done[p][r]) KN_CK(cudaEventDestroy(g->done[p][r]));
         }
-    if (g->slots) KN_CK(cudaFree(g->slots));
+        if (g->slots[r]) KN_CK(cudaFree(g->slots[r]));
+    }
     if (g->bar_ready) pthread_barrier_destroy(&g->bar);
     free(g);
 }
 
 static void group_free(kn_comm **comms, int n_ranks) {
-    kcu_bind();
     kcu_group *g = NULL;
     for (int r = 0; r < n_ranks; r++) {
         kcu_comm *c = KCU_COMM(comms[r]);
         if (!c) continue;
         g = c->g;
+        kcu_bind(g->dev[r]);
         while (c->pending > 0) harvest_one(c); /* nothing of it is left in flight */
         for (int i = 0; i < KCU_TIMED; i++) {
             if (c->t0[i]) KN_CK(cudaEventDestroy(c->t0[i]));
@@ -245,6 +266,39 @@ static const kn_comm_ops custom_ops = {KN_ALLREDUCE_CUSTOM, custom_allreduce, cu
                                        group_free};
 static const kn_comm_ops nccl_ops = {KN_ALLREDUCE_NCCL, nccl_allreduce, NULL, comm_update_stats, group_free};
 
+/* NCCL sets up its connections and their buffers at the first collective
+ * (2.22 on), not at ncclCommInitAll: one allreduce of one float on every
+ * rank now, so that a failure (no memory left for them) is an error
+ * here rather than an abort in a pass. */
+static int nccl_warm(const kcu_nccl_comm *nc, const int *dev, int n, ae_error *err) {
+    cudaStream_t st[KCU_COMM_MAX];
+    float *b[KCU_COMM_MAX];
+    for (int r = 0; r < n; r++) {
+        kcu_bind(dev[r]);
+        KN_CK(cudaStreamCreateWithFlags(&st[r], cudaStreamNonBlocking));
+        KN_CK(cudaMalloc((void **)&b[r], sizeof(float)));
+        KN_CK(cudaMemsetAsync(b[r], 0, sizeof(float), st[r]));
+    }
+    int rc = g_nccl.group_start(), first = rc;
+    for (int r = 0; r < n && rc == KCU_NCCL_OK; r++) {
+        kcu_bind(dev[r]);
+        rc = g_nccl.all_reduce(b[r], b[r], 1, KCU_NCCL_FLOAT32, KCU_NCCL_SUM, nc[r], st[r]);
+        if (first == KCU_NCCL_OK) first = rc;
+    }
+    rc = g_nccl.group_end();
+    if (first == KCU_NCCL_OK) first = rc;
+    for (int r = 0; r < n; r++) {
+        kcu_bind(dev[r]);
+        if (first == KCU_NCCL_OK) KN_CK(cudaStreamSynchronize(st[r]));
+        KN_CK(cudaFree(b[r]));
+        KN_CK(cudaStreamDestroy(st[r]));
+    }
+    if (first != KCU_NCCL_OK)
+        return fail(err, "cuda comm: nccl: the first allreduce of %d ranks failed: %s (%d)", n,
+                    g_nccl.error_string(first), first);
+    return AE_OK;
+}
+
 /* Frees a group half made: through its ranks if any holds it. */
 static int init_fail(kcu_group *g, kn_comm **comms, int n_ranks) {
     if (g->refs > 0) group_free(comms, n_ranks);
@@ -252,8 +306,8 @@ static int init_fail(kcu_group *g, kn_comm **comms, int n_ranks) {
     return AE_ERR;
 }
 
-int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_count, ae_error *err) {
-    kcu_bind();
+int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_backend *const *rank_be, size_t max_count,
+                  ae_error *err) {
     for (int r = 0; r < n_ranks; r++) comms[r] = NULL;
     if (n_ranks < 1 || n_ranks > KCU_COMM_MAX)
         return fail(err, "cuda comm: ranks must be in 1..%d, got %d", KCU_COMM_MAX, n_ranks);
@@ -261,27 +315,42 @@ int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_co
         return fail(err, "cuda comm: the cuda backend's ranks reduce with --allreduce nccl or custom, not %s",
                     kind == KN_ALLREDUCE_CPU ? "cpu" : "auto");
     if (kind == KN_ALLREDUCE_NCCL && !nccl_open()) return fail(err, "cuda comm: nccl: %s", g_nccl.why);
-    if (max_count > SIZE_MAX / sizeof(float) / 2 / (size_t)n_ranks)
+    if (max_count > SIZE_MAX / sizeof(float) / 2)
         return fail(err, "cuda comm: %zu floats per rank is too large", max_count);
+    int dev[KCU_COMM_MAX];
+    for (int r = 0; r < n_ranks; r++) dev[r] = kcu_dev_of(rank_be[r]);
+    /* The custom kind's kernel reads every rank's slot where it is. */
+    for (int r = 0; r < n_ranks && kind == KN_ALLREDUCE_CUSTOM; r++)
+        for (int q = 0; q < n_ranks; q++) {
+            int ok = 0;
+            if (dev[r] != dev[q] && (cudaDeviceCanAccessPeer(&ok, dev[r], dev[q]) != cudaSuccess || !ok)) {
+                cudaGetLastError();
+                return fail(err, "cuda comm: custom: rank %d on cuda:%d cannot read rank %d's memory on cuda:%d (no "
+                            "peer access); use --allreduce nccl", r, dev[r], q, dev[q]);
+            }
+        }
     kcu_group *g = (kcu_group *)calloc(1, sizeof *g);
     if (!g) return fail(err, "cuda comm: out of host memory");
     g->n = n_ranks;
     g->max = max_count ? max_count : 1;
-    if (kind == KN_ALLREDUCE_CUSTOM) {
-        size_t bytes = 2 * (size_t)n_ranks * g->max * sizeof(float);
-        cudaError_t e = cudaMalloc((void **)&g->slots, bytes);
+    memcpy(g->dev, dev, (size_t)n_ranks * sizeof *dev);
+    for (int r = 0; r < n_ranks && kind == KN_ALLREDUCE_CUSTOM; r++) {
+        kcu_bind(dev[r]);
+        size_t bytes = 2 * g->max * sizeof(float);
+        cudaError_t e = cudaMalloc((void **)&g->slots[r], bytes);
         if (e != cudaSuccess) {
             cudaGetLastError();
-            g->slots = NULL;
-            fail(err, "cuda comm: cannot allocate the custom allreduce's %zu bytes of slots on cuda:%d: %s", bytes,
-                 kcu_device(), cudaGetErrorString(e));
+            g->slots[r] = NULL;
+            fail(err, "cuda comm: cannot allocate rank %d's %zu bytes of custom allreduce slots on cuda:%d: %s", r,
+                 bytes, dev[r], cudaGetErrorString(e));
             return init_fail(g, comms, n_ranks);
         }
-        for (int p = 0; p < 2; p++)
-            for (int r = 0; r < n_ranks; r++) {
-                KN_CK(cudaEventCreateWithFlags(&g->ready[p][r], cudaEventDisableTiming));
-                KN_CK(cudaEventCreateWithFlags(&g->done[p][r], cudaEventDisableTiming));
-            }
+        for (int p = 0; p < 2; p++) {
+            KN_CK(cudaEventCreateWithFlags(&g->ready[p][r], cudaEventDisableTiming));
+            KN_CK(cudaEventCreateWithFlags(&g->done[p][r], cudaEventDisableTiming));
+        }
+    }
+    if (kind == KN_ALLREDUCE_CUSTOM) {
         if (pthread_barrier_init(&g->bar, NULL, (unsigned)n_ranks) != 0) {
             fail(err, "cuda comm: cannot make a barrier for %d ranks", n_ranks);
             return init_fail(g, comms, n_ranks);
@@ -290,19 +359,23 @@ int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_co
     }
     kcu_nccl_comm nc[KCU_COMM_MAX] = {0};
     if (kind == KN_ALLREDUCE_NCCL) {
-        int dev[KCU_COMM_MAX];
-        for (int r = 0; r < n_ranks; r++) dev[r] = kcu_device();
         int rc = g_nccl.init_all(nc, n_ranks, dev);
         if (rc != KCU_NCCL_OK) {
-            fail(err, "cuda comm: ncclCommInitAll for %d ranks on cuda:%d: %s (%d)%s", n_ranks, kcu_device(),
+            bool shared = false;
+            for (int r = 1; r < n_ranks; r++) shared = shared || dev[r] == dev[0];
+            fail(err, "cuda comm: ncclCommInitAll for %d ranks (cuda:%d first): %s (%d)%s", n_ranks, dev[0],
                  g_nccl.error_string(rc), rc,
-                 n_ranks > 1 ? "; ranks that share a GPU need NCCL 2.30 or later and NCCL_MULTI_RANK_GPU_ENABLE=1"
-                             : "");
+                 shared ? "; ranks that share a GPU need NCCL 2.30 or later and NCCL_MULTI_RANK_GPU_ENABLE=1" : "");
+            return init_fail(g, comms, n_ranks);
+        }
+        if (nccl_warm(nc, dev, n_ranks, err) != AE_OK) {
+            for (int r = 0; r < n_ranks; r++) g_nccl.destroy(nc[r]);
             return init_fail(g, comms, n_ranks);
         }
     }
     const kn_comm_ops *ops = kind == KN_ALLREDUCE_NCCL ? &nccl_ops : &custom_ops;
     for (int r = 0; r < n_ranks; r++) {
+        kcu_bind(dev[r]);
         kcu_comm *c = (kcu_comm *)calloc(1, sizeof *c);
         if (!c) {
             for (int q = r; q < n_ranks; q++)
@@ -318,7 +391,7 @@ int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, size_t max_co
         c->nccl = nc[r];
         g->refs++;
         comms[r] = &c->base;
-        for (int i = 0; i < KCU_TIMED; i++) {
+        for (int i = 0; i < KCU_TIMED && r == 0; i++) {
             KN_CK(cudaEventCreate(&c->t0[i]));
             KN_CK(cudaEventCreate(&c->t1[i]));
         }

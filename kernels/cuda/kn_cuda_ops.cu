@@ -68,7 +68,7 @@ static void launched(kn_stream *s) {
 
 /* The stream to launch on, with its device made current on this thread. */
 static cudaStream_t st(kn_stream *s) {
-    kcu_bind();
+    kcu_bind(KN_CU(s)->dev);
     return KN_CU(s)->st;
 }
 

@@ -20,13 +20,12 @@ struct kv_cache {
     const kn_backend *be;
     size_t row;       /* elements per slot: n_kv_heads * head_dim */
     /* Shards (kv_init_sharded): shard s holds kv heads shard_heads[s] of
-     * every slot, in pools of its own, from element shard_off[s] of data:
+     * every slot, in pools of its own, in data[s] (of its rank's backend):
      * f16 [n_layers][2][n_blocks][block_size][shard_heads[s]][head_dim]. */
     int32_t n_shards;
     int32_t shard_heads[KV_MAX_SHARDS];
     size_t shard_pool[KV_MAX_SHARDS]; /* elements per pool of shard s: n_blocks * block_size * its heads * head_dim */
-    size_t shard_off[KV_MAX_SHARDS];
-    kn_buf data;      /* the shards one after another (one shard: f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim]) */
+    kn_buf data[KV_MAX_SHARDS]; /* shard s's pools (one shard: f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim]) */
     kn_buf tables_buf; /* the block tables the kernels read: int32 [max_seqs][max_blocks_per_seq] */
     int32_t *tables;  /* the same, as this file keeps them; -1 where unused. On a host-memory
                          backend tables_buf itself, else a host copy kv_upload_tables sends */
@@ -80,11 +79,11 @@ uint64_t kv_bytes(const kv_params *p) {
 }
 
 int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *err) {
-    return kv_init_sharded(out, be, p, 1, &p->n_kv_heads, err);
+    return kv_init_sharded(out, be, p, 1, &p->n_kv_heads, NULL, err);
 }
 
 int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, int32_t n_shards,
-                    const int32_t *shard_kv_heads, ae_error *err) {
+                    const int32_t *shard_kv_heads, const kn_backend *const *shard_be, ae_error *err) {
     *out = NULL;
     int64_t heads = 0;
     for (int32_t i = 0; i < n_shards && n_shards <= KV_MAX_SHARDS; i++) {
@@ -113,16 +112,22 @@ int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, in
     for (int32_t i = 0; i < n_shards; i++) {
         kv->shard_heads[i] = shard_kv_heads[i];
         kv->shard_pool[i] = (size_t)p->n_blocks * (size_t)p->block_size * (size_t)shard_kv_heads[i] * (size_t)p->head_dim;
-        kv->shard_off[i] = i ? kv->shard_off[i - 1] + 2 * (size_t)p->n_layers * kv->shard_pool[i - 1] : 0;
     }
-    size_t bytes = (size_t)elems * sizeof(uint16_t);
     size_t n_table = (size_t)p->max_seqs * (size_t)p->max_blocks_per_seq;
     /* The backend's buffers come zeroed: the pages are committed now, as
      * the plan counted them, and a stray read sees 0 rather than garbage. */
-    if (kn_buf_alloc(be, &kv->data, bytes, err) != AE_OK) {
-        err_prefix(err, "kv cache: %zu bytes of K/V (%d blocks x %d tokens x %d layers): ", bytes, p->n_blocks,
-                   p->block_size, p->n_layers);
-        goto fail;
+    for (int32_t i = 0; i < n_shards; i++) {
+        size_t bytes = 2 * (size_t)p->n_layers * kv->shard_pool[i] * sizeof(uint16_t);
+        const kn_backend *sb = shard_be ? shard_be[i] : be;
+        if (kn_buf_alloc(sb, &kv->data[i], bytes, err) != AE_OK) {
+            if (n_shards > 1)
+                err_prefix(err, "kv cache: shard %d: %zu bytes of K/V (%d blocks x %d tokens x %d layers, %d kv heads): ",
+                           i, bytes, p->n_blocks, p->block_size, p->n_layers, shard_kv_heads[i]);
+            else
+                err_prefix(err, "kv cache: %zu bytes of K/V (%d blocks x %d tokens x %d layers): ", bytes, p->n_blocks,
+                           p->block_size, p->n_layers);
+            goto fail;
+        }
     }
     if (kn_buf_alloc(be, &kv->tables_buf, n_table * sizeof(int32_t), err) != AE_OK ||
         kn_buf_alloc(be, &kv->moves, 2 * KV_MOVE_CHUNK * sizeof(int32_t), err) != AE_OK)
@@ -153,7 +158,7 @@ fail:
 void kv_free(kv_cache *kv) {
     if (!kv) return;
     if (kv->tables != kv->tables_buf.ptr) free(kv->tables);
-    kn_buf_free(&kv->data);
+    for (int32_t i = 0; i < kv->n_shards; i++) kn_buf_free(&kv->data[i]);
     kn_buf_free(&kv->tables_buf);
     kn_buf_free(&kv->moves);
     free(kv->seqs);
@@ -395,7 +400,7 @@ void kv_upload_tables(kv_cache *kv, kn_stream *s) {
 /* Shard sh's layer l K (v = 0) or V (v = 1) pool, at the backend's address. */
 static uint16_t *pool_at(const kv_cache *kv, int32_t sh, int32_t layer, int v) {
     AE_ASSERT(sh >= 0 && sh < kv->n_shards && layer >= 0 && layer < kv->p.n_layers);
-    return (uint16_t *)kv->data.ptr + kv->shard_off[sh] + ((size_t)layer * 2 + (size_t)v) * kv->shard_pool[sh];
+    return (uint16_t *)kv->data[sh].ptr + ((size_t)layer * 2 + (size_t)v) * kv->shard_pool[sh];
 }
 
 uint16_t *kv_k_pool(kv_cache *kv, int32_t layer) {
@@ -414,7 +419,7 @@ kn_kv_pool kv_shard_layer(kv_cache *kv, int32_t shard, int32_t layer) {
     return (kn_kv_pool){
         .k = pool_at(kv, shard, layer, 0),
         .v = pool_at(kv, shard, layer, 1),
-        .buf = &kv->data,
+        .buf = &kv->data[shard],
         .n_blocks = kv->p.n_blocks,
         .block_size = kv->p.block_size,
         .n_kv_heads = kv->shard_heads[shard],

@@ -68,10 +68,13 @@ int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *
  * adding up to p->n_kv_heads), each shard in pools of its own
  * (kv_shard_layer) for one rank. Block tables, and so every slot and
  * move, are shared: kv_seq_fork and kv_commit_path move the rows of every
- * shard. The bytes are kv_bytes(p), however the heads are cut. */
+ * shard. The bytes are kv_bytes(p), however the heads are cut. Shard s's
+ * pools are made on shard_be[s] (NULL: every shard on be; the block
+ * tables and moves are be's, whose ops must reach every shard's memory:
+ * backend.h reads). */
 #define KV_MAX_SHARDS 64
 int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, int32_t n_shards,
-                    const int32_t *shard_kv_heads, ae_error *err);
+                    const int32_t *shard_kv_heads, const kn_backend *const *shard_be, ae_error *err);
 int32_t kv_n_shards(const kv_cache *kv);
 void kv_free(kv_cache *kv); /* NULL is a no-op */
 

@@ -325,7 +325,7 @@ static void run_ranks(const kn_backend *be, kn_allreduce kind, int R, float out[
                       kn_comm_stats *st) {
     kn_comm *comms[AR_RANKS];
     ae_error err = {{0}};
-    if (kn_comm_init(be, kind, comms, R, AR_MAX, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (kn_comm_init(be, kind, comms, R, NULL, AR_MAX, &err) != AE_OK) fail_msg("%s", err.msg);
     ar_rank rk[AR_RANKS];
     kn_buf held[AR_RANKS][AR_CALLS][2];
     float host[AR_MAX];
@@ -395,13 +395,13 @@ static void custom_allreduce_is_the_cpus_in_rank_order(void **state) {
     }
     kn_comm *c[2] = {NULL, NULL};
     ae_error err = {{0}};
-    assert_int_equal(kn_comm_init(CU, KN_ALLREDUCE_NCCL, c, 2, 16, &err), AE_ERR);
+    assert_int_equal(kn_comm_init(CU, KN_ALLREDUCE_NCCL, c, 2, NULL, 16, &err), AE_ERR);
 #ifndef KN_TEST_GPU
     assert_string_equal(err.msg, "cuda comm: nccl: the CPU shim has no NCCL (it needs a GPU)");
 #endif
     assert_null(c[0]);
     err.msg[0] = '\0';
-    assert_int_equal(kn_comm_init(CU, KN_ALLREDUCE_CPU, c, 2, 16, &err), AE_ERR);
+    assert_int_equal(kn_comm_init(CU, KN_ALLREDUCE_CPU, c, 2, NULL, 16, &err), AE_ERR);
     assert_string_equal(err.msg, "cuda comm: the cuda backend's ranks reduce with --allreduce nccl or custom, not cpu");
     printf("custom allreduce: %d ranks x %d calls (sum and fused add, %llu bytes a rank) bit-equal to the cpu's\n",
            AR_RANKS, AR_CALLS, (unsigned long long)bytes);
@@ -424,7 +424,7 @@ static void nccl_allreduce_when_asked(void **state) {
     ae_error err = {{0}};
     if (R == 1) {
         kn_comm *c[1];
-        if (kn_comm_init(CU, KN_ALLREDUCE_NCCL, c, 1, 1024, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (kn_comm_init(CU, KN_ALLREDUCE_NCCL, c, 1, NULL, 1024, &err) != AE_OK) fail_msg("%s", err.msg);
         float x[1024], y[1024];
         fill(x, 1024, -3, 3);
         float *dx = dev(x, sizeof x);

@@ -266,7 +266,7 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
         fail_msg("%s", err.msg);
     eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
     const kn_allreduce kind = cuda_allreduce();
-    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, &err) != AE_OK)
+    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, NULL, &err) != AE_OK)
         fail_msg("--tp 2: %s", err.msg);
     assert_int_equal(eng_allreduce(e_cu), kind);
     eng_set_graphs(e_cu, 16, 0); /* asked for, and off while ranks run */
@@ -332,10 +332,13 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     assert_int_equal(gs.captures + gs.replays, 0);
     spec_free(s);
     draft_link_close(&link);
+    /* back at one rank, the graphs asked for are on again */
+    assert_int_equal(eng_set_tp(e_cu, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
+    assert_int_equal(eng_get_graph_stats(e_cu).max_graphs, 16);
     /* auto: custom measured; NCCL is not in the shim, and the log says so */
     eng_free(e_cu);
     e_cu = engine(m_cu);
-    if (eng_set_tp(e_cu, 2, KN_ALLREDUCE_AUTO, &err) != AE_OK) fail_msg("--tp 2: %s", err.msg);
+    if (eng_set_tp(e_cu, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("--tp 2: %s", err.msg);
     printf("auto: %s\n", eng_allreduce_why(e_cu));
 #ifndef KN_TEST_GPU
     assert_int_equal(eng_allreduce(e_cu), KN_ALLREDUCE_CUSTOM);
@@ -345,12 +348,117 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     eng_free(e_cu);
     e_cu = engine(m_cu);
     err.msg[0] = '\0';
-    assert_int_equal(eng_set_tp(e_cu, 2, KN_ALLREDUCE_CPU, &err), AE_ERR);
+    assert_int_equal(eng_set_tp(e_cu, 2, KN_ALLREDUCE_CPU, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: --allreduce cpu is for ranks on the CPU; the cuda backend's ranks "
                                  "reduce with nccl or custom");
     free(lg[0]);
     free(lg[1]);
     eng_free(e_cu);
+    eng_free(e_cpu);
+    model_free(m_cu);
+    model_free(m_cpu);
+}
+
+/* Two ranks on two devices (the shim's AERIE_SHIM_DEVICES=2; on a GPU
+ * machine cuda:0 and cuda:1 where it has them): rank 1's shard copied to
+ * cuda:1 with its kv heads' KV, reading the step's inputs from cuda:0 by
+ * peer access. The bits are the CPU ranks' again, and speculation is
+ * still plain output. Without peer access, the ranks are refused with
+ * the reason. */
+static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
+    (void)state;
+#ifndef KN_TEST_GPU
+    setenv("AERIE_SHIM_DEVICES", "2", 1);
+#endif
+    const kn_backend *cu1;
+    kn_device_info info;
+    ae_error err = {{0}};
+    if (kn_cuda_open(1, &cu1, &info, &err) != AE_OK) {
+        printf("two devices: skipped (%s)\n", err.msg); /* one GPU on the lent machine */
+        return;
+    }
+    assert_true(cu1 != CU);
+    model *m_cpu, *m_cu;
+    if (model_load(&m_cpu, FIX "/target", &kn_backend_cpu, &err) != AE_OK ||
+        model_load(&m_cu, FIX "/target", CU, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
+    const kn_backend *bes[2] = {CU, cu1};
+    const kn_allreduce kind = cuda_allreduce();
+    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, bes, &err) != AE_OK)
+        fail_msg("--tp 2: %s", err.msg);
+    assert_true(eng_tp_backend(e_cu, 0) == CU && eng_tp_backend(e_cu, 1) == cu1);
+    assert_int_equal(eng_tp_copied_bytes(e_cu, 0), 0);
+    /* rank 1's matrices (q, k, v, o, gate, up, down of each layer, its
+     * part) and the embedding table, f32 */
+    const model_config *c = &m_cpu->cfg;
+    assert_true(c->n_heads == 4 && c->n_kv_heads == 2 && m_cpu->layers[0].wq.type == GGML_TYPE_F32);
+    uint64_t D = (uint64_t)c->head_dim, H = (uint64_t)c->hidden, F = (uint64_t)c->ffn / 2;
+    /* wq and wo: 2 heads x D by H; wk and wv: 1 kv head; gate, up, down: F by H; 4 bytes each */
+    uint64_t per_layer = (2 * (2 * D * H) + 2 * (D * H) + 3 * F * H) * 4;
+    uint64_t want = (uint64_t)c->n_layers * per_layer + (uint64_t)c->vocab * H * 4;
+    printf("two devices: rank 1 copied %llu bytes to cuda:1 (computed %llu)\n",
+           (unsigned long long)eng_tp_copied_bytes(e_cu, 1), (unsigned long long)want);
+    assert_int_equal(eng_tp_copied_bytes(e_cu, 1), want);
+    const int32_t V = c->vocab;
+    int32_t ids[MAX_PROMPT], want_ids[N_PROMPTS][N_GEN], got[N_GEN];
+    int32_t n = 0;
+    for (int i = 0; i < N_PROMPTS && n < 21; i++) n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+    float *lg[2] = {malloc(sizeof(float) * 20 * (size_t)V), malloc(sizeof(float) * 20 * (size_t)V)};
+    eng *e[2] = {e_cpu, e_cu};
+    int32_t seq[2];
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(eng_seq_new(e[k], &seq[k], &err), AE_OK);
+        eng_item it = {seq[k], ENG_APPEND, 20, ids, NULL, true};
+        assert_int_equal(eng_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
+    }
+    same_logits(lg[0], lg[1], 20 * (size_t)V);
+    for (int k = 0; k < 2; k++) eng_seq_free(e[k], seq[k]);
+    for (int i = 0; i < N_PROMPTS; i++) {
+        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+        run_plain_greedy(e_cpu, ids, n, CHUNK, N_GEN, want_ids[i]);
+        run_plain_greedy(e_cu, ids, n, CHUNK, N_GEN, got);
+        assert_memory_equal(got, want_ids[i], sizeof got);
+    }
+    /* speculation: verify trees, forks and commits move both devices' KV rows */
+    draft_link link;
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, NULL, 0};
+    if (draft_link_open(&link, FIX "/head", model_embedding(m_cpu), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    static const sample_params greedy = {0, 0, 1, 0};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec *s;
+    if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link.iface, &sc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    int identical = 0;
+    for (int i = 0; i < N_PROMPTS; i++) {
+        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+        run_spec(s, e_cu, ids, n, CHUNK, &greedy, 0, N_GEN, got);
+        identical += memcmp(got, want_ids[i], sizeof got) == 0;
+    }
+    printf("two devices, allreduce %s: prefill logits bit-equal to two cpu ranks, plain output identical on %d/%d, "
+           "speculative identical to plain on %d/%d (%lld verify steps)\n",
+           kn_allreduce_name(kind), N_PROMPTS, N_PROMPTS, identical, N_PROMPTS, (long long)spec_total_stats(s)->steps);
+    assert_int_equal(identical, N_PROMPTS);
+    spec_free(s);
+    draft_link_close(&link);
+    eng_free(e_cu);
+#ifndef KN_TEST_GPU
+    /* no peer access between the devices: refused, and the engine stays at one rank */
+    e_cu = engine(m_cu);
+    setenv("AERIE_SHIM_NO_PEER", "1", 1);
+    const kn_backend *cu1_again;
+    assert_int_equal(kn_cuda_open(1, &cu1_again, &info, &err), AE_OK);
+    err.msg[0] = '\0';
+    assert_int_equal(eng_set_tp(e_cu, 2, KN_ALLREDUCE_CUSTOM, bes, &err), AE_ERR);
+    printf("no peer access: %s\n", err.msg);
+    assert_non_null(strstr(err.msg, "need peer access between them"));
+    assert_int_equal(eng_tp(e_cu), 1);
+    unsetenv("AERIE_SHIM_NO_PEER");
+    eng_free(e_cu);
+#endif
+    free(lg[0]);
+    free(lg[1]);
     eng_free(e_cpu);
     model_free(m_cu);
     model_free(m_cpu);
@@ -362,6 +470,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(the_head_drafts_the_same_trees_on_cuda),
         cmocka_unit_test(greedy_speculation_on_cuda_is_plain_decoding),
         cmocka_unit_test(ranks_on_cuda_give_the_cpu_ranks_bits),
+        cmocka_unit_test(ranks_on_two_devices_give_the_cpu_ranks_bits),
     };
     return cmocka_run_group_tests(tests, setup, NULL);
 }

@@ -76,18 +76,24 @@ print("  torch", torch.__version__, "cuda", torch.version.cuda, "nccl", ".".join
 PY
 # NCCL's own version (ncclGetVersion: major*10000 + minor*100 + patch
 # from 2.9 on), from the first libnccl the loader or the disk has.
+# The newest libnccl on the machine (the loader's may be older than one
+# a Python package brings: ranks sharing a GPU need 2.30).
 nccl_found=$(python3 - <<'PY' 2>/dev/null
-import ctypes, ctypes.util, glob
-names = [ctypes.util.find_library("nccl") or "libnccl.so.2"] + sorted(glob.glob("/usr/**/libnccl.so.2", recursive=True))
+import ctypes, ctypes.util, subprocess
+names = [ctypes.util.find_library("nccl") or "libnccl.so.2"]
+names += subprocess.run(["find", "/", "-xdev", "-name", "libnccl.so.2"], capture_output=True, text=True).stdout.split()
+best = None
 for n in names:
     try:
         lib = ctypes.CDLL(n)
     except OSError:
         continue
     v = ctypes.c_int(0)
-    if lib.ncclGetVersion(ctypes.byref(v)) == 0:
-        print(f"{v.value // 10000}.{v.value // 100 % 100}.{v.value % 100} {lib._name}")
-        break
+    if lib.ncclGetVersion(ctypes.byref(v)) == 0 and (best is None or v.value > best[0]):
+        best = (v.value, n)
+if best:
+    v, n = best
+    print(f"{v // 10000}.{v // 100 % 100}.{v % 100} {n}")
 PY
 )
 nccl_version=${nccl_found%% *}
@@ -198,6 +204,9 @@ else
         NCCL_MULTI_RANK_GPU_ENABLE=1 AERIE_TEST_NCCL_RANKS=2 run nccl-tp2 60 build/gpu/test_cuda_ops nccl_allreduce_when_asked
         NCCL_MULTI_RANK_GPU_ENABLE=1 AERIE_TEST_ALLREDUCE=nccl run nccl-tp2-spec 120 build/gpu/test_cuda_spec \
             ranks_on_cuda_give_the_cpu_ranks_bits
+        # and on two GPUs, where this machine has them (the test says when not)
+        AERIE_TEST_ALLREDUCE=nccl run nccl-tp2-two-gpus 120 build/gpu/test_cuda_spec \
+            ranks_on_two_devices_give_the_cpu_ranks_bits
     else
         echo "-- nccl-tp2: skipped (NCCL $nccl_version: two ranks on one GPU need NCCL 2.30 or later)"
         not_built=(nccl-tp2)

@@ -46,13 +46,13 @@ def env_with_shim():
     return env
 
 
-def serve(model, device, tmp_path, *extra):
+def serve(model, device, tmp_path, *extra, env=None):
     tag = "-".join([device, *map(str, extra)]).replace("--", "")
     addr = f"unix:{tmp_path}/{tag}.sock"
     log = open(tmp_path / f"{tag}.log", "w")
     p = subprocess.Popen([str(TARGET), "--model", str(model), "--listen", addr, "--device", device, "--max-batch", "4",
                           "--max-seq-len", "64", "--threads", "2", "--log-interval-s", "0", *map(str, extra)],
-                         stdout=log, stderr=subprocess.STDOUT, env=env_with_shim(), cwd=ROOT)
+                         stdout=log, stderr=subprocess.STDOUT, env=env or env_with_shim(), cwd=ROOT)
     rpc.wait_for_socket(addr, p)
     try:
         c = rpc.Conn(addr)
@@ -145,6 +145,30 @@ def test_ranks_on_the_cuda_backend_serve_the_cpu_ranks_tokens(tiny, tmp_path):
     custom, _ = serve(tiny, "cuda", tmp_path, "--tp", "3", "--allreduce", "custom")
     three, _ = serve(tiny, "cpu", tmp_path, "--tp", "3")
     assert custom == three
+    # one GPU only: auto puts both ranks on it, and says why
+    assert "tensor parallel: tp-devices 0,0 (auto: every rank on cuda:0; one GPU a rank needs 2 from cuda:0: " \
+           "--device cuda:1: cuda:1 does not exist: this machine has 1 GPU(s))" in log
+
+
+def test_ranks_on_two_gpus_serve_the_cpu_ranks_tokens(tiny, tmp_path):
+    # The shim with two devices: auto gives each rank its own, rank 1's
+    # weights copied to cuda:1; the same tokens as two CPU ranks.
+    env = env_with_shim()
+    env["AERIE_SHIM_DEVICES"] = "2"
+    cpu, _ = serve(tiny, "cpu", tmp_path, "--tp", "2")
+    two, log = serve(tiny, "cuda", tmp_path, "--tp", "2", env=env)
+    assert two == cpu
+    assert "tensor parallel: tp-devices 0,1 (auto: a GPU a rank, from cuda:0)" in log
+    rank = [line for line in log.splitlines() if "tensor parallel: rank " in line and " on cuda:" in line]
+    assert len(rank) == 2, log
+    assert "rank 0 on cuda:0: " in rank[0] and "views of the one loaded copy" in rank[0]
+    assert "rank 1 on cuda:1: " in rank[1] and "MiB copied to its device" in rank[1]
+    # a device that is not there, named: one line, exit 2
+    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", "--tp", "2",
+                          "--tp-devices", "0,5"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "aerie-target: --tp 2: --tp-devices: --device cuda:5: cuda:5 does not exist: this machine has 2 GPU(s)")
 
 
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):

@@ -1176,12 +1176,12 @@ static void allreduce_sums_in_rank_order_and_one_rank_is_a_noop(void **state) {
     assert_string_equal(kn_allreduce_name(KN_ALLREDUCE_AUTO), "auto");
     ae_error err = {{0}};
     kn_comm *two[2] = {c[0], c[0]};
-    assert_int_equal(kn_comm_init(&kn_backend_cpu, KN_ALLREDUCE_NCCL, two, 2, 4, &err), AE_ERR);
+    assert_int_equal(kn_comm_init(&kn_backend_cpu, KN_ALLREDUCE_NCCL, two, 2, NULL, 4, &err), AE_ERR);
     assert_string_equal(err.msg, "comm: the cpu backend's ranks reduce with --allreduce cpu, not nccl (nccl and "
                                  "custom are the cuda backend's)");
     assert_null(two[0]);
     err.msg[0] = '\0';
-    assert_int_equal(kn_comm_init(&kn_backend_cpu, KN_ALLREDUCE_AUTO, two, 2, 4, &err), AE_ERR);
+    assert_int_equal(kn_comm_init(&kn_backend_cpu, KN_ALLREDUCE_AUTO, two, 2, NULL, 4, &err), AE_ERR);
     assert_string_equal(err.msg, "comm: allreduce auto is chosen before a comm is made");
 }
 

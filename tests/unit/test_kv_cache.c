@@ -251,16 +251,25 @@ static void test_shards_share_tables_and_every_commit(void **state) {
     const int32_t heads[2] = {2, 1};
     kv_cache *kv;
     ae_error err = {0};
-    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, heads, &err), AE_OK);
+    const kn_backend *where[2] = {&kn_backend_cpu, &kn_backend_cpu}; /* a backend a shard: its own buffer each */
+    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, heads, where, &err), AE_OK);
     assert_int_equal(kv_n_shards(kv), 2);
     for (int sh = 0; sh < 2; sh++) {
         kn_kv_pool l1 = kv_shard_layer(kv, sh, 1);
         assert_int_equal(l1.n_kv_heads, heads[sh]);
         assert_int_equal(l1.n_blocks, p.n_blocks);
     }
-    /* the shards lie one after another in the cache's one buffer */
-    assert_ptr_equal((uint16_t *)kv_shard_layer(kv, 1, 0).k,
-                     (uint16_t *)kv_shard_layer(kv, 0, 0).k + 2 * 2 * (size_t)p.n_blocks * 4 * 2 * 3);
+    /* each shard in a buffer of its own, its layers' K and V one after
+     * another there (blocks x 4 slots x its heads x head_dim 3) */
+    for (int sh = 0; sh < 2; sh++) {
+        kn_kv_pool l0 = kv_shard_layer(kv, sh, 0), l1 = kv_shard_layer(kv, sh, 1);
+        size_t elems_of = (size_t)p.n_blocks * 4 * (size_t)heads[sh] * 3;
+        assert_ptr_equal(l0.k, l0.buf->ptr);
+        assert_ptr_equal(l0.v, (uint16_t *)l0.k + elems_of);
+        assert_ptr_equal(l1.k, (uint16_t *)l0.k + 2 * elems_of);
+        assert_true(l0.buf == l1.buf && l0.buf->bytes == 2 * 2 * elems_of * sizeof(uint16_t));
+    }
+    assert_true(kv_shard_layer(kv, 0, 0).buf != kv_shard_layer(kv, 1, 0).buf);
     int32_t a;
     assert_int_equal(kv_seq_alloc(kv, &a, NULL), AE_OK);
     assert_int_equal(kv_seq_reserve(kv, a, 9, NULL), AE_OK);
@@ -291,10 +300,10 @@ static void test_shards_share_tables_and_every_commit(void **state) {
     kv_free(kv);
     /* heads that do not add up, or an empty shard, are refused */
     const int32_t bad[2] = {2, 2}, empty[2] = {3, 0};
-    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, bad, &err), AE_ERR);
+    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, bad, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "kv cache: 2 shards of 4 kv heads in all, for 3 kv heads (at most 64 shards)");
     err = (ae_error){0};
-    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, empty, &err), AE_ERR);
+    assert_int_equal(kv_init_sharded(&kv, &kn_backend_cpu, &p, 2, empty, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "kv cache: shard 1 has 0 kv heads");
 }
 

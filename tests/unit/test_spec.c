@@ -427,7 +427,7 @@ static void test_speculation_at_two_ranks_is_plain_at_two_ranks(void **state) {
     fixture f;
     fixture_open(&f);
     ae_error err = {0};
-    if (eng_set_tp(f.e, 2, KN_ALLREDUCE_AUTO, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (eng_set_tp(f.e, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     const spec_shape shapes[2] = {{4, 1, 5}, {8, 4, 32}};
     int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
     for (int k = 0; k < 2; k++) {

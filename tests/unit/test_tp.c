@@ -381,7 +381,7 @@ static void test_two_ranks_repeat_bit_for_bit(void **state) {
 static run_result *engine_run(eng *e, int32_t R) {
     const model_config *c = &mdl->cfg;
     ae_error err = {0};
-    if (eng_set_tp(e, R, KN_ALLREDUCE_AUTO, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (eng_set_tp(e, R, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     assert_int_equal(eng_tp(e), R);
     run_result *res = calloc(1, sizeof *res);
     assert_non_null(res);
@@ -463,7 +463,7 @@ static void test_the_engine_changes_ranks_between_sequences(void **state) {
         assert_memory_equal(got->logits, want[i]->logits, sizeof(float) * (size_t)V * N_GEN);
         run_result_free(got);
     }
-    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, &err), AE_OK);
+    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
     eng_comm_stats cs = eng_get_comm_stats(e);
     assert_true(cs.last.calls == 0 && cs.total.calls == 0 && cs.steps == 0);
     run_result_free(three);
@@ -477,24 +477,24 @@ static void test_the_engine_refuses_ranks_it_cannot_have(void **state) {
     eng *e;
     ae_error err = {0};
     if (eng_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
-    assert_int_equal(eng_set_tp(e, 4, KN_ALLREDUCE_AUTO, &err), AE_ERR);
+    assert_int_equal(eng_set_tp(e, 4, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     print_message("4 ranks: %s\n", err.msg);
     assert_non_null(strstr(err.msg, "3 kv heads"));
     assert_int_equal(eng_tp(e), 1);
     err = (ae_error){0};
-    assert_int_equal(eng_set_tp(e, 0, KN_ALLREDUCE_AUTO, &err), AE_ERR);
+    assert_int_equal(eng_set_tp(e, 0, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: 0 ranks (1 to 64)");
     /* the kinds of allreduce: a GPU's are refused on the CPU, the CPU's is taken */
     err = (ae_error){0};
-    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_NCCL, &err), AE_ERR);
+    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_NCCL, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: --allreduce nccl is for ranks on a GPU; the cpu backend's ranks "
                                  "reduce with cpu");
     assert_int_equal(eng_tp(e), 1);
-    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_CPU, &err), AE_OK);
+    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_CPU, NULL, &err), AE_OK);
     assert_int_equal(eng_tp(e), 2);
     assert_int_equal(eng_allreduce(e), KN_ALLREDUCE_CPU);
     assert_string_equal(eng_allreduce_why(e), "");
-    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, &err), AE_OK);
+    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
     assert_int_equal(eng_tp(e), 1);
     int32_t s, tok = PROMPT[0];
     float *lg = malloc(sizeof(float) * (size_t)V);
@@ -503,9 +503,9 @@ static void test_the_engine_refuses_ranks_it_cannot_have(void **state) {
     eng_item it = {s, ENG_APPEND, 1, &tok, NULL, false};
     assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
     err = (ae_error){0};
-    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_AUTO, &err), AE_ERR);
+    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: ranks are set before any sequence");
-    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, &err), AE_OK); /* what it has: nothing to do */
+    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK); /* what it has: nothing to do */
     free(lg);
     eng_free(e);
 }

@@ -331,6 +331,7 @@ struct shim_graph_node {
 struct shim_graph {
     std::vector<shim_graph_node> nodes;
     size_t charged; /* device bytes it takes, once instantiated */
+    int dev;        /* on this device */
 };
 struct shim_stream {
     bool capturing;
@@ -347,8 +348,19 @@ static size_t gpu_bytes(void) {
     return (size_t)(mib > 0 ? mib : 4096) << 20;
 }
 
+/* AERIE_SHIM_DEVICES (default 1, at most SHIM_MAX_DEVICES) devices, each
+ * with gpu_bytes() of its own; all of them host memory, so every device
+ * reads every other's (peer access), unless AERIE_SHIM_NO_PEER=1. */
+#define SHIM_MAX_DEVICES 8
+static int n_devices(void) {
+    const char *s = getenv("AERIE_SHIM_DEVICES");
+    long n = s ? atol(s) : 1;
+    return n >= 1 && n <= SHIM_MAX_DEVICES ? (int)n : 1;
+}
+static thread_local int t_dev; /* cudaSetDevice's, per thread as CUDA's */
+
 static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER;
-static size_t g_used; /* bytes cudaMalloc handed out and not freed */
+static size_t g_used[SHIM_MAX_DEVICES]; /* bytes cudaMalloc handed out on each device and not freed */
 
 /* The stream this thread captures, if any (capture mode thread-local or
  * global: either refuses this thread's unsafe calls). */
@@ -375,16 +387,32 @@ const char *cudaGetErrorString(cudaError_t e) {
 }
 cudaError_t cudaGetLastError(void) { return cudaSuccess; }
 cudaError_t cudaGetDeviceCount(int *n) {
-    *n = 1;
+    *n = n_devices();
     return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+cudaError_t cudaSetDevice(int d) {
+    if (d < 0 || d >= n_devices()) return cudaErrorInvalidDevice;
+    t_dev = d;
+    return cudaSuccess;
+}
 cudaError_t cudaGetDevice(int *d) {
-    *d = 0;
+    *d = t_dev;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceCanAccessPeer(int *can, int d, int peer) {
+    if (d < 0 || d >= n_devices() || peer < 0 || peer >= n_devices()) return cudaErrorInvalidDevice;
+    const char *no = getenv("AERIE_SHIM_NO_PEER");
+    *can = d != peer && !(no && strcmp(no, "1") == 0);
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
+    (void)flags;
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, t_dev, peer) != cudaSuccess || !can) return cudaErrorInvalidDevice;
     return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
-    if (d != 0) return cudaErrorInvalidDevice;
+    if (d < 0 || d >= n_devices()) return cudaErrorInvalidDevice;
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "cuda shim (CPU)");
     p->totalGlobalMem = gpu_bytes();
@@ -405,7 +433,7 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
     pthread_mutex_lock(&g_mem_mu);
     size_t total = gpu_bytes();
     *total_bytes = total;
-    *free_bytes = g_used < total ? total - g_used : 0;
+    *free_bytes = g_used[t_dev] < total ? total - g_used[t_dev] : 0;
     pthread_mutex_unlock(&g_mem_mu);
     return cudaSuccess;
 }
@@ -414,21 +442,23 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
 #define SHIM_HDR 64
 cudaError_t cudaMalloc(void **p, size_t n) {
     if (refused()) return cudaErrorStreamCaptureUnsupported;
+    const int dev = t_dev;
     pthread_mutex_lock(&g_mem_mu);
-    bool fits = n <= gpu_bytes() - g_used && g_used <= gpu_bytes();
-    if (fits) g_used += n;
+    bool fits = n <= gpu_bytes() - g_used[dev] && g_used[dev] <= gpu_bytes();
+    if (fits) g_used[dev] += n;
     pthread_mutex_unlock(&g_mem_mu);
     char *b = fits ? (char *)aligned_alloc(SHIM_HDR, (SHIM_HDR + n + SHIM_HDR - 1) / SHIM_HDR * SHIM_HDR) : NULL;
     if (!b) {
         if (fits) {
             pthread_mutex_lock(&g_mem_mu);
-            g_used -= n;
+            g_used[dev] -= n;
             pthread_mutex_unlock(&g_mem_mu);
         }
         *p = NULL;
         return cudaErrorMemoryAllocation;
     }
     memcpy(b, &n, sizeof n);
+    memcpy(b + sizeof n, &dev, sizeof dev);
     *p = b + SHIM_HDR;
     return cudaSuccess;
 }
@@ -437,9 +467,11 @@ cudaError_t cudaFree(void *p) {
     if (!p) return cudaSuccess;
     char *b = (char *)p - SHIM_HDR;
     size_t n;
+    int dev;
     memcpy(&n, b, sizeof n);
+    memcpy(&dev, b + sizeof n, sizeof dev);
     pthread_mutex_lock(&g_mem_mu);
-    g_used -= n;
+    g_used[dev] -= n;
     pthread_mutex_unlock(&g_mem_mu);
     free(b);
     return cudaSuccess;
@@ -577,12 +609,13 @@ cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t g, unsigned 
     if (refused()) return cudaErrorStreamCaptureUnsupported;
     size_t bytes = g->nodes.size() * SHIM_GRAPH_NODE_BYTES;
     pthread_mutex_lock(&g_mem_mu);
-    bool fits = bytes <= gpu_bytes() - g_used && g_used <= gpu_bytes();
-    if (fits) g_used += bytes;
+    bool fits = bytes <= gpu_bytes() - g_used[t_dev] && g_used[t_dev] <= gpu_bytes();
+    if (fits) g_used[t_dev] += bytes;
     pthread_mutex_unlock(&g_mem_mu);
     if (!fits) return cudaErrorMemoryAllocation;
     shim_graph *e = new shim_graph(*g);
     e->charged = bytes;
+    e->dev = t_dev;
     *exec = e;
     return cudaSuccess;
 }
@@ -607,7 +640,7 @@ cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
 cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
     if (!exec) return cudaSuccess;
     pthread_mutex_lock(&g_mem_mu);
-    g_used -= exec->charged;
+    g_used[exec->dev] -= exec->charged;
     pthread_mutex_unlock(&g_mem_mu);
     delete exec;
     return cudaSuccess;

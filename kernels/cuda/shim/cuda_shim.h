@@ -13,8 +13,10 @@
  * a block whose threads disagree.
  *
  * Runtime: memory is host memory, copies are memcpy, and every call is
- * synchronous, so streams and events are only handles. One device,
- * reported with the memory given by AERIE_SHIM_GPU_MIB (default 4096).
+ * synchronous, so streams and events are only handles. AERIE_SHIM_DEVICES
+ * devices (default 1), each reported with the memory given by
+ * AERIE_SHIM_GPU_MIB (default 4096) and counted apart; each reads every
+ * other's memory (peer access) unless AERIE_SHIM_NO_PEER=1.
  *
  * Not here, and so not used by the portable kernels: dynamic shared
  * memory, atomics, cooperative groups, tensor-core instructions, cp.async
@@ -60,6 +62,7 @@ enum {
     cudaErrorInsufficientDriver = 35,
     cudaErrorNoDevice = 100,
     cudaErrorInvalidDevice = 101,
+    cudaErrorPeerAccessAlreadyEnabled = 704,
     cudaErrorStreamCaptureUnsupported = 900,
     cudaErrorStreamCaptureInvalidated = 901,
 };
@@ -101,6 +104,8 @@ cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaSetDevice(int d);
 cudaError_t cudaGetDevice(int *d);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d);
+cudaError_t cudaDeviceCanAccessPeer(int *can, int d, int peer);
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags);
 cudaError_t cudaDriverGetVersion(int *v);
 cudaError_t cudaRuntimeGetVersion(int *v);
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
