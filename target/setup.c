@@ -108,6 +108,50 @@ static int tp_devices(cfg *c, const kn_device *dev, int32_t R, const kn_backend 
     return AE_OK;
 }
 
+/* Each GPU other than the model's holds its ranks' copies of their
+ * shards, their kv heads' KV and their activations: the plan of that
+ * GPU, as arithmetic, against what it had free when it was opened. The
+ * model's GPU has the memory plan (setup_plan). */
+static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backend **bes, ae_error *err) {
+    tp_split sp;
+    if (m->arch->tp_split(&sp, &m->cfg, R, err) != AE_OK) return AE_ERR;
+    const eng_config *ec = eng_get_config(e);
+    const int32_t T = ec->max_batch_tokens;
+    for (int32_t r = 0; r < R; r++) {
+        if (bes[r] == m->be) continue;
+        bool first = true; /* the first rank on its GPU sums them all */
+        for (int32_t q = 0; q < r; q++) first = first && bes[q] != bes[r];
+        if (!first) continue;
+        uint64_t w = 0, kv = 0, act = 0;
+        int32_t n = 0;
+        for (int32_t q = r; q < R; q++) {
+            if (bes[q] != bes[r]) continue;
+            model *sh;
+            if (tp_shard_init(&sh, m, &sp, q, err) != AE_OK) return AE_ERR;
+            w += tp_rank_copy_bytes(sh, q);
+            kv += (uint64_t)ec->kv_tokens * m->arch->kv_bytes_per_token(&sh->cfg);
+            act += llama_ws_bytes(sh, T, q == 0 ? T : 1) + llama_stream_workspace(sh, T, ec->max_seq_len) +
+                   2 * (uint64_t)T * (uint64_t)m->cfg.hidden * sizeof(float); /* the custom kind's slots */
+            tp_shard_free(sh);
+            n++;
+        }
+        const kn_device *d = &g_rank_dev[r];
+        uint64_t need = w + kv + act, have = d->info.free_bytes;
+        double mib = 1048576.0;
+        if (need > have)
+            return err_set(err, "memory plan of %s (%d rank%s from rank %d): weights %.2f MiB + KV %.2f MiB (%d tokens) "
+                           "+ activations %.2f MiB = %.2f MiB > %.2f MiB free at start; would work: fewer KV tokens "
+                           "(--max-kv-tokens), more ranks, or a GPU with more memory",
+                           d->name, n, n > 1 ? "s" : "", r, (double)w / mib, (double)kv / mib, ec->kv_tokens,
+                           (double)act / mib, (double)need / mib, (double)have / mib);
+        LOG_INFOF("tensor parallel: memory plan of %s (%d rank%s from rank %d): weights %.2f MiB + KV %.2f MiB (%d "
+                  "tokens) + activations %.2f MiB = %.2f MiB of %.2f MiB free at start",
+                  d->name, n, n > 1 ? "s" : "", r, (double)w / mib, (double)kv / mib, ec->kv_tokens, (double)act / mib,
+                  (double)need / mib, (double)have / mib);
+    }
+    return AE_OK;
+}
+
 int setup_tp(cfg *c, eng *e, const model *m, const kn_device *dev, ae_error *err) {
     int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
     int kind = cfg_has(c, "allreduce") ? kn_allreduce_parse(cfg_str(c, "allreduce")) : KN_ALLREDUCE_AUTO;
@@ -115,7 +159,8 @@ int setup_tp(cfg *c, eng *e, const model *m, const kn_device *dev, ae_error *err
     const kn_backend *bes[TP_MAX_RANKS];
     bool on_gpus = R > 1 && dev && dev->kind == KN_DEVICE_CUDA && m->be == dev->be;
     for (int32_t r = 0; r < R && R <= TP_MAX_RANKS; r++) snprintf(g_rank_dev[r].name, sizeof g_rank_dev[r].name, "cpu");
-    if (on_gpus && tp_devices(c, dev, R, bes, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
+    if (on_gpus && (tp_devices(c, dev, R, bes, err) != AE_OK || tp_gpu_plans(e, m, R, bes, err) != AE_OK))
+        return err_prefix(err, "--tp %d: ", R), AE_ERR;
     if (eng_set_tp(e, R, (kn_allreduce)kind, on_gpus ? bes : NULL, err) != AE_OK)
         return err_prefix(err, "--tp %d: ", R), AE_ERR;
     if (R <= 1) return AE_OK;

@@ -457,6 +457,21 @@ static int weight_copy(kn_weight *w, kn_stream *from, const kn_backend *be, kn_b
     return AE_OK;
 }
 
+static uint64_t weight_bytes(const kn_weight *w) {
+    return (uint64_t)w->rows * quant_row_bytes(w->type, (uint64_t)w->cols);
+}
+
+uint64_t tp_rank_copy_bytes(const model *sh, int32_t rank) {
+    uint64_t b = weight_bytes(&sh->tok_embd);
+    for (int32_t l = 0; l < sh->cfg.n_layers; l++) {
+        const model_layer *ly = &sh->layers[l];
+        b += weight_bytes(&ly->wq) + weight_bytes(&ly->wk) + weight_bytes(&ly->wv) + weight_bytes(&ly->wo) +
+             weight_bytes(&ly->w_gate) + weight_bytes(&ly->w_up) + weight_bytes(&ly->w_down);
+    }
+    if (rank == 0 && sh->output.data != sh->tok_embd.data) b += weight_bytes(&sh->output);
+    return b;
+}
+
 /* Rank r's shard's matrices (and the embedding table, and for rank 0 the
  * output projection) copied into its backend's memory. */
 static int rank_copy_weights(tp_rank *r, const model *m, ae_error *err) {
@@ -480,6 +495,7 @@ static int rank_copy_weights(tp_rank *r, const model *m, ae_error *err) {
         else rc = weight_copy(&sh->output, from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
     }
     kn_stream_free(from);
+    AE_ASSERT(rc != AE_OK || r->copied == tp_rank_copy_bytes(sh, r->rank));
     if (rc != AE_OK) err_prefix(err, "tensor parallel: rank %d's weights on backend %s: ", r->rank, kn_backend_name(r->be));
     return rc;
 }

@@ -125,6 +125,11 @@ const tp_split *tp_group_split(const tp_group *g);
 const model *tp_group_shard(const tp_group *g, int32_t rank);
 /* Rank r's KV pools: [n_layers]. */
 const kn_kv_pool *tp_group_kv(const tp_group *g, int32_t rank);
+/* The bytes a rank on another backend than the model's copies of its
+ * shard (tp_config.rank_be): its matrices, the embedding table, and for
+ * rank 0 an untied output projection. */
+uint64_t tp_rank_copy_bytes(const model *shard, int32_t rank);
+
 /* Rank r's backend, and the bytes of weights copied into its memory (0
  * for a rank on the model's backend: views). */
 const kn_backend *tp_group_backend(const tp_group *g, int32_t rank);

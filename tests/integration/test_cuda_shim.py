@@ -163,12 +163,23 @@ def test_ranks_on_two_gpus_serve_the_cpu_ranks_tokens(tiny, tmp_path):
     assert len(rank) == 2, log
     assert "rank 0 on cuda:0: " in rank[0] and "views of the one loaded copy" in rank[0]
     assert "rank 1 on cuda:1: " in rank[1] and "MiB copied to its device" in rank[1]
+    plan = [line for line in log.splitlines() if "tensor parallel: memory plan of cuda:1" in line]
+    assert len(plan) == 1 and "(1 rank from rank 1): weights " in plan[0] and " MiB free at start" in plan[0], log
     # a device that is not there, named: one line, exit 2
     out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", "--tp", "2",
                           "--tp-devices", "0,5"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "aerie-target: --tp 2: --tp-devices: --device cuda:5: cuda:5 does not exist: this machine has 2 GPU(s)")
+    # a second GPU too small for rank 1's part: refused at start, with its plan
+    env["AERIE_SHIM_GPU_MIB"] = "4096,2"
+    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", "--tp", "2"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("aerie-target: --tp 2: memory plan of cuda:1 (1 rank from rank 1): weights "), line
+    assert line.endswith(" > 2.00 MiB free at start; would work: fewer KV tokens (--max-kv-tokens), more ranks, "
+                         "or a GPU with more memory"), line
 
 
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):

@@ -342,11 +342,24 @@ struct shim_event {
     double at; /* seconds, when it was recorded: every call is synchronous */
 };
 
-static size_t gpu_bytes(void) {
+static thread_local int t_dev; /* cudaSetDevice's, per thread as CUDA's */
+
+/* Device d's memory: AERIE_SHIM_GPU_MIB, one figure for every device or
+ * a list, one a device (the last for the rest). */
+static size_t gpu_bytes_of(int d) {
     const char *s = getenv("AERIE_SHIM_GPU_MIB");
-    long mib = s ? atol(s) : 4096;
+    long mib = 4096;
+    for (int i = 0; s && *s; i++) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s) break;
+        mib = v;
+        if (i == d || *end != ',') break;
+        s = end + 1;
+    }
     return (size_t)(mib > 0 ? mib : 4096) << 20;
 }
+static size_t gpu_bytes(void) { return gpu_bytes_of(t_dev); }
 
 /* AERIE_SHIM_DEVICES (default 1, at most SHIM_MAX_DEVICES) devices, each
  * with gpu_bytes() of its own; all of them host memory, so every device
@@ -357,7 +370,6 @@ static int n_devices(void) {
     long n = s ? atol(s) : 1;
     return n >= 1 && n <= SHIM_MAX_DEVICES ? (int)n : 1;
 }
-static thread_local int t_dev; /* cudaSetDevice's, per thread as CUDA's */
 
 static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER;
 static size_t g_used[SHIM_MAX_DEVICES]; /* bytes cudaMalloc handed out on each device and not freed */
@@ -415,7 +427,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
     if (d < 0 || d >= n_devices()) return cudaErrorInvalidDevice;
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "cuda shim (CPU)");
-    p->totalGlobalMem = gpu_bytes();
+    p->totalGlobalMem = gpu_bytes_of(d);
     p->major = 0;
     p->minor = 0;
     p->multiProcessorCount = 1;

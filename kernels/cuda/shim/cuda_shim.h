@@ -15,7 +15,8 @@
  * Runtime: memory is host memory, copies are memcpy, and every call is
  * synchronous, so streams and events are only handles. AERIE_SHIM_DEVICES
  * devices (default 1), each reported with the memory given by
- * AERIE_SHIM_GPU_MIB (default 4096) and counted apart; each reads every
+ * AERIE_SHIM_GPU_MIB (default 4096; or a list, one a device) and counted
+ * apart; each reads every
  * other's memory (peer access) unless AERIE_SHIM_NO_PEER=1.
  *
  * Not here, and so not used by the portable kernels: dynamic shared
