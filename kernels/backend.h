@@ -45,6 +45,9 @@ typedef struct kn_comm_ops {
     void (*allreduce)(kn_comm *c, kn_stream *s, float *buf, size_t count);
     /* x += the sum of buf, fused; NULL: allreduce, then the stream's add */
     void (*allreduce_add)(kn_comm *c, kn_stream *s, float *buf, float *x, size_t count);
+    /* and then y = rmsnorm(x) * g, fused; NULL: allreduce_add, then the stream's rmsnorm */
+    void (*allreduce_add_rmsnorm)(kn_comm *c, kn_stream *s, float *buf, float *x, const float *g, float *y, int64_t m,
+                                  int64_t n, float eps);
     /* brings c->stats.ns up to date (a GPU's events); NULL: it always is */
     void (*update_stats)(kn_comm *c);
     /* frees comms[0..n) of one group; entries may be NULL */

@@ -267,6 +267,21 @@ void kn_allreduce_add(kn_comm *c, kn_stream *s, float *buf, float *x, size_t cou
     kn_add(s, x, buf, x, (int64_t)count);
 }
 
+void kn_allreduce_add_rmsnorm(kn_comm *c, kn_stream *s, float *buf, float *x, const float *g, float *y, int64_t m,
+                              int64_t n, float eps) {
+    AE_ASSERT(m >= 0 && n > 0 && eps >= 0.0f && y != x);
+    const size_t count = (size_t)m * (size_t)n;
+    if (c && c->n_ranks > 1 && c->ops->allreduce_add_rmsnorm) {
+        AE_ASSERT(count <= c->max_count);
+        c->stats.calls++;
+        c->stats.bytes += (uint64_t)count * sizeof(float);
+        c->ops->allreduce_add_rmsnorm(c, s, buf, x, g, y, m, n, eps);
+        return;
+    }
+    kn_allreduce_add(c, s, buf, x, count);
+    kn_rmsnorm(s, x, g, y, m, n, eps);
+}
+
 void kn_bias_add(kn_stream *s, float *x, const float *bias, int64_t m, int64_t n) {
     AE_ASSERT(m >= 0 && n > 0);
     s->be->bias_add(s, x, bias, m, n);

@@ -536,6 +536,13 @@ void kn_allreduce_sum(kn_comm *c, kn_stream *s, float *buf, size_t count);
  * undefined. With a NULL comm or one rank it is kn_add. */
 void kn_allreduce_add(kn_comm *c, kn_stream *s, float *buf, float *x, size_t count);
 
+/* kn_allreduce_add over x [m][n], then y = kn_rmsnorm(x, g) (y must not
+ * be x): the residual add and the norm that follows it, with their
+ * bits. The custom kind does all three in one kernel a row; the others
+ * call the three ops. */
+void kn_allreduce_add_rmsnorm(kn_comm *c, kn_stream *s, float *buf, float *x, const float *g, float *y, int64_t m,
+                              int64_t n, float eps);
+
 /* What one rank's allreduces have cost since its comm was made: calls,
  * bytes of its buffer (count x 4 each), and the time spent in them (wall
  * time on the CPU, barrier waits included; on a GPU, the time between

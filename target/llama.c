@@ -96,11 +96,11 @@ static void capture_layer(kn_stream *s, const llama_capture *cap, int32_t layer,
 /* GQA attention: ws->x in, the output projection in ws->proj (a partial
  * sum over this rank's heads under tensor parallelism). */
 static void attn_gqa(const model *m, const model_layer *l, kn_stream *s, const kn_kv_pool *kv, llama_ws *ws,
-                     const llama_batch *b) {
+                     const llama_batch *b, bool normed) {
     const model_config *c = &m->cfg;
     const int32_t T = b->m, H = c->hidden;
     const int64_t QD = (int64_t)c->n_heads * c->head_dim, KD = (int64_t)c->n_kv_heads * c->head_dim;
-    kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, H, c->rms_eps);
+    if (!normed) kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, H, c->rms_eps);
     kn_matmul_n(s, 3, (const kn_weight *[]){&l->wq, &l->wk, &l->wv}, ws->xn, (float *[]){ws->q, ws->k, ws->v}, T);
     if (l->bq) kn_bias_add(s, ws->q, l->bq, T, QD);
     if (l->bk) kn_bias_add(s, ws->k, l->bk, T, KD);
@@ -113,9 +113,9 @@ static void attn_gqa(const model *m, const model_layer *l, kn_stream *s, const k
 }
 
 /* The dense SwiGLU FFN: ws->x in, the down projection in ws->proj. */
-static void ffn_dense(const model *m, const model_layer *l, kn_stream *s, llama_ws *ws, int32_t T) {
+static void ffn_dense(const model *m, const model_layer *l, kn_stream *s, llama_ws *ws, int32_t T, bool normed) {
     const model_config *c = &m->cfg;
-    kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, c->hidden, c->rms_eps);
+    if (!normed) kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, c->hidden, c->rms_eps);
     kn_matmul_swiglu(s, &l->w_gate, &l->w_up, ws->xn, ws->gate, ws->up, T);
     kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
 }
@@ -141,20 +141,30 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
     kn_embed(s, &m->tok_embd, b->tokens, ws->x, T);
     kn_rope_table(s, &m->rope, b->pos, T, ws->rope);
     /* The layer loop every architecture shares: the capture and the
-     * allreduce hooks are here, each block's kind picks its ops. */
+     * allreduce hooks are here, each block's kind picks its ops. Each
+     * allreduce adds into the residual stream and makes the next block's
+     * norm in the same call (kn_allreduce_add_rmsnorm: one kernel with
+     * the custom allreduce, the same three ops otherwise), so a block
+     * starts from ws->xn already made. */
+    bool normed = false;
     for (int32_t li = 0; li < c->n_layers; li++) {
         const model_layer *l = &m->layers[li];
         capture_layer(s, cap, li, ws->x, H);
         switch (l->attn) {
-        case MODEL_ATTN_GQA: attn_gqa(m, l, s, &kv[li], ws, b); break;
+        case MODEL_ATTN_GQA: attn_gqa(m, l, s, &kv[li], ws, b, normed); break;
         default: AE_ASSERT(!"an attention kind the forward pass does not have");
         }
-        kn_allreduce_add(comm, s, ws->proj, ws->x, (size_t)T * (size_t)H);
+        kn_allreduce_add_rmsnorm(comm, s, ws->proj, ws->x, l->ffn_norm, ws->xn, T, H, c->rms_eps);
         switch (l->ffn) {
-        case MODEL_FFN_DENSE: ffn_dense(m, l, s, ws, T); break;
+        case MODEL_FFN_DENSE: ffn_dense(m, l, s, ws, T, true); break;
         default: AE_ASSERT(!"an FFN kind the forward pass does not have");
         }
-        kn_allreduce_add(comm, s, ws->proj, ws->x, (size_t)T * (size_t)H);
+        if (li + 1 < c->n_layers) {
+            kn_allreduce_add_rmsnorm(comm, s, ws->proj, ws->x, m->layers[li + 1].attn_norm, ws->xn, T, H, c->rms_eps);
+            normed = true;
+        } else {
+            kn_allreduce_add(comm, s, ws->proj, ws->x, (size_t)T * (size_t)H);
+        }
     }
     capture_layer(s, cap, c->n_layers, ws->x, H);
     if (b->n_logits == 0) return;

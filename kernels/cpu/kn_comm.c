@@ -62,7 +62,8 @@ static void cpu_free_group(kn_comm **comms, int n_ranks) {
 }
 
 static const kn_comm_ops cpu_comm_ops = {
-    .kind = KN_ALLREDUCE_CPU, .allreduce = cpu_allreduce, .free_group = cpu_free_group};
+    .kind = KN_ALLREDUCE_CPU, .allreduce = cpu_allreduce, .allreduce_add = NULL, .allreduce_add_rmsnorm = NULL,
+    .update_stats = NULL, .free_group = cpu_free_group};
 
 int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err) {
     if (n_ranks < 1 || n_ranks > POOL_MAX_THREADS)

@@ -72,6 +72,14 @@ int kcu_dev_of(const kn_backend *be);
 /* The table's reads (backend.h): the same device, or one it has peer
  * access to. */
 bool kcu_reads(const kn_backend *self, const kn_backend *other);
+/* Every rank's slot of one parity, as a kernel argument (kn_cuda_comm.cu). */
+struct kcu_slots {
+    const float *p[64]; /* KN_COMM_MAX_RANKS */
+};
+/* The custom allreduce's fused tail (kn_cuda_ops.cu): x [m][n] += the
+ * slots' sum in rank order, then y = rmsnorm(x) * g, a block a row. */
+void kcu_launch_add_rmsnorm(cudaStream_t st, const kcu_slots *slots, int n_ranks, float *x, const float *g, float *y,
+                            int64_t m, int64_t n, float eps);
 /* The backend's comm_init (kn_cuda_comm.cu): the custom and nccl kinds. */
 int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_backend *const *rank_be, size_t max_count,
                   ae_error *err);

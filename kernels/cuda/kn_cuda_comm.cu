@@ -33,6 +33,7 @@
 #include <stdlib.h>
 
 #define KCU_COMM_MAX KN_COMM_MAX_RANKS
+static_assert(sizeof(((kcu_slots *)0)->p) / sizeof(float *) == KCU_COMM_MAX, "kcu_slots holds every rank");
 #define KCU_TIMED 512     /* calls whose events may be in flight at once, per rank */
 
 /* err_set's rule (the first error is kept), without linking libaerie. */
@@ -106,11 +107,6 @@ static bool nccl_open(void) {
 
 /* ---- the group -------------------------------------------------------------- */
 
-/* Every rank's slot of one parity, as a kernel argument. */
-struct kcu_slots {
-    const float *p[KCU_COMM_MAX];
-};
-
 struct kcu_group {
     int n;
     size_t max;
@@ -177,7 +173,15 @@ __global__ void __launch_bounds__(256) k_allreduce_slots(kcu_slots slots, int n,
     out[i] = x ? x[i] + sum : sum;
 }
 
-static void custom_run(kn_comm *base, kn_stream *s, float *buf, float *x, size_t count) {
+/* The fused norm after the add (kn_allreduce_add_rmsnorm), or none. */
+struct kcu_norm {
+    const float *g;
+    float *y;
+    int64_t m, n;
+    float eps;
+};
+
+static void custom_run(kn_comm *base, kn_stream *s, float *buf, float *x, size_t count, const kcu_norm *norm) {
     kcu_comm *c = KCU_COMM(base);
     kcu_group *g = c->g;
     KCU_ASSERT(KN_CU(s)->dev == g->dev[base->rank]);
@@ -196,15 +200,25 @@ static void custom_run(kn_comm *base, kn_stream *s, float *buf, float *x, size_t
     kcu_slots all;
     for (int q = 0; q < g->n; q++) all.p[q] = g->slots[q] + (size_t)p * g->max;
     unsigned blocks = (unsigned)((count + 255) / 256);
-    if (blocks) KN_LAUNCH(k_allreduce_slots, dim3(blocks), dim3(256), st, all, g->n, x, x ? x : buf, count);
+    if (norm)
+        kcu_launch_add_rmsnorm(st, &all, g->n, x, norm->g, norm->y, norm->m, norm->n, norm->eps);
+    else if (blocks)
+        KN_LAUNCH(k_allreduce_slots, dim3(blocks), dim3(256), st, all, g->n, x, x ? x : buf, count);
     KN_CK(cudaEventRecord(g->done[p][r], st));
     time_end(c, st);
     if (kcu_sync_launches()) KN_CK(cudaStreamSynchronize(st));
 }
 
-static void custom_allreduce(kn_comm *c, kn_stream *s, float *buf, size_t count) { custom_run(c, s, buf, NULL, count); }
+static void custom_allreduce(kn_comm *c, kn_stream *s, float *buf, size_t count) {
+    custom_run(c, s, buf, NULL, count, NULL);
+}
 static void custom_allreduce_add(kn_comm *c, kn_stream *s, float *buf, float *x, size_t count) {
-    custom_run(c, s, buf, x, count);
+    custom_run(c, s, buf, x, count, NULL);
+}
+static void custom_allreduce_add_rmsnorm(kn_comm *c, kn_stream *s, float *buf, float *x, const float *g, float *y,
+                                         int64_t m, int64_t n, float eps) {
+    kcu_norm norm = {g, y, m, n, eps};
+    custom_run(c, s, buf, x, (size_t)m * (size_t)n, &norm);
 }
 
 static void nccl_allreduce(kn_comm *base, kn_stream *s, float *buf, size_t count) {
@@ -262,9 +276,9 @@ static void group_free(kn_comm **comms, int n_ranks) {
     if (g && g->refs == 0) group_release(g);
 }
 
-static const kn_comm_ops custom_ops = {KN_ALLREDUCE_CUSTOM, custom_allreduce, custom_allreduce_add, comm_update_stats,
-                                       group_free};
-static const kn_comm_ops nccl_ops = {KN_ALLREDUCE_NCCL, nccl_allreduce, NULL, comm_update_stats, group_free};
+static const kn_comm_ops custom_ops = {KN_ALLREDUCE_CUSTOM, custom_allreduce, custom_allreduce_add,
+                                       custom_allreduce_add_rmsnorm, comm_update_stats, group_free};
+static const kn_comm_ops nccl_ops = {KN_ALLREDUCE_NCCL, nccl_allreduce, NULL, NULL, comm_update_stats, group_free};
 
 /* NCCL sets up its connections and their buffers at the first collective
  * (2.22 on), not at ncclCommInitAll: one allreduce of one float on every

@@ -227,12 +227,10 @@ void kcu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_
  * squares are independent: the whole block makes them, a chunk at a time,
  * into shared memory, and the 8 lanes only add, 8 loads ahead. */
 #define RN_CHUNK 2048
-__global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, float eps) {
+static __device__ void rn_row(const float *xr, const float *g, float *yr, int64_t n, float eps) {
     __shared__ double sq[RN_CHUNK];
     __shared__ double lane[8];
     __shared__ float inv_s;
-    const float *xr = x + (int64_t)blockIdx.x * n;
-    float *yr = y + (int64_t)blockIdx.x * n;
     unsigned t = threadIdx.x;
     int64_t n8 = n / 8 * 8;
     double a = 0.0;
@@ -271,6 +269,34 @@ __global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, f
         float v = xr[i] * inv;
         yr[i] = v * g[i];
     }
+}
+
+__global__ void k_rmsnorm(const float *x, const float *g, float *y, int64_t n, float eps) {
+    rn_row(x + (int64_t)blockIdx.x * n, g, y + (int64_t)blockIdx.x * n, n, eps);
+}
+
+/* Row blockIdx.x of x [m][n]: x += the sum of every rank's slot in rank
+ * order (kn_allreduce_add's bits), then y = rmsnorm(x) * g (k_rmsnorm's):
+ * the custom allreduce with the residual add and the norm after it in one
+ * kernel. */
+__global__ void k_allreduce_add_rmsnorm(kcu_slots slots, int n_ranks, float *x, const float *g, float *y, int64_t n,
+                                        float eps) {
+    int64_t r0 = (int64_t)blockIdx.x * n;
+    float *xr = x + r0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        float sum = slots.p[0][r0 + i];
+        for (int q = 1; q < n_ranks; q++) sum = sum + slots.p[q][r0 + i];
+        xr[i] = xr[i] + sum;
+    }
+    __syncthreads();
+    rn_row(xr, g, y + r0, n, eps);
+}
+
+void kcu_launch_add_rmsnorm(cudaStream_t st, const kcu_slots *slots, int n_ranks, float *x, const float *g, float *y,
+                            int64_t m, int64_t n, float eps) {
+    if (m == 0) return;
+    KN_LAUNCH(k_allreduce_add_rmsnorm, dim3((unsigned)m), dim3(KCU_THREADS), st, *slots, n_ranks, x, g, y, n, eps);
+    KN_CK(cudaGetLastError());
 }
 
 void kcu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps) {

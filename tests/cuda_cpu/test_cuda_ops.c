@@ -295,13 +295,15 @@ static void matmul_of_column_shards(void **state) {
 
 /* ---- the allreduce of ranks on the CUDA backend (kn_cuda_comm.cu) ---- */
 
-enum { AR_RANKS = 3, AR_CALLS = 5, AR_MAX = 700 };
-static const size_t AR_COUNT[AR_CALLS] = {576, 1, 700, 257, 576}; /* odd, one, the max */
+enum { AR_RANKS = 3, AR_CALLS = 6, AR_MAX = 700, AR_NORM_ROWS = 7, AR_NORM_N = 100 };
+/* odd, one, the max; the last is the fused norm's 7 rows of 100 */
+static const size_t AR_COUNT[AR_CALLS] = {576, 1, 700, 257, 576, AR_NORM_ROWS * AR_NORM_N};
 
 typedef struct ar_rank {
     kn_comm *comm;
     kn_stream *s;
     float *part[AR_CALLS], *x[AR_CALLS]; /* the backend's: every call's partial and residual */
+    const float *g;                      /* the norm's weights */
 } ar_rank;
 
 /* Rank r's partial of call i, and the residual every rank holds. */
@@ -309,12 +311,16 @@ static float ar_part(int r, int i, size_t j) { return (float)((int)(j * 7 + (siz
 static float ar_resid(int i, size_t j) { return (float)((int)(j * 3 + (size_t)i) % 31) * 0.5f - 7.0f; }
 
 /* The calls alternate: even ones kn_allreduce_sum, odd ones
- * kn_allreduce_add, with no sync between them, so the slots of both
+ * kn_allreduce_add, the last kn_allreduce_add_rmsnorm (its norm written
+ * over the partial), with no sync between them, so the slots of both
  * parities are reused while other ranks may still be behind. */
 static void *ar_rank_main(void *arg) {
     ar_rank *rk = arg;
     for (int i = 0; i < AR_CALLS; i++) {
-        if (i % 2 == 0) kn_allreduce_sum(rk->comm, rk->s, rk->part[i], AR_COUNT[i]);
+        if (i == AR_CALLS - 1)
+            kn_allreduce_add_rmsnorm(rk->comm, rk->s, rk->part[i], rk->x[i], rk->g, rk->part[i], AR_NORM_ROWS,
+                                     AR_NORM_N, 1e-5f);
+        else if (i % 2 == 0) kn_allreduce_sum(rk->comm, rk->s, rk->part[i], AR_COUNT[i]);
         else kn_allreduce_add(rk->comm, rk->s, rk->part[i], rk->x[i], AR_COUNT[i]);
     }
     kn_stream_sync(rk->s);
@@ -327,10 +333,13 @@ static void run_ranks(const kn_backend *be, kn_allreduce kind, int R, float out[
     ae_error err = {{0}};
     if (kn_comm_init(be, kind, comms, R, NULL, AR_MAX, &err) != AE_OK) fail_msg("%s", err.msg);
     ar_rank rk[AR_RANKS];
-    kn_buf held[AR_RANKS][AR_CALLS][2];
-    float host[AR_MAX];
+    kn_buf held[AR_RANKS][AR_CALLS][2], gbuf;
+    float host[AR_MAX], g[AR_NORM_N];
+    for (int j = 0; j < AR_NORM_N; j++) g[j] = 0.5f + 0.01f * (float)j;
+    assert_int_equal(kn_buf_from_host(be, &gbuf, g, sizeof g, &err), AE_OK);
     for (int r = 0; r < R; r++) {
         rk[r].comm = comms[r];
+        rk[r].g = gbuf.ptr;
         assert_int_equal(kn_stream_init(&rk[r].s, be, &(kn_stream_config){be == CU ? NULL : P, 0}, &err), AE_OK);
         for (int i = 0; i < AR_CALLS; i++) {
             for (size_t j = 0; j < AR_MAX; j++) host[j] = ar_part(r, i, j);
@@ -350,7 +359,8 @@ static void run_ranks(const kn_backend *be, kn_allreduce kind, int R, float out[
     for (int r = 1; r < R; r++) pthread_join(th[r], NULL);
     for (int r = 0; r < R; r++) {
         for (int i = 0; i < AR_CALLS; i++) {
-            kn_download(rk[r].s, out[i][r], &held[r][i][i % 2], 0, AR_COUNT[i] * sizeof(float));
+            /* a sum: the partial's buffer; an add: the residual's; the norm: the partial's */
+            kn_download(rk[r].s, out[i][r], &held[r][i][i == AR_CALLS - 1 ? 0 : i % 2], 0, AR_COUNT[i] * sizeof(float));
             kn_stream_sync(rk[r].s);
             kn_buf_free(&held[r][i][0]);
             kn_buf_free(&held[r][i][1]);
@@ -360,6 +370,7 @@ static void run_ranks(const kn_backend *be, kn_allreduce kind, int R, float out[
         kn_stream_free(rk[r].s);
     }
     kn_comm_free(comms, R);
+    kn_buf_free(&gbuf);
 }
 
 /* Three ranks' custom allreduce gives the CPU communicator's bits on
@@ -376,12 +387,13 @@ static void custom_allreduce_is_the_cpus_in_rank_order(void **state) {
         bytes += AR_COUNT[i] * sizeof(float);
         for (int r = 0; r < AR_RANKS; r++) {
             char what[64];
-            snprintf(what, sizeof what, "allreduce call %d (%s) rank %d", i, i % 2 ? "add" : "sum", r);
+            snprintf(what, sizeof what, "allreduce call %d (%s) rank %d", i,
+                     i == AR_CALLS - 1 ? "add and rmsnorm" : i % 2 ? "add" : "sum", r);
             same(what, cpu[i][r], cu[i][r], AR_COUNT[i]);
             same(what, cpu[i][0], cu[i][r], AR_COUNT[i]); /* every rank the same */
         }
         /* and the sum is the rank-order one, written out */
-        for (size_t j = 0; j < AR_COUNT[i]; j++) {
+        for (size_t j = 0; j < AR_COUNT[i] && i < AR_CALLS - 1; j++) {
             float want = (ar_part(0, i, j) + ar_part(1, i, j)) + ar_part(2, i, j);
             if (i % 2) want = ar_resid(i, j) + want;
             assert_memory_equal(&cu[i][1][j], &want, sizeof want);
@@ -403,7 +415,8 @@ static void custom_allreduce_is_the_cpus_in_rank_order(void **state) {
     err.msg[0] = '\0';
     assert_int_equal(kn_comm_init(CU, KN_ALLREDUCE_CPU, c, 2, NULL, 16, &err), AE_ERR);
     assert_string_equal(err.msg, "cuda comm: the cuda backend's ranks reduce with --allreduce nccl or custom, not cpu");
-    printf("custom allreduce: %d ranks x %d calls (sum and fused add, %llu bytes a rank) bit-equal to the cpu's\n",
+    printf("custom allreduce: %d ranks x %d calls (sum, fused add, fused add and rmsnorm; %llu bytes a rank) bit-equal "
+           "to the cpu's\n",
            AR_RANKS, AR_CALLS, (unsigned long long)bytes);
 }
 
