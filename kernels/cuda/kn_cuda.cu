@@ -71,7 +71,7 @@ void kn_cuda_assert_fail(const char *cond, const char *file, int line) {
 }
 
 /* err_set's rule (the first error is kept), without linking libaerie. */
-__attribute__((format(printf, 2, 3))) static int fail(ae_error *err, const char *fmt, ...) {
+int kcu_fail(ae_error *err, const char *fmt, ...) {
     if (err && err->msg[0] == '\0') {
         va_list ap;
         va_start(ap, fmt);
@@ -80,6 +80,8 @@ __attribute__((format(printf, 2, 3))) static int fail(ae_error *err, const char 
     }
     return AE_ERR;
 }
+
+#define fail kcu_fail
 
 /* ---- streams and events ---------------------------------------------------- */
 

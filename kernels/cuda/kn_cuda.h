@@ -57,6 +57,9 @@ __attribute__((noreturn)) void kn_cuda_fail(const char *call, cudaError_t e, con
         if (e_ != cudaSuccess) kn_cuda_fail(#call, e_, __FILE__, __LINE__);  \
     } while (0)
 
+/* err_set's rule (the first error is kept), without linking libaerie. */
+__attribute__((format(printf, 2, 3))) int kcu_fail(ae_error *err, const char *fmt, ...);
+
 /* AE_ASSERT's twin: the plugin links nothing of libaerie. */
 __attribute__((noreturn)) void kn_cuda_assert_fail(const char *cond, const char *file, int line);
 #define KCU_ASSERT(cond) ((cond) ? (void)0 : kn_cuda_assert_fail(#cond, __FILE__, __LINE__))

@@ -36,16 +36,7 @@
 static_assert(sizeof(((kcu_slots *)0)->p) / sizeof(float *) == KCU_COMM_MAX, "kcu_slots holds every rank");
 #define KCU_TIMED 512     /* calls whose events may be in flight at once, per rank */
 
-/* err_set's rule (the first error is kept), without linking libaerie. */
-__attribute__((format(printf, 2, 3))) static int fail(ae_error *err, const char *fmt, ...) {
-    if (err && err->msg[0] == '\0') {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-        va_end(ap);
-    }
-    return AE_ERR;
-}
+#define fail kcu_fail
 
 /* ---- NCCL, by dlopen -------------------------------------------------------- */
 

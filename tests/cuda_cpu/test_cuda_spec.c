@@ -106,13 +106,19 @@ static eng *engine(const model *m) {
     return e;
 }
 
+/* The fixture's target on the CPU backend and on CUDA. */
+static void load_target(model **m_cpu, model **m_cu) {
+    ae_error err = {{0}};
+    if (model_load(m_cpu, FIX "/target", &kn_backend_cpu, &err) != AE_OK ||
+        model_load(m_cu, FIX "/target", CU, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+}
+
 static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
     (void)state;
     ae_error err = {{0}};
     model *m_cpu, *m_cu;
-    if (model_load(&m_cpu, FIX "/target", &kn_backend_cpu, &err) != AE_OK ||
-        model_load(&m_cu, FIX "/target", CU, &err) != AE_OK)
-        fail_msg("%s", err.msg);
+    load_target(&m_cpu, &m_cu);
     eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
     draft_link link, link_cu;
     drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, NULL, 0};
@@ -257,24 +263,12 @@ static void same_logits(const float *cpu, const float *cu, size_t n) {
 #endif
 }
 
-static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
-    (void)state;
+/* A prefill of 20 tokens with every row's logits, then a decode step, on
+ * both engines: the same logits (same_logits). */
+static void prefill_and_decode_match(eng *e_cpu, eng *e_cu) {
     ae_error err = {{0}};
-    model *m_cpu, *m_cu;
-    if (model_load(&m_cpu, FIX "/target", &kn_backend_cpu, &err) != AE_OK ||
-        model_load(&m_cu, FIX "/target", CU, &err) != AE_OK)
-        fail_msg("%s", err.msg);
-    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
-    const kn_allreduce kind = cuda_allreduce();
-    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, NULL, &err) != AE_OK)
-        fail_msg("--tp 2: %s", err.msg);
-    assert_int_equal(eng_allreduce(e_cu), kind);
-    eng_set_graphs(e_cu, 16, 0); /* asked for, and off while ranks run */
-    const int32_t V = m_cpu->cfg.vocab, L = m_cpu->cfg.n_layers;
-    /* one prefill of 20 tokens with every row's logits, then a decode
-     * step: the bits of both */
-    int32_t ids[MAX_PROMPT], want[N_PROMPTS][N_GEN], got[N_GEN];
-    int32_t n = 0;
+    const int32_t V = eng_model(e_cpu)->cfg.vocab;
+    int32_t ids[MAX_PROMPT], n = 0;
     for (int i = 0; i < N_PROMPTS && n < 21; i++) n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
     assert_true(n >= 21);
     float *lg[2] = {malloc(sizeof(float) * 20 * (size_t)V), malloc(sizeof(float) * 20 * (size_t)V)};
@@ -292,8 +286,20 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
         eng_seq_free(e[k], seq[k]);
     }
     same_logits(lg[0], lg[1], (size_t)V);
+    free(lg[0]);
+    free(lg[1]);
+}
+
+/* Plain greedy output of each test prompt on e_cpu and on e_cu, which must
+ * be the same (into want), then speculative output on e_cu with the
+ * fixture's head drafting on the CPU, tree 4/3/8: the prompts whose
+ * output is identical to plain, and the speculation's figures in *st. */
+static int plain_then_speculative(eng *e_cpu, eng *e_cu, const model *m_cpu, int32_t want[N_PROMPTS][N_GEN],
+                                  spec_stats *st) {
+    ae_error err = {{0}};
+    int32_t ids[MAX_PROMPT], got[N_GEN];
     for (int i = 0; i < N_PROMPTS; i++) {
-        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+        int32_t n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
         run_plain_greedy(e_cpu, ids, n, CHUNK, N_GEN, want[i]);
         run_plain_greedy(e_cu, ids, n, CHUNK, N_GEN, got);
         assert_memory_equal(got, want[i], sizeof got);
@@ -309,11 +315,35 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
         fail_msg("%s", err.msg);
     int identical = 0;
     for (int i = 0; i < N_PROMPTS; i++) {
-        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
+        int32_t n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
         run_spec(s, e_cu, ids, n, CHUNK, &greedy, 0, N_GEN, got);
         identical += memcmp(got, want[i], sizeof got) == 0;
     }
-    const spec_stats *st = spec_total_stats(s);
+    *st = *spec_total_stats(s);
+    spec_free(s);
+    draft_link_close(&link);
+    return identical;
+}
+
+static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
+    (void)state;
+    ae_error err = {{0}};
+    model *m_cpu, *m_cu;
+    load_target(&m_cpu, &m_cu);
+    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
+    const kn_allreduce kind = cuda_allreduce();
+    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, NULL, &err) != AE_OK)
+        fail_msg("--tp 2: %s", err.msg);
+    assert_int_equal(eng_allreduce(e_cu), kind);
+    eng_set_graphs(e_cu, 16, 0); /* asked for, and off while ranks run */
+    const int32_t L = m_cpu->cfg.n_layers;
+    /* one prefill of 20 tokens with every row's logits, then a decode
+     * step: the bits of both */
+    int32_t want[N_PROMPTS][N_GEN];
+    prefill_and_decode_match(e_cpu, e_cu);
+    spec_stats stats;
+    const spec_stats *st = &stats;
+    int identical = plain_then_speculative(e_cpu, e_cu, m_cpu, want, &stats);
     eng_comm_stats c0 = eng_get_comm_stats(e_cpu), c1 = eng_get_comm_stats(e_cu);
     eng_graph_stats gs = eng_get_graph_stats(e_cu);
     printf("two ranks on cuda, allreduce %s: prefill and decode logits bit-equal to two cpu ranks; plain output "
@@ -330,8 +360,6 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     assert_int_equal(c1.total.calls, (uint64_t)2 * (uint64_t)L * (uint64_t)c1.steps);
     assert_true(c1.total.ns > 0);
     assert_int_equal(gs.captures + gs.replays, 0);
-    spec_free(s);
-    draft_link_close(&link);
     /* back at one rank, the graphs asked for are on again */
     assert_int_equal(eng_set_tp(e_cu, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
     assert_int_equal(eng_get_graph_stats(e_cu).max_graphs, 16);
@@ -351,8 +379,6 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     assert_int_equal(eng_set_tp(e_cu, 2, KN_ALLREDUCE_CPU, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: --allreduce cpu is for ranks on the CPU; the cuda backend's ranks "
                                  "reduce with nccl or custom");
-    free(lg[0]);
-    free(lg[1]);
     eng_free(e_cu);
     eng_free(e_cpu);
     model_free(m_cu);
@@ -379,9 +405,7 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
     }
     assert_true(cu1 != CU);
     model *m_cpu, *m_cu;
-    if (model_load(&m_cpu, FIX "/target", &kn_backend_cpu, &err) != AE_OK ||
-        model_load(&m_cu, FIX "/target", CU, &err) != AE_OK)
-        fail_msg("%s", err.msg);
+    load_target(&m_cpu, &m_cu);
     eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
     const kn_backend *bes[2] = {CU, cu1};
     const kn_allreduce kind = cuda_allreduce();
@@ -400,48 +424,15 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
     printf("two devices: rank 1 copied %llu bytes to cuda:1 (computed %llu)\n",
            (unsigned long long)eng_tp_copied_bytes(e_cu, 1), (unsigned long long)want);
     assert_int_equal(eng_tp_copied_bytes(e_cu, 1), want);
-    const int32_t V = c->vocab;
-    int32_t ids[MAX_PROMPT], want_ids[N_PROMPTS][N_GEN], got[N_GEN];
-    int32_t n = 0;
-    for (int i = 0; i < N_PROMPTS && n < 21; i++) n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
-    float *lg[2] = {malloc(sizeof(float) * 20 * (size_t)V), malloc(sizeof(float) * 20 * (size_t)V)};
-    eng *e[2] = {e_cpu, e_cu};
-    int32_t seq[2];
-    for (int k = 0; k < 2; k++) {
-        assert_int_equal(eng_seq_new(e[k], &seq[k], &err), AE_OK);
-        eng_item it = {seq[k], ENG_APPEND, 20, ids, NULL, true};
-        assert_int_equal(eng_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
-    }
-    same_logits(lg[0], lg[1], 20 * (size_t)V);
-    for (int k = 0; k < 2; k++) eng_seq_free(e[k], seq[k]);
-    for (int i = 0; i < N_PROMPTS; i++) {
-        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
-        run_plain_greedy(e_cpu, ids, n, CHUNK, N_GEN, want_ids[i]);
-        run_plain_greedy(e_cu, ids, n, CHUNK, N_GEN, got);
-        assert_memory_equal(got, want_ids[i], sizeof got);
-    }
+    int32_t want_ids[N_PROMPTS][N_GEN];
+    prefill_and_decode_match(e_cpu, e_cu);
     /* speculation: verify trees, forks and commits move both devices' KV rows */
-    draft_link link;
-    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, NULL, 0};
-    if (draft_link_open(&link, FIX "/head", model_embedding(m_cpu), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
-        fail_msg("%s", err.msg);
-    static const sample_params greedy = {0, 0, 1, 0};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
-    spec *s;
-    if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link.iface, &sc, &err) != AE_OK)
-        fail_msg("%s", err.msg);
-    int identical = 0;
-    for (int i = 0; i < N_PROMPTS; i++) {
-        n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
-        run_spec(s, e_cu, ids, n, CHUNK, &greedy, 0, N_GEN, got);
-        identical += memcmp(got, want_ids[i], sizeof got) == 0;
-    }
+    spec_stats st;
+    int identical = plain_then_speculative(e_cpu, e_cu, m_cpu, want_ids, &st);
     printf("two devices, allreduce %s: prefill logits bit-equal to two cpu ranks, plain output identical on %d/%d, "
            "speculative identical to plain on %d/%d (%lld verify steps)\n",
-           kn_allreduce_name(kind), N_PROMPTS, N_PROMPTS, identical, N_PROMPTS, (long long)spec_total_stats(s)->steps);
+           kn_allreduce_name(kind), N_PROMPTS, N_PROMPTS, identical, N_PROMPTS, (long long)st.steps);
     assert_int_equal(identical, N_PROMPTS);
-    spec_free(s);
-    draft_link_close(&link);
     eng_free(e_cu);
 #ifndef KN_TEST_GPU
     /* no peer access between the devices: refused, and the engine stays at one rank */
@@ -457,8 +448,6 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
     unsetenv("AERIE_SHIM_NO_PEER");
     eng_free(e_cu);
 #endif
-    free(lg[0]);
-    free(lg[1]);
     eng_free(e_cpu);
     model_free(m_cu);
     model_free(m_cpu);
