@@ -288,8 +288,8 @@ int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend
         return err_set(err, "tensor parallel: --allreduce cpu is for ranks on the CPU; the %s backend's ranks "
                        "reduce with nccl or custom", kn_backend_name(e->m->be));
     bool same_be = true;
-    for (int32_t r = 0; r < n_ranks && rank_be; r++)
-        same_be = same_be && rank_be[r] == (e->tp ? tp_group_backend(e->tp, r) : e->m->be);
+    for (int32_t r = 0; r < n_ranks && r < eng_tp(e); r++)
+        same_be = same_be && (rank_be ? rank_be[r] : e->m->be) == eng_tp_backend(e, r);
     if (n_ranks == eng_tp(e) && same_be &&
         (n_ranks == 1 || allreduce == KN_ALLREDUCE_AUTO || allreduce == eng_allreduce(e)))
         return AE_OK;

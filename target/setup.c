@@ -69,7 +69,15 @@ void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
  * the CUDA device dev: bes[r] for each rank, "auto" resolved and logged. */
 static kn_device g_rank_dev[TP_MAX_RANKS]; /* the ranks' devices, for the log; tables live in the plugin */
 
-static int tp_devices(cfg *c, const kn_device *dev, int32_t R, const kn_backend **bes, ae_error *err) {
+static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backend **bes, bool fast, ae_error *err);
+
+/* The ranks' GPUs from c's "tp-devices" on the model's CUDA device dev:
+ * bes[r] for each rank, each GPU's plan checked (tp_gpu_plans). "auto"
+ * takes a GPU a rank from dev's on where they are there, reach each
+ * other's memory and their plans fit, and every rank on dev otherwise;
+ * it is resolved and logged with why. */
+static int tp_devices(cfg *c, const eng *e, const model *m, const kn_device *dev, int32_t R, const kn_backend **bes,
+                      bool fast, ae_error *err) {
     kn_device *opened = g_rank_dev;
     const char *spec = cfg_has(c, "tp-devices") ? cfg_str(c, "tp-devices") : "auto";
     char list[CFG_MAX_VALUE] = "", name[32];
@@ -85,7 +93,7 @@ static int tp_devices(cfg *c, const kn_device *dev, int32_t R, const kn_backend 
             if (kn_device_open(name, &opened[r], err) != AE_OK) return err_prefix(err, "--tp-devices: "), AE_ERR;
             bes[r] = opened[r].be;
         }
-        return AE_OK;
+        return tp_gpu_plans(e, m, R, bes, fast, err);
     }
     /* auto: a GPU each from dev's on, where this machine has them */
     ae_error why = {{0}};
@@ -95,11 +103,19 @@ static int tp_devices(cfg *c, const kn_device *dev, int32_t R, const kn_backend 
         if (kn_device_open(name, &opened[r], &why) != AE_OK) break;
         bes[r] = opened[r].be;
     }
-    if (r < R) {
+    /* and they reach one another (peer access), and their plans fit */
+    for (int32_t a = 0; a < R && r == R; a++)
+        for (int32_t b = 0; b < R && r == R; b++)
+            if (!kn_backend_reads(bes[a], bes[b])) {
+                err_set(&why, "no peer access from %s to %s", opened[a].name, opened[b].name);
+                r = -1;
+            }
+    if (r == R && tp_gpu_plans(e, m, R, bes, fast, &why) != AE_OK) r = -1;
+    if (r != R) {
         for (r = 0; r < R; r++) bes[r] = dev->be, opened[r] = *dev;
         for (r = 0; r < R; r++) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index);
-        LOG_INFOF("tensor parallel: tp-devices %s (auto: every rank on %s; one GPU a rank needs %d from cuda:%d: %s)",
-                  list, dev->name, R, dev->info.index, why.msg);
+        LOG_INFOF("tensor parallel: tp-devices %s (auto: every rank on %s; a GPU a rank from cuda:%d did not do: %s)",
+                  list, dev->name, dev->info.index, why.msg);
     } else {
         for (r = 0; r < R; r++) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index + r);
         LOG_INFOF("tensor parallel: tp-devices %s (auto: a GPU a rank, from %s)", list, dev->name);
@@ -112,7 +128,7 @@ static int tp_devices(cfg *c, const kn_device *dev, int32_t R, const kn_backend 
  * shards, their kv heads' KV and their activations: the plan of that
  * GPU, as arithmetic, against what it had free when it was opened. The
  * model's GPU has the memory plan (setup_plan). */
-static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backend **bes, ae_error *err) {
+static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backend **bes, bool fast, ae_error *err) {
     tp_split sp;
     if (m->arch->tp_split(&sp, &m->cfg, R, err) != AE_OK) return AE_ERR;
     const eng_config *ec = eng_get_config(e);
@@ -129,9 +145,13 @@ static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backen
             model *sh;
             if (tp_shard_init(&sh, m, &sp, q, err) != AE_OK) return AE_ERR;
             w += tp_rank_copy_bytes(sh, q);
-            kv += (uint64_t)ec->kv_tokens * m->arch->kv_bytes_per_token(&sh->cfg);
+            /* whole blocks of KV, as the cache makes them */
+            uint64_t slots = ((uint64_t)ec->kv_tokens + (uint64_t)ec->block_size - 1) / (uint64_t)ec->block_size *
+                             (uint64_t)ec->block_size;
+            kv += slots * m->arch->kv_bytes_per_token(&sh->cfg);
             act += llama_ws_bytes(sh, T, q == 0 ? T : 1) + llama_stream_workspace(sh, T, ec->max_seq_len) +
-                   2 * (uint64_t)T * (uint64_t)m->cfg.hidden * sizeof(float); /* the custom kind's slots */
+                   2 * (uint64_t)T * (uint64_t)m->cfg.hidden * sizeof(float) + /* the custom kind's slots */
+                   (fast ? KN_FAST_WORKSPACE_BYTES : 0);                        /* cuBLAS's, in fast mode */
             tp_shard_free(sh);
             n++;
         }
@@ -145,7 +165,8 @@ static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backen
                            d->name, n, n > 1 ? "s" : "", r, (double)w / mib, (double)kv / mib, ec->kv_tokens,
                            (double)act / mib, (double)need / mib, (double)have / mib);
         LOG_INFOF("tensor parallel: memory plan of %s (%d rank%s from rank %d): weights %.2f MiB + KV %.2f MiB (%d "
-                  "tokens) + activations %.2f MiB = %.2f MiB of %.2f MiB free at start",
+                  "tokens) + activations %.2f MiB = %.2f MiB of %.2f MiB free at start (NCCL's own buffers not "
+                  "counted)",
                   d->name, n, n > 1 ? "s" : "", r, (double)w / mib, (double)kv / mib, ec->kv_tokens, (double)act / mib,
                   (double)need / mib, (double)have / mib);
     }
@@ -159,8 +180,8 @@ int setup_tp(cfg *c, eng *e, const model *m, const kn_device *dev, ae_error *err
     const kn_backend *bes[TP_MAX_RANKS];
     bool on_gpus = R > 1 && dev && dev->kind == KN_DEVICE_CUDA && m->be == dev->be;
     for (int32_t r = 0; r < R && R <= TP_MAX_RANKS; r++) snprintf(g_rank_dev[r].name, sizeof g_rank_dev[r].name, "cpu");
-    if (on_gpus && (tp_devices(c, dev, R, bes, err) != AE_OK || tp_gpu_plans(e, m, R, bes, err) != AE_OK))
-        return err_prefix(err, "--tp %d: ", R), AE_ERR;
+    const bool fast = cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
+    if (on_gpus && tp_devices(c, e, m, dev, R, bes, fast, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
     if (eng_set_tp(e, R, (kn_allreduce)kind, on_gpus ? bes : NULL, err) != AE_OK)
         return err_prefix(err, "--tp %d: ", R), AE_ERR;
     if (R <= 1) return AE_OK;

@@ -145,6 +145,7 @@ static void cu_event_record(kn_stream *s, kn_event *e) {
 }
 
 static void cu_event_free(kn_event *e) {
+    kcu_bind(kcu_dev_of(e->be));
     KN_CK(cudaEventDestroy((cudaEvent_t)e->impl));
     e->impl = NULL;
 }
@@ -268,6 +269,7 @@ static void blas_free(kn_cuda_stream *c) {
 void kcu_blas_gemm(kn_stream *s, ggml_type type, const void *w, const void *xt, float *y, int64_t m, int64_t n,
                    int64_t k) {
     kn_cuda_stream *c = KN_CU(s);
+    kcu_bind(c->dev);
     KCU_ASSERT(c->blas && m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX);
     int t = type == GGML_TYPE_F32 ? KCU_R_32F : type == GGML_TYPE_F16 ? KCU_R_16F : KCU_R_16BF;
     const float one = 1.0f, zero = 0.0f;
@@ -448,6 +450,7 @@ static const kn_backend kn_backend_cuda = {
  * timed after one untimed, in GB/s counting bytes read and written (the
  * bandwidth roofline of aerie bench); 0 when the buffers do not fit. */
 extern "C" __attribute__((visibility("default"))) double kn_cuda_copy_gbps(size_t bytes, int reps) {
+    if (g_first < 0) return 0.0; /* no device opened */
     kcu_bind(g_first);
     void *a = NULL, *b = NULL;
     if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
@@ -489,6 +492,7 @@ extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, co
     if (index >= KCU_MAX_DEVICES) return fail(err, "cuda:%d: this build drives cuda:0 to cuda:%d", index, KCU_MAX_DEVICES - 1);
     e = cudaSetDevice(index);
     if (e != cudaSuccess) return fail(err, "cuda:%d: cudaSetDevice: %s (%d)", index, cudaGetErrorString(e), (int)e);
+    t_bound = index; /* whatever follows fails: the next kcu_bind knows where the thread is */
     cudaDeviceProp p;
     size_t fr = 0, tot = 0;
     e = cudaGetDeviceProperties(&p, index);

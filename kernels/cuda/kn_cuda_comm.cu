@@ -326,14 +326,10 @@ int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_back
     for (int r = 0; r < n_ranks; r++) dev[r] = kcu_dev_of(rank_be[r]);
     /* The custom kind's kernel reads every rank's slot where it is. */
     for (int r = 0; r < n_ranks && kind == KN_ALLREDUCE_CUSTOM; r++)
-        for (int q = 0; q < n_ranks; q++) {
-            int ok = 0;
-            if (dev[r] != dev[q] && (cudaDeviceCanAccessPeer(&ok, dev[r], dev[q]) != cudaSuccess || !ok)) {
-                cudaGetLastError();
+        for (int q = 0; q < n_ranks; q++)
+            if (!kcu_reads(rank_be[r], rank_be[q])) /* peer access on, not only possible */
                 return fail(err, "cuda comm: custom: rank %d on cuda:%d cannot read rank %d's memory on cuda:%d (no "
                             "peer access); use --allreduce nccl", r, dev[r], q, dev[q]);
-            }
-        }
     kcu_group *g = (kcu_group *)calloc(1, sizeof *g);
     if (!g) return fail(err, "cuda comm: out of host memory");
     g->n = n_ranks;

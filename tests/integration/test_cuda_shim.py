@@ -146,7 +146,7 @@ def test_ranks_on_the_cuda_backend_serve_the_cpu_ranks_tokens(tiny, tmp_path):
     three, _ = serve(tiny, "cpu", tmp_path, "--tp", "3")
     assert custom == three
     # one GPU only: auto puts both ranks on it, and says why
-    assert "tensor parallel: tp-devices 0,0 (auto: every rank on cuda:0; one GPU a rank needs 2 from cuda:0: " \
+    assert "tensor parallel: tp-devices 0,0 (auto: every rank on cuda:0; a GPU a rank from cuda:0 did not do: " \
            "--device cuda:1: cuda:1 does not exist: this machine has 1 GPU(s))" in log
 
 
@@ -171,15 +171,27 @@ def test_ranks_on_two_gpus_serve_the_cpu_ranks_tokens(tiny, tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1] == (
         "aerie-target: --tp 2: --tp-devices: --device cuda:5: cuda:5 does not exist: this machine has 2 GPU(s)")
-    # a second GPU too small for rank 1's part: refused at start, with its plan
+    # a second GPU too small for rank 1's part: asked for, refused at start
+    # with its plan; under auto, every rank on the first GPU, and why
     env["AERIE_SHIM_GPU_MIB"] = "4096,2"
-    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", "--tp", "2"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    out = subprocess.run([str(TARGET), "--model", str(tiny), "--device", "cuda", "--max-seq-len", "64", "--tp", "2",
+                          "--tp-devices", "0,1"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 2
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("aerie-target: --tp 2: memory plan of cuda:1 (1 rank from rank 1): weights "), line
     assert line.endswith(" > 2.00 MiB free at start; would work: fewer KV tokens (--max-kv-tokens), more ranks, "
                          "or a GPU with more memory"), line
+    small, log = serve(tiny, "cuda", tmp_path, "--tp", "2", "--max-kv-tokens", "256", env=env)
+    assert small == cpu
+    assert "tensor parallel: tp-devices 0,0 (auto: every rank on cuda:0; a GPU a rank from cuda:0 did not do: " \
+           "memory plan of cuda:1 (1 rank from rank 1): weights " in log
+    # nor where the GPUs cannot reach each other's memory
+    env["AERIE_SHIM_GPU_MIB"] = "4096"
+    env["AERIE_SHIM_NO_PEER"] = "1"
+    apart, log = serve(tiny, "cuda", tmp_path, "--tp", "2", "--max-kv-tokens", "512", env=env)
+    assert apart == cpu
+    assert "tensor parallel: tp-devices 0,0 (auto: every rank on cuda:0; a GPU a rank from cuda:0 did not do: " \
+           "no peer access from cuda:0 to cuda:1)" in log
 
 
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):
