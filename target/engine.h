@@ -168,8 +168,8 @@ eng_graph_stats eng_get_graph_stats(const eng *e);
  * invariant as before.
  *
  * `allreduce` is how they add (kernels.h kn_allreduce). On a host-memory
- * backend only CPU; on CUDA, whose ranks share its device for now, NCCL
- * or custom, with CUDA graphs off while ranks run. AUTO takes CPU on a
+ * backend only CPU; on CUDA (ranks on one GPU or a GPU each: rank_be
+ * below) NCCL or custom, with CUDA graphs off while ranks run. AUTO takes CPU on a
  * host-memory backend; on CUDA it times both kinds (ENG_ALLREDUCE_REPS
  * calls of a decode pass's message, 1 token x hidden floats, and of a
  * verify pass's, 8 tokens) and takes the one with the smaller sum,

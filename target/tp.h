@@ -1,8 +1,9 @@
 /* Tensor parallelism: R ranks, each a thread of this process with its own
  * stream, each running the whole llama_forward over its shard of the
  * weights (kernels/kernels.h, "Tensor parallelism"). On the CPU backend
- * the ranks reduce on the host; on CUDA they share the plugin's device
- * and reduce by NCCL or the custom kernel (kernels.h kn_allreduce).
+ * the ranks reduce on the host; on CUDA they are on one GPU or a GPU each
+ * (tp_config.rank_be) and reduce by NCCL or the custom kernel (kernels.h
+ * kn_allreduce).
  *
  * A shard is a `model` whose cfg holds the rank's local n_heads, n_kv_heads
  * and ffn, and whose kn_weight views point into the full model's data; no

@@ -431,7 +431,7 @@ static void nccl_allreduce_when_asked(void **state) {
     const char *env = getenv("AERIE_TEST_NCCL_RANKS");
     if (!env || !env[0]) {
         printf("nccl: not asked (AERIE_TEST_NCCL_RANKS=1 or 2, on a GPU)\n");
-        return;
+        skip(); /* reported as skipped, not passed */
     }
     int R = atoi(env);
     assert_true(R == 1 || R == 2);
