@@ -362,7 +362,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
             err_set(err, "%s: tokens[%d] = %d is outside the vocabulary of %d", in, i, tokens[i], m->cfg.vocab);
             goto out;
         }
-    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, (n + 15) / 16, 1, (n + 15) / 16};
+    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, (n + 15) / 16, 1, (n + 15) / 16, false};
     int32_t seq;
     if (kv_init(&kv, &kn_backend_cpu, &kp, err) != AE_OK || pool_init(&p, (int)cfg_int(c, "threads"), err) != AE_OK ||
         kn_stream_init(&s, &kn_backend_cpu, &(kn_stream_config){p, eagle_stream_workspace(h, n, n)}, err) != AE_OK ||

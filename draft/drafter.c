@@ -80,7 +80,7 @@ static int32_t rows_for(const drafter_config *c) {
 
 static kv_params kv_params_for(const eagle_head *h, const drafter_config *c) {
     int32_t per_seq = (c->max_seq_len + TREE_SCRATCH + KV_BLOCK - 1) / KV_BLOCK;
-    return (kv_params){1, h->cfg.n_kv_heads, h->cfg.head_dim, KV_BLOCK, per_seq * c->max_seqs, c->max_seqs, per_seq};
+    return (kv_params){1, h->cfg.n_kv_heads, h->cfg.head_dim, KV_BLOCK, per_seq * c->max_seqs, c->max_seqs, per_seq, false};
 }
 
 /* Floats of each part of fbuf, in order: states, in, logits, feat. */

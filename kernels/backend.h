@@ -141,6 +141,15 @@ struct kn_backend {
     bool (*reads)(const kn_backend *self, const kn_backend *other);
     /* Frees e->impl (kn_event_free); NULL: events hold nothing. */
     void (*event_free)(kn_event *e);
+
+    /* MLA and mixture-of-experts ops; NULL where supports says no
+     * (KN_OP_LATENT, KN_OP_MOE). */
+    void (*matmul_heads)(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
+                         int64_t y_head, int64_t m);
+    void (*moe_route)(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r,
+                      int32_t *idx, float *w);
+    void (*moe_ffn)(kn_stream *s, const kn_experts *e, const float *x, const int32_t *idx, const float *w,
+                    int64_t m, int32_t top_k, float *scratch, float *y);
 };
 
 #endif

@@ -345,19 +345,28 @@ void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t 
     }
 }
 
+/* A latent pool (v NULL), a head wider than a plain pool's, or a scale
+ * of the caller's own is MLA's attention, which a backend may not have. */
+static bool latent_pool(const kn_kv_pool *kv) {
+    return !kv->v || kv->head_dim > KN_MAX_HEAD_DIM || kv->scale != 0.0f;
+}
+
 static void check_pool(const kn_stream *s, const kn_kv_pool *kv) {
-    AE_ASSERT(kv->k && kv->v && s->be->supports(KN_OP_KV, kv->type));
+    AE_ASSERT(kv->k && s->be->supports(KN_OP_KV, kv->type));
+    AE_ASSERT(!latent_pool(kv) || s->be->supports(KN_OP_LATENT, kv->type));
+    AE_ASSERT(kv->v || kv->n_kv_heads == 1);
     AE_ASSERT(kv->n_blocks > 0 && kv->block_size > 0 && kv->n_kv_heads > 0 && kv->head_dim > 0);
+    AE_ASSERT(kv->scale >= 0.0f);
     size_t bytes = (size_t)kv->n_blocks * (size_t)kv->block_size * (size_t)kv->n_kv_heads *
                    (size_t)quant_row_bytes(kv->type, (uint64_t)kv->head_dim);
     check_mem(s, kv->buf, kv->k, bytes);
-    check_mem(s, kv->buf, kv->v, bytes);
+    if (kv->v) check_mem(s, kv->buf, kv->v, bytes);
 }
 
 static void check_kv(const kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map) {
     check_pool(s, kv);
     AE_ASSERT(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_kv_heads > 0);
-    AE_ASSERT(kv->head_dim > 0 && kv->head_dim <= KN_MAX_HEAD_DIM);
+    AE_ASSERT(kv->head_dim > 0 && kv->head_dim <= (latent_pool(kv) ? KN_MAX_ATTN_DIM : KN_MAX_HEAD_DIM));
     AE_ASSERT(map->m >= 0 && map->n_seqs >= 0 && map->table_len >= 0 && map->n_extra_total >= 0);
     if (!s->be->host_memory) return; /* the map is the backend's memory: the engine checked it */
     for (int32_t t = 0; t < map->m; t++) {
@@ -370,6 +379,7 @@ static void check_kv(const kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *
 
 void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v) {
     check_kv(s, kv, map);
+    AE_ASSERT(k && (v != NULL) == (kv->v != NULL));
     s->be->kv_write(s, kv, map, k, v);
 }
 
@@ -389,4 +399,60 @@ void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, cons
     size_t all = (size_t)map->m * (size_t)n_heads * (size_t)kv->head_dim;
     AE_ASSERT(out + all <= q || q + all <= out);
     s->be->attention(s, kv, map, q, out, n_heads);
+}
+
+void kn_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
+                     int64_t y_head, int64_t m) {
+    check_weight(s, w);
+    AE_ASSERT(s->be->supports(KN_OP_LATENT, w->type) && s->be->matmul_heads);
+    AE_ASSERT(n_heads > 0 && w->rows % n_heads == 0 && m >= 0);
+    AE_ASSERT(x_head >= w->cols && y_head >= w->rows / n_heads);
+    size_t xs = (size_t)m * (size_t)n_heads * (size_t)x_head, ys = (size_t)m * (size_t)n_heads * (size_t)y_head;
+    AE_ASSERT(y + ys <= x || x + xs <= y);
+    if (m) s->be->matmul_heads(s, w, n_heads, x, x_head, y, y_head, m);
+}
+
+static void check_route(const kn_route *r) {
+    AE_ASSERT(r->n_experts >= 1 && r->n_experts <= KN_MAX_EXPERTS);
+    AE_ASSERT(r->top_k >= 1 && r->top_k <= KN_MAX_ACTIVE_EXPERTS && r->top_k <= r->n_experts);
+    AE_ASSERT(r->n_group >= 1 && r->n_group <= KN_MAX_EXPERT_GROUPS && r->n_experts % r->n_group == 0);
+    AE_ASSERT(r->topk_group >= 1 && r->topk_group <= r->n_group);
+    AE_ASSERT(r->n_group == 1 || r->n_experts / r->n_group >= 2); /* a group's score is its best two */
+    AE_ASSERT((int64_t)r->topk_group * (r->n_experts / r->n_group) >= r->top_k);
+}
+
+void kn_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r, int32_t *idx,
+                  float *w) {
+    AE_ASSERT(s->be->supports(KN_OP_MOE, GGML_TYPE_F32) && s->be->moe_route);
+    check_route(r);
+    AE_ASSERT(m >= 0 && logits && bias && idx && w);
+    if (m) s->be->moe_route(s, logits, bias, m, r, idx, w);
+}
+
+size_t kn_moe_scratch(int64_t m, int64_t hidden, int64_t ffn) {
+    /* each expert's rows of x and of its output, its gate and up, and
+     * its tokens and their weights */
+    return (size_t)m * (2 * (size_t)hidden + 2 * (size_t)ffn + 2);
+}
+
+void kn_moe_ffn(kn_stream *s, const kn_experts *e, const float *x, const int32_t *idx, const float *w, int64_t m,
+                int32_t top_k, float *scratch, float *y) {
+    AE_ASSERT(e->n_experts >= 1 && e->n_experts <= KN_MAX_EXPERTS && s->be->moe_ffn);
+    AE_ASSERT(top_k >= 1 && top_k <= KN_MAX_ACTIVE_EXPERTS && top_k <= e->n_experts && m >= 0);
+    const kn_weight *g0 = &e->gate[0];
+    AE_ASSERT(s->be->supports(KN_OP_MOE, g0->type));
+    for (int32_t i = 0; i < e->n_experts; i++) {
+        const kn_weight *g = &e->gate[i], *u = &e->up[i], *d = &e->down[i];
+        check_weight(s, g);
+        check_weight(s, u);
+        check_weight(s, d);
+        AE_ASSERT(g->type == g0->type && u->type == g0->type && d->type == g0->type);
+        AE_ASSERT(g->rows == g0->rows && g->cols == g0->cols && u->rows == g->rows && u->cols == g->cols &&
+                  d->rows == g->cols && d->cols == g->rows);
+    }
+    if (s->be->host_memory)
+        for (int64_t i = 0; i < m * top_k; i++) AE_ASSERT(idx[i] >= 0 && idx[i] < e->n_experts);
+    size_t xs = (size_t)m * (size_t)g0->cols;
+    AE_ASSERT(y + xs <= x || x + xs <= y);
+    if (m) s->be->moe_ffn(s, e, x, idx, w, m, top_k, scratch, y);
 }

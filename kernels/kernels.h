@@ -111,8 +111,11 @@ extern const kn_backend kn_backend_cpu;
 
 /* What a backend is asked about (kn_backend_supports): a matmul's weight
  * type, an embedding table's type, a KV pool's element type, or the f32
- * of every other op. */
-typedef enum kn_op { KN_OP_MATMUL, KN_OP_EMBED, KN_OP_KV, KN_OP_F32 } kn_op;
+ * of every other op. MLA's latent attention (a pool whose values are its
+ * keys, kn_matmul_heads; its type is the pool's) and a mixture of experts
+ * (kn_moe_route, kn_moe_ffn; its type is the experts') are asked apart:
+ * a backend may run the rest of a forward pass without them. */
+typedef enum kn_op { KN_OP_MATMUL, KN_OP_EMBED, KN_OP_KV, KN_OP_F32, KN_OP_LATENT, KN_OP_MOE } kn_op;
 bool kn_backend_supports(const kn_backend *be, kn_op op, ggml_type type);
 const char *kn_backend_name(const kn_backend *be); /* "cpu" */
 
@@ -354,6 +357,61 @@ void kn_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *o
 void kn_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
                     int64_t dst_stride);
 
+/* Per-head products, MLA's absorbed attention: for each token t < m and
+ * head h < n_heads, y[t][h][0, n) = W_h . x[t][h][0, k), where W_h is rows
+ * [h n, (h + 1) n) of w (w->rows = n_heads n, w->cols = k). x's heads lie
+ * x_head floats apart (>= k), y's y_head apart (>= n); the rest of y is
+ * left as it is. F32 weights (KN_OP_LATENT). Each (t, h) is summed on its
+ * own in a fixed order: batch invariant. */
+void kn_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
+                     int64_t y_head, int64_t m);
+
+/* ---- mixture of experts ------------------------------------------------- */
+
+#define KN_MAX_EXPERTS 512
+#define KN_MAX_EXPERT_GROUPS 64
+#define KN_MAX_ACTIVE_EXPERTS 16
+
+/* DeepSeek-V3's router (noaux_tc). */
+typedef struct kn_route {
+    int32_t n_experts;  /* <= KN_MAX_EXPERTS */
+    int32_t top_k;      /* experts a token takes, <= KN_MAX_ACTIVE_EXPERTS */
+    int32_t n_group;    /* groups of n_experts / n_group experts (1: no groups) */
+    int32_t topk_group; /* groups a token's experts come from */
+    bool norm;          /* norm_topk_prob: the chosen weights sum to 1 */
+    float scale;        /* routed_scaling_factor */
+} kn_route;
+
+/* For each token t < m, from its router logits[t][n_experts] (f32) and
+ * the correction bias[n_experts]: s = sigmoid(logits); the choice scores
+ * c = s + bias; with groups, each group's score is the sum of its two
+ * best c, the topk_group best groups are kept and the others' c set to
+ * -inf; idx[t][top_k] = the top_k best c (best first, the lower index
+ * first among equals), and w[t][top_k] their s: divided by their sum
+ * (+ 1e-20) when r->norm, then times r->scale. The bias only chooses; the
+ * weights are unbiased. A function of the row: batch invariant. */
+void kn_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r, int32_t *idx,
+                  float *w);
+
+/* A layer's routed experts: gate[e] and up[e] [ffn][hidden], down[e]
+ * [hidden][ffn], every expert of one shape and type (KN_OP_MOE). */
+typedef struct kn_experts {
+    int32_t n_experts;
+    const kn_weight *gate, *up, *down; /* [n_experts] each */
+} kn_experts;
+
+/* Floats of scratch kn_moe_ffn needs for m tokens. */
+size_t kn_moe_scratch(int64_t m, int64_t hidden, int64_t ffn);
+
+/* y[m][hidden] = for each token t, the sum over j < top_k of
+ * w[t][j] * down_e(swiglu(gate_e x[t], up_e x[t])), e = idx[t][j], the
+ * terms added in increasing expert order whatever order idx has, from 0.
+ * A token's experts see its row alone (kn_matmul is batch invariant), so
+ * its sum does not depend on the batch. scratch holds
+ * kn_moe_scratch(m, ...) floats; y does not overlap x. */
+void kn_moe_ffn(kn_stream *s, const kn_experts *e, const float *x, const int32_t *idx, const float *w, int64_t m,
+                int32_t top_k, float *scratch, float *y);
+
 /* ---- RoPE --------------------------------------------------------------- */
 
 #define KN_MAX_HEAD_DIM 256
@@ -375,6 +433,12 @@ typedef struct kn_rope_config {
     double low_freq_factor;
     double high_freq_factor;
     double original_max_pos; /* original_max_position_embeddings */
+    /* YaRN instead (DeepSeek-V3): frequencies blended between the
+     * original and the divided-by-factor ones over the band of dims
+     * rotating beta_fast .. beta_slow times in original_max_pos (the
+     * attention's mscale is the caller's; the cos/sin factor must be 1). */
+    bool yarn;
+    double beta_fast, beta_slow;
 } kn_rope_config;
 
 /* The frequency table, computed once at load (plain data). */
@@ -410,14 +474,19 @@ void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t
  * half floats: half the bytes of f32 to hold and, at decode, to read. */
 typedef struct kn_kv_pool {
     void *k; /* [n_blocks][block_size][n_kv_heads][head_dim] of type */
-    void *v; /* the same */
+    void *v; /* the same; NULL in a latent pool (MLA): the values are the keys */
     const kn_buf *buf; /* holding k and v (checked); NULL: host memory, as for kn_weight */
     int32_t n_blocks;
     int32_t block_size;
     int32_t n_kv_heads;
-    int32_t head_dim;
+    int32_t head_dim; /* <= KN_MAX_HEAD_DIM; a latent pool's <= KN_MAX_ATTN_DIM */
     ggml_type type;
+    float scale; /* attention's softmax scale; 0: 1 / sqrt(head_dim) */
 } kn_kv_pool;
+
+/* The widest head a latent pool (KN_OP_LATENT) holds: DeepSeek-V3's
+ * kv_lora_rank 512 + qk_rope_head_dim 64. */
+#define KN_MAX_ATTN_DIM 576
 
 /* Where each token of a batch reads and writes the KV cache: flat int32
  * arrays in the backend's memory (the engine uploads them into fixed
@@ -450,15 +519,17 @@ typedef struct kn_kv_map {
  * ties to even, as quant_f32_to_f16 does (subnormals kept, overflow to
  * inf, NaN quiet): F16C and the portable path store the same bits. */
 void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k,
-                 const float *v);
+                 const float *v); /* v: NULL for a latent pool */
 
-/* out[m][n_heads][head_dim] = softmax(q k^T / sqrt(head_dim)) v, where
+/* out[m][n_heads][head_dim] = softmax(q k^T * scale) v, where
  * token t attends to the slots of its sequence [0, n_prefix[t]) followed by
  * its extra slots (a tree node: its ancestors in scratch slots, then
  * itself; a prefill or decode token: n_prefix = position + 1, no extras).
  * Grouped-query: head h reads kv head h / (n_heads / n_kv_heads). Each
  * token must see at least one slot; q is already rotated; out does not
- * overlap q.
+ * overlap q. scale is the pool's. In a latent pool (MLA's absorbed form:
+ * one kv head, v NULL) the values are the keys, so out's head_dim floats
+ * are the weighted keys; the caller reads the part it wants.
  *
  * K and V come only from the pool, widened exactly from f16, so the keys
  * of the batch's own tokens (written by kn_kv_write just before) are the

@@ -4,7 +4,7 @@
 #include <string.h>
 
 /* Every architecture this build reads. */
-static const arch *const all[] = {&arch_llama};
+static const arch *const all[] = {&arch_llama, &arch_deepseek};
 #define N_ARCH (sizeof all / sizeof all[0])
 
 /* Whether list (NULL-terminated) holds name; with names, appends the list
@@ -30,6 +30,22 @@ static const arch *find(const char *name, bool hf, const char *what, ae_error *e
 const arch *arch_for_gguf(const char *name, ae_error *err) { return find(name, false, "architecture", err); }
 
 const arch *arch_for_hf(const char *model_type, ae_error *err) { return find(model_type, true, "model_type", err); }
+
+int arch_load_ends(model *m, const char *embd, const char *norm, const char *output, ae_error *err) {
+    model_config *c = &m->cfg;
+    weights_store *w = m->w;
+    const int64_t H = c->hidden;
+    if (weights_table(w, embd, c->vocab, H, &m->tok_embd, err) || weights_vector(w, norm, H, false, &m->output_norm, err))
+        return AE_ERR;
+    c->tied_embeddings = !weights_has(w, output);
+    if (!c->tied_embeddings) return weights_matrix(w, output, c->vocab, H, &m->output, err);
+    if (!kn_matmul_supports(m->tok_embd.type)) return weights_matrix(w, embd, c->vocab, H, &m->output, err);
+    m->output = m->tok_embd;
+    /* A GGUF table is read a row at a time and not counted; as the output
+     * projection every byte of it is. */
+    if (w->gguf) w->bytes += (size_t)m->tok_embd.row_bytes * (size_t)c->vocab;
+    return AE_OK;
+}
 
 int64_t arch_gguf_int(const gguf_file *f, const char *name, const char *suffix, int64_t def) {
     char key[192];

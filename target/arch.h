@@ -48,12 +48,18 @@ typedef struct arch {
     int (*tp_split)(struct tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
 } arch;
 
-extern const arch arch_llama; /* arch/llama.c: Llama and Qwen2 */
+extern const arch arch_llama;    /* arch/llama.c: Llama and Qwen2 */
+extern const arch arch_deepseek; /* arch/deepseek.c: DeepSeek-V3, Kimi-K2 */
 
 /* The architecture that reads a GGUF general.architecture or a Hugging
  * Face model_type; NULL (err says which there are) for none. */
 const arch *arch_for_gguf(const char *name, ae_error *err);
 const arch *arch_for_hf(const char *model_type, ae_error *err);
+
+/* The model's two ends: the embedding table, the final norm and the
+ * output projection (the embedding table where the file has no output
+ * tensor: tied). */
+int arch_load_ends(model *m, const char *embd, const char *norm, const char *output, ae_error *err);
 
 /* GGUF's {name}.{suffix} integer key, or def when it is absent. */
 int64_t arch_gguf_int(const gguf_file *f, const char *name, const char *suffix, int64_t def);

@@ -168,7 +168,7 @@ int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err) {
     size_t T = (size_t)cfg->max_batch_tokens;
     kv_params kp = {c->n_layers, c->n_kv_heads, c->head_dim, cfg->block_size,
                     (cfg->kv_tokens + cfg->block_size - 1) / cfg->block_size, cfg->max_seqs,
-                    (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size};
+                    (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size, c->kv_lora_rank > 0};
     if (pool_init(&e->pool, cfg->threads, err) != AE_OK ||
         kn_stream_init(&e->stream, m->be, &(kn_stream_config){e->pool, llama_stream_workspace(m, cfg->max_batch_tokens, cfg->max_seq_len)}, err) != AE_OK ||
         llama_ws_init(&e->ws, m, cfg->max_batch_tokens, cfg->max_batch_tokens, err) != AE_OK ||

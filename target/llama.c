@@ -16,21 +16,38 @@ struct llama_ws {
     float *up;    /* [max_tokens][F] */
     float *out_x; /* [max_logits][H] rows whose logits are wanted */
     float *rope;  /* [max_tokens][D] each token's cos and sin, for all layers */
+    /* MLA (0 bytes without): with n_kv_heads 1 and D = R + dr, q above
+     * holds the absorbed queries, k the latent and v k_pe */
+    float *qa;    /* [max_tokens][q_lora_rank] */
+    float *qn;    /* [max_tokens][n_heads * qk_nope_dim] */
+    float *qpe;   /* [max_tokens][n_heads * qk_rope_dim] */
+    float *ckv;   /* [max_tokens][kv_lora_rank] */
+    float *vh;    /* [max_tokens][n_heads * v_head_dim] the heads' values */
+    /* MoE (0 bytes without) */
+    float *logits; /* [max_tokens][n_experts] the router's */
+    float *rw;     /* [max_tokens][top_k] the chosen experts' weights */
+    float *ridx;   /* [max_tokens][top_k] their ids, int32 */
+    float *shared; /* [max_tokens][H] the shared experts' output */
+    float *moe;    /* kn_moe_scratch(max_tokens, H, expert_ffn) */
     kn_buf block; /* one buffer of the model's backend holding all of the above */
 };
 
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* Sizes of the workspace buffers, in floats, in declaration order. */
-#define WS_BUFS 11
+#define WS_BUFS 21
 
 static void ws_sizes(const model *m, int32_t T, int32_t L, size_t sz[WS_BUFS]) {
     const model_config *c = &m->cfg;
-    size_t H = (size_t)c->hidden, F = (size_t)c->ffn, QD = (size_t)c->n_heads * (size_t)c->head_dim,
-           KD = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    size_t H = (size_t)c->hidden, F = (size_t)(c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn),
+           QD = (size_t)c->n_heads * (size_t)c->head_dim, KD = (size_t)c->n_kv_heads * (size_t)c->head_dim,
+           nh = (size_t)c->n_heads, E = (size_t)c->route.n_experts, K = (size_t)c->route.top_k;
     size_t t = (size_t)T;
     size_t v[WS_BUFS] = {t * H, t * H, t * QD, t * KD, t * KD, t * QD, t * H, t * F, t * F, (size_t)L * H,
-                         t * (size_t)c->head_dim};
+                         t * (size_t)c->head_dim,
+                         t * (size_t)c->q_lora_rank, t * nh * (size_t)c->qk_nope_dim, t * nh * (size_t)c->qk_rope_dim,
+                         t * (size_t)c->kv_lora_rank, t * nh * (size_t)c->v_head_dim,
+                         t * E, t * K, t * K, E ? t * H : 0, E ? kn_moe_scratch(T, c->hidden, c->expert_ffn) : 0};
     memcpy(sz, v, sizeof v);
 }
 
@@ -44,9 +61,12 @@ size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
 }
 
 size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys) {
-    int64_t k = m->cfg.ffn;
-    if (m->cfg.hidden > k) k = m->cfg.hidden;
-    if ((int64_t)m->cfg.n_heads * m->cfg.head_dim > k) k = (int64_t)m->cfg.n_heads * m->cfg.head_dim;
+    const model_config *c = &m->cfg;
+    /* the widest input a matmul reads */
+    int64_t widths[] = {c->ffn, c->hidden, (int64_t)c->n_heads * c->head_dim, c->shared_ffn, c->expert_ffn,
+                        c->q_lora_rank, (int64_t)c->n_heads * c->v_head_dim};
+    int64_t k = 0;
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) k = widths[i] > k ? widths[i] : k;
     size_t mm = kn_matmul_workspace(max_tokens, k);
     size_t at = max_keys > 0 ? kn_attention_workspace(m->cfg.n_heads, m->cfg.head_dim, max_keys) : 0;
     return mm > at ? mm : at;
@@ -66,8 +86,9 @@ int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t ma
     }
     size_t sz[WS_BUFS];
     ws_sizes(m, max_tokens, max_logits, sz);
-    float **slots[WS_BUFS] = {&ws->x,    &ws->xn,   &ws->q,  &ws->k,     &ws->v,   &ws->attn,
-                              &ws->proj, &ws->gate, &ws->up, &ws->out_x, &ws->rope};
+    float **slots[WS_BUFS] = {&ws->x,    &ws->xn,   &ws->q,   &ws->k,      &ws->v,    &ws->attn,   &ws->proj,
+                              &ws->gate, &ws->up,   &ws->out_x, &ws->rope, &ws->qa,   &ws->qn,     &ws->qpe,
+                              &ws->ckv,  &ws->vh,   &ws->logits, &ws->rw,  &ws->ridx, &ws->shared, &ws->moe};
     char *p = ws->block.ptr;
     for (int i = 0; i < WS_BUFS; i++) {
         *slots[i] = (float *)(void *)p;
@@ -112,6 +133,56 @@ static void attn_gqa(const model *m, const model_layer *l, kn_stream *s, const k
     kn_matmul(s, &l->wo, ws->attn, ws->proj, T);
 }
 
+/* MLA, absorbed (arch/deepseek.c): ws->x in, the output projection in
+ * ws->proj. The cache gets the latent [normed c_kv | roped k_pe]; each
+ * head's query is [W_UK^T q_nope | roped q_pe], so its scores against
+ * the latent are those of the full keys; its output, the weighted latent,
+ * leaves through W_UV. */
+static void attn_mla(const model *m, const model_layer *l, kn_stream *s, const kn_kv_pool *pool, llama_ws *ws,
+                     const llama_batch *b, bool normed) {
+    const model_config *c = &m->cfg;
+    const int32_t T = b->m, nh = c->n_heads, R = c->kv_lora_rank, dr = c->qk_rope_dim, D = c->head_dim;
+    kn_kv_pool kv = *pool;
+    kv.scale = c->attn_scale;
+    if (!normed) kn_rmsnorm(s, ws->x, l->attn_norm, ws->xn, T, c->hidden, c->rms_eps);
+    if (c->q_lora_rank) {
+        kn_matmul_n(s, 3, (const kn_weight *[]){&l->wq_a, &l->wkv_a, &l->wk_pe}, ws->xn,
+                    (float *[]){ws->qa, ws->ckv, ws->v}, T);
+        kn_rmsnorm(s, ws->qa, l->q_a_norm, ws->qa, T, c->q_lora_rank, 1e-6f);
+        kn_matmul_n(s, 2, (const kn_weight *[]){&l->wq_nope, &l->wq_pe}, ws->qa, (float *[]){ws->qn, ws->qpe}, T);
+    } else {
+        kn_matmul_n(s, 4, (const kn_weight *[]){&l->wq_nope, &l->wq_pe, &l->wkv_a, &l->wk_pe}, ws->xn,
+                    (float *[]){ws->qn, ws->qpe, ws->ckv, ws->v}, T);
+    }
+    kn_rmsnorm(s, ws->ckv, l->kv_a_norm, ws->ckv, T, R, 1e-6f);
+    kn_rope_rotate(s, &m->rope, ws->qpe, T, nh, ws->rope);
+    kn_rope_rotate(s, &m->rope, ws->v, T, 1, ws->rope);
+    kn_gather_rows(s, ws->ckv, NULL, T, R, ws->k, D);
+    kn_gather_rows(s, ws->v, NULL, T, dr, ws->k + R, D);
+    kn_kv_write(s, &kv, b->map, ws->k, NULL);
+    kn_matmul_heads(s, &l->w_uk, nh, ws->qn, c->qk_nope_dim, ws->q, D, T);
+    kn_gather_rows(s, ws->qpe, NULL, (int64_t)T * nh, dr, ws->q + R, D);
+    kn_attention(s, &kv, b->map, ws->q, ws->attn, nh);
+    kn_matmul_heads(s, &l->w_uv, nh, ws->attn, D, ws->vh, c->v_head_dim, T);
+    kn_matmul(s, &l->wo, ws->vh, ws->proj, T);
+}
+
+/* The routed experts, then the shared ones added (one allreduce takes
+ * both under tensor parallelism): ws->xn in (normed), ws->proj out. */
+static void ffn_moe(const model *m, const model_layer *l, kn_stream *s, llama_ws *ws, int32_t T) {
+    const model_config *c = &m->cfg;
+    const int32_t H = c->hidden, E = c->route.n_experts;
+    int32_t *idx = (int32_t *)(void *)ws->ridx;
+    kn_matmul(s, &l->router, ws->xn, ws->logits, T);
+    kn_moe_route(s, ws->logits, l->router_bias, T, &c->route, idx, ws->rw);
+    kn_experts ex = {E, l->experts, l->experts + E, l->experts + 2 * E};
+    kn_moe_ffn(s, &ex, ws->xn, idx, ws->rw, T, c->route.top_k, ws->moe, ws->proj);
+    if (!c->shared_ffn) return;
+    kn_matmul_swiglu(s, &l->w_gate, &l->w_up, ws->xn, ws->gate, ws->up, T);
+    kn_matmul(s, &l->w_down, ws->gate, ws->shared, T);
+    kn_add(s, ws->proj, ws->shared, ws->proj, (int64_t)T * H);
+}
+
 /* The dense SwiGLU FFN: ws->x in, the down projection in ws->proj. */
 static void ffn_dense(const model *m, const model_layer *l, kn_stream *s, llama_ws *ws, int32_t T, bool normed) {
     const model_config *c = &m->cfg;
@@ -152,11 +223,13 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
         capture_layer(s, cap, li, ws->x, H);
         switch (l->attn) {
         case MODEL_ATTN_GQA: attn_gqa(m, l, s, &kv[li], ws, b, normed); break;
+        case MODEL_ATTN_MLA: attn_mla(m, l, s, &kv[li], ws, b, normed); break;
         default: AE_ASSERT(!"an attention kind the forward pass does not have");
         }
         kn_allreduce_add_rmsnorm(comm, s, ws->proj, ws->x, l->ffn_norm, ws->xn, T, H, c->rms_eps);
         switch (l->ffn) {
         case MODEL_FFN_DENSE: ffn_dense(m, l, s, ws, T, true); break;
+        case MODEL_FFN_MOE: ffn_moe(m, l, s, ws, T); break;
         default: AE_ASSERT(!"an FFN kind the forward pass does not have");
         }
         if (li + 1 < c->n_layers) {

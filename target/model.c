@@ -9,6 +9,7 @@
 
 void model_free(model *m) {
     if (!m) return;
+    for (int32_t i = 0; m->layers && i < m->cfg.n_layers; i++) free(m->layers[i].experts);
     free(m->layers);
     weights_close(m->w);
     free(m);
@@ -22,8 +23,9 @@ static int check_config(const model_config *c, ae_error *err) {
                        c->hidden, c->ffn, c->n_heads, c->n_kv_heads, c->vocab);
     if (c->n_heads % c->n_kv_heads)
         return err_set(err, "kv heads %d do not divide heads %d", c->n_kv_heads, c->n_heads);
-    if (c->head_dim <= 0 || c->head_dim % 8 || c->head_dim > KN_MAX_HEAD_DIM)
-        return err_set(err, "head_dim %d must be a multiple of 8 and at most %d", c->head_dim, KN_MAX_HEAD_DIM);
+    int32_t most = c->kv_lora_rank > 0 ? KN_MAX_ATTN_DIM : KN_MAX_HEAD_DIM; /* MLA: the latent's width */
+    if (c->head_dim <= 0 || c->head_dim % 8 || c->head_dim > most)
+        return err_set(err, "head_dim %d must be a multiple of 8 and at most %d", c->head_dim, most);
     return AE_OK;
 }
 

@@ -38,11 +38,22 @@ typedef struct model_config {
     bool tied_embeddings; /* output projection is the embedding table */
     bool qkv_bias;        /* Qwen2 */
     kn_rope_config rope;
+    /* MLA (DeepSeek-V3): attention reads a latent cache, one kv head of
+     * kv_lora_rank + qk_rope_dim (n_kv_heads 1, head_dim that sum), and
+     * the heads' queries are absorbed into it. 0 where there is none. */
+    int32_t q_lora_rank;  /* 0: the query straight from the input */
+    int32_t kv_lora_rank;
+    int32_t qk_nope_dim, qk_rope_dim, v_head_dim;
+    float attn_scale;     /* the softmax scale; 0: 1 / sqrt(head_dim) */
+    /* Mixture of experts: layers from n_dense_layers on (route.n_experts
+     * 0: none). ffn is the dense layers' width. */
+    int32_t n_dense_layers;
+    int32_t expert_ffn;   /* each routed expert's width */
+    int32_t shared_ffn;   /* the shared experts' width together (0: none) */
+    kn_route route;
 } model_config;
 
-/* A layer's blocks, by kind (arch.h). The fields below are GQA's and the
- * dense FFN's, the kinds every architecture read today has; MLA and MoE
- * come with their own fields. */
+/* A layer's blocks, by kind (arch.h), each with its fields below. */
 typedef enum model_attn { MODEL_ATTN_GQA, MODEL_ATTN_MLA } model_attn;
 typedef enum model_ffn { MODEL_FFN_DENSE, MODEL_FFN_MOE } model_ffn;
 
@@ -58,9 +69,24 @@ typedef struct model_layer {
     const float *bq;        /* [n_heads * D] or NULL */
     const float *bk;        /* [n_kv_heads * D] or NULL */
     const float *bv;        /* [n_kv_heads * D] or NULL */
-    kn_weight w_gate;       /* [F][H] */
-    kn_weight w_up;         /* [F][H] */
-    kn_weight w_down;       /* [H][F] */
+    kn_weight w_gate;       /* [F][H]; MoE: the shared experts' [shared_ffn][H] */
+    kn_weight w_up;         /* [F][H]; the same */
+    kn_weight w_down;       /* [H][F]; MoE: [H][shared_ffn] */
+    /* MLA (R = kv_lora_rank, Q = q_lora_rank, or H without it); wo is
+     * [H][n_heads * v_head_dim] */
+    kn_weight wq_a;         /* [Q][H] (with a q_lora_rank) */
+    const float *q_a_norm;  /* [Q] */
+    kn_weight wq_nope;      /* [n_heads * qk_nope_dim][Q]: q_b's rows, head by head */
+    kn_weight wq_pe;        /* [n_heads * qk_rope_dim][Q] */
+    kn_weight wkv_a;        /* [R][H]: kv_a_proj_with_mqa's first rows */
+    kn_weight wk_pe;        /* [qk_rope_dim][H]: its last rows */
+    const float *kv_a_norm; /* [R] */
+    kn_weight w_uk;         /* f32 [n_heads * R][qk_nope_dim]: each head's W_UK transposed */
+    kn_weight w_uv;         /* f32 [n_heads * v_head_dim][R] */
+    /* MoE */
+    kn_weight router;       /* f32 [n_experts][H] */
+    const float *router_bias; /* [n_experts] e_score_correction_bias */
+    kn_weight *experts;     /* [3][n_experts]: gate and up [expert_ffn][H], down [H][expert_ffn] */
 } model_layer;
 
 typedef struct model {

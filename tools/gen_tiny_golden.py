@@ -68,6 +68,118 @@ LLAMA3_ORIG_MAX_POS = 64
 LM_HEAD_SCALE = 4.0  # logits with a spread of a few units, not ~0.5
 
 
+MODELS = ("qwen2", "llama3", "deepseek", "deepseek_int4")
+DS_ORIG_MAX_POS = 64  # YaRN's original context: the longest prompt goes past it
+DS_GROUP = 32         # compressed-tensors int4 group size (Kimi-K2.5's)
+MIN_ROUTE_MARGIN = 1e-3
+DS_SEED = int(os.environ.get("DS_SEED", "15"))  # a seed whose routers have no near tie
+
+
+def build_deepseek():
+    """DeepSeek-V3's layout at toy size: MLA with a q low rank, one dense
+    layer then two MoE layers of 8 experts in 4 groups (2 kept, 2 experts a
+    token) plus a shared expert, YaRN (factor = max_position_embeddings /
+    original, as transformers derives it), sigmoid routing with a
+    non-negative random correction bias (transformers starts it at 0)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(DS_SEED)
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16,
+        qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+        norm_topk_prob=True, max_position_embeddings=4 * DS_ORIG_MAX_POS, initializer_range=0.1,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": DS_ORIG_MAX_POS,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+    model = DeepseekV3ForCausalLM._from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    g = torch.Generator().manual_seed(DS_SEED + 1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            at = layer.self_attn
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, at.q_a_layernorm, at.kv_a_layernorm]
+            for norm in norms:
+                norm.weight.copy_(1.0 + 0.2 * torch.randn(norm.weight.shape, generator=g))
+            if hasattr(layer.mlp, "gate"):
+                gate = layer.mlp.gate
+                gate.weight.copy_(0.3 * torch.randn(gate.weight.shape, generator=g))
+                gate.e_score_correction_bias.copy_(0.3 * torch.rand(gate.e_score_correction_bias.shape, generator=g))
+        model.model.norm.weight.copy_(1.0 + 0.2 * torch.randn(model.model.norm.weight.shape, generator=g))
+        model.lm_head.weight.mul_(LM_HEAD_SCALE)
+    return model
+
+
+def quantize_experts(model):
+    """Rounds every routed expert to compressed-tensors' symmetric int4 in
+    groups of DS_GROUP with bf16 scales (the model then computes with the
+    rounded weights) and returns the packed tensors by their file names,
+    packed by compressed-tensors' own pack_to_int32."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    out = {}
+    with torch.no_grad():
+        for li, layer in enumerate(model.model.layers):
+            if not hasattr(layer.mlp, "gate"):
+                continue
+            ex = layer.mlp.experts
+            F = ex.down_proj.shape[2]
+            for e in range(ex.gate_up_proj.shape[0]):
+                mats = {"gate_proj": ex.gate_up_proj[e, :F], "up_proj": ex.gate_up_proj[e, F:],
+                        "down_proj": ex.down_proj[e]}
+                for nm, w in mats.items():
+                    rows, cols = w.shape
+                    grp = w.reshape(rows, cols // DS_GROUP, DS_GROUP)
+                    scale = (grp.abs().amax(-1) / 7.0).to(torch.bfloat16)
+                    q = torch.clamp(torch.round(grp / scale.float().unsqueeze(-1)), -8, 7)
+                    w.copy_((q * scale.float().unsqueeze(-1)).reshape(rows, cols))
+                    pre = f"model.layers.{li}.mlp.experts.{e}.{nm}"
+                    out[pre + ".weight_packed"] = pack_to_int32(q.reshape(rows, cols).to(torch.int8), 4)
+                    out[pre + ".weight_scale"] = scale.contiguous()
+                    out[pre + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
+    return out
+
+
+def int4_config():
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "group_size": DS_GROUP, "strategy": "group"}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
+                       "re:.*mlp\\.gate$"]}
+
+
+def route_margins(model, ids):
+    """The smallest gap of any routing decision over a no-cache pass of
+    ids: between the kept and the first dropped group, and between the
+    chosen and the first unchosen expert. A near tie could route another
+    implementation's token elsewhere."""
+    import torch
+    gaps = []
+
+    def hook(mod, inp, out):
+        logits = out[0]
+        c = logits.sigmoid() + mod.e_score_correction_bias
+        per = mod.num_experts // mod.num_group
+        gs = c.view(-1, mod.num_group, per).topk(2, dim=-1)[0].sum(-1).sort(-1, descending=True)[0]
+        gaps.append(float((gs[:, mod.topk_group - 1] - gs[:, mod.topk_group]).min()))
+        keep = gs[:, mod.topk_group - 1:mod.topk_group]
+        grp = c.view(-1, mod.num_group, per).topk(2, dim=-1)[0].sum(-1)
+        mask = (grp >= keep).repeat_interleave(per, dim=-1)
+        cs = c.masked_fill(~mask, float("-inf")).sort(-1, descending=True)[0]
+        gaps.append(float((cs[:, mod.top_k - 1] - cs[:, mod.top_k]).min()))
+
+    hs = [l.mlp.gate.register_forward_hook(hook) for l in model.model.layers if hasattr(l.mlp, "gate")]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hs:
+        h.remove()
+    return min(gaps)
+
+
 def build(name):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -172,11 +284,45 @@ def run(model, ids):
             margins.append(float(top.values[0] - top.values[1]))
             seq.append(gen[step])
     assert min(margins) > MIN_MARGIN, margins
+    if hasattr(model.config, "n_routed_experts"):
+        m = route_margins(model, seq)
+        assert m > MIN_ROUTE_MARGIN, m
     return {"ids": ids, "generated": gen, "margins": [f6(m) for m in margins],
             "last_logits": [f9(v) for v in last.tolist()]}
 
 
+def write_deepseek(name, dest):
+    """deepseek: every tensor f32; deepseek_int4: the same model with its
+    routed experts in compressed-tensors int4 (and its reference outputs
+    those of the rounded weights)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    model = build_deepseek()
+    packed = quantize_experts(model) if name == "deepseek_int4" else None
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest, safe_serialization=True)
+    gc = dest / "generation_config.json"
+    if gc.exists():
+        gc.unlink()
+    if packed:
+        st = dest / "model.safetensors"
+        tensors = {k: v for k, v in load_file(st).items() if ".mlp.experts." not in k}
+        tensors.update(packed)
+        save_file(dict(sorted(tensors.items())), st, metadata={"format": "pt"})
+        cj = json.loads((dest / "config.json").read_text())
+        cj["quantization_config"] = int4_config()
+        (dest / "config.json").write_text(json.dumps(cj, indent=2, sort_keys=True) + "\n")
+    c = model.config
+    summary = {"model_type": c.model_type, "hidden": c.hidden_size, "heads": c.num_attention_heads,
+               "kv_lora_rank": c.kv_lora_rank, "qk_rope_head_dim": c.qk_rope_head_dim, "experts": c.n_routed_experts,
+               "rope_factor": c.rope_parameters["factor"], "vocab": VOCAB, "int4_experts": bool(packed)}
+    exp = {"model": name, "config": summary, "prompts": [run(model, p) for p in prompts()]}
+    (dest / "expected.json").write_text(json.dumps(exp, indent=None, separators=(",", ":")) + "\n")
+
+
 def write_model(name, dest):
+    if name.startswith("deepseek"):
+        return write_deepseek(name, dest)
     model = build(name)
     summary = {"model_type": model.config.model_type, "hidden": model.config.hidden_size,
                "heads": model.config.num_attention_heads, "kv_heads": model.config.num_key_value_heads,
@@ -203,12 +349,13 @@ def write_model(name, dest):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a committed file differs")
+    ap.add_argument("models", nargs="*", default=list(MODELS), help="which (default: all)")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(THREADS)
     torch.use_deterministic_algorithms(True)
     stale = []
-    for name in ("qwen2", "llama3"):
+    for name in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             tmpdir = Path(tmp) / name
             write_model(name, tmpdir)

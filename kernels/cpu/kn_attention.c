@@ -50,7 +50,8 @@
 /* The pool's elements: f16 bit patterns (kn_backend_cpu takes GGML_TYPE_F16
  * pools only). */
 static inline uint16_t *pool_k(const kn_kv_pool *kv) { return kv->k; }
-static inline uint16_t *pool_v(const kn_kv_pool *kv) { return kv->v; }
+/* A latent pool's values are its keys (kernels.h). */
+static inline uint16_t *pool_v(const kn_kv_pool *kv) { return kv->v ? kv->v : kv->k; }
 
 /* Row of slot `slot` of sequence row `seq`: [n_kv_heads][head_dim]. */
 static size_t slot_row(const kn_kv_pool *kv, const kn_kv_map *map, int32_t seq, int32_t slot) {
@@ -122,7 +123,7 @@ void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, c
     for (int32_t t = 0; t < map->m; t++) {
         size_t at = slot_row(kv, map, map->seq[t], map->slot[t]);
         narrow(k + (size_t)t * width, pool_k(kv) + at, width);
-        narrow(v + (size_t)t * width, pool_v(kv) + at, width);
+        if (kv->v) narrow(v + (size_t)t * width, pool_v(kv) + at, width);
     }
 }
 
@@ -133,7 +134,9 @@ void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows,
     for (int32_t i = 0; i < n; i++) {
         if (src_rows[i] == dst_rows[i]) continue;
         memcpy(pool_k(kv) + (size_t)dst_rows[i] * row, pool_k(kv) + (size_t)src_rows[i] * row, row * sizeof(uint16_t));
-        memcpy(pool_v(kv) + (size_t)dst_rows[i] * row, pool_v(kv) + (size_t)src_rows[i] * row, row * sizeof(uint16_t));
+        if (kv->v)
+            memcpy(pool_v(kv) + (size_t)dst_rows[i] * row, pool_v(kv) + (size_t)src_rows[i] * row,
+                   row * sizeof(uint16_t));
     }
 }
 /* 8 floats as one value. GCC's vector extensions: each lane is the plain
@@ -279,7 +282,7 @@ AI void partial(const float *kf, const float *vf, int n, const float *q, float s
     for (j = 0; j < n; j++) mc = score[j] > mc ? score[j] : mc;
     for (j = 0; j + 8 <= n; j += 8) st8(score + j, exp_neg8(ld8(score + j) - mc));
     for (; j < n; j++) score[j] = exp_neg(score[j] - mc);
-    v8f o[KN_MAX_HEAD_DIM / 8];
+    v8f o[KN_MAX_ATTN_DIM / 8];
     #pragma GCC unroll 32
     for (int d = 0; d < h8; d++) o[d] = zero;
     float l = 0.0f;
@@ -346,9 +349,9 @@ AI void walk_run(const attn_job *job, int32_t a, int32_t b, int32_t g, int32_t h
         shared = full_chunks(map, t) > shared ? full_chunks(map, t) : shared;
     }
     float M[KN_ATTN_WINDOW][KN_HEADS_PER_PASS], L[KN_ATTN_WINDOW][KN_HEADS_PER_PASS];
-    float kf[KN_ATTN_CHUNK * KN_MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float vf[KN_ATTN_CHUNK * KN_MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float po[KN_MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float kf[KN_ATTN_CHUNK * KN_MAX_ATTN_DIM] __attribute__((aligned(32)));
+    float vf[KN_ATTN_CHUNK * KN_MAX_ATTN_DIM] __attribute__((aligned(32)));
+    float po[KN_MAX_ATTN_DIM] __attribute__((aligned(32)));
     size_t rows[KN_ATTN_CHUNK], next[KN_ATTN_CHUNK];
     if (shared > 0) shared_rows(job, seq, 0, next);
     for (int32_t c = 0; c < most; c++) {
@@ -399,8 +402,8 @@ AI void attend_unit(const attn_job *job, int32_t r, int32_t c, const int hd) {
     const kn_kv_pool *kv = job->kv;
     const size_t H = (size_t)job->n_heads;
     const int32_t a = job->run_start[r], b = job->run_start[r + 1], group = job->n_heads / kv->n_kv_heads;
-    float kf[KN_ATTN_CHUNK * KN_MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float vf[KN_ATTN_CHUNK * KN_MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float kf[KN_ATTN_CHUNK * KN_MAX_ATTN_DIM] __attribute__((aligned(32)));
+    float vf[KN_ATTN_CHUNK * KN_MAX_ATTN_DIM] __attribute__((aligned(32)));
     size_t rows[KN_ATTN_CHUNK];
     bool shared = false;
     for (int32_t t = a; t < b; t++) shared = shared || c < full_chunks(map, t);
@@ -458,7 +461,7 @@ AI void attend_units(const attn_job *job, int32_t u0, int32_t u1, const int hd) 
 AI void merge_token(const attn_job *job, int32_t t, const int hd) {
     size_t H = (size_t)job->n_heads;
     for (size_t h = 0; h < H; h++) {
-        float M = 0, L = 0, O[KN_MAX_HEAD_DIM] __attribute__((aligned(32)));
+        float M = 0, L = 0, O[KN_MAX_ATTN_DIM] __attribute__((aligned(32)));
         for (int32_t p = job->first[t]; p < job->first[t + 1]; p++)
             merge(p == job->first[t], &M, &L, O, job->part_m[(size_t)p * H + h], job->part_l[(size_t)p * H + h],
                   job->part_o + ((size_t)p * H + h) * (size_t)hd, hd);
@@ -540,7 +543,7 @@ void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, 
         .q = q,
         .out = out,
         .n_heads = n_heads,
-        .scale = 1.0f / sqrtf((float)kv->head_dim),
+        .scale = kv->scale > 0.0f ? kv->scale : 1.0f / sqrtf((float)kv->head_dim),
         .simd = kn_cpu_use_avx2(),
     };
     job.widen = job.simd ? widen_f16c : widen_portable;

@@ -319,7 +319,23 @@ int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err) {
     if (!(cfg->theta > 0.0)) return err_set(err, "rope: rope_theta must be > 0, got %g", cfg->theta);
     if (cfg->layout != KN_ROPE_ADJACENT && cfg->layout != KN_ROPE_NEOX)
         return err_set(err, "rope: unknown layout %d", (int)cfg->layout);
-    bool scaled = cfg->factor > 0.0 && cfg->factor != 1.0;
+    bool scaled = cfg->factor > 0.0 && cfg->factor != 1.0 && !cfg->yarn;
+    if (cfg->yarn && !(cfg->factor >= 1.0 && cfg->original_max_pos > 0.0 && cfg->beta_fast > 0.0 &&
+                       cfg->beta_slow > 0.0))
+        return err_set(err, "rope: yarn needs factor >= 1, original_max_position_embeddings > 0 and betas > 0 "
+                            "(got %g, %g, %g, %g)",
+                       cfg->factor, cfg->original_max_pos, cfg->beta_fast, cfg->beta_slow);
+    /* YaRN's band: the dims whose pair turns between beta_fast and
+     * beta_slow times over the original context, whole dims outward. */
+    double lo = 0.0, hi = 0.0;
+    if (cfg->yarn) {
+        double k = (double)d / (2.0 * log(cfg->theta));
+        lo = floor(k * log(cfg->original_max_pos / (cfg->beta_fast * 2.0 * M_PI)));
+        hi = ceil(k * log(cfg->original_max_pos / (cfg->beta_slow * 2.0 * M_PI)));
+        lo = lo < 0.0 ? 0.0 : lo;
+        hi = hi > d - 1 ? d - 1 : hi;
+        if (lo == hi) hi += 0.001;
+    }
     if (scaled && !(cfg->original_max_pos > 0.0 && cfg->high_freq_factor > cfg->low_freq_factor &&
                     cfg->low_freq_factor > 0.0))
         return err_set(err,
@@ -343,6 +359,11 @@ int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err) {
                                 (cfg->high_freq_factor - cfg->low_freq_factor);
                 f = (1.0 - smooth) * f / cfg->factor + smooth * f;
             }
+        } else if (cfg->yarn) {
+            /* extrapolate (keep f) below the band, interpolate (f / factor) above */
+            double ramp = ((double)i - lo) / (hi - lo);
+            double keep = 1.0 - (ramp < 0.0 ? 0.0 : ramp > 1.0 ? 1.0 : ramp);
+            f = f / cfg->factor * (1.0 - keep) + f * keep;
         }
         r->inv_freq[i] = f;
     }
@@ -399,6 +420,8 @@ static bool cpu_supports(kn_op op, ggml_type type) {
     case KN_OP_EMBED: return quant_can_dequantize(type);
     case KN_OP_KV: return type == GGML_TYPE_F16;
     case KN_OP_F32: return type == GGML_TYPE_F32;
+    case KN_OP_LATENT: return type == GGML_TYPE_F16 || type == GGML_TYPE_F32; /* the pool's, the heads' weights */
+    case KN_OP_MOE: return kn_matmul_supports(type);
     }
     return false;
 }
@@ -435,4 +458,7 @@ const kn_backend kn_backend_cpu = {
     .kv_write = kn_cpu_kv_write,
     .kv_move = kn_cpu_kv_move,
     .attention = kn_cpu_attention,
+    .matmul_heads = kn_cpu_matmul_heads,
+    .moe_route = kn_cpu_moe_route,
+    .moe_ffn = kn_cpu_moe_ffn,
 };

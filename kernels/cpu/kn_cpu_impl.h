@@ -45,6 +45,12 @@ void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows,
                     int32_t n);
 void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                       int32_t n_heads);
+void kn_cpu_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
+                         int64_t y_head, int64_t m);
+void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r,
+                      int32_t *idx, float *w);
+void kn_cpu_moe_ffn(kn_stream *s, const kn_experts *e, const float *x, const int32_t *idx, const float *w, int64_t m,
+                    int32_t top_k, float *scratch, float *y);
 
 /* The core of every exponential in the kernels, for xc in [-87, 88]:
  * xc = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7

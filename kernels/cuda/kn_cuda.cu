@@ -444,6 +444,9 @@ static const kn_backend kn_backend_cuda = {
     kcu_gather_rows,
     kcu_reads,
     cu_event_free,
+    NULL, /* matmul_heads: MLA (KN_OP_LATENT) is the CPU's only, so far */
+    NULL, /* moe_route */
+    NULL, /* moe_ffn */
 };
 
 /* The bandwidth of device-to-device copies of `bytes`, `reps` of them

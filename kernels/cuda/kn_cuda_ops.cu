@@ -767,6 +767,8 @@ bool kcu_supports(kn_op op, ggml_type type) {
                type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1;
     case KN_OP_KV: return type == GGML_TYPE_F16;
     case KN_OP_F32: return type == GGML_TYPE_F32;
+    case KN_OP_LATENT: /* MLA and MoE kernels come with the DeepSeek-V3 CUDA work */
+    case KN_OP_MOE: return false;
     }
     return false;
 }

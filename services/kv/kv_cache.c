@@ -44,6 +44,14 @@ uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_d
     return 2ull * (uint64_t)n_layers * (uint64_t)n_kv_heads * (uint64_t)head_dim * sizeof(uint16_t);
 }
 
+uint64_t kv_latent_bytes_per_token(int32_t n_layers, int32_t dim) {
+    if (n_layers <= 0 || dim <= 0) return 0;
+    return (uint64_t)n_layers * (uint64_t)dim * sizeof(uint16_t);
+}
+
+/* Pools per layer: K and V, or a latent's K alone. */
+static size_t pools(const kv_params *p) { return p->latent ? 1 : 2; }
+
 /* a * b into *out; false on overflow. */
 static bool mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
     if (a != 0 && b > UINT64_MAX / a) return false;
@@ -63,7 +71,7 @@ static uint64_t pool_elems(const kv_params *p) {
     if ((uint64_t)p->n_blocks * (uint64_t)p->block_size > INT32_MAX) return 0; /* rows are int32 (kn_kv_move) */
     if (!mul_ok((uint64_t)p->n_blocks, (uint64_t)p->block_size, &n)) return 0;
     if (!mul_ok(n, row, &n)) return 0;
-    if (!mul_ok(n, 2ull * (uint64_t)p->n_layers, &n)) return 0;
+    if (!mul_ok(n, pools(p) * (uint64_t)p->n_layers, &n)) return 0;
     if (!mul_ok(n, sizeof(uint16_t), &(uint64_t){0})) return 0;
     return n;
 }
@@ -88,8 +96,12 @@ int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, in
     int64_t heads = 0;
     for (int32_t i = 0; i < n_shards && n_shards <= KV_MAX_SHARDS; i++) {
         if (shard_kv_heads[i] < 1) return err_set(err, "kv cache: shard %d has %d kv heads", i, shard_kv_heads[i]);
+        if (p->latent && shard_kv_heads[i] != p->n_kv_heads)
+            return err_set(err, "kv cache: shard %d of a latent cache has %d kv heads, not all %d", i,
+                           shard_kv_heads[i], p->n_kv_heads);
         heads += shard_kv_heads[i];
     }
+    if (p->latent) heads = p->n_kv_heads; /* replicated */
     if (n_shards < 1 || n_shards > KV_MAX_SHARDS || heads != p->n_kv_heads)
         return err_set(err, "kv cache: %d shards of %lld kv heads in all, for %d kv heads (at most %d shards)",
                        n_shards, (long long)heads, p->n_kv_heads, KV_MAX_SHARDS);
@@ -117,7 +129,7 @@ int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, in
     /* The backend's buffers come zeroed: the pages are committed now, as
      * the plan counted them, and a stray read sees 0 rather than garbage. */
     for (int32_t i = 0; i < n_shards; i++) {
-        size_t bytes = 2 * (size_t)p->n_layers * kv->shard_pool[i] * sizeof(uint16_t);
+        size_t bytes = pools(p) * (size_t)p->n_layers * kv->shard_pool[i] * sizeof(uint16_t);
         const kn_backend *sb = shard_be ? shard_be[i] : be;
         if (kn_buf_alloc(sb, &kv->data[i], bytes, err) != AE_OK) {
             if (n_shards > 1)
@@ -400,7 +412,8 @@ void kv_upload_tables(kv_cache *kv, kn_stream *s) {
 /* Shard sh's layer l K (v = 0) or V (v = 1) pool, at the backend's address. */
 static uint16_t *pool_at(const kv_cache *kv, int32_t sh, int32_t layer, int v) {
     AE_ASSERT(sh >= 0 && sh < kv->n_shards && layer >= 0 && layer < kv->p.n_layers);
-    return (uint16_t *)kv->data[sh].ptr + ((size_t)layer * 2 + (size_t)v) * kv->shard_pool[sh];
+    AE_ASSERT(v == 0 || !kv->p.latent);
+    return (uint16_t *)kv->data[sh].ptr + ((size_t)layer * pools(&kv->p) + (size_t)v) * kv->shard_pool[sh];
 }
 
 uint16_t *kv_k_pool(kv_cache *kv, int32_t layer) {
@@ -418,7 +431,7 @@ int32_t kv_n_shards(const kv_cache *kv) { return kv->n_shards; }
 kn_kv_pool kv_shard_layer(kv_cache *kv, int32_t shard, int32_t layer) {
     return (kn_kv_pool){
         .k = pool_at(kv, shard, layer, 0),
-        .v = pool_at(kv, shard, layer, 1),
+        .v = kv->p.latent ? NULL : pool_at(kv, shard, layer, 1),
         .buf = &kv->data[shard],
         .n_blocks = kv->p.n_blocks,
         .block_size = kv->p.block_size,

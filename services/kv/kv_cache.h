@@ -8,6 +8,7 @@
  * Layout (the attention kernel reads it directly; see kernels/kernels.h):
  *   per layer l, a K pool and a V pool, each
  *     f16 [n_blocks][block_size][n_kv_heads][head_dim]
+ *   (a latent cache, MLA's: the K pool alone, one head of the latent)
  *   (IEEE half bit patterns, as kn_kv_write rounds them)
  *   per sequence a block table, int32 [max_blocks_per_seq] of block ids,
  *   stored as rows of one int32 [max_seqs][max_blocks_per_seq] array.
@@ -42,6 +43,10 @@ typedef struct kv_params {
     int32_t n_blocks;           /* blocks in the shared pool */
     int32_t max_seqs;           /* sequences live at once */
     int32_t max_blocks_per_seq; /* block table length: max slots = this x block_size */
+    /* MLA's compressed latent: one pool per layer (its values are its
+     * keys, kernels.h), n_kv_heads 1, and under tensor parallelism every
+     * shard holds all of it (the latent is shared by all heads). */
+    bool latent;
 } kv_params;
 
 typedef struct kv_stats {
@@ -55,6 +60,8 @@ typedef struct kv_stats {
 /* Bytes of K and V for one token over all layers:
  * 2 * n_layers * n_kv_heads * head_dim * 2 (f16). */
 uint64_t kv_bytes_per_token(int32_t n_layers, int32_t n_kv_heads, int32_t head_dim);
+/* A latent cache's: n_layers * dim * 2 (f16), the keys alone. */
+uint64_t kv_latent_bytes_per_token(int32_t n_layers, int32_t dim);
 
 /* Bytes kv_init takes for these sizes (pools + block tables + bookkeeping)
  * on a host-memory backend; another also keeps a host copy of the block
@@ -65,7 +72,8 @@ int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *
 
 /* The same for tensor-parallel ranks (target/tp.h): the slots' kv heads
  * cut into n_shards shards of shard_kv_heads[s] heads each (in order,
- * adding up to p->n_kv_heads), each shard in pools of its own
+ * adding up to p->n_kv_heads; a latent cache's shards each hold all
+ * of them, replicated), each shard in pools of its own
  * (kv_shard_layer) for one rank. Block tables, and so every slot and
  * move, are shared: kv_seq_fork and kv_commit_path move the rows of every
  * shard. The bytes are kv_bytes(p), however the heads are cut. Shard s's

@@ -140,6 +140,40 @@ static int int_list(const cJSON *v, const char *label, int64_t lo,
     return AE_OK;
 }
 
+/* YaRN's numbers; original_max_position_embeddings 0 when absent (then
+ * max_position_embeddings, as transformers reads it). */
+static int parse_yarn(hfcfg *cfg, const cJSON *rs, const char *key, ae_error *err) {
+    char label[96];
+    cfg->rope_scaling.kind = HFCFG_ROPE_YARN;
+    cfg->rope_scaling.beta_fast = 32.0;
+    cfg->rope_scaling.beta_slow = 1.0;
+    static const char *const names[5] = {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"};
+    double *dst[5] = {&cfg->rope_scaling.factor, &cfg->rope_scaling.beta_fast, &cfg->rope_scaling.beta_slow,
+                      &cfg->rope_scaling.mscale, &cfg->rope_scaling.mscale_all_dim};
+    for (int i = 0; i < 5; i++) {
+        const cJSON *v = get(rs, names[i]);
+        snprintf(label, sizeof label, "%s.%s", key, names[i]);
+        if (!v && i == 0) return err_set(err, "%s: required key is missing", label);
+        if (v && as_double(v, label, 0.0, 1e6, dst[i], err) != AE_OK) return AE_ERR;
+    }
+    if (cfg->rope_scaling.factor < 1.0)
+        return err_set(err, "%s.factor: %g is below 1", key, cfg->rope_scaling.factor);
+    if (!(cfg->rope_scaling.beta_fast > 0.0 && cfg->rope_scaling.beta_slow > 0.0))
+        return err_set(err, "%s: beta_fast and beta_slow must be > 0", key);
+    /* The factor YaRN puts on cos and sin: given, or the ratio of the two
+     * mscales, or 0.1 ln(factor) + 1 (transformers' rule). */
+    double f = cfg->rope_scaling.factor, ms = cfg->rope_scaling.mscale, ma = cfg->rope_scaling.mscale_all_dim;
+#define MSCALE(m) (f <= 1.0 ? 1.0 : 0.1 * (m) * log(f) + 1.0)
+    cfg->rope_scaling.attention_factor = ms > 0.0 && ma > 0.0 ? MSCALE(ms) / MSCALE(ma) : MSCALE(1.0);
+#undef MSCALE
+    const cJSON *v = get(rs, "attention_factor");
+    snprintf(label, sizeof label, "%s.attention_factor", key);
+    if (v && as_double(v, label, 0.0, 1e6, &cfg->rope_scaling.attention_factor, err) != AE_OK) return AE_ERR;
+    snprintf(label, sizeof label, "%s.original_max_position_embeddings", key);
+    return opt_int(rs, "original_max_position_embeddings", label, 1, POS_MAX,
+                   &cfg->rope_scaling.original_max_position_embeddings, err);
+}
+
 /* `key` is "rope_scaling" (transformers 4) or "rope_parameters"
  * (transformers 5, which writes the same fields there, rope_theta and
  * rope_type "default" included, and no longer writes the other two keys). */
@@ -163,10 +197,11 @@ static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, const char *key,
     }
     /* Other schemes (linear, dynamic, yarn, ...) change the numbers; serving
      * them as plain RoPE would be silently wrong, so refuse. */
+    if (strcmp(type, "yarn") == 0) return parse_yarn(cfg, rs, key, err);
     if (strcmp(type, "llama3") != 0)
         return err_set(err,
                        "%s: \"%s\" is not supported (supported: default, "
-                       "llama3)",
+                       "llama3, yarn)",
                        label, type);
     cfg->rope_scaling.kind = HFCFG_ROPE_LLAMA3;
     static const char *const names[3] = {"factor", "low_freq_factor",
@@ -364,7 +399,16 @@ int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
     root = json_parse(buf, len, &local);
     free(buf);
     if (!root) goto fail;
-    if (parse_root(cfg, root, &local) != AE_OK) goto fail;
+    const cJSON *text = get(root, "text_config");
+    if (text && !cJSON_IsObject(text)) {
+        err_set(&local, "text_config: expected an object, got %s", kind(text));
+        goto fail;
+    }
+    if (parse_root(cfg, text ? text : root, &local) != AE_OK) {
+        if (text) err_prefix(&local, "text_config.");
+        goto fail;
+    }
+    if (text && !cfg->model_type[0] && opt_text(root, "model_type", cfg->model_type, &local) != AE_OK) goto fail;
     cJSON_Delete(root);
     return AE_OK;
 fail:
@@ -384,12 +428,19 @@ int hfcfg_load(hfcfg *cfg, const char *path, ae_error *err) {
 }
 
 kn_rope_config hfcfg_rope(const hfcfg *c) {
-    kn_rope_config r = {KN_ROPE_NEOX, c->head_dim, c->rope_theta, 0, 0, 0, 0};
+    kn_rope_config r = {KN_ROPE_NEOX, c->head_dim, c->rope_theta, 0, 0, 0, 0, false, 0, 0};
     if (c->rope_scaling.kind == HFCFG_ROPE_LLAMA3) {
         r.factor = c->rope_scaling.factor;
         r.low_freq_factor = c->rope_scaling.low_freq_factor;
         r.high_freq_factor = c->rope_scaling.high_freq_factor;
         r.original_max_pos = c->rope_scaling.original_max_position_embeddings;
+    } else if (c->rope_scaling.kind == HFCFG_ROPE_YARN) {
+        r.yarn = true;
+        r.factor = c->rope_scaling.factor;
+        r.beta_fast = c->rope_scaling.beta_fast;
+        r.beta_slow = c->rope_scaling.beta_slow;
+        int32_t orig = c->rope_scaling.original_max_position_embeddings;
+        r.original_max_pos = orig > 0 ? orig : c->max_position_embeddings;
     }
     return r;
 }

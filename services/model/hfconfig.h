@@ -24,6 +24,7 @@
 typedef enum hfcfg_rope_kind {
     HFCFG_ROPE_DEFAULT = 0, /* rope_scaling absent, null or "default" */
     HFCFG_ROPE_LLAMA3,      /* Llama 3.1 frequency-dependent scaling */
+    HFCFG_ROPE_YARN,        /* YaRN (DeepSeek-V3, Kimi-K2) */
 } hfcfg_rope_kind;
 
 typedef struct hfcfg {
@@ -53,10 +54,13 @@ typedef struct hfcfg {
 
     struct {
         hfcfg_rope_kind kind;
-        double factor;                /* llama3 only */
+        double factor;                /* llama3 and yarn */
         double low_freq_factor;       /* llama3 only */
         double high_freq_factor;      /* llama3 only */
-        int32_t original_max_position_embeddings; /* llama3 only */
+        int32_t original_max_position_embeddings; /* llama3; yarn (max_position_embeddings) */
+        double beta_fast, beta_slow;  /* yarn (32, 1) */
+        double mscale, mscale_all_dim; /* yarn (0: absent) */
+        double attention_factor;      /* yarn: the cos/sin factor, as transformers derives it */
     } rope_scaling;
 
     /* EAGLE-3 heads */
@@ -68,7 +72,11 @@ typedef struct hfcfg {
     bool norm_before_residual;       /* (false) a variant of the midlayer */
 } hfcfg;
 
-/* Parses len bytes of JSON (no NUL needed). `name` prefixes error text.
+/* A config with a "text_config" object (a multimodal model such as
+ * Kimi-K2.5: the language model beside a vision tower) is read from that
+ * object; model_type is then the text model's.
+ *
+ * Parses len bytes of JSON (no NUL needed). `name` prefixes error text.
  * On failure *cfg is zeroed. */
 int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
                 ae_error *err);

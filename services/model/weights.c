@@ -244,3 +244,134 @@ int weights_pack(weights_store *w, kn_weight *m, ae_error *err) {
     drop_file_pages(w, m);
     return AE_OK;
 }
+
+/* ---- matrices made at load ------------------------------------------------ */
+
+int weights_f32(weights_store *w, int64_t rows, int64_t cols, weights_fill_fn fill, void *ctx, kn_weight *out,
+                ae_error *err) {
+    size_t bytes = (size_t)rows * (size_t)cols * sizeof(float);
+    float *host = own_begin(bytes, err);
+    if (!host) return AE_ERR;
+    fill(ctx, host);
+    const kn_buf *b = own_done(w, host, bytes, err);
+    if (!b) return AE_ERR;
+    w->bytes += bytes;
+    w->converted_bytes += bytes;
+    *out = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = b->ptr,
+                       .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+    return AE_OK;
+}
+
+int weights_pick_rows(weights_store *w, const kn_weight *src, int64_t n, const int64_t *rows, kn_weight *out,
+                      ae_error *err) {
+    AE_ASSERT(kn_backend_host_memory(w->be) && n > 0);
+    size_t rb = (size_t)quant_row_bytes(src->type, (uint64_t)src->cols), bytes = (size_t)n * rb;
+    char *host = own_begin(bytes, err);
+    if (!host) return AE_ERR;
+    for (int64_t i = 0; i < n; i++) {
+        AE_ASSERT(rows[i] >= 0 && rows[i] < src->rows);
+        memcpy(host + (size_t)i * rb, (const char *)src->data + (size_t)rows[i] * src->row_bytes, rb);
+    }
+    const kn_buf *b = own_done(w, host, bytes, err);
+    if (!b) return AE_ERR;
+    *out = (kn_weight){.type = src->type, .rows = n, .cols = src->cols, .data = b->ptr, .row_bytes = rb, .buf = b};
+    return AE_OK;
+}
+
+void weights_row_f32(const kn_weight *m, int64_t i, float *dst) {
+    AE_ASSERT(i >= 0 && i < m->rows);
+    bool ok = quant_dequantize(m->type, (const char *)m->data + (size_t)i * m->row_bytes, dst, (uint64_t)m->cols);
+    AE_ASSERT(ok);
+}
+
+/* ---- compressed-tensors int4 ----------------------------------------------- */
+
+static const st_tensor *int4_part(const weights_store *w, const char *prefix, const char *part) {
+    char name[512];
+    snprintf(name, sizeof name, "%s.%s", prefix, part);
+    return w->st ? st_model_find(w->st, name) : NULL;
+}
+
+bool weights_has_int4(const weights_store *w, const char *prefix) {
+    return int4_part(w, prefix, "weight_packed") != NULL;
+}
+
+/* f32 to f16 when that is exact (a finite normal f16, or zero). */
+static bool f16_exact(float f, uint16_t *h) {
+    *h = quant_f32_to_f16(f);
+    return quant_f16_to_f32(*h) == f && (f == 0.0f || (*h & 0x7c00u) != 0);
+}
+
+int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int64_t cols, kn_weight *out,
+                        ae_error *err) {
+    const st_tensor *pk = int4_part(w, prefix, "weight_packed"), *sc = int4_part(w, prefix, "weight_scale"),
+                    *shape = int4_part(w, prefix, "weight_shape");
+    if (!pk || !sc) return err_set(err, "tensor %s.weight_packed or .weight_scale is missing", prefix);
+    if (cols % 32)
+        return err_set(err, "%s: int4 groups of 32 need columns a multiple of 32, not %lld", prefix, (long long)cols);
+    if (pk->dtype != ST_I32 || pk->n_dims != 2 || pk->shape[0] != (uint64_t)rows || pk->shape[1] != (uint64_t)cols / 8)
+        return err_set(err, "tensor %s.weight_packed: expected int32 [%lld, %lld]", prefix, (long long)rows,
+                       (long long)cols / 8);
+    if (sc->n_dims != 2 || sc->shape[0] != (uint64_t)rows || sc->shape[1] != (uint64_t)cols / 32)
+        return err_set(err, "tensor %s.weight_scale: expected [%lld, %lld] (groups of 32)", prefix, (long long)rows,
+                       (long long)cols / 32);
+    if (shape) {
+        int64_t dims[2];
+        if (shape->n_elements != 2 || st_tensor_to_i64(shape, dims, 2, err) != AE_OK)
+            return err_prefix(err, "tensor %s.weight_shape: ", prefix), AE_ERR;
+        if (dims[0] != rows || dims[1] != cols)
+            return err_set(err, "tensor %s.weight_shape: [%lld, %lld], expected [%lld, %lld]", prefix,
+                           (long long)dims[0], (long long)dims[1], (long long)rows, (long long)cols);
+    }
+    size_t groups = (size_t)rows * (size_t)cols / 32;
+    float *scale = malloc(groups * sizeof *scale);
+    int32_t *q = malloc((size_t)rows * (size_t)cols / 8 * sizeof *q);
+    int rc = AE_ERR;
+    if (!scale || !q) {
+        err_set(err, "out of memory");
+        goto done;
+    }
+    if (st_tensor_to_f32(sc, scale, groups, err) != AE_OK || st_tensor_to_i32(pk, q, pk->n_elements, err) != AE_OK) {
+        err_prefix(err, "tensor %s: ", prefix);
+        goto done;
+    }
+    bool exact = true;
+    uint16_t h;
+    for (size_t g = 0; g < groups && exact; g++) exact = f16_exact(scale[g], &h);
+    /* nibble c of group g: word 4g + c / 8, bits 4 (c % 8) */
+#define NIBBLE(g, c) ((uint8_t)(((uint32_t)q[(g) * 4 + (c) / 8] >> (4 * ((c) % 8))) & 15u))
+    if (exact) { /* Q4_0: f16 d, then qs[j] = element j | element j + 16 << 4 */
+        size_t bytes = groups * 18;
+        uint8_t *host = own_begin(bytes, err);
+        if (!host) goto done;
+        for (size_t g = 0; g < groups; g++) {
+            uint8_t *blk = host + g * 18;
+            f16_exact(scale[g], &h);
+            memcpy(blk, &h, 2);
+            for (int j = 0; j < 16; j++) blk[2 + j] = (uint8_t)(NIBBLE(g, j) | NIBBLE(g, j + 16) << 4);
+        }
+        const kn_buf *b = own_done(w, host, bytes, err);
+        if (!b) goto done;
+        w->bytes += bytes;
+        *out = (kn_weight){.type = GGML_TYPE_Q4_0, .rows = rows, .cols = cols, .data = b->ptr,
+                           .row_bytes = (size_t)cols / 32 * 18, .buf = b};
+    } else {
+        size_t bytes = (size_t)rows * (size_t)cols * sizeof(float);
+        float *host = own_begin(bytes, err);
+        if (!host) goto done;
+        for (size_t g = 0; g < groups; g++)
+            for (int c = 0; c < 32; c++) host[g * 32 + (size_t)c] = scale[g] * (float)((int)NIBBLE(g, c) - 8);
+        const kn_buf *b = own_done(w, host, bytes, err);
+        if (!b) goto done;
+        w->bytes += bytes;
+        w->converted_bytes += bytes;
+        *out = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = b->ptr,
+                           .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+    }
+#undef NIBBLE
+    rc = AE_OK;
+done:
+    free(scale);
+    free(q);
+    return rc;
+}

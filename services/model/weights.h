@@ -70,4 +70,30 @@ int weights_vector(weights_store *w, const char *name, int64_t n, bool optional,
  * it is. */
 int weights_pack(weights_store *w, kn_weight *m, ae_error *err);
 
+/* A matrix of f32 the caller computes from other tensors (MLA's per-head
+ * matrices): fill writes [rows][cols] into dst. Counted as converted. */
+typedef void (*weights_fill_fn)(void *ctx, float *dst);
+int weights_f32(weights_store *w, int64_t rows, int64_t cols, weights_fill_fn fill, void *ctx, kn_weight *out,
+                ae_error *err);
+
+/* Row rows[i] of src as row i of a new matrix of src's type (its bytes
+ * copied): heads' rows regrouped. src must be host memory. */
+int weights_pick_rows(weights_store *w, const kn_weight *src, int64_t n, const int64_t *rows, kn_weight *out,
+                      ae_error *err);
+
+/* Row i of m, as f32 (any type quant_dequantize reads; host memory). */
+void weights_row_f32(const kn_weight *m, int64_t i, float *dst);
+
+/* compressed-tensors' int4 (pack-quantized, symmetric, groups of 32), as
+ * Kimi-K2.5 ships its experts: {prefix}.weight_packed int32
+ * [rows][cols / 8] (value j of a word at bits 4 (j % 8), stored as q + 8)
+ * and {prefix}.weight_scale [rows][cols / 32] (f32, f16 or bf16), with
+ * {prefix}.weight_shape [2] when present. Each group of 32 is Q4_0's
+ * block exactly (scale * (nibble - 8)) when its scale is an f16 without
+ * rounding, as bf16 scales of real weights are; otherwise the matrix is
+ * converted to f32. Whether prefix names such a matrix: */
+bool weights_has_int4(const weights_store *w, const char *prefix);
+int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int64_t cols, kn_weight *out,
+                        ae_error *err);
+
 #endif

@@ -33,7 +33,7 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
         return err_set(err, "key %s: %g is outside 0..1", key, (double)c->rms_eps);
     snprintf(key, sizeof key, "%s.rope.freq_base", a);
     c->rope = (kn_rope_config){llama ? KN_ROPE_ADJACENT : KN_ROPE_NEOX, c->head_dim,
-                               gguf_get_f32(gf, key, &f, NULL) == AE_OK ? f : 10000.0, 0, 0, 0, 0};
+                               gguf_get_f32(gf, key, &f, NULL) == AE_OK ? f : 10000.0, 0, 0, 0, 0, false, 0, 0};
     if (gguf_find_tensor(gf, "rope_freqs.weight"))
         return err_set(err, "rope_freqs.weight (Llama-3.1 rope scaling in GGUF) is not supported yet");
     const gguf_tensor *emb = gguf_find_tensor(gf, "token_embd.weight");
@@ -88,24 +88,9 @@ static int load_tensors(model *m, const tensor_names *nm, ae_error *err) {
     m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
     if (!m->layers) return err_set(err, "out of memory");
 
-    int64_t H = c->hidden, F = c->ffn, QD = (int64_t)c->n_heads * c->head_dim,
+    const int64_t H = c->hidden, F = c->ffn, QD = (int64_t)c->n_heads * c->head_dim,
             KD = (int64_t)c->n_kv_heads * c->head_dim;
-    if (weights_table(w, nm->embd, c->vocab, H, &m->tok_embd, err) ||
-        weights_vector(w, nm->norm, H, false, &m->output_norm, err))
-        return AE_ERR;
-    c->tied_embeddings = !weights_has(w, nm->output);
-    if (c->tied_embeddings) {
-        if (!kn_matmul_supports(m->tok_embd.type)) {
-            if (weights_matrix(w, nm->embd, c->vocab, H, &m->output, err)) return AE_ERR;
-        } else {
-            m->output = m->tok_embd;
-            /* A GGUF table is read a row at a time and not counted;
-             * as the output projection every byte of it is. */
-            if (w->gguf) w->bytes += (size_t)m->tok_embd.row_bytes * (size_t)c->vocab;
-        }
-    } else if (weights_matrix(w, nm->output, c->vocab, H, &m->output, err)) {
-        return AE_ERR;
-    }
+    if (arch_load_ends(m, nm->embd, nm->norm, nm->output, err) != AE_OK) return AE_ERR;
     for (int i = 0; i < c->n_layers; i++) {
         model_layer *l = &m->layers[i];
         l->attn = MODEL_ATTN_GQA;

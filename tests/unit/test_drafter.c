@@ -41,7 +41,7 @@ static void ref_close(ref *r) {
 static void ref_open(ref *r, const eagle_head *h) {
     ae_error err = {0};
     r->h = h;
-    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 16, 1, 16};
+    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 16, 1, 16, false};
     assert_int_equal(kv_init(&r->kv, &kn_backend_cpu, &kp, &err), AE_OK);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 1, &err), AE_OK);

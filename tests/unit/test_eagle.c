@@ -100,7 +100,7 @@ typedef struct runner {
 
 static void runner_open(runner *r, const eagle_head *h) {
     ae_error err = {0};
-    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 1, 1, 1};
+    kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, 1, 1, 1, false};
     if (kv_init(&r->kv, &kn_backend_cpu, &kp, &err) != AE_OK) fail_msg("%s", err.msg);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 2, &err), AE_OK);

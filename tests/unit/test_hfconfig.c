@@ -1,5 +1,6 @@
 /* config.json parsing: real configs read to exact values, and each kind of
  * bad config fails with an error that names the key. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -383,15 +384,78 @@ static void test_attention_bias_rules(void **state) {
     assert_true(c.attention_bias);
 }
 
+/* DeepSeek-V3's YaRN, in transformers 5's spelling: the betas, both
+ * mscales, and the cos/sin factor they make (1 when they are equal, else
+ * their ratio, else 0.1 ln(factor) + 1). */
+static void test_yarn(void **state) {
+    (void)state;
+    hfcfg c;
+    cJSON *root = cJSON_Parse(SMOLLM2);
+    cJSON_DeleteItemFromObjectCaseSensitive(root, "rope_scaling");
+    cJSON_AddItemToObject(root, "rope_parameters",
+                          cJSON_Parse("{\"rope_type\": \"yarn\", \"factor\": 40, \"beta_fast\": 32, \"beta_slow\": 1,"
+                                      " \"mscale\": 1.0, \"mscale_all_dim\": 1.0, \"rope_theta\": 10000,"
+                                      " \"original_max_position_embeddings\": 4096}"));
+    char *text = cJSON_PrintUnformatted(root);
+    assert_int_equal(parse(&c, text, NULL), AE_OK);
+    free(text);
+    assert_int_equal(c.rope_scaling.kind, HFCFG_ROPE_YARN);
+    assert_true(c.rope_scaling.factor == 40.0 && c.rope_scaling.beta_fast == 32.0 && c.rope_scaling.beta_slow == 1.0);
+    assert_int_equal(c.rope_scaling.original_max_position_embeddings, 4096);
+    assert_true(c.rope_scaling.attention_factor == 1.0);
+    kn_rope_config r = hfcfg_rope(&c);
+    assert_true(r.yarn && r.factor == 40.0 && r.original_max_pos == 4096.0);
+    /* no mscales: 0.1 ln 40 + 1 */
+    cJSON_DeleteItemFromObjectCaseSensitive(root, "rope_parameters");
+    cJSON_AddItemToObject(root, "rope_scaling", cJSON_Parse("{\"type\": \"yarn\", \"factor\": 40}"));
+    text = cJSON_PrintUnformatted(root);
+    assert_int_equal(parse(&c, text, NULL), AE_OK);
+    free(text);
+    assert_true(c.rope_scaling.attention_factor == 0.1 * log(40.0) + 1.0);
+    assert_true(c.rope_scaling.beta_fast == 32.0 && c.rope_scaling.beta_slow == 1.0); /* the defaults */
+    assert_int_equal(c.rope_scaling.original_max_position_embeddings, 0); /* then max_position_embeddings */
+    assert_true(hfcfg_rope(&c).original_max_pos == (double)c.max_position_embeddings);
+    cJSON_Delete(root);
+}
+
+/* A multimodal config (Kimi-K2.5's) is read from its text_config, and its
+ * errors say so. */
+static void test_text_config(void **state) {
+    (void)state;
+    hfcfg c;
+    ae_error err = {0};
+    cJSON *outer = cJSON_CreateObject();
+    cJSON_AddStringToObject(outer, "model_type", "kimi_k25");
+    cJSON *text = cJSON_Parse(SMOLLM2);
+    cJSON_DeleteItemFromObjectCaseSensitive(text, "model_type");
+    cJSON_AddItemToObject(outer, "text_config", text);
+    char *s = cJSON_PrintUnformatted(outer);
+    assert_int_equal(parse(&c, s, NULL), AE_OK);
+    free(s);
+    assert_string_equal(c.model_type, "kimi_k25"); /* the outer one where the text model has none */
+    assert_int_equal(c.hidden_size, 576);
+    cJSON_AddStringToObject(text, "model_type", "kimi_k2");
+    cJSON_DeleteItemFromObjectCaseSensitive(text, "hidden_size");
+    s = cJSON_PrintUnformatted(outer);
+    assert_int_equal(parse(&c, s, &err), AE_ERR);
+    assert_string_equal(err.msg, "config.json: text_config.hidden_size: required key is missing");
+    free(s);
+    cJSON_Delete(outer);
+}
+
 static void test_rope_scaling_rules(void **state) {
     (void)state;
     assert_string_equal(bad("rope_scaling",
-                            "{\"rope_type\": \"yarn\", \"factor\": 4.0}"),
-                        "config.json: rope_scaling.rope_type: \"yarn\" is not "
-                        "supported (supported: default, llama3)");
+                            "{\"rope_type\": \"dynamic\", \"factor\": 4.0}"),
+                        "config.json: rope_scaling.rope_type: \"dynamic\" is not "
+                        "supported (supported: default, llama3, yarn)");
     assert_string_equal(bad("rope_scaling", "{\"type\": \"linear\"}"),
                         "config.json: rope_scaling.type: \"linear\" is not "
-                        "supported (supported: default, llama3)");
+                        "supported (supported: default, llama3, yarn)");
+    assert_string_equal(bad("rope_scaling", "{\"type\": \"yarn\"}"),
+                        "config.json: rope_scaling.factor: required key is missing");
+    assert_string_equal(bad("rope_scaling", "{\"type\": \"yarn\", \"factor\": 0.5}"),
+                        "config.json: rope_scaling.factor: 0.5 is below 1");
     assert_string_equal(bad("rope_scaling", "{\"factor\": 4.0}"),
                         "config.json: rope_scaling.rope_type: required key is "
                         "missing");
@@ -534,6 +598,8 @@ int main(void) {
         cmocka_unit_test(test_ranges),
         cmocka_unit_test(test_attention_bias_rules),
         cmocka_unit_test(test_rope_scaling_rules),
+        cmocka_unit_test(test_yarn),
+        cmocka_unit_test(test_text_config),
         cmocka_unit_test(test_eagle_config_rules),
         cmocka_unit_test(test_capture_layers_at_the_top_level),
         cmocka_unit_test(test_not_json),

@@ -234,7 +234,7 @@ static void plain_init(plain *p) {
     assert_non_null(p->kv);
     for (int32_t l = 0; l < c->n_layers; l++)
         p->kv[l] = (kn_kv_pool){p->kv_mem + (size_t)(2 * l) * n, p->kv_mem + (size_t)(2 * l + 1) * n, NULL,
-                                N_BLOCKS, BLOCK, c->n_kv_heads, c->head_dim, GGML_TYPE_F16};
+                                N_BLOCKS, BLOCK, c->n_kv_heads, c->head_dim, GGML_TYPE_F16, 0.0f};
 }
 
 static void plain_free(plain *p) {
