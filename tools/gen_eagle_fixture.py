@@ -108,11 +108,18 @@ padded with spaces to a multiple of 8, then the tensors tiling the data
 section in header order), takes well under 3 s, and rewrites byte-identical
 files. Mode 1 checks that hand writer against the `safetensors` package.
 
+Mode 3 (--deepseek-head DIR) writes the same kind of head for the tiny
+DeepSeek-V3 model of tools/gen_tiny_golden.py (hidden 64, 4 heads of 16, 2
+kv heads, ffn 128, vocabulary 256, draft vocabulary 64, capture layers
+[1, 2, 3] in eagle_config, as Kimi-K2.5's published heads name theirs):
+tests/golden/tiny/deepseek_head/.
+
 Needs for mode 1 (CPU only): pip install torch transformers safetensors gguf numpy
 Run from anywhere:
   python3 tools/gen_eagle_fixture.py                   # rewrite tests/golden/eagle/tiny/
   python3 tools/gen_eagle_fixture.py --check           # exit 1 if a file is stale
   python3 tools/gen_eagle_fixture.py --default-head DIR
+  python3 tools/gen_eagle_fixture.py --deepseek-head tests/golden/tiny/deepseek_head
 Mode 1 takes a few seconds on 2 threads. Two runs with the same package
 versions give byte-identical files (target/config.json records
 transformers_version; other torch/transformers versions may change the last
@@ -151,6 +158,15 @@ TINY = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_d
             vocab_size=32, draft_vocab_size=24, rms_norm_eps=1e-6, rope_theta=10000.0,
             max_position_embeddings=256, aux_layer_ids=[1, 3, 4])
 TINY_TARGET_LAYERS = 6
+# A head in the layout published for Kimi-K2.5 (a Llama midlayer over the
+# target's hidden size, capture layers named in eagle_config), shaped for
+# tests/golden/tiny/deepseek (tools/gen_tiny_golden.py): hidden 64,
+# vocabulary 256, 3 layers, so it captures the inputs of layers 1 and 2 and
+# the last layer's output.
+TINY_DEEPSEEK = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     intermediate_size=128, vocab_size=256, draft_vocab_size=64, rms_norm_eps=1e-6,
+                     rope_theta=10000.0, max_position_embeddings=256, aux_layer_ids=[1, 2, 3])
+DEEPSEEK_HEAD_SEED = 61
 SMOLLM2 = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
                vocab_size=49152, draft_vocab_size=4096, rms_norm_eps=1e-5, rope_theta=100000.0,
                max_position_embeddings=8192, aux_layer_ids=None)
@@ -241,6 +257,15 @@ def write_default_head(dest):
 
 
 # ---- mode 1 -------------------------------------------------------------
+
+def write_deepseek_head(dest):
+    s = TINY_DEEPSEEK
+    dest.mkdir(parents=True, exist_ok=True)
+    ids = draft_vocab(np.random.default_rng(DEEPSEEK_HEAD_SEED), s["vocab_size"], s["draft_vocab_size"])
+    tensors = make_head(s, DEEPSEEK_HEAD_SEED + 1, ids)
+    (dest / "config.json").write_text(json.dumps(head_config(s), indent=2) + "\n")
+    (dest / "model.safetensors").write_bytes(safetensors_bytes(tensors))
+
 
 def f9(x):
     return float(f"{x:.9g}")
@@ -635,7 +660,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a committed file differs")
     ap.add_argument("--default-head", metavar="DIR", help="write the random SmolLM2-135M head to DIR (numpy only)")
+    ap.add_argument("--deepseek-head", metavar="DIR",
+                    help="write the random head for tests/golden/tiny/deepseek to DIR (numpy only)")
     args = ap.parse_args()
+    if args.deepseek_head:
+        write_deepseek_head(Path(args.deepseek_head))
+        return 0
     if args.default_head:
         write_default_head(Path(args.default_head))
         return 0

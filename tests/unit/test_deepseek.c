@@ -1,0 +1,209 @@
+/* DeepSeek-V3's layout in the engine (tests/golden/tiny/deepseek, made by
+ * tools/gen_tiny_golden.py): its tokens' logits do not depend on the rest
+ * of the batch (other sequences, and so other tokens' experts), and
+ * speculation drafted by an EAGLE-3 head in the layout published for
+ * Kimi-K2.5 (tests/golden/tiny/deepseek_head) is token-identical to plain
+ * greedy decoding. Transformers' own outputs are test_tiny_models'. Run
+ * from the repo root. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "../../draft/draft_link.h"
+#include "../../target/spec.h"
+#include "../spec_run.h"
+
+#define TARGET "tests/golden/tiny/deepseek"
+#define HEAD "tests/golden/tiny/deepseek_head"
+#define V 256
+#define MAX_SEQS 3
+#define SEQ_LEN 160
+#define CHUNK 16
+#define N_PROMPTS 16
+#define MAX_PROMPT 40
+#define N_GEN 24
+
+static model *load_target(void) {
+    model *m;
+    ae_error err = {0};
+    if (model_load(&m, TARGET, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    return m;
+}
+
+static eng *engine(const model *m) {
+    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
+    eng *e;
+    ae_error err = {0};
+    if (eng_init(&e, m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    return e;
+}
+
+/* Prompt A's 23 tokens prefilled alone, then two decode steps, against
+ * the same with prompt B (17 tokens, another sequence) in every pass:
+ * each of A's logit rows bit for bit. B's tokens take other experts,
+ * which kn_moe_ffn runs beside A's. */
+static void a_tokens_logits_do_not_depend_on_the_batch(void **state) {
+    (void)state;
+    model *m = load_target();
+    int32_t a[23], b[17], next[2] = {7, 201};
+    for (int i = 0; i < 23; i++) a[i] = (i * 37 + 5) % V;
+    for (int i = 0; i < 17; i++) b[i] = (i * 91 + 200) % V;
+    float *alone = malloc(sizeof(float) * 25 * V), *mixed = malloc(sizeof(float) * 42 * V);
+    assert_non_null(alone);
+    assert_non_null(mixed);
+    ae_error err = {0};
+    eng *e = engine(m);
+    int32_t sa, sb;
+    assert_int_equal(eng_seq_new(e, &sa, &err), AE_OK);
+    eng_item it = {sa, ENG_APPEND, 23, a, NULL, true};
+    assert_int_equal(eng_step(e, &it, 1, alone, NULL, &err), AE_OK);
+    for (int k = 0; k < 2; k++) {
+        eng_item d = {sa, ENG_APPEND, 1, &next[k], NULL, false};
+        assert_int_equal(eng_step(e, &d, 1, alone + (size_t)(23 + k) * V, NULL, &err), AE_OK);
+    }
+    eng_free(e);
+
+    e = engine(m);
+    assert_int_equal(eng_seq_new(e, &sb, &err), AE_OK);
+    assert_int_equal(eng_seq_new(e, &sa, &err), AE_OK);
+    eng_item two[2] = {{sb, ENG_APPEND, 17, b, NULL, true}, {sa, ENG_APPEND, 23, a, NULL, true}};
+    assert_int_equal(eng_step(e, two, 2, mixed, NULL, &err), AE_OK);
+    assert_memory_equal(mixed + (size_t)17 * V, alone, sizeof(float) * 23 * V);
+    for (int k = 0; k < 2; k++) {
+        int32_t other = (next[k] + 100) % V;
+        eng_item d[2] = {{sb, ENG_APPEND, 1, &other, NULL, false}, {sa, ENG_APPEND, 1, &next[k], NULL, false}};
+        assert_int_equal(eng_step(e, d, 2, mixed, NULL, &err), AE_OK);
+        assert_memory_equal(mixed + V, alone + (size_t)(23 + k) * V, sizeof(float) * V);
+    }
+    printf("25 rows of prompt A bit-equal alone and beside prompt B (prefill and 2 decodes)\n");
+    eng_free(e);
+    free(alone);
+    free(mixed);
+    model_free(m);
+}
+
+static const sample_params greedy = {0, 0, 1, 0};
+
+/* A drafter that knows plain greedy's continuation: under each root a
+ * chain of its next tokens, 1 to 4 deep in turn, with a wrong sibling
+ * beside the first: each step accepts the whole chain, so the latent rows
+ * of accepted tree nodes are what later tokens attend to. */
+typedef struct oracle {
+    const int32_t *truth; /* prompt then continuation */
+    int32_t n_truth, fed, calls;
+} oracle;
+
+static int oracle_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+                          ae_error *err) {
+    oracle *o = ctx;
+    (void)err;
+    (void)shape;
+    assert_int_equal(n, 1);
+    o->fed = feeds[0].reset ? feeds[0].n : o->fed + feeds[0].n;
+    spec_tree *t = &trees[0];
+    t->n = 0;
+    if (!feeds[0].want_tree) return AE_OK;
+    int32_t r = o->fed, depth = 1 + o->calls++ % 4;
+    if (r + depth >= o->n_truth) depth = o->n_truth - r - 1;
+    if (depth < 1) return AE_OK;
+    t->tokens[0] = o->truth[r];
+    t->parents[0] = -1;
+    t->tokens[1] = (o->truth[r + 1] + 1) % V; /* the wrong sibling */
+    t->parents[1] = 0;
+    t->n = 2;
+    for (int32_t d = 1, prev = 0; d <= depth; d++) {
+        t->tokens[t->n] = o->truth[r + d];
+        t->parents[t->n] = prev;
+        prev = t->n++;
+    }
+    for (int32_t i = 0; i < t->n; i++) t->probs[i] = 0.5f;
+    return AE_OK;
+}
+
+static void oracle_release(void *ctx, int32_t seq) {
+    (void)ctx;
+    (void)seq;
+}
+
+/* The head's config names capture layers [1, 2, 3]; its trees are
+ * verified by the MLA and MoE layers, and each step's accepted latent
+ * rows are kept. Every prompt and tree shape: plain greedy's tokens. */
+static void speculation_with_a_published_layout_head_is_plain(void **state) {
+    (void)state;
+    model *m = load_target();
+    eng *e = engine(m);
+    ae_error err = {0};
+    draft_link link;
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(e), 0};
+    if (draft_link_open(&link, HEAD, model_embedding(m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    int32_t want[N_PROMPTS][N_GEN], got[N_GEN], ids[MAX_PROMPT];
+    for (int i = 0; i < N_PROMPTS; i++) {
+        int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids);
+        run_plain_greedy(e, ids, n, CHUNK, N_GEN, want[i]);
+    }
+    const spec_shape shapes[2] = {{4, 3, 8}, {8, 4, 32}};
+    for (int k = 0; k < 2; k++) {
+        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shapes[k], MAX_SEQS, 128, false, NULL, NULL};
+        if (draft_link_capture(&link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
+        assert_int_equal(sc.capture[0], 1);
+        assert_int_equal(sc.capture[1], 2);
+        assert_int_equal(sc.capture[2], 3);
+        spec *s;
+        if (spec_init(&s, e, &link.iface, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+        int identical = 0;
+        for (int i = 0; i < N_PROMPTS; i++) {
+            int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids);
+            run_spec(s, e, ids, n, CHUNK, &greedy, 0, N_GEN, got);
+            if (memcmp(got, want[i], sizeof got) == 0) identical++;
+            else fprintf(stderr, "tree %d: prompt %d differs\n", k, i);
+        }
+        const spec_stats *st = spec_total_stats(s);
+        printf("tree %d/%d/%d: %d/%d prompts identical; %lld verify steps, %lld drafted, %lld accepted\n",
+               shapes[k].steps, shapes[k].topk, shapes[k].tokens, identical, N_PROMPTS, (long long)st->steps,
+               (long long)st->drafted, (long long)st->accepted);
+        assert_int_equal(identical, N_PROMPTS);
+        assert_true(st->steps > 0 && st->drafted > 0);
+        assert_int_equal(st->bad_trees, 0);
+        spec_free(s);
+    }
+    /* The same prompts drafted by an oracle: 1 + 2 + 3 + 4 tokens accepted
+     * in each 4 steps. */
+    oracle o = {0};
+    spec_drafter od = {&o, oracle_propose, oracle_release};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec *s;
+    if (spec_init(&s, e, &od, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+    int identical = 0;
+    for (int i = 0; i < N_PROMPTS; i++) {
+        int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids), truth[MAX_PROMPT + N_GEN];
+        memcpy(truth, ids, sizeof(int32_t) * (size_t)n);
+        memcpy(truth + n, want[i], sizeof want[i]);
+        o = (oracle){truth, n + N_GEN, 0, 0};
+        run_spec(s, e, ids, n, CHUNK, &greedy, 0, N_GEN, got);
+        identical += memcmp(got, want[i], sizeof got) == 0;
+    }
+    const spec_stats *st = spec_total_stats(s);
+    printf("oracle: %d/%d prompts identical; %lld verify steps, %lld accepted\n", identical, N_PROMPTS,
+           (long long)st->steps, (long long)st->accepted);
+    assert_int_equal(identical, N_PROMPTS);
+    assert_true(st->accepted >= 2 * st->steps); /* 2.5 a step, less each sequence's last */
+    spec_free(s);
+    draft_link_close(&link);
+    eng_free(e);
+    model_free(m);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(a_tokens_logits_do_not_depend_on_the_batch),
+        cmocka_unit_test(speculation_with_a_published_layout_head_is_plain),
+    };
+    return cmocka_run_group_tests_name("deepseek", tests, NULL, NULL);
+}
