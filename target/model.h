@@ -2,9 +2,10 @@
  * Hugging Face directory (config.json + safetensors).
  *
  * Weights stay in their file format where kn_matmul has a native kernel
- * (F32, F16, BF16, Q8_0, Q4_0, Q4_1 from GGUF), pointing into the mapped
- * file; anything else is converted to f32 at load. Norm vectors and biases
- * are f32.
+ * (F32, F16, BF16, Q8_0, Q4_0, Q4_1 from GGUF; BF16 from safetensors),
+ * pointing into the mapped file; compressed-tensors int4 becomes Q4_0
+ * (weights.h); anything else is converted to f32 at load. Norm vectors
+ * and biases are f32.
  *
  * RoPE layout follows the source: GGUF llama files store q/k rows permuted
  * for adjacent-pair rotation (KN_ROPE_ADJACENT); Hugging Face weights, and
@@ -84,7 +85,7 @@ typedef struct model_layer {
     kn_weight w_uk;         /* f32 [n_heads * R][qk_nope_dim]: each head's W_UK transposed */
     kn_weight w_uv;         /* f32 [n_heads * v_head_dim][R] */
     /* MoE */
-    kn_weight router;       /* f32 [n_experts][H] */
+    kn_weight router;       /* f32 or bf16 [n_experts][H]: f32 logits */
     const float *router_bias; /* [n_experts] e_score_correction_bias */
     kn_weight *experts;     /* [3][n_experts]: gate and up [expert_ffn][H], down [H][expert_ffn] */
 } model_layer;

@@ -199,6 +199,17 @@ static int st_floats(weights_store *w, const char *name, int64_t rows, int64_t c
 static int st_matrix(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err) {
     const float *p;
     const kn_buf *b;
+    /* BF16, the type real checkpoints ship, has a matmul kernel: it stays
+     * as the file has it (half the bytes of f32), where it is aligned. */
+    const st_tensor *t = st_model_find(w->st, name);
+    if (t && t->dtype == ST_BF16 && t->n_dims == 2 && (int64_t)t->shape[0] == rows && (int64_t)t->shape[1] == cols &&
+        ((uintptr_t)t->data & 1) == 0) {
+        if (!(b = from_host(w, t->data, t->n_bytes, err))) return err_prefix(err, "tensor %s: ", name), AE_ERR;
+        *out = (kn_weight){.type = GGML_TYPE_BF16, .rows = rows, .cols = cols, .data = b->ptr,
+                           .row_bytes = (size_t)cols * 2, .buf = b};
+        w->bytes += t->n_bytes;
+        return AE_OK;
+    }
     if (st_floats(w, name, rows, cols, false, &p, &b, err) != AE_OK) return AE_ERR;
     *out = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = p,
                        .row_bytes = (size_t)cols * sizeof(float), .buf = b};
@@ -296,10 +307,10 @@ bool weights_has_int4(const weights_store *w, const char *prefix) {
     return int4_part(w, prefix, "weight_packed") != NULL;
 }
 
-/* f32 to f16 when that is exact (a finite normal f16, or zero). */
+/* f32 to f16 when that is exact (not past f16's range or precision). */
 static bool f16_exact(float f, uint16_t *h) {
     *h = quant_f32_to_f16(f);
-    return quant_f16_to_f32(*h) == f && (f == 0.0f || (*h & 0x7c00u) != 0);
+    return quant_f16_to_f32(*h) == f;
 }
 
 int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int64_t cols, kn_weight *out,

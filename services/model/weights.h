@@ -5,9 +5,11 @@
  *
  * Matrices stay in their file type where kn_matmul has a native kernel
  * (F32, F16, BF16, Q8_0, Q4_0, Q4_1 from GGUF): on a host-memory backend
- * they point into the mapped file. Anything else, and every safetensors
- * tensor (which may be unaligned, and is often BF16), is converted to f32
- * once, into memory the weights own. Vectors (norms, biases) are f32. */
+ * they point into the mapped file, as do safetensors BF16 matrices (the
+ * type real checkpoints ship) where 2-byte aligned. Anything else, and
+ * every other safetensors tensor (which may be unaligned), is converted
+ * to f32 once, into memory the weights own. Vectors (norms, biases) are
+ * f32. */
 #ifndef AERIE_MODEL_WEIGHTS_H
 #define AERIE_MODEL_WEIGHTS_H
 

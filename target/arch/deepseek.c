@@ -292,8 +292,8 @@ static int load_ffn(model *m, model_layer *l, int32_t i, const char *pre, ae_err
     l->ffn = MODEL_FFN_MOE;
     snprintf(n, sizeof n, "%smlp.gate.weight", pre);
     if (weights_matrix(w, n, E, H, &l->router, err)) return AE_ERR;
-    if (l->router.type != GGML_TYPE_F32) /* the router runs in f32 */
-        return err_set(err, "tensor %s: the router must be f32 here", n);
+    if (l->router.type != GGML_TYPE_F32 && l->router.type != GGML_TYPE_BF16) /* its logits are f32 */
+        return err_set(err, "tensor %s: type %s; the router must be f32 or bf16", n, quant_type_name(l->router.type));
     snprintf(n, sizeof n, "%smlp.gate.e_score_correction_bias", pre);
     if (weights_vector(w, n, E, false, &l->router_bias, err)) return AE_ERR;
     if (!(l->experts = calloc(3 * (size_t)E, sizeof *l->experts))) return err_set(err, "out of memory");
