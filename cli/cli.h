@@ -59,6 +59,7 @@ extern const cli_cmd cli_cmd_info;
 extern const cli_cmd cli_cmd_tokenize;
 extern const cli_cmd cli_cmd_detokenize;
 extern const cli_cmd cli_cmd_bench_tokenizer;
+extern const cli_cmd cli_cmd_plan;
 extern const cli_cmd cli_cmd_generate;
 extern const cli_cmd cli_cmd_bench;
 extern const cli_cmd cli_cmd_gen_prompts;

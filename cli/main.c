@@ -28,6 +28,7 @@ static const cli_cmd *const commands[] = {
     &cli_cmd_bench_rpc,
     &cli_cmd_perplexity,
     &cli_cmd_make_model,
+    &cli_cmd_plan,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -23,6 +23,20 @@
 
 struct tp_split; /* tp.h */
 
+/* A model's parameters counted from its config alone, by where tensor
+ * parallelism puts them and how Aerie holds them (aerie plan). Matrices
+ * are in the file's type; "f32" ones Aerie always holds as f32 (norms,
+ * biases, MLA's per-head matrices). */
+typedef struct arch_params {
+    uint64_t whole;      /* matrices every rank holds whole */
+    uint64_t whole_f32;  /* f32 vectors every rank holds: norms, biases */
+    uint64_t embed;      /* the embedding table: every rank */
+    uint64_t output;     /* the output projection: rank 0 (0 when tied) */
+    uint64_t split;      /* divided among the ranks: heads' and FFN features' matrices */
+    uint64_t split_f32;  /* the same, held as f32 */
+    uint64_t experts;    /* routed experts, each divided among the ranks */
+} arch_params;
+
 typedef struct arch {
     const char *name;
     const char *const *hf_types;   /* Hugging Face model_type values it reads; NULL-terminated */
@@ -46,6 +60,11 @@ typedef struct arch {
     size_t (*decode_bytes)(const model *m);
     /* The split of heads and FFN features over n_ranks ranks. */
     int (*tp_split)(struct tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
+    /* Its parameters, from the config alone. */
+    void (*params)(const model_config *c, arch_params *out);
+    /* Whether every rank holds all of the KV (MLA's latent, shared by all
+     * heads) rather than its heads' share. */
+    bool kv_replicated;
 } arch;
 
 extern const arch arch_llama;    /* arch/llama.c: Llama and Qwen2 */

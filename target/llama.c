@@ -61,14 +61,17 @@ size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
 }
 
 size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys) {
-    const model_config *c = &m->cfg;
+    return llama_stream_workspace_cfg(&m->cfg, max_tokens, max_keys);
+}
+
+size_t llama_stream_workspace_cfg(const model_config *c, int32_t max_tokens, int32_t max_keys) {
     /* the widest input a matmul reads */
     int64_t widths[] = {c->ffn, c->hidden, (int64_t)c->n_heads * c->head_dim, c->shared_ffn, c->expert_ffn,
                         c->q_lora_rank, (int64_t)c->n_heads * c->v_head_dim};
     int64_t k = 0;
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) k = widths[i] > k ? widths[i] : k;
     size_t mm = kn_matmul_workspace(max_tokens, k);
-    size_t at = max_keys > 0 ? kn_attention_workspace(m->cfg.n_heads, m->cfg.head_dim, max_keys) : 0;
+    size_t at = max_keys > 0 ? kn_attention_workspace(c->n_heads, c->head_dim, max_keys) : 0;
     return mm > at ? mm : at;
 }
 

@@ -62,6 +62,7 @@ size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits);
 /* Bytes the stream needs for kn_matmul at this batch size and for
  * attention over up to max_keys keys (0: attention goes without). */
 size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys);
+size_t llama_stream_workspace_cfg(const model_config *c, int32_t max_tokens, int32_t max_keys);
 
 /* Launches one forward pass queues on the CUDA backend, at most (a graph's
  * nodes, for the memory plan). Per layer: the 7 matmuls (q, k, v, o,

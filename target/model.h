@@ -21,6 +21,7 @@
 #include "../kernels/kernels.h"
 #include "../services/core/err.h"
 #include "../services/model/embedding.h"
+#include "../services/model/hfconfig.h"
 #include "../services/model/weights.h"
 
 #define MODEL_MAX_LAYERS 256
@@ -110,6 +111,12 @@ typedef struct model {
  * malformed tensor or key. */
 int model_load(model **out, const char *path, const kn_backend *be, ae_error *err);
 void model_free(model *m); /* NULL is a no-op */
+
+/* A Hugging Face config.json (path) alone: its architecture (*a), the
+ * parsed file (hc) and the hyperparameters, checked as model_load checks
+ * them. For planning without weights (aerie plan). */
+struct arch;
+int model_config_read(model_config *c, const struct arch **a, hfcfg *hc, const char *path, ae_error *err);
 
 /* Bytes read from weights by one decode step of one token, as the
  * model's architecture counts them (arch.h decode_bytes). The numerator

@@ -219,11 +219,14 @@ int cfg_load(cfg *c, int argc, char **argv, char *const *envp,
     *n_positional = 0;
     if (print_config) *print_config = false;
 
-    /* The file comes before env and flags, so find --config first. */
+    /* The file comes before env and flags, so find --config first. A
+     * command with an option of that name (aerie plan's model config)
+     * takes --config as that option and has no settings file. */
+    const bool own = find(c, "config") != NULL;
     const char *file = NULL;
-    for (char *const *e = envp; e && *e; e++)
+    for (char *const *e = envp; e && *e && !own; e++)
         if (!strncmp(*e, "AERIE_CONFIG=", 13)) file = *e + 13;
-    for (int i = 0; i < argc; i++) {
+    for (int i = 0; i < argc && !own; i++) {
         if (!strcmp(argv[i], "--")) break;
         if (!strcmp(argv[i], "--config")) {
             if (i + 1 >= argc) return err_set(err, "--config needs a file");
@@ -255,7 +258,7 @@ int cfg_load(cfg *c, int argc, char **argv, char *const *envp,
         name[nl] = '\0';
         if (eq) val = eq + 1;
 
-        if (!strcmp(name, "config")) {
+        if (!strcmp(name, "config") && !own) {
             if (!eq) i++; /* already loaded above */
             continue;
         }

@@ -151,6 +151,7 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
     c->vocab = hc->vocab_size;
     c->context_length = hc->max_position_embeddings;
     c->rms_eps = (float)hc->rms_norm_eps;
+    c->tied_embeddings = hc->tie_word_embeddings; /* the loader then asks the file */
     if (hc->attention_bias) return err_set(err, "%s: attention_bias on a %s model is not supported", path, c->arch);
     c->rope = hfcfg_rope(hc);
     char *buf;
@@ -404,6 +405,24 @@ static int split(struct tp_split *out, const model_config *c, int32_t n_ranks, a
                    n_ranks);
 }
 
+/* Each rank computes the latent itself (q_a and kv_a are whole) and its
+ * heads' share of the rest; the routers are whole, each expert divided. */
+static void params(const model_config *c, arch_params *p) {
+    const uint64_t L = (uint64_t)c->n_layers, H = (uint64_t)c->hidden, nh = (uint64_t)c->n_heads,
+                   R = (uint64_t)c->kv_lora_rank, Q = (uint64_t)c->q_lora_rank, dn = (uint64_t)c->qk_nope_dim,
+                   dr = (uint64_t)c->qk_rope_dim, dv = (uint64_t)c->v_head_dim, E = (uint64_t)c->route.n_experts,
+                   moe = L - (uint64_t)c->n_dense_layers;
+    *p = (arch_params){0};
+    p->whole = L * (Q * H + (R + dr) * H) + moe * E * H;
+    p->whole_f32 = L * (2 * H + Q + R) + H + moe * E;
+    p->split = L * ((Q ? Q : H) * nh * (dn + dr) + nh * dv * H) +
+               3 * H * ((uint64_t)c->n_dense_layers * (uint64_t)c->ffn + moe * (uint64_t)c->shared_ffn);
+    p->split_f32 = L * nh * R * (dn + dv); /* W_UK and W_UV, from kv_b_proj */
+    p->experts = moe * E * 3 * H * (uint64_t)c->expert_ffn;
+    p->embed = (uint64_t)c->vocab * H;
+    p->output = c->tied_embeddings ? 0 : (uint64_t)c->vocab * H;
+}
+
 const arch arch_deepseek = {
     .name = "deepseek",
     .hf_types = hf_types,
@@ -415,4 +434,6 @@ const arch arch_deepseek = {
     .workspace_per_token = workspace_per_token,
     .decode_bytes = decode_bytes,
     .tp_split = split,
+    .params = params,
+    .kv_replicated = true,
 };

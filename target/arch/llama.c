@@ -54,6 +54,7 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
     c->vocab = hc->vocab_size;
     c->context_length = hc->max_position_embeddings;
     c->rms_eps = (float)hc->rms_norm_eps;
+    c->tied_embeddings = hc->tie_word_embeddings; /* the loader then asks the file */
     c->qkv_bias = hc->attention_bias;
     /* Llama's attention_bias also biases o_proj, which the forward pass
      * does not have; Qwen2 biases q/k/v only. Refuse rather than run wrong. */
@@ -161,6 +162,16 @@ static size_t decode_bytes(const model *m) {
            (size_t)c->hidden * sizeof(float);
 }
 
+static void params(const model_config *c, arch_params *p) {
+    const uint64_t L = (uint64_t)c->n_layers, H = (uint64_t)c->hidden, F = (uint64_t)c->ffn,
+                   QD = (uint64_t)c->n_heads * (uint64_t)c->head_dim, KD = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
+    *p = (arch_params){0};
+    p->whole_f32 = L * 2 * H + H + (c->qkv_bias ? L * (QD + 2 * KD) : 0);
+    p->split = L * (2 * H * QD + 2 * H * KD + 3 * H * F);
+    p->embed = (uint64_t)c->vocab * H;
+    p->output = c->tied_embeddings ? 0 : (uint64_t)c->vocab * H;
+}
+
 const arch arch_llama = {
     .name = "llama",
     .hf_types = hf_types,
@@ -172,4 +183,5 @@ const arch arch_llama = {
     .workspace_per_token = workspace_per_token,
     .decode_bytes = decode_bytes,
     .tp_split = tp_split_plan,
+    .params = params,
 };
