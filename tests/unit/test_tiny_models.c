@@ -41,9 +41,9 @@
 #define REL_TOL 4.9e-4
 /* MLA's latent is in f16 and is both the keys and the values, under a
  * softmax scale YaRN sharpens by 1.42: rounding it alone in transformers
- * moves the last logits by 6.0e-4, 5.0e-4 and 2.9e-4 (this file's three
- * prompts; measured 5.8e-4 at worst here). The bound is the Llama golden
- * test's (tests/model/test_llama_golden.c). */
+ * moves the last logits by 4.3e-4, 3.9e-4 and 3.5e-4 (this file's three
+ * prompts; measured 4.3e-4 at worst here), near REL_TOL. The bound is the
+ * Llama golden test's (tests/model/test_llama_golden.c). */
 #define REL_TOL_MLA 2e-3
 
 static cJSON *load_expected(const char *name) {
@@ -244,7 +244,7 @@ static void test_deepseek(void **state) {
     assert_int_equal(c->route.top_k, 2);
     assert_true(c->route.norm && c->route.scale == 2.5f);
     assert_int_equal(c->n_dense_layers, 1);
-    assert_int_equal(c->shared_ffn, 32);
+    assert_int_equal(c->shared_ffn, 64);
     assert_int_equal(m->layers[0].ffn, MODEL_FFN_DENSE);
     assert_int_equal(m->layers[1].ffn, MODEL_FFN_MOE);
     assert_int_equal(m->layers[1].experts[0].type, GGML_TYPE_F32);
