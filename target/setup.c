@@ -210,8 +210,12 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
     else if (hostmem_available(&avail, err) != AE_OK)
         return AE_ERR;
     const model_config *mc = &m->cfg;
+    /* A latent KV (MLA) is whole on every rank: R ranks in this memory
+     * hold R copies of it (ranks on GPUs of their own: setup_tp's plans). */
+    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
+    uint64_t copies = m->arch->kv_replicated && R > 1 ? (uint64_t)R : 1;
     memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
-                        mc->n_kv_heads, mc->head_dim, mc->vocab, m->arch->kv_bytes_per_token(mc),
+                        mc->n_kv_heads, mc->head_dim, mc->vocab, copies * m->arch->kv_bytes_per_token(mc),
                         m->arch->workspace_per_token(mc)};
     /* Fast mode on a GPU: cuBLAS's own workspace. */
     const bool fast = !kn_backend_host_memory(m->be) && cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");

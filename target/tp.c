@@ -22,6 +22,49 @@ static void split_even(tp_range *out, int32_t n, int32_t R) {
     }
 }
 
+/* An FFN width cut into R ranges in granules of TP_FFN_ALIGN; a tail
+ * below one granule (only for float weights: quantized ones have width %
+ * 32 == 0) goes to the last rank. Width 0: empty ranges. */
+static int split_width(tp_range *out, int32_t width, int32_t R, const char *what, ae_error *err) {
+    int32_t granules = width / TP_FFN_ALIGN;
+    if (width == 0) {
+        for (int32_t r = 0; r < R; r++) out[r] = (tp_range){0, 0};
+        return AE_OK;
+    }
+    if (R > 1 && granules < R)
+        return err_set(err, "tensor parallel: %s %d has %d granules of %d, fewer than %d ranks; at most %d ranks",
+                       what, width, granules, TP_FFN_ALIGN, R, granules > 0 ? granules : 1);
+    if (R == 1) {
+        out[0] = (tp_range){0, width};
+        return AE_OK;
+    }
+    split_even(out, granules, R);
+    for (int32_t r = 0; r < R; r++) {
+        out[r].begin *= TP_FFN_ALIGN;
+        out[r].end *= TP_FFN_ALIGN;
+    }
+    out[R - 1].end = width;
+    return AE_OK;
+}
+
+int tp_split_latent(tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err) {
+    memset(out, 0, sizeof *out);
+    if (n_ranks < 1 || n_ranks > TP_MAX_RANKS)
+        return err_set(err, "tensor parallel: ranks must be in 1..%d, got %d", TP_MAX_RANKS, n_ranks);
+    if (n_ranks > c->n_heads)
+        return err_set(err, "tensor parallel: %d ranks but only %d heads; at most %d ranks", n_ranks, c->n_heads,
+                       c->n_heads);
+    out->n_ranks = n_ranks;
+    out->latent = true;
+    split_even(out->heads, c->n_heads, n_ranks);
+    for (int32_t r = 0; r < n_ranks; r++) out->kv_heads[r] = (tp_range){0, c->n_kv_heads};
+    return split_width(out->ffn, c->n_dense_layers > 0 ? c->ffn : 0, n_ranks, "ffn", err) ||
+                   split_width(out->shared, c->shared_ffn, n_ranks, "the shared experts' width", err) ||
+                   split_width(out->expert, c->route.n_experts ? c->expert_ffn : 0, n_ranks, "an expert's width", err)
+               ? AE_ERR
+               : AE_OK;
+}
+
 int tp_split_plan(tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err) {
     memset(out, 0, sizeof *out);
     if (n_ranks < 1 || n_ranks > TP_MAX_RANKS)
@@ -32,28 +75,12 @@ int tp_split_plan(tp_split *out, const model_config *c, int32_t n_ranks, ae_erro
     if (n_ranks > c->n_kv_heads)
         return err_set(err, "tensor parallel: %d ranks but only %d kv heads; at most %d ranks", n_ranks,
                        c->n_kv_heads, c->n_kv_heads);
-    /* ffn in granules of TP_FFN_ALIGN; a tail below one granule (only for
-     * float weights: quantized ones have ffn % 32 == 0) goes to the last
-     * rank. */
-    int32_t granules = c->ffn / TP_FFN_ALIGN;
-    if (n_ranks > 1 && granules < n_ranks)
-        return err_set(err, "tensor parallel: ffn %d has %d granules of %d, fewer than %d ranks; at most %d ranks",
-                       c->ffn, granules, TP_FFN_ALIGN, n_ranks, granules > 0 ? granules : 1);
+    if (split_width(out->ffn, c->ffn, n_ranks, "ffn", err) != AE_OK) return AE_ERR;
     out->n_ranks = n_ranks;
     split_even(out->kv_heads, c->n_kv_heads, n_ranks);
     int32_t group = c->n_heads / c->n_kv_heads;
     for (int32_t r = 0; r < n_ranks; r++)
         out->heads[r] = (tp_range){out->kv_heads[r].begin * group, out->kv_heads[r].end * group};
-    if (n_ranks == 1) {
-        out->ffn[0] = (tp_range){0, c->ffn};
-    } else {
-        split_even(out->ffn, granules, n_ranks);
-        for (int32_t r = 0; r < n_ranks; r++) {
-            out->ffn[r].begin *= TP_FFN_ALIGN;
-            out->ffn[r].end *= TP_FFN_ALIGN;
-        }
-        out->ffn[n_ranks - 1].end = c->ffn;
-    }
     return AE_OK;
 }
 
@@ -104,9 +131,74 @@ static size_t shard_bytes(const model *s) {
 
 void tp_shard_free(model *shard) {
     if (!shard) return;
+    for (int32_t i = 0; shard->layers && i < shard->cfg.n_layers; i++) free(shard->layers[i].experts);
     free(shard->layers);
     free(shard);
 }
+
+/* Rank `rank`'s GQA attention: whole kv-head groups (column-parallel
+ * q/k/v, row-parallel o). */
+static int shard_gqa(model_layer *l, const model_layer *f, const model_config *c, tp_range hd, tp_range kv, int32_t li,
+                     ae_error *err) {
+    const int64_t D = c->head_dim;
+    const int64_t q0 = hd.begin * D, nq = (int64_t)(hd.end - hd.begin) * D;
+    const int64_t k0 = kv.begin * D, nk = (int64_t)(kv.end - kv.begin) * D;
+    AE_ASSERT(f->wq.rows == (int64_t)c->n_heads * D && f->wk.rows == (int64_t)c->n_kv_heads * D &&
+              f->wv.rows == f->wk.rows && f->wo.cols == f->wq.rows);
+    l->wq = rows_view(&f->wq, q0, nq);
+    l->wk = rows_view(&f->wk, k0, nk);
+    l->wv = rows_view(&f->wv, k0, nk);
+    l->bq = f->bq ? f->bq + q0 : NULL;
+    l->bk = f->bk ? f->bk + k0 : NULL;
+    l->bv = f->bv ? f->bv + k0 : NULL;
+    return cols_view(&l->wo, &f->wo, q0, nq, "attn_output", li, err);
+}
+
+/* MLA: the latent's projections whole, the heads' rows of q_b, W_UK and
+ * W_UV, and o_proj's columns of their values. */
+static int shard_mla(model_layer *l, const model_layer *f, const model_config *c, tp_range hd, int32_t li,
+                     ae_error *err) {
+    const int64_t h0 = hd.begin, n = hd.end - hd.begin;
+    l->wq_a = f->wq_a;
+    l->q_a_norm = f->q_a_norm;
+    l->wkv_a = f->wkv_a;
+    l->wk_pe = f->wk_pe;
+    l->kv_a_norm = f->kv_a_norm;
+    l->wq_nope = rows_view(&f->wq_nope, h0 * c->qk_nope_dim, n * c->qk_nope_dim);
+    l->wq_pe = rows_view(&f->wq_pe, h0 * c->qk_rope_dim, n * c->qk_rope_dim);
+    l->w_uk = rows_view(&f->w_uk, h0 * c->kv_lora_rank, n * c->kv_lora_rank);
+    l->w_uv = rows_view(&f->w_uv, h0 * c->v_head_dim, n * c->v_head_dim);
+    return cols_view(&l->wo, &f->wo, h0 * c->v_head_dim, n * c->v_head_dim, "attn_output", li, err);
+}
+
+/* A SwiGLU FFN's features [r.begin, r.end): gate and up rows, down
+ * columns. An empty range leaves them empty. */
+static int shard_swiglu(kn_weight *g, kn_weight *u, kn_weight *d, const kn_weight *fg, const kn_weight *fu,
+                        const kn_weight *fd, tp_range r, const char *name, int32_t li, ae_error *err) {
+    if (r.end <= r.begin) return AE_OK;
+    AE_ASSERT(fg->rows == fu->rows && fd->cols == fg->rows);
+    *g = rows_view(fg, r.begin, r.end - r.begin);
+    *u = rows_view(fu, r.begin, r.end - r.begin);
+    return cols_view(d, fd, r.begin, r.end - r.begin, name, li, err);
+}
+
+/* MoE: the router whole; every expert's and the shared experts' range. */
+static int shard_moe(model_layer *l, const model_layer *f, const model_config *c, const tp_split *sp, int32_t rank,
+                     int32_t li, ae_error *err) {
+    const int32_t E = c->route.n_experts;
+    l->router = f->router;
+    l->router_bias = f->router_bias;
+    if (!(l->experts = calloc(3 * (size_t)E, sizeof *l->experts))) return err_set(err, "out of memory");
+    for (int32_t e = 0; e < E; e++)
+        if (shard_swiglu(&l->experts[e], &l->experts[E + e], &l->experts[2 * E + e], &f->experts[e],
+                         &f->experts[E + e], &f->experts[2 * E + e], sp->expert[rank], "expert down_proj", li,
+                         err) != AE_OK)
+            return AE_ERR;
+    return shard_swiglu(&l->w_gate, &l->w_up, &l->w_down, &f->w_gate, &f->w_up, &f->w_down, sp->shared[rank],
+                        "shared_experts.down_proj", li, err);
+}
+
+static int range_len(tp_range r) { return r.end - r.begin; }
 
 int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t rank, ae_error *err) {
     *out = NULL;
@@ -114,24 +206,37 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
     if (sp->n_ranks < 1 || sp->n_ranks > TP_MAX_RANKS || rank < 0 || rank >= sp->n_ranks)
         return err_set(err, "tensor parallel: rank %d of %d", rank, sp->n_ranks);
     tp_range kv = sp->kv_heads[rank], hd = sp->heads[rank], ff = sp->ffn[rank];
-    int32_t group = c->n_heads / c->n_kv_heads;
-    if (!range_ok(kv, c->n_kv_heads) || !range_ok(ff, c->ffn) || hd.begin != kv.begin * group ||
-        hd.end != kv.end * group)
-        return err_set(err, "tensor parallel: rank %d's split (kv heads [%d, %d), heads [%d, %d), ffn [%d, %d)) "
-                       "does not fit the model (kv heads %d, heads %d, ffn %d)",
-                       rank, kv.begin, kv.end, hd.begin, hd.end, ff.begin, ff.end, c->n_kv_heads, c->n_heads, c->ffn);
+    bool fits;
+    if (sp->latent) {
+        tp_range sh = sp->shared[rank], ex = sp->expert[rank];
+        fits = kv.begin == 0 && kv.end == c->n_kv_heads && range_ok(hd, c->n_heads) && c->kv_lora_rank > 0 &&
+               (c->n_dense_layers > 0 ? range_ok(ff, c->ffn) : range_len(ff) == 0) &&
+               (c->shared_ffn > 0 ? range_ok(sh, c->shared_ffn) : range_len(sh) == 0) &&
+               (c->route.n_experts > 0 ? range_ok(ex, c->expert_ffn) : range_len(ex) == 0);
+    } else {
+        int32_t group = c->n_heads / c->n_kv_heads;
+        fits = range_ok(kv, c->n_kv_heads) && range_ok(ff, c->ffn) && hd.begin == kv.begin * group &&
+               hd.end == kv.end * group && c->kv_lora_rank == 0;
+    }
+    if (!fits)
+        return err_set(err, "tensor parallel: rank %d's split (kv heads [%d, %d), heads [%d, %d), ffn [%d, %d)%s) "
+                       "does not fit the model (kv heads %d, heads %d, ffn %d%s)",
+                       rank, kv.begin, kv.end, hd.begin, hd.end, ff.begin, ff.end, sp->latent ? ", latent" : "",
+                       c->n_kv_heads, c->n_heads, c->ffn, c->kv_lora_rank ? ", MLA" : "");
     model *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "out of memory");
+    s->cfg = *c;
     s->layers = calloc((size_t)c->n_layers, sizeof *s->layers);
     if (!s->layers) {
         free(s);
         return err_set(err, "out of memory");
     }
     /* Shared, unsplit: embeddings, norms, output, RoPE table. */
-    s->cfg = *c;
     s->cfg.n_heads = hd.end - hd.begin;
     s->cfg.n_kv_heads = kv.end - kv.begin;
-    s->cfg.ffn = ff.end - ff.begin;
+    s->cfg.ffn = range_len(ff) ? range_len(ff) : c->ffn; /* a model without dense layers keeps its width */
+    s->cfg.shared_ffn = range_len(sp->shared[rank]);
+    s->cfg.expert_ffn = c->route.n_experts ? range_len(sp->expert[rank]) : c->expert_ffn;
     s->tok_embd = full->tok_embd;
     s->output = full->output;
     s->output_norm = full->output_norm;
@@ -139,36 +244,30 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
     s->arch = full->arch;
     s->be = full->be;
     memcpy(s->path, full->path, sizeof s->path);
-    const int64_t D = c->head_dim;
-    const int64_t q0 = hd.begin * D, nq = (int64_t)(hd.end - hd.begin) * D;
-    const int64_t k0 = kv.begin * D, nk = (int64_t)(kv.end - kv.begin) * D;
     for (int32_t li = 0; li < c->n_layers; li++) {
         const model_layer *f = &full->layers[li];
         model_layer *l = &s->layers[li];
-        if (f->attn != MODEL_ATTN_GQA || f->ffn != MODEL_FFN_DENSE) {
-            tp_shard_free(s);
-            return err_set(err, "tensor parallel: layer %d is not GQA attention and a dense FFN, the blocks this "
-                           "split knows", li);
-        }
         l->attn = f->attn;
         l->ffn = f->ffn;
-        AE_ASSERT(f->wq.rows == (int64_t)c->n_heads * D && f->wk.rows == (int64_t)c->n_kv_heads * D &&
-                  f->wv.rows == f->wk.rows && f->wo.cols == f->wq.rows && f->w_gate.rows == c->ffn &&
-                  f->w_up.rows == c->ffn && f->w_down.cols == c->ffn);
         l->attn_norm = f->attn_norm;
         l->ffn_norm = f->ffn_norm;
-        /* column-parallel: whole kv-head groups, then ffn rows */
-        l->wq = rows_view(&f->wq, q0, nq);
-        l->wk = rows_view(&f->wk, k0, nk);
-        l->wv = rows_view(&f->wv, k0, nk);
-        l->bq = f->bq ? f->bq + q0 : NULL;
-        l->bk = f->bk ? f->bk + k0 : NULL;
-        l->bv = f->bv ? f->bv + k0 : NULL;
-        l->w_gate = rows_view(&f->w_gate, ff.begin, ff.end - ff.begin);
-        l->w_up = rows_view(&f->w_up, ff.begin, ff.end - ff.begin);
-        /* row-parallel: the matching input columns */
-        if (cols_view(&l->wo, &f->wo, q0, nq, "attn_output", li, err) != AE_OK ||
-            cols_view(&l->w_down, &f->w_down, ff.begin, ff.end - ff.begin, "ffn_down", li, err) != AE_OK) {
+        int rc = AE_ERR;
+        switch (f->attn) {
+        case MODEL_ATTN_GQA: rc = sp->latent ? err_set(err, "tensor parallel: layer %d: GQA under a latent split", li)
+                                             : shard_gqa(l, f, c, hd, kv, li, err);
+            break;
+        case MODEL_ATTN_MLA: rc = sp->latent ? shard_mla(l, f, c, hd, li, err)
+                                             : err_set(err, "tensor parallel: layer %d: MLA needs the latent split", li);
+            break;
+        }
+        if (rc == AE_OK) switch (f->ffn) {
+            case MODEL_FFN_DENSE:
+                rc = shard_swiglu(&l->w_gate, &l->w_up, &l->w_down, &f->w_gate, &f->w_up, &f->w_down, ff, "ffn_down",
+                                  li, err);
+                break;
+            case MODEL_FFN_MOE: rc = shard_moe(l, f, c, sp, rank, li, err); break;
+            }
+        if (rc != AE_OK) {
             tp_shard_free(s);
             return AE_ERR;
         }
@@ -397,7 +496,8 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
     const model_config *c = &r->shard->cfg;
     size_t per = (size_t)cfg->kv_blocks * (size_t)cfg->block_size;
     size_t row = (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    size_t layers2 = 2 * (size_t)c->n_layers;
+    const bool latent = c->kv_lora_rank > 0; /* keys only */
+    size_t layers2 = (latent ? 1 : 2) * (size_t)c->n_layers;
     if (per / (size_t)cfg->block_size != (size_t)cfg->kv_blocks || (row && per > SIZE_MAX / row) ||
         per * row > SIZE_MAX / sizeof(uint16_t) / layers2)
         return err_set(err, "tensor parallel: KV of %d blocks x %d tokens overflows", cfg->kv_blocks, cfg->block_size);
@@ -421,7 +521,8 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
         return err_prefix(err, "tensor parallel: rank %d's KV: ", r->rank), AE_ERR;
     uint16_t *k0 = r->kv_mem.ptr;
     for (int32_t l = 0; l < c->n_layers; l++)
-        r->kv[l] = (kn_kv_pool){.k = k0 + (size_t)(2 * l) * n, .v = k0 + (size_t)(2 * l + 1) * n, .buf = &r->kv_mem,
+        r->kv[l] = (kn_kv_pool){.k = k0 + (size_t)(latent ? l : 2 * l) * n,
+                                .v = latent ? NULL : k0 + (size_t)(2 * l + 1) * n, .buf = &r->kv_mem,
                                 .n_blocks = cfg->kv_blocks, .block_size = cfg->block_size,
                                 .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .type = GGML_TYPE_F16};
     return AE_OK;
@@ -477,6 +578,10 @@ uint64_t tp_rank_copy_bytes(const model *sh, int32_t rank) {
 static int rank_copy_weights(tp_rank *r, const model *m, ae_error *err) {
     model *sh = r->shard;
     const int32_t L = sh->cfg.n_layers;
+    for (int32_t l = 0; l < L; l++) /* what a GPU of its own reads: only these blocks' matrices so far */
+        if (sh->layers[l].attn != MODEL_ATTN_GQA || sh->layers[l].ffn != MODEL_FFN_DENSE)
+            return err_set(err, "tensor parallel: rank %d: a rank on a GPU of its own runs GQA and dense layers only",
+                           r->rank);
     r->wbufs = calloc((size_t)L * 7 + 2, sizeof *r->wbufs);
     if (!r->wbufs) return err_set(err, "tensor parallel: out of memory");
     kn_stream *from = NULL;

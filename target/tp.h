@@ -6,8 +6,8 @@
  * kn_allreduce).
  *
  * A shard is a `model` whose cfg holds the rank's local n_heads, n_kv_heads
- * and ffn, and whose kn_weight views point into the full model's data; no
- * weight is copied:
+ * and ffn (MoE: shared_ffn and expert_ffn), and whose kn_weight views point
+ * into the full model's data; no weight is copied:
  *   - column-parallel wq/wk/wv (+ biases), w_gate/w_up: a contiguous range
  *     of output rows. Attention is split by whole kv-head groups: a rank
  *     owns kv heads [a, b) and the q heads that read them, so grouped-query
@@ -15,6 +15,13 @@
  *   - row-parallel wo, w_down: a range of input columns, as a view whose
  *     data starts at the range's first block and whose row_bytes stays the
  *     full row's stride. The range must be whole quant blocks.
+ *   - MLA: the query heads' rows of q_b (nope and rope parts), W_UK and
+ *     W_UV, and o_proj's matching columns; q_a and kv_a (the latent) are
+ *     whole, so every rank writes the same latent into its own cache.
+ *   - MoE: each expert's (and the shared experts') gate and up rows and
+ *     down columns of the rank's range; the router whole, so every rank
+ *     picks the same experts. The shared and routed outputs are summed
+ *     before the FFN's one allreduce.
  *   - tok_embd, norms, output: shared. Every rank holds the full residual
  *     stream; the two allreduce hooks in llama_forward add the partial
  *     o_proj and down outputs, and every rank gets the same bits.
@@ -46,7 +53,12 @@ typedef struct tp_split {
     int32_t n_ranks;
     tp_range kv_heads[TP_MAX_RANKS]; /* kv heads */
     tp_range heads[TP_MAX_RANKS];    /* q heads: kv_heads x (n_heads / n_kv_heads) */
-    tp_range ffn[TP_MAX_RANKS];      /* ffn features */
+    tp_range ffn[TP_MAX_RANKS];      /* ffn features (dense layers) */
+    tp_range shared[TP_MAX_RANKS];   /* the shared experts' features (MoE layers) */
+    tp_range expert[TP_MAX_RANKS];   /* each routed expert's features (MoE layers) */
+    /* MLA: every rank computes and holds the whole latent (kv_heads [0, 1)
+     * on every rank), and the query heads are cut evenly. */
+    bool latent;
 } tp_split;
 
 /* The split for n_ranks ranks: kv heads as even as possible (the first
@@ -55,6 +67,13 @@ typedef struct tp_split {
  * to the last rank). Fails when a rank would get no kv head or no ffn
  * feature. */
 int tp_split_plan(tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
+
+/* The split of an MLA model (DeepSeek-V3): the latent on every rank, the
+ * query heads as even as possible, and each FFN width (dense, shared
+ * experts, every routed expert) cut as tp_split_plan cuts ffn. Expert
+ * parallelism (whole experts a rank, two all-to-alls per MoE layer
+ * instead of the allreduce) is not built. */
+int tp_split_latent(tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
 
 /* Rank `rank`'s shard of `full` under split sp, as views into full's
  * weights (full must outlive it). Fails when a row-parallel column range

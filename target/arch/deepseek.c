@@ -398,12 +398,6 @@ static size_t decode_bytes(const model *m) {
     return b + matrix_bytes(&m->output) + (size_t)c->hidden * sizeof(float);
 }
 
-static int split(struct tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err) {
-    (void)out;
-    if (n_ranks == 1) return tp_split_plan(out, c, 1, err);
-    return err_set(err, "tensor parallelism over MLA and experts is not built yet (%s, --tp %d): use --tp 1", c->arch,
-                   n_ranks);
-}
 
 /* Each rank computes the latent itself (q_a and kv_a are whole) and its
  * heads' share of the rest; the routers are whole, each expert divided. */
@@ -433,7 +427,7 @@ const arch arch_deepseek = {
     .kv_bytes_per_token = kv_token_bytes,
     .workspace_per_token = workspace_per_token,
     .decode_bytes = decode_bytes,
-    .tp_split = split,
+    .tp_split = tp_split_latent,
     .params = params,
     .kv_replicated = true,
 };

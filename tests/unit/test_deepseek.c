@@ -5,6 +5,7 @@
  * Kimi-K2.5 (tests/golden/tiny/deepseek_head) is token-identical to plain
  * greedy decoding. Transformers' own outputs are test_tiny_models'. Run
  * from the repo root. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -200,10 +201,85 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
     model_free(m);
 }
 
+/* Two ranks: each holds the whole latent, 2 of the 4 query heads, and
+ * half of every expert's and the shared expert's width (and of the dense
+ * layer's). Every prompt gives TP 1's greedy tokens, its first logits
+ * within 1e-3 relative L2 of TP 1's; speculation at TP 2 is plain at TP 2
+ * bit for bit; a pass makes 2 allreduces a layer. Three ranks cannot cut
+ * the shared expert (nor an expert) of 64 in granules of 32. */
+static void two_ranks_split_heads_and_experts(void **state) {
+    (void)state;
+    model *m = load_target();
+    eng *one = engine(m), *two = engine(m);
+    ae_error err = {0};
+    if (eng_set_tp(two, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    const model *r1 = eng_tp_shard(two, 1);
+    assert_int_equal(r1->cfg.n_heads, 2);
+    assert_int_equal(r1->cfg.n_kv_heads, 1);
+    assert_int_equal(r1->cfg.expert_ffn, 32);
+    assert_int_equal(r1->cfg.shared_ffn, 32);
+    assert_int_equal(r1->cfg.ffn, 64);
+    assert_true(r1->layers[1].experts[0].data == (const char *)m->layers[1].experts[0].data + 32 * 64 * 4);
+    int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
+    float *a = malloc(sizeof(float) * V), *b = malloc(sizeof(float) * V);
+    assert_non_null(a);
+    assert_non_null(b);
+    double worst = 0;
+    for (int i = 0; i < N_PROMPTS; i++) {
+        int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids), sa, sb;
+        run_plain_greedy(one, ids, n, CHUNK, N_GEN, want);
+        run_plain_greedy(two, ids, n, CHUNK, N_GEN, got);
+        assert_memory_equal(got, want, sizeof got);
+        assert_int_equal(eng_seq_new(one, &sa, &err), AE_OK);
+        assert_int_equal(eng_seq_new(two, &sb, &err), AE_OK);
+        eng_item ia = {sa, ENG_APPEND, n, ids, NULL, false}, ib = {sb, ENG_APPEND, n, ids, NULL, false};
+        assert_int_equal(eng_step(one, &ia, 1, a, NULL, &err), AE_OK);
+        assert_int_equal(eng_step(two, &ib, 1, b, NULL, &err), AE_OK);
+        double num = 0, den = 0;
+        for (int v = 0; v < V; v++) num += ((double)a[v] - b[v]) * ((double)a[v] - b[v]), den += (double)a[v] * a[v];
+        worst = sqrt(num / den) > worst ? sqrt(num / den) : worst;
+        eng_seq_free(one, sa);
+        eng_seq_free(two, sb);
+    }
+    assert_true(worst < 1e-3);
+    eng_comm_stats cs = eng_get_comm_stats(two);
+    assert_int_equal(cs.last.calls, 2 * 3);
+    int32_t truth[MAX_PROMPT + N_GEN];
+    oracle o = {0};
+    spec_drafter od = {&o, oracle_propose, oracle_release};
+    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec *s;
+    if (spec_init(&s, two, &od, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
+    for (int i = 0; i < N_PROMPTS; i++) {
+        int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids);
+        run_plain_greedy(two, ids, n, CHUNK, N_GEN, want);
+        memcpy(truth, ids, sizeof(int32_t) * (size_t)n);
+        memcpy(truth + n, want, sizeof want);
+        o = (oracle){truth, n + N_GEN, 0, 0};
+        run_spec(s, two, ids, n, CHUNK, &greedy, 0, N_GEN, got);
+        assert_memory_equal(got, want, sizeof got);
+    }
+    printf("2 ranks: %d/%d prompts TP 1's greedy tokens, first logits within %.3g rel L2; speculation at 2 ranks "
+           "plain at 2 ranks on %d/%d, %lld accepted; %llu allreduces a pass\n",
+           N_PROMPTS, N_PROMPTS, worst, N_PROMPTS, N_PROMPTS, (long long)spec_total_stats(s)->accepted,
+           (unsigned long long)cs.last.calls);
+    spec_free(s);
+    eng *three = engine(m);
+    assert_int_equal(eng_set_tp(three, 3, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
+    assert_non_null(strstr(err.msg, "the shared experts' width 64 has 2 granules of 32, fewer than 3 ranks; at most 2 ranks"));
+    eng_free(three);
+    free(a);
+    free(b);
+    eng_free(two);
+    eng_free(one);
+    model_free(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(a_tokens_logits_do_not_depend_on_the_batch),
         cmocka_unit_test(speculation_with_a_published_layout_head_is_plain),
+        cmocka_unit_test(two_ranks_split_heads_and_experts),
     };
     return cmocka_run_group_tests_name("deepseek", tests, NULL, NULL);
 }
