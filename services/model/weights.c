@@ -143,6 +143,37 @@ static int gguf_matrix(weights_store *w, const char *name, int64_t rows, int64_t
     return AE_OK;
 }
 
+int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t rows, int64_t cols, kn_weight *out,
+                      ae_error *err) {
+    if (!w->gguf) return err_set(err, "tensor %s: 3-D matrices are read from GGUF files only", name);
+    const gguf_tensor *t = gguf_find_tensor(w->gguf, name);
+    if (!t) return err_set(err, "tensor %s is missing", name);
+    if (t->n_dims != 3 || (int64_t)t->ne[0] != cols || (int64_t)t->ne[1] != rows || (int64_t)t->ne[2] != n)
+        return err_set(err, "tensor %s has shape [%llu, %llu, %llu] in %u dims, expected [%lld, %lld, %lld]", name,
+                       (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (unsigned long long)t->ne[2],
+                       t->n_dims, (long long)cols, (long long)rows, (long long)n);
+    gguf_tensor flat = *t; /* the same bytes as a matrix of n x rows rows */
+    flat.n_dims = 2;
+    flat.ne[1] = (uint64_t)(n * rows);
+    flat.ne[2] = 1;
+    const kn_buf *b;
+    if (kn_matmul_supports(t->type)) {
+        if (!(b = from_host(w, t->data, t->n_bytes, err))) return err_prefix(err, "tensor %s: ", name), AE_ERR;
+        *out = (kn_weight){.type = t->type, .rows = n * rows, .cols = cols, .data = b->ptr,
+                           .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols), .buf = b};
+        w->bytes += t->n_bytes;
+        return AE_OK;
+    }
+    if (!quant_can_dequantize(t->type))
+        return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
+    if (!(b = own_floats(w, t->n_elements, dequantize, t->data, &flat, err)))
+        return err_set(err, "tensor %s: cannot convert", name);
+    *out = (kn_weight){.type = GGML_TYPE_F32, .rows = n * rows, .cols = cols, .data = b->ptr,
+                       .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+    w->bytes += t->n_elements * sizeof(float);
+    return AE_OK;
+}
+
 static int gguf_table(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err) {
     const gguf_tensor *t = gguf_2d(w, name, rows, cols, err);
     if (!t) return AE_ERR;

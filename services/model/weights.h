@@ -56,6 +56,12 @@ bool weights_has(const weights_store *w, const char *name);
 /* The matrix `name` of [rows][cols], for kn_matmul. */
 int weights_matrix(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err);
 
+/* A 3-D tensor [n][rows][cols] (GGUF ne = {cols, rows, n}; safetensors
+ * shape [n, rows, cols]) as one matrix of [n x rows][cols]: llama.cpp's
+ * stacked experts. */
+int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t rows, int64_t cols, kn_weight *out,
+                      ae_error *err);
+
 /* An embedding table of [rows][cols]: kn_embed reads any GGUF type, so a
  * GGUF table stays as the file has it (and, read a row at a time, is not
  * counted in bytes); a safetensors one is converted like a matrix. */

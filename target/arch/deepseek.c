@@ -23,7 +23,7 @@
 #include "../tp.h"
 
 static const char *const hf_types[] = {"deepseek_v3", "kimi_k2", "kimi_k25", NULL};
-static const char *const gguf_archs[] = {NULL};
+static const char *const gguf_archs[] = {"deepseek2", NULL};
 
 /* The low-rank norms' epsilon: DeepSeek-V3's q_a_layernorm and
  * kv_a_layernorm are built with RMSNorm's default, not rms_norm_eps. */
@@ -143,6 +143,17 @@ static int read_keys(model_config *c, const cJSON *root, const char *path, ae_er
     return AE_OK;
 }
 
+/* The softmax scale: the full query's (nope + rope dims), times YaRN's
+ * mscale squared where mscale_all_dim is given (0: none). */
+static float attn_scale(const model_config *c, double mscale_all_dim) {
+    double scale = 1.0 / sqrt((double)(c->qk_nope_dim + c->qk_rope_dim)), f = c->rope.factor;
+    if (c->rope.yarn && mscale_all_dim > 0.0 && f > 1.0) {
+        double ms = 0.1 * mscale_all_dim * log(f) + 1.0;
+        scale *= ms * ms;
+    }
+    return (float)scale;
+}
+
 static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_error *err) {
     c->n_layers = hc->num_hidden_layers;
     c->hidden = hc->hidden_size;
@@ -175,21 +186,100 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
         return err_set(err, "%s: yarn's cos/sin factor %g (from mscale %g, mscale_all_dim %g) is not supported: only 1",
                        path, hc->rope_scaling.attention_factor, hc->rope_scaling.mscale,
                        hc->rope_scaling.mscale_all_dim);
-    /* The softmax scale of the full query (nope + rope dims), times
-     * YaRN's mscale squared where mscale_all_dim is given. */
-    double scale = 1.0 / sqrt((double)(c->qk_nope_dim + c->qk_rope_dim));
-    double f = hc->rope_scaling.factor, all = hc->rope_scaling.mscale_all_dim;
-    if (hc->rope_scaling.kind == HFCFG_ROPE_YARN && all > 0.0 && f > 1.0) {
-        double ms = 0.1 * all * log(f) + 1.0;
-        scale *= ms * ms;
-    }
-    c->attn_scale = (float)scale;
+    c->attn_scale = attn_scale(c, hc->rope_scaling.mscale_all_dim);
     return AE_OK;
 }
 
+/* llama.cpp's deepseek2 keys (its convert_hf_to_gguf.py's). Files from
+ * before MLA's absorbed layout have no key_length_mla: their key and value
+ * lengths are then the full query's and a head's values. */
 static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
-    (void)gf;
-    return err_set(err, "%s: GGUF files of this architecture are not read yet", c->arch);
+    const char *a = c->arch;
+    int32_t key, value;
+    if (arch_gguf_required(gf, a, "block_count", &c->n_layers, err) ||
+        arch_gguf_required(gf, a, "embedding_length", &c->hidden, err) ||
+        arch_gguf_required(gf, a, "feed_forward_length", &c->ffn, err) ||
+        arch_gguf_required(gf, a, "attention.head_count", &c->n_heads, err) ||
+        arch_gguf_required(gf, a, "attention.kv_lora_rank", &c->kv_lora_rank, err) ||
+        arch_gguf_required(gf, a, "rope.dimension_count", &c->qk_rope_dim, err) ||
+        arch_gguf_required(gf, a, "attention.key_length", &key, err) ||
+        arch_gguf_required(gf, a, "attention.value_length", &value, err))
+        return AE_ERR;
+    int64_t key_mla = arch_gguf_int(gf, a, "attention.key_length_mla", 0),
+            value_mla = arch_gguf_int(gf, a, "attention.value_length_mla", 0);
+    c->qk_nope_dim = (int32_t)((key_mla > 0 ? key_mla : key) - c->qk_rope_dim);
+    c->v_head_dim = (int32_t)(value_mla > 0 ? value_mla : value);
+    c->q_lora_rank = (int32_t)arch_gguf_int(gf, a, "attention.q_lora_rank", 0);
+    if (c->qk_nope_dim < 1 || c->v_head_dim < 1 || c->q_lora_rank < 0 || c->qk_rope_dim > KN_MAX_HEAD_DIM)
+        return err_set(err, "%s: key length %d, value length %d, rope dims %d, q_lora_rank %d do not make MLA heads",
+                       a, (int)(key_mla > 0 ? key_mla : key), c->v_head_dim, c->qk_rope_dim, c->q_lora_rank);
+    int64_t ctx = arch_gguf_int(gf, a, "context_length", 4096);
+    if (ctx < 1 || ctx > INT32_MAX) return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
+    c->context_length = (int32_t)ctx;
+    char k[192];
+    float f;
+    bool b;
+    gguf_str str;
+    snprintf(k, sizeof k, "%s.attention.layer_norm_rms_epsilon", a);
+    c->rms_eps = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1e-6f;
+    /* experts */
+    kn_route *r = &c->route;
+    r->n_experts = (int32_t)arch_gguf_int(gf, a, "expert_count", 0);
+    r->top_k = (int32_t)arch_gguf_int(gf, a, "expert_used_count", 0);
+    r->n_group = (int32_t)arch_gguf_int(gf, a, "expert_group_count", 1);
+    r->topk_group = (int32_t)arch_gguf_int(gf, a, "expert_group_used_count", 1);
+    snprintf(k, sizeof k, "%s.expert_weights_scale", a);
+    r->scale = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1.0f;
+    snprintf(k, sizeof k, "%s.expert_weights_norm", a);
+    r->norm = gguf_get_bool(gf, k, &b, NULL) == AE_OK && b;
+    c->expert_ffn = (int32_t)arch_gguf_int(gf, a, "expert_feed_forward_length", 0);
+    c->shared_ffn = (int32_t)arch_gguf_int(gf, a, "expert_shared_count", 0) * c->expert_ffn;
+    c->n_dense_layers = (int32_t)arch_gguf_int(gf, a, "leading_dense_block_count", r->n_experts ? 0 : c->n_layers);
+    /* 2 is sigmoid; DeepSeek-V2's softmax (1, or no key and no bias) is not read */
+    int64_t gating = arch_gguf_int(gf, a, "expert_gating_func", 0);
+    snprintf(k, sizeof k, "blk.%d.exp_probs_b.bias", c->n_dense_layers);
+    if (r->n_experts && (gating == 1 || gating > 2 || (gating == 0 && !gguf_find_tensor(gf, k))))
+        return err_set(err, "%s: expert_gating_func %lld: only sigmoid routing with a correction bias (DeepSeek-V3's) "
+                       "is supported", a, (long long)gating);
+    if (r->n_experts < 0 || r->n_experts > KN_MAX_EXPERTS || (r->n_experts && (r->top_k < 1 || r->top_k > KN_MAX_ACTIVE_EXPERTS ||
+        r->n_group < 1 || r->n_group > KN_MAX_EXPERT_GROUPS || r->n_experts % r->n_group || r->topk_group > r->n_group ||
+        c->expert_ffn < 1 || r->top_k > r->topk_group * (r->n_experts / r->n_group))) ||
+        c->n_dense_layers < 0 || c->n_dense_layers > c->n_layers)
+        return err_set(err, "%s: %d experts (%d used, groups %d/%d, width %d) after %d dense layers do not make a "
+                       "mixture this reader runs", a, r->n_experts, r->top_k, r->topk_group, r->n_group,
+                       c->expert_ffn, c->n_dense_layers);
+    /* rope: interleaved pairs, as the file's rows are */
+    snprintf(k, sizeof k, "%s.rope.freq_base", a);
+    c->rope = (kn_rope_config){KN_ROPE_ADJACENT, c->qk_rope_dim, gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 10000.0,
+                               0, 0, 0, 0, false, 0, 0};
+    double mscale_all = 0.0;
+    snprintf(k, sizeof k, "%s.rope.scaling.type", a);
+    if (gguf_get_str(gf, k, &str, NULL) == AE_OK && gguf_str_eq(str, "yarn")) {
+        c->rope.yarn = true;
+        snprintf(k, sizeof k, "%s.rope.scaling.factor", a);
+        c->rope.factor = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1.0;
+        c->rope.original_max_pos = (double)arch_gguf_int(gf, a, "rope.scaling.original_context_length", ctx);
+        snprintf(k, sizeof k, "%s.rope.scaling.yarn_beta_fast", a);
+        c->rope.beta_fast = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 32.0;
+        snprintf(k, sizeof k, "%s.rope.scaling.yarn_beta_slow", a);
+        c->rope.beta_slow = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1.0;
+        /* llama.cpp writes 0.1 x mscale_all_dim (and takes the cos/sin
+         * factor as 1, mscale = mscale_all_dim) */
+        snprintf(k, sizeof k, "%s.rope.scaling.yarn_log_multiplier", a);
+        if (gguf_get_f32(gf, k, &f, NULL) == AE_OK) mscale_all = (double)f / 0.1;
+    } else if (gguf_get_str(gf, k, &str, NULL) == AE_OK && !gguf_str_eq(str, "none")) {
+        return err_set(err, "key %s: only yarn (or none) is supported", k);
+    }
+    const gguf_tensor *emb = gguf_find_tensor(gf, "token_embd.weight");
+    if (!emb || emb->n_dims != 2 || emb->ne[1] > INT32_MAX) return err_set(err, "tensor token_embd.weight is missing or not 2-D");
+    c->vocab = (int32_t)emb->ne[1];
+    c->n_kv_heads = 1;
+    c->head_dim = c->kv_lora_rank + c->qk_rope_dim;
+    if (c->head_dim % 8 || c->head_dim > KN_MAX_ATTN_DIM)
+        return err_set(err, "%s: kv_lora_rank + rope dims = %d must be a multiple of 8 and at most %d", a, c->head_dim,
+                       KN_MAX_ATTN_DIM);
+    c->attn_scale = attn_scale(c, mscale_all);
+    return AE_OK;
 }
 
 /* ---- tensors ------------------------------------------------------------------ */
@@ -220,6 +310,43 @@ static void fill_kvb(void *ctx, float *dst) {
     free(row);
 }
 
+/* A layer's tensor names in each format: after its prefix
+ * ("model.layers.N." or "blk.N."), matrices without ".weight". */
+enum {
+    T_ATTN_NORM, T_FFN_NORM, T_Q_A, T_Q_A_NORM, T_Q_B, T_Q, T_KV_A, T_KV_A_NORM, T_KV_B, T_K_B, T_V_B, T_O,
+    T_GATE, T_UP, T_DOWN, T_ROUTER, T_BIAS, T_EXPERT_GATE, T_EXPERT_UP, T_EXPERT_DOWN, T_SHARED_GATE, T_SHARED_UP,
+    T_SHARED_DOWN, T_N
+};
+static const char *const hf_names[T_N] = {
+    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_a_proj",
+    "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj", NULL, NULL, "self_attn.o_proj", "mlp.gate_proj",
+    "mlp.up_proj", "mlp.down_proj", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
+    "mlp.experts.%d.gate_proj", "mlp.experts.%d.up_proj", "mlp.experts.%d.down_proj",
+    "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"};
+/* llama.cpp's: W_UK and W_UV apart (attn_k_b, attn_v_b) in current
+ * files, kv_b whole (attn_kv_b) in older ones; the experts stacked. */
+static const char *const gguf_names[T_N] = {
+    "attn_norm.weight", "ffn_norm.weight", "attn_q_a", "attn_q_a_norm.weight", "attn_q_b", "attn_q", "attn_kv_a_mqa",
+    "attn_kv_a_norm.weight", "attn_kv_b", "attn_k_b.weight", "attn_v_b.weight", "attn_output", "ffn_gate", "ffn_up",
+    "ffn_down", "ffn_gate_inp.weight", "exp_probs_b.bias", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+    "ffn_down_exps.weight", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
+
+typedef struct names {
+    const char *const *t;
+    char pre[48];
+} names;
+
+/* The name of t for layer pre, with an expert's index where it has one. */
+static const char *nm(const names *n, int t, int64_t expert, char *buf, size_t cap) {
+    const char *name = n->t[t], *at = strstr(name, "%d");
+    if (at)
+        snprintf(buf, cap, "%s%.*s%lld%s", n->pre, (int)(at - name), name, (long long)expert, at + 2);
+    else
+        snprintf(buf, cap, "%s%s", n->pre, name);
+    return buf;
+}
+
 /* A matrix in the file's type, or compressed-tensors int4 (name is
  * {prefix}.weight or {prefix}.weight_packed). */
 static int any_matrix(weights_store *w, const char *prefix, int64_t rows, int64_t cols, kn_weight *out, ae_error *err) {
@@ -229,27 +356,49 @@ static int any_matrix(weights_store *w, const char *prefix, int64_t rows, int64_
     return weights_matrix(w, name, rows, cols, out, err);
 }
 
-static int load_mla(model *m, model_layer *l, const char *pre, ae_error *err) {
+/* Any matrix as f32 (MLA's per-head ones, which kn_matmul_heads reads). */
+static void fill_rows(void *ctx, float *dst) {
+    const kn_weight *m = ctx;
+    for (int64_t i = 0; i < m->rows; i++) weights_row_f32(m, i, dst + i * m->cols);
+}
+
+static int load_mla(model *m, model_layer *l, const names *nms, ae_error *err) {
     const model_config *c = &m->cfg;
     weights_store *w = m->w;
     const int64_t H = c->hidden, nh = c->n_heads, R = c->kv_lora_rank, dn = c->qk_nope_dim, dr = c->qk_rope_dim,
                   dv = c->v_head_dim, Q = c->q_lora_rank ? c->q_lora_rank : H;
     char n[256];
-#define NAME(s) (snprintf(n, sizeof n, "%sself_attn.%s", pre, s), n)
+#define NAME(t) nm(nms, t, 0, n, sizeof n)
     kn_weight qb, kva, kvb;
     if (c->q_lora_rank) {
-        if (any_matrix(w, NAME("q_a_proj"), Q, H, &l->wq_a, err) ||
-            weights_vector(w, NAME("q_a_layernorm.weight"), Q, false, &l->q_a_norm, err) ||
-            any_matrix(w, NAME("q_b_proj"), nh * (dn + dr), Q, &qb, err))
+        if (any_matrix(w, NAME(T_Q_A), Q, H, &l->wq_a, err) ||
+            weights_vector(w, NAME(T_Q_A_NORM), Q, false, &l->q_a_norm, err) ||
+            any_matrix(w, NAME(T_Q_B), nh * (dn + dr), Q, &qb, err))
             return AE_ERR;
-    } else if (any_matrix(w, NAME("q_proj"), nh * (dn + dr), H, &qb, err)) {
+    } else if (any_matrix(w, NAME(T_Q), nh * (dn + dr), H, &qb, err)) {
         return AE_ERR;
     }
-    if (any_matrix(w, NAME("kv_a_proj_with_mqa"), R + dr, H, &kva, err) ||
-        weights_vector(w, NAME("kv_a_layernorm.weight"), R, false, &l->kv_a_norm, err) ||
-        any_matrix(w, NAME("kv_b_proj"), nh * (dn + dv), R, &kvb, err) ||
-        any_matrix(w, NAME("o_proj"), H, nh * dv, &l->wo, err))
+    if (any_matrix(w, NAME(T_KV_A), R + dr, H, &kva, err) ||
+        weights_vector(w, NAME(T_KV_A_NORM), R, false, &l->kv_a_norm, err) ||
+        any_matrix(w, NAME(T_O), H, nh * dv, &l->wo, err))
         return AE_ERR;
+    /* W_UK transposed and W_UV, head by head: from llama.cpp's split
+     * tensors where the file has them, else cut from kv_b. */
+    if (nms->t[T_K_B] && weights_has(w, NAME(T_K_B))) {
+        kn_weight kb, vb;
+        if (weights_matrix_3d(w, NAME(T_K_B), nh, R, dn, &kb, err) ||
+            weights_matrix_3d(w, NAME(T_V_B), nh, dv, R, &vb, err) ||
+            weights_f32(w, nh * R, dn, fill_rows, &kb, &l->w_uk, err) ||
+            weights_f32(w, nh * dv, R, fill_rows, &vb, &l->w_uv, err))
+            return AE_ERR;
+    } else {
+        if (any_matrix(w, NAME(T_KV_B), nh * (dn + dv), R, &kvb, err)) return AE_ERR;
+        kvb_ctx uk = {&kvb, c->n_heads, c->qk_nope_dim, c->v_head_dim, c->kv_lora_rank, true}, uv = uk;
+        uv.uk = false;
+        if (weights_f32(w, nh * R, dn, fill_kvb, &uk, &l->w_uk, err) ||
+            weights_f32(w, nh * dv, R, fill_kvb, &uv, &l->w_uv, err))
+            return AE_ERR;
+    }
 #undef NAME
     /* q_b's rows head by head: nope then rope; regrouped so that all
      * heads' nope rows, then all heads' rope rows, are one matrix each. */
@@ -269,52 +418,61 @@ static int load_mla(model *m, model_layer *l, const char *pre, ae_error *err) {
     l->wk_pe = kva;
     l->wk_pe.rows = dr;
     l->wk_pe.data = (const char *)kva.data + (size_t)R * kva.row_bytes;
-    kvb_ctx uk = {&kvb, c->n_heads, c->qk_nope_dim, c->v_head_dim, c->kv_lora_rank, true}, uv = uk;
-    uv.uk = false;
-    return weights_f32(w, nh * R, dn, fill_kvb, &uk, &l->w_uk, err) ||
-           weights_f32(w, nh * dv, R, fill_kvb, &uv, &l->w_uv, err);
+    return AE_OK;
 }
 
-static int load_ffn(model *m, model_layer *l, int32_t i, const char *pre, ae_error *err) {
+/* A SwiGLU FFN of width F: gate and up [F][H], down [H][F]. */
+static int load_swiglu(weights_store *w, const names *nms, int first, int64_t H, int64_t F, kn_weight *g, kn_weight *u,
+                       kn_weight *d, ae_error *err) {
+    char n[256];
+    return any_matrix(w, nm(nms, first, 0, n, sizeof n), F, H, g, err) ||
+                   any_matrix(w, nm(nms, first + 1, 0, n, sizeof n), F, H, u, err) ||
+                   any_matrix(w, nm(nms, first + 2, 0, n, sizeof n), H, F, d, err)
+               ? AE_ERR
+               : AE_OK;
+}
+
+static int load_ffn(model *m, model_layer *l, int32_t i, const names *nms, ae_error *err) {
     const model_config *c = &m->cfg;
     weights_store *w = m->w;
-    const int64_t H = c->hidden, E = c->route.n_experts;
+    const int64_t H = c->hidden, E = c->route.n_experts, F = c->expert_ffn;
     char n[256];
     if (i < c->n_dense_layers) {
         l->ffn = MODEL_FFN_DENSE;
-        const char *names[3] = {"gate_proj", "up_proj", "down_proj"};
-        kn_weight *dst[3] = {&l->w_gate, &l->w_up, &l->w_down};
-        for (int j = 0; j < 3; j++) {
-            snprintf(n, sizeof n, "%smlp.%s", pre, names[j]);
-            if (any_matrix(w, n, j == 2 ? H : c->ffn, j == 2 ? c->ffn : H, dst[j], err)) return AE_ERR;
-        }
-        return AE_OK;
+        return load_swiglu(w, nms, T_GATE, H, c->ffn, &l->w_gate, &l->w_up, &l->w_down, err);
     }
     l->ffn = MODEL_FFN_MOE;
-    snprintf(n, sizeof n, "%smlp.gate.weight", pre);
-    if (weights_matrix(w, n, E, H, &l->router, err)) return AE_ERR;
+    if (weights_matrix(w, nm(nms, T_ROUTER, 0, n, sizeof n), E, H, &l->router, err)) return AE_ERR;
     if (l->router.type != GGML_TYPE_F32 && l->router.type != GGML_TYPE_BF16) /* its logits are f32 */
         return err_set(err, "tensor %s: type %s; the router must be f32 or bf16", n, quant_type_name(l->router.type));
-    snprintf(n, sizeof n, "%smlp.gate.e_score_correction_bias", pre);
-    if (weights_vector(w, n, E, false, &l->router_bias, err)) return AE_ERR;
+    if (weights_vector(w, nm(nms, T_BIAS, 0, n, sizeof n), E, false, &l->router_bias, err)) return AE_ERR;
     if (!(l->experts = calloc(3 * (size_t)E, sizeof *l->experts))) return err_set(err, "out of memory");
-    const char *names[3] = {"gate_proj", "up_proj", "down_proj"};
-    for (int64_t e = 0; e < E; e++)
+    if (m->w->gguf) { /* stacked: expert e is rows [e F, (e + 1) F) (down: [e H, (e + 1) H)) */
         for (int j = 0; j < 3; j++) {
-            snprintf(n, sizeof n, "%smlp.experts.%lld.%s", pre, (long long)e, names[j]);
-            if (any_matrix(w, n, j == 2 ? H : c->expert_ffn, j == 2 ? c->expert_ffn : H, &l->experts[j * E + e], err))
+            kn_weight st;
+            int64_t rows = j == 2 ? H : F, cols = j == 2 ? F : H;
+            if (weights_matrix_3d(w, nm(nms, T_EXPERT_GATE + j, 0, n, sizeof n), E, rows, cols, &st, err))
                 return AE_ERR;
-            if (l->experts[j * E + e].type != l->experts[0].type)
-                return err_set(err, "tensor %s: type %s, but expert 0's is %s (one type per layer)", n,
-                               quant_type_name(l->experts[j * E + e].type), quant_type_name(l->experts[0].type));
+            for (int64_t e = 0; e < E; e++) {
+                kn_weight *x = &l->experts[j * E + e];
+                *x = st;
+                x->rows = rows;
+                x->data = (const char *)st.data + (size_t)(e * rows) * st.row_bytes;
+            }
         }
-    if (!c->shared_ffn) return AE_OK;
-    kn_weight *dst[3] = {&l->w_gate, &l->w_up, &l->w_down};
-    for (int j = 0; j < 3; j++) {
-        snprintf(n, sizeof n, "%smlp.shared_experts.%s", pre, names[j]);
-        if (any_matrix(w, n, j == 2 ? H : c->shared_ffn, j == 2 ? c->shared_ffn : H, dst[j], err)) return AE_ERR;
+    } else {
+        for (int64_t e = 0; e < E; e++)
+            for (int j = 0; j < 3; j++) {
+                int64_t rows = j == 2 ? H : F, cols = j == 2 ? F : H;
+                if (any_matrix(w, nm(nms, T_EXPERT_GATE + j, e, n, sizeof n), rows, cols, &l->experts[j * E + e], err))
+                    return AE_ERR;
+                if (l->experts[j * E + e].type != l->experts[0].type)
+                    return err_set(err, "tensor %s: type %s, but expert 0's is %s (one type per layer)", n,
+                                   quant_type_name(l->experts[j * E + e].type), quant_type_name(l->experts[0].type));
+            }
     }
-    return AE_OK;
+    if (!c->shared_ffn) return AE_OK;
+    return load_swiglu(w, nms, T_SHARED_GATE, H, c->shared_ffn, &l->w_gate, &l->w_up, &l->w_down, err);
 }
 
 static int pack_layer(model *m, model_layer *l, ae_error *err) {
@@ -328,24 +486,23 @@ static int pack_layer(model *m, model_layer *l, ae_error *err) {
 
 static int load(model *m, ae_error *err) {
     model_config *c = &m->cfg;
-    if (m->w->gguf) return err_set(err, "GGUF files of this architecture are not read yet");
+    const bool gguf = m->w->gguf != NULL;
     if (!kn_backend_supports(m->be, KN_OP_LATENT, GGML_TYPE_F16))
         return err_set(err, "backend %s has no MLA attention yet (%s needs it): run it with --device cpu",
                        kn_backend_name(m->be), c->arch);
-    if (arch_load_ends(m, "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", err) != AE_OK)
+    if (gguf ? arch_load_ends(m, "token_embd.weight", "output_norm.weight", "output.weight", err)
+             : arch_load_ends(m, "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", err))
         return AE_ERR;
     if (!(m->layers = calloc((size_t)c->n_layers, sizeof *m->layers))) return err_set(err, "out of memory");
     for (int32_t i = 0; i < c->n_layers; i++) {
         model_layer *l = &m->layers[i];
-        char pre[64];
-        snprintf(pre, sizeof pre, "model.layers.%d.", i);
-        char n[128];
+        names nms = {gguf ? gguf_names : hf_names, ""};
+        snprintf(nms.pre, sizeof nms.pre, gguf ? "blk.%d." : "model.layers.%d.", i);
+        char n[256];
         l->attn = MODEL_ATTN_MLA;
-        snprintf(n, sizeof n, "%sinput_layernorm.weight", pre);
-        if (weights_vector(m->w, n, c->hidden, false, &l->attn_norm, err)) return AE_ERR;
-        snprintf(n, sizeof n, "%spost_attention_layernorm.weight", pre);
-        if (weights_vector(m->w, n, c->hidden, false, &l->ffn_norm, err) || load_mla(m, l, pre, err) ||
-            load_ffn(m, l, i, pre, err))
+        if (weights_vector(m->w, nm(&nms, T_ATTN_NORM, 0, n, sizeof n), c->hidden, false, &l->attn_norm, err) ||
+            weights_vector(m->w, nm(&nms, T_FFN_NORM, 0, n, sizeof n), c->hidden, false, &l->ffn_norm, err) ||
+            load_mla(m, l, &nms, err) || load_ffn(m, l, i, &nms, err))
             return AE_ERR;
         if (pack_layer(m, l, err) != AE_OK) return AE_ERR;
     }

@@ -27,17 +27,18 @@ static void llama_reads_llama_and_qwen2_from_both_formats(void **state) {
     assert_ptr_equal(arch_for_hf("deepseek_v3", &err), &arch_deepseek);
     assert_ptr_equal(arch_for_hf("kimi_k2", &err), &arch_deepseek);
     assert_ptr_equal(arch_for_hf("kimi_k25", &err), &arch_deepseek);
+    assert_ptr_equal(arch_for_gguf("deepseek2", &err), &arch_deepseek);
 }
 
 static void an_unknown_architecture_is_refused_with_the_known_ones(void **state) {
     (void)state;
     ae_error e1 = {0}, e2 = {0}, e3 = {0}; /* an error keeps its first message */
-    assert_null(arch_for_gguf("deepseek2", &e1));
-    assert_string_equal(e1.msg, "architecture \"deepseek2\" is not supported (llama, qwen2)");
+    assert_null(arch_for_gguf("grok", &e1));
+    assert_string_equal(e1.msg, "architecture \"grok\" is not supported (llama, qwen2, deepseek2)");
     assert_null(arch_for_hf("mixtral", &e2));
     assert_string_equal(e2.msg, "model_type \"mixtral\" is not supported (llama, qwen2, deepseek_v3, kimi_k2, kimi_k25)");
     assert_null(arch_for_gguf("", &e3));
-    assert_string_equal(e3.msg, "architecture \"\" is not supported (llama, qwen2)");
+    assert_string_equal(e3.msg, "architecture \"\" is not supported (llama, qwen2, deepseek2)");
 }
 
 static void the_default_model_states_its_kv_split_and_blocks(void **state) {

@@ -129,7 +129,7 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
 }
 
 /* Runs every prompt of one model; fails if any disagreed, after printing all. */
-static void check_model(const char *name, const model *m, double tol) {
+static void check_model_as(const char *name, const char *label, const model *m, double tol) {
     cJSON *root = load_expected(name);
     const cJSON *prompts = cJSON_GetObjectItemCaseSensitive(root, "prompts");
     assert_true(cJSON_IsArray(prompts));
@@ -151,7 +151,7 @@ static void check_model(const char *name, const model *m, double tol) {
         if (r.tokens_equal != N_GEN || !(r.rel_l2 < tol)) {
             ok = false;
             fprintf(stderr, "%s prompt %d (%d tokens): %d/%d greedy tokens equal, last logits rel L2 %.3g\n",
-                    name, n_prompts, n, r.tokens_equal, N_GEN, r.rel_l2);
+                    label, n_prompts, n, r.tokens_equal, N_GEN, r.rel_l2);
         }
         if (r.rel_l2 > worst || isnan(r.rel_l2)) worst = r.rel_l2;
         tokens += r.tokens_equal;
@@ -159,12 +159,14 @@ static void check_model(const char *name, const model *m, double tol) {
         n_prompts++;
     }
     assert_int_equal(n_prompts, 3);
-    printf("%s: %d prompts, %d/%d greedy tokens equal, worst last-logits rel L2 %.3g\n", name, n_prompts,
+    printf("%s: %d prompts, %d/%d greedy tokens equal, worst last-logits rel L2 %.3g\n", label, n_prompts,
            tokens, total, worst);
     free(ref);
     cJSON_Delete(root);
     assert_true(ok);
 }
+
+static void check_model(const char *name, const model *m, double tol) { check_model_as(name, name, m, tol); }
 
 static model *load(const char *name) {
     char dir[256];
@@ -267,6 +269,30 @@ static void test_deepseek_int4(void **state) {
     model_free(m);
 }
 
+/* The same model as llama.cpp's converter writes it (tools/
+ * gen_deepseek_gguf.py): deepseek2 keys, W_UK and W_UV apart, the experts
+ * stacked; and as older converters wrote it, kv_b whole. Both against
+ * transformers' outputs of the same weights. */
+static void test_deepseek_gguf(void **state) {
+    (void)state;
+    const char *files[2] = {"deepseek.gguf", "deepseek-kvb.gguf"};
+    for (int i = 0; i < 2; i++) {
+        model *m = load(files[i]);
+        const model_config *c = &m->cfg;
+        assert_string_equal(c->arch, "deepseek2");
+        assert_int_equal(c->qk_nope_dim, 16);
+        assert_int_equal(c->v_head_dim, 16);
+        assert_int_equal(c->head_dim, 48);
+        assert_int_equal(c->route.n_experts, 8);
+        assert_int_equal(c->route.n_group, 4);
+        assert_true(c->route.norm && c->route.scale == 2.5f);
+        assert_true(c->rope.yarn && c->rope.factor == 4.0 && c->rope.original_max_pos == 64.0);
+        assert_int_equal(m->layers[2].ffn, MODEL_FFN_MOE);
+        check_model_as("deepseek", files[i], m, REL_TOL_MLA);
+        model_free(m);
+    }
+}
+
 /* Qwen2 always has q/k/v biases: a config that says otherwise is refused
  * by the config parser before any tensor is read. */
 static void test_qwen2_without_bias_is_refused(void **state) {
@@ -316,6 +342,7 @@ int main(void) {
         cmocka_unit_test(test_qwen2_without_bias_is_refused),
         cmocka_unit_test(test_deepseek),
         cmocka_unit_test(test_deepseek_int4),
+        cmocka_unit_test(test_deepseek_gguf),
     };
     return cmocka_run_group_tests_name("tiny_models", tests, NULL, NULL);
 }
