@@ -179,6 +179,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     memplan plan;
     if (cli_plan(c, m, true, &plan, err) != AE_OK) goto out;
     memplan_log(&plan);
+    setup_log_weights(c, m);
     if ((int64_t)n_prompt + max_new > plan.max_seq_len) {
         err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds max-seq-len %d", n_prompt, max_new,
                 plan.max_seq_len);

@@ -105,6 +105,7 @@ int main(int argc, char **argv) {
     }
     cfg_log(c, "aerie-target");
     memplan_log(&plan);
+    setup_log_weights(c, m);
     int32_t threads = (int32_t)cfg_int(c, "threads");
     if (setup_engine(&e, c, m, &plan, threads, act_bits, &err) != AE_OK) goto out;
     /* The end-of-sequence token comes from the model's tokenizer. */

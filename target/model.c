@@ -94,6 +94,28 @@ int model_load(model **out, const char *path, const kn_backend *be, ae_error *er
 
 size_t model_decode_bytes(const model *m) { return m->arch->decode_bytes(m); }
 
+static void count(uint64_t *bytes, const kn_weight *w) {
+    if (w->data && w->rows > 0) bytes[w->type] += (uint64_t)w->rows * quant_row_bytes(w->type, (uint64_t)w->cols);
+}
+
+void model_bytes_by_type(const model *m, uint64_t *bytes, uint64_t *experts) {
+    memset(bytes, 0, GGML_TYPE_COUNT_MAX * sizeof *bytes);
+    *experts = 0;
+    count(bytes, &m->tok_embd);
+    if (m->output.data != m->tok_embd.data) count(bytes, &m->output);
+    for (int32_t i = 0; i < m->cfg.n_layers; i++) {
+        const model_layer *l = &m->layers[i];
+        const kn_weight *w[] = {&l->wq,    &l->wk,    &l->wv,      &l->wo,    &l->w_gate, &l->w_up,
+                                &l->w_down, &l->wq_a, &l->wq_nope, &l->wq_pe, &l->wkv_a,  &l->wk_pe,
+                                &l->w_uk,  &l->w_uv,  &l->router};
+        for (size_t j = 0; j < sizeof w / sizeof w[0]; j++) count(bytes, w[j]);
+        for (int32_t e = 0; l->experts && e < 3 * m->cfg.route.n_experts; e++) {
+            count(bytes, &l->experts[e]);
+            *experts += (uint64_t)l->experts[e].rows * quant_row_bytes(l->experts[e].type, (uint64_t)l->experts[e].cols);
+        }
+    }
+}
+
 embedding_view model_embedding(const model *m) {
     return (embedding_view){m->cfg.hidden, m->cfg.vocab, m->cfg.n_layers, &m->tok_embd};
 }

@@ -123,6 +123,11 @@ int model_config_read(model_config *c, const struct arch **a, hfcfg *hc, const c
  * of the bandwidth roofline. */
 size_t model_decode_bytes(const model *m);
 
+/* Bytes of the model's matrices by type (bytes[t] for ggml_type t,
+ * [GGML_TYPE_COUNT_MAX]), the embedding table and an untied output
+ * included, each matrix once; *experts: the routed experts' of them. */
+void model_bytes_by_type(const model *m, uint64_t *bytes, uint64_t *experts);
+
 /* What an EAGLE-3 head reads of the model (services/model/embedding.h). */
 embedding_view model_embedding(const model *m);
 

@@ -198,6 +198,24 @@ int setup_tp(cfg *c, eng *e, const model *m, const kn_device *dev, ae_error *err
     return AE_OK;
 }
 
+void setup_log_weights(const cfg *c, const model *m) {
+    uint64_t bytes[GGML_TYPE_COUNT_MAX], experts;
+    model_bytes_by_type(m, bytes, &experts);
+    char line[512] = "";
+    size_t n = 0;
+    for (int t = 0; t < GGML_TYPE_COUNT_MAX && n < sizeof line; t++)
+        if (bytes[t])
+            n += (size_t)snprintf(line + n, sizeof line - n, "%s%s %.2f MiB", n ? ", " : "", quant_type_name((ggml_type)t),
+                                  (double)bytes[t] / 1048576.0);
+    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
+    if (experts)
+        LOG_INFOF("weights by type: %s (matrices; norms and biases f32); routed experts %.2f MiB, %.2f MiB a rank at "
+                  "tp %d (each expert divided)",
+                  line, (double)experts / 1048576.0, (double)experts / 1048576.0 / R, R);
+    else
+        LOG_INFOF("weights by type: %s (matrices; norms and biases f32)", line);
+}
+
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
     extra_work += setup_tp_work(c, m); /* logged by setup_engine */

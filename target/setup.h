@@ -44,6 +44,10 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
  * engine's step inputs, and extra_work (a speculation's state, an
  * in-process head's). Records auto values in c (max-seq-len auto: the
  * model's context length). */
+/* Logs the model's weights by type, and its routed experts' bytes a rank
+ * holds at c's tp. */
+void setup_log_weights(const cfg *c, const model *m);
+
 int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err);
 
 /* An engine sized by the plan, prefill chunks of SETUP_PREFILL_CHUNK, at

@@ -265,6 +265,12 @@ static void test_deepseek_int4(void **state) {
     for (int i = 1; i < 3; i++)
         for (int j = 0; j < 3 * 8; j++) assert_int_equal(m->layers[i].experts[j].type, GGML_TYPE_Q4_0);
     assert_int_equal(m->layers[1].w_gate.type, GGML_TYPE_F32); /* the shared expert stays as it was */
+    /* by type: the experts' Q4_0, 2 layers x 8 experts x 3 matrices x 64
+     * rows x 2 blocks of 18 B, and nothing else in Q4_0 */
+    uint64_t bytes[GGML_TYPE_COUNT_MAX], experts;
+    model_bytes_by_type(m, bytes, &experts);
+    assert_int_equal(bytes[GGML_TYPE_Q4_0], 2 * 8 * 3 * 64 * 2 * 18);
+    assert_int_equal(experts, bytes[GGML_TYPE_Q4_0]);
     check_model("deepseek_int4", m, REL_TOL_MLA);
     model_free(m);
 }
