@@ -12,7 +12,6 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "../services/core/file.h"
 #include "../services/core/json.h"
 #include "../target/arch.h"
 #include "../target/engine.h"
@@ -62,12 +61,8 @@ static int read_held(const char *path, const hfcfg *hc, held *h, ae_error *err) 
     snprintf(h->float_name, sizeof h->float_name, "%s", bf16 ? "bf16" : "f32");
     h->expert_bytes = h->float_bytes;
     snprintf(h->expert_name, sizeof h->expert_name, "%s", h->float_name);
-    char *buf;
-    size_t size;
-    if (file_read_all(path, HFCFG_MAX_FILE, &buf, &size, NULL, err) != AE_OK) return AE_ERR;
-    cJSON *root = json_parse(buf, size, err);
-    free(buf);
-    if (!root) return err_prefix(err, "%s: ", path), AE_ERR;
+    cJSON *root = json_read_file(path, HFCFG_MAX_FILE, err);
+    if (!root) return AE_ERR;
     const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text_config");
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(cJSON_IsObject(text) ? text : root, "quantization_config");
     const cJSON *groups = cJSON_GetObjectItemCaseSensitive(q, "config_groups"), *g;

@@ -247,24 +247,23 @@ def safetensors_bytes(tensors):
     return struct.pack("<Q", len(text)) + text + b"".join(blobs)
 
 
-def write_default_head(dest):
-    s = SMOLLM2
+def write_head(dest, s, seed):
+    """A random head of shape s: its draft vocabulary from seed, its weights from seed + 1."""
     dest.mkdir(parents=True, exist_ok=True)
-    ids = draft_vocab(np.random.default_rng(SMOLLM2_HEAD_SEED), s["vocab_size"], s["draft_vocab_size"])
-    tensors = make_head(s, SMOLLM2_HEAD_SEED + 1, ids)
+    ids = draft_vocab(np.random.default_rng(seed), s["vocab_size"], s["draft_vocab_size"])
+    tensors = make_head(s, seed + 1, ids)
     (dest / "config.json").write_text(json.dumps(head_config(s), indent=2) + "\n")
     (dest / "model.safetensors").write_bytes(safetensors_bytes(tensors))
+
+
+def write_default_head(dest):
+    write_head(dest, SMOLLM2, SMOLLM2_HEAD_SEED)
 
 
 # ---- mode 1 -------------------------------------------------------------
 
 def write_deepseek_head(dest):
-    s = TINY_DEEPSEEK
-    dest.mkdir(parents=True, exist_ok=True)
-    ids = draft_vocab(np.random.default_rng(DEEPSEEK_HEAD_SEED), s["vocab_size"], s["draft_vocab_size"])
-    tensors = make_head(s, DEEPSEEK_HEAD_SEED + 1, ids)
-    (dest / "config.json").write_text(json.dumps(head_config(s), indent=2) + "\n")
-    (dest / "model.safetensors").write_bytes(safetensors_bytes(tensors))
+    write_head(dest, TINY_DEEPSEEK, DEEPSEEK_HEAD_SEED)
 
 
 def f9(x):

@@ -1,6 +1,9 @@
 #include "json.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+#include "file.h"
 
 static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
@@ -46,4 +49,14 @@ bool json_int(const cJSON *v, int64_t lo, int64_t hi, int64_t *out) {
     if ((double)i != d) return false;
     *out = i;
     return true;
+}
+
+cJSON *json_read_file(const char *path, size_t max_bytes, ae_error *err) {
+    char *buf;
+    size_t size;
+    if (file_read_all(path, max_bytes, &buf, &size, NULL, err) != AE_OK) return NULL;
+    cJSON *root = json_parse(buf, size, err);
+    free(buf);
+    if (!root) err_prefix(err, "%s: ", path);
+    return root;
 }

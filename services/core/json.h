@@ -26,6 +26,10 @@
  * Free the result with cJSON_Delete. */
 cJSON *json_parse(const char *text, size_t len, ae_error *err);
 
+/* The JSON file at path (at most max_bytes), parsed as json_parse does;
+ * errors are prefixed with the path. */
+cJSON *json_read_file(const char *path, size_t max_bytes, ae_error *err);
+
 /* True when v is a number with an integral value in [lo, hi] (bounds
  * within +-2^53, where doubles are exact). */
 bool json_int(const cJSON *v, int64_t lo, int64_t hi, int64_t *out);

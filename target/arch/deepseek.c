@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../services/core/file.h"
 #include "../../services/core/json.h"
 #include "../../services/kv/kv_cache.h"
 #include "../arch.h"
@@ -165,12 +164,8 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
     c->tied_embeddings = hc->tie_word_embeddings; /* the loader then asks the file */
     if (hc->attention_bias) return err_set(err, "%s: attention_bias on a %s model is not supported", path, c->arch);
     c->rope = hfcfg_rope(hc);
-    char *buf;
-    size_t size;
-    if (file_read_all(path, HFCFG_MAX_FILE, &buf, &size, NULL, err) != AE_OK) return AE_ERR;
-    cJSON *root = json_parse(buf, size, err);
-    free(buf);
-    if (!root) return err_prefix(err, "%s: ", path), AE_ERR;
+    cJSON *root = json_read_file(path, HFCFG_MAX_FILE, err);
+    if (!root) return AE_ERR;
     int rc = read_keys(c, root, path, err);
     cJSON_Delete(root);
     if (rc != AE_OK) return AE_ERR;
