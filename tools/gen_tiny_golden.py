@@ -19,6 +19,10 @@ Writes, for each model NAME in {qwen2, llama3}, tests/golden/tiny/NAME/:
                  digits), so a failure can be told from a near tie
     last_logits  all logits at the last prompt position (those that predict
                  generated[0]), 9 significant digits (round-trips float32)
+    hidden       (deepseek, deepseek_int4) {"1", "2", "3"}: the residual
+                 stream entering those layers at the last prompt position
+                 (3: the final norm's input), 9 digits: what an EAGLE-3
+                 head naming capture layers [1, 2, 3] reads
 generation_config.json is deleted: the loader ignores it.
 
 The models are tiny random ones (hidden 32, 2 layers, vocabulary 256: about
@@ -72,6 +76,7 @@ MODELS = ("qwen2", "llama3", "deepseek", "deepseek_int4")
 DS_ORIG_MAX_POS = 64  # YaRN's original context: the longest prompt goes past it
 DS_GROUP = 32         # compressed-tensors int4 group size (Kimi-K2.5's)
 MIN_ROUTE_MARGIN = 1e-3
+DS_CAPTURE = (1, 2, 3)  # the layers tests/golden/tiny/deepseek_head's config names
 DS_SEED = int(os.environ.get("DS_SEED", "26"))  # a seed whose routers have no near tie
 
 
@@ -180,6 +185,29 @@ def route_margins(model, ids):
     return min(gaps)
 
 
+def capture_inputs(model, ids):
+    """What an EAGLE-3 head captures at layers DS_CAPTURE for the last
+    prompt token: the residual stream entering layer i, the final norm's
+    input for i = num_hidden_layers; by forward-pre-hooks, 9 digits."""
+    import torch
+    got = {}
+    layers = model.model.layers
+
+    def keep(i):
+        def hook(mod, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            got[str(i)] = [f9(v) for v in x[0, -1].float().tolist()]
+        return hook
+
+    hs = [(layers[i] if i < len(layers) else model.model.norm).register_forward_pre_hook(keep(i), with_kwargs=True)
+          for i in DS_CAPTURE]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hs:
+        h.remove()
+    return got
+
+
 def build(name):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -284,11 +312,13 @@ def run(model, ids):
             margins.append(float(top.values[0] - top.values[1]))
             seq.append(gen[step])
     assert min(margins) > MIN_MARGIN, margins
+    out = {"ids": ids, "generated": gen, "margins": [f6(m) for m in margins],
+           "last_logits": [f9(v) for v in last.tolist()]}
     if hasattr(model.config, "n_routed_experts"):
         m = route_margins(model, seq)
         assert m > MIN_ROUTE_MARGIN, m
-    return {"ids": ids, "generated": gen, "margins": [f6(m) for m in margins],
-            "last_logits": [f9(v) for v in last.tolist()]}
+        out["hidden"] = capture_inputs(model, ids)
+    return out
 
 
 def write_deepseek(name, dest):

@@ -9,8 +9,9 @@
  * chunks of at most 32 tokens (the longest is 80, beyond the llama3 model's
  * original_max_position_embeddings of 64), then decoded greedily one token
  * at a time: the 16 tokens must equal the reference and the last prompt
- * logits must be within the bound below (relative L2) of it. Run from the
- * repo root. */
+ * logits must be within the bound below (relative L2) of it; for the
+ * DeepSeek-V3 models so must the EAGLE-3 features captured at layers 1, 2
+ * and 3. Run from the repo root. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -76,11 +77,27 @@ static int32_t argmax(const float *x, int32_t n) {
 typedef struct result {
     int32_t tokens_equal;  /* leading generated tokens equal to the reference */
     double rel_l2;         /* last prompt logits vs the reference */
+    double hidden_l2;      /* the captured features vs the reference's, worst layer (0 without) */
 } result;
+
+static double rel_l2(const float *a, const float *ref, int32_t n) {
+    double num = 0, den = 0;
+    for (int32_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return sqrt(num / den);
+}
+
+/* EAGLE-3's capture layers of the DeepSeek references (expected.json
+ * "hidden": the inputs of these layers at the last prompt token). */
+#define N_CAPTURE 3
+static const int32_t capture_layers[N_CAPTURE] = {1, 2, 3};
 
 /* One prompt through a fresh engine: chunked prefill, then greedy decode. */
 static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const int32_t *want,
-                         const float *ref_logits) {
+                         const float *ref_logits, const float *ref_hidden) {
     eng_config cfg = {.max_batch_tokens = CHUNK, .max_seqs = 1, .max_seq_len = 128, .kv_tokens = 128,
                       .block_size = 16, .threads = 2};
     int32_t V = m->cfg.vocab;
@@ -91,20 +108,22 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
     if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
     float *lg = malloc(sizeof(float) * (size_t)V);
     assert_non_null(lg);
+    const int32_t H = m->cfg.hidden;
+    float *feat = malloc(sizeof(float) * N_CAPTURE * (size_t)H);
+    assert_non_null(feat);
     for (int32_t at = 0; at < n; at += CHUNK) {
-        int32_t k = n - at < CHUNK ? n - at : CHUNK;
+        int32_t k = n - at < CHUNK ? n - at : CHUNK, last = k - 1;
+        llama_capture cap = {N_CAPTURE, {capture_layers[0], capture_layers[1], capture_layers[2]}, 1, &last, feat};
         eng_item it = {s, ENG_APPEND, k, prompt + at, NULL, false};
-        if (eng_step(e, &it, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (eng_step(e, &it, 1, lg, at + k == n && ref_hidden ? &cap : NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     }
     assert_int_equal(eng_seq_len(e, s), n);
-    result r = {0, 0.0};
-    double num = 0, den = 0;
-    for (int32_t v = 0; v < V; v++) {
-        double d = (double)lg[v] - ref_logits[v];
-        num += d * d;
-        den += (double)ref_logits[v] * ref_logits[v];
+    result r = {0, rel_l2(lg, ref_logits, V), 0.0};
+    for (int j = 0; ref_hidden && j < N_CAPTURE; j++) {
+        double h = rel_l2(feat + (size_t)j * (size_t)H, ref_hidden + (size_t)j * (size_t)H, H);
+        r.hidden_l2 = h > r.hidden_l2 ? h : r.hidden_l2;
     }
-    r.rel_l2 = sqrt(num / den);
+    free(feat);
     int32_t got[N_GEN];
     bool diverged = false;
     for (int32_t g = 0; g < N_GEN; g++) {
@@ -136,8 +155,11 @@ static void check_model_as(const char *name, const char *label, const model *m, 
     int32_t V = m->cfg.vocab, n_prompts = 0, tokens = 0, total = 0;
     double worst = 0;
     bool ok = true;
-    float *ref = malloc(sizeof(float) * (size_t)V);
+    float *ref = malloc(sizeof(float) * (size_t)V), *hid = malloc(sizeof(float) * N_CAPTURE * (size_t)m->cfg.hidden);
     assert_non_null(ref);
+    assert_non_null(hid);
+    double worst_hidden = 0;
+    int32_t n_hidden = 0;
     const cJSON *p;
     cJSON_ArrayForEach(p, prompts) {
         int32_t ids[MAX_PROMPT], want[N_GEN];
@@ -147,7 +169,24 @@ static void check_model_as(const char *name, const char *label, const model *m, 
         assert_int_equal(cJSON_GetArraySize(ll), V);
         int32_t i = 0;
         cJSON_ArrayForEach(v, ll) ref[i++] = (float)v->valuedouble;
-        result r = run_prompt(m, ids, n, want, ref);
+        const cJSON *hj = cJSON_GetObjectItemCaseSensitive(p, "hidden");
+        for (int j = 0; hj && j < N_CAPTURE; j++) {
+            char key[8];
+            snprintf(key, sizeof key, "%d", capture_layers[j]);
+            const cJSON *layer = cJSON_GetObjectItemCaseSensitive(hj, key);
+            assert_int_equal(cJSON_GetArraySize(layer), m->cfg.hidden);
+            i = 0;
+            cJSON_ArrayForEach(v, layer) hid[(size_t)j * (size_t)m->cfg.hidden + (size_t)i++] = (float)v->valuedouble;
+        }
+        result r = run_prompt(m, ids, n, want, ref, hj ? hid : NULL);
+        if (hj) {
+            n_hidden++;
+            if (!(r.hidden_l2 < tol)) {
+                ok = false;
+                fprintf(stderr, "%s prompt %d: captured features rel L2 %.3g\n", label, n_prompts, r.hidden_l2);
+            }
+            worst_hidden = r.hidden_l2 > worst_hidden ? r.hidden_l2 : worst_hidden;
+        }
         if (r.tokens_equal != N_GEN || !(r.rel_l2 < tol)) {
             ok = false;
             fprintf(stderr, "%s prompt %d (%d tokens): %d/%d greedy tokens equal, last logits rel L2 %.3g\n",
@@ -159,9 +198,12 @@ static void check_model_as(const char *name, const char *label, const model *m, 
         n_prompts++;
     }
     assert_int_equal(n_prompts, 3);
-    printf("%s: %d prompts, %d/%d greedy tokens equal, worst last-logits rel L2 %.3g\n", label, n_prompts,
-           tokens, total, worst);
+    printf("%s: %d prompts, %d/%d greedy tokens equal, worst last-logits rel L2 %.3g", label, n_prompts, tokens,
+           total, worst);
+    if (n_hidden) printf("; features captured at layers 1, 2, 3 within %.3g rel L2", worst_hidden);
+    printf("\n");
     free(ref);
+    free(hid);
     cJSON_Delete(root);
     assert_true(ok);
 }
