@@ -5,7 +5,14 @@ head_dim that differs from hidden / heads, an untied lm_head, and a Hugging
 Face checkpoint (config.json + model.safetensors) written by `transformers`
 itself rather than by our own writer.
 
-Writes, for each model NAME in {qwen2, llama3}, tests/golden/tiny/NAME/:
+It also writes DeepSeek-V3's layout (deepseek: MLA, experts, YaRN; and
+deepseek_int4: the same with compressed-tensors int4 experts, packed by
+compressed-tensors' own packer, so `pip install compressed-tensors` too);
+build_deepseek says what they hold, and the seed is one whose routers
+have no near tie (MIN_ROUTE_MARGIN) in either.
+
+Writes, for each model NAME in {qwen2, llama3, deepseek, deepseek_int4},
+tests/golden/tiny/NAME/:
   config.json        as transformers' save_pretrained wrote it
   model.safetensors  as save_pretrained(safe_serialization=True) wrote it,
                      every tensor float32
