@@ -83,7 +83,7 @@ static int read_held(const char *path, const hfcfg *hc, held *h, ae_error *err) 
 }
 
 typedef struct dry {
-    model_config mc;
+    model_config mc, r0; /* the model's, and rank 0's shard's */
     const arch *a;
     held h;
     int32_t n_gpus, tp, verify_tokens;
@@ -112,36 +112,36 @@ static int compute(cfg *c, dry *d, ae_error *err) {
     d->verify_tokens = (int32_t)cfg_int(c, "verify-tokens");
     if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", d->mc.context_length);
 
-    /* Weights on the first GPU: what every rank holds whole, the output
-     * projection (rank 0's alone), and its share of the divided ones. */
+    /* Rank 0's shard: its heads and widths (the first of an uneven cut,
+     * so the largest share), which its buffers and its KV are sized by. */
     const model_config *mc = &d->mc;
+    tp_split sp;
+    if (d->a->tp_split(&sp, mc, d->tp, err) != AE_OK) return err_prefix(err, "--tp %d: ", d->tp), AE_ERR;
+    tp_shard_config(&d->r0, mc, &sp, 0);
+    /* Weights on the first GPU: what every rank holds whole, the output
+     * projection (rank 0's alone), and rank 0's part of the divided ones. */
+    arch_params p0;
     d->a->params(mc, &d->p);
-    const double fb = d->h.float_bytes, R = d->tp;
+    d->a->params(&d->r0, &p0);
+    const double fb = d->h.float_bytes;
     d->w_whole = (double)d->p.whole * fb + (double)d->p.whole_f32 * 4.0;
     d->w_embed = (double)d->p.embed * fb;
     d->w_output = (double)d->p.output * fb;
-    d->w_split = ((double)d->p.split * fb + (double)d->p.split_f32 * 4.0) / R;
-    d->w_experts = (double)d->p.experts * d->h.expert_bytes / R;
+    d->w_split = (double)p0.split * fb + (double)p0.split_f32 * 4.0;
+    d->w_experts = (double)p0.experts * d->h.expert_bytes;
     d->w_rank0 = d->w_whole + d->w_embed + d->w_output + d->w_split + d->w_experts;
-    d->w_model = d->w_whole + d->w_embed + d->w_output + d->w_split * R + d->w_experts * R;
-
-    /* KV per token on one rank: the latent whole, or the rank's kv heads. */
-    d->kv_per_token = d->a->kv_bytes_per_token(mc);
-    if (!d->a->kv_replicated && d->tp > 1) {
-        tp_split sp;
-        if (d->a->tp_split(&sp, mc, d->tp, err) != AE_OK) return AE_ERR;
-        model_config r0 = *mc;
-        r0.n_kv_heads = sp.kv_heads[0].end - sp.kv_heads[0].begin;
-        d->kv_per_token = d->a->kv_bytes_per_token(&r0);
-    }
+    d->w_model = d->w_whole + d->w_embed + d->w_output + (double)d->p.split * fb + (double)d->p.split_f32 * 4.0 +
+                 (double)d->p.experts * d->h.expert_bytes;
+    /* KV per token on rank 0: the latent whole, or its kv heads' share. */
+    d->kv_per_token = d->a->kv_bytes_per_token(&d->r0);
 
     const bool fast = cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
     const int32_t T = SETUP_PREFILL_CHUNK;
-    uint64_t fixed = llama_stream_workspace_cfg(mc, T, (int32_t)cfg_int(c, "max-seq-len")) + eng_input_bytes(T) +
+    uint64_t fixed = llama_stream_workspace_cfg(&d->r0, T, (int32_t)cfg_int(c, "max-seq-len")) + eng_input_bytes(T) +
                      (fast ? KN_FAST_WORKSPACE_BYTES : 0);
     if (d->tp > 1) fixed += 2ull * (uint64_t)T * (uint64_t)mc->hidden * sizeof(float); /* the custom kind's slots */
     memplan_model mm = {(uint64_t)ceil(d->w_rank0), mc->n_layers, mc->hidden, mc->ffn, mc->n_heads, mc->n_kv_heads,
-                        mc->head_dim, mc->vocab, d->kv_per_token, d->a->workspace_per_token(mc)};
+                        mc->head_dim, mc->vocab, d->kv_per_token, d->a->workspace_per_token(&d->r0)};
     memplan_env env = {d->gpu_bytes, SETUP_KV_BLOCK, T, fixed, "GPU 0", d->gpu_bytes,
                        LLAMA_GRAPH_NODES(mc->n_layers, fast), KN_GRAPH_NODE_BYTES};
     return memplan_compute(c, &mm, &env, &d->plan, err);
@@ -181,6 +181,8 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_AddNumberToObject(o, "mem_fraction", pl->mem_fraction);
         cJSON_AddNumberToObject(o, "budget", (double)pl->budget);
         cJSON_AddNumberToObject(o, "workspace", (double)pl->workspace_bytes);
+        cJSON_AddNumberToObject(o, "workspace_per_token", (double)pl->workspace_per_token);
+        cJSON_AddNumberToObject(o, "step_tokens", pl->step_tokens);
         cJSON_AddNumberToObject(o, "block_tables", (double)pl->block_table_bytes);
         cJSON_AddNumberToObject(o, "graphs", (double)pl->graph_bytes);
         cJSON_AddNumberToObject(o, "kv_tokens", (double)pl->kv_tokens);
@@ -203,33 +205,36 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     printf("\n\nweights, the whole model (%s; %s held as f32 by Aerie: norms, biases%s):\n", d.h.float_name,
            "vectors", mc->kv_lora_rank ? ", MLA's per-head W_UK and W_UV" : "");
     printf("  routed experts  %16" PRIu64 " params x %.4g B = %8.2f GB  (%s)\n", p->experts, d.h.expert_bytes,
-           GB(d.w_experts * d.tp), d.h.expert_name);
+           GB((double)p->experts * d.h.expert_bytes), d.h.expert_name);
     printf("  divided         %16" PRIu64 " params x %.4g B + %" PRIu64 " f32 = %8.2f GB\n", p->split, d.h.float_bytes,
-           p->split_f32, GB(d.w_split * d.tp));
+           p->split_f32, GB((double)p->split * d.h.float_bytes + (double)p->split_f32 * 4.0));
     printf("  whole           %16" PRIu64 " params x %.4g B + %" PRIu64 " f32 = %8.2f GB\n", p->whole,
            d.h.float_bytes, p->whole_f32, GB(d.w_whole));
     printf("  embedding       %16" PRIu64 " params x %.4g B = %8.2f GB\n", p->embed, d.h.float_bytes, GB(d.w_embed));
     printf("  output          %16" PRIu64 " params x %.4g B = %8.2f GB\n", p->output, d.h.float_bytes, GB(d.w_output));
     printf("  total                                              %8.2f GB\n", GB(d.w_model));
-    printf("\nweights on GPU 0 (rank 0) = whole %.2f GB + embedding %.2f GB + output %.2f GB (rank 0 alone) + divided "
-           "%.2f GB / %d + experts %.2f GB / %d = %.2f GB (%.2f GiB)\n",
-           GB(d.w_whole), GB(d.w_embed), GB(d.w_output), GB(d.w_split * d.tp), d.tp, GB(d.w_experts * d.tp), d.tp,
-           GB(d.w_rank0), GIB(d.w_rank0));
+    printf("\nweights on GPU 0 (rank 0: %d of %d heads, %d of each expert's %d features) = whole %.2f GB + embedding "
+           "%.2f GB + output %.2f GB (rank 0 alone) + its divided %.2f GB + its experts %.2f GB = %.2f GB (%.2f GiB)\n",
+           d.r0.n_heads, mc->n_heads, mc->route.n_experts ? d.r0.expert_ffn : d.r0.ffn,
+           mc->route.n_experts ? mc->expert_ffn : mc->ffn, GB(d.w_whole), GB(d.w_embed), GB(d.w_output), GB(d.w_split),
+           GB(d.w_experts), GB(d.w_rank0), GIB(d.w_rank0));
     if (mc->kv_lora_rank)
         printf("KV per token on every rank = (%d + %d) x %d layers x 2 B = %" PRIu64
                " B: the latent is shared by all heads, so each rank holds all of it (not divided by %d)\n",
                mc->kv_lora_rank, mc->qk_rope_dim, mc->n_layers, d.kv_per_token, d.tp);
     else
         printf("KV per token on rank 0 = %" PRIu64 " B (its kv heads' share)\n", d.kv_per_token);
-    printf("\nthe plan of GPU 0 (target/memplan.h; free at start taken as the whole GPU):\n");
+    printf("\nthe plan of GPU 0 (target/memplan.h; free at start taken as the whole GPU; its workspace is rank 0's "
+           "shard's, and its graphs an estimate from the launches of a GQA layer):\n");
     for (const char *line = pl->text; *line;) {
         const char *end = strchr(line, '\n');
         int len = end ? (int)(end - line) : (int)strlen(line);
         printf("  %.*s\n", len, line);
         line += len + (end ? 1 : 0);
     }
-    printf("tokens that fit: %" PRId64 " KV tokens = %" PRId64 " sequences of max-seq-len %d (max-batch %d)\n",
-           pl->kv_tokens, pl->kv_tokens / pl->max_seq_len, pl->max_seq_len, pl->max_batch);
+    int64_t whole = pl->kv_tokens / pl->max_seq_len;
+    printf("tokens that fit: %" PRId64 " KV tokens = %" PRId64 " whole sequence%s of max-seq-len %d (max-batch %d)\n",
+           pl->kv_tokens, whole, whole == 1 ? "" : "s", pl->max_seq_len, pl->max_batch);
     printf("\nallreduces per verify pass: %d per layer x %d layers = %d (attention's output; the FFN's, where the "
            "shared and the routed experts' outputs are summed before one), each %d tokens x %d x 4 B = %.0f KiB: "
            "%.1f MiB a pass%s\n",

@@ -404,7 +404,7 @@ void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, cons
 void kn_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
                      int64_t y_head, int64_t m) {
     check_weight(s, w);
-    AE_ASSERT(s->be->supports(KN_OP_LATENT, w->type) && s->be->matmul_heads);
+    AE_ASSERT(w->type == GGML_TYPE_F32 && s->be->supports(KN_OP_LATENT, w->type) && s->be->matmul_heads);
     AE_ASSERT(n_heads > 0 && w->rows % n_heads == 0 && m >= 0);
     AE_ASSERT(x_head >= w->cols && y_head >= w->rows / n_heads);
     size_t xs = (size_t)m * (size_t)n_heads * (size_t)x_head, ys = (size_t)m * (size_t)n_heads * (size_t)y_head;
@@ -440,18 +440,23 @@ void kn_moe_ffn(kn_stream *s, const kn_experts *e, const float *x, const int32_t
     AE_ASSERT(e->n_experts >= 1 && e->n_experts <= KN_MAX_EXPERTS && s->be->moe_ffn);
     AE_ASSERT(top_k >= 1 && top_k <= KN_MAX_ACTIVE_EXPERTS && top_k <= e->n_experts && m >= 0);
     const kn_weight *g0 = &e->gate[0];
-    AE_ASSERT(s->be->supports(KN_OP_MOE, g0->type));
-    for (int32_t i = 0; i < e->n_experts; i++) {
+    for (int32_t i = 0; i < e->n_experts; i++) { /* one shape; each matrix its own type */
         const kn_weight *g = &e->gate[i], *u = &e->up[i], *d = &e->down[i];
         check_weight(s, g);
         check_weight(s, u);
         check_weight(s, d);
-        AE_ASSERT(g->type == g0->type && u->type == g0->type && d->type == g0->type);
+        AE_ASSERT(s->be->supports(KN_OP_MOE, g->type) && s->be->supports(KN_OP_MOE, u->type) &&
+                  s->be->supports(KN_OP_MOE, d->type));
         AE_ASSERT(g->rows == g0->rows && g->cols == g0->cols && u->rows == g->rows && u->cols == g->cols &&
                   d->rows == g->cols && d->cols == g->rows);
     }
-    if (s->be->host_memory)
-        for (int64_t i = 0; i < m * top_k; i++) AE_ASSERT(idx[i] >= 0 && idx[i] < e->n_experts);
+    /* each token's experts distinct: an expert runs a token once */
+    for (int64_t t = 0; t < m && s->be->host_memory; t++)
+        for (int32_t j = 0; j < top_k; j++) {
+            int32_t ex = idx[t * top_k + j];
+            AE_ASSERT(ex >= 0 && ex < e->n_experts);
+            for (int32_t q = 0; q < j; q++) AE_ASSERT(idx[t * top_k + q] != ex);
+        }
     size_t xs = (size_t)m * (size_t)g0->cols;
     AE_ASSERT(y + xs <= x || x + xs <= y);
     if (m) s->be->moe_ffn(s, e, x, idx, w, m, top_k, scratch, y);

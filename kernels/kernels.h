@@ -394,7 +394,8 @@ void kn_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t 
                   float *w);
 
 /* A layer's routed experts: gate[e] and up[e] [ffn][hidden], down[e]
- * [hidden][ffn], every expert of one shape and type (KN_OP_MOE). */
+ * [hidden][ffn], every expert of one shape, each matrix of a type
+ * KN_OP_MOE takes. */
 typedef struct kn_experts {
     int32_t n_experts;
     const kn_weight *gate, *up, *down; /* [n_experts] each */
@@ -404,7 +405,8 @@ typedef struct kn_experts {
 size_t kn_moe_scratch(int64_t m, int64_t hidden, int64_t ffn);
 
 /* y[m][hidden] = for each token t, the sum over j < top_k of
- * w[t][j] * down_e(swiglu(gate_e x[t], up_e x[t])), e = idx[t][j], the
+ * w[t][j] * down_e(swiglu(gate_e x[t], up_e x[t])), e = idx[t][j]
+ * (distinct for each token, as kn_moe_route picks them), the
  * terms added in increasing expert order whatever order idx has, from 0.
  * A token's experts see its row alone (kn_matmul is batch invariant), so
  * its sum does not depend on the batch. scratch holds

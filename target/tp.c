@@ -200,6 +200,16 @@ static int shard_moe(model_layer *l, const model_layer *f, const model_config *c
 
 static int range_len(tp_range r) { return r.end - r.begin; }
 
+void tp_shard_config(model_config *out, const model_config *c, const tp_split *sp, int32_t rank) {
+    AE_ASSERT(rank >= 0 && rank < sp->n_ranks);
+    *out = *c;
+    out->n_heads = range_len(sp->heads[rank]);
+    out->n_kv_heads = range_len(sp->kv_heads[rank]);
+    out->ffn = range_len(sp->ffn[rank]) ? range_len(sp->ffn[rank]) : c->ffn; /* no dense layers: kept */
+    out->shared_ffn = range_len(sp->shared[rank]);
+    out->expert_ffn = c->route.n_experts ? range_len(sp->expert[rank]) : c->expert_ffn;
+}
+
 int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t rank, ae_error *err) {
     *out = NULL;
     const model_config *c = &full->cfg;
@@ -232,11 +242,7 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
         return err_set(err, "out of memory");
     }
     /* Shared, unsplit: embeddings, norms, output, RoPE table. */
-    s->cfg.n_heads = hd.end - hd.begin;
-    s->cfg.n_kv_heads = kv.end - kv.begin;
-    s->cfg.ffn = range_len(ff) ? range_len(ff) : c->ffn; /* a model without dense layers keeps its width */
-    s->cfg.shared_ffn = range_len(sp->shared[rank]);
-    s->cfg.expert_ffn = c->route.n_experts ? range_len(sp->expert[rank]) : c->expert_ffn;
+    tp_shard_config(&s->cfg, c, sp, rank);
     s->tok_embd = full->tok_embd;
     s->output = full->output;
     s->output_norm = full->output_norm;

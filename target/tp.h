@@ -80,6 +80,10 @@ int tp_split_latent(tp_split *out, const model_config *c, int32_t n_ranks, ae_er
  * is not whole quant blocks of its weight type. Free with tp_shard_free,
  * never model_free. */
 int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t rank, ae_error *err);
+/* The hyperparameters of rank `rank`'s shard (its heads, kv heads and FFN
+ * widths), from the model's config alone: what the rank's buffers are
+ * sized by (aerie plan). */
+void tp_shard_config(model_config *out, const model_config *c, const tp_split *sp, int32_t rank);
 void tp_shard_free(model *shard); /* NULL is a no-op */
 
 typedef struct tp_config {

@@ -9,13 +9,16 @@ Writes tests/golden/tiny/:
                      directory: W_UK and W_UV apart (attn_k_b, attn_v_b),
                      the experts stacked (ffn_*_exps), key_length_mla and
                      value_length_mla, YaRN's keys
-  deepseek-kvb.gguf  the same rewritten as older converters wrote MLA:
+  deepseek-q8_0.gguf the converter's --outtype q8_0: the matrices Q8_0 (the
+                     stacked experts too), the norms and biases f32
+  deepseek-kvb.gguf  the f32 file rewritten as older converters wrote MLA:
                      kv_b_proj whole (attn_kv_b), no *_mla keys, and
                      attention.key_length / value_length the query's
                      (nope + rope) and a head's value length. Rewritten here
                      with llama.cpp's gguf-py.
-The test compares both with transformers' reference outputs of the same
-weights (tests/golden/tiny/deepseek/expected.json).
+The test compares the f32 ones with transformers' reference outputs of
+the same weights (tests/golden/tiny/deepseek/expected.json), and the Q8_0
+one with the f32 one.
 
 The converter comes from llama-cpp-python's source release on PyPI (it
 vendors llama.cpp, its convert_hf_to_gguf.py and gguf-py): pass its
@@ -68,12 +71,13 @@ def byte_tokenizer(dest):
     (dest / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
-def convert(llama, src, out):
-    sys.path[:0] = [str(llama), str(llama / "gguf-py")]
+def convert(llama, src, out, outtype):
+    if str(llama) not in sys.path:
+        sys.path[:0] = [str(llama), str(llama / "gguf-py")]
     import conversion.base as base
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
     argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", "f32", "--outfile", str(out)]
+    sys.argv = ["convert_hf_to_gguf.py", str(src), "--outtype", outtype, "--outfile", str(out)]
     try:
         runpy.run_path(str(llama / "convert_hf_to_gguf.py"), run_name="__main__")
     finally:
@@ -131,8 +135,9 @@ def main():
         shutil.copytree(TINY / "deepseek", hf)
         (hf / "expected.json").unlink()
         byte_tokenizer(hf)
-        fresh = {"deepseek.gguf": tmp / "deepseek.gguf", "deepseek-kvb.gguf": tmp / "deepseek-kvb.gguf"}
-        convert(llama, hf, fresh["deepseek.gguf"])
+        fresh = {n: tmp / n for n in ("deepseek.gguf", "deepseek-q8_0.gguf", "deepseek-kvb.gguf")}
+        convert(llama, hf, fresh["deepseek.gguf"], "f32")
+        convert(llama, hf, fresh["deepseek-q8_0.gguf"], "q8_0")
         legacy(fresh["deepseek.gguf"], fresh["deepseek-kvb.gguf"], TINY / "deepseek")
         stale = []
         for name, f in fresh.items():

@@ -152,6 +152,9 @@ int cfg_load_env(cfg *c, char *const *envp, ae_error *err) {
     if (!envp) return AE_OK;
     for (size_t i = 0; i < c->n; i++) {
         char want[160];
+        /* AERIE_CONFIG always names a settings file, even where a command
+         * has an option named config (aerie plan's model config). */
+        if (!strcmp(c->v[i].opt->name, "config")) continue;
         env_name(c->v[i].opt->name, want, sizeof want);
         size_t wl = strlen(want);
         for (char *const *e = envp; *e; e++) {

@@ -58,7 +58,8 @@ int cfg_set(cfg *c, const char *name, const char *text, cfg_source src, ae_error
 /* Applies every source in order. Flags are `--name value`, `--name=value`,
  * or `--name` alone for a bool (also `--no-name`). `--config FILE` (or
  * AERIE_CONFIG) names the file, except where c has an option named
- * "config", which then takes it as any other option. Arguments that are not options are
+ * "config": that option then takes --config (and AERIE_CONFIG is
+ * ignored: it names a settings file). Arguments that are not options are
  * returned in order through positional (which must hold argc entries);
  * "--" ends option parsing. `--print-config` is reported through
  * *print_config rather than treated as an error. */

@@ -76,7 +76,8 @@ int kv_init(kv_cache **out, const kn_backend *be, const kv_params *p, ae_error *
  * of them, replicated), each shard in pools of its own
  * (kv_shard_layer) for one rank. Block tables, and so every slot and
  * move, are shared: kv_seq_fork and kv_commit_path move the rows of every
- * shard. The bytes are kv_bytes(p), however the heads are cut. Shard s's
+ * shard. The bytes are kv_bytes(p), however the heads are cut (a latent
+ * cache's: n_shards copies of its pools). Shard s's
  * pools are made on shard_be[s] (NULL: every shard on be; the block
  * tables and moves are be's, whose ops must reach every shard's memory:
  * backend.h reads). */

@@ -261,13 +261,21 @@ int weights_vector(weights_store *w, const char *name, int64_t n, bool optional,
     return w->gguf ? gguf_vector(w, name, n, optional, out, err) : st_floats(w, name, 0, n, optional, out, NULL, err);
 }
 
+/* Whether m's bytes are memory the weights wrote themselves (a
+ * conversion, a copy of picked rows), not the mapped file. A weight's buf
+ * is the first member of the weights_buf that holds it. */
+static bool owned(const kn_weight *m) {
+    return m->buf && ((const weights_buf *)(const void *)m->buf)->host != NULL;
+}
+
 /* Once a matrix is packed, the forward pass reads its file bytes only for
  * rows past the last whole group of 16 (none in the default model). The
  * pages packing touched are dropped from this process (they stay in the
  * page cache, clean and reclaimable, and fault back in if read). Only
- * whole pages inside the matrix's bytes are dropped. */
+ * whole pages inside the matrix's bytes, and only of the mapped file:
+ * dropping pages of memory the weights wrote would zero them. */
 static void drop_file_pages(const weights_store *w, const kn_weight *m) {
-    if (!w->gguf) return; /* safetensors weights were converted, not mapped here */
+    if (!w->gguf || owned(m)) return;
     long page = sysconf(_SC_PAGESIZE);
     if (page <= 0) return;
     uintptr_t a = (uintptr_t)m->data, b = a + (size_t)m->rows * m->row_bytes;
@@ -277,7 +285,11 @@ static void drop_file_pages(const weights_store *w, const kn_weight *m) {
 
 int weights_pack(weights_store *w, kn_weight *m, ae_error *err) {
     size_t bytes = kn_weight_packed_bytes(m);
-    if (bytes == 0 || !kn_backend_host_memory(w->be)) return AE_OK;
+    /* A quantized matrix the weights wrote (int4 made Q4_0, rows picked
+     * from another) stays unpacked: its bytes cannot be dropped as a
+     * file's can, so packing would hold it twice. The kernels read it as
+     * it is, with the same bits. */
+    if (bytes == 0 || !kn_backend_host_memory(w->be) || owned(m)) return AE_OK;
     void *host = own_begin(bytes, err);
     if (!host) return AE_ERR;
     kn_weight_pack(m, host);

@@ -56,9 +56,9 @@ bool weights_has(const weights_store *w, const char *name);
 /* The matrix `name` of [rows][cols], for kn_matmul. */
 int weights_matrix(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err);
 
-/* A 3-D tensor [n][rows][cols] (GGUF ne = {cols, rows, n}; safetensors
- * shape [n, rows, cols]) as one matrix of [n x rows][cols]: llama.cpp's
- * stacked experts. */
+/* A GGUF 3-D tensor [n][rows][cols] (ne = {cols, rows, n}) as one matrix
+ * of [n x rows][cols]: llama.cpp's stacked experts. In the file's type
+ * where kn_matmul has a kernel, else converted to f32. */
 int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t rows, int64_t cols, kn_weight *out,
                       ae_error *err);
 
@@ -73,9 +73,10 @@ int weights_vector(weights_store *w, const char *name, int64_t n, bool optional,
 /* Gives a quantized matrix the CPU kernels' SIMD layout (kn_weight_pack)
  * in a buffer the weights own, and drops the file pages that packing
  * read: the resident weights are then the packed copy (the same size),
- * not twice it. A matrix with no packed layout, or on a backend whose
- * memory is not the host's (the layout is the CPU kernels'), is left as
- * it is. */
+ * not twice it. A matrix with no packed layout, on a backend whose
+ * memory is not the host's (the layout is the CPU kernels'), or whose
+ * bytes the weights wrote themselves (weights_int4_matrix,
+ * weights_pick_rows: those cannot be dropped) is left as it is. */
 int weights_pack(weights_store *w, kn_weight *m, ae_error *err);
 
 /* A matrix of f32 the caller computes from other tensors (MLA's per-head

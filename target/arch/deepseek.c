@@ -188,26 +188,38 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
 /* llama.cpp's deepseek2 keys (its convert_hf_to_gguf.py's). Files from
  * before MLA's absorbed layout have no key_length_mla: their key and value
  * lengths are then the full query's and a head's values. */
+/* GGUF's {a}.{suffix} in lo..hi, or def when absent. */
+static int gguf_in(const gguf_file *gf, const char *a, const char *suffix, int64_t lo, int64_t hi, int64_t def,
+                   int32_t *out, ae_error *err) {
+    int64_t v = arch_gguf_int(gf, a, suffix, def);
+    if (v < lo || v > hi)
+        return err_set(err, "key %s.%s: %lld is outside %lld..%lld", a, suffix, (long long)v, (long long)lo,
+                       (long long)hi);
+    *out = (int32_t)v;
+    return AE_OK;
+}
+
 static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
     const char *a = c->arch;
-    int32_t key, value;
+    const int64_t BIG = 1 << 20;
+    int32_t key = 0, value = 0, key_mla = 0, value_mla = 0, shared = 0;
     if (arch_gguf_required(gf, a, "block_count", &c->n_layers, err) ||
         arch_gguf_required(gf, a, "embedding_length", &c->hidden, err) ||
         arch_gguf_required(gf, a, "feed_forward_length", &c->ffn, err) ||
         arch_gguf_required(gf, a, "attention.head_count", &c->n_heads, err) ||
-        arch_gguf_required(gf, a, "attention.kv_lora_rank", &c->kv_lora_rank, err) ||
-        arch_gguf_required(gf, a, "rope.dimension_count", &c->qk_rope_dim, err) ||
-        arch_gguf_required(gf, a, "attention.key_length", &key, err) ||
-        arch_gguf_required(gf, a, "attention.value_length", &value, err))
+        gguf_in(gf, a, "attention.kv_lora_rank", 1, KN_MAX_ATTN_DIM, -1, &c->kv_lora_rank, err) ||
+        gguf_in(gf, a, "rope.dimension_count", 2, KN_MAX_HEAD_DIM, -1, &c->qk_rope_dim, err) ||
+        gguf_in(gf, a, "attention.key_length", 1, BIG, -1, &key, err) ||
+        gguf_in(gf, a, "attention.value_length", 1, BIG, -1, &value, err) ||
+        gguf_in(gf, a, "attention.key_length_mla", 0, BIG, 0, &key_mla, err) ||
+        gguf_in(gf, a, "attention.value_length_mla", 0, BIG, 0, &value_mla, err) ||
+        gguf_in(gf, a, "attention.q_lora_rank", 0, BIG, 0, &c->q_lora_rank, err))
         return AE_ERR;
-    int64_t key_mla = arch_gguf_int(gf, a, "attention.key_length_mla", 0),
-            value_mla = arch_gguf_int(gf, a, "attention.value_length_mla", 0);
-    c->qk_nope_dim = (int32_t)((key_mla > 0 ? key_mla : key) - c->qk_rope_dim);
-    c->v_head_dim = (int32_t)(value_mla > 0 ? value_mla : value);
-    c->q_lora_rank = (int32_t)arch_gguf_int(gf, a, "attention.q_lora_rank", 0);
-    if (c->qk_nope_dim < 1 || c->v_head_dim < 1 || c->q_lora_rank < 0 || c->qk_rope_dim > KN_MAX_HEAD_DIM)
-        return err_set(err, "%s: key length %d, value length %d, rope dims %d, q_lora_rank %d do not make MLA heads",
-                       a, (int)(key_mla > 0 ? key_mla : key), c->v_head_dim, c->qk_rope_dim, c->q_lora_rank);
+    c->qk_nope_dim = (key_mla > 0 ? key_mla : key) - c->qk_rope_dim;
+    c->v_head_dim = value_mla > 0 ? value_mla : value;
+    if (c->qk_nope_dim < 1)
+        return err_set(err, "%s: key length %d leaves no nope dims beside %d rope dims", a, key_mla > 0 ? key_mla : key,
+                       c->qk_rope_dim);
     int64_t ctx = arch_gguf_int(gf, a, "context_length", 4096);
     if (ctx < 1 || ctx > INT32_MAX) return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
     c->context_length = (int32_t)ctx;
@@ -219,27 +231,29 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
     c->rms_eps = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1e-6f;
     /* experts */
     kn_route *r = &c->route;
-    r->n_experts = (int32_t)arch_gguf_int(gf, a, "expert_count", 0);
-    r->top_k = (int32_t)arch_gguf_int(gf, a, "expert_used_count", 0);
-    r->n_group = (int32_t)arch_gguf_int(gf, a, "expert_group_count", 1);
-    r->topk_group = (int32_t)arch_gguf_int(gf, a, "expert_group_used_count", 1);
+    if (gguf_in(gf, a, "expert_count", 0, KN_MAX_EXPERTS, 0, &r->n_experts, err) ||
+        gguf_in(gf, a, "expert_used_count", 0, KN_MAX_ACTIVE_EXPERTS, 0, &r->top_k, err) ||
+        gguf_in(gf, a, "expert_group_count", 1, KN_MAX_EXPERT_GROUPS, 1, &r->n_group, err) ||
+        gguf_in(gf, a, "expert_group_used_count", 1, KN_MAX_EXPERT_GROUPS, 1, &r->topk_group, err) ||
+        gguf_in(gf, a, "expert_feed_forward_length", 0, BIG, 0, &c->expert_ffn, err) ||
+        gguf_in(gf, a, "expert_shared_count", 0, 64, 0, &shared, err) ||
+        gguf_in(gf, a, "leading_dense_block_count", 0, c->n_layers, 0, &c->n_dense_layers, err))
+        return AE_ERR;
+    if (r->n_experts == 0) c->n_dense_layers = c->n_layers; /* no experts: every layer dense */
     snprintf(k, sizeof k, "%s.expert_weights_scale", a);
     r->scale = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1.0f;
     snprintf(k, sizeof k, "%s.expert_weights_norm", a);
     r->norm = gguf_get_bool(gf, k, &b, NULL) == AE_OK && b;
-    c->expert_ffn = (int32_t)arch_gguf_int(gf, a, "expert_feed_forward_length", 0);
-    c->shared_ffn = (int32_t)arch_gguf_int(gf, a, "expert_shared_count", 0) * c->expert_ffn;
-    c->n_dense_layers = (int32_t)arch_gguf_int(gf, a, "leading_dense_block_count", r->n_experts ? 0 : c->n_layers);
+    c->shared_ffn = shared * c->expert_ffn;
     /* 2 is sigmoid; DeepSeek-V2's softmax (1, or no key and no bias) is not read */
     int64_t gating = arch_gguf_int(gf, a, "expert_gating_func", 0);
     snprintf(k, sizeof k, "blk.%d.exp_probs_b.bias", c->n_dense_layers);
     if (r->n_experts && (gating == 1 || gating > 2 || (gating == 0 && !gguf_find_tensor(gf, k))))
         return err_set(err, "%s: expert_gating_func %lld: only sigmoid routing with a correction bias (DeepSeek-V3's) "
                        "is supported", a, (long long)gating);
-    if (r->n_experts < 0 || r->n_experts > KN_MAX_EXPERTS || (r->n_experts && (r->top_k < 1 || r->top_k > KN_MAX_ACTIVE_EXPERTS ||
-        r->n_group < 1 || r->n_group > KN_MAX_EXPERT_GROUPS || r->n_experts % r->n_group || r->topk_group > r->n_group ||
-        c->expert_ffn < 1 || r->top_k > r->topk_group * (r->n_experts / r->n_group))) ||
-        c->n_dense_layers < 0 || c->n_dense_layers > c->n_layers)
+    if (r->n_experts && (r->top_k < 1 || r->n_experts % r->n_group || r->topk_group > r->n_group ||
+                         (r->n_group > 1 && r->n_experts / r->n_group < 2) || c->expert_ffn < 1 ||
+                         r->top_k > r->topk_group * (r->n_experts / r->n_group)))
         return err_set(err, "%s: %d experts (%d used, groups %d/%d, width %d) after %d dense layers do not make a "
                        "mixture this reader runs", a, r->n_experts, r->top_k, r->topk_group, r->n_group,
                        c->expert_ffn, c->n_dense_layers);
@@ -461,9 +475,6 @@ static int load_ffn(model *m, model_layer *l, int32_t i, const names *nms, ae_er
                 int64_t rows = j == 2 ? H : F, cols = j == 2 ? F : H;
                 if (any_matrix(w, nm(nms, T_EXPERT_GATE + j, e, n, sizeof n), rows, cols, &l->experts[j * E + e], err))
                     return AE_ERR;
-                if (l->experts[j * E + e].type != l->experts[0].type)
-                    return err_set(err, "tensor %s: type %s, but expert 0's is %s (one type per layer)", n,
-                                   quant_type_name(l->experts[j * E + e].type), quant_type_name(l->experts[0].type));
             }
     }
     if (!c->shared_ffn) return AE_OK;
@@ -509,22 +520,23 @@ static int load(model *m, ae_error *err) {
 /* The latent, keys only: (kv_lora_rank + qk_rope_head_dim) f16 a layer. */
 static uint64_t kv_token_bytes(const model_config *c) { return kv_latent_bytes_per_token(c->n_layers, c->head_dim); }
 
-/* In f32, llama.c's buffers for this layout: the residual, the normed
- * input, the block output, the logit row and the shared experts' output
- * (5 H); the absorbed queries and the attention output (2 n_heads
- * (R + dr)); the latent and k_pe (R + 2 dr); q_a (Q); q's nope and rope
- * parts (n_heads (dn + dr)); the values (n_heads dv); gate and up (2
- * max(ffn, shared)); the router's logits and weights and ids (E + 2 k);
- * the experts' scratch; the logits (vocab); RoPE's cos and sin; EAGLE-3's
- * captured features (3 H). */
+/* In f32, llama.c's buffers for this layout (ws_sizes), per token: the
+ * residual, the normed input, the block output, the logit row and the
+ * shared experts' output (5 H); the absorbed queries and the attention
+ * output (2 n_heads D, D = R + dr); the latent and k_pe (2 D, the k and
+ * v buffers); RoPE's cos and sin (D); q_a (Q); q's nope and rope parts
+ * and the values (n_heads (dn + dr + dv)); the latent before it is
+ * placed (R); gate and up (2 max(ffn, shared)); the router's logits,
+ * weights and ids (E + 2 k); the experts' scratch; then the logits
+ * (vocab) and EAGLE-3's captured features (3 H). */
 static uint64_t workspace_per_token(const model_config *c) {
     uint64_t H = (uint64_t)c->hidden, nh = (uint64_t)c->n_heads, D = (uint64_t)c->head_dim,
-             dr = (uint64_t)c->qk_rope_dim, F = (uint64_t)(c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn);
-    uint64_t floats = 8 * H + 2 * nh * D + D + dr + (uint64_t)c->q_lora_rank +
-                      nh * (uint64_t)(c->qk_nope_dim + c->qk_rope_dim + c->v_head_dim) + 2 * F +
-                      (uint64_t)c->route.n_experts + 2 * (uint64_t)c->route.top_k +
+             F = (uint64_t)(c->ffn > c->shared_ffn ? c->ffn : c->shared_ffn);
+    uint64_t floats = 5 * H + 2 * nh * D + 2 * D + D + (uint64_t)c->q_lora_rank +
+                      nh * (uint64_t)(c->qk_nope_dim + c->qk_rope_dim + c->v_head_dim) + (uint64_t)c->kv_lora_rank +
+                      2 * F + (uint64_t)c->route.n_experts + 2 * (uint64_t)c->route.top_k +
                       (c->route.n_experts ? kn_moe_scratch(1, c->hidden, c->expert_ffn) : 0) + (uint64_t)c->vocab +
-                      (uint64_t)c->head_dim;
+                      3 * H;
     return 4 * floats;
 }
 

@@ -26,7 +26,7 @@ def plan(*args):
 
 
 def test_kimi_k25_parameters_by_placement():
-    p = plan("--max-seq-len", "65536", "--json").json()
+    p = plan("--max-seq-len", "131072", "--json").json()
     experts = MOE * E * 3 * H * FE
     assert p["params_experts"] == experts == 1_014_686_023_680
     # divided: q_b and o_proj by heads; the dense and shared FFNs by features
@@ -41,7 +41,7 @@ def test_kimi_k25_parameters_by_placement():
 
 
 def test_kimi_k25_weights_per_gpu_and_kv_per_token():
-    p = plan("--max-seq-len", "65536", "--json").json()
+    p = plan("--max-seq-len", "131072", "--json").json()
     int4 = 18 / 32  # bytes a parameter, as Q4_0
     gpu0 = (2 * p["params_whole"] + 4 * p["params_whole_f32"] + 2 * V * H + 2 * V * H
             + (2 * p["params_split"] + 4 * p["params_split_f32"]) / 8 + int4 * p["params_experts"] / 8)
@@ -52,36 +52,50 @@ def test_kimi_k25_weights_per_gpu_and_kv_per_token():
     assert p["kv_bytes_per_token"] == (R + ROPE) * L * 2 == 70272
 
 
+def test_kimi_k25_workspace_per_token_is_rank_0s():
+    """f32 floats a token of a pass takes on rank 0 (8 of 64 heads, 256 of
+    each expert's 2048 features, 2304 of the dense 18432, 256 of the shared
+    2048): llama.c's buffers, then the logits and the captured features."""
+    p = plan("--max-seq-len", "131072", "--json").json()
+    nh, d, f, fe, k = HEADS // 8, R + ROPE, DENSE_F // 8, FE // 8, 8
+    floats = (5 * H + 2 * nh * d + 3 * d + Q + nh * (NOPE + ROPE + VD) + R + 2 * max(f, fe)
+              + E + 2 * k + (2 * H + 2 * fe + 2) + V + 3 * H)
+    assert p["workspace_per_token"] == 4 * floats == 1026376
+    assert p["step_tokens"] == 256
+    assert p["workspace"] > p["step_tokens"] * p["workspace_per_token"]  # and the fixed scratch
+
+
 def test_kimi_k25_tokens_that_fit_and_allreduces():
-    p = plan("--max-seq-len", "65536", "--json").json()
+    p = plan("--max-seq-len", "131072", "--json").json()
     assert p["gpu_bytes"] == 96 * GIB
     assert p["mem_fraction"] == 0.9  # auto: leaves max(1 GiB, 10%)
     assert abs(p["budget"] - 0.9 * 96 * GIB) < 1
     left = p["budget"] - p["weights_gpu0"] - p["workspace"] - p["block_tables"] - p["graphs"]
     blocks = left // (16 * 70272)
-    assert p["kv_tokens"] == 16 * blocks == 132800
+    assert p["kv_tokens"] == 16 * blocks == 160384
     assert p["total"] <= p["budget"]
-    assert p["block_tables"] == 8 * (65536 // 16) * 4
+    assert p["block_tables"] == 8 * (131072 // 16) * 4
     assert p["allreduces_per_verify"] == 2 * L == 122
     assert p["allreduce_bytes"] == 32 * H * 4
 
 
 def test_the_text_states_the_arithmetic_and_the_settings():
-    r = plan("--max-seq-len", "65536")
+    r = plan("--max-seq-len", "131072")
     out = r.out
-    assert "weights on GPU 0 (rank 0) = whole 2.18 GB + embedding 2.35 GB + output 2.35 GB (rank 0 alone) " \
-           "+ divided 17.59 GB / 8 + experts 570.76 GB / 8 = 80.42 GB (74.90 GiB)" in out
+    assert "weights on GPU 0 (rank 0: 8 of 64 heads, 256 of each expert's 2048 features) = whole 2.18 GB + " \
+           "embedding 2.35 GB + output 2.35 GB (rank 0 alone) + its divided 2.20 GB + its experts 71.35 GB = " \
+           "80.42 GB (74.90 GiB)" in out
     assert "KV per token on every rank = (512 + 64) x 61 layers x 2 B = 70272 B" in out
-    assert "tokens that fit: 132800 KV tokens" in out
+    assert "tokens that fit: 160384 KV tokens = 1 whole sequence of max-seq-len 131072" in out
     assert "allreduces per verify pass: 2 per layer x 61 layers = 122" in out
     assert "SGLang --mem-fraction-static" in out and "Aerie --mem-fraction 0.900" in out
 
 
 def test_a_plan_that_cannot_hold_a_sequence_says_what_would():
-    r = run_aerie("plan", "--config", str(KIMI), "--devices", "8x96GiB", "--max-seq-len", "131072")
+    r = run_aerie("plan", "--config", str(KIMI), "--devices", "8x96GiB", "--max-seq-len", "262144")
     assert r.rc == 2
-    assert "one sequence of max-seq-len 131072 does not fit" in r.err
-    assert "would work: --mem-fraction 0.923, --max-seq-len 98304" in r.err
+    assert "one sequence of max-seq-len 262144 does not fit" in r.err
+    assert "would work: --mem-fraction 0.976, --max-seq-len 151760" in r.err
 
 
 def test_bad_devices_are_refused():
@@ -91,3 +105,16 @@ def test_bad_devices_are_refused():
     r = run_aerie("plan", "--config", str(KIMI), "--devices", "4x96GiB", "--tp", "8")
     assert r.rc == 2
     assert "--tp 8: more ranks than the 4 GPUs given" in r.err
+    tiny = ROOT / "tests" / "golden" / "tiny" / "deepseek"
+    r = run_aerie("plan", "--config", str(tiny), "--devices", "8x1GiB", "--tp", "8")
+    assert r.rc == 2
+    assert "--tp 8: tensor parallel: 8 ranks but only 4 heads; at most 4 ranks" in r.err
+
+
+def test_aerie_config_in_the_environment_is_not_the_model_config(tmp_path):
+    settings = tmp_path / "settings.json"
+    settings.write_text("{}")
+    r = run_aerie("plan", "--config", str(KIMI), "--devices", "8x96GiB", "--max-seq-len", "131072", "--json",
+                  env={"AERIE_CONFIG": str(settings)})
+    assert r.rc == 0, r.err
+    assert r.json()["kv_tokens"] == 160384

@@ -181,6 +181,28 @@ static void test_positionals_and_bool_negation(void **state) {
     cfg_free(c);
 }
 
+/* A command with an option named config (aerie plan's model config)
+ * takes --config as that option: no settings file is read, from the flag
+ * or from AERIE_CONFIG, which stays a settings file's name. */
+static void test_an_option_named_config_takes_the_flag(void **state) {
+    (void)state;
+    static const cfg_option own[] = {{"config", CFG_STRING, NULL, 0, 0, "the model's config.json"},
+                                     {"tp", CFG_INT, "1", 1, 64, "ranks"}};
+    cfg *c;
+    ae_error err = {0};
+    assert_int_equal(cfg_init(&c, own, 2, &err), AE_OK);
+    char *argv[] = {"--config", "/models/k/config.json", "--tp=8"};
+    char *envp[] = {"AERIE_CONFIG=/nonexistent/settings.json", NULL};
+    char *pos[4];
+    int npos;
+    assert_int_equal(cfg_load(c, 3, argv, envp, pos, &npos, NULL, &err), AE_OK);
+    assert_string_equal(cfg_str(c, "config"), "/models/k/config.json");
+    assert_int_equal(cfg_get_source(c, "config"), CFG_SRC_FLAG);
+    assert_int_equal(cfg_int(c, "tp"), 8);
+    assert_int_equal(npos, 0);
+    cfg_free(c);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults_have_source_default),
@@ -193,6 +215,7 @@ int main(void) {
         cmocka_unit_test(test_unknown_file_key_is_rejected),
         cmocka_unit_test(test_config_file_with_trailing_data_is_rejected),
         cmocka_unit_test(test_positionals_and_bool_negation),
+        cmocka_unit_test(test_an_option_named_config_takes_the_flag),
     };
     return cmocka_run_group_tests_name("config", tests, NULL, NULL);
 }

@@ -145,11 +145,14 @@ static void route_keeps_groups_and_weighs_unbiased(void **state) {
 
 /* 4 experts [16][32], 5 tokens of 2 experts each: every token's output
  * is the weighted sum of its experts' SwiGLU FFNs, and token 3's bits are
- * the same alone. */
+ * the same alone. Expert 1 is BF16 and the others f32: each matrix may
+ * have its own type (an int4 matrix whose scale no f16 holds is f32
+ * beside Q4_0 ones). */
 static void experts_sum_each_tokens_ffns(void **state) {
     (void)state;
     enum { E = 4, H = 32, F = 16, M = 5, K = 2 };
     static float g[E][F * H], u[E][F * H], d[E][H * F], x[M * H], y[M * H], y1[H], scratch[4096];
+    static uint16_t b16[3][F * H];
     kn_weight gw[E], uw[E], dw[E];
     for (int e = 0; e < E; e++) {
         fill(g[e], F * H, 0.3f);
@@ -159,6 +162,18 @@ static void experts_sum_each_tokens_ffns(void **state) {
         uw[e] = f32_weight(u[e], F, H);
         dw[e] = f32_weight(d[e], H, F);
     }
+    float *m1[3] = {g[1], u[1], d[1]};
+    for (int k = 0; k < 3; k++)
+        for (int i = 0; i < F * H; i++) { /* bf16 values, held by f32 too for the reference */
+            uint32_t bits;
+            memcpy(&bits, &m1[k][i], 4);
+            b16[k][i] = (uint16_t)(bits >> 16);
+            bits &= 0xffff0000u;
+            memcpy(&m1[k][i], &bits, 4);
+        }
+    gw[1] = (kn_weight){.type = GGML_TYPE_BF16, .rows = F, .cols = H, .data = b16[0], .row_bytes = H * 2};
+    uw[1] = (kn_weight){.type = GGML_TYPE_BF16, .rows = F, .cols = H, .data = b16[1], .row_bytes = H * 2};
+    dw[1] = (kn_weight){.type = GGML_TYPE_BF16, .rows = H, .cols = F, .data = b16[2], .row_bytes = F * 2};
     fill(x, M * H, 1.0f);
     const int32_t idx[M * K] = {3, 0, 1, 2, 2, 1, 0, 3, 3, 1};
     const float w[M * K] = {0.7f, 0.3f, 1.5f, 0.5f, 0.25f, 0.75f, 2.0f, 0.1f, 1.0f, 1.0f};

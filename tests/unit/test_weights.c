@@ -14,6 +14,7 @@
 
 #include "../../services/model/quant.h"
 #include "../../services/model/weights.h"
+#include "gguf_writer.h"
 
 typedef struct blob {
     const char *name, *dtype;
@@ -81,14 +82,18 @@ static void bf16_matrices_stay_bf16(void **state) {
     remove_dir(dir);
 }
 
-/* One row of 64 columns: two groups. Value j of the row is (j % 16) - 8,
- * packed as compressed-tensors does (j + 8 at bits 4 (j % 8) of word
+/* Nibble j of the test row: no two of a group's halves alike, so a
+ * swapped half or nibble order shows. */
+#define NIB(j) ((5 * (j) + 3 + (j) / 16) % 16)
+
+/* One row of 64 columns: two groups. Value j of the row is NIB(j) - 8,
+ * packed as compressed-tensors does (value + 8 at bits 4 (j % 8) of word
  * j / 8); the scales are 0.5 and 0.25 (bf16), or 65536 in the second
  * group, past f16's largest (65504). */
 static void int4_groups(bool odd_scale, int32_t packed[8], uint16_t scale[2]) {
     memset(packed, 0, 8 * sizeof *packed);
     for (int j = 0; j < 64; j++) {
-        uint32_t stored = (uint32_t)((j % 16) - 8 + 8);
+        uint32_t stored = (uint32_t)NIB(j); /* q + 8 */
         packed[j / 8] = (int32_t)((uint32_t)packed[j / 8] | stored << (4 * (j % 8)));
     }
     scale[0] = 0x3f00;                         /* 0.5 */
@@ -119,13 +124,13 @@ static void int4_reads_as_q4_0_or_f32(void **state) {
         if (!odd) { /* block 0: f16 0.5, then qs[j] = nibble j | nibble j + 16 << 4 */
             const uint8_t *blk = k.data;
             assert_int_equal(blk[0] | blk[1] << 8, 0x3800);
-            for (int j = 0; j < 16; j++) assert_int_equal(blk[2 + j], j | j << 4);
+            for (int j = 0; j < 16; j++) assert_int_equal(blk[2 + j], NIB(j) | NIB(j + 16) << 4);
         }
         float row[64];
         weights_row_f32(&k, 0, row);
         for (int j = 0; j < 64; j++) {
             float s = j < 32 ? 0.5f : odd ? 65536.0f : 0.25f;
-            assert_true(row[j] == s * (float)((j % 16) - 8));
+            assert_true(row[j] == s * (float)(NIB(j) - 8));
         }
         assert_int_equal(weights_int4_matrix(w, "e", 2, 64, &k, &err), AE_ERR);
         assert_string_equal(err.msg, "tensor e.weight_packed: expected int32 [2, 8]");
@@ -134,10 +139,50 @@ static void int4_reads_as_q4_0_or_f32(void **state) {
     }
 }
 
+/* A GGUF file of one Q8_0 matrix [256][1024] (whole pages of rows: 34 x
+ * 32 = 1088 B a row) whose rows are picked, reversed, into a copy the
+ * weights own; packing the copy must leave every byte of it (dropping
+ * pages is for the mapped file's). Every row is the file's row. */
+static void picked_rows_survive_packing(void **state) {
+    (void)state;
+    enum { ROWS = 256, COLS = 1024, RB = COLS / 32 * 34 };
+    static uint8_t data[ROWS * RB];
+    for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)(i * 2654435761u >> 13);
+    for (int r = 0; r < ROWS; r++) /* sane f16 scales: 2^-7 */
+        for (int b = 0; b < COLS / 32; b++) data[r * RB + b * 34] = 0x00, data[r * RB + b * 34 + 1] = 0x20;
+    gw g = {0};
+    gw_header(&g, 3, 1, 1);
+    gw_kv_u32(&g, "general.alignment", 32);
+    gw_tensor(&g, "m", 2, (uint64_t[]){COLS, ROWS}, GGML_TYPE_Q8_0, 0);
+    gw_pad(&g, 32);
+    gw_bytes(&g, data, sizeof data);
+    char path[] = "/tmp/aerie-weights-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, g.p, g.len), (ssize_t)g.len);
+    close(fd);
+    gw_free(&g);
+    weights_store *w;
+    ae_error err = {0};
+    if (weights_open(&w, path, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    kn_weight m, picked;
+    int64_t rows[ROWS];
+    for (int i = 0; i < ROWS; i++) rows[i] = ROWS - 1 - i;
+    assert_int_equal(weights_matrix(w, "m", ROWS, COLS, &m, &err), AE_OK);
+    assert_int_equal(weights_pick_rows(w, &m, ROWS, rows, &picked, &err), AE_OK);
+    assert_int_equal(weights_pack(w, &picked, &err), AE_OK);
+    assert_int_equal(weights_pack(w, &m, &err), AE_OK);
+    for (int i = 0; i < ROWS; i++)
+        assert_memory_equal((const uint8_t *)picked.data + (size_t)i * RB, data + (size_t)(ROWS - 1 - i) * RB, RB);
+    weights_close(w);
+    unlink(path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(bf16_matrices_stay_bf16),
         cmocka_unit_test(int4_reads_as_q4_0_or_f32),
+        cmocka_unit_test(picked_rows_survive_packing),
     };
     return cmocka_run_group_tests_name("weights", tests, NULL, NULL);
 }
