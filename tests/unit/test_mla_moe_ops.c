@@ -74,40 +74,49 @@ static void matmul_heads_is_each_heads_product(void **state) {
     assert_memory_equal(one, y + 2 * NH * YH, sizeof one);
 }
 
-/* A latent pool: one kv head of 24 (16 latent + 8 rope), v NULL, scale
- * 0.3. Token t sees slots 0..t; its output is the softmax-weighted sum of
- * the f16-rounded keys themselves. */
+/* A latent pool: one kv head of D (24, and DeepSeek-V3's 512 + 64), v
+ * NULL, scale 0.3. Token t sees slots 0..t; its output is the
+ * softmax-weighted sum of the f16-rounded keys themselves; the portable
+ * kernels give the SIMD ones' bits. */
 static void latent_attention_weighs_the_keys(void **state) {
     (void)state;
-    enum { T = 5, NH = 3, D = 24, BS = 4, NB = 4 };
-    static uint16_t pool_k[NB * BS * D];
-    static float k[T * D], q[T * NH * D], out[T * NH * D];
-    fill(k, sizeof k / sizeof k[0], 1.0f);
-    fill(q, sizeof q / sizeof q[0], 1.0f);
-    int32_t tables[2] = {1, 3}, seq[T] = {0}, slot[T], n_prefix[T], zero[T] = {0};
-    for (int t = 0; t < T; t++) slot[t] = t, n_prefix[t] = t + 1;
-    kn_kv_pool kv = {pool_k, NULL, NULL, NB, BS, 1, D, GGML_TYPE_F16, 0.3f};
-    kn_kv_map map = {T, tables, 1, 2, seq, slot, n_prefix, zero, zero, zero, 0, 0};
-    kn_kv_write(g_s, &kv, &map, k, NULL);
-    kn_attention(g_s, &kv, &map, q, out, NH);
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < NH; h++) {
-            double s[T], mx = -1e30, sum = 0;
-            for (int j = 0; j <= t; j++) {
-                s[j] = 0;
-                for (int i = 0; i < D; i++)
-                    s[j] += (double)q[(t * NH + h) * D + i] * quant_f16_to_f32(quant_f32_to_f16(k[j * D + i]));
-                s[j] *= 0.3;
-                mx = s[j] > mx ? s[j] : mx;
+    enum { T = 5, NH = 3, BS = 4, NB = 4, DMAX = KN_MAX_ATTN_DIM };
+    static uint16_t pool_k[NB * BS * DMAX];
+    static float k[T * DMAX], q[T * NH * DMAX], out[T * NH * DMAX], portable[T * NH * DMAX];
+    const int dims[2] = {24, DMAX};
+    for (int di = 0; di < 2; di++) {
+        const int D = dims[di];
+        fill(k, (size_t)T * D, 1.0f);
+        fill(q, (size_t)T * NH * D, 1.0f);
+        int32_t tables[2] = {1, 3}, seq[T] = {0}, slot[T], n_prefix[T], zero[T] = {0};
+        for (int t = 0; t < T; t++) slot[t] = t, n_prefix[t] = t + 1;
+        kn_kv_pool kv = {pool_k, NULL, NULL, NB, BS, 1, D, GGML_TYPE_F16, 0.3f};
+        kn_kv_map map = {T, tables, 1, 2, seq, slot, n_prefix, zero, zero, zero, 0, 0};
+        kn_kv_write(g_s, &kv, &map, k, NULL);
+        kn_attention(g_s, &kv, &map, q, out, NH);
+        kn_cpu_limit_simd(0);
+        kn_attention(g_s, &kv, &map, q, portable, NH);
+        kn_cpu_limit_simd(2);
+        assert_memory_equal(out, portable, sizeof(float) * (size_t)T * NH * (size_t)D);
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < NH; h++) {
+                double s[T], mx = -1e30, sum = 0;
+                for (int j = 0; j <= t; j++) {
+                    s[j] = 0;
+                    for (int i = 0; i < D; i++)
+                        s[j] += (double)q[(t * NH + h) * D + i] * quant_f16_to_f32(quant_f32_to_f16(k[j * D + i]));
+                    s[j] *= 0.3;
+                    mx = s[j] > mx ? s[j] : mx;
+                }
+                for (int j = 0; j <= t; j++) sum += exp(s[j] - mx);
+                for (int i = 0; i < D; i++) {
+                    double ref = 0;
+                    for (int j = 0; j <= t; j++)
+                        ref += exp(s[j] - mx) / sum * quant_f16_to_f32(quant_f32_to_f16(k[j * D + i]));
+                    assert_true(fabs(out[(t * NH + h) * D + i] - ref) < 1e-5);
+                }
             }
-            for (int j = 0; j <= t; j++) sum += exp(s[j] - mx);
-            for (int i = 0; i < D; i++) {
-                double ref = 0;
-                for (int j = 0; j <= t; j++)
-                    ref += exp(s[j] - mx) / sum * quant_f16_to_f32(quant_f32_to_f16(k[j * D + i]));
-                assert_true(fabs(out[(t * NH + h) * D + i] - ref) < 1e-5);
-            }
-        }
+    }
 }
 
 static float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
