@@ -278,7 +278,7 @@ void kn_cpu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_
 }
 
 /* Insertion into the sorted first k: one pass over the row. */
-static void cpu_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val) {
+void kn_cpu_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val) {
     (void)s;
     for (int64_t r = 0; r < m; r++) {
         const float *row = x + r * n;
@@ -450,7 +450,7 @@ const kn_backend kn_backend_cpu = {
     .swiglu = kn_cpu_swiglu,
     .softmax = kn_cpu_softmax,
     .argmax = kn_cpu_argmax,
-    .topk = cpu_topk,
+    .topk = kn_cpu_topk,
     .embed = kn_cpu_embed,
     .gather_rows = cpu_gather_rows,
     .rope_table = cpu_rope_table,

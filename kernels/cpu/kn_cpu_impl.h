@@ -45,6 +45,8 @@ void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows,
                     int32_t n);
 void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                       int32_t n_heads);
+/* kn_topk's selection (any k <= n: the router's groups too); s unused. */
+void kn_cpu_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val);
 void kn_cpu_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
                          int64_t y_head, int64_t m);
 void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r,

@@ -52,25 +52,10 @@ void kn_cpu_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, cons
 
 /* ---- the router ---------------------------------------------------------- */
 
-/* The k best of c[n] into idx (best first, the lower index first among
- * equals); -inf entries are never better than a finite one. */
-static void best_k(const float *c, int32_t n, int32_t k, int32_t *idx) {
-    for (int32_t j = 0; j < k; j++) {
-        int32_t b = -1;
-        for (int32_t i = 0; i < n; i++) {
-            bool taken = false;
-            for (int32_t q = 0; q < j && !taken; q++) taken = idx[q] == i;
-            if (!taken && (b < 0 || c[i] > c[b])) b = i;
-        }
-        idx[j] = b;
-    }
-}
-
 void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r,
                       int32_t *idx, float *w) {
-    (void)s;
     const int32_t E = r->n_experts, G = r->n_group, per = E / G, K = r->top_k;
-    float sc[KN_MAX_EXPERTS], ch[KN_MAX_EXPERTS], gs[KN_MAX_EXPERT_GROUPS];
+    float sc[KN_MAX_EXPERTS], ch[KN_MAX_EXPERTS], gs[KN_MAX_EXPERT_GROUPS], val[KN_MAX_EXPERT_GROUPS];
     for (int64_t t = 0; t < m; t++) {
         const float *l = logits + t * E;
         for (int32_t e = 0; e < E; e++) {
@@ -80,10 +65,10 @@ void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int6
         if (G > 1) {
             int32_t top[2], keep[KN_MAX_EXPERT_GROUPS];
             for (int32_t g = 0; g < G; g++) {
-                best_k(ch + g * per, per, 2, top);
-                gs[g] = ch[g * per + top[0]] + ch[g * per + top[1]];
+                kn_cpu_topk(s, ch + g * per, 1, per, 2, top, val);
+                gs[g] = val[0] + val[1];
             }
-            best_k(gs, G, r->topk_group, keep);
+            kn_cpu_topk(s, gs, 1, G, r->topk_group, keep, val);
             for (int32_t g = 0; g < G; g++) {
                 bool kept = false;
                 for (int32_t q = 0; q < r->topk_group; q++) kept = kept || keep[q] == g;
@@ -93,7 +78,7 @@ void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int6
         }
         int32_t *id = idx + t * K;
         float *wt = w + t * K;
-        best_k(ch, E, K, id);
+        kn_cpu_topk(s, ch, 1, E, K, id, val);
         float sum = 0.0f;
         for (int32_t j = 0; j < K; j++) {
             wt[j] = sc[id[j]];
