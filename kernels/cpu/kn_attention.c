@@ -50,8 +50,10 @@
 /* The pool's elements: f16 bit patterns (kn_backend_cpu takes GGML_TYPE_F16
  * pools only). */
 static inline uint16_t *pool_k(const kn_kv_pool *kv) { return kv->k; }
-/* A latent pool's values are its keys (kernels.h). */
-static inline uint16_t *pool_v(const kn_kv_pool *kv) { return kv->v ? kv->v : kv->k; }
+/* A latent pool (kernels.h) has no V: its values are its keys, widened
+ * once (kf serves as vf; values_of). */
+static inline uint16_t *pool_v(const kn_kv_pool *kv) { return kv->v; }
+static inline const float *values_of(const kn_kv_pool *kv, const float *kf, const float *vf) { return kv->v ? vf : kf; }
 
 /* Row of slot `slot` of sequence row `seq`: [n_kv_heads][head_dim]. */
 static size_t slot_row(const kn_kv_pool *kv, const kn_kv_map *map, int32_t seq, int32_t slot) {
@@ -78,10 +80,10 @@ typedef void (*widen_fn)(const kn_kv_pool *kv, const size_t *rows, int n, size_t
 static void widen_portable(const kn_kv_pool *kv, const size_t *rows, int n, size_t off, int hd, float *kf,
                            float *vf) {
     for (int j = 0; j < n; j++) {
-        const uint16_t *k = pool_k(kv) + rows[j] + off, *v = pool_v(kv) + rows[j] + off;
+        const uint16_t *k = pool_k(kv) + rows[j] + off, *v = kv->v ? pool_v(kv) + rows[j] + off : NULL;
         for (int i = 0; i < hd; i++) {
             kf[(size_t)j * (size_t)hd + (size_t)i] = quant_f16_to_f32(k[i]);
-            vf[(size_t)j * (size_t)hd + (size_t)i] = quant_f16_to_f32(v[i]);
+            if (v) vf[(size_t)j * (size_t)hd + (size_t)i] = quant_f16_to_f32(v[i]);
         }
     }
 }
@@ -102,11 +104,11 @@ __attribute__((target("avx2,f16c"))) static void narrow_f16c(const float *x, uin
 __attribute__((target("avx2,f16c"))) static void widen_f16c(const kn_kv_pool *kv, const size_t *rows, int n,
                                                              size_t off, int hd, float *kf, float *vf) {
     for (int j = 0; j < n; j++) {
-        const uint16_t *k = pool_k(kv) + rows[j] + off, *v = pool_v(kv) + rows[j] + off;
+        const uint16_t *k = pool_k(kv) + rows[j] + off, *v = kv->v ? pool_v(kv) + rows[j] + off : NULL;
         float *kd = kf + (size_t)j * (size_t)hd, *vd = vf + (size_t)j * (size_t)hd;
         for (int i = 0; i < hd; i += 8) {
             _mm256_storeu_ps(kd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(k + i))));
-            _mm256_storeu_ps(vd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(v + i))));
+            if (v) _mm256_storeu_ps(vd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(v + i))));
         }
     }
 }
@@ -237,7 +239,7 @@ static void prefetch_rows(const kn_kv_pool *kv, const size_t *rows, int n, size_
     for (int j = 0; j < n; j++)
         for (size_t d = 0; d < len; d += 32) {
             __builtin_prefetch(pool_k(kv) + rows[j] + off + d, 0, 2);
-            __builtin_prefetch(pool_v(kv) + rows[j] + off + d, 0, 2);
+            if (kv->v) __builtin_prefetch(pool_v(kv) + rows[j] + off + d, 0, 2);
         }
 }
 
@@ -366,7 +368,7 @@ AI void walk_run(const attn_job *job, int32_t a, int32_t b, int32_t g, int32_t h
                 if (c >= full_chunks(map, t)) continue;
                 for (int32_t h = h0; h < h1; h++) {
                     float pm, pl;
-                    partial(kf, vf, KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale, &pm, &pl, po, hd);
+                    partial(kf, values_of(kv, kf, vf), KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale, &pm, &pl, po, hd);
                     merge(c == 0, &M[t - a][h - h0], &L[t - a][h - h0], out_at(job, t, h, hd), pm, pl, po, hd);
                 }
             }
@@ -377,7 +379,7 @@ AI void walk_run(const attn_job *job, int32_t a, int32_t b, int32_t g, int32_t h
             job->widen(kv, rows, n, off, hd, kf, vf);
             for (int32_t h = h0; h < h1; h++) {
                 float pm, pl;
-                partial(kf, vf, n, q_at(job, t, h, hd), job->scale, &pm, &pl, po, hd);
+                partial(kf, values_of(kv, kf, vf), n, q_at(job, t, h, hd), job->scale, &pm, &pl, po, hd);
                 merge(c == 0, &M[t - a][h - h0], &L[t - a][h - h0], out_at(job, t, h, hd), pm, pl, po, hd);
             }
         }
@@ -416,7 +418,7 @@ AI void attend_unit(const attn_job *job, int32_t r, int32_t c, const int hd) {
                 if (c >= full_chunks(map, t)) continue;
                 size_t p = (size_t)(job->first[t] + c);
                 for (int32_t h = g * group; h < (g + 1) * group; h++)
-                    partial(kf, vf, KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale, job->part_m + p * H + (size_t)h,
+                    partial(kf, values_of(kv, kf, vf), KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale, job->part_m + p * H + (size_t)h,
                             job->part_l + p * H + (size_t)h, job->part_o + (p * H + (size_t)h) * (size_t)hd, hd);
             }
         }
@@ -427,7 +429,7 @@ AI void attend_unit(const attn_job *job, int32_t r, int32_t c, const int hd) {
             job->widen(kv, own, n, off, hd, kf, vf);
             size_t p = (size_t)(job->first[t] + c);
             for (int32_t h = g * group; h < (g + 1) * group; h++)
-                partial(kf, vf, n, q_at(job, t, h, hd), job->scale, job->part_m + p * H + (size_t)h,
+                partial(kf, values_of(kv, kf, vf), n, q_at(job, t, h, hd), job->scale, job->part_m + p * H + (size_t)h,
                         job->part_l + p * H + (size_t)h, job->part_o + (p * H + (size_t)h) * (size_t)hd, hd);
         }
     }
