@@ -4,12 +4,17 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <list>
 #include <mutex>
 #include <new>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <utility>
+#include <variant>
 #include <vector>
 
 // The C headers say _Noreturn (C11); C++ spells it [[noreturn]].
@@ -19,17 +24,28 @@ extern "C" {
 }
 #undef _Noreturn
 
+// Compiled schemas by text (the empty key: json_object), the most recently
+// used first, at most GRAMMAR_CACHE_BYTES of them. The cache is this
+// file's and not XGrammar's own: compiles run on threads of their own, each
+// with a compiler of its own (target/gcompile.h), and share it.
+typedef std::list<std::pair<std::string, xgrammar::CompiledGrammar>> lru_list;
+
 struct grammar_vocab {
     std::optional<xgrammar::TokenizerInfo> info;
-    std::optional<xgrammar::GrammarCompiler> compiler;
-    std::mutex mu; // compiles
+    std::mutex cache_mu; // lru, index, cache_bytes
+    lru_list lru;
+    std::unordered_map<std::string, lru_list::iterator> index;
+    size_t cache_bytes = 0;
     int32_t vocab;
     std::atomic<uint64_t> masks{0}, ns{0};
+    std::atomic<int> refs{1}; // grammar_vocab_ref
 };
 
 struct grammar_matcher {
     grammar_vocab *v;
     std::optional<xgrammar::GrammarMatcher> m;
+    uint64_t mask_ns = 0; // this matcher's masks' time
+    uint64_t masks = 0;
 };
 
 static int fail(ae_error *err, const char *what, const std::exception &e) {
@@ -53,8 +69,6 @@ extern "C" int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t voc
         auto *v = new grammar_vocab();
         v->vocab = vocab;
         v->info.emplace(words, xgrammar::VocabType::RAW, vocab, stops);
-        // One thread: compiles run on the scheduler's thread, between steps.
-        v->compiler.emplace(*v->info, 1, true, GRAMMAR_CACHE_BYTES);
         *out = v;
         return AE_OK;
     } catch (const std::bad_alloc &) {
@@ -64,7 +78,11 @@ extern "C" int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t voc
     }
 }
 
-extern "C" void grammar_vocab_free(grammar_vocab *v) { delete v; }
+extern "C" void grammar_vocab_ref(grammar_vocab *v) { v->refs++; }
+
+extern "C" void grammar_vocab_free(grammar_vocab *v) {
+    if (v && --v->refs == 0) delete v;
+}
 
 struct grammar {
     std::optional<xgrammar::CompiledGrammar> g;
@@ -86,16 +104,71 @@ static int refused(ae_error *err, const std::exception &e) {
     return err_set(err, "the schema cannot be compiled: %.300s", r), GRAMMAR_REFUSED;
 }
 
+static std::string key_of(const char *schema) { return schema ? std::string(schema) : std::string(); }
+
+static bool cache_get(grammar_vocab *v, const std::string &key, grammar *g) {
+    std::lock_guard<std::mutex> lock(v->cache_mu);
+    auto it = v->index.find(key);
+    if (it == v->index.end()) return false;
+    v->lru.splice(v->lru.begin(), v->lru, it->second);
+    g->g.emplace(it->second->second);
+    return true;
+}
+
+static size_t entry_bytes(const std::string &key, const xgrammar::CompiledGrammar &cg) {
+    return key.size() + cg.MemorySizeBytes();
+}
+
+static void cache_put(grammar_vocab *v, const std::string &key, const xgrammar::CompiledGrammar &cg) {
+    size_t bytes = entry_bytes(key, cg);
+    if (bytes > (size_t)GRAMMAR_CACHE_BYTES) return;
+    std::lock_guard<std::mutex> lock(v->cache_mu);
+    if (v->index.count(key)) return;
+    v->lru.emplace_front(key, cg);
+    v->index[key] = v->lru.begin();
+    v->cache_bytes += bytes;
+    while (v->cache_bytes > (size_t)GRAMMAR_CACHE_BYTES) {
+        auto &last = v->lru.back();
+        v->cache_bytes -= entry_bytes(last.first, last.second);
+        v->index.erase(last.first);
+        v->lru.pop_back();
+    }
+}
+
+// OpenAI's json_object is any JSON object; a schema of type object alone
+// says the same. A compiler of its own for each compile (it holds only a
+// handle on the vocabulary's automaton): one thread, so XGrammar starts
+// none, and nothing shared with another compile running beside it.
+static xgrammar::CompiledGrammar compile_now(grammar_vocab *v, const char *schema) {
+    std::string s = schema ? schema : "{\"type\": \"object\"}";
+    xgrammar::GrammarCompiler compiler(*v->info, 1, false, -1);
+    return compiler.CompileJSONSchema(s, true, std::nullopt, std::nullopt, true, GRAMMAR_MAX_WS);
+}
+
+extern "C" int grammar_cached(grammar **out, grammar_vocab *v, const char *schema) {
+    *out = nullptr;
+    try {
+        auto *g = new grammar();
+        if (cache_get(v, key_of(schema), g)) {
+            *out = g;
+            return AE_OK;
+        }
+        delete g;
+    } catch (const std::exception &) {
+    }
+    return AE_ERR;
+}
+
 extern "C" int grammar_compile(grammar **out, grammar_vocab *v, const char *schema, ae_error *err) {
     *out = nullptr;
     try {
         auto *g = new grammar();
+        if (cache_get(v, key_of(schema), g)) {
+            *out = g;
+            return AE_OK;
+        }
         try {
-            std::lock_guard<std::mutex> lock(v->mu);
-            // OpenAI's json_object is any JSON object; a schema of type
-            // object alone says the same.
-            std::string s = schema ? schema : "{\"type\": \"object\"}";
-            g->g.emplace(v->compiler->CompileJSONSchema(s, true, std::nullopt, std::nullopt, true, GRAMMAR_MAX_WS));
+            g->g.emplace(compile_now(v, schema));
         } catch (const std::bad_alloc &) {
             delete g;
             throw;
@@ -103,6 +176,7 @@ extern "C" int grammar_compile(grammar **out, grammar_vocab *v, const char *sche
             delete g;
             return refused(err, e);
         }
+        cache_put(v, key_of(schema), *g->g);
         *out = g;
         return AE_OK;
     } catch (const std::bad_alloc &) {
@@ -157,6 +231,13 @@ extern "C" void grammar_fill_mask(grammar_matcher *m, uint32_t *mask) {
     auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     m->v->masks++;
     m->v->ns += (uint64_t)ns;
+    m->masks++;
+    m->mask_ns += (uint64_t)ns;
+}
+
+extern "C" uint64_t grammar_matcher_mask_ns(const grammar_matcher *m, uint64_t *masks) {
+    if (masks) *masks = m->masks;
+    return m->mask_ns;
 }
 
 extern "C" bool grammar_accept(grammar_matcher *m, int32_t token) {

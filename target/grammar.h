@@ -12,8 +12,10 @@
  * loop in it. Once the value is complete the only token allowed is the
  * end of sequence.
  *
- * A grammar_vocab is shared by every request (compiles are serialised
- * inside it); a matcher is one sequence's and is used by one thread. */
+ * A grammar_vocab is shared by every request and thread (compiles run
+ * side by side, its cache is locked); a matcher is one sequence's and is
+ * used by one thread. The service compiles through target/gcompile.h
+ * (time budget, cancellation, a thread that can be abandoned). */
 #ifndef AERIE_TARGET_GRAMMAR_H
 #define AERIE_TARGET_GRAMMAR_H
 
@@ -38,16 +40,22 @@ typedef struct grammar_matcher grammar_matcher;
  * tokens never allowed but eos, which ends a complete value. vocab is the
  * model's (rows of its logits), at least the tokenizer's. */
 int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t vocab, int32_t eos, ae_error *err);
+/* One more owner: grammar_vocab_free frees it when the last one lets go
+ * (a compile thread that outlives its caller holds one, gcompile.c). */
+void grammar_vocab_ref(grammar_vocab *v);
 void grammar_vocab_free(grammar_vocab *v); /* NULL is a no-op */
 
 /* Compiles schema (JSON text; NULL: any JSON object, OpenAI's
  * json_object); compiled schemas are cached by text. A schema the engine
  * cannot make a grammar of is GRAMMAR_REFUSED, with the engine's reason
  * in err (a client's error); anything else (memory) is AE_ERR. A compile
- * can take seconds for a large schema: callers keep it off threads that
- * serve others (target/sched.c has a thread for it). */
+ * can take seconds for a large schema, and cannot be stopped once it
+ * runs: the service compiles through gcompile.h. */
 #define GRAMMAR_REFUSED 2
 int grammar_compile(grammar **out, grammar_vocab *v, const char *schema, ae_error *err);
+/* The compiled schema from the cache (AE_OK), or AE_ERR when it is not
+ * there; compiles nothing. */
+int grammar_cached(grammar **out, grammar_vocab *v, const char *schema);
 void grammar_free(grammar *g); /* NULL is a no-op */
 
 /* A matcher at the start of a value of g (g may be freed after). */
@@ -63,6 +71,9 @@ void grammar_fill_mask(grammar_matcher *m, uint32_t *mask);
 bool grammar_accept(grammar_matcher *m, int32_t token);
 /* The value is complete and eos was taken. */
 bool grammar_terminated(const grammar_matcher *m);
+
+/* This matcher's time filling masks, ns, and (masks) how many it filled. */
+uint64_t grammar_matcher_mask_ns(const grammar_matcher *m, uint64_t *masks);
 
 /* Time spent filling masks, and masks filled, since init (all matchers). */
 void grammar_vocab_mask_stats(const grammar_vocab *v, uint64_t *masks, uint64_t *ns);

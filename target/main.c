@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "../services/core/log.h"
 #include "../services/core/pool.h"
@@ -42,6 +43,17 @@ static const cfg_option opts[] = {
     SETUP_ALLREDUCE_OPTION,
     SETUP_TP_DEVICES_OPTION,
     {"max-queue", CFG_INT, "256", 0, 1 << 20, "requests waiting for a batch slot; beyond, refused RESOURCE_EXHAUSTED"},
+    {"compile-workers", CFG_INT, "2", 1, 64,
+     "schemas (response_format) compiled at once, each on a thread of its own (target/gcompile.h); compiles given "
+     "up on (timed out, cancelled) run to their end beside at most as many more"},
+    {"max-compiles", CFG_INT, "64", 1, 1 << 20,
+     "requests with a response format compiling or waiting, apart from max-queue; beyond, refused RESOURCE_EXHAUSTED"},
+    {"compile-timeout-ms", CFG_INT, "10000", 100, 600000,
+     "a schema's compile may take this long; past it the child is killed and the request refused"},
+    {"mask-budget-ms", CFG_INT, "500", 0, 3600000,
+     "a request's grammar masks may take this long up front (0: no budget), then mask-ms-per-token for each token"},
+    {"mask-ms-per-token", CFG_DOUBLE, "2", 0, 1000,
+     "a request's grammar masks' time per token beyond mask-budget-ms (a typical mask takes tens of microseconds)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
      "since the two take turns within each step: README, Threads)"},
@@ -136,7 +148,10 @@ int main(int argc, char **argv) {
     sched_sink sink;
     if (tsrv_init(&ts, m->cfg.vocab, dc, sx, &sink, &err) != AE_OK) goto out;
     sched_config scc = {max_batch, (int32_t)cfg_int(c, "max-queue"), SETUP_PREFILL_CHUNK, plan.max_seq_len,
-                        drafting ? spc.shape.tokens : 1, eos, (int32_t)cfg_int(c, "log-interval-s") * 1000, drafting, gv};
+                        drafting ? spc.shape.tokens : 1, eos, (int32_t)cfg_int(c, "log-interval-s") * 1000, drafting, gv,
+                        (int32_t)cfg_int(c, "compile-workers"), (int32_t)cfg_int(c, "max-compiles"),
+                        {true, cfg_int(c, "compile-timeout-ms"), 2 * (int32_t)cfg_int(c, "compile-workers"), 100},
+                        cfg_int(c, "mask-budget-ms"), cfg_double(c, "mask-ms-per-token")};
     if (sched_init(&sc, sx, e, &scc, &sink, &err) != AE_OK) goto out;
     tsrv_attach(ts, sc);
     char *json = cfg_to_json(c);
@@ -185,5 +200,11 @@ out:
     tok_file_close(&tf);
     model_free(m);
     cfg_free(c);
+    /* A compile given up on may still run (gcompile.h): nothing waits for
+     * it, and the C++ runtime's exit handlers must not run under it. */
+    if (gc_live() > 0) {
+        fflush(NULL);
+        _exit(rc);
+    }
     return rc;
 }

@@ -11,6 +11,7 @@
 #include "../services/core/clock.h"
 #include "../services/core/log.h"
 #include "../services/core/watchdog.h"
+#include "gcompile.h"
 
 typedef enum req_state { REQ_WAITING, REQ_PREFILL, REQ_RUNNING } req_state;
 
@@ -31,8 +32,10 @@ typedef struct req {
     int32_t *prompt; /* [n_prompt], owned */
     char *schema;    /* owned, NUL-terminated; NULL: none */
     grammar *g;      /* its compiled grammar (the compiling thread's), NULL: none */
-    int compile_rc;  /* AE_OK, or why the schema did not compile (compile_err) */
+    int compile_rc;  /* AE_OK, or why the schema did not compile (compile_err; gcompile.h) */
     char compile_err[AE_ERR_MAX];
+    bool schema_wait; /* compiled, waiting for admission: counted in n_waiting_c */
+    bool mask_over;   /* its masks passed their budget (why in compile_err) */
     req_state state;
     int32_t prefilled; /* prompt tokens in the KV */
     int32_t reserve;   /* KV blocks reserved */
@@ -53,13 +56,19 @@ struct sched {
     pthread_mutex_t mu; /* the lists, counters and flags below */
     pthread_cond_t cv;  /* work arrived, or a request ended */
     req *waiting, *waiting_tail, *active;
-    /* Requests with a response format wait here first: one thread compiles
-     * their schemas, in order, then queues them (a compile can take
-     * seconds, and must not stall the running streams). */
+    /* Requests with a response format wait here first, in their own
+     * queue with its own limit (cfg.max_compiles): compile workers take
+     * them in order, each compile on a thread of its own with a time
+     * budget (gcompile.h), then queue them for admission. A cancelled
+     * request leaves the queue, and its running compile is given up on. */
     req *compiling, *compiling_tail;
-    pthread_t compiler;
-    bool has_compiler, compiler_stop;
+    req **compiling_now; /* [n_compilers]: the request each worker compiles, or NULL */
+    pthread_t *compilers;
+    int32_t n_compilers;
+    atomic_bool compile_stop; /* workers end; running compiles are given up on */
     pthread_cond_t ccv; /* a schema to compile, or stop */
+    int32_t n_compiling;  /* requests queued for or in a compile */
+    int32_t n_waiting_c;  /* of n_waiting, requests with a schema (compiled) */
     int32_t n_waiting, n_active, reserved;
     int32_t n_seqs; /* the active requests' choices: sequences held */
     bool draining, stopping;
@@ -165,9 +174,16 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
     if (s->draining || s->stopping) {
         st = SCHED_DRAINING;
         err_set(err, "the target is shutting down");
-    } else if (s->n_waiting >= s->cfg.max_queue) {
+    } else if (r->format && s->n_compiling + s->n_waiting_c >= s->cfg.max_compiles) {
+        /* Requests with a schema have their own limit: no number of them
+         * can refuse a plain request, nor plain ones them. */
         st = SCHED_BUSY;
-        err_set(err, "%d requests are waiting (the queue's limit); retry later", s->n_waiting);
+        err_set(err, "%d requests with a response format are compiling or waiting (the target's --max-compiles); "
+                     "retry later",
+                s->n_compiling + s->n_waiting_c);
+    } else if (!r->format && s->n_waiting - s->n_waiting_c >= s->cfg.max_queue) {
+        st = SCHED_BUSY;
+        err_set(err, "%d requests are waiting (the queue's limit); retry later", s->n_waiting - s->n_waiting_c);
     }
     if (st != SCHED_QUEUED) {
         s->stats.requests_refused++;
@@ -175,14 +191,15 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
         req_free(q);
         return st;
     }
-    s->n_waiting++;
     if (r->format) {
         s->stats.requests_constrained++;
+        s->n_compiling++;
         if (s->compiling_tail) s->compiling_tail->next = q;
         else s->compiling = q;
         s->compiling_tail = q;
         pthread_cond_broadcast(&s->ccv);
     } else {
+        s->n_waiting++;
         if (s->waiting_tail) s->waiting_tail->next = q;
         else s->waiting = q;
         s->waiting_tail = q;
@@ -196,13 +213,18 @@ bool sched_cancel_id(sched *s, const char *id) {
     if (!id || !*id) return false;
     bool found = false;
     pthread_mutex_lock(&s->mu);
-    req *lists[2] = {s->waiting, s->active};
-    for (int l = 0; l < 2; l++)
+    req *lists[3] = {s->waiting, s->active, s->compiling};
+    for (int l = 0; l < 3; l++)
         for (req *q = lists[l]; q; q = q->next)
             if (!strcmp(q->r.id, id)) {
                 atomic_store(&q->cancel, true);
                 found = true;
             }
+    for (int32_t k = 0; k < s->n_compilers; k++)
+        if (s->compiling_now[k] && !strcmp(s->compiling_now[k]->r.id, id)) {
+            atomic_store(&s->compiling_now[k]->cancel, true);
+            found = true;
+        }
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
     return found;
@@ -254,20 +276,61 @@ static void finish_active(sched *s, req *q, int32_t c, const int32_t *tokens, in
     req_free(q);
 }
 
+/* Unlinks q from the waiting queue (the lock held). */
+static void unwait(sched *s, req *q, req *prev) {
+    if (prev) prev->next = q->next;
+    else s->waiting = q->next;
+    if (s->waiting_tail == q) s->waiting_tail = prev;
+    s->n_waiting--;
+    if (q->schema_wait) s->n_waiting_c--;
+    q->schema_wait = false;
+    q->next = NULL;
+}
+
+/* Requests queued for a compile whose caller gave up leave that queue
+ * (all: every one, the target is stopping or draining): one at a time,
+ * ended as cancelled. */
+static bool drop_cancelled_compiling(sched *s, bool all) {
+    req *gone = NULL;
+    pthread_mutex_lock(&s->mu);
+    req *prev = NULL;
+    for (req *q = s->compiling; q; prev = q, q = q->next)
+        if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx)) {
+            if (prev) prev->next = q->next;
+            else s->compiling = q->next;
+            if (s->compiling_tail == q) s->compiling_tail = prev;
+            s->n_compiling--;
+            s->stats.requests_done++;
+            s->stats.requests_cancelled++;
+            s->stats.compiles_dropped++;
+            gone = q;
+            break;
+        }
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (!gone) return false;
+    emit(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, true, NULL);
+    req_free(gone);
+    return true;
+}
+
 /* Waiting requests whose caller gave up leave the queue. */
 static void drop_cancelled_waiting(sched *s, bool all) {
+    bool all_compiling = all;
+    pthread_mutex_lock(&s->mu);
+    all_compiling |= s->draining;
+    pthread_mutex_unlock(&s->mu);
+    while (drop_cancelled_compiling(s, all_compiling)) {
+    }
     for (;;) {
         req *gone = NULL;
         pthread_mutex_lock(&s->mu);
         req *prev = NULL;
         for (req *q = s->waiting; q; prev = q, q = q->next)
             if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx) || q->compile_rc != AE_OK) {
-                if (prev) prev->next = q->next;
-                else s->waiting = q->next;
-                if (s->waiting_tail == q) s->waiting_tail = prev;
-                s->n_waiting--;
+                unwait(s, q, prev);
                 s->stats.requests_done++;
-                if (q->compile_rc == AE_OK || all) s->stats.requests_cancelled++;
+                if (q->compile_rc == AE_OK || q->compile_rc == GC_CANCELLED || all) s->stats.requests_cancelled++;
                 else s->stats.requests_refused++;
                 gone = q;
                 break;
@@ -275,11 +338,12 @@ static void drop_cancelled_waiting(sched *s, bool all) {
         pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
         if (!gone) return;
-        /* A schema that did not compile is the client's error (its
-         * reason), or ours (out of memory). */
-        if (gone->compile_rc != AE_OK && !all)
-            emit(s, gone, 0, NULL, 0, NULL, gone->compile_rc == GRAMMAR_REFUSED ? SCHED_REFUSED : SCHED_ERROR, true,
-                 gone->compile_err);
+        /* A schema that did not compile is the client's error (the
+         * engine's reason, or a limit it passed), or ours (no fork, out of
+         * memory). */
+        bool clients = gone->compile_rc == GRAMMAR_REFUSED || gone->compile_rc == GC_TIMEOUT;
+        if (gone->compile_rc != AE_OK && gone->compile_rc != GC_CANCELLED && !all)
+            emit(s, gone, 0, NULL, 0, NULL, clients ? SCHED_REFUSED : SCHED_ERROR, true, gone->compile_err);
         else
             emit(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, true, NULL);
         req_free(gone);
@@ -308,30 +372,59 @@ static int start_rules(sched *s, req *q, ae_error *err, bool *refused) {
     return AE_OK;
 }
 
-/* The compiling thread (see struct sched). */
+/* A compile stops when its request is cancelled, its caller leaves, or
+ * the scheduler stops or drains (gc_compile polls this). */
+typedef struct compile_job {
+    sched *s;
+    req *q;
+} compile_job;
+
+static bool compile_cancelled(void *ctx) {
+    compile_job *j = ctx;
+    return atomic_load(&j->s->compile_stop) || atomic_load(&j->q->cancel) ||
+           j->s->sink.cancelled(j->s->sink.ctx, j->q->r.ctx);
+}
+
+typedef struct worker_arg {
+    sched *s;
+    int32_t k;
+} worker_arg;
+
+/* A compile worker (see struct sched): the oldest queued schema, then
+ * the request joins the waiting queue, compiled or with why not. */
 static void *compiler_main(void *arg) {
-    sched *s = arg;
+    worker_arg *wa = arg;
+    sched *s = wa->s;
+    int32_t k = wa->k;
+    free(wa);
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (!s->compiling && !s->compiler_stop) pthread_cond_wait(&s->ccv, &s->mu);
+        while (!s->compiling && !atomic_load(&s->compile_stop)) pthread_cond_wait(&s->ccv, &s->mu);
+        if (atomic_load(&s->compile_stop)) break;
         req *q = s->compiling;
-        if (!q) break;
         s->compiling = q->next;
         if (!s->compiling) s->compiling_tail = NULL;
         q->next = NULL;
-        bool skip = s->compiler_stop || atomic_load(&q->cancel);
+        s->compiling_now[k] = q;
         pthread_mutex_unlock(&s->mu);
         ae_error err = {{0}};
-        if (!skip) {
-            int64_t t0 = clock_mono_ns();
-            q->compile_rc = grammar_compile(&q->g, s->cfg.grammar, q->schema, &err);
-            if (q->compile_rc != AE_OK) snprintf(q->compile_err, sizeof q->compile_err, "%s", err.msg);
-            double ms = (double)(clock_mono_ns() - t0) / 1e6;
-            if (ms > 100) LOG_INFOF("schema_compiled ms=%.1f bytes=%zu ok=%d", ms, strlen(q->schema), q->compile_rc == AE_OK);
-        }
+        compile_job job = {s, q};
+        /* One cancelled before its turn is not started. */
+        bool skip = compile_cancelled(&job);
+        q->compile_rc = skip ? GC_CANCELLED
+                             : gc_compile(&q->g, s->cfg.grammar, q->schema, &s->cfg.compile, compile_cancelled, &job, &err);
+        if (q->compile_rc != AE_OK) snprintf(q->compile_err, sizeof q->compile_err, "%s", err.msg);
         pthread_mutex_lock(&s->mu);
+        s->compiling_now[k] = NULL;
+        s->n_compiling--;
+        if (skip) s->stats.compiles_dropped++;
+        else s->stats.compiles[q->compile_rc >= 0 && q->compile_rc <= GC_LAST ? q->compile_rc : 1]++;
         /* Queued in order of compiling (the scheduler drops it if it was
-         * cancelled meanwhile). */
+         * cancelled meanwhile, or did not compile). */
+        if (q->compile_rc == GC_CANCELLED) atomic_store(&q->cancel, true);
+        s->n_waiting++;
+        s->n_waiting_c++;
+        q->schema_wait = true;
         if (s->waiting_tail) s->waiting_tail->next = q;
         else s->waiting = q;
         s->waiting_tail = q;
@@ -348,9 +441,7 @@ static void admit(sched *s) {
         req *q = s->waiting;
         int32_t need = blocks_for(s, q);
         if (s->reserved + need > s->n_blocks) break;
-        s->waiting = q->next;
-        if (!s->waiting) s->waiting_tail = NULL;
-        s->n_waiting--;
+        unwait(s, q, NULL);
         /* Admission order is kept: prompts are prefilled first come,
          * first served. */
         q->next = NULL;
@@ -404,6 +495,30 @@ static void deliver(sched *s, req *q, int32_t c, const spec_out *o) {
         ch->done = true;
         q->n_done++;
     }
+}
+
+/* A request whose grammar masks cost more than their budget: up front
+ * cfg.mask_budget_ms, then cfg.mask_ms_per_token for each mask, over all
+ * its choices. A mask is computed on the scheduler thread inside every
+ * step, so a schema whose masks are slow slows every stream beside it;
+ * past its budget the request ends (SCHED_REFUSED, why in q->compile_err). */
+static bool over_mask_budget(const sched *s, req *q) {
+    if (!q->r.format || s->cfg.mask_budget_ms <= 0) return false;
+    uint64_t ns = 0, masks = 0;
+    for (int32_t c = 0; c < q->r.n; c++)
+        if (q->ch[c].gm) {
+            uint64_t m = 0;
+            ns += grammar_matcher_mask_ns(q->ch[c].gm, &m);
+            masks += m;
+        }
+    double ms = (double)ns / 1e6, allowed = (double)s->cfg.mask_budget_ms + s->cfg.mask_ms_per_token * (double)masks;
+    if (ms <= allowed) return false;
+    snprintf(q->compile_err, sizeof q->compile_err,
+             "the response format's token masks took %.0f ms for %llu tokens, past their budget of %lld ms + %.2f ms a "
+             "token (the target's --mask-budget-ms and --mask-ms-per-token); make the schema smaller or simpler",
+             ms, (unsigned long long)masks, (long long)s->cfg.mask_budget_ms, s->cfg.mask_ms_per_token);
+    q->mask_over = true;
+    return true;
 }
 
 static void log_line(sched *s, int64_t now) {
@@ -548,9 +663,12 @@ static void *loop_main(void *arg) {
          * a schema nothing fits) ends its request with an error, once;
          * the request's other entries in the step are skipped. */
         for (int32_t i = 0; i < n; i++) s->step_failed[i] = false;
-        for (int32_t i = 0; i < n; i++)
-            if (s->out[i].refused)
+        for (int32_t i = 0; i < n; i++) {
+            bool first = true; /* the request's first entry in the step */
+            for (int32_t j = 0; j < i; j++) first &= s->step_reqs[j] != s->step_reqs[i];
+            if (s->out[i].refused || (first && over_mask_budget(s, s->step_reqs[i])))
                 for (int32_t j = 0; j < n; j++) s->step_failed[j] |= s->step_reqs[j] == s->step_reqs[i];
+        }
         for (int32_t i = 0; i < n; i++) {
             if (!s->step_failed[i]) {
                 deliver(s, s->step_reqs[i], s->step_ch[i], &s->out[i]);
@@ -559,9 +677,17 @@ static void *loop_main(void *arg) {
             bool first = true;
             for (int32_t j = 0; j < i; j++) first &= s->step_reqs[j] != s->step_reqs[i];
             if (!first) continue;
+            req *q = s->step_reqs[i];
+            if (q->mask_over) {
+                LOG_WARNF("mask_budget_spent seq=%d reason=\"%s\"", s->in[i].seq, q->compile_err);
+                pthread_mutex_lock(&s->mu);
+                s->stats.mask_budget_spent++;
+                pthread_mutex_unlock(&s->mu);
+                finish_active(s, q, s->step_ch[i], NULL, 0, NULL, SCHED_REFUSED, q->compile_err);
+                continue;
+            }
             LOG_ERRORF("grammar_refused seq=%d", s->in[i].seq);
-            finish_active(s, s->step_reqs[i], s->step_ch[i], NULL, 0, NULL, SCHED_ERROR,
-                          "the output's grammar allowed no token");
+            finish_active(s, q, s->step_ch[i], NULL, 0, NULL, SCHED_ERROR, "the output's grammar allowed no token");
         }
         kv_stats kv = eng_kv_stats(s->e);
         eng_comm_stats cs = eng_get_comm_stats(s->e);
@@ -576,16 +702,17 @@ static void *loop_main(void *arg) {
     }
 }
 
-/* Stops the compiling thread; what it had not compiled goes to the
- * waiting queue (where a stopping scheduler cancels it). */
+/* Stops the compile workers: a running compile is given up on within
+ * GC_POLL_MS, and its request joins the waiting queue as cancelled; what
+ * is still queued for a compile stays there, for the loop to cancel. */
 static void stop_compiler(sched *s) {
-    if (!s->has_compiler) return;
+    if (!s->n_compilers) return;
     pthread_mutex_lock(&s->mu);
-    s->compiler_stop = true;
+    atomic_store(&s->compile_stop, true);
     pthread_cond_broadcast(&s->ccv);
     pthread_mutex_unlock(&s->mu);
-    pthread_join(s->compiler, NULL);
-    s->has_compiler = false;
+    for (int32_t k = 0; k < s->n_compilers; k++) pthread_join(s->compilers[k], NULL);
+    s->n_compilers = 0;
 }
 
 int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sched_sink *sink, ae_error *err) {
@@ -618,12 +745,26 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
         err_set(err, "out of memory");
         goto fail;
     }
+    if (s->cfg.compile_workers < 1) s->cfg.compile_workers = 1;
+    if (s->cfg.max_compiles < 1) s->cfg.max_compiles = 1;
     if (s->cfg.grammar) {
-        if (pthread_create(&s->compiler, NULL, compiler_main, s) != 0) {
-            err_set(err, "cannot start the schema compiling thread");
+        s->compilers = calloc((size_t)s->cfg.compile_workers, sizeof *s->compilers);
+        s->compiling_now = calloc((size_t)s->cfg.compile_workers, sizeof *s->compiling_now);
+        if (!s->compilers || !s->compiling_now) {
+            err_set(err, "out of memory");
             goto fail;
         }
-        s->has_compiler = true;
+        for (int32_t k = 0; k < s->cfg.compile_workers; k++) {
+            worker_arg *wa = malloc(sizeof *wa);
+            if (wa) *wa = (worker_arg){s, k};
+            if (!wa || pthread_create(&s->compilers[k], NULL, compiler_main, wa) != 0) {
+                free(wa);
+                err_set(err, "cannot start schema compile worker %d", k);
+                stop_compiler(s);
+                goto fail;
+            }
+            s->n_compilers++;
+        }
     }
     if (pthread_create(&s->thread, NULL, loop_main, s) != 0) {
         err_set(err, "cannot start the scheduler thread");
@@ -634,6 +775,7 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     return AE_OK;
 fail:
     free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
+    free(s->compilers), free(s->compiling_now);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     pthread_cond_destroy(&s->ccv);
@@ -649,7 +791,12 @@ void sched_drain(sched *s, int64_t timeout_ms) {
     if (until.tv_nsec >= 1000000000) until.tv_sec++, until.tv_nsec -= 1000000000;
     pthread_mutex_lock(&s->mu);
     s->draining = true;
-    while ((s->active || s->waiting || s->compiling) && pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
+    /* Compiles are not waited for: running ones are given up on, queued
+     * ones cancelled (the loop ends them); admitted requests may finish. */
+    atomic_store(&s->compile_stop, true);
+    pthread_cond_broadcast(&s->ccv);
+    while ((s->active || s->waiting || s->compiling || s->n_compiling) &&
+           pthread_cond_timedwait(&s->cv, &s->mu, &until) == 0) {
     }
     int32_t left = s->n_active + s->n_waiting;
     pthread_mutex_unlock(&s->mu);
@@ -665,6 +812,7 @@ void sched_free(sched *s) {
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
     free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
+    free(s->compilers), free(s->compiling_now);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     pthread_cond_destroy(&s->ccv);
@@ -675,6 +823,7 @@ sched_stats sched_get_stats(sched *s) {
     pthread_mutex_lock(&s->mu);
     sched_stats st = s->stats;
     st.waiting = s->n_waiting;
+    st.compiling = s->n_compiling;
     st.running = st.prefilling = 0;
     for (req *q = s->active; q; q = q->next) {
         if (q->state == REQ_RUNNING) st.running++;

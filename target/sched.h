@@ -27,6 +27,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "gcompile.h"
 #include "spec.h"
 
 #define SCHED_MAX_STOP 16
@@ -39,7 +40,8 @@ typedef enum sched_finish {
     SCHED_LENGTH = 2,    /* max_tokens */
     SCHED_CANCELLED = 3,
     SCHED_ERROR = 4,     /* the engine failed; error says why */
-    SCHED_REFUSED = 5,   /* the request cannot be served (a schema that does not compile); error says why */
+    SCHED_REFUSED = 5,   /* the request cannot be served (a schema that does not compile, or passed a compile or
+                          * mask budget); error says why */
 } sched_finish;
 
 typedef struct sched_request {
@@ -107,10 +109,30 @@ typedef struct sched_config {
     int32_t log_interval_ms; /* 0: no periodic line */
     bool speculating;    /* a drafter is configured (for the log line) */
     grammar_vocab *grammar; /* structured output's automaton; NULL: refused */
+    /* Requests with a response format: compile workers (each compile on a
+     * thread of its own, gcompile.h; 0: 1), and requests queued for or in
+     * a compile, or compiled and waiting for a slot, at most (0: 1; apart
+     * from max_queue, so neither kind can refuse the other). */
+    int32_t compile_workers;
+    int32_t max_compiles;
+    gc_limits compile;
+    /* A request's grammar masks may take mask_budget_ms up front, then
+     * mask_ms_per_token for each mask, over all its choices (0: no
+     * budget); past that it ends, refused. */
+    int64_t mask_budget_ms;
+    double mask_ms_per_token;
 } sched_config;
 
 typedef struct sched_stats {
     int32_t running, prefilling, waiting;
+    int32_t compiling; /* requests queued for or in a schema compile */
+    /* Compiles by result, indexed by gc_compile's code (0 ok, 1 our error,
+     * GRAMMAR_REFUSED, GC_TIMEOUT, GC_CANCELLED);
+     * requests dropped from the compile queue before theirs ran; requests
+     * ended for spending their mask budget. */
+    uint64_t compiles[GC_LAST + 1];
+    uint64_t compiles_dropped;
+    uint64_t mask_budget_spent;
     int32_t kv_blocks_used, kv_blocks, kv_blocks_reserved;
     uint64_t requests_done, requests_cancelled, requests_refused;
     uint64_t requests_constrained; /* admitted with a response format */
