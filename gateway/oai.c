@@ -554,6 +554,15 @@ static int call_schema(oai_request *r, const cJSON *tools, oai_error *e) {
     cJSON *root = cJSON_GetArraySize(any) == 1 ? cJSON_DetachItemFromArray(any, 0) : cJSON_CreateObject();
     if (root && cJSON_GetArraySize(any) > 0) cJSON_AddItemToObject(root, "anyOf", any), any = NULL;
     cJSON_Delete(any);
+    if (!root) return oai_oom(e);
+    /* Each tool's parameters passed alone; the schema that is compiled is
+     * all of them together, and the limits are the document's. */
+    char why[256];
+    if (schema_check(root, why, sizeof why) != AE_OK) {
+        cJSON_Delete(root);
+        return oai_bad(e, "tools", "unsupported_schema", "the schema of a call to %s: %s",
+                       r->tool_choice == OAI_TOOLS_NAMED ? "the named tool" : "any of the tools, all together", why);
+    }
     int rc = set_schema(r, root, e);
     cJSON_Delete(root);
     return rc;

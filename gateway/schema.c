@@ -1,5 +1,6 @@
 #include "schema.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -8,9 +9,42 @@
 typedef struct walk {
     const cJSON *root;
     int nodes;
+    int literals;         /* enum values and consts */
+    size_t literal_bytes; /* their JSON text */
+    int alternatives;     /* anyOf entries */
     char *why;
     size_t cap;
 } walk;
+
+/* The JSON text of a literal, counted against SCHEMA_MAX_LITERAL_BYTES. */
+static size_t literal_bytes(const cJSON *v) {
+    if (cJSON_IsString(v)) return strlen(v->valuestring) + 2;
+    char *t = cJSON_PrintUnformatted(v);
+    size_t n = t ? strlen(t) : SCHEMA_MAX_LITERAL_BYTES + 1;
+    cJSON_free(t);
+    return n;
+}
+
+/* Counts n literals starting at v (a list's first, or one const). */
+static int count_literals(walk *w, const cJSON *v, bool list, const char *key, const char *at) {
+    for (; v; v = list ? v->next : NULL) {
+        w->literals++;
+        w->literal_bytes += literal_bytes(v);
+        if (w->literals > SCHEMA_MAX_ENUM_TOTAL)
+            return snprintf(w->why, w->cap, "the document has more than %d enum values and consts (limit reached at %s)",
+                            SCHEMA_MAX_ENUM_TOTAL, at),
+                   AE_ERR;
+        if (w->literal_bytes > SCHEMA_MAX_LITERAL_BYTES)
+            return snprintf(w->why, w->cap,
+                            "the document's enum values and consts take more than %d bytes of JSON (limit reached "
+                            "at %s)",
+                            SCHEMA_MAX_LITERAL_BYTES, at),
+                   AE_ERR;
+        if (!list) break;
+    }
+    (void)key;
+    return AE_OK;
+}
 
 /* "'key' at place what" */
 static int refuse(walk *w, const char *key, const char *at, const char *what) {
@@ -32,6 +66,7 @@ static const cJSON *resolve(const cJSON *root, const char *ref) {
     if (strncmp(ref, "#/", 2) != 0) return NULL;
     const cJSON *at = root;
     const char *p = ref + 2;
+    if (!*p) return NULL; /* "#/": a key that is the empty string */
     while (*p) {
         char key[256];
         size_t n = strcspn(p, "/");
@@ -58,6 +93,46 @@ static bool is_count(const cJSON *v) {
     return cJSON_IsNumber(v) && v->valuedouble >= 0 && v->valuedouble <= 1e9 && v->valuedouble == (double)(long)v->valuedouble;
 }
 
+static const cJSON *num(const cJSON *s, const char *key) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(s, key);
+    return cJSON_IsNumber(v) ? v : NULL;
+}
+
+/* Whether s says its type is integer (alone or in a list). */
+static bool says_integer(const cJSON *s) {
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(s, "type");
+    if (cJSON_IsString(t)) return strcmp(t->valuestring, "integer") == 0;
+    for (const cJSON *e = cJSON_IsArray(t) ? t->child : NULL; e; e = e->next)
+        if (cJSON_IsString(e) && strcmp(e->valuestring, "integer") != 0) return false;
+    return cJSON_IsArray(t) && t->child;
+}
+
+/* Numeric bounds that leave nothing between them. */
+static int check_range(walk *w, const cJSON *s, const char *at) {
+    const cJSON *lo = num(s, "minimum"), *hi = num(s, "maximum"), *xlo = num(s, "exclusiveMinimum"),
+                *xhi = num(s, "exclusiveMaximum");
+    const cJSON *los[2] = {lo, xlo}, *his[2] = {hi, xhi};
+    static const char *const lon[2] = {"minimum", "exclusiveMinimum"}, *const hin[2] = {"maximum", "exclusiveMaximum"};
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) {
+            if (!los[i] || !his[j]) continue;
+            double a = los[i]->valuedouble, b = his[j]->valuedouble;
+            if (i == 0 && j == 0 ? a > b : a >= b)
+                return snprintf(w->why, w->cap, "'%s' %.17g at %s leaves no number below '%s' %.17g", lon[i], a, at, hin[j],
+                                b),
+                       AE_ERR;
+        }
+    if (says_integer(s) && (lo || xlo) && (hi || xhi)) {
+        double a = -INFINITY, b = INFINITY;
+        if (lo) a = ceil(lo->valuedouble);
+        if (xlo && floor(xlo->valuedouble) + 1 > a) a = floor(xlo->valuedouble) + 1;
+        if (hi) b = floor(hi->valuedouble);
+        if (xhi && ceil(xhi->valuedouble) - 1 < b) b = ceil(xhi->valuedouble) - 1;
+        if (a > b) return snprintf(w->why, w->cap, "the bounds at %s leave no integer between them", at), AE_ERR;
+    }
+    return AE_OK;
+}
+
 static int check(walk *w, const cJSON *s, const char *at, int depth) {
     if (!cJSON_IsObject(s)) return snprintf(w->why, w->cap, "the schema at %s is not an object", at), AE_ERR;
     if (depth > SCHEMA_MAX_DEPTH)
@@ -70,7 +145,7 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
         if (strcmp(k, "type") == 0) {
             bool ok = cJSON_IsString(f) && one_of(f->valuestring, types, 7);
             if (cJSON_IsArray(f)) {
-                ok = cJSON_GetArraySize(f) > 0;
+                ok = cJSON_GetArraySize(f) > 0 && cJSON_GetArraySize(f) <= 7;
                 for (const cJSON *t = f->child; t && ok; t = t->next) ok = cJSON_IsString(t) && one_of(t->valuestring, types, 7);
             }
             if (!ok) return refuse(w, k, at, "must be a JSON type or a list of them");
@@ -88,11 +163,24 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
         } else if (strcmp(k, "enum") == 0) {
             if (!cJSON_IsArray(f) || cJSON_GetArraySize(f) < 1)
                 return refuse(w, k, at, "must be a non-empty list");
+            int n = cJSON_GetArraySize(f);
+            if (n > SCHEMA_MAX_ENUM)
+                return snprintf(w->why, w->cap, "'enum' at %s has %d values; at most %d", at, n, SCHEMA_MAX_ENUM), AE_ERR;
+            if (count_literals(w, f->child, true, k, at) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "const") == 0) {
-            continue; /* any JSON value */
+            /* any JSON value */
+            if (count_literals(w, f, false, k, at) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "anyOf") == 0) {
             if (!cJSON_IsArray(f) || cJSON_GetArraySize(f) < 1)
                 return refuse(w, k, at, "must be a non-empty list of schemas");
+            int n = cJSON_GetArraySize(f);
+            if (n > SCHEMA_MAX_ANYOF)
+                return snprintf(w->why, w->cap, "'anyOf' at %s has %d alternatives; at most %d", at, n, SCHEMA_MAX_ANYOF),
+                       AE_ERR;
+            if ((w->alternatives += n) > SCHEMA_MAX_ALTERNATIVES)
+                return snprintf(w->why, w->cap, "the document has more than %d anyOf alternatives (limit reached at %s)",
+                                SCHEMA_MAX_ALTERNATIVES, at),
+                       AE_ERR;
             int i = 0;
             for (const cJSON *a = f->child; a; a = a->next, i++) {
                 char idx[16];
@@ -104,9 +192,16 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
         } else if (strcmp(k, "minItems") == 0 || strcmp(k, "maxItems") == 0 || strcmp(k, "minLength") == 0 ||
                    strcmp(k, "maxLength") == 0) {
             if (!is_count(f)) return refuse(w, k, at, "must be an integer >= 0");
+            if (f->valuedouble > SCHEMA_MAX_REPEAT)
+                return snprintf(w->why, w->cap, "'%s' at %s is %.0f; at most %d", k, at, f->valuedouble, SCHEMA_MAX_REPEAT),
+                       AE_ERR;
         } else if (strcmp(k, "minimum") == 0 || strcmp(k, "maximum") == 0 || strcmp(k, "exclusiveMinimum") == 0 ||
                    strcmp(k, "exclusiveMaximum") == 0) {
             if (!cJSON_IsNumber(f)) return refuse(w, k, at, "must be a number");
+            if (!(fabs(f->valuedouble) <= SCHEMA_MAX_NUMBER))
+                return snprintf(w->why, w->cap, "'%s' at %s is %.17g; it must be between -2^53 and 2^53", k, at,
+                                f->valuedouble),
+                       AE_ERR;
         } else if (strcmp(k, "$ref") == 0) {
             if (!cJSON_IsString(f) || !resolve(w->root, f->valuestring))
                 return refuse(w, k, at, "must point into this document (\"#/$defs/name\")");
@@ -115,8 +210,9 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
         }
     }
     /* Bounds that allow nothing cannot be compiled into a grammar. */
-    static const char *const pairs[][2] = {{"minLength", "maxLength"}, {"minItems", "maxItems"}, {"minimum", "maximum"}};
-    for (size_t i = 0; i < 3; i++) {
+    static const char *const pairs[][2] = {{"minLength", "maxLength"}, {"minItems", "maxItems"}};
+    if (check_range(w, s, at) != AE_OK) return AE_ERR;
+    for (size_t i = 0; i < 2; i++) {
         const cJSON *lo = cJSON_GetObjectItemCaseSensitive(s, pairs[i][0]), *hi = cJSON_GetObjectItemCaseSensitive(s, pairs[i][1]);
         if (cJSON_IsNumber(lo) && cJSON_IsNumber(hi) && lo->valuedouble > hi->valuedouble)
             return snprintf(w->why, w->cap, "'%s' at %s is more than '%s'", pairs[i][0], at, pairs[i][1]), AE_ERR;
@@ -125,6 +221,13 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
 }
 
 int schema_check(const cJSON *schema, char *why, size_t cap) {
-    walk w = {schema, 0, why, cap};
-    return check(&w, schema, "#", 0);
+    walk w = {schema, 0, 0, 0, 0, why, cap};
+    if (check(&w, schema, "#", 0) != AE_OK) return AE_ERR;
+    char *text = cJSON_PrintUnformatted(schema);
+    size_t n = text ? strlen(text) : 0;
+    cJSON_free(text);
+    if (!text) return snprintf(why, cap, "out of memory"), AE_ERR;
+    if (n > SCHEMA_MAX_BYTES)
+        return snprintf(why, cap, "the schema is %zu bytes of compact JSON; at most %d", n, SCHEMA_MAX_BYTES), AE_ERR;
+    return AE_OK;
 }

@@ -101,6 +101,10 @@ static int refused(ae_error *err, const std::exception &e) {
     } else {
         r = w;
     }
+    while (*r == ' ' || *r == '\n') r++;
+    // Some of the engine's checks carry no words (an infinite bound was
+    // one): the reason is then said in ours.
+    if (!*r) r = "the grammar engine refused it without a reason (check the schema's numbers and bounds)";
     return err_set(err, "the schema cannot be compiled: %.300s", r), GRAMMAR_REFUSED;
 }
 

@@ -162,6 +162,13 @@ static void test_masks_allow_exactly_what_the_schema_allows(void **state) {
     assert_int_equal(grammar_matcher_init(&m, f.gv, "{\"type\": 3", &err), GRAMMAR_REFUSED);
     assert_null(m);
     printf("bad schema: %s\n", err.msg);
+    /* One of the engine's refusals carries no words of its own (an
+     * infinite bound): the reason is never empty. */
+    err_clear(&err);
+    assert_int_equal(grammar_matcher_init(&m, f.gv, "{\"type\":\"number\",\"minimum\":1e308,\"maximum\":1e309}", &err),
+                     GRAMMAR_REFUSED);
+    assert_string_equal(err.msg, "the schema cannot be compiled: the grammar engine refused it without a reason (check "
+                                 "the schema's numbers and bounds)");
     close_fixture(&f);
 }
 

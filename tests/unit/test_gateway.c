@@ -13,6 +13,7 @@
 
 #include "../../gateway/metrics.h"
 #include "../../gateway/oai.h"
+#include "../../gateway/schema.h"
 #include "../../gateway/toolcall.h"
 #include "../../gateway/stop.h"
 
@@ -401,6 +402,184 @@ static void test_response_format_and_the_schema_subset(void **state) {
                                    "items/items/items/items/items/items/items/items/items/items/items/items");
 #undef JS
 #undef RF
+}
+
+
+/* A growing text buffer for the schemas below. */
+typedef struct sbuf {
+    char *p;
+    size_t n, cap;
+} sbuf;
+
+static void sb_add(sbuf *b, const char *fmt, ...) {
+    va_list ap;
+    for (;;) {
+        va_start(ap, fmt);
+        int k = vsnprintf(b->p ? b->p + b->n : NULL, b->p ? b->cap - b->n : 0, fmt, ap);
+        va_end(ap);
+        if (b->p && (size_t)k < b->cap - b->n) {
+            b->n += (size_t)k;
+            return;
+        }
+        b->cap = b->cap * 2 + (size_t)k + 4096;
+        b->p = realloc(b->p, b->cap);
+    }
+}
+
+/* schema_check's words for text, "" when it passes. */
+static char *check_text(const char *text) {
+    static char why[512];
+    ae_error err = {{0}};
+    cJSON *j = cJSON_Parse(text);
+    assert_non_null(j);
+    why[0] = '\0';
+    if (schema_check(j, why, sizeof why) != AE_OK) assert_true(why[0] != '\0');
+    cJSON_Delete(j);
+    (void)err;
+    return why;
+}
+
+/* An enum of n strings of len characters ("v" and digits, padded), at
+ * #/properties/NAME. */
+static void sb_enum(sbuf *b, const char *name, int n, int len) {
+    sb_add(b, "\"%s\":{\"enum\":[", name);
+    for (int i = 0; i < n; i++) sb_add(b, "%s\"v%0*d\"", i ? "," : "", len - 1, i);
+    sb_add(b, "]}");
+}
+
+/* The limits that bound a schema's compile and masks (schema.h): each is
+ * refused with the limit and the value found; schemas at the limits
+ * pass. */
+static void test_schema_limits_name_the_limit_and_value(void **state) {
+    (void)state;
+    sbuf b = {0};
+    /* Values in one enum: 1,024 pass, 1,025 do not; the 12,000-entry enum
+     * that compiled for 10-16 s. */
+    int sizes[3] = {1024, 1025, 12000};
+    const char *want[3] = {"", "'enum' at #/properties/v has 1025 values; at most 1024",
+                           "'enum' at #/properties/v has 12000 values; at most 1024"};
+    for (int k = 0; k < 3; k++) {
+        b.n = 0;
+        sb_add(&b, "{\"type\":\"object\",\"properties\":{");
+        sb_enum(&b, "v", sizes[k], 14);
+        sb_add(&b, "}}");
+        assert_string_equal(check_text(b.p), want[k]);
+    }
+    /* Enum values in the document, and their bytes. */
+    b.n = 0;
+    sb_add(&b, "{\"type\":\"object\",\"properties\":{");
+    for (int i = 0; i < 5; i++) {
+        char name[8];
+        snprintf(name, sizeof name, "e%d", i);
+        if (i) sb_add(&b, ",");
+        sb_enum(&b, name, 1000, 4);
+    }
+    sb_add(&b, "}}");
+    assert_string_equal(check_text(b.p),
+                        "the document has more than 4096 enum values and consts (limit reached at #/properties/e4)");
+    b.n = 0;
+    sb_add(&b, "{\"type\":\"object\",\"properties\":{");
+    sb_enum(&b, "long", 1000, 70);
+    sb_add(&b, "}}");
+    assert_string_equal(check_text(b.p), "the document's enum values and consts take more than 65536 bytes of JSON (limit "
+                                         "reached at #/properties/long)");
+    /* Alternatives: in one anyOf, and in the document. The issue's
+     * schema: 1,500 strings of different length ranges (30-64 ms a mask). */
+    int alts[3] = {64, 65, 1500};
+    const char *want_alt[3] = {"", "'anyOf' at #/items has 65 alternatives; at most 64",
+                               "'anyOf' at #/items has 1500 alternatives; at most 64"};
+    for (int k = 0; k < 3; k++) {
+        b.n = 0;
+        sb_add(&b, "{\"type\":\"array\",\"items\":{\"anyOf\":[");
+        for (int i = 0; i < alts[k]; i++)
+            sb_add(&b, "%s{\"type\":\"string\",\"minLength\":%d,\"maxLength\":%d}", i ? "," : "", i, i + 3 + i % 5);
+        sb_add(&b, "]}}");
+        assert_string_equal(check_text(b.p), want_alt[k]);
+    }
+    b.n = 0;
+    sb_add(&b, "{\"type\":\"object\",\"properties\":{");
+    for (int p = 0; p < 5; p++) {
+        sb_add(&b, "%s\"a%d\":{\"anyOf\":[", p ? "," : "", p);
+        for (int i = 0; i < 60; i++) sb_add(&b, "%s{\"const\":%d}", i ? "," : "", i);
+        sb_add(&b, "]}");
+    }
+    sb_add(&b, "}}");
+    assert_string_equal(check_text(b.p), "the document has more than 256 anyOf alternatives (limit reached at "
+                                         "#/properties/a4)");
+    /* Lengths, counts and numbers. */
+    struct {
+        const char *schema, *why;
+    } cases[] = {
+        {"{\"type\":\"string\",\"maxLength\":10000}", ""},
+        {"{\"type\":\"string\",\"maxLength\":10001}", "'maxLength' at # is 10001; at most 10000"},
+        {"{\"type\":\"string\",\"minLength\":20000}", "'minLength' at # is 20000; at most 10000"},
+        {"{\"type\":\"array\",\"maxItems\":1000000}", "'maxItems' at # is 1000000; at most 10000"},
+        {"{\"type\":\"array\",\"minItems\":10001}", "'minItems' at # is 10001; at most 10000"},
+        {"{\"type\":\"integer\",\"minimum\":-9007199254740992,\"maximum\":9007199254740992}", ""},
+        {"{\"type\":\"integer\",\"minimum\":1e16}", "'minimum' at # is 10000000000000000; it must be between -2^53 and 2^53"},
+        {"{\"type\":\"number\",\"minimum\":1,\"maximum\":1e309}", "'maximum' at # is inf; it must be between -2^53 and 2^53"},
+        {"{\"type\":\"integer\",\"exclusiveMaximum\":-1e20}",
+         "'exclusiveMaximum' at # is -1e+20; it must be between -2^53 and 2^53"},
+        /* Small ones: bounds that leave nothing, a pointer to "". */
+        {"{\"type\":\"number\",\"exclusiveMinimum\":5,\"exclusiveMaximum\":2}",
+         "'exclusiveMinimum' 5 at # leaves no number below 'exclusiveMaximum' 2"},
+        {"{\"type\":\"number\",\"exclusiveMinimum\":2,\"exclusiveMaximum\":2}",
+         "'exclusiveMinimum' 2 at # leaves no number below 'exclusiveMaximum' 2"},
+        {"{\"type\":\"number\",\"minimum\":3,\"exclusiveMaximum\":3}",
+         "'minimum' 3 at # leaves no number below 'exclusiveMaximum' 3"},
+        {"{\"type\":\"number\",\"exclusiveMinimum\":4,\"maximum\":1.5}",
+         "'exclusiveMinimum' 4 at # leaves no number below 'maximum' 1.5"},
+        {"{\"type\":\"number\",\"minimum\":2,\"maximum\":2}", ""},
+        {"{\"type\":\"integer\",\"exclusiveMinimum\":1,\"exclusiveMaximum\":2}",
+         "the bounds at # leave no integer between them"},
+        {"{\"type\":\"integer\",\"minimum\":1.2,\"maximum\":1.8}", "the bounds at # leave no integer between them"},
+        {"{\"type\":\"integer\",\"exclusiveMinimum\":1,\"exclusiveMaximum\":3}", ""},
+        {"{\"type\":[\"integer\",\"null\"],\"exclusiveMinimum\":1,\"exclusiveMaximum\":2}",
+         ""},
+        {"{\"$ref\":\"#/\"}", "'$ref' at # must point into this document (\"#/$defs/name\")"},
+        {"{\"type\":[\"string\",\"string\",\"string\",\"string\",\"string\",\"string\",\"string\",\"null\"]}",
+         "'type' at # must be a JSON type or a list of them"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *got = check_text(cases[i].schema);
+        if (strcmp(got, cases[i].why) != 0) fail_msg("%s: got \"%s\", want \"%s\"", cases[i].schema, got, cases[i].why);
+    }
+    /* The document's text. */
+    b.n = 0;
+    sb_add(&b, "{\"type\":\"object\",\"properties\":{");
+    for (int i = 0; i < 1500; i++) sb_add(&b, "%s\"p%099d\":{\"type\":\"string\"}", i ? "," : "", i);
+    sb_add(&b, "}}");
+    assert_string_equal(check_text(b.p), "the schema is 181532 bytes of compact JSON; at most 131072");
+    free(b.p);
+}
+
+/* The schema of a tool call is all the tools' parameters at once: each
+ * passes alone, the whole is checked too. */
+static void test_the_combined_tool_schema_is_checked(void **state) {
+    (void)state;
+    sbuf b = {0};
+    sb_add(&b, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": "
+               "\"required\", \"tools\": [");
+    for (int t = 0; t < 64; t++) {
+        sb_add(&b, "%s{\"type\": \"function\", \"function\": {\"name\": \"f%d\", \"parameters\": {\"type\": \"object\", "
+                   "\"properties\": {",
+               t ? "," : "", t);
+        for (int p = 0; p < 40; p++) sb_add(&b, "%s\"p%d\": {\"type\": \"integer\"}", p ? "," : "", p);
+        sb_add(&b, "}}}}");
+    }
+    sb_add(&b, "]}");
+    oai_request r;
+    oai_error e;
+    assert_int_equal(parse(&r, OAI_CHAT, b.p, &e), AE_ERR);
+    assert_string_equal(e.param, "tools");
+    assert_string_equal(e.message, "the schema of a call to any of the tools, all together: the document has more than "
+                                   "2048 schemas (at #/anyOf/47/properties/arguments/properties/p23)");
+    /* The same tools with tool_choice auto: no schema is compiled. */
+    char *autoc = strstr(b.p, "\"required\"");
+    memcpy(autoc, "\"auto\"    ", 10);
+    assert_int_equal(parse(&r, OAI_CHAT, b.p, &e), AE_OK);
+    oai_request_free(&r);
+    free(b.p);
 }
 
 static void test_tool_calls_are_found_in_replies(void **state) {
@@ -794,6 +973,8 @@ int main(void) {
         cmocka_unit_test(test_completion_prompts_text_ids_and_batches_of_one),
         cmocka_unit_test(test_penalties_biases_and_logprobs_are_parsed),
         cmocka_unit_test(test_response_format_and_the_schema_subset),
+        cmocka_unit_test(test_schema_limits_name_the_limit_and_value),
+        cmocka_unit_test(test_the_combined_tool_schema_is_checked),
         cmocka_unit_test(test_tool_calls_are_found_in_replies),
         cmocka_unit_test(test_tools_and_tool_messages_are_parsed),
         cmocka_unit_test(test_bad_requests_name_their_field),
