@@ -51,9 +51,11 @@ static const cfg_option opts[] = {
     {"compile-timeout-ms", CFG_INT, "10000", 100, 600000,
      "a schema's compile may take this long; past it the child is killed and the request refused"},
     {"mask-budget-ms", CFG_INT, "500", 0, 3600000,
-     "a request's grammar masks may take this long up front (0: no budget), then mask-ms-per-token for each token"},
+     "a request's grammar masks may take this long up front (0: no budget), then mask-ms-per-token for each token "
+     "position; past it the request is refused"},
     {"mask-ms-per-token", CFG_DOUBLE, "2", 0, 1000,
-     "a request's grammar masks' time per token beyond mask-budget-ms (a typical mask takes tens of microseconds)"},
+     "a request's grammar masks' time per token position beyond mask-budget-ms, its choices' masks together (a "
+     "typical mask takes tens of microseconds)"},
     {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS,
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
      "since the two take turns within each step: README, Threads)"},

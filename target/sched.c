@@ -498,25 +498,30 @@ static void deliver(sched *s, req *q, int32_t c, const spec_out *o) {
 }
 
 /* A request whose grammar masks cost more than their budget: up front
- * cfg.mask_budget_ms, then cfg.mask_ms_per_token for each mask, over all
- * its choices. A mask is computed on the scheduler thread inside every
- * step, so a schema whose masks are slow slows every stream beside it;
- * past its budget the request ends (SCHED_REFUSED, why in q->compile_err). */
+ * cfg.mask_budget_ms, then cfg.mask_ms_per_token for each token position
+ * (its choices' masks at one position count once: n choices may spend n
+ * times as long, as every other stream waits for all of them). A mask is
+ * computed on the scheduler thread inside every step, so a schema whose
+ * masks are slow slows every stream beside it; past its budget the
+ * request ends (SCHED_REFUSED, why in q->compile_err). */
 static bool over_mask_budget(const sched *s, req *q) {
     if (!q->r.format || s->cfg.mask_budget_ms <= 0) return false;
-    uint64_t ns = 0, masks = 0;
+    uint64_t ns = 0, masks = 0, most = 0;
     for (int32_t c = 0; c < q->r.n; c++)
         if (q->ch[c].gm) {
             uint64_t m = 0;
             ns += grammar_matcher_mask_ns(q->ch[c].gm, &m);
             masks += m;
+            if (m > most) most = m;
         }
-    double ms = (double)ns / 1e6, allowed = (double)s->cfg.mask_budget_ms + s->cfg.mask_ms_per_token * (double)masks;
+    double ms = (double)ns / 1e6, allowed = (double)s->cfg.mask_budget_ms + s->cfg.mask_ms_per_token * (double)most;
     if (ms <= allowed) return false;
     snprintf(q->compile_err, sizeof q->compile_err,
-             "the response format's token masks took %.0f ms for %llu tokens, past their budget of %lld ms + %.2f ms a "
-             "token (the target's --mask-budget-ms and --mask-ms-per-token); make the schema smaller or simpler",
-             ms, (unsigned long long)masks, (long long)s->cfg.mask_budget_ms, s->cfg.mask_ms_per_token);
+             "the response format's token masks took %.0f ms for %llu tokens (%llu positions), past their budget of %lld "
+             "ms + %.2f ms a position (the target's --mask-budget-ms and --mask-ms-per-token); make the schema smaller "
+             "or simpler",
+             ms, (unsigned long long)masks, (unsigned long long)most, (long long)s->cfg.mask_budget_ms,
+             s->cfg.mask_ms_per_token);
     q->mask_over = true;
     return true;
 }

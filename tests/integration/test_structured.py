@@ -180,3 +180,30 @@ def test_a_slow_schema_compile_does_not_stall_other_requests(pair):  # noqa: F81
     print(f"fast request: {done['fast'] - t0:.2f} s; the big schema's request ended "
           f"{done['slow'] - done['fast']:.2f} s after it")
     assert done["fast"] < done["slow"]
+
+
+@pytest.mark.parametrize("schema,msg", [
+    ({"type": "object", "properties": {"v": {"enum": [f"v{i:013d}" for i in range(1025)]}}},
+     "'enum' at #/properties/v has 1025 values; at most 1024"),
+    ({"type": "array", "items": {"anyOf": [{"type": "string", "minLength": i, "maxLength": i + 3 + i % 5}
+                                           for i in range(1500)]}},
+     "'anyOf' at #/items has 1500 alternatives; at most 64"),
+    ({"type": "string", "maxLength": 10001}, "'maxLength' at # is 10001; at most 10000"),
+    ({"$ref": "#/"}, "'$ref' at # must point into this document (\"#/$defs/name\")"),
+    ({"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 2},
+     "'exclusiveMinimum' 5 at # leaves no number below 'exclusiveMaximum' 2"),
+])
+def test_schemas_past_a_limit_are_a_400_naming_it(pair, schema, msg):  # noqa: F811
+    """The limits that bound a compile's time and a mask's (gateway/schema.h):
+    the 1,500-alternative schema that slowed every stream 20 times, and the
+    kind of enum that compiled for seconds, are refused before they reach
+    a target."""
+    g = pair[0]
+    with pytest.raises(openai.BadRequestError) as ei:
+        g.client().chat.completions.create(
+            model=g.name, messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    assert ei.value.body["param"] == "response_format" and ei.value.body["message"] == msg
+    r = g.client().chat.completions.create(model=g.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")

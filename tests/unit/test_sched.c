@@ -313,8 +313,9 @@ static void test_mask_budget_ends_a_costly_request(void **state) {
     sched_free(s);
     printf("%s\n", f->req[0].error);
     assert_int_equal(f->req[0].finish, SCHED_REFUSED);
-    assert_non_null(strstr(f->req[0].error, "past their budget of 1 ms + 0.00 ms a token (the target's --mask-budget-ms "
-                                            "and --mask-ms-per-token); make the schema smaller or simpler"));
+    assert_non_null(strstr(f->req[0].error, "past their budget of 1 ms + 0.00 ms a position (the target's "
+                                            "--mask-budget-ms and --mask-ms-per-token); make the schema smaller or "
+                                            "simpler"));
     assert_int_equal(st.mask_budget_spent, 1);
 }
 
