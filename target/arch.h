@@ -84,5 +84,41 @@ int arch_load_ends(model *m, const char *embd, const char *norm, const char *out
 int64_t arch_gguf_int(const gguf_file *f, const char *name, const char *suffix, int64_t def);
 /* The same, required to be in 1..INT32_MAX. */
 int arch_gguf_required(const gguf_file *f, const char *name, const char *suffix, int32_t *out, ae_error *err);
+/* GGUF's {name}.{suffix} key into *out, an f32 or f64 (arch_gguf_num) or
+ * an integer (arch_gguf_int_key), or def when it is absent; present with
+ * another type is an error naming the key rather than the default. */
+int arch_gguf_num(const gguf_file *f, const char *name, const char *suffix, double def, double *out, ae_error *err);
+int arch_gguf_int_key(const gguf_file *f, const char *name, const char *suffix, int64_t def, int64_t *out,
+                      ae_error *err);
+
+/* The keys a config's RoPE numbers were read from, for arch_check_rope's
+ * errors: `where` comes before every name, `scaling` before YaRN's. A
+ * GGUF file's: "key deepseek2." + "rope.freq_base", "rope.scaling." +
+ * "factor"; a config.json's: "" + "rope_theta", "rope_scaling." +
+ * "factor" (the caller then puts the file's path in front). dims NULL: the
+ * rotated dims are the head's, which check_config checks (model.c). */
+typedef struct arch_rope_keys {
+    const char *where;
+    const char *theta, *dims;
+    const char *scaling;
+    const char *factor, *original, *beta_fast, *beta_slow;
+} arch_rope_keys;
+
+/* RoPE's numbers as a config reader built them (model_config.rope), for
+ * every architecture and both formats, checked where they are read
+ * rather than when the weights are loaded (kn_rope_init): the base finite
+ * and in (0, 1e12], and above 1 with YaRN, whose band divides by its log;
+ * the dims even, 2..KN_MAX_HEAD_DIM (RoPE turns pairs); YaRN's factor in
+ * [1, 1e6] (it divides the frequencies, and ln(factor) scales the
+ * softmax), its original context in 1..2^30, beta_fast and beta_slow in
+ * (0, 1e6] with beta_fast >= beta_slow (the band runs from beta_fast's
+ * dims to beta_slow's). The bounds are config.json's reader's
+ * (services/model/hfconfig.c), so both formats refuse the same numbers.
+ * Errors name the key and its value. */
+int arch_check_rope(const kn_rope_config *r, const arch_rope_keys *k, ae_error *err);
+/* The same for c->rope as read from the config.json at path (hc), whose
+ * rotated dims are the key dims (NULL: the head's); errors start with
+ * the path. */
+int arch_check_rope_hf(const model_config *c, const hfcfg *hc, const char *dims, const char *path, ae_error *err);
 
 #endif

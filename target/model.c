@@ -29,17 +29,21 @@ static int check_config(const model_config *c, ae_error *err) {
     return AE_OK;
 }
 
-/* The GGUF file's architecture, its hyperparameters and tensors. */
-static int load_gguf(model *m, const char *path, ae_error *err) {
-    if (weights_open(&m->w, path, m->be, err) != AE_OK) return AE_ERR;
-    model_config *c = &m->cfg;
+int model_config_gguf(model_config *c, const struct arch **a, const gguf_file *f, ae_error *err) {
+    memset(c, 0, sizeof *c);
     gguf_str s;
-    if (gguf_get_str(m->w->gguf, "general.architecture", &s, err) != AE_OK) return AE_ERR;
+    if (gguf_get_str(f, "general.architecture", &s, err) != AE_OK) return AE_ERR;
     if (s.len >= sizeof c->arch) return err_set(err, "general.architecture is too long");
     memcpy(c->arch, s.ptr, s.len);
     c->arch[s.len] = '\0';
-    if (!(m->arch = arch_for_gguf(c->arch, err)) || m->arch->config_gguf(c, m->w->gguf, err) != AE_OK ||
-        check_config(c, err) != AE_OK)
+    if (!(*a = arch_for_gguf(c->arch, err)) || (*a)->config_gguf(c, f, err) != AE_OK) return AE_ERR;
+    return check_config(c, err);
+}
+
+/* The GGUF file's architecture, its hyperparameters and tensors. */
+static int load_gguf(model *m, const char *path, ae_error *err) {
+    if (weights_open(&m->w, path, m->be, err) != AE_OK ||
+        model_config_gguf(&m->cfg, &m->arch, m->w->gguf, err) != AE_OK)
         return AE_ERR;
     return m->arch->load(m, err);
 }

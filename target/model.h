@@ -118,6 +118,10 @@ void model_free(model *m); /* NULL is a no-op */
 struct arch;
 int model_config_read(model_config *c, const struct arch **a, hfcfg *hc, const char *path, ae_error *err);
 
+/* The same from an open GGUF file's keys (and its embedding table's
+ * shape), as model_load reads them, without its weights. */
+int model_config_gguf(model_config *c, const struct arch **a, const gguf_file *f, ae_error *err);
+
 /* Bytes read from weights by one decode step of one token, as the
  * model's architecture counts them (arch.h decode_bytes). The numerator
  * of the bandwidth roofline. */

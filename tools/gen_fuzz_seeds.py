@@ -3,7 +3,11 @@
 
 Written with the PyPI `gguf` package's GGUFWriter (an independent writer),
 then a v2 copy made by patching the version field, which is the only
-difference between v2 and v3 for little-endian files.
+difference between v2 and v3 for little-endian files. The architectures'
+seeds (llama, deepseek2) hold the keys llama.cpp's converter writes and
+only the tensors their config readers look at (token_embd.weight, and
+deepseek2's first router bias), so that the fuzzer reaches those readers
+(model_config_gguf) in a few KB.
 
 Usage: tools/gen_fuzz_seeds.py   (writes tests/fuzz/corpus/gguf/*.gguf)
 """
@@ -77,6 +81,83 @@ def quant_tensors(w):
         w.add_tensor(f"w.{qt.name}", raw, raw_dtype=qt)
 
 
+def write_arch(name, arch, build):
+    """A seed for arch's config reader: build(w) adds its keys and tensors."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        w = GGUFWriter(str(path), arch)
+        build(w)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        (OUT / name).write_bytes(path.read_bytes())
+
+
+def llama_keys(w):
+    """SmolLM2-135M's keys, less its tokenizer; a vocabulary of 2."""
+    w.add_block_count(30)
+    w.add_context_length(8192)
+    w.add_embedding_length(576)
+    w.add_feed_forward_length(1536)
+    w.add_head_count(9)
+    w.add_head_count_kv(3)
+    w.add_rope_freq_base(100000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(64)
+    w.add_tensor("token_embd.weight", np.zeros((2, 576), dtype=np.float16))
+
+
+def deepseek2_keys(mla=True, yarn=True, experts=True):
+    """The keys llama.cpp's converter writes for the tiny DeepSeek-V3
+    (tests/golden/tiny/deepseek.gguf), less its tokenizer; a vocabulary of 8.
+    mla: key_length_mla and value_length_mla, as current converters write
+    (else the older files' full query and value lengths)."""
+    def build(w):
+        w.add_block_count(3)
+        w.add_context_length(256)
+        w.add_embedding_length(64)
+        w.add_feed_forward_length(128)
+        w.add_head_count(4)
+        w.add_head_count_kv(1)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_uint32("deepseek2.attention.q_lora_rank", 32)
+        w.add_uint32("deepseek2.attention.kv_lora_rank", 32)
+        w.add_uint32("deepseek2.rope.dimension_count", 16)
+        w.add_float32("deepseek2.rope.freq_base", 10000.0)
+        if mla:
+            w.add_uint32("deepseek2.attention.key_length", 48)
+            w.add_uint32("deepseek2.attention.value_length", 32)
+            w.add_uint32("deepseek2.attention.key_length_mla", 32)
+            w.add_uint32("deepseek2.attention.value_length_mla", 16)
+        else:
+            w.add_uint32("deepseek2.attention.key_length", 32)
+            w.add_uint32("deepseek2.attention.value_length", 16)
+        if yarn:
+            w.add_string("deepseek2.rope.scaling.type", "yarn")
+            w.add_float32("deepseek2.rope.scaling.factor", 4.0)
+            w.add_uint32("deepseek2.rope.scaling.original_context_length", 64)
+            w.add_float32("deepseek2.rope.scaling.yarn_beta_fast", 32.0)
+            w.add_float32("deepseek2.rope.scaling.yarn_beta_slow", 1.0)
+            w.add_float32("deepseek2.rope.scaling.yarn_log_multiplier", 0.1)
+        if experts:
+            w.add_uint32("deepseek2.leading_dense_block_count", 1)
+            w.add_uint32("deepseek2.expert_count", 8)
+            w.add_uint32("deepseek2.expert_used_count", 2)
+            w.add_uint32("deepseek2.expert_group_count", 4)
+            w.add_uint32("deepseek2.expert_group_used_count", 2)
+            w.add_uint32("deepseek2.expert_feed_forward_length", 64)
+            w.add_uint32("deepseek2.expert_shared_count", 1)
+            w.add_float32("deepseek2.expert_weights_scale", 2.5)
+            w.add_bool("deepseek2.expert_weights_norm", True)
+            if mla:  # sigmoid routing told by its bias tensor, as the tiny file does
+                w.add_tensor("blk.1.exp_probs_b.bias", np.zeros(8, dtype=np.float32))
+            else:  # or by the key newer converters write
+                w.add_uint32("deepseek2.expert_gating_func", 2)
+        w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    return build
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     v3 = write("values_v3.gguf", all_values)
@@ -85,6 +166,10 @@ def main():
     (OUT / "values_v2.gguf").write_bytes(bytes(v2))
     write("quants_align64.gguf", quant_tensors, alignment=64)
     write("empty.gguf", lambda w: None)
+    write_arch("llama_smollm2_keys.gguf", "llama", llama_keys)
+    write_arch("deepseek2_mla_yarn_moe.gguf", "deepseek2", deepseek2_keys())
+    write_arch("deepseek2_kvb_gating_key.gguf", "deepseek2", deepseek2_keys(mla=False))
+    write_arch("deepseek2_dense_no_yarn.gguf", "deepseek2", deepseek2_keys(yarn=False, experts=False))
     for p in sorted(OUT.iterdir()):
         print(f"{p} {p.stat().st_size} bytes")
 

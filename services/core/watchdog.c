@@ -1,6 +1,7 @@
 #include "watchdog.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <event2/event.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -54,7 +55,26 @@ int64_t wd_env_interval_us(void) {
     char *end;
     errno = 0;
     long long us = strtoll(usec, &end, 10);
-    if (errno || *end || us <= 0) return 0;
+    /* Past LLONG_MAX is still a number of microseconds (systemd's field is
+     * a uint64), only far above the ceiling. */
+    bool huge = errno == ERANGE && us == LLONG_MAX;
+    if ((errno && !huge) || *end || us <= 0) {
+        LOG_WARNF("watchdog_usec_ignored value=\"%.40s\" reason=\"not a positive whole number of microseconds: no watchdog\"",
+                  usec);
+        return 0;
+    }
+    if (us < WD_MIN_USEC) {
+        LOG_WARNF("watchdog_interval_clamped watchdog_usec=%lld interval_us=%lld reason=\"below %lld us: a ping every %lld ms, "
+                  "late for a systemd that wants one sooner\"",
+                  us, (long long)WD_MIN_USEC, (long long)WD_MIN_USEC, (long long)WD_MIN_USEC / 4000);
+        return WD_MIN_USEC;
+    }
+    if (huge || us > WD_MAX_USEC) {
+        LOG_WARNF("watchdog_interval_clamped watchdog_usec=%.40s interval_us=%lld reason=\"above %lld us: pinging more often "
+                  "than asked is always in time\"",
+                  usec, (long long)WD_MAX_USEC, (long long)WD_MAX_USEC);
+        return WD_MAX_USEC;
+    }
     return us;
 }
 
@@ -63,6 +83,7 @@ int64_t wd_interval_ns(const wd *w) { return w ? w->interval_ns : 0; }
 int wd_init(wd **out, int64_t interval_us, ae_error *err) {
     *out = NULL;
     if (interval_us <= 0) return AE_OK;
+    AE_ASSERT(interval_us <= WD_MAX_USEC); /* interval_ns and the wake-up times must not overflow */
     wd *w = calloc(1, sizeof *w);
     if (!w) return err_set(err, "out of memory for the watchdog");
     w->interval_ns = interval_us * 1000;

@@ -30,11 +30,27 @@ struct event_base;
 
 typedef struct wd wd;
 
-/* The watchdog interval systemd asked for, in microseconds; 0 when none
- * (unset, unparsable, or meant for another process). */
+/* The range of intervals taken from $WATCHDOG_USEC (wd_env_interval_us).
+ * Floor: 400 ms, i.e. a ping every 100 ms. WATCHDOG_USEC=1 would
+ * otherwise make the ping thread wake every 250 ns, a spin that burns a
+ * quarter of a core while the service idles; a systemd that wants pings
+ * more often than every 100 ms gets them late (the clamp is logged).
+ * Ceiling: 1 hour, a ping every 15 minutes. Pinging more often than
+ * asked is always in time, a watchdog of more than an hour no longer
+ * catches a hang usefully, and the nanoseconds (interval x 1000, plus the
+ * monotonic clock) stay far inside int64: at 9.2e15 us and above the
+ * product overflowed and no WATCHDOG=1 was ever sent. */
+#define WD_MIN_USEC 400000LL
+#define WD_MAX_USEC 3600000000LL
+
+/* The watchdog interval systemd asked for, in microseconds, clamped to
+ * WD_MIN_USEC..WD_MAX_USEC (a warning says so); 0 when none: unset, meant
+ * for another process, or not a positive whole number (a warning says
+ * so). */
 int64_t wd_env_interval_us(void);
 
-/* A watchdog with this interval; *out = NULL when interval_us <= 0. */
+/* A watchdog with this interval; *out = NULL when interval_us <= 0. Above
+ * WD_MAX_USEC is a broken invariant; below WD_MIN_USEC is for tests. */
 int wd_init(wd **out, int64_t interval_us, ae_error *err);
 
 /* The interval in nanoseconds; 0 for NULL. A loop that sleeps until work

@@ -176,12 +176,14 @@ static int parse_yarn(hfcfg *cfg, const cJSON *rs, const char *key, ae_error *er
 
 /* `key` is "rope_scaling" (transformers 4) or "rope_parameters"
  * (transformers 5, which writes the same fields there, rope_theta and
- * rope_type "default" included, and no longer writes the other two keys). */
+ * rope_type "default" included, and no longer writes the other two keys),
+ * a literal: cfg keeps it. */
 static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, const char *key,
                               ae_error *err) {
     char label[80];
     if (!cJSON_IsObject(rs))
         return err_set(err, "%s: expected an object, got %s", key, kind(rs));
+    cfg->rope_scaling.key = key;
     /* transformers renamed "type" to "rope_type"; older files have only the
      * former. */
     snprintf(label, sizeof label, "%s.rope_type", key);
@@ -296,6 +298,7 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
                        c->head_dim);
 
     c->rope_theta = 10000.0;
+    c->rope_theta_key = "rope_theta";
     if ((v = get(root, "rope_theta")) &&
         as_double(v, "rope_theta", 0.0, 1e12, &c->rope_theta, err))
         return AE_ERR;
@@ -335,6 +338,7 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
             as_double(v, "rope_parameters.rope_theta", 0.0, 1e12,
                       &c->rope_theta, err))
             return AE_ERR;
+        if (v) c->rope_theta_key = "rope_parameters.rope_theta";
     } else if ((v = get(root, "rope_scaling")) &&
                parse_rope_scaling(c, v, "rope_scaling", err)) {
         return AE_ERR;
@@ -409,6 +413,7 @@ int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
         goto fail;
     }
     if (text && !cfg->model_type[0] && opt_text(root, "model_type", cfg->model_type, &local) != AE_OK) goto fail;
+    cfg->text_config = text != NULL;
     cJSON_Delete(root);
     return AE_OK;
 fail:

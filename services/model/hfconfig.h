@@ -31,6 +31,7 @@ typedef struct hfcfg {
     char architecture[HFCFG_MAX_TEXT]; /* architectures[0]; "" if absent */
     char model_type[HFCFG_MAX_TEXT];   /* "llama", "qwen2"; "" if absent */
     char torch_dtype[HFCFG_MAX_TEXT];  /* torch_dtype (or dtype); "" if absent */
+    bool text_config;                  /* the keys below are text_config's */
 
     /* required */
     int32_t hidden_size;
@@ -44,6 +45,8 @@ typedef struct hfcfg {
     int32_t num_key_value_heads;     /* (num_attention_heads) */
     int32_t head_dim;                /* (hidden_size / num_attention_heads) */
     double rope_theta;               /* (10000) */
+    const char *rope_theta_key;      /* where it was read, for errors: "rope_theta" or
+                                        "rope_parameters.rope_theta" (a literal) */
     int32_t max_position_embeddings; /* (2048, as transformers' LlamaConfig) */
     bool tie_word_embeddings;        /* (false) */
     bool attention_bias;             /* q/k/v/o bias; (true iff qwen2) */
@@ -53,6 +56,8 @@ typedef struct hfcfg {
     uint32_t n_eos;                  /* (0) */
 
     struct {
+        const char *key;              /* "rope_scaling" or "rope_parameters" (a literal);
+                                         NULL when absent */
         hfcfg_rope_kind kind;
         double factor;                /* llama3 and yarn */
         double low_freq_factor;       /* llama3 only */

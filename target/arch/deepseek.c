@@ -181,6 +181,7 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
         return err_set(err, "%s: yarn's cos/sin factor %g (from mscale %g, mscale_all_dim %g) is not supported: only 1",
                        path, hc->rope_scaling.attention_factor, hc->rope_scaling.mscale,
                        hc->rope_scaling.mscale_all_dim);
+    if (arch_check_rope_hf(c, hc, "qk_rope_head_dim", path, err) != AE_OK) return AE_ERR;
     c->attn_scale = attn_scale(c, hc->rope_scaling.mscale_all_dim);
     return AE_OK;
 }
@@ -258,27 +259,32 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
                        "mixture this reader runs", a, r->n_experts, r->top_k, r->topk_group, r->n_group,
                        c->expert_ffn, c->n_dense_layers);
     /* rope: interleaved pairs, as the file's rows are */
-    snprintf(k, sizeof k, "%s.rope.freq_base", a);
-    c->rope = (kn_rope_config){KN_ROPE_ADJACENT, c->qk_rope_dim, gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 10000.0,
-                               0, 0, 0, 0, false, 0, 0};
-    double mscale_all = 0.0;
+    double theta, log_mul = 0.0;
+    if (arch_gguf_num(gf, a, "rope.freq_base", 10000.0, &theta, err)) return AE_ERR;
+    c->rope = (kn_rope_config){KN_ROPE_ADJACENT, c->qk_rope_dim, theta, 0, 0, 0, 0, false, 0, 0};
     snprintf(k, sizeof k, "%s.rope.scaling.type", a);
     if (gguf_get_str(gf, k, &str, NULL) == AE_OK && gguf_str_eq(str, "yarn")) {
+        int64_t orig;
         c->rope.yarn = true;
-        snprintf(k, sizeof k, "%s.rope.scaling.factor", a);
-        c->rope.factor = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1.0;
-        c->rope.original_max_pos = (double)arch_gguf_int(gf, a, "rope.scaling.original_context_length", ctx);
-        snprintf(k, sizeof k, "%s.rope.scaling.yarn_beta_fast", a);
-        c->rope.beta_fast = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 32.0;
-        snprintf(k, sizeof k, "%s.rope.scaling.yarn_beta_slow", a);
-        c->rope.beta_slow = gguf_get_f32(gf, k, &f, NULL) == AE_OK ? f : 1.0;
+        if (arch_gguf_num(gf, a, "rope.scaling.factor", 1.0, &c->rope.factor, err) ||
+            arch_gguf_int_key(gf, a, "rope.scaling.original_context_length", ctx, &orig, err) ||
+            arch_gguf_num(gf, a, "rope.scaling.yarn_beta_fast", 32.0, &c->rope.beta_fast, err) ||
+            arch_gguf_num(gf, a, "rope.scaling.yarn_beta_slow", 1.0, &c->rope.beta_slow, err) ||
+            arch_gguf_num(gf, a, "rope.scaling.yarn_log_multiplier", 0.0, &log_mul, err))
+            return AE_ERR;
+        c->rope.original_max_pos = (double)orig;
         /* llama.cpp writes 0.1 x mscale_all_dim (and takes the cos/sin
-         * factor as 1, mscale = mscale_all_dim) */
-        snprintf(k, sizeof k, "%s.rope.scaling.yarn_log_multiplier", a);
-        if (gguf_get_f32(gf, k, &f, NULL) == AE_OK) mscale_all = (double)f / 0.1;
+         * factor as 1, mscale = mscale_all_dim); config.json's bound on
+         * mscale_all_dim is 1e6 */
+        if (!(log_mul >= 0.0 && log_mul <= 1e5))
+            return err_set(err, "key %s.rope.scaling.yarn_log_multiplier: %g is outside [0, 100000]", a, log_mul);
     } else if (gguf_get_str(gf, k, &str, NULL) == AE_OK && !gguf_str_eq(str, "none")) {
         return err_set(err, "key %s: only yarn (or none) is supported", k);
     }
+    snprintf(k, sizeof k, "key %s.", a);
+    arch_rope_keys keys = {k, "rope.freq_base", "rope.dimension_count", "rope.scaling.", "factor",
+                           "original_context_length", "yarn_beta_fast", "yarn_beta_slow"};
+    if (arch_check_rope(&c->rope, &keys, err) != AE_OK) return AE_ERR;
     const gguf_tensor *emb = gguf_find_tensor(gf, "token_embd.weight");
     if (!emb || emb->n_dims != 2 || emb->ne[1] > INT32_MAX) return err_set(err, "tensor token_embd.weight is missing or not 2-D");
     c->vocab = (int32_t)emb->ne[1];
@@ -287,7 +293,7 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
     if (c->head_dim % 8 || c->head_dim > KN_MAX_ATTN_DIM)
         return err_set(err, "%s: kv_lora_rank + rope dims = %d must be a multiple of 8 and at most %d", a, c->head_dim,
                        KN_MAX_ATTN_DIM);
-    c->attn_scale = attn_scale(c, mscale_all);
+    c->attn_scale = attn_scale(c, log_mul / 0.1);
     return AE_OK;
 }
 

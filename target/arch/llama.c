@@ -31,9 +31,12 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
     c->rms_eps = gguf_get_f32(gf, key, &f, NULL) == AE_OK ? f : 1e-5f;
     if (!(c->rms_eps >= 0.0f && c->rms_eps <= 1.0f)) /* also NaN */
         return err_set(err, "key %s: %g is outside 0..1", key, (double)c->rms_eps);
-    snprintf(key, sizeof key, "%s.rope.freq_base", a);
-    c->rope = (kn_rope_config){llama ? KN_ROPE_ADJACENT : KN_ROPE_NEOX, c->head_dim,
-                               gguf_get_f32(gf, key, &f, NULL) == AE_OK ? f : 10000.0, 0, 0, 0, 0, false, 0, 0};
+    double theta;
+    if (arch_gguf_num(gf, a, "rope.freq_base", 10000.0, &theta, err)) return AE_ERR;
+    c->rope = (kn_rope_config){llama ? KN_ROPE_ADJACENT : KN_ROPE_NEOX, c->head_dim, theta, 0, 0, 0, 0, false, 0, 0};
+    snprintf(key, sizeof key, "key %s.", a);
+    if (arch_check_rope(&c->rope, &(arch_rope_keys){key, "rope.freq_base", NULL, "", NULL, NULL, NULL, NULL}, err))
+        return AE_ERR;
     if (gguf_find_tensor(gf, "rope_freqs.weight"))
         return err_set(err, "rope_freqs.weight (Llama-3.1 rope scaling in GGUF) is not supported yet");
     const gguf_tensor *emb = gguf_find_tensor(gf, "token_embd.weight");
@@ -61,7 +64,7 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
     if (hc->attention_bias && strcmp(c->arch, "qwen2"))
         return err_set(err, "%s: attention_bias on a %s model (an o_proj bias) is not supported", path, c->arch);
     c->rope = hfcfg_rope(hc);
-    return AE_OK;
+    return arch_check_rope_hf(c, hc, NULL, path, err);
 }
 
 /* A format's tensor names: the model's own, then a layer's, each named

@@ -1,12 +1,17 @@
 /* libFuzzer target for the GGUF reader: gguf_open_mem must reject or accept
  * any input without a crash, leak or sanitizer report, and everything it
- * accepts must be readable through every accessor. Seeds:
+ * accepts must be readable through every accessor. A file it accepts then
+ * goes through its architecture's reader of the hyperparameters
+ * (model_config_gguf: llama, qwen2, deepseek2), whose result must hold
+ * what the loader relies on (config_check.h). Seeds:
  * tests/fuzz/corpus/gguf (tools/gen_fuzz_seeds.py). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "../../services/model/gguf.h"
+#include "../../target/model.h"
+#include "config_check.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -77,6 +82,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     sink += gguf_version(f) + gguf_alignment(f) + gguf_file_size(f) + gguf_data_offset(f);
     for (uint64_t i = 0; i < gguf_n_kv(f); i++) touch_kv(f, i);
     for (uint64_t i = 0; i < gguf_n_tensors(f); i++) touch_tensor(f, gguf_tensor_at(f, i));
+    model_config c;
+    const arch *a = NULL;
+    err_clear(&err);
+    if (model_config_gguf(&c, &a, f, &err) == AE_OK) check_model_config(&c, a);
+    else if (!err_is_set(&err)) __builtin_trap();
     gguf_close(f);
     return 0;
 }

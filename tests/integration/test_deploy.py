@@ -210,3 +210,35 @@ def test_watchdog_meant_for_another_pid_is_not_answered(tmp_path, model):
         assert s.between(ready, ready + 1) == []
     finally:
         assert s.stop() == 0
+
+
+# WATCHDOG_USEC out of range (services/core/watchdog.h): 1 us once made the
+# ping thread spin with every loop stale at once (no ping at all), 1e16 us
+# overflowed the interval in nanoseconds (no ping ever); both are clamped,
+# to a ping every 100 ms and every 15 minutes (the first goes at READY).
+@pytest.mark.parametrize("usec,interval_us,lo,hi", [(1, 400000, 16, 22), (10**16, 3600000000, 1, 1)])
+def test_watchdog_usec_out_of_range_is_clamped_and_pinged(tmp_path, model, usec, interval_us, lo, hi):
+    s = Notified(tmp_path, "aerie-gateway", service_args("aerie-gateway", tmp_path, model), usec)
+    try:
+        ready = s.wait_for("READY=1", 120)
+        time.sleep(2.2)
+        pings = s.between(ready, ready + 2.0)
+        assert lo <= len(pings) <= hi, pings  # 20 at 100 ms; 1 at 15 min
+    finally:
+        assert s.stop() == 0
+    log = s.log_path.read_text()
+    assert f"watchdog_interval_clamped watchdog_usec={usec} interval_us={interval_us} " in log
+    assert f"watchdog_on interval_ms={interval_us // 1000} ping_every_ms={interval_us // 4000}\n" in log
+    assert "watchdog_withheld" not in log
+
+
+def test_unparsable_watchdog_usec_is_logged_and_means_no_watchdog(tmp_path, model):
+    s = Notified(tmp_path, "aerie-gateway", service_args("aerie-gateway", tmp_path, model), "20s")
+    try:
+        ready = s.wait_for("READY=1", 120)
+        time.sleep(1)
+        assert s.between(ready, ready + 1) == []
+    finally:
+        assert s.stop() == 0
+    assert 'warn watchdog_usec_ignored value="20s" reason="not a positive whole number of microseconds: no watchdog"\n' \
+        in s.log_path.read_text()

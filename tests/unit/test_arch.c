@@ -2,17 +2,23 @@
  * reads, what it refuses with, and what it states about a model: its KV
  * and workspace bytes per token, the bytes a decode step reads, its
  * tensor-parallel split, and its layers' block kinds. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
 #include <cmocka.h>
 
+#include "../../services/core/json.h"
 #include "../../target/arch.h"
 #include "../../target/tp.h"
+#include "gguf_writer.h"
 
 #define MODEL_PATH "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -79,6 +85,306 @@ static void the_default_model_states_its_kv_split_and_blocks(void **state) {
     model_free(m);
 }
 
+
+/* ---- RoPE and YaRN numbers: refused where they are read ---------------------- */
+
+/* A GGUF key and its value; type UINT32_MAX: leave the key out. */
+typedef struct kv {
+    const char *key;
+    uint32_t type; /* GGUF's: 4 u32, 5 i32, 6 f32, 8 string, 10 u64, 12 f64 */
+    double num;
+    const char *str;
+} kv;
+
+#define OMIT UINT32_MAX
+
+/* The keys llama.cpp's converter writes for the tiny DeepSeek-V3
+ * (tests/golden/tiny/deepseek.gguf), less the experts and the tokenizer. */
+static const kv DS_KEYS[] = {
+    {"general.architecture", 8, 0, "deepseek2"},
+    {"deepseek2.block_count", 4, 3, NULL},
+    {"deepseek2.context_length", 4, 256, NULL},
+    {"deepseek2.embedding_length", 4, 64, NULL},
+    {"deepseek2.feed_forward_length", 4, 128, NULL},
+    {"deepseek2.attention.head_count", 4, 4, NULL},
+    {"deepseek2.attention.q_lora_rank", 4, 32, NULL},
+    {"deepseek2.attention.kv_lora_rank", 4, 32, NULL},
+    {"deepseek2.attention.key_length", 4, 48, NULL},
+    {"deepseek2.attention.value_length", 4, 32, NULL},
+    {"deepseek2.attention.key_length_mla", 4, 32, NULL},
+    {"deepseek2.attention.value_length_mla", 4, 16, NULL},
+    {"deepseek2.rope.dimension_count", 4, 16, NULL},
+    {"deepseek2.rope.freq_base", 6, 10000, NULL},
+    {"deepseek2.rope.scaling.type", 8, 0, "yarn"},
+    {"deepseek2.rope.scaling.factor", 6, 4, NULL},
+    {"deepseek2.rope.scaling.original_context_length", 4, 64, NULL},
+    {"deepseek2.rope.scaling.yarn_beta_fast", 6, 32, NULL},
+    {"deepseek2.rope.scaling.yarn_beta_slow", 6, 1, NULL},
+    {"deepseek2.rope.scaling.yarn_log_multiplier", 6, 0.1, NULL},
+};
+
+/* SmolLM2's shape, as a llama GGUF. */
+static const kv LLAMA_KEYS[] = {
+    {"general.architecture", 8, 0, "llama"},
+    {"llama.block_count", 4, 2, NULL},
+    {"llama.embedding_length", 4, 64, NULL},
+    {"llama.feed_forward_length", 4, 128, NULL},
+    {"llama.attention.head_count", 4, 4, NULL},
+    {"llama.attention.head_count_kv", 4, 2, NULL},
+    {"llama.rope.freq_base", 6, 100000, NULL},
+};
+
+static void put_kv(gw *w, const kv *e) {
+    gw_key(w, e->key, e->type);
+    switch (e->type) {
+    case 4: gw_u32(w, (uint32_t)e->num); break;
+    case 5: gw_u32(w, (uint32_t)(int32_t)e->num); break;
+    case 6: gw_f32(w, (float)e->num); break;
+    case 8: gw_str(w, e->str); break;
+    case 10: gw_u64(w, (uint64_t)e->num); break;
+    case 12: gw_f64(w, e->num); break;
+    default: fail_msg("put_kv: type %u", e->type);
+    }
+}
+
+/* The architecture's config from a GGUF of keys (each of over replacing
+ * the key of its name, or added), and a token_embd.weight of [64][8] f32. */
+static int gguf_config(const kv *keys, size_t n_keys, const kv *over, size_t n_over, model_config *c, ae_error *err) {
+    gw w = {0};
+    uint64_t n_kv = 0;
+    bool used[8] = {0};
+    assert_true(n_over <= 8);
+    for (int pass = 0; pass < 2; pass++) { /* count, then write */
+        if (pass) gw_header(&w, 3, 1, n_kv);
+        for (size_t i = 0; i < n_keys; i++) {
+            const kv *e = &keys[i];
+            for (size_t j = 0; j < n_over; j++)
+                if (!strcmp(over[j].key, e->key)) e = &over[j], used[j] = true;
+            if (e->type == OMIT) continue;
+            if (pass) put_kv(&w, e);
+            else n_kv++;
+        }
+        for (size_t j = 0; j < n_over; j++)
+            if (!used[j] && over[j].type != OMIT) {
+                if (pass) put_kv(&w, &over[j]);
+                else n_kv++;
+            }
+    }
+    gw_tensor(&w, "token_embd.weight", 2, (uint64_t[]){64, 8}, 0, 0);
+    gw_pad(&w, 32);
+    for (int i = 0; i < 64 * 8; i++) gw_f32(&w, 0.25f);
+    gguf_file *f = NULL;
+    ae_error open_err = {0};
+    if (gguf_open_mem(&f, w.p, w.len, "t.gguf", &open_err) != AE_OK) fail_msg("%s", open_err.msg);
+    memset(c, 0, sizeof *c);
+    snprintf(c->arch, sizeof c->arch, "%s", keys[0].str);
+    const arch *a = arch_for_gguf(c->arch, err);
+    assert_non_null(a);
+    int rc = a->config_gguf(c, f, err);
+    gguf_close(f);
+    gw_free(&w);
+    return rc;
+}
+
+/* One refused value: the config must fail with exactly want. Each value
+ * that does not is printed and counted in misses, so that a test shows
+ * all of them; it fails at its end if there were any. */
+static int misses;
+
+static void refused(const kv *keys, size_t n_keys, kv over, const char *want) {
+    model_config c;
+    ae_error err = {0};
+    int rc = gguf_config(keys, n_keys, &over, 1, &c, &err);
+    char value[64];
+    const char *type = over.type == 4 ? "u32" : over.type == 5 ? "i32" : over.type == 6 ? "f32" : over.type == 10 ? "u64"
+                     : over.type == 12 ? "f64" : "string";
+    if (over.str) snprintf(value, sizeof value, "\"%s\" (%s)", over.str, type);
+    else snprintf(value, sizeof value, "%g (%s)", over.num, type);
+    if (rc == AE_OK) {
+        print_message("taken: %s = %s\n", over.key, value);
+        misses++;
+    } else if (strcmp(err.msg, want)) {
+        print_message("%s = %s: \"%s\", expected \"%s\"\n", over.key, value, err.msg, want);
+        misses++;
+    }
+}
+
+#define DS(over, want) refused(DS_KEYS, sizeof DS_KEYS / sizeof DS_KEYS[0], over, want)
+
+static void deepseek2_gguf_rope_and_yarn_are_read(void **state) {
+    (void)state;
+    model_config c;
+    ae_error err = {0};
+    assert_int_equal(gguf_config(DS_KEYS, sizeof DS_KEYS / sizeof DS_KEYS[0], NULL, 0, &c, &err), AE_OK);
+    assert_true(c.rope.yarn && c.rope.theta == 10000.0 && c.rope.factor == 4.0 && c.rope.original_max_pos == 64.0);
+    assert_true(c.rope.beta_fast == 32.0 && c.rope.beta_slow == 1.0);
+    assert_int_equal(c.rope.head_dim, 16);
+    assert_int_equal(c.head_dim, 48);
+    /* 1 / sqrt(32) x (0.1 x 1 x ln 4 + 1)^2: mscale_all_dim 1 */
+    double ms = 0.1 * log(4.0) + 1.0;
+    assert_float_equal(c.attn_scale, (float)(1.0 / sqrt(32.0) * ms * ms), 1e-7);
+    /* No yarn: the factor and the rest are not read. */
+    kv plain[2] = {{"deepseek2.rope.scaling.type", OMIT, 0, NULL}, {"deepseek2.rope.scaling.factor", 6, 0.5, NULL}};
+    assert_int_equal(gguf_config(DS_KEYS, sizeof DS_KEYS / sizeof DS_KEYS[0], plain, 2, &c, &err), AE_OK);
+    assert_false(c.rope.yarn);
+}
+
+static void deepseek2_gguf_refuses_rope_numbers_out_of_range(void **state) {
+    (void)state;
+    misses = 0;
+    const char *theta = "key deepseek2.rope.freq_base: ";
+    char want[256];
+#define WANT(prefix, rest) (snprintf(want, sizeof want, "%s%s", prefix, rest), want)
+    DS(((kv){"deepseek2.rope.freq_base", 6, NAN, NULL}), WANT(theta, "nan is outside (0, 1e+12]"));
+    DS(((kv){"deepseek2.rope.freq_base", 6, -1, NULL}), WANT(theta, "-1 is outside (0, 1e+12]"));
+    DS(((kv){"deepseek2.rope.freq_base", 6, 0, NULL}), WANT(theta, "0 is outside (0, 1e+12]"));
+    DS(((kv){"deepseek2.rope.freq_base", 6, INFINITY, NULL}), WANT(theta, "inf is outside (0, 1e+12]"));
+    DS(((kv){"deepseek2.rope.freq_base", 6, 1e13, NULL}), WANT(theta, "1e+13 is outside (0, 1e+12]"));
+    /* YaRN's band divides by ln(base). */
+    DS(((kv){"deepseek2.rope.freq_base", 6, 1, NULL}), WANT(theta, "1 is not above 1, as yarn needs (its band divides by its log)"));
+    DS(((kv){"deepseek2.rope.freq_base", 8, 0, "10000"}),
+       "key deepseek2.rope.freq_base: has type string, expected f32 or f64");
+    /* RoPE turns pairs of dims: 33 + 15 = 48 passes the latent's width check. */
+    kv odd[3] = {{"deepseek2.rope.dimension_count", 4, 15, NULL}, {"deepseek2.attention.kv_lora_rank", 4, 33, NULL},
+                 {"deepseek2.attention.key_length_mla", 4, 31, NULL}};
+    model_config c;
+    ae_error err = {0};
+    if (gguf_config(DS_KEYS, sizeof DS_KEYS / sizeof DS_KEYS[0], odd, 3, &c, &err) == AE_OK) {
+        print_message("taken: deepseek2.rope.dimension_count = 15\n");
+        misses++;
+    } else {
+        assert_string_equal(err.msg, "key deepseek2.rope.dimension_count: 15 is not an even number in 2..256");
+    }
+    assert_int_equal(misses, 0);
+}
+
+static void deepseek2_gguf_refuses_yarn_numbers_out_of_range(void **state) {
+    (void)state;
+    misses = 0;
+    DS(((kv){"deepseek2.rope.scaling.factor", 6, 0.5, NULL}),
+       "key deepseek2.rope.scaling.factor: 0.5 is outside [1, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.factor", 6, NAN, NULL}),
+       "key deepseek2.rope.scaling.factor: nan is outside [1, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.factor", 6, INFINITY, NULL}),
+       "key deepseek2.rope.scaling.factor: inf is outside [1, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.factor", 6, 0, NULL}), "key deepseek2.rope.scaling.factor: 0 is outside [1, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.original_context_length", 4, 0, NULL}),
+       "key deepseek2.rope.scaling.original_context_length: 0 is outside 1..1073741824");
+    DS(((kv){"deepseek2.rope.scaling.original_context_length", 5, -64, NULL}),
+       "key deepseek2.rope.scaling.original_context_length: -64 is outside 1..1073741824");
+    DS(((kv){"deepseek2.rope.scaling.original_context_length", 10, 4294967296.0, NULL}),
+       "key deepseek2.rope.scaling.original_context_length: 4294967296 is outside 1..1073741824");
+    DS(((kv){"deepseek2.rope.scaling.original_context_length", 6, 64, NULL}),
+       "key deepseek2.rope.scaling.original_context_length: has type f32, expected an integer");
+    DS(((kv){"deepseek2.rope.scaling.yarn_beta_fast", 6, 0, NULL}),
+       "key deepseek2.rope.scaling.yarn_beta_fast: 0 is outside (0, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.yarn_beta_fast", 6, NAN, NULL}),
+       "key deepseek2.rope.scaling.yarn_beta_fast: nan is outside (0, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.yarn_beta_slow", 6, -1, NULL}),
+       "key deepseek2.rope.scaling.yarn_beta_slow: -1 is outside (0, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.yarn_beta_slow", 6, INFINITY, NULL}),
+       "key deepseek2.rope.scaling.yarn_beta_slow: inf is outside (0, 1e+06]");
+    /* The band runs from beta_fast's dims to beta_slow's: reversed, the
+     * kept and the interpolated dims would swap. */
+    DS(((kv){"deepseek2.rope.scaling.yarn_beta_slow", 6, 64, NULL}),
+       "key deepseek2.rope.scaling.yarn_beta_fast: 32 is below rope.scaling.yarn_beta_slow's 64");
+    /* 0.1 x mscale_all_dim */
+    DS(((kv){"deepseek2.rope.scaling.yarn_log_multiplier", 6, -0.1, NULL}),
+       "key deepseek2.rope.scaling.yarn_log_multiplier: -0.1 is outside [0, 100000]");
+    DS(((kv){"deepseek2.rope.scaling.yarn_log_multiplier", 6, NAN, NULL}),
+       "key deepseek2.rope.scaling.yarn_log_multiplier: nan is outside [0, 100000]");
+    DS(((kv){"deepseek2.rope.scaling.yarn_log_multiplier", 6, INFINITY, NULL}),
+       "key deepseek2.rope.scaling.yarn_log_multiplier: inf is outside [0, 100000]");
+    assert_int_equal(misses, 0);
+}
+
+static void llama_gguf_refuses_a_bad_rope_base_too(void **state) {
+    (void)state;
+    misses = 0;
+    model_config c;
+    ae_error err = {0};
+    assert_int_equal(gguf_config(LLAMA_KEYS, sizeof LLAMA_KEYS / sizeof LLAMA_KEYS[0], NULL, 0, &c, &err), AE_OK);
+    assert_true(c.rope.theta == 100000.0 && !c.rope.yarn);
+    assert_int_equal(c.rope.head_dim, 16);
+    refused(LLAMA_KEYS, sizeof LLAMA_KEYS / sizeof LLAMA_KEYS[0], (kv){"llama.rope.freq_base", 6, 0, NULL},
+            "key llama.rope.freq_base: 0 is outside (0, 1e+12]");
+    refused(LLAMA_KEYS, sizeof LLAMA_KEYS / sizeof LLAMA_KEYS[0], (kv){"llama.rope.freq_base", 6, NAN, NULL},
+            "key llama.rope.freq_base: nan is outside (0, 1e+12]");
+    refused(LLAMA_KEYS, sizeof LLAMA_KEYS / sizeof LLAMA_KEYS[0], (kv){"llama.rope.freq_base", 12, INFINITY, NULL},
+            "key llama.rope.freq_base: inf is outside (0, 1e+12]");
+    refused(LLAMA_KEYS, sizeof LLAMA_KEYS / sizeof LLAMA_KEYS[0], (kv){"llama.rope.freq_base", 4, 10000, NULL},
+            "key llama.rope.freq_base: has type u32, expected f32 or f64");
+    assert_int_equal(misses, 0);
+}
+
+/* The tiny DeepSeek-V3's config.json with one change, read as a model's
+ * config; the error's text after the path. */
+static int hf_config(void (*edit)(cJSON *root), char *msg, size_t cap) {
+    ae_error err = {0};
+    cJSON *root = json_read_file("tests/golden/tiny/deepseek/config.json", 1 << 20, &err);
+    if (!root) fail_msg("%s", err.msg);
+    edit(root);
+    char dir[] = "/tmp/aerie-arch-XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    char *text = cJSON_Print(root);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+    free(text);
+    cJSON_Delete(root);
+    model_config c;
+    const arch *a;
+    hfcfg hc;
+    int rc = model_config_read(&c, &a, &hc, path, &err);
+    size_t n = strlen(path);
+    snprintf(msg, cap, "%s", rc == AE_OK ? "" : strncmp(err.msg, path, n) == 0 ? err.msg + n : err.msg);
+    unlink(path);
+    rmdir(dir);
+    return rc;
+}
+
+static void keep(cJSON *root) { (void)root; }
+static void theta_1(cJSON *root) {
+    cJSON_ReplaceItemInObject(cJSON_GetObjectItem(root, "rope_parameters"), "rope_theta", cJSON_CreateNumber(1));
+}
+static void betas_swapped(cJSON *root) {
+    cJSON *rp = cJSON_GetObjectItem(root, "rope_parameters");
+    cJSON_ReplaceItemInObject(rp, "beta_fast", cJSON_CreateNumber(1));
+    cJSON_ReplaceItemInObject(rp, "beta_slow", cJSON_CreateNumber(32));
+}
+static void odd_rope_dims(cJSON *root) { /* 33 + 15 = 48: the latent's width passes */
+    cJSON_ReplaceItemInObject(root, "qk_rope_head_dim", cJSON_CreateNumber(15));
+    cJSON_ReplaceItemInObject(root, "kv_lora_rank", cJSON_CreateNumber(33));
+}
+
+static void deepseek_config_json_refuses_the_same_rope_numbers(void **state) {
+    (void)state;
+    char msg[512];
+    assert_int_equal(hf_config(keep, msg, sizeof msg), AE_OK);
+    static const struct {
+        const char *what;
+        void (*edit)(cJSON *root);
+        const char *want;
+    } cases[] = {
+        {"rope_theta 1", theta_1, ": rope_parameters.rope_theta: 1 is not above 1, as yarn needs (its band divides by its log)"},
+        {"beta_fast 1, beta_slow 32", betas_swapped, ": rope_parameters.beta_fast: 1 is below rope_parameters.beta_slow's 32"},
+        {"qk_rope_head_dim 15", odd_rope_dims, ": qk_rope_head_dim: 15 is not an even number in 2..256"},
+    };
+    misses = 0;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (hf_config(cases[i].edit, msg, sizeof msg) == AE_OK) {
+            print_message("taken: %s\n", cases[i].what);
+            misses++;
+        } else if (strcmp(msg, cases[i].want)) {
+            print_message("%s: \"%s\", expected \"%s\"\n", cases[i].what, msg, cases[i].want);
+            misses++;
+        }
+    }
+    assert_int_equal(misses, 0);
+}
+
 int main(void) {
     if (access(MODEL_PATH, R_OK) != 0) {
         fprintf(stderr, "%s is missing: run `make model`\n", MODEL_PATH);
@@ -88,6 +394,11 @@ int main(void) {
         cmocka_unit_test(llama_reads_llama_and_qwen2_from_both_formats),
         cmocka_unit_test(an_unknown_architecture_is_refused_with_the_known_ones),
         cmocka_unit_test(the_default_model_states_its_kv_split_and_blocks),
+        cmocka_unit_test(deepseek2_gguf_rope_and_yarn_are_read),
+        cmocka_unit_test(deepseek2_gguf_refuses_rope_numbers_out_of_range),
+        cmocka_unit_test(deepseek2_gguf_refuses_yarn_numbers_out_of_range),
+        cmocka_unit_test(llama_gguf_refuses_a_bad_rope_base_too),
+        cmocka_unit_test(deepseek_config_json_refuses_the_same_rope_numbers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

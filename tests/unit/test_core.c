@@ -276,11 +276,11 @@ static void test_watchdog_interval_comes_from_env_and_honours_watchdog_pid(void 
     unsetenv("WATCHDOG_PID");
     unsetenv("WATCHDOG_USEC");
     assert_int_equal(wd_env_interval_us(), 0);
-    setenv("WATCHDOG_USEC", "200000", 1);
-    assert_int_equal(wd_env_interval_us(), 200000);
+    setenv("WATCHDOG_USEC", "500000", 1);
+    assert_int_equal(wd_env_interval_us(), 500000);
     snprintf(pid, sizeof pid, "%d", (int)getpid());
     setenv("WATCHDOG_PID", pid, 1);
-    assert_int_equal(wd_env_interval_us(), 200000);
+    assert_int_equal(wd_env_interval_us(), 500000);
     snprintf(pid, sizeof pid, "%d", (int)getpid() + 1); /* meant for another process */
     setenv("WATCHDOG_PID", pid, 1);
     assert_int_equal(wd_env_interval_us(), 0);
@@ -409,6 +409,129 @@ static void test_watchdog_pings_every_quarter_interval_only_while_every_loop_bea
     unlink(path);
 }
 
+/* wd_env_interval_us with WATCHDOG_USEC=value and WATCHDOG_PID unset; the
+ * log lines it wrote (timestamps cut off, one per line) into logged. */
+static int64_t env_interval_logged(const char *value, char *logged, size_t cap) {
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    log_set_fd(fds[1]);
+    unsetenv("WATCHDOG_PID");
+    setenv("WATCHDOG_USEC", value, 1);
+    int64_t us = wd_env_interval_us();
+    unsetenv("WATCHDOG_USEC");
+    log_set_fd(2);
+    close(fds[1]);
+    char buf[1024] = {0};
+    ssize_t n = read(fds[0], buf, sizeof buf - 1);
+    close(fds[0]);
+    logged[0] = '\0';
+    size_t used = 0;
+    for (char *line = buf; n > 0 && *line;) {
+        char *nl = strchr(line, '\n');
+        assert_non_null(nl);
+        assert_true(nl - line > 24 && line[23] == 'Z'); /* 2026-11-29T10:31:02.123Z */
+        int k = snprintf(logged + used, cap - used, "%.*s", (int)(nl + 1 - line - 25), line + 25);
+        assert_true(k >= 0 && (size_t)k < cap - used);
+        used += (size_t)k;
+        line = nl + 1;
+    }
+    return us;
+}
+
+static void test_watchdog_usec_is_clamped_to_its_range_and_the_change_logged(void **state) {
+    (void)state;
+    char logged[1024];
+    /* In range: taken as it is, nothing logged. */
+    assert_int_equal(env_interval_logged("400000", logged, sizeof logged), 400000);
+    assert_string_equal(logged, "");
+    assert_int_equal(env_interval_logged("3600000000", logged, sizeof logged), 3600000000LL);
+    assert_string_equal(logged, "");
+    /* 1 us would have the ping thread spin: the floor pings every 100 ms. */
+    assert_int_equal(env_interval_logged("1", logged, sizeof logged), 400000);
+    assert_string_equal(logged, "warn watchdog_interval_clamped watchdog_usec=1 interval_us=400000 reason=\"below "
+                                "400000 us: a ping every 100 ms, late for a systemd that wants one sooner\"\n");
+    assert_int_equal(env_interval_logged("399999", logged, sizeof logged), 400000);
+    /* 1e16 us made interval_ns overflow, and no ping was ever sent. */
+    assert_int_equal(env_interval_logged("10000000000000000", logged, sizeof logged), 3600000000LL);
+    assert_string_equal(logged, "warn watchdog_interval_clamped watchdog_usec=10000000000000000 interval_us=3600000000 "
+                                "reason=\"above 3600000000 us: pinging more often than asked is always in time\"\n");
+    assert_int_equal(env_interval_logged("3600000001", logged, sizeof logged), 3600000000LL);
+    /* Past int64 (systemd's field is a uint64): the ceiling too. */
+    assert_int_equal(env_interval_logged("18446744073709551615", logged, sizeof logged), 3600000000LL);
+    assert_string_equal(logged, "warn watchdog_interval_clamped watchdog_usec=18446744073709551615 "
+                                "interval_us=3600000000 reason=\"above 3600000000 us: pinging more often than asked "
+                                "is always in time\"\n");
+}
+
+static void test_watchdog_usec_that_is_not_a_positive_integer_is_ignored_and_logged(void **state) {
+    (void)state;
+    char logged[1024];
+    const char *bad[] = {"20s", "0", "-5", "1e16", "0x10"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_equal(env_interval_logged(bad[i], logged, sizeof logged), 0);
+        char want[256];
+        snprintf(want, sizeof want,
+                 "warn watchdog_usec_ignored value=\"%s\" reason=\"not a positive whole number of microseconds: no "
+                 "watchdog\"\n",
+                 bad[i]);
+        assert_string_equal(logged, want);
+    }
+    /* An empty value is systemd's "none": nothing to say. */
+    assert_int_equal(env_interval_logged("", logged, sizeof logged), 0);
+    assert_string_equal(logged, "");
+}
+
+/* A watchdog from the environment's WATCHDOG_USEC, one loop beating every
+ * 10 ms, pinging into a fresh NOTIFY_SOCKET; returns the WATCHDOG=1
+ * datagrams in ms. */
+static int pings_for_env(const char *usec, int ms, int64_t *interval_ns) {
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/aerie-wd-env-%d.sock", (int)getpid());
+    unlink(path);
+    int fd = socket(AF_UNIX, SOCK_DGRAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", path);
+    assert_int_equal(bind(fd, (struct sockaddr *)&un, sizeof un), 0);
+    setenv("NOTIFY_SOCKET", path, 1);
+    unsetenv("WATCHDOG_PID");
+    setenv("WATCHDOG_USEC", usec, 1);
+    wd *w;
+    assert_int_equal(wd_init(&w, wd_env_interval_us(), NULL), AE_OK);
+    unsetenv("WATCHDOG_USEC");
+    assert_non_null(w);
+    *interval_ns = wd_interval_ns(w);
+    beater loop = {w, wd_add(w, "event-loop"), false}; /* beats every 10 ms */
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, beater_main, &loop), 0);
+    assert_int_equal(wd_start(w, NULL), AE_OK);
+    int n = count_pings(fd, ms);
+    atomic_store(&loop.stop, true);
+    pthread_join(th, NULL);
+    wd_free(w);
+    unsetenv("NOTIFY_SOCKET");
+    close(fd);
+    unlink(path);
+    return n;
+}
+
+static void test_watchdog_usec_1_pings_every_100_ms_not_in_a_spin(void **state) {
+    (void)state;
+    int64_t interval_ns;
+    int n = pings_for_env("1", 1000, &interval_ns);
+    assert_int_equal(interval_ns, 400000000); /* the floor: 400 ms, a ping every 100 ms */
+    assert_in_range(n, 8, 11); /* 10, give or take the edges */
+}
+
+static void test_watchdog_usec_1e16_pings_at_the_ceilings_rate_rather_than_never(void **state) {
+    (void)state;
+    int64_t interval_ns;
+    /* The first ping goes at once; the next would be in 15 minutes. */
+    int n = pings_for_env("10000000000000000", 300, &interval_ns);
+    assert_int_equal(interval_ns, 3600000000000LL);
+    assert_int_equal(n, 1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_err_keeps_first_error),
@@ -426,6 +549,10 @@ int main(void) {
         cmocka_unit_test(test_watchdog_stale_names_the_loop_that_stopped_beating),
         cmocka_unit_test(test_watchdog_test_stall_hook_drops_only_the_named_loop),
         cmocka_unit_test(test_watchdog_pings_every_quarter_interval_only_while_every_loop_beats),
+        cmocka_unit_test(test_watchdog_usec_is_clamped_to_its_range_and_the_change_logged),
+        cmocka_unit_test(test_watchdog_usec_that_is_not_a_positive_integer_is_ignored_and_logged),
+        cmocka_unit_test(test_watchdog_usec_1_pings_every_100_ms_not_in_a_spin),
+        cmocka_unit_test(test_watchdog_usec_1e16_pings_at_the_ceilings_rate_rather_than_never),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
