@@ -90,7 +90,7 @@ def test_units_share_one_static_user_and_are_hardened_for_the_gpu(tmp_path):
 # /proc/driver/nvidia, which libcuda reads), PrivateUsers= (the device
 # nodes' owners turn into nobody), PrivateDevices= (hides the nodes), and
 # MemoryDenyWriteExecute= (not known whether CUDA maps writable-executable
-# host memory). UMask=0007 keeps the sockets
+# host memory: tests/gpu/run.sh checks it). UMask=0007 keeps the sockets
 # connectable by the aerie group (deploy/README.md).
 HARDENING = {
     "SystemCallFilter": ["@system-service"], "SystemCallErrorNumber": ["EPERM"],
