@@ -48,6 +48,11 @@ if want test; then
     # The deploy tests check the systemd units with systemd-analyze; only
     # its tool is needed, not systemd as PID 1.
     command -v systemd-analyze >/dev/null 2>&1 || apt_pkgs+=(systemd)
+    # The services run under their units' system call filter in the tests
+    # (tools/run_confined.py): libseccomp's Python binding, which Debian
+    # builds for its own /usr/bin/python3 (the launcher runs under that one
+    # whichever python3 runs pytest), and which brings it.
+    apt_pkgs+=(python3-seccomp)
     # The integration tests speak the wire contract through Google's
     # protobuf runtime (tests/integration/aerie_rpc.py).
     if ! has_py google.protobuf; then

@@ -15,8 +15,10 @@
 # telling first: every op of the CUDA backend against the CPU backend and
 # the tiny golden models (tests/cuda_cpu/: the same tests make
 # test-cuda-cpu runs on the CPU shim), the lossless speculative test with
-# the target on CUDA, the benchmarks, compute-sanitizer's memcheck over the
-# op test, and transformers on the same shapes as a side-by-side figure; it
+# the target on CUDA, the CUDA path under the GPU units' confinement
+# (memory-deny-write-execute, the system call filter), the benchmarks,
+# compute-sanitizer's memcheck over the op test, and transformers on the
+# same shapes as a side-by-side figure; it
 # ends with one summary line. tests/gpu/UNRUN.md lists what has never run
 # on a GPU; update it from this script's log.
 set -uo pipefail
@@ -142,6 +144,34 @@ AERIE_CUDA_SYNC=1 run models 180 build/gpu/test_cuda_model
 step "speculation: greedy speculative output on CUDA equals plain decoding"
 run spec 180 build/gpu/test_cuda_spec
 
+# The GPU units' confinement on the CUDA path (aerie bench --device cuda,
+# the target's engine), through tools/run_confined.py: mdwe-cuda under
+# prctl(PR_SET_MDWE), which MemoryDenyWriteExecute= sets and the target and
+# draft units leave off until this passes (CUDA might map memory writable
+# and executable); filter-cuda under the target unit's own system call
+# filter (@system-service), a refused call named in the log and killed.
+step "unit hardening: the CUDA path under MDWE and under the units' system call filter"
+# Models with random weights are made here, in $models, once.
+models=${AERIE_GPU_MODELS:-/tmp/aerie-models}
+mkdir -p "$models"
+small=$models/smollm2-135m-q4_1.gguf
+[ -s "$small" ] ||
+    run make-smollm2-135m-q4_1 240 build/gpu/aerie make-model --shape smollm2-135m --type q4_1 --out "$small"
+confined_bench=(build/gpu/aerie bench --model "$small" --device cuda --prompt-tokens 32 --gen-tokens 16 --repeat 1)
+if ! python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL(None).prctl(66, 0, 0, 0, 0) < 0)' 2>/dev/null; then
+    echo "-- mdwe-cuda: skipped (no python3, or a kernel without PR_SET_MDWE: Linux 6.3 or later)"
+    not_built+=(mdwe-cuda)
+else
+    run mdwe-cuda 120 python3 tools/run_confined.py --mdwe -- "${confined_bench[@]}"
+fi
+if /usr/bin/python3 -c 'import seccomp' 2>/dev/null && command -v systemd-analyze >/dev/null; then
+    run filter-cuda 120 /usr/bin/python3 tools/run_confined.py --unit deploy/aerie-target@.service --refuse kill \
+        -- "${confined_bench[@]}"
+else
+    echo "-- filter-cuda: skipped (needs python3-seccomp for /usr/bin/python3, and systemd-analyze)"
+    not_built+=(filter-cuda)
+fi
+
 # Decode at batch 1 against the HBM roofline: weight bytes per step over
 # the device's copy bandwidth measured in the same run (aerie bench
 # --device cuda). Models with random weights made here (no download): the
@@ -155,9 +185,7 @@ run spec 180 build/gpu/test_cuda_spec
 # AERIE_GPU_BENCH=0: the correctness checks and memcheck only.
 bench_on=${AERIE_GPU_BENCH:-1}
 [ "$bench_on" = 1 ] && step "benchmarks"
-models=${AERIE_GPU_MODELS:-/tmp/aerie-models}
 file=
-mkdir -p "$models"
 make_model() { # shape type: sets $file, made once
     [ "$bench_on" = 1 ] || return 0
     file=$models/$1-$2.gguf
@@ -196,7 +224,7 @@ step "tensor parallelism: NCCL and the custom allreduce"
 if [ -z "$nccl_version" ]; then
     echo "-- nccl-tp1: skipped (no libnccl.so.2 on this machine)"
     echo "-- nccl-tp2: skipped (no libnccl.so.2 on this machine)"
-    not_built=(nccl-tp1 nccl-tp2)
+    not_built+=(nccl-tp1 nccl-tp2)
 else
     # Kernels loaded at start: a rank's first launch of a kernel must not
     # wait on a lazy load while another rank's NCCL kernel spins.
@@ -212,7 +240,7 @@ else
             ranks_on_two_devices_give_the_cpu_ranks_bits
     else
         echo "-- nccl-tp2: skipped (NCCL $nccl_version: two ranks on one GPU need NCCL 2.30 or later)"
-        not_built=(nccl-tp2)
+        not_built+=(nccl-tp2)
     fi
     unset CUDA_MODULE_LOADING
 fi
