@@ -274,7 +274,9 @@ static void do_info(tsrv *t, rpc_call *call) {
              "\"accepted\": %lld, \"bad_trees\": %lld, \"draft_failures\": %lld, \"state_gone\": %lld, "
              "\"adapt_off\": %lld, \"explore_steps\": %lld, \"draft_ms\": %.1f, \"verify_ms\": %.1f, "
              "\"explore_ms\": %.1f, \"feed_ms\": %.1f}, \"requests_constrained\": %llu, \"grammar_masks\": %llu, "
-             "\"grammar_mask_ms\": %.3f, \"tp\": %d, \"allreduces\": {\"per_step\": %llu, \"bytes_per_step\": %llu, "
+             "\"grammar_mask_ms\": %.3f, \"schemas\": {\"compiling\": %d, \"ok\": %llu, \"refused\": %llu, "
+             "\"timeout\": %llu, \"cancelled\": %llu, \"errors\": %llu, \"dropped\": %llu, \"threads\": %d, "
+             "\"mask_budget_spent\": %llu}, \"tp\": %d, \"allreduces\": {\"per_step\": %llu, \"bytes_per_step\": %llu, "
              "\"tokens_per_step\": %d, \"total\": %llu, \"seconds_total\": %.6f}, \"policy\": %s, \"draft\": %s}",
              s.running, s.prefilling, s.waiting, s.kv_blocks_used, s.kv_blocks, s.kv_blocks_reserved,
              (unsigned long long)s.requests_done, (unsigned long long)s.requests_cancelled,
@@ -284,7 +286,11 @@ static void do_info(tsrv *t, rpc_call *call) {
              (long long)s.spec.draft_failures, (long long)s.spec.state_gone, (long long)s.spec.adapt_off,
              (long long)s.spec.explore_steps, (double)s.spec.draft_ns / 1e6, (double)s.spec.verify_ns / 1e6,
              (double)s.spec.explore_ns / 1e6, (double)s.spec.feed_ns / 1e6, (unsigned long long)s.requests_constrained,
-             (unsigned long long)s.grammar_masks, (double)s.grammar_mask_ns / 1e6, s.tp,
+             (unsigned long long)s.grammar_masks, (double)s.grammar_mask_ns / 1e6, s.compiling,
+             (unsigned long long)s.compiles[AE_OK], (unsigned long long)s.compiles[GRAMMAR_REFUSED],
+             (unsigned long long)s.compiles[GC_TIMEOUT], (unsigned long long)s.compiles[GC_CANCELLED],
+             (unsigned long long)s.compiles[1], (unsigned long long)s.compiles_dropped, gc_live(),
+             (unsigned long long)s.mask_budget_spent, s.tp,
              (unsigned long long)s.comm.last.calls, (unsigned long long)s.comm.last.bytes, s.comm.last_tokens,
              (unsigned long long)s.comm.total.calls, (double)s.comm.total.ns / 1e9, pol, draft);
     reply_msg(call, aerie_InfoReply_fields, &r, buf, sizeof buf);

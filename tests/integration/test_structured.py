@@ -103,7 +103,11 @@ def test_json_object_mode_and_sampled_constrained_output(pair):  # noqa: F811
     ({"type": "integer", "multipleOf": 3}, "'multipleOf' at # is not supported"),
 ])
 def test_schemas_outside_the_subset_are_refused_naming_the_keyword(pair, schema, msg):  # noqa: F811
-    g = pair[0]
+    assert_refused(pair[0], schema, msg)
+
+
+def assert_refused(g, schema, msg):
+    """A json_schema request with schema is a 400 on response_format that says msg."""
     with pytest.raises(openai.BadRequestError) as ei:
         g.client().chat.completions.create(
             model=g.name, messages=[{"role": "user", "content": "hi"}],
@@ -129,6 +133,10 @@ def test_metrics_count_constrained_requests_and_mask_time_and_server_info_lists_
     assert f["response_format"] == ["text", "json_object", "json_schema"] and f["n_max"] == 16
     assert f["top_logprobs_max"] == 20 and "anyOf" in f["json_schema_keywords"]
     assert info["targets"][0]["stats"]["requests_constrained"] >= 1
+    sc = info["targets"][0]["stats"]["schemas"]
+    assert set(sc) == {"compiling", "ok", "refused", "timeout", "cancelled", "errors", "dropped", "threads",
+                       "mask_budget_spent"}
+    assert sc["ok"] >= 1 and sc["compiling"] == 0 and sc["errors"] == 0 and sc["mask_budget_spent"] == 0
 
 
 def test_min_tokens_yields_to_a_complete_value(pair):  # noqa: F811
@@ -199,11 +207,7 @@ def test_schemas_past_a_limit_are_a_400_naming_it(pair, schema, msg):  # noqa: F
     kind of enum that compiled for seconds, are refused before they reach
     a target."""
     g = pair[0]
-    with pytest.raises(openai.BadRequestError) as ei:
-        g.client().chat.completions.create(
-            model=g.name, messages=[{"role": "user", "content": "hi"}],
-            response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
-    assert ei.value.body["param"] == "response_format" and ei.value.body["message"] == msg
+    assert_refused(g, schema, msg)
     r = g.client().chat.completions.create(model=g.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                            temperature=0, response_format={"type": "json_object"})
     assert r.choices[0].message.content.startswith("{")

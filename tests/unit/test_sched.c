@@ -100,11 +100,15 @@ static int teardown(void **state) {
     return 0;
 }
 
+/* The tests' scheduler: 2 compile workers, every compile logged. */
+static sched_config base_config(const fixture *f) {
+    return (sched_config){.max_batch = 4, .max_queue = 8, .chunk = 32, .max_seq_len = 256, .tree_tokens = 1,
+                          .eos = f->eos, .grammar = f->gv, .compile_workers = 2, .max_compiles = 8,
+                          .compile = {.isolate = true, .timeout_ms = 60000, .max_live = 4, .log_ms = 0}};
+}
+
 static sched *open_sched(fixture *f, const sched_config *over) {
-    sched_config c = {.max_batch = 4, .max_queue = 8, .chunk = 32, .max_seq_len = 256, .tree_tokens = 1, .eos = f->eos,
-                      .grammar = f->gv, .compile_workers = 2, .max_compiles = 8,
-                      .compile = {.isolate = true, .timeout_ms = 60000, .max_live = 4, .log_ms = 0}};
-    if (over) c = *over;
+    sched_config c = over ? *over : base_config(f);
     sched_sink sink = {f, sink_emit, sink_cancelled};
     sched *s = NULL;
     ae_error err = {{0}};
@@ -206,9 +210,9 @@ static void test_cancel_gives_up_a_running_compile(void **state) {
  * the next request is not held up by it. */
 static void test_compile_past_its_budget_is_refused(void **state) {
     fixture *f = *state;
-    sched_config c = {.max_batch = 4, .max_queue = 8, .chunk = 32, .max_seq_len = 256, .tree_tokens = 1, .eos = f->eos,
-                      .grammar = f->gv, .compile_workers = 1, .max_compiles = 8,
-                      .compile = {.isolate = true, .timeout_ms = 200, .max_live = 4, .log_ms = 0}};
+    sched_config c = base_config(f);
+    c.compile_workers = 1;
+    c.compile.timeout_ms = 200;
     sched *s = open_sched(f, &c);
     ae_error err = {{0}};
     char *big = slow_schema(2);
@@ -237,9 +241,10 @@ static void test_compile_past_its_budget_is_refused(void **state) {
  * and plain requests are still queued. */
 static void test_compiles_have_their_own_queue(void **state) {
     fixture *f = *state;
-    sched_config c = {.max_batch = 4, .max_queue = 1, .chunk = 32, .max_seq_len = 256, .tree_tokens = 1, .eos = f->eos,
-                      .grammar = f->gv, .compile_workers = 1, .max_compiles = 2,
-                      .compile = {.isolate = true, .timeout_ms = 60000, .max_live = 4, .log_ms = 0}};
+    sched_config c = base_config(f);
+    c.max_queue = 1;
+    c.compile_workers = 1;
+    c.max_compiles = 2;
     sched *s = open_sched(f, &c);
     ae_error err = {{0}};
     char *a = slow_schema(3), *b = slow_schema(4), *d = slow_schema(5);
@@ -294,10 +299,11 @@ static void test_drain_does_not_wait_for_compiles(void **state) {
  * the budget named. */
 static void test_mask_budget_ends_a_costly_request(void **state) {
     fixture *f = *state;
-    sched_config c = {.max_batch = 4, .max_queue = 8, .chunk = 32, .max_seq_len = 256, .tree_tokens = 1, .eos = f->eos,
-                      .grammar = f->gv, .compile_workers = 1, .max_compiles = 8,
-                      .compile = {.isolate = true, .timeout_ms = 60000, .max_live = 4, .log_ms = -1},
-                      .mask_budget_ms = 1, .mask_ms_per_token = 0.001};
+    sched_config c = base_config(f);
+    c.compile_workers = 1;
+    c.compile.log_ms = -1;
+    c.mask_budget_ms = 1;
+    c.mask_ms_per_token = 0.001;
     sched *s = open_sched(f, &c);
     ae_error err = {{0}};
     /* Strings of 64 length ranges: each mask takes milliseconds. */
