@@ -290,7 +290,8 @@ def test_metrics_and_server_info(stack):
     assert info["gateway"]["chat_template"] == "chatml-default-system"
     assert info["gateway"]["memory_plan"].startswith(
         "http buffers, worst case = max-conns 1024 x (head 0.06 MiB + body 1.00 MiB + unsent 1.00 MiB + "
-        "reply 1.00 MiB) = 3136.0 MiB; tokenizer workers = 2 x 48.27 MiB = 96.5 MiB; total = 3232.5 MiB (")
+        "reply 1.00 MiB) = 3136.0 MiB; replies being built = max-inflight 512 x 2 x 1.00 MiB = 1024.0 MiB; "
+        "tokenizer workers = 2 x 48.27 MiB = 96.5 MiB; total = 4256.5 MiB (")
     [t] = info["targets"]
     assert t["healthy"] and t["config"]["max-seq-len"]["value"] == CTX and "total = weights" in t["memory_plan"]
     [d] = info["drafts"]
@@ -437,14 +438,30 @@ def test_print_config_and_an_impossible_memory_plan(model):
     assert cfg["port"] == {"value": 9, "source": "flag"}
     assert cfg["model-name"] == {"value": "SmolLM2-135M-Instruct.Q4_1", "source": "auto"}
     assert cfg["max-body-bytes"] == {"value": 1048576, "source": "default"}
+    assert cfg["max-reply-bytes"] == {"value": 1048576, "source": "default"}
+    r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--print-config"],
+                       capture_output=True, text=True, env={**env, "AERIE_MAX_REPLY_BYTES": "4096"}, timeout=60)
+    assert json.loads(r.stdout)["max-reply-bytes"] == {"value": 4096, "source": "env"}
     r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--max-conns", "65536",
                         "--max-body-bytes", str(1 << 30)], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2
     assert r.stderr.startswith("aerie-gateway: memory plan: http buffers, worst case = max-conns 65536 x "
                                "(head 0.06 MiB + body 1024.00 MiB + unsent 1.00 MiB + reply 1.00 MiB) = "
-                               "67244032.0 MiB; tokenizer workers = 2 x 47106.27 MiB = 94212.5 MiB; "
-                               "total = 67338244.5 MiB ("), r.stderr
+                               "67244032.0 MiB; replies being built = max-inflight 512 x 2 x 1.00 MiB = 1024.0 MiB; "
+                               "tokenizer workers = 2 x 47106.27 MiB = 94212.5 MiB; total = 67339268.5 MiB ("), r.stderr
     assert "lower --max-conns to " in r.stderr
+    # Whole replies: every connection may hold one of max-reply-bytes, and
+    # each request in flight its pieces and the body written from them.
+    r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--max-conns", "1",
+                        "--max-inflight", str(1 << 20), "--max-reply-bytes", str(1 << 30)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("aerie-gateway: memory plan: http buffers, worst case = max-conns 1 x "
+                               "(head 0.06 MiB + body 1.00 MiB + unsent 1.00 MiB + reply 1024.00 MiB) = 1026.1 MiB; "
+                               "replies being built = max-inflight 1048576 x 2 x 1024.00 MiB = 2147483648.0 MiB; "
+                               "tokenizer workers = 2 x 48.27 MiB = 96.5 MiB; total = 2147484770.6 MiB ("), r.stderr
+    assert re.search(r"; it must stay under half of memory: lower --max-conns to \d+ or --max-inflight to \d+, "
+                     r"or --max-body-bytes or --max-reply-bytes\n$", r.stderr), r.stderr
 
 
 def test_api_keys(tmp_path, model, stack):
