@@ -60,6 +60,7 @@ typedef struct gw_config {
     int max_conns;
     size_t max_body_bytes;
     int max_inflight;           /* generation requests at once; beyond, 429 */
+    size_t max_reply_bytes;     /* a reply that is not streamed, as it is built; beyond, 400 reply_too_large */
     int32_t max_prompt_tokens;  /* 0: the targets' context */
     int32_t max_tokens_limit;   /* largest max_tokens accepted; 0: the context */
     int32_t default_max_tokens; /* when a request gives none (capped by what the context leaves) */

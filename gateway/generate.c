@@ -41,6 +41,7 @@ typedef struct gchoice {
     bool role_sent;     /* streamed chat: the opening role chunk went */
     char *calls;        /* with tools: the tool_calls found (a JSON list), or NULL */
     char *rest;         /* and the text besides them (NULL: none) */
+    size_t reply_bytes; /* non-streamed: what the choice takes in the reply as it stands */
 } gchoice;
 
 typedef struct greq {
@@ -69,6 +70,11 @@ typedef struct greq {
     double t_arrive, t_first, t_last;
     aerie_SpecStats spec;   /* summed over the choices */
     bool has_spec;
+    /* Non-streamed: the reply's size as it stands (its choices' text and
+     * log-probabilities so far, the finish reasons and usage counted at
+     * their shortest until known), kept under max-reply-bytes as it grows. */
+    size_t reply_bytes;
+    bool too_large;         /* it passed max-reply-bytes: the request ends with reply_too_large */
     tjob job; /* the prompt's tokenizing, before the call */
 } greq;
 
@@ -97,6 +103,58 @@ static void greq_free(greq *q) {
 static bool is_chat(const greq *q) { return q->o.kind == OAI_CHAT; }
 
 static render_meta meta(const greq *q) { return (render_meta){q->id, is_chat(q), q->created, q->g->cfg.model_name}; }
+
+/* Choice ch as a whole reply shows it (its finish reason "stop", the
+ * shortest, while it runs). */
+static render_choice choice_render(const greq *q, const gchoice *ch) {
+    return (render_choice){ch->calls ? ch->rest : ch->out.p,
+                           ch->calls ? (ch->rest ? strlen(ch->rest) : 0) : ch->out.len,
+                           q->o.logprobs ? &ch->lp : NULL, render_finish_name(ch->finish), ch->calls};
+}
+
+/* The whole reply, into b (a counter, JBUF_COUNTER: its size). */
+static void render_reply(jbuf *b, const greq *q) {
+    render_meta rm = meta(q);
+    render_choice rc[OAI_MAX_N];
+    for (int32_t c = 0; c < q->n; c++) rc[c] = choice_render(q, &q->ch[c]);
+    render_completion(b, &rm, rc, q->n, q->n_prompt, q->n_taken);
+}
+
+/* Choice c's part of the whole reply, counted by the code that writes it. */
+static size_t choice_bytes(const greq *q, int32_t c) {
+    jbuf n = JBUF_COUNTER;
+    render_choice rc = choice_render(q, &q->ch[c]);
+    render_completion_choice(&n, is_chat(q), c, &rc);
+    return n.len;
+}
+
+/* Choice ch's part of the reply is now `bytes`. */
+static void choice_resized(greq *q, gchoice *ch, size_t bytes) {
+    q->reply_bytes = q->reply_bytes - ch->reply_bytes + bytes;
+    ch->reply_bytes = bytes;
+}
+
+/* Whether the reply, not streamed, is over max-reply-bytes. The request
+ * then ends: on_event returns false, which cancels its call so that the
+ * target stops generating what could not be sent, and on_end answers
+ * reply_too_large. A stream holds no reply and has no such limit. */
+static bool too_large(greq *q) {
+    if (!q->o.stream && q->reply_bytes > q->g->cfg.max_reply_bytes) q->too_large = true;
+    return q->too_large;
+}
+
+/* 400, not 413 (that names the request's body, which was fine) nor a 5xx
+ * or 429 (OpenAI's clients retry those, and a retry would generate the
+ * same reply to the same end): the request as sent asks for more than
+ * this gateway sends whole, as a prompt over the context is a 400, and
+ * OpenAI's clients raise BadRequestError with the message, which names
+ * the limit and the way around it. */
+static void reply_too_large(oai_error *e, size_t limit) {
+    oai_fail(e, 400, "invalid_request_error", "reply_too_large", NULL,
+             "the reply would be over %zu bytes, this gateway's limit for a reply that is not streamed "
+             "(max-reply-bytes); ask for it with \"stream\": true, or for fewer tokens, choices or log-probabilities",
+             limit);
+}
 
 /* The part every streamed chunk starts with, formatted once per request. */
 static const jbuf *chunk_head(greq *q) {
@@ -155,7 +213,10 @@ static void flush_delta(greq *q, int32_t c) {
 
 /* Text the stop strings released. */
 static void emit(greq *q, gchoice *ch, const char *s, size_t n) {
-    if (n) jbuf_add(q->o.stream ? &ch->delta : &ch->out, s, n);
+    if (!n) return;
+    jbuf_add(q->o.stream ? &ch->delta : &ch->out, s, n);
+    /* Written as a JSON string, text takes its escaped bytes. */
+    if (!q->o.stream) choice_resized(q, ch, ch->reply_bytes + jbuf_quoted_len(s, n) - 2);
 }
 
 /* Token t's log-probability entry (l: what the target sent for it). */
@@ -168,10 +229,11 @@ static void take_logprobs(greq *q, gchoice *ch, int32_t t, const aerie_TokenLogp
         top[n_top].logprob = l->top_logprobs[k];
         if (top[n_top].bytes) n_top++;
     }
-    size_t len = 0;
+    size_t len = 0, before = render_lp_bytes(&ch->lp);
     const uint8_t *bytes = tok_token_bytes(tk, t, &len);
     render_lp_add(&ch->lp, bytes ? bytes : (const uint8_t *)"", bytes ? len : 0, l->logprob, top, n_top,
                   ch->text_chars);
+    if (!q->o.stream) choice_resized(q, ch, ch->reply_bytes + render_lp_bytes(&ch->lp) - before);
 }
 
 static void take_token(greq *q, gchoice *ch, int32_t t, const aerie_TokenLogprobs *l) {
@@ -221,6 +283,9 @@ static void end_choice(greq *q, int32_t c, int finish) {
                                   q->id + (strncmp(q->id, "chatcmpl-", 9) ? 0 : 9), q->o.stream, &ch->rest);
         if (ch->calls) ch->finish = RENDER_FINISH_TOOL_CALLS;
     }
+    /* Its finish reason, and its text read as calls, are known: counted
+     * again, whole. */
+    if (!q->o.stream) choice_resized(q, ch, choice_bytes(q, c));
     if (q->o.stream && !q->gone) {
         open_choice(q, c);
         if (ch->calls) {
@@ -257,7 +322,7 @@ static void add_spec(greq *q, const aerie_GenerateEvent *ev) {
 static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     greq *q = ctx;
     aerie_GenerateEvent ev;
-    if (q->gone || q->n_done == q->n || q->target_cancelled) return false;
+    if (q->gone || q->n_done == q->n || q->target_cancelled || q->too_large) return false;
     if (msg_decode(aerie_GenerateEvent_fields, &ev, msg, len, NULL) != AE_OK) return false;
     /* A target never names another choice; do not trust it to. */
     if (ev.index >= (uint32_t)q->n) return false;
@@ -286,6 +351,7 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     for (pb_size_t i = 0; i < ev.tokens_count && !ch->stopped; i++) {
         if (ch->n_out >= q->max_tokens) break; /* a target never sends more; do not trust it to */
         take_token(q, ch, ev.tokens[i], i < ev.logprobs_count ? &ev.logprobs[i] : NULL);
+        if (too_large(q)) return false;
     }
     if (ev.finish == aerie_FinishReason_FINISH_CANCELLED && !ch->stopped && ch->n_out < q->max_tokens) {
         /* Not ours to end: on_end goes on at another replica. */
@@ -302,6 +368,7 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     } else {
         flush_delta(q, c);
     }
+    if (too_large(q)) return false;
     return q->n_done < q->n;
 }
 
@@ -338,15 +405,10 @@ static void finish_ok(greq *q) {
         http_stream_end(q->http);
     } else {
         jbuf b = {0};
-        render_meta rm = meta(q);
-        render_choice rc[OAI_MAX_N];
-        for (int32_t c = 0; c < q->n; c++) {
-            gchoice *ch = &q->ch[c];
-            rc[c] = (render_choice){ch->calls ? ch->rest : ch->out.p, ch->calls ? (ch->rest ? strlen(ch->rest) : 0) : ch->out.len,
-                                    q->o.logprobs ? &ch->lp : NULL, render_finish_name(ch->finish), ch->calls};
-            b.oom |= ch->out.oom; /* the text is incomplete */
-        }
-        render_completion(&b, &rm, rc, q->n, q->n_prompt, q->n_taken);
+        /* on_end counted it: one allocation of its very size. */
+        jbuf_reserve(&b, q->reply_bytes);
+        for (int32_t c = 0; c < q->n; c++) b.oom |= q->ch[c].out.oom; /* the text is incomplete */
+        render_reply(&b, q);
         gw_reply_jbuf(g, q->http, q->route, &b);
         jbuf_free(&b);
     }
@@ -401,12 +463,27 @@ static void on_end(void *ctx, const rpc_reply *r) {
         request_done(q);
         return;
     }
+    oai_error e;
+    if (q->n_done == q->n && !q->o.stream) {
+        /* Every choice is done: the reply's size is known to the byte. */
+        jbuf n = JBUF_COUNTER;
+        render_reply(&n, q);
+        q->reply_bytes = n.len;
+        q->too_large = n.len > g->cfg.max_reply_bytes;
+    }
+    if (q->too_large) {
+        LOG_WARNF("reply_too_large id=%s reply_bytes=%zu max_reply_bytes=%zu completion=%d n=%d", q->id,
+                  q->reply_bytes, g->cfg.max_reply_bytes, q->n_taken, q->n);
+        reply_too_large(&e, g->cfg.max_reply_bytes);
+        finish_error(q, &e);
+        request_done(q);
+        return;
+    }
     if (q->n_done == q->n) {
         finish_ok(q);
         request_done(q);
         return;
     }
-    oai_error e;
     if (r->status == RPC_UNAVAILABLE || q->target_cancelled) {
         /* The replica failed or is shutting down: go on elsewhere with the
          * tokens we have. */
@@ -628,6 +705,24 @@ static void on_prompt_encoded(tjob *j) {
     int w = snprintf(q->id, sizeof q->id, "%s-", kind == OAI_CHAT ? "chatcmpl" : "cmpl");
     for (size_t i = 0; i < sizeof rnd; i++) w += snprintf(q->id + w, sizeof q->id - (size_t)w, "%02x", rnd[i]);
     q->created = (int64_t)time(NULL);
+    if (!q->o.stream) {
+        /* What the reply takes with no token: its frame and every choice
+         * empty. Over max-reply-bytes, no output can ever fit. What more
+         * it will take depends on the tokens (a choice may end at its
+         * first, with no text; max_tokens says nothing of how long a token
+         * is), so this is all that is refused before the call. */
+        jbuf n = JBUF_COUNTER;
+        render_reply(&n, q);
+        q->reply_bytes = n.len;
+        for (int32_t c = 0; c < q->n; c++) q->ch[c].reply_bytes = choice_bytes(q, c);
+        if (q->reply_bytes > g->cfg.max_reply_bytes) {
+            oai_fail(&e, 400, "invalid_request_error", "reply_too_large", NULL,
+                     "an empty reply of %d choice%s takes %zu bytes, over this gateway's limit of %zu bytes for a "
+                     "reply that is not streamed (max-reply-bytes); ask for it with \"stream\": true",
+                     q->n, q->n == 1 ? "" : "s", q->reply_bytes, g->cfg.max_reply_bytes);
+            goto refuse;
+        }
+    }
     if (start_call(q, &err) != AE_OK) {
         oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "%s", err.msg);
         goto refuse;

@@ -8,7 +8,7 @@
 #include "../services/core/err.h"
 
 bool jbuf_reserve(jbuf *b, size_t more) {
-    if (b->oom) return false;
+    if (b->oom || b->count) return false;
     if (b->len + more + 1 <= b->cap) return true;
     size_t cap = b->cap ? b->cap : 256;
     while (cap < b->len + more + 1) cap *= 2;
@@ -23,6 +23,10 @@ bool jbuf_reserve(jbuf *b, size_t more) {
 }
 
 void jbuf_add(jbuf *b, const char *s, size_t n) {
+    if (b->count) {
+        b->len += n;
+        return;
+    }
     if (!jbuf_reserve(b, n)) return;
     memcpy(b->p + b->len, s, n);
     b->len += n;
@@ -37,6 +41,10 @@ void jbuf_printf(jbuf *b, const char *fmt, ...) {
     int n = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
     AE_ASSERT(n >= 0);
+    if (b->count) {
+        b->len += (size_t)n;
+        return;
+    }
     if (!jbuf_reserve(b, (size_t)n)) return;
     va_start(ap, fmt);
     vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
@@ -55,6 +63,10 @@ size_t jbuf_quoted_len(const char *s, size_t n) {
 }
 
 void jbuf_quote(jbuf *b, const char *s, size_t n) {
+    if (b->count) {
+        b->len += jbuf_quoted_len(s, n);
+        return;
+    }
     if (!jbuf_reserve(b, 6 * n + 2)) return;
     char *w = b->p + b->len;
     *w++ = '"';

@@ -1,7 +1,11 @@
 /* The gateway's JSON writer: a growing text buffer that replies and
  * stream events are written into. An allocation failure marks the buffer
  * (oom) and drops what is added after it, so that writers need not check
- * each call: the reply becomes a 503 instead. */
+ * each call: the reply becomes a 503 instead.
+ *
+ * A counter (JBUF_COUNTER) stores nothing: its len adds up what the same
+ * writers would have written, so a reply's size is known, from the very
+ * code that writes it, before any of it is built. */
 #ifndef AERIE_GATEWAY_JBUF_H
 #define AERIE_GATEWAY_JBUF_H
 
@@ -12,9 +16,13 @@ typedef struct jbuf {
     char *p; /* NUL-terminated once anything was added */
     size_t len, cap;
     bool oom; /* an allocation failed: what was added since is lost */
+    bool count; /* a counter: p stays NULL, len counts */
 } jbuf;
 
-/* Room for `more` bytes (and the NUL) past len; false (and oom) when out of memory. */
+#define JBUF_COUNTER ((jbuf){.count = true})
+
+/* Room for `more` bytes (and the NUL) past len; false (and oom) when out
+ * of memory, false for a counter (it has no room). */
 bool jbuf_reserve(jbuf *b, size_t more);
 void jbuf_add(jbuf *b, const char *s, size_t n);
 void jbuf_str(jbuf *b, const char *s);

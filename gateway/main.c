@@ -30,6 +30,15 @@ static const cfg_option opts[] = {
     {"max-body-bytes", CFG_INT, "1048576", 1024, 1 << 30, "largest request body; beyond, 413"},
     {"max-conns", CFG_INT, "1024", 1, 65536, "open HTTP connections; beyond, 429"},
     {"max-inflight", CFG_INT, "512", 1, 1 << 20, "generation requests at once; beyond, 429"},
+    /* 1 MiB: what the memory plan already gives every connection for one
+     * whole reply (GW_MAX_REPLY_BYTES, /tokenize's), so the http buffers do
+     * not grow, and max-inflight 512 x 2 x 1 MiB adds 1 GiB. It holds 512
+     * tokens with 20 top log-probabilities each (1.4-1.5 KB a token), or the
+     * text of every choice at n = 16 up to some 13k tokens each; more is
+     * what "stream": true is for. */
+    {"max-reply-bytes", CFG_INT, "1048576", 1024, 1 << 30,
+     "largest reply that is not streamed (every choice's text, log-probabilities and tool calls), counted as it is "
+     "built; beyond, the request ends with 400 reply_too_large and its generation is cancelled"},
     {"max-prompt-tokens", CFG_INT, "0", 0, 1 << 24, "longest prompt accepted (0: the targets' context less one)"},
     {"max-tokens-limit", CFG_INT, "0", 0, 1 << 24, "largest max_tokens accepted (0: the targets' context)"},
     {"default-max-tokens", CFG_INT, "512", 1, 1 << 24, "max_tokens of a request that gives none (capped by the context left)"},
@@ -74,25 +83,35 @@ static double mib(uint64_t b) { return (double)b / (1024.0 * 1024.0); }
 
 /* The gateway holds no model, only buffers: each connection may hold a
  * request head, a body and unsent reply bytes (up to max_out, plus the one
- * reply that may go past it: http.c drops the client only beyond that),
- * and each tokenizer worker what one body costs it (gateway.h). The worst
- * case is stated as arithmetic and must fit in half the machine's memory. */
+ * reply that may go past it: http.c drops the client only beyond that; a
+ * whole reply is at most the larger of /tokenize's GW_MAX_REPLY_BYTES and
+ * max-reply-bytes), each generation request answered whole the pieces of
+ * its reply (at most max-reply-bytes, generate.c) and at its end the body
+ * written from them, and each tokenizer worker what one body costs it
+ * (gateway.h). The worst case is stated as arithmetic and must fit in half
+ * the machine's memory. */
 static int plan_memory(const cfg *c, char *text, size_t cap, ae_error *err) {
     uint64_t conns = (uint64_t)cfg_int(c, "max-conns"), body = (uint64_t)cfg_int(c, "max-body-bytes");
-    uint64_t per = GW_MAX_HEAD_BYTES + body + GW_MAX_UNSENT_BYTES + GW_MAX_REPLY_BYTES, http = conns * per;
-    uint64_t worker = GW_TOK_WORKER_BYTES(body), workers = GW_TOK_WORKERS * worker, total = http + workers;
+    uint64_t inflight = (uint64_t)cfg_int(c, "max-inflight"), reply = (uint64_t)cfg_int(c, "max-reply-bytes");
+    uint64_t whole = reply > GW_MAX_REPLY_BYTES ? reply : GW_MAX_REPLY_BYTES;
+    uint64_t per = GW_MAX_HEAD_BYTES + body + GW_MAX_UNSENT_BYTES + whole, http = conns * per;
+    uint64_t building = inflight * 2 * reply;
+    uint64_t worker = GW_TOK_WORKER_BYTES(body), workers = GW_TOK_WORKERS * worker, total = http + building + workers;
     uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
     snprintf(text, cap,
              "http buffers, worst case = max-conns %llu x (head %.2f MiB + body %.2f MiB + unsent %.2f MiB + "
-             "reply %.2f MiB) = %.1f MiB; tokenizer workers = %d x %.2f MiB = %.1f MiB; total = %.1f MiB "
-             "(%.1f%% of %.1f MiB of memory)",
-             (unsigned long long)conns, mib(GW_MAX_HEAD_BYTES), mib(body), mib(GW_MAX_UNSENT_BYTES),
-             mib(GW_MAX_REPLY_BYTES), mib(http), GW_TOK_WORKERS, mib(worker), mib(workers), mib(total),
-             phys ? 100.0 * (double)total / (double)phys : 0.0, mib(phys));
-    if (phys && total > phys / 2)
+             "reply %.2f MiB) = %.1f MiB; replies being built = max-inflight %llu x 2 x %.2f MiB = %.1f MiB; "
+             "tokenizer workers = %d x %.2f MiB = %.1f MiB; total = %.1f MiB (%.1f%% of %.1f MiB of memory)",
+             (unsigned long long)conns, mib(GW_MAX_HEAD_BYTES), mib(body), mib(GW_MAX_UNSENT_BYTES), mib(whole),
+             mib(http), (unsigned long long)inflight, mib(reply), mib(building), GW_TOK_WORKERS, mib(worker),
+             mib(workers), mib(total), phys ? 100.0 * (double)total / (double)phys : 0.0, mib(phys));
+    if (phys && total > phys / 2) {
+        uint64_t half = phys / 2;
         return err_set(err, "memory plan: %s; it must stay under half of memory: lower --max-conns to %llu or "
-                            "--max-body-bytes",
-                       text, (unsigned long long)(phys / 2 > workers ? (phys / 2 - workers) / per : 0));
+                            "--max-inflight to %llu, or --max-body-bytes or --max-reply-bytes",
+                       text, (unsigned long long)(half > workers + building ? (half - workers - building) / per : 0),
+                       (unsigned long long)(half > workers + http ? (half - workers - http) / (2 * reply) : 0));
+    }
     return AE_OK;
 }
 
@@ -159,7 +178,7 @@ int main(int argc, char **argv) {
             goto out;
         }
     }
-    char plan[512];
+    char plan[768];
     if (plan_memory(c, plan, sizeof plan, &err) != AE_OK) goto out;
     cfg_log(c, "aerie-gateway");
     LOG_INFOF("memory_plan %s", plan);
@@ -187,6 +206,7 @@ int main(int argc, char **argv) {
         .max_conns = (int)cfg_int(c, "max-conns"),
         .max_body_bytes = (size_t)cfg_int(c, "max-body-bytes"),
         .max_inflight = (int)cfg_int(c, "max-inflight"),
+        .max_reply_bytes = (size_t)cfg_int(c, "max-reply-bytes"),
         .max_prompt_tokens = (int32_t)cfg_int(c, "max-prompt-tokens"),
         .max_tokens_limit = (int32_t)cfg_int(c, "max-tokens-limit"),
         .default_max_tokens = (int32_t)cfg_int(c, "default-max-tokens"),

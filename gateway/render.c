@@ -99,6 +99,10 @@ void render_lp_json(jbuf *b, const render_lp *l) {
     b->oom |= l->content.oom || l->tokens.oom || l->lps.oom || l->tops.oom || l->offsets.oom;
 }
 
+size_t render_lp_bytes(const render_lp *l) {
+    return l->content.len + l->tokens.len + l->lps.len + l->tops.len + l->offsets.len;
+}
+
 void render_lp_clear(render_lp *l) {
     jbuf_clear(&l->content);
     jbuf_clear(&l->tokens);
@@ -178,22 +182,24 @@ void render_completion(jbuf *b, const render_meta *m, const render_choice *c, in
                 m->chat ? "chat.completion" : "text_completion", (long long)m->created);
     jbuf_quote(b, m->model, strlen(m->model));
     jbuf_str(b, ",\"choices\":[");
-    for (int32_t i = 0; i < n_choices; i++) {
-        jbuf_printf(b, "%s{\"index\":%d,", i ? "," : "", i);
-        if (m->chat) jbuf_str(b, "\"message\":{\"role\":\"assistant\",\"content\":");
-        else jbuf_str(b, "\"text\":");
-        if (c[i].tool_calls && !c[i].text) jbuf_str(b, "null");
-        else jbuf_quote(b, c[i].text ? c[i].text : "", c[i].text ? c[i].n : 0);
-        if (m->chat && c[i].tool_calls) jbuf_printf(b, ",\"tool_calls\":%s", c[i].tool_calls);
-        if (m->chat) jbuf_str(b, "}");
-        jbuf_str(b, ",\"logprobs\":");
-        if (c[i].lp) render_lp_json(b, c[i].lp);
-        else jbuf_str(b, "null");
-        jbuf_printf(b, ",\"finish_reason\":\"%s\"}", c[i].finish);
-    }
+    for (int32_t i = 0; i < n_choices; i++) render_completion_choice(b, m->chat, i, &c[i]);
     jbuf_str(b, "],");
     usage(b, prompt_tokens, completion_tokens);
     jbuf_str(b, "}");
+}
+
+void render_completion_choice(jbuf *b, bool chat, int32_t index, const render_choice *c) {
+    jbuf_printf(b, "%s{\"index\":%d,", index ? "," : "", index);
+    if (chat) jbuf_str(b, "\"message\":{\"role\":\"assistant\",\"content\":");
+    else jbuf_str(b, "\"text\":");
+    if (c->tool_calls && !c->text) jbuf_str(b, "null");
+    else jbuf_quote(b, c->text ? c->text : "", c->text ? c->n : 0);
+    if (chat && c->tool_calls) jbuf_printf(b, ",\"tool_calls\":%s", c->tool_calls);
+    if (chat) jbuf_str(b, "}");
+    jbuf_str(b, ",\"logprobs\":");
+    if (c->lp) render_lp_json(b, c->lp);
+    else jbuf_str(b, "null");
+    jbuf_printf(b, ",\"finish_reason\":\"%s\"}", c->finish);
 }
 
 void render_error_event(jbuf *b, const char *error_json) {

@@ -42,6 +42,9 @@ void render_lp_add(render_lp *l, const uint8_t *bytes, size_t len, float logprob
                    int64_t text_offset);
 /* The object of what l holds. */
 void render_lp_json(jbuf *b, const render_lp *l);
+/* The bytes l's entries take in render_lp_json (which writes them and a
+ * fixed frame): it grows by as much as they do. */
+size_t render_lp_bytes(const render_lp *l);
 void render_lp_clear(render_lp *l); /* empty, for the next chunk */
 void render_lp_free(render_lp *l);
 
@@ -82,6 +85,10 @@ void render_tool_chunk(jbuf *b, const jbuf *head, int32_t index, const char *too
  * in order; completion_tokens is their sum. */
 void render_completion(jbuf *b, const render_meta *m, const render_choice *c, int32_t n_choices,
                        int32_t prompt_tokens, int32_t completion_tokens);
+/* What render_completion writes for its choice c at index (a comma before
+ * every choice but the first): into a counter (JBUF_COUNTER), its size,
+ * which with the rest of the reply's adds up to render_completion's. */
+void render_completion_choice(jbuf *b, bool chat, int32_t index, const render_choice *c);
 
 /* A stream's end on an error: the error object as an event, then [DONE]. */
 void render_error_event(jbuf *b, const char *error_json);

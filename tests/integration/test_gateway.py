@@ -290,7 +290,8 @@ def test_metrics_and_server_info(stack):
     assert info["gateway"]["chat_template"] == "chatml-default-system"
     assert info["gateway"]["memory_plan"].startswith(
         "http buffers, worst case = max-conns 1024 x (head 0.06 MiB + body 1.00 MiB + unsent 1.00 MiB + "
-        "reply 1.00 MiB) = 3136.0 MiB; tokenizer workers = 2 x 48.27 MiB = 96.5 MiB; total = 3232.5 MiB (")
+        "reply 1.00 MiB) = 3136.0 MiB; replies being built = max-inflight 512 x 2 x 1.00 MiB = 1024.0 MiB; "
+        "tokenizer workers = 2 x 48.27 MiB = 96.5 MiB; total = 4256.5 MiB (")
     [t] = info["targets"]
     assert t["healthy"] and t["config"]["max-seq-len"]["value"] == CTX and "total = weights" in t["memory_plan"]
     [d] = info["drafts"]
@@ -437,14 +438,30 @@ def test_print_config_and_an_impossible_memory_plan(model):
     assert cfg["port"] == {"value": 9, "source": "flag"}
     assert cfg["model-name"] == {"value": "SmolLM2-135M-Instruct.Q4_1", "source": "auto"}
     assert cfg["max-body-bytes"] == {"value": 1048576, "source": "default"}
+    assert cfg["max-reply-bytes"] == {"value": 1048576, "source": "default"}
+    r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--print-config"],
+                       capture_output=True, text=True, env={**env, "AERIE_MAX_REPLY_BYTES": "4096"}, timeout=60)
+    assert json.loads(r.stdout)["max-reply-bytes"] == {"value": 4096, "source": "env"}
     r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--max-conns", "65536",
                         "--max-body-bytes", str(1 << 30)], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 2
     assert r.stderr.startswith("aerie-gateway: memory plan: http buffers, worst case = max-conns 65536 x "
                                "(head 0.06 MiB + body 1024.00 MiB + unsent 1.00 MiB + reply 1.00 MiB) = "
-                               "67244032.0 MiB; tokenizer workers = 2 x 47106.27 MiB = 94212.5 MiB; "
-                               "total = 67338244.5 MiB ("), r.stderr
+                               "67244032.0 MiB; replies being built = max-inflight 512 x 2 x 1.00 MiB = 1024.0 MiB; "
+                               "tokenizer workers = 2 x 47106.27 MiB = 94212.5 MiB; total = 67339268.5 MiB ("), r.stderr
     assert "lower --max-conns to " in r.stderr
+    # Whole replies: every connection may hold one of max-reply-bytes, and
+    # each request in flight its pieces and the body written from them.
+    r = subprocess.run([str(SERVICE_DIR / "aerie-gateway"), "--model", str(model), "--max-conns", "1",
+                        "--max-inflight", str(1 << 20), "--max-reply-bytes", str(1 << 30)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith("aerie-gateway: memory plan: http buffers, worst case = max-conns 1 x "
+                               "(head 0.06 MiB + body 1.00 MiB + unsent 1.00 MiB + reply 1024.00 MiB) = 1026.1 MiB; "
+                               "replies being built = max-inflight 1048576 x 2 x 1024.00 MiB = 2147483648.0 MiB; "
+                               "tokenizer workers = 2 x 48.27 MiB = 96.5 MiB; total = 2147484770.6 MiB ("), r.stderr
+    assert re.search(r"; it must stay under half of memory: lower --max-conns to \d+ or --max-inflight to \d+, "
+                     r"or --max-body-bytes or --max-reply-bytes\n$", r.stderr), r.stderr
 
 
 def test_api_keys(tmp_path, model, stack):
@@ -494,6 +511,143 @@ def test_inflight_and_connection_limits_answer_429_with_retry_after(tmp_path, mo
             x.close()
     finally:
         assert g.stop() == 0, g.text()
+
+
+def post_raw(port, path, body):
+    """(status, body bytes) of one POST: a reply's exact size."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    c.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data
+
+
+def reply_too_large(cap):
+    return {"error": {"message": f"the reply would be over {cap} bytes, this gateway's limit for a reply that is not "
+                                 "streamed (max-reply-bytes); ask for it with \"stream\": true, or for fewer tokens, "
+                                 "choices or log-probabilities",
+                      "type": "invalid_request_error", "param": None, "code": "reply_too_large"}}
+
+
+def test_a_whole_reply_is_capped_while_it_is_built_and_its_generation_cancelled(tmp_path, model):
+    """--max-reply-bytes bounds a reply that is not streamed as its text and
+    log-probabilities grow: a reply of exactly the cap is sent; with the cap
+    one byte lower the request is 400 reply_too_large naming the cap, one
+    that would run far past it is cut short and its generation cancelled at
+    the target; the same request streamed is not limited, and the gateway
+    serves on. A request whose empty reply is already over the cap is
+    refused before it reaches the target."""
+    addr = f"unix:{tmp_path}/t.sock"
+    t = Proc("aerie-target", ["--model", model, "--listen", addr, "--max-batch", "16", "--max-seq-len", CTX,
+                              "--threads", "1", "--log-interval-s", "0"], tmp_path, "target-cap")
+    rpc.wait_for_socket(addr, t.proc)
+    name = "SmolLM2-135M-Instruct.Q4_1"
+    # n = 8 choices of 16 tokens, each with its 20 most likely tokens: about
+    # 1.3 KB a token. The seed fixes the tokens, so every gateway gets the
+    # same reply, of the same size (its id and time are of fixed length).
+    req = {"model": name, "messages": chat("Tell me a story."), "n": 8, "max_tokens": 16, "logprobs": True,
+           "top_logprobs": 20, "temperature": 1, "seed": 7, "ignore_eos": True}
+    gws = []
+
+    def gateway(*args):
+        g = Gateway(model, [addr], tmp_path, *args, tag=f"gw-cap{len(gws)}")
+        gws.append(g)
+        g.wait_healthy()
+        return g
+
+    try:
+        g = gateway()
+        st, _h, info = request(g.port, "GET", "/server_info")
+        assert info["gateway"]["config"]["max-reply-bytes"] == {"value": 1048576, "source": "default"}
+        st, whole = post_raw(g.port, "/v1/chat/completions", req)
+        assert st == 200, whole
+        size = len(whole)
+        r = json.loads(whole)
+        assert [c["finish_reason"] for c in r["choices"]] == ["length"] * 8
+        assert [len(c["logprobs"]["content"]) for c in r["choices"]] == [16] * 8
+        assert all(len(e["top_logprobs"]) == 20 for c in r["choices"] for e in c["logprobs"]["content"])
+        assert 8 * 16 * 1000 < size < 8 * 16 * 2000
+        assert g.stop() == 0, g.text()
+
+        # The cap exactly: the reply goes, whole and the same.
+        g = gateway("--max-reply-bytes", str(size))
+        st, got = post_raw(g.port, "/v1/chat/completions", req)
+        assert (st, len(got)) == (200, size)
+        a, b = json.loads(got), json.loads(whole)
+        assert a["choices"] == b["choices"] and a["usage"] == b["usage"]
+        assert g.stop() == 0, g.text()
+
+        # One byte less: 400 naming the cap.
+        cap = size - 1
+        g = gateway("--max-reply-bytes", str(cap))
+        st, got = post_raw(g.port, "/v1/chat/completions", req)
+        assert (st, json.loads(got)) == (400, reply_too_large(cap))
+        # A request that would make 8 x 400 tokens is cut short at the cap:
+        # its call is cancelled at the target, which stops generating.
+        _r, before, _c = rpc.info(addr)
+        st, got = post_raw(g.port, "/v1/chat/completions", {**req, "max_tokens": 400})
+        assert (st, json.loads(got)) == (400, reply_too_large(cap))
+        t0 = time.monotonic()
+        while True:
+            _r, after, _c = rpc.info(addr)
+            if after["running"] == 0 and after["kv_blocks_used"] == 0:
+                break
+            assert time.monotonic() - t0 < 30, after
+            time.sleep(0.05)
+        assert after["requests_done"] - before["requests_done"] == 1
+        assert after["requests_cancelled"] - before["requests_cancelled"] == 1
+        ends = [tuple(map(int, m)) for m in re.findall(
+            r"reply_too_large id=chatcmpl-\w+ reply_bytes=(\d+) max_reply_bytes=(\d+) completion=(\d+) n=8\n", g.text())]
+        assert len(ends) == 2, g.text()[-2000:]
+        assert ends[0] == (size, cap, 8 * 16)  # counted whole at its end, to the byte
+        reached, limit, taken = ends[1]
+        # Stopped at the first token past the cap: the 16th of the last choice
+        # still fits (the finish reasons and usage are not written yet).
+        assert limit == cap and cap < reached < cap + 4000
+        assert taken == 8 * 16 + 1
+        out = after["tokens_out"] - before["tokens_out"]
+        assert taken <= out < taken + 8 * 32, (taken, out)  # not 8 x 400
+        # Streamed, the same request is not limited.
+        c = g.client()
+        chunks = list(c.chat.completions.create(stream=True, **{k: v for k, v in req.items() if k != "ignore_eos"},
+                                                extra_body={"ignore_eos": True}))
+        finish = {ch.index: ch.finish_reason for k in chunks for ch in k.choices if ch.finish_reason}
+        streamed = [[e.token for k in chunks for ch in k.choices if ch.index == i and ch.logprobs
+                     for e in ch.logprobs.content] for i in range(8)]
+        assert finish == {i: "length" for i in range(8)}
+        assert streamed == [[e["token"] for e in c["logprobs"]["content"]] for c in json.loads(whole)["choices"]]
+        # And the gateway serves on.
+        r = c.chat.completions.create(model=name, messages=chat("Hi"), max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 4
+        st, _h, text = request(g.port, "GET", "/metrics")
+        assert 'aerie_requests_total{route="chat_completions",code="400"} 2\n' in text
+        assert g.stop() == 0, g.text()
+
+        # A reply that can never fit: 16 choices with log-probabilities
+        # take more than 1 KiB empty. Refused before the target sees it;
+        # streamed, it goes.
+        g = gateway("--max-reply-bytes", "1024")
+        _r, before, _c = rpc.info(addr)
+        st, got = post_raw(g.port, "/v1/chat/completions", {**req, "n": 16, "max_tokens": 1})
+        body = json.loads(got)
+        assert (st, body["error"]["code"], body["error"]["type"]) == (400, "reply_too_large", "invalid_request_error")
+        assert re.fullmatch(r"an empty reply of 16 choices takes \d+ bytes, over this gateway's limit of 1024 bytes "
+                            r"for a reply that is not streamed \(max-reply-bytes\); ask for it with \"stream\": true",
+                            body["error"]["message"]), body
+        _r, after, _c = rpc.info(addr)
+        assert after["requests_done"] == before["requests_done"]
+        chunks = list(g.client().chat.completions.create(
+            stream=True, **{**{k: v for k, v in req.items() if k != "ignore_eos"}, "n": 16, "max_tokens": 1}))
+        assert sorted(ch.index for k in chunks for ch in k.choices if ch.finish_reason) == list(range(16))
+        st, got = post_raw(g.port, "/v1/chat/completions", {"model": name, "messages": chat("Hi"), "max_tokens": 1})
+        assert st == 200 and len(got) <= 1024
+        assert g.stop() == 0, g.text()
+    finally:
+        for g in gws:
+            g.stop()
+        assert t.stop() == 0, t.text()
 
 
 def test_a_full_target_queue_is_429_and_a_queued_client_that_leaves_is_cancelled(tmp_path, model):

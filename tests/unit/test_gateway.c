@@ -1,5 +1,7 @@
 /* The gateway's pure parts: stop strings on a stream of text pieces, the
- * OpenAI request parser and error shape, and the Prometheus exposition. */
+ * OpenAI request parser and error shape, the size of a whole reply as it
+ * is built, and the Prometheus exposition. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,6 +15,7 @@
 
 #include "../../gateway/metrics.h"
 #include "../../gateway/oai.h"
+#include "../../gateway/render.h"
 #include "../../gateway/schema.h"
 #include "../../gateway/toolcall.h"
 #include "../../gateway/stop.h"
@@ -801,6 +804,90 @@ static void test_error_json_has_openai_shape(void **state) {
     free(s);
 }
 
+/* ---- a whole reply's size, counted by the code that writes it ---- */
+
+/* Every byte a JSON string escapes, a multi-byte character and invalid
+ * UTF-8 (a token may end mid-character). */
+static const uint8_t ODD[] = {'a', '"', '\\', '\n', '\t', 0x01, 0x1f, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xFF, 0xC3};
+
+static void add_entries(render_lp *l, int n) {
+    render_top top[3] = {{ODD, sizeof ODD, -0.25f}, {(const uint8_t *)"x", 1, -INFINITY}, {ODD, 9, -3.5e-7f}};
+    for (int i = 0; i < n; i++) render_lp_add(l, ODD, (size_t)(i % (int)sizeof ODD), -1.5f * (float)i, top, i % 4, 7 * i);
+}
+
+/* What the counter says and what is written agree to the byte, for the
+ * whole reply and for each choice (they add up to it), and an entry or a
+ * piece of text grows the reply by its own bytes only: what generate.c
+ * keeps its count under max-reply-bytes with. */
+static void test_a_counter_sizes_a_whole_reply_as_it_is_written(void **state) {
+    (void)state;
+    for (int chat = 0; chat < 2; chat++) {
+        render_lp lp[12];
+        memset(lp, 0, sizeof lp);
+        render_choice c[12];
+        const char *text = "He said \"hi\"\n\tthen\x01 caf\xC3\xA9 \xE2\x82\xAC";
+        const char *calls = "[{\"id\":\"call_q_0\",\"type\":\"function\",\"function\":{\"name\":\"add\","
+                            "\"arguments\":\"{\\\"a\\\":1}\"}}]";
+        for (int i = 0; i < 12; i++) {
+            lp[i].chat = chat;
+            add_entries(&lp[i], i);
+            c[i] = (render_choice){i % 3 ? text : NULL, i % 3 ? strlen(text) - (size_t)i : 0, i % 2 ? &lp[i] : NULL,
+                                   render_finish_name(i % 3), chat && i % 4 == 0 ? calls : NULL};
+        }
+        c[5].text = "", c[5].n = 0;
+        render_meta m = {"chatcmpl-0123456789abcdef01234567", chat, 1733500000, "SmolLM2 \"135M\""};
+        for (int n = 0; n <= 12; n++) {
+            jbuf b = {0}, all = JBUF_COUNTER, frame = JBUF_COUNTER;
+            render_completion(&b, &m, c, n, 123, 9876);
+            render_completion(&all, &m, c, n, 123, 9876);
+            render_completion(&frame, &m, c, 0, 123, 9876);
+            assert_false(b.oom || all.oom);
+            assert_non_null(b.p);
+            assert_int_equal(strlen(b.p), b.len);
+            assert_int_equal(all.len, b.len);
+            assert_null(all.p);
+            size_t sum = frame.len;
+            for (int i = 0; i < n; i++) {
+                jbuf one = {0}, counted = JBUF_COUNTER;
+                render_completion_choice(&one, chat, i, &c[i]);
+                render_completion_choice(&counted, chat, i, &c[i]);
+                assert_int_equal(counted.len, one.len);
+                /* Where the reply writes it. */
+                assert_non_null(strstr(b.p, one.p));
+                sum += counted.len;
+                jbuf_free(&one);
+            }
+            assert_int_equal(sum, b.len);
+            jbuf_free(&b);
+        }
+        /* Growing a choice: an entry adds what render_lp_bytes says, text
+         * what its quoting adds inside the quotes. */
+        render_lp grow = {.chat = chat};
+        render_choice g = {"", 0, &grow, "stop", NULL};
+        jbuf before = JBUF_COUNTER, after = JBUF_COUNTER;
+        render_completion_choice(&before, chat, 3, &g);
+        add_entries(&grow, 5);
+        g.text = text, g.n = strlen(text);
+        render_completion_choice(&after, chat, 3, &g);
+        assert_int_equal(after.len - before.len, render_lp_bytes(&grow) + jbuf_quoted_len(text, strlen(text)) - 2);
+        render_lp_free(&grow);
+        for (int i = 0; i < 12; i++) render_lp_free(&lp[i]);
+    }
+    /* A counter holds nothing and has no room; cleared, it counts anew. */
+    jbuf k = JBUF_COUNTER;
+    jbuf_printf(&k, "%d:%s", 12345, "ab");
+    jbuf_quote(&k, "\"\x02", 2);
+    jbuf_str(&k, "xyz");
+    assert_int_equal(k.len, 8 + 10 + 3);
+    assert_false(jbuf_reserve(&k, 1));
+    assert_null(k.p);
+    assert_false(k.oom);
+    jbuf_clear(&k);
+    jbuf_add(&k, "abc", 3);
+    assert_int_equal(k.len, 3);
+    jbuf_free(&k);
+}
+
 /* ---- the parser's cost on hostile bodies ---- */
 
 #define SHAPE_BYTES (1u << 20) /* the gateway's default --max-body-bytes */
@@ -985,6 +1072,7 @@ int main(void) {
         cmocka_unit_test(test_bad_requests_name_their_field),
         cmocka_unit_test(test_invalid_utf8_and_lone_surrogates_are_refused),
         cmocka_unit_test(test_error_json_has_openai_shape),
+        cmocka_unit_test(test_a_counter_sizes_a_whole_reply_as_it_is_written),
         cmocka_unit_test(test_a_1mib_body_of_any_shape_parses_in_linear_time),
         cmocka_unit_test(test_first_repeated_key_is_named_among_many),
         cmocka_unit_test(test_histogram_renders_cumulative_buckets),
