@@ -123,33 +123,58 @@ def main():
                           "rc": target.returncode}), flush=True)
 
 
-def stream_beside(port, a, alternatives, n_choices):
-    alone, beside, outcome = [], [], None
+def target_stats(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=60) as r:
+        return json.loads(r.read())["targets"][0]["stats"]
+
+
+def rate_beside(port, a, body):
+    """The plain stream's tokens/s while body's request runs (median of
+    a.rounds), and that request's last (status, seconds, reply head)."""
+    rates, outcome = [], None
     for _ in range(a.rounds):
-        n, dt = stream_rate(port, a.tokens)
-        alone.append(n / dt)
         res = {}
 
-        def costly():
+        def other():
             t0 = time.monotonic()
-            st, body = post(port, {"model": NAME, "messages": [{"role": "user", "content": "List words."}],
-                                   "max_tokens": 200, "n": n_choices, "temperature": 0.8,
-                                   "response_format": fmt(costly_schema(alternatives))})
-            res["status"], res["secs"] = st, time.monotonic() - t0
-            res["body"] = body[:300].decode(errors="replace")
-        th = threading.Thread(target=costly)
+            st, reply = post(port, body)
+            res["status"], res["secs"], res["reply"] = st, time.monotonic() - t0, reply[:300].decode(errors="replace")
+        th = threading.Thread(target=other)
         th.start()
         time.sleep(0.3)
         n, dt = stream_rate(port, a.tokens)
-        beside.append(n / dt)
+        rates.append(n / dt)
         th.join()
         outcome = res
-    ra, rb = sorted(alone)[len(alone) // 2], sorted(beside)[len(beside) // 2]
+    return sorted(rates)[len(rates) // 2], outcome
+
+
+def stream_beside(port, a, alternatives, n_choices):
+    """A plain stream alone, beside the costly schema's request, and beside
+    the same request without its schema (the cost of n more sequences in
+    the batch, which is not the masks')."""
+    rates = []
+    for _ in range(a.rounds):
+        n, dt = stream_rate(port, a.tokens)
+        rates.append(n / dt)
+    ra = sorted(rates)[len(rates) // 2]
+    body = {"model": NAME, "messages": [{"role": "user", "content": "List words."}], "max_tokens": 200,
+            "n": n_choices, "temperature": 0.8}
+    before = target_stats(port)
+    rb, costly = rate_beside(port, a, dict(body, response_format=fmt(costly_schema(alternatives))))
+    after = target_stats(port)
+    ru, _ = rate_beside(port, a, body)
+    masks = after["grammar_masks"] - before["grammar_masks"]
+    mask_ms = after["grammar_mask_ms"] - before["grammar_mask_ms"]
     print(json.dumps({"bench": "stream_beside_costly_schema", "alternatives": alternatives, "n": n_choices,
-                      "tok_s_alone": round(ra, 1),
-                      "tok_s_beside": round(rb, 1), "ratio": round(rb / ra, 3),
-                      "costly_status": outcome["status"], "costly_secs": round(outcome["secs"], 2),
-                      "costly_reply": outcome["body"]}), flush=True)
+                      "tok_s_alone": round(ra, 1), "tok_s_beside_schema": round(rb, 1),
+                      "tok_s_beside_same_without_schema": round(ru, 1), "ratio": round(rb / ra, 3),
+                      "ratio_to_same_without_schema": round(rb / ru, 3),
+                      "masks": masks, "mask_ms_each": round(mask_ms / masks, 3) if masks else 0,
+                      "mask_budget_spent": after.get("schemas", {}).get("mask_budget_spent", 0) -
+                      before.get("schemas", {}).get("mask_budget_spent", 0),
+                      "costly_status": costly["status"], "costly_secs": round(costly["secs"], 2),
+                      "costly_reply": costly["reply"]}), flush=True)
 
 
 def compiles(port):
