@@ -107,6 +107,24 @@ static bool says_integer(const cJSON *s) {
     return cJSON_IsArray(t) && t->child;
 }
 
+/* An object's properties that are not required: at each of them any may
+ * come next, and a mask weighs them all. */
+static int check_optional(walk *w, const cJSON *s, const cJSON *props, const char *at) {
+    const cJSON *req = cJSON_GetObjectItemCaseSensitive(s, "required");
+    int optional = 0;
+    for (const cJSON *p = props->child; p; p = p->next) {
+        bool required = false;
+        for (const cJSON *r = cJSON_IsArray(req) ? req->child : NULL; r && !required; r = r->next)
+            required = cJSON_IsString(r) && strcmp(r->valuestring, p->string) == 0;
+        optional += !required;
+    }
+    if (optional > SCHEMA_MAX_OPTIONAL)
+        return snprintf(w->why, w->cap, "'properties' at %s has %d properties that are not required; at most %d", at,
+                        optional, SCHEMA_MAX_OPTIONAL),
+               AE_ERR;
+    return AE_OK;
+}
+
 /* Numeric bounds that leave nothing between them. */
 static int check_range(walk *w, const cJSON *s, const char *at) {
     const cJSON *lo = num(s, "minimum"), *hi = num(s, "maximum"), *xlo = num(s, "exclusiveMinimum"),
@@ -151,6 +169,7 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
             if (!ok) return refuse(w, k, at, "must be a JSON type or a list of them");
         } else if (strcmp(k, "properties") == 0 || strcmp(k, "$defs") == 0 || strcmp(k, "definitions") == 0) {
             if (!cJSON_IsObject(f)) return refuse(w, k, at, "must be an object of schemas");
+            if (strcmp(k, "properties") == 0 && check_optional(w, s, f, at) != AE_OK) return AE_ERR;
             for (const cJSON *p = f->child; p; p = p->next)
                 if (check_child(w, p, at, k, p->string, depth) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "required") == 0) {

@@ -18,7 +18,10 @@
  * random 14-character values compiles in 0.5 s at 1,024 entries and 1.1 s
  * at 2,048 (10-16 s at 12,000); an array of an anyOf of strings with
  * different length ranges costs 1.2 ms a mask at 64 alternatives, 5.8 ms
- * at 256 and 30-64 ms at 1,500. Lengths, item counts and integer ranges
+ * at 256 and 30-64 ms at 1,500; an object's optional properties (any of
+ * them may come next) cost at most 5.5 ms a mask at 256, 17 ms at 512 and
+ * 119 ms at 1,500 (required ones come in order: 0.05 ms at 1,000).
+ * Lengths, item counts and integer ranges
  * cost little in this XGrammar (maxLength 100,000: 14 ms to compile,
  * 0.02 ms a mask), but are bounded all the same. Each limit below is a
  * 400 that names it and the value found. */
@@ -36,6 +39,7 @@
 #define SCHEMA_MAX_ANYOF 64             /* alternatives in one anyOf (OAI_MAX_TOOLS tools make one) */
 #define SCHEMA_MAX_ALTERNATIVES 256     /* in the document, all together */
 #define SCHEMA_MAX_REPEAT 10000         /* minLength, maxLength, minItems, maxItems */
+#define SCHEMA_MAX_OPTIONAL 256         /* properties of one object that are not required */
 #define SCHEMA_MAX_NUMBER 9007199254740992.0 /* |minimum|, |maximum|, |exclusive*|: 2^53 */
 
 /* Checks schema (a JSON object) against the subset. On failure, why[cap]

@@ -167,7 +167,8 @@ def test_a_slow_schema_compile_does_not_stall_other_requests(pair):  # noqa: F81
     import threading
     import time
     g = pair[1]
-    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 4} for i in range(1500)}}
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 4} for i in range(1500)},
+           "required": [f"p{i}" for i in range(1500)]}
     done = {}
 
     def slow():
@@ -197,6 +198,8 @@ def test_a_slow_schema_compile_does_not_stall_other_requests(pair):  # noqa: F81
                                            for i in range(1500)]}},
      "'anyOf' at #/items has 1500 alternatives; at most 64"),
     ({"type": "string", "maxLength": 10001}, "'maxLength' at # is 10001; at most 10000"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}},
+     "'properties' at # has 300 properties that are not required; at most 256"),
     ({"$ref": "#/"}, "'$ref' at # must point into this document (\"#/$defs/name\")"),
     ({"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 2},
      "'exclusiveMinimum' 5 at # leaves no number below 'exclusiveMaximum' 2"),

@@ -486,6 +486,8 @@ static void test_schema_limits_name_the_limit_and_value(void **state) {
         {"{\"type\":[\"integer\",\"null\"],\"exclusiveMinimum\":1,\"exclusiveMaximum\":2}",
          ""},
         {"{\"$ref\":\"#/\"}", "'$ref' at # must point into this document (\"#/$defs/name\")"},
+        /* Optional properties: the required ones do not count. */
+        {"{\"type\":\"object\",\"properties\":{\"a\":{},\"b\":{}},\"required\":[\"a\"]}", ""},
         {"{\"type\":[\"string\",\"string\",\"string\",\"string\",\"string\",\"string\",\"string\",\"null\"]}",
          "'type' at # must be a JSON type or a list of them"},
     };
@@ -552,12 +554,34 @@ static void test_schema_limits_name_the_limit_and_value(void **state) {
     sb_add(&b, "}}");
     assert_string_equal(check_text(b.p), "the document has more than 256 anyOf alternatives (limit reached at "
                                          "#/properties/a4)");
+    /* An object's optional properties: 256 pass, 257 do not, required
+     * ones do not count. */
+    int optional[3] = {256, 257, 1500};
+    const char *want_opt[3] = {"", "'properties' at # has 257 properties that are not required; at most 256",
+                               "'properties' at # has 1500 properties that are not required; at most 256"};
+    for (int k = 0; k < 3; k++) {
+        for (int req = 0; req < 2; req++) {
+            b.n = 0;
+            sb_add(&b, "{\"type\":\"object\",\"properties\":{");
+            for (int i = 0; i < optional[k]; i++) sb_add(&b, "%s\"p%d\":{\"type\":\"string\"}", i ? "," : "", i);
+            sb_add(&b, "}");
+            if (req) {
+                sb_add(&b, ",\"required\":[");
+                for (int i = 0; i < optional[k]; i++) sb_add(&b, "%s\"p%d\"", i ? "," : "", i);
+                sb_add(&b, "]");
+            }
+            sb_add(&b, "}");
+            assert_string_equal(check_text(b.p), req ? "" : want_opt[k]);
+        }
+    }
     /* The document's text. */
     b.n = 0;
     sb_add(&b, "{\"type\":\"object\",\"properties\":{");
     for (int i = 0; i < 1500; i++) sb_add(&b, "%s\"p%099d\":{\"type\":\"string\"}", i ? "," : "", i);
-    sb_add(&b, "}}");
-    assert_string_equal(check_text(b.p), "the schema is 181532 bytes of compact JSON; at most 131072");
+    sb_add(&b, "},\"required\":[");
+    for (int i = 0; i < 1500; i++) sb_add(&b, "%s\"p%099d\"", i ? "," : "", i);
+    sb_add(&b, "]}");
+    assert_string_equal(check_text(b.p), "the schema is 336045 bytes of compact JSON; at most 131072");
     free(b.p);
 }
 
