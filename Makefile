@@ -356,9 +356,11 @@ $(RANDOM_HEAD)/model.safetensors: tools/gen_eagle_fixture.py
 	$(MSG) GEN $(RANDOM_HEAD)
 	$(Q)$(PYTHON) tools/gen_eagle_fixture.py --default-head $(RANDOM_HEAD)
 
+# The build takes every core; the tests then run one suite at a time.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test:
 	@tools/deps.sh test
-	$(MAKE) all asan tsan fuzz $(RANDOM_HEAD)/model.safetensors $(CUDA_TEST)
+	$(MAKE) -j$(JOBS) all asan tsan fuzz $(RANDOM_HEAD)/model.safetensors $(CUDA_TEST)
 	@tools/fetch_model.sh
 	@tools/run_tests.sh
 
