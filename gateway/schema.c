@@ -2,6 +2,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../services/core/err.h"
@@ -105,6 +106,42 @@ static bool says_integer(const cJSON *s) {
     for (const cJSON *e = cJSON_IsArray(t) ? t->child : NULL; e; e = e->next)
         if (cJSON_IsString(e) && strcmp(e->valuestring, "integer") != 0) return false;
     return cJSON_IsArray(t) && t->child;
+}
+
+/* A pattern's counted repetitions ({m}, {m,}, {m,n}): outside a character
+ * class and not escaped. Each grows the grammar by its bound. */
+static int check_pattern(walk *w, const char *p, const char *at) {
+    int quantifiers = 0;
+    bool in_class = false;
+    for (const char *c = p; *c; c++) {
+        if (*c == '\\') {
+            if (!*++c) break;
+        } else if (in_class) {
+            in_class = *c != ']';
+        } else if (*c == '[') {
+            in_class = true;
+            if (c[1] == ']') c++; /* "[]...]": the first ] is a member */
+        } else if (*c == '{' && c[1] >= '0' && c[1] <= '9') {
+            char *end;
+            long lo = strtol(c + 1, &end, 10), hi = lo;
+            if (*end == ',') {
+                if (end[1] >= '0' && end[1] <= '9') hi = strtol(end + 1, &end, 10);
+                else end++; /* {m,}: m counts */
+            }
+            if (*end != '}') continue; /* not a quantifier: a literal brace */
+            if (++quantifiers > SCHEMA_MAX_PATTERN_QUANTIFIERS)
+                return snprintf(w->why, w->cap, "'pattern' at %s has more than %d counted repetitions ({m,n})", at,
+                                SCHEMA_MAX_PATTERN_QUANTIFIERS),
+                       AE_ERR;
+            long most = hi > lo ? hi : lo;
+            if (most > SCHEMA_MAX_PATTERN_REPEAT)
+                return snprintf(w->why, w->cap, "'pattern' at %s repeats up to %ld times in one {m,n}; at most %d", at,
+                                most, SCHEMA_MAX_PATTERN_REPEAT),
+                       AE_ERR;
+            c = end;
+        }
+    }
+    return AE_OK;
 }
 
 /* An object's properties that are not required: at each of them any may
@@ -221,6 +258,11 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
                 return snprintf(w->why, w->cap, "'%s' at %s is %.17g; it must be between -2^53 and 2^53", k, at,
                                 f->valuedouble),
                        AE_ERR;
+        } else if (strcmp(k, "pattern") == 0) {
+            /* Not in the subset; its limits are checked first, so that they
+             * hold the day it is. */
+            if (cJSON_IsString(f) && check_pattern(w, f->valuestring, at) != AE_OK) return AE_ERR;
+            return refuse(w, k, at, "is not supported");
         } else if (strcmp(k, "$ref") == 0) {
             if (!cJSON_IsString(f) || !resolve(w->root, f->valuestring))
                 return refuse(w, k, at, "must point into this document (\"#/$defs/name\")");

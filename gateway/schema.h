@@ -40,6 +40,10 @@
 #define SCHEMA_MAX_ALTERNATIVES 256     /* in the document, all together */
 #define SCHEMA_MAX_REPEAT 10000         /* minLength, maxLength, minItems, maxItems */
 #define SCHEMA_MAX_OPTIONAL 256         /* properties of one object that are not required */
+/* A pattern's {m}, {m,} and {m,n}: each bound, and how many (patterns are
+ * not in the subset yet; these hold already for when they are). */
+#define SCHEMA_MAX_PATTERN_REPEAT 1000
+#define SCHEMA_MAX_PATTERN_QUANTIFIERS 16
 #define SCHEMA_MAX_NUMBER 9007199254740992.0 /* |minimum|, |maximum|, |exclusive*|: 2^53 */
 
 /* Checks schema (a JSON object) against the subset. On failure, why[cap]

@@ -486,6 +486,17 @@ static void test_schema_limits_name_the_limit_and_value(void **state) {
         {"{\"type\":[\"integer\",\"null\"],\"exclusiveMinimum\":1,\"exclusiveMaximum\":2}",
          ""},
         {"{\"$ref\":\"#/\"}", "'$ref' at # must point into this document (\"#/$defs/name\")"},
+        /* A pattern's counted repetitions are bounded before the keyword
+         * itself is refused (patterns are not in the subset yet). */
+        {"{\"type\":\"string\",\"pattern\":\"^a{2,1000}b{3}c{4,}$\"}", "'pattern' at # is not supported"},
+        {"{\"type\":\"string\",\"pattern\":\"a{1001}\"}", "'pattern' at # repeats up to 1001 times in one {m,n}; at most 1000"},
+        {"{\"type\":\"string\",\"pattern\":\"x{2,5000}\"}", "'pattern' at # repeats up to 5000 times in one {m,n}; at most 1000"},
+        {"{\"type\":\"string\",\"pattern\":\"x{99999999999999999999,}\"}",
+         "'pattern' at # repeats up to 9223372036854775807 times in one {m,n}; at most 1000"},
+        {"{\"type\":\"string\",\"pattern\":\"[{]{2000}\"}", "'pattern' at # repeats up to 2000 times in one {m,n}; at most 1000"},
+        {"{\"type\":\"string\",\"pattern\":\"\\\\{5000}[x{5000}]{1e5}\"}", "'pattern' at # is not supported"},
+        {"{\"type\":\"string\",\"pattern\":\"a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}\"}",
+         "'pattern' at # has more than 16 counted repetitions ({m,n})"},
         /* Optional properties: the required ones do not count. */
         {"{\"type\":\"object\",\"properties\":{\"a\":{},\"b\":{}},\"required\":[\"a\"]}", ""},
         {"{\"type\":[\"string\",\"string\",\"string\",\"string\",\"string\",\"string\",\"string\",\"null\"]}",
