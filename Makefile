@@ -1,4 +1,4 @@
-# Aerie: one entry point. See README.md and ../shared/DESIGN.md.
+# Aerie: one entry point. See README.md and ARCHITECTURE.md.
 #
 # Sources are found by folder, so a new module needs no edit here:
 #   services/*/*.c kernels/*.c kernels/cpu/*.c target/*.c target/arch/*.c draft/*.c gateway/*.c
