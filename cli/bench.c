@@ -1,5 +1,5 @@
 /* aerie bench: engine throughput against the memory-bandwidth roofline,
- * all measured in one run (DESIGN.md, "Performance method").
+ * all measured in one run (README.md: figures are ratios against a reference measured in the same run).
  *
  * One JSON line on stdout:
  *   - prefill and decode tok/s of `batch` independent sequences. Prompts

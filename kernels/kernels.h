@@ -16,7 +16,7 @@
  *   validates everything from the network and sizes every buffer at start),
  *   never a runtime condition. Constructors return AE_OK / AE_ERR.
  *
- * Batch invariance (DESIGN.md invariant 2)
+ * Batch invariance (ARCHITECTURE.md, Invariants)
  *   Each output element of every op is a function of its own inputs only,
  *   computed by a reduction whose order is fixed by the shapes of the
  *   weights and the op's own row: never by m, by the tile or thread a row

@@ -1,5 +1,5 @@
 /* Memory plan: how the target spends the memory it may use, decided once at
- * start (DESIGN.md invariants 3 and 5).
+ * start (ARCHITECTURE.md, Invariants).
  *
  *   budget    = mem-fraction x available
  *   weights   = the model's bytes in memory (given)

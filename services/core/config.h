@@ -9,7 +9,7 @@
  * and a value the program computes at start (a default of "auto") is set
  * with cfg_set_auto, source "auto". The resolved table is what --print-config
  * prints and what the startup log shows, so every number a service runs with
- * is visible together with its source (DESIGN.md invariant 3).
+ * is visible together with its source (ARCHITECTURE.md, Invariants).
  *
  * Names are lower-case words joined by '-': setting "log-level" is the flag
  * --log-level, the environment variable AERIE_LOG_LEVEL and the file key

@@ -1,7 +1,7 @@
 /* Paged KV cache: one pool of fixed-size blocks shared by every sequence.
  *
  * All memory is taken at kv_init from the sizes the memory plan chose; no
- * call after that allocates (DESIGN.md invariant 5). The pools, and the
+ * call after that allocates (ARCHITECTURE.md, Invariants). The pools, and the
  * block tables the kernels read, are buffers of the backend given to
  * kv_init; the bookkeeping is host memory.
  *

@@ -1,5 +1,5 @@
 """`aerie generate` on the CPU engine: greedy is deterministic, a seed
-reproduces a sampled run, --ids and --stats print what DESIGN.md says, and
+reproduces a sampled run, --ids and --stats print what README.md says, and
 bad arguments exit 2 with one line."""
 import json
 

@@ -1,5 +1,5 @@
 /* The batched engine on the default model: batch invariance, bit for bit
- * (DESIGN.md invariant 2). A token's logits must not depend on whether it
+ * (ARCHITECTURE.md, Invariants). A token's logits must not depend on whether it
  * was prefilled or decoded, on what else shares the forward pass, or on
  * whether it is a node of a verification tree. Run from the repo root. */
 #include <setjmp.h>
