@@ -6,7 +6,7 @@
 
 #include "../services/model/quant.h"
 
-void bg_topk(const float *logits, int32_t vocab, int32_t k, int32_t *ids, float *probs) {
+void batchgen_topk(const float *logits, int32_t vocab, int32_t k, int32_t *ids, float *probs) {
     float mx = -INFINITY;
     for (int32_t v = 0; v < vocab; v++)
         if (logits[v] > mx) mx = logits[v];
@@ -27,32 +27,32 @@ void bg_topk(const float *logits, int32_t vocab, int32_t k, int32_t *ids, float 
     for (int32_t j = have; j < k; j++) ids[j] = 0;
 }
 
-typedef struct bg_state {
-    eng *e;
-    const bg_config *cfg;
-    bg_seq **active; /* [max_seqs], admission order */
+typedef struct batchgen_state {
+    engine *e;
+    const batchgen_config *cfg;
+    batchgen_seq **active; /* [max_seqs], admission order */
     int32_t n_active;
-    eng_item *items;  /* [max_seqs] */
-    bg_seq **item_seq;
+    engine_item *items;  /* [max_seqs] */
+    batchgen_seq **item_seq;
     int32_t *rows;    /* [step_tokens] */
     float *features;  /* [step_tokens][n_capture * hidden] */
     float *logits;    /* [max_seqs][vocab] */
     float *topk_p;    /* [topk] */
-    sampler *smp;
-} bg_state;
+    sample_state *smp;
+} batchgen_state;
 
 /* A step's items: one decode token per generating sequence, then prompt
  * chunks in admission order while the pass has room. */
-static int32_t plan_step(bg_state *st, int32_t *n_tokens) {
+static int32_t plan_step(batchgen_state *st, int32_t *n_tokens) {
     int32_t n = 0, budget = st->cfg->step_tokens;
     for (int pass = 0; pass < 2; pass++)
         for (int32_t i = 0; i < st->n_active && budget > 0; i++) {
-            bg_seq *s = st->active[i];
+            batchgen_seq *s = st->active[i];
             bool prefill = s->fed < s->n_prompt;
             if (prefill != (pass == 1)) continue;
             int32_t k = prefill ? s->n_prompt - s->fed : 1;
             if (k > budget) k = budget;
-            st->items[n] = (eng_item){s->eng_seq, ENG_APPEND, k, s->ids + s->fed, NULL, false};
+            st->items[n] = (engine_item){s->eng_seq, ENGINE_APPEND, k, s->ids + s->fed, NULL, false};
             st->item_seq[n++] = s;
             budget -= k;
         }
@@ -62,12 +62,12 @@ static int32_t plan_step(bg_state *st, int32_t *n_tokens) {
 
 /* After a step: keep the features, and for sequences whose whole input
  * has now run, record the top-K and take their next token. */
-static void take_step(bg_state *st, int32_t n_items) {
-    const bg_config *cfg = st->cfg;
-    int32_t vocab = eng_model(st->e)->cfg.vocab, width = cfg->n_capture * eng_model(st->e)->cfg.hidden;
+static void take_step(batchgen_state *st, int32_t n_items) {
+    const batchgen_config *cfg = st->cfg;
+    int32_t vocab = engine_model(st->e)->cfg.vocab, width = cfg->n_capture * engine_model(st->e)->cfg.hidden;
     int32_t row = 0;
     for (int32_t i = 0; i < n_items; i++) {
-        bg_seq *s = st->item_seq[i];
+        batchgen_seq *s = st->item_seq[i];
         int32_t k = st->items[i].n_tokens;
         if (cfg->n_capture && s->hidden)
             for (int32_t r = 0; r < k; r++) {
@@ -81,7 +81,7 @@ static void take_step(bg_state *st, int32_t n_items) {
         const float *lg = st->logits + (size_t)i * (size_t)vocab;
         if (cfg->topk && s->topk_ids) {
             size_t at = (size_t)(s->n - 1) * (size_t)cfg->topk;
-            bg_topk(lg, vocab, cfg->topk, s->topk_ids + at, st->topk_p);
+            batchgen_topk(lg, vocab, cfg->topk, s->topk_ids + at, st->topk_p);
             for (int32_t j = 0; j < cfg->topk; j++) s->topk_p[at + (size_t)j] = quant_f32_to_f16(st->topk_p[j]);
         }
         int32_t next = sample_token(st->smp, lg, &s->sp, &s->rng, s->n); /* at position n */
@@ -90,15 +90,15 @@ static void take_step(bg_state *st, int32_t n_items) {
     }
 }
 
-static bool finished(const bg_seq *s) { return s->stopped || s->n == s->cap; }
+static bool finished(const batchgen_seq *s) { return s->stopped || s->n == s->cap; }
 
 /* KV blocks a sequence may take: every token but the last is run. */
-static int64_t seq_blocks(const bg_seq *s, int32_t block) { return (s->cap - 1 + block - 1) / block; }
+static int64_t seq_blocks(const batchgen_seq *s, int32_t block) { return (s->cap - 1 + block - 1) / block; }
 
-int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void *ctx, ae_error *err) {
-    const model *m = eng_model(e);
+int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, batchgen_done_fn done, void *ctx, ae_error *err) {
+    const model *m = engine_model(e);
     int32_t width = cfg->n_capture * m->cfg.hidden;
-    bg_state st = {.e = e, .cfg = cfg};
+    batchgen_state st = {.e = e, .cfg = cfg};
     st.active = calloc((size_t)cfg->max_seqs, sizeof *st.active);
     st.items = calloc((size_t)cfg->max_seqs, sizeof *st.items);
     st.item_seq = calloc((size_t)cfg->max_seqs, sizeof *st.item_seq);
@@ -116,13 +116,13 @@ int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void 
     for (int32_t r = 0; r < cfg->step_tokens; r++) st.rows[r] = r;
     /* Admission keeps the KV cache from running out: a sequence comes in
      * only when the blocks it may grow to are free. */
-    const eng_config *ec = eng_get_config(e);
+    const engine_config *ec = engine_get_config(e);
     int64_t kv_blocks = ec->kv_tokens / ec->block_size, reserved = 0;
     bool more = true;
-    bg_seq *pending = NULL;
+    batchgen_seq *pending = NULL;
     for (;;) {
         while (st.n_active < cfg->max_seqs) {
-            bg_seq *s = pending;
+            batchgen_seq *s = pending;
             if (!s && (!more || !(more = next(ctx, &s)) || !s)) break;
             pending = NULL;
             if (s->n_prompt < 1 || s->n_prompt >= s->cap) {
@@ -144,7 +144,7 @@ int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void 
             s->n = s->n_prompt;
             s->fed = 0;
             s->stopped = s->done = false;
-            if ((rc = eng_seq_new(e, &s->eng_seq, err)) != AE_OK) goto out;
+            if ((rc = engine_seq_new(e, &s->eng_seq, err)) != AE_OK) goto out;
             st.active[st.n_active++] = s;
         }
         if (st.n_active == 0) {
@@ -153,18 +153,18 @@ int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void 
             break;
         }
         int32_t n_tokens, n_items = plan_step(&st, &n_tokens);
-        llama_capture cap = {cfg->n_capture, {0}, n_tokens, st.rows, st.features};
+        forward_capture cap = {cfg->n_capture, {0}, n_tokens, st.rows, st.features};
         memcpy(cap.layers, cfg->capture, sizeof cap.layers);
-        if ((rc = eng_step(e, st.items, n_items, st.logits, width ? &cap : NULL, err)) != AE_OK) goto out;
+        if ((rc = engine_step(e, st.items, n_items, st.logits, width ? &cap : NULL, err)) != AE_OK) goto out;
         take_step(&st, n_items);
         int32_t kept = 0;
         for (int32_t i = 0; i < st.n_active; i++) {
-            bg_seq *s = st.active[i];
+            batchgen_seq *s = st.active[i];
             if (!finished(s)) {
                 st.active[kept++] = s;
                 continue;
             }
-            eng_seq_free(e, s->eng_seq);
+            engine_seq_free(e, s->eng_seq);
             reserved -= seq_blocks(s, ec->block_size);
             s->done = true;
             if ((rc = done(ctx, s, err)) != AE_OK) {
@@ -177,7 +177,7 @@ int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void 
         st.n_active = kept;
     }
 out:
-    for (int32_t i = 0; i < st.n_active; i++) eng_seq_free(e, st.active[i]->eng_seq);
+    for (int32_t i = 0; i < st.n_active; i++) engine_seq_free(e, st.active[i]->eng_seq);
     sample_free(st.smp);
     free(st.topk_p);
     free(st.logits);

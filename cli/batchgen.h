@@ -22,7 +22,7 @@
 #include "../target/engine.h"
 #include "../target/sample.h"
 
-typedef struct bg_seq {
+typedef struct batchgen_seq {
     /* Set by the caller. */
     int64_t index;      /* the caller's own number for it */
     int32_t *ids;       /* [cap]: the prompt, then what is generated */
@@ -36,32 +36,32 @@ typedef struct bg_seq {
     /* Set by the generator. */
     int32_t n;          /* tokens in ids */
     bool stopped;       /* ended on the stop token, which is ids[n - 1] */
-    bool done;          /* handed back through bg_done_fn: the caller's again */
+    bool done;          /* handed back through batchgen_done_fn: the caller's again */
     /* Private. */
     int32_t eng_seq, fed;
-} bg_seq;
+} batchgen_seq;
 
-typedef struct bg_config {
+typedef struct batchgen_config {
     int32_t max_seqs;    /* sequences in flight; the engine's plan must hold them */
     int32_t step_tokens; /* tokens in one pass, at most the engine's max_batch_tokens */
     int32_t stop;        /* token that ends a sequence, -1: none */
     int32_t n_capture;   /* 0: no features */
-    int32_t capture[LLAMA_MAX_CAPTURE];
+    int32_t capture[FORWARD_MAX_CAPTURE];
     int32_t topk;        /* 0: no top-K */
-} bg_config;
+} batchgen_config;
 
 /* Hands out the next sequence (*s, its ids holding the prompt), or sets *s
  * to NULL when there is none to start now (asked again once a sequence
  * finishes), or returns false when there are no more. */
-typedef bool (*bg_next_fn)(void *ctx, bg_seq **s);
+typedef bool (*batchgen_next_fn)(void *ctx, batchgen_seq **s);
 /* Takes a finished sequence back; AE_ERR stops the run with err. */
-typedef int (*bg_done_fn)(void *ctx, bg_seq *s, ae_error *err);
+typedef int (*batchgen_done_fn)(void *ctx, batchgen_seq *s, ae_error *err);
 
 /* Runs until next has nothing more and every sequence is done. */
-int bg_run(eng *e, const bg_config *cfg, bg_next_fn next, bg_done_fn done, void *ctx, ae_error *err);
+int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, batchgen_done_fn done, void *ctx, ae_error *err);
 
 /* The k most likely tokens of softmax(logits) f32 [vocab], most likely
  * first (equal probability: lower id first), into ids and probs [k]. */
-void bg_topk(const float *logits, int32_t vocab, int32_t k, int32_t *ids, float *probs);
+void batchgen_topk(const float *logits, int32_t vocab, int32_t k, int32_t *ids, float *probs);
 
 #endif

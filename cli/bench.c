@@ -21,7 +21,7 @@
  *     engine starts, and the windows' passes): the stricter figure. A step
  *     reads the weights once whatever the batch, so at batch 1 this is
  *     decode tok/s against the most batch-1 decoding can reach.
- *   - the verify cost curve: one pass of a chain of n tokens (an ENG_TREE
+ *   - the verify cost curve: one pass of a chain of n tokens (an ENGINE_TREE
  *     whose node i is the parent of node i+1) after a fixed prefix of
  *     prompt-tokens tokens, for n = 1, 2, 4, 8, 16, 32, median of `repeat` passes each,
  *     relative to n = 1. Nothing is committed, so every pass sees the same
@@ -43,27 +43,27 @@
 #include "cli.h"
 #include "plan.h"
 
-static const cfg_option opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
-    {"device", CFG_STRING, "auto", 0, 0,
+static const config_option opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"device", CONFIG_STRING, "auto", 0, 0,
      "where the model runs: auto (cuda:0 when a GPU is usable, else cpu), cpu, cuda or cuda:N (on CUDA the "
      "roofline is the device's copy bandwidth)"},
-    {"prompt-tokens", CFG_INT, "128", 1, 1 << 20, "synthetic prompt tokens of each sequence"},
-    {"gen-tokens", CFG_INT, "128", 1, 1 << 20, "decode steps after the prompt"},
-    {"batch", CFG_INT, "1", 1, 256, "sequences prefilled and decoded together"},
-    {"max-batch-tokens", CFG_INT, "256", 32, 1 << 16, "tokens in one forward pass (prefill chunk)"},
-    {"repeat", CFG_INT, "5", 1, 1000, "bandwidth passes before decoding (best counts) and verify passes (median counts)"},
-    {"bandwidth-mib", CFG_INT, "auto", 16, 1 << 16,
+    {"prompt-tokens", CONFIG_INT, "128", 1, 1 << 20, "synthetic prompt tokens of each sequence"},
+    {"gen-tokens", CONFIG_INT, "128", 1, 1 << 20, "decode steps after the prompt"},
+    {"batch", CONFIG_INT, "1", 1, 256, "sequences prefilled and decoded together"},
+    {"max-batch-tokens", CONFIG_INT, "256", 32, 1 << 16, "tokens in one forward pass (prefill chunk)"},
+    {"repeat", CONFIG_INT, "5", 1, 1000, "bandwidth passes before decoding (best counts) and verify passes (median counts)"},
+    {"bandwidth-mib", CONFIG_INT, "auto", 16, 1 << 16,
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
     SETUP_TP_OPTION,
     SETUP_ALLREDUCE_OPTION,
     SETUP_TP_DEVICES_OPTION,
     MEMPLAN_GRAPHS_OPTION,
     MEMPLAN_DETERMINISTIC_OPTION,
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
-    {"oracle-accept", CFG_INT, "0", 0, 62,
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    {"oracle-accept", CONFIG_INT, "0", 0, 62,
      "speculate with an oracle draft instead of --draft: the target's own greedy tokens, this many right then one "
      "wrong, so every step's acceptance length is this + 1 (0: off)"},
     DRAFT_LINK_OPTIONS,
@@ -202,14 +202,14 @@ static int64_t auto_bandwidth_mib(void) {
 /* ---- the engine passes ------------------------------------------------ */
 
 typedef struct bench {
-    eng *e;
+    engine *e;
     int32_t vocab;
     int32_t batch;
     int32_t max_batch_tokens;
     int32_t *seqs;    /* [batch] */
     int32_t *prompts; /* [batch][prompt_tokens] */
     int32_t *next;    /* [batch] the token each sequence decodes next */
-    eng_item *items;  /* [batch] */
+    engine_item *items;  /* [batch] */
     float *logits;    /* [max(batch, VERIFY_MAX)][vocab] */
     int32_t *ids;     /* [batch] each row's argmax: the greedy passes bring back only these, as the target does */
     kn_comm_stats verify_ar[VERIFY_SIZES]; /* the allreduces of the last verify pass of each size */
@@ -225,11 +225,11 @@ static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prom
         for (int32_t s = first; s < n && budget > 0; s++) {
             int32_t from = s == first ? done : 0, k = len - from < budget ? len - from : budget;
             b->items[n_items++] =
-                (eng_item){seqs[s], ENG_APPEND, k, prompts + (size_t)s * (size_t)len + (size_t)from, NULL, false};
+                (engine_item){seqs[s], ENGINE_APPEND, k, prompts + (size_t)s * (size_t)len + (size_t)from, NULL, false};
             budget -= k;
             end = from + k;
         }
-        if (eng_step_argmax(b->e, b->items, n_items, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
+        if (engine_step_argmax(b->e, b->items, n_items, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
         /* Every item but the last completes its sequence; the last may stop
          * short when the pass is full. */
         int32_t n_complete = end == len ? n_items : n_items - 1;
@@ -242,8 +242,8 @@ static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prom
 
 /* One decode step: every sequence appends its next token. */
 static int decode_step(bench *b, ae_error *err) {
-    for (int32_t i = 0; i < b->batch; i++) b->items[i] = (eng_item){b->seqs[i], ENG_APPEND, 1, &b->next[i], NULL, false};
-    if (eng_step_argmax(b->e, b->items, b->batch, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
+    for (int32_t i = 0; i < b->batch; i++) b->items[i] = (engine_item){b->seqs[i], ENGINE_APPEND, 1, &b->next[i], NULL, false};
+    if (engine_step_argmax(b->e, b->items, b->batch, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
     memcpy(b->next, b->ids, (size_t)b->batch * sizeof(int32_t));
     return AE_OK;
 }
@@ -256,13 +256,13 @@ static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_err
         tokens[i] = (int32_t)((uint32_t)(i * 7919 + 13) % (uint32_t)b->vocab);
         parents[i] = i - 1;
     }
-    eng_item it = {seq, ENG_TREE, n, tokens, parents, false};
+    engine_item it = {seq, ENGINE_TREE, n, tokens, parents, false};
     double t0 = clock_mono_seconds();
-    if (eng_step(b->e, &it, 1, b->logits, NULL, err) != AE_OK) return AE_ERR;
+    if (engine_step(b->e, &it, 1, b->logits, NULL, err) != AE_OK) return AE_ERR;
     *seconds = clock_mono_seconds() - t0;
     for (int k = 0; k < VERIFY_SIZES; k++)
-        if (verify_sizes[k] == n) b->verify_ar[k] = eng_get_comm_stats(b->e).last;
-    return eng_commit_path(b->e, seq, none, 0, err);
+        if (verify_sizes[k] == n) b->verify_ar[k] = engine_get_comm_stats(b->e).last;
+    return engine_commit_path(b->e, seq, none, 0, err);
 }
 
 /* ---- speculative against plain decoding ---------------------------------- */
@@ -272,8 +272,8 @@ static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_err
 /* New, empty sequences for the batch (the previous ones are freed). */
 static int fresh_seqs(bench *b, ae_error *err) {
     for (int32_t i = 0; i < b->batch; i++) {
-        eng_seq_free(b->e, b->seqs[i]);
-        if (eng_seq_new(b->e, &b->seqs[i], err) != AE_OK) return AE_ERR;
+        engine_seq_free(b->e, b->seqs[i]);
+        if (engine_seq_new(b->e, &b->seqs[i], err) != AE_OK) return AE_ERR;
     }
     return AE_OK;
 }
@@ -336,8 +336,8 @@ static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32
 static int spec_rounds(bench *b, const spec_drafter *d, const int32_t capture[CAPTURE_LAYERS],
                        const spec_shape *shape, int32_t n_prompt, int32_t n_gen, const int32_t **ref, cJSON *o,
                        ae_error *err) {
-    const eng_config *ec = eng_get_config(b->e);
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, *shape, ec->max_seqs, ec->max_batch_tokens, false, NULL, NULL};
+    const engine_config *ec = engine_get_config(b->e);
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, *shape, ec->max_seqs, ec->max_batch_tokens, false, NULL, NULL};
     memcpy(sc.capture, capture, sizeof sc.capture);
     spec *sx = NULL;
     size_t n_out = (size_t)b->batch * (size_t)n_gen;
@@ -370,7 +370,7 @@ static int spec_rounds(bench *b, const spec_drafter *d, const int32_t capture[CA
 }
 
 /* The same with the EAGLE-3 head of --draft, in this process. */
-static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt, int32_t n_gen, int threads,
+static int compare_spec(bench *b, const config *c, const model *m, int32_t n_prompt, int32_t n_gen, int threads,
                         cJSON *o, ae_error *err) {
     spec_shape shape;
     eagle_weights weights;
@@ -378,15 +378,15 @@ static int compare_spec(bench *b, const cfg *c, const model *m, int32_t n_prompt
     if (b->batch * shape.tokens > b->max_batch_tokens)
         return err_set(err, "--batch %d x --spec-tokens %d exceeds --max-batch-tokens %d", b->batch, shape.tokens,
                        b->max_batch_tokens);
-    const eng_config *ec = eng_get_config(b->e);
-    drafter_config dc = {ec->max_seqs, ec->max_seq_len, b->max_batch_tokens, threads, eng_pool(b->e), ec->act_bits};
+    const engine_config *ec = engine_get_config(b->e);
+    drafter_config dc = {ec->max_seqs, ec->max_seq_len, b->max_batch_tokens, threads, engine_pool(b->e), ec->act_bits};
     draft_link link;
     int32_t capture[CAPTURE_LAYERS];
-    if (draft_link_open(&link, cfg_str(c, "draft"), model_embedding(m), weights, &dc, err) != AE_OK) return AE_ERR;
+    if (draft_link_open(&link, config_str(c, "draft"), model_embedding(m), weights, &dc, err) != AE_OK) return AE_ERR;
     int rc = draft_link_capture(&link, capture, err);
     if (rc == AE_OK) {
-        cJSON_AddStringToObject(o, "draft", cfg_str(c, "draft"));
-        cJSON_AddStringToObject(o, "draft_weights", cfg_str(c, "draft-weights"));
+        cJSON_AddStringToObject(o, "draft", config_str(c, "draft"));
+        cJSON_AddStringToObject(o, "draft_weights", config_str(c, "draft-weights"));
         rc = spec_rounds(b, &link.iface, capture, &shape, n_prompt, n_gen, NULL, o, err);
     }
     draft_link_close(&link);
@@ -475,21 +475,21 @@ static int compare_oracle(bench *b, const model *m, int32_t n_prompt, int32_t n_
     return rc;
 }
 
-static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
-    cfg *c = (cfg *)cc; /* auto values are resolved here */
+static int run(const config *cc, int argc, char **argv, ae_error *err) {
+    config *c = (config *)cc; /* auto values are resolved here */
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+    if (config_is_auto(c, "threads")) config_set_auto_int(c, "threads", pool_cpu_count());
     kn_device dev;
-    if (kn_device_open(cfg_str(c, "device"), &dev, err) != AE_OK) return CLI_EXIT_USAGE;
-    if (cfg_is_auto(c, "device")) cfg_set_auto_str(c, "device", dev.name);
+    if (kn_device_open(config_str(c, "device"), &dev, err) != AE_OK) return CLI_EXIT_USAGE;
+    if (config_is_auto(c, "device")) config_set_auto_str(c, "device", dev.name);
     /* A GPU's last-level cache is tens of MiB; 1 GiB is far past it. */
-    if (cfg_is_auto(c, "bandwidth-mib"))
-        cfg_set_auto_int(c, "bandwidth-mib", dev.kind == KN_DEVICE_CUDA ? 1024 : auto_bandwidth_mib());
+    if (config_is_auto(c, "bandwidth-mib"))
+        config_set_auto_int(c, "bandwidth-mib", dev.kind == KN_DEVICE_CUDA ? 1024 : auto_bandwidth_mib());
     double t_start = clock_mono_seconds();
-    const char *path = cfg_str(c, "model");
-    int32_t n_prompt = (int32_t)cfg_int(c, "prompt-tokens"), n_gen = (int32_t)cfg_int(c, "gen-tokens");
-    int32_t batch = (int32_t)cfg_int(c, "batch"), max_batch_tokens = (int32_t)cfg_int(c, "max-batch-tokens");
-    int threads = (int)cfg_int(c, "threads"), reps = (int)cfg_int(c, "repeat");
+    const char *path = config_str(c, "model");
+    int32_t n_prompt = (int32_t)config_int(c, "prompt-tokens"), n_gen = (int32_t)config_int(c, "gen-tokens");
+    int32_t batch = (int32_t)config_int(c, "batch"), max_batch_tokens = (int32_t)config_int(c, "max-batch-tokens");
+    int threads = (int)config_int(c, "threads"), reps = (int)config_int(c, "repeat");
     model *m = NULL;
     bench b = {0};
     bw_probe probe = {0};
@@ -502,16 +502,16 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     if (svc_act_bits(c, &act_bits, err) != AE_OK) return CLI_EXIT_USAGE;
 
     if (model_load(&m, path, dev.be, err) != AE_OK) goto out;
-    /* Speculation verifies trees of up to ENG_MAX_TREE nodes past the
+    /* Speculation verifies trees of up to ENGINE_MAX_TREE nodes past the
      * generated tokens. */
-    int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX) + (cfg_str(c, "draft") ? ENG_MAX_TREE : 0);
+    int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX) + (config_str(c, "draft") ? ENGINE_MAX_TREE : 0);
     if (seq_len > m->cfg.context_length) {
         err_set(err, "prompt-tokens (%d) + max(gen-tokens, %d) exceeds the model's context of %d", n_prompt,
                 VERIFY_MAX, m->cfg.context_length);
         goto out;
     }
     /* Before the engine exists, so its KV cache does not share the memory. */
-    if (bw_probe_init(&probe, (size_t)cfg_int(c, "bandwidth-mib") << 20, threads, &dev, err) != AE_OK) goto out;
+    if (bw_probe_init(&probe, (size_t)config_int(c, "bandwidth-mib") << 20, threads, &dev, err) != AE_OK) goto out;
     double bw_best = 0;
     for (int r = 0; r < reps; r++) {
         double bw = bw_probe_pass(&probe);
@@ -519,7 +519,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     int32_t block = 16, blocks_per_seq = (seq_len + block - 1) / block;
     /* The batch's sequences, and one more for warm-up and verification. */
-    eng_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block, threads,
+    engine_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block, threads,
                      act_bits};
     b.vocab = m->cfg.vocab;
     b.batch = batch;
@@ -529,7 +529,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     b.prompts = malloc(sizeof(int32_t) * (size_t)(batch + 1) * (size_t)n_prompt);
     b.next = malloc(sizeof(int32_t) * (size_t)(batch + 1));
     b.ids = malloc(sizeof(int32_t) * (size_t)(batch + 1));
-    b.items = malloc(sizeof(eng_item) * (size_t)(batch + 1));
+    b.items = malloc(sizeof(engine_item) * (size_t)(batch + 1));
     b.logits = malloc(sizeof(float) * (size_t)rows * (size_t)b.vocab);
     times = malloc(sizeof(double) * (size_t)reps * VERIFY_SIZES);
     if (!b.seqs || !b.prompts || !b.next || !b.ids || !b.items || !b.logits || !times) {
@@ -541,18 +541,18 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         for (int32_t t = 0; t < n_prompt; t++)
             b.prompts[(size_t)s * (size_t)n_prompt + (size_t)t] = (int32_t)(splitmix64(&st) % (uint64_t)b.vocab);
     }
-    if (eng_init(&b.e, m, &ec, err) != AE_OK) goto out;
-    const int32_t tp = (int32_t)cfg_int(c, "tp");
+    if (engine_init(&b.e, m, &ec, err) != AE_OK) goto out;
+    const int32_t tp = (int32_t)config_int(c, "tp");
     if (setup_tp(c, b.e, m, &dev, err) != AE_OK) goto out;
-    if (eng_set_fast(b.e, !cfg_bool(c, "deterministic"), err) != AE_OK) goto out;
+    if (engine_set_fast(b.e, !config_bool(c, "deterministic"), err) != AE_OK) goto out;
     {   /* The graphs held to the bytes a memory plan would give them. */
         int32_t n_graphs = memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be));
-        eng_set_graphs(b.e, n_graphs,
-                       (uint64_t)n_graphs * LLAMA_GRAPH_NODES(m->cfg.n_layers, eng_fast(b.e)) * KN_GRAPH_NODE_BYTES +
+        engine_set_graphs(b.e, n_graphs,
+                       (uint64_t)n_graphs * FORWARD_GRAPH_NODES(m->cfg.n_layers, engine_fast(b.e)) * KN_GRAPH_NODE_BYTES +
                            KN_GRAPH_BYTES_GRAIN);
     }
     for (int32_t s = 0; s <= batch; s++)
-        if (eng_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
+        if (engine_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
     LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt,
               n_gen, threads, dev.kind == KN_DEVICE_CUDA ? dev.info.name : kn_cpu_simd());
 
@@ -584,7 +584,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         if (win_bw[w] > bw_best) bw_best = win_bw[w];
         win_frac[w] = (double)steps / t / (win_bw[w] / (double)weight_bytes);
     }
-    const kn_comm_stats decode_ar = eng_get_comm_stats(b.e).last; /* a decode pass's */
+    const kn_comm_stats decode_ar = engine_get_comm_stats(b.e).last; /* a decode pass's */
     double win_in_order[BENCH_WINDOWS];
     memcpy(win_in_order, win_frac, sizeof win_frac);
     double frac = median_of(win_frac, n_win), bandwidth = median_of(win_bw, n_win);
@@ -612,7 +612,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_AddStringToObject(o, "simd", kn_cpu_simd());
     cJSON_AddNumberToObject(o, "threads", threads);
     cJSON_AddNumberToObject(o, "act_bits", act_bits);
-    cJSON_AddBoolToObject(o, "deterministic", !eng_fast(b.e)); /* the CPU backend has only that mode */
+    cJSON_AddBoolToObject(o, "deterministic", !engine_fast(b.e)); /* the CPU backend has only that mode */
     cJSON_AddNumberToObject(o, "batch", batch);
     cJSON_AddNumberToObject(o, "prompt_tokens", n_prompt);
     cJSON_AddNumberToObject(o, "gen_tokens", n_gen);
@@ -622,7 +622,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     cJSON_AddNumberToObject(o, "weight_bytes_per_step", (double)weight_bytes);
     cJSON_AddNumberToObject(o, "bandwidth_gb_per_s", cli_round(bandwidth / 1e9, 1e3));
     cJSON_AddNumberToObject(o, "bandwidth_best_gb_per_s", cli_round(bw_best / 1e9, 1e3));
-    cJSON_AddNumberToObject(o, "bandwidth_mib", (double)cfg_int(c, "bandwidth-mib"));
+    cJSON_AddNumberToObject(o, "bandwidth_mib", (double)config_int(c, "bandwidth-mib"));
     cJSON_AddNumberToObject(o, "roofline_tok_per_s", roofline);
     cJSON_AddNumberToObject(o, "roofline_fraction", cli_round(frac, 1e4));
     cJSON *windows = cJSON_AddArrayToObject(o, "roofline_fraction_windows");
@@ -638,18 +638,18 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         snprintf(key, sizeof key, "%d", verify_sizes[k]);
         cJSON_AddNumberToObject(vc, key, k == 0 ? 1.0 : cli_round(median[k] / median[0], 1e3));
     }
-    int32_t accept = (int32_t)cfg_int(c, "oracle-accept");
+    int32_t accept = (int32_t)config_int(c, "oracle-accept");
     if (accept > 0 ? compare_oracle(&b, m, n_prompt, n_gen, accept, o, err) != AE_OK
-                   : cfg_str(c, "draft") && compare_spec(&b, c, m, n_prompt, n_gen, threads, o, err) != AE_OK) {
+                   : config_str(c, "draft") && compare_spec(&b, c, m, n_prompt, n_gen, threads, o, err) != AE_OK) {
         cJSON_Delete(o);
         goto out;
     }
-    eng_graph_stats gs = eng_get_graph_stats(b.e);
+    engine_graph_stats gs = engine_get_graph_stats(b.e);
     /* Every allreduce of a pass (issue: count them): rank 0's calls,
      * bytes and wall time, for a decode pass of `batch` tokens and each
      * verify size. */
     cJSON_AddNumberToObject(o, "tp", tp);
-    cJSON_AddStringToObject(o, "allreduce", tp > 1 ? kn_allreduce_name(eng_allreduce(b.e)) : "none");
+    cJSON_AddStringToObject(o, "allreduce", tp > 1 ? kn_allreduce_name(engine_allreduce(b.e)) : "none");
     cJSON_AddNumberToObject(o, "allreduces_per_step", (double)decode_ar.calls);
     cJSON_AddNumberToObject(o, "allreduce_bytes_per_step", (double)decode_ar.bytes);
     cJSON_AddNumberToObject(o, "allreduce_ms_per_step", cli_round((double)decode_ar.ns / 1e6, 1e3));
@@ -680,7 +680,7 @@ out:
     free(b.ids);
     free(b.prompts);
     free(b.seqs);
-    eng_free(b.e);
+    engine_free(b.e);
     model_free(m);
     return rc;
 }

@@ -1,6 +1,6 @@
 /* aerie bench-rpc: what the RPC link adds to a speculative step.
  *
- * One process holds an aerie-draft service (draft/server.h on the real
+ * One process holds an aerie-draft service (draft/draft_server.h on the real
  * head) listening on a Unix socket, on TCP and, with certificates, on TLS
  * with client certificates; and a client for each, on an RPC loop of its
  * own as in the target (one loop serving both ends would read the reply
@@ -42,7 +42,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "../draft/server.h"
+#include "../draft/draft_server.h"
 #include "../services/core/file.h"
 #include "../services/core/log.h"
 #include "../services/core/svc.h"
@@ -52,19 +52,19 @@
 #include "cli.h"
 #include "plan.h"
 
-static const cfg_option opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "the target model (the head reads its embeddings)"},
-    {"draft", CFG_STRING, "auto", 0, 0, "EAGLE-3 head directory (auto: the head trained for the model)"},
-    {"seqs", CFG_INT, "8", 1, 64, "sequences per Propose"},
-    {"pairs", CFG_INT, "8", 1, 256, "pairs of features per sequence"},
-    {"iters", CFG_INT, "300", 10, 1000000, "calls per path"},
-    {"threads", CFG_INT, "1", 1, 256, "the draft's compute threads"},
-    {"tls-cert", CFG_STRING, NULL, 0, 0, "server certificate: adds the TLS path (with tls-key and tls-ca)"},
-    {"tls-key", CFG_STRING, NULL, 0, 0, "server key"},
-    {"tls-ca", CFG_STRING, NULL, 0, 0, "CA of both certificates (mutual TLS)"},
-    {"tls-client-cert", CFG_STRING, NULL, 0, 0, "client certificate"},
-    {"tls-client-key", CFG_STRING, NULL, 0, 0, "client key"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+static const config_option opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "the target model (the head reads its embeddings)"},
+    {"draft", CONFIG_STRING, "auto", 0, 0, "EAGLE-3 head directory (auto: the head trained for the model)"},
+    {"seqs", CONFIG_INT, "8", 1, 64, "sequences per Propose"},
+    {"pairs", CONFIG_INT, "8", 1, 256, "pairs of features per sequence"},
+    {"iters", CONFIG_INT, "300", 10, 1000000, "calls per path"},
+    {"threads", CONFIG_INT, "1", 1, 256, "the draft's compute threads"},
+    {"tls-cert", CONFIG_STRING, NULL, 0, 0, "server certificate: adds the TLS path (with tls-key and tls-ca)"},
+    {"tls-key", CONFIG_STRING, NULL, 0, 0, "server key"},
+    {"tls-ca", CONFIG_STRING, NULL, 0, 0, "CA of both certificates (mutual TLS)"},
+    {"tls-client-cert", CONFIG_STRING, NULL, 0, 0, "client certificate"},
+    {"tls-client-key", CONFIG_STRING, NULL, 0, 0, "client key"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
 static double now_us(void) { return clock_mono_seconds() * 1e6; }
@@ -88,7 +88,7 @@ typedef struct path {
  * end. */
 typedef struct floor_peer {
     int fd;
-    dsrv *d;
+    draft_server *d;
     uint32_t head_len, msg_len, payload_len;
     uint8_t *req, *rep; /* head_len + payload_len; FRAME_HEADER + rep_cap */
     uint32_t rep_cap;
@@ -100,7 +100,7 @@ static void *floor_main(void *arg) {
     while (file_read_full(f->fd, f->req, (size_t)f->head_len + f->payload_len) == 0) {
         uint32_t olen = 0;
         uint64_t t0 = (uint64_t)(now_us() * 1e3);
-        uint32_t st = dsrv_propose(f->d, f->req + FRAME_HEADER, f->msg_len, f->req + f->head_len, f->payload_len,
+        uint32_t st = draft_server_propose(f->d, f->req + FRAME_HEADER, f->msg_len, f->req + f->head_len, f->payload_len,
                                    f->rep + FRAME_HEADER, f->rep_cap, &olen, &f->err);
         uint64_t busy = (uint64_t)(now_us() * 1e3) - t0;
         if (st != RPC_OK) olen = 0; /* the caller reads an empty reply as the failure */
@@ -135,14 +135,14 @@ static long switches_now(void) {
     return ru.ru_nvcsw + ru.ru_nivcsw;
 }
 
-static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
-    cfg *c = (cfg *)cc;
+static int run(const config *cc, int argc, char **argv, ae_error *err) {
+    config *c = (config *)cc;
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     svc_signals_init(); /* as the services run: SIGPIPE ignored, large buffers kept in the heap */
     int rc = CLI_EXIT_USAGE;
     model *m = NULL;
     eagle_head *h = NULL;
-    dsrv *d = NULL;
+    draft_server *d = NULL;
     rpc_loop *loop = NULL, *cloop = NULL; /* the servers', the clients' (two processes in a deployment) */
     rpc_server *srv[3] = {0};
     path paths[4] = {{"in_process", NULL, NULL, NULL, 0}, {"unix", NULL, NULL, NULL, 0},
@@ -159,7 +159,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     char sock[128];
     snprintf(sock, sizeof sock, "unix:/tmp/aerie-bench-rpc-%d.sock", (int)getpid());
 
-    const char *model_path = cfg_str(c, "model");
+    const char *model_path = config_str(c, "model");
     if (!model_path) {
         err_set(err, "no model given (use --model FILE)");
         goto out;
@@ -173,9 +173,9 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     eagle_target t = model_embedding(m);
     if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_Q8_0, err) != AE_OK) goto out;
-    int32_t S = (int32_t)cfg_int(c, "seqs"), P = (int32_t)cfg_int(c, "pairs"), iters = (int32_t)cfg_int(c, "iters");
-    dsrv_config dc = {64, 512, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "threads"), 0};
-    if (dsrv_init(&d, h, &dc, err) != AE_OK) goto out;
+    int32_t S = (int32_t)config_int(c, "seqs"), P = (int32_t)config_int(c, "pairs"), iters = (int32_t)config_int(c, "iters");
+    draft_server_config dc = {64, 512, SETUP_PREFILL_CHUNK, (int32_t)config_int(c, "threads"), 0};
+    if (draft_server_init(&d, h, &dc, err) != AE_OK) goto out;
 
     /* The request: S sequences, each reset with P pairs. */
     int32_t fw = 3 * m->cfg.hidden, layers[3];
@@ -224,10 +224,10 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
 
     /* The servers and their clients. */
     char tcp_addr[64] = "127.0.0.1:0", tls_addr[64] = "127.0.0.1:0";
-    const char *cert = cfg_str(c, "tls-cert"), *key = cfg_str(c, "tls-key"), *ca = cfg_str(c, "tls-ca");
+    const char *cert = config_str(c, "tls-cert"), *key = config_str(c, "tls-key"), *ca = config_str(c, "tls-ca");
     bool tls = cert && key && ca;
     if (rpc_loop_start(&loop, err) != AE_OK || rpc_loop_start(&cloop, err) != AE_OK) goto out;
-    rpc_server_config sc = {.addr = sock, .handler = dsrv_handle, .ctx = d};
+    rpc_server_config sc = {.addr = sock, .handler = draft_server_handle, .ctx = d};
     if (rpc_server_open(&srv[0], loop, &sc, err) != AE_OK) goto out;
     sc.addr = tcp_addr;
     if (rpc_server_open(&srv[1], loop, &sc, err) != AE_OK) goto out;
@@ -242,7 +242,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     const char *addrs[4] = {NULL, sock, tcp_addr, tls_addr};
     for (int p = 1; p < n_paths; p++) {
         rpc_client_config cc2 = {addrs[p], {0}, 0, 0};
-        if (p == 3) cc2.tls = (rpc_tls){cfg_str(c, "tls-client-cert"), cfg_str(c, "tls-client-key"), ca};
+        if (p == 3) cc2.tls = (rpc_tls){config_str(c, "tls-client-cert"), config_str(c, "tls-client-key"), ca};
         if (rpc_client_open(&paths[p].cli, cloop, &cc2, err) != AE_OK) goto out;
         if (!rpc_client_wait_connected(paths[p].cli, 10000)) {
             err_set(err, "cannot connect to %s", addrs[p]);
@@ -282,7 +282,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
             double t0 = now_us();
             uint64_t server_ns;
             if (p == 0) {
-                uint32_t st = dsrv_propose(d, msg, mlen, payload, (uint32_t)plen, out, aerie_ProposeReply_size + 64,
+                uint32_t st = draft_server_propose(d, msg, mlen, payload, (uint32_t)plen, out, aerie_ProposeReply_size + 64,
                                            &olen, err);
                 if (st != RPC_OK || msg_decode(aerie_ProposeReply_fields, &rp, out, olen, err) != AE_OK) goto out;
             } else {
@@ -290,7 +290,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 uint32_t st = rpc_client_callv(paths[p].cli, aerie_Method_DRAFT_PROPOSE, msg, mlen, &iov, 1, 0, NULL,
                                                NULL, &reply);
                 if (st != RPC_OK) {
-                    err_set(err, "%s: %s: %s", paths[p].name, rpc_status_name(st), reply.error);
+                    err_set(err, "%s: %s: %s", paths[p].name, frame_status_name(st), reply.error);
                     goto out;
                 }
                 if (msg_decode(aerie_ProposeReply_fields, &rp, reply.msg, reply.msg_len, err) != AE_OK) goto out;
@@ -368,7 +368,7 @@ out:
     for (int p = 0; p < 4; p++) free(paths[p].total), free(paths[p].link);
     rpc_reply_free(&reply);
     free(msg), free(payload), free(out);
-    dsrv_free(d);
+    draft_server_free(d);
     eagle_free(h);
     model_free(m);
     return rc;

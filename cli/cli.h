@@ -1,6 +1,6 @@
 /* The `aerie` command: shared pieces of the subcommands.
  *
- * Every subcommand declares its settings as a cfg_option table, so each value
+ * Every subcommand declares its settings as a config_option table, so each value
  * it runs with has a source and `--print-config` shows them. Failures print
  * one line "aerie <cmd>: <problem>" on stderr and exit 2. */
 #ifndef AERIE_CLI_H
@@ -21,15 +21,15 @@ typedef struct cli_cmd {
     const char *name;
     const char *args; /* usage after the options */
     const char *summary;
-    const cfg_option *opts;
+    const config_option *opts;
     size_t n_opts;
     /* Runs with resolved settings and the positional arguments (after the
      * subcommand name). Returns the process exit status. */
-    int (*run)(const cfg *c, int argc, char **argv, ae_error *err);
+    int (*run)(const config *c, int argc, char **argv, ae_error *err);
     /* Optional: replaces "auto" settings with the values computed for this
      * machine and model, before --print-config and the startup log show
      * them. A failure (an impossible memory plan) exits 2. */
-    int (*resolve)(cfg *c, ae_error *err);
+    int (*resolve)(config *c, ae_error *err);
 } cli_cmd;
 
 /* x rounded to the nearest multiple of 1 / scale (for JSON output). */

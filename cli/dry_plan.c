@@ -15,21 +15,21 @@
 #include "../services/core/json.h"
 #include "../target/arch.h"
 #include "../target/engine.h"
-#include "../target/llama.h"
+#include "../target/forward.h"
 #include "../target/memplan.h"
 #include "../target/setup.h"
 #include "../target/tp.h"
 #include "cli.h"
 
-static const cfg_option opts[] = {
-    {"config", CFG_STRING, NULL, 0, 0,
+static const config_option opts[] = {
+    {"config", CONFIG_STRING, NULL, 0, 0,
      "the model's config.json, or its directory (here --config is the model's, not a settings file)"},
-    {"devices", CFG_STRING, NULL, 0, 0, "the GPUs: COUNTxSIZE, e.g. 8x96GiB (GiB, GB or MiB)"},
-    {"tp", CFG_INT, "auto", 1, 64, "tensor-parallel ranks, one a GPU (auto: every GPU)"},
-    {"verify-tokens", CFG_INT, "32", 1, 4096, "tokens of the verify pass whose allreduces are counted"},
-    {"json", CFG_BOOL, "false", 0, 0, "print one JSON object of the exact figures instead of text"},
+    {"devices", CONFIG_STRING, NULL, 0, 0, "the GPUs: COUNTxSIZE, e.g. 8x96GiB (GiB, GB or MiB)"},
+    {"tp", CONFIG_INT, "auto", 1, 64, "tensor-parallel ranks, one a GPU (auto: every GPU)"},
+    {"verify-tokens", CONFIG_INT, "32", 1, 4096, "tokens of the verify pass whose allreduces are counted"},
+    {"json", CONFIG_BOOL, "false", 0, 0, "print one JSON object of the exact figures instead of text"},
     MEMPLAN_OPTIONS,
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
 /* "8x96GiB" into a count and bytes. */
@@ -55,13 +55,13 @@ typedef struct held {
     char float_name[16], expert_name[64];
 } held;
 
-static int read_held(const char *path, const hfcfg *hc, held *h, ae_error *err) {
+static int read_held(const char *path, const hfconfig *hc, held *h, ae_error *err) {
     bool bf16 = !strcmp(hc->torch_dtype, "bfloat16");
     h->float_bytes = bf16 ? 2.0 : 4.0;
     snprintf(h->float_name, sizeof h->float_name, "%s", bf16 ? "bf16" : "f32");
     h->expert_bytes = h->float_bytes;
     snprintf(h->expert_name, sizeof h->expert_name, "%s", h->float_name);
-    cJSON *root = json_read_file(path, HFCFG_MAX_FILE, err);
+    cJSON *root = json_read_file(path, HFCONFIG_MAX_FILE, err);
     if (!root) return AE_ERR;
     const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text_config");
     const cJSON *q = cJSON_GetObjectItemCaseSensitive(cJSON_IsObject(text) ? text : root, "quantization_config");
@@ -94,23 +94,23 @@ typedef struct dry {
     memplan plan;
 } dry;
 
-static int compute(cfg *c, dry *d, ae_error *err) {
+static int compute(config *c, dry *d, ae_error *err) {
     memset(d, 0, sizeof *d);
-    const char *path = cfg_str(c, "config"), *devices = cfg_str(c, "devices");
+    const char *path = config_str(c, "config"), *devices = config_str(c, "devices");
     if (!path) return err_set(err, "no model config given (use --config config.json)");
     if (!devices) return err_set(err, "no GPUs given (use --devices COUNTxSIZE, e.g. 8x96GiB)");
     if (parse_devices(devices, &d->n_gpus, &d->gpu_bytes, err) != AE_OK) return AE_ERR;
     char file[1200];
     struct stat sb;
     snprintf(file, sizeof file, stat(path, &sb) == 0 && S_ISDIR(sb.st_mode) ? "%s/config.json" : "%s", path);
-    hfcfg hc;
+    hfconfig hc;
     if (model_config_read(&d->mc, &d->a, &hc, file, err) != AE_OK || read_held(file, &hc, &d->h, err) != AE_OK)
         return AE_ERR;
-    if (cfg_is_auto(c, "tp")) cfg_set_auto_int(c, "tp", d->n_gpus);
-    d->tp = (int32_t)cfg_int(c, "tp");
+    if (config_is_auto(c, "tp")) config_set_auto_int(c, "tp", d->n_gpus);
+    d->tp = (int32_t)config_int(c, "tp");
     if (d->tp > d->n_gpus) return err_set(err, "--tp %d: more ranks than the %d GPUs given", d->tp, d->n_gpus);
-    d->verify_tokens = (int32_t)cfg_int(c, "verify-tokens");
-    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", d->mc.context_length);
+    d->verify_tokens = (int32_t)config_int(c, "verify-tokens");
+    if (config_is_auto(c, "max-seq-len")) config_set_auto_int(c, "max-seq-len", d->mc.context_length);
 
     /* Rank 0's shard: its heads and widths (the first of an uneven cut,
      * so the largest share), which its buffers and its KV are sized by. */
@@ -135,19 +135,19 @@ static int compute(cfg *c, dry *d, ae_error *err) {
     /* KV per token on rank 0: the latent whole, or its kv heads' share. */
     d->kv_per_token = d->a->kv_bytes_per_token(&d->r0);
 
-    const bool fast = cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
+    const bool fast = config_has(c, "deterministic") && !config_bool(c, "deterministic");
     const int32_t T = SETUP_PREFILL_CHUNK;
-    uint64_t fixed = llama_stream_workspace_cfg(&d->r0, T, (int32_t)cfg_int(c, "max-seq-len")) + eng_input_bytes(T) +
+    uint64_t fixed = forward_stream_workspace_cfg(&d->r0, T, (int32_t)config_int(c, "max-seq-len")) + engine_input_bytes(T) +
                      (fast ? KN_FAST_WORKSPACE_BYTES : 0);
     if (d->tp > 1) fixed += 2ull * (uint64_t)T * (uint64_t)mc->hidden * sizeof(float); /* the custom kind's slots */
     memplan_model mm = {(uint64_t)ceil(d->w_rank0), mc->n_layers, mc->hidden, mc->ffn, mc->n_heads, mc->n_kv_heads,
                         mc->head_dim, mc->vocab, d->kv_per_token, d->a->workspace_per_token(&d->r0)};
     memplan_env env = {d->gpu_bytes, SETUP_KV_BLOCK, T, fixed, "GPU 0", d->gpu_bytes,
-                       LLAMA_GRAPH_NODES(mc->n_layers, fast), KN_GRAPH_NODE_BYTES};
+                       FORWARD_GRAPH_NODES(mc->n_layers, fast), KN_GRAPH_NODE_BYTES};
     return memplan_compute(c, &mm, &env, &d->plan, err);
 }
 
-static int resolve(cfg *c, ae_error *err) {
+static int resolve(config *c, ae_error *err) {
     dry d;
     return compute(c, &d, err);
 }
@@ -155,18 +155,18 @@ static int resolve(cfg *c, ae_error *err) {
 #define GB(x) ((double)(x) / 1e9)
 #define GIB(x) ((double)(x) / 1073741824.0)
 
-static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
+static int run(const config *cc, int argc, char **argv, ae_error *err) {
     (void)argv;
-    cfg *c = (cfg *)cc; /* resolve() has replaced every auto value */
+    config *c = (config *)cc; /* resolve() has replaced every auto value */
     if (argc > 0) return err_set(err, "unexpected argument (plan takes options only)");
     dry d;
     if (compute(c, &d, err) != AE_OK) return CLI_EXIT_USAGE;
     const model_config *mc = &d.mc;
     const arch_params *p = &d.p;
     const memplan *pl = &d.plan;
-    const int32_t per = LLAMA_ALLREDUCES_PER_LAYER;
+    const int32_t per = FORWARD_ALLREDUCES_PER_LAYER;
     const double each = (double)d.verify_tokens * mc->hidden * sizeof(float);
-    if (cfg_bool(c, "json")) {
+    if (config_bool(c, "json")) {
         cJSON *o = cJSON_CreateObject();
         if (!o) return err_set(err, "out of memory"), CLI_EXIT_USAGE;
         const char *k[] = {"params_experts", "params_split", "params_split_f32", "params_whole", "params_whole_f32",

@@ -18,32 +18,32 @@
 #include <cjson/cJSON.h>
 
 #include "../services/core/log.h"
-#include "../services/kv/kv_cache.h"
+#include "../services/kv/kv.h"
 #include "../services/model/safetensors.h"
-#include "../services/model/st_write.h"
+#include "../services/model/safetensors_write.h"
 #include "../services/tokenizer/chat.h"
 #include "cli.h"
 #include "plan.h"
 
 #define MAX_SHAPES 8
 
-static const cfg_option ev_opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
-    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
-    {"draft-weights", CFG_STRING, "q8_0", 0, 0, "the head's matrices rounded to Q8_0 (q8_0), or as the file has them (file)"},
-    {"prompts", CFG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' heldout.jsonl)"},
-    {"limit", CFG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
-    {"max-new-tokens", CFG_INT, "128", 1, 1 << 20, "tokens generated per prompt at most"},
-    {"shapes", CFG_STRING, "5/4/8,4/1/5,6/4/16", 0, 0,
+static const config_option ev_opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"draft", CONFIG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
+    {"draft-weights", CONFIG_STRING, "q8_0", 0, 0, "the head's matrices rounded to Q8_0 (q8_0), or as the file has them (file)"},
+    {"prompts", CONFIG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' heldout.jsonl)"},
+    {"limit", CONFIG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
+    {"max-new-tokens", CONFIG_INT, "128", 1, 1 << 20, "tokens generated per prompt at most"},
+    {"shapes", CONFIG_STRING, "5/4/8,4/1/5,6/4/16", 0, 0,
      "tree shapes steps/topk/tokens, comma separated (the first is the default of generate)"},
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+    {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
-    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
+    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0,
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
-    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
-    {"max-batch", CFG_INT, "1", 1, 1, "sequences at once (1: this measures batch 1)"},
-    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: 1024 + max-new-tokens)"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
+    {"max-batch", CONFIG_INT, "1", 1, 1, "sequences at once (1: this measures batch 1)"},
+    {"max-seq-len", CONFIG_INT, "auto", 1, 16777216, "longest sequence (auto: 1024 + max-new-tokens)"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
 typedef struct shape_run {
@@ -76,15 +76,15 @@ static int parse_shapes(const char *s, shape_run *out, int *n, ae_error *err) {
 /* Greedy plain decoding of prompt: out[0..*n), stopping at eos. Times the
  * decode steps (*steps of them: the first token comes from the prefill,
  * each step decides one more, the end of sequence included). */
-static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t max_new, int32_t eos, float *logits,
+static int run_plain(engine *e, const int32_t *prompt, int32_t n_prompt, int32_t max_new, int32_t eos, float *logits,
                      int32_t *out, int32_t *n, int32_t *steps, double *seconds, ae_error *err) {
-    int32_t seq, vocab = eng_model(e)->cfg.vocab;
-    if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
+    int32_t seq, vocab = engine_model(e)->cfg.vocab;
+    if (engine_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
     int rc = AE_OK;
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
         int32_t k = n_prompt - done < SETUP_PREFILL_CHUNK ? n_prompt - done : SETUP_PREFILL_CHUNK;
-        eng_item it = {seq, ENG_APPEND, k, prompt + done, NULL, false};
-        rc = eng_step(e, &it, 1, logits, NULL, err);
+        engine_item it = {seq, ENGINE_APPEND, k, prompt + done, NULL, false};
+        rc = engine_step(e, &it, 1, logits, NULL, err);
         done += k;
     }
     double t0 = clock_mono_seconds();
@@ -95,19 +95,19 @@ static int run_plain(eng *e, const int32_t *prompt, int32_t n_prompt, int32_t ma
         if (next == eos) break;
         out[(*n)++] = next;
         if (*n == max_new) break;
-        eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
-        rc = eng_step(e, &it, 1, logits, NULL, err);
+        engine_item it = {seq, ENGINE_APPEND, 1, &next, NULL, false};
+        rc = engine_step(e, &it, 1, logits, NULL, err);
         ++*steps;
     }
     *seconds = clock_mono_seconds() - t0;
-    eng_seq_free(e, seq);
+    engine_seq_free(e, seq);
     return rc;
 }
 
-static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, int32_t max_new, int32_t eos,
+static int run_spec(spec *sx, engine *e, const int32_t *prompt, int32_t n_prompt, int32_t max_new, int32_t eos,
                     int32_t *out, int32_t *n, shape_run *r, ae_error *err) {
     int32_t seq;
-    if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
+    if (engine_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
     spec_set_shape(sx, &r->shape);
     /* Time is kept for whole steps, not per sequence: the totals' growth
      * over this run is this sequence's (it runs alone). */
@@ -140,7 +140,7 @@ static int run_spec(spec *sx, eng *e, const int32_t *prompt, int32_t n_prompt, i
         for (int32_t d = 0; d < r->shape.steps && d < SPEC_MAX_DEPTH; d++) r->accepted_at[d] += st->accepted_at[d];
     }
     spec_seq_end(sx, seq);
-    eng_seq_free(e, seq);
+    engine_seq_free(e, seq);
     return rc;
 }
 
@@ -167,23 +167,23 @@ static cJSON *shape_json(const shape_run *r, double plain_tps) {
     return o;
 }
 
-static int ev_resolve(cfg *c, ae_error *err) {
-    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", 1024 + cfg_int(c, "max-new-tokens"));
+static int ev_resolve(config *c, ae_error *err) {
+    if (config_is_auto(c, "max-seq-len")) config_set_auto_int(c, "max-seq-len", 1024 + config_int(c, "max-new-tokens"));
     return cli_resolve_engine(c, true, err);
 }
 
-static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
-    cfg *c = (cfg *)cc;
+static int ev_run(const config *cc, int argc, char **argv, ae_error *err) {
+    config *c = (config *)cc;
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    const char *path = cfg_str(c, "model"), *draft = cfg_str(c, "draft"), *pfile = cfg_str(c, "prompts");
+    const char *path = config_str(c, "model"), *draft = config_str(c, "draft"), *pfile = config_str(c, "prompts");
     if (!draft) return err_set(err, "no head given (use --draft DIR)"), CLI_EXIT_USAGE;
     if (!pfile) return err_set(err, "no prompts given (use --prompts FILE)"), CLI_EXIT_USAGE;
     shape_run runs[MAX_SHAPES];
     int n_shapes;
-    if (parse_shapes(cfg_str(c, "shapes"), runs, &n_shapes, err) != AE_OK) return CLI_EXIT_USAGE;
+    if (parse_shapes(config_str(c, "shapes"), runs, &n_shapes, err) != AE_OK) return CLI_EXIT_USAGE;
     tok_file cm = {0};
     model *m = NULL;
-    eng *e = NULL;
+    engine *e = NULL;
     spec *sx = NULL;
     chat_template *ct = NULL;
     draft_link link = {0};
@@ -192,7 +192,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     float *logits = NULL;
     int32_t *plain = NULL, *got = NULL, *ids = NULL;
     int rc = CLI_EXIT_USAGE;
-    if (cli_read_prompts(pfile, &prompts, &n_prompts, cfg_int(c, "limit"), err) != AE_OK) goto out;
+    if (cli_read_prompts(pfile, &prompts, &n_prompts, config_int(c, "limit"), err) != AE_OK) goto out;
     if (tok_file_open(&cm, path, err) != AE_OK) goto out;
     if (!tok_chat_template(cm.tok)) {
         err_set(err, "%s: the model has no chat template", path);
@@ -203,14 +203,14 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     memplan plan;
     if (cli_plan(c, m, true, &plan, err) != AE_OK) goto out;
     memplan_log(&plan);
-    int32_t threads = (int32_t)cfg_int(c, "threads"), max_new = (int32_t)cfg_int(c, "max-new-tokens");
+    int32_t threads = (int32_t)config_int(c, "threads"), max_new = (int32_t)config_int(c, "max-new-tokens");
     eagle_weights weights;
-    if (eagle_weights_parse(cfg_str(c, "draft-weights"), &weights, err) != AE_OK) goto out;
+    if (eagle_weights_parse(config_str(c, "draft-weights"), &weights, err) != AE_OK) goto out;
     int32_t act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, c, m, &plan, threads, act_bits, err) != AE_OK)
         goto out;
-    drafter_config dc = {1, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, runs[0].shape, 1, SETUP_PREFILL_CHUNK, false, NULL, NULL};
+    drafter_config dc = {1, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, engine_pool(e), act_bits};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, runs[0].shape, 1, SETUP_PREFILL_CHUNK, false, NULL, NULL};
     if (draft_link_open(&link, draft, model_embedding(m), weights, &dc, err) != AE_OK ||
         draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
         goto out;
@@ -231,7 +231,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
         free(ids);
         ids = NULL;
         if (cli_user_turn_ids(cm.tok, ct, prompts[p], &ids, &n_ids, err) != AE_OK) goto out;
-        if (n_ids + max_new + ENG_MAX_TREE > plan.max_seq_len) {
+        if (n_ids + max_new + ENGINE_MAX_TREE > plan.max_seq_len) {
             err_set(err, "prompt %lld is %d tokens with its template; raise --max-seq-len (%d)", (long long)p + 1,
                     n_ids, plan.max_seq_len);
             goto out;
@@ -263,7 +263,7 @@ static int ev_run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     cJSON_AddStringToObject(o, "draft", draft);
-    cJSON_AddStringToObject(o, "draft_weights", cfg_str(c, "draft-weights"));
+    cJSON_AddStringToObject(o, "draft_weights", config_str(c, "draft-weights"));
     cJSON_AddNumberToObject(o, "prompts", (double)n_prompts);
     cJSON_AddNumberToObject(o, "max_new_tokens", max_new);
     cJSON_AddNumberToObject(o, "threads", threads);
@@ -284,7 +284,7 @@ out:
     free(logits);
     spec_free(sx);
     draft_link_close(&link);
-    eng_free(e);
+    engine_free(e);
     model_free(m);
     chat_template_free(ct);
     tok_file_close(&cm);
@@ -303,25 +303,25 @@ const cli_cmd cli_cmd_eval_draft = {
 
 /* ---- draft-logits ---------------------------------------------------- */
 
-static const cfg_option dl_opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "the head's target: .gguf file or Hugging Face directory"},
-    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
-    {"input", CFG_STRING, NULL, 0, 0, "safetensors with features F32 [n, 3H] and tokens I32 [n]"},
-    {"out", CFG_STRING, NULL, 0, 0, "safetensors to write: logits F32 [n, draft_vocab]"},
-    {"threads", CFG_INT, "1", 1, POOL_MAX_THREADS, "compute threads"},
+static const config_option dl_opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "the head's target: .gguf file or Hugging Face directory"},
+    {"draft", CONFIG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
+    {"input", CONFIG_STRING, NULL, 0, 0, "safetensors with features F32 [n, 3H] and tokens I32 [n]"},
+    {"out", CONFIG_STRING, NULL, 0, 0, "safetensors to write: logits F32 [n, draft_vocab]"},
+    {"threads", CONFIG_INT, "1", 1, POOL_MAX_THREADS, "compute threads"},
     SVC_ACT_BITS_OPTION,
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
+static int dl_run(const config *c, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    const char *path = cfg_str(c, "model"), *dir = cfg_str(c, "draft"), *in = cfg_str(c, "input"),
-               *outp = cfg_str(c, "out");
+    const char *path = config_str(c, "model"), *dir = config_str(c, "draft"), *in = config_str(c, "input"),
+               *outp = config_str(c, "out");
     if (!path || !dir || !in || !outp)
         return err_set(err, "--model, --draft, --input and --out are all needed"), CLI_EXIT_USAGE;
     model *m = NULL;
     eagle_head *h = NULL;
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     kv_cache *kv = NULL;
     pool *p = NULL;
     kn_stream *s = NULL;
@@ -332,8 +332,8 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
     int32_t act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK || model_load(&m, path, &kn_backend_cpu, err) != AE_OK) goto out;
     eagle_target t = model_embedding(m);
-    if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_FILE, err) != AE_OK || st_open(&f, in, err) != AE_OK) goto out;
-    const st_tensor *tf = st_find(f, "features"), *tt = st_find(f, "tokens");
+    if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_FILE, err) != AE_OK || safetensors_open(&f, in, err) != AE_OK) goto out;
+    const safetensors_tensor *tf = safetensors_find(f, "features"), *tt = safetensors_find(f, "tokens");
     int32_t H = m->cfg.hidden, Vd = h->cfg.draft_vocab;
     if (!tf || !tt || tt->n_dims != 1 || tf->n_dims != 2 || tf->shape[1] != (uint64_t)(3 * H) ||
         tf->shape[0] != tt->shape[0] || tt->shape[0] < 1 || tt->shape[0] > 4096) {
@@ -354,8 +354,8 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
         err_set(err, "out of memory");
         goto out;
     }
-    if (st_tensor_to_f32(tf, feat, (uint64_t)n * (uint64_t)(3 * H), err) != AE_OK ||
-        st_tensor_to_i32(tt, tokens, (uint64_t)n, err) != AE_OK)
+    if (safetensors_tensor_to_f32(tf, feat, (uint64_t)n * (uint64_t)(3 * H), err) != AE_OK ||
+        safetensors_tensor_to_i32(tt, tokens, (uint64_t)n, err) != AE_OK)
         goto out;
     for (int32_t i = 0; i < n; i++)
         if (tokens[i] < 0 || tokens[i] >= m->cfg.vocab) {
@@ -364,7 +364,7 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
         }
     kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, (n + 15) / 16, 1, (n + 15) / 16, false};
     int32_t seq;
-    if (kv_init(&kv, &kn_backend_cpu, &kp, err) != AE_OK || pool_init(&p, (int)cfg_int(c, "threads"), err) != AE_OK ||
+    if (kv_init(&kv, &kn_backend_cpu, &kp, err) != AE_OK || pool_init(&p, (int)config_int(c, "threads"), err) != AE_OK ||
         kn_stream_init(&s, &kn_backend_cpu, &(kn_stream_config){p, eagle_stream_workspace(h, n, n)}, err) != AE_OK ||
         eagle_ws_init(&ws, h, n, err) != AE_OK || kv_seq_alloc(kv, &seq, err) != AE_OK ||
         kv_seq_reserve(kv, seq, n, err) != AE_OK)
@@ -381,8 +381,8 @@ static int dl_run(const cfg *c, int argc, char **argv, ae_error *err) {
     eagle_batch b = {n, tokens, feat, 3 * H, pos, &map, hidden, n, rows, logits};
     kn_kv_pool layer = kv_layer(kv, 0);
     eagle_forward(h, s, &layer, ws, &b);
-    st_out o = {"logits", ST_F32, 2, {(uint64_t)n, (uint64_t)Vd}, logits};
-    if (st_write(outp, &o, 1, NULL, 0, err) != AE_OK) goto out;
+    safetensors_out o = {"logits", SAFETENSORS_F32, 2, {(uint64_t)n, (uint64_t)Vd}, logits};
+    if (safetensors_write(outp, &o, 1, NULL, 0, err) != AE_OK) goto out;
     rc = 0;
 out:
     free(feat);
@@ -398,7 +398,7 @@ out:
     kn_stream_free(s);
     pool_free(p);
     kv_free(kv);
-    st_close(f);
+    safetensors_close(f);
     eagle_free(h);
     model_free(m);
     return rc;

@@ -15,49 +15,49 @@
 #include "cli.h"
 #include "plan.h"
 
-static const cfg_option opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
-    {"prompt", CFG_STRING, NULL, 0, 0, "the prompt (with --chat: a JSON list of {role, content})"},
-    {"chat", CFG_BOOL, "false", 0, 0, "render the prompt with the model's chat template"},
-    {"max-tokens", CFG_INT, "128", 1, 1 << 20, "tokens to generate at most"},
-    {"temperature", CFG_DOUBLE, "0", 0, 100, "0 = greedy"},
-    {"top-k", CFG_INT, "0", 0, 1 << 24, "keep the k most likely tokens (0 = off)"},
-    {"top-p", CFG_DOUBLE, "1", 0, 1, "keep the smallest set with this much probability (1 = off)"},
-    {"min-p", CFG_DOUBLE, "0", 0, 1, "drop tokens below this fraction of the top one (0 = off)"},
-    {"seed", CFG_INT, "0", 0, 9007199254740991.0, "random seed of the sampler"},
-    {"ids", CFG_BOOL, "false", 0, 0, "print the generated ids as JSON instead of text"},
-    {"stats", CFG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
-    {"ignore-eos", CFG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+static const config_option opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"prompt", CONFIG_STRING, NULL, 0, 0, "the prompt (with --chat: a JSON list of {role, content})"},
+    {"chat", CONFIG_BOOL, "false", 0, 0, "render the prompt with the model's chat template"},
+    {"max-tokens", CONFIG_INT, "128", 1, 1 << 20, "tokens to generate at most"},
+    {"temperature", CONFIG_DOUBLE, "0", 0, 100, "0 = greedy"},
+    {"top-k", CONFIG_INT, "0", 0, 1 << 24, "keep the k most likely tokens (0 = off)"},
+    {"top-p", CONFIG_DOUBLE, "1", 0, 1, "keep the smallest set with this much probability (1 = off)"},
+    {"min-p", CONFIG_DOUBLE, "0", 0, 1, "drop tokens below this fraction of the top one (0 = off)"},
+    {"seed", CONFIG_INT, "0", 0, 9007199254740991.0, "random seed of the sampler"},
+    {"ids", CONFIG_BOOL, "false", 0, 0, "print the generated ids as JSON instead of text"},
+    {"stats", CONFIG_BOOL, "false", 0, 0, "print one JSON line of figures on stderr"},
+    {"ignore-eos", CONFIG_BOOL, "false", 0, 0, "keep generating past the end-of-sequence token"},
+    {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
     SETUP_TP_OPTION,
     SETUP_ALLREDUCE_OPTION,
     SETUP_TP_DEVICES_OPTION,
     DRAFT_LINK_AUTO_OPTIONS,
-    {"spec-adaptive", CFG_BOOL, "true", 0, 0,
+    {"spec-adaptive", CONFIG_BOOL, "true", 0, 0,
      "greedy decoding picks each step's tree (or none) within the spec-* bounds by measured cost and acceptance "
      "(target/policy.h); off or sampling: always the spec-* tree"},
     /* The memory plan's settings (target/memplan.h), with defaults for one
      * sequence. */
-    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,
+    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0,
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
-    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
-    {"max-batch", CFG_INT, "1", 1, 4096, "sequences in flight at once"},
-    {"max-seq-len", CFG_INT, "auto", 1, 16777216,
+    {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
+    {"max-batch", CONFIG_INT, "1", 1, 4096, "sequences in flight at once"},
+    {"max-seq-len", CONFIG_INT, "auto", 1, 16777216,
      "longest sequence in tokens (auto: the model's context length)"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-static int resolve(cfg *c, ae_error *err) { return cli_resolve_engine(c, true, err); }
+static int resolve(config *c, ae_error *err) { return cli_resolve_engine(c, true, err); }
 
 /* The prompt's ids, rendered with the chat template when asked. */
-static int prompt_ids(const cfg *c, const tok *t, int32_t **ids, size_t *n, ae_error *err) {
-    const char *text = cfg_str(c, "prompt");
+static int prompt_ids(const config *c, const tok *t, int32_t **ids, size_t *n, ae_error *err) {
+    const char *text = config_str(c, "prompt");
     if (!text) return err_set(err, "no prompt given (use --prompt TEXT)");
     char *rendered = NULL;
     size_t len = strlen(text);
     int flags = TOK_ADD_BOS | TOK_PARSE_SPECIAL;
-    if (cfg_bool(c, "chat")) {
+    if (config_bool(c, "chat")) {
         chat_template *ct = NULL;
         chat_msg *msgs = NULL;
         size_t nm = 0;
@@ -106,26 +106,26 @@ static bool emit(emitter *em, int32_t token, int *rc, ae_error *err) {
 }
 
 /* Plain decoding: prefill the whole prompt, then one token per pass. */
-static int decode_plain(eng *e, int32_t seq, const int32_t *ids, int32_t n_prompt, sampler *smp,
+static int decode_plain(engine *e, int32_t seq, const int32_t *ids, int32_t n_prompt, sample_state *smp,
                         const sample_params *sp, const sample_rng *rng, emitter *em, double *t_prefill, double *t_decode,
                         ae_error *err) {
-    float *logits = malloc(sizeof(float) * (size_t)eng_model(e)->cfg.vocab);
+    float *logits = malloc(sizeof(float) * (size_t)engine_model(e)->cfg.vocab);
     if (!logits) return err_set(err, "out of memory");
     int rc = AE_OK;
     double t0 = clock_mono_seconds();
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
         int32_t k = n_prompt - done < SETUP_PREFILL_CHUNK ? n_prompt - done : SETUP_PREFILL_CHUNK;
-        eng_item it = {seq, ENG_APPEND, k, ids + done, NULL, false};
-        rc = eng_step(e, &it, 1, logits, NULL, err);
+        engine_item it = {seq, ENGINE_APPEND, k, ids + done, NULL, false};
+        rc = engine_step(e, &it, 1, logits, NULL, err);
         done += k;
     }
     *t_prefill = clock_mono_seconds() - t0;
     t0 = clock_mono_seconds();
     while (rc == AE_OK) {
-        int32_t next = sample_token(smp, logits, sp, rng, eng_seq_len(e, seq)); /* its position */
+        int32_t next = sample_token(smp, logits, sp, rng, engine_seq_len(e, seq)); /* its position */
         if (!emit(em, next, &rc, err)) break;
-        eng_item it = {seq, ENG_APPEND, 1, &next, NULL, false};
-        rc = eng_step(e, &it, 1, logits, NULL, err);
+        engine_item it = {seq, ENGINE_APPEND, 1, &next, NULL, false};
+        rc = engine_step(e, &it, 1, logits, NULL, err);
     }
     *t_decode = clock_mono_seconds() - t0;
     free(logits);
@@ -151,26 +151,26 @@ static int decode_spec(spec *sx, int32_t seq, const int32_t *ids, int32_t n_prom
     return rc;
 }
 
-static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
-    cfg *c = (cfg *)cc; /* resolve() has replaced every auto value */
+static int run(const config *cc, int argc, char **argv, ae_error *err) {
+    config *c = (config *)cc; /* resolve() has replaced every auto value */
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     tok_file cm = {0};
     model *m = NULL;
-    eng *e = NULL;
-    sampler *smp = NULL;
+    engine *e = NULL;
+    sample_state *smp = NULL;
     spec *sx = NULL;
     draft_link link = {0};
     emitter em = {0};
     int32_t *ids = NULL;
     size_t n_prompt = 0;
     int rc = CLI_EXIT_USAGE;
-    const char *path = cfg_str(c, "model"), *draft = eagle_dir(c);
+    const char *path = config_str(c, "model"), *draft = eagle_dir(c);
     if (tok_file_open(&cm, path, err) != AE_OK) goto out;
     if (prompt_ids(c, cm.tok, &ids, &n_prompt, err) != AE_OK) goto out;
     double t_load = clock_mono_seconds();
     if (model_load(&m, path, &kn_backend_cpu, err) != AE_OK) goto out;
     t_load = clock_mono_seconds() - t_load;
-    int32_t max_new = (int32_t)cfg_int(c, "max-tokens");
+    int32_t max_new = (int32_t)config_int(c, "max-tokens");
     if ((int64_t)n_prompt + max_new > m->cfg.context_length) {
         err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds the model's context of %d", n_prompt,
                 max_new, m->cfg.context_length);
@@ -185,7 +185,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
                 plan.max_seq_len);
         goto out;
     }
-    int32_t threads = (int32_t)cfg_int(c, "threads"), act_bits;
+    int32_t threads = (int32_t)config_int(c, "threads"), act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, c, m, &plan, threads, act_bits, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
         detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
@@ -193,12 +193,12 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     eagle_weights weights;
     if (draft_link_settings(c, &shape, &weights, err) != AE_OK) goto out;
     if (draft) {
-        drafter_config dc = {plan.max_batch, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, eng_pool(e), act_bits};
+        drafter_config dc = {plan.max_batch, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, engine_pool(e), act_bits};
         /* Greedy and sampled output alike are the same whatever tree a
          * step drafts (sampled draws are keyed by seed and position), so
          * the policy may choose freely. */
-        bool adaptive = cfg_bool(c, "spec-adaptive");
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, plan.max_batch, SETUP_PREFILL_CHUNK, adaptive, NULL, NULL};
+        bool adaptive = config_bool(c, "spec-adaptive");
+        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape, plan.max_batch, SETUP_PREFILL_CHUNK, adaptive, NULL, NULL};
         if (draft_link_open(&link, draft, model_embedding(m), weights, &dc, err) != AE_OK ||
             draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
             goto out;
@@ -211,16 +211,16 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
     }
     em.max = max_new;
     em.eos = tok_eos(cm.tok);
-    em.as_ids = cfg_bool(c, "ids");
-    em.ignore_eos = cfg_bool(c, "ignore-eos");
+    em.as_ids = config_bool(c, "ids");
+    em.ignore_eos = config_bool(c, "ignore-eos");
     LOG_INFOF("generate model=%s draft=%s prompt_tokens=%zu max_tokens=%d threads=%d simd=%s", path,
               draft ? draft : "none", n_prompt, max_new, threads, kn_cpu_simd());
-    sample_params sp = {(float)cfg_double(c, "temperature"), (int32_t)cfg_int(c, "top-k"),
-                        (float)cfg_double(c, "top-p"), (float)cfg_double(c, "min-p")};
+    sample_params sp = {(float)config_double(c, "temperature"), (int32_t)config_int(c, "top-k"),
+                        (float)config_double(c, "top-p"), (float)config_double(c, "min-p")};
     sample_rng rng;
-    sample_rng_seed(&rng, (uint64_t)cfg_int(c, "seed"));
+    sample_rng_seed(&rng, (uint64_t)config_int(c, "seed"));
     int32_t seq;
-    if (eng_seq_new(e, &seq, err) != AE_OK) goto out;
+    if (engine_seq_new(e, &seq, err) != AE_OK) goto out;
     double t_prefill = 0, t_decode = 0;
     int drc = sx ? decode_spec(sx, seq, ids, (int32_t)n_prompt, &sp, &rng, &em, &t_prefill, &t_decode, err)
                  : decode_plain(e, seq, ids, (int32_t)n_prompt, smp, &sp, &rng, &em, &t_prefill, &t_decode, err);
@@ -232,7 +232,7 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         putchar('\n');
     }
     fflush(stdout); /* the text before the stats line on a shared terminal */
-    if (cfg_bool(c, "stats")) {
+    if (config_bool(c, "stats")) {
         /* Decode tok/s counts the tokens the decode loop produced: plain
          * decoding's first token comes from the prefill pass, speculative
          * decoding's from its first verify step. */
@@ -253,9 +253,9 @@ static int run(const cfg *cc, int argc, char **argv, ae_error *err) {
         cJSON_AddBoolToObject(o, "speculation", sx != NULL);
         /* The allreduces of the last pass (a decode pass, or the last
          * verify pass), and over the run: rank 0's, 0 at one rank. */
-        eng_comm_stats cs = eng_get_comm_stats(e);
-        cJSON_AddNumberToObject(o, "tp", eng_tp(e));
-        cJSON_AddStringToObject(o, "allreduce", eng_tp(e) > 1 ? kn_allreduce_name(eng_allreduce(e)) : "none");
+        engine_comm_stats cs = engine_get_comm_stats(e);
+        cJSON_AddNumberToObject(o, "tp", engine_tp(e));
+        cJSON_AddStringToObject(o, "allreduce", engine_tp(e) > 1 ? kn_allreduce_name(engine_allreduce(e)) : "none");
         cJSON_AddNumberToObject(o, "allreduces_per_step", (double)cs.last.calls);
         cJSON_AddNumberToObject(o, "allreduce_bytes_per_step", (double)cs.last.bytes);
         cJSON_AddNumberToObject(o, "allreduce_tokens_per_step", cs.last_tokens);
@@ -286,7 +286,7 @@ out:
     spec_free(sx);
     draft_link_close(&link);
     sample_free(smp);
-    eng_free(e);
+    engine_free(e);
     model_free(m);
     tok_file_close(&cm);
     return rc;

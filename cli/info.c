@@ -13,10 +13,10 @@
 #include "../services/tokenizer/chat.h"
 #include "cli.h"
 
-static const cfg_option opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: a .gguf file or a Hugging Face directory"},
-    {"json", CFG_BOOL, "false", 0, 0, "print one JSON object instead of text"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+static const config_option opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: a .gguf file or a Hugging Face directory"},
+    {"json", CONFIG_BOOL, "false", 0, 0, "print one JSON object instead of text"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
 /* Architecture key "<arch>.<suffix>" as an integer, or -1 when absent. */
@@ -75,7 +75,7 @@ static void add_tensor_stats(cJSON *o, uint64_t n_tensors, uint64_t params, uint
     }
 }
 
-static const char *st_name(uint32_t d) { return st_dtype_name((st_dtype)d); }
+static const char *st_name(uint32_t d) { return safetensors_dtype_name((safetensors_dtype)d); }
 
 /* The tokenizer's fields, shared by GGUF and Hugging Face models. */
 static void add_tokenizer(cJSON *tk, const tok *t) {
@@ -178,23 +178,23 @@ static cJSON *describe(const gguf_file *f, const tok *t, const char *tok_err, ae
  * tokenizer.json when present. */
 static cJSON *describe_hf(const char *dir, ae_error *err) {
     char path[4096];
-    hfcfg hc;
-    st_model *sm = NULL;
+    hfconfig hc;
+    safetensors_model *sm = NULL;
     tok *t = NULL;
     snprintf(path, sizeof path, "%s/config.json", dir);
-    if (hfcfg_load(&hc, path, err) != AE_OK) return NULL;
-    if (st_model_open(&sm, dir, err) != AE_OK) return NULL;
+    if (hfconfig_load(&hc, path, err) != AE_OK) return NULL;
+    if (safetensors_model_open(&sm, dir, err) != AE_OK) return NULL;
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     struct stat st;
     if (stat(path, &st) == 0 && tok_load_json(&t, path, err) != AE_OK) {
-        st_model_close(sm);
+        safetensors_model_close(sm);
         return NULL;
     }
 
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "path", dir);
     cJSON_AddStringToObject(o, "format", "safetensors");
-    cJSON_AddNumberToObject(o, "files", (double)st_model_n_files(sm));
+    cJSON_AddNumberToObject(o, "files", (double)safetensors_model_n_files(sm));
     cJSON_AddStringToObject(o, "architecture", hc.model_type);
     add_int(o, "layers", hc.num_hidden_layers);
     add_int(o, "hidden_size", hc.hidden_size);
@@ -208,18 +208,18 @@ static cJSON *describe_hf(const char *dir, ae_error *err) {
     cJSON_AddNumberToObject(o, "rms_norm_eps", hc.rms_norm_eps);
     if (hc.draft_vocab_size > 0) add_int(o, "draft_vocab_size", hc.draft_vocab_size);
 
-    uint64_t count[ST_DTYPE_COUNT] = {0}, bytes[ST_DTYPE_COUNT] = {0}, params = 0, total = 0;
-    for (size_t i = 0; i < st_model_count(sm); i++) {
-        const st_tensor *tt = st_model_tensor_at(sm, i);
+    uint64_t count[SAFETENSORS_DTYPE_COUNT] = {0}, bytes[SAFETENSORS_DTYPE_COUNT] = {0}, params = 0, total = 0;
+    for (size_t i = 0; i < safetensors_model_count(sm); i++) {
+        const safetensors_tensor *tt = safetensors_model_tensor_at(sm, i);
         count[tt->dtype]++;
         bytes[tt->dtype] += tt->n_bytes;
         params += tt->n_elements;
         total += tt->n_bytes;
     }
-    add_tensor_stats(o, st_model_count(sm), params, total, count, bytes, ST_DTYPE_COUNT, st_name);
+    add_tensor_stats(o, safetensors_model_count(sm), params, total, count, bytes, SAFETENSORS_DTYPE_COUNT, st_name);
     add_tokenizer(cJSON_AddObjectToObject(o, "tokenizer"), t);
     tok_free(t);
-    st_model_close(sm);
+    safetensors_model_close(sm);
     return o;
 }
 
@@ -248,9 +248,9 @@ static void print_text(const cJSON *o) {
     putchar('\n');
 }
 
-static int run(const cfg *c, int argc, char **argv, ae_error *err) {
+static int run(const config *c, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    const char *path = cfg_str(c, "model");
+    const char *path = config_str(c, "model");
     tok_file m = {0};
     cJSON *o = NULL;
     struct stat st;
@@ -270,7 +270,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
             return CLI_EXIT_USAGE;
         }
     }
-    if (cfg_bool(c, "json")) {
+    if (config_bool(c, "json")) {
         char *s = cJSON_PrintUnformatted(o);
         puts(s ? s : "{}");
         free(s);

@@ -41,9 +41,9 @@ static void usage(FILE *out) {
                  "with --config; `--print-config` shows each value and its source.\n");
 }
 
-static void command_usage(const cli_cmd *cmd, const cfg *c) {
+static void command_usage(const cli_cmd *cmd, const config *c) {
     printf("usage: aerie %s [options] %s\n%s\n\noptions:\n", cmd->name, cmd->args, cmd->summary);
-    char *u = cfg_usage(c);
+    char *u = config_usage(c);
     if (u) fputs(u, stdout);
     free(u);
     printf("  --%-16s %s\n  --%-16s %s\n", "config FILE", "JSON file of settings",
@@ -87,11 +87,11 @@ int main(int argc, char **argv) {
     }
 
     ae_error err = {0};
-    cfg *c = NULL;
+    config *c = NULL;
     char **pos = calloc((size_t)argc, sizeof *pos);
     int npos = 0, rc = CLI_EXIT_USAGE;
     bool print_config = false;
-    if (!pos || cfg_init(&c, cmd->opts, cmd->n_opts, &err) != AE_OK) goto out;
+    if (!pos || config_init(&c, cmd->opts, cmd->n_opts, &err) != AE_OK) goto out;
     for (int i = 2; i < argc; i++) {
         if (!strcmp(argv[i], "--")) break;
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -100,8 +100,8 @@ int main(int argc, char **argv) {
             goto out;
         }
     }
-    if (cfg_load(c, argc - 2, argv + 2, environ, pos, &npos, &print_config, &err) != AE_OK) goto out;
-    const char *level = cfg_str(c, "log-level");
+    if (config_load(c, argc - 2, argv + 2, environ, pos, &npos, &print_config, &err) != AE_OK) goto out;
+    const char *level = config_str(c, "log-level");
     log_level lv;
     if (!log_level_parse(level, &lv)) {
         err_set(&err, "log-level: expected debug, info, warn, error or off, got \"%s\"", level);
@@ -110,17 +110,17 @@ int main(int argc, char **argv) {
     log_set_level(lv);
     if (cmd->resolve && cmd->resolve(c, &err) != AE_OK) goto out;
     if (print_config) {
-        char *json = cfg_to_json(c);
+        char *json = config_to_json(c);
         if (json) puts(json);
         free(json);
         rc = 0;
         goto out;
     }
-    cfg_log(c, cmd->name);
+    config_log(c, cmd->name);
     rc = cmd->run(c, npos, pos, &err);
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie %s: %s\n", cmd->name, err.msg);
-    cfg_free(c);
+    config_free(c);
     free(pos);
     return rc;
 }

@@ -18,13 +18,13 @@
 #include "../services/model/quant.h"
 #include "cli.h"
 
-static const cfg_option opts[] = {
-    {"shape", CFG_STRING, "llama-3.1-8b", 0, 0, "llama-3.1-8b or smollm2-135m"},
-    {"type", CFG_STRING, "q4_0", 0, 0, "weight matrices: bf16, f16, f32, q8_0, q4_0 or q4_1"},
-    {"layers", CFG_INT, "0", 0, 1024, "blocks (0: the shape's)"},
-    {"vocab", CFG_INT, "0", 0, 1 << 24, "vocabulary (0: the shape's)"},
-    {"out", CFG_STRING, NULL, 0, 0, "the .gguf file to write"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+static const config_option opts[] = {
+    {"shape", CONFIG_STRING, "llama-3.1-8b", 0, 0, "llama-3.1-8b or smollm2-135m"},
+    {"type", CONFIG_STRING, "q4_0", 0, 0, "weight matrices: bf16, f16, f32, q8_0, q4_0 or q4_1"},
+    {"layers", CONFIG_INT, "0", 0, 1024, "blocks (0: the shape's)"},
+    {"vocab", CONFIG_INT, "0", 0, 1 << 24, "vocabulary (0: the shape's)"},
+    {"out", CONFIG_STRING, NULL, 0, 0, "the .gguf file to write"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
 typedef struct shape {
@@ -153,19 +153,19 @@ static int parse_type(const char *s, ggml_type *t, ae_error *err) {
     return err_set(err, "--type %s: expected bf16, f16, f32, q8_0, q4_0 or q4_1", s);
 }
 
-static int run(const cfg *c, int argc, char **argv, ae_error *err) {
+static int run(const config *c, int argc, char **argv, ae_error *err) {
     (void)argc, (void)argv;
-    const char *path = cfg_str(c, "out"), *sname = cfg_str(c, "shape");
+    const char *path = config_str(c, "out"), *sname = config_str(c, "shape");
     if (!path) return err_set(err, "no output given (use --out FILE)"), CLI_EXIT_USAGE;
     const shape *sh = NULL;
     for (size_t i = 0; i < sizeof SHAPES / sizeof SHAPES[0]; i++)
         if (!strcmp(sname, SHAPES[i].name)) sh = &SHAPES[i];
     if (!sh) return err_set(err, "--shape %s: expected llama-3.1-8b or smollm2-135m", sname), CLI_EXIT_USAGE;
     ggml_type type = GGML_TYPE_Q4_0;
-    if (parse_type(cfg_str(c, "type"), &type, err) != AE_OK) return CLI_EXIT_USAGE;
+    if (parse_type(config_str(c, "type"), &type, err) != AE_OK) return CLI_EXIT_USAGE;
     shape s = *sh;
-    if (cfg_int(c, "layers") > 0) s.layers = cfg_int(c, "layers");
-    if (cfg_int(c, "vocab") > 0) s.vocab = cfg_int(c, "vocab");
+    if (config_int(c, "layers") > 0) s.layers = config_int(c, "layers");
+    if (config_int(c, "vocab") > 0) s.vocab = config_int(c, "vocab");
     int64_t hd = s.hidden / s.heads;
 
     /* the tensors, in file order */
@@ -208,7 +208,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     }
     w.pool = pool;
     char name[96];
-    snprintf(name, sizeof name, "random %s (%s)", s.name, cfg_str(c, "type"));
+    snprintf(name, sizeof name, "random %s (%s)", s.name, config_str(c, "type"));
     if (put(&w, "GGUF", 4, err) || put_u32(&w, 3, err) || put_u64(&w, (uint64_t)n_t, err) ||
         put_u64(&w, 11, err) || kv_str(&w, "general.architecture", "llama", err) ||
         kv_str(&w, "general.name", name, err) || kv_u32(&w, "llama.block_count", (uint32_t)s.layers, err) ||
@@ -243,7 +243,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     w.f = NULL;
     printf("{\"out\":\"%s\",\"shape\":\"%s\",\"type\":\"%s\",\"layers\":%" PRId64 ",\"vocab\":%" PRId64
            ",\"weight_bytes\":%" PRIu64 ",\"file_bytes\":%" PRIu64 "}\n",
-           path, s.name, cfg_str(c, "type"), s.layers, s.vocab, total, w.written);
+           path, s.name, config_str(c, "type"), s.layers, s.vocab, total, w.written);
     rc = 0;
 out:
     if (w.f) fclose(w.f);

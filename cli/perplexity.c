@@ -27,35 +27,35 @@
 #define PPL_TEXT_MAX ((size_t)256 << 20)
 #define PROGRESS_SECONDS 5.0
 
-static const cfg_option opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
-    {"file", CFG_STRING, NULL, 0, 0, "the text to score (UTF-8)"},
-    {"ctx", CFG_INT, "512", PPL_MIN_CTX, 1 << 20, "tokens in a window; its second half is scored"},
-    {"kl-base", CFG_STRING, NULL, 0, 0, "reference log-probabilities (tools/gen_ppl_base.py) to compare with"},
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
+static const config_option opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
+    {"file", CONFIG_STRING, NULL, 0, 0, "the text to score (UTF-8)"},
+    {"ctx", CONFIG_INT, "512", PPL_MIN_CTX, 1 << 20, "tokens in a window; its second half is scored"},
+    {"kl-base", CONFIG_STRING, NULL, 0, 0, "reference log-probabilities (tools/gen_ppl_base.py) to compare with"},
+    {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
     SVC_ACT_BITS_OPTION,
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-static int resolve(cfg *c, ae_error *err) {
-    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+static int resolve(config *c, ae_error *err) {
+    if (config_is_auto(c, "threads")) config_set_auto_int(c, "threads", pool_cpu_count());
     return AE_OK;
 }
 
 /* The engine for one window at a time. Every engine setting of the run is
  * decided here, from the command's settings. */
-static eng_config engine_config(const cfg *c, int32_t ctx, int32_t act_bits) {
+static engine_config window_engine_config(const config *c, int32_t ctx, int32_t act_bits) {
     int32_t chunk = ctx < SETUP_PREFILL_CHUNK ? ctx : SETUP_PREFILL_CHUNK;
     int32_t kv = (ctx + SETUP_KV_BLOCK - 1) / SETUP_KV_BLOCK * SETUP_KV_BLOCK;
-    eng_config ec = {chunk, 1, ctx, kv, SETUP_KV_BLOCK, (int32_t)cfg_int(c, "threads"), act_bits};
+    engine_config ec = {chunk, 1, ctx, kv, SETUP_KV_BLOCK, (int32_t)config_int(c, "threads"), act_bits};
     return ec;
 }
 
 /* The text's tokens, laid out as the windows the model sees:
  * [n_windows][ctx]. */
-static int text_windows(const cfg *c, const tok *t, ppl_windows *w, int32_t **out, ae_error *err) {
+static int text_windows(const config *c, const tok *t, ppl_windows *w, int32_t **out, ae_error *err) {
     *out = NULL;
-    const char *path = cfg_str(c, "file");
+    const char *path = config_str(c, "file");
     if (!path) return err_set(err, "no text given (use --file FILE)");
     char *text = NULL;
     size_t len, n = 0;
@@ -63,7 +63,7 @@ static int text_windows(const cfg *c, const tok *t, ppl_windows *w, int32_t **ou
     int32_t *ids = malloc(sizeof *ids * (len + 1));
     int rc = ids ? tok_encode(t, text, len, 0, ids, len + 1, &n, err) : err_set(err, "out of memory");
     free(text);
-    if (rc == AE_OK && ppl_windows_plan((int64_t)n, (int32_t)cfg_int(c, "ctx"), w, err) != AE_OK) {
+    if (rc == AE_OK && ppl_windows_plan((int64_t)n, (int32_t)config_int(c, "ctx"), w, err) != AE_OK) {
         err_prefix(err, "%s: ", path);
         rc = AE_ERR;
     }
@@ -79,17 +79,17 @@ static int text_windows(const cfg *c, const tok *t, ppl_windows *w, int32_t **ou
 
 /* Evaluates one window from an empty sequence and scores its second
  * half. logits: [chunk][vocab]. */
-static int score_window(eng *e, const int32_t *win, const ppl_windows *w, int32_t window, const ppl_base *base,
+static int score_window(engine *e, const int32_t *win, const ppl_windows *w, int32_t window, const ppl_base *base,
                         ppl_scorer *sc, float *logits, ae_error *err) {
-    int32_t seq, vocab = eng_model(e)->cfg.vocab, chunk = eng_get_config(e)->max_batch_tokens;
-    if (eng_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
+    int32_t seq, vocab = engine_model(e)->cfg.vocab, chunk = engine_get_config(e)->max_batch_tokens;
+    if (engine_seq_new(e, &seq, err) != AE_OK) return AE_ERR;
     int rc = AE_OK;
     for (int32_t done = 0; done < w->ctx - 1 && rc == AE_OK;) {
         /* The last token is never a prediction's context: it is only
          * predicted. */
         int32_t k = w->ctx - 1 - done < chunk ? w->ctx - 1 - done : chunk;
-        eng_item it = {seq, ENG_APPEND, k, win + done, NULL, true};
-        if ((rc = eng_step(e, &it, 1, logits, NULL, err)) != AE_OK) break;
+        engine_item it = {seq, ENGINE_APPEND, k, win + done, NULL, true};
+        if ((rc = engine_step(e, &it, 1, logits, NULL, err)) != AE_OK) break;
         for (int32_t j = 0; j < k && rc == AE_OK; j++) {
             int32_t pos = done + j;
             if (pos < w->first) continue;
@@ -99,23 +99,23 @@ static int score_window(eng *e, const int32_t *win, const ppl_windows *w, int32_
         }
         done += k;
     }
-    eng_seq_free(e, seq);
+    engine_seq_free(e, seq);
     return rc;
 }
 
-static int run(const cfg *c, int argc, char **argv, ae_error *err) {
+static int run(const config *c, int argc, char **argv, ae_error *err) {
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
     double t_start = clock_mono_seconds();
     tok_file cm = {0};
     model *m = NULL;
-    eng *e = NULL;
+    engine *e = NULL;
     ppl_base *base = NULL;
     ppl_scorer *sc = NULL;
     int32_t *tokens = NULL;
     float *logits = NULL;
     int rc = CLI_EXIT_USAGE;
     ppl_windows w;
-    const char *path = cfg_str(c, "model"), *base_path = cfg_str(c, "kl-base");
+    const char *path = config_str(c, "model"), *base_path = config_str(c, "kl-base");
     if (tok_file_open(&cm, path, err) != AE_OK || text_windows(c, cm.tok, &w, &tokens, err) != AE_OK) goto out;
     if (base_path && (ppl_base_open(&base, base_path, err) != AE_OK ||
                       ppl_base_check(base, &w, tok_vocab_size(cm.tok), tokens, err) != AE_OK)) {
@@ -129,8 +129,8 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
     }
     int32_t act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK) goto out;
-    eng_config ec = engine_config(c, w.ctx, act_bits);
-    if (eng_init(&e, m, &ec, err) != AE_OK ||
+    engine_config ec = window_engine_config(c, w.ctx, act_bits);
+    if (engine_init(&e, m, &ec, err) != AE_OK ||
         ppl_scorer_init(&sc, m->cfg.vocab, (int64_t)w.n_windows * w.scored, err) != AE_OK)
         goto out;
     logits = malloc(sizeof *logits * (size_t)ec.max_batch_tokens * (size_t)m->cfg.vocab);
@@ -139,7 +139,7 @@ static int run(const cfg *c, int argc, char **argv, ae_error *err) {
         goto out;
     }
     LOG_INFOF("perplexity model=%s file=%s ctx=%d windows=%d scored=%lld threads=%d simd=%s", path,
-              cfg_str(c, "file"), w.ctx, w.n_windows, (long long)w.n_windows * w.scored, ec.threads, kn_cpu_simd());
+              config_str(c, "file"), w.ctx, w.n_windows, (long long)w.n_windows * w.scored, ec.threads, kn_cpu_simd());
     double t_eval = clock_mono_seconds(), t_shown = t_eval;
     for (int32_t i = 0; i < w.n_windows; i++) {
         if (score_window(e, tokens + (size_t)i * (size_t)w.ctx, &w, i, base, sc, logits, err) != AE_OK) goto out;
@@ -178,7 +178,7 @@ out:
     free(tokens);
     ppl_scorer_free(sc);
     ppl_base_close(base);
-    eng_free(e);
+    engine_free(e);
     model_free(m);
     tok_file_close(&cm);
     return rc;

@@ -5,7 +5,7 @@
 
 /* Bytes the head and its drafter add to the plan (0 without --draft):
  * its weights, and its KV, workspace and trees. */
-static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64_t *weights, uint64_t *work,
+static int draft_bytes(const config *c, const model *m, int32_t max_seq_len, uint64_t *weights, uint64_t *work,
                        ae_error *err) {
     *weights = *work = 0;
     const char *dir = eagle_dir(c);
@@ -13,12 +13,12 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
     eagle_head *h;
     eagle_target t = model_embedding(m);
     eagle_weights held_as;
-    if (eagle_weights_parse(cfg_str(c, "draft-weights"), &held_as, err) != AE_OK ||
+    if (eagle_weights_parse(config_str(c, "draft-weights"), &held_as, err) != AE_OK ||
         eagle_load(&h, dir, &t, held_as, err) != AE_OK)
         return AE_ERR;
-    int32_t max_batch = (int32_t)cfg_int(c, "max-batch");
+    int32_t max_batch = (int32_t)config_int(c, "max-batch");
     drafter_config dc = {max_batch, max_seq_len, SETUP_PREFILL_CHUNK, 1, NULL, 0};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, SETUP_PREFILL_CHUNK, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, SETUP_PREFILL_CHUNK, false, NULL, NULL};
     *weights = h->weight_bytes;
     *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
     LOG_INFOF("draft head=%s weights=%zu drafter_and_trees=%llu (counted in the memory plan as weights and "
@@ -27,17 +27,17 @@ static int draft_bytes(const cfg *c, const model *m, int32_t max_seq_len, uint64
     return AE_OK;
 }
 
-int cli_plan(cfg *c, const model *m, bool draft, memplan *plan, ae_error *err) {
+int cli_plan(config *c, const model *m, bool draft, memplan *plan, ae_error *err) {
     uint64_t dw = 0, dx = 0;
-    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
-    if (draft && draft_bytes(c, m, (int32_t)cfg_int(c, "max-seq-len"), &dw, &dx, err) != AE_OK) return AE_ERR;
+    if (config_is_auto(c, "max-seq-len")) config_set_auto_int(c, "max-seq-len", m->cfg.context_length);
+    if (draft && draft_bytes(c, m, (int32_t)config_int(c, "max-seq-len"), &dw, &dx, err) != AE_OK) return AE_ERR;
     return setup_plan(c, m, dw, dx, plan, err);
 }
 
-int cli_resolve_engine(cfg *c, bool draft, ae_error *err) {
-    if (cfg_is_auto(c, "threads")) cfg_set_auto_int(c, "threads", pool_cpu_count());
+int cli_resolve_engine(config *c, bool draft, ae_error *err) {
+    if (config_is_auto(c, "threads")) config_set_auto_int(c, "threads", pool_cpu_count());
     if (draft) eagle_resolve_dir(c);
-    const char *path = cfg_str(c, "model");
+    const char *path = config_str(c, "model");
     if (!path) return err_set(err, "no model given (use --model FILE)");
     model *m;
     if (model_load(&m, path, &kn_backend_cpu, err) != AE_OK) return AE_ERR;

@@ -19,11 +19,11 @@
 
 /* The plan for model m; records auto values in c. With draft, a set
  * "draft" adds the head and its drafter. */
-int cli_plan(cfg *c, const model *m, bool draft, memplan *plan, ae_error *err);
+int cli_plan(config *c, const model *m, bool draft, memplan *plan, ae_error *err);
 
 /* A command's resolve step: threads, the draft head when there is a
  * "draft" setting, then the plan for c's "model". */
-int cli_resolve_engine(cfg *c, bool draft, ae_error *err);
+int cli_resolve_engine(config *c, bool draft, ae_error *err);
 
 /* Adds the speculation figures to a JSON object: the shape, steps,
  * drafted and accepted tokens, mean acceptance length, acceptance per

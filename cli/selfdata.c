@@ -52,7 +52,7 @@
 #include "../services/core/file.h"
 #include "../services/core/log.h"
 #include "../services/model/quant.h"
-#include "../services/model/st_write.h"
+#include "../services/model/safetensors_write.h"
 #include "../services/tokenizer/chat.h"
 #include "batchgen.h"
 #include "cli.h"
@@ -66,21 +66,21 @@
 typedef struct selfdata {
     tok_file cm;
     model *m;
-    eng *e;
+    engine *e;
     chat_template *ct;
     int32_t threads;
 } selfdata;
 
 static void selfdata_close(selfdata *s) {
-    eng_free(s->e);
+    engine_free(s->e);
     model_free(s->m);
     chat_template_free(s->ct);
     tok_file_close(&s->cm);
 }
 
-static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
+static int selfdata_open(selfdata *s, config *c, ae_error *err) {
     memset(s, 0, sizeof *s);
-    const char *path = cfg_str(c, "model");
+    const char *path = config_str(c, "model");
     if (tok_file_open(&s->cm, path, err) != AE_OK) return AE_ERR;
     if (!tok_chat_template(s->cm.tok)) return err_set(err, "%s: the model has no chat template", path);
     if (chat_template_init(&s->ct, tok_chat_template(s->cm.tok), err) != AE_OK) return AE_ERR;
@@ -88,7 +88,7 @@ static int selfdata_open(selfdata *s, cfg *c, ae_error *err) {
     memplan plan;
     if (cli_plan(c, s->m, false, &plan, err) != AE_OK) return AE_ERR;
     memplan_log(&plan);
-    s->threads = (int32_t)cfg_int(c, "threads");
+    s->threads = (int32_t)config_int(c, "threads");
     int32_t act_bits;
     if (svc_act_bits(c, &act_bits, err) != AE_OK) return AE_ERR;
     return setup_engine(&s->e, c, s->m, &plan, s->threads, act_bits, err);
@@ -149,32 +149,32 @@ static int write_text_file(const char *path, const char *text, size_t len, ae_er
 }
 
 #define COMMON_OPTIONS                                                                                      \
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},                       \
-    {"out", CFG_STRING, NULL, 0, 0, "output directory (created if missing)"},                               \
-    {"seed", CFG_INT, "1", 0, 9007199254740991.0, "random seed; sequence i draws from stream (seed, i)"},    \
-    {"threads", CFG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"}, \
-    {"max-batch", CFG_INT, "16", 1, 4096, "sequences generated together"},                                 \
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},                       \
+    {"out", CONFIG_STRING, NULL, 0, 0, "output directory (created if missing)"},                               \
+    {"seed", CONFIG_INT, "1", 0, 9007199254740991.0, "random seed; sequence i draws from stream (seed, i)"},    \
+    {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"}, \
+    {"max-batch", CONFIG_INT, "16", 1, 4096, "sequences generated together"},                                 \
     SVC_ACT_BITS_OPTION,                                                                                    \
-    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,                                                        \
+    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0,                                                        \
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},                      \
-    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},              \
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"}
+    {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},              \
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"}
 
 /* ---- gen-prompts ----------------------------------------------------- */
 
-static const cfg_option gp_opts[] = {
+static const config_option gp_opts[] = {
     COMMON_OPTIONS,
-    {"count", CFG_INT, "2000", 1, 1 << 24, "distinct prompts to make, held-out ones included"},
-    {"heldout", CFG_INT, "100", 0, 1 << 24, "of which the first ones go to heldout.jsonl, never trained on"},
-    {"temperature", CFG_DOUBLE, "0.9", 0.8, 100, "sampling temperature of the user turn (at least 0.8)"},
-    {"top-p", CFG_DOUBLE, "1", 0, 1, "nucleus sampling of the user turn (1 = off)"},
-    {"max-tokens", CFG_INT, "64", 2, 1 << 16, "longest user turn; longer samples are dropped"},
-    {"min-tokens", CFG_INT, "4", 1, 1 << 16, "shortest user turn kept"},
-    {"keep-cut", CFG_BOOL, "false", 0, 0, "keep user turns that reach max-tokens (cut short) instead of dropping them"},
-    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: 256 + max-tokens)"},
-    {"seeds", CFG_STRING, NULL, 0, 0,
+    {"count", CONFIG_INT, "2000", 1, 1 << 24, "distinct prompts to make, held-out ones included"},
+    {"heldout", CONFIG_INT, "100", 0, 1 << 24, "of which the first ones go to heldout.jsonl, never trained on"},
+    {"temperature", CONFIG_DOUBLE, "0.9", 0.8, 100, "sampling temperature of the user turn (at least 0.8)"},
+    {"top-p", CONFIG_DOUBLE, "1", 0, 1, "nucleus sampling of the user turn (1 = off)"},
+    {"max-tokens", CONFIG_INT, "64", 2, 1 << 16, "longest user turn; longer samples are dropped"},
+    {"min-tokens", CONFIG_INT, "4", 1, 1 << 16, "shortest user turn kept"},
+    {"keep-cut", CONFIG_BOOL, "false", 0, 0, "keep user turns that reach max-tokens (cut short) instead of dropping them"},
+    {"max-seq-len", CONFIG_INT, "auto", 1, 16777216, "longest sequence (auto: 256 + max-tokens)"},
+    {"seeds", CONFIG_STRING, NULL, 0, 0,
      "JSON lines of {\"prompt\": OPENING}: attempt i starts its user turn with opening i mod n"},
-    {"exclude", CFG_STRING, NULL, 0, 0,
+    {"exclude", CONFIG_STRING, NULL, 0, 0,
      "JSON lines of {\"prompt\": TEXT}: turns containing one of them (case and spacing aside) are dropped"},
 };
 
@@ -192,7 +192,7 @@ typedef struct gp_state {
     int64_t count, attempts, max_attempts;
     int32_t min_tokens;
     bool keep_cut;
-    bg_seq **slots;   /* by attempt index, until its turn to be judged */
+    batchgen_seq **slots;   /* by attempt index, until its turn to be judged */
     int64_t judged;   /* attempts judged, in index order */
     char **kept;      /* [count] */
     int64_t n_kept;
@@ -203,12 +203,12 @@ typedef struct gp_state {
     double t0, last_progress;
 } gp_state;
 
-static bool gp_next(void *ctx, bg_seq **out) {
+static bool gp_next(void *ctx, batchgen_seq **out) {
     gp_state *g = ctx;
     if (g->n_kept >= g->count || g->attempts >= g->max_attempts) return false;
     int64_t i = g->attempts;
     int32_t n_seed = g->n_seeds ? g->seed_len[i % g->n_seeds] : 0;
-    bg_seq *s = calloc(1, sizeof *s);
+    batchgen_seq *s = calloc(1, sizeof *s);
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(g->cap + n_seed));
     if (!s || !ids) {
         free(s);
@@ -295,7 +295,7 @@ static char *turn_text(const tok *t, const int32_t *ids, int32_t n, ae_error *er
     return text;
 }
 
-static int gp_judge(gp_state *g, bg_seq *s, ae_error *err) {
+static int gp_judge(gp_state *g, batchgen_seq *s, ae_error *err) {
     const tok *t = g->sd->cm.tok;
     /* The turn is the seed's opening and what the model wrote after it. */
     int32_t n = s->n - g->n_opener - (s->stopped ? 1 : 0);
@@ -359,11 +359,11 @@ static void gp_progress(gp_state *g, bool force) {
             g->n_kept >= g->count ? "nothing" : eta);
 }
 
-static int gp_done(void *ctx, bg_seq *s, ae_error *err) {
+static int gp_done(void *ctx, batchgen_seq *s, ae_error *err) {
     gp_state *g = ctx;
     (void)s; /* judged in index order below, so the result does not depend on timing */
     while (g->judged < g->attempts && g->slots[g->judged]->done) {
-        bg_seq *j = g->slots[g->judged];
+        batchgen_seq *j = g->slots[g->judged];
         int rc = g->n_kept < g->count ? gp_judge(g, j, err) : AE_OK;
         free(j->ids);
         free(j);
@@ -446,17 +446,17 @@ static int gp_load_exclude(gp_state *g, const char *path, ae_error *err) {
     return AE_OK;
 }
 
-static int gp_resolve(cfg *c, ae_error *err) {
-    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", 256 + cfg_int(c, "max-tokens"));
+static int gp_resolve(config *c, ae_error *err) {
+    if (config_is_auto(c, "max-seq-len")) config_set_auto_int(c, "max-seq-len", 256 + config_int(c, "max-tokens"));
     return cli_resolve_engine(c, false, err);
 }
 
-static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
-    cfg *c = (cfg *)cc;
+static int gp_run(const config *cc, int argc, char **argv, ae_error *err) {
+    config *c = (config *)cc;
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    const char *out = cfg_str(c, "out");
+    const char *out = config_str(c, "out");
     if (!out) return err_set(err, "no output directory given (use --out DIR)"), CLI_EXIT_USAGE;
-    int64_t count = cfg_int(c, "count"), heldout = cfg_int(c, "heldout");
+    int64_t count = config_int(c, "count"), heldout = config_int(c, "heldout");
     if (heldout >= count)
         return err_set(err, "--heldout %lld leaves nothing to train on out of --count %lld", (long long)heldout,
                        (long long)count),
@@ -466,24 +466,24 @@ static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     int rc = CLI_EXIT_USAGE;
     if (selfdata_open(&sd, c, err) != AE_OK || make_dir(out, err) != AE_OK) goto out;
     if (cli_user_turn_ids(sd.cm.tok, sd.ct, NULL, &g.opener, &g.n_opener, err) != AE_OK) goto out;
-    g.cap = g.n_opener + (int32_t)cfg_int(c, "max-tokens");
-    if (gp_load_seeds(&g, cfg_str(c, "seeds"), err) != AE_OK || gp_load_exclude(&g, cfg_str(c, "exclude"), err) != AE_OK)
+    g.cap = g.n_opener + (int32_t)config_int(c, "max-tokens");
+    if (gp_load_seeds(&g, config_str(c, "seeds"), err) != AE_OK || gp_load_exclude(&g, config_str(c, "exclude"), err) != AE_OK)
         goto out;
     int32_t longest_seed = 0;
     for (int64_t i = 0; i < g.n_seeds; i++)
         if (g.seed_len[i] > longest_seed) longest_seed = g.seed_len[i];
-    if (g.cap + longest_seed > cfg_int(c, "max-seq-len")) {
+    if (g.cap + longest_seed > config_int(c, "max-seq-len")) {
         err_set(err, "the template's opening (%d tokens) + the longest seed (%d) + max-tokens (%lld) exceeds "
-                "max-seq-len %lld", g.n_opener, longest_seed, (long long)cfg_int(c, "max-tokens"),
-                (long long)cfg_int(c, "max-seq-len"));
+                "max-seq-len %lld", g.n_opener, longest_seed, (long long)config_int(c, "max-tokens"),
+                (long long)config_int(c, "max-seq-len"));
         goto out;
     }
-    g.sp = (sample_params){(float)cfg_double(c, "temperature"), 0, (float)cfg_double(c, "top-p"), 0};
-    g.seed = (uint64_t)cfg_int(c, "seed");
+    g.sp = (sample_params){(float)config_double(c, "temperature"), 0, (float)config_double(c, "top-p"), 0};
+    g.seed = (uint64_t)config_int(c, "seed");
     g.count = count;
     g.max_attempts = 8 * count + 64;
-    g.min_tokens = (int32_t)cfg_int(c, "min-tokens");
-    g.keep_cut = cfg_bool(c, "keep-cut");
+    g.min_tokens = (int32_t)config_int(c, "min-tokens");
+    g.keep_cut = config_bool(c, "keep-cut");
     g.seen_cap = 1;
     while (g.seen_cap < (size_t)g.max_attempts * 2) g.seen_cap <<= 1;
     g.slots = calloc((size_t)g.max_attempts, sizeof *g.slots);
@@ -494,11 +494,11 @@ static int gp_run(const cfg *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     fprintf(stderr, "gen-prompts: sampling %lld user turns (temperature %g) after the template's opening of %d tokens\n",
-            (long long)count, cfg_double(c, "temperature"), g.n_opener);
+            (long long)count, config_double(c, "temperature"), g.n_opener);
     g.t0 = g.last_progress = clock_mono_seconds();
     int32_t stop = tok_eos(sd.cm.tok);
-    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), SETUP_PREFILL_CHUNK, stop, 0, {0}, 0};
-    if (bg_run(sd.e, &bc, gp_next, gp_done, &g, err) != AE_OK) goto out;
+    batchgen_config bc = {(int32_t)config_int(c, "max-batch"), SETUP_PREFILL_CHUNK, stop, 0, {0}, 0};
+    if (batchgen_run(sd.e, &bc, gp_next, gp_done, &g, err) != AE_OK) goto out;
     gp_progress(&g, true);
     if (g.n_kept < count) {
         err_set(err, "only %lld distinct prompts from %lld samples; raise --temperature or --max-tokens, or lower --count",
@@ -547,19 +547,19 @@ const cli_cmd cli_cmd_gen_prompts = {
 
 /* ---- dump-features --------------------------------------------------- */
 
-static const cfg_option df_opts[] = {
+static const config_option df_opts[] = {
     COMMON_OPTIONS,
-    {"prompts", CFG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' train.jsonl)"},
-    {"limit", CFG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
-    {"max-new-tokens", CFG_INT, "256", 1, 1 << 20, "longest response"},
-    {"temperature", CFG_DOUBLE, "0", 0, 100, "of the responses (0 = greedy: what greedy decoding will verify)"},
-    {"topk", CFG_INT, "8", 1, 64, "target probabilities kept per token"},
-    {"capture", CFG_STRING, "auto", 0, 0, "target layers whose input is captured, \"a,b,c\" (auto: EAGLE-3's 2, n/2, n-3)"},
-    {"shard-size", CFG_INT, "64", 1, 1 << 20, "sequences per shard"},
-    {"max-pending", CFG_INT, "0", 0, 1 << 20,
+    {"prompts", CONFIG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' train.jsonl)"},
+    {"limit", CONFIG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
+    {"max-new-tokens", CONFIG_INT, "256", 1, 1 << 20, "longest response"},
+    {"temperature", CONFIG_DOUBLE, "0", 0, 100, "of the responses (0 = greedy: what greedy decoding will verify)"},
+    {"topk", CONFIG_INT, "8", 1, 64, "target probabilities kept per token"},
+    {"capture", CONFIG_STRING, "auto", 0, 0, "target layers whose input is captured, \"a,b,c\" (auto: EAGLE-3's 2, n/2, n-3)"},
+    {"shard-size", CONFIG_INT, "64", 1, 1 << 20, "sequences per shard"},
+    {"max-pending", CONFIG_INT, "0", 0, 1 << 20,
      "pause while this many shards wait for a streaming trainer to consume them (0: never pause)"},
-    {"max-prompt-tokens", CFG_INT, "512", 1, 1 << 20, "longest prompt with its template; longer ones are an error"},
-    {"max-seq-len", CFG_INT, "auto", 1, 16777216, "longest sequence (auto: max-prompt-tokens + max-new-tokens)"},
+    {"max-prompt-tokens", CONFIG_INT, "512", 1, 1 << 20, "longest prompt with its template; longer ones are an error"},
+    {"max-seq-len", CONFIG_INT, "auto", 1, 16777216, "longest sequence (auto: max-prompt-tokens + max-new-tokens)"},
 };
 
 typedef struct df_state {
@@ -571,15 +571,15 @@ typedef struct df_state {
     uint64_t seed;
     int64_t shard_size, n_shards, shard; /* shard: the next to write */
     int64_t max_pending, oldest;         /* oldest: no shard before it is waiting for the trainer */
-    bg_seq **slots;                      /* [n_prompts], filled by next, emptied by writing */
-    int32_t capture[LLAMA_MAX_CAPTURE];
+    batchgen_seq **slots;                      /* [n_prompts], filled by next, emptied by writing */
+    int32_t capture[FORWARD_MAX_CAPTURE];
     const char *out;
     int64_t seqs_done, tokens, generated, stopped;
     double t0, last_progress;
     ae_error prompt_err;
 } df_state;
 
-static void free_seq(bg_seq *s) {
+static void free_seq(batchgen_seq *s) {
     if (!s) return;
     free(s->ids);
     free(s->hidden);
@@ -588,7 +588,7 @@ static void free_seq(bg_seq *s) {
     free(s);
 }
 
-static bool df_next(void *ctx, bg_seq **out) {
+static bool df_next(void *ctx, batchgen_seq **out) {
     df_state *d = ctx;
     if (d->next >= d->n_prompts || err_is_set(&d->prompt_err)) return false;
     int64_t i = d->next;
@@ -607,7 +607,7 @@ static bool df_next(void *ctx, bg_seq **out) {
         free(ids);
         return false;
     }
-    bg_seq *s = calloc(1, sizeof *s);
+    batchgen_seq *s = calloc(1, sizeof *s);
     int32_t cap = n + d->max_new;
     int32_t *grown = realloc(ids, sizeof(int32_t) * (size_t)cap);
     if (s && grown) {
@@ -681,7 +681,7 @@ static int df_write_shard(df_state *d, int64_t shard, ae_error *err) {
     }
     int64_t at = 0;
     for (int64_t i = lo; i < hi; i++) {
-        const bg_seq *s = d->slots[i];
+        const batchgen_seq *s = d->slots[i];
         size_t n = (size_t)s->n;
         memcpy(ids + at, s->ids, n * sizeof *ids);
         memcpy(hid + at * d->width, s->hidden, n * (size_t)d->width * sizeof *hid);
@@ -694,21 +694,21 @@ static int df_write_shard(df_state *d, int64_t shard, ae_error *err) {
     }
     char layers[64], hidden[16], topk[16], path[4200];
     snprintf(layers, sizeof layers, "%d,%d,%d", d->capture[0], d->capture[1], d->capture[2]);
-    snprintf(hidden, sizeof hidden, "%d", d->width / LLAMA_MAX_CAPTURE);
+    snprintf(hidden, sizeof hidden, "%d", d->width / FORWARD_MAX_CAPTURE);
     snprintf(topk, sizeof topk, "%d", d->topk);
     const char *meta[] = {"format", "aerie-features-1", "capture_layers", layers, "hidden", hidden, "topk", topk};
     uint64_t n64 = (uint64_t)N;
-    st_out t[] = {
-        {"input_ids", ST_I32, 1, {n64}, ids},
-        {"hidden", ST_F16, 2, {n64, (uint64_t)d->width}, hid},
-        {"topk_ids", ST_I32, 2, {n64, (uint64_t)d->topk}, tki},
-        {"topk_p", ST_F16, 2, {n64, (uint64_t)d->topk}, tkp},
-        {"lengths", ST_I32, 1, {(uint64_t)S}, lens},
-        {"prompt_lengths", ST_I32, 1, {(uint64_t)S}, plens},
-        {"prompt_index", ST_I32, 1, {(uint64_t)S}, pidx},
+    safetensors_out t[] = {
+        {"input_ids", SAFETENSORS_I32, 1, {n64}, ids},
+        {"hidden", SAFETENSORS_F16, 2, {n64, (uint64_t)d->width}, hid},
+        {"topk_ids", SAFETENSORS_I32, 2, {n64, (uint64_t)d->topk}, tki},
+        {"topk_p", SAFETENSORS_F16, 2, {n64, (uint64_t)d->topk}, tkp},
+        {"lengths", SAFETENSORS_I32, 1, {(uint64_t)S}, lens},
+        {"prompt_lengths", SAFETENSORS_I32, 1, {(uint64_t)S}, plens},
+        {"prompt_index", SAFETENSORS_I32, 1, {(uint64_t)S}, pidx},
     };
     shard_path(d, shard, path, sizeof path);
-    rc = st_write(path, t, sizeof t / sizeof t[0], meta, 4, err);
+    rc = safetensors_write(path, t, sizeof t / sizeof t[0], meta, 4, err);
 out:
     free(ids);
     free(lens);
@@ -736,7 +736,7 @@ static void df_progress(df_state *d, bool force) {
             el > 0 ? (double)d->generated / el : 0.0, done >= d->n_prompts ? "nothing" : eta);
 }
 
-static int df_done(void *ctx, bg_seq *s, ae_error *err) {
+static int df_done(void *ctx, batchgen_seq *s, ae_error *err) {
     df_state *d = ctx;
     d->seqs_done++;
     d->tokens += s->n;
@@ -815,11 +815,11 @@ int cli_read_prompts(const char *path, char ***out, int64_t *n_out, int64_t limi
 }
 
 /* The settings a dump depends on. A resumed run must match them. */
-static char *df_settings_json(const cfg *c, const df_state *d, const model *m) {
+static char *df_settings_json(const config *c, const df_state *d, const model *m) {
     cJSON *o = cJSON_CreateObject();
     if (!o) return NULL;
     cJSON_AddStringToObject(o, "format", "aerie-features-1");
-    const char *path = cfg_str(c, "model"), *slash = strrchr(path, '/');
+    const char *path = config_str(c, "model"), *slash = strrchr(path, '/');
     cJSON_AddStringToObject(o, "model", slash && slash[1] ? slash + 1 : path);
     /* The prompts by content, not by path: the same file reached another
      * way resumes, a regenerated one with the same name does not. */
@@ -843,10 +843,10 @@ static char *df_settings_json(const cfg *c, const df_state *d, const model *m) {
     cJSON_AddNumberToObject(o, "target_rms_eps", m->cfg.rms_eps);
     cJSON_AddNumberToObject(o, "target_rope_theta", m->cfg.rope.theta);
     cJSON_AddNumberToObject(o, "target_context_length", m->cfg.context_length);
-    double layers[LLAMA_MAX_CAPTURE] = {d->capture[0], d->capture[1], d->capture[2]};
-    cJSON_AddItemToObject(o, "capture_layers", cJSON_CreateDoubleArray(layers, LLAMA_MAX_CAPTURE));
+    double layers[FORWARD_MAX_CAPTURE] = {d->capture[0], d->capture[1], d->capture[2]};
+    cJSON_AddItemToObject(o, "capture_layers", cJSON_CreateDoubleArray(layers, FORWARD_MAX_CAPTURE));
     cJSON_AddNumberToObject(o, "max_new_tokens", d->max_new);
-    cJSON_AddNumberToObject(o, "temperature", cfg_double(c, "temperature"));
+    cJSON_AddNumberToObject(o, "temperature", config_double(c, "temperature"));
     cJSON_AddNumberToObject(o, "seed", (double)d->seed);
     cJSON_AddNumberToObject(o, "topk", d->topk);
     cJSON_AddNumberToObject(o, "shard_size", (double)d->shard_size);
@@ -856,14 +856,14 @@ static char *df_settings_json(const cfg *c, const df_state *d, const model *m) {
     return s;
 }
 
-static int parse_capture(const char *s, const model *m, int32_t out[LLAMA_MAX_CAPTURE], ae_error *err) {
+static int parse_capture(const char *s, const model *m, int32_t out[FORWARD_MAX_CAPTURE], ae_error *err) {
     if (!strcmp(s, "auto")) {
         capture_default_layers(m->cfg.n_layers, out);
         return AE_OK;
     }
-    int32_t ids[LLAMA_MAX_CAPTURE + 1];
+    int32_t ids[FORWARD_MAX_CAPTURE + 1];
     int n = 0;
-    for (const char *p = s; *p && n <= LLAMA_MAX_CAPTURE;) {
+    for (const char *p = s; *p && n <= FORWARD_MAX_CAPTURE;) {
         char *end;
         long v = strtol(p, &end, 10);
         if (end == p || (*end && *end != ',')) return err_set(err, "capture: expected \"a,b,c\", got \"%s\"", s);
@@ -893,23 +893,23 @@ static int write_embed(const char *out, const model *m, ae_error *err) {
         }
         memcpy(t + r * H, row, H * sizeof(float));
     }
-    st_out o = {"embed", ST_F32, 2, {V, H}, t};
-    if (rc == AE_OK) rc = st_write(path, &o, 1, NULL, 0, err);
+    safetensors_out o = {"embed", SAFETENSORS_F32, 2, {V, H}, t};
+    if (rc == AE_OK) rc = safetensors_write(path, &o, 1, NULL, 0, err);
     free(row);
     free(t);
     return rc;
 }
 
-static int df_resolve(cfg *c, ae_error *err) {
-    if (cfg_is_auto(c, "max-seq-len"))
-        cfg_set_auto_int(c, "max-seq-len", cfg_int(c, "max-prompt-tokens") + cfg_int(c, "max-new-tokens"));
+static int df_resolve(config *c, ae_error *err) {
+    if (config_is_auto(c, "max-seq-len"))
+        config_set_auto_int(c, "max-seq-len", config_int(c, "max-prompt-tokens") + config_int(c, "max-new-tokens"));
     return cli_resolve_engine(c, false, err);
 }
 
-static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
-    cfg *c = (cfg *)cc;
+static int df_run(const config *cc, int argc, char **argv, ae_error *err) {
+    config *c = (config *)cc;
     if (argc > 0) return err_set(err, "unexpected argument \"%s\"", argv[0]), CLI_EXIT_USAGE;
-    const char *out = cfg_str(c, "out"), *prompts = cfg_str(c, "prompts");
+    const char *out = config_str(c, "out"), *prompts = config_str(c, "prompts");
     if (!out) return err_set(err, "no output directory given (use --out DIR)"), CLI_EXIT_USAGE;
     if (!prompts) return err_set(err, "no prompts given (use --prompts FILE)"), CLI_EXIT_USAGE;
     selfdata sd;
@@ -917,22 +917,22 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     char *settings = NULL, *old = NULL;
     int rc = CLI_EXIT_USAGE;
     memset(&sd, 0, sizeof sd);
-    if (cli_read_prompts(prompts, &d.prompts, &d.n_prompts, cfg_int(c, "limit"), err) != AE_OK) goto out;
+    if (cli_read_prompts(prompts, &d.prompts, &d.n_prompts, config_int(c, "limit"), err) != AE_OK) goto out;
     if (selfdata_open(&sd, c, err) != AE_OK || make_dir(out, err) != AE_OK) goto out;
-    if (parse_capture(cfg_str(c, "capture"), sd.m, d.capture, err) != AE_OK) goto out;
-    d.max_prompt = (int32_t)cfg_int(c, "max-prompt-tokens");
-    d.max_new = (int32_t)cfg_int(c, "max-new-tokens");
-    if ((int64_t)d.max_prompt + d.max_new > cfg_int(c, "max-seq-len")) {
+    if (parse_capture(config_str(c, "capture"), sd.m, d.capture, err) != AE_OK) goto out;
+    d.max_prompt = (int32_t)config_int(c, "max-prompt-tokens");
+    d.max_new = (int32_t)config_int(c, "max-new-tokens");
+    if ((int64_t)d.max_prompt + d.max_new > config_int(c, "max-seq-len")) {
         err_set(err, "max-prompt-tokens (%d) + max-new-tokens (%d) exceeds max-seq-len %lld", d.max_prompt, d.max_new,
-                (long long)cfg_int(c, "max-seq-len"));
+                (long long)config_int(c, "max-seq-len"));
         goto out;
     }
-    d.topk = (int32_t)cfg_int(c, "topk");
-    d.width = LLAMA_MAX_CAPTURE * sd.m->cfg.hidden;
-    d.sp = (sample_params){(float)cfg_double(c, "temperature"), 0, 1, 0};
-    d.seed = (uint64_t)cfg_int(c, "seed");
-    d.shard_size = cfg_int(c, "shard-size");
-    d.max_pending = cfg_int(c, "max-pending");
+    d.topk = (int32_t)config_int(c, "topk");
+    d.width = FORWARD_MAX_CAPTURE * sd.m->cfg.hidden;
+    d.sp = (sample_params){(float)config_double(c, "temperature"), 0, 1, 0};
+    d.seed = (uint64_t)config_int(c, "seed");
+    d.shard_size = config_int(c, "shard-size");
+    d.max_pending = config_int(c, "max-pending");
     d.n_shards = (d.n_prompts + d.shard_size - 1) / d.shard_size;
     d.slots = calloc((size_t)d.n_prompts, sizeof *d.slots);
     settings = df_settings_json(c, &d, sd.m);
@@ -965,7 +965,7 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
             "to %d tokens at temperature %g\n",
             (long long)d.n_prompts, (long long)d.n_shards, (long long)d.shard_size,
             d.shard ? "resuming after the shards already written" : "starting", d.capture[0], d.capture[1],
-            d.capture[2], d.topk, d.max_new, cfg_double(c, "temperature"));
+            d.capture[2], d.topk, d.max_new, config_double(c, "temperature"));
     /* Beside the engine's plan: the sequences of the shard being finished
      * and of the next (nothing further is started), and a copy of one
      * shard while it is written. */
@@ -978,9 +978,9 @@ static int df_run(const cfg *cc, int argc, char **argv, ae_error *err) {
     df_wait_for_trainer(&d); /* a resumed run may find its limit already reached */
     d.t0 = d.last_progress = clock_mono_seconds();
     df_progress(&d, true);
-    bg_config bc = {(int32_t)cfg_int(c, "max-batch"), SETUP_PREFILL_CHUNK, tok_eos(sd.cm.tok), LLAMA_MAX_CAPTURE,
+    batchgen_config bc = {(int32_t)config_int(c, "max-batch"), SETUP_PREFILL_CHUNK, tok_eos(sd.cm.tok), FORWARD_MAX_CAPTURE,
                     {d.capture[0], d.capture[1], d.capture[2]}, d.topk};
-    if (bg_run(sd.e, &bc, df_next, df_done, &d, err) != AE_OK) goto out;
+    if (batchgen_run(sd.e, &bc, df_next, df_done, &d, err) != AE_OK) goto out;
     if (err_is_set(&d.prompt_err)) {
         *err = d.prompt_err;
         goto out;

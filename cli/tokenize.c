@@ -11,12 +11,12 @@
 
 #define MAX_TEXT_BYTES (64u << 20)
 
-static const cfg_option tokenize_opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
-    {"file", CFG_STRING, NULL, 0, 0, "read the text from this file instead of the argument"},
-    {"special", CFG_BOOL, "true", 0, 0, "recognise special tokens written in the text"},
-    {"chat", CFG_BOOL, "false", 0, 0, "TEXT is a JSON list of {role, content}: tokenize the templated prompt"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+static const config_option tokenize_opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
+    {"file", CONFIG_STRING, NULL, 0, 0, "read the text from this file instead of the argument"},
+    {"special", CONFIG_BOOL, "true", 0, 0, "recognise special tokens written in the text"},
+    {"chat", CONFIG_BOOL, "false", 0, 0, "TEXT is a JSON list of {role, content}: tokenize the templated prompt"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
 /* Renders a JSON message list with the model's chat template, followed by
@@ -42,8 +42,8 @@ out:
 }
 
 /* The text to encode: the one positional argument, or --file. */
-static int input_text(const cfg *c, int argc, char **argv, char **text, size_t *len, ae_error *err) {
-    const char *file = cfg_str(c, "file");
+static int input_text(const config *c, int argc, char **argv, char **text, size_t *len, ae_error *err) {
+    const char *file = config_str(c, "file");
     if (file) {
         if (argc > 0) return err_set(err, "give either TEXT or --file, not both");
         return file_read_all(file, MAX_TEXT_BYTES, text, len, NULL, err);
@@ -66,16 +66,16 @@ static int encode_all(const tok *t, const char *text, size_t len, int flags, int
     return AE_OK;
 }
 
-static int run_tokenize(const cfg *c, int argc, char **argv, ae_error *err) {
+static int run_tokenize(const config *c, int argc, char **argv, ae_error *err) {
     char *text = NULL;
     size_t len = 0, n = 0;
     int32_t *ids = NULL;
     tok_file m = {0};
     int rc = CLI_EXIT_USAGE;
     if (input_text(c, argc, argv, &text, &len, err) != AE_OK) goto out;
-    if (tok_file_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
-    int flags = TOK_ADD_BOS | (cfg_bool(c, "special") ? TOK_PARSE_SPECIAL : 0);
-    if (cfg_bool(c, "chat")) {
+    if (tok_file_open(&m, config_str(c, "model"), err) != AE_OK) goto out;
+    int flags = TOK_ADD_BOS | (config_bool(c, "special") ? TOK_PARSE_SPECIAL : 0);
+    if (config_bool(c, "chat")) {
         char *prompt;
         size_t plen;
         if (render_chat(m.tok, text, len, &prompt, &plen, err) != AE_OK) goto out;
@@ -104,13 +104,13 @@ const cli_cmd cli_cmd_tokenize = {
     .run = run_tokenize,
 };
 
-static const cfg_option detokenize_opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
-    {"skip-special", CFG_BOOL, "false", 0, 0, "leave special tokens out of the text"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+static const config_option detokenize_opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
+    {"skip-special", CONFIG_BOOL, "false", 0, 0, "leave special tokens out of the text"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-static int run_detokenize(const cfg *c, int argc, char **argv, ae_error *err) {
+static int run_detokenize(const config *c, int argc, char **argv, ae_error *err) {
     tok_file m = {0};
     int32_t *ids = NULL;
     char *text = NULL;
@@ -134,14 +134,14 @@ static int run_detokenize(const cfg *c, int argc, char **argv, ae_error *err) {
         }
         ids[i] = (int32_t)v;
     }
-    if (tok_file_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
+    if (tok_file_open(&m, config_str(c, "model"), err) != AE_OK) goto out;
     for (int i = 0; i < argc; i++) {
         if (ids[i] >= tok_vocab_size(m.tok)) {
             err_set(err, "token id %d is out of range (vocabulary has %d)", ids[i], tok_vocab_size(m.tok));
             goto out;
         }
     }
-    bool skip = cfg_bool(c, "skip-special");
+    bool skip = config_bool(c, "skip-special");
     size_t need = 0;
     if (tok_decode(m.tok, ids, (size_t)argc, skip, NULL, 0, &need, err) != AE_OK) goto out;
     text = malloc(need + 1);
@@ -169,14 +169,14 @@ const cli_cmd cli_cmd_detokenize = {
     .run = run_detokenize,
 };
 
-static const cfg_option bench_opts[] = {
-    {"model", CFG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
-    {"file", CFG_STRING, NULL, 0, 0, "text to encode (the whole file as one string)"},
-    {"repeat", CFG_INT, "5", 1, 1000, "encode the file this many times; the best time counts"},
-    {"log-level", CFG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
+static const config_option bench_opts[] = {
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file, tokenizer.json, or a directory holding it"},
+    {"file", CONFIG_STRING, NULL, 0, 0, "text to encode (the whole file as one string)"},
+    {"repeat", CONFIG_INT, "5", 1, 1000, "encode the file this many times; the best time counts"},
+    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
-static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
+static int run_bench(const config *c, int argc, char **argv, ae_error *err) {
     char *text = NULL;
     size_t len = 0, n = 0;
     int32_t *ids = NULL;
@@ -187,13 +187,13 @@ static int run_bench(const cfg *c, int argc, char **argv, ae_error *err) {
         err_set(err, "unexpected argument \"%s\"", argv[0]);
         goto out;
     }
-    if (!cfg_str(c, "file")) {
+    if (!config_str(c, "file")) {
         err_set(err, "no text given (use --file F)");
         goto out;
     }
-    if (file_read_all(cfg_str(c, "file"), MAX_TEXT_BYTES, &text, &len, NULL, err) != AE_OK) goto out;
-    if (tok_file_open(&m, cfg_str(c, "model"), err) != AE_OK) goto out;
-    int reps = (int)cfg_int(c, "repeat");
+    if (file_read_all(config_str(c, "file"), MAX_TEXT_BYTES, &text, &len, NULL, err) != AE_OK) goto out;
+    if (tok_file_open(&m, config_str(c, "model"), err) != AE_OK) goto out;
+    int reps = (int)config_int(c, "repeat");
     times = malloc((size_t)reps * sizeof *times);
     ids = malloc((len + 2) * sizeof *ids);
     if (!times || !ids) {

@@ -79,10 +79,10 @@ size_t draft_link_bytes(const draft_link *l, const drafter_config *dc) {
     return l->head->weight_bytes + drafter_bytes(l->head, dc);
 }
 
-int draft_link_settings(const cfg *c, spec_shape *shape, eagle_weights *weights, ae_error *err) {
-    *shape = (spec_shape){(int32_t)cfg_int(c, "spec-steps"), (int32_t)cfg_int(c, "spec-topk"),
-                          (int32_t)cfg_int(c, "spec-tokens")};
+int draft_link_settings(const config *c, spec_shape *shape, eagle_weights *weights, ae_error *err) {
+    *shape = (spec_shape){(int32_t)config_int(c, "spec-steps"), (int32_t)config_int(c, "spec-topk"),
+                          (int32_t)config_int(c, "spec-tokens")};
     tree_params p = {shape->steps, shape->topk, shape->tokens};
     if (tree_params_check(&p, err) != AE_OK) return AE_ERR;
-    return eagle_weights_parse(cfg_str(c, "draft-weights"), weights, err);
+    return eagle_weights_parse(config_str(c, "draft-weights"), weights, err);
 }

@@ -15,24 +15,24 @@
  * head drafts at 0.14 of a step's time with Q8_0 against about 0.3 as
  * F16). */
 #define DRAFT_LINK_OPTIONS                                                                                   \
-    {"draft", CFG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"}, \
+    {"draft", CONFIG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"}, \
     DRAFT_LINK_TUNING_OPTIONS
 
 /* The same with the head found for the model (cli_resolve_draft). */
 #define DRAFT_LINK_AUTO_OPTIONS                                                                              \
-    {"draft", CFG_STRING, "auto", 0, 0,                                                                      \
+    {"draft", CONFIG_STRING, "auto", 0, 0,                                                                      \
      "EAGLE-3 head directory, or none (auto: the head trained for this model file, found beside it)"},       \
     DRAFT_LINK_TUNING_OPTIONS
 
 #define DRAFT_LINK_TUNING_OPTIONS                                                                            \
-    {"spec-steps", CFG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},                                     \
-    {"spec-topk", CFG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},  \
-    {"spec-tokens", CFG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"},        \
-    {"draft-weights", CFG_STRING, "q8_0", 0, 0,                                                              \
+    {"spec-steps", CONFIG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},                                     \
+    {"spec-topk", CONFIG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},  \
+    {"spec-tokens", CONFIG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"},        \
+    {"draft-weights", CONFIG_STRING, "q8_0", 0, 0,                                                              \
      "the head's matrices rounded to Q8_0 (q8_0: half the bytes per draft pass), or as the file has them (file)"}
 
 /* The tree shape and head weights DRAFT_LINK_OPTIONS set, checked. */
-int draft_link_settings(const cfg *c, spec_shape *shape, eagle_weights *weights, ae_error *err);
+int draft_link_settings(const config *c, spec_shape *shape, eagle_weights *weights, ae_error *err);
 
 typedef struct draft_link {
     eagle_head *head;

@@ -4,7 +4,7 @@
 #include <string.h>
 
 #include "../services/core/pool.h"
-#include "../services/kv/kv_cache.h"
+#include "../services/kv/kv.h"
 
 #define KV_BLOCK 16
 /* Scratch slots one tree may use: every depth after the first runs its

@@ -42,7 +42,7 @@ static float *own_floats(eagle_head *h, uint64_t n, ae_error *err) {
     return buf;
 }
 
-static void shape_text(char *buf, size_t size, const st_tensor *t) {
+static void shape_text(char *buf, size_t size, const safetensors_tensor *t) {
     int k = snprintf(buf, size, "[");
     for (uint32_t d = 0; d < t->n_dims && k < (int)size; d++)
         k += snprintf(buf + k, size - (size_t)k, "%s%llu", d ? ", " : "", (unsigned long long)t->shape[d]);
@@ -51,9 +51,9 @@ static void shape_text(char *buf, size_t size, const st_tensor *t) {
 
 /* The tensor `name`, which must have shape [rows, cols] (rows = 0: a
  * vector of cols). `why` says where the expected shape comes from. */
-static const st_tensor *find_shaped(const st_model *st, const char *name, int64_t rows, int64_t cols,
+static const safetensors_tensor *find_shaped(const safetensors_model *st, const char *name, int64_t rows, int64_t cols,
                                     const char *why, ae_error *err) {
-    const st_tensor *t = st_model_find(st, name);
+    const safetensors_tensor *t = safetensors_model_find(st, name);
     if (!t) return err_set(err, "tensor %s is missing", name), NULL;
     bool ok = rows == 0 ? (t->n_dims == 1 && (int64_t)t->shape[0] == cols)
                         : (t->n_dims == 2 && (int64_t)t->shape[0] == rows && (int64_t)t->shape[1] == cols);
@@ -69,12 +69,12 @@ static const st_tensor *find_shaped(const st_model *st, const char *name, int64_
     return t;
 }
 
-static int load_floats(eagle_head *h, const st_model *st, const char *name, int64_t rows, int64_t cols,
+static int load_floats(eagle_head *h, const safetensors_model *st, const char *name, int64_t rows, int64_t cols,
                        const char *why, const float **out, ae_error *err) {
-    const st_tensor *t = find_shaped(st, name, rows, cols, why, err);
+    const safetensors_tensor *t = find_shaped(st, name, rows, cols, why, err);
     if (!t) return AE_ERR;
     float *buf = own_floats(h, t->n_elements, err);
-    if (!buf || st_tensor_to_f32(t, buf, t->n_elements, err) != AE_OK) return AE_ERR;
+    if (!buf || safetensors_tensor_to_f32(t, buf, t->n_elements, err) != AE_OK) return AE_ERR;
     *out = buf;
     return AE_OK;
 }
@@ -84,14 +84,14 @@ static int load_floats(eagle_head *h, const st_model *st, const char *name, int6
  * f32 copy for a 16-bit head. The copy is aligned; the mapping may not be.
  * With EAGLE_WEIGHTS_Q8_0 they are rounded to Q8_0 and packed for the
  * integer kernel instead. */
-static int load_matrix(eagle_head *h, const st_model *st, const char *name, int64_t rows, int64_t cols,
+static int load_matrix(eagle_head *h, const safetensors_model *st, const char *name, int64_t rows, int64_t cols,
                        const char *why, kn_weight *w, ae_error *err) {
-    const st_tensor *t = find_shaped(st, name, rows, cols, why, err);
+    const safetensors_tensor *t = find_shaped(st, name, rows, cols, why, err);
     if (!t) return AE_ERR;
     if (h->weights == EAGLE_WEIGHTS_Q8_0 && cols % 32 == 0) {
         float *tmp = malloc((size_t)t->n_elements * sizeof(float));
         if (!tmp) return err_set(err, "out of memory");
-        int rc = st_tensor_to_f32(t, tmp, t->n_elements, err);
+        int rc = safetensors_tensor_to_f32(t, tmp, t->n_elements, err);
         for (uint64_t i = 0; rc == AE_OK && i < t->n_elements; i++)
             if (!isfinite(tmp[i])) rc = err_set(err, "%s[%llu] is not finite", name, (unsigned long long)i);
         size_t row_bytes = quant_row_bytes(GGML_TYPE_Q8_0, (uint64_t)cols);
@@ -109,13 +109,13 @@ static int load_matrix(eagle_head *h, const st_model *st, const char *name, int6
         free(tmp);
         return rc;
     }
-    ggml_type type = t->dtype == ST_F16 ? GGML_TYPE_F16 : t->dtype == ST_BF16 ? GGML_TYPE_BF16 : GGML_TYPE_F32;
+    ggml_type type = t->dtype == SAFETENSORS_F16 ? GGML_TYPE_F16 : t->dtype == SAFETENSORS_BF16 ? GGML_TYPE_BF16 : GGML_TYPE_F32;
     size_t elem = type == GGML_TYPE_F32 ? sizeof(float) : 2;
     /* own_floats counts floats: a 16-bit matrix takes half as many. */
     float *buf = own_floats(h, (t->n_elements * elem + sizeof(float) - 1) / sizeof(float), err);
     if (!buf) return AE_ERR;
     if (type == GGML_TYPE_F32) {
-        if (st_tensor_to_f32(t, buf, t->n_elements, err) != AE_OK) return AE_ERR;
+        if (safetensors_tensor_to_f32(t, buf, t->n_elements, err) != AE_OK) return AE_ERR;
     } else {
         memcpy(buf, t->data, (size_t)t->n_bytes);
     }
@@ -132,11 +132,11 @@ int eagle_weights_parse(const char *text, eagle_weights *out, ae_error *err) {
 
 /* d2t (draft id -> offset to its target id), or the identity when the
  * head drafts over the whole target vocabulary and has no d2t. */
-static int load_vocab_map(eagle_head *h, const st_model *st, ae_error *err) {
+static int load_vocab_map(eagle_head *h, const safetensors_model *st, ae_error *err) {
     int32_t Vd = h->cfg.draft_vocab, V = h->target.vocab;
     h->draft_to_target = malloc((size_t)Vd * sizeof(int32_t));
     if (!h->draft_to_target) return err_set(err, "out of memory");
-    const st_tensor *t = st_model_find(st, "d2t");
+    const safetensors_tensor *t = safetensors_model_find(st, "d2t");
     if (!t) {
         if (Vd != V)
             return err_set(err, "tensor d2t is missing (needed: the draft vocabulary has %d ids, the target %d)", Vd, V);
@@ -146,7 +146,7 @@ static int load_vocab_map(eagle_head *h, const st_model *st, ae_error *err) {
     if (!(t = find_shaped(st, "d2t", 0, Vd, "draft_vocab_size", err))) return AE_ERR;
     int64_t *off = malloc((size_t)Vd * sizeof *off);
     if (!off) return err_set(err, "out of memory");
-    int rc = st_tensor_to_i64(t, off, (uint64_t)Vd, err);
+    int rc = safetensors_tensor_to_i64(t, off, (uint64_t)Vd, err);
     for (int32_t i = 0; rc == AE_OK && i < Vd; i++) {
         int64_t id = off[i] >= -(int64_t)V && off[i] <= (int64_t)V ? i + off[i] : -1; /* no overflow */
         if (id < 0 || id >= V)
@@ -158,12 +158,12 @@ static int load_vocab_map(eagle_head *h, const st_model *st, ae_error *err) {
     free(off);
     if (rc != AE_OK) return AE_ERR;
     /* t2d is for training only, but a present one must describe this map. */
-    const st_tensor *t2d = st_model_find(st, "t2d");
+    const safetensors_tensor *t2d = safetensors_model_find(st, "t2d");
     if (!t2d) return AE_OK;
     if (!find_shaped(st, "t2d", 0, V, "the target's vocabulary", err)) return AE_ERR;
     bool *in = malloc((size_t)V);
     if (!in) return err_set(err, "out of memory");
-    rc = st_tensor_to_bool(t2d, in, (uint64_t)V, err);
+    rc = safetensors_tensor_to_bool(t2d, in, (uint64_t)V, err);
     int64_t marked = 0;
     for (int32_t v = 0; rc == AE_OK && v < V; v++) marked += in[v];
     for (int32_t i = 0; rc == AE_OK && i < Vd; i++)
@@ -177,9 +177,9 @@ static int load_vocab_map(eagle_head *h, const st_model *st, ae_error *err) {
 
 static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     char path[1200];
-    hfcfg hc;
+    hfconfig hc;
     snprintf(path, sizeof path, "%s/config.json", dir);
-    if (hfcfg_load(&hc, path, err) != AE_OK) return AE_ERR;
+    if (hfconfig_load(&hc, path, err) != AE_OK) return AE_ERR;
     eagle_config *c = &h->cfg;
     const eagle_target *t = &h->target;
     if (hc.num_hidden_layers != 1)
@@ -205,7 +205,7 @@ static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     c->rms_eps = (float)hc.rms_norm_eps;
     if (c->head_dim % 8 != 0 || c->head_dim > KN_MAX_HEAD_DIM)
         return err_set(err, "%s: head_dim %d must be a multiple of 8 up to %d", path, c->head_dim, KN_MAX_HEAD_DIM);
-    c->rope = hfcfg_rope(&hc);
+    c->rope = hfconfig_rope(&hc);
     c->n_aux_layers = 0;
     if (hc.n_aux_layers > 0) {
         if (hc.n_aux_layers != EAGLE_N_AUX)
@@ -261,9 +261,9 @@ int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_w
     h->target = *t;
     h->weights = weights;
     snprintf(h->dir, sizeof h->dir, "%s", dir);
-    st_model *st = NULL;
+    safetensors_model *st = NULL;
     int rc = load_config(h, dir, err);
-    if (rc == AE_OK) rc = st_model_open(&st, dir, err);
+    if (rc == AE_OK) rc = safetensors_model_open(&st, dir, err);
     if (rc == AE_OK) {
         const eagle_config *c = &h->cfg;
         int64_t H = t->hidden, F = c->ffn, QD = (int64_t)c->n_heads * c->head_dim,
@@ -292,7 +292,7 @@ int eagle_load(eagle_head **out, const char *dir, const eagle_target *t, eagle_w
         if (rc == AE_OK) rc = place(h, err);
         if (rc != AE_OK && !strstr(err ? err->msg : "", dir)) err_prefix(err, "head %s: ", dir);
     }
-    st_model_close(st); /* every tensor was converted */
+    safetensors_model_close(st); /* every tensor was converted */
     if (rc != AE_OK) {
         eagle_free(h);
         return AE_ERR;
@@ -423,8 +423,8 @@ void eagle_forward(const eagle_head *hd, kn_stream *s, const kn_kv_pool *kv, eag
 
 /* ---- finding the head --------------------------------------------------- */
 
-const char *eagle_dir(const cfg *c) {
-    const char *d = cfg_str(c, "draft");
+const char *eagle_dir(const config *c) {
+    const char *d = config_str(c, "draft");
     return d && strcmp(d, "none") ? d : NULL;
 }
 
@@ -443,9 +443,9 @@ static char *head_target(const char *dir) {
     return out;
 }
 
-void eagle_resolve_dir(cfg *c) {
-    if (!cfg_is_auto(c, "draft")) return;
-    const char *model_path = cfg_str(c, "model");
+void eagle_resolve_dir(config *c) {
+    if (!config_is_auto(c, "draft")) return;
+    const char *model_path = config_str(c, "model");
     char found[4096] = "none";
     if (model_path) {
         char dir[4096];
@@ -470,5 +470,5 @@ void eagle_resolve_dir(cfg *c) {
         }
         free(list);
     }
-    cfg_set_auto_str(c, "draft", found);
+    config_set_auto_str(c, "draft", found);
 }

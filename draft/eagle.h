@@ -118,14 +118,14 @@ void eagle_free(eagle_head *h); /* NULL is a no-op */
 
 /* The head directory c's "draft" names, or NULL for none (unset or
  * "none"). */
-struct cfg; /* services/core/config.h */
-const char *eagle_dir(const struct cfg *c);
+struct config; /* services/core/config.h */
+const char *eagle_dir(const struct config *c);
 
 /* Replaces c's draft "auto" with the head trained for c's "model": a
  * directory beside the model file whose training.json (written by
  * tools/train_eagle3.py) has "target_model" equal to the model's file
  * name. None found: "none". */
-void eagle_resolve_dir(struct cfg *c);
+void eagle_resolve_dir(struct config *c);
 
 typedef struct eagle_batch {
     int32_t m;

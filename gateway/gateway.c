@@ -16,18 +16,19 @@
 #include "../services/core/json.h"
 #include "../services/core/log.h"
 #include "../services/tokenizer/detok.h"
-#include "gw_internal.h"
+#include "gateway_internal.h"
+#include "generate.h"
 #include "render.h"
 
 /* ---- replies ---- */
 
-void gw_reply_json(gw *g, http_req *h, met_route route, int status, const char *body, size_t len,
+void gateway_reply_json(gateway *g, http_req *h, metrics_route route, int status, const char *body, size_t len,
                    const char *extra) {
-    if (route < MET_ROUTES) met_request(&g->met, route, status);
+    if (route < METRICS_ROUTES) metrics_request(&g->met, route, status);
     http_respond(h, status, "application/json", extra, body, len);
 }
 
-void gw_reply_error(gw *g, http_req *h, met_route route, const oai_error *e) {
+void gateway_reply_error(gateway *g, http_req *h, metrics_route route, const oai_error *e) {
     char *json = oai_error_json(e);
     const char *body = json ? json : OAI_OOM_JSON;
     const char *extra = NULL;
@@ -35,14 +36,14 @@ void gw_reply_error(gw *g, http_req *h, met_route route, const oai_error *e) {
     else if (e->status == 401) extra = "WWW-Authenticate: Bearer\r\n";
     if (e->status >= 500 || e->status == 429)
         LOG_INFOF("request_refused status=%d peer=%s reason=\"%s\"", e->status, http_req_peer(h), e->message);
-    gw_reply_json(g, h, route, e->status, body, strlen(body), extra);
+    gateway_reply_json(g, h, route, e->status, body, strlen(body), extra);
     free(json);
 }
 
-void gw_reply_jbuf(gw *g, http_req *h, met_route route, jbuf *b) {
+void gateway_reply_jbuf(gateway *g, http_req *h, metrics_route route, jbuf *b) {
     oai_error e;
-    if (b->oom) gw_reply_error(g, h, route, (oai_oom(&e), &e));
-    else gw_reply_json(g, h, route, 200, b->p, b->len, NULL);
+    if (b->oom) gateway_reply_error(g, h, route, (oai_oom(&e), &e));
+    else gateway_reply_json(g, h, route, 200, b->p, b->len, NULL);
 }
 
 static size_t http_error_body(void *ctx, int status, const char *message, char *out, size_t cap,
@@ -76,7 +77,7 @@ static const char TOOL_PROMPT_TAIL[] =
 /* o's messages with the tool prompt in the system message; *msgs is
  * malloc'd (and *sys, the system text), or o's own when there are no
  * tools. */
-static int with_tools(const gw *g, const oai_request *o, chat_msg **msgs, size_t *n, char **sys, oai_error *e) {
+static int with_tools(const gateway *g, const oai_request *o, chat_msg **msgs, size_t *n, char **sys, oai_error *e) {
     *msgs = o->msgs;
     *n = o->n_msgs;
     *sys = NULL;
@@ -104,7 +105,7 @@ static int with_tools(const gw *g, const oai_request *o, chat_msg **msgs, size_t
  * the generation prompt when add_gen) or a prompt's text or ids. Runs on a
  * tokenizing worker: it reads only o and the immutable tokenizer and
  * template. */
-static int encode_prompt(const gw *g, const oai_request *o, bool add_gen, int32_t **ids, int32_t *n, oai_error *e) {
+static int encode_prompt(const gateway *g, const oai_request *o, bool add_gen, int32_t **ids, int32_t *n, oai_error *e) {
     *ids = NULL;
     *n = 0;
     if (o->prompt_ids || (o->kind == OAI_COMPLETION && !o->prompt)) {
@@ -170,14 +171,14 @@ static int encode_prompt(const gw *g, const oai_request *o, bool add_gen, int32_
  * fixed pool of threads, which also build the latter two's replies;
  * each finished job goes on a list and wakes the loop, which calls its
  * done. What the workers hold at once is bounded by their number (see
- * GW_TOK_WORKER_BYTES); a queued job holds only its request, which the
+ * GATEWAY_TOK_WORKER_BYTES); a queued job holds only its request, which the
  * gateway already counts. */
 
 /* A /tokenize body: {"prompt": text} or {"messages": [...],
  * "add_generation_prompt": bool}, optional "model". The same parser as
  * generation, so a text tokenizes here exactly as it would be sent:
  * add_generation_prompt (ours alone) is taken off first. */
-static int parse_tokenize(const gw *g, tjob *j) {
+static int parse_tokenize(const gateway *g, gateway_job *j) {
     oai_error *e = &j->e;
     ae_error jerr = {{0}};
     cJSON *root = detok_utf8_valid(j->body, j->len) ? json_parse(j->body, j->len, &jerr) : NULL;
@@ -211,28 +212,28 @@ out:
     return rc;
 }
 
-static int detokenize_body(const gw *g, tjob *j);
-static int tokenize_list(tjob *j);
+static int detokenize_body(const gateway *g, gateway_job *j);
+static int tokenize_list(gateway_job *j);
 
 /* On a worker: what only reads the body, the tokenizer and the template. */
-static void run_job(const gw *g, tjob *j) {
+static void run_job(const gateway *g, gateway_job *j) {
     if (j->what == TJOB_DETOKENIZE) {
         j->rc = detokenize_body(g, j);
         return;
     }
     j->rc = j->what == TJOB_TOKENIZE ? parse_tokenize(g, j) : oai_parse(j->o, j->kind, j->body, j->len, &j->e);
-    if (j->rc == AE_OK) j->rc = gw_check_model(g, j->o->model, &j->e);
+    if (j->rc == AE_OK) j->rc = gateway_check_model(g, j->o->model, &j->e);
     if (j->rc == AE_OK) j->rc = encode_prompt(g, j->o, j->add_gen, &j->ids, &j->n, &j->e);
     if (j->rc == AE_OK && j->what == TJOB_TOKENIZE) j->rc = tokenize_list(j);
 }
 
 static void *worker_main(void *arg) {
-    gw *g = arg;
+    gateway *g = arg;
     pthread_mutex_lock(&g->tmu);
     for (;;) {
         while (!g->todo && !g->stopping) pthread_cond_wait(&g->tcv, &g->tmu);
         if (g->stopping) break;
-        tjob *j = g->todo;
+        gateway_job *j = g->todo;
         g->todo = j->next;
         if (!g->todo) g->todo_last = NULL;
         pthread_mutex_unlock(&g->tmu);
@@ -251,24 +252,24 @@ static void *worker_main(void *arg) {
 /* On the loop thread: the finished jobs' done callbacks. */
 static void on_finished(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    gw *g = arg;
+    gateway *g = arg;
     pthread_mutex_lock(&g->tmu);
-    tjob *list = g->finished;
+    gateway_job *list = g->finished;
     g->finished = NULL;
     pthread_mutex_unlock(&g->tmu);
     while (list) {
-        tjob *j = list;
+        gateway_job *j = list;
         list = j->next;
         g->jobs--;
         j->done(j);
     }
 }
 
-void gw_tjob_submit(gw *g, tjob *j, http_req *h, tjob_what what, oai_kind kind, oai_request *o,
-                    void (*done)(tjob *)) {
+void gateway_job_submit(gateway *g, gateway_job *j, http_req *h, gateway_job_what what, oai_kind kind, oai_request *o,
+                    void (*done)(gateway_job *)) {
     size_t len;
     const char *body = http_req_body(h, &len);
-    *j = (tjob){.body = body, .len = len, .what = what, .kind = kind, .o = o, .add_gen = true, .done = done,
+    *j = (gateway_job){.body = body, .len = len, .what = what, .kind = kind, .o = o, .add_gen = true, .done = done,
                 .rc = AE_ERR};
     g->jobs++;
     pthread_mutex_lock(&g->tmu);
@@ -280,7 +281,7 @@ void gw_tjob_submit(gw *g, tjob *j, http_req *h, tjob_what what, oai_kind kind, 
 }
 
 /* On failure, workers_stop undoes what was done. */
-static int workers_start(gw *g, ae_error *err) {
+static int workers_start(gateway *g, ae_error *err) {
     g->finished_ev = event_new(rpc_loop_base(g->loop), -1, 0, on_finished, g);
     if (!g->finished_ev) return err_set(err, "out of memory");
     if (pthread_mutex_init(&g->tmu, NULL) != 0) {
@@ -292,7 +293,7 @@ static int workers_start(gw *g, ae_error *err) {
         event_free(g->finished_ev), g->finished_ev = NULL;
         return err_set(err, "pthread_cond_init failed");
     }
-    for (; g->n_workers < GW_TOK_WORKERS; g->n_workers++)
+    for (; g->n_workers < GATEWAY_TOK_WORKERS; g->n_workers++)
         if (pthread_create(&g->workers[g->n_workers], NULL, worker_main, g) != 0)
             return err_set(err, "cannot start a tokenizing worker");
     return AE_OK;
@@ -301,8 +302,8 @@ static int workers_start(gw *g, ae_error *err) {
 /* Stops the workers (a job being tokenized is finished first); on the
  * loop thread, jobs never taken end as 503 and every done runs. */
 static void workers_drain_on_loop(void *arg) {
-    gw *g = arg;
-    for (tjob *j = g->todo, *next; j; j = next) {
+    gateway *g = arg;
+    for (gateway_job *j = g->todo, *next; j; j = next) {
         next = j->next;
         j->rc = oai_fail(&j->e, 503, "server_error", "service_unavailable", NULL, "the gateway is shutting down");
         j->next = g->finished;
@@ -314,7 +315,7 @@ static void workers_drain_on_loop(void *arg) {
     g->finished_ev = NULL;
 }
 
-static void workers_stop(gw *g) {
+static void workers_stop(gateway *g) {
     if (!g->finished_ev) return;
     pthread_mutex_lock(&g->tmu);
     g->stopping = true;
@@ -326,17 +327,17 @@ static void workers_stop(gw *g) {
     pthread_mutex_destroy(&g->tmu);
 }
 
-int gw_check_model(const gw *g, const char *model, oai_error *e) {
+int gateway_check_model(const gateway *g, const char *model, oai_error *e) {
     if (strcmp(model, g->cfg.model_name) == 0) return AE_OK;
     return oai_fail(e, 404, "invalid_request_error", "model_not_found", "model",
                     "the model '%.200s' does not exist; this server serves '%.200s'", model, g->cfg.model_name);
 }
 
 /* The context the targets have (0 when none has reported yet). */
-int32_t gw_context_len(gw *g) { return router_context(g->cfg.router); }
+int32_t gateway_context_len(gateway *g) { return router_context(g->cfg.router); }
 
 /* No target has reported its context: e is the 503. */
-int gw_no_target(gw *g, oai_error *e) {
+int gateway_no_target(gateway *g, oai_error *e) {
     char why[512];
     router_healthy(g->cfg.router, why, sizeof why);
     return oai_fail(e, 503, "server_error", "service_unavailable", NULL, "no target is ready (%s)",
@@ -349,59 +350,59 @@ int gw_no_target(gw *g, oai_error *e) {
 static int reply_too_large(oai_error *e, const char *what, size_t bytes) {
     return oai_fail(e, 413, "invalid_request_error", "reply_too_large", NULL,
                     "the %s would be over %zu bytes (the limit is %u); send less at once", what, bytes,
-                    GW_MAX_REPLY_BYTES);
+                    GATEWAY_MAX_REPLY_BYTES);
 }
 
 typedef struct tokreq {
-    gw *g;
+    gateway *g;
     http_req *h;
     oai_request o;
-    tjob job;
+    gateway_job job;
 } tokreq;
 
-static void on_tokenized(tjob *j);
+static void on_tokenized(gateway_job *j);
 
 /* /tokenize and /detokenize: a worker does the job (parsing the body into
  * the request's oai_request when parse), and done answers on the loop. */
-static void submit_tokreq(gw *g, http_req *h, met_route route, tjob_what what, bool parse, void (*done)(tjob *)) {
+static void submit_tokreq(gateway *g, http_req *h, metrics_route route, gateway_job_what what, bool parse, void (*done)(gateway_job *)) {
     oai_error e;
     tokreq *t = calloc(1, sizeof *t);
-    if (!t) return gw_reply_error(g, h, route, (oai_oom(&e), &e));
+    if (!t) return gateway_reply_error(g, h, route, (oai_oom(&e), &e));
     t->g = g;
     t->h = h;
-    gw_tjob_submit(g, &t->job, h, what, OAI_COMPLETION, parse ? &t->o : NULL, done);
+    gateway_job_submit(g, &t->job, h, what, OAI_COMPLETION, parse ? &t->o : NULL, done);
 }
 
 /* POST /tokenize (see parse_tokenize); on_tokenized answers. */
-static void handle_tokenize(gw *g, http_req *h) {
-    submit_tokreq(g, h, MET_TOKENIZE, TJOB_TOKENIZE, true, on_tokenized);
+static void handle_tokenize(gateway *g, http_req *h) {
+    submit_tokreq(g, h, METRICS_TOKENIZE, TJOB_TOKENIZE, true, on_tokenized);
 }
 
 /* On the worker: "1,2,3]}", the ids' part of the reply, within the limit
  * (the head, written on the loop, is at most 64 bytes). */
-static int tokenize_list(tjob *j) {
+static int tokenize_list(gateway_job *j) {
     size_t bytes = 64 + 2;
     for (int32_t i = 0; i < j->n; i++) {
         char num[16];
         bytes += (size_t)snprintf(num, sizeof num, "%d", j->ids[i]) + (i > 0);
     }
-    if (bytes > GW_MAX_REPLY_BYTES) return reply_too_large(&j->e, "list of token ids", bytes);
+    if (bytes > GATEWAY_MAX_REPLY_BYTES) return reply_too_large(&j->e, "list of token ids", bytes);
     if (!jbuf_reserve(&j->reply, bytes)) return oai_oom(&j->e);
     for (int32_t i = 0; i < j->n; i++) jbuf_printf(&j->reply, "%s%d", i ? "," : "", j->ids[i]);
     jbuf_str(&j->reply, "]}");
     return AE_OK;
 }
 
-static void on_tokenized(tjob *j) {
+static void on_tokenized(gateway_job *j) {
     tokreq *t = (tokreq *)(void *)((char *)j - offsetof(tokreq, job));
-    gw *g = t->g;
+    gateway *g = t->g;
     if (j->rc != AE_OK) {
-        gw_reply_error(g, t->h, MET_TOKENIZE, &j->e);
+        gateway_reply_error(g, t->h, METRICS_TOKENIZE, &j->e);
     } else {
         jbuf b = {0};
-        jbuf_printf(&b, "{\"count\":%d,\"max_model_len\":%d,\"tokens\":[", j->n, gw_context_len(g));
+        jbuf_printf(&b, "{\"count\":%d,\"max_model_len\":%d,\"tokens\":[", j->n, gateway_context_len(g));
         jbuf_add(&b, j->reply.p, j->reply.len);
-        gw_reply_jbuf(g, t->h, MET_TOKENIZE, &b);
+        gateway_reply_jbuf(g, t->h, METRICS_TOKENIZE, &b);
         jbuf_free(&b);
     }
     free(j->ids);
@@ -412,7 +413,7 @@ static void on_tokenized(tjob *j) {
 
 /* POST /detokenize: {"tokens": [ids], optional "model"} -> {"prompt": text}.
  * On a worker: parsing half a million ids took the loop ~0.2 s. */
-static int detokenize_body(const gw *g, tjob *j) {
+static int detokenize_body(const gateway *g, gateway_job *j) {
     oai_error *e = &j->e;
     ae_error jerr = {{0}};
     cJSON *root = json_parse(j->body, j->len, &jerr);
@@ -432,7 +433,7 @@ static int detokenize_body(const gw *g, tjob *j) {
         }
     if (model && !cJSON_IsNull(model) &&
         (!cJSON_IsString(model) ? oai_bad(e, "model", "invalid_type", "'model' must be a string")
-                                : gw_check_model(g, model->valuestring, e)) != AE_OK)
+                                : gateway_check_model(g, model->valuestring, e)) != AE_OK)
         goto out;
     if (!cJSON_IsArray(toks)) {
         oai_bad(e, "tokens", "invalid_type", "'tokens' must be a list of token ids");
@@ -457,7 +458,7 @@ static int detokenize_body(const gw *g, tjob *j) {
      * JSON form, must fit the reply's limit. */
     size_t len = 0;
     tok_decode(g->cfg.tok, ids, (size_t)n, false, NULL, 0, &len, NULL);
-    if (len + 13 > GW_MAX_REPLY_BYTES) {
+    if (len + 13 > GATEWAY_MAX_REPLY_BYTES) {
         reply_too_large(e, "text", len + 13);
         goto out;
     }
@@ -468,7 +469,7 @@ static int detokenize_body(const gw *g, tjob *j) {
     }
     tok_decode(g->cfg.tok, ids, (size_t)n, false, text, len + 1, &len, NULL);
     size_t bytes = jbuf_quoted_len(text, len) + 11;
-    if (bytes > GW_MAX_REPLY_BYTES) {
+    if (bytes > GATEWAY_MAX_REPLY_BYTES) {
         reply_too_large(e, "text as JSON", bytes);
         goto out;
     }
@@ -484,38 +485,38 @@ out:
     return rc;
 }
 
-static void on_detokenized(tjob *j) {
+static void on_detokenized(gateway_job *j) {
     tokreq *t = (tokreq *)(void *)((char *)j - offsetof(tokreq, job));
-    if (j->rc != AE_OK) gw_reply_error(t->g, t->h, MET_DETOKENIZE, &j->e);
-    else gw_reply_jbuf(t->g, t->h, MET_DETOKENIZE, &j->reply);
+    if (j->rc != AE_OK) gateway_reply_error(t->g, t->h, METRICS_DETOKENIZE, &j->e);
+    else gateway_reply_jbuf(t->g, t->h, METRICS_DETOKENIZE, &j->reply);
     jbuf_free(&j->reply);
     free(t);
 }
 
-static void handle_detokenize(gw *g, http_req *h) {
-    submit_tokreq(g, h, MET_DETOKENIZE, TJOB_DETOKENIZE, false, on_detokenized);
+static void handle_detokenize(gateway *g, http_req *h) {
+    submit_tokreq(g, h, METRICS_DETOKENIZE, TJOB_DETOKENIZE, false, on_detokenized);
 }
 
-static void handle_models(gw *g, http_req *h, const char *one) {
+static void handle_models(gateway *g, http_req *h, const char *one) {
     jbuf b = {0};
     if (one && strcmp(one, g->cfg.model_name) != 0) {
         oai_error e;
-        gw_check_model(g, one, &e);
-        gw_reply_error(g, h, MET_ROUTES, &e);
+        gateway_check_model(g, one, &e);
+        gateway_reply_error(g, h, METRICS_ROUTES, &e);
         return;
     }
-    render_model(&b, g->cfg.model_name, g->started, gw_context_len(g), !one);
-    gw_reply_json(g, h, MET_ROUTES, 200, b.p, b.len, NULL);
+    render_model(&b, g->cfg.model_name, g->started, gateway_context_len(g), !one);
+    gateway_reply_json(g, h, METRICS_ROUTES, 200, b.p, b.len, NULL);
     jbuf_free(&b);
 }
 
-static void handle_health(gw *g, http_req *h) {
+static void handle_health(gateway *g, http_req *h) {
     char why[1024];
     int n = router_healthy(g->cfg.router, why, sizeof why);
     oai_error e;
     if (g->draining) {
         oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "the gateway is shutting down");
-    } else if (n == 0 || gw_context_len(g) <= 0) {
+    } else if (n == 0 || gateway_context_len(g) <= 0) {
         oai_fail(&e, 503, "server_error", "service_unavailable", NULL, "no target is ready: %s",
                  why[0] ? why : "waiting for the first Info");
     } else {
@@ -531,25 +532,25 @@ static void handle_health(gw *g, http_req *h) {
     free(json);
 }
 
-static void handle_metrics(gw *g, http_req *h) {
-    met_target targets[ROUTER_MAX_TARGETS];
+static void handle_metrics(gateway *g, http_req *h) {
+    metrics_target targets[ROUTER_MAX_TARGETS];
     router_gauges(g->cfg.router, targets);
-    met_gauges gg = {targets, router_count(g->cfg.router), g->inflight, g->http ? http_server_conns(g->http) : 0};
+    metrics_gauges gg = {targets, router_count(g->cfg.router), g->inflight, g->http ? http_server_conns(g->http) : 0};
     size_t len;
-    char *text = met_render(&g->met, &gg, &len);
+    char *text = metrics_render(&g->met, &gg, &len);
     if (!text) {
         oai_error e;
-        return gw_reply_error(g, h, MET_ROUTES, (oai_oom(&e), &e));
+        return gateway_reply_error(g, h, METRICS_ROUTES, (oai_oom(&e), &e));
     }
     http_respond(h, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, text, len);
     free(text);
 }
 
-static void handle_server_info(gw *g, http_req *h) {
+static void handle_server_info(gateway *g, http_req *h) {
     char *peers = router_info_json(g->cfg.router);
     if (!peers) {
         oai_error e;
-        return gw_reply_error(g, h, MET_ROUTES, (oai_oom(&e), &e));
+        return gateway_reply_error(g, h, METRICS_ROUTES, (oai_oom(&e), &e));
     }
     jbuf b = {0};
     jbuf_str(&b, "{\"gateway\":{\"service\":\"aerie-gateway\",\"model\":");
@@ -558,7 +559,7 @@ static void handle_server_info(gw *g, http_req *h) {
               tok_pre_name(tok_pre_kind(g->cfg.tok)));
     if (g->cfg.chat) jbuf_printf(&b, "\"%s\"", chat_variant_name(g->cfg.chat));
     else jbuf_str(&b, "null");
-    jbuf_printf(&b, ",\"context\":%d,\"inflight\":%d,\"connections\":%d,\"config\":%s,\"memory_plan\":", gw_context_len(g),
+    jbuf_printf(&b, ",\"context\":%d,\"inflight\":%d,\"connections\":%d,\"config\":%s,\"memory_plan\":", gateway_context_len(g),
               g->inflight, http_server_conns(g->http), g->cfg.config_json ? g->cfg.config_json : "{}");
     jbuf_quote(&b, g->cfg.memory_plan ? g->cfg.memory_plan : "", g->cfg.memory_plan ? strlen(g->cfg.memory_plan) : 0);
     /* What the API honours (README.md, "API"). */
@@ -576,7 +577,7 @@ static void handle_server_info(gw *g, http_req *h) {
     jbuf_str(&b, "},");
     /* peers is {"targets": [...], "drafts": [...]}: its members join ours. */
     jbuf_add(&b, peers + 1, strlen(peers) - 1);
-    gw_reply_jbuf(g, h, MET_ROUTES, &b);
+    gateway_reply_jbuf(g, h, METRICS_ROUTES, &b);
     jbuf_free(&b);
     free(peers);
 }
@@ -590,7 +591,7 @@ static bool key_equal(const char *a, size_t na, const char *b) {
     return CRYPTO_memcmp(da, db, sizeof da) == 0;
 }
 
-static int check_key(gw *g, http_req *h, oai_error *e) {
+static int check_key(gateway *g, http_req *h, oai_error *e) {
     if (g->cfg.n_api_keys == 0) return AE_OK;
     const char *auth = http_head_get(http_req_head(h), "authorization");
     if (!auth)
@@ -606,37 +607,37 @@ static int check_key(gw *g, http_req *h, oai_error *e) {
     return oai_fail(e, 401, "invalid_request_error", "invalid_api_key", NULL, "the API key is not valid");
 }
 
-static void handle_chat(gw *g, http_req *h) { gw_handle_generate(g, h, OAI_CHAT); }
-static void handle_completions(gw *g, http_req *h) { gw_handle_generate(g, h, OAI_COMPLETION); }
-static void handle_model_list(gw *g, http_req *h) { handle_models(g, h, NULL); }
+static void handle_chat(gateway *g, http_req *h) { generate_handle(g, h, OAI_CHAT); }
+static void handle_completions(gateway *g, http_req *h) { generate_handle(g, h, OAI_COMPLETION); }
+static void handle_model_list(gateway *g, http_req *h) { handle_models(g, h, NULL); }
 
 /* The routes. /v1/models/{id} is matched by its prefix, after these. */
-typedef struct gw_route {
+typedef struct gateway_route {
     const char *path;
     bool post;       /* else GET */
     bool open;       /* no API key: a load balancer's probe and Prometheus; GET only, else 404 */
-    met_route route; /* counted under (MET_ROUTES: not counted) */
-    void (*handle)(gw *g, http_req *h);
-} gw_route;
+    metrics_route route; /* counted under (METRICS_ROUTES: not counted) */
+    void (*handle)(gateway *g, http_req *h);
+} gateway_route;
 
-static const gw_route routes[] = {
-    {"/health", false, true, MET_ROUTES, handle_health},
-    {"/metrics", false, true, MET_ROUTES, handle_metrics},
-    {"/v1/chat/completions", true, false, MET_CHAT, handle_chat},
-    {"/v1/completions", true, false, MET_COMPLETIONS, handle_completions},
-    {"/tokenize", true, false, MET_TOKENIZE, handle_tokenize},
-    {"/detokenize", true, false, MET_DETOKENIZE, handle_detokenize},
-    {"/v1/models", false, false, MET_ROUTES, handle_model_list},
-    {"/server_info", false, false, MET_ROUTES, handle_server_info},
+static const gateway_route routes[] = {
+    {"/health", false, true, METRICS_ROUTES, handle_health},
+    {"/metrics", false, true, METRICS_ROUTES, handle_metrics},
+    {"/v1/chat/completions", true, false, METRICS_CHAT, handle_chat},
+    {"/v1/completions", true, false, METRICS_COMPLETIONS, handle_completions},
+    {"/tokenize", true, false, METRICS_TOKENIZE, handle_tokenize},
+    {"/detokenize", true, false, METRICS_DETOKENIZE, handle_detokenize},
+    {"/v1/models", false, false, METRICS_ROUTES, handle_model_list},
+    {"/server_info", false, false, METRICS_ROUTES, handle_server_info},
 };
 
 static void on_request(void *ctx, http_req *h) {
-    gw *g = ctx;
+    gateway *g = ctx;
     const http_head *hd = http_req_head(h);
     const char *m = hd->method, *p = hd->path;
     bool get = strcmp(m, "GET") == 0, post = strcmp(m, "POST") == 0;
     oai_error e;
-    const gw_route *r = NULL;
+    const gateway_route *r = NULL;
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
         if (strcmp(p, routes[i].path) == 0) r = &routes[i];
     if (r && r->open) {
@@ -646,16 +647,16 @@ static void on_request(void *ctx, http_req *h) {
     bool model_path = !r && strncmp(p, "/v1/models/", 11) == 0 && p[11];
     if (!r && !model_path) {
         oai_fail(&e, 404, "invalid_request_error", "not_found", NULL, "no such route: %.100s %.200s", m, p);
-        return gw_reply_error(g, h, MET_ROUTES, &e);
+        return gateway_reply_error(g, h, METRICS_ROUTES, &e);
     }
-    met_route route = r ? r->route : MET_ROUTES;
+    metrics_route route = r ? r->route : METRICS_ROUTES;
     bool want_post = r && r->post;
     if ((want_post && !post) || (!want_post && !get)) {
         oai_fail(&e, 405, "invalid_request_error", "method_not_allowed", NULL, "%.200s takes %s, not %.20s", p,
                  want_post ? "POST" : "GET", m);
-        return gw_reply_error(g, h, route, &e);
+        return gateway_reply_error(g, h, route, &e);
     }
-    if (check_key(g, h, &e) != AE_OK) return gw_reply_error(g, h, route, &e);
+    if (check_key(g, h, &e) != AE_OK) return gateway_reply_error(g, h, route, &e);
     if (model_path) return handle_models(g, h, p + 11);
     r->handle(g, h);
 }
@@ -664,7 +665,7 @@ static void on_request(void *ctx, http_req *h) {
 
 static void on_log_timer(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    gw *g = arg;
+    gateway *g = arg;
     double dt = g->cfg.log_interval_ms / 1e3;
     uint64_t req = g->requests_done, toks = g->met.generation_tokens;
     char why[256];
@@ -677,21 +678,21 @@ static void on_log_timer(evutil_socket_t fd, short what, void *arg) {
 }
 
 typedef struct open_job {
-    gw *g;
+    gateway *g;
     ae_error *err;
     int rc;
 } open_job;
 
 static void open_on_loop(void *arg) {
     open_job *j = arg;
-    gw *g = j->g;
+    gateway *g = j->g;
     http_config hc = {
         .host = g->cfg.host,
         .port = g->cfg.port,
         .max_conns = g->cfg.max_conns,
-        .max_head_bytes = GW_MAX_HEAD_BYTES,
+        .max_head_bytes = GATEWAY_MAX_HEAD_BYTES,
         .max_body_bytes = g->cfg.max_body_bytes,
-        .max_out_bytes = GW_MAX_UNSENT_BYTES,
+        .max_out_bytes = GATEWAY_MAX_UNSENT_BYTES,
         .idle_timeout_ms = g->cfg.idle_timeout_ms,
         .handler = on_request,
         .error_body = http_error_body,
@@ -704,14 +705,14 @@ static void open_on_loop(void *arg) {
     AE_ASSERT(g->log_timer && event_add(g->log_timer, &tv) == 0);
 }
 
-int gw_open(gw **out, rpc_loop *loop, const gw_config *cfg, ae_error *err) {
+int gateway_open(gateway **out, rpc_loop *loop, const gateway_config *cfg, ae_error *err) {
     *out = NULL;
-    gw *g = calloc(1, sizeof *g);
+    gateway *g = calloc(1, sizeof *g);
     if (!g) return err_set(err, "out of memory");
     g->cfg = *cfg;
     g->loop = loop;
     g->started = (int64_t)time(NULL);
-    met_init(&g->met);
+    metrics_init(&g->met);
     if (workers_start(g, err) != AE_OK) {
         workers_stop(g);
         free(g);
@@ -728,32 +729,32 @@ int gw_open(gw **out, rpc_loop *loop, const gw_config *cfg, ae_error *err) {
     return AE_OK;
 }
 
-static void set_draining(void *arg) { ((gw *)arg)->draining = true; }
-void gw_set_draining(gw *g) { rpc_loop_run(g->loop, set_draining, g); }
+static void set_draining(void *arg) { ((gateway *)arg)->draining = true; }
+void gateway_set_draining(gateway *g) { rpc_loop_run(g->loop, set_draining, g); }
 
 typedef struct int_job {
-    gw *g;
+    gateway *g;
     int v;
 } int_job;
 
 static void get_inflight(void *arg) { ((int_job *)arg)->v = ((int_job *)arg)->g->inflight; }
-int gw_inflight(gw *g) {
+int gateway_inflight(gateway *g) {
     int_job j = {g, 0};
     rpc_loop_run(g->loop, get_inflight, &j);
     return j.v;
 }
 
-int gw_port(gw *g) { return g->http ? http_server_port(g->http) : 0; }
+int gateway_port(gateway *g) { return g->http ? http_server_port(g->http) : 0; }
 
 static void close_on_loop(void *arg) {
-    gw *g = arg;
+    gateway *g = arg;
     if (g->log_timer) event_free(g->log_timer);
     g->log_timer = NULL;
     g->draining = true;
     http_server_close(g->http); /* requests in flight see their client go: they cancel their calls */
 }
 
-void gw_close(gw *g) {
+void gateway_close(gateway *g) {
     if (!g || !g->http) return;
     rpc_loop_run(g->loop, close_on_loop, g);
     g->http = NULL;
@@ -763,9 +764,9 @@ void gw_close(gw *g) {
     workers_stop(g);
 }
 
-void gw_free(gw *g) {
+void gateway_free(gateway *g) {
     if (!g) return;
-    gw_close(g);
+    gateway_close(g);
     workers_stop(g);
     free(g);
 }

@@ -16,7 +16,7 @@
  *
  * Everything runs on the rpc_loop's one thread: HTTP, the RPC callbacks,
  * health checks and timers, except rendering and tokenizing prompts, which
- * GW_TOK_WORKERS threads do (with parsing the body) so that a big request
+ * GATEWAY_TOK_WORKERS threads do (with parsing the body) so that a big request
  * never stalls the loop. The functions below may be called from any
  * thread. */
 #ifndef AERIE_GATEWAY_GATEWAY_H
@@ -31,26 +31,26 @@
 #include "../services/tokenizer/tok.h"
 #include "router.h"
 
-#define GW_MAX_API_KEYS 64
-#define GW_MAX_HEAD_BYTES (64u << 10)  /* request line and headers */
-#define GW_MAX_UNSENT_BYTES (1u << 20) /* a client this far behind its stream is dropped */
+#define GATEWAY_MAX_API_KEYS 64
+#define GATEWAY_MAX_HEAD_BYTES (64u << 10)  /* request line and headers */
+#define GATEWAY_MAX_UNSENT_BYTES (1u << 20) /* a client this far behind its stream is dropped */
 /* A reply built from what a request names (/tokenize's ids,
  * /detokenize's text) is at most this long, else 413: a small body can
  * name a huge text (1 MiB of one whitespace token's id decodes to 11 MB),
  * and a whole reply is queued whatever the client reads. */
-#define GW_MAX_REPLY_BYTES GW_MAX_UNSENT_BYTES
-#define GW_TOK_WORKERS 2               /* threads that render and tokenize prompts */
+#define GATEWAY_MAX_REPLY_BYTES GATEWAY_MAX_UNSENT_BYTES
+#define GATEWAY_TOK_WORKERS 2               /* threads that render and tokenize prompts */
 /* What one worker holds at most for a body of b bytes, summed though
  * not all at once: the JSON tree (a cJSON node and malloc's overhead, 80
  * bytes, for every 2 bytes of "1,1,..."), the parsed request's copy of the
  * text (b), the rendered text (b plus at most 64 bytes of markers for each
  * of CHAT_MAX_MESSAGES, and the default system prompt), its ids (4 bytes
- * per byte of it) and a reply (GW_MAX_REPLY_BYTES, 1 MiB). GW_TOK_WORKERS
+ * per byte of it) and a reply (GATEWAY_MAX_REPLY_BYTES, 1 MiB). GATEWAY_TOK_WORKERS
  * of these are what the workers hold at once, for a memory plan to add. */
-#define GW_TOK_WORKER_BYTES(b) \
+#define GATEWAY_TOK_WORKER_BYTES(b) \
     (40u * (uint64_t)(b) + (uint64_t)(b) + 5u * ((uint64_t)(b) + 64u * CHAT_MAX_MESSAGES + 4096u) + (1u << 20))
 
-typedef struct gw_config {
+typedef struct gateway_config {
     const char *host;
     int port;
     const char *model_name; /* what /v1/models lists and requests must name */
@@ -70,23 +70,23 @@ typedef struct gw_config {
     const char *config_json;    /* the gateway's resolved settings, for /server_info */
     const char *memory_plan;    /* its buffers' worst case as arithmetic, for /server_info */
     int log_interval_ms;        /* 0: no periodic load line */
-} gw_config;
+} gateway_config;
 
-typedef struct gw gw;
+typedef struct gateway gateway;
 
 /* Starts serving on cfg->host:cfg->port. The config's strings, tokenizer,
  * template and router must outlive the gateway. */
-int gw_open(gw **out, rpc_loop *loop, const gw_config *cfg, ae_error *err);
+int gateway_open(gateway **out, rpc_loop *loop, const gateway_config *cfg, ae_error *err);
 /* From now on generation requests are answered 503 and /health is 503. */
-void gw_set_draining(gw *g);
+void gateway_set_draining(gateway *g);
 /* Generation requests in flight now. */
-int gw_inflight(gw *g);
-int gw_port(gw *g);
+int gateway_inflight(gateway *g);
+int gateway_port(gateway *g);
 /* Stops serving HTTP: every connection closes, and requests in flight are
  * cancelled at their targets. Waits for the tokenizer workers' jobs to end
  * (they may read the router). Calls end later (or when the router
  * closes): free the gateway only after router_close. */
-void gw_close(gw *g); /* NULL is a no-op */
-void gw_free(gw *g);  /* NULL is a no-op; closes first if needed */
+void gateway_close(gateway *g); /* NULL is a no-op */
+void gateway_free(gateway *g);  /* NULL is a no-op; closes first if needed */
 
 #endif

@@ -16,7 +16,8 @@
 #include "../services/rpc/msg.h"
 #include "../services/tokenizer/detok.h"
 #include "aerie.pb.h"
-#include "gw_internal.h"
+#include "gateway_internal.h"
+#include "generate.h"
 #include "render.h"
 #include "stop.h"
 #include "toolcall.h"
@@ -45,10 +46,10 @@ typedef struct gchoice {
 } gchoice;
 
 typedef struct greq {
-    gw *g;
+    gateway *g;
     http_req *http;
     oai_request o;
-    met_route route;
+    metrics_route route;
     char id[48];
     int64_t created;
     /* the prompt, then (n = 1) every token generated: what a retry resends */
@@ -75,7 +76,7 @@ typedef struct greq {
      * their shortest until known), kept under max-reply-bytes as it grows. */
     size_t reply_bytes;
     bool too_large;         /* it passed max-reply-bytes: the request ends with reply_too_large */
-    tjob job; /* the prompt's tokenizing, before the call */
+    gateway_job job; /* the prompt's tokenizing, before the call */
 } greq;
 
 static void greq_free(greq *q) {
@@ -332,10 +333,10 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
     if (ev.tokens_count > 0) {
         if (!q->t_first) {
             q->t_first = now;
-            met_hist_observe(&q->g->met.ttft, now - q->t_arrive);
+            metrics_hist_observe(&q->g->met.ttft, now - q->t_arrive);
         } else {
             double gap = (now - q->t_last) / ev.tokens_count;
-            for (pb_size_t i = 0; i < ev.tokens_count; i++) met_hist_observe(&q->g->met.itl, gap);
+            for (pb_size_t i = 0; i < ev.tokens_count; i++) metrics_hist_observe(&q->g->met.itl, gap);
         }
         q->t_last = now;
     }
@@ -373,12 +374,12 @@ static bool on_event(void *ctx, const uint8_t *msg, uint32_t len) {
 }
 
 static void finish_ok(greq *q) {
-    gw *g = q->g;
+    gateway *g = q->g;
     metrics *m = &g->met;
     m->prompt_tokens += (uint64_t)q->n_prompt;
     m->generation_tokens += (uint64_t)q->n_taken;
-    met_hist_observe(&m->prompt_hist, q->n_prompt);
-    met_hist_observe(&m->generation_hist, q->n_taken);
+    metrics_hist_observe(&m->prompt_hist, q->n_prompt);
+    metrics_hist_observe(&m->generation_hist, q->n_taken);
     for (int32_t c = 0; c < q->n; c++) {
         if (q->ch[c].finish == aerie_FinishReason_FINISH_LENGTH) m->finish.length++;
         else m->finish.stop++;
@@ -388,7 +389,7 @@ static void finish_ok(greq *q) {
         m->spec_plain_steps += q->spec.plain_steps;
         m->spec_drafted += q->spec.drafted;
         m->spec_accepted += q->spec.accepted;
-        for (pb_size_t d = 0; d < q->spec.accepted_at_count && d < MET_SPEC_POSITIONS; d++)
+        for (pb_size_t d = 0; d < q->spec.accepted_at_count && d < METRICS_SPEC_POSITIONS; d++)
             m->spec_accepted_at[d] += q->spec.accepted_at[d];
     }
     const char *fin = render_finish_name(q->ch[0].finish);
@@ -401,7 +402,7 @@ static void finish_ok(greq *q) {
             if (!b->oom) http_stream_write(q->http, b->p, b->len);
         }
         http_stream_write(q->http, "data: [DONE]\n\n", 14);
-        met_request(m, q->route, 200);
+        metrics_request(m, q->route, 200);
         http_stream_end(q->http);
     } else {
         jbuf b = {0};
@@ -409,11 +410,11 @@ static void finish_ok(greq *q) {
         jbuf_reserve(&b, q->reply_bytes);
         for (int32_t c = 0; c < q->n; c++) b.oom |= q->ch[c].out.oom; /* the text is incomplete */
         render_reply(&b, q);
-        gw_reply_jbuf(g, q->http, q->route, &b);
+        gateway_reply_jbuf(g, q->http, q->route, &b);
         jbuf_free(&b);
     }
     double now = clock_mono_seconds();
-    met_hist_observe(&m->e2e, now - q->t_arrive);
+    metrics_hist_observe(&m->e2e, now - q->t_arrive);
     LOG_INFOF("request id=%s route=%s target=%s prompt=%d completion=%d n=%d finish=%s ttft_ms=%.1f e2e_ms=%.1f",
               q->id, is_chat(q) ? "chat" : "completions",
               q->replica >= 0 ? router_addr(g->cfg.router, q->replica) : "-", q->n_prompt, q->n_taken, q->n, fin,
@@ -424,10 +425,10 @@ static void finish_ok(greq *q) {
 /* The request failed: an error reply, or an error event when the stream
  * has started. */
 static void finish_error(greq *q, const oai_error *e) {
-    gw *g = q->g;
+    gateway *g = q->g;
     g->met.finish.error++;
     if (!q->started) {
-        gw_reply_error(g, q->http, q->route, e);
+        gateway_reply_error(g, q->http, q->route, e);
         return;
     }
     char *json = oai_error_json(e);
@@ -436,7 +437,7 @@ static void finish_error(greq *q, const oai_error *e) {
     if (!b.oom) http_stream_write(q->http, b.p, b.len);
     jbuf_free(&b);
     free(json);
-    met_request(&g->met, q->route, e->status);
+    metrics_request(&g->met, q->route, e->status);
     http_stream_end(q->http);
     LOG_WARNF("request_failed id=%s status=%d reason=\"%s\"", q->id, e->status, e->message);
 }
@@ -451,11 +452,11 @@ static int start_call(greq *q, ae_error *err);
 
 static void on_end(void *ctx, const rpc_reply *r) {
     greq *q = ctx;
-    gw *g = q->g;
+    gateway *g = q->g;
     router_end(g->cfg.router, q->replica);
     if (q->gone) {
         g->met.finish.cancelled++;
-        met_request(&g->met, q->route, 499);
+        metrics_request(&g->met, q->route, 499);
         LOG_INFOF("request_cancelled id=%s reason=\"the client went away\" completion=%d", q->id, q->n_taken);
         /* Only frees the request: the client is gone. */
         if (q->started) http_stream_end(q->http);
@@ -514,7 +515,7 @@ static void on_end(void *ctx, const rpc_reply *r) {
 /* Sends the prompt (and whatever was generated before a retry) to the
  * least-loaded healthy replica not yet tried. */
 static int start_call(greq *q, ae_error *err) {
-    gw *g = q->g;
+    gateway *g = q->g;
     /* Choices forked on one target go on there or nowhere: a retry can
      * resend one output, not n. */
     if (q->n > 1 && q->n_taken > 0)
@@ -587,33 +588,33 @@ static void on_client_gone(void *arg) {
     if (q->replica >= 0) rpc_client_cancel(router_client(q->g->cfg.router, q->replica), q->call_id);
 }
 
-static void on_prompt_encoded(tjob *j);
+static void on_prompt_encoded(gateway_job *j);
 
 /* A generation request: parsed and tokenized by a worker (a 1 MiB body
  * of any shape costs the loop nothing but its bytes), then checked and
  * sent to a target by on_prompt_encoded. */
-void gw_handle_generate(gw *g, http_req *h, oai_kind kind) {
-    met_route route = kind == OAI_CHAT ? MET_CHAT : MET_COMPLETIONS;
+void generate_handle(gateway *g, http_req *h, oai_kind kind) {
+    metrics_route route = kind == OAI_CHAT ? METRICS_CHAT : METRICS_COMPLETIONS;
     oai_error e;
     greq *q = calloc(1, sizeof *q);
-    if (!q) return gw_reply_error(g, h, route, (oai_oom(&e), &e));
+    if (!q) return gateway_reply_error(g, h, route, (oai_oom(&e), &e));
     q->g = g;
     q->http = h;
     q->route = route;
     q->replica = -1;
     q->t_arrive = clock_mono_seconds();
     http_req_on_close(h, on_client_gone, q);
-    gw_tjob_submit(g, &q->job, h, TJOB_GENERATE, kind, &q->o, on_prompt_encoded);
+    gateway_job_submit(g, &q->job, h, TJOB_GENERATE, kind, &q->o, on_prompt_encoded);
 }
 
-static void on_prompt_encoded(tjob *j) {
+static void on_prompt_encoded(gateway_job *j) {
     greq *q = (greq *)(void *)((char *)j - offsetof(greq, job));
-    gw *g = q->g;
+    gateway *g = q->g;
     oai_kind kind = j->kind;
     oai_error e;
     if (q->gone) {
         g->met.finish.cancelled++;
-        met_request(&g->met, q->route, 499);
+        metrics_request(&g->met, q->route, 499);
         LOG_INFOF("request_cancelled id=- reason=\"the client went away while its prompt was tokenized\"");
         http_respond(q->http, 499, "application/json", NULL, NULL, 0); /* only frees it */
         greq_free(q);
@@ -638,9 +639,9 @@ static void on_prompt_encoded(tjob *j) {
                  "%d requests are in flight (the gateway's max-inflight); retry later", g->inflight);
         goto refuse;
     }
-    int32_t ctx = gw_context_len(g);
+    int32_t ctx = gateway_context_len(g);
     if (ctx <= 0) {
-        gw_no_target(g, &e);
+        gateway_no_target(g, &e);
         goto refuse;
     }
     int32_t max_prompt = g->cfg.max_prompt_tokens > 0 && g->cfg.max_prompt_tokens < ctx ? g->cfg.max_prompt_tokens
@@ -731,6 +732,6 @@ static void on_prompt_encoded(tjob *j) {
     if (q->o.format != OAI_TEXT) g->met.constrained++;
     return;
 refuse:
-    gw_reply_error(g, q->http, q->route, &e);
+    gateway_reply_error(g, q->http, q->route, &e);
     greq_free(q);
 }

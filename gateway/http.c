@@ -256,10 +256,10 @@ typedef enum conn_state {
     CONN_LINGER,   /* sent and shut for writing; input dropped until EOF */
 } conn_state;
 
-typedef struct conn conn;
+typedef struct rpc_conn rpc_conn;
 
 struct http_req {
-    conn *c; /* while the handler owns r and the connection is open */
+    rpc_conn *c; /* while the handler owns r and the connection is open */
     http_head head;
     char *head_buf; /* the head's bytes; head's strings point here */
     char *body;     /* body_len bytes + NUL; NULL when empty */
@@ -272,7 +272,7 @@ struct http_req {
     bool no_body; /* HEAD, 1xx, 204, 304: the reply has no body */
 };
 
-struct conn {
+struct rpc_conn {
     http_server *srv; /* NULL once closed */
     struct bufferevent *bev;
     struct event *timer;  /* idle timeout, then the linger */
@@ -288,7 +288,7 @@ struct conn {
     http_req *pending; /* head read, body coming */
     http_req *req;     /* owned by the handler */
     char peer[HTTP_PEER_MAX];
-    conn *prev, *next; /* srv->conns */
+    rpc_conn *prev, *next; /* srv->conns */
 };
 
 struct http_server {
@@ -297,7 +297,7 @@ struct http_server {
     char host[HTTP_HOST_MAX];
     struct evconnlistener *listener;
     struct event *accept_pause;
-    conn *conns;
+    rpc_conn *conns;
     int n_conns;   /* serving */
     int n_closing; /* refused or sending their last reply */
 };
@@ -309,7 +309,7 @@ static void req_free(http_req *r) {
     free(r);
 }
 
-static void timer_arm(conn *c, int ms) {
+static void timer_arm(rpc_conn *c, int ms) {
     if (ms <= 0) {
         event_del(c->timer);
         return;
@@ -318,14 +318,14 @@ static void timer_arm(conn *c, int ms) {
     evtimer_add(c->timer, &tv);
 }
 
-static void conn_free(conn *c) {
+static void conn_free(rpc_conn *c) {
     event_free(c->timer);
     event_free(c->resume);
     bufferevent_free(c->bev);
     free(c);
 }
 
-static void conn_unlink(conn *c) {
+static void conn_unlink(rpc_conn *c) {
     http_server *s = c->srv;
     if (!s) return;
     if (c->prev) c->prev->next = c->next;
@@ -341,7 +341,7 @@ static void conn_unlink(conn *c) {
  * and lives on until answered; c itself goes after the innermost
  * conn_process returns. why: NULL for an ordinary end. One log line: info
  * when a request is cut short, else debug. */
-static void conn_close(conn *c, const char *why) {
+static void conn_close(rpc_conn *c, const char *why) {
     if (c->closed) return;
     c->closed = true;
     if (why && !c->req) LOG_DEBUGF("http_closed peer=%s reason=\"%s\"", c->peer, why);
@@ -363,7 +363,7 @@ static void conn_close(conn *c, const char *why) {
 
 /* Closed from resume_cb, not here: a slow reader is noticed inside a
  * handler's write, which must not see its own on_close run under it. */
-static void conn_drop(conn *c) {
+static void conn_drop(rpc_conn *c) {
     if (c->drop || c->closed) return;
     c->drop_queued = evbuffer_get_length(bufferevent_get_output(c->bev));
     c->drop = true;
@@ -372,7 +372,7 @@ static void conn_drop(conn *c) {
 }
 
 /* Drops the client when more than max_out_bytes + allowance are unsent. */
-static bool conn_check_out(conn *c, size_t allowance) {
+static bool conn_check_out(rpc_conn *c, size_t allowance) {
     size_t queued = evbuffer_get_length(bufferevent_get_output(c->bev));
     if (queued <= allowance || queued - allowance <= c->srv->cfg.max_out_bytes) return true;
     conn_drop(c);
@@ -383,7 +383,7 @@ static bool conn_check_out(conn *c, size_t allowance) {
  * still sends (the rest of a refused body) is read and dropped until it
  * closes, because closing a socket with unread input sends a reset that
  * can destroy the reply before the client reads it. */
-static void conn_flushed(conn *c) {
+static void conn_flushed(rpc_conn *c) {
     if (c->eof) {
         conn_close(c, NULL);
         return;
@@ -396,7 +396,7 @@ static void conn_flushed(conn *c) {
 
 /* Stops serving requests: sends what is queued, then closes. c may be
  * gone on return when called outside conn_process. */
-static void conn_close_after_flush(conn *c) {
+static void conn_close_after_flush(rpc_conn *c) {
     http_server *s = c->srv;
     if (c->counted) {
         c->counted = false;
@@ -430,7 +430,7 @@ static void put_head(struct evbuffer *out, int status, const char *content_type,
 }
 
 /* Answers an error with the caller's body and closes the connection. */
-static void conn_refuse(conn *c, int status, const char *why) {
+static void conn_refuse(rpc_conn *c, int status, const char *why) {
     http_server *s = c->srv;
     LOG_INFOF("http_refused status=%d peer=%s reason=\"%s\"", status, c->peer, why);
     char body[HTTP_ERROR_BODY_MAX];
@@ -450,7 +450,7 @@ static void conn_refuse(conn *c, int status, const char *why) {
 }
 
 /* Reads a head if a whole one is there. False: wait for more bytes. */
-static bool read_head(conn *c, struct evbuffer *in) {
+static bool read_head(rpc_conn *c, struct evbuffer *in) {
     const http_config *cfg = &c->srv->cfg;
     /* Empty lines before a request (RFC 9112 2.2) are dropped whenever
      * they are whole, however they were split across reads: a lone "\r"
@@ -517,7 +517,7 @@ static bool read_head(conn *c, struct evbuffer *in) {
 }
 
 /* Reads the body if all of it is there, then hands the request over. */
-static bool read_body(conn *c, struct evbuffer *in) {
+static bool read_body(rpc_conn *c, struct evbuffer *in) {
     http_req *r = c->pending;
     if (evbuffer_get_length(in) < r->body_len) return false;
     if (r->body_len) {
@@ -542,7 +542,7 @@ static bool read_body(conn *c, struct evbuffer *in) {
 
 /* The connection's state machine: reads requests while whole ones are
  * there and the handler has answered the one before. */
-static void conn_process(conn *c) {
+static void conn_process(rpc_conn *c) {
     struct evbuffer *in = bufferevent_get_input(c->bev);
     c->depth++;
     for (int served = 0; !c->closed && !c->drop;) {
@@ -572,12 +572,12 @@ static void on_read(struct bufferevent *bev, void *arg) {
 
 static void on_write(struct bufferevent *bev, void *arg) {
     (void)bev;
-    conn *c = arg;
+    rpc_conn *c = arg;
     if (c->state == CONN_CLOSING) conn_flushed(c);
 }
 
 static void on_event(struct bufferevent *bev, short what, void *arg) {
-    conn *c = arg;
+    rpc_conn *c = arg;
     if (what & BEV_EVENT_TIMEOUT) {
         conn_close(c, "the last reply did not drain");
     } else if (what & BEV_EVENT_ERROR) {
@@ -592,13 +592,13 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
 
 static void timer_cb(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    conn *c = arg;
+    rpc_conn *c = arg;
     conn_close(c, c->state == CONN_LINGER ? NULL : "idle timeout");
 }
 
 static void resume_cb(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    conn *c = arg;
+    rpc_conn *c = arg;
     if (c->closed) return;
     if (!c->drop) {
         conn_process(c);
@@ -650,7 +650,7 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
         evutil_closesocket(fd);
         return;
     }
-    conn *c = calloc(1, sizeof *c);
+    rpc_conn *c = calloc(1, sizeof *c);
     if (c) {
         c->bev = bufferevent_socket_new(s->base, fd, BEV_OPT_CLOSE_ON_FREE);
         c->timer = evtimer_new(s->base, timer_cb, c);
@@ -821,7 +821,7 @@ bool http_req_gone(const http_req *r) { return !r->c || r->c->drop; }
 /* The handler is done with r: the connection goes on with its next
  * request (keep_alive) or closes once the reply is sent. */
 static void req_finish(http_req *r, bool keep_alive) {
-    conn *c = r->c;
+    rpc_conn *c = r->c;
     AE_ASSERT(!c || c->req == r);
     req_free(r);
     if (!c) return;
@@ -845,7 +845,7 @@ void http_respond(http_req *r, int status, const char *content_type, const char 
                   size_t len) {
     AE_ASSERT(r && !r->started);
     AE_ASSERT(body || len == 0);
-    conn *c = r->c;
+    rpc_conn *c = r->c;
     bool keep_alive = false;
     if (c && !c->drop) {
         struct evbuffer *out = bufferevent_get_output(c->bev);
@@ -867,7 +867,7 @@ void http_stream_start(http_req *r, int status, const char *content_type, const 
     r->no_body = !status_has_body(status) || strcmp(r->head.method, "HEAD") == 0;
     /* HTTP/1.0 has no chunked encoding: the end of the connection ends the reply. */
     r->chunked = r->head.minor >= 1;
-    conn *c = r->c;
+    rpc_conn *c = r->c;
     if (!c || c->drop) return;
     struct evbuffer *out = bufferevent_get_output(c->bev);
     size_t before = evbuffer_get_length(out);
@@ -881,7 +881,7 @@ void http_stream_start(http_req *r, int status, const char *content_type, const 
  * queues what the socket did not take. A queued write costs a loop wakeup
  * and two epoll changes, for every streamed token; most chunks fit the
  * socket's buffer at once. */
-static void send_or_queue(conn *c, struct iovec *iov, int n) {
+static void send_or_queue(rpc_conn *c, struct iovec *iov, int n) {
     struct evbuffer *out = bufferevent_get_output(c->bev);
     size_t sent = 0;
     if (evbuffer_get_length(out) == 0) {
@@ -899,7 +899,7 @@ static void send_or_queue(conn *c, struct iovec *iov, int n) {
 int http_stream_write(http_req *r, const void *data, size_t len) {
     AE_ASSERT(r && r->started);
     AE_ASSERT(data || len == 0);
-    conn *c = r->c;
+    rpc_conn *c = r->c;
     if (!c || c->drop) return AE_ERR;
     if (len == 0 || r->no_body) return AE_OK; /* an empty chunk would end the stream */
     char size[24];
@@ -912,7 +912,7 @@ int http_stream_write(http_req *r, const void *data, size_t len) {
 
 void http_stream_end(http_req *r) {
     AE_ASSERT(r && r->started);
-    conn *c = r->c;
+    rpc_conn *c = r->c;
     bool keep_alive = false;
     if (c && !c->drop) {
         if (r->chunked && !r->no_body) put_str(bufferevent_get_output(c->bev), "0\r\n\r\n");

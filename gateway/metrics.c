@@ -14,14 +14,14 @@ static const double latency_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.0
 static const double tokens_le[] = {1,    2,    4,    8,    16,    32,    64,    128,   256,
                                    512,  1024, 2048, 4096, 8192, 16384, 32768, 65536};
 
-void met_hist_init(met_hist *h, const double *le, int n) {
-    AE_ASSERT(n >= 1 && n <= MET_MAX_BUCKETS);
+void metrics_hist_init(metrics_hist *h, const double *le, int n) {
+    AE_ASSERT(n >= 1 && n <= METRICS_MAX_BUCKETS);
     memset(h, 0, sizeof *h);
     h->le = le;
     h->n = n;
 }
 
-void met_hist_observe(met_hist *h, double v) {
+void metrics_hist_observe(metrics_hist *h, double v) {
     int i = 0;
     while (i < h->n && v > h->le[i]) i++;
     h->counts[i]++;
@@ -29,18 +29,18 @@ void met_hist_observe(met_hist *h, double v) {
     h->sum += v;
 }
 
-void met_init(metrics *m) {
+void metrics_init(metrics *m) {
     memset(m, 0, sizeof *m);
     int n = (int)(sizeof latency_le / sizeof latency_le[0]);
-    met_hist_init(&m->ttft, latency_le, n);
-    met_hist_init(&m->itl, latency_le, n);
-    met_hist_init(&m->e2e, latency_le, n);
+    metrics_hist_init(&m->ttft, latency_le, n);
+    metrics_hist_init(&m->itl, latency_le, n);
+    metrics_hist_init(&m->e2e, latency_le, n);
     int nt = (int)(sizeof tokens_le / sizeof tokens_le[0]);
-    met_hist_init(&m->prompt_hist, tokens_le, nt);
-    met_hist_init(&m->generation_hist, tokens_le, nt);
+    metrics_hist_init(&m->prompt_hist, tokens_le, nt);
+    metrics_hist_init(&m->generation_hist, tokens_le, nt);
 }
 
-void met_request(metrics *m, met_route route, int status) {
+void metrics_request(metrics *m, metrics_route route, int status) {
     for (int i = 0; i < m->n_requests; i++)
         if (m->requests[i].route == route && m->requests[i].status == status) {
             m->requests[i].n++;
@@ -48,14 +48,14 @@ void met_request(metrics *m, met_route route, int status) {
         }
     /* The gateway answers a fixed set of statuses per route, so the table
      * cannot fill. */
-    AE_ASSERT(m->n_requests < MET_MAX_CODES);
+    AE_ASSERT(m->n_requests < METRICS_MAX_CODES);
     m->requests[m->n_requests].route = route;
     m->requests[m->n_requests].status = status;
     m->requests[m->n_requests++].n = 1;
 }
 
-static const char *route_name(met_route r) {
-    static const char *const names[MET_ROUTES] = {"chat_completions", "completions", "tokenize", "detokenize"};
+static const char *route_name(metrics_route r) {
+    static const char *const names[METRICS_ROUTES] = {"chat_completions", "completions", "tokenize", "detokenize"};
     return names[r];
 }
 
@@ -68,7 +68,7 @@ static void counter(FILE *f, const char *name, const char *help, uint64_t v) {
     fprintf(f, "%s %llu\n", name, (unsigned long long)v);
 }
 
-static void hist(FILE *f, const char *name, const char *help, const met_hist *h) {
+static void hist(FILE *f, const char *name, const char *help, const metrics_hist *h) {
     head(f, name, "histogram", help);
     uint64_t cum = 0;
     for (int i = 0; i < h->n; i++) {
@@ -80,11 +80,11 @@ static void hist(FILE *f, const char *name, const char *help, const met_hist *h)
             h->sum, name, (unsigned long long)h->count);
 }
 
-static void target_series(FILE *f, const met_gauges *g, const char *name, const char *type, const char *help,
+static void target_series(FILE *f, const metrics_gauges *g, const char *name, const char *type, const char *help,
                           int field) {
     head(f, name, type, help);
     for (int i = 0; i < g->n_targets; i++) {
-        const met_target *t = &g->targets[i];
+        const metrics_target *t = &g->targets[i];
         double v = field == 0   ? t->healthy
                    : field == 1 ? t->running
                    : field == 2 ? t->waiting
@@ -102,11 +102,11 @@ static void target_series(FILE *f, const met_gauges *g, const char *name, const 
     }
 }
 
-static void target_gauge(FILE *f, const met_gauges *g, const char *name, const char *help, int field) {
+static void target_gauge(FILE *f, const metrics_gauges *g, const char *name, const char *help, int field) {
     target_series(f, g, name, "gauge", help, field);
 }
 
-char *met_render(const metrics *m, const met_gauges *g, size_t *len) {
+char *metrics_render(const metrics *m, const metrics_gauges *g, size_t *len) {
     char *buf = NULL;
     size_t n = 0;
     FILE *f = open_memstream(&buf, &n);
@@ -138,7 +138,7 @@ char *met_render(const metrics *m, const met_gauges *g, size_t *len) {
     counter(f, "aerie_spec_accepted_tokens_total", "drafted tokens accepted", m->spec_accepted);
     head(f, "aerie_spec_accepted_at_position_total", "counter",
          "verify steps that accepted a drafted token at this depth of the tree (1: the first drafted token)");
-    for (int d = 0; d < MET_SPEC_POSITIONS; d++)
+    for (int d = 0; d < METRICS_SPEC_POSITIONS; d++)
         fprintf(f, "aerie_spec_accepted_at_position_total{position=\"%d\"} %llu\n", d + 1,
                 (unsigned long long)m->spec_accepted_at[d]);
     head(f, "aerie_gateway_requests_inflight", "gauge", "generation requests the gateway is serving now");

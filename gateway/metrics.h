@@ -13,49 +13,49 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MET_MAX_BUCKETS 24
-#define MET_SPEC_POSITIONS 16 /* accepted-at-depth counters kept */
-#define MET_MAX_CODES 64      /* distinct (route, status) pairs: the gateway answers far fewer */
+#define METRICS_MAX_BUCKETS 24
+#define METRICS_SPEC_POSITIONS 16 /* accepted-at-depth counters kept */
+#define METRICS_MAX_CODES 64      /* distinct (route, status) pairs: the gateway answers far fewer */
 
-typedef struct met_hist {
+typedef struct metrics_hist {
     const double *le; /* upper bounds, increasing; +Inf is implied */
     int n;
-    uint64_t counts[MET_MAX_BUCKETS + 1]; /* per bucket, not cumulative; [n] is +Inf */
+    uint64_t counts[METRICS_MAX_BUCKETS + 1]; /* per bucket, not cumulative; [n] is +Inf */
     uint64_t count;
     double sum;
-} met_hist;
+} metrics_hist;
 
-void met_hist_init(met_hist *h, const double *le, int n);
-void met_hist_observe(met_hist *h, double v);
+void metrics_hist_init(metrics_hist *h, const double *le, int n);
+void metrics_hist_observe(metrics_hist *h, double v);
 
-typedef enum met_route { MET_CHAT, MET_COMPLETIONS, MET_TOKENIZE, MET_DETOKENIZE, MET_ROUTES } met_route;
+typedef enum metrics_route { METRICS_CHAT, METRICS_COMPLETIONS, METRICS_TOKENIZE, METRICS_DETOKENIZE, METRICS_ROUTES } metrics_route;
 
-typedef struct met_finish {
+typedef struct metrics_finish {
     uint64_t stop, length, cancelled, error;
-} met_finish;
+} metrics_finish;
 
 typedef struct metrics {
     struct {
-        met_route route;
+        metrics_route route;
         int status;
         uint64_t n;
-    } requests[MET_MAX_CODES];
+    } requests[METRICS_MAX_CODES];
     int n_requests;
     uint64_t prompt_tokens, generation_tokens;
-    met_finish finish;
-    met_hist ttft, itl, e2e;                 /* seconds */
-    met_hist prompt_hist, generation_hist;   /* tokens per request */
+    metrics_finish finish;
+    metrics_hist ttft, itl, e2e;                 /* seconds */
+    metrics_hist prompt_hist, generation_hist;   /* tokens per request */
     uint64_t spec_steps, spec_plain_steps, spec_drafted, spec_accepted;
-    uint64_t spec_accepted_at[MET_SPEC_POSITIONS]; /* [d]: steps that accepted a token at depth d + 1 */
+    uint64_t spec_accepted_at[METRICS_SPEC_POSITIONS]; /* [d]: steps that accepted a token at depth d + 1 */
     uint64_t retries;                              /* requests moved to another replica after a failure */
     uint64_t constrained;                          /* requests with a response_format (json_object, json_schema) */
 } metrics;
 
-void met_init(metrics *m);
-void met_request(metrics *m, met_route route, int status);
+void metrics_init(metrics *m);
+void metrics_request(metrics *m, metrics_route route, int status);
 
 /* One target replica as its latest Info reported it. */
-typedef struct met_target {
+typedef struct metrics_target {
     const char *addr;
     bool healthy;
     int inflight; /* this gateway's requests on it now */
@@ -64,16 +64,16 @@ typedef struct met_target {
     /* tensor parallelism: ranks, the allreduces of its last forward pass,
      * and all of them since it started, with their time */
     double tp, allreduces_per_step, allreduces_total, allreduce_seconds;
-} met_target;
+} metrics_target;
 
-typedef struct met_gauges {
-    const met_target *targets;
+typedef struct metrics_gauges {
+    const metrics_target *targets;
     int n_targets;
     int inflight;    /* the gateway's requests in flight */
     int connections; /* open HTTP connections */
-} met_gauges;
+} metrics_gauges;
 
 /* The exposition text, malloc'd and NUL-terminated; *len its length. */
-char *met_render(const metrics *m, const met_gauges *g, size_t *len); /* NULL: out of memory */
+char *metrics_render(const metrics *m, const metrics_gauges *g, size_t *len); /* NULL: out of memory */
 
 #endif

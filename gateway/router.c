@@ -304,10 +304,10 @@ int32_t router_context(const router *r) {
     return ctx;
 }
 
-void router_gauges(const router *r, met_target *t) {
+void router_gauges(const router *r, metrics_target *t) {
     for (int i = 0; i < r->n_targets; i++) {
         const peer *p = &r->targets[i];
-        t[i] = (met_target){p->addr,           p->healthy,   p->inflight,      p->running,
+        t[i] = (metrics_target){p->addr,           p->healthy,   p->inflight,      p->running,
                             p->waiting,        p->kv_blocks_used, p->kv_blocks, p->grammar_masks,
                             p->grammar_mask_seconds, p->tp, p->allreduces_per_step, p->allreduces_total,
                             p->allreduce_seconds};

@@ -55,7 +55,7 @@ int router_healthy(const router *r, char *why, size_t cap);
 int32_t router_context(const router *r);
 
 /* Gauges for /metrics, one per replica (targets must hold router_count). */
-void router_gauges(const router *r, met_target *targets);
+void router_gauges(const router *r, metrics_target *targets);
 
 /* {"targets": [...], "drafts": [...]} with each one's address, health and
  * latest Info (settings, memory plan, live figures), malloc'd. */

@@ -110,10 +110,10 @@ int kn_device_open(const char *spec, kn_device *out, ae_error *err) {
     return AE_OK;
 }
 
-int kn_device_from_cfg(struct cfg *c, kn_device *out, ae_error *err) {
-    if (kn_device_open(cfg_str(c, "device"), out, err) != AE_OK) return AE_ERR;
-    if (cfg_is_auto(c, "device")) {
-        cfg_set_auto_str(c, "device", out->name);
+int kn_device_from_cfg(struct config *c, kn_device *out, ae_error *err) {
+    if (kn_device_open(config_str(c, "device"), out, err) != AE_OK) return AE_ERR;
+    if (config_is_auto(c, "device")) {
+        config_set_auto_str(c, "device", out->name);
         LOG_INFOF("device %s (auto: %s)", out->name, out->why);
     }
     if (out->kind == KN_DEVICE_CUDA)

@@ -51,8 +51,8 @@ int kn_device_open(const char *spec, kn_device *out, ae_error *err);
 
 /* A service's --device: opens c's "device", replaces "auto" with what it
  * chose, and logs the choice (and why, for auto) and the GPU it opened. */
-struct cfg; /* services/core/config.h */
-int kn_device_from_cfg(struct cfg *c, kn_device *out, ae_error *err);
+struct config; /* services/core/config.h */
+int kn_device_from_cfg(struct config *c, kn_device *out, ae_error *err);
 
 /* The plugin's path: $AERIE_CUDA_LIB, else libaerie-cuda.so beside the
  * running program or one folder up (build/asan/ binaries use build/'s). */

@@ -109,7 +109,7 @@ int arch_check_rope(const kn_rope_config *r, const arch_rope_keys *k, ae_error *
     return AE_OK;
 }
 
-int arch_check_rope_hf(const model_config *c, const hfcfg *hc, const char *dims, const char *path, ae_error *err) {
+int arch_check_rope_hf(const model_config *c, const hfconfig *hc, const char *dims, const char *path, ae_error *err) {
     bool tf5 = hc->rope_scaling.key && !strcmp(hc->rope_scaling.key, "rope_parameters");
     arch_rope_keys k = {hc->text_config ? "text_config." : "",
                         hc->rope_theta_key ? hc->rope_theta_key : "rope_theta",

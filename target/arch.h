@@ -44,7 +44,7 @@ typedef struct arch {
     /* The hyperparameters, into c (c->arch is set): from a GGUF file's
      * keys, or from a Hugging Face config.json (read at path). */
     int (*config_gguf)(model_config *c, const gguf_file *f, ae_error *err);
-    int (*config_hf)(model_config *c, const hfcfg *hc, const char *path, ae_error *err);
+    int (*config_hf)(model_config *c, const hfconfig *hc, const char *path, ae_error *err);
     /* Every tensor the forward pass reads, from m->w, with each layer's
      * block kinds; quantized matrices packed (weights_pack). */
     int (*load)(model *m, ae_error *err);
@@ -119,6 +119,6 @@ int arch_check_rope(const kn_rope_config *r, const arch_rope_keys *k, ae_error *
 /* The same for c->rope as read from the config.json at path (hc), whose
  * rotated dims are the key dims (NULL: the head's); errors start with
  * the path. */
-int arch_check_rope_hf(const model_config *c, const hfcfg *hc, const char *dims, const char *path, ae_error *err);
+int arch_check_rope_hf(const model_config *c, const hfconfig *hc, const char *dims, const char *path, ae_error *err);
 
 #endif

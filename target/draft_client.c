@@ -14,10 +14,10 @@
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
 
-#define DCLI_MAX_SEQS 64 /* per call: aerie.options ProposeRequest.seqs */
+#define DRAFT_CLIENT_MAX_SEQS 64 /* per call: aerie.options ProposeRequest.seqs */
 
-struct dcli {
-    dcli_config cfg;
+struct draft_client {
+    draft_client_config cfg;
     char addr[256];
     rpc_client *rpc;
     uint64_t client_id;
@@ -26,15 +26,15 @@ struct dcli {
     aerie_ProposeRequest req;
     aerie_ProposeReply rep;
     uint8_t msg[aerie_ProposeRequest_size];
-    rpc_iov iov[3 * DCLI_MAX_SEQS];
+    rpc_iov iov[3 * DRAFT_CLIENT_MAX_SEQS];
     uint16_t *half;  /* the call's features as f16, grown to the largest call */
     size_t half_cap; /* elements */
     rpc_reply reply;
     pthread_mutex_t mu; /* stats */
-    dcli_stats stats;
+    draft_client_stats stats;
 };
 
-static void count(dcli *d, uint64_t *field) {
+static void count(draft_client *d, uint64_t *field) {
     pthread_mutex_lock(&d->mu);
     d->stats.failures++;
     (*field)++;
@@ -50,7 +50,7 @@ static uint16_t feature_f16(float x) {
 }
 
 /* feeds' features as f16 in d->half, one run per feed, in order. */
-static int features_f16(dcli *d, const spec_feed *feeds, int32_t n, ae_error *err) {
+static int features_f16(draft_client *d, const spec_feed *feeds, int32_t n, ae_error *err) {
     size_t need = 0, fw = (size_t)d->cfg.feature_width;
     for (int32_t i = 0; i < n; i++) need += (size_t)feeds[i].n * fw;
     if (need > d->half_cap) {
@@ -65,8 +65,8 @@ static int features_f16(dcli *d, const spec_feed *feeds, int32_t n, ae_error *er
     return AE_OK;
 }
 
-/* One call for feeds[0..n), n <= DCLI_MAX_SEQS. */
-static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+/* One call for feeds[0..n), n <= DRAFT_CLIENT_MAX_SEQS. */
+static int propose_some(draft_client *d, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
                         ae_error *err) {
     aerie_ProposeRequest *rq = &d->req;
     memset(rq, 0, sizeof *rq);
@@ -74,8 +74,8 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
     rq->has_shape = true;
     rq->shape = (aerie_TreeShape){(uint32_t)shape->steps, (uint32_t)shape->topk, (uint32_t)shape->tokens};
     rq->feature_width = (uint32_t)d->cfg.feature_width;
-    rq->capture_layers_count = LLAMA_MAX_CAPTURE;
-    for (int32_t i = 0; i < LLAMA_MAX_CAPTURE; i++) rq->capture_layers[i] = (uint32_t)d->cfg.capture[i];
+    rq->capture_layers_count = FORWARD_MAX_CAPTURE;
+    for (int32_t i = 0; i < FORWARD_MAX_CAPTURE; i++) rq->capture_layers[i] = (uint32_t)d->cfg.capture[i];
     rq->seqs_count = (pb_size_t)n;
     rq->feature_type = aerie_FeatureType_FEATURES_F16;
     if (features_f16(d, feeds, n, err) != AE_OK) return AE_ERR;
@@ -109,7 +109,7 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
         count(d, st == RPC_DEADLINE_EXCEEDED ? &d->stats.deadline_exceeded
                  : st == RPC_UNAVAILABLE     ? &d->stats.unavailable
                                              : &d->stats.bad_replies);
-        err_set(err, "draft %s: %s: %s", d->addr, rpc_status_name(st), d->reply.error);
+        err_set(err, "draft %s: %s: %s", d->addr, frame_status_name(st), d->reply.error);
         return st == RPC_UNAVAILABLE && !rpc_client_connected(d->rpc) ? SPEC_DRAFT_DOWN : AE_ERR;
     }
     aerie_ProposeReply *rp = &d->rep;
@@ -127,7 +127,7 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
             continue;
         }
         if (t->status != aerie_SeqStatus_SEQ_OK || t->tokens_count != t->parents_count ||
-            t->tokens_count != t->probs_count || t->tokens_count > ENG_MAX_TREE) {
+            t->tokens_count != t->probs_count || t->tokens_count > ENGINE_MAX_TREE) {
             count(d, &d->stats.bad_replies);
             return err_set(err, "draft %s: a malformed tree in the Propose reply", d->addr);
         }
@@ -146,11 +146,11 @@ static int propose_some(dcli *d, const spec_feed *feeds, int32_t n, const spec_s
     return AE_OK;
 }
 
-static int dcli_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
+static int draft_client_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
                         ae_error *err) {
-    dcli *d = ctx;
-    for (int32_t at = 0; at < n; at += DCLI_MAX_SEQS) {
-        int32_t m = n - at < DCLI_MAX_SEQS ? n - at : DCLI_MAX_SEQS;
+    draft_client *d = ctx;
+    for (int32_t at = 0; at < n; at += DRAFT_CLIENT_MAX_SEQS) {
+        int32_t m = n - at < DRAFT_CLIENT_MAX_SEQS ? n - at : DRAFT_CLIENT_MAX_SEQS;
         int rc = propose_some(d, feeds + at, m, shape, trees + at, err);
         if (rc != AE_OK) return rc;
     }
@@ -159,7 +159,7 @@ static int dcli_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
 
 /* A Release's answer changes nothing here: a failed one leaves state the
  * draft's LRU takes back. */
-static void count_release_failure(dcli *d) {
+static void count_release_failure(draft_client *d) {
     pthread_mutex_lock(&d->mu);
     d->stats.release_failures++;
     pthread_mutex_unlock(&d->mu);
@@ -172,8 +172,8 @@ static void release_done(void *ctx, const rpc_reply *r) {
 /* Sent without waiting for the answer: spec calls this on the scheduler
  * thread as a sequence ends, and waiting up to the deadline there would
  * stall every running stream behind a slow draft. */
-static void dcli_release(void *ctx, int32_t seq) {
-    dcli *d = ctx;
+static void draft_client_release(void *ctx, int32_t seq) {
+    draft_client *d = ctx;
     if (!rpc_client_connected(d->rpc)) return; /* its state went with the connection's draft anyway, or LRU takes it */
     aerie_ReleaseRequest r = {d->client_id, 1, {(uint32_t)seq}};
     uint8_t buf[aerie_ReleaseRequest_size];
@@ -185,9 +185,9 @@ static void dcli_release(void *ctx, int32_t seq) {
         count_release_failure(d);
 }
 
-int dcli_open(dcli **out, rpc_loop *loop, const dcli_config *cfg, ae_error *err) {
+int draft_client_open(draft_client **out, rpc_loop *loop, const draft_client_config *cfg, ae_error *err) {
     *out = NULL;
-    dcli *d = calloc(1, sizeof *d);
+    draft_client *d = calloc(1, sizeof *d);
     if (!d) return err_set(err, "out of memory");
     d->cfg = *cfg;
     snprintf(d->addr, sizeof d->addr, "%s", cfg->addr);
@@ -201,12 +201,12 @@ int dcli_open(dcli **out, rpc_loop *loop, const dcli_config *cfg, ae_error *err)
         free(d);
         return AE_ERR;
     }
-    d->iface = (spec_drafter){d, dcli_propose, dcli_release};
+    d->iface = (spec_drafter){d, draft_client_propose, draft_client_release};
     *out = d;
     return AE_OK;
 }
 
-void dcli_close(dcli *d) {
+void draft_client_close(draft_client *d) {
     if (!d) return;
     rpc_client_close(d->rpc);
     rpc_reply_free(&d->reply);
@@ -215,12 +215,12 @@ void dcli_close(dcli *d) {
     free(d);
 }
 
-const spec_drafter *dcli_drafter(dcli *d) { return &d->iface; }
-bool dcli_connected(dcli *d) { return rpc_client_connected(d->rpc); }
+const spec_drafter *draft_client_drafter(draft_client *d) { return &d->iface; }
+bool draft_client_connected(draft_client *d) { return rpc_client_connected(d->rpc); }
 
-dcli_stats dcli_get_stats(dcli *d) {
+draft_client_stats draft_client_get_stats(draft_client *d) {
     pthread_mutex_lock(&d->mu);
-    dcli_stats s = d->stats;
+    draft_client_stats s = d->stats;
     pthread_mutex_unlock(&d->mu);
     return s;
 }

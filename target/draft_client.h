@@ -18,28 +18,28 @@
 #include "../services/rpc/rpc.h"
 #include "spec.h"
 
-typedef struct dcli_config {
+typedef struct draft_client_config {
     const char *addr;
     rpc_tls tls;
     uint32_t deadline_us;  /* per Propose */
     uint32_t max_frame;
     int32_t feature_width; /* 3H */
-    int32_t capture[LLAMA_MAX_CAPTURE];
+    int32_t capture[FORWARD_MAX_CAPTURE];
     int32_t vocab;
-} dcli_config;
+} draft_client_config;
 
-typedef struct dcli_stats {
+typedef struct draft_client_stats {
     uint64_t calls, failures, deadline_exceeded, unavailable, bad_replies, state_gone;
     uint64_t rtt_ns, server_ns; /* summed over successful calls */
     uint64_t release_failures;  /* Releases (sent without waiting) that failed or were not sent */
-} dcli_stats;
+} draft_client_stats;
 
-typedef struct dcli dcli;
+typedef struct draft_client draft_client;
 
-int dcli_open(dcli **out, rpc_loop *loop, const dcli_config *cfg, ae_error *err);
-void dcli_close(dcli *d); /* NULL is a no-op */
-const spec_drafter *dcli_drafter(dcli *d);
-bool dcli_connected(dcli *d);
-dcli_stats dcli_get_stats(dcli *d);
+int draft_client_open(draft_client **out, rpc_loop *loop, const draft_client_config *cfg, ae_error *err);
+void draft_client_close(draft_client *d); /* NULL is a no-op */
+const spec_drafter *draft_client_drafter(draft_client *d);
+bool draft_client_connected(draft_client *d);
+draft_client_stats draft_client_get_stats(draft_client *d);
 
 #endif

@@ -1,19 +1,19 @@
 /* The batched engine: advances many sequences in one forward pass.
  *
  * Each item of a step is one sequence's contribution:
- *   - ENG_APPEND: tokens appended after the sequence's committed length,
+ *   - ENGINE_APPEND: tokens appended after the sequence's committed length,
  *     causally (a prefill chunk, or one decode token). They are committed
  *     by the step.
- *   - ENG_TREE: a verification tree. Node i has parent parents[i] < i
+ *   - ENGINE_TREE: a verification tree. Node i has parent parents[i] < i
  *     (-1: a child of the last committed token), sits at position
  *     len + depth(i), and sees the committed prefix, its ancestors and
- *     itself. Nothing is committed: eng_commit_path keeps the accepted
+ *     itself. Nothing is committed: engine_commit_path keeps the accepted
  *     path afterwards.
  * Logits come back for the last token of an APPEND item (or for every
  * token with all_logits) and for every node of a tree, in item order.
  *
  * This is the call the scheduler and speculative decoding build on. All
- * buffers are sized at eng_init; a step allocates nothing. A step's
+ * buffers are sized at engine_init; a step allocates nothing. A step's
  * inputs are uploaded to fixed places in a buffer of the backend, so the
  * forward pass reads the same addresses every step. */
 #ifndef AERIE_TARGET_ENGINE_H
@@ -24,13 +24,13 @@
 
 #include "../services/core/err.h"
 #include "../services/core/pool.h"
-#include "../services/kv/kv_cache.h"
-#include "llama.h"
+#include "../services/kv/kv.h"
+#include "forward.h"
 #include "model.h"
 
-#define ENG_MAX_TREE 64 /* nodes in one tree (also its deepest path) */
+#define ENGINE_MAX_TREE 64 /* nodes in one tree (also its deepest path) */
 
-typedef struct eng_config {
+typedef struct engine_config {
     int32_t max_batch_tokens; /* tokens in one forward pass */
     int32_t max_seqs;         /* sequences live at once */
     int32_t max_seq_len;      /* slots one sequence may use, tree scratch included */
@@ -41,80 +41,80 @@ typedef struct eng_config {
      * kernels' default, 15); every pass of the engine uses it (kernels.h,
      * "Batch invariance"). */
     int32_t act_bits;
-} eng_config;
+} engine_config;
 
-typedef enum eng_kind { ENG_APPEND = 0, ENG_TREE = 1 } eng_kind;
+typedef enum engine_kind { ENGINE_APPEND = 0, ENGINE_TREE = 1 } engine_kind;
 
-typedef struct eng_item {
+typedef struct engine_item {
     int32_t seq;
-    eng_kind kind;
+    engine_kind kind;
     int32_t n_tokens;
     const int32_t *tokens;  /* [n_tokens] */
-    const int32_t *parents; /* [n_tokens], ENG_TREE only */
-    bool all_logits;        /* ENG_APPEND: logits for every token, not just the last */
-} eng_item;
+    const int32_t *parents; /* [n_tokens], ENGINE_TREE only */
+    bool all_logits;        /* ENGINE_APPEND: logits for every token, not just the last */
+} engine_item;
 
-typedef struct eng eng;
+typedef struct engine engine;
 
 /* m must outlive the engine, which runs on m's backend (m->be): its
  * stream, workspace, KV cache and step inputs are that backend's. */
-int eng_init(eng **out, const model *m, const eng_config *cfg, ae_error *err);
+int engine_init(engine **out, const model *m, const engine_config *cfg, ae_error *err);
 
 /* Bytes of a step's inputs at this many tokens: the host arrays the
  * engine fills and the backend buffer they are uploaded to (memory plan). */
-size_t eng_input_bytes(int32_t max_batch_tokens);
-void eng_free(eng *e); /* NULL is a no-op */
+size_t engine_input_bytes(int32_t max_batch_tokens);
+void engine_free(engine *e); /* NULL is a no-op */
 
-int eng_seq_new(eng *e, int32_t *seq, ae_error *err);
+int engine_seq_new(engine *e, int32_t *seq, ae_error *err);
 /* A new sequence with src's committed tokens, their KV shared
  * (kv_seq_fork): one prefill for all of a request's choices. */
-int eng_seq_fork(eng *e, int32_t src, int32_t *seq, ae_error *err);
-void eng_seq_free(eng *e, int32_t seq);
-int32_t eng_seq_len(const eng *e, int32_t seq);
+int engine_seq_fork(engine *e, int32_t src, int32_t *seq, ae_error *err);
+void engine_seq_free(engine *e, int32_t seq);
+int32_t engine_seq_len(const engine *e, int32_t seq);
 
 /* Logit rows a step will return for these items. */
-int32_t eng_logit_rows(const eng_item *items, int32_t n_items);
+int32_t engine_logit_rows(const engine_item *items, int32_t n_items);
 
-/* One forward pass. logits: [eng_logit_rows][vocab]. capture: optional
+/* One forward pass. logits: [engine_logit_rows][vocab]. capture: optional
  * EAGLE-3 feature capture, rows indexing the step's tokens in item order.
  * Bad items (unknown sequence, too many tokens, a parent out of order, no
  * KV room) fail with err and change nothing. */
-int eng_step(eng *e, const eng_item *items, int32_t n_items, float *logits,
-             const llama_capture *capture, ae_error *err);
+int engine_step(engine *e, const engine_item *items, int32_t n_items, float *logits,
+             const forward_capture *capture, ae_error *err);
 
 /* The same pass when only each logit row's argmax is wanted (greedy
- * verification): argmax[eng_logit_rows] is kn_argmax of each row, which
+ * verification): argmax[engine_logit_rows] is kn_argmax of each row, which
  * picks as sample_greedy does. The argmax runs where the pass ran, so on
  * a device only the ids come back, not [rows][vocab] floats. logits is
- * scratch the size eng_step takes: a host-memory backend writes the rows
+ * scratch the size engine_step takes: a host-memory backend writes the rows
  * there, any other leaves it alone. */
-int eng_step_argmax(eng *e, const eng_item *items, int32_t n_items, float *logits, int32_t *argmax,
-                    const llama_capture *capture, ae_error *err);
+int engine_step_argmax(engine *e, const engine_item *items, int32_t n_items, float *logits, int32_t *argmax,
+                    const forward_capture *capture, ae_error *err);
 
 /* The same pass when each logit row's token is drawn where the pass ran
- * (kernels.h kn_sample): ids[eng_logit_rows] by draws[eng_logit_rows]
+ * (kernels.h kn_sample): ids[engine_logit_rows] by draws[engine_logit_rows]
  * (host memory; a row of temperature 0 takes the argmax). Only on a
- * backend that draws (eng_can_sample: a device's); elsewhere it fails
+ * backend that draws (engine_can_sample: a device's); elsewhere it fails
  * and the caller samples the logits. */
-int eng_step_sample(eng *e, const eng_item *items, int32_t n_items, float *logits, const kn_draw *draws,
-                    int32_t *ids, const llama_capture *capture, ae_error *err);
-bool eng_can_sample(const eng *e);
-int64_t eng_drawn_steps(const eng *e); /* steps eng_step_sample ran */
+int engine_step_sample(engine *e, const engine_item *items, int32_t n_items, float *logits, const kn_draw *draws,
+                    int32_t *ids, const forward_capture *capture, ae_error *err);
+bool engine_can_sample(const engine *e);
+int64_t engine_drawn_steps(const engine *e); /* steps engine_step_sample ran */
 
 /* After a tree step: keeps nodes path[0..n) (node indices of that tree,
  * root-level first, each the parent of the next) as committed tokens. The
  * path is checked against the sequence's last tree; anything else (no
  * tree since the last APPEND, a skipped level, an unknown node) fails with
  * err and changes nothing. */
-int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err);
+int engine_commit_path(engine *e, int32_t seq, const int32_t *path, int32_t n, ae_error *err);
 
 /* CUDA graphs. A decode or verify step (items of one token, or trees; at
- * most ENG_GRAPH_MAX_TOKENS tokens in all) on a backend with graphs (kernels.h kn_graph) is captured the
+ * most ENGINE_GRAPH_MAX_TOKENS tokens in all) on a backend with graphs (kernels.h kn_graph) is captured the
  * first time its shape is seen and replayed after that. The shape is
  * what the forward pass's launches are sized by on the host: the tokens,
  * the logit and capture rows, the capture layers, whether the argmax
  * runs, and the keys a token may see, rounded up to a power of two (at
- * least ENG_GRAPH_MIN_KEYS, at most a sequence's capacity): the attention
+ * least ENGINE_GRAPH_MIN_KEYS, at most a sequence's capacity): the attention
  * kernels skip key chunks past a token's own count, so one graph serves
  * every step up to its bound with the same bits. Everything else a step
  * changes (token ids, positions, block tables, a tree's shape) is read
@@ -133,16 +133,16 @@ int eng_commit_path(eng *e, int32_t seq, const int32_t *path, int32_t n, ae_erro
  * device cannot make or hold (its capture, instantiation or upload fails:
  * out of memory, say) turns graphs off for the engine, with a warning,
  * and the step runs op by op. */
-#define ENG_GRAPH_MAX_TOKENS ENG_MAX_TREE
-#define ENG_GRAPH_MIN_KEYS 256
-void eng_set_graphs(eng *e, int32_t max_graphs, uint64_t budget);
+#define ENGINE_GRAPH_MAX_TOKENS ENGINE_MAX_TREE
+#define ENGINE_GRAPH_MIN_KEYS 256
+void engine_set_graphs(engine *e, int32_t max_graphs, uint64_t budget);
 
 /* The engine's stream in fast mode, or deterministic (the default):
  * kernels.h kn_stream_set_fast. Before the first step. */
-int eng_set_fast(eng *e, bool fast, ae_error *err);
-bool eng_fast(const eng *e); /* false on a backend with only the deterministic mode */
+int engine_set_fast(engine *e, bool fast, ae_error *err);
+bool engine_fast(const engine *e); /* false on a backend with only the deterministic mode */
 
-typedef struct eng_graph_stats {
+typedef struct engine_graph_stats {
     int32_t max_graphs; /* 0: off */
     int32_t kept_max;   /* held at most now: max_graphs, or fewer once the budget bit */
     int32_t live;       /* graphs held now */
@@ -151,8 +151,8 @@ typedef struct eng_graph_stats {
     int64_t eager_steps; /* steps run op by op (prefill, or graphs off) */
     uint64_t bytes;      /* device memory the live graphs took (kn_graph_bytes) */
     uint64_t max_nodes;  /* the most ops one graph held */
-} eng_graph_stats;
-eng_graph_stats eng_get_graph_stats(const eng *e);
+} engine_graph_stats;
+engine_graph_stats engine_get_graph_stats(const engine *e);
 
 /* Tensor parallelism (target/tp.h): n_ranks ranks run every forward pass
  * over their shards of the model, rank 0 on the calling thread and each
@@ -170,10 +170,10 @@ eng_graph_stats eng_get_graph_stats(const eng *e);
  * `allreduce` is how they add (kernels.h kn_allreduce). On a host-memory
  * backend only CPU; on CUDA (ranks on one GPU or a GPU each: rank_be
  * below) NCCL or custom, with CUDA graphs off while ranks run. AUTO takes CPU on a
- * host-memory backend; on CUDA it times both kinds (ENG_ALLREDUCE_REPS
+ * host-memory backend; on CUDA it times both kinds (ENGINE_ALLREDUCE_REPS
  * calls of a decode pass's message, 1 token x hidden floats, and of a
  * verify pass's, 8 tokens) and takes the one with the smaller sum,
- * custom alone where NCCL cannot be had: eng_allreduce_why says what was
+ * custom alone where NCCL cannot be had: engine_allreduce_why says what was
  * measured.
  *
  * rank_be[r] is rank r's backend (NULL: all on the model's): on CUDA, one
@@ -183,35 +183,35 @@ eng_graph_stats eng_get_graph_stats(const eng *e);
  * the block tables and the norms from the model's device, and the
  * engine's stream moves their KV rows, so every device must reach the
  * model's and the model's every one (peer access; kn_backend_reads). */
-#define ENG_ALLREDUCE_REPS 50
-int eng_set_tp(eng *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend *const *rank_be, ae_error *err);
+#define ENGINE_ALLREDUCE_REPS 50
+int engine_set_tp(engine *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend *const *rank_be, ae_error *err);
 /* Rank r's backend (the model's at one rank), and the bytes of weights
  * copied to it (tp_group_copied_bytes; 0 for views). */
-const kn_backend *eng_tp_backend(const eng *e, int32_t r);
-uint64_t eng_tp_copied_bytes(const eng *e, int32_t r);
-int32_t eng_tp(const eng *e); /* 1 without ranks */
+const kn_backend *engine_tp_backend(const engine *e, int32_t r);
+uint64_t engine_tp_copied_bytes(const engine *e, int32_t r);
+int32_t engine_tp(const engine *e); /* 1 without ranks */
 /* The kind the ranks use (KN_ALLREDUCE_CPU at one rank), and for AUTO the
  * measurement it was chosen by ("" otherwise). */
-kn_allreduce eng_allreduce(const eng *e);
-const char *eng_allreduce_why(const eng *e);
+kn_allreduce engine_allreduce(const engine *e);
+const char *engine_allreduce_why(const engine *e);
 /* Rank r's shard of the model (tp_group_shard); the model itself at one rank. */
-const model *eng_tp_shard(const eng *e, int32_t r);
+const model *engine_tp_shard(const engine *e, int32_t r);
 
 /* The allreduces of the last step, and of every step since the ranks
  * were set: rank 0's calls, bytes and time (kn_comm_get_stats); zeros at
  * one rank. */
-typedef struct eng_comm_stats {
+typedef struct engine_comm_stats {
     kn_comm_stats last, total;
     int32_t last_tokens; /* tokens of the last step */
     int64_t steps;
-} eng_comm_stats;
-eng_comm_stats eng_get_comm_stats(const eng *e);
+} engine_comm_stats;
+engine_comm_stats engine_get_comm_stats(const engine *e);
 
-const model *eng_model(const eng *e);
-/* KV blocks in use, free and live sequences (kv_cache.h). */
-kv_stats eng_kv_stats(const eng *e);
-const eng_config *eng_get_config(const eng *e);
+const model *engine_model(const engine *e);
+/* KV blocks in use, free and live sequences (kv.h). */
+kv_stats engine_kv_stats(const engine *e);
+const engine_config *engine_get_config(const engine *e);
 /* The engine's thread pool, for a drafter in the same process to share. */
-pool *eng_pool(eng *e);
+pool *engine_pool(engine *e);
 
 #endif

@@ -12,21 +12,21 @@
 
 static atomic_int g_live;
 
-int32_t gc_live(void) { return atomic_load(&g_live); }
+int32_t gcompile_live(void) { return atomic_load(&g_live); }
 
-const char *gc_rc_name(int rc) {
+const char *gcompile_rc_name(int rc) {
     switch (rc) {
     case AE_OK: return "ok";
     case GRAMMAR_REFUSED: return "refused";
-    case GC_TIMEOUT: return "timeout";
-    case GC_CANCELLED: return "cancelled";
+    case GCOMPILE_TIMEOUT: return "timeout";
+    case GCOMPILE_CANCELLED: return "cancelled";
     default: return "error";
     }
 }
 
 /* A compile shared by its thread and its caller; the last to let go frees
  * it. */
-typedef struct gc_job {
+typedef struct gcompile_job {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int refs;
@@ -36,9 +36,9 @@ typedef struct gc_job {
     grammar *g;
     grammar_vocab *v;
     char *schema; /* NULL: json_object */
-} gc_job;
+} gcompile_job;
 
-static void job_put(gc_job *j) {
+static void job_put(gcompile_job *j) {
     pthread_mutex_lock(&j->mu);
     int left = --j->refs;
     pthread_mutex_unlock(&j->mu);
@@ -52,7 +52,7 @@ static void job_put(gc_job *j) {
 }
 
 static void *job_main(void *arg) {
-    gc_job *j = arg;
+    gcompile_job *j = arg;
     grammar *g = NULL;
     ae_error err = {{0}};
     int rc = grammar_compile(&g, j->v, j->schema, &err);
@@ -77,17 +77,17 @@ static void wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t ms) {
 }
 
 /* Why a bounded compile stops waiting: AE_OK to go on. */
-static int stop_reason(const gc_limits *lim, int64_t deadline, bool (*cancelled)(void *), void *ctx, ae_error *err) {
-    if (cancelled && cancelled(ctx)) return err_set(err, "the request was cancelled while its schema compiled"), GC_CANCELLED;
+static int stop_reason(const gcompile_limits *lim, int64_t deadline, bool (*cancelled)(void *), void *ctx, ae_error *err) {
+    if (cancelled && cancelled(ctx)) return err_set(err, "the request was cancelled while its schema compiled"), GCOMPILE_CANCELLED;
     if (deadline && clock_mono_ns() > deadline)
         return err_set(err, "the schema did not compile within %lld ms (the target's --compile-timeout-ms); make it "
                             "smaller or simpler",
                        (long long)lim->timeout_ms),
-               GC_TIMEOUT;
+               GCOMPILE_TIMEOUT;
     return AE_OK;
 }
 
-static int compile_bounded(grammar **out, grammar_vocab *v, const char *schema, const gc_limits *lim,
+static int compile_bounded(grammar **out, grammar_vocab *v, const char *schema, const gcompile_limits *lim,
                            bool (*cancelled)(void *), void *ctx, ae_error *err) {
     int64_t deadline = lim->timeout_ms > 0 ? clock_mono_ns() + lim->timeout_ms * 1000000 : 0;
     /* A place among the compile threads (those given up on hold theirs
@@ -100,10 +100,10 @@ static int compile_bounded(grammar **out, grammar_vocab *v, const char *schema, 
         }
         int rc = stop_reason(lim, deadline, cancelled, ctx, err);
         if (rc != AE_OK) return rc;
-        struct timespec t = {0, GC_POLL_MS * 1000000};
+        struct timespec t = {0, GCOMPILE_POLL_MS * 1000000};
         nanosleep(&t, NULL);
     }
-    gc_job *j = calloc(1, sizeof *j);
+    gcompile_job *j = calloc(1, sizeof *j);
     char *copy = schema ? strdup(schema) : NULL;
     if (!j || (schema && !copy)) {
         atomic_fetch_sub(&g_live, 1);
@@ -135,7 +135,7 @@ static int compile_bounded(grammar **out, grammar_vocab *v, const char *schema, 
         rc = stop_reason(lim, deadline, cancelled, ctx, err);
         pthread_mutex_lock(&j->mu);
         if (rc != AE_OK || j->done) break;
-        wait_until(&j->cv, &j->mu, GC_POLL_MS);
+        wait_until(&j->cv, &j->mu, GCOMPILE_POLL_MS);
     }
     if (j->done) {
         /* It ended in time (or just as it was given up on: then it counts). */
@@ -152,7 +152,7 @@ static int compile_bounded(grammar **out, grammar_vocab *v, const char *schema, 
     return rc;
 }
 
-int gc_compile(grammar **out, grammar_vocab *v, const char *schema, const gc_limits *lim, bool (*cancelled)(void *ctx),
+int gcompile_compile(grammar **out, grammar_vocab *v, const char *schema, const gcompile_limits *lim, bool (*cancelled)(void *ctx),
                void *ctx, ae_error *err) {
     *out = NULL;
     if (grammar_cached(out, v, schema) == AE_OK) return AE_OK;
@@ -162,6 +162,6 @@ int gc_compile(grammar **out, grammar_vocab *v, const char *schema, const gc_lim
     /* A json_object request has no schema text: 0 bytes. */
     if (lim->log_ms >= 0 && ms >= (double)lim->log_ms)
         LOG_INFOF("schema_compiled ms=%.1f bytes=%zu kind=%s result=%s live=%d", ms, schema ? strlen(schema) : (size_t)0,
-                  schema ? "json_schema" : "json_object", gc_rc_name(rc), gc_live());
+                  schema ? "json_schema" : "json_object", gcompile_rc_name(rc), gcompile_live());
     return rc;
 }

@@ -65,37 +65,37 @@ static int model_ok(const memplan_model *m, const memplan_env *env, ae_error *er
     return AE_OK;
 }
 
-int32_t memplan_graphs(cfg *c, bool has_graphs) {
-    if (!cfg_has(c, "cuda-graphs")) return 0; /* a command that runs on the CPU only */
-    if (cfg_is_auto(c, "cuda-graphs")) cfg_set_auto_int(c, "cuda-graphs", has_graphs ? MEMPLAN_AUTO_GRAPHS : 0);
-    return has_graphs ? (int32_t)cfg_int(c, "cuda-graphs") : 0;
+int32_t memplan_graphs(config *c, bool has_graphs) {
+    if (!config_has(c, "cuda-graphs")) return 0; /* a command that runs on the CPU only */
+    if (config_is_auto(c, "cuda-graphs")) config_set_auto_int(c, "cuda-graphs", has_graphs ? MEMPLAN_AUTO_GRAPHS : 0);
+    return has_graphs ? (int32_t)config_int(c, "cuda-graphs") : 0;
 }
 
-int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memplan *out,
+int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, memplan *out,
                     ae_error *err) {
     memset(out, 0, sizeof *out);
     if (model_ok(m, env, err) != AE_OK) return AE_ERR;
     sizes z;
-    const int64_t max_batch = cfg_int(c, "max-batch");
-    const int64_t max_seq_len = cfg_int(c, "max-seq-len");
+    const int64_t max_batch = config_int(c, "max-batch");
+    const int64_t max_seq_len = config_int(c, "max-seq-len");
     const uint64_t bs = (uint64_t)env->block_size;
     const uint64_t avail = env->mem_available;
     char where[64] = "available";
     if (env->device) snprintf(where, sizeof where, "free on %s at start", env->device);
 
     /* budget */
-    const bool frac_auto = cfg_is_auto(c, "mem-fraction");
+    const bool frac_auto = config_is_auto(c, "mem-fraction");
     double frac;
     if (frac_auto) {
         frac = hostmem_auto_fraction(avail);
-        cfg_set_auto_double(c, "mem-fraction", frac);
+        config_set_auto_double(c, "mem-fraction", frac);
     } else {
-        frac = cfg_double(c, "mem-fraction");
+        frac = config_double(c, "mem-fraction");
     }
     const uint64_t budget = hostmem_share(avail, to_ppm(frac));
     char fs[32];
     fmt_fraction(frac, fs, sizeof fs);
-    const char *fsrc = cfg_source_name(cfg_get_source(c, "mem-fraction"));
+    const char *fsrc = config_source_name(config_get_source(c, "mem-fraction"));
 
     /* workspace and per-token KV */
     const uint64_t step = env->step_tokens > 0 ? (uint64_t)env->step_tokens : (uint64_t)max_batch;
@@ -119,7 +119,7 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     const uint64_t fit_blocks = kv_room / kv_block;
 
     char ok[200] = "";
-    const bool kv_auto = cfg_is_auto(c, "max-kv-tokens");
+    const bool kv_auto = config_is_auto(c, "max-kv-tokens");
     uint64_t n_blocks;
 
     if (fit_blocks < per_seq_blocks) {
@@ -150,7 +150,7 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
         n_blocks = fit_blocks < cap ? fit_blocks : cap;
         if (n_blocks > INT32_MAX) n_blocks = INT32_MAX;
     } else {
-        uint64_t want = (uint64_t)cfg_int(c, "max-kv-tokens");
+        uint64_t want = (uint64_t)config_int(c, "max-kv-tokens");
         n_blocks = (want + bs - 1) / bs;
         if (n_blocks < per_seq_blocks)
             return err_set(err,
@@ -194,7 +194,7 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     out->max_batch = (int32_t)max_batch;
     out->max_seq_len = (int32_t)max_seq_len;
     out->step_tokens = (int32_t)step;
-    if (kv_auto) cfg_set_auto_int(c, "max-kv-tokens", out->kv_tokens);
+    if (kv_auto) config_set_auto_int(c, "max-kv-tokens", out->kv_tokens);
 
     char peers[256] = "";
     if (env->device && env->device_total > 0) {
@@ -211,16 +211,16 @@ int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memp
     /* The graphs line: on a device with graphs, or where a value was
      * given that this run cannot use. */
     char gline[200] = "", gterm[48] = "";
-    const char *gsrc = cfg_has(c, "cuda-graphs") ? cfg_source_name(cfg_get_source(c, "cuda-graphs")) : "";
+    const char *gsrc = config_has(c, "cuda-graphs") ? config_source_name(config_get_source(c, "cuda-graphs")) : "";
     if (has_graphs && n_graphs > 0) {
         snprintf(gline, sizeof gline,
                  "graphs = %d step shapes (cuda-graphs, %s) x %" PRIu64 " nodes x %s = %s (an estimate; each "
                  "capture logs what it took)\n",
                  n_graphs, gsrc, env->graph_nodes, B(&z, 0, env->graph_node_bytes), B(&z, 1, graphs));
         snprintf(gterm, sizeof gterm, " + graphs %s", B(&z, 0, graphs));
-    } else if (!has_graphs && cfg_has(c, "cuda-graphs") && cfg_int(c, "cuda-graphs") > 0) {
+    } else if (!has_graphs && config_has(c, "cuda-graphs") && config_int(c, "cuda-graphs") > 0) {
         snprintf(gline, sizeof gline, "graphs = none: cuda-graphs %lld (%s) has no effect without a GPU\n",
-                 (long long)cfg_int(c, "cuda-graphs"), gsrc);
+                 (long long)config_int(c, "cuda-graphs"), gsrc);
     }
     char extra[64] = "";
     if (env->extra_workspace)

@@ -63,31 +63,31 @@
 #include "../services/core/hostmem.h"
 
 #define MEMPLAN_OPTIONS                                                                          \
-    {"mem-fraction", CFG_DOUBLE, "auto", 0.01, 1.0,                                              \
+    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0,                                              \
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},            \
-    {"max-kv-tokens", CFG_INT, "auto", 1, 1e12,                                                  \
+    {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12,                                                  \
      "KV cache size in tokens (auto: what fits, at most max-batch x max-seq-len)"},              \
-    {"max-batch", CFG_INT, "8", 1, 4096, "sequences in flight at once"},                         \
-    {"max-seq-len", CFG_INT, "4096", 1, 16777216, "longest sequence in tokens"},                 \
+    {"max-batch", CONFIG_INT, "8", 1, 4096, "sequences in flight at once"},                         \
+    {"max-seq-len", CONFIG_INT, "4096", 1, 16777216, "longest sequence in tokens"},                 \
     MEMPLAN_GRAPHS_OPTION,                                                                       \
     MEMPLAN_DETERMINISTIC_OPTION
 
 /* Decode and verify step shapes a GPU run keeps as CUDA graphs; its own
  * row, for commands that build an engine without a plan (aerie bench). */
 #define MEMPLAN_GRAPHS_OPTION                                                                    \
-    {"cuda-graphs", CFG_INT, "auto", 0, 4096,                                                    \
+    {"cuda-graphs", CONFIG_INT, "auto", 0, 4096,                                                    \
      "step shapes kept as CUDA graphs (auto: 32 on a GPU, 0 on the CPU; 0: off)"}
 #define MEMPLAN_AUTO_GRAPHS 32
 /* Deterministic kernels or fast ones (kernels.h kn_stream_set_fast); on a
  * GPU fast mode's cuBLAS workspace is part of the plan's fixed workspace. */
 #define MEMPLAN_DETERMINISTIC_OPTION                                                             \
-    {"deterministic", CFG_BOOL, "true", 0, 0,                                                    \
+    {"deterministic", CONFIG_BOOL, "true", 0, 0,                                                    \
      "batch-invariant kernels, greedy speculative output identical to plain (--no-deterministic: " \
      "float-weight matmuls by cuBLAS on a GPU; faster, and output may then differ at near-ties)"}
 
 /* cuda-graphs resolved for a device that has graphs or not (auto
  * recorded in c); 0 where it has none. */
-int32_t memplan_graphs(cfg *c, bool has_graphs);
+int32_t memplan_graphs(config *c, bool has_graphs);
 
 #define MEMPLAN_TEXT_MAX 1280
 
@@ -134,7 +134,7 @@ typedef struct memplan {
 /* Resolves the plan from c (which must hold MEMPLAN_OPTIONS), records auto
  * values in c, and fills out. Infeasible: AE_ERR with the arithmetic and
  * what would work in err. */
-int memplan_compute(cfg *c, const memplan_model *m, const memplan_env *env, memplan *out,
+int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, memplan *out,
                     ae_error *err);
 
 /* Logs the plan's lines at info level ("memplan budget = ..."), then one

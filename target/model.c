@@ -48,9 +48,9 @@ static int load_gguf(model *m, const char *path, ae_error *err) {
     return m->arch->load(m, err);
 }
 
-int model_config_read(model_config *c, const struct arch **a, hfcfg *hc, const char *path, ae_error *err) {
+int model_config_read(model_config *c, const struct arch **a, hfconfig *hc, const char *path, ae_error *err) {
     memset(c, 0, sizeof *c);
-    if (hfcfg_load(hc, path, err) != AE_OK) return AE_ERR;
+    if (hfconfig_load(hc, path, err) != AE_OK) return AE_ERR;
     snprintf(c->arch, sizeof c->arch, "%s", hc->model_type);
     if (!(*a = arch_for_hf(c->arch, err))) return err_prefix(err, "%s: ", path), AE_ERR;
     if ((*a)->config_hf(c, hc, path, err) != AE_OK) return AE_ERR;
@@ -60,7 +60,7 @@ int model_config_read(model_config *c, const struct arch **a, hfcfg *hc, const c
 /* The Hugging Face directory's config.json, then its tensors. */
 static int load_hf(model *m, const char *dir, ae_error *err) {
     char path[1200];
-    hfcfg hc;
+    hfconfig hc;
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (model_config_read(&m->cfg, &m->arch, &hc, path, err) != AE_OK ||
         weights_open(&m->w, dir, m->be, err) != AE_OK)

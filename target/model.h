@@ -116,7 +116,7 @@ void model_free(model *m); /* NULL is a no-op */
  * parsed file (hc) and the hyperparameters, checked as model_load checks
  * them. For planning without weights (aerie plan). */
 struct arch;
-int model_config_read(model_config *c, const struct arch **a, hfcfg *hc, const char *path, ae_error *err);
+int model_config_read(model_config *c, const struct arch **a, hfconfig *hc, const char *path, ae_error *err);
 
 /* The same from an open GGUF file's keys (and its embedding table's
  * shape), as model_load reads them, without its weights. */

@@ -175,7 +175,7 @@ bool policy_drafting(const policy *p, int32_t n);
  * best tree came within POLICY_KEEP_DRAFTER of plain at the last decision
  * and keeping it in step costs at most POLICY_KEEP_COST of the plain
  * steps' time (policy_observe_feed). Then a probe, or a switch back to
- * drafting, finds a drafter that holds the whole sequence; one reset from the last ENG_MAX_TREE pairs proposes
+ * drafting, finds a drafter that holds the whole sequence; one reset from the last ENGINE_MAX_TREE pairs proposes
  * worse trees, and probes that always follow a reset would measure the
  * head's acceptance low and keep a tree that pays from being chosen
  * (0.21-0.25 at the first depth in such probes, against 0.34-0.37 while

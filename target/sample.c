@@ -13,7 +13,7 @@ typedef struct cand {
     int32_t id;
 } cand;
 
-struct sampler {
+struct sample_state {
     int32_t vocab;
     cand *c;      /* (vocab) candidates still kept */
     float *tmp;   /* (vocab) top-k selection scratch, then the kept weights */
@@ -140,10 +140,10 @@ float sample_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t
     return x > -INFINITY ? (float)((double)x - lse) : -INFINITY;
 }
 
-int sample_init(sampler **out, int32_t vocab, ae_error *err) {
+int sample_init(sample_state **out, int32_t vocab, ae_error *err) {
     *out = NULL;
     if (vocab <= 0) return err_set(err, "sampler: vocabulary size %d must be positive", vocab);
-    sampler *s = calloc(1, sizeof *s);
+    sample_state *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "sampler: out of memory");
     s->vocab = vocab;
     s->c = malloc((size_t)vocab * sizeof *s->c);
@@ -161,7 +161,7 @@ fail:
     return AE_ERR;
 }
 
-void sample_free(sampler *s) {
+void sample_free(sample_state *s) {
     if (!s) return;
     free(s->c);
     free(s->tmp);
@@ -170,7 +170,7 @@ void sample_free(sampler *s) {
     free(s);
 }
 
-int32_t sample_vocab(const sampler *s) { return s->vocab; }
+int32_t sample_vocab(const sample_state *s) { return s->vocab; }
 
 /* The k-th largest (k >= 1) of a[0..n-1]; reorders a. Quickselect with a
  * median-of-three pivot; a holds no NaN. */
@@ -276,7 +276,7 @@ static cand top_p_cut(cand *c, int32_t n, double target) {
 
 /* The kept set of sample_dist: ids in s->ids, unnormalised weights (the
  * top token's is 1) in s->tmp, their sum in s->total. Returns n >= 1. */
-static int32_t kept_set(sampler *s, const float *logits, const sample_params *p) {
+static int32_t kept_set(sample_state *s, const float *logits, const sample_params *p) {
     const float t = p->temperature;
     if (sample_is_greedy(p)) goto one_hot;
 
@@ -352,7 +352,7 @@ one_hot:
     return 1;
 }
 
-int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
+int32_t sample_dist(sample_state *s, const float *logits, const sample_params *p,
                     const int32_t **ids, const float **probs) {
     *ids = s->ids;
     *probs = s->probs;
@@ -361,7 +361,7 @@ int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
     return k;
 }
 
-void sample_dist_dense(sampler *s, const float *logits, const sample_params *p, float *probs) {
+void sample_dist_dense(sample_state *s, const float *logits, const sample_params *p, float *probs) {
     const int32_t *ids;
     const float *q;
     int32_t n = sample_dist(s, logits, p, &ids, &q);
@@ -369,7 +369,7 @@ void sample_dist_dense(sampler *s, const float *logits, const sample_params *p, 
     for (int32_t i = 0; i < n; i++) probs[ids[i]] = q[i];
 }
 
-int32_t sample_token(sampler *s, const float *logits, const sample_params *p, const sample_rng *rng, int32_t pos) {
+int32_t sample_token(sample_state *s, const float *logits, const sample_params *p, const sample_rng *rng, int32_t pos) {
     if (sample_is_greedy(p)) return sample_greedy(logits, s->vocab);
     int32_t n = kept_set(s, logits, p);
     if (n == 1) return s->ids[0];

@@ -80,7 +80,7 @@ kn_draw sample_draw(const sample_params *p, const sample_rng *rng, int32_t pos);
 
 /* argmax of logits f32 [vocab]; lowest id among equal maxima; NaN never
  * wins (a row of NaN: 0). The same pick as kn_argmax, which greedy steps
- * run on the device instead (eng_step_argmax): an all -inf row picks 0,
+ * run on the device instead (engine_step_argmax): an all -inf row picks 0,
  * [NaN, -inf, -inf] picks 1. */
 int32_t sample_greedy(const float *logits, int32_t vocab);
 
@@ -104,26 +104,26 @@ typedef struct sample_logprob {
  * k <= SAMPLE_MAX_TOP_LOGPROBS. */
 float sample_logprobs(const float *logits, int32_t vocab, int32_t token, int32_t k, sample_logprob *top);
 
-typedef struct sampler sampler;
+typedef struct sample_state sample_state;
 
-int sample_init(sampler **out, int32_t vocab, ae_error *err);
-void sample_free(sampler *s); /* NULL is a no-op */
-int32_t sample_vocab(const sampler *s);
+int sample_init(sample_state **out, int32_t vocab, ae_error *err);
+void sample_free(sample_state *s); /* NULL is a no-op */
+int32_t sample_vocab(const sample_state *s);
 
 /* The filtered distribution for logits f32 [vocab]: *ids and *probs point
  * at int32 [n] and f32 [n] inside the sampler (valid until its next call),
  * probs summing to 1, in ascending id order (so a draw depends only on the
  * distribution, not on how the filters found it). Greedy gives one token
  * with probability 1. Returns n >= 1. */
-int32_t sample_dist(sampler *s, const float *logits, const sample_params *p,
+int32_t sample_dist(sample_state *s, const float *logits, const sample_params *p,
                     const int32_t **ids, const float **probs);
 
 /* The same distribution written densely: probs f32 [vocab], 0 for every
  * filtered token (the exact distribution, for tests). */
-void sample_dist_dense(sampler *s, const float *logits, const sample_params *p, float *probs);
+void sample_dist_dense(sample_state *s, const float *logits, const sample_params *p, float *probs);
 
 /* The token at position pos: greedy when p says so (rng not read),
  * otherwise the keyed draw from sample_dist's distribution. */
-int32_t sample_token(sampler *s, const float *logits, const sample_params *p, const sample_rng *rng, int32_t pos);
+int32_t sample_token(sample_state *s, const float *logits, const sample_params *p, const sample_rng *rng, int32_t pos);
 
 #endif

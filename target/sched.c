@@ -17,7 +17,7 @@ typedef enum req_state { REQ_WAITING, REQ_PREFILL, REQ_RUNNING } req_state;
 
 /* One of a request's n choices: its own sequence, random key and
  * penalties. Choice 0 prefills; the others fork from it once the prompt
- * is in (eng_seq_fork, spec_seq_fork). */
+ * is in (engine_seq_fork, spec_seq_fork). */
 typedef struct choice {
     int32_t seq;  /* engine sequence, -1 before it has one or once done */
     sample_rng rng;
@@ -47,7 +47,7 @@ typedef struct req {
 
 struct sched {
     spec *sx;
-    eng *e;
+    engine *e;
     sched_config cfg;
     sched_sink sink;
     int32_t block_size, n_blocks;
@@ -79,7 +79,7 @@ struct sched {
     req **step_reqs; /* [max_batch] */
     int32_t *step_ch; /* [max_batch]: the choice of step_reqs[i] */
     bool *step_failed; /* [max_batch] */
-    int32_t *emit_buf; /* [ENG_MAX_TREE + 1] */
+    int32_t *emit_buf; /* [ENGINE_MAX_TREE + 1] */
     int64_t log_at_ns, log_tokens;
     spec_stats log_spec;
     bool logged_idle;
@@ -244,7 +244,7 @@ static void emit(sched *s, req *q, int32_t c, const int32_t *tokens, int32_t n, 
 static void end_choice(sched *s, choice *ch) {
     if (ch->seq >= 0) {
         spec_seq_end(s->sx, ch->seq);
-        eng_seq_free(s->e, ch->seq);
+        engine_seq_free(s->e, ch->seq);
     }
 }
 
@@ -255,7 +255,7 @@ static void finish_active(sched *s, req *q, int32_t c, const int32_t *tokens, in
                           sched_finish finish, const char *error) {
     for (int32_t k = 0; k < q->r.n; k++)
         if (!q->ch[k].done) end_choice(s, &q->ch[k]);
-    kv_stats kv = eng_kv_stats(s->e);
+    kv_stats kv = engine_kv_stats(s->e);
     pthread_mutex_lock(&s->mu);
     s->stats.kv_blocks_used = kv.blocks_used;
     for (req **p = &s->active; *p; p = &(*p)->next)
@@ -330,7 +330,7 @@ static void drop_cancelled_waiting(sched *s, bool all) {
             if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx) || q->compile_rc != AE_OK) {
                 unwait(s, q, prev);
                 s->stats.requests_done++;
-                if (q->compile_rc == AE_OK || q->compile_rc == GC_CANCELLED || all) s->stats.requests_cancelled++;
+                if (q->compile_rc == AE_OK || q->compile_rc == GCOMPILE_CANCELLED || all) s->stats.requests_cancelled++;
                 else s->stats.requests_refused++;
                 gone = q;
                 break;
@@ -341,8 +341,8 @@ static void drop_cancelled_waiting(sched *s, bool all) {
         /* A schema that did not compile is the client's error (the
          * engine's reason, or a limit it passed), or ours (no fork, out of
          * memory). */
-        bool clients = gone->compile_rc == GRAMMAR_REFUSED || gone->compile_rc == GC_TIMEOUT;
-        if (gone->compile_rc != AE_OK && gone->compile_rc != GC_CANCELLED && !all)
+        bool clients = gone->compile_rc == GRAMMAR_REFUSED || gone->compile_rc == GCOMPILE_TIMEOUT;
+        if (gone->compile_rc != AE_OK && gone->compile_rc != GCOMPILE_CANCELLED && !all)
             emit(s, gone, 0, NULL, 0, NULL, clients ? SCHED_REFUSED : SCHED_ERROR, true, gone->compile_err);
         else
             emit(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, true, NULL);
@@ -373,7 +373,7 @@ static int start_rules(sched *s, req *q, ae_error *err, bool *refused) {
 }
 
 /* A compile stops when its request is cancelled, its caller leaves, or
- * the scheduler stops or drains (gc_compile polls this). */
+ * the scheduler stops or drains (gcompile_compile polls this). */
 typedef struct compile_job {
     sched *s;
     req *q;
@@ -411,17 +411,17 @@ static void *compiler_main(void *arg) {
         compile_job job = {s, q};
         /* One cancelled before its turn is not started. */
         bool skip = compile_cancelled(&job);
-        q->compile_rc = skip ? GC_CANCELLED
-                             : gc_compile(&q->g, s->cfg.grammar, q->schema, &s->cfg.compile, compile_cancelled, &job, &err);
+        q->compile_rc = skip ? GCOMPILE_CANCELLED
+                             : gcompile_compile(&q->g, s->cfg.grammar, q->schema, &s->cfg.compile, compile_cancelled, &job, &err);
         if (q->compile_rc != AE_OK) snprintf(q->compile_err, sizeof q->compile_err, "%s", err.msg);
         pthread_mutex_lock(&s->mu);
         s->compiling_now[k] = NULL;
         s->n_compiling--;
         if (skip) s->stats.compiles_dropped++;
-        else s->stats.compiles[q->compile_rc >= 0 && q->compile_rc <= GC_LAST ? q->compile_rc : 1]++;
+        else s->stats.compiles[q->compile_rc >= 0 && q->compile_rc <= GCOMPILE_LAST ? q->compile_rc : 1]++;
         /* Queued in order of compiling (the scheduler drops it if it was
          * cancelled meanwhile, or did not compile). */
-        if (q->compile_rc == GC_CANCELLED) atomic_store(&q->cancel, true);
+        if (q->compile_rc == GCOMPILE_CANCELLED) atomic_store(&q->cancel, true);
         s->n_waiting++;
         s->n_waiting_c++;
         q->schema_wait = true;
@@ -532,7 +532,7 @@ static void log_line(sched *s, int64_t now) {
     pthread_mutex_lock(&s->mu);
     int64_t toks = (int64_t)s->stats.tokens_out - s->log_tokens;
     int64_t steps = t->steps - s->log_spec.steps, acc = t->accepted - s->log_spec.accepted;
-    kv_stats kv = eng_kv_stats(s->e);
+    kv_stats kv = engine_kv_stats(s->e);
     s->stats.tok_per_s = dt > 0 ? (double)toks / dt : 0;
     s->stats.accept_len = steps > 0 ? (double)(acc + steps) / (double)steps : 0;
     s->stats.spec_on = steps > 0;
@@ -563,10 +563,10 @@ static void *loop_main(void *arg) {
     s->log_at_ns = clock_mono_ns();
     /* systemd's watchdog hears from this thread each time round (at least
      * every 100 ms while idle, below); a hung step stops the pings. */
-    wd *w = wd_process();
-    int beat = wd_add(w, "scheduler");
+    watchdog *w = watchdog_process();
+    int beat = watchdog_add(w, "scheduler");
     for (;;) {
-        wd_beat(w, beat);
+        watchdog_beat(w, beat);
         int64_t now = clock_mono_ns();
         if (s->cfg.log_interval_ms > 0 && now - s->log_at_ns >= (int64_t)s->cfg.log_interval_ms * 1000000)
             log_line(s, now);
@@ -585,7 +585,7 @@ static void *loop_main(void *arg) {
             finish_active(s, gone, 0, NULL, 0, NULL, SCHED_CANCELLED, NULL);
         }
         if (stopping) {
-            wd_remove(w, beat);
+            watchdog_remove(w, beat);
             return NULL;
         }
         admit(s);
@@ -620,7 +620,7 @@ static void *loop_main(void *arg) {
             choice *c0 = &pre->ch[0];
             bool refused = false;
             if (c0->seq < 0 &&
-                (start_rules(s, pre, &err, &refused) != AE_OK || eng_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
+                (start_rules(s, pre, &err, &refused) != AE_OK || engine_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
                 finish_active(s, pre, 0, NULL, 0, NULL, refused ? SCHED_REFUSED : SCHED_ERROR, err.msg);
             } else if (spec_seq_prefill(s->sx, c0->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
                                         false, &err) != AE_OK) {
@@ -629,9 +629,9 @@ static void *loop_main(void *arg) {
             } else if (pre->prefilled >= pre->r.n_prompt - 1) {
                 /* The prompt is in: the other choices fork from choice 0. */
                 for (int32_t c = 1; c < pre->r.n && err.msg[0] == 0; c++)
-                    if (eng_seq_fork(s->e, c0->seq, &pre->ch[c].seq, &err) == AE_OK &&
+                    if (engine_seq_fork(s->e, c0->seq, &pre->ch[c].seq, &err) == AE_OK &&
                         spec_seq_fork(s->sx, c0->seq, pre->ch[c].seq, &err) != AE_OK) {
-                        eng_seq_free(s->e, pre->ch[c].seq);
+                        engine_seq_free(s->e, pre->ch[c].seq);
                         pre->ch[c].seq = -1;
                     }
                 if (err.msg[0]) {
@@ -694,8 +694,8 @@ static void *loop_main(void *arg) {
             LOG_ERRORF("grammar_refused seq=%d", s->in[i].seq);
             finish_active(s, q, s->step_ch[i], NULL, 0, NULL, SCHED_ERROR, "the output's grammar allowed no token");
         }
-        kv_stats kv = eng_kv_stats(s->e);
-        eng_comm_stats cs = eng_get_comm_stats(s->e);
+        kv_stats kv = engine_kv_stats(s->e);
+        engine_comm_stats cs = engine_get_comm_stats(s->e);
         policy_report pr;
         spec_policy_report(s->sx, n, &pr);
         pthread_mutex_lock(&s->mu);
@@ -708,7 +708,7 @@ static void *loop_main(void *arg) {
 }
 
 /* Stops the compile workers: a running compile is given up on within
- * GC_POLL_MS, and its request joins the waiting queue as cancelled; what
+ * GCOMPILE_POLL_MS, and its request joins the waiting queue as cancelled; what
  * is still queued for a compile stays there, for the loop to cancel. */
 static void stop_compiler(sched *s) {
     if (!s->n_compilers) return;
@@ -720,9 +720,9 @@ static void stop_compiler(sched *s) {
     s->n_compilers = 0;
 }
 
-int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sched_sink *sink, ae_error *err) {
+int sched_init(sched **out, spec *sx, engine *e, const sched_config *cfg, const sched_sink *sink, ae_error *err) {
     *out = NULL;
-    const eng_config *ec = eng_get_config(e);
+    const engine_config *ec = engine_get_config(e);
     if (cfg->max_batch < 1 || cfg->max_batch > ec->max_seqs || cfg->max_queue < 0 || cfg->chunk < 1)
         return err_set(err, "scheduler: batch %d (engine holds %d), queue %d, chunk %d", cfg->max_batch, ec->max_seqs,
                        cfg->max_queue, cfg->chunk);
@@ -733,7 +733,7 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     s->cfg = *cfg;
     s->sink = *sink;
     s->block_size = ec->block_size;
-    s->vocab = eng_model(e)->cfg.vocab;
+    s->vocab = engine_model(e)->cfg.vocab;
     s->n_blocks = (ec->kv_tokens + ec->block_size - 1) / ec->block_size;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -743,9 +743,9 @@ int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sch
     s->step_reqs = calloc((size_t)cfg->max_batch, sizeof *s->step_reqs);
     s->step_ch = calloc((size_t)cfg->max_batch, sizeof *s->step_ch);
     s->step_failed = calloc((size_t)cfg->max_batch, sizeof *s->step_failed);
-    s->emit_buf = calloc(ENG_MAX_TREE + 1, sizeof *s->emit_buf);
+    s->emit_buf = calloc(ENGINE_MAX_TREE + 1, sizeof *s->emit_buf);
     s->stats.kv_blocks = s->n_blocks;
-    s->stats.tp = eng_tp(e);
+    s->stats.tp = engine_tp(e);
     if (!s->in || !s->out || !s->step_reqs || !s->step_ch || !s->step_failed || !s->emit_buf) {
         err_set(err, "out of memory");
         goto fail;

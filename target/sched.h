@@ -115,7 +115,7 @@ typedef struct sched_config {
      * from max_queue, so neither kind can refuse the other). */
     int32_t compile_workers;
     int32_t max_compiles;
-    gc_limits compile;
+    gcompile_limits compile;
     /* A request's grammar masks may take mask_budget_ms up front, then
      * mask_ms_per_token for each mask, over all its choices (0: no
      * budget); past that it ends, refused. */
@@ -126,11 +126,11 @@ typedef struct sched_config {
 typedef struct sched_stats {
     int32_t running, prefilling, waiting;
     int32_t compiling; /* requests queued for or in a schema compile */
-    /* Compiles by result, indexed by gc_compile's code (0 ok, 1 our error,
-     * GRAMMAR_REFUSED, GC_TIMEOUT, GC_CANCELLED);
+    /* Compiles by result, indexed by gcompile_compile's code (0 ok, 1 our error,
+     * GRAMMAR_REFUSED, GCOMPILE_TIMEOUT, GCOMPILE_CANCELLED);
      * requests dropped from the compile queue before theirs ran; requests
      * ended for spending their mask budget. */
-    uint64_t compiles[GC_LAST + 1];
+    uint64_t compiles[GCOMPILE_LAST + 1];
     uint64_t compiles_dropped;
     uint64_t mask_budget_spent;
     int32_t kv_blocks_used, kv_blocks, kv_blocks_reserved;
@@ -143,19 +143,19 @@ typedef struct sched_stats {
     bool spec_on;        /* the last interval had speculative steps */
     spec_stats spec;     /* speculation's totals */
     policy_report policy; /* the policy's choice for the last step's batch */
-    int32_t tp;           /* tensor-parallel ranks of the engine (eng_tp) */
-    eng_comm_stats comm;  /* their allreduces: the last step's and all so far (eng_get_comm_stats) */
+    int32_t tp;           /* tensor-parallel ranks of the engine (engine_tp) */
+    engine_comm_stats comm;  /* their allreduces: the last step's and all so far (engine_get_comm_stats) */
 } sched_stats;
 
 typedef struct sched sched;
 
 /* sx and e must outlive the scheduler; sx is used only by its thread. */
-int sched_init(sched **out, spec *sx, eng *e, const sched_config *cfg, const sched_sink *sink, ae_error *err);
+int sched_init(sched **out, spec *sx, engine *e, const sched_config *cfg, const sched_sink *sink, ae_error *err);
 /* Ends every request (CANCELLED), stops the thread, frees. */
 void sched_free(sched *s); /* NULL is a no-op */
 
 /* Why sched_submit refused a request; the server maps each to its wire
- * status (target/server.c). */
+ * status (target/target_server.c). */
 typedef enum sched_refusal {
     SCHED_QUEUED = 0,
     SCHED_INVALID = 1,  /* it can never run here: too long, bad parameters */

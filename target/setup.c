@@ -15,25 +15,25 @@
 /* The device --device resolved to (one per process). */
 static kn_device g_device;
 
-int setup_service(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+int setup_service(config **c, model **m, const char *service, const config_option *opts, size_t n, int argc, char **argv,
                   bool *print_config, bool *help, ae_error *err) {
     *m = NULL;
     if (svc_config_load(c, service, opts, n, argc, argv, print_config, help, err) != AE_OK) return AE_ERR;
     if (*help) return AE_OK;
-    if (cfg_is_auto(*c, "threads")) cfg_set_auto_int(*c, "threads", pool_cpu_count());
-    if (cfg_has(*c, "allreduce") && kn_allreduce_parse(cfg_str(*c, "allreduce")) < 0)
-        return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", cfg_str(*c, "allreduce"));
+    if (config_is_auto(*c, "threads")) config_set_auto_int(*c, "threads", pool_cpu_count());
+    if (config_has(*c, "allreduce") && kn_allreduce_parse(config_str(*c, "allreduce")) < 0)
+        return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", config_str(*c, "allreduce"));
     if (kn_device_from_cfg(*c, &g_device, err) != AE_OK) return AE_ERR;
-    const char *path = cfg_str(*c, "model");
+    const char *path = config_str(*c, "model");
     if (!path) return err_set(err, "no model given (use --model FILE)");
     return model_load(m, path, g_device.be, err);
 }
 
-uint64_t setup_tp_work(const cfg *c, const model *m) {
-    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
+uint64_t setup_tp_work(const config *c, const model *m) {
+    int32_t R = config_has(c, "tp") ? (int32_t)config_int(c, "tp") : 1;
     if (R <= 1) return 0;
     const model_config *mc = &m->cfg;
-    const int32_t T = SETUP_PREFILL_CHUNK, keys = (int32_t)cfg_int(c, "max-seq-len");
+    const int32_t T = SETUP_PREFILL_CHUNK, keys = (int32_t)config_int(c, "max-seq-len");
     tp_split sp;
     ae_error e = {{0}};
     if (m->arch->tp_split(&sp, mc, R, &e) != AE_OK) return 0; /* setup_engine says why */
@@ -46,22 +46,22 @@ uint64_t setup_tp_work(const cfg *c, const model *m) {
     for (int32_t r = 0; r < R; r++) {
         model *sh;
         if (tp_shard_init(&sh, m, &sp, r, &e) != AE_OK) return 0;
-        ranks += llama_ws_bytes(sh, T, r == 0 ? T : 1) + llama_stream_workspace(sh, T, keys);
+        ranks += forward_ws_bytes(sh, T, r == 0 ? T : 1) + forward_stream_workspace(sh, T, keys);
         tp_shard_free(sh);
     }
     /* less the engine's own activations, freed while the ranks run */
-    uint64_t own = llama_ws_bytes(m, T, T);
+    uint64_t own = forward_ws_bytes(m, T, T);
     return ranks > own ? ranks - own : 0;
 }
 
 void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
     if (n_ranks <= 1) return;
     const model_config *mc = &m->cfg;
-    int32_t per_pass = LLAMA_ALLREDUCES_PER_LAYER * mc->n_layers;
+    int32_t per_pass = FORWARD_ALLREDUCES_PER_LAYER * mc->n_layers;
     double tok_kib = (double)mc->hidden * sizeof(float) / 1024.0;
     LOG_INFOF("tensor parallel: tp=%d (%s); allreduces = %d per layer x %d layers = %d a pass, each tokens x %d "
               "hidden x 4 bytes: a decode pass of 1 token %d x %.2f KiB, a verify pass of 8 tokens %d x %.2f KiB",
-              n_ranks, source, LLAMA_ALLREDUCES_PER_LAYER, mc->n_layers, per_pass, mc->hidden, per_pass, tok_kib,
+              n_ranks, source, FORWARD_ALLREDUCES_PER_LAYER, mc->n_layers, per_pass, mc->hidden, per_pass, tok_kib,
               per_pass, 8 * tok_kib);
 }
 
@@ -69,18 +69,18 @@ void setup_log_allreduces(const model *m, int32_t n_ranks, const char *source) {
  * the CUDA device dev: bes[r] for each rank, "auto" resolved and logged. */
 static kn_device g_rank_dev[TP_MAX_RANKS]; /* the ranks' devices, for the log; tables live in the plugin */
 
-static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backend **bes, bool fast, ae_error *err);
+static int tp_gpu_plans(const engine *e, const model *m, int32_t R, const kn_backend **bes, bool fast, ae_error *err);
 
 /* The ranks' GPUs from c's "tp-devices" on the model's CUDA device dev:
  * bes[r] for each rank, each GPU's plan checked (tp_gpu_plans). "auto"
  * takes a GPU a rank from dev's on where they are there, reach each
  * other's memory and their plans fit, and every rank on dev otherwise;
  * it is resolved and logged with why. */
-static int tp_devices(cfg *c, const eng *e, const model *m, const kn_device *dev, int32_t R, const kn_backend **bes,
+static int tp_devices(config *c, const engine *e, const model *m, const kn_device *dev, int32_t R, const kn_backend **bes,
                       bool fast, ae_error *err) {
     kn_device *opened = g_rank_dev;
-    const char *spec = cfg_has(c, "tp-devices") ? cfg_str(c, "tp-devices") : "auto";
-    char list[CFG_MAX_VALUE] = "", name[32];
+    const char *spec = config_has(c, "tp-devices") ? config_str(c, "tp-devices") : "auto";
+    char list[CONFIG_MAX_VALUE] = "", name[32];
     if (strcmp(spec, "auto") != 0) {
         const char *at = spec;
         for (int32_t r = 0; r < R; r++) {
@@ -120,7 +120,7 @@ static int tp_devices(cfg *c, const eng *e, const model *m, const kn_device *dev
         for (r = 0; r < R; r++) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index + r);
         LOG_INFOF("tensor parallel: tp-devices %s (auto: a GPU a rank, from %s)", list, dev->name);
     }
-    cfg_set_auto_str(c, "tp-devices", list);
+    config_set_auto_str(c, "tp-devices", list);
     return AE_OK;
 }
 
@@ -128,10 +128,10 @@ static int tp_devices(cfg *c, const eng *e, const model *m, const kn_device *dev
  * shards, their kv heads' KV and their activations: the plan of that
  * GPU, as arithmetic, against what it had free when it was opened. The
  * model's GPU has the memory plan (setup_plan). */
-static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backend **bes, bool fast, ae_error *err) {
+static int tp_gpu_plans(const engine *e, const model *m, int32_t R, const kn_backend **bes, bool fast, ae_error *err) {
     tp_split sp;
     if (m->arch->tp_split(&sp, &m->cfg, R, err) != AE_OK) return AE_ERR;
-    const eng_config *ec = eng_get_config(e);
+    const engine_config *ec = engine_get_config(e);
     const int32_t T = ec->max_batch_tokens;
     for (int32_t r = 0; r < R; r++) {
         if (bes[r] == m->be) continue;
@@ -149,7 +149,7 @@ static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backen
             uint64_t slots = ((uint64_t)ec->kv_tokens + (uint64_t)ec->block_size - 1) / (uint64_t)ec->block_size *
                              (uint64_t)ec->block_size;
             kv += slots * m->arch->kv_bytes_per_token(&sh->cfg);
-            act += llama_ws_bytes(sh, T, q == 0 ? T : 1) + llama_stream_workspace(sh, T, ec->max_seq_len) +
+            act += forward_ws_bytes(sh, T, q == 0 ? T : 1) + forward_stream_workspace(sh, T, ec->max_seq_len) +
                    2 * (uint64_t)T * (uint64_t)m->cfg.hidden * sizeof(float) + /* the custom kind's slots */
                    (fast ? KN_FAST_WORKSPACE_BYTES : 0);                        /* cuBLAS's, in fast mode */
             tp_shard_free(sh);
@@ -173,32 +173,32 @@ static int tp_gpu_plans(const eng *e, const model *m, int32_t R, const kn_backen
     return AE_OK;
 }
 
-int setup_tp(cfg *c, eng *e, const model *m, const kn_device *dev, ae_error *err) {
-    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
-    int kind = cfg_has(c, "allreduce") ? kn_allreduce_parse(cfg_str(c, "allreduce")) : KN_ALLREDUCE_AUTO;
-    if (kind < 0) return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", cfg_str(c, "allreduce"));
+int setup_tp(config *c, engine *e, const model *m, const kn_device *dev, ae_error *err) {
+    int32_t R = config_has(c, "tp") ? (int32_t)config_int(c, "tp") : 1;
+    int kind = config_has(c, "allreduce") ? kn_allreduce_parse(config_str(c, "allreduce")) : KN_ALLREDUCE_AUTO;
+    if (kind < 0) return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", config_str(c, "allreduce"));
     const kn_backend *bes[TP_MAX_RANKS];
     bool on_gpus = R > 1 && dev && dev->kind == KN_DEVICE_CUDA && m->be == dev->be;
     for (int32_t r = 0; r < R && R <= TP_MAX_RANKS; r++) snprintf(g_rank_dev[r].name, sizeof g_rank_dev[r].name, "cpu");
-    const bool fast = cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
+    const bool fast = config_has(c, "deterministic") && !config_bool(c, "deterministic");
     if (on_gpus && tp_devices(c, e, m, dev, R, bes, fast, err) != AE_OK) return err_prefix(err, "--tp %d: ", R), AE_ERR;
-    if (eng_set_tp(e, R, (kn_allreduce)kind, on_gpus ? bes : NULL, err) != AE_OK)
+    if (engine_set_tp(e, R, (kn_allreduce)kind, on_gpus ? bes : NULL, err) != AE_OK)
         return err_prefix(err, "--tp %d: ", R), AE_ERR;
     if (R <= 1) return AE_OK;
-    const char *name = kn_allreduce_name(eng_allreduce(e));
-    if (cfg_has(c, "allreduce") && cfg_is_auto(c, "allreduce")) {
-        cfg_set_auto_str(c, "allreduce", name);
-        const char *why = eng_allreduce_why(e);
+    const char *name = kn_allreduce_name(engine_allreduce(e));
+    if (config_has(c, "allreduce") && config_is_auto(c, "allreduce")) {
+        config_set_auto_str(c, "allreduce", name);
+        const char *why = engine_allreduce_why(e);
         LOG_INFOF("tensor parallel: allreduce %s (auto: %s)", name,
                   why[0] ? why : kn_backend_host_memory(m->be) ? "the CPU's ranks reduce on the host" : "");
     } else {
-        LOG_INFOF("tensor parallel: allreduce %s (%s)", name, cfg_source_name(cfg_get_source(c, "allreduce")));
+        LOG_INFOF("tensor parallel: allreduce %s (%s)", name, config_source_name(config_get_source(c, "allreduce")));
     }
-    setup_log_allreduces(m, R, cfg_source_name(cfg_get_source(c, "tp")));
+    setup_log_allreduces(m, R, config_source_name(config_get_source(c, "tp")));
     return AE_OK;
 }
 
-void setup_log_weights(const cfg *c, const model *m) {
+void setup_log_weights(const config *c, const model *m) {
     uint64_t bytes[GGML_TYPE_COUNT_MAX], experts;
     model_bytes_by_type(m, bytes, &experts);
     char line[512] = "";
@@ -207,7 +207,7 @@ void setup_log_weights(const cfg *c, const model *m) {
         if (bytes[t])
             n += (size_t)snprintf(line + n, sizeof line - n, "%s%s %.2f MiB", n ? ", " : "", quant_type_name((ggml_type)t),
                                   (double)bytes[t] / 1048576.0);
-    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
+    int32_t R = config_has(c, "tp") ? (int32_t)config_int(c, "tp") : 1;
     if (experts)
         LOG_INFOF("weights by type: %s (matrices; norms and biases f32); routed experts %.2f MiB, %.2f MiB a rank at "
                   "tp %d (each expert divided)",
@@ -216,8 +216,8 @@ void setup_log_weights(const cfg *c, const model *m) {
         LOG_INFOF("weights by type: %s (matrices; norms and biases f32)", line);
 }
 
-int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
-    if (cfg_is_auto(c, "max-seq-len")) cfg_set_auto_int(c, "max-seq-len", m->cfg.context_length);
+int setup_plan(config *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err) {
+    if (config_is_auto(c, "max-seq-len")) config_set_auto_int(c, "max-seq-len", m->cfg.context_length);
     extra_work += setup_tp_work(c, m); /* logged by setup_engine */
     /* On a GPU the plan is of the device's memory: what was free when it
      * was opened, before the weights were loaded into it. */
@@ -230,43 +230,43 @@ int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_wo
     const model_config *mc = &m->cfg;
     /* A latent KV (MLA) is whole on every rank: R ranks in this memory
      * hold R copies of it (ranks on GPUs of their own: setup_tp's plans). */
-    int32_t R = cfg_has(c, "tp") ? (int32_t)cfg_int(c, "tp") : 1;
+    int32_t R = config_has(c, "tp") ? (int32_t)config_int(c, "tp") : 1;
     uint64_t copies = m->arch->kv_replicated && R > 1 ? (uint64_t)R : 1;
     memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
                         mc->n_kv_heads, mc->head_dim, mc->vocab, copies * m->arch->kv_bytes_per_token(mc),
                         m->arch->workspace_per_token(mc)};
     /* Fast mode on a GPU: cuBLAS's own workspace. */
-    const bool fast = !kn_backend_host_memory(m->be) && cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
+    const bool fast = !kn_backend_host_memory(m->be) && config_has(c, "deterministic") && !config_bool(c, "deterministic");
     memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
-                       llama_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)cfg_int(c, "max-seq-len")) +
-                           eng_input_bytes(SETUP_PREFILL_CHUNK) + extra_work + (fast ? KN_FAST_WORKSPACE_BYTES : 0),
+                       forward_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)config_int(c, "max-seq-len")) +
+                           engine_input_bytes(SETUP_PREFILL_CHUNK) + extra_work + (fast ? KN_FAST_WORKSPACE_BYTES : 0),
                        on_gpu ? g_device.name : NULL, on_gpu ? g_device.info.total_bytes : 0, 0, 0};
     if (!kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be)) {
-        env.graph_nodes = LLAMA_GRAPH_NODES(mc->n_layers, fast);
+        env.graph_nodes = FORWARD_GRAPH_NODES(mc->n_layers, fast);
         env.graph_node_bytes = KN_GRAPH_NODE_BYTES;
     }
     return memplan_compute(c, &mm, &env, plan, err);
 }
 
 /* The engine's stream made fast when c's "deterministic" is false. */
-static int setup_fast(const cfg *c, eng *e, ae_error *err) {
-    bool fast = cfg_has(c, "deterministic") && !cfg_bool(c, "deterministic");
-    if (fast && kn_backend_host_memory(eng_model(e)->be))
+static int setup_fast(const config *c, engine *e, ae_error *err) {
+    bool fast = config_has(c, "deterministic") && !config_bool(c, "deterministic");
+    if (fast && kn_backend_host_memory(engine_model(e)->be))
         LOG_INFOF("deterministic=false has no effect on the %s backend: its kernels are batch invariant",
-                  kn_backend_name(eng_model(e)->be));
-    return eng_set_fast(e, fast, err);
+                  kn_backend_name(engine_model(e)->be));
+    return engine_set_fast(e, fast, err);
 }
 
-int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
+int setup_engine(engine **e, config *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
                  ae_error *err) {
     if (plan->kv_tokens > INT32_MAX)
         return err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
                        (long long)plan->kv_tokens, INT32_MAX);
-    eng_config ec = {SETUP_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
+    engine_config ec = {SETUP_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
                      plan->block_size, threads, act_bits};
-    if (eng_init(e, m, &ec, err) != AE_OK) return AE_ERR;
-    if (cfg_has(c, "tp")) {
-        int32_t R = (int32_t)cfg_int(c, "tp");
+    if (engine_init(e, m, &ec, err) != AE_OK) return AE_ERR;
+    if (config_has(c, "tp")) {
+        int32_t R = (int32_t)config_int(c, "tp");
         if (setup_tp(c, *e, m, &g_device, err) != AE_OK) return AE_ERR;
         if (R > 1)
             LOG_INFOF("tensor parallel: the %d ranks' workspaces (allreduce slots, activations of %d tokens, stream "
@@ -278,8 +278,8 @@ int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t t
          * heads' share of the KV. */
         const model_config *mc = &m->cfg;
         for (int32_t r = 0; r < R && R > 1; r++) {
-            const model *sh = eng_tp_shard(*e, r);
-            uint64_t copied = eng_tp_copied_bytes(*e, r);
+            const model *sh = engine_tp_shard(*e, r);
+            uint64_t copied = engine_tp_copied_bytes(*e, r);
             char where[96] = "views of the one loaded copy";
             if (copied)
                 snprintf(where, sizeof where, "%.2f MiB copied to its device", (double)copied / 1048576.0);
@@ -291,6 +291,6 @@ int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t t
                       (long long)plan->kv_tokens, (double)m->arch->kv_bytes_per_token(&sh->cfg));
         }
     }
-    eng_set_graphs(*e, plan->graphs, plan->graphs ? plan->graph_bytes + KN_GRAPH_BYTES_GRAIN : 0);
+    engine_set_graphs(*e, plan->graphs, plan->graphs ? plan->graph_bytes + KN_GRAPH_BYTES_GRAIN : 0);
     return setup_fast(c, *e, err);
 }

@@ -15,19 +15,19 @@
 
 #define SETUP_PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
 
-/* Tensor-parallel ranks of the engine (engine.h eng_set_tp). */
+/* Tensor-parallel ranks of the engine (engine.h engine_set_tp). */
 #define SETUP_TP_OPTION                                                                                        \
-    {"tp", CFG_INT, "1", 1, 64,                                                                               \
+    {"tp", CONFIG_INT, "1", 1, 64,                                                                               \
      "tensor-parallel ranks: threads of this process, each over a shard of the model's heads and FFN and its " \
      "kv heads of the KV cache, adding partial sums by allreduce, 2 per layer (on CUDA: --tp-devices)"}
 /* Each rank's GPU. */
 #define SETUP_TP_DEVICES_OPTION                                                                                \
-    {"tp-devices", CFG_STRING, "auto", 0, 0,                                                                  \
+    {"tp-devices", CONFIG_STRING, "auto", 0, 0,                                                                  \
      "the GPU of each tensor-parallel rank, as 0,1: auto gives each rank its own GPU from --device's on where " \
      "this machine has them, and puts every rank on --device's otherwise (logged); not used on the CPU"}
 /* How the ranks add their partial sums (kernels.h kn_allreduce). */
 #define SETUP_ALLREDUCE_OPTION                                                                                 \
-    {"allreduce", CFG_STRING, "auto", 0, 0,                                                                   \
+    {"allreduce", CONFIG_STRING, "auto", 0, 0,                                                                   \
      "how tensor-parallel ranks add partial sums: cpu (CPU ranks), nccl or custom (CUDA ranks: NCCL, or a "    \
      "one-shot kernel that adds in rank order), auto (cpu on the CPU; on CUDA the faster of the two, measured " \
      "at start and logged)"}
@@ -35,7 +35,7 @@
 
 /* A service's settings (svc_config_load), threads "auto" resolved, and its
  * --model loaded. *help: --help printed the usage; exit 0. */
-int setup_service(cfg **c, model **m, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+int setup_service(config **c, model **m, const char *service, const config_option *opts, size_t n, int argc, char **argv,
                   bool *print_config, bool *help, ae_error *err);
 
 /* The memory plan for model m, against the memory this machine has, from
@@ -46,18 +46,18 @@ int setup_service(cfg **c, model **m, const char *service, const cfg_option *opt
  * model's context length). */
 /* Logs the model's weights by type, and its routed experts' bytes a rank
  * holds at c's tp. */
-void setup_log_weights(const cfg *c, const model *m);
+void setup_log_weights(const config *c, const model *m);
 
-int setup_plan(cfg *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err);
+int setup_plan(config *c, const model *m, uint64_t extra_weights, uint64_t extra_work, memplan *plan, ae_error *err);
 
 /* An engine sized by the plan, prefill chunks of SETUP_PREFILL_CHUNK, at
  * c's "tp" ranks where it has the row (logged with the allreduces a pass
  * will make, as arithmetic), at act_bits (8 or 15) of activation
  * precision, keeping the plan's count of
- * step shapes as graphs (eng_set_graphs), in fast mode when c's
+ * step shapes as graphs (engine_set_graphs), in fast mode when c's
  * "deterministic" is false (kernels.h kn_stream_set_fast; where the
  * backend cannot, the error says why). */
-int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
+int setup_engine(engine **e, config *c, const model *m, const memplan *plan, int32_t threads, int32_t act_bits,
                  ae_error *err);
 
 /* Bytes the ranks of c's "tp" add to the plan's workspace (0 at one
@@ -65,14 +65,14 @@ int setup_engine(eng **e, cfg *c, const model *m, const memplan *plan, int32_t t
  * chunk, rank 0's with the logit rows, its stream scratch and its
  * allreduce slot), less the engine's own activations, which are freed
  * while the ranks run. */
-uint64_t setup_tp_work(const cfg *c, const model *m);
+uint64_t setup_tp_work(const config *c, const model *m);
 
-/* e's ranks from c's "tp" and "allreduce" (engine.h eng_set_tp): "auto"
+/* e's ranks from c's "tp" and "allreduce" (engine.h engine_set_tp): "auto"
  * is replaced by the kind chosen, and the choice, its measurement and
  * the allreduces of a pass are logged. On CUDA (dev, where the model is)
  * the ranks' GPUs come from c's "tp-devices". */
 struct kn_device; /* kernels/device.h */
-int setup_tp(cfg *c, eng *e, const model *m, const struct kn_device *dev, ae_error *err);
+int setup_tp(config *c, engine *e, const model *m, const struct kn_device *dev, ae_error *err);
 
 /* Logs, for n_ranks > 1, the allreduces a pass makes: "2 per layer x L
  * layers = N a pass, each tokens x hidden x 4 bytes: ...". */

@@ -8,13 +8,13 @@
 #include "../services/core/clock.h"
 #include "verify.h"
 
-_Static_assert(ENG_MAX_TREE == SPEC_MAX_TREE, "a drafted tree must fit one engine step");
+_Static_assert(ENGINE_MAX_TREE == SPEC_MAX_TREE, "a drafted tree must fit one engine step");
 
 /* Calls to the drafter pause this many steps at most after failures. */
 #define SPEC_MAX_PAUSE 64
 /* A sequence running plainly while the policy keeps the drafter in step
  * sends its pairs once this many are pending: one draft pass per this many
- * steps, and never the window's ENG_MAX_TREE, past which it would be
+ * steps, and never the window's ENGINE_MAX_TREE, past which it would be
  * reset. */
 #define SPEC_FEED_AT 32
 
@@ -29,19 +29,19 @@ typedef struct seq_state {
     int32_t fork_of;
     int32_t root;
     /* Pairs committed since the drafter last took some: the latest
-     * ENG_MAX_TREE (older ones dropped, which sets resync). */
+     * ENGINE_MAX_TREE (older ones dropped, which sets resync). */
     int32_t n_pending;
-    int32_t pending_tokens[ENG_MAX_TREE];
+    int32_t pending_tokens[ENGINE_MAX_TREE];
     spec_stats stats;
 } seq_state;
 
 struct spec {
-    eng *e;
+    engine *e;
     const spec_drafter *d; /* NULL: plain */
     spec_config cfg;
     int32_t H, V, fw;      /* hidden, vocabulary, feature width (n_capture * H) */
     seq_state *seqs;       /* [max_seqs] */
-    float *pending_feat;   /* [max_seqs][ENG_MAX_TREE][fw] */
+    float *pending_feat;   /* [max_seqs][ENGINE_MAX_TREE][fw] */
     spec_stats total;
     int64_t step_no;   /* spec_step calls so far */
     int32_t last_n;    /* sequences in the last step */
@@ -53,21 +53,21 @@ struct spec {
     spec_feed *feeds;      /* [max_seqs] */
     int32_t *feed_of;      /* [max_seqs] index into feeds, -1: none */
     spec_tree *trees;      /* [max_seqs] */
-    eng_item *items;       /* [max_seqs] */
+    engine_item *items;       /* [max_seqs] */
     int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
     int32_t *ids;          /* [max_batch_tokens] each row's token, decided where the pass ran */
-    kn_draw *draws;        /* [max_batch_tokens] how each row draws it (eng_step_sample) */
+    kn_draw *draws;        /* [max_batch_tokens] how each row draws it (engine_step_sample) */
     float *scratch;        /* [V]: a row penalised (penalty_apply) and masked */
     uint32_t *mask;        /* [(V + 31) / 32]: a grammar's mask (grammar_fill_mask) */
-    sampler *sampler;
+    sample_state *sampler;
 };
 
 static int64_t now_ns(const spec *s) { return s->cfg.clock_ns ? s->cfg.clock_ns(s->cfg.clock_ctx) : clock_mono_ns(); }
 
 static bool shape_ok(const spec_shape *sh) {
-    return sh->steps >= 1 && sh->topk >= 1 && sh->tokens >= 2 && sh->tokens <= ENG_MAX_TREE;
+    return sh->steps >= 1 && sh->topk >= 1 && sh->tokens >= 2 && sh->tokens <= ENGINE_MAX_TREE;
 }
 
 double spec_stats_accept_len(const spec_stats *st) {
@@ -76,8 +76,8 @@ double spec_stats_accept_len(const spec_stats *st) {
 
 size_t spec_bytes(const model *m, const spec_config *c) {
     size_t fw = (size_t)c->n_capture * (size_t)m->cfg.hidden, S = (size_t)c->max_seqs, T = (size_t)c->max_batch_tokens;
-    return S * (sizeof(seq_state) + sizeof(spec_feed) + sizeof(int32_t) + sizeof(spec_tree) + sizeof(eng_item)) +
-           S * ENG_MAX_TREE * fw * sizeof(float) + 2 * T * sizeof(int32_t);
+    return S * (sizeof(seq_state) + sizeof(spec_feed) + sizeof(int32_t) + sizeof(spec_tree) + sizeof(engine_item)) +
+           S * ENGINE_MAX_TREE * fw * sizeof(float) + 2 * T * sizeof(int32_t);
 }
 
 void spec_free(spec *s) {
@@ -100,12 +100,12 @@ void spec_free(spec *s) {
     free(s);
 }
 
-int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg, ae_error *err) {
+int spec_init(spec **out, engine *e, const spec_drafter *d, const spec_config *cfg, ae_error *err) {
     *out = NULL;
-    const model *m = eng_model(e);
-    const eng_config *ec = eng_get_config(e);
-    if (cfg->n_capture != LLAMA_MAX_CAPTURE)
-        return err_set(err, "speculation: %d capture layers, EAGLE-3 takes %d", cfg->n_capture, LLAMA_MAX_CAPTURE);
+    const model *m = engine_model(e);
+    const engine_config *ec = engine_get_config(e);
+    if (cfg->n_capture != FORWARD_MAX_CAPTURE)
+        return err_set(err, "speculation: %d capture layers, EAGLE-3 takes %d", cfg->n_capture, FORWARD_MAX_CAPTURE);
     if (cfg->max_seqs != ec->max_seqs || cfg->max_batch_tokens != ec->max_batch_tokens)
         return err_set(err, "speculation: sizes differ from the engine's");
     if (cfg->max_batch_tokens < cfg->max_seqs)
@@ -113,7 +113,7 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
                        cfg->max_batch_tokens, cfg->max_seqs);
     if (!shape_ok(&cfg->shape))
         return err_set(err, "speculation: tree of %d steps, top-%d, %d nodes (need >= 1, >= 1, 2..%d)",
-                       cfg->shape.steps, cfg->shape.topk, cfg->shape.tokens, ENG_MAX_TREE);
+                       cfg->shape.steps, cfg->shape.topk, cfg->shape.tokens, ENGINE_MAX_TREE);
     spec *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "out of memory");
     s->e = e;
@@ -124,7 +124,7 @@ int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg,
     s->fw = cfg->n_capture * s->H;
     size_t S = (size_t)cfg->max_seqs, T = (size_t)cfg->max_batch_tokens, fw = (size_t)s->fw, V = (size_t)s->V;
     s->seqs = calloc(S, sizeof *s->seqs);
-    s->pending_feat = malloc(S * ENG_MAX_TREE * fw * sizeof(float));
+    s->pending_feat = malloc(S * ENGINE_MAX_TREE * fw * sizeof(float));
     s->feeds = calloc(S, sizeof *s->feeds);
     s->feed_of = calloc(S, sizeof *s->feed_of);
     s->trees = calloc(S, sizeof *s->trees);
@@ -173,11 +173,11 @@ const spec_stats *spec_seq_stats(const spec *s, int32_t seq) {
 const spec_stats *spec_total_stats(const spec *s) { return &s->total; }
 
 static float *pending_features(spec *s, int32_t seq) {
-    return s->pending_feat + (size_t)seq * ENG_MAX_TREE * (size_t)s->fw;
+    return s->pending_feat + (size_t)seq * ENGINE_MAX_TREE * (size_t)s->fw;
 }
 
-static llama_capture capture_all(spec *s, int32_t n_rows) {
-    llama_capture c = {s->cfg.n_capture, {0}, n_rows, s->rows, s->features};
+static forward_capture capture_all(spec *s, int32_t n_rows) {
+    forward_capture c = {s->cfg.n_capture, {0}, n_rows, s->rows, s->features};
     memcpy(c.layers, s->cfg.capture, sizeof c.layers);
     return c;
 }
@@ -189,26 +189,26 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
     if (chunk < 1 || chunk > s->cfg.max_batch_tokens) chunk = s->cfg.max_batch_tokens;
     seq_state *st = &s->seqs[seq];
     if (*done == 0) {
-        if (eng_seq_len(s->e, seq) != 0) return err_set(err, "sequence %d is not a fresh engine sequence", seq);
+        if (engine_seq_len(s->e, seq) != 0) return err_set(err, "sequence %d is not a fresh engine sequence", seq);
         for (int32_t i = 0; i < n; i++)
             if (prompt[i] < 0 || prompt[i] >= s->V)
                 return err_set(err, "token %d is not in the vocabulary", prompt[i]);
         *st = (seq_state){.started = true, .root = prompt[n - 1]};
-    } else if (!st->started || eng_seq_len(s->e, seq) != *done || *done > n - 1) {
+    } else if (!st->started || engine_seq_len(s->e, seq) != *done || *done > n - 1) {
         return err_set(err, "sequence %d: prefill resumed at %d, the engine holds %d", seq, *done,
-                       eng_seq_len(s->e, seq));
+                       engine_seq_len(s->e, seq));
     }
     if (*done == n - 1) return AE_OK;
     int32_t at = *done, k = n - 1 - at < chunk ? n - 1 - at : chunk;
-    eng_item it = {seq, ENG_APPEND, k, prompt + at, NULL, false};
-    llama_capture cap = capture_all(s, k);
+    engine_item it = {seq, ENGINE_APPEND, k, prompt + at, NULL, false};
+    forward_capture cap = capture_all(s, k);
     /* While the policy runs the batch size of the last step plainly and
      * no tree comes near paying, a prompt is not sent to the drafter: that
      * work would be wasted, and the sequence is reset from its recent
      * pairs when drafting comes back (policy_keep_drafter). */
     bool feed = s->d && !st->resync && s->step_no >= s->retry_at &&
                 (always_feed || policy_keep_drafter(s->pol, s->last_n > 0 ? s->last_n : 1));
-    if (eng_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
+    if (engine_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
         if (at == 0) st->started = false;
         return AE_ERR;
     }
@@ -253,9 +253,9 @@ int spec_seq_fork(spec *s, int32_t src, int32_t dst, ae_error *err) {
     if (src < 0 || src >= s->cfg.max_seqs || !s->seqs[src].started) return err_set(err, "sequence %d was not started", src);
     if (dst < 0 || dst >= s->cfg.max_seqs || dst == src || s->seqs[dst].started)
         return err_set(err, "sequence %d cannot be a fork of %d", dst, src);
-    if (eng_seq_len(s->e, dst) != eng_seq_len(s->e, src))
-        return err_set(err, "sequence %d holds %d tokens, its source %d holds %d", dst, eng_seq_len(s->e, dst), src,
-                       eng_seq_len(s->e, src));
+    if (engine_seq_len(s->e, dst) != engine_seq_len(s->e, src))
+        return err_set(err, "sequence %d holds %d tokens, its source %d holds %d", dst, engine_seq_len(s->e, dst), src,
+                       engine_seq_len(s->e, src));
     seq_state *a = &s->seqs[src], *b = &s->seqs[dst];
     *b = *a;
     b->stats = (spec_stats){0};
@@ -352,9 +352,9 @@ static bool propose(spec *s, const spec_in *in, int32_t n, const spec_shape *sha
 static void push_pending(spec *s, seq_state *st, int32_t seq, int32_t row, int32_t next) {
     float *pf = pending_features(s, seq);
     size_t fw = (size_t)s->fw;
-    if (st->n_pending == ENG_MAX_TREE) {
-        memmove(pf, pf + fw, (ENG_MAX_TREE - 1) * fw * sizeof(float));
-        memmove(st->pending_tokens, st->pending_tokens + 1, (ENG_MAX_TREE - 1) * sizeof(int32_t));
+    if (st->n_pending == ENGINE_MAX_TREE) {
+        memmove(pf, pf + fw, (ENGINE_MAX_TREE - 1) * fw * sizeof(float));
+        memmove(st->pending_tokens, st->pending_tokens + 1, (ENGINE_MAX_TREE - 1) * sizeof(int32_t));
         st->n_pending--;
         st->resync = true;
     }
@@ -451,14 +451,14 @@ static void rules_push(void *ctx, int32_t token) {
 
 int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *err) {
     if (n < 1 || n > s->cfg.max_seqs) return err_set(err, "step of %d sequences (1..%d)", n, s->cfg.max_seqs);
-    const eng_config *ec = eng_get_config(s->e);
+    const engine_config *ec = engine_get_config(s->e);
     for (int32_t i = 0; i < n; i++) {
         int32_t seq = in[i].seq;
         if (seq < 0 || seq >= s->cfg.max_seqs || !s->seqs[seq].started)
             return err_set(err, "item %d: sequence %d was not started", i, seq);
         for (int32_t j = 0; j < i; j++)
             if (in[j].seq == seq) return err_set(err, "item %d: sequence %d appears twice", i, seq);
-        if (eng_seq_len(s->e, seq) >= ec->max_seq_len)
+        if (engine_seq_len(s->e, seq) >= ec->max_seq_len)
             return err_set(err, "item %d: sequence %d is at max-seq-len %d", i, seq, ec->max_seq_len);
         if (in[i].top_logprobs < 0 || in[i].top_logprobs > SAMPLE_MAX_TOP_LOGPROBS || in[i].top_logprobs > s->V)
             return err_set(err, "item %d: %d top log-probabilities (0..%d)", i, in[i].top_logprobs,
@@ -488,13 +488,13 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         if (t->n == 0) *t = (spec_tree){.n = 1, .tokens = {st->root}, .parents = {-1}, .probs = {1.0f}};
         /* Room in the sequence and in the pass; a prefix of a tree is a
          * tree (parents come first). Every sequence keeps its root. */
-        int32_t room = ec->max_seq_len - eng_seq_len(s->e, in[i].seq), left = s->cfg.max_batch_tokens - T - (n - 1 - i);
+        int32_t room = ec->max_seq_len - engine_seq_len(s->e, in[i].seq), left = s->cfg.max_batch_tokens - T - (n - 1 - i);
         if (t->n > room) t->n = room;
         if (t->n > left) t->n = left;
-        s->items[i] = (eng_item){in[i].seq, ENG_TREE, t->n, t->tokens, t->parents, false};
+        s->items[i] = (engine_item){in[i].seq, ENGINE_TREE, t->n, t->tokens, t->parents, false};
         T += t->n;
     }
-    llama_capture cap = capture_all(s, T);
+    forward_capture cap = capture_all(s, T);
     /* With nothing that reads a whole row (penalties, a grammar,
      * log-probabilities), each row's token is decided where the pass ran
      * and only the ids come back: its argmax when greedy throughout, or
@@ -504,20 +504,20 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
     for (int32_t i = 0; i < n && ids_only; i++) {
         ids_only = !in[i].pen && !in[i].gm && !in[i].logprobs;
         greedy = greedy && sample_is_greedy(in[i].params);
-        if (!sample_is_greedy(in[i].params)) ids_only = ids_only && eng_can_sample(s->e) && sample_on_device(in[i].params);
+        if (!sample_is_greedy(in[i].params)) ids_only = ids_only && engine_can_sample(s->e) && sample_on_device(in[i].params);
     }
     bool drawn = ids_only && !greedy;
     for (int32_t i = 0, row = 0; drawn && i < n; row += s->trees[i].n, i++) {
         const spec_tree *t = &s->trees[i];
-        int32_t pos = eng_seq_len(s->e, in[i].seq) + 1, depth[ENG_MAX_TREE];
+        int32_t pos = engine_seq_len(s->e, in[i].seq) + 1, depth[ENGINE_MAX_TREE];
         for (int32_t j = 0; j < t->n; j++) {
             depth[j] = t->parents[j] < 0 ? 0 : depth[t->parents[j]] + 1;
             s->draws[row + j] = sample_draw(in[i].params, in[i].rng, pos + depth[j]);
         }
     }
-    if ((drawn     ? eng_step_sample(s->e, s->items, n, s->logits, s->draws, s->ids, s->d ? &cap : NULL, err)
-         : ids_only ? eng_step_argmax(s->e, s->items, n, s->logits, s->ids, s->d ? &cap : NULL, err)
-                    : eng_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err)) != AE_OK)
+    if ((drawn     ? engine_step_sample(s->e, s->items, n, s->logits, s->draws, s->ids, s->d ? &cap : NULL, err)
+         : ids_only ? engine_step_argmax(s->e, s->items, n, s->logits, s->ids, s->d ? &cap : NULL, err)
+                    : engine_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err)) != AE_OK)
         return AE_ERR;
 
     for (int32_t i = 0, row = 0; i < n; row += s->trees[i].n, i++) {
@@ -529,12 +529,12 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         verify_proc proc = {&rp, rules_apply, rules_push};
         verify_tree vt = {t->n,  t->tokens, t->parents, rows, s->V, in[i].pen || in[i].gm ? &proc : NULL,
                           ids_only ? s->ids + row : NULL};
-        int32_t path[ENG_MAX_TREE], bonus;
+        int32_t path[ENGINE_MAX_TREE], bonus;
         /* The root's KV is not written yet: it sits at the sequence's
          * length, and the first token decided at the next position. */
-        int32_t pos = eng_seq_len(s->e, seq) + 1;
+        int32_t pos = engine_seq_len(s->e, seq) + 1;
         int32_t n_path = verify_sample(&vt, s->sampler, in[i].params, in[i].rng, pos, path, &bonus);
-        AE_ASSERT(eng_commit_path(s->e, seq, path, n_path, NULL) == AE_OK);
+        AE_ASSERT(engine_commit_path(s->e, seq, path, n_path, NULL) == AE_OK);
         if (s->pol && t->n > 1) policy_observe_tree(s->pol, t->parents, t->n, path, n_path);
         spec_out *o = &out[i];
         o->n = 0;

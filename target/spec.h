@@ -6,7 +6,7 @@
  *   1. asks the drafter, for every sequence at once, for a tree under its
  *      root, telling it the pairs committed since the last call
  *      (feature captured at position j, token at j + 1);
- *   2. runs one engine step over all the trees (ENG_TREE), capturing the
+ *   2. runs one engine step over all the trees (ENGINE_TREE), capturing the
  *      EAGLE-3 features of every node;
  *   3. accepts per sequence (verify.h): a drafted token is kept when it is
  *      the target's own argmax or keyed draw at its position, so the
@@ -45,15 +45,15 @@
  * in step (policy_keep_drafter: a tree comes near paying), prompts and,
  * every SPEC_FEED_AT plain steps, the pending pairs are fed to it without
  * asking for trees; otherwise, when drafting comes back, the drafter is
- * reset with the last ENG_MAX_TREE pairs (as after a failure).
+ * reset with the last ENGINE_MAX_TREE pairs (as after a failure).
  *
  * Sampled sequences follow the policy like greedy ones: their draws are
  * keyed by (seed, choice, position) (sample.h), so neither the tree nor
  * the choice to draft at all changes their tokens. */
 
 typedef struct spec_config {
-    int32_t n_capture;                  /* LLAMA_MAX_CAPTURE */
-    int32_t capture[LLAMA_MAX_CAPTURE]; /* target layers whose input is captured */
+    int32_t n_capture;                  /* FORWARD_MAX_CAPTURE */
+    int32_t capture[FORWARD_MAX_CAPTURE]; /* target layers whose input is captured */
     spec_shape shape;
     int32_t max_seqs;         /* the engine's */
     int32_t max_batch_tokens; /* the engine's */
@@ -64,7 +64,7 @@ typedef struct spec_config {
     void *clock_ctx;
 } spec_config;
 
-#define SPEC_MAX_DEPTH ENG_MAX_TREE
+#define SPEC_MAX_DEPTH ENGINE_MAX_TREE
 
 typedef struct spec_stats {
     int64_t steps;       /* steps that verified a drafted tree */
@@ -92,11 +92,11 @@ double spec_stats_accept_len(const spec_stats *st);
 typedef struct spec spec;
 
 /* e and d (NULL: no drafter) must outlive the spec. */
-int spec_init(spec **out, eng *e, const spec_drafter *d, const spec_config *cfg, ae_error *err);
+int spec_init(spec **out, engine *e, const spec_drafter *d, const spec_config *cfg, ae_error *err);
 void spec_free(spec *s); /* NULL is a no-op */
 /* Bytes spec_init takes beyond what the memory plan's per-token workspace
  * already counts (a step's logits and captured features): per sequence
- * its state and the features of up to ENG_MAX_TREE pairs waiting for the
+ * its state and the features of up to ENGINE_MAX_TREE pairs waiting for the
  * drafter. */
 size_t spec_bytes(const model *m, const spec_config *cfg);
 
@@ -114,7 +114,7 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
 int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32_t chunk, int32_t *done,
                      bool always_feed, ae_error *err);
 void spec_seq_end(spec *s, int32_t seq); /* tells the drafter to drop its state */
-/* dst (a fresh engine sequence forked from src, eng_seq_fork) continues
+/* dst (a fresh engine sequence forked from src, engine_seq_fork) continues
  * from where src is: the same root and pairs waiting for the drafter, and
  * at the drafter a copy of src's state, taken on dst's first call there
  * (spec_feed.fork). OpenAI's n choices of one prompt. */
@@ -141,16 +141,16 @@ typedef struct spec_in {
 
 typedef struct spec_out {
     int32_t n;                        /* tokens decided this step, >= 1 */
-    int32_t tokens[ENG_MAX_TREE + 1]; /* accepted drafted tokens, then the bonus */
+    int32_t tokens[ENGINE_MAX_TREE + 1]; /* accepted drafted tokens, then the bonus */
     int32_t drafted;                  /* nodes proposed besides the root */
     bool refused;                     /* the grammar refused a token decided (it allowed none) */
     /* With logprobs: token j's log-probability, and n_top tokens
      * with theirs. A token's row is the one of the tree node it was
      * decided at, which is plain decoding's row bit for bit (batch
      * invariance), so the values are plain decoding's. */
-    float logprob[ENG_MAX_TREE + 1];
+    float logprob[ENGINE_MAX_TREE + 1];
     int32_t n_top;
-    sample_logprob top[ENG_MAX_TREE + 1][SAMPLE_MAX_TOP_LOGPROBS];
+    sample_logprob top[ENGINE_MAX_TREE + 1][SAMPLE_MAX_TOP_LOGPROBS];
 } spec_out;
 
 /* One step for n sequences. Fails (nothing changed) only on a bad input

@@ -291,7 +291,7 @@ typedef struct tp_rank {
     model *shard;
     pool *pool;
     kn_stream *stream;
-    llama_ws *ws;
+    forward_ws *ws;
     kn_kv_pool *kv; /* [n_layers] views into kv_mem, or the caller's pools (tp_config.kv) */
     kn_buf kv_mem;  /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D]; unused with tp_config.kv */
     pthread_t thread;
@@ -321,7 +321,7 @@ struct tp_group {
     int32_t n_done;
     bool quit;
     tp_job job;
-    const llama_batch *batch; /* TP_JOB_FORWARD */
+    const forward_batch *batch; /* TP_JOB_FORWARD */
     kn_stream *after;         /* and the stream it orders against, or NULL */
     kn_event start;           /* recorded on `after` before the ranks start */
     size_t time_count;        /* TP_JOB_TIME */
@@ -359,7 +359,7 @@ kn_allreduce tp_group_allreduce(const tp_group *g) { return kn_comm_kind(g->comm
  * result is kept). The activations' buffer is the message. */
 static void time_rank(tp_group *g, tp_rank *r) {
     kn_comm *c = g->comms[r->rank];
-    float *buf = llama_ws_proj(r->ws);
+    float *buf = forward_ws_proj(r->ws);
     kn_allreduce_sum(c, r->stream, buf, g->time_count);
     kn_stream_sync(r->stream);
     kn_comm_stats a = kn_comm_get_stats(c);
@@ -376,7 +376,7 @@ static void run_rank(tp_group *g, tp_rank *r) {
         time_rank(g, r);
         return;
     }
-    llama_batch b = *g->batch;
+    forward_batch b = *g->batch;
     if (r->rank != 0) {
         b.n_logits = 0;
         b.logit_rows = NULL;
@@ -384,7 +384,7 @@ static void run_rank(tp_group *g, tp_rank *r) {
         b.capture = NULL;
     }
     if (g->after) kn_event_wait(r->stream, &g->start);
-    llama_forward(r->shard, r->stream, g->comms[r->rank], r->kv, r->ws, &b);
+    forward_pass(r->shard, r->stream, g->comms[r->rank], r->kv, r->ws, &b);
     if (g->after) kn_event_record(r->stream, &r->done);
 }
 
@@ -427,7 +427,7 @@ int tp_group_set_fast(tp_group *g, bool fast, ae_error *err) {
     return AE_OK;
 }
 
-void tp_forward(tp_group *g, kn_stream *after, const llama_batch *b) {
+void tp_forward(tp_group *g, kn_stream *after, const forward_batch *b) {
     AE_ASSERT(b && b->map);
     /* On a device, the ranks' work is only queued: the caller orders
      * what follows after it through `after`. */
@@ -484,7 +484,7 @@ void tp_group_free(tp_group *g) {
     for (int32_t i = 0; i < g->cfg.n_ranks; i++) {
         tp_rank *r = &g->ranks[i];
         kn_event_free(&r->done);
-        llama_ws_free(r->ws);
+        forward_ws_free(r->ws);
         kn_stream_free(r->stream);
         pool_free(r->pool);
         free(r->kv);
@@ -654,8 +654,8 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
         r->shard->be = r->be;
         if (r->be != m->be && rank_copy_weights(r, m, err) != AE_OK) goto fail;
         if (pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
-            kn_stream_init(&r->stream, r->be, &(kn_stream_config){r->pool, llama_stream_workspace(r->shard, cfg->max_tokens, cfg->max_seq_len)}, err) != AE_OK ||
-            llama_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
+            kn_stream_init(&r->stream, r->be, &(kn_stream_config){r->pool, forward_stream_workspace(r->shard, cfg->max_tokens, cfg->max_seq_len)}, err) != AE_OK ||
+            forward_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;
         /* One precision for all ranks: their partial sums are added. */

@@ -1,5 +1,5 @@
 /* Tensor parallelism: R ranks, each a thread of this process with its own
- * stream, each running the whole llama_forward over its shard of the
+ * stream, each running the whole forward_pass over its shard of the
  * weights (kernels/kernels.h, "Tensor parallelism"). On the CPU backend
  * the ranks reduce on the host; on CUDA they are on one GPU or a GPU each
  * (tp_config.rank_be) and reduce by NCCL or the custom kernel (kernels.h
@@ -23,7 +23,7 @@
  *     picks the same experts. The shared and routed outputs are summed
  *     before the FFN's one allreduce.
  *   - tok_embd, norms, output: shared. Every rank holds the full residual
- *     stream; the two allreduce hooks in llama_forward add the partial
+ *     stream; the two allreduce hooks in forward_pass add the partial
  *     o_proj and down outputs, and every rank gets the same bits.
  *
  * Head counts need not divide evenly: 3 kv heads over 2 ranks give rank 0
@@ -35,7 +35,7 @@
 
 #include "../kernels/kernels.h"
 #include "../services/core/err.h"
-#include "llama.h"
+#include "forward.h"
 #include "model.h"
 
 #define TP_MAX_RANKS 64
@@ -101,7 +101,7 @@ typedef struct tp_config {
     const kn_kv_pool *kv;
     /* How the ranks add partials (kernels.h kn_allreduce); AUTO: CPU on a
      * host-memory backend, custom on others (the engine measures before
-     * it chooses: engine.h eng_set_tp). */
+     * it chooses: engine.h engine_set_tp). */
     kn_allreduce allreduce;
     /* Rank r's backend (a device's table: backend.h), rank_be[r]; NULL:
      * every rank on the model's. A rank on another backend than the
@@ -128,8 +128,8 @@ void tp_group_free(tp_group *g); /* NULL is a no-op */
  * rank 0 only (every rank holds the same residual stream). Stream
  * `after`, when not NULL, orders the ranks: they start after what was
  * queued on it, and what is queued on it next waits for all of them.
- * Shapes are asserted, as in llama_forward. Allocates nothing. */
-void tp_forward(tp_group *g, kn_stream *after, const llama_batch *b);
+ * Shapes are asserted, as in forward_pass. Allocates nothing. */
+void tp_forward(tp_group *g, kn_stream *after, const forward_batch *b);
 
 /* Times `reps` allreduces of `count` floats (count <= max_tokens x hidden)
  * on every rank at once, after one untimed: rank 0's nanoseconds a call,

@@ -4,7 +4,7 @@
  * at depth d is greedy's argmax when s is NULL, else the keyed draw; ids
  * decided where the pass ran (t->argmax) are read instead of the rows
  * when nothing processes them. */
-static int32_t walk(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng, int32_t pos,
+static int32_t walk(const verify_tree *t, sample_state *s, const sample_params *p, const sample_rng *rng, int32_t pos,
                     int32_t *path, int32_t *bonus) {
     int32_t n_path = 0, cur = 0;
     path[n_path++] = 0;
@@ -35,7 +35,7 @@ int32_t verify_greedy(const verify_tree *t, int32_t *path, int32_t *bonus) {
     return walk(t, NULL, NULL, NULL, 0, path, bonus);
 }
 
-int32_t verify_sample(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng, int32_t pos,
+int32_t verify_sample(const verify_tree *t, sample_state *s, const sample_params *p, const sample_rng *rng, int32_t pos,
                       int32_t *path, int32_t *bonus) {
     if (sample_is_greedy(p)) return verify_greedy(t, path, bonus);
     AE_ASSERT(sample_vocab(s) == t->vocab);

@@ -1,6 +1,6 @@
 /* Accepting a verified tree: which drafted tokens the target keeps.
  *
- * The tree is the one the engine verified (ENG_TREE): node 0 is the root,
+ * The tree is the one the engine verified (ENGINE_TREE): node 0 is the root,
  * the last token already decided, and node i > 0 has parent parents[i] < i.
  * logits[i] is the target's row at node i, i.e. its prediction for the
  * token after node i. The output is the target's own:
@@ -51,8 +51,8 @@ typedef struct verify_tree {
     int32_t vocab;
     const verify_proc *proc; /* NULL: the raw rows decide */
     /* [n] the token decided at each row, computed where the pass ran:
-     * greedy's argmax (eng_step_argmax) or the keyed draw at the row's
-     * position (eng_step_sample), read instead of logits when there is
+     * greedy's argmax (engine_step_argmax) or the keyed draw at the row's
+     * position (engine_step_sample), read instead of logits when there is
      * no proc (logits are then not read at all); NULL: from logits. */
     const int32_t *argmax;
 } verify_tree;
@@ -61,7 +61,7 @@ int32_t verify_greedy(const verify_tree *t, int32_t *path, int32_t *bonus);
 
 /* pos: the position of the token after the root (the root's + 1). Greedy
  * parameters give verify_greedy's answer and read no rng. */
-int32_t verify_sample(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng, int32_t pos,
+int32_t verify_sample(const verify_tree *t, sample_state *s, const sample_params *p, const sample_rng *rng, int32_t pos,
                       int32_t *path, int32_t *bonus);
 
 #endif

@@ -24,49 +24,49 @@ static inline int32_t spec_test_prompt(int i, int32_t vocab, int32_t max_len, in
 }
 
 /* Plain greedy decoding: the prompt in chunks, then one token per pass. */
-static inline void run_plain_greedy(eng *e, const int32_t *ids, int32_t n, int32_t chunk, int32_t n_gen,
+static inline void run_plain_greedy(engine *e, const int32_t *ids, int32_t n, int32_t chunk, int32_t n_gen,
                                     int32_t *out) {
     ae_error err = {0};
-    int32_t seq, V = eng_model(e)->cfg.vocab;
+    int32_t seq, V = engine_model(e)->cfg.vocab;
     float *lg = malloc(sizeof(float) * (size_t)V);
     assert_non_null(lg);
-    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
     for (int32_t at = 0; at < n; at += chunk) {
-        eng_item it = {seq, ENG_APPEND, n - at < chunk ? n - at : chunk, ids + at, NULL, false};
-        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, n - at < chunk ? n - at : chunk, ids + at, NULL, false};
+        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
     }
     for (int32_t g = 0; g < n_gen; g++) {
         out[g] = sample_greedy(lg, V);
-        eng_item it = {seq, ENG_APPEND, 1, &out[g], NULL, false};
-        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, 1, &out[g], NULL, false};
+        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
     }
-    eng_seq_free(e, seq);
+    engine_seq_free(e, seq);
     free(lg);
 }
 
 /* Plain sampled decoding with sampling parameters sp and a rng seeded
  * with seed: the prompt in chunks, then one token per pass. */
-static inline void run_plain_sampled(eng *e, const int32_t *ids, int32_t n, int32_t chunk, const sample_params *sp,
+static inline void run_plain_sampled(engine *e, const int32_t *ids, int32_t n, int32_t chunk, const sample_params *sp,
                                      uint64_t seed, int32_t n_gen, int32_t *out) {
     ae_error err = {0};
-    int32_t seq, V = eng_model(e)->cfg.vocab;
+    int32_t seq, V = engine_model(e)->cfg.vocab;
     float *lg = malloc(sizeof(float) * (size_t)V);
-    sampler *smp;
+    sample_state *smp;
     assert_non_null(lg);
     assert_int_equal(sample_init(&smp, V, &err), AE_OK);
     sample_rng rng;
     sample_rng_seed(&rng, seed);
-    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
     for (int32_t at = 0; at < n; at += chunk) {
-        eng_item it = {seq, ENG_APPEND, n - at < chunk ? n - at : chunk, ids + at, NULL, false};
-        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, n - at < chunk ? n - at : chunk, ids + at, NULL, false};
+        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
     }
     for (int32_t g = 0; g < n_gen; g++) {
         out[g] = sample_token(smp, lg, sp, &rng, n + g);
-        eng_item it = {seq, ENG_APPEND, 1, &out[g], NULL, false};
-        assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, 1, &out[g], NULL, false};
+        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
     }
-    eng_seq_free(e, seq);
+    engine_seq_free(e, seq);
     sample_free(smp);
     free(lg);
 }
@@ -74,13 +74,13 @@ static inline void run_plain_sampled(eng *e, const int32_t *ids, int32_t n, int3
 /* Speculative decoding of n_gen tokens with sampling parameters sp and a
  * rng seeded with seed (a step may overshoot; the extra tokens are dropped
  * as a caller stopping at max-tokens would). */
-static inline void run_spec(spec *s, eng *e, const int32_t *ids, int32_t n, int32_t chunk, const sample_params *sp,
+static inline void run_spec(spec *s, engine *e, const int32_t *ids, int32_t n, int32_t chunk, const sample_params *sp,
                             uint64_t seed, int32_t n_gen, int32_t *out) {
     ae_error err = {0};
     int32_t seq, got = 0;
     sample_rng rng;
     sample_rng_seed(&rng, seed);
-    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
     if (spec_seq_start(s, seq, ids, n, chunk, &err) != AE_OK) fail_msg("%s", err.msg);
     while (got < n_gen) {
         spec_in in = {.seq = seq, .params = sp, .rng = &rng};
@@ -90,7 +90,7 @@ static inline void run_spec(spec *s, eng *e, const int32_t *ids, int32_t n, int3
         for (int32_t j = 0; j < o.n && got < n_gen; j++) out[got++] = o.tokens[j];
     }
     spec_seq_end(s, seq);
-    eng_seq_free(e, seq);
+    engine_seq_free(e, seq);
 }
 
 #endif

@@ -66,21 +66,21 @@ def build():
  *
  * Character classes for the pre-tokenizers: 0 other, 1 letter (\\p{{L}}),
  * 2 number (\\p{{N}}), 3 space (White_Space, i.e. \\s).
- * class(cp) = uc_stage2[uc_stage1[cp >> 7] * 128 + (cp & 127)]. */
+ * class(cp) = unicode_tables_stage2[unicode_tables_stage1[cp >> 7] * 128 + (cp & 127)]. */
 #ifndef AERIE_TOKENIZER_UNICODE_TABLES_H
 #define AERIE_TOKENIZER_UNICODE_TABLES_H
 
 #include <stdint.h>
 
-#define UC_UNICODE_VERSION "{unicodedata.unidata_version}"
-#define UC_BLOCK_SHIFT 7
-#define UC_BLOCK_MASK 127
+#define UNICODE_TABLES_VERSION "{unicodedata.unidata_version}"
+#define UNICODE_TABLES_BLOCK_SHIFT 7
+#define UNICODE_TABLES_BLOCK_MASK 127
 
-static const uint8_t uc_stage1[{len(stage1)}] = {{
+static const uint8_t unicode_tables_stage1[{len(stage1)}] = {{
 {rows(stage1, 32)}
 }};
 
-static const uint8_t uc_stage2[{len(stage2)}] = {{
+static const uint8_t unicode_tables_stage2[{len(stage2)}] = {{
 {rows(stage2, 64)}
 }};
 

@@ -13,47 +13,47 @@
 #include "json.h"
 #include "log.h"
 
-typedef struct cfg_value {
-    const cfg_option *opt;
-    cfg_source src;
+typedef struct config_value {
+    const config_option *opt;
+    config_source src;
     bool is_auto;
     char *text; /* resolved value as text; NULL when unset */
     int64_t i;
     double d;
     bool b;
-} cfg_value;
+} config_value;
 
-struct cfg {
+struct config {
     size_t n;
-    cfg_value *v; /* (n) */
+    config_value *v; /* (n) */
 };
 
 static const char *const source_names[] = {"unset", "default", "file", "env", "flag", "auto"};
 
-const char *cfg_source_name(cfg_source s) {
-    return (unsigned)s <= CFG_SRC_AUTO ? source_names[s] : "?";
+const char *config_source_name(config_source s) {
+    return (unsigned)s <= CONFIG_SRC_AUTO ? source_names[s] : "?";
 }
 
-static cfg_value *find(const cfg *c, const char *name) {
+static config_value *find(const config *c, const char *name) {
     for (size_t i = 0; i < c->n; i++)
         if (strcmp(c->v[i].opt->name, name) == 0) return &c->v[i];
     return NULL;
 }
 
-bool cfg_has(const cfg *c, const char *name) { return find(c, name) != NULL; }
+bool config_has(const config *c, const char *name) { return find(c, name) != NULL; }
 
-static cfg_value *must_find(const cfg *c, const char *name) {
-    cfg_value *v = find(c, name);
+static config_value *must_find(const config *c, const char *name) {
+    config_value *v = find(c, name);
     AE_ASSERT(v != NULL && "undeclared config option");
     return v;
 }
 
 /* Parses text into v's typed slot without committing it. */
-static int parse_value(const cfg_option *o, const char *text, cfg_value *v, ae_error *err) {
-    if (strlen(text) > CFG_MAX_VALUE)
-        return err_set(err, "%s: value longer than %d bytes", o->name, CFG_MAX_VALUE);
+static int parse_value(const config_option *o, const char *text, config_value *v, ae_error *err) {
+    if (strlen(text) > CONFIG_MAX_VALUE)
+        return err_set(err, "%s: value longer than %d bytes", o->name, CONFIG_MAX_VALUE);
     switch (o->type) {
-    case CFG_INT: {
+    case CONFIG_INT: {
         char *end;
         errno = 0;
         long long x = strtoll(text, &end, 10);
@@ -65,7 +65,7 @@ static int parse_value(const cfg_option *o, const char *text, cfg_value *v, ae_e
         v->d = (double)x;
         return AE_OK;
     }
-    case CFG_DOUBLE: {
+    case CONFIG_DOUBLE: {
         char *end;
         errno = 0;
         double x = strtod(text, &end);
@@ -76,7 +76,7 @@ static int parse_value(const cfg_option *o, const char *text, cfg_value *v, ae_e
         v->d = x;
         return AE_OK;
     }
-    case CFG_BOOL:
+    case CONFIG_BOOL:
         if (!strcmp(text, "true") || !strcmp(text, "1") || !strcmp(text, "yes") || !strcmp(text, "on"))
             v->b = true;
         else if (!strcmp(text, "false") || !strcmp(text, "0") || !strcmp(text, "no") || !strcmp(text, "off"))
@@ -84,16 +84,16 @@ static int parse_value(const cfg_option *o, const char *text, cfg_value *v, ae_e
         else
             return err_set(err, "%s: expected true or false, got \"%s\"", o->name, text);
         return AE_OK;
-    case CFG_STRING:
+    case CONFIG_STRING:
         return AE_OK;
     }
     return err_set(err, "%s: bad option type", o->name);
 }
 
-int cfg_set(cfg *c, const char *name, const char *text, cfg_source src, ae_error *err) {
-    cfg_value *v = find(c, name);
+int config_set(config *c, const char *name, const char *text, config_source src, ae_error *err) {
+    config_value *v = find(c, name);
     if (!v) return err_set(err, "unknown setting \"%s\"", name);
-    cfg_value parsed = *v;
+    config_value parsed = *v;
     bool is_auto = v->opt->def && !strcmp(v->opt->def, "auto") && !strcmp(text, "auto");
     if (!is_auto && parse_value(v->opt, text, &parsed, err) != AE_OK) return AE_ERR;
     char *copy = strdup(text);
@@ -106,10 +106,10 @@ int cfg_set(cfg *c, const char *name, const char *text, cfg_source src, ae_error
     return AE_OK;
 }
 
-int cfg_init(cfg **out, const cfg_option *opts, size_t n, ae_error *err) {
+int config_init(config **out, const config_option *opts, size_t n, ae_error *err) {
     *out = NULL;
-    if (n > CFG_MAX_OPTIONS) return err_set(err, "config: %zu options, limit %d", n, CFG_MAX_OPTIONS);
-    cfg *c = calloc(1, sizeof *c);
+    if (n > CONFIG_MAX_OPTIONS) return err_set(err, "config: %zu options, limit %d", n, CONFIG_MAX_OPTIONS);
+    config *c = calloc(1, sizeof *c);
     if (!c) return err_set(err, "config: out of memory");
     c->v = calloc(n ? n : 1, sizeof *c->v);
     if (!c->v) {
@@ -121,7 +121,7 @@ int cfg_init(cfg **out, const cfg_option *opts, size_t n, ae_error *err) {
         c->v[i].opt = &opts[i];
         for (size_t j = 0; j < i; j++)
             AE_ASSERT(strcmp(opts[i].name, opts[j].name) != 0 && "duplicate config option");
-        if (opts[i].def && cfg_set(c, opts[i].name, opts[i].def, CFG_SRC_DEFAULT, err) != AE_OK) {
+        if (opts[i].def && config_set(c, opts[i].name, opts[i].def, CONFIG_SRC_DEFAULT, err) != AE_OK) {
             err_prefix(err, "config: bad default: ");
             goto fail;
         }
@@ -129,11 +129,11 @@ int cfg_init(cfg **out, const cfg_option *opts, size_t n, ae_error *err) {
     *out = c;
     return AE_OK;
 fail:
-    cfg_free(c);
+    config_free(c);
     return AE_ERR;
 }
 
-void cfg_free(cfg *c) {
+void config_free(config *c) {
     if (!c) return;
     for (size_t i = 0; i < c->n; i++) free(c->v[i].text);
     free(c->v);
@@ -148,7 +148,7 @@ static void env_name(const char *name, char *out, size_t cap) {
     out[k] = '\0';
 }
 
-int cfg_load_env(cfg *c, char *const *envp, ae_error *err) {
+int config_load_env(config *c, char *const *envp, ae_error *err) {
     if (!envp) return AE_OK;
     for (size_t i = 0; i < c->n; i++) {
         char want[160];
@@ -159,7 +159,7 @@ int cfg_load_env(cfg *c, char *const *envp, ae_error *err) {
         size_t wl = strlen(want);
         for (char *const *e = envp; *e; e++) {
             if (strncmp(*e, want, wl) == 0 && (*e)[wl] == '=') {
-                if (cfg_set(c, c->v[i].opt->name, *e + wl + 1, CFG_SRC_ENV, err) != AE_OK) {
+                if (config_set(c, c->v[i].opt->name, *e + wl + 1, CONFIG_SRC_ENV, err) != AE_OK) {
                     err_prefix(err, "environment %s: ", want);
                     return AE_ERR;
                 }
@@ -169,7 +169,7 @@ int cfg_load_env(cfg *c, char *const *envp, ae_error *err) {
     return AE_OK;
 }
 
-static int set_from_json(cfg *c, const cJSON *item, ae_error *err) {
+static int set_from_json(config *c, const cJSON *item, ae_error *err) {
     char buf[64];
     const char *text;
     if (cJSON_IsString(item)) {
@@ -186,13 +186,13 @@ static int set_from_json(cfg *c, const cJSON *item, ae_error *err) {
     } else {
         return err_set(err, "%s: expected a string, number or bool", item->string);
     }
-    return cfg_set(c, item->string, text, CFG_SRC_FILE, err);
+    return config_set(c, item->string, text, CONFIG_SRC_FILE, err);
 }
 
-int cfg_load_file(cfg *c, const char *path, ae_error *err) {
+int config_load_file(config *c, const char *path, ae_error *err) {
     char *buf;
     size_t n;
-    if (file_read_all(path, CFG_MAX_FILE, &buf, &n, NULL, err) != AE_OK) {
+    if (file_read_all(path, CONFIG_MAX_FILE, &buf, &n, NULL, err) != AE_OK) {
         err_prefix(err, "config file ");
         return AE_ERR;
     }
@@ -216,7 +216,7 @@ out:
     return rc;
 }
 
-int cfg_load(cfg *c, int argc, char **argv, char *const *envp,
+int config_load(config *c, int argc, char **argv, char *const *envp,
              char **positional, int *n_positional, bool *print_config,
              ae_error *err) {
     *n_positional = 0;
@@ -238,8 +238,8 @@ int cfg_load(cfg *c, int argc, char **argv, char *const *envp,
             file = argv[i] + 9;
         }
     }
-    if (file && *file && cfg_load_file(c, file, err) != AE_OK) return AE_ERR;
-    if (cfg_load_env(c, envp, err) != AE_OK) return AE_ERR;
+    if (file && *file && config_load_file(c, file, err) != AE_OK) return AE_ERR;
+    if (config_load_env(c, envp, err) != AE_OK) return AE_ERR;
 
     bool options_done = false;
     for (int i = 0; i < argc; i++) {
@@ -269,24 +269,24 @@ int cfg_load(cfg *c, int argc, char **argv, char *const *envp,
             if (print_config) *print_config = true;
             continue;
         }
-        cfg_value *v = find(c, name);
+        config_value *v = find(c, name);
         if (!v && !eq && !strncmp(name, "no-", 3)) {
-            cfg_value *neg = find(c, name + 3);
-            if (neg && neg->opt->type == CFG_BOOL) {
-                if (cfg_set(c, name + 3, "false", CFG_SRC_FLAG, err) != AE_OK) return AE_ERR;
+            config_value *neg = find(c, name + 3);
+            if (neg && neg->opt->type == CONFIG_BOOL) {
+                if (config_set(c, name + 3, "false", CONFIG_SRC_FLAG, err) != AE_OK) return AE_ERR;
                 continue;
             }
         }
         if (!v) return err_set(err, "unknown option --%s", name);
         if (!val) {
-            if (v->opt->type == CFG_BOOL) {
+            if (v->opt->type == CONFIG_BOOL) {
                 val = "true";
             } else {
                 if (i + 1 >= argc) return err_set(err, "--%s needs a value", name);
                 val = argv[++i];
             }
         }
-        if (cfg_set(c, name, val, CFG_SRC_FLAG, err) != AE_OK) {
+        if (config_set(c, name, val, CONFIG_SRC_FLAG, err) != AE_OK) {
             err_prefix(err, "--");
             return AE_ERR;
         }
@@ -294,18 +294,18 @@ int cfg_load(cfg *c, int argc, char **argv, char *const *envp,
     return AE_OK;
 }
 
-static void set_auto_text(cfg_value *v, const char *text) {
+static void set_auto_text(config_value *v, const char *text) {
     char *copy = strdup(text);
     AE_ASSERT(copy != NULL);
     free(v->text);
     v->text = copy;
-    v->src = CFG_SRC_AUTO;
+    v->src = CONFIG_SRC_AUTO;
     v->is_auto = false;
 }
 
-void cfg_set_auto_int(cfg *c, const char *name, int64_t x) {
-    cfg_value *v = must_find(c, name);
-    AE_ASSERT(v->opt->type == CFG_INT);
+void config_set_auto_int(config *c, const char *name, int64_t x) {
+    config_value *v = must_find(c, name);
+    AE_ASSERT(v->opt->type == CONFIG_INT);
     char buf[32];
     snprintf(buf, sizeof buf, "%lld", (long long)x);
     v->i = x;
@@ -313,9 +313,9 @@ void cfg_set_auto_int(cfg *c, const char *name, int64_t x) {
     set_auto_text(v, buf);
 }
 
-void cfg_set_auto_double(cfg *c, const char *name, double x) {
-    cfg_value *v = must_find(c, name);
-    AE_ASSERT(v->opt->type == CFG_DOUBLE);
+void config_set_auto_double(config *c, const char *name, double x) {
+    config_value *v = must_find(c, name);
+    AE_ASSERT(v->opt->type == CONFIG_DOUBLE);
     /* The shortest text that reads back as x: 0.9, not 0.90000000000000002. */
     char buf[40];
     for (int prec = 1; prec <= 17; prec++) {
@@ -326,59 +326,59 @@ void cfg_set_auto_double(cfg *c, const char *name, double x) {
     set_auto_text(v, buf);
 }
 
-void cfg_set_auto_str(cfg *c, const char *name, const char *s) {
-    cfg_value *v = must_find(c, name);
-    AE_ASSERT(v->opt->type == CFG_STRING);
+void config_set_auto_str(config *c, const char *name, const char *s) {
+    config_value *v = must_find(c, name);
+    AE_ASSERT(v->opt->type == CONFIG_STRING);
     set_auto_text(v, s);
 }
 
-int64_t cfg_int(const cfg *c, const char *name) {
-    const cfg_value *v = must_find(c, name);
-    AE_ASSERT(v->opt->type == CFG_INT && !v->is_auto);
+int64_t config_int(const config *c, const char *name) {
+    const config_value *v = must_find(c, name);
+    AE_ASSERT(v->opt->type == CONFIG_INT && !v->is_auto);
     return v->i;
 }
 
-double cfg_double(const cfg *c, const char *name) {
-    const cfg_value *v = must_find(c, name);
-    AE_ASSERT((v->opt->type == CFG_DOUBLE || v->opt->type == CFG_INT) && !v->is_auto);
+double config_double(const config *c, const char *name) {
+    const config_value *v = must_find(c, name);
+    AE_ASSERT((v->opt->type == CONFIG_DOUBLE || v->opt->type == CONFIG_INT) && !v->is_auto);
     return v->d;
 }
 
-bool cfg_bool(const cfg *c, const char *name) {
-    const cfg_value *v = must_find(c, name);
-    AE_ASSERT(v->opt->type == CFG_BOOL && !v->is_auto);
+bool config_bool(const config *c, const char *name) {
+    const config_value *v = must_find(c, name);
+    AE_ASSERT(v->opt->type == CONFIG_BOOL && !v->is_auto);
     return v->b;
 }
 
-const char *cfg_str(const cfg *c, const char *name) {
-    const cfg_value *v = must_find(c, name);
+const char *config_str(const config *c, const char *name) {
+    const config_value *v = must_find(c, name);
     return v->text;
 }
 
-bool cfg_is_auto(const cfg *c, const char *name) { return must_find(c, name)->is_auto; }
+bool config_is_auto(const config *c, const char *name) { return must_find(c, name)->is_auto; }
 
-cfg_source cfg_get_source(const cfg *c, const char *name) { return must_find(c, name)->src; }
+config_source config_get_source(const config *c, const char *name) { return must_find(c, name)->src; }
 
-static cJSON *value_json(const cfg_value *v) {
+static cJSON *value_json(const config_value *v) {
     if (!v->text) return cJSON_CreateNull();
     if (v->is_auto) return cJSON_CreateString("auto");
     switch (v->opt->type) {
-    case CFG_INT: return cJSON_CreateNumber((double)v->i);
-    case CFG_DOUBLE: return cJSON_CreateNumber(v->d);
-    case CFG_BOOL: return cJSON_CreateBool(v->b);
-    case CFG_STRING: return cJSON_CreateString(v->text);
+    case CONFIG_INT: return cJSON_CreateNumber((double)v->i);
+    case CONFIG_DOUBLE: return cJSON_CreateNumber(v->d);
+    case CONFIG_BOOL: return cJSON_CreateBool(v->b);
+    case CONFIG_STRING: return cJSON_CreateString(v->text);
     }
     return cJSON_CreateNull();
 }
 
-char *cfg_to_json(const cfg *c) {
+char *config_to_json(const config *c) {
     cJSON *root = cJSON_CreateObject();
     if (!root) return NULL;
     for (size_t i = 0; i < c->n; i++) {
         cJSON *entry = cJSON_CreateObject();
         if (!entry) break;
         cJSON_AddItemToObject(entry, "value", value_json(&c->v[i]));
-        cJSON_AddStringToObject(entry, "source", cfg_source_name(c->v[i].src));
+        cJSON_AddStringToObject(entry, "source", config_source_name(c->v[i].src));
         cJSON_AddItemToObject(root, c->v[i].opt->name, entry);
     }
     char *s = cJSON_PrintUnformatted(root);
@@ -386,19 +386,19 @@ char *cfg_to_json(const cfg *c) {
     return s;
 }
 
-void cfg_log(const cfg *c, const char *title) {
+void config_log(const config *c, const char *title) {
     size_t w = 4;
     for (size_t i = 0; i < c->n; i++)
         if (strlen(c->v[i].opt->name) > w) w = strlen(c->v[i].opt->name);
     LOG_INFOF("config_begin for=%s settings=%zu", title, c->n);
     for (size_t i = 0; i < c->n; i++) {
-        const cfg_value *v = &c->v[i];
+        const config_value *v = &c->v[i];
         LOG_INFOF("config %-*s = %-24s source=%s", (int)w, v->opt->name,
-                  v->text ? v->text : "(unset)", cfg_source_name(v->src));
+                  v->text ? v->text : "(unset)", config_source_name(v->src));
     }
 }
 
-char *cfg_usage(const cfg *c) {
+char *config_usage(const config *c) {
     size_t cap = 256;
     for (size_t i = 0; i < c->n; i++)
         cap += 64 + strlen(c->v[i].opt->name) + strlen(c->v[i].opt->help ? c->v[i].opt->help : "") +
@@ -407,7 +407,7 @@ char *cfg_usage(const cfg *c) {
     if (!s) return NULL;
     size_t k = 0;
     for (size_t i = 0; i < c->n; i++) {
-        const cfg_option *o = c->v[i].opt;
+        const config_option *o = c->v[i].opt;
         k += (size_t)snprintf(s + k, cap - k, "  --%-16s %s%s%s%s\n", o->name, o->help ? o->help : "",
                               o->def ? " (default: " : "", o->def ? o->def : "", o->def ? ")" : "");
     }

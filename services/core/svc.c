@@ -41,18 +41,18 @@ int svc_wait_signal(void) {
     return sig;
 }
 
-int svc_config_load(cfg **out, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+int svc_config_load(config **out, const char *service, const config_option *opts, size_t n, int argc, char **argv,
                     bool *print_config, bool *help, ae_error *err) {
     *out = NULL;
     *help = *print_config = false;
-    cfg *c = NULL;
+    config *c = NULL;
     char **pos = calloc((size_t)argc + 1, sizeof *pos);
     int npos = 0;
     if (!pos) return err_set(err, "out of memory");
-    if (cfg_init(&c, opts, n, err) != AE_OK) goto fail;
+    if (config_init(&c, opts, n, err) != AE_OK) goto fail;
     for (int i = 1; i < argc && strcmp(argv[i], "--"); i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            char *u = cfg_usage(c);
+            char *u = config_usage(c);
             printf("usage: %s [options]\n\noptions:\n%s", service, u ? u : "");
             printf("  --%-16s %s\n  --%-16s %s\n", "config FILE", "JSON file of settings", "print-config",
                    "print the resolved settings with their sources, then exit");
@@ -62,12 +62,12 @@ int svc_config_load(cfg **out, const char *service, const cfg_option *opts, size
             *out = c;
             return AE_OK;
         }
-    if (cfg_load(c, argc - 1, argv + 1, environ, pos, &npos, print_config, err) != AE_OK) goto fail;
+    if (config_load(c, argc - 1, argv + 1, environ, pos, &npos, print_config, err) != AE_OK) goto fail;
     if (npos > 0) {
         err_set(err, "unexpected argument \"%s\"", pos[0]);
         goto fail;
     }
-    const char *level = cfg_str(c, "log-level");
+    const char *level = config_str(c, "log-level");
     log_level lv;
     if (!level || !log_level_parse(level, &lv)) {
         err_set(err, "log-level: expected debug, info, warn, error or off, got \"%s\"", level ? level : "");
@@ -79,12 +79,12 @@ int svc_config_load(cfg **out, const char *service, const cfg_option *opts, size
     return AE_OK;
 fail:
     free(pos);
-    cfg_free(c);
+    config_free(c);
     return AE_ERR;
 }
 
-void svc_print_config(const cfg *c) {
-    char *json = cfg_to_json(c);
+void svc_print_config(const config *c) {
+    char *json = config_to_json(c);
     if (json) puts(json);
     free(json);
 }
@@ -145,8 +145,8 @@ void svc_loading_end(void) {
     loading.running = false;
 }
 
-int svc_act_bits(const cfg *c, int32_t *bits, ae_error *err) {
-    int64_t v = cfg_int(c, "act-bits");
+int svc_act_bits(const config *c, int32_t *bits, ae_error *err) {
+    int64_t v = config_int(c, "act-bits");
     if (v != 8 && v != 15) return err_set(err, "act-bits must be 8 or 15, got %lld", (long long)v);
     *bits = (int32_t)v;
     return AE_OK;

@@ -15,12 +15,12 @@
  * invariance"), a setting of every program that runs the engine or the
  * head: 15 (two byte planes) or 8. */
 #define SVC_ACT_BITS_OPTION                                                                                 \
-    {"act-bits", CFG_INT, "15", 8, 15,                                                                     \
+    {"act-bits", CONFIG_INT, "15", 8, 15,                                                                     \
      "bits each activation keeps in quantized matmuls: 15 (two byte planes) or 8 (one: a pass of several " \
      "tokens does half the integer work, with more rounding error)"}
 
 /* c's "act-bits" into *bits; a value other than 8 or 15 fails. */
-int svc_act_bits(const cfg *c, int32_t *bits, ae_error *err);
+int svc_act_bits(const config *c, int32_t *bits, ae_error *err);
 
 /* Blocks SIGTERM and SIGINT in this thread and every thread it starts
  * later (they are taken by svc_wait_signal), and ignores SIGPIPE (a peer
@@ -34,11 +34,11 @@ int svc_wait_signal(void);
 /* Loads the settings (defaults < --config file < AERIE_* < flags), sets
  * the log level from "log-level", and refuses positional arguments.
  * *help: --help was given (the usage was printed to stdout). */
-int svc_config_load(cfg **out, const char *service, const cfg_option *opts, size_t n, int argc, char **argv,
+int svc_config_load(config **out, const char *service, const config_option *opts, size_t n, int argc, char **argv,
                     bool *print_config, bool *help, ae_error *err);
 
 /* Prints the resolved settings as JSON on stdout (--print-config). */
-void svc_print_config(const cfg *c);
+void svc_print_config(const config *c);
 
 /* Tells systemd (Type=notify) the service's state, e.g. "READY=1" or
  * "STOPPING=1"; a no-op without $NOTIFY_SOCKET. */

@@ -16,33 +16,33 @@
 #include "log.h"
 #include "svc.h"
 
-typedef struct wd_slot {
+typedef struct watchdog_slot {
     _Atomic int64_t beat_ns; /* last beat, CLOCK_MONOTONIC */
     _Atomic bool used;
     bool dropped; /* $AERIE_TEST_WATCHDOG_STALL names it */
-    char name[WD_NAME_MAX];
-} wd_slot;
+    char name[WATCHDOG_NAME_MAX];
+} watchdog_slot;
 
-typedef struct wd_timer {
+typedef struct watchdog_timer {
     struct event *ev;
     int slot;
-    wd *w;
-} wd_timer;
+    watchdog *w;
+} watchdog_timer;
 
-struct wd {
+struct watchdog {
     int64_t interval_ns;
-    wd_slot slots[WD_MAX_LOOPS];
+    watchdog_slot slots[WATCHDOG_MAX_LOOPS];
     pthread_mutex_t mu; /* slot registration, timers, the thread's state */
     pthread_cond_t cv;  /* wakes the thread to stop */
-    wd_timer timers[WD_MAX_LOOPS];
+    watchdog_timer timers[WATCHDOG_MAX_LOOPS];
     int n_timers;
     pthread_t thread;
     bool running, stopping;
 };
 
-static _Atomic(wd *) process_wd;
+static _Atomic(watchdog *) process_wd;
 
-int64_t wd_env_interval_us(void) {
+int64_t watchdog_env_interval_us(void) {
     const char *pid = getenv("WATCHDOG_PID");
     if (pid && *pid) {
         char *end;
@@ -63,28 +63,28 @@ int64_t wd_env_interval_us(void) {
                   usec);
         return 0;
     }
-    if (us < WD_MIN_USEC) {
+    if (us < WATCHDOG_MIN_USEC) {
         LOG_WARNF("watchdog_interval_clamped watchdog_usec=%lld interval_us=%lld reason=\"below %lld us: a ping every %lld ms, "
                   "late for a systemd that wants one sooner\"",
-                  us, (long long)WD_MIN_USEC, (long long)WD_MIN_USEC, (long long)WD_MIN_USEC / 4000);
-        return WD_MIN_USEC;
+                  us, (long long)WATCHDOG_MIN_USEC, (long long)WATCHDOG_MIN_USEC, (long long)WATCHDOG_MIN_USEC / 4000);
+        return WATCHDOG_MIN_USEC;
     }
-    if (huge || us > WD_MAX_USEC) {
+    if (huge || us > WATCHDOG_MAX_USEC) {
         LOG_WARNF("watchdog_interval_clamped watchdog_usec=%.40s interval_us=%lld reason=\"above %lld us: pinging more often "
                   "than asked is always in time\"",
-                  usec, (long long)WD_MAX_USEC, (long long)WD_MAX_USEC);
-        return WD_MAX_USEC;
+                  usec, (long long)WATCHDOG_MAX_USEC, (long long)WATCHDOG_MAX_USEC);
+        return WATCHDOG_MAX_USEC;
     }
     return us;
 }
 
-int64_t wd_interval_ns(const wd *w) { return w ? w->interval_ns : 0; }
+int64_t watchdog_interval_ns(const watchdog *w) { return w ? w->interval_ns : 0; }
 
-int wd_init(wd **out, int64_t interval_us, ae_error *err) {
+int watchdog_init(watchdog **out, int64_t interval_us, ae_error *err) {
     *out = NULL;
     if (interval_us <= 0) return AE_OK;
-    AE_ASSERT(interval_us <= WD_MAX_USEC); /* interval_ns and the wake-up times must not overflow */
-    wd *w = calloc(1, sizeof *w);
+    AE_ASSERT(interval_us <= WATCHDOG_MAX_USEC); /* interval_ns and the wake-up times must not overflow */
+    watchdog *w = calloc(1, sizeof *w);
     if (!w) return err_set(err, "out of memory for the watchdog");
     w->interval_ns = interval_us * 1000;
     pthread_condattr_t ca;
@@ -97,7 +97,7 @@ int wd_init(wd **out, int64_t interval_us, ae_error *err) {
     return AE_OK;
 }
 
-void wd_stop(wd *w) {
+void watchdog_stop(watchdog *w) {
     if (!w) return;
     pthread_mutex_lock(&w->mu);
     bool join = w->running;
@@ -113,24 +113,24 @@ void wd_stop(wd *w) {
     pthread_mutex_unlock(&w->mu);
 }
 
-void wd_free(wd *w) {
+void watchdog_free(watchdog *w) {
     if (!w) return;
-    wd *expected = w;
+    watchdog *expected = w;
     atomic_compare_exchange_strong(&process_wd, &expected, NULL);
-    wd_stop(w);
+    watchdog_stop(w);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
     free(w);
 }
 
-int wd_add(wd *w, const char *name) {
+int watchdog_add(watchdog *w, const char *name) {
     if (!w) return -1;
     const char *stall = getenv("AERIE_TEST_WATCHDOG_STALL");
     pthread_mutex_lock(&w->mu);
     int i = 0;
-    while (i < WD_MAX_LOOPS && atomic_load(&w->slots[i].used)) i++;
-    AE_ASSERT(i < WD_MAX_LOOPS);
-    wd_slot *s = &w->slots[i];
+    while (i < WATCHDOG_MAX_LOOPS && atomic_load(&w->slots[i].used)) i++;
+    AE_ASSERT(i < WATCHDOG_MAX_LOOPS);
+    watchdog_slot *s = &w->slots[i];
     snprintf(s->name, sizeof s->name, "%s", name);
     s->dropped = stall && !strcmp(stall, s->name);
     atomic_store(&s->beat_ns, clock_mono_ns());
@@ -140,23 +140,23 @@ int wd_add(wd *w, const char *name) {
     return i;
 }
 
-void wd_remove(wd *w, int slot) {
+void watchdog_remove(watchdog *w, int slot) {
     if (!w || slot < 0) return;
-    AE_ASSERT(slot < WD_MAX_LOOPS);
+    AE_ASSERT(slot < WATCHDOG_MAX_LOOPS);
     atomic_store(&w->slots[slot].used, false);
 }
 
-void wd_beat(wd *w, int slot) {
+void watchdog_beat(watchdog *w, int slot) {
     if (!w || slot < 0) return;
-    AE_ASSERT(slot < WD_MAX_LOOPS);
-    wd_slot *s = &w->slots[slot];
+    AE_ASSERT(slot < WATCHDOG_MAX_LOOPS);
+    watchdog_slot *s = &w->slots[slot];
     if (!s->dropped) atomic_store_explicit(&s->beat_ns, clock_mono_ns(), memory_order_relaxed);
 }
 
-const char *wd_stale(wd *w, int64_t now_ns) {
+const char *watchdog_stale(watchdog *w, int64_t now_ns) {
     if (!w) return NULL;
-    for (int i = 0; i < WD_MAX_LOOPS; i++) {
-        wd_slot *s = &w->slots[i];
+    for (int i = 0; i < WATCHDOG_MAX_LOOPS; i++) {
+        watchdog_slot *s = &w->slots[i];
         if (!atomic_load(&s->used)) continue;
         if (now_ns - atomic_load_explicit(&s->beat_ns, memory_order_relaxed) > w->interval_ns / 2) return s->name;
     }
@@ -165,16 +165,16 @@ const char *wd_stale(wd *w, int64_t now_ns) {
 
 static void on_timer(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    wd_timer *t = arg;
-    wd_beat(t->w, t->slot);
+    watchdog_timer *t = arg;
+    watchdog_beat(t->w, t->slot);
 }
 
-int wd_watch_base(wd *w, struct event_base *base, const char *name, ae_error *err) {
+int watchdog_watch_base(watchdog *w, struct event_base *base, const char *name, ae_error *err) {
     if (!w) return AE_OK;
-    int slot = wd_add(w, name);
+    int slot = watchdog_add(w, name);
     pthread_mutex_lock(&w->mu);
-    AE_ASSERT(w->n_timers < WD_MAX_LOOPS);
-    wd_timer *t = &w->timers[w->n_timers];
+    AE_ASSERT(w->n_timers < WATCHDOG_MAX_LOOPS);
+    watchdog_timer *t = &w->timers[w->n_timers];
     t->w = w;
     t->slot = slot;
     t->ev = event_new(base, -1, EV_PERSIST, on_timer, t);
@@ -182,7 +182,7 @@ int wd_watch_base(wd *w, struct event_base *base, const char *name, ae_error *er
     struct timeval tv = {(time_t)(every_us / 1000000), (suseconds_t)(every_us % 1000000)};
     if (!t->ev || event_add(t->ev, &tv) != 0) {
         if (t->ev) event_free(t->ev);
-        wd_remove(w, t->slot);
+        watchdog_remove(w, t->slot);
         pthread_mutex_unlock(&w->mu);
         return err_set(err, "cannot add the watchdog's timer to the %s loop", name);
     }
@@ -192,12 +192,12 @@ int wd_watch_base(wd *w, struct event_base *base, const char *name, ae_error *er
 }
 
 static void *ping_main(void *arg) {
-    wd *w = arg;
+    watchdog *w = arg;
     const char *was_stale = NULL;
     pthread_mutex_lock(&w->mu);
     while (!w->stopping) {
         int64_t now = clock_mono_ns();
-        const char *stale = wd_stale(w, now);
+        const char *stale = watchdog_stale(w, now);
         if (!stale) svc_notify("WATCHDOG=1");
         else if (stale != was_stale)
             LOG_ERRORF("watchdog_withheld loop=%s reason=\"no beat in the last %lld ms: it looks hung, so systemd is not told we are alive\"",
@@ -212,7 +212,7 @@ static void *ping_main(void *arg) {
     return NULL;
 }
 
-int wd_start(wd *w, ae_error *err) {
+int watchdog_start(watchdog *w, ae_error *err) {
     if (!w) return AE_OK;
     pthread_mutex_lock(&w->mu);
     AE_ASSERT(!w->running && !w->stopping);
@@ -225,6 +225,6 @@ int wd_start(wd *w, ae_error *err) {
     return AE_OK;
 }
 
-void wd_set_process(wd *w) { atomic_store(&process_wd, w); }
+void watchdog_set_process(watchdog *w) { atomic_store(&process_wd, w); }
 
-wd *wd_process(void) { return atomic_load(&process_wd); }
+watchdog *watchdog_process(void) { return atomic_load(&process_wd); }

@@ -36,9 +36,9 @@ int embedding_open(embedding *e, const char *path, const kn_backend *be, ae_erro
         rc = shape_gguf(e, e->w->gguf, err);
     } else {
         char cfg_path[4096];
-        hfcfg hc;
+        hfconfig hc;
         snprintf(cfg_path, sizeof cfg_path, "%s/config.json", path);
-        rc = hfcfg_load(&hc, cfg_path, err);
+        rc = hfconfig_load(&hc, cfg_path, err);
         if (rc == AE_OK) *e = (embedding){hc.num_hidden_layers, hc.hidden_size, hc.vocab_size, {0}, 0, e->w};
         name = "model.embed_tokens.weight";
     }

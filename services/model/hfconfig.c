@@ -100,9 +100,9 @@ static int as_text(const cJSON *v, const char *label, char *dst,
     if (!cJSON_IsString(v))
         return err_set(err, "%s: expected a string, got %s", label, kind(v));
     size_t len = strlen(v->valuestring);
-    if (len >= HFCFG_MAX_TEXT)
+    if (len >= HFCONFIG_MAX_TEXT)
         return err_set(err, "%s: %zu bytes exceeds %d", label, len,
-                       HFCFG_MAX_TEXT - 1);
+                       HFCONFIG_MAX_TEXT - 1);
     memcpy(dst, v->valuestring, len + 1);
     return AE_OK;
 }
@@ -142,9 +142,9 @@ static int int_list(const cJSON *v, const char *label, int64_t lo,
 
 /* YaRN's numbers; original_max_position_embeddings 0 when absent (then
  * max_position_embeddings, as transformers reads it). */
-static int parse_yarn(hfcfg *cfg, const cJSON *rs, const char *key, ae_error *err) {
+static int parse_yarn(hfconfig *cfg, const cJSON *rs, const char *key, ae_error *err) {
     char label[96];
-    cfg->rope_scaling.kind = HFCFG_ROPE_YARN;
+    cfg->rope_scaling.kind = HFCONFIG_ROPE_YARN;
     cfg->rope_scaling.beta_fast = 32.0;
     cfg->rope_scaling.beta_slow = 1.0;
     static const char *const names[5] = {"factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"};
@@ -178,7 +178,7 @@ static int parse_yarn(hfcfg *cfg, const cJSON *rs, const char *key, ae_error *er
  * (transformers 5, which writes the same fields there, rope_theta and
  * rope_type "default" included, and no longer writes the other two keys),
  * a literal: cfg keeps it. */
-static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, const char *key,
+static int parse_rope_scaling(hfconfig *cfg, const cJSON *rs, const char *key,
                               ae_error *err) {
     char label[80];
     if (!cJSON_IsObject(rs))
@@ -191,10 +191,10 @@ static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, const char *key,
     if (!t && (t = get(rs, "type")))
         snprintf(label, sizeof label, "%s.type", key);
     if (!t) return err_set(err, "%s.rope_type: required key is missing", key);
-    char type[HFCFG_MAX_TEXT];
+    char type[HFCONFIG_MAX_TEXT];
     if (as_text(t, label, type, err) != AE_OK) return AE_ERR;
     if (strcmp(type, "default") == 0) {
-        cfg->rope_scaling.kind = HFCFG_ROPE_DEFAULT;
+        cfg->rope_scaling.kind = HFCONFIG_ROPE_DEFAULT;
         return AE_OK;
     }
     /* Other schemes (linear, dynamic, yarn, ...) change the numbers; serving
@@ -205,7 +205,7 @@ static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, const char *key,
                        "%s: \"%s\" is not supported (supported: default, "
                        "llama3, yarn)",
                        label, type);
-    cfg->rope_scaling.kind = HFCFG_ROPE_LLAMA3;
+    cfg->rope_scaling.kind = HFCONFIG_ROPE_LLAMA3;
     static const char *const names[3] = {"factor", "low_freq_factor",
                                          "high_freq_factor"};
     double *dst[3] = {&cfg->rope_scaling.factor,
@@ -232,7 +232,7 @@ static int parse_rope_scaling(hfcfg *cfg, const cJSON *rs, const char *key,
                    &cfg->rope_scaling.original_max_position_embeddings, err);
 }
 
-static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
+static int parse_root(hfconfig *c, const cJSON *root, ae_error *err) {
     if (!cJSON_IsObject(root))
         return err_set(err, "expected a JSON object, got %s", kind(root));
 
@@ -325,7 +325,7 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
         return AE_ERR;
     if ((v = get(root, "eos_token_id")) &&
         int_list(v, "eos_token_id", 0, c->vocab_size - 1, c->eos_token_ids,
-                 HFCFG_MAX_EOS, &c->n_eos, err))
+                 HFCONFIG_MAX_EOS, &c->n_eos, err))
         return AE_ERR;
 
     /* transformers 5 writes rope_parameters instead of rope_theta and
@@ -356,7 +356,7 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
         if (!cJSON_IsArray(v))
             return err_set(err, "%s: expected a list, got %s", label, kind(v));
         if (int_list(v, label, 0, LAYER_ID_MAX, c->aux_layer_ids,
-                     HFCFG_MAX_AUX_LAYERS, &c->n_aux_layers, err))
+                     HFCONFIG_MAX_AUX_LAYERS, &c->n_aux_layers, err))
             return AE_ERR;
     }
     const cJSON *eagle = get(root, "eagle_config");
@@ -369,10 +369,10 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
         if (v && !cJSON_IsArray(v))
             return err_set(err, "%s: expected a list, got %s", nested,
                            kind(v));
-        int32_t ids[HFCFG_MAX_AUX_LAYERS];
+        int32_t ids[HFCONFIG_MAX_AUX_LAYERS];
         uint32_t n = 0;
         if (v && int_list(v, nested, 0, LAYER_ID_MAX, ids,
-                          HFCFG_MAX_AUX_LAYERS, &n, err))
+                          HFCONFIG_MAX_AUX_LAYERS, &n, err))
             return AE_ERR;
         if (v && c->n_aux_layers > 0 &&
             (n != c->n_aux_layers ||
@@ -386,7 +386,7 @@ static int parse_root(hfcfg *c, const cJSON *root, ae_error *err) {
     return AE_OK;
 }
 
-int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
+int hfconfig_parse(hfconfig *cfg, const char *json, size_t len, const char *name,
                 ae_error *err) {
     memset(cfg, 0, sizeof *cfg);
     ae_error local = {{0}};
@@ -422,24 +422,24 @@ fail:
     return err_set(err, "%s: %s", name, local.msg);
 }
 
-int hfcfg_load(hfcfg *cfg, const char *path, ae_error *err) {
+int hfconfig_load(hfconfig *cfg, const char *path, ae_error *err) {
     memset(cfg, 0, sizeof *cfg);
     char *buf;
     size_t size;
-    if (file_read_all(path, HFCFG_MAX_FILE, &buf, &size, NULL, err) != AE_OK) return AE_ERR;
-    int rc = hfcfg_parse(cfg, buf, size, path, err);
+    if (file_read_all(path, HFCONFIG_MAX_FILE, &buf, &size, NULL, err) != AE_OK) return AE_ERR;
+    int rc = hfconfig_parse(cfg, buf, size, path, err);
     free(buf);
     return rc;
 }
 
-kn_rope_config hfcfg_rope(const hfcfg *c) {
+kn_rope_config hfconfig_rope(const hfconfig *c) {
     kn_rope_config r = {KN_ROPE_NEOX, c->head_dim, c->rope_theta, 0, 0, 0, 0, false, 0, 0};
-    if (c->rope_scaling.kind == HFCFG_ROPE_LLAMA3) {
+    if (c->rope_scaling.kind == HFCONFIG_ROPE_LLAMA3) {
         r.factor = c->rope_scaling.factor;
         r.low_freq_factor = c->rope_scaling.low_freq_factor;
         r.high_freq_factor = c->rope_scaling.high_freq_factor;
         r.original_max_pos = c->rope_scaling.original_max_position_embeddings;
-    } else if (c->rope_scaling.kind == HFCFG_ROPE_YARN) {
+    } else if (c->rope_scaling.kind == HFCONFIG_ROPE_YARN) {
         r.yarn = true;
         r.factor = c->rope_scaling.factor;
         r.beta_fast = c->rope_scaling.beta_fast;

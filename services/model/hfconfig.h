@@ -1,6 +1,6 @@
 /* Hugging Face config.json for llama-family models and EAGLE-3 heads.
  *
- * hfcfg is plain data on purpose: parse once, then read fields. Parsing
+ * hfconfig is plain data on purpose: parse once, then read fields. Parsing
  * checks each key's JSON type and range and the relations between them
  * (heads divide hidden, kv heads divide heads, token ids < vocab, ...);
  * errors name the key: "config.json: num_key_value_heads: 5 does not divide
@@ -16,21 +16,21 @@
 #include "../../kernels/kernels.h"
 #include "../core/err.h"
 
-#define HFCFG_MAX_EOS 8        /* eos_token_id entries kept */
-#define HFCFG_MAX_AUX_LAYERS 8 /* eagle_aux_hidden_state_layer_ids */
-#define HFCFG_MAX_TEXT 128     /* bytes of a string field, NUL included */
-#define HFCFG_MAX_FILE (4u * 1024u * 1024u)
+#define HFCONFIG_MAX_EOS 8        /* eos_token_id entries kept */
+#define HFCONFIG_MAX_AUX_LAYERS 8 /* eagle_aux_hidden_state_layer_ids */
+#define HFCONFIG_MAX_TEXT 128     /* bytes of a string field, NUL included */
+#define HFCONFIG_MAX_FILE (4u * 1024u * 1024u)
 
-typedef enum hfcfg_rope_kind {
-    HFCFG_ROPE_DEFAULT = 0, /* rope_scaling absent, null or "default" */
-    HFCFG_ROPE_LLAMA3,      /* Llama 3.1 frequency-dependent scaling */
-    HFCFG_ROPE_YARN,        /* YaRN (DeepSeek-V3, Kimi-K2) */
-} hfcfg_rope_kind;
+typedef enum hfconfig_rope_kind {
+    HFCONFIG_ROPE_DEFAULT = 0, /* rope_scaling absent, null or "default" */
+    HFCONFIG_ROPE_LLAMA3,      /* Llama 3.1 frequency-dependent scaling */
+    HFCONFIG_ROPE_YARN,        /* YaRN (DeepSeek-V3, Kimi-K2) */
+} hfconfig_rope_kind;
 
-typedef struct hfcfg {
-    char architecture[HFCFG_MAX_TEXT]; /* architectures[0]; "" if absent */
-    char model_type[HFCFG_MAX_TEXT];   /* "llama", "qwen2"; "" if absent */
-    char torch_dtype[HFCFG_MAX_TEXT];  /* torch_dtype (or dtype); "" if absent */
+typedef struct hfconfig {
+    char architecture[HFCONFIG_MAX_TEXT]; /* architectures[0]; "" if absent */
+    char model_type[HFCONFIG_MAX_TEXT];   /* "llama", "qwen2"; "" if absent */
+    char torch_dtype[HFCONFIG_MAX_TEXT];  /* torch_dtype (or dtype); "" if absent */
     bool text_config;                  /* the keys below are text_config's */
 
     /* required */
@@ -52,13 +52,13 @@ typedef struct hfcfg {
     bool attention_bias;             /* q/k/v/o bias; (true iff qwen2) */
 
     int32_t bos_token_id;            /* (-1 = none) */
-    int32_t eos_token_ids[HFCFG_MAX_EOS]; /* int or list in the file */
+    int32_t eos_token_ids[HFCONFIG_MAX_EOS]; /* int or list in the file */
     uint32_t n_eos;                  /* (0) */
 
     struct {
         const char *key;              /* "rope_scaling" or "rope_parameters" (a literal);
                                          NULL when absent */
-        hfcfg_rope_kind kind;
+        hfconfig_rope_kind kind;
         double factor;                /* llama3 and yarn */
         double low_freq_factor;       /* llama3 only */
         double high_freq_factor;      /* llama3 only */
@@ -70,12 +70,12 @@ typedef struct hfcfg {
 
     /* EAGLE-3 heads */
     int32_t draft_vocab_size;        /* (0 = not a head / same as vocab) */
-    int32_t aux_layer_ids[HFCFG_MAX_AUX_LAYERS]; /* eagle_config.
+    int32_t aux_layer_ids[HFCONFIG_MAX_AUX_LAYERS]; /* eagle_config.
                                         eagle_aux_hidden_state_layer_ids */
     uint32_t n_aux_layers;           /* (0 = the engine's default choice);
                                         also read at the top level */
     bool norm_before_residual;       /* (false) a variant of the midlayer */
-} hfcfg;
+} hfconfig;
 
 /* A config with a "text_config" object (a multimodal model such as
  * Kimi-K2.5: the language model beside a vision tower) is read from that
@@ -83,15 +83,15 @@ typedef struct hfcfg {
  *
  * Parses len bytes of JSON (no NUL needed). `name` prefixes error text.
  * On failure *cfg is zeroed. */
-int hfcfg_parse(hfcfg *cfg, const char *json, size_t len, const char *name,
+int hfconfig_parse(hfconfig *cfg, const char *json, size_t len, const char *name,
                 ae_error *err);
 
 /* The RoPE of a Hugging Face checkpoint: half-split (NeoX) pairs, head_dim
  * and rope_theta, and the Llama-3 frequency scaling when rope_scaling asks
  * for it. */
-kn_rope_config hfcfg_rope(const hfcfg *cfg);
+kn_rope_config hfconfig_rope(const hfconfig *cfg);
 
 /* Reads and parses a config.json file; errors are prefixed with `path`. */
-int hfcfg_load(hfcfg *cfg, const char *path, ae_error *err);
+int hfconfig_load(hfconfig *cfg, const char *path, ae_error *err);
 
 #endif

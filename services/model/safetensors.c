@@ -21,46 +21,46 @@
 
 /* Largest integer a JSON number (a double in cJSON) holds exactly. Offsets
  * and dims beyond it cannot describe a real file anyway. */
-#define ST_JSON_INT_MAX (INT64_C(1) << 53)
+#define SAFETENSORS_JSON_INT_MAX (INT64_C(1) << 53)
 
 /* An index.json is a few hundred KB even for the largest checkpoints. */
-#define ST_MAX_INDEX (64u * 1024u * 1024u)
-#define ST_MAX_SHARD_NAME 255u
+#define SAFETENSORS_MAX_INDEX (64u * 1024u * 1024u)
+#define SAFETENSORS_MAX_SHARD_NAME 255u
 
 static const struct {
     const char *name;
     size_t size;
-} dtype_info[ST_DTYPE_COUNT] = {
-    [ST_BOOL] = {"BOOL", 1}, [ST_U8] = {"U8", 1},     [ST_I8] = {"I8", 1},
-    [ST_U16] = {"U16", 2},   [ST_I16] = {"I16", 2},   [ST_F16] = {"F16", 2},
-    [ST_BF16] = {"BF16", 2}, [ST_U32] = {"U32", 4},   [ST_I32] = {"I32", 4},
-    [ST_F32] = {"F32", 4},   [ST_U64] = {"U64", 8},   [ST_I64] = {"I64", 8},
-    [ST_F64] = {"F64", 8},
+} dtype_info[SAFETENSORS_DTYPE_COUNT] = {
+    [SAFETENSORS_BOOL] = {"BOOL", 1}, [SAFETENSORS_U8] = {"U8", 1},     [SAFETENSORS_I8] = {"I8", 1},
+    [SAFETENSORS_U16] = {"U16", 2},   [SAFETENSORS_I16] = {"I16", 2},   [SAFETENSORS_F16] = {"F16", 2},
+    [SAFETENSORS_BF16] = {"BF16", 2}, [SAFETENSORS_U32] = {"U32", 4},   [SAFETENSORS_I32] = {"I32", 4},
+    [SAFETENSORS_F32] = {"F32", 4},   [SAFETENSORS_U64] = {"U64", 8},   [SAFETENSORS_I64] = {"I64", 8},
+    [SAFETENSORS_F64] = {"F64", 8},
 };
 
-const char *st_dtype_name(st_dtype d) {
-    return (unsigned)d < ST_DTYPE_COUNT ? dtype_info[d].name : "?";
+const char *safetensors_dtype_name(safetensors_dtype d) {
+    return (unsigned)d < SAFETENSORS_DTYPE_COUNT ? dtype_info[d].name : "?";
 }
 
-size_t st_dtype_size(st_dtype d) {
-    return (unsigned)d < ST_DTYPE_COUNT ? dtype_info[d].size : 0;
+size_t safetensors_dtype_size(safetensors_dtype d) {
+    return (unsigned)d < SAFETENSORS_DTYPE_COUNT ? dtype_info[d].size : 0;
 }
 
-typedef struct st_meta {
+typedef struct safetensors_meta {
     const char *key;   /* into json */
     const char *value; /* into json */
-} st_meta;
+} safetensors_meta;
 
-struct st_file {
+struct safetensors_file {
     char *path;              /* owned; the name used in error text */
     const uint8_t *base;     /* whole file: mapping or caller's buffer */
     size_t size;             /* bytes at base */
-    void *map;               /* non-NULL when st_open mapped the file */
+    void *map;               /* non-NULL when safetensors_open mapped the file */
     cJSON *json;             /* parsed header; names and metadata point in */
-    st_tensor *tensors;      /* (n_tensors) sorted by offset */
-    const st_tensor **by_name; /* (n_tensors) sorted by name */
+    safetensors_tensor *tensors;      /* (n_tensors) sorted by offset */
+    const safetensors_tensor **by_name; /* (n_tensors) sorted by name */
     size_t n_tensors;
-    st_meta *meta;           /* (n_meta) sorted by key */
+    safetensors_meta *meta;           /* (n_meta) sorted by key */
     size_t n_meta;
 };
 
@@ -117,15 +117,15 @@ static int header_scan(const uint8_t *h, size_t n, ae_error *err) {
 /* A non-negative integral JSON number that a double holds exactly. */
 static bool json_u64(const cJSON *v, uint64_t *out) {
     int64_t i;
-    if (!json_int(v, 0, ST_JSON_INT_MAX, &i)) return false;
+    if (!json_int(v, 0, SAFETENSORS_JSON_INT_MAX, &i)) return false;
     *out = (uint64_t)i;
     return true;
 }
 
-static bool dtype_parse(const char *s, st_dtype *out) {
-    for (int d = 0; d < ST_DTYPE_COUNT; d++) {
+static bool dtype_parse(const char *s, safetensors_dtype *out) {
+    for (int d = 0; d < SAFETENSORS_DTYPE_COUNT; d++) {
         if (strcmp(s, dtype_info[d].name) == 0) {
-            *out = (st_dtype)d;
+            *out = (safetensors_dtype)d;
             return true;
         }
     }
@@ -134,7 +134,7 @@ static bool dtype_parse(const char *s, st_dtype *out) {
 
 /* Fills t from one header entry; the byte range is checked against the
  * data section here, the tiling later. */
-static int parse_entry(const cJSON *e, st_tensor *t, uint64_t data_size,
+static int parse_entry(const cJSON *e, safetensors_tensor *t, uint64_t data_size,
                        ae_error *err) {
     const char *nm = t->name;
     if (!cJSON_IsObject(e))
@@ -167,11 +167,11 @@ static int parse_entry(const cJSON *e, st_tensor *t, uint64_t data_size,
     if (!cJSON_IsArray(shape))
         return err_set(err, "tensor \"%.200s\": shape is not an array", nm);
     int rank = cJSON_GetArraySize(shape);
-    if (rank < 0 || (unsigned)rank > ST_MAX_DIMS)
+    if (rank < 0 || (unsigned)rank > SAFETENSORS_MAX_DIMS)
         return err_set(err, "tensor \"%.200s\": shape rank %d exceeds %u", nm,
-                       rank, ST_MAX_DIMS);
+                       rank, SAFETENSORS_MAX_DIMS);
     t->n_dims = (uint32_t)rank;
-    for (uint32_t i = 0; i < ST_MAX_DIMS; i++) t->shape[i] = 1;
+    for (uint32_t i = 0; i < SAFETENSORS_MAX_DIMS; i++) t->shape[i] = 1;
     uint64_t n_el = 1;
     uint32_t i = 0;
     cJSON_ArrayForEach(c, shape) {
@@ -186,7 +186,7 @@ static int parse_entry(const cJSON *e, st_tensor *t, uint64_t data_size,
         t->shape[i++] = dim;
     }
     t->n_elements = n_el;
-    if (__builtin_mul_overflow(n_el, (uint64_t)st_dtype_size(t->dtype),
+    if (__builtin_mul_overflow(n_el, (uint64_t)safetensors_dtype_size(t->dtype),
                                &t->n_bytes))
         return err_set(err, "tensor \"%.200s\": byte size overflows", nm);
 
@@ -214,13 +214,13 @@ static int parse_entry(const cJSON *e, st_tensor *t, uint64_t data_size,
                        "tensor \"%.200s\": %llu bytes in data_offsets, "
                        "but shape and %s need %llu",
                        nm, (unsigned long long)(end - begin),
-                       st_dtype_name(t->dtype),
+                       safetensors_dtype_name(t->dtype),
                        (unsigned long long)t->n_bytes);
     t->offset = begin;
     return AE_OK;
 }
 
-static int parse_metadata(st_file *f, const cJSON *m, ae_error *err) {
+static int parse_metadata(safetensors_file *f, const cJSON *m, ae_error *err) {
     if (!cJSON_IsObject(m))
         return err_set(err, "__metadata__ is not an object");
     int n = cJSON_GetArraySize(m);
@@ -240,33 +240,33 @@ static int parse_metadata(st_file *f, const cJSON *m, ae_error *err) {
 }
 
 static int cmp_offset(const void *a, const void *b) {
-    const st_tensor *x = a, *y = b;
+    const safetensors_tensor *x = a, *y = b;
     if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
     if (x->n_bytes != y->n_bytes) return x->n_bytes < y->n_bytes ? -1 : 1;
     return 0;
 }
 
 static int cmp_tensor_name(const void *a, const void *b) {
-    const st_tensor *const *x = a, *const *y = b;
+    const safetensors_tensor *const *x = a, *const *y = b;
     return strcmp((*x)->name, (*y)->name);
 }
 
 static int cmp_meta(const void *a, const void *b) {
-    const st_meta *x = a, *y = b;
+    const safetensors_meta *x = a, *y = b;
     return strcmp(x->key, y->key);
 }
 
 /* Validates f->base/f->size and fills the rest of f. Error text has no
  * path; the callers prepend it. */
-static int parse(st_file *f, ae_error *err) {
+static int parse(safetensors_file *f, ae_error *err) {
     if (f->size < 8)
         return err_set(err, "%zu bytes is too small for a safetensors file",
                        f->size);
     uint64_t n = 0;
     for (int i = 7; i >= 0; i--) n = (n << 8) | f->base[i];
-    if (n > ST_MAX_HEADER)
+    if (n > SAFETENSORS_MAX_HEADER)
         return err_set(err, "header length %llu exceeds the limit of %u",
-                       (unsigned long long)n, ST_MAX_HEADER);
+                       (unsigned long long)n, SAFETENSORS_MAX_HEADER);
     if (n > f->size - 8)
         return err_set(err,
                        "header length %llu runs past the end of the file "
@@ -296,9 +296,9 @@ static int parse(st_file *f, ae_error *err) {
     uint64_t data_size = (uint64_t)(f->size - 8) - n;
     const uint8_t *data = h + n;
     int n_keys = cJSON_GetArraySize(f->json);
-    if (n_keys < 0 || (unsigned)n_keys > ST_MAX_TENSORS + 1)
+    if (n_keys < 0 || (unsigned)n_keys > SAFETENSORS_MAX_TENSORS + 1)
         return err_set(err, "header has %d entries, more than %u", n_keys,
-                       ST_MAX_TENSORS);
+                       SAFETENSORS_MAX_TENSORS);
     if (n_keys > 0) {
         f->tensors = calloc((size_t)n_keys, sizeof *f->tensors);
         if (!f->tensors) return err_set(err, "out of memory");
@@ -314,12 +314,12 @@ static int parse(st_file *f, ae_error *err) {
         }
         size_t len = strlen(c->string);
         if (len == 0) return err_set(err, "a tensor has an empty name");
-        if (len > ST_MAX_NAME)
+        if (len > SAFETENSORS_MAX_NAME)
             return err_set(err, "tensor name of %zu bytes exceeds %u", len,
-                           ST_MAX_NAME);
-        if (f->n_tensors == ST_MAX_TENSORS)
-            return err_set(err, "more than %u tensors", ST_MAX_TENSORS);
-        st_tensor *t = &f->tensors[f->n_tensors++];
+                           SAFETENSORS_MAX_NAME);
+        if (f->n_tensors == SAFETENSORS_MAX_TENSORS)
+            return err_set(err, "more than %u tensors", SAFETENSORS_MAX_TENSORS);
+        safetensors_tensor *t = &f->tensors[f->n_tensors++];
         t->name = c->string;
         if (parse_entry(c, t, data_size, err) != AE_OK) return AE_ERR;
     }
@@ -330,7 +330,7 @@ static int parse(st_file *f, ae_error *err) {
         qsort(f->tensors, f->n_tensors, sizeof *f->tensors, cmp_offset);
     uint64_t covered = 0;
     for (size_t i = 0; i < f->n_tensors; i++) {
-        st_tensor *t = &f->tensors[i];
+        safetensors_tensor *t = &f->tensors[i];
         if (t->offset < covered)
             return err_set(err, "tensors \"%.200s\" and \"%.200s\" overlap",
                            f->tensors[i - 1].name, t->name);
@@ -373,7 +373,7 @@ static int parse(st_file *f, ae_error *err) {
 
 /* ---- open / close ------------------------------------------------------ */
 
-void st_close(st_file *f) {
+void safetensors_close(safetensors_file *f) {
     if (!f) return;
     if (f->map) munmap(f->map, f->size);
     cJSON_Delete(f->json);
@@ -384,11 +384,11 @@ void st_close(st_file *f) {
     free(f);
 }
 
-int st_open_mem(st_file **out, const void *data, size_t size,
+int safetensors_open_mem(safetensors_file **out, const void *data, size_t size,
                 const char *name, ae_error *err) {
     *out = NULL;
     ae_error local = {{0}};
-    st_file *f = calloc(1, sizeof *f);
+    safetensors_file *f = calloc(1, sizeof *f);
     if (!f) {
         err_set(&local, "out of memory");
         goto fail;
@@ -404,15 +404,15 @@ int st_open_mem(st_file **out, const void *data, size_t size,
     *out = f;
     return AE_OK;
 fail:
-    st_close(f);
+    safetensors_close(f);
     return err_set(err, "%s: %s", name ? name : "(memory)", local.msg);
 }
 
-int st_open(st_file **out, const char *path, ae_error *err) {
+int safetensors_open(safetensors_file **out, const char *path, ae_error *err) {
     *out = NULL;
     ae_error local = {{0}};
     int fd = -1;
-    st_file *f = calloc(1, sizeof *f);
+    safetensors_file *f = calloc(1, sizeof *f);
     if (!f || !(f->path = strdup(path))) {
         err_set(&local, "out of memory");
         goto fail;
@@ -452,22 +452,22 @@ int st_open(st_file **out, const char *path, ae_error *err) {
     return AE_OK;
 fail:
     if (fd >= 0) close(fd);
-    st_close(f);
+    safetensors_close(f);
     return err_set(err, "%s: %s", path, local.msg);
 }
 
 /* ---- accessors --------------------------------------------------------- */
 
-const char *st_path(const st_file *f) { return f->path; }
+const char *safetensors_path(const safetensors_file *f) { return f->path; }
 
-size_t st_count(const st_file *f) { return f->n_tensors; }
+size_t safetensors_count(const safetensors_file *f) { return f->n_tensors; }
 
-const st_tensor *st_tensor_at(const st_file *f, size_t i) {
+const safetensors_tensor *safetensors_tensor_at(const safetensors_file *f, size_t i) {
     AE_ASSERT(i < f->n_tensors);
     return &f->tensors[i];
 }
 
-static const st_tensor *find_in(const st_tensor *const *by_name, size_t n,
+static const safetensors_tensor *find_in(const safetensors_tensor *const *by_name, size_t n,
                                 const char *name) {
     size_t lo = 0, hi = n;
     while (lo < hi) {
@@ -480,20 +480,20 @@ static const st_tensor *find_in(const st_tensor *const *by_name, size_t n,
     return NULL;
 }
 
-const st_tensor *st_find(const st_file *f, const char *name) {
+const safetensors_tensor *safetensors_find(const safetensors_file *f, const char *name) {
     return find_in(f->by_name, f->n_tensors, name);
 }
 
-size_t st_metadata_count(const st_file *f) { return f->n_meta; }
+size_t safetensors_metadata_count(const safetensors_file *f) { return f->n_meta; }
 
-void st_metadata_at(const st_file *f, size_t i, const char **key,
+void safetensors_metadata_at(const safetensors_file *f, size_t i, const char **key,
                     const char **value) {
     AE_ASSERT(i < f->n_meta);
     if (key) *key = f->meta[i].key;
     if (value) *value = f->meta[i].value;
 }
 
-const char *st_metadata_get(const st_file *f, const char *key) {
+const char *safetensors_metadata_get(const safetensors_file *f, const char *key) {
     size_t lo = 0, hi = f->n_meta;
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
@@ -507,7 +507,7 @@ const char *st_metadata_get(const st_file *f, const char *key) {
 
 /* ---- converters -------------------------------------------------------- */
 
-static int check_n(const st_tensor *t, uint64_t n, ae_error *err) {
+static int check_n(const safetensors_tensor *t, uint64_t n, ae_error *err) {
     if (n > t->n_elements)
         return err_set(err, "tensor \"%.200s\": %llu elements asked, %llu held",
                        t->name, (unsigned long long)n,
@@ -515,28 +515,28 @@ static int check_n(const st_tensor *t, uint64_t n, ae_error *err) {
     return AE_OK;
 }
 
-static int unsupported(const st_tensor *t, const char *to,
+static int unsupported(const safetensors_tensor *t, const char *to,
                        const char *supported, ae_error *err) {
     return err_set(err,
                    "tensor \"%.200s\": dtype %s cannot be converted to %s "
                    "(supported: %s)",
-                   t->name, st_dtype_name(t->dtype), to, supported);
+                   t->name, safetensors_dtype_name(t->dtype), to, supported);
 }
 
-int st_tensor_to_f32(const st_tensor *t, float *dst, uint64_t n,
+int safetensors_tensor_to_f32(const safetensors_tensor *t, float *dst, uint64_t n,
                      ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
     const uint8_t *p = t->data;
     switch (t->dtype) {
-    case ST_F32:
+    case SAFETENSORS_F32:
         if (n > 0) memcpy(dst, p, n * sizeof(float));
         return AE_OK;
-    case ST_F16:
-    case ST_BF16:
+    case SAFETENSORS_F16:
+    case SAFETENSORS_BF16:
         for (uint64_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, p + 2 * i, sizeof h);
-            dst[i] = t->dtype == ST_F16 ? quant_f16_to_f32(h)
+            dst[i] = t->dtype == SAFETENSORS_F16 ? quant_f16_to_f32(h)
                                         : quant_bf16_to_f32(h);
         }
         return AE_OK;
@@ -545,15 +545,15 @@ int st_tensor_to_f32(const st_tensor *t, float *dst, uint64_t n,
     }
 }
 
-int st_tensor_to_i64(const st_tensor *t, int64_t *dst, uint64_t n,
+int safetensors_tensor_to_i64(const safetensors_tensor *t, int64_t *dst, uint64_t n,
                      ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
     const uint8_t *p = t->data;
     switch (t->dtype) {
-    case ST_I64:
+    case SAFETENSORS_I64:
         if (n > 0) memcpy(dst, p, n * sizeof(int64_t));
         return AE_OK;
-    case ST_I32:
+    case SAFETENSORS_I32:
         for (uint64_t i = 0; i < n; i++) {
             int32_t v;
             memcpy(&v, p + 4 * i, sizeof v);
@@ -565,15 +565,15 @@ int st_tensor_to_i64(const st_tensor *t, int64_t *dst, uint64_t n,
     }
 }
 
-int st_tensor_to_i32(const st_tensor *t, int32_t *dst, uint64_t n,
+int safetensors_tensor_to_i32(const safetensors_tensor *t, int32_t *dst, uint64_t n,
                      ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
     const uint8_t *p = t->data;
     switch (t->dtype) {
-    case ST_I32:
+    case SAFETENSORS_I32:
         if (n > 0) memcpy(dst, p, n * sizeof(int32_t));
         return AE_OK;
-    case ST_I64:
+    case SAFETENSORS_I64:
         for (uint64_t i = 0; i < n; i++) {
             int64_t v;
             memcpy(&v, p + 8 * i, sizeof v);
@@ -590,10 +590,10 @@ int st_tensor_to_i32(const st_tensor *t, int32_t *dst, uint64_t n,
     }
 }
 
-int st_tensor_to_bool(const st_tensor *t, bool *dst, uint64_t n,
+int safetensors_tensor_to_bool(const safetensors_tensor *t, bool *dst, uint64_t n,
                       ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
-    if (t->dtype != ST_BOOL) return unsupported(t, "bool", "BOOL", err);
+    if (t->dtype != SAFETENSORS_BOOL) return unsupported(t, "bool", "BOOL", err);
     const uint8_t *p = t->data;
     for (uint64_t i = 0; i < n; i++) {
         if (p[i] > 1)
@@ -608,16 +608,16 @@ int st_tensor_to_bool(const st_tensor *t, bool *dst, uint64_t n,
 
 /* ---- checkpoint directories ------------------------------------------- */
 
-struct st_model {
-    st_file **files;           /* (n_files) in order of first use */
+struct safetensors_model {
+    safetensors_file **files;           /* (n_files) in order of first use */
     size_t n_files;
-    const st_tensor **by_name; /* (n_tensors) across files, sorted by name */
+    const safetensors_tensor **by_name; /* (n_tensors) across files, sorted by name */
     size_t n_tensors;
 };
 
-void st_model_close(st_model *m) {
+void safetensors_model_close(safetensors_model *m) {
     if (!m) return;
-    for (size_t i = 0; i < m->n_files; i++) st_close(m->files[i]);
+    for (size_t i = 0; i < m->n_files; i++) safetensors_close(m->files[i]);
     free(m->files);
     free(m->by_name);
     free(m);
@@ -634,13 +634,13 @@ static char *path_join(const char *dir, const char *name) {
 }
 
 
-/* The shard file name of a file st_model opened (its path is dir/name). */
-static const char *file_base(const st_file *f) {
-    const char *slash = strrchr(st_path(f), '/');
-    return slash ? slash + 1 : st_path(f);
+/* The shard file name of a file safetensors_model opened (its path is dir/name). */
+static const char *file_base(const safetensors_file *f) {
+    const char *slash = strrchr(safetensors_path(f), '/');
+    return slash ? slash + 1 : safetensors_path(f);
 }
 
-static const st_file *shard_by_name(const st_model *m, const char *name) {
+static const safetensors_file *shard_by_name(const safetensors_model *m, const char *name) {
     for (size_t j = 0; j < m->n_files; j++)
         if (strcmp(file_base(m->files[j]), name) == 0) return m->files[j];
     return NULL;
@@ -648,21 +648,21 @@ static const st_file *shard_by_name(const st_model *m, const char *name) {
 
 static bool shard_name_ok(const char *s) {
     size_t len = strlen(s);
-    return len > 0 && len <= ST_MAX_SHARD_NAME && !strchr(s, '/') &&
+    return len > 0 && len <= SAFETENSORS_MAX_SHARD_NAME && !strchr(s, '/') &&
            !strchr(s, '\\') && !strstr(s, "..");
 }
 
-static int add_file(st_model *m, const char *dir, const char *name,
+static int add_file(safetensors_model *m, const char *dir, const char *name,
                     ae_error *err) {
     char *path = path_join(dir, name);
     if (!path) return err_set(err, "%s: out of memory", dir);
-    st_file *f = NULL;
-    int rc = st_open(&f, path, err);
+    safetensors_file *f = NULL;
+    int rc = safetensors_open(&f, path, err);
     free(path);
     if (rc != AE_OK) return AE_ERR;
-    st_file **grown = realloc(m->files, (m->n_files + 1) * sizeof *grown);
+    safetensors_file **grown = realloc(m->files, (m->n_files + 1) * sizeof *grown);
     if (!grown) {
-        st_close(f);
+        safetensors_close(f);
         return err_set(err, "%s: out of memory", dir);
     }
     m->files = grown;
@@ -676,15 +676,15 @@ static int cmp_json_key(const void *a, const void *b) {
 }
 
 /* Opens the shards an index names and checks it against them. Errors about
- * the index are prefixed with `ipath`; st_open names a bad shard itself. */
-static int load_index(st_model *m, const char *dir, const char *ipath,
+ * the index are prefixed with `ipath`; safetensors_open names a bad shard itself. */
+static int load_index(safetensors_model *m, const char *dir, const char *ipath,
                       ae_error *err) {
     ae_error local = {{0}};
     size_t len = 0;
     const cJSON **keys = NULL;
     cJSON *root = NULL;
     char *text = NULL;
-    file_read_all(ipath, ST_MAX_INDEX, &text, &len, NULL, err);
+    file_read_all(ipath, SAFETENSORS_MAX_INDEX, &text, &len, NULL, err);
     if (!text) return AE_ERR;
     root = json_parse(text, len, &local);
     free(text);
@@ -703,7 +703,7 @@ static int load_index(st_model *m, const char *dir, const char *ipath,
         goto fail;
     }
     int n = cJSON_GetArraySize(wm);
-    if (n <= 0 || (unsigned)n > ST_MAX_TENSORS) {
+    if (n <= 0 || (unsigned)n > SAFETENSORS_MAX_TENSORS) {
         err_set(&local, "weight_map has %d entries", n);
         goto fail;
     }
@@ -742,9 +742,9 @@ static int load_index(st_model *m, const char *dir, const char *ipath,
         }
     }
     for (size_t i = 0; i < nk; i++) {
-        const st_file *f = shard_by_name(m, keys[i]->valuestring);
+        const safetensors_file *f = shard_by_name(m, keys[i]->valuestring);
         AE_ASSERT(f);
-        if (!st_find(f, keys[i]->string)) {
+        if (!safetensors_find(f, keys[i]->string)) {
             err_set(&local,
                     "weight_map: tensor \"%.200s\" is not in shard "
                     "\"%.200s\"",
@@ -755,11 +755,11 @@ static int load_index(st_model *m, const char *dir, const char *ipath,
     /* Every listed tensor exists and names are unique, so a count mismatch
      * means a shard holds tensors the index does not list. */
     size_t total = 0;
-    for (size_t j = 0; j < m->n_files; j++) total += st_count(m->files[j]);
+    for (size_t j = 0; j < m->n_files; j++) total += safetensors_count(m->files[j]);
     if (total != nk) {
         for (size_t j = 0; j < m->n_files; j++) {
-            for (size_t i = 0; i < st_count(m->files[j]); i++) {
-                const st_tensor *t = st_tensor_at(m->files[j], i);
+            for (size_t i = 0; i < safetensors_count(m->files[j]); i++) {
+                const safetensors_tensor *t = safetensors_tensor_at(m->files[j], i);
                 const cJSON *v = cJSON_GetObjectItemCaseSensitive(wm, t->name);
                 const char *shard = file_base(m->files[j]);
                 if (!v || strcmp(v->valuestring, shard) != 0) {
@@ -786,10 +786,10 @@ fail:
     return AE_ERR;
 }
 
-int st_model_open(st_model **out, const char *dir, ae_error *err) {
+int safetensors_model_open(safetensors_model **out, const char *dir, ae_error *err) {
     *out = NULL;
     char *ipath = NULL;
-    st_model *m = calloc(1, sizeof *m);
+    safetensors_model *m = calloc(1, sizeof *m);
     if (!m) {
         err_set(err, "%s: out of memory", dir);
         goto fail;
@@ -820,7 +820,7 @@ int st_model_open(st_model **out, const char *dir, ae_error *err) {
         if (add_file(m, dir, "model.safetensors", err) != AE_OK) goto fail;
     }
 
-    for (size_t j = 0; j < m->n_files; j++) m->n_tensors += st_count(m->files[j]);
+    for (size_t j = 0; j < m->n_files; j++) m->n_tensors += safetensors_count(m->files[j]);
     if (m->n_tensors > 0) {
         m->by_name = malloc(m->n_tensors * sizeof *m->by_name);
         if (!m->by_name) {
@@ -830,8 +830,8 @@ int st_model_open(st_model **out, const char *dir, ae_error *err) {
     }
     size_t k = 0;
     for (size_t j = 0; j < m->n_files; j++)
-        for (size_t i = 0; i < st_count(m->files[j]); i++)
-            m->by_name[k++] = st_tensor_at(m->files[j], i);
+        for (size_t i = 0; i < safetensors_count(m->files[j]); i++)
+            m->by_name[k++] = safetensors_tensor_at(m->files[j], i);
     if (m->n_tensors > 0)
         qsort(m->by_name, m->n_tensors, sizeof *m->by_name, cmp_tensor_name);
     for (size_t i = 1; i < m->n_tensors; i++) {
@@ -846,24 +846,24 @@ int st_model_open(st_model **out, const char *dir, ae_error *err) {
     return AE_OK;
 fail:
     free(ipath);
-    st_model_close(m);
+    safetensors_model_close(m);
     return AE_ERR;
 }
 
-size_t st_model_n_files(const st_model *m) { return m->n_files; }
+size_t safetensors_model_n_files(const safetensors_model *m) { return m->n_files; }
 
-const st_file *st_model_file(const st_model *m, size_t i) {
+const safetensors_file *safetensors_model_file(const safetensors_model *m, size_t i) {
     AE_ASSERT(i < m->n_files);
     return m->files[i];
 }
 
-size_t st_model_count(const st_model *m) { return m->n_tensors; }
+size_t safetensors_model_count(const safetensors_model *m) { return m->n_tensors; }
 
-const st_tensor *st_model_tensor_at(const st_model *m, size_t i) {
+const safetensors_tensor *safetensors_model_tensor_at(const safetensors_model *m, size_t i) {
     AE_ASSERT(i < m->n_tensors);
     return m->by_name[i];
 }
 
-const st_tensor *st_model_find(const st_model *m, const char *name) {
+const safetensors_tensor *safetensors_model_find(const safetensors_model *m, const char *name) {
     return find_in(m->by_name, m->n_tensors, name);
 }

@@ -15,7 +15,7 @@ int weights_open(weights_store **out, const char *path, const kn_backend *be, ae
     if (!w) return err_set(err, "out of memory");
     w->be = be;
     struct stat sb;
-    int rc = stat(path, &sb) == 0 && S_ISDIR(sb.st_mode) ? st_model_open(&w->st, path, err)
+    int rc = stat(path, &sb) == 0 && S_ISDIR(sb.st_mode) ? safetensors_model_open(&w->st, path, err)
                                                            : gguf_open(&w->gguf, path, err);
     if (rc != AE_OK) {
         weights_close(w);
@@ -34,12 +34,12 @@ void weights_close(weights_store *w) {
     }
     free(w->bufs);
     gguf_close(w->gguf);
-    st_model_close(w->st);
+    safetensors_model_close(w->st);
     free(w);
 }
 
 bool weights_has(const weights_store *w, const char *name) {
-    return w->gguf ? gguf_find_tensor(w->gguf, name) != NULL : st_model_find(w->st, name) != NULL;
+    return w->gguf ? gguf_find_tensor(w->gguf, name) != NULL : safetensors_model_find(w->st, name) != NULL;
 }
 
 /* A new buffer record the weights own (its address is stable). */
@@ -205,14 +205,14 @@ static int gguf_vector(weights_store *w, const char *name, int64_t n, bool optio
 
 static bool st_convert(const void *src, float *dst, uint64_t n, const void *ctx, ae_error *err) {
     (void)ctx;
-    return st_tensor_to_f32(src, dst, n, err) == AE_OK;
+    return safetensors_tensor_to_f32(src, dst, n, err) == AE_OK;
 }
 
 /* rows 0: a vector of cols. buf_out, if not NULL, gets its buffer. */
 static int st_floats(weights_store *w, const char *name, int64_t rows, int64_t cols, bool optional, const float **out,
                      const kn_buf **buf_out, ae_error *err) {
     *out = NULL;
-    const st_tensor *t = st_model_find(w->st, name);
+    const safetensors_tensor *t = safetensors_model_find(w->st, name);
     if (!t) return optional ? AE_OK : err_set(err, "tensor %s is missing", name);
     bool ok = rows == 0 ? (t->n_dims == 1 && (int64_t)t->shape[0] == cols)
                         : (t->n_dims == 2 && (int64_t)t->shape[0] == rows && (int64_t)t->shape[1] == cols);
@@ -232,8 +232,8 @@ static int st_matrix(weights_store *w, const char *name, int64_t rows, int64_t c
     const kn_buf *b;
     /* BF16, the type real checkpoints ship, has a matmul kernel: it stays
      * as the file has it (half the bytes of f32), where it is aligned. */
-    const st_tensor *t = st_model_find(w->st, name);
-    if (t && t->dtype == ST_BF16 && t->n_dims == 2 && (int64_t)t->shape[0] == rows && (int64_t)t->shape[1] == cols &&
+    const safetensors_tensor *t = safetensors_model_find(w->st, name);
+    if (t && t->dtype == SAFETENSORS_BF16 && t->n_dims == 2 && (int64_t)t->shape[0] == rows && (int64_t)t->shape[1] == cols &&
         ((uintptr_t)t->data & 1) == 0) {
         if (!(b = from_host(w, t->data, t->n_bytes, err))) return err_prefix(err, "tensor %s: ", name), AE_ERR;
         *out = (kn_weight){.type = GGML_TYPE_BF16, .rows = rows, .cols = cols, .data = b->ptr,
@@ -340,10 +340,10 @@ void weights_row_f32(const kn_weight *m, int64_t i, float *dst) {
 
 /* ---- compressed-tensors int4 ----------------------------------------------- */
 
-static const st_tensor *int4_part(const weights_store *w, const char *prefix, const char *part) {
+static const safetensors_tensor *int4_part(const weights_store *w, const char *prefix, const char *part) {
     char name[512];
     snprintf(name, sizeof name, "%s.%s", prefix, part);
-    return w->st ? st_model_find(w->st, name) : NULL;
+    return w->st ? safetensors_model_find(w->st, name) : NULL;
 }
 
 bool weights_has_int4(const weights_store *w, const char *prefix) {
@@ -358,12 +358,12 @@ static bool f16_exact(float f, uint16_t *h) {
 
 int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int64_t cols, kn_weight *out,
                         ae_error *err) {
-    const st_tensor *pk = int4_part(w, prefix, "weight_packed"), *sc = int4_part(w, prefix, "weight_scale"),
+    const safetensors_tensor *pk = int4_part(w, prefix, "weight_packed"), *sc = int4_part(w, prefix, "weight_scale"),
                     *shape = int4_part(w, prefix, "weight_shape");
     if (!pk || !sc) return err_set(err, "tensor %s.weight_packed or .weight_scale is missing", prefix);
     if (cols % 32)
         return err_set(err, "%s: int4 groups of 32 need columns a multiple of 32, not %lld", prefix, (long long)cols);
-    if (pk->dtype != ST_I32 || pk->n_dims != 2 || pk->shape[0] != (uint64_t)rows || pk->shape[1] != (uint64_t)cols / 8)
+    if (pk->dtype != SAFETENSORS_I32 || pk->n_dims != 2 || pk->shape[0] != (uint64_t)rows || pk->shape[1] != (uint64_t)cols / 8)
         return err_set(err, "tensor %s.weight_packed: expected int32 [%lld, %lld]", prefix, (long long)rows,
                        (long long)cols / 8);
     if (sc->n_dims != 2 || sc->shape[0] != (uint64_t)rows || sc->shape[1] != (uint64_t)cols / 32)
@@ -371,7 +371,7 @@ int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int6
                        (long long)cols / 32);
     if (shape) {
         int64_t dims[2];
-        if (shape->n_elements != 2 || st_tensor_to_i64(shape, dims, 2, err) != AE_OK)
+        if (shape->n_elements != 2 || safetensors_tensor_to_i64(shape, dims, 2, err) != AE_OK)
             return err_prefix(err, "tensor %s.weight_shape: ", prefix), AE_ERR;
         if (dims[0] != rows || dims[1] != cols)
             return err_set(err, "tensor %s.weight_shape: [%lld, %lld], expected [%lld, %lld]", prefix,
@@ -385,7 +385,7 @@ int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int6
         err_set(err, "out of memory");
         goto done;
     }
-    if (st_tensor_to_f32(sc, scale, groups, err) != AE_OK || st_tensor_to_i32(pk, q, pk->n_elements, err) != AE_OK) {
+    if (safetensors_tensor_to_f32(sc, scale, groups, err) != AE_OK || safetensors_tensor_to_i32(pk, q, pk->n_elements, err) != AE_OK) {
         err_prefix(err, "tensor %s: ", prefix);
         goto done;
     }

@@ -33,7 +33,7 @@ typedef struct weights_buf {
 
 typedef struct weights_store {
     gguf_file *gguf;      /* exactly one of gguf and st is set */
-    st_model *st;
+    safetensors_model *st;
     const kn_backend *be; /* whose memory the tensors are given in */
     size_t bytes;         /* bytes of weights as used (mapped + converted) */
     size_t converted_bytes; /* of which converted to f32 at load */

@@ -64,7 +64,7 @@ typedef enum rpc_status {
     RPC_UNAUTHENTICATED = 16,
 } rpc_status;
 
-const char *rpc_status_name(uint32_t status); /* "NOT_FOUND"; "?" past the set */
+const char *frame_status_name(uint32_t status); /* "NOT_FOUND"; "?" past the set */
 
 typedef struct frame_header {
     uint8_t version;

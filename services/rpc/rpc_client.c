@@ -4,7 +4,7 @@
 
 typedef struct pending {
     uint32_t id;
-    conn *c;
+    rpc_conn *c;
     rpc_reply *out;
     rpc_item_fn on_item;
     void *item_ctx;
@@ -29,7 +29,7 @@ struct rpc_client {
     SSL_CTX *ssl;
     pthread_mutex_t mu;
     pthread_cond_t cv; /* a call ended, or the connection came or went */
-    conn *cur;         /* connecting or connected */
+    rpc_conn *cur;         /* connecting or connected */
     bool connected;
     bool closing;
     uint32_t next_id;
@@ -72,7 +72,7 @@ static void async_finish(rpc_client *cl, pending *p) {
 }
 
 /* Claims one finished, unclaimed asynchronous call of connection c. */
-static pending *claim_finished(rpc_client *cl, conn *c) {
+static pending *claim_finished(rpc_client *cl, rpc_conn *c) {
     pthread_mutex_lock(&cl->mu);
     pending *p = cl->pend;
     while (p && !(p->on_end && p->c == c && p->done && !p->claimed)) p = p->next;
@@ -81,7 +81,7 @@ static pending *claim_finished(rpc_client *cl, conn *c) {
     return p;
 }
 
-void rpc_client_conn_closed(conn *c) {
+void rpc_client_conn_closed(rpc_conn *c) {
     rpc_client *cl = c->cli;
     pthread_mutex_lock(&cl->mu);
     for (pending *p = cl->pend; p; p = p->next)
@@ -121,7 +121,7 @@ static bool grow(uint8_t **buf, uint32_t *cap, uint32_t need, bool aligned) {
 /* The call whose caller reads the socket on this thread (caller_read). */
 static _Thread_local const pending *reading_for;
 
-void rpc_client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
+void rpc_client_frame(rpc_conn *c, const uint8_t *msg, const uint8_t *payload) {
     rpc_client *cl = c->cli;
     frame_header h = c->hdr;
     if (h.kind == FRAME_PONG) return;
@@ -144,7 +144,7 @@ void rpc_client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
          * whole connection (call id 0). */
         pthread_mutex_unlock(&cl->mu);
         if (h.status != RPC_OK && h.kind != FRAME_ITEM && h.call_id == 0)
-            LOG_WARNF("rpc_call_refused addr=%s status=%s reason=\"%.*s\"", cl->addr_text, rpc_status_name(h.status),
+            LOG_WARNF("rpc_call_refused addr=%s status=%s reason=\"%.*s\"", cl->addr_text, frame_status_name(h.status),
                       (int)n_err, (const char *)msg);
         return;
     }
@@ -205,7 +205,7 @@ void rpc_client_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
  * calls wake only the server and the caller. Unix sockets only: on TCP an
  * error can come without a hang-up, which the EV_CLOSED watch would not
  * take, and libevent would spin on it. All under the bufferevent's lock. */
-static void reads_take_back(conn *c) {
+static void reads_take_back(rpc_conn *c) {
     if (!c->reads_handed) return;
     c->reads_handed = false;
     /* Not waiting for a running hup_cb: it waits for the bufferevent's
@@ -217,7 +217,7 @@ static void reads_take_back(conn *c) {
     if (!closed) bufferevent_enable(c->bev, EV_READ);
 }
 
-static void reads_hand_over(conn *c) {
+static void reads_hand_over(rpc_conn *c) {
     if (c->reads_handed || !c->hup) return;
     /* Bytes the loop took into its buffer come first: it keeps them. */
     if (evbuffer_get_length(bufferevent_get_input(c->bev))) return;
@@ -233,7 +233,7 @@ static void reads_hand_over(conn *c) {
  * what is left and then the end, and closes the connection as ever. */
 static void hup_cb(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    conn *c = arg;
+    rpc_conn *c = arg;
     bufferevent_lock(c->bev);
     reads_take_back(c);
     bufferevent_unlock(c->bev);
@@ -243,7 +243,7 @@ static void hup_cb(evutil_socket_t fd, short what, void *arg) {
  * take (a started call, a stream) goes out. Its pending entry is in
  * place first, so a caller that hands the reads over after this sees it
  * and leaves them (caller_read). */
-static void reads_for_loop(conn *c) {
+static void reads_for_loop(rpc_conn *c) {
     bufferevent_lock(c->bev);
     reads_take_back(c);
     bufferevent_unlock(c->bev);
@@ -251,7 +251,7 @@ static void reads_for_loop(conn *c) {
 
 static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    conn *c = arg;
+    rpc_conn *c = arg;
     rpc_client *cl = c->cli;
     if (!cl || c->closed) return;
     /* A caller reading its own reply updates these (caller_read). */
@@ -279,7 +279,7 @@ static void keepalive_cb(evutil_socket_t fd, short what, void *arg) {
 
 /* A client connection's events: connected, then as any connection's. */
 static void client_on_event(struct bufferevent *bev, short what, void *arg) {
-    conn *c = arg;
+    rpc_conn *c = arg;
     if (what & BEV_EVENT_CONNECTED) {
         rpc_client *cl = c->cli;
         if (!cl) return;
@@ -341,7 +341,7 @@ static void client_connect(rpc_client *cl) {
     } else {
         bev = bufferevent_socket_new(cl->loop->base, -1, opts);
     }
-    conn *c = bev ? calloc(1, sizeof *c) : NULL;
+    rpc_conn *c = bev ? calloc(1, sizeof *c) : NULL;
     if (!c) {
         if (bev) bufferevent_free(bev);
         struct timeval tv = {cl->backoff_ms / 1000, (cl->backoff_ms % 1000) * 1000};
@@ -420,7 +420,7 @@ static void client_close_job(void *arg) {
     rpc_client *cl = arg;
     event_del(cl->retry);
     pthread_mutex_lock(&cl->mu);
-    conn *c = cl->cur;
+    rpc_conn *c = cl->cur;
     pthread_mutex_unlock(&cl->mu);
     if (c) rpc_conn_close(c);
 }
@@ -481,7 +481,7 @@ void rpc_reply_free(rpc_reply *r) {
  * PING or PONG. Anything else (stream items, asynchronous calls, whose
  * callbacks run on the loop thread; refusals; frames that fail their
  * checks) stays in the socket for the loop. */
-static bool caller_may_take(rpc_client *cl, conn *c, const frame_header *h) {
+static bool caller_may_take(rpc_client *cl, rpc_conn *c, const frame_header *h) {
     if (h->kind == FRAME_PING || h->kind == FRAME_PONG) return true;
     if (h->kind != FRAME_REPLY) return false;
     pthread_mutex_lock(&cl->mu);
@@ -497,7 +497,7 @@ static bool caller_may_take(rpc_client *cl, conn *c, const frame_header *h) {
  * to the loop: a frame the caller may not take, the peer's hang-up or an
  * error, which the loop then reads and handles as ever, or bytes the loop
  * already took into its input buffer (they come first). */
-static bool caller_take(rpc_client *cl, conn *c, evutil_socket_t fd) {
+static bool caller_take(rpc_client *cl, rpc_conn *c, evutil_socket_t fd) {
     if (evbuffer_get_length(bufferevent_get_input(c->bev))) return false;
     if (!c->have_hdr) {
         uint8_t raw[FRAME_HEADER];
@@ -536,7 +536,7 @@ static bool caller_take(rpc_client *cl, conn *c, evutil_socket_t fd) {
  * pokes wake_fd when it ended this call. Returns
  * once p is done, the deadline has passed, or the socket holds a frame
  * only the loop may take; the caller's wait then goes on as without this. */
-static void caller_read(rpc_client *cl, conn *c, pending *p, int64_t deadline_ns) {
+static void caller_read(rpc_client *cl, rpc_conn *c, pending *p, int64_t deadline_ns) {
     evutil_socket_t fd = bufferevent_getfd(c->bev);
     bufferevent_lock(c->bev);
     pthread_mutex_lock(&cl->mu);
@@ -613,7 +613,7 @@ uint32_t rpc_client_callv(rpc_client *cl, uint16_t method, const void *msg, uint
         reply_set_error(out, RPC_UNAVAILABLE, "not connected");
         return out->status;
     }
-    conn *c = cl->cur;
+    rpc_conn *c = cl->cur;
     p.id = cl->next_id++;
     if (cl->next_id == 0) cl->next_id = 1;
     p.c = c;
@@ -707,7 +707,7 @@ int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t 
         free(p);
         return err_set(err, "%s: not connected", cl->addr_text);
     }
-    conn *c = cl->cur;
+    rpc_conn *c = cl->cur;
     p->id = cl->next_id++;
     if (cl->next_id == 0) cl->next_id = 1;
     p->c = c;
@@ -739,7 +739,7 @@ int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t 
 
 void rpc_client_cancel(rpc_client *cl, uint32_t call_id) {
     pthread_mutex_lock(&cl->mu);
-    conn *c = NULL;
+    rpc_conn *c = NULL;
     for (pending *p = cl->pend; p; p = p->next)
         if (p->id == call_id && !p->done) c = p->c;
     if (c) {

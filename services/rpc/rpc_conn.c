@@ -105,7 +105,7 @@ fail:
 
 /* ---- connections (both sides) ---- */
 
-void rpc_conn_unref(conn *c) {
+void rpc_conn_unref(rpc_conn *c) {
     pthread_mutex_lock(&c->mu);
     bool last = --c->refs == 0;
     pthread_mutex_unlock(&c->mu);
@@ -121,7 +121,7 @@ void rpc_conn_unref(conn *c) {
 }
 
 /* Writes one frame; dropped when the connection is closed. */
-int rpc_conn_sendv(conn *c, const frame_header *h, const void *msg, uint32_t len, const rpc_iov *parts,
+int rpc_conn_sendv(rpc_conn *c, const frame_header *h, const void *msg, uint32_t len, const rpc_iov *parts,
                       int n_parts) {
     pthread_mutex_lock(&c->mu);
     if (c->closed) {
@@ -184,13 +184,13 @@ int rpc_conn_sendv(conn *c, const frame_header *h, const void *msg, uint32_t len
     return rc == 0 ? AE_OK : AE_ERR;
 }
 
-int rpc_conn_send(conn *c, const frame_header *h, const void *msg, uint32_t len, const void *payload,
+int rpc_conn_send(rpc_conn *c, const frame_header *h, const void *msg, uint32_t len, const void *payload,
                      uint32_t plen) {
     rpc_iov part = {payload, plen};
     return rpc_conn_sendv(c, h, msg, len, &part, 1);
 }
 
-void rpc_send_error(conn *c, uint8_t kind, uint32_t call_id, uint32_t status, const char *text) {
+void rpc_send_error(rpc_conn *c, uint8_t kind, uint32_t call_id, uint32_t status, const char *text) {
     frame_header h = {FRAME_VERSION, kind, 0, call_id, status, 0, (uint32_t)strnlen(text, FRAME_MAX_ERROR), 0};
     rpc_conn_send(c, &h, text, h.msg_len, NULL, 0);
 }
@@ -198,7 +198,7 @@ void rpc_send_error(conn *c, uint8_t kind, uint32_t call_id, uint32_t status, co
 
 /* Closes a connection (loop thread): its calls are cancelled and the
  * socket shut; memory goes when the last open call is finished. */
-void rpc_conn_close(conn *c) {
+void rpc_conn_close(rpc_conn *c) {
     pthread_mutex_lock(&c->mu);
     if (c->closed) {
         pthread_mutex_unlock(&c->mu);
@@ -219,7 +219,7 @@ void rpc_conn_close(conn *c) {
 }
 
 /* Sends what is queued, then closes: for an error the peer should read. */
-void rpc_conn_close_after_flush(conn *c) {
+void rpc_conn_close_after_flush(rpc_conn *c) {
     c->close_after_flush = true;
     bufferevent_disable(c->bev, EV_READ);
     if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) rpc_conn_close(c);
@@ -227,7 +227,7 @@ void rpc_conn_close_after_flush(conn *c) {
 
 
 void rpc_conn_on_write(struct bufferevent *bev, void *arg) {
-    conn *c = arg;
+    rpc_conn *c = arg;
     size_t queued = evbuffer_get_length(bufferevent_get_output(bev));
     if (c->close_after_flush && queued == 0) {
         rpc_conn_close(c);
@@ -246,7 +246,7 @@ void rpc_conn_on_write(struct bufferevent *bev, void *arg) {
  * aligns the payload), keeping what was read. A header alone reserves at
  * most RPC_RX_STEP: the rest grows as bytes arrive, so a peer that only
  * claims a large frame ties up little memory. */
-bool rpc_conn_rx_reserve(conn *c, size_t upto) {
+bool rpc_conn_rx_reserve(rpc_conn *c, size_t upto) {
     size_t need = (size_t)c->pad + upto;
     if (c->rx && need <= c->rx_cap) return true;
     if (!c->rx) {
@@ -277,7 +277,7 @@ bool rpc_conn_rx_reserve(conn *c, size_t upto) {
  * is whole, 0 when more is to come, -1 when the peer hung up mid-frame (or
  * rx cannot grow): nothing of that frame is dispatched. Under the
  * bufferevent's lock. */
-int rpc_conn_read_body(conn *c, evutil_socket_t fd, size_t need) {
+int rpc_conn_read_body(rpc_conn *c, evutil_socket_t fd, size_t need) {
     while (c->body_got < need) {
         size_t room = c->rx_cap - c->pad - c->body_got;
         if (room == 0) {
@@ -297,7 +297,7 @@ int rpc_conn_read_body(conn *c, evutil_socket_t fd, size_t need) {
  * per wakeup, so on a plain socket the rest of a large body is read here
  * directly, in as few calls as the kernel allows. */
 void rpc_conn_on_read(struct bufferevent *bev, void *arg) {
-    conn *c = arg;
+    rpc_conn *c = arg;
     struct evbuffer *in = bufferevent_get_input(bev);
     /* A frame may close the connection, and the close may drop the last
      * reference: hold one until this callback is done with c. */
@@ -389,7 +389,7 @@ struct timespec rpc_abs_after_ns(int64_t ns) {
 /* Any connection's end: the peer hung up, or an error (TLS's is logged). */
 void rpc_conn_on_event(struct bufferevent *bev, short what, void *arg) {
     (void)bev;
-    conn *c = arg;
+    rpc_conn *c = arg;
     if (what & (BEV_EVENT_EOF | BEV_EVENT_ERROR | BEV_EVENT_TIMEOUT)) {
         if (what & BEV_EVENT_ERROR) {
             unsigned long e = bufferevent_get_openssl_error(c->bev);

@@ -58,10 +58,10 @@ typedef struct rpc_addr {
     char host[256]; /* for the TLS peer check */
 } rpc_addr;
 
-typedef struct conn conn;
+typedef struct rpc_conn rpc_conn;
 
 struct rpc_call {
-    conn *c;
+    rpc_conn *c;
     rpc_server *srv; /* counts the call until it is finished */
     uint32_t id;
     atomic_bool cancelled;
@@ -75,7 +75,7 @@ struct rpc_call {
     rpc_call *prev, *next; /* the connection's open calls */
 };
 
-struct conn {
+struct rpc_conn {
     pthread_mutex_t mu; /* refs, closed, calls */
     int refs;           /* the loop's while open, one per open call */
     bool closed;
@@ -117,7 +117,7 @@ struct conn {
      * watches for the server's hang-up meanwhile. */
     bool reads_handed;
     struct event *hup;
-    conn *next; /* the server's connections */
+    rpc_conn *next; /* the server's connections */
 };
 
 /* ---- rpc_conn.c ---- */
@@ -136,24 +136,24 @@ bool rpc_peer_uid_ok(evutil_socket_t fd, unsigned *peer_uid);
 /* The monotonic clock ns from now, for the condition variables' waits. */
 struct timespec rpc_abs_after_ns(int64_t ns);
 
-void rpc_conn_unref(conn *c);
+void rpc_conn_unref(rpc_conn *c);
 /* Sends one frame: h, then msg, then parts (any thread). */
-int rpc_conn_sendv(conn *c, const frame_header *h, const void *msg, uint32_t len, const rpc_iov *parts,
+int rpc_conn_sendv(rpc_conn *c, const frame_header *h, const void *msg, uint32_t len, const rpc_iov *parts,
                    int n_parts);
-int rpc_conn_send(conn *c, const frame_header *h, const void *msg, uint32_t len, const void *payload,
+int rpc_conn_send(rpc_conn *c, const frame_header *h, const void *msg, uint32_t len, const void *payload,
                   uint32_t payload_len);
 /* An error frame of kind for call_id, with status and text. */
-void rpc_send_error(conn *c, uint8_t kind, uint32_t call_id, uint32_t status, const char *text);
-void rpc_conn_close(conn *c);
+void rpc_send_error(rpc_conn *c, uint8_t kind, uint32_t call_id, uint32_t status, const char *text);
+void rpc_conn_close(rpc_conn *c);
 /* rx holds the first `upto` bytes of the current frame's body (after the
  * pad that aligns its payload), keeping what was read; false: out of
  * memory. */
-bool rpc_conn_rx_reserve(conn *c, size_t upto);
+bool rpc_conn_rx_reserve(rpc_conn *c, size_t upto);
 /* Reads the rest of the current frame's body from a plain socket: 1 whole,
  * 0 more to come, -1 the peer hung up mid-frame (under the bufferevent's
  * lock). */
-int rpc_conn_read_body(conn *c, evutil_socket_t fd, size_t need);
-void rpc_conn_close_after_flush(conn *c);
+int rpc_conn_read_body(rpc_conn *c, evutil_socket_t fd, size_t need);
+void rpc_conn_close_after_flush(rpc_conn *c);
 /* The bufferevent callbacks of every connection. */
 void rpc_conn_on_read(struct bufferevent *bev, void *arg);
 void rpc_conn_on_write(struct bufferevent *bev, void *arg);
@@ -161,9 +161,9 @@ void rpc_conn_on_event(struct bufferevent *bev, short what, void *arg);
 
 /* ---- rpc_server.c and rpc_client.c: what a connection hands its side ---- */
 
-void rpc_server_conn_closed(conn *c);
-void rpc_server_frame(conn *c, const uint8_t *msg, const uint8_t *payload);
-void rpc_client_conn_closed(conn *c);
-void rpc_client_frame(conn *c, const uint8_t *msg, const uint8_t *payload);
+void rpc_server_conn_closed(rpc_conn *c);
+void rpc_server_frame(rpc_conn *c, const uint8_t *msg, const uint8_t *payload);
+void rpc_client_conn_closed(rpc_conn *c);
+void rpc_client_frame(rpc_conn *c, const uint8_t *msg, const uint8_t *payload);
 
 #endif

@@ -16,16 +16,16 @@ struct rpc_server {
     struct evconnlistener *listener;
     pthread_mutex_t mu; /* conns, n_conns, n_calls */
     pthread_cond_t cv; /* n_calls or n_conns fell (CLOCK_MONOTONIC) */
-    conn *conns;
+    rpc_conn *conns;
     int n_conns;
     int n_calls; /* handed to the handler and not yet finished */
     uint64_t next_conn_id;
 };
 
-void rpc_server_conn_closed(conn *c) {
+void rpc_server_conn_closed(rpc_conn *c) {
     rpc_server *s = c->srv;
     pthread_mutex_lock(&s->mu);
-    for (conn **p = &s->conns; *p; p = &(*p)->next)
+    for (rpc_conn **p = &s->conns; *p; p = &(*p)->next)
         if (*p == c) {
             *p = c->next;
             s->n_conns--;
@@ -59,7 +59,7 @@ int rpc_server_port(rpc_server *s) {
  * call open, and drops one rpc_conn_sendv found past max_out. */
 static void server_timer_cb(evutil_socket_t fd, short what, void *arg) {
     (void)fd, (void)what;
-    conn *c = arg;
+    rpc_conn *c = arg;
     if (c->closed) return;
     bufferevent_lock(c->bev);
     bool drop = c->drop;
@@ -129,7 +129,7 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     } else {
         bev = bufferevent_socket_new(s->loop->base, fd, opts);
     }
-    conn *c = bev ? calloc(1, sizeof *c) : NULL;
+    rpc_conn *c = bev ? calloc(1, sizeof *c) : NULL;
     struct event *timer = c ? event_new(s->loop->base, -1, 0, server_timer_cb, c) : NULL;
     if (!timer) {
         free(c);
@@ -167,7 +167,7 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
  * request (a Propose's payload is about 450 KB: allocating it fresh each
  * time costs more in page faults than the socket does). */
 static void call_unlink(rpc_call *k) {
-    conn *c = k->c;
+    rpc_conn *c = k->c;
     pthread_mutex_lock(&c->mu);
     if (!c->spare && !c->closed) {
         c->spare = k->buf, c->spare_cap = k->buf_cap;
@@ -182,7 +182,7 @@ static void call_unlink(rpc_call *k) {
 }
 
 static void call_free(rpc_call *k) {
-    conn *c = k->c;
+    rpc_conn *c = k->c;
     rpc_server *s = k->srv;
     call_unlink(k);
     free(k->buf);
@@ -195,7 +195,7 @@ static void call_free(rpc_call *k) {
     }
 }
 
-void rpc_server_frame(conn *c, const uint8_t *msg, const uint8_t *payload) {
+void rpc_server_frame(rpc_conn *c, const uint8_t *msg, const uint8_t *payload) {
     frame_header h = c->hdr;
     if (!c->got_frame) { /* from now on the idle limit */
         c->got_frame = true;
@@ -403,7 +403,7 @@ static void server_stop_job(void *arg) {
     evconnlistener_free(s->listener);
     if (s->a.is_unix) unlink(((struct sockaddr_un *)&s->a.sa)->sun_path);
     pthread_mutex_lock(&s->mu);
-    conn *c = s->conns;
+    rpc_conn *c = s->conns;
     pthread_mutex_unlock(&s->mu);
     for (; c; c = c->next) {
         bufferevent_lock(c->bev);
@@ -418,9 +418,9 @@ static void server_stop_job(void *arg) {
 static void server_close_job(void *arg) {
     rpc_server *s = arg;
     pthread_mutex_lock(&s->mu);
-    conn *c = s->conns;
+    rpc_conn *c = s->conns;
     pthread_mutex_unlock(&s->mu);
-    for (conn *next; c; c = next) {
+    for (rpc_conn *next; c; c = next) {
         next = c->next;
         pthread_mutex_lock(&c->mu);
         for (rpc_call *k = c->calls; k; k = k->next) {
@@ -437,7 +437,7 @@ static void server_close_rest_job(void *arg) {
     rpc_server *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        conn *c = s->conns;
+        rpc_conn *c = s->conns;
         pthread_mutex_unlock(&s->mu);
         if (!c) break;
         rpc_conn_close(c);

@@ -19,7 +19,7 @@ typedef struct spec_shape {
     int32_t tokens; /* nodes, root included */
 } spec_shape;
 
-#define SPEC_MAX_TREE 64 /* nodes in one tree (the target's ENG_MAX_TREE) */
+#define SPEC_MAX_TREE 64 /* nodes in one tree (the target's ENGINE_MAX_TREE) */
 
 typedef struct spec_tree {
     int32_t n;                      /* nodes, root included; 0 = none */

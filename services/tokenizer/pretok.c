@@ -20,18 +20,18 @@
 
 int pretok_class(uint32_t cp) {
     if (cp >= 0x110000) return PRETOK_OTHER;
-    return uc_stage2[(size_t)uc_stage1[cp >> UC_BLOCK_SHIFT] << UC_BLOCK_SHIFT |
-                     (cp & UC_BLOCK_MASK)];
+    return unicode_tables_stage2[(size_t)unicode_tables_stage1[cp >> UNICODE_TABLES_BLOCK_SHIFT] << UNICODE_TABLES_BLOCK_SHIFT |
+                     (cp & UNICODE_TABLES_BLOCK_MASK)];
 }
 
-const char *pretok_unicode_version(void) { return UC_UNICODE_VERSION; }
+const char *pretok_unicode_version(void) { return UNICODE_TABLES_VERSION; }
 
 static inline bool is_cont(uint8_t b) { return (b & 0xC0) == 0x80; }
 
 size_t pretok_char(const uint8_t *s, size_t len, int *cls) {
     uint8_t b = s[0];
     if (b < 0x80) {
-        *cls = uc_stage2[b]; /* block 0 of stage2 is U+0000..U+007F */
+        *cls = unicode_tables_stage2[b]; /* block 0 of stage2 is U+0000..U+007F */
         return 1;
     }
     uint32_t cp;

@@ -3,17 +3,17 @@
  *
  * Character classes for the pre-tokenizers: 0 other, 1 letter (\p{L}),
  * 2 number (\p{N}), 3 space (White_Space, i.e. \s).
- * class(cp) = uc_stage2[uc_stage1[cp >> 7] * 128 + (cp & 127)]. */
+ * class(cp) = unicode_tables_stage2[unicode_tables_stage1[cp >> 7] * 128 + (cp & 127)]. */
 #ifndef AERIE_TOKENIZER_UNICODE_TABLES_H
 #define AERIE_TOKENIZER_UNICODE_TABLES_H
 
 #include <stdint.h>
 
-#define UC_UNICODE_VERSION "14.0.0"
-#define UC_BLOCK_SHIFT 7
-#define UC_BLOCK_MASK 127
+#define UNICODE_TABLES_VERSION "14.0.0"
+#define UNICODE_TABLES_BLOCK_SHIFT 7
+#define UNICODE_TABLES_BLOCK_MASK 127
 
-static const uint8_t uc_stage1[8704] = {
+static const uint8_t unicode_tables_stage1[8704] = {
     0,1,2,2,2,3,4,5,2,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,
     29,30,2,2,31,32,33,34,35,2,2,2,36,37,38,39,40,41,42,43,44,45,46,47,48,49,2,50,2,2,51,52,
     53,54,55,56,57,57,57,57,58,59,57,57,57,57,60,61,57,57,57,57,57,57,57,57,2,62,63,64,65,57,57,57,
@@ -288,7 +288,7 @@ static const uint8_t uc_stage1[8704] = {
     57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,57,
 };
 
-static const uint8_t uc_stage2[25216] = {
+static const uint8_t unicode_tables_stage2[25216] = {
     0,0,0,0,0,0,0,0,0,3,3,3,3,3,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,3,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,2,2,2,2,2,2,2,2,2,2,0,0,0,0,0,0,
     0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,0,0,0,0,0,0,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,0,0,0,0,0,
     0,0,0,0,0,3,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,3,0,0,0,0,0,0,0,0,0,1,0,0,0,0,0,0,0,2,2,0,1,0,0,0,2,1,0,2,2,2,0,

@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "../../services/core/json.h"
-#include "../../services/kv/kv_cache.h"
+#include "../../services/kv/kv.h"
 #include "../arch.h"
 #include "../tp.h"
 
@@ -153,7 +153,7 @@ static float attn_scale(const model_config *c, double mscale_all_dim) {
     return (float)scale;
 }
 
-static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_error *err) {
+static int config_hf(model_config *c, const hfconfig *hc, const char *path, ae_error *err) {
     c->n_layers = hc->num_hidden_layers;
     c->hidden = hc->hidden_size;
     c->ffn = hc->intermediate_size;
@@ -163,8 +163,8 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
     c->rms_eps = (float)hc->rms_norm_eps;
     c->tied_embeddings = hc->tie_word_embeddings; /* the loader then asks the file */
     if (hc->attention_bias) return err_set(err, "%s: attention_bias on a %s model is not supported", path, c->arch);
-    c->rope = hfcfg_rope(hc);
-    cJSON *root = json_read_file(path, HFCFG_MAX_FILE, err);
+    c->rope = hfconfig_rope(hc);
+    cJSON *root = json_read_file(path, HFCONFIG_MAX_FILE, err);
     if (!root) return AE_ERR;
     int rc = read_keys(c, root, path, err);
     cJSON_Delete(root);
@@ -177,7 +177,7 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
                        c->head_dim, KN_MAX_ATTN_DIM);
     /* YaRN's factor on cos and sin is not applied by the rope kernels;
      * DeepSeek-V3 and Kimi-K2 make it 1 (mscale = mscale_all_dim). */
-    if (hc->rope_scaling.kind == HFCFG_ROPE_YARN && fabs(hc->rope_scaling.attention_factor - 1.0) > 1e-12)
+    if (hc->rope_scaling.kind == HFCONFIG_ROPE_YARN && fabs(hc->rope_scaling.attention_factor - 1.0) > 1e-12)
         return err_set(err, "%s: yarn's cos/sin factor %g (from mscale %g, mscale_all_dim %g) is not supported: only 1",
                        path, hc->rope_scaling.attention_factor, hc->rope_scaling.mscale,
                        hc->rope_scaling.mscale_all_dim);

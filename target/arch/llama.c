@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../services/kv/kv_cache.h"
+#include "../../services/kv/kv.h"
 #include "../arch.h"
 #include "../tp.h"
 
@@ -47,7 +47,7 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
     return AE_OK;
 }
 
-static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_error *err) {
+static int config_hf(model_config *c, const hfconfig *hc, const char *path, ae_error *err) {
     c->n_layers = hc->num_hidden_layers;
     c->hidden = hc->hidden_size;
     c->ffn = hc->intermediate_size;
@@ -63,7 +63,7 @@ static int config_hf(model_config *c, const hfcfg *hc, const char *path, ae_erro
      * does not have; Qwen2 biases q/k/v only. Refuse rather than run wrong. */
     if (hc->attention_bias && strcmp(c->arch, "qwen2"))
         return err_set(err, "%s: attention_bias on a %s model (an o_proj bias) is not supported", path, c->arch);
-    c->rope = hfcfg_rope(hc);
+    c->rope = hfconfig_rope(hc);
     return arch_check_rope_hf(c, hc, NULL, path, err);
 }
 
@@ -132,7 +132,7 @@ static int load(model *m, ae_error *err) {
     return pack_weights(m, err);
 }
 
-/* f16 K and V of every layer's kv heads (kv_cache.h). */
+/* f16 K and V of every layer's kv heads (kv.h). */
 static uint64_t kv_token_bytes(const model_config *c) {
     return kv_bytes_per_token(c->n_layers, c->n_kv_heads, c->head_dim);
 }

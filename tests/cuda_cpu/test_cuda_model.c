@@ -9,7 +9,7 @@
  * features must equal the CPU backend's bit for bit, and the greedy
  * tokens must equal transformers' (tools/gen_tiny_golden.py). The same
  * again with the CUDA engine's steps captured as graphs and replayed
- * (engine.h): every step of at most ENG_GRAPH_MAX_TOKENS tokens, with its
+ * (engine.h): every step of at most ENGINE_GRAPH_MAX_TOKENS tokens, with its
  * new tokens, positions and block tables read from device memory, must
  * still give the CPU's bits. Run from the repo root. */
 #include <setjmp.h>
@@ -59,31 +59,31 @@ static int32_t argmax(const float *x, int32_t n) {
     return b;
 }
 
-static eng *engine_on(const model *m) {
-    eng_config cfg = {.max_batch_tokens = CHUNK + 8, .max_seqs = 2, .max_seq_len = 160, .kv_tokens = 320,
+static engine *engine_on(const model *m) {
+    engine_config cfg = {.max_batch_tokens = CHUNK + 8, .max_seqs = 2, .max_seq_len = 160, .kv_tokens = 320,
                       .block_size = 16, .threads = 2};
-    eng *e;
+    engine *e;
     ae_error err = {{0}};
-    if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     return e;
 }
 
 /* One step on both engines; their logits (rows) and features must be
  * bit-equal. Returns the CPU's logits in lg[0]. */
 static int steps, bit_equal; /* steps compared in the current model, and of them bit-equal */
-static void step_both(eng *e[2], const eng_item it[2][2], int32_t n, float *lg[2], float *ft[2],
-                      const llama_capture *cap) {
+static void step_both(engine *e[2], const engine_item it[2][2], int32_t n, float *lg[2], float *ft[2],
+                      const forward_capture *cap) {
     ae_error err = {{0}};
     for (int k = 0; k < 2; k++) {
-        llama_capture c;
+        forward_capture c;
         if (cap) {
             c = *cap;
             c.out = ft[k];
         }
-        if (eng_step(e[k], it[k], n, lg[k], cap ? &c : NULL, &err) != AE_OK)
+        if (engine_step(e[k], it[k], n, lg[k], cap ? &c : NULL, &err) != AE_OK)
             fail_msg("%s step: %s", k ? "cuda" : "cpu", err.msg);
     }
-    int32_t rows = eng_logit_rows(it[0], n), V = eng_model(e[0])->cfg.vocab, H = eng_model(e[0])->cfg.hidden;
+    int32_t rows = engine_logit_rows(it[0], n), V = engine_model(e[0])->cfg.vocab, H = engine_model(e[0])->cfg.hidden;
     size_t nl = (size_t)rows * (size_t)V, nf = cap ? (size_t)cap->n_rows * (size_t)cap->n_layers * (size_t)H : 0;
 #ifdef KN_TEST_GPU
     /* On a GPU, rope's cos and sin come from the device's libm: close to
@@ -131,22 +131,22 @@ static void run_model(const char *name, int32_t max_graphs, uint64_t budget) {
         int32_t ids[MAX_PROMPT], want[N_GEN];
         int32_t n = json_ints(cJSON_GetObjectItemCaseSensitive(p, "ids"), ids, MAX_PROMPT);
         assert_int_equal(json_ints(cJSON_GetObjectItemCaseSensitive(p, "generated"), want, N_GEN), N_GEN);
-        eng *e[2] = {engine_on(m[0]), engine_on(m[1])};
-        eng_set_graphs(e[0], max_graphs, budget); /* the CPU backend has none: nothing changes */
-        eng_set_graphs(e[1], max_graphs, budget);
+        engine *e[2] = {engine_on(m[0]), engine_on(m[1])};
+        engine_set_graphs(e[0], max_graphs, budget); /* the CPU backend has none: nothing changes */
+        engine_set_graphs(e[1], max_graphs, budget);
         int before = steps;
         int32_t s[2], other[2];
         for (int k = 0; k < 2; k++) {
-            assert_int_equal(eng_seq_new(e[k], &s[k], &err), AE_OK);
-            assert_int_equal(eng_seq_new(e[k], &other[k], &err), AE_OK);
+            assert_int_equal(engine_seq_new(e[k], &s[k], &err), AE_OK);
+            assert_int_equal(engine_seq_new(e[k], &other[k], &err), AE_OK);
         }
-        eng_item it[2][2];
+        engine_item it[2][2];
         for (int32_t at = 0; at < n; at += CHUNK) {
             int32_t c = n - at < CHUNK ? n - at : CHUNK;
             for (int k = 0; k < 2; k++)
-                it[k][0] = (eng_item){.seq = s[k], .kind = ENG_APPEND, .n_tokens = c, .tokens = ids + at,
+                it[k][0] = (engine_item){.seq = s[k], .kind = ENGINE_APPEND, .n_tokens = c, .tokens = ids + at,
                                       .all_logits = true};
-            step_both(e, (const eng_item(*)[2])it, 1, lg, ft, NULL);
+            step_both(e, (const engine_item(*)[2])it, 1, lg, ft, NULL);
         }
         /* The prompt's last logits give the first greedy token. */
         int32_t got = argmax(lg[0] + (size_t)((n - 1) % CHUNK) * V, V);
@@ -156,26 +156,26 @@ static void run_model(const char *name, int32_t max_graphs, uint64_t budget) {
         static const int32_t parents[5] = {-1, -1, 0, 0, 2}, keep[2] = {0, 2};
         int32_t tree[5] = {want[6], want[7], want[8], want[1], want[2]}, rows[5] = {0, 1, 2, 3, 4};
         for (int k = 0; k < 2; k++)
-            it[k][0] = (eng_item){.seq = other[k], .kind = ENG_APPEND, .n_tokens = 6, .tokens = want};
-        step_both(e, (const eng_item(*)[2])it, 1, lg, ft, NULL);
+            it[k][0] = (engine_item){.seq = other[k], .kind = ENGINE_APPEND, .n_tokens = 6, .tokens = want};
+        step_both(e, (const engine_item(*)[2])it, 1, lg, ft, NULL);
         for (int k = 0; k < 2; k++)
-            it[k][0] = (eng_item){.seq = other[k], .kind = ENG_TREE, .n_tokens = 5, .tokens = tree, .parents = parents};
-        llama_capture cap = {.n_layers = 3, .layers = {0, 1, 1}, .n_rows = 5, .rows = rows};
-        step_both(e, (const eng_item(*)[2])it, 1, lg, ft, &cap);
-        for (int k = 0; k < 2; k++) assert_int_equal(eng_commit_path(e[k], other[k], keep, 2, &err), AE_OK);
+            it[k][0] = (engine_item){.seq = other[k], .kind = ENGINE_TREE, .n_tokens = 5, .tokens = tree, .parents = parents};
+        forward_capture cap = {.n_layers = 3, .layers = {0, 1, 1}, .n_rows = 5, .rows = rows};
+        step_both(e, (const engine_item(*)[2])it, 1, lg, ft, &cap);
+        for (int k = 0; k < 2; k++) assert_int_equal(engine_commit_path(e[k], other[k], keep, 2, &err), AE_OK);
         /* Greedy decode of the prompt beside one token a step of the other. */
         for (int32_t g = 0; g < N_GEN; g++) {
             equal += got == want[g];
             total++;
             for (int k = 0; k < 2; k++) {
-                it[k][0] = (eng_item){.seq = other[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &ids[g % n]};
-                it[k][1] = (eng_item){.seq = s[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &want[g]};
+                it[k][0] = (engine_item){.seq = other[k], .kind = ENGINE_APPEND, .n_tokens = 1, .tokens = &ids[g % n]};
+                it[k][1] = (engine_item){.seq = s[k], .kind = ENGINE_APPEND, .n_tokens = 1, .tokens = &want[g]};
             }
-            step_both(e, (const eng_item(*)[2])it, 2, lg, ft, NULL);
+            step_both(e, (const engine_item(*)[2])it, 2, lg, ft, NULL);
             got = argmax(lg[0] + V, V);
             decode_steps++;
         }
-        eng_graph_stats g0 = eng_get_graph_stats(e[0]), g1 = eng_get_graph_stats(e[1]);
+        engine_graph_stats g0 = engine_get_graph_stats(e[0]), g1 = engine_get_graph_stats(e[1]);
         assert_int_equal(g0.max_graphs, 0);
         assert_int_equal(g0.captures + g0.replays, 0);
         if (max_graphs && budget && budget < 150000) {
@@ -204,8 +204,8 @@ static void run_model(const char *name, int32_t max_graphs, uint64_t budget) {
             assert_int_equal(g1.captures + g1.replays, 0);
             assert_int_equal(g1.eager_steps, steps - before);
         }
-        eng_free(e[0]);
-        eng_free(e[1]);
+        engine_free(e[0]);
+        engine_free(e[1]);
     }
     printf("%s on the cuda backend%s: %d of %d steps bit-equal to the cpu backend, %d/%d greedy tokens equal to "
            "transformers\n", name, max_graphs ? " with graphs" : "", bit_equal, steps, equal, total);

@@ -900,7 +900,7 @@ static void sample_draws_as_the_host_does(void **state) {
     for (int i = 0; i < V; i++) x[2 * V + i] = -INFINITY;  /* all masked: greedy's pick, 0 */
     x[3 * V + 7] = NAN, x[3 * V + 8] = INFINITY;           /* +inf is no finite logit */
     for (int i = 0; i < 40; i++) x[4 * V + 100 + i] = 6.0f; /* ties at the top */
-    sampler *smp;
+    sample_state *smp;
     ae_error err = {{0}};
     assert_int_equal(sample_init(&smp, V, &err), AE_OK);
     kn_draw *draws = malloc(sizeof(kn_draw) * ROWS * POS);

@@ -15,7 +15,7 @@
  * probabilities are held to 1e-5 of the CPU's instead; on the shim it is
  * the host's, as the CPU's.
  *
- * At two tensor-parallel ranks (engine.h eng_set_tp) the CUDA engine's
+ * At two tensor-parallel ranks (engine.h engine_set_tp) the CUDA engine's
  * ranks reduce with the custom allreduce (or $AERIE_TEST_ALLREDUCE: nccl
  * on a GPU) and the CPU engine's with its own, both in rank order: every
  * logit of a prefill and of a decode is the CPU's bits, plain output is
@@ -98,11 +98,11 @@ static void the_head_drafts_the_same_trees_on_cuda(void **state) {
 #endif
 }
 
-static eng *engine(const model *m) {
-    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
-    eng *e;
+static engine *new_engine(const model *m) {
+    engine_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
+    engine *e;
     ae_error err = {{0}};
-    if (eng_init(&e, m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     return e;
 }
 
@@ -119,7 +119,7 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
     ae_error err = {{0}};
     model *m_cpu, *m_cu;
     load_target(&m_cpu, &m_cu);
-    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
+    engine *e_cpu = new_engine(m_cpu), *e_cu = new_engine(m_cu);
     draft_link link, link_cu;
     drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, NULL, 0};
     if (draft_link_open(&link, FIX "/head", model_embedding(m_cpu), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK ||
@@ -147,15 +147,15 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
      * masks, and the plain decode beside them. */
     for (int k = 0; k < 6; k++) {
         bool graphs = k >= 4;
-        if (k == 4) eng_set_graphs(e_cu, 16, 0);
+        if (k == 4) engine_set_graphs(e_cu, 16, 0);
         int d = graphs ? (k == 4 ? 1 : 3) : k;
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape_of[d], MAX_SEQS, 128, false, NULL, NULL};
+        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape_of[d], MAX_SEQS, 128, false, NULL, NULL};
         spec *s;
         if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, drafters[d], &sc, &err) != AE_OK)
             fail_msg("%s", err.msg);
         int identical = 0;
         int64_t chunks = 0; /* prompt chunks: run op by op */
-        eng_graph_stats g0 = eng_get_graph_stats(e_cu);
+        engine_graph_stats g0 = engine_get_graph_stats(e_cu);
         for (int i = 0; i < N_PROMPTS; i++) {
             int32_t n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
             memcpy(kn.stream, ids, sizeof(int32_t) * (size_t)n);
@@ -170,7 +170,7 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
             }
         }
         const spec_stats *st = spec_total_stats(s);
-        eng_graph_stats g1 = eng_get_graph_stats(e_cu);
+        engine_graph_stats g1 = engine_get_graph_stats(e_cu);
         printf("%s on cuda%s: %d/%d prompts identical to plain; %lld verify steps, %lld drafted, %lld accepted\n",
                names[d], graphs ? " with graphs" : "", identical, graphs ? 2 * N_PROMPTS : N_PROMPTS,
                (long long)st->steps, (long long)st->drafted, (long long)st->accepted);
@@ -201,13 +201,13 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
      * output must be the host sampler's plain output on the CPU backend,
      * for the same seed, token for token. */
     static const sample_params sampled[2] = {{0.8f, 0, 1.0f, 0.0f}, {1.0f, 5, 1.0f, 0.05f}};
-    assert_true(eng_can_sample(e_cu));
+    assert_true(engine_can_sample(e_cu));
     for (int c = 0; c < 2; c++) {
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shapes[1], MAX_SEQS, 128, false, NULL, NULL};
+        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shapes[1], MAX_SEQS, 128, false, NULL, NULL};
         spec *s;
         if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link_cu.iface, &sc, &err) != AE_OK)
             fail_msg("%s", err.msg);
-        int64_t drawn0 = eng_drawn_steps(e_cu);
+        int64_t drawn0 = engine_drawn_steps(e_cu);
         int identical = 0;
         for (int i = 0; i < N_PROMPTS; i++) {
             int32_t n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids), plain[N_GEN];
@@ -216,7 +216,7 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
             identical += memcmp(got, plain, sizeof got) == 0;
         }
         const spec_stats *st = spec_total_stats(s);
-        int64_t drawn = eng_drawn_steps(e_cu) - drawn0;
+        int64_t drawn = engine_drawn_steps(e_cu) - drawn0;
         printf("sampled (temperature %.1f, top-k %d, min-p %.2f), the head on cuda, tree 4/3/8, drawn on cuda: "
                "%d/%d prompts identical to the cpu's plain sampling; %lld verify steps, %lld drawn on the device, "
                "%lld accepted\n",
@@ -232,8 +232,8 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
     }
     draft_link_close(&link_cu);
     draft_link_close(&link);
-    eng_free(e_cu);
-    eng_free(e_cpu);
+    engine_free(e_cu);
+    engine_free(e_cpu);
     model_free(m_cu);
     model_free(m_cpu);
 }
@@ -265,25 +265,25 @@ static void same_logits(const float *cpu, const float *cu, size_t n) {
 
 /* A prefill of 20 tokens with every row's logits, then a decode step, on
  * both engines: the same logits (same_logits). */
-static void prefill_and_decode_match(eng *e_cpu, eng *e_cu) {
+static void prefill_and_decode_match(engine *e_cpu, engine *e_cu) {
     ae_error err = {{0}};
-    const int32_t V = eng_model(e_cpu)->cfg.vocab;
+    const int32_t V = engine_model(e_cpu)->cfg.vocab;
     int32_t ids[MAX_PROMPT], n = 0;
     for (int i = 0; i < N_PROMPTS && n < 21; i++) n = spec_test_prompt(i, 32, MAX_PROMPT, 7, ids);
     assert_true(n >= 21);
     float *lg[2] = {malloc(sizeof(float) * 20 * (size_t)V), malloc(sizeof(float) * 20 * (size_t)V)};
-    eng *e[2] = {e_cpu, e_cu};
+    engine *e[2] = {e_cpu, e_cu};
     int32_t seq[2];
     for (int k = 0; k < 2; k++) {
-        assert_int_equal(eng_seq_new(e[k], &seq[k], &err), AE_OK);
-        eng_item it = {seq[k], ENG_APPEND, 20, ids, NULL, true};
-        assert_int_equal(eng_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(e[k], &seq[k], &err), AE_OK);
+        engine_item it = {seq[k], ENGINE_APPEND, 20, ids, NULL, true};
+        assert_int_equal(engine_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
     }
     same_logits(lg[0], lg[1], 20 * (size_t)V);
     for (int k = 0; k < 2; k++) {
-        eng_item it = {seq[k], ENG_APPEND, 1, &ids[20], NULL, false};
-        assert_int_equal(eng_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
-        eng_seq_free(e[k], seq[k]);
+        engine_item it = {seq[k], ENGINE_APPEND, 1, &ids[20], NULL, false};
+        assert_int_equal(engine_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
+        engine_seq_free(e[k], seq[k]);
     }
     same_logits(lg[0], lg[1], (size_t)V);
     free(lg[0]);
@@ -294,7 +294,7 @@ static void prefill_and_decode_match(eng *e_cpu, eng *e_cu) {
  * be the same (into want), then speculative output on e_cu with the
  * fixture's head drafting on the CPU, tree 4/3/8: the prompts whose
  * output is identical to plain, and the speculation's figures in *st. */
-static int plain_then_speculative(eng *e_cpu, eng *e_cu, const model *m_cpu, int32_t want[N_PROMPTS][N_GEN],
+static int plain_then_speculative(engine *e_cpu, engine *e_cu, const model *m_cpu, int32_t want[N_PROMPTS][N_GEN],
                                   spec_stats *st) {
     ae_error err = {{0}};
     int32_t ids[MAX_PROMPT], got[N_GEN];
@@ -309,7 +309,7 @@ static int plain_then_speculative(eng *e_cpu, eng *e_cu, const model *m_cpu, int
     if (draft_link_open(&link, FIX "/head", model_embedding(m_cpu), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
         fail_msg("%s", err.msg);
     static const sample_params greedy = {0, 0, 1, 0};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
     spec *s;
     if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link.iface, &sc, &err) != AE_OK)
         fail_msg("%s", err.msg);
@@ -330,12 +330,12 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     ae_error err = {{0}};
     model *m_cpu, *m_cu;
     load_target(&m_cpu, &m_cu);
-    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
+    engine *e_cpu = new_engine(m_cpu), *e_cu = new_engine(m_cu);
     const kn_allreduce kind = cuda_allreduce();
-    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, NULL, &err) != AE_OK)
+    if (engine_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || engine_set_tp(e_cu, 2, kind, NULL, &err) != AE_OK)
         fail_msg("--tp 2: %s", err.msg);
-    assert_int_equal(eng_allreduce(e_cu), kind);
-    eng_set_graphs(e_cu, 16, 0); /* asked for, and off while ranks run */
+    assert_int_equal(engine_allreduce(e_cu), kind);
+    engine_set_graphs(e_cu, 16, 0); /* asked for, and off while ranks run */
     const int32_t L = m_cpu->cfg.n_layers;
     /* one prefill of 20 tokens with every row's logits, then a decode
      * step: the bits of both */
@@ -344,8 +344,8 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     spec_stats stats;
     const spec_stats *st = &stats;
     int identical = plain_then_speculative(e_cpu, e_cu, m_cpu, want, &stats);
-    eng_comm_stats c0 = eng_get_comm_stats(e_cpu), c1 = eng_get_comm_stats(e_cu);
-    eng_graph_stats gs = eng_get_graph_stats(e_cu);
+    engine_comm_stats c0 = engine_get_comm_stats(e_cpu), c1 = engine_get_comm_stats(e_cu);
+    engine_graph_stats gs = engine_get_graph_stats(e_cu);
     printf("two ranks on cuda, allreduce %s: prefill and decode logits bit-equal to two cpu ranks; plain output "
            "identical on %d/%d prompts; speculative (the head, tree 4/3/8) identical to plain on %d/%d, %lld verify "
            "steps, %lld accepted; %llu allreduces in %lld passes (cpu ranks: %llu in %lld), %llu bytes; graphs "
@@ -361,26 +361,26 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     assert_true(c1.total.ns > 0);
     assert_int_equal(gs.captures + gs.replays, 0);
     /* back at one rank, the graphs asked for are on again */
-    assert_int_equal(eng_set_tp(e_cu, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
-    assert_int_equal(eng_get_graph_stats(e_cu).max_graphs, 16);
+    assert_int_equal(engine_set_tp(e_cu, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
+    assert_int_equal(engine_get_graph_stats(e_cu).max_graphs, 16);
     /* auto: custom measured; NCCL is not in the shim, and the log says so */
-    eng_free(e_cu);
-    e_cu = engine(m_cu);
-    if (eng_set_tp(e_cu, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("--tp 2: %s", err.msg);
-    printf("auto: %s\n", eng_allreduce_why(e_cu));
+    engine_free(e_cu);
+    e_cu = new_engine(m_cu);
+    if (engine_set_tp(e_cu, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("--tp 2: %s", err.msg);
+    printf("auto: %s\n", engine_allreduce_why(e_cu));
 #ifndef KN_TEST_GPU
-    assert_int_equal(eng_allreduce(e_cu), KN_ALLREDUCE_CUSTOM);
-    assert_non_null(strstr(eng_allreduce_why(e_cu), "nccl not measured (cuda comm: nccl: the CPU shim has no NCCL"));
+    assert_int_equal(engine_allreduce(e_cu), KN_ALLREDUCE_CUSTOM);
+    assert_non_null(strstr(engine_allreduce_why(e_cu), "nccl not measured (cuda comm: nccl: the CPU shim has no NCCL"));
 #endif
     /* the CPU's kind is refused on CUDA */
-    eng_free(e_cu);
-    e_cu = engine(m_cu);
+    engine_free(e_cu);
+    e_cu = new_engine(m_cu);
     err.msg[0] = '\0';
-    assert_int_equal(eng_set_tp(e_cu, 2, KN_ALLREDUCE_CPU, NULL, &err), AE_ERR);
+    assert_int_equal(engine_set_tp(e_cu, 2, KN_ALLREDUCE_CPU, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: --allreduce cpu is for ranks on the CPU; the cuda backend's ranks "
                                  "reduce with nccl or custom");
-    eng_free(e_cu);
-    eng_free(e_cpu);
+    engine_free(e_cu);
+    engine_free(e_cpu);
     model_free(m_cu);
     model_free(m_cpu);
 }
@@ -406,13 +406,13 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
     assert_true(cu1 != CU);
     model *m_cpu, *m_cu;
     load_target(&m_cpu, &m_cu);
-    eng *e_cpu = engine(m_cpu), *e_cu = engine(m_cu);
+    engine *e_cpu = new_engine(m_cpu), *e_cu = new_engine(m_cu);
     const kn_backend *bes[2] = {CU, cu1};
     const kn_allreduce kind = cuda_allreduce();
-    if (eng_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || eng_set_tp(e_cu, 2, kind, bes, &err) != AE_OK)
+    if (engine_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || engine_set_tp(e_cu, 2, kind, bes, &err) != AE_OK)
         fail_msg("--tp 2: %s", err.msg);
-    assert_true(eng_tp_backend(e_cu, 0) == CU && eng_tp_backend(e_cu, 1) == cu1);
-    assert_int_equal(eng_tp_copied_bytes(e_cu, 0), 0);
+    assert_true(engine_tp_backend(e_cu, 0) == CU && engine_tp_backend(e_cu, 1) == cu1);
+    assert_int_equal(engine_tp_copied_bytes(e_cu, 0), 0);
     /* rank 1's matrices (q, k, v, o, gate, up, down of each layer, its
      * part) and the embedding table, f32 */
     const model_config *c = &m_cpu->cfg;
@@ -422,8 +422,8 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
     uint64_t per_layer = (2 * (2 * D * H) + 2 * (D * H) + 3 * F * H) * 4;
     uint64_t want = (uint64_t)c->n_layers * per_layer + (uint64_t)c->vocab * H * 4;
     printf("two devices: rank 1 copied %llu bytes to cuda:1 (computed %llu)\n",
-           (unsigned long long)eng_tp_copied_bytes(e_cu, 1), (unsigned long long)want);
-    assert_int_equal(eng_tp_copied_bytes(e_cu, 1), want);
+           (unsigned long long)engine_tp_copied_bytes(e_cu, 1), (unsigned long long)want);
+    assert_int_equal(engine_tp_copied_bytes(e_cu, 1), want);
     int32_t want_ids[N_PROMPTS][N_GEN];
     prefill_and_decode_match(e_cpu, e_cu);
     /* speculation: verify trees, forks and commits move both devices' KV rows */
@@ -433,22 +433,22 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
            "speculative identical to plain on %d/%d (%lld verify steps)\n",
            kn_allreduce_name(kind), N_PROMPTS, N_PROMPTS, identical, N_PROMPTS, (long long)st.steps);
     assert_int_equal(identical, N_PROMPTS);
-    eng_free(e_cu);
+    engine_free(e_cu);
 #ifndef KN_TEST_GPU
     /* no peer access between the devices: refused, and the engine stays at one rank */
-    e_cu = engine(m_cu);
+    e_cu = new_engine(m_cu);
     setenv("AERIE_SHIM_NO_PEER", "1", 1);
     const kn_backend *cu1_again;
     assert_int_equal(kn_cuda_open(1, &cu1_again, &info, &err), AE_OK);
     err.msg[0] = '\0';
-    assert_int_equal(eng_set_tp(e_cu, 2, KN_ALLREDUCE_CUSTOM, bes, &err), AE_ERR);
+    assert_int_equal(engine_set_tp(e_cu, 2, KN_ALLREDUCE_CUSTOM, bes, &err), AE_ERR);
     printf("no peer access: %s\n", err.msg);
     assert_non_null(strstr(err.msg, "need peer access between them"));
-    assert_int_equal(eng_tp(e_cu), 1);
+    assert_int_equal(engine_tp(e_cu), 1);
     unsetenv("AERIE_SHIM_NO_PEER");
-    eng_free(e_cu);
+    engine_free(e_cu);
 #endif
-    eng_free(e_cpu);
+    engine_free(e_cpu);
     model_free(m_cu);
     model_free(m_cpu);
 }

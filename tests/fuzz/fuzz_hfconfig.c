@@ -31,20 +31,20 @@ static const char *as_file(const uint8_t *data, size_t size) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
-    if (hfcfg_parse(&c, (const char *)data, size, "config.json", &err) == AE_OK) {
+    if (hfconfig_parse(&c, (const char *)data, size, "config.json", &err) == AE_OK) {
         /* What the engine will rely on after a successful parse. */
         if (c.hidden_size <= 0 || c.num_hidden_layers <= 0 || c.num_attention_heads <= 0 ||
             c.num_key_value_heads <= 0 || c.head_dim <= 0 || c.vocab_size <= 0)
             abort();
         if (c.num_attention_heads % c.num_key_value_heads != 0) abort();
-        if (c.n_eos > HFCFG_MAX_EOS || c.n_aux_layers > HFCFG_MAX_AUX_LAYERS) abort();
+        if (c.n_eos > HFCONFIG_MAX_EOS || c.n_aux_layers > HFCONFIG_MAX_AUX_LAYERS) abort();
         if (memchr(c.model_type, 0, sizeof c.model_type) == NULL) abort();
         /* The same bytes as a model's config. */
         model_config mc;
         const arch *a = NULL;
-        hfcfg hc;
+        hfconfig hc;
         err_clear(&err);
         if (model_config_read(&mc, &a, &hc, as_file(data, size), &err) == AE_OK) check_model_config(&mc, a);
         else if (err.msg[0] == '\0') abort();

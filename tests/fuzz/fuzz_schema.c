@@ -66,10 +66,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     /* Every compile logged (log_ms 0), in this thread (isolate false: the
      * fuzzer's coverage is of this process). */
-    const gc_limits lim = {false, 0, 0, 0};
+    const gcompile_limits lim = {false, 0, 0, 0};
     grammar *g = NULL;
     grammar_matcher *m = NULL;
-    int rc = gc_compile(&g, gv, text, &lim, NULL, NULL, &err);
+    int rc = gcompile_compile(&g, gv, text, &lim, NULL, NULL, &err);
     free(text);
     if (rc != AE_OK) {
         if (g || !err.msg[0] || (rc != GRAMMAR_REFUSED && rc != AE_ERR)) abort();

@@ -989,7 +989,7 @@ def test_an_idle_draft_uses_no_cpu_alone_or_with_a_target_connected(services):
 
 
 def test_a_propose_wakes_only_the_draft_thread_that_serves_it(services):
-    """An idle draft serves a Propose on its RPC loop (draft/server.h): the
+    """An idle draft serves a Propose on its RPC loop (draft/draft_server.h): the
     loop wakes when the request comes and sleeps again after the reply,
     one voluntary context switch per call, and no other thread of the
     draft (the worker, the compute pool at --threads 1: none) may wake.

@@ -126,12 +126,12 @@ static golden_result run_golden(int32_t act_bits) {
     int32_t np = cJSON_GetArraySize(prompts);
     assert_true(np >= 20 && np <= MAX_PROMPTS);
     const int32_t V = mdl->cfg.vocab, H = mdl->cfg.hidden;
-    eng_config cfg = {.max_batch_tokens = 512, .max_seqs = MAX_PROMPTS, .max_seq_len = 384,
+    engine_config cfg = {.max_batch_tokens = 512, .max_seqs = MAX_PROMPTS, .max_seq_len = 384,
                       .kv_tokens = MAX_PROMPTS * 384, .block_size = 16, .threads = 2, .act_bits = act_bits};
-    eng *e;
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
-    int32_t layers[LLAMA_MAX_CAPTURE];
+    if (engine_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    int32_t layers[FORWARD_MAX_CAPTURE];
     capture_default_layers(mdl->cfg.n_layers, layers);
 
     int32_t seq[MAX_PROMPTS], *ref_gen[MAX_PROMPTS], got[MAX_PROMPTS][N_GEN];
@@ -145,11 +145,11 @@ static golden_result run_golden(int32_t act_bits) {
         int32_t *ids = int_array(cJSON_GetObjectItem(pr, "ids"), &n);
         ref_gen[p] = int_array(cJSON_GetObjectItem(pr, "generated"), &ng);
         assert_int_equal(ng, N_GEN);
-        assert_int_equal(eng_seq_new(e, &seq[p], &err), AE_OK);
+        assert_int_equal(engine_seq_new(e, &seq[p], &err), AE_OK);
         int32_t last = n - 1;
-        llama_capture cap = {3, {layers[0], layers[1], layers[2]}, 1, &last, feat};
-        eng_item it = {seq[p], ENG_APPEND, n, ids, NULL, false};
-        if (eng_step(e, &it, 1, logits, &cap, &err) != AE_OK) fail_msg("%s", err.msg);
+        forward_capture cap = {3, {layers[0], layers[1], layers[2]}, 1, &last, feat};
+        engine_item it = {seq[p], ENGINE_APPEND, n, ids, NULL, false};
+        if (engine_step(e, &it, 1, logits, &cap, &err) != AE_OK) fail_msg("%s", err.msg);
         /* Final-position logits. */
         const cJSON *full = cJSON_GetObjectItem(pr, "logits_f32");
         if (full) {
@@ -188,10 +188,10 @@ static golden_result run_golden(int32_t act_bits) {
         free(ids);
     }
     /* Decode all prompts together, one token each per step. */
-    eng_item items[MAX_PROMPTS];
+    engine_item items[MAX_PROMPTS];
     for (int32_t g = 1; g < N_GEN; g++) {
-        for (int32_t p = 0; p < np; p++) items[p] = (eng_item){seq[p], ENG_APPEND, 1, &got[p][g - 1], NULL, false};
-        if (eng_step(e, items, np, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        for (int32_t p = 0; p < np; p++) items[p] = (engine_item){seq[p], ENGINE_APPEND, 1, &got[p][g - 1], NULL, false};
+        if (engine_step(e, items, np, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int32_t p = 0; p < np; p++) {
             const float *x = logits + (size_t)p * (size_t)V;
             int32_t b = 0;
@@ -220,7 +220,7 @@ static golden_result run_golden(int32_t act_bits) {
     free(logits);
     free(feat);
     free(ref);
-    eng_free(e);
+    engine_free(e);
     return (golden_result){np, identical, full_checked, hidden_checked, worst_logits, worst_top, worst_hidden};
 }
 

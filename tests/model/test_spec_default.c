@@ -34,12 +34,12 @@ static int32_t prompt(int i, int32_t vocab, int32_t *ids) { return spec_test_pro
 static void check_lossless(int32_t act_bits) {
     ae_error err = {0};
     model *m;
-    eng *e;
+    engine *e;
     draft_link link;
     if (model_load(&m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
-    eng_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2, act_bits};
-    assert_int_equal(eng_init(&e, m, &ec, &err), AE_OK);
-    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, eng_pool(e), act_bits};
+    engine_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2, act_bits};
+    assert_int_equal(engine_init(&e, m, &ec, &err), AE_OK);
+    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, engine_pool(e), act_bits};
     if (draft_link_open(&link, HEAD_DIR, model_embedding(m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s (run `make test`)", err.msg);
     int32_t V = m->cfg.vocab, ids[MAX_PROMPT], got[N_GEN];
     static int32_t want[N_PROMPTS][N_GEN];
@@ -48,7 +48,7 @@ static void check_lossless(int32_t act_bits) {
     const char *names[3] = {"chain 4x1/5", "wide 4x3/8", "deep 8x4/32"};
     const sample_params greedy = {0, 0, 1, 0};
     for (int k = 0; k < 3; k++) {
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shapes[k], 1, CHUNK, false, NULL, NULL};
+        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shapes[k], 1, CHUNK, false, NULL, NULL};
         spec *s;
         assert_int_equal(draft_link_capture(&link, sc.capture, &err), AE_OK);
         assert_int_equal(spec_init(&s, e, &link.iface, &sc, &err), AE_OK);
@@ -67,7 +67,7 @@ static void check_lossless(int32_t act_bits) {
         spec_free(s);
     }
     draft_link_close(&link);
-    eng_free(e);
+    engine_free(e);
     model_free(m);
 }
 

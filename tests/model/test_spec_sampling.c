@@ -44,7 +44,7 @@ static const sample_params params = {0.9f, 20, 0.95f, 0};
 
 typedef struct fixture {
     model *m;
-    eng *e;
+    engine *e;
     draft_link link;
     spec *s;
 } fixture;
@@ -53,11 +53,11 @@ static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
     if (model_load(&f->m, FIX "/target", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 1, 0};
-    if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    drafter_config dc = {1, SEQ_LEN, 16, 1, eng_pool(f->e), 0};
+    engine_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 1, 0};
+    if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    drafter_config dc = {1, SEQ_LEN, 16, 1, engine_pool(f->e), 0};
     if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {4, 3, 8}, 1, 64, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {4, 3, 8}, 1, 64, false, NULL, NULL};
     if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK ||
         spec_init(&f->s, f->e, &f->link.iface, &sc, &err) != AE_OK)
         fail_msg("%s", err.msg);
@@ -66,7 +66,7 @@ static void fixture_open(fixture *f) {
 static void fixture_close(fixture *f) {
     spec_free(f->s);
     draft_link_close(&f->link);
-    eng_free(f->e);
+    engine_free(f->e);
     model_free(f->m);
 }
 
@@ -76,25 +76,25 @@ static void fixture_close(fixture *f) {
 static float p1[V], p2[V][V];
 static void exact_joint(fixture *f, double *joint) {
     ae_error err = {0};
-    sampler *smp;
+    sample_state *smp;
     assert_int_equal(sample_init(&smp, V, &err), AE_OK);
     float lg[V];
     int32_t seq;
-    assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
-    eng_item it = {seq, ENG_APPEND, 3, prompt, NULL, false};
-    assert_int_equal(eng_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+    assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
+    engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
+    assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
     sample_dist_dense(smp, lg, &params, p1);
-    eng_seq_free(f->e, seq);
+    engine_seq_free(f->e, seq);
     for (int32_t a = 0; a < V; a++) {
         for (int32_t b = 0; b < V; b++) joint[a * V + b] = 0;
         if (p1[a] == 0) continue;
         int32_t ids[4] = {prompt[0], prompt[1], prompt[2], a};
-        assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
-        eng_item it2 = {seq, ENG_APPEND, 4, ids, NULL, false};
-        assert_int_equal(eng_step(f->e, &it2, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
+        engine_item it2 = {seq, ENGINE_APPEND, 4, ids, NULL, false};
+        assert_int_equal(engine_step(f->e, &it2, 1, lg, NULL, &err), AE_OK);
         sample_dist_dense(smp, lg, &params, p2[a]);
         for (int32_t b = 0; b < V; b++) joint[a * V + b] = (double)p1[a] * p2[a][b];
-        eng_seq_free(f->e, seq);
+        engine_seq_free(f->e, seq);
     }
     sample_free(smp);
 }
@@ -103,23 +103,23 @@ static int32_t plain_pair[N_SAMPLES][2]; /* seed i's first two tokens, plain */
 
 static void plain_counts(fixture *f, int64_t *counts) {
     ae_error err = {0};
-    sampler *smp;
+    sample_state *smp;
     assert_int_equal(sample_init(&smp, V, &err), AE_OK);
     float lg[V];
     for (int i = 0; i < N_SAMPLES; i++) {
         sample_rng rng;
         sample_rng_seed(&rng, (uint64_t)i);
         int32_t seq, t[2];
-        assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
-        eng_item it = {seq, ENG_APPEND, 3, prompt, NULL, false};
-        assert_int_equal(eng_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
+        assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
         t[0] = sample_token(smp, lg, &params, &rng, 3);
-        eng_item d = {seq, ENG_APPEND, 1, &t[0], NULL, false};
-        assert_int_equal(eng_step(f->e, &d, 1, lg, NULL, &err), AE_OK);
+        engine_item d = {seq, ENGINE_APPEND, 1, &t[0], NULL, false};
+        assert_int_equal(engine_step(f->e, &d, 1, lg, NULL, &err), AE_OK);
         t[1] = sample_token(smp, lg, &params, &rng, 4);
         counts[t[0] * V + t[1]]++;
         plain_pair[i][0] = t[0], plain_pair[i][1] = t[1];
-        eng_seq_free(f->e, seq);
+        engine_seq_free(f->e, seq);
     }
     sample_free(smp);
 }
@@ -179,7 +179,7 @@ static int spec_counts(fixture *f, int64_t *counts) {
         sample_rng rng;
         sample_rng_seed(&rng, (uint64_t)i);
         int32_t seq, t[2], got = 0;
-        assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
         if (spec_seq_start(f->s, seq, prompt, 3, 16, &err) != AE_OK) fail_msg("%s", err.msg);
         while (got < 2) {
             spec_in in = {.seq = seq, .params = &params, .rng = &rng};
@@ -190,7 +190,7 @@ static int spec_counts(fixture *f, int64_t *counts) {
         counts[t[0] * V + t[1]]++;
         differ += t[0] != plain_pair[i][0] || t[1] != plain_pair[i][1];
         spec_seq_end(f->s, seq);
-        eng_seq_free(f->e, seq);
+        engine_seq_free(f->e, seq);
     }
     return differ;
 }
@@ -224,7 +224,7 @@ static void test_speculative_sampling_keeps_the_target_distribution(void **state
     static int64_t informed_c[V * V];
     informed inf = {0};
     spec_drafter d = {&inf, informed_propose, NULL};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, 1, 64, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, 1, 64, false, NULL, NULL};
     spec *head_spec = f.s;
     ae_error err = {0};
     assert_int_equal(spec_init(&f.s, f.e, &d, &sc, &err), AE_OK);
@@ -252,27 +252,27 @@ static void test_a_biased_acceptor_is_detected(void **state) {
     static int64_t biased[V * V];
     exact_joint(&f, joint);
     ae_error err = {0};
-    sampler *smp;
+    sample_state *smp;
     assert_int_equal(sample_init(&smp, V, &err), AE_OK);
     float lg[V], p[V];
     for (int i = 0; i < N_SAMPLES / 4; i++) {
         sample_rng rng;
         sample_rng_seed(&rng, (uint64_t)i);
         int32_t seq, t[2];
-        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
-        eng_item it = {seq, ENG_APPEND, 3, prompt, NULL, false};
-        assert_int_equal(eng_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
+        assert_int_equal(engine_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
         sample_dist_dense(smp, lg, &params, p);
         /* The "draft" proposes the most likely token; it is always kept
          * when it has any probability. */
         t[0] = sample_greedy(lg, V);
         if (!(p[t[0]] > 0)) t[0] = sample_token(smp, lg, &params, &rng, 3);
         if (sample_rng_uniform(&rng, 3, V) < 0.5) t[0] = sample_token(smp, lg, &params, &rng, 3); /* a coin off the vocabulary */
-        eng_item d = {seq, ENG_APPEND, 1, &t[0], NULL, false};
-        assert_int_equal(eng_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
+        engine_item d = {seq, ENGINE_APPEND, 1, &t[0], NULL, false};
+        assert_int_equal(engine_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
         t[1] = sample_token(smp, lg, &params, &rng, 4);
         biased[t[0] * V + t[1]]++;
-        eng_seq_free(f.e, seq);
+        engine_seq_free(f.e, seq);
     }
     chisq_result r = chisq_fit(biased, joint, V * V, N_SAMPLES / 4);
     printf("biased acceptor vs exact: chi2 %.2f, df %d, p %.3g\n", r.stat, r.df, r.p);
@@ -314,7 +314,7 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
     fixture f;
     fixture_open(&f);
     ae_error err = {0};
-    sampler *smp;
+    sample_state *smp;
     assert_int_equal(sample_init(&smp, V, &err), AE_OK);
     static double joint[V * V];
     static float q1[V], q2[V];
@@ -324,11 +324,11 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
     /* The exact joint: the rows penalised as after the prompt, and after
      * the prompt and a. */
     assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
-    assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
-    eng_item it = {seq, ENG_APPEND, 3, prompt, NULL, false};
-    assert_int_equal(eng_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+    assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
+    engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
+    assert_int_equal(engine_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
     sample_dist_dense(smp, penalty_apply(pn, lg, scratch), &params, q1);
-    eng_seq_free(f.e, seq);
+    engine_seq_free(f.e, seq);
     penalty_free(pn);
     assert_true(q1[7] == 0); /* min_tokens */
     for (int32_t a = 0; a < V; a++) {
@@ -337,16 +337,16 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
         int32_t ids[4] = {prompt[0], prompt[1], prompt[2], a};
         assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
         penalty_push(pn, a);
-        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
-        eng_item it2 = {seq, ENG_APPEND, 4, ids, NULL, false};
-        assert_int_equal(eng_step(f.e, &it2, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
+        engine_item it2 = {seq, ENGINE_APPEND, 4, ids, NULL, false};
+        assert_int_equal(engine_step(f.e, &it2, 1, lg, NULL, &err), AE_OK);
         sample_dist_dense(smp, penalty_apply(pn, lg, scratch), &params, q2);
         for (int32_t b = 0; b < V; b++) joint[a * V + b] = (double)q1[a] * q2[b];
-        eng_seq_free(f.e, seq);
+        engine_seq_free(f.e, seq);
         penalty_free(pn);
     }
     spec_drafter d = {NULL, fan_propose, NULL};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {1, 8, V + 1}, 1, 64, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 3, 4}, {1, 8, V + 1}, 1, 64, false, NULL, NULL};
     spec *sx;
     if (spec_init(&sx, f.e, &d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     static int64_t counts[V * V];
@@ -357,18 +357,18 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
         int32_t t[2], got = 0, want[2];
         /* plain, penalised */
         assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
-        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
-        assert_int_equal(eng_step(f.e, &(eng_item){seq, ENG_APPEND, 3, prompt, NULL, false}, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
+        assert_int_equal(engine_step(f.e, &(engine_item){seq, ENGINE_APPEND, 3, prompt, NULL, false}, 1, lg, NULL, &err), AE_OK);
         want[0] = sample_token(smp, penalty_apply(pn, lg, scratch), &params, &rng, 3);
         penalty_push(pn, want[0]);
-        assert_int_equal(eng_step(f.e, &(eng_item){seq, ENG_APPEND, 1, &want[0], NULL, false}, 1, lg, NULL, &err),
+        assert_int_equal(engine_step(f.e, &(engine_item){seq, ENGINE_APPEND, 1, &want[0], NULL, false}, 1, lg, NULL, &err),
                          AE_OK);
         want[1] = sample_token(smp, penalty_apply(pn, lg, scratch), &params, &rng, 4);
-        eng_seq_free(f.e, seq);
+        engine_seq_free(f.e, seq);
         penalty_free(pn);
         /* speculative */
         assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
-        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
         if (spec_seq_start(sx, seq, prompt, 3, 16, &err) != AE_OK) fail_msg("%s", err.msg);
         while (got < 2) {
             spec_in in = {.seq = seq, .params = &params, .rng = &rng, .pen = pn};
@@ -377,7 +377,7 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
             for (int32_t j = 0; j < o.n && got < 2; j++) t[got++] = o.tokens[j];
         }
         spec_seq_end(sx, seq);
-        eng_seq_free(f.e, seq);
+        engine_seq_free(f.e, seq);
         penalty_free(pn);
         counts[t[0] * V + t[1]]++;
         differ += t[0] != want[0] || t[1] != want[1];

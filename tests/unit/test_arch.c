@@ -336,7 +336,7 @@ static int hf_config(void (*edit)(cJSON *root), char *msg, size_t cap) {
     cJSON_Delete(root);
     model_config c;
     const arch *a;
-    hfcfg hc;
+    hfconfig hc;
     int rc = model_config_read(&c, &a, &hc, path, &err);
     size_t n = strlen(path);
     snprintf(msg, cap, "%s", rc == AE_OK ? "" : strncmp(err.msg, path, n) == 0 ? err.msg + n : err.msg);

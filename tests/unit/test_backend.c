@@ -276,12 +276,12 @@ static void test_kv_tables_reach_the_backend_as_they_change(void **state) {
     kv_free(kv);
 }
 
-static eng *engine_on(const model *m) {
-    eng_config cfg = {.max_batch_tokens = 64, .max_seqs = 3, .max_seq_len = 96, .kv_tokens = 288,
+static engine *engine_on(const model *m) {
+    engine_config cfg = {.max_batch_tokens = 64, .max_seqs = 3, .max_seq_len = 96, .kv_tokens = 288,
                       .block_size = 16, .threads = 2};
-    eng *e = NULL;
+    engine *e = NULL;
     ae_error err = {0};
-    if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     return e;
 }
 
@@ -289,11 +289,11 @@ static eng *engine_on(const model *m) {
  * captured, its path committed, a batch of two sequences, one freed and a
  * new one taking its blocks (block tables re-sent), and decodes after.
  * Logits and features must be the same bits at every step; at odd steps
- * staged runs eng_step_argmax, whose ids must be the argmax of each of
+ * staged runs engine_step_argmax, whose ids must be the argmax of each of
  * the CPU's rows (only the ids come back; its logits stay on staged). */
 static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
     (void)state;
-    eng *e[2] = {engine_on(on_cpu), engine_on(on_staged)};
+    engine *e[2] = {engine_on(on_cpu), engine_on(on_staged)};
     const int32_t V = on_cpu->cfg.vocab, H = on_cpu->cfg.hidden;
     float *lg[2], *ft[2];
     for (int k = 0; k < 2; k++) {
@@ -310,45 +310,45 @@ static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
     for (int step = 0; step < 6; step++) {
         int32_t n_rows = 0, n_feat = 0;
         for (int k = 0; k < 2; k++) {
-            eng_item it[2];
+            engine_item it[2];
             int32_t n = 1;
-            llama_capture cap = {.n_layers = 3, .layers = {1, 15, 29}, .n_rows = 6, .rows = rows, .out = ft[k]};
-            const llama_capture *cp = NULL;
+            forward_capture cap = {.n_layers = 3, .layers = {1, 15, 29}, .n_rows = 6, .rows = rows, .out = ft[k]};
+            const forward_capture *cp = NULL;
             switch (step) {
             case 0:
-                assert_int_equal(eng_seq_new(e[k], &a[k], &err), AE_OK);
-                it[0] = (eng_item){.seq = a[k], .kind = ENG_APPEND, .n_tokens = N_PROMPT, .tokens = PROMPT};
+                assert_int_equal(engine_seq_new(e[k], &a[k], &err), AE_OK);
+                it[0] = (engine_item){.seq = a[k], .kind = ENGINE_APPEND, .n_tokens = N_PROMPT, .tokens = PROMPT};
                 break;
             case 1:
-                it[0] = (eng_item){.seq = a[k], .kind = ENG_TREE, .n_tokens = 6, .tokens = tree, .parents = parents};
+                it[0] = (engine_item){.seq = a[k], .kind = ENGINE_TREE, .n_tokens = 6, .tokens = tree, .parents = parents};
                 cp = &cap;
                 n_feat = 6;
                 break;
             case 2:
-                assert_int_equal(eng_commit_path(e[k], a[k], path, 3, &err), AE_OK);
-                assert_int_equal(eng_seq_new(e[k], &b[k], &err), AE_OK);
-                it[0] = (eng_item){.seq = a[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &tree[5]};
-                it[1] = (eng_item){.seq = b[k], .kind = ENG_APPEND, .n_tokens = 12, .tokens = PROMPT, .all_logits = true};
+                assert_int_equal(engine_commit_path(e[k], a[k], path, 3, &err), AE_OK);
+                assert_int_equal(engine_seq_new(e[k], &b[k], &err), AE_OK);
+                it[0] = (engine_item){.seq = a[k], .kind = ENGINE_APPEND, .n_tokens = 1, .tokens = &tree[5]};
+                it[1] = (engine_item){.seq = b[k], .kind = ENGINE_APPEND, .n_tokens = 12, .tokens = PROMPT, .all_logits = true};
                 n = 2;
                 break;
             case 3:
-                eng_seq_free(e[k], a[k]);
-                assert_int_equal(eng_seq_new(e[k], &c[k], &err), AE_OK);
-                it[0] = (eng_item){.seq = c[k], .kind = ENG_APPEND, .n_tokens = 5, .tokens = PROMPT + 3};
-                it[1] = (eng_item){.seq = b[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &tree[1]};
+                engine_seq_free(e[k], a[k]);
+                assert_int_equal(engine_seq_new(e[k], &c[k], &err), AE_OK);
+                it[0] = (engine_item){.seq = c[k], .kind = ENGINE_APPEND, .n_tokens = 5, .tokens = PROMPT + 3};
+                it[1] = (engine_item){.seq = b[k], .kind = ENGINE_APPEND, .n_tokens = 1, .tokens = &tree[1]};
                 n = 2;
                 break;
             default:
-                it[0] = (eng_item){.seq = c[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &tree[step]};
-                it[1] = (eng_item){.seq = b[k], .kind = ENG_APPEND, .n_tokens = 1, .tokens = &tree[step - 1]};
+                it[0] = (engine_item){.seq = c[k], .kind = ENGINE_APPEND, .n_tokens = 1, .tokens = &tree[step]};
+                it[1] = (engine_item){.seq = b[k], .kind = ENGINE_APPEND, .n_tokens = 1, .tokens = &tree[step - 1]};
                 n = 2;
                 break;
             }
             /* Odd steps on staged: only the rows' argmaxes come back. */
-            int rc = k == 1 && step % 2 ? eng_step_argmax(e[k], it, n, lg[k], ids, cp, &err)
-                                        : eng_step(e[k], it, n, lg[k], cp, &err);
+            int rc = k == 1 && step % 2 ? engine_step_argmax(e[k], it, n, lg[k], ids, cp, &err)
+                                        : engine_step(e[k], it, n, lg[k], cp, &err);
             if (rc != AE_OK) fail_msg("step %d: %s", step, err.msg);
-            n_rows = eng_logit_rows(it, n);
+            n_rows = engine_logit_rows(it, n);
         }
         if (step % 2)
             for (int32_t r = 0; r < n_rows; r++) assert_int_equal(ids[r], sample_greedy(lg[0] + (size_t)r * V, V));
@@ -357,11 +357,11 @@ static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
         if (n_feat) assert_memory_equal(ft[0], ft[1], (size_t)n_feat * 3 * H * sizeof(float));
         assert_true(n_rows > 0);
     }
-    kv_stats s0 = eng_kv_stats(e[0]), s1 = eng_kv_stats(e[1]);
+    kv_stats s0 = engine_kv_stats(e[0]), s1 = engine_kv_stats(e[1]);
     assert_int_equal(s0.blocks_used, s1.blocks_used);
     assert_int_equal(s0.seqs_live, 2);
     for (int k = 0; k < 2; k++) {
-        eng_free(e[k]);
+        engine_free(e[k]);
         free(lg[k]);
         free(ft[k]);
     }

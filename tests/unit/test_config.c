@@ -13,12 +13,12 @@
 
 #include "../../services/core/config.h"
 
-static const cfg_option opts[] = {
-    {"threads", CFG_INT, "auto", 1, 256, "worker threads"},
-    {"log-level", CFG_STRING, "info", 0, 0, "log level"},
-    {"mem-fraction", CFG_DOUBLE, "0.9", 0.05, 1.0, "memory fraction"},
-    {"json", CFG_BOOL, "false", 0, 0, "print JSON"},
-    {"model", CFG_STRING, NULL, 0, 0, "model file"},
+static const config_option opts[] = {
+    {"threads", CONFIG_INT, "auto", 1, 256, "worker threads"},
+    {"log-level", CONFIG_STRING, "info", 0, 0, "log level"},
+    {"mem-fraction", CONFIG_DOUBLE, "0.9", 0.05, 1.0, "memory fraction"},
+    {"json", CONFIG_BOOL, "false", 0, 0, "print JSON"},
+    {"model", CONFIG_STRING, NULL, 0, 0, "model file"},
 };
 #define N_OPTS (sizeof opts / sizeof opts[0])
 
@@ -32,28 +32,28 @@ static void write_file(const char *text) {
     close(fd);
 }
 
-static cfg *load(int argc, char **argv, char **envp, ae_error *err, int expect_rc) {
-    cfg *c;
-    assert_int_equal(cfg_init(&c, opts, N_OPTS, err), AE_OK);
+static config *load(int argc, char **argv, char **envp, ae_error *err, int expect_rc) {
+    config *c;
+    assert_int_equal(config_init(&c, opts, N_OPTS, err), AE_OK);
     char *pos[16];
     int npos;
     bool print;
-    assert_int_equal(cfg_load(c, argc, argv, envp, pos, &npos, &print, err), expect_rc);
+    assert_int_equal(config_load(c, argc, argv, envp, pos, &npos, &print, err), expect_rc);
     return c;
 }
 
 static void test_defaults_have_source_default(void **state) {
     (void)state;
     ae_error err = {0};
-    cfg *c = load(0, NULL, NULL, &err, AE_OK);
-    assert_string_equal(cfg_str(c, "log-level"), "info");
-    assert_int_equal(cfg_get_source(c, "log-level"), CFG_SRC_DEFAULT);
-    assert_true(cfg_is_auto(c, "threads"));
-    assert_int_equal(cfg_get_source(c, "model"), CFG_SRC_UNSET);
-    assert_null(cfg_str(c, "model"));
-    assert_true(cfg_has(c, "model"));
-    assert_false(cfg_has(c, "cuda-graphs")); /* not in this table */
-    cfg_free(c);
+    config *c = load(0, NULL, NULL, &err, AE_OK);
+    assert_string_equal(config_str(c, "log-level"), "info");
+    assert_int_equal(config_get_source(c, "log-level"), CONFIG_SRC_DEFAULT);
+    assert_true(config_is_auto(c, "threads"));
+    assert_int_equal(config_get_source(c, "model"), CONFIG_SRC_UNSET);
+    assert_null(config_str(c, "model"));
+    assert_true(config_has(c, "model"));
+    assert_false(config_has(c, "cuda-graphs")); /* not in this table */
+    config_free(c);
 }
 
 static void test_precedence_file_env_flag(void **state) {
@@ -64,35 +64,35 @@ static void test_precedence_file_env_flag(void **state) {
     char *argv[] = {cfgarg, "--threads", "7"};
     char *envp[] = {"AERIE_MEM_FRACTION=0.75", "AERIE_THREADS=5", "PATH=/bin", NULL};
     ae_error err = {0};
-    cfg *c = load(3, argv, envp, &err, AE_OK);
-    assert_string_equal(cfg_str(c, "log-level"), "debug");
-    assert_int_equal(cfg_get_source(c, "log-level"), CFG_SRC_FILE);
-    assert_true(cfg_double(c, "mem-fraction") == 0.75);
-    assert_int_equal(cfg_get_source(c, "mem-fraction"), CFG_SRC_ENV);
-    assert_int_equal(cfg_int(c, "threads"), 7);
-    assert_int_equal(cfg_get_source(c, "threads"), CFG_SRC_FLAG);
-    cfg_free(c);
+    config *c = load(3, argv, envp, &err, AE_OK);
+    assert_string_equal(config_str(c, "log-level"), "debug");
+    assert_int_equal(config_get_source(c, "log-level"), CONFIG_SRC_FILE);
+    assert_true(config_double(c, "mem-fraction") == 0.75);
+    assert_int_equal(config_get_source(c, "mem-fraction"), CONFIG_SRC_ENV);
+    assert_int_equal(config_int(c, "threads"), 7);
+    assert_int_equal(config_get_source(c, "threads"), CONFIG_SRC_FLAG);
+    config_free(c);
     unlink(tmp_path);
 }
 
 static void test_auto_value_records_auto_source(void **state) {
     (void)state;
     ae_error err = {0};
-    cfg *c = load(0, NULL, NULL, &err, AE_OK);
-    cfg_set_auto_int(c, "threads", 2);
-    assert_int_equal(cfg_int(c, "threads"), 2);
-    assert_int_equal(cfg_get_source(c, "threads"), CFG_SRC_AUTO);
-    assert_false(cfg_is_auto(c, "threads"));
-    cfg_free(c);
+    config *c = load(0, NULL, NULL, &err, AE_OK);
+    config_set_auto_int(c, "threads", 2);
+    assert_int_equal(config_int(c, "threads"), 2);
+    assert_int_equal(config_get_source(c, "threads"), CONFIG_SRC_AUTO);
+    assert_false(config_is_auto(c, "threads"));
+    config_free(c);
 }
 
 static void test_print_config_json_names_sources(void **state) {
     (void)state;
     char *argv[] = {"--json", "--model=m.gguf"};
     ae_error err = {0};
-    cfg *c = load(2, argv, NULL, &err, AE_OK);
-    cfg_set_auto_int(c, "threads", 4);
-    char *s = cfg_to_json(c);
+    config *c = load(2, argv, NULL, &err, AE_OK);
+    config_set_auto_int(c, "threads", 4);
+    char *s = config_to_json(c);
     assert_string_equal(s,
         "{\"threads\":{\"value\":4,\"source\":\"auto\"},"
         "\"log-level\":{\"value\":\"info\",\"source\":\"default\"},"
@@ -100,34 +100,34 @@ static void test_print_config_json_names_sources(void **state) {
         "\"json\":{\"value\":true,\"source\":\"flag\"},"
         "\"model\":{\"value\":\"m.gguf\",\"source\":\"flag\"}}");
     free(s);
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_out_of_range_flag_is_rejected(void **state) {
     (void)state;
     char *argv[] = {"--mem-fraction", "1.5"};
     ae_error err = {0};
-    cfg *c = load(2, argv, NULL, &err, AE_ERR);
+    config *c = load(2, argv, NULL, &err, AE_ERR);
     assert_string_equal(err.msg, "--mem-fraction: 1.5 is outside 0.05..1");
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_bad_env_names_the_variable(void **state) {
     (void)state;
     char *envp[] = {"AERIE_THREADS=many", NULL};
     ae_error err = {0};
-    cfg *c = load(0, NULL, envp, &err, AE_ERR);
+    config *c = load(0, NULL, envp, &err, AE_ERR);
     assert_string_equal(err.msg, "environment AERIE_THREADS: threads: expected an integer, got \"many\"");
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_unknown_flag_is_rejected(void **state) {
     (void)state;
     char *argv[] = {"--treads", "2"};
     ae_error err = {0};
-    cfg *c = load(2, argv, NULL, &err, AE_ERR);
+    config *c = load(2, argv, NULL, &err, AE_ERR);
     assert_string_equal(err.msg, "unknown option --treads");
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_unknown_file_key_is_rejected(void **state) {
@@ -138,11 +138,11 @@ static void test_unknown_file_key_is_rejected(void **state) {
     snprintf(envbuf, sizeof envbuf, "AERIE_CONFIG=%s", tmp_path);
     envp[0] = envbuf;
     ae_error err = {0};
-    cfg *c = load(0, NULL, envp, &err, AE_ERR);
+    config *c = load(0, NULL, envp, &err, AE_ERR);
     char want[160];
     snprintf(want, sizeof want, "config file %s: unknown setting \"colour\"", tmp_path);
     assert_string_equal(err.msg, want);
-    cfg_free(c);
+    config_free(c);
     unlink(tmp_path);
 }
 
@@ -150,14 +150,14 @@ static void test_config_file_with_trailing_data_is_rejected(void **state) {
     (void)state;
     write_file("{\"threads\": 3} {\"threads\": 4}");
     ae_error err = {0};
-    cfg *c;
-    assert_int_equal(cfg_init(&c, opts, N_OPTS, &err), AE_OK);
-    assert_int_equal(cfg_load_file(c, tmp_path, &err), AE_ERR);
+    config *c;
+    assert_int_equal(config_init(&c, opts, N_OPTS, &err), AE_OK);
+    assert_int_equal(config_load_file(c, tmp_path, &err), AE_ERR);
     char want[160];
     snprintf(want, sizeof want, "config file %s: trailing data after the JSON value at byte 15",
              tmp_path);
     assert_string_equal(err.msg, want);
-    cfg_free(c);
+    config_free(c);
     unlink(tmp_path);
 }
 
@@ -165,20 +165,20 @@ static void test_positionals_and_bool_negation(void **state) {
     (void)state;
     char *argv[] = {"tokenize", "--json", "hello", "--no-json", "--", "--literal"};
     ae_error err = {0};
-    cfg *c;
-    assert_int_equal(cfg_init(&c, opts, N_OPTS, &err), AE_OK);
+    config *c;
+    assert_int_equal(config_init(&c, opts, N_OPTS, &err), AE_OK);
     char *pos[6];
     int npos;
     bool print;
-    assert_int_equal(cfg_load(c, 6, argv, NULL, pos, &npos, &print, &err), AE_OK);
+    assert_int_equal(config_load(c, 6, argv, NULL, pos, &npos, &print, &err), AE_OK);
     assert_int_equal(npos, 3);
     assert_string_equal(pos[0], "tokenize");
     assert_string_equal(pos[1], "hello");
     assert_string_equal(pos[2], "--literal");
-    assert_false(cfg_bool(c, "json"));
-    assert_int_equal(cfg_get_source(c, "json"), CFG_SRC_FLAG);
+    assert_false(config_bool(c, "json"));
+    assert_int_equal(config_get_source(c, "json"), CONFIG_SRC_FLAG);
     assert_false(print);
-    cfg_free(c);
+    config_free(c);
 }
 
 /* A command with an option named config (aerie plan's model config)
@@ -186,21 +186,21 @@ static void test_positionals_and_bool_negation(void **state) {
  * or from AERIE_CONFIG, which stays a settings file's name. */
 static void test_an_option_named_config_takes_the_flag(void **state) {
     (void)state;
-    static const cfg_option own[] = {{"config", CFG_STRING, NULL, 0, 0, "the model's config.json"},
-                                     {"tp", CFG_INT, "1", 1, 64, "ranks"}};
-    cfg *c;
+    static const config_option own[] = {{"config", CONFIG_STRING, NULL, 0, 0, "the model's config.json"},
+                                     {"tp", CONFIG_INT, "1", 1, 64, "ranks"}};
+    config *c;
     ae_error err = {0};
-    assert_int_equal(cfg_init(&c, own, 2, &err), AE_OK);
+    assert_int_equal(config_init(&c, own, 2, &err), AE_OK);
     char *argv[] = {"--config", "/models/k/config.json", "--tp=8"};
     char *envp[] = {"AERIE_CONFIG=/nonexistent/settings.json", NULL};
     char *pos[4];
     int npos;
-    assert_int_equal(cfg_load(c, 3, argv, envp, pos, &npos, NULL, &err), AE_OK);
-    assert_string_equal(cfg_str(c, "config"), "/models/k/config.json");
-    assert_int_equal(cfg_get_source(c, "config"), CFG_SRC_FLAG);
-    assert_int_equal(cfg_int(c, "tp"), 8);
+    assert_int_equal(config_load(c, 3, argv, envp, pos, &npos, NULL, &err), AE_OK);
+    assert_string_equal(config_str(c, "config"), "/models/k/config.json");
+    assert_int_equal(config_get_source(c, "config"), CONFIG_SRC_FLAG);
+    assert_int_equal(config_int(c, "tp"), 8);
     assert_int_equal(npos, 0);
-    cfg_free(c);
+    config_free(c);
 }
 
 int main(void) {

@@ -275,72 +275,72 @@ static void test_watchdog_interval_comes_from_env_and_honours_watchdog_pid(void 
     char pid[32];
     unsetenv("WATCHDOG_PID");
     unsetenv("WATCHDOG_USEC");
-    assert_int_equal(wd_env_interval_us(), 0);
+    assert_int_equal(watchdog_env_interval_us(), 0);
     setenv("WATCHDOG_USEC", "500000", 1);
-    assert_int_equal(wd_env_interval_us(), 500000);
+    assert_int_equal(watchdog_env_interval_us(), 500000);
     snprintf(pid, sizeof pid, "%d", (int)getpid());
     setenv("WATCHDOG_PID", pid, 1);
-    assert_int_equal(wd_env_interval_us(), 500000);
+    assert_int_equal(watchdog_env_interval_us(), 500000);
     snprintf(pid, sizeof pid, "%d", (int)getpid() + 1); /* meant for another process */
     setenv("WATCHDOG_PID", pid, 1);
-    assert_int_equal(wd_env_interval_us(), 0);
+    assert_int_equal(watchdog_env_interval_us(), 0);
     unsetenv("WATCHDOG_PID");
     setenv("WATCHDOG_USEC", "20s", 1);
-    assert_int_equal(wd_env_interval_us(), 0);
+    assert_int_equal(watchdog_env_interval_us(), 0);
     unsetenv("WATCHDOG_USEC");
 }
 
 static void test_watchdog_off_is_a_null_handle_and_every_call_a_noop(void **state) {
     (void)state;
-    wd *w = (wd *)1;
-    assert_int_equal(wd_init(&w, 0, NULL), AE_OK);
+    watchdog *w = (watchdog *)1;
+    assert_int_equal(watchdog_init(&w, 0, NULL), AE_OK);
     assert_null(w);
-    assert_int_equal(wd_add(w, "rpc"), -1);
-    wd_beat(w, -1);
-    assert_null(wd_stale(w, clock_mono_ns()));
-    assert_int_equal(wd_start(w, NULL), AE_OK);
-    wd_free(w);
+    assert_int_equal(watchdog_add(w, "rpc"), -1);
+    watchdog_beat(w, -1);
+    assert_null(watchdog_stale(w, clock_mono_ns()));
+    assert_int_equal(watchdog_start(w, NULL), AE_OK);
+    watchdog_free(w);
 }
 
 static void test_watchdog_stale_names_the_loop_that_stopped_beating(void **state) {
     (void)state;
-    wd *w;
-    assert_int_equal(wd_init(&w, 400000, NULL), AE_OK); /* stale after 200 ms */
-    int a = wd_add(w, "event-loop"), b = wd_add(w, "scheduler");
-    assert_null(wd_stale(w, clock_mono_ns()));
+    watchdog *w;
+    assert_int_equal(watchdog_init(&w, 400000, NULL), AE_OK); /* stale after 200 ms */
+    int a = watchdog_add(w, "event-loop"), b = watchdog_add(w, "scheduler");
+    assert_null(watchdog_stale(w, clock_mono_ns()));
     for (int i = 0; i < 6; i++) {
         sleep_ms(50);
-        wd_beat(w, a);
+        watchdog_beat(w, a);
     }
-    assert_string_equal(wd_stale(w, clock_mono_ns()), "scheduler");
-    wd_beat(w, b);
-    assert_null(wd_stale(w, clock_mono_ns()));
+    assert_string_equal(watchdog_stale(w, clock_mono_ns()), "scheduler");
+    watchdog_beat(w, b);
+    assert_null(watchdog_stale(w, clock_mono_ns()));
     /* A loop that ends on purpose leaves the checks. */
-    wd_remove(w, b);
+    watchdog_remove(w, b);
     for (int i = 0; i < 6; i++) {
         sleep_ms(50);
-        wd_beat(w, a);
+        watchdog_beat(w, a);
     }
-    assert_null(wd_stale(w, clock_mono_ns()));
-    wd_free(w);
+    assert_null(watchdog_stale(w, clock_mono_ns()));
+    watchdog_free(w);
 }
 
 static void test_watchdog_test_stall_hook_drops_only_the_named_loop(void **state) {
     (void)state;
     setenv("AERIE_TEST_WATCHDOG_STALL", "scheduler", 1);
-    wd *w;
-    assert_int_equal(wd_init(&w, 200000, NULL), AE_OK); /* stale after 100 ms */
-    int a = wd_add(w, "rpc"), b = wd_add(w, "scheduler");
+    watchdog *w;
+    assert_int_equal(watchdog_init(&w, 200000, NULL), AE_OK); /* stale after 100 ms */
+    int a = watchdog_add(w, "rpc"), b = watchdog_add(w, "scheduler");
     unsetenv("AERIE_TEST_WATCHDOG_STALL");
     sleep_ms(150);
-    wd_beat(w, a);
-    wd_beat(w, b);
-    assert_string_equal(wd_stale(w, clock_mono_ns()), "scheduler");
-    wd_free(w);
+    watchdog_beat(w, a);
+    watchdog_beat(w, b);
+    assert_string_equal(watchdog_stale(w, clock_mono_ns()), "scheduler");
+    watchdog_free(w);
 }
 
 typedef struct beater {
-    wd *w;
+    watchdog *w;
     int slot;
     atomic_bool stop;
 } beater;
@@ -348,7 +348,7 @@ typedef struct beater {
 static void *beater_main(void *arg) {
     beater *b = arg;
     for (int i = 0; i < 1000 && !atomic_load(&b->stop); i++) {
-        wd_beat(b->w, b->slot);
+        watchdog_beat(b->w, b->slot);
         sleep_ms(10);
     }
     return NULL;
@@ -384,12 +384,12 @@ static void test_watchdog_pings_every_quarter_interval_only_while_every_loop_bea
     assert_int_equal(bind(fd, (struct sockaddr *)&un, sizeof un), 0);
     setenv("NOTIFY_SOCKET", path, 1);
 
-    wd *w;
-    assert_int_equal(wd_init(&w, 200000, NULL), AE_OK); /* a ping every 50 ms; stale after 100 ms */
-    beater loops[2] = {{w, wd_add(w, "event-loop"), false}, {w, wd_add(w, "scheduler"), false}};
+    watchdog *w;
+    assert_int_equal(watchdog_init(&w, 200000, NULL), AE_OK); /* a ping every 50 ms; stale after 100 ms */
+    beater loops[2] = {{w, watchdog_add(w, "event-loop"), false}, {w, watchdog_add(w, "scheduler"), false}};
     pthread_t th[2];
     for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, beater_main, &loops[i]), 0);
-    assert_int_equal(wd_start(w, NULL), AE_OK);
+    assert_int_equal(watchdog_start(w, NULL), AE_OK);
     int healthy = count_pings(fd, 1000);
     assert_in_range(healthy, 16, 21); /* 20 at 50 ms, give or take the edges */
 
@@ -403,13 +403,13 @@ static void test_watchdog_pings_every_quarter_interval_only_while_every_loop_bea
 
     atomic_store(&loops[0].stop, true);
     pthread_join(th[0], NULL);
-    wd_free(w); /* no loop beats after it */
+    watchdog_free(w); /* no loop beats after it */
     unsetenv("NOTIFY_SOCKET");
     close(fd);
     unlink(path);
 }
 
-/* wd_env_interval_us with WATCHDOG_USEC=value and WATCHDOG_PID unset; the
+/* watchdog_env_interval_us with WATCHDOG_USEC=value and WATCHDOG_PID unset; the
  * log lines it wrote (timestamps cut off, one per line) into logged. */
 static int64_t env_interval_logged(const char *value, char *logged, size_t cap) {
     int fds[2];
@@ -417,7 +417,7 @@ static int64_t env_interval_logged(const char *value, char *logged, size_t cap) 
     log_set_fd(fds[1]);
     unsetenv("WATCHDOG_PID");
     setenv("WATCHDOG_USEC", value, 1);
-    int64_t us = wd_env_interval_us();
+    int64_t us = watchdog_env_interval_us();
     unsetenv("WATCHDOG_USEC");
     log_set_fd(2);
     close(fds[1]);
@@ -496,19 +496,19 @@ static int pings_for_env(const char *usec, int ms, int64_t *interval_ns) {
     setenv("NOTIFY_SOCKET", path, 1);
     unsetenv("WATCHDOG_PID");
     setenv("WATCHDOG_USEC", usec, 1);
-    wd *w;
-    assert_int_equal(wd_init(&w, wd_env_interval_us(), NULL), AE_OK);
+    watchdog *w;
+    assert_int_equal(watchdog_init(&w, watchdog_env_interval_us(), NULL), AE_OK);
     unsetenv("WATCHDOG_USEC");
     assert_non_null(w);
-    *interval_ns = wd_interval_ns(w);
-    beater loop = {w, wd_add(w, "event-loop"), false}; /* beats every 10 ms */
+    *interval_ns = watchdog_interval_ns(w);
+    beater loop = {w, watchdog_add(w, "event-loop"), false}; /* beats every 10 ms */
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, beater_main, &loop), 0);
-    assert_int_equal(wd_start(w, NULL), AE_OK);
+    assert_int_equal(watchdog_start(w, NULL), AE_OK);
     int n = count_pings(fd, ms);
     atomic_store(&loop.stop, true);
     pthread_join(th, NULL);
-    wd_free(w);
+    watchdog_free(w);
     unsetenv("NOTIFY_SOCKET");
     close(fd);
     unlink(path);

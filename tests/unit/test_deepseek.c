@@ -38,11 +38,11 @@ static model *load_target(void) {
     return m;
 }
 
-static eng *engine(const model *m) {
-    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
-    eng *e;
+static engine *new_engine(const model *m) {
+    engine_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     return e;
 }
 
@@ -60,31 +60,31 @@ static void a_tokens_logits_do_not_depend_on_the_batch(void **state) {
     assert_non_null(alone);
     assert_non_null(mixed);
     ae_error err = {0};
-    eng *e = engine(m);
+    engine *e = new_engine(m);
     int32_t sa, sb;
-    assert_int_equal(eng_seq_new(e, &sa, &err), AE_OK);
-    eng_item it = {sa, ENG_APPEND, 23, a, NULL, true};
-    assert_int_equal(eng_step(e, &it, 1, alone, NULL, &err), AE_OK);
+    assert_int_equal(engine_seq_new(e, &sa, &err), AE_OK);
+    engine_item it = {sa, ENGINE_APPEND, 23, a, NULL, true};
+    assert_int_equal(engine_step(e, &it, 1, alone, NULL, &err), AE_OK);
     for (int k = 0; k < 2; k++) {
-        eng_item d = {sa, ENG_APPEND, 1, &next[k], NULL, false};
-        assert_int_equal(eng_step(e, &d, 1, alone + (size_t)(23 + k) * V, NULL, &err), AE_OK);
+        engine_item d = {sa, ENGINE_APPEND, 1, &next[k], NULL, false};
+        assert_int_equal(engine_step(e, &d, 1, alone + (size_t)(23 + k) * V, NULL, &err), AE_OK);
     }
-    eng_free(e);
+    engine_free(e);
 
-    e = engine(m);
-    assert_int_equal(eng_seq_new(e, &sb, &err), AE_OK);
-    assert_int_equal(eng_seq_new(e, &sa, &err), AE_OK);
-    eng_item two[2] = {{sb, ENG_APPEND, 17, b, NULL, true}, {sa, ENG_APPEND, 23, a, NULL, true}};
-    assert_int_equal(eng_step(e, two, 2, mixed, NULL, &err), AE_OK);
+    e = new_engine(m);
+    assert_int_equal(engine_seq_new(e, &sb, &err), AE_OK);
+    assert_int_equal(engine_seq_new(e, &sa, &err), AE_OK);
+    engine_item two[2] = {{sb, ENGINE_APPEND, 17, b, NULL, true}, {sa, ENGINE_APPEND, 23, a, NULL, true}};
+    assert_int_equal(engine_step(e, two, 2, mixed, NULL, &err), AE_OK);
     assert_memory_equal(mixed + (size_t)17 * V, alone, sizeof(float) * 23 * V);
     for (int k = 0; k < 2; k++) {
         int32_t other = (next[k] + 100) % V;
-        eng_item d[2] = {{sb, ENG_APPEND, 1, &other, NULL, false}, {sa, ENG_APPEND, 1, &next[k], NULL, false}};
-        assert_int_equal(eng_step(e, d, 2, mixed, NULL, &err), AE_OK);
+        engine_item d[2] = {{sb, ENGINE_APPEND, 1, &other, NULL, false}, {sa, ENGINE_APPEND, 1, &next[k], NULL, false}};
+        assert_int_equal(engine_step(e, d, 2, mixed, NULL, &err), AE_OK);
         assert_memory_equal(mixed + V, alone + (size_t)(23 + k) * V, sizeof(float) * V);
     }
     printf("25 rows of prompt A bit-equal alone and beside prompt B (prefill and 2 decodes)\n");
-    eng_free(e);
+    engine_free(e);
     free(alone);
     free(mixed);
     model_free(m);
@@ -139,10 +139,10 @@ static void oracle_release(void *ctx, int32_t seq) {
 static void speculation_with_a_published_layout_head_is_plain(void **state) {
     (void)state;
     model *m = load_target();
-    eng *e = engine(m);
+    engine *e = new_engine(m);
     ae_error err = {0};
     draft_link link;
-    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(e), 0};
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, engine_pool(e), 0};
     if (draft_link_open(&link, HEAD, model_embedding(m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
         fail_msg("%s", err.msg);
     int32_t want[N_PROMPTS][N_GEN], got[N_GEN], ids[MAX_PROMPT];
@@ -152,7 +152,7 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
     }
     const spec_shape shapes[2] = {{4, 3, 8}, {8, 4, 32}};
     for (int k = 0; k < 2; k++) {
-        spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shapes[k], MAX_SEQS, 128, false, NULL, NULL};
+        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shapes[k], MAX_SEQS, 128, false, NULL, NULL};
         if (draft_link_capture(&link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
         assert_int_equal(sc.capture[0], 1);
         assert_int_equal(sc.capture[1], 2);
@@ -179,7 +179,7 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
      * in each 4 steps. */
     oracle o = {0};
     spec_drafter od = {&o, oracle_propose, oracle_release};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
     spec *s;
     if (spec_init(&s, e, &od, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     int identical = 0;
@@ -198,7 +198,7 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
     assert_true(st->accepted >= 2 * st->steps); /* 2.5 a step, less each sequence's last */
     spec_free(s);
     draft_link_close(&link);
-    eng_free(e);
+    engine_free(e);
     model_free(m);
 }
 
@@ -211,10 +211,10 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
 static void two_ranks_split_heads_and_experts(void **state) {
     (void)state;
     model *m = load_target();
-    eng *one = engine(m), *two = engine(m);
+    engine *one = new_engine(m), *two = new_engine(m);
     ae_error err = {0};
-    if (eng_set_tp(two, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
-    const model *r1 = eng_tp_shard(two, 1);
+    if (engine_set_tp(two, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    const model *r1 = engine_tp_shard(two, 1);
     assert_int_equal(r1->cfg.n_heads, 2);
     assert_int_equal(r1->cfg.n_kv_heads, 1);
     assert_int_equal(r1->cfg.expert_ffn, 32);
@@ -231,24 +231,24 @@ static void two_ranks_split_heads_and_experts(void **state) {
         run_plain_greedy(one, ids, n, CHUNK, N_GEN, want);
         run_plain_greedy(two, ids, n, CHUNK, N_GEN, got);
         assert_memory_equal(got, want, sizeof got);
-        assert_int_equal(eng_seq_new(one, &sa, &err), AE_OK);
-        assert_int_equal(eng_seq_new(two, &sb, &err), AE_OK);
-        eng_item ia = {sa, ENG_APPEND, n, ids, NULL, false}, ib = {sb, ENG_APPEND, n, ids, NULL, false};
-        assert_int_equal(eng_step(one, &ia, 1, a, NULL, &err), AE_OK);
-        assert_int_equal(eng_step(two, &ib, 1, b, NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(one, &sa, &err), AE_OK);
+        assert_int_equal(engine_seq_new(two, &sb, &err), AE_OK);
+        engine_item ia = {sa, ENGINE_APPEND, n, ids, NULL, false}, ib = {sb, ENGINE_APPEND, n, ids, NULL, false};
+        assert_int_equal(engine_step(one, &ia, 1, a, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(two, &ib, 1, b, NULL, &err), AE_OK);
         double num = 0, den = 0;
         for (int v = 0; v < V; v++) num += ((double)a[v] - b[v]) * ((double)a[v] - b[v]), den += (double)a[v] * a[v];
         worst = sqrt(num / den) > worst ? sqrt(num / den) : worst;
-        eng_seq_free(one, sa);
-        eng_seq_free(two, sb);
+        engine_seq_free(one, sa);
+        engine_seq_free(two, sb);
     }
     assert_true(worst < 1e-3);
-    eng_comm_stats cs = eng_get_comm_stats(two);
+    engine_comm_stats cs = engine_get_comm_stats(two);
     assert_int_equal(cs.last.calls, 2 * 3);
     int32_t truth[MAX_PROMPT + N_GEN];
     oracle o = {0};
     spec_drafter od = {&o, oracle_propose, oracle_release};
-    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
     spec *s;
     if (spec_init(&s, two, &od, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     for (int i = 0; i < N_PROMPTS; i++) {
@@ -265,30 +265,30 @@ static void two_ranks_split_heads_and_experts(void **state) {
            N_PROMPTS, N_PROMPTS, worst, N_PROMPTS, N_PROMPTS, (long long)spec_total_stats(s)->accepted,
            (unsigned long long)cs.last.calls);
     spec_free(s);
-    eng *three = engine(m);
-    assert_int_equal(eng_set_tp(three, 3, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
+    engine *three = new_engine(m);
+    assert_int_equal(engine_set_tp(three, 3, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     assert_non_null(strstr(err.msg, "the shared experts' width 64 has 2 granules of 32, fewer than 3 ranks; at most 2 ranks"));
-    eng_free(three);
+    engine_free(three);
     free(a);
     free(b);
-    eng_free(two);
-    eng_free(one);
+    engine_free(two);
+    engine_free(one);
     model_free(m);
 }
 
 /* Prompt i's last logits and greedy tokens on m at R ranks. */
 static void run_model(const model *m, int32_t R, int i, float *logits, int32_t *gen) {
-    eng *e = engine(m);
+    engine *e = new_engine(m);
     ae_error err = {0};
-    if (R > 1 && eng_set_tp(e, R, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (R > 1 && engine_set_tp(e, R, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     int32_t ids[MAX_PROMPT], s;
     int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids);
-    assert_int_equal(eng_seq_new(e, &s, &err), AE_OK);
-    eng_item it = {s, ENG_APPEND, n, ids, NULL, false};
-    assert_int_equal(eng_step(e, &it, 1, logits, NULL, &err), AE_OK);
-    eng_seq_free(e, s);
+    assert_int_equal(engine_seq_new(e, &s, &err), AE_OK);
+    engine_item it = {s, ENGINE_APPEND, n, ids, NULL, false};
+    assert_int_equal(engine_step(e, &it, 1, logits, NULL, &err), AE_OK);
+    engine_seq_free(e, s);
     run_plain_greedy(e, ids, n, CHUNK, N_GEN, gen);
-    eng_free(e);
+    engine_free(e);
 }
 
 /* Relative L2 distance of a's rows from b's, dequantized. */

@@ -125,13 +125,13 @@ static void test_release_does_not_wait_and_propose_sends_aligned_f16(void **stat
     rpc_server_config sc = {.addr = addr, .handler = fake_handle, .ctx = &f};
     rpc_server *srv;
     assert_int_equal(rpc_server_open(&srv, loop, &sc, NULL), AE_OK);
-    dcli_config dc = {.addr = addr, .deadline_us = 500000, .feature_width = 3 * 64, .vocab = 100};
-    dcli *d;
-    assert_int_equal(dcli_open(&d, loop, &dc, NULL), AE_OK);
-    for (int i = 0; i < 200 && !dcli_connected(d); i++) usleep(10000);
-    assert_true(dcli_connected(d));
+    draft_client_config dc = {.addr = addr, .deadline_us = 500000, .feature_width = 3 * 64, .vocab = 100};
+    draft_client *d;
+    assert_int_equal(draft_client_open(&d, loop, &dc, NULL), AE_OK);
+    for (int i = 0; i < 200 && !draft_client_connected(d); i++) usleep(10000);
+    assert_true(draft_client_connected(d));
 
-    const spec_drafter *dr = dcli_drafter(d);
+    const spec_drafter *dr = draft_client_drafter(d);
     int64_t t0 = mono_ms();
     for (int32_t s = 0; s < N_RELEASES; s++) dr->release(dr->ctx, s);
     int64_t took = mono_ms() - t0;
@@ -162,13 +162,13 @@ static void test_release_does_not_wait_and_propose_sends_aligned_f16(void **stat
     spec_tree trees[2];
     spec_shape shape = {2, 1, 3};
     ae_error err = {{0}};
-    dcli_config dc3 = {.addr = addr, .deadline_us = 500000, .feature_width = 3, .vocab = 100};
-    dcli *d3;
-    assert_int_equal(dcli_open(&d3, loop, &dc3, NULL), AE_OK);
-    for (int i = 0; i < 200 && !dcli_connected(d3); i++) usleep(10000);
-    const spec_drafter *dr3 = dcli_drafter(d3);
+    draft_client_config dc3 = {.addr = addr, .deadline_us = 500000, .feature_width = 3, .vocab = 100};
+    draft_client *d3;
+    assert_int_equal(draft_client_open(&d3, loop, &dc3, NULL), AE_OK);
+    for (int i = 0; i < 200 && !draft_client_connected(d3); i++) usleep(10000);
+    const spec_drafter *dr3 = draft_client_drafter(d3);
     if (dr3->propose(dr3->ctx, feeds, 2, &shape, trees, &err) != AE_OK) fail_msg("%s", err.msg);
-    dcli_close(d3);
+    draft_client_close(d3);
     assert_int_equal(f.feature_type, aerie_FeatureType_FEATURES_F16);
     assert_int_equal(f.n_props, 2);
     assert_int_equal(f.feat_len[0], 6);
@@ -184,7 +184,7 @@ static void test_release_does_not_wait_and_propose_sends_aligned_f16(void **stat
     assert_int_equal(trees[1].tokens[0], 9);
 
     /* Closing with answers still outstanding ends them cleanly. */
-    dcli_close(d);
+    draft_client_close(d);
     for (int i = 0; i < f.n_workers; i++) pthread_join(f.workers[i], NULL);
     rpc_server_close(srv);
     rpc_loop_free(loop);

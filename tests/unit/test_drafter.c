@@ -17,7 +17,7 @@
 #include <cmocka.h>
 
 #include "../../draft/drafter.h"
-#include "../../services/kv/kv_cache.h"
+#include "../../services/kv/kv.h"
 #include "../../target/engine.h"
 
 #define FIX "tests/golden/eagle/tiny"

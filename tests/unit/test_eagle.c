@@ -20,7 +20,7 @@
 #include "../test_io.h"
 
 #include "../../draft/eagle.h"
-#include "../../services/kv/kv_cache.h"
+#include "../../services/kv/kv.h"
 #include "../../target/engine.h"
 
 #define FIX "tests/golden/eagle/tiny"
@@ -211,33 +211,33 @@ static void test_fixture_target_forms_match_transformers(void **state) {
     cJSON *root = expected();
     for (int f = 0; f < 2; f++) {
         model *m = load_target(paths[f]);
-        eng_config cfg = {64, 1, 64, 64, 16, 2, 0};
-        eng *e;
+        engine_config cfg = {64, 1, 64, 64, 16, 2, 0};
+        engine *e;
         ae_error err = {0};
-        if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
         const cJSON *p;
         int32_t n_prompts = 0;
         cJSON_ArrayForEach(p, item(root, "target_greedy")) {
             int32_t ids[32], want[16], seq;
             int32_t n = json_ints(item(p, "ids"), ids, 32);
             assert_int_equal(json_ints(item(p, "generated"), want, 16), 16);
-            assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+            assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
             float lg[32];
-            eng_item it = {seq, ENG_APPEND, n, ids, NULL, false};
-            assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+            engine_item it = {seq, ENGINE_APPEND, n, ids, NULL, false};
+            assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
             for (int32_t g = 0; g < 16; g++) {
                 int32_t best = 0;
                 for (int32_t v = 1; v < 32; v++)
                     if (lg[v] > lg[best]) best = v;
                 assert_int_equal(best, want[g]);
-                eng_item d = {seq, ENG_APPEND, 1, &best, NULL, false};
-                assert_int_equal(eng_step(e, &d, 1, lg, NULL, &err), AE_OK);
+                engine_item d = {seq, ENGINE_APPEND, 1, &best, NULL, false};
+                assert_int_equal(engine_step(e, &d, 1, lg, NULL, &err), AE_OK);
             }
-            eng_seq_free(e, seq);
+            engine_seq_free(e, seq);
             n_prompts++;
         }
         assert_int_equal(n_prompts, 4);
-        eng_free(e);
+        engine_free(e);
         model_free(m);
     }
     cJSON_Delete(root);

@@ -46,27 +46,27 @@ static int teardown(void **state) {
 }
 
 /* act_bits 0: the default (15). */
-static eng *new_engine_bits(int threads, int32_t act_bits) {
-    eng_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
+static engine *new_engine_bits(int threads, int32_t act_bits) {
+    engine_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
                       .block_size = 16, .threads = threads, .act_bits = act_bits};
-    eng *e = NULL;
+    engine *e = NULL;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     return e;
 }
 
-static eng *new_engine(int threads) { return new_engine_bits(threads, 0); }
+static engine *new_engine(int threads) { return new_engine_bits(threads, 0); }
 
-static int32_t new_seq(eng *e) {
+static int32_t new_seq(engine *e) {
     int32_t s;
     ae_error err = {0};
-    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
     return s;
 }
 
-static void step(eng *e, const eng_item *items, int32_t n, float *logits) {
+static void step(engine *e, const engine_item *items, int32_t n, float *logits) {
     ae_error err = {0};
-    if (eng_step(e, items, n, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_step(e, items, n, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
 static int32_t argmax(const float *x) {
@@ -78,68 +78,68 @@ static int32_t argmax(const float *x) {
 
 static void test_prefill_equals_token_by_token_decode(void **state) {
     (void)state;
-    eng *e = new_engine(2);
+    engine *e = new_engine(2);
     float *pre = malloc(sizeof(float) * (size_t)V * N_PROMPT), *dec = malloc(sizeof(float) * (size_t)V);
     int32_t a = new_seq(e), b = new_seq(e);
-    eng_item it = {a, ENG_APPEND, N_PROMPT, PROMPT, NULL, true};
+    engine_item it = {a, ENGINE_APPEND, N_PROMPT, PROMPT, NULL, true};
     step(e, &it, 1, pre);
     for (int32_t t = 0; t < N_PROMPT; t++) {
-        eng_item d = {b, ENG_APPEND, 1, &PROMPT[t], NULL, false};
+        engine_item d = {b, ENGINE_APPEND, 1, &PROMPT[t], NULL, false};
         step(e, &d, 1, dec);
         assert_memory_equal(dec, pre + (size_t)t * (size_t)V, sizeof(float) * (size_t)V);
     }
-    assert_int_equal(eng_seq_len(e, a), N_PROMPT);
+    assert_int_equal(engine_seq_len(e, a), N_PROMPT);
     /* The model continues the count: " 012" -> "3". */
     assert_int_equal(argmax(pre + (size_t)(N_PROMPT - 1) * (size_t)V), 35);
     free(pre);
     free(dec);
-    eng_free(e);
+    engine_free(e);
 }
 
 static void test_logits_do_not_depend_on_batch_mates_or_threads(void **state) {
     (void)state;
     float *alone = malloc(sizeof(float) * (size_t)V), *mixed = malloc(sizeof(float) * (size_t)V * 3);
     /* Alone, one thread. */
-    eng *e1 = new_engine(1);
+    engine *e1 = new_engine(1);
     int32_t s1 = new_seq(e1);
-    eng_item p1 = {s1, ENG_APPEND, 9, PROMPT, NULL, false};
+    engine_item p1 = {s1, ENGINE_APPEND, 9, PROMPT, NULL, false};
     step(e1, &p1, 1, alone);
-    eng_item d1 = {s1, ENG_APPEND, 1, &PROMPT[9], NULL, false};
+    engine_item d1 = {s1, ENGINE_APPEND, 1, &PROMPT[9], NULL, false};
     step(e1, &d1, 1, alone);
     /* In a batch with two other sequences of other lengths, three threads,
      * and in the middle of the batch. */
-    eng *e3 = new_engine(3);
+    engine *e3 = new_engine(3);
     int32_t x = new_seq(e3), s3 = new_seq(e3), y = new_seq(e3);
-    eng_item p3[2] = {{s3, ENG_APPEND, 9, PROMPT, NULL, false}, {x, ENG_APPEND, 3, PROMPT + 5, NULL, false}};
+    engine_item p3[2] = {{s3, ENGINE_APPEND, 9, PROMPT, NULL, false}, {x, ENGINE_APPEND, 3, PROMPT + 5, NULL, false}};
     step(e3, p3, 2, mixed);
-    eng_item d3[3] = {{x, ENG_APPEND, 1, PROMPT, NULL, false},
-                      {s3, ENG_APPEND, 1, &PROMPT[9], NULL, false},
-                      {y, ENG_APPEND, 11, PROMPT + 2, NULL, false}};
+    engine_item d3[3] = {{x, ENGINE_APPEND, 1, PROMPT, NULL, false},
+                      {s3, ENGINE_APPEND, 1, &PROMPT[9], NULL, false},
+                      {y, ENGINE_APPEND, 11, PROMPT + 2, NULL, false}};
     step(e3, d3, 3, mixed);
     assert_memory_equal(alone, mixed + (size_t)V, sizeof(float) * (size_t)V);
     free(alone);
     free(mixed);
-    eng_free(e1);
-    eng_free(e3);
+    engine_free(e1);
+    engine_free(e3);
 }
 
 static void check_tree_node_equals_decoding_its_path(int32_t act_bits) {
-    eng *e = new_engine_bits(2, act_bits);
+    engine *e = new_engine_bits(2, act_bits);
     float *tree = malloc(sizeof(float) * (size_t)V * 6), *seqd = malloc(sizeof(float) * (size_t)V * 3);
     float *scratch = malloc(sizeof(float) * (size_t)V);
     int32_t t = new_seq(e), s = new_seq(e);
-    eng_item pre[2] = {{t, ENG_APPEND, 8, PROMPT, NULL, false}, {s, ENG_APPEND, 8, PROMPT, NULL, false}};
+    engine_item pre[2] = {{t, ENGINE_APPEND, 8, PROMPT, NULL, false}, {s, ENGINE_APPEND, 8, PROMPT, NULL, false}};
     step(e, pre, 2, tree);
     /* Tree after the prefix: nodes 0,1 at depth 0; node 2 child of 0; node 3
      * child of 1; node 4 child of 2; node 5 child of 2. Path 0 -> 2 -> 4 is
      * PROMPT[8], PROMPT[9], PROMPT[10]. */
     const int32_t toks[6] = {PROMPT[8], 17, PROMPT[9], 905, PROMPT[10], 28};
     const int32_t parents[6] = {-1, -1, 0, 1, 2, 2};
-    eng_item tr = {t, ENG_TREE, 6, toks, parents, false};
+    engine_item tr = {t, ENGINE_TREE, 6, toks, parents, false};
     step(e, &tr, 1, tree);
-    assert_int_equal(eng_seq_len(e, t), 8); /* nothing committed yet */
+    assert_int_equal(engine_seq_len(e, t), 8); /* nothing committed yet */
     for (int32_t k = 0; k < 3; k++) {
-        eng_item d = {s, ENG_APPEND, 1, &PROMPT[8 + k], NULL, false};
+        engine_item d = {s, ENGINE_APPEND, 1, &PROMPT[8 + k], NULL, false};
         step(e, &d, 1, seqd + (size_t)k * (size_t)V);
     }
     assert_memory_equal(tree + 0 * (size_t)V, seqd + 0 * (size_t)V, sizeof(float) * (size_t)V);
@@ -148,17 +148,17 @@ static void check_tree_node_equals_decoding_its_path(int32_t act_bits) {
     /* Commit the path; the next decode matches the plain sequence's. */
     const int32_t path[3] = {0, 2, 4};
     ae_error err = {0};
-    if (eng_commit_path(e, t, path, 3, &err) != AE_OK) fail_msg("%s", err.msg);
-    assert_int_equal(eng_seq_len(e, t), 11);
-    eng_item nt = {t, ENG_APPEND, 1, &PROMPT[11], NULL, false};
-    eng_item ns = {s, ENG_APPEND, 1, &PROMPT[11], NULL, false};
+    if (engine_commit_path(e, t, path, 3, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(engine_seq_len(e, t), 11);
+    engine_item nt = {t, ENGINE_APPEND, 1, &PROMPT[11], NULL, false};
+    engine_item ns = {s, ENGINE_APPEND, 1, &PROMPT[11], NULL, false};
     step(e, &nt, 1, scratch);
     step(e, &ns, 1, seqd);
     assert_memory_equal(scratch, seqd, sizeof(float) * (size_t)V);
     free(tree);
     free(seqd);
     free(scratch);
-    eng_free(e);
+    engine_free(e);
 }
 
 static void test_tree_node_equals_decoding_its_path(void **state) {
@@ -175,12 +175,12 @@ static void test_tree_node_equals_decoding_its_path_at_8bit_activations(void **s
  * logits are another rounding's), anything else refused. */
 static void test_activation_bits_are_an_engine_setting(void **state) {
     (void)state;
-    eng *e15 = new_engine(1), *e8 = new_engine_bits(1, 8);
-    assert_int_equal(eng_get_config(e15)->act_bits, 15);
-    assert_int_equal(eng_get_config(e8)->act_bits, 8);
+    engine *e15 = new_engine(1), *e8 = new_engine_bits(1, 8);
+    assert_int_equal(engine_get_config(e15)->act_bits, 15);
+    assert_int_equal(engine_get_config(e8)->act_bits, 8);
     float *a = malloc(sizeof(float) * (size_t)V), *b = malloc(sizeof(float) * (size_t)V);
-    eng_item i15 = {new_seq(e15), ENG_APPEND, N_PROMPT, PROMPT, NULL, false};
-    eng_item i8 = {new_seq(e8), ENG_APPEND, N_PROMPT, PROMPT, NULL, false};
+    engine_item i15 = {new_seq(e15), ENGINE_APPEND, N_PROMPT, PROMPT, NULL, false};
+    engine_item i8 = {new_seq(e8), ENGINE_APPEND, N_PROMPT, PROMPT, NULL, false};
     step(e15, &i15, 1, a);
     step(e8, &i8, 1, b);
     int32_t differ = 0;
@@ -188,63 +188,63 @@ static void test_activation_bits_are_an_engine_setting(void **state) {
     assert_true(differ > V / 2);
     free(a);
     free(b);
-    eng_free(e15);
-    eng_free(e8);
-    eng_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
+    engine_free(e15);
+    engine_free(e8);
+    engine_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
                       .block_size = 16, .threads = 1, .act_bits = 9};
-    eng *bad = NULL;
+    engine *bad = NULL;
     ae_error err = {0};
-    assert_int_equal(eng_init(&bad, mdl, &cfg, &err), AE_ERR);
+    assert_int_equal(engine_init(&bad, mdl, &cfg, &err), AE_ERR);
     assert_null(bad);
     assert_string_equal(err.msg, "engine: activation bits must be 8 or 15, got 9");
 }
 
 static void test_bad_items_fail_and_change_nothing(void **state) {
     (void)state;
-    eng *e = new_engine(1);
+    engine *e = new_engine(1);
     float *logits = malloc(sizeof(float) * (size_t)V * 4);
     int32_t s = new_seq(e);
     ae_error err = {0};
     const int32_t bad_tok[1] = {49152};
-    eng_item it = {s, ENG_APPEND, 1, bad_tok, NULL, false};
-    assert_int_equal(eng_step(e, &it, 1, logits, NULL, &err), AE_ERR);
+    engine_item it = {s, ENGINE_APPEND, 1, bad_tok, NULL, false};
+    assert_int_equal(engine_step(e, &it, 1, logits, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "item 0: token 49152 is not in the vocabulary");
     err_clear(&err);
     const int32_t toks[2] = {1, 2}, parents[2] = {-1, 1};
-    eng_item tr = {s, ENG_TREE, 2, toks, parents, false};
-    assert_int_equal(eng_step(e, &tr, 1, logits, NULL, &err), AE_ERR);
+    engine_item tr = {s, ENGINE_TREE, 2, toks, parents, false};
+    assert_int_equal(engine_step(e, &tr, 1, logits, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "item 0: node 1 has parent 1 (must be -1 or an earlier node)");
-    assert_int_equal(eng_seq_len(e, s), 0);
+    assert_int_equal(engine_seq_len(e, s), 0);
     free(logits);
-    eng_free(e);
+    engine_free(e);
 }
 
 static void test_capture_is_three_layer_inputs_and_batch_invariant(void **state) {
     (void)state;
     const int32_t H = mdl->cfg.hidden;
-    int32_t layers[LLAMA_MAX_CAPTURE];
+    int32_t layers[FORWARD_MAX_CAPTURE];
     capture_default_layers(mdl->cfg.n_layers, layers);
     assert_int_equal(layers[0], 2);
     assert_int_equal(layers[1], 15);
     assert_int_equal(layers[2], 27);
-    eng *e = new_engine(2);
+    engine *e = new_engine(2);
     float *logits = malloc(sizeof(float) * (size_t)V * 16);
     float *pre = calloc((size_t)N_PROMPT * 3 * (size_t)H, sizeof(float));
     float *one = calloc(3 * (size_t)H, sizeof(float));
     int32_t a = new_seq(e), b = new_seq(e);
     int32_t rows[N_PROMPT];
     for (int32_t i = 0; i < N_PROMPT; i++) rows[i] = i;
-    llama_capture cap = {3, {layers[0], layers[1], layers[2]}, N_PROMPT, rows, pre};
-    eng_item it = {a, ENG_APPEND, N_PROMPT, PROMPT, NULL, false};
+    forward_capture cap = {3, {layers[0], layers[1], layers[2]}, N_PROMPT, rows, pre};
+    engine_item it = {a, ENGINE_APPEND, N_PROMPT, PROMPT, NULL, false};
     ae_error err = {0};
-    if (eng_step(e, &it, 1, logits, &cap, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_step(e, &it, 1, logits, &cap, &err) != AE_OK) fail_msg("%s", err.msg);
     /* Token by token on another sequence, capturing the last token only:
      * the same [3 * H] features, bit for bit. */
     for (int32_t t = 0; t < N_PROMPT; t++) {
         int32_t row0 = 0;
-        llama_capture c1 = {3, {layers[0], layers[1], layers[2]}, 1, &row0, one};
-        eng_item d = {b, ENG_APPEND, 1, &PROMPT[t], NULL, false};
-        if (eng_step(e, &d, 1, logits, &c1, &err) != AE_OK) fail_msg("%s", err.msg);
+        forward_capture c1 = {3, {layers[0], layers[1], layers[2]}, 1, &row0, one};
+        engine_item d = {b, ENGINE_APPEND, 1, &PROMPT[t], NULL, false};
+        if (engine_step(e, &d, 1, logits, &c1, &err) != AE_OK) fail_msg("%s", err.msg);
         assert_memory_equal(one, pre + (size_t)t * 3 * (size_t)H, 3 * (size_t)H * sizeof(float));
     }
     /* Layer inputs differ from one another (the capture is not one copy). */
@@ -255,68 +255,68 @@ static void test_capture_is_three_layer_inputs_and_batch_invariant(void **state)
     free(logits);
     free(pre);
     free(one);
-    eng_free(e);
+    engine_free(e);
 }
 
 static void test_refused_step_gives_back_the_blocks_it_reserved(void **state) {
     (void)state;
     /* 4 blocks of 16: A wants 3, B wants 2. The step fails on B, and A's
      * 3 blocks must go back, so B alone then fits. */
-    eng_config cfg = {.max_batch_tokens = 96, .max_seqs = 2, .max_seq_len = 64, .kv_tokens = 64,
+    engine_config cfg = {.max_batch_tokens = 96, .max_seqs = 2, .max_seq_len = 64, .kv_tokens = 64,
                       .block_size = 16, .threads = 1};
-    eng *e;
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     int32_t a = new_seq(e), b = new_seq(e);
     int32_t toks[48];
     for (int i = 0; i < 48; i++) toks[i] = PROMPT[i % N_PROMPT];
     float *logits = malloc(sizeof(float) * (size_t)V * 2);
-    eng_item both[2] = {{a, ENG_APPEND, 48, toks, NULL, false}, {b, ENG_APPEND, 32, toks, NULL, false}};
-    assert_int_equal(eng_step(e, both, 2, logits, NULL, &err), AE_ERR);
+    engine_item both[2] = {{a, ENGINE_APPEND, 48, toks, NULL, false}, {b, ENGINE_APPEND, 32, toks, NULL, false}};
+    assert_int_equal(engine_step(e, both, 2, logits, NULL, &err), AE_ERR);
     assert_non_null(strstr(err.msg, "kv cache exhausted"));
     err_clear(&err);
-    eng_item only_b = {b, ENG_APPEND, 32, toks, NULL, false};
-    if (eng_step(e, &only_b, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
-    assert_int_equal(eng_seq_len(e, a), 0);
-    assert_int_equal(eng_seq_len(e, b), 32);
+    engine_item only_b = {b, ENGINE_APPEND, 32, toks, NULL, false};
+    if (engine_step(e, &only_b, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(engine_seq_len(e, a), 0);
+    assert_int_equal(engine_seq_len(e, b), 32);
     /* An id that is not a live sequence is an error, not an abort. */
-    eng_item ghost = {7, ENG_APPEND, 1, toks, NULL, false};
-    assert_int_equal(eng_step(e, &ghost, 1, logits, NULL, &err), AE_ERR);
+    engine_item ghost = {7, ENGINE_APPEND, 1, toks, NULL, false};
+    assert_int_equal(engine_step(e, &ghost, 1, logits, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "item 0: sequence 7 is not live");
     free(logits);
-    eng_free(e);
+    engine_free(e);
 }
 
 static void test_commit_path_must_be_a_chain_of_the_last_tree(void **state) {
     (void)state;
-    eng *e = new_engine(1);
+    engine *e = new_engine(1);
     float *logits = malloc(sizeof(float) * (size_t)V * 4);
     int32_t s = new_seq(e);
     ae_error err = {0};
     const int32_t one[1] = {PROMPT[0]};
-    eng_item pre = {s, ENG_APPEND, 1, one, NULL, false};
+    engine_item pre = {s, ENGINE_APPEND, 1, one, NULL, false};
     step(e, &pre, 1, logits);
     const int32_t path0[1] = {0};
-    assert_int_equal(eng_commit_path(e, s, path0, 1, &err), AE_ERR);
+    assert_int_equal(engine_commit_path(e, s, path0, 1, &err), AE_ERR);
     assert_string_equal(err.msg, "sequence 0 has no tree to commit from");
     err_clear(&err);
     /* nodes: 0 and 1 at depth 0, 2 child of 1, 3 child of 2 */
     const int32_t toks[4] = {PROMPT[1], PROMPT[2], PROMPT[3], PROMPT[4]}, parents[4] = {-1, -1, 1, 2};
-    eng_item tr = {s, ENG_TREE, 4, toks, parents, false};
+    engine_item tr = {s, ENGINE_TREE, 4, toks, parents, false};
     step(e, &tr, 1, logits);
     const int32_t skip[2] = {1, 3}; /* 3's parent is 2, not 1 */
-    assert_int_equal(eng_commit_path(e, s, skip, 2, &err), AE_ERR);
+    assert_int_equal(engine_commit_path(e, s, skip, 2, &err), AE_ERR);
     assert_string_equal(err.msg, "path[1] = 3 is not a child of the previous node");
     err_clear(&err);
     const int32_t not_root[1] = {2};
-    assert_int_equal(eng_commit_path(e, s, not_root, 1, &err), AE_ERR);
+    assert_int_equal(engine_commit_path(e, s, not_root, 1, &err), AE_ERR);
     assert_string_equal(err.msg, "path[0] = 2 is not a child of the root");
-    assert_int_equal(eng_seq_len(e, s), 1);
+    assert_int_equal(engine_seq_len(e, s), 1);
     const int32_t good[3] = {1, 2, 3};
-    if (eng_commit_path(e, s, good, 3, &err) != AE_OK) fail_msg("%s", err.msg);
-    assert_int_equal(eng_seq_len(e, s), 4);
+    if (engine_commit_path(e, s, good, 3, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(engine_seq_len(e, s), 4);
     free(logits);
-    eng_free(e);
+    engine_free(e);
 }
 
 /* kB of this process's file-backed resident pages (/proc/self/status). */

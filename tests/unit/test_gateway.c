@@ -1040,22 +1040,22 @@ static void test_first_repeated_key_is_named_among_many(void **state) {
 static void test_histogram_renders_cumulative_buckets(void **state) {
     (void)state;
     metrics m;
-    met_init(&m);
-    met_hist_observe(&m.ttft, 0.004);
-    met_hist_observe(&m.ttft, 0.004);
-    met_hist_observe(&m.ttft, 0.3);
-    met_hist_observe(&m.ttft, 1000);
-    met_request(&m, MET_CHAT, 200);
-    met_request(&m, MET_CHAT, 200);
-    met_request(&m, MET_COMPLETIONS, 400);
+    metrics_init(&m);
+    metrics_hist_observe(&m.ttft, 0.004);
+    metrics_hist_observe(&m.ttft, 0.004);
+    metrics_hist_observe(&m.ttft, 0.3);
+    metrics_hist_observe(&m.ttft, 1000);
+    metrics_request(&m, METRICS_CHAT, 200);
+    metrics_request(&m, METRICS_CHAT, 200);
+    metrics_request(&m, METRICS_COMPLETIONS, 400);
     m.spec_accepted_at[1] = 5;
-    met_hist_observe(&m.generation_hist, 64);
-    met_hist_observe(&m.generation_hist, 65);
-    met_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100, 120, 0.0015, 2, 60, 6000, 0.125};
+    metrics_hist_observe(&m.generation_hist, 64);
+    metrics_hist_observe(&m.generation_hist, 65);
+    metrics_target t = {"unix:/tmp/t.sock", true, 2, 3, 1, 25, 100, 120, 0.0015, 2, 60, 6000, 0.125};
     m.constrained = 7;
-    met_gauges g = {&t, 1, 2, 4};
+    metrics_gauges g = {&t, 1, 2, 4};
     size_t len;
-    char *s = met_render(&m, &g, &len);
+    char *s = metrics_render(&m, &g, &len);
     assert_int_equal(strlen(s), len);
     assert_non_null(strstr(s, "aerie_time_to_first_token_seconds_bucket{le=\"0.0025\"} 0\n"
                               "aerie_time_to_first_token_seconds_bucket{le=\"0.005\"} 2\n"));

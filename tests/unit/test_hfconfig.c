@@ -92,13 +92,13 @@ static const char EAGLE3_HEAD[] =
     " \"eagle_config\": {\"eagle_aux_hidden_state_layer_ids\": [2, 14, 27],"
     "   \"use_aux_hidden_state\": true}}";
 
-static int parse(hfcfg *c, const char *json, ae_error *err) {
-    return hfcfg_parse(c, json, strlen(json), "config.json", err);
+static int parse(hfconfig *c, const char *json, ae_error *err) {
+    return hfconfig_parse(c, json, strlen(json), "config.json", err);
 }
 
 static void test_smollm2_config(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     assert_int_equal(parse(&c, SMOLLM2, &err), AE_OK);
     assert_string_equal(err.msg, "");
@@ -120,7 +120,7 @@ static void test_smollm2_config(void **state) {
     assert_int_equal(c.bos_token_id, 1);
     assert_int_equal(c.n_eos, 1);
     assert_int_equal(c.eos_token_ids[0], 2);
-    assert_int_equal(c.rope_scaling.kind, HFCFG_ROPE_DEFAULT);
+    assert_int_equal(c.rope_scaling.kind, HFCONFIG_ROPE_DEFAULT);
     assert_int_equal(c.draft_vocab_size, 0);
     assert_int_equal(c.n_aux_layers, 0);
 }
@@ -129,7 +129,7 @@ static void test_smollm2_config(void **state) {
  * rope_parameters, and neither old key. */
 static void test_transformers5_rope_parameters(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     const char *json =
         "{\"model_type\": \"llama\", \"hidden_size\": 64, \"intermediate_size\": 128,"
@@ -139,14 +139,14 @@ static void test_transformers5_rope_parameters(void **state) {
         " \"high_freq_factor\": 4.0, \"original_max_position_embeddings\": 64}}";
     if (parse(&c, json, &err) != AE_OK) fail_msg("%s", err.msg);
     assert_true(c.rope_theta == 500000.0);
-    assert_int_equal(c.rope_scaling.kind, HFCFG_ROPE_LLAMA3);
+    assert_int_equal(c.rope_scaling.kind, HFCONFIG_ROPE_LLAMA3);
     assert_true(c.rope_scaling.factor == 8.0);
     assert_int_equal(c.rope_scaling.original_max_position_embeddings, 64);
 }
 
 static void test_llama31_config_with_llama3_rope_scaling(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     assert_int_equal(parse(&c, LLAMA31_8B, &err), AE_OK);
     assert_int_equal(c.hidden_size, 4096);
@@ -161,7 +161,7 @@ static void test_llama31_config_with_llama3_rope_scaling(void **state) {
     assert_int_equal(c.eos_token_ids[0], 128001);
     assert_int_equal(c.eos_token_ids[1], 128008);
     assert_int_equal(c.eos_token_ids[2], 128009);
-    assert_int_equal(c.rope_scaling.kind, HFCFG_ROPE_LLAMA3);
+    assert_int_equal(c.rope_scaling.kind, HFCONFIG_ROPE_LLAMA3);
     assert_true(c.rope_scaling.factor == 8.0);
     assert_true(c.rope_scaling.low_freq_factor == 1.0);
     assert_true(c.rope_scaling.high_freq_factor == 4.0);
@@ -170,7 +170,7 @@ static void test_llama31_config_with_llama3_rope_scaling(void **state) {
 
 static void test_qwen2_config_implies_attention_bias(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     assert_int_equal(parse(&c, QWEN25_05B, &err), AE_OK);
     assert_string_equal(c.architecture, "Qwen2ForCausalLM");
@@ -188,7 +188,7 @@ static void test_qwen2_config_implies_attention_bias(void **state) {
 
 static void test_eagle3_head_config(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     assert_int_equal(parse(&c, EAGLE3_HEAD, &err), AE_OK);
     assert_string_equal(c.architecture, "LlamaForCausalLMEagle3");
@@ -203,7 +203,7 @@ static void test_eagle3_head_config(void **state) {
 
 static void test_defaults_for_optional_keys(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     assert_int_equal(
         parse(&c,
@@ -229,7 +229,7 @@ static void test_defaults_for_optional_keys(void **state) {
 
 static void test_explicit_head_dim_need_not_split_hidden(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     assert_int_equal(
         parse(&c,
               "{\"hidden_size\": 1024, \"intermediate_size\": 3072,"
@@ -256,7 +256,7 @@ static const char *bad(const char *key, const char *value) {
     }
     char *text = cJSON_PrintUnformatted(root);
     cJSON_Delete(root);
-    hfcfg c;
+    hfconfig c;
     memset(&c, 0xAB, sizeof c);
     assert_int_equal(parse(&c, text, &err), AE_ERR);
     assert_int_equal(c.hidden_size, 0); /* zeroed on failure */
@@ -364,7 +364,7 @@ static void test_attention_bias_rules(void **state) {
     assert_string_equal(bad("attention_bias", "1"),
                         "config.json: attention_bias: expected true or "
                         "false, got a number");
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     char text[2048];
     snprintf(text, sizeof text, "%.*s, \"attention_bias\": false}",
@@ -389,7 +389,7 @@ static void test_attention_bias_rules(void **state) {
  * their ratio, else 0.1 ln(factor) + 1). */
 static void test_yarn(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     cJSON *root = cJSON_Parse(SMOLLM2);
     cJSON_DeleteItemFromObjectCaseSensitive(root, "rope_scaling");
     cJSON_AddItemToObject(root, "rope_parameters",
@@ -399,11 +399,11 @@ static void test_yarn(void **state) {
     char *text = cJSON_PrintUnformatted(root);
     assert_int_equal(parse(&c, text, NULL), AE_OK);
     free(text);
-    assert_int_equal(c.rope_scaling.kind, HFCFG_ROPE_YARN);
+    assert_int_equal(c.rope_scaling.kind, HFCONFIG_ROPE_YARN);
     assert_true(c.rope_scaling.factor == 40.0 && c.rope_scaling.beta_fast == 32.0 && c.rope_scaling.beta_slow == 1.0);
     assert_int_equal(c.rope_scaling.original_max_position_embeddings, 4096);
     assert_true(c.rope_scaling.attention_factor == 1.0);
-    kn_rope_config r = hfcfg_rope(&c);
+    kn_rope_config r = hfconfig_rope(&c);
     assert_true(r.yarn && r.factor == 40.0 && r.original_max_pos == 4096.0);
     /* no mscales: 0.1 ln 40 + 1 */
     cJSON_DeleteItemFromObjectCaseSensitive(root, "rope_parameters");
@@ -414,7 +414,7 @@ static void test_yarn(void **state) {
     assert_true(c.rope_scaling.attention_factor == 0.1 * log(40.0) + 1.0);
     assert_true(c.rope_scaling.beta_fast == 32.0 && c.rope_scaling.beta_slow == 1.0); /* the defaults */
     assert_int_equal(c.rope_scaling.original_max_position_embeddings, 0); /* then max_position_embeddings */
-    assert_true(hfcfg_rope(&c).original_max_pos == (double)c.max_position_embeddings);
+    assert_true(hfconfig_rope(&c).original_max_pos == (double)c.max_position_embeddings);
     cJSON_Delete(root);
 }
 
@@ -422,7 +422,7 @@ static void test_yarn(void **state) {
  * errors say so. */
 static void test_text_config(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     cJSON *outer = cJSON_CreateObject();
     cJSON_AddStringToObject(outer, "model_type", "kimi_k25");
@@ -479,14 +479,14 @@ static void test_rope_scaling_rules(void **state) {
         "config.json: rope_scaling.original_max_position_embeddings: "
         "required key is missing");
     /* The old key name still works, and "default" means none. */
-    hfcfg c;
+    hfconfig c;
     cJSON *root = cJSON_Parse(SMOLLM2);
     cJSON_DeleteItemFromObjectCaseSensitive(root, "rope_scaling");
     cJSON_AddItemToObject(root, "rope_scaling",
                           cJSON_Parse("{\"type\": \"default\"}"));
     char *text = cJSON_PrintUnformatted(root);
     assert_int_equal(parse(&c, text, NULL), AE_OK);
-    assert_int_equal(c.rope_scaling.kind, HFCFG_ROPE_DEFAULT);
+    assert_int_equal(c.rope_scaling.kind, HFCONFIG_ROPE_DEFAULT);
     free(text);
     cJSON_Delete(root);
 }
@@ -516,7 +516,7 @@ static void test_eagle_config_rules(void **state) {
  * read here, and two different lists are refused. */
 static void test_capture_layers_at_the_top_level(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     cJSON *root = cJSON_Parse(SMOLLM2);
     cJSON_AddItemToObject(root, "eagle_aux_hidden_state_layer_ids", cJSON_Parse("[1, 15, 26]"));
@@ -545,7 +545,7 @@ static void test_capture_layers_at_the_top_level(void **state) {
 
 static void test_not_json(void **state) {
     (void)state;
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
     assert_int_equal(parse(&c, "{\"hidden_size\": ", &err), AE_ERR);
     assert_string_equal(err.msg, "config.json: not valid JSON (near byte 15)");
@@ -559,7 +559,7 @@ static void test_not_json(void **state) {
     assert_string_equal(err.msg,
                         "config.json: expected a JSON object, got an array");
     err_clear(&err);
-    assert_int_equal(hfcfg_parse(&c, "", 0, "x/config.json", &err), AE_ERR);
+    assert_int_equal(hfconfig_parse(&c, "", 0, "x/config.json", &err), AE_ERR);
     assert_string_equal(err.msg, "x/config.json: not valid JSON (near byte 0)");
 }
 
@@ -571,12 +571,12 @@ static void test_load_reads_a_file(void **state) {
     assert_int_equal(write(fd, SMOLLM2, strlen(SMOLLM2)),
                      (ssize_t)strlen(SMOLLM2));
     close(fd);
-    hfcfg c;
+    hfconfig c;
     ae_error err = {0};
-    assert_int_equal(hfcfg_load(&c, path, &err), AE_OK);
+    assert_int_equal(hfconfig_load(&c, path, &err), AE_OK);
     assert_int_equal(c.num_hidden_layers, 30);
     unlink(path);
-    assert_int_equal(hfcfg_load(&c, path, &err), AE_ERR);
+    assert_int_equal(hfconfig_load(&c, path, &err), AE_ERR);
     char want[128];
     snprintf(want, sizeof want, "%s: cannot open: No such file or directory",
              path);

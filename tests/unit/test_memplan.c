@@ -19,7 +19,7 @@
 
 #define GiB (1024ull * 1024 * 1024)
 
-static const cfg_option opts[] = {MEMPLAN_OPTIONS};
+static const config_option opts[] = {MEMPLAN_OPTIONS};
 #define N_OPTS (sizeof opts / sizeof opts[0])
 
 static const memplan_model smol = {
@@ -31,18 +31,18 @@ static const memplan_model smol = {
 };
 
 /* A cfg with MEMPLAN_OPTIONS and the given flags applied. */
-static cfg *with_flags(int argc, char **argv) {
-    cfg *c;
+static config *with_flags(int argc, char **argv) {
+    config *c;
     ae_error err = {0};
-    assert_int_equal(cfg_init(&c, opts, N_OPTS, &err), AE_OK);
+    assert_int_equal(config_init(&c, opts, N_OPTS, &err), AE_OK);
     char *pos[8];
     int npos;
     bool print;
-    assert_int_equal(cfg_load(c, argc, argv, NULL, pos, &npos, &print, &err), AE_OK);
+    assert_int_equal(config_load(c, argc, argv, NULL, pos, &npos, &print, &err), AE_OK);
     return c;
 }
 
-static int plan(cfg *c, uint64_t available, memplan *p, ae_error *err) {
+static int plan(config *c, uint64_t available, memplan *p, ae_error *err) {
     memplan_env env = {.mem_available = available, .block_size = 16};
     return memplan_compute(c, &smol, &env, p, err);
 }
@@ -59,7 +59,7 @@ static void test_auto_fraction_leaves_the_reserve(void **state) {
 
 static void test_feasible_plan_numbers_exact(void **state) {
     (void)state;
-    cfg *c = with_flags(0, NULL);
+    config *c = with_flags(0, NULL);
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_OK);
@@ -83,14 +83,14 @@ static void test_feasible_plan_numbers_exact(void **state) {
                         "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
                         "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 720 MiB = "
                         "822 MiB (5.6% of budget)");
-    cfg_free(c);
+    config_free(c);
 }
 
 /* On a GPU: the plan is of the device's free memory at start, and says
  * what it would be in vLLM's and SGLang's settings (memplan.h). */
 static void test_gpu_plan_states_the_peers_equivalents(void **state) {
     (void)state;
-    cfg *c = with_flags(0, NULL);
+    config *c = with_flags(0, NULL);
     memplan p;
     ae_error err = {0};
     memplan_env env = {.mem_available = 139 * GiB, .block_size = 16, .device = "cuda:0",
@@ -106,7 +106,7 @@ static void test_gpu_plan_states_the_peers_equivalents(void **state) {
     const char *last = strrchr(p.text, '\n') + 1;
     assert_string_equal(last, "cuda:0: 141 GiB in all, 139 GiB free at start; this plan as the peers' settings: "
                               "vLLM --gpu-memory-utilization 0.006, SGLang --mem-fraction-static 0.020");
-    cfg_free(c);
+    config_free(c);
 }
 
 /* On a device with graphs: the step shapes kept cost their estimated
@@ -117,12 +117,12 @@ static const memplan_env gpu_graphs = {.mem_available = 139 * GiB, .block_size =
 
 static void test_gpu_plan_counts_its_graphs(void **state) {
     (void)state;
-    cfg *c = with_flags(0, NULL);
+    config *c = with_flags(0, NULL);
     memplan p;
     ae_error err = {0};
     assert_int_equal(memplan_compute(c, &smol, &gpu_graphs, &p, &err), AE_OK);
     assert_int_equal(p.graphs, MEMPLAN_AUTO_GRAPHS);
-    assert_int_equal(cfg_get_source(c, "cuda-graphs"), CFG_SRC_AUTO);
+    assert_int_equal(config_get_source(c, "cuda-graphs"), CONFIG_SRC_AUTO);
     /* 32 x 731 x 4096 */
     assert_int_equal(p.graph_bytes, 95813632ull);
     assert_int_equal(p.total, 861691904ull + 95813632ull);
@@ -131,7 +131,7 @@ static void test_gpu_plan_counts_its_graphs(void **state) {
                                    "estimate; each capture logs what it took)\n"
                                    "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + graphs "
                                    "91.4 MiB + kv 720 MiB = 913 MiB"));
-    cfg_free(c);
+    config_free(c);
 
     /* Off: no term. */
     char *off[] = {"--cuda-graphs", "0"};
@@ -140,7 +140,7 @@ static void test_gpu_plan_counts_its_graphs(void **state) {
     assert_int_equal(p.graphs, 0);
     assert_int_equal(p.total, 861691904ull);
     assert_null(strstr(p.text, "graphs"));
-    cfg_free(c);
+    config_free(c);
 
     /* On the CPU a given value changes nothing, and the plan says so. */
     char *given[] = {"--cuda-graphs", "16"};
@@ -149,7 +149,7 @@ static void test_gpu_plan_counts_its_graphs(void **state) {
     assert_int_equal(p.graphs, 0);
     assert_int_equal(p.total, 861691904ull);
     assert_non_null(strstr(p.text, "\ngraphs = none: cuda-graphs 16 (flag) has no effect without a GPU\n"));
-    cfg_free(c);
+    config_free(c);
 }
 
 /* Too many graphs for the device: the error counts them, and names the
@@ -159,7 +159,7 @@ static void test_too_many_graphs_fail_with_the_count_that_fits(void **state) {
     memplan_env env = gpu_graphs;
     env.mem_available = 3 * GiB;
     char *argv[] = {"--mem-fraction", "0.5", "--cuda-graphs", "1000"};
-    cfg *c = with_flags(4, argv);
+    config *c = with_flags(4, argv);
     memplan p;
     ae_error err = {0};
     assert_int_equal(memplan_compute(c, &smol, &env, &p, &err), AE_ERR);
@@ -171,7 +171,7 @@ static void test_too_many_graphs_fail_with_the_count_that_fits(void **state) {
     /* budget 1.5 GiB, minus weights, workspace, tables and one
      * sequence's 90 MiB of KV, over 2994176 B a graph */
     assert_int_equal(fit, (long)((3 * GiB / 2 - (100ull << 20) - 1851392 - 8192 - 256ull * 16 * 23040) / 2994176));
-    cfg_free(c);
+    config_free(c);
     for (long more = 0; more <= 1; more++) {
         char n[16];
         snprintf(n, sizeof n, "%ld", fit + more);
@@ -179,14 +179,14 @@ static void test_too_many_graphs_fail_with_the_count_that_fits(void **state) {
         c = with_flags(4, again);
         err = (ae_error){0};
         assert_int_equal(memplan_compute(c, &smol, &env, &p, &err), more ? AE_ERR : AE_OK);
-        cfg_free(c);
+        config_free(c);
     }
 }
 
 static void test_given_kv_tokens_round_up_to_blocks(void **state) {
     (void)state;
     char *argv[] = {"--mem-fraction", "0.5", "--max-kv-tokens", "5000"};
-    cfg *c = with_flags(4, argv);
+    config *c = with_flags(4, argv);
     memplan p;
     assert_int_equal(plan(c, 16 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 313);
@@ -198,13 +198,13 @@ static void test_given_kv_tokens_round_up_to_blocks(void **state) {
                         "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
                         "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 110 MiB = "
                         "212 MiB (2.6% of budget)");
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_infeasible_plan_shows_arithmetic_and_what_works(void **state) {
     (void)state;
     char *argv[] = {"--mem-fraction", "0.09"};
-    cfg *c = with_flags(2, argv);
+    config *c = with_flags(2, argv);
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 2 * GiB, &p, &err), AE_ERR);
@@ -212,7 +212,7 @@ static void test_infeasible_plan_shows_arithmetic_and_what_works(void **state) {
                         "memory plan: one sequence of max-seq-len 4096 does not fit: weights 100 MiB + "
                         "workspace 1.77 MiB + block tables 8 KiB + kv 4096 tok x 22.5 KiB = 192 MiB > budget "
                         "0.09 x 2 GiB available = 184 MiB; would work: --mem-fraction 0.094, --max-seq-len 3744");
-    cfg_free(c);
+    config_free(c);
 }
 
 /* The values the error names do work, and one step past them does not. */
@@ -222,20 +222,20 @@ static void test_values_named_by_the_error_work(void **state) {
     char *f_ok[] = {"--mem-fraction", "0.094"}, *f_bad[] = {"--mem-fraction", "0.093"};
     char *l_ok[] = {"--mem-fraction", "0.09", "--max-seq-len", "3744"};
     char *l_bad[] = {"--mem-fraction", "0.09", "--max-seq-len", "3745"};
-    cfg *c = with_flags(2, f_ok);
+    config *c = with_flags(2, f_ok);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 258); /* one 4096-token sequence and two blocks to spare */
-    cfg_free(c);
+    config_free(c);
     c = with_flags(2, f_bad);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_ERR);
-    cfg_free(c);
+    config_free(c);
     c = with_flags(4, l_ok);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 234);
-    cfg_free(c);
+    config_free(c);
     c = with_flags(4, l_bad);
     assert_int_equal(plan(c, 2 * GiB, &p, NULL), AE_ERR);
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
@@ -244,7 +244,7 @@ static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
      * weights 100 MiB, leaving room for the workspace and the block table
      * row (226 KiB + 1 KiB) of 990 sequences. */
     char *argv[] = {"--mem-fraction", "0.1", "--max-batch", "1000"};
-    cfg *c = with_flags(4, argv);
+    config *c = with_flags(4, argv);
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 4 * GiB, &p, &err), AE_ERR);
@@ -253,35 +253,35 @@ static void test_infeasible_when_max_batch_is_what_breaks_it(void **state) {
                         "workspace 221 MiB + block tables 1000 KiB + kv 4096 tok x 22.5 KiB = 412 MiB > budget "
                         "0.1 x 4 GiB available = 410 MiB; would work: --mem-fraction 0.101, --max-seq-len 4000, "
                         "--max-batch 990");
-    cfg_free(c);
+    config_free(c);
     char *b_ok[] = {"--mem-fraction", "0.1", "--max-batch", "990"};
     char *b_bad[] = {"--mem-fraction", "0.1", "--max-batch", "991"};
     c = with_flags(4, b_ok);
     assert_int_equal(plan(c, 4 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 256);
-    cfg_free(c);
+    config_free(c);
     c = with_flags(4, b_bad);
     assert_int_equal(plan(c, 4 * GiB, &p, NULL), AE_ERR);
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_infeasible_when_kv_tokens_hold_less_than_one_sequence(void **state) {
     (void)state;
     char *argv[] = {"--max-kv-tokens", "1000"};
-    cfg *c = with_flags(2, argv);
+    config *c = with_flags(2, argv);
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "memory plan: max-kv-tokens 1000 (63 blocks of 16) cannot hold one sequence of "
                         "max-seq-len 4096 (256 blocks); would work: --max-kv-tokens 4096, --max-seq-len 1008");
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_infeasible_when_kv_tokens_exceed_budget(void **state) {
     (void)state;
     char *argv[] = {"--max-kv-tokens", "10000000"};
-    cfg *c = with_flags(2, argv);
+    config *c = with_flags(2, argv);
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
@@ -289,16 +289,16 @@ static void test_infeasible_when_kv_tokens_exceed_budget(void **state) {
                         "memory plan: max-kv-tokens 10000000 does not fit: weights 100 MiB + workspace "
                         "1.77 MiB + block tables 8 KiB + kv 10000000 tok x 22.5 KiB = 215 GiB > budget 0.9 x "
                         "16 GiB available = 14.4 GiB; would work: --max-kv-tokens 666448");
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_provenance_default_flag_auto_in_json(void **state) {
     (void)state;
     char *argv[] = {"--max-seq-len", "2048"};
-    cfg *c = with_flags(2, argv);
+    config *c = with_flags(2, argv);
     memplan p;
     assert_int_equal(plan(c, 8 * GiB, &p, NULL), AE_OK);
-    char *json = cfg_to_json(c);
+    char *json = config_to_json(c);
     /* budget 7 GiB holds far more than 8 x 2048 tokens: auto = 16384 */
     assert_string_equal(json,
                         "{\"mem-fraction\":{\"value\":0.875,\"source\":\"auto\"},"
@@ -308,12 +308,12 @@ static void test_provenance_default_flag_auto_in_json(void **state) {
                         "\"cuda-graphs\":{\"value\":0,\"source\":\"auto\"},"
                         "\"deterministic\":{\"value\":true,\"source\":\"default\"}}");
     free(json);
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_log_writes_each_line(void **state) {
     (void)state;
-    cfg *c = with_flags(0, NULL);
+    config *c = with_flags(0, NULL);
     memplan p;
     assert_int_equal(plan(c, 16 * GiB, &p, NULL), AE_OK);
     char path[] = "/tmp/aerie-memplan-XXXXXX";
@@ -341,7 +341,7 @@ static void test_log_writes_each_line(void **state) {
     int lines = 0;
     for (char *q = buf; *q; q++) lines += *q == '\n';
     assert_int_equal(lines, 6);
-    cfg_free(c);
+    config_free(c);
 }
 
 /* The engine's KV block tables are int32 [max-batch][ceil(max-seq-len /
@@ -350,7 +350,7 @@ static void test_log_writes_each_line(void **state) {
 static void test_block_tables_are_counted(void **state) {
     (void)state;
     char *argv[] = {"--max-batch", "4096", "--max-seq-len", "200000"};
-    cfg *c = with_flags(4, argv);
+    config *c = with_flags(4, argv);
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 64 * GiB, &p, &err), AE_OK);
@@ -359,7 +359,7 @@ static void test_block_tables_are_counted(void **state) {
     assert_int_equal(p.total - p.weight_bytes - p.workspace_bytes - p.kv_bytes, 204800000ull);
     assert_non_null(strstr(p.text, "\nblock tables = 4096 seq x 12500 blocks x 4 B = 195 MiB\n"));
     assert_true(p.total <= p.budget);
-    cfg_free(c);
+    config_free(c);
 }
 
 static void test_parse_meminfo(void **state) {
@@ -397,7 +397,7 @@ static void test_fmt_bytes_three_digits(void **state) {
 
 static void test_bad_model_sizes_rejected(void **state) {
     (void)state;
-    cfg *c = with_flags(0, NULL);
+    config *c = with_flags(0, NULL);
     memplan_model m = smol;
     m.vocab = 0;
     memplan_env env = {.mem_available = 16 * GiB, .block_size = 16};
@@ -406,7 +406,7 @@ static void test_bad_model_sizes_rejected(void **state) {
     assert_int_equal(memplan_compute(c, &m, &env, &p, &err), AE_ERR);
     assert_string_equal(err.msg, "memory plan: model sizes must be positive (layers=30 hidden=576 "
                                  "ffn=1536 heads=9 kv_heads=3 head_dim=64 vocab=0)");
-    cfg_free(c);
+    config_free(c);
 }
 
 int main(void) {

@@ -146,15 +146,15 @@ static void cleanup_dir(void) {
 
 /* Greedy tokens and the last logits of a prompt on one model. */
 static void run(const model *m, const int32_t *prompt, int32_t n, int32_t gen, int32_t *out, float *last) {
-    eng_config cfg = {.max_batch_tokens = 32, .max_seqs = 1, .max_seq_len = 64, .kv_tokens = 64,
+    engine_config cfg = {.max_batch_tokens = 32, .max_seqs = 1, .max_seq_len = 64, .kv_tokens = 64,
                       .block_size = 16, .threads = 2};
-    eng *e;
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     int32_t s;
-    assert_int_equal(eng_seq_new(e, &s, &err), AE_OK);
-    eng_item it = {s, ENG_APPEND, n, prompt, NULL, false};
-    if (eng_step(e, &it, 1, last, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(engine_seq_new(e, &s, &err), AE_OK);
+    engine_item it = {s, ENGINE_APPEND, n, prompt, NULL, false};
+    if (engine_step(e, &it, 1, last, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     float *lg = malloc(sizeof(float) * 49152);
     memcpy(lg, last, sizeof(float) * 49152);
     for (int32_t g = 0; g < gen; g++) {
@@ -162,11 +162,11 @@ static void run(const model *m, const int32_t *prompt, int32_t n, int32_t gen, i
         for (int32_t v = 1; v < 49152; v++)
             if (lg[v] > lg[b]) b = v;
         out[g] = b;
-        eng_item d = {s, ENG_APPEND, 1, &out[g], NULL, false};
-        if (eng_step(e, &d, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        engine_item d = {s, ENGINE_APPEND, 1, &out[g], NULL, false};
+        if (engine_step(e, &d, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     }
     free(lg);
-    eng_free(e);
+    engine_free(e);
 }
 
 static void test_hf_directory_matches_the_gguf(void **state) {

@@ -143,7 +143,7 @@ static void test_logprobs_are_the_raw_log_softmax(void **state) {
 
 typedef struct fixture {
     model *m;
-    eng *e;
+    engine *e;
     draft_link link;
 } fixture;
 
@@ -151,21 +151,21 @@ static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
     if (model_load(&f->m, FIX "/target", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_config ec = {128, 2, SEQ_LEN, 2 * SEQ_LEN, 16, 1, 0};
-    if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    drafter_config dc = {2, SEQ_LEN, CHUNK, 1, eng_pool(f->e), 0};
+    engine_config ec = {128, 2, SEQ_LEN, 2 * SEQ_LEN, 16, 1, 0};
+    if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    drafter_config dc = {2, SEQ_LEN, CHUNK, 1, engine_pool(f->e), 0};
     if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
         fail_msg("%s", err.msg);
 }
 
 static void fixture_close(fixture *f) {
     draft_link_close(&f->link);
-    eng_free(f->e);
+    engine_free(f->e);
     model_free(f->m);
 }
 
 static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, 2, 128, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape, 2, 128, false, NULL, NULL};
     ae_error err = {0};
     if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
@@ -188,16 +188,16 @@ static void plain_run(fixture *f, const int32_t *ids, int32_t n, const sample_pa
     ae_error err = {0};
     int32_t seq;
     float lg[V], scratch[V];
-    sampler *smp;
+    sample_state *smp;
     penalty *pn = NULL;
     sample_rng rng;
     sample_rng_seed(&rng, seed);
     assert_int_equal(sample_init(&smp, V, &err), AE_OK);
     if (penalty_active(pp)) assert_int_equal(penalty_init(&pn, pp, V, ids, n, 0, &err), AE_OK);
-    assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
+    assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
     for (int32_t at = 0; at < n; at += CHUNK) {
-        eng_item it = {seq, ENG_APPEND, n - at < CHUNK ? n - at : CHUNK, ids + at, NULL, false};
-        assert_int_equal(eng_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, n - at < CHUNK ? n - at : CHUNK, ids + at, NULL, false};
+        assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
     }
     for (int32_t g = 0; g < N_GEN; g++) {
         const float *row = pn ? penalty_apply(pn, lg, scratch) : lg;
@@ -205,10 +205,10 @@ static void plain_run(fixture *f, const int32_t *ids, int32_t n, const sample_pa
         o->tokens[g] = t;
         o->lp[g] = sample_logprobs(lg, V, t, TOP, o->top[g]);
         if (pn) penalty_push(pn, t);
-        eng_item it = {seq, ENG_APPEND, 1, &o->tokens[g], NULL, false};
-        assert_int_equal(eng_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, 1, &o->tokens[g], NULL, false};
+        assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
     }
-    eng_seq_free(f->e, seq);
+    engine_seq_free(f->e, seq);
     penalty_free(pn);
     sample_free(smp);
 }
@@ -221,7 +221,7 @@ static void spec_run(spec *s, fixture *f, const int32_t *ids, int32_t n, const s
     sample_rng rng;
     sample_rng_seed(&rng, seed);
     if (penalty_active(pp)) assert_int_equal(penalty_init(&pn, pp, V, ids, n, 0, &err), AE_OK);
-    assert_int_equal(eng_seq_new(f->e, &seq, &err), AE_OK);
+    assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
     if (spec_seq_start(s, seq, ids, n, CHUNK, &err) != AE_OK) fail_msg("%s", err.msg);
     static spec_out so;
     while (got < N_GEN) {
@@ -235,7 +235,7 @@ static void spec_run(spec *s, fixture *f, const int32_t *ids, int32_t n, const s
         }
     }
     spec_seq_end(s, seq);
-    eng_seq_free(f->e, seq);
+    engine_seq_free(f->e, seq);
     penalty_free(pn);
 }
 

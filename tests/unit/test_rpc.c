@@ -904,7 +904,7 @@ static void caller_reads_its_reply(const char *addr_or_null) {
     rpc_reply r = {0};
     for (int call = 0; call < 3; call++) {
         uint32_t st = rpc_client_call(f.cli, M_ECHO, "abc", 3, pay, N, 2000000, NULL, NULL, &r);
-        if (st != RPC_OK) fail_msg("call %d: %s: %s", call, rpc_status_name(st), r.error);
+        if (st != RPC_OK) fail_msg("call %d: %s: %s", call, frame_status_name(st), r.error);
         assert_int_equal(r.msg_len, 3);
         assert_memory_equal(r.msg, "cba", 3);
         assert_int_equal(r.payload_len, N);
@@ -981,7 +981,7 @@ static void test_blocking_calls_leave_the_client_loop_asleep(void **state) {
         static long before;
         if (call == 0) before = thread_sleeps(loop_tid); /* after two calls: the first may hand the reads over */
         uint32_t st = rpc_client_call(f.cli, M_ECHO, "abc", 3, pay, N, 0, NULL, NULL, &r);
-        if (st != RPC_OK) fail_msg("call %d: %s: %s", call, rpc_status_name(st), r.error);
+        if (st != RPC_OK) fail_msg("call %d: %s: %s", call, frame_status_name(st), r.error);
         assert_int_equal(r.payload_len, N);
         assert_int_equal(r.payload[N - 1], (uint8_t)((N - 1) * 14));
         if (call == CALLS - 1) {

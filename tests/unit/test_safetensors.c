@@ -49,8 +49,8 @@ static const char *reject(const char *header, const void *data,
     uint8_t *exact = malloc(b.n);
     assert_non_null(exact);
     memcpy(exact, b.p, b.n);
-    st_file *f = (st_file *)1;
-    assert_int_equal(st_open_mem(&f, exact, b.n, "t.st", &err), AE_ERR);
+    safetensors_file *f = (safetensors_file *)1;
+    assert_int_equal(safetensors_open_mem(&f, exact, b.n, "t.st", &err), AE_ERR);
     assert_null(f);
     free(exact);
     free(b.p);
@@ -154,20 +154,20 @@ static void test_every_dtype_reads_exact_values(void **state) {
     (void)state;
     bytes b = all_dtypes();
     ae_error err = {0};
-    st_file *f = NULL;
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "all.st", &err), AE_OK);
-    assert_int_equal(st_count(f), 9);
-    assert_string_equal(st_path(f), "all.st");
+    safetensors_file *f = NULL;
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "all.st", &err), AE_OK);
+    assert_int_equal(safetensors_count(f), 9);
+    assert_string_equal(safetensors_path(f), "all.st");
 
     /* Sorted by offset; the zero-size tensor sorts before "full". */
     const char *order[] = {"mask",  "half", "ids",    "brain", "small",
                            "empty", "full", "scalar", "wide"};
     for (size_t i = 0; i < 9; i++)
-        assert_string_equal(st_tensor_at(f, i)->name, order[i]);
+        assert_string_equal(safetensors_tensor_at(f, i)->name, order[i]);
 
-    const st_tensor *t = st_find(f, "half");
+    const safetensors_tensor *t = safetensors_find(f, "half");
     assert_non_null(t);
-    assert_int_equal(t->dtype, ST_F16);
+    assert_int_equal(t->dtype, SAFETENSORS_F16);
     assert_int_equal(t->n_dims, 2);
     assert_int_equal(t->shape[0], 2);
     assert_int_equal(t->shape[1], 2);
@@ -177,130 +177,130 @@ static void test_every_dtype_reads_exact_values(void **state) {
     assert_int_equal(t->offset, 3);
     assert_ptr_equal(t->data, b.p + 8 + strlen(ALL_HEADER) + 3);
     float v[4];
-    assert_int_equal(st_tensor_to_f32(t, v, 4, &err), AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(t, v, 4, &err), AE_OK);
     assert_true(v[0] == 1.0f && v[1] == -2.0f);
     assert_true(v[2] == 0x1p-24f && v[3] == 65504.0f);
 
-    t = st_find(f, "brain");
-    assert_int_equal(st_tensor_to_f32(t, v, 3, &err), AE_OK);
+    t = safetensors_find(f, "brain");
+    assert_int_equal(safetensors_tensor_to_f32(t, v, 3, &err), AE_OK);
     assert_int_equal(f32_bits(v[0]), 0x3F800000);
     assert_int_equal(f32_bits(v[1]), 0xC0A00000);
     assert_int_equal(f32_bits(v[2]), 0xFF800000);
 
-    t = st_find(f, "full");
-    assert_int_equal(st_tensor_to_f32(t, v, 3, &err), AE_OK);
+    t = safetensors_find(f, "full");
+    assert_int_equal(safetensors_tensor_to_f32(t, v, 3, &err), AE_OK);
     assert_int_equal(f32_bits(v[0]), 0x3DCCCCCD);
     assert_int_equal(f32_bits(v[1]), 0x80000000);
     assert_int_equal(f32_bits(v[2]), 0x7F800000);
 
-    t = st_find(f, "scalar");
+    t = safetensors_find(f, "scalar");
     assert_int_equal(t->n_dims, 0);
     assert_int_equal(t->n_elements, 1);
-    assert_int_equal(st_tensor_to_f32(t, v, 1, &err), AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(t, v, 1, &err), AE_OK);
     assert_true(v[0] == 3.25f);
 
-    t = st_find(f, "empty");
+    t = safetensors_find(f, "empty");
     assert_int_equal(t->n_elements, 0);
     assert_int_equal(t->n_bytes, 0);
-    assert_int_equal(st_tensor_to_f32(t, NULL, 0, &err), AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(t, NULL, 0, &err), AE_OK);
 
     int64_t ids[2];
-    t = st_find(f, "ids");
-    assert_int_equal(st_tensor_to_i64(t, ids, 2, &err), AE_OK);
+    t = safetensors_find(f, "ids");
+    assert_int_equal(safetensors_tensor_to_i64(t, ids, 2, &err), AE_OK);
     assert_true(ids[0] == INT64_MIN);
     assert_true(ids[1] == 4242424242424242LL);
 
     int32_t small[2];
-    t = st_find(f, "small");
+    t = safetensors_find(f, "small");
     assert_int_equal(t->n_dims, 3);
-    assert_int_equal(st_tensor_to_i32(t, small, 2, &err), AE_OK);
+    assert_int_equal(safetensors_tensor_to_i32(t, small, 2, &err), AE_OK);
     assert_int_equal(small[0], INT32_MIN);
     assert_int_equal(small[1], 7);
-    assert_int_equal(st_tensor_to_i64(t, ids, 2, &err), AE_OK); /* widened */
+    assert_int_equal(safetensors_tensor_to_i64(t, ids, 2, &err), AE_OK); /* widened */
     assert_true(ids[0] == INT32_MIN && ids[1] == 7);
 
     bool mask[3];
-    t = st_find(f, "mask");
-    assert_int_equal(st_tensor_to_bool(t, mask, 3, &err), AE_OK);
+    t = safetensors_find(f, "mask");
+    assert_int_equal(safetensors_tensor_to_bool(t, mask, 3, &err), AE_OK);
     assert_true(mask[0] && !mask[1] && mask[2]);
 
-    t = st_find(f, "wide"); /* readable metadata, no converter */
-    assert_int_equal(t->dtype, ST_F64);
+    t = safetensors_find(f, "wide"); /* readable metadata, no converter */
+    assert_int_equal(t->dtype, SAFETENSORS_F64);
     assert_int_equal(t->n_bytes, 8);
     assert_string_equal(err.msg, "");
 
-    assert_null(st_find(f, "missing"));
-    assert_null(st_find(f, "__metadata__"));
-    st_close(f);
+    assert_null(safetensors_find(f, "missing"));
+    assert_null(safetensors_find(f, "__metadata__"));
+    safetensors_close(f);
     free(b.p);
 }
 
 static void test_metadata_is_sorted_and_found(void **state) {
     (void)state;
     bytes b = all_dtypes();
-    st_file *f = NULL;
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "all.st", NULL), AE_OK);
-    assert_int_equal(st_metadata_count(f), 2);
+    safetensors_file *f = NULL;
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "all.st", NULL), AE_OK);
+    assert_int_equal(safetensors_metadata_count(f), 2);
     const char *k, *v;
-    st_metadata_at(f, 0, &k, &v);
+    safetensors_metadata_at(f, 0, &k, &v);
     assert_string_equal(k, "author");
     assert_string_equal(v, "aerie");
-    st_metadata_at(f, 1, &k, &v);
+    safetensors_metadata_at(f, 1, &k, &v);
     assert_string_equal(k, "format");
     assert_string_equal(v, "pt");
-    assert_string_equal(st_metadata_get(f, "format"), "pt");
-    assert_null(st_metadata_get(f, "nope"));
-    st_close(f);
+    assert_string_equal(safetensors_metadata_get(f, "format"), "pt");
+    assert_null(safetensors_metadata_get(f, "nope"));
+    safetensors_close(f);
     free(b.p);
 }
 
 static void test_converters_refuse_wrong_dtype_and_size(void **state) {
     (void)state;
     bytes b = all_dtypes();
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     ae_error err = {0};
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "all.st", &err), AE_OK);
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "all.st", &err), AE_OK);
     float v[8];
     int64_t i64[8];
     int32_t i32[8];
     bool bl[8];
 
-    assert_int_equal(st_tensor_to_f32(st_find(f, "wide"), v, 1, &err), AE_ERR);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "wide"), v, 1, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "tensor \"wide\": dtype F64 cannot be converted to "
                         "f32 (supported: F32, F16, BF16)");
     err_clear(&err);
-    assert_int_equal(st_tensor_to_f32(st_find(f, "ids"), v, 1, &err), AE_ERR);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "ids"), v, 1, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "tensor \"ids\": dtype I64 cannot be converted to "
                         "f32 (supported: F32, F16, BF16)");
     err_clear(&err);
-    assert_int_equal(st_tensor_to_i64(st_find(f, "full"), i64, 1, &err),
+    assert_int_equal(safetensors_tensor_to_i64(safetensors_find(f, "full"), i64, 1, &err),
                      AE_ERR);
     assert_string_equal(err.msg,
                         "tensor \"full\": dtype F32 cannot be converted to "
                         "i64 (supported: I64, I32)");
     err_clear(&err);
-    assert_int_equal(st_tensor_to_bool(st_find(f, "small"), bl, 1, &err),
+    assert_int_equal(safetensors_tensor_to_bool(safetensors_find(f, "small"), bl, 1, &err),
                      AE_ERR);
     assert_string_equal(err.msg,
                         "tensor \"small\": dtype I32 cannot be converted to "
                         "bool (supported: BOOL)");
     err_clear(&err);
-    assert_int_equal(st_tensor_to_f32(st_find(f, "full"), v, 4, &err), AE_ERR);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "full"), v, 4, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor \"full\": 4 elements asked, 3 held");
     err_clear(&err);
     /* INT64_MIN does not fit in i32. */
-    assert_int_equal(st_tensor_to_i32(st_find(f, "ids"), i32, 2, &err),
+    assert_int_equal(safetensors_tensor_to_i32(safetensors_find(f, "ids"), i32, 2, &err),
                      AE_ERR);
     assert_string_equal(err.msg,
                         "tensor \"ids\": element 0 = -9223372036854775808 "
                         "does not fit in i32");
     /* A prefix read converts only what was asked. */
     err_clear(&err);
-    assert_int_equal(st_tensor_to_f32(st_find(f, "full"), v, 1, &err), AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "full"), v, 1, &err), AE_OK);
     assert_int_equal(f32_bits(v[0]), 0x3DCCCCCD);
-    st_close(f);
+    safetensors_close(f);
     free(b.p);
 }
 
@@ -310,14 +310,14 @@ static void test_bool_byte_other_than_0_or_1_is_an_error(void **state) {
     bytes b = make_st(
         "{\"m\":{\"dtype\":\"BOOL\",\"shape\":[2],\"data_offsets\":[0,2]}}", d,
         2);
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     ae_error err = {0};
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "b.st", &err), AE_OK);
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "b.st", &err), AE_OK);
     bool out[2];
-    assert_int_equal(st_tensor_to_bool(st_find(f, "m"), out, 2, &err), AE_ERR);
+    assert_int_equal(safetensors_tensor_to_bool(safetensors_find(f, "m"), out, 2, &err), AE_ERR);
     assert_string_equal(err.msg,
                         "tensor \"m\": element 1 is byte 2, not a bool");
-    st_close(f);
+    safetensors_close(f);
     free(b.p);
 }
 
@@ -327,29 +327,29 @@ static void test_i64_fitting_in_i32_converts(void **state) {
     bytes b = make_st(
         "{\"d2t\":{\"dtype\":\"I64\",\"shape\":[3],\"data_offsets\":[0,24]}}",
         d, sizeof d);
-    st_file *f = NULL;
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "d.st", NULL), AE_OK);
+    safetensors_file *f = NULL;
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "d.st", NULL), AE_OK);
     int32_t out[3];
-    assert_int_equal(st_tensor_to_i32(st_find(f, "d2t"), out, 3, NULL), AE_OK);
+    assert_int_equal(safetensors_tensor_to_i32(safetensors_find(f, "d2t"), out, 3, NULL), AE_OK);
     assert_int_equal(out[0], INT32_MIN);
     assert_int_equal(out[1], INT32_MAX);
     assert_int_equal(out[2], -3);
-    st_close(f);
+    safetensors_close(f);
     free(b.p);
 }
 
 static void test_empty_header_and_no_data_is_valid(void **state) {
     (void)state;
     bytes b = make_st("{}", NULL, 0);
-    st_file *f = NULL;
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "e.st", NULL), AE_OK);
-    assert_int_equal(st_count(f), 0);
-    assert_int_equal(st_metadata_count(f), 0);
-    assert_null(st_find(f, "x"));
-    st_close(f);
+    safetensors_file *f = NULL;
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "e.st", NULL), AE_OK);
+    assert_int_equal(safetensors_count(f), 0);
+    assert_int_equal(safetensors_metadata_count(f), 0);
+    assert_null(safetensors_find(f, "x"));
+    safetensors_close(f);
     free(b.p);
-    st_close(NULL);
-    st_model_close(NULL);
+    safetensors_close(NULL);
+    safetensors_model_close(NULL);
 }
 
 /* ---- corrupt files ----------------------------------------------------- */
@@ -361,9 +361,9 @@ static void test_every_truncation_fails_cleanly(void **state) {
         uint8_t *exact = malloc(len ? len : 1);
         assert_non_null(exact);
         memcpy(exact, b.p, len);
-        st_file *f = NULL;
+        safetensors_file *f = NULL;
         ae_error err = {0};
-        assert_int_equal(st_open_mem(&f, exact, len, "cut.st", &err), AE_ERR);
+        assert_int_equal(safetensors_open_mem(&f, exact, len, "cut.st", &err), AE_ERR);
         assert_null(f);
         assert_memory_equal(err.msg, "cut.st: ", 8);
         free(exact);
@@ -374,13 +374,13 @@ static void test_every_truncation_fails_cleanly(void **state) {
 static void test_truncation_messages_name_the_problem(void **state) {
     (void)state;
     bytes b = all_dtypes();
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     ae_error err = {0};
-    assert_int_equal(st_open_mem(&f, b.p, 5, "cut.st", &err), AE_ERR);
+    assert_int_equal(safetensors_open_mem(&f, b.p, 5, "cut.st", &err), AE_ERR);
     assert_string_equal(err.msg,
                         "cut.st: 5 bytes is too small for a safetensors file");
     err_clear(&err);
-    assert_int_equal(st_open_mem(&f, b.p, 100, "cut.st", &err), AE_ERR);
+    assert_int_equal(safetensors_open_mem(&f, b.p, 100, "cut.st", &err), AE_ERR);
     char want[200];
     snprintf(want, sizeof want,
              "cut.st: header length %zu runs past the end of the file "
@@ -388,7 +388,7 @@ static void test_truncation_messages_name_the_problem(void **state) {
              strlen(ALL_HEADER));
     assert_string_equal(err.msg, want);
     err_clear(&err);
-    assert_int_equal(st_open_mem(&f, b.p, b.n - 1, "cut.st", &err), AE_ERR);
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n - 1, "cut.st", &err), AE_ERR);
     assert_string_equal(err.msg,
                         "cut.st: tensor \"wide\": data_offsets end 65 is past "
                         "the data section (64 bytes)");
@@ -401,15 +401,15 @@ static void test_header_length_limits(void **state) {
     /* 100 MB + 1 */
     uint64_t n = 100ull * 1024 * 1024 + 1;
     for (int i = 0; i < 8; i++) img[i] = (uint8_t)(n >> (8 * i));
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     ae_error err = {0};
-    assert_int_equal(st_open_mem(&f, img, sizeof img, "big.st", &err), AE_ERR);
+    assert_int_equal(safetensors_open_mem(&f, img, sizeof img, "big.st", &err), AE_ERR);
     assert_string_equal(err.msg,
                         "big.st: header length 104857601 exceeds the limit "
                         "of 104857600");
     memset(img, 0xFF, 8); /* 2^64 - 1 */
     err_clear(&err);
-    assert_int_equal(st_open_mem(&f, img, sizeof img, "big.st", &err), AE_ERR);
+    assert_int_equal(safetensors_open_mem(&f, img, sizeof img, "big.st", &err), AE_ERR);
     assert_string_equal(err.msg,
                         "big.st: header length 18446744073709551615 exceeds "
                         "the limit of 104857600");
@@ -443,21 +443,21 @@ static void test_header_bytes_must_be_clean_utf8(void **state) {
                "abcd", 4),
         "t.st: header has a \\u0000 escape at 3");
     /* An escaped backslash followed by "u0000" is plain text. */
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     bytes b = make_st("{\"a\\\\u0000\":{\"dtype\":\"BOOL\",\"shape\":[],"
                       "\"data_offsets\":[0,1]}}",
                       "\1", 1);
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "t.st", NULL), AE_OK);
-    assert_non_null(st_find(f, "a\\u0000"));
-    st_close(f);
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "t.st", NULL), AE_OK);
+    assert_non_null(safetensors_find(f, "a\\u0000"));
+    safetensors_close(f);
     free(b.p);
     /* Multi-byte names are fine. */
     b = make_st("{\"\xC3\xA9t\xC3\xA9\":{\"dtype\":\"BOOL\",\"shape\":[],"
                 "\"data_offsets\":[0,1]}}",
                 "\0", 1);
-    assert_int_equal(st_open_mem(&f, b.p, b.n, "t.st", NULL), AE_OK);
-    assert_non_null(st_find(f, "\xC3\xA9t\xC3\xA9"));
-    st_close(f);
+    assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "t.st", NULL), AE_OK);
+    assert_non_null(safetensors_find(f, "\xC3\xA9t\xC3\xA9"));
+    safetensors_close(f);
     free(b.p);
 }
 
@@ -611,7 +611,7 @@ static void test_names_and_metadata_are_checked(void **state) {
         "t.st: duplicate __metadata__ key \"k\"");
 
     char header[2200];
-    char name[ST_MAX_NAME + 2];
+    char name[SAFETENSORS_MAX_NAME + 2];
     memset(name, 'n', sizeof name - 1);
     name[sizeof name - 1] = '\0';
     snprintf(header, sizeof header,
@@ -627,24 +627,24 @@ static void test_names_and_metadata_are_checked(void **state) {
 static void test_open_reports_path_and_os_error(void **state) {
     (void)state;
     char path[512];
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     ae_error err = {0};
     snprintf(path, sizeof path, "%s/none.safetensors", tmpdir);
-    assert_int_equal(st_open(&f, path, &err), AE_ERR);
+    assert_int_equal(safetensors_open(&f, path, &err), AE_ERR);
     char want[600];
     snprintf(want, sizeof want, "%s: cannot open: No such file or directory",
              path);
     assert_string_equal(err.msg, want);
 
     err_clear(&err);
-    assert_int_equal(st_open(&f, tmpdir, &err), AE_ERR);
+    assert_int_equal(safetensors_open(&f, tmpdir, &err), AE_ERR);
     snprintf(want, sizeof want, "%s: not a regular file", tmpdir);
     assert_string_equal(err.msg, want);
 
     write_file("empty.safetensors", "", 0);
     snprintf(path, sizeof path, "%s/empty.safetensors", tmpdir);
     err_clear(&err);
-    assert_int_equal(st_open(&f, path, &err), AE_ERR);
+    assert_int_equal(safetensors_open(&f, path, &err), AE_ERR);
     snprintf(want, sizeof want,
              "%s: 0 bytes is too small for a safetensors file", path);
     assert_string_equal(err.msg, want);
@@ -658,14 +658,14 @@ static void test_open_maps_a_file(void **state) {
     free(b.p);
     char path[512];
     snprintf(path, sizeof path, "%s/all.safetensors", tmpdir);
-    st_file *f = NULL;
+    safetensors_file *f = NULL;
     ae_error err = {0};
-    assert_int_equal(st_open(&f, path, &err), AE_OK);
-    assert_int_equal(st_count(f), 9);
+    assert_int_equal(safetensors_open(&f, path, &err), AE_OK);
+    assert_int_equal(safetensors_count(f), 9);
     int64_t ids[2];
-    assert_int_equal(st_tensor_to_i64(st_find(f, "ids"), ids, 2, &err), AE_OK);
+    assert_int_equal(safetensors_tensor_to_i64(safetensors_find(f, "ids"), ids, 2, &err), AE_OK);
     assert_true(ids[0] == INT64_MIN && ids[1] == 4242424242424242LL);
-    st_close(f);
+    safetensors_close(f);
     unlink(path);
 }
 
@@ -693,8 +693,8 @@ static const char *model_reject(const char *index) {
     err_clear(&err);
     write_shards();
     write_text("model.safetensors.index.json", index);
-    st_model *m = (st_model *)1;
-    assert_int_equal(st_model_open(&m, tmpdir, &err), AE_ERR);
+    safetensors_model *m = (safetensors_model *)1;
+    assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_ERR);
     assert_null(m);
     /* Drop the directory prefix so tests read as the message's tail. */
     size_t n = strlen(tmpdir);
@@ -709,51 +709,51 @@ static void test_model_reads_sharded_checkpoint(void **state) {
                "{\"metadata\":{\"total_size\":12},\"weight_map\":{"
                "\"a.w\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
                "\"a.b\":\"s-1.safetensors\"}}");
-    st_model *m = NULL;
+    safetensors_model *m = NULL;
     ae_error err = {0};
-    assert_int_equal(st_model_open(&m, tmpdir, &err), AE_OK);
-    assert_int_equal(st_model_n_files(m), 2);
-    assert_non_null(strstr(st_path(st_model_file(m, 0)), "/s-1.safetensors"));
-    assert_non_null(strstr(st_path(st_model_file(m, 1)), "/s-2.safetensors"));
-    assert_int_equal(st_model_count(m), 3);
-    assert_string_equal(st_model_tensor_at(m, 0)->name, "a.b");
-    assert_string_equal(st_model_tensor_at(m, 1)->name, "a.w");
-    assert_string_equal(st_model_tensor_at(m, 2)->name, "b.w");
+    assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_OK);
+    assert_int_equal(safetensors_model_n_files(m), 2);
+    assert_non_null(strstr(safetensors_path(safetensors_model_file(m, 0)), "/s-1.safetensors"));
+    assert_non_null(strstr(safetensors_path(safetensors_model_file(m, 1)), "/s-2.safetensors"));
+    assert_int_equal(safetensors_model_count(m), 3);
+    assert_string_equal(safetensors_model_tensor_at(m, 0)->name, "a.b");
+    assert_string_equal(safetensors_model_tensor_at(m, 1)->name, "a.w");
+    assert_string_equal(safetensors_model_tensor_at(m, 2)->name, "b.w");
     float v[2];
-    assert_int_equal(st_tensor_to_f32(st_model_find(m, "a.w"), v, 2, &err),
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "a.w"), v, 2, &err),
                      AE_OK);
     assert_true(v[0] == 1.5f && v[1] == -4.0f);
-    assert_int_equal(st_tensor_to_f32(st_model_find(m, "a.b"), v, 1, &err),
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "a.b"), v, 1, &err),
                      AE_OK);
     assert_true(v[0] == 3.0f);
-    assert_int_equal(st_tensor_to_f32(st_model_find(m, "b.w"), v, 1, &err),
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "b.w"), v, 1, &err),
                      AE_OK);
     assert_true(v[0] == -0.5f);
-    assert_null(st_model_find(m, "c.w"));
-    st_model_close(m);
+    assert_null(safetensors_model_find(m, "c.w"));
+    safetensors_model_close(m);
 }
 
 static void test_model_reads_single_file(void **state) {
     (void)state;
     const uint16_t bw = 0x3C00;
     write_st("model.safetensors", SHARD_B, &bw, 2);
-    st_model *m = NULL;
+    safetensors_model *m = NULL;
     ae_error err = {0};
-    assert_int_equal(st_model_open(&m, tmpdir, &err), AE_OK);
-    assert_int_equal(st_model_n_files(m), 1);
-    assert_int_equal(st_model_count(m), 1);
+    assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_OK);
+    assert_int_equal(safetensors_model_n_files(m), 1);
+    assert_int_equal(safetensors_model_count(m), 1);
     float v;
-    assert_int_equal(st_tensor_to_f32(st_model_find(m, "b.w"), &v, 1, &err),
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "b.w"), &v, 1, &err),
                      AE_OK);
     assert_true(v == 1.0f);
-    st_model_close(m);
+    safetensors_model_close(m);
 }
 
 static void test_model_needs_weights(void **state) {
     (void)state;
-    st_model *m = NULL;
+    safetensors_model *m = NULL;
     ae_error err = {0};
-    assert_int_equal(st_model_open(&m, tmpdir, &err), AE_ERR);
+    assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_ERR);
     char want[600];
     snprintf(want, sizeof want,
              "%s: no model.safetensors or model.safetensors.index.json",
@@ -823,9 +823,9 @@ static void test_tensor_in_two_shards_is_rejected(void **state) {
                "{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
                "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
                "\"c.w\":\"s-3.safetensors\"}}");
-    st_model *m = NULL;
+    safetensors_model *m = NULL;
     ae_error err = {0};
-    assert_int_equal(st_model_open(&m, tmpdir, &err), AE_ERR);
+    assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_ERR);
     char want[600];
     snprintf(want, sizeof want,
              "%s/model.safetensors.index.json: shard \"s-3.safetensors\" "
@@ -841,9 +841,9 @@ static void test_corrupt_shard_names_the_shard(void **state) {
     write_text("model.safetensors.index.json",
                "{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
                "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\"}}");
-    st_model *m = NULL;
+    safetensors_model *m = NULL;
     ae_error err = {0};
-    assert_int_equal(st_model_open(&m, tmpdir, &err), AE_ERR);
+    assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_ERR);
     char want[600];
     snprintf(want, sizeof want,
              "%s/s-2.safetensors: header length 2 runs past the end of the "
@@ -868,27 +868,27 @@ static cJSON *read_json(const char *path) {
 
 static void test_golden_matches_reference(void **state) {
     (void)state;
-    st_model *m = NULL;
+    safetensors_model *m = NULL;
     ae_error err = {0};
-    if (st_model_open(&m, GOLDEN_DIR, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (safetensors_model_open(&m, GOLDEN_DIR, &err) != AE_OK) fail_msg("%s", err.msg);
     cJSON *exp = read_json(GOLDEN_DIR "/expected.json");
     const cJSON *tensors = cJSON_GetObjectItem(exp, "tensors");
-    assert_int_equal(st_model_count(m), cJSON_GetArraySize(tensors));
-    assert_int_equal(st_model_n_files(m), 2);
+    assert_int_equal(safetensors_model_count(m), cJSON_GetArraySize(tensors));
+    assert_int_equal(safetensors_model_n_files(m), 2);
 
     const cJSON *shards = cJSON_GetObjectItem(exp, "shards");
-    for (size_t i = 0; i < st_model_n_files(m); i++) {
-        const st_file *f = st_model_file(m, i);
-        const char *base = strrchr(st_path(f), '/') + 1;
+    for (size_t i = 0; i < safetensors_model_n_files(m); i++) {
+        const safetensors_file *f = safetensors_model_file(m, i);
+        const char *base = strrchr(safetensors_path(f), '/') + 1;
         const cJSON *s = cJSON_GetObjectItem(shards, base);
         assert_non_null(s);
-        assert_int_equal(st_count(f),
+        assert_int_equal(safetensors_count(f),
                          cJSON_GetObjectItem(s, "count")->valueint);
         const cJSON *meta = cJSON_GetObjectItem(s, "metadata");
-        assert_int_equal(st_metadata_count(f), cJSON_GetArraySize(meta));
+        assert_int_equal(safetensors_metadata_count(f), cJSON_GetArraySize(meta));
         const cJSON *kv;
         cJSON_ArrayForEach(kv, meta) {
-            assert_string_equal(st_metadata_get(f, kv->string),
+            assert_string_equal(safetensors_metadata_get(f, kv->string),
                                 kv->valuestring);
         }
     }
@@ -896,9 +896,9 @@ static void test_golden_matches_reference(void **state) {
     int checked = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, tensors) {
-        const st_tensor *t = st_model_find(m, e->string);
+        const safetensors_tensor *t = safetensors_model_find(m, e->string);
         if (!t) fail_msg("tensor %s missing", e->string);
-        assert_string_equal(st_dtype_name(t->dtype),
+        assert_string_equal(safetensors_dtype_name(t->dtype),
                             cJSON_GetObjectItem(e, "dtype")->valuestring);
         const cJSON *shape = cJSON_GetObjectItem(e, "shape");
         assert_int_equal(t->n_dims, cJSON_GetArraySize(shape));
@@ -909,7 +909,7 @@ static void test_golden_matches_reference(void **state) {
         if ((vals = cJSON_GetObjectItem(e, "f32_bits"))) {
             assert_int_equal(t->n_elements, cJSON_GetArraySize(vals));
             float *out = calloc(t->n_elements + 1, sizeof *out);
-            assert_int_equal(st_tensor_to_f32(t, out, t->n_elements, &err),
+            assert_int_equal(safetensors_tensor_to_f32(t, out, t->n_elements, &err),
                              AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++)
                 assert_int_equal(
@@ -919,7 +919,7 @@ static void test_golden_matches_reference(void **state) {
         } else if ((vals = cJSON_GetObjectItem(e, "i64"))) {
             int64_t out[16];
             assert_true(t->n_elements <= 16);
-            assert_int_equal(st_tensor_to_i64(t, out, t->n_elements, &err),
+            assert_int_equal(safetensors_tensor_to_i64(t, out, t->n_elements, &err),
                              AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++) {
                 char s[32];
@@ -930,7 +930,7 @@ static void test_golden_matches_reference(void **state) {
         } else if ((vals = cJSON_GetObjectItem(e, "i32"))) {
             int32_t out[16];
             assert_true(t->n_elements <= 16);
-            assert_int_equal(st_tensor_to_i32(t, out, t->n_elements, &err),
+            assert_int_equal(safetensors_tensor_to_i32(t, out, t->n_elements, &err),
                              AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++)
                 assert_int_equal(
@@ -939,7 +939,7 @@ static void test_golden_matches_reference(void **state) {
         } else if ((vals = cJSON_GetObjectItem(e, "bool"))) {
             bool out[16];
             assert_true(t->n_elements <= 16);
-            assert_int_equal(st_tensor_to_bool(t, out, t->n_elements, &err),
+            assert_int_equal(safetensors_tensor_to_bool(t, out, t->n_elements, &err),
                              AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++)
                 assert_int_equal(
@@ -952,18 +952,18 @@ static void test_golden_matches_reference(void **state) {
     assert_int_equal(checked, 9);
     /* Spot checks written out, so a broken expected.json cannot hide. */
     float v[12];
-    assert_int_equal(st_tensor_to_f32(st_model_find(m, "lm_head.weight"), v,
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "lm_head.weight"), v,
                                       8, &err),
                      AE_OK);
     assert_true(v[0] == -2.0f && v[7] == 1.5f);
     assert_int_equal(
-        st_tensor_to_f32(
-            st_model_find(m, "model.layers.0.self_attn.q_proj.weight"), v, 10,
+        safetensors_tensor_to_f32(
+            safetensors_model_find(m, "model.layers.0.self_attn.q_proj.weight"), v, 10,
             &err),
         AE_OK);
     assert_true(v[3] == 65504.0f && v[5] == 0x1p-24f);
     cJSON_Delete(exp);
-    st_model_close(m);
+    safetensors_model_close(m);
 }
 
 int main(void) {

@@ -17,8 +17,8 @@
 #include "../../target/sample.h"
 #include "../chisq.h"
 
-static sampler *make(int32_t vocab) {
-    sampler *s;
+static sample_state *make(int32_t vocab) {
+    sample_state *s;
     ae_error err = {0};
     assert_int_equal(sample_init(&s, vocab, &err), AE_OK);
     return s;
@@ -40,7 +40,7 @@ static void test_greedy_takes_argmax_lowest_id_on_ties(void **state) {
     assert_int_equal(sample_greedy(logits, 5), 1);
     const float nan_first[] = {NAN, -1.0f, -0.5f};
     assert_int_equal(sample_greedy(nan_first, 3), 2);
-    /* kn_argmax's picks (eng_step_argmax runs it instead): -inf is a
+    /* kn_argmax's picks (engine_step_argmax runs it instead): -inf is a
      * value, NaN never is, and a row of NaN picks 0. */
     const float nan_then_ninf[] = {NAN, -INFINITY, -INFINITY}, all_nan[] = {NAN, NAN}, ninf[] = {-INFINITY, -INFINITY};
     assert_int_equal(sample_greedy(nan_then_ninf, 3), 1);
@@ -54,7 +54,7 @@ static void test_greedy_takes_argmax_lowest_id_on_ties(void **state) {
 
 static void test_temperature_zero_is_greedy(void **state) {
     (void)state;
-    sampler *s = make(4);
+    sample_state *s = make(4);
     const float logits[] = {0.1f, 0.2f, 5.0f, 5.0f};
     sample_params p = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     /* Greedy reads no random numbers: no key at all. */
@@ -69,7 +69,7 @@ static void test_temperature_zero_is_greedy(void **state) {
 
 static void test_temperature_scales_the_distribution(void **state) {
     (void)state;
-    sampler *s = make(3);
+    sample_state *s = make(3);
     const float logits[] = {2.0f, 0.0f, 1.0f};
     sample_params p = {.temperature = 2.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     float dense[3];
@@ -88,7 +88,7 @@ static void test_temperature_scales_the_distribution(void **state) {
 
 static void test_top_k_keeps_k_best_and_ties_with_the_kth(void **state) {
     (void)state;
-    sampler *s = make(6);
+    sample_state *s = make(6);
     const float logits[] = {0.5f, 4.0f, 1.0f, 3.0f, 1.0f, -1.0f};
     sample_params p = {.temperature = 1.0f, .top_k = 2, .top_p = 1.0f, .min_p = 0.0f};
     const int32_t *ids;
@@ -107,7 +107,7 @@ static void test_top_k_keeps_k_best_and_ties_with_the_kth(void **state) {
 
 static void test_top_p_keeps_smallest_prefix_reaching_p(void **state) {
     (void)state;
-    sampler *s = make(5);
+    sample_state *s = make(5);
     const double w[] = {0.1, 0.4, 0.05, 0.25, 0.2};
     float logits[5];
     logits_from_weights(w, 5, logits);
@@ -133,7 +133,7 @@ static void test_top_p_keeps_smallest_prefix_reaching_p(void **state) {
 static void test_top_p_reaches_into_a_long_tail(void **state) {
     (void)state;
     enum { V = 5000 };
-    sampler *s = make(V);
+    sample_state *s = make(V);
     static float logits[V];
     logits[0] = 0.0f;                                    /* weight 1 */
     for (int i = 1; i < V; i++) logits[i] = -8.0f;        /* weight e^-8 ~ 3.4e-4 each */
@@ -152,7 +152,7 @@ static void test_top_p_reaches_into_a_long_tail(void **state) {
 
 static void test_min_p_keeps_tokens_above_fraction_of_top(void **state) {
     (void)state;
-    sampler *s = make(5);
+    sample_state *s = make(5);
     const double w[] = {0.1, 0.4, 0.05, 0.25, 0.2};
     float logits[5];
     logits_from_weights(w, 5, logits);
@@ -171,7 +171,7 @@ static void test_min_p_keeps_tokens_above_fraction_of_top(void **state) {
  * other order. */
 static void test_filters_apply_in_transformers_order(void **state) {
     (void)state;
-    sampler *s = make(6);
+    sample_state *s = make(6);
     const int32_t *ids;
     const float *probs;
     const double w[] = {0.30, 0.25, 0.20, 0.15, 0.06, 0.04};
@@ -204,7 +204,7 @@ static void test_filters_apply_in_transformers_order(void **state) {
 static void test_same_seed_same_tokens(void **state) {
     (void)state;
     enum { V = 50, N = 200 };
-    sampler *s = make(V);
+    sample_state *s = make(V);
     float logits[V];
     for (int i = 0; i < V; i++) logits[i] = (float)((i * 37) % 11) * 0.3f;
     sample_params p = {.temperature = 0.8f, .top_k = 20, .top_p = 0.95f, .min_p = 0.01f};
@@ -284,7 +284,7 @@ static void test_exponentials_are_minus_log_of_the_uniforms(void **state) {
 static void test_a_draw_is_a_pure_function_of_seed_choice_and_position(void **state) {
     (void)state;
     enum { V = 64, N = 300 };
-    sampler *s = make(V);
+    sample_state *s = make(V);
     float logits[V], other[V];
     for (int i = 0; i < V; i++) logits[i] = (float)((i * 29) % 13) * 0.25f, other[i] = (float)(i % 5);
     sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 0.98f, .min_p = 0.0f};
@@ -318,7 +318,7 @@ static void test_a_draw_is_a_pure_function_of_seed_choice_and_position(void **st
 static void test_draws_are_the_same_bits_at_every_simd_level(void **state) {
     (void)state;
     enum { V = 49152, N = 40 };
-    sampler *s = make(V);
+    sample_state *s = make(V);
     float *logits = malloc(sizeof(float) * V);
     assert_non_null(logits);
     uint64_t x = 88172645463325252ull;
@@ -348,7 +348,7 @@ static void test_draws_are_the_same_bits_at_every_simd_level(void **state) {
 static void test_draws_follow_the_distribution(void **state) {
     (void)state;
     enum { V = 5, N = 80000 };
-    sampler *s = make(V);
+    sample_state *s = make(V);
     const double w[V] = {0.5, 0.25, 0.125, 0.0625, 0.0625};
     float logits[V];
     logits_from_weights(w, V, logits);
@@ -381,7 +381,7 @@ static void test_draws_follow_the_distribution(void **state) {
 static void test_draws_over_many_tokens_follow_the_distribution(void **state) {
     (void)state;
     enum { V = 512, N = 100000 };
-    sampler *s = make(V);
+    sample_state *s = make(V);
     double w[V], z = 0;
     float logits[V];
     for (int i = 0; i < V; i++) z += w[i] = 1.0 + (double)((i * 97) % V) / V;
@@ -405,7 +405,7 @@ static void test_draws_over_many_tokens_follow_the_distribution(void **state) {
 
 static void test_masked_logits_are_never_drawn(void **state) {
     (void)state;
-    sampler *s = make(4);
+    sample_state *s = make(4);
     const float logits[] = {-INFINITY, 1.0f, NAN, 1.0f};
     sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     const int32_t *ids;
@@ -460,7 +460,7 @@ static void test_logprobs_of_a_uniform_row_and_nan(void **state) {
 
 static void test_init_rejects_empty_vocab(void **state) {
     (void)state;
-    sampler *s = (sampler *)1;
+    sample_state *s = (sample_state *)1;
     ae_error err = {0};
     assert_int_equal(sample_init(&s, 0, &err), AE_ERR);
     assert_null(s);
@@ -472,7 +472,7 @@ static void test_tiny_temperature_is_near_greedy_not_overflow(void **state) {
     (void)state;
     /* logit / 1e-38 overflows to +inf for the best token; the scores are
      * taken relative to the maximum so it stays the most likely. */
-    sampler *sm;
+    sample_state *sm;
     ae_error err = {0};
     assert_int_equal(sample_init(&sm, 3, &err), AE_OK);
     const float logits[3] = {10.0f, 0.5f, -3.0f};

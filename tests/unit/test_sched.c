@@ -32,7 +32,7 @@ typedef struct seen {
 
 typedef struct fixture {
     model *m;
-    eng *e;
+    engine *e;
     spec *sx;
     tok_file tf;
     grammar_vocab *gv;
@@ -72,10 +72,10 @@ static int setup(void **state) {
     pthread_mutex_init(&f->mu, NULL);
     pthread_cond_init(&f->cv, NULL);
     if (model_load(&f->m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_config ec = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 256, .kv_tokens = 1024, .block_size = 16,
+    engine_config ec = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 256, .kv_tokens = 1024, .block_size = 16,
                      .threads = 2};
-    if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {1, 1, 2}, 4, 64, false, NULL, NULL};
+    if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {1, 1, 2}, 4, 64, false, NULL, NULL};
     if (spec_init(&f->sx, f->e, NULL, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     if (tok_file_open(&f->tf, MODEL_PATH, &err) != AE_OK) fail_msg("%s", err.msg);
     f->eos = tok_eos(f->tf.tok);
@@ -88,14 +88,14 @@ static int teardown(void **state) {
     fixture *f = *state;
     /* Compiles given up on run to their end: the process must not exit
      * under them. */
-    while (gc_live() > 0) {
+    while (gcompile_live() > 0) {
         struct timespec t = {0, 10000000};
         nanosleep(&t, NULL);
     }
     grammar_vocab_free(f->gv);
     tok_file_close(&f->tf);
     spec_free(f->sx);
-    eng_free(f->e);
+    engine_free(f->e);
     model_free(f->m);
     return 0;
 }
@@ -204,7 +204,7 @@ static void test_cancel_gives_up_a_running_compile(void **state) {
     printf("cancelled 100 ms into its compile: ended %lld ms after the cancel\n", (long long)took);
     assert_int_equal(f->req[0].finish, SCHED_CANCELLED);
     assert_true(took < 1000);
-    assert_int_equal(st.compiles[GC_CANCELLED], 1);
+    assert_int_equal(st.compiles[GCOMPILE_CANCELLED], 1);
     assert_int_equal(st.requests_cancelled, 1);
 }
 
@@ -236,7 +236,7 @@ static void test_compile_past_its_budget_is_refused(void **state) {
     assert_true(refused_at >= 200 && refused_at < 1000);
     assert_int_equal(f->req[1].finish, SCHED_STOP);
     assert_int_equal(f->req[1].tokens, 3);
-    assert_int_equal(st.compiles[GC_TIMEOUT], 1);
+    assert_int_equal(st.compiles[GCOMPILE_TIMEOUT], 1);
 }
 
 /* Requests with a schema have their own limit: past it they are refused,
@@ -273,7 +273,7 @@ static void test_compiles_have_their_own_queue(void **state) {
     assert_int_equal(f->req[0].finish, SCHED_CANCELLED);
     assert_int_equal(f->req[1].finish, SCHED_CANCELLED);
     /* One ran and was given up on; one never left the queue. */
-    assert_int_equal(st.compiles[GC_CANCELLED], 1);
+    assert_int_equal(st.compiles[GCOMPILE_CANCELLED], 1);
     assert_int_equal(st.compiles_dropped, 1);
 }
 

@@ -27,7 +27,7 @@
 
 typedef struct fixture {
     model *m;
-    eng *e;
+    engine *e;
     draft_link link;
 } fixture;
 
@@ -37,20 +37,20 @@ static void fixture_open(fixture *f) {
     ae_error err = {0};
     memset(f, 0, sizeof *f);
     if (model_load(&f->m, FIX "/target", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
-    if (eng_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f->e), 0};
+    engine_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
+    if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, engine_pool(f->e), 0};
     if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
 static void fixture_close(fixture *f) {
     draft_link_close(&f->link);
-    eng_free(f->e);
+    engine_free(f->e);
     model_free(f->m);
 }
 
 static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, shape, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape, MAX_SEQS, 128, false, NULL, NULL};
     ae_error err = {0};
     if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
@@ -61,11 +61,11 @@ static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
 /* Prompt i: 1..MAX_PROMPT random ids. */
 static int32_t prompt(int i, int32_t *ids) { return spec_test_prompt(i, 32, MAX_PROMPT, 7, ids); }
 
-static void plain_greedy(eng *e, const int32_t *ids, int32_t n, int32_t n_gen, int32_t *out) {
+static void plain_greedy(engine *e, const int32_t *ids, int32_t n, int32_t n_gen, int32_t *out) {
     run_plain_greedy(e, ids, n, CHUNK, n_gen, out);
 }
 
-static void spec_generate(spec *s, eng *e, const int32_t *ids, int32_t n, const sample_params *sp, uint64_t seed,
+static void spec_generate(spec *s, engine *e, const int32_t *ids, int32_t n, const sample_params *sp, uint64_t seed,
                           int32_t n_gen, int32_t *out) {
     run_spec(s, e, ids, n, CHUNK, sp, seed, n_gen, out);
 }
@@ -88,7 +88,7 @@ static void test_greedy_speculation_is_lossless_with_the_fixture_head(void **sta
     for (int k = 0; k < 4; k++) {
         if (k == 3) { /* the same head rounded to Q8_0: other trees, the same output */
             ae_error err = {0};
-            drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, eng_pool(f.e), 0};
+            drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, engine_pool(f.e), 0};
             draft_link_close(&f.link);
             if (draft_link_open(&f.link, FIX "/head", model_embedding(f.m), EAGLE_WEIGHTS_Q8_0, &dc, &err) != AE_OK)
                 fail_msg("%s", err.msg);
@@ -207,13 +207,13 @@ static void test_accepted_paths_are_committed_exactly(void **state) {
         float *ref = calloc((size_t)committed * (size_t)o.fw, sizeof(float)), lg[32];
         int32_t rows[MAX_PROMPT + N_GEN + 8];
         for (int32_t r = 0; r < committed; r++) rows[r] = r;
-        llama_capture cap = {LLAMA_MAX_CAPTURE, {1, 3, 4}, committed, rows, ref};
+        forward_capture cap = {FORWARD_MAX_CAPTURE, {1, 3, 4}, committed, rows, ref};
         ae_error err = {0};
-        assert_int_equal(eng_seq_new(f.e, &seq, &err), AE_OK);
-        eng_item it = {seq, ENG_APPEND, committed, truth, NULL, false};
-        assert_int_equal(eng_step(f.e, &it, 1, lg, &cap, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
+        engine_item it = {seq, ENGINE_APPEND, committed, truth, NULL, false};
+        assert_int_equal(engine_step(f.e, &it, 1, lg, &cap, &err), AE_OK);
         assert_memory_equal(ref, o.features, (size_t)committed * (size_t)o.fw * sizeof(float));
-        eng_seq_free(f.e, seq);
+        engine_seq_free(f.e, seq);
         free(ref);
         free(o.features);
         spec_free(s);
@@ -344,17 +344,17 @@ static void test_speculation_needs_a_batch_token_for_every_root(void **state) {
     (void)state;
     fixture f;
     fixture_open(&f);
-    spec_config sc = {LLAMA_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
-    eng_config ec = {MAX_SEQS - 1, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 1, 0};
-    eng *small;
+    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    engine_config ec = {MAX_SEQS - 1, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 1, 0};
+    engine *small;
     spec *s = (spec *)1;
     ae_error err = {0};
-    assert_int_equal(eng_init(&small, f.m, &ec, &err), AE_OK);
+    assert_int_equal(engine_init(&small, f.m, &ec, &err), AE_OK);
     sc.max_batch_tokens = MAX_SEQS - 1;
     assert_int_equal(spec_init(&s, small, &f.link.iface, &sc, &err), AE_ERR);
     assert_null(s);
     assert_string_equal(err.msg, "speculation: 3 batch tokens cannot hold a root for each of 4 sequences");
-    eng_free(small);
+    engine_free(small);
     fixture_close(&f);
 }
 
@@ -417,7 +417,7 @@ static void test_sampled_speculation_is_the_plain_output_for_any_tree(void **sta
     fixture_close(&f);
 }
 
-/* At two tensor-parallel ranks (eng_set_tp) the target's output moves
+/* At two tensor-parallel ranks (engine_set_tp) the target's output moves
  * from one rank's (partial sums are added in another order), but at that
  * degree speculation is still lossless: greedy and seeded sampled output
  * equal plain output at two ranks, token for token, through trees whose
@@ -427,7 +427,7 @@ static void test_speculation_at_two_ranks_is_plain_at_two_ranks(void **state) {
     fixture f;
     fixture_open(&f);
     ae_error err = {0};
-    if (eng_set_tp(f.e, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_set_tp(f.e, 2, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     const spec_shape shapes[2] = {{4, 1, 5}, {8, 4, 32}};
     int32_t ids[MAX_PROMPT], want[N_GEN], got[N_GEN];
     for (int k = 0; k < 2; k++) {
@@ -442,14 +442,14 @@ static void test_speculation_at_two_ranks_is_plain_at_two_ranks(void **state) {
             if (memcmp(got, want, sizeof got) == 0) identical++;
         }
         const spec_stats *st = spec_total_stats(s);
-        eng_comm_stats cs = eng_get_comm_stats(f.e);
+        engine_comm_stats cs = engine_get_comm_stats(f.e);
         printf("2 ranks, tree %d: %d/%d runs identical to plain; %lld accepted; the last pass, of %d tokens: "
                "%llu allreduces x %llu bytes\n",
                k, identical, runs, (long long)st->accepted, cs.last_tokens, (unsigned long long)cs.last.calls,
                (unsigned long long)(cs.last.calls ? cs.last.bytes / cs.last.calls : 0));
         assert_int_equal(identical, runs);
         assert_true(st->accepted > 0);
-        assert_int_equal(cs.last.calls, 2 * eng_model(f.e)->cfg.n_layers);
+        assert_int_equal(cs.last.calls, 2 * engine_model(f.e)->cfg.n_layers);
         spec_free(s);
     }
     fixture_close(&f);
@@ -500,7 +500,7 @@ static void test_sampled_sequences_batched_together_each_get_their_plain_output(
         limit[i] = N_GEN - 4 * ((i + 1) % MAX_SEQS);
         run_plain_sampled(f.e, ids[i], n[i], CHUNK, params[i], 40 + (uint64_t)i, N_GEN, want[i]);
         sample_rng_seed(&rng[i], 40 + (uint64_t)i);
-        assert_int_equal(eng_seq_new(f.e, &seq[i], &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &seq[i], &err), AE_OK);
         assert_int_equal(spec_seq_start(s, seq[i], ids[i], n[i], CHUNK, &err), AE_OK);
     }
     for (;;) {
@@ -521,7 +521,7 @@ static void test_sampled_sequences_batched_together_each_get_their_plain_output(
     for (int i = 0; i < MAX_SEQS; i++) {
         assert_memory_equal(got[i], want[i], (size_t)limit[i] * sizeof(int32_t));
         spec_seq_end(s, seq[i]);
-        eng_seq_free(f.e, seq[i]);
+        engine_seq_free(f.e, seq[i]);
     }
     assert_true(spec_total_stats(s)->accepted > 0);
     spec_free(s);
@@ -542,34 +542,34 @@ static void test_forked_choices_each_get_their_plain_output(void **state) {
     int32_t ids[MAX_PROMPT], n = prompt(31, ids), want[MAX_SEQS][N_GEN], got[MAX_SEQS][N_GEN], seq[MAX_SEQS];
     int32_t n_got[MAX_SEQS] = {0};
     sample_rng rng[MAX_SEQS];
-    sampler *smp;
+    sample_state *smp;
     assert_int_equal(sample_init(&smp, 32, &err), AE_OK);
     for (int c = 0; c < MAX_SEQS; c++) {
         /* plain decoding of choice c */
         rng[c] = (sample_rng){.seed = 77, .choice = (uint32_t)c};
         float lg[32];
         int32_t q;
-        assert_int_equal(eng_seq_new(f.e, &q, &err), AE_OK);
-        eng_item it = {q, ENG_APPEND, n, ids, NULL, false};
-        assert_int_equal(eng_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &q, &err), AE_OK);
+        engine_item it = {q, ENGINE_APPEND, n, ids, NULL, false};
+        assert_int_equal(engine_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
         for (int32_t g = 0; g < N_GEN; g++) {
             want[c][g] = sample_token(smp, lg, &sampled[1], &rng[c], n + g);
-            eng_item d = {q, ENG_APPEND, 1, &want[c][g], NULL, false};
-            assert_int_equal(eng_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
+            engine_item d = {q, ENGINE_APPEND, 1, &want[c][g], NULL, false};
+            assert_int_equal(engine_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
         }
-        eng_seq_free(f.e, q);
+        engine_seq_free(f.e, q);
     }
     assert_true(memcmp(want[0], want[1], sizeof want[0]) != 0); /* the keys differ */
-    assert_int_equal(eng_seq_new(f.e, &seq[0], &err), AE_OK);
+    assert_int_equal(engine_seq_new(f.e, &seq[0], &err), AE_OK);
     assert_int_equal(spec_seq_start(s, seq[0], ids, n, CHUNK, &err), AE_OK);
-    int32_t used = eng_kv_stats(f.e).blocks_used;
+    int32_t used = engine_kv_stats(f.e).blocks_used;
     for (int c = 1; c < MAX_SEQS; c++) {
-        assert_int_equal(eng_seq_fork(f.e, seq[0], &seq[c], &err), AE_OK);
+        assert_int_equal(engine_seq_fork(f.e, seq[0], &seq[c], &err), AE_OK);
         assert_int_equal(spec_seq_fork(s, seq[0], seq[c], &err), AE_OK);
     }
     /* Only the block being filled is copied. */
     int32_t per_fork = (n - 1) % 16 ? 1 : 0;
-    assert_int_equal(eng_kv_stats(f.e).blocks_used, used + (MAX_SEQS - 1) * per_fork);
+    assert_int_equal(engine_kv_stats(f.e).blocks_used, used + (MAX_SEQS - 1) * per_fork);
     for (int step = 0;; step++) {
         spec_in in[MAX_SEQS];
         spec_out o[MAX_SEQS];
@@ -590,11 +590,11 @@ static void test_forked_choices_each_get_their_plain_output(void **state) {
         assert_true(spec_seq_stats(s, seq[c])->steps > 0);
         assert_int_equal(spec_seq_stats(s, seq[c])->bad_trees, 0);
         spec_seq_end(s, seq[c]);
-        eng_seq_free(f.e, seq[c]);
+        engine_seq_free(f.e, seq[c]);
     }
     assert_int_equal(spec_total_stats(s)->state_gone, 0);
     assert_int_equal(spec_total_stats(s)->draft_failures, 0);
-    assert_int_equal(eng_kv_stats(f.e).blocks_used, 0);
+    assert_int_equal(engine_kv_stats(f.e).blocks_used, 0);
     sample_free(smp);
     spec_free(s);
     fixture_close(&f);
@@ -619,7 +619,7 @@ static void test_sequences_batched_together_each_get_their_plain_output(void **s
     }
     for (int i = 0; i < MAX_SEQS; i++) {
         sample_rng_seed(&rng[i], (uint64_t)i);
-        assert_int_equal(eng_seq_new(f.e, &seq[i], &err), AE_OK);
+        assert_int_equal(engine_seq_new(f.e, &seq[i], &err), AE_OK);
         assert_int_equal(spec_seq_start(s, seq[i], ids[i], n[i], CHUNK, &err), AE_OK);
     }
     int steps = 0;
@@ -647,7 +647,7 @@ static void test_sequences_batched_together_each_get_their_plain_output(void **s
         sum.accepted += st->accepted;
         sum.emitted += st->emitted;
         spec_seq_end(s, seq[i]);
-        eng_seq_free(f.e, seq[i]);
+        engine_seq_free(f.e, seq[i]);
     }
     const spec_stats *total = spec_total_stats(s);
     assert_int_equal(sum.steps, total->steps);
@@ -709,22 +709,22 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     fixture f;
     fixture_open(&f);
     ae_error err = {0};
-    eng *e;
-    eng_config ec = {128, 1, LEN, LEN, 16, 2, 0};
-    if (eng_init(&e, f.m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
+    engine *e;
+    engine_config ec = {128, 1, LEN, LEN, 16, 2, 0};
+    if (engine_init(&e, f.m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     draft_link link;
-    drafter_config dc = {1, LEN, CHUNK, 2, eng_pool(e), 0};
+    drafter_config dc = {1, LEN, CHUNK, 2, engine_pool(e), 0};
     if (draft_link_open(&link, FIX "/head", model_embedding(f.m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
     costly c = {&link.iface, 0, cost, verify, 0, 0, 0};
     spec_drafter d = {&c, costly_propose, costly_release};
     /* A chain of one drafted token: at most 2 tokens a step, so the
      * sequence stays inside the fixture's 256 positions. */
-    spec_config sc = {LLAMA_MAX_CAPTURE, {0}, {1, 1, 2}, 1, 128, true, test_clock, &c};
+    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {1, 1, 2}, 1, 128, true, test_clock, &c};
     if (draft_link_capture(&link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
     if (spec_init(&s, e, &d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     int32_t ids[] = {3, 17, 5, 28, 9}, n = 5, got[LEN], want[LEN], n_got = 0, seq;
-    assert_int_equal(eng_seq_new(e, &seq, &err), AE_OK);
+    assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
     assert_int_equal(spec_seq_start(s, seq, ids, n, CHUNK, &err), AE_OK);
     sample_rng rng;
     sample_rng_seed(&rng, 0);
@@ -736,7 +736,7 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
         for (int32_t j = 0; j < o.n; j++) got[n_got++] = o.tokens[j];
     }
     spec_seq_end(s, seq);
-    eng_seq_free(e, seq);
+    engine_seq_free(e, seq);
     if (sample_is_greedy(sp)) {
         plain_greedy(e, ids, n, n_got, want);
         assert_memory_equal(got, want, (size_t)n_got * sizeof(int32_t));
@@ -749,7 +749,7 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     last_costly = c;
     spec_free(s);
     draft_link_close(&link);
-    eng_free(e);
+    engine_free(e);
     fixture_close(&f);
     return st;
 }

@@ -98,14 +98,14 @@ static const int32_t capture_layers[N_CAPTURE] = {1, 2, 3};
 /* One prompt through a fresh engine: chunked prefill, then greedy decode. */
 static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const int32_t *want,
                          const float *ref_logits, const float *ref_hidden) {
-    eng_config cfg = {.max_batch_tokens = CHUNK, .max_seqs = 1, .max_seq_len = 128, .kv_tokens = 128,
+    engine_config cfg = {.max_batch_tokens = CHUNK, .max_seqs = 1, .max_seq_len = 128, .kv_tokens = 128,
                       .block_size = 16, .threads = 2};
     int32_t V = m->cfg.vocab;
-    eng *e;
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     int32_t s;
-    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
     float *lg = malloc(sizeof(float) * (size_t)V);
     assert_non_null(lg);
     const int32_t H = m->cfg.hidden;
@@ -113,11 +113,11 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
     assert_non_null(feat);
     for (int32_t at = 0; at < n; at += CHUNK) {
         int32_t k = n - at < CHUNK ? n - at : CHUNK, last = k - 1;
-        llama_capture cap = {N_CAPTURE, {capture_layers[0], capture_layers[1], capture_layers[2]}, 1, &last, feat};
-        eng_item it = {s, ENG_APPEND, k, prompt + at, NULL, false};
-        if (eng_step(e, &it, 1, lg, at + k == n && ref_hidden ? &cap : NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        forward_capture cap = {N_CAPTURE, {capture_layers[0], capture_layers[1], capture_layers[2]}, 1, &last, feat};
+        engine_item it = {s, ENGINE_APPEND, k, prompt + at, NULL, false};
+        if (engine_step(e, &it, 1, lg, at + k == n && ref_hidden ? &cap : NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     }
-    assert_int_equal(eng_seq_len(e, s), n);
+    assert_int_equal(engine_seq_len(e, s), n);
     result r = {0, rel_l2(lg, ref_logits, V), 0.0};
     for (int j = 0; ref_hidden && j < N_CAPTURE; j++) {
         double h = rel_l2(feat + (size_t)j * (size_t)H, ref_hidden + (size_t)j * (size_t)H, H);
@@ -132,8 +132,8 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
         else diverged = true;
         /* Feed the reference token so one near tie does not derail the
          * rest; tokens_equal counts only up to the first miss. */
-        eng_item d = {s, ENG_APPEND, 1, &want[g], NULL, false};
-        if (eng_step(e, &d, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        engine_item d = {s, ENGINE_APPEND, 1, &want[g], NULL, false};
+        if (engine_step(e, &d, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
     }
     if (diverged) {
         fprintf(stderr, "  got     ");
@@ -143,7 +143,7 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
         fprintf(stderr, "\n");
     }
     free(lg);
-    eng_free(e);
+    engine_free(e);
     return r;
 }
 
@@ -353,23 +353,23 @@ static void test_qwen2_without_bias_is_refused(void **state) {
     assert_non_null(cfg);
     cJSON_AddBoolToObject(cfg, "attention_bias", false);
     char *out = cJSON_Print(cfg);
-    char cfg_path[128], st_path[128], cwd[512], target[700];
+    char cfg_path[128], safetensors_path[128], cwd[512], target[700];
     snprintf(cfg_path, sizeof cfg_path, "%s/config.json", dir);
-    snprintf(st_path, sizeof st_path, "%s/model.safetensors", dir);
+    snprintf(safetensors_path, sizeof safetensors_path, "%s/model.safetensors", dir);
     FILE *f = fopen(cfg_path, "w");
     assert_non_null(f);
     fputs(out, f);
     fclose(f);
     assert_non_null(getcwd(cwd, sizeof cwd));
     snprintf(target, sizeof target, "%s/" GOLDEN "/qwen2/model.safetensors", cwd);
-    assert_int_equal(symlink(target, st_path), 0);
+    assert_int_equal(symlink(target, safetensors_path), 0);
     free(out);
     cJSON_Delete(cfg);
 
     model *m = (model *)1;
     ae_error err = {0};
     int rc = model_load(&m, dir, &kn_backend_cpu, &err);
-    unlink(st_path);
+    unlink(safetensors_path);
     unlink(cfg_path);
     rmdir(dir);
     assert_int_equal(rc, AE_ERR);

@@ -210,11 +210,11 @@ static int32_t argmax(const float *x) {
     return b;
 }
 
-/* The reference: llama_forward on the full model, one rank, no comm. */
+/* The reference: forward_pass on the full model, one rank, no comm. */
 typedef struct plain {
     pool *pool;
     kn_stream *stream;
-    llama_ws *ws;
+    forward_ws *ws;
     kn_kv_pool *kv; /* [n_layers] */
     uint16_t *kv_mem; /* f16 */
 } plain;
@@ -224,8 +224,8 @@ static void plain_init(plain *p) {
     ae_error err = {0};
     memset(p, 0, sizeof *p);
     if (pool_init(&p->pool, 2, &err) != AE_OK ||
-        kn_stream_init(&p->stream, &kn_backend_cpu, &(kn_stream_config){p->pool, llama_stream_workspace(mdl, N_PROMPT, N_PROMPT + N_GEN)}, &err) != AE_OK ||
-        llama_ws_init(&p->ws, mdl, N_PROMPT, 1, &err) != AE_OK)
+        kn_stream_init(&p->stream, &kn_backend_cpu, &(kn_stream_config){p->pool, forward_stream_workspace(mdl, N_PROMPT, N_PROMPT + N_GEN)}, &err) != AE_OK ||
+        forward_ws_init(&p->ws, mdl, N_PROMPT, 1, &err) != AE_OK)
         fail_msg("%s", err.msg);
     size_t n = (size_t)N_BLOCKS * BLOCK * (size_t)c->n_kv_heads * (size_t)c->head_dim;
     p->kv_mem = calloc(2 * n * (size_t)c->n_layers, sizeof(uint16_t));
@@ -238,7 +238,7 @@ static void plain_init(plain *p) {
 }
 
 static void plain_free(plain *p) {
-    llama_ws_free(p->ws);
+    forward_ws_free(p->ws);
     kn_stream_free(p->stream);
     pool_free(p->pool);
     free(p->kv);
@@ -281,9 +281,9 @@ static run_result *generate(int32_t R, int32_t n_gen) {
         kn_kv_map map = {m, table, 1, N_BLOCKS, seq, slot, n_prefix, zero, zero, NULL, 0, len + m};
         int32_t last = m - 1;
         float *logits = res->logits + (size_t)step * (size_t)V;
-        llama_batch b = {m, cur, pos, &map, 1, &last, logits, NULL};
+        forward_batch b = {m, cur, pos, &map, 1, &last, logits, NULL};
         if (g) tp_forward(g, NULL, &b);
-        else llama_forward(mdl, p.stream, NULL, p.kv, p.ws, &b);
+        else forward_pass(mdl, p.stream, NULL, p.kv, p.ws, &b);
         len += m;
         res->tokens[step] = argmax(logits);
         cur[0] = res->tokens[step];
@@ -373,28 +373,28 @@ static void test_two_ranks_repeat_bit_for_bit(void **state) {
 
 /* ---- ranks inside the engine ---------------------------------------------- */
 
-/* generate() through the engine at R ranks (eng_set_tp; R = 1: none),
+/* generate() through the engine at R ranks (engine_set_tp; R = 1: none),
  * the prompt in one prefill step, and each step's allreduces against the
  * architecture: two per layer (after the attention output projection and
  * after the MLP down projection), each of the step's tokens x hidden
  * floats; none at one rank. */
-static run_result *engine_run(eng *e, int32_t R) {
+static run_result *engine_run(engine *e, int32_t R) {
     const model_config *c = &mdl->cfg;
     ae_error err = {0};
-    if (eng_set_tp(e, R, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
-    assert_int_equal(eng_tp(e), R);
+    if (engine_set_tp(e, R, KN_ALLREDUCE_AUTO, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(engine_tp(e), R);
     run_result *res = calloc(1, sizeof *res);
     assert_non_null(res);
     res->logits = calloc((size_t)V * N_GEN, sizeof(float));
     assert_non_null(res->logits);
     int32_t s, cur[N_PROMPT], m = N_PROMPT;
     memcpy(cur, PROMPT, sizeof PROMPT);
-    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
     for (int32_t step = 0; step < N_GEN; step++) {
         float *logits = res->logits + (size_t)step * (size_t)V;
-        eng_item it = {s, ENG_APPEND, m, cur, NULL, false};
-        if (eng_step(e, &it, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
-        eng_comm_stats cs = eng_get_comm_stats(e);
+        engine_item it = {s, ENGINE_APPEND, m, cur, NULL, false};
+        if (engine_step(e, &it, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        engine_comm_stats cs = engine_get_comm_stats(e);
         uint64_t want = R > 1 ? 2 * (uint64_t)c->n_layers : 0;
         assert_int_equal(cs.last.calls, want);
         assert_int_equal(cs.last.bytes, want * (uint64_t)m * (uint64_t)c->hidden * sizeof(float));
@@ -407,19 +407,19 @@ static run_result *engine_run(eng *e, int32_t R) {
         cur[0] = res->tokens[step];
         m = 1;
     }
-    eng_seq_free(e, s);
+    engine_seq_free(e, s);
     return res;
 }
 
-static const eng_config engine_cfg = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
+static const engine_config engine_cfg = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
                                       .kv_tokens = 2 * N_BLOCKS * BLOCK, .block_size = BLOCK, .threads = 2};
 
 static run_result *engine_generate(int32_t R) {
-    eng *e;
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     run_result *res = engine_run(e, R);
-    eng_free(e);
+    engine_free(e);
     return res;
 }
 
@@ -449,9 +449,9 @@ static void test_the_engine_at_one_two_and_three_ranks(void **state) {
  * totals step by step). */
 static void test_the_engine_changes_ranks_between_sequences(void **state) {
     (void)state;
-    eng *e;
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
     if (!two_ranks) two_ranks = generate(2, N_GEN);
     const run_result *want[3] = {two_ranks, get_reference(), NULL};
     run_result *three = engine_generate(3);
@@ -463,51 +463,51 @@ static void test_the_engine_changes_ranks_between_sequences(void **state) {
         assert_memory_equal(got->logits, want[i]->logits, sizeof(float) * (size_t)V * N_GEN);
         run_result_free(got);
     }
-    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
-    eng_comm_stats cs = eng_get_comm_stats(e);
+    assert_int_equal(engine_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
+    engine_comm_stats cs = engine_get_comm_stats(e);
     assert_true(cs.last.calls == 0 && cs.total.calls == 0 && cs.steps == 0);
     run_result_free(three);
-    eng_free(e);
+    engine_free(e);
 }
 
 /* Ranks the model cannot be cut into are refused with the reason, and the
  * engine goes on at one rank; ranks are set before any sequence. */
 static void test_the_engine_refuses_ranks_it_cannot_have(void **state) {
     (void)state;
-    eng *e;
+    engine *e;
     ae_error err = {0};
-    if (eng_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
-    assert_int_equal(eng_set_tp(e, 4, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
+    if (engine_init(&e, mdl, &engine_cfg, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(engine_set_tp(e, 4, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     print_message("4 ranks: %s\n", err.msg);
     assert_non_null(strstr(err.msg, "3 kv heads"));
-    assert_int_equal(eng_tp(e), 1);
+    assert_int_equal(engine_tp(e), 1);
     err = (ae_error){0};
-    assert_int_equal(eng_set_tp(e, 0, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
+    assert_int_equal(engine_set_tp(e, 0, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: 0 ranks (1 to 64)");
     /* the kinds of allreduce: a GPU's are refused on the CPU, the CPU's is taken */
     err = (ae_error){0};
-    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_NCCL, NULL, &err), AE_ERR);
+    assert_int_equal(engine_set_tp(e, 2, KN_ALLREDUCE_NCCL, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: --allreduce nccl is for ranks on a GPU; the cpu backend's ranks "
                                  "reduce with cpu");
-    assert_int_equal(eng_tp(e), 1);
-    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_CPU, NULL, &err), AE_OK);
-    assert_int_equal(eng_tp(e), 2);
-    assert_int_equal(eng_allreduce(e), KN_ALLREDUCE_CPU);
-    assert_string_equal(eng_allreduce_why(e), "");
-    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
-    assert_int_equal(eng_tp(e), 1);
+    assert_int_equal(engine_tp(e), 1);
+    assert_int_equal(engine_set_tp(e, 2, KN_ALLREDUCE_CPU, NULL, &err), AE_OK);
+    assert_int_equal(engine_tp(e), 2);
+    assert_int_equal(engine_allreduce(e), KN_ALLREDUCE_CPU);
+    assert_string_equal(engine_allreduce_why(e), "");
+    assert_int_equal(engine_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK);
+    assert_int_equal(engine_tp(e), 1);
     int32_t s, tok = PROMPT[0];
     float *lg = malloc(sizeof(float) * (size_t)V);
     assert_non_null(lg);
-    if (eng_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
-    eng_item it = {s, ENG_APPEND, 1, &tok, NULL, false};
-    assert_int_equal(eng_step(e, &it, 1, lg, NULL, &err), AE_OK);
+    if (engine_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
+    engine_item it = {s, ENGINE_APPEND, 1, &tok, NULL, false};
+    assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
     err = (ae_error){0};
-    assert_int_equal(eng_set_tp(e, 2, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
+    assert_int_equal(engine_set_tp(e, 2, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: ranks are set before any sequence");
-    assert_int_equal(eng_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK); /* what it has: nothing to do */
+    assert_int_equal(engine_set_tp(e, 1, KN_ALLREDUCE_AUTO, NULL, &err), AE_OK); /* what it has: nothing to do */
     free(lg);
-    eng_free(e);
+    engine_free(e);
 }
 
 int main(void) {

@@ -64,7 +64,7 @@ static void test_greedy_accepts_one_level(void **state) {
     assert_int_equal(bonus, 6);
 }
 
-/* The same tree decided by row argmaxes alone (eng_step_argmax): with no
+/* The same tree decided by row argmaxes alone (engine_step_argmax): with no
  * logits at all, the path of test_greedy_accepts_one_level; with a rule
  * that reads rows (verify_proc), the ids are not used and the rows
  * decide. */
@@ -169,8 +169,8 @@ static void test_greedy_stops_a_chain_at_the_first_mismatch(void **state) {
     assert_int_equal(bonus, 5);
 }
 
-static sampler *make(int32_t vocab) {
-    sampler *s;
+static sample_state *make(int32_t vocab) {
+    sample_state *s;
     ae_error err = {0};
     assert_int_equal(sample_init(&s, vocab, &err), AE_OK);
     return s;
@@ -185,7 +185,7 @@ static void test_greedy_params_through_verify_sample_draw_nothing(void **state) 
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
     verify_tree t = {8, tokens, parents, logits, GV, NULL, NULL};
-    sampler *s = make(GV);
+    sample_state *s = make(GV);
     sample_params p = {.temperature = 0.0f, .top_k = 3, .top_p = 0.5f, .min_p = 0.1f};
     int32_t path[8], bonus = -1;
     const int32_t want[] = {0, 3, 6, 7};
@@ -210,7 +210,7 @@ static void set_spread(float *logits, int32_t node) {
  * different draws are checked. */
 static void test_sampling_accepts_a_child_only_when_it_is_the_keyed_draw(void **state) {
     (void)state;
-    sampler *s = make(GV);
+    sample_state *s = make(GV);
     sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     float logits[5 * GV];
     for (int32_t i = 0; i < 5; i++) set_spread(logits, i);
@@ -244,7 +244,7 @@ static void test_sampling_a_point_distribution_walks_the_greedy_path(void **stat
     const int32_t argmax[] = {3, 6, 1, 6, 1, 1, 0, 2};
     for (int32_t i = 0; i < 8; i++) set_argmax(logits, i, argmax[i]);
     verify_tree t = {8, tokens, parents, logits, GV, NULL, NULL};
-    sampler *s = make(GV);
+    sample_state *s = make(GV);
     sample_params p = {.temperature = 0.8f, .top_k = 1, .top_p = 1.0f, .min_p = 0.0f};
     sample_rng rng;
     sample_rng_seed(&rng, 11);
@@ -299,7 +299,7 @@ static const float s_logits[SN * SV] = {
     -0.30f, -0.80f, -1.00f, -1.20f, -1.40f, -1.60f, /* node 4 (token 1) */
 };
 
-typedef int32_t (*verify_fn)(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng,
+typedef int32_t (*verify_fn)(const verify_tree *t, sample_state *s, const sample_params *p, const sample_rng *rng,
                              int32_t pos, int32_t *path, int32_t *bonus);
 
 typedef struct fit {
@@ -333,7 +333,7 @@ static fit pearson(const long *count, const double *prob, int n, long total) {
  * The emitted tokens are the path's tokens after the root, then the bonus. */
 static void fit_sampled_output(verify_fn fn, const sample_params *p, long n, uint64_t seed, fit *joint,
                                fit *cond) {
-    sampler *s = make(SV);
+    sample_state *s = make(SV);
     verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL, NULL};
     float dense[SN][SV];
     for (int32_t i = 0; i < SN; i++) sample_dist_dense(s, s_logits + (size_t)i * SV, p, dense[i]);
@@ -422,7 +422,7 @@ static int32_t from_weights(const float *w, int32_t n, double u) {
 }
 
 /* Accepts the first child with P > 0 at every node. */
-static int32_t accept_first_child(const verify_tree *t, sampler *s, const sample_params *p, const sample_rng *rng,
+static int32_t accept_first_child(const verify_tree *t, sample_state *s, const sample_params *p, const sample_rng *rng,
                                   int32_t pos, int32_t *path, int32_t *bonus) {
     float probs[SV];
     int32_t n_path = 0, cur = 0;
@@ -443,7 +443,7 @@ static int32_t accept_first_child(const verify_tree *t, sampler *s, const sample
 /* Rejection sampling that accepts child x with probability P(x) from the
  * full distribution, not from what is left after the rejections before
  * it: the subtle bug of that rule. */
-static int32_t accept_without_renormalising(const verify_tree *t, sampler *s, const sample_params *p,
+static int32_t accept_without_renormalising(const verify_tree *t, sample_state *s, const sample_params *p,
                                             const sample_rng *rng, int32_t pos, int32_t *path, int32_t *bonus) {
     float probs[SV];
     int32_t n_path = 0, cur = 0;
@@ -491,7 +491,7 @@ static void test_chi_square_rejects_an_acceptor_that_does_not_renormalise(void *
 static void test_same_seed_same_paths_and_bonuses(void **state) {
     (void)state;
     enum { R = 500 };
-    sampler *s = make(SV);
+    sample_state *s = make(SV);
     verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL, NULL};
     sample_params p = {.temperature = 0.7f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
     static int32_t got[3][R][SN + 2];

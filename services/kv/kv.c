@@ -1,4 +1,4 @@
-#include "kv_cache.h"
+#include "kv.h"
 
 #include <stdbool.h>
 #include <stdlib.h>

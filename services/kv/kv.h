@@ -23,8 +23,8 @@
  * Sequence ids come from the engine, not from the network: passing an id
  * that is not live is a broken invariant (always-on assert). Running out of
  * blocks or sequence slots is a runtime failure with an error text. */
-#ifndef AERIE_KV_CACHE_H
-#define AERIE_KV_CACHE_H
+#ifndef AERIE_KV_KV_H
+#define AERIE_KV_KV_H
 
 #include <stdbool.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-#include "server.h"
+#include "target_server.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -9,9 +9,9 @@
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
 
-struct tsrv {
+struct target_server {
     int32_t vocab;
-    dcli *draft;
+    draft_client *draft;
     spec *sx;
     sched *sched;
     pthread_mutex_t mu; /* info strings, draining */
@@ -28,7 +28,7 @@ static bool sink_cancelled(void *ctx, void *req_ctx) {
 }
 
 static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
-    tsrv *t = ctx;
+    target_server *t = ctx;
     rpc_call *call = req_ctx;
     if (e->finish == SCHED_REFUSED) {
         rpc_call_fail(call, RPC_INVALID_ARGUMENT, "%s", e->error ? e->error : "?");
@@ -93,9 +93,9 @@ static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
         rpc_call_finish(call, RPC_OK, NULL, 0, NULL, 0);
 }
 
-int tsrv_init(tsrv **out, int32_t vocab, dcli *draft, spec *sx, sched_sink *sink, ae_error *err) {
+int target_server_init(target_server **out, int32_t vocab, draft_client *draft, spec *sx, sched_sink *sink, ae_error *err) {
     *out = NULL;
-    tsrv *t = calloc(1, sizeof *t);
+    target_server *t = calloc(1, sizeof *t);
     if (!t) return err_set(err, "out of memory");
     t->vocab = vocab;
     t->draft = draft;
@@ -106,9 +106,9 @@ int tsrv_init(tsrv **out, int32_t vocab, dcli *draft, spec *sx, sched_sink *sink
     return AE_OK;
 }
 
-void tsrv_attach(tsrv *t, sched *s) { t->sched = s; }
+void target_server_attach(target_server *t, sched *s) { t->sched = s; }
 
-void tsrv_free(tsrv *t) {
+void target_server_free(target_server *t) {
     if (!t) return;
     free(t->config_json);
     free(t->memory_plan);
@@ -116,7 +116,7 @@ void tsrv_free(tsrv *t) {
     free(t);
 }
 
-void tsrv_set_info(tsrv *t, const char *config_json, const char *memory_plan) {
+void target_server_set_info(target_server *t, const char *config_json, const char *memory_plan) {
     pthread_mutex_lock(&t->mu);
     free(t->config_json);
     free(t->memory_plan);
@@ -125,13 +125,13 @@ void tsrv_set_info(tsrv *t, const char *config_json, const char *memory_plan) {
     pthread_mutex_unlock(&t->mu);
 }
 
-void tsrv_set_draining(tsrv *t) {
+void target_server_set_draining(target_server *t) {
     pthread_mutex_lock(&t->mu);
     t->draining = true;
     pthread_mutex_unlock(&t->mu);
 }
 
-static void do_generate(tsrv *t, rpc_call *call, const rpc_request *rq) {
+static void do_generate(target_server *t, rpc_call *call, const rpc_request *rq) {
     aerie_GenerateRequest g;
     ae_error err = {{0}};
     if (msg_decode(aerie_GenerateRequest_fields, &g, rq->msg, rq->msg_len, &err) != AE_OK) {
@@ -240,7 +240,7 @@ static void reply_msg(rpc_call *call, const pb_msgdesc_t *fields, const void *m,
     else rpc_call_finish(call, RPC_OK, buf, len, NULL, 0);
 }
 
-static void do_info(tsrv *t, rpc_call *call) {
+static void do_info(target_server *t, rpc_call *call) {
     static _Thread_local aerie_InfoReply r;
     static _Thread_local uint8_t buf[aerie_InfoReply_size];
     memset(&r, 0, sizeof r);
@@ -254,12 +254,12 @@ static void do_info(tsrv *t, rpc_call *call) {
     char draft[512] = "null", pol[2048] = "null";
     if (t->draft) policy_report_json(&s.policy, pol, sizeof pol);
     if (t->draft) {
-        dcli_stats d = dcli_get_stats(t->draft);
+        draft_client_stats d = draft_client_get_stats(t->draft);
         snprintf(draft, sizeof draft,
                  "{\"connected\": %s, \"calls\": %llu, \"failures\": %llu, \"deadline_exceeded\": %llu, "
                  "\"unavailable\": %llu, \"bad_replies\": %llu, \"state_gone\": %llu, \"release_failures\": %llu, "
                  "\"mean_rtt_us\": %.1f, \"mean_server_us\": %.1f}",
-                 dcli_connected(t->draft) ? "true" : "false", (unsigned long long)d.calls,
+                 draft_client_connected(t->draft) ? "true" : "false", (unsigned long long)d.calls,
                  (unsigned long long)d.failures, (unsigned long long)d.deadline_exceeded,
                  (unsigned long long)d.unavailable, (unsigned long long)d.bad_replies,
                  (unsigned long long)d.state_gone, (unsigned long long)d.release_failures,
@@ -288,16 +288,16 @@ static void do_info(tsrv *t, rpc_call *call) {
              (double)s.spec.explore_ns / 1e6, (double)s.spec.feed_ns / 1e6, (unsigned long long)s.requests_constrained,
              (unsigned long long)s.grammar_masks, (double)s.grammar_mask_ns / 1e6, s.compiling,
              (unsigned long long)s.compiles[AE_OK], (unsigned long long)s.compiles[GRAMMAR_REFUSED],
-             (unsigned long long)s.compiles[GC_TIMEOUT], (unsigned long long)s.compiles[GC_CANCELLED],
-             (unsigned long long)s.compiles[1], (unsigned long long)s.compiles_dropped, gc_live(),
+             (unsigned long long)s.compiles[GCOMPILE_TIMEOUT], (unsigned long long)s.compiles[GCOMPILE_CANCELLED],
+             (unsigned long long)s.compiles[1], (unsigned long long)s.compiles_dropped, gcompile_live(),
              (unsigned long long)s.mask_budget_spent, s.tp,
              (unsigned long long)s.comm.last.calls, (unsigned long long)s.comm.last.bytes, s.comm.last_tokens,
              (unsigned long long)s.comm.total.calls, (double)s.comm.total.ns / 1e9, pol, draft);
     reply_msg(call, aerie_InfoReply_fields, &r, buf, sizeof buf);
 }
 
-void tsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
-    tsrv *t = ctx;
+void target_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
+    target_server *t = ctx;
     switch (req->method) {
     case aerie_Method_TARGET_GENERATE:
         do_generate(t, call, req);

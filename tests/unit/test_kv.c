@@ -10,7 +10,7 @@
 #include <cmocka.h>
 
 #include "../../services/core/pool.h"
-#include "../../services/kv/kv_cache.h"
+#include "../../services/kv/kv.h"
 
 /* The stream kv_commit_path moves rows on. */
 static pool *P;

@@ -1,9 +1,9 @@
-#include "llama.h"
+#include "forward.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-struct llama_ws {
+struct forward_ws {
     int32_t max_tokens, max_logits;
     float *x;     /* [max_tokens][H] residual stream */
     float *xn;    /* [max_tokens][H] normed input of a block */
@@ -51,20 +51,20 @@ static void ws_sizes(const model *m, int32_t T, int32_t L, size_t sz[WS_BUFS]) {
     memcpy(sz, v, sizeof v);
 }
 
-float *llama_ws_proj(llama_ws *ws) { return ws->proj; }
+float *forward_ws_proj(forward_ws *ws) { return ws->proj; }
 
-size_t llama_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
+size_t forward_ws_bytes(const model *m, int32_t max_tokens, int32_t max_logits) {
     size_t sz[WS_BUFS], total = 0;
     ws_sizes(m, max_tokens, max_logits, sz);
     for (int i = 0; i < WS_BUFS; i++) total += round64(sz[i] * sizeof(float));
     return total;
 }
 
-size_t llama_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys) {
-    return llama_stream_workspace_cfg(&m->cfg, max_tokens, max_keys);
+size_t forward_stream_workspace(const model *m, int32_t max_tokens, int32_t max_keys) {
+    return forward_stream_workspace_cfg(&m->cfg, max_tokens, max_keys);
 }
 
-size_t llama_stream_workspace_cfg(const model_config *c, int32_t max_tokens, int32_t max_keys) {
+size_t forward_stream_workspace_cfg(const model_config *c, int32_t max_tokens, int32_t max_keys) {
     /* the widest input a matmul reads */
     int64_t widths[] = {c->ffn, c->hidden, (int64_t)c->n_heads * c->head_dim, c->shared_ffn, c->expert_ffn,
                         c->q_lora_rank, (int64_t)c->n_heads * c->v_head_dim};
@@ -75,14 +75,14 @@ size_t llama_stream_workspace_cfg(const model_config *c, int32_t max_tokens, int
     return mm > at ? mm : at;
 }
 
-int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
+int forward_ws_init(forward_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
                   ae_error *err) {
     *out = NULL;
     if (max_tokens < 1 || max_logits < 1 || max_logits > max_tokens)
         return err_set(err, "workspace: need 1 <= max_logits (%d) <= max_tokens (%d)", max_logits, max_tokens);
-    llama_ws *ws = calloc(1, sizeof *ws);
+    forward_ws *ws = calloc(1, sizeof *ws);
     if (!ws) return err_set(err, "out of memory");
-    size_t bytes = llama_ws_bytes(m, max_tokens, max_logits);
+    size_t bytes = forward_ws_bytes(m, max_tokens, max_logits);
     if (kn_buf_alloc(m->be, &ws->block, bytes, err) != AE_OK) {
         free(ws);
         return err_prefix(err, "a %zu-byte workspace: ", bytes), AE_ERR;
@@ -103,13 +103,13 @@ int llama_ws_init(llama_ws **out, const model *m, int32_t max_tokens, int32_t ma
     return AE_OK;
 }
 
-void llama_ws_free(llama_ws *ws) {
+void forward_ws_free(forward_ws *ws) {
     if (!ws) return;
     kn_buf_free(&ws->block);
     free(ws);
 }
 
-static void capture_layer(kn_stream *s, const llama_capture *cap, int32_t layer, const float *x, int32_t H) {
+static void capture_layer(kn_stream *s, const forward_capture *cap, int32_t layer, const float *x, int32_t H) {
     if (!cap) return;
     for (int32_t j = 0; j < cap->n_layers; j++)
         if (cap->layers[j] == layer)
@@ -119,8 +119,8 @@ static void capture_layer(kn_stream *s, const llama_capture *cap, int32_t layer,
 
 /* GQA attention: ws->x in, the output projection in ws->proj (a partial
  * sum over this rank's heads under tensor parallelism). */
-static void attn_gqa(const model *m, const model_layer *l, kn_stream *s, const kn_kv_pool *kv, llama_ws *ws,
-                     const llama_batch *b, bool normed) {
+static void attn_gqa(const model *m, const model_layer *l, kn_stream *s, const kn_kv_pool *kv, forward_ws *ws,
+                     const forward_batch *b, bool normed) {
     const model_config *c = &m->cfg;
     const int32_t T = b->m, H = c->hidden;
     const int64_t QD = (int64_t)c->n_heads * c->head_dim, KD = (int64_t)c->n_kv_heads * c->head_dim;
@@ -141,8 +141,8 @@ static void attn_gqa(const model *m, const model_layer *l, kn_stream *s, const k
  * head's query is [W_UK^T q_nope | roped q_pe], so its scores against
  * the latent are those of the full keys; its output, the weighted latent,
  * leaves through W_UV. */
-static void attn_mla(const model *m, const model_layer *l, kn_stream *s, const kn_kv_pool *pool, llama_ws *ws,
-                     const llama_batch *b, bool normed) {
+static void attn_mla(const model *m, const model_layer *l, kn_stream *s, const kn_kv_pool *pool, forward_ws *ws,
+                     const forward_batch *b, bool normed) {
     const model_config *c = &m->cfg;
     const int32_t T = b->m, nh = c->n_heads, R = c->kv_lora_rank, dr = c->qk_rope_dim, D = c->head_dim;
     kn_kv_pool kv = *pool;
@@ -172,7 +172,7 @@ static void attn_mla(const model *m, const model_layer *l, kn_stream *s, const k
 
 /* The routed experts, then the shared ones added (one allreduce takes
  * both under tensor parallelism): ws->xn in (normed), ws->proj out. */
-static void ffn_moe(const model *m, const model_layer *l, kn_stream *s, llama_ws *ws, int32_t T) {
+static void ffn_moe(const model *m, const model_layer *l, kn_stream *s, forward_ws *ws, int32_t T) {
     const model_config *c = &m->cfg;
     const int32_t H = c->hidden, E = c->route.n_experts;
     int32_t *idx = (int32_t *)(void *)ws->ridx;
@@ -187,15 +187,15 @@ static void ffn_moe(const model *m, const model_layer *l, kn_stream *s, llama_ws
 }
 
 /* The dense SwiGLU FFN: ws->x in, the down projection in ws->proj. */
-static void ffn_dense(const model *m, const model_layer *l, kn_stream *s, llama_ws *ws, int32_t T, bool normed) {
+static void ffn_dense(const model *m, const model_layer *l, kn_stream *s, forward_ws *ws, int32_t T, bool normed) {
     const model_config *c = &m->cfg;
     if (!normed) kn_rmsnorm(s, ws->x, l->ffn_norm, ws->xn, T, c->hidden, c->rms_eps);
     kn_matmul_swiglu(s, &l->w_gate, &l->w_up, ws->xn, ws->gate, ws->up, T);
     kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
 }
 
-void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
-                   llama_ws *ws, const llama_batch *b) {
+void forward_pass(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
+                   forward_ws *ws, const forward_batch *b) {
     const model_config *c = &m->cfg;
     const int32_t T = b->m, H = c->hidden;
     AE_ASSERT(T >= 1 && T <= ws->max_tokens);
@@ -204,9 +204,9 @@ void llama_forward(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool
     /* Row indices are read here only where they are host memory; on other
      * backends they are the engine's, checked before it uploaded them. */
     const bool host = kn_backend_host_memory(kn_stream_backend(s));
-    const llama_capture *cap = b->capture;
+    const forward_capture *cap = b->capture;
     if (cap) {
-        AE_ASSERT(cap->n_layers >= 0 && cap->n_layers <= LLAMA_MAX_CAPTURE);
+        AE_ASSERT(cap->n_layers >= 0 && cap->n_layers <= FORWARD_MAX_CAPTURE);
         for (int32_t r = 0; r < cap->n_rows && host; r++) AE_ASSERT(cap->rows[r] >= 0 && cap->rows[r] < T);
         for (int32_t j = 0; j < cap->n_layers; j++)
             AE_ASSERT(cap->layers[j] >= 0 && cap->layers[j] <= c->n_layers);

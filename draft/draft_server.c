@@ -1,4 +1,4 @@
-#include "server.h"
+#include "draft_server.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -14,9 +14,9 @@
 #include "../services/rpc/msg.h"
 #include "aerie.pb.h"
 
-#define DSRV_MAX_SEQS 64 /* per call: aerie.options ProposeRequest.seqs */
-#define DSRV_REPLY_CAP (aerie_ProposeReply_size + 64)
-#define DSRV_MAX_QUEUE 1024 /* calls waiting for the worker */
+#define DRAFT_SERVER_MAX_SEQS 64 /* per call: aerie.options ProposeRequest.seqs */
+#define DRAFT_SERVER_REPLY_CAP (aerie_ProposeReply_size + 64)
+#define DRAFT_SERVER_MAX_QUEUE 1024 /* calls waiting for the worker */
 
 /* One drafter slot: which (client, seq) it holds. */
 typedef struct slot {
@@ -31,9 +31,9 @@ typedef struct job {
     struct job *next;
 } job;
 
-struct dsrv {
+struct draft_server {
     const eagle_head *head;
-    dsrv_config cfg;
+    draft_server_config cfg;
     drafter *drafter;
     int32_t fw; /* feature width, 3H */
     int32_t default_layers[EAGLE_N_AUX]; /* EAGLE-3's, for a head that names none */
@@ -43,24 +43,24 @@ struct dsrv {
     /* one Propose (the worker's) */
     aerie_ProposeRequest req;
     aerie_ProposeReply rep;
-    drafter_feed feeds[DSRV_MAX_SEQS];
-    tree_out trees[DSRV_MAX_SEQS];
-    int32_t feed_of[DSRV_MAX_SEQS]; /* -1: state gone */
-    int32_t fork_src[DSRV_MAX_SEQS]; /* a fork's source slot, -1: not a fork (or its source is gone) */
-    uint8_t *out;                   /* [DSRV_REPLY_CAP] */
+    drafter_feed feeds[DRAFT_SERVER_MAX_SEQS];
+    tree_out trees[DRAFT_SERVER_MAX_SEQS];
+    int32_t feed_of[DRAFT_SERVER_MAX_SEQS]; /* -1: state gone */
+    int32_t fork_src[DRAFT_SERVER_MAX_SEQS]; /* a fork's source slot, -1: not a fork (or its source is gone) */
+    uint8_t *out;                   /* [DRAFT_SERVER_REPLY_CAP] */
     float *feat32;    /* f16 features of the call as f32, grown to the largest call */
     size_t feat32_cap; /* floats */
     /* the worker */
     pthread_t worker;
     pthread_mutex_t mu; /* queue, stopping, draining, stats, info */
     pthread_cond_t cv;   /* the worker's: a job came, or stop */
-    pthread_cond_t idle; /* dsrv_drain's: a call was served (apart, so that
+    pthread_cond_t idle; /* draft_server_drain's: a call was served (apart, so that
                           * a call served on the loop wakes no worker) */
     job *head_job, *tail_job;
     int32_t queued;
     bool busy, stopping, draining;
-    wd *wd; /* systemd's watchdog (dsrv_watch), or NULL */
-    dsrv_stats stats;
+    watchdog *wd; /* systemd's watchdog (draft_server_watch), or NULL */
+    draft_server_stats stats;
     char *config_json, *memory_plan;
 };
 
@@ -71,22 +71,22 @@ static int64_t mono_ns(void) {
 }
 
 /* The server's own memory, always the host's. */
-static size_t own_bytes(const dsrv_config *cfg) {
-    return (size_t)cfg->max_keys * (sizeof(slot) + sizeof(bool)) + sizeof(dsrv) + DSRV_REPLY_CAP;
+static size_t own_bytes(const draft_server_config *cfg) {
+    return (size_t)cfg->max_keys * (sizeof(slot) + sizeof(bool)) + sizeof(draft_server) + DRAFT_SERVER_REPLY_CAP;
 }
 
-size_t dsrv_bytes(const eagle_head *h, const dsrv_config *cfg) {
+size_t draft_server_bytes(const eagle_head *h, const draft_server_config *cfg) {
     drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL, cfg->act_bits};
     return drafter_bytes(h, &dc) + (kn_backend_host_memory(h->be) ? own_bytes(cfg) : 0);
 }
 
-size_t dsrv_host_bytes(const eagle_head *h, const dsrv_config *cfg) {
+size_t draft_server_host_bytes(const eagle_head *h, const draft_server_config *cfg) {
     drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL, cfg->act_bits};
     return kn_backend_host_memory(h->be) ? 0 : drafter_host_bytes(h, &dc) + own_bytes(cfg);
 }
 
 /* The slot of (client, seq), or -1. */
-static int32_t slot_find(const dsrv *d, uint64_t client, uint32_t seq) {
+static int32_t slot_find(const draft_server *d, uint64_t client, uint32_t seq) {
     for (int32_t k = 0; k < d->cfg.max_keys; k++)
         if (d->slots[k].used && d->slots[k].client == client && d->slots[k].seq == seq) return k;
     return -1;
@@ -94,7 +94,7 @@ static int32_t slot_find(const dsrv *d, uint64_t client, uint32_t seq) {
 
 /* A slot for a sequence that starts over: its own, a free one, or the
  * least recently used one not taken by this call (taken[k]). */
-static int32_t slot_take(dsrv *d, uint64_t client, uint32_t seq, const bool *taken) {
+static int32_t slot_take(draft_server *d, uint64_t client, uint32_t seq, const bool *taken) {
     int32_t k = slot_find(d, client, seq);
     if (k >= 0) return k;
     int32_t lru = -1;
@@ -114,7 +114,7 @@ static int32_t slot_take(dsrv *d, uint64_t client, uint32_t seq, const bool *tak
 
 /* The f16 features of feeds[0..n) as f32 in d->feat32; each feed then
  * points there. */
-static int widen_features(dsrv *d, int32_t n, ae_error *err) {
+static int widen_features(draft_server *d, int32_t n, ae_error *err) {
     size_t need = 0;
     for (int32_t i = 0; i < n; i++) need += (size_t)d->feeds[i].n * (size_t)d->fw;
     if (need > d->feat32_cap) {
@@ -134,7 +134,7 @@ static int widen_features(dsrv *d, int32_t n, ae_error *err) {
     return AE_OK;
 }
 
-uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *payload, uint32_t payload_len,
+uint32_t draft_server_propose(draft_server *d, const uint8_t *msg, uint32_t len, const uint8_t *payload, uint32_t payload_len,
                       uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *err) {
     aerie_ProposeRequest *rq = &d->req;
     *out_len = 0;
@@ -246,8 +246,8 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
         d->feed_of[i] = k;
     }
     int32_t nf = 0;
-    drafter_feed feeds[DSRV_MAX_SEQS];
-    int32_t row_of[DSRV_MAX_SEQS];
+    drafter_feed feeds[DRAFT_SERVER_MAX_SEQS];
+    int32_t row_of[DRAFT_SERVER_MAX_SEQS];
     for (int32_t i = 0; i < n; i++) {
         row_of[i] = -1;
         if (d->feed_of[i] < 0) continue;
@@ -296,7 +296,7 @@ uint32_t dsrv_propose(dsrv *d, const uint8_t *msg, uint32_t len, const uint8_t *
     return RPC_OK;
 }
 
-static void do_release(dsrv *d, rpc_call *call) {
+static void do_release(draft_server *d, rpc_call *call) {
     const rpc_request *rq = rpc_call_request(call);
     aerie_ReleaseRequest r;
     ae_error err = {{0}};
@@ -314,7 +314,7 @@ static void do_release(dsrv *d, rpc_call *call) {
 }
 
 /* Answers one Propose or Release (the worker's body). */
-static void serve(dsrv *d, rpc_call *call, bool stopping) {
+static void serve(draft_server *d, rpc_call *call, bool stopping) {
     const rpc_request *rq = rpc_call_request(call);
     if (stopping) {
         rpc_call_fail(call, RPC_UNAVAILABLE, "the draft service is shutting down");
@@ -326,40 +326,40 @@ static void serve(dsrv *d, rpc_call *call, bool stopping) {
         uint32_t out_len;
         ae_error err = {{0}};
         uint32_t st =
-            dsrv_propose(d, rq->msg, rq->msg_len, rq->payload, rq->payload_len, d->out, DSRV_REPLY_CAP, &out_len, &err);
+            draft_server_propose(d, rq->msg, rq->msg_len, rq->payload, rq->payload_len, d->out, DRAFT_SERVER_REPLY_CAP, &out_len, &err);
         if (st == RPC_OK) {
             rpc_call_finish(call, RPC_OK, d->out, out_len, NULL, 0);
         } else {
             pthread_mutex_lock(&d->mu);
             d->stats.errors++;
             pthread_mutex_unlock(&d->mu);
-            LOG_WARNF("propose_refused status=%s reason=\"%s\"", rpc_status_name(st), err.msg);
+            LOG_WARNF("propose_refused status=%s reason=\"%s\"", frame_status_name(st), err.msg);
             rpc_call_fail(call, st, "%s", err.msg);
         }
     }
 }
 
 /* Waits (under d->mu) until a job comes or the service stops. Watched by
- * systemd (dsrv_watch), the worker beats every interval/4 meanwhile: a
+ * systemd (draft_server_watch), the worker beats every interval/4 meanwhile: a
  * Propose that hangs stops the beats, which the RPC loop alone would keep
  * sending. Unwatched it sleeps until woken: an idle draft wakes for
  * nothing (tests/integration/test_services.py measures it). */
-static void worker_wait(dsrv *d, int *beat) {
+static void worker_wait(draft_server *d, int *beat) {
     while (!d->head_job && !d->stopping) {
         if (!d->wd) {
             pthread_cond_wait(&d->cv, &d->mu);
             continue;
         }
-        if (*beat < 0) *beat = wd_add(d->wd, "draft-worker");
-        wd_beat(d->wd, *beat);
-        int64_t t = mono_ns() + wd_interval_ns(d->wd) / 4;
+        if (*beat < 0) *beat = watchdog_add(d->wd, "draft-worker");
+        watchdog_beat(d->wd, *beat);
+        int64_t t = mono_ns() + watchdog_interval_ns(d->wd) / 4;
         struct timespec until = {t / 1000000000, t % 1000000000};
         pthread_cond_timedwait(&d->cv, &d->mu, &until);
     }
 }
 
 static void *worker_main(void *arg) {
-    dsrv *d = arg;
+    draft_server *d = arg;
     int beat = -1;
     for (;;) {
         pthread_mutex_lock(&d->mu);
@@ -379,19 +379,19 @@ static void *worker_main(void *arg) {
         free(j);
         serve(d, call, stopping);
         pthread_mutex_lock(&d->mu);
-        wd_beat(d->wd, beat);
+        watchdog_beat(d->wd, beat);
         d->busy = false;
         pthread_cond_broadcast(&d->idle);
         pthread_mutex_unlock(&d->mu);
     }
 }
 
-int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error *err) {
+int draft_server_init(draft_server **out, const eagle_head *h, const draft_server_config *cfg, ae_error *err) {
     *out = NULL;
-    if (cfg->max_keys < DSRV_MAX_SEQS || cfg->max_keys > 4096)
+    if (cfg->max_keys < DRAFT_SERVER_MAX_SEQS || cfg->max_keys > 4096)
         return err_set(err, "draft: %d sequence slots; need %d..4096 (a call may carry %d sequences)", cfg->max_keys,
-                       DSRV_MAX_SEQS, DSRV_MAX_SEQS);
-    dsrv *d = calloc(1, sizeof *d);
+                       DRAFT_SERVER_MAX_SEQS, DRAFT_SERVER_MAX_SEQS);
+    draft_server *d = calloc(1, sizeof *d);
     if (!d) return err_set(err, "out of memory");
     d->head = h;
     d->cfg = *cfg;
@@ -407,7 +407,7 @@ int dsrv_init(dsrv **out, const eagle_head *h, const dsrv_config *cfg, ae_error 
     drafter_config dc = {cfg->max_keys, cfg->max_seq_len, cfg->max_tokens, cfg->threads, NULL, cfg->act_bits};
     d->slots = calloc((size_t)cfg->max_keys, sizeof *d->slots);
     d->in_call = calloc((size_t)cfg->max_keys, sizeof *d->in_call);
-    d->out = malloc(DSRV_REPLY_CAP);
+    d->out = malloc(DRAFT_SERVER_REPLY_CAP);
     if (!d->slots || !d->in_call || !d->out) {
         err_set(err, "out of memory");
         goto fail;
@@ -428,7 +428,7 @@ fail:
     return AE_ERR;
 }
 
-void dsrv_free(dsrv *d) {
+void draft_server_free(draft_server *d) {
     if (!d) return;
     pthread_mutex_lock(&d->mu);
     d->stopping = true;
@@ -448,14 +448,14 @@ void dsrv_free(dsrv *d) {
     free(d);
 }
 
-void dsrv_watch(dsrv *d, wd *w) {
+void draft_server_watch(draft_server *d, watchdog *w) {
     pthread_mutex_lock(&d->mu);
     d->wd = w;
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);
 }
 
-void dsrv_set_info(dsrv *d, const char *config_json, const char *memory_plan) {
+void draft_server_set_info(draft_server *d, const char *config_json, const char *memory_plan) {
     pthread_mutex_lock(&d->mu);
     free(d->config_json);
     free(d->memory_plan);
@@ -464,21 +464,21 @@ void dsrv_set_info(dsrv *d, const char *config_json, const char *memory_plan) {
     pthread_mutex_unlock(&d->mu);
 }
 
-dsrv_stats dsrv_get_stats(dsrv *d) {
+draft_server_stats draft_server_get_stats(draft_server *d) {
     pthread_mutex_lock(&d->mu);
-    dsrv_stats s = d->stats;
+    draft_server_stats s = d->stats;
     pthread_mutex_unlock(&d->mu);
     return s;
 }
 
-void dsrv_drain(dsrv *d) {
+void draft_server_drain(draft_server *d) {
     pthread_mutex_lock(&d->mu);
     d->draining = true;
     while (d->head_job || d->busy) pthread_cond_wait(&d->idle, &d->mu);
     pthread_mutex_unlock(&d->mu);
 }
 
-static void answer_info(dsrv *d, rpc_call *call) {
+static void answer_info(draft_server *d, rpc_call *call) {
     static _Thread_local aerie_InfoReply r;
     static _Thread_local uint8_t buf[aerie_InfoReply_size];
     memset(&r, 0, sizeof r);
@@ -487,7 +487,7 @@ static void answer_info(dsrv *d, rpc_call *call) {
     pthread_mutex_lock(&d->mu);
     snprintf(r.config_json, sizeof r.config_json, "%s", d->config_json ? d->config_json : "{}");
     snprintf(r.memory_plan, sizeof r.memory_plan, "%s", d->memory_plan ? d->memory_plan : "");
-    dsrv_stats s = d->stats;
+    draft_server_stats s = d->stats;
     int32_t queued = d->queued;
     pthread_mutex_unlock(&d->mu);
     snprintf(r.stats_json, sizeof r.stats_json,
@@ -505,8 +505,8 @@ static void answer_info(dsrv *d, rpc_call *call) {
         rpc_call_finish(call, RPC_OK, buf, len, NULL, 0);
 }
 
-void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
-    dsrv *d = ctx;
+void draft_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
+    draft_server *d = ctx;
     switch (req->method) {
     case aerie_Method_DRAFT_INFO:
         answer_info(d, call);
@@ -547,8 +547,8 @@ void dsrv_handle(void *ctx, rpc_call *call, const rpc_request *req) {
     }
     job *j = malloc(sizeof *j);
     pthread_mutex_lock(&d->mu);
-    if (!j || d->draining || d->stopping || d->queued >= DSRV_MAX_QUEUE) {
-        uint32_t st = j && d->queued >= DSRV_MAX_QUEUE && !d->draining && !d->stopping ? RPC_RESOURCE_EXHAUSTED
+    if (!j || d->draining || d->stopping || d->queued >= DRAFT_SERVER_MAX_QUEUE) {
+        uint32_t st = j && d->queued >= DRAFT_SERVER_MAX_QUEUE && !d->draining && !d->stopping ? RPC_RESOURCE_EXHAUSTED
                                                                                         : RPC_UNAVAILABLE;
         pthread_mutex_unlock(&d->mu);
         rpc_call_fail(call, st, "%s",

@@ -1,4 +1,4 @@
-#include "st_write.h"
+#include "safetensors_write.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -12,7 +12,7 @@
 #include "../core/file.h"
 
 /* The header JSON, or NULL (out of memory, or a bad tensor in err). */
-static char *header_json(const st_out *t, size_t n, const char *const *meta, size_t n_meta,
+static char *header_json(const safetensors_out *t, size_t n, const char *const *meta, size_t n_meta,
                          uint64_t *data_bytes, ae_error *err) {
     cJSON *root = cJSON_CreateObject();
     if (!root) return err_set(err, "out of memory"), NULL;
@@ -22,21 +22,21 @@ static char *header_json(const st_out *t, size_t n, const char *const *meta, siz
     }
     uint64_t off = 0;
     for (size_t i = 0; i < n; i++) {
-        if (t[i].n_dims > ST_MAX_DIMS || (unsigned)t[i].dtype >= ST_DTYPE_COUNT) {
+        if (t[i].n_dims > SAFETENSORS_MAX_DIMS || (unsigned)t[i].dtype >= SAFETENSORS_DTYPE_COUNT) {
             cJSON_Delete(root);
             return err_set(err, "tensor %s: bad dtype or rank", t[i].name), NULL;
         }
         uint64_t elems = 1;
-        double shape[ST_MAX_DIMS];
+        double shape[SAFETENSORS_MAX_DIMS];
         for (uint32_t d = 0; d < t[i].n_dims; d++) {
             elems *= t[i].shape[d];
             shape[d] = (double)t[i].shape[d];
         }
-        uint64_t bytes = elems * st_dtype_size(t[i].dtype);
+        uint64_t bytes = elems * safetensors_dtype_size(t[i].dtype);
         double offsets[2] = {(double)off, (double)(off + bytes)};
         cJSON *e = cJSON_AddObjectToObject(root, t[i].name);
         if (e) {
-            cJSON_AddStringToObject(e, "dtype", st_dtype_name(t[i].dtype));
+            cJSON_AddStringToObject(e, "dtype", safetensors_dtype_name(t[i].dtype));
             cJSON_AddItemToObject(e, "shape", cJSON_CreateDoubleArray(shape, (int)t[i].n_dims));
             cJSON_AddItemToObject(e, "data_offsets", cJSON_CreateDoubleArray(offsets, 2));
         }
@@ -49,7 +49,7 @@ static char *header_json(const st_out *t, size_t n, const char *const *meta, siz
     return s;
 }
 
-int st_write(const char *path, const st_out *t, size_t n, const char *const *meta, size_t n_meta,
+int safetensors_write(const char *path, const safetensors_out *t, size_t n, const char *const *meta, size_t n_meta,
              ae_error *err) {
     uint64_t data_bytes;
     char *json = header_json(t, n, meta, n_meta, &data_bytes, err);
@@ -73,7 +73,7 @@ int st_write(const char *path, const st_out *t, size_t n, const char *const *met
     bool ok = file_write_full(fd, len_le, 8) == 0 && file_write_full(fd, json, jl) == 0 &&
               file_write_full(fd, spaces, padded - jl) == 0;
     for (size_t i = 0; ok && i < n; i++) {
-        uint64_t bytes = st_dtype_size(t[i].dtype);
+        uint64_t bytes = safetensors_dtype_size(t[i].dtype);
         for (uint32_t d = 0; d < t[i].n_dims; d++) bytes *= t[i].shape[d];
         if (bytes) ok = file_write_full(fd, t[i].data, (size_t)bytes) == 0;
     }

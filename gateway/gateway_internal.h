@@ -1,8 +1,8 @@
 /* The gateway's insides, shared by gateway.c (routes, tokenizing workers,
  * life cycle) and generate.c (the generation routes). gateway.h is the
  * interface; nothing outside gateway/ includes this. */
-#ifndef AERIE_GATEWAY_GW_INTERNAL_H
-#define AERIE_GATEWAY_GW_INTERNAL_H
+#ifndef AERIE_GATEWAY_GATEWAY_INTERNAL_H
+#define AERIE_GATEWAY_GATEWAY_INTERNAL_H
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -16,21 +16,21 @@
 #include "metrics.h"
 #include "oai.h"
 
-typedef struct tjob tjob;
+typedef struct gateway_job gateway_job;
 
 /* A request body to parse and render, tokenize or detokenize on a worker
  * (what is linear in the body's size, off the loop). The loop
- * thread fills the input, hands it over (tjob_submit) and touches nothing
+ * thread fills the input, hands it over (gateway_job_submit) and touches nothing
  * of it (nor *o) until done runs, on the loop thread again. */
-typedef enum tjob_what { TJOB_GENERATE, TJOB_TOKENIZE, TJOB_DETOKENIZE } tjob_what;
+typedef enum gateway_job_what { TJOB_GENERATE, TJOB_TOKENIZE, TJOB_DETOKENIZE } gateway_job_what;
 
-struct tjob {
-    tjob *next;
+struct gateway_job {
+    gateway_job *next;
     const char *body; /* [len]: the HTTP request's, alive until it is answered */
     size_t len;
-    tjob_what what;
+    gateway_job_what what;
     oai_kind kind; /* TJOB_GENERATE: of this kind */
-    void (*done)(tjob *j);
+    void (*done)(gateway_job *j);
     /* the result */
     int rc;          /* AE_ERR: e says why */
     oai_error e;
@@ -41,8 +41,8 @@ struct tjob {
     jbuf reply;      /* TJOB_TOKENIZE: the ids' JSON list; TJOB_DETOKENIZE: the whole body */
 };
 
-struct gw {
-    gw_config cfg;
+struct gateway {
+    gateway_config cfg;
     rpc_loop *loop;
     http_server *http;
     metrics met;
@@ -54,11 +54,11 @@ struct gw {
     uint64_t requests_done;
     /* The tokenizing workers: a queue in, a list out and an event that
      * wakes the loop for it (libevent is set up for threads by rpc_loop.c). */
-    pthread_t workers[GW_TOK_WORKERS];
+    pthread_t workers[GATEWAY_TOK_WORKERS];
     int n_workers;
     pthread_mutex_t tmu;
     pthread_cond_t tcv;
-    tjob *todo, *todo_last, *finished;
+    gateway_job *todo, *todo_last, *finished;
     bool stopping; /* the workers exit */
     struct event *finished_ev;
     int jobs; /* submitted and not yet done: for the load line */
@@ -66,28 +66,23 @@ struct gw {
 
 /* ---- gateway.c ---- */
 
-/* Answers h with body[0..len) as JSON, counted under route (MET_ROUTES:
+/* Answers h with body[0..len) as JSON, counted under route (METRICS_ROUTES:
  * not counted); extra: more header lines, or NULL. */
-void gw_reply_json(gw *g, http_req *h, met_route route, int status, const char *body, size_t len, const char *extra);
+void gateway_reply_json(gateway *g, http_req *h, metrics_route route, int status, const char *body, size_t len, const char *extra);
 /* Answers h with e as an OpenAI error object (and Retry-After or
  * WWW-Authenticate where e's status calls for one). */
-void gw_reply_error(gw *g, http_req *h, met_route route, const oai_error *e);
+void gateway_reply_error(gateway *g, http_req *h, metrics_route route, const oai_error *e);
 /* A reply built in b, or the 503 its allocation failure calls for. */
-void gw_reply_jbuf(gw *g, http_req *h, met_route route, jbuf *b);
+void gateway_reply_jbuf(gateway *g, http_req *h, metrics_route route, jbuf *b);
 /* model is the one this gateway serves; else e is the 404. */
-int gw_check_model(const gw *g, const char *model, oai_error *e);
+int gateway_check_model(const gateway *g, const char *model, oai_error *e);
 /* The context the targets have (0 when none has reported yet). */
-int32_t gw_context_len(gw *g);
+int32_t gateway_context_len(gateway *g);
 /* No target has reported its context: e is the 503. */
-int gw_no_target(gw *g, oai_error *e);
+int gateway_no_target(gateway *g, oai_error *e);
 /* Hands j (its body h's) to a tokenizing worker; done runs on the loop
  * thread once it is finished. */
-void gw_tjob_submit(gw *g, tjob *j, http_req *h, tjob_what what, oai_kind kind, oai_request *o,
-                    void (*done)(tjob *j));
-
-/* ---- generate.c ---- */
-
-/* POST /v1/chat/completions (OAI_CHAT) and /v1/completions. */
-void gw_handle_generate(gw *g, http_req *h, oai_kind kind);
+void gateway_job_submit(gateway *g, gateway_job *j, http_req *h, gateway_job_what what, oai_kind kind, oai_request *o,
+                    void (*done)(gateway_job *j));
 
 #endif
