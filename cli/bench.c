@@ -337,7 +337,7 @@ static int spec_rounds(bench *b, const spec_drafter *d, const int32_t capture[CA
                        const spec_shape *shape, int32_t n_prompt, int32_t n_gen, const int32_t **ref, cJSON *o,
                        ae_error *err) {
     const engine_config *ec = engine_get_config(b->e);
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, *shape, ec->max_seqs, ec->max_batch_tokens, false, NULL, NULL};
+    spec_config sc = spec_config_default(*shape, ec->max_seqs, ec->max_batch_tokens);
     memcpy(sc.capture, capture, sizeof sc.capture);
     spec *sx = NULL;
     size_t n_out = (size_t)b->batch * (size_t)n_gen;

@@ -210,7 +210,7 @@ static int ev_run(const config *cc, int argc, char **argv, ae_error *err) {
     if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, c, m, &plan, threads, act_bits, err) != AE_OK)
         goto out;
     drafter_config dc = {1, plan.max_seq_len, SETUP_PREFILL_CHUNK, threads, engine_pool(e), act_bits};
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, runs[0].shape, 1, SETUP_PREFILL_CHUNK, false, NULL, NULL};
+    spec_config sc = spec_config_default(runs[0].shape, 1, SETUP_PREFILL_CHUNK);
     if (draft_link_open(&link, draft, model_embedding(m), weights, &dc, err) != AE_OK ||
         draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
         goto out;

@@ -198,7 +198,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
          * step drafts (sampled draws are keyed by seed and position), so
          * the policy may choose freely. */
         bool adaptive = config_bool(c, "spec-adaptive");
-        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape, plan.max_batch, SETUP_PREFILL_CHUNK, adaptive, NULL, NULL};
+        spec_config sc = spec_config_default(shape, plan.max_batch, SETUP_PREFILL_CHUNK);
+        sc.adaptive = adaptive;
         if (draft_link_open(&link, draft, model_embedding(m), weights, &dc, err) != AE_OK ||
             draft_link_capture(&link, sc.capture, err) != AE_OK || spec_init(&sx, e, &link.iface, &sc, err) != AE_OK)
             goto out;

@@ -18,7 +18,7 @@ static int draft_bytes(const config *c, const model *m, int32_t max_seq_len, uin
         return AE_ERR;
     int32_t max_batch = (int32_t)config_int(c, "max-batch");
     drafter_config dc = {max_batch, max_seq_len, SETUP_PREFILL_CHUNK, 1, NULL, 0};
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {0, 0, 0}, max_batch, SETUP_PREFILL_CHUNK, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){0, 0, 0}, max_batch, SETUP_PREFILL_CHUNK);
     *weights = h->weight_bytes;
     *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
     LOG_INFOF("draft head=%s weights=%zu drafter_and_trees=%llu (counted in the memory plan as weights and "

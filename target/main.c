@@ -104,9 +104,10 @@ int main(int argc, char **argv) {
     const char *draft_addr = config_str(c, "draft-addr");
     bool drafting = draft_addr && strcmp(draft_addr, "none") != 0;
     int32_t max_batch = (int32_t)config_int(c, "max-batch");
-    spec_config spc = {FORWARD_MAX_CAPTURE, {0},
-                       {(int32_t)config_int(c, "spec-steps"), (int32_t)config_int(c, "spec-topk"), (int32_t)config_int(c, "spec-tokens")},
-                       max_batch, SETUP_PREFILL_CHUNK, drafting && config_bool(c, "spec-adaptive"), NULL, NULL};
+    spec_shape shape = {(int32_t)config_int(c, "spec-steps"), (int32_t)config_int(c, "spec-topk"),
+                        (int32_t)config_int(c, "spec-tokens")};
+    spec_config spc = spec_config_default(shape, max_batch, SETUP_PREFILL_CHUNK);
+    spc.adaptive = drafting && config_bool(c, "spec-adaptive");
     capture_default_layers(m->cfg.n_layers, spc.capture);
     memplan plan;
     /* weights + a prefill chunk's workspace + speculation's per-sequence

@@ -100,6 +100,16 @@ void spec_free(spec *s) {
     free(s);
 }
 
+spec_config spec_config_default(spec_shape shape, int32_t max_seqs, int32_t max_batch_tokens) {
+    return (spec_config){.n_capture = FORWARD_MAX_CAPTURE,
+                         .shape = shape,
+                         .max_seqs = max_seqs,
+                         .max_batch_tokens = max_batch_tokens,
+                         .adaptive = false,
+                         .clock_ns = NULL,
+                         .clock_ctx = NULL};
+}
+
 int spec_init(spec **out, engine *e, const spec_drafter *d, const spec_config *cfg, ae_error *err) {
     *out = NULL;
     const model *m = engine_model(e);

@@ -64,6 +64,13 @@ typedef struct spec_config {
     void *clock_ctx;
 } spec_config;
 
+/* The one place spec_config's defaults live: the given tree shape and the
+ * engine's limits, EAGLE-3's FORWARD_MAX_CAPTURE capture layers (all 0:
+ * the caller names them, with draft_link_capture or
+ * capture_default_layers), a fixed shape (no adaptation) and the
+ * monotonic clock. Callers change the fields they need after it. */
+spec_config spec_config_default(spec_shape shape, int32_t max_seqs, int32_t max_batch_tokens);
+
 #define SPEC_MAX_DEPTH ENGINE_MAX_TREE
 
 typedef struct spec_stats {

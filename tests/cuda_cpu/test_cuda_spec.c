@@ -149,7 +149,7 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
         bool graphs = k >= 4;
         if (k == 4) engine_set_graphs(e_cu, 16, 0);
         int d = graphs ? (k == 4 ? 1 : 3) : k;
-        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape_of[d], MAX_SEQS, 128, false, NULL, NULL};
+        spec_config sc = spec_config_default(shape_of[d], MAX_SEQS, 128);
         spec *s;
         if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, drafters[d], &sc, &err) != AE_OK)
             fail_msg("%s", err.msg);
@@ -203,7 +203,7 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
     static const sample_params sampled[2] = {{0.8f, 0, 1.0f, 0.0f}, {1.0f, 5, 1.0f, 0.05f}};
     assert_true(engine_can_sample(e_cu));
     for (int c = 0; c < 2; c++) {
-        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shapes[1], MAX_SEQS, 128, false, NULL, NULL};
+        spec_config sc = spec_config_default(shapes[1], MAX_SEQS, 128);
         spec *s;
         if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link_cu.iface, &sc, &err) != AE_OK)
             fail_msg("%s", err.msg);
@@ -309,7 +309,7 @@ static int plain_then_speculative(engine *e_cpu, engine *e_cu, const model *m_cp
     if (draft_link_open(&link, FIX "/head", model_embedding(m_cpu), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
         fail_msg("%s", err.msg);
     static const sample_params greedy = {0, 0, 1, 0};
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){4, 3, 8}, MAX_SEQS, 128);
     spec *s;
     if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link.iface, &sc, &err) != AE_OK)
         fail_msg("%s", err.msg);

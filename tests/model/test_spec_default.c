@@ -48,7 +48,7 @@ static void check_lossless(int32_t act_bits) {
     const char *names[3] = {"chain 4x1/5", "wide 4x3/8", "deep 8x4/32"};
     const sample_params greedy = {0, 0, 1, 0};
     for (int k = 0; k < 3; k++) {
-        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shapes[k], 1, CHUNK, false, NULL, NULL};
+        spec_config sc = spec_config_default(shapes[k], 1, CHUNK);
         spec *s;
         assert_int_equal(draft_link_capture(&link, sc.capture, &err), AE_OK);
         assert_int_equal(spec_init(&s, e, &link.iface, &sc, &err), AE_OK);

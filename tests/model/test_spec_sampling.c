@@ -57,7 +57,7 @@ static void fixture_open(fixture *f) {
     if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {1, SEQ_LEN, 16, 1, engine_pool(f->e), 0};
     if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {4, 3, 8}, 1, 64, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){4, 3, 8}, 1, 64);
     if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK ||
         spec_init(&f->s, f->e, &f->link.iface, &sc, &err) != AE_OK)
         fail_msg("%s", err.msg);
@@ -224,7 +224,10 @@ static void test_speculative_sampling_keeps_the_target_distribution(void **state
     static int64_t informed_c[V * V];
     informed inf = {0};
     spec_drafter d = {&inf, informed_propose, NULL};
-    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, 1, 64, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){4, 3, 8}, 1, 64);
+    sc.capture[0] = 1;
+    sc.capture[1] = 3;
+    sc.capture[2] = 4;
     spec *head_spec = f.s;
     ae_error err = {0};
     assert_int_equal(spec_init(&f.s, f.e, &d, &sc, &err), AE_OK);
@@ -346,7 +349,10 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
         penalty_free(pn);
     }
     spec_drafter d = {NULL, fan_propose, NULL};
-    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 3, 4}, {1, 8, V + 1}, 1, 64, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){1, 8, V + 1}, 1, 64);
+    sc.capture[0] = 1;
+    sc.capture[1] = 3;
+    sc.capture[2] = 4;
     spec *sx;
     if (spec_init(&sx, f.e, &d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     static int64_t counts[V * V];

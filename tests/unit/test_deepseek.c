@@ -152,7 +152,7 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
     }
     const spec_shape shapes[2] = {{4, 3, 8}, {8, 4, 32}};
     for (int k = 0; k < 2; k++) {
-        spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shapes[k], MAX_SEQS, 128, false, NULL, NULL};
+        spec_config sc = spec_config_default(shapes[k], MAX_SEQS, 128);
         if (draft_link_capture(&link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
         assert_int_equal(sc.capture[0], 1);
         assert_int_equal(sc.capture[1], 2);
@@ -179,7 +179,10 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
      * in each 4 steps. */
     oracle o = {0};
     spec_drafter od = {&o, oracle_propose, oracle_release};
-    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){4, 2, 8}, MAX_SEQS, 128);
+    sc.capture[0] = 1;
+    sc.capture[1] = 2;
+    sc.capture[2] = 3;
     spec *s;
     if (spec_init(&s, e, &od, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     int identical = 0;
@@ -248,7 +251,10 @@ static void two_ranks_split_heads_and_experts(void **state) {
     int32_t truth[MAX_PROMPT + N_GEN];
     oracle o = {0};
     spec_drafter od = {&o, oracle_propose, oracle_release};
-    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 2, 3}, {4, 2, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){4, 2, 8}, MAX_SEQS, 128);
+    sc.capture[0] = 1;
+    sc.capture[1] = 2;
+    sc.capture[2] = 3;
     spec *s;
     if (spec_init(&s, two, &od, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     for (int i = 0; i < N_PROMPTS; i++) {

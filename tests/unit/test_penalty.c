@@ -165,7 +165,7 @@ static void fixture_close(fixture *f) {
 }
 
 static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape, 2, 128, false, NULL, NULL};
+    spec_config sc = spec_config_default(shape, 2, 128);
     ae_error err = {0};
     if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;

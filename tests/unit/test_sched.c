@@ -75,7 +75,7 @@ static int setup(void **state) {
     engine_config ec = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 256, .kv_tokens = 1024, .block_size = 16,
                      .threads = 2};
     if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {1, 1, 2}, 4, 64, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){1, 1, 2}, 4, 64);
     if (spec_init(&f->sx, f->e, NULL, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
     if (tok_file_open(&f->tf, MODEL_PATH, &err) != AE_OK) fail_msg("%s", err.msg);
     f->eos = tok_eos(f->tf.tok);

@@ -50,7 +50,7 @@ static void fixture_close(fixture *f) {
 }
 
 static spec *spec_open(fixture *f, const spec_drafter *d, spec_shape shape) {
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, shape, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = spec_config_default(shape, MAX_SEQS, 128);
     ae_error err = {0};
     if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
@@ -344,7 +344,10 @@ static void test_speculation_needs_a_batch_token_for_every_root(void **state) {
     (void)state;
     fixture f;
     fixture_open(&f);
-    spec_config sc = {FORWARD_MAX_CAPTURE, {1, 3, 4}, {4, 3, 8}, MAX_SEQS, 128, false, NULL, NULL};
+    spec_config sc = spec_config_default((spec_shape){4, 3, 8}, MAX_SEQS, 128);
+    sc.capture[0] = 1;
+    sc.capture[1] = 3;
+    sc.capture[2] = 4;
     engine_config ec = {MAX_SEQS - 1, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 1, 0};
     engine *small;
     spec *s = (spec *)1;
@@ -719,7 +722,10 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     spec_drafter d = {&c, costly_propose, costly_release};
     /* A chain of one drafted token: at most 2 tokens a step, so the
      * sequence stays inside the fixture's 256 positions. */
-    spec_config sc = {FORWARD_MAX_CAPTURE, {0}, {1, 1, 2}, 1, 128, true, test_clock, &c};
+    spec_config sc = spec_config_default((spec_shape){1, 1, 2}, 1, 128);
+    sc.adaptive = true;
+    sc.clock_ns = test_clock;
+    sc.clock_ctx = &c;
     if (draft_link_capture(&link, sc.capture, &err) != AE_OK) fail_msg("%s", err.msg);
     spec *s;
     if (spec_init(&s, e, &d, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -849,8 +855,27 @@ static void test_a_step_on_an_unstarted_sequence_fails(void **state) {
     fixture_close(&f);
 }
 
+/* spec_config_default is the one place the defaults live: the shape and
+ * limits given, three capture layers left for the caller, no adaptation,
+ * the monotonic clock. */
+static void test_spec_config_default_names_every_field(void **state) {
+    (void)state;
+    spec_config sc = spec_config_default((spec_shape){4, 3, 8}, 6, 96);
+    assert_int_equal(sc.n_capture, 3);
+    for (int i = 0; i < FORWARD_MAX_CAPTURE; i++) assert_int_equal(sc.capture[i], 0);
+    assert_int_equal(sc.shape.steps, 4);
+    assert_int_equal(sc.shape.topk, 3);
+    assert_int_equal(sc.shape.tokens, 8);
+    assert_int_equal(sc.max_seqs, 6);
+    assert_int_equal(sc.max_batch_tokens, 96);
+    assert_false(sc.adaptive);
+    assert_null(sc.clock_ns);
+    assert_null(sc.clock_ctx);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_spec_config_default_names_every_field),
         cmocka_unit_test(test_greedy_speculation_is_lossless_with_the_fixture_head),
         cmocka_unit_test(test_accepted_paths_are_committed_exactly),
         cmocka_unit_test(test_a_failing_or_lying_drafter_changes_nothing),
