@@ -13,18 +13,11 @@
  *
  * Limits. A schema's compile takes time and memory that grow with what it
  * holds, and its masks run inside every decoding step of every stream
- * (target/gcompile.h, target/sched.h). Measured on the default model's
- * 49,152-token vocabulary (release build, 2 cores): a string enum of
- * random 14-character values compiles in 0.5 s at 1,024 entries and 1.1 s
- * at 2,048 (10-16 s at 12,000); an array of an anyOf of strings with
- * different length ranges costs 1.2 ms a mask at 64 alternatives, 5.8 ms
- * at 256 and 30-64 ms at 1,500; an object's optional properties (any of
- * them may come next) cost at most 5.5 ms a mask at 256, 17 ms at 512 and
- * 119 ms at 1,500 (required ones come in order: 0.05 ms at 1,000).
- * Lengths, item counts and integer ranges
- * cost little in this XGrammar (maxLength 100,000: 14 ms to compile,
- * 0.02 ms a mask), but are bounded all the same. Each limit below is a
- * 400 that names it and the value found. */
+ * (target/gcompile.h, target/sched.h): enum entries, anyOf alternatives
+ * and optional properties cost the most, lengths, item counts and integer
+ * ranges little, and all are bounded. Each limit below is a 400 that
+ * names it and the value found; docs/performance.md gives the costs
+ * measured that set them. */
 #ifndef AERIE_GATEWAY_SCHEMA_H
 #define AERIE_GATEWAY_SCHEMA_H
 

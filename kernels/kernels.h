@@ -48,8 +48,8 @@
  *     of an f32 product on the dequantized weights (the golden test); x
  *     takes two byte planes, so a block costs two integer dot products
  *     per weight byte. At 8 bits (llama.cpp's Q8_0 activations) it takes
- *     one, half the work of a pass of several tokens, for more error (5%
- *     of the logits measured in issue 3).
+ *     one, half the work of a pass of several tokens, for more error
+ *     (docs/accuracy.md).
  *     One run uses one precision: every pass of the engine, the draft
  *     head and every tensor-parallel rank's stream is set to the same P
  *     before the first op and never changed while sequences live, because

@@ -49,8 +49,7 @@
  *   - Plain steps only. A factor that every step moved took in the
  *     choice's own cost, so a tree stored too cheap stayed chosen: its
  *     dearer steps read as a slower host, and plain's estimate rose with
- *     them (a one-token chain ran 447 steps at batch 4-7 in a 32-stream
- *     run, its pass 1.6x plain's while the policy had them equal).
+ *     them (docs/performance.md: the policy's measured reasons).
  *   - While a range drafts, a slowdown is first charged to the tree,
  *     which errs towards plain. When the plain steps that follow (a
  *     probe, or a choice) move the factor, the tree's samples since the
@@ -89,9 +88,8 @@
  * the caller does not time such a draft (draft_ns < 0). A range whose
  * best tree is far from paying (under POLICY_KEEP_DRAFTER of plain's
  * rate: the drafter is left stale) earns its probes at
- * POLICY_EXPLORE_FAR instead: there every probe pays that reset too (at
- * batch 8 it cost 15-37 ms, 1-3 plain steps, beside the probe's own 2
- * steps), and what a probe could find must gain 25% to change anything.
+ * POLICY_EXPLORE_FAR instead: there every probe pays that reset too, and
+ * what a probe could find must gain 25% to change anything.
  *
  * Not adaptive (a fixed shape): every step asks for the bounding tree.
  *
@@ -177,13 +175,11 @@ bool policy_drafting(const policy *p, int32_t n);
  * steps' time (policy_observe_feed). Then a probe, or a switch back to
  * drafting, finds a drafter that holds the whole sequence; one reset from the last ENGINE_MAX_TREE pairs proposes
  * worse trees, and probes that always follow a reset would measure the
- * head's acceptance low and keep a tree that pays from being chosen
- * (0.21-0.25 at the first depth in such probes, against 0.34-0.37 while
- * drafting, on the held-out prompts). Far from paying, or where the
- * feeding costs more than the exploring budget (large batches on this
- * CPU, where the draft's passes over every token compete with a
- * compute-bound target: 8 streams ran at 0.94x plain while it was fed),
- * the drafter's work would be wasted and it is left stale. */
+ * head's acceptance low and keep a tree that pays from being chosen. Far
+ * from paying, or where the feeding costs more than the exploring budget
+ * (large batches on a compute-bound target, where the draft's passes over
+ * every token compete with it), the drafter's work would be wasted and it
+ * is left stale. */
 bool policy_keep_drafter(const policy *p, int32_t n);
 
 /* Time spent feeding the drafter (a prompt, or the pending pairs of plain
@@ -193,7 +189,7 @@ bool policy_keep_drafter(const policy *p, int32_t n);
  * the drafter is not kept (nothing measures it then) and while the range
  * drafts (the drafter needs its prompts then, and plain steps are only
  * probes: a share of those would count every prompt against a few
- * steps, 50-110% at 1 stream in a run of the headline benchmark). */
+ * steps). */
 void policy_observe_feed(policy *p, int32_t n, int64_t ns);
 
 /* What a step cost: n sequences ran `shape` (as asked; some may have got

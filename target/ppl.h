@@ -29,9 +29,8 @@
  * the K base tokens, and "any other token", whose model mass is the model's
  * probability summed over every token not in ids[]. This coarsening of the
  * full-vocabulary KL never exceeds it (the log-sum inequality) and equals it
- * when the two distributions have the same shape outside the top K. On
- * tests/golden/ppl/corpus.txt the base's top 32 hold 83% of the mass on
- * average (median 87%, 5th percentile 53%). top1 agreement compares the model's argmax (lowest id on
+ * when the two distributions have the same shape outside the top K
+ * (docs/accuracy.md: how much mass the top 32 hold). top1 agreement compares the model's argmax (lowest id on
  * ties) with ids[0]. kld_p99 is the nearest-rank 99th percentile: the
  * ceil(0.99 n)-th smallest value. */
 #ifndef AERIE_TARGET_PPL_H

@@ -84,7 +84,7 @@ kn_draw sample_draw(const sample_params *p, const sample_rng *rng, int32_t pos);
  * [NaN, -inf, -inf] picks 1. */
 int32_t sample_greedy(const float *logits, int32_t vocab);
 
-/* OpenAI logprobs (issue 18 builds on this). */
+/* OpenAI's limit on top_logprobs. */
 #define SAMPLE_MAX_TOP_LOGPROBS 20
 
 typedef struct sample_logprob {

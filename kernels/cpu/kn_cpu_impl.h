@@ -148,8 +148,8 @@ _Static_assert(sizeof(kn_blk_q4_1) == 20, "Q4_1 block layout");
 
 /* Rows of W per chunk (a tile's j1 - j0 is at most this). Each thread
  * takes a contiguous run of chunks (kn_matmul.c); 64 rows of a 1536-wide
- * Q4_1 matrix are 60 KiB, which the m-tiles revisit from L2. Measured: 16
- * and 32 were slower at decode, 64 and up about the same. */
+ * Q4_1 matrix are 60 KiB, which the m-tiles revisit from L2
+ * (docs/performance.md: why 64). */
 #define KN_CHUNK_N 64
 typedef struct kn_tile {
     const kn_weight *w;
