@@ -120,13 +120,16 @@ endif
 
 SAN := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 
-.PHONY: all deps model test unit fuzz asan tsan run train-draft clean cuda test-cuda-cpu cuda-note gpu-tests cuda-12.8
+.PHONY: all deps model test check format unit fuzz asan tsan run train-draft clean cuda test-cuda-cpu cuda-note gpu-tests cuda-12.8
 .DEFAULT_GOAL := all
 
 SERVICES := build/aerie-target build/aerie-draft build/aerie-gateway
 ASAN_SERVICES := $(SERVICES:build/%=build/asan/%)
 
-all: build/aerie $(SERVICES) $(MODEL_BIN) $(CUDA_ALL)
+# Plain make builds what serving needs: the four binaries (and the CUDA
+# plugin where nvcc is found). The tests build under make test and make
+# check, which install or expect their dependencies (cmocka, clang).
+all: build/aerie $(SERVICES) $(CUDA_ALL)
 
 # Every object may include the generated header (an order-only
 # prerequisite of each object rule below).
@@ -360,9 +363,22 @@ $(RANDOM_HEAD)/model.safetensors: tools/gen_eagle_fixture.py
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 test:
 	@tools/deps.sh test
-	$(MAKE) -j$(JOBS) all asan tsan fuzz $(RANDOM_HEAD)/model.safetensors $(CUDA_TEST)
+	$(MAKE) -j$(JOBS) all asan tsan fuzz $(MODEL_BIN) $(RANDOM_HEAD)/model.safetensors $(CUDA_TEST)
 	@tools/fetch_model.sh
 	@tools/run_tests.sh
+
+# The quick loop while working: installs nothing (run make test once
+# first) and fuzzes nothing. Builds everything but the fuzzers and TSan
+# with warnings as errors, then checks the layout (tools/format.sh), the
+# names (tools/check_names.py) and runs the ASan unit suites. A failed check
+# does not stop the others; the last line sums them.
+check:
+	$(MAKE) -j$(JOBS) all $(UNIT_BIN) $(MODEL_BIN)
+	@tools/check.sh $(UNIT_BIN)
+
+# Rewrites the files that are off the layout (.clang-format).
+format:
+	@tools/format.sh
 
 # Serving needs the binaries only: the model tests in `all` need cmocka.
 run:

@@ -66,6 +66,10 @@ if want test; then
     has_py openai || py_missing+=(openai)
     # Structured output's tests validate replies against their schemas.
     has_py jsonschema || py_missing+=(jsonschema)
+    # The layout check (tools/format.sh) runs one pinned clang-format, from
+    # PyPI: versions differ in where they break lines.
+    python3 -c 'import importlib.metadata as m, sys; sys.exit(m.version("clang-format") != "19.1.7")' \
+        >/dev/null 2>&1 || py_missing+=(clang-format==19.1.7)
 fi
 
 # PyTorch trains EAGLE-3 heads (tools/train_eagle3.py); the pipeline's

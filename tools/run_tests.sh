@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every CPU test: the cmocka unit suites (built with ASan+UBSan; the
 # threaded ones also with TSan), each
-# libFuzzer target for a short while, then the pytest integration suite
+# libFuzzer target for a short while, the layout check (tools/format.sh),
+# then the pytest integration suite
 # against the real binaries. Ends with one summary line over all of them.
-# Expects `make all asan tsan fuzz` and `make model` to have run (make test does).
+# Expects what make test builds and fetches first (the builds, the model).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,6 +86,17 @@ for f in build/fuzz/fuzz_*; do
         failures+=("$name")
     fi
 done
+
+echo "== layout (tools/format.sh --check, the pinned clang-format)"
+if tools/format.sh --check >"$logdir/format.log" 2>&1; then
+    printf '  %-28s %s\n' layout "$(tail -n 1 "$logdir/format.log")"
+    passed=$((passed + 1))
+else
+    printf '  %-28s FAILED — %s\n' layout "$logdir/format.log"
+    tail -n 20 "$logdir/format.log" | sed 's/^/      /'
+    failed=$((failed + 1))
+    failures+=(layout)
+fi
 
 echo "== integration tests (pytest)"
 # The 25 slowest tests are listed at the end: CI has 90 minutes in all.
