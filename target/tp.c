@@ -123,7 +123,7 @@ static bool range_ok(tp_range r, int32_t n) { return r.begin >= 0 && r.begin < r
 /* Bytes of weights a shard reads (the full model owns them all): what
  * one decode step reads of it, plus an untied embedding table. */
 static size_t shard_bytes(const model *s) {
-    size_t b = s->arch->decode_bytes(s);
+    size_t b = arch_decode_bytes(s);
     if (!s->cfg.tied_embeddings)
         b += (size_t)s->tok_embd.rows * quant_row_bytes(s->tok_embd.type, (uint64_t)s->tok_embd.cols);
     return b;
