@@ -63,6 +63,10 @@ int64_t arch_dim_value(const model_config *c, arch_dim d) {
     return arch_size_value(c, d.n) * arch_size_value(c, d.unit);
 }
 
+model_ffn arch_layer_ffn(const model_config *c, int32_t i) {
+    return c->route.n_experts > 0 && i >= c->n_dense_layers ? MODEL_FFN_MOE : MODEL_FFN_DENSE;
+}
+
 bool arch_layer_has(const model_config *c, const model_layer *l, const arch_tensor *t) {
     bool block = t->block == ARCH_EVERY || (t->block == ARCH_GQA && l->attn == MODEL_ATTN_GQA) ||
                  (t->block == ARCH_MLA && l->attn == MODEL_ATTN_MLA) ||
@@ -179,7 +183,7 @@ static int load_layer(model *m, model_layer *l, int32_t i, ae_error *err) {
     bool had = false;
     char name[256];
     l->attn = a->attn;
-    l->ffn = c->route.n_experts > 0 && i >= c->n_dense_layers ? MODEL_FFN_MOE : MODEL_FFN_DENSE;
+    l->ffn = arch_layer_ffn(c, i);
     for (size_t k = 0; k < a->n_tensors; k++) {
         const arch_tensor *t = &a->tensors[k];
         if (t->read == ARCH_MADE || !arch_layer_has(c, l, t)) continue;
@@ -277,6 +281,29 @@ int arch_gguf_int_key(const gguf_file *f, const char *name, const char *suffix, 
     snprintf(key, sizeof key, "%s.%s", name, suffix);
     *out = def;
     return gguf_find_key(f, key) < 0 ? AE_OK : gguf_get_i64(f, key, out, err);
+}
+
+void arch_count_params(const arch *a, const model_config *c, arch_params *p) {
+    *p = (arch_params){0};
+    for (int32_t i = 0; i < c->n_layers; i++) {
+        const model_layer l = {.attn = a->attn, .ffn = arch_layer_ffn(c, i)};
+        for (size_t k = 0; k < a->n_tensors; k++) {
+            const arch_tensor *t = &a->tensors[k];
+            if (t->held == ARCH_SRC || !arch_layer_has(c, &l, t) || ((t->flags & ARCH_BIAS) && !c->qkv_bias)) continue;
+            const uint64_t n = (uint64_t)arch_dim_value(c, t->rows) * (uint64_t)arch_dim_value(c, t->cols);
+            if (t->held == ARCH_VEC)
+                p->whole_f32 += n;
+            else if (t->held == ARCH_EXPERT)
+                p->experts += n * (uint64_t)c->route.n_experts;
+            else if (t->shard == ARCH_WHOLE)
+                *(t->flags & ARCH_F32 ? &p->whole_f32 : &p->whole) += n;
+            else
+                *(t->flags & ARCH_F32 ? &p->split_f32 : &p->split) += n;
+        }
+    }
+    p->whole_f32 += (uint64_t)c->hidden; /* the final norm */
+    p->embed = (uint64_t)c->vocab * (uint64_t)c->hidden;
+    p->output = c->tied_embeddings ? 0 : (uint64_t)c->vocab * (uint64_t)c->hidden;
 }
 
 /* Bounds as config.json's reader has them (hfconfig.c: rope_theta, the

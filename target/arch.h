@@ -111,6 +111,7 @@ enum {
     ARCH_IF_PRESENT = 1 << 6,  /* read only where the file has it */
     ARCH_IF_HAD = 1 << 7,      /* read only where the last ARCH_IF_PRESENT tensor was */
     ARCH_IF_NOT_HAD = 1 << 8,  /* read only where it was not */
+    ARCH_F32 = 1 << 9,         /* held as f32 whatever the file's type (made by weights_f32) */
 };
 
 #define ARCH_MAX_SOURCES 8
@@ -163,8 +164,6 @@ typedef struct arch {
     uint64_t (*workspace_per_token)(const model_config *c);
     /* The split of heads and FFN features over n_ranks ranks. */
     int (*tp_split)(struct tp_split *out, const model_config *c, int32_t n_ranks, ae_error *err);
-    /* Its parameters, from the config alone. */
-    void (*params)(const model_config *c, arch_params *out);
     /* Whether every rank holds all of the KV (MLA's latent, shared by all
      * heads) rather than its heads' share. */
     bool kv_replicated;
@@ -181,6 +180,10 @@ const arch *arch_for_hf(const char *model_type, ae_error *err);
 /* A number of the config, and a dimension's n x unit. */
 int64_t arch_size_value(const model_config *c, arch_size s);
 int64_t arch_dim_value(const model_config *c, arch_dim d);
+
+/* Layer i's FFN block under config c: MoE from n_dense_layers on where
+ * there are routed experts, else dense. */
+model_ffn arch_layer_ffn(const model_config *c, int32_t i);
 
 /* Whether layer l (its block kinds set) holds t under config c: its block
  * and its ARCH_Q_LORA, ARCH_NO_Q_LORA and ARCH_SHARED conditions. */
@@ -207,6 +210,13 @@ int arch_load_tensors(model *m, ae_error *err);
  * counts its share, not the full rows it strides over. The numerator of
  * the bandwidth roofline (model_decode_bytes). */
 size_t arch_decode_bytes(const model *m);
+
+/* The parameters of a model of architecture a and config c (or of a
+ * tensor-parallel shard's config: tp_shard_config), from its table alone:
+ * every tensor its layers hold, the sources left out, by how tensor
+ * parallelism places it; vectors (norms, and biases where the config has
+ * them) count as f32 every rank holds. */
+void arch_count_params(const arch *a, const model_config *c, arch_params *out);
 
 /* GGUF's {name}.{suffix} integer key, or def when it is absent. */
 int64_t arch_gguf_int(const gguf_file *f, const char *name, const char *suffix, int64_t def);

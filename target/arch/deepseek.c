@@ -372,8 +372,8 @@ static const arch_tensor tensors[] = {
      D(KV_RANK)},
     {"kv_b", "attn_kv_b", "self_attn.kv_b_proj", ARCH_MLA, ARCH_SRC, ARCH_READ_ANY, ARCH_WHOLE, ARCH_IF_NOT_HAD,
      SRC_KV_B, HD(KV_HEAD_DIM), D(KV_RANK)},
-    {"w_uk", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, 0, F(w_uk), HD(KV_RANK), D(NOPE_DIM)},
-    {"w_uv", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, 0, F(w_uv), HD(V_DIM), D(KV_RANK)},
+    {"w_uk", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, ARCH_F32, F(w_uk), HD(KV_RANK), D(NOPE_DIM)},
+    {"w_uv", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, ARCH_F32, F(w_uv), HD(V_DIM), D(KV_RANK)},
     /* the first layers' dense SwiGLU */
     {"ffn_gate", "ffn_gate", "mlp.gate_proj", ARCH_DENSE, ARCH_MAT, ARCH_READ_ANY, ARCH_ROWS, ARCH_PACK, F(w_gate),
      D(FFN), D(HIDDEN)},
@@ -483,24 +483,6 @@ static uint64_t workspace_per_token(const model_config *c) {
     return 4 * floats;
 }
 
-/* Each rank computes the latent itself (q_a and kv_a are whole) and its
- * heads' share of the rest; the routers are whole, each expert divided. */
-static void params(const model_config *c, arch_params *p) {
-    const uint64_t L = (uint64_t)c->n_layers, H = (uint64_t)c->hidden, nh = (uint64_t)c->n_heads,
-                   R = (uint64_t)c->kv_lora_rank, Q = (uint64_t)c->q_lora_rank, dn = (uint64_t)c->qk_nope_dim,
-                   dr = (uint64_t)c->qk_rope_dim, dv = (uint64_t)c->v_head_dim, E = (uint64_t)c->route.n_experts,
-                   moe = L - (uint64_t)c->n_dense_layers;
-    *p = (arch_params){0};
-    p->whole = L * (Q * H + (R + dr) * H) + moe * E * H;
-    p->whole_f32 = L * (2 * H + Q + R) + H + moe * E;
-    p->split = L * ((Q ? Q : H) * nh * (dn + dr) + nh * dv * H) +
-               3 * H * ((uint64_t)c->n_dense_layers * (uint64_t)c->ffn + moe * (uint64_t)c->shared_ffn);
-    p->split_f32 = L * nh * R * (dn + dv); /* W_UK and W_UV, from kv_b_proj */
-    p->experts = moe * E * 3 * H * (uint64_t)c->expert_ffn;
-    p->embed = (uint64_t)c->vocab * H;
-    p->output = c->tied_embeddings ? 0 : (uint64_t)c->vocab * H;
-}
-
 const arch arch_deepseek = {
     .name = "deepseek",
     .hf_types = hf_types,
@@ -515,6 +497,5 @@ const arch arch_deepseek = {
     .kv_bytes_per_token = kv_token_bytes,
     .workspace_per_token = workspace_per_token,
     .tp_split = tp_split_latent,
-    .params = params,
     .kv_replicated = true,
 };

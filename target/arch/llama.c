@@ -125,16 +125,6 @@ static uint64_t workspace_per_token(const model_config *c) {
                    2ull * (uint64_t)c->ffn + (uint64_t)c->vocab + (uint64_t)c->head_dim);
 }
 
-static void params(const model_config *c, arch_params *p) {
-    const uint64_t L = (uint64_t)c->n_layers, H = (uint64_t)c->hidden, F = (uint64_t)c->ffn,
-                   QD = (uint64_t)c->n_heads * (uint64_t)c->head_dim, KD = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
-    *p = (arch_params){0};
-    p->whole_f32 = L * 2 * H + H + (c->qkv_bias ? L * (QD + 2 * KD) : 0);
-    p->split = L * (2 * H * QD + 2 * H * KD + 3 * H * F);
-    p->embed = (uint64_t)c->vocab * H;
-    p->output = c->tied_embeddings ? 0 : (uint64_t)c->vocab * H;
-}
-
 const arch arch_llama = {
     .name = "llama",
     .hf_types = hf_types,
@@ -148,5 +138,4 @@ const arch arch_llama = {
     .kv_bytes_per_token = kv_token_bytes,
     .workspace_per_token = workspace_per_token,
     .tp_split = tp_split_plan,
-    .params = params,
 };

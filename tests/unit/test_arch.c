@@ -233,6 +233,37 @@ static void every_entry_of_the_tables_is_loaded_and_sharded(void **state) {
     model_free(m);
 }
 
+/* The parameters by where tensor parallelism puts them, counted from the
+ * tables: SmolLM2's 2 norms a layer and the final one, its 7 matrices a
+ * layer divided, its tied embeddings; the tiny DeepSeek-V3's q_a and kv_a
+ * (the latent) and the routers whole, W_UK and W_UV divided in f32. */
+static void the_tables_count_the_parameters(void **state) {
+    (void)state;
+    model *m;
+    ae_error err = {0};
+    arch_params p;
+    if (model_load(&m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    arch_count_params(m->arch, &m->cfg, &p);
+    assert_int_equal(p.whole, 0);
+    assert_int_equal(p.whole_f32, 30 * 2 * 576 + 576);
+    assert_int_equal(p.split, 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536));
+    assert_int_equal(p.split_f32, 0);
+    assert_int_equal(p.experts, 0);
+    assert_int_equal(p.embed, 49152 * 576);
+    assert_int_equal(p.output, 0);
+    model_free(m);
+    if (model_load(&m, "tests/golden/tiny/deepseek", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    arch_count_params(m->arch, &m->cfg, &p);
+    assert_int_equal(p.whole, 3 * (32 * 64 + 48 * 64) + 2 * 8 * 64);
+    assert_int_equal(p.whole_f32, 3 * (2 * 64 + 32 + 32) + 64 + 2 * 8);
+    assert_int_equal(p.split, 3 * (32 * 4 * 32 + 64 * 4 * 16) + 3 * 64 * (128 + 2 * 64));
+    assert_int_equal(p.split_f32, 3 * 4 * 32 * (16 + 16));
+    assert_int_equal(p.experts, 2 * 8 * 3 * 64 * 64);
+    assert_int_equal(p.embed, 256 * 64);
+    assert_int_equal(p.output, 256 * 64);
+    model_free(m);
+}
+
 /* The default model read with arch a's table (model_load reads it with
  * llama's); NULL with err set where it fails. */
 static model *load_as(const arch *a, ae_error *err) {
@@ -299,6 +330,10 @@ static void a_tensor_added_to_the_table_is_read_and_sharded(void **state) {
     /* a plain rank 1 of 3 reads 52339968 bytes: a third of each layer's
      * matrices, its norms, the whole output projection and its norm */
     assert_int_equal(s->weight_bytes, 52339968 + 30 * (512 - 64) * 360);
+    /* and the plan's count of divided parameters (106168320 plain) */
+    arch_params p;
+    arch_count_params(&a, &m->cfg, &p);
+    assert_int_equal(p.split, 106168320 + 30 * (1536 - 192) * 576);
     tp_shard_free(s);
     model_free(m);
 
@@ -623,6 +658,7 @@ int main(void) {
         cmocka_unit_test(an_unknown_architecture_is_refused_with_the_known_ones),
         cmocka_unit_test(the_default_model_states_its_kv_split_and_blocks),
         cmocka_unit_test(every_entry_of_the_tables_is_loaded_and_sharded),
+        cmocka_unit_test(the_tables_count_the_parameters),
         cmocka_unit_test(a_tensor_added_to_the_table_is_read_and_sharded),
         cmocka_unit_test(deepseek2_gguf_rope_and_yarn_are_read),
         cmocka_unit_test(deepseek2_gguf_refuses_rope_numbers_out_of_range),
