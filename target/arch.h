@@ -12,7 +12,7 @@
  * matrix themselves.
  *
  * A layer is made of tagged blocks (model.h): attention is GQA (or MLA),
- * the FFN dense (or MoE). The forward pass (llama.c) runs one layer loop
+ * the FFN dense (or MoE). The forward pass (forward.c) runs one layer loop
  * for every architecture. The loop owns the EAGLE-3 capture and the
  * allreduce hooks, and each block's kind picks the ops that run it. A new
  * architecture is a new file here, its name in arch.c's list, and, where
