@@ -121,8 +121,8 @@ static int compute(config *c, dry *d, ae_error *err) {
     /* Weights on the first GPU: what every rank holds whole, the output
      * projection (rank 0's alone), and rank 0's part of the divided ones. */
     arch_params p0;
-    d->a->params(mc, &d->p);
-    d->a->params(&d->r0, &p0);
+    arch_count_params(d->a, mc, &d->p);
+    arch_count_params(d->a, &d->r0, &p0);
     const double fb = d->h.float_bytes;
     d->w_whole = (double)d->p.whole * fb + (double)d->p.whole_f32 * 4.0;
     d->w_embed = (double)d->p.embed * fb;

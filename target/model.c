@@ -96,7 +96,7 @@ int model_load(model **out, const char *path, const kn_backend *be, ae_error *er
     return AE_OK;
 }
 
-size_t model_decode_bytes(const model *m) { return m->arch->decode_bytes(m); }
+size_t model_decode_bytes(const model *m) { return arch_decode_bytes(m); }
 
 static void count(uint64_t *bytes, const kn_weight *w) {
     if (w->data && w->rows > 0) bytes[w->type] += (uint64_t)w->rows * quant_row_bytes(w->type, (uint64_t)w->cols);
@@ -109,13 +109,15 @@ void model_bytes_by_type(const model *m, uint64_t *bytes, uint64_t *experts) {
     if (m->output.data != m->tok_embd.data) count(bytes, &m->output);
     for (int32_t i = 0; i < m->cfg.n_layers; i++) {
         const model_layer *l = &m->layers[i];
-        const kn_weight *w[] = {&l->wq,    &l->wk,    &l->wv,      &l->wo,    &l->w_gate, &l->w_up,
-                                &l->w_down, &l->wq_a, &l->wq_nope, &l->wq_pe, &l->wkv_a,  &l->wk_pe,
-                                &l->w_uk,  &l->w_uv,  &l->router};
-        for (size_t j = 0; j < sizeof w / sizeof w[0]; j++) count(bytes, w[j]);
-        for (int32_t e = 0; l->experts && e < 3 * m->cfg.route.n_experts; e++) {
-            count(bytes, &l->experts[e]);
-            *experts += (uint64_t)l->experts[e].rows * quant_row_bytes(l->experts[e].type, (uint64_t)l->experts[e].cols);
+        for (size_t k = 0; k < m->arch->n_tensors; k++) {
+            const arch_tensor *t = &m->arch->tensors[k];
+            if (!arch_layer_has(&m->cfg, l, t)) continue;
+            if (t->held == ARCH_MAT) count(bytes, arch_field_const(l, t));
+            for (int32_t e = 0; t->held == ARCH_EXPERT && l->experts && e < m->cfg.route.n_experts; e++) {
+                const kn_weight *x = &l->experts[(int64_t)t->at * m->cfg.route.n_experts + e];
+                count(bytes, x);
+                *experts += (uint64_t)x->rows * quant_row_bytes(x->type, (uint64_t)x->cols);
+            }
         }
     }
 }

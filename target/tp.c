@@ -123,7 +123,7 @@ static bool range_ok(tp_range r, int32_t n) { return r.begin >= 0 && r.begin < r
 /* Bytes of weights a shard reads (the full model owns them all): what
  * one decode step reads of it, plus an untied embedding table. */
 static size_t shard_bytes(const model *s) {
-    size_t b = s->arch->decode_bytes(s);
+    size_t b = arch_decode_bytes(s);
     if (!s->cfg.tied_embeddings)
         b += (size_t)s->tok_embd.rows * quant_row_bytes(s->tok_embd.type, (uint64_t)s->tok_embd.cols);
     return b;
@@ -136,66 +136,64 @@ void tp_shard_free(model *shard) {
     free(shard);
 }
 
-/* Rank `rank`'s GQA attention: whole kv-head groups (column-parallel
- * q/k/v, row-parallel o). */
-static int shard_gqa(model_layer *l, const model_layer *f, const model_config *c, tp_range hd, tp_range kv, int32_t li,
-                     ae_error *err) {
-    const int64_t D = c->head_dim;
-    const int64_t q0 = hd.begin * D, nq = (int64_t)(hd.end - hd.begin) * D;
-    const int64_t k0 = kv.begin * D, nk = (int64_t)(kv.end - kv.begin) * D;
-    AE_ASSERT(f->wq.rows == (int64_t)c->n_heads * D && f->wk.rows == (int64_t)c->n_kv_heads * D &&
-              f->wv.rows == f->wk.rows && f->wo.cols == f->wq.rows);
-    l->wq = rows_view(&f->wq, q0, nq);
-    l->wk = rows_view(&f->wk, k0, nk);
-    l->wv = rows_view(&f->wv, k0, nk);
-    l->bq = f->bq ? f->bq + q0 : NULL;
-    l->bk = f->bk ? f->bk + k0 : NULL;
-    l->bv = f->bv ? f->bv + k0 : NULL;
-    return cols_view(&l->wo, &f->wo, q0, nq, "attn_output", li, err);
+/* Rank `rank`'s range of the split dimension n (arch.h arch_shard). */
+static tp_range split_range(const tp_split *sp, arch_size n, int32_t rank) {
+    switch (n) {
+    case ARCH_HEADS: return sp->heads[rank];
+    case ARCH_KV_HEADS: return sp->kv_heads[rank];
+    case ARCH_FFN: return sp->ffn[rank];
+    case ARCH_SHARED_FFN: return sp->shared[rank];
+    case ARCH_EXPERT_FFN: return sp->expert[rank];
+    default: break;
+    }
+    AE_ASSERT(!"a dimension tensor parallelism does not split");
+    return (tp_range){0, 0};
 }
 
-/* MLA: the latent's projections whole, the heads' rows of q_b, W_UK and
- * W_UV, and o_proj's columns of their values. */
-static int shard_mla(model_layer *l, const model_layer *f, const model_config *c, tp_range hd, int32_t li,
-                     ae_error *err) {
-    const int64_t h0 = hd.begin, n = hd.end - hd.begin;
-    l->wq_a = f->wq_a;
-    l->q_a_norm = f->q_a_norm;
-    l->wkv_a = f->wkv_a;
-    l->wk_pe = f->wk_pe;
-    l->kv_a_norm = f->kv_a_norm;
-    l->wq_nope = rows_view(&f->wq_nope, h0 * c->qk_nope_dim, n * c->qk_nope_dim);
-    l->wq_pe = rows_view(&f->wq_pe, h0 * c->qk_rope_dim, n * c->qk_rope_dim);
-    l->w_uk = rows_view(&f->w_uk, h0 * c->kv_lora_rank, n * c->kv_lora_rank);
-    l->w_uv = rows_view(&f->w_uv, h0 * c->v_head_dim, n * c->v_head_dim);
-    return cols_view(&l->wo, &f->wo, h0 * c->v_head_dim, n * c->v_head_dim, "attn_output", li, err);
+/* A matrix's share: f whole, or its rows or columns [r.begin, r.end) of
+ * the split dimension, unit rows or columns each. */
+static int shard_matrix(kn_weight *out, const kn_weight *f, const arch_tensor *t, const model_config *c, tp_range r,
+                        int32_t li, ae_error *err) {
+    if (t->shard == ARCH_WHOLE) {
+        *out = *f;
+        return AE_OK;
+    }
+    AE_ASSERT(f->rows == arch_dim_value(c, t->rows) && f->cols == arch_dim_value(c, t->cols));
+    const int64_t unit = arch_size_value(c, (t->shard == ARCH_ROWS ? t->rows : t->cols).unit);
+    if (t->shard == ARCH_ROWS) {
+        *out = rows_view(f, r.begin * unit, (int64_t)(r.end - r.begin) * unit);
+        return AE_OK;
+    }
+    return cols_view(out, f, r.begin * unit, (int64_t)(r.end - r.begin) * unit, t->name, li, err);
 }
 
-/* A SwiGLU FFN's features [r.begin, r.end): gate and up rows, down
- * columns. An empty range leaves them empty. */
-static int shard_swiglu(kn_weight *g, kn_weight *u, kn_weight *d, const kn_weight *fg, const kn_weight *fu,
-                        const kn_weight *fd, tp_range r, const char *name, int32_t li, ae_error *err) {
-    if (r.end <= r.begin) return AE_OK;
-    AE_ASSERT(fg->rows == fu->rows && fd->cols == fg->rows);
-    *g = rows_view(fg, r.begin, r.end - r.begin);
-    *u = rows_view(fu, r.begin, r.end - r.begin);
-    return cols_view(d, fd, r.begin, r.end - r.begin, name, li, err);
-}
-
-/* MoE: the router whole; every expert's and the shared experts' range. */
-static int shard_moe(model_layer *l, const model_layer *f, const model_config *c, const tp_split *sp, int32_t rank,
-                     int32_t li, ae_error *err) {
-    const int32_t E = c->route.n_experts;
-    l->router = f->router;
-    l->router_bias = f->router_bias;
-    if (!(l->experts = calloc(3 * (size_t)E, sizeof *l->experts))) return err_set(err, "out of memory");
-    for (int32_t e = 0; e < E; e++)
-        if (shard_swiglu(&l->experts[e], &l->experts[E + e], &l->experts[2 * E + e], &f->experts[e],
-                         &f->experts[E + e], &f->experts[2 * E + e], sp->expert[rank], "expert down_proj", li,
-                         err) != AE_OK)
-            return AE_ERR;
-    return shard_swiglu(&l->w_gate, &l->w_up, &l->w_down, &f->w_gate, &f->w_up, &f->w_down, sp->shared[rank],
-                        "shared_experts.down_proj", li, err);
+/* Rank `rank`'s share of t in layer li (the arch's table: arch.h). An
+ * empty range of its split dimension leaves it empty. */
+static int shard_tensor(model_layer *l, const model_layer *f, const arch_tensor *t, const model_config *c,
+                        const tp_split *sp, int32_t rank, int32_t li, ae_error *err) {
+    tp_range r = {0, 0};
+    if (t->shard != ARCH_WHOLE) {
+        r = split_range(sp, (t->shard == ARCH_ROWS ? t->rows : t->cols).n, rank);
+        if (r.end <= r.begin) return AE_OK;
+    }
+    switch (t->held) {
+    case ARCH_VEC: { /* whole, or its rows */
+        const float *v = *(const float *const *)arch_field_const(f, t);
+        AE_ASSERT(t->shard != ARCH_COLS);
+        *(const float **)arch_field(l, t) =
+            v && t->shard == ARCH_ROWS ? v + r.begin * arch_size_value(c, t->rows.unit) : v;
+        return AE_OK;
+    }
+    case ARCH_MAT: return shard_matrix(arch_field(l, t), arch_field_const(f, t), t, c, r, li, err);
+    case ARCH_EXPERT:
+        for (int64_t e = 0; e < c->route.n_experts; e++) {
+            const int64_t i = (int64_t)t->at * c->route.n_experts + e;
+            if (shard_matrix(&l->experts[i], &f->experts[i], t, c, r, li, err) != AE_OK) return AE_ERR;
+        }
+        return AE_OK;
+    case ARCH_SRC: break;
+    }
+    return AE_OK;
 }
 
 static int range_len(tp_range r) { return r.end - r.begin; }
@@ -255,24 +253,17 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
         model_layer *l = &s->layers[li];
         l->attn = f->attn;
         l->ffn = f->ffn;
-        l->attn_norm = f->attn_norm;
-        l->ffn_norm = f->ffn_norm;
-        int rc = AE_ERR;
-        switch (f->attn) {
-        case MODEL_ATTN_GQA: rc = sp->latent ? err_set(err, "tensor parallel: layer %d: GQA under a latent split", li)
-                                             : shard_gqa(l, f, c, hd, kv, li, err);
-            break;
-        case MODEL_ATTN_MLA: rc = sp->latent ? shard_mla(l, f, c, hd, li, err)
-                                             : err_set(err, "tensor parallel: layer %d: MLA needs the latent split", li);
-            break;
+        int rc = AE_OK;
+        if (f->attn == MODEL_ATTN_GQA && sp->latent)
+            rc = err_set(err, "tensor parallel: layer %d: GQA under a latent split", li);
+        else if (f->attn == MODEL_ATTN_MLA && !sp->latent)
+            rc = err_set(err, "tensor parallel: layer %d: MLA needs the latent split", li);
+        else if (f->experts && !(l->experts = calloc(3 * (size_t)c->route.n_experts, sizeof *l->experts)))
+            rc = err_set(err, "out of memory");
+        for (size_t k = 0; k < full->arch->n_tensors && rc == AE_OK; k++) {
+            const arch_tensor *t = &full->arch->tensors[k];
+            if (t->held != ARCH_SRC && arch_layer_has(c, f, t)) rc = shard_tensor(l, f, t, c, sp, rank, li, err);
         }
-        if (rc == AE_OK) switch (f->ffn) {
-            case MODEL_FFN_DENSE:
-                rc = shard_swiglu(&l->w_gate, &l->w_up, &l->w_down, &f->w_gate, &f->w_up, &f->w_down, ff, "ffn_down",
-                                  li, err);
-                break;
-            case MODEL_FFN_MOE: rc = shard_moe(l, f, c, sp, rank, li, err); break;
-            }
         if (rc != AE_OK) {
             tp_shard_free(s);
             return AE_ERR;
@@ -568,13 +559,18 @@ static uint64_t weight_bytes(const kn_weight *w) {
     return (uint64_t)w->rows * quant_row_bytes(w->type, (uint64_t)w->cols);
 }
 
+/* Whether the tensor-parallel copy of a rank on another backend holds t
+ * of layer l: the table's matrices the layer has. */
+static bool copied(const model *sh, const model_layer *l, const arch_tensor *t) {
+    return t->held == ARCH_MAT && arch_layer_has(&sh->cfg, l, t);
+}
+
 uint64_t tp_rank_copy_bytes(const model *sh, int32_t rank) {
     uint64_t b = weight_bytes(&sh->tok_embd);
-    for (int32_t l = 0; l < sh->cfg.n_layers; l++) {
-        const model_layer *ly = &sh->layers[l];
-        b += weight_bytes(&ly->wq) + weight_bytes(&ly->wk) + weight_bytes(&ly->wv) + weight_bytes(&ly->wo) +
-             weight_bytes(&ly->w_gate) + weight_bytes(&ly->w_up) + weight_bytes(&ly->w_down);
-    }
+    for (int32_t l = 0; l < sh->cfg.n_layers; l++)
+        for (size_t k = 0; k < sh->arch->n_tensors; k++)
+            if (copied(sh, &sh->layers[l], &sh->arch->tensors[k]))
+                b += weight_bytes(arch_field_const(&sh->layers[l], &sh->arch->tensors[k]));
     if (rank == 0 && sh->output.data != sh->tok_embd.data) b += weight_bytes(&sh->output);
     return b;
 }
@@ -584,21 +580,23 @@ uint64_t tp_rank_copy_bytes(const model *sh, int32_t rank) {
 static int rank_copy_weights(tp_rank *r, const model *m, ae_error *err) {
     model *sh = r->shard;
     const int32_t L = sh->cfg.n_layers;
-    for (int32_t l = 0; l < L; l++) /* what a GPU of its own reads: only these blocks' matrices so far */
+    size_t n = 2;
+    for (int32_t l = 0; l < L; l++) { /* what a GPU of its own reads: only these blocks' matrices so far */
         if (sh->layers[l].attn != MODEL_ATTN_GQA || sh->layers[l].ffn != MODEL_FFN_DENSE)
             return err_set(err, "tensor parallel: rank %d: a rank on a GPU of its own runs GQA and dense layers only",
                            r->rank);
-    r->wbufs = calloc((size_t)L * 7 + 2, sizeof *r->wbufs);
+        for (size_t k = 0; k < sh->arch->n_tensors; k++) n += copied(sh, &sh->layers[l], &sh->arch->tensors[k]);
+    }
+    r->wbufs = calloc(n, sizeof *r->wbufs);
     if (!r->wbufs) return err_set(err, "tensor parallel: out of memory");
     kn_stream *from = NULL;
     if (kn_stream_init(&from, m->be, &(kn_stream_config){NULL, 0}, err) != AE_OK) return AE_ERR;
     int rc = AE_OK;
-    for (int32_t l = 0; l < L && rc == AE_OK; l++) {
-        model_layer *ly = &sh->layers[l];
-        kn_weight *ws[7] = {&ly->wq, &ly->wk, &ly->wv, &ly->wo, &ly->w_gate, &ly->w_up, &ly->w_down};
-        for (int k = 0; k < 7 && rc == AE_OK; k++)
-            rc = weight_copy(ws[k], from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
-    }
+    for (int32_t l = 0; l < L && rc == AE_OK; l++)
+        for (size_t k = 0; k < sh->arch->n_tensors && rc == AE_OK; k++)
+            if (copied(sh, &sh->layers[l], &sh->arch->tensors[k]))
+                rc = weight_copy(arch_field(&sh->layers[l], &sh->arch->tensors[k]), from, r->be,
+                                 &r->wbufs[r->n_wbufs++], &r->copied, err);
     bool tied = sh->output.data == sh->tok_embd.data;
     if (rc == AE_OK) rc = weight_copy(&sh->tok_embd, from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
     if (rc == AE_OK && r->rank == 0) {

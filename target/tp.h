@@ -7,7 +7,10 @@
  *
  * A shard is a `model` whose cfg holds the rank's local n_heads, n_kv_heads
  * and ffn (MoE: shared_ffn and expert_ffn), and whose kn_weight views point
- * into the full model's data; no weight is copied:
+ * into the full model's data; no weight is copied. tp_shard_init walks the
+ * architecture's table of a layer's tensors (arch.h arch_tensor), whose
+ * entries say which of them are whole, split by rows or split by columns,
+ * and along which dimension:
  *   - column-parallel wq/wk/wv (+ biases), w_gate/w_up: a contiguous range
  *     of output rows. Attention is split by whole kv-head groups: a rank
  *     owns kv heads [a, b) and the q heads that read them, so grouped-query

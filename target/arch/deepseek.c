@@ -12,6 +12,7 @@
  * leaves through W_UV, so nothing per head is stored. */
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -325,51 +326,83 @@ static void fill_kvb(void *ctx, float *dst) {
     free(row);
 }
 
-/* A layer's tensor names in each format: after its prefix
- * ("model.layers.N." or "blk.N."), matrices without ".weight". */
-enum {
-    T_ATTN_NORM, T_FFN_NORM, T_Q_A, T_Q_A_NORM, T_Q_B, T_Q, T_KV_A, T_KV_A_NORM, T_KV_B, T_K_B, T_V_B, T_O,
-    T_GATE, T_UP, T_DOWN, T_ROUTER, T_BIAS, T_EXPERT_GATE, T_EXPERT_UP, T_EXPERT_DOWN, T_SHARED_GATE, T_SHARED_UP,
-    T_SHARED_DOWN, T_N
+/* What the made tensors are made from (arch_tensor.at of ARCH_SRC). */
+enum { SRC_Q, SRC_KV_A, SRC_KV_B, SRC_K_B, SRC_V_B };
+
+/* A layer's tensors, in the order they are read (arch.h); matrices by the
+ * prefix of their names (ARCH_READ_ANY). The made ones sit where they are
+ * packed. llama.cpp's files have W_UK and W_UV apart (attn_k_b, attn_v_b)
+ * in current files, kv_b whole (attn_kv_b) in older ones, and the experts
+ * stacked. */
+#define F(field) offsetof(model_layer, field)
+#define ONE {ARCH_ONE, ARCH_ONE}
+#define D(n) {ARCH_##n, ARCH_ONE}
+#define HD(unit) {ARCH_HEADS, ARCH_##unit}
+static const arch_tensor tensors[] = {
+    /* name, GGUF, Hugging Face, block, held, read, split, flags, field or source, rows, cols */
+    {"attn_norm", "attn_norm.weight", "input_layernorm.weight", ARCH_EVERY, ARCH_VEC, ARCH_READ_VECTOR, ARCH_WHOLE, 0,
+     F(attn_norm), D(HIDDEN), ONE},
+    {"ffn_norm", "ffn_norm.weight", "post_attention_layernorm.weight", ARCH_EVERY, ARCH_VEC, ARCH_READ_VECTOR,
+     ARCH_WHOLE, 0, F(ffn_norm), D(HIDDEN), ONE},
+    /* MLA: the query, through a low rank or straight from the input */
+    {"q_a", "attn_q_a", "self_attn.q_a_proj", ARCH_MLA, ARCH_MAT, ARCH_READ_ANY, ARCH_WHOLE, ARCH_PACK | ARCH_Q_LORA,
+     F(wq_a), D(Q_RANK), D(HIDDEN)},
+    {"q_a_norm", "attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight", ARCH_MLA, ARCH_VEC, ARCH_READ_VECTOR,
+     ARCH_WHOLE, ARCH_Q_LORA, F(q_a_norm), D(Q_RANK), ONE},
+    {"q_b", "attn_q_b", "self_attn.q_b_proj", ARCH_MLA, ARCH_SRC, ARCH_READ_ANY, ARCH_WHOLE, ARCH_Q_LORA, SRC_Q,
+     HD(Q_HEAD_DIM), D(Q_RANK)},
+    {"q", "attn_q", "self_attn.q_proj", ARCH_MLA, ARCH_SRC, ARCH_READ_ANY, ARCH_WHOLE, ARCH_NO_Q_LORA, SRC_Q,
+     HD(Q_HEAD_DIM), D(Q_RANK)},
+    {"q_nope", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, ARCH_PACK, F(wq_nope), HD(NOPE_DIM), D(Q_RANK)},
+    {"q_pe", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, ARCH_PACK, F(wq_pe), HD(ROPE_DIM), D(Q_RANK)},
+    /* the latent and the shared k_pe */
+    {"kv_a", "attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa", ARCH_MLA, ARCH_SRC, ARCH_READ_ANY, ARCH_WHOLE, 0,
+     SRC_KV_A, D(LATENT_DIM), D(HIDDEN)},
+    {"kv_a latent", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_WHOLE, ARCH_PACK, F(wkv_a), D(KV_RANK), D(HIDDEN)},
+    {"k_pe", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_WHOLE, ARCH_PACK, F(wk_pe), D(ROPE_DIM), D(HIDDEN)},
+    {"kv_a_norm", "attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight", ARCH_MLA, ARCH_VEC, ARCH_READ_VECTOR,
+     ARCH_WHOLE, 0, F(kv_a_norm), D(KV_RANK), ONE},
+    {"attn_output", "attn_output", "self_attn.o_proj", ARCH_MLA, ARCH_MAT, ARCH_READ_ANY, ARCH_COLS, ARCH_PACK, F(wo),
+     D(HIDDEN), HD(V_DIM)},
+    /* W_UK transposed and W_UV, head by head: from the split tensors where
+     * the file has them, else cut from kv_b */
+    {"k_b", "attn_k_b.weight", NULL, ARCH_MLA, ARCH_SRC, ARCH_READ_HEADS, ARCH_WHOLE, ARCH_IF_PRESENT, SRC_K_B,
+     HD(KV_RANK), D(NOPE_DIM)},
+    {"v_b", "attn_v_b.weight", NULL, ARCH_MLA, ARCH_SRC, ARCH_READ_HEADS, ARCH_WHOLE, ARCH_IF_HAD, SRC_V_B, HD(V_DIM),
+     D(KV_RANK)},
+    {"kv_b", "attn_kv_b", "self_attn.kv_b_proj", ARCH_MLA, ARCH_SRC, ARCH_READ_ANY, ARCH_WHOLE, ARCH_IF_NOT_HAD,
+     SRC_KV_B, HD(KV_HEAD_DIM), D(KV_RANK)},
+    {"w_uk", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, ARCH_F32, F(w_uk), HD(KV_RANK), D(NOPE_DIM)},
+    {"w_uv", NULL, NULL, ARCH_MLA, ARCH_MAT, ARCH_MADE, ARCH_ROWS, ARCH_F32, F(w_uv), HD(V_DIM), D(KV_RANK)},
+    /* the first layers' dense SwiGLU */
+    {"ffn_gate", "ffn_gate", "mlp.gate_proj", ARCH_DENSE, ARCH_MAT, ARCH_READ_ANY, ARCH_ROWS, ARCH_PACK, F(w_gate),
+     D(FFN), D(HIDDEN)},
+    {"ffn_up", "ffn_up", "mlp.up_proj", ARCH_DENSE, ARCH_MAT, ARCH_READ_ANY, ARCH_ROWS, ARCH_PACK, F(w_up), D(FFN),
+     D(HIDDEN)},
+    {"ffn_down", "ffn_down", "mlp.down_proj", ARCH_DENSE, ARCH_MAT, ARCH_READ_ANY, ARCH_COLS, ARCH_PACK, F(w_down),
+     D(HIDDEN), D(FFN)},
+    /* the mixture: the router whole, each expert divided */
+    {"router", "ffn_gate_inp.weight", "mlp.gate.weight", ARCH_MOE, ARCH_MAT, ARCH_READ_MATRIX, ARCH_WHOLE, ARCH_ROUTER,
+     F(router), D(EXPERTS), D(HIDDEN)},
+    {"router bias", "exp_probs_b.bias", "mlp.gate.e_score_correction_bias", ARCH_MOE, ARCH_VEC, ARCH_READ_VECTOR,
+     ARCH_WHOLE, 0, F(router_bias), D(EXPERTS), ONE},
+    {"expert gate_proj", "ffn_gate_exps.weight", "mlp.experts.%d.gate_proj", ARCH_MOE, ARCH_EXPERT, ARCH_READ_ANY,
+     ARCH_ROWS, ARCH_PACK, 0, D(EXPERT_FFN), D(HIDDEN)},
+    {"expert up_proj", "ffn_up_exps.weight", "mlp.experts.%d.up_proj", ARCH_MOE, ARCH_EXPERT, ARCH_READ_ANY,
+     ARCH_ROWS, ARCH_PACK, 1, D(EXPERT_FFN), D(HIDDEN)},
+    {"expert down_proj", "ffn_down_exps.weight", "mlp.experts.%d.down_proj", ARCH_MOE, ARCH_EXPERT, ARCH_READ_ANY,
+     ARCH_COLS, ARCH_PACK, 2, D(HIDDEN), D(EXPERT_FFN)},
+    {"shared_experts.gate_proj", "ffn_gate_shexp", "mlp.shared_experts.gate_proj", ARCH_MOE, ARCH_MAT, ARCH_READ_ANY,
+     ARCH_ROWS, ARCH_PACK | ARCH_SHARED, F(w_gate), D(SHARED_FFN), D(HIDDEN)},
+    {"shared_experts.up_proj", "ffn_up_shexp", "mlp.shared_experts.up_proj", ARCH_MOE, ARCH_MAT, ARCH_READ_ANY,
+     ARCH_ROWS, ARCH_PACK | ARCH_SHARED, F(w_up), D(SHARED_FFN), D(HIDDEN)},
+    {"shared_experts.down_proj", "ffn_down_shexp", "mlp.shared_experts.down_proj", ARCH_MOE, ARCH_MAT, ARCH_READ_ANY,
+     ARCH_COLS, ARCH_PACK | ARCH_SHARED, F(w_down), D(HIDDEN), D(SHARED_FFN)},
 };
-static const char *const hf_names[T_N] = {
-    "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_a_proj",
-    "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa",
-    "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj", NULL, NULL, "self_attn.o_proj", "mlp.gate_proj",
-    "mlp.up_proj", "mlp.down_proj", "mlp.gate.weight", "mlp.gate.e_score_correction_bias",
-    "mlp.experts.%d.gate_proj", "mlp.experts.%d.up_proj", "mlp.experts.%d.down_proj",
-    "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"};
-/* llama.cpp's: W_UK and W_UV apart (attn_k_b, attn_v_b) in current
- * files, kv_b whole (attn_kv_b) in older ones; the experts stacked. */
-static const char *const gguf_names[T_N] = {
-    "attn_norm.weight", "ffn_norm.weight", "attn_q_a", "attn_q_a_norm.weight", "attn_q_b", "attn_q", "attn_kv_a_mqa",
-    "attn_kv_a_norm.weight", "attn_kv_b", "attn_k_b.weight", "attn_v_b.weight", "attn_output", "ffn_gate", "ffn_up",
-    "ffn_down", "ffn_gate_inp.weight", "exp_probs_b.bias", "ffn_gate_exps.weight", "ffn_up_exps.weight",
-    "ffn_down_exps.weight", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"};
-
-typedef struct names {
-    const char *const *t;
-    char pre[48];
-} names;
-
-/* The name of t for layer pre, with an expert's index where it has one. */
-static const char *nm(const names *n, int t, int64_t expert, char *buf, size_t cap) {
-    const char *name = n->t[t], *at = strstr(name, "%d");
-    if (at)
-        snprintf(buf, cap, "%s%.*s%lld%s", n->pre, (int)(at - name), name, (long long)expert, at + 2);
-    else
-        snprintf(buf, cap, "%s%s", n->pre, name);
-    return buf;
-}
-
-/* A matrix in the file's type, or compressed-tensors int4 (name is
- * {prefix}.weight or {prefix}.weight_packed). */
-static int any_matrix(weights_store *w, const char *prefix, int64_t rows, int64_t cols, kn_weight *out, ae_error *err) {
-    char name[256];
-    snprintf(name, sizeof name, "%s.weight", prefix);
-    if (!weights_has(w, name) && weights_has_int4(w, prefix)) return weights_int4_matrix(w, prefix, rows, cols, out, err);
-    return weights_matrix(w, name, rows, cols, out, err);
-}
+#undef F
+#undef ONE
+#undef D
+#undef HD
 
 /* Any matrix as f32 (MLA's per-head ones, which kn_matmul_heads reads). */
 static void fill_rows(void *ctx, float *dst) {
@@ -377,44 +410,25 @@ static void fill_rows(void *ctx, float *dst) {
     for (int64_t i = 0; i < m->rows; i++) weights_row_f32(m, i, dst + i * m->cols);
 }
 
-static int load_mla(model *m, model_layer *l, const names *nms, ae_error *err) {
+/* The layer's made tensors: W_UK^T and W_UV in f32 from k_b and v_b, or
+ * cut from kv_b; q's rows regrouped into nope and rope; kv_a cut into the
+ * latent's rows and k_pe's. */
+static int make(model *m, model_layer *l, const kn_weight *src, ae_error *err) {
     const model_config *c = &m->cfg;
     weights_store *w = m->w;
-    const int64_t H = c->hidden, nh = c->n_heads, R = c->kv_lora_rank, dn = c->qk_nope_dim, dr = c->qk_rope_dim,
-                  dv = c->v_head_dim, Q = c->q_lora_rank ? c->q_lora_rank : H;
-    char n[256];
-#define NAME(t) nm(nms, t, 0, n, sizeof n)
-    kn_weight qb, kva, kvb;
-    if (c->q_lora_rank) {
-        if (any_matrix(w, NAME(T_Q_A), Q, H, &l->wq_a, err) ||
-            weights_vector(w, NAME(T_Q_A_NORM), Q, false, &l->q_a_norm, err) ||
-            any_matrix(w, NAME(T_Q_B), nh * (dn + dr), Q, &qb, err))
-            return AE_ERR;
-    } else if (any_matrix(w, NAME(T_Q), nh * (dn + dr), H, &qb, err)) {
-        return AE_ERR;
-    }
-    if (any_matrix(w, NAME(T_KV_A), R + dr, H, &kva, err) ||
-        weights_vector(w, NAME(T_KV_A_NORM), R, false, &l->kv_a_norm, err) ||
-        any_matrix(w, NAME(T_O), H, nh * dv, &l->wo, err))
-        return AE_ERR;
-    /* W_UK transposed and W_UV, head by head: from llama.cpp's split
-     * tensors where the file has them, else cut from kv_b. */
-    if (nms->t[T_K_B] && weights_has(w, NAME(T_K_B))) {
-        kn_weight kb, vb;
-        if (weights_matrix_3d(w, NAME(T_K_B), nh, R, dn, &kb, err) ||
-            weights_matrix_3d(w, NAME(T_V_B), nh, dv, R, &vb, err) ||
-            weights_f32(w, nh * R, dn, fill_rows, &kb, &l->w_uk, err) ||
+    const int64_t nh = c->n_heads, R = c->kv_lora_rank, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    if (src[SRC_K_B].data) {
+        kn_weight kb = src[SRC_K_B], vb = src[SRC_V_B];
+        if (weights_f32(w, nh * R, dn, fill_rows, &kb, &l->w_uk, err) ||
             weights_f32(w, nh * dv, R, fill_rows, &vb, &l->w_uv, err))
             return AE_ERR;
     } else {
-        if (any_matrix(w, NAME(T_KV_B), nh * (dn + dv), R, &kvb, err)) return AE_ERR;
-        kvb_ctx uk = {&kvb, c->n_heads, c->qk_nope_dim, c->v_head_dim, c->kv_lora_rank, true}, uv = uk;
+        kvb_ctx uk = {&src[SRC_KV_B], c->n_heads, c->qk_nope_dim, c->v_head_dim, c->kv_lora_rank, true}, uv = uk;
         uv.uk = false;
         if (weights_f32(w, nh * R, dn, fill_kvb, &uk, &l->w_uk, err) ||
             weights_f32(w, nh * dv, R, fill_kvb, &uv, &l->w_uv, err))
             return AE_ERR;
     }
-#undef NAME
     /* q_b's rows head by head: nope then rope; regrouped so that all
      * heads' nope rows, then all heads' rope rows, are one matrix each. */
     int64_t *rows = malloc((size_t)nh * (size_t)(dn + dr) * sizeof *rows);
@@ -423,102 +437,25 @@ static int load_mla(model *m, model_layer *l, const names *nms, ae_error *err) {
         for (int64_t d = 0; d < dn; d++) rows[h * dn + d] = h * (dn + dr) + d;
         for (int64_t d = 0; d < dr; d++) rows[nh * dn + h * dr + d] = h * (dn + dr) + dn + d;
     }
-    int rc = weights_pick_rows(w, &qb, nh * dn, rows, &l->wq_nope, err) ||
-             weights_pick_rows(w, &qb, nh * dr, rows + nh * dn, &l->wq_pe, err);
+    int rc = weights_pick_rows(w, &src[SRC_Q], nh * dn, rows, &l->wq_nope, err) ||
+             weights_pick_rows(w, &src[SRC_Q], nh * dr, rows + nh * dn, &l->wq_pe, err);
     free(rows);
     if (rc) return AE_ERR;
     /* kv_a's first R rows make the latent, its last dr the shared k_pe. */
-    l->wkv_a = kva;
+    const kn_weight *kva = &src[SRC_KV_A];
+    l->wkv_a = *kva;
     l->wkv_a.rows = R;
-    l->wk_pe = kva;
+    l->wk_pe = *kva;
     l->wk_pe.rows = dr;
-    l->wk_pe.data = (const char *)kva.data + (size_t)R * kva.row_bytes;
-    return AE_OK;
-}
-
-/* A SwiGLU FFN of width F: gate and up [F][H], down [H][F]. */
-static int load_swiglu(weights_store *w, const names *nms, int first, int64_t H, int64_t F, kn_weight *g, kn_weight *u,
-                       kn_weight *d, ae_error *err) {
-    char n[256];
-    return any_matrix(w, nm(nms, first, 0, n, sizeof n), F, H, g, err) ||
-                   any_matrix(w, nm(nms, first + 1, 0, n, sizeof n), F, H, u, err) ||
-                   any_matrix(w, nm(nms, first + 2, 0, n, sizeof n), H, F, d, err)
-               ? AE_ERR
-               : AE_OK;
-}
-
-static int load_ffn(model *m, model_layer *l, int32_t i, const names *nms, ae_error *err) {
-    const model_config *c = &m->cfg;
-    weights_store *w = m->w;
-    const int64_t H = c->hidden, E = c->route.n_experts, F = c->expert_ffn;
-    char n[256];
-    if (i < c->n_dense_layers) {
-        l->ffn = MODEL_FFN_DENSE;
-        return load_swiglu(w, nms, T_GATE, H, c->ffn, &l->w_gate, &l->w_up, &l->w_down, err);
-    }
-    l->ffn = MODEL_FFN_MOE;
-    if (weights_matrix(w, nm(nms, T_ROUTER, 0, n, sizeof n), E, H, &l->router, err)) return AE_ERR;
-    if (l->router.type != GGML_TYPE_F32 && l->router.type != GGML_TYPE_BF16) /* its logits are f32 */
-        return err_set(err, "tensor %s: type %s; the router must be f32 or bf16", n, quant_type_name(l->router.type));
-    if (weights_vector(w, nm(nms, T_BIAS, 0, n, sizeof n), E, false, &l->router_bias, err)) return AE_ERR;
-    if (!(l->experts = calloc(3 * (size_t)E, sizeof *l->experts))) return err_set(err, "out of memory");
-    if (m->w->gguf) { /* stacked: expert e is rows [e F, (e + 1) F) (down: [e H, (e + 1) H)) */
-        for (int j = 0; j < 3; j++) {
-            kn_weight st;
-            int64_t rows = j == 2 ? H : F, cols = j == 2 ? F : H;
-            if (weights_matrix_3d(w, nm(nms, T_EXPERT_GATE + j, 0, n, sizeof n), E, rows, cols, &st, err))
-                return AE_ERR;
-            for (int64_t e = 0; e < E; e++) {
-                kn_weight *x = &l->experts[j * E + e];
-                *x = st;
-                x->rows = rows;
-                x->data = (const char *)st.data + (size_t)(e * rows) * st.row_bytes;
-            }
-        }
-    } else {
-        for (int64_t e = 0; e < E; e++)
-            for (int j = 0; j < 3; j++) {
-                int64_t rows = j == 2 ? H : F, cols = j == 2 ? F : H;
-                if (any_matrix(w, nm(nms, T_EXPERT_GATE + j, e, n, sizeof n), rows, cols, &l->experts[j * E + e], err))
-                    return AE_ERR;
-            }
-    }
-    if (!c->shared_ffn) return AE_OK;
-    return load_swiglu(w, nms, T_SHARED_GATE, H, c->shared_ffn, &l->w_gate, &l->w_up, &l->w_down, err);
-}
-
-static int pack_layer(model *m, model_layer *l, ae_error *err) {
-    kn_weight *ws[] = {&l->wq_a, &l->wq_nope, &l->wq_pe, &l->wkv_a, &l->wk_pe, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
-    for (size_t j = 0; j < sizeof ws / sizeof ws[0]; j++)
-        if (ws[j]->data && weights_pack(m->w, ws[j], err) != AE_OK) return AE_ERR;
-    for (int64_t e = 0; l->experts && e < 3 * (int64_t)m->cfg.route.n_experts; e++)
-        if (weights_pack(m->w, &l->experts[e], err) != AE_OK) return AE_ERR;
+    l->wk_pe.data = (const char *)kva->data + (size_t)R * kva->row_bytes;
     return AE_OK;
 }
 
 static int load(model *m, ae_error *err) {
-    model_config *c = &m->cfg;
-    const bool gguf = m->w->gguf != NULL;
     if (!kn_backend_supports(m->be, KN_OP_LATENT, GGML_TYPE_F16))
         return err_set(err, "backend %s has no MLA attention yet (%s needs it): run it with --device cpu",
-                       kn_backend_name(m->be), c->arch);
-    if (gguf ? arch_load_ends(m, "token_embd.weight", "output_norm.weight", "output.weight", err)
-             : arch_load_ends(m, "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", err))
-        return AE_ERR;
-    if (!(m->layers = calloc((size_t)c->n_layers, sizeof *m->layers))) return err_set(err, "out of memory");
-    for (int32_t i = 0; i < c->n_layers; i++) {
-        model_layer *l = &m->layers[i];
-        names nms = {gguf ? gguf_names : hf_names, ""};
-        snprintf(nms.pre, sizeof nms.pre, gguf ? "blk.%d." : "model.layers.%d.", i);
-        char n[256];
-        l->attn = MODEL_ATTN_MLA;
-        if (weights_vector(m->w, nm(&nms, T_ATTN_NORM, 0, n, sizeof n), c->hidden, false, &l->attn_norm, err) ||
-            weights_vector(m->w, nm(&nms, T_FFN_NORM, 0, n, sizeof n), c->hidden, false, &l->ffn_norm, err) ||
-            load_mla(m, l, &nms, err) || load_ffn(m, l, i, &nms, err))
-            return AE_ERR;
-        if (pack_layer(m, l, err) != AE_OK) return AE_ERR;
-    }
-    return weights_pack(m->w, &m->output, err);
+                       kn_backend_name(m->be), m->cfg.arch);
+    return arch_load_tensors(m, err);
 }
 
 /* ---- the plan ----------------------------------------------------------------- */
@@ -546,47 +483,6 @@ static uint64_t workspace_per_token(const model_config *c) {
     return 4 * floats;
 }
 
-static size_t matrix_bytes(const kn_weight *w) {
-    return w->data ? (size_t)w->rows * quant_row_bytes(w->type, (uint64_t)w->cols) : 0;
-}
-
-/* What one token's decode reads: every attention matrix, the dense or
- * shared FFN, the router, and top_k of the routed experts (an average
- * expert: their sizes are equal), the norms, then the output. */
-static size_t decode_bytes(const model *m) {
-    const model_config *c = &m->cfg;
-    size_t b = 0;
-    for (int32_t i = 0; i < c->n_layers; i++) {
-        const model_layer *l = &m->layers[i];
-        const kn_weight *w[] = {&l->wq_a, &l->wq_nope, &l->wq_pe, &l->wkv_a, &l->wk_pe, &l->w_uk,
-                                &l->w_uv, &l->wo,      &l->w_gate, &l->w_up, &l->w_down, &l->router};
-        for (size_t j = 0; j < sizeof w / sizeof w[0]; j++) b += matrix_bytes(w[j]);
-        if (l->experts)
-            for (int j = 0; j < 3; j++) b += (size_t)c->route.top_k * matrix_bytes(&l->experts[j * c->route.n_experts]);
-        b += 2 * (size_t)c->hidden * sizeof(float);
-    }
-    return b + matrix_bytes(&m->output) + (size_t)c->hidden * sizeof(float);
-}
-
-
-/* Each rank computes the latent itself (q_a and kv_a are whole) and its
- * heads' share of the rest; the routers are whole, each expert divided. */
-static void params(const model_config *c, arch_params *p) {
-    const uint64_t L = (uint64_t)c->n_layers, H = (uint64_t)c->hidden, nh = (uint64_t)c->n_heads,
-                   R = (uint64_t)c->kv_lora_rank, Q = (uint64_t)c->q_lora_rank, dn = (uint64_t)c->qk_nope_dim,
-                   dr = (uint64_t)c->qk_rope_dim, dv = (uint64_t)c->v_head_dim, E = (uint64_t)c->route.n_experts,
-                   moe = L - (uint64_t)c->n_dense_layers;
-    *p = (arch_params){0};
-    p->whole = L * (Q * H + (R + dr) * H) + moe * E * H;
-    p->whole_f32 = L * (2 * H + Q + R) + H + moe * E;
-    p->split = L * ((Q ? Q : H) * nh * (dn + dr) + nh * dv * H) +
-               3 * H * ((uint64_t)c->n_dense_layers * (uint64_t)c->ffn + moe * (uint64_t)c->shared_ffn);
-    p->split_f32 = L * nh * R * (dn + dv); /* W_UK and W_UV, from kv_b_proj */
-    p->experts = moe * E * 3 * H * (uint64_t)c->expert_ffn;
-    p->embed = (uint64_t)c->vocab * H;
-    p->output = c->tied_embeddings ? 0 : (uint64_t)c->vocab * H;
-}
-
 const arch arch_deepseek = {
     .name = "deepseek",
     .hf_types = hf_types,
@@ -594,10 +490,12 @@ const arch arch_deepseek = {
     .config_gguf = config_gguf,
     .config_hf = config_hf,
     .load = load,
+    .tensors = tensors,
+    .n_tensors = sizeof tensors / sizeof tensors[0],
+    .attn = MODEL_ATTN_MLA,
+    .make = make,
     .kv_bytes_per_token = kv_token_bytes,
     .workspace_per_token = workspace_per_token,
-    .decode_bytes = decode_bytes,
     .tp_split = tp_split_latent,
-    .params = params,
     .kv_replicated = true,
 };

@@ -1,8 +1,8 @@
 /* Llama and Qwen2: GQA attention (Qwen2 with q/k/v biases), a dense
  * SwiGLU FFN, RMSNorm, RoPE; the same forward pass, read from GGUF or
  * Hugging Face files. */
+#include <stddef.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "../../services/kv/kv.h"
@@ -67,70 +67,47 @@ static int config_hf(model_config *c, const hfconfig *hc, const char *path, ae_e
     return arch_check_rope_hf(c, hc, NULL, path, err);
 }
 
-/* A format's tensor names: the model's own, then a layer's, each named
- * layer + its index + "." + suffix. */
-typedef struct tensor_names {
-    const char *embd, *norm, *output, *layer;
-    const char *sfx[12]; /* attn_norm, ffn_norm, q, k, v, o, gate, up, down, q bias, k bias, v bias */
-} tensor_names;
-
-static const tensor_names gguf_names = {
-    "token_embd.weight", "output_norm.weight", "output.weight", "blk.",
-    {"attn_norm.weight", "ffn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-     "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias"}};
-
-static const tensor_names hf_names = {
-    "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight", "model.layers.",
-    {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-     "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
-     "self_attn.v_proj.bias"}};
-
-static int load_tensors(model *m, const tensor_names *nm, ae_error *err) {
-    model_config *c = &m->cfg;
-    weights_store *w = m->w;
-    m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
-    if (!m->layers) return err_set(err, "out of memory");
-
-    const int64_t H = c->hidden, F = c->ffn, QD = (int64_t)c->n_heads * c->head_dim,
-            KD = (int64_t)c->n_kv_heads * c->head_dim;
-    if (arch_load_ends(m, nm->embd, nm->norm, nm->output, err) != AE_OK) return AE_ERR;
-    for (int i = 0; i < c->n_layers; i++) {
-        model_layer *l = &m->layers[i];
-        l->attn = MODEL_ATTN_GQA;
-        l->ffn = MODEL_FFN_DENSE;
-        char n[12][128], pre[32];
-        snprintf(pre, sizeof pre, "%s%d.", nm->layer, i);
-        for (int j = 0; j < 12; j++) snprintf(n[j], sizeof n[j], "%s%s", pre, nm->sfx[j]);
-        if (weights_vector(w, n[0], H, false, &l->attn_norm, err) ||
-            weights_vector(w, n[1], H, false, &l->ffn_norm, err) ||
-            weights_matrix(w, n[2], QD, H, &l->wq, err) || weights_matrix(w, n[3], KD, H, &l->wk, err) ||
-            weights_matrix(w, n[4], KD, H, &l->wv, err) || weights_matrix(w, n[5], H, QD, &l->wo, err) ||
-            weights_matrix(w, n[6], F, H, &l->w_gate, err) || weights_matrix(w, n[7], F, H, &l->w_up, err) ||
-            weights_matrix(w, n[8], H, F, &l->w_down, err) ||
-            weights_vector(w, n[9], QD, !c->qkv_bias, &l->bq, err) ||
-            weights_vector(w, n[10], KD, !c->qkv_bias, &l->bk, err) ||
-            weights_vector(w, n[11], KD, !c->qkv_bias, &l->bv, err))
-            return AE_ERR;
-    }
-    return AE_OK;
-}
-
-static int pack_weights(model *m, ae_error *err) {
-    for (int32_t i = 0; i < m->cfg.n_layers; i++) {
-        model_layer *l = &m->layers[i];
-        kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
-        for (int j = 0; j < 7; j++)
-            if (weights_pack(m->w, w[j], err) != AE_OK) return AE_ERR;
-    }
-    return weights_pack(m->w, &m->output, err);
-}
-
-static int load(model *m, ae_error *err) {
-    const tensor_names *nm = m->w->gguf ? &gguf_names : &hf_names;
-    if (load_tensors(m, nm, err) != AE_OK) return AE_ERR;
-    return pack_weights(m, err);
-}
+/* A layer's tensors, in the order they are read (arch.h). */
+#define F(field) offsetof(model_layer, field)
+#define ONE {ARCH_ONE, ARCH_ONE}
+#define H {ARCH_HIDDEN, ARCH_ONE}
+#define QD {ARCH_HEADS, ARCH_HEAD_DIM}
+#define KD {ARCH_KV_HEADS, ARCH_HEAD_DIM}
+#define FF {ARCH_FFN, ARCH_ONE}
+static const arch_tensor tensors[] = {
+    /* name, GGUF, Hugging Face, block, held, read, split, flags, field, rows, cols */
+    {"attn_norm", "attn_norm.weight", "input_layernorm.weight", ARCH_EVERY, ARCH_VEC, ARCH_READ_VECTOR, ARCH_WHOLE, 0,
+     F(attn_norm), H, ONE},
+    {"ffn_norm", "ffn_norm.weight", "post_attention_layernorm.weight", ARCH_EVERY, ARCH_VEC, ARCH_READ_VECTOR,
+     ARCH_WHOLE, 0, F(ffn_norm), H, ONE},
+    {"attn_q", "attn_q.weight", "self_attn.q_proj.weight", ARCH_GQA, ARCH_MAT, ARCH_READ_MATRIX, ARCH_ROWS, ARCH_PACK,
+     F(wq), QD, H},
+    {"attn_k", "attn_k.weight", "self_attn.k_proj.weight", ARCH_GQA, ARCH_MAT, ARCH_READ_MATRIX, ARCH_ROWS, ARCH_PACK,
+     F(wk), KD, H},
+    {"attn_v", "attn_v.weight", "self_attn.v_proj.weight", ARCH_GQA, ARCH_MAT, ARCH_READ_MATRIX, ARCH_ROWS, ARCH_PACK,
+     F(wv), KD, H},
+    {"attn_output", "attn_output.weight", "self_attn.o_proj.weight", ARCH_GQA, ARCH_MAT, ARCH_READ_MATRIX, ARCH_COLS,
+     ARCH_PACK, F(wo), H, QD},
+    {"ffn_gate", "ffn_gate.weight", "mlp.gate_proj.weight", ARCH_DENSE, ARCH_MAT, ARCH_READ_MATRIX, ARCH_ROWS,
+     ARCH_PACK, F(w_gate), FF, H},
+    {"ffn_up", "ffn_up.weight", "mlp.up_proj.weight", ARCH_DENSE, ARCH_MAT, ARCH_READ_MATRIX, ARCH_ROWS, ARCH_PACK,
+     F(w_up), FF, H},
+    {"ffn_down", "ffn_down.weight", "mlp.down_proj.weight", ARCH_DENSE, ARCH_MAT, ARCH_READ_MATRIX, ARCH_COLS,
+     ARCH_PACK, F(w_down), H, FF},
+    /* Qwen2's */
+    {"attn_q.bias", "attn_q.bias", "self_attn.q_proj.bias", ARCH_GQA, ARCH_VEC, ARCH_READ_VECTOR, ARCH_ROWS, ARCH_BIAS,
+     F(bq), QD, ONE},
+    {"attn_k.bias", "attn_k.bias", "self_attn.k_proj.bias", ARCH_GQA, ARCH_VEC, ARCH_READ_VECTOR, ARCH_ROWS, ARCH_BIAS,
+     F(bk), KD, ONE},
+    {"attn_v.bias", "attn_v.bias", "self_attn.v_proj.bias", ARCH_GQA, ARCH_VEC, ARCH_READ_VECTOR, ARCH_ROWS, ARCH_BIAS,
+     F(bv), KD, ONE},
+};
+#undef F
+#undef ONE
+#undef H
+#undef QD
+#undef KD
+#undef FF
 
 /* f16 K and V of every layer's kv heads (kv.h). */
 static uint64_t kv_token_bytes(const model_config *c) {
@@ -148,43 +125,17 @@ static uint64_t workspace_per_token(const model_config *c) {
                    2ull * (uint64_t)c->ffn + (uint64_t)c->vocab + (uint64_t)c->head_dim);
 }
 
-/* Every layer's seven matrices and two norms, then the output projection
- * and its norm (the embedding row is negligible). A matrix counts the
- * bytes of its own columns, so a tensor-parallel column shard counts its
- * share, not the full rows it strides over. */
-static size_t decode_bytes(const model *m) {
-    const model_config *c = &m->cfg;
-    size_t b = 0;
-    for (int32_t i = 0; i < c->n_layers; i++) {
-        const model_layer *l = &m->layers[i];
-        const kn_weight *w[7] = {&l->wq, &l->wk, &l->wv, &l->wo, &l->w_gate, &l->w_up, &l->w_down};
-        for (int j = 0; j < 7; j++) b += (size_t)w[j]->rows * quant_row_bytes(w[j]->type, (uint64_t)w[j]->cols);
-        b += 2 * (size_t)c->hidden * sizeof(float);
-    }
-    return b + (size_t)m->output.rows * quant_row_bytes(m->output.type, (uint64_t)m->output.cols) +
-           (size_t)c->hidden * sizeof(float);
-}
-
-static void params(const model_config *c, arch_params *p) {
-    const uint64_t L = (uint64_t)c->n_layers, H = (uint64_t)c->hidden, F = (uint64_t)c->ffn,
-                   QD = (uint64_t)c->n_heads * (uint64_t)c->head_dim, KD = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
-    *p = (arch_params){0};
-    p->whole_f32 = L * 2 * H + H + (c->qkv_bias ? L * (QD + 2 * KD) : 0);
-    p->split = L * (2 * H * QD + 2 * H * KD + 3 * H * F);
-    p->embed = (uint64_t)c->vocab * H;
-    p->output = c->tied_embeddings ? 0 : (uint64_t)c->vocab * H;
-}
-
 const arch arch_llama = {
     .name = "llama",
     .hf_types = hf_types,
     .gguf_archs = gguf_archs,
     .config_gguf = config_gguf,
     .config_hf = config_hf,
-    .load = load,
+    .load = arch_load_tensors,
+    .tensors = tensors,
+    .n_tensors = sizeof tensors / sizeof tensors[0],
+    .attn = MODEL_ATTN_GQA,
     .kv_bytes_per_token = kv_token_bytes,
     .workspace_per_token = workspace_per_token,
-    .decode_bytes = decode_bytes,
     .tp_split = tp_split_plan,
-    .params = params,
 };

@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "../../services/core/json.h"
+#include "../../services/model/quant.h"
 #include "../../target/arch.h"
 #include "../../target/tp.h"
 #include "gguf_writer.h"
@@ -85,6 +86,268 @@ static void the_default_model_states_its_kv_split_and_blocks(void **state) {
     model_free(m);
 }
 
+
+/* ---- a layer's tensors: one table that loading and tensor parallelism walk ---- */
+
+/* A table entry as a model holds it: its shape, and how rank `rank` of a
+ * split holds it (whole, or rows or columns [begin, begin + n)). */
+typedef struct held {
+    const char *name;
+    int64_t rows, cols;
+    arch_shard shard;
+    int64_t begin, n;
+} held;
+
+/* SmolLM2-135M (hidden 576, 9 heads and 3 kv heads of 64, ffn 1536, no
+ * biases), rank 1 of 3: kv head 1 and q heads 3..5, ffn [512, 1024). */
+static const held LLAMA_HELD[] = {
+    {"attn_norm", 576, 1, ARCH_WHOLE, 0, 0},          {"ffn_norm", 576, 1, ARCH_WHOLE, 0, 0},
+    {"attn_q", 576, 576, ARCH_ROWS, 192, 192},        {"attn_k", 192, 576, ARCH_ROWS, 64, 64},
+    {"attn_v", 192, 576, ARCH_ROWS, 64, 64},          {"attn_output", 576, 576, ARCH_COLS, 192, 192},
+    {"ffn_gate", 1536, 576, ARCH_ROWS, 512, 512},     {"ffn_up", 1536, 576, ARCH_ROWS, 512, 512},
+    {"ffn_down", 576, 1536, ARCH_COLS, 512, 512},     {"attn_q.bias", 576, 1, ARCH_ROWS, 192, 192},
+    {"attn_k.bias", 192, 1, ARCH_ROWS, 64, 64},       {"attn_v.bias", 192, 1, ARCH_ROWS, 64, 64},
+};
+
+/* The tiny DeepSeek-V3 (hidden 64, 4 heads, q_lora_rank 32, kv_lora_rank
+ * 32, nope, rope and v dims 16, ffn 128, 8 experts and a shared one of
+ * 64), rank 1 of 2: heads 2..3, half of each FFN. Its sources (q_b, kv_a,
+ * kv_b) are read, not held. */
+static const held DEEPSEEK_HELD[] = {
+    {"attn_norm", 64, 1, ARCH_WHOLE, 0, 0},
+    {"ffn_norm", 64, 1, ARCH_WHOLE, 0, 0},
+    {"q_a", 32, 64, ARCH_WHOLE, 0, 0},
+    {"q_a_norm", 32, 1, ARCH_WHOLE, 0, 0},
+    {"q_nope", 64, 32, ARCH_ROWS, 32, 32},
+    {"q_pe", 64, 32, ARCH_ROWS, 32, 32},
+    {"kv_a latent", 32, 64, ARCH_WHOLE, 0, 0},
+    {"k_pe", 16, 64, ARCH_WHOLE, 0, 0},
+    {"kv_a_norm", 32, 1, ARCH_WHOLE, 0, 0},
+    {"attn_output", 64, 64, ARCH_COLS, 32, 32},
+    {"w_uk", 128, 16, ARCH_ROWS, 64, 64},
+    {"w_uv", 64, 32, ARCH_ROWS, 32, 32},
+    {"ffn_gate", 128, 64, ARCH_ROWS, 64, 64},
+    {"ffn_up", 128, 64, ARCH_ROWS, 64, 64},
+    {"ffn_down", 64, 128, ARCH_COLS, 64, 64},
+    {"router", 8, 64, ARCH_WHOLE, 0, 0},
+    {"router bias", 8, 1, ARCH_WHOLE, 0, 0},
+    {"expert gate_proj", 64, 64, ARCH_ROWS, 32, 32},
+    {"expert up_proj", 64, 64, ARCH_ROWS, 32, 32},
+    {"expert down_proj", 64, 64, ARCH_COLS, 32, 32},
+    {"shared_experts.gate_proj", 64, 64, ARCH_ROWS, 32, 32},
+    {"shared_experts.up_proj", 64, 64, ARCH_ROWS, 32, 32},
+    {"shared_experts.down_proj", 64, 64, ARCH_COLS, 32, 32},
+};
+
+/* A loaded matrix f of h's shape, and s its share as h says. */
+static void assert_matrix_share(const kn_weight *s, const kn_weight *f, const held *h) {
+    assert_non_null(f->data);
+    assert_int_equal(f->rows, h->rows);
+    assert_int_equal(f->cols, h->cols);
+    assert_int_equal(s->type, f->type);
+    assert_int_equal(s->row_bytes, f->row_bytes);
+    const char *fd = f->data, *sd = s->data;
+    switch (h->shard) {
+    case ARCH_WHOLE: assert_true(sd == fd && s->rows == f->rows && s->cols == f->cols); break;
+    case ARCH_ROWS:
+        assert_true(sd == fd + h->begin * (int64_t)f->row_bytes && s->rows == h->n && s->cols == f->cols);
+        break;
+    case ARCH_COLS:
+        assert_true(sd == fd + quant_row_bytes(f->type, (uint64_t)h->begin) && s->rows == f->rows && s->cols == h->n);
+        break;
+    }
+}
+
+/* Every entry of m's table that a layer holds, in m and in its shard s:
+ * the table says its shape and split (as want lists them, sources left
+ * out), the model holds it with that shape, the shard as its split says.
+ * Returns the tensors checked, each routed expert one. */
+static int check_table(const model *m, const model *s, const held *want, size_t n_want) {
+    const arch *a = m->arch;
+    const model_config *c = &m->cfg;
+    int checked = 0;
+    for (int32_t li = 0; li < c->n_layers; li++) {
+        size_t j = 0;
+        for (size_t k = 0; k < a->n_tensors; k++) {
+            const arch_tensor *t = &a->tensors[k];
+            if (t->held == ARCH_SRC) continue;
+            assert_true(j < n_want);
+            const held *h = &want[j++];
+            assert_string_equal(t->name, h->name);
+            assert_int_equal(arch_dim_value(c, t->rows), h->rows);
+            assert_int_equal(arch_dim_value(c, t->cols), h->cols);
+            assert_int_equal(t->shard, h->shard);
+            if (!arch_layer_has(c, &m->layers[li], t)) continue;
+            const model_layer *fl = &m->layers[li], *sl = &s->layers[li];
+            if (t->held == ARCH_VEC) {
+                const float *fv = *(const float *const *)arch_field_const(fl, t),
+                            *sv = *(const float *const *)arch_field_const(sl, t);
+                assert_ptr_equal(sv, fv && h->shard == ARCH_ROWS ? fv + h->begin : fv);
+            } else if (t->held == ARCH_MAT) {
+                assert_matrix_share(arch_field_const(sl, t), arch_field_const(fl, t), h);
+            } else {
+                for (int32_t e = 0; e < c->route.n_experts; e++, checked++) {
+                    int64_t i = (int64_t)t->at * c->route.n_experts + e;
+                    assert_matrix_share(&sl->experts[i], &fl->experts[i], h);
+                }
+                continue;
+            }
+            checked++;
+        }
+        assert_int_equal(j, n_want);
+    }
+    return checked;
+}
+
+static model *shard_of(const model *m, int32_t R, int32_t rank) {
+    tp_split sp;
+    model *s;
+    ae_error err = {0};
+    if (m->arch->tp_split(&sp, &m->cfg, R, &err) != AE_OK || tp_shard_init(&s, m, &sp, rank, &err) != AE_OK)
+        fail_msg("%s", err.msg);
+    return s;
+}
+
+static void every_entry_of_the_tables_is_loaded_and_sharded(void **state) {
+    (void)state;
+    model *m;
+    ae_error err = {0};
+    if (model_load(&m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(arch_llama.n_tensors, 12);
+    model *s = shard_of(m, 3, 1);
+    /* 30 layers x 12: SmolLM2 has no biases, NULL in the model and its shard */
+    assert_int_equal(check_table(m, s, LLAMA_HELD, sizeof LLAMA_HELD / sizeof LLAMA_HELD[0]), 30 * 12);
+    for (int32_t li = 0; li < 30; li++) assert_null(m->layers[li].bq);
+    tp_shard_free(s);
+    model_free(m);
+
+    if (model_load(&m, "tests/golden/tiny/deepseek", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    assert_int_equal(arch_deepseek.n_tensors, 29); /* 23 held, 6 sources */
+    s = shard_of(m, 2, 1);
+    /* the dense layer: 15 (12 of MLA and the norms, 3 of the FFN); the
+     * two MoE layers: 12 and the router, its bias, 3 x 8 experts' and 3
+     * shared ones' */
+    assert_int_equal(check_table(m, s, DEEPSEEK_HELD, sizeof DEEPSEEK_HELD / sizeof DEEPSEEK_HELD[0]),
+                     15 + 2 * (12 + 2 + 24 + 3));
+    tp_shard_free(s);
+    model_free(m);
+}
+
+/* The parameters by where tensor parallelism puts them, counted from the
+ * tables: SmolLM2's 2 norms a layer and the final one, its 7 matrices a
+ * layer divided, its tied embeddings; the tiny DeepSeek-V3's q_a and kv_a
+ * (the latent) and the routers whole, W_UK and W_UV divided in f32. */
+static void the_tables_count_the_parameters(void **state) {
+    (void)state;
+    model *m;
+    ae_error err = {0};
+    arch_params p;
+    if (model_load(&m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    arch_count_params(m->arch, &m->cfg, &p);
+    assert_int_equal(p.whole, 0);
+    assert_int_equal(p.whole_f32, 30 * 2 * 576 + 576);
+    assert_int_equal(p.split, 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536));
+    assert_int_equal(p.split_f32, 0);
+    assert_int_equal(p.experts, 0);
+    assert_int_equal(p.embed, 49152 * 576);
+    assert_int_equal(p.output, 0);
+    model_free(m);
+    if (model_load(&m, "tests/golden/tiny/deepseek", &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
+    arch_count_params(m->arch, &m->cfg, &p);
+    assert_int_equal(p.whole, 3 * (32 * 64 + 48 * 64) + 2 * 8 * 64);
+    assert_int_equal(p.whole_f32, 3 * (2 * 64 + 32 + 32) + 64 + 2 * 8);
+    assert_int_equal(p.split, 3 * (32 * 4 * 32 + 64 * 4 * 16) + 3 * 64 * (128 + 2 * 64));
+    assert_int_equal(p.split_f32, 3 * 4 * 32 * (16 + 16));
+    assert_int_equal(p.experts, 2 * 8 * 3 * 64 * 64);
+    assert_int_equal(p.embed, 256 * 64);
+    assert_int_equal(p.output, 256 * 64);
+    model_free(m);
+}
+
+/* The default model read with arch a's table (model_load reads it with
+ * llama's); NULL with err set where it fails. */
+static model *load_as(const arch *a, ae_error *err) {
+    model *m = calloc(1, sizeof *m);
+    const arch *file;
+    assert_non_null(m);
+    m->be = &kn_backend_cpu;
+    if (weights_open(&m->w, MODEL_PATH, m->be, err) != AE_OK ||
+        model_config_gguf(&m->cfg, &file, m->w->gguf, err) != AE_OK)
+        fail_msg("%s", err->msg);
+    assert_ptr_equal(file, &arch_llama);
+    m->arch = a;
+    if (a->load(m, err) != AE_OK) {
+        model_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* Llama's table with attn_v left out and one entry added: ffn_up's tensor
+ * again, into the field wq_a, split as ffn_up is. Loading reads the new
+ * one and not attn_v; the shard, the bytes a decode step reads and the
+ * bytes by type follow. An entry whose tensor the file lacks is the
+ * error, in the table's order. */
+static void a_tensor_added_to_the_table_is_read_and_sharded(void **state) {
+    (void)state;
+    arch_tensor edited[16];
+    size_t n = 0;
+    for (size_t k = 0; k < arch_llama.n_tensors; k++)
+        if (strcmp(arch_llama.tensors[k].name, "attn_v")) edited[n++] = arch_llama.tensors[k];
+    assert_int_equal(n, 11);
+    edited[n++] = (arch_tensor){"again", "ffn_up.weight", "mlp.up_proj.weight", ARCH_GQA, ARCH_MAT, ARCH_READ_MATRIX,
+                                ARCH_ROWS, 0, offsetof(model_layer, wq_a), {ARCH_FFN, ARCH_ONE},
+                                {ARCH_HIDDEN, ARCH_ONE}};
+    arch a = arch_llama;
+    a.tensors = edited;
+    a.n_tensors = n;
+    ae_error err = {0};
+    model *m = load_as(&a, &err);
+    if (!m) fail_msg("%s", err.msg);
+    for (int32_t li = 0; li < 30; li++) {
+        const model_layer *l = &m->layers[li];
+        assert_null(l->wv.data);
+        assert_int_equal(l->wv.rows, 0);
+        assert_ptr_equal(l->wq_a.data, l->w_up.data);
+        assert_int_equal(l->wq_a.type, GGML_TYPE_Q4_1);
+        assert_int_equal(l->wq_a.rows, 1536);
+        assert_int_equal(l->wq_a.cols, 576);
+    }
+    /* Q4_1 rows of 576 are 360 bytes: 30 layers' 1536 rows in, 192 out */
+    assert_int_equal(model_decode_bytes(m), 96576768 + 30 * (1536 - 192) * 360);
+    uint64_t bytes[GGML_TYPE_COUNT_MAX], experts;
+    model_bytes_by_type(m, bytes, &experts);
+    assert_int_equal(bytes[GGML_TYPE_Q4_1], 66355200 + 30 * (1536 - 192) * 360);
+    assert_int_equal(bytes[GGML_TYPE_Q8_0], 30081024);
+    model *s = shard_of(m, 3, 1);
+    for (int32_t li = 0; li < 30; li++) {
+        const model_layer *l = &s->layers[li], *f = &m->layers[li];
+        assert_null(l->wv.data);
+        assert_int_equal(l->wq_a.rows, 512);
+        assert_int_equal(l->wq_a.cols, 576);
+        assert_ptr_equal(l->wq_a.data, (const char *)f->wq_a.data + 512 * 360);
+    }
+    /* a plain rank 1 of 3 reads 52339968 bytes: a third of each layer's
+     * matrices, its norms, the whole output projection and its norm */
+    assert_int_equal(s->weight_bytes, 52339968 + 30 * (512 - 64) * 360);
+    /* and the plan's count of divided parameters (106168320 plain) */
+    arch_params p;
+    arch_count_params(&a, &m->cfg, &p);
+    assert_int_equal(p.split, 106168320 + 30 * (1536 - 192) * 576);
+    tp_shard_free(s);
+    model_free(m);
+
+    /* one it lacks, read after the norms */
+    arch_tensor lacking[16] = {arch_llama.tensors[0], arch_llama.tensors[1],
+                               {"attn_gate", "attn_gate.weight", "self_attn.gate_proj.weight", ARCH_GQA, ARCH_MAT,
+                                ARCH_READ_MATRIX, ARCH_ROWS, 0, offsetof(model_layer, wq_a), {ARCH_FFN, ARCH_ONE},
+                                {ARCH_HIDDEN, ARCH_ONE}}};
+    for (size_t k = 2; k < arch_llama.n_tensors; k++) lacking[k + 1] = arch_llama.tensors[k];
+    a.tensors = lacking;
+    a.n_tensors = arch_llama.n_tensors + 1;
+    assert_null(load_as(&a, &err));
+    assert_string_equal(err.msg, "tensor blk.0.attn_gate.weight is missing");
+}
 
 /* ---- RoPE and YaRN numbers: refused where they are read ---------------------- */
 
@@ -394,6 +657,9 @@ int main(void) {
         cmocka_unit_test(llama_reads_llama_and_qwen2_from_both_formats),
         cmocka_unit_test(an_unknown_architecture_is_refused_with_the_known_ones),
         cmocka_unit_test(the_default_model_states_its_kv_split_and_blocks),
+        cmocka_unit_test(every_entry_of_the_tables_is_loaded_and_sharded),
+        cmocka_unit_test(the_tables_count_the_parameters),
+        cmocka_unit_test(a_tensor_added_to_the_table_is_read_and_sharded),
         cmocka_unit_test(deepseek2_gguf_rope_and_yarn_are_read),
         cmocka_unit_test(deepseek2_gguf_refuses_rope_numbers_out_of_range),
         cmocka_unit_test(deepseek2_gguf_refuses_yarn_numbers_out_of_range),
