@@ -155,7 +155,8 @@ int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, b
         int32_t n_tokens, n_items = plan_step(&st, &n_tokens);
         forward_capture cap = {cfg->n_capture, {0}, n_tokens, st.rows, st.features};
         memcpy(cap.layers, cfg->capture, sizeof cap.layers);
-        if ((rc = engine_step(e, st.items, n_items, st.logits, width ? &cap : NULL, err)) != AE_OK) goto out;
+        engine_outputs eo = {.logits = st.logits, .capture = width ? &cap : NULL};
+        if ((rc = engine_step(e, st.items, n_items, &eo, err)) != AE_OK) goto out;
         take_step(&st, n_items);
         int32_t kept = 0;
         for (int32_t i = 0; i < st.n_active; i++) {

@@ -229,7 +229,8 @@ static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prom
             budget -= k;
             end = from + k;
         }
-        if (engine_step_argmax(b->e, b->items, n_items, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
+        engine_outputs eo = {.logits = b->logits, .ids = b->ids};
+        if (engine_step(b->e, b->items, n_items, &eo, err) != AE_OK) return AE_ERR;
         /* Every item but the last completes its sequence; the last may stop
          * short when the pass is full. */
         int32_t n_complete = end == len ? n_items : n_items - 1;
@@ -243,7 +244,8 @@ static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prom
 /* One decode step: every sequence appends its next token. */
 static int decode_step(bench *b, ae_error *err) {
     for (int32_t i = 0; i < b->batch; i++) b->items[i] = (engine_item){b->seqs[i], ENGINE_APPEND, 1, &b->next[i], NULL, false};
-    if (engine_step_argmax(b->e, b->items, b->batch, b->logits, b->ids, NULL, err) != AE_OK) return AE_ERR;
+    engine_outputs eo = {.logits = b->logits, .ids = b->ids};
+    if (engine_step(b->e, b->items, b->batch, &eo, err) != AE_OK) return AE_ERR;
     memcpy(b->next, b->ids, (size_t)b->batch * sizeof(int32_t));
     return AE_OK;
 }
@@ -258,7 +260,7 @@ static int verify_pass(bench *b, int32_t seq, int32_t n, double *seconds, ae_err
     }
     engine_item it = {seq, ENGINE_TREE, n, tokens, parents, false};
     double t0 = clock_mono_seconds();
-    if (engine_step(b->e, &it, 1, b->logits, NULL, err) != AE_OK) return AE_ERR;
+    if (engine_step(b->e, &it, 1, &(engine_outputs){.logits = b->logits}, err) != AE_OK) return AE_ERR;
     *seconds = clock_mono_seconds() - t0;
     for (int k = 0; k < VERIFY_SIZES; k++)
         if (verify_sizes[k] == n) b->verify_ar[k] = engine_get_comm_stats(b->e).last;

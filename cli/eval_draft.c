@@ -84,7 +84,7 @@ static int run_plain(engine *e, const int32_t *prompt, int32_t n_prompt, int32_t
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
         int32_t k = n_prompt - done < SETUP_PREFILL_CHUNK ? n_prompt - done : SETUP_PREFILL_CHUNK;
         engine_item it = {seq, ENGINE_APPEND, k, prompt + done, NULL, false};
-        rc = engine_step(e, &it, 1, logits, NULL, err);
+        rc = engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, err);
         done += k;
     }
     double t0 = clock_mono_seconds();
@@ -96,7 +96,7 @@ static int run_plain(engine *e, const int32_t *prompt, int32_t n_prompt, int32_t
         out[(*n)++] = next;
         if (*n == max_new) break;
         engine_item it = {seq, ENGINE_APPEND, 1, &next, NULL, false};
-        rc = engine_step(e, &it, 1, logits, NULL, err);
+        rc = engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, err);
         ++*steps;
     }
     *seconds = clock_mono_seconds() - t0;

@@ -116,7 +116,7 @@ static int decode_plain(engine *e, int32_t seq, const int32_t *ids, int32_t n_pr
     for (int32_t done = 0; done < n_prompt && rc == AE_OK;) {
         int32_t k = n_prompt - done < SETUP_PREFILL_CHUNK ? n_prompt - done : SETUP_PREFILL_CHUNK;
         engine_item it = {seq, ENGINE_APPEND, k, ids + done, NULL, false};
-        rc = engine_step(e, &it, 1, logits, NULL, err);
+        rc = engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, err);
         done += k;
     }
     *t_prefill = clock_mono_seconds() - t0;
@@ -125,7 +125,7 @@ static int decode_plain(engine *e, int32_t seq, const int32_t *ids, int32_t n_pr
         int32_t next = sample_token(smp, logits, sp, rng, engine_seq_len(e, seq)); /* its position */
         if (!emit(em, next, &rc, err)) break;
         engine_item it = {seq, ENGINE_APPEND, 1, &next, NULL, false};
-        rc = engine_step(e, &it, 1, logits, NULL, err);
+        rc = engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, err);
     }
     *t_decode = clock_mono_seconds() - t0;
     free(logits);

@@ -89,7 +89,7 @@ static int score_window(engine *e, const int32_t *win, const ppl_windows *w, int
          * predicted. */
         int32_t k = w->ctx - 1 - done < chunk ? w->ctx - 1 - done : chunk;
         engine_item it = {seq, ENGINE_APPEND, k, win + done, NULL, true};
-        if ((rc = engine_step(e, &it, 1, logits, NULL, err)) != AE_OK) break;
+        if ((rc = engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, err)) != AE_OK) break;
         for (int32_t j = 0; j < k && rc == AE_OK; j++) {
             int32_t pos = done + j;
             if (pos < w->first) continue;

@@ -45,8 +45,8 @@ struct engine {
      * into the caller's arrays. A host-memory backend writes those arrays
      * directly (no buffer). */
     kn_buf out;
-    kn_buf ids; /* [max_batch_tokens] int32: engine_step_argmax's, on such a backend */
-    kn_buf draws; /* [max_batch_tokens] kn_draw: engine_step_sample's, on a backend with kn_sample */
+    kn_buf ids; /* [max_batch_tokens] int32: engine_step's ids, on such a backend */
+    kn_buf draws; /* [max_batch_tokens] kn_draw: engine_step's draws, on a backend with kn_sample */
     /* the host arrays above by name */
     int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows, *cap_rows, *extra;
     int32_t *old_cap; /* per item: KV capacity before this step reserved */
@@ -65,7 +65,7 @@ struct engine {
     engine_graph *graphs; /* [graph_stats.max_graphs] */
     engine_graph_stats graph_stats;
     uint64_t graph_clock; /* steps replayed or captured, for least-recently-used */
-    int64_t drawn_steps;  /* engine_step_sample's */
+    int64_t drawn_steps;  /* engine_step's with draws */
 };
 
 /* Elements of each input for T tokens. */
@@ -549,13 +549,14 @@ static bool graph_run(engine *e, engine_graph *gr, const forward_batch *b, int32
     return true;
 }
 
-/* engine_step; with argmax non-NULL engine_step_argmax, and with draws too
- * engine_step_sample. */
+/* engine_step: the logit rows; with argmax non-NULL each row's argmax
+ * instead, and with draws too each row's draw (engine_outputs). */
 static int step(engine *e, const engine_item *items, int32_t n_items, float *logits, int32_t *argmax,
                 const kn_draw *draws, const forward_capture *capture, ae_error *err) {
     if (n_items < 1) return err_set(err, "empty step");
     if (draws && !e->draws.ptr)
         return err_set(err, "the %s backend draws no tokens (kn_sample): sample the logits", kn_backend_name(e->m->be));
+    if (draws && !argmax) return err_set(err, "a step with draws needs ids for the tokens drawn");
     if (validate(e, items, n_items, capture, err) != AE_OK) return AE_ERR;
     int32_t T = 0, n_logits = 0, n_extra_total = 0;
     for (int32_t i = 0; i < n_items; i++) {
@@ -645,19 +646,8 @@ static int step(engine *e, const engine_item *items, int32_t n_items, float *log
     return AE_OK;
 }
 
-int engine_step(engine *e, const engine_item *items, int32_t n_items, float *logits, const forward_capture *capture,
-             ae_error *err) {
-    return step(e, items, n_items, logits, NULL, NULL, capture, err);
-}
-
-int engine_step_argmax(engine *e, const engine_item *items, int32_t n_items, float *logits, int32_t *argmax,
-                    const forward_capture *capture, ae_error *err) {
-    return step(e, items, n_items, logits, argmax, NULL, capture, err);
-}
-
-int engine_step_sample(engine *e, const engine_item *items, int32_t n_items, float *logits, const kn_draw *draws,
-                    int32_t *ids, const forward_capture *capture, ae_error *err) {
-    return step(e, items, n_items, logits, ids, draws, capture, err);
+int engine_step(engine *e, const engine_item *items, int32_t n_items, const engine_outputs *out, ae_error *err) {
+    return step(e, items, n_items, out->logits, out->ids, out->draws, out->capture, err);
 }
 
 bool engine_can_sample(const engine *e) { return e->draws.ptr != NULL; }

@@ -75,31 +75,39 @@ int32_t engine_seq_len(const engine *e, int32_t seq);
 /* Logit rows a step will return for these items. */
 int32_t engine_logit_rows(const engine_item *items, int32_t n_items);
 
-/* One forward pass. logits: [engine_logit_rows][vocab]. capture: optional
- * EAGLE-3 feature capture, rows indexing the step's tokens in item order.
- * Bad items (unknown sequence, too many tokens, a parent out of order, no
- * KV room) fail with err and change nothing. */
-int engine_step(engine *e, const engine_item *items, int32_t n_items, float *logits,
-             const forward_capture *capture, ae_error *err);
+/* What one step gives back, and how (engine_step). The caller's arrays;
+ * the struct itself is read during the call only, so a compound literal
+ * at the call does: engine_step(e, items, n, &(engine_outputs){.logits =
+ * lg}, err).
+ *
+ *   - logits alone: the logit rows, [engine_logit_rows][vocab].
+ *   - ids too, without draws: ids[engine_logit_rows] is kn_argmax of each
+ *     row, which picks as sample_greedy does (greedy verification). The
+ *     argmax runs where the pass ran, so on a device only the ids come
+ *     back, not [rows][vocab] floats. logits is then scratch of the same
+ *     size: a host-memory backend writes the rows there, any other leaves
+ *     it alone.
+ *   - ids and draws: each row's token is drawn where the pass ran
+ *     (kernels.h kn_sample), ids[engine_logit_rows] by
+ *     draws[engine_logit_rows] (host memory; a row of temperature 0 takes
+ *     the argmax), logits scratch as above. Only on a backend that draws
+ *     (engine_can_sample: a device's); elsewhere the step fails and the
+ *     caller samples the logits. Draws need ids.
+ *
+ * capture: optional EAGLE-3 feature capture, rows indexing the step's
+ * tokens in item order. */
+typedef struct engine_outputs {
+    float *logits;
+    int32_t *ids;
+    const kn_draw *draws;
+    const forward_capture *capture;
+} engine_outputs;
 
-/* The same pass when only each logit row's argmax is wanted (greedy
- * verification): argmax[engine_logit_rows] is kn_argmax of each row, which
- * picks as sample_greedy does. The argmax runs where the pass ran, so on
- * a device only the ids come back, not [rows][vocab] floats. logits is
- * scratch the size engine_step takes: a host-memory backend writes the rows
- * there, any other leaves it alone. */
-int engine_step_argmax(engine *e, const engine_item *items, int32_t n_items, float *logits, int32_t *argmax,
-                    const forward_capture *capture, ae_error *err);
-
-/* The same pass when each logit row's token is drawn where the pass ran
- * (kernels.h kn_sample): ids[engine_logit_rows] by draws[engine_logit_rows]
- * (host memory; a row of temperature 0 takes the argmax). Only on a
- * backend that draws (engine_can_sample: a device's); elsewhere it fails
- * and the caller samples the logits. */
-int engine_step_sample(engine *e, const engine_item *items, int32_t n_items, float *logits, const kn_draw *draws,
-                    int32_t *ids, const forward_capture *capture, ae_error *err);
+/* One forward pass. Bad items (unknown sequence, too many tokens, a parent
+ * out of order, no KV room) or outputs fail with err and change nothing. */
+int engine_step(engine *e, const engine_item *items, int32_t n_items, const engine_outputs *out, ae_error *err);
 bool engine_can_sample(const engine *e);
-int64_t engine_drawn_steps(const engine *e); /* steps engine_step_sample ran */
+int64_t engine_drawn_steps(const engine *e); /* steps engine_step ran with draws */
 
 /* After a tree step: keeps nodes path[0..n) (node indices of that tree,
  * root-level first, each the parent of the next) as committed tokens. The

@@ -80,7 +80,7 @@ kn_draw sample_draw(const sample_params *p, const sample_rng *rng, int32_t pos);
 
 /* argmax of logits f32 [vocab]; lowest id among equal maxima; NaN never
  * wins (a row of NaN: 0). The same pick as kn_argmax, which greedy steps
- * run on the device instead (engine_step_argmax): an all -inf row picks 0,
+ * run on the device instead (engine_step with ids): an all -inf row picks 0,
  * [NaN, -inf, -inf] picks 1. */
 int32_t sample_greedy(const float *logits, int32_t vocab);
 

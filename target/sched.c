@@ -52,6 +52,7 @@ struct sched {
     sched_sink sink;
     int32_t block_size, n_blocks;
     int32_t vocab;
+    int32_t batch_tokens; /* the engine's max_batch_tokens */
     pthread_t thread;
     pthread_mutex_t mu; /* the lists, counters and flags below */
     pthread_cond_t cv;  /* work arrived, or a request ended */
@@ -79,6 +80,12 @@ struct sched {
     req **step_reqs; /* [max_batch] */
     int32_t *step_ch; /* [max_batch]: the choice of step_reqs[i] */
     bool *step_failed; /* [max_batch] */
+    /* A turn's plan (sched_plan_turn): the snapshot it is made from, the
+     * active requests then the waiting queue's head, and their reqs, in
+     * the plan's index order; and its decode batch. */
+    sched_plan_req *plan_reqs; /* [2 * max_batch] */
+    req **plan_of;             /* [2 * max_batch] */
+    sched_plan_seq *plan_decode; /* [max_batch] */
     int32_t *emit_buf; /* [ENGINE_MAX_TREE + 1] */
     int64_t log_at_ns, log_tokens;
     spec_stats log_spec;
@@ -434,27 +441,96 @@ static void *compiler_main(void *arg) {
     return NULL;
 }
 
-/* Admits waiting requests in order while a slot and their KV are free. */
-static void admit(sched *s) {
-    pthread_mutex_lock(&s->mu);
-    while (s->waiting && s->n_seqs + s->waiting->r.n <= s->cfg.max_batch) {
+void sched_plan_turn(const sched_plan_state *st, sched_plan *p) {
+    /* Admission: the queue's head, in order, while it fits. */
+    p->n_admit = 0;
+    p->seqs = st->seqs;
+    p->blocks_free = st->blocks_free;
+    while (p->n_admit < st->n_waiting) {
+        const sched_plan_req *q = &st->waiting[p->n_admit];
+        if (p->seqs + q->n > st->max_batch || q->blocks > p->blocks_free) break;
+        p->seqs += q->n;
+        p->blocks_free -= q->blocks;
+        p->n_admit++;
+    }
+    /* One chunk of the oldest prompt not in (requests just admitted come
+     * after the active ones, and all of them prefill). */
+    p->has_prefill = p->prompt_in = false;
+    p->prefill = (sched_plan_seq){SCHED_PLAN_PREFILL, -1, 0, 0, 0};
+    int32_t chunk = st->chunk;
+    if (st->max_batch_tokens > 0 && (chunk < 1 || chunk > st->max_batch_tokens)) chunk = st->max_batch_tokens;
+    for (int32_t i = 0; i < st->n_active + p->n_admit && !p->has_prefill; i++) {
+        const sched_plan_req *q = i < st->n_active ? &st->active[i] : &st->waiting[i - st->n_active];
+        if (i < st->n_active && q->running) continue;
+        int32_t left = q->n_prompt - 1 - q->prefilled;
+        int32_t k = left < 0 ? 0 : left < chunk ? left : chunk;
+        p->prefill = (sched_plan_seq){SCHED_PLAN_PREFILL, i, 0, q->prefilled, k};
+        p->prompt_in = q->prefilled + k >= q->n_prompt - 1;
+        p->has_prefill = true;
+    }
+    /* Every running choice not done, in order. */
+    bool trees = st->speculating && st->tree_tokens > 1;
+    p->n_decode = 0;
+    for (int32_t i = 0; i < st->n_active; i++) {
+        const sched_plan_req *q = &st->active[i];
+        if (!q->running) continue;
+        for (int32_t c = 0; c < q->n && c < 32 && p->n_decode < st->max_batch; c++)
+            if (!(q->done >> c & 1u))
+                p->decode[p->n_decode++] =
+                    (sched_plan_seq){trees ? SCHED_PLAN_SPECULATE : SCHED_PLAN_DECODE, i, c, 0, 1};
+    }
+    /* A tree within its bound and the pass's, beside every other root. */
+    if (trees) {
+        int32_t most = st->tree_tokens;
+        if (st->max_batch_tokens > 0 && most > st->max_batch_tokens - (p->n_decode - 1))
+            most = st->max_batch_tokens - (p->n_decode - 1);
+        for (int32_t j = 0; j < p->n_decode; j++) p->decode[j].tokens = most < 1 ? 1 : most;
+    }
+}
+
+/* The plan's view of the loop's state (the lock held): the active
+ * requests, then the waiting queue's head, each with its req in plan_of. */
+static void plan_snapshot(sched *s, sched_plan_state *st) {
+    int32_t k = 0;
+    for (req *q = s->active; q; q = q->next, k++) {
+        AE_ASSERT(k < s->cfg.max_batch); /* each holds a sequence at least */
+        uint32_t done = 0;
+        for (int32_t c = 0; c < q->r.n; c++) done |= q->ch[c].done ? 1u << c : 0;
+        s->plan_reqs[k] =
+            (sched_plan_req){q->r.n, q->r.n_prompt, q->prefilled, q->reserve, q->state == REQ_RUNNING, done};
+        s->plan_of[k] = q;
+    }
+    int32_t n_active = k;
+    for (req *q = s->waiting; q && k < n_active + s->cfg.max_batch; q = q->next, k++) {
+        s->plan_reqs[k] = (sched_plan_req){q->r.n, q->r.n_prompt, 0, blocks_for(s, q), false, 0};
+        s->plan_of[k] = q;
+    }
+    *st = (sched_plan_state){.active = s->plan_reqs, .n_active = n_active, .waiting = s->plan_reqs + n_active,
+                             .n_waiting = k - n_active, .max_batch = s->cfg.max_batch, .seqs = s->n_seqs,
+                             .blocks_free = s->n_blocks - s->reserved, .chunk = s->cfg.chunk,
+                             .max_batch_tokens = s->batch_tokens, .tree_tokens = s->cfg.tree_tokens,
+                             .speculating = s->cfg.speculating};
+}
+
+/* Applies the plan's admission (the lock held): the queue's first n_admit
+ * requests join the active ones, in order, with their KV reserved. Only
+ * this thread unlinks from the queue, so its head is the snapshot's. */
+static void plan_admit(sched *s, const sched_plan_state *st, const sched_plan *p) {
+    for (int32_t i = 0; i < p->n_admit; i++) {
         req *q = s->waiting;
-        int32_t need = blocks_for(s, q);
-        if (s->reserved + need > s->n_blocks) break;
+        AE_ASSERT(q == s->plan_of[st->n_active + i]);
         unwait(s, q, NULL);
         /* Admission order is kept: prompts are prefilled first come,
          * first served. */
-        q->next = NULL;
         req **tail = &s->active;
         while (*tail) tail = &(*tail)->next;
         *tail = q;
         s->n_active++;
         s->n_seqs += q->r.n;
-        q->reserve = need;
-        s->reserved += need;
+        q->reserve = st->waiting[i].blocks;
+        s->reserved += q->reserve;
         q->state = REQ_PREFILL;
     }
-    pthread_mutex_unlock(&s->mu);
 }
 
 /* Takes a step's tokens for choice c of q: stops at a stop token or
@@ -557,6 +633,136 @@ static void log_line(sched *s, int64_t now) {
               st.accept_len, !s->cfg.speculating ? "none" : st.spec_on ? "on" : "off", pol);
 }
 
+/* How a turn's prefill went (exec_prefill), for apply_prefill. */
+typedef enum prefill_result {
+    PREFILL_MORE,    /* a chunk in, more to come */
+    PREFILL_IN,      /* the prompt is in and the other choices forked */
+    PREFILL_REFUSED, /* its rules refused it (a resent output off its schema) */
+    PREFILL_NO_START, /* its rules or its sequence could not be made */
+    PREFILL_FAILED,  /* the chunk's pass failed */
+    PREFILL_NO_FORK, /* a fork failed */
+} prefill_result;
+
+/* Runs the plan's prefill chunk of q: first the request's rules and
+ * sequence (when it has none yet), then the chunk, then, once the prompt
+ * is in, the other choices fork from choice 0. */
+static prefill_result exec_prefill(sched *s, req *q, const sched_plan *p, ae_error *err) {
+    choice *c0 = &q->ch[0];
+    bool refused = false;
+    if (c0->seq < 0 &&
+        (start_rules(s, q, err, &refused) != AE_OK || engine_seq_new(s->e, &c0->seq, err) != AE_OK))
+        return refused ? PREFILL_REFUSED : PREFILL_NO_START;
+    /* The plan's chunk: its tokens (0 for a one-token prompt, which only
+     * sets the root up). */
+    if (spec_seq_prefill(s->sx, c0->seq, q->prompt, q->r.n_prompt, p->prefill.tokens, &q->prefilled, false, err) !=
+        AE_OK)
+        return PREFILL_FAILED;
+    AE_ASSERT(q->prefilled == p->prefill.from + p->prefill.tokens);
+    if (!p->prompt_in) return PREFILL_MORE;
+    for (int32_t c = 1; c < q->r.n && err->msg[0] == 0; c++)
+        if (engine_seq_fork(s->e, c0->seq, &q->ch[c].seq, err) == AE_OK &&
+            spec_seq_fork(s->sx, c0->seq, q->ch[c].seq, err) != AE_OK) {
+            engine_seq_free(s->e, q->ch[c].seq);
+            q->ch[c].seq = -1;
+        }
+    return err->msg[0] ? PREFILL_NO_FORK : PREFILL_IN;
+}
+
+/* A prefill's result on q: the request decodes from the next turn, or it
+ * ends with the error. */
+static void apply_prefill(sched *s, req *q, prefill_result r, const ae_error *err) {
+    switch (r) {
+    case PREFILL_MORE: return;
+    case PREFILL_IN:
+        pthread_mutex_lock(&s->mu);
+        q->state = REQ_RUNNING;
+        pthread_mutex_unlock(&s->mu);
+        return;
+    case PREFILL_REFUSED: finish_active(s, q, 0, NULL, 0, NULL, SCHED_REFUSED, err->msg); return;
+    case PREFILL_NO_START: finish_active(s, q, 0, NULL, 0, NULL, SCHED_ERROR, err->msg); return;
+    case PREFILL_FAILED:
+        LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", q->ch[0].seq, err->msg);
+        finish_active(s, q, 0, NULL, 0, NULL, SCHED_ERROR, err->msg);
+        return;
+    case PREFILL_NO_FORK:
+        LOG_ERRORF("fork_failed seq=%d reason=\"%s\"", q->ch[0].seq, err->msg);
+        finish_active(s, q, 0, NULL, 0, NULL, SCHED_ERROR, err->msg);
+        return;
+    }
+}
+
+/* Runs the plan's decode batch: one speculative step (spec.h) over its n
+ * choices, recorded in step_reqs and step_ch for apply_decode. */
+static int exec_decode(sched *s, const sched_plan *p, ae_error *err) {
+    int32_t n = p->n_decode;
+    for (int32_t i = 0; i < n; i++) {
+        req *q = s->plan_of[p->decode[i].req];
+        choice *ch = &q->ch[p->decode[i].choice];
+        s->step_reqs[i] = q;
+        s->step_ch[i] = p->decode[i].choice;
+        s->in[i] = (spec_in){.seq = ch->seq, .params = &q->r.params, .rng = &ch->rng, .pen = ch->pen, .gm = ch->gm,
+                             .logprobs = q->r.logprobs, .top_logprobs = q->r.top_logprobs};
+    }
+    return spec_step(s->sx, s->in, n, s->out, err);
+}
+
+/* A decode step's results: each choice's tokens delivered, finished and
+ * failed requests ended, the figures updated. */
+static void apply_decode(sched *s, int32_t n, int rc, const ae_error *err) {
+    if (rc != AE_OK) {
+        LOG_ERRORF("step_failed batch=%d reason=\"%s\"", n, err->msg);
+        /* Every request of the step ends, once. */
+        for (int32_t i = 0; i < n; i++) {
+            bool seen = false;
+            for (int32_t j = 0; j < i; j++) seen |= s->step_reqs[j] == s->step_reqs[i];
+            if (!seen) finish_active(s, s->step_reqs[i], 0, NULL, 0, NULL, SCHED_ERROR, err->msg);
+        }
+        return;
+    }
+    /* A request ends with its last choice; none of its choices comes
+     * after that in the step (they were done before it). */
+    /* A choice whose grammar refused a token (every token was masked:
+     * a schema nothing fits) ends its request with an error, once;
+     * the request's other entries in the step are skipped. */
+    for (int32_t i = 0; i < n; i++) s->step_failed[i] = false;
+    for (int32_t i = 0; i < n; i++) {
+        bool first = true; /* the request's first entry in the step */
+        for (int32_t j = 0; j < i; j++) first &= s->step_reqs[j] != s->step_reqs[i];
+        if (s->out[i].refused || (first && over_mask_budget(s, s->step_reqs[i])))
+            for (int32_t j = 0; j < n; j++) s->step_failed[j] |= s->step_reqs[j] == s->step_reqs[i];
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (!s->step_failed[i]) {
+            deliver(s, s->step_reqs[i], s->step_ch[i], &s->out[i]);
+            continue;
+        }
+        bool first = true;
+        for (int32_t j = 0; j < i; j++) first &= s->step_reqs[j] != s->step_reqs[i];
+        if (!first) continue;
+        req *q = s->step_reqs[i];
+        if (q->mask_over) {
+            LOG_WARNF("mask_budget_spent seq=%d reason=\"%s\"", s->in[i].seq, q->compile_err);
+            pthread_mutex_lock(&s->mu);
+            s->stats.mask_budget_spent++;
+            pthread_mutex_unlock(&s->mu);
+            finish_active(s, q, s->step_ch[i], NULL, 0, NULL, SCHED_REFUSED, q->compile_err);
+            continue;
+        }
+        LOG_ERRORF("grammar_refused seq=%d", s->in[i].seq);
+        finish_active(s, q, s->step_ch[i], NULL, 0, NULL, SCHED_ERROR, "the output's grammar allowed no token");
+    }
+    kv_stats kv = engine_kv_stats(s->e);
+    engine_comm_stats cs = engine_get_comm_stats(s->e);
+    policy_report pr;
+    spec_policy_report(s->sx, n, &pr);
+    pthread_mutex_lock(&s->mu);
+    s->stats.kv_blocks_used = kv.blocks_used;
+    s->stats.comm = cs;
+    s->stats.spec = *spec_total_stats(s->sx);
+    s->stats.policy = pr;
+    pthread_mutex_unlock(&s->mu);
+}
+
 static void *loop_main(void *arg) {
     sched *s = arg;
     ae_error err;
@@ -588,8 +794,17 @@ static void *loop_main(void *arg) {
             watchdog_remove(w, beat);
             return NULL;
         }
-        admit(s);
+        /* Plan: from the state as it is, what this turn admits, prefills
+         * and decodes (sched_plan_turn); admission is applied at once.
+         * Only this thread changes states and unlinks requests, so the
+         * ones planned here stay valid after the lock is dropped; other
+         * threads only add to the queue and set cancel flags. */
+        sched_plan_state st;
+        sched_plan plan = {.decode = s->plan_decode};
         pthread_mutex_lock(&s->mu);
+        plan_snapshot(s, &st);
+        sched_plan_turn(&st, &plan);
+        plan_admit(s, &st, &plan);
         if (!s->active) {
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until);
@@ -599,111 +814,18 @@ static void *loop_main(void *arg) {
             pthread_mutex_unlock(&s->mu);
             continue;
         }
-        /* The oldest prompt still prefilling, and the running sequences.
-         * Only this thread changes states and unlinks requests, so the
-         * ones picked here stay valid after the lock is dropped; other
-         * threads only set cancel flags. */
-        req *pre = NULL;
-        int32_t n = 0;
-        for (req *q = s->active; q; q = q->next) {
-            if (q->state == REQ_PREFILL && !pre) pre = q;
-            if (q->state == REQ_RUNNING)
-                for (int32_t c = 0; c < q->r.n; c++)
-                    if (!q->ch[c].done) {
-                        s->step_reqs[n] = q;
-                        s->step_ch[n++] = c;
-                    }
-        }
         pthread_mutex_unlock(&s->mu);
-        if (pre) {
+        /* Execute and apply: the prefill chunk, then the decode batch. */
+        if (plan.has_prefill) {
+            req *q = s->plan_of[plan.prefill.req];
             err_clear(&err);
-            choice *c0 = &pre->ch[0];
-            bool refused = false;
-            if (c0->seq < 0 &&
-                (start_rules(s, pre, &err, &refused) != AE_OK || engine_seq_new(s->e, &c0->seq, &err) != AE_OK)) {
-                finish_active(s, pre, 0, NULL, 0, NULL, refused ? SCHED_REFUSED : SCHED_ERROR, err.msg);
-            } else if (spec_seq_prefill(s->sx, c0->seq, pre->prompt, pre->r.n_prompt, s->cfg.chunk, &pre->prefilled,
-                                        false, &err) != AE_OK) {
-                LOG_ERRORF("prefill_failed seq=%d reason=\"%s\"", c0->seq, err.msg);
-                finish_active(s, pre, 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
-            } else if (pre->prefilled >= pre->r.n_prompt - 1) {
-                /* The prompt is in: the other choices fork from choice 0. */
-                for (int32_t c = 1; c < pre->r.n && err.msg[0] == 0; c++)
-                    if (engine_seq_fork(s->e, c0->seq, &pre->ch[c].seq, &err) == AE_OK &&
-                        spec_seq_fork(s->sx, c0->seq, pre->ch[c].seq, &err) != AE_OK) {
-                        engine_seq_free(s->e, pre->ch[c].seq);
-                        pre->ch[c].seq = -1;
-                    }
-                if (err.msg[0]) {
-                    LOG_ERRORF("fork_failed seq=%d reason=\"%s\"", c0->seq, err.msg);
-                    finish_active(s, pre, 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
-                } else {
-                    pthread_mutex_lock(&s->mu);
-                    pre->state = REQ_RUNNING;
-                    pthread_mutex_unlock(&s->mu);
-                }
-            }
+            prefill_result r = exec_prefill(s, q, &plan, &err);
+            apply_prefill(s, q, r, &err);
         }
-        if (n == 0) continue;
-        for (int32_t i = 0; i < n; i++) {
-            req *q = s->step_reqs[i];
-            choice *ch = &q->ch[s->step_ch[i]];
-            s->in[i] = (spec_in){.seq = ch->seq, .params = &q->r.params, .rng = &ch->rng, .pen = ch->pen, .gm = ch->gm,
-                                 .logprobs = q->r.logprobs, .top_logprobs = q->r.top_logprobs};
-        }
+        if (plan.n_decode == 0) continue;
         err_clear(&err);
-        if (spec_step(s->sx, s->in, n, s->out, &err) != AE_OK) {
-            LOG_ERRORF("step_failed batch=%d reason=\"%s\"", n, err.msg);
-            /* Every request of the step ends, once. */
-            for (int32_t i = 0; i < n; i++) {
-                bool seen = false;
-                for (int32_t j = 0; j < i; j++) seen |= s->step_reqs[j] == s->step_reqs[i];
-                if (!seen) finish_active(s, s->step_reqs[i], 0, NULL, 0, NULL, SCHED_ERROR, err.msg);
-            }
-            continue;
-        }
-        /* A request ends with its last choice; none of its choices comes
-         * after that in the step (they were done before it). */
-        /* A choice whose grammar refused a token (every token was masked:
-         * a schema nothing fits) ends its request with an error, once;
-         * the request's other entries in the step are skipped. */
-        for (int32_t i = 0; i < n; i++) s->step_failed[i] = false;
-        for (int32_t i = 0; i < n; i++) {
-            bool first = true; /* the request's first entry in the step */
-            for (int32_t j = 0; j < i; j++) first &= s->step_reqs[j] != s->step_reqs[i];
-            if (s->out[i].refused || (first && over_mask_budget(s, s->step_reqs[i])))
-                for (int32_t j = 0; j < n; j++) s->step_failed[j] |= s->step_reqs[j] == s->step_reqs[i];
-        }
-        for (int32_t i = 0; i < n; i++) {
-            if (!s->step_failed[i]) {
-                deliver(s, s->step_reqs[i], s->step_ch[i], &s->out[i]);
-                continue;
-            }
-            bool first = true;
-            for (int32_t j = 0; j < i; j++) first &= s->step_reqs[j] != s->step_reqs[i];
-            if (!first) continue;
-            req *q = s->step_reqs[i];
-            if (q->mask_over) {
-                LOG_WARNF("mask_budget_spent seq=%d reason=\"%s\"", s->in[i].seq, q->compile_err);
-                pthread_mutex_lock(&s->mu);
-                s->stats.mask_budget_spent++;
-                pthread_mutex_unlock(&s->mu);
-                finish_active(s, q, s->step_ch[i], NULL, 0, NULL, SCHED_REFUSED, q->compile_err);
-                continue;
-            }
-            LOG_ERRORF("grammar_refused seq=%d", s->in[i].seq);
-            finish_active(s, q, s->step_ch[i], NULL, 0, NULL, SCHED_ERROR, "the output's grammar allowed no token");
-        }
-        kv_stats kv = engine_kv_stats(s->e);
-        engine_comm_stats cs = engine_get_comm_stats(s->e);
-        policy_report pr;
-        spec_policy_report(s->sx, n, &pr);
-        pthread_mutex_lock(&s->mu);
-        s->stats.kv_blocks_used = kv.blocks_used;
-        s->stats.comm = cs;
-        s->stats.spec = *spec_total_stats(s->sx);
-        s->stats.policy = pr;
-        pthread_mutex_unlock(&s->mu);
+        int rc = exec_decode(s, &plan, &err);
+        apply_decode(s, plan.n_decode, rc, &err);
     }
 }
 
@@ -734,6 +856,7 @@ int sched_init(sched **out, spec *sx, engine *e, const sched_config *cfg, const 
     s->sink = *sink;
     s->block_size = ec->block_size;
     s->vocab = engine_model(e)->cfg.vocab;
+    s->batch_tokens = ec->max_batch_tokens;
     s->n_blocks = (ec->kv_tokens + ec->block_size - 1) / ec->block_size;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -743,10 +866,14 @@ int sched_init(sched **out, spec *sx, engine *e, const sched_config *cfg, const 
     s->step_reqs = calloc((size_t)cfg->max_batch, sizeof *s->step_reqs);
     s->step_ch = calloc((size_t)cfg->max_batch, sizeof *s->step_ch);
     s->step_failed = calloc((size_t)cfg->max_batch, sizeof *s->step_failed);
+    s->plan_reqs = calloc(2 * (size_t)cfg->max_batch, sizeof *s->plan_reqs);
+    s->plan_of = calloc(2 * (size_t)cfg->max_batch, sizeof *s->plan_of);
+    s->plan_decode = calloc((size_t)cfg->max_batch, sizeof *s->plan_decode);
     s->emit_buf = calloc(ENGINE_MAX_TREE + 1, sizeof *s->emit_buf);
     s->stats.kv_blocks = s->n_blocks;
     s->stats.tp = engine_tp(e);
-    if (!s->in || !s->out || !s->step_reqs || !s->step_ch || !s->step_failed || !s->emit_buf) {
+    if (!s->in || !s->out || !s->step_reqs || !s->step_ch || !s->step_failed || !s->emit_buf || !s->plan_reqs ||
+        !s->plan_of || !s->plan_decode) {
         err_set(err, "out of memory");
         goto fail;
     }
@@ -780,6 +907,7 @@ int sched_init(sched **out, spec *sx, engine *e, const sched_config *cfg, const 
     return AE_OK;
 fail:
     free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
+    free(s->plan_reqs), free(s->plan_of), free(s->plan_decode);
     free(s->compilers), free(s->compiling_now);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
@@ -817,6 +945,7 @@ void sched_free(sched *s) {
     pthread_mutex_unlock(&s->mu);
     pthread_join(s->thread, NULL);
     free(s->in), free(s->out), free(s->step_reqs), free(s->step_ch), free(s->step_failed), free(s->emit_buf);
+    free(s->plan_reqs), free(s->plan_of), free(s->plan_decode);
     free(s->compilers), free(s->compiling_now);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);

@@ -16,7 +16,9 @@
  *   4. one speculative step (spec.h) advances every running sequence at
  *      once, and each gets an event with its new tokens.
  *
- * New requests join between steps. The scheduler never touches sockets:
+ * Steps 2 to 4 are planned by sched_plan_turn (below), a pure function
+ * of the queue and the running requests, then run and applied. New
+ * requests join between steps. The scheduler never touches sockets:
  * events go to a sink (the server), which also says whether a caller has
  * gone. Every few seconds it logs one line: tok/s, batch, KV use, queue,
  * acceptance length, whether speculation is on, and the policy's tree and
@@ -174,5 +176,101 @@ bool sched_cancel_id(sched *s, const char *id);
 void sched_drain(sched *s, int64_t timeout_ms);
 
 sched_stats sched_get_stats(sched *s);
+
+/* One turn of the scheduler's loop is planned, run and applied:
+ *
+ *   plan    sched_plan below: which waiting requests are admitted, which
+ *           prompt gets a prefill chunk and how long it is, which choices
+ *           decode; from a snapshot of the queue and the running requests;
+ *   execute the prefill chunk (its own engine pass, spec_seq_prefill, and
+ *           the forks once the prompt is in), then one spec_step over the
+ *           decode batch;
+ *   apply   tokens to each choice, events to the sink, finished and failed
+ *           requests retired, the figures updated.
+ *
+ * The plan is the policy; it is pure, so it is tested without an engine. */
+
+/* A request as the plan sees it. */
+typedef struct sched_plan_req {
+    int32_t n;         /* choices, 1..SCHED_MAX_N */
+    int32_t n_prompt;  /* prompt tokens */
+    int32_t prefilled; /* of them in the KV; the last is never (it is the first decode step's root) */
+    int32_t blocks;    /* KV blocks it reserves while admitted: its worst case */
+    bool running;      /* its prompt is in and its choices decode; else it prefills */
+    uint32_t done;     /* bit c: choice c has ended (running requests) */
+} sched_plan_req;
+
+typedef struct sched_plan_state {
+    const sched_plan_req *active; /* [n_active], admitted, oldest first */
+    int32_t n_active;
+    /* [n_waiting]: the waiting queue from its head, in order. No more than
+     * max_batch - seqs of it can be admitted, so its first max_batch
+     * requests (or all) are enough. */
+    const sched_plan_req *waiting;
+    int32_t n_waiting;
+    int32_t max_batch;        /* sequences at once (sched_config) */
+    int32_t seqs;             /* sequences the active requests hold: the sum of their n */
+    int32_t blocks_free;      /* KV blocks no admitted request has reserved */
+    int32_t chunk;            /* prompt tokens per prefill pass (sched_config) */
+    int32_t max_batch_tokens; /* tokens in one forward pass (the engine's) */
+    int32_t tree_tokens;      /* the largest tree a decode step verifies (sched_config) */
+    bool speculating;         /* a drafter is configured (sched_config) */
+} sched_plan_state;
+
+typedef enum sched_plan_kind {
+    SCHED_PLAN_PREFILL = 0,   /* a chunk of a prompt, in an engine pass of its own */
+    SCHED_PLAN_DECODE = 1,    /* the choice's root verified alone: one token */
+    SCHED_PLAN_SPECULATE = 2, /* the root and a drafted tree under it, as the policy sizes it (spec.h) */
+} sched_plan_kind;
+
+/* One sequence's part of the turn. */
+typedef struct sched_plan_seq {
+    sched_plan_kind kind;
+    /* The request: active[req], or for req >= n_active the waiting request
+     * waiting[req - n_active], admitted this turn. */
+    int32_t req;
+    int32_t choice;
+    /* PREFILL: the chunk's prompt tokens, [from, from + tokens) (0 for a
+     * one-token prompt, which has nothing to prefill); DECODE: 1;
+     * SPECULATE: at most this many (root and drafted nodes), each other
+     * sequence of the pass keeping its root. */
+    int32_t from, tokens;
+} sched_plan_seq;
+
+typedef struct sched_plan {
+    /* Admission: waiting[0..n_admit), in order, join the active requests
+     * after the last one; then seqs sequences are held and blocks_free KV
+     * blocks left unreserved. */
+    int32_t n_admit;
+    int32_t seqs, blocks_free;
+    /* The prefill: the oldest request (admitted this turn or before) whose
+     * prompt is not in; has_prefill false: none. prompt_in: this chunk
+     * completes the prompt, so choices 1..n-1 fork from choice 0 and the
+     * request decodes from the next turn on. */
+    bool has_prefill, prompt_in;
+    sched_plan_seq prefill;
+    /* The decode batch: every choice not done of every running request,
+     * oldest request first, choices in order; [n_decode] in the caller's
+     * array of max_batch entries. A request that starts running this turn
+     * decodes from the next. */
+    sched_plan_seq *decode;
+    int32_t n_decode;
+} sched_plan;
+
+/* Plans one turn from st, into *p; the caller points p->decode at
+ * st->max_batch entries first (every other field is written). Pure: it
+ * reads st and writes p, nothing else, with no engine, lock, allocation or
+ * I/O, and the same st gives the same plan.
+ *
+ * Admission is first come, first served: the queue's head is admitted
+ * while its choices fit in max_batch sequences and its blocks in
+ * blocks_free; the first that does not fit stops admission, so a large
+ * request is not passed over by smaller ones behind it. Prefill takes one
+ * chunk of min(chunk, max_batch_tokens) tokens (chunk < 1: max_batch_tokens)
+ * of the oldest prompt, so running streams never wait a whole prompt.
+ * Decode entries are SCHED_PLAN_SPECULATE when speculating with trees of
+ * more than one token, else SCHED_PLAN_DECODE; more than max_batch
+ * of them (an st whose seqs undercounts) are cut at max_batch. */
+void sched_plan_turn(const sched_plan_state *st, sched_plan *p);
 
 #endif

@@ -58,7 +58,7 @@ struct spec {
     float *features;       /* [max_batch_tokens][fw] */
     float *logits;         /* [max_batch_tokens][V] */
     int32_t *ids;          /* [max_batch_tokens] each row's token, decided where the pass ran */
-    kn_draw *draws;        /* [max_batch_tokens] how each row draws it (engine_step_sample) */
+    kn_draw *draws;        /* [max_batch_tokens] how each row draws it (engine_step's draws) */
     float *scratch;        /* [V]: a row penalised (penalty_apply) and masked */
     uint32_t *mask;        /* [(V + 31) / 32]: a grammar's mask (grammar_fill_mask) */
     sample_state *sampler;
@@ -218,7 +218,8 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
      * pairs when drafting comes back (policy_keep_drafter). */
     bool feed = s->d && !st->resync && s->step_no >= s->retry_at &&
                 (always_feed || policy_keep_drafter(s->pol, s->last_n > 0 ? s->last_n : 1));
-    if (engine_step(s->e, &it, 1, s->logits, feed ? &cap : NULL, err) != AE_OK) {
+    engine_outputs eo = {.logits = s->logits, .capture = feed ? &cap : NULL};
+    if (engine_step(s->e, &it, 1, &eo, err) != AE_OK) {
         if (at == 0) st->started = false;
         return AE_ERR;
     }
@@ -525,10 +526,8 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
             s->draws[row + j] = sample_draw(in[i].params, in[i].rng, pos + depth[j]);
         }
     }
-    if ((drawn     ? engine_step_sample(s->e, s->items, n, s->logits, s->draws, s->ids, s->d ? &cap : NULL, err)
-         : ids_only ? engine_step_argmax(s->e, s->items, n, s->logits, s->ids, s->d ? &cap : NULL, err)
-                    : engine_step(s->e, s->items, n, s->logits, s->d ? &cap : NULL, err)) != AE_OK)
-        return AE_ERR;
+    engine_outputs eo = {s->logits, ids_only ? s->ids : NULL, drawn ? s->draws : NULL, s->d ? &cap : NULL};
+    if (engine_step(s->e, s->items, n, &eo, err) != AE_OK) return AE_ERR;
 
     for (int32_t i = 0, row = 0; i < n; row += s->trees[i].n, i++) {
         int32_t seq = in[i].seq;

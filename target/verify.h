@@ -51,8 +51,8 @@ typedef struct verify_tree {
     int32_t vocab;
     const verify_proc *proc; /* NULL: the raw rows decide */
     /* [n] the token decided at each row, computed where the pass ran:
-     * greedy's argmax (engine_step_argmax) or the keyed draw at the row's
-     * position (engine_step_sample), read instead of logits when there is
+     * greedy's argmax (engine_step's ids) or the keyed draw at the row's
+     * position (engine_step's draws), read instead of logits when there is
      * no proc (logits are then not read at all); NULL: from logits. */
     const int32_t *argmax;
 } verify_tree;

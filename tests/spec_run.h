@@ -33,12 +33,12 @@ static inline void run_plain_greedy(engine *e, const int32_t *ids, int32_t n, in
     assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
     for (int32_t at = 0; at < n; at += chunk) {
         engine_item it = {seq, ENGINE_APPEND, n - at < chunk ? n - at : chunk, ids + at, NULL, false};
-        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     }
     for (int32_t g = 0; g < n_gen; g++) {
         out[g] = sample_greedy(lg, V);
         engine_item it = {seq, ENGINE_APPEND, 1, &out[g], NULL, false};
-        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     }
     engine_seq_free(e, seq);
     free(lg);
@@ -59,12 +59,12 @@ static inline void run_plain_sampled(engine *e, const int32_t *ids, int32_t n, i
     assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
     for (int32_t at = 0; at < n; at += chunk) {
         engine_item it = {seq, ENGINE_APPEND, n - at < chunk ? n - at : chunk, ids + at, NULL, false};
-        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     }
     for (int32_t g = 0; g < n_gen; g++) {
         out[g] = sample_token(smp, lg, sp, &rng, n + g);
         engine_item it = {seq, ENGINE_APPEND, 1, &out[g], NULL, false};
-        assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     }
     engine_seq_free(e, seq);
     sample_free(smp);

@@ -80,7 +80,7 @@ static void step_both(engine *e[2], const engine_item it[2][2], int32_t n, float
             c = *cap;
             c.out = ft[k];
         }
-        if (engine_step(e[k], it[k], n, lg[k], cap ? &c : NULL, &err) != AE_OK)
+        if (engine_step(e[k], it[k], n, &(engine_outputs){.logits = lg[k], .capture = cap ? &c : NULL}, &err) != AE_OK)
             fail_msg("%s step: %s", k ? "cuda" : "cpu", err.msg);
     }
     int32_t rows = engine_logit_rows(it[0], n), V = engine_model(e[0])->cfg.vocab, H = engine_model(e[0])->cfg.hidden;

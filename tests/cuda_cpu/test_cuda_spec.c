@@ -202,6 +202,22 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
      * for the same seed, token for token. */
     static const sample_params sampled[2] = {{0.8f, 0, 1.0f, 0.0f}, {1.0f, 5, 1.0f, 0.05f}};
     assert_true(engine_can_sample(e_cu));
+    {
+        /* Draws need ids to write the tokens to: without, the step fails
+         * before it runs, and is not counted as drawn. */
+        int32_t sq, one = 1;
+        if (engine_seq_new(e_cu, &sq, &err) != AE_OK) fail_msg("%s", err.msg);
+        kn_draw dr;
+        memset(&dr, 0, sizeof dr);
+        int64_t before = engine_drawn_steps(e_cu);
+        engine_item it = {sq, ENGINE_APPEND, 1, &one, NULL, false};
+        assert_int_equal(engine_step(e_cu, &it, 1, &(engine_outputs){.draws = &dr}, &err), AE_ERR);
+        assert_string_equal(err.msg, "a step with draws needs ids for the tokens drawn");
+        assert_int_equal(engine_drawn_steps(e_cu), before);
+        assert_int_equal(engine_seq_len(e_cu, sq), 0);
+        engine_seq_free(e_cu, sq);
+        err_clear(&err);
+    }
     for (int c = 0; c < 2; c++) {
         spec_config sc = spec_config_default(shapes[1], MAX_SEQS, 128);
         spec *s;
@@ -277,12 +293,12 @@ static void prefill_and_decode_match(engine *e_cpu, engine *e_cu) {
     for (int k = 0; k < 2; k++) {
         assert_int_equal(engine_seq_new(e[k], &seq[k], &err), AE_OK);
         engine_item it = {seq[k], ENGINE_APPEND, 20, ids, NULL, true};
-        assert_int_equal(engine_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e[k], &it, 1, &(engine_outputs){.logits = lg[k]}, &err), AE_OK);
     }
     same_logits(lg[0], lg[1], 20 * (size_t)V);
     for (int k = 0; k < 2; k++) {
         engine_item it = {seq[k], ENGINE_APPEND, 1, &ids[20], NULL, false};
-        assert_int_equal(engine_step(e[k], &it, 1, lg[k], NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e[k], &it, 1, &(engine_outputs){.logits = lg[k]}, &err), AE_OK);
         engine_seq_free(e[k], seq[k]);
     }
     same_logits(lg[0], lg[1], (size_t)V);

@@ -149,7 +149,8 @@ static golden_result run_golden(int32_t act_bits) {
         int32_t last = n - 1;
         forward_capture cap = {3, {layers[0], layers[1], layers[2]}, 1, &last, feat};
         engine_item it = {seq[p], ENGINE_APPEND, n, ids, NULL, false};
-        if (engine_step(e, &it, 1, logits, &cap, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (engine_step(e, &it, 1, &(engine_outputs){.logits = logits, .capture = &cap}, &err) != AE_OK)
+            fail_msg("%s", err.msg);
         /* Final-position logits. */
         const cJSON *full = cJSON_GetObjectItem(pr, "logits_f32");
         if (full) {
@@ -191,7 +192,7 @@ static golden_result run_golden(int32_t act_bits) {
     engine_item items[MAX_PROMPTS];
     for (int32_t g = 1; g < N_GEN; g++) {
         for (int32_t p = 0; p < np; p++) items[p] = (engine_item){seq[p], ENGINE_APPEND, 1, &got[p][g - 1], NULL, false};
-        if (engine_step(e, items, np, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (engine_step(e, items, np, &(engine_outputs){.logits = logits}, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int32_t p = 0; p < np; p++) {
             const float *x = logits + (size_t)p * (size_t)V;
             int32_t b = 0;

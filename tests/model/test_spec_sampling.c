@@ -82,7 +82,7 @@ static void exact_joint(fixture *f, double *joint) {
     int32_t seq;
     assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
     engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
-    assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+    assert_int_equal(engine_step(f->e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     sample_dist_dense(smp, lg, &params, p1);
     engine_seq_free(f->e, seq);
     for (int32_t a = 0; a < V; a++) {
@@ -91,7 +91,7 @@ static void exact_joint(fixture *f, double *joint) {
         int32_t ids[4] = {prompt[0], prompt[1], prompt[2], a};
         assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
         engine_item it2 = {seq, ENGINE_APPEND, 4, ids, NULL, false};
-        assert_int_equal(engine_step(f->e, &it2, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f->e, &it2, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         sample_dist_dense(smp, lg, &params, p2[a]);
         for (int32_t b = 0; b < V; b++) joint[a * V + b] = (double)p1[a] * p2[a][b];
         engine_seq_free(f->e, seq);
@@ -112,10 +112,10 @@ static void plain_counts(fixture *f, int64_t *counts) {
         int32_t seq, t[2];
         assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
         engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
-        assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f->e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         t[0] = sample_token(smp, lg, &params, &rng, 3);
         engine_item d = {seq, ENGINE_APPEND, 1, &t[0], NULL, false};
-        assert_int_equal(engine_step(f->e, &d, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f->e, &d, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         t[1] = sample_token(smp, lg, &params, &rng, 4);
         counts[t[0] * V + t[1]]++;
         plain_pair[i][0] = t[0], plain_pair[i][1] = t[1];
@@ -264,7 +264,7 @@ static void test_a_biased_acceptor_is_detected(void **state) {
         int32_t seq, t[2];
         assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
         engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
-        assert_int_equal(engine_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f.e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         sample_dist_dense(smp, lg, &params, p);
         /* The "draft" proposes the most likely token; it is always kept
          * when it has any probability. */
@@ -272,7 +272,7 @@ static void test_a_biased_acceptor_is_detected(void **state) {
         if (!(p[t[0]] > 0)) t[0] = sample_token(smp, lg, &params, &rng, 3);
         if (sample_rng_uniform(&rng, 3, V) < 0.5) t[0] = sample_token(smp, lg, &params, &rng, 3); /* a coin off the vocabulary */
         engine_item d = {seq, ENGINE_APPEND, 1, &t[0], NULL, false};
-        assert_int_equal(engine_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f.e, &d, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         t[1] = sample_token(smp, lg, &params, &rng, 4);
         biased[t[0] * V + t[1]]++;
         engine_seq_free(f.e, seq);
@@ -329,7 +329,7 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
     assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
     assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
     engine_item it = {seq, ENGINE_APPEND, 3, prompt, NULL, false};
-    assert_int_equal(engine_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+    assert_int_equal(engine_step(f.e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     sample_dist_dense(smp, penalty_apply(pn, lg, scratch), &params, q1);
     engine_seq_free(f.e, seq);
     penalty_free(pn);
@@ -342,7 +342,7 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
         penalty_push(pn, a);
         assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
         engine_item it2 = {seq, ENGINE_APPEND, 4, ids, NULL, false};
-        assert_int_equal(engine_step(f.e, &it2, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f.e, &it2, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         sample_dist_dense(smp, penalty_apply(pn, lg, scratch), &params, q2);
         for (int32_t b = 0; b < V; b++) joint[a * V + b] = (double)q1[a] * q2[b];
         engine_seq_free(f.e, seq);
@@ -364,10 +364,13 @@ static void test_penalised_sampling_under_speculation_keeps_the_penalised_distri
         /* plain, penalised */
         assert_int_equal(penalty_init(&pn, &pen, V, prompt, 3, 0, &err), AE_OK);
         assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
-        assert_int_equal(engine_step(f.e, &(engine_item){seq, ENGINE_APPEND, 3, prompt, NULL, false}, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f.e, &(engine_item){seq, ENGINE_APPEND, 3, prompt, NULL, false}, 1,
+                                     &(engine_outputs){.logits = lg}, &err),
+                         AE_OK);
         want[0] = sample_token(smp, penalty_apply(pn, lg, scratch), &params, &rng, 3);
         penalty_push(pn, want[0]);
-        assert_int_equal(engine_step(f.e, &(engine_item){seq, ENGINE_APPEND, 1, &want[0], NULL, false}, 1, lg, NULL, &err),
+        assert_int_equal(engine_step(f.e, &(engine_item){seq, ENGINE_APPEND, 1, &want[0], NULL, false}, 1,
+                                     &(engine_outputs){.logits = lg}, &err),
                          AE_OK);
         want[1] = sample_token(smp, penalty_apply(pn, lg, scratch), &params, &rng, 4);
         engine_seq_free(f.e, seq);

@@ -289,7 +289,7 @@ static engine *engine_on(const model *m) {
  * captured, its path committed, a batch of two sequences, one freed and a
  * new one taking its blocks (block tables re-sent), and decodes after.
  * Logits and features must be the same bits at every step; at odd steps
- * staged runs engine_step_argmax, whose ids must be the argmax of each of
+ * staged runs engine_step with ids, whose ids must be the argmax of each of
  * the CPU's rows (only the ids come back; its logits stay on staged). */
 static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
     (void)state;
@@ -345,8 +345,8 @@ static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
                 break;
             }
             /* Odd steps on staged: only the rows' argmaxes come back. */
-            int rc = k == 1 && step % 2 ? engine_step_argmax(e[k], it, n, lg[k], ids, cp, &err)
-                                        : engine_step(e[k], it, n, lg[k], cp, &err);
+            engine_outputs eo = {.logits = lg[k], .ids = k == 1 && step % 2 ? ids : NULL, .capture = cp};
+            int rc = engine_step(e[k], it, n, &eo, &err);
             if (rc != AE_OK) fail_msg("step %d: %s", step, err.msg);
             n_rows = engine_logit_rows(it, n);
         }

@@ -64,10 +64,10 @@ static void a_tokens_logits_do_not_depend_on_the_batch(void **state) {
     int32_t sa, sb;
     assert_int_equal(engine_seq_new(e, &sa, &err), AE_OK);
     engine_item it = {sa, ENGINE_APPEND, 23, a, NULL, true};
-    assert_int_equal(engine_step(e, &it, 1, alone, NULL, &err), AE_OK);
+    assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = alone}, &err), AE_OK);
     for (int k = 0; k < 2; k++) {
         engine_item d = {sa, ENGINE_APPEND, 1, &next[k], NULL, false};
-        assert_int_equal(engine_step(e, &d, 1, alone + (size_t)(23 + k) * V, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e, &d, 1, &(engine_outputs){.logits = alone + (size_t)(23 + k) * V}, &err), AE_OK);
     }
     engine_free(e);
 
@@ -75,12 +75,12 @@ static void a_tokens_logits_do_not_depend_on_the_batch(void **state) {
     assert_int_equal(engine_seq_new(e, &sb, &err), AE_OK);
     assert_int_equal(engine_seq_new(e, &sa, &err), AE_OK);
     engine_item two[2] = {{sb, ENGINE_APPEND, 17, b, NULL, true}, {sa, ENGINE_APPEND, 23, a, NULL, true}};
-    assert_int_equal(engine_step(e, two, 2, mixed, NULL, &err), AE_OK);
+    assert_int_equal(engine_step(e, two, 2, &(engine_outputs){.logits = mixed}, &err), AE_OK);
     assert_memory_equal(mixed + (size_t)17 * V, alone, sizeof(float) * 23 * V);
     for (int k = 0; k < 2; k++) {
         int32_t other = (next[k] + 100) % V;
         engine_item d[2] = {{sb, ENGINE_APPEND, 1, &other, NULL, false}, {sa, ENGINE_APPEND, 1, &next[k], NULL, false}};
-        assert_int_equal(engine_step(e, d, 2, mixed, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(e, d, 2, &(engine_outputs){.logits = mixed}, &err), AE_OK);
         assert_memory_equal(mixed + V, alone + (size_t)(23 + k) * V, sizeof(float) * V);
     }
     printf("25 rows of prompt A bit-equal alone and beside prompt B (prefill and 2 decodes)\n");
@@ -237,8 +237,8 @@ static void two_ranks_split_heads_and_experts(void **state) {
         assert_int_equal(engine_seq_new(one, &sa, &err), AE_OK);
         assert_int_equal(engine_seq_new(two, &sb, &err), AE_OK);
         engine_item ia = {sa, ENGINE_APPEND, n, ids, NULL, false}, ib = {sb, ENGINE_APPEND, n, ids, NULL, false};
-        assert_int_equal(engine_step(one, &ia, 1, a, NULL, &err), AE_OK);
-        assert_int_equal(engine_step(two, &ib, 1, b, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(one, &ia, 1, &(engine_outputs){.logits = a}, &err), AE_OK);
+        assert_int_equal(engine_step(two, &ib, 1, &(engine_outputs){.logits = b}, &err), AE_OK);
         double num = 0, den = 0;
         for (int v = 0; v < V; v++) num += ((double)a[v] - b[v]) * ((double)a[v] - b[v]), den += (double)a[v] * a[v];
         worst = sqrt(num / den) > worst ? sqrt(num / den) : worst;
@@ -291,7 +291,7 @@ static void run_model(const model *m, int32_t R, int i, float *logits, int32_t *
     int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids);
     assert_int_equal(engine_seq_new(e, &s, &err), AE_OK);
     engine_item it = {s, ENGINE_APPEND, n, ids, NULL, false};
-    assert_int_equal(engine_step(e, &it, 1, logits, NULL, &err), AE_OK);
+    assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, &err), AE_OK);
     engine_seq_free(e, s);
     run_plain_greedy(e, ids, n, CHUNK, N_GEN, gen);
     engine_free(e);

@@ -224,14 +224,14 @@ static void test_fixture_target_forms_match_transformers(void **state) {
             assert_int_equal(engine_seq_new(e, &seq, &err), AE_OK);
             float lg[32];
             engine_item it = {seq, ENGINE_APPEND, n, ids, NULL, false};
-            assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
+            assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
             for (int32_t g = 0; g < 16; g++) {
                 int32_t best = 0;
                 for (int32_t v = 1; v < 32; v++)
                     if (lg[v] > lg[best]) best = v;
                 assert_int_equal(best, want[g]);
                 engine_item d = {seq, ENGINE_APPEND, 1, &best, NULL, false};
-                assert_int_equal(engine_step(e, &d, 1, lg, NULL, &err), AE_OK);
+                assert_int_equal(engine_step(e, &d, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
             }
             engine_seq_free(e, seq);
             n_prompts++;

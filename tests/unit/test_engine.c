@@ -66,7 +66,7 @@ static int32_t new_seq(engine *e) {
 
 static void step(engine *e, const engine_item *items, int32_t n, float *logits) {
     ae_error err = {0};
-    if (engine_step(e, items, n, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_step(e, items, n, &(engine_outputs){.logits = logits}, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
 static int32_t argmax(const float *x) {
@@ -207,15 +207,50 @@ static void test_bad_items_fail_and_change_nothing(void **state) {
     ae_error err = {0};
     const int32_t bad_tok[1] = {49152};
     engine_item it = {s, ENGINE_APPEND, 1, bad_tok, NULL, false};
-    assert_int_equal(engine_step(e, &it, 1, logits, NULL, &err), AE_ERR);
+    assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, &err), AE_ERR);
     assert_string_equal(err.msg, "item 0: token 49152 is not in the vocabulary");
     err_clear(&err);
     const int32_t toks[2] = {1, 2}, parents[2] = {-1, 1};
     engine_item tr = {s, ENGINE_TREE, 2, toks, parents, false};
-    assert_int_equal(engine_step(e, &tr, 1, logits, NULL, &err), AE_ERR);
+    assert_int_equal(engine_step(e, &tr, 1, &(engine_outputs){.logits = logits}, &err), AE_ERR);
     assert_string_equal(err.msg, "item 0: node 1 has parent 1 (must be -1 or an earlier node)");
     assert_int_equal(engine_seq_len(e, s), 0);
     free(logits);
+    engine_free(e);
+}
+
+/* One engine_step, its outputs chosen by engine_outputs: the logit rows;
+ * with ids each row's argmax as well (a host-memory backend writes the
+ * rows into logits too, bit for bit the plain step's); draws on a backend
+ * that draws none fail with the reason and change nothing. */
+static void test_step_outputs_are_rows_ids_or_draws(void **state) {
+    (void)state;
+    engine *e = new_engine(1);
+    float *plain = malloc(sizeof(float) * (size_t)V * 2), *with_ids = malloc(sizeof(float) * (size_t)V * 2);
+    int32_t a = new_seq(e), b = new_seq(e);
+    engine_item ia[2] = {{a, ENGINE_APPEND, 4, PROMPT, NULL, false}, {b, ENGINE_APPEND, 6, PROMPT, NULL, false}};
+    ae_error err = {0};
+    assert_int_equal(engine_step(e, ia, 2, &(engine_outputs){.logits = plain}, &err), AE_OK);
+    const int32_t next[2] = {PROMPT[4], PROMPT[6]};
+    engine_item da[2] = {{a, ENGINE_APPEND, 1, &next[0], NULL, false}, {b, ENGINE_APPEND, 1, &next[1], NULL, false}};
+    int32_t ids[2] = {-1, -1};
+    assert_int_equal(engine_step(e, da, 2, &(engine_outputs){.logits = with_ids, .ids = ids}, &err), AE_OK);
+    /* The same tokens again on fresh sequences, plainly. */
+    int32_t c = new_seq(e), d = new_seq(e);
+    engine_item ic[2] = {{c, ENGINE_APPEND, 5, PROMPT, NULL, false}, {d, ENGINE_APPEND, 7, PROMPT, NULL, false}};
+    step(e, ic, 2, plain);
+    assert_memory_equal(plain, with_ids, sizeof(float) * (size_t)V * 2);
+    assert_int_equal(ids[0], argmax(plain));
+    assert_int_equal(ids[1], argmax(plain + V));
+    assert_false(engine_can_sample(e));
+    kn_draw draws[2];
+    memset(draws, 0, sizeof draws);
+    assert_int_equal(engine_step(e, da, 2, &(engine_outputs){.logits = plain, .ids = ids, .draws = draws}, &err),
+                     AE_ERR);
+    assert_string_equal(err.msg, "the cpu backend draws no tokens (kn_sample): sample the logits");
+    assert_int_equal(engine_seq_len(e, a), 5);
+    assert_int_equal(engine_drawn_steps(e), 0);
+    free(plain), free(with_ids);
     engine_free(e);
 }
 
@@ -237,14 +272,16 @@ static void test_capture_is_three_layer_inputs_and_batch_invariant(void **state)
     forward_capture cap = {3, {layers[0], layers[1], layers[2]}, N_PROMPT, rows, pre};
     engine_item it = {a, ENGINE_APPEND, N_PROMPT, PROMPT, NULL, false};
     ae_error err = {0};
-    if (engine_step(e, &it, 1, logits, &cap, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_step(e, &it, 1, &(engine_outputs){.logits = logits, .capture = &cap}, &err) != AE_OK)
+        fail_msg("%s", err.msg);
     /* Token by token on another sequence, capturing the last token only:
      * the same [3 * H] features, bit for bit. */
     for (int32_t t = 0; t < N_PROMPT; t++) {
         int32_t row0 = 0;
         forward_capture c1 = {3, {layers[0], layers[1], layers[2]}, 1, &row0, one};
         engine_item d = {b, ENGINE_APPEND, 1, &PROMPT[t], NULL, false};
-        if (engine_step(e, &d, 1, logits, &c1, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (engine_step(e, &d, 1, &(engine_outputs){.logits = logits, .capture = &c1}, &err) != AE_OK)
+            fail_msg("%s", err.msg);
         assert_memory_equal(one, pre + (size_t)t * 3 * (size_t)H, 3 * (size_t)H * sizeof(float));
     }
     /* Layer inputs differ from one another (the capture is not one copy). */
@@ -272,16 +309,16 @@ static void test_refused_step_gives_back_the_blocks_it_reserved(void **state) {
     for (int i = 0; i < 48; i++) toks[i] = PROMPT[i % N_PROMPT];
     float *logits = malloc(sizeof(float) * (size_t)V * 2);
     engine_item both[2] = {{a, ENGINE_APPEND, 48, toks, NULL, false}, {b, ENGINE_APPEND, 32, toks, NULL, false}};
-    assert_int_equal(engine_step(e, both, 2, logits, NULL, &err), AE_ERR);
+    assert_int_equal(engine_step(e, both, 2, &(engine_outputs){.logits = logits}, &err), AE_ERR);
     assert_non_null(strstr(err.msg, "kv cache exhausted"));
     err_clear(&err);
     engine_item only_b = {b, ENGINE_APPEND, 32, toks, NULL, false};
-    if (engine_step(e, &only_b, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_step(e, &only_b, 1, &(engine_outputs){.logits = logits}, &err) != AE_OK) fail_msg("%s", err.msg);
     assert_int_equal(engine_seq_len(e, a), 0);
     assert_int_equal(engine_seq_len(e, b), 32);
     /* An id that is not a live sequence is an error, not an abort. */
     engine_item ghost = {7, ENGINE_APPEND, 1, toks, NULL, false};
-    assert_int_equal(engine_step(e, &ghost, 1, logits, NULL, &err), AE_ERR);
+    assert_int_equal(engine_step(e, &ghost, 1, &(engine_outputs){.logits = logits}, &err), AE_ERR);
     assert_string_equal(err.msg, "item 0: sequence 7 is not live");
     free(logits);
     engine_free(e);
@@ -357,6 +394,7 @@ int main(void) {
         cmocka_unit_test(test_tree_node_equals_decoding_its_path_at_8bit_activations),
         cmocka_unit_test(test_activation_bits_are_an_engine_setting),
         cmocka_unit_test(test_bad_items_fail_and_change_nothing),
+        cmocka_unit_test(test_step_outputs_are_rows_ids_or_draws),
         cmocka_unit_test(test_capture_is_three_layer_inputs_and_batch_invariant),
         cmocka_unit_test(test_refused_step_gives_back_the_blocks_it_reserved),
         cmocka_unit_test(test_commit_path_must_be_a_chain_of_the_last_tree),

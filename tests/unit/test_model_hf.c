@@ -154,7 +154,7 @@ static void run(const model *m, const int32_t *prompt, int32_t n, int32_t gen, i
     int32_t s;
     assert_int_equal(engine_seq_new(e, &s, &err), AE_OK);
     engine_item it = {s, ENGINE_APPEND, n, prompt, NULL, false};
-    if (engine_step(e, &it, 1, last, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (engine_step(e, &it, 1, &(engine_outputs){.logits = last}, &err) != AE_OK) fail_msg("%s", err.msg);
     float *lg = malloc(sizeof(float) * 49152);
     memcpy(lg, last, sizeof(float) * 49152);
     for (int32_t g = 0; g < gen; g++) {
@@ -163,7 +163,7 @@ static void run(const model *m, const int32_t *prompt, int32_t n, int32_t gen, i
             if (lg[v] > lg[b]) b = v;
         out[g] = b;
         engine_item d = {s, ENGINE_APPEND, 1, &out[g], NULL, false};
-        if (engine_step(e, &d, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (engine_step(e, &d, 1, &(engine_outputs){.logits = lg}, &err) != AE_OK) fail_msg("%s", err.msg);
     }
     free(lg);
     engine_free(e);

@@ -197,7 +197,7 @@ static void plain_run(fixture *f, const int32_t *ids, int32_t n, const sample_pa
     assert_int_equal(engine_seq_new(f->e, &seq, &err), AE_OK);
     for (int32_t at = 0; at < n; at += CHUNK) {
         engine_item it = {seq, ENGINE_APPEND, n - at < CHUNK ? n - at : CHUNK, ids + at, NULL, false};
-        assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f->e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     }
     for (int32_t g = 0; g < N_GEN; g++) {
         const float *row = pn ? penalty_apply(pn, lg, scratch) : lg;
@@ -206,7 +206,7 @@ static void plain_run(fixture *f, const int32_t *ids, int32_t n, const sample_pa
         o->lp[g] = sample_logprobs(lg, V, t, TOP, o->top[g]);
         if (pn) penalty_push(pn, t);
         engine_item it = {seq, ENGINE_APPEND, 1, &o->tokens[g], NULL, false};
-        assert_int_equal(engine_step(f->e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f->e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     }
     engine_seq_free(f->e, seq);
     penalty_free(pn);

@@ -40,7 +40,7 @@ static void test_greedy_takes_argmax_lowest_id_on_ties(void **state) {
     assert_int_equal(sample_greedy(logits, 5), 1);
     const float nan_first[] = {NAN, -1.0f, -0.5f};
     assert_int_equal(sample_greedy(nan_first, 3), 2);
-    /* kn_argmax's picks (engine_step_argmax runs it instead): -inf is a
+    /* kn_argmax's picks (engine_step with ids runs it instead): -inf is a
      * value, NaN never is, and a row of NaN picks 0. */
     const float nan_then_ninf[] = {NAN, -INFINITY, -INFINITY}, all_nan[] = {NAN, NAN}, ninf[] = {-INFINITY, -INFINITY};
     assert_int_equal(sample_greedy(nan_then_ninf, 3), 1);

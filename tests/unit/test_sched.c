@@ -1,7 +1,9 @@
-/* The scheduler (target/sched.h) on the default model, with structured
- * output: the schema compiles (their own queue, workers, time budget,
- * cancellation), and the paths a request takes through them. Run from the
- * repo root after tools/fetch_model.sh. */
+/* The scheduler (target/sched.h): first its plan of a turn
+ * (sched_plan_turn), which is pure and needs no engine or model; then the
+ * scheduler on the default model, with structured output: the schema
+ * compiles (their own queue, workers, time budget, cancellation), and the
+ * paths a request takes through them. Run from the repo root after
+ * tools/fetch_model.sh. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -118,6 +120,259 @@ static sched *open_sched(fixture *f, const sched_config *over) {
 }
 
 static const int32_t PROMPT[] = {1, 9690, 198, 22503, 44, 1694, 279, 253, 4563, 2};
+
+/* ---- The plan of a turn (sched_plan_turn), without an engine ---- */
+
+#define PLAN_BATCH 8
+
+/* A state of batch 4, 64 tokens a pass, chunks of 32, no drafter, 100
+ * blocks free and nothing running. */
+static sched_plan_state plan_state(const sched_plan_req *active, int32_t n_active, const sched_plan_req *waiting,
+                                   int32_t n_waiting) {
+    sched_plan_state st = {.active = active, .n_active = n_active, .waiting = waiting, .n_waiting = n_waiting,
+                           .max_batch = 4, .blocks_free = 100, .chunk = 32, .max_batch_tokens = 64, .tree_tokens = 1};
+    for (int32_t i = 0; i < n_active; i++) st.seqs += active[i].n;
+    return st;
+}
+
+static sched_plan plan_of(const sched_plan_state *st, sched_plan_seq *decode) {
+    sched_plan p;
+    memset(&p, 0xff, sizeof p); /* every field is the plan's to write */
+    p.decode = decode;
+    assert_true(st->max_batch <= PLAN_BATCH);
+    sched_plan_turn(st, &p);
+    return p;
+}
+
+static void assert_seq(const sched_plan_seq *q, sched_plan_kind kind, int32_t req, int32_t choice, int32_t from,
+                       int32_t tokens) {
+    assert_int_equal(q->kind, kind);
+    assert_int_equal(q->req, req);
+    assert_int_equal(q->choice, choice);
+    assert_int_equal(q->from, from);
+    assert_int_equal(q->tokens, tokens);
+}
+
+/* A prompt goes in a chunk a turn: chunk tokens, never more than a pass
+ * holds, and never its last token (the first decode step's root); the
+ * chunk that ends it says so. */
+static void test_plan_prefill_takes_chunks_within_the_pass(void **state) {
+    (void)state;
+    sched_plan_seq d[PLAN_BATCH];
+    sched_plan_req a = {.n = 1, .n_prompt = 100, .blocks = 8};
+    sched_plan_state st = plan_state(&a, 1, NULL, 0);
+    sched_plan p = plan_of(&st, d);
+    assert_true(p.has_prefill);
+    assert_false(p.prompt_in);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 0, 0, 0, 32);
+    assert_int_equal(p.n_decode, 0);
+    assert_int_equal(p.n_admit, 0);
+    /* The last chunk: 96 in, 3 to go (the 100th is the root). */
+    a.prefilled = 96;
+    p = plan_of(&st, d);
+    assert_true(p.prompt_in);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 0, 0, 96, 3);
+    /* A chunk past the pass's tokens is cut to them; 0 is "a pass". */
+    a.prefilled = 0;
+    st.chunk = 128;
+    p = plan_of(&st, d);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 0, 0, 0, 64);
+    st.chunk = 0;
+    p = plan_of(&st, d);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 0, 0, 0, 64);
+    /* One token: nothing to prefill, and the prompt is in. */
+    a.n_prompt = 1;
+    p = plan_of(&st, d);
+    assert_true(p.has_prefill);
+    assert_true(p.prompt_in);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 0, 0, 0, 0);
+}
+
+/* The decode batch: every choice not done of every running request, in
+ * admission order, one token each; a prompt still going in is not in it,
+ * and gets the turn's chunk. */
+static void test_plan_decodes_every_running_choice_in_order(void **state) {
+    (void)state;
+    sched_plan_seq d[PLAN_BATCH];
+    const sched_plan_req act[3] = {
+        {.n = 1, .n_prompt = 10, .prefilled = 9, .blocks = 2, .running = true},
+        {.n = 1, .n_prompt = 50, .prefilled = 32, .blocks = 4},
+        {.n = 3, .n_prompt = 10, .prefilled = 9, .blocks = 5, .running = true, .done = 1u << 1},
+    };
+    sched_plan_state st = plan_state(act, 3, NULL, 0);
+    st.max_batch = 5;
+    sched_plan p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 0);
+    assert_int_equal(p.seqs, 5);
+    assert_int_equal(p.blocks_free, 100);
+    assert_true(p.has_prefill);
+    assert_true(p.prompt_in);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 1, 0, 32, 17);
+    assert_int_equal(p.n_decode, 3);
+    assert_seq(&d[0], SCHED_PLAN_DECODE, 0, 0, 0, 1);
+    assert_seq(&d[1], SCHED_PLAN_DECODE, 2, 0, 0, 1);
+    assert_seq(&d[2], SCHED_PLAN_DECODE, 2, 2, 0, 1);
+    /* A state whose seqs undercounts its choices: cut at max_batch. */
+    st.max_batch = 2;
+    p = plan_of(&st, d);
+    assert_int_equal(p.n_decode, 2);
+    assert_seq(&d[1], SCHED_PLAN_DECODE, 2, 0, 0, 1);
+}
+
+/* With a drafter each decode entry speculates: a tree of at most
+ * tree_tokens, and no more than the pass holds beside the other roots. */
+static void test_plan_trees_fit_the_pass_beside_every_root(void **state) {
+    (void)state;
+    sched_plan_seq d[PLAN_BATCH];
+    const sched_plan_req act[2] = {
+        {.n = 2, .n_prompt = 10, .prefilled = 9, .blocks = 3, .running = true},
+        {.n = 1, .n_prompt = 10, .prefilled = 9, .blocks = 2, .running = true},
+    };
+    sched_plan_state st = plan_state(act, 2, NULL, 0);
+    st.speculating = true;
+    st.tree_tokens = 8;
+    sched_plan p = plan_of(&st, d);
+    assert_false(p.has_prefill);
+    assert_int_equal(p.n_decode, 3);
+    assert_seq(&d[0], SCHED_PLAN_SPECULATE, 0, 0, 0, 8);
+    assert_seq(&d[1], SCHED_PLAN_SPECULATE, 0, 1, 0, 8);
+    assert_seq(&d[2], SCHED_PLAN_SPECULATE, 1, 0, 0, 8);
+    st.max_batch_tokens = 9; /* 2 roots leave 7 for a tree */
+    p = plan_of(&st, d);
+    for (int i = 0; i < 3; i++) assert_int_equal(d[i].tokens, 7);
+    /* Trees of one token are plain decoding, drafter or not. */
+    st.tree_tokens = 1;
+    p = plan_of(&st, d);
+    assert_seq(&d[2], SCHED_PLAN_DECODE, 1, 0, 0, 1);
+}
+
+/* Admission reserves each request's worst case: a head that needs more
+ * blocks than are free waits, and nothing behind it passes it. */
+static void test_plan_admission_waits_for_kv_blocks(void **state) {
+    (void)state;
+    sched_plan_seq d[PLAN_BATCH];
+    const sched_plan_req wait[2] = {{.n = 1, .n_prompt = 40, .blocks = 10}, {.n = 1, .n_prompt = 8, .blocks = 2}};
+    sched_plan_state st = plan_state(NULL, 0, wait, 2);
+    st.blocks_free = 9;
+    sched_plan p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 0);
+    assert_int_equal(p.seqs, 0);
+    assert_int_equal(p.blocks_free, 9);
+    assert_false(p.has_prefill);
+    assert_int_equal(p.n_decode, 0);
+    /* Room for the head alone: it is admitted and prefills at once. */
+    st.blocks_free = 11;
+    p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 1);
+    assert_int_equal(p.seqs, 1);
+    assert_int_equal(p.blocks_free, 1);
+    assert_true(p.has_prefill);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 0, 0, 0, 32);
+    /* Room for both. */
+    st.blocks_free = 12;
+    p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 2);
+    assert_int_equal(p.seqs, 2);
+    assert_int_equal(p.blocks_free, 0);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 0, 0, 0, 32);
+}
+
+/* A request needs a sequence per choice: with 2 of 4 held, a head of 3
+ * choices waits, and the one-choice request behind it waits too (first
+ * come, first served: no large request is starved by small ones). */
+static void test_plan_admission_waits_for_sequences_first_come_first_served(void **state) {
+    (void)state;
+    sched_plan_seq d[PLAN_BATCH];
+    const sched_plan_req act[1] = {{.n = 2, .n_prompt = 10, .prefilled = 9, .blocks = 4, .running = true}};
+    const sched_plan_req wait[2] = {{.n = 3, .n_prompt = 10, .blocks = 5}, {.n = 1, .n_prompt = 10, .blocks = 2}};
+    sched_plan_state st = plan_state(act, 1, wait, 2);
+    sched_plan p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 0);
+    assert_int_equal(p.seqs, 2);
+    assert_false(p.has_prefill);
+    assert_int_equal(p.n_decode, 2);
+    assert_seq(&d[0], SCHED_PLAN_DECODE, 0, 0, 0, 1);
+    assert_seq(&d[1], SCHED_PLAN_DECODE, 0, 1, 0, 1);
+    /* With a batch of 5 the head fits exactly, and the next does not. */
+    st.max_batch = 5;
+    p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 1);
+    assert_int_equal(p.seqs, 5);
+    assert_int_equal(p.blocks_free, 95);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 1, 0, 0, 9);
+    assert_true(p.prompt_in);
+    /* A choice done still holds its sequence (until its request ends). */
+    sched_plan_req one_done = act[0];
+    one_done.done = 1;
+    st.active = &one_done;
+    st.max_batch = 4;
+    p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 0);
+    assert_int_equal(p.n_decode, 1);
+    assert_seq(&d[0], SCHED_PLAN_DECODE, 0, 1, 0, 1);
+}
+
+/* Prompts are prefilled in admission order: a request admitted this turn
+ * waits for the one before it, whose prompt goes on from where it was. */
+static void test_plan_prefills_the_oldest_prompt_first(void **state) {
+    (void)state;
+    sched_plan_seq d[PLAN_BATCH];
+    const sched_plan_req act[2] = {
+        {.n = 1, .n_prompt = 10, .prefilled = 9, .blocks = 2, .running = true},
+        {.n = 1, .n_prompt = 80, .prefilled = 64, .blocks = 6},
+    };
+    const sched_plan_req wait[1] = {{.n = 1, .n_prompt = 20, .blocks = 2}};
+    sched_plan_state st = plan_state(act, 2, wait, 1);
+    sched_plan p = plan_of(&st, d);
+    assert_int_equal(p.n_admit, 1);
+    assert_true(p.has_prefill);
+    assert_true(p.prompt_in);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 1, 0, 64, 15);
+    assert_int_equal(p.n_decode, 1);
+    assert_seq(&d[0], SCHED_PLAN_DECODE, 0, 0, 0, 1);
+    /* Next turn the older prompt is in and running: the admitted one
+     * (now active[2]) gets the chunk, and decodes from the turn after. */
+    const sched_plan_req act2[3] = {act[0], {.n = 1, .n_prompt = 80, .prefilled = 79, .blocks = 6, .running = true},
+                                    {.n = 1, .n_prompt = 20, .blocks = 2}};
+    st = plan_state(act2, 3, NULL, 0);
+    p = plan_of(&st, d);
+    assert_seq(&p.prefill, SCHED_PLAN_PREFILL, 2, 0, 0, 19);
+    assert_int_equal(p.n_decode, 2);
+    assert_seq(&d[0], SCHED_PLAN_DECODE, 0, 0, 0, 1);
+    assert_seq(&d[1], SCHED_PLAN_DECODE, 1, 0, 0, 1);
+}
+
+/* The plan depends on the state alone: the same state, the same plan,
+ * and the state unchanged. */
+static void test_plan_is_the_same_for_the_same_state(void **state) {
+    (void)state;
+    sched_plan_seq d1[PLAN_BATCH], d2[PLAN_BATCH];
+    sched_plan_req act[2] = {
+        {.n = 2, .n_prompt = 10, .prefilled = 9, .blocks = 3, .running = true, .done = 1},
+        {.n = 1, .n_prompt = 300, .prefilled = 32, .blocks = 20},
+    };
+    sched_plan_req wait[2] = {{.n = 1, .n_prompt = 5, .blocks = 1}, {.n = 2, .n_prompt = 5, .blocks = 2}};
+    sched_plan_req act0[2], wait0[2];
+    memcpy(act0, act, sizeof act), memcpy(wait0, wait, sizeof wait);
+    sched_plan_state st = plan_state(act, 2, wait, 2);
+    sched_plan_state st0 = st;
+    sched_plan p1 = plan_of(&st, d1), p2 = plan_of(&st, d2);
+    assert_int_equal(p1.n_admit, 1);
+    assert_int_equal(p1.n_decode, 1);
+    assert_seq(&d1[0], SCHED_PLAN_DECODE, 0, 1, 0, 1);
+    assert_seq(&p1.prefill, SCHED_PLAN_PREFILL, 1, 0, 32, 32);
+    assert_int_equal(p1.n_admit, p2.n_admit);
+    assert_int_equal(p1.seqs, p2.seqs);
+    assert_int_equal(p1.blocks_free, p2.blocks_free);
+    assert_int_equal(p1.has_prefill, p2.has_prefill);
+    assert_int_equal(p1.prompt_in, p2.prompt_in);
+    assert_memory_equal(&p1.prefill, &p2.prefill, sizeof p1.prefill);
+    assert_int_equal(p1.n_decode, p2.n_decode);
+    assert_memory_equal(d1, d2, sizeof(sched_plan_seq) * (size_t)p1.n_decode);
+    assert_memory_equal(&st, &st0, sizeof st);
+    assert_memory_equal(act, act0, sizeof act);
+    assert_memory_equal(wait, wait0, sizeof wait);
+}
 
 static sched_refusal submit(fixture *f, sched *s, int i, int32_t format, const char *schema, int32_t max_tokens,
                             ae_error *err) {
@@ -328,6 +583,15 @@ static void test_mask_budget_ends_a_costly_request(void **state) {
 }
 
 int main(void) {
+    const struct CMUnitTest plan_tests[] = {
+        cmocka_unit_test(test_plan_prefill_takes_chunks_within_the_pass),
+        cmocka_unit_test(test_plan_decodes_every_running_choice_in_order),
+        cmocka_unit_test(test_plan_trees_fit_the_pass_beside_every_root),
+        cmocka_unit_test(test_plan_admission_waits_for_kv_blocks),
+        cmocka_unit_test(test_plan_admission_waits_for_sequences_first_come_first_served),
+        cmocka_unit_test(test_plan_prefills_the_oldest_prompt_first),
+        cmocka_unit_test(test_plan_is_the_same_for_the_same_state),
+    };
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_object_request_compiles_and_runs),
         cmocka_unit_test(test_cancel_gives_up_a_running_compile),
@@ -336,5 +600,6 @@ int main(void) {
         cmocka_unit_test(test_drain_does_not_wait_for_compiles),
         cmocka_unit_test(test_mask_budget_ends_a_costly_request),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    int failed = cmocka_run_group_tests_name("sched_plan_turn", plan_tests, NULL, NULL);
+    return failed + cmocka_run_group_tests_name("sched", tests, setup, teardown);
 }

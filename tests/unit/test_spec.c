@@ -211,7 +211,7 @@ static void test_accepted_paths_are_committed_exactly(void **state) {
         ae_error err = {0};
         assert_int_equal(engine_seq_new(f.e, &seq, &err), AE_OK);
         engine_item it = {seq, ENGINE_APPEND, committed, truth, NULL, false};
-        assert_int_equal(engine_step(f.e, &it, 1, lg, &cap, &err), AE_OK);
+        assert_int_equal(engine_step(f.e, &it, 1, &(engine_outputs){.logits = lg, .capture = &cap}, &err), AE_OK);
         assert_memory_equal(ref, o.features, (size_t)committed * (size_t)o.fw * sizeof(float));
         engine_seq_free(f.e, seq);
         free(ref);
@@ -554,11 +554,11 @@ static void test_forked_choices_each_get_their_plain_output(void **state) {
         int32_t q;
         assert_int_equal(engine_seq_new(f.e, &q, &err), AE_OK);
         engine_item it = {q, ENGINE_APPEND, n, ids, NULL, false};
-        assert_int_equal(engine_step(f.e, &it, 1, lg, NULL, &err), AE_OK);
+        assert_int_equal(engine_step(f.e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         for (int32_t g = 0; g < N_GEN; g++) {
             want[c][g] = sample_token(smp, lg, &sampled[1], &rng[c], n + g);
             engine_item d = {q, ENGINE_APPEND, 1, &want[c][g], NULL, false};
-            assert_int_equal(engine_step(f.e, &d, 1, lg, NULL, &err), AE_OK);
+            assert_int_equal(engine_step(f.e, &d, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         }
         engine_seq_free(f.e, q);
     }

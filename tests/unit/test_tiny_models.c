@@ -115,7 +115,8 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
         int32_t k = n - at < CHUNK ? n - at : CHUNK, last = k - 1;
         forward_capture cap = {N_CAPTURE, {capture_layers[0], capture_layers[1], capture_layers[2]}, 1, &last, feat};
         engine_item it = {s, ENGINE_APPEND, k, prompt + at, NULL, false};
-        if (engine_step(e, &it, 1, lg, at + k == n && ref_hidden ? &cap : NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        engine_outputs eo = {.logits = lg, .capture = at + k == n && ref_hidden ? &cap : NULL};
+        if (engine_step(e, &it, 1, &eo, &err) != AE_OK) fail_msg("%s", err.msg);
     }
     assert_int_equal(engine_seq_len(e, s), n);
     result r = {0, rel_l2(lg, ref_logits, V), 0.0};
@@ -133,7 +134,7 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
         /* Feed the reference token so one near tie does not derail the
          * rest; tokens_equal counts only up to the first miss. */
         engine_item d = {s, ENGINE_APPEND, 1, &want[g], NULL, false};
-        if (engine_step(e, &d, 1, lg, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (engine_step(e, &d, 1, &(engine_outputs){.logits = lg}, &err) != AE_OK) fail_msg("%s", err.msg);
     }
     if (diverged) {
         fprintf(stderr, "  got     ");

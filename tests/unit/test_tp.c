@@ -393,7 +393,7 @@ static run_result *engine_run(engine *e, int32_t R) {
     for (int32_t step = 0; step < N_GEN; step++) {
         float *logits = res->logits + (size_t)step * (size_t)V;
         engine_item it = {s, ENGINE_APPEND, m, cur, NULL, false};
-        if (engine_step(e, &it, 1, logits, NULL, &err) != AE_OK) fail_msg("%s", err.msg);
+        if (engine_step(e, &it, 1, &(engine_outputs){.logits = logits}, &err) != AE_OK) fail_msg("%s", err.msg);
         engine_comm_stats cs = engine_get_comm_stats(e);
         uint64_t want = R > 1 ? 2 * (uint64_t)c->n_layers : 0;
         assert_int_equal(cs.last.calls, want);
@@ -501,7 +501,7 @@ static void test_the_engine_refuses_ranks_it_cannot_have(void **state) {
     assert_non_null(lg);
     if (engine_seq_new(e, &s, &err) != AE_OK) fail_msg("%s", err.msg);
     engine_item it = {s, ENGINE_APPEND, 1, &tok, NULL, false};
-    assert_int_equal(engine_step(e, &it, 1, lg, NULL, &err), AE_OK);
+    assert_int_equal(engine_step(e, &it, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
     err = (ae_error){0};
     assert_int_equal(engine_set_tp(e, 2, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor parallel: ranks are set before any sequence");

@@ -64,7 +64,7 @@ static void test_greedy_accepts_one_level(void **state) {
     assert_int_equal(bonus, 6);
 }
 
-/* The same tree decided by row argmaxes alone (engine_step_argmax): with no
+/* The same tree decided by row argmaxes alone (engine_step with ids): with no
  * logits at all, the path of test_greedy_accepts_one_level; with a rule
  * that reads rows (verify_proc), the ids are not used and the rows
  * decide. */
