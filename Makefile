@@ -81,6 +81,8 @@ CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a
 NVCCFLAGS := -std=c++17 --fmad=false -O2 -g -Werror all-warnings -Xptxas -warn-spills \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra,-Werror,-Wno-unused-parameter,-pthread
 CUDA_SRC := $(sort $(wildcard kernels/cuda/*.cu))
+# What every CUDA source may include (nvcc writes no dependency files here).
+CUDA_HDR := $(wildcard kernels/cuda/*.h) kernels/backend.h kernels/kernels.h kernels/device.h kernels/draw.h
 CUDA_OBJ := $(CUDA_SRC:%.cu=build/cuda/%.o)
 CUDA_LIB := build/libaerie-cuda.so
 ifneq ($(NVCC),)
@@ -240,7 +242,7 @@ build/fuzz/%: tests/fuzz/%.c build/fuzz/libaerie.a
 	$(MSG) FUZZLD $@
 	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -fsanitize=fuzzer,address,undefined $< build/fuzz/libaerie.a $(LIBS) -o $@
 
-build/cuda/%.o: %.cu kernels/cuda/kn_cuda.h kernels/backend.h kernels/kernels.h kernels/device.h
+build/cuda/%.o: %.cu $(CUDA_HDR)
 	@mkdir -p $(@D)
 	$(MSG) NVCC $@
 	$(Q)$(NVCC) $(NVCCFLAGS) $(CUDA_GENCODE) -c $< -o $@
@@ -263,23 +265,23 @@ cuda-12.8:
 cuda-note:
 	@echo "  note   nvcc not found: building without the CUDA backend (--device cuda needs make cuda)"
 
-build/asan/shim/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+build/asan/shim/%.o: % $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) SHIM $@
 	$(Q)$(CXX) $(SHIM_FLAGS) -x c++ -O1 -g $(SAN) -c $< -o $@
 
-build/tsan/shim/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+build/tsan/shim/%.o: % $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) TSHIM $@
 	$(Q)$(CXX) $(SHIM_FLAGS) -x c++ -O1 -g -fsanitize=thread -c $< -o $@
 
-$(SHIM_LIB): $(SHIM_SRC) kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h kernels/backend.h kernels/kernels.h kernels/device.h
+$(SHIM_LIB): $(SHIM_SRC) $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h
 	@mkdir -p $(@D)
 	$(MSG) SHIMLD $@
 	$(Q)$(CXX) $(filter-out -MMD -MP,$(SHIM_FLAGS)) -DSHIM_FIBERS -O2 -g -fPIC -shared -fvisibility=hidden -Wl,--no-undefined \
 	    -x c++ $(SHIM_SRC) -o $@ -ldl
 
-build/shim/obj/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+build/shim/obj/%.o: % $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) FSHIM $@
 	$(Q)$(CXX) $(SHIM_FLAGS) -DSHIM_FIBERS -x c++ $(OPT) -c $< -o $@

@@ -1,6 +1,9 @@
 /* The CUDA backend (backend.h): streams, buffers, events and the table,
  * and the plugin's entry point kn_cuda_open (kernels/device.h). The ops
- * are in kn_cuda_ops.cu.
+ * are in a file per family: kn_cuda_elementwise.cu, kn_cuda_norm.cu,
+ * kn_cuda_softmax.cu (and sampling), kn_cuda_matmul.cu and
+ * kn_cuda_attention.cu (and the KV cache); the allreduce is in
+ * kn_cuda_comm.cu.
  *
  * A process may drive several devices: each one opened has its own copy
  * of the table, and a stream or buffer's table says which device it is
@@ -404,10 +407,25 @@ static void cu_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, 
 
 /* ---- the table ------------------------------------------------------------------ */
 
+/* The types each op takes, by the kernels of kn_cuda_*.cu. */
+static bool cu_supports(kn_op op, ggml_type type) {
+    switch (op) {
+    case KN_OP_MATMUL:
+    case KN_OP_EMBED:
+        return type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16 || type == GGML_TYPE_Q8_0 ||
+               type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1;
+    case KN_OP_KV: return type == GGML_TYPE_F16;
+    case KN_OP_F32: return type == GGML_TYPE_F32;
+    case KN_OP_LATENT: /* MLA and MoE kernels come with the DeepSeek-V3 CUDA work */
+    case KN_OP_MOE: return false;
+    }
+    return false;
+}
+
 static const kn_backend kn_backend_cuda = {
     "cuda",
     false, /* host_memory */
-    kcu_supports,
+    cu_supports,
     cu_stream_init,
     cu_stream_free,
     cu_stream_threads,
