@@ -20,7 +20,12 @@
  * into its own buffers (buf_alloc), and kernels.c checks every weight
  * and KV pool for it. The CPU backend's buffers are host memory
  * (host_memory): plain host pointers are its memory too, so tools and
- * tests may hand it arrays they allocated themselves. */
+ * tests may hand it arrays they allocated themselves.
+ *
+ * A table names its members (.matmul_n = kn_cpu_matmul_n): a member
+ * added anywhere in struct kn_backend then cannot shift the others. One
+ * a table leaves out is NULL, which only the members whose comment says
+ * "NULL: ..." allow. */
 #ifndef AERIE_KERNELS_BACKEND_H
 #define AERIE_KERNELS_BACKEND_H
 
