@@ -467,6 +467,10 @@ static const kn_backend kn_backend_cuda = {
     .moe_ffn = NULL,
 };
 
+/* The backend ABI this plugin was built with (kernels/backend.h): the
+ * loader (kernels/device.c) reads it before calling kn_cuda_open. */
+extern "C" __attribute__((visibility("default"))) const uint32_t kn_cuda_abi = KN_BACKEND_ABI;
+
 /* The bandwidth of device-to-device copies of `bytes`, `reps` of them
  * timed after one untimed, in GB/s counting bytes read and written (the
  * bandwidth roofline of aerie bench); 0 when the buffers do not fit. */

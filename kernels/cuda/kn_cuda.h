@@ -17,7 +17,19 @@
  * kn_softmax's expf (within 2 ulp; the draft's proposal probabilities
  * only) and kn_rope_table's cos and sin in double (within 2 ulp of
  * double, so the f32 result differs only where the double lands within
- * that of an f32 rounding boundary: rare, but not never). */
+ * that of an f32 rounding boundary: rare, but not never).
+ *
+ * The plugin (build/libaerie-cuda.so) exports three names, all in
+ * kn_cuda.cu and declared by device.h: kn_cuda_abi, the backend ABI it
+ * was built with (backend.h KN_BACKEND_ABI); kn_cuda_open, which hands
+ * out the table; and kn_cuda_copy_gbps. Everything else is hidden
+ * (-fvisibility=hidden), so the kcu_ names here are the plugin's own and
+ * may change freely. What the ABI covers is backend.h's list: the table
+ * and the types it passes, device.h's entry points, and each op's
+ * contract. A change in these files never needs a bump by itself; one to
+ * backend.h, kernels.h, draw.h or device.h that an older plugin would
+ * misread does, in the same commit. The tables here (kn_backend_cuda,
+ * the comms' kn_comm_ops) name their members, in backend.h's order. */
 #ifndef AERIE_KERNELS_CUDA_H
 #define AERIE_KERNELS_CUDA_H
 
