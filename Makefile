@@ -222,6 +222,20 @@ build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
 	$(MSG) ASANLD $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a -lcmocka $(LIBS) -o $@
 
+# The plugin loader's test (tests/unit/test_device.c) loads stand-ins for
+# the CUDA plugin, built beside it from tests/unit/fake_cuda_plugin.c: one
+# of the next backend ABI, one with none, and one of this ABI.
+FAKE_PLUGINS := build/asan/tests/fake_cuda_next.so build/asan/tests/fake_cuda_none.so \
+                build/asan/tests/fake_cuda_same.so
+build/asan/tests/fake_cuda_next.so: FAKE_ABI := -DFAKE_ABI='(KN_BACKEND_ABI + 1)'
+build/asan/tests/fake_cuda_same.so: FAKE_ABI := -DFAKE_ABI=KN_BACKEND_ABI
+build/asan/tests/fake_cuda_none.so: FAKE_ABI :=
+build/asan/tests/fake_cuda_%.so: tests/unit/fake_cuda_plugin.c
+	@mkdir -p $(@D)
+	$(MSG) FAKESO $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g -fPIC -shared -fvisibility=hidden $(FAKE_ABI) $< -o $@
+build/asan/tests/test_device: $(FAKE_PLUGINS)
+
 # The fuzzers link the library built once by clang with fuzzer coverage.
 # Its C++ (target/grammar.cc) goes without UBSan's vptr check, whose
 # runtime only a C++ link line brings.
