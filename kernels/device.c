@@ -65,7 +65,7 @@ static int parse_spec(const char *spec, kn_device_kind *kind, int *index, bool *
 }
 
 /* Whether plugin h was built with this libaerie's backend ABI
- * (backend.h): read before anything of it is called, since an entry
+ * (backend.h): read before any function of it is called, since an entry
  * point or table of another version would be misread. */
 static int check_abi(void *h, const char *path, ae_error *err) {
     const uint32_t *abi = (const uint32_t *)dlsym(h, KN_CUDA_ABI);

@@ -25,9 +25,10 @@ typedef struct kn_device_info {
 } kn_device_info;
 
 /* The backend ABI the plugin was built with (backend.h KN_BACKEND_ABI),
- * a const uint32_t it exports. kn_device_open reads it before anything
- * else of the plugin and refuses a plugin without it or of another
- * version, saying to rebuild the plugin with this libaerie (make cuda). */
+ * a const uint32_t it exports. kn_device_open reads it right after
+ * dlopen (which has run the plugin's static initializers, and nothing
+ * else of it) and refuses a plugin without it or of another version,
+ * saying to rebuild the plugin with this libaerie (make cuda). */
 #define KN_CUDA_ABI "kn_cuda_abi"
 /* The plugin's entry point: opens device `index`, makes it the
  * backend's, and fills info. Errors are one line in err. */
