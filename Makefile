@@ -81,6 +81,8 @@ CUDA_GENCODE ?= -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a
 NVCCFLAGS := -std=c++17 --fmad=false -O2 -g -Werror all-warnings -Xptxas -warn-spills \
              -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra,-Werror,-Wno-unused-parameter,-pthread
 CUDA_SRC := $(sort $(wildcard kernels/cuda/*.cu))
+# What every CUDA source may include (nvcc writes no dependency files here).
+CUDA_HDR := $(wildcard kernels/cuda/*.h) kernels/backend.h kernels/kernels.h kernels/device.h kernels/draw.h
 CUDA_OBJ := $(CUDA_SRC:%.cu=build/cuda/%.o)
 CUDA_LIB := build/libaerie-cuda.so
 ifneq ($(NVCC),)
@@ -223,6 +225,20 @@ build/asan/tests/%: tests/unit/%.c build/asan/libaerie.a
 	$(MSG) ASANLD $@
 	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g $(SAN) $< build/asan/libaerie.a -lcmocka $(LIBS) -o $@
 
+# The plugin loader's test (tests/unit/test_device.c) loads stand-ins for
+# the CUDA plugin, built beside it from tests/unit/fake_cuda_plugin.c: one
+# of the next backend ABI, one with none, and one of this ABI.
+FAKE_PLUGINS := build/asan/tests/fake_cuda_next.so build/asan/tests/fake_cuda_none.so \
+                build/asan/tests/fake_cuda_same.so
+build/asan/tests/fake_cuda_next.so: FAKE_ABI := -DFAKE_ABI='(KN_BACKEND_ABI + 1)'
+build/asan/tests/fake_cuda_same.so: FAKE_ABI := -DFAKE_ABI=KN_BACKEND_ABI
+build/asan/tests/fake_cuda_none.so: FAKE_ABI :=
+build/asan/tests/fake_cuda_%.so: tests/unit/fake_cuda_plugin.c
+	@mkdir -p $(@D)
+	$(MSG) FAKESO $@
+	$(Q)$(CC) $(BASE_CFLAGS) -O1 -g -fPIC -shared -fvisibility=hidden $(FAKE_ABI) $< -o $@
+build/asan/tests/test_device: $(FAKE_PLUGINS)
+
 # The fuzzers link the library built once by clang with fuzzer coverage.
 # Its C++ (target/grammar.cc) goes without UBSan's vptr check, whose
 # runtime only a C++ link line brings.
@@ -243,7 +259,7 @@ build/fuzz/%: tests/fuzz/%.c build/fuzz/libaerie.a
 	$(MSG) FUZZLD $@
 	$(Q)$(FUZZCC) $(FUZZ_FLAGS) -fsanitize=fuzzer,address,undefined $< build/fuzz/libaerie.a $(LIBS) -o $@
 
-build/cuda/%.o: %.cu kernels/cuda/kn_cuda.h kernels/backend.h kernels/kernels.h kernels/device.h
+build/cuda/%.o: %.cu $(CUDA_HDR)
 	@mkdir -p $(@D)
 	$(MSG) NVCC $@
 	$(Q)$(NVCC) $(NVCCFLAGS) $(CUDA_GENCODE) -c $< -o $@
@@ -266,23 +282,23 @@ cuda-12.8:
 cuda-note:
 	@echo "  note   nvcc not found: building without the CUDA backend (--device cuda needs make cuda)"
 
-build/asan/shim/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+build/asan/shim/%.o: % $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) SHIM $@
 	$(Q)$(CXX) $(SHIM_FLAGS) -x c++ -O1 -g $(SAN) -c $< -o $@
 
-build/tsan/shim/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+build/tsan/shim/%.o: % $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) TSHIM $@
 	$(Q)$(CXX) $(SHIM_FLAGS) -x c++ -O1 -g -fsanitize=thread -c $< -o $@
 
-$(SHIM_LIB): $(SHIM_SRC) kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h kernels/backend.h kernels/kernels.h kernels/device.h
+$(SHIM_LIB): $(SHIM_SRC) $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h
 	@mkdir -p $(@D)
 	$(MSG) SHIMLD $@
 	$(Q)$(CXX) $(filter-out -MMD -MP,$(SHIM_FLAGS)) -DSHIM_FIBERS -O2 -g -fPIC -shared -fvisibility=hidden -Wl,--no-undefined \
 	    -x c++ $(SHIM_SRC) -o $@ -ldl
 
-build/shim/obj/%.o: % kernels/cuda/kn_cuda.h kernels/cuda/shim/cuda_shim.h | $(GEN_H)
+build/shim/obj/%.o: % $(CUDA_HDR) kernels/cuda/shim/cuda_shim.h | $(GEN_H)
 	@mkdir -p $(@D)
 	$(MSG) FSHIM $@
 	$(Q)$(CXX) $(SHIM_FLAGS) -DSHIM_FIBERS -x c++ $(OPT) -c $< -o $@

@@ -20,7 +20,12 @@
  * into its own buffers (buf_alloc), and kernels.c checks every weight
  * and KV pool for it. The CPU backend's buffers are host memory
  * (host_memory): plain host pointers are its memory too, so tools and
- * tests may hand it arrays they allocated themselves. */
+ * tests may hand it arrays they allocated themselves.
+ *
+ * A table names its members (.matmul_n = kn_cpu_matmul_n): a member
+ * added anywhere in struct kn_backend then cannot shift the others. One
+ * a table leaves out is NULL, which only the members whose comment says
+ * "NULL: ..." allow. */
 #ifndef AERIE_KERNELS_BACKEND_H
 #define AERIE_KERNELS_BACKEND_H
 
@@ -29,6 +34,32 @@
 #include <stdint.h>
 
 #include "kernels.h"
+
+/* The backend ABI: what a backend built apart from libaerie (the CUDA
+ * plugin, kernels/device.h) and the libaerie that loads it must agree on.
+ * It covers
+ *   - this file: struct kn_backend (its members, their order and their
+ *     signatures), the heads kn_stream, kn_comm and kn_graph, and
+ *     kn_comm_ops;
+ *   - every type of kernels.h and draw.h that crosses the table (kn_buf,
+ *     kn_weight, kn_kv_pool, kn_kv_map, kn_rope, kn_draw, kn_event,
+ *     kn_stream_config, kn_comm_stats, kn_route, kn_experts, ae_error)
+ *     and the values of the enums it passes (kn_op, kn_allreduce,
+ *     ggml_type);
+ *   - device.h's entry points (their names and signatures) and
+ *     kn_device_info;
+ *   - the contract of each op where a backend computes it: the meaning
+ *     of an argument, and the bits kernels.h promises.
+ * Bump KN_BACKEND_ABI in the commit that changes any of these in a way a
+ * plugin built before it would misread: a member added, removed, moved
+ * or retyped, a field of a shared type changed, an enum value
+ * renumbered, an argument's meaning or an op's bits changed. Changes
+ * inside libaerie alone (kernels.c's checks, the CPU backend, a new
+ * kernels.h function that reaches no table) leave it as it is.
+ * The plugin exports the version it was built with (device.h
+ * KN_CUDA_ABI), and kernels/device.c refuses a plugin of another
+ * version before calling anything in it. */
+#define KN_BACKEND_ABI 1
 
 /* The head of every backend's stream. */
 struct kn_stream {

@@ -9,6 +9,7 @@
 
 #include "../services/core/config.h"
 #include "../services/core/log.h"
+#include "backend.h"
 
 #define PLUGIN_NAME "libaerie-cuda.so"
 
@@ -63,12 +64,34 @@ static int parse_spec(const char *spec, kn_device_kind *kind, int *index, bool *
     return err_set(err, "--device %s: expected auto, cpu, cuda or cuda:N", spec);
 }
 
+/* Whether plugin h was built with this libaerie's backend ABI
+ * (backend.h): read before any function of it is called, since an entry
+ * point or table of another version would be misread. */
+static int check_abi(void *h, const char *path, ae_error *err) {
+    const uint32_t *abi = (const uint32_t *)dlsym(h, KN_CUDA_ABI);
+    if (!abi)
+        return err_set(err,
+                       "%s has no %s: it was built before the backend ABI was versioned, and this libaerie is "
+                       "ABI %u (kernels/backend.h); rebuild the plugin with this libaerie: make cuda",
+                       path, KN_CUDA_ABI, (unsigned)KN_BACKEND_ABI);
+    if (*abi != KN_BACKEND_ABI)
+        return err_set(err,
+                       "%s was built for backend ABI %u, but this libaerie is ABI %u (kernels/backend.h); "
+                       "rebuild the plugin with this libaerie: make cuda",
+                       path, (unsigned)*abi, (unsigned)KN_BACKEND_ABI);
+    return AE_OK;
+}
+
 /* Opens the plugin and device `index`. */
 static int open_cuda(int index, kn_device *out, ae_error *err) {
     char path[4096];
     if (kn_device_plugin_path(path, sizeof path, err) != AE_OK) return AE_ERR;
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) return err_set(err, "cannot load the CUDA backend: %s (build it with make cuda)", dlerror());
+    if (check_abi(h, path, err) != AE_OK) {
+        dlclose(h);
+        return AE_ERR;
+    }
     kn_cuda_open_fn open_fn;
     void *sym = dlsym(h, KN_CUDA_ENTRY);
     memcpy(&open_fn, &sym, sizeof open_fn);

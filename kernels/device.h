@@ -24,7 +24,13 @@ typedef struct kn_device_info {
     int driver_version, runtime_version; /* 12080 is 12.8; 0: unknown */
 } kn_device_info;
 
-/* The plugin's one entry point: opens device `index`, makes it the
+/* The backend ABI the plugin was built with (backend.h KN_BACKEND_ABI),
+ * a const uint32_t it exports. kn_device_open reads it right after
+ * dlopen (which has run the plugin's static initializers, and nothing
+ * else of it) and refuses a plugin without it or of another version,
+ * saying to rebuild the plugin with this libaerie (make cuda). */
+#define KN_CUDA_ABI "kn_cuda_abi"
+/* The plugin's entry point: opens device `index`, makes it the
  * backend's, and fills info. Errors are one line in err. */
 #define KN_CUDA_ENTRY "kn_cuda_open"
 typedef int (*kn_cuda_open_fn)(int index, const kn_backend **be, kn_device_info *info, ae_error *err);

@@ -1,6 +1,9 @@
 /* The CUDA backend (backend.h): streams, buffers, events and the table,
  * and the plugin's entry point kn_cuda_open (kernels/device.h). The ops
- * are in kn_cuda_ops.cu.
+ * are in a file per family: kn_cuda_elementwise.cu, kn_cuda_norm.cu,
+ * kn_cuda_softmax.cu (and sampling), kn_cuda_matmul.cu and
+ * kn_cuda_attention.cu (and the KV cache); the allreduce is in
+ * kn_cuda_comm.cu.
  *
  * A process may drive several devices: each one opened has its own copy
  * of the table, and a stream or buffer's table says which device it is
@@ -404,50 +407,69 @@ static void cu_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, 
 
 /* ---- the table ------------------------------------------------------------------ */
 
+/* The types each op takes, by the kernels of kn_cuda_*.cu. */
+static bool cu_supports(kn_op op, ggml_type type) {
+    switch (op) {
+    case KN_OP_MATMUL:
+    case KN_OP_EMBED:
+        return type == GGML_TYPE_F32 || type == GGML_TYPE_F16 || type == GGML_TYPE_BF16 || type == GGML_TYPE_Q8_0 ||
+               type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1;
+    case KN_OP_KV: return type == GGML_TYPE_F16;
+    case KN_OP_F32: return type == GGML_TYPE_F32;
+    case KN_OP_LATENT: /* MLA and MoE kernels come with the DeepSeek-V3 CUDA work */
+    case KN_OP_MOE: return false;
+    }
+    return false;
+}
+
 static const kn_backend kn_backend_cuda = {
-    "cuda",
-    false, /* host_memory */
-    kcu_supports,
-    cu_stream_init,
-    cu_stream_free,
-    cu_stream_threads,
-    cu_sync,
-    cu_set_fast,
-    cu_event_record,
-    cu_event_wait,
-    cu_graph_begin,
-    cu_graph_end,
-    cu_graph_launch,
-    cu_graph_free,
-    kcu_comm_init,
-    cu_buf_alloc,
-    cu_buf_free,
-    cu_buf_write,
-    cu_upload,
-    cu_download,
-    kcu_matmul_n,
-    kcu_matmul_swiglu,
-    kcu_rmsnorm,
-    kcu_add,
-    kcu_bias_add,
-    kcu_swiglu,
-    kcu_softmax,
-    kcu_argmax,
-    kcu_topk,
-    kcu_sample,
-    kcu_embed,
-    kcu_rope_table,
-    kcu_rope_rotate,
-    kcu_kv_write,
-    kcu_kv_move,
-    kcu_attention,
-    kcu_gather_rows,
-    kcu_reads,
-    cu_event_free,
-    NULL, /* matmul_heads: MLA (KN_OP_LATENT) is the CPU's only, so far */
-    NULL, /* moe_route */
-    NULL, /* moe_ffn */
+    .name = "cuda",
+    .host_memory = false,
+    .supports = cu_supports,
+    .stream_init = cu_stream_init,
+    .stream_free = cu_stream_free,
+    .stream_threads = cu_stream_threads,
+    .sync = cu_sync,
+    .set_fast = cu_set_fast,
+    .event_record = cu_event_record,
+    .event_wait = cu_event_wait,
+    .graph_begin = cu_graph_begin,
+    .graph_end = cu_graph_end,
+    .graph_launch = cu_graph_launch,
+    .graph_free = cu_graph_free,
+    .comm_init = kcu_comm_init,
+    .buf_alloc = cu_buf_alloc,
+    .buf_free = cu_buf_free,
+    .buf_write = cu_buf_write,
+    .upload = cu_upload,
+    .download = cu_download,
+    .matmul_n = kcu_matmul_n,
+    .matmul_swiglu = kcu_matmul_swiglu,
+    .rmsnorm = kcu_rmsnorm,
+    .add = kcu_add,
+    .bias_add = kcu_bias_add,
+    .swiglu = kcu_swiglu,
+    .softmax = kcu_softmax,
+    .argmax = kcu_argmax,
+    .topk = kcu_topk,
+    .sample = kcu_sample,
+    .embed = kcu_embed,
+    .rope_table = kcu_rope_table,
+    .rope_rotate = kcu_rope_rotate,
+    .kv_write = kcu_kv_write,
+    .kv_move = kcu_kv_move,
+    .attention = kcu_attention,
+    .gather_rows = kcu_gather_rows,
+    .reads = kcu_reads,
+    .event_free = cu_event_free,
+    .matmul_heads = NULL, /* MLA (KN_OP_LATENT) is the CPU's only, so far */
+    .moe_route = NULL,
+    .moe_ffn = NULL,
 };
+
+/* The backend ABI this plugin was built with (kernels/backend.h): the
+ * loader (kernels/device.c) reads it before calling kn_cuda_open. */
+extern "C" __attribute__((visibility("default"))) const uint32_t kn_cuda_abi = KN_BACKEND_ABI;
 
 /* The bandwidth of device-to-device copies of `bytes`, `reps` of them
  * timed after one untimed, in GB/s counting bytes read and written (the

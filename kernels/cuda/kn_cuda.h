@@ -1,5 +1,8 @@
 /* Internals of the CUDA backend (kn_cuda.cu: streams, buffers, the
- * table; kn_cuda_ops.cu: the kernels). Every file here is written in the
+ * table; kn_cuda_comm.cu: the allreduce; the kernels by family in
+ * kn_cuda_elementwise.cu, kn_cuda_norm.cu, kn_cuda_softmax.cu,
+ * kn_cuda_matmul.cu and kn_cuda_attention.cu, sharing
+ * kn_cuda_kernel.h). Every file here is written in the
  * portable subset of CUDA C++ that shim/cuda_shim.h also provides, so
  * that g++ builds the same sources for the CPU (KN_CUDA_SHIM) and the
  * op tests compare them with the CPU backend.
@@ -14,7 +17,19 @@
  * kn_softmax's expf (within 2 ulp; the draft's proposal probabilities
  * only) and kn_rope_table's cos and sin in double (within 2 ulp of
  * double, so the f32 result differs only where the double lands within
- * that of an f32 rounding boundary: rare, but not never). */
+ * that of an f32 rounding boundary: rare, but not never).
+ *
+ * The plugin (build/libaerie-cuda.so) exports three names, all in
+ * kn_cuda.cu and declared by device.h: kn_cuda_abi, the backend ABI it
+ * was built with (backend.h KN_BACKEND_ABI); kn_cuda_open, which hands
+ * out the table; and kn_cuda_copy_gbps. Everything else is hidden
+ * (-fvisibility=hidden), so the kcu_ names here are the plugin's own and
+ * may change freely. What the ABI covers is backend.h's list: the table
+ * and the types it passes, device.h's entry points, and each op's
+ * contract. A change in these files never needs a bump by itself; one to
+ * backend.h, kernels.h, draw.h or device.h that an older plugin would
+ * misread does, in the same commit. The tables here (kn_backend_cuda,
+ * the comms' kn_comm_ops) name their members, in backend.h's order. */
 #ifndef AERIE_KERNELS_CUDA_H
 #define AERIE_KERNELS_CUDA_H
 
@@ -79,7 +94,7 @@ bool kcu_reads(const kn_backend *self, const kn_backend *other);
 struct kcu_slots {
     const float *p[64]; /* KN_COMM_MAX_RANKS */
 };
-/* The custom allreduce's fused tail (kn_cuda_ops.cu): x [m][n] += the
+/* The custom allreduce's fused tail (kn_cuda_norm.cu): x [m][n] += the
  * slots' sum in rank order, then y = rmsnorm(x) * g, a block a row. */
 void kcu_launch_add_rmsnorm(cudaStream_t st, const kcu_slots *slots, int n_ranks, float *x, const float *g, float *y,
                             int64_t m, int64_t n, float eps);
@@ -90,7 +105,8 @@ int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_back
  * tests/gpu/run.sh). Read once. */
 bool kcu_sync_launches(void);
 /* Whether this build has a kernel image the device can run (opening
- * fails cleanly otherwise, rather than at the first op). */
+ * fails cleanly otherwise, rather than at the first op;
+ * kn_cuda_elementwise.cu). */
 cudaError_t kcu_image_check(void);
 
 /* Fast mode (kernels.h kn_stream_set_fast): y[m][n] = x[m][k] . W[n][k]^T
@@ -99,7 +115,7 @@ cudaError_t kcu_image_check(void);
 void kcu_blas_gemm(kn_stream *s, ggml_type type, const void *w, const void *xt, float *y, int64_t m, int64_t n,
                    int64_t k);
 
-/* ---- the ops (kn_cuda_ops.cu), as backend.h declares them ------------- */
+/* ---- the ops (kn_cuda_<family>.cu), as backend.h declares them -------- */
 void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x, float *const *y, int64_t m);
 void kcu_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
                        float *y_up, int64_t m);
@@ -120,6 +136,5 @@ void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, con
                    int32_t n_heads);
 void kcu_gather_rows(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
                      int64_t dst_stride);
-bool kcu_supports(kn_op op, ggml_type type);
 
 #endif

@@ -267,9 +267,22 @@ static void group_free(kn_comm **comms, int n_ranks) {
     if (g && g->refs == 0) group_release(g);
 }
 
-static const kn_comm_ops custom_ops = {KN_ALLREDUCE_CUSTOM, custom_allreduce, custom_allreduce_add,
-                                       custom_allreduce_add_rmsnorm, comm_update_stats, group_free};
-static const kn_comm_ops nccl_ops = {KN_ALLREDUCE_NCCL, nccl_allreduce, NULL, NULL, comm_update_stats, group_free};
+static const kn_comm_ops custom_ops = {
+    .kind = KN_ALLREDUCE_CUSTOM,
+    .allreduce = custom_allreduce,
+    .allreduce_add = custom_allreduce_add,
+    .allreduce_add_rmsnorm = custom_allreduce_add_rmsnorm,
+    .update_stats = comm_update_stats,
+    .free_group = group_free,
+};
+static const kn_comm_ops nccl_ops = {
+    .kind = KN_ALLREDUCE_NCCL,
+    .allreduce = nccl_allreduce,
+    .allreduce_add = NULL,
+    .allreduce_add_rmsnorm = NULL,
+    .update_stats = comm_update_stats,
+    .free_group = group_free,
+};
 
 /* NCCL sets up its connections and their buffers at the first collective
  * (2.22 on), not at ncclCommInitAll: one allreduce of one float on every
