@@ -37,7 +37,7 @@ static void check_model_config(const model_config *c, const arch *a) {
     }
     config_sink += a->kv_bytes_per_token(c) + a->workspace_per_token(c);
     arch_params p;
-    a->params(c, &p);
+    arch_count_params(a, c, &p);
     config_sink += p.whole + p.split + p.experts + p.embed;
     tp_split sp;
     if (a->tp_split(&sp, c, 2, &err) == AE_OK) config_sink += (uint64_t)sp.heads[1].end;
