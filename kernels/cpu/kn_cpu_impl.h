@@ -210,6 +210,9 @@ void kn_qgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int 
  * accumulators live in registers and the loops have no branches on the
  * precision, and a table to pick the instance at run time. */
 typedef void (*kn_qg_fn)(const kn_weight *, int64_t, const kn_qx *, float *, size_t);
+/* The instance lists read as a table, which clang-format would reflow
+ * differently on each run. */
+// clang-format off
 #define KN_QG_INSTANCE(fn, attr, type, TM, BITS)                                                \
     static attr void fn(const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) { \
         qgroup(type, TM, BITS, w, g, qx, y, ldy);                                               \
@@ -221,6 +224,7 @@ typedef void (*kn_qg_fn)(const kn_weight *, int64_t, const kn_qx *, float *, siz
     KN_QG_INSTANCE(pfx##_7, attr, type, 7, BITS) KN_QG_INSTANCE(pfx##_8, attr, type, 8, BITS)                  \
     static const kn_qg_fn pfx[KN_TILE_M] = {pfx##_1, pfx##_2, pfx##_3, pfx##_4, pfx##_5, pfx##_6, pfx##_7, pfx##_8};
 #define KN_QG_TYPE(pfx, attr, type) KN_QG_BITS(pfx##_b15, attr, type, 15) KN_QG_BITS(pfx##_b8, attr, type, 8)
+// clang-format on
 #define KN_QG_PICK(name, bits) ((bits) == 8 ? name##_b8 : name##_b15)
 #define KN_QG_KERNELS(name, attr)                                                                           \
     _Static_assert(KN_TILE_M == 8, "one instance per tile height");                                        \
