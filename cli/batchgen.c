@@ -32,12 +32,12 @@ typedef struct batchgen_state {
     const batchgen_config *cfg;
     batchgen_seq **active; /* [max_seqs], admission order */
     int32_t n_active;
-    engine_item *items;  /* [max_seqs] */
+    engine_item *items; /* [max_seqs] */
     batchgen_seq **item_seq;
-    int32_t *rows;    /* [step_tokens] */
-    float *features;  /* [step_tokens][n_capture * hidden] */
-    float *logits;    /* [max_seqs][vocab] */
-    float *topk_p;    /* [topk] */
+    int32_t *rows;   /* [step_tokens] */
+    float *features; /* [step_tokens][n_capture * hidden] */
+    float *logits;   /* [max_seqs][vocab] */
+    float *topk_p;   /* [topk] */
     sample_state *smp;
 } batchgen_state;
 
@@ -95,7 +95,8 @@ static bool finished(const batchgen_seq *s) { return s->stopped || s->n == s->ca
 /* KV blocks a sequence may take: every token but the last is run. */
 static int64_t seq_blocks(const batchgen_seq *s, int32_t block) { return (s->cap - 1 + block - 1) / block; }
 
-int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, batchgen_done_fn done, void *ctx, ae_error *err) {
+int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, batchgen_done_fn done, void *ctx,
+                 ae_error *err) {
     const model *m = engine_model(e);
     int32_t width = cfg->n_capture * m->cfg.hidden;
     batchgen_state st = {.e = e, .cfg = cfg};
@@ -107,8 +108,7 @@ int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, b
     st.logits = malloc(sizeof(float) * (size_t)cfg->max_seqs * (size_t)m->cfg.vocab);
     st.topk_p = malloc(sizeof(float) * (size_t)(cfg->topk + 1));
     int rc = AE_OK;
-    if (!st.active || !st.items || !st.item_seq || !st.rows || (width && !st.features) || !st.logits ||
-        !st.topk_p) {
+    if (!st.active || !st.items || !st.item_seq || !st.rows || (width && !st.features) || !st.logits || !st.topk_p) {
         rc = err_set(err, "out of memory");
         goto out;
     }

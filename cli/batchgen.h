@@ -24,19 +24,19 @@
 
 typedef struct batchgen_seq {
     /* Set by the caller. */
-    int64_t index;      /* the caller's own number for it */
-    int32_t *ids;       /* [cap]: the prompt, then what is generated */
-    int32_t n_prompt;   /* >= 1 */
-    int32_t cap;        /* n_prompt + the most tokens to generate */
+    int64_t index;    /* the caller's own number for it */
+    int32_t *ids;     /* [cap]: the prompt, then what is generated */
+    int32_t n_prompt; /* >= 1 */
+    int32_t cap;      /* n_prompt + the most tokens to generate */
     sample_params sp;
     sample_rng rng;
-    uint16_t *hidden;   /* [cap][n_capture * hidden] or NULL */
-    int32_t *topk_ids;  /* [cap][topk] or NULL */
-    uint16_t *topk_p;   /* [cap][topk] or NULL */
+    uint16_t *hidden;  /* [cap][n_capture * hidden] or NULL */
+    int32_t *topk_ids; /* [cap][topk] or NULL */
+    uint16_t *topk_p;  /* [cap][topk] or NULL */
     /* Set by the generator. */
-    int32_t n;          /* tokens in ids */
-    bool stopped;       /* ended on the stop token, which is ids[n - 1] */
-    bool done;          /* handed back through batchgen_done_fn: the caller's again */
+    int32_t n;    /* tokens in ids */
+    bool stopped; /* ended on the stop token, which is ids[n - 1] */
+    bool done;    /* handed back through batchgen_done_fn: the caller's again */
     /* Private. */
     int32_t eng_seq, fed;
 } batchgen_seq;
@@ -47,7 +47,7 @@ typedef struct batchgen_config {
     int32_t stop;        /* token that ends a sequence, -1: none */
     int32_t n_capture;   /* 0: no features */
     int32_t capture[FORWARD_MAX_CAPTURE];
-    int32_t topk;        /* 0: no top-K */
+    int32_t topk; /* 0: no top-K */
 } batchgen_config;
 
 /* Hands out the next sequence (*s, its ids holding the prompt), or sets *s
@@ -58,7 +58,8 @@ typedef bool (*batchgen_next_fn)(void *ctx, batchgen_seq **s);
 typedef int (*batchgen_done_fn)(void *ctx, batchgen_seq *s, ae_error *err);
 
 /* Runs until next has nothing more and every sequence is done. */
-int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, batchgen_done_fn done, void *ctx, ae_error *err);
+int batchgen_run(engine *e, const batchgen_config *cfg, batchgen_next_fn next, batchgen_done_fn done, void *ctx,
+                 ae_error *err);
 
 /* The k most likely tokens of softmax(logits) f32 [vocab], most likely
  * first (equal probability: lower id first), into ids and probs [k]. */

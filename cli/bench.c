@@ -52,7 +52,8 @@ static const config_option opts[] = {
     {"gen-tokens", CONFIG_INT, "128", 1, 1 << 20, "decode steps after the prompt"},
     {"batch", CONFIG_INT, "1", 1, 256, "sequences prefilled and decoded together"},
     {"max-batch-tokens", CONFIG_INT, "256", 32, 1 << 16, "tokens in one forward pass (prefill chunk)"},
-    {"repeat", CONFIG_INT, "5", 1, 1000, "bandwidth passes before decoding (best counts) and verify passes (median counts)"},
+    {"repeat", CONFIG_INT, "5", 1, 1000,
+     "bandwidth passes before decoding (best counts) and verify passes (median counts)"},
     {"bandwidth-mib", CONFIG_INT, "auto", 16, 1 << 16,
      "buffer read to measure bandwidth (auto: 8x the last-level cache, 256..1024 MiB)"},
     {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"},
@@ -206,19 +207,19 @@ typedef struct bench {
     int32_t vocab;
     int32_t batch;
     int32_t max_batch_tokens;
-    int32_t *seqs;    /* [batch] */
-    int32_t *prompts; /* [batch][prompt_tokens] */
-    int32_t *next;    /* [batch] the token each sequence decodes next */
-    engine_item *items;  /* [batch] */
-    float *logits;    /* [max(batch, VERIFY_MAX)][vocab] */
-    int32_t *ids;     /* [batch] each row's argmax: the greedy passes bring back only these, as the target does */
+    int32_t *seqs;      /* [batch] */
+    int32_t *prompts;   /* [batch][prompt_tokens] */
+    int32_t *next;      /* [batch] the token each sequence decodes next */
+    engine_item *items; /* [batch] */
+    float *logits;      /* [max(batch, VERIFY_MAX)][vocab] */
+    int32_t *ids;       /* [batch] each row's argmax: the greedy passes bring back only these, as the target does */
     kn_comm_stats verify_ar[VERIFY_SIZES]; /* the allreduces of the last verify pass of each size */
 } bench;
 
 /* Prefills seqs[0..n) with prompts of `len` tokens, packing chunks of
  * several sequences into one pass; next[i] gets each one's greedy token. */
-static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prompts, int32_t len,
-                   int32_t *next, ae_error *err) {
+static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prompts, int32_t len, int32_t *next,
+                   ae_error *err) {
     int32_t first = 0, done = 0; /* first sequence not yet filled, and its tokens already in */
     while (first < n) {
         int32_t n_items = 0, budget = b->max_batch_tokens, end = 0;
@@ -243,7 +244,8 @@ static int prefill(bench *b, const int32_t *seqs, int32_t n, const int32_t *prom
 
 /* One decode step: every sequence appends its next token. */
 static int decode_step(bench *b, ae_error *err) {
-    for (int32_t i = 0; i < b->batch; i++) b->items[i] = (engine_item){b->seqs[i], ENGINE_APPEND, 1, &b->next[i], NULL, false};
+    for (int32_t i = 0; i < b->batch; i++)
+        b->items[i] = (engine_item){b->seqs[i], ENGINE_APPEND, 1, &b->next[i], NULL, false};
     engine_outputs eo = {.logits = b->logits, .ids = b->ids};
     if (engine_step(b->e, b->items, b->batch, &eo, err) != AE_OK) return AE_ERR;
     memcpy(b->next, b->ids, (size_t)b->batch * sizeof(int32_t));
@@ -296,8 +298,7 @@ static int plain_round(bench *b, int32_t n_prompt, int32_t n_gen, int32_t *out, 
 
 /* The same with speculation: all sequences step together until each has
  * n_gen tokens. */
-static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32_t *out, double *secs,
-                      ae_error *err) {
+static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32_t *out, double *secs, ae_error *err) {
     static const sample_params greedy = {0, 0, 1, 0};
     int rc = fresh_seqs(b, err);
     spec_in *in = malloc(sizeof *in * (size_t)b->batch);
@@ -335,9 +336,8 @@ static int spec_round(bench *b, spec *sx, int32_t n_prompt, int32_t n_gen, int32
  * were the same, and the acceptance figures to o. *ref, when given, is
  * pointed at each round's plain output before its speculative round (the
  * oracle reads it). */
-static int spec_rounds(bench *b, const spec_drafter *d, const int32_t capture[CAPTURE_LAYERS],
-                       const spec_shape *shape, int32_t n_prompt, int32_t n_gen, const int32_t **ref, cJSON *o,
-                       ae_error *err) {
+static int spec_rounds(bench *b, const spec_drafter *d, const int32_t capture[CAPTURE_LAYERS], const spec_shape *shape,
+                       int32_t n_prompt, int32_t n_gen, const int32_t **ref, cJSON *o, ae_error *err) {
     const engine_config *ec = engine_get_config(b->e);
     spec_config sc = spec_config_default(*shape, ec->max_seqs, ec->max_batch_tokens);
     memcpy(sc.capture, capture, sizeof sc.capture);
@@ -506,10 +506,11 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     if (model_load(&m, path, dev.be, err) != AE_OK) goto out;
     /* Speculation verifies trees of up to ENGINE_MAX_TREE nodes past the
      * generated tokens. */
-    int32_t seq_len = n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX) + (config_str(c, "draft") ? ENGINE_MAX_TREE : 0);
+    int32_t seq_len =
+        n_prompt + (n_gen > VERIFY_MAX ? n_gen : VERIFY_MAX) + (config_str(c, "draft") ? ENGINE_MAX_TREE : 0);
     if (seq_len > m->cfg.context_length) {
-        err_set(err, "prompt-tokens (%d) + max(gen-tokens, %d) exceeds the model's context of %d", n_prompt,
-                VERIFY_MAX, m->cfg.context_length);
+        err_set(err, "prompt-tokens (%d) + max(gen-tokens, %d) exceeds the model's context of %d", n_prompt, VERIFY_MAX,
+                m->cfg.context_length);
         goto out;
     }
     /* Before the engine exists, so its KV cache does not share the memory. */
@@ -521,8 +522,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     }
     int32_t block = 16, blocks_per_seq = (seq_len + block - 1) / block;
     /* The batch's sequences, and one more for warm-up and verification. */
-    engine_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block, threads,
-                     act_bits};
+    engine_config ec = {max_batch_tokens, batch + 1, seq_len, (batch + 1) * blocks_per_seq * block, block,
+                        threads,          act_bits};
     b.vocab = m->cfg.vocab;
     b.batch = batch;
     b.max_batch_tokens = max_batch_tokens;
@@ -547,21 +548,21 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     const int32_t tp = (int32_t)config_int(c, "tp");
     if (setup_tp(c, b.e, m, &dev, err) != AE_OK) goto out;
     if (engine_set_fast(b.e, !config_bool(c, "deterministic"), err) != AE_OK) goto out;
-    {   /* The graphs held to the bytes a memory plan would give them. */
+    { /* The graphs held to the bytes a memory plan would give them. */
         int32_t n_graphs = memplan_graphs(c, !kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be));
         engine_set_graphs(b.e, n_graphs,
-                       (uint64_t)n_graphs * FORWARD_GRAPH_NODES(m->cfg.n_layers, engine_fast(b.e)) * KN_GRAPH_NODE_BYTES +
-                           KN_GRAPH_BYTES_GRAIN);
+                          (uint64_t)n_graphs * FORWARD_GRAPH_NODES(m->cfg.n_layers, engine_fast(b.e)) *
+                                  KN_GRAPH_NODE_BYTES +
+                              KN_GRAPH_BYTES_GRAIN);
     }
     for (int32_t s = 0; s <= batch; s++)
         if (engine_seq_new(b.e, &b.seqs[s], err) != AE_OK) goto out;
-    LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt,
-              n_gen, threads, dev.kind == KN_DEVICE_CUDA ? dev.info.name : kn_cpu_simd());
+    LOG_INFOF("bench model=%s batch=%d prompt_tokens=%d gen_tokens=%d threads=%d simd=%s", path, batch, n_prompt, n_gen,
+              threads, dev.kind == KN_DEVICE_CUDA ? dev.info.name : kn_cpu_simd());
 
     /* Warm-up: the verify sequence's prefix pages the weights in. */
     int32_t vseq = b.seqs[batch], vnext;
-    if (prefill(&b, &vseq, 1, b.prompts + (size_t)batch * (size_t)n_prompt, n_prompt, &vnext, err) != AE_OK)
-        goto out;
+    if (prefill(&b, &vseq, 1, b.prompts + (size_t)batch * (size_t)n_prompt, n_prompt, &vnext, err) != AE_OK) goto out;
 
     double t0 = clock_mono_seconds();
     if (prefill(&b, b.seqs, batch, b.prompts, n_prompt, b.next, err) != AE_OK) goto out;
@@ -598,8 +599,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     double median[VERIFY_SIZES];
     for (int k = 0; k < VERIFY_SIZES; k++) {
         qsort(times + k * reps, (size_t)reps, sizeof(double), cli_cmp_double);
-        median[k] = reps % 2 ? times[k * reps + reps / 2]
-                             : 0.5 * (times[k * reps + reps / 2 - 1] + times[k * reps + reps / 2]);
+        median[k] =
+            reps % 2 ? times[k * reps + reps / 2] : 0.5 * (times[k * reps + reps / 2 - 1] + times[k * reps + reps / 2]);
     }
 
     double step_rate = cli_round((double)n_gen / t_decode, 1e3);

@@ -100,8 +100,8 @@ static void *floor_main(void *arg) {
     while (file_read_full(f->fd, f->req, (size_t)f->head_len + f->payload_len) == 0) {
         uint32_t olen = 0;
         uint64_t t0 = (uint64_t)(now_us() * 1e3);
-        uint32_t st = draft_server_propose(f->d, f->req + FRAME_HEADER, f->msg_len, f->req + f->head_len, f->payload_len,
-                                   f->rep + FRAME_HEADER, f->rep_cap, &olen, &f->err);
+        uint32_t st = draft_server_propose(f->d, f->req + FRAME_HEADER, f->msg_len, f->req + f->head_len,
+                                           f->payload_len, f->rep + FRAME_HEADER, f->rep_cap, &olen, &f->err);
         uint64_t busy = (uint64_t)(now_us() * 1e3) - t0;
         if (st != RPC_OK) olen = 0; /* the caller reads an empty reply as the failure */
         memcpy(f->rep, &olen, sizeof olen);
@@ -145,8 +145,10 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     draft_server *d = NULL;
     rpc_loop *loop = NULL, *cloop = NULL; /* the servers', the clients' (two processes in a deployment) */
     rpc_server *srv[3] = {0};
-    path paths[4] = {{"in_process", NULL, NULL, NULL, 0}, {"unix", NULL, NULL, NULL, 0},
-                     {"tcp", NULL, NULL, NULL, 0}, {"tls", NULL, NULL, NULL, 0}};
+    path paths[4] = {{"in_process", NULL, NULL, NULL, 0},
+                     {"unix", NULL, NULL, NULL, 0},
+                     {"tcp", NULL, NULL, NULL, 0},
+                     {"tls", NULL, NULL, NULL, 0}};
     int n_paths = 3;
     path fl = {"floor", NULL, NULL, NULL, 0};
     int fds[2] = {-1, -1};
@@ -173,7 +175,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     }
     eagle_target t = model_embedding(m);
     if (eagle_load(&h, dir, &t, EAGLE_WEIGHTS_Q8_0, err) != AE_OK) goto out;
-    int32_t S = (int32_t)config_int(c, "seqs"), P = (int32_t)config_int(c, "pairs"), iters = (int32_t)config_int(c, "iters");
+    int32_t S = (int32_t)config_int(c, "seqs"), P = (int32_t)config_int(c, "pairs"),
+            iters = (int32_t)config_int(c, "iters");
     draft_server_config dc = {64, 512, SETUP_PREFILL_CHUNK, (int32_t)config_int(c, "threads"), 0};
     if (draft_server_init(&d, h, &dc, err) != AE_OK) goto out;
 
@@ -209,15 +212,24 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
         uint8_t *base = payload + per_seq * (size_t)s;
         int32_t *ids = (int32_t *)base;
         float *feat = (float *)(base + (size_t)P * 4);
-        for (int32_t j = 0; j < P; j++) ids[j] = (int32_t)(x % (uint64_t)m->cfg.vocab), x = x * 6364136223846793005ull + 1;
+        for (int32_t j = 0; j < P; j++)
+            ids[j] = (int32_t)(x % (uint64_t)m->cfg.vocab), x = x * 6364136223846793005ull + 1;
         for (size_t j = 0; j < (size_t)P * (size_t)fw; j++) {
             x = x * 6364136223846793005ull + 1442695040888963407ull;
             feat[j] = (float)((double)(x >> 40) / (double)(1ull << 24) - 0.5);
         }
         uint32_t off = (uint32_t)(per_seq * (size_t)s);
-        rq.seqs[s] = (aerie_DraftSeq){(uint32_t)s, true, 0, (uint32_t)P, true, {off, (uint32_t)P * 4}, true,
-                                      {off + (uint32_t)P * 4, (uint32_t)((size_t)P * (size_t)fw * 4)}, true,
-                                      false, 0};
+        rq.seqs[s] = (aerie_DraftSeq){(uint32_t)s,
+                                      true,
+                                      0,
+                                      (uint32_t)P,
+                                      true,
+                                      {off, (uint32_t)P * 4},
+                                      true,
+                                      {off + (uint32_t)P * 4, (uint32_t)((size_t)P * (size_t)fw * 4)},
+                                      true,
+                                      false,
+                                      0};
     }
     uint32_t mlen, olen;
     if (msg_encode(aerie_ProposeRequest_fields, &rq, msg, aerie_ProposeRequest_size, &mlen, err) != AE_OK) goto out;
@@ -282,8 +294,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
             double t0 = now_us();
             uint64_t server_ns;
             if (p == 0) {
-                uint32_t st = draft_server_propose(d, msg, mlen, payload, (uint32_t)plen, out, aerie_ProposeReply_size + 64,
-                                           &olen, err);
+                uint32_t st = draft_server_propose(d, msg, mlen, payload, (uint32_t)plen, out,
+                                                   aerie_ProposeReply_size + 64, &olen, err);
                 if (st != RPC_OK || msg_decode(aerie_ProposeReply_fields, &rp, out, olen, err) != AE_OK) goto out;
             } else {
                 rpc_iov iov = {payload, (uint32_t)plen};

@@ -137,13 +137,22 @@ static int compute(config *c, dry *d, ae_error *err) {
 
     const bool fast = config_has(c, "deterministic") && !config_bool(c, "deterministic");
     const int32_t T = SETUP_PREFILL_CHUNK;
-    uint64_t fixed = forward_stream_workspace_cfg(&d->r0, T, (int32_t)config_int(c, "max-seq-len")) + engine_input_bytes(T) +
-                     (fast ? KN_FAST_WORKSPACE_BYTES : 0);
+    uint64_t fixed = forward_stream_workspace_cfg(&d->r0, T, (int32_t)config_int(c, "max-seq-len")) +
+                     engine_input_bytes(T) + (fast ? KN_FAST_WORKSPACE_BYTES : 0);
     if (d->tp > 1) fixed += 2ull * (uint64_t)T * (uint64_t)mc->hidden * sizeof(float); /* the custom kind's slots */
-    memplan_model mm = {(uint64_t)ceil(d->w_rank0), mc->n_layers, mc->hidden, mc->ffn, mc->n_heads, mc->n_kv_heads,
-                        mc->head_dim, mc->vocab, d->kv_per_token, d->a->workspace_per_token(&d->r0)};
-    memplan_env env = {d->gpu_bytes, SETUP_KV_BLOCK, T, fixed, "GPU 0", d->gpu_bytes,
-                       FORWARD_GRAPH_NODES(mc->n_layers, fast), KN_GRAPH_NODE_BYTES};
+    memplan_model mm = {(uint64_t)ceil(d->w_rank0),
+                        mc->n_layers,
+                        mc->hidden,
+                        mc->ffn,
+                        mc->n_heads,
+                        mc->n_kv_heads,
+                        mc->head_dim,
+                        mc->vocab,
+                        d->kv_per_token,
+                        d->a->workspace_per_token(&d->r0)};
+    memplan_env env = {
+        d->gpu_bytes,       SETUP_KV_BLOCK, T, fixed, "GPU 0", d->gpu_bytes, FORWARD_GRAPH_NODES(mc->n_layers, fast),
+        KN_GRAPH_NODE_BYTES};
     return memplan_compute(c, &mm, &env, &d->plan, err);
 }
 
@@ -169,8 +178,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     if (config_bool(c, "json")) {
         cJSON *o = cJSON_CreateObject();
         if (!o) return err_set(err, "out of memory"), CLI_EXIT_USAGE;
-        const char *k[] = {"params_experts", "params_split", "params_split_f32", "params_whole", "params_whole_f32",
-                           "params_embed", "params_output"};
+        const char *k[] = {"params_experts",   "params_split", "params_split_f32", "params_whole",
+                           "params_whole_f32", "params_embed", "params_output"};
         const uint64_t v[] = {p->experts, p->split, p->split_f32, p->whole, p->whole_f32, p->embed, p->output};
         for (int i = 0; i < 7; i++) cJSON_AddNumberToObject(o, k[i], (double)v[i]);
         cJSON_AddNumberToObject(o, "tp", d.tp);
@@ -196,20 +205,19 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     printf("aerie plan: %s (%s architecture), %d x %.0f GiB, tensor parallel %d\n", mc->arch, d.a->name, d.n_gpus,
            GIB(d.gpu_bytes), d.tp);
     printf("model: %d layers, hidden %d, %d heads, vocabulary %d", mc->n_layers, mc->hidden, mc->n_heads, mc->vocab);
-    if (mc->kv_lora_rank)
-        printf("; MLA: latent %d + rope %d", mc->kv_lora_rank, mc->qk_rope_dim);
+    if (mc->kv_lora_rank) printf("; MLA: latent %d + rope %d", mc->kv_lora_rank, mc->qk_rope_dim);
     if (mc->route.n_experts)
         printf("; %d dense layer%s, then %d routed experts of %d + %d shared, %d active", mc->n_dense_layers,
                mc->n_dense_layers == 1 ? "" : "s", mc->route.n_experts, mc->expert_ffn,
                mc->expert_ffn ? mc->shared_ffn / mc->expert_ffn : 0, mc->route.top_k);
-    printf("\n\nweights, the whole model (%s; %s held as f32 by Aerie: norms, biases%s):\n", d.h.float_name,
-           "vectors", mc->kv_lora_rank ? ", MLA's per-head W_UK and W_UV" : "");
+    printf("\n\nweights, the whole model (%s; %s held as f32 by Aerie: norms, biases%s):\n", d.h.float_name, "vectors",
+           mc->kv_lora_rank ? ", MLA's per-head W_UK and W_UV" : "");
     printf("  routed experts  %16" PRIu64 " params x %.4g B = %8.2f GB  (%s)\n", p->experts, d.h.expert_bytes,
            GB((double)p->experts * d.h.expert_bytes), d.h.expert_name);
     printf("  divided         %16" PRIu64 " params x %.4g B + %" PRIu64 " f32 = %8.2f GB\n", p->split, d.h.float_bytes,
            p->split_f32, GB((double)p->split * d.h.float_bytes + (double)p->split_f32 * 4.0));
-    printf("  whole           %16" PRIu64 " params x %.4g B + %" PRIu64 " f32 = %8.2f GB\n", p->whole,
-           d.h.float_bytes, p->whole_f32, GB(d.w_whole));
+    printf("  whole           %16" PRIu64 " params x %.4g B + %" PRIu64 " f32 = %8.2f GB\n", p->whole, d.h.float_bytes,
+           p->whole_f32, GB(d.w_whole));
     printf("  embedding       %16" PRIu64 " params x %.4g B = %8.2f GB\n", p->embed, d.h.float_bytes, GB(d.w_embed));
     printf("  output          %16" PRIu64 " params x %.4g B = %8.2f GB\n", p->output, d.h.float_bytes, GB(d.w_output));
     printf("  total                                              %8.2f GB\n", GB(d.w_model));

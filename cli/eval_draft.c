@@ -30,7 +30,8 @@
 static const config_option ev_opts[] = {
     {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},
     {"draft", CONFIG_STRING, NULL, 0, 0, "EAGLE-3 head directory"},
-    {"draft-weights", CONFIG_STRING, "q8_0", 0, 0, "the head's matrices rounded to Q8_0 (q8_0), or as the file has them (file)"},
+    {"draft-weights", CONFIG_STRING, "q8_0", 0, 0,
+     "the head's matrices rounded to Q8_0 (q8_0), or as the file has them (file)"},
     {"prompts", CONFIG_STRING, NULL, 0, 0, "JSON lines of {\"prompt\": TEXT} (gen-prompts' heldout.jsonl)"},
     {"limit", CONFIG_INT, "0", 0, 1 << 30, "use only the first N prompts (0: all)"},
     {"max-new-tokens", CONFIG_INT, "128", 1, 1 << 20, "tokens generated per prompt at most"},
@@ -66,8 +67,10 @@ static int parse_shapes(const char *s, shape_run *out, int *n, ae_error *err) {
         memset(&out[*n], 0, sizeof out[*n]);
         out[(*n)++].shape = (spec_shape){steps, topk, tokens};
         p += used;
-        if (*p == ',') p++;
-        else if (*p) return err_set(err, "shapes: expected steps/topk/tokens[,...], got \"%s\"", s);
+        if (*p == ',')
+            p++;
+        else if (*p)
+            return err_set(err, "shapes: expected steps/topk/tokens[,...], got \"%s\"", s);
     }
     if (*n == 0) return err_set(err, "shapes: none given");
     return AE_OK;
@@ -124,8 +127,10 @@ static int run_spec(spec *sx, engine *e, const int32_t *prompt, int32_t n_prompt
         if ((rc = spec_step(sx, &in, 1, &o, err)) != AE_OK) break;
         for (int32_t j = 0; j < o.n && more; j++) {
             r->decided++; /* the end of sequence too, as plain decoding counts it */
-            if (o.tokens[j] == eos) more = false;
-            else out[(*n)++] = o.tokens[j];
+            if (o.tokens[j] == eos)
+                more = false;
+            else
+                out[(*n)++] = o.tokens[j];
             if (*n == max_new) more = false;
         }
     }
@@ -154,7 +159,8 @@ static cJSON *shape_json(const shape_run *r, double plain_tps) {
     cJSON_AddStringToObject(o, "shape", name);
     cJSON_AddNumberToObject(o, "verify_steps", (double)r->steps);
     cJSON_AddNumberToObject(o, "accepted_tokens", (double)r->accepted);
-    cJSON_AddNumberToObject(o, "mean_accept_len", r->steps ? r4((double)(r->accepted + r->steps) / (double)r->steps) : 0);
+    cJSON_AddNumberToObject(o, "mean_accept_len",
+                            r->steps ? r4((double)(r->accepted + r->steps) / (double)r->steps) : 0);
     cJSON *d = cJSON_AddArrayToObject(o, "accept_per_depth");
     for (int32_t i = 0; d && i < r->shape.steps; i++)
         cJSON_AddItemToArray(d, cJSON_CreateNumber(r->steps ? r4((double)r->accepted_at[i] / (double)r->steps) : 0));
@@ -198,7 +204,8 @@ static int ev_run(const config *cc, int argc, char **argv, ae_error *err) {
         err_set(err, "%s: the model has no chat template", path);
         goto out;
     }
-    if (chat_template_init(&ct, tok_chat_template(cm.tok), err) != AE_OK || model_load(&m, path, &kn_backend_cpu, err) != AE_OK)
+    if (chat_template_init(&ct, tok_chat_template(cm.tok), err) != AE_OK ||
+        model_load(&m, path, &kn_backend_cpu, err) != AE_OK)
         goto out;
     memplan plan;
     if (cli_plan(c, m, true, &plan, err) != AE_OK) goto out;
@@ -364,7 +371,8 @@ static int dl_run(const config *c, int argc, char **argv, ae_error *err) {
         }
     kv_params kp = {1, h->cfg.n_kv_heads, h->cfg.head_dim, 16, (n + 15) / 16, 1, (n + 15) / 16, false};
     int32_t seq;
-    if (kv_init(&kv, &kn_backend_cpu, &kp, err) != AE_OK || pool_init(&p, (int)config_int(c, "threads"), err) != AE_OK ||
+    if (kv_init(&kv, &kn_backend_cpu, &kp, err) != AE_OK ||
+        pool_init(&p, (int)config_int(c, "threads"), err) != AE_OK ||
         kn_stream_init(&s, &kn_backend_cpu, &(kn_stream_config){p, eagle_stream_workspace(h, n, n)}, err) != AE_OK ||
         eagle_ws_init(&ws, h, n, err) != AE_OK || kv_seq_alloc(kv, &seq, err) != AE_OK ||
         kv_seq_reserve(kv, seq, n, err) != AE_OK)
@@ -376,8 +384,8 @@ static int dl_run(const config *c, int argc, char **argv, ae_error *err) {
         n_prefix[i] = i + 1;
         rows[i] = i;
     }
-    kn_kv_map map = {n, kv_map_tables(kv), kp.max_seqs, kp.max_blocks_per_seq, seqs, pos, n_prefix, zero, zero,
-                     zero, 0, n};
+    kn_kv_map map = {n, kv_map_tables(kv), kp.max_seqs, kp.max_blocks_per_seq, seqs, pos, n_prefix, zero, zero, zero, 0,
+                     n};
     eagle_batch b = {n, tokens, feat, 3 * H, pos, &map, hidden, n, rows, logits};
     kn_kv_pool layer = kv_layer(kv, 0);
     eagle_forward(h, s, &layer, ws, &b);

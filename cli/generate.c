@@ -43,8 +43,7 @@ static const config_option opts[] = {
      "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},
     {"max-batch", CONFIG_INT, "1", 1, 4096, "sequences in flight at once"},
-    {"max-seq-len", CONFIG_INT, "auto", 1, 16777216,
-     "longest sequence in tokens (auto: the model's context length)"},
+    {"max-seq-len", CONFIG_INT, "auto", 1, 16777216, "longest sequence in tokens (auto: the model's context length)"},
     {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"},
 };
 
@@ -81,8 +80,8 @@ static int prompt_ids(const config *c, const tok *t, int32_t **ids, size_t *n, a
 /* Where generated tokens go: text (or ids at the end) on stdout. */
 typedef struct emitter {
     detok *dt;
-    char *chunk;     /* detok_max_out + 1 */
-    int32_t *ids;    /* [max] */
+    char *chunk;  /* detok_max_out + 1 */
+    int32_t *ids; /* [max] */
     int32_t n, max;
     int32_t eos;
     bool as_ids, ignore_eos;
@@ -107,8 +106,8 @@ static bool emit(emitter *em, int32_t token, int *rc, ae_error *err) {
 
 /* Plain decoding: prefill the whole prompt, then one token per pass. */
 static int decode_plain(engine *e, int32_t seq, const int32_t *ids, int32_t n_prompt, sample_state *smp,
-                        const sample_params *sp, const sample_rng *rng, emitter *em, double *t_prefill, double *t_decode,
-                        ae_error *err) {
+                        const sample_params *sp, const sample_rng *rng, emitter *em, double *t_prefill,
+                        double *t_decode, ae_error *err) {
     float *logits = malloc(sizeof(float) * (size_t)engine_model(e)->cfg.vocab);
     if (!logits) return err_set(err, "out of memory");
     int rc = AE_OK;
@@ -172,8 +171,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
     t_load = clock_mono_seconds() - t_load;
     int32_t max_new = (int32_t)config_int(c, "max-tokens");
     if ((int64_t)n_prompt + max_new > m->cfg.context_length) {
-        err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds the model's context of %d", n_prompt,
-                max_new, m->cfg.context_length);
+        err_set(err, "prompt (%zu tokens) + max-tokens (%d) exceeds the model's context of %d", n_prompt, max_new,
+                m->cfg.context_length);
         goto out;
     }
     memplan plan;
@@ -186,8 +185,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
         goto out;
     }
     int32_t threads = (int32_t)config_int(c, "threads"), act_bits;
-    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, c, m, &plan, threads, act_bits, err) != AE_OK || sample_init(&smp, m->cfg.vocab, err) != AE_OK ||
-        detok_init(&em.dt, cm.tok, false, err) != AE_OK)
+    if (svc_act_bits(c, &act_bits, err) != AE_OK || setup_engine(&e, c, m, &plan, threads, act_bits, err) != AE_OK ||
+        sample_init(&smp, m->cfg.vocab, err) != AE_OK || detok_init(&em.dt, cm.tok, false, err) != AE_OK)
         goto out;
     spec_shape shape;
     eagle_weights weights;
@@ -246,7 +245,8 @@ static int run(const config *cc, int argc, char **argv, ae_error *err) {
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)n_prompt);
         cJSON_AddNumberToObject(o, "generated_tokens", em.n);
         cJSON_AddNumberToObject(o, "load_seconds", cli_round(t_load, 1e3));
-        cJSON_AddNumberToObject(o, "prefill_tok_per_s", t_prefill > 0 ? cli_round((double)n_prompt / t_prefill, 10) : 0);
+        cJSON_AddNumberToObject(o, "prefill_tok_per_s",
+                                t_prefill > 0 ? cli_round((double)n_prompt / t_prefill, 10) : 0);
         cJSON_AddNumberToObject(o, "decode_tok_per_s",
                                 decoded > 0 && t_decode > 0 ? cli_round((double)decoded / t_decode, 10) : 0);
         cJSON_AddNumberToObject(o, "threads", threads);

@@ -60,9 +60,8 @@ static void add_int(cJSON *o, const char *k, int64_t v) {
 
 /* Tensor totals and per-type {count, bytes}, shared by GGUF and Hugging
  * Face models; type t's name is name(t). */
-static void add_tensor_stats(cJSON *o, uint64_t n_tensors, uint64_t params, uint64_t total,
-                             const uint64_t *count, const uint64_t *bytes, uint32_t n_types,
-                             const char *(*name)(uint32_t)) {
+static void add_tensor_stats(cJSON *o, uint64_t n_tensors, uint64_t params, uint64_t total, const uint64_t *count,
+                             const uint64_t *bytes, uint32_t n_types, const char *(*name)(uint32_t)) {
     cJSON_AddNumberToObject(o, "tensors", (double)n_tensors);
     cJSON_AddNumberToObject(o, "parameters", (double)params);
     cJSON_AddNumberToObject(o, "tensor_bytes", (double)total);

@@ -15,27 +15,16 @@
 extern char **environ;
 
 static const cli_cmd *const commands[] = {
-    &cli_cmd_info,
-    &cli_cmd_tokenize,
-    &cli_cmd_detokenize,
-    &cli_cmd_bench_tokenizer,
-    &cli_cmd_generate,
-    &cli_cmd_bench,
-    &cli_cmd_gen_prompts,
-    &cli_cmd_dump_features,
-    &cli_cmd_eval_draft,
-    &cli_cmd_draft_logits,
-    &cli_cmd_bench_rpc,
-    &cli_cmd_perplexity,
-    &cli_cmd_make_model,
-    &cli_cmd_plan,
+    &cli_cmd_info,       &cli_cmd_tokenize,     &cli_cmd_detokenize,  &cli_cmd_bench_tokenizer,
+    &cli_cmd_generate,   &cli_cmd_bench,        &cli_cmd_gen_prompts, &cli_cmd_dump_features,
+    &cli_cmd_eval_draft, &cli_cmd_draft_logits, &cli_cmd_bench_rpc,   &cli_cmd_perplexity,
+    &cli_cmd_make_model, &cli_cmd_plan,
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
 static void usage(FILE *out) {
     fprintf(out, "usage: aerie <command> [options]\n\ncommands:\n");
-    for (size_t i = 0; i < N_COMMANDS; i++)
-        fprintf(out, "  %-16s %s\n", commands[i]->name, commands[i]->summary);
+    for (size_t i = 0; i < N_COMMANDS; i++) fprintf(out, "  %-16s %s\n", commands[i]->name, commands[i]->summary);
     fprintf(out, "\n`aerie <command> --help` lists a command's options. Every option can\n"
                  "also come from AERIE_<NAME> in the environment or a JSON file given\n"
                  "with --config; `--print-config` shows each value and its source.\n");
@@ -46,8 +35,8 @@ static void command_usage(const cli_cmd *cmd, const config *c) {
     char *u = config_usage(c);
     if (u) fputs(u, stdout);
     free(u);
-    printf("  --%-16s %s\n  --%-16s %s\n", "config FILE", "JSON file of settings",
-           "print-config", "print the resolved settings with their sources, then exit");
+    printf("  --%-16s %s\n  --%-16s %s\n", "config FILE", "JSON file of settings", "print-config",
+           "print the resolved settings with their sources, then exit");
 }
 
 double cli_round(double x, double scale) { return (double)llround(x * scale) / scale; }

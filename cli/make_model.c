@@ -49,7 +49,8 @@ typedef struct writer {
 } writer;
 
 static int put(writer *w, const void *p, size_t n, ae_error *err) {
-    if (fwrite(p, 1, n, w->f) != n) return err_set(err, "%s: write failed after %" PRIu64 " bytes", w->path, w->written);
+    if (fwrite(p, 1, n, w->f) != n)
+        return err_set(err, "%s: write failed after %" PRIu64 " bytes", w->path, w->written);
     w->written += n;
     if (w->written >= w->next_report) {
         fprintf(stderr, "make-model: %" PRIu64 " MiB written\n", w->written >> 20);
@@ -173,17 +174,24 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     tensor *ts = calloc((size_t)n_t, sizeof *ts);
     if (!ts) return err_set(err, "out of memory"), CLI_EXIT_USAGE;
     int64_t k = 0;
-#define T(nm, r, cl, ty) (snprintf(ts[k].name, sizeof ts[k].name, "%s", nm), ts[k].rows = (r), ts[k].cols = (cl), ts[k].type = (ty), k++)
+#define T(nm, r, cl, ty) \
+    (snprintf(ts[k].name, sizeof ts[k].name, "%s", nm), ts[k].rows = (r), ts[k].cols = (cl), ts[k].type = (ty), k++)
     T("token_embd.weight", s.vocab, s.hidden, type);
     T("output_norm.weight", 1, s.hidden, GGML_TYPE_F32);
     T("output.weight", s.vocab, s.hidden, type);
     for (int64_t l = 0; l < s.layers; l++) {
         char nm[64];
-        static const char *sfx[9] = {"attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v",
+        static const char *sfx[9] = {"attn_norm",   "ffn_norm", "attn_q", "attn_k",  "attn_v",
                                      "attn_output", "ffn_gate", "ffn_up", "ffn_down"};
-        int64_t dims[9][2] = {{1, s.hidden},          {1, s.hidden},       {s.heads * hd, s.hidden},
-                              {s.kv_heads * hd, s.hidden}, {s.kv_heads * hd, s.hidden}, {s.hidden, s.heads * hd},
-                              {s.ffn, s.hidden},      {s.ffn, s.hidden},   {s.hidden, s.ffn}};
+        int64_t dims[9][2] = {{1, s.hidden},
+                              {1, s.hidden},
+                              {s.heads * hd, s.hidden},
+                              {s.kv_heads * hd, s.hidden},
+                              {s.kv_heads * hd, s.hidden},
+                              {s.hidden, s.heads * hd},
+                              {s.ffn, s.hidden},
+                              {s.ffn, s.hidden},
+                              {s.hidden, s.ffn}};
         for (int j = 0; j < 9; j++) {
             snprintf(nm, sizeof nm, "blk.%" PRId64 ".%s.weight", l, sfx[j]);
             T(nm, dims[j][0], dims[j][1], j < 2 ? GGML_TYPE_F32 : type);
@@ -209,17 +217,16 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     w.pool = pool;
     char name[96];
     snprintf(name, sizeof name, "random %s (%s)", s.name, config_str(c, "type"));
-    if (put(&w, "GGUF", 4, err) || put_u32(&w, 3, err) || put_u64(&w, (uint64_t)n_t, err) ||
-        put_u64(&w, 11, err) || kv_str(&w, "general.architecture", "llama", err) ||
-        kv_str(&w, "general.name", name, err) || kv_u32(&w, "llama.block_count", (uint32_t)s.layers, err) ||
+    if (put(&w, "GGUF", 4, err) || put_u32(&w, 3, err) || put_u64(&w, (uint64_t)n_t, err) || put_u64(&w, 11, err) ||
+        kv_str(&w, "general.architecture", "llama", err) || kv_str(&w, "general.name", name, err) ||
+        kv_u32(&w, "llama.block_count", (uint32_t)s.layers, err) ||
         kv_u32(&w, "llama.context_length", (uint32_t)s.context, err) ||
         kv_u32(&w, "llama.embedding_length", (uint32_t)s.hidden, err) ||
         kv_u32(&w, "llama.feed_forward_length", (uint32_t)s.ffn, err) ||
         kv_u32(&w, "llama.attention.head_count", (uint32_t)s.heads, err) ||
         kv_u32(&w, "llama.attention.head_count_kv", (uint32_t)s.kv_heads, err) ||
         kv_f32(&w, "llama.attention.layer_norm_rms_epsilon", (float)s.eps, err) ||
-        kv_f32(&w, "llama.rope.freq_base", (float)s.rope_theta, err) ||
-        kv_u32(&w, "general.alignment", 32, err))
+        kv_f32(&w, "llama.rope.freq_base", (float)s.rope_theta, err) || kv_u32(&w, "general.alignment", 32, err))
         goto out;
     for (int64_t i = 0; i < n_t; i++) {
         /* GGUF lists dimensions innermost first */
@@ -232,7 +239,8 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     if (put(&w, zeros, (32 - w.written % 32) % 32, err)) goto out;
     for (int64_t i = 0; i < n_t; i++) {
         w.pool_at = 0;
-        if (put_data(&w, &ts[i], err) || put(&w, zeros, (size_t)(((ts[i].bytes + 31) & ~(uint64_t)31) - ts[i].bytes), err))
+        if (put_data(&w, &ts[i], err) ||
+            put(&w, zeros, (size_t)(((ts[i].bytes + 31) & ~(uint64_t)31) - ts[i].bytes), err))
             goto out;
     }
     if (fclose(w.f) != 0) {

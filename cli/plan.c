@@ -22,7 +22,8 @@ static int draft_bytes(const config *c, const model *m, int32_t max_seq_len, uin
     *weights = h->weight_bytes;
     *work = drafter_bytes(h, &dc) + spec_bytes(m, &sc);
     LOG_INFOF("draft head=%s weights=%zu drafter_and_trees=%llu (counted in the memory plan as weights and "
-              "fixed workspace)", dir, h->weight_bytes, (unsigned long long)*work);
+              "fixed workspace)",
+              dir, h->weight_bytes, (unsigned long long)*work);
     eagle_free(h);
     return AE_OK;
 }
@@ -66,7 +67,8 @@ void cli_spec_stats_json(cJSON *o, const spec_stats *st, const spec_shape *shape
     cJSON_AddNumberToObject(o, "policy_explore_steps", (double)st->explore_steps);
     cJSON *depth = cJSON_AddArrayToObject(o, "accept_per_depth");
     for (int32_t d = 0; depth && d < shape->steps && d < SPEC_MAX_DEPTH; d++)
-        cJSON_AddItemToArray(depth, cJSON_CreateNumber(st->steps ? round4((double)st->accepted_at[d] / (double)st->steps) : 0));
+        cJSON_AddItemToArray(
+            depth, cJSON_CreateNumber(st->steps ? round4((double)st->accepted_at[d] / (double)st->steps) : 0));
     double total = (double)(st->draft_ns + st->verify_ns);
     cJSON_AddNumberToObject(o, "draft_time_share", total > 0 ? round4((double)st->draft_ns / total) : 0);
     cJSON_AddNumberToObject(o, "explore_time_share", total > 0 ? round4((double)st->explore_ns / total) : 0);

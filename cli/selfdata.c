@@ -111,8 +111,8 @@ int cli_user_turn_ids(const tok *t, const chat_template *ct, const char *content
     }
     size_t got = 0;
     *ids = malloc((len + 1) * sizeof **ids);
-    int rc = *ids ? tok_encode(t, text, len, TOK_PARSE_SPECIAL, *ids, len + 1, &got, err)
-                  : err_set(err, "out of memory");
+    int rc =
+        *ids ? tok_encode(t, text, len, TOK_PARSE_SPECIAL, *ids, len + 1, &got, err) : err_set(err, "out of memory");
     free(text);
     *n = (int32_t)got;
     return rc;
@@ -121,10 +121,14 @@ int cli_user_turn_ids(const tok *t, const chat_template *ct, const char *content
 static uint64_t seq_seed(uint64_t seed, int64_t i) { return seed * 0x9e3779b97f4a7c15ULL + (uint64_t)i; }
 
 static void fmt_duration(char *buf, size_t cap, double s) {
-    if (!(s >= 0) || s > 1e7) snprintf(buf, cap, "?");
-    else if (s < 90) snprintf(buf, cap, "%.0f s", s);
-    else if (s < 5400) snprintf(buf, cap, "%.0f min", s / 60);
-    else snprintf(buf, cap, "%.1f h", s / 3600);
+    if (!(s >= 0) || s > 1e7)
+        snprintf(buf, cap, "?");
+    else if (s < 90)
+        snprintf(buf, cap, "%.0f s", s);
+    else if (s < 5400)
+        snprintf(buf, cap, "%.0f min", s / 60);
+    else
+        snprintf(buf, cap, "%.1f h", s / 3600);
 }
 
 static int make_dir(const char *dir, ae_error *err) {
@@ -148,17 +152,20 @@ static int write_text_file(const char *path, const char *text, size_t len, ae_er
     return AE_OK;
 }
 
-#define COMMON_OPTIONS                                                                                      \
-    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"},                       \
-    {"out", CONFIG_STRING, NULL, 0, 0, "output directory (created if missing)"},                               \
-    {"seed", CONFIG_INT, "1", 0, 9007199254740991.0, "random seed; sequence i draws from stream (seed, i)"},    \
-    {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"}, \
-    {"max-batch", CONFIG_INT, "16", 1, 4096, "sequences generated together"},                                 \
-    SVC_ACT_BITS_OPTION,                                                                                    \
-    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0,                                                        \
-     "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},                      \
-    {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"},              \
-    {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"}
+#define COMMON_OPTIONS \
+    {"model", CONFIG_STRING, NULL, 0, 0, "model: .gguf file or Hugging Face directory"}, \
+        {"out", CONFIG_STRING, NULL, 0, 0, "output directory (created if missing)"}, \
+        {"seed", CONFIG_INT, "1", 0, 9007199254740991.0, "random seed; sequence i draws from stream (seed, i)"}, \
+        {"threads", CONFIG_INT, "auto", 1, POOL_MAX_THREADS, "compute threads (auto: the CPUs this process may use)"}, \
+        {"max-batch", CONFIG_INT, "16", 1, 4096, "sequences generated together"}, \
+        SVC_ACT_BITS_OPTION, {"mem-fraction", \
+                              CONFIG_DOUBLE, \
+                              "auto", \
+                              0.01, \
+                              1.0, \
+                              "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"}, \
+        {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12, "KV cache size in tokens (auto: what fits)"}, \
+        {"log-level", CONFIG_STRING, "warn", 0, 0, "debug, info, warn, error or off"}
 
 /* ---- gen-prompts ----------------------------------------------------- */
 
@@ -170,7 +177,8 @@ static const config_option gp_opts[] = {
     {"top-p", CONFIG_DOUBLE, "1", 0, 1, "nucleus sampling of the user turn (1 = off)"},
     {"max-tokens", CONFIG_INT, "64", 2, 1 << 16, "longest user turn; longer samples are dropped"},
     {"min-tokens", CONFIG_INT, "4", 1, 1 << 16, "shortest user turn kept"},
-    {"keep-cut", CONFIG_BOOL, "false", 0, 0, "keep user turns that reach max-tokens (cut short) instead of dropping them"},
+    {"keep-cut", CONFIG_BOOL, "false", 0, 0,
+     "keep user turns that reach max-tokens (cut short) instead of dropping them"},
     {"max-seq-len", CONFIG_INT, "auto", 1, 16777216, "longest sequence (auto: 256 + max-tokens)"},
     {"seeds", CONFIG_STRING, NULL, 0, 0,
      "JSON lines of {\"prompt\": OPENING}: attempt i starts its user turn with opening i mod n"},
@@ -185,18 +193,18 @@ typedef struct gp_state {
     int32_t **seed_ids;    /* [n_seeds][seed_len[i]]: openings of the user's content */
     int32_t *seed_len;
     int64_t n_seeds;
-    char **exclude;        /* [n_exclude] normalised texts (norm_text) */
+    char **exclude; /* [n_exclude] normalised texts (norm_text) */
     int64_t n_exclude;
     sample_params sp;
     uint64_t seed;
     int64_t count, attempts, max_attempts;
     int32_t min_tokens;
     bool keep_cut;
-    batchgen_seq **slots;   /* by attempt index, until its turn to be judged */
-    int64_t judged;   /* attempts judged, in index order */
-    char **kept;      /* [count] */
+    batchgen_seq **slots; /* by attempt index, until its turn to be judged */
+    int64_t judged;       /* attempts judged, in index order */
+    char **kept;          /* [count] */
     int64_t n_kept;
-    uint64_t *seen;   /* open-addressing set of normalised-text hashes, 0 = empty */
+    uint64_t *seen; /* open-addressing set of normalised-text hashes, 0 = empty */
     size_t seen_cap;
     int64_t sampled, duplicates, cut, short_, special, excluded;
     int64_t tokens;
@@ -338,8 +346,10 @@ static int gp_judge(gp_state *g, batchgen_seq *s, ae_error *err) {
         free(text);
         return AE_OK;
     }
-    if (g->n_kept < g->count) g->kept[g->n_kept++] = text;
-    else free(text);
+    if (g->n_kept < g->count)
+        g->kept[g->n_kept++] = text;
+    else
+        free(text);
     return AE_OK;
 }
 
@@ -350,13 +360,13 @@ static void gp_progress(gp_state *g, bool force) {
     double el = now - g->t0, rate = g->n_kept > 0 ? el / (double)g->n_kept : -1;
     char eta[32];
     fmt_duration(eta, sizeof eta, rate * (double)(g->count - g->n_kept));
-    fprintf(stderr,
-            "gen-prompts: %lld/%lld prompts from %lld samples (%lld duplicates, %lld cut at max-tokens%s, %lld too short, "
-            "%lld with special tokens, %lld excluded), %.0f tok/s, %s left\n",
-            (long long)g->n_kept, (long long)g->count, (long long)g->sampled, (long long)g->duplicates,
-            (long long)g->cut, g->keep_cut ? " and kept" : "", (long long)g->short_, (long long)g->special,
-            (long long)g->excluded, el > 0 ? (double)g->tokens / el : 0.0,
-            g->n_kept >= g->count ? "nothing" : eta);
+    fprintf(
+        stderr,
+        "gen-prompts: %lld/%lld prompts from %lld samples (%lld duplicates, %lld cut at max-tokens%s, %lld too short, "
+        "%lld with special tokens, %lld excluded), %.0f tok/s, %s left\n",
+        (long long)g->n_kept, (long long)g->count, (long long)g->sampled, (long long)g->duplicates, (long long)g->cut,
+        g->keep_cut ? " and kept" : "", (long long)g->short_, (long long)g->special, (long long)g->excluded,
+        el > 0 ? (double)g->tokens / el : 0.0, g->n_kept >= g->count ? "nothing" : eta);
 }
 
 static int gp_done(void *ctx, batchgen_seq *s, ae_error *err) {
@@ -425,8 +435,10 @@ static int gp_load_seeds(gp_state *g, const char *path, ae_error *err) {
         size_t len = strlen(texts[i]), got = 0;
         g->seed_ids[i] = malloc((len + 1) * sizeof(int32_t));
         g->n_seeds = i + 1;
-        if (!g->seed_ids[i]) rc = err_set(err, "out of memory");
-        else rc = tok_encode(g->sd->cm.tok, texts[i], len, 0, g->seed_ids[i], len + 1, &got, err);
+        if (!g->seed_ids[i])
+            rc = err_set(err, "out of memory");
+        else
+            rc = tok_encode(g->sd->cm.tok, texts[i], len, 0, g->seed_ids[i], len + 1, &got, err);
         g->seed_len[i] = (int32_t)got;
     }
     for (int64_t i = 0; i < n; i++) free(texts[i]);
@@ -467,14 +479,17 @@ static int gp_run(const config *cc, int argc, char **argv, ae_error *err) {
     if (selfdata_open(&sd, c, err) != AE_OK || make_dir(out, err) != AE_OK) goto out;
     if (cli_user_turn_ids(sd.cm.tok, sd.ct, NULL, &g.opener, &g.n_opener, err) != AE_OK) goto out;
     g.cap = g.n_opener + (int32_t)config_int(c, "max-tokens");
-    if (gp_load_seeds(&g, config_str(c, "seeds"), err) != AE_OK || gp_load_exclude(&g, config_str(c, "exclude"), err) != AE_OK)
+    if (gp_load_seeds(&g, config_str(c, "seeds"), err) != AE_OK ||
+        gp_load_exclude(&g, config_str(c, "exclude"), err) != AE_OK)
         goto out;
     int32_t longest_seed = 0;
     for (int64_t i = 0; i < g.n_seeds; i++)
         if (g.seed_len[i] > longest_seed) longest_seed = g.seed_len[i];
     if (g.cap + longest_seed > config_int(c, "max-seq-len")) {
-        err_set(err, "the template's opening (%d tokens) + the longest seed (%d) + max-tokens (%lld) exceeds "
-                "max-seq-len %lld", g.n_opener, longest_seed, (long long)config_int(c, "max-tokens"),
+        err_set(err,
+                "the template's opening (%d tokens) + the longest seed (%d) + max-tokens (%lld) exceeds "
+                "max-seq-len %lld",
+                g.n_opener, longest_seed, (long long)config_int(c, "max-tokens"),
                 (long long)config_int(c, "max-seq-len"));
         goto out;
     }
@@ -493,7 +508,8 @@ static int gp_run(const config *cc, int argc, char **argv, ae_error *err) {
         err_set(err, "out of memory");
         goto out;
     }
-    fprintf(stderr, "gen-prompts: sampling %lld user turns (temperature %g) after the template's opening of %d tokens\n",
+    fprintf(stderr,
+            "gen-prompts: sampling %lld user turns (temperature %g) after the template's opening of %d tokens\n",
             (long long)count, config_double(c, "temperature"), g.n_opener);
     g.t0 = g.last_progress = clock_mono_seconds();
     int32_t stop = tok_eos(sd.cm.tok);
@@ -501,7 +517,8 @@ static int gp_run(const config *cc, int argc, char **argv, ae_error *err) {
     if (batchgen_run(sd.e, &bc, gp_next, gp_done, &g, err) != AE_OK) goto out;
     gp_progress(&g, true);
     if (g.n_kept < count) {
-        err_set(err, "only %lld distinct prompts from %lld samples; raise --temperature or --max-tokens, or lower --count",
+        err_set(err,
+                "only %lld distinct prompts from %lld samples; raise --temperature or --max-tokens, or lower --count",
                 (long long)g.n_kept, (long long)g.sampled);
         goto out;
     }
@@ -512,8 +529,7 @@ static int gp_run(const config *cc, int argc, char **argv, ae_error *err) {
            "\"special\":%lld,\"excluded\":%lld,\"seeds\":%lld,\"generated_tokens\":%lld,\"seconds\":%.1f}\n",
            (long long)(count - heldout), (long long)heldout, (long long)g.sampled, (long long)g.duplicates,
            (long long)g.cut, (long long)g.short_, (long long)g.special, (long long)g.excluded, (long long)g.n_seeds,
-           (long long)g.tokens,
-           clock_mono_seconds() - g.t0);
+           (long long)g.tokens, clock_mono_seconds() - g.t0);
     rc = 0;
 out:
     for (int64_t i = 0; g.slots && i < g.attempts; i++)
@@ -554,7 +570,8 @@ static const config_option df_opts[] = {
     {"max-new-tokens", CONFIG_INT, "256", 1, 1 << 20, "longest response"},
     {"temperature", CONFIG_DOUBLE, "0", 0, 100, "of the responses (0 = greedy: what greedy decoding will verify)"},
     {"topk", CONFIG_INT, "8", 1, 64, "target probabilities kept per token"},
-    {"capture", CONFIG_STRING, "auto", 0, 0, "target layers whose input is captured, \"a,b,c\" (auto: EAGLE-3's 2, n/2, n-3)"},
+    {"capture", CONFIG_STRING, "auto", 0, 0,
+     "target layers whose input is captured, \"a,b,c\" (auto: EAGLE-3's 2, n/2, n-3)"},
     {"shard-size", CONFIG_INT, "64", 1, 1 << 20, "sequences per shard"},
     {"max-pending", CONFIG_INT, "0", 0, 1 << 20,
      "pause while this many shards wait for a streaming trainer to consume them (0: never pause)"},
@@ -571,7 +588,7 @@ typedef struct df_state {
     uint64_t seed;
     int64_t shard_size, n_shards, shard; /* shard: the next to write */
     int64_t max_pending, oldest;         /* oldest: no shard before it is waiting for the trainer */
-    batchgen_seq **slots;                      /* [n_prompts], filled by next, emptied by writing */
+    batchgen_seq **slots;                /* [n_prompts], filled by next, emptied by writing */
     int32_t capture[FORWARD_MAX_CAPTURE];
     const char *out;
     int64_t seqs_done, tokens, generated, stopped;
@@ -656,8 +673,10 @@ static void df_wait_for_trainer(df_state *d) {
         while (d->oldest < d->shard && shard_consumed(d, d->oldest)) d->oldest++;
         if (d->shard - d->oldest < d->max_pending || d->shard >= d->n_shards) return;
         if (!said)
-            fprintf(stderr, "dump-features: %lld shards wait for the trainer (--max-pending %lld); pausing until it "
-                    "consumes one\n", (long long)(d->shard - d->oldest), (long long)d->max_pending);
+            fprintf(stderr,
+                    "dump-features: %lld shards wait for the trainer (--max-pending %lld); pausing until it "
+                    "consumes one\n",
+                    (long long)(d->shard - d->oldest), (long long)d->max_pending);
         said = true;
         struct timespec ts = {0, 200 * 1000 * 1000};
         nanosleep(&ts, NULL);
@@ -731,9 +750,9 @@ static void df_progress(df_state *d, bool force) {
     fprintf(stderr,
             "dump-features: %lld/%lld prompts, %lld/%lld shards written, %lld tokens this run (%lld generated, "
             "%lld responses ended by the model), %.0f generated tok/s, %s left\n",
-            (long long)done, (long long)d->n_prompts, (long long)d->shard, (long long)d->n_shards,
-            (long long)d->tokens, (long long)d->generated, (long long)d->stopped,
-            el > 0 ? (double)d->generated / el : 0.0, done >= d->n_prompts ? "nothing" : eta);
+            (long long)done, (long long)d->n_prompts, (long long)d->shard, (long long)d->n_shards, (long long)d->tokens,
+            (long long)d->generated, (long long)d->stopped, el > 0 ? (double)d->generated / el : 0.0,
+            done >= d->n_prompts ? "nothing" : eta);
 }
 
 static int df_done(void *ctx, batchgen_seq *s, ae_error *err) {
@@ -749,8 +768,7 @@ static int df_done(void *ctx, batchgen_seq *s, ae_error *err) {
         if (lo >= d->n_prompts) break;
         int64_t hi = lo + d->shard_size < d->n_prompts ? lo + d->shard_size : d->n_prompts;
         bool ready = true;
-        for (int64_t i = lo; i < hi && ready; i++)
-            ready = d->slots[i] && d->slots[i]->done;
+        for (int64_t i = lo; i < hi && ready; i++) ready = d->slots[i] && d->slots[i]->done;
         if (!ready) break;
         if (df_write_shard(d, d->shard, err) != AE_OK) return AE_ERR;
         for (int64_t i = lo; i < hi; i++) {
@@ -951,8 +969,10 @@ static int df_run(const config *cc, int argc, char **argv, ae_error *err) {
         err_clear(err);
         if (write_text_file(path, settings, strlen(settings), err) != AE_OK) goto out;
     } else if (strcmp(old, settings) != 0) {
-        err_set(err, "%s was written with other settings than this run's; use the same settings to resume, or "
-                "another --out. It has:\n%s\nthis run has:\n%s", path, old, settings);
+        err_set(err,
+                "%s was written with other settings than this run's; use the same settings to resume, or "
+                "another --out. It has:\n%s\nthis run has:\n%s",
+                path, old, settings);
         goto out;
     }
     for (struct stat st; d.shard < d.n_shards; d.shard++) {
@@ -978,8 +998,12 @@ static int df_run(const config *cc, int argc, char **argv, ae_error *err) {
     df_wait_for_trainer(&d); /* a resumed run may find its limit already reached */
     d.t0 = d.last_progress = clock_mono_seconds();
     df_progress(&d, true);
-    batchgen_config bc = {(int32_t)config_int(c, "max-batch"), SETUP_PREFILL_CHUNK, tok_eos(sd.cm.tok), FORWARD_MAX_CAPTURE,
-                    {d.capture[0], d.capture[1], d.capture[2]}, d.topk};
+    batchgen_config bc = {(int32_t)config_int(c, "max-batch"),
+                          SETUP_PREFILL_CHUNK,
+                          tok_eos(sd.cm.tok),
+                          FORWARD_MAX_CAPTURE,
+                          {d.capture[0], d.capture[1], d.capture[2]},
+                          d.topk};
     if (batchgen_run(sd.e, &bc, df_next, df_done, &d, err) != AE_OK) goto out;
     if (err_is_set(&d.prompt_err)) {
         *err = d.prompt_err;

@@ -21,8 +21,7 @@ static const config_option tokenize_opts[] = {
 
 /* Renders a JSON message list with the model's chat template, followed by
  * the generation prompt, as the server will. */
-static int render_chat(const tok *t, const char *json, size_t len, char **prompt,
-                       size_t *prompt_len, ae_error *err) {
+static int render_chat(const tok *t, const char *json, size_t len, char **prompt, size_t *prompt_len, ae_error *err) {
     chat_template *ct = NULL;
     chat_msg *msgs = NULL;
     size_t n = 0;
@@ -48,14 +47,14 @@ static int input_text(const config *c, int argc, char **argv, char **text, size_
         if (argc > 0) return err_set(err, "give either TEXT or --file, not both");
         return file_read_all(file, MAX_TEXT_BYTES, text, len, NULL, err);
     }
-    if (argc != 1) return err_set(err, argc ? "expected one TEXT argument, got %d" : "no TEXT given (or use --file F)", argc);
+    if (argc != 1)
+        return err_set(err, argc ? "expected one TEXT argument, got %d" : "no TEXT given (or use --file F)", argc);
     *len = strlen(argv[0]);
     *text = strdup(argv[0]);
     return *text ? AE_OK : err_set(err, "out of memory");
 }
 
-static int encode_all(const tok *t, const char *text, size_t len, int flags, int32_t **ids,
-                      size_t *n, ae_error *err) {
+static int encode_all(const tok *t, const char *text, size_t len, int flags, int32_t **ids, size_t *n, ae_error *err) {
     *ids = malloc((len + 2) * sizeof **ids);
     if (!*ids) return err_set(err, "out of memory for %zu tokens", len + 2);
     if (tok_encode(t, text, len, flags, *ids, len + 2, n, err) != AE_OK) {

@@ -16,8 +16,8 @@ static int link_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
         if (f->fork && (f->fork_of < 0 || f->fork_of >= l->max_seqs || drafter_len(l->drafter, f->fork_of) != f->start))
             continue;
         l->row_of[i] = m;
-        l->feeds[m++] = (drafter_feed){f->seq, f->reset, f->start, f->n, f->tokens, f->features, f->want_tree,
-                                       f->fork ? f->fork_of : -1};
+        l->feeds[m++] = (drafter_feed){f->seq,    f->reset,    f->start,     f->n,
+                                       f->tokens, f->features, f->want_tree, f->fork ? f->fork_of : -1};
     }
     tree_params p = {shape->steps, shape->topk, shape->tokens};
     if (m > 0 && drafter_propose(l->drafter, l->feeds, m, &p, l->trees, err) != AE_OK) return AE_ERR;
@@ -37,8 +37,8 @@ static int link_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec
 
 static void link_release(void *ctx, int32_t seq) { drafter_release(((draft_link *)ctx)->drafter, seq); }
 
-int draft_link_open(draft_link *l, const char *dir, eagle_target t, eagle_weights weights,
-                    const drafter_config *dc, ae_error *err) {
+int draft_link_open(draft_link *l, const char *dir, eagle_target t, eagle_weights weights, const drafter_config *dc,
+                    ae_error *err) {
     memset(l, 0, sizeof *l);
     if (eagle_load(&l->head, dir, &t, weights, err) != AE_OK) return AE_ERR;
     l->max_seqs = dc->max_seqs;

@@ -14,22 +14,27 @@
  * CPU a draft pass reads every matrix of the head (the trained SmolLM2
  * head drafts at 0.14 of a step's time with Q8_0 against about 0.3 as
  * F16). */
-#define DRAFT_LINK_OPTIONS                                                                                   \
+#define DRAFT_LINK_OPTIONS \
     {"draft", CONFIG_STRING, NULL, 0, 0, "EAGLE-3 head directory: decode speculatively (unset: plain decoding)"}, \
-    DRAFT_LINK_TUNING_OPTIONS
+        DRAFT_LINK_TUNING_OPTIONS
 
 /* The same with the head found for the model (cli_resolve_draft). */
-#define DRAFT_LINK_AUTO_OPTIONS                                                                              \
-    {"draft", CONFIG_STRING, "auto", 0, 0,                                                                      \
-     "EAGLE-3 head directory, or none (auto: the head trained for this model file, found beside it)"},       \
-    DRAFT_LINK_TUNING_OPTIONS
+#define DRAFT_LINK_AUTO_OPTIONS \
+    {"draft", CONFIG_STRING, \
+     "auto",  0, \
+     0,       "EAGLE-3 head directory, or none (auto: the head trained for this model file, found beside it)"}, \
+        DRAFT_LINK_TUNING_OPTIONS
 
-#define DRAFT_LINK_TUNING_OPTIONS                                                                            \
-    {"spec-steps", CONFIG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"},                                     \
-    {"spec-topk", CONFIG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"},  \
-    {"spec-tokens", CONFIG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"},        \
-    {"draft-weights", CONFIG_STRING, "q8_0", 0, 0,                                                              \
-     "the head's matrices rounded to Q8_0 (q8_0: half the bytes per draft pass), or as the file has them (file)"}
+#define DRAFT_LINK_TUNING_OPTIONS \
+    {"spec-steps", CONFIG_INT, "5", 1, TREE_MAX_STEPS, "draft tree depth"}, \
+        {"spec-topk", CONFIG_INT, "4", 1, TREE_MAX_TOPK, "children per expanded node, and the frontier's width"}, \
+        {"spec-tokens", CONFIG_INT, "8", 2, TREE_MAX_NODES, "tree nodes verified per step, root included"}, \
+        {"draft-weights", \
+         CONFIG_STRING, \
+         "q8_0", \
+         0, \
+         0, \
+         "the head's matrices rounded to Q8_0 (q8_0: half the bytes per draft pass), or as the file has them (file)"}
 
 /* The tree shape and head weights DRAFT_LINK_OPTIONS set, checked. */
 int draft_link_settings(const config *c, spec_shape *shape, eagle_weights *weights, ae_error *err);
@@ -45,8 +50,8 @@ typedef struct draft_link {
 } draft_link;
 
 /* Loads the head in dir for target t and sizes its drafter. */
-int draft_link_open(draft_link *l, const char *dir, eagle_target t, eagle_weights weights,
-                    const drafter_config *dc, ae_error *err);
+int draft_link_open(draft_link *l, const char *dir, eagle_target t, eagle_weights weights, const drafter_config *dc,
+                    ae_error *err);
 void draft_link_close(draft_link *l);
 
 /* The target layers the head reads: its own choice, or EAGLE-3's default. */

@@ -35,24 +35,24 @@ struct draft_server {
     const eagle_head *head;
     draft_server_config cfg;
     drafter *drafter;
-    int32_t fw; /* feature width, 3H */
+    int32_t fw;                          /* feature width, 3H */
     int32_t default_layers[EAGLE_N_AUX]; /* EAGLE-3's, for a head that names none */
-    slot *slots; /* [max_keys] */
-    bool *in_call; /* [max_keys] slots taken by the call being served */
+    slot *slots;                         /* [max_keys] */
+    bool *in_call;                       /* [max_keys] slots taken by the call being served */
     uint64_t use_clock;
     /* one Propose (the worker's) */
     aerie_ProposeRequest req;
     aerie_ProposeReply rep;
     drafter_feed feeds[DRAFT_SERVER_MAX_SEQS];
     tree_out trees[DRAFT_SERVER_MAX_SEQS];
-    int32_t feed_of[DRAFT_SERVER_MAX_SEQS]; /* -1: state gone */
+    int32_t feed_of[DRAFT_SERVER_MAX_SEQS];  /* -1: state gone */
     int32_t fork_src[DRAFT_SERVER_MAX_SEQS]; /* a fork's source slot, -1: not a fork (or its source is gone) */
-    uint8_t *out;                   /* [DRAFT_SERVER_REPLY_CAP] */
-    float *feat32;    /* f16 features of the call as f32, grown to the largest call */
-    size_t feat32_cap; /* floats */
+    uint8_t *out;                            /* [DRAFT_SERVER_REPLY_CAP] */
+    float *feat32;                           /* f16 features of the call as f32, grown to the largest call */
+    size_t feat32_cap;                       /* floats */
     /* the worker */
     pthread_t worker;
-    pthread_mutex_t mu; /* queue, stopping, draining, stats, info */
+    pthread_mutex_t mu;  /* queue, stopping, draining, stats, info */
     pthread_cond_t cv;   /* the worker's: a job came, or stop */
     pthread_cond_t idle; /* draft_server_drain's: a call was served (apart, so that
                           * a call served on the loop wakes no worker) */
@@ -134,8 +134,8 @@ static int widen_features(draft_server *d, int32_t n, ae_error *err) {
     return AE_OK;
 }
 
-uint32_t draft_server_propose(draft_server *d, const uint8_t *msg, uint32_t len, const uint8_t *payload, uint32_t payload_len,
-                      uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *err) {
+uint32_t draft_server_propose(draft_server *d, const uint8_t *msg, uint32_t len, const uint8_t *payload,
+                              uint32_t payload_len, uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *err) {
     aerie_ProposeRequest *rq = &d->req;
     *out_len = 0;
     if (msg_decode(aerie_ProposeRequest_fields, rq, msg, len, err) != AE_OK) return RPC_INVALID_ARGUMENT;
@@ -190,8 +190,8 @@ uint32_t draft_server_propose(draft_server *d, const uint8_t *msg, uint32_t len,
         const void *tok, *feat;
         if (frame_payload_slice(payload, payload_len, s->tokens.offset, s->tokens.length, sizeof(int32_t), s->pairs,
                                 &tok, err) != AE_OK ||
-            frame_payload_slice(payload, payload_len, s->features.offset, s->features.length, feat_bytes,
-                                s->pairs, &feat, err) != AE_OK) {
+            frame_payload_slice(payload, payload_len, s->features.offset, s->features.length, feat_bytes, s->pairs,
+                                &feat, err) != AE_OK) {
             err_prefix(err, "sequence %u: ", s->seq);
             return RPC_INVALID_ARGUMENT;
         }
@@ -229,8 +229,7 @@ uint32_t draft_server_propose(draft_server *d, const uint8_t *msg, uint32_t len,
         int32_t k = slot_find(d, rq->client, s->seq);
         if (k < 0) continue;
         mark[k] = true;
-        if (drafter_len(d->drafter, k) != (int32_t)s->start ||
-            (int64_t)s->start + s->pairs > d->cfg.max_seq_len)
+        if (drafter_len(d->drafter, k) != (int32_t)s->start || (int64_t)s->start + s->pairs > d->cfg.max_seq_len)
             continue; /* gone: out of step, or the window is full */
         d->feed_of[i] = k;
     }
@@ -325,8 +324,8 @@ static void serve(draft_server *d, rpc_call *call, bool stopping) {
     } else {
         uint32_t out_len;
         ae_error err = {{0}};
-        uint32_t st =
-            draft_server_propose(d, rq->msg, rq->msg_len, rq->payload, rq->payload_len, d->out, DRAFT_SERVER_REPLY_CAP, &out_len, &err);
+        uint32_t st = draft_server_propose(d, rq->msg, rq->msg_len, rq->payload, rq->payload_len, d->out,
+                                           DRAFT_SERVER_REPLY_CAP, &out_len, &err);
         if (st == RPC_OK) {
             rpc_call_finish(call, RPC_OK, d->out, out_len, NULL, 0);
         } else {
@@ -508,9 +507,7 @@ static void answer_info(draft_server *d, rpc_call *call) {
 void draft_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
     draft_server *d = ctx;
     switch (req->method) {
-    case aerie_Method_DRAFT_INFO:
-        answer_info(d, call);
-        return;
+    case aerie_Method_DRAFT_INFO: answer_info(d, call); return;
     case aerie_Method_DRAFT_HEALTH: {
         aerie_HealthReply h = {true, ""};
         pthread_mutex_lock(&d->mu);
@@ -523,11 +520,8 @@ void draft_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
         return;
     }
     case aerie_Method_DRAFT_PROPOSE:
-    case aerie_Method_DRAFT_RELEASE:
-        break;
-    default:
-        rpc_call_fail(call, RPC_UNIMPLEMENTED, "aerie-draft has no method %u", req->method);
-        return;
+    case aerie_Method_DRAFT_RELEASE: break;
+    default: rpc_call_fail(call, RPC_UNIMPLEMENTED, "aerie-draft has no method %u", req->method); return;
     }
     /* With the worker idle and nothing queued, the call is served here on
      * the event loop: a hand-off to another thread costs about as much as
@@ -549,18 +543,20 @@ void draft_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
     pthread_mutex_lock(&d->mu);
     if (!j || d->draining || d->stopping || d->queued >= DRAFT_SERVER_MAX_QUEUE) {
         uint32_t st = j && d->queued >= DRAFT_SERVER_MAX_QUEUE && !d->draining && !d->stopping ? RPC_RESOURCE_EXHAUSTED
-                                                                                        : RPC_UNAVAILABLE;
+                                                                                               : RPC_UNAVAILABLE;
         pthread_mutex_unlock(&d->mu);
         rpc_call_fail(call, st, "%s",
-                      !j                              ? "out of memory"
+                      !j                             ? "out of memory"
                       : st == RPC_RESOURCE_EXHAUSTED ? "the draft's queue is full"
                                                      : "the draft service is shutting down");
         free(j);
         return;
     }
     *j = (job){call, NULL};
-    if (d->tail_job) d->tail_job->next = j;
-    else d->head_job = j;
+    if (d->tail_job)
+        d->tail_job->next = j;
+    else
+        d->head_job = j;
     d->tail_job = j;
     d->queued++;
     pthread_cond_signal(&d->cv);

@@ -42,14 +42,14 @@ typedef struct draft_server_config {
 } draft_server_config;
 
 typedef struct draft_server_stats {
-    uint64_t calls;       /* Propose calls answered OK */
-    uint64_t seqs;        /* sequences in them */
-    uint64_t trees;       /* trees drafted */
-    uint64_t pairs;       /* pairs fed */
-    uint64_t state_gone;  /* sequences answered SEQ_STATE_GONE */
-    uint64_t evictions;   /* slots taken from the least recently used sequence */
-    uint64_t errors;      /* calls answered with an error status */
-    uint64_t busy_ns;     /* time in the drafter */
+    uint64_t calls;      /* Propose calls answered OK */
+    uint64_t seqs;       /* sequences in them */
+    uint64_t trees;      /* trees drafted */
+    uint64_t pairs;      /* pairs fed */
+    uint64_t state_gone; /* sequences answered SEQ_STATE_GONE */
+    uint64_t evictions;  /* slots taken from the least recently used sequence */
+    uint64_t errors;     /* calls answered with an error status */
+    uint64_t busy_ns;    /* time in the drafter */
     int32_t keys_used;
 } draft_server_stats;
 
@@ -90,7 +90,7 @@ size_t draft_server_host_bytes(const eagle_head *h, const draft_server_config *c
 /* One Propose, without the link: decodes msg/payload, runs the drafter,
  * encodes the reply into out[cap]. Returns the status; on an error, errtext
  * says why and nothing changed. (The worker's body; tests call it.) */
-uint32_t draft_server_propose(draft_server *d, const uint8_t *msg, uint32_t len, const uint8_t *payload, uint32_t payload_len,
-                      uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *errtext);
+uint32_t draft_server_propose(draft_server *d, const uint8_t *msg, uint32_t len, const uint8_t *payload,
+                              uint32_t payload_len, uint8_t *out, uint32_t cap, uint32_t *out_len, ae_error *errtext);
 
 #endif

@@ -41,7 +41,7 @@ struct drafter {
     const eagle_head *head;
     drafter_config cfg;
     int32_t max_rows; /* rows of one head pass */
-    pool *pool;     /* the shared pool, or own_pool */
+    pool *pool;       /* the shared pool, or own_pool */
     pool *own_pool;
     kn_stream *stream; /* on the head's backend */
     bool host_memory;  /* that backend's memory is the host's: no copies in or out */
@@ -80,7 +80,8 @@ static int32_t rows_for(const drafter_config *c) {
 
 static kv_params kv_params_for(const eagle_head *h, const drafter_config *c) {
     int32_t per_seq = (c->max_seq_len + TREE_SCRATCH + KV_BLOCK - 1) / KV_BLOCK;
-    return (kv_params){1, h->cfg.n_kv_heads, h->cfg.head_dim, KV_BLOCK, per_seq * c->max_seqs, c->max_seqs, per_seq, false};
+    return (kv_params){1,    h->cfg.n_kv_heads, h->cfg.head_dim, KV_BLOCK, per_seq * c->max_seqs, c->max_seqs, per_seq,
+                       false};
 }
 
 /* Floats of each part of fbuf, in order: states, in, logits, feat. */
@@ -151,7 +152,10 @@ int drafter_init(drafter **out, const eagle_head *h, const drafter_config *cfg, 
     kv_params kp = kv_params_for(h, cfg);
     d->pool = cfg->pool;
     if ((!d->pool && pool_init(&d->own_pool, cfg->threads, err) != AE_OK) ||
-        kn_stream_init(&d->stream, h->be, &(kn_stream_config){d->pool ? d->pool : d->own_pool, eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH)}, err) != AE_OK ||
+        kn_stream_init(&d->stream, h->be,
+                       &(kn_stream_config){d->pool ? d->pool : d->own_pool,
+                                           eagle_stream_workspace(h, d->max_rows, cfg->max_seq_len + TREE_SCRATCH)},
+                       err) != AE_OK ||
         eagle_ws_init(&d->ws, h, d->max_rows, err) != AE_OK || kv_init(&d->kv, h->be, &kp, err) != AE_OK)
         goto fail;
     if (cfg->act_bits) kn_stream_set_act_bits(d->stream, cfg->act_bits);
@@ -253,10 +257,11 @@ static int validate(const drafter *d, const drafter_feed *feeds, int32_t n, ae_e
         }
         int32_t have = f->reset ? 0 : drafter_len(d, f->fork_of >= 0 ? f->fork_of : f->key);
         if (!f->reset && f->start != have)
-            return f->fork_of >= 0 ? err_set(err, "feed %d: key %d forks key %d, which holds %d pairs, the caller assumes %d",
-                                             i, f->key, f->fork_of, have, f->start)
-                                   : err_set(err, "feed %d: key %d holds %d pairs, the caller assumes %d", i, f->key,
-                                             have, f->start);
+            return f->fork_of >= 0
+                       ? err_set(err, "feed %d: key %d forks key %d, which holds %d pairs, the caller assumes %d", i,
+                                 f->key, f->fork_of, have, f->start)
+                       : err_set(err, "feed %d: key %d holds %d pairs, the caller assumes %d", i, f->key, have,
+                                 f->start);
         if (f->n > d->cfg.max_seq_len - have)
             return err_set(err, "feed %d: key %d would hold %lld pairs, the drafter's limit is %d", i, f->key,
                            (long long)have + f->n, d->cfg.max_seq_len);
@@ -285,8 +290,18 @@ static kn_kv_map send_map(drafter *d, int32_t m, int32_t n_extra) {
         int32_t vis = d->host[I_N_PREFIX][t] + d->host[I_N_EXTRA][t];
         if (vis > max_vis) max_vis = vis;
     }
-    return (kn_kv_map){m, kv_map_tables(d->kv), d->cfg.max_seqs, kv_get_params(d->kv)->max_blocks_per_seq,
-                       seq, slot, n_prefix, extra_start, n_ex, extra, n_extra, max_vis};
+    return (kn_kv_map){m,
+                       kv_map_tables(d->kv),
+                       d->cfg.max_seqs,
+                       kv_get_params(d->kv)->max_blocks_per_seq,
+                       seq,
+                       slot,
+                       n_prefix,
+                       extra_start,
+                       n_ex,
+                       extra,
+                       n_extra,
+                       max_vis};
 }
 
 /* Runs one feed's pairs through the head, chunk by chunk, into its KV. */
@@ -314,8 +329,10 @@ static void feed_pairs(drafter *d, const drafter_feed *f) {
             feat = d->feat;
         }
         kn_kv_map map = send_map(d, m, 0);
-        eagle_batch b = {m,        put(d, I_TOKENS, m), feat,      3 * H, put(d, I_POS, m), &map,
-                         d->hidden, last ? 1 : 0,       put(d, I_LOGIT_ROWS, 1), d->logits};
+        eagle_batch b = {m,         put(d, I_TOKENS, m), feat,
+                         3 * H,     put(d, I_POS, m),    &map,
+                         d->hidden, last ? 1 : 0,        put(d, I_LOGIT_ROWS, 1),
+                         d->logits};
         eagle_forward(d->head, d->stream, &d->layer, d->ws, &b);
         AE_ASSERT(kv_seq_advance(d->kv, ks->kv_seq, m, NULL) == AE_OK);
         copy_state(d, d->cfg.max_seqs + m - 1, f->key);
@@ -364,8 +381,8 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
     }
     kn_gather_rows(d->stream, d->states, put(d, I_GATHER, m), m, (int64_t)H, d->in, (int64_t)H);
     kn_kv_map map = send_map(d, m, n_extra);
-    eagle_batch eb = {m,         put(d, I_TOKENS, m), d->in,     (int32_t)H, put(d, I_POS, m), &map,
-                      d->hidden, m,                   put(d, I_LOGIT_ROWS, m), d->logits};
+    eagle_batch eb = {m, put(d, I_TOKENS, m),     d->in,    (int32_t)H, put(d, I_POS, m), &map, d->hidden,
+                      m, put(d, I_LOGIT_ROWS, m), d->logits};
     eagle_forward(d->head, d->stream, &d->layer, d->ws, &eb);
     top_of(d, m, k);
     for (int32_t j = 0; j < n_jobs; j++) {
@@ -375,8 +392,7 @@ static void expand_all(drafter *d, tree_job *jobs, int32_t n_jobs, int32_t k) {
         float probs[TREE_MAX_TOPK * TREE_MAX_TOPK];
         int32_t nf = b->n_frontier, frontier[TREE_MAX_TOPK];
         memcpy(frontier, b->frontier, sizeof frontier);
-        for (int32_t i = 0; i < nf; i++)
-            children_of(d, job->first_row + i, k, toks + i * k, probs + i * k);
+        for (int32_t i = 0; i < nf; i++) children_of(d, job->first_row + i, k, toks + i * k, probs + i * k);
         tree_expand(b, k, toks, probs);
         /* The nodes just run are the parents of the next frontier, whose
          * pass reads their hidden states from these rows. */

@@ -52,7 +52,7 @@ static void shape_text(char *buf, size_t size, const safetensors_tensor *t) {
 /* The tensor `name`, which must have shape [rows, cols] (rows = 0: a
  * vector of cols). `why` says where the expected shape comes from. */
 static const safetensors_tensor *find_shaped(const safetensors_model *st, const char *name, int64_t rows, int64_t cols,
-                                    const char *why, ae_error *err) {
+                                             const char *why, ae_error *err) {
     const safetensors_tensor *t = safetensors_model_find(st, name);
     if (!t) return err_set(err, "tensor %s is missing", name), NULL;
     bool ok = rows == 0 ? (t->n_dims == 1 && (int64_t)t->shape[0] == cols)
@@ -101,15 +101,19 @@ static int load_matrix(eagle_head *h, const safetensors_model *st, const char *n
             *w = (kn_weight){.type = GGML_TYPE_Q8_0, .rows = rows, .cols = cols, .data = q, .row_bytes = row_bytes};
             size_t packed = kn_weight_packed_bytes(w);
             float *p = packed ? own_floats(h, (packed + 3) / 4, err) : NULL;
-            if (packed && !p) rc = AE_ERR;
-            else if (packed) kn_weight_pack(w, p);
+            if (packed && !p)
+                rc = AE_ERR;
+            else if (packed)
+                kn_weight_pack(w, p);
         } else {
             rc = AE_ERR;
         }
         free(tmp);
         return rc;
     }
-    ggml_type type = t->dtype == SAFETENSORS_F16 ? GGML_TYPE_F16 : t->dtype == SAFETENSORS_BF16 ? GGML_TYPE_BF16 : GGML_TYPE_F32;
+    ggml_type type = t->dtype == SAFETENSORS_F16    ? GGML_TYPE_F16
+                     : t->dtype == SAFETENSORS_BF16 ? GGML_TYPE_BF16
+                                                    : GGML_TYPE_F32;
     size_t elem = type == GGML_TYPE_F32 ? sizeof(float) : 2;
     /* own_floats counts floats: a 16-bit matrix takes half as many. */
     float *buf = own_floats(h, (t->n_elements * elem + sizeof(float) - 1) / sizeof(float), err);
@@ -124,9 +128,12 @@ static int load_matrix(eagle_head *h, const safetensors_model *st, const char *n
 }
 
 int eagle_weights_parse(const char *text, eagle_weights *out, ae_error *err) {
-    if (!strcmp(text, "file")) *out = EAGLE_WEIGHTS_FILE;
-    else if (!strcmp(text, "q8_0")) *out = EAGLE_WEIGHTS_Q8_0;
-    else return err_set(err, "draft weights \"%s\": expected file or q8_0", text);
+    if (!strcmp(text, "file"))
+        *out = EAGLE_WEIGHTS_FILE;
+    else if (!strcmp(text, "q8_0"))
+        *out = EAGLE_WEIGHTS_Q8_0;
+    else
+        return err_set(err, "draft weights \"%s\": expected file or q8_0", text);
     return AE_OK;
 }
 
@@ -139,7 +146,8 @@ static int load_vocab_map(eagle_head *h, const safetensors_model *st, ae_error *
     const safetensors_tensor *t = safetensors_model_find(st, "d2t");
     if (!t) {
         if (Vd != V)
-            return err_set(err, "tensor d2t is missing (needed: the draft vocabulary has %d ids, the target %d)", Vd, V);
+            return err_set(err, "tensor d2t is missing (needed: the draft vocabulary has %d ids, the target %d)", Vd,
+                           V);
         for (int32_t i = 0; i < Vd; i++) h->draft_to_target[i] = i;
         return AE_OK;
     }
@@ -200,8 +208,8 @@ static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     c->ffn = hc.intermediate_size;
     c->draft_vocab = hc.draft_vocab_size > 0 ? hc.draft_vocab_size : t->vocab;
     if (c->draft_vocab > t->vocab)
-        return err_set(err, "%s: draft_vocab_size %d is larger than the target's vocabulary %d", path,
-                       c->draft_vocab, t->vocab);
+        return err_set(err, "%s: draft_vocab_size %d is larger than the target's vocabulary %d", path, c->draft_vocab,
+                       t->vocab);
     c->rms_eps = (float)hc.rms_norm_eps;
     if (c->head_dim % 8 != 0 || c->head_dim > KN_MAX_HEAD_DIM)
         return err_set(err, "%s: head_dim %d must be a multiple of 8 up to %d", path, c->head_dim, KN_MAX_HEAD_DIM);
@@ -209,12 +217,12 @@ static int load_config(eagle_head *h, const char *dir, ae_error *err) {
     c->n_aux_layers = 0;
     if (hc.n_aux_layers > 0) {
         if (hc.n_aux_layers != EAGLE_N_AUX)
-            return err_set(err, "%s: eagle_aux_hidden_state_layer_ids has %u ids, expected %d", path,
-                           hc.n_aux_layers, EAGLE_N_AUX);
+            return err_set(err, "%s: eagle_aux_hidden_state_layer_ids has %u ids, expected %d", path, hc.n_aux_layers,
+                           EAGLE_N_AUX);
         for (int i = 0; i < EAGLE_N_AUX; i++) {
             if (hc.aux_layer_ids[i] < 0 || hc.aux_layer_ids[i] > t->n_layers)
-                return err_set(err, "%s: eagle_aux_hidden_state_layer_ids[%d] = %d is outside the target's 0..%d",
-                               path, i, hc.aux_layer_ids[i], t->n_layers);
+                return err_set(err, "%s: eagle_aux_hidden_state_layer_ids[%d] = %d is outside the target's 0..%d", path,
+                               i, hc.aux_layer_ids[i], t->n_layers);
             c->aux_layers[i] = hc.aux_layer_ids[i];
         }
         c->n_aux_layers = EAGLE_N_AUX;
@@ -328,8 +336,8 @@ static void ews_sizes(const eagle_head *hd, int32_t T, size_t sz[EWS_BUFS]) {
     const eagle_config *c = &hd->cfg;
     size_t t = (size_t)T, H = (size_t)c->hidden, F = (size_t)c->ffn, QD = (size_t)c->n_heads * (size_t)c->head_dim,
            KD = (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    size_t v[EWS_BUFS] = {t * H, t * H, 2 * t * H, t * QD, t * KD, t * KD, t * QD, t * H, t * F, t * F, t * H,
-                          t * (size_t)c->head_dim};
+    size_t v[EWS_BUFS] = {t * H,  t * H, 2 * t * H, t * QD, t * KD, t * KD,
+                          t * QD, t * H, t * F,     t * F,  t * H,  t * (size_t)c->head_dim};
     memcpy(sz, v, sizeof v);
 }
 
@@ -361,7 +369,7 @@ int eagle_ws_init(eagle_ws **out, const eagle_head *hd, int32_t max_tokens, ae_e
     }
     size_t sz[EWS_BUFS];
     ews_sizes(hd, max_tokens, sz);
-    float **slots[EWS_BUFS] = {&ws->h,    &ws->e,    &ws->x,  &ws->q,     &ws->k,   &ws->v,
+    float **slots[EWS_BUFS] = {&ws->h,    &ws->e,    &ws->x,    &ws->q,  &ws->k,     &ws->v,
                                &ws->attn, &ws->proj, &ws->gate, &ws->up, &ws->out_x, &ws->rope};
     char *p = ws->block.ptr;
     for (int i = 0; i < EWS_BUFS; i++) {

@@ -85,15 +85,15 @@ typedef struct eagle_head {
     const float *hidden_norm;
     const float *post_norm;
     const float *out_norm;
-    kn_weight wq, wk, wv;    /* [heads*D][2H], [kv_heads*D][2H] x2 */
-    kn_weight wo;            /* [H][heads*D] */
-    kn_weight gate, up;      /* [F][H] */
-    kn_weight down;          /* [H][F] */
-    kn_weight lm_head;       /* [draft_vocab][H] */
+    kn_weight wq, wk, wv;     /* [heads*D][2H], [kv_heads*D][2H] x2 */
+    kn_weight wo;             /* [H][heads*D] */
+    kn_weight gate, up;       /* [F][H] */
+    kn_weight down;           /* [H][F] */
+    kn_weight lm_head;        /* [draft_vocab][H] */
     int32_t *draft_to_target; /* [draft_vocab] target id of each draft id */
     kn_rope rope;
     eagle_weights weights;
-    size_t weight_bytes;     /* bytes of the matrices and vectors as held */
+    size_t weight_bytes; /* bytes of the matrices and vectors as held */
     char dir[1024];
     /* Where it runs: the backend of the target's embedding table, which
      * the head reads. On one whose memory is not the host's (CUDA), the
@@ -102,7 +102,7 @@ typedef struct eagle_head {
     const kn_backend *be;
     kn_buf *bufs;
     int32_t n_bufs;
-    float **owned;           /* converted buffers (host) */
+    float **owned; /* converted buffers (host) */
     int32_t n_owned;
 } eagle_head;
 
@@ -129,15 +129,15 @@ void eagle_resolve_dir(struct config *c);
 
 typedef struct eagle_batch {
     int32_t m;
-    const int32_t *tokens;  /* [m] target ids */
-    const float *in;        /* [m][in_width] features (3H) or fed-back hidden states (H) */
+    const int32_t *tokens; /* [m] target ids */
+    const float *in;       /* [m][in_width] features (3H) or fed-back hidden states (H) */
     int32_t in_width;
-    const int32_t *pos;     /* [m] */
-    const kn_kv_map *map;   /* where each token reads and writes the head's KV */
-    float *hidden;          /* [m][H] pre-norm outputs */
+    const int32_t *pos;   /* [m] */
+    const kn_kv_map *map; /* where each token reads and writes the head's KV */
+    float *hidden;        /* [m][H] pre-norm outputs */
     int32_t n_logits;
     const int32_t *logit_rows; /* [n_logits] */
-    float *logits;          /* [n_logits][draft_vocab] */
+    float *logits;             /* [n_logits][draft_vocab] */
 } eagle_batch;
 
 typedef struct eagle_ws eagle_ws;

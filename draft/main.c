@@ -13,11 +13,13 @@
 #include "draft_server.h"
 
 static const config_option opts[] = {
-    {"model", CONFIG_STRING, NULL, 0, 0, "the target model (.gguf or Hugging Face directory): the head reads its embedding table"},
+    {"model", CONFIG_STRING, NULL, 0, 0,
+     "the target model (.gguf or Hugging Face directory): the head reads its embedding table"},
     {"device", CONFIG_STRING, "auto", 0, 0,
      "where the head runs: auto (cuda:0 when build/libaerie-cuda.so loads and a GPU is usable, else cpu), cpu, "
      "cuda or cuda:N (its own GPU, beside the target's)"},
-    {"draft", CONFIG_STRING, "auto", 0, 0, "EAGLE-3 head directory (auto: the head trained for this model file, found beside it)"},
+    {"draft", CONFIG_STRING, "auto", 0, 0,
+     "EAGLE-3 head directory (auto: the head trained for this model file, found beside it)"},
     {"draft-weights", CONFIG_STRING, "q8_0", 0, 0,
      "the head's matrices rounded to Q8_0 (q8_0: half the bytes per draft pass), or as the file has them (file)"},
     {"listen", CONFIG_STRING, "auto", 0, 0,
@@ -25,7 +27,8 @@ static const config_option opts[] = {
     {"tls-cert", CONFIG_STRING, NULL, 0, 0, "TLS 1.3 certificate chain (PEM); with tls-key, the link is TLS"},
     {"tls-key", CONFIG_STRING, NULL, 0, 0, "TLS private key (PEM)"},
     {"tls-client-ca", CONFIG_STRING, NULL, 0, 0, "demand client certificates signed by this CA (mutual TLS)"},
-    {"max-seqs", CONFIG_INT, "256", 64, 4096, "sequences whose draft state is kept at once (least recently used evicted)"},
+    {"max-seqs", CONFIG_INT, "256", 64, 4096,
+     "sequences whose draft state is kept at once (least recently used evicted)"},
     {"max-seq-len", CONFIG_INT, "4096", 64, 1 << 24, "pairs of draft state one sequence keeps"},
     {"max-frame-mib", CONFIG_INT, "64", 1, 1024, "largest RPC frame accepted, MiB"},
     {"max-conns", CONFIG_INT, "256", 1, 65536, "connections open at once"},
@@ -33,15 +36,16 @@ static const config_option opts[] = {
      "compute threads (auto: the CPUs this process may use; beside a draft or target on the same cores too, "
      "since the two take turns within each step: README, Threads)"},
     SVC_ACT_BITS_OPTION,
-    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0, "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
+    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0,
+     "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},
     {"log-level", CONFIG_STRING, "info", 0, 0, "debug, info, warn, error or off"},
 };
 
 /* The plan: the target's embedding table + head + drafter state, against
  * mem-fraction x available: the host's memory, or on a GPU what was free
  * on it when it was opened. */
-static int plan_memory(config *c, const kn_device *dev, const embedding *m, const eagle_head *h, const draft_server_config *dc,
-                       char *text, size_t cap, ae_error *err) {
+static int plan_memory(config *c, const kn_device *dev, const embedding *m, const eagle_head *h,
+                       const draft_server_config *dc, char *text, size_t cap, ae_error *err) {
     uint64_t avail;
     char where[64] = "available";
     if (dev->kind == KN_DEVICE_CUDA) {
@@ -68,25 +72,27 @@ static int plan_memory(config *c, const kn_device *dev, const embedding *m, cons
              "head weights = %s\n"
              "draft state = max-seqs %d x max-seq-len %d pairs of head KV, plus scratch = %s\n"
              "total = %s %s budget",
-             frac, where, b[0], b[1], b[2], b[3], dc->max_keys, dc->max_seq_len, b[4], tot, total <= budget ? "<=" : ">");
+             frac, where, b[0], b[1], b[2], b[3], dc->max_keys, dc->max_seq_len, b[4], tot,
+             total <= budget ? "<=" : ">");
     uint64_t host = draft_server_host_bytes(h, dc);
     if (host && strlen(text) + 96 < cap) {
         char hb[32];
         hostmem_fmt_bytes(host, hb, sizeof hb);
-        snprintf(text + strlen(text), cap - strlen(text), "\nhost memory besides = %s (draft probabilities, pass arrays)",
-                 hb);
+        snprintf(text + strlen(text), cap - strlen(text),
+                 "\nhost memory besides = %s (draft probabilities, pass arrays)", hb);
     }
     if (total > budget) {
         uint64_t per_seq = state / (uint64_t)dc->max_keys;
-        int64_t fit = per_seq ? (int64_t)((budget > m->bytes + h->weight_bytes
-                                               ? budget - m->bytes - h->weight_bytes
-                                               : 0) /
-                                          per_seq)
-                              : 0;
+        int64_t fit =
+            per_seq
+                ? (int64_t)((budget > m->bytes + h->weight_bytes ? budget - m->bytes - h->weight_bytes : 0) / per_seq)
+                : 0;
         for (char *p = text; *p; p++)
             if (*p == '\n') *p = ';';
-        return err_set(err, "memory plan does not fit: %s. Lower --max-seqs (about %lld fit) or --max-seq-len, or raise --mem-fraction",
-                       text, (long long)fit);
+        return err_set(
+            err,
+            "memory plan does not fit: %s. Lower --max-seqs (about %lld fit) or --max-seq-len, or raise --mem-fraction",
+            text, (long long)fit);
     }
     return AE_OK;
 }
@@ -139,8 +145,8 @@ int main(int argc, char **argv) {
         goto out;
     eagle_target t = embedding_of(&m);
     if (eagle_load(&h, dir, &t, held_as, &err) != AE_OK) goto out;
-    draft_server_config dc = {(int32_t)config_int(c, "max-seqs"), (int32_t)config_int(c, "max-seq-len"), DRAFT_SERVER_PASS_PAIRS,
-                      (int32_t)config_int(c, "threads"), act_bits};
+    draft_server_config dc = {(int32_t)config_int(c, "max-seqs"), (int32_t)config_int(c, "max-seq-len"),
+                              DRAFT_SERVER_PASS_PAIRS, (int32_t)config_int(c, "threads"), act_bits};
     char plan[2048];
     if (plan_memory(c, &dev, &m, h, &dc, plan, sizeof plan, &err) != AE_OK) goto out;
     if (print_config) {
@@ -167,7 +173,8 @@ int main(int argc, char **argv) {
     };
     if (rpc_loop_start(&loop, &err) != AE_OK || rpc_server_open(&srv, loop, &sc, &err) != AE_OK) goto out;
     /* Watched: the RPC loop and the draft worker. */
-    if (watchdog_init(&w, watchdog_env_interval_us(), &err) != AE_OK || watchdog_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
+    if (watchdog_init(&w, watchdog_env_interval_us(), &err) != AE_OK ||
+        watchdog_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
         goto out;
     watchdog_set_process(w);
     draft_server_watch(d, w);
@@ -189,7 +196,7 @@ int main(int argc, char **argv) {
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-draft: %s\n", err.msg);
     rpc_server_close(srv);
-    draft_server_free(d);   /* joins the worker, which beats w */
+    draft_server_free(d); /* joins the worker, which beats w */
     watchdog_free(w);     /* its timer lives on the loop, freed below */
     rpc_loop_free(loop);
     eagle_free(h);

@@ -54,11 +54,11 @@ typedef struct tree_cand {
 typedef struct tree_build {
     tree_params params;
     int32_t root_token;
-    int32_t depth;                       /* tree_expand calls so far */
+    int32_t depth; /* tree_expand calls so far */
     int32_t n_pool;
     tree_cand pool[TREE_MAX_POOL];
     int32_t n_frontier;
-    int32_t frontier[TREE_MAX_TOPK];     /* pool indices; -1 = the root */
+    int32_t frontier[TREE_MAX_TOPK]; /* pool indices; -1 = the root */
 } tree_build;
 
 /* A finished tree (plain data; what the verifier takes). */

@@ -23,7 +23,7 @@
 /* ---- replies ---- */
 
 void gateway_reply_json(gateway *g, http_req *h, metrics_route route, int status, const char *body, size_t len,
-                   const char *extra) {
+                        const char *extra) {
     if (route < METRICS_ROUTES) metrics_request(&g->met, route, status);
     http_respond(h, status, "application/json", extra, body, len);
 }
@@ -32,8 +32,10 @@ void gateway_reply_error(gateway *g, http_req *h, metrics_route route, const oai
     char *json = oai_error_json(e);
     const char *body = json ? json : OAI_OOM_JSON;
     const char *extra = NULL;
-    if (e->status == 429 || e->status == 503) extra = "Retry-After: 1\r\n";
-    else if (e->status == 401) extra = "WWW-Authenticate: Bearer\r\n";
+    if (e->status == 429 || e->status == 503)
+        extra = "Retry-After: 1\r\n";
+    else if (e->status == 401)
+        extra = "WWW-Authenticate: Bearer\r\n";
     if (e->status >= 500 || e->status == 429)
         LOG_INFOF("request_refused status=%d peer=%s reason=\"%s\"", e->status, http_req_peer(h), e->message);
     gateway_reply_json(g, h, route, e->status, body, strlen(body), extra);
@@ -42,8 +44,10 @@ void gateway_reply_error(gateway *g, http_req *h, metrics_route route, const oai
 
 void gateway_reply_jbuf(gateway *g, http_req *h, metrics_route route, jbuf *b) {
     oai_error e;
-    if (b->oom) gateway_reply_error(g, h, route, (oai_oom(&e), &e));
-    else gateway_reply_json(g, h, route, 200, b->p, b->len, NULL);
+    if (b->oom)
+        gateway_reply_error(g, h, route, (oai_oom(&e), &e));
+    else
+        gateway_reply_json(g, h, route, 200, b->p, b->len, NULL);
 }
 
 static size_t http_error_body(void *ctx, int status, const char *message, char *out, size_t cap,
@@ -84,7 +88,8 @@ static int with_tools(const gateway *g, const oai_request *o, chat_msg **msgs, s
     if (o->n_tools == 0) return AE_OK;
     bool has_sys = o->n_msgs > 0 && strcmp(o->msgs[0].role, "system") == 0;
     const char *base = has_sys ? o->msgs[0].content : chat_default_system(g->cfg.chat);
-    size_t len = (base ? strlen(base) + 2 : 0) + sizeof TOOL_PROMPT_HEAD + strlen(o->tools_json) + sizeof TOOL_PROMPT_TAIL;
+    size_t len =
+        (base ? strlen(base) + 2 : 0) + sizeof TOOL_PROMPT_HEAD + strlen(o->tools_json) + sizeof TOOL_PROMPT_TAIL;
     *sys = malloc(len);
     *msgs = malloc(sizeof(chat_msg) * (o->n_msgs + 1));
     if (!*sys || !*msgs) {
@@ -105,7 +110,8 @@ static int with_tools(const gateway *g, const oai_request *o, chat_msg **msgs, s
  * the generation prompt when add_gen) or a prompt's text or ids. Runs on a
  * tokenizing worker: it reads only o and the immutable tokenizer and
  * template. */
-static int encode_prompt(const gateway *g, const oai_request *o, bool add_gen, int32_t **ids, int32_t *n, oai_error *e) {
+static int encode_prompt(const gateway *g, const oai_request *o, bool add_gen, int32_t **ids, int32_t *n,
+                         oai_error *e) {
     *ids = NULL;
     *n = 0;
     if (o->prompt_ids || (o->kind == OAI_COMPLETION && !o->prompt)) {
@@ -266,15 +272,17 @@ static void on_finished(evutil_socket_t fd, short what, void *arg) {
 }
 
 void gateway_job_submit(gateway *g, gateway_job *j, http_req *h, gateway_job_what what, oai_kind kind, oai_request *o,
-                    void (*done)(gateway_job *)) {
+                        void (*done)(gateway_job *)) {
     size_t len;
     const char *body = http_req_body(h, &len);
-    *j = (gateway_job){.body = body, .len = len, .what = what, .kind = kind, .o = o, .add_gen = true, .done = done,
-                .rc = AE_ERR};
+    *j = (gateway_job){
+        .body = body, .len = len, .what = what, .kind = kind, .o = o, .add_gen = true, .done = done, .rc = AE_ERR};
     g->jobs++;
     pthread_mutex_lock(&g->tmu);
-    if (g->todo_last) g->todo_last->next = j;
-    else g->todo = j;
+    if (g->todo_last)
+        g->todo_last->next = j;
+    else
+        g->todo = j;
     g->todo_last = j;
     pthread_cond_signal(&g->tcv);
     pthread_mutex_unlock(&g->tmu);
@@ -346,7 +354,6 @@ int gateway_no_target(gateway *g, oai_error *e) {
 
 /* ---- the other routes ---- */
 
-
 static int reply_too_large(oai_error *e, const char *what, size_t bytes) {
     return oai_fail(e, 413, "invalid_request_error", "reply_too_large", NULL,
                     "the %s would be over %zu bytes (the limit is %u); send less at once", what, bytes,
@@ -364,7 +371,8 @@ static void on_tokenized(gateway_job *j);
 
 /* /tokenize and /detokenize: a worker does the job (parsing the body into
  * the request's oai_request when parse), and done answers on the loop. */
-static void submit_tokreq(gateway *g, http_req *h, metrics_route route, gateway_job_what what, bool parse, void (*done)(gateway_job *)) {
+static void submit_tokreq(gateway *g, http_req *h, metrics_route route, gateway_job_what what, bool parse,
+                          void (*done)(gateway_job *)) {
     oai_error e;
     tokreq *t = calloc(1, sizeof *t);
     if (!t) return gateway_reply_error(g, h, route, (oai_oom(&e), &e));
@@ -487,8 +495,10 @@ out:
 
 static void on_detokenized(gateway_job *j) {
     tokreq *t = (tokreq *)(void *)((char *)j - offsetof(tokreq, job));
-    if (j->rc != AE_OK) gateway_reply_error(t->g, t->h, METRICS_DETOKENIZE, &j->e);
-    else gateway_reply_jbuf(t->g, t->h, METRICS_DETOKENIZE, &j->reply);
+    if (j->rc != AE_OK)
+        gateway_reply_error(t->g, t->h, METRICS_DETOKENIZE, &j->e);
+    else
+        gateway_reply_jbuf(t->g, t->h, METRICS_DETOKENIZE, &j->reply);
     jbuf_free(&j->reply);
     free(t);
 }
@@ -556,24 +566,29 @@ static void handle_server_info(gateway *g, http_req *h) {
     jbuf_str(&b, "{\"gateway\":{\"service\":\"aerie-gateway\",\"model\":");
     jbuf_quote(&b, g->cfg.model_name, strlen(g->cfg.model_name));
     jbuf_printf(&b, ",\"vocab\":%d,\"tokenizer\":\"%s\",\"chat_template\":", tok_vocab_size(g->cfg.tok),
-              tok_pre_name(tok_pre_kind(g->cfg.tok)));
-    if (g->cfg.chat) jbuf_printf(&b, "\"%s\"", chat_variant_name(g->cfg.chat));
-    else jbuf_str(&b, "null");
-    jbuf_printf(&b, ",\"context\":%d,\"inflight\":%d,\"connections\":%d,\"config\":%s,\"memory_plan\":", gateway_context_len(g),
-              g->inflight, http_server_conns(g->http), g->cfg.config_json ? g->cfg.config_json : "{}");
+                tok_pre_name(tok_pre_kind(g->cfg.tok)));
+    if (g->cfg.chat)
+        jbuf_printf(&b, "\"%s\"", chat_variant_name(g->cfg.chat));
+    else
+        jbuf_str(&b, "null");
+    jbuf_printf(
+        &b, ",\"context\":%d,\"inflight\":%d,\"connections\":%d,\"config\":%s,\"memory_plan\":", gateway_context_len(g),
+        g->inflight, http_server_conns(g->http), g->cfg.config_json ? g->cfg.config_json : "{}");
     jbuf_quote(&b, g->cfg.memory_plan ? g->cfg.memory_plan : "", g->cfg.memory_plan ? strlen(g->cfg.memory_plan) : 0);
     /* What the API honours (README.md, "API"). */
-    jbuf_printf(&b, ",\"features\":{\"n_max\":%d,\"logprobs\":true,\"top_logprobs_max\":%d,"
-                    "\"logprobs_source\":\"raw logits, before penalties, biases, masks and temperature\","
-                    "\"sampling\":[\"temperature\",\"top_p\",\"top_k\",\"min_p\",\"seed\"],"
-                    "\"penalties\":[\"presence_penalty\",\"frequency_penalty\",\"repetition_penalty\","
-                    "\"logit_bias\",\"min_tokens\",\"stop_token_ids\"],"
-                    "\"response_format\":[\"text\",\"json_object\",\"json_schema\"],"
-                    "\"json_schema_keywords\":[\"type\",\"properties\",\"required\",\"additionalProperties (false)\","
-                    "\"enum\",\"const\",\"anyOf\",\"items\",\"minItems\",\"maxItems\",\"minLength\",\"maxLength\","
-                    "\"minimum\",\"maximum\",\"exclusiveMinimum\",\"exclusiveMaximum\",\"$ref\",\"$defs\","
-                    "\"definitions\"],\"tools\":[\"none\",\"auto\",\"required\",\"function\"],\"speculative_decoding\":\"EAGLE-3, lossless\"}",
-                OAI_MAX_N, OAI_MAX_TOP_LOGPROBS);
+    jbuf_printf(
+        &b,
+        ",\"features\":{\"n_max\":%d,\"logprobs\":true,\"top_logprobs_max\":%d,"
+        "\"logprobs_source\":\"raw logits, before penalties, biases, masks and temperature\","
+        "\"sampling\":[\"temperature\",\"top_p\",\"top_k\",\"min_p\",\"seed\"],"
+        "\"penalties\":[\"presence_penalty\",\"frequency_penalty\",\"repetition_penalty\","
+        "\"logit_bias\",\"min_tokens\",\"stop_token_ids\"],"
+        "\"response_format\":[\"text\",\"json_object\",\"json_schema\"],"
+        "\"json_schema_keywords\":[\"type\",\"properties\",\"required\",\"additionalProperties (false)\","
+        "\"enum\",\"const\",\"anyOf\",\"items\",\"minItems\",\"maxItems\",\"minLength\",\"maxLength\","
+        "\"minimum\",\"maximum\",\"exclusiveMinimum\",\"exclusiveMaximum\",\"$ref\",\"$defs\","
+        "\"definitions\"],\"tools\":[\"none\",\"auto\",\"required\",\"function\"],\"speculative_decoding\":\"EAGLE-3, lossless\"}",
+        OAI_MAX_N, OAI_MAX_TOP_LOGPROBS);
     jbuf_str(&b, "},");
     /* peers is {"targets": [...], "drafts": [...]}: its members join ours. */
     jbuf_add(&b, peers + 1, strlen(peers) - 1);
@@ -614,8 +629,8 @@ static void handle_model_list(gateway *g, http_req *h) { handle_models(g, h, NUL
 /* The routes. /v1/models/{id} is matched by its prefix, after these. */
 typedef struct gateway_route {
     const char *path;
-    bool post;       /* else GET */
-    bool open;       /* no API key: a load balancer's probe and Prometheus; GET only, else 404 */
+    bool post;           /* else GET */
+    bool open;           /* no API key: a load balancer's probe and Prometheus; GET only, else 404 */
     metrics_route route; /* counted under (METRICS_ROUTES: not counted) */
     void (*handle)(gateway *g, http_req *h);
 } gateway_route;

@@ -39,7 +39,7 @@
  * name a huge text (1 MiB of one whitespace token's id decodes to 11 MB),
  * and a whole reply is queued whatever the client reads. */
 #define GATEWAY_MAX_REPLY_BYTES GATEWAY_MAX_UNSENT_BYTES
-#define GATEWAY_TOK_WORKERS 2               /* threads that render and tokenize prompts */
+#define GATEWAY_TOK_WORKERS 2 /* threads that render and tokenize prompts */
 /* What one worker holds at most for a body of b bytes, summed though
  * not all at once: the JSON tree (a cJSON node and malloc's overhead, 80
  * bytes, for every 2 bytes of "1,1,..."), the parsed request's copy of the
@@ -67,9 +67,9 @@ typedef struct gateway_config {
     int idle_timeout_ms;
     const char *const *api_keys; /* n_api_keys == 0: no key needed */
     int n_api_keys;
-    const char *config_json;    /* the gateway's resolved settings, for /server_info */
-    const char *memory_plan;    /* its buffers' worst case as arithmetic, for /server_info */
-    int log_interval_ms;        /* 0: no periodic load line */
+    const char *config_json; /* the gateway's resolved settings, for /server_info */
+    const char *memory_plan; /* its buffers' worst case as arithmetic, for /server_info */
+    int log_interval_ms;     /* 0: no periodic load line */
 } gateway_config;
 
 typedef struct gateway gateway;

@@ -32,13 +32,13 @@ struct gateway_job {
     oai_kind kind; /* TJOB_GENERATE: of this kind */
     void (*done)(gateway_job *j);
     /* the result */
-    int rc;          /* AE_ERR: e says why */
+    int rc; /* AE_ERR: e says why */
     oai_error e;
-    oai_request *o;  /* the parsed request; owned by whoever embeds the job */
-    bool add_gen;    /* the generation prompt is rendered */
-    int32_t *ids;    /* [n], malloc'd; the done callback takes it */
+    oai_request *o; /* the parsed request; owned by whoever embeds the job */
+    bool add_gen;   /* the generation prompt is rendered */
+    int32_t *ids;   /* [n], malloc'd; the done callback takes it */
     int32_t n;
-    jbuf reply;      /* TJOB_TOKENIZE: the ids' JSON list; TJOB_DETOKENIZE: the whole body */
+    jbuf reply; /* TJOB_TOKENIZE: the ids' JSON list; TJOB_DETOKENIZE: the whole body */
 };
 
 struct gateway {
@@ -68,7 +68,8 @@ struct gateway {
 
 /* Answers h with body[0..len) as JSON, counted under route (METRICS_ROUTES:
  * not counted); extra: more header lines, or NULL. */
-void gateway_reply_json(gateway *g, http_req *h, metrics_route route, int status, const char *body, size_t len, const char *extra);
+void gateway_reply_json(gateway *g, http_req *h, metrics_route route, int status, const char *body, size_t len,
+                        const char *extra);
 /* Answers h with e as an OpenAI error object (and Retry-After or
  * WWW-Authenticate where e's status calls for one). */
 void gateway_reply_error(gateway *g, http_req *h, metrics_route route, const oai_error *e);
@@ -83,6 +84,6 @@ int gateway_no_target(gateway *g, oai_error *e);
 /* Hands j (its body h's) to a tokenizing worker; done runs on the loop
  * thread once it is finished. */
 void gateway_job_submit(gateway *g, gateway_job *j, http_req *h, gateway_job_what what, oai_kind kind, oai_request *o,
-                    void (*done)(gateway_job *j));
+                        void (*done)(gateway_job *j));
 
 #endif

@@ -29,7 +29,7 @@ _Static_assert(ROUTER_MAX_TARGETS <= 64, "a request's failed replicas are bits o
 
 /* One of a request's choices as the gateway turns it into text. */
 typedef struct gchoice {
-    int32_t n_out;      /* tokens taken */
+    int32_t n_out; /* tokens taken */
     detok *dt;
     stop_matcher *sm;
     char *piece, *text; /* [detok_max_out], [stop_max_out] */
@@ -60,22 +60,22 @@ typedef struct greq {
     int32_t n_taken; /* tokens taken over all choices */
     gchoice *ch;     /* [n] */
     uint64_t seed;
-    int replica;     /* -1: no call */
-    uint64_t tried;  /* replicas that failed this request */
+    int replica;    /* -1: no call */
+    uint64_t tried; /* replicas that failed this request */
     uint32_t call_id;
-    jbuf ev;                /* streamed: the next event */
-    jbuf head;              /* streamed: the start of every chunk */
-    bool started;           /* the stream's head was sent */
-    bool gone;              /* the client went away */
-    bool target_cancelled;  /* the target cancelled it (shutting down, or a Cancel by id) */
+    jbuf ev;               /* streamed: the next event */
+    jbuf head;             /* streamed: the start of every chunk */
+    bool started;          /* the stream's head was sent */
+    bool gone;             /* the client went away */
+    bool target_cancelled; /* the target cancelled it (shutting down, or a Cancel by id) */
     double t_arrive, t_first, t_last;
-    aerie_SpecStats spec;   /* summed over the choices */
+    aerie_SpecStats spec; /* summed over the choices */
     bool has_spec;
     /* Non-streamed: the reply's size as it stands (its choices' text and
      * log-probabilities so far, the finish reasons and usage counted at
      * their shortest until known), kept under max-reply-bytes as it grows. */
     size_t reply_bytes;
-    bool too_large;         /* it passed max-reply-bytes: the request ends with reply_too_large */
+    bool too_large;  /* it passed max-reply-bytes: the request ends with reply_too_large */
     gateway_job job; /* the prompt's tokenizing, before the call */
 } greq;
 
@@ -109,8 +109,8 @@ static render_meta meta(const greq *q) { return (render_meta){q->id, is_chat(q),
  * shortest, while it runs). */
 static render_choice choice_render(const greq *q, const gchoice *ch) {
     return (render_choice){ch->calls ? ch->rest : ch->out.p,
-                           ch->calls ? (ch->rest ? strlen(ch->rest) : 0) : ch->out.len,
-                           q->o.logprobs ? &ch->lp : NULL, render_finish_name(ch->finish), ch->calls};
+                           ch->calls ? (ch->rest ? strlen(ch->rest) : 0) : ch->out.len, q->o.logprobs ? &ch->lp : NULL,
+                           render_finish_name(ch->finish), ch->calls};
 }
 
 /* The whole reply, into b (a counter, JBUF_COUNTER: its size). */
@@ -179,8 +179,10 @@ static void send_chunk(greq *q, int32_t c, const char *text, size_t n, bool role
     render_chunk(b, chunk_head(q), is_chat(q), c, text, n, role, lp ? &ch->lp : NULL, finish, q->o.include_usage);
     if (lp) render_lp_clear(&ch->lp);
     /* Out of memory mid-stream: the chunk is lost, not the gateway. */
-    if (b->oom) LOG_WARNF("chunk_lost id=%s reason=\"out of memory\"", q->id);
-    else http_stream_write(q->http, b->p, b->len);
+    if (b->oom)
+        LOG_WARNF("chunk_lost id=%s reason=\"out of memory\"", q->id);
+    else
+        http_stream_write(q->http, b->p, b->len);
 }
 
 static void stream_start(greq *q) {
@@ -381,8 +383,10 @@ static void finish_ok(greq *q) {
     metrics_hist_observe(&m->prompt_hist, q->n_prompt);
     metrics_hist_observe(&m->generation_hist, q->n_taken);
     for (int32_t c = 0; c < q->n; c++) {
-        if (q->ch[c].finish == aerie_FinishReason_FINISH_LENGTH) m->finish.length++;
-        else m->finish.stop++;
+        if (q->ch[c].finish == aerie_FinishReason_FINISH_LENGTH)
+            m->finish.length++;
+        else
+            m->finish.stop++;
     }
     if (q->has_spec) {
         m->spec_steps += q->spec.steps;
@@ -415,12 +419,11 @@ static void finish_ok(greq *q) {
     }
     double now = clock_mono_seconds();
     metrics_hist_observe(&m->e2e, now - q->t_arrive);
-    LOG_INFOF("request id=%s route=%s target=%s prompt=%d completion=%d n=%d finish=%s ttft_ms=%.1f e2e_ms=%.1f",
-              q->id, is_chat(q) ? "chat" : "completions",
-              q->replica >= 0 ? router_addr(g->cfg.router, q->replica) : "-", q->n_prompt, q->n_taken, q->n, fin,
-              q->t_first ? (q->t_first - q->t_arrive) * 1e3 : -1.0, (now - q->t_arrive) * 1e3);
+    LOG_INFOF("request id=%s route=%s target=%s prompt=%d completion=%d n=%d finish=%s ttft_ms=%.1f e2e_ms=%.1f", q->id,
+              is_chat(q) ? "chat" : "completions", q->replica >= 0 ? router_addr(g->cfg.router, q->replica) : "-",
+              q->n_prompt, q->n_taken, q->n, fin, q->t_first ? (q->t_first - q->t_arrive) * 1e3 : -1.0,
+              (now - q->t_arrive) * 1e3);
 }
-
 
 /* The request failed: an error reply, or an error event when the stream
  * has started. */
@@ -459,8 +462,10 @@ static void on_end(void *ctx, const rpc_reply *r) {
         metrics_request(&g->met, q->route, 499);
         LOG_INFOF("request_cancelled id=%s reason=\"the client went away\" completion=%d", q->id, q->n_taken);
         /* Only frees the request: the client is gone. */
-        if (q->started) http_stream_end(q->http);
-        else http_respond(q->http, 499, "application/json", NULL, NULL, 0);
+        if (q->started)
+            http_stream_end(q->http);
+        else
+            http_respond(q->http, 499, "application/json", NULL, NULL, 0);
         request_done(q);
         return;
     }
@@ -473,8 +478,8 @@ static void on_end(void *ctx, const rpc_reply *r) {
         q->too_large = n.len > g->cfg.max_reply_bytes;
     }
     if (q->too_large) {
-        LOG_WARNF("reply_too_large id=%s reply_bytes=%zu max_reply_bytes=%zu completion=%d n=%d", q->id,
-                  q->reply_bytes, g->cfg.max_reply_bytes, q->n_taken, q->n);
+        LOG_WARNF("reply_too_large id=%s reply_bytes=%zu max_reply_bytes=%zu completion=%d n=%d", q->id, q->reply_bytes,
+                  g->cfg.max_reply_bytes, q->n_taken, q->n);
         reply_too_large(&e, g->cfg.max_reply_bytes);
         finish_error(q, &e);
         request_done(q);
@@ -547,8 +552,7 @@ static int start_call(greq *q, ae_error *err) {
         gr.repetition_penalty = (float)q->o.repetition_penalty;
         gr.min_tokens = (uint32_t)q->o.min_tokens;
         gr.logit_bias_count = (pb_size_t)q->o.n_bias;
-        for (int k = 0; k < q->o.n_bias; k++)
-            gr.logit_bias[k] = (aerie_LogitBias){q->o.bias_id[k], q->o.bias[k]};
+        for (int k = 0; k < q->o.n_bias; k++) gr.logit_bias[k] = (aerie_LogitBias){q->o.bias_id[k], q->o.bias[k]};
         gr.stop_tokens_count = (pb_size_t)q->o.n_stop_ids;
         for (int k = 0; k < q->o.n_stop_ids; k++) gr.stop_tokens[k] = (uint32_t)q->o.stop_ids[k];
         gr.response_format = (uint32_t)q->o.format;
@@ -568,8 +572,7 @@ static int start_call(greq *q, ae_error *err) {
         router_begin(g->cfg.router, i);
         rpc_client *cl = router_client(g->cfg.router, i);
         if (rpc_client_start(cl, aerie_Method_TARGET_GENERATE, buf, len, iov, q->o.format == OAI_JSON_SCHEMA ? 2 : 1, 0,
-                             on_event, on_end, q,
-                             &q->call_id, err) == AE_OK)
+                             on_event, on_end, q, &q->call_id, err) == AE_OK)
             return AE_OK;
         router_end(g->cfg.router, i);
         /* Only a lost connection says the replica is down; a request the
@@ -644,8 +647,8 @@ static void on_prompt_encoded(gateway_job *j) {
         gateway_no_target(g, &e);
         goto refuse;
     }
-    int32_t max_prompt = g->cfg.max_prompt_tokens > 0 && g->cfg.max_prompt_tokens < ctx ? g->cfg.max_prompt_tokens
-                                                                                        : ctx - 1;
+    int32_t max_prompt =
+        g->cfg.max_prompt_tokens > 0 && g->cfg.max_prompt_tokens < ctx ? g->cfg.max_prompt_tokens : ctx - 1;
     if (q->n_prompt < 1) {
         oai_bad(&e, kind == OAI_CHAT ? "messages" : "prompt", "invalid_value", "the prompt has no tokens");
         goto refuse;
@@ -687,8 +690,8 @@ static void on_prompt_encoded(gateway_job *j) {
         gchoice *ch = &q->ch[c];
         ch->lp.chat = kind == OAI_CHAT;
         if (detok_init(&ch->dt, g->cfg.tok, true, &err) != AE_OK ||
-            stop_init(&ch->sm, (const char *const *)q->o.stops, q->o.stop_lens, q->o.n_stops,
-                      detok_max_out(ch->dt) + 3, &err) != AE_OK) {
+            stop_init(&ch->sm, (const char *const *)q->o.stops, q->o.stop_lens, q->o.n_stops, detok_max_out(ch->dt) + 3,
+                      &err) != AE_OK) {
             oai_fail(&e, 500, "server_error", NULL, NULL, "%s", err.msg);
             goto refuse;
         }
@@ -699,8 +702,10 @@ static void on_prompt_encoded(gateway_job *j) {
             goto refuse;
         }
     }
-    if (q->o.has_seed) q->seed = q->o.seed;
-    else if (getrandom(&q->seed, sizeof q->seed, 0) != (ssize_t)sizeof q->seed) q->seed = (uint64_t)(clock_mono_seconds() * 1e9);
+    if (q->o.has_seed)
+        q->seed = q->o.seed;
+    else if (getrandom(&q->seed, sizeof q->seed, 0) != (ssize_t)sizeof q->seed)
+        q->seed = (uint64_t)(clock_mono_seconds() * 1e9);
     uint8_t rnd[12];
     if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd) memset(rnd, 0, sizeof rnd);
     int w = snprintf(q->id, sizeof q->id, "%s-", kind == OAI_CHAT ? "chatcmpl" : "cmpl");

@@ -22,7 +22,7 @@
 
 #include "../services/core/log.h"
 
-#define HTTP_REQS_PER_WAKEUP 16    /* pipelined requests answered in one callback before others get a turn */
+#define HTTP_REQS_PER_WAKEUP 16     /* pipelined requests answered in one callback before others get a turn */
 #define HTTP_FLUSH_TIMEOUT_MS 10000 /* a closing connection's last reply may stall this long */
 #define HTTP_LINGER_MS 2000         /* after the last reply, input is read and dropped this long (see conn_flushed) */
 #define HTTP_ERROR_BODY_MAX 2048    /* bytes of a body built by cfg->error_body */
@@ -58,8 +58,10 @@ static bool list_has(const char *s, const char *token, bool last) {
         const char *t = e;
         while (t > s && is_ows(t[-1])) t--;
         bool match = (size_t)(t - s) == tl && strncasecmp(s, token, tl) == 0;
-        if (last) found = match;
-        else if (match) return true;
+        if (last)
+            found = match;
+        else if (match)
+            return true;
         s = e;
     }
 }
@@ -280,13 +282,13 @@ struct rpc_conn {
     conn_state state;
     bool counted; /* in srv->n_conns (else in srv->n_closing) */
     bool closed;
-    bool drop; /* to be closed from resume: its reader is too slow */
-    bool eof;  /* the client shut its side */
+    bool drop;          /* to be closed from resume: its reader is too slow */
+    bool eof;           /* the client shut its side */
     size_t drop_queued; /* unsent bytes when it was dropped, for the log */
-    int depth; /* conn_process calls on the stack: c is freed after the last */
-    size_t scanned; /* input bytes already searched for the end of the head */
-    http_req *pending; /* head read, body coming */
-    http_req *req;     /* owned by the handler */
+    int depth;          /* conn_process calls on the stack: c is freed after the last */
+    size_t scanned;     /* input bytes already searched for the end of the head */
+    http_req *pending;  /* head read, body coming */
+    http_req *req;      /* owned by the handler */
     char peer[HTTP_PEER_MAX];
     rpc_conn *prev, *next; /* srv->conns */
 };
@@ -328,12 +330,16 @@ static void conn_free(rpc_conn *c) {
 static void conn_unlink(rpc_conn *c) {
     http_server *s = c->srv;
     if (!s) return;
-    if (c->prev) c->prev->next = c->next;
-    else s->conns = c->next;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
     if (c->next) c->next->prev = c->prev;
     c->prev = c->next = NULL;
-    if (c->counted) s->n_conns--;
-    else s->n_closing--;
+    if (c->counted)
+        s->n_conns--;
+    else
+        s->n_closing--;
     c->srv = NULL;
 }
 
@@ -418,8 +424,8 @@ typedef enum framing { FRAMING_LENGTH, FRAMING_CHUNKED, FRAMING_NONE } framing;
 
 static void put_str(struct evbuffer *out, const char *s) { evbuffer_add(out, s, strlen(s)); }
 
-static void put_head(struct evbuffer *out, int status, const char *content_type, const char *extra_headers,
-                     framing f, size_t len, bool keep_alive) {
+static void put_head(struct evbuffer *out, int status, const char *content_type, const char *extra_headers, framing f,
+                     size_t len, bool keep_alive) {
     evbuffer_add_printf(out, "HTTP/1.1 %d %s\r\n", status, http_status_text(status));
     if (content_type) evbuffer_add_printf(out, "Content-Type: %s\r\n", content_type);
     if (f == FRAMING_LENGTH) evbuffer_add_printf(out, "Content-Length: %zu\r\n", len);
@@ -584,9 +590,12 @@ static void on_event(struct bufferevent *bev, short what, void *arg) {
         conn_close(c, evutil_socket_error_to_string(EVUTIL_SOCKET_ERROR()));
     } else if (what & BEV_EVENT_EOF) {
         c->eof = true;
-        if (c->req || c->state == CONN_LINGER) conn_close(c, c->req ? "the client closed the connection" : NULL);
-        else if (evbuffer_get_length(bufferevent_get_output(bev)) == 0) conn_close(c, NULL);
-        else if (c->state != CONN_CLOSING) conn_close_after_flush(c); /* it may still read */
+        if (c->req || c->state == CONN_LINGER)
+            conn_close(c, c->req ? "the client closed the connection" : NULL);
+        else if (evbuffer_get_length(bufferevent_get_output(bev)) == 0)
+            conn_close(c, NULL);
+        else if (c->state != CONN_CLOSING)
+            conn_close_after_flush(c); /* it may still read */
     }
 }
 
@@ -645,8 +654,8 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     bool full = s->n_conns >= s->cfg.max_conns;
     if (full && s->n_closing >= s->cfg.max_conns) {
         /* Refusals are bounded too: past this, not even a 429. */
-        LOG_INFOF("http_refused status=none peer=%s reason=\"%d connections open and %d closing\"", peer,
-                  s->n_conns, s->n_closing);
+        LOG_INFOF("http_refused status=none peer=%s reason=\"%d connections open and %d closing\"", peer, s->n_conns,
+                  s->n_closing);
         evutil_closesocket(fd);
         return;
     }
@@ -660,8 +669,10 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
         LOG_ERRORF("http_out_of_memory peer=%s", peer);
         if (c && c->timer) event_free(c->timer);
         if (c && c->resume) event_free(c->resume);
-        if (c && c->bev) bufferevent_free(c->bev);
-        else evutil_closesocket(fd);
+        if (c && c->bev)
+            bufferevent_free(c->bev);
+        else
+            evutil_closesocket(fd);
         free(c);
         return;
     }
@@ -672,8 +683,10 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     if (s->conns) s->conns->prev = c;
     s->conns = c;
     c->counted = !full;
-    if (full) s->n_closing++;
-    else s->n_conns++;
+    if (full)
+        s->n_closing++;
+    else
+        s->n_conns++;
     if (sa->sa_family == AF_INET || sa->sa_family == AF_INET6) {
         int one = 1; /* SSE events go out as they are written */
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -741,8 +754,8 @@ int http_server_open(http_server **out, struct event_base *base, const http_conf
     s->cfg.host = s->host;
     char port[16];
     snprintf(port, sizeof port, "%d", cfg->port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+    struct addrinfo hints = {
+        .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
     int rc = getaddrinfo(host, port, &hints, &res);
     if (rc != 0) {
         err_set(err, "http: cannot resolve \"%s\": %s", host, gai_strerror(rc));
@@ -760,9 +773,9 @@ int http_server_open(http_server **out, struct event_base *base, const http_conf
         goto fail;
     }
     s->accept_pause = evtimer_new(base, accept_pause_cb, s);
-    s->listener = s->accept_pause ? evconnlistener_new(base, accept_cb, s, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC,
-                                                       -1, fd)
-                                  : NULL;
+    s->listener = s->accept_pause
+                      ? evconnlistener_new(base, accept_cb, s, LEV_OPT_CLOSE_ON_FREE | LEV_OPT_CLOSE_ON_EXEC, -1, fd)
+                      : NULL;
     if (!s->listener) {
         err_set(err, "http: libevent cannot listen on %s:%d", host, cfg->port);
         goto fail;
@@ -835,8 +848,7 @@ static void req_finish(http_req *r, bool keep_alive) {
     timer_arm(c, c->srv->cfg.idle_timeout_ms);
     /* Pipelined requests already read: served from the loop, not from
      * under this call (unless conn_process is below us and goes on). */
-    if (c->depth == 0 && evbuffer_get_length(bufferevent_get_input(c->bev)) > 0)
-        event_active(c->resume, EV_TIMEOUT, 1);
+    if (c->depth == 0 && evbuffer_get_length(bufferevent_get_input(c->bev)) > 0) event_active(c->resume, EV_TIMEOUT, 1);
 }
 
 static bool status_has_body(int status) { return status >= 200 && status != 204 && status != 304; }
@@ -905,8 +917,10 @@ int http_stream_write(http_req *r, const void *data, size_t len) {
     char size[24];
     int sn = snprintf(size, sizeof size, "%zx\r\n", len);
     struct iovec iov[3] = {{size, (size_t)sn}, {(void *)(uintptr_t)data, len}, {(void *)(uintptr_t)"\r\n", 2}};
-    if (r->chunked) send_or_queue(c, iov, 3);
-    else send_or_queue(c, iov + 1, 1);
+    if (r->chunked)
+        send_or_queue(c, iov, 3);
+    else
+        send_or_queue(c, iov + 1, 1);
     return conn_check_out(c, 0) ? AE_OK : AE_ERR;
 }
 

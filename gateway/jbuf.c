@@ -56,8 +56,10 @@ size_t jbuf_quoted_len(const char *s, size_t n) {
     size_t k = n + 2;
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
-        if (c == '"' || c == '\\' || c == '\n') k += 1;
-        else if (c < 0x20) k += 5;
+        if (c == '"' || c == '\\' || c == '\n')
+            k += 1;
+        else if (c < 0x20)
+            k += 5;
     }
     return k;
 }

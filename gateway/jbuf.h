@@ -15,7 +15,7 @@
 typedef struct jbuf {
     char *p; /* NUL-terminated once anything was added */
     size_t len, cap;
-    bool oom; /* an allocation failed: what was added since is lost */
+    bool oom;   /* an allocation failed: what was added since is lost */
     bool count; /* a counter: p stays NULL, len counts */
 } jbuf;
 

@@ -17,7 +17,8 @@
 #include "router.h"
 
 static const config_option opts[] = {
-    {"model", CONFIG_STRING, NULL, 0, 0, "the served model (.gguf or Hugging Face directory): its tokenizer and chat template"},
+    {"model", CONFIG_STRING, NULL, 0, 0,
+     "the served model (.gguf or Hugging Face directory): its tokenizer and chat template"},
     {"model-name", CONFIG_STRING, "auto", 0, 0, "the name clients ask for (auto: the model file's name without .gguf)"},
     {"host", CONFIG_STRING, "127.0.0.1", 0, 0, "HTTP address to listen on"},
     {"port", CONFIG_INT, "8080", 0, 65535, "HTTP port (0: any free one, logged)"},
@@ -26,7 +27,8 @@ static const config_option opts[] = {
     {"tls-ca", CONFIG_STRING, NULL, 0, 0, "speak TLS to targets and drafts; their certificates must chain to this CA"},
     {"tls-cert", CONFIG_STRING, NULL, 0, 0, "client certificate for targets and drafts (mutual TLS)"},
     {"tls-key", CONFIG_STRING, NULL, 0, 0, "client key"},
-    {"api-key-file", CONFIG_STRING, NULL, 0, 0, "API keys, one per line: requests must send 'Authorization: Bearer KEY' (none: open)"},
+    {"api-key-file", CONFIG_STRING, NULL, 0, 0,
+     "API keys, one per line: requests must send 'Authorization: Bearer KEY' (none: open)"},
     {"max-body-bytes", CONFIG_INT, "1048576", 1024, 1 << 30, "largest request body; beyond, 413"},
     {"max-conns", CONFIG_INT, "1024", 1, 65536, "open HTTP connections; beyond, 429"},
     {"max-inflight", CONFIG_INT, "512", 1, 1 << 20, "generation requests at once; beyond, 429"},
@@ -41,8 +43,10 @@ static const config_option opts[] = {
      "built; beyond, the request ends with 400 reply_too_large and its generation is cancelled"},
     {"max-prompt-tokens", CONFIG_INT, "0", 0, 1 << 24, "longest prompt accepted (0: the targets' context less one)"},
     {"max-tokens-limit", CONFIG_INT, "0", 0, 1 << 24, "largest max_tokens accepted (0: the targets' context)"},
-    {"default-max-tokens", CONFIG_INT, "512", 1, 1 << 24, "max_tokens of a request that gives none (capped by the context left)"},
-    {"health-interval-ms", CONFIG_INT, "1000", 50, 600000, "how often each target (and its draft) is asked Health and Info"},
+    {"default-max-tokens", CONFIG_INT, "512", 1, 1 << 24,
+     "max_tokens of a request that gives none (capped by the context left)"},
+    {"health-interval-ms", CONFIG_INT, "1000", 50, 600000,
+     "how often each target (and its draft) is asked Health and Info"},
     {"idle-timeout-s", CONFIG_INT, "60", 1, 86400, "an HTTP connection without a complete request this long is closed"},
     {"max-frame-mib", CONFIG_INT, "64", 1, 1024, "largest RPC frame, MiB"},
     {"log-interval-s", CONFIG_INT, "5", 0, 3600, "seconds between load lines (0: none)"},
@@ -96,19 +100,21 @@ static int plan_memory(const config *c, char *text, size_t cap, ae_error *err) {
     uint64_t whole = reply > GATEWAY_MAX_REPLY_BYTES ? reply : GATEWAY_MAX_REPLY_BYTES;
     uint64_t per = GATEWAY_MAX_HEAD_BYTES + body + GATEWAY_MAX_UNSENT_BYTES + whole, http = conns * per;
     uint64_t building = inflight * 2 * reply;
-    uint64_t worker = GATEWAY_TOK_WORKER_BYTES(body), workers = GATEWAY_TOK_WORKERS * worker, total = http + building + workers;
+    uint64_t worker = GATEWAY_TOK_WORKER_BYTES(body), workers = GATEWAY_TOK_WORKERS * worker,
+             total = http + building + workers;
     uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
     snprintf(text, cap,
              "http buffers, worst case = max-conns %llu x (head %.2f MiB + body %.2f MiB + unsent %.2f MiB + "
              "reply %.2f MiB) = %.1f MiB; replies being built = max-inflight %llu x 2 x %.2f MiB = %.1f MiB; "
              "tokenizer workers = %d x %.2f MiB = %.1f MiB; total = %.1f MiB (%.1f%% of %.1f MiB of memory)",
-             (unsigned long long)conns, mib(GATEWAY_MAX_HEAD_BYTES), mib(body), mib(GATEWAY_MAX_UNSENT_BYTES), mib(whole),
-             mib(http), (unsigned long long)inflight, mib(reply), mib(building), GATEWAY_TOK_WORKERS, mib(worker),
-             mib(workers), mib(total), phys ? 100.0 * (double)total / (double)phys : 0.0, mib(phys));
+             (unsigned long long)conns, mib(GATEWAY_MAX_HEAD_BYTES), mib(body), mib(GATEWAY_MAX_UNSENT_BYTES),
+             mib(whole), mib(http), (unsigned long long)inflight, mib(reply), mib(building), GATEWAY_TOK_WORKERS,
+             mib(worker), mib(workers), mib(total), phys ? 100.0 * (double)total / (double)phys : 0.0, mib(phys));
     if (phys && total > phys / 2) {
         uint64_t half = phys / 2;
-        return err_set(err, "memory plan: %s; it must stay under half of memory: lower --max-conns to %llu or "
-                            "--max-inflight to %llu, or --max-body-bytes or --max-reply-bytes",
+        return err_set(err,
+                       "memory plan: %s; it must stay under half of memory: lower --max-conns to %llu or "
+                       "--max-inflight to %llu, or --max-body-bytes or --max-reply-bytes",
                        text, (unsigned long long)(half > workers + building ? (half - workers - building) / per : 0),
                        (unsigned long long)(half > workers + http ? (half - workers - http) / (2 * reply) : 0));
     }
@@ -189,11 +195,14 @@ int main(int argc, char **argv) {
                   "/v1/completions works\"",
                   model_path, cerr.msg);
     if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
-    if (watchdog_init(&w, watchdog_env_interval_us(), &err) != AE_OK || watchdog_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
+    if (watchdog_init(&w, watchdog_env_interval_us(), &err) != AE_OK ||
+        watchdog_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
         goto out;
-    router_config rc_cfg = {(const char *const *)targets, n_targets,
+    router_config rc_cfg = {(const char *const *)targets,
+                            n_targets,
                             {config_str(c, "tls-cert"), config_str(c, "tls-key"), config_str(c, "tls-ca")},
-                            (uint32_t)config_int(c, "max-frame-mib") << 20, (int)config_int(c, "health-interval-ms")};
+                            (uint32_t)config_int(c, "max-frame-mib") << 20,
+                            (int)config_int(c, "health-interval-ms")};
     if (router_open(&rt, loop, &rc_cfg, &err) != AE_OK) goto out;
     config_json = config_to_json(c);
     gateway_config gc = {
@@ -218,8 +227,8 @@ int main(int argc, char **argv) {
         .log_interval_ms = (int)config_int(c, "log-interval-s") * 1000,
     };
     if (gateway_open(&g, loop, &gc, &err) != AE_OK) goto out;
-    LOG_INFOF("gateway_ready url=http://%s:%d model=%s targets=%d api_keys=%d chat_template=%s", gc.host, gateway_port(g),
-              gc.model_name, n_targets, n_keys, ct ? chat_variant_name(ct) : "none");
+    LOG_INFOF("gateway_ready url=http://%s:%d model=%s targets=%d api_keys=%d chat_template=%s", gc.host,
+              gateway_port(g), gc.model_name, n_targets, n_keys, ct ? chat_variant_name(ct) : "none");
     svc_loading_end();
     svc_notify("READY=1");
     if (watchdog_start(w, &err) != AE_OK) goto out;
@@ -243,7 +252,7 @@ int main(int argc, char **argv) {
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-gateway: %s\n", err.msg);
     watchdog_free(w); /* its timer lives on the loop, freed below */
-    gateway_close(g);     /* clients of requests still open see their connection close */
+    gateway_close(g); /* clients of requests still open see their connection close */
     router_close(rt); /* calls still open end, and their requests with them */
     gateway_free(g);
     rpc_loop_free(loop);

@@ -7,12 +7,11 @@
 #include "../services/core/err.h"
 
 /* Buckets for latencies from a fast inter-token gap to a long request. */
-static const double latency_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
-                                    0.75,  1.0,    2.5,   5.0,  10.0,  20.0, 40.0,  80.0, 160.0, 320.0};
+static const double latency_le[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,  0.15, 0.2,   0.3,
+                                    0.5,   0.75,   1.0,   2.5,  5.0,   10.0, 20.0,  40.0, 80.0, 160.0, 320.0};
 
 /* Buckets for tokens per request: powers of two up to 64k. */
-static const double tokens_le[] = {1,    2,    4,    8,    16,    32,    64,    128,   256,
-                                   512,  1024, 2048, 4096, 8192, 16384, 32768, 65536};
+static const double tokens_le[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536};
 
 void metrics_hist_init(metrics_hist *h, const double *le, int n) {
     AE_ASSERT(n >= 1 && n <= METRICS_MAX_BUCKETS);
@@ -76,8 +75,8 @@ static void hist(FILE *f, const char *name, const char *help, const metrics_hist
         fprintf(f, "%s_bucket{le=\"%g\"} %llu\n", name, h->le[i], (unsigned long long)cum);
     }
     cum += h->counts[h->n];
-    fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, (unsigned long long)cum, name,
-            h->sum, name, (unsigned long long)h->count);
+    fprintf(f, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", name, (unsigned long long)cum, name, h->sum,
+            name, (unsigned long long)h->count);
 }
 
 static void target_series(FILE *f, const metrics_gauges *g, const char *name, const char *type, const char *help,
@@ -85,19 +84,19 @@ static void target_series(FILE *f, const metrics_gauges *g, const char *name, co
     head(f, name, type, help);
     for (int i = 0; i < g->n_targets; i++) {
         const metrics_target *t = &g->targets[i];
-        double v = field == 0   ? t->healthy
-                   : field == 1 ? t->running
-                   : field == 2 ? t->waiting
-                   : field == 3 ? t->inflight
-                   : field == 4 ? t->kv_blocks_used
-                   : field == 5 ? t->kv_blocks
-                   : field == 7 ? t->grammar_masks
-                   : field == 8 ? t->grammar_mask_seconds
-                   : field == 9 ? t->tp
+        double v = field == 0    ? t->healthy
+                   : field == 1  ? t->running
+                   : field == 2  ? t->waiting
+                   : field == 3  ? t->inflight
+                   : field == 4  ? t->kv_blocks_used
+                   : field == 5  ? t->kv_blocks
+                   : field == 7  ? t->grammar_masks
+                   : field == 8  ? t->grammar_mask_seconds
+                   : field == 9  ? t->tp
                    : field == 10 ? t->allreduces_per_step
                    : field == 11 ? t->allreduces_total
                    : field == 12 ? t->allreduce_seconds
-                                : (t->kv_blocks ? (double)t->kv_blocks_used / t->kv_blocks : 0.0);
+                                 : (t->kv_blocks ? (double)t->kv_blocks_used / t->kv_blocks : 0.0);
         fprintf(f, "%s{target=\"%s\"} %.15g\n", name, t->addr, v); /* counters stay exact to 1e15 */
     }
 }
@@ -123,11 +122,9 @@ char *metrics_render(const metrics *m, const metrics_gauges *g, size_t *len) {
     counter(f, "aerie_prompt_tokens_total", "prompt tokens of generation requests", m->prompt_tokens);
     counter(f, "aerie_generation_tokens_total", "tokens generated", m->generation_tokens);
     counter(f, "aerie_request_retries_total", "requests moved to another target after one failed", m->retries);
-    counter(f, "aerie_constrained_requests_total", "generation requests with a response_format (JSON)",
-            m->constrained);
+    counter(f, "aerie_constrained_requests_total", "generation requests with a response_format (JSON)", m->constrained);
     hist(f, "aerie_request_prompt_tokens", "prompt tokens per finished generation request", &m->prompt_hist);
-    hist(f, "aerie_request_generation_tokens", "generated tokens per finished generation request",
-         &m->generation_hist);
+    hist(f, "aerie_request_generation_tokens", "generated tokens per finished generation request", &m->generation_hist);
     hist(f, "aerie_time_to_first_token_seconds", "from the request's arrival to its first token", &m->ttft);
     hist(f, "aerie_inter_token_latency_seconds",
          "gap between token deliveries, divided among the tokens delivered together", &m->itl);

@@ -28,7 +28,13 @@ typedef struct metrics_hist {
 void metrics_hist_init(metrics_hist *h, const double *le, int n);
 void metrics_hist_observe(metrics_hist *h, double v);
 
-typedef enum metrics_route { METRICS_CHAT, METRICS_COMPLETIONS, METRICS_TOKENIZE, METRICS_DETOKENIZE, METRICS_ROUTES } metrics_route;
+typedef enum metrics_route {
+    METRICS_CHAT,
+    METRICS_COMPLETIONS,
+    METRICS_TOKENIZE,
+    METRICS_DETOKENIZE,
+    METRICS_ROUTES
+} metrics_route;
 
 typedef struct metrics_finish {
     uint64_t stop, length, cancelled, error;
@@ -43,12 +49,12 @@ typedef struct metrics {
     int n_requests;
     uint64_t prompt_tokens, generation_tokens;
     metrics_finish finish;
-    metrics_hist ttft, itl, e2e;                 /* seconds */
-    metrics_hist prompt_hist, generation_hist;   /* tokens per request */
+    metrics_hist ttft, itl, e2e;               /* seconds */
+    metrics_hist prompt_hist, generation_hist; /* tokens per request */
     uint64_t spec_steps, spec_plain_steps, spec_drafted, spec_accepted;
     uint64_t spec_accepted_at[METRICS_SPEC_POSITIONS]; /* [d]: steps that accepted a token at depth d + 1 */
-    uint64_t retries;                              /* requests moved to another replica after a failure */
-    uint64_t constrained;                          /* requests with a response_format (json_object, json_schema) */
+    uint64_t retries;                                  /* requests moved to another replica after a failure */
+    uint64_t constrained;                              /* requests with a response_format (json_object, json_schema) */
 } metrics;
 
 void metrics_init(metrics *m);

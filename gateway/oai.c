@@ -109,8 +109,7 @@ void oai_request_free(oai_request *r) {
 
 static bool is_null(const cJSON *v) { return !v || cJSON_IsNull(v); }
 
-static int get_number(const cJSON *v, const char *name, double lo, double hi, bool lo_open, double *out,
-                      oai_error *e) {
+static int get_number(const cJSON *v, const char *name, double lo, double hi, bool lo_open, double *out, oai_error *e) {
     if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble))
         return oai_bad(e, name, "invalid_type", "'%s' must be a number", name);
     double x = v->valuedouble;
@@ -184,7 +183,8 @@ static int parse_stop(oai_request *r, const cJSON *v, oai_error *e) {
     int n = 1;
     if (cJSON_IsArray(v)) {
         n = cJSON_GetArraySize(v);
-        if (n > STOP_MAX_STRINGS) return oai_bad(e, "stop", "invalid_value", "at most %d stop strings", STOP_MAX_STRINGS);
+        if (n > STOP_MAX_STRINGS)
+            return oai_bad(e, "stop", "invalid_value", "at most %d stop strings", STOP_MAX_STRINGS);
     } else if (!cJSON_IsString(v)) {
         return oai_bad(e, "stop", "invalid_type", "'stop' must be a string or a list of strings");
     }
@@ -219,8 +219,8 @@ static int parse_content(oai_request *r, const cJSON *v, const char *param, cons
         if (!cJSON_IsObject(p) || !cJSON_IsString(type))
             return oai_bad(e, param, "invalid_type", "each part of '%s' must be an object with a type", param);
         if (strcmp(type->valuestring, "text") != 0)
-            return oai_bad(e, param, "unsupported_content", "content parts of type '%.64s' are not supported (text only)",
-                           type->valuestring);
+            return oai_bad(e, param, "unsupported_content",
+                           "content parts of type '%.64s' are not supported (text only)", type->valuestring);
         if (cJSON_GetArraySize(p) != 2 || checked_string(text, param, e) != AE_OK)
             return oai_bad(e, param, "invalid_type", "a text part is {\"type\": \"text\", \"text\": string}");
         total += strlen(text->valuestring);
@@ -241,7 +241,8 @@ static int parse_content(oai_request *r, const cJSON *v, const char *param, cons
 static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
     int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : -1;
     if (n < 1) return oai_bad(e, "messages", "invalid_type", "'messages' must be a non-empty list");
-    if ((size_t)n > CHAT_MAX_MESSAGES) return oai_bad(e, "messages", "invalid_value", "at most %u messages", CHAT_MAX_MESSAGES);
+    if ((size_t)n > CHAT_MAX_MESSAGES)
+        return oai_bad(e, "messages", "invalid_value", "at most %u messages", CHAT_MAX_MESSAGES);
     r->msgs = r_alloc(r, sizeof(chat_msg) * (size_t)n);
     if (!r->msgs) return oai_oom(e);
     r->n_msgs = (size_t)n;
@@ -253,11 +254,16 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
         if (no_duplicates(m, " in a message", e) != AE_OK) return AE_ERR;
         const cJSON *role = NULL, *content = NULL, *calls = NULL;
         for (const cJSON *f = m->child; f; f = f->next) {
-            if (strcmp(f->string, "role") == 0) role = f;
-            else if (strcmp(f->string, "content") == 0) content = f;
-            else if (strcmp(f->string, "name") == 0 && (is_null(f) || cJSON_IsString(f))) continue;
-            else if (strcmp(f->string, "tool_call_id") == 0 && (is_null(f) || cJSON_IsString(f))) continue;
-            else if (strcmp(f->string, "tool_calls") == 0) calls = f;
+            if (strcmp(f->string, "role") == 0)
+                role = f;
+            else if (strcmp(f->string, "content") == 0)
+                content = f;
+            else if (strcmp(f->string, "name") == 0 && (is_null(f) || cJSON_IsString(f)))
+                continue;
+            else if (strcmp(f->string, "tool_call_id") == 0 && (is_null(f) || cJSON_IsString(f)))
+                continue;
+            else if (strcmp(f->string, "tool_calls") == 0)
+                calls = f;
             else
                 return oai_bad(e, param, "unsupported_parameter", "'%s.%.40s' is not supported", param, f->string);
         }
@@ -270,7 +276,8 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
             if (is_null(content)) return oai_bad(e, cparam, "invalid_type", "'%s' is missing", cparam);
             if (parse_content(r, content, cparam, &text, e) != AE_OK) return AE_ERR;
             size_t len = strlen(text);
-            if (len > CHAT_MAX_CONTENT) return oai_bad(e, cparam, "invalid_value", "'%s' is over %u bytes", cparam, CHAT_MAX_CONTENT);
+            if (len > CHAT_MAX_CONTENT)
+                return oai_bad(e, cparam, "invalid_value", "'%s' is over %u bytes", cparam, CHAT_MAX_CONTENT);
             char *w = r_alloc(r, len + 64);
             if (!w) return oai_oom(e);
             snprintf(w, len + 64, "<tool_response>\n%s\n</tool_response>", text);
@@ -281,7 +288,8 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
             /* An assistant's calls, written as the tool prompt asks for
              * them, after its text. */
             if (!cJSON_IsString(role) || strcmp(role->valuestring, "assistant") != 0 || !cJSON_IsArray(calls))
-                return oai_bad(e, param, "invalid_value", "'%s.tool_calls' must be a list, in an assistant message", param);
+                return oai_bad(e, param, "invalid_value", "'%s.tool_calls' must be a list, in an assistant message",
+                               param);
             size_t cap = 1, used = 0;
             const char *text = "";
             if (!is_null(content) && parse_content(r, content, param, &text, e) != AE_OK) return AE_ERR;
@@ -295,22 +303,24 @@ static int parse_messages(oai_request *r, const cJSON *v, oai_error *e) {
                                    "'%s.tool_calls' entries need function.name and function.arguments strings", param);
                 cap += strlen(nm->valuestring) + strlen(args->valuestring) + 64;
             }
-            if (cap > CHAT_MAX_CONTENT) return oai_bad(e, param, "invalid_value", "'%s' is over %u bytes", param, CHAT_MAX_CONTENT);
+            if (cap > CHAT_MAX_CONTENT)
+                return oai_bad(e, param, "invalid_value", "'%s' is over %u bytes", param, CHAT_MAX_CONTENT);
             char *w = r_alloc(r, cap);
             if (!w) return oai_oom(e);
             used += (size_t)snprintf(w, cap, "%s", text);
             for (const cJSON *c = calls->child; c; c = c->next) {
                 const cJSON *fn = cJSON_GetObjectItemCaseSensitive(c, "function");
-                used += (size_t)snprintf(w + used, cap - used, "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>",
+                used += (size_t)snprintf(w + used, cap - used,
+                                         "%s<tool_call>\n{\"name\": \"%s\", \"arguments\": %s}\n</tool_call>",
                                          used ? "\n" : "", cJSON_GetObjectItemCaseSensitive(fn, "name")->valuestring,
                                          cJSON_GetObjectItemCaseSensitive(fn, "arguments")->valuestring);
             }
-            if (!detok_utf8_valid(w, used)) return oai_bad(e, param, "invalid_value", "'%s.tool_calls' is not valid UTF-8", param);
+            if (!detok_utf8_valid(w, used))
+                return oai_bad(e, param, "invalid_value", "'%s.tool_calls' is not valid UTF-8", param);
             r->msgs[i] = (chat_msg){"assistant", w};
             continue;
         }
-        if (!cJSON_IsString(role))
-            return oai_bad(e, param, "invalid_type", "'%s.role' must be a string", param);
+        if (!cJSON_IsString(role)) return oai_bad(e, param, "invalid_type", "'%s.role' must be a string", param);
         /* The tree is freed after parsing: roles point at literals. */
         static const char *const roles[][2] = {
             {"system", "system"}, {"developer", "system"}, {"user", "user"}, {"assistant", "assistant"}};
@@ -393,7 +403,8 @@ static int parse_bias(oai_request *r, const cJSON *v, oai_error *e) {
 }
 
 static int parse_stop_ids(oai_request *r, const cJSON *v, oai_error *e) {
-    if (!cJSON_IsArray(v)) return oai_bad(e, "stop_token_ids", "invalid_type", "'stop_token_ids' must be a list of ids");
+    if (!cJSON_IsArray(v))
+        return oai_bad(e, "stop_token_ids", "invalid_type", "'stop_token_ids' must be a list of ids");
     int n = cJSON_GetArraySize(v);
     if (n > OAI_MAX_STOP_IDS)
         return oai_bad(e, "stop_token_ids", "invalid_value", "at most %d stop_token_ids", OAI_MAX_STOP_IDS);
@@ -435,17 +446,23 @@ static int parse_format(oai_request *r, const cJSON *v, oai_error *e) {
         return AE_OK;
     }
     if (strcmp(type->valuestring, "json_schema") != 0)
-        return oai_bad(e, P, "invalid_value", "'response_format.type' is '%.40s'; it must be text, json_object or json_schema",
+        return oai_bad(e, P, "invalid_value",
+                       "'response_format.type' is '%.40s'; it must be text, json_object or json_schema",
                        type->valuestring);
     if (!cJSON_IsObject(js))
         return oai_bad(e, P, "missing_required_parameter", "'response_format.json_schema' must be an object");
     if (no_duplicates(js, " in response_format.json_schema", e) != AE_OK) return AE_ERR;
     const cJSON *schema = NULL;
     for (const cJSON *f = js->child; f; f = f->next) {
-        if (strcmp(f->string, "schema") == 0) schema = f;
-        else if (strcmp(f->string, "strict") == 0 && (cJSON_IsBool(f) || cJSON_IsNull(f))) continue;
-        else if ((strcmp(f->string, "name") == 0 || strcmp(f->string, "description") == 0) && cJSON_IsString(f)) continue;
-        else return oai_bad(e, P, "invalid_value", "'response_format.json_schema.%.40s' is not supported here", f->string);
+        if (strcmp(f->string, "schema") == 0)
+            schema = f;
+        else if (strcmp(f->string, "strict") == 0 && (cJSON_IsBool(f) || cJSON_IsNull(f)))
+            continue;
+        else if ((strcmp(f->string, "name") == 0 || strcmp(f->string, "description") == 0) && cJSON_IsString(f))
+            continue;
+        else
+            return oai_bad(e, P, "invalid_value", "'response_format.json_schema.%.40s' is not supported here",
+                           f->string);
     }
     if (!cJSON_IsObject(schema))
         return oai_bad(e, P, "missing_required_parameter", "'response_format.json_schema.schema' must be an object");
@@ -457,7 +474,8 @@ static int parse_format(oai_request *r, const cJSON *v, oai_error *e) {
 /* A "$ref", "$defs" or "definitions" key anywhere in v. */
 static bool has_ref(const cJSON *v) {
     for (const cJSON *f = v->child; f; f = f->next) {
-        if (f->string && (!strcmp(f->string, "$ref") || !strcmp(f->string, "$defs") || !strcmp(f->string, "definitions")))
+        if (f->string &&
+            (!strcmp(f->string, "$ref") || !strcmp(f->string, "$defs") || !strcmp(f->string, "definitions")))
             return true;
         if ((cJSON_IsObject(f) || cJSON_IsArray(f)) && has_ref(f)) return true;
     }
@@ -471,23 +489,31 @@ static int parse_tools(oai_request *r, const cJSON *v, oai_error *e) {
     const char *P = "tools";
     int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : -1;
     if (n < 1) return oai_bad(e, P, "invalid_type", "'tools' must be a non-empty list of functions");
-    if (n > OAI_MAX_TOOLS) return oai_bad(e, P, "invalid_value", "'tools' has %d functions; at most %d", n, OAI_MAX_TOOLS);
+    if (n > OAI_MAX_TOOLS)
+        return oai_bad(e, P, "invalid_value", "'tools' has %d functions; at most %d", n, OAI_MAX_TOOLS);
     cJSON *list = cJSON_CreateArray();
     if (!list) return oai_oom(e);
     int i = 0, rc = AE_OK;
     for (const cJSON *t = v->child; t && rc == AE_OK; t = t->next, i++) {
-        const cJSON *type = cJSON_GetObjectItemCaseSensitive(t, "type"), *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
-        if (!cJSON_IsObject(t) || !cJSON_IsString(type) || strcmp(type->valuestring, "function") != 0 || !cJSON_IsObject(fn)) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(t, "type"),
+                    *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+        if (!cJSON_IsObject(t) || !cJSON_IsString(type) || strcmp(type->valuestring, "function") != 0 ||
+            !cJSON_IsObject(fn)) {
             rc = oai_bad(e, P, "invalid_value", "tools[%d] must be {\"type\": \"function\", \"function\": {...}}", i);
             break;
         }
         const cJSON *name = NULL, *params = NULL;
         for (const cJSON *f = fn->child; f && rc == AE_OK; f = f->next) {
-            if (strcmp(f->string, "name") == 0) name = f;
-            else if (strcmp(f->string, "parameters") == 0) params = f;
-            else if (strcmp(f->string, "description") == 0 && cJSON_IsString(f)) continue;
-            else if (strcmp(f->string, "strict") == 0 && (cJSON_IsBool(f) || cJSON_IsNull(f))) continue;
-            else rc = oai_bad(e, P, "unsupported_parameter", "tools[%d].function.%.40s is not supported", i, f->string);
+            if (strcmp(f->string, "name") == 0)
+                name = f;
+            else if (strcmp(f->string, "parameters") == 0)
+                params = f;
+            else if (strcmp(f->string, "description") == 0 && cJSON_IsString(f))
+                continue;
+            else if (strcmp(f->string, "strict") == 0 && (cJSON_IsBool(f) || cJSON_IsNull(f)))
+                continue;
+            else
+                rc = oai_bad(e, P, "unsupported_parameter", "tools[%d].function.%.40s is not supported", i, f->string);
         }
         if (rc != AE_OK) break;
         size_t len = cJSON_IsString(name) ? strlen(name->valuestring) : 0;
@@ -507,8 +533,10 @@ static int parse_tools(oai_request *r, const cJSON *v, oai_error *e) {
         /* A call's schema nests the parameters under "arguments", where
          * their "#/..." references would no longer resolve. */
         if (rc == AE_OK && params && cJSON_IsObject(params) && has_ref(params))
-            rc = oai_bad(e, P, "unsupported_schema", "tools[%d].function.parameters: '$defs' and '$ref' are not supported "
-                                                     "in tool parameters", i);
+            rc = oai_bad(e, P, "unsupported_schema",
+                         "tools[%d].function.parameters: '$defs' and '$ref' are not supported "
+                         "in tool parameters",
+                         i);
         if (rc == AE_OK && params && (!cJSON_IsObject(params) || schema_check(params, why, sizeof why) != AE_OK))
             rc = oai_bad(e, P, "unsupported_schema", "tools[%d].function.parameters: %s", i,
                          cJSON_IsObject(params) ? why : "must be a JSON Schema object");
@@ -538,13 +566,13 @@ static int call_schema(oai_request *r, const cJSON *tools, oai_error *e) {
         cJSON *o = cJSON_CreateObject(), *props = o ? cJSON_AddObjectToObject(o, "properties") : NULL;
         cJSON *nm = props ? cJSON_AddObjectToObject(props, "name") : NULL;
         cJSON *req = o ? cJSON_AddArrayToObject(o, "required") : NULL;
-        bool ok = nm && req && cJSON_AddStringToObject(o, "type", "object") &&
-                  cJSON_AddStringToObject(nm, "const", cJSON_GetObjectItemCaseSensitive(fn, "name")->valuestring) &&
-                  cJSON_AddItemToObject(props, "arguments",
-                                        params ? cJSON_Duplicate(params, true) : cJSON_CreateObject()) &&
-                  cJSON_AddItemToArray(req, cJSON_CreateString("name")) &&
-                  cJSON_AddItemToArray(req, cJSON_CreateString("arguments")) &&
-                  cJSON_AddFalseToObject(o, "additionalProperties") && cJSON_AddItemToArray(any, o);
+        bool ok =
+            nm && req && cJSON_AddStringToObject(o, "type", "object") &&
+            cJSON_AddStringToObject(nm, "const", cJSON_GetObjectItemCaseSensitive(fn, "name")->valuestring) &&
+            cJSON_AddItemToObject(props, "arguments", params ? cJSON_Duplicate(params, true) : cJSON_CreateObject()) &&
+            cJSON_AddItemToArray(req, cJSON_CreateString("name")) &&
+            cJSON_AddItemToArray(req, cJSON_CreateString("arguments")) &&
+            cJSON_AddFalseToObject(o, "additionalProperties") && cJSON_AddItemToArray(any, o);
         if (!ok) {
             cJSON_Delete(o);
             cJSON_Delete(any);
@@ -579,20 +607,23 @@ static int parse_tool_choice(oai_request *r, const cJSON *v, const cJSON *tools,
         int k = 0;
         while (k < 3 && strcmp(v->valuestring, names[k]) != 0) k++;
         if (k == 3)
-            return oai_bad(e, P, "invalid_value", "'tool_choice' is '%.40s'; it must be none, auto, required or a function",
-                           v->valuestring);
+            return oai_bad(e, P, "invalid_value",
+                           "'tool_choice' is '%.40s'; it must be none, auto, required or a function", v->valuestring);
         r->tool_choice = k;
     } else {
         const cJSON *fn = cJSON_GetObjectItemCaseSensitive(v, "function");
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
         if (!cJSON_IsObject(v) || !cJSON_IsString(name))
-            return oai_bad(e, P, "invalid_type", "'tool_choice' must be a string or {\"type\": \"function\", "
-                                                 "\"function\": {\"name\": ...}}");
+            return oai_bad(e, P, "invalid_type",
+                           "'tool_choice' must be a string or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}");
         r->tool_choice = OAI_TOOLS_NAMED;
         r->tool_named = -1;
         for (int k = 0; k < r->n_tools; k++)
             if (strcmp(r->tool_names[k], name->valuestring) == 0) r->tool_named = k;
-        if (r->tool_named < 0) return oai_bad(e, P, "invalid_value", "'tool_choice' names '%.64s', which is not in tools", name->valuestring);
+        if (r->tool_named < 0)
+            return oai_bad(e, P, "invalid_value", "'tool_choice' names '%.64s', which is not in tools",
+                           name->valuestring);
     }
     if (r->tool_choice != OAI_TOOLS_NONE && !tools)
         return oai_bad(e, P, "invalid_value", "'tool_choice' other than none needs 'tools'");
@@ -711,8 +742,7 @@ static int parse_fields(oai_request *r, oai_kind kind, const cJSON *root, oai_er
     if (!r->model[0]) return oai_bad(e, "model", "missing_required_parameter", "'model' is required");
     int64_t a = -1, b = -1;
     if (max_tokens && get_int(max_tokens, "max_tokens", 1, INT32_MAX, &a, e) != AE_OK) return AE_ERR;
-    if (max_completion && get_int(max_completion, "max_completion_tokens", 1, INT32_MAX, &b, e) != AE_OK)
-        return AE_ERR;
+    if (max_completion && get_int(max_completion, "max_completion_tokens", 1, INT32_MAX, &b, e) != AE_OK) return AE_ERR;
     if (a > 0 && b > 0 && a != b)
         return oai_bad(e, "max_completion_tokens", "invalid_value",
                        "max_tokens (%lld) and max_completion_tokens (%lld) disagree", (long long)a, (long long)b);

@@ -29,10 +29,10 @@
 /* An error as OpenAI's API returns it:
  * {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}. */
 typedef struct oai_error {
-    int status;         /* HTTP status */
-    const char *type;   /* "invalid_request_error", "authentication_error", ... */
-    const char *code;   /* NULL: JSON null */
-    char param[64];     /* empty: JSON null */
+    int status;       /* HTTP status */
+    const char *type; /* "invalid_request_error", "authentication_error", ... */
+    const char *code; /* NULL: JSON null */
+    char param[64];   /* empty: JSON null */
     char message[512];
 } oai_error;
 
@@ -48,8 +48,8 @@ int oai_oom(oai_error *e);
 /* The JSON body of e (malloc'd, NUL-terminated); NULL when out of memory
  * (OAI_OOM_JSON is then the body to send). */
 char *oai_error_json(const oai_error *e);
-#define OAI_OOM_JSON                                                                                          \
-    "{\"error\":{\"message\":\"the gateway is out of memory; retry later\",\"type\":\"server_error\","  \
+#define OAI_OOM_JSON \
+    "{\"error\":{\"message\":\"the gateway is out of memory; retry later\",\"type\":\"server_error\"," \
     "\"param\":null,\"code\":\"out_of_memory\"}}"
 
 typedef enum oai_kind { OAI_CHAT, OAI_COMPLETION } oai_kind;
@@ -75,12 +75,12 @@ typedef struct oai_request {
     size_t prompt_len;
     int32_t *prompt_ids;
     size_t n_prompt_ids;
-    int64_t max_tokens; /* -1: not given */
+    int64_t max_tokens;           /* -1: not given */
     const char *max_tokens_field; /* the field that gave it, for errors */
-    double temperature; /* default 1 (OpenAI's) */
-    double top_p;       /* default 1 */
-    double min_p;       /* default 0 */
-    int32_t top_k;      /* default 0: off */
+    double temperature;           /* default 1 (OpenAI's) */
+    double top_p;                 /* default 1 */
+    double min_p;                 /* default 0 */
+    int32_t top_k;                /* default 0: off */
     bool has_seed;
     uint64_t seed;
     int n_stops;
@@ -118,7 +118,7 @@ typedef struct oai_request {
     char *tools_json;
     int tool_choice; /* OAI_TOOLS_* */
     int tool_named;  /* with OAI_TOOLS_NAMED: which */
-    void *mem_; /* everything above points into this one allocation list */
+    void *mem_;      /* everything above points into this one allocation list */
 } oai_request;
 
 /* Parses body[0..len). On failure e holds a 400 with the field named in

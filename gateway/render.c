@@ -22,8 +22,10 @@ static void quote_lossy(jbuf *b, const uint8_t *bytes, size_t len) {
 }
 
 static void logprob(jbuf *b, float x) {
-    if (x > -9999.0f) jbuf_printf(b, "%.9g", (double)x);
-    else jbuf_str(b, "-9999.0");
+    if (x > -9999.0f)
+        jbuf_printf(b, "%.9g", (double)x);
+    else
+        jbuf_str(b, "-9999.0");
 }
 
 static void byte_list(jbuf *b, const uint8_t *bytes, size_t len) {
@@ -122,7 +124,9 @@ void render_lp_free(render_lp *l) {
 }
 
 const char *render_finish_name(int finish) {
-    return finish == aerie_FinishReason_FINISH_LENGTH ? "length" : finish == RENDER_FINISH_TOOL_CALLS ? "tool_calls" : "stop";
+    return finish == aerie_FinishReason_FINISH_LENGTH ? "length"
+           : finish == RENDER_FINISH_TOOL_CALLS       ? "tool_calls"
+                                                      : "stop";
 }
 
 void render_chunk_head(jbuf *b, const render_meta *m) {
@@ -142,19 +146,25 @@ void render_chunk(jbuf *b, const jbuf *head, bool chat, int32_t index, const cha
     jbuf_printf(b, ",\"choices\":[{\"index\":%d,", index);
     if (chat) {
         jbuf_str(b, "\"delta\":{");
-        if (role) jbuf_str(b, "\"role\":\"assistant\",\"content\":\"\"");
-        else if (text) jbuf_str(b, "\"content\":"), jbuf_quote(b, text, n);
+        if (role)
+            jbuf_str(b, "\"role\":\"assistant\",\"content\":\"\"");
+        else if (text)
+            jbuf_str(b, "\"content\":"), jbuf_quote(b, text, n);
         jbuf_str(b, "}");
     } else {
         jbuf_str(b, "\"text\":");
         jbuf_quote(b, text ? text : "", text ? n : 0);
     }
     jbuf_str(b, ",\"logprobs\":");
-    if (lp) render_lp_json(b, lp);
-    else jbuf_str(b, "null");
+    if (lp)
+        render_lp_json(b, lp);
+    else
+        jbuf_str(b, "null");
     jbuf_str(b, ",\"finish_reason\":");
-    if (finish) jbuf_printf(b, "\"%s\"", finish);
-    else jbuf_str(b, "null");
+    if (finish)
+        jbuf_printf(b, "\"%s\"", finish);
+    else
+        jbuf_str(b, "null");
     jbuf_str(b, "}]");
     if (include_usage) jbuf_str(b, ",\"usage\":null");
     jbuf_str(b, "}\n\n");
@@ -162,8 +172,9 @@ void render_chunk(jbuf *b, const jbuf *head, bool chat, int32_t index, const cha
 
 void render_tool_chunk(jbuf *b, const jbuf *head, int32_t index, const char *tool_calls, bool include_usage) {
     jbuf_add(b, head->p, head->len);
-    jbuf_printf(b, ",\"choices\":[{\"index\":%d,\"delta\":{\"tool_calls\":%s},\"logprobs\":null,"
-                   "\"finish_reason\":null}]",
+    jbuf_printf(b,
+                ",\"choices\":[{\"index\":%d,\"delta\":{\"tool_calls\":%s},\"logprobs\":null,"
+                "\"finish_reason\":null}]",
                 index, tool_calls);
     if (include_usage) jbuf_str(b, ",\"usage\":null");
     jbuf_str(b, "}\n\n");
@@ -176,8 +187,8 @@ void render_usage_chunk(jbuf *b, const jbuf *head, int32_t prompt_tokens, int32_
     jbuf_str(b, "}\n\n");
 }
 
-void render_completion(jbuf *b, const render_meta *m, const render_choice *c, int32_t n_choices,
-                       int32_t prompt_tokens, int32_t completion_tokens) {
+void render_completion(jbuf *b, const render_meta *m, const render_choice *c, int32_t n_choices, int32_t prompt_tokens,
+                       int32_t completion_tokens) {
     jbuf_printf(b, "{\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", m->id,
                 m->chat ? "chat.completion" : "text_completion", (long long)m->created);
     jbuf_quote(b, m->model, strlen(m->model));
@@ -190,21 +201,25 @@ void render_completion(jbuf *b, const render_meta *m, const render_choice *c, in
 
 void render_completion_choice(jbuf *b, bool chat, int32_t index, const render_choice *c) {
     jbuf_printf(b, "%s{\"index\":%d,", index ? "," : "", index);
-    if (chat) jbuf_str(b, "\"message\":{\"role\":\"assistant\",\"content\":");
-    else jbuf_str(b, "\"text\":");
-    if (c->tool_calls && !c->text) jbuf_str(b, "null");
-    else jbuf_quote(b, c->text ? c->text : "", c->text ? c->n : 0);
+    if (chat)
+        jbuf_str(b, "\"message\":{\"role\":\"assistant\",\"content\":");
+    else
+        jbuf_str(b, "\"text\":");
+    if (c->tool_calls && !c->text)
+        jbuf_str(b, "null");
+    else
+        jbuf_quote(b, c->text ? c->text : "", c->text ? c->n : 0);
     if (chat && c->tool_calls) jbuf_printf(b, ",\"tool_calls\":%s", c->tool_calls);
     if (chat) jbuf_str(b, "}");
     jbuf_str(b, ",\"logprobs\":");
-    if (c->lp) render_lp_json(b, c->lp);
-    else jbuf_str(b, "null");
+    if (c->lp)
+        render_lp_json(b, c->lp);
+    else
+        jbuf_str(b, "null");
     jbuf_printf(b, ",\"finish_reason\":\"%s\"}", c->finish);
 }
 
-void render_error_event(jbuf *b, const char *error_json) {
-    jbuf_printf(b, "data: %s\n\ndata: [DONE]\n\n", error_json);
-}
+void render_error_event(jbuf *b, const char *error_json) { jbuf_printf(b, "data: %s\n\ndata: [DONE]\n\n", error_json); }
 
 void render_model(jbuf *b, const char *name, int64_t created, int32_t max_model_len, bool list) {
     if (list) jbuf_str(b, "{\"object\":\"list\",\"data\":[");

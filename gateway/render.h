@@ -13,9 +13,9 @@
 
 /* What every body of one response names. */
 typedef struct render_meta {
-    const char *id;      /* "chatcmpl-..." or "cmpl-..." */
-    bool chat;           /* chat.completion(.chunk), else text_completion */
-    int64_t created;     /* unix seconds */
+    const char *id;  /* "chatcmpl-..." or "cmpl-..." */
+    bool chat;       /* chat.completion(.chunk), else text_completion */
+    int64_t created; /* unix seconds */
     const char *model;
 } render_meta;
 
@@ -33,8 +33,8 @@ typedef struct render_top {
 
 typedef struct render_lp {
     bool chat;
-    int n;                      /* tokens held */
-    jbuf content;               /* chat: the entries */
+    int n;                           /* tokens held */
+    jbuf content;                    /* chat: the entries */
     jbuf tokens, lps, tops, offsets; /* completions: the four lists */
 } render_lp;
 
@@ -83,8 +83,8 @@ void render_tool_chunk(jbuf *b, const jbuf *head, int32_t index, const char *too
 
 /* A whole (non-streamed) completion of choices c[0..n_choices), indexed
  * in order; completion_tokens is their sum. */
-void render_completion(jbuf *b, const render_meta *m, const render_choice *c, int32_t n_choices,
-                       int32_t prompt_tokens, int32_t completion_tokens);
+void render_completion(jbuf *b, const render_meta *m, const render_choice *c, int32_t n_choices, int32_t prompt_tokens,
+                       int32_t completion_tokens);
 /* What render_completion writes for its choice c at index (a comma before
  * every choice but the first): into a counter (JBUF_COUNTER), its size,
  * which with the rest of the reply's adds up to render_completion's. */

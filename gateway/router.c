@@ -307,10 +307,19 @@ int32_t router_context(const router *r) {
 void router_gauges(const router *r, metrics_target *t) {
     for (int i = 0; i < r->n_targets; i++) {
         const peer *p = &r->targets[i];
-        t[i] = (metrics_target){p->addr,           p->healthy,   p->inflight,      p->running,
-                            p->waiting,        p->kv_blocks_used, p->kv_blocks, p->grammar_masks,
-                            p->grammar_mask_seconds, p->tp, p->allreduces_per_step, p->allreduces_total,
-                            p->allreduce_seconds};
+        t[i] = (metrics_target){p->addr,
+                                p->healthy,
+                                p->inflight,
+                                p->running,
+                                p->waiting,
+                                p->kv_blocks_used,
+                                p->kv_blocks,
+                                p->grammar_masks,
+                                p->grammar_mask_seconds,
+                                p->tp,
+                                p->allreduces_per_step,
+                                p->allreduces_total,
+                                p->allreduce_seconds};
     }
 }
 
@@ -321,20 +330,26 @@ static void add_json(cJSON *o, const char *name, const char *text) {
         return;
     }
     cJSON *v = json_parse(text, strlen(text), NULL);
-    if (v) cJSON_AddItemToObject(o, name, v);
-    else cJSON_AddStringToObject(o, name, text);
+    if (v)
+        cJSON_AddItemToObject(o, name, v);
+    else
+        cJSON_AddStringToObject(o, name, text);
 }
 
 static cJSON *peer_json(const peer *p) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "addr", p->addr);
     cJSON_AddBoolToObject(o, "healthy", p->healthy);
-    if (p->healthy) cJSON_AddNullToObject(o, "reason");
-    else cJSON_AddStringToObject(o, "reason", p->reason);
+    if (p->healthy)
+        cJSON_AddNullToObject(o, "reason");
+    else
+        cJSON_AddStringToObject(o, "reason", p->reason);
     if (!p->is_draft) cJSON_AddNumberToObject(o, "gateway_inflight", p->inflight);
     add_json(o, "config", p->config_json);
-    if (p->memory_plan) cJSON_AddStringToObject(o, "memory_plan", p->memory_plan);
-    else cJSON_AddNullToObject(o, "memory_plan");
+    if (p->memory_plan)
+        cJSON_AddStringToObject(o, "memory_plan", p->memory_plan);
+    else
+        cJSON_AddNullToObject(o, "memory_plan");
     add_json(o, "stats", p->stats_json);
     return o;
 }

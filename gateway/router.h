@@ -29,7 +29,7 @@ typedef struct router router;
 typedef struct router_config {
     const char *const *addrs; /* target addresses */
     int n_addrs;
-    rpc_tls tls;              /* for targets and drafts alike */
+    rpc_tls tls; /* for targets and drafts alike */
     uint32_t max_frame;
     int health_interval_ms;
 } router_config;

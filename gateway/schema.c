@@ -32,7 +32,8 @@ static int count_literals(walk *w, const cJSON *v, bool list, const char *key, c
         w->literals++;
         w->literal_bytes += literal_bytes(v);
         if (w->literals > SCHEMA_MAX_ENUM_TOTAL)
-            return snprintf(w->why, w->cap, "the document has more than %d enum values and consts (limit reached at %s)",
+            return snprintf(w->why, w->cap,
+                            "the document has more than %d enum values and consts (limit reached at %s)",
                             SCHEMA_MAX_ENUM_TOTAL, at),
                    AE_ERR;
         if (w->literal_bytes > SCHEMA_MAX_LITERAL_BYTES)
@@ -91,7 +92,8 @@ static int check_child(walk *w, const cJSON *s, const char *at, const char *key,
 }
 
 static bool is_count(const cJSON *v) {
-    return cJSON_IsNumber(v) && v->valuedouble >= 0 && v->valuedouble <= 1e9 && v->valuedouble == (double)(long)v->valuedouble;
+    return cJSON_IsNumber(v) && v->valuedouble >= 0 && v->valuedouble <= 1e9 &&
+           v->valuedouble == (double)(long)v->valuedouble;
 }
 
 static const cJSON *num(const cJSON *s, const char *key) {
@@ -125,8 +127,10 @@ static int check_pattern(walk *w, const char *p, const char *at) {
             char *end;
             long lo = strtol(c + 1, &end, 10), hi = lo;
             if (*end == ',') {
-                if (end[1] >= '0' && end[1] <= '9') hi = strtol(end + 1, &end, 10);
-                else end++; /* {m,}: m counts */
+                if (end[1] >= '0' && end[1] <= '9')
+                    hi = strtol(end + 1, &end, 10);
+                else
+                    end++; /* {m,}: m counts */
             }
             if (*end != '}') continue; /* not a quantifier: a literal brace */
             if (++quantifiers > SCHEMA_MAX_PATTERN_QUANTIFIERS)
@@ -173,8 +177,8 @@ static int check_range(walk *w, const cJSON *s, const char *at) {
             if (!los[i] || !his[j]) continue;
             double a = los[i]->valuedouble, b = his[j]->valuedouble;
             if (i == 0 && j == 0 ? a > b : a >= b)
-                return snprintf(w->why, w->cap, "'%s' %.17g at %s leaves no number below '%s' %.17g", lon[i], a, at, hin[j],
-                                b),
+                return snprintf(w->why, w->cap, "'%s' %.17g at %s leaves no number below '%s' %.17g", lon[i], a, at,
+                                hin[j], b),
                        AE_ERR;
         }
     if (says_integer(s) && (lo || xlo) && (hi || xhi)) {
@@ -201,7 +205,8 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
             bool ok = cJSON_IsString(f) && one_of(f->valuestring, types, 7);
             if (cJSON_IsArray(f)) {
                 ok = cJSON_GetArraySize(f) > 0 && cJSON_GetArraySize(f) <= 7;
-                for (const cJSON *t = f->child; t && ok; t = t->next) ok = cJSON_IsString(t) && one_of(t->valuestring, types, 7);
+                for (const cJSON *t = f->child; t && ok; t = t->next)
+                    ok = cJSON_IsString(t) && one_of(t->valuestring, types, 7);
             }
             if (!ok) return refuse(w, k, at, "must be a JSON type or a list of them");
         } else if (strcmp(k, "properties") == 0 || strcmp(k, "$defs") == 0 || strcmp(k, "definitions") == 0) {
@@ -217,11 +222,11 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
             if (!cJSON_IsFalse(f))
                 return refuse(w, k, at, "is supported only as false (no properties besides the listed ones)");
         } else if (strcmp(k, "enum") == 0) {
-            if (!cJSON_IsArray(f) || cJSON_GetArraySize(f) < 1)
-                return refuse(w, k, at, "must be a non-empty list");
+            if (!cJSON_IsArray(f) || cJSON_GetArraySize(f) < 1) return refuse(w, k, at, "must be a non-empty list");
             int n = cJSON_GetArraySize(f);
             if (n > SCHEMA_MAX_ENUM)
-                return snprintf(w->why, w->cap, "'enum' at %s has %d values; at most %d", at, n, SCHEMA_MAX_ENUM), AE_ERR;
+                return snprintf(w->why, w->cap, "'enum' at %s has %d values; at most %d", at, n, SCHEMA_MAX_ENUM),
+                       AE_ERR;
             if (count_literals(w, f->child, true, k, at) != AE_OK) return AE_ERR;
         } else if (strcmp(k, "const") == 0) {
             /* any JSON value */
@@ -231,10 +236,12 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
                 return refuse(w, k, at, "must be a non-empty list of schemas");
             int n = cJSON_GetArraySize(f);
             if (n > SCHEMA_MAX_ANYOF)
-                return snprintf(w->why, w->cap, "'anyOf' at %s has %d alternatives; at most %d", at, n, SCHEMA_MAX_ANYOF),
+                return snprintf(w->why, w->cap, "'anyOf' at %s has %d alternatives; at most %d", at, n,
+                                SCHEMA_MAX_ANYOF),
                        AE_ERR;
             if ((w->alternatives += n) > SCHEMA_MAX_ALTERNATIVES)
-                return snprintf(w->why, w->cap, "the document has more than %d anyOf alternatives (limit reached at %s)",
+                return snprintf(w->why, w->cap,
+                                "the document has more than %d anyOf alternatives (limit reached at %s)",
                                 SCHEMA_MAX_ALTERNATIVES, at),
                        AE_ERR;
             int i = 0;
@@ -249,7 +256,8 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
                    strcmp(k, "maxLength") == 0) {
             if (!is_count(f)) return refuse(w, k, at, "must be an integer >= 0");
             if (f->valuedouble > SCHEMA_MAX_REPEAT)
-                return snprintf(w->why, w->cap, "'%s' at %s is %.0f; at most %d", k, at, f->valuedouble, SCHEMA_MAX_REPEAT),
+                return snprintf(w->why, w->cap, "'%s' at %s is %.0f; at most %d", k, at, f->valuedouble,
+                                SCHEMA_MAX_REPEAT),
                        AE_ERR;
         } else if (strcmp(k, "minimum") == 0 || strcmp(k, "maximum") == 0 || strcmp(k, "exclusiveMinimum") == 0 ||
                    strcmp(k, "exclusiveMaximum") == 0) {
@@ -274,7 +282,8 @@ static int check(walk *w, const cJSON *s, const char *at, int depth) {
     static const char *const pairs[][2] = {{"minLength", "maxLength"}, {"minItems", "maxItems"}};
     if (check_range(w, s, at) != AE_OK) return AE_ERR;
     for (size_t i = 0; i < 2; i++) {
-        const cJSON *lo = cJSON_GetObjectItemCaseSensitive(s, pairs[i][0]), *hi = cJSON_GetObjectItemCaseSensitive(s, pairs[i][1]);
+        const cJSON *lo = cJSON_GetObjectItemCaseSensitive(s, pairs[i][0]),
+                    *hi = cJSON_GetObjectItemCaseSensitive(s, pairs[i][1]);
         if (cJSON_IsNumber(lo) && cJSON_IsNumber(hi) && lo->valuedouble > hi->valuedouble)
             return snprintf(w->why, w->cap, "'%s' at %s is more than '%s'", pairs[i][0], at, pairs[i][1]), AE_ERR;
     }

@@ -23,16 +23,16 @@
 
 #include <cjson/cJSON.h>
 
-#define SCHEMA_MAX_DEPTH 32  /* nesting of schemas */
-#define SCHEMA_MAX_NODES 2048 /* schemas in one document */
-#define SCHEMA_MAX_BYTES (128 << 10)    /* the document as compact JSON text */
-#define SCHEMA_MAX_ENUM 1024            /* values in one enum */
-#define SCHEMA_MAX_ENUM_TOTAL 4096      /* enum values and consts in the document */
+#define SCHEMA_MAX_DEPTH 32                 /* nesting of schemas */
+#define SCHEMA_MAX_NODES 2048               /* schemas in one document */
+#define SCHEMA_MAX_BYTES (128 << 10)        /* the document as compact JSON text */
+#define SCHEMA_MAX_ENUM 1024                /* values in one enum */
+#define SCHEMA_MAX_ENUM_TOTAL 4096          /* enum values and consts in the document */
 #define SCHEMA_MAX_LITERAL_BYTES (64 << 10) /* their JSON text, all together */
-#define SCHEMA_MAX_ANYOF 64             /* alternatives in one anyOf (OAI_MAX_TOOLS tools make one) */
-#define SCHEMA_MAX_ALTERNATIVES 256     /* in the document, all together */
-#define SCHEMA_MAX_REPEAT 10000         /* minLength, maxLength, minItems, maxItems */
-#define SCHEMA_MAX_OPTIONAL 256         /* properties of one object that are not required */
+#define SCHEMA_MAX_ANYOF 64                 /* alternatives in one anyOf (OAI_MAX_TOOLS tools make one) */
+#define SCHEMA_MAX_ALTERNATIVES 256         /* in the document, all together */
+#define SCHEMA_MAX_REPEAT 10000             /* minLength, maxLength, minItems, maxItems */
+#define SCHEMA_MAX_OPTIONAL 256             /* properties of one object that are not required */
 /* A pattern's {m}, {m,} and {m,n}: each bound, and how many (patterns are
  * not in the subset yet; these hold already for when they are). */
 #define SCHEMA_MAX_PATTERN_REPEAT 1000

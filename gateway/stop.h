@@ -36,8 +36,7 @@ typedef struct stop_matcher stop_matcher;
 
 /* stops[i][0..lens[i]) for i < n (0 <= n <= STOP_MAX_STRINGS, each 1 to
  * STOP_MAX_BYTES bytes). max_piece: the most bytes one stop_push gets. */
-int stop_init(stop_matcher **out, const char *const *stops, const size_t *lens, int n, size_t max_piece,
-              ae_error *err);
+int stop_init(stop_matcher **out, const char *const *stops, const size_t *lens, int n, size_t max_piece, ae_error *err);
 void stop_free(stop_matcher *m); /* NULL is a no-op */
 
 /* Most bytes one stop_push or stop_flush writes. */

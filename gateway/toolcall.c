@@ -13,7 +13,8 @@
 static bool add_call(cJSON *calls, const char *text, size_t len, const char *const *names, int n_names, const char *id,
                      bool with_index) {
     cJSON *o = json_parse(text, len, NULL);
-    const cJSON *name = cJSON_GetObjectItemCaseSensitive(o, "name"), *args = cJSON_GetObjectItemCaseSensitive(o, "arguments");
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(o, "name"),
+                *args = cJSON_GetObjectItemCaseSensitive(o, "arguments");
     bool known = false;
     for (int k = 0; cJSON_IsString(name) && k < n_names; k++) known |= strcmp(names[k], name->valuestring) == 0;
     bool ok = false;
@@ -22,10 +23,10 @@ static bool add_call(cJSON *calls, const char *text, size_t len, const char *con
         int k = cJSON_GetArraySize(calls);
         snprintf(cid, sizeof cid, "call_%.64s_%d", id, k);
         cJSON *c = cJSON_CreateObject(), *fn = NULL;
-        ok = a && c && (!with_index || cJSON_AddNumberToObject(c, "index", k)) && cJSON_AddStringToObject(c, "id", cid) &&
-             cJSON_AddStringToObject(c, "type", "function") && (fn = cJSON_AddObjectToObject(c, "function")) &&
-             cJSON_AddStringToObject(fn, "name", name->valuestring) && cJSON_AddStringToObject(fn, "arguments", a) &&
-             cJSON_AddItemToArray(calls, c);
+        ok = a && c && (!with_index || cJSON_AddNumberToObject(c, "index", k)) &&
+             cJSON_AddStringToObject(c, "id", cid) && cJSON_AddStringToObject(c, "type", "function") &&
+             (fn = cJSON_AddObjectToObject(c, "function")) && cJSON_AddStringToObject(fn, "name", name->valuestring) &&
+             cJSON_AddStringToObject(fn, "arguments", a) && cJSON_AddItemToArray(calls, c);
         if (!ok) cJSON_Delete(c);
         cJSON_free(a);
     }

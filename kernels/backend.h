@@ -159,8 +159,7 @@ struct kn_backend {
     void (*rope_table)(kn_stream *s, const kn_rope *r, const int32_t *pos, int64_t m, float *cs);
     void (*rope_rotate)(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
     void (*kv_write)(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
-    void (*kv_move)(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows,
-                    int32_t n);
+    void (*kv_move)(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n);
     void (*attention)(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                       int32_t n_heads);
     void (*gather_rows)(kn_stream *s, const float *src, const int32_t *rows, int64_t n, int64_t width, float *dst,
@@ -177,10 +176,10 @@ struct kn_backend {
      * (KN_OP_LATENT, KN_OP_MOE). */
     void (*matmul_heads)(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
                          int64_t y_head, int64_t m);
-    void (*moe_route)(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r,
-                      int32_t *idx, float *w);
-    void (*moe_ffn)(kn_stream *s, const kn_experts *e, const float *x, const int32_t *idx, const float *w,
-                    int64_t m, int32_t top_k, float *scratch, float *y);
+    void (*moe_route)(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r, int32_t *idx,
+                      float *w);
+    void (*moe_ffn)(kn_stream *s, const kn_experts *e, const float *x, const int32_t *idx, const float *w, int64_t m,
+                    int32_t top_k, float *scratch, float *y);
 };
 
 #endif

@@ -19,8 +19,8 @@ typedef struct kn_device_info {
     char name[256];
     int index; /* cuda:N */
     int cc_major, cc_minor;
-    uint64_t total_bytes; /* the device's memory */
-    uint64_t free_bytes;  /* free when it was opened */
+    uint64_t total_bytes;                /* the device's memory */
+    uint64_t free_bytes;                 /* free when it was opened */
     int driver_version, runtime_version; /* 12080 is 12.8; 0: unknown */
 } kn_device_info;
 
@@ -44,9 +44,9 @@ typedef enum kn_device_kind { KN_DEVICE_CPU = 0, KN_DEVICE_CUDA = 1 } kn_device_
 typedef struct kn_device {
     kn_device_kind kind;
     const kn_backend *be;
-    kn_device_info info; /* CUDA only */
-    char name[32];       /* "cpu" or "cuda:N": what --print-config shows */
-    char why[AE_ERR_MAX + 64]; /* auto only: why it chose what it chose */
+    kn_device_info info;            /* CUDA only */
+    char name[32];                  /* "cpu" or "cuda:N": what --print-config shows */
+    char why[AE_ERR_MAX + 64];      /* auto only: why it chose what it chose */
     kn_cuda_copy_gbps_fn copy_gbps; /* CUDA only */
 } kn_device;
 

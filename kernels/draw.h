@@ -79,14 +79,13 @@ KN_DRAW_FN float kn_draw_exp(uint32_t bits) {
     uint32_t ub = kn_draw_f32_bits(1.0f - v);
     ub = ub < 0x33000000u ? 0x33000000u : ub; /* U >= 2^-25 */
     int32_t e = (int32_t)(ub >> 23) - 127;
-    uint32_t mb = (ub & 0x007fffffu) | 0x3f800000u;  /* U = m 2^e, m in [1, 2) */
+    uint32_t mb = (ub & 0x007fffffu) | 0x3f800000u;    /* U = m 2^e, m in [1, 2) */
     uint32_t high = 0u - (uint32_t)(mb > 0x3fb504f3u); /* m > sqrt 2: halve it */
     mb -= high & 0x00800000u;
     e += (int32_t)(high & 1u);
     /* U in (sqrt 1/2, 1]: e = 0 and f = U - 1 = -V exactly */
     uint32_t near = 0u - (uint32_t)(kn_draw_f32_bits(v) < kn_draw_f32_bits(one_minus_sqrt_half));
-    float f = kn_draw_bits_f32((kn_draw_f32_bits(-v) & near) |
-                               (kn_draw_f32_bits(kn_draw_bits_f32(mb) - 1.0f) & ~near));
+    float f = kn_draw_bits_f32((kn_draw_f32_bits(-v) & near) | (kn_draw_f32_bits(kn_draw_bits_f32(mb) - 1.0f) & ~near));
     e &= (int32_t)~near;
     float sv = f / (2.0f + f), z = sv * sv;
     float t = z * (1.0f / 3 + z * (1.0f / 5 + z * (1.0f / 7 + z * (1.0f / 9))));

@@ -347,9 +347,7 @@ void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t 
 
 /* A latent pool (v NULL), a head wider than a plain pool's, or a scale
  * of the caller's own is MLA's attention, which a backend may not have. */
-static bool latent_pool(const kn_kv_pool *kv) {
-    return !kv->v || kv->head_dim > KN_MAX_HEAD_DIM || kv->scale != 0.0f;
-}
+static bool latent_pool(const kn_kv_pool *kv) { return !kv->v || kv->head_dim > KN_MAX_HEAD_DIM || kv->scale != 0.0f; }
 
 static void check_pool(const kn_stream *s, const kn_kv_pool *kv) {
     AE_ASSERT(kv->k && s->be->supports(KN_OP_KV, kv->type));
@@ -372,8 +370,7 @@ static void check_kv(const kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *
     for (int32_t t = 0; t < map->m; t++) {
         AE_ASSERT(map->seq[t] >= 0 && map->seq[t] < map->n_seqs);
         AE_ASSERT(map->n_prefix[t] >= 0 && map->n_extra[t] >= 0);
-        AE_ASSERT(map->extra_start[t] >= 0 &&
-                  map->extra_start[t] <= map->n_extra_total - map->n_extra[t]);
+        AE_ASSERT(map->extra_start[t] >= 0 && map->extra_start[t] <= map->n_extra_total - map->n_extra[t]);
     }
 }
 
@@ -387,7 +384,8 @@ void kn_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, con
     check_pool(s, kv);
     AE_ASSERT(n >= 0);
     const int64_t rows = (int64_t)kv->n_blocks * kv->block_size;
-    for (int32_t i = 0; i < n && s->be->host_memory; i++) AE_ASSERT(src_rows[i] >= 0 && src_rows[i] < rows && dst_rows[i] >= 0 && dst_rows[i] < rows);
+    for (int32_t i = 0; i < n && s->be->host_memory; i++)
+        AE_ASSERT(src_rows[i] >= 0 && src_rows[i] < rows && dst_rows[i] >= 0 && dst_rows[i] < rows);
     if (n) s->be->kv_move(s, kv, src_rows, dst_rows, n);
 }
 

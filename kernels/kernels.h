@@ -160,8 +160,8 @@ int kn_stream_threads(const kn_stream *s);
  * ops wait for what s had queued at kn_event_record (CPU: nothing to
  * wait for). */
 typedef struct kn_event {
-    void *impl;            /* the backend's */
-    const kn_backend *be;  /* whose impl it is (set by kn_event_record) */
+    void *impl;           /* the backend's */
+    const kn_backend *be; /* whose impl it is (set by kn_event_record) */
 } kn_event;
 void kn_event_record(kn_stream *s, kn_event *e);
 void kn_event_wait(kn_stream *s, const kn_event *e);
@@ -185,8 +185,8 @@ int kn_graph_begin(kn_stream *s, ae_error *err);
 /* Ends the capture and readies the graph for replay on s. */
 int kn_graph_end(kn_stream *s, kn_graph **out, ae_error *err);
 void kn_graph_launch(kn_stream *s, kn_graph *g); /* in s's order */
-void kn_graph_free(kn_graph *g);                  /* NULL is a no-op */
-size_t kn_graph_nodes(const kn_graph *g);         /* ops in it */
+void kn_graph_free(kn_graph *g);                 /* NULL is a no-op */
+size_t kn_graph_nodes(const kn_graph *g);        /* ops in it */
 /* Device memory the graph took, as the device's free memory fell from
  * before the capture to after the graph was ready (0 if it rose: another
  * user freed some meanwhile). */
@@ -296,8 +296,7 @@ void kn_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, 
                       float *y_up, int64_t m);
 
 /* y[m][n] = x[m][n] / sqrt(mean(x^2) + eps) * g[n]. y may equal x. */
-void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
-                float eps);
+void kn_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps);
 
 /* y[count] = a[count] + b[count] (the residual add). y may equal a or b. */
 void kn_add(kn_stream *s, const float *a, const float *b, float *y, int64_t count);
@@ -327,9 +326,9 @@ void kn_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int3
 /* How kn_sample draws a row: target/sample.h's sampling at one position,
  * for the settings a device runs (no top-p). */
 typedef struct kn_draw {
-    float temperature; /* <= 0: greedy, kn_argmax's pick */
-    int32_t top_k;     /* 0: off, else 1..KN_TOPK_MAX */
-    float min_p;       /* <= 0: off */
+    float temperature;       /* <= 0: greedy, kn_argmax's pick */
+    int32_t top_k;           /* 0: off, else 1..KN_TOPK_MAX */
+    float min_p;             /* <= 0: off */
     uint32_t key_lo, key_hi; /* the position's key (draw.h kn_draw_key) */
 } kn_draw;
 
@@ -456,8 +455,7 @@ int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err);
  * (>= 0). The angle is computed in double and rounded once to f32. pos
  * is host memory, so this takes a host-memory backend (tests; a forward
  * pass uses the two steps below). */
-void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads,
-                   const int32_t *pos);
+void kn_rope_apply(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const int32_t *pos);
 
 /* The same in two steps, so that a forward pass computes each token's
  * cos and sin once for all its layers: kn_rope_table writes
@@ -475,8 +473,8 @@ void kn_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t
  * takes (kn_backend_supports, KN_OP_KV). The CPU's is GGML_TYPE_F16, IEEE
  * half floats: half the bytes of f32 to hold and, at decode, to read. */
 typedef struct kn_kv_pool {
-    void *k; /* [n_blocks][block_size][n_kv_heads][head_dim] of type */
-    void *v; /* the same; NULL in a latent pool (MLA): the values are the keys */
+    void *k;           /* [n_blocks][block_size][n_kv_heads][head_dim] of type */
+    void *v;           /* the same; NULL in a latent pool (MLA): the values are the keys */
     const kn_buf *buf; /* holding k and v (checked); NULL: host memory, as for kn_weight */
     int32_t n_blocks;
     int32_t block_size;
@@ -540,8 +538,8 @@ void kn_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const
  * are adjacent in the batch (a tree's nodes, a prefill chunk) share each
  * chunk that lies wholly in their prefixes: it is loaded and widened once
  * for all of them. Each token's arithmetic is still the one above. */
-void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
-                  float *out, int32_t n_heads);
+void kn_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
+                  int32_t n_heads);
 
 /* Copies the K and V rows src_rows[i] to dst_rows[i] of the pool, in
  * order i = 0, 1, ...; a row is one slot, [n_kv_heads][head_dim] at
@@ -592,8 +590,8 @@ int kn_comm_init(const kn_backend *be, kn_allreduce kind, kn_comm **comms, int n
 int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err);
 void kn_comm_free(kn_comm **comms, int n_ranks); /* NULL entries ignored */
 
-int kn_comm_rank(const kn_comm *c); /* 0 for NULL */
-int kn_comm_size(const kn_comm *c); /* 1 for NULL */
+int kn_comm_rank(const kn_comm *c);          /* 0 for NULL */
+int kn_comm_size(const kn_comm *c);          /* 1 for NULL */
 kn_allreduce kn_comm_kind(const kn_comm *c); /* KN_ALLREDUCE_CPU for NULL */
 
 /* buf[count] = sum over ranks of every rank's buf: in rank order

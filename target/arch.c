@@ -86,7 +86,8 @@ static int load_ends(model *m, ae_error *err) {
                *norm = gguf ? "output_norm.weight" : "model.norm.weight",
                *output = gguf ? "output.weight" : "lm_head.weight";
     const int64_t H = c->hidden;
-    if (weights_table(w, embd, c->vocab, H, &m->tok_embd, err) || weights_vector(w, norm, H, false, &m->output_norm, err))
+    if (weights_table(w, embd, c->vocab, H, &m->tok_embd, err) ||
+        weights_vector(w, norm, H, false, &m->output_norm, err))
         return AE_ERR;
     c->tied_embeddings = !weights_has(w, output);
     if (!c->tied_embeddings) return weights_matrix(w, output, c->vocab, H, &m->output, err);
@@ -322,7 +323,8 @@ int arch_check_rope(const kn_rope_config *r, const arch_rope_keys *k, ae_error *
         return err_set(err, "%s%s: %g is not above 1, as yarn needs (its band divides by its log)", k->where, k->theta,
                        r->theta);
     if (!(isfinite(r->factor) && r->factor >= 1.0 && r->factor <= ROPE_SCALE_MAX))
-        return err_set(err, "%s%s%s: %g is outside [1, %g]", k->where, k->scaling, k->factor, r->factor, ROPE_SCALE_MAX);
+        return err_set(err, "%s%s%s: %g is outside [1, %g]", k->where, k->scaling, k->factor, r->factor,
+                       ROPE_SCALE_MAX);
     if (!(r->original_max_pos >= 1.0 && r->original_max_pos <= ROPE_CONTEXT_MAX))
         return err_set(err, "%s%s%s: %.0f is outside 1..%d", k->where, k->scaling, k->original, r->original_max_pos,
                        ROPE_CONTEXT_MAX);
@@ -333,8 +335,8 @@ int arch_check_rope(const kn_rope_config *r, const arch_rope_keys *k, ae_error *
             return err_set(err, "%s%s%s: %g is outside (0, %g]", k->where, k->scaling, names[i], betas[i],
                            ROPE_SCALE_MAX);
     if (r->beta_fast < r->beta_slow)
-        return err_set(err, "%s%s%s: %g is below %s%s's %g", k->where, k->scaling, k->beta_fast, r->beta_fast, k->scaling,
-                       k->beta_slow, r->beta_slow);
+        return err_set(err, "%s%s%s: %g is below %s%s's %g", k->where, k->scaling, k->beta_fast, r->beta_fast,
+                       k->scaling, k->beta_slow, r->beta_slow);
     return AE_OK;
 }
 

@@ -35,13 +35,13 @@ struct tp_split; /* tp.h */
  * are in the file's type; "f32" ones Aerie always holds as f32 (norms,
  * biases, MLA's per-head matrices). */
 typedef struct arch_params {
-    uint64_t whole;      /* matrices every rank holds whole */
-    uint64_t whole_f32;  /* f32 vectors every rank holds: norms, biases */
-    uint64_t embed;      /* the embedding table: every rank */
-    uint64_t output;     /* the output projection: rank 0 (0 when tied) */
-    uint64_t split;      /* divided among the ranks: heads' and FFN features' matrices */
-    uint64_t split_f32;  /* the same, held as f32 */
-    uint64_t experts;    /* routed experts, each divided among the ranks */
+    uint64_t whole;     /* matrices every rank holds whole */
+    uint64_t whole_f32; /* f32 vectors every rank holds: norms, biases */
+    uint64_t embed;     /* the embedding table: every rank */
+    uint64_t output;    /* the output projection: rank 0 (0 when tied) */
+    uint64_t split;     /* divided among the ranks: heads' and FFN features' matrices */
+    uint64_t split_f32; /* the same, held as f32 */
+    uint64_t experts;   /* routed experts, each divided among the ranks */
 } arch_params;
 
 /* ---- a layer's tensors ------------------------------------------------------ */
@@ -102,16 +102,16 @@ typedef enum arch_shard { ARCH_WHOLE, ARCH_ROWS, ARCH_COLS } arch_shard;
 
 /* arch_tensor.flags */
 enum {
-    ARCH_PACK = 1 << 0,        /* packed for the CPU kernels once its layer is read (weights_pack) */
-    ARCH_BIAS = 1 << 1,        /* optional unless the config has qkv_bias */
-    ARCH_ROUTER = 1 << 2,      /* f32 or bf16 only: the router's logits are f32 */
-    ARCH_Q_LORA = 1 << 3,      /* held only with a q_lora_rank */
-    ARCH_NO_Q_LORA = 1 << 4,   /* held only without one */
-    ARCH_SHARED = 1 << 5,      /* held only with shared experts */
-    ARCH_IF_PRESENT = 1 << 6,  /* read only where the file has it */
-    ARCH_IF_HAD = 1 << 7,      /* read only where the last ARCH_IF_PRESENT tensor was */
-    ARCH_IF_NOT_HAD = 1 << 8,  /* read only where it was not */
-    ARCH_F32 = 1 << 9,         /* held as f32 whatever the file's type (made by weights_f32) */
+    ARCH_PACK = 1 << 0,       /* packed for the CPU kernels once its layer is read (weights_pack) */
+    ARCH_BIAS = 1 << 1,       /* optional unless the config has qkv_bias */
+    ARCH_ROUTER = 1 << 2,     /* f32 or bf16 only: the router's logits are f32 */
+    ARCH_Q_LORA = 1 << 3,     /* held only with a q_lora_rank */
+    ARCH_NO_Q_LORA = 1 << 4,  /* held only without one */
+    ARCH_SHARED = 1 << 5,     /* held only with shared experts */
+    ARCH_IF_PRESENT = 1 << 6, /* read only where the file has it */
+    ARCH_IF_HAD = 1 << 7,     /* read only where the last ARCH_IF_PRESENT tensor was */
+    ARCH_IF_NOT_HAD = 1 << 8, /* read only where it was not */
+    ARCH_F32 = 1 << 9,        /* held as f32 whatever the file's type (made by weights_f32) */
 };
 
 #define ARCH_MAX_SOURCES 8
@@ -120,7 +120,7 @@ enum {
  * that the first missing or misshapen one is the one an error names; a
  * run of ARCH_EXPERT entries is read expert by expert. */
 typedef struct arch_tensor {
-    const char *name;      /* in messages: "attn_output", "ffn_down" */
+    const char *name; /* in messages: "attn_output", "ffn_down" */
     /* The file's name after the layer's prefix ("blk.N." in GGUF,
      * "model.layers.N." in Hugging Face files), NULL where that format
      * has none. ARCH_EXPERT: a GGUF file stacks the experts in one 3-D
@@ -131,8 +131,8 @@ typedef struct arch_tensor {
     arch_read read;
     arch_shard shard;
     unsigned flags;
-    size_t at;             /* ARCH_VEC, ARCH_MAT: offsetof(model_layer, the field) */
-    arch_dim rows, cols;   /* its shape; a vector's cols are ARCH_ONE */
+    size_t at;           /* ARCH_VEC, ARCH_MAT: offsetof(model_layer, the field) */
+    arch_dim rows, cols; /* its shape; a vector's cols are ARCH_ONE */
 } arch_tensor;
 
 typedef struct arch {

@@ -44,8 +44,10 @@ static void count(draft_client *d, uint64_t *field) {
 /* f16 of x, saturated: the draft reads a feature beyond f16's range as
  * its largest rather than inf (its output changes speed, not tokens). */
 static uint16_t feature_f16(float x) {
-    if (x > 65504.0f) x = 65504.0f;
-    else if (x < -65504.0f) x = -65504.0f;
+    if (x > 65504.0f)
+        x = 65504.0f;
+    else if (x < -65504.0f)
+        x = -65504.0f;
     return quant_f32_to_f16(x);
 }
 
@@ -86,9 +88,17 @@ static int propose_some(draft_client *d, const spec_feed *feeds, int32_t n, cons
         const spec_feed *f = &feeds[i];
         size_t nf = (size_t)f->n * (size_t)d->cfg.feature_width;
         uint32_t tl = (uint32_t)f->n * 4, fl = (uint32_t)(nf * sizeof *half);
-        rq->seqs[i] = (aerie_DraftSeq){(uint32_t)f->seq, f->reset, (uint32_t)f->start, (uint32_t)f->n,
-                                       true, {(uint32_t)off, tl}, true, {(uint32_t)(off + tl), fl}, f->want_tree,
-                                       f->fork, f->fork ? (uint32_t)f->fork_of : 0};
+        rq->seqs[i] = (aerie_DraftSeq){(uint32_t)f->seq,
+                                       f->reset,
+                                       (uint32_t)f->start,
+                                       (uint32_t)f->n,
+                                       true,
+                                       {(uint32_t)off, tl},
+                                       true,
+                                       {(uint32_t)(off + tl), fl},
+                                       f->want_tree,
+                                       f->fork,
+                                       f->fork ? (uint32_t)f->fork_of : 0};
         d->iov[n_iov++] = (rpc_iov){f->tokens, tl};
         d->iov[n_iov++] = (rpc_iov){half, fl};
         half += nf;
@@ -102,8 +112,8 @@ static int propose_some(draft_client *d, const spec_feed *feeds, int32_t n, cons
     uint32_t len;
     if (msg_encode(aerie_ProposeRequest_fields, rq, d->msg, sizeof d->msg, &len, err) != AE_OK) return AE_ERR;
     int64_t t0 = clock_mono_ns();
-    uint32_t st = rpc_client_callv(d->rpc, aerie_Method_DRAFT_PROPOSE, d->msg, len, d->iov, n_iov,
-                                   d->cfg.deadline_us, NULL, NULL, &d->reply);
+    uint32_t st = rpc_client_callv(d->rpc, aerie_Method_DRAFT_PROPOSE, d->msg, len, d->iov, n_iov, d->cfg.deadline_us,
+                                   NULL, NULL, &d->reply);
     int64_t rtt = clock_mono_ns() - t0;
     if (st != RPC_OK) {
         count(d, st == RPC_DEADLINE_EXCEEDED ? &d->stats.deadline_exceeded
@@ -147,7 +157,7 @@ static int propose_some(draft_client *d, const spec_feed *feeds, int32_t n, cons
 }
 
 static int draft_client_propose(void *ctx, const spec_feed *feeds, int32_t n, const spec_shape *shape, spec_tree *trees,
-                        ae_error *err) {
+                                ae_error *err) {
     draft_client *d = ctx;
     for (int32_t at = 0; at < n; at += DRAFT_CLIENT_MAX_SEQS) {
         int32_t m = n - at < DRAFT_CLIENT_MAX_SEQS ? n - at : DRAFT_CLIENT_MAX_SEQS;
@@ -180,8 +190,8 @@ static void draft_client_release(void *ctx, int32_t seq) {
     uint32_t len;
     if (msg_encode(aerie_ReleaseRequest_fields, &r, buf, sizeof buf, &len, NULL) != AE_OK) return;
     /* The frame is queued before this returns, so buf may go. */
-    if (rpc_client_start(d->rpc, aerie_Method_DRAFT_RELEASE, buf, len, NULL, 0, d->cfg.deadline_us, NULL,
-                         release_done, d, NULL, NULL) != AE_OK)
+    if (rpc_client_start(d->rpc, aerie_Method_DRAFT_RELEASE, buf, len, NULL, 0, d->cfg.deadline_us, NULL, release_done,
+                         d, NULL, NULL) != AE_OK)
         count_release_failure(d);
 }
 

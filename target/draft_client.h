@@ -21,7 +21,7 @@
 typedef struct draft_client_config {
     const char *addr;
     rpc_tls tls;
-    uint32_t deadline_us;  /* per Propose */
+    uint32_t deadline_us; /* per Propose */
     uint32_t max_frame;
     int32_t feature_width; /* 3H */
     int32_t capture[FORWARD_MAX_CAPTURE];

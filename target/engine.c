@@ -15,14 +15,25 @@
  * forward pass reads. Their addresses never change, so a step captured
  * once (a CUDA graph) replays with new contents. [max_batch_tokens]
  * each, but IN_EXTRA: [max_batch_tokens * ENGINE_MAX_TREE]. */
-enum { IN_TOKENS, IN_POS, IN_SEQ, IN_SLOT, IN_N_PREFIX, IN_EXTRA_START, IN_N_EXTRA, IN_LOGIT_ROWS, IN_CAP_ROWS,
-       IN_EXTRA, IN_N };
+enum {
+    IN_TOKENS,
+    IN_POS,
+    IN_SEQ,
+    IN_SLOT,
+    IN_N_PREFIX,
+    IN_EXTRA_START,
+    IN_N_EXTRA,
+    IN_LOGIT_ROWS,
+    IN_CAP_ROWS,
+    IN_EXTRA,
+    IN_N
+};
 
 /* A captured step, by its shape (engine.h, CUDA graphs). */
 typedef struct engine_graph {
     int32_t T, n_logits, n_cap, n_cap_layers, keys;
     int32_t cap_layers[FORWARD_MAX_CAPTURE];
-    int ids_by; /* 0: logits only, 1: each row's argmax, 2: each row's draw (kn_sample) */
+    int ids_by;  /* 0: logits only, 1: each row's argmax, 2: each row's draw (kn_sample) */
     kn_graph *g; /* NULL: a free entry */
     uint64_t last_use;
 } engine_graph;
@@ -34,7 +45,7 @@ struct engine {
     kn_stream *stream;
     forward_ws *ws;
     kv_cache *kv;
-    kn_kv_pool *layers; /* [n_layers] */
+    kn_kv_pool *layers;  /* [n_layers] */
     int32_t *host[IN_N]; /* the step's inputs as filled, in one allocation (host[0]) */
     int32_t *dev[IN_N];  /* the same in e->in, at the backend's addresses */
     size_t in_len[IN_N]; /* elements of each */
@@ -45,17 +56,17 @@ struct engine {
      * into the caller's arrays. A host-memory backend writes those arrays
      * directly (no buffer). */
     kn_buf out;
-    kn_buf ids; /* [max_batch_tokens] int32: engine_step's ids, on such a backend */
+    kn_buf ids;   /* [max_batch_tokens] int32: engine_step's ids, on such a backend */
     kn_buf draws; /* [max_batch_tokens] kn_draw: engine_step's draws, on a backend with kn_sample */
     /* the host arrays above by name */
     int32_t *pos, *seq, *slot, *n_prefix, *extra_start, *n_extra, *tokens, *logit_rows, *cap_rows, *extra;
     int32_t *old_cap; /* per item: KV capacity before this step reserved */
-    int32_t *depth; /* [ENGINE_MAX_TREE] */
+    int32_t *depth;   /* [ENGINE_MAX_TREE] */
     /* The last tree of each sequence, to check a committed path against:
      * parents [max_seqs][ENGINE_MAX_TREE], node count [max_seqs] (0: none). */
     int32_t *tree_parents;
     int32_t *tree_n;
-    tp_group *tp; /* engine_set_tp's ranks, or NULL: one rank */
+    tp_group *tp;            /* engine_set_tp's ranks, or NULL: one rank */
     char allreduce_why[256]; /* engine_allreduce_why */
     engine_comm_stats comm;
     bool comm_pending;     /* a ranks' pass queued: its counts are read after the step's sync */
@@ -166,11 +177,19 @@ int engine_init(engine **out, const model *m, const engine_config *cfg, ae_error
     e->m = m;
     e->cfg = *cfg;
     size_t T = (size_t)cfg->max_batch_tokens;
-    kv_params kp = {c->n_layers, c->n_kv_heads, c->head_dim, cfg->block_size,
-                    (cfg->kv_tokens + cfg->block_size - 1) / cfg->block_size, cfg->max_seqs,
-                    (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size, c->kv_lora_rank > 0};
+    kv_params kp = {c->n_layers,
+                    c->n_kv_heads,
+                    c->head_dim,
+                    cfg->block_size,
+                    (cfg->kv_tokens + cfg->block_size - 1) / cfg->block_size,
+                    cfg->max_seqs,
+                    (cfg->max_seq_len + cfg->block_size - 1) / cfg->block_size,
+                    c->kv_lora_rank > 0};
     if (pool_init(&e->pool, cfg->threads, err) != AE_OK ||
-        kn_stream_init(&e->stream, m->be, &(kn_stream_config){e->pool, forward_stream_workspace(m, cfg->max_batch_tokens, cfg->max_seq_len)}, err) != AE_OK ||
+        kn_stream_init(
+            &e->stream, m->be,
+            &(kn_stream_config){e->pool, forward_stream_workspace(m, cfg->max_batch_tokens, cfg->max_seq_len)},
+            err) != AE_OK ||
         forward_ws_init(&e->ws, m, cfg->max_batch_tokens, cfg->max_batch_tokens, err) != AE_OK ||
         kv_init(&e->kv, m->be, &kp, err) != AE_OK)
         goto fail;
@@ -214,7 +233,9 @@ fail:
 int32_t engine_tp(const engine *e) { return e->tp ? tp_group_ranks(e->tp) : 1; }
 const model *engine_tp_shard(const engine *e, int32_t r) { return e->tp ? tp_group_shard(e->tp, r) : e->m; }
 engine_comm_stats engine_get_comm_stats(const engine *e) { return e->comm; }
-const kn_backend *engine_tp_backend(const engine *e, int32_t r) { return e->tp ? tp_group_backend(e->tp, r) : e->m->be; }
+const kn_backend *engine_tp_backend(const engine *e, int32_t r) {
+    return e->tp ? tp_group_backend(e->tp, r) : e->m->be;
+}
 uint64_t engine_tp_copied_bytes(const engine *e, int32_t r) { return e->tp ? tp_group_copied_bytes(e->tp, r) : 0; }
 kn_allreduce engine_allreduce(const engine *e) { return e->tp ? tp_group_allreduce(e->tp) : KN_ALLREDUCE_CPU; }
 const char *engine_allreduce_why(const engine *e) { return e->allreduce_why; }
@@ -223,7 +244,8 @@ const char *engine_allreduce_why(const engine *e) { return e->allreduce_why; }
  * decode and a verify pass's message, the faster sum kept. The group
  * starts as custom. */
 static void allreduce_choose(engine *e) {
-    const size_t H = (size_t)e->m->cfg.hidden, V = (e->cfg.max_batch_tokens < 8 ? (size_t)e->cfg.max_batch_tokens : 8) * H;
+    const size_t H = (size_t)e->m->cfg.hidden,
+                 V = (e->cfg.max_batch_tokens < 8 ? (size_t)e->cfg.max_batch_tokens : 8) * H;
     double custom[2] = {tp_group_time_allreduce(e->tp, H, ENGINE_ALLREDUCE_REPS),
                         tp_group_time_allreduce(e->tp, V, ENGINE_ALLREDUCE_REPS)};
     ae_error why = {{0}};
@@ -246,8 +268,8 @@ static void allreduce_choose(engine *e) {
 /* e->kv made anew with the sizes kp, in n shards of heads[] kv heads, and
  * e->layers from it (one shard); false with err set and e->kv NULL (and
  * e->layers zeroed) if it cannot be. */
-static bool kv_remake(engine *e, const kv_params *kp, int32_t n, const int32_t *heads, const kn_backend *const *shard_be,
-                      ae_error *err) {
+static bool kv_remake(engine *e, const kv_params *kp, int32_t n, const int32_t *heads,
+                      const kn_backend *const *shard_be, ae_error *err) {
     kv_free(e->kv);
     e->kv = NULL;
     memset(e->layers, 0, (size_t)e->m->cfg.n_layers * sizeof *e->layers);
@@ -258,17 +280,26 @@ static bool kv_remake(engine *e, const kv_params *kp, int32_t n, const int32_t *
 }
 
 /* The ranks, for n_ranks > 1, over a KV cache already sharded for them. */
-static int tp_make(engine *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend *const *rank_be, ae_error *err) {
+static int tp_make(engine *e, int32_t n_ranks, kn_allreduce allreduce, const kn_backend *const *rank_be,
+                   ae_error *err) {
     const model_config *c = &e->m->cfg;
     kn_kv_pool *pools = calloc((size_t)n_ranks * (size_t)c->n_layers, sizeof *pools);
     if (!pools) return err_set(err, "tensor parallel: out of memory");
     for (int32_t r = 0; r < n_ranks; r++)
-        for (int32_t l = 0; l < c->n_layers; l++) pools[(size_t)r * (size_t)c->n_layers + (size_t)l] = kv_shard_layer(e->kv, r, l);
+        for (int32_t l = 0; l < c->n_layers; l++)
+            pools[(size_t)r * (size_t)c->n_layers + (size_t)l] = kv_shard_layer(e->kv, r, l);
     const kv_params *kp = kv_get_params(e->kv);
-    tp_config tc = {.n_ranks = n_ranks, .threads_per_rank = e->cfg.threads / n_ranks > 1 ? e->cfg.threads / n_ranks : 1,
-                    .max_tokens = e->cfg.max_batch_tokens, .max_logits = e->cfg.max_batch_tokens,
-                    .kv_blocks = kp->n_blocks, .block_size = kp->block_size, .act_bits = e->cfg.act_bits,
-                    .max_seq_len = e->cfg.max_seq_len, .kv = pools, .allreduce = allreduce, .rank_be = rank_be};
+    tp_config tc = {.n_ranks = n_ranks,
+                    .threads_per_rank = e->cfg.threads / n_ranks > 1 ? e->cfg.threads / n_ranks : 1,
+                    .max_tokens = e->cfg.max_batch_tokens,
+                    .max_logits = e->cfg.max_batch_tokens,
+                    .kv_blocks = kp->n_blocks,
+                    .block_size = kp->block_size,
+                    .act_bits = e->cfg.act_bits,
+                    .max_seq_len = e->cfg.max_seq_len,
+                    .kv = pools,
+                    .allreduce = allreduce,
+                    .rank_be = rank_be};
     int rc = tp_group_init(&e->tp, e->m, &tc, err);
     free(pools);
     if (rc == AE_OK && kn_stream_fast(e->stream)) rc = tp_group_set_fast(e->tp, true, err);
@@ -282,11 +313,15 @@ int engine_set_tp(engine *e, int32_t n_ranks, kn_allreduce allreduce, const kn_b
         return err_set(err, "tensor parallel: %d ranks (1 to %d)", n_ranks, TP_MAX_RANKS);
     const bool host = kn_backend_host_memory(e->m->be);
     if (allreduce != KN_ALLREDUCE_AUTO && allreduce != KN_ALLREDUCE_CPU && host)
-        return err_set(err, "tensor parallel: --allreduce %s is for ranks on a GPU; the %s backend's ranks reduce "
-                       "with cpu", kn_allreduce_name(allreduce), kn_backend_name(e->m->be));
+        return err_set(err,
+                       "tensor parallel: --allreduce %s is for ranks on a GPU; the %s backend's ranks reduce "
+                       "with cpu",
+                       kn_allreduce_name(allreduce), kn_backend_name(e->m->be));
     if (allreduce == KN_ALLREDUCE_CPU && !host)
-        return err_set(err, "tensor parallel: --allreduce cpu is for ranks on the CPU; the %s backend's ranks "
-                       "reduce with nccl or custom", kn_backend_name(e->m->be));
+        return err_set(err,
+                       "tensor parallel: --allreduce cpu is for ranks on the CPU; the %s backend's ranks "
+                       "reduce with nccl or custom",
+                       kn_backend_name(e->m->be));
     bool same_be = true;
     for (int32_t r = 0; r < n_ranks && r < engine_tp(e); r++)
         same_be = same_be && (rank_be ? rank_be[r] : e->m->be) == engine_tp_backend(e, r);
@@ -294,9 +329,12 @@ int engine_set_tp(engine *e, int32_t n_ranks, kn_allreduce allreduce, const kn_b
         (n_ranks == 1 || allreduce == KN_ALLREDUCE_AUTO || allreduce == engine_allreduce(e)))
         return AE_OK;
     for (int32_t r = 0; r < n_ranks && rank_be; r++)
-        if (rank_be[r] != e->m->be && (!kn_backend_reads(rank_be[r], e->m->be) || !kn_backend_reads(e->m->be, rank_be[r])))
-            return err_set(err, "tensor parallel: rank %d's device cannot reach the engine's memory, or the engine's "
-                           "its (ranks on several GPUs need peer access between them)", r);
+        if (rank_be[r] != e->m->be &&
+            (!kn_backend_reads(rank_be[r], e->m->be) || !kn_backend_reads(e->m->be, rank_be[r])))
+            return err_set(err,
+                           "tensor parallel: rank %d's device cannot reach the engine's memory, or the engine's "
+                           "its (ranks on several GPUs need peer access between them)",
+                           r);
     if (!e->kv || kv_get_stats(e->kv).seqs_live > 0)
         return err_set(err, "tensor parallel: ranks are set before any sequence");
     tp_split sp;
@@ -333,8 +371,10 @@ int engine_set_tp(engine *e, int32_t n_ranks, kn_allreduce allreduce, const kn_b
     } else if (!e->ws) {
         ae_error again = {{0}};
         if (forward_ws_init(&e->ws, e->m, e->cfg.max_batch_tokens, e->cfg.max_batch_tokens, &again) != AE_OK) {
-            if (ok) *err = again;
-            else LOG_ERRORF("engine: one rank's activations are lost: %s", again.msg);
+            if (ok)
+                *err = again;
+            else
+                LOG_ERRORF("engine: one rank's activations are lost: %s", again.msg);
             return AE_ERR;
         }
     }
@@ -384,10 +424,12 @@ static int validate(engine *e, const engine_item *items, int32_t n_items, const 
             if (it->tokens[t] < 0 || it->tokens[t] >= e->m->cfg.vocab)
                 return err_set(err, "item %d: token %d is not in the vocabulary", i, it->tokens[t]);
         if (it->kind == ENGINE_TREE) {
-            if (it->n_tokens > ENGINE_MAX_TREE) return err_set(err, "item %d: tree of %d nodes, max %d", i, it->n_tokens, ENGINE_MAX_TREE);
+            if (it->n_tokens > ENGINE_MAX_TREE)
+                return err_set(err, "item %d: tree of %d nodes, max %d", i, it->n_tokens, ENGINE_MAX_TREE);
             for (int32_t t = 0; t < it->n_tokens; t++)
                 if (it->parents[t] < -1 || it->parents[t] >= t)
-                    return err_set(err, "item %d: node %d has parent %d (must be -1 or an earlier node)", i, t, it->parents[t]);
+                    return err_set(err, "item %d: node %d has parent %d (must be -1 or an earlier node)", i, t,
+                                   it->parents[t]);
         }
     }
     if (cap) {
@@ -430,8 +472,10 @@ static void forward(engine *e, const forward_batch *b, int32_t *ids, const kn_dr
     } else {
         forward_pass(e->m, e->stream, NULL, e->layers, e->ws, b);
     }
-    if (ids && draws) kn_sample(e->stream, b->logits, b->n_logits, (int64_t)e->m->cfg.vocab, draws, ids);
-    else if (ids) kn_argmax(e->stream, b->logits, ids, b->n_logits, (int64_t)e->m->cfg.vocab);
+    if (ids && draws)
+        kn_sample(e->stream, b->logits, b->n_logits, (int64_t)e->m->cfg.vocab, draws, ids);
+    else if (ids)
+        kn_argmax(e->stream, b->logits, ids, b->n_logits, (int64_t)e->m->cfg.vocab);
 }
 
 /* A ranks' pass's allreduces into e->comm, once its step has synced. */
@@ -450,7 +494,7 @@ static void comm_read(engine *e) {
  * the extra slots, so that the graph's values hold for every step it
  * serves. */
 static engine_graph *graph_for(engine *e, const engine_item *items, int32_t n_items, kn_kv_map *map, int32_t n_logits,
-                            const forward_capture *cap, int ids_by) {
+                               const forward_capture *cap, int ids_by) {
     engine_graph_stats *gs = &e->graph_stats;
     if (gs->max_graphs == 0 || map->m > ENGINE_GRAPH_MAX_TOKENS || e->tp) return NULL;
     /* Decode tokens and trees only: a prompt's chunks come in every size,
@@ -535,8 +579,8 @@ static bool graph_run(engine *e, engine_graph *gr, const forward_batch *b, int32
         if (kn_graph_nodes(gr->g) > gs->max_nodes) gs->max_nodes = kn_graph_nodes(gr->g);
         LOG_INFOF("graph captured tokens=%d logit_rows=%d capture_rows=%d keys=%d ids_by=%d nodes=%zu bytes=%zu "
                   "live=%d of %d",
-                  gr->T, gr->n_logits, gr->n_cap, gr->keys, gr->ids_by, kn_graph_nodes(gr->g),
-                  kn_graph_bytes(gr->g), gs->live, gs->kept_max);
+                  gr->T, gr->n_logits, gr->n_cap, gr->keys, gr->ids_by, kn_graph_nodes(gr->g), kn_graph_bytes(gr->g),
+                  gs->live, gs->kept_max);
         if (!graphs_within_budget(e, gr)) {
             graphs_drop(e);
             return false;
@@ -592,14 +636,24 @@ static int step(engine *e, const engine_item *items, int32_t n_items, float *log
     if (n_cap) memcpy(e->cap_rows, capture->rows, (size_t)n_cap * sizeof(int32_t));
     size_t used[IN_N] = {T, T, T, T, T, T, T, n_logits, n_cap, n_extra_total};
     for (int i = 0; i < IN_N; i++)
-        kn_upload(e->stream, &e->in, (size_t)((char *)e->dev[i] - (char *)e->in.ptr), e->host[i], used[i] * sizeof(int32_t));
+        kn_upload(e->stream, &e->in, (size_t)((char *)e->dev[i] - (char *)e->in.ptr), e->host[i],
+                  used[i] * sizeof(int32_t));
     kv_upload_tables(e->kv, e->stream);
     const int32_t *const *d = (const int32_t *const *)e->dev;
     int32_t max_vis = 0;
     for (int32_t t = 0; t < T; t++)
         if (e->n_prefix[t] + e->n_extra[t] > max_vis) max_vis = e->n_prefix[t] + e->n_extra[t];
-    kn_kv_map map = {T, kv_map_tables(e->kv), e->cfg.max_seqs, kv_get_params(e->kv)->max_blocks_per_seq,
-                     d[IN_SEQ], d[IN_SLOT], d[IN_N_PREFIX], d[IN_EXTRA_START], d[IN_N_EXTRA], d[IN_EXTRA], n_extra_total,
+    kn_kv_map map = {T,
+                     kv_map_tables(e->kv),
+                     e->cfg.max_seqs,
+                     kv_get_params(e->kv)->max_blocks_per_seq,
+                     d[IN_SEQ],
+                     d[IN_SLOT],
+                     d[IN_N_PREFIX],
+                     d[IN_EXTRA_START],
+                     d[IN_N_EXTRA],
+                     d[IN_EXTRA],
+                     n_extra_total,
                      max_vis};
     /* Outputs: the caller's arrays on a host-memory backend, else e->out. */
     const size_t V = (size_t)e->m->cfg.vocab, W = capture ? (size_t)capture->n_layers * (size_t)e->m->cfg.hidden : 0;

@@ -18,18 +18,18 @@ struct forward_ws {
     float *rope;  /* [max_tokens][D] each token's cos and sin, for all layers */
     /* MLA (0 bytes without): with n_kv_heads 1 and D = R + dr, q above
      * holds the absorbed queries, k the latent and v k_pe */
-    float *qa;    /* [max_tokens][q_lora_rank] */
-    float *qn;    /* [max_tokens][n_heads * qk_nope_dim] */
-    float *qpe;   /* [max_tokens][n_heads * qk_rope_dim] */
-    float *ckv;   /* [max_tokens][kv_lora_rank] */
-    float *vh;    /* [max_tokens][n_heads * v_head_dim] the heads' values */
+    float *qa;  /* [max_tokens][q_lora_rank] */
+    float *qn;  /* [max_tokens][n_heads * qk_nope_dim] */
+    float *qpe; /* [max_tokens][n_heads * qk_rope_dim] */
+    float *ckv; /* [max_tokens][kv_lora_rank] */
+    float *vh;  /* [max_tokens][n_heads * v_head_dim] the heads' values */
     /* MoE (0 bytes without) */
     float *logits; /* [max_tokens][n_experts] the router's */
     float *rw;     /* [max_tokens][top_k] the chosen experts' weights */
     float *ridx;   /* [max_tokens][top_k] their ids, int32 */
     float *shared; /* [max_tokens][H] the shared experts' output */
     float *moe;    /* kn_moe_scratch(max_tokens, H, expert_ffn) */
-    kn_buf block; /* one buffer of the model's backend holding all of the above */
+    kn_buf block;  /* one buffer of the model's backend holding all of the above */
 };
 
 static size_t round64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -43,11 +43,27 @@ static void ws_sizes(const model *m, int32_t T, int32_t L, size_t sz[WS_BUFS]) {
            QD = (size_t)c->n_heads * (size_t)c->head_dim, KD = (size_t)c->n_kv_heads * (size_t)c->head_dim,
            nh = (size_t)c->n_heads, E = (size_t)c->route.n_experts, K = (size_t)c->route.top_k;
     size_t t = (size_t)T;
-    size_t v[WS_BUFS] = {t * H, t * H, t * QD, t * KD, t * KD, t * QD, t * H, t * F, t * F, (size_t)L * H,
+    size_t v[WS_BUFS] = {t * H,
+                         t * H,
+                         t * QD,
+                         t * KD,
+                         t * KD,
+                         t * QD,
+                         t * H,
+                         t * F,
+                         t * F,
+                         (size_t)L * H,
                          t * (size_t)c->head_dim,
-                         t * (size_t)c->q_lora_rank, t * nh * (size_t)c->qk_nope_dim, t * nh * (size_t)c->qk_rope_dim,
-                         t * (size_t)c->kv_lora_rank, t * nh * (size_t)c->v_head_dim,
-                         t * E, t * K, t * K, E ? t * H : 0, E ? kn_moe_scratch(T, c->hidden, c->expert_ffn) : 0};
+                         t * (size_t)c->q_lora_rank,
+                         t * nh * (size_t)c->qk_nope_dim,
+                         t * nh * (size_t)c->qk_rope_dim,
+                         t * (size_t)c->kv_lora_rank,
+                         t * nh * (size_t)c->v_head_dim,
+                         t * E,
+                         t * K,
+                         t * K,
+                         E ? t * H : 0,
+                         E ? kn_moe_scratch(T, c->hidden, c->expert_ffn) : 0};
     memcpy(sz, v, sizeof v);
 }
 
@@ -66,8 +82,8 @@ size_t forward_stream_workspace(const model *m, int32_t max_tokens, int32_t max_
 
 size_t forward_stream_workspace_cfg(const model_config *c, int32_t max_tokens, int32_t max_keys) {
     /* the widest input a matmul reads */
-    int64_t widths[] = {c->ffn, c->hidden, (int64_t)c->n_heads * c->head_dim, c->shared_ffn, c->expert_ffn,
-                        c->q_lora_rank, (int64_t)c->n_heads * c->v_head_dim};
+    int64_t widths[] = {c->ffn,        c->hidden,      (int64_t)c->n_heads * c->head_dim,  c->shared_ffn,
+                        c->expert_ffn, c->q_lora_rank, (int64_t)c->n_heads * c->v_head_dim};
     int64_t k = 0;
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) k = widths[i] > k ? widths[i] : k;
     size_t mm = kn_matmul_workspace(max_tokens, k);
@@ -75,8 +91,7 @@ size_t forward_stream_workspace_cfg(const model_config *c, int32_t max_tokens, i
     return mm > at ? mm : at;
 }
 
-int forward_ws_init(forward_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
-                  ae_error *err) {
+int forward_ws_init(forward_ws **out, const model *m, int32_t max_tokens, int32_t max_logits, ae_error *err) {
     *out = NULL;
     if (max_tokens < 1 || max_logits < 1 || max_logits > max_tokens)
         return err_set(err, "workspace: need 1 <= max_logits (%d) <= max_tokens (%d)", max_logits, max_tokens);
@@ -89,9 +104,9 @@ int forward_ws_init(forward_ws **out, const model *m, int32_t max_tokens, int32_
     }
     size_t sz[WS_BUFS];
     ws_sizes(m, max_tokens, max_logits, sz);
-    float **slots[WS_BUFS] = {&ws->x,    &ws->xn,   &ws->q,   &ws->k,      &ws->v,    &ws->attn,   &ws->proj,
-                              &ws->gate, &ws->up,   &ws->out_x, &ws->rope, &ws->qa,   &ws->qn,     &ws->qpe,
-                              &ws->ckv,  &ws->vh,   &ws->logits, &ws->rw,  &ws->ridx, &ws->shared, &ws->moe};
+    float **slots[WS_BUFS] = {&ws->x,    &ws->xn, &ws->q,      &ws->k,    &ws->v,    &ws->attn,   &ws->proj,
+                              &ws->gate, &ws->up, &ws->out_x,  &ws->rope, &ws->qa,   &ws->qn,     &ws->qpe,
+                              &ws->ckv,  &ws->vh, &ws->logits, &ws->rw,   &ws->ridx, &ws->shared, &ws->moe};
     char *p = ws->block.ptr;
     for (int i = 0; i < WS_BUFS; i++) {
         *slots[i] = (float *)(void *)p;
@@ -194,8 +209,8 @@ static void ffn_dense(const model *m, const model_layer *l, kn_stream *s, forwar
     kn_matmul(s, &l->w_down, ws->gate, ws->proj, T);
 }
 
-void forward_pass(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
-                   forward_ws *ws, const forward_batch *b) {
+void forward_pass(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv, forward_ws *ws,
+                  const forward_batch *b) {
     const model_config *c = &m->cfg;
     const int32_t T = b->m, H = c->hidden;
     AE_ASSERT(T >= 1 && T <= ws->max_tokens);
@@ -208,8 +223,7 @@ void forward_pass(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool 
     if (cap) {
         AE_ASSERT(cap->n_layers >= 0 && cap->n_layers <= FORWARD_MAX_CAPTURE);
         for (int32_t r = 0; r < cap->n_rows && host; r++) AE_ASSERT(cap->rows[r] >= 0 && cap->rows[r] < T);
-        for (int32_t j = 0; j < cap->n_layers; j++)
-            AE_ASSERT(cap->layers[j] >= 0 && cap->layers[j] <= c->n_layers);
+        for (int32_t j = 0; j < cap->n_layers; j++) AE_ASSERT(cap->layers[j] >= 0 && cap->layers[j] <= c->n_layers);
     }
 
     kn_embed(s, &m->tok_embd, b->tokens, ws->x, T);

@@ -27,23 +27,23 @@
 /* EAGLE-3 feature capture: the residual stream entering chosen layers, for
  * chosen tokens of the batch, concatenated per token. */
 typedef struct forward_capture {
-    int32_t n_layers;                  /* 0..FORWARD_MAX_CAPTURE */
+    int32_t n_layers;                    /* 0..FORWARD_MAX_CAPTURE */
     int32_t layers[FORWARD_MAX_CAPTURE]; /* input of layer i (0 = the embeddings) */
     int32_t n_rows;
-    const int32_t *rows;               /* [n_rows] batch rows to capture */
-    float *out;                        /* [n_rows][n_layers * H] */
+    const int32_t *rows; /* [n_rows] batch rows to capture */
+    float *out;          /* [n_rows][n_layers * H] */
 } forward_capture;
 
 /* Every array is the stream's backend's memory (the engine's input and
  * output buffers; on a host-memory backend, any host array). */
 typedef struct forward_batch {
-    int32_t m;                    /* tokens in the batch */
-    const int32_t *tokens;        /* [m] */
-    const int32_t *pos;           /* [m] positions, for RoPE */
-    const kn_kv_map *map;         /* where each token reads and writes KV */
+    int32_t m;             /* tokens in the batch */
+    const int32_t *tokens; /* [m] */
+    const int32_t *pos;    /* [m] positions, for RoPE */
+    const kn_kv_map *map;  /* where each token reads and writes KV */
     int32_t n_logits;
-    const int32_t *logit_rows;    /* [n_logits] rows whose logits are wanted */
-    float *logits;                /* [n_logits][V] */
+    const int32_t *logit_rows;      /* [n_logits] rows whose logits are wanted */
+    float *logits;                  /* [n_logits][V] */
     const forward_capture *capture; /* NULL: capture nothing */
 } forward_batch;
 
@@ -51,8 +51,7 @@ typedef struct forward_ws forward_ws;
 
 /* Workspace for batches of up to max_tokens tokens and max_logits logit
  * rows, in a buffer of the model's backend. */
-int forward_ws_init(forward_ws **out, const model *m, int32_t max_tokens, int32_t max_logits,
-                  ae_error *err);
+int forward_ws_init(forward_ws **out, const model *m, int32_t max_tokens, int32_t max_logits, ae_error *err);
 void forward_ws_free(forward_ws *ws); /* NULL is a no-op */
 /* The [max_tokens][hidden] buffer the allreduces add (the row-parallel
  * projections' output), in the model's backend's memory: a message to
@@ -78,7 +77,7 @@ size_t forward_stream_workspace_cfg(const model_config *c, int32_t max_tokens, i
 
 /* Runs the batch. kv[l] is layer l's KV pool. Shapes and ids are the
  * engine's to check (asserted here). */
-void forward_pass(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv,
-                   forward_ws *ws, const forward_batch *b);
+void forward_pass(const model *m, kn_stream *s, kn_comm *comm, const kn_kv_pool *kv, forward_ws *ws,
+                  const forward_batch *b);
 
 #endif

@@ -77,11 +77,14 @@ static void wait_until(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t ms) {
 }
 
 /* Why a bounded compile stops waiting: AE_OK to go on. */
-static int stop_reason(const gcompile_limits *lim, int64_t deadline, bool (*cancelled)(void *), void *ctx, ae_error *err) {
-    if (cancelled && cancelled(ctx)) return err_set(err, "the request was cancelled while its schema compiled"), GCOMPILE_CANCELLED;
+static int stop_reason(const gcompile_limits *lim, int64_t deadline, bool (*cancelled)(void *), void *ctx,
+                       ae_error *err) {
+    if (cancelled && cancelled(ctx))
+        return err_set(err, "the request was cancelled while its schema compiled"), GCOMPILE_CANCELLED;
     if (deadline && clock_mono_ns() > deadline)
-        return err_set(err, "the schema did not compile within %lld ms (the target's --compile-timeout-ms); make it "
-                            "smaller or simpler",
+        return err_set(err,
+                       "the schema did not compile within %lld ms (the target's --compile-timeout-ms); make it "
+                       "smaller or simpler",
                        (long long)lim->timeout_ms),
                GCOMPILE_TIMEOUT;
     return AE_OK;
@@ -152,16 +155,18 @@ static int compile_bounded(grammar **out, grammar_vocab *v, const char *schema, 
     return rc;
 }
 
-int gcompile_compile(grammar **out, grammar_vocab *v, const char *schema, const gcompile_limits *lim, bool (*cancelled)(void *ctx),
-               void *ctx, ae_error *err) {
+int gcompile_compile(grammar **out, grammar_vocab *v, const char *schema, const gcompile_limits *lim,
+                     bool (*cancelled)(void *ctx), void *ctx, ae_error *err) {
     *out = NULL;
     if (grammar_cached(out, v, schema) == AE_OK) return AE_OK;
     int64_t t0 = clock_mono_ns();
-    int rc = lim->isolate ? compile_bounded(out, v, schema, lim, cancelled, ctx, err) : grammar_compile(out, v, schema, err);
+    int rc =
+        lim->isolate ? compile_bounded(out, v, schema, lim, cancelled, ctx, err) : grammar_compile(out, v, schema, err);
     double ms = (double)(clock_mono_ns() - t0) / 1e6;
     /* A json_object request has no schema text: 0 bytes. */
     if (lim->log_ms >= 0 && ms >= (double)lim->log_ms)
-        LOG_INFOF("schema_compiled ms=%.1f bytes=%zu kind=%s result=%s live=%d", ms, schema ? strlen(schema) : (size_t)0,
-                  schema ? "json_schema" : "json_object", gcompile_rc_name(rc), gcompile_live());
+        LOG_INFOF("schema_compiled ms=%.1f bytes=%zu kind=%s result=%s live=%d", ms,
+                  schema ? strlen(schema) : (size_t)0, schema ? "json_schema" : "json_object", gcompile_rc_name(rc),
+                  gcompile_live());
     return rc;
 }

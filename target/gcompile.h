@@ -44,8 +44,8 @@ typedef struct gcompile_limits {
  * there. cancelled(ctx), when given, is polled every GCOMPILE_POLL_MS while the
  * compile runs or waits for a place. Safe from several threads at once. */
 #define GCOMPILE_POLL_MS 10
-int gcompile_compile(grammar **out, grammar_vocab *v, const char *schema, const gcompile_limits *lim, bool (*cancelled)(void *ctx),
-               void *ctx, ae_error *err);
+int gcompile_compile(grammar **out, grammar_vocab *v, const char *schema, const gcompile_limits *lim,
+                     bool (*cancelled)(void *ctx), void *ctx, ae_error *err);
 
 /* Compile threads running now (given up on or not). */
 int32_t gcompile_live(void);

@@ -55,7 +55,8 @@ static int fail(ae_error *err, const char *what, const std::exception &e) {
 extern "C" int grammar_vocab_init(grammar_vocab **out, const tok *t, int32_t vocab, int32_t eos, ae_error *err) {
     *out = nullptr;
     int32_t n_tok = tok_vocab_size(t);
-    if (vocab < n_tok) return err_set(err, "structured output: the model has %d logits, the tokenizer %d ids", vocab, n_tok);
+    if (vocab < n_tok)
+        return err_set(err, "structured output: the model has %d logits, the tokenizer %d ids", vocab, n_tok);
     try {
         std::vector<std::string> words((size_t)n_tok);
         for (int32_t i = 0; i < n_tok; i++) {

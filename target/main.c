@@ -27,11 +27,13 @@ static const config_option opts[] = {
     {"tls-cert", CONFIG_STRING, NULL, 0, 0, "TLS 1.3 certificate chain (PEM); with tls-key, the link is TLS"},
     {"tls-key", CONFIG_STRING, NULL, 0, 0, "TLS private key (PEM)"},
     {"tls-client-ca", CONFIG_STRING, NULL, 0, 0, "demand client certificates signed by this CA (mutual TLS)"},
-    {"draft-addr", CONFIG_STRING, "none", 0, 0, "the aerie-draft service (unix:PATH or HOST:PORT), or none: plain decoding"},
+    {"draft-addr", CONFIG_STRING, "none", 0, 0,
+     "the aerie-draft service (unix:PATH or HOST:PORT), or none: plain decoding"},
     {"draft-tls-ca", CONFIG_STRING, NULL, 0, 0, "speak TLS to the draft; its certificate must chain to this CA"},
     {"draft-tls-cert", CONFIG_STRING, NULL, 0, 0, "client certificate for the draft (mutual TLS)"},
     {"draft-tls-key", CONFIG_STRING, NULL, 0, 0, "client key for the draft"},
-    {"draft-deadline-ms", CONFIG_INT, "500", 1, 60000, "a step waits this long for the draft's trees, then goes on without"},
+    {"draft-deadline-ms", CONFIG_INT, "500", 1, 60000,
+     "a step waits this long for the draft's trees, then goes on without"},
     {"spec-steps", CONFIG_INT, "5", 1, 16, "draft tree depth (adaptive: the deepest the policy may pick)"},
     {"spec-topk", CONFIG_INT, "4", 1, 8, "children per expanded node, and the frontier's width (adaptive: the widest)"},
     {"spec-tokens", CONFIG_INT, "8", 2, 64, "tree nodes verified per step, root included (adaptive: the most)"},
@@ -42,7 +44,8 @@ static const config_option opts[] = {
     SETUP_TP_OPTION,
     SETUP_ALLREDUCE_OPTION,
     SETUP_TP_DEVICES_OPTION,
-    {"max-queue", CONFIG_INT, "256", 0, 1 << 20, "requests waiting for a batch slot; beyond, refused RESOURCE_EXHAUSTED"},
+    {"max-queue", CONFIG_INT, "256", 0, 1 << 20,
+     "requests waiting for a batch slot; beyond, refused RESOURCE_EXHAUSTED"},
     {"compile-workers", CONFIG_INT, "2", 1, 64,
      "schemas (response_format) compiled at once, each on a thread of its own (target/gcompile.h); compiles given "
      "up on (timed out, cancelled) run to their end beside at most as many more"},
@@ -87,7 +90,7 @@ int main(int argc, char **argv) {
     bool print_config, help;
     int rc = 2;
     if (setup_service(&c, &m, "aerie-target", opts, sizeof opts / sizeof opts[0], argc, argv, &print_config, &help,
-                         &err) != AE_OK)
+                      &err) != AE_OK)
         goto out;
     if (help) {
         rc = 0;
@@ -131,30 +134,44 @@ int main(int argc, char **argv) {
         int64_t t0 = clock_mono_ns();
         if (grammar_vocab_init(&gv, tf.tok, m->cfg.vocab, eos, &err) != AE_OK) goto out;
         LOG_INFOF("grammar_ready vocab=%d ms=%.1f", m->cfg.vocab, (double)(clock_mono_ns() - t0) / 1e6);
-    } else LOG_WARNF("no_tokenizer model=%s reason=\"no end-of-sequence token known: only max_tokens and stop tokens end a request\"", model_path);
+    } else
+        LOG_WARNF(
+            "no_tokenizer model=%s reason=\"no end-of-sequence token known: only max_tokens and stop tokens end a request\"",
+            model_path);
     if (rpc_loop_start(&loop, &err) != AE_OK) goto out;
     /* Watched: the RPC loop and the scheduler thread (it beats watchdog_process()). */
-    if (watchdog_init(&w, watchdog_env_interval_us(), &err) != AE_OK || watchdog_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
+    if (watchdog_init(&w, watchdog_env_interval_us(), &err) != AE_OK ||
+        watchdog_watch_base(w, rpc_loop_base(loop), "rpc", &err) != AE_OK)
         goto out;
     watchdog_set_process(w);
     if (drafting) {
-        draft_client_config dcc = {draft_addr,
-                           {config_str(c, "draft-tls-cert"), config_str(c, "draft-tls-key"), config_str(c, "draft-tls-ca")},
-                           (uint32_t)config_int(c, "draft-deadline-ms") * 1000,
-                           (uint32_t)config_int(c, "max-frame-mib") << 20,
-                           FORWARD_MAX_CAPTURE * m->cfg.hidden,
-                           {spc.capture[0], spc.capture[1], spc.capture[2]},
-                           m->cfg.vocab};
+        draft_client_config dcc = {
+            draft_addr,
+            {config_str(c, "draft-tls-cert"), config_str(c, "draft-tls-key"), config_str(c, "draft-tls-ca")},
+            (uint32_t)config_int(c, "draft-deadline-ms") * 1000,
+            (uint32_t)config_int(c, "max-frame-mib") << 20,
+            FORWARD_MAX_CAPTURE * m->cfg.hidden,
+            {spc.capture[0], spc.capture[1], spc.capture[2]},
+            m->cfg.vocab};
         if (draft_client_open(&dc, loop, &dcc, &err) != AE_OK) goto out;
     }
     if (spec_init(&sx, e, dc ? draft_client_drafter(dc) : NULL, &spc, &err) != AE_OK) goto out;
     sched_sink sink;
     if (target_server_init(&ts, m->cfg.vocab, dc, sx, &sink, &err) != AE_OK) goto out;
-    sched_config scc = {max_batch, (int32_t)config_int(c, "max-queue"), SETUP_PREFILL_CHUNK, plan.max_seq_len,
-                        drafting ? spc.shape.tokens : 1, eos, (int32_t)config_int(c, "log-interval-s") * 1000, drafting, gv,
-                        (int32_t)config_int(c, "compile-workers"), (int32_t)config_int(c, "max-compiles"),
+    sched_config scc = {max_batch,
+                        (int32_t)config_int(c, "max-queue"),
+                        SETUP_PREFILL_CHUNK,
+                        plan.max_seq_len,
+                        drafting ? spc.shape.tokens : 1,
+                        eos,
+                        (int32_t)config_int(c, "log-interval-s") * 1000,
+                        drafting,
+                        gv,
+                        (int32_t)config_int(c, "compile-workers"),
+                        (int32_t)config_int(c, "max-compiles"),
                         {true, config_int(c, "compile-timeout-ms"), 2 * (int32_t)config_int(c, "compile-workers"), 100},
-                        config_int(c, "mask-budget-ms"), config_double(c, "mask-ms-per-token")};
+                        config_int(c, "mask-budget-ms"),
+                        config_double(c, "mask-ms-per-token")};
     if (sched_init(&sc, sx, e, &scc, &sink, &err) != AE_OK) goto out;
     target_server_attach(ts, sc);
     char *json = config_to_json(c);
@@ -182,9 +199,9 @@ int main(int argc, char **argv) {
     target_server_set_draining(ts);
     sched_drain(sc, config_int(c, "drain-timeout-s") * 1000);
     sched_stats st = sched_get_stats(sc);
-    LOG_INFOF("target_stopped requests=%llu cancelled=%llu refused=%llu tokens=%llu", (unsigned long long)st.requests_done,
-              (unsigned long long)st.requests_cancelled, (unsigned long long)st.requests_refused,
-              (unsigned long long)st.tokens_out);
+    LOG_INFOF("target_stopped requests=%llu cancelled=%llu refused=%llu tokens=%llu",
+              (unsigned long long)st.requests_done, (unsigned long long)st.requests_cancelled,
+              (unsigned long long)st.requests_refused, (unsigned long long)st.tokens_out);
     rc = 0;
 out:
     if (rc != 0 && err_is_set(&err)) fprintf(stderr, "aerie-target: %s\n", err.msg);
@@ -192,8 +209,8 @@ out:
      * the scheduler (still running) has finished them, so no handler can
      * reach the scheduler after it is freed. */
     rpc_server_close(srv);
-    sched_free(sc); /* ends what is left */
-    watchdog_free(w);     /* after the scheduler that beats it, before the loop it times */
+    sched_free(sc);   /* ends what is left */
+    watchdog_free(w); /* after the scheduler that beats it, before the loop it times */
     draft_client_close(dc);
     rpc_loop_free(loop);
     target_server_free(ts);

@@ -60,8 +60,8 @@ static int model_ok(const memplan_model *m, const memplan_env *env, ae_error *er
     if (m->kv_bytes_per_token == 0) return err_set(err, "memory plan: the model's KV takes 0 bytes per token");
     if (m->workspace_per_token == 0) return err_set(err, "memory plan: the model's workspace takes 0 bytes per token");
     if (env->block_size <= 0 || env->step_tokens < 0)
-        return err_set(err, "memory plan: block_size %d must be positive and step_tokens %d >= 0",
-                       env->block_size, env->step_tokens);
+        return err_set(err, "memory plan: block_size %d must be positive and step_tokens %d >= 0", env->block_size,
+                       env->step_tokens);
     return AE_OK;
 }
 
@@ -71,8 +71,7 @@ int32_t memplan_graphs(config *c, bool has_graphs) {
     return has_graphs ? (int32_t)config_int(c, "cuda-graphs") : 0;
 }
 
-int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, memplan *out,
-                    ae_error *err) {
+int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, memplan *out, ae_error *err) {
     memset(out, 0, sizeof *out);
     if (model_ok(m, env, err) != AE_OK) return AE_ERR;
     sizes z;
@@ -131,9 +130,10 @@ int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, m
             would(ok, sizeof ok, "--cuda-graphs %" PRIu64, (budget - (fixed - graphs) - one_seq_kv) / graph_each);
         if (env->step_tokens == 0 && budget > w + env->extra_workspace + one_seq_kv) {
             /* Each sequence of the batch costs its workspace and its block table row. */
-            uint64_t b = budget > w + env->extra_workspace + graphs + one_seq_kv
-                             ? (budget - w - env->extra_workspace - graphs - one_seq_kv) / (ws_tok + per_seq_blocks * 4ull)
-                             : 0;
+            uint64_t b =
+                budget > w + env->extra_workspace + graphs + one_seq_kv
+                    ? (budget - w - env->extra_workspace - graphs - one_seq_kv) / (ws_tok + per_seq_blocks * 4ull)
+                    : 0;
             if (b >= 1 && b < (uint64_t)max_batch) would(ok, sizeof ok, "--max-batch %" PRIu64, b);
         }
         if (!ok[0]) snprintf(ok, sizeof ok, "no setting; more memory");
@@ -157,8 +157,7 @@ int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, m
                            "memory plan: max-kv-tokens %" PRIu64 " (%" PRIu64 " blocks of %" PRIu64
                            ") cannot hold one sequence of max-seq-len %" PRId64 " (%" PRIu64
                            " blocks); would work: --max-kv-tokens %" PRIu64 ", --max-seq-len %" PRIu64,
-                           want, n_blocks, bs, max_seq_len, per_seq_blocks, per_seq_blocks * bs,
-                           n_blocks * bs);
+                           want, n_blocks, bs, max_seq_len, per_seq_blocks, per_seq_blocks * bs, n_blocks * bs);
         if (n_blocks > fit_blocks || n_blocks > INT32_MAX) {
             uint64_t need = fixed + n_blocks * kv_block, milli = milli_needed(avail, need);
             uint64_t fit = fit_blocks < INT32_MAX ? fit_blocks : INT32_MAX;
@@ -223,8 +222,7 @@ int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, m
                  (long long)config_int(c, "cuda-graphs"), gsrc);
     }
     char extra[64] = "";
-    if (env->extra_workspace)
-        snprintf(extra, sizeof extra, " + %s fixed", B(&z, 7, env->extra_workspace));
+    if (env->extra_workspace) snprintf(extra, sizeof extra, " + %s fixed", B(&z, 7, env->extra_workspace));
     snprintf(out->text, sizeof out->text,
              "budget = %s (mem-fraction, %s) x %s %s = %s\n"
              "workspace = %" PRIu64 " tok x %s%s = %s\n"
@@ -233,13 +231,11 @@ int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, m
              "block tables = %" PRId64 " seq x %" PRIu64 " blocks x 4 B = %s\n"
              "%s"
              "total = weights %s + workspace %s + block tables %s%s + kv %s = %s (%.1f%% of budget)%s",
-             fs, fsrc, B(&z, 0, avail), where, B(&z, 1, budget),
-             step, B(&z, 2, ws_tok), extra, B(&z, 3, ws),
-             n_blocks, bs, out->kv_tokens, B(&z, 4, kv_tok), B(&z, 5, out->kv_bytes),
-             n_blocks / per_seq_blocks, max_seq_len,
-             max_batch, per_seq_blocks, B(&z, 11, tables), gline,
-             B(&z, 6, w), B(&z, 8, ws), B(&z, 11, tables), gterm, B(&z, 9, out->kv_bytes), B(&z, 10, out->total),
-             budget ? 100.0 * (double)out->total / (double)budget : 0.0, peers);
+             fs, fsrc, B(&z, 0, avail), where, B(&z, 1, budget), step, B(&z, 2, ws_tok), extra, B(&z, 3, ws), n_blocks,
+             bs, out->kv_tokens, B(&z, 4, kv_tok), B(&z, 5, out->kv_bytes), n_blocks / per_seq_blocks, max_seq_len,
+             max_batch, per_seq_blocks, B(&z, 11, tables), gline, B(&z, 6, w), B(&z, 8, ws), B(&z, 11, tables), gterm,
+             B(&z, 9, out->kv_bytes), B(&z, 10, out->total), budget ? 100.0 * (double)out->total / (double)budget : 0.0,
+             peers);
     return AE_OK;
 }
 
@@ -251,8 +247,8 @@ void memplan_log(const memplan *p) {
         LOG_INFOF("memplan %.*s", len, line);
         line += len + (end ? 1 : 0);
     }
-    LOG_INFOF("memplan_bytes available=%" PRIu64 " budget=%" PRIu64 " weights=%" PRIu64
-              " workspace=%" PRIu64 " block_tables=%" PRIu64 " graphs=%" PRIu64 " kv=%" PRIu64 " total=%" PRIu64
+    LOG_INFOF("memplan_bytes available=%" PRIu64 " budget=%" PRIu64 " weights=%" PRIu64 " workspace=%" PRIu64
+              " block_tables=%" PRIu64 " graphs=%" PRIu64 " kv=%" PRIu64 " total=%" PRIu64
               " kv_blocks=%d block_size=%d cuda_graphs=%d",
               p->available, p->budget, p->weight_bytes, p->workspace_bytes, p->block_table_bytes, p->graph_bytes,
               p->kv_bytes, p->total, p->n_blocks, p->block_size, p->graphs);

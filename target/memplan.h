@@ -62,26 +62,34 @@
 #include "../services/core/err.h"
 #include "../services/core/hostmem.h"
 
-#define MEMPLAN_OPTIONS                                                                          \
-    {"mem-fraction", CONFIG_DOUBLE, "auto", 0.01, 1.0,                                              \
-     "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"},            \
-    {"max-kv-tokens", CONFIG_INT, "auto", 1, 1e12,                                                  \
-     "KV cache size in tokens (auto: what fits, at most max-batch x max-seq-len)"},              \
-    {"max-batch", CONFIG_INT, "8", 1, 4096, "sequences in flight at once"},                         \
-    {"max-seq-len", CONFIG_INT, "4096", 1, 16777216, "longest sequence in tokens"},                 \
-    MEMPLAN_GRAPHS_OPTION,                                                                       \
-    MEMPLAN_DETERMINISTIC_OPTION
+#define MEMPLAN_OPTIONS \
+    {"mem-fraction", CONFIG_DOUBLE, "auto", \
+     0.01,           1.0,           "fraction of available memory to use (auto: leave the system max(1 GiB, 10%))"}, \
+        {"max-kv-tokens", \
+         CONFIG_INT, \
+         "auto", \
+         1, \
+         1e12, \
+         "KV cache size in tokens (auto: what fits, at most max-batch x max-seq-len)"}, \
+        {"max-batch", CONFIG_INT, "8", 1, 4096, "sequences in flight at once"}, \
+        {"max-seq-len", CONFIG_INT, "4096", 1, 16777216, "longest sequence in tokens"}, MEMPLAN_GRAPHS_OPTION, \
+        MEMPLAN_DETERMINISTIC_OPTION
 
 /* Decode and verify step shapes a GPU run keeps as CUDA graphs; its own
  * row, for commands that build an engine without a plan (aerie bench). */
-#define MEMPLAN_GRAPHS_OPTION                                                                    \
-    {"cuda-graphs", CONFIG_INT, "auto", 0, 4096,                                                    \
-     "step shapes kept as CUDA graphs (auto: 32 on a GPU, 0 on the CPU; 0: off)"}
+#define MEMPLAN_GRAPHS_OPTION \
+    {"cuda-graphs", CONFIG_INT, \
+     "auto",        0, \
+     4096,          "step shapes kept as CUDA graphs (auto: 32 on a GPU, 0 on the CPU; 0: off)"}
 #define MEMPLAN_AUTO_GRAPHS 32
 /* Deterministic kernels or fast ones (kernels.h kn_stream_set_fast); on a
  * GPU fast mode's cuBLAS workspace is part of the plan's fixed workspace. */
-#define MEMPLAN_DETERMINISTIC_OPTION                                                             \
-    {"deterministic", CONFIG_BOOL, "true", 0, 0,                                                    \
+#define MEMPLAN_DETERMINISTIC_OPTION \
+    {"deterministic", \
+     CONFIG_BOOL, \
+     "true", \
+     0, \
+     0, \
      "batch-invariant kernels, greedy speculative output identical to plain (--no-deterministic: " \
      "float-weight matmuls by cuBLAS on a GPU; faster, and output may then differ at near-ties)"}
 
@@ -121,7 +129,7 @@ typedef struct memplan {
     int32_t graphs;             /* step shapes kept as graphs (cuda-graphs) */
     uint64_t graph_bytes;       /* graphs x graph_nodes x graph_node_bytes */
     uint64_t total;
-    int64_t kv_tokens;          /* n_blocks x block_size */
+    int64_t kv_tokens; /* n_blocks x block_size */
     int32_t n_blocks, block_size;
     int32_t max_blocks_per_seq; /* ceil(max-seq-len / block_size) */
     int32_t max_batch, max_seq_len, step_tokens;
@@ -134,12 +142,10 @@ typedef struct memplan {
 /* Resolves the plan from c (which must hold MEMPLAN_OPTIONS), records auto
  * values in c, and fills out. Infeasible: AE_ERR with the arithmetic and
  * what would work in err. */
-int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, memplan *out,
-                    ae_error *err);
+int memplan_compute(config *c, const memplan_model *m, const memplan_env *env, memplan *out, ae_error *err);
 
 /* Logs the plan's lines at info level ("memplan budget = ..."), then one
  * line of exact byte counts. */
 void memplan_log(const memplan *p);
-
 
 #endif

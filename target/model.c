@@ -62,8 +62,7 @@ static int load_hf(model *m, const char *dir, ae_error *err) {
     char path[1200];
     hfconfig hc;
     snprintf(path, sizeof path, "%s/config.json", dir);
-    if (model_config_read(&m->cfg, &m->arch, &hc, path, err) != AE_OK ||
-        weights_open(&m->w, dir, m->be, err) != AE_OK)
+    if (model_config_read(&m->cfg, &m->arch, &hc, path, err) != AE_OK || weights_open(&m->w, dir, m->be, err) != AE_OK)
         return AE_ERR;
     return m->arch->load(m, err);
 }

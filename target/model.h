@@ -27,14 +27,14 @@
 #define MODEL_MAX_LAYERS 256
 
 typedef struct model_config {
-    char arch[128];       /* as the file names it: "llama", "qwen2" */
+    char arch[128]; /* as the file names it: "llama", "qwen2" */
     int32_t n_layers;
-    int32_t hidden;       /* H */
-    int32_t ffn;          /* F */
+    int32_t hidden; /* H */
+    int32_t ffn;    /* F */
     int32_t n_heads;
     int32_t n_kv_heads;
-    int32_t head_dim;     /* D */
-    int32_t vocab;        /* V */
+    int32_t head_dim; /* D */
+    int32_t vocab;    /* V */
     int32_t context_length;
     float rms_eps;
     bool tied_embeddings; /* output projection is the embedding table */
@@ -43,15 +43,15 @@ typedef struct model_config {
     /* MLA (DeepSeek-V3): attention reads a latent cache, one kv head of
      * kv_lora_rank + qk_rope_dim (n_kv_heads 1, head_dim that sum), and
      * the heads' queries are absorbed into it. 0 where there is none. */
-    int32_t q_lora_rank;  /* 0: the query straight from the input */
+    int32_t q_lora_rank; /* 0: the query straight from the input */
     int32_t kv_lora_rank;
     int32_t qk_nope_dim, qk_rope_dim, v_head_dim;
-    float attn_scale;     /* the softmax scale; 0: 1 / sqrt(head_dim) */
+    float attn_scale; /* the softmax scale; 0: 1 / sqrt(head_dim) */
     /* Mixture of experts: layers from n_dense_layers on (route.n_experts
      * 0: none). ffn is the dense layers' width. */
     int32_t n_dense_layers;
-    int32_t expert_ffn;   /* each routed expert's width */
-    int32_t shared_ffn;   /* the shared experts' width together (0: none) */
+    int32_t expert_ffn; /* each routed expert's width */
+    int32_t shared_ffn; /* the shared experts' width together (0: none) */
     kn_route route;
 } model_config;
 
@@ -86,9 +86,9 @@ typedef struct model_layer {
     kn_weight w_uk;         /* f32 [n_heads * R][qk_nope_dim]: each head's W_UK transposed */
     kn_weight w_uv;         /* f32 [n_heads * v_head_dim][R] */
     /* MoE */
-    kn_weight router;       /* f32 or bf16 [n_experts][H]: f32 logits */
+    kn_weight router;         /* f32 or bf16 [n_experts][H]: f32 logits */
     const float *router_bias; /* [n_experts] e_score_correction_bias */
-    kn_weight *experts;     /* [3][n_experts]: gate and up [expert_ffn][H], down [H][expert_ffn] */
+    kn_weight *experts;       /* [3][n_experts]: gate and up [expert_ffn][H], down [H][expert_ffn] */
 } model_layer;
 
 typedef struct model {
@@ -103,7 +103,7 @@ typedef struct model {
     size_t weight_bytes;      /* bytes of weights as used (mapped + converted) */
     size_t converted_bytes;   /* of which converted to f32 at load */
     char path[1024];
-    weights_store *w;               /* the file's tensors, and the buffers converted from them */
+    weights_store *w; /* the file's tensors, and the buffers converted from them */
 } model;
 
 /* path: a .gguf file or a Hugging Face model directory, loaded into the

@@ -12,12 +12,11 @@ struct penalty {
     uint8_t *in_prompt; /* [vocab]: 1 when in the prompt (repetition only) */
     int32_t *seen;      /* [vocab]: distinct ids generated or in the prompt, in first-seen order */
     int32_t n_seen;
-    uint8_t *listed;    /* [vocab]: 1 when in seen */
+    uint8_t *listed; /* [vocab]: 1 when in seen */
 };
 
 bool penalty_active(const penalty_params *p) {
-    return p->presence != 0.0f || p->frequency != 0.0f || p->repetition != 1.0f || p->min_tokens > 0 ||
-           p->n_bias > 0;
+    return p->presence != 0.0f || p->frequency != 0.0f || p->repetition != 1.0f || p->min_tokens > 0 || p->n_bias > 0;
 }
 
 int penalty_check(const penalty_params *p, int32_t vocab, ae_error *err) {
@@ -40,8 +39,7 @@ int penalty_check(const penalty_params *p, int32_t vocab, ae_error *err) {
         if (!(p->bias[i] >= -100.0f && p->bias[i] <= 100.0f))
             return err_set(err, "logit_bias of token %d is %g (-100..100)", p->bias_id[i], (double)p->bias[i]);
         for (int32_t j = 0; j < i; j++)
-            if (p->bias_id[j] == p->bias_id[i])
-                return err_set(err, "logit_bias names token %d twice", p->bias_id[i]);
+            if (p->bias_id[j] == p->bias_id[i]) return err_set(err, "logit_bias names token %d twice", p->bias_id[i]);
     }
     return AE_OK;
 }

@@ -75,13 +75,13 @@ typedef struct stage {
 } stage;
 
 typedef struct bucket {
-    double verify[POLICY_MAX_NODES + 1]; /* ns per sequence at t nodes per sequence: the median of vs */
+    double verify[POLICY_MAX_NODES + 1];             /* ns per sequence at t nodes per sequence: the median of vs */
     double vs[POLICY_MAX_NODES + 1][VERIFY_SAMPLES]; /* the last samples (a ring), stored as measured / drift */
     int32_t n_verify[POLICY_MAX_NODES + 1];
     int64_t seen[POLICY_MAX_NODES + 1]; /* the step (of this range's, counted by steps) that last measured t */
     int64_t steps;
-    policy_shape fresh; /* the tree of the steps since the last plain ones (tokens 0: none, or settled) */
-    int32_t fresh_n;    /* its samples since then */
+    policy_shape fresh;  /* the tree of the steps since the last plain ones (tokens 0: none, or settled) */
+    int32_t fresh_n;     /* its samples since then */
     int32_t fresh_plain; /* plain steps since its last step: restate_fresh until the factor has followed */
     bool recheck;        /* a tree's pass measured under plain's estimate: measure plain next */
     double draft[POLICY_MAX_DEPTH + 1][POLICY_MAX_RANK + 1]; /* ns per sequence by (steps, topk) (EWMA) */
@@ -92,17 +92,17 @@ typedef struct bucket {
     bool probing;
     policy_shape choice, running;
     policy_shape best_tree, runner_up; /* of the last decision; tokens 0: none */
-    double tree_vs_plain;         /* the best tree's rate over plain's at the last decision (0: none) */
-    double feed_ns, plain_ns;     /* feeding the drafter and plain steps while kept, decayed (FEED_DECAY) */
-    int32_t feed_steps;           /* plain steps in those sums (up to FEED_MIN_STEPS) */
-    double credit;                /* exploring steps earned */
-    double credit_ns;             /* exploring time earned (per sequence) */
+    double tree_vs_plain;              /* the best tree's rate over plain's at the last decision (0: none) */
+    double feed_ns, plain_ns;          /* feeding the drafter and plain steps while kept, decayed (FEED_DECAY) */
+    int32_t feed_steps;                /* plain steps in those sums (up to FEED_MIN_STEPS) */
+    double credit;                     /* exploring steps earned */
+    double credit_ns;                  /* exploring time earned (per sequence) */
     int32_t probe_turn;
     int32_t since_decide;
     int64_t settled_steps, explore_steps;
     int32_t last_n;
-    double drift; /* the host's speed factor for this range now (policy.h): stored costs times this are today's */
-    double plain_ref;             /* its first plain step's cost per sequence: the factor's 1 */
+    double drift;     /* the host's speed factor for this range now (policy.h): stored costs times this are today's */
+    double plain_ref; /* its first plain step's cost per sequence: the factor's 1 */
     double ratios[DRIFT_SAMPLES]; /* its last plain steps' cost / plain_ref (a ring) */
     int32_t n_ratios;
 } bucket;
@@ -450,7 +450,7 @@ static void decide(policy *p, bucket *b, bool settling) {
 static bool next_probe(const policy *p, const bucket *b, policy_shape *out, int32_t *turns) {
     for (int32_t k = 0; k < 3; k++) {
         int32_t turn = (b->probe_turn + k) % 3;
-        policy_shape s = turn == 0 ? (b->choice.tokens >= 2 ? PLAIN : b->best_tree)
+        policy_shape s = turn == 0   ? (b->choice.tokens >= 2 ? PLAIN : b->best_tree)
                          : turn == 1 ? b->runner_up
                                      : p->cfg.max;
         if (s.tokens >= 1 && !same(&s, &b->choice)) {
@@ -491,8 +491,8 @@ policy_pick policy_choose(policy *p, int32_t n) {
          * POLICY_EXPLORE_SHARE (POLICY_EXPLORE_FAR far from paying):
          * steps, and time (a probe of a tree at a large batch costs
          * several plain steps, so it waits longer). */
-        double share = b->choice.tokens < 2 && b->tree_vs_plain < POLICY_KEEP_DRAFTER ? POLICY_EXPLORE_FAR
-                                                                                        : POLICY_EXPLORE_SHARE;
+        double share =
+            b->choice.tokens < 2 && b->tree_vs_plain < POLICY_KEEP_DRAFTER ? POLICY_EXPLORE_FAR : POLICY_EXPLORE_SHARE;
         if (b->credit < POLICY_PROBE_STEPS) b->credit += share;
         b->credit_ns += share * step_cost(b, &b->choice);
         policy_shape probe;
@@ -530,9 +530,7 @@ policy_pick policy_choose(policy *p, int32_t n) {
     return pick;
 }
 
-bool policy_drafting(const policy *p, int32_t n) {
-    return !p->cfg.adaptive || p->b[bucket_of(n)].running.tokens >= 2;
-}
+bool policy_drafting(const policy *p, int32_t n) { return !p->cfg.adaptive || p->b[bucket_of(n)].running.tokens >= 2; }
 
 static double feed_share(const bucket *b) {
     return b->feed_steps >= FEED_MIN_STEPS && b->plain_ns > 0 ? b->feed_ns / b->plain_ns : 0;
@@ -590,9 +588,7 @@ static void restate_fresh(bucket *b, double f) {
         b->draft[s->steps][s->topk] *= f;
 }
 
-static void ewma(double *v, int32_t *count, double x) {
-    *v = (*count)++ ? *v + POLICY_EWMA * (x - *v) : x;
-}
+static void ewma(double *v, int32_t *count, double x) { *v = (*count)++ ? *v + POLICY_EWMA * (x - *v) : x; }
 
 void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_t tokens, int64_t draft_ns,
                          int64_t verify_ns) {
@@ -637,7 +633,8 @@ void policy_observe_step(policy *p, int32_t n, const policy_shape *shape, int32_
     if (t == 1) b->recheck = false;
     b->vs[t][b->n_verify[t]++ % VERIFY_SAMPLES] = v / b->drift;
     b->seen[t] = ++b->steps;
-    if (b->n_verify[t] >= 2 * VERIFY_SAMPLES) b->n_verify[t] -= VERIFY_SAMPLES; /* the same slot next, never overflowing */
+    if (b->n_verify[t] >= 2 * VERIFY_SAMPLES)
+        b->n_verify[t] -= VERIFY_SAMPLES; /* the same slot next, never overflowing */
     b->verify[t] = median_of(b->vs[t], b->n_verify[t] < VERIFY_SAMPLES ? b->n_verify[t] : VERIFY_SAMPLES);
     int32_t s = shape->steps, k = shape->topk;
     if (shape->tokens < 2 || draft_ns < 0 || s < 1 || s > POLICY_MAX_DEPTH || k < 1 || k > POLICY_MAX_RANK) return;
@@ -704,19 +701,20 @@ void policy_get_report(const policy *p, int32_t n, policy_report *r) {
 }
 
 static void shape_name(const policy_shape *s, char *buf, size_t cap) {
-    if (s->tokens < 2) snprintf(buf, cap, "plain");
-    else snprintf(buf, cap, "%d/%d/%d", s->steps, s->topk, s->tokens);
+    if (s->tokens < 2)
+        snprintf(buf, cap, "plain");
+    else
+        snprintf(buf, cap, "%d/%d/%d", s->steps, s->topk, s->tokens);
 }
 
 /* Appends to buf at *at, keeping snprintf's count past the end. */
-#define APPEND(...)                                                                                         \
-    do {                                                                                                    \
-        int k_ = snprintf(buf + (*at < cap ? *at : cap), *at < cap ? cap - *at : 0, __VA_ARGS__);           \
-        if (k_ > 0) *at += (size_t)k_;                                                                      \
+#define APPEND(...) \
+    do { \
+        int k_ = snprintf(buf + (*at < cap ? *at : cap), *at < cap ? cap - *at : 0, __VA_ARGS__); \
+        if (k_ > 0) *at += (size_t)k_; \
     } while (0)
 
-static void append_list(char *buf, size_t cap, size_t *at, const double *v, int32_t n, const char *sep,
-                        int decimals) {
+static void append_list(char *buf, size_t cap, size_t *at, const double *v, int32_t n, const char *sep, int decimals) {
     for (int32_t i = 0; i < n; i++) {
         if (i) APPEND("%s", sep);
         APPEND("%.*f", decimals, v[i]);
@@ -731,7 +729,8 @@ int policy_report_json(const policy_report *r, char *buf, size_t cap) {
            r->adaptive ? "true" : "false", r->settled ? "true" : "false", name);
     append_list(buf, cap, at, r->accept, r->n_accept, ", ", 3);
     APPEND("], \"expected_accepted\": %.3f, \"verify_us\": {", r->expected_accepted);
-    for (int32_t i = 0; i < r->n_verify; i++) APPEND("%s\"%d\": %.1f", i ? ", " : "", r->verify_tokens[i], r->verify_us[i]);
+    for (int32_t i = 0; i < r->n_verify; i++)
+        APPEND("%s\"%d\": %.1f", i ? ", " : "", r->verify_tokens[i], r->verify_us[i]);
     APPEND("}, \"draft_us\": %.1f, \"tok_s\": %.1f, \"plain_tok_s\": %.1f, \"settled_steps\": %lld, "
            "\"explore_steps\": %lld, \"drift\": %.3f, \"feed_share\": %.4f, \"keep_drafter\": %s}",
            r->draft_us, r->tok_s, r->plain_tok_s, (long long)r->settled_steps, (long long)r->explore_steps, r->drift,

@@ -105,19 +105,19 @@
 #include "../services/core/err.h"
 #include "../services/spec/spec_drafter.h"
 
-#define POLICY_BUCKETS 8      /* batch sizes 1, 2-3, 4-7, ..., 128+ */
-#define POLICY_MAX_DEPTH 16   /* draft/tree.h's TREE_MAX_STEPS */
-#define POLICY_MAX_RANK 8     /* draft/tree.h's TREE_MAX_TOPK */
-#define POLICY_MAX_NODES 64   /* draft/tree.h's TREE_MAX_NODES */
+#define POLICY_BUCKETS 8    /* batch sizes 1, 2-3, 4-7, ..., 128+ */
+#define POLICY_MAX_DEPTH 16 /* draft/tree.h's TREE_MAX_STEPS */
+#define POLICY_MAX_RANK 8   /* draft/tree.h's TREE_MAX_TOPK */
+#define POLICY_MAX_NODES 64 /* draft/tree.h's TREE_MAX_NODES */
 #define POLICY_EXPLORE_SHARE 0.02
 #define POLICY_EXPLORE_FAR 0.005 /* where no tree comes near paying */
 #define POLICY_PROBE_STEPS 2
 #define POLICY_DECIDE_EVERY 8
 #define POLICY_SWITCH_GAIN 1.02
-#define POLICY_EWMA 0.125      /* weight of a new measurement of a draft cost */
+#define POLICY_EWMA 0.125         /* weight of a new measurement of a draft cost */
 #define POLICY_ACCEPT_WINDOW 2048 /* acceptance counts halve past this many first-depth chances */
-#define POLICY_KEEP_DRAFTER 0.8 /* policy_keep_drafter: the best tree at 80% of plain's rate or more, */
-#define POLICY_KEEP_COST 0.02   /* and feeding the drafter at most 2% of the range's plain time */
+#define POLICY_KEEP_DRAFTER 0.8   /* policy_keep_drafter: the best tree at 80% of plain's rate or more, */
+#define POLICY_KEEP_COST 0.02     /* and feeding the drafter at most 2% of the range's plain time */
 
 /* A tree's shape: the speculation contract's (tokens 1: plain). */
 typedef spec_shape policy_shape;
@@ -137,21 +137,21 @@ typedef struct policy_pick {
  * /server_info and the periodic log line). Costs are per sequence, rates
  * (tokens per second) for the whole batch; 0: not known yet. */
 typedef struct policy_report {
-    int32_t batch;                 /* the last step's batch size */
+    int32_t batch; /* the last step's batch size */
     bool adaptive, settled;
-    policy_shape shape;            /* the choice */
+    policy_shape shape;              /* the choice */
     double accept[POLICY_MAX_DEPTH]; /* p[d][0]: the best child accepted at depth d + 1, given the path got there */
-    int32_t n_accept;              /* entries of accept: the bound's steps */
-    double expected_accepted;      /* E[accepted] of the choice */
+    int32_t n_accept;                /* entries of accept: the bound's steps */
+    double expected_accepted;        /* E[accepted] of the choice */
     int32_t n_verify;
     int32_t verify_tokens[POLICY_MAX_NODES]; /* node counts reported: 1 .. the bound's tokens */
     double verify_us[POLICY_MAX_NODES];      /* V at each, measured or interpolated */
-    double draft_us;               /* D of the choice (0 for plain) */
-    double tok_s, plain_tok_s;     /* expected rate of the choice, and of plain */
-    int64_t settled_steps, explore_steps; /* since this range settled, and of them exploring */
-    double drift;                  /* the range's speed factor: today's costs / those stored (policy.h) */
-    double feed_share;             /* feeding the drafter through plain steps: its time over theirs */
-    bool keep_drafter;             /* policy_keep_drafter for this range */
+    double draft_us;                         /* D of the choice (0 for plain) */
+    double tok_s, plain_tok_s;               /* expected rate of the choice, and of plain */
+    int64_t settled_steps, explore_steps;    /* since this range settled, and of them exploring */
+    double drift;                            /* the range's speed factor: today's costs / those stored (policy.h) */
+    double feed_share;                       /* feeding the drafter through plain steps: its time over theirs */
+    bool keep_drafter;                       /* policy_keep_drafter for this range */
 } policy_report;
 
 typedef struct policy policy;

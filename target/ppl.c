@@ -103,15 +103,15 @@ void ppl_base_close(ppl_base *b) {
 int ppl_base_check(const ppl_base *b, const ppl_windows *w, int32_t vocab, const int32_t *tokens, ae_error *err) {
     if ((int64_t)b->vocab != vocab)
         return err_set(err, "the base is for a vocabulary of %u tokens, the model has %d", b->vocab, vocab);
-    if ((int64_t)b->ctx != w->ctx)
-        return err_set(err, "the base was made with --ctx %u, not %d", b->ctx, w->ctx);
+    if ((int64_t)b->ctx != w->ctx) return err_set(err, "the base was made with --ctx %u, not %d", b->ctx, w->ctx);
     if ((int64_t)b->windows != w->n_windows)
         return err_set(err, "the base holds %u windows, the text makes %d (a different text?)", b->windows,
                        w->n_windows);
     size_t n = (size_t)w->n_windows * (size_t)w->ctx;
     for (size_t i = 0; i < n; i++)
         if (b->tokens[i] != tokens[i])
-            return err_set(err, "the base's tokens differ from the text's at window %zu position %zu (base %d, text "
+            return err_set(err,
+                           "the base's tokens differ from the text's at window %zu position %zu (base %d, text "
                            "%d): a different text or tokenizer",
                            i / (size_t)w->ctx, i % (size_t)w->ctx, b->tokens[i], tokens[i]);
     return AE_OK;
@@ -139,14 +139,14 @@ struct ppl_scorer {
     double nll_sum;
     double base_nll_sum;
     double kld_sum;
-    double *kld;    /* [max_positions] */
-    uint8_t *mark;  /* [vocab] 1 for the ids of the current ref; all 0 between calls */
+    double *kld;   /* [max_positions] */
+    uint8_t *mark; /* [vocab] 1 for the ids of the current ref; all 0 between calls */
 };
 
 int ppl_scorer_init(ppl_scorer **out, int32_t vocab, int64_t max_positions, ae_error *err) {
     *out = NULL;
-    if (vocab <= 0 || max_positions <= 0) return err_set(err, "ppl scorer: bad vocab %d or positions %lld", vocab,
-                                                          (long long)max_positions);
+    if (vocab <= 0 || max_positions <= 0)
+        return err_set(err, "ppl scorer: bad vocab %d or positions %lld", vocab, (long long)max_positions);
     ppl_scorer *s = calloc(1, sizeof *s);
     if (!s) return err_set(err, "out of memory");
     s->vocab = vocab;
@@ -169,7 +169,8 @@ void ppl_scorer_free(ppl_scorer *s) {
 }
 
 int ppl_score_add(ppl_scorer *s, const float *logits, int32_t next, const ppl_ref *ref, ae_error *err) {
-    if (s->n >= s->max_positions) return err_set(err, "ppl scorer: more than %lld positions", (long long)s->max_positions);
+    if (s->n >= s->max_positions)
+        return err_set(err, "ppl scorer: more than %lld positions", (long long)s->max_positions);
     if (next < 0 || next >= s->vocab) return err_set(err, "ppl scorer: token %d outside the vocabulary", next);
     /* log-softmax in double, from the max so exp never overflows. The
      * argmax is the first maximum, as greedy decoding takes it. */

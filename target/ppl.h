@@ -42,7 +42,7 @@
 
 #include "../services/core/err.h"
 
-#define PPL_MIN_CTX 4     /* a window must score at least one token */
+#define PPL_MIN_CTX 4 /* a window must score at least one token */
 #define PPL_MAX_TOP_K 1024
 #define PPL_FLAG_BOS 1u
 
@@ -94,14 +94,14 @@ void ppl_scorer_free(ppl_scorer *s); /* NULL is a no-op */
 int ppl_score_add(ppl_scorer *s, const float *logits, int32_t next, const ppl_ref *ref, ae_error *err);
 
 typedef struct ppl_result {
-    int64_t tokens;     /* positions scored */
-    double nll_sum;     /* -sum log p(next), natural log */
-    double ppl;         /* exp(nll_sum / tokens) */
-    bool has_ref;       /* every position had a ref */
-    double base_ppl;    /* exp(-mean logp_next of the base) */
+    int64_t tokens;  /* positions scored */
+    double nll_sum;  /* -sum log p(next), natural log */
+    double ppl;      /* exp(nll_sum / tokens) */
+    bool has_ref;    /* every position had a ref */
+    double base_ppl; /* exp(-mean logp_next of the base) */
     double kld_mean;
     double kld_p99;
-    double top1_agree;  /* fraction of positions whose argmax is the base's */
+    double top1_agree; /* fraction of positions whose argmax is the base's */
 } ppl_result;
 
 /* The figures so far. Sorts the divergences (for the percentile). */

@@ -8,8 +8,8 @@
 #include "../kernels/kernels.h"
 
 typedef struct cand {
-    float w;    /* exp(s - s_max): unnormalised probability */
-    float s;    /* logit / temperature */
+    float w; /* exp(s - s_max): unnormalised probability */
+    float s; /* logit / temperature */
     int32_t id;
 } cand;
 
@@ -51,28 +51,28 @@ static inline uint32_t race_key(uint32_t klo, uint32_t khi, int32_t id, float w)
     return kn_draw_f32_bits(kn_draw_exp(kn_draw_bits(klo, khi, (uint32_t)id)) / w);
 }
 
-#define RACE_FN(sfx, attr)                                                                                  \
+#define RACE_FN(sfx, attr) \
     attr static int32_t race_##sfx(const int32_t *ids, const float *w, int32_t n, uint32_t klo, uint32_t khi) { \
-        uint32_t best = UINT32_MAX;                                                                        \
-        int32_t at = 0, i = 0;                                                                             \
-        for (; i + RACE_BLOCK <= n; i += RACE_BLOCK) {                                                     \
-            uint32_t r[RACE_BLOCK], least = UINT32_MAX;                                                    \
-            for (int j = 0; j < RACE_BLOCK; j++) r[j] = race_key(klo, khi, ids[i + j], w[i + j]);         \
-            for (int j = 0; j < RACE_BLOCK; j++) least = r[j] < least ? r[j] : least;                      \
-            if (least < best) {                                                                            \
-                best = least;                                                                              \
-                for (int j = 0; j < RACE_BLOCK; j++)                                                       \
-                    if (r[j] == least) {                                                                   \
-                        at = i + j;                                                                        \
-                        break;                                                                             \
-                    }                                                                                      \
-            }                                                                                              \
-        }                                                                                                  \
-        for (; i < n; i++) {                                                                               \
-            uint32_t r = race_key(klo, khi, ids[i], w[i]);                                                 \
-            if (r < best) best = r, at = i;                                                                \
-        }                                                                                                  \
-        return at;                                                                                         \
+        uint32_t best = UINT32_MAX; \
+        int32_t at = 0, i = 0; \
+        for (; i + RACE_BLOCK <= n; i += RACE_BLOCK) { \
+            uint32_t r[RACE_BLOCK], least = UINT32_MAX; \
+            for (int j = 0; j < RACE_BLOCK; j++) r[j] = race_key(klo, khi, ids[i + j], w[i + j]); \
+            for (int j = 0; j < RACE_BLOCK; j++) least = r[j] < least ? r[j] : least; \
+            if (least < best) { \
+                best = least; \
+                for (int j = 0; j < RACE_BLOCK; j++) \
+                    if (r[j] == least) { \
+                        at = i + j; \
+                        break; \
+                    } \
+            } \
+        } \
+        for (; i < n; i++) { \
+            uint32_t r = race_key(klo, khi, ids[i], w[i]); \
+            if (r < best) best = r, at = i; \
+        } \
+        return at; \
     }
 
 RACE_FN(scalar, )
@@ -101,10 +101,10 @@ bool sample_on_device(const sample_params *p) {
 }
 
 kn_draw sample_draw(const sample_params *p, const sample_rng *rng, int32_t pos) {
-    AE_ASSERT(sample_on_device(p)); /* kn_draw has no top-p, and top-k within KN_TOPK_MAX */
+    AE_ASSERT(sample_on_device(p));                           /* kn_draw has no top-p, and top-k within KN_TOPK_MAX */
     uint64_t k = sample_is_greedy(p) ? 0 : pos_key(rng, pos); /* greedy reads no rng */
-    return (kn_draw){sample_is_greedy(p) ? 0.0f : p->temperature, p->top_k > 0 ? p->top_k : 0, p->min_p,
-                     (uint32_t)k, (uint32_t)(k >> 32)};
+    return (kn_draw){sample_is_greedy(p) ? 0.0f : p->temperature, p->top_k > 0 ? p->top_k : 0, p->min_p, (uint32_t)k,
+                     (uint32_t)(k >> 32)};
 }
 
 int32_t sample_greedy(const float *logits, int32_t vocab) {
@@ -190,18 +190,19 @@ static float kth_largest(float *a, int32_t n, int32_t k) {
             }
         }
         /* a[lo..j] >= pivot, a[j+1..i-1] == pivot, a[i..hi] <= pivot */
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else return a[want];
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            return a[want];
     }
     return a[lo];
 }
 
 /* Descending s, then ascending id: a total order, so the sorted result is
  * unique and does not depend on the algorithm. */
-static bool cand_before(const cand *a, const cand *b) {
-    return a->s > b->s || (a->s == b->s && a->id < b->id);
-}
+static bool cand_before(const cand *a, const cand *b) { return a->s > b->s || (a->s == b->s && a->id < b->id); }
 
 static void sift_down(cand *c, int32_t root, int32_t n) {
     for (;;) {
@@ -352,8 +353,8 @@ one_hot:
     return 1;
 }
 
-int32_t sample_dist(sample_state *s, const float *logits, const sample_params *p,
-                    const int32_t **ids, const float **probs) {
+int32_t sample_dist(sample_state *s, const float *logits, const sample_params *p, const int32_t **ids,
+                    const float **probs) {
     *ids = s->ids;
     *probs = s->probs;
     int32_t k = kept_set(s, logits, p);

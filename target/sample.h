@@ -115,8 +115,8 @@ int32_t sample_vocab(const sample_state *s);
  * probs summing to 1, in ascending id order (so a draw depends only on the
  * distribution, not on how the filters found it). Greedy gives one token
  * with probability 1. Returns n >= 1. */
-int32_t sample_dist(sample_state *s, const float *logits, const sample_params *p,
-                    const int32_t **ids, const float **probs);
+int32_t sample_dist(sample_state *s, const float *logits, const sample_params *p, const int32_t **ids,
+                    const float **probs);
 
 /* The same distribution written densely: probs f32 [vocab], 0 for every
  * filtered token (the exact distribution, for tests). */

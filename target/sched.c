@@ -19,9 +19,9 @@ typedef enum req_state { REQ_WAITING, REQ_PREFILL, REQ_RUNNING } req_state;
  * penalties. Choice 0 prefills; the others fork from it once the prompt
  * is in (engine_seq_fork, spec_seq_fork). */
 typedef struct choice {
-    int32_t seq;  /* engine sequence, -1 before it has one or once done */
+    int32_t seq; /* engine sequence, -1 before it has one or once done */
     sample_rng rng;
-    penalty *pen; /* penalties and biases, made at admission; NULL: none */
+    penalty *pen;        /* penalties and biases, made at admission; NULL: none */
     grammar_matcher *gm; /* structured output, made at admission; NULL: none */
     int32_t emitted;
     bool done;
@@ -67,26 +67,26 @@ struct sched {
     pthread_t *compilers;
     int32_t n_compilers;
     atomic_bool compile_stop; /* workers end; running compiles are given up on */
-    pthread_cond_t ccv; /* a schema to compile, or stop */
-    int32_t n_compiling;  /* requests queued for or in a compile */
-    int32_t n_waiting_c;  /* of n_waiting, requests with a schema (compiled) */
+    pthread_cond_t ccv;       /* a schema to compile, or stop */
+    int32_t n_compiling;      /* requests queued for or in a compile */
+    int32_t n_waiting_c;      /* of n_waiting, requests with a schema (compiled) */
     int32_t n_waiting, n_active, reserved;
     int32_t n_seqs; /* the active requests' choices: sequences held */
     bool draining, stopping;
     sched_stats stats;
     /* the loop's own */
-    spec_in *in;   /* [max_batch] */
-    spec_out *out; /* [max_batch] */
-    req **step_reqs; /* [max_batch] */
-    int32_t *step_ch; /* [max_batch]: the choice of step_reqs[i] */
+    spec_in *in;       /* [max_batch] */
+    spec_out *out;     /* [max_batch] */
+    req **step_reqs;   /* [max_batch] */
+    int32_t *step_ch;  /* [max_batch]: the choice of step_reqs[i] */
     bool *step_failed; /* [max_batch] */
     /* A turn's plan (sched_plan_turn): the snapshot it is made from, the
      * active requests then the waiting queue's head, and their reqs, in
      * the plan's index order; and its decode batch. */
-    sched_plan_req *plan_reqs; /* [2 * max_batch] */
-    req **plan_of;             /* [2 * max_batch] */
+    sched_plan_req *plan_reqs;   /* [2 * max_batch] */
+    req **plan_of;               /* [2 * max_batch] */
     sched_plan_seq *plan_decode; /* [max_batch] */
-    int32_t *emit_buf; /* [ENGINE_MAX_TREE + 1] */
+    int32_t *emit_buf;           /* [ENGINE_MAX_TREE + 1] */
     int64_t log_at_ns, log_tokens;
     spec_stats log_spec;
     bool logged_idle;
@@ -131,8 +131,7 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
                SCHED_INVALID;
     if (r->top_logprobs < 0 || r->top_logprobs > SAMPLE_MAX_TOP_LOGPROBS)
         return err_set(err, "top_logprobs is %d (0..%d)", r->top_logprobs, SAMPLE_MAX_TOP_LOGPROBS), SCHED_INVALID;
-    if (r->n < 1 || r->n > SCHED_MAX_N)
-        return err_set(err, "n is %d (1..%d)", r->n, SCHED_MAX_N), SCHED_INVALID;
+    if (r->n < 1 || r->n > SCHED_MAX_N) return err_set(err, "n is %d (1..%d)", r->n, SCHED_MAX_N), SCHED_INVALID;
     if (r->n > s->cfg.max_batch)
         return err_set(err, "n of %d needs %d sequences at once; this target runs at most %d", r->n, r->n,
                        s->cfg.max_batch),
@@ -173,8 +172,7 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
     int32_t need = blocks_for(s, q);
     if (need > s->n_blocks) {
         req_free(q);
-        return err_set(err, "the request needs %d KV blocks, the whole cache has %d", need, s->n_blocks),
-               SCHED_INVALID;
+        return err_set(err, "the request needs %d KV blocks, the whole cache has %d", need, s->n_blocks), SCHED_INVALID;
     }
     pthread_mutex_lock(&s->mu);
     sched_refusal st = SCHED_QUEUED;
@@ -185,8 +183,9 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
         /* Requests with a schema have their own limit: no number of them
          * can refuse a plain request, nor plain ones them. */
         st = SCHED_BUSY;
-        err_set(err, "%d requests with a response format are compiling or waiting (the target's --max-compiles); "
-                     "retry later",
+        err_set(err,
+                "%d requests with a response format are compiling or waiting (the target's --max-compiles); "
+                "retry later",
                 s->n_compiling + s->n_waiting_c);
     } else if (!r->format && s->n_waiting - s->n_waiting_c >= s->cfg.max_queue) {
         st = SCHED_BUSY;
@@ -201,14 +200,18 @@ sched_refusal sched_submit(sched *s, const sched_request *r, ae_error *err) {
     if (r->format) {
         s->stats.requests_constrained++;
         s->n_compiling++;
-        if (s->compiling_tail) s->compiling_tail->next = q;
-        else s->compiling = q;
+        if (s->compiling_tail)
+            s->compiling_tail->next = q;
+        else
+            s->compiling = q;
         s->compiling_tail = q;
         pthread_cond_broadcast(&s->ccv);
     } else {
         s->n_waiting++;
-        if (s->waiting_tail) s->waiting_tail->next = q;
-        else s->waiting = q;
+        if (s->waiting_tail)
+            s->waiting_tail->next = q;
+        else
+            s->waiting = q;
         s->waiting_tail = q;
     }
     pthread_cond_broadcast(&s->cv);
@@ -243,8 +246,18 @@ static void emit(sched *s, req *q, int32_t c, const int32_t *tokens, int32_t n, 
     static const spec_stats none;
     bool lp = o && q->r.logprobs;
     const choice *ch = &q->ch[c];
-    sched_event ev = {tokens, n, lp ? o->logprob : NULL, lp ? o->n_top : 0, lp ? o->top : NULL, c, finish, last,
-                      q->r.n_prompt, ch->emitted, ch->seq >= 0 ? spec_seq_stats(s->sx, ch->seq) : &none, error};
+    sched_event ev = {tokens,
+                      n,
+                      lp ? o->logprob : NULL,
+                      lp ? o->n_top : 0,
+                      lp ? o->top : NULL,
+                      c,
+                      finish,
+                      last,
+                      q->r.n_prompt,
+                      ch->emitted,
+                      ch->seq >= 0 ? spec_seq_stats(s->sx, ch->seq) : &none,
+                      error};
     s->sink.emit(s->sink.ctx, q->r.ctx, &ev);
 }
 
@@ -285,8 +298,10 @@ static void finish_active(sched *s, req *q, int32_t c, const int32_t *tokens, in
 
 /* Unlinks q from the waiting queue (the lock held). */
 static void unwait(sched *s, req *q, req *prev) {
-    if (prev) prev->next = q->next;
-    else s->waiting = q->next;
+    if (prev)
+        prev->next = q->next;
+    else
+        s->waiting = q->next;
     if (s->waiting_tail == q) s->waiting_tail = prev;
     s->n_waiting--;
     if (q->schema_wait) s->n_waiting_c--;
@@ -303,8 +318,10 @@ static bool drop_cancelled_compiling(sched *s, bool all) {
     req *prev = NULL;
     for (req *q = s->compiling; q; prev = q, q = q->next)
         if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx)) {
-            if (prev) prev->next = q->next;
-            else s->compiling = q->next;
+            if (prev)
+                prev->next = q->next;
+            else
+                s->compiling = q->next;
             if (s->compiling_tail == q) s->compiling_tail = prev;
             s->n_compiling--;
             s->stats.requests_done++;
@@ -337,8 +354,10 @@ static void drop_cancelled_waiting(sched *s, bool all) {
             if (all || atomic_load(&q->cancel) || s->sink.cancelled(s->sink.ctx, q->r.ctx) || q->compile_rc != AE_OK) {
                 unwait(s, q, prev);
                 s->stats.requests_done++;
-                if (q->compile_rc == AE_OK || q->compile_rc == GCOMPILE_CANCELLED || all) s->stats.requests_cancelled++;
-                else s->stats.requests_refused++;
+                if (q->compile_rc == AE_OK || q->compile_rc == GCOMPILE_CANCELLED || all)
+                    s->stats.requests_cancelled++;
+                else
+                    s->stats.requests_refused++;
                 gone = q;
                 break;
             }
@@ -418,22 +437,27 @@ static void *compiler_main(void *arg) {
         compile_job job = {s, q};
         /* One cancelled before its turn is not started. */
         bool skip = compile_cancelled(&job);
-        q->compile_rc = skip ? GCOMPILE_CANCELLED
-                             : gcompile_compile(&q->g, s->cfg.grammar, q->schema, &s->cfg.compile, compile_cancelled, &job, &err);
+        q->compile_rc =
+            skip ? GCOMPILE_CANCELLED
+                 : gcompile_compile(&q->g, s->cfg.grammar, q->schema, &s->cfg.compile, compile_cancelled, &job, &err);
         if (q->compile_rc != AE_OK) snprintf(q->compile_err, sizeof q->compile_err, "%s", err.msg);
         pthread_mutex_lock(&s->mu);
         s->compiling_now[k] = NULL;
         s->n_compiling--;
-        if (skip) s->stats.compiles_dropped++;
-        else s->stats.compiles[q->compile_rc >= 0 && q->compile_rc <= GCOMPILE_LAST ? q->compile_rc : 1]++;
+        if (skip)
+            s->stats.compiles_dropped++;
+        else
+            s->stats.compiles[q->compile_rc >= 0 && q->compile_rc <= GCOMPILE_LAST ? q->compile_rc : 1]++;
         /* Queued in order of compiling (the scheduler drops it if it was
          * cancelled meanwhile, or did not compile). */
         if (q->compile_rc == GCOMPILE_CANCELLED) atomic_store(&q->cancel, true);
         s->n_waiting++;
         s->n_waiting_c++;
         q->schema_wait = true;
-        if (s->waiting_tail) s->waiting_tail->next = q;
-        else s->waiting = q;
+        if (s->waiting_tail)
+            s->waiting_tail->next = q;
+        else
+            s->waiting = q;
         s->waiting_tail = q;
         pthread_cond_broadcast(&s->cv);
     }
@@ -505,10 +529,16 @@ static void plan_snapshot(sched *s, sched_plan_state *st) {
         s->plan_reqs[k] = (sched_plan_req){q->r.n, q->r.n_prompt, 0, blocks_for(s, q), false, 0};
         s->plan_of[k] = q;
     }
-    *st = (sched_plan_state){.active = s->plan_reqs, .n_active = n_active, .waiting = s->plan_reqs + n_active,
-                             .n_waiting = k - n_active, .max_batch = s->cfg.max_batch, .seqs = s->n_seqs,
-                             .blocks_free = s->n_blocks - s->reserved, .chunk = s->cfg.chunk,
-                             .max_batch_tokens = s->batch_tokens, .tree_tokens = s->cfg.tree_tokens,
+    *st = (sched_plan_state){.active = s->plan_reqs,
+                             .n_active = n_active,
+                             .waiting = s->plan_reqs + n_active,
+                             .n_waiting = k - n_active,
+                             .max_batch = s->cfg.max_batch,
+                             .seqs = s->n_seqs,
+                             .blocks_free = s->n_blocks - s->reserved,
+                             .chunk = s->cfg.chunk,
+                             .max_batch_tokens = s->batch_tokens,
+                             .tree_tokens = s->cfg.tree_tokens,
                              .speculating = s->cfg.speculating};
 }
 
@@ -592,12 +622,13 @@ static bool over_mask_budget(const sched *s, req *q) {
         }
     double ms = (double)ns / 1e6, allowed = (double)s->cfg.mask_budget_ms + s->cfg.mask_ms_per_token * (double)most;
     if (ms <= allowed) return false;
-    snprintf(q->compile_err, sizeof q->compile_err,
-             "the response format's token masks took %.0f ms for %llu tokens (%llu positions), past their budget of %lld "
-             "ms + %.2f ms a position (the target's --mask-budget-ms and --mask-ms-per-token); make the schema smaller "
-             "or simpler",
-             ms, (unsigned long long)masks, (unsigned long long)most, (long long)s->cfg.mask_budget_ms,
-             s->cfg.mask_ms_per_token);
+    snprintf(
+        q->compile_err, sizeof q->compile_err,
+        "the response format's token masks took %.0f ms for %llu tokens (%llu positions), past their budget of %lld "
+        "ms + %.2f ms a position (the target's --mask-budget-ms and --mask-ms-per-token); make the schema smaller "
+        "or simpler",
+        ms, (unsigned long long)masks, (unsigned long long)most, (long long)s->cfg.mask_budget_ms,
+        s->cfg.mask_ms_per_token);
     q->mask_over = true;
     return true;
 }
@@ -628,19 +659,23 @@ static void log_line(sched *s, int64_t now) {
         pol[0] = ' ';
         policy_report_log(&st.policy, pol + 1, sizeof pol - 1);
     }
-    LOG_INFOF("target_load tok_s=%.1f batch=%d queue=%d kv_used=%d/%d kv_pct=%.1f accept_len=%.2f spec=%s%s", st.tok_per_s,
-              running, waiting, kv.blocks_used, kv.n_blocks, kv.n_blocks ? 100.0 * kv.blocks_used / kv.n_blocks : 0.0,
-              st.accept_len, !s->cfg.speculating ? "none" : st.spec_on ? "on" : "off", pol);
+    LOG_INFOF("target_load tok_s=%.1f batch=%d queue=%d kv_used=%d/%d kv_pct=%.1f accept_len=%.2f spec=%s%s",
+              st.tok_per_s, running, waiting, kv.blocks_used, kv.n_blocks,
+              kv.n_blocks ? 100.0 * kv.blocks_used / kv.n_blocks : 0.0, st.accept_len,
+              !s->cfg.speculating ? "none"
+              : st.spec_on        ? "on"
+                                  : "off",
+              pol);
 }
 
 /* How a turn's prefill went (exec_prefill), for apply_prefill. */
 typedef enum prefill_result {
-    PREFILL_MORE,    /* a chunk in, more to come */
-    PREFILL_IN,      /* the prompt is in and the other choices forked */
-    PREFILL_REFUSED, /* its rules refused it (a resent output off its schema) */
+    PREFILL_MORE,     /* a chunk in, more to come */
+    PREFILL_IN,       /* the prompt is in and the other choices forked */
+    PREFILL_REFUSED,  /* its rules refused it (a resent output off its schema) */
     PREFILL_NO_START, /* its rules or its sequence could not be made */
-    PREFILL_FAILED,  /* the chunk's pass failed */
-    PREFILL_NO_FORK, /* a fork failed */
+    PREFILL_FAILED,   /* the chunk's pass failed */
+    PREFILL_NO_FORK,  /* a fork failed */
 } prefill_result;
 
 /* Runs the plan's prefill chunk of q: first the request's rules and
@@ -649,8 +684,7 @@ typedef enum prefill_result {
 static prefill_result exec_prefill(sched *s, req *q, const sched_plan *p, ae_error *err) {
     choice *c0 = &q->ch[0];
     bool refused = false;
-    if (c0->seq < 0 &&
-        (start_rules(s, q, err, &refused) != AE_OK || engine_seq_new(s->e, &c0->seq, err) != AE_OK))
+    if (c0->seq < 0 && (start_rules(s, q, err, &refused) != AE_OK || engine_seq_new(s->e, &c0->seq, err) != AE_OK))
         return refused ? PREFILL_REFUSED : PREFILL_NO_START;
     /* The plan's chunk: its tokens (0 for a one-token prompt, which only
      * sets the root up). */
@@ -700,8 +734,13 @@ static int exec_decode(sched *s, const sched_plan *p, ae_error *err) {
         choice *ch = &q->ch[p->decode[i].choice];
         s->step_reqs[i] = q;
         s->step_ch[i] = p->decode[i].choice;
-        s->in[i] = (spec_in){.seq = ch->seq, .params = &q->r.params, .rng = &ch->rng, .pen = ch->pen, .gm = ch->gm,
-                             .logprobs = q->r.logprobs, .top_logprobs = q->r.top_logprobs};
+        s->in[i] = (spec_in){.seq = ch->seq,
+                             .params = &q->r.params,
+                             .rng = &ch->rng,
+                             .pen = ch->pen,
+                             .gm = ch->gm,
+                             .logprobs = q->r.logprobs,
+                             .top_logprobs = q->r.top_logprobs};
     }
     return spec_step(s->sx, s->in, n, s->out, err);
 }
@@ -960,8 +999,10 @@ sched_stats sched_get_stats(sched *s) {
     st.compiling = s->n_compiling;
     st.running = st.prefilling = 0;
     for (req *q = s->active; q; q = q->next) {
-        if (q->state == REQ_RUNNING) st.running++;
-        else st.prefilling++;
+        if (q->state == REQ_RUNNING)
+            st.running++;
+        else
+            st.prefilling++;
     }
     st.kv_blocks_reserved = s->reserved;
     pthread_mutex_unlock(&s->mu);

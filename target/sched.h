@@ -38,12 +38,12 @@
 
 typedef enum sched_finish {
     SCHED_RUNNING = 0,
-    SCHED_STOP = 1,      /* end of sequence or a stop token */
-    SCHED_LENGTH = 2,    /* max_tokens */
+    SCHED_STOP = 1,   /* end of sequence or a stop token */
+    SCHED_LENGTH = 2, /* max_tokens */
     SCHED_CANCELLED = 3,
-    SCHED_ERROR = 4,     /* the engine failed; error says why */
-    SCHED_REFUSED = 5,   /* the request cannot be served (a schema that does not compile, or passed a compile or
-                          * mask budget); error says why */
+    SCHED_ERROR = 4,   /* the engine failed; error says why */
+    SCHED_REFUSED = 5, /* the request cannot be served (a schema that does not compile, or passed a compile or
+                        * mask budget); error says why */
 } sched_finish;
 
 typedef struct sched_request {
@@ -68,8 +68,8 @@ typedef struct sched_request {
     int32_t format;
     const char *schema;
     size_t schema_len;
-    bool logprobs;        /* each token's log-probability (spec.h) */
-    int32_t top_logprobs; /* and this many most likely tokens */
+    bool logprobs;         /* each token's log-probability (spec.h) */
+    int32_t top_logprobs;  /* and this many most likely tokens */
     char id[SCHED_ID_MAX]; /* for sched_cancel_id; may be empty */
     void *ctx;             /* the sink's handle for the request */
 } sched_request;
@@ -82,12 +82,12 @@ typedef struct sched_event {
     const float *logprob;
     int32_t n_top;
     const sample_logprob (*top)[SAMPLE_MAX_TOP_LOGPROBS];
-    int32_t index;         /* the choice */
-    sched_finish finish;   /* set on the choice's last event */
-    bool last;             /* the request's last event (every choice done) */
+    int32_t index;       /* the choice */
+    sched_finish finish; /* set on the choice's last event */
+    bool last;           /* the request's last event (every choice done) */
     int32_t prompt_tokens, completion_tokens;
     const spec_stats *spec; /* the sequence's figures */
-    const char *error;     /* with SCHED_ERROR and SCHED_REFUSED */
+    const char *error;      /* with SCHED_ERROR and SCHED_REFUSED */
 } sched_event;
 
 typedef struct sched_sink {
@@ -102,15 +102,15 @@ typedef struct sched_sink {
 } sched_sink;
 
 typedef struct sched_config {
-    int32_t max_batch;   /* sequences running at once (the engine's max_seqs) */
-    int32_t max_queue;   /* requests waiting at most */
-    int32_t chunk;       /* prompt tokens per prefill pass */
-    int32_t max_seq_len; /* the engine's */
-    int32_t tree_tokens; /* the largest tree a step verifies (KV scratch) */
-    int32_t eos;         /* end of sequence, -1: none */
+    int32_t max_batch;       /* sequences running at once (the engine's max_seqs) */
+    int32_t max_queue;       /* requests waiting at most */
+    int32_t chunk;           /* prompt tokens per prefill pass */
+    int32_t max_seq_len;     /* the engine's */
+    int32_t tree_tokens;     /* the largest tree a step verifies (KV scratch) */
+    int32_t eos;             /* end of sequence, -1: none */
     int32_t log_interval_ms; /* 0: no periodic line */
-    bool speculating;    /* a drafter is configured (for the log line) */
-    grammar_vocab *grammar; /* structured output's automaton; NULL: refused */
+    bool speculating;        /* a drafter is configured (for the log line) */
+    grammar_vocab *grammar;  /* structured output's automaton; NULL: refused */
     /* Requests with a response format: compile workers (each compile on a
      * thread of its own, gcompile.h; 0: 1), and requests queued for or in
      * a compile, or compiled and waiting for a slot, at most (0: 1; apart
@@ -137,16 +137,16 @@ typedef struct sched_stats {
     uint64_t mask_budget_spent;
     int32_t kv_blocks_used, kv_blocks, kv_blocks_reserved;
     uint64_t requests_done, requests_cancelled, requests_refused;
-    uint64_t requests_constrained; /* admitted with a response format */
+    uint64_t requests_constrained;           /* admitted with a response format */
     uint64_t grammar_masks, grammar_mask_ns; /* masks computed, and their time (grammar.h) */
     uint64_t tokens_out;
-    double tok_per_s;    /* over the last log interval */
-    double accept_len;   /* mean over the last log interval's speculative steps; 0: none */
-    bool spec_on;        /* the last interval had speculative steps */
-    spec_stats spec;     /* speculation's totals */
-    policy_report policy; /* the policy's choice for the last step's batch */
-    int32_t tp;           /* tensor-parallel ranks of the engine (engine_tp) */
-    engine_comm_stats comm;  /* their allreduces: the last step's and all so far (engine_get_comm_stats) */
+    double tok_per_s;       /* over the last log interval */
+    double accept_len;      /* mean over the last log interval's speculative steps; 0: none */
+    bool spec_on;           /* the last interval had speculative steps */
+    spec_stats spec;        /* speculation's totals */
+    policy_report policy;   /* the policy's choice for the last step's batch */
+    int32_t tp;             /* tensor-parallel ranks of the engine (engine_tp) */
+    engine_comm_stats comm; /* their allreduces: the last step's and all so far (engine_get_comm_stats) */
 } sched_stats;
 
 typedef struct sched sched;

@@ -15,8 +15,8 @@
 /* The device --device resolved to (one per process). */
 static kn_device g_device;
 
-int setup_service(config **c, model **m, const char *service, const config_option *opts, size_t n, int argc, char **argv,
-                  bool *print_config, bool *help, ae_error *err) {
+int setup_service(config **c, model **m, const char *service, const config_option *opts, size_t n, int argc,
+                  char **argv, bool *print_config, bool *help, ae_error *err) {
     *m = NULL;
     if (svc_config_load(c, service, opts, n, argc, argv, print_config, help, err) != AE_OK) return AE_ERR;
     if (*help) return AE_OK;
@@ -76,8 +76,8 @@ static int tp_gpu_plans(const engine *e, const model *m, int32_t R, const kn_bac
  * takes a GPU a rank from dev's on where they are there, reach each
  * other's memory and their plans fit, and every rank on dev otherwise;
  * it is resolved and logged with why. */
-static int tp_devices(config *c, const engine *e, const model *m, const kn_device *dev, int32_t R, const kn_backend **bes,
-                      bool fast, ae_error *err) {
+static int tp_devices(config *c, const engine *e, const model *m, const kn_device *dev, int32_t R,
+                      const kn_backend **bes, bool fast, ae_error *err) {
     kn_device *opened = g_rank_dev;
     const char *spec = config_has(c, "tp-devices") ? config_str(c, "tp-devices") : "auto";
     char list[CONFIG_MAX_VALUE] = "", name[32];
@@ -113,11 +113,13 @@ static int tp_devices(config *c, const engine *e, const model *m, const kn_devic
     if (r == R && tp_gpu_plans(e, m, R, bes, fast, &why) != AE_OK) r = -1;
     if (r != R) {
         for (r = 0; r < R; r++) bes[r] = dev->be, opened[r] = *dev;
-        for (r = 0; r < R; r++) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index);
+        for (r = 0; r < R; r++)
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index);
         LOG_INFOF("tensor parallel: tp-devices %s (auto: every rank on %s; a GPU a rank from cuda:%d did not do: %s)",
                   list, dev->name, dev->info.index, why.msg);
     } else {
-        for (r = 0; r < R; r++) snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index + r);
+        for (r = 0; r < R; r++)
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%d", r ? "," : "", dev->info.index + r);
         LOG_INFOF("tensor parallel: tp-devices %s (auto: a GPU a rank, from %s)", list, dev->name);
     }
     config_set_auto_str(c, "tp-devices", list);
@@ -151,7 +153,7 @@ static int tp_gpu_plans(const engine *e, const model *m, int32_t R, const kn_bac
             kv += slots * m->arch->kv_bytes_per_token(&sh->cfg);
             act += forward_ws_bytes(sh, T, q == 0 ? T : 1) + forward_stream_workspace(sh, T, ec->max_seq_len) +
                    2 * (uint64_t)T * (uint64_t)m->cfg.hidden * sizeof(float) + /* the custom kind's slots */
-                   (fast ? KN_FAST_WORKSPACE_BYTES : 0);                        /* cuBLAS's, in fast mode */
+                   (fast ? KN_FAST_WORKSPACE_BYTES : 0);                       /* cuBLAS's, in fast mode */
             tp_shard_free(sh);
             n++;
         }
@@ -159,7 +161,8 @@ static int tp_gpu_plans(const engine *e, const model *m, int32_t R, const kn_bac
         uint64_t need = w + kv + act, have = d->info.free_bytes;
         double mib = 1048576.0;
         if (need > have)
-            return err_set(err, "memory plan of %s (%d rank%s from rank %d): weights %.2f MiB + KV %.2f MiB (%d tokens) "
+            return err_set(err,
+                           "memory plan of %s (%d rank%s from rank %d): weights %.2f MiB + KV %.2f MiB (%d tokens) "
                            "+ activations %.2f MiB = %.2f MiB > %.2f MiB free at start; would work: fewer KV tokens "
                            "(--max-kv-tokens), more ranks, or a GPU with more memory",
                            d->name, n, n > 1 ? "s" : "", r, (double)w / mib, (double)kv / mib, ec->kv_tokens,
@@ -176,7 +179,8 @@ static int tp_gpu_plans(const engine *e, const model *m, int32_t R, const kn_bac
 int setup_tp(config *c, engine *e, const model *m, const kn_device *dev, ae_error *err) {
     int32_t R = config_has(c, "tp") ? (int32_t)config_int(c, "tp") : 1;
     int kind = config_has(c, "allreduce") ? kn_allreduce_parse(config_str(c, "allreduce")) : KN_ALLREDUCE_AUTO;
-    if (kind < 0) return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", config_str(c, "allreduce"));
+    if (kind < 0)
+        return err_set(err, "--allreduce %.100s: not one of auto, cpu, nccl, custom", config_str(c, "allreduce"));
     const kn_backend *bes[TP_MAX_RANKS];
     bool on_gpus = R > 1 && dev && dev->kind == KN_DEVICE_CUDA && m->be == dev->be;
     for (int32_t r = 0; r < R && R <= TP_MAX_RANKS; r++) snprintf(g_rank_dev[r].name, sizeof g_rank_dev[r].name, "cpu");
@@ -190,7 +194,9 @@ int setup_tp(config *c, engine *e, const model *m, const kn_device *dev, ae_erro
         config_set_auto_str(c, "allreduce", name);
         const char *why = engine_allreduce_why(e);
         LOG_INFOF("tensor parallel: allreduce %s (auto: %s)", name,
-                  why[0] ? why : kn_backend_host_memory(m->be) ? "the CPU's ranks reduce on the host" : "");
+                  why[0]                          ? why
+                  : kn_backend_host_memory(m->be) ? "the CPU's ranks reduce on the host"
+                                                  : "");
     } else {
         LOG_INFOF("tensor parallel: allreduce %s (%s)", name, config_source_name(config_get_source(c, "allreduce")));
     }
@@ -205,8 +211,8 @@ void setup_log_weights(const config *c, const model *m) {
     size_t n = 0;
     for (int t = 0; t < GGML_TYPE_COUNT_MAX && n < sizeof line; t++)
         if (bytes[t])
-            n += (size_t)snprintf(line + n, sizeof line - n, "%s%s %.2f MiB", n ? ", " : "", quant_type_name((ggml_type)t),
-                                  (double)bytes[t] / 1048576.0);
+            n += (size_t)snprintf(line + n, sizeof line - n, "%s%s %.2f MiB", n ? ", " : "",
+                                  quant_type_name((ggml_type)t), (double)bytes[t] / 1048576.0);
     int32_t R = config_has(c, "tp") ? (int32_t)config_int(c, "tp") : 1;
     if (experts)
         LOG_INFOF("weights by type: %s (matrices; norms and biases f32); routed experts %.2f MiB, %.2f MiB a rank at "
@@ -232,15 +238,28 @@ int setup_plan(config *c, const model *m, uint64_t extra_weights, uint64_t extra
      * hold R copies of it (ranks on GPUs of their own: setup_tp's plans). */
     int32_t R = config_has(c, "tp") ? (int32_t)config_int(c, "tp") : 1;
     uint64_t copies = m->arch->kv_replicated && R > 1 ? (uint64_t)R : 1;
-    memplan_model mm = {m->weight_bytes + extra_weights, mc->n_layers, mc->hidden, mc->ffn, mc->n_heads,
-                        mc->n_kv_heads, mc->head_dim, mc->vocab, copies * m->arch->kv_bytes_per_token(mc),
+    memplan_model mm = {m->weight_bytes + extra_weights,
+                        mc->n_layers,
+                        mc->hidden,
+                        mc->ffn,
+                        mc->n_heads,
+                        mc->n_kv_heads,
+                        mc->head_dim,
+                        mc->vocab,
+                        copies * m->arch->kv_bytes_per_token(mc),
                         m->arch->workspace_per_token(mc)};
     /* Fast mode on a GPU: cuBLAS's own workspace. */
-    const bool fast = !kn_backend_host_memory(m->be) && config_has(c, "deterministic") && !config_bool(c, "deterministic");
-    memplan_env env = {avail, SETUP_KV_BLOCK, SETUP_PREFILL_CHUNK,
+    const bool fast =
+        !kn_backend_host_memory(m->be) && config_has(c, "deterministic") && !config_bool(c, "deterministic");
+    memplan_env env = {avail,
+                       SETUP_KV_BLOCK,
+                       SETUP_PREFILL_CHUNK,
                        forward_stream_workspace(m, SETUP_PREFILL_CHUNK, (int32_t)config_int(c, "max-seq-len")) +
                            engine_input_bytes(SETUP_PREFILL_CHUNK) + extra_work + (fast ? KN_FAST_WORKSPACE_BYTES : 0),
-                       on_gpu ? g_device.name : NULL, on_gpu ? g_device.info.total_bytes : 0, 0, 0};
+                       on_gpu ? g_device.name : NULL,
+                       on_gpu ? g_device.info.total_bytes : 0,
+                       0,
+                       0};
     if (!kn_backend_host_memory(m->be) && kn_backend_has_graphs(m->be)) {
         env.graph_nodes = FORWARD_GRAPH_NODES(mc->n_layers, fast);
         env.graph_node_bytes = KN_GRAPH_NODE_BYTES;
@@ -263,7 +282,7 @@ int setup_engine(engine **e, config *c, const model *m, const memplan *plan, int
         return err_set(err, "memory plan: %lld KV tokens is more than one engine holds (%d); lower --max-kv-tokens",
                        (long long)plan->kv_tokens, INT32_MAX);
     engine_config ec = {SETUP_PREFILL_CHUNK, plan->max_batch, plan->max_seq_len, (int32_t)plan->kv_tokens,
-                     plan->block_size, threads, act_bits};
+                        plan->block_size,    threads,         act_bits};
     if (engine_init(e, m, &ec, err) != AE_OK) return AE_ERR;
     if (config_has(c, "tp")) {
         int32_t R = (int32_t)config_int(c, "tp");
@@ -281,12 +300,11 @@ int setup_engine(engine **e, config *c, const model *m, const memplan *plan, int
             const model *sh = engine_tp_shard(*e, r);
             uint64_t copied = engine_tp_copied_bytes(*e, r);
             char where[96] = "views of the one loaded copy";
-            if (copied)
-                snprintf(where, sizeof where, "%.2f MiB copied to its device", (double)copied / 1048576.0);
+            if (copied) snprintf(where, sizeof where, "%.2f MiB copied to its device", (double)copied / 1048576.0);
             LOG_INFOF("tensor parallel: rank %d on %s: weights read %.2f MiB (its shard and the output projection, "
                       "which only rank 0 reads; %s), kv heads %d of %d: KV %.2f MiB = %lld tokens x %.0f bytes",
-                      r, g_rank_dev[r].name, (double)sh->weight_bytes / 1048576.0, where,
-                      sh->cfg.n_kv_heads, mc->n_kv_heads,
+                      r, g_rank_dev[r].name, (double)sh->weight_bytes / 1048576.0, where, sh->cfg.n_kv_heads,
+                      mc->n_kv_heads,
                       (double)plan->kv_tokens * (double)m->arch->kv_bytes_per_token(&sh->cfg) / 1048576.0,
                       (long long)plan->kv_tokens, (double)m->arch->kv_bytes_per_token(&sh->cfg));
         }

@@ -16,27 +16,39 @@
 #define SETUP_PREFILL_CHUNK 256 /* tokens of prompt per forward pass */
 
 /* Tensor-parallel ranks of the engine (engine.h engine_set_tp). */
-#define SETUP_TP_OPTION                                                                                        \
-    {"tp", CONFIG_INT, "1", 1, 64,                                                                               \
+#define SETUP_TP_OPTION \
+    {"tp", \
+     CONFIG_INT, \
+     "1", \
+     1, \
+     64, \
      "tensor-parallel ranks: threads of this process, each over a shard of the model's heads and FFN and its " \
      "kv heads of the KV cache, adding partial sums by allreduce, 2 per layer (on CUDA: --tp-devices)"}
 /* Each rank's GPU. */
-#define SETUP_TP_DEVICES_OPTION                                                                                \
-    {"tp-devices", CONFIG_STRING, "auto", 0, 0,                                                                  \
+#define SETUP_TP_DEVICES_OPTION \
+    {"tp-devices", \
+     CONFIG_STRING, \
+     "auto", \
+     0, \
+     0, \
      "the GPU of each tensor-parallel rank, as 0,1: auto gives each rank its own GPU from --device's on where " \
      "this machine has them, and puts every rank on --device's otherwise (logged); not used on the CPU"}
 /* How the ranks add their partial sums (kernels.h kn_allreduce). */
-#define SETUP_ALLREDUCE_OPTION                                                                                 \
-    {"allreduce", CONFIG_STRING, "auto", 0, 0,                                                                   \
-     "how tensor-parallel ranks add partial sums: cpu (CPU ranks), nccl or custom (CUDA ranks: NCCL, or a "    \
+#define SETUP_ALLREDUCE_OPTION \
+    {"allreduce", \
+     CONFIG_STRING, \
+     "auto", \
+     0, \
+     0, \
+     "how tensor-parallel ranks add partial sums: cpu (CPU ranks), nccl or custom (CUDA ranks: NCCL, or a " \
      "one-shot kernel that adds in rank order), auto (cpu on the CPU; on CUDA the faster of the two, measured " \
      "at start and logged)"}
 #define SETUP_KV_BLOCK 16
 
 /* A service's settings (svc_config_load), threads "auto" resolved, and its
  * --model loaded. *help: --help printed the usage; exit 0. */
-int setup_service(config **c, model **m, const char *service, const config_option *opts, size_t n, int argc, char **argv,
-                  bool *print_config, bool *help, ae_error *err);
+int setup_service(config **c, model **m, const char *service, const config_option *opts, size_t n, int argc,
+                  char **argv, bool *print_config, bool *help, ae_error *err);
 
 /* The memory plan for model m, against the memory this machine has, from
  * c's MEMPLAN_OPTIONS rows: the model's weights plus extra_weights, and a

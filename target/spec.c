@@ -20,8 +20,8 @@ _Static_assert(ENGINE_MAX_TREE == SPEC_MAX_TREE, "a drafted tree must fit one en
 
 typedef struct seq_state {
     bool started;
-    bool fed;    /* the drafter has been told of this sequence since it started */
-    bool resync; /* the drafter lost pairs of it: reset it with the pending ones */
+    bool fed;     /* the drafter has been told of this sequence since it started */
+    bool resync;  /* the drafter lost pairs of it: reset it with the pending ones */
     int32_t held; /* pairs the drafter holds for it (when fed and not resync) */
     /* A choice forked from another (spec_seq_fork): the next call to the
      * drafter starts it from fork_of's state there, `held` pairs. */
@@ -39,9 +39,9 @@ struct spec {
     engine *e;
     const spec_drafter *d; /* NULL: plain */
     spec_config cfg;
-    int32_t H, V, fw;      /* hidden, vocabulary, feature width (n_capture * H) */
-    seq_state *seqs;       /* [max_seqs] */
-    float *pending_feat;   /* [max_seqs][ENGINE_MAX_TREE][fw] */
+    int32_t H, V, fw;    /* hidden, vocabulary, feature width (n_capture * H) */
+    seq_state *seqs;     /* [max_seqs] */
+    float *pending_feat; /* [max_seqs][ENGINE_MAX_TREE][fw] */
     spec_stats total;
     int64_t step_no;   /* spec_step calls so far */
     int32_t last_n;    /* sequences in the last step */
@@ -50,17 +50,17 @@ struct spec {
     policy *pol;       /* with a drafter: each step's tree */
     bool was_drafting; /* the policy's last choice (not a probe) drafted */
     /* one step */
-    spec_feed *feeds;      /* [max_seqs] */
-    int32_t *feed_of;      /* [max_seqs] index into feeds, -1: none */
-    spec_tree *trees;      /* [max_seqs] */
-    engine_item *items;       /* [max_seqs] */
-    int32_t *rows;         /* [max_batch_tokens] capture rows: every token */
-    float *features;       /* [max_batch_tokens][fw] */
-    float *logits;         /* [max_batch_tokens][V] */
-    int32_t *ids;          /* [max_batch_tokens] each row's token, decided where the pass ran */
-    kn_draw *draws;        /* [max_batch_tokens] how each row draws it (engine_step's draws) */
-    float *scratch;        /* [V]: a row penalised (penalty_apply) and masked */
-    uint32_t *mask;        /* [(V + 31) / 32]: a grammar's mask (grammar_fill_mask) */
+    spec_feed *feeds;   /* [max_seqs] */
+    int32_t *feed_of;   /* [max_seqs] index into feeds, -1: none */
+    spec_tree *trees;   /* [max_seqs] */
+    engine_item *items; /* [max_seqs] */
+    int32_t *rows;      /* [max_batch_tokens] capture rows: every token */
+    float *features;    /* [max_batch_tokens][fw] */
+    float *logits;      /* [max_batch_tokens][V] */
+    int32_t *ids;       /* [max_batch_tokens] each row's token, decided where the pass ran */
+    kn_draw *draws;     /* [max_batch_tokens] how each row draws it (engine_step's draws) */
+    float *scratch;     /* [V]: a row penalised (penalty_apply) and masked */
+    uint32_t *mask;     /* [(V + 31) / 32]: a grammar's mask (grammar_fill_mask) */
     sample_state *sampler;
 };
 
@@ -172,8 +172,10 @@ void spec_set_shape(spec *s, const spec_shape *shape) {
 }
 
 void spec_policy_report(const spec *s, int32_t n, policy_report *r) {
-    if (s->pol) policy_get_report(s->pol, n, r);
-    else memset(r, 0, sizeof *r);
+    if (s->pol)
+        policy_get_report(s->pol, n, r);
+    else
+        memset(r, 0, sizeof *r);
 }
 
 const spec_stats *spec_seq_stats(const spec *s, int32_t seq) {
@@ -201,8 +203,7 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
     if (*done == 0) {
         if (engine_seq_len(s->e, seq) != 0) return err_set(err, "sequence %d is not a fresh engine sequence", seq);
         for (int32_t i = 0; i < n; i++)
-            if (prompt[i] < 0 || prompt[i] >= s->V)
-                return err_set(err, "token %d is not in the vocabulary", prompt[i]);
+            if (prompt[i] < 0 || prompt[i] >= s->V) return err_set(err, "token %d is not in the vocabulary", prompt[i]);
         *st = (seq_state){.started = true, .root = prompt[n - 1]};
     } else if (!st->started || engine_seq_len(s->e, seq) != *done || *done > n - 1) {
         return err_set(err, "sequence %d: prefill resumed at %d, the engine holds %d", seq, *done,
@@ -240,8 +241,10 @@ int spec_seq_prefill(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int
         } else {
             /* The first step resets it with what it has by then. */
             st->resync = true;
-            if (none.n == SPEC_STATE_GONE) s->total.state_gone++; /* (none.n is set only on success) */
-            else s->total.draft_failures++;
+            if (none.n == SPEC_STATE_GONE)
+                s->total.state_gone++; /* (none.n is set only on success) */
+            else
+                s->total.draft_failures++;
         }
     } else if (s->d) {
         st->resync = true; /* pairs skipped: the drafter starts over from the window */
@@ -261,7 +264,8 @@ int spec_seq_start(spec *s, int32_t seq, const int32_t *prompt, int32_t n, int32
 }
 
 int spec_seq_fork(spec *s, int32_t src, int32_t dst, ae_error *err) {
-    if (src < 0 || src >= s->cfg.max_seqs || !s->seqs[src].started) return err_set(err, "sequence %d was not started", src);
+    if (src < 0 || src >= s->cfg.max_seqs || !s->seqs[src].started)
+        return err_set(err, "sequence %d was not started", src);
     if (dst < 0 || dst >= s->cfg.max_seqs || dst == src || s->seqs[dst].started)
         return err_set(err, "sequence %d cannot be a fork of %d", dst, src);
     if (engine_seq_len(s->e, dst) != engine_seq_len(s->e, src))
@@ -312,8 +316,15 @@ static bool propose(spec *s, const spec_in *in, int32_t n, const spec_shape *sha
         bool reset = !st->fed || st->resync;
         timed &= !reset;
         s->feed_of[i] = nf;
-        s->feeds[nf++] = (spec_feed){in[i].seq, reset, reset ? 0 : st->held, st->n_pending, st->pending_tokens,
-                                     pending_features(s, in[i].seq), true, st->fork && !reset, st->fork_of};
+        s->feeds[nf++] = (spec_feed){in[i].seq,
+                                     reset,
+                                     reset ? 0 : st->held,
+                                     st->n_pending,
+                                     st->pending_tokens,
+                                     pending_features(s, in[i].seq),
+                                     true,
+                                     st->fork && !reset,
+                                     st->fork_of};
     }
     ae_error derr = {{0}};
     /* trees is indexed by feed here, then spread to the sequences. */
@@ -388,8 +399,9 @@ static void feed_plain(spec *s, const spec_in *in, int32_t n) {
     for (int32_t i = 0; i < n; i++) {
         seq_state *st = &s->seqs[in[i].seq];
         if (!st->fed || st->resync || st->n_pending < SPEC_FEED_AT) continue;
-        s->feeds[nf++] = (spec_feed){in[i].seq, false, st->held, st->n_pending, st->pending_tokens,
-                                     pending_features(s, in[i].seq), false, st->fork, st->fork_of};
+        s->feeds[nf++] = (spec_feed){
+            in[i].seq, false,    st->held,   st->n_pending, st->pending_tokens, pending_features(s, in[i].seq),
+            false,     st->fork, st->fork_of};
     }
     if (nf == 0) return;
     ae_error derr = {{0}};
@@ -445,8 +457,10 @@ static const float *rules_apply(void *ctx, const float *row) {
             uint32_t m = rp->mask[w];
             for (int32_t b = 0; b < 32 && w * 32 + b < rp->V; b++) {
                 float *x = &rp->scratch[w * 32 + b];
-                if (!(m >> b & 1)) *x = -INFINITY;
-                else any |= *x > -INFINITY;
+                if (!(m >> b & 1))
+                    *x = -INFINITY;
+                else
+                    any |= *x > -INFINITY;
             }
         }
         if (any || !rp->pen) break;
@@ -499,7 +513,8 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         if (t->n == 0) *t = (spec_tree){.n = 1, .tokens = {st->root}, .parents = {-1}, .probs = {1.0f}};
         /* Room in the sequence and in the pass; a prefix of a tree is a
          * tree (parents come first). Every sequence keeps its root. */
-        int32_t room = ec->max_seq_len - engine_seq_len(s->e, in[i].seq), left = s->cfg.max_batch_tokens - T - (n - 1 - i);
+        int32_t room = ec->max_seq_len - engine_seq_len(s->e, in[i].seq),
+                left = s->cfg.max_batch_tokens - T - (n - 1 - i);
         if (t->n > room) t->n = room;
         if (t->n > left) t->n = left;
         s->items[i] = (engine_item){in[i].seq, ENGINE_TREE, t->n, t->tokens, t->parents, false};
@@ -515,7 +530,8 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
     for (int32_t i = 0; i < n && ids_only; i++) {
         ids_only = !in[i].pen && !in[i].gm && !in[i].logprobs;
         greedy = greedy && sample_is_greedy(in[i].params);
-        if (!sample_is_greedy(in[i].params)) ids_only = ids_only && engine_can_sample(s->e) && sample_on_device(in[i].params);
+        if (!sample_is_greedy(in[i].params))
+            ids_only = ids_only && engine_can_sample(s->e) && sample_on_device(in[i].params);
     }
     bool drawn = ids_only && !greedy;
     for (int32_t i = 0, row = 0; drawn && i < n; row += s->trees[i].n, i++) {
@@ -536,7 +552,12 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         const float *rows = s->logits + (size_t)row * (size_t)s->V;
         rules_proc rp = {in[i].pen, in[i].gm, s->scratch, s->mask, s->V, false};
         verify_proc proc = {&rp, rules_apply, rules_push};
-        verify_tree vt = {t->n,  t->tokens, t->parents, rows, s->V, in[i].pen || in[i].gm ? &proc : NULL,
+        verify_tree vt = {t->n,
+                          t->tokens,
+                          t->parents,
+                          rows,
+                          s->V,
+                          in[i].pen || in[i].gm ? &proc : NULL,
                           ids_only ? s->ids + row : NULL};
         int32_t path[ENGINE_MAX_TREE], bonus;
         /* The root's KV is not written yet: it sits at the sequence's
@@ -553,8 +574,8 @@ int spec_step(spec *s, const spec_in *in, int32_t n, spec_out *out, ae_error *er
         for (int32_t j = 0; j < n_path; j++) {
             int32_t next = j + 1 < n_path ? t->tokens[path[j + 1]] : bonus;
             if (in[i].logprobs)
-                o->logprob[o->n] = sample_logprobs(rows + (size_t)path[j] * (size_t)s->V, s->V, next, o->n_top,
-                                                   o->top[o->n]);
+                o->logprob[o->n] =
+                    sample_logprobs(rows + (size_t)path[j] * (size_t)s->V, s->V, next, o->n_top, o->top[o->n]);
             o->tokens[o->n++] = next;
             if (s->d) push_pending(s, st, seq, row + path[j], next);
         }

@@ -52,7 +52,7 @@
  * the choice to draft at all changes their tokens. */
 
 typedef struct spec_config {
-    int32_t n_capture;                  /* FORWARD_MAX_CAPTURE */
+    int32_t n_capture;                    /* FORWARD_MAX_CAPTURE */
     int32_t capture[FORWARD_MAX_CAPTURE]; /* target layers whose input is captured */
     spec_shape shape;
     int32_t max_seqs;         /* the engine's */
@@ -74,21 +74,21 @@ spec_config spec_config_default(spec_shape shape, int32_t max_seqs, int32_t max_
 #define SPEC_MAX_DEPTH ENGINE_MAX_TREE
 
 typedef struct spec_stats {
-    int64_t steps;       /* steps that verified a drafted tree */
-    int64_t plain_steps; /* steps that verified the root alone */
-    int64_t drafted;     /* drafted nodes verified (roots not counted) */
-    int64_t accepted;    /* drafted tokens accepted */
-    int64_t emitted;     /* tokens out: accepted + one bonus per step */
-    int64_t bad_trees;   /* trees refused (malformed, wrong root) */
-    int64_t draft_failures; /* propose calls that failed (total only) */
-    int64_t state_gone;     /* sequences the drafter had lost, reset on the next call */
+    int64_t steps;             /* steps that verified a drafted tree */
+    int64_t plain_steps;       /* steps that verified the root alone */
+    int64_t drafted;           /* drafted nodes verified (roots not counted) */
+    int64_t accepted;          /* drafted tokens accepted */
+    int64_t emitted;           /* tokens out: accepted + one bonus per step */
+    int64_t bad_trees;         /* trees refused (malformed, wrong root) */
+    int64_t draft_failures;    /* propose calls that failed (total only) */
+    int64_t state_gone;        /* sequences the drafter had lost, reset on the next call */
     int64_t adapt_plain_steps; /* plain steps the policy chose, probes included (total only) */
-    int64_t adapt_off;   /* times the policy's choice went from a tree to plain (total only) */
-    int64_t explore_steps; /* steps the policy ran to measure, settling included (total only) */
-    int64_t draft_ns;    /* time in the drafter (propose calls of steps) */
-    int64_t verify_ns;   /* time in the verify pass, acceptance and commit */
-    int64_t explore_ns;  /* of draft_ns + verify_ns, the steps the policy ran to measure (total only) */
-    int64_t feed_ns;     /* time feeding the drafter outside steps: prompts, and plain steps' pairs (total only) */
+    int64_t adapt_off;         /* times the policy's choice went from a tree to plain (total only) */
+    int64_t explore_steps;     /* steps the policy ran to measure, settling included (total only) */
+    int64_t draft_ns;          /* time in the drafter (propose calls of steps) */
+    int64_t verify_ns;         /* time in the verify pass, acceptance and commit */
+    int64_t explore_ns;        /* of draft_ns + verify_ns, the steps the policy ran to measure (total only) */
+    int64_t feed_ns; /* time feeding the drafter outside steps: prompts, and plain steps' pairs (total only) */
     int64_t accepted_at[SPEC_MAX_DEPTH]; /* [d]: steps that accepted a token at depth d + 1 */
 } spec_stats;
 
@@ -147,10 +147,10 @@ typedef struct spec_in {
 } spec_in;
 
 typedef struct spec_out {
-    int32_t n;                        /* tokens decided this step, >= 1 */
+    int32_t n;                           /* tokens decided this step, >= 1 */
     int32_t tokens[ENGINE_MAX_TREE + 1]; /* accepted drafted tokens, then the bonus */
-    int32_t drafted;                  /* nodes proposed besides the root */
-    bool refused;                     /* the grammar refused a token decided (it allowed none) */
+    int32_t drafted;                     /* nodes proposed besides the root */
+    bool refused;                        /* the grammar refused a token decided (it allowed none) */
     /* With logprobs: token j's log-probability, and n_top tokens
      * with theirs. A token's row is the one of the tree node it was
      * decided at, which is plain decoding's row bit for bit (batch

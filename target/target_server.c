@@ -93,7 +93,8 @@ static void sink_emit(void *ctx, void *req_ctx, const sched_event *e) {
         rpc_call_finish(call, RPC_OK, NULL, 0, NULL, 0);
 }
 
-int target_server_init(target_server **out, int32_t vocab, draft_client *draft, spec *sx, sched_sink *sink, ae_error *err) {
+int target_server_init(target_server **out, int32_t vocab, draft_client *draft, spec *sx, sched_sink *sink,
+                       ae_error *err) {
     *out = NULL;
     target_server *t = calloc(1, sizeof *t);
     if (!t) return err_set(err, "out of memory");
@@ -148,14 +149,16 @@ static void do_generate(target_server *t, rpc_call *call, const rpc_request *rq)
     const int32_t *prompt = p;
     for (uint32_t i = 0; i < n; i++)
         if (prompt[i] < 0 || prompt[i] >= t->vocab) {
-            rpc_call_fail(call, RPC_INVALID_ARGUMENT, "prompt token %u is %d, not in the vocabulary of %d", i, prompt[i],
-                          t->vocab);
+            rpc_call_fail(call, RPC_INVALID_ARGUMENT, "prompt token %u is %d, not in the vocabulary of %d", i,
+                          prompt[i], t->vocab);
             return;
         }
     sched_request r = {.prompt = prompt,
                        .n_prompt = (int32_t)n,
                        .max_tokens = g.max_tokens > INT32_MAX ? INT32_MAX : (int32_t)g.max_tokens,
-                       .n = g.n == 0 ? 1 : g.n > SCHED_MAX_N ? SCHED_MAX_N + 1 : (int32_t)g.n,
+                       .n = g.n == 0            ? 1
+                            : g.n > SCHED_MAX_N ? SCHED_MAX_N + 1
+                                                : (int32_t)g.n,
                        .params = {g.temperature, g.top_k > INT32_MAX ? INT32_MAX : (int32_t)g.top_k, g.top_p, g.min_p},
                        .seed = g.seed,
                        .ignore_eos = g.ignore_eos,
@@ -166,7 +169,7 @@ static void do_generate(target_server *t, rpc_call *call, const rpc_request *rq)
                                .min_tokens = g.min_tokens > INT32_MAX ? INT32_MAX : (int32_t)g.min_tokens},
                        .logprobs = g.logprobs,
                        .top_logprobs = g.top_logprobs > SAMPLE_MAX_TOP_LOGPROBS + 1 ? SAMPLE_MAX_TOP_LOGPROBS + 1
-                                                                                     : (int32_t)g.top_logprobs,
+                                                                                    : (int32_t)g.top_logprobs,
                        .ctx = call};
     /* proto3 leaves unset floats 0: top_p 0 and repetition_penalty 0 mean
      * "off" on the wire. */
@@ -236,8 +239,10 @@ static void do_generate(target_server *t, rpc_call *call, const rpc_request *rq)
 static void reply_msg(rpc_call *call, const pb_msgdesc_t *fields, const void *m, uint8_t *buf, uint32_t cap) {
     uint32_t len;
     ae_error err = {{0}};
-    if (msg_encode(fields, m, buf, cap, &len, &err) != AE_OK) rpc_call_fail(call, RPC_INTERNAL, "%s", err.msg);
-    else rpc_call_finish(call, RPC_OK, buf, len, NULL, 0);
+    if (msg_encode(fields, m, buf, cap, &len, &err) != AE_OK)
+        rpc_call_fail(call, RPC_INTERNAL, "%s", err.msg);
+    else
+        rpc_call_finish(call, RPC_OK, buf, len, NULL, 0);
 }
 
 static void do_info(target_server *t, rpc_call *call) {
@@ -261,9 +266,8 @@ static void do_info(target_server *t, rpc_call *call) {
                  "\"mean_rtt_us\": %.1f, \"mean_server_us\": %.1f}",
                  draft_client_connected(t->draft) ? "true" : "false", (unsigned long long)d.calls,
                  (unsigned long long)d.failures, (unsigned long long)d.deadline_exceeded,
-                 (unsigned long long)d.unavailable, (unsigned long long)d.bad_replies,
-                 (unsigned long long)d.state_gone, (unsigned long long)d.release_failures,
-                 d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
+                 (unsigned long long)d.unavailable, (unsigned long long)d.bad_replies, (unsigned long long)d.state_gone,
+                 (unsigned long long)d.release_failures, d.calls ? (double)d.rtt_ns / (double)d.calls / 1e3 : 0.0,
                  d.calls ? (double)d.server_ns / (double)d.calls / 1e3 : 0.0);
     }
     snprintf(r.stats_json, sizeof r.stats_json,
@@ -290,18 +294,16 @@ static void do_info(target_server *t, rpc_call *call) {
              (unsigned long long)s.compiles[AE_OK], (unsigned long long)s.compiles[GRAMMAR_REFUSED],
              (unsigned long long)s.compiles[GCOMPILE_TIMEOUT], (unsigned long long)s.compiles[GCOMPILE_CANCELLED],
              (unsigned long long)s.compiles[1], (unsigned long long)s.compiles_dropped, gcompile_live(),
-             (unsigned long long)s.mask_budget_spent, s.tp,
-             (unsigned long long)s.comm.last.calls, (unsigned long long)s.comm.last.bytes, s.comm.last_tokens,
-             (unsigned long long)s.comm.total.calls, (double)s.comm.total.ns / 1e9, pol, draft);
+             (unsigned long long)s.mask_budget_spent, s.tp, (unsigned long long)s.comm.last.calls,
+             (unsigned long long)s.comm.last.bytes, s.comm.last_tokens, (unsigned long long)s.comm.total.calls,
+             (double)s.comm.total.ns / 1e9, pol, draft);
     reply_msg(call, aerie_InfoReply_fields, &r, buf, sizeof buf);
 }
 
 void target_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
     target_server *t = ctx;
     switch (req->method) {
-    case aerie_Method_TARGET_GENERATE:
-        do_generate(t, call, req);
-        return;
+    case aerie_Method_TARGET_GENERATE: do_generate(t, call, req); return;
     case aerie_Method_TARGET_CANCEL: {
         aerie_CancelRequest c;
         ae_error err = {{0}};
@@ -314,9 +316,7 @@ void target_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
         reply_msg(call, aerie_CancelReply_fields, &r, buf, sizeof buf);
         return;
     }
-    case aerie_Method_TARGET_INFO:
-        do_info(t, call);
-        return;
+    case aerie_Method_TARGET_INFO: do_info(t, call); return;
     case aerie_Method_TARGET_HEALTH: {
         aerie_HealthReply h = {true, ""};
         pthread_mutex_lock(&t->mu);
@@ -326,7 +326,6 @@ void target_server_handle(void *ctx, rpc_call *call, const rpc_request *req) {
         reply_msg(call, aerie_HealthReply_fields, &h, buf, sizeof buf);
         return;
     }
-    default:
-        rpc_call_fail(call, RPC_UNIMPLEMENTED, "aerie-target has no method %u", req->method);
+    default: rpc_call_fail(call, RPC_UNIMPLEMENTED, "aerie-target has no method %u", req->method);
     }
 }

@@ -15,7 +15,8 @@ typedef struct target_server target_server;
 
 /* The scheduler's sink: target_server_init fills it; pass it to sched_init, then
  * target_server_attach the scheduler. draft may be NULL (no draft service). */
-int target_server_init(target_server **out, int32_t vocab, draft_client *draft, spec *sx, sched_sink *sink, ae_error *err);
+int target_server_init(target_server **out, int32_t vocab, draft_client *draft, spec *sx, sched_sink *sink,
+                       ae_error *err);
 void target_server_attach(target_server *t, sched *s);
 void target_server_free(target_server *t); /* NULL is a no-op */
 

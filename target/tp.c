@@ -32,8 +32,8 @@ static int split_width(tp_range *out, int32_t width, int32_t R, const char *what
         return AE_OK;
     }
     if (R > 1 && granules < R)
-        return err_set(err, "tensor parallel: %s %d has %d granules of %d, fewer than %d ranks; at most %d ranks",
-                       what, width, granules, TP_FFN_ALIGN, R, granules > 0 ? granules : 1);
+        return err_set(err, "tensor parallel: %s %d has %d granules of %d, fewer than %d ranks; at most %d ranks", what,
+                       width, granules, TP_FFN_ALIGN, R, granules > 0 ? granules : 1);
     if (R == 1) {
         out[0] = (tp_range){0, width};
         return AE_OK;
@@ -70,11 +70,11 @@ int tp_split_plan(tp_split *out, const model_config *c, int32_t n_ranks, ae_erro
     if (n_ranks < 1 || n_ranks > TP_MAX_RANKS)
         return err_set(err, "tensor parallel: ranks must be in 1..%d, got %d", TP_MAX_RANKS, n_ranks);
     if (c->n_kv_heads < 1 || c->n_heads % c->n_kv_heads || c->ffn < 1)
-        return err_set(err, "tensor parallel: bad shape (heads %d, kv heads %d, ffn %d)", c->n_heads,
-                       c->n_kv_heads, c->ffn);
+        return err_set(err, "tensor parallel: bad shape (heads %d, kv heads %d, ffn %d)", c->n_heads, c->n_kv_heads,
+                       c->ffn);
     if (n_ranks > c->n_kv_heads)
-        return err_set(err, "tensor parallel: %d ranks but only %d kv heads; at most %d ranks", n_ranks,
-                       c->n_kv_heads, c->n_kv_heads);
+        return err_set(err, "tensor parallel: %d ranks but only %d kv heads; at most %d ranks", n_ranks, c->n_kv_heads,
+                       c->n_kv_heads);
     if (split_width(out->ffn, c->ffn, n_ranks, "ffn", err) != AE_OK) return AE_ERR;
     out->n_ranks = n_ranks;
     split_even(out->kv_heads, c->n_kv_heads, n_ranks);
@@ -104,13 +104,13 @@ static kn_weight rows_view(const kn_weight *w, int64_t r0, int64_t n) {
 /* Input columns [c0, c0 + n) of w: data moves to the range's first block,
  * row_bytes stays the full row's stride. The range must be whole blocks of
  * w's type, or a row of the view would start mid-block. */
-static int cols_view(kn_weight *out, const kn_weight *w, int64_t c0, int64_t n, const char *name,
-                     int32_t layer, ae_error *err) {
+static int cols_view(kn_weight *out, const kn_weight *w, int64_t c0, int64_t n, const char *name, int32_t layer,
+                     ae_error *err) {
     AE_ASSERT(c0 >= 0 && n > 0 && c0 + n <= w->cols);
     int64_t be = quant_block_elems(w->type);
     if (be < 1 || c0 % be || n % be)
-        return err_set(err, "tensor parallel: layer %d %s: columns [%lld, %lld) are not whole %s blocks of %lld",
-                       layer, name, (long long)c0, (long long)(c0 + n), quant_type_name(w->type), (long long)be);
+        return err_set(err, "tensor parallel: layer %d %s: columns [%lld, %lld) are not whole %s blocks of %lld", layer,
+                       name, (long long)c0, (long long)(c0 + n), quant_type_name(w->type), (long long)be);
     *out = *w;
     out->data = (const uint8_t *)w->data + quant_row_bytes(w->type, (uint64_t)c0);
     if (w->packed) out->packed = (const uint8_t *)w->packed + (size_t)(c0 / be) * kn_pack_block_bytes(w->type);
@@ -227,7 +227,8 @@ int tp_shard_init(model **out, const model *full, const tp_split *sp, int32_t ra
                hd.end == kv.end * group && c->kv_lora_rank == 0;
     }
     if (!fits)
-        return err_set(err, "tensor parallel: rank %d's split (kv heads [%d, %d), heads [%d, %d), ffn [%d, %d)%s) "
+        return err_set(err,
+                       "tensor parallel: rank %d's split (kv heads [%d, %d), heads [%d, %d), ffn [%d, %d)%s) "
                        "does not fit the model (kv heads %d, heads %d, ffn %d%s)",
                        rank, kv.begin, kv.end, hd.begin, hd.end, ff.begin, ff.end, sp->latent ? ", latent" : "",
                        c->n_kv_heads, c->n_heads, c->ffn, c->kv_lora_rank ? ", MLA" : "");
@@ -284,12 +285,13 @@ typedef struct tp_rank {
     kn_stream *stream;
     forward_ws *ws;
     kn_kv_pool *kv; /* [n_layers] views into kv_mem, or the caller's pools (tp_config.kv) */
-    kn_buf kv_mem;  /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D]; unused with tp_config.kv */
+    kn_buf
+        kv_mem; /* per layer: K then V, each f16 [kv_blocks][block_size][local kv heads][D]; unused with tp_config.kv */
     pthread_t thread;
     bool started;
-    kn_event done; /* recorded after its part of a step (tp_forward's `after`) */
+    kn_event done;        /* recorded after its part of a step (tp_forward's `after`) */
     const kn_backend *be; /* its backend: the model's, or another device's */
-    kn_buf *wbufs; /* [n_wbufs]: its copies of the shard's matrices, on another backend than the model's */
+    kn_buf *wbufs;        /* [n_wbufs]: its copies of the shard's matrices, on another backend than the model's */
     int32_t n_wbufs;
     uint64_t copied; /* their bytes */
 } tp_rank;
@@ -313,9 +315,9 @@ struct tp_group {
     bool quit;
     tp_job job;
     const forward_batch *batch; /* TP_JOB_FORWARD */
-    kn_stream *after;         /* and the stream it orders against, or NULL */
-    kn_event start;           /* recorded on `after` before the ranks start */
-    size_t time_count;        /* TP_JOB_TIME */
+    kn_stream *after;           /* and the stream it orders against, or NULL */
+    kn_event start;             /* recorded on `after` before the ranks start */
+    size_t time_count;          /* TP_JOB_TIME */
     int time_reps;
     double time_ns; /* rank 0's result */
 };
@@ -506,7 +508,8 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
             const kn_kv_pool *p = &cfg->kv[(size_t)r->rank * (size_t)c->n_layers + (size_t)l];
             if (p->n_kv_heads != c->n_kv_heads || p->head_dim != c->head_dim || p->n_blocks != cfg->kv_blocks ||
                 p->block_size != cfg->block_size)
-                return err_set(err, "tensor parallel: rank %d layer %d: a KV pool of %d kv heads x %d, %d blocks "
+                return err_set(err,
+                               "tensor parallel: rank %d layer %d: a KV pool of %d kv heads x %d, %d blocks "
                                "of %d, for a shard of %d kv heads x %d, %d blocks of %d",
                                r->rank, l, p->n_kv_heads, p->head_dim, p->n_blocks, p->block_size, c->n_kv_heads,
                                c->head_dim, cfg->kv_blocks, cfg->block_size);
@@ -519,9 +522,13 @@ static int rank_kv_init(tp_rank *r, const tp_config *cfg, ae_error *err) {
     uint16_t *k0 = r->kv_mem.ptr;
     for (int32_t l = 0; l < c->n_layers; l++)
         r->kv[l] = (kn_kv_pool){.k = k0 + (size_t)(latent ? l : 2 * l) * n,
-                                .v = latent ? NULL : k0 + (size_t)(2 * l + 1) * n, .buf = &r->kv_mem,
-                                .n_blocks = cfg->kv_blocks, .block_size = cfg->block_size,
-                                .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim, .type = GGML_TYPE_F16};
+                                .v = latent ? NULL : k0 + (size_t)(2 * l + 1) * n,
+                                .buf = &r->kv_mem,
+                                .n_blocks = cfg->kv_blocks,
+                                .block_size = cfg->block_size,
+                                .n_kv_heads = c->n_kv_heads,
+                                .head_dim = c->head_dim,
+                                .type = GGML_TYPE_F16};
     return AE_OK;
 }
 
@@ -600,12 +607,15 @@ static int rank_copy_weights(tp_rank *r, const model *m, ae_error *err) {
     bool tied = sh->output.data == sh->tok_embd.data;
     if (rc == AE_OK) rc = weight_copy(&sh->tok_embd, from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
     if (rc == AE_OK && r->rank == 0) {
-        if (tied) sh->output = sh->tok_embd;
-        else rc = weight_copy(&sh->output, from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
+        if (tied)
+            sh->output = sh->tok_embd;
+        else
+            rc = weight_copy(&sh->output, from, r->be, &r->wbufs[r->n_wbufs++], &r->copied, err);
     }
     kn_stream_free(from);
     AE_ASSERT(rc != AE_OK || r->copied == tp_rank_copy_bytes(sh, r->rank));
-    if (rc != AE_OK) err_prefix(err, "tensor parallel: rank %d's weights on backend %s: ", r->rank, kn_backend_name(r->be));
+    if (rc != AE_OK)
+        err_prefix(err, "tensor parallel: rank %d's weights on backend %s: ", r->rank, kn_backend_name(r->be));
     return rc;
 }
 
@@ -614,7 +624,8 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
     if (cfg->n_ranks < 1 || cfg->n_ranks > TP_MAX_RANKS || cfg->threads_per_rank < 1 || cfg->max_tokens < 1 ||
         cfg->max_logits < 1 || cfg->max_logits > cfg->max_tokens || cfg->kv_blocks < 1 || cfg->block_size < 1 ||
         (cfg->act_bits != 0 && cfg->act_bits != 8 && cfg->act_bits != 15))
-        return err_set(err, "tensor parallel: bad sizes (ranks %d, threads per rank %d, tokens %d, logits %d, "
+        return err_set(err,
+                       "tensor parallel: bad sizes (ranks %d, threads per rank %d, tokens %d, logits %d, "
                        "kv blocks %d, block size %d, activation bits %d)",
                        cfg->n_ranks, cfg->threads_per_rank, cfg->max_tokens, cfg->max_logits, cfg->kv_blocks,
                        cfg->block_size, cfg->act_bits);
@@ -629,14 +640,15 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
         const kn_backend *b = cfg->rank_be ? cfg->rank_be[i] : m->be;
         g->ranks[i].be = b;
         if (b != m->be && (!kn_backend_reads(b, m->be) || !kn_backend_reads(m->be, b))) {
-            err_set(err, "tensor parallel: rank %d's backend cannot reach the model's memory, or the model's its "
-                    "(ranks on several GPUs need peer access between them)", i);
+            err_set(err,
+                    "tensor parallel: rank %d's backend cannot reach the model's memory, or the model's its "
+                    "(ranks on several GPUs need peer access between them)",
+                    i);
             goto fail;
         }
     }
     g->cfg.rank_be = NULL; /* the caller's array need not outlive the call */
-    if (m->arch->tp_split(&g->split, &m->cfg, R, err) != AE_OK)
-        goto fail;
+    if (m->arch->tp_split(&g->split, &m->cfg, R, err) != AE_OK) goto fail;
     {
         const kn_backend *bes[TP_MAX_RANKS];
         for (int32_t i = 0; i < R; i++) bes[i] = g->ranks[i].be;
@@ -652,7 +664,10 @@ int tp_group_init(tp_group **out, const model *m, const tp_config *cfg, ae_error
         r->shard->be = r->be;
         if (r->be != m->be && rank_copy_weights(r, m, err) != AE_OK) goto fail;
         if (pool_init(&r->pool, cfg->threads_per_rank, err) != AE_OK ||
-            kn_stream_init(&r->stream, r->be, &(kn_stream_config){r->pool, forward_stream_workspace(r->shard, cfg->max_tokens, cfg->max_seq_len)}, err) != AE_OK ||
+            kn_stream_init(
+                &r->stream, r->be,
+                &(kn_stream_config){r->pool, forward_stream_workspace(r->shard, cfg->max_tokens, cfg->max_seq_len)},
+                err) != AE_OK ||
             forward_ws_init(&r->ws, r->shard, cfg->max_tokens, i == 0 ? cfg->max_logits : 1, err) != AE_OK ||
             rank_kv_init(r, cfg, err) != AE_OK)
             goto fail;

@@ -65,8 +65,7 @@ static inline void draft_rounds_compare(drafter *a, drafter *b, int32_t fw, int3
             assert_int_equal(tb[i].n, ta[i].n);
             assert_memory_equal(tb[i].tokens, ta[i].tokens, (size_t)ta[i].n * sizeof(int32_t));
             assert_memory_equal(tb[i].parents, ta[i].parents, (size_t)ta[i].n * sizeof(int32_t));
-            if (rel_tol == 0.0f)
-                assert_memory_equal(tb[i].probs, ta[i].probs, (size_t)ta[i].n * sizeof(float));
+            if (rel_tol == 0.0f) assert_memory_equal(tb[i].probs, ta[i].probs, (size_t)ta[i].n * sizeof(float));
             for (int32_t j = 0; j < ta[i].n; j++)
                 if (fabsf(tb[i].probs[j] - ta[i].probs[j]) > rel_tol * ta[i].probs[j])
                     fail_msg("round %d key %d node %d: probability %.9g, the CPU's %.9g", round, f[i].key, j,

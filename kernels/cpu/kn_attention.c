@@ -58,8 +58,7 @@ static inline const float *values_of(const kn_kv_pool *kv, const float *kf, cons
 /* Row of slot `slot` of sequence row `seq`: [n_kv_heads][head_dim]. */
 static size_t slot_row(const kn_kv_pool *kv, const kn_kv_map *map, int32_t seq, int32_t slot) {
     AE_ASSERT(slot >= 0 && slot / kv->block_size < map->table_len);
-    int32_t blk = map->block_tables[(size_t)seq * (size_t)map->table_len +
-                                    (size_t)(slot / kv->block_size)];
+    int32_t blk = map->block_tables[(size_t)seq * (size_t)map->table_len + (size_t)(slot / kv->block_size)];
     AE_ASSERT(blk >= 0 && blk < kv->n_blocks);
     size_t row = (size_t)blk * (size_t)kv->block_size + (size_t)(slot % kv->block_size);
     return row * (size_t)kv->n_kv_heads * (size_t)kv->head_dim;
@@ -74,11 +73,9 @@ static void narrow_portable(const float *x, uint16_t *h, size_t n) {
 
 /* Keys and values of n rows (row j at rows[j] + off in the pools), hd
  * elements each, widened to kf[n][hd] and vf[n][hd]. */
-typedef void (*widen_fn)(const kn_kv_pool *kv, const size_t *rows, int n, size_t off, int hd, float *kf,
-                         float *vf);
+typedef void (*widen_fn)(const kn_kv_pool *kv, const size_t *rows, int n, size_t off, int hd, float *kf, float *vf);
 
-static void widen_portable(const kn_kv_pool *kv, const size_t *rows, int n, size_t off, int hd, float *kf,
-                           float *vf) {
+static void widen_portable(const kn_kv_pool *kv, const size_t *rows, int n, size_t off, int hd, float *kf, float *vf) {
     for (int j = 0; j < n; j++) {
         const uint16_t *k = pool_k(kv) + rows[j] + off, *v = kv->v ? pool_v(kv) + rows[j] + off : NULL;
         for (int i = 0; i < hd; i++) {
@@ -94,15 +91,14 @@ static void widen_portable(const kn_kv_pool *kv, const size_t *rows, int n, size
  * payload bits: quant_f32_to_f16's results (test_kernels pins it). */
 __attribute__((target("avx2,f16c"))) static void narrow_f16c(const float *x, uint16_t *h, size_t n) {
     size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(void *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), 0));
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(void *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), 0));
     for (; i < n; i++) h[i] = quant_f32_to_f16(x[i]);
 }
 
 /* VCVTPH2PS is exact. It quiets a signalling NaN, which
  * quant_f16_to_f32 does not, but kn_kv_write never stores one. */
-__attribute__((target("avx2,f16c"))) static void widen_f16c(const kn_kv_pool *kv, const size_t *rows, int n,
-                                                             size_t off, int hd, float *kf, float *vf) {
+__attribute__((target("avx2,f16c"))) static void widen_f16c(const kn_kv_pool *kv, const size_t *rows, int n, size_t off,
+                                                            int hd, float *kf, float *vf) {
     for (int j = 0; j < n; j++) {
         const uint16_t *k = pool_k(kv) + rows[j] + off, *v = kv->v ? pool_v(kv) + rows[j] + off : NULL;
         float *kd = kf + (size_t)j * (size_t)hd, *vd = vf + (size_t)j * (size_t)hd;
@@ -117,8 +113,7 @@ __attribute__((target("avx2,f16c"))) static void widen_f16c(const kn_kv_pool *kv
 #define widen_f16c widen_portable
 #endif
 
-void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k,
-                 const float *v) {
+void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v) {
     (void)s;
     size_t width = (size_t)kv->n_kv_heads * (size_t)kv->head_dim;
     void (*narrow)(const float *, uint16_t *, size_t) = kn_cpu_use_avx2() ? narrow_f16c : narrow_portable;
@@ -129,8 +124,7 @@ void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, c
     }
 }
 
-void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows,
-                    int32_t n) {
+void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n) {
     (void)s;
     const size_t row = (size_t)kv->n_kv_heads * (size_t)kv->head_dim;
     for (int32_t i = 0; i < n; i++) {
@@ -199,10 +193,10 @@ typedef struct attn_job {
     /* the walk way */
     int32_t window; /* tokens per task */
     /* the split way */
-    const int32_t *first;      /* [m + 1]: the partials of token t's chunks start at first[t] */
-    const int32_t *run_start;  /* [n_runs + 1]: run r is tokens [run_start[r], run_start[r + 1]) */
-    const int32_t *unit_first; /* [n_runs + 1]: run r's (run, chunk) units start at unit_first[r] */
-    int32_t n_runs;             /* runs of adjacent tokens of one sequence */
+    const int32_t *first;            /* [m + 1]: the partials of token t's chunks start at first[t] */
+    const int32_t *run_start;        /* [n_runs + 1]: run r is tokens [run_start[r], run_start[r + 1]) */
+    const int32_t *unit_first;       /* [n_runs + 1]: run r's (run, chunk) units start at unit_first[r] */
+    int32_t n_runs;                  /* runs of adjacent tokens of one sequence */
     float *part_m, *part_l, *part_o; /* [pairs][n_heads], [pairs][n_heads], [pairs][n_heads][hd] */
 } attn_job;
 
@@ -245,8 +239,8 @@ static void prefetch_rows(const kn_kv_pool *kv, const size_t *rows, int n, size_
 
 /* One query head's partial over a widened chunk: n keys kf[n][hd] and
  * values vf[n][hd] against q[hd], to (*pm, *pl, po[hd]). */
-AI void partial(const float *kf, const float *vf, int n, const float *q, float scale, float *pm, float *pl,
-                float *po, const int hd) {
+AI void partial(const float *kf, const float *vf, int n, const float *q, float scale, float *pm, float *pl, float *po,
+                const int hd) {
     const int h8 = hd / 8;
     const v8f zero = {0};
     float score[KN_ATTN_CHUNK] __attribute__((aligned(32)));
@@ -255,7 +249,7 @@ AI void partial(const float *kf, const float *vf, int n, const float *q, float s
     for (; j + 4 <= n; j += 4) {
         const float *k0 = kf + (size_t)j * (size_t)hd, *k1 = k0 + hd, *k2 = k1 + hd, *k3 = k2 + hd;
         v8f a0 = zero, a1 = zero, a2 = zero, a3 = zero;
-        #pragma GCC unroll 32
+#pragma GCC unroll 32
         for (int d = 0; d < hd; d += 8) {
             v8f qv = ld8(q + d);
             v8f p0 = qv * ld8(k0 + d), p1 = qv * ld8(k1 + d);
@@ -273,7 +267,7 @@ AI void partial(const float *kf, const float *vf, int n, const float *q, float s
     for (; j < n; j++) {
         const float *k0 = kf + (size_t)j * (size_t)hd;
         v8f a0 = zero;
-        #pragma GCC unroll 32
+#pragma GCC unroll 32
         for (int d = 0; d < hd; d += 8) {
             v8f p0 = ld8(q + d) * ld8(k0 + d);
             a0 = a0 + p0;
@@ -285,14 +279,14 @@ AI void partial(const float *kf, const float *vf, int n, const float *q, float s
     for (j = 0; j + 8 <= n; j += 8) st8(score + j, exp_neg8(ld8(score + j) - mc));
     for (; j < n; j++) score[j] = exp_neg(score[j] - mc);
     v8f o[KN_MAX_ATTN_DIM / 8];
-    #pragma GCC unroll 32
+#pragma GCC unroll 32
     for (int d = 0; d < h8; d++) o[d] = zero;
     float l = 0.0f;
     for (j = 0; j < n; j++) {
         float p = score[j];
         l = l + p;
         const float *v = vf + (size_t)j * (size_t)hd;
-        #pragma GCC unroll 32
+#pragma GCC unroll 32
         for (int d = 0; d < h8; d++) {
             v8f pv = ld8(v + 8 * d) * p;
             o[d] = o[d] + pv;
@@ -300,7 +294,7 @@ AI void partial(const float *kf, const float *vf, int n, const float *q, float s
     }
     *pm = mc;
     *pl = l;
-    #pragma GCC unroll 32
+#pragma GCC unroll 32
     for (int d = 0; d < h8; d++) st8(po + 8 * d, o[d]);
 }
 
@@ -368,7 +362,8 @@ AI void walk_run(const attn_job *job, int32_t a, int32_t b, int32_t g, int32_t h
                 if (c >= full_chunks(map, t)) continue;
                 for (int32_t h = h0; h < h1; h++) {
                     float pm, pl;
-                    partial(kf, values_of(kv, kf, vf), KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale, &pm, &pl, po, hd);
+                    partial(kf, values_of(kv, kf, vf), KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale, &pm, &pl, po,
+                            hd);
                     merge(c == 0, &M[t - a][h - h0], &L[t - a][h - h0], out_at(job, t, h, hd), pm, pl, po, hd);
                 }
             }
@@ -418,8 +413,9 @@ AI void attend_unit(const attn_job *job, int32_t r, int32_t c, const int hd) {
                 if (c >= full_chunks(map, t)) continue;
                 size_t p = (size_t)(job->first[t] + c);
                 for (int32_t h = g * group; h < (g + 1) * group; h++)
-                    partial(kf, values_of(kv, kf, vf), KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale, job->part_m + p * H + (size_t)h,
-                            job->part_l + p * H + (size_t)h, job->part_o + (p * H + (size_t)h) * (size_t)hd, hd);
+                    partial(kf, values_of(kv, kf, vf), KN_ATTN_CHUNK, q_at(job, t, h, hd), job->scale,
+                            job->part_m + p * H + (size_t)h, job->part_l + p * H + (size_t)h,
+                            job->part_o + (p * H + (size_t)h) * (size_t)hd, hd);
             }
         }
         for (int32_t t = a; t < b; t++) {
@@ -473,25 +469,24 @@ AI void merge_token(const attn_job *job, int32_t t, const int hd) {
 
 /* One function per build (portable, AVX2) and way; head_dim 64 gets a
  * constant so the loops over it unroll. */
-#define ATTN_FNS(sfx, attr)                                                                               \
-    attr static void walk_##sfx(const attn_job *job, int32_t t0, int32_t t1, int32_t g, int32_t h0,       \
-                                int32_t h1) {                                                             \
-        if (job->kv->head_dim == 64)                                                                      \
-            walk_window(job, t0, t1, g, h0, h1, 64);                                                      \
-        else                                                                                              \
-            walk_window(job, t0, t1, g, h0, h1, job->kv->head_dim);                                       \
-    }                                                                                                     \
-    attr static void units_##sfx(const attn_job *job, int32_t u0, int32_t u1) {                          \
-        if (job->kv->head_dim == 64)                                                                      \
-            attend_units(job, u0, u1, 64);                                                                \
-        else                                                                                              \
-            attend_units(job, u0, u1, job->kv->head_dim);                                                 \
-    }                                                                                                     \
-    attr static void merge_##sfx(const attn_job *job, int32_t t) {                                       \
-        if (job->kv->head_dim == 64)                                                                      \
-            merge_token(job, t, 64);                                                                      \
-        else                                                                                              \
-            merge_token(job, t, job->kv->head_dim);                                                       \
+#define ATTN_FNS(sfx, attr) \
+    attr static void walk_##sfx(const attn_job *job, int32_t t0, int32_t t1, int32_t g, int32_t h0, int32_t h1) { \
+        if (job->kv->head_dim == 64) \
+            walk_window(job, t0, t1, g, h0, h1, 64); \
+        else \
+            walk_window(job, t0, t1, g, h0, h1, job->kv->head_dim); \
+    } \
+    attr static void units_##sfx(const attn_job *job, int32_t u0, int32_t u1) { \
+        if (job->kv->head_dim == 64) \
+            attend_units(job, u0, u1, 64); \
+        else \
+            attend_units(job, u0, u1, job->kv->head_dim); \
+    } \
+    attr static void merge_##sfx(const attn_job *job, int32_t t) { \
+        if (job->kv->head_dim == 64) \
+            merge_token(job, t, 64); \
+        else \
+            merge_token(job, t, job->kv->head_dim); \
     }
 
 ATTN_FNS(scalar, )
@@ -537,8 +532,8 @@ size_t kn_attention_workspace(int32_t n_heads, int32_t head_dim, int32_t max_key
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q,
-                  float *out, int32_t n_heads) {
+void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
+                      int32_t n_heads) {
     attn_job job = {
         .kv = kv,
         .map = map,

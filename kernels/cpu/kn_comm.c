@@ -61,9 +61,12 @@ static void cpu_free_group(kn_comm **comms, int n_ranks) {
     }
 }
 
-static const kn_comm_ops cpu_comm_ops = {
-    .kind = KN_ALLREDUCE_CPU, .allreduce = cpu_allreduce, .allreduce_add = NULL, .allreduce_add_rmsnorm = NULL,
-    .update_stats = NULL, .free_group = cpu_free_group};
+static const kn_comm_ops cpu_comm_ops = {.kind = KN_ALLREDUCE_CPU,
+                                         .allreduce = cpu_allreduce,
+                                         .allreduce_add = NULL,
+                                         .allreduce_add_rmsnorm = NULL,
+                                         .update_stats = NULL,
+                                         .free_group = cpu_free_group};
 
 int kn_comm_init_cpu(kn_comm **comms, int n_ranks, size_t max_count, ae_error *err) {
     if (n_ranks < 1 || n_ranks > POOL_MAX_THREADS)
@@ -104,7 +107,9 @@ int kn_cpu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_b
                      size_t max_count, ae_error *err) {
     (void)rank_be; /* one host: every rank's memory is the same */
     if (kind != KN_ALLREDUCE_CPU)
-        return err_set(err, "comm: the cpu backend's ranks reduce with --allreduce cpu, not %s (nccl and custom are "
-                       "the cuda backend's)", kn_allreduce_name(kind));
+        return err_set(err,
+                       "comm: the cpu backend's ranks reduce with --allreduce cpu, not %s (nccl and custom are "
+                       "the cuda backend's)",
+                       kn_allreduce_name(kind));
     return kn_comm_init_cpu(comms, n_ranks, max_count, err);
 }

@@ -184,8 +184,7 @@ static void rmsnorm_row(const rows_job *job, int64_t r) {
     }
 }
 
-void kn_cpu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n,
-                float eps) {
+void kn_cpu_rmsnorm(kn_stream *s, const float *x, const float *g, float *y, int64_t m, int64_t n, float eps) {
     rows_job job = {.m = m, .row = rmsnorm_row, .a = x, .b = g, .y = y, .n = n, .eps = eps};
     run_rows(s, &job);
 }
@@ -320,10 +319,11 @@ int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err) {
     if (cfg->layout != KN_ROPE_ADJACENT && cfg->layout != KN_ROPE_NEOX)
         return err_set(err, "rope: unknown layout %d", (int)cfg->layout);
     bool scaled = cfg->factor > 0.0 && cfg->factor != 1.0 && !cfg->yarn;
-    if (cfg->yarn && !(cfg->factor >= 1.0 && cfg->original_max_pos > 0.0 && cfg->beta_fast > 0.0 &&
-                       cfg->beta_slow > 0.0))
-        return err_set(err, "rope: yarn needs factor >= 1, original_max_position_embeddings > 0 and betas > 0 "
-                            "(got %g, %g, %g, %g)",
+    if (cfg->yarn &&
+        !(cfg->factor >= 1.0 && cfg->original_max_pos > 0.0 && cfg->beta_fast > 0.0 && cfg->beta_slow > 0.0))
+        return err_set(err,
+                       "rope: yarn needs factor >= 1, original_max_position_embeddings > 0 and betas > 0 "
+                       "(got %g, %g, %g, %g)",
                        cfg->factor, cfg->original_max_pos, cfg->beta_fast, cfg->beta_slow);
     /* YaRN's band: the dims whose pair turns between beta_fast and
      * beta_slow times over the original context, whole dims outward. */
@@ -336,8 +336,8 @@ int kn_rope_init(kn_rope *r, const kn_rope_config *cfg, ae_error *err) {
         hi = hi > d - 1 ? d - 1 : hi;
         if (lo == hi) hi += 0.001;
     }
-    if (scaled && !(cfg->original_max_pos > 0.0 && cfg->high_freq_factor > cfg->low_freq_factor &&
-                    cfg->low_freq_factor > 0.0))
+    if (scaled &&
+        !(cfg->original_max_pos > 0.0 && cfg->high_freq_factor > cfg->low_freq_factor && cfg->low_freq_factor > 0.0))
         return err_set(err,
                        "rope: llama3 scaling needs original_max_position_embeddings > 0 and "
                        "high_freq_factor > low_freq_factor > 0 (got %g, %g, %g)",

@@ -41,16 +41,15 @@ void kn_cpu_argmax(kn_stream *s, const float *x, int32_t *out, int64_t m, int64_
 void kn_cpu_embed(kn_stream *s, const kn_weight *table, const int32_t *ids, float *out, int64_t m);
 void kn_cpu_rope_rotate(kn_stream *s, const kn_rope *r, float *x, int64_t m, int32_t n_heads, const float *cs);
 void kn_cpu_kv_write(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *k, const float *v);
-void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows,
-                    int32_t n);
+void kn_cpu_kv_move(kn_stream *s, const kn_kv_pool *kv, const int32_t *src_rows, const int32_t *dst_rows, int32_t n);
 void kn_cpu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, const float *q, float *out,
                       int32_t n_heads);
 /* kn_topk's selection (any k <= n: the router's groups too); s unused. */
 void kn_cpu_topk(kn_stream *s, const float *x, int64_t m, int64_t n, int32_t k, int32_t *idx, float *val);
 void kn_cpu_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, const float *x, int64_t x_head, float *y,
                          int64_t y_head, int64_t m);
-void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r,
-                      int32_t *idx, float *w);
+void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r, int32_t *idx,
+                      float *w);
 void kn_cpu_moe_ffn(kn_stream *s, const kn_experts *e, const float *x, const int32_t *idx, const float *w, int64_t m,
                     int32_t top_k, float *scratch, float *y);
 
@@ -61,32 +60,32 @@ void kn_cpu_moe_ffn(kn_stream *s, const kn_experts *e, const float *x, const int
  * shape, CVT converts an integral F to I. Written once so that the scalar
  * and vector callers take the same IEEE steps lane by lane (libm's expf
  * is a call per element and cannot vectorize). */
-#define KN_EXP_CORE(F, I, CVT, xc, out)                                                  \
-    do {                                                                                 \
-        F t_ = (xc) * 1.44269504f;                                                       \
-        F n_ = (t_ + 12582912.0f) - 12582912.0f; /* round to nearest */                  \
-        F nh_ = n_ * 0.693145752f;                /* ln2's high part: exact, |n| <= 127 */ \
-        F r_ = (xc) - nh_;                                                               \
-        F nl_ = n_ * 1.42860677e-06f; /* ln2's low part */                               \
-        r_ = r_ - nl_;                                                                   \
-        F p_ = r_ * (1.0f / 5040.0f);                                                    \
-        p_ = p_ + 1.0f / 720.0f;                                                         \
-        p_ = p_ * r_;                                                                    \
-        p_ = p_ + 1.0f / 120.0f;                                                         \
-        p_ = p_ * r_;                                                                    \
-        p_ = p_ + 1.0f / 24.0f;                                                          \
-        p_ = p_ * r_;                                                                    \
-        p_ = p_ + 1.0f / 6.0f;                                                           \
-        p_ = p_ * r_;                                                                    \
-        p_ = p_ + 0.5f;                                                                  \
-        p_ = p_ * r_;                                                                    \
-        p_ = p_ + 1.0f;                                                                  \
-        p_ = p_ * r_;                                                                    \
-        p_ = p_ + 1.0f;                                                                  \
-        I e_ = (CVT(n_) + 127) << 23; /* n + 127 in [1, 254] */                          \
-        F s_;                                                                            \
-        memcpy(&s_, &e_, sizeof s_);                                                     \
-        (out) = p_ * s_;                                                                 \
+#define KN_EXP_CORE(F, I, CVT, xc, out) \
+    do { \
+        F t_ = (xc) * 1.44269504f; \
+        F n_ = (t_ + 12582912.0f) - 12582912.0f; /* round to nearest */ \
+        F nh_ = n_ * 0.693145752f;               /* ln2's high part: exact, |n| <= 127 */ \
+        F r_ = (xc) - nh_; \
+        F nl_ = n_ * 1.42860677e-06f; /* ln2's low part */ \
+        r_ = r_ - nl_; \
+        F p_ = r_ * (1.0f / 5040.0f); \
+        p_ = p_ + 1.0f / 720.0f; \
+        p_ = p_ * r_; \
+        p_ = p_ + 1.0f / 120.0f; \
+        p_ = p_ * r_; \
+        p_ = p_ + 1.0f / 24.0f; \
+        p_ = p_ * r_; \
+        p_ = p_ + 1.0f / 6.0f; \
+        p_ = p_ * r_; \
+        p_ = p_ + 0.5f; \
+        p_ = p_ * r_; \
+        p_ = p_ + 1.0f; \
+        p_ = p_ * r_; \
+        p_ = p_ + 1.0f; \
+        I e_ = (CVT(n_) + 127) << 23; /* n + 127 in [1, 254] */ \
+        F s_; \
+        memcpy(&s_, &e_, sizeof s_); \
+        (out) = p_ * s_; \
     } while (0)
 
 #define KN_CVT_SCALAR(n) ((int32_t)(n))
@@ -127,8 +126,8 @@ typedef struct kn_blk_q8_0 {
     int8_t q[KN_QK];
 } kn_blk_q8_0;
 typedef struct kn_blk_q4_0 {
-    uint16_t d;             /* f16 scale; x = (nibble - 8) * d */
-    uint8_t q[KN_QK / 2];   /* element i: low nibble of q[i], i+16: high */
+    uint16_t d;           /* f16 scale; x = (nibble - 8) * d */
+    uint8_t q[KN_QK / 2]; /* element i: low nibble of q[i], i+16: high */
 } kn_blk_q4_0;
 typedef struct kn_blk_q4_1 {
     uint16_t d;           /* f16 scale; x = nibble * d + m */
@@ -177,11 +176,11 @@ void kn_qmatmul_n(kn_stream *s, int n_w, const kn_weight *const *w, const float 
 void kn_qmatmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
                        float *y_up, int64_t m);
 
-#define KN_QX_MAX 16256 /* 15 bits: |xi| <= 127 * 128 */
-#define KN_QX8_MAX 127  /* 8 bits: |xi| <= 127 */
+#define KN_QX_MAX 16256      /* 15 bits: |xi| <= 127 * 128 */
+#define KN_QX8_MAX 127       /* 8 bits: |xi| <= 127 */
 #define KN_QX_TINY 0x1p-100f /* a block whose largest |x| is below this counts as zero */
-#define KN_QX_PLANES 64 /* bytes of x per block at 15 bits (two planes) */
-#define KN_QX8_BYTES 32 /* bytes of x per block at 8 bits (one) */
+#define KN_QX_PLANES 64      /* bytes of x per block at 15 bits (two planes) */
+#define KN_QX8_BYTES 32      /* bytes of x per block at 8 bits (one) */
 /* Bytes of x per block at `bits` (15 or 8). */
 static inline size_t kn_qx_block_bytes(int bits) { return bits == 8 ? KN_QX8_BYTES : KN_QX_PLANES; }
 size_t kn_qx_row_bytes(int64_t k, int bits);
@@ -195,7 +194,6 @@ typedef struct kn_qx {
     const int32_t *isx;
 } kn_qx;
 kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits);
-
 
 /* Tokens [0, tm) (tm <= KN_TILE_M) of quantized x at `bits` (15 or 8),
  * row r at qx[r], times packed group g of w (rows 16g .. 16g+15), written
@@ -226,17 +224,17 @@ typedef void (*kn_qg_fn)(const kn_weight *, int64_t, const kn_qx *, float *, siz
 #define KN_QG_TYPE(pfx, attr, type) KN_QG_BITS(pfx##_b15, attr, type, 15) KN_QG_BITS(pfx##_b8, attr, type, 8)
 // clang-format on
 #define KN_QG_PICK(name, bits) ((bits) == 8 ? name##_b8 : name##_b15)
-#define KN_QG_KERNELS(name, attr)                                                                           \
-    _Static_assert(KN_TILE_M == 8, "one instance per tile height");                                        \
-    KN_QG_TYPE(name##_q8_0, attr, GGML_TYPE_Q8_0)                                                          \
-    KN_QG_TYPE(name##_q4_0, attr, GGML_TYPE_Q4_0)                                                          \
-    KN_QG_TYPE(name##_q4_1, attr, GGML_TYPE_Q4_1)                                                          \
-    void name(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy) {     \
-        AE_ASSERT(tm >= 1 && tm <= KN_TILE_M && (bits == 8 || bits == 15));                                \
-        const kn_qg_fn *set = w->type == GGML_TYPE_Q8_0   ? KN_QG_PICK(name##_q8_0, bits)                  \
-                              : w->type == GGML_TYPE_Q4_0 ? KN_QG_PICK(name##_q4_0, bits)                  \
-                                                          : KN_QG_PICK(name##_q4_1, bits);                 \
-        set[tm - 1](w, g, qx, y, ldy);                                                                     \
+#define KN_QG_KERNELS(name, attr) \
+    _Static_assert(KN_TILE_M == 8, "one instance per tile height"); \
+    KN_QG_TYPE(name##_q8_0, attr, GGML_TYPE_Q8_0) \
+    KN_QG_TYPE(name##_q4_0, attr, GGML_TYPE_Q4_0) \
+    KN_QG_TYPE(name##_q4_1, attr, GGML_TYPE_Q4_1) \
+    void name(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy) { \
+        AE_ASSERT(tm >= 1 && tm <= KN_TILE_M && (bits == 8 || bits == 15)); \
+        const kn_qg_fn *set = w->type == GGML_TYPE_Q8_0   ? KN_QG_PICK(name##_q8_0, bits) \
+                              : w->type == GGML_TYPE_Q4_0 ? KN_QG_PICK(name##_q4_0, bits) \
+                                                          : KN_QG_PICK(name##_q4_1, bits); \
+        set[tm - 1](w, g, qx, y, ldy); \
     }
 
 #endif

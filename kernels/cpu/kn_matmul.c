@@ -24,19 +24,15 @@ bool kn_matmul_supports(ggml_type t) {
     case GGML_TYPE_BF16:
     case GGML_TYPE_Q8_0:
     case GGML_TYPE_Q4_0:
-    case GGML_TYPE_Q4_1:
-        return true;
-    default:
-        return false;
+    case GGML_TYPE_Q4_1: return true;
+    default: return false;
     }
 }
 
 /* Quantized W needs x quantized (kn_qmatmul.c): one row of bytes and
  * scales per row of x, at most the 15-bit row (8 bits takes less). Float
  * W needs nothing. */
-size_t kn_matmul_workspace(int64_t m, int64_t k) {
-    return (size_t)m * kn_qx_row_bytes(k, 15);
-}
+size_t kn_matmul_workspace(int64_t m, int64_t k) { return (size_t)m * kn_qx_row_bytes(k, 15); }
 
 /* ---- portable kernel ---------------------------------------------------- */
 
@@ -60,8 +56,7 @@ void kn_tile_scalar(const kn_tile *t) {
         int64_t i0 = 0;
         for (; i0 < k; i0 += KN_PIECE) {
             int64_t len = k - i0 < KN_PIECE ? k - i0 : KN_PIECE;
-            bool ok = quant_dequantize(w->type, wrow + quant_row_bytes(w->type, (uint64_t)i0), wf,
-                                       (uint64_t)len);
+            bool ok = quant_dequantize(w->type, wrow + quant_row_bytes(w->type, (uint64_t)i0), wf, (uint64_t)len);
             AE_ASSERT(ok);
             int64_t body = i0 + len < k8 ? len : k8 - i0;
             for (int r = 0; r < t->tm; r++) {
@@ -144,7 +139,7 @@ void kn_cpu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float
 }
 
 void kn_cpu_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
-                      float *y_up, int64_t m) {
+                          float *y_up, int64_t m) {
     if (m > 0 && kn_qmatmul_type(gate->type) && kn_qmatmul_type(up->type)) {
         kn_qmatmul_swiglu(s, gate, up, x, y_gate, y_up, m);
         return;

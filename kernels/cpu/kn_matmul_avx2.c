@@ -83,27 +83,18 @@ INL void ftile(ggml_type type, int TM, int TN, const kn_tile *t, int64_t j) {
  * registers. Small TM takes several weight rows at once (independent
  * chains hide the fma latency); TM >= 5 takes one, each loaded weight
  * vector then feeding TM fmas. */
-#define FTILE_FN(name, type, TM, TN)                                                            \
+#define FTILE_FN(name, type, TM, TN) \
     static TGT void name(const kn_tile *t, int64_t j) { ftile(type, TM, TN, t, j); }
 
-#define TILE_SET(pfx, body, type)                                            \
-    body##_FN(pfx##_1x4, type, 1, 4)                                     \
-    body##_FN(pfx##_1x1, type, 1, 1)                                     \
-    body##_FN(pfx##_2x4, type, 2, 4)                                     \
-    body##_FN(pfx##_2x1, type, 2, 1)                                     \
-    body##_FN(pfx##_3x2, type, 3, 2)                                     \
-    body##_FN(pfx##_3x1, type, 3, 1)                                     \
-    body##_FN(pfx##_4x2, type, 4, 2)                                     \
-    body##_FN(pfx##_4x1, type, 4, 1)                                     \
-    body##_FN(pfx##_5x1, type, 5, 1)                                     \
-    body##_FN(pfx##_6x1, type, 6, 1)                                     \
-    body##_FN(pfx##_7x1, type, 7, 1)                                     \
-    body##_FN(pfx##_8x1, type, 8, 1)                                     \
-    static const tile_shape pfx[KN_TILE_M] = {                               \
-        {pfx##_1x4, pfx##_1x1, 4}, {pfx##_2x4, pfx##_2x1, 4},                \
-        {pfx##_3x2, pfx##_3x1, 2}, {pfx##_4x2, pfx##_4x1, 2},                \
-        {pfx##_5x1, pfx##_5x1, 1}, {pfx##_6x1, pfx##_6x1, 1},                \
-        {pfx##_7x1, pfx##_7x1, 1}, {pfx##_8x1, pfx##_8x1, 1},                \
+#define TILE_SET(pfx, body, type) \
+    body##_FN(pfx##_1x4, type, 1, 4) body##_FN(pfx##_1x1, type, 1, 1) body##_FN(pfx##_2x4, type, 2, 4) \
+        body##_FN(pfx##_2x1, type, 2, 1) body##_FN(pfx##_3x2, type, 3, 2) body##_FN(pfx##_3x1, type, 3, 1) \
+            body##_FN(pfx##_4x2, type, 4, 2) body##_FN(pfx##_4x1, type, 4, 1) body##_FN(pfx##_5x1, type, 5, 1) \
+                body##_FN(pfx##_6x1, type, 6, 1) body##_FN(pfx##_7x1, type, 7, 1) \
+                    body##_FN(pfx##_8x1, type, 8, 1) static const tile_shape pfx[KN_TILE_M] = { \
+                        {pfx##_1x4, pfx##_1x1, 4}, {pfx##_2x4, pfx##_2x1, 4}, {pfx##_3x2, pfx##_3x1, 2}, \
+                        {pfx##_4x2, pfx##_4x1, 2}, {pfx##_5x1, pfx##_5x1, 1}, {pfx##_6x1, pfx##_6x1, 1}, \
+                        {pfx##_7x1, pfx##_7x1, 1}, {pfx##_8x1, pfx##_8x1, 1}, \
     };
 
 typedef void (*tile_fn)(const kn_tile *t, int64_t j);

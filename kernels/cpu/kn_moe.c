@@ -36,8 +36,8 @@ static void heads_task(void *ctx, int task, int n_tasks) {
         const float *x = j->x + (t * j->n_heads + h) * j->x_head;
         float *y = j->y + (t * j->n_heads + h) * j->y_head;
         for (int64_t o = 0; o < n; o++) {
-            const float *row = (const float *)(const void *)((const char *)j->w->data +
-                                                              (size_t)(h * n + o) * j->w->row_bytes);
+            const float *row =
+                (const float *)(const void *)((const char *)j->w->data + (size_t)(h * n + o) * j->w->row_bytes);
             y[o] = dot(row, x, k);
         }
     }
@@ -52,8 +52,8 @@ void kn_cpu_matmul_heads(kn_stream *s, const kn_weight *w, int32_t n_heads, cons
 
 /* ---- the router ---------------------------------------------------------- */
 
-void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r,
-                      int32_t *idx, float *w) {
+void kn_cpu_moe_route(kn_stream *s, const float *logits, const float *bias, int64_t m, const kn_route *r, int32_t *idx,
+                      float *w) {
     const int32_t E = r->n_experts, G = r->n_group, per = E / G, K = r->top_k;
     float sc[KN_MAX_EXPERTS], ch[KN_MAX_EXPERTS], gs[KN_MAX_EXPERT_GROUPS], val[KN_MAX_EXPERT_GROUPS];
     for (int64_t t = 0; t < m; t++) {

@@ -28,9 +28,7 @@
 #include <math.h>
 #include <string.h>
 
-bool kn_qmatmul_type(ggml_type t) {
-    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
-}
+bool kn_qmatmul_type(ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1; }
 
 /* ---- x ------------------------------------------------------------------ */
 
@@ -109,9 +107,7 @@ void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
 
 /* ---- packing -------------------------------------------------------------- */
 
-size_t kn_pack_block_bytes(ggml_type t) {
-    return KN_PACK_ROWS * (size_t)quant_block_bytes(t);
-}
+size_t kn_pack_block_bytes(ggml_type t) { return KN_PACK_ROWS * (size_t)quant_block_bytes(t); }
 
 size_t kn_weight_packed_bytes(const kn_weight *w) {
     if (!kn_qmatmul_type(w->type)) return 0;
@@ -120,9 +116,7 @@ size_t kn_weight_packed_bytes(const kn_weight *w) {
 
 /* Element i (0..31) of a Q4 block's nibbles: low nibbles of bytes 0..15
  * are elements 0..15, high nibbles elements 16..31. */
-static uint8_t nibble(const uint8_t *qs, int i) {
-    return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4;
-}
+static uint8_t nibble(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4; }
 
 /* Packed (group, block), the layout the VNNI kernel reads: 32-bit lane r
  * of a 64-byte vector holds 4 consecutive elements of row r, so one
@@ -143,8 +137,7 @@ static void pack_block(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int
             const uint8_t *qs = blk + (t == GGML_TYPE_Q4_1 ? 4 : 2);
             for (int v = 0; v < 4; v++)
                 for (int e = 0; e < 4; e++)
-                    dst[(v * 16 + r) * 4 + e] =
-                        (uint8_t)(nibble(qs, 4 * v + e) | nibble(qs, 4 * (v + 4) + e) << 4);
+                    dst[(v * 16 + r) * 4 + e] = (uint8_t)(nibble(qs, 4 * v + e) | nibble(qs, 4 * (v + 4) + e) << 4);
             memcpy(dst + 256 + 2 * r, blk, 2);
             if (t == GGML_TYPE_Q4_1) memcpy(dst + 288 + 2 * r, blk + 2, 2);
         }
@@ -213,16 +206,16 @@ static float qdot(ggml_type t, const uint8_t *row, const kn_qx *q, int64_t nb, i
 typedef struct qmm_job {
     int n_w;
     const kn_weight *w[KN_MM_MAX_W];
-    float *y[KN_MM_MAX_W];   /* [m][w->rows] each */
+    float *y[KN_MM_MAX_W];           /* [m][w->rows] each */
     int64_t chunks[KN_MM_MAX_W + 1]; /* prefix sums of each weight's chunks */
-    const float *x;          /* [m][k] */
+    const float *x;                  /* [m][k] */
     int64_t k;
-    uint8_t *qx;             /* [m][kn_qx_row_bytes(k)] */
+    uint8_t *qx; /* [m][kn_qx_row_bytes(k)] */
     size_t qx_stride;
-    int bits;                /* 15 or 8: the stream's precision of x */
+    int bits; /* 15 or 8: the stream's precision of x */
     int64_t m;
     bool vnni, avx2; /* packed groups: AVX-512 VNNI, else AVX2, else portable */
-    bool swiglu; /* w[0] gate, w[1] up: y[0] = swiglu(y[0], y[1]) */
+    bool swiglu;     /* w[0] gate, w[1] up: y[0] = swiglu(y[0], y[1]) */
 } qmm_job;
 
 static void quantize_task(void *ctx, int task, int n_tasks) {
@@ -253,7 +246,8 @@ static void qmm_rows(const qmm_job *job, const kn_weight *w, float *y_all, int64
             }
         for (; j < j1; j++) {
             const uint8_t *row = (const uint8_t *)w->data + (size_t)j * w->row_bytes;
-            for (int r = 0; r < tm; r++) y[(size_t)r * (size_t)n + (size_t)j] = qdot(w->type, row, &qx[r], nb, job->bits);
+            for (int r = 0; r < tm; r++)
+                y[(size_t)r * (size_t)n + (size_t)j] = qdot(w->type, row, &qx[r], nb, job->bits);
         }
     }
 }
@@ -297,8 +291,16 @@ static void qmm_run(kn_stream *s, int n_w, const kn_weight *const *w, const floa
     AE_ASSERT(k % KN_QK == 0);
     size_t stride = kn_qx_row_bytes(k, s->act_bits);
     AE_ASSERT(KN_CPU(s)->work_bytes >= (size_t)m * stride);
-    qmm_job job = {.n_w = n_w, .x = x, .k = k, .qx = KN_CPU(s)->work, .qx_stride = stride, .bits = s->act_bits, .m = m,
-                   .vnni = kn_cpu_use_avx512vnni(), .avx2 = kn_cpu_use_avx2(), .swiglu = swiglu};
+    qmm_job job = {.n_w = n_w,
+                   .x = x,
+                   .k = k,
+                   .qx = KN_CPU(s)->work,
+                   .qx_stride = stride,
+                   .bits = s->act_bits,
+                   .m = m,
+                   .vnni = kn_cpu_use_avx512vnni(),
+                   .avx2 = kn_cpu_use_avx2(),
+                   .swiglu = swiglu};
     for (int i = 0; i < n_w; i++) {
         AE_ASSERT(w[i]->cols == k && kn_qmatmul_type(w[i]->type));
         job.w[i] = w[i];

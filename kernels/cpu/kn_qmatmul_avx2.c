@@ -31,7 +31,8 @@ INL __m256i bcast4(const int8_t *p) {
 }
 
 /* Rows 16g + 8h .. 16g + 8h + 7 of a packed group against TM tokens. */
-INL void qhalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int h, const kn_qx *qx, float *y, size_t ldy) {
+INL void qhalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int h, const kn_qx *qx, float *y,
+               size_t ldy) {
     int64_t nb = w->cols / KN_QK;
     size_t pb = kn_pack_block_bytes(t);
     size_t doff = t == GGML_TYPE_Q8_0 ? 512 : 256;
@@ -55,8 +56,9 @@ INL void qhalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
             }
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + doff + 16 * h)));
-        __m256 mm = t == GGML_TYPE_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + 288 + 16 * h)))
-                                        : _mm256_setzero_ps();
+        __m256 mm = t == GGML_TYPE_Q4_1
+                        ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + 288 + 16 * h)))
+                        : _mm256_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < TM; r++) {
             /* At 8 bits hi is xi and there is no lo plane. */
@@ -67,9 +69,13 @@ INL void qhalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
 #pragma GCC unroll 8
                 for (int v = 0; v < 8; v++) {
                     __m256i a = _mm256_abs_epi8(q[v]);
-                    ih = _mm256_add_epi32(ih, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(bcast4(hi + 4 * v), q[v])), ones));
+                    ih = _mm256_add_epi32(
+                        ih,
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(bcast4(hi + 4 * v), q[v])), ones));
                     if (BITS != 8)
-                        il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(bcast4(lo + 4 * v), q[v])), ones));
+                        il = _mm256_add_epi32(
+                            il, _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(bcast4(lo + 4 * v), q[v])),
+                                                  ones));
                 }
             } else {
                 __m256i sh = _mm256_setzero_si256(), sl = sh;
@@ -89,7 +95,8 @@ INL void qhalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
         }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < TM; r++) _mm256_storeu_ps(y + (size_t)r * ldy + (size_t)g * KN_PACK_ROWS + 8 * (size_t)h, acc[r]);
+    for (int r = 0; r < TM; r++)
+        _mm256_storeu_ps(y + (size_t)r * ldy + (size_t)g * KN_PACK_ROWS + 8 * (size_t)h, acc[r]);
 }
 
 INL void qgroup(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) {

@@ -70,9 +70,8 @@ INL void qgroup(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, co
         __m512i q[8];
         load_q(t, p, q);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + doff)));
-        __m512 mm = t == GGML_TYPE_Q4_1
-                        ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 288)))
-                        : _mm512_setzero_ps();
+        __m512 mm = t == GGML_TYPE_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p + 288)))
+                                        : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < TM; r++) {
             __m512i isum;

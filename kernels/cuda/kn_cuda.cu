@@ -29,7 +29,7 @@ extern "C" {
  * buffer has says which device it is on. */
 static kn_backend g_tables[KCU_MAX_DEVICES];
 static bool g_opened[KCU_MAX_DEVICES];
-static int g_first = -1; /* the first device opened: kn_cuda_copy_gbps's */
+static int g_first = -1;                              /* the first device opened: kn_cuda_copy_gbps's */
 static bool g_peer[KCU_MAX_DEVICES][KCU_MAX_DEVICES]; /* [i][j]: cuda:i's kernels reach cuda:j's memory */
 static pthread_mutex_t g_open_mu = PTHREAD_MUTEX_INITIALIZER;
 static thread_local int t_bound = -1;
@@ -184,8 +184,8 @@ struct kcu_blas_api {
     int (*set_workspace)(void *handle, void *work, size_t bytes);
     int (*get_version)(void *handle, int *version);
     int (*gemm_ex)(void *handle, int transa, int transb, int m, int n, int k, const void *alpha, const void *a,
-                   int atype, int lda, const void *b, int btype, int ldb, const void *beta, void *c, int ctype,
-                   int ldc, int compute, int algo);
+                   int atype, int lda, const void *b, int btype, int ldb, const void *beta, void *c, int ctype, int ldc,
+                   int compute, int algo);
 };
 static kcu_blas_api g_blas;
 static char g_blas_error[256]; /* why it could not be opened, once tried */
@@ -209,9 +209,12 @@ static void blas_open(void) {
         const char *name;
         void **fn;
     } syms[] = {
-        {"cublasCreate_v2", (void **)&g_blas.create},          {"cublasDestroy_v2", (void **)&g_blas.destroy},
-        {"cublasSetStream_v2", (void **)&g_blas.set_stream},    {"cublasSetWorkspace_v2", (void **)&g_blas.set_workspace},
-        {"cublasGetVersion_v2", (void **)&g_blas.get_version},  {"cublasGemmEx", (void **)&g_blas.gemm_ex},
+        {"cublasCreate_v2", (void **)&g_blas.create},
+        {"cublasDestroy_v2", (void **)&g_blas.destroy},
+        {"cublasSetStream_v2", (void **)&g_blas.set_stream},
+        {"cublasSetWorkspace_v2", (void **)&g_blas.set_workspace},
+        {"cublasGetVersion_v2", (void **)&g_blas.get_version},
+        {"cublasGemmEx", (void **)&g_blas.gemm_ex},
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++)
         if (!(*syms[i].fn = dlsym(lib, syms[i].name))) {
@@ -223,14 +226,14 @@ static void blas_open(void) {
 }
 
 /* Every cuBLAS call is checked as the runtime's are. */
-#define KN_CB(call)                                                                                        \
-    do {                                                                                                   \
-        int st_ = (call);                                                                                  \
-        if (st_ != KCU_BLAS_OK) {                                                                          \
+#define KN_CB(call) \
+    do { \
+        int st_ = (call); \
+        if (st_ != KCU_BLAS_OK) { \
             fprintf(stderr, "aerie cuda: %s failed: cuBLAS status %d at %s:%d\n", #call, st_, __FILE__, __LINE__); \
-            fflush(stderr);                                                                                \
-            abort();                                                                                       \
-        }                                                                                                  \
+            fflush(stderr); \
+            abort(); \
+        } \
     } while (0)
 
 static int cu_set_fast(kn_stream *s, ae_error *err) {
@@ -372,8 +375,8 @@ static int cu_buf_alloc(kn_buf *b, size_t bytes, ae_error *err) {
         cudaGetLastError(); /* clear it: the device is still good */
         size_t fr = 0, tot = 0;
         cudaMemGetInfo(&fr, &tot);
-        return fail(err, "cuda: cannot allocate %zu bytes on cuda:%d (%zu of %zu free): %s", bytes, kcu_dev_of(b->be), fr,
-                    tot, cudaGetErrorString(e));
+        return fail(err, "cuda: cannot allocate %zu bytes on cuda:%d (%zu of %zu free): %s", bytes, kcu_dev_of(b->be),
+                    fr, tot, cudaGetErrorString(e));
     }
     KN_CK(cudaMemset(p, 0, bytes ? bytes : 1));
     /* cudaMemset may return before it is done, on the legacy stream, which
@@ -491,7 +494,8 @@ extern "C" __attribute__((visibility("default"))) double kn_cuda_copy_gbps(size_
     KN_CK(cudaMemsetAsync(a, 1, bytes, s));
     KN_CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s));
     KN_CK(cudaEventRecord(t0, s));
-    for (int r = 0; r < reps; r++) KN_CK(cudaMemcpyAsync(r % 2 ? a : b, r % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
+    for (int r = 0; r < reps; r++)
+        KN_CK(cudaMemcpyAsync(r % 2 ? a : b, r % 2 ? b : a, bytes, cudaMemcpyDeviceToDevice, s));
     KN_CK(cudaEventRecord(t1, s));
     KN_CK(cudaEventSynchronize(t1));
     float ms = 0.0f;
@@ -514,7 +518,8 @@ extern "C" __attribute__((visibility("default"))) int kn_cuda_open(int index, co
     }
     if (n == 0) return fail(err, "no usable GPU: cudaGetDeviceCount found none");
     if (index < 0 || index >= n) return fail(err, "cuda:%d does not exist: this machine has %d GPU(s)", index, n);
-    if (index >= KCU_MAX_DEVICES) return fail(err, "cuda:%d: this build drives cuda:0 to cuda:%d", index, KCU_MAX_DEVICES - 1);
+    if (index >= KCU_MAX_DEVICES)
+        return fail(err, "cuda:%d: this build drives cuda:0 to cuda:%d", index, KCU_MAX_DEVICES - 1);
     e = cudaSetDevice(index);
     if (e != cudaSuccess) return fail(err, "cuda:%d: cudaSetDevice: %s (%d)", index, cudaGetErrorString(e), (int)e);
     t_bound = index; /* whatever follows fails: the next kcu_bind knows where the thread is */

@@ -66,10 +66,10 @@ struct kn_cuda_stream {
  * device is lost or an invariant broke), reported with the call, the
  * file and the line. */
 __attribute__((noreturn)) void kn_cuda_fail(const char *call, cudaError_t e, const char *file, int line);
-#define KN_CK(call)                                                          \
-    do {                                                                     \
-        cudaError_t e_ = (call);                                             \
-        if (e_ != cudaSuccess) kn_cuda_fail(#call, e_, __FILE__, __LINE__);  \
+#define KN_CK(call) \
+    do { \
+        cudaError_t e_ = (call); \
+        if (e_ != cudaSuccess) kn_cuda_fail(#call, e_, __FILE__, __LINE__); \
     } while (0)
 
 /* err_set's rule (the first error is kept), without linking libaerie. */

@@ -219,8 +219,8 @@ struct at_group_shared {
     float mcg[AT_GROUP], lg[AT_GROUP];
     int32_t n_shared;
 };
-__global__ void __launch_bounds__(KCU_THREADS) k_attn_group(kn_kv_pool kv, kn_kv_map map, const float *q, float *out,
-                                                             int32_t n_heads, float scale) {
+__global__ void __launch_bounds__(KCU_THREADS)
+    k_attn_group(kn_kv_pool kv, kn_kv_map map, const float *q, float *out, int32_t n_heads, float scale) {
     __shared__ at_group_shared gs;
     at_shared &sh = gs.one;
     int32_t t0 = (int32_t)blockIdx.x * AT_GROUP, h = (int32_t)blockIdx.y;
@@ -289,9 +289,9 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_group(kn_kv_pool kv, kn_kv
  * return), their (mc, l, o) into part, [t][h][chunk][2 + head_dim]; then
  * k_attn_merge merges each token's chunks in order. The arithmetic is
  * k_attn_group's, so the bits are too. */
-__global__ void __launch_bounds__(KCU_THREADS) k_attn_part(kn_kv_pool kv, kn_kv_map map, const float *q,
-                                                            int32_t n_heads, float scale, int32_t n_chunks,
-                                                            float *part) {
+__global__ void __launch_bounds__(KCU_THREADS)
+    k_attn_part(kn_kv_pool kv, kn_kv_map map, const float *q, int32_t n_heads, float scale, int32_t n_chunks,
+                float *part) {
     __shared__ at_shared sh;
     int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
     int64_t c0 = (int64_t)blockIdx.z * AT_CHUNK;
@@ -313,8 +313,8 @@ __global__ void __launch_bounds__(KCU_THREADS) k_attn_part(kn_kv_pool kv, kn_kv_
     }
 }
 
-__global__ void __launch_bounds__(KCU_THREADS) k_attn_merge(kn_kv_pool kv, kn_kv_map map, float *out,
-                                                             int32_t n_heads, int32_t n_chunks, const float *part) {
+__global__ void __launch_bounds__(KCU_THREADS)
+    k_attn_merge(kn_kv_pool kv, kn_kv_map map, float *out, int32_t n_heads, int32_t n_chunks, const float *part) {
     int32_t t = (int32_t)blockIdx.x, h = (int32_t)blockIdx.y;
     const int hd = kv.head_dim;
     int64_t n_vis = (int64_t)map.n_prefix[t] + map.n_extra[t];
@@ -346,11 +346,12 @@ void kcu_attention(kn_stream *s, const kn_kv_pool *kv, const kn_kv_map *map, con
     float scale = 1.0f / sqrtf((float)kv->head_dim);
     int64_t max_keys = map->max_visible > 0 ? map->max_visible : (int64_t)map->table_len * kv->block_size;
     int32_t n_chunks = (int32_t)((max_keys + AT_CHUNK - 1) / AT_CHUNK);
-    size_t part_bytes = (size_t)map->m * (size_t)n_heads * (size_t)n_chunks * (size_t)(kv->head_dim + 2) * sizeof(float);
+    size_t part_bytes =
+        (size_t)map->m * (size_t)n_heads * (size_t)n_chunks * (size_t)(kv->head_dim + 2) * sizeof(float);
     if (map->m <= KN_ATTN_SPLIT_M && n_chunks > 1 && n_chunks <= 65535 && part_bytes <= KN_CU(s)->work_bytes) {
         float *part = (float *)KN_CU(s)->work;
-        KN_LAUNCH(k_attn_part, dim3((unsigned)map->m, (unsigned)n_heads, (unsigned)n_chunks), dim3(KCU_THREADS),
-                  st(s), *kv, *map, q, n_heads, scale, n_chunks, part);
+        KN_LAUNCH(k_attn_part, dim3((unsigned)map->m, (unsigned)n_heads, (unsigned)n_chunks), dim3(KCU_THREADS), st(s),
+                  *kv, *map, q, n_heads, scale, n_chunks, part);
         launched(s);
         KN_LAUNCH(k_attn_merge, dim3((unsigned)map->m, (unsigned)n_heads), dim3(KCU_THREADS), st(s), *kv, *map, out,
                   n_heads, n_chunks, part);

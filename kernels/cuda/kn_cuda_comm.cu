@@ -34,7 +34,7 @@
 
 #define KCU_COMM_MAX KN_COMM_MAX_RANKS
 static_assert(sizeof(((kcu_slots *)0)->p) / sizeof(float *) == KCU_COMM_MAX, "kcu_slots holds every rank");
-#define KCU_TIMED 512     /* calls whose events may be in flight at once, per rank */
+#define KCU_TIMED 512 /* calls whose events may be in flight at once, per rank */
 
 #define fail kcu_fail
 
@@ -155,8 +155,8 @@ static void comm_update_stats(kn_comm *base) {
 }
 
 /* out[i] = (x[i] +) the sum of slots.p[r][i] over r = 0..n-1, in rank order. */
-__global__ void __launch_bounds__(256) k_allreduce_slots(kcu_slots slots, int n, const float *x, float *out,
-                                                         size_t count) {
+__global__ void __launch_bounds__(256)
+    k_allreduce_slots(kcu_slots slots, int n, const float *x, float *out, size_t count) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     float sum = slots.p[0][i];
@@ -319,8 +319,10 @@ static int nccl_warm(const kcu_nccl_comm *nc, const int *dev, int n, ae_error *e
 
 /* Frees a group half made: through its ranks if any holds it. */
 static int init_fail(kcu_group *g, kn_comm **comms, int n_ranks) {
-    if (g->refs > 0) group_free(comms, n_ranks);
-    else group_release(g);
+    if (g->refs > 0)
+        group_free(comms, n_ranks);
+    else
+        group_release(g);
     return AE_ERR;
 }
 
@@ -341,8 +343,10 @@ int kcu_comm_init(kn_allreduce kind, kn_comm **comms, int n_ranks, const kn_back
     for (int r = 0; r < n_ranks && kind == KN_ALLREDUCE_CUSTOM; r++)
         for (int q = 0; q < n_ranks; q++)
             if (!kcu_reads(rank_be[r], rank_be[q])) /* peer access on, not only possible */
-                return fail(err, "cuda comm: custom: rank %d on cuda:%d cannot read rank %d's memory on cuda:%d (no "
-                            "peer access); use --allreduce nccl", r, dev[r], q, dev[q]);
+                return fail(err,
+                            "cuda comm: custom: rank %d on cuda:%d cannot read rank %d's memory on cuda:%d (no "
+                            "peer access); use --allreduce nccl",
+                            r, dev[r], q, dev[q]);
     kcu_group *g = (kcu_group *)calloc(1, sizeof *g);
     if (!g) return fail(err, "cuda comm: out of host memory");
     g->n = n_ranks;

@@ -55,7 +55,7 @@ template <int T> __global__ void __launch_bounds__(256) k_matmul_f(kw w, const f
     for (int r = 0; r < MM_TILE; r++) acc[r] = 0.0f;
     for (int64_t c0 = 0; c0 < k8; c0 += ce) {
         int cl = k8 - c0 < ce ? (int)(k8 - c0) : ce; /* a multiple of 8 */
-        int cb = cl * es;                             /* a multiple of 16 */
+        int cb = cl * es;                            /* a multiple of 16 */
         if (vec) {
             for (int u = (int)tid; u < nr * (cb / 16); u += (int)blockDim.x) {
                 int rr = u / (cb / 16), o = u % (cb / 16) * 16;
@@ -72,7 +72,8 @@ template <int T> __global__ void __launch_bounds__(256) k_matmul_f(kw w, const f
                 ws[rr][o] = w.data[(size_t)(j0 + rr) * w.row_bytes + (size_t)c0 * es + o];
             }
         }
-        for (int u = (int)tid; u < tm * cl; u += (int)blockDim.x) xs[u / cl][u % cl] = x[(r0 + u / cl) * k + c0 + u % cl];
+        for (int u = (int)tid; u < tm * cl; u += (int)blockDim.x)
+            xs[u / cl][u % cl] = x[(r0 + u / cl) * k + c0 + u % cl];
         __syncthreads();
         if (live)
             for (int i = (int)l; i < cl; i += 8) {
@@ -247,10 +248,12 @@ __global__ void __launch_bounds__(128) k_matmul_q(kw w, void *work, float *y, in
                     if (q8) {
                         uint32_t x0 = ld32a(xi + 8 * qt), x1 = ld32a(xi + 8 * qt + 2), x2 = ld32a(xi + 8 * qt + 4),
                                  x3 = ld32a(xi + 8 * qt + 6);
-                        part = (int32_t)(int8_t)(wa[u] & 255) * lo16(x0) + (int32_t)(int8_t)(wa[u] >> 8 & 255) * hi16(x0) +
-                               (int32_t)(int8_t)(wa[u] >> 16 & 255) * lo16(x1) + (int32_t)(int8_t)(wa[u] >> 24) * hi16(x1) +
-                               (int32_t)(int8_t)(wb[u] & 255) * lo16(x2) + (int32_t)(int8_t)(wb[u] >> 8 & 255) * hi16(x2) +
-                               (int32_t)(int8_t)(wb[u] >> 16 & 255) * lo16(x3) + (int32_t)(int8_t)(wb[u] >> 24) * hi16(x3);
+                        part =
+                            (int32_t)(int8_t)(wa[u] & 255) * lo16(x0) + (int32_t)(int8_t)(wa[u] >> 8 & 255) * hi16(x0) +
+                            (int32_t)(int8_t)(wa[u] >> 16 & 255) * lo16(x1) +
+                            (int32_t)(int8_t)(wa[u] >> 24) * hi16(x1) + (int32_t)(int8_t)(wb[u] & 255) * lo16(x2) +
+                            (int32_t)(int8_t)(wb[u] >> 8 & 255) * hi16(x2) +
+                            (int32_t)(int8_t)(wb[u] >> 16 & 255) * lo16(x3) + (int32_t)(int8_t)(wb[u] >> 24) * hi16(x3);
                     } else {
                         uint32_t l0 = ld32a(xi + 4 * qt), l1 = ld32a(xi + 4 * qt + 2), h0 = ld32a(xi + 16 + 4 * qt),
                                  h1 = ld32a(xi + 16 + 4 * qt + 2), v = wa[u];
@@ -401,7 +404,8 @@ __global__ void __launch_bounds__(32 * QM_WARPS, 24) k_matmul_qmma(kw w, void *w
     int64_t k = w.cols, nb = k / KCU_QK, ja = j0 + g, jb = ja + 8;
     int nt = (int)((m - r0 + 7) / 8 < QM_TILES ? (m - r0 + 7) / 8 : QM_TILES); /* the same in the whole block */
     bool la = ja < w.rows, lb = jb < w.rows, q41 = w.type == GGML_TYPE_Q4_1, q40 = w.type == GGML_TYPE_Q4_0;
-    const uint8_t *rowa = w.data + (size_t)(la ? ja : 0) * w.row_bytes, *rowb = w.data + (size_t)(lb ? jb : 0) * w.row_bytes;
+    const uint8_t *rowa = w.data + (size_t)(la ? ja : 0) * w.row_bytes,
+                  *rowb = w.data + (size_t)(lb ? jb : 0) * w.row_bytes;
     float acc[QM_TILES][4];
     for (int u = 0; u < QM_TILES; u++)
         for (int i = 0; i < 4; i++) acc[u][i] = 0.0f;
@@ -419,7 +423,7 @@ __global__ void __launch_bounds__(32 * QM_WARPS, 24) k_matmul_qmma(kw w, void *w
         }
         qm_load(w, rowa, la && b + 1 < nb, b + 1, t, &na[0], &na[2], &nd[0], &nmm[0]);
         qm_load(w, rowb, lb && b + 1 < nb, b + 1, t, &na[1], &na[3], &nd[1], &nmm[1]);
-KCU_UNROLL
+        KCU_UNROLL
         for (int u = 0; u < QM_TILES; u++) { /* a constant count, so that acc stays in registers */
             if (u >= nt) break;
             /* B: x row r0 + 8u + g, this lane's columns of the block */
@@ -445,7 +449,7 @@ KCU_UNROLL
             }
         }
     }
-KCU_UNROLL
+    KCU_UNROLL
     for (int u = 0; u < QM_TILES; u++)
         for (int i = 0; i < 4; i++) {
             int64_t rc = r0 + 8 * u + 2 * t + (i & 1), j = i < 2 ? ja : jb;
@@ -488,8 +492,12 @@ static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *
         if (w->type != GGML_TYPE_F32) {
             KCU_ASSERT((size_t)m * (size_t)w->cols * 2 <= KN_CU(s)->work_bytes);
             uint16_t *h = (uint16_t *)KN_CU(s)->work;
-            if (w->type == GGML_TYPE_F16) KN_LAUNCH(k_round_x<GGML_TYPE_F16>, flat_grid(m * w->cols), dim3(KCU_THREADS), st(s), x, m * w->cols, h);
-            else KN_LAUNCH(k_round_x<GGML_TYPE_BF16>, flat_grid(m * w->cols), dim3(KCU_THREADS), st(s), x, m * w->cols, h);
+            if (w->type == GGML_TYPE_F16)
+                KN_LAUNCH(k_round_x<GGML_TYPE_F16>, flat_grid(m * w->cols), dim3(KCU_THREADS), st(s), x, m * w->cols,
+                          h);
+            else
+                KN_LAUNCH(k_round_x<GGML_TYPE_BF16>, flat_grid(m * w->cols), dim3(KCU_THREADS), st(s), x, m * w->cols,
+                          h);
             launched(s);
             xt = h;
         }
@@ -513,9 +521,12 @@ static void matmul_one(kn_stream *s, const kn_weight *w, const float *x, float *
         dim3 grid = tile_grid(w->rows, MM_ROWS, m), block(8 * MM_ROWS);
         size_t al = w->type == GGML_TYPE_F32 ? 4 : 2; /* mf_elem's loads; the 16-byte path checks its own */
         KCU_ASSERT((uintptr_t)w->data % al == 0 && w->row_bytes % al == 0);
-        if (w->type == GGML_TYPE_F32) KN_LAUNCH(k_matmul_f<GGML_TYPE_F32>, grid, block, st(s), kw_of(w), x, y, m);
-        else if (w->type == GGML_TYPE_F16) KN_LAUNCH(k_matmul_f<GGML_TYPE_F16>, grid, block, st(s), kw_of(w), x, y, m);
-        else KN_LAUNCH(k_matmul_f<GGML_TYPE_BF16>, grid, block, st(s), kw_of(w), x, y, m);
+        if (w->type == GGML_TYPE_F32)
+            KN_LAUNCH(k_matmul_f<GGML_TYPE_F32>, grid, block, st(s), kw_of(w), x, y, m);
+        else if (w->type == GGML_TYPE_F16)
+            KN_LAUNCH(k_matmul_f<GGML_TYPE_F16>, grid, block, st(s), kw_of(w), x, y, m);
+        else
+            KN_LAUNCH(k_matmul_f<GGML_TYPE_BF16>, grid, block, st(s), kw_of(w), x, y, m);
     }
     launched(s);
 }
@@ -527,8 +538,10 @@ void kcu_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const float *x
         matmul_one(s, w[i], x, y[i], m, ready);
         /* A quantized matmul leaves x quantized in the workspace; fast
          * mode's rounding of x for cuBLAS overwrites it. */
-        if (is_quant(w[i]->type)) ready = true;
-        else if (by_blas(s, w[i]) && w[i]->type != GGML_TYPE_F32) ready = false;
+        if (is_quant(w[i]->type))
+            ready = true;
+        else if (by_blas(s, w[i]) && w[i]->type != GGML_TYPE_F32)
+            ready = false;
     }
 }
 

@@ -75,8 +75,8 @@ static KN_HD bool am_better(float v, int64_t i, float bv, int64_t bi) {
  * then lower index), so the split changes no result; k_argmax_fin takes
  * the best of the slices. */
 #define AM_SLICES 32
-__global__ void __launch_bounds__(KCU_THREADS) k_argmax_part(const float *x, int64_t n, int ns, float *pv, int32_t *pi,
-                                                              int32_t *out) {
+__global__ void __launch_bounds__(KCU_THREADS)
+    k_argmax_part(const float *x, int64_t n, int ns, float *pv, int32_t *pi, int32_t *out) {
     __shared__ float bv_t[KCU_THREADS];
     __shared__ int64_t bi_t[KCU_THREADS];
     const float *xr = x + (int64_t)blockIdx.x * n;
@@ -208,8 +208,7 @@ struct tk_raw {
     }
 };
 
-__global__ void __launch_bounds__(KCU_THREADS) k_topk(const float *x, int64_t n, int32_t k, int32_t *idx,
-                                                      float *val) {
+__global__ void __launch_bounds__(KCU_THREADS) k_topk(const float *x, int64_t n, int32_t k, int32_t *idx, float *val) {
     __shared__ float sv[KCU_THREADS][KN_TOPK_MAX];
     __shared__ int32_t si[KCU_THREADS][KN_TOPK_MAX];
     tk_raw raw = {x + (int64_t)blockIdx.x * n};
@@ -259,7 +258,8 @@ static __device__ int32_t br_least(uint32_t key, int32_t at, uint32_t *kh, int32
         if (threadIdx.x < h) {
             uint32_t k2 = kh[threadIdx.x + h];
             int32_t i2 = ih[threadIdx.x + h];
-            if (i2 >= 0 && (ih[threadIdx.x] < 0 || k2 < kh[threadIdx.x] || (k2 == kh[threadIdx.x] && i2 < ih[threadIdx.x]))) {
+            if (i2 >= 0 &&
+                (ih[threadIdx.x] < 0 || k2 < kh[threadIdx.x] || (k2 == kh[threadIdx.x] && i2 < ih[threadIdx.x]))) {
                 kh[threadIdx.x] = k2;
                 ih[threadIdx.x] = i2;
             }
@@ -287,8 +287,7 @@ struct tk_scores {
 /* One block a row: sample.c's kept_set and race without top-p, step by
  * step in the same f32 operations. Greedy (temperature <= 0), and a row
  * with no finite logit or score, take kn_argmax's pick. */
-__global__ void __launch_bounds__(KCU_THREADS) k_sample(const float *x, int64_t n, const kn_draw *draws,
-                                                        int32_t *out) {
+__global__ void __launch_bounds__(KCU_THREADS) k_sample(const float *x, int64_t n, const kn_draw *draws, int32_t *out) {
     __shared__ float sv[KCU_THREADS][KN_TOPK_MAX];
     __shared__ int32_t si[KCU_THREADS][KN_TOPK_MAX];
     __shared__ float fsh[KCU_THREADS];

@@ -30,9 +30,7 @@ struct config {
 
 static const char *const source_names[] = {"unset", "default", "file", "env", "flag", "auto"};
 
-const char *config_source_name(config_source s) {
-    return (unsigned)s <= CONFIG_SRC_AUTO ? source_names[s] : "?";
-}
+const char *config_source_name(config_source s) { return (unsigned)s <= CONFIG_SRC_AUTO ? source_names[s] : "?"; }
 
 static config_value *find(const config *c, const char *name) {
     for (size_t i = 0; i < c->n; i++)
@@ -71,8 +69,7 @@ static int parse_value(const config_option *o, const char *text, config_value *v
         double x = strtod(text, &end);
         if (errno || end == text || *end != '\0' || !isfinite(x))
             return err_set(err, "%s: expected a number, got \"%s\"", o->name, text);
-        if (x < o->min || x > o->max)
-            return err_set(err, "%s: %g is outside %g..%g", o->name, x, o->min, o->max);
+        if (x < o->min || x > o->max) return err_set(err, "%s: %g is outside %g..%g", o->name, x, o->min, o->max);
         v->d = x;
         return AE_OK;
     }
@@ -84,8 +81,7 @@ static int parse_value(const config_option *o, const char *text, config_value *v
         else
             return err_set(err, "%s: expected true or false, got \"%s\"", o->name, text);
         return AE_OK;
-    case CONFIG_STRING:
-        return AE_OK;
+    case CONFIG_STRING: return AE_OK;
     }
     return err_set(err, "%s: bad option type", o->name);
 }
@@ -119,8 +115,7 @@ int config_init(config **out, const config_option *opts, size_t n, ae_error *err
     c->n = n;
     for (size_t i = 0; i < n; i++) {
         c->v[i].opt = &opts[i];
-        for (size_t j = 0; j < i; j++)
-            AE_ASSERT(strcmp(opts[i].name, opts[j].name) != 0 && "duplicate config option");
+        for (size_t j = 0; j < i; j++) AE_ASSERT(strcmp(opts[i].name, opts[j].name) != 0 && "duplicate config option");
         if (opts[i].def && config_set(c, opts[i].name, opts[i].def, CONFIG_SRC_DEFAULT, err) != AE_OK) {
             err_prefix(err, "config: bad default: ");
             goto fail;
@@ -143,8 +138,7 @@ void config_free(config *c) {
 /* "log-level" -> "AERIE_LOG_LEVEL" */
 static void env_name(const char *name, char *out, size_t cap) {
     size_t k = (size_t)snprintf(out, cap, "AERIE_");
-    for (const char *p = name; *p && k + 1 < cap; p++)
-        out[k++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+    for (const char *p = name; *p && k + 1 < cap; p++) out[k++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
     out[k] = '\0';
 }
 
@@ -216,9 +210,8 @@ out:
     return rc;
 }
 
-int config_load(config *c, int argc, char **argv, char *const *envp,
-             char **positional, int *n_positional, bool *print_config,
-             ae_error *err) {
+int config_load(config *c, int argc, char **argv, char *const *envp, char **positional, int *n_positional,
+                bool *print_config, ae_error *err) {
     *n_positional = 0;
     if (print_config) *print_config = false;
 
@@ -393,8 +386,8 @@ void config_log(const config *c, const char *title) {
     LOG_INFOF("config_begin for=%s settings=%zu", title, c->n);
     for (size_t i = 0; i < c->n; i++) {
         const config_value *v = &c->v[i];
-        LOG_INFOF("config %-*s = %-24s source=%s", (int)w, v->opt->name,
-                  v->text ? v->text : "(unset)", config_source_name(v->src));
+        LOG_INFOF("config %-*s = %-24s source=%s", (int)w, v->opt->name, v->text ? v->text : "(unset)",
+                  config_source_name(v->src));
     }
 }
 

@@ -63,9 +63,8 @@ int config_set(config *c, const char *name, const char *text, config_source src,
  * returned in order through positional (which must hold argc entries);
  * "--" ends option parsing. `--print-config` is reported through
  * *print_config rather than treated as an error. */
-int config_load(config *c, int argc, char **argv, char *const *envp,
-             char **positional, int *n_positional, bool *print_config,
-             ae_error *err);
+int config_load(config *c, int argc, char **argv, char *const *envp, char **positional, int *n_positional,
+                bool *print_config, ae_error *err);
 
 int config_load_file(config *c, const char *path, ae_error *err);
 int config_load_env(config *c, char *const *envp, ae_error *err);

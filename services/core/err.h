@@ -23,16 +23,12 @@ typedef struct ae_error {
 
 /* Sets the error text unless one is already set. Returns AE_ERR so callers
  * can write `return err_set(err, "...")`. */
-int err_set(ae_error *err, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+int err_set(ae_error *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Prepends context ("file.gguf: ") to an error already set. */
-void err_prefix(ae_error *err, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+void err_prefix(ae_error *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-static inline bool err_is_set(const ae_error *err) {
-    return err && err->msg[0] != '\0';
-}
+static inline bool err_is_set(const ae_error *err) { return err && err->msg[0] != '\0'; }
 
 static inline void err_clear(ae_error *err) {
     if (err) err->msg[0] = '\0';
@@ -40,7 +36,6 @@ static inline void err_clear(ae_error *err) {
 
 __attribute__((noreturn)) void err_assert_fail(const char *cond, const char *file, int line);
 
-#define AE_ASSERT(cond) \
-    ((cond) ? (void)0 : err_assert_fail(#cond, __FILE__, __LINE__))
+#define AE_ASSERT(cond) ((cond) ? (void)0 : err_assert_fail(#cond, __FILE__, __LINE__))
 
 #endif

@@ -7,8 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-int file_read_all(const char *path, size_t limit, char **out, size_t *len, bool *missing,
-                  ae_error *err) {
+int file_read_all(const char *path, size_t limit, char **out, size_t *len, bool *missing, ae_error *err) {
     *out = NULL;
     *len = 0;
     if (missing) *missing = false;

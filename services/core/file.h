@@ -14,8 +14,7 @@
  * an error. Errors read "<path>: <problem>". When missing is not NULL it
  * tells whether the failure was that the file does not exist, so callers
  * can treat an optional file's absence apart from a broken one. */
-int file_read_all(const char *path, size_t limit, char **out, size_t *len, bool *missing,
-                  ae_error *err);
+int file_read_all(const char *path, size_t limit, char **out, size_t *len, bool *missing, ae_error *err);
 
 /* Writes, or reads, exactly n bytes on fd, going on after short transfers
  * and EINTR. 0 when all n moved; -1 on an error (errno says) or, reading,

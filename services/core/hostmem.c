@@ -16,10 +16,14 @@ void hostmem_fmt_bytes(uint64_t bytes, char *buf, size_t cap) {
         v /= 1024.0;
         u++;
     }
-    if (u == 0 || v == floor(v)) snprintf(buf, cap, "%.0f %s", v, unit[u]);
-    else if (v < 10.0) snprintf(buf, cap, "%.2f %s", v, unit[u]);
-    else if (v < 100.0) snprintf(buf, cap, "%.1f %s", v, unit[u]);
-    else snprintf(buf, cap, "%.0f %s", v, unit[u]);
+    if (u == 0 || v == floor(v))
+        snprintf(buf, cap, "%.0f %s", v, unit[u]);
+    else if (v < 10.0)
+        snprintf(buf, cap, "%.2f %s", v, unit[u]);
+    else if (v < 100.0)
+        snprintf(buf, cap, "%.1f %s", v, unit[u]);
+    else
+        snprintf(buf, cap, "%.0f %s", v, unit[u]);
 }
 
 uint64_t hostmem_share(uint64_t available, uint64_t ppm) {

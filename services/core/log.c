@@ -18,9 +18,7 @@ log_level log_get_level(void) { return (log_level)atomic_load(&g_level); }
 bool log_enabled(log_level level) { return (int)level >= atomic_load(&g_level); }
 void log_set_fd(int fd) { atomic_store(&g_fd, fd); }
 
-const char *log_level_name(log_level level) {
-    return (unsigned)level <= LOG_OFF ? level_names[level] : "?";
-}
+const char *log_level_name(log_level level) { return (unsigned)level <= LOG_OFF ? level_names[level] : "?"; }
 
 bool log_level_parse(const char *s, log_level *out) {
     for (int i = 0; i <= LOG_OFF; i++) {
@@ -39,10 +37,8 @@ void log_write(log_level level, const char *fmt, ...) {
     gettimeofday(&tv, NULL);
     struct tm tm;
     gmtime_r(&tv.tv_sec, &tm);
-    int n = snprintf(line, sizeof line, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ %s ",
-                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
-                     tm.tm_min, tm.tm_sec, (int)(tv.tv_usec / 1000),
-                     level_names[level]);
+    int n = snprintf(line, sizeof line, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ %s ", tm.tm_year + 1900, tm.tm_mon + 1,
+                     tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, (int)(tv.tv_usec / 1000), level_names[level]);
     va_list ap;
     va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);

@@ -28,11 +28,12 @@ const char *log_level_name(log_level level);
 void log_set_fd(int fd);
 
 /* fmt is the event name followed by key=value pairs. */
-void log_write(log_level level, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+void log_write(log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #define LOG_DEBUGF(...) \
-    do { if (log_enabled(LOG_DEBUG)) log_write(LOG_DEBUG, __VA_ARGS__); } while (0)
+    do { \
+        if (log_enabled(LOG_DEBUG)) log_write(LOG_DEBUG, __VA_ARGS__); \
+    } while (0)
 #define LOG_INFOF(...) log_write(LOG_INFO, __VA_ARGS__)
 #define LOG_WARNF(...) log_write(LOG_WARN, __VA_ARGS__)
 #define LOG_ERRORF(...) log_write(LOG_ERROR, __VA_ARGS__)

@@ -32,8 +32,8 @@
 #define POOL_SPIN_CHECK 64 /* pauses between looks at the clock */
 
 struct pool {
-    int n_threads;      /* including the caller */
-    pthread_t *threads; /* (n_threads - 1) */
+    int n_threads;          /* including the caller */
+    pthread_t *threads;     /* (n_threads - 1) */
     pthread_mutex_t run_mu; /* one pool_run at a time */
     pthread_mutex_t mu;     /* guards sleeping, nothing else */
     pthread_cond_t wake;    /* a new job, or shutdown */
@@ -73,8 +73,7 @@ static unsigned long wait_for_job(pool *p, unsigned long seen) {
     /* Checked under mu: pool_run bumps generation before it takes mu to
      * wake sleepers, so either we see the new job here or we are counted
      * as a sleeper when it looks. */
-    while (atomic_load(&p->generation) == seen && !atomic_load(&p->shutdown))
-        pthread_cond_wait(&p->wake, &p->mu);
+    while (atomic_load(&p->generation) == seen && !atomic_load(&p->shutdown)) pthread_cond_wait(&p->wake, &p->mu);
     atomic_fetch_sub(&p->sleepers, 1);
     pthread_mutex_unlock(&p->mu);
     return atomic_load(&p->generation);

@@ -14,8 +14,12 @@
 /* The activation precision of the quantized matmuls (kernels.h, "Batch
  * invariance"), a setting of every program that runs the engine or the
  * head: 15 (two byte planes) or 8. */
-#define SVC_ACT_BITS_OPTION                                                                                 \
-    {"act-bits", CONFIG_INT, "15", 8, 15,                                                                     \
+#define SVC_ACT_BITS_OPTION \
+    {"act-bits", \
+     CONFIG_INT, \
+     "15", \
+     8, \
+     15, \
      "bits each activation keeps in quantized matmuls: 15 (two byte planes) or 8 (one: a pass of several " \
      "tokens does half the integer work, with more rounding error)"}
 

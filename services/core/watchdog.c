@@ -59,20 +59,23 @@ int64_t watchdog_env_interval_us(void) {
      * a uint64), only far above the ceiling. */
     bool huge = errno == ERANGE && us == LLONG_MAX;
     if ((errno && !huge) || *end || us <= 0) {
-        LOG_WARNF("watchdog_usec_ignored value=\"%.40s\" reason=\"not a positive whole number of microseconds: no watchdog\"",
-                  usec);
+        LOG_WARNF(
+            "watchdog_usec_ignored value=\"%.40s\" reason=\"not a positive whole number of microseconds: no watchdog\"",
+            usec);
         return 0;
     }
     if (us < WATCHDOG_MIN_USEC) {
-        LOG_WARNF("watchdog_interval_clamped watchdog_usec=%lld interval_us=%lld reason=\"below %lld us: a ping every %lld ms, "
-                  "late for a systemd that wants one sooner\"",
-                  us, (long long)WATCHDOG_MIN_USEC, (long long)WATCHDOG_MIN_USEC, (long long)WATCHDOG_MIN_USEC / 4000);
+        LOG_WARNF(
+            "watchdog_interval_clamped watchdog_usec=%lld interval_us=%lld reason=\"below %lld us: a ping every %lld ms, "
+            "late for a systemd that wants one sooner\"",
+            us, (long long)WATCHDOG_MIN_USEC, (long long)WATCHDOG_MIN_USEC, (long long)WATCHDOG_MIN_USEC / 4000);
         return WATCHDOG_MIN_USEC;
     }
     if (huge || us > WATCHDOG_MAX_USEC) {
-        LOG_WARNF("watchdog_interval_clamped watchdog_usec=%.40s interval_us=%lld reason=\"above %lld us: pinging more often "
-                  "than asked is always in time\"",
-                  usec, (long long)WATCHDOG_MAX_USEC, (long long)WATCHDOG_MAX_USEC);
+        LOG_WARNF(
+            "watchdog_interval_clamped watchdog_usec=%.40s interval_us=%lld reason=\"above %lld us: pinging more often "
+            "than asked is always in time\"",
+            usec, (long long)WATCHDOG_MAX_USEC, (long long)WATCHDOG_MAX_USEC);
         return WATCHDOG_MAX_USEC;
     }
     return us;
@@ -136,7 +139,8 @@ int watchdog_add(watchdog *w, const char *name) {
     atomic_store(&s->beat_ns, clock_mono_ns());
     atomic_store(&s->used, true);
     pthread_mutex_unlock(&w->mu);
-    if (s->dropped) LOG_WARNF("watchdog_test_stall loop=%s reason=\"AERIE_TEST_WATCHDOG_STALL: its beats are dropped\"", s->name);
+    if (s->dropped)
+        LOG_WARNF("watchdog_test_stall loop=%s reason=\"AERIE_TEST_WATCHDOG_STALL: its beats are dropped\"", s->name);
     return i;
 }
 
@@ -198,10 +202,12 @@ static void *ping_main(void *arg) {
     while (!w->stopping) {
         int64_t now = clock_mono_ns();
         const char *stale = watchdog_stale(w, now);
-        if (!stale) svc_notify("WATCHDOG=1");
+        if (!stale)
+            svc_notify("WATCHDOG=1");
         else if (stale != was_stale)
-            LOG_ERRORF("watchdog_withheld loop=%s reason=\"no beat in the last %lld ms: it looks hung, so systemd is not told we are alive\"",
-                       stale, (long long)(w->interval_ns / 2000000));
+            LOG_ERRORF(
+                "watchdog_withheld loop=%s reason=\"no beat in the last %lld ms: it looks hung, so systemd is not told we are alive\"",
+                stale, (long long)(w->interval_ns / 2000000));
         was_stale = stale;
         int64_t wake = now + w->interval_ns / 4;
         struct timespec until = {(time_t)(wake / 1000000000), (long)(wake % 1000000000)};

@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 typedef struct kv_seq {
     bool live;
     bool dirty;       /* its table row changed since kv_upload_tables */
@@ -18,23 +17,24 @@ typedef struct kv_seq {
 struct kv_cache {
     kv_params p;
     const kn_backend *be;
-    size_t row;       /* elements per slot: n_kv_heads * head_dim */
+    size_t row; /* elements per slot: n_kv_heads * head_dim */
     /* Shards (kv_init_sharded): shard s holds kv heads shard_heads[s] of
      * every slot, in pools of its own, in data[s] (of its rank's backend):
      * f16 [n_layers][2][n_blocks][block_size][shard_heads[s]][head_dim]. */
     int32_t n_shards;
     int32_t shard_heads[KV_MAX_SHARDS];
     size_t shard_pool[KV_MAX_SHARDS]; /* elements per pool of shard s: n_blocks * block_size * its heads * head_dim */
-    kn_buf data[KV_MAX_SHARDS]; /* shard s's pools (one shard: f16 [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim]) */
-    kn_buf tables_buf; /* the block tables the kernels read: int32 [max_seqs][max_blocks_per_seq] */
-    int32_t *tables;  /* the same, as this file keeps them; -1 where unused. On a host-memory
-                         backend tables_buf itself, else a host copy kv_upload_tables sends */
-    kn_buf moves;     /* int32 [2][KV_MOVE_CHUNK]: source and destination rows of a commit */
-    kv_seq *seqs;     /* (max_seqs) */
-    int32_t *refs;        /* (n_blocks): sequences holding each block (kv_seq_fork shares them) */
-    int32_t *free_blocks; /* stack of free block ids, (n_blocks); top at n_free-1 */
+    kn_buf data[KV_MAX_SHARDS];       /* shard s's pools (one shard: f16
+                                         [n_layers][2][n_blocks][block_size][n_kv_heads][head_dim]) */
+    kn_buf tables_buf;                /* the block tables the kernels read: int32 [max_seqs][max_blocks_per_seq] */
+    int32_t *tables;                  /* the same, as this file keeps them; -1 where unused. On a host-memory
+                                         backend tables_buf itself, else a host copy kv_upload_tables sends */
+    kn_buf moves;                     /* int32 [2][KV_MOVE_CHUNK]: source and destination rows of a commit */
+    kv_seq *seqs;                     /* (max_seqs) */
+    int32_t *refs;                    /* (n_blocks): sequences holding each block (kv_seq_fork shares them) */
+    int32_t *free_blocks;             /* stack of free block ids, (n_blocks); top at n_free-1 */
     int32_t n_free;
-    int32_t *free_seqs;   /* stack of free sequence ids, (max_seqs) */
+    int32_t *free_seqs; /* stack of free sequence ids, (max_seqs) */
     int32_t n_free_seqs;
     int32_t peak;
 };
@@ -60,8 +60,8 @@ static bool mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
 }
 
 static bool params_ok(const kv_params *p) {
-    return p->n_layers > 0 && p->n_kv_heads > 0 && p->head_dim > 0 && p->block_size > 0 &&
-           p->n_blocks > 0 && p->max_seqs > 0 && p->max_blocks_per_seq > 0;
+    return p->n_layers > 0 && p->n_kv_heads > 0 && p->head_dim > 0 && p->block_size > 0 && p->n_blocks > 0 &&
+           p->max_seqs > 0 && p->max_blocks_per_seq > 0;
 }
 
 /* Elements in all pools; 0 on overflow (or slot counts past INT32_MAX). */
@@ -80,8 +80,7 @@ uint64_t kv_bytes(const kv_params *p) {
     if (!params_ok(p)) return 0;
     uint64_t elems = pool_elems(p), tables;
     if (elems == 0) return 0;
-    if (!mul_ok((uint64_t)p->max_seqs, (uint64_t)p->max_blocks_per_seq * sizeof(int32_t), &tables))
-        return 0;
+    if (!mul_ok((uint64_t)p->max_seqs, (uint64_t)p->max_blocks_per_seq * sizeof(int32_t), &tables)) return 0;
     return elems * sizeof(uint16_t) + tables + (uint64_t)p->n_blocks * 2 * sizeof(int32_t) +
            (uint64_t)p->max_seqs * (sizeof(kv_seq) + sizeof(int32_t)) + 2 * KV_MOVE_CHUNK * sizeof(int32_t);
 }
@@ -109,12 +108,12 @@ int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, in
         return err_set(err,
                        "kv cache: sizes must be positive (layers=%d kv_heads=%d head_dim=%d "
                        "block_size=%d blocks=%d max_seqs=%d max_blocks_per_seq=%d)",
-                       p->n_layers, p->n_kv_heads, p->head_dim, p->block_size, p->n_blocks,
-                       p->max_seqs, p->max_blocks_per_seq);
+                       p->n_layers, p->n_kv_heads, p->head_dim, p->block_size, p->n_blocks, p->max_seqs,
+                       p->max_blocks_per_seq);
     uint64_t elems = pool_elems(p);
     if (elems == 0 || elems * sizeof(uint16_t) > SIZE_MAX)
-        return err_set(err, "kv cache: %d blocks x %d tokens x %d layers is too large", p->n_blocks,
-                       p->block_size, p->n_layers);
+        return err_set(err, "kv cache: %d blocks x %d tokens x %d layers is too large", p->n_blocks, p->block_size,
+                       p->n_layers);
     kv_cache *kv = calloc(1, sizeof *kv);
     if (!kv) return err_set(err, "kv cache: out of memory");
     kv->p = *p;
@@ -123,7 +122,8 @@ int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, in
     kv->n_shards = n_shards;
     for (int32_t i = 0; i < n_shards; i++) {
         kv->shard_heads[i] = shard_kv_heads[i];
-        kv->shard_pool[i] = (size_t)p->n_blocks * (size_t)p->block_size * (size_t)shard_kv_heads[i] * (size_t)p->head_dim;
+        kv->shard_pool[i] =
+            (size_t)p->n_blocks * (size_t)p->block_size * (size_t)shard_kv_heads[i] * (size_t)p->head_dim;
     }
     size_t n_table = (size_t)p->max_seqs * (size_t)p->max_blocks_per_seq;
     /* The backend's buffers come zeroed: the pages are committed now, as
@@ -133,8 +133,9 @@ int kv_init_sharded(kv_cache **out, const kn_backend *be, const kv_params *p, in
         const kn_backend *sb = shard_be ? shard_be[i] : be;
         if (kn_buf_alloc(sb, &kv->data[i], bytes, err) != AE_OK) {
             if (n_shards > 1)
-                err_prefix(err, "kv cache: shard %d: %zu bytes of K/V (%d blocks x %d tokens x %d layers, %d kv heads): ",
-                           i, bytes, p->n_blocks, p->block_size, p->n_layers, shard_kv_heads[i]);
+                err_prefix(err,
+                           "kv cache: shard %d: %zu bytes of K/V (%d blocks x %d tokens x %d layers, %d kv heads): ", i,
+                           bytes, p->n_blocks, p->block_size, p->n_layers, shard_kv_heads[i]);
             else
                 err_prefix(err, "kv cache: %zu bytes of K/V (%d blocks x %d tokens x %d layers): ", bytes, p->n_blocks,
                            p->block_size, p->n_layers);
@@ -206,8 +207,7 @@ static int32_t *table_row(const kv_cache *kv, int32_t seq) {
 int kv_seq_alloc(kv_cache *kv, int32_t *seq_out, ae_error *err) {
     *seq_out = -1;
     if (kv->n_free_seqs == 0)
-        return err_set(err, "kv cache: all %d sequence slots are in use (max_seqs=%d)", kv->p.max_seqs,
-                       kv->p.max_seqs);
+        return err_set(err, "kv cache: all %d sequence slots are in use (max_seqs=%d)", kv->p.max_seqs, kv->p.max_seqs);
     int32_t id = kv->free_seqs[--kv->n_free_seqs];
     /* Dirty: a row freed since the last upload is all -1 here, not yet there. */
     kv->seqs[id] = (kv_seq){.live = true, .dirty = true, .len = 0, .n_blocks = 0};
@@ -257,8 +257,8 @@ int kv_seq_reserve(kv_cache *kv, int32_t seq, int32_t n_slots, ae_error *err) {
         return err_set(err,
                        "kv cache exhausted: sequence %d needs %d more blocks (%d slots at %d tokens "
                        "per block, holds %d), %d of %d free (%d used by %d sequences)",
-                       seq, more, n_slots, bs, s->n_blocks, kv->n_free, kv->p.n_blocks,
-                       kv->p.n_blocks - kv->n_free, kv->p.max_seqs - kv->n_free_seqs);
+                       seq, more, n_slots, bs, s->n_blocks, kv->n_free, kv->p.n_blocks, kv->p.n_blocks - kv->n_free,
+                       kv->p.max_seqs - kv->n_free_seqs);
     int32_t *row = table_row(kv, seq);
     for (int32_t i = 0; i < more; i++) {
         int32_t b = kv->free_blocks[--kv->n_free];
@@ -278,22 +278,18 @@ void kv_seq_trim(kv_cache *kv, int32_t seq, int32_t n_slots) {
     release_blocks(kv, seq, keep);
 }
 
-bool kv_seq_is_live(const kv_cache *kv, int32_t seq) {
-    return seq >= 0 && seq < kv->p.max_seqs && kv->seqs[seq].live;
-}
+bool kv_seq_is_live(const kv_cache *kv, int32_t seq) { return seq >= 0 && seq < kv->p.max_seqs && kv->seqs[seq].live; }
 
 int32_t kv_seq_len(const kv_cache *kv, int32_t seq) { return live_seq(kv, seq)->len; }
 
-int32_t kv_seq_capacity(const kv_cache *kv, int32_t seq) {
-    return live_seq(kv, seq)->n_blocks * kv->p.block_size;
-}
+int32_t kv_seq_capacity(const kv_cache *kv, int32_t seq) { return live_seq(kv, seq)->n_blocks * kv->p.block_size; }
 
 int kv_seq_advance(kv_cache *kv, int32_t seq, int32_t n, ae_error *err) {
     kv_seq *s = live_seq(kv, seq);
     int32_t cap = s->n_blocks * kv->p.block_size;
     if (n < 0 || n > cap - s->len)
-        return err_set(err, "kv cache: sequence %d: cannot advance %d slots (length %d, capacity %d)",
-                       seq, n, s->len, cap);
+        return err_set(err, "kv cache: sequence %d: cannot advance %d slots (length %d, capacity %d)", seq, n, s->len,
+                       cap);
     s->len += n;
     return AE_OK;
 }
@@ -355,13 +351,12 @@ int kv_seq_fork(kv_cache *kv, kn_stream *stream, int32_t src, int32_t *dst_out, 
     return AE_OK;
 }
 
-int kv_commit_path(kv_cache *kv, kn_stream *stream, int32_t seq, const int32_t *node_slots, int32_t n,
-                   ae_error *err) {
+int kv_commit_path(kv_cache *kv, kn_stream *stream, int32_t seq, const int32_t *node_slots, int32_t n, ae_error *err) {
     kv_seq *s = live_seq(kv, seq);
     int32_t cap = s->n_blocks * kv->p.block_size;
     if (n < 0 || n > cap - s->len)
-        return err_set(err, "kv cache: sequence %d: path of %d nodes does not fit (length %d, capacity %d)",
-                       seq, n, s->len, cap);
+        return err_set(err, "kv cache: sequence %d: path of %d nodes does not fit (length %d, capacity %d)", seq, n,
+                       s->len, cap);
     /* Validate everything before moving anything. */
     for (int32_t i = 0; i < n; i++) {
         int32_t lo = i == 0 ? s->len : node_slots[i - 1] + 1;
@@ -405,7 +400,7 @@ void kv_upload_tables(kv_cache *kv, kn_stream *s) {
         if (!kv->seqs[q].dirty) continue;
         kv->seqs[q].dirty = false;
         kn_upload(s, &kv->tables_buf, (size_t)q * len * sizeof(int32_t), kv->tables + (size_t)q * len,
-                      len * sizeof(int32_t));
+                  len * sizeof(int32_t));
     }
 }
 

@@ -134,8 +134,7 @@ int kv_seq_advance(kv_cache *kv, int32_t seq, int32_t n, ae_error *err);
  * committed length becomes len + n. Slots after that are free to overwrite.
  * The rows move by kn_kv_move on s, in order. Invalid slots fail with
  * nothing moved. */
-int kv_commit_path(kv_cache *kv, kn_stream *s, int32_t seq, const int32_t *node_slots, int32_t n,
-                   ae_error *err);
+int kv_commit_path(kv_cache *kv, kn_stream *s, int32_t seq, const int32_t *node_slots, int32_t n, ae_error *err);
 
 /* The sequence's block table: int32 [kv_seq_n_blocks(seq)] block ids
  * (the row is max_blocks_per_seq long; entries past n_blocks are -1). */

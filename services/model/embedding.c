@@ -52,7 +52,9 @@ int embedding_open(embedding *e, const char *path, const kn_backend *be, ae_erro
     return AE_OK;
 }
 
-embedding_view embedding_of(const embedding *e) { return (embedding_view){e->hidden, e->vocab, e->n_layers, &e->table}; }
+embedding_view embedding_of(const embedding *e) {
+    return (embedding_view){e->hidden, e->vocab, e->n_layers, &e->table};
+}
 
 void embedding_close(embedding *e) {
     weights_close(e->w);

@@ -16,8 +16,8 @@
 /* The view of it a head takes, from embedding_open or from a loaded
  * target model (target/model.h). */
 typedef struct embedding_view {
-    int32_t hidden;         /* H */
-    int32_t vocab;          /* target vocabulary */
+    int32_t hidden; /* H */
+    int32_t vocab;  /* target vocabulary */
     int32_t n_layers;
     const kn_weight *embed; /* [vocab][H]; must outlive the head */
 } embedding_view;

@@ -61,8 +61,7 @@ struct gguf_file {
 };
 
 static const char *const VTYPE_NAMES[GGUF_VT_COUNT] = {
-    "u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool",
-    "string", "array", "u64", "i64", "f64",
+    "u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool", "string", "array", "u64", "i64", "f64",
 };
 
 /* Bytes of a fixed-size value; 0 for string and array. */
@@ -86,8 +85,7 @@ const char *gguf_vtype_name(gguf_vtype t) {
 static uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 static uint32_t ld32(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-           ((uint32_t)p[3] << 24);
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
 static uint64_t ld64(const uint8_t *p) { return ld32(p) | ((uint64_t)ld32(p + 4) << 32); }
@@ -128,9 +126,8 @@ static uint64_t left(const parser *ps) { return ps->size - ps->pos; }
 /* Advances over n bytes, returning where they start. */
 static int take(parser *ps, uint64_t n, const char *what, const uint8_t **out) {
     if (n > left(ps))
-        return perr(ps, "truncated: %s %s runs past end of file (offset %" PRIu64
-                        ", size %" PRIu64 ")",
-                    loc(ps), what, ps->pos, ps->size);
+        return perr(ps, "truncated: %s %s runs past end of file (offset %" PRIu64 ", size %" PRIu64 ")", loc(ps), what,
+                    ps->pos, ps->size);
     if (out) *out = ps->base + ps->pos;
     ps->pos += n;
     return AE_OK;
@@ -152,18 +149,14 @@ static int rd_u64(parser *ps, const char *what, uint64_t *v) {
 
 static int rd_str(parser *ps, const char *what, uint64_t max, gguf_str *out) {
     if (left(ps) < 8)
-        return perr(ps, "truncated: %s %s length runs past end of file (offset %" PRIu64
-                        ", size %" PRIu64 ")",
-                    loc(ps), what, ps->pos, ps->size);
+        return perr(ps, "truncated: %s %s length runs past end of file (offset %" PRIu64 ", size %" PRIu64 ")", loc(ps),
+                    what, ps->pos, ps->size);
     uint64_t len = ld64(ps->base + ps->pos);
     ps->pos += 8;
     if (len > left(ps))
-        return perr(ps, "truncated: %s %s length %" PRIu64 " runs past end of file (size %" PRIu64
-                        ")",
-                    loc(ps), what, len, ps->size);
-    if (len > max)
-        return perr(ps, "%s %s length %" PRIu64 " exceeds the limit %" PRIu64, loc(ps), what, len,
-                    max);
+        return perr(ps, "truncated: %s %s length %" PRIu64 " runs past end of file (size %" PRIu64 ")", loc(ps), what,
+                    len, ps->size);
+    if (len > max) return perr(ps, "%s %s length %" PRIu64 " exceeds the limit %" PRIu64, loc(ps), what, len, max);
     out->ptr = (const char *)(ps->base + ps->pos);
     out->len = len;
     ps->pos += len;
@@ -188,8 +181,9 @@ static int rd_array_head(parser *ps, gguf_vtype *type, uint64_t *count) {
                     (unsigned long long)GGUF_MAX_ARRAY);
     uint64_t min = vtype_min_bytes(*type);
     if (*count > left(ps) / min)
-        return perr(ps, "truncated: %s array count %" PRIu64 " of %s runs past end of file "
-                        "(needs at least %" PRIu64 " bytes, %" PRIu64 " left, size %" PRIu64 ")",
+        return perr(ps,
+                    "truncated: %s array count %" PRIu64 " of %s runs past end of file "
+                    "(needs at least %" PRIu64 " bytes, %" PRIu64 " left, size %" PRIu64 ")",
                     loc(ps), *count, gguf_vtype_name(*type), *count * min, left(ps), ps->size);
     return AE_OK;
 }
@@ -225,15 +219,13 @@ static int skip_value(parser *ps, gguf_vtype t, int depth) {
         return AE_OK;
     }
     case GGUF_VT_ARRAY: {
-        if (depth >= GGUF_MAX_DEPTH)
-            return perr(ps, "%s nests arrays deeper than %d", loc(ps), GGUF_MAX_DEPTH);
+        if (depth >= GGUF_MAX_DEPTH) return perr(ps, "%s nests arrays deeper than %d", loc(ps), GGUF_MAX_DEPTH);
         gguf_vtype et;
         uint64_t count;
         if (rd_array_head(ps, &et, &count)) return AE_ERR;
         return skip_elements(ps, et, count, depth + 1, NULL);
     }
-    default:
-        return take(ps, VTYPE_SIZE[t], gguf_vtype_name(t), NULL);
+    default: return take(ps, VTYPE_SIZE[t], gguf_vtype_name(t), NULL);
     }
 }
 
@@ -266,9 +258,8 @@ static gguf_str tensor_name(const gguf_file *f, uint64_t i) {
 
 /* Finds `name` or the empty slot where it would go. Returns the index + 1
  * stored there (0: absent) and the slot. */
-static uint32_t index_probe(const gguf_file *f, const name_index *ix,
-                            gguf_str (*name_of)(const gguf_file *, uint64_t), const char *name,
-                            uint64_t len, uint64_t *slot) {
+static uint32_t index_probe(const gguf_file *f, const name_index *ix, gguf_str (*name_of)(const gguf_file *, uint64_t),
+                            const char *name, uint64_t len, uint64_t *slot) {
     uint64_t s = hash_name(name, len) & ix->mask;
     for (;;) {
         uint32_t v = ix->slots[s];
@@ -289,8 +280,7 @@ static uint32_t index_probe(const gguf_file *f, const name_index *ix,
 static void set_where(parser *ps, const char *kind, uint64_t i, const char *name, uint64_t len) {
     char clean[GGUF_MAX_NAME + 1];
     if (len > GGUF_MAX_NAME) len = GGUF_MAX_NAME;
-    for (uint64_t k = 0; k < len; k++)
-        clean[k] = (name[k] >= 0x20 && name[k] < 0x7f) ? name[k] : '?';
+    for (uint64_t k = 0; k < len; k++) clean[k] = (name[k] >= 0x20 && name[k] < 0x7f) ? name[k] : '?';
     clean[len] = '\0';
     snprintf(ps->where, sizeof ps->where, "%s %" PRIu64 " '%s'", kind, i, clean);
 }
@@ -300,8 +290,7 @@ static int parse_kv(parser *ps, gguf_file *f, uint64_t i) {
     snprintf(ps->where, sizeof ps->where, "kv %" PRIu64, i);
     if (rd_str(ps, "key", GGUF_MAX_NAME, &kv->key)) return AE_ERR;
     if (kv->key.len == 0) return perr(ps, "%s has an empty key", loc(ps));
-    if (memchr(kv->key.ptr, 0, kv->key.len))
-        return perr(ps, "%s key contains a NUL byte", loc(ps));
+    if (memchr(kv->key.ptr, 0, kv->key.len)) return perr(ps, "%s key contains a NUL byte", loc(ps));
     set_where(ps, "kv", i, kv->key.ptr, kv->key.len);
 
     uint64_t slot;
@@ -319,8 +308,7 @@ static int parse_kv(parser *ps, gguf_file *f, uint64_t i) {
     if (kv->arr_type == GGUF_VT_STRING && kv->arr_len > 0) {
         /* Bounded by rd_array_head: arr_len <= bytes left / 8. */
         kv->str_at = malloc(kv->arr_len * sizeof *kv->str_at);
-        if (!kv->str_at) return perr(ps, "%s: out of memory for %" PRIu64 " strings", loc(ps),
-                                     kv->arr_len);
+        if (!kv->str_at) return perr(ps, "%s: out of memory for %" PRIu64 " strings", loc(ps), kv->arr_len);
     }
     return skip_elements(ps, kv->arr_type, kv->arr_len, 1, kv->str_at);
 }
@@ -340,13 +328,11 @@ static int parse_tensor_info(parser *ps, gguf_file *f, uint64_t i) {
 
     uint64_t slot;
     uint32_t prev = index_probe(f, &f->tensor_index, tensor_name, name.ptr, name.len, &slot);
-    if (prev) return perr(ps, "%s: duplicate tensor name (also tensor info %u)", ps->where,
-                          prev - 1);
+    if (prev) return perr(ps, "%s: duplicate tensor name (also tensor info %u)", ps->where, prev - 1);
     f->tensor_index.slots[slot] = (uint32_t)(i + 1);
 
     if (rd_u32(ps, "n_dims", &t->n_dims)) return AE_ERR;
-    if (t->n_dims < 1 || t->n_dims > 4)
-        return perr(ps, "%s has n_dims %" PRIu32 " (must be 1..4)", loc(ps), t->n_dims);
+    if (t->n_dims < 1 || t->n_dims > 4) return perr(ps, "%s has n_dims %" PRIu32 " (must be 1..4)", loc(ps), t->n_dims);
     t->n_elements = 1;
     for (uint32_t d = 0; d < 4; d++) {
         t->ne[d] = 1;
@@ -355,25 +341,22 @@ static int parse_tensor_info(parser *ps, gguf_file *f, uint64_t i) {
         if (t->ne[d] == 0) return perr(ps, "%s dimension %u is 0", loc(ps), d);
         /* ggml counts elements in int64_t. */
         if (t->ne[d] > INT64_MAX / t->n_elements)
-            return perr(ps, "%s element count overflows (dimension %u is %" PRIu64 ")", loc(ps),
-                        d, t->ne[d]);
+            return perr(ps, "%s element count overflows (dimension %u is %" PRIu64 ")", loc(ps), d, t->ne[d]);
         t->n_elements *= t->ne[d];
     }
     uint32_t type;
     if (rd_u32(ps, "type", &type)) return AE_ERR;
-    if (!quant_type_known(type))
-        return perr(ps, "%s has unknown tensor type %" PRIu32, loc(ps), type);
+    if (!quant_type_known(type)) return perr(ps, "%s has unknown tensor type %" PRIu32, loc(ps), type);
     t->type = (ggml_type)type;
     uint32_t blk = quant_block_elems(t->type);
     if (t->ne[0] % blk)
-        return perr(ps, "%s dimension 0 (%" PRIu64 ") is not a multiple of the %s block size %u",
-                    loc(ps), t->ne[0], quant_type_name(type), blk);
+        return perr(ps, "%s dimension 0 (%" PRIu64 ") is not a multiple of the %s block size %u", loc(ps), t->ne[0],
+                    quant_type_name(type), blk);
     /* row bytes <= ne0 * 8 and n_elements < 2^63, so only the final product
      * can overflow; check it anyway in one place. */
     uint64_t rows = t->n_elements / t->ne[0];
     uint64_t row_bytes = quant_row_bytes(t->type, t->ne[0]);
-    if (row_bytes == 0 || rows > UINT64_MAX / row_bytes)
-        return perr(ps, "%s byte size overflows", loc(ps));
+    if (row_bytes == 0 || rows > UINT64_MAX / row_bytes) return perr(ps, "%s byte size overflows", loc(ps));
     t->n_bytes = rows * row_bytes;
     if (rd_u64(ps, "offset", &t->offset)) return AE_ERR;
     return AE_OK;
@@ -384,13 +367,13 @@ static int place_tensor(parser *ps, gguf_file *f, uint64_t i) {
     gguf_tensor *t = &f->tensors[i];
     set_where(ps, "tensor", i, t->name, strlen(t->name));
     if (t->offset % f->alignment)
-        return perr(ps, "%s offset %" PRIu64 " is not a multiple of the alignment %" PRIu32,
-                    ps->where, t->offset, f->alignment);
+        return perr(ps, "%s offset %" PRIu64 " is not a multiple of the alignment %" PRIu32, ps->where, t->offset,
+                    f->alignment);
     uint64_t room = f->size - f->data_offset; /* caller made data_offset <= size */
     if (t->offset > room || t->n_bytes > room - t->offset)
-        return perr(ps, "truncated: %s data (offset %" PRIu64 ", %" PRIu64
-                        " bytes, data section at %" PRIu64 ") runs past end of file (size %" PRIu64
-                        ")",
+        return perr(ps,
+                    "truncated: %s data (offset %" PRIu64 ", %" PRIu64 " bytes, data section at %" PRIu64
+                    ") runs past end of file (size %" PRIu64 ")",
                     ps->where, t->offset, t->n_bytes, f->data_offset, f->size);
     t->data = f->base + f->data_offset + t->offset;
     return AE_OK;
@@ -404,8 +387,7 @@ static int parse_alignment(parser *ps, gguf_file *f) {
     if (kv->type != GGUF_VT_U32)
         return perr(ps, "general.alignment has type %s (must be u32)", gguf_vtype_name(kv->type));
     uint32_t a = ld32(f->base + kv->val);
-    if (a == 0 || (a & (a - 1)))
-        return perr(ps, "general.alignment %" PRIu32 " is not a power of two", a);
+    if (a == 0 || (a & (a - 1))) return perr(ps, "general.alignment %" PRIu32 " is not a power of two", a);
     f->alignment = a;
     return AE_OK;
 }
@@ -413,21 +395,17 @@ static int parse_alignment(parser *ps, gguf_file *f) {
 static int parse(gguf_file *f, ae_error *err) {
     parser ps = {.base = f->base, .size = f->size, .name = f->path, .err = err, .elem = -1};
     snprintf(ps.where, sizeof ps.where, "header");
-    if (f->size < 4)
-        return perr(&ps, "truncated: %" PRIu64 " bytes is too short for a GGUF header", f->size);
+    if (f->size < 4) return perr(&ps, "truncated: %" PRIu64 " bytes is too short for a GGUF header", f->size);
     if (memcmp(f->base, "GGUF", 4) != 0)
-        return perr(&ps, "not a GGUF file (magic %02x %02x %02x %02x, expected 'GGUF')",
-                    f->base[0], f->base[1], f->base[2], f->base[3]);
+        return perr(&ps, "not a GGUF file (magic %02x %02x %02x %02x, expected 'GGUF')", f->base[0], f->base[1],
+                    f->base[2], f->base[3]);
     ps.pos = 4;
     if (rd_u32(&ps, "version", &f->version)) return AE_ERR;
-    if (f->version == 1)
-        return perr(&ps, "GGUF version 1 is not supported (only versions 2 and 3)");
+    if (f->version == 1) return perr(&ps, "GGUF version 1 is not supported (only versions 2 and 3)");
     if (f->version != 2 && f->version != 3) {
         uint32_t sw = __builtin_bswap32(f->version);
-        if (sw == 2 || sw == 3)
-            return perr(&ps, "big-endian GGUF (version %" PRIu32 ") is not supported", sw);
-        return perr(&ps, "unsupported GGUF version %" PRIu32 " (only versions 2 and 3)",
-                    f->version);
+        if (sw == 2 || sw == 3) return perr(&ps, "big-endian GGUF (version %" PRIu32 ") is not supported", sw);
+        return perr(&ps, "unsupported GGUF version %" PRIu32 " (only versions 2 and 3)", f->version);
     }
     if (rd_u64(&ps, "tensor count", &f->n_tensors)) return AE_ERR;
     if (rd_u64(&ps, "kv count", &f->n_kv)) return AE_ERR;
@@ -435,20 +413,18 @@ static int parse(gguf_file *f, ae_error *err) {
     /* Absurd counts are rejected before anything is sized by them. A kv
      * takes at least 8 (key length) + 1 + 4 (type) + 1 bytes; a tensor
      * info at least 8 + 1 + 4 + 8 + 4 + 8. */
-    if (f->n_kv > GGUF_MAX_KV)
-        return perr(&ps, "kv count %" PRIu64 " exceeds the limit %u", f->n_kv, GGUF_MAX_KV);
+    if (f->n_kv > GGUF_MAX_KV) return perr(&ps, "kv count %" PRIu64 " exceeds the limit %u", f->n_kv, GGUF_MAX_KV);
     if (f->n_tensors > GGUF_MAX_TENSORS)
-        return perr(&ps, "tensor count %" PRIu64 " exceeds the limit %u", f->n_tensors,
-                    GGUF_MAX_TENSORS);
+        return perr(&ps, "tensor count %" PRIu64 " exceeds the limit %u", f->n_tensors, GGUF_MAX_TENSORS);
     if (f->n_kv * 14 + f->n_tensors * 33 > left(&ps))
-        return perr(&ps, "truncated: %" PRIu64 " kvs and %" PRIu64 " tensor infos cannot fit in "
-                         "the %" PRIu64 " bytes left (size %" PRIu64 ")",
+        return perr(&ps,
+                    "truncated: %" PRIu64 " kvs and %" PRIu64 " tensor infos cannot fit in "
+                    "the %" PRIu64 " bytes left (size %" PRIu64 ")",
                     f->n_kv, f->n_tensors, left(&ps), f->size);
 
     f->kv = calloc(f->n_kv ? f->n_kv : 1, sizeof *f->kv);
     f->tensors = calloc(f->n_tensors ? f->n_tensors : 1, sizeof *f->tensors);
-    if (!f->kv || !f->tensors || index_init(&f->kv_index, f->n_kv) ||
-        index_init(&f->tensor_index, f->n_tensors))
+    if (!f->kv || !f->tensors || index_init(&f->kv_index, f->n_kv) || index_init(&f->tensor_index, f->n_tensors))
         return perr(&ps, "out of memory");
 
     for (uint64_t i = 0; i < f->n_kv; i++)
@@ -461,8 +437,7 @@ static int parse(gguf_file *f, ae_error *err) {
     f->data_offset = (ps.pos + f->alignment - 1) / f->alignment * f->alignment;
     if (f->n_tensors == 0) return AE_OK; /* the padding may be absent */
     if (f->data_offset > f->size)
-        return perr(&ps, "truncated: data section at %" PRIu64 " starts past end of file (size %"
-                         PRIu64 ")",
+        return perr(&ps, "truncated: data section at %" PRIu64 " starts past end of file (size %" PRIu64 ")",
                     f->data_offset, f->size);
     for (uint64_t i = 0; i < f->n_tensors; i++)
         if (place_tensor(&ps, f, i)) return AE_ERR;
@@ -478,8 +453,7 @@ static int open_common(gguf_file **out, gguf_file *f, ae_error *err) {
     return AE_OK;
 }
 
-int gguf_open_mem(gguf_file **out, const void *data, size_t size, const char *name,
-                  ae_error *err) {
+int gguf_open_mem(gguf_file **out, const void *data, size_t size, const char *name, ae_error *err) {
     *out = NULL;
     if (!name) name = "<memory>";
     gguf_file *f = calloc(1, sizeof *f);
@@ -591,9 +565,7 @@ int64_t gguf_find_key(const gguf_file *f, const char *key) {
     return v ? (int64_t)v - 1 : -1;
 }
 
-const gguf_tensor *gguf_tensor_at(const gguf_file *f, uint64_t i) {
-    return i < f->n_tensors ? &f->tensors[i] : NULL;
-}
+const gguf_tensor *gguf_tensor_at(const gguf_file *f, uint64_t i) { return i < f->n_tensors ? &f->tensors[i] : NULL; }
 
 const gguf_tensor *gguf_find_tensor(const gguf_file *f, const char *name) {
     if (!f->tensor_index.slots || !name) return NULL;
@@ -620,14 +592,38 @@ typedef struct number {
 static number load_number(gguf_vtype t, const uint8_t *p) {
     number n = {.kind = NUM_NONE};
     switch (t) {
-    case GGUF_VT_U8: n.kind = NUM_UNSIGNED; n.u = p[0]; break;
-    case GGUF_VT_U16: n.kind = NUM_UNSIGNED; n.u = ld16(p); break;
-    case GGUF_VT_U32: n.kind = NUM_UNSIGNED; n.u = ld32(p); break;
-    case GGUF_VT_U64: n.kind = NUM_UNSIGNED; n.u = ld64(p); break;
-    case GGUF_VT_I8: n.kind = NUM_SIGNED; n.i = (int8_t)p[0]; break;
-    case GGUF_VT_I16: n.kind = NUM_SIGNED; n.i = (int16_t)ld16(p); break;
-    case GGUF_VT_I32: n.kind = NUM_SIGNED; n.i = (int32_t)ld32(p); break;
-    case GGUF_VT_I64: n.kind = NUM_SIGNED; n.i = (int64_t)ld64(p); break;
+    case GGUF_VT_U8:
+        n.kind = NUM_UNSIGNED;
+        n.u = p[0];
+        break;
+    case GGUF_VT_U16:
+        n.kind = NUM_UNSIGNED;
+        n.u = ld16(p);
+        break;
+    case GGUF_VT_U32:
+        n.kind = NUM_UNSIGNED;
+        n.u = ld32(p);
+        break;
+    case GGUF_VT_U64:
+        n.kind = NUM_UNSIGNED;
+        n.u = ld64(p);
+        break;
+    case GGUF_VT_I8:
+        n.kind = NUM_SIGNED;
+        n.i = (int8_t)p[0];
+        break;
+    case GGUF_VT_I16:
+        n.kind = NUM_SIGNED;
+        n.i = (int16_t)ld16(p);
+        break;
+    case GGUF_VT_I32:
+        n.kind = NUM_SIGNED;
+        n.i = (int32_t)ld32(p);
+        break;
+    case GGUF_VT_I64:
+        n.kind = NUM_SIGNED;
+        n.i = (int64_t)ld64(p);
+        break;
     case GGUF_VT_F32: {
         uint32_t b = ld32(p);
         float v;
@@ -661,16 +657,14 @@ static int wrong_type(const gguf_kv *kv, const char *key, const char *want, ae_e
 
 /* Any integer key as a range-checked value in [min, max] (signed view) or
  * [0, umax] (unsigned view). */
-static int get_int(const gguf_file *f, const char *key, bool want_signed, int64_t min, int64_t max,
-                   uint64_t umax, uint64_t *u, int64_t *s, ae_error *err) {
+static int get_int(const gguf_file *f, const char *key, bool want_signed, int64_t min, int64_t max, uint64_t umax,
+                   uint64_t *u, int64_t *s, ae_error *err) {
     const gguf_kv *kv = NULL;
     if (find_scalar(f, key, &kv, err)) return AE_ERR;
     number n = load_number(kv->type, f->base + kv->val);
-    if (n.kind != NUM_UNSIGNED && n.kind != NUM_SIGNED)
-        return wrong_type(kv, key, "an integer", err);
+    if (n.kind != NUM_UNSIGNED && n.kind != NUM_SIGNED) return wrong_type(kv, key, "an integer", err);
     if (want_signed) {
-        if (n.kind == NUM_UNSIGNED ? n.u > (uint64_t)max : (n.i < min || n.i > max))
-            goto range;
+        if (n.kind == NUM_UNSIGNED ? n.u > (uint64_t)max : (n.i < min || n.i > max)) goto range;
         *s = n.kind == NUM_UNSIGNED ? (int64_t)n.u : n.i;
     } else {
         if (n.kind == NUM_SIGNED ? (n.i < 0 || (uint64_t)n.i > umax) : n.u > umax) goto range;
@@ -710,8 +704,7 @@ int gguf_get_f32(const gguf_file *f, const char *key, float *out, ae_error *err)
     double v = 0;
     if (gguf_get_f64(f, key, &v, err)) return AE_ERR;
     /* f64 values must fit; rounding to the nearest f32 is fine. */
-    if (isfinite(v) && fabs(v) > FLT_MAX)
-        return err_set(err, "key %s: value %g out of f32 range", key, v);
+    if (isfinite(v) && fabs(v) > FLT_MAX) return err_set(err, "key %s: value %g out of f32 range", key, v);
     *out = (float)v;
     return AE_OK;
 }
@@ -750,8 +743,7 @@ static const uint8_t *arr_elem(const gguf_file *f, uint64_t i, uint64_t j, const
 int gguf_arr_str(const gguf_file *f, uint64_t i, uint64_t j, gguf_str *out) {
     if (i >= f->n_kv) return AE_ERR;
     const gguf_kv *kv = &f->kv[i];
-    if (kv->type != GGUF_VT_ARRAY || kv->arr_type != GGUF_VT_STRING || j >= kv->arr_len)
-        return AE_ERR;
+    if (kv->type != GGUF_VT_ARRAY || kv->arr_type != GGUF_VT_STRING || j >= kv->arr_len) return AE_ERR;
     *out = load_str(f, kv->str_at[j]);
     return AE_OK;
 }
@@ -829,8 +821,10 @@ static void sb_quoted(sbuf *b, gguf_str s, uint64_t max) {
         case '\r': sb_put(b, "\\r", 2); break;
         case '\t': sb_put(b, "\\t", 2); break;
         default:
-            if (c < 0x20 || c == 0x7f) sb_printf(b, "\\x%02x", c);
-            else sb_put(b, (const char *)&c, 1);
+            if (c < 0x20 || c == 0x7f)
+                sb_printf(b, "\\x%02x", c);
+            else
+                sb_put(b, (const char *)&c, 1);
         }
     }
     sb_put(b, "\"", 1);

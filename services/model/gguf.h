@@ -42,9 +42,9 @@ typedef struct gguf_str {
 } gguf_str;
 
 typedef struct gguf_tensor {
-    char *name;          /* NUL-terminated copy */
-    uint32_t n_dims;     /* 1..4 */
-    uint64_t ne[4];      /* elements per dim, innermost first; unused dims = 1 */
+    char *name;      /* NUL-terminated copy */
+    uint32_t n_dims; /* 1..4 */
+    uint64_t ne[4];  /* elements per dim, innermost first; unused dims = 1 */
     ggml_type type;
     uint64_t offset;     /* relative to the data section */
     uint64_t n_elements; /* product of ne */
@@ -57,9 +57,9 @@ typedef struct gguf_file gguf_file;
 /* Limits against absurd counts in corrupt or hostile files. */
 #define GGUF_MAX_KV 65536u
 #define GGUF_MAX_TENSORS 65536u
-#define GGUF_MAX_ARRAY (1ull << 26)     /* elements in one metadata array */
-#define GGUF_MAX_STRING (1ull << 26)    /* bytes in one string */
-#define GGUF_MAX_NAME 256u              /* bytes in a key or tensor name */
+#define GGUF_MAX_ARRAY (1ull << 26)  /* elements in one metadata array */
+#define GGUF_MAX_STRING (1ull << 26) /* bytes in one string */
+#define GGUF_MAX_NAME 256u           /* bytes in a key or tensor name */
 
 /* Opens and validates `path`. On failure returns AE_ERR and err says
  * "<path>: <problem>". */
@@ -67,8 +67,7 @@ int gguf_open(gguf_file **out, const char *path, ae_error *err);
 
 /* Same checks over a caller-owned buffer that must outlive the handle
  * (used by the fuzzer and by tests). `name` is used in error text. */
-int gguf_open_mem(gguf_file **out, const void *data, size_t size,
-                  const char *name, ae_error *err);
+int gguf_open_mem(gguf_file **out, const void *data, size_t size, const char *name, ae_error *err);
 
 void gguf_close(gguf_file *f); /* NULL is a no-op */
 

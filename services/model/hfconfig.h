@@ -31,7 +31,7 @@ typedef struct hfconfig {
     char architecture[HFCONFIG_MAX_TEXT]; /* architectures[0]; "" if absent */
     char model_type[HFCONFIG_MAX_TEXT];   /* "llama", "qwen2"; "" if absent */
     char torch_dtype[HFCONFIG_MAX_TEXT];  /* torch_dtype (or dtype); "" if absent */
-    bool text_config;                  /* the keys below are text_config's */
+    bool text_config;                     /* the keys below are text_config's */
 
     /* required */
     int32_t hidden_size;
@@ -51,30 +51,30 @@ typedef struct hfconfig {
     bool tie_word_embeddings;        /* (false) */
     bool attention_bias;             /* q/k/v/o bias; (true iff qwen2) */
 
-    int32_t bos_token_id;            /* (-1 = none) */
+    int32_t bos_token_id;                    /* (-1 = none) */
     int32_t eos_token_ids[HFCONFIG_MAX_EOS]; /* int or list in the file */
-    uint32_t n_eos;                  /* (0) */
+    uint32_t n_eos;                          /* (0) */
 
     struct {
-        const char *key;              /* "rope_scaling" or "rope_parameters" (a literal);
-                                         NULL when absent */
+        const char *key; /* "rope_scaling" or "rope_parameters" (a literal);
+                            NULL when absent */
         hfconfig_rope_kind kind;
-        double factor;                /* llama3 and yarn */
-        double low_freq_factor;       /* llama3 only */
-        double high_freq_factor;      /* llama3 only */
+        double factor;                            /* llama3 and yarn */
+        double low_freq_factor;                   /* llama3 only */
+        double high_freq_factor;                  /* llama3 only */
         int32_t original_max_position_embeddings; /* llama3; yarn (max_position_embeddings) */
-        double beta_fast, beta_slow;  /* yarn (32, 1) */
-        double mscale, mscale_all_dim; /* yarn (0: absent) */
-        double attention_factor;      /* yarn: the cos/sin factor, as transformers derives it */
+        double beta_fast, beta_slow;              /* yarn (32, 1) */
+        double mscale, mscale_all_dim;            /* yarn (0: absent) */
+        double attention_factor;                  /* yarn: the cos/sin factor, as transformers derives it */
     } rope_scaling;
 
     /* EAGLE-3 heads */
-    int32_t draft_vocab_size;        /* (0 = not a head / same as vocab) */
+    int32_t draft_vocab_size;                       /* (0 = not a head / same as vocab) */
     int32_t aux_layer_ids[HFCONFIG_MAX_AUX_LAYERS]; /* eagle_config.
                                         eagle_aux_hidden_state_layer_ids */
-    uint32_t n_aux_layers;           /* (0 = the engine's default choice);
-                                        also read at the top level */
-    bool norm_before_residual;       /* (false) a variant of the midlayer */
+    uint32_t n_aux_layers;                          /* (0 = the engine's default choice);
+                                                       also read at the top level */
+    bool norm_before_residual;                      /* (false) a variant of the midlayer */
 } hfconfig;
 
 /* A config with a "text_config" object (a multimodal model such as
@@ -83,8 +83,7 @@ typedef struct hfconfig {
  *
  * Parses len bytes of JSON (no NUL needed). `name` prefixes error text.
  * On failure *cfg is zeroed. */
-int hfconfig_parse(hfconfig *cfg, const char *json, size_t len, const char *name,
-                ae_error *err);
+int hfconfig_parse(hfconfig *cfg, const char *json, size_t len, const char *name, ae_error *err);
 
 /* The RoPE of a Hugging Face checkpoint: half-split (NeoX) pairs, head_dim
  * and rope_theta, and the Llama-3 frequency scaling when rope_scaling asks

@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#define QK 32   /* elements per block of the 32-element formats */
+#define QK 32    /* elements per block of the 32-element formats */
 #define QK_K 256 /* elements per super-block of the K-quants */
 
 typedef struct type_info {
@@ -145,7 +145,7 @@ uint16_t quant_f32_to_f16(float f) {
     /* 65520 is halfway between 65504 (max half) and 65536; the tie goes to
      * the even neighbour, which overflows to inf. */
     if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
-    if (ax >= 0x38800000u) { /* normal half: |f| >= 2^-14 */
+    if (ax >= 0x38800000u) {                   /* normal half: |f| >= 2^-14 */
         uint32_t h = (ax - 0x38000000u) >> 13; /* exponent rebias 127 -> 15 */
         uint32_t rest = ax & 0x1fffu;
         /* A carry out of the mantissa correctly bumps the exponent. */
@@ -179,8 +179,7 @@ uint16_t quant_f32_to_bf16(float f) {
 static uint16_t ld16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 static uint32_t ld32(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) |
-           ((uint32_t)p[3] << 24);
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
 static float ldh(const uint8_t *p) { return quant_f16_to_f32(ld16(p)); }
@@ -400,17 +399,14 @@ bool quant_dequantize(ggml_type t, const void *src, float *dst, uint64_t n) {
     if (n == 0) return true;
     const uint8_t *b = src;
     switch (t) {
-    case GGML_TYPE_F32:
-        memcpy(dst, src, n * sizeof(float));
-        return true;
+    case GGML_TYPE_F32: memcpy(dst, src, n * sizeof(float)); return true;
     case GGML_TYPE_F16:
         for (uint64_t i = 0; i < n; i++) dst[i] = quant_f16_to_f32(ld16(b + 2 * i));
         return true;
     case GGML_TYPE_BF16:
         for (uint64_t i = 0; i < n; i++) dst[i] = quant_bf16_to_f32(ld16(b + 2 * i));
         return true;
-    default:
-        break;
+    default: break;
     }
     uint64_t blocks = n / ti->block_elems;
     for (uint64_t i = 0; i < blocks; i++, b += ti->block_bytes, dst += ti->block_elems) {

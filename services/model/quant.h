@@ -39,8 +39,8 @@ bool quant_type_known(uint32_t t);
 /* True when quant_dequantize supports t. */
 bool quant_can_dequantize(uint32_t t);
 const char *quant_type_name(uint32_t t); /* "Q4_1"; "type42" style for unknown */
-uint32_t quant_block_elems(ggml_type t);  /* elements per block (1 for plain types) */
-uint32_t quant_block_bytes(ggml_type t);  /* bytes per block */
+uint32_t quant_block_elems(ggml_type t); /* elements per block (1 for plain types) */
+uint32_t quant_block_bytes(ggml_type t); /* bytes per block */
 
 /* Bytes for n elements; n must be a multiple of the block size, else
  * returns 0 (callers treat that as a malformed tensor). */

@@ -31,10 +31,10 @@ static const struct {
     const char *name;
     size_t size;
 } dtype_info[SAFETENSORS_DTYPE_COUNT] = {
-    [SAFETENSORS_BOOL] = {"BOOL", 1}, [SAFETENSORS_U8] = {"U8", 1},     [SAFETENSORS_I8] = {"I8", 1},
-    [SAFETENSORS_U16] = {"U16", 2},   [SAFETENSORS_I16] = {"I16", 2},   [SAFETENSORS_F16] = {"F16", 2},
-    [SAFETENSORS_BF16] = {"BF16", 2}, [SAFETENSORS_U32] = {"U32", 4},   [SAFETENSORS_I32] = {"I32", 4},
-    [SAFETENSORS_F32] = {"F32", 4},   [SAFETENSORS_U64] = {"U64", 8},   [SAFETENSORS_I64] = {"I64", 8},
+    [SAFETENSORS_BOOL] = {"BOOL", 1}, [SAFETENSORS_U8] = {"U8", 1},   [SAFETENSORS_I8] = {"I8", 1},
+    [SAFETENSORS_U16] = {"U16", 2},   [SAFETENSORS_I16] = {"I16", 2}, [SAFETENSORS_F16] = {"F16", 2},
+    [SAFETENSORS_BF16] = {"BF16", 2}, [SAFETENSORS_U32] = {"U32", 4}, [SAFETENSORS_I32] = {"I32", 4},
+    [SAFETENSORS_F32] = {"F32", 4},   [SAFETENSORS_U64] = {"U64", 8}, [SAFETENSORS_I64] = {"I64", 8},
     [SAFETENSORS_F64] = {"F64", 8},
 };
 
@@ -52,15 +52,15 @@ typedef struct safetensors_meta {
 } safetensors_meta;
 
 struct safetensors_file {
-    char *path;              /* owned; the name used in error text */
-    const uint8_t *base;     /* whole file: mapping or caller's buffer */
-    size_t size;             /* bytes at base */
-    void *map;               /* non-NULL when safetensors_open mapped the file */
-    cJSON *json;             /* parsed header; names and metadata point in */
-    safetensors_tensor *tensors;      /* (n_tensors) sorted by offset */
+    char *path;                         /* owned; the name used in error text */
+    const uint8_t *base;                /* whole file: mapping or caller's buffer */
+    size_t size;                        /* bytes at base */
+    void *map;                          /* non-NULL when safetensors_open mapped the file */
+    cJSON *json;                        /* parsed header; names and metadata point in */
+    safetensors_tensor *tensors;        /* (n_tensors) sorted by offset */
     const safetensors_tensor **by_name; /* (n_tensors) sorted by name */
     size_t n_tensors;
-    safetensors_meta *meta;           /* (n_meta) sorted by key */
+    safetensors_meta *meta; /* (n_meta) sorted by key */
     size_t n_meta;
 };
 
@@ -78,10 +78,8 @@ static int header_scan(const uint8_t *h, size_t n, ae_error *err) {
         if (c == 0) return err_set(err, "header has a NUL byte at %zu", i);
         if (c < 0x80) {
             if (in_str && c == '\\') {
-                if (n - i >= 6 && h[i + 1] == 'u' &&
-                    memcmp(h + i + 2, "0000", 4) == 0)
-                    return err_set(err, "header has a \\u0000 escape at %zu",
-                                   i);
+                if (n - i >= 6 && h[i + 1] == 'u' && memcmp(h + i + 2, "0000", 4) == 0)
+                    return err_set(err, "header has a \\u0000 escape at %zu", i);
                 i += 2; /* the escaped byte may be a quote */
                 continue;
             }
@@ -100,11 +98,9 @@ static int header_scan(const uint8_t *h, size_t n, ae_error *err) {
         } else {
             return err_set(err, "header has invalid UTF-8 at %zu", i);
         }
-        if (len > n - i)
-            return err_set(err, "header has invalid UTF-8 at %zu", i);
+        if (len > n - i) return err_set(err, "header has invalid UTF-8 at %zu", i);
         for (size_t k = 1; k < len; k++) {
-            if ((h[i + k] & 0xC0) != 0x80)
-                return err_set(err, "header has invalid UTF-8 at %zu", i);
+            if ((h[i + k] & 0xC0) != 0x80) return err_set(err, "header has invalid UTF-8 at %zu", i);
             cp = (cp << 6) | (h[i + k] & 0x3Fu);
         }
         if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
@@ -134,42 +130,36 @@ static bool dtype_parse(const char *s, safetensors_dtype *out) {
 
 /* Fills t from one header entry; the byte range is checked against the
  * data section here, the tiling later. */
-static int parse_entry(const cJSON *e, safetensors_tensor *t, uint64_t data_size,
-                       ae_error *err) {
+static int parse_entry(const cJSON *e, safetensors_tensor *t, uint64_t data_size, ae_error *err) {
     const char *nm = t->name;
-    if (!cJSON_IsObject(e))
-        return err_set(err, "tensor \"%.200s\": entry is not an object", nm);
+    if (!cJSON_IsObject(e)) return err_set(err, "tensor \"%.200s\": entry is not an object", nm);
     const cJSON *dtype = NULL, *shape = NULL, *offs = NULL;
     const cJSON *c;
     cJSON_ArrayForEach(c, e) {
         const cJSON **slot = NULL;
-        if (strcmp(c->string, "dtype") == 0) slot = &dtype;
-        else if (strcmp(c->string, "shape") == 0) slot = &shape;
-        else if (strcmp(c->string, "data_offsets") == 0) slot = &offs;
+        if (strcmp(c->string, "dtype") == 0)
+            slot = &dtype;
+        else if (strcmp(c->string, "shape") == 0)
+            slot = &shape;
+        else if (strcmp(c->string, "data_offsets") == 0)
+            slot = &offs;
         else
-            return err_set(err, "tensor \"%.200s\": unknown key \"%.100s\"",
-                           nm, c->string);
-        if (*slot)
-            return err_set(err, "tensor \"%.200s\": duplicate key \"%s\"", nm,
-                           c->string);
+            return err_set(err, "tensor \"%.200s\": unknown key \"%.100s\"", nm, c->string);
+        if (*slot) return err_set(err, "tensor \"%.200s\": duplicate key \"%s\"", nm, c->string);
         *slot = c;
     }
     if (!dtype) return err_set(err, "tensor \"%.200s\": no dtype", nm);
     if (!shape) return err_set(err, "tensor \"%.200s\": no shape", nm);
     if (!offs) return err_set(err, "tensor \"%.200s\": no data_offsets", nm);
 
-    if (!cJSON_IsString(dtype))
-        return err_set(err, "tensor \"%.200s\": dtype is not a string", nm);
+    if (!cJSON_IsString(dtype)) return err_set(err, "tensor \"%.200s\": dtype is not a string", nm);
     if (!dtype_parse(dtype->valuestring, &t->dtype))
-        return err_set(err, "tensor \"%.200s\": unknown dtype \"%.40s\"", nm,
-                       dtype->valuestring);
+        return err_set(err, "tensor \"%.200s\": unknown dtype \"%.40s\"", nm, dtype->valuestring);
 
-    if (!cJSON_IsArray(shape))
-        return err_set(err, "tensor \"%.200s\": shape is not an array", nm);
+    if (!cJSON_IsArray(shape)) return err_set(err, "tensor \"%.200s\": shape is not an array", nm);
     int rank = cJSON_GetArraySize(shape);
     if (rank < 0 || (unsigned)rank > SAFETENSORS_MAX_DIMS)
-        return err_set(err, "tensor \"%.200s\": shape rank %d exceeds %u", nm,
-                       rank, SAFETENSORS_MAX_DIMS);
+        return err_set(err, "tensor \"%.200s\": shape rank %d exceeds %u", nm, rank, SAFETENSORS_MAX_DIMS);
     t->n_dims = (uint32_t)rank;
     for (uint32_t i = 0; i < SAFETENSORS_MAX_DIMS; i++) t->shape[i] = 1;
     uint64_t n_el = 1;
@@ -181,18 +171,15 @@ static int parse_entry(const cJSON *e, safetensors_tensor *t, uint64_t data_size
                            "tensor \"%.200s\": shape[%u] is not a "
                            "non-negative integer",
                            nm, i);
-        if (__builtin_mul_overflow(n_el, dim, &n_el))
-            return err_set(err, "tensor \"%.200s\": shape overflows", nm);
+        if (__builtin_mul_overflow(n_el, dim, &n_el)) return err_set(err, "tensor \"%.200s\": shape overflows", nm);
         t->shape[i++] = dim;
     }
     t->n_elements = n_el;
-    if (__builtin_mul_overflow(n_el, (uint64_t)safetensors_dtype_size(t->dtype),
-                               &t->n_bytes))
+    if (__builtin_mul_overflow(n_el, (uint64_t)safetensors_dtype_size(t->dtype), &t->n_bytes))
         return err_set(err, "tensor \"%.200s\": byte size overflows", nm);
 
     uint64_t begin, end;
-    if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2 ||
-        !json_u64(cJSON_GetArrayItem(offs, 0), &begin) ||
+    if (!cJSON_IsArray(offs) || cJSON_GetArraySize(offs) != 2 || !json_u64(cJSON_GetArrayItem(offs, 0), &begin) ||
         !json_u64(cJSON_GetArrayItem(offs, 1), &end))
         return err_set(err,
                        "tensor \"%.200s\": data_offsets is not "
@@ -207,31 +194,26 @@ static int parse_entry(const cJSON *e, safetensors_tensor *t, uint64_t data_size
         return err_set(err,
                        "tensor \"%.200s\": data_offsets end %llu is past "
                        "the data section (%llu bytes)",
-                       nm, (unsigned long long)end,
-                       (unsigned long long)data_size);
+                       nm, (unsigned long long)end, (unsigned long long)data_size);
     if (end - begin != t->n_bytes)
         return err_set(err,
                        "tensor \"%.200s\": %llu bytes in data_offsets, "
                        "but shape and %s need %llu",
-                       nm, (unsigned long long)(end - begin),
-                       safetensors_dtype_name(t->dtype),
+                       nm, (unsigned long long)(end - begin), safetensors_dtype_name(t->dtype),
                        (unsigned long long)t->n_bytes);
     t->offset = begin;
     return AE_OK;
 }
 
 static int parse_metadata(safetensors_file *f, const cJSON *m, ae_error *err) {
-    if (!cJSON_IsObject(m))
-        return err_set(err, "__metadata__ is not an object");
+    if (!cJSON_IsObject(m)) return err_set(err, "__metadata__ is not an object");
     int n = cJSON_GetArraySize(m);
     if (n <= 0) return AE_OK;
     f->meta = calloc((size_t)n, sizeof *f->meta);
     if (!f->meta) return err_set(err, "out of memory");
     const cJSON *c;
     cJSON_ArrayForEach(c, m) {
-        if (!cJSON_IsString(c))
-            return err_set(err, "__metadata__ \"%.200s\" is not a string",
-                           c->string);
+        if (!cJSON_IsString(c)) return err_set(err, "__metadata__ \"%.200s\" is not a string", c->string);
         f->meta[f->n_meta].key = c->string;
         f->meta[f->n_meta].value = c->valuestring;
         f->n_meta++;
@@ -259,29 +241,25 @@ static int cmp_meta(const void *a, const void *b) {
 /* Validates f->base/f->size and fills the rest of f. Error text has no
  * path; the callers prepend it. */
 static int parse(safetensors_file *f, ae_error *err) {
-    if (f->size < 8)
-        return err_set(err, "%zu bytes is too small for a safetensors file",
-                       f->size);
+    if (f->size < 8) return err_set(err, "%zu bytes is too small for a safetensors file", f->size);
     uint64_t n = 0;
     for (int i = 7; i >= 0; i--) n = (n << 8) | f->base[i];
     if (n > SAFETENSORS_MAX_HEADER)
-        return err_set(err, "header length %llu exceeds the limit of %u",
-                       (unsigned long long)n, SAFETENSORS_MAX_HEADER);
+        return err_set(err, "header length %llu exceeds the limit of %u", (unsigned long long)n,
+                       SAFETENSORS_MAX_HEADER);
     if (n > f->size - 8)
         return err_set(err,
                        "header length %llu runs past the end of the file "
                        "(%zu bytes)",
                        (unsigned long long)n, f->size);
     const uint8_t *h = f->base + 8;
-    if (n < 2 || h[0] != '{')
-        return err_set(err, "header does not start with a JSON object");
+    if (n < 2 || h[0] != '{') return err_set(err, "header does not start with a JSON object");
     if (header_scan(h, (size_t)n, err) != AE_OK) return AE_ERR;
 
     /* cJSON gets a NUL-terminated copy so that no path of its parser can
      * read past the header, whatever the bytes. */
     char *buf = malloc((size_t)n + 1);
-    if (!buf) return err_set(err, "out of memory for a %llu byte header",
-                             (unsigned long long)n);
+    if (!buf) return err_set(err, "out of memory for a %llu byte header", (unsigned long long)n);
     memcpy(buf, h, (size_t)n);
     buf[n] = '\0';
     f->json = json_parse(buf, (size_t)n, err);
@@ -290,15 +268,13 @@ static int parse(safetensors_file *f, ae_error *err) {
         err_prefix(err, "header: ");
         return AE_ERR;
     }
-    if (!cJSON_IsObject(f->json))
-        return err_set(err, "header is not a JSON object");
+    if (!cJSON_IsObject(f->json)) return err_set(err, "header is not a JSON object");
 
     uint64_t data_size = (uint64_t)(f->size - 8) - n;
     const uint8_t *data = h + n;
     int n_keys = cJSON_GetArraySize(f->json);
     if (n_keys < 0 || (unsigned)n_keys > SAFETENSORS_MAX_TENSORS + 1)
-        return err_set(err, "header has %d entries, more than %u", n_keys,
-                       SAFETENSORS_MAX_TENSORS);
+        return err_set(err, "header has %d entries, more than %u", n_keys, SAFETENSORS_MAX_TENSORS);
     if (n_keys > 0) {
         f->tensors = calloc((size_t)n_keys, sizeof *f->tensors);
         if (!f->tensors) return err_set(err, "out of memory");
@@ -315,8 +291,7 @@ static int parse(safetensors_file *f, ae_error *err) {
         size_t len = strlen(c->string);
         if (len == 0) return err_set(err, "a tensor has an empty name");
         if (len > SAFETENSORS_MAX_NAME)
-            return err_set(err, "tensor name of %zu bytes exceeds %u", len,
-                           SAFETENSORS_MAX_NAME);
+            return err_set(err, "tensor name of %zu bytes exceeds %u", len, SAFETENSORS_MAX_NAME);
         if (f->n_tensors == SAFETENSORS_MAX_TENSORS)
             return err_set(err, "more than %u tensors", SAFETENSORS_MAX_TENSORS);
         safetensors_tensor *t = &f->tensors[f->n_tensors++];
@@ -326,18 +301,14 @@ static int parse(safetensors_file *f, ae_error *err) {
 
     /* The tensors must tile the data section: a gap or a tail could hide
      * data no reader accounts for, and an overlap aliases two tensors. */
-    if (f->n_tensors > 0)
-        qsort(f->tensors, f->n_tensors, sizeof *f->tensors, cmp_offset);
+    if (f->n_tensors > 0) qsort(f->tensors, f->n_tensors, sizeof *f->tensors, cmp_offset);
     uint64_t covered = 0;
     for (size_t i = 0; i < f->n_tensors; i++) {
         safetensors_tensor *t = &f->tensors[i];
         if (t->offset < covered)
-            return err_set(err, "tensors \"%.200s\" and \"%.200s\" overlap",
-                           f->tensors[i - 1].name, t->name);
+            return err_set(err, "tensors \"%.200s\" and \"%.200s\" overlap", f->tensors[i - 1].name, t->name);
         if (t->offset > covered)
-            return err_set(err,
-                           "gap of %llu bytes before tensor \"%.200s\"",
-                           (unsigned long long)(t->offset - covered),
+            return err_set(err, "gap of %llu bytes before tensor \"%.200s\"", (unsigned long long)(t->offset - covered),
                            t->name);
         covered = t->offset + t->n_bytes;
         t->data = data + t->offset;
@@ -346,27 +317,22 @@ static int parse(safetensors_file *f, ae_error *err) {
         return err_set(err,
                        "data section has %llu bytes, but tensors cover "
                        "%llu",
-                       (unsigned long long)data_size,
-                       (unsigned long long)covered);
+                       (unsigned long long)data_size, (unsigned long long)covered);
 
     if (f->n_tensors > 0) {
         f->by_name = malloc(f->n_tensors * sizeof *f->by_name);
         if (!f->by_name) return err_set(err, "out of memory");
-        for (size_t i = 0; i < f->n_tensors; i++)
-            f->by_name[i] = &f->tensors[i];
-        qsort(f->by_name, f->n_tensors, sizeof *f->by_name,
-              cmp_tensor_name);
+        for (size_t i = 0; i < f->n_tensors; i++) f->by_name[i] = &f->tensors[i];
+        qsort(f->by_name, f->n_tensors, sizeof *f->by_name, cmp_tensor_name);
         for (size_t i = 1; i < f->n_tensors; i++)
             if (strcmp(f->by_name[i - 1]->name, f->by_name[i]->name) == 0)
-                return err_set(err, "duplicate tensor \"%.200s\"",
-                               f->by_name[i]->name);
+                return err_set(err, "duplicate tensor \"%.200s\"", f->by_name[i]->name);
     }
     if (f->n_meta > 0) {
         qsort(f->meta, f->n_meta, sizeof *f->meta, cmp_meta);
         for (size_t i = 1; i < f->n_meta; i++)
             if (strcmp(f->meta[i - 1].key, f->meta[i].key) == 0)
-                return err_set(err, "duplicate __metadata__ key \"%.200s\"",
-                               f->meta[i].key);
+                return err_set(err, "duplicate __metadata__ key \"%.200s\"", f->meta[i].key);
     }
     return AE_OK;
 }
@@ -384,8 +350,7 @@ void safetensors_close(safetensors_file *f) {
     free(f);
 }
 
-int safetensors_open_mem(safetensors_file **out, const void *data, size_t size,
-                const char *name, ae_error *err) {
+int safetensors_open_mem(safetensors_file **out, const void *data, size_t size, const char *name, ae_error *err) {
     *out = NULL;
     ae_error local = {{0}};
     safetensors_file *f = calloc(1, sizeof *f);
@@ -467,15 +432,16 @@ const safetensors_tensor *safetensors_tensor_at(const safetensors_file *f, size_
     return &f->tensors[i];
 }
 
-static const safetensors_tensor *find_in(const safetensors_tensor *const *by_name, size_t n,
-                                const char *name) {
+static const safetensors_tensor *find_in(const safetensors_tensor *const *by_name, size_t n, const char *name) {
     size_t lo = 0, hi = n;
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
         int c = strcmp(name, by_name[mid]->name);
         if (c == 0) return by_name[mid];
-        if (c < 0) hi = mid;
-        else lo = mid + 1;
+        if (c < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
     }
     return NULL;
 }
@@ -486,8 +452,7 @@ const safetensors_tensor *safetensors_find(const safetensors_file *f, const char
 
 size_t safetensors_metadata_count(const safetensors_file *f) { return f->n_meta; }
 
-void safetensors_metadata_at(const safetensors_file *f, size_t i, const char **key,
-                    const char **value) {
+void safetensors_metadata_at(const safetensors_file *f, size_t i, const char **key, const char **value) {
     AE_ASSERT(i < f->n_meta);
     if (key) *key = f->meta[i].key;
     if (value) *value = f->meta[i].value;
@@ -499,8 +464,10 @@ const char *safetensors_metadata_get(const safetensors_file *f, const char *key)
         size_t mid = lo + (hi - lo) / 2;
         int c = strcmp(key, f->meta[mid].key);
         if (c == 0) return f->meta[mid].value;
-        if (c < 0) hi = mid;
-        else lo = mid + 1;
+        if (c < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
     }
     return NULL;
 }
@@ -509,22 +476,19 @@ const char *safetensors_metadata_get(const safetensors_file *f, const char *key)
 
 static int check_n(const safetensors_tensor *t, uint64_t n, ae_error *err) {
     if (n > t->n_elements)
-        return err_set(err, "tensor \"%.200s\": %llu elements asked, %llu held",
-                       t->name, (unsigned long long)n,
+        return err_set(err, "tensor \"%.200s\": %llu elements asked, %llu held", t->name, (unsigned long long)n,
                        (unsigned long long)t->n_elements);
     return AE_OK;
 }
 
-static int unsupported(const safetensors_tensor *t, const char *to,
-                       const char *supported, ae_error *err) {
+static int unsupported(const safetensors_tensor *t, const char *to, const char *supported, ae_error *err) {
     return err_set(err,
                    "tensor \"%.200s\": dtype %s cannot be converted to %s "
                    "(supported: %s)",
                    t->name, safetensors_dtype_name(t->dtype), to, supported);
 }
 
-int safetensors_tensor_to_f32(const safetensors_tensor *t, float *dst, uint64_t n,
-                     ae_error *err) {
+int safetensors_tensor_to_f32(const safetensors_tensor *t, float *dst, uint64_t n, ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
     const uint8_t *p = t->data;
     switch (t->dtype) {
@@ -536,17 +500,14 @@ int safetensors_tensor_to_f32(const safetensors_tensor *t, float *dst, uint64_t 
         for (uint64_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, p + 2 * i, sizeof h);
-            dst[i] = t->dtype == SAFETENSORS_F16 ? quant_f16_to_f32(h)
-                                        : quant_bf16_to_f32(h);
+            dst[i] = t->dtype == SAFETENSORS_F16 ? quant_f16_to_f32(h) : quant_bf16_to_f32(h);
         }
         return AE_OK;
-    default:
-        return unsupported(t, "f32", "F32, F16, BF16", err);
+    default: return unsupported(t, "f32", "F32, F16, BF16", err);
     }
 }
 
-int safetensors_tensor_to_i64(const safetensors_tensor *t, int64_t *dst, uint64_t n,
-                     ae_error *err) {
+int safetensors_tensor_to_i64(const safetensors_tensor *t, int64_t *dst, uint64_t n, ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
     const uint8_t *p = t->data;
     switch (t->dtype) {
@@ -560,13 +521,11 @@ int safetensors_tensor_to_i64(const safetensors_tensor *t, int64_t *dst, uint64_
             dst[i] = v;
         }
         return AE_OK;
-    default:
-        return unsupported(t, "i64", "I64, I32", err);
+    default: return unsupported(t, "i64", "I64, I32", err);
     }
 }
 
-int safetensors_tensor_to_i32(const safetensors_tensor *t, int32_t *dst, uint64_t n,
-                     ae_error *err) {
+int safetensors_tensor_to_i32(const safetensors_tensor *t, int32_t *dst, uint64_t n, ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
     const uint8_t *p = t->data;
     switch (t->dtype) {
@@ -585,13 +544,11 @@ int safetensors_tensor_to_i32(const safetensors_tensor *t, int32_t *dst, uint64_
             dst[i] = (int32_t)v;
         }
         return AE_OK;
-    default:
-        return unsupported(t, "i32", "I32, I64", err);
+    default: return unsupported(t, "i32", "I32, I64", err);
     }
 }
 
-int safetensors_tensor_to_bool(const safetensors_tensor *t, bool *dst, uint64_t n,
-                      ae_error *err) {
+int safetensors_tensor_to_bool(const safetensors_tensor *t, bool *dst, uint64_t n, ae_error *err) {
     if (check_n(t, n, err) != AE_OK) return AE_ERR;
     if (t->dtype != SAFETENSORS_BOOL) return unsupported(t, "bool", "BOOL", err);
     const uint8_t *p = t->data;
@@ -609,7 +566,7 @@ int safetensors_tensor_to_bool(const safetensors_tensor *t, bool *dst, uint64_t 
 /* ---- checkpoint directories ------------------------------------------- */
 
 struct safetensors_model {
-    safetensors_file **files;           /* (n_files) in order of first use */
+    safetensors_file **files; /* (n_files) in order of first use */
     size_t n_files;
     const safetensors_tensor **by_name; /* (n_tensors) across files, sorted by name */
     size_t n_tensors;
@@ -633,7 +590,6 @@ static char *path_join(const char *dir, const char *name) {
     return p;
 }
 
-
 /* The shard file name of a file safetensors_model opened (its path is dir/name). */
 static const char *file_base(const safetensors_file *f) {
     const char *slash = strrchr(safetensors_path(f), '/');
@@ -648,12 +604,10 @@ static const safetensors_file *shard_by_name(const safetensors_model *m, const c
 
 static bool shard_name_ok(const char *s) {
     size_t len = strlen(s);
-    return len > 0 && len <= SAFETENSORS_MAX_SHARD_NAME && !strchr(s, '/') &&
-           !strchr(s, '\\') && !strstr(s, "..");
+    return len > 0 && len <= SAFETENSORS_MAX_SHARD_NAME && !strchr(s, '/') && !strchr(s, '\\') && !strstr(s, "..");
 }
 
-static int add_file(safetensors_model *m, const char *dir, const char *name,
-                    ae_error *err) {
+static int add_file(safetensors_model *m, const char *dir, const char *name, ae_error *err) {
     char *path = path_join(dir, name);
     if (!path) return err_set(err, "%s: out of memory", dir);
     safetensors_file *f = NULL;
@@ -677,8 +631,7 @@ static int cmp_json_key(const void *a, const void *b) {
 
 /* Opens the shards an index names and checks it against them. Errors about
  * the index are prefixed with `ipath`; safetensors_open names a bad shard itself. */
-static int load_index(safetensors_model *m, const char *dir, const char *ipath,
-                      ae_error *err) {
+static int load_index(safetensors_model *m, const char *dir, const char *ipath, ae_error *err) {
     ae_error local = {{0}};
     size_t len = 0;
     const cJSON **keys = NULL;
@@ -716,8 +669,7 @@ static int load_index(safetensors_model *m, const char *dir, const char *ipath,
     const cJSON *e;
     cJSON_ArrayForEach(e, wm) {
         if (!cJSON_IsString(e)) {
-            err_set(&local, "weight_map: \"%.200s\" is not a string",
-                    e->string);
+            err_set(&local, "weight_map: \"%.200s\" is not a string", e->string);
             goto fail;
         }
         if (!shard_name_ok(e->valuestring)) {
@@ -729,15 +681,13 @@ static int load_index(safetensors_model *m, const char *dir, const char *ipath,
         }
         keys[nk++] = e;
         /* Shards are few; a linear scan keeps each opened once. */
-        if (!shard_by_name(m, e->valuestring) &&
-            add_file(m, dir, e->valuestring, err) != AE_OK)
+        if (!shard_by_name(m, e->valuestring) && add_file(m, dir, e->valuestring, err) != AE_OK)
             goto fail; /* err names the shard; local stays empty */
     }
     qsort(keys, nk, sizeof *keys, cmp_json_key);
     for (size_t i = 1; i < nk; i++) {
         if (strcmp(keys[i - 1]->string, keys[i]->string) == 0) {
-            err_set(&local, "weight_map: duplicate tensor \"%.200s\"",
-                    keys[i]->string);
+            err_set(&local, "weight_map: duplicate tensor \"%.200s\"", keys[i]->string);
             goto fail;
         }
     }
@@ -772,8 +722,7 @@ static int load_index(safetensors_model *m, const char *dir, const char *ipath,
             }
         }
         /* Unreachable by the argument above; kept as a plain error. */
-        err_set(&local, "shards hold %zu tensors, weight_map lists %zu",
-                total, nk);
+        err_set(&local, "shards hold %zu tensors, weight_map lists %zu", total, nk);
         goto fail;
     }
     free(keys);
@@ -832,12 +781,10 @@ int safetensors_model_open(safetensors_model **out, const char *dir, ae_error *e
     for (size_t j = 0; j < m->n_files; j++)
         for (size_t i = 0; i < safetensors_count(m->files[j]); i++)
             m->by_name[k++] = safetensors_tensor_at(m->files[j], i);
-    if (m->n_tensors > 0)
-        qsort(m->by_name, m->n_tensors, sizeof *m->by_name, cmp_tensor_name);
+    if (m->n_tensors > 0) qsort(m->by_name, m->n_tensors, sizeof *m->by_name, cmp_tensor_name);
     for (size_t i = 1; i < m->n_tensors; i++) {
         if (strcmp(m->by_name[i - 1]->name, m->by_name[i]->name) == 0) {
-            err_set(err, "%s: tensor \"%.200s\" is in more than one shard",
-                    dir, m->by_name[i]->name);
+            err_set(err, "%s: tensor \"%.200s\" is in more than one shard", dir, m->by_name[i]->name);
             goto fail;
         }
     }

@@ -50,9 +50,9 @@ typedef enum safetensors_dtype {
 
 /* Limits against absurd counts in corrupt or hostile files. */
 #define SAFETENSORS_MAX_HEADER (100u * 1024u * 1024u) /* bytes of JSON */
-#define SAFETENSORS_MAX_DIMS 8u                        /* shape rank */
-#define SAFETENSORS_MAX_NAME 1024u                     /* bytes in a tensor name */
-#define SAFETENSORS_MAX_TENSORS (1u << 20)             /* tensors in one file */
+#define SAFETENSORS_MAX_DIMS 8u                       /* shape rank */
+#define SAFETENSORS_MAX_NAME 1024u                    /* bytes in a tensor name */
+#define SAFETENSORS_MAX_TENSORS (1u << 20)            /* tensors in one file */
 
 const char *safetensors_dtype_name(safetensors_dtype d); /* "BF16" */
 size_t safetensors_dtype_size(safetensors_dtype d);      /* bytes per element */
@@ -60,15 +60,15 @@ size_t safetensors_dtype_size(safetensors_dtype d);      /* bytes per element */
 /* One tensor of an open file. Plain data owned by the file: valid until
  * safetensors_close of the file (or safetensors_model_close of its model). */
 typedef struct safetensors_tensor {
-    const char *name;             /* NUL-terminated, UTF-8, non-empty */
+    const char *name; /* NUL-terminated, UTF-8, non-empty */
     safetensors_dtype dtype;
-    uint32_t n_dims;              /* 0..SAFETENSORS_MAX_DIMS; 0 = scalar */
-    uint64_t shape[SAFETENSORS_MAX_DIMS];  /* row-major, outermost first as in the
-                                     file (PyTorch order); unused dims = 1 */
-    uint64_t n_elements;          /* product of shape (1 for a scalar) */
-    uint64_t n_bytes;             /* n_elements * safetensors_dtype_size(dtype) */
-    uint64_t offset;              /* begin, relative to the data section */
-    const void *data;             /* into the mapping; maybe unaligned */
+    uint32_t n_dims;                      /* 0..SAFETENSORS_MAX_DIMS; 0 = scalar */
+    uint64_t shape[SAFETENSORS_MAX_DIMS]; /* row-major, outermost first as in the
+                                    file (PyTorch order); unused dims = 1 */
+    uint64_t n_elements;                  /* product of shape (1 for a scalar) */
+    uint64_t n_bytes;                     /* n_elements * safetensors_dtype_size(dtype) */
+    uint64_t offset;                      /* begin, relative to the data section */
+    const void *data;                     /* into the mapping; maybe unaligned */
 } safetensors_tensor;
 
 typedef struct safetensors_file safetensors_file;
@@ -79,8 +79,7 @@ int safetensors_open(safetensors_file **out, const char *path, ae_error *err);
 
 /* Same checks over a caller-owned buffer that must outlive the handle (the
  * fuzzer and tests use it). `name` is used in error text. */
-int safetensors_open_mem(safetensors_file **out, const void *data, size_t size,
-                const char *name, ae_error *err);
+int safetensors_open_mem(safetensors_file **out, const void *data, size_t size, const char *name, ae_error *err);
 
 void safetensors_close(safetensors_file *f); /* NULL is a no-op */
 
@@ -93,8 +92,7 @@ const safetensors_tensor *safetensors_find(const safetensors_file *f, const char
 
 /* "__metadata__" pairs, sorted by key. */
 size_t safetensors_metadata_count(const safetensors_file *f);
-void safetensors_metadata_at(const safetensors_file *f, size_t i, const char **key,
-                    const char **value);
+void safetensors_metadata_at(const safetensors_file *f, size_t i, const char **key, const char **value);
 const char *safetensors_metadata_get(const safetensors_file *f, const char *key); /* or NULL */
 
 /* Converters read the first n elements of t (n <= t->n_elements) into dst,
@@ -102,17 +100,13 @@ const char *safetensors_metadata_get(const safetensors_file *f, const char *key)
  * tensor, for an unsupported dtype or a too-large n. */
 
 /* F32, F16, BF16; exact (every f16/bf16 value is a float). */
-int safetensors_tensor_to_f32(const safetensors_tensor *t, float *dst, uint64_t n,
-                     ae_error *err);
+int safetensors_tensor_to_f32(const safetensors_tensor *t, float *dst, uint64_t n, ae_error *err);
 /* I64, or I32 widened. */
-int safetensors_tensor_to_i64(const safetensors_tensor *t, int64_t *dst, uint64_t n,
-                     ae_error *err);
+int safetensors_tensor_to_i64(const safetensors_tensor *t, int64_t *dst, uint64_t n, ae_error *err);
 /* I32, or I64 when every value fits in int32 (e.g. EAGLE's d2t). */
-int safetensors_tensor_to_i32(const safetensors_tensor *t, int32_t *dst, uint64_t n,
-                     ae_error *err);
+int safetensors_tensor_to_i32(const safetensors_tensor *t, int32_t *dst, uint64_t n, ae_error *err);
 /* BOOL; a byte other than 0 or 1 is an error. */
-int safetensors_tensor_to_bool(const safetensors_tensor *t, bool *dst, uint64_t n,
-                      ae_error *err);
+int safetensors_tensor_to_bool(const safetensors_tensor *t, bool *dst, uint64_t n, ae_error *err);
 
 /* A Hugging Face checkpoint directory: either `model.safetensors`, or the
  * shards named by `model.safetensors.index.json`

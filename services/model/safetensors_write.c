@@ -50,7 +50,7 @@ static char *header_json(const safetensors_out *t, size_t n, const char *const *
 }
 
 int safetensors_write(const char *path, const safetensors_out *t, size_t n, const char *const *meta, size_t n_meta,
-             ae_error *err) {
+                      ae_error *err) {
     uint64_t data_bytes;
     char *json = header_json(t, n, meta, n_meta, &data_bytes, err);
     if (!json) return AE_ERR;

@@ -25,6 +25,6 @@ typedef struct safetensors_out {
 /* Writes tensors t[0..n) in that order, and the metadata pairs
  * meta[0], meta[1], ... (key, value; n_meta pairs) as "__metadata__". */
 int safetensors_write(const char *path, const safetensors_out *t, size_t n, const char *const *meta, size_t n_meta,
-             ae_error *err);
+                      ae_error *err);
 
 #endif

@@ -16,7 +16,7 @@ int weights_open(weights_store **out, const char *path, const kn_backend *be, ae
     w->be = be;
     struct stat sb;
     int rc = stat(path, &sb) == 0 && S_ISDIR(sb.st_mode) ? safetensors_model_open(&w->st, path, err)
-                                                           : gguf_open(&w->gguf, path, err);
+                                                         : gguf_open(&w->gguf, path, err);
     if (rc != AE_OK) {
         weights_close(w);
         return AE_ERR;
@@ -128,8 +128,12 @@ static int gguf_matrix(weights_store *w, const char *name, int64_t rows, int64_t
     if (kn_matmul_supports(t->type)) {
         const kn_buf *b = from_host(w, t->data, t->n_bytes, err);
         if (!b) return err_prefix(err, "tensor %s: ", name), AE_ERR;
-        *out = (kn_weight){.type = t->type, .rows = rows, .cols = cols, .data = b->ptr,
-                           .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols), .buf = b};
+        *out = (kn_weight){.type = t->type,
+                           .rows = rows,
+                           .cols = cols,
+                           .data = b->ptr,
+                           .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols),
+                           .buf = b};
         w->bytes += t->n_bytes;
         return AE_OK;
     }
@@ -137,8 +141,12 @@ static int gguf_matrix(weights_store *w, const char *name, int64_t rows, int64_t
         return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
     const kn_buf *b = own_floats(w, t->n_elements, dequantize, t->data, t, err);
     if (!b) return err_set(err, "tensor %s: cannot convert", name);
-    *out = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = b->ptr,
-                       .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+    *out = (kn_weight){.type = GGML_TYPE_F32,
+                       .rows = rows,
+                       .cols = cols,
+                       .data = b->ptr,
+                       .row_bytes = (size_t)cols * sizeof(float),
+                       .buf = b};
     w->bytes += t->n_elements * sizeof(float);
     return AE_OK;
 }
@@ -159,8 +167,12 @@ int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t row
     const kn_buf *b;
     if (kn_matmul_supports(t->type)) {
         if (!(b = from_host(w, t->data, t->n_bytes, err))) return err_prefix(err, "tensor %s: ", name), AE_ERR;
-        *out = (kn_weight){.type = t->type, .rows = n * rows, .cols = cols, .data = b->ptr,
-                           .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols), .buf = b};
+        *out = (kn_weight){.type = t->type,
+                           .rows = n * rows,
+                           .cols = cols,
+                           .data = b->ptr,
+                           .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols),
+                           .buf = b};
         w->bytes += t->n_bytes;
         return AE_OK;
     }
@@ -168,8 +180,12 @@ int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t row
         return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
     if (!(b = own_floats(w, t->n_elements, dequantize, t->data, &flat, err)))
         return err_set(err, "tensor %s: cannot convert", name);
-    *out = (kn_weight){.type = GGML_TYPE_F32, .rows = n * rows, .cols = cols, .data = b->ptr,
-                       .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+    *out = (kn_weight){.type = GGML_TYPE_F32,
+                       .rows = n * rows,
+                       .cols = cols,
+                       .data = b->ptr,
+                       .row_bytes = (size_t)cols * sizeof(float),
+                       .buf = b};
     w->bytes += t->n_elements * sizeof(float);
     return AE_OK;
 }
@@ -181,8 +197,12 @@ static int gguf_table(weights_store *w, const char *name, int64_t rows, int64_t 
         return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
     const kn_buf *b = from_host(w, t->data, t->n_bytes, err);
     if (!b) return err_prefix(err, "tensor %s: ", name), AE_ERR;
-    *out = (kn_weight){.type = t->type, .rows = rows, .cols = cols, .data = b->ptr,
-                       .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols), .buf = b};
+    *out = (kn_weight){.type = t->type,
+                       .rows = rows,
+                       .cols = cols,
+                       .data = b->ptr,
+                       .row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)cols),
+                       .buf = b};
     return AE_OK;
 }
 
@@ -233,17 +253,25 @@ static int st_matrix(weights_store *w, const char *name, int64_t rows, int64_t c
     /* BF16, the type real checkpoints ship, has a matmul kernel: it stays
      * as the file has it (half the bytes of f32), where it is aligned. */
     const safetensors_tensor *t = safetensors_model_find(w->st, name);
-    if (t && t->dtype == SAFETENSORS_BF16 && t->n_dims == 2 && (int64_t)t->shape[0] == rows && (int64_t)t->shape[1] == cols &&
-        ((uintptr_t)t->data & 1) == 0) {
+    if (t && t->dtype == SAFETENSORS_BF16 && t->n_dims == 2 && (int64_t)t->shape[0] == rows &&
+        (int64_t)t->shape[1] == cols && ((uintptr_t)t->data & 1) == 0) {
         if (!(b = from_host(w, t->data, t->n_bytes, err))) return err_prefix(err, "tensor %s: ", name), AE_ERR;
-        *out = (kn_weight){.type = GGML_TYPE_BF16, .rows = rows, .cols = cols, .data = b->ptr,
-                           .row_bytes = (size_t)cols * 2, .buf = b};
+        *out = (kn_weight){.type = GGML_TYPE_BF16,
+                           .rows = rows,
+                           .cols = cols,
+                           .data = b->ptr,
+                           .row_bytes = (size_t)cols * 2,
+                           .buf = b};
         w->bytes += t->n_bytes;
         return AE_OK;
     }
     if (st_floats(w, name, rows, cols, false, &p, &b, err) != AE_OK) return AE_ERR;
-    *out = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = p,
-                       .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+    *out = (kn_weight){.type = GGML_TYPE_F32,
+                       .rows = rows,
+                       .cols = cols,
+                       .data = p,
+                       .row_bytes = (size_t)cols * sizeof(float),
+                       .buf = b};
     return AE_OK;
 }
 
@@ -264,9 +292,7 @@ int weights_vector(weights_store *w, const char *name, int64_t n, bool optional,
 /* Whether m's bytes are memory the weights wrote themselves (a
  * conversion, a copy of picked rows), not the mapped file. A weight's buf
  * is the first member of the weights_buf that holds it. */
-static bool owned(const kn_weight *m) {
-    return m->buf && ((const weights_buf *)(const void *)m->buf)->host != NULL;
-}
+static bool owned(const kn_weight *m) { return m->buf && ((const weights_buf *)(const void *)m->buf)->host != NULL; }
 
 /* Once a matrix is packed, the forward pass reads its file bytes only for
  * rows past the last whole group of 16 (none in the default model). The
@@ -311,8 +337,12 @@ int weights_f32(weights_store *w, int64_t rows, int64_t cols, weights_fill_fn fi
     if (!b) return AE_ERR;
     w->bytes += bytes;
     w->converted_bytes += bytes;
-    *out = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = b->ptr,
-                       .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+    *out = (kn_weight){.type = GGML_TYPE_F32,
+                       .rows = rows,
+                       .cols = cols,
+                       .data = b->ptr,
+                       .row_bytes = (size_t)cols * sizeof(float),
+                       .buf = b};
     return AE_OK;
 }
 
@@ -359,11 +389,12 @@ static bool f16_exact(float f, uint16_t *h) {
 int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int64_t cols, kn_weight *out,
                         ae_error *err) {
     const safetensors_tensor *pk = int4_part(w, prefix, "weight_packed"), *sc = int4_part(w, prefix, "weight_scale"),
-                    *shape = int4_part(w, prefix, "weight_shape");
+                             *shape = int4_part(w, prefix, "weight_shape");
     if (!pk || !sc) return err_set(err, "tensor %s.weight_packed or .weight_scale is missing", prefix);
     if (cols % 32)
         return err_set(err, "%s: int4 groups of 32 need columns a multiple of 32, not %lld", prefix, (long long)cols);
-    if (pk->dtype != SAFETENSORS_I32 || pk->n_dims != 2 || pk->shape[0] != (uint64_t)rows || pk->shape[1] != (uint64_t)cols / 8)
+    if (pk->dtype != SAFETENSORS_I32 || pk->n_dims != 2 || pk->shape[0] != (uint64_t)rows ||
+        pk->shape[1] != (uint64_t)cols / 8)
         return err_set(err, "tensor %s.weight_packed: expected int32 [%lld, %lld]", prefix, (long long)rows,
                        (long long)cols / 8);
     if (sc->n_dims != 2 || sc->shape[0] != (uint64_t)rows || sc->shape[1] != (uint64_t)cols / 32)
@@ -385,7 +416,8 @@ int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int6
         err_set(err, "out of memory");
         goto done;
     }
-    if (safetensors_tensor_to_f32(sc, scale, groups, err) != AE_OK || safetensors_tensor_to_i32(pk, q, pk->n_elements, err) != AE_OK) {
+    if (safetensors_tensor_to_f32(sc, scale, groups, err) != AE_OK ||
+        safetensors_tensor_to_i32(pk, q, pk->n_elements, err) != AE_OK) {
         err_prefix(err, "tensor %s: ", prefix);
         goto done;
     }
@@ -407,8 +439,12 @@ int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int6
         const kn_buf *b = own_done(w, host, bytes, err);
         if (!b) goto done;
         w->bytes += bytes;
-        *out = (kn_weight){.type = GGML_TYPE_Q4_0, .rows = rows, .cols = cols, .data = b->ptr,
-                           .row_bytes = (size_t)cols / 32 * 18, .buf = b};
+        *out = (kn_weight){.type = GGML_TYPE_Q4_0,
+                           .rows = rows,
+                           .cols = cols,
+                           .data = b->ptr,
+                           .row_bytes = (size_t)cols / 32 * 18,
+                           .buf = b};
     } else {
         size_t bytes = (size_t)rows * (size_t)cols * sizeof(float);
         float *host = own_begin(bytes, err);
@@ -419,8 +455,12 @@ int weights_int4_matrix(weights_store *w, const char *prefix, int64_t rows, int6
         if (!b) goto done;
         w->bytes += bytes;
         w->converted_bytes += bytes;
-        *out = (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = b->ptr,
-                           .row_bytes = (size_t)cols * sizeof(float), .buf = b};
+        *out = (kn_weight){.type = GGML_TYPE_F32,
+                           .rows = rows,
+                           .cols = cols,
+                           .data = b->ptr,
+                           .row_bytes = (size_t)cols * sizeof(float),
+                           .buf = b};
     }
 #undef NIBBLE
     rc = AE_OK;

@@ -32,12 +32,12 @@ typedef struct weights_buf {
 } weights_buf;
 
 typedef struct weights_store {
-    gguf_file *gguf;      /* exactly one of gguf and st is set */
+    gguf_file *gguf; /* exactly one of gguf and st is set */
     safetensors_model *st;
-    const kn_backend *be; /* whose memory the tensors are given in */
-    size_t bytes;         /* bytes of weights as used (mapped + converted) */
+    const kn_backend *be;   /* whose memory the tensors are given in */
+    size_t bytes;           /* bytes of weights as used (mapped + converted) */
     size_t converted_bytes; /* of which converted to f32 at load */
-    weights_buf **bufs;   /* one per tensor handed out, and per converted or packed copy */
+    weights_buf **bufs;     /* one per tensor handed out, and per converted or packed copy */
     size_t n_bufs, cap_bufs;
 } weights_store;
 

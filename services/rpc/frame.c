@@ -15,9 +15,10 @@ static uint32_t get32(const uint8_t *p) {
 
 const char *frame_status_name(uint32_t status) {
     static const char *const names[] = {
-        "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-        "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
-        "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+        "OK",        "CANCELLED",       "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+        "NOT_FOUND", "ALREADY_EXISTS",  "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+        "ABORTED",   "OUT_OF_RANGE",    "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+        "DATA_LOSS", "UNAUTHENTICATED",
     };
     return status < sizeof names / sizeof names[0] ? names[status] : "?";
 }
@@ -36,8 +37,7 @@ void frame_encode_header(const frame_header *h, uint8_t out[FRAME_HEADER]) {
     put32(out + 28, 0);
 }
 
-frame_check frame_decode_header(const uint8_t in[FRAME_HEADER], uint32_t max_frame, frame_header *h,
-                                ae_error *err) {
+frame_check frame_decode_header(const uint8_t in[FRAME_HEADER], uint32_t max_frame, frame_header *h, ae_error *err) {
     memset(h, 0, sizeof *h);
     if (get32(in) != FRAME_MAGIC) {
         err_set(err, "not an Aerie RPC frame (bad magic)");
@@ -52,8 +52,7 @@ frame_check frame_decode_header(const uint8_t in[FRAME_HEADER], uint32_t max_fra
     h->msg_len = get32(in + 20);
     h->payload_len = get32(in + 24);
     if (h->version != FRAME_VERSION) {
-        err_set(err, "the peer speaks contract version %u, this service speaks version %u", h->version,
-                FRAME_VERSION);
+        err_set(err, "the peer speaks contract version %u, this service speaks version %u", h->version, FRAME_VERSION);
         return FRAME_BAD_VERSION;
     }
     if (h->kind < FRAME_REQUEST || h->kind > FRAME_PONG || get32(in + 28) != 0) {
@@ -74,8 +73,7 @@ int frame_payload_slice(const uint8_t *payload, uint32_t payload_len, uint32_t o
     if ((uint64_t)elem_size * count != length)
         return err_set(err, "payload reference of %u bytes, expected %zu x %zu", length, count, elem_size);
     if ((uint64_t)offset + length > payload_len)
-        return err_set(err, "payload reference [%u, +%u) outside a payload of %u bytes", offset, length,
-                       payload_len);
+        return err_set(err, "payload reference [%u, +%u) outside a payload of %u bytes", offset, length, payload_len);
     if (elem_size % 4 == 0 && offset % 4 != 0)
         return err_set(err, "payload reference at offset %u is not aligned to 4 bytes", offset);
     *out = length ? payload + offset : NULL;

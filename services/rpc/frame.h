@@ -30,8 +30,8 @@
 
 #define FRAME_MAGIC 0x46524541u /* "AERF" read little-endian */
 #define FRAME_HEADER 32
-#define FRAME_VERSION 3          /* aerie.proto CONTRACT_VERSION */
-#define FRAME_MAX_ERROR 1024     /* bytes of error text in a failed reply */
+#define FRAME_VERSION 3      /* aerie.proto CONTRACT_VERSION */
+#define FRAME_MAX_ERROR 1024 /* bytes of error text in a failed reply */
 
 typedef enum frame_kind {
     FRAME_REQUEST = 1, /* starts a call */
@@ -90,8 +90,7 @@ typedef enum frame_check {
 
 /* Decodes and checks a header against the frame-size limit (message plus
  * payload, in bytes). err says what is wrong, in words for the peer. */
-frame_check frame_decode_header(const uint8_t in[FRAME_HEADER], uint32_t max_frame, frame_header *h,
-                                ae_error *err);
+frame_check frame_decode_header(const uint8_t in[FRAME_HEADER], uint32_t max_frame, frame_header *h, ae_error *err);
 
 /* Resolves a payload reference to count elements of elem_size bytes,
  * checking that it lies inside the payload and has exactly that length.

@@ -13,7 +13,6 @@
 int msg_decode(const pb_msgdesc_t *fields, void *dst, const uint8_t *buf, uint32_t len, ae_error *err);
 
 /* Encodes src into buf[cap]; *len is the encoded size. */
-int msg_encode(const pb_msgdesc_t *fields, const void *src, uint8_t *buf, uint32_t cap, uint32_t *len,
-               ae_error *err);
+int msg_encode(const pb_msgdesc_t *fields, const void *src, uint8_t *buf, uint32_t cap, uint32_t *len, ae_error *err);
 
 #endif

@@ -37,8 +37,8 @@
 struct event_base;
 
 #define RPC_DEFAULT_MAX_FRAME (64u << 20)
-#define RPC_KEEPALIVE_MS 5000   /* a PING after this long without a frame from the peer */
-#define RPC_BACKOFF_MIN_MS 50   /* reconnect backoff: doubles up to the max */
+#define RPC_KEEPALIVE_MS 5000 /* a PING after this long without a frame from the peer */
+#define RPC_BACKOFF_MIN_MS 50 /* reconnect backoff: doubles up to the max */
 #define RPC_BACKOFF_MAX_MS 2000
 /* A server closes a connection that has not finished its TLS handshake and
  * sent one whole frame this long after accept: a silent peer must not hold
@@ -120,8 +120,8 @@ typedef struct rpc_server_config {
     /* Called on the loop thread when a connection closes, after its calls
      * were marked cancelled (may be NULL). */
     void (*on_close)(void *ctx, uint64_t conn_id);
-    uint32_t handshake_ms; /* 0: RPC_HANDSHAKE_MS */
-    uint32_t idle_ms;      /* 0: RPC_IDLE_MS */
+    uint32_t handshake_ms;  /* 0: RPC_HANDSHAKE_MS */
+    uint32_t idle_ms;       /* 0: RPC_IDLE_MS */
     uint32_t max_out_bytes; /* 0: RPC_DEFAULT_MAX_OUT */
 } rpc_server_config;
 

@@ -29,7 +29,7 @@ struct rpc_client {
     SSL_CTX *ssl;
     pthread_mutex_t mu;
     pthread_cond_t cv; /* a call ended, or the connection came or went */
-    rpc_conn *cur;         /* connecting or connected */
+    rpc_conn *cur;     /* connecting or connected */
     bool connected;
     bool closing;
     uint32_t next_id;
@@ -681,9 +681,9 @@ static void async_deadline_cb(evutil_socket_t fd, short what, void *arg) {
     async_finish(cl, p);
 }
 
-int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t len, const rpc_iov *parts,
-                     int n_parts, uint32_t timeout_us, rpc_item_fn on_item, rpc_end_fn on_end, void *ctx,
-                     uint32_t *call_id, ae_error *err) {
+int rpc_client_start(rpc_client *cl, uint16_t method, const void *msg, uint32_t len, const rpc_iov *parts, int n_parts,
+                     uint32_t timeout_us, rpc_item_fn on_item, rpc_end_fn on_end, void *ctx, uint32_t *call_id,
+                     ae_error *err) {
     uint64_t payload_len = 0;
     for (int i = 0; i < n_parts; i++) payload_len += parts[i].len;
     if (len + payload_len > cl->cfg.max_frame)

@@ -37,9 +37,12 @@ int rpc_default_addr(char *out, size_t cap, const char *name, bool create, ae_er
     char dir[200];
     const char *xdg = getenv("XDG_RUNTIME_DIR");
     int n;
-    if (xdg && xdg[0] == '/') n = snprintf(dir, sizeof dir, "%s/aerie", xdg);
-    else if (getuid() == 0) n = snprintf(dir, sizeof dir, "/run/aerie");
-    else n = snprintf(dir, sizeof dir, "/tmp/aerie-%u", (unsigned)getuid());
+    if (xdg && xdg[0] == '/')
+        n = snprintf(dir, sizeof dir, "%s/aerie", xdg);
+    else if (getuid() == 0)
+        n = snprintf(dir, sizeof dir, "/run/aerie");
+    else
+        n = snprintf(dir, sizeof dir, "/tmp/aerie-%u", (unsigned)getuid());
     if (n < 0 || (size_t)n >= sizeof dir) return err_set(err, "runtime directory under \"%s\" is too long", xdg);
     if (create && mkdir(dir, 0700) != 0 && errno != EEXIST)
         return err_set(err, "cannot make the runtime directory %s: %s", dir, strerror(errno));
@@ -56,15 +59,17 @@ int rpc_default_addr(char *out, size_t cap, const char *name, bool create, ae_er
         return err_set(err, "runtime directory %s: %s", dir, strerror(errno));
     }
     n = snprintf(out, cap, "unix:%s/%s", dir, name);
-    if (n < 0 || (size_t)n >= cap || (size_t)n - 5 >= sizeof ((struct sockaddr_un *)0)->sun_path)
+    if (n < 0 || (size_t)n >= cap || (size_t)n - 5 >= sizeof((struct sockaddr_un *)0)->sun_path)
         return err_set(err, "socket path %s/%s is too long", dir, name);
     return AE_OK;
 }
 
 static void ssl_error_text(char *buf, size_t cap) {
     unsigned long e = ERR_get_error();
-    if (e) ERR_error_string_n(e, buf, cap);
-    else snprintf(buf, cap, "unknown TLS error");
+    if (e)
+        ERR_error_string_n(e, buf, cap);
+    else
+        snprintf(buf, cap, "unknown TLS error");
     ERR_clear_error();
 }
 
@@ -82,8 +87,8 @@ SSL_CTX *rpc_tls_ctx(const rpc_tls *t, bool server, ae_error *err) {
         err_set(err, "TLS certificate %s: %s", t->cert, why);
         goto fail;
     }
-    if (t->key && (SSL_CTX_use_PrivateKey_file(ctx, t->key, SSL_FILETYPE_PEM) != 1 ||
-                   SSL_CTX_check_private_key(ctx) != 1)) {
+    if (t->key &&
+        (SSL_CTX_use_PrivateKey_file(ctx, t->key, SSL_FILETYPE_PEM) != 1 || SSL_CTX_check_private_key(ctx) != 1)) {
         ssl_error_text(why, sizeof why);
         err_set(err, "TLS key %s: %s", t->key, why);
         goto fail;
@@ -94,8 +99,7 @@ SSL_CTX *rpc_tls_ctx(const rpc_tls *t, bool server, ae_error *err) {
             err_set(err, "TLS CA %s: %s", t->ca, why);
             goto fail;
         }
-        SSL_CTX_set_verify(ctx, server ? SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT : SSL_VERIFY_PEER,
-                           NULL);
+        SSL_CTX_set_verify(ctx, server ? SSL_VERIFY_PEER | SSL_VERIFY_FAIL_IF_NO_PEER_CERT : SSL_VERIFY_PEER, NULL);
     }
     return ctx;
 fail:
@@ -122,7 +126,7 @@ void rpc_conn_unref(rpc_conn *c) {
 
 /* Writes one frame; dropped when the connection is closed. */
 int rpc_conn_sendv(rpc_conn *c, const frame_header *h, const void *msg, uint32_t len, const rpc_iov *parts,
-                      int n_parts) {
+                   int n_parts) {
     pthread_mutex_lock(&c->mu);
     if (c->closed) {
         pthread_mutex_unlock(&c->mu);
@@ -185,7 +189,7 @@ int rpc_conn_sendv(rpc_conn *c, const frame_header *h, const void *msg, uint32_t
 }
 
 int rpc_conn_send(rpc_conn *c, const frame_header *h, const void *msg, uint32_t len, const void *payload,
-                     uint32_t plen) {
+                  uint32_t plen) {
     rpc_iov part = {payload, plen};
     return rpc_conn_sendv(c, h, msg, len, &part, 1);
 }
@@ -194,7 +198,6 @@ void rpc_send_error(rpc_conn *c, uint8_t kind, uint32_t call_id, uint32_t status
     frame_header h = {FRAME_VERSION, kind, 0, call_id, status, 0, (uint32_t)strnlen(text, FRAME_MAX_ERROR), 0};
     rpc_conn_send(c, &h, text, h.msg_len, NULL, 0);
 }
-
 
 /* Closes a connection (loop thread): its calls are cancelled and the
  * socket shut; memory goes when the last open call is finished. */
@@ -225,7 +228,6 @@ void rpc_conn_close_after_flush(rpc_conn *c) {
     if (evbuffer_get_length(bufferevent_get_output(c->bev)) == 0) rpc_conn_close(c);
 }
 
-
 void rpc_conn_on_write(struct bufferevent *bev, void *arg) {
     rpc_conn *c = arg;
     size_t queued = evbuffer_get_length(bufferevent_get_output(bev));
@@ -240,7 +242,6 @@ void rpc_conn_on_write(struct bufferevent *bev, void *arg) {
         if (evbuffer_get_length(bufferevent_get_input(bev))) rpc_conn_on_read(bev, c);
     }
 }
-
 
 /* Makes rx hold the first `upto` bytes of the body (after the pad that
  * aligns the payload), keeping what was read. A header alone reserves at
@@ -286,9 +287,12 @@ int rpc_conn_read_body(rpc_conn *c, evutil_socket_t fd, size_t need) {
         }
         size_t want = need - c->body_got < room ? need - c->body_got : room;
         ssize_t k = recv(fd, c->rx + c->pad + c->body_got, want, MSG_DONTWAIT);
-        if (k > 0) c->body_got += (size_t)k;
-        else if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return -1;
-        else if (errno != EINTR) return 0;
+        if (k > 0)
+            c->body_got += (size_t)k;
+        else if (k == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            return -1;
+        else if (errno != EINTR)
+            return 0;
     }
     return 1;
 }
@@ -348,8 +352,10 @@ void rpc_conn_on_read(struct bufferevent *bev, void *arg) {
         if (c->body_got < need) break;
         c->have_hdr = false;
         body = c->rx + c->pad; /* read_body may have moved rx */
-        if (c->srv) rpc_server_frame(c, body, body + c->hdr.msg_len);
-        else rpc_client_frame(c, body, body + c->hdr.msg_len);
+        if (c->srv)
+            rpc_server_frame(c, body, body + c->hdr.msg_len);
+        else
+            rpc_client_frame(c, body, body + c->hdr.msg_len);
     }
     rpc_conn_unref(c);
 }

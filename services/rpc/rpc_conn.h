@@ -43,7 +43,7 @@
 /* Bytes one read or write callback moves at most: a Propose of 8
  * sequences x 8 pairs carries about 450 KB of features. */
 #define RPC_IO_CHUNK (1 << 20)
-#define RPC_RX_STEP (1 << 20)      /* receive buffer reserved ahead of the bytes that came */
+#define RPC_RX_STEP (1 << 20) /* receive buffer reserved ahead of the bytes that came */
 
 struct rpc_loop {
     struct event_base *base;
@@ -67,9 +67,9 @@ struct rpc_call {
     atomic_bool cancelled;
     atomic_bool server_closing; /* cancelled by rpc_server_close, not by the peer */
     bool streamed;
-    bool finished; /* a REPLY or END went out (the deadline may send one first) */
+    bool finished;       /* a REPLY or END went out (the deadline may send one first) */
     int64_t deadline_ns; /* 0: none */
-    rpc_request req; /* msg and payload point into buf */
+    rpc_request req;     /* msg and payload point into buf */
     uint8_t *buf;
     size_t buf_cap;
     rpc_call *prev, *next; /* the connection's open calls */
@@ -86,7 +86,7 @@ struct rpc_conn {
     uint32_t max_frame;
     frame_header hdr; /* of the frame being read */
     bool have_hdr;
-    bool direct;      /* a plain socket: bodies are read straight into rx */
+    bool direct; /* a plain socket: bodies are read straight into rx */
     /* The body being read: rx + pad holds the message, then the payload,
      * which pad puts on a 16-byte boundary. Grow-only; a server request
      * takes the buffer with it. */

@@ -1,7 +1,7 @@
 /* The RPC server: accepts connections and hands each request to the handler. */
 #include "rpc_conn.h"
 
-#define RPC_MAX_CALLS 1024          /* calls open at once on one server connection */
+#define RPC_MAX_CALLS 1024 /* calls open at once on one server connection */
 /* rpc_server_close: how long open calls get to finish on their own (a
  * stream whose last event is on its way), then how long peers get to take
  * what is queued, before the rest is cancelled and cut. */
@@ -15,7 +15,7 @@ struct rpc_server {
     SSL_CTX *ssl;
     struct evconnlistener *listener;
     pthread_mutex_t mu; /* conns, n_conns, n_calls */
-    pthread_cond_t cv; /* n_calls or n_conns fell (CLOCK_MONOTONIC) */
+    pthread_cond_t cv;  /* n_calls or n_conns fell (CLOCK_MONOTONIC) */
     rpc_conn *conns;
     int n_conns;
     int n_calls; /* handed to the handler and not yet finished */
@@ -53,7 +53,6 @@ int rpc_server_port(rpc_server *s) {
                                     : ntohs(((struct sockaddr_in *)&ss)->sin_port);
 }
 
-
 /* A server connection's clock (loop thread): closes one that sent no whole
  * frame within handshake_ms of accept, then one silent for idle_ms with no
  * call open, and drops one rpc_conn_sendv found past max_out. */
@@ -87,8 +86,10 @@ static void server_timer_cb(evutil_socket_t fd, short what, void *arg) {
         pthread_mutex_unlock(&c->mu);
         /* An open call (a long stream) is activity, and so is its end: a
          * peer that only streamed is silent from the last call's end. */
-        if (busy) c->last_rx_ns = now;
-        else if (ended > c->last_rx_ns) c->last_rx_ns = ended;
+        if (busy)
+            c->last_rx_ns = now;
+        else if (ended > c->last_rx_ns)
+            c->last_rx_ns = ended;
         left_ms = c->idle_ms - (now - c->last_rx_ns) / 1000000;
         if (left_ms <= 0) {
             LOG_INFOF("rpc_closed conn=%llu reason=\"silent for %lld ms (the limit is %u)\"", (unsigned long long)c->id,
@@ -133,8 +134,10 @@ static void accept_cb(struct evconnlistener *lis, evutil_socket_t fd, struct soc
     struct event *timer = c ? event_new(s->loop->base, -1, 0, server_timer_cb, c) : NULL;
     if (!timer) {
         free(c);
-        if (bev) bufferevent_free(bev);
-        else evutil_closesocket(fd);
+        if (bev)
+            bufferevent_free(bev);
+        else
+            evutil_closesocket(fd);
         return;
     }
     pthread_mutex_init(&c->mu, NULL);
@@ -173,8 +176,10 @@ static void call_unlink(rpc_call *k) {
         c->spare = k->buf, c->spare_cap = k->buf_cap;
         k->buf = NULL;
     }
-    if (k->prev) k->prev->next = k->next;
-    else if (c->calls == k) c->calls = k->next;
+    if (k->prev)
+        k->prev->next = k->next;
+    else if (c->calls == k)
+        c->calls = k->next;
     if (k->next) k->next->prev = k->prev;
     k->prev = k->next = NULL;
     if (!c->calls) c->calls_end_ns = clock_mono_ns();
@@ -219,7 +224,8 @@ void rpc_server_frame(rpc_conn *c, const uint8_t *msg, const uint8_t *payload) {
         /* A client sends requests, cancels and pings only. */
         LOG_WARNF("rpc_bad_frame conn=%llu reason=\"a client sent a frame of kind %u\"", (unsigned long long)c->id,
                   h.kind);
-        rpc_send_error(c, FRAME_REPLY, h.call_id, RPC_INVALID_ARGUMENT, "a client may send requests, cancels and pings only");
+        rpc_send_error(c, FRAME_REPLY, h.call_id, RPC_INVALID_ARGUMENT,
+                       "a client may send requests, cancels and pings only");
         rpc_conn_close_after_flush(c);
         return;
     }
@@ -309,8 +315,14 @@ void rpc_call_fail(rpc_call *k, uint32_t status, const char *fmt, ...) {
         status = RPC_DEADLINE_EXCEEDED;
         snprintf(text, sizeof text, "deadline of %u us exceeded", k->req.timeout_us);
     }
-    frame_header h = {FRAME_VERSION, k->streamed ? FRAME_END : FRAME_REPLY, k->req.method, k->id, status, 0,
-                      (uint32_t)strlen(text), 0};
+    frame_header h = {FRAME_VERSION,
+                      k->streamed ? FRAME_END : FRAME_REPLY,
+                      k->req.method,
+                      k->id,
+                      status,
+                      0,
+                      (uint32_t)strlen(text),
+                      0};
     if (!k->finished) rpc_conn_send(k->c, &h, text, h.msg_len, NULL, 0);
     k->finished = true;
     call_free(k);

@@ -40,9 +40,9 @@ typedef struct jtok {
 } jtok;
 
 typedef struct jlex {
-    char *src;    /* normalised copy of the source */
+    char *src; /* normalised copy of the source */
     size_t n_src;
-    char *strs;   /* decoded string literals; never longer than src */
+    char *strs; /* decoded string literals; never longer than src */
     size_t n_strs;
     jtok *toks;
     size_t n, cap;
@@ -57,8 +57,8 @@ static void jlex_free(jlex *lx) {
 
 static int jpush(jlex *lx, jkind kind, const char *s, size_t len) {
     /* Attribute access `.name` is item access `['name']` (see above). */
-    if (kind == JT_NAME && lx->n > 0 && lx->toks[lx->n - 1].kind == JT_OP &&
-        lx->toks[lx->n - 1].len == 1 && lx->toks[lx->n - 1].s[0] == '.') {
+    if (kind == JT_NAME && lx->n > 0 && lx->toks[lx->n - 1].kind == JT_OP && lx->toks[lx->n - 1].len == 1 &&
+        lx->toks[lx->n - 1].s[0] == '.') {
         lx->n--;
         if (jpush(lx, JT_OP, "[", 1) != AE_OK) return AE_ERR;
         if (jpush(lx, JT_STRING, s, len) != AE_OK) return AE_ERR;
@@ -75,17 +75,11 @@ static int jpush(jlex *lx, jkind kind, const char *s, size_t len) {
     return AE_OK;
 }
 
-static bool is_space(char c) {
-    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
-}
+static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
-static bool is_alpha_(char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
-}
+static bool is_alpha_(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
 
-static bool is_digit(char c) {
-    return c >= '0' && c <= '9';
-}
+static bool is_digit(char c) { return c >= '0' && c <= '9'; }
 
 static int hexval(char c) {
     if (c >= '0' && c <= '9') return c - '0';
@@ -220,8 +214,7 @@ static int jtag(jlex *lx, size_t *pos, char tag) {
             bool dash = s[i] == '-' && i + 2 < n && s[i + 1] == close && s[i + 2] == '}';
             bool plain = s[i] == close && i + 1 < n && s[i + 1] == '}';
             if (dash || plain) {
-                if (jpush(lx, tag == '{' ? JT_VAR_END : JT_BLOCK_END, "", 0) != AE_OK)
-                    return AE_ERR;
+                if (jpush(lx, tag == '{' ? JT_VAR_END : JT_BLOCK_END, "", 0) != AE_OK) return AE_ERR;
                 i += dash ? 3 : 2;
                 if (dash) {
                     while (i < n && is_space(s[i])) i++;
@@ -300,9 +293,7 @@ static int jlex_run(jlex *lx, const char *src, size_t n) {
     size_t pos = 0;
     for (;;) {
         size_t t = pos;
-        while (t + 1 < w && !(s[t] == '{' && (s[t + 1] == '{' || s[t + 1] == '%' ||
-                                              s[t + 1] == '#')))
-            t++;
+        while (t + 1 < w && !(s[t] == '{' && (s[t + 1] == '{' || s[t + 1] == '%' || s[t + 1] == '#'))) t++;
         if (t + 1 >= w) {
             if (jtext(lx, pos, w, 0, 0) != AE_OK) goto fail;
             return AE_OK;
@@ -339,8 +330,7 @@ fail:
 
 /* Compares a template's tokens with a known template's. The text at every
  * hole must be the same; it is returned in *cap_s and *cap_len. */
-static bool jmatch(const jlex *known, const jlex *got, const char **cap_s,
-                   size_t *cap_len) {
+static bool jmatch(const jlex *known, const jlex *got, const char **cap_s, size_t *cap_len) {
     *cap_s = NULL;
     *cap_len = 0;
     if (known->n != got->n) return false;
@@ -353,13 +343,11 @@ static bool jmatch(const jlex *known, const jlex *got, const char **cap_s,
             continue;
         }
         size_t pre = (size_t)(hole - k->s), post = k->len - pre - 1;
-        if (g->len < pre + post || memcmp(g->s, k->s, pre) != 0 ||
-            memcmp(g->s + g->len - post, hole + 1, post) != 0)
+        if (g->len < pre + post || memcmp(g->s, k->s, pre) != 0 || memcmp(g->s + g->len - post, hole + 1, post) != 0)
             return false;
         const char *c = g->s + pre;
         size_t clen = g->len - pre - post;
-        if (*cap_s != NULL && (clen != *cap_len || memcmp(c, *cap_s, clen) != 0))
-            return false;
+        if (*cap_s != NULL && (clen != *cap_len || memcmp(c, *cap_s, clen) != 0)) return false;
         *cap_s = c;
         *cap_len = clen;
     }
@@ -485,8 +473,7 @@ static int unrecognised(const char *src, ae_error *err) {
                             "(<|im_start|>) but is not one of the supported ChatML templates "
                             "(plain; default system prompt as in SmolLM2/Qwen2; Qwen2.5)");
     if (strstr(src, "<|start_header_id|>")) {
-        if (strstr(src, "Cutting Knowledge Date") || strstr(src, "<|eom_id|>") ||
-            strstr(src, "Environment: ipython"))
+        if (strstr(src, "Cutting Knowledge Date") || strstr(src, "<|eom_id|>") || strstr(src, "Environment: ipython"))
             return err_set(err, "chat template not supported: Llama-3.1+ template (tools and "
                                 "date preamble); only the Llama-3 (3.0) Instruct template is");
         return err_set(err, "chat template not recognised: it uses Llama-3 markers "
@@ -499,11 +486,9 @@ static int unrecognised(const char *src, ae_error *err) {
 int chat_template_init(chat_template **out, const char *src, ae_error *err) {
     AE_ASSERT(out != NULL);
     *out = NULL;
-    if (src == NULL || src[0] == '\0')
-        return err_set(err, "model has no chat template (expected ChatML or Llama-3)");
+    if (src == NULL || src[0] == '\0') return err_set(err, "model has no chat template (expected ChatML or Llama-3)");
     size_t n = strnlen(src, (size_t)CHAT_MAX_TEMPLATE + 1);
-    if (n > CHAT_MAX_TEMPLATE)
-        return err_set(err, "chat template longer than %u bytes", CHAT_MAX_TEMPLATE);
+    if (n > CHAT_MAX_TEMPLATE) return err_set(err, "chat template longer than %u bytes", CHAT_MAX_TEMPLATE);
 
     jlex got;
     if (jlex_run(&got, src, n) != AE_OK) return unrecognised(src, err);
@@ -582,28 +567,23 @@ typedef struct sink {
 
 /* The limits keep the rendered length far from SIZE_MAX (each message adds
  * at most its content and ~40 bytes of markers). */
-_Static_assert(SIZE_MAX / CHAT_MAX_MESSAGES > (size_t)CHAT_MAX_CONTENT + 4096,
-               "chat limits could overflow size_t");
+_Static_assert(SIZE_MAX / CHAT_MAX_MESSAGES > (size_t)CHAT_MAX_CONTENT + 4096, "chat limits could overflow size_t");
 
 static void put(sink *s, const char *p, size_t n) {
-    if (s->out != NULL && s->len <= s->cap && n <= s->cap - s->len)
-        memcpy(s->out + s->len, p, n);
+    if (s->out != NULL && s->len <= s->cap && n <= s->cap - s->len) memcpy(s->out + s->len, p, n);
     s->len += n; /* cannot overflow: bounded by the CHAT_MAX_* limits */
 }
 
-static void puts_(sink *s, const char *p) {
-    put(s, p, strlen(p));
-}
+static void puts_(sink *s, const char *p) { put(s, p, strlen(p)); }
 
 /* Python's str.isspace() characters, which is what Jinja's trim filter
  * (str.strip) removes, as UTF-8. In valid UTF-8 each of these encodings can
  * only be a whole character, so matching bytes at either end is exact. */
 static size_t space_len(const char *s, size_t n, bool at_end) {
     static const char *const multi[] = {
-        "\xC2\x85",     "\xC2\xA0",     "\xE1\x9A\x80", "\xE2\x80\x80", "\xE2\x80\x81",
-        "\xE2\x80\x82", "\xE2\x80\x83", "\xE2\x80\x84", "\xE2\x80\x85", "\xE2\x80\x86",
-        "\xE2\x80\x87", "\xE2\x80\x88", "\xE2\x80\x89", "\xE2\x80\x8A", "\xE2\x80\xA8",
-        "\xE2\x80\xA9", "\xE2\x80\xAF", "\xE2\x81\x9F", "\xE3\x80\x80",
+        "\xC2\x85",     "\xC2\xA0",     "\xE1\x9A\x80", "\xE2\x80\x80", "\xE2\x80\x81", "\xE2\x80\x82", "\xE2\x80\x83",
+        "\xE2\x80\x84", "\xE2\x80\x85", "\xE2\x80\x86", "\xE2\x80\x87", "\xE2\x80\x88", "\xE2\x80\x89", "\xE2\x80\x8A",
+        "\xE2\x80\xA8", "\xE2\x80\xA9", "\xE2\x80\xAF", "\xE2\x81\x9F", "\xE3\x80\x80",
     };
     if (n == 0) return 0;
     unsigned char c = (unsigned char)(at_end ? s[n - 1] : s[0]);
@@ -616,30 +596,27 @@ static size_t space_len(const char *s, size_t n, bool at_end) {
 }
 
 static bool role_ok(const char *role) {
-    return strcmp(role, "system") == 0 || strcmp(role, "user") == 0 ||
-           strcmp(role, "assistant") == 0;
+    return strcmp(role, "system") == 0 || strcmp(role, "user") == 0 || strcmp(role, "assistant") == 0;
 }
 
-int chat_render(const chat_template *t, const chat_msg *msgs, size_t n,
-                bool add_generation_prompt, char *out, size_t cap,
-                size_t *len_out, ae_error *err) {
+int chat_render(const chat_template *t, const chat_msg *msgs, size_t n, bool add_generation_prompt, char *out,
+                size_t cap, size_t *len_out, ae_error *err) {
     AE_ASSERT(t != NULL && len_out != NULL);
     *len_out = 0;
     if (n == 0) return err_set(err, "messages: empty; a conversation needs at least one");
-    if (n > CHAT_MAX_MESSAGES)
-        return err_set(err, "messages: %zu exceeds the limit of %u", n, CHAT_MAX_MESSAGES);
+    if (n > CHAT_MAX_MESSAGES) return err_set(err, "messages: %zu exceeds the limit of %u", n, CHAT_MAX_MESSAGES);
     AE_ASSERT(msgs != NULL);
     for (size_t i = 0; i < n; i++) {
         if (msgs[i].role == NULL || !role_ok(msgs[i].role))
-            return err_set(err, "messages[%zu].role: \"%.32s\" is not one of system, user, "
-                                "assistant", i, msgs[i].role ? msgs[i].role : "(null)");
+            return err_set(err,
+                           "messages[%zu].role: \"%.32s\" is not one of system, user, "
+                           "assistant",
+                           i, msgs[i].role ? msgs[i].role : "(null)");
         if (msgs[i].content == NULL) return err_set(err, "messages[%zu].content: missing", i);
         if (strnlen(msgs[i].content, (size_t)CHAT_MAX_CONTENT + 1) > CHAT_MAX_CONTENT)
-            return err_set(err, "messages[%zu].content: longer than %u bytes", i,
-                           CHAT_MAX_CONTENT);
+            return err_set(err, "messages[%zu].content: longer than %u bytes", i, CHAT_MAX_CONTENT);
     }
-    if (out == NULL && cap != 0)
-        return err_set(err, "chat_render: NULL buffer with capacity %zu", cap);
+    if (out == NULL && cap != 0) return err_set(err, "chat_render: NULL buffer with capacity %zu", cap);
 
     sink s = {out, cap, 0};
     if (t->known->family == CHAT_CHATML) {
@@ -676,21 +653,17 @@ int chat_render(const chat_template *t, const chat_msg *msgs, size_t n,
     }
     *len_out = s.len;
     if (out == NULL) return AE_OK; /* measuring only */
-    if (s.len >= cap)
-        return err_set(err, "chat_render: text needs %zu bytes plus NUL, buffer has %zu",
-                       s.len, cap);
+    if (s.len >= cap) return err_set(err, "chat_render: text needs %zu bytes plus NUL, buffer has %zu", s.len, cap);
     out[s.len] = '\0';
     return AE_OK;
 }
 
-int chat_render_alloc(const chat_template *t, const chat_msg *msgs, size_t n,
-                      bool add_generation_prompt, char **out, size_t *len_out,
-                      ae_error *err) {
+int chat_render_alloc(const chat_template *t, const chat_msg *msgs, size_t n, bool add_generation_prompt, char **out,
+                      size_t *len_out, ae_error *err) {
     AE_ASSERT(out != NULL && len_out != NULL);
     *out = NULL;
     size_t len = 0;
-    if (chat_render(t, msgs, n, add_generation_prompt, NULL, 0, &len, err) != AE_OK)
-        return AE_ERR;
+    if (chat_render(t, msgs, n, add_generation_prompt, NULL, 0, &len, err) != AE_OK) return AE_ERR;
     char *buf = malloc(len + 1);
     if (buf == NULL) return err_set(err, "chat_render: out of memory for %zu bytes", len + 1);
     if (chat_render(t, msgs, n, add_generation_prompt, buf, len + 1, len_out, err) != AE_OK) {
@@ -703,15 +676,13 @@ int chat_render_alloc(const chat_template *t, const chat_msg *msgs, size_t n,
 
 /* ---- JSON message lists ------------------------------------------------ */
 
-int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs,
-                             size_t *n, ae_error *err) {
+int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs, size_t *n, ae_error *err) {
     AE_ASSERT(msgs != NULL && n != NULL);
     *msgs = NULL;
     *n = 0;
     if (json == NULL) return err_set(err, "messages: no input");
     if (len > CHAT_MAX_JSON)
-        return err_set(err, "messages: %zu bytes of JSON exceeds the limit of %u", len,
-                       CHAT_MAX_JSON);
+        return err_set(err, "messages: %zu bytes of JSON exceeds the limit of %u", len, CHAT_MAX_JSON);
     cJSON *root = json_parse(json, len, err);
     if (!root) {
         err_prefix(err, "messages: ");
@@ -749,8 +720,7 @@ int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs,
                                  : strcmp(kv->string, "content") == 0 ? &content
                                                                       : NULL;
             if (slot == NULL) {
-                err_set(err, "messages[%zu]: unsupported key \"%.64s\" (only role, content)",
-                        i, kv->string);
+                err_set(err, "messages[%zu]: unsupported key \"%.64s\" (only role, content)", i, kv->string);
                 goto done;
             }
             if (*slot != NULL) {
@@ -760,24 +730,20 @@ int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs,
             *slot = kv;
         }
         if (role == NULL || !cJSON_IsString(role)) {
-            err_set(err, "messages[%zu].role: %s", i,
-                    role == NULL ? "missing" : "expected a string");
+            err_set(err, "messages[%zu].role: %s", i, role == NULL ? "missing" : "expected a string");
             goto done;
         }
         if (!role_ok(role->valuestring)) {
-            err_set(err, "messages[%zu].role: \"%.32s\" is not one of system, user, assistant",
-                    i, role->valuestring);
+            err_set(err, "messages[%zu].role: \"%.32s\" is not one of system, user, assistant", i, role->valuestring);
             goto done;
         }
         if (content == NULL || !cJSON_IsString(content)) {
-            err_set(err, "messages[%zu].content: %s", i,
-                    content == NULL ? "missing" : "expected a string");
+            err_set(err, "messages[%zu].content: %s", i, content == NULL ? "missing" : "expected a string");
             goto done;
         }
         size_t clen = strlen(content->valuestring);
         if (clen > CHAT_MAX_CONTENT) {
-            err_set(err, "messages[%zu].content: %zu bytes exceeds the limit of %u", i, clen,
-                    CHAT_MAX_CONTENT);
+            err_set(err, "messages[%zu].content: %zu bytes exceeds the limit of %u", i, clen, CHAT_MAX_CONTENT);
             goto done;
         }
         bytes += strlen(role->valuestring) + 1 + clen + 1;
@@ -813,6 +779,4 @@ done:
     return rc;
 }
 
-void chat_msgs_free(chat_msg *msgs) {
-    free(msgs);
-}
+void chat_msgs_free(chat_msg *msgs) { free(msgs); }

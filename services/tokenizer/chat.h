@@ -43,16 +43,16 @@
 #include "../core/err.h"
 
 /* Limits, so that hostile input cannot make us allocate without bound. */
-#define CHAT_MAX_TEMPLATE (1u << 20)  /* bytes of template source */
-#define CHAT_MAX_MESSAGES 4096u       /* messages in one conversation */
-#define CHAT_MAX_CONTENT (1u << 24)   /* bytes in one message's content */
-#define CHAT_MAX_JSON (1u << 26)      /* bytes of a JSON message list */
+#define CHAT_MAX_TEMPLATE (1u << 20) /* bytes of template source */
+#define CHAT_MAX_MESSAGES 4096u      /* messages in one conversation */
+#define CHAT_MAX_CONTENT (1u << 24)  /* bytes in one message's content */
+#define CHAT_MAX_JSON (1u << 26)     /* bytes of a JSON message list */
 
 typedef struct chat_template chat_template;
 
 /* One message. Plain data: strings are NUL-terminated UTF-8, borrowed. */
 typedef struct chat_msg {
-    const char *role;    /* "system", "user" or "assistant" */
+    const char *role; /* "system", "user" or "assistant" */
     const char *content;
 } chat_msg;
 
@@ -77,21 +77,18 @@ const char *chat_default_system(const chat_template *t);
  * counted) when the messages are valid. With out == NULL and cap == 0 this
  * only measures; otherwise a cap below *len_out + 1 is AE_ERR and nothing
  * useful is in out. On success out holds the NUL-terminated text. */
-int chat_render(const chat_template *t, const chat_msg *msgs, size_t n,
-                bool add_generation_prompt, char *out, size_t cap,
-                size_t *len_out, ae_error *err);
+int chat_render(const chat_template *t, const chat_msg *msgs, size_t n, bool add_generation_prompt, char *out,
+                size_t cap, size_t *len_out, ae_error *err);
 
 /* chat_render into a new malloc'd buffer (free() it). */
-int chat_render_alloc(const chat_template *t, const chat_msg *msgs, size_t n,
-                      bool add_generation_prompt, char **out, size_t *len_out,
-                      ae_error *err);
+int chat_render_alloc(const chat_template *t, const chat_msg *msgs, size_t n, bool add_generation_prompt, char **out,
+                      size_t *len_out, ae_error *err);
 
 /* Parses json[0..len), a JSON array of {"role": ..., "content": ...}
  * objects (no other keys), into *msgs (one allocation holding the array
  * and its strings; free with chat_msgs_free) and *n. Errors name the
  * element: "messages[2].role: ...". */
-int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs,
-                             size_t *n, ae_error *err);
+int chat_parse_messages_json(const char *json, size_t len, chat_msg **msgs, size_t *n, ae_error *err);
 
 void chat_msgs_free(chat_msg *msgs); /* NULL is a no-op */
 

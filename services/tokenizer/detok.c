@@ -85,8 +85,7 @@ static size_t step(detok_utf8 *u, uint8_t b, uint8_t *out, bool *bad) {
     return w;
 }
 
-size_t detok_utf8_push(detok_utf8 *u, const void *in, size_t n, char *out,
-                       size_t cap) {
+size_t detok_utf8_push(detok_utf8 *u, const void *in, size_t n, char *out, size_t cap) {
     AE_ASSERT(u != NULL);
     AE_ASSERT(n == 0 || in != NULL);
     AE_ASSERT(n <= (SIZE_MAX - 3) / 3);
@@ -149,8 +148,7 @@ int detok_init(detok **out, const tok *t, bool skip_special, ae_error *err) {
      * request, and a pass over the vocabulary each time cost more than the
      * request's tokens. */
     size_t max_len = tok_max_token_bytes(t);
-    if (max_len > (SIZE_MAX - 3) / 3)
-        return err_set(err, "detok_init: token of %zu bytes is too long", max_len);
+    if (max_len > (SIZE_MAX - 3) / 3) return err_set(err, "detok_init: token of %zu bytes is too long", max_len);
 
     detok *d = calloc(1, sizeof *d);
     if (d == NULL) return err_set(err, "detok_init: out of memory");
@@ -162,9 +160,7 @@ int detok_init(detok **out, const tok *t, bool skip_special, ae_error *err) {
     return AE_OK;
 }
 
-void detok_free(detok *d) {
-    free(d);
-}
+void detok_free(detok *d) { free(d); }
 
 void detok_reset(detok *d) {
     AE_ASSERT(d != NULL);
@@ -176,19 +172,17 @@ size_t detok_max_out(const detok *d) {
     return DETOK_UTF8_MAX_OUT(d->max_token_len);
 }
 
-int detok_push(detok *d, int32_t id, char *out, size_t cap, size_t *len_out,
-               ae_error *err) {
+int detok_push(detok *d, int32_t id, char *out, size_t cap, size_t *len_out, ae_error *err) {
     AE_ASSERT(d != NULL && len_out != NULL);
     *len_out = 0;
     size_t len = 0;
     const uint8_t *bytes = tok_token_bytes(d->t, id, &len);
     if (bytes == NULL)
-        return err_set(err, "detok_push: token id %d out of range [0, %d)",
-                       (int)id, (int)tok_vocab_size(d->t));
+        return err_set(err, "detok_push: token id %d out of range [0, %d)", (int)id, (int)tok_vocab_size(d->t));
     if (d->skip_special && tok_is_special(d->t, id)) return AE_OK;
     if (out == NULL || cap < DETOK_UTF8_MAX_OUT(len))
-        return err_set(err, "detok_push: buffer of %zu bytes, token %d may need %zu",
-                       cap, (int)id, DETOK_UTF8_MAX_OUT(len));
+        return err_set(err, "detok_push: buffer of %zu bytes, token %d may need %zu", cap, (int)id,
+                       DETOK_UTF8_MAX_OUT(len));
     *len_out = detok_utf8_push(&d->u, bytes, len, out, cap);
     return AE_OK;
 }

@@ -49,8 +49,7 @@ void detok_utf8_init(detok_utf8 *u);
  * U+FFFD for every maximal invalid subpart. Returns the bytes written.
  * cap must be at least DETOK_UTF8_MAX_OUT(n) (asserted: the caller sizes
  * the buffer, input cannot make it overflow). */
-size_t detok_utf8_push(detok_utf8 *u, const void *in, size_t n, char *out,
-                       size_t cap);
+size_t detok_utf8_push(detok_utf8 *u, const void *in, size_t n, char *out, size_t cap);
 
 /* Ends the stream: a held-back incomplete character becomes one U+FFFD
  * (that is what from_utf8_lossy does with a truncated tail). Returns the
@@ -84,8 +83,7 @@ size_t detok_max_out(const detok *d);
 /* Appends token id to the stream and writes the text that is now complete
  * to out[0..*len_out). An id out of range or a cap below what this token
  * may need is AE_ERR and leaves the stream as it was. */
-int detok_push(detok *d, int32_t id, char *out, size_t cap, size_t *len_out,
-               ae_error *err);
+int detok_push(detok *d, int32_t id, char *out, size_t cap, size_t *len_out, ae_error *err);
 
 /* Ends the stream (see detok_utf8_flush) and resets it. Returns the bytes
  * written (0 or 3); cap must be at least 3 (asserted). */

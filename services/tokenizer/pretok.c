@@ -20,8 +20,9 @@
 
 int pretok_class(uint32_t cp) {
     if (cp >= 0x110000) return PRETOK_OTHER;
-    return unicode_tables_stage2[(size_t)unicode_tables_stage1[cp >> UNICODE_TABLES_BLOCK_SHIFT] << UNICODE_TABLES_BLOCK_SHIFT |
-                     (cp & UNICODE_TABLES_BLOCK_MASK)];
+    return unicode_tables_stage2[(size_t)unicode_tables_stage1[cp >> UNICODE_TABLES_BLOCK_SHIFT]
+                                     << UNICODE_TABLES_BLOCK_SHIFT |
+                                 (cp & UNICODE_TABLES_BLOCK_MASK)];
 }
 
 const char *pretok_unicode_version(void) { return UNICODE_TABLES_VERSION; }
@@ -49,10 +50,8 @@ size_t pretok_char(const uint8_t *s, size_t len, int *cls) {
         n = 3;
     } else if (b >= 0xF0 && b <= 0xF4) {
         uint8_t lo = b == 0xF0 ? 0x90 : 0x80, hi = b == 0xF4 ? 0x8F : 0xBF;
-        if (len < 4 || s[1] < lo || s[1] > hi || !is_cont(s[2]) || !is_cont(s[3]))
-            goto bad;
-        cp = (uint32_t)(b & 0x07) << 18 | (uint32_t)(s[1] & 0x3F) << 12 |
-             (uint32_t)(s[2] & 0x3F) << 6 | (s[3] & 0x3F);
+        if (len < 4 || s[1] < lo || s[1] > hi || !is_cont(s[2]) || !is_cont(s[3])) goto bad;
+        cp = (uint32_t)(b & 0x07) << 18 | (uint32_t)(s[1] & 0x3F) << 12 | (uint32_t)(s[2] & 0x3F) << 6 | (s[3] & 0x3F);
         n = 4;
     } else {
         goto bad;
@@ -64,8 +63,7 @@ bad:
     return 1;
 }
 
-static inline int look(const uint8_t *s, size_t len, size_t i, bool split_digits,
-                       size_t *n) {
+static inline int look(const uint8_t *s, size_t len, size_t i, bool split_digits, size_t *n) {
     if (i >= len) {
         *n = 0;
         return CLS_END;
@@ -77,8 +75,7 @@ static inline int look(const uint8_t *s, size_t len, size_t i, bool split_digits
 }
 
 /* End of the run of characters of class `cls` starting at i. */
-static inline size_t run_of(const uint8_t *s, size_t len, size_t i, int cls,
-                            bool split_digits) {
+static inline size_t run_of(const uint8_t *s, size_t len, size_t i, int cls, bool split_digits) {
     size_t n;
     /* ASCII letters dominate most text: skip them without decoding. */
     if (cls == PRETOK_LETTER)
@@ -95,9 +92,9 @@ static size_t space_run(const uint8_t *s, size_t len, size_t pos, bool split_dig
         last = i;
         i += n;
     }
-    if (c == CLS_END) return i;     /* (?!\S) holds at the end */
-    if (last > pos) return last;    /* give back one space to the next piece */
-    return i;                       /* a lone space before \S: \s+ */
+    if (c == CLS_END) return i;  /* (?!\S) holds at the end */
+    if (last > pos) return last; /* give back one space to the next piece */
+    return i;                    /* a lone space before \S: \s+ */
 }
 
 static size_t gpt2_next(const uint8_t *s, size_t len, size_t pos, bool split_digits) {
@@ -111,9 +108,7 @@ static size_t gpt2_next(const uint8_t *s, size_t len, size_t pos, bool split_dig
         if (b1 == 's' || b1 == 't' || b1 == 'm' || b1 == 'd') return pos + 2;
         if (pos + 2 < len) {
             uint8_t b2 = s[pos + 2];
-            if ((b1 == 'r' && b2 == 'e') || (b1 == 'v' && b2 == 'e') ||
-                (b1 == 'l' && b2 == 'l'))
-                return pos + 3;
+            if ((b1 == 'r' && b2 == 'e') || (b1 == 'v' && b2 == 'e') || (b1 == 'l' && b2 == 'l')) return pos + 3;
         }
     }
     if (b == ' ') {
@@ -133,13 +128,11 @@ static inline bool is_crlf(uint8_t b) { return b == '\r' || b == '\n'; }
 static size_t llama3_contraction(const uint8_t *s, size_t len, size_t pos) {
     if (pos + 1 >= len) return 0;
     uint8_t b1 = s[pos + 1] | 0x20;
-    if (s[pos + 1] < 0x80 && (b1 == 's' || b1 == 't' || b1 == 'm' || b1 == 'd'))
-        return 2;
+    if (s[pos + 1] < 0x80 && (b1 == 's' || b1 == 't' || b1 == 'm' || b1 == 'd')) return 2;
     if (s[pos + 1] == 0xC5 && pos + 2 < len && s[pos + 2] == 0xBF) return 3;
     if (pos + 2 >= len || s[pos + 1] >= 0x80 || s[pos + 2] >= 0x80) return 0;
     uint8_t b2 = s[pos + 2] | 0x20;
-    if ((b1 == 'r' && b2 == 'e') || (b1 == 'v' && b2 == 'e') || (b1 == 'l' && b2 == 'l'))
-        return 3;
+    if ((b1 == 'r' && b2 == 'e') || (b1 == 'v' && b2 == 'e') || (b1 == 'l' && b2 == 'l')) return 3;
     return 0;
 }
 
@@ -154,15 +147,13 @@ static size_t llama3_next(const uint8_t *s, size_t len, size_t pos) {
 
     /* [^\r\n\p{L}\p{N}]?\p{L}+ */
     if (c0 == PRETOK_LETTER) return run_of(s, len, pos, PRETOK_LETTER, false);
-    if (c0 != PRETOK_NUMBER && !is_crlf(b) &&
-        look(s, len, pos + n0, false, &n1) == PRETOK_LETTER)
+    if (c0 != PRETOK_NUMBER && !is_crlf(b) && look(s, len, pos + n0, false, &n1) == PRETOK_LETTER)
         return run_of(s, len, pos + n0, PRETOK_LETTER, false);
 
     /* \p{N}{1,3} */
     if (c0 == PRETOK_NUMBER) {
         size_t i = pos + n0;
-        for (int k = 1; k < 3 && look(s, len, i, false, &n1) == PRETOK_NUMBER; k++)
-            i += n1;
+        for (int k = 1; k < 3 && look(s, len, i, false, &n1) == PRETOK_NUMBER; k++) i += n1;
         return i;
     }
 

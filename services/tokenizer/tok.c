@@ -33,9 +33,9 @@
 #include "detok.h"
 #include "pretok.h"
 
-#define TOK_MAX_VOCAB (1 << 24)        /* ids; real vocabularies are < 300k */
-#define TOK_MAX_JSON (512u << 20)      /* bytes of tokenizer.json */
-#define TOK_MAX_BLOB 0xFFFFFFF0u       /* entry offsets are 32-bit */
+#define TOK_MAX_VOCAB (1 << 24)   /* ids; real vocabularies are < 300k */
+#define TOK_MAX_JSON (512u << 20) /* bytes of tokenizer.json */
+#define TOK_MAX_BLOB 0xFFFFFFF0u  /* entry offsets are 32-bit */
 
 /* Pieces up to this many bytes use the simple O(n^2) merge loop on stack
  * arrays; longer ones a heap (O(n log n)), so a megabyte without a space
@@ -110,7 +110,7 @@ struct tok {
     bool ignore_merges;
     int32_t n_vocab;
     size_t max_token_bytes; /* longest raw token */
-    tok_entry *ent; /* (n_vocab) */
+    tok_entry *ent;         /* (n_vocab) */
     blob text, raw;
     str_index by_text, by_raw;
 
@@ -120,11 +120,11 @@ struct tok {
     int32_t byte_id[256]; /* single-byte token of each byte; -1: none */
     int32_t unk;          /* -1: none */
 
-    added_node *added;      /* (n_added_nodes) the added tokens' trie; [0] is its root */
+    added_node *added; /* (n_added_nodes) the added tokens' trie; [0] is its root */
     uint32_t n_added_nodes;
-    uint32_t n_added;       /* added tokens */
+    uint32_t n_added;         /* added tokens */
     uint32_t added_root[256]; /* the root's child for each byte; 0: none */
-    int added_first;        /* the only first byte of all added tokens, or -1 */
+    int added_first;          /* the only first byte of all added tokens, or -1 */
 
     int32_t bos, eos;
     bool add_bos;
@@ -207,8 +207,7 @@ static uint32_t pow2_at_least(uint64_t n) {
     return c;
 }
 
-static inline const uint8_t *ent_key(const tok *t, const tok_entry *e, bool by_raw,
-                                     size_t *len) {
+static inline const uint8_t *ent_key(const tok *t, const tok_entry *e, bool by_raw, size_t *len) {
     if (by_raw) {
         *len = e->raw_len;
         return t->raw.p + e->raw_off;
@@ -252,9 +251,7 @@ static int index_build(tok *t, str_index *ix, bool by_raw, uint8_t need, ae_erro
     return AE_OK;
 }
 
-static inline uint64_t pair_key(int32_t a, int32_t b) {
-    return (uint64_t)(uint32_t)a << 32 | (uint32_t)b;
-}
+static inline uint64_t pair_key(int32_t a, int32_t b) { return (uint64_t)(uint32_t)a << 32 | (uint32_t)b; }
 
 static inline const merge_slot *merge_find(const tok *t, int32_t a, int32_t b) {
     uint64_t key = pair_key(a, b);
@@ -315,8 +312,7 @@ oom:
 
 /* Sets entry id's text. Added tokens' bytes are their literal text; other
  * entries' bytes are computed in build_vocab. */
-static int entry_set(tok *t, int32_t id, const char *s, size_t n, uint8_t flags,
-                     ae_error *err) {
+static int entry_set(tok *t, int32_t id, const char *s, size_t n, uint8_t flags, ae_error *err) {
     AE_ASSERT(id >= 0 && id < t->n_vocab);
     tok_entry *e = &t->ent[id];
     if (blob_add(&t->text, s, n, &e->text_off, err)) return AE_ERR;
@@ -340,8 +336,7 @@ static int build_vocab(tok *t, ae_error *err) {
         if (e->flags & ENT_ADDED) {
             /* Literal text; still reachable by ignore_merges lookup when its
              * mapping round-trips (e.g. "<|im_start|>"). */
-            if (n >= 0 && (size_t)n == e->text_len && memcmp(buf, s, e->text_len) == 0)
-                e->flags |= ENT_MAPPED;
+            if (n >= 0 && (size_t)n == e->text_len && memcmp(buf, s, e->text_len) == 0) e->flags |= ENT_MAPPED;
             raw = s;
             raw_len = e->text_len;
         } else if (n < 0) {
@@ -378,8 +373,7 @@ static int build_vocab(tok *t, ae_error *err) {
 }
 
 static int merges_alloc(tok *t, uint64_t n, ae_error *err) {
-    if (n > (uint64_t)TOK_MAX_VOCAB * 4) return err_set(err, "%llu merges is too many",
-                                                         (unsigned long long)n);
+    if (n > (uint64_t)TOK_MAX_VOCAB * 4) return err_set(err, "%llu merges is too many", (unsigned long long)n);
     uint32_t cap = pow2_at_least(n * 2 + 1);
     t->merges = malloc((size_t)cap * sizeof *t->merges);
     if (!t->merges) return err_set(err, "out of memory (merges)");
@@ -390,21 +384,21 @@ static int merges_alloc(tok *t, uint64_t n, ae_error *err) {
 
 /* Adds merge number `rank` of left+right (both byte-level text). scratch
  * holds at least llen + rlen bytes. */
-static int merge_add(tok *t, const char *l, size_t llen, const char *r, size_t rlen,
-                     uint32_t rank, char *scratch, ae_error *err) {
+static int merge_add(tok *t, const char *l, size_t llen, const char *r, size_t rlen, uint32_t rank, char *scratch,
+                     ae_error *err) {
     int32_t a = index_find(t, &t->by_text, (const uint8_t *)l, llen);
     int32_t b = index_find(t, &t->by_text, (const uint8_t *)r, rlen);
     memcpy(scratch, l, llen);
     memcpy(scratch + llen, r, rlen);
     int32_t c = index_find(t, &t->by_text, (const uint8_t *)scratch, llen + rlen);
     if (a < 0 || b < 0 || c < 0)
-        return err_set(err, "merge %u \"%.*s %.*s\": %s not in the vocabulary", rank,
-                       (int)llen, l, (int)rlen, r,
-                       a < 0 ? "left token" : b < 0 ? "right token" : "merged token");
+        return err_set(err, "merge %u \"%.*s %.*s\": %s not in the vocabulary", rank, (int)llen, l, (int)rlen, r,
+                       a < 0   ? "left token"
+                       : b < 0 ? "right token"
+                               : "merged token");
     uint64_t key = pair_key(a, b);
     uint32_t h = (uint32_t)mix64(key) & t->merge_mask;
-    while (t->merges[h].key != MERGE_EMPTY && t->merges[h].key != key)
-        h = (h + 1) & t->merge_mask;
+    while (t->merges[h].key != MERGE_EMPTY && t->merges[h].key != key) h = (h + 1) & t->merge_mask;
     if (t->merges[h].key == MERGE_EMPTY) t->n_merges++;
     t->merges[h] = (merge_slot){.key = key, .rank = rank, .result = c};
     return AE_OK;
@@ -458,8 +452,7 @@ static int build_finish(tok *t, ae_error *err) {
     t->cache = calloc(CACHE_SLOTS, sizeof *t->cache);
     if (!t->cache) return err_set(err, "out of memory (word cache)");
     for (; t->n_locks < CACHE_LOCKS; t->n_locks++)
-        if (pthread_mutex_init(&t->locks[t->n_locks], NULL) != 0)
-            return err_set(err, "pthread_mutex_init failed");
+        if (pthread_mutex_init(&t->locks[t->n_locks], NULL) != 0) return err_set(err, "pthread_mutex_init failed");
     return AE_OK;
 }
 
@@ -482,23 +475,26 @@ void tok_free(tok *t) {
 /* GGUF */
 
 static int pre_from_name(gguf_str s, tok_pre *out, ae_error *err) {
-    if (gguf_str_eq(s, "gpt2")) *out = TOK_PRE_GPT2;
-    else if (gguf_str_eq(s, "smollm")) *out = TOK_PRE_SMOLLM;
-    else if (gguf_str_eq(s, "llama-bpe") || gguf_str_eq(s, "llama3")) *out = TOK_PRE_LLAMA3;
+    if (gguf_str_eq(s, "gpt2"))
+        *out = TOK_PRE_GPT2;
+    else if (gguf_str_eq(s, "smollm"))
+        *out = TOK_PRE_SMOLLM;
+    else if (gguf_str_eq(s, "llama-bpe") || gguf_str_eq(s, "llama3"))
+        *out = TOK_PRE_LLAMA3;
     else
-        return err_set(err, "tokenizer.ggml.pre \"%.*s\" is not supported "
-                            "(gpt2, smollm, llama-bpe)", (int)(s.len > 64 ? 64 : s.len), s.ptr);
+        return err_set(err,
+                       "tokenizer.ggml.pre \"%.*s\" is not supported "
+                       "(gpt2, smollm, llama-bpe)",
+                       (int)(s.len > 64 ? 64 : s.len), s.ptr);
     return AE_OK;
 }
 
 /* Optional token id key: absent leaves *out alone. */
-static int gguf_opt_id(const gguf_file *f, const char *key, int32_t n_vocab, int32_t *out,
-                       ae_error *err) {
+static int gguf_opt_id(const gguf_file *f, const char *key, int32_t n_vocab, int32_t *out, ae_error *err) {
     if (gguf_find_key(f, key) < 0) return AE_OK;
     uint32_t v;
     if (gguf_get_u32(f, key, &v, err)) return AE_ERR;
-    if (v >= (uint32_t)n_vocab)
-        return err_set(err, "%s %u out of range (vocabulary %ld)", key, v, (long)n_vocab);
+    if (v >= (uint32_t)n_vocab) return err_set(err, "%s %u out of range (vocabulary %ld)", key, v, (long)n_vocab);
     *out = (int32_t)v;
     return AE_OK;
 }
@@ -512,8 +508,8 @@ int tok_load_gguf(tok **out, const gguf_file *f, ae_error *err) {
 
     if (gguf_get_str(f, "tokenizer.ggml.model", &s, err)) goto fail;
     if (!gguf_str_eq(s, "gpt2")) {
-        err_set(err, "tokenizer.ggml.model \"%.*s\" is not supported (gpt2 only)",
-                (int)(s.len > 64 ? 64 : s.len), s.ptr);
+        err_set(err, "tokenizer.ggml.model \"%.*s\" is not supported (gpt2 only)", (int)(s.len > 64 ? 64 : s.len),
+                s.ptr);
         goto fail;
     }
     tok_pre pre = TOK_PRE_GPT2;
@@ -521,26 +517,21 @@ int tok_load_gguf(tok **out, const gguf_file *f, ae_error *err) {
         err_set(err, "tokenizer.ggml.pre is missing (gpt2, smollm, llama-bpe)");
         goto fail;
     }
-    if (gguf_get_str(f, "tokenizer.ggml.pre", &s, err) || pre_from_name(s, &pre, err))
-        goto fail;
+    if (gguf_get_str(f, "tokenizer.ggml.pre", &s, err) || pre_from_name(s, &pre, err)) goto fail;
 
     int64_t ki = gguf_find_key(f, "tokenizer.ggml.tokens");
-    if (ki < 0 || gguf_kv_type(f, (uint64_t)ki) != GGUF_VT_ARRAY ||
-        gguf_arr_type(f, (uint64_t)ki) != GGUF_VT_STRING) {
+    if (ki < 0 || gguf_kv_type(f, (uint64_t)ki) != GGUF_VT_ARRAY || gguf_arr_type(f, (uint64_t)ki) != GGUF_VT_STRING) {
         err_set(err, "tokenizer.ggml.tokens: missing or not a string array");
         goto fail;
     }
     uint64_t n_tok = gguf_arr_len(f, (uint64_t)ki);
     if (n_tok == 0 || n_tok > TOK_MAX_VOCAB) {
-        err_set(err, "tokenizer.ggml.tokens: %llu tokens out of range",
-                (unsigned long long)n_tok);
+        err_set(err, "tokenizer.ggml.tokens: %llu tokens out of range", (unsigned long long)n_tok);
         goto fail;
     }
     int64_t ti = gguf_find_key(f, "tokenizer.ggml.token_type");
-    if (ti >= 0 && (gguf_kv_type(f, (uint64_t)ti) != GGUF_VT_ARRAY ||
-                    gguf_arr_len(f, (uint64_t)ti) != n_tok)) {
-        err_set(err, "tokenizer.ggml.token_type: not an array of %llu",
-                (unsigned long long)n_tok);
+    if (ti >= 0 && (gguf_kv_type(f, (uint64_t)ti) != GGUF_VT_ARRAY || gguf_arr_len(f, (uint64_t)ti) != n_tok)) {
+        err_set(err, "tokenizer.ggml.token_type: not an array of %llu", (unsigned long long)n_tok);
         goto fail;
     }
     if (!(t = tok_alloc((int32_t)n_tok, err))) goto fail;
@@ -552,8 +543,7 @@ int tok_load_gguf(tok **out, const gguf_file *f, ae_error *err) {
     size_t max_len = 0;
     for (uint64_t j = 0; j < n_tok; j++) {
         int64_t type = 1;
-        if (gguf_arr_str(f, (uint64_t)ki, j, &s) ||
-            (ti >= 0 && gguf_arr_i64(f, (uint64_t)ti, j, &type))) {
+        if (gguf_arr_str(f, (uint64_t)ki, j, &s) || (ti >= 0 && gguf_arr_i64(f, (uint64_t)ti, j, &type))) {
             err_set(err, "tokenizer.ggml.tokens[%llu]: unreadable", (unsigned long long)j);
             goto fail;
         }
@@ -565,8 +555,7 @@ int tok_load_gguf(tok **out, const gguf_file *f, ae_error *err) {
     if (build_vocab(t, err)) goto fail;
 
     int64_t mi = gguf_find_key(f, "tokenizer.ggml.merges");
-    if (mi < 0 || gguf_kv_type(f, (uint64_t)mi) != GGUF_VT_ARRAY ||
-        gguf_arr_type(f, (uint64_t)mi) != GGUF_VT_STRING) {
+    if (mi < 0 || gguf_kv_type(f, (uint64_t)mi) != GGUF_VT_ARRAY || gguf_arr_type(f, (uint64_t)mi) != GGUF_VT_STRING) {
         err_set(err, "tokenizer.ggml.merges: missing or not a string array");
         goto fail;
     }
@@ -584,12 +573,11 @@ int tok_load_gguf(tok **out, const gguf_file *f, ae_error *err) {
         const char *sp = memchr(s.ptr, ' ', s.len);
         size_t ll = sp ? (size_t)(sp - s.ptr) : 0;
         if (!sp || ll == 0 || ll + 1 >= s.len || s.len > 2 * max_len + 1) {
-            err_set(err, "tokenizer.ggml.merges[%llu]: \"%.*s\" is not \"left right\"",
-                    (unsigned long long)j, (int)(s.len > 64 ? 64 : s.len), s.ptr);
+            err_set(err, "tokenizer.ggml.merges[%llu]: \"%.*s\" is not \"left right\"", (unsigned long long)j,
+                    (int)(s.len > 64 ? 64 : s.len), s.ptr);
             goto fail;
         }
-        if (merge_add(t, s.ptr, ll, sp + 1, s.len - ll - 1, (uint32_t)j, scratch, err))
-            goto fail;
+        if (merge_add(t, s.ptr, ll, sp + 1, s.len - ll - 1, (uint32_t)j, scratch, err)) goto fail;
     }
 
     if (gguf_opt_id(f, "tokenizer.ggml.bos_token_id", t->n_vocab, &t->bos, err) ||
@@ -619,7 +607,6 @@ fail:
 /* ------------------------------------------------------------------------ */
 /* tokenizer.json */
 
-
 static const char *json_type_of(const cJSON *j) {
     const cJSON *ty = cJSON_GetObjectItemCaseSensitive(j, "type");
     return cJSON_IsString(ty) ? ty->valuestring : "?";
@@ -647,18 +634,16 @@ static bool json_is_byte_level(const cJSON *j, bool use_regex) {
     return has_regex == use_regex;
 }
 
-static const char LLAMA3_REGEX[] =
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}|"
-    " ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char LLAMA3_REGEX[] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}|"
+                                   " ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 static bool json_is_llama3_split(const cJSON *j) {
     if (!json_is(j, "Split")) return false;
     const cJSON *pat = cJSON_GetObjectItemCaseSensitive(j, "pattern");
     const cJSON *re = cJSON_GetObjectItemCaseSensitive(pat, "Regex");
     const cJSON *beh = cJSON_GetObjectItemCaseSensitive(j, "behavior");
-    return cJSON_IsString(re) && strcmp(re->valuestring, LLAMA3_REGEX) == 0 &&
-           cJSON_IsString(beh) && strcmp(beh->valuestring, "Isolated") == 0 &&
-           !json_true(j, "invert");
+    return cJSON_IsString(re) && strcmp(re->valuestring, LLAMA3_REGEX) == 0 && cJSON_IsString(beh) &&
+           strcmp(beh->valuestring, "Isolated") == 0 && !json_true(j, "invert");
 }
 
 static int json_pre(const cJSON *pt, tok_pre *out, ae_error *err) {
@@ -670,8 +655,7 @@ static int json_pre(const cJSON *pt, tok_pre *out, ae_error *err) {
         const cJSON *seq = cJSON_GetObjectItemCaseSensitive(pt, "pretokenizers");
         if (cJSON_GetArraySize(seq) == 2) {
             const cJSON *a = cJSON_GetArrayItem(seq, 0), *b = cJSON_GetArrayItem(seq, 1);
-            if (json_is(a, "Digits") && json_true(a, "individual_digits") &&
-                json_is_byte_level(b, true)) {
+            if (json_is(a, "Digits") && json_true(a, "individual_digits") && json_is_byte_level(b, true)) {
                 *out = TOK_PRE_SMOLLM;
                 return AE_OK;
             }
@@ -690,18 +674,17 @@ static int json_pre(const cJSON *pt, tok_pre *out, ae_error *err) {
         const cJSON *it;
         const char *sep = "[";
         cJSON_ArrayForEach(it, seq) {
-            if (n < sizeof found)
-                n += (size_t)snprintf(found + n, sizeof found - n, "%s%s", sep, json_type_of(it));
+            if (n < sizeof found) n += (size_t)snprintf(found + n, sizeof found - n, "%s%s", sep, json_type_of(it));
             sep = ", ";
         }
         if (n < sizeof found) snprintf(found + n, sizeof found - n, "]");
     }
-    return err_set(err, "pre_tokenizer %s is not supported (ByteLevel => gpt2, "
-                        "Sequence[Digits, ByteLevel] => smollm, "
-                        "Sequence[Split(llama3 regex), ByteLevel(use_regex=false)] => llama3)",
+    return err_set(err,
+                   "pre_tokenizer %s is not supported (ByteLevel => gpt2, "
+                   "Sequence[Digits, ByteLevel] => smollm, "
+                   "Sequence[Split(llama3 regex), ByteLevel(use_regex=false)] => llama3)",
                    found);
 }
-
 
 /* bos_token / eos_token in tokenizer_config.json: a string or {"content"}. */
 static int32_t json_token_ref(const tok *t, const cJSON *cfg, const char *key) {
@@ -746,8 +729,7 @@ static int json_config(tok *t, const char *path, ae_error *err) {
         const cJSON *it, *pick = NULL;
         cJSON_ArrayForEach(it, tpl) {
             const cJSON *name = cJSON_GetObjectItemCaseSensitive(it, "name");
-            if (!pick || (cJSON_IsString(name) && strcmp(name->valuestring, "default") == 0))
-                pick = it;
+            if (!pick || (cJSON_IsString(name) && strcmp(name->valuestring, "default") == 0)) pick = it;
         }
         tpl = cJSON_GetObjectItemCaseSensitive(pick, "template");
     }
@@ -802,8 +784,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
         err_set(err, "model.merges: missing or not an array");
         goto fail;
     }
-    if (!json_null_or_absent(model, "dropout") ||
-        !json_null_or_absent(model, "continuing_subword_prefix") ||
+    if (!json_null_or_absent(model, "dropout") || !json_null_or_absent(model, "continuing_subword_prefix") ||
         !json_null_or_absent(model, "end_of_word_suffix") || json_true(model, "byte_fallback")) {
         err_set(err, "model: dropout, continuing_subword_prefix, end_of_word_suffix and "
                      "byte_fallback are not supported");
@@ -827,8 +808,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
     const cJSON *it;
     cJSON_ArrayForEach(it, vocab) {
         if (!json_int(it, 0, TOK_MAX_VOCAB - 1, &id)) {
-            err_set(err, "model.vocab[\"%.64s\"]: id not an integer in 0..%d", it->string,
-                    TOK_MAX_VOCAB - 1);
+            err_set(err, "model.vocab[\"%.64s\"]: id not an integer in 0..%d", it->string, TOK_MAX_VOCAB - 1);
             goto fail;
         }
         if (id > max_id) max_id = id;
@@ -841,8 +821,7 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
             goto fail;
         }
         if (json_true(it, "lstrip") || json_true(it, "rstrip") || json_true(it, "single_word")) {
-            err_set(err, "added token \"%.64s\": lstrip/rstrip/single_word are not supported",
-                    content->valuestring);
+            err_set(err, "added token \"%.64s\": lstrip/rstrip/single_word are not supported", content->valuestring);
             goto fail;
         }
         if (id > max_id) max_id = id;
@@ -903,8 +882,10 @@ int tok_load_json(tok **out, const char *path, ae_error *err) {
             rl = strlen(r);
         }
         if (!l || ll == 0 || rl == 0 || ll > max_len || rl > max_len) {
-            err_set(err, "model.merges[%u]: not \"left right\" or [left, right] of "
-                         "vocabulary tokens", rank);
+            err_set(err,
+                    "model.merges[%u]: not \"left right\" or [left, right] of "
+                    "vocabulary tokens",
+                    rank);
             goto fail;
         }
         if (merge_add(t, l, ll, r, rl, rank, scratch, err)) goto fail;
@@ -953,9 +934,7 @@ const uint8_t *tok_token_bytes(const tok *t, int32_t id, size_t *len) {
 
 size_t tok_max_token_bytes(const tok *t) { return t->max_token_bytes; }
 
-bool tok_is_special(const tok *t, int32_t id) {
-    return id >= 0 && id < t->n_vocab && (t->ent[id].flags & ENT_SPECIAL);
-}
+bool tok_is_special(const tok *t, int32_t id) { return id >= 0 && id < t->n_vocab && (t->ent[id].flags & ENT_SPECIAL); }
 
 int32_t tok_find(const tok *t, const char *s, size_t len) {
     if (!s) return -1;
@@ -1071,8 +1050,7 @@ static int bpe_large(const tok *t, int32_t *ids, size_t *n_io, bpe_scratch *sc) 
     return AE_OK;
 }
 
-static bool cache_get(const tok *t, uint64_t h, const uint8_t *w, size_t n, int32_t *ids,
-                      size_t *n_ids) {
+static bool cache_get(const tok *t, uint64_t h, const uint8_t *w, size_t n, int32_t *ids, size_t *n_ids) {
     uint32_t slot = (uint32_t)h & (CACHE_SLOTS - 1);
     const cache_slot *c = &t->cache[slot];
     pthread_mutex_t *lock = (pthread_mutex_t *)&t->locks[slot & (CACHE_LOCKS - 1)];
@@ -1087,8 +1065,7 @@ static bool cache_get(const tok *t, uint64_t h, const uint8_t *w, size_t n, int3
     return hit;
 }
 
-static void cache_put(const tok *t, uint64_t h, const uint8_t *w, size_t n,
-                      const int32_t *ids, size_t n_ids) {
+static void cache_put(const tok *t, uint64_t h, const uint8_t *w, size_t n, const int32_t *ids, size_t n_ids) {
     uint32_t slot = (uint32_t)h & (CACHE_SLOTS - 1);
     /* The cache is the one mutable part of a tokenizer; it is behind locks. */
     cache_slot *c = (cache_slot *)&t->cache[slot];
@@ -1104,8 +1081,7 @@ static void cache_put(const tok *t, uint64_t h, const uint8_t *w, size_t n,
 
 /* Encodes one pre-tokenized piece into out (room for n ids). Returns the
  * count, or -1 when memory for a very long piece cannot be had. */
-static long bpe_piece(const tok *t, const uint8_t *w, size_t n, int32_t *out,
-                      bpe_scratch *sc) {
+static long bpe_piece(const tok *t, const uint8_t *w, size_t n, int32_t *out, bpe_scratch *sc) {
     if (n == 1) {
         int32_t id = t->byte_id[w[0]] >= 0 ? t->byte_id[w[0]] : t->unk;
         if (id < 0) return 0;
@@ -1143,8 +1119,7 @@ static long bpe_piece(const tok *t, const uint8_t *w, size_t n, int32_t *out,
  * first, then longest, then the lowest id, walked in the trie from each
  * position. Special tokens count only when `special` is set; other added
  * tokens are always split out, as the reference library does. */
-static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from, bool special,
-                       size_t *at, int32_t *id) {
+static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from, bool special, size_t *at, int32_t *id) {
     if (t->n_added == 0) return false;
     for (size_t i = from; i < len; i++) {
         if (t->added_first >= 0) {
@@ -1158,7 +1133,8 @@ static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from, 
             int32_t here = special ? nd->id : nd->id_plain;
             if (here >= 0) best = here;
             if (i + j >= len) break;
-            for (k = nd->child; k && t->added[k].byte != s[i + j]; k = t->added[k].sibling) {}
+            for (k = nd->child; k && t->added[k].byte != s[i + j]; k = t->added[k].sibling) {
+            }
         }
         if (best >= 0) {
             *at = i;
@@ -1169,8 +1145,8 @@ static bool find_added(const tok *t, const uint8_t *s, size_t len, size_t from, 
     return false;
 }
 
-int tok_encode(const tok *t, const char *text, size_t len, int flags, int32_t *ids,
-               size_t cap, size_t *n_out, ae_error *err) {
+int tok_encode(const tok *t, const char *text, size_t len, int flags, int32_t *ids, size_t cap, size_t *n_out,
+               ae_error *err) {
     *n_out = 0;
     if (!t) return err_set(err, "tok_encode: no tokenizer");
     if (!text && len) return err_set(err, "tok_encode: NULL text");
@@ -1189,8 +1165,7 @@ int tok_encode(const tok *t, const char *text, size_t len, int flags, int32_t *i
     while (pos < len) {
         size_t seg_end = len, sp_at = len;
         int32_t sp_id = -1;
-        if (find_added(t, s, len, pos, (flags & TOK_PARSE_SPECIAL) != 0, &sp_at, &sp_id))
-            seg_end = sp_at;
+        if (find_added(t, s, len, pos, (flags & TOK_PARSE_SPECIAL) != 0, &sp_at, &sp_id)) seg_end = sp_at;
         while (pos < seg_end) {
             size_t end = pretok_next(t->pre, s + pos, seg_end - pos, 0) + pos;
             /* A piece of k bytes never yields more than k ids; when the
@@ -1224,8 +1199,7 @@ int tok_encode(const tok *t, const char *text, size_t len, int flags, int32_t *i
     *n_out = n;
     goto done;
 small:
-    rc = err_set(err, "tok_encode: %zu ids is not enough room (len + 1 = %zu always is)", cap,
-                 len + 1);
+    rc = err_set(err, "tok_encode: %zu ids is not enough room (len + 1 = %zu always is)", cap, len + 1);
     goto done;
 oom:
     rc = err_set(err, "tok_encode: out of memory");
@@ -1252,16 +1226,16 @@ static inline void sink_put(sink *k, const uint8_t *p, size_t n) {
     k->len += n;
 }
 
-int tok_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special, char *out,
-               size_t cap, size_t *len_out, ae_error *err) {
+int tok_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special, char *out, size_t cap, size_t *len_out,
+               ae_error *err) {
     *len_out = 0;
     if (!t) return err_set(err, "tok_decode: no tokenizer");
     if (n && !ids) return err_set(err, "tok_decode: NULL ids");
     if (cap && !out) return err_set(err, "tok_decode: NULL out");
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= t->n_vocab)
-            return err_set(err, "tok_decode: id %ld at %zu out of range (vocabulary %ld)",
-                           (long)ids[i], i, (long)t->n_vocab);
+            return err_set(err, "tok_decode: id %ld at %zu out of range (vocabulary %ld)", (long)ids[i], i,
+                           (long)t->n_vocab);
     sink k = {out, cap, 0};
     /* Lossy UTF-8 repair is detok's byte layer, so a streamed decode and
      * this one cannot disagree. Long tokens go through in slices. */

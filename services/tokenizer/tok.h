@@ -46,8 +46,8 @@ void tok_free(tok *t); /* NULL is a no-op */
 int32_t tok_vocab_size(const tok *t);
 tok_pre tok_pre_kind(const tok *t);
 const char *tok_pre_name(tok_pre p); /* "gpt2", "smollm", "llama3" */
-int32_t tok_bos(const tok *t);        /* -1 when none */
-int32_t tok_eos(const tok *t);        /* -1 when none */
+int32_t tok_bos(const tok *t);       /* -1 when none */
+int32_t tok_eos(const tok *t);       /* -1 when none */
 bool tok_add_bos(const tok *t);
 
 /* The model's chat template (NUL-terminated) or NULL if it has none. */
@@ -68,8 +68,8 @@ int32_t tok_find(const tok *t, const char *s, size_t len);
  * punctuation (see pretok.h), and a byte the vocabulary has no token for is
  * dropped, as Hugging Face's BPE without unk_token does (SmolLM2 lacks 21,
  * e.g. 0x04, 0x1D, 0xC0, 0xFF). */
-int tok_encode(const tok *t, const char *text, size_t len, int flags,
-               int32_t *ids, size_t cap, size_t *n_out, ae_error *err);
+int tok_encode(const tok *t, const char *text, size_t len, int flags, int32_t *ids, size_t cap, size_t *n_out,
+               ae_error *err);
 
 /* Decodes ids to bytes, invalid UTF-8 replaced by U+FFFD the way Rust's
  * from_utf8_lossy does (which is what the reference implementation does).
@@ -78,7 +78,7 @@ int tok_encode(const tok *t, const char *text, size_t len, int flags,
  * *len_out is the full length without the NUL, so *len_out >= cap means the
  * text was cut; retry with *len_out + 1. Ids out of range give AE_ERR.
  * skip_special drops special tokens. */
-int tok_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special,
-               char *out, size_t cap, size_t *len_out, ae_error *err);
+int tok_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special, char *out, size_t cap, size_t *len_out,
+               ae_error *err);
 
 #endif

@@ -223,7 +223,8 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
         return err_set(err, "%s: key length %d leaves no nope dims beside %d rope dims", a, key_mla > 0 ? key_mla : key,
                        c->qk_rope_dim);
     int64_t ctx = arch_gguf_int(gf, a, "context_length", 4096);
-    if (ctx < 1 || ctx > INT32_MAX) return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
+    if (ctx < 1 || ctx > INT32_MAX)
+        return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
     c->context_length = (int32_t)ctx;
     char k[192];
     float f;
@@ -251,14 +252,17 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
     int64_t gating = arch_gguf_int(gf, a, "expert_gating_func", 0);
     snprintf(k, sizeof k, "blk.%d.exp_probs_b.bias", c->n_dense_layers);
     if (r->n_experts && (gating == 1 || gating > 2 || (gating == 0 && !gguf_find_tensor(gf, k))))
-        return err_set(err, "%s: expert_gating_func %lld: only sigmoid routing with a correction bias (DeepSeek-V3's) "
-                       "is supported", a, (long long)gating);
+        return err_set(err,
+                       "%s: expert_gating_func %lld: only sigmoid routing with a correction bias (DeepSeek-V3's) "
+                       "is supported",
+                       a, (long long)gating);
     if (r->n_experts && (r->top_k < 1 || r->n_experts % r->n_group || r->topk_group > r->n_group ||
                          (r->n_group > 1 && r->n_experts / r->n_group < 2) || c->expert_ffn < 1 ||
                          r->top_k > r->topk_group * (r->n_experts / r->n_group)))
-        return err_set(err, "%s: %d experts (%d used, groups %d/%d, width %d) after %d dense layers do not make a "
-                       "mixture this reader runs", a, r->n_experts, r->top_k, r->topk_group, r->n_group,
-                       c->expert_ffn, c->n_dense_layers);
+        return err_set(err,
+                       "%s: %d experts (%d used, groups %d/%d, width %d) after %d dense layers do not make a "
+                       "mixture this reader runs",
+                       a, r->n_experts, r->top_k, r->topk_group, r->n_group, c->expert_ffn, c->n_dense_layers);
     /* rope: interleaved pairs, as the file's rows are */
     double theta, log_mul = 0.0;
     if (arch_gguf_num(gf, a, "rope.freq_base", 10000.0, &theta, err)) return AE_ERR;
@@ -283,11 +287,12 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
         return err_set(err, "key %s: only yarn (or none) is supported", k);
     }
     snprintf(k, sizeof k, "key %s.", a);
-    arch_rope_keys keys = {k, "rope.freq_base", "rope.dimension_count", "rope.scaling.", "factor",
-                           "original_context_length", "yarn_beta_fast", "yarn_beta_slow"};
+    arch_rope_keys keys = {k,        "rope.freq_base",          "rope.dimension_count", "rope.scaling.",
+                           "factor", "original_context_length", "yarn_beta_fast",       "yarn_beta_slow"};
     if (arch_check_rope(&c->rope, &keys, err) != AE_OK) return AE_ERR;
     const gguf_tensor *emb = gguf_find_tensor(gf, "token_embd.weight");
-    if (!emb || emb->n_dims != 2 || emb->ne[1] > INT32_MAX) return err_set(err, "tensor token_embd.weight is missing or not 2-D");
+    if (!emb || emb->n_dims != 2 || emb->ne[1] > INT32_MAX)
+        return err_set(err, "tensor token_embd.weight is missing or not 2-D");
     c->vocab = (int32_t)emb->ne[1];
     c->n_kv_heads = 1;
     c->head_dim = c->kv_lora_rank + c->qk_rope_dim;
@@ -388,8 +393,8 @@ static const arch_tensor tensors[] = {
      ARCH_WHOLE, 0, F(router_bias), D(EXPERTS), ONE},
     {"expert gate_proj", "ffn_gate_exps.weight", "mlp.experts.%d.gate_proj", ARCH_MOE, ARCH_EXPERT, ARCH_READ_ANY,
      ARCH_ROWS, ARCH_PACK, 0, D(EXPERT_FFN), D(HIDDEN)},
-    {"expert up_proj", "ffn_up_exps.weight", "mlp.experts.%d.up_proj", ARCH_MOE, ARCH_EXPERT, ARCH_READ_ANY,
-     ARCH_ROWS, ARCH_PACK, 1, D(EXPERT_FFN), D(HIDDEN)},
+    {"expert up_proj", "ffn_up_exps.weight", "mlp.experts.%d.up_proj", ARCH_MOE, ARCH_EXPERT, ARCH_READ_ANY, ARCH_ROWS,
+     ARCH_PACK, 1, D(EXPERT_FFN), D(HIDDEN)},
     {"expert down_proj", "ffn_down_exps.weight", "mlp.experts.%d.down_proj", ARCH_MOE, ARCH_EXPERT, ARCH_READ_ANY,
      ARCH_COLS, ARCH_PACK, 2, D(HIDDEN), D(EXPERT_FFN)},
     {"shared_experts.gate_proj", "ffn_gate_shexp", "mlp.shared_experts.gate_proj", ARCH_MOE, ARCH_MAT, ARCH_READ_ANY,

@@ -23,7 +23,8 @@ static int config_gguf(model_config *c, const gguf_file *gf, ae_error *err) {
     c->n_kv_heads = (int32_t)arch_gguf_int(gf, a, "attention.head_count_kv", c->n_heads);
     c->head_dim = (int32_t)arch_gguf_int(gf, a, "attention.key_length", c->n_heads ? c->hidden / c->n_heads : 0);
     int64_t ctx = arch_gguf_int(gf, a, "context_length", 2048);
-    if (ctx < 1 || ctx > INT32_MAX) return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
+    if (ctx < 1 || ctx > INT32_MAX)
+        return err_set(err, "key %s.context_length: %lld is outside 1..%d", a, (long long)ctx, INT32_MAX);
     c->context_length = (int32_t)ctx;
     char key[192]; /* arch (< 128) + the longest suffix */
     float f;
@@ -120,8 +121,8 @@ static uint64_t kv_token_bytes(const model_config *c) {
  * logits (vocab); RoPE cos and sin (head_dim); EAGLE-3's captured
  * features (3 hidden). */
 static uint64_t workspace_per_token(const model_config *c) {
-    return 4ull * (7ull * (uint64_t)c->hidden + 2ull * ((uint64_t)c->n_heads + (uint64_t)c->n_kv_heads) *
-                                                    (uint64_t)c->head_dim +
+    return 4ull * (7ull * (uint64_t)c->hidden +
+                   2ull * ((uint64_t)c->n_heads + (uint64_t)c->n_kv_heads) * (uint64_t)c->head_dim +
                    2ull * (uint64_t)c->ffn + (uint64_t)c->vocab + (uint64_t)c->head_dim);
 }
 

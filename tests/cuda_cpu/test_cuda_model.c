@@ -29,7 +29,6 @@
 #include "cuda_open.h"
 #include "../../target/engine.h"
 
-
 #define GOLDEN "tests/golden/tiny"
 #define N_GEN 16
 #define MAX_PROMPT 96
@@ -60,8 +59,12 @@ static int32_t argmax(const float *x, int32_t n) {
 }
 
 static engine *engine_on(const model *m) {
-    engine_config cfg = {.max_batch_tokens = CHUNK + 8, .max_seqs = 2, .max_seq_len = 160, .kv_tokens = 320,
-                      .block_size = 16, .threads = 2};
+    engine_config cfg = {.max_batch_tokens = CHUNK + 8,
+                         .max_seqs = 2,
+                         .max_seq_len = 160,
+                         .kv_tokens = 320,
+                         .block_size = 16,
+                         .threads = 2};
     engine *e;
     ae_error err = {{0}};
     if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -95,7 +98,8 @@ static void step_both(engine *e[2], const engine_item it[2][2], int32_t n, float
         den += (double)lg[0][i] * lg[0][i];
     }
     if (!(num <= 1e-10 * den)) fail_msg("logits differ from the cpu's: rel L2 %.3g", sqrt(num / den));
-    bit_equal += memcmp(lg[0], lg[1], nl * sizeof(float)) == 0 && (!cap || memcmp(ft[0], ft[1], nf * sizeof(float)) == 0);
+    bit_equal +=
+        memcmp(lg[0], lg[1], nl * sizeof(float)) == 0 && (!cap || memcmp(ft[0], ft[1], nf * sizeof(float)) == 0);
 #else
     assert_memory_equal(lg[0], lg[1], nl * sizeof(float));
     if (cap) assert_memory_equal(ft[0], ft[1], nf * sizeof(float));
@@ -144,8 +148,8 @@ static void run_model(const char *name, int32_t max_graphs, uint64_t budget) {
         for (int32_t at = 0; at < n; at += CHUNK) {
             int32_t c = n - at < CHUNK ? n - at : CHUNK;
             for (int k = 0; k < 2; k++)
-                it[k][0] = (engine_item){.seq = s[k], .kind = ENGINE_APPEND, .n_tokens = c, .tokens = ids + at,
-                                      .all_logits = true};
+                it[k][0] = (engine_item){
+                    .seq = s[k], .kind = ENGINE_APPEND, .n_tokens = c, .tokens = ids + at, .all_logits = true};
             step_both(e, (const engine_item(*)[2])it, 1, lg, ft, NULL);
         }
         /* The prompt's last logits give the first greedy token. */
@@ -159,7 +163,8 @@ static void run_model(const char *name, int32_t max_graphs, uint64_t budget) {
             it[k][0] = (engine_item){.seq = other[k], .kind = ENGINE_APPEND, .n_tokens = 6, .tokens = want};
         step_both(e, (const engine_item(*)[2])it, 1, lg, ft, NULL);
         for (int k = 0; k < 2; k++)
-            it[k][0] = (engine_item){.seq = other[k], .kind = ENGINE_TREE, .n_tokens = 5, .tokens = tree, .parents = parents};
+            it[k][0] =
+                (engine_item){.seq = other[k], .kind = ENGINE_TREE, .n_tokens = 5, .tokens = tree, .parents = parents};
         forward_capture cap = {.n_layers = 3, .layers = {0, 1, 1}, .n_rows = 5, .rows = rows};
         step_both(e, (const engine_item(*)[2])it, 1, lg, ft, &cap);
         for (int k = 0; k < 2; k++) assert_int_equal(engine_commit_path(e[k], other[k], keep, 2, &err), AE_OK);
@@ -208,7 +213,8 @@ static void run_model(const char *name, int32_t max_graphs, uint64_t budget) {
         engine_free(e[1]);
     }
     printf("%s on the cuda backend%s: %d of %d steps bit-equal to the cpu backend, %d/%d greedy tokens equal to "
-           "transformers\n", name, max_graphs ? " with graphs" : "", bit_equal, steps, equal, total);
+           "transformers\n",
+           name, max_graphs ? " with graphs" : "", bit_equal, steps, equal, total);
     if (max_graphs && budget && budget < 150000) {
         printf("  graphs off after the first capture: %lld captured\n", (long long)captures);
     } else if (max_graphs) {

@@ -24,7 +24,6 @@
 #include "../../target/sample.h"
 #include "../../services/core/pool.h"
 
-
 #define WORK (1u << 20)
 
 static const kn_backend *CU;
@@ -152,7 +151,7 @@ static void libm_near(const char *what, const float *cpu, const float *cuda, siz
 
 /* ---- weights ---------------------------------------------------------------- */
 
-static const ggml_type TYPES[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16,
+static const ggml_type TYPES[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,
                                   GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
 
 /* Random rows of type t with sane scales: f16 d in [-0.05, 0.05], Q4_1's
@@ -172,8 +171,14 @@ static uint8_t *make_rows(ggml_type t, int64_t rows, int64_t cols, size_t *row_b
                 memcpy(row + 4 * i, &f, 4);
                 break;
             }
-            case GGML_TYPE_F16: h = quant_f32_to_f16(frand(-1, 1)); memcpy(row + 2 * i, &h, 2); break;
-            case GGML_TYPE_BF16: h = quant_f32_to_bf16(frand(-1, 1)); memcpy(row + 2 * i, &h, 2); break;
+            case GGML_TYPE_F16:
+                h = quant_f32_to_f16(frand(-1, 1));
+                memcpy(row + 2 * i, &h, 2);
+                break;
+            case GGML_TYPE_BF16:
+                h = quant_f32_to_bf16(frand(-1, 1));
+                memcpy(row + 2 * i, &h, 2);
+                break;
             default: break;
             }
         }
@@ -297,7 +302,7 @@ static void matmul_of_column_shards(void **state) {
 
 enum { AR_RANKS = 3, AR_CALLS = 6, AR_MAX = 700, AR_NORM_ROWS = 7, AR_NORM_N = 100 };
 /* odd, one, the max; the last is the fused norm's 7 rows of 100 */
-static const size_t AR_COUNT[AR_CALLS] = {576, 1, 700, 257, 576, AR_NORM_ROWS * AR_NORM_N};
+static const size_t AR_COUNT[AR_CALLS] = {576, 1, 700, 257, 576, AR_NORM_ROWS *AR_NORM_N};
 
 typedef struct ar_rank {
     kn_comm *comm;
@@ -307,7 +312,9 @@ typedef struct ar_rank {
 } ar_rank;
 
 /* Rank r's partial of call i, and the residual every rank holds. */
-static float ar_part(int r, int i, size_t j) { return (float)((int)(j * 7 + (size_t)r * 13 + (size_t)i) % 97) * 0.173f - 8.1f; }
+static float ar_part(int r, int i, size_t j) {
+    return (float)((int)(j * 7 + (size_t)r * 13 + (size_t)i) % 97) * 0.173f - 8.1f;
+}
 static float ar_resid(int i, size_t j) { return (float)((int)(j * 3 + (size_t)i) % 31) * 0.5f - 7.0f; }
 
 /* The calls alternate: even ones kn_allreduce_sum, odd ones
@@ -320,8 +327,10 @@ static void *ar_rank_main(void *arg) {
         if (i == AR_CALLS - 1)
             kn_allreduce_add_rmsnorm(rk->comm, rk->s, rk->part[i], rk->x[i], rk->g, rk->part[i], AR_NORM_ROWS,
                                      AR_NORM_N, 1e-5f);
-        else if (i % 2 == 0) kn_allreduce_sum(rk->comm, rk->s, rk->part[i], AR_COUNT[i]);
-        else kn_allreduce_add(rk->comm, rk->s, rk->part[i], rk->x[i], AR_COUNT[i]);
+        else if (i % 2 == 0)
+            kn_allreduce_sum(rk->comm, rk->s, rk->part[i], AR_COUNT[i]);
+        else
+            kn_allreduce_add(rk->comm, rk->s, rk->part[i], rk->x[i], AR_COUNT[i]);
     }
     kn_stream_sync(rk->s);
     return NULL;
@@ -388,7 +397,10 @@ static void custom_allreduce_is_the_cpus_in_rank_order(void **state) {
         for (int r = 0; r < AR_RANKS; r++) {
             char what[64];
             snprintf(what, sizeof what, "allreduce call %d (%s) rank %d", i,
-                     i == AR_CALLS - 1 ? "add and rmsnorm" : i % 2 ? "add" : "sum", r);
+                     i == AR_CALLS - 1 ? "add and rmsnorm"
+                     : i % 2           ? "add"
+                                       : "sum",
+                     r);
             same(what, cpu[i][r], cu[i][r], AR_COUNT[i]);
             same(what, cpu[i][0], cu[i][r], AR_COUNT[i]); /* every rank the same */
         }
@@ -543,8 +555,8 @@ static void row_and_elementwise_ops(void **state) {
     get(cu15, ag, da, sizeof ag);
     assert_memory_equal(ac, ag, sizeof ac);
     assert_int_equal(ac[0], 7);
-    {   /* rows of a vocabulary's width, cut into slices on the GPU: a tie
-         * across slices, the maximum at the last index, a NaN slice */
+    { /* rows of a vocabulary's width, cut into slices on the GPU: a tie
+       * across slices, the maximum at the last index, a NaN slice */
         enum { V = 4099 };
         float *big = malloc(3 * V * sizeof(float));
         fill(big, 3 * V, -1, 1);
@@ -588,7 +600,7 @@ static void row_and_elementwise_ops(void **state) {
         assert_true(ic[0] == 1000 && ic[1] == 3000 && ic[KN_TOPK_MAX] == V - 1 && ic[KN_TOPK_MAX + 1] == 0);
         free(big);
     }
-    {   /* every value equal, NaN rows, and rows shorter than the threads */
+    { /* every value equal, NaN rows, and rows shorter than the threads */
         float eq[3 * 20];
         for (int i = 0; i < 20; i++) eq[i] = 0.25f, eq[20 + i] = NAN, eq[40 + i] = (float)(i % 3);
         int32_t ic[3 * KN_TOPK_MAX], ig[3 * KN_TOPK_MAX];
@@ -618,7 +630,7 @@ static void row_and_elementwise_ops(void **state) {
     kn_gather_rows(cu15, dx, NULL, 2, N, dgat + N, 2 * N);
     get(cu15, gg, dgat, sizeof gg);
     same("gather_rows", gc, gg, 4 * N);
-    {   /* rows wider than the kernels' chunks (2048, 4096), with a tail */
+    { /* rows wider than the kernels' chunks (2048, 4096), with a tail */
         enum { W = 4100 };
         float *xw = malloc(2 * W * sizeof(float)), *gw = malloc(W * sizeof(float)), *yw = malloc(2 * W * sizeof(float)),
               *yv = malloc(2 * W * sizeof(float));
@@ -666,8 +678,12 @@ static void rope_both_layouts(void **state) {
     int32_t pos[M] = {0, 1, 17, 4000};
     for (int layout = 0; layout < 2; layout++) {
         kn_rope r;
-        kn_rope_config rc = {.layout = (kn_rope_layout)layout, .head_dim = D, .theta = 10000.0,
-                             .factor = layout ? 8.0 : 0.0, .low_freq_factor = 1.0, .high_freq_factor = 4.0,
+        kn_rope_config rc = {.layout = (kn_rope_layout)layout,
+                             .head_dim = D,
+                             .theta = 10000.0,
+                             .factor = layout ? 8.0 : 0.0,
+                             .low_freq_factor = 1.0,
+                             .high_freq_factor = 4.0,
                              .original_max_pos = 8192.0};
         assert_int_equal(kn_rope_init(&r, &rc, NULL), AE_OK);
         float x[M * H * D], csc[M * D], csg[M * D], xg[M * H * D];
@@ -696,8 +712,17 @@ static void write_random_kv(const kn_kv_pool *pc, const kn_kv_pool *pg, const in
     assert_true(k && v);
     fill(k, count, -2, 2);
     fill(v, count, -2, 2);
-    kn_kv_map wm = {.m = n, .block_tables = tables, .n_seqs = 2, .table_len = table_len, .seq = seq, .slot = slot,
-                    .n_prefix = zeros, .extra_start = zeros, .n_extra = zeros, .extra = zeros, .n_extra_total = 0};
+    kn_kv_map wm = {.m = n,
+                    .block_tables = tables,
+                    .n_seqs = 2,
+                    .table_len = table_len,
+                    .seq = seq,
+                    .slot = slot,
+                    .n_prefix = zeros,
+                    .extra_start = zeros,
+                    .n_extra = zeros,
+                    .extra = zeros,
+                    .n_extra_total = 0};
     kn_kv_map wg = wm;
     wg.block_tables = dev(tables, sizeof(int32_t) * 2 * (size_t)table_len);
     wg.seq = dev(seq, sizeof(int32_t) * (size_t)n), wg.slot = dev(slot, sizeof(int32_t) * (size_t)n);
@@ -724,8 +749,8 @@ static void kv_write_attention_and_move(void **state) {
     uint16_t *dkv = dev_zero(2 * pool_elems * 2);
     kn_buf *kvbuf = last_buf();
     uint16_t *dk = dkv, *dv = dkv + pool_elems;
-    kn_kv_pool pc = {.k = kc, .v = vc, .n_blocks = NB, .block_size = BS, .n_kv_heads = KVH, .head_dim = HD,
-                     .type = GGML_TYPE_F16};
+    kn_kv_pool pc = {
+        .k = kc, .v = vc, .n_blocks = NB, .block_size = BS, .n_kv_heads = KVH, .head_dim = HD, .type = GGML_TYPE_F16};
     kn_kv_pool pg = pc;
     pg.k = dk, pg.v = dv, pg.buf = kvbuf;
     int32_t tables[2 * TL] = {5, 1, 7, -1, 2, 0, 6, -1};
@@ -751,8 +776,17 @@ static void kv_write_attention_and_move(void **state) {
     int32_t aseq[NT] = {0, 0, 0, 0, 1, 1, 1}, aslot[NT] = {0, 31, 32, 44, 40, 41, 42};
     int32_t npre[NT] = {1, 32, 33, 45, 20, 20, 20}, xst[NT] = {0, 0, 0, 0, 0, 1, 2}, nex[NT] = {0, 0, 0, 0, 1, 1, 2};
     int32_t extra[4] = {40, 41, 40, 42};
-    kn_kv_map am = {.m = NT, .block_tables = tables, .n_seqs = 2, .table_len = TL, .seq = aseq, .slot = aslot,
-                    .n_prefix = npre, .extra_start = xst, .n_extra = nex, .extra = extra, .n_extra_total = 4};
+    kn_kv_map am = {.m = NT,
+                    .block_tables = tables,
+                    .n_seqs = 2,
+                    .table_len = TL,
+                    .seq = aseq,
+                    .slot = aslot,
+                    .n_prefix = npre,
+                    .extra_start = xst,
+                    .n_extra = nex,
+                    .extra = extra,
+                    .n_extra_total = 4};
     kn_kv_map ag = am;
     ag.block_tables = dev(tables, sizeof tables), ag.seq = dev(aseq, sizeof aseq), ag.slot = dev(aslot, sizeof aslot);
     ag.n_prefix = dev(npre, sizeof npre), ag.extra_start = dev(xst, sizeof xst), ag.n_extra = dev(nex, sizeof nex);
@@ -790,7 +824,8 @@ static void kv_write_attention_and_move(void **state) {
     kn_kv_map lm = am;
     lm.m = NL, lm.seq = lseq, lm.slot = lslot, lm.n_prefix = lpre, lm.extra_start = lxst, lm.n_extra = lnex;
     kn_kv_map lg = ag;
-    lg.m = NL, lg.seq = dev(lseq, sizeof lseq), lg.slot = dev(lslot, sizeof lslot), lg.n_prefix = dev(lpre, sizeof lpre);
+    lg.m = NL, lg.seq = dev(lseq, sizeof lseq), lg.slot = dev(lslot, sizeof lslot),
+    lg.n_prefix = dev(lpre, sizeof lpre);
     lg.extra_start = dev(lxst, sizeof lxst), lg.n_extra = dev(lnex, sizeof lnex);
     float *ql = malloc(sizeof(float) * NL * QH * HD), *olc = malloc(sizeof(float) * NL * QH * HD),
           *olg = malloc(sizeof(float) * NL * QH * HD);
@@ -829,7 +864,12 @@ static void attention_group_cases_at(int hd) {
     uint16_t *kc = calloc(pool_elems, 2), *vc = calloc(pool_elems, 2);
     uint16_t *dkv = dev_zero(2 * pool_elems * 2);
     kn_buf *kvbuf = last_buf();
-    kn_kv_pool pc = {.k = kc, .v = vc, .n_blocks = XNB, .block_size = XBS, .n_kv_heads = XKVH, .head_dim = hd,
+    kn_kv_pool pc = {.k = kc,
+                     .v = vc,
+                     .n_blocks = XNB,
+                     .block_size = XBS,
+                     .n_kv_heads = XKVH,
+                     .head_dim = hd,
                      .type = GGML_TYPE_F16};
     kn_kv_pool pg = pc;
     pg.k = dkv, pg.v = dkv + pool_elems, pg.buf = kvbuf;
@@ -845,8 +885,10 @@ static void attention_group_cases_at(int hd) {
     int ne = 0;
     for (int i = 0; i < NT; i++) {
         xst[i] = ne, nex[i] = 0;
-        if (i < 8) seq[i] = 0, npre[i] = 64, slot[i] = 63;
-        else if (i < 16) seq[i] = 0, npre[i] = b1[i - 8], slot[i] = npre[i] - 1;
+        if (i < 8)
+            seq[i] = 0, npre[i] = 64, slot[i] = 63;
+        else if (i < 16)
+            seq[i] = 0, npre[i] = b1[i - 8], slot[i] = npre[i] - 1;
         else if (i < 24) {
             int n = i - 16;
             seq[i] = 1, npre[i] = 32, slot[i] = 40 + n;
@@ -857,8 +899,17 @@ static void attention_group_cases_at(int hd) {
             if (i == 25) extra[ne++] = 50, extra[ne++] = 51, nex[i] = 2;
         }
     }
-    kn_kv_map am = {.m = NT, .block_tables = tables, .n_seqs = 2, .table_len = XTL, .seq = seq, .slot = slot,
-                    .n_prefix = npre, .extra_start = xst, .n_extra = nex, .extra = extra, .n_extra_total = ne};
+    kn_kv_map am = {.m = NT,
+                    .block_tables = tables,
+                    .n_seqs = 2,
+                    .table_len = XTL,
+                    .seq = seq,
+                    .slot = slot,
+                    .n_prefix = npre,
+                    .extra_start = xst,
+                    .n_extra = nex,
+                    .extra = extra,
+                    .n_extra_total = ne};
     kn_kv_map ag = am;
     ag.block_tables = dev(tables, sizeof tables), ag.seq = dev(seq, sizeof seq), ag.slot = dev(slot, sizeof slot);
     ag.n_prefix = dev(npre, sizeof npre), ag.extra_start = dev(xst, sizeof xst), ag.n_extra = dev(nex, sizeof nex);
@@ -891,14 +942,14 @@ static void sample_draws_as_the_host_does(void **state) {
     (void)state;
     enum { V = 1500, ROWS = 6, POS = 24, CASES = 7 };
     static const sample_params cases[CASES] = {
-        {0.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 1.0f, 0.0f}, {0.7f, 0, 1.0f, 0.05f}, {1.3f, 5, 1.0f, 0.0f},
+        {0.0f, 0, 1.0f, 0.0f}, {1.0f, 0, 1.0f, 0.0f},           {0.7f, 0, 1.0f, 0.05f}, {1.3f, 5, 1.0f, 0.0f},
         {0.8f, 1, 1.0f, 0.0f}, {1.0f, KN_TOPK_MAX, 1.0f, 0.1f}, {1e-6f, 3, 1.0f, 0.0f},
     };
     float *x = malloc((size_t)ROWS * V * sizeof(float));
     fill(x, (size_t)ROWS * V, -4, 4);
-    for (int i = 0; i < V; i += 3) x[V + i] = -INFINITY;   /* a grammar's mask */
-    for (int i = 0; i < V; i++) x[2 * V + i] = -INFINITY;  /* all masked: greedy's pick, 0 */
-    x[3 * V + 7] = NAN, x[3 * V + 8] = INFINITY;           /* +inf is no finite logit */
+    for (int i = 0; i < V; i += 3) x[V + i] = -INFINITY;    /* a grammar's mask */
+    for (int i = 0; i < V; i++) x[2 * V + i] = -INFINITY;   /* all masked: greedy's pick, 0 */
+    x[3 * V + 7] = NAN, x[3 * V + 8] = INFINITY;            /* +inf is no finite logit */
     for (int i = 0; i < 40; i++) x[4 * V + 100 + i] = 6.0f; /* ties at the top */
     sample_state *smp;
     ae_error err = {{0}};

@@ -151,7 +151,8 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
         int d = graphs ? (k == 4 ? 1 : 3) : k;
         spec_config sc = spec_config_default(shape_of[d], MAX_SEQS, 128);
         spec *s;
-        if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, drafters[d], &sc, &err) != AE_OK)
+        if (draft_link_capture(&link, sc.capture, &err) != AE_OK ||
+            spec_init(&s, e_cu, drafters[d], &sc, &err) != AE_OK)
             fail_msg("%s", err.msg);
         int identical = 0;
         int64_t chunks = 0; /* prompt chunks: run op by op */
@@ -221,7 +222,8 @@ static void greedy_speculation_on_cuda_is_plain_decoding(void **state) {
     for (int c = 0; c < 2; c++) {
         spec_config sc = spec_config_default(shapes[1], MAX_SEQS, 128);
         spec *s;
-        if (draft_link_capture(&link, sc.capture, &err) != AE_OK || spec_init(&s, e_cu, &link_cu.iface, &sc, &err) != AE_OK)
+        if (draft_link_capture(&link, sc.capture, &err) != AE_OK ||
+            spec_init(&s, e_cu, &link_cu.iface, &sc, &err) != AE_OK)
             fail_msg("%s", err.msg);
         int64_t drawn0 = engine_drawn_steps(e_cu);
         int identical = 0;
@@ -348,7 +350,8 @@ static void ranks_on_cuda_give_the_cpu_ranks_bits(void **state) {
     load_target(&m_cpu, &m_cu);
     engine *e_cpu = new_engine(m_cpu), *e_cu = new_engine(m_cu);
     const kn_allreduce kind = cuda_allreduce();
-    if (engine_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || engine_set_tp(e_cu, 2, kind, NULL, &err) != AE_OK)
+    if (engine_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK ||
+        engine_set_tp(e_cu, 2, kind, NULL, &err) != AE_OK)
         fail_msg("--tp 2: %s", err.msg);
     assert_int_equal(engine_allreduce(e_cu), kind);
     engine_set_graphs(e_cu, 16, 0); /* asked for, and off while ranks run */
@@ -417,7 +420,7 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
     ae_error err = {{0}};
     if (kn_cuda_open(1, &cu1, &info, &err) != AE_OK) {
         printf("two devices: skipped (%s)\n", err.msg); /* one GPU on the lent machine */
-        skip(); /* reported as skipped, not passed */
+        skip();                                         /* reported as skipped, not passed */
     }
     assert_true(cu1 != CU);
     model *m_cpu, *m_cu;
@@ -425,7 +428,8 @@ static void ranks_on_two_devices_give_the_cpu_ranks_bits(void **state) {
     engine *e_cpu = new_engine(m_cpu), *e_cu = new_engine(m_cu);
     const kn_backend *bes[2] = {CU, cu1};
     const kn_allreduce kind = cuda_allreduce();
-    if (engine_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK || engine_set_tp(e_cu, 2, kind, bes, &err) != AE_OK)
+    if (engine_set_tp(e_cpu, 2, KN_ALLREDUCE_CPU, NULL, &err) != AE_OK ||
+        engine_set_tp(e_cu, 2, kind, bes, &err) != AE_OK)
         fail_msg("--tp 2: %s", err.msg);
     assert_true(engine_tp_backend(e_cu, 0) == CU && engine_tp_backend(e_cu, 1) == cu1);
     assert_int_equal(engine_tp_copied_bytes(e_cu, 0), 0);

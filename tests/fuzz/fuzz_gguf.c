@@ -85,8 +85,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     model_config c;
     const arch *a = NULL;
     err_clear(&err);
-    if (model_config_gguf(&c, &a, f, &err) == AE_OK) check_model_config(&c, a);
-    else if (!err_is_set(&err)) __builtin_trap();
+    if (model_config_gguf(&c, &a, f, &err) == AE_OK)
+        check_model_config(&c, a);
+    else if (!err_is_set(&err))
+        __builtin_trap();
     gguf_close(f);
     return 0;
 }

@@ -46,8 +46,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         const arch *a = NULL;
         hfconfig hc;
         err_clear(&err);
-        if (model_config_read(&mc, &a, &hc, as_file(data, size), &err) == AE_OK) check_model_config(&mc, a);
-        else if (err.msg[0] == '\0') abort();
+        if (model_config_read(&mc, &a, &hc, as_file(data, size), &err) == AE_OK)
+            check_model_config(&mc, a);
+        else if (err.msg[0] == '\0')
+            abort();
     } else if (err.msg[0] == '\0') {
         abort();
     }

@@ -38,9 +38,9 @@ static void check(const uint8_t *data, size_t size, size_t max_head) {
         check_inside(h.method, buf, n);
         check_inside(h.target, buf, n);
         AE_ASSERT(h.target[0] == '/');
-        AE_ASSERT(h.path == h.target || (h.path == h.path_buf && strlen(h.path) <= HTTP_MAX_PATH &&
-                                         strncmp(h.path, h.target, strlen(h.path)) == 0 &&
-                                         h.target[strlen(h.path)] == '?'));
+        AE_ASSERT(h.path == h.target ||
+                  (h.path == h.path_buf && strlen(h.path) <= HTTP_MAX_PATH &&
+                   strncmp(h.path, h.target, strlen(h.path)) == 0 && h.target[strlen(h.path)] == '?'));
         AE_ASSERT(h.minor == 0 || h.minor == 1);
         AE_ASSERT(h.n_headers >= 0 && h.n_headers <= HTTP_MAX_HEADERS);
         for (int i = 0; i < h.n_headers; i++) {

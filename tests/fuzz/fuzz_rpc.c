@@ -30,13 +30,13 @@ static void check_slice(const uint8_t *payload, uint32_t plen, aerie_PayloadRef 
 
 static uint8_t out[aerie_ProposeReply_size + aerie_InfoReply_size];
 
-#define ROUNDTRIP(type, var)                                                                 \
-    do {                                                                                     \
-        static type var;                                                                     \
-        if (msg_decode(type##_fields, &var, msg, mlen, NULL) == AE_OK) {                     \
-            uint32_t n;                                                                      \
+#define ROUNDTRIP(type, var) \
+    do { \
+        static type var; \
+        if (msg_decode(type##_fields, &var, msg, mlen, NULL) == AE_OK) { \
+            uint32_t n; \
             AE_ASSERT(msg_encode(type##_fields, &var, out, sizeof out, &n, NULL) == AE_OK); \
-        }                                                                                    \
+        } \
     } while (0)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -16,8 +16,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static void touch(const safetensors_tensor *t, const uint8_t *data, size_t size) {
     const uint8_t *p = t->data;
-    AE_ASSERT(p >= data && t->n_bytes <= size &&
-              (size_t)(p - data) <= size - t->n_bytes);
+    AE_ASSERT(p >= data && t->n_bytes <= size && (size_t)(p - data) <= size - t->n_bytes);
     AE_ASSERT(t->n_dims <= SAFETENSORS_MAX_DIMS);
     uint64_t n_el = 1;
     for (uint32_t d = 0; d < t->n_dims; d++) n_el *= t->shape[d];

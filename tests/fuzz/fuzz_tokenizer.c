@@ -47,8 +47,10 @@ static bool valid_utf8(const uint8_t *s, size_t n) {
         uint8_t b = s[i];
         size_t k;
         uint8_t lo = 0x80, hi = 0xBF;
-        if (b < 0x80) k = 0;
-        else if (b >= 0xC2 && b <= 0xDF) k = 1;
+        if (b < 0x80)
+            k = 0;
+        else if (b >= 0xC2 && b <= 0xDF)
+            k = 1;
         else if (b >= 0xE0 && b <= 0xEF) {
             k = 2;
             if (b == 0xE0) lo = 0xA0;
@@ -70,8 +72,7 @@ static bool valid_utf8(const uint8_t *s, size_t n) {
     return true;
 }
 
-static void check_round_trip(const tok *t, const bool *miss, const uint8_t *data, size_t size,
-                             int flags, bool valid) {
+static void check_round_trip(const tok *t, const bool *miss, const uint8_t *data, size_t size, int flags, bool valid) {
     int32_t *ids = malloc((size + 1) * sizeof *ids);
     size_t n;
     ae_error err = {{0}};
@@ -129,8 +130,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (tok_decode(toks[0], ids, n, (size & 1) != 0, NULL, 0, &len, NULL)) abort();
     char *out = malloc(len + 1);
     size_t len2;
-    if (!out || tok_decode(toks[0], ids, n, (size & 1) != 0, out, len + 1, &len2, NULL) ||
-        len2 != len || !valid_utf8((const uint8_t *)out, len))
+    if (!out || tok_decode(toks[0], ids, n, (size & 1) != 0, out, len + 1, &len2, NULL) || len2 != len ||
+        !valid_utf8((const uint8_t *)out, len))
         abort();
     free(out);
     free(ids);

@@ -37,12 +37,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 static const char *const NAMES[3] = {"get_weather", "add", "search_web"};
 static const char LONG_ID[] = "chatcmpl-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef01234567";
 
-#define CHECK(cond)                                                           \
-    do {                                                                      \
-        if (!(cond)) {                                                        \
+#define CHECK(cond) \
+    do { \
+        if (!(cond)) { \
             fprintf(stderr, "fuzz_toolcall: %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-            abort();                                                          \
-        }                                                                     \
+            abort(); \
+        } \
     } while (0)
 
 static size_t count_tags(const char *text, size_t len) {

@@ -74,7 +74,6 @@ static int32_t id_of(const fixture *f, const char *text) {
     return id;
 }
 
-
 /* Drives m through text, the longest allowed token at each step; returns
  * the steps, and fills ns[] with each mask's time. */
 static int drive(fixture *f, grammar_matcher *m, const char *text, int64_t *ns, int max) {
@@ -130,8 +129,8 @@ static void test_masks_allow_exactly_what_the_schema_allows(void **state) {
     drive(&f, m, "{\"name\": \"Al\", \"age\": ", ns, 256);
     grammar_fill_mask(m, f.mask);
     assert_true(allowed(&f, id_of(&f, "4")));
-    assert_false(allowed(&f, id_of(&f, "\""))); /* an integer, not a string */
-    assert_false(allowed(&f, id_of(&f, "-"))); /* minimum 0 */
+    assert_false(allowed(&f, id_of(&f, "\"")));       /* an integer, not a string */
+    assert_false(allowed(&f, id_of(&f, "-")));        /* minimum 0 */
     assert_false(grammar_accept(m, id_of(&f, "\""))); /* refused, nothing changed */
     drive(&f, m, "42, \"tags\": [], \"address\": {\"city\": \"X\", \"zip\": \"1\"}}", ns, 256);
     grammar_fill_mask(m, f.mask);

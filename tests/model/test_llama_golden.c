@@ -56,7 +56,8 @@ static int setup(void **state) {
     }
     char *text;
     size_t len;
-    if (model_load(&mdl, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK || file_read_all(GOLDEN, 8u << 20, &text, &len, NULL, &err) != AE_OK) {
+    if (model_load(&mdl, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK ||
+        file_read_all(GOLDEN, 8u << 20, &text, &len, NULL, &err) != AE_OK) {
         fprintf(stderr, "%s\n", err.msg);
         return -1;
     }
@@ -126,8 +127,13 @@ static golden_result run_golden(int32_t act_bits) {
     int32_t np = cJSON_GetArraySize(prompts);
     assert_true(np >= 20 && np <= MAX_PROMPTS);
     const int32_t V = mdl->cfg.vocab, H = mdl->cfg.hidden;
-    engine_config cfg = {.max_batch_tokens = 512, .max_seqs = MAX_PROMPTS, .max_seq_len = 384,
-                      .kv_tokens = MAX_PROMPTS * 384, .block_size = 16, .threads = 2, .act_bits = act_bits};
+    engine_config cfg = {.max_batch_tokens = 512,
+                         .max_seqs = MAX_PROMPTS,
+                         .max_seq_len = 384,
+                         .kv_tokens = MAX_PROMPTS * 384,
+                         .block_size = 16,
+                         .threads = 2,
+                         .act_bits = act_bits};
     engine *e;
     ae_error err = {0};
     if (engine_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -191,7 +197,8 @@ static golden_result run_golden(int32_t act_bits) {
     /* Decode all prompts together, one token each per step. */
     engine_item items[MAX_PROMPTS];
     for (int32_t g = 1; g < N_GEN; g++) {
-        for (int32_t p = 0; p < np; p++) items[p] = (engine_item){seq[p], ENGINE_APPEND, 1, &got[p][g - 1], NULL, false};
+        for (int32_t p = 0; p < np; p++)
+            items[p] = (engine_item){seq[p], ENGINE_APPEND, 1, &got[p][g - 1], NULL, false};
         if (engine_step(e, items, np, &(engine_outputs){.logits = logits}, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int32_t p = 0; p < np; p++) {
             const float *x = logits + (size_t)p * (size_t)V;
@@ -210,8 +217,8 @@ static golden_result run_golden(int32_t act_bits) {
             identical++;
         else
             printf("prompt %d (%s): first differs at token %d (ours %d, reference %d)\n", p,
-                   cJSON_GetObjectItem(cJSON_GetArrayItem(prompts, p), "name")->valuestring, first,
-                   got[p][first], ref_gen[p][first]);
+                   cJSON_GetObjectItem(cJSON_GetArrayItem(prompts, p), "name")->valuestring, first, got[p][first],
+                   ref_gen[p][first]);
         free(ref_gen[p]);
     }
     printf("golden (%d-bit activations): %d/%d prompts give the same %d greedy tokens; final logits rel L2 max "

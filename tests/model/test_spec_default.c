@@ -40,7 +40,8 @@ static void check_lossless(int32_t act_bits) {
     engine_config ec = {CHUNK, 1, SEQ_LEN, SEQ_LEN, 16, 2, act_bits};
     assert_int_equal(engine_init(&e, m, &ec, &err), AE_OK);
     drafter_config dc = {1, SEQ_LEN, CHUNK, 2, engine_pool(e), act_bits};
-    if (draft_link_open(&link, HEAD_DIR, model_embedding(m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s (run `make test`)", err.msg);
+    if (draft_link_open(&link, HEAD_DIR, model_embedding(m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s (run `make test`)", err.msg);
     int32_t V = m->cfg.vocab, ids[MAX_PROMPT], got[N_GEN];
     static int32_t want[N_PROMPTS][N_GEN];
     for (int i = 0; i < N_PROMPTS; i++) run_plain_greedy(e, ids, prompt(i, V, ids), CHUNK, N_GEN, want[i]);
@@ -55,12 +56,14 @@ static void check_lossless(int32_t act_bits) {
         int identical = 0;
         for (int i = 0; i < N_PROMPTS; i++) {
             run_spec(s, e, ids, prompt(i, V, ids), CHUNK, &greedy, 0, N_GEN, got);
-            if (memcmp(got, want[i], sizeof got) == 0) identical++;
-            else fprintf(stderr, "%s: prompt %d differs\n", names[k], i);
+            if (memcmp(got, want[i], sizeof got) == 0)
+                identical++;
+            else
+                fprintf(stderr, "%s: prompt %d differs\n", names[k], i);
         }
         const spec_stats *st = spec_total_stats(s);
-        printf("%d-bit %s: %d/%d prompts identical; %lld verify steps, %lld drafted, %lld accepted\n", act_bits, names[k],
-               identical, N_PROMPTS, (long long)st->steps, (long long)st->drafted, (long long)st->accepted);
+        printf("%d-bit %s: %d/%d prompts identical; %lld verify steps, %lld drafted, %lld accepted\n", act_bits,
+               names[k], identical, N_PROMPTS, (long long)st->steps, (long long)st->drafted, (long long)st->accepted);
         assert_int_equal(identical, N_PROMPTS);
         assert_int_equal(st->bad_trees, 0);
         assert_true(st->steps >= N_PROMPTS * N_GEN / 2);

@@ -56,7 +56,8 @@ static void fixture_open(fixture *f) {
     engine_config ec = {64, 1, SEQ_LEN, SEQ_LEN, 16, 1, 0};
     if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {1, SEQ_LEN, 16, 1, engine_pool(f->e), 0};
-    if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
     spec_config sc = spec_config_default((spec_shape){4, 3, 8}, 1, 64);
     if (draft_link_capture(&f->link, sc.capture, &err) != AE_OK ||
         spec_init(&f->s, f->e, &f->link.iface, &sc, &err) != AE_OK)
@@ -270,7 +271,8 @@ static void test_a_biased_acceptor_is_detected(void **state) {
          * when it has any probability. */
         t[0] = sample_greedy(lg, V);
         if (!(p[t[0]] > 0)) t[0] = sample_token(smp, lg, &params, &rng, 3);
-        if (sample_rng_uniform(&rng, 3, V) < 0.5) t[0] = sample_token(smp, lg, &params, &rng, 3); /* a coin off the vocabulary */
+        if (sample_rng_uniform(&rng, 3, V) < 0.5)
+            t[0] = sample_token(smp, lg, &params, &rng, 3); /* a coin off the vocabulary */
         engine_item d = {seq, ENGINE_APPEND, 1, &t[0], NULL, false};
         assert_int_equal(engine_step(f.e, &d, 1, &(engine_outputs){.logits = lg}, &err), AE_OK);
         t[1] = sample_token(smp, lg, &params, &rng, 4);
@@ -289,8 +291,15 @@ static void test_a_biased_acceptor_is_detected(void **state) {
 /* Penalties that make the second token depend on the first (frequency,
  * presence and repetition over the output), a bias, and min_tokens 1
  * holding token 7 back from the first position only. */
-static const penalty_params pen = {.presence = 0.4f, .frequency = 1.2f, .repetition = 1.3f, .min_tokens = 1,
-                                   .n_stop = 1, .stop = {7}, .n_bias = 2, .bias_id = {2, 30}, .bias = {1.5f, -0.7f}};
+static const penalty_params pen = {.presence = 0.4f,
+                                   .frequency = 1.2f,
+                                   .repetition = 1.3f,
+                                   .min_tokens = 1,
+                                   .n_stop = 1,
+                                   .stop = {7},
+                                   .n_bias = 2,
+                                   .bias_id = {2, 30},
+                                   .bias = {1.5f, -0.7f}};
 
 /* The drafter proposes every token of the vocabulary under the root, so
  * the first token is always accepted and the second is decided at the

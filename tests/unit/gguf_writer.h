@@ -92,8 +92,8 @@ static inline void gw_arr(gw *w, const char *key, uint32_t elem_type, uint64_t c
     gw_u64(w, count);
 }
 
-static inline void gw_tensor(gw *w, const char *name, uint32_t n_dims, const uint64_t *ne,
-                             uint32_t type, uint64_t offset) {
+static inline void gw_tensor(gw *w, const char *name, uint32_t n_dims, const uint64_t *ne, uint32_t type,
+                             uint64_t offset) {
     gw_str(w, name);
     gw_u32(w, n_dims);
     for (uint32_t d = 0; d < n_dims; d++) gw_u64(w, ne[d]);

@@ -43,7 +43,8 @@ static void an_unknown_architecture_is_refused_with_the_known_ones(void **state)
     assert_null(arch_for_gguf("grok", &e1));
     assert_string_equal(e1.msg, "architecture \"grok\" is not supported (llama, qwen2, deepseek2)");
     assert_null(arch_for_hf("mixtral", &e2));
-    assert_string_equal(e2.msg, "model_type \"mixtral\" is not supported (llama, qwen2, deepseek_v3, kimi_k2, kimi_k25)");
+    assert_string_equal(e2.msg,
+                        "model_type \"mixtral\" is not supported (llama, qwen2, deepseek_v3, kimi_k2, kimi_k25)");
     assert_null(arch_for_gguf("", &e3));
     assert_string_equal(e3.msg, "architecture \"\" is not supported (llama, qwen2, deepseek2)");
 }
@@ -86,7 +87,6 @@ static void the_default_model_states_its_kv_split_and_blocks(void **state) {
     model_free(m);
 }
 
-
 /* ---- a layer's tensors: one table that loading and tensor parallelism walk ---- */
 
 /* A table entry as a model holds it: its shape, and how rank `rank` of a
@@ -101,12 +101,12 @@ typedef struct held {
 /* SmolLM2-135M (hidden 576, 9 heads and 3 kv heads of 64, ffn 1536, no
  * biases), rank 1 of 3: kv head 1 and q heads 3..5, ffn [512, 1024). */
 static const held LLAMA_HELD[] = {
-    {"attn_norm", 576, 1, ARCH_WHOLE, 0, 0},          {"ffn_norm", 576, 1, ARCH_WHOLE, 0, 0},
-    {"attn_q", 576, 576, ARCH_ROWS, 192, 192},        {"attn_k", 192, 576, ARCH_ROWS, 64, 64},
-    {"attn_v", 192, 576, ARCH_ROWS, 64, 64},          {"attn_output", 576, 576, ARCH_COLS, 192, 192},
-    {"ffn_gate", 1536, 576, ARCH_ROWS, 512, 512},     {"ffn_up", 1536, 576, ARCH_ROWS, 512, 512},
-    {"ffn_down", 576, 1536, ARCH_COLS, 512, 512},     {"attn_q.bias", 576, 1, ARCH_ROWS, 192, 192},
-    {"attn_k.bias", 192, 1, ARCH_ROWS, 64, 64},       {"attn_v.bias", 192, 1, ARCH_ROWS, 64, 64},
+    {"attn_norm", 576, 1, ARCH_WHOLE, 0, 0},      {"ffn_norm", 576, 1, ARCH_WHOLE, 0, 0},
+    {"attn_q", 576, 576, ARCH_ROWS, 192, 192},    {"attn_k", 192, 576, ARCH_ROWS, 64, 64},
+    {"attn_v", 192, 576, ARCH_ROWS, 64, 64},      {"attn_output", 576, 576, ARCH_COLS, 192, 192},
+    {"ffn_gate", 1536, 576, ARCH_ROWS, 512, 512}, {"ffn_up", 1536, 576, ARCH_ROWS, 512, 512},
+    {"ffn_down", 576, 1536, ARCH_COLS, 512, 512}, {"attn_q.bias", 576, 1, ARCH_ROWS, 192, 192},
+    {"attn_k.bias", 192, 1, ARCH_ROWS, 64, 64},   {"attn_v.bias", 192, 1, ARCH_ROWS, 64, 64},
 };
 
 /* The tiny DeepSeek-V3 (hidden 64, 4 heads, q_lora_rank 32, kv_lora_rank
@@ -295,8 +295,16 @@ static void a_tensor_added_to_the_table_is_read_and_sharded(void **state) {
     for (size_t k = 0; k < arch_llama.n_tensors; k++)
         if (strcmp(arch_llama.tensors[k].name, "attn_v")) edited[n++] = arch_llama.tensors[k];
     assert_int_equal(n, 11);
-    edited[n++] = (arch_tensor){"again", "ffn_up.weight", "mlp.up_proj.weight", ARCH_GQA, ARCH_MAT, ARCH_READ_MATRIX,
-                                ARCH_ROWS, 0, offsetof(model_layer, wq_a), {ARCH_FFN, ARCH_ONE},
+    edited[n++] = (arch_tensor){"again",
+                                "ffn_up.weight",
+                                "mlp.up_proj.weight",
+                                ARCH_GQA,
+                                ARCH_MAT,
+                                ARCH_READ_MATRIX,
+                                ARCH_ROWS,
+                                0,
+                                offsetof(model_layer, wq_a),
+                                {ARCH_FFN, ARCH_ONE},
                                 {ARCH_HIDDEN, ARCH_ONE}};
     arch a = arch_llama;
     a.tensors = edited;
@@ -338,9 +346,18 @@ static void a_tensor_added_to_the_table_is_read_and_sharded(void **state) {
     model_free(m);
 
     /* one it lacks, read after the norms */
-    arch_tensor lacking[16] = {arch_llama.tensors[0], arch_llama.tensors[1],
-                               {"attn_gate", "attn_gate.weight", "self_attn.gate_proj.weight", ARCH_GQA, ARCH_MAT,
-                                ARCH_READ_MATRIX, ARCH_ROWS, 0, offsetof(model_layer, wq_a), {ARCH_FFN, ARCH_ONE},
+    arch_tensor lacking[16] = {arch_llama.tensors[0],
+                               arch_llama.tensors[1],
+                               {"attn_gate",
+                                "attn_gate.weight",
+                                "self_attn.gate_proj.weight",
+                                ARCH_GQA,
+                                ARCH_MAT,
+                                ARCH_READ_MATRIX,
+                                ARCH_ROWS,
+                                0,
+                                offsetof(model_layer, wq_a),
+                                {ARCH_FFN, ARCH_ONE},
                                 {ARCH_HIDDEN, ARCH_ONE}}};
     for (size_t k = 2; k < arch_llama.n_tensors; k++) lacking[k + 1] = arch_llama.tensors[k];
     a.tensors = lacking;
@@ -388,12 +405,9 @@ static const kv DS_KEYS[] = {
 
 /* SmolLM2's shape, as a llama GGUF. */
 static const kv LLAMA_KEYS[] = {
-    {"general.architecture", 8, 0, "llama"},
-    {"llama.block_count", 4, 2, NULL},
-    {"llama.embedding_length", 4, 64, NULL},
-    {"llama.feed_forward_length", 4, 128, NULL},
-    {"llama.attention.head_count", 4, 4, NULL},
-    {"llama.attention.head_count_kv", 4, 2, NULL},
+    {"general.architecture", 8, 0, "llama"},    {"llama.block_count", 4, 2, NULL},
+    {"llama.embedding_length", 4, 64, NULL},    {"llama.feed_forward_length", 4, 128, NULL},
+    {"llama.attention.head_count", 4, 4, NULL}, {"llama.attention.head_count_kv", 4, 2, NULL},
     {"llama.rope.freq_base", 6, 100000, NULL},
 };
 
@@ -424,13 +438,17 @@ static int gguf_config(const kv *keys, size_t n_keys, const kv *over, size_t n_o
             for (size_t j = 0; j < n_over; j++)
                 if (!strcmp(over[j].key, e->key)) e = &over[j], used[j] = true;
             if (e->type == OMIT) continue;
-            if (pass) put_kv(&w, e);
-            else n_kv++;
+            if (pass)
+                put_kv(&w, e);
+            else
+                n_kv++;
         }
         for (size_t j = 0; j < n_over; j++)
             if (!used[j] && over[j].type != OMIT) {
-                if (pass) put_kv(&w, &over[j]);
-                else n_kv++;
+                if (pass)
+                    put_kv(&w, &over[j]);
+                else
+                    n_kv++;
             }
     }
     gw_tensor(&w, "token_embd.weight", 2, (uint64_t[]){64, 8}, 0, 0);
@@ -459,10 +477,16 @@ static void refused(const kv *keys, size_t n_keys, kv over, const char *want) {
     ae_error err = {0};
     int rc = gguf_config(keys, n_keys, &over, 1, &c, &err);
     char value[64];
-    const char *type = over.type == 4 ? "u32" : over.type == 5 ? "i32" : over.type == 6 ? "f32" : over.type == 10 ? "u64"
-                     : over.type == 12 ? "f64" : "string";
-    if (over.str) snprintf(value, sizeof value, "\"%s\" (%s)", over.str, type);
-    else snprintf(value, sizeof value, "%g (%s)", over.num, type);
+    const char *type = over.type == 4    ? "u32"
+                       : over.type == 5  ? "i32"
+                       : over.type == 6  ? "f32"
+                       : over.type == 10 ? "u64"
+                       : over.type == 12 ? "f64"
+                                         : "string";
+    if (over.str)
+        snprintf(value, sizeof value, "\"%s\" (%s)", over.str, type);
+    else
+        snprintf(value, sizeof value, "%g (%s)", over.num, type);
     if (rc == AE_OK) {
         print_message("taken: %s = %s\n", over.key, value);
         misses++;
@@ -504,11 +528,13 @@ static void deepseek2_gguf_refuses_rope_numbers_out_of_range(void **state) {
     DS(((kv){"deepseek2.rope.freq_base", 6, INFINITY, NULL}), WANT(theta, "inf is outside (0, 1e+12]"));
     DS(((kv){"deepseek2.rope.freq_base", 6, 1e13, NULL}), WANT(theta, "1e+13 is outside (0, 1e+12]"));
     /* YaRN's band divides by ln(base). */
-    DS(((kv){"deepseek2.rope.freq_base", 6, 1, NULL}), WANT(theta, "1 is not above 1, as yarn needs (its band divides by its log)"));
+    DS(((kv){"deepseek2.rope.freq_base", 6, 1, NULL}),
+       WANT(theta, "1 is not above 1, as yarn needs (its band divides by its log)"));
     DS(((kv){"deepseek2.rope.freq_base", 8, 0, "10000"}),
        "key deepseek2.rope.freq_base: has type string, expected f32 or f64");
     /* RoPE turns pairs of dims: 33 + 15 = 48 passes the latent's width check. */
-    kv odd[3] = {{"deepseek2.rope.dimension_count", 4, 15, NULL}, {"deepseek2.attention.kv_lora_rank", 4, 33, NULL},
+    kv odd[3] = {{"deepseek2.rope.dimension_count", 4, 15, NULL},
+                 {"deepseek2.attention.kv_lora_rank", 4, 33, NULL},
                  {"deepseek2.attention.key_length_mla", 4, 31, NULL}};
     model_config c;
     ae_error err = {0};
@@ -530,7 +556,8 @@ static void deepseek2_gguf_refuses_yarn_numbers_out_of_range(void **state) {
        "key deepseek2.rope.scaling.factor: nan is outside [1, 1e+06]");
     DS(((kv){"deepseek2.rope.scaling.factor", 6, INFINITY, NULL}),
        "key deepseek2.rope.scaling.factor: inf is outside [1, 1e+06]");
-    DS(((kv){"deepseek2.rope.scaling.factor", 6, 0, NULL}), "key deepseek2.rope.scaling.factor: 0 is outside [1, 1e+06]");
+    DS(((kv){"deepseek2.rope.scaling.factor", 6, 0, NULL}),
+       "key deepseek2.rope.scaling.factor: 0 is outside [1, 1e+06]");
     DS(((kv){"deepseek2.rope.scaling.original_context_length", 4, 0, NULL}),
        "key deepseek2.rope.scaling.original_context_length: 0 is outside 1..1073741824");
     DS(((kv){"deepseek2.rope.scaling.original_context_length", 5, -64, NULL}),
@@ -631,8 +658,10 @@ static void deepseek_config_json_refuses_the_same_rope_numbers(void **state) {
         void (*edit)(cJSON *root);
         const char *want;
     } cases[] = {
-        {"rope_theta 1", theta_1, ": rope_parameters.rope_theta: 1 is not above 1, as yarn needs (its band divides by its log)"},
-        {"beta_fast 1, beta_slow 32", betas_swapped, ": rope_parameters.beta_fast: 1 is below rope_parameters.beta_slow's 32"},
+        {"rope_theta 1", theta_1,
+         ": rope_parameters.rope_theta: 1 is not above 1, as yarn needs (its band divides by its log)"},
+        {"beta_fast 1, beta_slow 32", betas_swapped,
+         ": rope_parameters.beta_fast: 1 is below rope_parameters.beta_slow's 32"},
         {"qk_rope_head_dim 15", odd_rope_dims, ": qk_rope_head_dim: 15 is not an even number in 2..256"},
     };
     misses = 0;

@@ -106,8 +106,8 @@ static void st_matmul_n(kn_stream *s, int n, const kn_weight *const *w, const fl
     for (int i = 0; i < n; i++) rw[i] = UW(w[i]), pw[i] = &rw[i], py[i] = U(y[i]);
     kn_backend_cpu.matmul_n(s, n, pw, U(x), py, m);
 }
-static void st_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x,
-                             float *y_gate, float *y_up, int64_t m) {
+static void st_matmul_swiglu(kn_stream *s, const kn_weight *gate, const kn_weight *up, const float *x, float *y_gate,
+                             float *y_up, int64_t m) {
     kn_weight g = UW(gate), u = UW(up);
     kn_backend_cpu.matmul_swiglu(s, &g, &u, U(x), U(y_gate), U(y_up), m);
 }
@@ -245,7 +245,12 @@ static void test_weights_are_in_the_backends_buffers(void **state) {
  * taken again. */
 static void test_kv_tables_reach_the_backend_as_they_change(void **state) {
     (void)state;
-    kv_params p = {.n_layers = 1, .n_kv_heads = 1, .head_dim = 8, .block_size = 4, .n_blocks = 8, .max_seqs = 2,
+    kv_params p = {.n_layers = 1,
+                   .n_kv_heads = 1,
+                   .head_dim = 8,
+                   .block_size = 4,
+                   .n_blocks = 8,
+                   .max_seqs = 2,
                    .max_blocks_per_seq = 4};
     kv_cache *kv;
     pool *pl;
@@ -277,8 +282,8 @@ static void test_kv_tables_reach_the_backend_as_they_change(void **state) {
 }
 
 static engine *engine_on(const model *m) {
-    engine_config cfg = {.max_batch_tokens = 64, .max_seqs = 3, .max_seq_len = 96, .kv_tokens = 288,
-                      .block_size = 16, .threads = 2};
+    engine_config cfg = {
+        .max_batch_tokens = 64, .max_seqs = 3, .max_seq_len = 96, .kv_tokens = 288, .block_size = 16, .threads = 2};
     engine *e = NULL;
     ae_error err = {0};
     if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -320,7 +325,8 @@ static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
                 it[0] = (engine_item){.seq = a[k], .kind = ENGINE_APPEND, .n_tokens = N_PROMPT, .tokens = PROMPT};
                 break;
             case 1:
-                it[0] = (engine_item){.seq = a[k], .kind = ENGINE_TREE, .n_tokens = 6, .tokens = tree, .parents = parents};
+                it[0] =
+                    (engine_item){.seq = a[k], .kind = ENGINE_TREE, .n_tokens = 6, .tokens = tree, .parents = parents};
                 cp = &cap;
                 n_feat = 6;
                 break;
@@ -328,7 +334,8 @@ static void test_engine_on_staged_gives_the_cpu_bits(void **state) {
                 assert_int_equal(engine_commit_path(e[k], a[k], path, 3, &err), AE_OK);
                 assert_int_equal(engine_seq_new(e[k], &b[k], &err), AE_OK);
                 it[0] = (engine_item){.seq = a[k], .kind = ENGINE_APPEND, .n_tokens = 1, .tokens = &tree[5]};
-                it[1] = (engine_item){.seq = b[k], .kind = ENGINE_APPEND, .n_tokens = 12, .tokens = PROMPT, .all_logits = true};
+                it[1] = (engine_item){
+                    .seq = b[k], .kind = ENGINE_APPEND, .n_tokens = 12, .tokens = PROMPT, .all_logits = true};
                 n = 2;
                 break;
             case 3:

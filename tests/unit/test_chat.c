@@ -60,8 +60,7 @@ static void test_golden_templates_are_recognised(void **state) {
         ae_error err = {0};
         chat_template *ct = NULL;
         const char *name = str_field(t, "name");
-        if (chat_template_init(&ct, str_field(t, "source"), &err) != AE_OK)
-            fail_msg("%s: %s", name, err.msg);
+        if (chat_template_init(&ct, str_field(t, "source"), &err) != AE_OK) fail_msg("%s: %s", name, err.msg);
         assert_string_equal(chat_family_name(ct), str_field(t, "family"));
         assert_string_equal(chat_variant_name(ct), str_field(t, "variant"));
         const cJSON *def = cJSON_GetObjectItemCaseSensitive(t, "default_system");
@@ -104,9 +103,7 @@ static void test_golden_cases_render_exactly(void **state) {
         bool agp = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(c, "add_generation_prompt"));
         ae_error err = {0};
         chat_template *ct = NULL;
-        assert_int_equal(chat_template_init(&ct, str_field(find_named(templates, tname), "source"),
-                                            &err),
-                         AE_OK);
+        assert_int_equal(chat_template_init(&ct, str_field(find_named(templates, tname), "source"), &err), AE_OK);
         chat_msg msgs[16];
         size_t n = golden_msgs(find_named(convs, cname), msgs, 16);
 
@@ -146,8 +143,7 @@ static void test_golden_rejected_templates_fail_with_their_message(void **state)
         if (chat_template_init(&ct, str_field(r, "source"), &err) != AE_ERR)
             fail_msg("%s: accepted as %s", str_field(r, "name"), chat_variant_name(ct));
         assert_null(ct);
-        if (strcmp(err.msg, str_field(r, "error")) != 0)
-            fail_msg("%s: got \"%s\"", str_field(r, "name"), err.msg);
+        if (strcmp(err.msg, str_field(r, "error")) != 0) fail_msg("%s: got \"%s\"", str_field(r, "name"), err.msg);
         count++;
     }
     assert_int_equal(count, 6);
@@ -174,12 +170,11 @@ static const char *PLAIN_CHATML =
 static void test_default_system_is_read_from_the_template(void **state) {
     (void)state;
     /* Not SmolLM's text, so it cannot be hard-coded; empty is allowed. */
-    const char *src =
-        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-        "{{ '<|im_start|>system\\nBe brief, {{ really }}.<|im_end|>\\n' }}{% endif %}"
-        "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
-        "'\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-        "{% endif %}";
+    const char *src = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                      "{{ '<|im_start|>system\\nBe brief, {{ really }}.<|im_end|>\\n' }}{% endif %}"
+                      "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+                      "'\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                      "{% endif %}";
     ae_error err = {0};
     chat_template *ct = NULL;
     assert_int_equal(chat_template_init(&ct, src, &err), AE_OK);
@@ -209,8 +204,7 @@ static void test_render_refuses_bad_messages(void **state) {
     err_clear(&err);
     chat_msg bad_role[] = {{"user", "a"}, {"tool", "b"}};
     assert_int_equal(chat_render(ct, bad_role, 2, true, out, sizeof out, &len, &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "messages[1].role: \"tool\" is not one of system, user, assistant");
+    assert_string_equal(err.msg, "messages[1].role: \"tool\" is not one of system, user, assistant");
 
     err_clear(&err);
     chat_msg no_content[] = {{"user", NULL}};
@@ -227,12 +221,11 @@ static void test_render_refuses_bad_messages(void **state) {
 
 static void test_llama3_strips_python_whitespace_only(void **state) {
     (void)state;
-    const char *src =
-        "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
-        "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] "
-        "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
-        "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
+    const char *src = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+                      "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] "
+                      "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+                      "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+                      "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}";
     ae_error err = {0};
     chat_template *ct = NULL;
     assert_int_equal(chat_template_init(&ct, src, &err), AE_OK);
@@ -283,22 +276,18 @@ static void test_parse_messages_names_the_bad_element(void **state) {
     (void)state;
     expect_parse_error("", "messages: not valid JSON (near byte 0)");
     /* cJSON reports the last byte when the input ends early. */
-    expect_parse_error("[{\"role\": \"user\", \"content\": \"x\"}",
-                       "messages: not valid JSON (near byte 32)");
-    expect_parse_error("{\"role\": \"user\"}",
-                       "messages: expected a JSON array of {\"role\", \"content\"} objects");
+    expect_parse_error("[{\"role\": \"user\", \"content\": \"x\"}", "messages: not valid JSON (near byte 32)");
+    expect_parse_error("{\"role\": \"user\"}", "messages: expected a JSON array of {\"role\", \"content\"} objects");
     expect_parse_error("[]", "messages: empty; a conversation needs at least one");
     expect_parse_error("[{\"role\": \"user\", \"content\": \"x\"}, 3]",
                        "messages[1]: expected an object with \"role\" and \"content\"");
     expect_parse_error("[{\"content\": \"x\"}]", "messages[0].role: missing");
-    expect_parse_error("[{\"role\": 1, \"content\": \"x\"}]",
-                       "messages[0].role: expected a string");
+    expect_parse_error("[{\"role\": 1, \"content\": \"x\"}]", "messages[0].role: expected a string");
     expect_parse_error("[{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"bot\", "
                        "\"content\": \"x\"}]",
                        "messages[1].role: \"bot\" is not one of system, user, assistant");
     expect_parse_error("[{\"role\": \"user\"}]", "messages[0].content: missing");
-    expect_parse_error("[{\"role\": \"user\", \"content\": null}]",
-                       "messages[0].content: expected a string");
+    expect_parse_error("[{\"role\": \"user\", \"content\": null}]", "messages[0].content: expected a string");
     expect_parse_error("[{\"role\": \"user\", \"content\": [{\"type\": \"text\"}]}]",
                        "messages[0].content: expected a string");
     expect_parse_error("[{\"role\": \"user\", \"content\": \"x\", \"name\": \"bob\"}]",
@@ -364,13 +353,9 @@ static void test_parsed_golden_conversations_render_like_golden(void **state) {
         ae_error err = {0};
         chat_msg *msgs = NULL;
         size_t n = 0;
-        if (chat_parse_messages_json(json, strlen(json), &msgs, &n, &err) != AE_OK)
-            fail_msg("%s: %s", json, err.msg);
+        if (chat_parse_messages_json(json, strlen(json), &msgs, &n, &err) != AE_OK) fail_msg("%s: %s", json, err.msg);
         chat_template *ct = NULL;
-        assert_int_equal(chat_template_init(&ct, str_field(find_named(templates, "qwen2.5"),
-                                                           "source"),
-                                            &err),
-                         AE_OK);
+        assert_int_equal(chat_template_init(&ct, str_field(find_named(templates, "qwen2.5"), "source"), &err), AE_OK);
         char *got = NULL;
         size_t len = 0;
         bool agp = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(c, "add_generation_prompt"));

@@ -93,12 +93,11 @@ static void test_print_config_json_names_sources(void **state) {
     config *c = load(2, argv, NULL, &err, AE_OK);
     config_set_auto_int(c, "threads", 4);
     char *s = config_to_json(c);
-    assert_string_equal(s,
-        "{\"threads\":{\"value\":4,\"source\":\"auto\"},"
-        "\"log-level\":{\"value\":\"info\",\"source\":\"default\"},"
-        "\"mem-fraction\":{\"value\":0.9,\"source\":\"default\"},"
-        "\"json\":{\"value\":true,\"source\":\"flag\"},"
-        "\"model\":{\"value\":\"m.gguf\",\"source\":\"flag\"}}");
+    assert_string_equal(s, "{\"threads\":{\"value\":4,\"source\":\"auto\"},"
+                           "\"log-level\":{\"value\":\"info\",\"source\":\"default\"},"
+                           "\"mem-fraction\":{\"value\":0.9,\"source\":\"default\"},"
+                           "\"json\":{\"value\":true,\"source\":\"flag\"},"
+                           "\"model\":{\"value\":\"m.gguf\",\"source\":\"flag\"}}");
     free(s);
     config_free(c);
 }
@@ -154,8 +153,7 @@ static void test_config_file_with_trailing_data_is_rejected(void **state) {
     assert_int_equal(config_init(&c, opts, N_OPTS, &err), AE_OK);
     assert_int_equal(config_load_file(c, tmp_path, &err), AE_ERR);
     char want[160];
-    snprintf(want, sizeof want, "config file %s: trailing data after the JSON value at byte 15",
-             tmp_path);
+    snprintf(want, sizeof want, "config file %s: trailing data after the JSON value at byte 15", tmp_path);
     assert_string_equal(err.msg, want);
     config_free(c);
     unlink(tmp_path);
@@ -187,7 +185,7 @@ static void test_positionals_and_bool_negation(void **state) {
 static void test_an_option_named_config_takes_the_flag(void **state) {
     (void)state;
     static const config_option own[] = {{"config", CONFIG_STRING, NULL, 0, 0, "the model's config.json"},
-                                     {"tp", CONFIG_INT, "1", 1, 64, "ranks"}};
+                                        {"tp", CONFIG_INT, "1", 1, 64, "ranks"}};
     config *c;
     ae_error err = {0};
     assert_int_equal(config_init(&c, own, 2, &err), AE_OK);

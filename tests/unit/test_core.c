@@ -520,7 +520,7 @@ static void test_watchdog_usec_1_pings_every_100_ms_not_in_a_spin(void **state) 
     int64_t interval_ns;
     int n = pings_for_env("1", 1000, &interval_ns);
     assert_int_equal(interval_ns, 400000000); /* the floor: 400 ms, a ping every 100 ms */
-    assert_in_range(n, 8, 11); /* 10, give or take the edges */
+    assert_in_range(n, 8, 11);                /* 10, give or take the edges */
 }
 
 static void test_watchdog_usec_1e16_pings_at_the_ceilings_rate_rather_than_never(void **state) {

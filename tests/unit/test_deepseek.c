@@ -163,8 +163,10 @@ static void speculation_with_a_published_layout_head_is_plain(void **state) {
         for (int i = 0; i < N_PROMPTS; i++) {
             int32_t n = spec_test_prompt(i, V, MAX_PROMPT, 7, ids);
             run_spec(s, e, ids, n, CHUNK, &greedy, 0, N_GEN, got);
-            if (memcmp(got, want[i], sizeof got) == 0) identical++;
-            else fprintf(stderr, "tree %d: prompt %d differs\n", k, i);
+            if (memcmp(got, want[i], sizeof got) == 0)
+                identical++;
+            else
+                fprintf(stderr, "tree %d: prompt %d differs\n", k, i);
         }
         const spec_stats *st = spec_total_stats(s);
         printf("tree %d/%d/%d: %d/%d prompts identical; %lld verify steps, %lld drafted, %lld accepted\n",
@@ -273,7 +275,8 @@ static void two_ranks_split_heads_and_experts(void **state) {
     spec_free(s);
     engine *three = new_engine(m);
     assert_int_equal(engine_set_tp(three, 3, KN_ALLREDUCE_AUTO, NULL, &err), AE_ERR);
-    assert_non_null(strstr(err.msg, "the shared experts' width 64 has 2 granules of 32, fewer than 3 ranks; at most 2 ranks"));
+    assert_non_null(
+        strstr(err.msg, "the shared experts' width 64 has 2 granules of 32, fewer than 3 ranks; at most 2 ranks"));
     engine_free(three);
     free(a);
     free(b);
@@ -307,7 +310,8 @@ static double weight_distance(const kn_weight *a, const kn_weight *b) {
     for (int64_t i = 0; i < a->rows; i++) {
         weights_row_f32(a, i, ra);
         weights_row_f32(b, i, rb);
-        for (int64_t j = 0; j < a->cols; j++) num += ((double)ra[j] - rb[j]) * ((double)ra[j] - rb[j]), den += (double)rb[j] * rb[j];
+        for (int64_t j = 0; j < a->cols; j++)
+            num += ((double)ra[j] - rb[j]) * ((double)ra[j] - rb[j]), den += (double)rb[j] * rb[j];
     }
     free(ra);
     free(rb);
@@ -334,10 +338,10 @@ static void a_q8_0_gguf_runs_alike_on_every_path(void **state) {
     double worst_w = weight_distance(&q8->output, &f32->output);
     for (int32_t l = 0; l < q8->cfg.n_layers; l++) {
         const model_layer *a = &q8->layers[l], *b = &f32->layers[l];
-        const kn_weight *wa[] = {&a->wq_a, &a->wq_nope, &a->wq_pe, &a->wkv_a, &a->wk_pe, &a->w_uk,
-                                 &a->w_uv, &a->wo,      &a->w_gate, &a->w_up, &a->w_down};
-        const kn_weight *wb[] = {&b->wq_a, &b->wq_nope, &b->wq_pe, &b->wkv_a, &b->wk_pe, &b->w_uk,
-                                 &b->w_uv, &b->wo,      &b->w_gate, &b->w_up, &b->w_down};
+        const kn_weight *wa[] = {&a->wq_a, &a->wq_nope, &a->wq_pe,  &a->wkv_a, &a->wk_pe, &a->w_uk,
+                                 &a->w_uv, &a->wo,      &a->w_gate, &a->w_up,  &a->w_down};
+        const kn_weight *wb[] = {&b->wq_a, &b->wq_nope, &b->wq_pe,  &b->wkv_a, &b->wk_pe, &b->w_uk,
+                                 &b->w_uv, &b->wo,      &b->w_gate, &b->w_up,  &b->w_down};
         for (size_t k = 0; k < sizeof wa / sizeof wa[0]; k++) {
             double d = weight_distance(wa[k], wb[k]);
             worst_w = d > worst_w ? d : worst_w;

@@ -24,8 +24,7 @@
 /* Pushes in[0..n) in pieces cut at the given offsets (ascending, each in
  * (0, n)), checks that every piece of output is valid UTF-8 on its own,
  * and returns the concatenation plus flush in out (NUL-terminated). */
-static size_t stream_split(const char *in, size_t n, const size_t *cuts,
-                           size_t n_cuts, char *out, size_t cap) {
+static size_t stream_split(const char *in, size_t n, const size_t *cuts, size_t n_cuts, char *out, size_t cap) {
     detok_utf8 u;
     detok_utf8_init(&u);
     size_t w = 0, start = 0;
@@ -71,8 +70,7 @@ static void test_utf8_valid_multibyte_passes_through(void **state) {
     /* 2-, 3- and 4-byte characters, the edges of each range, and U+FFFD
      * itself (valid input that must not count as a replacement). */
     LOSSY("\xC2\x80\xDF\xBF", "\xC2\x80\xDF\xBF");
-    LOSSY("\xE0\xA0\x80\xED\x9F\xBF\xEE\x80\x80\xEF\xBF\xBF",
-          "\xE0\xA0\x80\xED\x9F\xBF\xEE\x80\x80\xEF\xBF\xBF");
+    LOSSY("\xE0\xA0\x80\xED\x9F\xBF\xEE\x80\x80\xEF\xBF\xBF", "\xE0\xA0\x80\xED\x9F\xBF\xEE\x80\x80\xEF\xBF\xBF");
     LOSSY("\xF0\x90\x80\x80\xF4\x8F\xBF\xBF", "\xF0\x90\x80\x80\xF4\x8F\xBF\xBF");
     LOSSY(FFFD, FFFD);
     assert_true(detok_utf8_valid(FFFD, 3));
@@ -115,9 +113,14 @@ static void test_utf8_truncated_character_is_one_replacement(void **state) {
     LOSSY("\xC3", FFFD);
     LOSSY("\xE2\x82", FFFD);
     LOSSY("\xF0\x9F\x98", FFFD);
-    LOSSY("a\xE2\x82\xAC" "b\xE2\x82", "a\xE2\x82\xAC" "b" FFFD);
+    LOSSY("a\xE2\x82\xAC"
+          "b\xE2\x82",
+          "a\xE2\x82\xAC"
+          "b" FFFD);
     /* A truncated prefix followed by something that cannot continue it. */
-    LOSSY("\xE2\x82" "a", FFFD "a");
+    LOSSY("\xE2\x82"
+          "a",
+          FFFD "a");
     LOSSY("\xF0\x9F\x98\xE2\x82\xAC", FFFD "\xE2\x82\xAC");
     LOSSY("\xF1\x80\x80\xC3\xA9", FFFD "\xC3\xA9");
 }
@@ -125,14 +128,16 @@ static void test_utf8_truncated_character_is_one_replacement(void **state) {
 static void test_utf8_mixed_invalid_matches_python(void **state) {
     (void)state;
     /* b"a\xF1\x80\x80\xE1\x80\xC2b\x80c\x80\xBFd".decode("utf-8","replace") */
-    LOSSY("a\xF1\x80\x80\xE1\x80\xC2" "b\x80" "c\x80\xBF" "d",
+    LOSSY("a\xF1\x80\x80\xE1\x80\xC2"
+          "b\x80"
+          "c\x80\xBF"
+          "d",
           "a" FFFD FFFD FFFD "b" FFFD "c" FFFD FFFD "d");
 }
 
 static void test_utf8_char_split_at_every_point_is_held_back(void **state) {
     (void)state;
-    static const char *chars[] = {"\xC3\xA9", "\xE2\x82\xAC", "\xE4\xB8\xAD",
-                                  "\xF0\x9F\x98\x80", "\xF4\x8F\xBF\xBF"};
+    static const char *chars[] = {"\xC3\xA9", "\xE2\x82\xAC", "\xE4\xB8\xAD", "\xF0\x9F\x98\x80", "\xF4\x8F\xBF\xBF"};
     for (size_t c = 0; c < sizeof chars / sizeof chars[0]; c++) {
         size_t len = strlen(chars[c]);
         for (size_t cut = 1; cut < len; cut++) {
@@ -167,7 +172,10 @@ static void test_utf8_any_split_gives_the_same_text(void **state) {
     static const struct {
         const char *in, *want;
     } cases[] = {
-        {"a\xF1\x80\x80\xE1\x80\xC2" "b\x80" "c\x80\xBF" "d",
+        {"a\xF1\x80\x80\xE1\x80\xC2"
+         "b\x80"
+         "c\x80\xBF"
+         "d",
          "a" FFFD FFFD FFFD "b" FFFD "c" FFFD FFFD "d"},
         {"\xF0\x9F\x98\x80\xE4\xB8\xAD\xC3\xA9!", "\xF0\x9F\x98\x80\xE4\xB8\xAD\xC3\xA9!"},
         {"\xED\xA0\x80\xF0\x9F\x98\xE2\x82\xAC\xE2\x82", FFFD FFFD FFFD FFFD "\xE2\x82\xAC" FFFD},
@@ -227,8 +235,7 @@ static int tok_setup(void **state) {
     assert_non_null(fx);
     ae_error err = {0};
     if (gguf_open(&fx->f, MODEL, &err) != AE_OK) {
-        fprintf(stderr, "cannot open %s (run from the repo root after `make model`): %s\n",
-                MODEL, err.msg);
+        fprintf(stderr, "cannot open %s (run from the repo root after `make model`): %s\n", MODEL, err.msg);
         free(fx);
         return -1;
     }
@@ -255,8 +262,7 @@ static int tok_teardown(void **state) {
 /* Streams ids through a detok, checks each chunk is valid UTF-8 and the
  * whole equals tok_decode. Returns how many pushes ended with bytes held
  * back, so callers can prove the split path was exercised. */
-static size_t stream_ids_matches_decode(const tok *t, const int32_t *ids, size_t n,
-                                        bool skip_special) {
+static size_t stream_ids_matches_decode(const tok *t, const int32_t *ids, size_t n, bool skip_special) {
     ae_error err = {0};
     detok *d = NULL;
     assert_int_equal(detok_init(&d, t, skip_special, &err), AE_OK);
@@ -282,8 +288,7 @@ static size_t stream_ids_matches_decode(const tok *t, const int32_t *ids, size_t
     size_t need = 0;
     char *whole = malloc(total_cap);
     assert_non_null(whole);
-    assert_int_equal(tok_decode(t, ids, n, skip_special, whole, total_cap, &need, &err),
-                     AE_OK);
+    assert_int_equal(tok_decode(t, ids, n, skip_special, whole, total_cap, &need, &err), AE_OK);
     assert_true(need < total_cap);
     assert_int_equal(w, need);
     assert_memory_equal(streamed, whole, need);
@@ -306,8 +311,7 @@ static void test_tok_emoji_and_cjk_split_across_tokens(void **state) {
         ae_error err = {0};
         int32_t ids[256];
         size_t n = 0;
-        assert_int_equal(tok_encode(fx->t, texts[i], strlen(texts[i]), 0, ids, 256, &n, &err),
-                         AE_OK);
+        assert_int_equal(tok_encode(fx->t, texts[i], strlen(texts[i]), 0, ids, 256, &n, &err), AE_OK);
         held_total += stream_ids_matches_decode(fx->t, ids, n, false);
     }
     /* If no token ever ended inside a character, this test proved nothing. */
@@ -374,9 +378,7 @@ static void test_tok_special_tokens_skipped_like_decode(void **state) {
     ae_error err = {0};
     int32_t ids[64];
     size_t n = 0;
-    assert_int_equal(tok_encode(fx->t, text, strlen(text), TOK_PARSE_SPECIAL, ids, 64, &n,
-                                &err),
-                     AE_OK);
+    assert_int_equal(tok_encode(fx->t, text, strlen(text), TOK_PARSE_SPECIAL, ids, 64, &n, &err), AE_OK);
     int32_t im_start = tok_find(fx->t, "<|im_start|>", 12);
     assert_true(im_start >= 0);
     assert_int_equal(ids[0], im_start);

@@ -177,8 +177,8 @@ static void test_release_does_not_wait_and_propose_sends_aligned_f16(void **stat
     assert_int_equal(f.tok_off[1], 12);
     const int32_t want_toks[3] = {7, 8, 9};
     assert_memory_equal(f.toks, want_toks, sizeof want_toks);
-    const float want[9] = {0.5f, -2.0f, 65504.0f, -65504.0f, quant_f16_to_f32(quant_f32_to_f16(0.1f)), 3.0f,
-                           65504.0f, -0.0f, 65504.0f};
+    const float want[9] = {0.5f, -2.0f,    65504.0f, -65504.0f, quant_f16_to_f32(quant_f32_to_f16(0.1f)),
+                           3.0f, 65504.0f, -0.0f,    65504.0f};
     assert_memory_equal(f.feats, want, sizeof want);
     assert_int_equal(trees[0].n, 1);
     assert_int_equal(trees[1].tokens[0], 9);

@@ -45,7 +45,9 @@ static void ref_open(ref *r, const eagle_head *h) {
     assert_int_equal(kv_init(&r->kv, &kn_backend_cpu, &kp, &err), AE_OK);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 1, &err), AE_OK);
-    assert_int_equal(kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 1, 256)}, &err), AE_OK);
+    assert_int_equal(
+        kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 1, 256)}, &err),
+        AE_OK);
     assert_int_equal(eagle_ws_init(&r->ws, h, 1, &err), AE_OK);
 }
 
@@ -63,8 +65,10 @@ static void ref_dist(ref *r, int32_t L, const int32_t *toks, const float *feats,
     for (int32_t t = 0; t < L + d; t++) {
         int32_t tok = t < L ? toks[t] : path[t - L], pos = t, slot = t, np = t + 1;
         int32_t width = t < L ? 3 * H : H;
-        if (t < L) memcpy(in, feats + (size_t)t * 3 * H, sizeof(float) * 3 * (size_t)H);
-        else memcpy(in, hid, sizeof(float) * (size_t)H);
+        if (t < L)
+            memcpy(in, feats + (size_t)t * 3 * H, sizeof(float) * 3 * (size_t)H);
+        else
+            memcpy(in, hid, sizeof(float) * (size_t)H);
         kn_kv_map map = {1, kv_map_tables(r->kv), 1, 16, &seq, &slot, &np, &zero, &zero, &zero, 0, np};
         eagle_batch b = {1, &tok, in, width, &pos, &map, hid, 1, &row, probs};
         eagle_forward(h, r->s, &r->layer, r->ws, &b);
@@ -82,8 +86,8 @@ static int32_t draft_id(const eagle_head *h, int32_t target) {
 #define NK 3
 #define MAXL 64
 
-static void check_tree(ref *r, const tree_out *t, int32_t L, const int32_t *toks, const float *feats,
-                       const char *what, double *worst) {
+static void check_tree(ref *r, const tree_out *t, int32_t L, const int32_t *toks, const float *feats, const char *what,
+                       double *worst) {
     const eagle_head *h = r->h;
     assert_true(t->n >= 2);
     assert_int_equal(t->tokens[0], toks[L - 1]);
@@ -156,7 +160,7 @@ static void test_trees_match_sequential_reference(void **state) {
         /* call 2: more pairs for some, none for others; one key twice */
         int32_t add[NK] = {0, 9, 3};
         for (int k = 0; k < NK; k++)
-            f[k] = (drafter_feed){k, false, have[k], add[k], toks[k] + have[k], feats[k] + (size_t)have[k] * 3 * H,
+            f[k] = (drafter_feed){k,    false, have[k], add[k], toks[k] + have[k], feats[k] + (size_t)have[k] * 3 * H,
                                   true, -1};
         if (drafter_propose(d, f, NK, &shapes[sh], trees, &err) != AE_OK) fail_msg("%s", err.msg);
         for (int k = 0; k < NK; k++) {
@@ -202,7 +206,8 @@ static void test_bad_feeds_are_refused_and_change_nothing(void **state) {
         {{1, false, 3, 4, toks, feats, true, -1}, "feed 1: key 1 holds 0 pairs, the caller assumes 3"},
         {{1, true, 0, 4, bad, feats, true, -1}, "feed 1: token 32 is not in the target's vocabulary"},
         {{0, false, 4, 4, toks, feats, true, -1}, "feed 1: key 0 appears twice"},
-        {{1, false, 3, 0, toks, feats, true, 0}, "feed 1: key 1 forks key 0, which holds 4 pairs, the caller assumes 3"},
+        {{1, false, 3, 0, toks, feats, true, 0},
+         "feed 1: key 1 forks key 0, which holds 4 pairs, the caller assumes 3"},
         {{1, true, 0, 0, toks, feats, true, 0}, "feed 1: key 1 forks key 0 and resets"},
         {{1, false, 4, 0, toks, feats, true, 1}, "feed 1: key 1 forks key 1"},
     };

@@ -104,7 +104,9 @@ static void runner_open(runner *r, const eagle_head *h) {
     if (kv_init(&r->kv, &kn_backend_cpu, &kp, &err) != AE_OK) fail_msg("%s", err.msg);
     r->layer = kv_layer(r->kv, 0);
     assert_int_equal(pool_init(&r->p, 2, &err), AE_OK);
-    assert_int_equal(kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 8, 16)}, &err), AE_OK);
+    assert_int_equal(
+        kn_stream_init(&r->s, &kn_backend_cpu, &(kn_stream_config){r->p, eagle_stream_workspace(h, 8, 16)}, &err),
+        AE_OK);
     assert_int_equal(eagle_ws_init(&r->ws, h, 8, &err), AE_OK);
     assert_int_equal(kv_seq_alloc(r->kv, &r->seq, &err), AE_OK);
     assert_int_equal(kv_seq_reserve(r->kv, r->seq, 6, &err), AE_OK);
@@ -280,7 +282,8 @@ static void expect_edited_head_refused(const char *from, const char *to, const c
     char dir[] = "/tmp/aerie-eagle-XXXXXX";
     assert_non_null(mkdtemp(dir));
     size_t len;
-    char *cfg = test_read_file(FIX "/head/config.json", NULL), *st = test_read_file(FIX "/head/model.safetensors", &len);
+    char *cfg = test_read_file(FIX "/head/config.json", NULL),
+         *st = test_read_file(FIX "/head/model.safetensors", &len);
     char *at = strstr(cfg, from);
     assert_non_null(at);
     char path[256];

@@ -47,8 +47,13 @@ static int teardown(void **state) {
 
 /* act_bits 0: the default (15). */
 static engine *new_engine_bits(int threads, int32_t act_bits) {
-    engine_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
-                      .block_size = 16, .threads = threads, .act_bits = act_bits};
+    engine_config cfg = {.max_batch_tokens = 64,
+                         .max_seqs = 4,
+                         .max_seq_len = 128,
+                         .kv_tokens = 512,
+                         .block_size = 16,
+                         .threads = threads,
+                         .act_bits = act_bits};
     engine *e = NULL;
     ae_error err = {0};
     if (engine_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -113,8 +118,8 @@ static void test_logits_do_not_depend_on_batch_mates_or_threads(void **state) {
     engine_item p3[2] = {{s3, ENGINE_APPEND, 9, PROMPT, NULL, false}, {x, ENGINE_APPEND, 3, PROMPT + 5, NULL, false}};
     step(e3, p3, 2, mixed);
     engine_item d3[3] = {{x, ENGINE_APPEND, 1, PROMPT, NULL, false},
-                      {s3, ENGINE_APPEND, 1, &PROMPT[9], NULL, false},
-                      {y, ENGINE_APPEND, 11, PROMPT + 2, NULL, false}};
+                         {s3, ENGINE_APPEND, 1, &PROMPT[9], NULL, false},
+                         {y, ENGINE_APPEND, 11, PROMPT + 2, NULL, false}};
     step(e3, d3, 3, mixed);
     assert_memory_equal(alone, mixed + (size_t)V, sizeof(float) * (size_t)V);
     free(alone);
@@ -190,8 +195,13 @@ static void test_activation_bits_are_an_engine_setting(void **state) {
     free(b);
     engine_free(e15);
     engine_free(e8);
-    engine_config cfg = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 128, .kv_tokens = 512,
-                      .block_size = 16, .threads = 1, .act_bits = 9};
+    engine_config cfg = {.max_batch_tokens = 64,
+                         .max_seqs = 4,
+                         .max_seq_len = 128,
+                         .kv_tokens = 512,
+                         .block_size = 16,
+                         .threads = 1,
+                         .act_bits = 9};
     engine *bad = NULL;
     ae_error err = {0};
     assert_int_equal(engine_init(&bad, mdl, &cfg, &err), AE_ERR);
@@ -299,8 +309,8 @@ static void test_refused_step_gives_back_the_blocks_it_reserved(void **state) {
     (void)state;
     /* 4 blocks of 16: A wants 3, B wants 2. The step fails on B, and A's
      * 3 blocks must go back, so B alone then fits. */
-    engine_config cfg = {.max_batch_tokens = 96, .max_seqs = 2, .max_seq_len = 64, .kv_tokens = 64,
-                      .block_size = 16, .threads = 1};
+    engine_config cfg = {
+        .max_batch_tokens = 96, .max_seqs = 2, .max_seq_len = 64, .kv_tokens = 64, .block_size = 16, .threads = 1};
     engine *e;
     ae_error err = {0};
     if (engine_init(&e, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);

@@ -261,8 +261,9 @@ static void test_chat_request_with_defaults(void **state) {
     (void)state;
     oai_request r;
     oai_error e;
-    assert_int_equal(parse(&r, OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", &e),
-                     AE_OK);
+    assert_int_equal(
+        parse(&r, OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", &e),
+        AE_OK);
     assert_string_equal(r.model, "m");
     assert_int_equal(r.n_msgs, 1);
     assert_string_equal(r.msgs[0].role, "user");
@@ -328,7 +329,9 @@ static void test_penalties_biases_and_logprobs_are_parsed(void **state) {
     assert_true(r.min_tokens == 0 && r.n_bias == 0 && r.n_stop_ids == 0 && !r.logprobs);
     oai_request_free(&r);
     /* Completions: logprobs is the number of top tokens. */
-    assert_int_equal(parse(&r, OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"logprobs\": 0, \"stop_token_ids\": [30]}", &e), AE_OK);
+    assert_int_equal(parse(&r, OAI_COMPLETION,
+                           "{\"model\": \"m\", \"prompt\": \"x\", \"logprobs\": 0, \"stop_token_ids\": [30]}", &e),
+                     AE_OK);
     assert_true(r.logprobs);
     assert_int_equal(r.top_logprobs, 0);
     assert_int_equal(oai_check_vocab(&r, 30, &e), AE_ERR);
@@ -362,12 +365,13 @@ static void test_response_format_and_the_schema_subset(void **state) {
                      AE_OK);
     assert_int_equal(r.format, OAI_JSON_SCHEMA);
     assert_int_equal(r.schema_len, strlen(r.schema));
-    assert_string_equal(r.schema, "{\"$defs\":{\"p\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":9,"
-                                  "\"exclusiveMinimum\":-1,\"exclusiveMaximum\":10}},\"title\":\"t\",\"type\":\"object\","
-                                  "\"properties\":{\"a\":{\"$ref\":\"#/$defs/p\"},\"b\":{\"type\":[\"string\",\"null\"],"
-                                  "\"minLength\":1,\"maxLength\":3},\"c\":{\"type\":\"array\",\"items\":{\"enum\":[1,"
-                                  "\"x\"]},\"minItems\":0,\"maxItems\":2},\"d\":{\"anyOf\":[{\"const\":1},{\"type\":"
-                                  "\"boolean\"}]}},\"required\":[\"a\"],\"additionalProperties\":false}");
+    assert_string_equal(r.schema,
+                        "{\"$defs\":{\"p\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":9,"
+                        "\"exclusiveMinimum\":-1,\"exclusiveMaximum\":10}},\"title\":\"t\",\"type\":\"object\","
+                        "\"properties\":{\"a\":{\"$ref\":\"#/$defs/p\"},\"b\":{\"type\":[\"string\",\"null\"],"
+                        "\"minLength\":1,\"maxLength\":3},\"c\":{\"type\":\"array\",\"items\":{\"enum\":[1,"
+                        "\"x\"]},\"minItems\":0,\"maxItems\":2},\"d\":{\"anyOf\":[{\"const\":1},{\"type\":"
+                        "\"boolean\"}]}},\"required\":[\"a\"],\"additionalProperties\":false}");
     oai_request_free(&r);
     struct {
         const char *body, *msg;
@@ -400,13 +404,13 @@ static void test_response_format_and_the_schema_subset(void **state) {
     char body[8192];
     snprintf(body, sizeof body, JS("%s"), deep);
     assert_int_equal(parse(&r, OAI_CHAT, body, &e), AE_ERR);
-    assert_string_equal(e.message, "schemas nest deeper than 32 levels at #/items/items/items/items/items/items/items/"
-                                   "items/items/items/items/items/items/items/items/items/items/items/items/items/items/"
-                                   "items/items/items/items/items/items/items/items/items/items/items/items");
+    assert_string_equal(e.message,
+                        "schemas nest deeper than 32 levels at #/items/items/items/items/items/items/items/"
+                        "items/items/items/items/items/items/items/items/items/items/items/items/items/items/"
+                        "items/items/items/items/items/items/items/items/items/items/items/items");
 #undef JS
 #undef RF
 }
-
 
 /* A growing text buffer for the schemas below. */
 typedef struct sbuf {
@@ -465,8 +469,10 @@ static void test_schema_limits_name_the_limit_and_value(void **state) {
         {"{\"type\":\"array\",\"maxItems\":1000000}", "'maxItems' at # is 1000000; at most 10000"},
         {"{\"type\":\"array\",\"minItems\":10001}", "'minItems' at # is 10001; at most 10000"},
         {"{\"type\":\"integer\",\"minimum\":-9007199254740992,\"maximum\":9007199254740992}", ""},
-        {"{\"type\":\"integer\",\"minimum\":1e16}", "'minimum' at # is 10000000000000000; it must be between -2^53 and 2^53"},
-        {"{\"type\":\"number\",\"minimum\":1,\"maximum\":1e309}", "'maximum' at # is inf; it must be between -2^53 and 2^53"},
+        {"{\"type\":\"integer\",\"minimum\":1e16}",
+         "'minimum' at # is 10000000000000000; it must be between -2^53 and 2^53"},
+        {"{\"type\":\"number\",\"minimum\":1,\"maximum\":1e309}",
+         "'maximum' at # is inf; it must be between -2^53 and 2^53"},
         {"{\"type\":\"integer\",\"exclusiveMaximum\":-1e20}",
          "'exclusiveMaximum' at # is -1e+20; it must be between -2^53 and 2^53"},
         /* Small ones: bounds that leave nothing, a pointer to "". */
@@ -483,17 +489,19 @@ static void test_schema_limits_name_the_limit_and_value(void **state) {
          "the bounds at # leave no integer between them"},
         {"{\"type\":\"integer\",\"minimum\":1.2,\"maximum\":1.8}", "the bounds at # leave no integer between them"},
         {"{\"type\":\"integer\",\"exclusiveMinimum\":1,\"exclusiveMaximum\":3}", ""},
-        {"{\"type\":[\"integer\",\"null\"],\"exclusiveMinimum\":1,\"exclusiveMaximum\":2}",
-         ""},
+        {"{\"type\":[\"integer\",\"null\"],\"exclusiveMinimum\":1,\"exclusiveMaximum\":2}", ""},
         {"{\"$ref\":\"#/\"}", "'$ref' at # must point into this document (\"#/$defs/name\")"},
         /* A pattern's counted repetitions are bounded before the keyword
          * itself is refused (patterns are not in the subset yet). */
         {"{\"type\":\"string\",\"pattern\":\"^a{2,1000}b{3}c{4,}$\"}", "'pattern' at # is not supported"},
-        {"{\"type\":\"string\",\"pattern\":\"a{1001}\"}", "'pattern' at # repeats up to 1001 times in one {m,n}; at most 1000"},
-        {"{\"type\":\"string\",\"pattern\":\"x{2,5000}\"}", "'pattern' at # repeats up to 5000 times in one {m,n}; at most 1000"},
+        {"{\"type\":\"string\",\"pattern\":\"a{1001}\"}",
+         "'pattern' at # repeats up to 1001 times in one {m,n}; at most 1000"},
+        {"{\"type\":\"string\",\"pattern\":\"x{2,5000}\"}",
+         "'pattern' at # repeats up to 5000 times in one {m,n}; at most 1000"},
         {"{\"type\":\"string\",\"pattern\":\"x{99999999999999999999,}\"}",
          "'pattern' at # repeats up to 9223372036854775807 times in one {m,n}; at most 1000"},
-        {"{\"type\":\"string\",\"pattern\":\"[{]{2000}\"}", "'pattern' at # repeats up to 2000 times in one {m,n}; at most 1000"},
+        {"{\"type\":\"string\",\"pattern\":\"[{]{2000}\"}",
+         "'pattern' at # repeats up to 2000 times in one {m,n}; at most 1000"},
         {"{\"type\":\"string\",\"pattern\":\"\\\\{5000}[x{5000}]{1e5}\"}", "'pattern' at # is not supported"},
         {"{\"type\":\"string\",\"pattern\":\"a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}a{1}\"}",
          "'pattern' at # has more than 16 counted repetitions ({m,n})"},
@@ -540,8 +548,9 @@ static void test_schema_limits_name_the_limit_and_value(void **state) {
     sb_add(&b, "{\"type\":\"object\",\"properties\":{");
     sb_enum(&b, "long", 1000, 70);
     sb_add(&b, "}}");
-    assert_string_equal(check_text(b.p), "the document's enum values and consts take more than 65536 bytes of JSON (limit "
-                                         "reached at #/properties/long)");
+    assert_string_equal(check_text(b.p),
+                        "the document's enum values and consts take more than 65536 bytes of JSON (limit "
+                        "reached at #/properties/long)");
     /* Alternatives: in one anyOf, and in the document. The issue's
      * schema: 1,500 strings of different length ranges (30-64 ms a mask). */
     int alts[3] = {64, 65, 1500};
@@ -604,8 +613,9 @@ static void test_the_combined_tool_schema_is_checked(void **state) {
     sb_add(&b, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": "
                "\"required\", \"tools\": [");
     for (int t = 0; t < 64; t++) {
-        sb_add(&b, "%s{\"type\": \"function\", \"function\": {\"name\": \"f%d\", \"parameters\": {\"type\": \"object\", "
-                   "\"properties\": {",
+        sb_add(&b,
+               "%s{\"type\": \"function\", \"function\": {\"name\": \"f%d\", \"parameters\": {\"type\": \"object\", "
+               "\"properties\": {",
                t ? "," : "", t);
         for (int p = 0; p < 40; p++) sb_add(&b, "%s\"p%d\": {\"type\": \"integer\"}", p ? "," : "", p);
         sb_add(&b, "}}}}");
@@ -660,13 +670,15 @@ static void test_tools_and_tool_messages_are_parsed(void **state) {
     (void)state;
     oai_request r;
     oai_error e;
-#define TOOLS "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"d\", " \
-              "\"parameters\": {\"type\": \"object\", \"properties\": {\"x\": {\"type\": \"integer\"}}}}}, " \
-              "{\"type\": \"function\", \"function\": {\"name\": \"g\"}}]"
-#define MSGS "\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", " \
-             "\"content\": null, \"tool_calls\": [{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": " \
-             "\"f\", \"arguments\": \"{\\\"x\\\": 1}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c1\", " \
-             "\"content\": \"2\"}]"
+#define TOOLS \
+    "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"d\", " \
+    "\"parameters\": {\"type\": \"object\", \"properties\": {\"x\": {\"type\": \"integer\"}}}}}, " \
+    "{\"type\": \"function\", \"function\": {\"name\": \"g\"}}]"
+#define MSGS \
+    "\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}, {\"role\": \"assistant\", " \
+    "\"content\": null, \"tool_calls\": [{\"id\": \"c1\", \"type\": \"function\", \"function\": {\"name\": " \
+    "\"f\", \"arguments\": \"{\\\"x\\\": 1}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c1\", " \
+    "\"content\": \"2\"}]"
     assert_int_equal(parse(&r, OAI_CHAT, "{" MSGS ", " TOOLS "}", &e), AE_OK);
     assert_int_equal(r.n_tools, 2);
     assert_int_equal(r.tool_choice, OAI_TOOLS_AUTO);
@@ -677,8 +689,11 @@ static void test_tools_and_tool_messages_are_parsed(void **state) {
     assert_string_equal(r.msgs[2].content, "<tool_response>\n2\n</tool_response>");
     oai_request_free(&r);
     /* A named function: the output is its call, by a schema. */
-    assert_int_equal(parse(&r, OAI_CHAT, "{" MSGS ", " TOOLS ", \"tool_choice\": {\"type\": \"function\", "
-                                         "\"function\": {\"name\": \"g\"}}}", &e), AE_OK);
+    assert_int_equal(parse(&r, OAI_CHAT,
+                           "{" MSGS ", " TOOLS ", \"tool_choice\": {\"type\": \"function\", "
+                           "\"function\": {\"name\": \"g\"}}}",
+                           &e),
+                     AE_OK);
     assert_int_equal(r.tool_choice, OAI_TOOLS_NAMED);
     assert_int_equal(r.tool_named, 1);
     assert_int_equal(r.format, OAI_JSON_SCHEMA);
@@ -726,7 +741,8 @@ static void test_completion_prompts_text_ids_and_batches_of_one(void **state) {
     (void)state;
     oai_request r;
     oai_error e;
-    assert_int_equal(parse(&r, OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": [\"once\"], \"max_tokens\": 3}", &e), AE_OK);
+    assert_int_equal(parse(&r, OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": [\"once\"], \"max_tokens\": 3}", &e),
+                     AE_OK);
     assert_string_equal(r.prompt, "once");
     assert_int_equal(r.prompt_len, 4);
     oai_request_free(&r);
@@ -742,20 +758,24 @@ static void test_bad_requests_name_their_field(void **state) {
     (void)state;
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [", 400, "", "invalid_json", NULL);
     expect_bad(OAI_CHAT, "[1, 2]", 400, "", "invalid_type", "the body must be a JSON object");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": \"9\"}",
+    expect_bad(OAI_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": \"9\"}",
                400, "max_tokens", "invalid_type", "'max_tokens' must be an integer");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": -5}",
-               400, "max_tokens", "invalid_value", "'max_tokens' is -5; it must be between 1 and 2147483647");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": 1e12}",
+    expect_bad(OAI_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": -5}", 400,
+               "max_tokens", "invalid_value", "'max_tokens' is -5; it must be between 1 and 2147483647");
+    expect_bad(OAI_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": 1e12}",
                400, "max_tokens", "invalid_value", NULL);
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temperature\": 3}",
-               400, "temperature", "invalid_value", "'temperature' is 3; it must be >= 0 and <= 2");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": []}", 400,
-               "tools", "invalid_type", "'tools' must be a non-empty list of functions");
+    expect_bad(OAI_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temperature\": 3}", 400,
+               "temperature", "invalid_value", "'temperature' is 3; it must be >= 0 and <= 2");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": []}",
+               400, "tools", "invalid_type", "'tools' must be a non-empty list of functions");
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"tools\": []}", 400, "tools",
                "unsupported_parameter", "'tools' is not supported");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 17}", 400, "n",
-               "invalid_value", "'n' is 17; it must be between 1 and 16");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"n\": 17}", 400,
+               "n", "invalid_value", "'n' is 17; it must be between 1 and 16");
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"best_of\": 2}", 400, "best_of",
                "unsupported_value", "'best_of' is supported only at its default (off)");
 #define MSG "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
@@ -787,24 +807,30 @@ static void test_bad_requests_name_their_field(void **state) {
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"top_logprobs\": 2}", 400, "top_logprobs",
                "unsupported_parameter", "'top_logprobs' is not supported");
 #undef MSG
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"function\", \"content\": \"x\"}]}", 400, "messages[0]",
-               "invalid_value", "'messages[0].role' is 'function'; it must be system, developer, user, assistant or tool");
+    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"function\", \"content\": \"x\"}]}", 400,
+               "messages[0]", "invalid_value",
+               "'messages[0].role' is 'function'; it must be system, developer, user, assistant or tool");
     expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": []}", 400, "messages", "invalid_type", NULL);
     expect_bad(OAI_CHAT, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}", 400, "model",
                "missing_required_parameter", "'model' is required");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stream_options\": {\"include_usage\": true}}",
-               400, "stream_options", "invalid_value", "'stream_options' is allowed only with stream: true");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stop\": [\"\"]}",
-               400, "stop", "invalid_value", "a stop string has 0 bytes; it must have 1 to 256");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}",
+    expect_bad(
+        OAI_CHAT,
+        "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stream_options\": {\"include_usage\": true}}",
+        400, "stream_options", "invalid_value", "'stream_options' is allowed only with stream: true");
+    expect_bad(OAI_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stop\": [\"\"]}", 400,
+               "stop", "invalid_value", "a stop string has 0 bytes; it must have 1 to 256");
+    expect_bad(OAI_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}",
                400, "messages[0].content", "unsupported_content", NULL);
-    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"max_tokens\": 3, \"max_completion_tokens\": 4}", 400,
-               "max_completion_tokens", "unsupported_parameter", NULL);
+    expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"max_tokens\": 3, \"max_completion_tokens\": 4}",
+               400, "max_completion_tokens", "unsupported_parameter", NULL);
     /* A repeated key is refused: which one counts would be a guess (and
      * two "stop" lists once overflowed the stop table). */
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"x\", \"stop\": \"a\", \"stop\": \"b\"}", 400, "stop",
                "duplicate_field", "'stop' appears more than once");
-    expect_bad(OAI_CHAT, "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"role\": \"system\", \"content\": \"x\"}]}",
+    expect_bad(OAI_CHAT,
+               "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"role\": \"system\", \"content\": \"x\"}]}",
                400, "role", "duplicate_field", "'role' appears more than once in a message");
     /* NUL cannot hide in a string and cut it short. */
     expect_bad(OAI_COMPLETION, "{\"model\": \"m\", \"prompt\": \"ab\\u0000cd\"}", 400, "", "invalid_json", NULL);
@@ -834,8 +860,9 @@ static void test_error_json_has_openai_shape(void **state) {
     /* A quote of client text cut mid-character still goes out as UTF-8. */
     oai_bad(&e, "caf\xC3", NULL, "no route: caf\xC3\xA9 \xFF");
     s = oai_error_json(&e);
-    assert_string_equal(s, "{\"error\":{\"message\":\"no route: caf\xC3\xA9 \xEF\xBF\xBD\",\"type\":\"invalid_request_error\","
-                           "\"param\":\"caf\xEF\xBF\xBD\",\"code\":null}}");
+    assert_string_equal(
+        s, "{\"error\":{\"message\":\"no route: caf\xC3\xA9 \xEF\xBF\xBD\",\"type\":\"invalid_request_error\","
+           "\"param\":\"caf\xEF\xBF\xBD\",\"code\":null}}");
     free(s);
 }
 
@@ -847,7 +874,8 @@ static const uint8_t ODD[] = {'a', '"', '\\', '\n', '\t', 0x01, 0x1f, 0xC3, 0xA9
 
 static void add_entries(render_lp *l, int n) {
     render_top top[3] = {{ODD, sizeof ODD, -0.25f}, {(const uint8_t *)"x", 1, -INFINITY}, {ODD, 9, -3.5e-7f}};
-    for (int i = 0; i < n; i++) render_lp_add(l, ODD, (size_t)(i % (int)sizeof ODD), -1.5f * (float)i, top, i % 4, 7 * i);
+    for (int i = 0; i < n; i++)
+        render_lp_add(l, ODD, (size_t)(i % (int)sizeof ODD), -1.5f * (float)i, top, i % 4, 7 * i);
 }
 
 /* What the counter says and what is written agree to the byte, for the
@@ -963,7 +991,7 @@ static void test_a_1mib_body_of_any_shape_parses_in_linear_time(void **state) {
     (void)state;
     enum { KEYS_TOP, KEYS_IN_MESSAGE, MESSAGES, CONTENT_PARTS, TINY_IDS, LONG_STRING, DEEP, N_SHAPES };
     static const char *const names[] = {"keys_top", "keys_in_message", "messages", "content_parts",
-                                        "tiny_ids", "long_string", "deep"};
+                                        "tiny_ids", "long_string",     "deep"};
     static const int want[] = {400, 400, 200, 200, 200, 200, 400};
     text t = {malloc(SHAPE_BYTES + 256), 0};
     assert_non_null(t.p);
@@ -989,7 +1017,8 @@ static void test_a_1mib_body_of_any_shape_parses_in_linear_time(void **state) {
             put(&t, "]}");
             break;
         case CONTENT_PARTS:
-            put(&t, "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"}");
+            put(&t,
+                "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"}");
             while (t.len < SHAPE_BYTES - 64) put(&t, ",{\"type\":\"text\",\"text\":\"a\"}");
             put(&t, "]}]}");
             break;

@@ -23,10 +23,10 @@
 /* ---- the small file ------------------------------------------------------ */
 
 typedef struct small_opts {
-    uint32_t version;       /* 0: 3 */
-    uint32_t alignment;     /* 0: no general.alignment key */
-    bool alignment_as_u64;  /* write general.alignment with the wrong type */
-    bool duplicate_key;     /* write test.u8 twice */
+    uint32_t version;      /* 0: 3 */
+    uint32_t alignment;    /* 0: no general.alignment key */
+    bool alignment_as_u64; /* write general.alignment with the wrong type */
+    bool duplicate_key;    /* write test.u8 twice */
 } small_opts;
 
 /* Where fields of the small file were written, for patching. */
@@ -38,8 +38,7 @@ typedef struct marks {
     uint64_t off_a, off_b, off_c;
 } marks;
 
-static const char LONG_STR[] =
-    "0123456789abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ-0123456789";
+static const char LONG_STR[] = "0123456789abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ-0123456789";
 
 enum { N_KV_BASE = 19 };
 
@@ -166,8 +165,7 @@ static void expect_error_n(const gw *w, size_t len, const char *want) {
     int rc = gguf_open_mem(&f, copy, len, NAME, &err);
     if (rc != AE_ERR) fail_msg("opened %zu bytes, expected an error with \"%s\"", len, want);
     assert_null(f);
-    if (strncmp(err.msg, NAME ": ", strlen(NAME) + 2) != 0)
-        fail_msg("message lacks the file name: \"%s\"", err.msg);
+    if (strncmp(err.msg, NAME ": ", strlen(NAME) + 2) != 0) fail_msg("message lacks the file name: \"%s\"", err.msg);
     if (!strstr(err.msg, want)) fail_msg("message \"%s\" lacks \"%s\"", err.msg, want);
     free(copy);
 }
@@ -175,8 +173,7 @@ static void expect_error_n(const gw *w, size_t len, const char *want) {
 static void expect_error(const gw *w, const char *want) { expect_error_n(w, w->len, want); }
 
 /* Builds the default small file, patches one field, expects `want`. */
-static void expect_patched(size_t marks_offset, size_t delta, uint64_t v, int n,
-                           const char *want) {
+static void expect_patched(size_t marks_offset, size_t delta, uint64_t v, int n, const char *want) {
     gw w = {0};
     marks m;
     build_small(&w, (small_opts){0}, &m);
@@ -189,8 +186,7 @@ static void expect_patched(size_t marks_offset, size_t delta, uint64_t v, int n,
 }
 
 #define PATCH(field, v, n, want) expect_patched(offsetof(marks, field), 0, (v), (n), (want))
-#define PATCH_AT(field, delta, v, n, want) \
-    expect_patched(offsetof(marks, field), (delta), (v), (n), (want))
+#define PATCH_AT(field, delta, v, n, want) expect_patched(offsetof(marks, field), (delta), (v), (n), (want))
 
 /* ---- parsing valid files ------------------------------------------------- */
 
@@ -270,8 +266,7 @@ static void every_scalar_type_round_trips(void **state) {
     static const gguf_vtype types[] = {GGUF_VT_STRING, GGUF_VT_U8,  GGUF_VT_I8,  GGUF_VT_U16,
                                        GGUF_VT_I16,    GGUF_VT_U32, GGUF_VT_I32, GGUF_VT_F32,
                                        GGUF_VT_BOOL,   GGUF_VT_U64, GGUF_VT_I64, GGUF_VT_F64};
-    for (uint64_t i = 0; i < sizeof types / sizeof types[0]; i++)
-        assert_int_equal(gguf_kv_type(f, i), types[i]);
+    for (uint64_t i = 0; i < sizeof types / sizeof types[0]; i++) assert_int_equal(gguf_kv_type(f, i), types[i]);
     gguf_str k = gguf_kv_key(f, 1);
     assert_true(gguf_str_eq(k, "test.u8"));
     gguf_close(f);
@@ -543,7 +538,9 @@ static void kv_format_renders_each_kind(void **state) {
     build_small(&w, (small_opts){0}, &m);
     gguf_file *f = open_ok(&w);
     char buf[256];
-    static const struct { const char *key, *want; } cases[] = {
+    static const struct {
+        const char *key, *want;
+    } cases[] = {
         {"general.architecture", "\"llama\""},
         {"test.u8", "200"},
         {"test.i8", "-100"},
@@ -562,13 +559,11 @@ static void kv_format_renders_each_kind(void **state) {
         {"test.nested", "[array x 2]"},
         {"test.long_arr", "[i32 x 10]"},
         {"test.quote", "\"say \\\"hi\\\"\\n\\tand\\\\ \\x01\""},
-        {"test.long_str",
-         "\"0123456789abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQR\"... (83 bytes)"},
+        {"test.long_str", "\"0123456789abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQR\"... (83 bytes)"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         format_kv(f, cases[i].key, buf, sizeof buf);
-        if (strcmp(buf, cases[i].want) != 0)
-            fail_msg("%s: got [%s], want [%s]", cases[i].key, buf, cases[i].want);
+        if (strcmp(buf, cases[i].want) != 0) fail_msg("%s: got [%s], want [%s]", cases[i].key, buf, cases[i].want);
     }
     gguf_close(f);
     gw_free(&w);
@@ -620,10 +615,8 @@ static void truncation_messages_name_the_field(void **state) {
     expect_error_n(&w, 6, "truncated: header version runs past end of file");
     expect_error_n(&w, 20, "truncated: header kv count runs past end of file");
     expect_error_n(&w, 100, "truncated: 19 kvs and 3 tensor infos cannot fit in the 76 bytes left");
-    expect_error_n(&w, m.tensor_c_offset_at + 3,
-                   "truncated: tensor info 2 'c' offset runs past end of file");
-    expect_error_n(&w, m.data_at + 20,
-                   "truncated: tensor 1 'b' data (offset 32, 12 bytes, data section at");
+    expect_error_n(&w, m.tensor_c_offset_at + 3, "truncated: tensor info 2 'c' offset runs past end of file");
+    expect_error_n(&w, m.data_at + 20, "truncated: tensor 1 'b' data (offset 32, 12 bytes, data section at");
     gw_free(&w);
 }
 
@@ -666,10 +659,8 @@ static void absurd_counts_are_rejected_before_allocation(void **state) {
     expect_error(&w, "kv count 18446744073709551615 exceeds the limit 65536");
     gw_free(&w);
 
-    PATCH(arr_count_at, 1ull << 40, 8,
-          "kv 12 'test.arr_u32' array count 1099511627776 exceeds the limit 67108864");
-    PATCH(arr_count_at, 1000000, 8,
-          "truncated: kv 12 'test.arr_u32' array count 1000000 of u32 runs past end of file");
+    PATCH(arr_count_at, 1ull << 40, 8, "kv 12 'test.arr_u32' array count 1099511627776 exceeds the limit 67108864");
+    PATCH(arr_count_at, 1000000, 8, "truncated: kv 12 'test.arr_u32' array count 1000000 of u32 runs past end of file");
 }
 
 static void string_lengths_are_checked(void **state) {
@@ -678,8 +669,7 @@ static void string_lengths_are_checked(void **state) {
           "truncated: kv 0 'general.architecture' string length 9999999 runs past end of file");
     PATCH(arch_len_at, UINT64_MAX, 8, "string length 18446744073709551615 runs past end of file");
     PATCH(key0_len_at, 9999999, 8, "truncated: kv 0 key length 9999999 runs past end of file");
-    PATCH(tensor_a_name_at, 9999999, 8,
-          "truncated: tensor info 0 name length 9999999 runs past end of file (size ");
+    PATCH(tensor_a_name_at, 9999999, 8, "truncated: tensor info 0 name length 9999999 runs past end of file (size ");
     PATCH(key0_len_at, 0, 8, "kv 0 has an empty key");
 
     /* Over the name limit while still inside the file. */
@@ -721,13 +711,11 @@ static void bad_tensor_infos_are_rejected(void **state) {
     PATCH(tensor_c_ndims_at, 5, 4, "tensor info 2 'c' has n_dims 5 (must be 1..4)");
     PATCH(tensor_c_ndims_at, 0, 4, "tensor info 2 'c' has n_dims 0 (must be 1..4)");
     PATCH(tensor_c_dim0_at, 0, 8, "tensor info 2 'c' dimension 0 is 0");
-    PATCH(tensor_c_dim0_at, 33, 8,
-          "tensor info 2 'c' dimension 0 (33) is not a multiple of the Q8_0 block size 32");
+    PATCH(tensor_c_dim0_at, 33, 8, "tensor info 2 'c' dimension 0 (33) is not a multiple of the Q8_0 block size 32");
     PATCH(tensor_c_type_at, 99, 4, "tensor info 2 'c' has unknown tensor type 99");
     PATCH(tensor_c_type_at, 4, 4, "tensor info 2 'c' has unknown tensor type 4");
     PATCH(tensor_c_offset_at, 65, 8, "tensor 2 'c' offset 65 is not a multiple of the alignment 32");
-    PATCH(tensor_c_offset_at, 1ull << 20, 8,
-          "tensor 2 'c' data (offset 1048576, 68 bytes, data section at");
+    PATCH(tensor_c_offset_at, 1ull << 20, 8, "tensor 2 'c' data (offset 1048576, 68 bytes, data section at");
     PATCH(tensor_c_offset_at, UINT64_MAX - 31, 8, "runs past end of file");
     PATCH_AT(tensor_b_name_at, 8, 'a', 1, "tensor info 1 'a': duplicate tensor name (also tensor info 0)");
 
@@ -862,7 +850,9 @@ static void files_from_the_python_writer_parse(void **state) {
     assert_int_equal(gguf_version(f), 3);
     assert_int_equal(gguf_n_tensors(f), 2);
     char buf[128];
-    static const struct { const char *key, *want; } cases[] = {
+    static const struct {
+        const char *key, *want;
+    } cases[] = {
         {"general.architecture", "\"llama\""},
         {"t.i16", "-300"},
         {"t.f64", "0.1"},
@@ -873,8 +863,7 @@ static void files_from_the_python_writer_parse(void **state) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         format_kv(f, cases[i].key, buf, sizeof buf);
-        if (strcmp(buf, cases[i].want) != 0)
-            fail_msg("%s: got [%s], want [%s]", cases[i].key, buf, cases[i].want);
+        if (strcmp(buf, cases[i].want) != 0) fail_msg("%s: got [%s], want [%s]", cases[i].key, buf, cases[i].want);
     }
     const gguf_tensor *b = gguf_find_tensor(f, "b");
     assert_non_null(b);

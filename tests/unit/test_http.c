@@ -286,10 +286,10 @@ static void test_status_text(void **state) {
 typedef struct test_state {
     pthread_mutex_t mu;
     int handled;
-    int closes;       /* on_close calls */
+    int closes;         /* on_close calls */
     bool gone_in_close; /* http_req_gone was true inside on_close */
     int write_errors;   /* /stream's writes that failed */
-    http_req *held;   /* /hold and /hold-stream: owned until a test answers */
+    http_req *held;     /* /hold and /hold-stream: owned until a test answers */
 } test_state;
 
 static test_state T = {PTHREAD_MUTEX_INITIALIZER, 0, 0, false, 0, NULL};
@@ -355,8 +355,7 @@ static void handler(void *ctx, http_req *r) {
     }
 }
 
-static size_t error_body(void *ctx, int status, const char *message, char *out, size_t cap,
-                         const char **content_type) {
+static size_t error_body(void *ctx, int status, const char *message, char *out, size_t cap, const char **content_type) {
     (void)ctx;
     *content_type = "application/json";
     int n = snprintf(out, cap, "{\"error\":{\"message\":\"%s\",\"code\":%d}}", message, status);
@@ -559,8 +558,8 @@ static char *error_reply(int status, const char *text, const char *extra, const 
 }
 
 #define HELLO "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\nhello"
-#define STREAM                                                                                                \
-    "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: "        \
+#define STREAM \
+    "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: " \
     "keep-alive\r\nCache-Control: no-cache\r\n\r\n9\r\ndata: a\n\n\r\na\r\ndata: bb\n\n\r\n0\r\n\r\n"
 
 static void test_get_gets_a_whole_reply(void **state) {
@@ -712,8 +711,8 @@ static void test_chunked_request_body_gets_411(void **state) {
     fixture *f = *state;
     int fd = client(f);
     send_all(fd, "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
-    expect_bytes(fd, error_reply(411, "Length Required", "",
-                                 "a chunked request body is not supported: send Content-Length"));
+    expect_bytes(
+        fd, error_reply(411, "Length Required", "", "a chunked request body is not supported: send Content-Length"));
     expect_eof(fd);
     assert_int_equal(get_int(&T.handled), 0);
     close(fd);
@@ -925,8 +924,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_expect_100_continue_is_answered_before_the_body, setup, teardown),
         cmocka_unit_test_setup_teardown(test_client_gone_while_owned_sees_on_close_once_and_a_late_answer_is_safe,
                                         setup, teardown),
-        cmocka_unit_test_setup_teardown(test_client_gone_during_a_stream_fails_writes_and_end_is_safe, setup,
-                                        teardown),
+        cmocka_unit_test_setup_teardown(test_client_gone_during_a_stream_fails_writes_and_end_is_safe, setup, teardown),
         cmocka_unit_test_setup_teardown(test_on_close_may_answer_the_request, setup, teardown),
         cmocka_unit_test_setup_teardown(test_answer_after_the_server_closed_is_safe, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reader_too_slow_for_its_stream_is_dropped, setup, teardown),

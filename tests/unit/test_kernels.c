@@ -35,8 +35,10 @@ static int setup(void **state) {
     (void)state;
     for (int t = 1; t <= MAX_THREADS; t++) {
         if (pool_init(&F.pools[t], t, NULL) != AE_OK) return -1;
-        if (kn_stream_init(&F.streams[t], &kn_backend_cpu, &(kn_stream_config){F.pools[t], WORK_BYTES}, NULL) != AE_OK) return -1;
-        if (kn_stream_init(&F.streams8[t], &kn_backend_cpu, &(kn_stream_config){F.pools[t], WORK_BYTES}, NULL) != AE_OK) return -1;
+        if (kn_stream_init(&F.streams[t], &kn_backend_cpu, &(kn_stream_config){F.pools[t], WORK_BYTES}, NULL) != AE_OK)
+            return -1;
+        if (kn_stream_init(&F.streams8[t], &kn_backend_cpu, &(kn_stream_config){F.pools[t], WORK_BYTES}, NULL) != AE_OK)
+            return -1;
         kn_stream_set_act_bits(F.streams8[t], 8);
     }
     return 0;
@@ -142,8 +144,8 @@ static uint32_t fbits(float f) {
 static void assert_same_bits(const float *got, const float *want, size_t n, const char *what) {
     for (size_t i = 0; i < n; i++)
         if (fbits(got[i]) != fbits(want[i]))
-            fail_msg("%s: element %zu is %.9g (0x%08x), expected %.9g (0x%08x)", what, i,
-                     (double)got[i], fbits(got[i]), (double)want[i], fbits(want[i]));
+            fail_msg("%s: element %zu is %.9g (0x%08x), expected %.9g (0x%08x)", what, i, (double)got[i], fbits(got[i]),
+                     (double)want[i], fbits(want[i]));
 }
 
 /* The fixture's stream with t threads at `bits` of activation precision. */
@@ -152,9 +154,7 @@ static kn_stream *stream(int t, int bits) { return bits == 8 ? F.streams8[t] : F
 /* L of kernels.h: the largest |xi| at `bits`. */
 static float act_limit(int bits) { return bits == 8 ? 127.0f : 16256.0f; }
 
-static bool is_quant(ggml_type t) {
-    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1;
-}
+static bool is_quant(ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1; }
 
 /* ---- matmul against the reference -------------------------------------- */
 
@@ -187,8 +187,8 @@ static void check_matmul_reference_bits(ggml_type type, int64_t m, int64_t n, in
             double err = fabs((double)y[r * n + j] - ref);
             if (err > bound)
                 fail_msg("%s %d-bit m=%lld: y[%lld][%lld] = %.9g, reference %.9g, error %.3g > bound %.3g",
-                         quant_type_name(type), bits, (long long)m, (long long)r, (long long)j,
-                         (double)y[r * n + j], ref, err, bound);
+                         quant_type_name(type), bits, (long long)m, (long long)r, (long long)j, (double)y[r * n + j],
+                         ref, err, bound);
         }
     free(x);
     free(y);
@@ -214,8 +214,7 @@ static void matmul_matches_double_reference_for_every_type(void **state) {
 static void matmul_portable_path_matches_double_reference(void **state) {
     (void)state;
     kn_cpu_force_scalar(true);
-    for (size_t t = 0; t < N_TYPES; t++)
-        check_matmul_reference(ALL_TYPES[t], 5, 19, is_quant(ALL_TYPES[t]) ? 96 : 43);
+    for (size_t t = 0; t < N_TYPES; t++) check_matmul_reference(ALL_TYPES[t], 5, 19, is_quant(ALL_TYPES[t]) ? 96 : 43);
     kn_cpu_force_scalar(false);
 }
 
@@ -433,7 +432,10 @@ static void quantized_matmul_exact_on_hand_made_blocks(void **state) {
                 /* Exact in f32: |isum| < 2^24 and sx a power of two. */
                 want[j] = (float)isum * sx + (types[t] == GGML_TYPE_Q4_1 ? 0.5f * sx * (float)sum : 0.0f);
             }
-            test_weight tw = {.w = {.type = types[t], .rows = 16, .cols = k, .data = data[t],
+            test_weight tw = {.w = {.type = types[t],
+                                    .rows = 16,
+                                    .cols = k,
+                                    .data = data[t],
                                     .row_bytes = quant_row_bytes(types[t], (uint64_t)k)}};
             for (int packed = 0; packed <= 1; packed++) {
                 if (packed) pack_weight(&tw);
@@ -621,8 +623,8 @@ static void swiglu_paths_agree_bitwise(void **state) {
         g[i] = (float)(i - N / 2) * 0.047f;
         u[i] = rndf() * 3.0f;
     }
-    const float edge[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 87.5f, -87.5f, 88.7f, -88.7f, 200.0f, -200.0f,
-                          INFINITY, -INFINITY, NAN};
+    const float edge[] = {0.0f,   -0.0f,  1e-30f,  -1e-30f,  87.5f,     -87.5f, 88.7f,
+                          -88.7f, 200.0f, -200.0f, INFINITY, -INFINITY, NAN};
     for (size_t i = 0; i < sizeof edge / sizeof edge[0]; i++) g[100 + i] = edge[i];
     kn_swiglu(F.streams[2], g, u, fast, N);
     kn_cpu_force_scalar(true);
@@ -724,8 +726,12 @@ static void rope_rotates_pairs_by_position_times_frequency(void **state) {
  * and blends the band between. */
 static void rope_llama3_scaling_bands(void **state) {
     (void)state;
-    kn_rope_config cfg = {.layout = KN_ROPE_NEOX, .head_dim = 128, .theta = 500000.0, .factor = 8.0,
-                          .low_freq_factor = 1.0, .high_freq_factor = 4.0,
+    kn_rope_config cfg = {.layout = KN_ROPE_NEOX,
+                          .head_dim = 128,
+                          .theta = 500000.0,
+                          .factor = 8.0,
+                          .low_freq_factor = 1.0,
+                          .high_freq_factor = 4.0,
                           .original_max_pos = 8192.0};
     kn_rope r;
     assert_int_equal(kn_rope_init(&r, &cfg, NULL), AE_OK);
@@ -768,8 +774,13 @@ static void kv_setup(kv_fixture *f) {
     fill_f16(f->v, sizeof f->v / sizeof f->v[0], 1.0f);
     /* Through void * so that this file also builds against an f32 pool
      * (the regression run of the f16 change). */
-    f->pool = (kn_kv_pool){.k = (void *)f->k, .v = (void *)f->v, .n_blocks = NB, .block_size = BS,
-                           .n_kv_heads = KVH, .head_dim = HD, .type = GGML_TYPE_F16};
+    f->pool = (kn_kv_pool){.k = (void *)f->k,
+                           .v = (void *)f->v,
+                           .n_blocks = NB,
+                           .block_size = BS,
+                           .n_kv_heads = KVH,
+                           .head_dim = HD,
+                           .type = GGML_TYPE_F16};
     /* Scrambled block ids: sequence s, entry e -> a distinct block. */
     for (int s = 0; s < 4; s++)
         for (int e = 0; e < TBL; e++) f->tables[s * TBL + e] = (e * 4 + s) * 7 % 32 + (s == 3 ? 8 : 0);
@@ -781,8 +792,7 @@ static const uint16_t *kv_row(const kv_fixture *f, const uint16_t *base, int seq
 }
 
 /* out vs softmax(q k / sqrt(hd)) v in double over the token's visible slots. */
-static void attention_reference(const kv_fixture *f, const kn_kv_map *map, const float *q,
-                                const float *out) {
+static void attention_reference(const kv_fixture *f, const kn_kv_map *map, const float *q, const float *out) {
     for (int t = 0; t < map->m; t++) {
         int nvis = map->n_prefix[t] + map->n_extra[t];
         for (int h = 0; h < NH; h++) {
@@ -822,9 +832,17 @@ static void attention_matches_reference_with_gqa_and_paged_blocks(void **state) 
      * one, a tree node with extras, another sequence. */
     int32_t seq[4] = {0, 1, 2, 3}, slot[4] = {0}, n_prefix[4] = {100, 3, 70, 128};
     int32_t extra_start[4] = {0, 0, 0, 3}, n_extra[4] = {0, 0, 3, 0}, extra[3] = {90, 95, 101};
-    kn_kv_map map = {.m = 4, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
-                     .slot = slot, .n_prefix = n_prefix, .extra_start = extra_start,
-                     .n_extra = n_extra, .extra = extra, .n_extra_total = 3};
+    kn_kv_map map = {.m = 4,
+                     .block_tables = f.tables,
+                     .n_seqs = 4,
+                     .table_len = TBL,
+                     .seq = seq,
+                     .slot = slot,
+                     .n_prefix = n_prefix,
+                     .extra_start = extra_start,
+                     .n_extra = n_extra,
+                     .extra = extra,
+                     .n_extra_total = 3};
     float q[4 * NH * HD], out[4 * NH * HD];
     fill(q, sizeof q / sizeof q[0], 2.0f);
     kn_attention(F.streams[2], &f.pool, &map, q, out, NH);
@@ -841,9 +859,17 @@ static void attention_split_and_walk_agree_bitwise(void **state) {
     kv_setup(&f);
     int32_t seq[2] = {0, 2}, slot[2] = {0}, n_prefix[2] = {100, 70};
     int32_t extra_start[2] = {0, 0}, n_extra[2] = {0, 3}, extra[3] = {90, 95, 101};
-    kn_kv_map map = {.m = 2, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
-                     .slot = slot, .n_prefix = n_prefix, .extra_start = extra_start,
-                     .n_extra = n_extra, .extra = extra, .n_extra_total = 3};
+    kn_kv_map map = {.m = 2,
+                     .block_tables = f.tables,
+                     .n_seqs = 4,
+                     .table_len = TBL,
+                     .seq = seq,
+                     .slot = slot,
+                     .n_prefix = n_prefix,
+                     .extra_start = extra_start,
+                     .n_extra = n_extra,
+                     .extra = extra,
+                     .n_extra_total = 3};
     float q[2 * NH * HD], split[2 * NH * HD], walk[2 * NH * HD];
     fill(q, sizeof q / sizeof q[0], 2.0f);
     kn_stream *bare;
@@ -874,8 +900,15 @@ static void kv_write_stores_rows_at_their_slots_rounded_to_f16(void **state) {
     static kv_fixture f;
     kv_setup(&f);
     int32_t seq[2] = {1, 3}, slot[2] = {17, 127}, zero[2] = {0};
-    kn_kv_map map = {.m = 2, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
-                     .slot = slot, .n_prefix = zero, .extra_start = zero, .n_extra = zero};
+    kn_kv_map map = {.m = 2,
+                     .block_tables = f.tables,
+                     .n_seqs = 4,
+                     .table_len = TBL,
+                     .seq = seq,
+                     .slot = slot,
+                     .n_prefix = zero,
+                     .extra_start = zero,
+                     .n_extra = zero};
     float k[2 * KVH * HD], v[2 * KVH * HD];
     fill(k, sizeof k / sizeof k[0], 1.0f);
     fill(v, sizeof v / sizeof v[0], 1.0f);
@@ -906,16 +939,17 @@ static void kv_write_rounds_like_quant_on_every_boundary_and_path(void **state) 
         float a = quant_f16_to_f32((uint16_t)h);
         if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff)) { /* NaN: a quiet one and a signalling one */
             uint32_t sign = fbits(a) & 0x80000000u, pay = (uint32_t)(h & 0x1ff) << 13;
-            uint32_t cand[PER] = {sign | 0x7fc00000u | pay, sign | 0x7f800000u | pay | 1u, sign | 0x7f800001u,
-                                  sign | 0x7fffffffu, sign | 0x7fa00000u, sign | 0x7fc00001u};
+            uint32_t cand[PER] = {sign | 0x7fc00000u | pay, sign | 0x7f800000u | pay | 1u,
+                                  sign | 0x7f800001u,       sign | 0x7fffffffu,
+                                  sign | 0x7fa00000u,       sign | 0x7fc00001u};
             for (int i = 0; i < PER; i++) memcpy(&x[n++], &cand[i], sizeof(float));
             continue;
         }
         uint16_t up = (uint16_t)(h + 1); /* the next half away from zero */
         float b = (h & 0x7fff) < 0x7c00 ? quant_f16_to_f32(up) : a;
         float mid = (h & 0x7fff) == 0x7bff ? copysignf(65520.0f, a) : (float)(((double)a + (double)b) / 2);
-        float cand[PER] = {a, nextafterf(a, 0.0f), nextafterf(a, copysignf(INFINITY, a)), mid,
-                           nextafterf(mid, 0.0f), nextafterf(mid, copysignf(INFINITY, a))};
+        float cand[PER] = {a,   nextafterf(a, 0.0f),   nextafterf(a, copysignf(INFINITY, a)),
+                           mid, nextafterf(mid, 0.0f), nextafterf(mid, copysignf(INFINITY, a))};
         for (int i = 0; i < PER; i++) x[n++] = cand[i];
     }
     x[n++] = 0x1p-149f; /* f32 subnormals */
@@ -925,10 +959,22 @@ static void kv_write_rounds_like_quant_on_every_boundary_and_path(void **state) 
     static int32_t slots[ROWS], table[ROWS / BS + 1], zero[ROWS];
     for (int i = 0; i < ROWS / BS + 1; i++) table[i] = i;
     for (int i = 0; i < ROWS; i++) slots[i] = i;
-    kn_kv_pool kvp = {.k = (void *)pool_k, .v = (void *)pool_v, .n_blocks = ROWS / BS + 1, .block_size = BS,
-                       .n_kv_heads = KVH, .head_dim = HD, .type = GGML_TYPE_F16};
-    kn_kv_map map = {.m = ROWS, .block_tables = table, .n_seqs = 1, .table_len = ROWS / BS + 1, .seq = zero,
-                     .slot = slots, .n_prefix = zero, .extra_start = zero, .n_extra = zero};
+    kn_kv_pool kvp = {.k = (void *)pool_k,
+                      .v = (void *)pool_v,
+                      .n_blocks = ROWS / BS + 1,
+                      .block_size = BS,
+                      .n_kv_heads = KVH,
+                      .head_dim = HD,
+                      .type = GGML_TYPE_F16};
+    kn_kv_map map = {.m = ROWS,
+                     .block_tables = table,
+                     .n_seqs = 1,
+                     .table_len = ROWS / BS + 1,
+                     .seq = zero,
+                     .slot = slots,
+                     .n_prefix = zero,
+                     .extra_start = zero,
+                     .n_extra = zero};
     for (int level = 0; level <= 2; level++) {
         kn_cpu_limit_simd(level);
         memset(pool_k, 0xff, sizeof pool_k);
@@ -965,8 +1011,15 @@ static void attention_tree_node_equals_decode_after_commit_bitwise(void **state)
 
     /* Decode: the token alone. */
     int32_t d_seq[1] = {0}, d_pre[1] = {73}, zero[1] = {0};
-    kn_kv_map dec = {.m = 1, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = d_seq,
-                     .slot = zero, .n_prefix = d_pre, .extra_start = zero, .n_extra = zero};
+    kn_kv_map dec = {.m = 1,
+                     .block_tables = f.tables,
+                     .n_seqs = 4,
+                     .table_len = TBL,
+                     .seq = d_seq,
+                     .slot = zero,
+                     .n_prefix = d_pre,
+                     .extra_start = zero,
+                     .n_extra = zero};
     float want[NH * HD];
     kn_attention(F.streams[1], &f.pool, &dec, qtok, want, NH);
 
@@ -991,9 +1044,16 @@ static void attention_tree_node_equals_decode_after_commit_bitwise(void **state)
                 default: seq[t] = 2, n_prefix[t] = 5 + 20 * other, extra_start[t] = 0, n_extra[t] = 0; break;
                 }
             }
-            kn_kv_map tree = {.m = M, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL,
-                              .seq = seq, .slot = seq, .n_prefix = n_prefix,
-                              .extra_start = extra_start, .n_extra = n_extra, .extra = extra,
+            kn_kv_map tree = {.m = M,
+                              .block_tables = f.tables,
+                              .n_seqs = 4,
+                              .table_len = TBL,
+                              .seq = seq,
+                              .slot = seq,
+                              .n_prefix = n_prefix,
+                              .extra_start = extra_start,
+                              .n_extra = n_extra,
+                              .extra = extra,
                               .n_extra_total = 6};
             kn_attention(F.streams[threads], &f.pool, &tree, q, out, NH);
             char what[64];
@@ -1005,9 +1065,16 @@ static void attention_tree_node_equals_decode_after_commit_bitwise(void **state)
 /* Token t of `map` alone in a pass of its own, on stream s. */
 static void attend_alone(kn_stream *s, const kv_fixture *f, const kn_kv_map *map, int t, const float *q, float *out) {
     int32_t zero[1] = {0};
-    kn_kv_map one = {.m = 1, .block_tables = f->tables, .n_seqs = 4, .table_len = TBL, .seq = map->seq + t,
-                     .slot = map->seq + t, .n_prefix = map->n_prefix + t, .extra_start = zero,
-                     .n_extra = map->n_extra + t, .extra = map->extra + map->extra_start[t],
+    kn_kv_map one = {.m = 1,
+                     .block_tables = f->tables,
+                     .n_seqs = 4,
+                     .table_len = TBL,
+                     .seq = map->seq + t,
+                     .slot = map->seq + t,
+                     .n_prefix = map->n_prefix + t,
+                     .extra_start = zero,
+                     .n_extra = map->n_extra + t,
+                     .extra = map->extra + map->extra_start[t],
                      .n_extra_total = map->n_extra[t]};
     kn_attention(s, &f->pool, &one, q + (size_t)t * NH * HD, out, NH);
 }
@@ -1047,9 +1114,17 @@ static void attention_shared_chunks_give_each_token_its_alone_bits(void **state)
     const int prefixes[2] = {100, 64};
     for (int pi = 0; pi < 2; pi++) {
         for (int i = 0; i < TREE; i++) n_prefix[i] = prefixes[pi];
-        kn_kv_map map = {.m = M, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL, .seq = seq,
-                         .slot = seq, .n_prefix = n_prefix, .extra_start = extra_start, .n_extra = n_extra,
-                         .extra = extra, .n_extra_total = n_ex};
+        kn_kv_map map = {.m = M,
+                         .block_tables = f.tables,
+                         .n_seqs = 4,
+                         .table_len = TBL,
+                         .seq = seq,
+                         .slot = seq,
+                         .n_prefix = n_prefix,
+                         .extra_start = extra_start,
+                         .n_extra = n_extra,
+                         .extra = extra,
+                         .n_extra_total = n_ex};
         kn_cpu_limit_simd(0);
         for (int t = 0; t < M; t++) attend_alone(F.streams[1], &f, &map, t, q, ref + (size_t)t * NH * HD);
         for (int level = 0; level <= 2; level++) {
@@ -1073,10 +1148,18 @@ static void attention_shared_chunks_give_each_token_its_alone_bits(void **state)
                 }
         }
         kn_cpu_limit_simd(2);
-        attention_reference(&f, &(kn_kv_map){.m = M, .block_tables = f.tables, .n_seqs = 4, .table_len = TBL,
-                                             .seq = seq, .slot = seq, .n_prefix = n_prefix,
-                                             .extra_start = extra_start, .n_extra = n_extra, .extra = extra,
-                                             .n_extra_total = n_ex},
+        attention_reference(&f,
+                            &(kn_kv_map){.m = M,
+                                         .block_tables = f.tables,
+                                         .n_seqs = 4,
+                                         .table_len = TBL,
+                                         .seq = seq,
+                                         .slot = seq,
+                                         .n_prefix = n_prefix,
+                                         .extra_start = extra_start,
+                                         .n_extra = n_extra,
+                                         .extra = extra,
+                                         .n_extra_total = n_ex},
                             q, ref);
     }
     kn_stream_free(bare);
@@ -1093,7 +1176,7 @@ typedef struct tp_rank {
     const float *x; /* [TP_M][TP_K], the full activations */
     float y[TP_M * TP_N];
     float xs[TP_M * TP_K];
-    float part[TP_M * TP_N]; /* the rank's partial, kept */
+    float part[TP_M * TP_N];  /* the rank's partial, kept */
     float resid[TP_M * TP_N]; /* a residual stream, after kn_allreduce_add */
 } tp_rank;
 
@@ -1147,7 +1230,8 @@ static void allreduce_two_ranks_matches_one_rank_and_repeats_bitwise(void **stat
             float want = (0.25f * (float)(i % 7) - 0.5f) + two[0].y[i];
             assert_memory_equal(&two[r].resid[i], &want, sizeof want);
         }
-    for (int i = 0; i < TP_M * TP_N; i++) assert_true(fabsf(two[0].y[i] - one[0].y[i]) <= 1e-5f * (1 + fabsf(one[0].y[i])));
+    for (int i = 0; i < TP_M * TP_N; i++)
+        assert_true(fabsf(two[0].y[i] - one[0].y[i]) <= 1e-5f * (1 + fabsf(one[0].y[i])));
     free_weight(&w);
 }
 

@@ -31,8 +31,13 @@ static int group_teardown(void **state) {
 
 /* 2 layers, 2 kv heads x 3 dims = 6 halves per row, 4 tokens per block. */
 static const kv_params small = {
-    .n_layers = 2, .n_kv_heads = 2, .head_dim = 3, .block_size = 4,
-    .n_blocks = 8, .max_seqs = 4, .max_blocks_per_seq = 6,
+    .n_layers = 2,
+    .n_kv_heads = 2,
+    .head_dim = 3,
+    .block_size = 4,
+    .n_blocks = 8,
+    .max_seqs = 4,
+    .max_blocks_per_seq = 6,
 };
 #define ROW 6
 
@@ -85,9 +90,8 @@ static void test_init_rejects_zero_sizes_and_free_null_is_noop(void **state) {
     ae_error err = {0};
     assert_int_equal(kv_init(&kv, &kn_backend_cpu, &p, &err), AE_ERR);
     assert_null(kv);
-    assert_string_equal(err.msg,
-                        "kv cache: sizes must be positive (layers=2 kv_heads=2 head_dim=3 block_size=0 "
-                        "blocks=8 max_seqs=4 max_blocks_per_seq=6)");
+    assert_string_equal(err.msg, "kv cache: sizes must be positive (layers=2 kv_heads=2 head_dim=3 block_size=0 "
+                                 "blocks=8 max_seqs=4 max_blocks_per_seq=6)");
     kv_free(NULL);
 }
 
@@ -185,9 +189,8 @@ static void test_reserve_beyond_block_table_fails(void **state) {
     assert_int_equal(kv_seq_alloc(kv, &s, NULL), AE_OK);
     ae_error err = {0};
     assert_int_equal(kv_seq_reserve(kv, s, 25, &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "kv cache: sequence 0 needs 25 slots, more than its block table holds "
-                        "(max_blocks_per_seq 6 x block_size 4 = 24)");
+    assert_string_equal(err.msg, "kv cache: sequence 0 needs 25 slots, more than its block table holds "
+                                 "(max_blocks_per_seq 6 x block_size 4 = 24)");
     assert_int_equal(kv_get_stats(kv).blocks_used, 0);
     assert_int_equal(kv_seq_reserve(kv, s, 24, NULL), AE_OK);
     kv_free(kv);
@@ -332,7 +335,7 @@ static void test_fork_shares_full_blocks_and_copies_the_last(void **state) {
     assert_int_equal(kv_seq_fork(kv, S, a, &b, &err), AE_OK);
     assert_int_equal(kv_seq_len(kv, b), 6);
     assert_int_equal(kv_seq_n_blocks(kv, b), 2);
-    assert_int_equal(kv_seq_block_table(kv, b)[0], kv_seq_block_table(kv, a)[0]); /* shared */
+    assert_int_equal(kv_seq_block_table(kv, b)[0], kv_seq_block_table(kv, a)[0]);     /* shared */
     assert_int_not_equal(kv_seq_block_table(kv, b)[1], kv_seq_block_table(kv, a)[1]); /* copied */
     assert_int_equal(kv_get_stats(kv).blocks_used, 3);
     for (int slot = 0; slot < 6; slot++) expect_written_by(kv, b, slot, a, slot);
@@ -368,7 +371,8 @@ static void test_fork_shares_full_blocks_and_copies_the_last(void **state) {
     assert_int_equal(kv_seq_fork(kv, S, a, &c, &err), AE_ERR);
     assert_int_equal(c, -1);
     char want[128];
-    snprintf(want, sizeof want, "kv cache exhausted: forking sequence %d needs a block for its last 3 slots, none is free", a);
+    snprintf(want, sizeof want,
+             "kv cache exhausted: forking sequence %d needs a block for its last 3 slots, none is free", a);
     assert_string_equal(err.msg, want);
     assert_int_equal(kv_get_stats(kv).seqs_live, 2);
     kv_free(kv);

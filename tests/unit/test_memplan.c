@@ -23,8 +23,14 @@ static const config_option opts[] = {MEMPLAN_OPTIONS};
 #define N_OPTS (sizeof opts / sizeof opts[0])
 
 static const memplan_model smol = {
-    .weight_bytes = 100ull << 20, .n_layers = 30, .hidden = 576, .ffn = 1536,
-    .n_heads = 9, .n_kv_heads = 3, .head_dim = 64, .vocab = 49152,
+    .weight_bytes = 100ull << 20,
+    .n_layers = 30,
+    .hidden = 576,
+    .ffn = 1536,
+    .n_heads = 9,
+    .n_kv_heads = 3,
+    .head_dim = 64,
+    .vocab = 49152,
     .kv_bytes_per_token = 2 * 30 * 3 * 64 * 2, /* Llama's: f16 K and V of 30 layers x 3 kv heads x 64 */
     /* Llama's (test_arch checks it on the model): 4 B x (7 x 576 + 2 x 12 x 64 + 2 x 1536 + 49152 + 64) */
     .workspace_per_token = 231424,
@@ -49,11 +55,11 @@ static int plan(config *c, uint64_t available, memplan *p, ae_error *err) {
 
 static void test_auto_fraction_leaves_the_reserve(void **state) {
     (void)state;
-    assert_true(hostmem_auto_fraction(16 * GiB) == 0.9);   /* 10% = 1.6 GiB > 1 GiB */
+    assert_true(hostmem_auto_fraction(16 * GiB) == 0.9); /* 10% = 1.6 GiB > 1 GiB */
     assert_true(hostmem_auto_fraction(100 * GiB) == 0.9);
-    assert_true(hostmem_auto_fraction(8 * GiB) == 0.875);  /* 1 GiB > 10% */
-    assert_true(hostmem_auto_fraction(3 * GiB) == 0.666);  /* 2/3 rounded down */
-    assert_true(hostmem_auto_fraction(GiB) == 0.0);        /* nothing left */
+    assert_true(hostmem_auto_fraction(8 * GiB) == 0.875); /* 1 GiB > 10% */
+    assert_true(hostmem_auto_fraction(3 * GiB) == 0.666); /* 2/3 rounded down */
+    assert_true(hostmem_auto_fraction(GiB) == 0.0);       /* nothing left */
     assert_true(hostmem_auto_fraction(0) == 0.0);
 }
 
@@ -93,8 +99,7 @@ static void test_gpu_plan_states_the_peers_equivalents(void **state) {
     config *c = with_flags(0, NULL);
     memplan p;
     ae_error err = {0};
-    memplan_env env = {.mem_available = 139 * GiB, .block_size = 16, .device = "cuda:0",
-                       .device_total = 141 * GiB};
+    memplan_env env = {.mem_available = 139 * GiB, .block_size = 16, .device = "cuda:0", .device_total = 141 * GiB};
     assert_int_equal(memplan_compute(c, &smol, &env, &p, &err), AE_OK);
     assert_int_equal(p.total, 861691904ull);
     /* 861691904 / 141 GiB */
@@ -111,8 +116,11 @@ static void test_gpu_plan_states_the_peers_equivalents(void **state) {
 
 /* On a device with graphs: the step shapes kept cost their estimated
  * launches, a line of the plan and a term of its total. */
-static const memplan_env gpu_graphs = {.mem_available = 139 * GiB, .block_size = 16, .device = "cuda:0",
-                                       .device_total = 141 * GiB, .graph_nodes = 30 * 24 + 8 + 3,
+static const memplan_env gpu_graphs = {.mem_available = 139 * GiB,
+                                       .block_size = 16,
+                                       .device = "cuda:0",
+                                       .device_total = 141 * GiB,
+                                       .graph_nodes = 30 * 24 + 8 + 3,
                                        .graph_node_bytes = 4096};
 
 static void test_gpu_plan_counts_its_graphs(void **state) {
@@ -191,13 +199,12 @@ static void test_given_kv_tokens_round_up_to_blocks(void **state) {
     assert_int_equal(plan(c, 16 * GiB, &p, NULL), AE_OK);
     assert_int_equal(p.n_blocks, 313);
     assert_int_equal(p.budget, 8 * GiB);
-    assert_string_equal(p.text,
-                        "budget = 0.5 (mem-fraction, flag) x 16 GiB available = 8 GiB\n"
-                        "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
-                        "kv = 313 blocks x 16 tok = 5008 tok x 22.5 KiB = 110 MiB (1 seq of max-seq-len 4096)\n"
-                        "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
-                        "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 110 MiB = "
-                        "212 MiB (2.6% of budget)");
+    assert_string_equal(p.text, "budget = 0.5 (mem-fraction, flag) x 16 GiB available = 8 GiB\n"
+                                "workspace = 8 tok x 226 KiB = 1.77 MiB\n"
+                                "kv = 313 blocks x 16 tok = 5008 tok x 22.5 KiB = 110 MiB (1 seq of max-seq-len 4096)\n"
+                                "block tables = 8 seq x 256 blocks x 4 B = 8 KiB\n"
+                                "total = weights 100 MiB + workspace 1.77 MiB + block tables 8 KiB + kv 110 MiB = "
+                                "212 MiB (2.6% of budget)");
     config_free(c);
 }
 
@@ -272,9 +279,8 @@ static void test_infeasible_when_kv_tokens_hold_less_than_one_sequence(void **st
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "memory plan: max-kv-tokens 1000 (63 blocks of 16) cannot hold one sequence of "
-                        "max-seq-len 4096 (256 blocks); would work: --max-kv-tokens 4096, --max-seq-len 1008");
+    assert_string_equal(err.msg, "memory plan: max-kv-tokens 1000 (63 blocks of 16) cannot hold one sequence of "
+                                 "max-seq-len 4096 (256 blocks); would work: --max-kv-tokens 4096, --max-seq-len 1008");
     config_free(c);
 }
 
@@ -285,10 +291,9 @@ static void test_infeasible_when_kv_tokens_exceed_budget(void **state) {
     memplan p;
     ae_error err = {0};
     assert_int_equal(plan(c, 16 * GiB, &p, &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "memory plan: max-kv-tokens 10000000 does not fit: weights 100 MiB + workspace "
-                        "1.77 MiB + block tables 8 KiB + kv 10000000 tok x 22.5 KiB = 215 GiB > budget 0.9 x "
-                        "16 GiB available = 14.4 GiB; would work: --max-kv-tokens 666448");
+    assert_string_equal(err.msg, "memory plan: max-kv-tokens 10000000 does not fit: weights 100 MiB + workspace "
+                                 "1.77 MiB + block tables 8 KiB + kv 10000000 tok x 22.5 KiB = 215 GiB > budget 0.9 x "
+                                 "16 GiB available = 14.4 GiB; would work: --max-kv-tokens 666448");
     config_free(c);
 }
 
@@ -300,13 +305,12 @@ static void test_provenance_default_flag_auto_in_json(void **state) {
     assert_int_equal(plan(c, 8 * GiB, &p, NULL), AE_OK);
     char *json = config_to_json(c);
     /* budget 7 GiB holds far more than 8 x 2048 tokens: auto = 16384 */
-    assert_string_equal(json,
-                        "{\"mem-fraction\":{\"value\":0.875,\"source\":\"auto\"},"
-                        "\"max-kv-tokens\":{\"value\":16384,\"source\":\"auto\"},"
-                        "\"max-batch\":{\"value\":8,\"source\":\"default\"},"
-                        "\"max-seq-len\":{\"value\":2048,\"source\":\"flag\"},"
-                        "\"cuda-graphs\":{\"value\":0,\"source\":\"auto\"},"
-                        "\"deterministic\":{\"value\":true,\"source\":\"default\"}}");
+    assert_string_equal(json, "{\"mem-fraction\":{\"value\":0.875,\"source\":\"auto\"},"
+                              "\"max-kv-tokens\":{\"value\":16384,\"source\":\"auto\"},"
+                              "\"max-batch\":{\"value\":8,\"source\":\"default\"},"
+                              "\"max-seq-len\":{\"value\":2048,\"source\":\"flag\"},"
+                              "\"cuda-graphs\":{\"value\":0,\"source\":\"auto\"},"
+                              "\"deterministic\":{\"value\":true,\"source\":\"default\"}}");
     free(json);
     config_free(c);
 }
@@ -384,10 +388,20 @@ static void test_parse_meminfo(void **state) {
 static void test_fmt_bytes_three_digits(void **state) {
     (void)state;
     char s[24];
-    const struct { uint64_t b; const char *want; } cases[] = {
-        {0, "0 B"}, {1023, "1023 B"}, {1024, "1 KiB"}, {23040, "22.5 KiB"}, {46080, "45 KiB"},
-        {226560, "221 KiB"}, {1812480, "1.73 MiB"}, {96600000, "92.1 MiB"},
-        {25125558681ull, "23.4 GiB"}, {3ull << 40, "3 TiB"},
+    const struct {
+        uint64_t b;
+        const char *want;
+    } cases[] = {
+        {0, "0 B"},
+        {1023, "1023 B"},
+        {1024, "1 KiB"},
+        {23040, "22.5 KiB"},
+        {46080, "45 KiB"},
+        {226560, "221 KiB"},
+        {1812480, "1.73 MiB"},
+        {96600000, "92.1 MiB"},
+        {25125558681ull, "23.4 GiB"},
+        {3ull << 40, "3 TiB"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         hostmem_fmt_bytes(cases[i].b, s, sizeof s);

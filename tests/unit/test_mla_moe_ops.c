@@ -44,8 +44,8 @@ static void fill(float *x, size_t n, float scale) {
 }
 
 static kn_weight f32_weight(const float *w, int64_t rows, int64_t cols) {
-    return (kn_weight){.type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = w,
-                       .row_bytes = (size_t)cols * sizeof(float)};
+    return (kn_weight){
+        .type = GGML_TYPE_F32, .rows = rows, .cols = cols, .data = w, .row_bytes = (size_t)cols * sizeof(float)};
 }
 
 /* 3 tokens, 4 heads, each head's 5 outputs from its 7 inputs; x's heads

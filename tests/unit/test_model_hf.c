@@ -61,11 +61,13 @@ static void write_safetensors(const char *path, st_entry *e, size_t n) {
     for (size_t i = 0; i < n; i++) {
         uint64_t bytes = (uint64_t)(e[i].rows ? e[i].rows * e[i].cols : e[i].cols) * 4;
         if (e[i].rows)
-            len += (size_t)snprintf(h + len, cap - len, "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%lld,%lld],\"data_offsets\":[%llu,%llu]}",
+            len += (size_t)snprintf(h + len, cap - len,
+                                    "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%lld,%lld],\"data_offsets\":[%llu,%llu]}",
                                     i ? "," : "", e[i].name, (long long)e[i].rows, (long long)e[i].cols,
                                     (unsigned long long)off, (unsigned long long)(off + bytes));
         else
-            len += (size_t)snprintf(h + len, cap - len, "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%lld],\"data_offsets\":[%llu,%llu]}",
+            len += (size_t)snprintf(h + len, cap - len,
+                                    "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%lld],\"data_offsets\":[%llu,%llu]}",
                                     i ? "," : "", e[i].name, (long long)e[i].cols, (unsigned long long)off,
                                     (unsigned long long)(off + bytes));
         off += bytes;
@@ -76,8 +78,7 @@ static void write_safetensors(const char *path, st_entry *e, size_t n) {
     uint64_t hl = len;
     fwrite(&hl, 8, 1, f);
     fwrite(h, 1, len, f);
-    for (size_t i = 0; i < n; i++)
-        fwrite(e[i].data, 4, (size_t)(e[i].rows ? e[i].rows * e[i].cols : e[i].cols), f);
+    for (size_t i = 0; i < n; i++) fwrite(e[i].data, 4, (size_t)(e[i].rows ? e[i].rows * e[i].cols : e[i].cols), f);
     fclose(f);
     free(h);
 }
@@ -97,7 +98,11 @@ static void make_hf_dir(void) {
     e[n] = (st_entry){"model.norm.weight", 0, H, dequant(g, "output_norm.weight", &cnt)};
     n++;
     for (int l = 0; l < L; l++) {
-        struct { const char *gg, *hf; int64_t rows, cols; int perm; } map[9] = {
+        struct {
+            const char *gg, *hf;
+            int64_t rows, cols;
+            int perm;
+        } map[9] = {
             {"attn_norm.weight", "input_layernorm.weight", 0, H, 0},
             {"ffn_norm.weight", "post_attention_layernorm.weight", 0, H, 0},
             {"attn_q.weight", "self_attn.q_proj.weight", NH * D, H, 1},
@@ -128,7 +133,8 @@ static void make_hf_dir(void) {
     fputs("{\"architectures\":[\"LlamaForCausalLM\"],\"model_type\":\"llama\",\"hidden_size\":576,"
           "\"intermediate_size\":1536,\"num_hidden_layers\":30,\"num_attention_heads\":9,"
           "\"num_key_value_heads\":3,\"vocab_size\":49152,\"rms_norm_eps\":1e-05,"
-          "\"rope_theta\":100000.0,\"max_position_embeddings\":8192,\"tie_word_embeddings\":true}", f);
+          "\"rope_theta\":100000.0,\"max_position_embeddings\":8192,\"tie_word_embeddings\":true}",
+          f);
     fclose(f);
     for (size_t i = 0; i < n; i++) free(e[i].data);
     free(e);
@@ -146,8 +152,8 @@ static void cleanup_dir(void) {
 
 /* Greedy tokens and the last logits of a prompt on one model. */
 static void run(const model *m, const int32_t *prompt, int32_t n, int32_t gen, int32_t *out, float *last) {
-    engine_config cfg = {.max_batch_tokens = 32, .max_seqs = 1, .max_seq_len = 64, .kv_tokens = 64,
-                      .block_size = 16, .threads = 2};
+    engine_config cfg = {
+        .max_batch_tokens = 32, .max_seqs = 1, .max_seq_len = 64, .kv_tokens = 64, .block_size = 16, .threads = 2};
     engine *e;
     ae_error err = {0};
     if (engine_init(&e, m, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);

@@ -53,8 +53,15 @@ static void test_each_rule_changes_the_row_as_documented(void **state) {
     /* Repetition 2 over prompt {0, 1, 3} and output {7, 7, 2}; frequency
      * 0.5 and presence 0.25 over the output; bias +1 on 4 and -2 on 0;
      * min_tokens 4 holds back 6 and 5 while fewer than 4 are out. */
-    p = (penalty_params){.presence = 0.25f, .frequency = 0.5f, .repetition = 2.0f, .min_tokens = 4, .n_stop = 2,
-                         .stop = {6, 5}, .n_bias = 2, .bias_id = {4, 0}, .bias = {1.0f, -2.0f}};
+    p = (penalty_params){.presence = 0.25f,
+                         .frequency = 0.5f,
+                         .repetition = 2.0f,
+                         .min_tokens = 4,
+                         .n_stop = 2,
+                         .stop = {6, 5},
+                         .n_bias = 2,
+                         .bias_id = {4, 0},
+                         .bias = {1.0f, -2.0f}};
     assert_true(penalty_active(&p));
     assert_int_equal(penalty_init(&pn, &p, 8, prompt, 4, 0, &err), AE_OK);
     penalty_push(pn, 7);
@@ -65,11 +72,11 @@ static void test_each_rule_changes_the_row_as_documented(void **state) {
     assert_ptr_equal(r, scratch);
     /* 0: 2 - 2 (bias) = 0, in the prompt: 0 * 2 = 0 (not > 0) */
     want[0] = 0.0f;
-    want[1] = -2.0f;                  /* prompt: -1 * 2 */
+    want[1] = -2.0f;                   /* prompt: -1 * 2 */
     want[2] = 0.5f / 2 - 0.5f - 0.25f; /* output once: 0.25 - 0.5 - 0.25 */
-    want[3] = 2.0f;                   /* prompt: 4 / 2 */
-    want[4] = -2.0f;                  /* bias only: -3 + 1 */
-    want[5] = -INFINITY;              /* min_tokens */
+    want[3] = 2.0f;                    /* prompt: 4 / 2 */
+    want[4] = -2.0f;                   /* bias only: -3 + 1 */
+    want[5] = -INFINITY;               /* min_tokens */
     want[6] = -INFINITY;
     want[7] = 8.0f / 2 - 0.5f * 2 - 0.25f; /* output twice */
     assert_memory_equal(r, want, sizeof want);
@@ -128,8 +135,10 @@ static void test_logprobs_are_the_raw_log_softmax(void **state) {
     sample_logprob top[5];
     for (int t = 0; t < V; t++) {
         float lp = sample_logprobs(row, V, t, 5, top);
-        if (t == 9) assert_true(lp == -INFINITY);
-        else assert_true(lp == (float)((double)row[t] - lse));
+        if (t == 9)
+            assert_true(lp == -INFINITY);
+        else
+            assert_true(lp == (float)((double)row[t] - lse));
     }
     /* (i*7) % 11 == 10 at i = 3, 14, 25: equal logits, lower id first. */
     assert_int_equal(top[0].id, 3);
@@ -248,8 +257,13 @@ static void test_penalised_output_and_logprobs_under_speculation_are_plain(void 
     fixture_open(&f);
     const penalty_params pens[3] = {
         {.presence = 0.6f, .frequency = 0.4f, .repetition = 1.3f},
-        {.repetition = 1.0f, .n_bias = 3, .bias_id = {4, 11, 20}, .bias = {2.5f, -100.0f, 1.0f}, .min_tokens = 6,
-         .n_stop = 2, .stop = {0, 1}},
+        {.repetition = 1.0f,
+         .n_bias = 3,
+         .bias_id = {4, 11, 20},
+         .bias = {2.5f, -100.0f, 1.0f},
+         .min_tokens = 6,
+         .n_stop = 2,
+         .stop = {0, 1}},
         {.presence = -0.5f, .frequency = 1.5f, .repetition = 0.8f},
     };
     const sample_params sps[2] = {{0, 0, 1, 0}, {0.8f, 0, 0.95f, 0}};

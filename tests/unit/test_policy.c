@@ -19,8 +19,8 @@
 #define STEPS_SETTLING 32 /* the schedule: plain 6, tree 12, deepest chain 8, one-token chain 6 */
 
 typedef struct world {
-    double p[POLICY_MAX_DEPTH][RANKS]; /* true: the rank-r child is the target's token at depth d */
-    double v0_us, v_slope_us;          /* V(t) = v0 + slope (t - 1), per sequence */
+    double p[POLICY_MAX_DEPTH][RANKS];  /* true: the rank-r child is the target's token at depth d */
+    double v0_us, v_slope_us;           /* V(t) = v0 + slope (t - 1), per sequence */
     double d0_us, d_step_us, d_node_us; /* D = d0 + step * steps + node * (1 + (steps - 1) topk) */
     double slowdown;                    /* every cost times this (0: 1): the host's speed moving */
     double noise;                       /* and each step's times 1 +- up to this, uniform */
@@ -110,9 +110,9 @@ static int32_t verify(world *w, const int32_t *parents, int32_t n, int32_t *path
 
 typedef struct tally {
     int64_t steps, settled_at, drafted_settled, explore_settled;
-    int64_t plain_choice_settled; /* steps plain by the choice, not in a probe */
-    int64_t feeds;                /* calls feeding the drafter after plain steps */
-    double feed_us, plain_us;     /* the world's time of those calls, and of the plain steps */
+    int64_t plain_choice_settled;  /* steps plain by the choice, not in a probe */
+    int64_t feeds;                 /* calls feeding the drafter after plain steps */
+    double feed_us, plain_us;      /* the world's time of those calls, and of the plain steps */
     double settled_us, explore_us; /* the world's time of the settled steps, and of those exploring */
     policy_shape last;
 } tally;
@@ -132,8 +132,8 @@ static void run(policy *p, world *w, int32_t n, int32_t steps, tally *t) {
                 int32_t n_path = verify(w, parents, nodes, path);
                 policy_observe_tree(p, parents, nodes, path, n_path);
             }
-            draft_us = w->d0_us + w->d_step_us * pk.shape.steps +
-                       w->d_node_us * (1 + (pk.shape.steps - 1) * pk.shape.topk);
+            draft_us =
+                w->d0_us + w->d_step_us * pk.shape.steps + w->d_node_us * (1 + (pk.shape.steps - 1) * pk.shape.topk);
         }
         double v_us = w->v0_us + w->v_slope_us * (nodes - 1), slow = w->slowdown > 0 ? w->slowdown : 1;
         if (w->noise > 0) slow *= 1 + w->noise * (2 * uniform(w) - 1);
@@ -433,7 +433,7 @@ static void test_the_verify_curve_is_interpolated_between_measured_sizes(void **
     (void)state;
     policy *p = open_policy(BOUND);
     policy_shape plain = {0, 0, 1}, tree = {5, 4, 8};
-    policy_observe_step(p, 2, &plain, 2, 0, 2 * 3000000);       /* 3 ms a sequence at 1 node */
+    policy_observe_step(p, 2, &plain, 2, 0, 2 * 3000000);           /* 3 ms a sequence at 1 node */
     policy_observe_step(p, 2, &tree, 16, 2 * 800000, 2 * 10000000); /* 10 ms at 8 nodes */
     (void)policy_choose(p, 2);
     policy_report r;
@@ -466,7 +466,7 @@ static void test_a_costlier_smaller_pass_is_capped_by_a_larger_one(void **state)
     (void)state;
     policy *p = open_policy(BOUND);
     policy_shape plain = {0, 0, 1}, c2 = {1, 1, 2}, c3 = {2, 1, 3}, t7 = {5, 4, 7}, t8 = {5, 4, 8};
-    policy_observe_step(p, 1, &plain, 1, 0, 8000000); /* 8 ms at 1 node */
+    policy_observe_step(p, 1, &plain, 1, 0, 8000000);    /* 8 ms at 1 node */
     policy_observe_step(p, 1, &c2, 2, 500000, 19000000); /* 19 ms at 2: the outlier */
     policy_observe_step(p, 1, &c3, 3, 600000, 10000000); /* 10 ms at 3 */
     policy_observe_step(p, 1, &t7, 7, 900000, 23000000); /* 23 ms at 7: another */
@@ -598,7 +598,8 @@ static void test_noisy_steps_do_not_make_the_factor_wander(void **state) {
         if (i >= 1600) last += r.drift / 400, v1 += r.verify_us[0] / 400;
     }
     printf("noisy steps: the factor %.3f after 1000 steps, mean %.3f over the next 4000 and %.3f over the last 4000 "
-           "of 20000; V(1) %.0f us\n", r0.drift, first, last, v1);
+           "of 20000; V(1) %.0f us\n",
+           r0.drift, first, last, v1);
     assert_true(fabs(last / first - 1) < 0.05);
     assert_true(fabs(v1 - 3000) < 0.1 * 3000);
     policy_free(p);
@@ -647,8 +648,8 @@ static void test_a_stale_plain_estimate_is_measured_again(void **state) {
         policy_observe_step(p, 1, &pk.shape, 1, 0, 3000000);
     }
     policy_get_report(p, 1, &r);
-    printf("a stale plain estimate: the factor %.2f after 3 plain steps; the choice %d/%d/%d\n", r.drift,
-           r.shape.steps, r.shape.topk, r.shape.tokens);
+    printf("a stale plain estimate: the factor %.2f after 3 plain steps; the choice %d/%d/%d\n", r.drift, r.shape.steps,
+           r.shape.topk, r.shape.tokens);
     assert_true(fabs(r.drift - 1.0) < 0.01);
     assert_shape(policy_choose(p, 1).shape, 1, 1, 2);
     policy_free(p);
@@ -694,8 +695,10 @@ static void test_the_drafter_is_kept_in_step_only_while_that_is_cheap(void **sta
          * what feeding cost over those steps. Dropped: the share froze
          * at one feed over the first 64 plain steps (5%), over the bound
          * either way. */
-        if (k == 0) assert_true(fabs(share - real) < 0.1 * real && real < feed_us[k] / w.v0_us);
-        else assert_true(r.feed_share > POLICY_KEEP_COST && r.feed_share < feed_us[k] / w.v0_us);
+        if (k == 0)
+            assert_true(fabs(share - real) < 0.1 * real && real < feed_us[k] / w.v0_us);
+        else
+            assert_true(r.feed_share > POLICY_KEEP_COST && r.feed_share < feed_us[k] / w.v0_us);
         feeds[k] = t.feeds;
         policy_free(p);
     }
@@ -708,7 +711,7 @@ static void test_the_drafter_is_kept_in_step_only_while_that_is_cheap(void **sta
     policy *p = open_policy(BOUND);
     tally t = {0};
     run(p, &w, 1, 200, &t);
-    for (int k = 0; k < 12000; k++) { /* past 64 plain steps (settling and probes) */
+    for (int k = 0; k < 12000; k++) {       /* past 64 plain steps (settling and probes) */
         policy_observe_feed(p, 1, 3000000); /* a prompt each step, as long as a step */
         run(p, &w, 1, 1, &t);
     }

@@ -36,12 +36,11 @@ static float from_bits(uint32_t u) {
 }
 
 /* Exact comparison, sign of zero and nan payload included. */
-#define assert_f32(got, want)                                                          \
-    do {                                                                               \
-        float g_ = (got), w_ = (want);                                                 \
-        if (bits(g_) != bits(w_))                                                      \
-            fail_msg("%s = %.9g (0x%08x), expected %.9g (0x%08x)", #got, (double)g_,   \
-                     bits(g_), (double)w_, bits(w_));                                  \
+#define assert_f32(got, want) \
+    do { \
+        float g_ = (got), w_ = (want); \
+        if (bits(g_) != bits(w_)) \
+            fail_msg("%s = %.9g (0x%08x), expected %.9g (0x%08x)", #got, (double)g_, bits(g_), (double)w_, bits(w_)); \
     } while (0)
 
 static void put16(uint8_t *p, uint16_t v) {
@@ -63,11 +62,11 @@ static void f16_to_f32_decodes_every_class(void **state) {
     assert_f32(quant_f16_to_f32(0x3555), 0.333251953125f);
     assert_f32(quant_f16_to_f32(0x7bff), 65504.0f);
     assert_f32(quant_f16_to_f32(0xfbff), -65504.0f);
-    assert_f32(quant_f16_to_f32(0x0400), 6.103515625e-05f);         /* 2^-14, min normal */
-    assert_f32(quant_f16_to_f32(0x0001), 5.9604644775390625e-08f);  /* 2^-24, min subnormal */
+    assert_f32(quant_f16_to_f32(0x0400), 6.103515625e-05f);        /* 2^-14, min normal */
+    assert_f32(quant_f16_to_f32(0x0001), 5.9604644775390625e-08f); /* 2^-24, min subnormal */
     assert_f32(quant_f16_to_f32(0x8001), -5.9604644775390625e-08f);
     assert_f32(quant_f16_to_f32(0x03ff), 6.0975551605224609375e-05f); /* 1023 * 2^-24 */
-    assert_f32(quant_f16_to_f32(0x0200), 3.0517578125e-05f);        /* 512 * 2^-24 */
+    assert_f32(quant_f16_to_f32(0x0200), 3.0517578125e-05f);          /* 512 * 2^-24 */
     assert_f32(quant_f16_to_f32(0x7c00), INFINITY);
     assert_f32(quant_f16_to_f32(0xfc00), -INFINITY);
     assert_int_equal(bits(quant_f16_to_f32(0x7e00)), 0x7fc00000u); /* quiet nan */
@@ -103,7 +102,7 @@ static void f32_to_f16_handles_subnormals_and_nan(void **state) {
     assert_int_equal(quant_f32_to_f16(5 * 0x1p-25f), 0x0002); /* 2.5: tie -> 2 */
     assert_int_equal(quant_f32_to_f16(0x1p-26f), 0x0000);
     assert_int_equal(quant_f32_to_f16(1e-30f), 0x0000);
-    assert_int_equal(quant_f32_to_f16(0x1p-149f), 0x0000);    /* f32 subnormal */
+    assert_int_equal(quant_f32_to_f16(0x1p-149f), 0x0000);          /* f32 subnormal */
     assert_int_equal(quant_f32_to_f16(1023.5f * 0x1p-24f), 0x0400); /* up into normal */
     assert_int_equal(quant_f32_to_f16(1022.5f * 0x1p-24f), 0x03fe);
     assert_int_equal(quant_f32_to_f16(0x1p-14f), 0x0400);
@@ -173,16 +172,17 @@ static void bf16_conversions_are_exact(void **state) {
 
 static void type_table_has_ggml_sizes(void **state) {
     (void)state;
-    static const struct { ggml_type t; const char *name; uint32_t elems, bytes; } want[] = {
-        {GGML_TYPE_F32, "F32", 1, 4},       {GGML_TYPE_F16, "F16", 1, 2},
-        {GGML_TYPE_BF16, "BF16", 1, 2},     {GGML_TYPE_Q4_0, "Q4_0", 32, 18},
-        {GGML_TYPE_Q4_1, "Q4_1", 32, 20},   {GGML_TYPE_Q5_0, "Q5_0", 32, 22},
-        {GGML_TYPE_Q5_1, "Q5_1", 32, 24},   {GGML_TYPE_Q8_0, "Q8_0", 32, 34},
-        {GGML_TYPE_Q8_1, "Q8_1", 32, 36},   {GGML_TYPE_Q2_K, "Q2_K", 256, 84},
-        {GGML_TYPE_Q3_K, "Q3_K", 256, 110}, {GGML_TYPE_Q4_K, "Q4_K", 256, 144},
-        {GGML_TYPE_Q5_K, "Q5_K", 256, 176}, {GGML_TYPE_Q6_K, "Q6_K", 256, 210},
-        {GGML_TYPE_Q8_K, "Q8_K", 256, 292}, {GGML_TYPE_I8, "I8", 1, 1},
-        {GGML_TYPE_I32, "I32", 1, 4},       {GGML_TYPE_F64, "F64", 1, 8},
+    static const struct {
+        ggml_type t;
+        const char *name;
+        uint32_t elems, bytes;
+    } want[] = {
+        {GGML_TYPE_F32, "F32", 1, 4},        {GGML_TYPE_F16, "F16", 1, 2},       {GGML_TYPE_BF16, "BF16", 1, 2},
+        {GGML_TYPE_Q4_0, "Q4_0", 32, 18},    {GGML_TYPE_Q4_1, "Q4_1", 32, 20},   {GGML_TYPE_Q5_0, "Q5_0", 32, 22},
+        {GGML_TYPE_Q5_1, "Q5_1", 32, 24},    {GGML_TYPE_Q8_0, "Q8_0", 32, 34},   {GGML_TYPE_Q8_1, "Q8_1", 32, 36},
+        {GGML_TYPE_Q2_K, "Q2_K", 256, 84},   {GGML_TYPE_Q3_K, "Q3_K", 256, 110}, {GGML_TYPE_Q4_K, "Q4_K", 256, 144},
+        {GGML_TYPE_Q5_K, "Q5_K", 256, 176},  {GGML_TYPE_Q6_K, "Q6_K", 256, 210}, {GGML_TYPE_Q8_K, "Q8_K", 256, 292},
+        {GGML_TYPE_I8, "I8", 1, 1},          {GGML_TYPE_I32, "I32", 1, 4},       {GGML_TYPE_F64, "F64", 1, 8},
         {(ggml_type)23, "IQ4_XS", 256, 136},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
@@ -267,8 +267,7 @@ static void fill_nibbles(uint8_t *qs) {
 
 static void assert_block(const float *y, const float *want, int n) {
     for (int i = 0; i < n; i++)
-        if (bits(y[i]) != bits(want[i]))
-            fail_msg("element %d = %.9g, expected %.9g", i, (double)y[i], (double)want[i]);
+        if (bits(y[i]) != bits(want[i])) fail_msg("element %d = %.9g, expected %.9g", i, (double)y[i], (double)want[i]);
 }
 
 static void q4_0_low_nibbles_first_then_high(void **state) {
@@ -279,8 +278,8 @@ static void q4_0_low_nibbles_first_then_high(void **state) {
     /* y[j] = (j - 8) / 2 from the low nibbles, then y[16 + j] = (7 - j) / 2
      * from the high nibbles of the same bytes (not interleaved). */
     static const float want[32] = {
-        -4, -3.5, -3, -2.5, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5,
-        3.5, 3, 2.5, 2, 1.5, 1, 0.5, 0, -0.5, -1, -1.5, -2, -2.5, -3, -3.5, -4,
+        -4,  -3.5, -3,  -2.5, -2,  -1.5, -1,  -0.5, 0,    0.5, 1,    1.5, 2,    2.5, 3,    3.5,
+        3.5, 3,    2.5, 2,    1.5, 1,    0.5, 0,    -0.5, -1,  -1.5, -2,  -2.5, -3,  -3.5, -4,
     };
     float y[32];
     assert_true(quant_dequantize(GGML_TYPE_Q4_0, b, y, 32));
@@ -290,13 +289,13 @@ static void q4_0_low_nibbles_first_then_high(void **state) {
 static void q4_1_adds_the_block_minimum(void **state) {
     (void)state;
     uint8_t b[20];
-    put16(b, H_QUARTER);      /* d = 0.25 */
+    put16(b, H_QUARTER);       /* d = 0.25 */
     put16(b + 2, H_MINUS_ONE); /* m = -1 */
     fill_nibbles(b + 4);
     /* y[j] = j/4 - 1; y[16 + j] = (15 - j)/4 - 1. */
     static const float want[32] = {
-        -1, -0.75, -0.5, -0.25, 0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.25, 2.5, 2.75,
-        2.75, 2.5, 2.25, 2, 1.75, 1.5, 1.25, 1, 0.75, 0.5, 0.25, 0, -0.25, -0.5, -0.75, -1,
+        -1,   -0.75, -0.5, -0.25, 0,    0.25, 0.5,  0.75, 1,    1.25, 1.5,  1.75, 2,     2.25, 2.5,   2.75,
+        2.75, 2.5,   2.25, 2,     1.75, 1.5,  1.25, 1,    0.75, 0.5,  0.25, 0,    -0.25, -0.5, -0.75, -1,
     };
     float y[32];
     assert_true(quant_dequantize(GGML_TYPE_Q4_1, b, y, 32));
@@ -320,8 +319,8 @@ static void q5_0_takes_fifth_bit_from_qh(void **state) {
     fill_q5(b + 2, b + 6);
     /* q = j + 16 * bit, value = q - 16. */
     static const float want[32] = {
-        0, -15, 2, -13, 4, -11, 6, -9, 8, -7, 10, -5, 12, -3, 14, -1,
-        -16, 1, -14, 3, -12, 5, -10, 7, -8, 9, -6, 11, -4, 13, -2, 15,
+        0,   -15, 2,   -13, 4,   -11, 6,   -9, 8,  -7, 10, -5, 12, -3, 14, -1,
+        -16, 1,   -14, 3,   -12, 5,   -10, 7,  -8, 9,  -6, 11, -4, 13, -2, 15,
     };
     float y[32];
     assert_true(quant_dequantize(GGML_TYPE_Q5_0, b, y, 32));
@@ -336,8 +335,8 @@ static void q5_1_scales_and_adds_minimum(void **state) {
     fill_q5(b + 4, b + 8);
     /* value = q/2 + 1 with q as in Q5_0 before the -16. */
     static const float want[32] = {
-        9, 1.5, 10, 2.5, 11, 3.5, 12, 4.5, 13, 5.5, 14, 6.5, 15, 7.5, 16, 8.5,
-        1, 9.5, 2, 10.5, 3, 11.5, 4, 12.5, 5, 13.5, 6, 14.5, 7, 15.5, 8, 16.5,
+        9, 1.5, 10, 2.5,  11, 3.5,  12, 4.5,  13, 5.5,  14, 6.5,  15, 7.5,  16, 8.5,
+        1, 9.5, 2,  10.5, 3,  11.5, 4,  12.5, 5,  13.5, 6,  14.5, 7,  15.5, 8,  16.5,
     };
     float y[32];
     assert_true(quant_dequantize(GGML_TYPE_Q5_1, b, y, 32));
@@ -390,7 +389,7 @@ static void q2_k_two_bit_groups_of_sixteen(void **state) {
     memset(qs, 0xe4, 64); /* 2-bit fields from bit 0 up: 0, 1, 2, 3 */
     qs[1] = 0xff;
     qs[17] = 0x00;
-    qs[50] = 0x1b; /* fields 3, 2, 1, 0 */
+    qs[50] = 0x1b;            /* fields 3, 2, 1, 0 */
     put16(b + 80, H_HALF);    /* d */
     put16(b + 82, H_QUARTER); /* dmin */
     float y[256];
@@ -419,8 +418,7 @@ static void q3_k_unpacks_six_bit_scales_and_hmask(void **state) {
     hm[20] = 0xf0;
     memset(qs, 0xe4, 64);
     qs[5] = 0xff;
-    static const uint8_t packed[12] = {0x21, 0x43, 0x65, 0x87, 0xa9, 0xcb,
-                                       0xed, 0x0f, 0xe4, 0x1b, 0x00, 0xff};
+    static const uint8_t packed[12] = {0x21, 0x43, 0x65, 0x87, 0xa9, 0xcb, 0xed, 0x0f, 0xe4, 0x1b, 0x00, 0xff};
     memcpy(sc, packed, 12);
     put16(b + 108, H_HALF);
     /* Scale k = (low 4 bits | high 2 bits << 4) - 32, low from the nibbles
@@ -445,8 +443,7 @@ static void q3_k_unpacks_six_bit_scales_and_hmask(void **state) {
 /* The Q4_K/Q5_K scale block used below; (scale, min) pairs:
  * j0 (1,5) j1 (2,6) j2 (3,7) j3 (4,63) j4 (17,2) j5 (35,20) j6 (53,38)
  * j7 (15,48). Pairs 4..7 need the top two bits of bytes 0..7. */
-static const uint8_t K4_SCALES[12] = {0x41, 0x82, 0xc3, 0x04, 0x05, 0x46,
-                                      0x87, 0xff, 0x21, 0x43, 0x65, 0x0f};
+static const uint8_t K4_SCALES[12] = {0x41, 0x82, 0xc3, 0x04, 0x05, 0x46, 0x87, 0xff, 0x21, 0x43, 0x65, 0x0f};
 
 static void fill_k4_qs(uint8_t *qs) {
     for (int k = 0; k < 128; k++) qs[k] = (uint8_t)((k % 16) | ((15 - k % 16) << 4));
@@ -511,8 +508,8 @@ static void q6_k_combines_low_nibbles_and_high_pairs(void **state) {
     int8_t sc[16];
     fill_k4_qs(ql); /* same nibble pattern: low k%16, high 15 - k%16 */
     memset(qh, 0, 64);
-    qh[0] = 0xe4;  /* bit pairs from bit 0: 0, 1, 2, 3 */
-    qh[37] = 0xff; /* half 1, l 5: all 3 */
+    qh[0] = 0xe4;                                                         /* bit pairs from bit 0: 0, 1, 2, 3 */
+    qh[37] = 0xff;                                                        /* half 1, l 5: all 3 */
     for (int i = 0; i < 16; i++) sc[i] = (int8_t)(i < 8 ? i + 1 : 7 - i); /* 1..8, -1..-8 */
     memcpy(b + 192, sc, 16);
     put16(b + 208, H_HALF);
@@ -608,15 +605,14 @@ static void matches_python_on_random_blocks(void **state) {
         uint8_t *src = malloc(nbytes);
         float *y = malloc(n * sizeof *y);
         assert_true(src && y);
-        for (size_t i = 0; i < nbytes; i++)
-            src[i] = (uint8_t)(hexval(hex[2 * i]) << 4 | hexval(hex[2 * i + 1]));
+        for (size_t i = 0; i < nbytes; i++) src[i] = (uint8_t)(hexval(hex[2 * i]) << 4 | hexval(hex[2 * i + 1]));
         assert_true(quant_dequantize(t, src, y, n));
         for (uint64_t i = 0; i < n; i++) {
             uint32_t w = 0;
             for (int k = 0; k < 8; k++) w = w << 4 | (uint32_t)hexval(want[8 * i + k]);
             if (bits(y[i]) != w)
-                fail_msg("%s element %llu: 0x%08x, python 0x%08x", quant_type_name(t),
-                         (unsigned long long)i, bits(y[i]), w);
+                fail_msg("%s element %llu: 0x%08x, python 0x%08x", quant_type_name(t), (unsigned long long)i,
+                         bits(y[i]), w);
         }
         free(src);
         free(y);
@@ -653,8 +649,7 @@ static void matches_python_on_the_default_model(void **state) {
         /* Summation order differs (numpy sums pairwise); 1e-6 of the sum
          * of magnitudes bounds that, and a wrong decoder misses by far more. */
         if (fabs(sum - want_sum) > 1e-6 * want_abs || fabs(sum_abs - want_abs) > 1e-6 * want_abs)
-            fail_msg("%s: sum %.17g / %.17g, python %.17g / %.17g", name, sum, sum_abs, want_sum,
-                     want_abs);
+            fail_msg("%s: sum %.17g / %.17g, python %.17g / %.17g", name, sum, sum_abs, want_sum, want_abs);
         const cJSON *s;
         cJSON_ArrayForEach(s, cJSON_GetObjectItemCaseSensitive(jt, "samples")) {
             uint64_t row = (uint64_t)json_num(s, "row");
@@ -666,8 +661,8 @@ static void matches_python_on_the_default_model(void **state) {
                 float want = (float)v->valuedouble; /* exact: the JSON holds an f32 */
                 float got = y[row * t->ne[0] + (uint64_t)k];
                 if (bits(got) != bits(want))
-                    fail_msg("%s row %llu col %d: %.9g, python %.9g", name,
-                             (unsigned long long)row, k, (double)got, (double)want);
+                    fail_msg("%s row %llu col %d: %.9g, python %.9g", name, (unsigned long long)row, k, (double)got,
+                             (double)want);
                 k++;
             }
         }
@@ -710,8 +705,8 @@ static void q8_0_quantizer_rounds_each_block_to_its_amax(void **state) {
     assert_int_equal(d, quant_f32_to_f16(1.0f));
     assert_int_equal((int8_t)blocks[2 + 5], 3);
     assert_int_equal((int8_t)blocks[2 + 6], -3);
-    assert_int_equal((int8_t)blocks[2 + 0], -12);  /* -16 * 0.75 */
-    assert_int_equal((int8_t)blocks[2 + 1], -11);  /* -11.25 */
+    assert_int_equal((int8_t)blocks[2 + 0], -12); /* -16 * 0.75 */
+    assert_int_equal((int8_t)blocks[2 + 1], -11); /* -11.25 */
     assert_int_equal((int8_t)blocks[2 + 31], 127);
     memcpy(&d, blocks + 34, 2);
     assert_int_equal(d, 0);

@@ -235,8 +235,7 @@ static void test_deadline_ends_the_call_and_cancels_it_at_the_server(void **stat
     int before = S.cancelled_seen;
     pthread_mutex_unlock(&S.mu);
     rpc_reply r = {0};
-    assert_int_equal(rpc_client_call(f->cli, M_HANG, NULL, 0, NULL, 0, 20000, NULL, NULL, &r),
-                     RPC_DEADLINE_EXCEEDED);
+    assert_int_equal(rpc_client_call(f->cli, M_HANG, NULL, 0, NULL, 0, 20000, NULL, NULL, &r), RPC_DEADLINE_EXCEEDED);
     /* This client's wait, or the server's answer to the expired call. */
     assert_true(!strcmp(r.error, "no reply within the deadline of 20000 us") ||
                 !strcmp(r.error, "deadline of 20000 us exceeded"));
@@ -528,8 +527,13 @@ static void open_limited(fixture *f, uint32_t handshake_ms, uint32_t idle_ms, ui
     ae_error err = {{0}};
     snprintf(f->addr, sizeof f->addr, "unix:build/test-rpc-lim-%d.sock", (int)getpid());
     if (rpc_loop_start(&f->loop, &err) != AE_OK) fail_msg("%s", err.msg);
-    rpc_server_config sc = {.addr = f->addr, .max_frame = 1 << 20, .handler = handler, .on_close = on_close,
-                            .handshake_ms = handshake_ms, .idle_ms = idle_ms, .max_out_bytes = max_out};
+    rpc_server_config sc = {.addr = f->addr,
+                            .max_frame = 1 << 20,
+                            .handler = handler,
+                            .on_close = on_close,
+                            .handshake_ms = handshake_ms,
+                            .idle_ms = idle_ms,
+                            .max_out_bytes = max_out};
     if (rpc_server_open(&f->srv, f->loop, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
 }
 
@@ -590,7 +594,7 @@ static void test_idle_connections_are_closed_but_open_calls_keep_them(void **sta
     assert_int_equal(rpc_server_conns(f.srv), 1);
     send_frame(busy, FRAME_CANCEL, 0, 1, NULL, 0);
     assert_true(read(busy, buf, sizeof buf) == FRAME_HEADER); /* the call's end */
-    assert_true(wait_conns(f.srv, 0, 2000) >= 0); /* then idle like any other */
+    assert_true(wait_conns(f.srv, 0, 2000) >= 0);             /* then idle like any other */
     close(quiet);
     close(busy);
     close_limited(&f);
@@ -848,8 +852,10 @@ static void test_the_default_socket_is_in_a_private_directory(void **state) {
     }
     rmdir(dir);
     rmdir(xdg);
-    if (old) setenv("XDG_RUNTIME_DIR", old, 1);
-    else unsetenv("XDG_RUNTIME_DIR");
+    if (old)
+        setenv("XDG_RUNTIME_DIR", old, 1);
+    else
+        unsetenv("XDG_RUNTIME_DIR");
     free(old);
 }
 
@@ -1023,8 +1029,7 @@ int main(void) {
         cmocka_unit_test(test_blocking_calls_leave_the_client_loop_asleep),
         cmocka_unit_test_setup_teardown(test_unknown_method_is_an_error_and_the_link_stays, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_stream_delivers_items_in_order_then_end, setup_tcp, teardown),
-        cmocka_unit_test_setup_teardown(test_deadline_ends_the_call_and_cancels_it_at_the_server, setup_unix,
-                                        teardown),
+        cmocka_unit_test_setup_teardown(test_deadline_ends_the_call_and_cancels_it_at_the_server, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_concurrent_callers_share_one_connection, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_untrusted_frames_close_only_their_connection, setup_unix, teardown),
         cmocka_unit_test_setup_teardown(test_client_reconnects_when_the_server_comes_back, setup_unix, teardown),

@@ -41,8 +41,7 @@ static bytes make_st(const char *header, const void *data, size_t data_len) {
 /* Opens an image that must be rejected and returns the error text. The
  * image is copied to a buffer of exactly its size so ASan sees any read
  * past the end. */
-static const char *reject(const char *header, const void *data,
-                          size_t data_len) {
+static const char *reject(const char *header, const void *data, size_t data_len) {
     static ae_error err;
     err_clear(&err);
     bytes b = make_st(header, data, data_len);
@@ -78,8 +77,7 @@ static int remove_tmpdir(void **state) {
     struct dirent *e;
     char path[512];
     while ((e = readdir(d))) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
-            continue;
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
         snprintf(path, sizeof path, "%s/%s", tmpdir, e->d_name);
         unlink(path);
     }
@@ -96,33 +94,29 @@ static void write_file(const char *name, const void *p, size_t n) {
     fclose(fp);
 }
 
-static void write_st(const char *name, const char *header, const void *data,
-                     size_t n) {
+static void write_st(const char *name, const char *header, const void *data, size_t n) {
     bytes b = make_st(header, data, n);
     write_file(name, b.p, b.n);
     free(b.p);
 }
 
-static void write_text(const char *name, const char *text) {
-    write_file(name, text, strlen(text));
-}
+static void write_text(const char *name, const char *text) { write_file(name, text, strlen(text)); }
 
 /* ---- one file with every dtype ----------------------------------------- */
 
 /* Data laid out so that F16 and I64 start at odd offsets: readers must not
  * assume alignment (UBSan checks the loads). */
-static const char ALL_HEADER[] =
-    "{\"__metadata__\":{\"format\":\"pt\",\"author\":\"aerie\"},"
-    "\"mask\":{\"dtype\":\"BOOL\",\"shape\":[3],\"data_offsets\":[0,3]},"
-    "\"half\":{\"dtype\":\"F16\",\"shape\":[2,2],\"data_offsets\":[3,11]},"
-    "\"ids\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[11,27]},"
-    "\"brain\":{\"dtype\":\"BF16\",\"shape\":[3],\"data_offsets\":[27,33]},"
-    "\"small\":{\"dtype\":\"I32\",\"shape\":[1,1,2],\"data_offsets\":[33,41]},"
-    "\"empty\":{\"dtype\":\"F32\",\"shape\":[0,4],\"data_offsets\":[41,41]},"
-    "\"full\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[41,53]},"
-    "\"scalar\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[53,57]},"
-    "\"wide\":{\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[57,65]}}"
-    "     "; /* writers pad the header with spaces */
+static const char ALL_HEADER[] = "{\"__metadata__\":{\"format\":\"pt\",\"author\":\"aerie\"},"
+                                 "\"mask\":{\"dtype\":\"BOOL\",\"shape\":[3],\"data_offsets\":[0,3]},"
+                                 "\"half\":{\"dtype\":\"F16\",\"shape\":[2,2],\"data_offsets\":[3,11]},"
+                                 "\"ids\":{\"dtype\":\"I64\",\"shape\":[2],\"data_offsets\":[11,27]},"
+                                 "\"brain\":{\"dtype\":\"BF16\",\"shape\":[3],\"data_offsets\":[27,33]},"
+                                 "\"small\":{\"dtype\":\"I32\",\"shape\":[1,1,2],\"data_offsets\":[33,41]},"
+                                 "\"empty\":{\"dtype\":\"F32\",\"shape\":[0,4],\"data_offsets\":[41,41]},"
+                                 "\"full\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[41,53]},"
+                                 "\"scalar\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[53,57]},"
+                                 "\"wide\":{\"dtype\":\"F64\",\"shape\":[1],\"data_offsets\":[57,65]}}"
+                                 "     "; /* writers pad the header with spaces */
 
 static bytes all_dtypes(void) {
     uint8_t d[65] = {0};
@@ -160,10 +154,8 @@ static void test_every_dtype_reads_exact_values(void **state) {
     assert_string_equal(safetensors_path(f), "all.st");
 
     /* Sorted by offset; the zero-size tensor sorts before "full". */
-    const char *order[] = {"mask",  "half", "ids",    "brain", "small",
-                           "empty", "full", "scalar", "wide"};
-    for (size_t i = 0; i < 9; i++)
-        assert_string_equal(safetensors_tensor_at(f, i)->name, order[i]);
+    const char *order[] = {"mask", "half", "ids", "brain", "small", "empty", "full", "scalar", "wide"};
+    for (size_t i = 0; i < 9; i++) assert_string_equal(safetensors_tensor_at(f, i)->name, order[i]);
 
     const safetensors_tensor *t = safetensors_find(f, "half");
     assert_non_null(t);
@@ -266,36 +258,28 @@ static void test_converters_refuse_wrong_dtype_and_size(void **state) {
     bool bl[8];
 
     assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "wide"), v, 1, &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "tensor \"wide\": dtype F64 cannot be converted to "
-                        "f32 (supported: F32, F16, BF16)");
+    assert_string_equal(err.msg, "tensor \"wide\": dtype F64 cannot be converted to "
+                                 "f32 (supported: F32, F16, BF16)");
     err_clear(&err);
     assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "ids"), v, 1, &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "tensor \"ids\": dtype I64 cannot be converted to "
-                        "f32 (supported: F32, F16, BF16)");
+    assert_string_equal(err.msg, "tensor \"ids\": dtype I64 cannot be converted to "
+                                 "f32 (supported: F32, F16, BF16)");
     err_clear(&err);
-    assert_int_equal(safetensors_tensor_to_i64(safetensors_find(f, "full"), i64, 1, &err),
-                     AE_ERR);
-    assert_string_equal(err.msg,
-                        "tensor \"full\": dtype F32 cannot be converted to "
-                        "i64 (supported: I64, I32)");
+    assert_int_equal(safetensors_tensor_to_i64(safetensors_find(f, "full"), i64, 1, &err), AE_ERR);
+    assert_string_equal(err.msg, "tensor \"full\": dtype F32 cannot be converted to "
+                                 "i64 (supported: I64, I32)");
     err_clear(&err);
-    assert_int_equal(safetensors_tensor_to_bool(safetensors_find(f, "small"), bl, 1, &err),
-                     AE_ERR);
-    assert_string_equal(err.msg,
-                        "tensor \"small\": dtype I32 cannot be converted to "
-                        "bool (supported: BOOL)");
+    assert_int_equal(safetensors_tensor_to_bool(safetensors_find(f, "small"), bl, 1, &err), AE_ERR);
+    assert_string_equal(err.msg, "tensor \"small\": dtype I32 cannot be converted to "
+                                 "bool (supported: BOOL)");
     err_clear(&err);
     assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "full"), v, 4, &err), AE_ERR);
     assert_string_equal(err.msg, "tensor \"full\": 4 elements asked, 3 held");
     err_clear(&err);
     /* INT64_MIN does not fit in i32. */
-    assert_int_equal(safetensors_tensor_to_i32(safetensors_find(f, "ids"), i32, 2, &err),
-                     AE_ERR);
-    assert_string_equal(err.msg,
-                        "tensor \"ids\": element 0 = -9223372036854775808 "
-                        "does not fit in i32");
+    assert_int_equal(safetensors_tensor_to_i32(safetensors_find(f, "ids"), i32, 2, &err), AE_ERR);
+    assert_string_equal(err.msg, "tensor \"ids\": element 0 = -9223372036854775808 "
+                                 "does not fit in i32");
     /* A prefix read converts only what was asked. */
     err_clear(&err);
     assert_int_equal(safetensors_tensor_to_f32(safetensors_find(f, "full"), v, 1, &err), AE_OK);
@@ -307,16 +291,13 @@ static void test_converters_refuse_wrong_dtype_and_size(void **state) {
 static void test_bool_byte_other_than_0_or_1_is_an_error(void **state) {
     (void)state;
     const uint8_t d[2] = {1, 2};
-    bytes b = make_st(
-        "{\"m\":{\"dtype\":\"BOOL\",\"shape\":[2],\"data_offsets\":[0,2]}}", d,
-        2);
+    bytes b = make_st("{\"m\":{\"dtype\":\"BOOL\",\"shape\":[2],\"data_offsets\":[0,2]}}", d, 2);
     safetensors_file *f = NULL;
     ae_error err = {0};
     assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "b.st", &err), AE_OK);
     bool out[2];
     assert_int_equal(safetensors_tensor_to_bool(safetensors_find(f, "m"), out, 2, &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "tensor \"m\": element 1 is byte 2, not a bool");
+    assert_string_equal(err.msg, "tensor \"m\": element 1 is byte 2, not a bool");
     safetensors_close(f);
     free(b.p);
 }
@@ -324,9 +305,7 @@ static void test_bool_byte_other_than_0_or_1_is_an_error(void **state) {
 static void test_i64_fitting_in_i32_converts(void **state) {
     (void)state;
     const int64_t d[3] = {INT32_MIN, INT32_MAX, -3};
-    bytes b = make_st(
-        "{\"d2t\":{\"dtype\":\"I64\",\"shape\":[3],\"data_offsets\":[0,24]}}",
-        d, sizeof d);
+    bytes b = make_st("{\"d2t\":{\"dtype\":\"I64\",\"shape\":[3],\"data_offsets\":[0,24]}}", d, sizeof d);
     safetensors_file *f = NULL;
     assert_int_equal(safetensors_open_mem(&f, b.p, b.n, "d.st", NULL), AE_OK);
     int32_t out[3];
@@ -377,8 +356,7 @@ static void test_truncation_messages_name_the_problem(void **state) {
     safetensors_file *f = NULL;
     ae_error err = {0};
     assert_int_equal(safetensors_open_mem(&f, b.p, 5, "cut.st", &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "cut.st: 5 bytes is too small for a safetensors file");
+    assert_string_equal(err.msg, "cut.st: 5 bytes is too small for a safetensors file");
     err_clear(&err);
     assert_int_equal(safetensors_open_mem(&f, b.p, 100, "cut.st", &err), AE_ERR);
     char want[200];
@@ -389,9 +367,8 @@ static void test_truncation_messages_name_the_problem(void **state) {
     assert_string_equal(err.msg, want);
     err_clear(&err);
     assert_int_equal(safetensors_open_mem(&f, b.p, b.n - 1, "cut.st", &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "cut.st: tensor \"wide\": data_offsets end 65 is past "
-                        "the data section (64 bytes)");
+    assert_string_equal(err.msg, "cut.st: tensor \"wide\": data_offsets end 65 is past "
+                                 "the data section (64 bytes)");
     free(b.p);
 }
 
@@ -404,44 +381,35 @@ static void test_header_length_limits(void **state) {
     safetensors_file *f = NULL;
     ae_error err = {0};
     assert_int_equal(safetensors_open_mem(&f, img, sizeof img, "big.st", &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "big.st: header length 104857601 exceeds the limit "
-                        "of 104857600");
+    assert_string_equal(err.msg, "big.st: header length 104857601 exceeds the limit "
+                                 "of 104857600");
     memset(img, 0xFF, 8); /* 2^64 - 1 */
     err_clear(&err);
     assert_int_equal(safetensors_open_mem(&f, img, sizeof img, "big.st", &err), AE_ERR);
-    assert_string_equal(err.msg,
-                        "big.st: header length 18446744073709551615 exceeds "
-                        "the limit of 104857600");
+    assert_string_equal(err.msg, "big.st: header length 18446744073709551615 exceeds "
+                                 "the limit of 104857600");
 }
 
 static void test_header_must_be_a_json_object(void **state) {
     (void)state;
-    assert_string_equal(reject("[1,2]", NULL, 0),
-                        "t.st: header does not start with a JSON object");
-    assert_string_equal(reject("\"x\"", NULL, 0),
-                        "t.st: header does not start with a JSON object");
-    assert_string_equal(reject("{\"a\":", NULL, 0),
-                        "t.st: header: not valid JSON (near byte 4)");
-    assert_string_equal(reject("{} x", NULL, 0),
-                        "t.st: header: trailing data after the JSON value at byte 3");
-    assert_string_equal(reject("{\"a\":1}", NULL, 0),
-                        "t.st: tensor \"a\": entry is not an object");
+    assert_string_equal(reject("[1,2]", NULL, 0), "t.st: header does not start with a JSON object");
+    assert_string_equal(reject("\"x\"", NULL, 0), "t.st: header does not start with a JSON object");
+    assert_string_equal(reject("{\"a\":", NULL, 0), "t.st: header: not valid JSON (near byte 4)");
+    assert_string_equal(reject("{} x", NULL, 0), "t.st: header: trailing data after the JSON value at byte 3");
+    assert_string_equal(reject("{\"a\":1}", NULL, 0), "t.st: tensor \"a\": entry is not an object");
 }
 
 static void test_header_bytes_must_be_clean_utf8(void **state) {
     (void)state;
-    assert_string_equal(reject("{\"\xC3\x28\":1}", NULL, 0),
-                        "t.st: header has invalid UTF-8 at 2");
+    assert_string_equal(reject("{\"\xC3\x28\":1}", NULL, 0), "t.st: header has invalid UTF-8 at 2");
     assert_string_equal(reject("{\"\xC0\xAF\":1}", NULL, 0), /* overlong */
                         "t.st: header has invalid UTF-8 at 2");
     assert_string_equal(reject("{\"\xED\xA0\x80\":1}", NULL, 0), /* surrogate */
                         "t.st: header has invalid UTF-8 at 2");
-    assert_string_equal(
-        reject("{\"a\\u0000b\":{\"dtype\":\"F32\",\"shape\":[],"
-               "\"data_offsets\":[0,4]}}",
-               "abcd", 4),
-        "t.st: header has a \\u0000 escape at 3");
+    assert_string_equal(reject("{\"a\\u0000b\":{\"dtype\":\"F32\",\"shape\":[],"
+                               "\"data_offsets\":[0,4]}}",
+                               "abcd", 4),
+                        "t.st: header has a \\u0000 escape at 3");
     /* An escaped backslash followed by "u0000" is plain text. */
     safetensors_file *f = NULL;
     bytes b = make_st("{\"a\\\\u0000\":{\"dtype\":\"BOOL\",\"shape\":[],"
@@ -464,151 +432,118 @@ static void test_header_bytes_must_be_clean_utf8(void **state) {
 static void test_entry_fields_are_checked(void **state) {
     (void)state;
     char d[16] = {0};
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F8_E4M3\",\"shape\":[1],"
-               "\"data_offsets\":[0,1]}}",
-               d, 1),
-        "t.st: tensor \"w\": unknown dtype \"F8_E4M3\"");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1]}}", d, 4),
-        "t.st: tensor \"w\": no data_offsets");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],"
-               "\"extra\":1}}",
-               d, 4),
-        "t.st: tensor \"w\": unknown key \"extra\"");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": duplicate key \"dtype\"");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":5,\"shape\":[1],\"data_offsets\":[0,4]}}", d,
-               4),
-        "t.st: tensor \"w\": dtype is not a string");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[-1],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": shape[0] is not a non-negative integer");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1.5],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": shape[0] is not a non-negative integer");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": shape rank 9 exceeds 8");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1],"
-               "\"data_offsets\":[0]}}",
-               d, 4),
-        "t.st: tensor \"w\": data_offsets is not [begin, end] of "
-        "non-negative integers");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1],"
-               "\"data_offsets\":[4,0]}}",
-               d, 4),
-        "t.st: tensor \"w\": data_offsets begin 4 > end 0");
-    assert_string_equal(reject("{\"\":{}}", d, 0),
-                        "t.st: a tensor has an empty name");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F8_E4M3\",\"shape\":[1],"
+                               "\"data_offsets\":[0,1]}}",
+                               d, 1),
+                        "t.st: tensor \"w\": unknown dtype \"F8_E4M3\"");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1]}}", d, 4),
+                        "t.st: tensor \"w\": no data_offsets");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],"
+                               "\"extra\":1}}",
+                               d, 4),
+                        "t.st: tensor \"w\": unknown key \"extra\"");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"dtype\":\"F32\",\"shape\":[1],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": duplicate key \"dtype\"");
+    assert_string_equal(reject("{\"w\":{\"dtype\":5,\"shape\":[1],\"data_offsets\":[0,4]}}", d, 4),
+                        "t.st: tensor \"w\": dtype is not a string");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[-1],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": shape[0] is not a non-negative integer");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1.5],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": shape[0] is not a non-negative integer");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1,1,1,1,1,1,1,1,1],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": shape rank 9 exceeds 8");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1],"
+                               "\"data_offsets\":[0]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": data_offsets is not [begin, end] of "
+                        "non-negative integers");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1],"
+                               "\"data_offsets\":[4,0]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": data_offsets begin 4 > end 0");
+    assert_string_equal(reject("{\"\":{}}", d, 0), "t.st: a tensor has an empty name");
 }
 
 static void test_absurd_shapes_are_rejected(void **state) {
     (void)state;
     char d[4] = {0};
     /* 2^32 * 2^32 overflows u64. */
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": shape overflows");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[4294967296,4294967296],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": shape overflows");
     /* 2^62 elements fit, their bytes do not. */
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": byte size overflows");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": byte size overflows");
     /* Beyond what a double holds exactly. */
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1e300],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": shape[0] is not a non-negative integer");
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1000000],"
-               "\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensor \"w\": 4 bytes in data_offsets, but shape and F32 "
-        "need 4000000");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1e300],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": shape[0] is not a non-negative integer");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[1000000],"
+                               "\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensor \"w\": 4 bytes in data_offsets, but shape and F32 "
+                        "need 4000000");
 }
 
 static void test_offsets_must_tile_the_data(void **state) {
     (void)state;
     char d[16] = {0};
-    assert_string_equal(
-        reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[2],"
-               "\"data_offsets\":[8,16]}}",
-               d, 8),
-        "t.st: tensor \"w\": data_offsets end 16 is past the data section "
-        "(8 bytes)");
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-               "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
-               d, 12),
-        "t.st: tensors \"a\" and \"b\" overlap");
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
-               "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}",
-               d, 12),
-        "t.st: gap of 4 bytes before tensor \"b\"");
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
-               d, 8),
-        "t.st: gap of 4 bytes before tensor \"a\"");
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
-               d, 6),
-        "t.st: data section has 6 bytes, but tensors cover 4");
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}",
-               d, 8),
-        "t.st: tensor \"a\": 8 bytes in data_offsets, but shape and F32 need "
-        "12");
+    assert_string_equal(reject("{\"w\":{\"dtype\":\"F32\",\"shape\":[2],"
+                               "\"data_offsets\":[8,16]}}",
+                               d, 8),
+                        "t.st: tensor \"w\": data_offsets end 16 is past the data section "
+                        "(8 bytes)");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                               "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+                               d, 12),
+                        "t.st: tensors \"a\" and \"b\" overlap");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                               "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}",
+                               d, 12),
+                        "t.st: gap of 4 bytes before tensor \"b\"");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", d, 8),
+                        "t.st: gap of 4 bytes before tensor \"a\"");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", d, 6),
+                        "t.st: data section has 6 bytes, but tensors cover 4");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,8]}}", d, 8),
+                        "t.st: tensor \"a\": 8 bytes in data_offsets, but shape and F32 need "
+                        "12");
     /* The same range twice is an overlap too (aliasing). */
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
-               "\"b\":{\"dtype\":\"I32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
-               d, 4),
-        "t.st: tensors \"a\" and \"b\" overlap");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                               "\"b\":{\"dtype\":\"I32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+                               d, 4),
+                        "t.st: tensors \"a\" and \"b\" overlap");
     /* A zero-size tensor inside another's range. */
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-               "\"z\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[4,4]}}",
-               d, 8),
-        "t.st: tensors \"a\" and \"z\" overlap");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                               "\"z\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[4,4]}}",
+                               d, 8),
+                        "t.st: tensors \"a\" and \"z\" overlap");
 }
 
 static void test_names_and_metadata_are_checked(void **state) {
     (void)state;
     char d[8] = {0};
-    assert_string_equal(
-        reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
-               "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
-               d, 8),
-        "t.st: duplicate tensor \"a\"");
-    assert_string_equal(reject("{\"__metadata__\":{\"k\":1}}", d, 0),
-                        "t.st: __metadata__ \"k\" is not a string");
-    assert_string_equal(reject("{\"__metadata__\":[]}", d, 0),
-                        "t.st: __metadata__ is not an object");
-    assert_string_equal(
-        reject("{\"__metadata__\":{},\"__metadata__\":{}}", d, 0),
-        "t.st: duplicate __metadata__");
-    assert_string_equal(
-        reject("{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}}", d, 0),
-        "t.st: duplicate __metadata__ key \"k\"");
+    assert_string_equal(reject("{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+                               "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+                               d, 8),
+                        "t.st: duplicate tensor \"a\"");
+    assert_string_equal(reject("{\"__metadata__\":{\"k\":1}}", d, 0), "t.st: __metadata__ \"k\" is not a string");
+    assert_string_equal(reject("{\"__metadata__\":[]}", d, 0), "t.st: __metadata__ is not an object");
+    assert_string_equal(reject("{\"__metadata__\":{},\"__metadata__\":{}}", d, 0), "t.st: duplicate __metadata__");
+    assert_string_equal(reject("{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}}", d, 0),
+                        "t.st: duplicate __metadata__ key \"k\"");
 
     char header[2200];
     char name[SAFETENSORS_MAX_NAME + 2];
@@ -618,8 +553,7 @@ static void test_names_and_metadata_are_checked(void **state) {
              "{\"%s\":{\"dtype\":\"F32\",\"shape\":[1],"
              "\"data_offsets\":[0,4]}}",
              name);
-    assert_string_equal(reject(header, d, 4),
-                        "t.st: tensor name of 1025 bytes exceeds 1024");
+    assert_string_equal(reject(header, d, 4), "t.st: tensor name of 1025 bytes exceeds 1024");
 }
 
 /* ---- files on disk ----------------------------------------------------- */
@@ -632,8 +566,7 @@ static void test_open_reports_path_and_os_error(void **state) {
     snprintf(path, sizeof path, "%s/none.safetensors", tmpdir);
     assert_int_equal(safetensors_open(&f, path, &err), AE_ERR);
     char want[600];
-    snprintf(want, sizeof want, "%s: cannot open: No such file or directory",
-             path);
+    snprintf(want, sizeof want, "%s: cannot open: No such file or directory", path);
     assert_string_equal(err.msg, want);
 
     err_clear(&err);
@@ -645,8 +578,7 @@ static void test_open_reports_path_and_os_error(void **state) {
     snprintf(path, sizeof path, "%s/empty.safetensors", tmpdir);
     err_clear(&err);
     assert_int_equal(safetensors_open(&f, path, &err), AE_ERR);
-    snprintf(want, sizeof want,
-             "%s: 0 bytes is too small for a safetensors file", path);
+    snprintf(want, sizeof want, "%s: 0 bytes is too small for a safetensors file", path);
     assert_string_equal(err.msg, want);
     unlink(path);
 }
@@ -671,11 +603,9 @@ static void test_open_maps_a_file(void **state) {
 
 /* ---- checkpoint directories -------------------------------------------- */
 
-static const char SHARD_A[] =
-    "{\"a.w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-    "\"a.b\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[8,10]}}";
-static const char SHARD_B[] =
-    "{\"b.w\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[0,2]}}";
+static const char SHARD_A[] = "{\"a.w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                              "\"a.b\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[8,10]}}";
+static const char SHARD_B[] = "{\"b.w\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[0,2]}}";
 
 static void write_shards(void) {
     const float aw[2] = {1.5f, -4.0f};
@@ -705,10 +635,9 @@ static const char *model_reject(const char *index) {
 static void test_model_reads_sharded_checkpoint(void **state) {
     (void)state;
     write_shards();
-    write_text("model.safetensors.index.json",
-               "{\"metadata\":{\"total_size\":12},\"weight_map\":{"
-               "\"a.w\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
-               "\"a.b\":\"s-1.safetensors\"}}");
+    write_text("model.safetensors.index.json", "{\"metadata\":{\"total_size\":12},\"weight_map\":{"
+                                               "\"a.w\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
+                                               "\"a.b\":\"s-1.safetensors\"}}");
     safetensors_model *m = NULL;
     ae_error err = {0};
     assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_OK);
@@ -720,14 +649,11 @@ static void test_model_reads_sharded_checkpoint(void **state) {
     assert_string_equal(safetensors_model_tensor_at(m, 1)->name, "a.w");
     assert_string_equal(safetensors_model_tensor_at(m, 2)->name, "b.w");
     float v[2];
-    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "a.w"), v, 2, &err),
-                     AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "a.w"), v, 2, &err), AE_OK);
     assert_true(v[0] == 1.5f && v[1] == -4.0f);
-    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "a.b"), v, 1, &err),
-                     AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "a.b"), v, 1, &err), AE_OK);
     assert_true(v[0] == 3.0f);
-    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "b.w"), v, 1, &err),
-                     AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "b.w"), v, 1, &err), AE_OK);
     assert_true(v[0] == -0.5f);
     assert_null(safetensors_model_find(m, "c.w"));
     safetensors_model_close(m);
@@ -743,8 +669,7 @@ static void test_model_reads_single_file(void **state) {
     assert_int_equal(safetensors_model_n_files(m), 1);
     assert_int_equal(safetensors_model_count(m), 1);
     float v;
-    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "b.w"), &v, 1, &err),
-                     AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "b.w"), &v, 1, &err), AE_OK);
     assert_true(v == 1.0f);
     safetensors_model_close(m);
 }
@@ -755,58 +680,46 @@ static void test_model_needs_weights(void **state) {
     ae_error err = {0};
     assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_ERR);
     char want[600];
-    snprintf(want, sizeof want,
-             "%s: no model.safetensors or model.safetensors.index.json",
-             tmpdir);
+    snprintf(want, sizeof want, "%s: no model.safetensors or model.safetensors.index.json", tmpdir);
     assert_string_equal(err.msg, want);
 }
 
 static void test_index_must_match_shards(void **state) {
     (void)state;
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
-                     "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
-                     "\"c.w\":\"s-2.safetensors\"}}"),
-        "/model.safetensors.index.json: weight_map: tensor \"c.w\" is not "
-        "in shard \"s-2.safetensors\"");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
-                     "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-3.safetensors\"}}"),
-        "/s-3.safetensors: cannot open: No such file or directory");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
-                     "\"b.w\":\"s-2.safetensors\"}}"),
-        "/model.safetensors.index.json: shard \"s-1.safetensors\" holds "
-        "tensor \"a.b\" that weight_map does not list for it");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
-                     "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
-                     "\"a.w\":\"s-1.safetensors\"}}"),
-        "/model.safetensors.index.json: weight_map: duplicate tensor \"a.w\"");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":\"../s-1.safetensors\"}}"),
-        "/model.safetensors.index.json: weight_map: \"a.w\": shard name "
-        "\"../s-1.safetensors\" is not a plain file name");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":\"sub/s-1.safetensors\"}}"),
-        "/model.safetensors.index.json: weight_map: \"a.w\": shard name "
-        "\"sub/s-1.safetensors\" is not a plain file name");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":\"..\"}}"),
-        "/model.safetensors.index.json: weight_map: \"a.w\": shard name "
-        "\"..\" is not a plain file name");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{\"a.w\":1}}"),
-        "/model.safetensors.index.json: weight_map: \"a.w\" is not a string");
-    assert_string_equal(
-        model_reject("{\"weight_map\":{}}"),
-        "/model.safetensors.index.json: weight_map is missing, not an "
-        "object, or empty");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
+                                     "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
+                                     "\"c.w\":\"s-2.safetensors\"}}"),
+                        "/model.safetensors.index.json: weight_map: tensor \"c.w\" is not "
+                        "in shard \"s-2.safetensors\"");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
+                                     "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-3.safetensors\"}}"),
+                        "/s-3.safetensors: cannot open: No such file or directory");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
+                                     "\"b.w\":\"s-2.safetensors\"}}"),
+                        "/model.safetensors.index.json: shard \"s-1.safetensors\" holds "
+                        "tensor \"a.b\" that weight_map does not list for it");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
+                                     "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
+                                     "\"a.w\":\"s-1.safetensors\"}}"),
+                        "/model.safetensors.index.json: weight_map: duplicate tensor \"a.w\"");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":\"../s-1.safetensors\"}}"),
+                        "/model.safetensors.index.json: weight_map: \"a.w\": shard name "
+                        "\"../s-1.safetensors\" is not a plain file name");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":\"sub/s-1.safetensors\"}}"),
+                        "/model.safetensors.index.json: weight_map: \"a.w\": shard name "
+                        "\"sub/s-1.safetensors\" is not a plain file name");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":\"..\"}}"),
+                        "/model.safetensors.index.json: weight_map: \"a.w\": shard name "
+                        "\"..\" is not a plain file name");
+    assert_string_equal(model_reject("{\"weight_map\":{\"a.w\":1}}"),
+                        "/model.safetensors.index.json: weight_map: \"a.w\" is not a string");
+    assert_string_equal(model_reject("{\"weight_map\":{}}"),
+                        "/model.safetensors.index.json: weight_map is missing, not an "
+                        "object, or empty");
     assert_string_equal(model_reject("{\"metadata\":1,\"weight_map\":{}}"),
                         "/model.safetensors.index.json: metadata is not an "
                         "object");
-    assert_string_equal(model_reject("[]"),
-                        "/model.safetensors.index.json: not a JSON object");
+    assert_string_equal(model_reject("[]"), "/model.safetensors.index.json: not a JSON object");
 }
 
 static void test_tensor_in_two_shards_is_rejected(void **state) {
@@ -819,10 +732,9 @@ static void test_tensor_in_two_shards_is_rejected(void **state) {
              "\"data_offsets\":[0,2]},\"c.w\":{\"dtype\":\"F16\","
              "\"shape\":[1],\"data_offsets\":[2,4]}}",
              d, sizeof d);
-    write_text("model.safetensors.index.json",
-               "{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
-               "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
-               "\"c.w\":\"s-3.safetensors\"}}");
+    write_text("model.safetensors.index.json", "{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
+                                               "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\","
+                                               "\"c.w\":\"s-3.safetensors\"}}");
     safetensors_model *m = NULL;
     ae_error err = {0};
     assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_ERR);
@@ -838,9 +750,8 @@ static void test_corrupt_shard_names_the_shard(void **state) {
     (void)state;
     write_shards();
     write_file("s-2.safetensors", "\x02\0\0\0\0\0\0\0{}", 9); /* cut */
-    write_text("model.safetensors.index.json",
-               "{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
-               "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\"}}");
+    write_text("model.safetensors.index.json", "{\"weight_map\":{\"a.w\":\"s-1.safetensors\","
+                                               "\"a.b\":\"s-1.safetensors\",\"b.w\":\"s-2.safetensors\"}}");
     safetensors_model *m = NULL;
     ae_error err = {0};
     assert_int_equal(safetensors_model_open(&m, tmpdir, &err), AE_ERR);
@@ -882,15 +793,11 @@ static void test_golden_matches_reference(void **state) {
         const char *base = strrchr(safetensors_path(f), '/') + 1;
         const cJSON *s = cJSON_GetObjectItem(shards, base);
         assert_non_null(s);
-        assert_int_equal(safetensors_count(f),
-                         cJSON_GetObjectItem(s, "count")->valueint);
+        assert_int_equal(safetensors_count(f), cJSON_GetObjectItem(s, "count")->valueint);
         const cJSON *meta = cJSON_GetObjectItem(s, "metadata");
         assert_int_equal(safetensors_metadata_count(f), cJSON_GetArraySize(meta));
         const cJSON *kv;
-        cJSON_ArrayForEach(kv, meta) {
-            assert_string_equal(safetensors_metadata_get(f, kv->string),
-                                kv->valuestring);
-        }
+        cJSON_ArrayForEach(kv, meta) { assert_string_equal(safetensors_metadata_get(f, kv->string), kv->valuestring); }
     }
 
     int checked = 0;
@@ -898,52 +805,40 @@ static void test_golden_matches_reference(void **state) {
     cJSON_ArrayForEach(e, tensors) {
         const safetensors_tensor *t = safetensors_model_find(m, e->string);
         if (!t) fail_msg("tensor %s missing", e->string);
-        assert_string_equal(safetensors_dtype_name(t->dtype),
-                            cJSON_GetObjectItem(e, "dtype")->valuestring);
+        assert_string_equal(safetensors_dtype_name(t->dtype), cJSON_GetObjectItem(e, "dtype")->valuestring);
         const cJSON *shape = cJSON_GetObjectItem(e, "shape");
         assert_int_equal(t->n_dims, cJSON_GetArraySize(shape));
         for (uint32_t d = 0; d < t->n_dims; d++)
-            assert_int_equal(t->shape[d],
-                             cJSON_GetArrayItem(shape, (int)d)->valueint);
+            assert_int_equal(t->shape[d], cJSON_GetArrayItem(shape, (int)d)->valueint);
         const cJSON *vals;
         if ((vals = cJSON_GetObjectItem(e, "f32_bits"))) {
             assert_int_equal(t->n_elements, cJSON_GetArraySize(vals));
             float *out = calloc(t->n_elements + 1, sizeof *out);
-            assert_int_equal(safetensors_tensor_to_f32(t, out, t->n_elements, &err),
-                             AE_OK);
+            assert_int_equal(safetensors_tensor_to_f32(t, out, t->n_elements, &err), AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++)
-                assert_int_equal(
-                    f32_bits(out[k]),
-                    (uint32_t)cJSON_GetArrayItem(vals, (int)k)->valuedouble);
+                assert_int_equal(f32_bits(out[k]), (uint32_t)cJSON_GetArrayItem(vals, (int)k)->valuedouble);
             free(out);
         } else if ((vals = cJSON_GetObjectItem(e, "i64"))) {
             int64_t out[16];
             assert_true(t->n_elements <= 16);
-            assert_int_equal(safetensors_tensor_to_i64(t, out, t->n_elements, &err),
-                             AE_OK);
+            assert_int_equal(safetensors_tensor_to_i64(t, out, t->n_elements, &err), AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++) {
                 char s[32];
                 snprintf(s, sizeof s, "%lld", (long long)out[k]);
-                assert_string_equal(
-                    s, cJSON_GetArrayItem(vals, (int)k)->valuestring);
+                assert_string_equal(s, cJSON_GetArrayItem(vals, (int)k)->valuestring);
             }
         } else if ((vals = cJSON_GetObjectItem(e, "i32"))) {
             int32_t out[16];
             assert_true(t->n_elements <= 16);
-            assert_int_equal(safetensors_tensor_to_i32(t, out, t->n_elements, &err),
-                             AE_OK);
+            assert_int_equal(safetensors_tensor_to_i32(t, out, t->n_elements, &err), AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++)
-                assert_int_equal(
-                    out[k],
-                    (int32_t)cJSON_GetArrayItem(vals, (int)k)->valuedouble);
+                assert_int_equal(out[k], (int32_t)cJSON_GetArrayItem(vals, (int)k)->valuedouble);
         } else if ((vals = cJSON_GetObjectItem(e, "bool"))) {
             bool out[16];
             assert_true(t->n_elements <= 16);
-            assert_int_equal(safetensors_tensor_to_bool(t, out, t->n_elements, &err),
-                             AE_OK);
+            assert_int_equal(safetensors_tensor_to_bool(t, out, t->n_elements, &err), AE_OK);
             for (uint64_t k = 0; k < t->n_elements; k++)
-                assert_int_equal(
-                    out[k], cJSON_IsTrue(cJSON_GetArrayItem(vals, (int)k)));
+                assert_int_equal(out[k], cJSON_IsTrue(cJSON_GetArrayItem(vals, (int)k)));
         } else {
             fail_msg("no expected values for %s", e->string);
         }
@@ -952,14 +847,10 @@ static void test_golden_matches_reference(void **state) {
     assert_int_equal(checked, 9);
     /* Spot checks written out, so a broken expected.json cannot hide. */
     float v[12];
-    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "lm_head.weight"), v,
-                                      8, &err),
-                     AE_OK);
+    assert_int_equal(safetensors_tensor_to_f32(safetensors_model_find(m, "lm_head.weight"), v, 8, &err), AE_OK);
     assert_true(v[0] == -2.0f && v[7] == 1.5f);
     assert_int_equal(
-        safetensors_tensor_to_f32(
-            safetensors_model_find(m, "model.layers.0.self_attn.q_proj.weight"), v, 10,
-            &err),
+        safetensors_tensor_to_f32(safetensors_model_find(m, "model.layers.0.self_attn.q_proj.weight"), v, 10, &err),
         AE_OK);
     assert_true(v[3] == 65504.0f && v[5] == 0x1p-24f);
     cJSON_Delete(exp);
@@ -983,22 +874,14 @@ int main(void) {
         cmocka_unit_test(test_absurd_shapes_are_rejected),
         cmocka_unit_test(test_offsets_must_tile_the_data),
         cmocka_unit_test(test_names_and_metadata_are_checked),
-        cmocka_unit_test_setup_teardown(test_open_reports_path_and_os_error,
-                                        make_tmpdir, remove_tmpdir),
-        cmocka_unit_test_setup_teardown(test_open_maps_a_file, make_tmpdir,
-                                        remove_tmpdir),
-        cmocka_unit_test_setup_teardown(test_model_reads_sharded_checkpoint,
-                                        make_tmpdir, remove_tmpdir),
-        cmocka_unit_test_setup_teardown(test_model_reads_single_file,
-                                        make_tmpdir, remove_tmpdir),
-        cmocka_unit_test_setup_teardown(test_model_needs_weights, make_tmpdir,
-                                        remove_tmpdir),
-        cmocka_unit_test_setup_teardown(test_index_must_match_shards,
-                                        make_tmpdir, remove_tmpdir),
-        cmocka_unit_test_setup_teardown(test_tensor_in_two_shards_is_rejected,
-                                        make_tmpdir, remove_tmpdir),
-        cmocka_unit_test_setup_teardown(test_corrupt_shard_names_the_shard,
-                                        make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_open_reports_path_and_os_error, make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_open_maps_a_file, make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_model_reads_sharded_checkpoint, make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_model_reads_single_file, make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_model_needs_weights, make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_index_must_match_shards, make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_tensor_in_two_shards_is_rejected, make_tmpdir, remove_tmpdir),
+        cmocka_unit_test_setup_teardown(test_corrupt_shard_names_the_shard, make_tmpdir, remove_tmpdir),
         cmocka_unit_test(test_golden_matches_reference),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

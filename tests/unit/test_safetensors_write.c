@@ -34,12 +34,9 @@ static void test_written_tensors_read_back_exactly(void **state) {
     int64_t d2t[3] = {5, 9, -3};
     uint8_t mask[3] = {1, 0, 1};
     safetensors_out t[] = {
-        {"input_ids", SAFETENSORS_I32, 1, {5}, ids},
-        {"hidden", SAFETENSORS_F16, 2, {2, 3}, h},
-        {"logits", SAFETENSORS_F32, 2, {3, 2}, f},
-        {"d2t", SAFETENSORS_I64, 1, {3}, d2t},
-        {"t2d", SAFETENSORS_BOOL, 1, {3}, mask},
-        {"empty", SAFETENSORS_F32, 2, {0, 4}, NULL},
+        {"input_ids", SAFETENSORS_I32, 1, {5}, ids}, {"hidden", SAFETENSORS_F16, 2, {2, 3}, h},
+        {"logits", SAFETENSORS_F32, 2, {3, 2}, f},   {"d2t", SAFETENSORS_I64, 1, {3}, d2t},
+        {"t2d", SAFETENSORS_BOOL, 1, {3}, mask},     {"empty", SAFETENSORS_F32, 2, {0, 4}, NULL},
     };
     const char *meta[] = {"format", "aerie-features-1", "capture_layers", "2,15,27"};
     ae_error err = {0};

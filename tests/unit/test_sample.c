@@ -135,8 +135,8 @@ static void test_top_p_reaches_into_a_long_tail(void **state) {
     enum { V = 5000 };
     sample_state *s = make(V);
     static float logits[V];
-    logits[0] = 0.0f;                                    /* weight 1 */
-    for (int i = 1; i < V; i++) logits[i] = -8.0f;        /* weight e^-8 ~ 3.4e-4 each */
+    logits[0] = 0.0f;                              /* weight 1 */
+    for (int i = 1; i < V; i++) logits[i] = -8.0f; /* weight e^-8 ~ 3.4e-4 each */
     double tail = exp((double)-8.0f), z = 1.0 + (V - 1) * tail;
     sample_params p = {.temperature = 1.0f, .top_k = 0, .top_p = 0.9f, .min_p = 0.0f};
     const int32_t *ids;
@@ -234,9 +234,8 @@ static void test_keyed_numbers_known_values(void **state) {
         int32_t pos, id;
         uint32_t bits;
     } known[] = {
-        {0, 0, 0, 0, 0xbc1edd3eu},      {0, 0, 0, 1, 0xc571c214u}, {0, 0, 1, 0, 0x5192023cu},
-        {7, 0, 5, 3, 0xa9dd3997u},      {7, 1, 5, 3, 0x319a33eeu},
-        {UINT64_MAX, 0, 100000, 49151, 0x5e788588u},
+        {0, 0, 0, 0, 0xbc1edd3eu}, {0, 0, 0, 1, 0xc571c214u}, {0, 0, 1, 0, 0x5192023cu},
+        {7, 0, 5, 3, 0xa9dd3997u}, {7, 1, 5, 3, 0x319a33eeu}, {UINT64_MAX, 0, 100000, 49151, 0x5e788588u},
     };
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++) {
         sample_rng r;
@@ -427,8 +426,10 @@ static void test_logprobs_are_the_raw_log_softmax_and_its_top(void **state) {
     for (int32_t t = 0; t < 6; t++) {
         float want = t == 5 ? -INFINITY : (float)((long double)lg[t] - logl(sum));
         float got = sample_logprobs(lg, 6, t, t == 0 ? 5 : 0, top);
-        if (t == 5) assert_true(isinf(got) && got < 0);
-        else assert_float_equal(got, want, 1e-6);
+        if (t == 5)
+            assert_true(isinf(got) && got < 0);
+        else
+            assert_float_equal(got, want, 1e-6);
     }
     const int32_t ids[5] = {1, 3, 0, 4, 2};
     for (int j = 0; j < 5; j++) {

@@ -74,8 +74,8 @@ static int setup(void **state) {
     pthread_mutex_init(&f->mu, NULL);
     pthread_cond_init(&f->cv, NULL);
     if (model_load(&f->m, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s", err.msg);
-    engine_config ec = {.max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 256, .kv_tokens = 1024, .block_size = 16,
-                     .threads = 2};
+    engine_config ec = {
+        .max_batch_tokens = 64, .max_seqs = 4, .max_seq_len = 256, .kv_tokens = 1024, .block_size = 16, .threads = 2};
     if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     spec_config sc = spec_config_default((spec_shape){1, 1, 2}, 4, 64);
     if (spec_init(&f->sx, f->e, NULL, &sc, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -104,8 +104,15 @@ static int teardown(void **state) {
 
 /* The tests' scheduler: 2 compile workers, every compile logged. */
 static sched_config base_config(const fixture *f) {
-    return (sched_config){.max_batch = 4, .max_queue = 8, .chunk = 32, .max_seq_len = 256, .tree_tokens = 1,
-                          .eos = f->eos, .grammar = f->gv, .compile_workers = 2, .max_compiles = 8,
+    return (sched_config){.max_batch = 4,
+                          .max_queue = 8,
+                          .chunk = 32,
+                          .max_seq_len = 256,
+                          .tree_tokens = 1,
+                          .eos = f->eos,
+                          .grammar = f->gv,
+                          .compile_workers = 2,
+                          .max_compiles = 8,
                           .compile = {.isolate = true, .timeout_ms = 60000, .max_live = 4, .log_ms = 0}};
 }
 
@@ -129,8 +136,15 @@ static const int32_t PROMPT[] = {1, 9690, 198, 22503, 44, 1694, 279, 253, 4563, 
  * blocks free and nothing running. */
 static sched_plan_state plan_state(const sched_plan_req *active, int32_t n_active, const sched_plan_req *waiting,
                                    int32_t n_waiting) {
-    sched_plan_state st = {.active = active, .n_active = n_active, .waiting = waiting, .n_waiting = n_waiting,
-                           .max_batch = 4, .blocks_free = 100, .chunk = 32, .max_batch_tokens = 64, .tree_tokens = 1};
+    sched_plan_state st = {.active = active,
+                           .n_active = n_active,
+                           .waiting = waiting,
+                           .n_waiting = n_waiting,
+                           .max_batch = 4,
+                           .blocks_free = 100,
+                           .chunk = 32,
+                           .max_batch_tokens = 64,
+                           .tree_tokens = 1};
     for (int32_t i = 0; i < n_active; i++) st.seqs += active[i].n;
     return st;
 }
@@ -332,7 +346,8 @@ static void test_plan_prefills_the_oldest_prompt_first(void **state) {
     assert_seq(&d[0], SCHED_PLAN_DECODE, 0, 0, 0, 1);
     /* Next turn the older prompt is in and running: the admitted one
      * (now active[2]) gets the chunk, and decodes from the turn after. */
-    const sched_plan_req act2[3] = {act[0], {.n = 1, .n_prompt = 80, .prefilled = 79, .blocks = 6, .running = true},
+    const sched_plan_req act2[3] = {act[0],
+                                    {.n = 1, .n_prompt = 80, .prefilled = 79, .blocks = 6, .running = true},
                                     {.n = 1, .n_prompt = 20, .blocks = 2}};
     st = plan_state(act2, 3, NULL, 0);
     p = plan_of(&st, d);
@@ -376,8 +391,14 @@ static void test_plan_is_the_same_for_the_same_state(void **state) {
 
 static sched_refusal submit(fixture *f, sched *s, int i, int32_t format, const char *schema, int32_t max_tokens,
                             ae_error *err) {
-    sched_request r = {.prompt = PROMPT, .n_prompt = 10, .max_tokens = max_tokens, .n = 1, .format = format,
-                       .schema = schema, .schema_len = schema ? strlen(schema) : 0, .ctx = &f->req[i]};
+    sched_request r = {.prompt = PROMPT,
+                       .n_prompt = 10,
+                       .max_tokens = max_tokens,
+                       .n = 1,
+                       .format = format,
+                       .schema = schema,
+                       .schema_len = schema ? strlen(schema) : 0,
+                       .ctx = &f->req[i]};
     r.params.top_p = 1;
     r.pen.repetition = 1;
     snprintf(r.id, sizeof r.id, "req-%d", i);
@@ -412,7 +433,6 @@ static void test_json_object_request_compiles_and_runs(void **state) {
     assert_int_equal(f->req[0].finish, SCHED_STOP);
     assert_int_equal(f->req[0].tokens, 3);
 }
-
 
 static int64_t mono_ms(void) {
     struct timespec t;
@@ -486,8 +506,9 @@ static void test_compile_past_its_budget_is_refused(void **state) {
     printf("refused after %lld ms: %s; the json_object request behind it done at %lld ms\n", (long long)refused_at,
            f->req[0].error, (long long)second_at);
     assert_int_equal(f->req[0].finish, SCHED_REFUSED);
-    assert_string_equal(f->req[0].error, "the schema did not compile within 200 ms (the target's --compile-timeout-ms); "
-                                         "make it smaller or simpler");
+    assert_string_equal(f->req[0].error,
+                        "the schema did not compile within 200 ms (the target's --compile-timeout-ms); "
+                        "make it smaller or simpler");
     assert_true(refused_at >= 200 && refused_at < 1000);
     assert_int_equal(f->req[1].finish, SCHED_STOP);
     assert_int_equal(f->req[1].tokens, 3);
@@ -567,8 +588,9 @@ static void test_mask_budget_ends_a_costly_request(void **state) {
     char schema[8192];
     size_t n = (size_t)snprintf(schema, sizeof schema, "{\"type\":\"array\",\"items\":{\"anyOf\":[");
     for (int i = 0; i < 64; i++)
-        n += (size_t)snprintf(schema + n, sizeof schema - n, "%s{\"type\":\"string\",\"minLength\":%d,\"maxLength\":%d}",
-                              i ? "," : "", i, i + 3 + i % 5);
+        n +=
+            (size_t)snprintf(schema + n, sizeof schema - n, "%s{\"type\":\"string\",\"minLength\":%d,\"maxLength\":%d}",
+                             i ? "," : "", i, i + 3 + i % 5);
     snprintf(schema + n, sizeof schema - n, "]}}");
     assert_int_equal(submit(f, s, 0, 2, schema, 64, &err), SCHED_QUEUED);
     wait_last(f, 0);

@@ -40,7 +40,8 @@ static void fixture_open(fixture *f) {
     engine_config ec = {128, MAX_SEQS, SEQ_LEN, MAX_SEQS * SEQ_LEN, 16, 2, 0};
     if (engine_init(&f->e, f->m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     drafter_config dc = {MAX_SEQS, SEQ_LEN, CHUNK, 2, engine_pool(f->e), 0};
-    if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_open(&f->link, FIX "/head", model_embedding(f->m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
 }
 
 static void fixture_close(fixture *f) {
@@ -98,14 +99,16 @@ static void test_greedy_speculation_is_lossless_with_the_fixture_head(void **sta
         for (int i = 0; i < N_PROMPTS; i++) {
             int32_t n = prompt(i, ids);
             spec_generate(s, f.e, ids, n, &greedy, 0, N_GEN, got);
-            if (memcmp(got, want[i], sizeof got) == 0) identical++;
-            else fprintf(stderr, "%s: prompt %d differs\n", names[k], i);
+            if (memcmp(got, want[i], sizeof got) == 0)
+                identical++;
+            else
+                fprintf(stderr, "%s: prompt %d differs\n", names[k], i);
         }
         const spec_stats *st = spec_total_stats(s);
         printf("%s: %d/%d prompts identical; %lld verify steps, %lld plain, %lld drafted, %lld accepted, "
                "mean acceptance length %.3f\n",
-               names[k], identical, N_PROMPTS, (long long)st->steps, (long long)st->plain_steps,
-               (long long)st->drafted, (long long)st->accepted, spec_stats_accept_len(st));
+               names[k], identical, N_PROMPTS, (long long)st->steps, (long long)st->plain_steps, (long long)st->drafted,
+               (long long)st->accepted, spec_stats_accept_len(st));
         assert_int_equal(identical, N_PROMPTS);
         assert_true(st->steps > 0);
         assert_int_equal(st->bad_trees, 0);
@@ -124,11 +127,11 @@ typedef struct oracle {
     const int32_t *truth; /* prompt then plain greedy continuation */
     int32_t n_truth;
     int32_t V, fw;
-    int32_t fed;          /* pairs fed so far */
+    int32_t fed; /* pairs fed so far */
     int32_t calls;
-    int64_t promised;     /* sum of the depths proposed */
+    int64_t promised; /* sum of the depths proposed */
     int32_t promised_at[8];
-    float *features;      /* [n_truth][fw] */
+    float *features; /* [n_truth][fw] */
     bool pairs_ok;
 } oracle;
 
@@ -277,8 +280,10 @@ static void test_a_failing_or_lying_drafter_changes_nothing(void **state) {
         assert_int_equal(st->emitted, st->plain_steps);
         /* The failing drafter is dropped for the sequence at once; the
          * lying one is asked every step and refused every time. */
-        if (k == 1) assert_int_equal(st->bad_trees, calls);
-        else assert_int_equal(st->bad_trees, 0);
+        if (k == 1)
+            assert_int_equal(st->bad_trees, calls);
+        else
+            assert_int_equal(st->bad_trees, 0);
         spec_free(s);
     }
     assert_true(calls > 40);
@@ -706,8 +711,8 @@ static int64_t test_clock(void *ctx) {
 /* `steps` adaptive steps of one sequence with a drafter costing `cost`,
  * decoding with sp (seed 0); greedy tokens must be plain greedy's. The
  * tokens go to out[*n_out] when out is given. Returns the totals. */
-static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps, const sample_params *sp,
-                                    int32_t *out, int32_t *n_out) {
+static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps, const sample_params *sp, int32_t *out,
+                                    int32_t *n_out) {
     enum { LEN = 256 };
     fixture f;
     fixture_open(&f);
@@ -717,7 +722,8 @@ static spec_stats adaptive_run_with(int64_t cost, int64_t verify, int32_t steps,
     if (engine_init(&e, f.m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
     draft_link link;
     drafter_config dc = {1, LEN, CHUNK, 2, engine_pool(e), 0};
-    if (draft_link_open(&link, FIX "/head", model_embedding(f.m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK) fail_msg("%s", err.msg);
+    if (draft_link_open(&link, FIX "/head", model_embedding(f.m), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
+        fail_msg("%s", err.msg);
     costly c = {&link.iface, 0, cost, verify, 0, 0, 0};
     spec_drafter d = {&c, costly_propose, costly_release};
     /* A chain of one drafted token: at most 2 tokens a step, so the

@@ -75,9 +75,9 @@ static int32_t argmax(const float *x, int32_t n) {
 }
 
 typedef struct result {
-    int32_t tokens_equal;  /* leading generated tokens equal to the reference */
-    double rel_l2;         /* last prompt logits vs the reference */
-    double hidden_l2;      /* the captured features vs the reference's, worst layer (0 without) */
+    int32_t tokens_equal; /* leading generated tokens equal to the reference */
+    double rel_l2;        /* last prompt logits vs the reference */
+    double hidden_l2;     /* the captured features vs the reference's, worst layer (0 without) */
 } result;
 
 static double rel_l2(const float *a, const float *ref, int32_t n) {
@@ -96,10 +96,10 @@ static double rel_l2(const float *a, const float *ref, int32_t n) {
 static const int32_t capture_layers[N_CAPTURE] = {1, 2, 3};
 
 /* One prompt through a fresh engine: chunked prefill, then greedy decode. */
-static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const int32_t *want,
-                         const float *ref_logits, const float *ref_hidden) {
-    engine_config cfg = {.max_batch_tokens = CHUNK, .max_seqs = 1, .max_seq_len = 128, .kv_tokens = 128,
-                      .block_size = 16, .threads = 2};
+static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const int32_t *want, const float *ref_logits,
+                         const float *ref_hidden) {
+    engine_config cfg = {
+        .max_batch_tokens = CHUNK, .max_seqs = 1, .max_seq_len = 128, .kv_tokens = 128, .block_size = 16, .threads = 2};
     int32_t V = m->cfg.vocab;
     engine *e;
     ae_error err = {0};
@@ -129,8 +129,10 @@ static result run_prompt(const model *m, const int32_t *prompt, int32_t n, const
     bool diverged = false;
     for (int32_t g = 0; g < N_GEN; g++) {
         got[g] = argmax(lg, V);
-        if (!diverged && got[g] == want[g]) r.tokens_equal++;
-        else diverged = true;
+        if (!diverged && got[g] == want[g])
+            r.tokens_equal++;
+        else
+            diverged = true;
         /* Feed the reference token so one near tie does not derail the
          * rest; tokens_equal counts only up to the first miss. */
         engine_item d = {s, ENGINE_APPEND, 1, &want[g], NULL, false};
@@ -190,8 +192,8 @@ static void check_model_as(const char *name, const char *label, const model *m, 
         }
         if (r.tokens_equal != N_GEN || !(r.rel_l2 < tol)) {
             ok = false;
-            fprintf(stderr, "%s prompt %d (%d tokens): %d/%d greedy tokens equal, last logits rel L2 %.3g\n",
-                    label, n_prompts, n, r.tokens_equal, N_GEN, r.rel_l2);
+            fprintf(stderr, "%s prompt %d (%d tokens): %d/%d greedy tokens equal, last logits rel L2 %.3g\n", label,
+                    n_prompts, n, r.tokens_equal, N_GEN, r.rel_l2);
         }
         if (r.rel_l2 > worst || isnan(r.rel_l2)) worst = r.rel_l2;
         tokens += r.tokens_equal;
@@ -199,8 +201,8 @@ static void check_model_as(const char *name, const char *label, const model *m, 
         n_prompts++;
     }
     assert_int_equal(n_prompts, 3);
-    printf("%s: %d prompts, %d/%d greedy tokens equal, worst last-logits rel L2 %.3g", label, n_prompts, tokens,
-           total, worst);
+    printf("%s: %d prompts, %d/%d greedy tokens equal, worst last-logits rel L2 %.3g", label, n_prompts, tokens, total,
+           worst);
     if (n_hidden) printf("; features captured at layers 1, 2, 3 within %.3g rel L2", worst_hidden);
     printf("\n");
     free(ref);
@@ -237,8 +239,7 @@ static void test_qwen2(void **state) {
     assert_int_equal(c->rope.layout, KN_ROPE_NEOX);
     assert_true(c->rope.theta == 10000.0);
     assert_true(c->rope.factor == 0.0 || c->rope.factor == 1.0);
-    for (int i = 0; i < c->n_layers; i++)
-        assert_true(m->layers[i].bq && m->layers[i].bk && m->layers[i].bv);
+    for (int i = 0; i < c->n_layers; i++) assert_true(m->layers[i].bq && m->layers[i].bk && m->layers[i].bv);
     check_model("qwen2", m, REL_TOL);
     model_free(m);
 }

@@ -145,8 +145,7 @@ static int32_t *encode(const tok *t, const char *s, size_t len, int flags, size_
     int32_t *ids = malloc((len + 1) * sizeof *ids);
     ae_error err = {{0}};
     assert_non_null(ids);
-    if (tok_encode(t, s, len, flags, ids, len + 1, n, &err) != AE_OK)
-        fail_msg("tok_encode: %s", err.msg);
+    if (tok_encode(t, s, len, flags, ids, len + 1, n, &err) != AE_OK) fail_msg("tok_encode: %s", err.msg);
     return ids;
 }
 
@@ -217,7 +216,10 @@ static void test_bytes_missing_from_the_vocabulary_are_dropped(void **state) {
     assert_int_equal(count, 21);
     assert_true(missing[0x1D] && missing[0xFF] && missing[0xC0]);
     size_t n;
-    int32_t *ids = encode(json_tok[0], "a\x1D" "b", 3, 0, &n);
+    int32_t *ids = encode(json_tok[0],
+                          "a\x1D"
+                          "b",
+                          3, 0, &n);
     assert_int_equal(n, 2);
     assert_int_equal(ids[0], tok_find(json_tok[0], "a", 1));
     assert_int_equal(ids[1], tok_find(json_tok[0], "b", 1));
@@ -237,8 +239,7 @@ static void test_decode_inverts_encode(void **state) {
             for (size_t j = 0; j < r->len; j++)
                 if (!missing[(uint8_t)r->text[j]]) want[want_len++] = r->text[j];
             int32_t *ids = encode(json_tok[k], r->text, r->len, TOK_PARSE_SPECIAL, &n);
-            assert_int_equal(tok_decode(json_tok[k], ids, n, false, out, r->len + 1, &len, NULL),
-                             AE_OK);
+            assert_int_equal(tok_decode(json_tok[k], ids, n, false, out, r->len + 1, &len, NULL), AE_OK);
             assert_int_equal(len, want_len);
             assert_memory_equal(out, want, want_len);
             assert_int_equal(out[len], '\0');
@@ -375,7 +376,10 @@ static void test_metadata_json(void **state) {
 static void test_token_bytes_unmap_the_byte_level_text(void **state) {
     (void)state;
     const tok *t = json_tok[0];
-    int32_t id = tok_find(t, "\xC4\xA0" "hello", 7); /* "Ġhello" */
+    int32_t id = tok_find(t,
+                          "\xC4\xA0"
+                          "hello",
+                          7); /* "Ġhello" */
     assert_true(id > 16);
     size_t len;
     const uint8_t *b = tok_token_bytes(t, id, &len);
@@ -428,7 +432,8 @@ static void test_add_bos_only_when_the_model_asks(void **state) {
     FILE *f = fopen(cfg, "w");
     assert_non_null(f);
     fputs("{\"add_bos_token\": true, \"bos_token\": {\"content\": \"<|endoftext|>\"},"
-          " \"eos_token\": \"<|im_end|>\"}", f);
+          " \"eos_token\": \"<|im_end|>\"}",
+          f);
     fclose(f);
     tok *t = NULL;
     ae_error err = {{0}};
@@ -490,14 +495,20 @@ static void test_invalid_utf8_encodes_and_decodes_lossily(void **state) {
     static const struct {
         const char *in, *out;
     } cases[] = {
-        {"\xE2\x82", "\xEF\xBF\xBD"},                       /* truncated: one U+FFFD */
-        {"\xE2\x82" "a", "\xEF\xBF\xBD" "a"},
-        {"\x80", "\xEF\xBF\xBD"},                          /* lone continuation */
+        {"\xE2\x82", "\xEF\xBF\xBD"}, /* truncated: one U+FFFD */
+        {"\xE2\x82"
+         "a",
+         "\xEF\xBF\xBD"
+         "a"},
+        {"\x80", "\xEF\xBF\xBD"},                                 /* lone continuation */
         {"\xE0\x80\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"}, /* overlong */
         {"\xED\xA0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"}, /* surrogate */
         {"\xF4\x90\x80\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
-        {"ab\x80" "cd", "ab\xEF\xBF\xBD" "cd"},
-        {"\xF0\x9F\x98\x80", "\xF0\x9F\x98\x80"},           /* valid emoji survives */
+        {"ab\x80"
+         "cd",
+         "ab\xEF\xBF\xBD"
+         "cd"},
+        {"\xF0\x9F\x98\x80", "\xF0\x9F\x98\x80"}, /* valid emoji survives */
         {" \xF0\x9F\x98", " \xEF\xBF\xBD"},
     };
     for (int k = 0; k < N_CONFIGS; k++) {
@@ -512,8 +523,7 @@ static void test_invalid_utf8_encodes_and_decodes_lossily(void **state) {
             }
             assert_int_equal(bytes, strlen(cases[i].in));
             char out[64];
-            assert_int_equal(tok_decode(json_tok[k], ids, n, false, out, sizeof out, &len, NULL),
-                             AE_OK);
+            assert_int_equal(tok_decode(json_tok[k], ids, n, false, out, sizeof out, &len, NULL), AE_OK);
             assert_int_equal(len, strlen(cases[i].out));
             assert_string_equal(out, cases[i].out);
             free(ids);
@@ -589,8 +599,7 @@ static void *encode_corpus_thread(void *p) {
             int32_t *ids = malloc((r->len + 1) * sizeof *ids);
             size_t n;
             if (tok_encode(a->t, r->text, r->len, TOK_PARSE_SPECIAL, ids, r->len + 1, &n, NULL) ||
-                n != r->n_ids[a->config] ||
-                memcmp(ids, r->ids[a->config], n * sizeof *ids) != 0)
+                n != r->n_ids[a->config] || memcmp(ids, r->ids[a->config], n * sizeof *ids) != 0)
                 a->mismatches++;
             free(ids);
         }
@@ -638,8 +647,7 @@ static void expect_json_error(const char *json, const char *needle) {
 
 static void test_json_errors_name_the_problem(void **state) {
     (void)state;
-    expect_json_error("{\"model\":{\"type\":\"BPE\"," VOCAB "},\"pre_tokenizer\":" BL "}",
-                      "model.merges: missing");
+    expect_json_error("{\"model\":{\"type\":\"BPE\"," VOCAB "},\"pre_tokenizer\":" BL "}", "model.merges: missing");
     expect_json_error("{\"model\":{\"type\":\"BPE\"," VOCAB ",\"merges\":[]},"
                       "\"pre_tokenizer\":{\"type\":\"Metaspace\"}}",
                       "pre_tokenizer Metaspace is not supported");
@@ -650,8 +658,7 @@ static void test_json_errors_name_the_problem(void **state) {
     expect_json_error("{\"model\":{\"type\":\"BPE\"," VOCAB ",\"merges\":[]},"
                       "\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"use_regex\":false}}",
                       "pre_tokenizer ByteLevel is not supported");
-    expect_json_error("{\"model\":{\"type\":\"WordPiece\"," VOCAB "}}",
-                      "model.type WordPiece is not supported");
+    expect_json_error("{\"model\":{\"type\":\"WordPiece\"," VOCAB "}}", "model.type WordPiece is not supported");
     expect_json_error("{\"model\":{\"type\":\"BPE\"," VOCAB ",\"merges\":[\"a c\"]},"
                       "\"pre_tokenizer\":" BL "}",
                       "merge 0 \"a c\": right token not in the vocabulary");
@@ -714,7 +721,8 @@ static void test_plain_added_tokens_split_even_without_specials(void **state) {
     FILE *f = fopen(path, "w");
     fputs("{\"model\":{\"type\":\"BPE\"," VOCAB ",\"merges\":[\"a b\"]},\"pre_tokenizer\":" BL
           ",\"added_tokens\":[{\"id\":3,\"content\":\"<x>\",\"special\":true},"
-          "{\"id\":4,\"content\":\"<y>\",\"special\":false}]}", f);
+          "{\"id\":4,\"content\":\"<y>\",\"special\":false}]}",
+          f);
     fclose(f);
     tok *t = NULL;
     ae_error err = {{0}};
@@ -745,8 +753,10 @@ static tok *tiny_with_added(const char *added_json) {
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     FILE *f = fopen(path, "w");
     assert_non_null(f);
-    fprintf(f, "{\"model\":{\"type\":\"BPE\"," VOCAB ",\"merges\":[\"a b\"]},\"pre_tokenizer\":" BL
-               ",\"added_tokens\":[%s]}", added_json);
+    fprintf(f,
+            "{\"model\":{\"type\":\"BPE\"," VOCAB ",\"merges\":[\"a b\"]},\"pre_tokenizer\":" BL
+            ",\"added_tokens\":[%s]}",
+            added_json);
     fclose(f);
     tok *t = NULL;
     ae_error err = {{0}};
@@ -843,7 +853,8 @@ static void test_many_added_tokens_match_in_linear_time(void **state) {
     assert_true(json && text);
     size_t w = 0;
     for (int i = 0; i < N_ADDED; i++)
-        w += (size_t)sprintf(json + w, "%s{\"id\":%d,\"content\":\"<|t%d|>\",\"special\":true}", i ? "," : "", 3 + i, i);
+        w +=
+            (size_t)sprintf(json + w, "%s{\"id\":%d,\"content\":\"<|t%d|>\",\"special\":true}", i ? "," : "", 3 + i, i);
     tok *many = tiny_with_added(json);
     tok *one = tiny_with_added("{\"id\":45,\"content\":\"<|t42|>\",\"special\":true}");
     for (size_t i = 0; i < LEN; i++) text[i] = i % 2 ? '|' : '<';

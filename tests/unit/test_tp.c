@@ -143,12 +143,9 @@ static void test_shard_views_are_exact_slices_of_the_full_weights(void **state) 
     struct {
         int32_t R, rank, q0, nq, k0, nk, f0, nf, o_off, d_off;
     } cases[] = {
-        {1, 0, 0, 576, 0, 192, 0, 1536, 0, 0},
-        {2, 0, 0, 384, 0, 128, 0, 768, 0, 0},
-        {2, 1, 384, 192, 128, 64, 768, 768, 240, 480},
-        {3, 0, 0, 192, 0, 64, 0, 512, 0, 0},
-        {3, 1, 192, 192, 64, 64, 512, 512, 120, 320},
-        {3, 2, 384, 192, 128, 64, 1024, 512, 240, 640},
+        {1, 0, 0, 576, 0, 192, 0, 1536, 0, 0},         {2, 0, 0, 384, 0, 128, 0, 768, 0, 0},
+        {2, 1, 384, 192, 128, 64, 768, 768, 240, 480}, {3, 0, 0, 192, 0, 64, 0, 512, 0, 0},
+        {3, 1, 192, 192, 64, 64, 512, 512, 120, 320},  {3, 2, 384, 192, 128, 64, 1024, 512, 240, 640},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         tp_split sp = plan(cases[i].R);
@@ -215,7 +212,7 @@ typedef struct plain {
     pool *pool;
     kn_stream *stream;
     forward_ws *ws;
-    kn_kv_pool *kv; /* [n_layers] */
+    kn_kv_pool *kv;   /* [n_layers] */
     uint16_t *kv_mem; /* f16 */
 } plain;
 
@@ -224,7 +221,9 @@ static void plain_init(plain *p) {
     ae_error err = {0};
     memset(p, 0, sizeof *p);
     if (pool_init(&p->pool, 2, &err) != AE_OK ||
-        kn_stream_init(&p->stream, &kn_backend_cpu, &(kn_stream_config){p->pool, forward_stream_workspace(mdl, N_PROMPT, N_PROMPT + N_GEN)}, &err) != AE_OK ||
+        kn_stream_init(&p->stream, &kn_backend_cpu,
+                       &(kn_stream_config){p->pool, forward_stream_workspace(mdl, N_PROMPT, N_PROMPT + N_GEN)},
+                       &err) != AE_OK ||
         forward_ws_init(&p->ws, mdl, N_PROMPT, 1, &err) != AE_OK)
         fail_msg("%s", err.msg);
     size_t n = (size_t)N_BLOCKS * BLOCK * (size_t)c->n_kv_heads * (size_t)c->head_dim;
@@ -233,8 +232,15 @@ static void plain_init(plain *p) {
     assert_non_null(p->kv_mem);
     assert_non_null(p->kv);
     for (int32_t l = 0; l < c->n_layers; l++)
-        p->kv[l] = (kn_kv_pool){p->kv_mem + (size_t)(2 * l) * n, p->kv_mem + (size_t)(2 * l + 1) * n, NULL,
-                                N_BLOCKS, BLOCK, c->n_kv_heads, c->head_dim, GGML_TYPE_F16, 0.0f};
+        p->kv[l] = (kn_kv_pool){p->kv_mem + (size_t)(2 * l) * n,
+                                p->kv_mem + (size_t)(2 * l + 1) * n,
+                                NULL,
+                                N_BLOCKS,
+                                BLOCK,
+                                c->n_kv_heads,
+                                c->head_dim,
+                                GGML_TYPE_F16,
+                                0.0f};
 }
 
 static void plain_free(plain *p) {
@@ -246,8 +252,12 @@ static void plain_free(plain *p) {
 }
 
 static tp_group *group_new(int32_t R) {
-    tp_config cfg = {.n_ranks = R, .threads_per_rank = 1, .max_tokens = N_PROMPT, .max_logits = 1,
-                     .kv_blocks = N_BLOCKS, .block_size = BLOCK};
+    tp_config cfg = {.n_ranks = R,
+                     .threads_per_rank = 1,
+                     .max_tokens = N_PROMPT,
+                     .max_logits = 1,
+                     .kv_blocks = N_BLOCKS,
+                     .block_size = BLOCK};
     tp_group *g = NULL;
     ae_error err = {0};
     if (tp_group_init(&g, mdl, &cfg, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -264,8 +274,10 @@ static run_result *generate(int32_t R, int32_t n_gen) {
     assert_non_null(res->logits);
     plain p = {0};
     tp_group *g = NULL;
-    if (R == 0) plain_init(&p);
-    else g = group_new(R);
+    if (R == 0)
+        plain_init(&p);
+    else
+        g = group_new(R);
 
     const int32_t table[N_BLOCKS] = {0, 1, 2, 3};
     int32_t cur[N_PROMPT], pos[N_PROMPT], seq[N_PROMPT], slot[N_PROMPT], n_prefix[N_PROMPT], zero[N_PROMPT];
@@ -282,15 +294,19 @@ static run_result *generate(int32_t R, int32_t n_gen) {
         int32_t last = m - 1;
         float *logits = res->logits + (size_t)step * (size_t)V;
         forward_batch b = {m, cur, pos, &map, 1, &last, logits, NULL};
-        if (g) tp_forward(g, NULL, &b);
-        else forward_pass(mdl, p.stream, NULL, p.kv, p.ws, &b);
+        if (g)
+            tp_forward(g, NULL, &b);
+        else
+            forward_pass(mdl, p.stream, NULL, p.kv, p.ws, &b);
         len += m;
         res->tokens[step] = argmax(logits);
         cur[0] = res->tokens[step];
         m = 1;
     }
-    if (g) tp_group_free(g);
-    else plain_free(&p);
+    if (g)
+        tp_group_free(g);
+    else
+        plain_free(&p);
     return res;
 }
 
@@ -411,8 +427,12 @@ static run_result *engine_run(engine *e, int32_t R) {
     return res;
 }
 
-static const engine_config engine_cfg = {.max_batch_tokens = N_PROMPT, .max_seqs = 2, .max_seq_len = N_BLOCKS * BLOCK,
-                                      .kv_tokens = 2 * N_BLOCKS * BLOCK, .block_size = BLOCK, .threads = 2};
+static const engine_config engine_cfg = {.max_batch_tokens = N_PROMPT,
+                                         .max_seqs = 2,
+                                         .max_seq_len = N_BLOCKS * BLOCK,
+                                         .kv_tokens = 2 * N_BLOCKS * BLOCK,
+                                         .block_size = BLOCK,
+                                         .threads = 2};
 
 static run_result *engine_generate(int32_t R) {
     engine *e;

@@ -30,7 +30,8 @@ static void expect_frontier(const tree_build *b, const int32_t *want, int32_t n)
     for (int32_t i = 0; i < n; i++) assert_int_equal(b->frontier[i], want[i]);
 }
 
-static void expect_tree(const tree_out *t, int32_t n, const int32_t *tokens, const int32_t *parents, const float *probs) {
+static void expect_tree(const tree_out *t, int32_t n, const int32_t *tokens, const int32_t *parents,
+                        const float *probs) {
     assert_int_equal(t->n, n);
     for (int32_t i = 0; i < n; i++) {
         assert_int_equal(t->tokens[i], tokens[i]);

@@ -331,8 +331,7 @@ static fit pearson(const long *count, const double *prob, int n, long total) {
  *   cond:  the second token given the first is node 3's token, against
  *          P at node 3.
  * The emitted tokens are the path's tokens after the root, then the bonus. */
-static void fit_sampled_output(verify_fn fn, const sample_params *p, long n, uint64_t seed, fit *joint,
-                               fit *cond) {
+static void fit_sampled_output(verify_fn fn, const sample_params *p, long n, uint64_t seed, fit *joint, fit *cond) {
     sample_state *s = make(SV);
     verify_tree t = {SN, s_tokens, s_parents, s_logits, SV, NULL, NULL};
     float dense[SN][SV];

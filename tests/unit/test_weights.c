@@ -30,13 +30,16 @@ static void write_st(const char *dir, const blob *b, int n) {
     for (int i = 0; i < n; i++) {
         size_t len = strlen(header);
         if (b[i].cols)
-            snprintf(header + len, sizeof header - len, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[%lld,%lld],"
-                     "\"data_offsets\":[%zu,%zu]}", i ? "," : "", b[i].name, b[i].dtype, (long long)b[i].rows,
-                     (long long)b[i].cols, at, at + b[i].bytes);
-        else
-            snprintf(header + len, sizeof header - len, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[%lld],"
-                     "\"data_offsets\":[%zu,%zu]}", i ? "," : "", b[i].name, b[i].dtype, (long long)b[i].rows, at,
+            snprintf(header + len, sizeof header - len,
+                     "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[%lld,%lld],"
+                     "\"data_offsets\":[%zu,%zu]}",
+                     i ? "," : "", b[i].name, b[i].dtype, (long long)b[i].rows, (long long)b[i].cols, at,
                      at + b[i].bytes);
+        else
+            snprintf(header + len, sizeof header - len,
+                     "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[%lld],"
+                     "\"data_offsets\":[%zu,%zu]}",
+                     i ? "," : "", b[i].name, b[i].dtype, (long long)b[i].rows, at, at + b[i].bytes);
         at += b[i].bytes;
     }
     strcat(header, "}");
@@ -96,8 +99,8 @@ static void int4_groups(bool odd_scale, int32_t packed[8], uint16_t scale[2]) {
         uint32_t stored = (uint32_t)NIB(j); /* q + 8 */
         packed[j / 8] = (int32_t)((uint32_t)packed[j / 8] | stored << (4 * (j % 8)));
     }
-    scale[0] = 0x3f00;                         /* 0.5 */
-    scale[1] = odd_scale ? 0x4780 : 0x3e80;    /* 65536 or 0.25 */
+    scale[0] = 0x3f00;                      /* 0.5 */
+    scale[1] = odd_scale ? 0x4780 : 0x3e80; /* 65536 or 0.25 */
 }
 
 static void int4_reads_as_q4_0_or_f32(void **state) {

@@ -29,10 +29,9 @@ struct launch {
     unsigned n_threads;
     pthread_barrier_t block_bar;
     pthread_barrier_t warp_bar[SHIM_MAX_THREADS / SHIM_WARP];
-    double xch[SHIM_MAX_THREADS]; /* a shuffle's values, by thread */
+    double xch[SHIM_MAX_THREADS];     /* a shuffle's values, by thread */
     unsigned syncs[SHIM_MAX_THREADS]; /* __syncthreads reached in this block, by thread */
 };
-
 
 /* One launch at a time: __shared__ variables are statics. */
 static pthread_mutex_t g_launch_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -110,7 +109,6 @@ static double shfl_xor(unsigned mask, double v, int lane_mask, int width) {
     __syncthreads();
     return r;
 }
-
 
 /* A fiber's life: park, run a block's thread when resumed, say so, park. */
 static void fiber_main(void) {
@@ -220,7 +218,6 @@ static double shfl_xor(unsigned mask, double v, int lane_mask, int width) {
     pthread_barrier_wait(warp_barrier());
     return r;
 }
-
 
 /* The threads that play CUDA threads: made on first need and kept (a
  * launch only wakes them), since making 128 threads per launch cost more
@@ -335,7 +332,7 @@ struct shim_graph {
 };
 struct shim_stream {
     bool capturing;
-    bool invalidated; /* a refused call while capturing */
+    bool invalidated;  /* a refused call while capturing */
     shim_graph *graph; /* what is being recorded */
 };
 struct shim_event {
@@ -604,7 +601,7 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *g) {
 }
 
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status) {
-    *status = !s->capturing ? cudaStreamCaptureStatusNone
+    *status = !s->capturing    ? cudaStreamCaptureStatusNone
               : s->invalidated ? cudaStreamCaptureStatusInvalidated
                                : cudaStreamCaptureStatusActive;
     return cudaSuccess;

@@ -156,8 +156,8 @@ void shim_launch(dim3 grid, dim3 block, const std::function<void()> &fn);
  * values, whatever the variables they came from hold by then. */
 void shim_launch_on(cudaStream_t s, dim3 grid, dim3 block, const std::function<void()> &fn);
 
-#define KN_LAUNCH(kernel, grid, block, stream, ...)                                       \
-    shim_launch_on((stream), (grid), (block),                                             \
+#define KN_LAUNCH(kernel, grid, block, stream, ...) \
+    shim_launch_on((stream), (grid), (block), \
                    [shim_args_ = std::make_tuple(__VA_ARGS__)]() { std::apply(kernel, shim_args_); })
 
 #endif
