@@ -384,12 +384,14 @@ test:
 	@tools/run_tests.sh
 
 # The quick loop while working: installs nothing (run make test once
-# first) and fuzzes nothing. Builds everything but the fuzzers and TSan
+# first) and fuzzes nothing; it fetches the default model if it is missing,
+# since the unit suites read it. Builds everything but the fuzzers and TSan
 # with warnings as errors, then checks the layout (tools/format.sh), the
 # names (tools/check_names.py) and runs the ASan unit suites. A failed check
 # does not stop the others; the last line sums them.
 check:
 	$(MAKE) -j$(JOBS) all $(UNIT_BIN) $(MODEL_BIN)
+	@tools/fetch_model.sh
 	@tools/check.sh $(UNIT_BIN)
 
 # Rewrites the files that are off the layout (.clang-format).
