@@ -1,26 +1,40 @@
 /* aerie make-model: a Llama-shaped GGUF with random weights, for speed
- * measurements where no checkpoint can be fetched (a lent GPU machine
- * reaches no model hub). The values mean nothing; the shapes, types and
- * bytes are those of the named model, so a decode step reads what the
- * real one would.
+ * measurements and tests where no checkpoint can be fetched (a lent GPU
+ * machine reaches no model hub, and has no llama.cpp to quantize with).
+ * The values mean nothing; the shapes, types and bytes are those of the
+ * named model, so a decode step reads what the real one would.
  *
- * Weights: matrices of the chosen type (bf16, f16, f32, q8_0, q4_0,
- * q4_1): float values uniform in [-0.05, 0.05]; quantized blocks with
- * random quants and a scale of 0.005 (q4_1: offset -0.04). Norms are f32
- * ones. The bytes come from a 16 MiB random pool, repeated, so writing
- * 16 GB is bound by the disk, not the generator. Progress goes to stderr
- * every GiB. */
+ * Weights: every matrix is gaussian, std 0.02, from a generator seeded by
+ * the tensor's place in the file and the row, so the file is the same
+ * bytes on every machine and with any number of threads (it uses every
+ * CPU); then quantized to its type by quant_quantize
+ * (services/model/quant_encode.c), so each block holds what a quantizer
+ * writes. Norms are f32 ones.
+ *
+ * Types: one for every matrix (bf16, f16, f32, q8_0, q4_0, q4_1, q5_0,
+ * q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, mxfp4), or one of
+ * llama.cpp's mixes, q4_k_m and q5_k_m: Q4_K (Q5_K) but for output.weight
+ * in Q6_K, and attn_v and ffn_down in Q6_K in the layers llama.cpp's
+ * use_more_bits picks (the first and last eighth, and every third layer
+ * between). As llama.cpp does, a matrix whose rows do not fill whole
+ * 256-element super-blocks falls back: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to
+ * Q8_0, and Q2_K, Q3_K and IQ4_XS to IQ4_NL (the 135M shape's 576-wide
+ * rows). Progress goes to stderr every GiB. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "../services/core/pool.h"
 #include "../services/model/quant.h"
 #include "cli.h"
 
 static const config_option opts[] = {
     {"shape", CONFIG_STRING, "llama-3.1-8b", 0, 0, "llama-3.1-8b or smollm2-135m"},
-    {"type", CONFIG_STRING, "q4_0", 0, 0, "weight matrices: bf16, f16, f32, q8_0, q4_0 or q4_1"},
+    {"type", CONFIG_STRING, "q4_0", 0, 0,
+     "weight matrices: bf16, f16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, "
+     "mxfp4, or the mixes q4_k_m and q5_k_m"},
     {"layers", CONFIG_INT, "0", 0, 1024, "blocks (0: the shape's)"},
     {"vocab", CONFIG_INT, "0", 0, 1 << 24, "vocabulary (0: the shape's)"},
     {"out", CONFIG_STRING, NULL, 0, 0, "the .gguf file to write"},
@@ -38,14 +52,10 @@ static const shape SHAPES[] = {
     {"smollm2-135m", 30, 576, 1536, 9, 3, 49152, 8192, 100000.0, 1e-5},
 };
 
-#define POOL_BYTES (16u << 20)
-
 typedef struct writer {
     FILE *f;
     const char *path;
     uint64_t written, next_report;
-    uint8_t *pool;
-    size_t pool_at;
 } writer;
 
 static int put(writer *w, const void *p, size_t n, ae_error *err) {
@@ -84,74 +94,161 @@ typedef struct tensor {
     uint64_t bytes, offset;
 } tensor;
 
-/* `bytes` of data for t from the random pool, with the scales of each
- * quantized block (and every float) set to sane values. */
-static int put_data(writer *w, const tensor *t, ae_error *err) {
-    if (t->type == GGML_TYPE_F32 && t->rows == 1) { /* a norm: ones */
-        float one = 1.0f;
-        for (int64_t i = 0; i < t->cols; i++)
-            if (put(w, &one, 4, err)) return AE_ERR;
-        return AE_OK;
+/* ---- random weights ---------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* ln(q) for q in (0, 1), from + - * / alone, so that every machine gets
+ * the same bits (libm's logf may differ in the last bit between builds):
+ * q = m * 2^e with m in [sqrt(1/2), sqrt(2)) (q is normal: at least
+ * 2^-46), ln m = 2 atanh(t) with t = (m - 1) / (m + 1), |t| < 0.172, by
+ * its series to t^11. */
+static float ln_unit(float q) {
+    uint32_t b;
+    memcpy(&b, &q, 4);
+    int e = (int)((b >> 23) & 0xffu) - 126;
+    b = (b & 0x007fffffu) | 0x3f000000u; /* m in [0.5, 1) */
+    float m;
+    memcpy(&m, &b, 4);
+    if (m < 0.70710678f) {
+        m *= 2.0f;
+        e--;
     }
-    uint64_t left = t->bytes;
-    size_t bb = quant_block_bytes(t->type);
-    while (left > 0) {
-        size_t n = POOL_BYTES - w->pool_at;
-        n -= n % (bb * 64); /* whole blocks */
-        if (n == 0) {
-            w->pool_at = 0;
-            continue;
+    float t = (m - 1.0f) / (m + 1.0f), t2 = t * t;
+    float p = 1.0f / 11.0f;
+    p = p * t2 + 1.0f / 9.0f;
+    p = p * t2 + 1.0f / 7.0f;
+    p = p * t2 + 1.0f / 5.0f;
+    p = p * t2 + 1.0f / 3.0f;
+    p = p * t2 + 1.0f;
+    return 2.0f * t * p + (float)e * 0.693147181f;
+}
+
+/* n (even) gaussian values of standard deviation sd, by Marsaglia's polar
+ * method: a point uniform in the square, kept when inside the unit
+ * circle, gives two. Points are drawn and kept without branches a batch
+ * at a time, then turned into values. */
+static void gaussian_row(uint64_t seed, float sd, float *x, int64_t n) {
+    enum { BATCH = 64 };
+    float u[BATCH + 1], v[BATCH + 1], q[BATCH + 1];
+    uint64_t s = seed;
+    for (int64_t i = 0; i + 1 < n;) {
+        int want = (int)((n - i) / 2 < BATCH ? (n - i) / 2 : BATCH), k = 0;
+        while (k < want) {
+            uint64_t r = splitmix64(&s);
+            u[k] = (float)(r >> 40) * 0x1p-23f - 1.0f;
+            v[k] = (float)((r >> 16) & 0xffffffu) * 0x1p-23f - 1.0f;
+            q[k] = u[k] * u[k] + v[k] * v[k];
+            k += q[k] > 0.0f && q[k] < 1.0f; /* a rejected point is overwritten */
         }
-        if (n > left) n = (size_t)left;
-        if (put(w, w->pool + w->pool_at, n, err)) return AE_ERR;
-        w->pool_at += n;
-        left -= n;
+        for (int j = 0; j < want; j++) {
+            float f = sqrtf(-2.0f * ln_unit(q[j]) / q[j]) * sd;
+            x[i + 2 * j] = u[j] * f;
+            x[i + 2 * j + 1] = v[j] * f;
+        }
+        i += 2 * want;
+    }
+}
+
+/* One slab of rows of a tensor, made by the pool's threads: each task
+ * takes a share of the rows, fills its scratch row and quantizes it into
+ * its place in out. */
+typedef struct slab {
+    const tensor *t;
+    uint64_t seed; /* the tensor's */
+    int64_t row0, rows;
+    size_t row_bytes;
+    float *scratch; /* cols floats per task */
+    uint8_t *out;
+} slab;
+
+static void slab_task(void *ctx, int task, int n_tasks) {
+    slab *s = ctx;
+    int64_t cols = s->t->cols;
+    float *x = s->scratch + (size_t)task * (size_t)cols;
+    for (int64_t r = s->rows * task / n_tasks; r < s->rows * (task + 1) / n_tasks; r++) {
+        uint64_t row = (uint64_t)(s->row0 + r);
+        gaussian_row(s->seed ^ (row * 0xd1342543de82ef95ull), 0.02f, x, cols);
+        quant_quantize(s->t->type, x, s->out + (size_t)r * s->row_bytes, (uint64_t)cols);
+    }
+}
+
+#define SLAB_BYTES (32u << 20)
+
+/* t's data: a norm is ones, a matrix random weights in its type. */
+static int put_data(writer *w, pool *p, const tensor *t, int64_t index, uint8_t *buf, float *scratch, ae_error *err) {
+    if (t->type == GGML_TYPE_F32 && t->rows == 1) { /* a norm: ones */
+        float *ones = (float *)(void *)buf;
+        for (int64_t i = 0; i < t->cols; i++) ones[i] = 1.0f;
+        return put(w, ones, (size_t)t->cols * sizeof(float), err);
+    }
+    size_t row_bytes = (size_t)quant_row_bytes(t->type, (uint64_t)t->cols);
+    int64_t per_slab = (int64_t)(SLAB_BYTES / row_bytes);
+    if (per_slab < 1) per_slab = 1;
+    slab s = {.t = t, .row_bytes = row_bytes, .scratch = scratch, .out = buf};
+    uint64_t seed = 0x6d616b652d6d6f64ull + (uint64_t)index;
+    s.seed = splitmix64(&seed);
+    for (int64_t r = 0; r < t->rows; r += per_slab) {
+        s.row0 = r;
+        s.rows = t->rows - r < per_slab ? t->rows - r : per_slab;
+        pool_run(p, slab_task, &s, pool_threads(p));
+        if (put(w, buf, (size_t)s.rows * row_bytes, err)) return AE_ERR;
     }
     return AE_OK;
 }
 
-/* The pool for one type: random values, then each block's scales fixed. */
-static uint8_t *make_pool(ggml_type t) {
-    uint8_t *p = malloc(POOL_BYTES);
-    if (!p) return NULL;
-    uint64_t s = 0x9e3779b97f4a7c15ull;
-    for (size_t i = 0; i < POOL_BYTES; i += 8) {
-        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-        memcpy(p + i, &s, 8);
-    }
-    size_t bb = quant_block_bytes(t);
-    for (size_t b = 0; b + bb <= POOL_BYTES; b += bb) {
-        uint8_t *blk = p + b;
-        if (quant_block_elems(t) == 1) { /* a float: uniform in [-0.05, 0.05] from its own random bits */
-            uint16_t r;
-            memcpy(&r, blk, 2);
-            float v = ((float)r / 65535.0f - 0.5f) * 0.1f;
-            uint16_t h = t == GGML_TYPE_BF16 ? quant_f32_to_bf16(v) : quant_f32_to_f16(v);
-            if (t == GGML_TYPE_F32)
-                memcpy(blk, &v, 4);
-            else
-                memcpy(blk, &h, 2);
-        } else {
-            uint16_t d = quant_f32_to_f16(0.005f), m = quant_f32_to_f16(-0.04f);
-            memcpy(blk, &d, 2);
-            if (t == GGML_TYPE_Q4_1) memcpy(blk + 2, &m, 2);
-        }
-    }
-    return p;
-}
+/* ---- types --------------------------------------------------------------------- */
 
-static int parse_type(const char *s, ggml_type *t, ae_error *err) {
-    static const struct {
-        const char *name;
-        ggml_type t;
-    } types[] = {{"bf16", GGML_TYPE_BF16}, {"f16", GGML_TYPE_F16},   {"f32", GGML_TYPE_F32},
-                 {"q8_0", GGML_TYPE_Q8_0}, {"q4_0", GGML_TYPE_Q4_0}, {"q4_1", GGML_TYPE_Q4_1}};
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-        if (!strcmp(s, types[i].name)) {
-            *t = types[i].t;
+static const struct {
+    const char *name;
+    ggml_type t;
+    bool mix; /* llama.cpp's _M mix around t */
+} TYPE_NAMES[] = {
+    {"bf16", GGML_TYPE_BF16, false},   {"f16", GGML_TYPE_F16, false},       {"f32", GGML_TYPE_F32, false},
+    {"q8_0", GGML_TYPE_Q8_0, false},   {"q4_0", GGML_TYPE_Q4_0, false},     {"q4_1", GGML_TYPE_Q4_1, false},
+    {"q5_0", GGML_TYPE_Q5_0, false},   {"q5_1", GGML_TYPE_Q5_1, false},     {"q2_k", GGML_TYPE_Q2_K, false},
+    {"q3_k", GGML_TYPE_Q3_K, false},   {"q4_k", GGML_TYPE_Q4_K, false},     {"q5_k", GGML_TYPE_Q5_K, false},
+    {"q6_k", GGML_TYPE_Q6_K, false},   {"iq4_nl", GGML_TYPE_IQ4_NL, false}, {"iq4_xs", GGML_TYPE_IQ4_XS, false},
+    {"mxfp4", GGML_TYPE_MXFP4, false}, {"q4_k_m", GGML_TYPE_Q4_K, true},    {"q5_k_m", GGML_TYPE_Q5_K, true},
+};
+
+static int parse_type(const char *s, ggml_type *t, bool *mix, ae_error *err) {
+    for (size_t i = 0; i < sizeof TYPE_NAMES / sizeof TYPE_NAMES[0]; i++)
+        if (!strcmp(s, TYPE_NAMES[i].name)) {
+            *t = TYPE_NAMES[i].t;
+            *mix = TYPE_NAMES[i].mix;
             return AE_OK;
         }
-    return err_set(err, "--type %s: expected bf16, f16, f32, q8_0, q4_0 or q4_1", s);
+    char names[256] = "";
+    for (size_t i = 0; i < sizeof TYPE_NAMES / sizeof TYPE_NAMES[0]; i++) {
+        size_t at = strlen(names);
+        snprintf(names + at, sizeof names - at, "%s%s", i ? ", " : "", TYPE_NAMES[i].name);
+    }
+    return err_set(err, "--type %s: expected one of %s", s, names);
+}
+
+/* llama.cpp's use_more_bits: which layers of a _M mix get Q6_K for
+ * attn_v and ffn_down. */
+static bool more_bits(int64_t layer, int64_t layers) {
+    return layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2;
+}
+
+/* The type a matrix of rows `cols` wide gets: a K-quant or IQ4_XS falls
+ * back, as llama.cpp's quantizer does, when cols is no whole number of
+ * 256-element super-blocks. */
+static ggml_type fit_type(ggml_type t, int64_t cols) {
+    if (cols % (int64_t)quant_block_elems(t) == 0) return t;
+    switch (t) {
+    case GGML_TYPE_Q4_K: return GGML_TYPE_Q5_0;
+    case GGML_TYPE_Q5_K: return GGML_TYPE_Q5_1;
+    case GGML_TYPE_Q6_K: return GGML_TYPE_Q8_0;
+    default: return GGML_TYPE_IQ4_NL; /* Q2_K, Q3_K, IQ4_XS */
+    }
 }
 
 static int run(const config *c, int argc, char **argv, ae_error *err) {
@@ -163,7 +260,8 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
         if (!strcmp(sname, SHAPES[i].name)) sh = &SHAPES[i];
     if (!sh) return err_set(err, "--shape %s: expected llama-3.1-8b or smollm2-135m", sname), CLI_EXIT_USAGE;
     ggml_type type = GGML_TYPE_Q4_0;
-    if (parse_type(config_str(c, "type"), &type, err) != AE_OK) return CLI_EXIT_USAGE;
+    bool mix = false;
+    if (parse_type(config_str(c, "type"), &type, &mix, err) != AE_OK) return CLI_EXIT_USAGE;
     shape s = *sh;
     if (config_int(c, "layers") > 0) s.layers = config_int(c, "layers");
     if (config_int(c, "vocab") > 0) s.vocab = config_int(c, "vocab");
@@ -178,7 +276,7 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     (snprintf(ts[k].name, sizeof ts[k].name, "%s", nm), ts[k].rows = (r), ts[k].cols = (cl), ts[k].type = (ty), k++)
     T("token_embd.weight", s.vocab, s.hidden, type);
     T("output_norm.weight", 1, s.hidden, GGML_TYPE_F32);
-    T("output.weight", s.vocab, s.hidden, type);
+    T("output.weight", s.vocab, s.hidden, mix ? GGML_TYPE_Q6_K : type);
     for (int64_t l = 0; l < s.layers; l++) {
         char nm[64];
         static const char *sfx[9] = {"attn_norm",   "ffn_norm", "attn_q", "attn_k",  "attn_v",
@@ -194,12 +292,17 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
                               {s.hidden, s.ffn}};
         for (int j = 0; j < 9; j++) {
             snprintf(nm, sizeof nm, "blk.%" PRId64 ".%s.weight", l, sfx[j]);
-            T(nm, dims[j][0], dims[j][1], j < 2 ? GGML_TYPE_F32 : type);
+            ggml_type tt = j < 2 ? GGML_TYPE_F32 : type;
+            if (mix && (j == 4 || j == 8) && more_bits(l, s.layers)) tt = GGML_TYPE_Q6_K; /* attn_v, ffn_down */
+            T(nm, dims[j][0], dims[j][1], tt);
         }
     }
 #undef T
     uint64_t off = 0, total = 0;
+    int64_t max_cols = 0;
     for (int64_t i = 0; i < n_t; i++) {
+        ts[i].type = fit_type(ts[i].type, ts[i].cols);
+        max_cols = ts[i].cols > max_cols ? ts[i].cols : max_cols;
         ts[i].bytes = (uint64_t)ts[i].rows * quant_row_bytes(ts[i].type, (uint64_t)ts[i].cols);
         ts[i].offset = off;
         off += (ts[i].bytes + 31) & ~(uint64_t)31;
@@ -207,14 +310,24 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     }
 
     writer w = {.path = path, .next_report = 1ull << 30};
-    uint8_t *pool = make_pool(type);
-    w.f = fopen(path, "wb");
     int rc = CLI_EXIT_USAGE;
-    if (!pool || !w.f) {
+    int n_threads = pool_cpu_count(); /* the bytes do not depend on it */
+    pool *workers = NULL;
+    /* a slab, or one row if a row is larger; scratch rows for each thread */
+    size_t buf_bytes = SLAB_BYTES > (size_t)max_cols * sizeof(float) ? SLAB_BYTES : (size_t)max_cols * sizeof(float);
+    uint8_t *buf = malloc(buf_bytes);
+    float *scratch = NULL;
+    if (pool_init(&workers, n_threads, err) != AE_OK) goto out;
+    scratch = malloc((size_t)pool_threads(workers) * (size_t)max_cols * sizeof(float));
+    if (!buf || !scratch) {
+        err_set(err, "out of memory");
+        goto out;
+    }
+    w.f = fopen(path, "wb");
+    if (!w.f) {
         err_set(err, "%s: cannot write it", path);
         goto out;
     }
-    w.pool = pool;
     char name[96];
     snprintf(name, sizeof name, "random %s (%s)", s.name, config_str(c, "type"));
     if (put(&w, "GGUF", 4, err) || put_u32(&w, 3, err) || put_u64(&w, (uint64_t)n_t, err) || put_u64(&w, 11, err) ||
@@ -238,8 +351,7 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     static const uint8_t zeros[32];
     if (put(&w, zeros, (32 - w.written % 32) % 32, err)) goto out;
     for (int64_t i = 0; i < n_t; i++) {
-        w.pool_at = 0;
-        if (put_data(&w, &ts[i], err) ||
+        if (put_data(&w, workers, &ts[i], i, buf, scratch, err) ||
             put(&w, zeros, (size_t)(((ts[i].bytes + 31) & ~(uint64_t)31) - ts[i].bytes), err))
             goto out;
     }
@@ -255,7 +367,9 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     rc = 0;
 out:
     if (w.f) fclose(w.f);
-    free(pool);
+    pool_free(workers);
+    free(buf);
+    free(scratch);
     free(ts);
     return rc;
 }

@@ -48,6 +48,14 @@ HALF_FIELDS = {
 }
 
 
+# Types added after the cases above were committed. They draw from their
+# own generator, after the others, so the older cases keep their bytes.
+# IQ4_XS's u16 at 2 is bit fields, not a half; MXFP4's scale is an E8M0
+# byte, set to the edge values below in its first blocks.
+LATER_HALF_FIELDS = {T.IQ4_NL: [0], T.IQ4_XS: [0], T.MXFP4: []}
+MXFP4_EDGE_E = [0, 1, 2, 127, 128, 254, 255]
+
+
 def real_model(path):
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
@@ -87,9 +95,22 @@ def synthetic():
     # infinities and nans appear too.
     cases.append((T.F16, rng.integers(0, 256, size=256, dtype=np.uint8)))
     cases.append((T.BF16, rng.integers(0, 256, size=256, dtype=np.uint8)))
+    rng = np.random.default_rng(20250807)
+    for qt, fields in LATER_HALF_FIELDS.items():
+        _, type_size = GGML_QUANT_SIZES[qt]
+        n_blocks = len(MXFP4_EDGE_E) + 1 if qt == T.MXFP4 else 2
+        blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+        for b in range(n_blocks):
+            for off in fields:
+                h = np.float16(rng.uniform(-2.0, 2.0))
+                blocks[b, off:off + 2] = np.frombuffer(h.tobytes(), dtype=np.uint8)
+        if qt == T.MXFP4:
+            blocks[:len(MXFP4_EDGE_E), 0] = MXFP4_EDGE_E
+        cases.append((qt, blocks.reshape(-1)))
     out = []
     for qt, raw in cases:
-        y = dequantize(raw, qt).astype(np.float32).reshape(-1)
+        with np.errstate(over="ignore"):  # MXFP4 at e = 255: 12 * 2^127 is inf
+            y = dequantize(raw, qt).astype(np.float32).reshape(-1)
         out.append({
             "type": qt.name,
             "n": int(y.size),

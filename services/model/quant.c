@@ -45,10 +45,10 @@ static const type_info TYPES[GGML_TYPE_COUNT_MAX] = {
     [17] = {"IQ2_XS", QK_K, 74, false},
     [18] = {"IQ3_XXS", QK_K, 98, false},
     [19] = {"IQ1_S", QK_K, 50, false},
-    [20] = {"IQ4_NL", QK, 18, false},
+    [GGML_TYPE_IQ4_NL] = {"IQ4_NL", QK, 2 + QK / 2, true},
     [21] = {"IQ3_S", QK_K, 110, false},
     [22] = {"IQ2_S", QK_K, 82, false},
-    [23] = {"IQ4_XS", QK_K, 136, false},
+    [GGML_TYPE_IQ4_XS] = {"IQ4_XS", QK_K, 2 + 2 + QK_K / 64 + QK_K / 2, true},
     [GGML_TYPE_I8] = {"I8", 1, 1, false},
     [GGML_TYPE_I16] = {"I16", 1, 2, false},
     [GGML_TYPE_I32] = {"I32", 1, 4, false},
@@ -58,7 +58,7 @@ static const type_info TYPES[GGML_TYPE_COUNT_MAX] = {
     [GGML_TYPE_BF16] = {"BF16", 1, 2, true},
     [34] = {"TQ1_0", QK_K, 54, false},
     [35] = {"TQ2_0", QK_K, 66, false},
-    [39] = {"MXFP4", QK, 17, false},
+    [GGML_TYPE_MXFP4] = {"MXFP4", QK, 1 + QK / 2, true},
 };
 
 static const type_info *info_of(uint32_t t) {
@@ -100,6 +100,9 @@ uint64_t quant_row_bytes(ggml_type t, uint64_t n) {
     if (blocks > UINT64_MAX / ti->block_bytes) return 0;
     return blocks * ti->block_bytes;
 }
+
+const int8_t quant_kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t quant_kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* ---- f16 / bf16 ---------------------------------------------------------- */
 
@@ -387,6 +390,55 @@ static void deq_q6_k(const uint8_t *b, float *y) {
     }
 }
 
+/* IQ4_NL: half d; u8 qs[16], nibble order as Q4_0. A nibble indexes a
+ * non-uniform table instead of an offset: value = d * kvalues[q]. */
+static void deq_iq4_nl(const uint8_t *b, float *y) {
+    float d = ldh(b);
+    const uint8_t *qs = b + 2;
+    for (int j = 0; j < QK / 2; j++) {
+        y[j] = d * (float)quant_kvalues_iq4nl[qs[j] & 0x0f];
+        y[j + QK / 2] = d * (float)quant_kvalues_iq4nl[qs[j] >> 4];
+    }
+}
+
+/* IQ4_XS: half d; u16 scales_h; u8 scales_l[4]; u8 qs[128]. Eight runs of
+ * 32, each with a 6-bit scale ls: low four bits from nibble j % 2 of
+ * scales_l[j / 2], high two from bits 2j..2j+1 of scales_h. Run j uses qs
+ * bytes 16j..16j+15 in IQ4_NL's nibble order. value = (d * (ls - 32)) *
+ * kvalues[q], the first product rounded on its own. */
+static void deq_iq4_xs(const uint8_t *b, float *y) {
+    float d = ldh(b);
+    uint16_t sh = ld16(b + 2);
+    const uint8_t *sl = b + 4;
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < QK_K / QK; j++, qs += QK / 2, y += QK) {
+        int ls = ((sl[j / 2] >> (4 * (j % 2))) & 0x0f) | (((sh >> (2 * j)) & 3) << 4);
+        float dl = d * (float)(ls - 32);
+        for (int l = 0; l < QK / 2; l++) {
+            y[l] = dl * (float)quant_kvalues_iq4nl[qs[l] & 0x0f];
+            y[l + QK / 2] = dl * (float)quant_kvalues_iq4nl[qs[l] >> 4];
+        }
+    }
+}
+
+float quant_e8m0_to_f32_half(uint8_t e) {
+    /* 2^(e - 128): e < 2 lands among the f32 subnormals (bit 21 + e of the
+     * mantissa), the rest are normal with exponent field e - 1. */
+    return bits_f32(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+/* MXFP4: u8 e (E8M0); u8 qs[16], nibble order as Q4_0. The table holds
+ * the FP4 (E2M1) values doubled, so the scale is halved:
+ * value = kvalues_mxfp4[q] * 2^(e - 128). */
+static void deq_mxfp4(const uint8_t *b, float *y) {
+    float d = quant_e8m0_to_f32_half(b[0]);
+    const uint8_t *qs = b + 1;
+    for (int j = 0; j < QK / 2; j++) {
+        y[j] = d * (float)quant_kvalues_mxfp4[qs[j] & 0x0f];
+        y[j + QK / 2] = d * (float)quant_kvalues_mxfp4[qs[j] >> 4];
+    }
+}
+
 /* Q8_K: f32 d; i8 qs[256]; i16 bsums[16] (ignored here). */
 static void deq_q8_k(const uint8_t *b, float *y) {
     float d = bits_f32(ld32(b));
@@ -423,6 +475,9 @@ bool quant_dequantize(ggml_type t, const void *src, float *dst, uint64_t n) {
         case GGML_TYPE_Q5_K: deq_q5_k(b, dst); break;
         case GGML_TYPE_Q6_K: deq_q6_k(b, dst); break;
         case GGML_TYPE_Q8_K: deq_q8_k(b, dst); break;
+        case GGML_TYPE_IQ4_NL: deq_iq4_nl(b, dst); break;
+        case GGML_TYPE_IQ4_XS: deq_iq4_xs(b, dst); break;
+        case GGML_TYPE_MXFP4: deq_mxfp4(b, dst); break;
         default: return false; /* table and switch disagree: unreachable */
         }
     }
@@ -435,6 +490,7 @@ void quant_quantize_q8_0(const float *src, void *dst, uint64_t n) {
         float amax = 0;
         for (int i = 0; i < QK; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
         uint16_t dh = quant_f32_to_f16(amax / 127.0f);
+        if (dh >= 0x7c00u) dh = 0x7bffu; /* past f16's range: the largest half, never inf */
         float d = quant_f16_to_f32(dh), inv = d > 0 ? 1.0f / d : 0.0f;
         memcpy(out, &dh, 2);
         for (int i = 0; i < QK; i++) {

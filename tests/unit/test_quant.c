@@ -177,13 +177,17 @@ static void type_table_has_ggml_sizes(void **state) {
         const char *name;
         uint32_t elems, bytes;
     } want[] = {
-        {GGML_TYPE_F32, "F32", 1, 4},        {GGML_TYPE_F16, "F16", 1, 2},       {GGML_TYPE_BF16, "BF16", 1, 2},
-        {GGML_TYPE_Q4_0, "Q4_0", 32, 18},    {GGML_TYPE_Q4_1, "Q4_1", 32, 20},   {GGML_TYPE_Q5_0, "Q5_0", 32, 22},
-        {GGML_TYPE_Q5_1, "Q5_1", 32, 24},    {GGML_TYPE_Q8_0, "Q8_0", 32, 34},   {GGML_TYPE_Q8_1, "Q8_1", 32, 36},
-        {GGML_TYPE_Q2_K, "Q2_K", 256, 84},   {GGML_TYPE_Q3_K, "Q3_K", 256, 110}, {GGML_TYPE_Q4_K, "Q4_K", 256, 144},
-        {GGML_TYPE_Q5_K, "Q5_K", 256, 176},  {GGML_TYPE_Q6_K, "Q6_K", 256, 210}, {GGML_TYPE_Q8_K, "Q8_K", 256, 292},
-        {GGML_TYPE_I8, "I8", 1, 1},          {GGML_TYPE_I32, "I32", 1, 4},       {GGML_TYPE_F64, "F64", 1, 8},
-        {(ggml_type)23, "IQ4_XS", 256, 136},
+        {GGML_TYPE_F32, "F32", 1, 4},         {GGML_TYPE_F16, "F16", 1, 2},
+        {GGML_TYPE_BF16, "BF16", 1, 2},       {GGML_TYPE_Q4_0, "Q4_0", 32, 18},
+        {GGML_TYPE_Q4_1, "Q4_1", 32, 20},     {GGML_TYPE_Q5_0, "Q5_0", 32, 22},
+        {GGML_TYPE_Q5_1, "Q5_1", 32, 24},     {GGML_TYPE_Q8_0, "Q8_0", 32, 34},
+        {GGML_TYPE_Q8_1, "Q8_1", 32, 36},     {GGML_TYPE_Q2_K, "Q2_K", 256, 84},
+        {GGML_TYPE_Q3_K, "Q3_K", 256, 110},   {GGML_TYPE_Q4_K, "Q4_K", 256, 144},
+        {GGML_TYPE_Q5_K, "Q5_K", 256, 176},   {GGML_TYPE_Q6_K, "Q6_K", 256, 210},
+        {GGML_TYPE_Q8_K, "Q8_K", 256, 292},   {GGML_TYPE_I8, "I8", 1, 1},
+        {GGML_TYPE_I32, "I32", 1, 4},         {GGML_TYPE_F64, "F64", 1, 8},
+        {GGML_TYPE_IQ4_NL, "IQ4_NL", 32, 18}, {GGML_TYPE_IQ4_XS, "IQ4_XS", 256, 136},
+        {GGML_TYPE_MXFP4, "MXFP4", 32, 17},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         assert_true(quant_type_known(want[i].t));
@@ -214,6 +218,10 @@ static void row_bytes_requires_whole_blocks(void **state) {
     assert_int_equal(quant_row_bytes(GGML_TYPE_Q4_K, 100), 0);
     assert_int_equal(quant_row_bytes(GGML_TYPE_Q4_0, 33), 0);
     assert_int_equal(quant_row_bytes((ggml_type)4, 32), 0);
+    assert_int_equal(quant_row_bytes(GGML_TYPE_IQ4_NL, 576), 18 * 18);
+    assert_int_equal(quant_row_bytes(GGML_TYPE_IQ4_XS, 4096), 16 * 136);
+    assert_int_equal(quant_row_bytes(GGML_TYPE_MXFP4, 2880), 90 * 17);
+    assert_int_equal(quant_row_bytes(GGML_TYPE_IQ4_XS, 576), 0);
 }
 
 static void dequantize_rejects_bad_requests(void **state) {
@@ -226,6 +234,9 @@ static void dequantize_rejects_bad_requests(void **state) {
     assert_false(quant_can_dequantize(16));
     assert_false(quant_can_dequantize(GGML_TYPE_I32));
     assert_true(quant_can_dequantize(GGML_TYPE_Q6_K));
+    assert_true(quant_can_dequantize(GGML_TYPE_IQ4_NL));
+    assert_true(quant_can_dequantize(GGML_TYPE_IQ4_XS));
+    assert_true(quant_can_dequantize(GGML_TYPE_MXFP4));
     assert_true(quant_dequantize(GGML_TYPE_Q4_0, src, dst, 0));
 }
 
@@ -543,6 +554,89 @@ static void q8_k_uses_an_f32_scale(void **state) {
     assert_f32(y[255], 31.75f);
 }
 
+/* ---- 4-bit table formats ------------------------------------------------------ */
+
+static void iq4_nl_indexes_the_nonlinear_table(void **state) {
+    (void)state;
+    uint8_t b[18];
+    put16(b, H_HALF);
+    fill_nibbles(b + 2);
+    /* y[j] = kvalues[j] / 2 from the low nibbles, y[16 + j] = kvalues[15 -
+     * j] / 2 from the high nibbles. */
+    static const float want[32] = {
+        -63.5, -52,  -41.5, -32.5, -24.5, -17.5, -11, -5,  0.5, 6.5, 12.5,  19,    26.5,  34.5,  44.5, 56.5,
+        56.5,  44.5, 34.5,  26.5,  19,    12.5,  6.5, 0.5, -5,  -11, -17.5, -24.5, -32.5, -41.5, -52,  -63.5,
+    };
+    float y[32];
+    assert_true(quant_dequantize(GGML_TYPE_IQ4_NL, b, y, 32));
+    assert_block(y, want, 32);
+}
+
+static void iq4_xs_splits_six_bit_scales(void **state) {
+    (void)state;
+    uint8_t b[136];
+    put16(b, H_HALF); /* d */
+    /* ls per run: 33 31 34 0 63 32 40 20, so d * (ls - 32) = 0.5 -0.5 1
+     * -16 15.5 0 4 -6. Low nibbles in scales_l (run j: nibble j % 2 of
+     * byte j / 2), high two bits in scales_h (bits 2j): 2 1 2 0 3 2 2 1. */
+    put16(b + 2, 0x6b26);
+    b[4] = 0xf1;
+    b[5] = 0x02;
+    b[6] = 0x0f;
+    b[7] = 0x48;
+    for (int j = 0; j < 8; j++) fill_nibbles(b + 8 + 16 * j);
+    float y[256];
+    assert_true(quant_dequantize(GGML_TYPE_IQ4_XS, b, y, 256));
+    /* Element 32j + l is dl_j * kvalues[l], 32j + 16 + l dl_j *
+     * kvalues[15 - l]. */
+    assert_f32(y[0], -63.5f);            /* 0.5 * -127 */
+    assert_f32(y[31], -63.5f);           /* 0.5 * kvalues[0] */
+    assert_f32(y[40], -0.5f);            /* -0.5 * 1 */
+    assert_f32(y[79], 113.0f);           /* 1 * 113 */
+    assert_f32(y[112], -1808.0f);        /* -16 * 113 */
+    assert_f32(y[128], -1968.5f);        /* 15.5 * -127 */
+    assert_f32(y[163], -0.0f);           /* +0 * -65: negative zero, as in ggml */
+    assert_f32(y[168], 0.0f);            /* +0 * 1 */
+    assert_f32(y[201], 52.0f);           /* 4 * 13 */
+    assert_f32(y[240], -678.0f);         /* -6 * 113 */
+    assert_f32(y[255], 762.0f);          /* -6 * -127 */
+    assert_f32(y[224 + 7], -6.0f * -10); /* 60 */
+}
+
+static void mxfp4_scales_doubled_fp4_by_a_power_of_two(void **state) {
+    (void)state;
+    assert_f32(quant_e8m0_to_f32_half(0), 0x1p-128f); /* f32 subnormals */
+    assert_f32(quant_e8m0_to_f32_half(1), 0x1p-127f);
+    assert_f32(quant_e8m0_to_f32_half(2), 0x1p-126f);
+    assert_f32(quant_e8m0_to_f32_half(127), 0.5f);
+    assert_f32(quant_e8m0_to_f32_half(128), 1.0f);
+    assert_f32(quant_e8m0_to_f32_half(255), 0x1p127f);
+
+    uint8_t b[4 * 17];
+    b[0] = 127; /* 2^-1: the table halved, FP4's own values */
+    fill_nibbles(b + 1);
+    b[17] = 0; /* 2^-128 */
+    memset(b + 18, 0x91, 16);
+    b[34] = 1; /* 2^-127 */
+    memset(b + 35, 0xf6, 16);
+    b[51] = 254; /* 2^126 */
+    memset(b + 52, 0x0a, 16);
+    float y[128];
+    assert_true(quant_dequantize(GGML_TYPE_MXFP4, b, y, 128));
+    static const float want[32] = {
+        0,  0.5, 1,  1.5, 2,    3,  4,    6, 0, -0.5, -1, -1.5, -2,  -3, -4,  -6,
+        -6, -4,  -3, -2,  -1.5, -1, -0.5, 0, 6, 4,    3,  2,    1.5, 1,  0.5, 0,
+    };
+    assert_block(y, want, 32);
+    assert_f32(y[8], 0.0f); /* index 8 is +0, not -0 */
+    assert_f32(y[32], 0x1p-128f);
+    assert_f32(y[48], -0x1p-128f);
+    assert_f32(y[64], 0x1p-124f);  /* 8 * 2^-127 */
+    assert_f32(y[80], -0x3p-125f); /* -12 * 2^-127 */
+    assert_f32(y[96], -0x1p127f);  /* -2 * 2^126 */
+    assert_f32(y[127], 0.0f);
+}
+
 /* ---- golden data from the gguf Python package -------------------------------- */
 
 static cJSON *load_json(const char *path) {
@@ -592,7 +686,7 @@ static void matches_python_on_random_blocks(void **state) {
     (void)state;
     cJSON *root = load_json("tests/golden/quant/synthetic.json");
     const cJSON *cases = cJSON_GetObjectItemCaseSensitive(root, "cases");
-    assert_true(cJSON_GetArraySize(cases) >= 12);
+    assert_true(cJSON_GetArraySize(cases) >= 15);
     const cJSON *c;
     cJSON_ArrayForEach(c, cases) {
         ggml_type t = type_by_name(json_str(c, "type"));
@@ -729,6 +823,191 @@ static void q8_0_quantizer_rounds_each_block_to_its_amax(void **state) {
     }
 }
 
+/* ---- quant_quantize ----------------------------------------------------------- */
+
+/* Each quantizer's promise (services/model/quant_encode.c): the largest
+ * |dequantize(quantize(x)) - x| in a block, as a fraction of the block's
+ * amax (the 256-element super-block for K-quants and IQ4_XS). F16 and
+ * BF16 are bounded per element instead, relative to |x|. */
+static const struct {
+    ggml_type t;
+    double bound;
+} QUANTIZERS[] = {
+    {GGML_TYPE_F32, 0},       {GGML_TYPE_F16, 0x1p-11},   {GGML_TYPE_BF16, 0x1p-8},   {GGML_TYPE_Q8_0, 0.00395},
+    {GGML_TYPE_Q4_0, 0.1255}, {GGML_TYPE_Q4_1, 0.0686},   {GGML_TYPE_Q5_0, 0.0630},   {GGML_TYPE_Q5_1, 0.0342},
+    {GGML_TYPE_Q2_K, 0.368},  {GGML_TYPE_Q3_K, 0.2582},   {GGML_TYPE_Q4_K, 0.0688},   {GGML_TYPE_Q5_K, 0.0331},
+    {GGML_TYPE_Q6_K, 0.0316}, {GGML_TYPE_IQ4_NL, 0.1107}, {GGML_TYPE_IQ4_XS, 0.1138}, {GGML_TYPE_MXFP4, 0.2001},
+};
+#define N_QUANTIZERS (sizeof QUANTIZERS / sizeof QUANTIZERS[0])
+
+static uint64_t lcg(uint64_t *st) {
+    *st = *st * 6364136223846793005ull + 1442695040888963407ull;
+    return *st >> 11;
+}
+
+static double uniform01(uint64_t *st) { return ((double)lcg(st) + 0.5) / 9007199254740992.0; }
+
+/* n values of one of five shapes: gaussian (std 0.02, as make-model
+ * writes), uniform in [-1, 1], gaussian with rare outliers, runs of 16
+ * of one sign (some all negative, for the mins), and gaussian with a
+ * magnitude that changes every 32 elements by up to 1000x. */
+static void fill_test_data(float *x, int n, int shape, uint64_t seed) {
+    uint64_t st = seed;
+    for (int i = 0; i < n; i++) {
+        double g = sqrt(-2 * log(uniform01(&st))) * cos(6.283185307179586 * uniform01(&st));
+        double v;
+        switch (shape) {
+        case 0: v = 0.02 * g; break;
+        case 1: v = 2 * uniform01(&st) - 1; break;
+        case 2: v = 0.02 * g + (uniform01(&st) < 0.002 ? 0.5 : 0.0); break;
+        case 3: v = (0.01 + 0.3 * uniform01(&st)) * ((i / 16) % 3 == 0 ? -1 : 1); break;
+        default: v = g * pow(10.0, (double)((i / 32) % 4) - 2); break;
+        }
+        x[i] = (float)v;
+    }
+}
+
+static void quantizers_stay_within_their_bounds(void **state) {
+    (void)state;
+    enum { N = 256 * 64 };
+    float *x = malloc(N * sizeof *x), *y = malloc(N * sizeof *y);
+    uint8_t *q = malloc(N * sizeof(float));
+    assert_true(x && y && q);
+    double worst_of[N_QUANTIZERS] = {0};
+    for (int shape = 0; shape < 5; shape++) {
+        fill_test_data(x, N, shape, 1000 + (uint64_t)shape);
+        for (size_t k = 0; k < N_QUANTIZERS; k++) {
+            ggml_type t = QUANTIZERS[k].t;
+            assert_true(quant_quantize(t, x, q, N));
+            assert_true(quant_dequantize(t, q, y, N));
+            uint32_t be = quant_block_elems(t);
+            double worst = 0;
+            for (int b = 0; b < N / (int)be; b++) {
+                const float *xb = x + b * be, *yb = y + b * be;
+                double amax = 0;
+                for (uint32_t i = 0; i < be; i++) amax = fmax(amax, fabs((double)xb[i]));
+                for (uint32_t i = 0; i < be; i++) {
+                    double err = fabs((double)yb[i] - (double)xb[i]);
+                    /* f16 below 2^-14 is subnormal: a fixed step of 2^-24 */
+                    double scale = be > 1 ? amax : fmax(fabs((double)xb[i]), t == GGML_TYPE_F16 ? 0x1p-14 : 0.0);
+                    if (err > QUANTIZERS[k].bound * scale)
+                        fail_msg("%s, data shape %d, element %d: %.9g came back as %.9g (error %.3g of %s %.9g, "
+                                 "bound %.4g)",
+                                 quant_type_name(t), shape, b * (int)be + (int)i, (double)xb[i], (double)yb[i],
+                                 err / scale, be == 1 ? "|x|" : "amax", scale, QUANTIZERS[k].bound);
+                    if (scale > 0) worst = fmax(worst, err / scale);
+                }
+            }
+            worst_of[k] = fmax(worst_of[k], worst);
+        }
+    }
+    /* A bound far above what the data reaches would test nothing: the
+     * data comes within 10% of each. */
+    for (size_t k = 0; k < N_QUANTIZERS; k++)
+        if (worst_of[k] < 0.9 * QUANTIZERS[k].bound)
+            fail_msg("%s: worst error %.4g, far under its bound %.4g", quant_type_name(QUANTIZERS[k].t), worst_of[k],
+                     QUANTIZERS[k].bound);
+    free(x);
+    free(y);
+    free(q);
+}
+
+/* Zeros come back as zeros: a whole block, and a zero run inside a block
+ * whose other runs are not. Every byte of the output is written (two
+ * differently poisoned buffers end equal), and twice the same input gives
+ * the same bytes. */
+static void quantizers_write_zeros_and_every_byte(void **state) {
+    (void)state;
+    enum { N = 512 };
+    float x[N], y[N];
+    uint8_t a[N * 4], b[N * 4];
+    fill_test_data(x, N, 0, 7);
+    for (int i = 0; i < 256; i++) x[i] = 0.0f;             /* block 0 (and super-block 0) all zero */
+    for (int i = 256 + 32; i < 256 + 64; i++) x[i] = 0.0f; /* run 1 of super-block 1 */
+    for (size_t k = 0; k < N_QUANTIZERS; k++) {
+        ggml_type t = QUANTIZERS[k].t;
+        memset(a, 0xaa, sizeof a);
+        memset(b, 0x55, sizeof b);
+        assert_true(quant_quantize(t, x, a, N));
+        assert_true(quant_quantize(t, x, b, N));
+        if (memcmp(a, b, quant_row_bytes(t, N)) != 0)
+            fail_msg("%s: output depends on what dst held", quant_type_name(t));
+        assert_true(quant_dequantize(t, a, y, N));
+        for (int i = 0; i < N; i++)
+            if ((i < 256 || (i >= 288 && i < 320)) && y[i] != 0.0f)
+                fail_msg("%s: element %d is %.9g, expected 0", quant_type_name(t), i, (double)y[i]);
+    }
+}
+
+/* Input past f16's range still gets finite scales (the largest half):
+ * the values are off, but no inf or nan reaches a file. */
+static void quantizer_scales_stay_finite(void **state) {
+    (void)state;
+    float x[256], y[256];
+    uint8_t q[1024];
+    for (int i = 0; i < 256; i++) x[i] = (float)((i % 7) - 3) * 3e6f;
+    for (size_t k = 0; k < N_QUANTIZERS; k++) {
+        ggml_type t = QUANTIZERS[k].t;
+        if (quant_block_elems(t) == 1) continue; /* f16 of 9e6 is inf by definition */
+        assert_true(quant_quantize(t, x, q, 256));
+        assert_true(quant_dequantize(t, q, y, 256));
+        for (int i = 0; i < 256; i++)
+            if (!isfinite(y[i])) fail_msg("%s: element %d is %g", quant_type_name(t), i, (double)y[i]);
+    }
+}
+
+/* Blocks whose values sit on the levels come back exactly. */
+static void quantizers_hit_exact_levels(void **state) {
+    (void)state;
+    float x[32], y[32];
+    uint8_t q[64];
+    /* IQ4_NL: the table halved; m = -63.5 gives d = 0.5. */
+    for (int i = 0; i < 32; i++) x[i] = 0.5f * (float)quant_kvalues_iq4nl[(i * 7) % 16];
+    assert_true(quant_quantize(GGML_TYPE_IQ4_NL, x, q, 32));
+    assert_int_equal(q[0] | q[1] << 8, H_HALF);
+    assert_true(quant_dequantize(GGML_TYPE_IQ4_NL, q, y, 32));
+    assert_block(y, x, 32);
+    /* MXFP4: amax 12 is 8 to 12 units at unit 1 (e = 128). */
+    for (int i = 0; i < 32; i++) x[i] = (float)quant_kvalues_mxfp4[(i * 5) % 16];
+    assert_true(quant_quantize(GGML_TYPE_MXFP4, x, q, 32));
+    assert_int_equal(q[0], 128);
+    assert_true(quant_dequantize(GGML_TYPE_MXFP4, q, y, 32));
+    assert_block(y, x, 32);
+    /* amax 6.5 is over 6 units at unit 1: still e = 128, and 6.5 rounds
+     * to 6. amax 12.5 needs unit 2 (e = 129). */
+    x[3] = 6.5f;
+    for (int i = 0; i < 32; i++) x[i] = x[i] > 6.5f ? 6.0f : x[i] < -6.5f ? -6.0f : x[i];
+    assert_true(quant_quantize(GGML_TYPE_MXFP4, x, q, 32));
+    assert_int_equal(q[0], 128);
+    x[3] = 12.5f;
+    assert_true(quant_quantize(GGML_TYPE_MXFP4, x, q, 32));
+    assert_int_equal(q[0], 129);
+    /* Q4_0: m = -16 gives d = 2; x = i - 16 rounds to even steps, and 15
+     * clips to level 7 (14). */
+    for (int i = 0; i < 32; i++) x[i] = (float)(i - 16);
+    assert_true(quant_quantize(GGML_TYPE_Q4_0, x, q, 32));
+    assert_int_equal(q[0] | q[1] << 8, quant_f32_to_f16(2.0f));
+    assert_true(quant_dequantize(GGML_TYPE_Q4_0, q, y, 32));
+    assert_f32(y[0], -16.0f);
+    assert_f32(y[4], -12.0f);
+    assert_f32(y[17], 2.0f);  /* 1 / 2 = 0.5 rounds away from zero */
+    assert_f32(y[31], 14.0f); /* clipped */
+}
+
+static void quantize_rejects_other_types_and_bad_sizes(void **state) {
+    (void)state;
+    float x[256] = {0};
+    uint8_t q[2048];
+    assert_false(quant_quantize(GGML_TYPE_Q8_1, x, q, 32));
+    assert_false(quant_quantize(GGML_TYPE_Q8_K, x, q, 256));
+    assert_false(quant_quantize((ggml_type)16, x, q, 256)); /* IQ2_XXS */
+    assert_false(quant_quantize(GGML_TYPE_I32, x, q, 4));
+    assert_false(quant_quantize((ggml_type)4, x, q, 32));
+    assert_false(quant_quantize(GGML_TYPE_Q4_K, x, q, 128));
+    assert_false(quant_quantize(GGML_TYPE_MXFP4, x, q, 48));
+    assert_true(quant_quantize(GGML_TYPE_Q4_K, x, q, 0));
+}
+
 int main(void) {
     chdir_to_repo_root();
     const struct CMUnitTest tests[] = {
@@ -758,6 +1037,14 @@ int main(void) {
         cmocka_unit_test(q5_k_adds_fifth_bit_per_run),
         cmocka_unit_test(q6_k_combines_low_nibbles_and_high_pairs),
         cmocka_unit_test(q8_k_uses_an_f32_scale),
+        cmocka_unit_test(iq4_nl_indexes_the_nonlinear_table),
+        cmocka_unit_test(iq4_xs_splits_six_bit_scales),
+        cmocka_unit_test(mxfp4_scales_doubled_fp4_by_a_power_of_two),
+        cmocka_unit_test(quantizers_stay_within_their_bounds),
+        cmocka_unit_test(quantizers_write_zeros_and_every_byte),
+        cmocka_unit_test(quantizer_scales_stay_finite),
+        cmocka_unit_test(quantizers_hit_exact_levels),
+        cmocka_unit_test(quantize_rejects_other_types_and_bad_sizes),
         cmocka_unit_test(matches_python_on_random_blocks),
         cmocka_unit_test(matches_python_on_the_default_model),
     };
