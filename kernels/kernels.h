@@ -29,21 +29,51 @@
  *     in increasing j, acc = fma(x, w, acc); the lane tree tree(acc) =
  *     ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)); then the k % 8 tail
  *     elements, s = fma(x, w, s) one by one.
- *   - kn_matmul, quantized W (Q8_0, Q4_0, Q4_1) in integers, at the
- *     stream's activation precision P (kn_stream_set_act_bits: 15 or 8
- *     bits; L = 16256 = 127 * 128 at 15, L = 127 at 8): each block of 32
- *     elements of a row of x is rounded to integers
- *     xi = round_even(x * (L / amax)), the quotient L / amax rounded to
- *     f32 first, with amax the block's largest |x|; xi is clamped to
- *     [-L, L] and the scale is sx = amax / L. All xi = 0 and sx = 0 when
- *     amax < 2^-100, where L / amax could overflow; a block with an inf
- *     or NaN gets all xi = 0 and sx = NaN. Per block b of a weight row,
- *     isum = sum q * xi exactly in int32 (q: Q8_0's int8, Q4_0's
- *     nibble - 8, Q4_1's nibble), then in block order
- *     acc = fma((float)isum, d * sx, acc) and, for Q4_1,
- *     acc = fma(m, sx * (float)sum xi, acc) (d, m widened from f16).
- *     Integer sums have no order, so the packed AVX-512 VNNI and AVX2
- *     kernels and the portable one give the same bits at either P.
+ *   - kn_matmul, quantized W in integers, at the stream's activation
+ *     precision P (kn_stream_set_act_bits: 15 or 8 bits; L = 16256 =
+ *     127 * 128 at 15, L = 127 at 8): each block of 32 elements of a row
+ *     of x is rounded to integers xi = round_even(x * (L / amax)), the
+ *     quotient L / amax rounded to f32 first, with amax the block's
+ *     largest |x|; xi is clamped to [-L, L] and the scale is sx = amax / L.
+ *     All xi = 0 and sx = 0 when amax < 2^-100, where L / amax could
+ *     overflow; a block with an inf or NaN gets all xi = 0 and sx = NaN.
+ *     S = sum xi over the block, S0 and S1 over its halves of 16.
+ *     A weight row is read as integers v (its quants less the type's
+ *     offset) with integer sub-block scales sc and mins mn, per
+ *     activation block b of the row:
+ *       isum = sum over the two halves h of sc_h * (sum v * xi)
+ *       acc  = fma((float)isum, d * sx, acc)
+ *     then, for the types with a min, in that order:
+ *       K-quants: imin = mn_0 * S0 + mn_1 * S1,
+ *                 acc = fma(-(float)imin, dmin * sx, acc)
+ *       Q4_1, Q5_1: acc = fma(m, sx * (float)S, acc)
+ *     over the blocks in order, from acc = 0. d, dmin and m are the
+ *     block's f16 fields widened exactly (MXFP4: its E8M0 exponent e as
+ *     2^(e - 128), exact), and d * sx, dmin * sx are each one f32
+ *     product. Per type (v; sc_h; mn_h; the largest |isum| at 15 bits):
+ *       Q8_0    int8 q; 1; -; 127 * 16256 * 32 = 6.6e7
+ *       Q4_0    nibble - 8; 1; -; 8 * 16256 * 32 = 4.2e6
+ *       Q4_1    nibble; 1; m; 15 * 16256 * 32 = 7.8e6
+ *       Q5_0    5-bit q - 16; 1; -; 8.3e6
+ *       Q5_1    5-bit q; 1; m; 1.6e7
+ *       IQ4_NL  the 16-entry table (-127..113) at the nibble; 1; -; 6.6e7
+ *       MXFP4   E2M1 doubled (-12..12) at the nibble; 1; -; 6.2e6
+ *       Q2_K    2-bit q; 4-bit sc per 16; 4-bit mn per 16; 2 * 15 * 3 *
+ *               16256 * 16 = 2.3e7
+ *       Q3_K    3-bit q - 4; 6-bit sc - 32 per 16; -; 2 * 32 * 4 * 16256
+ *               * 16 = 6.7e7
+ *       Q4_K    nibble; 6-bit sc per 32 (both halves); 6-bit mn per 32;
+ *               63 * 15 * 16256 * 32 = 4.9e8 (imin 63 * 520192 = 3.3e7)
+ *       Q5_K    5-bit q; as Q4_K; 63 * 31 * 16256 * 32 = 1.02e9
+ *       Q6_K    6-bit q - 32; int8 sc per 16; -; 2 * 128 * 32 * 16256 *
+ *               16 = 2.13e9, 0.8% under INT32_MAX
+ *       IQ4_XS  the IQ4_NL table; 6-bit sc - 32 per 32; -; 32 * 127 *
+ *               16256 * 32 = 2.11e9
+ *     A 256-element super-block (the K-quants, IQ4_XS) spans 8
+ *     activation blocks; its sub-blocks of 16 are two to a block.
+ *     Every sum is exact in int32 (the bounds above), so integer sums
+ *     have no order: the packed AVX-512 VNNI and AVX2 kernels and the
+ *     portable one give the same bits at either P.
  *     At 15 bits xi keeps about 15 bits of x: the logits stay within 5e-4
  *     of an f32 product on the dequantized weights (the golden test); x
  *     takes two byte planes, so a block costs two integer dot products
@@ -230,8 +260,10 @@ void kn_download(kn_stream *s, void *dst, const kn_buf *src, size_t off, size_t 
 /* A weight matrix W[rows][cols] as stored in the model file (plain data).
  * Row i starts at data + i * row_bytes; row_bytes is at least
  * quant_row_bytes(type, cols) and larger for a column shard (see above).
- * For quantized types cols is a multiple of 32. Matmul supports F32, F16,
- * BF16, Q8_0, Q4_0 and Q4_1; kn_embed any type quant_dequantize knows. */
+ * For quantized types cols is a multiple of the type's block (32, or 256
+ * for the K-quants and IQ4_XS). Matmul supports F32, F16, BF16 and the
+ * types of the contract above (kn_matmul_supports); kn_embed any type
+ * quant_dequantize knows. */
 typedef struct kn_weight {
     ggml_type type;
     int64_t rows; /* n: output features */

@@ -76,6 +76,14 @@ bool arch_layer_has(const model_config *c, const model_layer *l, const arch_tens
            !((t->flags & ARCH_NO_Q_LORA) && c->q_lora_rank) && !((t->flags & ARCH_SHARED) && !c->shared_ffn);
 }
 
+/* Refuses a tensor of a type the model's backend has no kernel for
+ * (a GPU backend that lacks one), naming both, rather than widening it. */
+static int backend_takes(const model *m, kn_op op, const kn_weight *x, const char *name, ae_error *err) {
+    if (!m->be || !x->data || kn_backend_supports(m->be, op, x->type)) return AE_OK;
+    return err_set(err, "tensor %s has type %s, which the %s backend has no kernel for yet: run it with --device cpu",
+                   name, quant_type_name(x->type), kn_backend_name(m->be));
+}
+
 /* The model's two ends in the file's format; the embedding table where
  * it has no output projection (tied). */
 static int load_ends(model *m, ae_error *err) {
@@ -87,11 +95,20 @@ static int load_ends(model *m, ae_error *err) {
                *output = gguf ? "output.weight" : "lm_head.weight";
     const int64_t H = c->hidden;
     if (weights_table(w, embd, c->vocab, H, &m->tok_embd, err) ||
+        backend_takes(m, KN_OP_EMBED, &m->tok_embd, embd, err) ||
         weights_vector(w, norm, H, false, &m->output_norm, err))
         return AE_ERR;
     c->tied_embeddings = !weights_has(w, output);
-    if (!c->tied_embeddings) return weights_matrix(w, output, c->vocab, H, &m->output, err);
-    if (!kn_matmul_supports(m->tok_embd.type)) return weights_matrix(w, embd, c->vocab, H, &m->output, err);
+    if (!c->tied_embeddings)
+        return weights_matrix(w, output, c->vocab, H, &m->output, err) ||
+                       backend_takes(m, KN_OP_MATMUL, &m->output, output, err)
+                   ? AE_ERR
+                   : AE_OK;
+    if (!kn_matmul_supports(m->tok_embd.type) || (m->be && !kn_backend_supports(m->be, KN_OP_MATMUL, m->tok_embd.type)))
+        return weights_matrix(w, embd, c->vocab, H, &m->output, err) ||
+                       backend_takes(m, KN_OP_MATMUL, &m->output, embd, err)
+                   ? AE_ERR
+                   : AE_OK;
     m->output = m->tok_embd;
     /* A GGUF table is read a row at a time and not counted; as the output
      * projection every byte of it is. */
@@ -157,6 +174,7 @@ static int read_experts(model *m, model_layer *l, int32_t layer, const arch_tens
             kn_weight st;
             if (weights_matrix_3d(w, tensor_name(&t[j], true, layer, 0, name, sizeof name), E, rows, cols, &st, err))
                 return AE_ERR;
+            if (backend_takes(m, KN_OP_MOE, &st, name, err)) return AE_ERR;
             for (int64_t e = 0; e < E; e++) {
                 kn_weight *x = &l->experts[(int64_t)t[j].at * E + e];
                 *x = st;
@@ -207,6 +225,8 @@ static int load_layer(model *m, model_layer *l, int32_t i, ae_error *err) {
         if ((t->flags & ARCH_ROUTER) && x->type != GGML_TYPE_F32 && x->type != GGML_TYPE_BF16)
             return err_set(err, "tensor %s: type %s; the %s must be f32 or bf16", name, quant_type_name(x->type),
                            t->name);
+        if (t->held == ARCH_MAT && t->read != ARCH_READ_VECTOR && backend_takes(m, KN_OP_MATMUL, x, name, err))
+            return AE_ERR;
     }
     if (a->make && a->make(m, l, src, err) != AE_OK) return AE_ERR;
     for (size_t k = 0; k < a->n_tensors; k++) {

@@ -167,8 +167,9 @@ void kn_tile_avx2(const kn_tile *t);
  *
  * A quantized row of x (kernels.h, "quantized W") as the kernels read it:
  * for each block b of 32 elements its bytes of x, then after all blocks
- * the per-block arrays sx[nb] (f32 scale), xs[nb] (f32, sx * sum xi) and
- * isx[nb] (int32, sum xi). The bytes of a block are, at 15 bits, 64 bytes
+ * the per-block arrays sx[nb] (f32 scale), xs[nb] (f32, sx * sum xi),
+ * isx[nb] (int32, sum xi) and isx16[2 nb] (int32, the sums of each half
+ * of 16, for the types with 16-element sub-blocks). The bytes of a block are, at 15 bits, 64 bytes
  * of planes (hi[32] then lo[32], xi = 128 * hi + lo); at 8 bits, xi[32]
  * itself. */
 bool kn_qmatmul_type(ggml_type t);
@@ -192,6 +193,7 @@ typedef struct kn_qx {
     const int8_t *planes; /* [nb][kn_qx_block_bytes(bits)] */
     const float *sx, *xs;
     const int32_t *isx;
+    const int32_t *isx16; /* [2 nb]: sum xi over elements 0..15, then 16..31 */
 } kn_qx;
 kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits);
 
@@ -201,6 +203,11 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits);
 void kn_qgroup_avx512(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy);
 /* The same with AVX2 (kn_qmatmul_avx2.c), for CPUs without VNNI. */
 void kn_qgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy);
+/* The same for Q4_K, Q5_K and Q6_K (kn_qmatmul_kquant_avx2.c), on any
+ * CPU with AVX2; a packed group's unit is one 256-element super-block. */
+void kn_kgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy);
+/* The same for Q5_0, Q5_1, IQ4_NL and MXFP4 (kn_qmatmul_q5_avx2.c). */
+void kn_q5group_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy);
 
 /* Defines `name` (one of the two above) in a kernel file that has
  * qgroup(type, TM, BITS, w, g, qx, y, ldy) for a target attribute `attr`:

@@ -21,11 +21,8 @@ bool kn_matmul_supports(ggml_type t) {
     switch (t) {
     case GGML_TYPE_F32:
     case GGML_TYPE_F16:
-    case GGML_TYPE_BF16:
-    case GGML_TYPE_Q8_0:
-    case GGML_TYPE_Q4_0:
-    case GGML_TYPE_Q4_1: return true;
-    default: return false;
+    case GGML_TYPE_BF16: return true;
+    default: return kn_qmatmul_type(t);
     }
 }
 

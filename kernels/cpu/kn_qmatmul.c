@@ -1,4 +1,6 @@
-/* Matrix product with quantized weights (Q8_0, Q4_0, Q4_1) in integers.
+/* Matrix product with quantized weights in integers: Q8_0, Q4_0, Q4_1,
+ * Q5_0, Q5_1, IQ4_NL, MXFP4 and the 256-element Q2_K, Q3_K, Q4_K, Q5_K,
+ * Q6_K and IQ4_XS (kernels.h states the contract of each).
  *
  * x is quantized per block of 32 to integers xi with |xi| <= 16256 (15
  * bits) or |xi| <= 127 (8 bits, the stream's choice) and one f32 scale
@@ -20,21 +22,50 @@
  * weight byte, half the work of a pass of several tokens, for about 5%
  * error in the logits.
  *
- * This file: x quantization, packing, the portable kernel and the driver;
- * kn_qmatmul_avx512.c and kn_qmatmul_avx2.c hold the SIMD kernels. */
+ * This file: x quantization, packing, the portable kernel (every type,
+ * each block decoded to integers once per tile of tokens) and the
+ * driver. SIMD kernels on the packed layouts: kn_qmatmul_avx512.c (VNNI:
+ * Q8_0, Q4_0, Q4_1), kn_qmatmul_avx2.c (the same three),
+ * kn_qmatmul_q5_avx2.c (Q5_0, Q5_1, IQ4_NL, MXFP4) and
+ * kn_qmatmul_kquant_avx2.c (Q4_K, Q5_K, Q6_K). Q2_K, Q3_K and IQ4_XS run
+ * the portable kernel. */
 #include "kn_cpu_impl.h"
 
 #include <float.h>
 #include <math.h>
 #include <string.h>
 
-bool kn_qmatmul_type(ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1; }
+bool kn_qmatmul_type(ggml_type t) {
+    switch (t) {
+    case GGML_TYPE_Q8_0:
+    case GGML_TYPE_Q4_0:
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_0:
+    case GGML_TYPE_Q5_1:
+    case GGML_TYPE_IQ4_NL:
+    case GGML_TYPE_MXFP4:
+    case GGML_TYPE_Q2_K:
+    case GGML_TYPE_Q3_K:
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K:
+    case GGML_TYPE_Q6_K:
+    case GGML_TYPE_IQ4_XS: return true;
+    default: return false;
+    }
+}
+
+/* The types with a packed layout and SIMD kernels. */
+static bool packed_type(ggml_type t) {
+    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 ||
+           t == GGML_TYPE_Q5_1 || t == GGML_TYPE_IQ4_NL || t == GGML_TYPE_MXFP4 || t == GGML_TYPE_Q4_K ||
+           t == GGML_TYPE_Q5_K || t == GGML_TYPE_Q6_K;
+}
 
 /* ---- x ------------------------------------------------------------------ */
 
 size_t kn_qx_row_bytes(int64_t k, int bits) {
     size_t nb = (size_t)(k / KN_QK);
-    return (nb * (kn_qx_block_bytes(bits) + 3 * sizeof(float)) + 63) & ~(size_t)63;
+    return (nb * (kn_qx_block_bytes(bits) + 5 * sizeof(float)) + 63) & ~(size_t)63;
 }
 
 kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits) {
@@ -45,6 +76,7 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits) {
         .sx = (const float *)(const void *)a,
         .xs = (const float *)(const void *)(a + nb * sizeof(float)),
         .isx = (const int32_t *)(const void *)(a + 2 * nb * sizeof(float)),
+        .isx16 = (const int32_t *)(const void *)(a + 3 * nb * sizeof(float)),
     };
     return q;
 }
@@ -55,10 +87,27 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits) {
  * (lrintf is a library call). */
 static float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
+/* isx16 from the bytes of x already written (the AVX-512 quantizer
+ * writes the rest of the row). */
+static void half_sums(int64_t k, int bits, uint8_t *row) {
+    int64_t nb = k / KN_QK;
+    size_t bpb = kn_qx_block_bytes(bits);
+    int32_t *isx16 = (int32_t *)(void *)(row + (size_t)nb * bpb + 3 * (size_t)nb * sizeof(float));
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *hi = (const int8_t *)row + (size_t)b * bpb, *lo = hi + KN_QK;
+        for (int h = 0; h < 2; h++) {
+            int32_t sum = 0;
+            for (int i = 16 * h; i < 16 * h + 16; i++) sum += bits == 8 ? hi[i] : 128 * hi[i] + lo[i];
+            isx16[2 * b + h] = sum;
+        }
+    }
+}
+
 void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
     AE_ASSERT(bits == 8 || bits == 15);
     if (kn_cpu_use_avx512vnni()) {
         kn_qx_quantize_avx512(x, k, bits, row);
+        half_sums(k, bits, row);
         return;
     }
     int64_t nb = k / KN_QK;
@@ -103,6 +152,7 @@ void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
         isx[b] = sum;
         xs[b] = sx[b] * (float)sum;
     }
+    half_sums(k, bits, row);
 }
 
 /* ---- packing -------------------------------------------------------------- */
@@ -110,8 +160,9 @@ void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
 size_t kn_pack_block_bytes(ggml_type t) { return KN_PACK_ROWS * (size_t)quant_block_bytes(t); }
 
 size_t kn_weight_packed_bytes(const kn_weight *w) {
-    if (!kn_qmatmul_type(w->type)) return 0;
-    return (size_t)(w->rows / KN_PACK_ROWS) * (size_t)(w->cols / KN_QK) * kn_pack_block_bytes(w->type);
+    if (!packed_type(w->type)) return 0;
+    return (size_t)(w->rows / KN_PACK_ROWS) * (size_t)(w->cols / quant_block_elems(w->type)) *
+           kn_pack_block_bytes(w->type);
 }
 
 /* Element i (0..31) of a Q4 block's nibbles: low nibbles of bytes 0..15
@@ -125,8 +176,51 @@ static uint8_t nibble(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15 : q
  *         the 16 rows' f16 d.
  *   Q4_*: 4 vectors of nibble pairs: low nibble elements 4v..4v+3, high
  *         nibble elements 4(v+4)..4(v+4)+3; then 16 d, then (Q4_1) 16 m. */
+static void pack_kquant(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst);
+
+/* Packed (group, block) of Q5_0, Q5_1, IQ4_NL and MXFP4 (the AVX2 kernel
+ * of kn_qmatmul_q5_avx2.c reads it): the Q4 nibble pairs of the low four
+ * bits (256 bytes); then Q5's fifth bits (64 bytes: bit v of byte 4r + e
+ * is element 4v + e's); then the 16 rows' f16 d (MXFP4: their E8M0
+ * bytes) and Q5_1's 16 f16 m. The same bytes as the 16 blocks. */
+static void pack_q32(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst) {
+    const size_t bb = quant_block_bytes(t);
+    const bool q5 = t == GGML_TYPE_Q5_0 || t == GGML_TYPE_Q5_1;
+    const size_t d_at = q5 ? 320 : 256;
+    for (int r = 0; r < KN_PACK_ROWS; r++) {
+        const uint8_t *blk = rows[r] + (size_t)b * bb;
+        uint8_t q[32];
+        const uint8_t *qs = blk + (t == GGML_TYPE_Q5_0 ? 6 : t == GGML_TYPE_Q5_1 ? 8 : t == GGML_TYPE_MXFP4 ? 1 : 2);
+        uint32_t hb = 0;
+        if (q5) memcpy(&hb, blk + (t == GGML_TYPE_Q5_1 ? 4 : 2), 4);
+        for (int i = 0; i < 32; i++) q[i] = (uint8_t)(nibble(qs, i) | (q5 ? ((hb >> i) & 1u) << 4 : 0));
+        for (int v = 0; v < 4; v++)
+            for (int e = 0; e < 4; e++)
+                dst[(v * 16 + r) * 4 + e] = (uint8_t)((q[4 * v + e] & 15) | (q[4 * (v + 4) + e] & 15) << 4);
+        if (q5)
+            for (int e = 0; e < 4; e++) {
+                uint8_t bits = 0;
+                for (int v = 0; v < 8; v++) bits |= (uint8_t)((q[4 * v + e] >> 4) << v);
+                dst[256 + 4 * r + e] = bits;
+            }
+        if (t == GGML_TYPE_MXFP4)
+            dst[d_at + r] = blk[0];
+        else
+            memcpy(dst + d_at + 2 * r, blk, 2);
+        if (t == GGML_TYPE_Q5_1) memcpy(dst + d_at + 32 + 2 * r, blk + 2, 2);
+    }
+}
+
 static void pack_block(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst) {
     size_t bb = quant_block_bytes(t);
+    if (quant_block_elems(t) == 256) {
+        pack_kquant(t, rows, b, dst);
+        return;
+    }
+    if (t != GGML_TYPE_Q8_0 && t != GGML_TYPE_Q4_0 && t != GGML_TYPE_Q4_1) {
+        pack_q32(t, rows, b, dst);
+        return;
+    }
     for (int r = 0; r < KN_PACK_ROWS; r++) {
         const uint8_t *blk = rows[r] + (size_t)b * bb;
         if (t == GGML_TYPE_Q8_0) {
@@ -147,7 +241,7 @@ static void pack_block(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int
 void kn_weight_pack(kn_weight *w, void *dst) {
     size_t total = kn_weight_packed_bytes(w);
     AE_ASSERT(total > 0 && ((uintptr_t)dst & 63) == 0);
-    int64_t nb = w->cols / KN_QK, ng = w->rows / KN_PACK_ROWS;
+    int64_t nb = w->cols / quant_block_elems(w->type), ng = w->rows / KN_PACK_ROWS;
     size_t pb = kn_pack_block_bytes(w->type);
     uint8_t *out = dst;
     for (int64_t g = 0; g < ng; g++) {
@@ -162,35 +256,246 @@ void kn_weight_pack(kn_weight *w, void *dst) {
 
 /* ---- portable kernel ------------------------------------------------------ */
 
-/* One output: weight row `row` (the file's layout) against quantized x. */
-static float qdot(ggml_type t, const uint8_t *row, const kn_qx *q, int64_t nb, int bits) {
-    size_t bb = quant_block_bytes(t), bpb = kn_qx_block_bytes(bits);
-    float acc = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = row + (size_t)b * bb;
-        const int8_t *xb = q->planes + (size_t)b * bpb;
-        int32_t xi[KN_QK];
-        for (int i = 0; i < KN_QK; i++) xi[i] = bits == 8 ? xb[i] : 128 * xb[i] + xb[i + KN_QK];
-        uint16_t dh;
-        memcpy(&dh, blk, 2);
-        int32_t isum = 0;
-        if (t == GGML_TYPE_Q8_0) {
-            const int8_t *qs = (const int8_t *)(blk + 2);
-            for (int i = 0; i < KN_QK; i++) isum += qs[i] * xi[i];
-        } else {
-            const uint8_t *qs = blk + (t == GGML_TYPE_Q4_1 ? 4 : 2);
-            for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * xi[i] + (qs[i] >> 4) * xi[i + 16];
-            if (t == GGML_TYPE_Q4_0) isum -= 8 * q->isx[b];
-        }
-        float d = quant_f16_to_f32(dh);
-        acc = fmaf((float)isum, d * q->sx[b], acc);
-        if (t == GGML_TYPE_Q4_1) {
-            uint16_t mh;
-            memcpy(&mh, blk + 2, 2);
-            acc = fmaf(quant_f16_to_f32(mh), q->xs[b], acc);
-        }
+/* One block of a weight row as integers: v[i] the integer value of
+ * element i (its quant less the type's offset), sc[h] and mn[h] the
+ * integer scale and min of 16-element sub-block h (1 and 0 for the
+ * 32-element types), d and dmin the float factors, and whether the type
+ * adds a min (K-quants: - dmin * mn * sum xi; Q4_1, Q5_1: + m * xs). */
+typedef struct qunit {
+    int32_t n; /* elements: 32 or 256 */
+    int8_t v[256];
+    int16_t sc[16], mn[16];
+    float d, dmin;
+    enum { MIN_NONE, MIN_K, MIN_M } min;
+} qunit;
+
+static float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return quant_f16_to_f32(h);
+}
+
+/* The 6-bit (scale, min) pair j of Q4_K's and Q5_K's 12 scale bytes. */
+static void k4_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
     }
+}
+
+/* Element i (0..31) of a 32-element run of nibbles in Q4_0's order. */
+static int nib32(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4; }
+
+static void decode_unit(ggml_type t, const uint8_t *b, qunit *u) {
+    u->n = t == GGML_TYPE_Q2_K || t == GGML_TYPE_Q3_K || t == GGML_TYPE_Q4_K || t == GGML_TYPE_Q5_K ||
+                   t == GGML_TYPE_Q6_K || t == GGML_TYPE_IQ4_XS
+               ? 256
+               : 32;
+    u->min = MIN_NONE;
+    u->dmin = 0.0f;
+    for (int h = 0; h < u->n / 16; h++) u->sc[h] = 1, u->mn[h] = 0;
+    switch (t) {
+    case GGML_TYPE_Q8_0:
+        u->d = half_at(b);
+        for (int i = 0; i < 32; i++) u->v[i] = (int8_t)b[2 + i];
+        break;
+    case GGML_TYPE_Q4_0:
+        u->d = half_at(b);
+        for (int i = 0; i < 32; i++) u->v[i] = (int8_t)(nib32(b + 2, i) - 8);
+        break;
+    case GGML_TYPE_Q4_1:
+        u->d = half_at(b), u->dmin = half_at(b + 2), u->min = MIN_M;
+        for (int i = 0; i < 32; i++) u->v[i] = (int8_t)nib32(b + 4, i);
+        break;
+    case GGML_TYPE_Q5_0:
+    case GGML_TYPE_Q5_1: {
+        bool q51 = t == GGML_TYPE_Q5_1;
+        const uint8_t *qh = b + (q51 ? 4 : 2), *qs = qh + 4;
+        uint32_t hb = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+        u->d = half_at(b);
+        if (q51) u->dmin = half_at(b + 2), u->min = MIN_M;
+        for (int i = 0; i < 32; i++) u->v[i] = (int8_t)((nib32(qs, i) | (int)((hb >> i) & 1u) << 4) - (q51 ? 0 : 16));
+        break;
+    }
+    case GGML_TYPE_IQ4_NL:
+        u->d = half_at(b);
+        for (int i = 0; i < 32; i++) u->v[i] = quant_kvalues_iq4nl[nib32(b + 2, i)];
+        break;
+    case GGML_TYPE_MXFP4:
+        u->d = quant_e8m0_to_f32_half(b[0]);
+        for (int i = 0; i < 32; i++) u->v[i] = quant_kvalues_mxfp4[nib32(b + 1, i)];
+        break;
+    case GGML_TYPE_Q2_K: {
+        /* scales[16] (scale low nibble, min high), qs[64], d, dmin. Element
+         * 128 h + 32 j + 16 g + l is bits 2j of qs[32 h + 16 g + l]. */
+        const uint8_t *q = b + 16;
+        u->d = half_at(b + 80), u->dmin = half_at(b + 82), u->min = MIN_K;
+        for (int h = 0; h < 16; h++) u->sc[h] = b[h] & 15, u->mn[h] = b[h] >> 4;
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, j = e / 32 % 4, gl = e % 32;
+            u->v[e] = (int8_t)((q[32 * h + gl] >> (2 * j)) & 3);
+        }
+        break;
+    }
+    case GGML_TYPE_Q3_K: {
+        /* hmask[32], qs[64], scales[12] (sixteen 6-bit, offset 32), d.
+         * Element 128 h + 32 j + 16 g + l: bits 2j of qs[32 h + 16 g + l],
+         * less 4 when bit 4 h + j of hmask[16 g + l] is clear. */
+        const uint8_t *hm = b, *q = b + 32, *s = b + 96;
+        u->d = half_at(b + 108);
+        for (int k = 0; k < 16; k++) {
+            int lo = k < 8 ? s[k] & 15 : s[k - 8] >> 4, hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+            u->sc[k] = (int16_t)((lo | hi << 4) - 32);
+        }
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, j = e / 32 % 4, gl = e % 32;
+            int v = (q[32 * h + gl] >> (2 * j)) & 3;
+            u->v[e] = (int8_t)(v - (((hm[gl] >> (4 * h + j)) & 1) ? 0 : 4));
+        }
+        break;
+    }
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K: {
+        /* d, dmin, scales[12], (Q5_K: qh[32]), qs[128]. Element 64 c +
+         * 32 p + l: nibble p of qs[32 c + l]; Q5_K's fifth bit is bit
+         * 2 c + p of qh[l]. */
+        bool q5 = t == GGML_TYPE_Q5_K;
+        const uint8_t *qh = b + 16, *q = b + (q5 ? 48 : 16);
+        u->d = half_at(b), u->dmin = half_at(b + 2), u->min = MIN_K;
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k4_scale_min(b + 4, j, &sc, &mn);
+            u->sc[2 * j] = u->sc[2 * j + 1] = (int16_t)sc;
+            u->mn[2 * j] = u->mn[2 * j + 1] = (int16_t)mn;
+        }
+        for (int e = 0; e < 256; e++) {
+            int c = e / 64, p = e / 32 % 2, l = e % 32;
+            int v = (q[32 * c + l] >> (4 * p)) & 15;
+            if (q5) v |= ((qh[l] >> (2 * c + p)) & 1) << 4;
+            u->v[e] = (int8_t)v;
+        }
+        break;
+    }
+    case GGML_TYPE_Q6_K: {
+        /* ql[128], qh[64], scales[16] (int8), d. Element 128 h + 32 r + l:
+         * nibble r / 2 of ql[64 h + 32 (r % 2) + l], with bits 2r of
+         * qh[32 h + l] above it; less 32. */
+        const uint8_t *ql = b, *qh = b + 128;
+        u->d = half_at(b + 208);
+        for (int k = 0; k < 16; k++) u->sc[k] = (int8_t)b[192 + k];
+        for (int e = 0; e < 256; e++) {
+            int h = e / 128, r = e / 32 % 4, l = e % 32;
+            int v = ((ql[64 * h + 32 * (r % 2) + l] >> (4 * (r / 2))) & 15) | ((qh[32 * h + l] >> (2 * r)) & 3) << 4;
+            u->v[e] = (int8_t)(v - 32);
+        }
+        break;
+    }
+    case GGML_TYPE_IQ4_XS: {
+        /* d, scales_h (u16: bits 2j of sub-block j's scale, high two),
+         * scales_l[4] (nibble j % 2 of byte j / 2: the low four), qs[128]
+         * (16 bytes a sub-block, in Q4_0's order); scale less 32. */
+        uint32_t sh = (uint32_t)b[2] | (uint32_t)b[3] << 8;
+        u->d = half_at(b);
+        for (int j = 0; j < 8; j++) {
+            int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (int)((sh >> (2 * j)) & 3u) << 4;
+            u->sc[2 * j] = u->sc[2 * j + 1] = (int16_t)(ls - 32);
+            for (int i = 0; i < 32; i++) u->v[32 * j + i] = quant_kvalues_iq4nl[nib32(b + 8 + 16 * j, i)];
+        }
+        break;
+    }
+    default: AE_ASSERT(!"decode_unit: a type the integer matmul does not take");
+    }
+}
+
+/* Packed unit of Q4_K, Q5_K or Q6_K (kn_qmatmul_kquant_avx2.c reads it):
+ * 16 rows of super-block b. Per 32-element sub-block j, 256 bytes at
+ * 256 j: Q4 nibble pairs of the quants' low four bits (byte (16 v + r) 4
+ * + e: element 4v + e of row r low, 4(v + 4) + e high). Then, per
+ * sub-block, Q5_K's fifth bits (64 bytes at 2048 + 64 j: bit v of byte
+ * 4r + e is element 4v + e's) or Q6_K's top two bits (128 bytes at 2048 +
+ * 128 j: bits 2s of byte (16 u + r) 4 + e are element 4(u + 2s) + e's).
+ * Then the scale bytes as planes (byte k of row r at 16 k + r: 12 for
+ * Q4_K and Q5_K, 16 for Q6_K), then 16 f16 d and (not Q6_K) 16 dmin. The
+ * same bytes as the 16 rows' blocks. Q6_K's quants are packed as stored,
+ * 0..63, and the kernel takes the 32 off. */
+static void pack_kquant(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst) {
+    const size_t bb = quant_block_bytes(t);
+    const bool q6 = t == GGML_TYPE_Q6_K;
+    const size_t sc_at = t == GGML_TYPE_Q4_K ? 2048 : t == GGML_TYPE_Q5_K ? 2048 + 8 * 64 : 2048 + 8 * 128;
+    const size_t d_at = sc_at + (q6 ? 256 : 192);
+    qunit u;
+    for (int r = 0; r < KN_PACK_ROWS; r++) {
+        const uint8_t *blk = rows[r] + (size_t)b * bb;
+        decode_unit(t, blk, &u);
+        uint8_t q[256];
+        for (int e = 0; e < 256; e++) q[e] = (uint8_t)(u.v[e] + (q6 ? 32 : 0));
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *qj = q + 32 * j;
+            for (int v = 0; v < 4; v++)
+                for (int e = 0; e < 4; e++)
+                    dst[256 * j + (v * 16 + r) * 4 + e] =
+                        (uint8_t)((qj[4 * v + e] & 15) | (qj[4 * (v + 4) + e] & 15) << 4);
+            for (int e = 0; e < 4; e++) {
+                if (t == GGML_TYPE_Q5_K) {
+                    uint8_t bits = 0;
+                    for (int v = 0; v < 8; v++) bits |= (uint8_t)(((qj[4 * v + e] >> 4) & 1) << v);
+                    dst[2048 + 64 * j + 4 * r + e] = bits;
+                }
+                if (q6)
+                    for (int uu = 0; uu < 2; uu++) {
+                        uint8_t bits = 0;
+                        for (int s2 = 0; s2 < 4; s2++)
+                            bits |= (uint8_t)(((qj[4 * (uu + 2 * s2) + e] >> 4) & 3) << (2 * s2));
+                        dst[2048 + 128 * j + (uu * 16 + r) * 4 + e] = bits;
+                    }
+            }
+        }
+        for (int k = 0; k < (q6 ? 16 : 12); k++) dst[sc_at + 16 * (size_t)k + (size_t)r] = blk[(q6 ? 192 : 4) + k];
+        memcpy(dst + d_at + 2 * r, blk + (q6 ? 208 : 0), 2);
+        if (!q6) memcpy(dst + d_at + 32 + 2 * r, blk + 2, 2);
+    }
+}
+
+/* Activation block b against elements [32a, 32a + 32) of unit u, in the
+ * order kernels.h fixes. The integer sums are exact: in int64 here, and
+ * each fits int32 by the bounds kernels.h states. */
+static float unit_block(const qunit *u, int a, const kn_qx *q, int64_t b, int bits, float acc) {
+    const int8_t *xb = q->planes + (size_t)b * kn_qx_block_bytes(bits);
+    int64_t isum = 0, imin = 0;
+    for (int h = 0; h < 2; h++) {
+        int64_t dot = 0;
+        for (int i = 16 * h; i < 16 * h + 16; i++) {
+            int32_t xi = bits == 8 ? xb[i] : 128 * xb[i] + xb[i + KN_QK];
+            dot += (int64_t)u->v[32 * a + i] * xi;
+        }
+        isum += u->sc[2 * a + h] * dot;
+        imin += (int64_t)u->mn[2 * a + h] * q->isx16[2 * b + h];
+    }
+    AE_ASSERT(isum >= INT32_MIN && isum <= INT32_MAX && imin >= INT32_MIN && imin <= INT32_MAX);
+    acc = fmaf((float)(int32_t)isum, u->d * q->sx[b], acc);
+    if (u->min == MIN_K) acc = fmaf(-(float)(int32_t)imin, u->dmin * q->sx[b], acc);
+    if (u->min == MIN_M) acc = fmaf(u->dmin, q->xs[b], acc);
     return acc;
+}
+
+/* Weight row `row` (the file's layout) against tm tokens of quantized x
+ * of nb blocks of 32, y[r * ldy] for token r: each unit of the row is
+ * decoded once for all tm tokens. */
+static void qdot_tile(ggml_type t, const uint8_t *row, const kn_qx *q, int tm, int64_t nb, int bits, float *y,
+                      size_t ldy) {
+    size_t bb = quant_block_bytes(t);
+    int64_t per = quant_block_elems(t) / KN_QK; /* activation blocks a unit */
+    float acc[KN_TILE_M] = {0};
+    qunit u;
+    for (int64_t b = 0; b < nb; b += per, row += bb) {
+        decode_unit(t, row, &u);
+        for (int r = 0; r < tm; r++)
+            for (int a = 0; a < per; a++) acc[r] = unit_block(&u, a, &q[r], b + a, bits, acc[r]);
+    }
+    for (int r = 0; r < tm; r++) y[(size_t)r * ldy] = acc[r];
 }
 
 /* ---- driver ------------------------------------------------------------- */
@@ -227,7 +532,7 @@ static void quantize_task(void *ctx, int task, int n_tasks) {
 
 /* Rows [j0, j1) of w for every token: packed groups through VNNI, the
  * rest (no packed copy, no VNNI, or the rows past the last whole group)
- * through qdot. Tokens go in tiles of KN_TILE_M so that each packed block
+ * through qdot_tile. Tokens go in tiles of KN_TILE_M so that each packed block
  * is decoded once per tile. */
 static void qmm_rows(const qmm_job *job, const kn_weight *w, float *y_all, int64_t j0, int64_t j1) {
     int64_t k = w->cols, nb = k / KN_QK, n = w->rows;
@@ -237,17 +542,24 @@ static void qmm_rows(const qmm_job *job, const kn_weight *w, float *y_all, int64
         for (int r = 0; r < tm; r++) qx[r] = kn_qx_view(job->qx + (size_t)(r0 + r) * job->qx_stride, k, job->bits);
         float *y = y_all + r0 * n;
         int64_t j = j0;
+        /* Q8_0, Q4_0 and Q4_1 have VNNI kernels; the other types AVX2
+         * ones only, which CPUs with VNNI run too. */
+        const bool kq = quant_block_elems(w->type) == 256,
+                   q4 = w->type == GGML_TYPE_Q8_0 || w->type == GGML_TYPE_Q4_0 || w->type == GGML_TYPE_Q4_1;
         if ((job->vnni || job->avx2) && w->packed)
             for (; j + KN_PACK_ROWS <= j1 && j + KN_PACK_ROWS <= n / KN_PACK_ROWS * KN_PACK_ROWS; j += KN_PACK_ROWS) {
-                if (job->vnni)
+                if (kq)
+                    kn_kgroup_avx2(w, j / KN_PACK_ROWS, qx, tm, job->bits, y, (size_t)n);
+                else if (!q4)
+                    kn_q5group_avx2(w, j / KN_PACK_ROWS, qx, tm, job->bits, y, (size_t)n);
+                else if (job->vnni)
                     kn_qgroup_avx512(w, j / KN_PACK_ROWS, qx, tm, job->bits, y, (size_t)n);
                 else
                     kn_qgroup_avx2(w, j / KN_PACK_ROWS, qx, tm, job->bits, y, (size_t)n);
             }
         for (; j < j1; j++) {
             const uint8_t *row = (const uint8_t *)w->data + (size_t)j * w->row_bytes;
-            for (int r = 0; r < tm; r++)
-                y[(size_t)r * (size_t)n + (size_t)j] = qdot(w->type, row, &qx[r], nb, job->bits);
+            qdot_tile(w->type, row, qx, tm, nb, job->bits, y + j, (size_t)n);
         }
     }
 }

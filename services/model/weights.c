@@ -120,6 +120,15 @@ static bool dequantize(const void *src, float *dst, uint64_t n, const void *ctx,
     return quant_dequantize(((const gguf_tensor *)ctx)->type, src, dst, n);
 }
 
+/* A matrix of a type no matmul kernel takes: refused, never widened to
+ * f32 behind the operator's back (the file's bytes are the plan). */
+static int unsupported(const char *name, ggml_type type, ae_error *err) {
+    return err_set(err,
+                   "tensor %s has type %s, which no matrix kernel of this build reads (types read: F32, F16, BF16, "
+                   "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)",
+                   name, quant_type_name(type));
+}
+
 static int gguf_matrix(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err) {
     const gguf_tensor *t = gguf_2d(w, name, rows, cols, err);
     if (!t) return AE_ERR;
@@ -137,18 +146,7 @@ static int gguf_matrix(weights_store *w, const char *name, int64_t rows, int64_t
         w->bytes += t->n_bytes;
         return AE_OK;
     }
-    if (!quant_can_dequantize(t->type))
-        return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
-    const kn_buf *b = own_floats(w, t->n_elements, dequantize, t->data, t, err);
-    if (!b) return err_set(err, "tensor %s: cannot convert", name);
-    *out = (kn_weight){.type = GGML_TYPE_F32,
-                       .rows = rows,
-                       .cols = cols,
-                       .data = b->ptr,
-                       .row_bytes = (size_t)cols * sizeof(float),
-                       .buf = b};
-    w->bytes += t->n_elements * sizeof(float);
-    return AE_OK;
+    return unsupported(name, t->type, err);
 }
 
 int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t rows, int64_t cols, kn_weight *out,
@@ -160,10 +158,6 @@ int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t row
         return err_set(err, "tensor %s has shape [%llu, %llu, %llu] in %u dims, expected [%lld, %lld, %lld]", name,
                        (unsigned long long)t->ne[0], (unsigned long long)t->ne[1], (unsigned long long)t->ne[2],
                        t->n_dims, (long long)cols, (long long)rows, (long long)n);
-    gguf_tensor flat = *t; /* the same bytes as a matrix of n x rows rows */
-    flat.n_dims = 2;
-    flat.ne[1] = (uint64_t)(n * rows);
-    flat.ne[2] = 1;
     const kn_buf *b;
     if (kn_matmul_supports(t->type)) {
         if (!(b = from_host(w, t->data, t->n_bytes, err))) return err_prefix(err, "tensor %s: ", name), AE_ERR;
@@ -176,18 +170,7 @@ int weights_matrix_3d(weights_store *w, const char *name, int64_t n, int64_t row
         w->bytes += t->n_bytes;
         return AE_OK;
     }
-    if (!quant_can_dequantize(t->type))
-        return err_set(err, "tensor %s has type %s, which cannot be read", name, quant_type_name(t->type));
-    if (!(b = own_floats(w, t->n_elements, dequantize, t->data, &flat, err)))
-        return err_set(err, "tensor %s: cannot convert", name);
-    *out = (kn_weight){.type = GGML_TYPE_F32,
-                       .rows = n * rows,
-                       .cols = cols,
-                       .data = b->ptr,
-                       .row_bytes = (size_t)cols * sizeof(float),
-                       .buf = b};
-    w->bytes += t->n_elements * sizeof(float);
-    return AE_OK;
+    return unsupported(name, t->type, err);
 }
 
 static int gguf_table(weights_store *w, const char *name, int64_t rows, int64_t cols, kn_weight *out, ae_error *err) {

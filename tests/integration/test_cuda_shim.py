@@ -194,6 +194,29 @@ def test_ranks_on_two_gpus_serve_the_cpu_ranks_tokens(tiny, tmp_path):
            "no peer access from cuda:0 to cuda:1)" in log
 
 
+def test_a_type_with_no_cuda_kernel_is_refused_by_name_not_widened(tmp_path):
+    # llama.cpp's Q4_K_M mix on the 135M shape: the 576-wide rows fall back
+    # to Q5_0 and Q8_0, the 1536-wide down projections are Q4_K and Q6_K.
+    # The CUDA backend has kernels for none of Q5_0 and the K-quants yet.
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    r = run_aerie("make-model", "--shape", "smollm2-135m", "--layers", "2", "--vocab", "512", "--type", "q4_k_m",
+                  "--out", path)
+    assert r.rc == 0, r.err
+    r = subprocess.run([str(ROOT / "build" / "aerie"), "bench", "--model", str(path), "--device", "cuda",
+                        "--prompt-tokens", "4", "--gen-tokens", "2", "--repeat", "1"],
+                       capture_output=True, text=True, env=env_with_shim(), cwd=ROOT, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"aerie bench: {path}: tensor token_embd.weight has type Q5_0, which the cuda backend has no kernel "
+        "for yet: run it with --device cpu")
+    # the same file on the CPU: every matrix in its own type
+    r = subprocess.run([str(ROOT / "build" / "aerie"), "bench", "--model", str(path), "--device", "cpu",
+                        "--prompt-tokens", "4", "--gen-tokens", "2", "--repeat", "1", "--bandwidth-mib", "16"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["weight_bytes_per_step"] == 5239296
+
+
 def test_bench_on_the_cuda_backend_measures_the_device_copy_bandwidth(tiny):
     # The release aerie, as the services here: the shim's fibers switch
     # with swapcontext under a sanitizer runtime, several times slower.

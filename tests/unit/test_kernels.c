@@ -83,6 +83,22 @@ typedef struct test_weight {
     void *packed; /* kn_weight_pack's copy, once pack_weight ran */
 } test_weight;
 
+/* Where a block's f16 scale d and its min or offset (-1: none) sit. */
+static void half_fields(ggml_type t, int *d_at, int *m_at) {
+    *d_at = 0;
+    *m_at = -1;
+    switch (t) {
+    case GGML_TYPE_Q4_1:
+    case GGML_TYPE_Q5_1:
+    case GGML_TYPE_Q4_K:
+    case GGML_TYPE_Q5_K: *m_at = 2; break;
+    case GGML_TYPE_Q2_K: *d_at = 80, *m_at = 82; break;
+    case GGML_TYPE_Q3_K: *d_at = 108; break;
+    case GGML_TYPE_Q6_K: *d_at = 208; break;
+    default: break;
+    }
+}
+
 static test_weight make_weight(ggml_type type, int64_t n, int64_t k) {
     test_weight t = {0};
     size_t rb = (size_t)quant_row_bytes(type, (uint64_t)k);
@@ -105,11 +121,18 @@ static test_weight make_weight(ggml_type type, int64_t n, int64_t k) {
             }
         } else {
             uint32_t bb = quant_block_bytes(type);
-            for (int64_t b = 0; b < k / 32; b++) {
+            int d_at, m_at;
+            half_fields(type, &d_at, &m_at);
+            for (int64_t b = 0; b < k / (int64_t)quant_block_elems(type); b++) {
                 uint8_t *blk = row + (size_t)b * bb;
                 for (uint32_t i = 0; i < bb; i++) blk[i] = (uint8_t)rnd();
-                put16(blk, quant_f32_to_f16(0.002f + 0.02f * (float)(rnd() % 1000) / 1000.0f));
-                if (type == GGML_TYPE_Q4_1) put16(blk + 2, quant_f32_to_f16(-0.15f * (float)(rnd() % 1000) / 1000.0f));
+                float scale = 0.002f + 0.02f * (float)(rnd() % 1000) / 1000.0f;
+                if (quant_block_elems(type) == 256) scale /= 16.0f; /* times a sub-block scale */
+                if (type == GGML_TYPE_MXFP4)
+                    blk[0] = (uint8_t)(119 + rnd() % 4); /* 2^-9 .. 2^-6, halved */
+                else
+                    put16(blk + d_at, quant_f32_to_f16(scale));
+                if (m_at >= 0) put16(blk + m_at, quant_f32_to_f16(-0.15f * (float)(rnd() % 1000) / 1000.0f));
             }
         }
         assert_true(quant_dequantize(type, row, t.deq + j * k, (uint64_t)k));
@@ -154,7 +177,13 @@ static kn_stream *stream(int t, int bits) { return bits == 8 ? F.streams8[t] : F
 /* L of kernels.h: the largest |xi| at `bits`. */
 static float act_limit(int bits) { return bits == 8 ? 127.0f : 16256.0f; }
 
-static bool is_quant(ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1; }
+static bool is_quant(ggml_type t) { return quant_block_elems(t) >= 32; }
+
+/* A width of whole blocks of t with k_small elements or more. */
+static int64_t width_for(ggml_type t, int64_t k_small) {
+    int64_t be = quant_block_elems(t);
+    return be >= 32 ? (k_small + be - 1) / be * be : k_small;
+}
 
 /* ---- matmul against the reference -------------------------------------- */
 
@@ -164,7 +193,7 @@ static bool is_quant(ggml_type t) { return t == GGML_TYPE_Q8_0 || t == GGML_TYPE
  * (kernels.h), so the bound adds sum |w| * half a step per block. */
 static void check_matmul_reference_bits(ggml_type type, int64_t m, int64_t n, int64_t k, int bits) {
     test_weight tw = make_weight(type, n, k);
-    if (is_quant(type) && n >= KN_PACK_ROWS) pack_weight(&tw);
+    if (kn_weight_packed_bytes(&tw.w) > 0) pack_weight(&tw);
     float *x = malloc(sizeof(float) * (size_t)(m * k));
     float *y = malloc(sizeof(float) * (size_t)(m * n));
     fill(x, (size_t)(m * k), 2.0f);
@@ -199,22 +228,26 @@ static void check_matmul_reference(ggml_type type, int64_t m, int64_t n, int64_t
     check_matmul_reference_bits(type, m, n, k, 15);
 }
 
-static const ggml_type ALL_TYPES[] = {GGML_TYPE_F32,  GGML_TYPE_F16,  GGML_TYPE_BF16,
-                                      GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
+static const ggml_type ALL_TYPES[] = {GGML_TYPE_F32,  GGML_TYPE_F16,    GGML_TYPE_BF16,   GGML_TYPE_Q8_0,
+                                      GGML_TYPE_Q4_0, GGML_TYPE_Q4_1,   GGML_TYPE_Q5_0,   GGML_TYPE_Q5_1,
+                                      GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,   GGML_TYPE_Q4_K,   GGML_TYPE_Q5_K,
+                                      GGML_TYPE_Q6_K, GGML_TYPE_IQ4_NL, GGML_TYPE_IQ4_XS, GGML_TYPE_MXFP4};
 #define N_TYPES (sizeof ALL_TYPES / sizeof ALL_TYPES[0])
 
 static void matmul_matches_double_reference_for_every_type(void **state) {
     (void)state;
     for (size_t t = 0; t < N_TYPES; t++) {
-        int64_t k = is_quant(ALL_TYPES[t]) ? 160 : 75; /* 75: a tail after the 8-lane body */
+        int64_t k = is_quant(ALL_TYPES[t]) ? width_for(ALL_TYPES[t], 160) : 75; /* 75: a tail after the 8-lane body */
         check_matmul_reference(ALL_TYPES[t], 6, 37, k);
+        check_matmul_reference_bits(ALL_TYPES[t], 6, 37, k, 8);
     }
 }
 
 static void matmul_portable_path_matches_double_reference(void **state) {
     (void)state;
     kn_cpu_force_scalar(true);
-    for (size_t t = 0; t < N_TYPES; t++) check_matmul_reference(ALL_TYPES[t], 5, 19, is_quant(ALL_TYPES[t]) ? 96 : 43);
+    for (size_t t = 0; t < N_TYPES; t++)
+        check_matmul_reference(ALL_TYPES[t], 5, 19, is_quant(ALL_TYPES[t]) ? width_for(ALL_TYPES[t], 96) : 43);
     kn_cpu_force_scalar(false);
 }
 
@@ -226,9 +259,9 @@ static void matmul_simd_and_portable_paths_agree_bitwise(void **state) {
         skip();
     }
     for (size_t t = 0; t < N_TYPES; t++) {
-        int64_t n = 41, k = is_quant(ALL_TYPES[t]) ? 224 : 83, m = 9;
+        int64_t n = 41, k = is_quant(ALL_TYPES[t]) ? width_for(ALL_TYPES[t], 224) : 83, m = 9;
         test_weight tw = make_weight(ALL_TYPES[t], n, k);
-        if (is_quant(ALL_TYPES[t])) pack_weight(&tw);
+        if (kn_weight_packed_bytes(&tw.w) > 0) pack_weight(&tw);
         float *x = malloc(sizeof(float) * (size_t)(m * k));
         float *fast = malloc(sizeof(float) * (size_t)(m * n));
         float *slow = malloc(sizeof(float) * (size_t)(m * n));
@@ -461,7 +494,8 @@ static void quantized_matmul_8bit_stays_within_its_rounding_bound(void **state) 
     (void)state;
     for (int level = 0; level <= 2; level++) {
         kn_cpu_limit_simd(level);
-        for (size_t t = 3; t < N_TYPES; t++) check_matmul_reference_bits(ALL_TYPES[t], 6, 37, 160, 8);
+        for (size_t t = 3; t < N_TYPES; t++)
+            check_matmul_reference_bits(ALL_TYPES[t], 6, 37, width_for(ALL_TYPES[t], 160), 8);
     }
     kn_cpu_limit_simd(2);
 }
@@ -470,13 +504,14 @@ static void quantized_matmul_8bit_stays_within_its_rounding_bound(void **state) 
  * 1, 2, 3 threads: tiles of 4 rows, partial tiles and thread splits all
  * give the same bits. */
 static void check_batch_invariance(int bits) {
-    const ggml_type types[] = {GGML_TYPE_Q4_1, GGML_TYPE_Q8_0, GGML_TYPE_F32, GGML_TYPE_Q4_0};
+    const ggml_type *types = ALL_TYPES;
     const int64_t M = 33;
-    for (size_t t = 0; t < (bits == 8 ? 4u : 3u); t++) {
-        if (bits == 8 && !is_quant(types[t])) continue; /* float W has no activation precision */
-        int64_t n = 37, k = types[t] == GGML_TYPE_F32 ? 69 : 96;
+    for (size_t t = 0; t < N_TYPES; t++) {
+        if (!is_quant(types[t]) && (bits == 8 || types[t] != GGML_TYPE_F32))
+            continue; /* float W has no activation precision; F32 stands for the float types */
+        int64_t n = 37, k = types[t] == GGML_TYPE_F32 ? 69 : width_for(types[t], 96);
         test_weight tw = make_weight(types[t], n, k);
-        if (is_quant(types[t])) pack_weight(&tw);
+        if (kn_weight_packed_bytes(&tw.w) > 0) pack_weight(&tw);
         float *x = malloc(sizeof(float) * (size_t)(M * k));
         float *alone = malloc(sizeof(float) * (size_t)(M * n));
         float *batch = malloc(sizeof(float) * (size_t)(M * n));
@@ -1276,10 +1311,9 @@ static void cpu_backend_says_what_it_supports(void **state) {
     const kn_backend *be = kn_stream_backend(F.streams[1]);
     assert_ptr_equal(be, &kn_backend_cpu);
     assert_string_equal(kn_backend_name(be), "cpu");
-    ggml_type native[] = {GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1};
-    for (size_t i = 0; i < sizeof native / sizeof native[0]; i++)
-        assert_true(kn_backend_supports(be, KN_OP_MATMUL, native[i]));
-    assert_false(kn_backend_supports(be, KN_OP_MATMUL, GGML_TYPE_Q6_K)); /* converted to f32 at load */
+    for (size_t i = 0; i < N_TYPES; i++) assert_true(kn_backend_supports(be, KN_OP_MATMUL, ALL_TYPES[i]));
+    assert_false(kn_backend_supports(be, KN_OP_MATMUL, GGML_TYPE_Q8_K)); /* no kernel: refused at load */
+    assert_false(kn_backend_supports(be, KN_OP_MATMUL, (ggml_type)16));  /* IQ2_XXS, likewise */
     assert_true(kn_backend_supports(be, KN_OP_EMBED, GGML_TYPE_Q6_K));   /* kn_embed reads any type */
     assert_true(kn_backend_supports(be, KN_OP_KV, GGML_TYPE_F16));
     assert_false(kn_backend_supports(be, KN_OP_KV, GGML_TYPE_F32));
