@@ -1,7 +1,8 @@
 /* Lossless greedy speculation on the default model (SmolLM2-135M Q4_1)
  * with a random EAGLE-3 head shaped for it (written by
- * tools/gen_eagle_fixture.py --default-head; `make test` makes it): 50
- * prompts, three tree shapes, 16 tokens each, token-identical to plain
+ * tools/gen_eagle_fixture.py --default-head; `make test` makes it): 24
+ * prompts (lengths 1 to 80), three tree shapes, 16 tokens each,
+ * token-identical to plain
  * greedy decoding. A random head is almost never right, so this pins the
  * verification of real-size trees (wide and deep, 8 and 32 nodes) and the
  * commit of the root; the tiny fixture's tests cover accepted paths. Both
@@ -22,7 +23,7 @@
 
 #define MODEL_PATH "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define HEAD_DIR "build/heads/smollm2-random"
-#define N_PROMPTS 50
+#define N_PROMPTS 24
 #define MAX_PROMPT 80
 #define N_GEN 16
 #define SEQ_LEN 256
