@@ -15,6 +15,7 @@ first maximum, kld_p99 the ceil(0.99 n)-th smallest.
   python3 tools/bench_ppl.py --aerie-args "--threads 2"
   python3 tools/bench_ppl.py --no-llama             # aerie only
   python3 tools/bench_ppl.py --no-aerie --jobs 2 --threads 1
+  python3 tools/bench_ppl.py --requantize Q4_K_M    # the file as llama.cpp requantizes it
 
 llama.cpp's threads spin at barriers, which costs it dearly on a host
 whose cores are shared with other work; --jobs 2 --threads 1 runs its
@@ -160,6 +161,28 @@ def run_aerie(args, base):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def requantize(src, ftype, threads):
+    """src requantized by llama.cpp's own quantizer to ftype (a name of
+    llama.cpp's, e.g. Q4_K_M), kept in build/bench_files/ and reused."""
+    import llama_cpp
+    dst = ROOT / "build" / "bench_files" / ("%s.%s.gguf" % (Path(src).name.rsplit(".", 2)[0], ftype))
+    if dst.exists():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    code = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype, None)
+    if code is None:
+        raise SystemExit("--requantize %s: llama.cpp has no such file type" % ftype)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = code
+    params.nthread = threads
+    params.allow_requantize = True  # the shipped file is already quantized (Q4_1, its embedding Q8_0)
+    tmp = dst.with_suffix(".part")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+        raise SystemExit("llama.cpp could not quantize %s to %s" % (src, ftype))
+    tmp.rename(dst)
+    return dst
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(MODEL))
@@ -171,7 +194,13 @@ def main():
     ap.add_argument("--jobs", type=int, default=1, help="llama.cpp processes, each scoring a share of the windows")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-aerie", action="store_true")
+    ap.add_argument("--requantize", metavar="TYPE",
+                    help="score --model requantized by llama.cpp's quantizer to TYPE (e.g. Q4_K_M) instead; "
+                         "both engines read that file")
     args = ap.parse_args()
+    if args.requantize:
+        args.model = str(requantize(args.model, args.requantize, args.threads))
+        print("requantized by llama.cpp: %s" % args.model, file=sys.stderr)
     base = read_base(args.base)
     rows = {}
     if not args.no_aerie:
