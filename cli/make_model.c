@@ -238,19 +238,6 @@ static bool more_bits(int64_t layer, int64_t layers) {
     return layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2;
 }
 
-/* The type a matrix of rows `cols` wide gets: a K-quant or IQ4_XS falls
- * back, as llama.cpp's quantizer does, when cols is no whole number of
- * 256-element super-blocks. */
-static ggml_type fit_type(ggml_type t, int64_t cols) {
-    if (cols % (int64_t)quant_block_elems(t) == 0) return t;
-    switch (t) {
-    case GGML_TYPE_Q4_K: return GGML_TYPE_Q5_0;
-    case GGML_TYPE_Q5_K: return GGML_TYPE_Q5_1;
-    case GGML_TYPE_Q6_K: return GGML_TYPE_Q8_0;
-    default: return GGML_TYPE_IQ4_NL; /* Q2_K, Q3_K, IQ4_XS */
-    }
-}
-
 static int run(const config *c, int argc, char **argv, ae_error *err) {
     (void)argc, (void)argv;
     const char *path = config_str(c, "out"), *sname = config_str(c, "shape");
@@ -301,7 +288,7 @@ static int run(const config *c, int argc, char **argv, ae_error *err) {
     uint64_t off = 0, total = 0;
     int64_t max_cols = 0;
     for (int64_t i = 0; i < n_t; i++) {
-        ts[i].type = fit_type(ts[i].type, ts[i].cols);
+        ts[i].type = quant_fit_type(ts[i].type, ts[i].cols);
         max_cols = ts[i].cols > max_cols ? ts[i].cols : max_cols;
         ts[i].bytes = (uint64_t)ts[i].rows * quant_row_bytes(ts[i].type, (uint64_t)ts[i].cols);
         ts[i].offset = off;

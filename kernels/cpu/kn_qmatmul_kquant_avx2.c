@@ -24,17 +24,10 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 
-#include <immintrin.h>
-#include <string.h>
+#include "kn_qmatmul_avx2.h"
 
-#define TGT __attribute__((target("avx2,fma,f16c")))
+#define TGT KN_AVX2_TGT
 #define INL static inline __attribute__((always_inline)) TGT
-
-INL __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
 
 /* 8 bytes (rows 8h..8h+7 of a plane) widened to 32-bit lanes. */
 INL __m256i plane_u8(const uint8_t *p) {
@@ -130,8 +123,8 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                     __m256i sh = _mm256_setzero_si256(), sl = sh;
 #pragma GCC unroll 8
                     for (int v = 0; v < 8; v++) {
-                        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], bcast4(hi + 4 * v)));
-                        if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], bcast4(lo + 4 * v)));
+                        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], kn_bcast4(hi + 4 * v)));
+                        if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], kn_bcast4(lo + 4 * v)));
                     }
                     ih = _mm256_madd_epi16(sh, sa16);
                     if (BITS != 8) il = _mm256_madd_epi16(sl, sa16);
@@ -146,8 +139,8 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                         __m256i sh = _mm256_setzero_si256(), sl = sh;
 #pragma GCC unroll 4
                         for (int v = v0; v < v0 + run; v++) {
-                            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], bcast4(hi + 4 * v)));
-                            if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], bcast4(lo + 4 * v)));
+                            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], kn_bcast4(hi + 4 * v)));
+                            if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], kn_bcast4(lo + 4 * v)));
                         }
                         ih = _mm256_add_epi32(ih, _mm256_madd_epi16(sh, sc16));
                         if (BITS != 8) il = _mm256_add_epi32(il, _mm256_madd_epi16(sl, sc16));

@@ -53,6 +53,11 @@ uint64_t quant_row_bytes(ggml_type t, uint64_t n);
  * Returns false for unsupported types or a bad n. */
 bool quant_dequantize(ggml_type t, const void *src, float *dst, uint64_t n);
 
+/* The type llama.cpp's quantizer writes for t in a matrix of rows `cols`
+ * wide: t where its block divides cols, else Q4_K -> Q5_0, Q5_K -> Q5_1,
+ * Q6_K -> Q8_0 and Q2_K, Q3_K, IQ4_XS -> IQ4_NL (cols a multiple of 32). */
+ggml_type quant_fit_type(ggml_type t, int64_t cols);
+
 /* Quantizes n floats (a multiple of t's block size) from src to dst
  * (quant_row_bytes(t, n) bytes). Supports F32, F16, BF16, Q4_0, Q4_1,
  * Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and

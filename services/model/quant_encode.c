@@ -444,3 +444,13 @@ bool quant_quantize(ggml_type t, const float *src, void *dst, uint64_t n) {
     }
     return true;
 }
+
+ggml_type quant_fit_type(ggml_type t, int64_t cols) {
+    if (cols % (int64_t)quant_block_elems(t) == 0) return t;
+    switch (t) {
+    case GGML_TYPE_Q4_K: return GGML_TYPE_Q5_0;
+    case GGML_TYPE_Q5_K: return GGML_TYPE_Q5_1;
+    case GGML_TYPE_Q6_K: return GGML_TYPE_Q8_0;
+    default: return GGML_TYPE_IQ4_NL; /* Q2_K, Q3_K, IQ4_XS */
+    }
+}

@@ -45,17 +45,6 @@
 
 static int32_t prompt(int i, int32_t vocab, int32_t *ids) { return spec_test_prompt(i, vocab, MAX_PROMPT, 7, ids); }
 
-/* llama.cpp's fallback for a row width t's block does not divide. */
-static ggml_type fallback(ggml_type t, int64_t cols) {
-    if (cols % (int64_t)quant_block_elems(t) == 0) return t;
-    switch (t) {
-    case GGML_TYPE_Q4_K: return GGML_TYPE_Q5_0;
-    case GGML_TYPE_Q5_K: return GGML_TYPE_Q5_1;
-    case GGML_TYPE_Q6_K: return GGML_TYPE_Q8_0;
-    default: return GGML_TYPE_IQ4_NL;
-    }
-}
-
 /* Buffers the test gives the models' matrices; freed at the end of a type. */
 typedef struct owned {
     void *p[1024];
@@ -77,7 +66,7 @@ static void free_owned(owned *o) {
 /* w becomes T (or its fallback) in q, and the same values in f32 in f. */
 static void requantize(kn_weight *q, kn_weight *f, ggml_type T, owned *o) {
     const int64_t rows = q->rows, cols = q->cols;
-    ggml_type t = fallback(T, cols);
+    ggml_type t = quant_fit_type(T, cols);
     size_t rb = (size_t)quant_row_bytes(t, (uint64_t)cols);
     uint8_t *bytes = own(o, rb * (size_t)rows);
     float *wide = own(o, sizeof(float) * (size_t)(rows * cols)), *row = malloc(sizeof(float) * (size_t)cols);
