@@ -87,8 +87,9 @@ kn_qx kn_qx_view(const uint8_t *row, int64_t k, int bits) {
  * (lrintf is a library call). */
 static float round_even(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-/* isx16 from the bytes of x already written (the AVX-512 quantizer
- * writes the rest of the row). */
+/* isx16 from the bytes of x already written: the AVX-512 quantizer
+ * writes the rest of the row (the portable one sums the halves as it
+ * goes). */
 static void half_sums(int64_t k, int bits, uint8_t *row) {
     int64_t nb = k / KN_QK;
     size_t bpb = kn_qx_block_bytes(bits);
@@ -115,7 +116,7 @@ void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
     const int32_t lim = bits == 8 ? KN_QX8_MAX : KN_QX_MAX;
     float *sx = (float *)(void *)(row + (size_t)nb * bpb);
     float *xs = sx + nb;
-    int32_t *isx = (int32_t *)(void *)(xs + nb);
+    int32_t *isx = (int32_t *)(void *)(xs + nb), *isx16 = isx + nb;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * KN_QK;
         int8_t *hi = (int8_t *)row + (size_t)b * bpb, *lo = hi + KN_QK; /* at 8 bits, hi is xi */
@@ -126,7 +127,7 @@ void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
             finite &= a <= FLT_MAX; /* false for inf and NaN */
             amax = a > amax ? a : amax;
         }
-        int32_t sum = 0;
+        int32_t sum = 0, half = 0; /* half: the sum of elements 0..15 */
         if (!finite || amax < KN_QX_TINY) {
             /* Zero (or below KN_QX_TINY, where lim / amax would
              * overflow): every product is 0. Not finite: the scale is NaN,
@@ -147,12 +148,14 @@ void kn_qx_quantize(const float *x, int64_t k, int bits, uint8_t *row) {
                     lo[i] = (int8_t)(v - 128 * h);
                 }
                 sum += v;
+                if (i == 15) half = sum;
             }
         }
         isx[b] = sum;
+        isx16[2 * b] = half;
+        isx16[2 * b + 1] = sum - half;
         xs[b] = sx[b] * (float)sum;
     }
-    half_sums(k, bits, row);
 }
 
 /* ---- packing -------------------------------------------------------------- */
