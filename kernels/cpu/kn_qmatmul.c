@@ -168,9 +168,14 @@ size_t kn_weight_packed_bytes(const kn_weight *w) {
            kn_pack_block_bytes(w->type);
 }
 
-/* Element i (0..31) of a Q4 block's nibbles: low nibbles of bytes 0..15
- * are elements 0..15, high nibbles elements 16..31. */
-static uint8_t nibble(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15 : qs[i - 16] >> 4; }
+/* Row r's nibble pairs in a packed Q4-style group: vector v's lane r
+ * holds elements 4v..4v+3 in its low nibbles and 4(v+4)..4(v+4)+3 in its
+ * high ones. A block's bytes 0..15 hold elements 0..15 low and 16..31
+ * high, so element 4v+e and element 16+4v+e share byte 4v+e: the pairs
+ * are the block's own bytes, four at a time. */
+static void pack_nibble_pairs(const uint8_t qs[16], int r, uint8_t *dst) {
+    for (int v = 0; v < 4; v++) memcpy(dst + (v * 16 + r) * 4, qs + 4 * v, 4);
+}
 
 /* Packed (group, block), the layout the VNNI kernel reads: 32-bit lane r
  * of a 64-byte vector holds 4 consecutive elements of row r, so one
@@ -192,18 +197,14 @@ static void pack_q32(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64
     const size_t d_at = q5 ? 320 : 256;
     for (int r = 0; r < KN_PACK_ROWS; r++) {
         const uint8_t *blk = rows[r] + (size_t)b * bb;
-        uint8_t q[32];
         const uint8_t *qs = blk + (t == GGML_TYPE_Q5_0 ? 6 : t == GGML_TYPE_Q5_1 ? 8 : t == GGML_TYPE_MXFP4 ? 1 : 2);
         uint32_t hb = 0;
         if (q5) memcpy(&hb, blk + (t == GGML_TYPE_Q5_1 ? 4 : 2), 4);
-        for (int i = 0; i < 32; i++) q[i] = (uint8_t)(nibble(qs, i) | (q5 ? ((hb >> i) & 1u) << 4 : 0));
-        for (int v = 0; v < 4; v++)
-            for (int e = 0; e < 4; e++)
-                dst[(v * 16 + r) * 4 + e] = (uint8_t)((q[4 * v + e] & 15) | (q[4 * (v + 4) + e] & 15) << 4);
+        pack_nibble_pairs(qs, r, dst);
         if (q5)
             for (int e = 0; e < 4; e++) {
                 uint8_t bits = 0;
-                for (int v = 0; v < 8; v++) bits |= (uint8_t)((q[4 * v + e] >> 4) << v);
+                for (int v = 0; v < 8; v++) bits |= (uint8_t)(((hb >> (4 * v + e)) & 1u) << v);
                 dst[256 + 4 * r + e] = bits;
             }
         if (t == GGML_TYPE_MXFP4)
@@ -231,10 +232,7 @@ static void pack_block(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int
                 for (int e = 0; e < 4; e++) dst[(v * 16 + r) * 4 + e] = blk[2 + 4 * v + e] ^ 0x80;
             memcpy(dst + 512 + 2 * r, blk, 2);
         } else {
-            const uint8_t *qs = blk + (t == GGML_TYPE_Q4_1 ? 4 : 2);
-            for (int v = 0; v < 4; v++)
-                for (int e = 0; e < 4; e++)
-                    dst[(v * 16 + r) * 4 + e] = (uint8_t)(nibble(qs, 4 * v + e) | nibble(qs, 4 * (v + 4) + e) << 4);
+            pack_nibble_pairs(blk + (t == GGML_TYPE_Q4_1 ? 4 : 2), r, dst);
             memcpy(dst + 256 + 2 * r, blk, 2);
             if (t == GGML_TYPE_Q4_1) memcpy(dst + 288 + 2 * r, blk + 2, 2);
         }
