@@ -1,8 +1,10 @@
 """`aerie tokenize` reproduces the Hugging Face `tokenizers` library's ids on
-the whole golden corpus (tests/golden/tokenizer/corpus.jsonl, made by
+the golden corpus (tests/golden/tokenizer/corpus.jsonl, made by
 tools/gen_tokenizer_golden.py), for SmolLM2 loaded from its GGUF file and
 from a tokenizer.json. Each text goes through --file, so texts that start
-with "--" or hold any byte are passed exactly."""
+with "-" or hold control bytes are passed exactly: all of those go through
+the command, and every 6th of the others (a process each; the unit suite
+tests/unit/test_tokenizer.c checks every text in one process)."""
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,12 +16,20 @@ CORPUS = [json.loads(line) for line in
           (GOLDEN / "tokenizer" / "corpus.jsonl").read_text(encoding="utf-8").split("\n") if line]
 
 
+def awkward(text):
+    return text.startswith("-") or any(ord(c) < 32 and c not in "\n\t" for c in text)
+
+
+SAMPLE = [i for i, row in enumerate(CORPUS) if awkward(row["text"]) or i % 6 == 0]
+
+
 def test_corpus_is_large_enough():
     assert len(CORPUS) >= 300
+    assert len(SAMPLE) >= 150
 
 
 @pytest.mark.parametrize("source", ["gguf", "tokenizer.json"])
-def test_cli_matches_reference_on_whole_corpus(aerie, model, tmp_path, source):
+def test_cli_matches_reference_on_the_sampled_corpus(aerie, model, tmp_path, source):
     path = model if source == "gguf" else GOLDEN / "tokenizer" / "smollm" / "tokenizer.json"
 
     def check(i):
@@ -30,7 +40,7 @@ def test_cli_matches_reference_on_whole_corpus(aerie, model, tmp_path, source):
         return json.loads(r.out) == CORPUS[i]["smollm"]
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        ok = list(pool.map(check, range(len(CORPUS))))
-    mismatched = [CORPUS[i]["text"][:60] for i, good in enumerate(ok) if not good]
-    print(f"corpus: {len(CORPUS) - len(mismatched)}/{len(CORPUS)} match ({source})")
+        ok = list(pool.map(check, SAMPLE))
+    mismatched = [CORPUS[i]["text"][:60] for i, good in zip(SAMPLE, ok) if not good]
+    print(f"corpus: {len(SAMPLE) - len(mismatched)}/{len(SAMPLE)} sampled texts match ({source})")
     assert mismatched == []
