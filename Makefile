@@ -383,10 +383,15 @@ $(RANDOM_HEAD)/model.safetensors: tools/gen_eagle_fixture.py
 
 # The build takes every core; the tests then run one suite at a time.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+# Each step starts with the clock's time: CI has 90 minutes in all.
 test:
+	@echo "== $$(date -u +%T) dependencies"
 	@tools/deps.sh test
+	@echo "== $$(date -u +%T) build"
 	$(MAKE) -j$(JOBS) all asan tsan fuzz $(MODEL_BIN) $(RANDOM_HEAD)/model.safetensors $(CUDA_TEST)
+	@echo "== $$(date -u +%T) model"
 	@tools/fetch_model.sh
+	@echo "== $$(date -u +%T) tests"
 	@tools/run_tests.sh
 
 # The quick loop while working: installs nothing (run make test once

@@ -24,6 +24,13 @@ mkdir -p "$logdir"
 
 passed=0 failed=0
 failures=()
+# Each phase's seconds, printed above the summary: CI has 90 minutes.
+phase_times=()
+t_phase=$SECONDS
+end_phase() {
+    phase_times+=("$1 $((SECONDS - t_phase)) s")
+    t_phase=$SECONDS
+}
 
 suites=(build/asan/tests/test_* build/asan/cuda/test_* build/tsan/tests/test_* build/tsan/cuda/test_* build/tests/test_*)
 if [ ${#only[@]} -gt 0 ]; then
@@ -62,9 +69,12 @@ if [ ${#only[@]} -gt 0 ]; then
     exit
 fi
 
-echo "== fuzz targets (libFuzzer, ASan+UBSan, ${FUZZ_SECONDS}s each)"
-for f in build/fuzz/fuzz_*; do
-    [ -x "$f" ] || continue
+end_phase unit
+# One fuzzer a core: each is a single process.
+FUZZ_JOBS=${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 2)}
+echo "== fuzz targets (libFuzzer, ASan+UBSan, ${FUZZ_SECONDS}s each, $FUZZ_JOBS at a time)"
+fuzz_one() {
+    local f=$1 name seeds work log dirs
     name=$(basename "$f")
     seeds=tests/fuzz/corpus/${name#fuzz_}
     work=build/fuzz/work-${name#fuzz_}
@@ -74,7 +84,18 @@ for f in build/fuzz/fuzz_*; do
     [ -d "$seeds" ] && dirs+=("$seeds")
     "$f" -max_total_time="$FUZZ_SECONDS" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
         -artifact_prefix="$logdir/$name-" "${dirs[@]}" >"$log" 2>&1
-    rc=$?
+    echo $? >"$log.rc"
+}
+fuzzers=()
+for f in build/fuzz/fuzz_*; do [ -x "$f" ] && fuzzers+=("$f"); done
+for ((i = 0; i < ${#fuzzers[@]}; i += FUZZ_JOBS)); do
+    for f in "${fuzzers[@]:i:FUZZ_JOBS}"; do fuzz_one "$f" & done
+    wait
+done
+for f in "${fuzzers[@]}"; do
+    name=$(basename "$f")
+    log=$logdir/$name.log
+    rc=$(cat "$log.rc" 2>/dev/null || echo 1)
     runs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$')
     if [ $rc -eq 0 ]; then
         printf '  %-28s %s runs, no finding\n' "$name" "${runs:-?}"
@@ -87,6 +108,7 @@ for f in build/fuzz/fuzz_*; do
     fi
 done
 
+end_phase fuzz
 echo "== layout (tools/format.sh --check, the pinned clang-format)"
 if tools/format.sh --check >"$logdir/format.log" 2>&1; then
     printf '  %-28s %s\n' layout "$(tail -n 1 "$logdir/format.log")"
@@ -98,6 +120,7 @@ else
     failures+=(layout)
 fi
 
+end_phase layout
 echo "== integration tests (pytest)"
 # The 25 slowest tests are listed at the end: CI has 90 minutes in all.
 python3 -m pytest -q --durations=25 tests/integration 2>&1 | tee "$logdir/pytest.log"
@@ -111,7 +134,11 @@ if [ "$prc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi  # collection errors, no tes
 passed=$((passed + p)) failed=$((failed + f))
 [ "$prc" -eq 0 ] || failures+=(pytest)
 
+end_phase pytest
+
 echo
+times=$(printf '%s, ' "${phase_times[@]}")
+echo "time: ${times%, }"
 [ ${#failures[@]} -eq 0 ] || echo "failed suites: ${failures[*]}"
 echo "tests: $passed passed, $failed failed"
 [ "$failed" -eq 0 ] && [ ${#failures[@]} -eq 0 ]
