@@ -59,6 +59,9 @@ if want test; then
         if $debian_python; then apt_pkgs+=(python3-protobuf); else py_missing+=(protobuf); fi
     fi
     has_py pytest || py_missing+=(pytest)
+    # The integration tests run two files at a time, one a core
+    # (tools/run_tests.sh): pytest's own xdist plugin.
+    has_py xdist || py_missing+=(pytest-xdist)
     # numpy writes the random EAGLE-3 head the speculative tests run with
     # (tools/gen_eagle_fixture.py --default-head).
     has_py numpy || py_missing+=(numpy)

@@ -121,18 +121,30 @@ else
 fi
 
 end_phase layout
-echo "== integration tests (pytest)"
-# The 25 slowest tests are listed at the end: CI has 90 minutes in all.
-python3 -m pytest -q --durations=25 tests/integration 2>&1 | tee "$logdir/pytest.log"
-prc=${PIPESTATUS[0]}
-summary=$(tail -n1 "$logdir/pytest.log")
-p=$(grep -oE '[0-9]+ passed' <<<"$summary" | grep -oE '[0-9]+')
-f=0
-for k in $(grep -oE '[0-9]+ (failed|errors?)' <<<"$summary" | grep -oE '[0-9]+'); do f=$((f + k)); done
-p=${p:-0}
-if [ "$prc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi  # collection errors, no tests run
-passed=$((passed + p)) failed=$((failed + f))
-[ "$prc" -eq 0 ] || failures+=(pytest)
+# Two test files at a time, one a core (pytest-xdist; a file's tests stay
+# together, sharing its services); then the tests marked serial, which
+# assert on wall-clock time, with nothing beside them. The 25 slowest of
+# each part are listed: CI has 90 minutes in all.
+PYTEST_JOBS=${PYTEST_JOBS:-$(nproc 2>/dev/null || echo 2)}
+pytest_part() { # name, pytest arguments...
+    local name=$1 log=$logdir/$1.log prc summary p f k
+    shift
+    python3 -m pytest -q --durations=25 "$@" tests/integration 2>&1 | tee "$log"
+    prc=${PIPESTATUS[0]}
+    [ "$prc" -eq 5 ] && return  # nothing selected
+    summary=$(tail -n1 "$log")
+    p=$(grep -oE '[0-9]+ passed' <<<"$summary" | grep -oE '[0-9]+')
+    f=0
+    for k in $(grep -oE '[0-9]+ (failed|errors?)' <<<"$summary" | grep -oE '[0-9]+'); do f=$((f + k)); done
+    p=${p:-0}
+    if [ "$prc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi  # collection errors, no tests run
+    passed=$((passed + p)) failed=$((failed + f))
+    [ "$prc" -eq 0 ] || failures+=("$name")
+}
+echo "== integration tests (pytest, $PYTEST_JOBS files at a time)"
+pytest_part pytest -n "$PYTEST_JOBS" --dist loadfile -m "not serial"
+echo "== integration tests that time themselves (pytest -m serial, alone)"
+pytest_part pytest-serial -m serial
 
 end_phase pytest
 

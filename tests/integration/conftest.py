@@ -45,6 +45,12 @@ def run_aerie(*args, env=None, input=None, timeout=120) -> Result:
     return Result(proc)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "serial: asserts on wall-clock time, so tools/run_tests.sh runs it after the others, "
+        "with nothing beside it (the rest run two files at a time)")
+
+
 @pytest.fixture(scope="session")
 def model() -> Path:
     if not MODEL.exists():

@@ -20,6 +20,10 @@ import pytest
 from conftest import ROOT
 from test_services import SERVICE_DIR
 
+# The watchdog's pings are timed to the tenth of a second: alone
+# (conftest.py's serial mark).
+pytestmark = pytest.mark.serial
+
 DEPLOY = ROOT / "deploy"
 UNITS = {"aerie-gateway.service": "aerie-gateway.service", "aerie-target@.service": "aerie-target@0.service",
          "aerie-draft@.service": "aerie-draft@gpu7.service"}

@@ -998,6 +998,7 @@ def shaped_bodies():
     }
 
 
+@pytest.mark.serial
 def test_a_1mib_body_of_any_shape_is_answered_without_stalling_the_loop(tmp_path, model):
     g = lone_gateway(tmp_path, model, "gw-shapes")
     try:
@@ -1025,6 +1026,7 @@ def test_a_1mib_body_of_any_shape_is_answered_without_stalling_the_loop(tmp_path
         assert g.stop() == 0, g.text()
 
 
+@pytest.mark.serial
 def test_tokenizing_eight_big_prompts_leaves_health_and_metrics_fast(tmp_path, model):
     g = lone_gateway(tmp_path, model, "gw-tok8")
     try:

@@ -703,6 +703,7 @@ class SlowReleaseDraft(FakeDraftServer):
         c.send(rpc.frame(rpc.REPLY, h["method"], h["call_id"], rep.SerializeToString()))
 
 
+@pytest.mark.serial
 def test_finishing_requests_do_not_stall_other_streams_behind_a_slow_draft(services, model, tmp_path):
     delay = 3.0
     fake = SlowReleaseDraft(str(tmp_path / "slow.sock"), delay)
@@ -926,6 +927,7 @@ def test_default_sockets_are_in_a_private_runtime_directory(model, tmp_path, mon
         assert target.stop() == 0, target.text()[-3000:]
 
 
+@pytest.mark.serial
 def test_a_tls_connection_without_a_handshake_is_closed_after_5_s(services, tmp_path):
     """With mutual TLS on, a peer needs no certificate to open a connection:
     one that never finishes the handshake is closed 5 s after accept."""

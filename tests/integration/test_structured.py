@@ -161,6 +161,7 @@ def test_schemas_that_allow_nothing_or_do_not_compile_are_a_400(pair, schema, st
     assert msg.startswith(start) and ".cc:" not in msg and "build/" not in msg, msg
 
 
+@pytest.mark.serial
 def test_a_slow_schema_compile_does_not_stall_other_requests(pair):  # noqa: F811
     """Schemas compile on their own thread: a large one (seconds) leaves
     the target serving everyone else meanwhile."""
