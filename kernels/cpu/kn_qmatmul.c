@@ -27,7 +27,7 @@
  * driver. SIMD kernels on the packed layouts: kn_qmatmul_avx512.c (VNNI:
  * Q8_0, Q4_0, Q4_1), kn_qmatmul_avx2.c (the same three),
  * kn_qmatmul_q5_avx2.c (Q5_0, Q5_1, IQ4_NL, MXFP4) and
- * kn_qmatmul_kquant_avx2.c (Q4_K, Q5_K, Q6_K). Q2_K, Q3_K and IQ4_XS run
+ * kn_qmatmul_kquant_avx2.c (Q4_K, Q5_K, Q6_K, IQ4_XS). Q2_K and Q3_K run
  * the portable kernel. */
 #include "kn_cpu_impl.h"
 
@@ -58,7 +58,7 @@ bool kn_qmatmul_type(ggml_type t) {
 static bool packed_type(ggml_type t) {
     return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 ||
            t == GGML_TYPE_Q5_1 || t == GGML_TYPE_IQ4_NL || t == GGML_TYPE_MXFP4 || t == GGML_TYPE_Q4_K ||
-           t == GGML_TYPE_Q5_K || t == GGML_TYPE_Q6_K;
+           t == GGML_TYPE_Q5_K || t == GGML_TYPE_Q6_K || t == GGML_TYPE_IQ4_XS;
 }
 
 /* ---- x ------------------------------------------------------------------ */
@@ -422,7 +422,24 @@ static void decode_unit(ggml_type t, const uint8_t *b, qunit *u) {
  * Q4_K and Q5_K, 16 for Q6_K), then 16 f16 d and (not Q6_K) 16 dmin. The
  * same bytes as the 16 rows' blocks. Q6_K's quants are packed as stored,
  * 0..63, and the kernel takes the 32 off. */
+/* IQ4_XS's packed unit: each sub-block's nibble pairs (its 16 bytes are in
+ * Q4_0's order), then the six scale bytes (scales_h's two, scales_l's
+ * four) as planes, then the 16 rows' f16 d: the same 2176 bytes as the 16
+ * blocks. */
+static void pack_iq4_xs(const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst) {
+    for (int r = 0; r < KN_PACK_ROWS; r++) {
+        const uint8_t *blk = rows[r] + (size_t)b * quant_block_bytes(GGML_TYPE_IQ4_XS);
+        for (int j = 0; j < 8; j++) pack_nibble_pairs(blk + 8 + 16 * j, r, dst + 256 * j);
+        for (int k = 0; k < 6; k++) dst[2048 + 16 * k + r] = blk[2 + k];
+        memcpy(dst + 2048 + 96 + 2 * r, blk, 2);
+    }
+}
+
 static void pack_kquant(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst) {
+    if (t == GGML_TYPE_IQ4_XS) {
+        pack_iq4_xs(rows, b, dst);
+        return;
+    }
     const size_t bb = quant_block_bytes(t);
     const bool q6 = t == GGML_TYPE_Q6_K;
     const size_t sc_at = t == GGML_TYPE_Q4_K ? 2048 : t == GGML_TYPE_Q5_K ? 2048 + 8 * 64 : 2048 + 8 * 128;

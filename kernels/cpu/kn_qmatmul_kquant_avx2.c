@@ -1,7 +1,8 @@
 /* AVX2 kernels of the integer matmul (kn_qmatmul.c) for the K-quants that
  * carry most published files: Q4_K, Q5_K (the K_M and K_S mixes) and Q6_K
- * (their output and down projections). They run on CPUs with AVX-512 VNNI
- * too, which have AVX2; the bits are the portable kernel's.
+ * (their output and down projections), and for IQ4_XS. They run on CPUs
+ * with AVX-512 VNNI too, which have AVX2; the bits are the portable
+ * kernel's.
  *
  * The packed unit is 16 rows of one 256-element super-block (pack_kquant
  * in kn_qmatmul.c): for each 32-element sub-block the Q4 nibble-pair
@@ -19,7 +20,12 @@
  * 32004) before widening. At 15 bits xi = 128 hi + lo; the shifted hi sum
  * of Q6_K can pass 2^31 before the lo sum and offset bring it back, which
  * is exact in wrapping 32-bit arithmetic because the result is within
- * the bound kernels.h states. */
+ * the bound kernels.h states.
+ *
+ * IQ4_XS (pack_iq4_xs in kn_qmatmul.c) has the IQ4_NL table's signed
+ * values (-127..113) and a signed 6-bit scale per sub-block: |v| times x
+ * with v's sign in vpmaddubsw (pairs up to 2 * 127 * 127 = 32258), each
+ * vector widened at once by vpmaddwd against the scale. */
 #include "kn_cpu_impl.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -52,10 +58,13 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                size_t ldy) {
     int64_t nu = w->cols / 256;
     size_t pb = kn_pack_block_bytes(t);
-    const size_t sc_at = t == GGML_TYPE_Q4_K   ? NIB_BYTES
-                         : t == GGML_TYPE_Q5_K ? NIB_BYTES + 8 * Q5_HI
-                                               : NIB_BYTES + 8 * Q6_HI;
-    const size_t d_at = sc_at + (t == GGML_TYPE_Q6_K ? 256 : 192);
+    const bool xs = t == GGML_TYPE_IQ4_XS;
+    const size_t sc_at = t == GGML_TYPE_Q4_K || xs ? NIB_BYTES
+                         : t == GGML_TYPE_Q5_K     ? NIB_BYTES + 8 * Q5_HI
+                                                   : NIB_BYTES + 8 * Q6_HI;
+    const size_t d_at = sc_at + (t == GGML_TYPE_Q6_K ? 256 : xs ? 96 : 192);
+    const __m256i tab =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)quant_kvalues_iq4nl));
     const uint8_t *p = (const uint8_t *)w->packed + (size_t)g * w->pack_stride;
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 acc[KN_TILE_M];
@@ -64,7 +73,7 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
     for (int64_t u = 0; u < nu; u++, p += pb) {
         const uint8_t *sp = p + sc_at + 8 * h;
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + d_at + 16 * h)));
-        __m256 dmin = t == GGML_TYPE_Q6_K
+        __m256 dmin = t == GGML_TYPE_Q6_K || xs
                           ? _mm256_setzero_ps()
                           : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + d_at + 32 + 16 * h)));
         for (int j = 0; j < 8; j++) {
@@ -77,8 +86,23 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                 q[v] = _mm256_and_si256(bv, low);
                 q[v + 4] = _mm256_and_si256(_mm256_srli_epi16(bv, 4), low);
             }
-            __m256i s_a, s_b, mn = _mm256_setzero_si256();
-            if (t == GGML_TYPE_Q6_K) {
+            __m256i s_a, s_b, mn = _mm256_setzero_si256(), a[8];
+            if (xs) {
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; v++) {
+                    q[v] = _mm256_shuffle_epi8(tab, q[v]); /* signed values */
+                    a[v] = _mm256_abs_epi8(q[v]);
+                }
+                /* Sub-block j's scale: nibble j % 2 of scales_l[j / 2]
+                 * (plane 2 + j / 2), bits 2 (j % 4) of scales_h's byte
+                 * j / 4 above it; less 32. */
+                __m256i lo4 = _mm256_and_si256(_mm256_srli_epi32(plane_u8(sp + 16 * (2 + j / 2)), 4 * (j % 2)),
+                                               _mm256_set1_epi32(15));
+                __m256i hi2 =
+                    _mm256_and_si256(_mm256_srli_epi32(plane_u8(sp + 16 * (j / 4)), 2 * (j % 4)), _mm256_set1_epi32(3));
+                s_a = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+                s_b = s_a;
+            } else if (t == GGML_TYPE_Q6_K) {
                 const uint8_t *hp = p + NIB_BYTES + Q6_HI * j + 32 * h;
                 __m256i hv[2] = {_mm256_loadu_si256((const __m256i *)(const void *)hp),
                                  _mm256_loadu_si256((const __m256i *)(const void *)(hp + 64))};
@@ -119,7 +143,20 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                 /* At 8 bits hi is xi and there is no lo plane. */
                 const int8_t *hi = qx[r].planes + b * kn_qx_block_bytes(BITS), *lo = hi + KN_QK;
                 __m256i ih, il = _mm256_setzero_si256();
-                if (t == GGML_TYPE_Q4_K) {
+                if (xs) {
+                    ih = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int v = 0; v < 8; v++) {
+                        ih = _mm256_add_epi32(
+                            ih, _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(kn_bcast4(hi + 4 * v), q[v])), sa16));
+                        if (BITS != 8)
+                            il = _mm256_add_epi32(
+                                il,
+                                _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(a[v], _mm256_sign_epi8(kn_bcast4(lo + 4 * v), q[v])), sa16));
+                    }
+                } else if (t == GGML_TYPE_Q4_K) {
                     __m256i sh = _mm256_setzero_si256(), sl = sh;
 #pragma GCC unroll 8
                     for (int v = 0; v < 8; v++) {
@@ -157,7 +194,7 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                 }
                 const __m256 sx = _mm256_set1_ps(qx[r].sx[b]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, sx), acc[r]);
-                if (t != GGML_TYPE_Q6_K) {
+                if (t != GGML_TYPE_Q6_K && !xs) {
                     __m256i imin = _mm256_mullo_epi32(mn, _mm256_set1_epi32(qx[r].isx[b]));
                     acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin, sx), acc[r]);
                 }
@@ -178,13 +215,18 @@ _Static_assert(KN_TILE_M == 8, "one instance per tile height");
 KN_QG_TYPE(kq_q4_k, TGT, GGML_TYPE_Q4_K)
 KN_QG_TYPE(kq_q5_k, TGT, GGML_TYPE_Q5_K)
 KN_QG_TYPE(kq_q6_k, TGT, GGML_TYPE_Q6_K)
+KN_QG_TYPE(kq_iq4_xs, TGT, GGML_TYPE_IQ4_XS)
 
 void kn_kgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int bits, float *y, size_t ldy) {
     AE_ASSERT(tm >= 1 && tm <= KN_TILE_M && (bits == 8 || bits == 15));
-    const kn_qg_fn *set = w->type == GGML_TYPE_Q4_K   ? KN_QG_PICK(kq_q4_k, bits)
-                          : w->type == GGML_TYPE_Q5_K ? KN_QG_PICK(kq_q5_k, bits)
-                                                      : KN_QG_PICK(kq_q6_k, bits);
-    AE_ASSERT(w->type == GGML_TYPE_Q4_K || w->type == GGML_TYPE_Q5_K || w->type == GGML_TYPE_Q6_K);
+    const kn_qg_fn *set;
+    switch (w->type) {
+    case GGML_TYPE_Q4_K: set = KN_QG_PICK(kq_q4_k, bits); break;
+    case GGML_TYPE_Q5_K: set = KN_QG_PICK(kq_q5_k, bits); break;
+    case GGML_TYPE_Q6_K: set = KN_QG_PICK(kq_q6_k, bits); break;
+    case GGML_TYPE_IQ4_XS: set = KN_QG_PICK(kq_iq4_xs, bits); break;
+    default: AE_ASSERT(!"kn_kgroup_avx2: not one of its types"); return;
+    }
     set[tm - 1](w, g, qx, y, ldy);
 }
 
