@@ -31,9 +31,10 @@ static const int32_t PROMPT[] = {504, 2365, 6354, 16438, 27003, 690, 260, 23790,
 /* Generated tokens: one prefill pass, then N_GEN - 1 decode passes. Under
  * ThreadSanitizer every pass costs about 20 times as much, and what it
  * checks (the ranks' threads and their allreduce) is the same in every
- * pass, so that build takes 10 (it was 8 of CI's 90 minutes at 24). */
+ * pass, so that build takes 6: a prefill and the five decode passes the
+ * repeat test compares (24 took 8 of CI's 90 minutes, 10 nearly 3). */
 #if defined(__SANITIZE_THREAD__)
-#define N_GEN 10
+#define N_GEN 6
 #else
 #define N_GEN 24
 #endif
@@ -385,6 +386,7 @@ static void test_three_ranks_generate_the_tokens_of_one_rank(void **state) {
 /* The allreduce adds in rank order, so a repeat gives the same bits (the
  * prefill and the first decode passes; the full run is compared above). */
 #define N_REPEAT 6
+_Static_assert(N_REPEAT <= N_GEN, "the repeat compares passes the first run made");
 
 static void test_two_ranks_repeat_bit_for_bit(void **state) {
     (void)state;
