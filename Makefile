@@ -381,7 +381,8 @@ $(RANDOM_HEAD)/model.safetensors: tools/gen_eagle_fixture.py
 	$(MSG) GEN $(RANDOM_HEAD)
 	$(Q)$(PYTHON) tools/gen_eagle_fixture.py --default-head $(RANDOM_HEAD)
 
-# The build takes every core; the tests then run one suite at a time.
+# The build takes every core; then the unit suites run one at a time, the
+# fuzzers and the pytest files two at a time (tools/run_tests.sh).
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 # Each step starts with the clock's time: CI has 90 minutes in all.
 test:
