@@ -164,8 +164,11 @@ void kn_stream_free(kn_stream *s); /* NULL is a no-op */
 const kn_backend *kn_stream_backend(const kn_stream *s);
 
 /* The precision quantized matmuls round x to (kernels.h "Batch
- * invariance"): 15 (two byte planes, the default) or 8 (one). Set it
- * before the stream's first op; any other value is a broken invariant. */
+ * invariance"): 15 (two byte planes, a stream's default: what the op
+ * tests check against float64) or 8 (one). The programs set it from
+ * their act-bits setting, whose default is 8 (services/core/svc.h). Set
+ * it before the stream's first op; any other value is a broken
+ * invariant. */
 #define KN_ACT_BITS_DEFAULT 15
 void kn_stream_set_act_bits(kn_stream *s, int bits);
 int kn_stream_act_bits(const kn_stream *s);

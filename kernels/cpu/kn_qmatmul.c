@@ -440,33 +440,48 @@ static void pack_kquant(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], in
         pack_iq4_xs(rows, b, dst);
         return;
     }
+    /* Straight from the blocks' bytes (decode_unit's layouts): element l
+     * of sub-block j sits in byte l of a 32-byte run, so the nibble pair
+     * of elements 4v + e and 16 + 4v + e takes bytes 4v + e and 16 + 4v +
+     * e of that run. */
     const size_t bb = quant_block_bytes(t);
     const bool q6 = t == GGML_TYPE_Q6_K;
     const size_t sc_at = t == GGML_TYPE_Q4_K ? 2048 : t == GGML_TYPE_Q5_K ? 2048 + 8 * 64 : 2048 + 8 * 128;
     const size_t d_at = sc_at + (q6 ? 256 : 192);
-    qunit u;
     for (int r = 0; r < KN_PACK_ROWS; r++) {
         const uint8_t *blk = rows[r] + (size_t)b * bb;
-        decode_unit(t, blk, &u);
-        uint8_t q[256];
-        for (int e = 0; e < 256; e++) q[e] = (uint8_t)(u.v[e] + (q6 ? 32 : 0));
         for (int j = 0; j < 8; j++) {
-            const uint8_t *qj = q + 32 * j;
+            /* Sub-block j's low nibbles: Q4_K and Q5_K nibble j % 2 of
+             * qs[32 (j / 2) + l]; Q6_K nibble (j % 4) / 2 of ql[64 (j / 4)
+             * + 32 (j % 2) + l]. */
+            const uint8_t *run = q6 ? blk + 64 * (j / 4) + 32 * (j % 2)
+                                    : blk + (t == GGML_TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
+            const int shift = q6 ? 4 * ((j % 4) / 2) : 4 * (j % 2);
             for (int v = 0; v < 4; v++)
-                for (int e = 0; e < 4; e++)
+                for (int e = 0; e < 4; e++) {
+                    int l = 4 * v + e;
                     dst[256 * j + (v * 16 + r) * 4 + e] =
-                        (uint8_t)((qj[4 * v + e] & 15) | (qj[4 * (v + 4) + e] & 15) << 4);
-            for (int e = 0; e < 4; e++) {
-                if (t == GGML_TYPE_Q5_K) {
+                        (uint8_t)(((run[l] >> shift) & 15) | ((run[16 + l] >> shift) & 15) << 4);
+                }
+            if (t == GGML_TYPE_Q5_K) {
+                /* Element l's fifth bit: bit j of qh[l]. */
+                const uint8_t *qh = blk + 16;
+                for (int e = 0; e < 4; e++) {
                     uint8_t bits = 0;
-                    for (int v = 0; v < 8; v++) bits |= (uint8_t)(((qj[4 * v + e] >> 4) & 1) << v);
+                    for (int v = 0; v < 8; v++) bits |= (uint8_t)(((qh[4 * v + e] >> j) & 1) << v);
                     dst[2048 + 64 * j + 4 * r + e] = bits;
                 }
-                if (q6)
-                    for (int uu = 0; uu < 2; uu++) {
+            }
+            if (q6) {
+                /* Element l's top two bits: bits 2 (j % 4) of qh[32 (j / 4)
+                 * + l], at 128 + that in the block. */
+                const uint8_t *qh = blk + 128 + 32 * (j / 4);
+                const int hs = 2 * (j % 4);
+                for (int uu = 0; uu < 2; uu++)
+                    for (int e = 0; e < 4; e++) {
                         uint8_t bits = 0;
                         for (int s2 = 0; s2 < 4; s2++)
-                            bits |= (uint8_t)(((qj[4 * (uu + 2 * s2) + e] >> 4) & 3) << (2 * s2));
+                            bits |= (uint8_t)(((qh[4 * (uu + 2 * s2) + e] >> hs) & 3) << (2 * s2));
                         dst[2048 + 128 * j + (uu * 16 + r) * 4 + e] = bits;
                     }
             }

@@ -35,6 +35,7 @@ INL void qhalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
 #pragma GCC unroll 8
     for (int r = 0; r < TM; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, p += pb) {
+        if (h == 0) kn_prefetch_ahead(p, pb); /* kn_qmatmul_avx2.h */
         __m256i q[8];
         if (t == GGML_TYPE_Q8_0) {
 #pragma GCC unroll 8

@@ -78,6 +78,9 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                           : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + d_at + 32 + 16 * h)));
         for (int j = 0; j < 8; j++) {
             const int64_t b = 8 * u + j; /* the activation block */
+            /* The first half's pass streams the unit from memory:
+             * an eighth of it a sub-block (kn_qmatmul_avx2.h). */
+            if (h == 0) kn_prefetch_ahead(p + pb * (size_t)j / 8, (pb * (size_t)(j + 1) / 8 - pb * (size_t)j / 8));
             __m256i q[8];
             const uint8_t *nb = p + 256 * j + 32 * h;
 #pragma GCC unroll 4
