@@ -44,7 +44,7 @@ def test_prints_one_json_line_with_every_figure(tiny):
     assert set(tiny) == KEYS
     assert (tiny["threads"], tiny["batch"], tiny["prompt_tokens"], tiny["gen_tokens"]) == (2, 2, 8, 4)
     assert (tiny["bandwidth_mib"], tiny["verify_context"]) == (64, 8)
-    assert tiny["act_bits"] == 15  # the default activation precision (SVC_ACT_BITS_OPTION, services/core/svc.h)
+    assert tiny["act_bits"] == 8  # the default activation precision (SVC_ACT_BITS_OPTION, services/core/svc.h)
     assert tiny["model"] == str(MODEL)
     assert tiny["simd"] in {"avx512vnni+avx2", "avx2", "scalar"}  # kn_cpu_simd()
     assert tiny["device"] == "cpu"  # --device auto: no GPU here

@@ -13,7 +13,8 @@
  *   - batch invariance: each prompt's logits computed in one pass with
  *     all the others are bit-identical to those computed alone;
  *   - greedy speculation (a random EAGLE-3 head, a chain and a tree) is
- *     token-identical to plain greedy decoding.
+ *     token-identical to plain greedy decoding;
+ *   - the last two again at 8-bit activations (the programs' default).
  * Run from the repo root, after `make test` made the random head. */
 #include <math.h>
 #include <setjmp.h>
@@ -109,9 +110,9 @@ static double rel_l2(const float *a, const float *b, size_t n) {
 }
 
 /* An engine of n_seqs sequences (one for speculation, as
- * test_spec_default runs it). */
-static engine *new_engine(model *m, int32_t n_seqs) {
-    engine_config ec = {CHUNK * n_seqs, n_seqs, SEQ_LEN, SEQ_LEN * n_seqs, 16, 2, 15};
+ * test_spec_default runs it), at act_bits. */
+static engine *new_engine(model *m, int32_t n_seqs, int32_t act_bits) {
+    engine_config ec = {CHUNK * n_seqs, n_seqs, SEQ_LEN, SEQ_LEN * n_seqs, 16, 2, act_bits};
     engine *e;
     ae_error err = {0};
     if (engine_init(&e, m, &ec, &err) != AE_OK) fail_msg("%s", err.msg);
@@ -145,44 +146,23 @@ static void prompt_logits(engine *e, bool batch, float *out) {
     free(lg);
 }
 
-static void check_type(ggml_type T) {
-    ae_error err = {0};
-    model *qm, *fm;
-    owned o = {0};
-    if (model_load(&qm, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
-    assert_int_equal(model_load(&fm, MODEL_PATH, &kn_backend_cpu, &err), AE_OK);
-    requantize_model(qm, fm, T, &o);
-    assert_int_equal(qm->layers[0].w_down.type, T); /* 1536 wide: every type's block divides it */
-    const int32_t V = qm->cfg.vocab;
-    engine *qe = new_engine(qm, N_PROMPTS), *fe = new_engine(fm, N_PROMPTS), *se = new_engine(qm, 1);
-    float *alone = malloc(sizeof(float) * (size_t)V * N_PROMPTS),
-          *batch = malloc(sizeof(float) * (size_t)V * N_PROMPTS), *wide = malloc(sizeof(float) * (size_t)V * N_PROMPTS);
-    assert_non_null(alone);
-    assert_non_null(batch);
-    assert_non_null(wide);
-    prompt_logits(qe, false, alone);
-    prompt_logits(qe, true, batch);
-    prompt_logits(fe, false, wide);
-    for (size_t i = 0; i < (size_t)V * N_PROMPTS; i++)
+static void check_batch_invariant(ggml_type T, int32_t bits, const float *alone, const float *batch, size_t n) {
+    for (size_t i = 0; i < n; i++)
         if (memcmp(&alone[i], &batch[i], sizeof(float)) != 0)
-            fail_msg("%s: logit %zu of the batch is %.9g, alone %.9g", quant_type_name(T), i, (double)batch[i],
-                     (double)alone[i]);
-    double worst = 0;
-    for (int p = 0; p < N_PROMPTS; p++) {
-        double r = rel_l2(alone + (size_t)p * (size_t)V, wide + (size_t)p * (size_t)V, (size_t)V);
-        worst = r > worst ? r : worst;
-    }
-    /* Greedy tokens, and speculation against them. */
-    int32_t ids[MAX_PROMPT], want[N_PROMPTS][N_GEN], ref[N_GEN], got[N_GEN];
-    int same_as_f32 = 0;
-    for (int p = 0; p < N_PROMPTS; p++) {
-        int32_t n = prompt(p, V, ids);
-        run_plain_greedy(qe, ids, n, CHUNK, N_GEN, want[p]);
-        run_plain_greedy(fe, ids, n, CHUNK, N_GEN, ref);
-        same_as_f32 += memcmp(ref, want[p], sizeof ref) == 0;
-    }
+            fail_msg("%s, %d-bit: logit %zu of the batch is %.9g, alone %.9g", quant_type_name(T), bits, i,
+                     (double)batch[i], (double)alone[i]);
+}
+
+/* Greedy speculation on se (one sequence) against plain greedy decoding
+ * on qe, a chain and a tree per prompt: how many of the 2 N_PROMPTS runs
+ * are token-identical. want gets each prompt's plain tokens. */
+static int check_speculation(model *qm, engine *qe, engine *se, int32_t bits, int32_t want[N_PROMPTS][N_GEN]) {
+    const int32_t V = qm->cfg.vocab;
+    int32_t ids[MAX_PROMPT], got[N_GEN];
+    ae_error err = {0};
+    for (int p = 0; p < N_PROMPTS; p++) run_plain_greedy(qe, ids, prompt(p, V, ids), CHUNK, N_GEN, want[p]);
     draft_link link;
-    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, engine_pool(se), 15};
+    drafter_config dc = {1, SEQ_LEN, CHUNK, 2, engine_pool(se), bits};
     if (draft_link_open(&link, HEAD_DIR, model_embedding(qm), EAGLE_WEIGHTS_FILE, &dc, &err) != AE_OK)
         fail_msg("%s (run `make test`)", err.msg);
     const spec_shape shapes[2] = {{4, 1, 5}, {4, 3, 8}};
@@ -200,10 +180,52 @@ static void check_type(ggml_type T) {
         spec_free(s);
     }
     draft_link_close(&link);
-    printf("%-7s logits rel L2 max %.2e against f32; greedy %d/%d as f32; batch bit-identical; speculation %d/%d "
-           "token-identical\n",
-           quant_type_name(T), worst, same_as_f32, N_PROMPTS, identical, 2 * N_PROMPTS);
+    return identical;
+}
+
+static void check_type(ggml_type T) {
+    ae_error err = {0};
+    model *qm, *fm;
+    owned o = {0};
+    if (model_load(&qm, MODEL_PATH, &kn_backend_cpu, &err) != AE_OK) fail_msg("%s (run `make model`)", err.msg);
+    assert_int_equal(model_load(&fm, MODEL_PATH, &kn_backend_cpu, &err), AE_OK);
+    requantize_model(qm, fm, T, &o);
+    assert_int_equal(qm->layers[0].w_down.type, T); /* 1536 wide: every type's block divides it */
+    const int32_t V = qm->cfg.vocab;
+    const size_t n = (size_t)V * N_PROMPTS;
+    engine *qe = new_engine(qm, N_PROMPTS, 15), *fe = new_engine(fm, N_PROMPTS, 15), *se = new_engine(qm, 1, 15);
+    engine *qe8 = new_engine(qm, N_PROMPTS, 8), *se8 = new_engine(qm, 1, 8);
+    float *alone = malloc(sizeof(float) * n), *batch = malloc(sizeof(float) * n), *wide = malloc(sizeof(float) * n);
+    assert_non_null(alone);
+    assert_non_null(batch);
+    assert_non_null(wide);
+    prompt_logits(qe, false, alone);
+    prompt_logits(qe, true, batch);
+    prompt_logits(fe, false, wide);
+    check_batch_invariant(T, 15, alone, batch, n);
+    double worst = 0;
+    for (int p = 0; p < N_PROMPTS; p++) {
+        double r = rel_l2(alone + (size_t)p * (size_t)V, wide + (size_t)p * (size_t)V, (size_t)V);
+        worst = r > worst ? r : worst;
+    }
+    /* Greedy tokens against f32's, and speculation against them. */
+    int32_t ids[MAX_PROMPT], want[N_PROMPTS][N_GEN], ref[N_GEN];
+    int same_as_f32 = 0;
+    int identical = check_speculation(qm, qe, se, 15, want);
+    for (int p = 0; p < N_PROMPTS; p++) {
+        run_plain_greedy(fe, ids, prompt(p, V, ids), CHUNK, N_GEN, ref);
+        same_as_f32 += memcmp(ref, want[p], sizeof ref) == 0;
+    }
+    /* The same at 8 bits. */
+    prompt_logits(qe8, false, alone);
+    prompt_logits(qe8, true, batch);
+    check_batch_invariant(T, 8, alone, batch, n);
+    int identical8 = check_speculation(qm, qe8, se8, 8, want);
+    printf("%-7s logits rel L2 max %.2e against f32; greedy %d/%d as f32; batch bit-identical at 15 and 8 bits; "
+           "speculation %d/%d token-identical at 15, %d/%d at 8\n",
+           quant_type_name(T), worst, same_as_f32, N_PROMPTS, identical, 2 * N_PROMPTS, identical8, 2 * N_PROMPTS);
     assert_int_equal(identical, 2 * N_PROMPTS);
+    assert_int_equal(identical8, 2 * N_PROMPTS);
     const double bound = T == GGML_TYPE_Q2_K ? LOGITS_BOUND_Q2_K : LOGITS_BOUND;
     if (worst > bound) fail_msg("%s: logits rel L2 %.3g > %.0e", quant_type_name(T), worst, bound);
     free(alone);
@@ -211,6 +233,8 @@ static void check_type(ggml_type T) {
     free(wide);
     engine_free(qe);
     engine_free(se);
+    engine_free(qe8);
+    engine_free(se8);
     engine_free(fe);
     model_free(qm);
     model_free(fm);
