@@ -57,8 +57,9 @@ bool kn_qmatmul_type(ggml_type t) {
 /* The types with a packed layout and SIMD kernels. */
 static bool packed_type(ggml_type t) {
     return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0 || t == GGML_TYPE_Q4_1 || t == GGML_TYPE_Q5_0 ||
-           t == GGML_TYPE_Q5_1 || t == GGML_TYPE_IQ4_NL || t == GGML_TYPE_MXFP4 || t == GGML_TYPE_Q4_K ||
-           t == GGML_TYPE_Q5_K || t == GGML_TYPE_Q6_K || t == GGML_TYPE_IQ4_XS;
+           t == GGML_TYPE_Q5_1 || t == GGML_TYPE_IQ4_NL || t == GGML_TYPE_MXFP4 || t == GGML_TYPE_Q2_K ||
+           t == GGML_TYPE_Q3_K || t == GGML_TYPE_Q4_K || t == GGML_TYPE_Q5_K || t == GGML_TYPE_Q6_K ||
+           t == GGML_TYPE_IQ4_XS;
 }
 
 /* ---- x ------------------------------------------------------------------ */
@@ -435,9 +436,50 @@ static void pack_iq4_xs(const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint
     }
 }
 
+/* Q2_K's and Q3_K's packed unit: per sub-block j, the quants' low two
+ * bits as 128 bytes at 128 j (bits 2s of byte (16 u + r) 4 + e are
+ * element 4(u + 2s) + e's, u = 0, 1); then Q3_K's third bits, 64 bytes
+ * per sub-block at 1024 + 64 j (bit v of byte 4r + e is element 4v + e's:
+ * Q5_K's fifth-bit layout); then the scale bytes as planes (byte k of row
+ * r at 16 k + r: Q2_K's 16, Q3_K's 12), then the 16 rows' f16 d and (Q2_K)
+ * dmin. The same bytes as the 16 blocks: 1344 (Q2_K) and 1760 (Q3_K).
+ * In the file, element l of sub-block j has its two bits at bits 2 (j %
+ * 4) of qs[32 (j / 4) + l] and (Q3_K) its third at bit j of hmask[l]. */
+static void pack_low_k(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst) {
+    const bool q3 = t == GGML_TYPE_Q3_K;
+    const size_t bb = quant_block_bytes(t), sc_at = q3 ? 1536 : 1024, d_at = sc_at + (q3 ? 192 : 256);
+    for (int r = 0; r < KN_PACK_ROWS; r++) {
+        const uint8_t *blk = rows[r] + (size_t)b * bb, *hm = blk, *qs = blk + (q3 ? 32 : 16);
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *run = qs + 32 * (j / 4);
+            const int cs = 2 * (j % 4);
+            for (int u = 0; u < 2; u++)
+                for (int e = 0; e < 4; e++) {
+                    uint8_t crumbs = 0;
+                    for (int s2 = 0; s2 < 4; s2++)
+                        crumbs |= (uint8_t)(((run[4 * (u + 2 * s2) + e] >> cs) & 3) << (2 * s2));
+                    dst[128 * j + (u * 16 + r) * 4 + e] = crumbs;
+                }
+            if (q3)
+                for (int e = 0; e < 4; e++) {
+                    uint8_t bits = 0;
+                    for (int v = 0; v < 8; v++) bits |= (uint8_t)(((hm[4 * v + e] >> j) & 1) << v);
+                    dst[1024 + 64 * j + 4 * r + e] = bits;
+                }
+        }
+        for (int k = 0; k < (q3 ? 12 : 16); k++) dst[sc_at + 16 * (size_t)k + (size_t)r] = blk[q3 ? 96 + k : k];
+        memcpy(dst + d_at + 2 * r, blk + (q3 ? 108 : 80), 2);
+        if (!q3) memcpy(dst + d_at + 32 + 2 * r, blk + 82, 2);
+    }
+}
+
 static void pack_kquant(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], int64_t b, uint8_t *dst) {
     if (t == GGML_TYPE_IQ4_XS) {
         pack_iq4_xs(rows, b, dst);
+        return;
+    }
+    if (t == GGML_TYPE_Q2_K || t == GGML_TYPE_Q3_K) {
+        pack_low_k(t, rows, b, dst);
         return;
     }
     /* Straight from the blocks' bytes (decode_unit's layouts): element l

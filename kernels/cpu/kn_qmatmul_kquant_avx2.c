@@ -1,6 +1,7 @@
 /* AVX2 kernels of the integer matmul (kn_qmatmul.c) for the K-quants that
  * carry most published files: Q4_K, Q5_K (the K_M and K_S mixes) and Q6_K
- * (their output and down projections), and for IQ4_XS. They run on CPUs
+ * (their output and down projections), Q2_K and Q3_K (large MoE models;
+ * klow below), and for IQ4_XS. They run on CPUs
  * with AVX-512 VNNI too, which have AVX2; the bits are the portable
  * kernel's.
  *
@@ -209,12 +210,118 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
         _mm256_storeu_ps(y + (size_t)r * ldy + (size_t)g * KN_PACK_ROWS + 8 * (size_t)h, acc[r]);
 }
 
+/* Q2_K and Q3_K (pack_low_k in kn_qmatmul.c): rows 16g + 8h .. 16g + 8h +
+ * 7 against TM tokens. Q3_K's quants are taken as stored, q + 4 in 0..7,
+ * and 4 sc S_h comes off each half, as Q6_K's 32 does. Pair sums are at
+ * most 2 * 7 * 127 = 1778, so a half's 4 vectors add up in 16 bits
+ * before vpmaddwd folds in its scale. */
+INL void klow(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int h, const kn_qx *qx, float *y,
+              size_t ldy) {
+    const int64_t nu = w->cols / 256;
+    const size_t pb = kn_pack_block_bytes(t);
+    const bool q3 = t == GGML_TYPE_Q3_K;
+    const size_t sc_at = q3 ? 1536 : 1024, d_at = sc_at + (q3 ? 192 : 256);
+    const uint8_t *p = (const uint8_t *)w->packed + (size_t)g * w->pack_stride;
+    const __m256i three = _mm256_set1_epi8(3);
+    __m256 acc[KN_TILE_M];
+#pragma GCC unroll 8
+    for (int r = 0; r < TM; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < nu; u++, p += pb) {
+        const uint8_t *sp = p + sc_at + 8 * h;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + d_at + 16 * h)));
+        const __m256 dmin =
+            q3 ? _mm256_setzero_ps()
+               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + d_at + 32 + 16 * h)));
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = 8 * u + j; /* the activation block */
+            if (h == 0) kn_prefetch_ahead(p + pb * (size_t)j / 8, (pb * (size_t)(j + 1) / 8 - pb * (size_t)j / 8));
+            const uint8_t *cp = p + 128 * j + 32 * h;
+            const __m256i cv[2] = {_mm256_loadu_si256((const __m256i *)(const void *)cp),
+                                   _mm256_loadu_si256((const __m256i *)(const void *)(cp + 64))};
+            __m256i q[8];
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) q[v] = _mm256_and_si256(_mm256_srli_epi16(cv[v % 2], 2 * (v / 2)), three);
+            __m256i s_a, s_b, mn_a = _mm256_setzero_si256(), mn_b = mn_a;
+            if (q3) {
+                const __m256i hb =
+                    _mm256_loadu_si256((const __m256i *)(const void *)(p + 1024 + 64 * (size_t)j + 32 * (size_t)h));
+#pragma GCC unroll 8
+                for (int v = 0; v < 8; v++) {
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << v));
+                    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);
+                    q[v] = _mm256_or_si256(q[v], _mm256_and_si256(set, _mm256_set1_epi8(4)));
+                }
+                /* Scale k = 2j + i: the low four bits are nibble k / 8 of
+                 * byte k % 8, the top two bits 2 (k / 4) of byte 8 + k % 4;
+                 * less 32. */
+                __m256i sc[2];
+                for (int i = 0; i < 2; i++) {
+                    const int k = 2 * j + i;
+                    const __m256i lo =
+                        _mm256_and_si256(_mm256_srli_epi32(plane_u8(sp + 16 * (k % 8)), 4 * (k / 8)), _mm256_set1_epi32(15));
+                    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(plane_u8(sp + 16 * (8 + k % 4)), 2 * (k / 4)),
+                                                         _mm256_set1_epi32(3));
+                    sc[i] = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+                }
+                s_a = sc[0], s_b = sc[1];
+            } else {
+                /* Byte k = 2j + i: the scale in its low nibble, the min in its high. */
+                const __m256i ba = plane_u8(sp + 16 * (2 * j)), bb = plane_u8(sp + 16 * (2 * j + 1));
+                s_a = _mm256_and_si256(ba, _mm256_set1_epi32(15));
+                s_b = _mm256_and_si256(bb, _mm256_set1_epi32(15));
+                mn_a = _mm256_srli_epi32(ba, 4);
+                mn_b = _mm256_srli_epi32(bb, 4);
+            }
+            const __m256i sa16 = pair16(s_a), sb16 = pair16(s_b);
+#pragma GCC unroll 8
+            for (int r = 0; r < TM; r++) {
+                const int8_t *hi = qx[r].planes + b * kn_qx_block_bytes(BITS), *lo = hi + KN_QK;
+                __m256i ih = _mm256_setzero_si256(), il = ih;
+#pragma GCC unroll 2
+                for (int v0 = 0; v0 < 8; v0 += 4) {
+                    __m256i sh = _mm256_setzero_si256(), sl = sh;
+#pragma GCC unroll 4
+                    for (int v = v0; v < v0 + 4; v++) {
+                        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], kn_bcast4(hi + 4 * v)));
+                        if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], kn_bcast4(lo + 4 * v)));
+                    }
+                    const __m256i sc16 = v0 == 0 ? sa16 : sb16;
+                    ih = _mm256_add_epi32(ih, _mm256_madd_epi16(sh, sc16));
+                    if (BITS != 8) il = _mm256_add_epi32(il, _mm256_madd_epi16(sl, sc16));
+                }
+                __m256i isum = BITS == 8 ? ih : _mm256_add_epi32(_mm256_slli_epi32(ih, 7), il);
+                const __m256i s0 = _mm256_set1_epi32(qx[r].isx16[2 * b]), s1 = _mm256_set1_epi32(qx[r].isx16[2 * b + 1]);
+                if (q3)
+                    isum = _mm256_sub_epi32(
+                        isum, _mm256_slli_epi32(
+                                  _mm256_add_epi32(_mm256_mullo_epi32(s_a, s0), _mm256_mullo_epi32(s_b, s1)), 2));
+                const __m256 sx = _mm256_set1_ps(qx[r].sx[b]);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, sx), acc[r]);
+                if (!q3) {
+                    const __m256i imin = _mm256_add_epi32(_mm256_mullo_epi32(mn_a, s0), _mm256_mullo_epi32(mn_b, s1));
+                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmin, sx), acc[r]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < TM; r++)
+        _mm256_storeu_ps(y + (size_t)r * ldy + (size_t)g * KN_PACK_ROWS + 8 * (size_t)h, acc[r]);
+}
+
 INL void qgroup(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, const kn_qx *qx, float *y, size_t ldy) {
+    if (t == GGML_TYPE_Q2_K || t == GGML_TYPE_Q3_K) {
+        klow(t, TM, BITS, w, g, 0, qx, y, ldy);
+        klow(t, TM, BITS, w, g, 1, qx, y, ldy);
+        return;
+    }
     khalf(t, TM, BITS, w, g, 0, qx, y, ldy);
     khalf(t, TM, BITS, w, g, 1, qx, y, ldy);
 }
 
 _Static_assert(KN_TILE_M == 8, "one instance per tile height");
+KN_QG_TYPE(kq_q2_k, TGT, GGML_TYPE_Q2_K)
+KN_QG_TYPE(kq_q3_k, TGT, GGML_TYPE_Q3_K)
 KN_QG_TYPE(kq_q4_k, TGT, GGML_TYPE_Q4_K)
 KN_QG_TYPE(kq_q5_k, TGT, GGML_TYPE_Q5_K)
 KN_QG_TYPE(kq_q6_k, TGT, GGML_TYPE_Q6_K)
@@ -224,6 +331,8 @@ void kn_kgroup_avx2(const kn_weight *w, int64_t g, const kn_qx *qx, int tm, int 
     AE_ASSERT(tm >= 1 && tm <= KN_TILE_M && (bits == 8 || bits == 15));
     const kn_qg_fn *set;
     switch (w->type) {
+    case GGML_TYPE_Q2_K: set = KN_QG_PICK(kq_q2_k, bits); break;
+    case GGML_TYPE_Q3_K: set = KN_QG_PICK(kq_q3_k, bits); break;
     case GGML_TYPE_Q4_K: set = KN_QG_PICK(kq_q4_k, bits); break;
     case GGML_TYPE_Q5_K: set = KN_QG_PICK(kq_q5_k, bits); break;
     case GGML_TYPE_Q6_K: set = KN_QG_PICK(kq_q6_k, bits); break;

@@ -267,13 +267,16 @@ static void matmul_simd_and_portable_paths_agree_bitwise(void **state) {
         float *slow = malloc(sizeof(float) * (size_t)(m * n));
         fill(x, (size_t)(m * k), 3.0f);
         x[5] = 0.0f; /* zero block edge cases ride along */
-        for (int64_t mm = 1; mm <= m; mm++) {
-            kn_matmul(F.streams[1], &tw.w, x, fast, mm);
-            kn_cpu_force_scalar(true);
-            kn_matmul(F.streams[1], &tw.w, x, slow, mm);
-            kn_cpu_force_scalar(false);
-            assert_same_bits(fast, slow, (size_t)(mm * n), quant_type_name(ALL_TYPES[t]));
-        }
+        for (int bits = 15; bits >= 8; bits -= 7) /* both activation precisions */
+            for (int64_t mm = 1; mm <= m; mm++) {
+                kn_matmul(stream(1, bits), &tw.w, x, fast, mm);
+                kn_cpu_force_scalar(true);
+                kn_matmul(stream(1, bits), &tw.w, x, slow, mm);
+                kn_cpu_force_scalar(false);
+                char what[64];
+                snprintf(what, sizeof what, "%s %d-bit m=%lld", quant_type_name(ALL_TYPES[t]), bits, (long long)mm);
+                assert_same_bits(fast, slow, (size_t)(mm * n), what);
+            }
         free(x);
         free(fast);
         free(slow);
