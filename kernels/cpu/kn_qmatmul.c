@@ -496,8 +496,8 @@ static void pack_kquant(ggml_type t, const uint8_t *const rows[KN_PACK_ROWS], in
             /* Sub-block j's low nibbles: Q4_K and Q5_K nibble j % 2 of
              * qs[32 (j / 2) + l]; Q6_K nibble (j % 4) / 2 of ql[64 (j / 4)
              * + 32 (j % 2) + l]. */
-            const uint8_t *run = q6 ? blk + 64 * (j / 4) + 32 * (j % 2)
-                                    : blk + (t == GGML_TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
+            const uint8_t *run =
+                q6 ? blk + 64 * (j / 4) + 32 * (j % 2) : blk + (t == GGML_TYPE_Q5_K ? 48 : 16) + 32 * (j / 2);
             const int shift = q6 ? 4 * ((j % 4) / 2) : 4 * (j % 2);
             for (int v = 0; v < 4; v++)
                 for (int e = 0; e < 4; e++) {

@@ -19,6 +19,29 @@ static inline __attribute__((always_inline)) KN_AVX2_TGT __m256i kn_bcast4(const
     return _mm256_set1_epi32(v);
 }
 
+/* The integer dot of 8 rows' 32 quants (q[v]: elements 4v..4v+3 of each
+ * row, unsigned) with x's planes hi and, at 15 bits, lo: runs of `run`
+ * vectors add their vpmaddubsw pair sums in 16 bits (the caller picks run
+ * so they fit), then vpmaddwd widens each run against the 16-bit scale of
+ * its 16-element half, sc16[0] for vectors 0..3 and sc16[1] for 4..7.
+ * Adds to *ih and, at 15 bits, *il. */
+static inline __attribute__((always_inline)) KN_AVX2_TGT void kn_dot_runs(const __m256i q[8], const int8_t *hi,
+                                                                          const int8_t *lo, int bits, int run,
+                                                                          const __m256i sc16[2], __m256i *ih,
+                                                                          __m256i *il) {
+#pragma GCC unroll 8
+    for (int v0 = 0; v0 < 8; v0 += run) {
+        __m256i sh = _mm256_setzero_si256(), sl = sh;
+#pragma GCC unroll 4
+        for (int v = v0; v < v0 + run; v++) {
+            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], kn_bcast4(hi + 4 * v)));
+            if (bits != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], kn_bcast4(lo + 4 * v)));
+        }
+        *ih = _mm256_add_epi32(*ih, _mm256_madd_epi16(sh, sc16[v0 / 4]));
+        if (bits != 8) *il = _mm256_add_epi32(*il, _mm256_madd_epi16(sl, sc16[v0 / 4]));
+    }
+}
+
 /* Each kernel walks a packed group as two passes of 8 rows. The first
  * brings the group's bytes in from memory, and at batch 1 it waits on
  * them: the hardware prefetchers fall behind (measured on this 2-core

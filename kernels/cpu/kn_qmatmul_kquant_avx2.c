@@ -170,22 +170,10 @@ INL void khalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
                     ih = _mm256_madd_epi16(sh, sa16);
                     if (BITS != 8) il = _mm256_madd_epi16(sl, sa16);
                 } else {
-                    /* Runs of `run` vectors add up in 16 bits, then widen
-                     * with the scale of their 16-element half. */
-                    const int run = t == GGML_TYPE_Q5_K ? 4 : 2;
+                    /* Q5_K adds 4 vectors in 16 bits, Q6_K 2 (the header). */
+                    const __m256i sc16[2] = {sa16, sb16};
                     ih = _mm256_setzero_si256();
-#pragma GCC unroll 8
-                    for (int v0 = 0; v0 < 8; v0 += run) {
-                        const __m256i sc16 = v0 < 4 ? sa16 : sb16;
-                        __m256i sh = _mm256_setzero_si256(), sl = sh;
-#pragma GCC unroll 4
-                        for (int v = v0; v < v0 + run; v++) {
-                            sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], kn_bcast4(hi + 4 * v)));
-                            if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], kn_bcast4(lo + 4 * v)));
-                        }
-                        ih = _mm256_add_epi32(ih, _mm256_madd_epi16(sh, sc16));
-                        if (BITS != 8) il = _mm256_add_epi32(il, _mm256_madd_epi16(sl, sc16));
-                    }
+                    kn_dot_runs(q, hi, lo, BITS, t == GGML_TYPE_Q5_K ? 4 : 2, sc16, &ih, &il);
                 }
                 __m256i isum = BITS == 8 ? ih : _mm256_add_epi32(_mm256_slli_epi32(ih, 7), il);
                 if (t == GGML_TYPE_Q6_K) {
@@ -257,10 +245,10 @@ INL void klow(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int 
                 __m256i sc[2];
                 for (int i = 0; i < 2; i++) {
                     const int k = 2 * j + i;
-                    const __m256i lo =
-                        _mm256_and_si256(_mm256_srli_epi32(plane_u8(sp + 16 * (k % 8)), 4 * (k / 8)), _mm256_set1_epi32(15));
-                    const __m256i hi2 = _mm256_and_si256(_mm256_srli_epi32(plane_u8(sp + 16 * (8 + k % 4)), 2 * (k / 4)),
-                                                         _mm256_set1_epi32(3));
+                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(plane_u8(sp + 16 * (k % 8)), 4 * (k / 8)),
+                                                        _mm256_set1_epi32(15));
+                    const __m256i hi2 = _mm256_and_si256(
+                        _mm256_srli_epi32(plane_u8(sp + 16 * (8 + k % 4)), 2 * (k / 4)), _mm256_set1_epi32(3));
                     sc[i] = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
                 }
                 s_a = sc[0], s_b = sc[1];
@@ -272,25 +260,15 @@ INL void klow(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int 
                 mn_a = _mm256_srli_epi32(ba, 4);
                 mn_b = _mm256_srli_epi32(bb, 4);
             }
-            const __m256i sa16 = pair16(s_a), sb16 = pair16(s_b);
+            const __m256i sc16[2] = {pair16(s_a), pair16(s_b)};
 #pragma GCC unroll 8
             for (int r = 0; r < TM; r++) {
                 const int8_t *hi = qx[r].planes + b * kn_qx_block_bytes(BITS), *lo = hi + KN_QK;
                 __m256i ih = _mm256_setzero_si256(), il = ih;
-#pragma GCC unroll 2
-                for (int v0 = 0; v0 < 8; v0 += 4) {
-                    __m256i sh = _mm256_setzero_si256(), sl = sh;
-#pragma GCC unroll 4
-                    for (int v = v0; v < v0 + 4; v++) {
-                        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], kn_bcast4(hi + 4 * v)));
-                        if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], kn_bcast4(lo + 4 * v)));
-                    }
-                    const __m256i sc16 = v0 == 0 ? sa16 : sb16;
-                    ih = _mm256_add_epi32(ih, _mm256_madd_epi16(sh, sc16));
-                    if (BITS != 8) il = _mm256_add_epi32(il, _mm256_madd_epi16(sl, sc16));
-                }
+                kn_dot_runs(q, hi, lo, BITS, 4, sc16, &ih, &il);
                 __m256i isum = BITS == 8 ? ih : _mm256_add_epi32(_mm256_slli_epi32(ih, 7), il);
-                const __m256i s0 = _mm256_set1_epi32(qx[r].isx16[2 * b]), s1 = _mm256_set1_epi32(qx[r].isx16[2 * b + 1]);
+                const __m256i s0 = _mm256_set1_epi32(qx[r].isx16[2 * b]),
+                              s1 = _mm256_set1_epi32(qx[r].isx16[2 * b + 1]);
                 if (q3)
                     isum = _mm256_sub_epi32(
                         isum, _mm256_slli_epi32(

@@ -88,17 +88,8 @@ INL void qhalf(ggml_type t, int TM, int BITS, const kn_weight *w, int64_t g, int
             const int8_t *hi = qx[r].planes + b * kn_qx_block_bytes(BITS), *lo = hi + KN_QK;
             __m256i ih = _mm256_setzero_si256(), il = ih;
             if (q5) {
-#pragma GCC unroll 2
-                for (int v0 = 0; v0 < 8; v0 += 4) {
-                    __m256i sh = _mm256_setzero_si256(), sl = sh;
-#pragma GCC unroll 4
-                    for (int v = v0; v < v0 + 4; v++) {
-                        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(q[v], kn_bcast4(hi + 4 * v)));
-                        if (BITS != 8) sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(q[v], kn_bcast4(lo + 4 * v)));
-                    }
-                    ih = _mm256_add_epi32(ih, _mm256_madd_epi16(sh, ones));
-                    if (BITS != 8) il = _mm256_add_epi32(il, _mm256_madd_epi16(sl, ones));
-                }
+                const __m256i both[2] = {ones, ones};
+                kn_dot_runs(q, hi, lo, BITS, 4, both, &ih, &il);
             } else if (t == GGML_TYPE_MXFP4) {
                 __m256i sh = _mm256_setzero_si256(), sl = sh;
 #pragma GCC unroll 8

@@ -266,7 +266,7 @@ static void matmul_simd_and_portable_paths_agree_bitwise(void **state) {
         float *fast = malloc(sizeof(float) * (size_t)(m * n));
         float *slow = malloc(sizeof(float) * (size_t)(m * n));
         fill(x, (size_t)(m * k), 3.0f);
-        x[5] = 0.0f; /* zero block edge cases ride along */
+        x[5] = 0.0f;                              /* zero block edge cases ride along */
         for (int bits = 15; bits >= 8; bits -= 7) /* both activation precisions */
             for (int64_t mm = 1; mm <= m; mm++) {
                 kn_matmul(stream(1, bits), &tw.w, x, fast, mm);
